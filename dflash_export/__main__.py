@@ -1,0 +1,4 @@
+from dflash_export.cli import main
+
+if __name__ == "__main__":
+    main()

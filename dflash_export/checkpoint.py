@@ -1,0 +1,381 @@
+"""The drafter checkpoint contract (z-lab format; NVIDIA ModelOpt writes the same) and its lint rules.
+
+Reading fails early with the file and field or tensor named (llama.cpp's habit): a truncated shard, an index that names
+a missing tensor, or a wrong shape is reported at load, not as a confusing error deep in a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_export.errors import DFlashError
+from dflash_export.models.drafter import DrafterConfig, default_target_layer_ids
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise DFlashError("file not found", path=path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"not valid JSON ({e})", path=path) from None
+    if not isinstance(data, dict):
+        raise DFlashError("expected a JSON object", path=path)
+    return data
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """Parse and bounds-check a safetensors header without loading tensors."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise DFlashError("truncated safetensors file (no header)", path=path)
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise DFlashError("truncated safetensors file (header longer than file)", path=path)
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise DFlashError("file not found", path=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DFlashError("corrupt safetensors header", path=path) from None
+    data_len = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info.get("data_offsets", (0, 0))
+        if end > data_len:
+            raise DFlashError(f"truncated safetensors file (tensor data cut off, {data_len} of {end} bytes)",
+                              path=path, field=name)
+    return header
+
+
+def weight_files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from a single file or a sharded index (checked against the shards)."""
+    single = ckpt / "model.safetensors"
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise DFlashError("missing or invalid 'weight_map'", path=index, field="weight_map")
+        by_file: dict[str, set[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, set()).add(name)
+        out = {}
+        for fname, names in by_file.items():
+            header = safetensors_header(ckpt / fname)
+            missing = names - set(header)
+            if missing:
+                raise DFlashError(f"index names tensors this shard lacks: {sorted(missing)[:3]}", path=ckpt / fname,
+                                  field="weight_map")
+            out.update({n: ckpt / fname for n in names})
+        return out
+    if single.is_file():
+        header = safetensors_header(single)
+        return {n: single for n in header if n != "__metadata__"}
+    files = sorted(ckpt.glob("*.safetensors"))
+    if len(files) == 1:
+        header = safetensors_header(files[0])
+        return {n: files[0] for n in header if n != "__metadata__"}
+    raise DFlashError("no model.safetensors or model.safetensors.index.json", path=ckpt)
+
+
+def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = weight_files(ckpt)
+    state = {}
+    for fname in sorted(set(files.values())):
+        try:
+            with safe_open(str(fname), framework="pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt data
+            raise DFlashError(f"cannot read tensors ({e})", path=fname) from None
+    return state
+
+
+def _field(cfg: dict, path: Path, name: str, kind, default=...):
+    if name not in cfg or cfg[name] is None:
+        if default is ...:
+            raise DFlashError("missing required field", path=path, field=name)
+        return default
+    value = cfg[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise DFlashError(f"expected {kind.__name__}, got {type(value).__name__}", path=path, field=name)
+    return value
+
+
+def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = None) -> DrafterConfig:
+    """Normalize a drafter `config.json` dict; accepts block_size at top level or in dflash_config (must agree)."""
+    dcfg = cfg.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise DFlashError("expected an object", path=path, field="dflash_config")
+    top_bs, inner_bs = cfg.get("block_size"), dcfg.get("block_size")
+    if top_bs is not None and inner_bs is not None and top_bs != inner_bs:
+        raise DFlashError(f"block_size {top_bs} disagrees with dflash_config.block_size {inner_bs}", path=path,
+                          field="block_size")
+    block_size = top_bs if top_bs is not None else inner_bs
+    if block_size is None:
+        raise DFlashError("missing (neither block_size nor dflash_config.block_size)", path=path, field="block_size")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        raise DFlashError(f"must be an integer >= 2, got {block_size!r}", path=path, field="block_size")
+    if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
+        raise DFlashError("missing", path=path, field="dflash_config.mask_token_id")
+    mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
+        raise DFlashError(f"expected int, got {mask_token_id!r}", path=path, field="dflash_config.mask_token_id")
+    hidden = _field(cfg, path, "hidden_size", int)
+    layers = _field(cfg, path, "num_hidden_layers", int)
+    heads = _field(cfg, path, "num_attention_heads", int)
+    n_target = _field(cfg, path, "num_target_layers", int)
+    ids = dcfg.get("target_layer_ids")
+    if ids is None:
+        ids = default_target_layer_ids(n_target, layers)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DFlashError(f"expected a non-empty list of ints, got {ids!r}", path=path,
+                          field="dflash_config.target_layer_ids")
+    target_hidden = cfg.get("target_hidden_size")
+    if target_hidden is None:
+        target_hidden = fc_in_features // len(ids) if fc_in_features else hidden
+    known = {
+        "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+        "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers", "target_hidden_size",
+        "torch_dtype", "dflash_config", "layer_types", "sliding_window",
+    }
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=_field(cfg, path, "num_key_value_heads", int, heads),
+        head_dim=_field(cfg, path, "head_dim", int, hidden // heads),
+        intermediate_size=_field(cfg, path, "intermediate_size", int),
+        rms_norm_eps=_field(cfg, path, "rms_norm_eps", float, 1e-6),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(ids),
+        num_target_layers=n_target,
+        vocab_size=_field(cfg, path, "vocab_size", int, 0),
+        target_hidden_size=int(target_hidden),
+        rope_theta=_field(cfg, path, "rope_theta", float, 10000.0),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=_field(cfg, path, "max_position_embeddings", int, 32768),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        layer_types=cfg.get("layer_types"),
+        sliding_window=cfg.get("sliding_window"),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        extra={k: v for k, v in cfg.items() if k not in known},
+    )
+
+
+def expected_drafter_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (c.hidden_size, len(c.target_layer_ids) * c.target_hidden_size),
+        "hidden_norm.weight": (c.hidden_size,),
+        "norm.weight": (c.hidden_size,),
+    }
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (q, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q),
+            p + "self_attn.q_norm.weight": (c.head_dim,),
+            p + "self_attn.k_norm.weight": (c.head_dim,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (c.hidden_size,)})
+    return shapes
+
+
+def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Some exporters write a `model.` prefix; the contract has none. Accept and normalize.
+    if state and all(k.startswith("model.") for k in state):
+        return {k[len("model."):]: v for k, v in state.items()}
+    return state
+
+
+def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """Read and check a drafter checkpoint directory: config + every tensor present with the right shape."""
+    from dflash_export.sources import resolve_source
+
+    ckpt = resolve_source(path)
+    if not ckpt.is_dir():
+        raise DFlashError("drafter checkpoint directory not found", path=ckpt)
+    cfg_path = ckpt / "config.json"
+    cfg = _read_json(cfg_path)
+    state = _strip_prefix(load_state_dict(ckpt))
+    fc = state.get("fc.weight")
+    config = parse_drafter_config(cfg, cfg_path, fc.shape[1] if fc is not None and fc.ndim == 2 else None)
+    expected = expected_drafter_shapes(config)
+    for name, shape in expected.items():
+        if name not in state:
+            raise DFlashError("missing tensor", path=ckpt, field=name)
+        if tuple(state[name].shape) != shape:
+            raise DFlashError(f"shape {tuple(state[name].shape)} != expected {shape}", path=ckpt, field=name)
+    # d2t/t2d (reduced draft vocabularies) are not supported yet: say so instead of silently ignoring them.
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise DFlashError(f"unexpected tensors {unexpected[:4]}", path=ckpt, field=unexpected[0])
+    return config, state
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Lint (`dflash-export inspect`)
+
+
+@dataclass
+class Finding:
+    level: str  # "error" | "warning"
+    file: str
+    field: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.level}: {self.file}: {self.field}: {self.message}"
+
+
+def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
+    """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
+    from dflash_export.models.target import read_target_config
+
+    from dflash_export.sources import resolve_source
+
+    ckpt = resolve_source(drafter_path)
+    cfg_path = ckpt / "config.json"
+    findings: list[Finding] = []
+
+    def err(field, msg, file=cfg_path):
+        findings.append(Finding("error", str(file), field, msg))
+
+    def warn(field, msg, file=cfg_path):
+        findings.append(Finding("warning", str(file), field, msg))
+
+    raw = _read_json(cfg_path)
+    tcfg, tcfg_path = read_target_config(target_path)
+    # Tensor presence / shapes / dtypes from headers only: no weights loaded for linting.
+    files = weight_files(ckpt)
+    headers: dict[Path, dict] = {}
+    for f in set(files.values()):
+        headers[f] = safetensors_header(f)
+    tensors = {}
+    for name, f in files.items():
+        info = headers[f][name]
+        key = name[len("model."):] if all(k.startswith("model.") for k in files) else name
+        tensors[key] = (tuple(info["shape"]), info["dtype"], f)
+    fc_shape = tensors.get("fc.weight", ((), None, None))[0]
+    try:
+        c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
+    except DFlashError as e:
+        err(e.field or "config", str(e).split(": ")[-1])
+        return findings, {}
+
+    if raw.get("architectures") not in (None, ["DFlashDraftModel"]):
+        warn("architectures", f"expected ['DFlashDraftModel'], got {raw.get('architectures')}")
+    if "target_layer_ids" not in (raw.get("dflash_config") or {}):
+        warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
+    n_layers, t_hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
+    if c.num_target_layers != n_layers:
+        err("num_target_layers", f"{c.num_target_layers} != target num_hidden_layers {n_layers}")
+    for i in c.target_layer_ids:
+        if not 0 <= i < n_layers:
+            err("dflash_config.target_layer_ids", f"layer {i} outside the target's 0..{n_layers - 1}")
+        elif i == n_layers - 1:
+            warn("dflash_config.target_layer_ids",
+                 f"layer {i} is the target's last: its HF hidden state is taken after the final norm")
+    if len(set(c.target_layer_ids)) != len(c.target_layer_ids):
+        err("dflash_config.target_layer_ids", f"duplicate layer ids {c.target_layer_ids}")
+    want_fc = len(c.target_layer_ids) * t_hidden
+    if len(fc_shape) == 2 and fc_shape[1] != want_fc:
+        err("fc.weight", f"input width {fc_shape[1]} != len(target_layer_ids) {len(c.target_layer_ids)} x target "
+                         f"hidden_size {t_hidden} = {want_fc}", file=tensors["fc.weight"][2])
+    vocab = tcfg["vocab_size"]
+    if not 0 <= c.mask_token_id < vocab:
+        err("dflash_config.mask_token_id", f"{c.mask_token_id} outside the target's embedding rows 0..{vocab - 1}")
+    stops = set(tcfg.get("stop_token_ids", []))
+    if c.mask_token_id in stops:
+        err("dflash_config.mask_token_id", f"{c.mask_token_id} is a stop token of the target")
+    if c.vocab_size and c.vocab_size != vocab:
+        warn("vocab_size", f"{c.vocab_size} != target vocab_size {vocab} (the target's LM head is used)")
+    t_theta = float(tcfg.get("rope_theta", 10000.0))
+    if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
+        err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
+    if (c.rope_scaling or None) != (tcfg.get("rope_scaling") or None):
+        err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {tcfg.get('rope_scaling')}")
+    if c.num_attention_heads % c.num_key_value_heads:
+        err("num_key_value_heads", f"{c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}")
+    if c.head_dim % 2:
+        err("head_dim", f"{c.head_dim} must be even for RoPE")
+    if "head_dim" not in raw and c.hidden_size % c.num_attention_heads:
+        err("head_dim", "absent and hidden_size is not a multiple of num_attention_heads")
+    if c.hidden_size != t_hidden:
+        warn("hidden_size", f"{c.hidden_size} != target hidden_size {t_hidden}: the block embeddings come from the "
+                            f"target's table, so they must match")
+        if c.hidden_size != t_hidden:
+            findings[-1].level = "error"
+    if c.layer_types is not None and len(c.layer_types) != c.num_hidden_layers:
+        err("layer_types", f"{len(c.layer_types)} entries != num_hidden_layers {c.num_hidden_layers}")
+    if c.layer_types and "sliding_attention" in c.layer_types and not c.sliding_window:
+        err("sliding_window", "sliding_attention layers declared but no sliding_window")
+    expected = expected_drafter_shapes(c)
+    for name, shape in expected.items():
+        if name not in tensors:
+            err(name, "missing tensor", file=ckpt)
+        elif tensors[name][0] != shape and name != "fc.weight":
+            err(name, f"shape {tensors[name][0]} != expected {shape}", file=tensors[name][2])
+    for name in sorted(set(tensors) - set(expected)):
+        err(name, "unexpected tensor (embedding and LM head belong to the target)", file=tensors[name][2])
+    dtypes = {t[1] for t in tensors.values()}
+    if len(dtypes) > 1:
+        odd = sorted(tensors, key=lambda n: tensors[n][1])
+        err(odd[0], f"mixed tensor dtypes {sorted(dtypes)}", file=tensors[odd[0]][2])
+    want_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(c.torch_dtype)
+    if want_dtype and dtypes and dtypes != {want_dtype}:
+        warn("torch_dtype", f"config says {c.torch_dtype} but tensors are {sorted(dtypes)}")
+
+    summary = {
+        "drafter": str(ckpt),
+        "target": str(tcfg_path),
+        "target architecture": tcfg.get("architectures", ["?"])[0],
+        "target layers / hidden": f"{n_layers} / {t_hidden}",
+        "drafter layers / hidden": f"{c.num_hidden_layers} / {c.hidden_size}",
+        "heads / kv heads / head_dim": f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}",
+        "block_size": c.block_size,
+        "target_layer_ids (HF hidden_states index = id+1)": c.target_layer_ids,
+        "mask_token_id": c.mask_token_id,
+        "rope_theta": c.rope_theta,
+        "drafter parameters": sum(_numel(t[0]) for t in tensors.values()),
+        "dtypes": ", ".join(sorted(dtypes)),
+    }
+    return findings, summary
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,32 @@
+"""`dflash-export inspect`: lint a drafter against its target and print a summary table."""
+
+from __future__ import annotations
+
+import json
+
+
+def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
+    """Print findings + summary; return 2 when any error was found, else 0."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_export.checkpoint import lint_pair
+
+    findings, summary = lint_pair(drafter, target)
+    errors = [f for f in findings if f.level == "error"]
+    if as_json:
+        print(json.dumps({"ok": not errors, "findings": [f.__dict__ for f in findings], "summary": summary},
+                         indent=2, default=str))
+        return 2 if errors else 0
+    console = Console(stderr=False, highlight=False)
+    if summary:
+        table = Table(title="DFlash pair", show_header=False)
+        for k, v in summary.items():
+            table.add_row(k, str(v))
+        console.print(table)
+    err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+    for f in findings:
+        err_console.print(f.line(), markup=False)
+    console.print("OK: the pair satisfies the DFlash contract" if not errors else f"{len(errors)} error(s)",
+                  markup=False)
+    return 2 if errors else 0

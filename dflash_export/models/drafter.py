@@ -1,0 +1,375 @@
+"""The DFlash drafter in PyTorch: the yardstick every compiled engine is measured against.
+
+Written by hand because no library carries it (transformers has no DFlash model). The math is DESIGN.md's:
+
+    ctx = hidden_norm(fc(concat(taps)))                       once per new context token
+    per layer:  x_n = input_layernorm(x)
+                q = q_norm(q_proj(x_n))
+                k = k_norm([k_proj(ctx); k_proj(x_n)]),  v = [v_proj(ctx); v_proj(x_n)]
+                RoPE at absolute positions, non-causal attention over context + whole block, GQA
+                x = x + o_proj(attn);  x = x + mlp(post_attention_layernorm(x))
+    hidden = norm(x);  draft logits = target.lm_head(hidden[:, 1:])
+
+Context K/V (after k_norm and RoPE) are kept in a `ContextCache` across steps; the block's K/V are not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's rule when `target_layer_ids` is absent (Python's round, i.e. banker's rounding)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's `config.json`, normalized. `target_hidden_size` comes from `fc.weight` when not given."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    vocab_size: int
+    target_hidden_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layer_window(self, i: int) -> int | None:
+        if self.layer_types and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` (ModelOpt writes the same keys)."""
+        d = dict(self.extra)
+        d.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            hidden_act=self.hidden_act,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            target_hidden_size=self.target_hidden_size,
+            torch_dtype=self.torch_dtype,
+            dflash_config={
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        )
+        if self.layer_types is not None:
+            d["layer_types"] = list(self.layer_types)
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    def rope_config(self):
+        """A transformers config carrying only what its RoPE initializers read."""
+        from transformers import PretrainedConfig
+
+        cfg = PretrainedConfig()
+        cfg.rope_theta = self.rope_theta
+        cfg.rope_scaling = self.rope_scaling
+        cfg.head_dim = self.head_dim
+        cfg.hidden_size = self.hidden_size
+        cfg.num_attention_heads = self.num_attention_heads
+        cfg.max_position_embeddings = self.max_position_embeddings
+        return cfg
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever the activation dtype (DESIGN.md: numerics)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables from transformers' initializers, so every `rope_scaling` type HF knows is honoured."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = "default"
+        if config.rope_scaling:
+            rope_type = config.rope_scaling.get("rope_type", config.rope_scaling.get("type", "default"))
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config.rope_config(), None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scale)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin [B, S, head_dim]."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, D]; cos/sin [B, S, D] (rotate-half convention, as HF Qwen3/LLaMA)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class ContextCache:
+    """Per-layer context K/V [B, kv_heads, T, D] after k_norm + RoPE, plus their positions [B, T]."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.window = c.layer_window(layer_idx)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.head_dim).transpose(1, 2)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of new context features (k_norm on context keys too), RoPE'd at their own positions."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(ctx), self.num_kv_heads)
+
+    def forward(self, x_n, cos, sin, k_ctx, v_ctx, q_positions, k_positions) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x_n), self.num_heads)), cos, sin)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x_n), self.num_kv_heads)), cos, sin)
+        v_blk = self._heads(self.v_proj(x_n), self.num_kv_heads)
+        k = torch.cat([k_ctx, k_blk], dim=2) if k_ctx is not None else k_blk
+        v = torch.cat([v_ctx, v_blk], dim=2) if v_ctx is not None else v_blk
+        mask = None
+        if self.window is not None:  # sliding layers: a query sees keys less than `window` positions behind it
+            mask = (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < self.window
+        out = block_attention(q, k, v, self.scale, mask)
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def block_attention(q, k, v, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Non-causal GQA attention. q [B, H, S, D]; k, v [B, KVH, T, D]; softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DrafterMLP(config)
+
+
+class DFlashDrafter(nn.Module):
+    """State-dict keys are exactly the z-lab checkpoint's (no `model.` prefix, no embedding, no LM head)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def new_cache(self) -> ContextCache:
+        return ContextCache(len(self.layers))
+
+    def project_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [B, S, n*H_target] (concatenated target layer outputs) -> ctx [B, S, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx: torch.Tensor | None = None,
+        ctx_positions: torch.Tensor | None = None,
+        cache: ContextCache | None = None,
+    ) -> torch.Tensor:
+        """One bidirectional pass over a block.
+
+        block_embeds [B, bs, H] (target embeddings of anchor + masks), block_positions [B, bs];
+        ctx [B, S_new, H] projected features of the context tokens not yet in `cache`, at ctx_positions [B, S_new].
+        The new context K/V are appended to `cache` (when given). Returns norm(h) [B, bs, H].
+        """
+        x = block_embeds
+        cos, sin = self.rotary(block_positions, x.dtype)
+        if ctx is not None and ctx.shape[1] > 0:
+            c_cos, c_sin = self.rotary(ctx_positions, x.dtype)
+        else:
+            ctx = None
+        k_positions = block_positions
+        if cache is not None and ctx is not None:
+            cache.positions = ctx_positions if cache.positions is None else torch.cat([cache.positions, ctx_positions], 1)
+        if cache is not None and cache.positions is not None:
+            k_positions = torch.cat([cache.positions, block_positions], dim=1)
+        elif ctx is not None:
+            k_positions = torch.cat([ctx_positions, block_positions], dim=1)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k_ctx = v_ctx = None
+            if ctx is not None:
+                k_ctx, v_ctx = attn.context_kv(ctx, c_cos, c_sin)
+            if cache is not None:
+                if k_ctx is not None:
+                    k_ctx, v_ctx = cache.append(i, k_ctx, v_ctx)
+                else:
+                    k_ctx, v_ctx = cache.keys[i], cache.values[i]
+            x = x + attn(layer.input_layernorm(x), cos, sin, k_ctx, v_ctx, block_positions, k_positions)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def draft_logits(
+        self,
+        target,
+        taps: torch.Tensor | None,
+        ctx_positions: torch.Tensor | None,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: ContextCache | None = None,
+    ) -> torch.Tensor:
+        """Block logits from context taps, block ids and positions: [B, bs-1, V] for block slots 1..bs-1.
+
+        `target` supplies the shared embedding and LM head (`embed`, `lm_head`).
+        """
+        ctx = self.project_context(taps) if taps is not None else None
+        hidden = self(target.embed(block_ids), block_positions, ctx, ctx_positions, cache)
+        return target.lm_head(hidden[:, 1:])
+
+
+def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a z-lab / ModelOpt drafter checkpoint directory (single or sharded safetensors)."""
+    from dflash_export.checkpoint import read_drafter_checkpoint
+
+    config, state = read_drafter_checkpoint(path)
+    model = DFlashDrafter(config)
+    model.load_state_dict(state, strict=True)
+    target_dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)
+    return model.to(target_dtype).eval()
+
+
+def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None) -> None:
+    """Write `config.json` + `model.safetensors` (or shards + index) in the z-lab format, atomically."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_export.errors import atomic_dir
+
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    cfg = model.config.to_dict()
+    cfg["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+    with atomic_dir(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if max_shard_bytes is None:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            shards: list[dict[str, torch.Tensor]] = [{}]
+            size = 0
+            for k, v in state.items():
+                nbytes = v.numel() * v.element_size()
+                if shards[-1] and size + nbytes > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][k] = v
+                size += nbytes
+            weight_map = {}
+            n = len(shards)
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,151 @@
+"""Targets (Qwen3ForCausalLM, LlamaForCausalLM) through transformers, with DFlash's layer taps and a croppable cache.
+
+Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output*, which is HF `hidden_states[id + 1]`
+(index 0 is the embedding output). Getting this wrong silently lowers acceptance, so it lives in exactly one place:
+`tap_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dflash_export.arch import ARCHS
+from dflash_export.errors import DFlashError
+
+
+def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """Concatenate the outputs of `layer_ids` (HF hidden_states[id + 1]) on the last axis -> [B, S, n*H]."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def resolve_target_dir(path) -> Path:
+    """An HF model directory for `path`: an HF directory as is, a `.gguf` file through the cached conversion."""
+    from dflash_export.sources import resolve_source
+
+    p = resolve_source(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from dflash_export.models.gguf import hf_dir_from_gguf
+
+        return hf_dir_from_gguf(p)
+    if not p.exists():
+        raise DFlashError("target not found", path=p)
+    if not (p / "config.json").is_file():
+        raise DFlashError("not an HF model directory (no config.json) nor a .gguf file", path=p)
+    return p
+
+
+def read_target_config(path) -> tuple[dict[str, Any], Path]:
+    """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos."""
+    d = resolve_target_dir(path)
+    cfg_path = d / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"not valid JSON ({e})", path=cfg_path) from None
+    for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
+        if f not in cfg:
+            raise DFlashError("missing required field", path=cfg_path, field=f)
+    if cfg["model_type"] not in ARCHS:
+        raise DFlashError(f"unsupported model_type {cfg['model_type']!r} (supported: {', '.join(ARCHS)})",
+                          path=cfg_path, field="model_type")
+    cfg["stop_token_ids"] = stop_token_ids_of(d, cfg)
+    return cfg, cfg_path
+
+
+def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
+    ids: list[int] = []
+    for src in (cfg, _maybe_json(model_dir / "generation_config.json")):
+        eos = src.get("eos_token_id")
+        if isinstance(eos, int):
+            eos = [eos]
+        for i in eos or []:
+            if i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _maybe_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, S, V]
+    taps: torch.Tensor | None  # [B, S, n*H] concatenated tapped layer outputs
+
+
+class TargetModel:
+    """A transformers causal LM plus what DFlash needs from it: embedding, LM head, taps, cache cropping."""
+
+    def __init__(self, hf_model, model_dir: Path, config: dict[str, Any]):
+        self.hf = hf_model.eval()
+        self.model_dir = model_dir
+        self.config = config
+        self.arch = ARCHS[config["model_type"]]
+        self.num_layers = int(config["num_hidden_layers"])
+        self.hidden_size = int(config["hidden_size"])
+        self.vocab_size = int(config["vocab_size"])
+        self.stop_token_ids: list[int] = list(config.get("stop_token_ids", []))
+        self._tokenizer = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return self._tokenizer
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.hf.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf.get_output_embeddings()(hidden)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        cache.crop(length)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, tap_ids: Sequence[int] | None = None
+                ) -> TargetOutput:
+        """input_ids [B, S] at absolute `positions` [B, S]; appends to `cache`. Returns all logits and the taps."""
+        out = self.hf(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=tap_ids is not None,
+        )
+        taps = tap_hidden_states(out.hidden_states, tap_ids) if tap_ids is not None else None
+        return TargetOutput(out.logits, taps)
+
+
+def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
+    """Load a Qwen3 / LLaMA target from an HF directory or a GGUF file (converted once, cached)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_target_dir(path)
+    config, _ = read_target_config(model_dir)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    except OSError as e:
+        raise DFlashError(f"cannot load target weights ({str(e).splitlines()[0]})", path=model_dir) from None
+    return TargetModel(hf, model_dir, config)

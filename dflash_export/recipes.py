@@ -1,0 +1,152 @@
+"""Recipes: one typed, validated YAML per target/drafter pair (recipes/*.yaml).
+
+Unknown keys and wrong types are errors naming the file and the field; relative paths are relative to the recipe file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class Thresholds:
+    """What `validate` must see before an engine ships."""
+
+    min_identical_fraction: float = 1.0      # greedy engine DFlash output == reference AR, fraction of prompts
+    min_tau: float = 1.0                     # mean accepted tokens per step
+    min_speedup_vs_ar: float = 0.0           # engine DFlash tok/s over engine AR tok/s
+    min_speedup_vs_reference: float = 0.0    # engine DFlash tok/s over PyTorch reference spec_generate tok/s
+    min_distribution_p_value: float = 1e-3   # T>0 chi-square test
+    logits_atol: float = 1e-4                # export parity tolerance (fp32)
+    ctx_atol: float = 1e-4
+
+
+@dataclass
+class TrtLlmOptions:
+    max_batch_size: int = 8
+    max_num_tokens: int = 8192
+    kv_cache_free_gpu_memory_fraction: float = 0.85
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class Recipe:
+    name: str
+    target: str                              # HF dir, .gguf, pkg:DIST:SUFFIX or tiny:NAME/target
+    drafter: str                             # z-lab checkpoint dir or tiny:NAME/drafter
+    description: str = ""
+    upstream_target: str = ""                # documentation only: where users get the weights
+    upstream_drafter: str = ""
+    dtype: str = "float32"
+    block_size: int | None = None            # override of the drafter's block_size
+    max_seq_len: int = 2048
+    backends: list[str] = field(default_factory=lambda: ["onnxruntime"])
+    chat_template: bool = True
+    suite: str = "sharegpt-heldout"          # default validate suite
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    trtllm: TrtLlmOptions = field(default_factory=TrtLlmOptions)
+    path: Path | None = None                 # the YAML file it came from
+
+    def resolve(self, value: str) -> str:
+        """Paths relative to the recipe file; schemes (tiny:, pkg:) and absolute paths unchanged."""
+        if ":" in value.split("/")[0] or self.path is None:
+            return value
+        v = os.path.expandvars(os.path.expanduser(value))
+        return v if os.path.isabs(v) else str((self.path.parent / v).resolve())
+
+    @property
+    def target_path(self) -> str:
+        return self.resolve(self.target)
+
+    @property
+    def drafter_path(self) -> str:
+        return self.resolve(self.drafter)
+
+
+def _check(value, typ, path: Path, name: str):
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _check(value, inner, path, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise DFlashError(f"expected a list, got {type(value).__name__}", path=path, field=name)
+        return [_check(v, args[0], path, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise DFlashError(f"expected a mapping, got {type(value).__name__}", path=path, field=name)
+        return _build(typ, value, path, name + ".")
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is Path:
+        return Path(value)
+    if not isinstance(value, typ) or (typ in (int, float) and isinstance(value, bool)):
+        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({value!r})", path=path, field=name)
+    return value
+
+
+def _build(cls, data: dict, path: Path, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)} - {"path"}
+    for key in data:
+        if key not in names:
+            raise DFlashError(f"unknown key (known: {', '.join(sorted(names))})", path=path, field=prefix + str(key))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _check(data[f.name], hints[f.name], path, prefix + f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name != "path":
+            raise DFlashError("missing required key", path=path, field=prefix + f.name)
+    return cls(**kwargs)
+
+
+def load_recipe(name_or_path) -> Recipe:
+    """`smollm2-135m` (from recipes/) or a path to a YAML file."""
+    import yaml
+
+    p = Path(str(name_or_path))
+    if not p.suffix and not p.exists():
+        p = RECIPES_DIR / f"{name_or_path}.yaml"
+        if not p.is_file():
+            known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
+            raise DFlashError(f"unknown recipe {name_or_path!r} (known: {known})", field="--recipe")
+    if not p.is_file():
+        raise DFlashError("recipe file not found", path=p)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "YAML"
+        raise DFlashError(f"invalid YAML ({getattr(e, 'problem', e)})", path=p, field=where) from None
+    if not isinstance(data, dict):
+        raise DFlashError("expected a mapping at the top level", path=p)
+    recipe = _build(Recipe, data, p)
+    recipe.path = p.resolve()
+    if recipe.dtype not in DTYPES:
+        raise DFlashError(f"{recipe.dtype!r} is not one of {', '.join(DTYPES)}", path=p, field="dtype")
+    for i, b in enumerate(recipe.backends):
+        if b not in BACKENDS:
+            raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")
+    if recipe.block_size is not None and recipe.block_size < 2:
+        raise DFlashError(f"must be >= 2, got {recipe.block_size}", path=p, field="block_size")
+    if recipe.max_seq_len < 16:
+        raise DFlashError(f"must be >= 16, got {recipe.max_seq_len}", path=p, field="max_seq_len")
+    return recipe
+
+
+def list_recipes() -> list[str]:
+    return sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))

@@ -1,0 +1,127 @@
+"""The yardstick: DFlash speculative generation and plain autoregressive generation in PyTorch (batch size 1).
+
+Every compiled engine is judged against these two functions, so they stay small and plain. Greedy decoding uses argmax;
+T>0 uses standard speculative rejection sampling (`sampling.verify_block`), which is lossless: the output distribution
+equals the target's. Uniforms come from numpy's PCG64 stream seeded by `seed`, consumed in a fixed order
+(AR: one per token; spec: one for the first token, then bs-1 for drafting and bs for verifying per step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_export.sampling import probs_from_logits, sample_from, verify_block
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                      # new tokens only (prompt excluded), stop token included if hit
+    acceptance_lengths: list[int] = field(default_factory=list)  # per spec step: accepted drafts + 1 bonus
+    ttft_s: float = 0.0                    # time to first token
+    tpot_s: float = 0.0                    # mean time per output token after the first
+    total_s: float = 0.0
+    finish_reason: str = "length"          # "stop" | "length"
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward (τ); 1.0 for AR."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.total_s if self.total_s > 0 else 0.0
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rng) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits).item())
+    return sample_from(probs_from_logits(logits.double().numpy(), temperature, top_k, top_p), rng.random())
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], str]:
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[: i + 1], "stop"
+    return tokens[:max_new_tokens], "length"
+
+
+def _as_ids(input_ids) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    return ids[None] if ids.ndim == 1 else ids
+
+
+@torch.inference_mode()
+def ar_generate(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, stop_token_ids=None, seed: int = 0) -> GenerationResult:
+    """Plain target decoding, one token per forward."""
+    ids = _as_ids(input_ids)
+    stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    rng = np.random.default_rng(seed)
+    cache = target.new_cache()
+    n = ids.shape[1]
+    t0 = time.perf_counter()
+    out = target.forward(ids, torch.arange(n)[None], cache)
+    tokens = [_pick(out.logits[0, -1], temperature, top_k, top_p, rng)]
+    ttft = time.perf_counter() - t0
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        pos = n + len(tokens) - 1
+        out = target.forward(torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), cache)
+        tokens.append(_pick(out.logits[0, -1], temperature, top_k, top_p, rng))
+    total = time.perf_counter() - t0
+    tokens, reason = _finish(tokens, max_new_tokens, stop_ids)
+    return GenerationResult(tokens, [1] * len(tokens), ttft, (total - ttft) / max(1, len(tokens) - 1), total, reason)
+
+
+@torch.inference_mode()
+def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, stop_token_ids=None, seed: int = 0, block_size: int | None = None
+                  ) -> GenerationResult:
+    """DFlash speculative decoding: draft a block in one drafter pass, verify it in one target pass, repeat."""
+    ids = _as_ids(input_ids)
+    bs = block_size or drafter.block_size
+    mask_id, tap_ids = drafter.config.mask_token_id, drafter.config.target_layer_ids
+    stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    greedy = temperature <= 0
+    rng = np.random.default_rng(seed)
+    t_cache, d_cache = target.new_cache(), drafter.new_cache()
+
+    t0 = time.perf_counter()
+    start = ids.shape[1]  # position of the anchor = number of committed tokens in the target cache
+    out = target.forward(ids, torch.arange(start)[None], t_cache, tap_ids)
+    tokens = [_pick(out.logits[0, -1], temperature, top_k, top_p, rng)]
+    ttft = time.perf_counter() - t0
+    taps, taps_pos = out.taps, torch.arange(start)[None]
+    accepted: list[int] = []
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        block = torch.full((1, bs), mask_id, dtype=torch.long)
+        block[0, 0] = tokens[-1]
+        block_pos = torch.arange(start, start + bs)[None]
+        # Draft: one bidirectional pass; the anchor slot yields nothing.
+        draft_logits = drafter.draft_logits(target, taps.to(drafter.fc.weight.dtype), taps_pos, block, block_pos,
+                                            d_cache)[0].float()
+        if greedy:
+            draft = torch.argmax(draft_logits, dim=-1).numpy()
+            draft_probs = None
+        else:
+            draft_probs = probs_from_logits(draft_logits.double().numpy(), temperature, top_k, top_p)
+            draft = np.array([sample_from(p, u) for p, u in zip(draft_probs, rng.random(bs - 1))])
+        block[0, 1:] = torch.from_numpy(draft)
+        # Verify: the target scores the whole block in one pass.
+        out = target.forward(block, block_pos, t_cache, tap_ids)
+        logits = out.logits[0].double().numpy()
+        target_probs = None if greedy else probs_from_logits(logits, temperature, top_k, top_p)
+        accept, emitted = verify_block(target_probs, logits, draft, draft_probs, None if greedy else rng.random(bs),
+                                       greedy)
+        tokens.extend(emitted)
+        accepted.append(accept + 1)
+        # Commit anchor + accepted drafts; the last emitted token becomes the next anchor (not yet in any cache).
+        start += accept + 1
+        target.crop(t_cache, start)
+        taps, taps_pos = out.taps[:, : accept + 1], block_pos[:, : accept + 1]
+    total = time.perf_counter() - t0
+    tokens, reason = _finish(tokens, max_new_tokens, stop_ids)
+    return GenerationResult(tokens, accepted, ttft, (total - ttft) / max(1, len(tokens) - 1), total, reason)

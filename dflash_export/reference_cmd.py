@@ -1,0 +1,42 @@
+"""`dflash-export reference`: the PyTorch yardstick on a recipe's pair (spec vs AR, greedy or sampled)."""
+
+from __future__ import annotations
+
+import click
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> list[int]:
+    """Token ids for a prompt string or a message list, with the chat template when asked and available."""
+    if isinstance(prompt, list) or (chat_template and getattr(tokenizer, "chat_template", None)):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
+    import torch
+
+    from dflash_export.models import load_drafter, load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.reference import ar_generate, spec_generate
+
+    recipe = load_recipe(recipe_name)
+    dtype = getattr(torch, recipe.dtype)
+    target = load_target(recipe.target_path, dtype)
+    drafter = load_drafter(recipe.drafter_path, dtype)
+    if prompt is None or recipe.target.startswith("tiny:"):
+        ids = list(range(3, 19)) if prompt is None else [ord(c) % (target.vocab_size - 2) for c in prompt]
+        click.echo(f"[{recipe.name}] tiny pair: token prompt {ids}")
+    else:
+        ids = encode_prompt(target.tokenizer, prompt, recipe.chat_template)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    ar = ar_generate(target, ids, **kw)
+    sp = spec_generate(drafter, target, ids, block_size=recipe.block_size, **kw)
+    if recipe.target.startswith("tiny:"):
+        click.echo(f"AR  : {ar.tokens}")
+        click.echo(f"DFL : {sp.tokens}")
+    else:
+        click.echo(target.tokenizer.decode(sp.tokens, skip_special_tokens=True))
+    same = ar.tokens == sp.tokens
+    click.echo(f"identical to AR: {same} | tau {sp.tau:.2f} | AR {ar.tokens_per_s:.1f} tok/s | "
+               f"DFlash {sp.tokens_per_s:.1f} tok/s | speedup {sp.tokens_per_s / max(ar.tokens_per_s, 1e-9):.2f}x")

@@ -1,0 +1,65 @@
+"""Token sampling shared by the reference and the runtime: temperature, top-k, top-p, and inverse-CDF draws.
+
+Random numbers are uniforms drawn by the caller (numpy's PCG64 seeded per request), so the PyTorch reference and the
+compiled engines consume the same stream and a seeded run is reproducible on every backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    if top_k and 0 < top_k < x.shape[-1]:
+        kth = np.partition(x, -top_k, axis=-1)[..., -top_k][..., None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        cum = np.cumsum(sorted_p, axis=-1)
+        keep_sorted = (cum - sorted_p) < top_p  # always keeps the most likely token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample_from(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from a 1-D distribution with the uniform `u` in [0, 1)."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(idx, len(probs) - 1)
+
+
+def verify_block(target_probs: np.ndarray | None, target_logits: np.ndarray, draft_tokens: np.ndarray,
+                 draft_probs: np.ndarray | None, uniforms: np.ndarray | None, greedy: bool) -> tuple[int, list[int]]:
+    """Accept a drafted block. The heart of speculative decoding, lossless by construction.
+
+    target_logits/probs [bs, V]: the target's prediction after each block slot (slot 0 = anchor).
+    draft_tokens [bs-1]: drafted tokens for slots 1..bs-1; draft_probs [bs-1, V] their draft distributions.
+    uniforms [bs]: uniforms[i-1] tests draft i; uniforms[bs-1] draws the final (residual or bonus) token.
+    Returns (accept_len, emitted) where emitted = accepted drafts + one token from the target.
+    """
+    n = len(draft_tokens)
+    if greedy:
+        target_next = np.argmax(target_logits, axis=-1)
+        accept = 0
+        while accept < n and draft_tokens[accept] == target_next[accept]:
+            accept += 1
+        return accept, [int(t) for t in draft_tokens[:accept]] + [int(target_next[accept])]
+    for i in range(n):
+        tok = int(draft_tokens[i])
+        p, q = target_probs[i, tok], draft_probs[i, tok]
+        if uniforms[i] * q < p:  # accept with probability min(1, p/q)
+            continue
+        residual = np.maximum(target_probs[i] - draft_probs[i], 0.0)
+        if residual.sum() <= 0:  # p == q exactly: any draw from p is the residual's limit
+            residual = target_probs[i]
+        return i, [int(t) for t in draft_tokens[:i]] + [sample_from(residual, uniforms[n])]
+    return n, [int(t) for t in draft_tokens] + [sample_from(target_probs[n], uniforms[n])]

