@@ -1,0 +1,98 @@
+"""The PyTorch reference wrapped as an `Engine`, so the runtime, validate and deploy stages can be exercised (and
+compared) with the very models the compiled engines are measured against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
+from dflash_export.sampling import probs_from_logits, sample_from, verify_block
+
+
+class _TorchSeq(Sequence):
+    def __init__(self, t_cache, d_cache):
+        super().__init__()
+        self.t_cache, self.d_cache = t_cache, d_cache
+        self.taps = None          # pending context taps [1, n, k*H]
+        self.taps_pos = None      # their positions [1, n]
+
+
+class TorchEngine(Engine):
+    def __init__(self, target, drafter, recipe_name: str = "", max_seq_len: int = 2048, codec=None,
+                 block_size: int | None = None):
+        self.target, self.drafter = target, drafter
+        bs = block_size or drafter.block_size
+        self.info = EngineInfo(
+            backend="pytorch", recipe=recipe_name, block_size=bs, mask_token_id=drafter.config.mask_token_id,
+            vocab_size=target.vocab_size, stop_token_ids=list(target.stop_token_ids), max_seq_len=max_seq_len,
+            target_layer_ids=list(drafter.config.target_layer_ids),
+        )
+        if codec is None:
+            from dflash_export.tokenization import ByteCodec, TextCodec
+
+            d = Path(target.model_dir)
+            codec = TextCodec.from_dir(d) if (d / "tokenizer.json").is_file() else ByteCodec(
+                target.vocab_size, {drafter.config.mask_token_id})
+        self.codec = codec
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "TorchEngine":
+        from dflash_export.models import load_drafter, load_target
+
+        dtype = getattr(torch, recipe.dtype)
+        return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.name,
+                   recipe.max_seq_len, block_size=recipe.block_size)
+
+    @classmethod
+    def from_manifest(cls, engine_dir: Path, manifest: dict, **_) -> "TorchEngine":
+        from dflash_export.recipes import load_recipe
+
+        return cls.from_recipe(load_recipe(manifest["recipe_path"]))
+
+    def new_sequence(self) -> Sequence:
+        return _TorchSeq(self.target.new_cache(), self.drafter.new_cache())
+
+    @torch.inference_mode()
+    def prefill(self, seq: _TorchSeq, input_ids: np.ndarray) -> np.ndarray:
+        n = len(input_ids)
+        pos = torch.arange(n)[None]
+        out = self.target.forward(torch.from_numpy(input_ids)[None], pos, seq.t_cache, self.info.target_layer_ids)
+        seq.length = n
+        seq.taps, seq.taps_pos = out.taps, pos
+        return out.logits[0, -1].float().numpy()
+
+    @torch.inference_mode()
+    def decode(self, seq: _TorchSeq, token: int) -> np.ndarray:
+        out = self.target.forward(torch.tensor([[token]]), torch.tensor([[seq.length]]), seq.t_cache)
+        seq.length += 1
+        return out.logits[0, -1].float().numpy()
+
+    @torch.inference_mode()
+    def draft(self, seq: _TorchSeq, anchor: int, sp: SamplingParams, uniforms):
+        bs = self.info.block_size
+        block = torch.full((1, bs), self.info.mask_token_id, dtype=torch.long)
+        block[0, 0] = anchor
+        block_pos = torch.arange(seq.length, seq.length + bs)[None]
+        logits = self.drafter.draft_logits(self.target, seq.taps.to(self.drafter.fc.weight.dtype), seq.taps_pos,
+                                           block, block_pos, seq.d_cache)[0].double().numpy()
+        seq.taps = seq.taps_pos = None
+        if sp.greedy:
+            return np.argmax(logits, axis=-1).astype(np.int64), None
+        probs = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+        return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
+
+    @torch.inference_mode()
+    def verify(self, seq: _TorchSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
+        bs = len(block)
+        pos = torch.arange(seq.length, seq.length + bs)[None]
+        out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
+        logits = out.logits[0].double().numpy()
+        probs = None if sp.greedy else probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+        accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
+        seq.length += accept + 1
+        self.target.crop(seq.t_cache, seq.length)
+        seq.taps, seq.taps_pos = out.taps[:, : accept + 1], pos[:, : accept + 1]
+        return accept, emitted

@@ -1,0 +1,177 @@
+"""The backend-agnostic DFlash loop over a built engine: prefill, draft, verify (fused accept + commit), repeat.
+
+Streams tokens as they are committed. Consumes randomness exactly as `reference.py` does (numpy PCG64 seeded per request:
+one uniform for the first token, then bs-1 for drafting and bs for verifying per step), so a seeded sampled run on an
+engine is comparable with the PyTorch reference. Imports neither torch nor onnxruntime.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.errors import DFlashError
+from dflash_export.sampling import probs_from_logits, sample_from
+
+
+@dataclass
+class StepEvent:
+    """Tokens committed by one target forward (prefill or one DFlash/AR step)."""
+
+    tokens: list[int]
+    accept_len: int | None = None   # accepted drafts in this step (None for prefill / AR)
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class RunStats:
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+    drafted_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.total_s - self.ttft_s) / max(1, len(self.tokens) - 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Drafted tokens the target accepted (bonus tokens excluded)."""
+        return sum(self.acceptance_lengths) - len(self.acceptance_lengths)
+
+
+def _pick(logits: np.ndarray, sp: SamplingParams, rng) -> int:
+    if sp.greedy:
+        return int(np.argmax(logits))
+    return sample_from(probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p), rng.random())
+
+
+class DFlashRuntime:
+    """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
+    on the same engine (the fair baseline)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def check_request(self, prompt_ids, sp: SamplingParams) -> None:
+        info = self.engine.info
+        if len(prompt_ids) == 0:
+            raise DFlashError("empty prompt", field="text_input")
+        if sp.max_new_tokens < 1:
+            raise DFlashError(f"must be >= 1, got {sp.max_new_tokens}", field="max_tokens")
+        if sp.temperature < 0:
+            raise DFlashError(f"must be >= 0, got {sp.temperature}", field="temperature")
+        if not 0 < sp.top_p <= 1:
+            raise DFlashError(f"must be in (0, 1], got {sp.top_p}", field="top_p")
+        if sp.top_k < 0:
+            raise DFlashError(f"must be >= 0, got {sp.top_k}", field="top_k")
+        # Room for the prompt, the new tokens and one speculative block beyond them.
+        need = len(prompt_ids) + sp.max_new_tokens + info.block_size
+        if need > info.max_seq_len:
+            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
+                              f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
+                              field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
+                              else "text_input")
+        if any(not 0 <= int(t) < info.vocab_size for t in prompt_ids):
+            raise DFlashError("token id outside the vocabulary", field="input_ids")
+
+    def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None
+               ) -> Iterator[StepEvent]:
+        """Yield committed tokens step by step; the last event has finished=True. Fills `stats` when given."""
+        eng, info = self.engine, self.engine.info
+        self.check_request(prompt_ids, sp)
+        stats = stats if stats is not None else RunStats()
+        stats.prompt_tokens = len(prompt_ids)
+        stop_ids = set(info.stop_token_ids if sp.stop_token_ids is None else sp.stop_token_ids)
+        rng = np.random.default_rng(sp.seed)
+        bs = info.block_size
+        seq = eng.new_sequence()
+        t0 = time.perf_counter()
+        logits = eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64))
+        last = _pick(logits, sp, rng)
+        stats.ttft_s = time.perf_counter() - t0
+        produced = 0
+
+        def emit(new: list[int], accept: int | None):
+            nonlocal produced
+            out = []
+            reason = None
+            for t in new:
+                out.append(t)
+                produced += 1
+                if t in stop_ids:
+                    reason = "stop"
+                    break
+                if produced >= sp.max_new_tokens:
+                    reason = "length"
+                    break
+            stats.tokens.extend(out)
+            if reason:
+                stats.finish_reason = reason
+                stats.total_s = time.perf_counter() - t0
+            return StepEvent(out, accept, reason is not None, reason)
+
+        ev = emit([last], None)
+        yield ev
+        if ev.finished:
+            return
+        while True:
+            if mode == "ar":
+                logits = eng.decode(seq, last)
+                last = _pick(logits, sp, rng)
+                stats.acceptance_lengths.append(1)
+                ev = emit([last], 0)
+            else:
+                u_draft = None if sp.greedy else rng.random(bs - 1)
+                draft, draft_probs = eng.draft(seq, last, sp, u_draft)
+                block = np.empty(bs, dtype=np.int64)
+                block[0], block[1:] = last, draft
+                accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
+                stats.acceptance_lengths.append(accept + 1)
+                stats.drafted_tokens += bs - 1
+                last = emitted[-1]
+                ev = emit(emitted, accept)
+            yield ev
+            if ev.finished:
+                return
+
+    def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:
+        stats = RunStats()
+        for _ in self.stream(prompt_ids, sp, mode, stats):
+            pass
+        return stats
+
+    # Text-level helpers ----------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        return self.engine.codec.encode_prompt(prompt, chat)
+
+    def stream_text(self, prompt: str | list[dict], sp: SamplingParams, mode: str = "dflash", chat: bool = True,
+                    stats: RunStats | None = None) -> Iterator[str]:
+        """Yield text deltas; decodes the whole output each time so multi-byte tokens never split characters."""
+        ids = self.encode(prompt, chat)
+        codec = self.engine.codec
+        done: list[int] = []
+        shown = ""
+        for ev in self.stream(ids, sp, mode, stats):
+            done.extend(ev.tokens)
+            text = codec.decode(done)
+            if ev.finished or not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text

@@ -1,0 +1,105 @@
+"""Text <-> token ids for engines, without torch or transformers: the `tokenizers` library plus the model's own
+jinja2 chat template. Tiny random pairs have no tokenizer and use a byte codec (one token per byte) instead."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+
+class TextCodec:
+    """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode)."""
+
+    def __init__(self, tokenizer, chat_template: str | None, special: dict[str, str], add_bos: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special = special
+        self.add_bos = add_bos
+
+    @classmethod
+    def from_dir(cls, d: Path) -> "TextCodec":
+        d = Path(d)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            return ByteCodec.from_dir(d)
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception for bad files
+            raise DFlashError(f"cannot load tokenizer ({e})", path=tok_file) from None
+        cfg = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if template is None and (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        special = {k: _tok_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                   if cfg.get(k) is not None}
+        return cls(tok, template, special)
+
+    @staticmethod
+    def save_from_hf(hf_tokenizer, d: Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json (chat template included) from a transformers tokenizer."""
+        hf_tokenizer.save_pretrained(str(d))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        if not self.chat_template:
+            return self.encode("\n".join(m.get("content", "") for m in messages))
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+        env.globals["raise_exception"] = _raise
+        text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                           **self.special)
+        return self.encode(text)
+
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        if isinstance(prompt, list):
+            return self.apply_chat(prompt)
+        if chat and self.chat_template:
+            return self.apply_chat([{"role": "user", "content": prompt}])
+        return self.encode(prompt)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def _tok_str(v):
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def _raise(msg):
+    raise DFlashError(f"chat template: {msg}")
+
+
+class ByteCodec(TextCodec):
+    """Tiny pairs: token id = byte value (ids above 255 or reserved ids decode to nothing)."""
+
+    def __init__(self, vocab_size: int, reserved: set[int]):
+        super().__init__(None, None, {})
+        self.vocab_size = vocab_size
+        self.reserved = reserved
+
+    @classmethod
+    def from_dir(cls, d: Path) -> "ByteCodec":
+        cfg = {}
+        if (Path(d) / "codec.json").is_file():
+            cfg = json.loads((Path(d) / "codec.json").read_text())
+        return cls(int(cfg.get("vocab_size", 256)), set(cfg.get("reserved", [])))
+
+    def encode(self, text: str) -> list[int]:
+        limit = min(self.vocab_size, 256)
+        return [b % limit for b in text.encode("utf-8") if (b % limit) not in self.reserved]
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode("\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages) + "\n")
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        data = bytes(i for i in ids if 0 <= i < 256 and not (skip_special and i in self.reserved))
+        return data.decode("utf-8", errors="replace")
