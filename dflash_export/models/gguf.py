@@ -1,0 +1,161 @@
+"""GGUF targets: converted once to an HF-format directory (fp32, dequantized) and cached by the file's hash.
+
+transformers' GGUF loader does the dequantization; this module adds what it does not promise: the conversion is cached
+atomically (a half-written copy is never taken for a finished one) and the fields that silently change generation --
+rope_theta, rms_norm_eps, tied embeddings, eos / stop ids, the chat template -- are checked against the GGUF metadata
+itself, read with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+_CONVERSION_VERSION = 1  # bump when the conversion changes so cached copies are rebuilt
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_gguf_metadata(path: Path) -> dict:
+    """The GGUF key/values this module checks, plus `tensor_names`. Token lists are skipped (large, not needed)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise DFlashError("GGUF targets need the `gguf` package (pip install 'dflash-export[gguf]')",
+                          path=path) from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # gguf raises plain ValueError / struct errors on truncated or foreign files
+        raise DFlashError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=path) from None
+    meta: dict = {}
+    for key, fld in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                   "tokenizer.ggml.scores"):
+            continue
+        try:
+            meta[key] = fld.contents()
+        except Exception:  # an exotic field type this gguf version cannot decode is not one we check
+            continue
+    meta["tensor_names"] = [t.name for t in reader.tensors]
+    return meta
+
+
+def hf_dir_from_gguf(path) -> Path:
+    """An HF model directory (config, fp32 safetensors, tokenizer with chat template) for GGUF file `path`.
+
+    Built on first use under `cache_dir()/targets/<sha256 of the file>/`, then reused. Raises DFlashError naming the
+    field when a generation-relevant setting does not survive the conversion.
+    """
+    from dflash_export.sources import cache_dir
+
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError("GGUF file not found", path=path)
+    digest = file_sha256(path)
+    out = cache_dir() / "targets" / f"{digest[:24]}-v{_CONVERSION_VERSION}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    meta = read_gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3)", path=path,
+                          field="general.architecture")
+    from dflash_export.errors import atomic_dir
+
+    try:
+        with atomic_dir(out) as tmp:
+            _convert(path, tmp)
+            check_conversion(tmp, meta, path)
+    except OSError as e:  # full disk, permissions: one line, and atomic_dir has removed the partial copy
+        raise DFlashError(f"cannot write the converted target ({e.strerror or e})", path=out) from None
+    return out
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """Dequantize through transformers' GGUF reader into a model built from the GGUF's own config.
+
+    `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate` for this one path; the pieces it
+    calls (config parsing, `load_gguf_checkpoint`'s name mapping + dequantization) do not need it.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    except (ValueError, OSError, KeyError, ImportError) as e:
+        raise DFlashError(f"transformers cannot load this GGUF ({str(e).splitlines()[0]})", path=gguf_path) from None
+    state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        bad = sorted(set(missing) - allowed_missing) or sorted(unexpected)
+        raise DFlashError(f"GGUF tensors do not map onto {type(model).__name__} ({len(bad)} off, e.g. {bad[0]})",
+                          path=gguf_path, field="tensors")
+    model.tie_weights()
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # A newer transformers writes `rope_parameters`, which 4.57 ignores in favour of rope_theta / rope_scaling:
+    # keep only the fields this version reads so the copy means the same thing everywhere.
+    if cfg.pop("rope_parameters", None) is not None:
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _chat_template_of(model_dir: Path) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    try:
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
+    """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that differs."""
+    from dflash_export.models.target import stop_token_ids_of
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = meta["general.architecture"]
+
+    def fail(field: str, want, got):
+        raise DFlashError(f"conversion changed {field}: GGUF has {want!r}, converted config has {got!r}",
+                          path=gguf_path, field=field)
+
+    theta = meta.get(f"{arch}.rope.freq_base")
+    if theta is not None and not math.isclose(float(cfg.get("rope_theta", 0.0)), float(theta), rel_tol=1e-6):
+        fail("rope_theta", float(theta), cfg.get("rope_theta"))
+    eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon")
+    # GGUF stores eps as float32: 1e-5 reads back as 9.99999975e-06, so compare at float32 precision.
+    if eps is not None and not math.isclose(float(cfg.get("rms_norm_eps", 0.0)), float(eps), rel_tol=1e-6):
+        fail("rms_norm_eps", float(eps), cfg.get("rms_norm_eps"))
+    for key, field in ((f"{arch}.block_count", "num_hidden_layers"), (f"{arch}.embedding_length", "hidden_size"),
+                       (f"{arch}.attention.head_count", "num_attention_heads"),
+                       (f"{arch}.attention.head_count_kv", "num_key_value_heads")):
+        if key in meta and int(meta[key]) != int(cfg.get(field, -1)):
+            fail(field, int(meta[key]), cfg.get(field))
+    tied = "output.weight" not in meta["tensor_names"]
+    if bool(cfg.get("tie_word_embeddings", False)) != tied:
+        fail("tie_word_embeddings", tied, cfg.get("tie_word_embeddings"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if eos is not None and int(eos) not in stop_token_ids_of(model_dir, cfg):
+        fail("eos_token_id", int(eos), stop_token_ids_of(model_dir, cfg))
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and _chat_template_of(model_dir) != template:
+        fail("chat_template", "the GGUF's template", "a different or missing template")
