@@ -1,0 +1,216 @@
+"""The Triton kernels of the two custom ops against their torch reference, on CPU under TRITON_INTERPRET=1.
+
+Small shapes only (the interpreter runs every program in Python); tiles are forced small so multi-tile paths run.
+"""
+
+import os
+
+# Before anything imports triton (transformers' Qwen3 does): triton reads the flag once, at its own import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.kernels import (EMIT_PAD, fused_verify, fused_verify_ref, kv_injected_block_attention,
+                                   kv_injected_block_attention_ref)
+from dflash_export.models.drafter import block_attention
+from dflash_export.sampling import verify_block
+
+
+def _triton_interprets() -> bool:
+    """True when the imported triton runs kernels in its Python interpreter (no jit'd function left compiled)."""
+    import triton.language.standard as standard
+    from triton.runtime.jit import JITFunction
+
+    return not any(isinstance(v, JITFunction) for v in vars(standard).values())
+
+
+def _interpreted(module_name: str):
+    """Import a kernel module under the Triton CPU interpreter, or skip (the subprocess test then covers it)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _triton_interprets():
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_kernels_in_fresh_interpreter")
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    return importlib.import_module(module_name)
+
+
+def test_kernels_in_fresh_interpreter():
+    """When another test module imported triton first (compiled mode), rerun this file in a fresh process."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" and _triton_interprets():
+        pytest.skip("the kernel tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def attn_triton():
+    return _interpreted("dflash_export.kernels.triton_attention").kv_injected_block_attention_triton
+
+
+@pytest.fixture(scope="module")
+def verify_triton():
+    return _interpreted("dflash_export.kernels.triton_verify").fused_verify_triton
+
+
+def _attention_inputs(B, H, KVH, S, T, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g)
+    kc, vc = torch.randn(B, KVH, T, D, generator=g), torch.randn(B, KVH, T, D, generator=g)
+    kb, vb = torch.randn(B, KVH, S, D, generator=g), torch.randn(B, KVH, S, D, generator=g)
+    return [t.to(dtype) for t in (q, kc, vc, kb, vb)]
+
+
+@pytest.mark.parametrize("B,H,KVH,S,T,D", [
+    (1, 4, 2, 4, 7, 16),    # GQA 2, block 4 (the tiny drafter's shape)
+    (2, 4, 1, 5, 0, 8),     # no context yet (first draft step), MQA
+    (1, 2, 2, 3, 37, 12),   # MHA, head_dim not a power of two, context spans several key tiles
+    (1, 8, 2, 16, 20, 16),  # block 16, GQA 4
+])
+def test_block_attention_kernel_matches_reference_fp32(attn_triton, B, H, KVH, S, T, D):
+    inputs = _attention_inputs(B, H, KVH, S, T, D)
+    out = attn_triton(*inputs, block_n=16)
+    ref = kv_injected_block_attention_ref(*inputs)
+    assert out.shape == (B, H, S, D) and out.dtype == torch.float32
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_block_attention_kernel_honours_scale_and_strides(attn_triton):
+    q, kc, vc, kb, vb = _attention_inputs(1, 4, 2, 4, 9, 16, seed=3)
+    # [B, S, H, D] storage viewed as [B, H, S, D]: the layout a projection's output has before a copy
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out = attn_triton(q_strided, kc, vc, kb, vb, scale=0.3, block_n=16)
+    ref = kv_injected_block_attention_ref(q, kc, vc, kb, vb, scale=0.3)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_block_attention_kernel_fp16_close_to_reference(attn_triton):
+    inputs = _attention_inputs(1, 4, 2, 4, 11, 16, dtype=torch.float16, seed=5)
+    out = attn_triton(*inputs, block_n=16)
+    ref = kv_injected_block_attention_ref(*[t.float() for t in inputs])
+    assert out.dtype == torch.float16
+    assert (out.float() - ref).abs().max().item() <= 1e-2
+
+
+def test_reference_equals_drafter_attention_on_concatenated_keys():
+    q, kc, vc, kb, vb = _attention_inputs(2, 4, 2, 4, 6, 16, seed=7)
+    expected = block_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), 16 ** -0.5)
+    assert torch.allclose(kv_injected_block_attention_ref(q, kc, vc, kb, vb), expected, atol=1e-6)
+
+
+def _verify_case(B, BS, V, temperature, seed, agree=0.0):
+    """Logits, drafts, draft probs and uniforms; `agree` mixes the target's own distribution into the draft's
+    so that some drafts are accepted and the residual path and bonus path both run."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, BS, V, generator=g) * 3
+    t = temperature if temperature > 0 else 1.0
+    own = torch.softmax(logits[:, :-1] / t, -1)
+    noise = torch.softmax(torch.randn(B, BS - 1, V, generator=g) * 2, -1)
+    draft_probs = agree * own + (1 - agree) * noise
+    draft_tokens = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=g).reshape(B, BS - 1)
+    uniforms = torch.rand(B, BS, generator=g)
+    return logits, draft_tokens, draft_probs, uniforms
+
+
+def test_fused_verify_kernel_greedy_matches_reference(verify_triton):
+    logits, _, _, _ = _verify_case(4, 5, 40, 0.0, seed=1)
+    target_next = logits.argmax(-1)
+    drafts = target_next[:, :-1].clone()
+    drafts[1, 2] = (drafts[1, 2] + 1) % 40   # reject at slot 2
+    drafts[2, 0] = (drafts[2, 0] + 1) % 40   # reject at once
+    logits[3, 1, 7] = logits[3, 1, 9] = logits[3, 1].max() + 1  # a tie: argmax takes the first index
+    drafts[3, 1] = 7
+    got = verify_triton(logits, drafts, None, None, 0.0, block_v=16)
+    ref = fused_verify_ref(logits, drafts)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert got[0].tolist() == [4, 2, 0, 4]
+    assert got[1][1].tolist() == drafts[1, :2].tolist() + [int(target_next[1, 2]), EMIT_PAD, EMIT_PAD]
+
+
+@pytest.mark.parametrize("temperature,agree", [(1.0, 0.0), (0.7, 0.9), (1.3, 0.99)])
+def test_fused_verify_kernel_sampling_tokens_identical_to_reference(verify_triton, temperature, agree):
+    for seed in range(3):
+        case = _verify_case(3, 4, 50, temperature, seed=seed, agree=agree)
+        got = verify_triton(*case, temperature, block_v=16)
+        ref = fused_verify_ref(*case, temperature=temperature)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (seed, got, ref)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_fused_verify_reference_equals_sampling_verify_block(temperature):
+    for seed in range(4):
+        logits, drafts, dprobs, unif = _verify_case(2, 5, 30, temperature, seed=seed, agree=0.95)
+        if temperature == 0:
+            drafts = logits.argmax(-1)[:, :-1].clone()
+            drafts[0, seed % 4] = (drafts[0, seed % 4] + 1) % 30
+        accept, emitted, n_emitted = fused_verify_ref(logits, drafts, dprobs, unif, temperature)
+        for b in range(2):
+            tp = torch.softmax(logits[b].double() / temperature, -1).numpy() if temperature else None
+            a, toks = verify_block(tp, logits[b].numpy(), drafts[b].numpy(), dprobs[b].double().numpy(),
+                                   unif[b].double().numpy(), greedy=temperature == 0)
+            assert int(accept[b]) == a and int(n_emitted[b]) == len(toks)
+            assert emitted[b, :len(toks)].tolist() == toks
+
+
+def test_dispatch_uses_reference_on_cpu():
+    inputs = _attention_inputs(1, 4, 2, 4, 3, 16)
+    assert torch.equal(kv_injected_block_attention(*inputs), kv_injected_block_attention_ref(*inputs))
+    logits, drafts, dprobs, unif = _verify_case(2, 4, 20, 1.0, seed=2)
+    for a, b in zip(fused_verify(logits, drafts, dprobs, unif, 1.0), fused_verify_ref(logits, drafts, dprobs, unif, 1.0)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda x: [x[0][:, :3]] + x[1:], "multiple of num_kv_heads"),
+    (lambda x: x[:3] + [x[3][:, :, :2], x[4]], "k_blk"),
+    (lambda x: [x[0].double()] + x[1:], "dtype"),
+    (lambda x: [x[0][0]] + x[1:], "4-D"),
+])
+def test_dispatch_rejects_bad_attention_shapes(mutate, message):
+    inputs = _attention_inputs(1, 4, 2, 4, 3, 16)
+    with pytest.raises(DFlashError, match=message):
+        kv_injected_block_attention(*mutate(inputs))
+
+
+def test_dispatch_rejects_bad_verify_inputs():
+    logits, drafts, dprobs, unif = _verify_case(2, 4, 20, 1.0, seed=2)
+    with pytest.raises(DFlashError, match="draft_tokens must be"):
+        fused_verify(logits, drafts[:, :2])
+    with pytest.raises(DFlashError, match="out of range"):
+        fused_verify(logits, drafts + 100)
+    with pytest.raises(DFlashError, match="needs draft_probs"):
+        fused_verify(logits, drafts, temperature=0.5)
+    with pytest.raises(DFlashError, match="uniforms must be"):
+        fused_verify(logits, drafts, dprobs, unif[:, :2], temperature=0.5)
+    with pytest.raises(DFlashError, match="unknown kernel backend"):
+        fused_verify(logits, drafts, backend="cuda")
+
+
+def test_forcing_triton_without_it_names_the_extra(monkeypatch):
+    import dflash_export.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with pytest.raises(MissingDependency, match=r"dflash-export\[kernels\]"):
+        kernels.fused_verify(*_verify_case(1, 3, 8, 0.0, seed=0)[:2], backend="triton")
+
+
+def test_uniform_stream_convention_matches_numpy_runtime():
+    # uniforms come from numpy (PCG64) in the runtime; float64 -> float32 must not change any decision here
+    rng = np.random.default_rng(0)
+    logits, drafts, dprobs, _ = _verify_case(2, 4, 20, 1.0, seed=4, agree=0.9)
+    unif = torch.from_numpy(rng.random((2, 4)))
+    a = fused_verify_ref(logits, drafts, dprobs, unif, 1.0)
+    b = fused_verify_ref(logits, drafts, dprobs, unif.float(), 1.0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
