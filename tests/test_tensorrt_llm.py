@@ -1,0 +1,122 @@
+"""The TensorRT-LLM bundle: every file it writes, checked on the tiny Qwen3 pair (no GPU, no tensorrt_llm needed)."""
+
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+import torch
+import yaml
+
+from dflash_export.checkpoint import read_drafter_checkpoint
+from dflash_export.engines import tensorrt_llm as trtllm
+from dflash_export.engines.base import read_manifest
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.recipes import TrtLlmOptions, load_recipe
+from dflash_export.sources import resolve_source
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def bundle(recipe, tmp_path_factory):
+    return trtllm.build_tensorrt_llm(recipe, tmp_path_factory.mktemp("trtllm") / "tiny-qwen3" / "tensorrt-llm")
+
+
+def test_bundle_holds_the_documented_files_and_a_valid_manifest(bundle):
+    for rel in ("drafter/config.json", "drafter/model.safetensors", trtllm.OPTIONS_FILE, trtllm.SERVE_FILE,
+                trtllm.README_FILE, trtllm.TRITON_MODEL_YAML):
+        assert (bundle / rel).is_file(), rel
+    manifest = read_manifest(bundle)
+    assert manifest["backend"] == "tensorrt-llm"
+    assert manifest["block_size"] == 4 and manifest["max_draft_len"] == 3
+    assert manifest["mask_token_id"] == 255 and manifest["target_layer_ids"] == [1, 3]
+    assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+
+
+def test_options_yaml_carries_the_dflash_speculative_config(bundle, recipe):
+    options = yaml.safe_load((bundle / trtllm.OPTIONS_FILE).read_text())
+    spec = options["speculative_config"]
+    assert spec == {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": str(bundle / "drafter"),
+                    "mask_token_id": 255, "target_layer_ids": [1, 3]}
+    o = recipe.trtllm
+    assert options["kv_cache_config"] == {"free_gpu_memory_fraction": o.kv_cache_free_gpu_memory_fraction}
+    assert options["cuda_graph_config"] == {"batch_sizes": [1, 2, 4, 8], "enable_padding": True}
+    assert options["max_batch_size"] == o.max_batch_size and options["max_num_tokens"] == o.max_num_tokens
+    assert options["max_seq_len"] == recipe.max_seq_len and options["tensor_parallel_size"] == 1
+    assert options["dtype"] == "float32"
+
+
+def test_normalized_checkpoint_loads_back_with_the_same_weights(bundle, recipe):
+    src_cfg, src_state = read_drafter_checkpoint(recipe.drafter_path)
+    cfg, state = read_drafter_checkpoint(bundle / "drafter")
+    assert cfg.block_size == src_cfg.block_size and cfg.mask_token_id == src_cfg.mask_token_id
+    assert cfg.target_layer_ids == src_cfg.target_layer_ids
+    assert set(state) == set(src_state)
+    assert all(torch.equal(state[k], src_state[k]) for k in state)
+    raw = json.loads((bundle / "drafter" / "config.json").read_text())
+    # What TensorRT-LLM's DFlash loader reads: top-level block_size, explicit dflash_config, no `model.` prefix
+    assert raw["block_size"] == 4 and raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
+    assert raw["dflash_config"]["mask_token_id"] == 255 and raw["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert not any(k.startswith("model.") for k in state)
+
+
+def test_serve_command_is_written_verbatim_in_script_readme_and_manifest(bundle, recipe):
+    command = read_manifest(bundle)["serve_command"]
+    target = str(resolve_source(recipe.target_path).resolve())
+    assert command[:4] == ["trtllm-serve", target, "--backend", "pytorch"]
+    flags = dict(zip(command[4::2], command[5::2]))
+    assert flags["--extra_llm_api_options"] == str(bundle / trtllm.OPTIONS_FILE)
+    assert flags["--max_batch_size"] == "8" and flags["--tp_size"] == "1" and flags["--host"] == "127.0.0.1"
+    script = (bundle / trtllm.SERVE_FILE).read_text()
+    assert script.startswith("#!/bin/sh") and "exec trtllm-serve " in script
+    assert (bundle / trtllm.SERVE_FILE).stat().st_mode & 0o111
+    assert "trtllm-serve" in (bundle / trtllm.README_FILE).read_text()
+
+
+def test_triton_llmapi_model_yaml_is_llm_arguments_plus_triton_config(bundle, recipe):
+    model = yaml.safe_load((bundle / trtllm.TRITON_MODEL_YAML).read_text())
+    assert model["model"] == str(resolve_source(recipe.target_path).resolve()) and model["backend"] == "pytorch"
+    assert model["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    assert model["speculative_config"]["decoding_type"] == "DFlash"
+    assert model["speculative_config"]["speculative_model"] == str(bundle / "drafter")
+
+
+def test_unchanged_inputs_reuse_the_bundle(bundle, recipe):
+    before = (bundle / "manifest.json").stat().st_mtime_ns
+    assert trtllm.build_tensorrt_llm(recipe, bundle) == bundle
+    assert (bundle / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_recipe_dtype_and_block_size_override_reach_weights_and_yaml(recipe, tmp_path):
+    r = dataclasses.replace(recipe, dtype="bfloat16", block_size=3)
+    out = trtllm.build_tensorrt_llm(r, tmp_path / "b")
+    cfg, state = read_drafter_checkpoint(out / "drafter")
+    assert cfg.block_size == 3 and {v.dtype for v in state.values()} == {torch.bfloat16}
+    options = yaml.safe_load((out / trtllm.OPTIONS_FILE).read_text())
+    assert options["speculative_config"]["max_draft_len"] == 2 and options["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("options,field", [
+    (TrtLlmOptions(max_batch_size=2, cuda_graph_batch_sizes=[1, 4]), "cuda_graph_batch_sizes"),
+    (TrtLlmOptions(max_batch_size=8, max_num_tokens=16), "max_num_tokens"),
+    (TrtLlmOptions(kv_cache_free_gpu_memory_fraction=1.5), "kv_cache_free_gpu_memory_fraction"),
+])
+def test_bad_trtllm_options_fail_naming_the_field_and_leave_nothing(recipe, tmp_path, options, field):
+    with pytest.raises(DFlashError, match=field):
+        trtllm.build_tensorrt_llm(dataclasses.replace(recipe, trtllm=options), tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_drafter_is_a_dflash_error(recipe, tmp_path):
+    with pytest.raises(DFlashError, match="not found"):
+        trtllm.build_tensorrt_llm(dataclasses.replace(recipe, drafter=str(tmp_path / "nope")), tmp_path / "b")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed")
+def test_llmapi_validation_without_tensorrt_llm_names_the_extra_and_the_gpu(bundle):
+    with pytest.raises(MissingDependency, match=r"dflash-export\[tensorrt-llm\].*NVIDIA GPU"):
+        trtllm.validate_with_llmapi(bundle, ["hello"])
