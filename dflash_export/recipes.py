@@ -41,6 +41,31 @@ class TrtLlmOptions:
 
 
 @dataclass
+class TrainOptions:
+    """How `dflash-export train` builds this recipe's drafter (dflash_export/train.py explains each choice)."""
+
+    prompts: str = "sharegpt"                # "sharegpt" (first-turn prompts, index < 12000) | "synthetic" (tiny)
+    num_prompts: int = 2000                  # training prompts to generate responses for
+    heldout_prompts: int = 16                # held-out prompts (index >= 12000) for accuracy / implied τ
+    max_prompt_tokens: int = 128             # longer prompts are skipped (compute)
+    max_new_tokens: int = 128                # target response length cap
+    gen_batch_size: int = 16
+    soft_topk: int = 4                       # target top-k kept as soft targets
+    draft_layers: int = 2
+    block_size: int = 8
+    mask_token_id: int | None = None         # a reserved special-token row of the target's embedding
+    target_layer_ids: list[int] | None = None  # default: z-lab's rule for draft_layers
+    gamma: float | None = None               # loss decay exp(-(k-1)/gamma); default by block size
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    batch_size: int = 4                      # sequences per step
+    blocks_per_seq: int = 16                 # anchors per sequence per step
+    soft_weight: float = 0.5                 # share of the soft (top-k) loss vs the hard greedy label
+    steps: int = 1000
+    seed: int = 0
+
+
+@dataclass
 class Recipe:
     name: str
     target: str                              # HF dir, .gguf, pkg:DIST:SUFFIX or tiny:NAME/target
@@ -56,13 +81,17 @@ class Recipe:
     suite: str = "sharegpt-heldout"          # default validate suite
     thresholds: Thresholds = field(default_factory=Thresholds)
     trtllm: TrtLlmOptions = field(default_factory=TrtLlmOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
     path: Path | None = None                 # the YAML file it came from
 
     def resolve(self, value: str) -> str:
         """Paths relative to the recipe file; schemes (tiny:, pkg:) and absolute paths unchanged."""
-        if ":" in value.split("/")[0] or self.path is None:
+        if value.startswith(("tiny:", "pkg:")):
             return value
         v = os.path.expandvars(os.path.expanduser(value))
+        if "$" in v:
+            raise DFlashError(f"environment variable in {value!r} is not set (see the comment at the top of the "
+                              f"recipe)", path=self.path, field="target" if value == self.target else "drafter")
         return v if os.path.isabs(v) else str((self.path.parent / v).resolve())
 
     @property
@@ -119,7 +148,7 @@ def load_recipe(name_or_path) -> Recipe:
     import yaml
 
     p = Path(str(name_or_path))
-    if not p.suffix and not p.exists():
+    if not p.is_file() and p.suffix not in (".yaml", ".yml"):
         p = RECIPES_DIR / f"{name_or_path}.yaml"
         if not p.is_file():
             known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
