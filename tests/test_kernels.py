@@ -214,3 +214,40 @@ def test_uniform_stream_convention_matches_numpy_runtime():
     b = fused_verify_ref(logits, drafts, dprobs, unif.float(), 1.0)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
+    import json
+
+    from dflash_export.kernels import gpu_check
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch reference here: the interpreter path is the next test's
+    assert gpu_check.main(["--cpu", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["mode"] == "cpu-dry-run" and report["kernels"]["ok"]
+    for section in ("kernels", "drafter_latency", "target_verify", "attention_vs_sdpa"):
+        assert "error" not in report[section], report[section]
+    assert report["drafter_latency"]["kernel_eager"]["speedup_block_vs_sequential"] > 0
+    assert report["target_verify"]["eager"]["ratio"] > 0
+
+
+def test_gpu_check_script_runs_from_the_repo_on_cpu(tmp_path):
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHON=sys.executable, OUT=str(tmp_path), PYTHONPATH="")
+    run = subprocess.run(["bash", str(script), "--cpu", "--sections", "kernels"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["kernel_backend"] == "triton" and report["kernels"]["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
+    from dflash_export.kernels import gpu_check
+
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().out

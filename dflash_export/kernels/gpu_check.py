@@ -1,0 +1,415 @@
+"""One-shot GPU check of the kernels and of the block-vs-token latency claims DFlash rests on.
+
+Needs only torch (+ triton for the kernels): no transformers, no onnxruntime, no TensorRT, no package install, so it
+runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export.kernels.gpu_check`). Sections:
+
+  kernels            Triton vs torch reference, natively: attention max |diff| (fp32, bf16), FusedVerify tokens
+  drafter_latency    one DFlash drafter pass over a 16-token block vs 16 sequential single-token drafter steps,
+                     Qwen3-8B-DFlash shapes (5 layers, hidden 4096, 32/8 heads, head_dim 128), random bf16 weights
+  target_verify      target forward of 16 tokens vs 1 token over a KV cache, Qwen3-8B layer shapes, random bf16
+                     weights, a few layers only (the ratio is per layer; absolute times scale with 36/layers)
+  attention_vs_sdpa  the KVInjectedBlockAttention kernel vs torch SDPA on the concatenated K/V
+
+Each section records its own error instead of aborting the run. `--cpu` runs every code path at tiny shapes on the CPU
+(for CI); the kernels then go through the Triton interpreter when TRITON_INTERPRET=1, else the torch reference.
+Writes gpu_check.json under $OUT (or --out) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dflash_export.kernels import fused_verify, kv_injected_block_attention, triton_available
+from dflash_export.kernels.reference import fused_verify_ref, kv_injected_block_attention_ref
+
+
+@dataclass
+class Shapes:
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 12288
+    vocab: int = 151936
+    drafter_layers: int = 5
+    target_layers: int = 4          # of Qwen3-8B's 36: enough for a per-layer ratio, small enough to fit the budget
+    block: int = 16
+    context: int = 512              # tokens already in the caches
+    sdpa_contexts: tuple[int, ...] = (512, 2048, 8192)
+    dtype: str = "bfloat16"
+    iters: int = 20
+    warmup: int = 5
+
+
+TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=96, drafter_layers=2,
+              target_layers=2, block=4, context=8, sdpa_contexts=(8, 24), dtype="float32", iters=2, warmup=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timing
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int, repeat: int = 1,
+            cuda_graph: bool = False) -> dict:
+    """Median wall time (ms) of `repeat` back-to-back calls of fn, after warm-up, clock read after a device sync.
+
+    cuda_graph: capture one call in a CUDA graph and replay it (removes Python / launch overhead, which otherwise
+    dominates single-token steps and flatters the block).
+    """
+    run = fn
+    if cuda_graph and device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    for _ in range(warmup):
+        for _ in range(repeat):
+            run()
+    _sync(device)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            run()
+        _sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "iters": iters,
+            "cuda_graph": bool(cuda_graph and device.type == "cuda")}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Minimal Qwen3-style blocks with random weights (no transformers: the GPU image's version is not ours to pin)
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope_tables(positions: torch.Tensor, head_dim: int, dtype, theta: float = 1e6):
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    f = positions.float()[:, None] * inv
+    emb = torch.cat([f, f], -1)
+    return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class Qwen3Layers:
+    """Random-weight Qwen3 decoder layers (q/k norms, GQA, SwiGLU) in one dtype on one device."""
+
+    def __init__(self, s: Shapes, n_layers: int, device, dtype, seed: int):
+        # generated on the device: drawing ~3e9 numbers on one CPU core would take most of the time budget
+        g = torch.Generator(device=device).manual_seed(seed)
+        H, D, KVH, I = s.hidden, s.head_dim, s.kv_heads, s.intermediate
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5).to(dtype)
+
+        self.s, self.layers = s, []
+        for _ in range(n_layers):
+            self.layers.append({
+                "q": w(s.heads * D, H), "k": w(KVH * D, H), "v": w(KVH * D, H), "o": w(H, s.heads * D),
+                "gate": w(I, H), "up": w(I, H), "down": w(H, I),
+                "in_norm": torch.ones(H, device=device, dtype=dtype), "post_norm": torch.ones(H, device=device,
+                                                                                              dtype=dtype),
+                "q_norm": torch.ones(D, device=device, dtype=dtype), "k_norm": torch.ones(D, device=device,
+                                                                                          dtype=dtype),
+            })
+        self.final_norm = torch.ones(H, device=device, dtype=dtype)
+        self.lm_head = w(s.vocab, H)
+
+    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.s.head_dim).transpose(1, 2)
+
+    def qkv(self, lw: dict, x_n: torch.Tensor, cos, sin):
+        s = self.s
+        q = _rope(_rms(self.heads(F.linear(x_n, lw["q"]), s.heads), lw["q_norm"]), cos, sin)
+        k = _rope(_rms(self.heads(F.linear(x_n, lw["k"]), s.kv_heads), lw["k_norm"]), cos, sin)
+        v = self.heads(F.linear(x_n, lw["v"]), s.kv_heads)
+        return q, k, v
+
+    def finish(self, lw: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), lw["o"])
+        h = _rms(x, lw["post_norm"])
+        return x + F.linear(F.silu(F.linear(h, lw["gate"])) * F.linear(h, lw["up"]), lw["down"])
+
+
+def drafter_step(model: Qwen3Layers, x: torch.Tensor, ctx_kv: list, cos, sin, attention: Callable) -> torch.Tensor:
+    """One DFlash drafter pass: every layer attends (non-causally) over injected context K/V + the tokens of x."""
+    for lw, (k_ctx, v_ctx) in zip(model.layers, ctx_kv):
+        q, k, v = model.qkv(lw, _rms(x, lw["in_norm"]), cos, sin)
+        x = model.finish(lw, x, attention(q, k_ctx, v_ctx, k, v))
+    return F.linear(_rms(x, model.final_norm), model.lm_head)
+
+
+def target_step(model: Qwen3Layers, x: torch.Tensor, caches: list, past: int, cos, sin, mask) -> torch.Tensor:
+    """Target forward of x's tokens over a static KV cache holding `past` tokens; logits for every position."""
+    t = x.shape[1]
+    for lw, (kc, vc) in zip(model.layers, caches):
+        q, k, v = model.qkv(lw, _rms(x, lw["in_norm"]), cos, sin)
+        kc[:, :, past:past + t] = k
+        vc[:, :, past:past + t] = v
+        attn = F.scaled_dot_product_attention(q, kc[:, :, :past + t], vc[:, :, :past + t], attn_mask=mask,
+                                              enable_gqa=True)
+        x = model.finish(lw, x, attn)
+    return F.linear(_rms(x, model.final_norm), model.lm_head)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sections
+
+def check_kernels(s: Shapes, device, backend: str) -> dict:
+    """Triton (or the dispatcher's choice) vs the torch reference on the same device."""
+    out: dict = {"backend": backend, "attention": [], "verify": []}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, getattr(torch, s.dtype)):
+        for ctx in sorted({0, s.context, 3 * s.context + 5}):
+            shapes = [(2, s.heads, s.block, s.head_dim), (2, s.kv_heads, ctx, s.head_dim),
+                      (2, s.kv_heads, ctx, s.head_dim), (2, s.kv_heads, s.block, s.head_dim),
+                      (2, s.kv_heads, s.block, s.head_dim)]
+            t = [torch.randn(*sh, generator=g).to(device=device, dtype=dtype) for sh in shapes]
+            got = kv_injected_block_attention(*t, backend=backend)
+            ref = kv_injected_block_attention_ref(*[x.float() for x in t])
+            diff = (got.float() - ref).abs().max().item()
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            out["attention"].append({"dtype": str(dtype).replace("torch.", ""), "context": ctx,
+                                     "max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol})
+    for temperature in (0.0, 1.0):
+        B = 4
+        logits = (torch.randn(B, s.block, s.vocab, generator=g) * 4).to(device)
+        own = torch.softmax(logits[:, :-1].float() / max(temperature, 1.0), -1)
+        draft_probs = 0.9 * own + 0.1 * torch.softmax(torch.randn(B, s.block - 1, s.vocab, generator=g).to(device), -1)
+        if temperature == 0:
+            drafts = logits[:, :-1].argmax(-1)
+            drafts[1, s.block // 2] = (drafts[1, s.block // 2] + 1) % s.vocab
+            drafts[2, 0] = (drafts[2, 0] + 1) % s.vocab
+        else:
+            drafts = torch.multinomial(draft_probs.reshape(-1, s.vocab).cpu(), 1, generator=g).reshape(
+                B, s.block - 1).to(device)
+        uniforms = torch.rand(B, s.block, generator=g).to(device)
+        got = fused_verify(logits, drafts, draft_probs, uniforms, temperature, backend=backend)
+        ref = fused_verify_ref(logits, drafts, draft_probs, uniforms, temperature)
+        same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
+        out["verify"].append({"temperature": temperature, "vocab": s.vocab, "block": s.block, "batch": B,
+                              "tokens_identical": same, "accept_len": got[0].tolist()})
+    out["ok"] = all(a["ok"] for a in out["attention"]) and all(v["tokens_identical"] for v in out["verify"])
+    return out
+
+
+def _sdpa_attention(q, k_ctx, v_ctx, k_blk, v_blk):
+    return F.scaled_dot_product_attention(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2),
+                                          enable_gqa=True)
+
+
+def drafter_latency(s: Shapes, device, backend: str) -> dict:
+    dtype = getattr(torch, s.dtype)
+    model = Qwen3Layers(s, s.drafter_layers, device, dtype, seed=1)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    ctx_kv = [(torch.randn(1, s.kv_heads, s.context, s.head_dim, generator=g).to(device, dtype),
+               torch.randn(1, s.kv_heads, s.context, s.head_dim, generator=g).to(device, dtype))
+              for _ in model.layers]
+    block = torch.randn(1, s.block, s.hidden, generator=g).to(device, dtype)
+    one = block[:, :1].contiguous()
+    cos_b, sin_b = _rope_tables(torch.arange(s.context, s.context + s.block, device=device), s.head_dim, dtype)
+    cos_1, sin_1 = cos_b[:, :, :1].contiguous(), sin_b[:, :, :1].contiguous()
+
+    def kernel_attention(*a):
+        return kv_injected_block_attention(*a, backend=backend)
+
+    result = {"shapes": {"layers": s.drafter_layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.kv_heads,
+                         "head_dim": s.head_dim, "block": s.block, "context": s.context, "dtype": s.dtype},
+              "note": "random weights; includes the LM head (15 rows for the block, 1 per single-token step); "
+                      "context K/V precomputed (same cost for both)"}
+    for name, attention in (("kernel", kernel_attention), ("sdpa", _sdpa_attention)):
+        for graph in ((False, True) if device.type == "cuda" else (False,)):
+            key = f"{name}{'_cuda_graph' if graph else '_eager'}"
+            try:
+                blk = time_ms(lambda: drafter_step(model, block, ctx_kv, cos_b, sin_b, attention), device,
+                              s.iters, s.warmup, cuda_graph=graph)
+                seq = time_ms(lambda: drafter_step(model, one, ctx_kv, cos_1, sin_1, attention), device,
+                              s.iters, s.warmup, repeat=s.block, cuda_graph=graph)
+                result[key] = {"block_forward_ms": blk["median_ms"], f"{s.block}_single_steps_ms": seq["median_ms"],
+                               "speedup_block_vs_sequential": seq["median_ms"] / blk["median_ms"]}
+            except Exception as e:  # one variant failing (e.g. graph capture) must not lose the others
+                result[key] = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+def target_verify_latency(s: Shapes, device) -> dict:
+    dtype = getattr(torch, s.dtype)
+    model = Qwen3Layers(s, s.target_layers, device, dtype, seed=3)
+    g = torch.Generator(device="cpu").manual_seed(4)
+    total = s.context + s.block
+    caches = [(torch.randn(1, s.kv_heads, total, s.head_dim, generator=g).to(device, dtype),
+               torch.randn(1, s.kv_heads, total, s.head_dim, generator=g).to(device, dtype)) for _ in model.layers]
+    xs = torch.randn(1, s.block, s.hidden, generator=g).to(device, dtype)
+    pos = torch.arange(s.context, total, device=device)
+    cos_b, sin_b = _rope_tables(pos, s.head_dim, dtype)
+    # block tokens see the whole cache and the block causally
+    mask = torch.ones(s.block, total, dtype=torch.bool, device=device).tril(diagonal=s.context)
+    one = xs[:, :1].contiguous()
+    cos_1, sin_1 = cos_b[:, :, :1].contiguous(), sin_b[:, :, :1].contiguous()
+    result = {"shapes": {"layers_run": s.target_layers, "layers_qwen3_8b": 36, "hidden": s.hidden, "heads": s.heads,
+                         "kv_heads": s.kv_heads, "head_dim": s.head_dim, "intermediate": s.intermediate,
+                         "vocab": s.vocab, "context": s.context, "dtype": s.dtype},
+              "note": f"random weights, {s.target_layers} of 36 layers + LM head on every position; SDPA attention "
+                      "over a static KV cache"}
+    for graph in ((False, True) if device.type == "cuda" else (False,)):
+        key = "cuda_graph" if graph else "eager"
+        try:
+            many = time_ms(lambda: target_step(model, xs, caches, s.context, cos_b, sin_b, mask), device, s.iters,
+                           s.warmup, cuda_graph=graph)
+            single = time_ms(lambda: target_step(model, one, caches, s.context, cos_1, sin_1, None), device, s.iters,
+                             s.warmup, cuda_graph=graph)
+            result[key] = {f"verify_{s.block}_tokens_ms": many["median_ms"], "decode_1_token_ms": single["median_ms"],
+                           "ratio": many["median_ms"] / single["median_ms"]}
+        except Exception as e:
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
+    return result
+
+
+def attention_vs_sdpa(s: Shapes, device, backend: str) -> dict:
+    dtype = getattr(torch, s.dtype)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    rows = []
+    for ctx in s.sdpa_contexts:
+        t = [torch.randn(1, s.heads, s.block, s.head_dim, generator=g),
+             torch.randn(1, s.kv_heads, ctx, s.head_dim, generator=g),
+             torch.randn(1, s.kv_heads, ctx, s.head_dim, generator=g),
+             torch.randn(1, s.kv_heads, s.block, s.head_dim, generator=g),
+             torch.randn(1, s.kv_heads, s.block, s.head_dim, generator=g)]
+        t = [x.to(device, dtype) for x in t]
+        kern = time_ms(lambda: kv_injected_block_attention(*t, backend=backend), device, s.iters * 5, s.warmup)
+        sdpa = time_ms(lambda: _sdpa_attention(*t), device, s.iters * 5, s.warmup)
+        diff = (kv_injected_block_attention(*t, backend=backend).float() - _sdpa_attention(*t).float()).abs().max()
+        rows.append({"context": ctx, "kernel_us": kern["median_ms"] * 1e3, "sdpa_concat_us": sdpa["median_ms"] * 1e3,
+                     "kernel_speedup": sdpa["median_ms"] / kern["median_ms"], "max_abs_diff_vs_sdpa": diff.item()})
+    return {"backend": backend, "batch": 1, "block": s.block, "heads": s.heads, "kv_heads": s.kv_heads,
+            "head_dim": s.head_dim, "dtype": s.dtype, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+def environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "triton_interpret": os.environ.get("TRITON_INTERPRET", "")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | None = None) -> dict:
+    if not cpu and not torch.cuda.is_available():
+        return {"error": "no CUDA device visible (use --cpu for the CI code-path check)"}
+    device = torch.device("cpu" if cpu else "cuda")
+    shapes = TINY if cpu else Shapes()
+    if cpu:
+        backend = "triton" if triton_available() and os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    else:
+        backend = "triton" if triton_available() else "torch"
+    report = {"mode": "cpu-dry-run" if cpu else "gpu", "environment": environment(device), "shapes": asdict(shapes),
+              "kernel_backend": backend}
+    jobs = {"kernels": lambda: check_kernels(shapes, device, backend),
+            "drafter_latency": lambda: drafter_latency(shapes, device, backend),
+            "target_verify": lambda: target_verify_latency(shapes, device),
+            "attention_vs_sdpa": lambda: attention_vs_sdpa(shapes, device, backend)}
+    for name in sections:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                report[name] = jobs[name]()
+        except Exception as e:
+            report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        report[name]["seconds"] = round(time.perf_counter() - start, 2)
+        print(f"[gpu_check] {name}: {report[name]['seconds']} s", file=sys.stderr, flush=True)
+        if on_section is not None:  # a run cut short by its time limit still leaves the finished sections
+            on_section(report)
+    return report
+
+
+def _summary(report: dict) -> str:
+    lines = [f"mode={report.get('mode')} backend={report.get('kernel_backend')} "
+             f"{report.get('environment', {}).get('gpu', '')}"]
+    k = report.get("kernels", {})
+    if "attention" in k:
+        lines.append("kernels: attention max diff " + ", ".join(
+            f"{a['dtype']}/T={a['context']}: {a['max_abs_diff']:.2e}" for a in k["attention"])
+            + "; verify tokens identical " + ", ".join(str(v["tokens_identical"]) for v in k["verify"]))
+    for name in ("drafter_latency", "target_verify"):
+        for key, val in report.get(name, {}).items():
+            if isinstance(val, dict) and ("ratio" in val or "speedup_block_vs_sequential" in val or "error" in val):
+                lines.append(f"{name}.{key}: " + ", ".join(
+                    f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in val.items()))
+    for row in report.get("attention_vs_sdpa", {}).get("rows", []):
+        lines.append(f"attention T={row['context']}: kernel {row['kernel_us']:.1f} us, sdpa {row['sdpa_concat_us']:.1f}"
+                     f" us, speedup {row['kernel_speedup']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
+                        help="tiny shapes on the CPU: checks the code paths, measures nothing meaningful")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.json (default $OUT)")
+    parser.add_argument("--sections", default="kernels,drafter_latency,target_verify,attention_vs_sdpa")
+    args = parser.parse_args(argv)
+    sections = [x for x in args.sections.split(",") if x]
+    known = {"kernels", "drafter_latency", "target_verify", "attention_vs_sdpa"}
+    if set(sections) - known:
+        parser.error(f"unknown sections {sorted(set(sections) - known)} (known: {', '.join(sorted(known))})")
+
+    def write(report: dict) -> None:
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / ".gpu_check.json.tmp"
+            tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+            tmp.replace(out / "gpu_check.json")
+
+    report = run(args.cpu, sections, on_section=write)
+    write(report)
+    print(_summary(report) if "error" not in report else report["error"])
+    if "error" in report:
+        return 2
+    failed = [n for n in sections if "error" in report.get(n, {})]
+    kernels_ok = report.get("kernels", {}).get("ok", True)
+    return 1 if failed or not kernels_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
