@@ -56,6 +56,18 @@ def reference(recipe, prompt, max_new_tokens, temperature, seed):
     run_reference(recipe, prompt, max_new_tokens, temperature, seed)
 
 
+@main.command()
+@click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
+@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
+def demo(recipe, prompt, max_new_tokens):
+    """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
+    with DFlash and with plain AR decoding on the same engine."""
+    from dflash_export.demo import run_demo
+
+    run_demo(recipe, prompt, max_new_tokens)
+
+
 def _register_optional(name: str, module: str, attr: str) -> None:
     """Stage commands live in their own modules; a stage whose module is absent is simply not listed."""
     import importlib

@@ -1,0 +1,157 @@
+"""`dflash-export bench`: tok/s and time per output token for
+(a) DFlash on the engine, (b) AR on the same engine, (c) transformers `generate` (PyTorch, recipe dtype) AR,
+(d) the PyTorch reference `spec_generate`; τ; peak RSS.
+
+Each mode runs in its own process so its peak RSS is its own, after a warm-up generation; figures are medians over
+prompts. Greedy outputs of every mode are compared token for token with (c).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+
+def _encode_prompts(recipe, suite: str, n: int, codec) -> list[list[int]]:
+    from dflash_export.validate.suites import encode_prompt, load_suite
+
+    path, prompts = load_suite(suite, n)
+    return [encode_prompt(p, codec, recipe.chat_template, 1 << 62, path) for p in prompts]
+
+
+def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(recipe_name)
+    runs = []
+    if mode in ("dflash", "ar"):
+        from dflash_export.engines.base import SamplingParams, load_engine
+        from dflash_export.runtime import DFlashRuntime
+
+        t0 = time.perf_counter()
+        engine = load_engine(engine_dir)
+        load_s = time.perf_counter() - t0
+        rt = DFlashRuntime(engine)
+
+        def gen(ids, n):
+            s = rt.generate(ids, SamplingParams(max_new_tokens=n), mode)
+            return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths
+    else:
+        import torch
+
+        from dflash_export.models import load_drafter, load_target
+        from dflash_export.reference import spec_generate
+
+        dtype = getattr(torch, recipe.dtype)
+        t0 = time.perf_counter()
+        target = load_target(recipe.target_path, dtype)
+        drafter = load_drafter(recipe.drafter_path, dtype) if mode == "reference" else None
+        load_s = time.perf_counter() - t0
+        if mode == "reference":
+            def gen(ids, n):
+                r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size)
+                return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths
+        else:
+            stop = target.stop_token_ids
+
+            @torch.inference_mode()
+            def gen(ids, n):
+                x = torch.tensor([ids])
+                t = time.perf_counter()
+                out = target.hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=stop or None,
+                                         pad_token_id=stop[0] if stop else 0)
+                total = time.perf_counter() - t
+                return out[0, len(ids):].tolist(), total, 0.0, []
+    gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
+    for ids in prompts:
+        toks, total, ttft, acc = gen(ids, max_new)
+        runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
+                     "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc)})
+    return {"mode": mode, "load_s": load_s, "runs": runs,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _summary(res: dict) -> dict:
+    runs = res["runs"]
+    tps = [len(r["tokens"]) / r["total_s"] for r in runs if r["total_s"] > 0]
+    tpot = [(r["total_s"] - r["ttft_s"]) / max(1, len(r["tokens"]) - 1) for r in runs]
+    taus = [r["tau"] for r in runs]
+    return {"tok_s_median": statistics.median(tps), "tpot_ms_median": 1000 * statistics.median(tpot),
+            "tau_mean": sum(taus) / len(taus), "peak_rss_mb": res["peak_rss_mb"],
+            "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"]}
+
+
+def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
+              modes: list[str], out_json: str | None) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_export.recipes import load_recipe
+    from dflash_export.tokenization import TextCodec
+
+    console = Console(highlight=False)
+    for m in modes:
+        if m not in ("dflash", "ar", "hf", "reference"):
+            raise DFlashError(f"unknown mode {m!r}", field="--modes")
+    recipe = load_recipe(recipe_name)
+    if engine_dir is None:
+        from dflash_export.engines.build import build_engine
+
+        engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
+    codec = TextCodec.from_dir(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
+    prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, codec)
+    results = {}
+    for mode in modes:
+        console.print(f"[bench] {mode}: {len(prompts)} prompts x {max_new} new tokens ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            job = Path(tmp) / "job.json"
+            job.write_text(json.dumps({"mode": mode, "recipe": str(recipe.path), "engine": engine_dir,
+                                       "prompts": prompts, "max_new": max_new}))
+            proc = subprocess.run([sys.executable, "-m", "dflash_export.bench", str(job)], capture_output=True,
+                                  text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if proc.returncode != 0:
+                raise DFlashError(f"benchmark worker failed: {proc.stderr.strip().splitlines()[-1:]}",
+                                  field=mode)
+            results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = {m: _summary(r) for m, r in results.items()}
+    base = results.get("hf") or results.get("ar")
+    if base:
+        for m, r in results.items():
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
+            summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
+    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)")
+    for col in ("mode", "tok/s", "ms/token", "tau", "peak RSS MB", "identical"):
+        table.add_column(col)
+    names = {"dflash": "(a) DFlash, engine", "ar": "(b) AR, same engine", "hf": "(c) HF generate AR",
+             "reference": "(d) PyTorch spec_generate"}
+    for m, s in summary.items():
+        ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
+        table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau_mean']:.2f}",
+                      f"{s['peak_rss_mb']:.0f}", ident)
+    console.print(table)
+    ratios = {}
+    for a, b in (("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference")):
+        if a in summary and b in summary:
+            ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]
+    if ratios:
+        console.print("speedups: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "summary": summary,
+              "ratios": ratios, "raw": results}
+    if out_json:
+        Path(out_json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"])
+    print(json.dumps(out))

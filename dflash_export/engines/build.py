@@ -1,0 +1,91 @@
+"""`build`: one engine directory per (recipe, backend), reused when its inputs are unchanged.
+
+The backend builders write into a temporary directory that is renamed only when complete (errors.atomic_dir), so an
+interrupted build never leaves a directory that loads as an engine; `read_manifest` also re-checks every file hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_export.engines.base import MANIFEST, hash_inputs, read_manifest
+from dflash_export.errors import DFlashError, MissingDependency
+
+DEFAULT_ROOT = Path("engines")
+
+
+@dataclass
+class BuildResult:
+    engine_dir: Path
+    reused: bool
+    inputs: dict[str, str]
+
+
+def recipe_inputs(recipe) -> dict[str, str]:
+    """Hashes of everything an engine is built from: the recipe file, the target (GGUF or HF dir), the drafter."""
+    from dflash_export.sources import resolve_source
+
+    paths = [Path(recipe.path)] if recipe.path else []
+    for spec in (recipe.target_path, recipe.drafter_path):
+        p = resolve_source(spec)
+        if not p.exists():
+            raise DFlashError("not found", path=p, field="target" if spec == recipe.target_path else "drafter")
+        paths.append(p)
+    return hash_inputs(paths)
+
+
+def _builder(backend: str):
+    if backend == "onnxruntime":
+        try:
+            from dflash_export.engines.onnxruntime import build_onnxruntime
+        except ImportError as e:
+            raise MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({e.name})",
+                                    field="--backend") from None
+        return build_onnxruntime
+    if backend == "tensorrt":
+        from dflash_export.engines.tensorrt import build_tensorrt
+
+        return build_tensorrt
+    if backend == "tensorrt-llm":
+        from dflash_export.engines.tensorrt_llm import build_tensorrt_llm
+
+        return build_tensorrt_llm
+    raise DFlashError(f"unknown backend {backend!r} (onnxruntime, tensorrt, tensorrt-llm)", field="--backend")
+
+
+def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
+    """Add the input hashes to the manifest if the backend did not (atomic replace; the manifest is not hashed)."""
+    path = engine_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    if manifest.get("inputs") == inputs:
+        return
+    manifest["inputs"] = inputs
+    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False
+                 ) -> BuildResult:
+    """Build (or reuse) `out_root/<recipe>/<backend>/`."""
+    if backend not in recipe.backends:
+        raise DFlashError(f"backend {backend!r} is not listed in the recipe's backends {recipe.backends}",
+                          path=recipe.path, field="backends")
+    build = _builder(backend)
+    engine_dir = Path(out_root) / recipe.name / backend
+    inputs = recipe_inputs(recipe)
+    if engine_dir.exists() and not force:
+        try:
+            manifest = read_manifest(engine_dir)
+            if manifest.get("inputs") == inputs and manifest.get("backend") == backend:
+                return BuildResult(engine_dir, True, inputs)
+        except DFlashError:
+            pass  # unreadable or tampered: rebuild over it
+    build(recipe, engine_dir)
+    if not (engine_dir / MANIFEST).is_file():
+        raise DFlashError("the backend finished without writing a manifest", path=engine_dir)
+    _record_inputs(engine_dir, inputs)
+    return BuildResult(engine_dir, False, inputs)

@@ -1,0 +1,73 @@
+"""CLI for `build`, `run` and `bench` (thin: parse and call)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
+              show_default=True)
+@click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
+@click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
+def build(recipe, backend, out, force):
+    """Build engines/<recipe>/<backend>/ (reused when every input hash matches)."""
+    from rich.console import Console
+
+    from dflash_export.engines.build import build_engine
+    from dflash_export.recipes import load_recipe
+
+    r = load_recipe(recipe)
+    res = build_engine(r, backend, out, force)
+    Console(highlight=False).print(
+        f"{'reused' if res.reused else 'built'} {res.engine_dir} "
+        f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+
+
+@click.command()
+@click.option("--engine", "engine_dir", required=True, help="A built engine directory.")
+@click.argument("prompt")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
+@click.option("--no-chat", is_flag=True, help="Send the prompt as raw text (no chat template).")
+def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat):
+    """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
+    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.runtime import DFlashRuntime, RunStats
+
+    engine = load_engine(engine_dir)
+    rt = DFlashRuntime(engine)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    stats = RunStats()
+    for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}, "
+               f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
+               err=True)
+
+
+@click.command()
+@click.option("--recipe", required=True)
+@click.option("--engine", "engine_dir", default=None, help="Default: engines/<recipe>/onnxruntime (built if absent).")
+@click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
+@click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--modes", default="dflash,ar,hf,reference", show_default=True,
+              help="Comma list of: dflash (engine), ar (same engine), hf (transformers generate), reference "
+                   "(PyTorch spec_generate).")
+@click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
+def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json):
+    """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    from dflash_export.bench import run_bench
+
+    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, [m.strip() for m in modes.split(",")],
+              out_json)
