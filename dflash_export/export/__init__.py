@@ -1,0 +1,200 @@
+"""ONNX export of a recipe's pair: `target_verify.onnx` (feature-fused target + FusedVerify) and `drafter.onnx`
+(KVInjectedBlockAttention layers), with the custom ops carried as model-local functions.
+
+Files written (all in one directory):
+  target_verify.onnx + target_verify.onnx.data     the target graph and its weights
+  drafter.onnx + drafter.onnx.data                 the drafter graph and its weights
+  shared_weights.bin                               embedding (+ LM head when untied), referenced by both graphs
+
+Sharing decision: the embedding / LM head live once on disk, in `shared_weights.bin`, referenced by both graphs' external
+data, so each file still runs standalone in plain ONNX Runtime. In memory the ORT engine reads that file once and hands
+the same buffer to both sessions as a pre-supplied initializer (SessionOptions.add_initializer), so the largest tensors
+(113 MB for SmolLM2) are held once rather than once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
+
+TARGET_FILE = "target_verify.onnx"
+DRAFTER_FILE = "drafter.onnx"
+SHARED_FILE = "shared_weights.bin"
+FORMAT_VERSION = "1"
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    target_path: Path
+    drafter_path: Path
+    metadata: dict[str, str]
+    seconds: float
+    file_sizes: dict[str, int] = field(default_factory=dict)
+
+
+def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, logits_atol: float = 1e-4,
+                    ctx_atol: float = 1e-4) -> dict[str, str]:
+    """Runtime-critical facts written into each model so a file describes itself (values are strings, as ONNX wants)."""
+    from dflash_export.export import ops
+
+    c = drafter.config
+    return {
+        "dflash.format_version": FORMAT_VERSION,
+        "dflash.recipe": recipe_name,
+        "dflash.block_size": str(block_size),
+        "dflash.target_layer_ids": json.dumps(list(c.target_layer_ids)),
+        "dflash.mask_token_id": str(c.mask_token_id),
+        "dflash.max_seq_len": str(max_len),
+        "dflash.opset": str(ops.ONNX_OPSET),
+        "dflash.logits_atol": repr(float(logits_atol)),
+        "dflash.ctx_atol": repr(float(ctx_atol)),
+        "dflash.drafter_layers": str(c.num_hidden_layers),
+    }
+
+
+def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", block_size: int | None = None,
+                  max_len: int = 2048, logits_atol: float = 1e-4, ctx_atol: float = 1e-4,
+                  ort_flavor: bool = False) -> ExportResult:
+    """Write both graphs for loaded (fp32) models into an existing, empty `out_dir`; checker + shape inference run.
+
+    `ort_flavor` also writes `target_verify_ort.onnx` (ONNX Runtime's fused contrib ops, sharing the target's data file).
+    """
+    import onnx
+
+    from dflash_export.export import graph
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    bs = block_size or drafter.block_size
+    meta = export_metadata(recipe_name, drafter, bs, max_len, logits_atol, ctx_atol)
+    shared_store = graph.WeightStore(out_dir / SHARED_FILE)
+    t_store = graph.WeightStore(out_dir / (TARGET_FILE + ".data"))
+    d_store = graph.WeightStore(out_dir / (DRAFTER_FILE + ".data"))
+    try:
+        outputs = [(TARGET_FILE, "portable", t_store), (DRAFTER_FILE, None, d_store)]
+        if ort_flavor:
+            outputs.append((ORT_TARGET_FILE, "ort", t_store))
+        for fname, flavor, store in outputs:
+            if flavor is None:
+                model, inits, shared = graph.build_drafter_graph(target, drafter, max_len)
+            else:
+                model, inits, shared = graph.build_target_graph(target, drafter, max_len, flavor)
+            graph.place_weights(model, inits, store, shared_store, shared)
+            del inits
+            onnx.helper.set_model_props(model, {**meta, "dflash.graph": fname, "dflash.flavor": flavor or "portable"})
+            onnx.save_model(model, str(out_dir / fname))
+    finally:
+        for s in (shared_store, t_store, d_store):
+            s.close()
+    for fname in (TARGET_FILE, DRAFTER_FILE):
+        validate_file(out_dir / fname)
+    sizes = {p.name: p.stat().st_size for p in sorted(out_dir.iterdir()) if p.is_file()}
+    return ExportResult(out_dir, out_dir / TARGET_FILE, out_dir / DRAFTER_FILE, meta, time.perf_counter() - t0, sizes)
+
+
+ORT_TARGET_FILE = "target_verify_ort.onnx"
+
+
+def validate_file(path: Path) -> None:
+    """onnx.checker (full, external data resolved) + shape inference; failures name the file."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except onnx.checker.ValidationError as e:
+        raise DFlashError(f"onnx.checker failed: {str(e).splitlines()[0]}", path=path) from None
+    except onnx.shape_inference.InferenceError as e:
+        raise DFlashError(f"shape inference failed: {str(e).splitlines()[0]}", path=path) from None
+
+
+def export_recipe(recipe, out_dir) -> ExportResult:
+    """Load the recipe's target and drafter (fp32), write both graphs to `out_dir` atomically, and check them."""
+    import torch
+
+    from dflash_export.errors import atomic_dir
+    from dflash_export.models import load_drafter, load_target
+
+    target = load_target(recipe.target_path, torch.float32)
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    th = recipe.thresholds
+    with atomic_dir(out_dir) as tmp:
+        res = export_models(target, drafter, tmp, recipe_name=recipe.name, block_size=recipe.block_size,
+                            max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol)
+    out_dir = Path(out_dir)
+    res.out_dir, res.target_path, res.drafter_path = out_dir, out_dir / TARGET_FILE, out_dir / DRAFTER_FILE
+    check_export(out_dir, expected_from_recipe(recipe, drafter))
+    return res
+
+
+def expected_from_recipe(recipe, drafter) -> dict[str, str]:
+    c = drafter.config
+    return {
+        "dflash.block_size": str(recipe.block_size or c.block_size),
+        "dflash.target_layer_ids": json.dumps(list(c.target_layer_ids)),
+        "dflash.mask_token_id": str(c.mask_token_id),
+        "dflash.max_seq_len": str(recipe.max_seq_len),
+    }
+
+
+def check_model_contract(model, path: Path, expected: dict[str, str] | None = None) -> dict[str, str]:
+    """Refuse a graph whose dflash nodes lack their plugin attributes or whose metadata disagrees with `expected`.
+
+    Returns the model's metadata. `model` is an onnx.ModelProto (weights need not be loaded).
+    """
+    from dflash_export.export import ops
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    for key in ("dflash.format_version", "dflash.block_size", "dflash.target_layer_ids", "dflash.mask_token_id"):
+        if key not in meta:
+            raise DFlashError("missing model metadata", path=path, field=key)
+    for key, want in (expected or {}).items():
+        if meta.get(key) != want:
+            raise DFlashError(f"metadata {meta.get(key)!r} disagrees with the recipe ({want!r})", path=path, field=key)
+    functions = {(f.domain, f.name) for f in model.functions}
+    found = 0
+    for node in model.graph.node:
+        if node.domain != ops.DOMAIN:
+            continue
+        found += 1
+        if node.op_type not in ops.REQUIRED_ATTRS:
+            raise DFlashError(f"unknown dflash op {node.op_type!r}", path=path, field=node.name)
+        have = {a.name: a for a in node.attribute}
+        for attr in ops.REQUIRED_ATTRS[node.op_type]:
+            if attr not in have:
+                raise DFlashError(f"{node.op_type} node lacks attribute {attr!r}", path=path, field=node.name)
+        if have["plugin_namespace"].s.decode() != ops.PLUGIN_NAMESPACE or \
+                have["plugin_version"].s.decode() != ops.PLUGIN_VERSION:
+            raise DFlashError(f"{node.op_type} plugin attributes differ from "
+                              f"{ops.PLUGIN_NAMESPACE}/{ops.PLUGIN_VERSION}", path=path, field=node.name)
+        if (ops.DOMAIN, node.op_type) not in functions:
+            raise DFlashError(f"{node.op_type} has no model-local function (ONNX Runtime could not run it)",
+                              path=path, field=node.name)
+    if not found:
+        raise DFlashError("no dflash custom-op node in the graph", path=path)
+    return meta
+
+
+def check_export(out_dir, expected: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """check_model_contract on both graphs of an export directory; returns their metadata by file name."""
+    import onnx
+
+    out = {}
+    for fname in (TARGET_FILE, DRAFTER_FILE):
+        path = Path(out_dir) / fname
+        if not path.is_file():
+            raise DFlashError("exported graph missing", path=path)
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # protobuf raises DecodeError and friends for truncated files
+            raise DFlashError(f"not a readable ONNX file ({type(e).__name__})", path=path) from None
+        out[fname] = check_model_contract(model, path, expected)
+    return out
+
+
+__all__ = ["ExportResult", "export_recipe", "export_models", "check_export", "check_model_contract",
+           "TARGET_FILE", "DRAFTER_FILE", "SHARED_FILE", "ORT_TARGET_FILE"]

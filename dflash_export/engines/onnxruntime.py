@@ -1,0 +1,364 @@
+"""The ONNX Runtime engine: the embedded default backend (CPU), and its build step.
+
+Serving imports numpy, onnxruntime and tokenizers only (no torch): `OrtEngine` runs the two graphs written by
+`dflash_export.export`; `build_onnxruntime` (which does import torch, to export) writes an engine directory.
+
+Engine directory:
+  target.onnx (+ target.onnx.data)    target graph, ONNX Runtime flavor (GroupQueryAttention over a shared K/V buffer)
+  drafter.onnx (+ drafter.onnx.data)  drafter graph
+  shared_weights.bin                  embedding / LM head, read once and given to both sessions
+  tokenizer.json + tokenizer_config.json, or codec.json (tiny pairs); manifest.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence, hash_inputs, write_manifest
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.sampling import probs_from_logits, sample_from, verify_block
+
+TARGET = "target.onnx"
+DRAFTER = "drafter.onnx"
+SHARED = "shared_weights.bin"
+ENGINE_FORMAT = 1
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise MissingDependency("onnxruntime is not installed (pip install 'dflash-export[runtime]')") from None
+    return onnxruntime
+
+
+def default_threads() -> int:
+    """Intra-op threads = the cores this process may use: ORT's default also counts hyperthreads and then spins
+    them against each other; decoding a batch of 1 is memory-bound, one thread per core is the sweet spot."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, n)
+
+
+class _OrtSeq(Sequence):
+    def __init__(self, engine: "OrtEngine"):
+        super().__init__()
+        e = engine
+        # Target K/V: one preallocated [1, KVH, max_seq_len, D] buffer per layer and kind, written in place by
+        # GroupQueryAttention (past and present bound to the same memory), so the decode loop allocates nothing.
+        shape = (1, e.t_kv_heads, e.info.max_seq_len, e.t_head_dim)
+        self.t_kv = [np.zeros(shape, np.float32) for _ in range(2 * e.t_layers)]
+        # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
+        dshape = (1, e.d_kv_heads, 0, e.d_head_dim)
+        self.d_kv = [np.zeros(dshape, np.float32) for _ in range(2 * e.d_layers)]
+        self.ctx: np.ndarray | None = None        # pending context features [1, n, H_drafter]
+        self.ctx_pos: np.ndarray | None = None    # their positions [1, n]
+
+
+class OrtEngine(Engine):
+    """Runs an engine directory written by `build_onnxruntime`. kwargs: `threads` (intra-op threads)."""
+
+    def __init__(self, engine_dir: Path, manifest: dict, threads: int | None = None, **_):
+        ort = _ort()
+        self.engine_dir = Path(engine_dir)
+        self.manifest = manifest
+        mpath = self.engine_dir / "manifest.json"
+
+        def field(name, typ=None):
+            if name not in manifest:
+                raise DFlashError("missing field", path=mpath, field=name)
+            return manifest[name] if typ is None else typ(manifest[name])
+
+        if manifest.get("backend") != "onnxruntime":
+            raise DFlashError(f"not an onnxruntime engine ({manifest.get('backend')!r})", path=mpath, field="backend")
+        if field("engine_format", int) != ENGINE_FORMAT:
+            raise DFlashError(f"engine format {manifest['engine_format']} is not {ENGINE_FORMAT}: rebuild the engine",
+                              path=mpath, field="engine_format")
+        shapes = field("shapes")
+        try:
+            self.t_layers, self.t_kv_heads, self.t_head_dim = (int(shapes[k]) for k in
+                                                               ("target_layers", "target_kv_heads", "target_head_dim"))
+            self.d_layers, self.d_kv_heads, self.d_head_dim = (int(shapes[k]) for k in
+                                                               ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DFlashError(f"incomplete ({e})", path=mpath, field="shapes") from None
+        self.info = EngineInfo(
+            backend="onnxruntime", recipe=str(manifest.get("recipe", "")), block_size=field("block_size", int),
+            mask_token_id=field("mask_token_id", int), vocab_size=field("vocab_size", int),
+            stop_token_ids=[int(x) for x in field("stop_token_ids")], max_seq_len=field("max_seq_len", int),
+            target_layer_ids=[int(x) for x in field("target_layer_ids")],
+        )
+        from dflash_export.tokenization import TextCodec
+
+        self.codec = TextCodec.from_dir(self.engine_dir)
+
+        so = ort.SessionOptions()
+        # Graphs were optimized at build time and saved; optimizing again at every load would only cost start-up.
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if manifest.get(
+            "optimized") else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads or default_threads()
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # One copy of the embedding / LM head for both sessions: read once, handed to each as a user initializer.
+        self._shared = _read_shared(self.engine_dir, manifest, mpath)
+        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self._shared.items()}
+        for name, val in self._shared_values.items():
+            so.add_initializer(name, val)
+        providers = ["CPUExecutionProvider"]
+        self.target = self._session(ort, TARGET, so, providers)
+        self.drafter = self._session(ort, DRAFTER, so, providers)
+        self._check_graph_metadata(mpath)
+        self._t_outputs = [o.name for o in self.target.get_outputs()]
+        self._dummy_probs = np.zeros((1, 1, 1), np.float32)
+        self._dummy_u = np.zeros((1, 1), np.float32)
+
+    def _session(self, ort, fname, so, providers):
+        path = self.engine_dir / fname
+        try:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as e:  # ORT raises its own Fail / InvalidGraph types
+            raise DFlashError(f"ONNX Runtime cannot load the graph ({str(e).splitlines()[0][:300]})", path=path) from None
+
+    def _check_graph_metadata(self, mpath: Path) -> None:
+        """The graphs describe themselves (export metadata); refuse a manifest that disagrees with them."""
+        want = {"dflash.block_size": str(self.info.block_size), "dflash.mask_token_id": str(self.info.mask_token_id),
+                "dflash.target_layer_ids": json.dumps(self.info.target_layer_ids),
+                "dflash.max_seq_len": str(self.info.max_seq_len)}
+        for sess, fname in ((self.target, TARGET), (self.drafter, DRAFTER)):
+            meta = sess.get_modelmeta().custom_metadata_map
+            for k, v in want.items():
+                if meta.get(k) != v:
+                    raise DFlashError(f"manifest says {v!r} but {fname} was exported with {meta.get(k)!r}",
+                                      path=mpath, field=k.split(".", 1)[1])
+
+    # The Engine contract -------------------------------------------------------------------------------------------
+
+    def new_sequence(self) -> Sequence:
+        return _OrtSeq(self)
+
+    def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int, draft_tokens: np.ndarray):
+        """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns the output dict."""
+        s = len(ids)
+        total = seq.length + s
+        if total > self.info.max_seq_len:
+            raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len "
+                              f"{self.info.max_seq_len}", field="max_tokens")
+        feeds = {
+            "input_ids": ids.reshape(1, s).astype(np.int64, copy=False),
+            "num_logits": np.array(num_logits, np.int64),
+            "draft_tokens": draft_tokens.reshape(1, -1).astype(np.int64, copy=False),
+            "draft_probs": self._dummy_probs,
+            "uniforms": self._dummy_u,
+            "seqlens_k": np.array([total - 1], np.int32),
+            "total_seq_len": np.array(total, np.int32),
+        }
+        io = self.target.io_binding()
+        for name, arr in feeds.items():
+            io.bind_cpu_input(name, arr)
+        names = ("logits", "ctx", "accept_len", "emitted_tokens", "n_emitted")
+        for name in names:  # bound first: copy_outputs_to_cpu returns outputs in binding order
+            io.bind_output(name, "cpu")
+        for i in range(self.t_layers):
+            for j, kind in enumerate(("key", "value")):
+                buf = seq.t_kv[2 * i + j]
+                io.bind_cpu_input(f"past_{kind}_{i}", buf)
+                io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+        self.target.run_with_iobinding(io)
+        return dict(zip(names, io.copy_outputs_to_cpu()[:5]))
+
+    def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(input_ids, np.int64)
+        out = self._run_target(seq, ids, 1, np.zeros(0, np.int64))
+        n = len(ids)
+        seq.ctx, seq.ctx_pos = out["ctx"], np.arange(n, dtype=np.int64)[None]
+        seq.length = n
+        return out["logits"][0, -1]
+
+    def decode(self, seq: _OrtSeq, token: int) -> np.ndarray:
+        out = self._run_target(seq, np.array([token], np.int64), 1, np.zeros(0, np.int64))
+        seq.length += 1
+        return out["logits"][0, -1]
+
+    def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms):
+        bs = self.info.block_size
+        block = np.full((1, bs), self.info.mask_token_id, np.int64)
+        block[0, 0] = anchor
+        feeds = {"ctx": seq.ctx, "ctx_positions": seq.ctx_pos, "block_ids": block,
+                 "block_positions": np.arange(seq.length, seq.length + bs, dtype=np.int64)[None]}
+        for i in range(self.d_layers):
+            feeds[f"past_ctx_key_{i}"] = seq.d_kv[2 * i]
+            feeds[f"past_ctx_value_{i}"] = seq.d_kv[2 * i + 1]
+        names = ["draft_tokens", "draft_logits"] + [f"present_ctx_{k}_{i}" for i in range(self.d_layers)
+                                                     for k in ("key", "value")]
+        if sp.greedy:
+            names.remove("draft_logits")
+        res = self.drafter.run(names, feeds)
+        seq.d_kv = res[-2 * self.d_layers:]
+        seq.ctx = seq.ctx_pos = None
+        if sp.greedy:
+            return res[0][0], None
+        probs = probs_from_logits(res[1][0].astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+        return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
+
+    def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
+        block = np.asarray(block, np.int64)
+        bs = len(block)
+        out = self._run_target(seq, block, bs, block[1:])
+        if sp.greedy:  # the graph's FusedVerify (temperature 0) already accepted the block
+            accept = int(out["accept_len"][0])
+            emitted = [int(t) for t in out["emitted_tokens"][0, : int(out["n_emitted"][0])]]
+        else:  # top-k / top-p are not part of the op's contract: accept on the host with the same rule
+            probs = probs_from_logits(out["logits"][0].astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+            accept, emitted = verify_block(probs, out["logits"][0], block[1:], draft_probs, uniforms, False)
+        seq.ctx = out["ctx"][:, : accept + 1]
+        seq.ctx_pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)[None]
+        # Committing = advancing the length: K/V rows past it are stale and get overwritten by the next step.
+        seq.length += accept + 1
+        return accept, emitted
+
+    def close(self) -> None:
+        self.target = self.drafter = None
+        self._shared_values = {}
+
+
+def _read_shared(engine_dir: Path, manifest: dict, mpath: Path) -> dict[str, np.ndarray]:
+    """The shared tensors listed in the manifest, read from shared_weights.bin (one buffer, no copy per session)."""
+    path = engine_dir / SHARED
+    entries = manifest.get("shared_tensors")
+    if not isinstance(entries, dict):
+        raise DFlashError("missing or not a mapping", path=mpath, field="shared_tensors")
+    out = {}
+    raw = np.fromfile(path, dtype=np.uint8)
+    for name, e in entries.items():
+        try:
+            off, length, shape = int(e["offset"]), int(e["length"]), [int(x) for x in e["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise DFlashError("needs offset, length, shape", path=mpath, field=f"shared_tensors.{name}") from None
+        if off + length > raw.size or length != 4 * int(np.prod(shape)):
+            raise DFlashError(f"{name} does not fit the file", path=path, field=f"shared_tensors.{name}")
+        out[name] = raw[off: off + length].view(np.float32).reshape(shape)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Build
+
+
+def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
+    """Export the recipe's pair, optimize both graphs for ONNX Runtime and write a complete engine directory.
+
+    Written in a temporary sibling and renamed when complete (errors.atomic_dir). Returns `out_dir`.
+    """
+    import onnx
+    import torch
+
+    from dflash_export.errors import atomic_dir
+    from dflash_export.export import DRAFTER_FILE, ORT_TARGET_FILE, SHARED_FILE, export_models
+    from dflash_export.export.graph import target_spec
+    from dflash_export.models import load_drafter, load_target
+    from dflash_export.sources import resolve_source
+
+    ort = _ort()
+    if recipe.dtype != "float32":
+        raise DFlashError(f"the onnxruntime backend builds float32 engines (recipe asks {recipe.dtype})",
+                          path=recipe.path, field="dtype")
+    target = load_target(recipe.target_path, torch.float32)
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    spec = target_spec(target)
+    bs = recipe.block_size or drafter.block_size
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        export_dir = tmp / "export"
+        export_dir.mkdir()
+        res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
+                            max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
+                            ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True)
+        manifest_shared = _shared_layout(export_dir / ORT_TARGET_FILE)
+        # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
+        for src, dst in ((ORT_TARGET_FILE, TARGET), (DRAFTER_FILE, DRAFTER)):
+            _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
+        shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
+        shutil.rmtree(export_dir)
+        _copy_tokenizer(target, drafter, tmp)
+        manifest = {
+            "backend": "onnxruntime",
+            "engine_format": ENGINE_FORMAT,
+            "recipe": recipe.name,
+            "recipe_path": str(recipe.path) if recipe.path else recipe.name,
+            "inputs": hash_inputs([p for p in (recipe.path, target.model_dir, resolve_source(recipe.drafter_path))
+                                   if p]),
+            "block_size": bs,
+            "target_layer_ids": list(drafter.config.target_layer_ids),
+            "mask_token_id": drafter.config.mask_token_id,
+            "max_seq_len": recipe.max_seq_len,
+            "stop_token_ids": list(target.stop_token_ids),
+            "vocab_size": spec.vocab_size,
+            "dtypes": {"weights": "float32", "activations": "float32", "kv_cache": "float32"},
+            "flags": {"target_graph": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "export": res.metadata},
+            "optimized": True,
+            "shared_tensors": manifest_shared,
+            "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
+                       "target_head_dim": spec.head_dim, "drafter_layers": drafter.config.num_hidden_layers,
+                       "drafter_kv_heads": drafter.config.num_key_value_heads,
+                       "drafter_head_dim": drafter.config.head_dim},
+            "export_seconds": round(res.seconds, 2),
+        }
+        del onnx
+        write_manifest(tmp, manifest)
+    return out_dir
+
+
+def _shared_layout(model_path: Path) -> dict[str, dict]:
+    """Where each shared tensor sits in shared_weights.bin (read from the graph's external-data entries)."""
+    import onnx
+
+    from dflash_export.export import SHARED_FILE
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    out = {}
+    for t in model.graph.initializer:
+        ext = {e.key: e.value for e in t.external_data}
+        if ext.get("location") == SHARED_FILE:
+            out[t.name] = {"offset": int(ext["offset"]), "length": int(ext["length"]), "shape": list(t.dims)}
+    return out
+
+
+def _optimize(ort, src: Path, dst: Path, shared_path: Path, shared: dict, threads: int | None) -> None:
+    """Run ORT's graph optimizations on `src` and save the optimized model as `dst` (weights in `dst`.data).
+
+    The shared tensors are supplied as user initializers so they are neither copied into the optimized file nor
+    folded into other constants; the saved graph keeps referring to them by name.
+    """
+    so = ort.SessionOptions()
+    # EXTENDED, not ALL: ALL adds layout transforms tied to this CPU's instruction set, unsafe to save and reload.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(dst)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    so.intra_op_num_threads = threads or default_threads()
+    raw = np.fromfile(shared_path, dtype=np.uint8)
+    keep = []
+    for name, e in shared.items():
+        arr = raw[e["offset"]: e["offset"] + e["length"]].view(np.float32).reshape(e["shape"])
+        val = ort.OrtValue.ortvalue_from_numpy(arr)
+        keep.append(val)
+        so.add_initializer(name, val)
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+
+
+def _copy_tokenizer(target, drafter, dst: Path) -> None:
+    src = Path(target.model_dir)
+    if (src / "tokenizer.json").is_file():
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (src / name).is_file():
+                shutil.copy2(src / name, dst / name)
+    else:  # tiny random pairs: byte codec, the mask id reserved
+        (dst / "codec.json").write_text(json.dumps({"vocab_size": int(target.vocab_size),
+                                                    "reserved": [int(drafter.config.mask_token_id)]}) + "\n")

@@ -1,0 +1,476 @@
+"""ONNX graphs for the target (prefill + block verify, feature-fused) and the drafter, built op by op from the weights.
+
+Hand-written with onnx.helper rather than optimum's exporter: optimum traces HF's forward, which cannot emit the tapped
+layers folded through the drafter's fc/hidden_norm, the dflash custom-op nodes with their functions, a logits slice
+(LM head on the last `num_logits` rows only), nor weights shared by file between two graphs. Building from the weights
+is also seconds instead of a trace, and the same code emits ONNX Runtime's fused contrib ops (`flavor="ort"`).
+
+Two flavors of the target graph, same weights and outputs:
+- "portable": standard opset-17 ops; past K/V in, present K/V (= past ++ new) out. What TensorRT and any runtime read.
+- "ort": com.microsoft GroupQueryAttention / SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization over a
+  fixed-size K/V buffer shared by past and present (no per-step concat), for the ONNX Runtime engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from dflash_export.errors import DFlashError
+from dflash_export.export import ops
+
+F32 = TensorProto.FLOAT
+I64 = TensorProto.INT64
+I32 = TensorProto.INT32
+MS = "com.microsoft"
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; `op` returns the output name(s)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: dict[str, np.ndarray] = {}
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._n = 0
+        self._consts: dict[tuple, str] = {}
+
+    def fresh(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def op(self, op_type: str, inputs, n_out: int = 1, name: str | None = None, domain: str = "",
+           outputs: list[str] | None = None, **attrs):
+        outs = outputs or [self.fresh(name or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh("n_" + op_type),
+                                           domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        self.inits[name] = np.ascontiguousarray(arr)
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight(self.fresh("const"), arr)
+        return self._consts[key]
+
+    def input(self, name, elem, shape):
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    def output(self, name, elem, shape):
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    # Common blocks ----------------------------------------------------------------------------------------------------
+
+    def linear(self, x: str, w: np.ndarray, wname: str, b: np.ndarray | None = None) -> str:
+        """x [..., in] @ W^T (W [out, in] as torch stores it, transposed once at export)."""
+        y = self.op("MatMul", [x, self.weight(wname, np.ascontiguousarray(w.T))])
+        if b is not None:
+            y = self.op("Add", [y, self.weight(wname + "_bias", b)])
+        return y
+
+    def rms_norm(self, x: str, w: str, eps: float, ort: bool) -> str:
+        if ort:
+            return self.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=float(eps))
+        # fp32 RMSNorm as the reference: x * rsqrt(mean(x^2) + eps) * w
+        sq = self.op("Mul", [x, x])
+        ms = self.op("ReduceMean", [sq], axes=[-1], keepdims=1)
+        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [ms, self.const(eps, np.float32)])])])
+        return self.op("Mul", [self.op("Mul", [x, inv]), w])
+
+    def heads(self, x: str, n: int, d: int) -> str:
+        """[B,S,n*d] -> [B,n,S,d]"""
+        return self.op("Transpose", [self.op("Reshape", [x, self.const([0, 0, n, d])])], perm=[0, 2, 1, 3])
+
+    def rope(self, x: str, cos: str, sin: str, d: int) -> str:
+        """x [B,h,S,D]; cos/sin [B,1,S,D]; rotate-half as HF."""
+        x1, x2 = self.op("Split", [x, self.const([d // 2, d // 2])], n_out=2, axis=-1)
+        rot = self.op("Concat", [self.op("Neg", [x2]), x1], axis=-1)
+        return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
+
+    def rope_tables(self, positions: str, cos_table: str, sin_table: str) -> tuple[str, str]:
+        """positions [B,S] -> cos/sin [B,1,S,D] gathered from [max_len, D] tables."""
+        one = self.const([1])
+        cos = self.op("Unsqueeze", [self.op("Gather", [cos_table, positions], axis=0), one])
+        sin = self.op("Unsqueeze", [self.op("Gather", [sin_table, positions], axis=0), one])
+        return cos, sin
+
+    def mlp(self, x: str, sd: dict, p: str, wprefix: str = "") -> str:
+        gate = self.linear(x, sd[p + "gate_proj.weight"], wprefix + p + "gate_proj")
+        up = self.linear(x, sd[p + "up_proj.weight"], wprefix + p + "up_proj")
+        act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])  # SiLU
+        return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], wprefix + p + "down_proj")
+
+    def lm_head(self, hidden: str, head: str, hidden_size: int) -> str:
+        """hidden [B,n,H] -> logits [B,n,V] with Gemm(transB) on the [V,H] table itself, so the embedding and a tied
+        LM head stay one tensor (a MatMul would need a transposed copy)."""
+        shape = self.op("Shape", [hidden])
+        bn = self.op("Slice", [shape, self.const([0]), self.const([2])])
+        flat = self.op("Reshape", [hidden, self.const([-1, hidden_size])])
+        logits2 = self.op("Gemm", [flat, head], transB=1)
+        v = self.op("Shape", [head])
+        v0 = self.op("Slice", [v, self.const([0]), self.const([1])])
+        return self.op("Reshape", [logits2, self.op("Concat", [bn, v0], axis=0)])
+
+
+@dataclass
+class TargetSpec:
+    """What the graphs need from the target and drafter configs."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    qk_norm: bool
+    tied: bool
+
+
+def target_spec(target) -> TargetSpec:
+    c = target.hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return TargetSpec(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim,
+                      c.vocab_size, float(c.rms_norm_eps), target.arch.qk_norm,
+                      bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def np_state(module) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().cpu().numpy() for k, v in module.state_dict().items()}
+
+
+def target_rope_tables(target, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_len, D] from the HF model's own rotary module (every rope_scaling transformers supports)."""
+    import torch
+
+    rot = target.hf.model.rotary_emb
+    pos = torch.arange(max_len)[None]
+    with torch.no_grad():
+        cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].float().numpy(), sin[0].float().numpy()
+
+
+def drafter_rope_tables(drafter, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    import torch
+
+    with torch.no_grad():
+        cos, sin = drafter.rotary(torch.arange(max_len)[None], torch.float32)
+    return cos[0].numpy(), sin[0].numpy()
+
+
+SHARED_EMBED = "shared.embed_tokens"
+SHARED_HEAD = "shared.lm_head"
+
+
+def shared_tensors(target) -> dict[str, np.ndarray]:
+    """The target's embedding and LM head (one tensor when tied): stored once, used by both graphs."""
+    sd = target.hf.state_dict()
+    embed = sd["model.embed_tokens.weight"].detach().float().numpy()
+    out = {SHARED_EMBED: embed}
+    head = sd.get("lm_head.weight")
+    if head is not None and not (head.data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
+                                 or np.array_equal(head.detach().float().numpy(), embed)):
+        out[SHARED_HEAD] = head.detach().float().numpy()
+    return out
+
+
+def head_name(shared: dict) -> str:
+    return SHARED_HEAD if SHARED_HEAD in shared else SHARED_EMBED
+
+
+def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") -> tuple[onnx.ModelProto, dict, dict]:
+    """Target decoder + folded fc/hidden_norm + FusedVerify.
+
+    Inputs: input_ids [B,S] int64; position_ids [B,S] int64 (portable; absolute positions, past = positions below);
+    num_logits [] int64 (LM head on the last num_logits rows); draft_tokens [B,num_logits-1] int64; draft_probs, uniforms
+    (FusedVerify's, read only when sampling); per layer past_key_i / past_value_i [B,KVH,P,D] (portable) or the shared
+    [B,KVH,max_len,D] buffers + seqlens_k [B] int32 / total_seq_len [] int32 (ort).
+    Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of the
+    logits rows against draft_tokens), present_key_i / present_value_i.
+    Returns the model, its own weights (numpy, placed by `place_weights`) and the shared tensors it references.
+    """
+    ort = flavor == "ort"
+    t = target_spec(target)
+    sd = np_state(target.hf)
+    dsd = np_state(drafter)
+    shared = shared_tensors(target)
+    g = GraphBuilder("dflash_target_verify")
+    D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
+
+    ids = g.input("input_ids", I64, ["batch", "seq"])
+    g.input("num_logits", I64, [])
+    g.input("draft_tokens", I64, ["batch", "n_draft"])
+    g.input("draft_probs", F32, ["batch", "n_draft_or_1", "vocab_or_1"])
+    g.input("uniforms", F32, ["batch", "n_uniforms"])
+    if ort:
+        g.input("seqlens_k", I32, ["batch"])
+        g.input("total_seq_len", I32, [])
+    else:
+        pos = g.input("position_ids", I64, ["batch", "seq"])
+
+    cos_t, sin_t = target_rope_tables(target, max_len)
+    if ort:
+        # GQA applies RoPE itself from half-width tables (rotate-half layout), positions from seqlens_k.
+        cos_c = g.weight("rope_cos_half", cos_t[:, : D // 2])
+        sin_c = g.weight("rope_sin_half", sin_t[:, : D // 2])
+    else:
+        cos, sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
+        # Causal mask over the cache: key k (absolute position k) is visible to a query at position p iff k <= p.
+        past_len = g.op("Shape", ["past_key_0"], start=2, end=3)
+        seq_len = g.op("Shape", [ids], start=1, end=2)
+        total = g.op("Squeeze", [g.op("Add", [past_len, seq_len]), g.const([0])])
+        kpos = g.op("Range", [g.const(0), total, g.const(1)])
+        visible = g.op("LessOrEqual", [kpos, g.op("Unsqueeze", [pos, g.const([2])])])  # [B,S,T]
+        mask = g.op("Where", [visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
+        mask = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B,1,1,S,T] against scores [B,KVH,G,S,T]
+
+    x = g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    taps: dict[int, str] = {}
+    tap_ids = list(drafter.config.target_layer_ids)
+    residual_pending = None  # ort: the MLP output not yet added (fused into the next SkipSimplifiedLayerNorm)
+    for i in range(t.num_layers):
+        p = f"model.layers.{i}."
+        ln1 = g.weight(p + "input_layernorm", sd[p + "input_layernorm.weight"])
+        if ort and residual_pending is not None:
+            xn, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, residual_pending, ln1], n_out=4, domain=MS,
+                               epsilon=t.rms_eps)
+        else:
+            xn = g.rms_norm(x, ln1, t.rms_eps, False) if not ort else g.op(
+                "SimplifiedLayerNormalization", [x, ln1], axis=-1, epsilon=t.rms_eps)
+        a = p + "self_attn."
+        bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
+        q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
+        k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
+        v = g.linear(xn, sd[a + "v_proj.weight"], a + "v_proj", bias("v_proj"))
+        if ort:
+            if t.qk_norm:  # per-head RMSNorm before GQA's rotary: normalize over a [B,S,h,D] view
+                qn = g.weight(a + "q_norm", sd[a + "q_norm.weight"])
+                kn = g.weight(a + "k_norm", sd[a + "k_norm.weight"])
+                q4 = g.op("Reshape", [q, g.const([0, 0, H, D])])
+                k4 = g.op("Reshape", [k, g.const([0, 0, KVH, D])])
+                q = g.op("Reshape", [g.op("SimplifiedLayerNormalization", [q4, qn], axis=-1, epsilon=t.rms_eps),
+                                     g.const([0, 0, H * D])])
+                k = g.op("Reshape", [g.op("SimplifiedLayerNormalization", [k4, kn], axis=-1, epsilon=t.rms_eps),
+                                     g.const([0, 0, KVH * D])])
+            past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "max_len", D])
+            past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "max_len", D])
+            attn, _, _ = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len",
+                                                      cos_c, sin_c], n_out=3, domain=MS,
+                              outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
+                              num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
+                              rotary_interleaved=0)
+        else:
+            qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
+            if t.qk_norm:
+                qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, False)
+                kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, False)
+            qh, kh = g.rope(qh, cos, sin, D), g.rope(kh, cos, sin, D)
+            past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
+            past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
+            kall = g.op("Concat", [past_k, kh], axis=2, outputs=[f"present_key_{i}"])
+            vall = g.op("Concat", [past_v, vh], axis=2, outputs=[f"present_value_{i}"])
+            # GQA as [B,KVH,G,S,D] x [B,KVH,1,D,T]: query head h reads kv head h // G, no repeated K/V.
+            q5 = g.op("Reshape", [qh, g.const([0, KVH, H // KVH, -1, D])])
+            k5 = g.op("Unsqueeze", [kall, g.const([2])])
+            v5 = g.op("Unsqueeze", [vall, g.const([2])])
+            scores = g.op("Mul", [g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])]),
+                                  g.const(D ** -0.5, np.float32)])
+            probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+            o5 = g.op("MatMul", [probs, v5])
+            o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o5, g.const([0, H, -1, D])])],
+                                      perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
+            attn = o
+        attn = g.linear(attn, sd[a + "o_proj.weight"], a + "o_proj", bias("o_proj"))
+        ln2 = g.weight(p + "post_attention_layernorm", sd[p + "post_attention_layernorm.weight"])
+        if ort:
+            xn2, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, attn, ln2], n_out=4, domain=MS,
+                                epsilon=t.rms_eps)
+        else:
+            x = g.op("Add", [x, attn])
+            xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
+        m = g.mlp(xn2, sd, p + "mlp.")
+        if ort:
+            residual_pending = m
+            if i in tap_ids or i == t.num_layers - 1:
+                x = g.op("Add", [x, m])
+                residual_pending = None
+        else:
+            x = g.op("Add", [x, m])
+        if i in tap_ids:
+            taps[i] = x
+    if residual_pending is not None:
+        x = g.op("Add", [x, residual_pending])
+    normed = g.rms_norm(x, g.weight("model.norm", sd["model.norm.weight"]), t.rms_eps, ort)
+    if t.num_layers - 1 in tap_ids:
+        taps[t.num_layers - 1] = normed  # HF's hidden_states[N] is the final-normed output (the +1 convention)
+
+    # Feature fusion: ctx = hidden_norm(fc(concat(taps))) for every position, so taps never leave the graph.
+    cat = g.op("Concat", [taps[i] for i in tap_ids], axis=-1) if len(tap_ids) > 1 else taps[tap_ids[0]]
+    fc = g.linear(cat, dsd["fc.weight"], "drafter.fc")
+    g.op("Identity", [g.rms_norm(fc, g.weight("drafter.hidden_norm", dsd["hidden_norm.weight"]),
+                                 drafter.config.rms_norm_eps, ort)], outputs=["ctx"])
+
+    # LM head only on the rows asked for (prefill: the last; verify: the block).
+    neg = g.op("Neg", [g.op("Unsqueeze", ["num_logits", g.const([0])])])
+    rows = g.op("Slice", [normed, neg, g.const([np.iinfo(np.int64).max]), g.const([1])])
+    g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["logits"])
+    g.op(ops.FUSED_VERIFY, ["logits", "draft_tokens", "draft_probs", "uniforms"],
+         outputs=["accept_len", "emitted_tokens", "n_emitted"], domain=ops.DOMAIN, temperature=0.0,
+         **ops.plugin_attrs())
+
+    g.output("logits", F32, ["batch", "num_logits", t.vocab_size])
+    g.output("ctx", F32, ["batch", "seq", drafter.config.hidden_size])
+    g.output("accept_len", I64, ["batch"])
+    g.output("emitted_tokens", I64, ["batch", "num_logits"])
+    g.output("n_emitted", I64, ["batch"])
+    for i in range(t.num_layers):
+        kv_len = "max_len" if ort else "total"
+        g.output(f"present_key_{i}", F32, ["batch", KVH, kv_len, D])
+        g.output(f"present_value_{i}", F32, ["batch", KVH, kv_len, D])
+    return (*finish(g, [ops.fused_verify_function()], ort), shared)
+
+
+def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto, dict, dict]:
+    """One bidirectional drafter pass over a block, with the context K/V cache outside the graph.
+
+    Inputs: ctx [B,C,H] (features of context tokens not yet cached, C >= 0), ctx_positions [B,C] int64,
+    block_ids [B,bs] int64 (anchor + masks), block_positions [B,bs] int64, per layer past_ctx_key_i / past_ctx_value_i
+    [B,KVH,T,D] (after k_norm + RoPE).
+    Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (the engine turns them into draft
+    probabilities with temperature / top-k / top-p when sampling), present_ctx_key_i / present_ctx_value_i
+    [B,KVH,T+C,D].
+    """
+    c = drafter.config
+    for i in range(c.num_hidden_layers):
+        if c.layer_window(i) is not None and c.layer_window(i) < max_len:
+            raise DFlashError(f"layer {i} is sliding-window ({c.sliding_window}); KVInjectedBlockAttention has no mask "
+                              "(export needs max_seq_len <= sliding_window)", field="layer_types")
+    t = target_spec(target)
+    sd = np_state(drafter)
+    shared = shared_tensors(target)
+    g = GraphBuilder("dflash_drafter")
+    D, H, KVH = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    ctx = g.input("ctx", F32, ["batch", "n_ctx", c.hidden_size])
+    ctx_pos = g.input("ctx_positions", I64, ["batch", "n_ctx"])
+    ids = g.input("block_ids", I64, ["batch", "block"])
+    pos = g.input("block_positions", I64, ["batch", "block"])
+    cos_t, sin_t = drafter_rope_tables(drafter, max_len)
+    cos_tab, sin_tab = g.weight("drafter.rope_cos", cos_t), g.weight("drafter.rope_sin", sin_t)
+    cos, sin = g.rope_tables(pos, cos_tab, sin_tab)
+    ccos, csin = g.rope_tables(ctx_pos, cos_tab, sin_tab)
+    x = g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
+        kn = g.weight("drafter." + a + "k_norm", sd[a + "k_norm.weight"])
+        qn = g.weight("drafter." + a + "q_norm", sd[a + "q_norm.weight"])
+        # New context K/V: k_norm on context keys too, RoPE at their own positions.
+        ck = g.rope(g.rms_norm(g.heads(g.linear(ctx, sd[a + "k_proj.weight"], "drafter." + a + "k_proj",
+                                                bias("k_proj")), KVH, D), kn, c.rms_norm_eps, False),
+                    ccos, csin, D)
+        cv = g.heads(g.linear(ctx, sd[a + "v_proj.weight"], "drafter." + a + "v_proj", bias("v_proj")), KVH, D)
+        past_k = g.input(f"past_ctx_key_{i}", F32, ["batch", KVH, "past_ctx", D])
+        past_v = g.input(f"past_ctx_value_{i}", F32, ["batch", KVH, "past_ctx", D])
+        k_ctx = g.op("Concat", [past_k, ck], axis=2, outputs=[f"present_ctx_key_{i}"])
+        v_ctx = g.op("Concat", [past_v, cv], axis=2, outputs=[f"present_ctx_value_{i}"])
+        xn = g.rms_norm(x, g.weight("drafter." + p + "input_layernorm", sd[p + "input_layernorm.weight"]),
+                        c.rms_norm_eps, False)
+        q = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "q_proj.weight"], "drafter." + a + "q_proj",
+                                               bias("q_proj")), H, D), qn, c.rms_norm_eps, False), cos, sin, D)
+        kb = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "k_proj.weight"], "drafter." + a + "k_proj",
+                                                bias("k_proj")), KVH, D), kn, c.rms_norm_eps, False), cos, sin, D)
+        vb = g.heads(g.linear(xn, sd[a + "v_proj.weight"], "drafter." + a + "v_proj", bias("v_proj")), KVH, D)
+        att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H, num_kv_heads=KVH,
+                   scale=float(D ** -0.5), **ops.plugin_attrs())
+        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
+        x = g.op("Add", [x, g.linear(att, sd[a + "o_proj.weight"], "drafter." + a + "o_proj", bias("o_proj"))])
+        xn2 = g.rms_norm(x, g.weight("drafter." + p + "post_attention_layernorm",
+                                     sd[p + "post_attention_layernorm.weight"]), c.rms_norm_eps, False)
+        x = g.op("Add", [x, g.mlp(xn2, sd, p + "mlp.", "drafter.")])
+    h = g.rms_norm(x, g.weight("drafter.norm", sd["norm.weight"]), c.rms_norm_eps, False)
+    rows = g.op("Slice", [h, g.const([1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # anchor slot: nothing
+    logits = g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["draft_logits"])
+    g.op("ArgMax", [logits], axis=-1, keepdims=0, outputs=["draft_tokens"])
+    g.output("draft_tokens", I64, ["batch", "n_draft"])
+    g.output("draft_logits", F32, ["batch", "n_draft", t.vocab_size])
+    for i in range(c.num_hidden_layers):
+        g.output(f"present_ctx_key_{i}", F32, ["batch", KVH, "total_ctx", D])
+        g.output(f"present_ctx_value_{i}", F32, ["batch", KVH, "total_ctx", D])
+    return (*finish(g, [ops.kv_injected_block_attention_function()], False), shared)
+
+
+def finish(g: GraphBuilder, functions, ort: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Graph + functions; initializers are attached later by `place_weights` (external data)."""
+    graph = helper.make_graph(g.nodes, g.name, g.inputs, g.outputs)
+    model = ops.make_model(graph, functions)
+    if ort:
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    return model, g.inits
+
+
+ALIGN = 64  # external-data offsets aligned so ORT can map / read tensors without realigning
+
+
+class WeightStore:
+    """One external-data file; a name written once is referenced by every graph that uses it (same bytes on disk,
+    same offsets), so graphs built from the same weights share their data file."""
+
+    def __init__(self, path, small_bytes: int = 1024):
+        self.path = path
+        self.location = path.name
+        self.small_bytes = small_bytes
+        self.f = open(path, "wb")
+        self.protos: dict[str, onnx.TensorProto] = {}
+
+    def put(self, name: str, arr: np.ndarray) -> onnx.TensorProto:
+        if name in self.protos:
+            if list(self.protos[name].dims) != list(arr.shape):
+                raise DFlashError(f"weight {name!r} stored twice with different shapes", path=self.path)
+            return self.protos[name]
+        pos = self.f.tell()
+        pad = (-pos) % ALIGN
+        if pad:
+            self.f.write(b"\0" * pad)
+            pos += pad
+        data = np.ascontiguousarray(arr).tobytes()
+        self.f.write(data)
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", self.location), ("offset", str(pos)), ("length", str(len(data)))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.protos[name] = t
+        return t
+
+    def close(self):
+        self.f.close()
+
+
+def place_weights(model: onnx.ModelProto, inits: dict[str, np.ndarray], store: WeightStore, shared: WeightStore,
+                  shared_arrays: dict) -> None:
+    """Attach the model's weights: small ones inline, large ones in `store`, the embedding / LM head in `shared`
+    (written once, referenced by both graphs)."""
+    for name, arr in inits.items():
+        if arr.nbytes <= store.small_bytes:
+            model.graph.initializer.append(numpy_helper.from_array(arr, name))
+        else:
+            model.graph.initializer.append(store.put(name, arr))
+    used = {i for n in model.graph.node for i in n.input}
+    for name, arr in shared_arrays.items():
+        if name in used:
+            model.graph.initializer.append(shared.put(name, arr))

@@ -1,0 +1,146 @@
+"""The ONNX Runtime engine driven by the runtime: lossless against the PyTorch reference, same behaviour as
+TorchEngine step by step, no torch at serving time, and refusal of engines that do not match their manifest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dflash_export.engines.base import SamplingParams, load_engine, read_manifest
+from dflash_export.errors import DFlashError
+from dflash_export.runtime import DFlashRuntime
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def built(request, tmp_path_factory):
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(request.param)
+    out = build_onnxruntime(recipe, tmp_path_factory.mktemp(request.param) / "onnxruntime", threads=1)
+    return recipe, out, load_engine(out, threads=1), TorchEngine.from_recipe(recipe)
+
+
+def test_engine_dir_has_manifest_and_one_shared_weight_file(built):
+    recipe, out, eng, _ = built
+    m = read_manifest(out)
+    assert m["backend"] == "onnxruntime" and m["recipe"] == recipe.name
+    for key in ("recipe_path", "inputs", "block_size", "target_layer_ids", "mask_token_id", "max_seq_len",
+                "stop_token_ids", "vocab_size", "dtypes", "flags"):
+        assert key in m, key
+    names = {p.name for p in out.iterdir()}
+    assert {"target.onnx", "drafter.onnx", "shared_weights.bin", "codec.json", "manifest.json"} <= names
+    assert not any(n.startswith("target_verify") for n in names)  # the export's portable graph is not shipped
+    assert eng.info.block_size == m["block_size"] and eng.info.max_seq_len == recipe.max_seq_len
+
+
+def test_greedy_dflash_and_ar_equal_reference_ar(built):
+    from dflash_export.reference import ar_generate
+
+    _, _, eng, torch_eng = built
+    rt = DFlashRuntime(eng)
+    for prompt in PROMPTS:
+        ref = ar_generate(torch_eng.target, prompt, 48)
+        for mode in ("dflash", "ar"):
+            assert rt.generate(prompt, SamplingParams(max_new_tokens=48), mode).tokens == ref.tokens, (mode, prompt)
+
+
+def test_steps_match_torch_engine_with_accepting_blocks(built):
+    """The tiny drafter is random (it rarely gets accepted), so blocks here come from the reference continuation with
+    one token corrupted at a random slot: accept lengths 0..bs-1 and every commit/crop path get exercised."""
+    from dflash_export.reference import ar_generate
+
+    _, _, eng, torch_eng = built
+    bs = eng.info.block_size
+    rng = np.random.default_rng(0)
+    prompt = list(range(30, 49))
+    cont = ar_generate(torch_eng.target, prompt, 200).tokens
+    sp = SamplingParams()
+    seqs = [e.new_sequence() for e in (eng, torch_eng)]
+    first = [e.prefill(s, np.array(prompt)) for e, s in zip((eng, torch_eng), seqs)]
+    np.testing.assert_allclose(first[0], first[1], atol=1e-4)
+    done, accepts = 0, set()
+    while done + bs < len(cont) - 1:
+        anchor = cont[done]
+        drafts = [e.draft(s, anchor, sp, None)[0] for e, s in zip((eng, torch_eng), seqs)]
+        np.testing.assert_array_equal(drafts[0], drafts[1])
+        block = np.array(cont[done: done + bs], np.int64)
+        k = int(rng.integers(1, bs + 1))
+        if k < bs:
+            block[k] = (block[k] + 1) % (eng.info.vocab_size - 2)
+        results = [e.verify(s, block, None, sp, None) for e, s in zip((eng, torch_eng), seqs)]
+        assert results[0] == results[1]
+        accept, emitted = results[0]
+        assert emitted == cont[done + 1: done + 2 + accept]
+        accepts.add(accept)
+        done += accept + 1
+        assert seqs[0].length == seqs[1].length == len(prompt) + done
+    assert accepts == set(range(bs))
+
+
+def test_sampling_equals_torch_engine_given_the_seed(built):
+    from dflash_export.engines.torch_ref import TorchEngine
+
+    _, _, eng, torch_eng = built
+    assert isinstance(torch_eng, TorchEngine)
+    for seed, (t, k, p) in enumerate([(0.8, 0, 1.0), (1.0, 20, 1.0), (0.6, 0, 0.9)]):
+        sp = SamplingParams(max_new_tokens=32, temperature=t, top_k=k, top_p=p, seed=seed)
+        for prompt in PROMPTS[:2]:
+            a = DFlashRuntime(eng).generate(prompt, sp).tokens
+            b = DFlashRuntime(torch_eng).generate(prompt, sp).tokens
+            assert a == b, (sp, prompt)
+
+
+def test_serving_imports_no_torch(built):
+    _, out, _, _ = built
+    code = ("import sys; from dflash_export.engines.base import load_engine, SamplingParams;"
+            "from dflash_export.runtime import DFlashRuntime;"
+            f"e = load_engine({str(out)!r}, threads=1);"
+            "print(DFlashRuntime(e).generate([1, 2, 3], SamplingParams(max_new_tokens=4)).tokens);"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _copy(out, tmp_path):
+    import shutil
+
+    dst = tmp_path / "eng"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def test_manifest_disagreeing_with_graphs_is_refused(built, tmp_path):
+    _, out, _, _ = built
+    dst = _copy(out, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["block_size"] += 1
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match="block_size"):
+        load_engine(dst, threads=1)
+
+
+def test_modified_engine_file_is_refused(built, tmp_path):
+    _, out, _, _ = built
+    dst = _copy(out, tmp_path)
+    with open(dst / "shared_weights.bin", "r+b") as f:
+        f.write(b"\1\2\3\4")
+    with pytest.raises(DFlashError, match="shared_weights.bin"):
+        load_engine(dst, threads=1)
+
+
+def test_incomplete_manifest_is_refused_with_the_field(built, tmp_path):
+    _, out, _, _ = built
+    dst = _copy(out, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    del m["shapes"]
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match="shapes"):
+        load_engine(dst, threads=1)

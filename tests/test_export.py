@@ -1,0 +1,223 @@
+"""ONNX export: parity with the PyTorch reference on shapes the graphs were not built around, the custom ops alone,
+plain ONNX Runtime loading, and the contract checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from dflash_export.errors import DFlashError
+from dflash_export.export import (DRAFTER_FILE, TARGET_FILE, check_export, check_model_contract, export_models)
+from dflash_export.export.ops import EMIT_PAD, fused_verify_model
+from dflash_export.sampling import probs_from_logits, verify_block
+
+ATOL = 1e-4
+
+
+def _session(path):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])  # no custom-op library
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def exported(request, tmp_path_factory):
+    from dflash_export.models import load_drafter, load_target
+
+    target, drafter = load_target(f"tiny:{request.param}/target"), load_drafter(f"tiny:{request.param}/drafter")
+    out = tmp_path_factory.mktemp(f"export-{request.param}")
+    res = export_models(target, drafter, out, recipe_name=f"tiny-{request.param}", max_len=256)
+    return target, drafter, res
+
+
+def _target_feeds(target, ids, start, past, num_logits):
+    cfg = target.hf.config
+    feeds = {"input_ids": ids[None], "position_ids": np.arange(start, start + len(ids))[None],
+             "num_logits": np.array(num_logits, np.int64), "draft_tokens": ids[None, len(ids) - num_logits + 1:],
+             "draft_probs": np.zeros((1, 1, 1), np.float32), "uniforms": np.zeros((1, 1), np.float32)}
+    for i in range(cfg.num_hidden_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}_{i}"] = past.get(f"{kind}_{i}", np.zeros((1, cfg.num_key_value_heads, 0,
+                                                                           cfg.head_dim), np.float32))
+    return feeds
+
+
+def test_target_graph_matches_reference_on_new_shapes(exported):
+    target, drafter, res = exported
+    sess = _session(res.target_path)
+    names = [o.name for o in sess.get_outputs()]
+    rng = np.random.default_rng(1)
+    tap_ids = drafter.config.target_layer_ids
+    cache = target.new_cache()
+    past: dict = {}
+    start = 0
+    # prefill of 11 (all logits), then chunks of 4 and 3 over caches of 11 and 15
+    for n, num_logits in ((11, 11), (4, 4), (3, 1)):
+        ids = rng.integers(0, target.vocab_size - 2, n).astype(np.int64)
+        out = dict(zip(names, sess.run(None, _target_feeds(target, ids, start, past, num_logits))))
+        with torch.inference_mode():
+            ref = target.forward(torch.from_numpy(ids)[None], torch.arange(start, start + n)[None], cache, tap_ids)
+            ref_ctx = drafter.project_context(ref.taps).numpy()
+        ref_logits = ref.logits[0, n - num_logits:].numpy()
+        np.testing.assert_allclose(out["logits"][0], ref_logits, atol=ATOL, rtol=0)
+        np.testing.assert_array_equal(out["logits"][0].argmax(-1), ref_logits.argmax(-1))
+        np.testing.assert_allclose(out["ctx"][0], ref_ctx[0], atol=ATOL, rtol=0)
+        for i in range(target.num_layers):
+            past[f"key_{i}"], past[f"value_{i}"] = out[f"present_key_{i}"], out[f"present_value_{i}"]
+        start += n
+    assert past["key_0"].shape[2] == 18
+
+
+def test_drafter_graph_matches_reference_on_new_shapes(exported):
+    target, drafter, res = exported
+    sess = _session(res.drafter_path)
+    names = [o.name for o in sess.get_outputs()]
+    c = drafter.config
+    bs = c.block_size
+    rng = np.random.default_rng(2)
+    cache = drafter.new_cache()
+    past = {f"past_ctx_{k}_{i}": np.zeros((1, c.num_key_value_heads, 0, c.head_dim), np.float32)
+            for i in range(c.num_hidden_layers) for k in ("key", "value")}
+    start = 0
+    for n_ctx in (9, 3, 1):  # context cache 0, 9, 12 and new context of different lengths
+        taps = torch.randn(1, n_ctx, len(c.target_layer_ids) * target.hidden_size)
+        ctx_pos = torch.arange(start, start + n_ctx)[None]
+        start += n_ctx
+        block = torch.full((1, bs), c.mask_token_id)
+        block[0, 0] = int(rng.integers(0, 200))
+        block_pos = torch.arange(start, start + bs)[None]
+        with torch.inference_mode():
+            ctx = drafter.project_context(taps)
+            ref = drafter.draft_logits(target, taps, ctx_pos, block, block_pos, cache)[0].numpy()
+        out = dict(zip(names, sess.run(None, {"ctx": ctx.numpy(), "ctx_positions": ctx_pos.numpy(),
+                                              "block_ids": block.numpy(), "block_positions": block_pos.numpy(),
+                                              **past})))
+        np.testing.assert_allclose(out["draft_logits"][0], ref, atol=ATOL, rtol=0)
+        np.testing.assert_array_equal(out["draft_tokens"][0], ref.argmax(-1))
+        for i in range(c.num_hidden_layers):
+            np.testing.assert_allclose(out[f"present_ctx_key_{i}"], cache.keys[i].numpy(), atol=ATOL, rtol=0)
+            np.testing.assert_allclose(out[f"present_ctx_value_{i}"], cache.values[i].numpy(), atol=ATOL, rtol=0)
+            past[f"past_ctx_key_{i}"] = out[f"present_ctx_key_{i}"]
+            past[f"past_ctx_value_{i}"] = out[f"present_ctx_value_{i}"]
+
+
+def test_exported_files_are_checked_and_self_describing(exported):
+    target, drafter, res = exported
+    meta = check_export(res.out_dir, {"dflash.block_size": str(drafter.block_size)})
+    for fname in (TARGET_FILE, DRAFTER_FILE):
+        m = meta[fname]
+        assert json.loads(m["dflash.target_layer_ids"]) == list(drafter.config.target_layer_ids)
+        assert m["dflash.mask_token_id"] == str(drafter.config.mask_token_id)
+        assert m["dflash.opset"] == "17" and float(m["dflash.logits_atol"]) == 1e-4
+    # one copy of the embedding on disk, referenced by both graphs
+    locs = set()
+    for fname in (TARGET_FILE, DRAFTER_FILE):
+        model = onnx.load(str(res.out_dir / fname), load_external_data=False)
+        for t in model.graph.initializer:
+            if t.name.startswith("shared."):
+                locs.add({e.key: e.value for e in t.external_data}["location"])
+    assert locs == {"shared_weights.bin"}
+
+
+def _strip_attr(model, op_type, attr):
+    for node in model.graph.node:
+        if node.op_type == op_type:
+            keep = [a for a in node.attribute if a.name != attr]
+            del node.attribute[:]
+            node.attribute.extend(keep)
+    return model
+
+
+@pytest.mark.parametrize("fname,op_type,attr", [(TARGET_FILE, "FusedVerify", "plugin_version"),
+                                                (DRAFTER_FILE, "KVInjectedBlockAttention", "num_kv_heads"),
+                                                (DRAFTER_FILE, "KVInjectedBlockAttention", "plugin_namespace")])
+def test_missing_custom_op_attribute_is_refused(exported, fname, op_type, attr):
+    _, _, res = exported
+    model = _strip_attr(onnx.load(str(res.out_dir / fname), load_external_data=False), op_type, attr)
+    with pytest.raises(DFlashError, match=attr):
+        check_model_contract(model, res.out_dir / fname)
+
+
+def test_metadata_disagreeing_with_recipe_is_refused(exported):
+    _, drafter, res = exported
+    with pytest.raises(DFlashError, match="block_size"):
+        check_export(res.out_dir, {"dflash.block_size": str(drafter.block_size + 1)})
+    model = onnx.load(str(res.out_dir / TARGET_FILE), load_external_data=False)
+    del model.metadata_props[:]
+    with pytest.raises(DFlashError, match="metadata"):
+        check_model_contract(model, res.out_dir / TARGET_FILE)
+
+
+# FusedVerify alone -----------------------------------------------------------------------------------------------------
+
+def _run_verify(sess, logits, drafts, dprobs=None, u=None):
+    bs = logits.shape[1]
+    dprobs = np.zeros((logits.shape[0], 1, 1), np.float32) if dprobs is None else dprobs
+    u = np.zeros((logits.shape[0], bs), np.float32) if u is None else u
+    return sess.run(None, {"target_logits": logits, "draft_tokens": drafts, "draft_probs": dprobs, "uniforms": u})
+
+
+def test_fused_verify_greedy_matches_verify_block():
+    sess = ort.InferenceSession(fused_verify_model(0.0).SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    seen = set()
+    for trial in range(120):
+        bs, V, B = int(rng.integers(2, 9)), int(rng.integers(3, 40)), 2
+        logits = rng.normal(size=(B, bs, V)).astype(np.float32)
+        am = logits.argmax(-1)
+        drafts = am[:, :-1].copy()
+        for b in range(B):  # first mismatch anywhere, or none (all accepted)
+            k = int(rng.integers(0, bs)) if trial % 3 else (bs - 1 if trial % 2 else 0)
+            if k < bs - 1:
+                drafts[b, k] = (drafts[b, k] + 1) % V
+        acc, emitted, n_em = _run_verify(sess, logits, drafts)
+        for b in range(B):
+            ref_acc, ref_em = verify_block(None, logits[b].astype(np.float64), drafts[b], None, None, True)
+            assert acc[b] == ref_acc and n_em[b] == ref_acc + 1
+            assert list(emitted[b, : n_em[b]]) == ref_em
+            assert (emitted[b, n_em[b]:] == EMIT_PAD).all()
+            seen.add("all" if ref_acc == bs - 1 else "none" if ref_acc == 0 else "some")
+    assert seen == {"all", "none", "some"}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_fused_verify_sampling_matches_verify_block_given_uniforms(temperature):
+    sess = ort.InferenceSession(fused_verify_model(temperature).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    seen = set()
+    for trial in range(150):
+        bs, V = int(rng.integers(2, 7)), int(rng.integers(2, 12))
+        logits = (rng.normal(size=(1, bs, V)) * 2).astype(np.float32)
+        if trial % 5 == 0:  # draft == target distribution: everything accepted
+            dprobs = probs_from_logits(logits[0, :-1].astype(np.float64), temperature).astype(np.float32)
+        else:
+            dprobs = probs_from_logits(rng.normal(size=(bs - 1, V)) * 2, temperature).astype(np.float32)
+        drafts = np.array([rng.choice(V, p=p / p.sum()) for p in dprobs.astype(np.float64)], np.int64)
+        u = rng.random((1, bs)).astype(np.float32)
+        acc, emitted, n_em = _run_verify(sess, logits, drafts[None], dprobs[None], u)
+        tp = probs_from_logits(logits[0].astype(np.float64), temperature)
+        ref_acc, ref_em = verify_block(tp, logits[0], drafts, dprobs.astype(np.float64), u[0].astype(np.float64),
+                                       False)
+        assert (int(acc[0]), list(emitted[0, : n_em[0]])) == (ref_acc, ref_em)
+        seen.add("all" if ref_acc == bs - 1 else "none" if ref_acc == 0 else "some")
+    assert seen == {"all", "none", "some"}
+
+
+def test_export_cli_writes_checked_graphs(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    out = tmp_path / "onnx"
+    r = CliRunner().invoke(main, ["export", "--recipe", "tiny-llama", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / TARGET_FILE).is_file() and (out / DRAFTER_FILE).is_file() and "exported tiny-llama" in r.output
+    _session(out / TARGET_FILE), _session(out / DRAFTER_FILE)
+    r = CliRunner().invoke(main, ["export", "--recipe", str(tmp_path / "missing.yaml"), "--out", str(out)])
+    assert r.exit_code == 2 and "Traceback" not in r.output
