@@ -1,0 +1,741 @@
+"""DFlash drafter training (the paper's recipe, made to fit a CPU budget).
+
+What is trained and on what:
+- The target is frozen. Training data are the target's own greedy responses to prompts, generated in batches once and
+  cached in shards together with the target's taps (the drafter's context features) and its top-k next-token
+  log-probabilities (soft targets). A trainer re-scans the shards, so data generation can run alongside training.
+- Each sequence contributes many blocks: a random anchor position `a` in the response opens a block
+  `[x_a, mask, ..., mask]` (block_size tokens) at positions a .. a+bs-1. One drafter forward serves all blocks of a batch
+  through an attention mask: a block's queries see the context features at positions < a and their own block's keys
+  (bidirectionally), never another block's. This is exactly what inference does at an anchor `a`, because greedy
+  speculative decoding follows the target's own greedy trajectory -- so held-out block accuracy predicts τ.
+- Loss at block slot k (1 .. bs-1) is weighted exp(-(k-1)/γ): early slots decide acceptance. It is computed over the
+  vocabulary the cached responses actually use (+ the soft targets' ids) instead of the full LM head, mixing the hard
+  greedy label with the target's renormalized top-k distribution.
+- Only layers, fc, hidden_norm and norm train; embedding and LM head are the target's. The drafter starts from the
+  target: its layers are copies of the target's last layers, `fc` passes the deepest tap through, norms come from the
+  target -- so it starts from "what the target's top does" instead of noise.
+Checkpoints hold the drafter in the z-lab format plus the optimizer state, written atomically; a step's batch and anchors
+come from a generator seeded by (seed, step), so a resumed run draws what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dflash_export.errors import DFlashError, atomic_dir, atomic_file
+from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, apply_rope, block_attention
+
+SHARD_SIZE = 32
+_DATA_VERSION = 1
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's loss decay per block size (7 for 16, 5 for 10, 4 for 8); bs/2 elsewhere."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2)
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[bs-1] weights exp(-(k-1)/γ) for block slots k = 1 .. bs-1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class TrainSequence:
+    """One cached training example. S = prompt + response length, R = S - prompt_len."""
+
+    ids: torch.Tensor         # [S] int64: prompt then the target's greedy response (stop token included if hit)
+    prompt_len: int
+    taps: torch.Tensor        # [S, n*H_target] float16: target tap features of every position
+    top_ids: torch.Tensor     # [R, K] int64: target's top-k ids for response token r (predicted at position P+r-1)
+    top_logp: torch.Tensor    # [R, K] float32: their log-probabilities under the full vocabulary
+    index: int                # the prompt's record index (ShareGPT) or synthetic index
+
+    def to_dict(self) -> dict:
+        return {"ids": self.ids, "prompt_len": self.prompt_len, "taps": self.taps, "top_ids": self.top_ids,
+                "top_logp": self.top_logp, "index": self.index}
+
+
+@torch.inference_mode()
+def generate_sequences(target, prompts: Sequence[tuple[int, list[int]]], tap_ids: Sequence[int], max_new_tokens: int,
+                       batch_size: int = 16, topk: int = 4) -> list[TrainSequence]:
+    """Greedy target responses to `prompts` ((index, token ids)), batched with left padding, then one causal forward
+    per sequence batch for the taps and top-k soft targets. Returns one TrainSequence per prompt, in input order."""
+    hf = target.hf
+    stop = set(target.stop_token_ids)
+    pad = next(iter(target.stop_token_ids), 0)
+    out: dict[int, TrainSequence] = {}
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
+    for b0 in range(0, len(order), batch_size):
+        batch = [prompts[i] for i in order[b0:b0 + batch_size]]
+        width = max(len(p) for _, p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, (_, p) in enumerate(batch):
+            ids[r, width - len(p):] = torch.tensor(p)
+            attn[r, width - len(p):] = 1
+        gen = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=sorted(stop) or None, pad_token_id=pad, temperature=None, top_p=None,
+                          top_k=None)
+        full = []
+        for r, (_, p) in enumerate(batch):
+            resp = gen[r, width:].tolist()
+            for j, t in enumerate(resp):
+                if t in stop:
+                    resp = resp[: j + 1]
+                    break
+            full.append(p + resp)
+        # Taps and soft targets from an unpadded-left causal pass (right padding cannot affect earlier positions).
+        s_max = max(len(f) for f in full)
+        ids2 = torch.full((len(full), s_max), pad, dtype=torch.long)
+        for r, f in enumerate(full):
+            ids2[r, : len(f)] = torch.tensor(f)
+        res = hf(input_ids=ids2, output_hidden_states=True, use_cache=False)
+        from dflash_export.models.target import tap_hidden_states
+
+        taps = tap_hidden_states(res.hidden_states, tap_ids)
+        for r, ((index, p), f) in enumerate(zip(batch, full)):
+            n_p, s = len(p), len(f)
+            logp = torch.log_softmax(res.logits[r, n_p - 1: s - 1].float(), dim=-1)
+            top_logp, top_ids = logp.topk(topk, dim=-1)
+            seq = TrainSequence(torch.tensor(f), n_p, taps[r, :s].to(torch.float16).clone(), top_ids.clone(),
+                                top_logp.clone(), index)
+            out[order[b0 + r]] = seq
+    return [out[i] for i in range(len(prompts))]
+
+
+def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tokens: int, topk: int,
+             source: str) -> Path:
+    """Where generated data for this (target, taps, lengths, prompt source) is cached."""
+    import hashlib
+
+    from dflash_export.sources import cache_dir
+
+    key = json.dumps({"v": _DATA_VERSION, "target": str(target.model_dir), "config": target.config,
+                      "taps": list(tap_ids), "p": max_prompt_tokens, "r": max_new_tokens, "k": topk, "src": source},
+                     sort_keys=True, default=str)
+    return cache_dir() / "train-data" / f"{source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def load_shards(directory: Path) -> list[TrainSequence]:
+    seqs = []
+    for p in sorted(directory.glob("shard-*.pt")):
+        try:
+            rows = torch.load(p, weights_only=True)
+        except Exception as e:  # a corrupt shard is skipped, never trained on
+            raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=p) from None
+        seqs.extend(TrainSequence(**r) for r in rows)
+    return seqs
+
+
+def generate_shards(target, prompt_source: Callable[[], "list[tuple[int, list[int]]]"], directory: Path,
+                    tap_ids: Sequence[int], max_new_tokens: int, num_prompts: int, batch_size: int, topk: int,
+                    deadline: float | None = None, progress: Callable[[int, int, float], None] | None = None) -> int:
+    """Fill `directory` with shards of SHARD_SIZE sequences until `num_prompts` prompts are covered (or `deadline`).
+
+    Shard i always holds prompts [i*SHARD_SIZE, (i+1)*SHARD_SIZE) of `prompt_source()`'s fixed order, so an interrupted
+    run resumes where it stopped and two runs agree. Each shard is written atomically. Returns sequences on disk."""
+    prompts = prompt_source()[:num_prompts]
+    if not prompts:
+        raise DFlashError("the prompt set is empty", field="prompts")
+    directory.mkdir(parents=True, exist_ok=True)
+    done = 0
+    tokens = 0
+    t0 = time.perf_counter()
+    for i, s0 in enumerate(range(0, len(prompts), SHARD_SIZE)):
+        path = directory / f"shard-{i:05d}.pt"
+        chunk = prompts[s0:s0 + SHARD_SIZE]
+        if not path.is_file():
+            if deadline is not None and time.time() > deadline:
+                break
+            seqs = generate_sequences(target, chunk, tap_ids, max_new_tokens, batch_size, topk)
+            tokens += sum(len(s.ids) - s.prompt_len for s in seqs)
+            try:
+                with atomic_file(path, "wb") as f:
+                    torch.save([s.to_dict() for s in seqs], f)
+            except OSError as e:
+                raise DFlashError(f"cannot write training data ({e.strerror or e})", path=path) from None
+        done += len(chunk)
+        if progress is not None:
+            progress(done, len(prompts), tokens / max(1e-9, time.perf_counter() - t0))
+    return done
+
+
+def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
+    if use_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer(text)["input_ids"]
+
+
+def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, shuffle: bool = True
+                        ) -> list[tuple[int, list[int]]]:
+    """ShareGPT first-turn prompts of `split`, chat-templated, at most `max_prompt_tokens` tokens, in a seeded order."""
+    import random
+
+    from dflash_export.data import sharegpt_prompts
+
+    prompts = sharegpt_prompts(split)
+    if shuffle:
+        random.Random(seed).shuffle(prompts)
+    tok = target.tokenizer
+    out = []
+    for p in prompts:
+        if len(p.text) > 6 * max_prompt_tokens:  # far too long to fit: skip without tokenizing
+            continue
+        ids = chat_prompt_ids(tok, p.text)
+        if len(ids) <= max_prompt_tokens:
+            out.append((p.index, ids))
+    return out
+
+
+def synthetic_prompt_ids(vocab_size: int, n: int, seed: int, reserved: int = 2) -> list[tuple[int, list[int]]]:
+    """Random token prompts for tokenizer-less tiny targets (the top `reserved` ids -- eos, mask -- excluded)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(6, 17, (1,), generator=g))
+        out.append((i, torch.randint(1, vocab_size - reserved, (length,), generator=g).tolist()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- blocks & masks
+
+
+@dataclass
+class BlockBatch:
+    """Many blocks over a padded batch of sequences. B sequences, N blocks each, bs = block size, S = max length."""
+
+    taps: torch.Tensor            # [B, S, n*H] context features (padding rows are zero and never visible)
+    ctx_positions: torch.Tensor   # [B, S]
+    block_ids: torch.Tensor       # [B, N*bs] anchor id then mask ids, per block
+    block_positions: torch.Tensor # [B, N*bs] a .. a+bs-1
+    attn_mask: torch.Tensor       # [B, N*bs, S + N*bs] bool: True = query may attend to key
+    labels: torch.Tensor          # [B, N, bs-1] target token at slot k (= x[a+k]); -100 where past the sequence end
+    soft_ids: torch.Tensor        # [B, N, bs-1, K] target's top-k ids for the same slot (0 where label is -100)
+    soft_logp: torch.Tensor       # [B, N, bs-1, K]
+    anchors: torch.Tensor         # [B, N] anchor positions; -1 for padding blocks
+
+
+def sample_anchors(seq: TrainSequence, n: int, generator: torch.Generator) -> list[int]:
+    """Up to `n` distinct anchor positions in the response, sorted: a in [P, S-2] (an anchor needs one label)."""
+    lo, hi = seq.prompt_len, len(seq.ids) - 2
+    if hi < lo:
+        return []
+    count = hi - lo + 1
+    pick = torch.randperm(count, generator=generator)[: min(n, count)]
+    return sorted((lo + pick).tolist())
+
+
+def build_blocks(seqs: Sequence[TrainSequence], anchors: Sequence[Sequence[int]], block_size: int,
+                 mask_token_id: int) -> BlockBatch:
+    """Lay out blocks and the attention mask that makes one forward equal to independent per-anchor drafts."""
+    bs = block_size
+    b = len(seqs)
+    n = max(1, max((len(a) for a in anchors), default=1))
+    s_max = max(len(s.ids) for s in seqs)
+    tap_dim = seqs[0].taps.shape[-1]
+    k_top = seqs[0].top_ids.shape[-1]
+    taps = torch.zeros(b, s_max, tap_dim, dtype=torch.float32)
+    block_ids = torch.full((b, n * bs), mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros(b, n * bs, dtype=torch.long)
+    mask = torch.zeros(b, n * bs, s_max + n * bs, dtype=torch.bool)
+    labels = torch.full((b, n, bs - 1), -100, dtype=torch.long)
+    soft_ids = torch.zeros(b, n, bs - 1, k_top, dtype=torch.long)
+    soft_logp = torch.zeros(b, n, bs - 1, k_top, dtype=torch.float32)
+    anchor_t = torch.full((b, n), -1, dtype=torch.long)
+    for i, (seq, anc) in enumerate(zip(seqs, anchors)):
+        s = len(seq.ids)
+        taps[i, :s] = seq.taps.float()
+        for j in range(n):
+            q0 = j * bs
+            # every block -- padding ones too -- sees its own keys, so no softmax row is empty
+            mask[i, q0:q0 + bs, s_max + q0: s_max + q0 + bs] = True
+            if j >= len(anc):
+                continue
+            a = anc[j]
+            anchor_t[i, j] = a
+            block_ids[i, q0] = seq.ids[a]
+            block_pos[i, q0:q0 + bs] = torch.arange(a, a + bs)
+            mask[i, q0:q0 + bs, :a] = True  # context strictly before the anchor (the anchor's taps are not known yet)
+            for k in range(1, bs):
+                if a + k < s:
+                    labels[i, j, k - 1] = seq.ids[a + k]
+                    r = a + k - seq.prompt_len
+                    soft_ids[i, j, k - 1] = seq.top_ids[r]
+                    soft_logp[i, j, k - 1] = seq.top_logp[r]
+    ctx_pos = torch.arange(s_max)[None].expand(b, s_max).contiguous()
+    return BlockBatch(taps, ctx_pos, block_ids, block_pos, mask, labels, soft_ids, soft_logp, anchor_t)
+
+
+def train_forward(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Tensor], batch: BlockBatch
+                  ) -> torch.Tensor:
+    """Drafter hidden states norm(h) [B, N*bs, H] for every block of `batch` in one pass.
+
+    Same layers and math as `DFlashDrafter.forward`, with an explicit attention mask over [context; all blocks]
+    instead of "everything visible"; with one block and full context it reproduces `forward` exactly."""
+    ctx = drafter.project_context(batch.taps.to(drafter.fc.weight.dtype))
+    x = embed(batch.block_ids).to(ctx.dtype)
+    cos, sin = drafter.rotary(batch.block_positions, x.dtype)
+    c_cos, c_sin = drafter.rotary(batch.ctx_positions, x.dtype)
+    key_pos = torch.cat([batch.ctx_positions, batch.block_positions], dim=1)
+    b, q_len, _ = x.shape
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        k_ctx, v_ctx = attn.context_kv(ctx, c_cos, c_sin)
+        x_n = layer.input_layernorm(x)
+        q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(x_n), attn.num_heads)), cos, sin)
+        k_blk = apply_rope(attn.k_norm(attn._heads(attn.k_proj(x_n), attn.num_kv_heads)), cos, sin)
+        v_blk = attn._heads(attn.v_proj(x_n), attn.num_kv_heads)
+        mask = batch.attn_mask
+        if attn.window is not None:
+            mask = mask & ((batch.block_positions[:, :, None] - key_pos[:, None, :]) < attn.window)
+        out = block_attention(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), attn.scale, mask[:, None])
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor
+    correct: torch.Tensor   # [B, N, bs-1] bool: argmax (over the loss vocabulary) == label
+    valid: torch.Tensor     # [B, N, bs-1] bool
+
+
+def block_loss(hidden: torch.Tensor, batch: BlockBatch, head_weight: torch.Tensor, vocab: torch.Tensor | None,
+               weights: torch.Tensor, soft_weight: float) -> LossOut:
+    """Weighted block loss. hidden [B, N*bs, H]; head_weight [V, H] (the target's LM head, frozen);
+    vocab [V'] sorted token ids the loss is computed over (None = full vocabulary); weights [bs-1]."""
+    b, n, k1 = batch.labels.shape
+    h = hidden.view(b, n, k1 + 1, -1)[:, :, 1:]  # the anchor slot predicts nothing
+    w_head = head_weight if vocab is None else head_weight[vocab]
+    logits = h @ w_head.T.to(h.dtype)  # [B, N, bs-1, V']
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    valid = batch.labels >= 0
+
+    def to_sub(ids: torch.Tensor) -> torch.Tensor:
+        if vocab is None:
+            return ids.clamp(min=0)
+        pos = torch.searchsorted(vocab, ids.clamp(min=0))
+        return pos.clamp(max=len(vocab) - 1)
+
+    lab = to_sub(batch.labels)
+    hard = -logp.gather(-1, lab[..., None])[..., 0]
+    loss_pos = hard
+    if soft_weight > 0:
+        sid = to_sub(batch.soft_ids)
+        p = torch.softmax(batch.soft_logp, dim=-1)  # the target's top-k, renormalized
+        if vocab is not None:  # a soft id outside the loss vocabulary contributes nothing
+            p = p * (vocab[sid] == batch.soft_ids)
+        soft = -(p * logp.gather(-1, sid)).sum(-1)
+        loss_pos = (1 - soft_weight) * hard + soft_weight * soft
+    w = weights.to(loss_pos.dtype)[None, None, :] * valid
+    loss = (loss_pos * w).sum() / w.sum().clamp(min=1e-9)
+    correct = (logits.argmax(-1) == lab) & valid
+    return LossOut(loss, correct, valid)
+
+
+def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Position-k accuracy (k = 1..4) and the greedy τ a block implies (1 + leading correct drafts), over blocks whose
+    slots are all labelled."""
+    full = valid.all(-1)
+    c = correct[full].float()
+    stats = {}
+    for k in range(min(4, correct.shape[-1])):
+        stats[f"acc{k + 1}"] = float(c[:, k].mean()) if len(c) else 0.0
+    stats["tau_est"] = float(1 + c.cumprod(-1).sum(-1).mean()) if len(c) else 1.0
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ init from target
+
+
+def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id: int,
+                        target_layer_ids: Sequence[int] | None = None) -> DFlashDrafter:
+    """A drafter whose layers are copies of the target's last `num_layers` layers, fc passing the deepest tap
+    through, hidden_norm = the first copied layer's input norm (what that layer applied to the deepest tap's output in
+    the target), norm = the target's final norm. Taps default to z-lab's rule."""
+    from dflash_export.models.drafter import default_target_layer_ids
+
+    hf_cfg = target.hf.config
+    n_t = target.num_layers
+    if not 1 <= num_layers < n_t:
+        raise DFlashError(f"draft layers must be in 1..{n_t - 1} for a {n_t}-layer target, got {num_layers}",
+                          field="train.draft_layers")
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise DFlashError(f"mask_token_id {mask_token_id} is outside the target vocabulary ({target.vocab_size})",
+                          field="train.mask_token_id")
+    taps = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_t, num_layers)
+    if any(not 0 <= t < n_t for t in taps):
+        raise DFlashError(f"target_layer_ids {taps} outside 0..{n_t - 1}", field="train.target_layer_ids")
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    cfg = DrafterConfig(
+        hidden_size=hf_cfg.hidden_size, num_hidden_layers=num_layers, num_attention_heads=hf_cfg.num_attention_heads,
+        num_key_value_heads=hf_cfg.num_key_value_heads, head_dim=head_dim,
+        intermediate_size=hf_cfg.intermediate_size, rms_norm_eps=float(hf_cfg.rms_norm_eps), block_size=block_size,
+        mask_token_id=mask_token_id, target_layer_ids=taps, num_target_layers=n_t, vocab_size=target.vocab_size,
+        target_hidden_size=hf_cfg.hidden_size, rope_theta=float(getattr(hf_cfg, "rope_theta", 10000.0)),
+        rope_scaling=getattr(hf_cfg, "rope_scaling", None),
+        max_position_embeddings=int(getattr(hf_cfg, "max_position_embeddings", 32768)),
+    )
+    drafter = DFlashDrafter(cfg)
+    src_layers = target.hf.model.layers[n_t - num_layers:]
+    with torch.no_grad():
+        for dst, src in zip(drafter.layers, src_layers):
+            sa, da = src.self_attn, dst.self_attn
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(da, name).weight.copy_(getattr(sa, name).weight)
+            for name in ("q_norm", "k_norm"):  # Qwen3 has them; LLaMA does not (then identity-like ones stay)
+                if hasattr(sa, name):
+                    getattr(da, name).weight.copy_(getattr(sa, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+            dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
+            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        h = cfg.hidden_size
+        deepest = taps.index(max(taps))
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
+        drafter.hidden_norm.weight.copy_(src_layers[0].input_layernorm.weight)
+        drafter.norm.weight.copy_(target.hf.model.norm.weight)
+    return drafter
+
+
+def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -> None:
+    """The shape contract between a drafter and a target; DFlashError naming the field that disagrees."""
+    c = drafter.config
+    if c.target_hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter expects target hidden size {c.target_hidden_size}, target has "
+                          f"{target.hidden_size}", path=where, field="target_hidden_size")
+    if c.hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter hidden size {c.hidden_size} != target embedding width {target.hidden_size}",
+                          path=where, field="hidden_size")
+    if c.vocab_size != target.vocab_size:
+        raise DFlashError(f"drafter vocab {c.vocab_size} != target vocab {target.vocab_size}", path=where,
+                          field="vocab_size")
+    if any(not 0 <= t < target.num_layers for t in c.target_layer_ids):
+        raise DFlashError(f"target_layer_ids {c.target_layer_ids} outside the target's {target.num_layers} layers",
+                          path=where, field="dflash_config.target_layer_ids")
+    if not 0 <= c.mask_token_id < target.vocab_size:
+        raise DFlashError(f"mask_token_id {c.mask_token_id} outside the target vocabulary", path=where,
+                          field="dflash_config.mask_token_id")
+
+
+# ---------------------------------------------------------------------------------------------------- training loop
+
+
+@dataclass
+class TrainConfig:
+    block_size: int = 8
+    gamma: float | None = None
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    batch_size: int = 4          # sequences per step
+    blocks_per_seq: int = 16
+    soft_weight: float = 0.5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    steps: int = 1000
+    minutes: float | None = None
+    checkpoint_every_s: float = 300.0
+    log_every: int = 10
+    eval_blocks_per_seq: int = 32
+    extra: dict = field(default_factory=dict)
+
+
+def _vocab_of(seqs: Sequence[TrainSequence]) -> torch.Tensor:
+    ids = [s.ids[s.prompt_len:] for s in seqs] + [s.top_ids.flatten() for s in seqs]
+    return torch.unique(torch.cat(ids)) if ids else torch.zeros(0, dtype=torch.long)
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def make_batch(seqs: Sequence[TrainSequence], cfg: TrainConfig, mask_token_id: int, step: int) -> BlockBatch:
+    g = _step_generator(cfg.seed, step)
+    pick = torch.randint(0, len(seqs), (cfg.batch_size,), generator=g).tolist()
+    chosen = [seqs[i] for i in pick]
+    anchors = [sample_anchors(s, cfg.blocks_per_seq, g) for s in chosen]
+    return build_blocks(chosen, anchors, cfg.block_size, mask_token_id)
+
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], block_size: int,
+             blocks_per_seq: int = 32, seed: int = 12345) -> dict:
+    """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes)."""
+    if not seqs:
+        return {}
+    g = torch.Generator().manual_seed(seed)
+    corr, val = [], []
+    for s in seqs:
+        anc = sample_anchors(s, blocks_per_seq, g)
+        if not anc:
+            continue
+        batch = build_blocks([s], [anc], block_size, drafter.config.mask_token_id)
+        hidden = train_forward(drafter, target.embed, batch)
+        out = block_loss(hidden, batch, target.hf.get_output_embeddings().weight, None,
+                         torch.ones(block_size - 1), 0.0)
+        corr.append(out.correct.flatten(0, 1))
+        val.append(out.valid.flatten(0, 1))
+    if not corr:
+        return {}
+    return acceptance_stats(torch.cat(corr), torch.cat(val))
+
+
+def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict) -> None:
+    """`work/checkpoint/` = z-lab drafter + optimizer/step state, replaced atomically as one directory."""
+    from dflash_export.models.drafter import save_drafter
+
+    try:
+        with atomic_dir(work / "checkpoint") as tmp:
+            save_drafter(drafter, tmp / "drafter")
+            torch.save({"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best},
+                       tmp / "train_state.pt")
+    except OSError as e:
+        raise DFlashError(f"cannot write checkpoint ({e.strerror or e})", path=work / "checkpoint") from None
+
+
+def load_checkpoint(work: Path):
+    from dflash_export.models.drafter import load_drafter
+
+    ck = work / "checkpoint"
+    if not (ck / "train_state.pt").is_file() or not (ck / "drafter" / "config.json").is_file():
+        return None
+    drafter = load_drafter(ck / "drafter", dtype=torch.float32)
+    state = torch.load(ck / "train_state.pt", weights_only=False)
+    return drafter, state
+
+
+def trainable_parameters(drafter: DFlashDrafter) -> list[torch.nn.Parameter]:
+    """Everything the drafter owns (layers, fc, hidden_norm, norm); embedding and LM head are the target's."""
+    return [p for n, p in drafter.named_parameters()]
+
+
+def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
+                  heldout: Sequence[TrainSequence], cfg: TrainConfig, work: Path, out: Path | None = None,
+                  start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
+    """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
+    drafter (by held-out implied τ) to `out`. Returns the last log record."""
+    from dflash_export.models.drafter import save_drafter
+
+    torch.manual_seed(cfg.seed)
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    weights = position_weights(cfg.block_size, gamma)
+    params = trainable_parameters(drafter)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step, wall0, best = 0, 0.0, {"tau_est": 0.0}
+    if start_state is not None:
+        opt.load_state_dict(start_state["optimizer"])
+        step, wall0, best = start_state["step"], start_state.get("wall_s", 0.0), start_state.get("best", best)
+    head = target.hf.get_output_embeddings().weight.detach()
+    seqs = data_loader()
+    if not seqs:
+        raise DFlashError("no training sequences (the prompt set is empty or every response was empty)",
+                          field="prompts")
+    vocab = _vocab_of(seqs)
+    t_start = time.perf_counter()
+    deadline = None if cfg.minutes is None else t_start + cfg.minutes * 60
+    last_ck = t_start
+    window: list[dict] = []
+    record: dict = {}
+    drafter.train()
+
+    def checkpoint_and_eval():
+        nonlocal best
+        drafter.eval()
+        ev = evaluate(drafter, target, heldout, cfg.block_size, cfg.eval_blocks_per_seq)
+        drafter.train()
+        wall = wall0 + time.perf_counter() - t_start
+        rec = {"step": step, "wall_s": round(wall, 1), "sequences": len(seqs), "vocab": len(vocab),
+               **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
+        if out is not None and ev and ev["tau_est"] >= best.get("tau_est", 0.0):
+            best = {**ev, "step": step}
+            save_drafter(drafter, out)
+        save_checkpoint(work, drafter, opt, step, wall, best)
+        if log:
+            log({"event": "checkpoint", **rec, "best_step": best.get("step")})
+        return rec
+
+    while step < cfg.steps and (deadline is None or time.perf_counter() < deadline):
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
+        hidden = train_forward(drafter, target.embed, batch)
+        res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        window.append({"loss": res.loss.item(), **acceptance_stats(res.correct, res.valid)})
+        if progress is not None:
+            progress(step, window[-1]["loss"])
+        if step % cfg.log_every == 0:
+            record = {"event": "train", "step": step, "lr": lr,
+                      "wall_s": round(wall0 + time.perf_counter() - t_start, 1),
+                      **{k: round(sum(w[k] for w in window) / len(window), 4) for k in window[0]}}
+            window = []
+            if log:
+                log(record)
+        if time.perf_counter() - last_ck > cfg.checkpoint_every_s:
+            last_ck = time.perf_counter()
+            checkpoint_and_eval()
+            fresh = data_loader()  # data generation may be running alongside: pick up new shards
+            if len(fresh) > len(seqs):
+                seqs = fresh
+                vocab = _vocab_of(seqs)
+    final = checkpoint_and_eval()
+    drafter.eval()
+    return {**record, **final, "best": best}
+
+
+# ------------------------------------------------------------------------------------------------------ the stage
+
+
+def _prompt_sources(recipe, target, opts, seed: int):
+    """(train prompts thunk, held-out prompts thunk, source name) for the recipe's prompt kind."""
+    if opts.prompts == "sharegpt":
+        if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
+            raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
+
+        def train_src():
+            return sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed)
+
+        def heldout_src():
+            return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False)
+        return train_src, heldout_src, f"sharegpt-s{opts.seed}"
+    if opts.prompts == "synthetic":
+        reserved = target.vocab_size - min(opts.mask_token_id or target.vocab_size - 1, target.vocab_size - 2)
+        return (lambda: synthetic_prompt_ids(target.vocab_size, opts.num_prompts, opts.seed, reserved),
+                lambda: synthetic_prompt_ids(target.vocab_size, opts.heldout_prompts, opts.seed + 1_000_000, reserved),
+                f"synthetic-s{opts.seed}")
+    raise DFlashError(f"unknown prompt source {opts.prompts!r} (sharegpt, synthetic)", path=recipe.path,
+                      field="train.prompts")
+
+
+def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
+              num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
+              console=None) -> dict:
+    """The `train` stage: data (cached) -> drafter (from the target or the last checkpoint) -> training -> `out`."""
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dflash_export.models.target import load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.sources import cache_dir
+
+    console = console or Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    recipe = load_recipe(recipe_name)
+    opts = recipe.train
+    if num_prompts is not None:
+        opts = replace(opts, num_prompts=num_prompts)
+    seed = opts.seed if seed is None else seed
+    if opts.block_size < 2:
+        raise DFlashError(f"must be >= 2, got {opts.block_size}", path=recipe.path, field="train.block_size")
+    target = load_target(recipe.target_path)
+    mask_id = opts.mask_token_id
+    if mask_id is None:
+        if not recipe.target.startswith("tiny:"):
+            raise DFlashError("a real target needs an explicit mask token (a reserved special-token row)",
+                              path=recipe.path, field="train.mask_token_id")
+        mask_id = target.vocab_size - 1
+    work = Path(work_dir) if work_dir else cache_dir() / "train" / f"{recipe.name}-seed{seed}"
+    if out is None:
+        if ":" in recipe.drafter.split("/")[0]:
+            out = work / "drafter"  # a tiny:/pkg: drafter is generated, not a place to write to
+        else:
+            out = Path(recipe.drafter_path)
+    out = Path(out)
+
+    start_state = None
+    drafter = None
+    if resume:
+        loaded = load_checkpoint(work)
+        if loaded is not None:
+            drafter, start_state = loaded
+            check_drafter_fits(drafter, target, str(work / "checkpoint" / "drafter"))
+            if drafter.config.block_size != opts.block_size:
+                raise DFlashError(f"checkpoint block_size {drafter.config.block_size} != recipe's {opts.block_size}",
+                                  path=work / "checkpoint", field="block_size")
+            console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
+    if drafter is None:
+        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids)
+    tap_ids = drafter.config.target_layer_ids
+
+    train_src, heldout_src, src_name = _prompt_sources(recipe, target, opts, seed)
+    ddir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk, src_name)
+    hdir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk,
+                    src_name.replace("-s", "-heldout-s"))
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as bar:
+        if not no_generate:
+            for name, src, directory, n in (("held-out data", heldout_src, hdir, opts.heldout_prompts),
+                                            ("train data", train_src, ddir, opts.num_prompts)):
+                task = bar.add_task(name, total=n, info="")
+                generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                                opts.soft_topk,
+                                progress=lambda d, t, tps, task=task: bar.update(task, completed=d,
+                                                                                 info=f"{tps:.0f} tok/s"))
+        if data_only:
+            return {"data_dir": str(ddir), "sequences": len(load_shards(ddir))}
+        heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
+
+        def loader():
+            return load_shards(ddir)[: opts.num_prompts] if ddir.is_dir() else []
+
+        if not loader():
+            raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
+                              "--no-generate)", path=ddir)
+        cfg = TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,
+                          batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
+                          soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
+                          minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+        first = start_state["step"] if start_state else 0
+        task = bar.add_task("train", total=cfg.steps, completed=first, info="")
+        work.mkdir(parents=True, exist_ok=True)
+        log_path = work / "curve.jsonl"
+
+        def log(rec):
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if rec.get("event") == "checkpoint":
+                bar.console.print(" ".join(f"{k}={v}" for k, v in rec.items() if k != "event"))
+
+        result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
+                               progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
+                               log=log)
+    if opts.prompts == "sharegpt":
+        indices = sorted(s.index for s in loader())
+        try:
+            with atomic_file(out.parent / f"{out.name}-train-prompts.txt") as f:
+                f.write("# ShareGPT V3 record indices whose first-turn prompt this drafter was trained on\n")
+                f.write("\n".join(str(i) for i in indices) + "\n")
+        except OSError as e:
+            raise DFlashError(f"cannot write the prompt list ({e.strerror or e})", path=out.parent) from None
+    console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
+                  f"at step {result['best'].get('step')})")
+    return result
