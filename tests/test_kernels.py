@@ -251,3 +251,41 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
 
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_fused_verify_kernel_one_row_block_emits_the_target_token(verify_triton):
+    # prefill runs FusedVerify on the last prompt row alone: no drafts, one token from the target
+    logits, _, _, _ = _verify_case(2, 2, 30, 1.0, seed=6)
+    logits = logits[:, :1].contiguous()
+    no_drafts = torch.zeros(2, 0, dtype=torch.int64)
+    for temperature, probs, unif in ((0.0, None, None), (1.0, torch.zeros(2, 0, 30), torch.rand(2, 1))):
+        got = verify_triton(logits, no_drafts, probs, unif, temperature, block_v=16)
+        ref = fused_verify_ref(logits, no_drafts, probs, unif, temperature)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+
+
+def test_aot_attention_kernel_argument_order_matches_reference():
+    """The TensorRT AOT entry point (contiguous tensors; inputs, int32 scalars, outputs) computes the same thing."""
+    module = _interpreted("dflash_export.kernels.triton_attention")
+    B, H, KVH, S, T, D = 2, 4, 2, 4, 19, 16
+    q, kc, vc, kb, vb = _attention_inputs(B, H, KVH, S, T, D, seed=8)
+    out = torch.empty_like(q)
+    block_m = 16
+    module.kv_injected_block_attention_aot_kernel[(B * H, -(-S // block_m))](
+        q, kc, vc, kb, vb, H, KVH, S, T, D, out, QK_SCALE=0.25 * 1.4426950408889634, BLOCK_M=block_m, BLOCK_N=16,
+        BLOCK_D=16, PRECISION="ieee")
+    assert (out - kv_injected_block_attention_ref(q, kc, vc, kb, vb, scale=0.25)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_aot_verify_kernel_argument_order_matches_reference(temperature):
+    module = _interpreted("dflash_export.kernels.triton_verify")
+    B, BS, V = 3, 4, 40
+    logits, drafts, dprobs, unif = _verify_case(B, BS, V, temperature, seed=9, agree=0.9)
+    outs = [torch.empty(B, dtype=torch.int64), torch.empty(B, BS, dtype=torch.int64), torch.empty(B, dtype=torch.int64)]
+    module.fused_verify_aot_kernel[(B,)](
+        logits, drafts, dprobs, unif, BS, V, *outs, INV_TEMP=1.0 / temperature if temperature else 1.0,
+        GREEDY=temperature == 0, BLOCK_V=16, BLOCK_BS=4, PAD=EMIT_PAD)
+    for a, b in zip(outs, fused_verify_ref(logits, drafts, dprobs, unif, temperature)):
+        assert torch.equal(a, b)

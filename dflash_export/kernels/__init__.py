@@ -89,8 +89,8 @@ def check_verify_inputs(target_logits, draft_tokens, draft_probs, uniforms, temp
     if target_logits.dtype not in _FLOAT_DTYPES:
         raise _shape_error(op, f"target_logits dtype {target_logits.dtype} is not fp32/fp16/bf16")
     B, BS, V = target_logits.shape
-    if BS < 2 or V < 1:
-        raise _shape_error(op, f"target_logits {tuple(target_logits.shape)}: need block size >= 2 and V >= 1")
+    if BS < 1 or V < 1:  # a one-row block (prefill: no drafts) is valid
+        raise _shape_error(op, f"target_logits {tuple(target_logits.shape)}: need at least one row and V >= 1")
     if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (B, BS - 1):
         raise _shape_error(op, f"draft_tokens must be [{B}, {BS - 1}], got {getattr(draft_tokens, 'shape', None)}")
     if draft_tokens.dtype not in (torch.int32, torch.int64):

@@ -40,7 +40,7 @@ def _attend_keys(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_
 
 
 @triton.jit
-def _kv_injected_block_attention_kernel(
+def _attention_program(
     q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kcb, stride_kch, stride_kct, stride_kcd,
@@ -51,9 +51,10 @@ def _kv_injected_block_attention_kernel(
     num_heads, groups, S, T, D, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One (batch x head, query tile) program; shared by the strided launch and the TensorRT AOT kernel."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
-    b = pid_bh // num_heads
+    b = (pid_bh // num_heads).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = pid_bh % num_heads
     kvh = h // groups
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,6 +75,41 @@ def _kv_injected_block_attention_kernel(
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _kv_injected_block_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kcb, stride_kch, stride_kct, stride_kcd,
+    stride_vcb, stride_vch, stride_vct, stride_vcd,
+    stride_kbb, stride_kbh, stride_kbt, stride_kbd,
+    stride_vbb, stride_vbh, stride_vbt, stride_vbd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    num_heads, groups, S, T, D, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    _attention_program(q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
+                       stride_qb, stride_qh, stride_qs, stride_qd, stride_kcb, stride_kch, stride_kct, stride_kcd,
+                       stride_vcb, stride_vch, stride_vct, stride_vcd, stride_kbb, stride_kbh, stride_kbt, stride_kbd,
+                       stride_vbb, stride_vbh, stride_vbt, stride_vbd, stride_ob, stride_oh, stride_os, stride_od,
+                       num_heads, groups, S, T, D, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+
+
+@triton.jit
+def kv_injected_block_attention_aot_kernel(
+    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr,
+    H, KVH, S, T, D,
+    o_ptr,
+    QK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The TensorRT AOT entry point: contiguous tensors, arguments in the plugin's order (inputs, int32 scalars,
+    outputs); the float scale is compiled in (AOT plugins pass only int32 scalars). Grid (B*H, cdiv(S, BLOCK_M))."""
+    _attention_program(q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
+                       H * S * D, S * D, D, 1, KVH * T * D, T * D, D, 1, KVH * T * D, T * D, D, 1,
+                       KVH * S * D, S * D, D, 1, KVH * S * D, S * D, D, 1, H * S * D, S * D, D, 1,
+                       H, H // KVH, S, T, D, QK_SCALE, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
 
 
 def launch_config(S: int, D: int) -> tuple[int, int, int]:

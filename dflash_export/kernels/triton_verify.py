@@ -50,14 +50,15 @@ def _draw_weights(logit_row, draft_row, V, inv_temp, m, s, use_residual, use_p, 
     """Sampling weights of one tile: residual max(p - q, 0), or p when use_p (all-zero residual) or no rejection."""
     mask = offs < V
     p = tl.exp(tl.load(logit_row + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp - m) / s
-    q = tl.load(draft_row + offs, mask=mask, other=0.0).to(tl.float32)
+    # q is read only at a rejected slot: after full acceptance the draft row may not exist (n == 0)
+    q = tl.load(draft_row + offs, mask=mask & ((offs * 0 + use_residual) != 0), other=0.0).to(tl.float32)
     r = tl.maximum(p - q, 0.0)
     w = tl.where((use_residual != 0) & (use_p == 0), r, p)
     return tl.where(mask, w, 0.0)
 
 
 @triton.jit
-def _fused_verify_kernel(
+def _verify_program(
     logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
     stride_lb, stride_ls, stride_lv,
     stride_tb, stride_ts,
@@ -67,7 +68,8 @@ def _fused_verify_kernel(
     BS, V, inv_temp,
     GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_BS: tl.constexpr, PAD: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    """One sequence per program; shared by the strided launch and the TensorRT AOT kernel."""
+    b = tl.program_id(0).to(tl.int64)  # batch offsets can pass 2**31 elements
     n = BS - 1
     logit_base = logits_ptr + b * stride_lb
     tok_base = draft_tok_ptr + b * stride_tb
@@ -78,7 +80,9 @@ def _fused_verify_kernel(
     if GREEDY:
         for i in range(0, BS):
             target_tok = _row_argmax(logit_base + i * stride_ls, V, BLOCK_V)
-            draft_tok = tl.load(tok_base + tl.minimum(i, n - 1) * stride_ts).to(tl.int32)
+            # a one-row block (prefill: n == 0) has no drafts to read
+            draft_tok = tl.load(tok_base + tl.maximum(tl.minimum(i, n - 1), 0) * stride_ts, mask=i < n,
+                                other=-1).to(tl.int32)
             stop = (i == n) | (draft_tok != target_tok)
             take = still * stop.to(tl.int32)
             accept = tl.where(take == 1, i, accept)
@@ -99,7 +103,7 @@ def _fused_verify_kernel(
             still = still * (1 - rejected.to(tl.int32))
         # The last token: from the residual at the rejected slot, or the bonus from p at slot n.
         row = logit_base + accept * stride_ls
-        draft_row = draft_prob_ptr + b * stride_pb + tl.minimum(accept, n - 1) * stride_ps
+        draft_row = draft_prob_ptr + b * stride_pb + tl.maximum(tl.minimum(accept, n - 1), 0) * stride_ps
         use_residual = (accept < n).to(tl.int32)
         m, s = _row_softmax_stats(row, V, inv_temp, BLOCK_V)
         total = 0.0
@@ -130,6 +134,37 @@ def _fused_verify_kernel(
     tl.store(emitted_ptr + b * stride_eb + offs_e * stride_es, emitted, mask=e_mask)
     tl.store(accept_ptr + b, accept.to(tl.int64))
     tl.store(n_emitted_ptr + b, (accept + 1).to(tl.int64))
+
+
+@triton.jit
+def _fused_verify_kernel(
+    logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
+    stride_lb, stride_ls, stride_lv,
+    stride_tb, stride_ts,
+    stride_pb, stride_ps, stride_pv,
+    stride_ub, stride_us,
+    stride_eb, stride_es,
+    BS, V, inv_temp,
+    GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_BS: tl.constexpr, PAD: tl.constexpr,
+):
+    _verify_program(logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
+                    stride_lb, stride_ls, stride_lv, stride_tb, stride_ts, stride_pb, stride_ps, stride_pv,
+                    stride_ub, stride_us, stride_eb, stride_es, BS, V, inv_temp, GREEDY, BLOCK_V, BLOCK_BS, PAD)
+
+
+@triton.jit
+def fused_verify_aot_kernel(
+    logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr,
+    BS, V,
+    accept_ptr, emitted_ptr, n_emitted_ptr,
+    INV_TEMP: tl.constexpr, GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_BS: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    """The TensorRT AOT entry point: contiguous tensors, arguments in the plugin's order (inputs, int32 scalars,
+    outputs); 1/temperature is compiled in (AOT plugins pass only int32 scalars). Grid (B,)."""
+    _verify_program(logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
+                    BS * V, V, 1, BS - 1, 1, (BS - 1) * V, V, 1, BS, 1, BS, 1, BS, V, INV_TEMP,
+                    GREEDY, BLOCK_V, BLOCK_BS, PAD)
 
 
 def fused_verify_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
