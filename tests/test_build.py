@@ -1,0 +1,105 @@
+"""`build` reuses unchanged engines, rebuilds changed ones, never leaves a loadable half-build, refuses tampering."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_export.engines.base import load_engine, read_manifest
+from dflash_export.engines.build import build_engine
+from dflash_export.errors import DFlashError
+from dflash_export.recipes import load_recipe
+from dflash_export.sources import resolve_source
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture()
+def own_recipe(tmp_path):
+    """A tiny recipe whose drafter lives in tmp_path, so the test can change it."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(resolve_source("tiny:qwen3/drafter"), drafter)
+    y = tmp_path / "mine.yaml"
+    y.write_text("name: mine\ntarget: tiny:qwen3/target\ndrafter: drafter\nmax_seq_len: 256\nchat_template: false\n")
+    return load_recipe(y), drafter
+
+
+def test_rebuild_with_unchanged_inputs_reuses_and_changed_input_rebuilds(own_recipe, tmp_path):
+    recipe, drafter = own_recipe
+    first = build_engine(recipe, "onnxruntime", tmp_path / "engines")
+    assert not first.reused
+    m1 = read_manifest(first.engine_dir)
+    assert m1["block_size"] == 4 and m1["mask_token_id"] == 255 and m1["inputs"]
+    again = build_engine(recipe, "onnxruntime", tmp_path / "engines")
+    assert again.reused and again.engine_dir == first.engine_dir
+    # change one drafter weight: the hash differs, so the engine is rebuilt
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(drafter / "model.safetensors"))
+    sd["norm.weight"] = sd["norm.weight"] + 0.5
+    save_file(sd, str(drafter / "model.safetensors"))
+    third = build_engine(recipe, "onnxruntime", tmp_path / "engines")
+    assert not third.reused
+    assert read_manifest(third.engine_dir)["inputs"] != m1["inputs"]
+
+
+def test_manifest_that_does_not_match_its_files_is_refused(own_recipe, tmp_path):
+    recipe, _ = own_recipe
+    d = build_engine(recipe, "onnxruntime", tmp_path / "engines").engine_dir
+    onnx_file = next(p for p in d.iterdir() if p.suffix in (".data", ".bin"))
+    with open(onnx_file, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(DFlashError, match="does not match its manifest hash"):
+        load_engine(d)
+    # and a rebuild repairs it rather than reusing it
+    assert not build_engine(recipe, "onnxruntime", tmp_path / "engines").reused
+
+
+def test_interrupted_build_leaves_nothing_that_loads(tmp_path):
+    out = tmp_path / "engines"
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-llama.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "build", "--recipe", str(recipe), "--out",
+                             str(out), "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    parent = out / "tiny-llama"
+    while time.time() < deadline:  # kill as soon as the temporary build directory has content
+        tmp = list(parent.glob(".onnxruntime.tmp-*")) if parent.is_dir() else []
+        if tmp and any(tmp[0].iterdir()):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (parent / "onnxruntime").exists()
+    with pytest.raises(DFlashError, match="not found"):
+        load_engine(parent / "onnxruntime")
+    for half in parent.glob(".onnxruntime.tmp-*"):
+        with pytest.raises(DFlashError, match="no manifest.json"):
+            load_engine(half)
+
+
+def test_backend_without_library_is_one_clear_error(own_recipe, tmp_path):
+    recipe, _ = own_recipe
+    recipe.backends = ["onnxruntime", "tensorrt"]
+    pytest.importorskip("dflash_export.engines.tensorrt")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("tensorrt is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(DFlashError, match="tensorrt"):
+        build_engine(recipe, "tensorrt", tmp_path / "engines")
+
+
+def test_backend_not_in_recipe_is_refused(own_recipe, tmp_path):
+    recipe, _ = own_recipe
+    with pytest.raises(DFlashError, match="not listed in the recipe's backends"):
+        build_engine(recipe, "tensorrt-llm", tmp_path / "engines")
