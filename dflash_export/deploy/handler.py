@@ -1,0 +1,206 @@
+"""One generation request as the Triton model sees it: named input arrays in, text chunks + acceptance stats out.
+
+Kept free of `triton_python_backend_utils` so the request contract (validation, stop strings, streaming deltas) runs
+and is tested in-process; `triton_model.py` only adapts it to Triton's tensors and responses. Every bad request raises
+DFlashError whose message starts with the input it is about.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from dflash_export.engines.base import SamplingParams
+from dflash_export.errors import DFlashError
+from dflash_export.runtime import DFlashRuntime, RunStats
+
+DEFAULT_MAX_TOKENS = 128
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str | list[dict]
+    sp: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    max_tokens_given: bool = True
+
+
+@dataclass
+class Chunk:
+    """Text produced since the previous chunk, plus running totals. The last chunk has `finish_reason` set."""
+
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    accepted_tokens: int
+    drafted_tokens: int
+    acceptance_length: float
+
+
+def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
+    arr = get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.size != 1:
+        raise DFlashError(f"expected one value, got shape {list(arr.shape)}", field=name)
+    if kind == "bytes" and arr.dtype != np.object_ and arr.dtype.kind not in "SU":
+        raise DFlashError(f"expected BYTES, got {arr.dtype}", field=name)
+    if kind == "int" and arr.dtype.kind not in "iu":
+        raise DFlashError(f"expected an integer, got {arr.dtype}", field=name)
+    if kind == "float" and arr.dtype.kind not in "fiu":
+        raise DFlashError(f"expected a number, got {arr.dtype}", field=name)
+    return arr.reshape(-1)[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    data = bytes(value)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"invalid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})", field=name) from None
+
+
+def _messages(text: str) -> list[dict]:
+    try:
+        msgs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"not valid JSON ({e.msg} at offset {e.pos})", field="messages") from None
+    if not isinstance(msgs, list) or not msgs:
+        raise DFlashError("expected a non-empty JSON list of {\"role\", \"content\"} objects", field="messages")
+    for i, m in enumerate(msgs):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DFlashError(f"item {i} is not an object with string \"role\" and \"content\"", field="messages")
+    return msgs
+
+
+def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
+    """Read and type-check the inputs (`get(name)` returns the array or None when absent)."""
+    text = _scalar(get, "text_input", "bytes")
+    messages = _scalar(get, "messages", "bytes")
+    if text is None and messages is None:
+        raise DFlashError("missing input: send text_input (or messages as JSON)", field="text_input")
+    if text is not None and messages is not None:
+        raise DFlashError("send either text_input or messages, not both", field="messages")
+    if messages is not None:
+        prompt: str | list[dict] = _messages(_text(messages, "messages"))
+    else:
+        prompt = _text(text, "text_input")
+        if not prompt:
+            raise DFlashError("empty prompt", field="text_input")
+
+    sp = SamplingParams()
+    max_tokens = _scalar(get, "max_tokens", "int")
+    if max_tokens is not None:
+        sp.max_new_tokens = int(max_tokens)
+        if sp.max_new_tokens < 1:
+            raise DFlashError(f"must be >= 1, got {sp.max_new_tokens}", field="max_tokens")
+    else:
+        sp.max_new_tokens = DEFAULT_MAX_TOKENS
+    for name, attr in (("temperature", "temperature"), ("top_p", "top_p")):
+        v = _scalar(get, name, "float")
+        if v is not None:
+            v = float(v)
+            if not math.isfinite(v):
+                raise DFlashError(f"must be a finite number, got {v}", field=name)
+            setattr(sp, attr, v)
+    if sp.temperature < 0:
+        raise DFlashError(f"must be >= 0, got {sp.temperature}", field="temperature")
+    if not 0 < sp.top_p <= 1:
+        raise DFlashError(f"must be in (0, 1], got {sp.top_p}", field="top_p")
+    seed = _scalar(get, "seed", "int")
+    if seed is not None:
+        if int(seed) < 0:
+            raise DFlashError(f"must be >= 0, got {int(seed)}", field="seed")
+        sp.seed = int(seed)
+
+    stop: list[str] = []
+    stop_arr = get("stop")
+    if stop_arr is not None:
+        items = np.asarray(stop_arr).reshape(-1)
+        if items.dtype != np.object_ and items.dtype.kind not in "SU":
+            raise DFlashError(f"expected BYTES, got {items.dtype}", field="stop")
+        if len(items) > MAX_STOP_STRINGS:
+            raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}", field="stop")
+        stop = [s for s in (_text(x, "stop") for x in items) if s]
+    return GenerateRequest(prompt, sp, stop, max_tokens is not None)
+
+
+class RequestRunner:
+    """Runs parsed requests on one engine (one request at a time: an engine sequence is single-threaded)."""
+
+    def __init__(self, runtime: DFlashRuntime):
+        self.runtime = runtime
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        ids = self.runtime.encode(req.prompt, chat=True)
+        info = self.runtime.engine.info
+        room = info.max_seq_len - info.block_size - 1
+        if not ids:
+            raise DFlashError("empty prompt (no tokens after encoding)", field="text_input")
+        if len(ids) > room:
+            raise DFlashError(f"prompt is {len(ids)} tokens; this engine takes at most {room} (max_seq_len "
+                              f"{info.max_seq_len} minus one draft block of {info.block_size} and one new token)",
+                              field="messages" if isinstance(req.prompt, list) else "text_input")
+        if not req.max_tokens_given:
+            # Without an explicit max_tokens, generate as much as fits rather than refuse a long prompt.
+            req.sp.max_new_tokens = max(1, min(req.sp.max_new_tokens, info.max_seq_len - info.block_size - len(ids)))
+        return ids
+
+    def run(self, req: GenerateRequest) -> Iterator[Chunk]:
+        """Yield text deltas step by step; the last chunk carries `finish_reason` ("stop" / "length").
+
+        Validation errors surface (as DFlashError) before the first chunk. Stop strings end the output *before* the
+        stop string; text that might begin one is held back until it is decided.
+        """
+        ids = self.prompt_ids(req)
+        self.runtime.check_request(ids, req.sp)
+        codec = self.runtime.engine.codec
+        stats = RunStats()
+        tokens: list[int] = []
+        shown = 0
+        hold = max((len(s) for s in req.stop), default=1) - 1
+        for ev in self.runtime.stream(ids, req.sp, stats=stats):
+            tokens.extend(ev.tokens)
+            text = codec.decode(tokens)
+            reason = ev.finish_reason if ev.finished else None
+            cut = _first_stop(text, req.stop, max(0, shown - hold))
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+            if reason is None:
+                # Never split a multi-byte character or a possible stop string across chunks.
+                safe = len(text) - hold
+                while safe > shown and text[safe - 1] == "\ufffd":
+                    safe -= 1
+                if safe <= shown:
+                    continue
+                delta, shown = text[shown:safe], safe
+            else:
+                delta, shown = text[shown:], len(text)
+            yield Chunk(delta, reason, len(stats.tokens), stats.accepted_tokens, stats.drafted_tokens, stats.tau)
+            if reason is not None:
+                return
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def generate_text(runner: RequestRunner, req: GenerateRequest) -> Chunk:
+    """The whole output as one chunk (the non-streaming model's response)."""
+    parts: list[str] = []
+    last = None
+    for chunk in runner.run(req):
+        parts.append(chunk.text)
+        last = chunk
+    assert last is not None
+    return Chunk("".join(parts), last.finish_reason, last.completion_tokens, last.accepted_tokens,
+                 last.drafted_tokens, last.acceptance_length)

@@ -1,0 +1,411 @@
+"""Start the `tritonserver` binary shipped in the `nvidia-pytriton` wheel on a model repository, on loopback by default.
+
+The wheel carries the server, the python backend and one python-backend stub per CPython minor version; the stub has to
+match the interpreter whose packages the models import, and it links `libpython3.X.so`. Three things make that work:
+
+- a private backend directory whose `python/` holds the backend library plus the stub for *this* Python (the backend
+  looks for `triton_python_backend_stub` next to its own library);
+- `LD_LIBRARY_PATH` with this interpreter's own lib directory first (a system libpython of the same version otherwise
+  wins and brings a foreign standard library), then the wheel's bundled libraries;
+- this environment's site-packages and the project root on the stub's `sys.path`: the stub's embedded interpreter
+  ignores PYTHONPATH, takes its prefix from `python3` on PATH, and imports numpy before any model code runs; so PATH
+  starts with a throw-away venv (`make_stub_env`) whose site-packages leads to the right packages.
+
+The stubs in nvidia-pytriton 0.7 were compiled against numpy 1 (pybind11 without numpy-2 support): under numpy 2 they
+misread every tensor buffer (BYTES inputs crash the stub, outputs come back with wrong sizes). When this environment
+has numpy >= 2, the stub gets a private numpy < 2 directory first on its path (installed once with pip into
+`stub_site_dir()`); onnxruntime, torch and tokenizers built for numpy 2 run on numpy 1.26 (numpy's ABI is backward
+compatible at run time), and the served outputs are checked against direct engine calls in tests/test_deploy.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import re
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_export.errors import DFlashError, MissingDependency
+
+
+class ServerError(DFlashError):
+    """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
+
+    exit_code = 1
+
+
+@dataclass
+class TritonInstall:
+    """Where the pieces of the wheel's tritonserver live."""
+
+    binary: Path
+    python_backend: Path        # directory holding libtriton_python.so + triton_python_backend_utils.py
+    stub: Path                  # triton_python_backend_stub built for this interpreter's minor version
+    lib_dirs: list[Path]        # bundled shared libraries the binary and the stub need
+
+
+def find_triton() -> TritonInstall:
+    """Locate tritonserver in the installed `nvidia-pytriton` wheel; MissingDependency naming what is absent."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("pytriton")
+    except ImportError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependency("the tritonserver binary comes with nvidia-pytriton: pip install --no-deps "
+                                "nvidia-pytriton", field="nvidia-pytriton")
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    install = TritonInstall(
+        binary=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        lib_dirs=[d for d in (root / "lib", root.parent.parent / "nvidia_pytriton.libs") if d.is_dir()],
+    )
+    for path in (install.binary, install.python_backend / "libtriton_python.so", install.stub):
+        if not path.is_file():
+            raise MissingDependency(f"not found in the nvidia-pytriton wheel (Python {version} supported?)",
+                                    path=path)
+    return install
+
+
+def python_lib_dir() -> Path:
+    """The directory holding this interpreter's own libpython (a venv points back at its base installation)."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlib = sysconfig.get_config_var("LDLIBRARY") or ""
+    if not libdir or not (Path(libdir) / ldlib).exists():
+        raise MissingDependency(f"this Python ({sys.executable}) has no shared libpython ({ldlib or '?'}) for the "
+                                "python backend stub to link; use a Python built with --enable-shared",
+                                field="libpython")
+    return Path(libdir)
+
+
+def stub_python_path() -> list[str]:
+    """Directories the stub must import from: the project root, then this environment's site-packages."""
+    import dflash_export
+
+    project_root = str(Path(dflash_export.__file__).resolve().parent.parent)
+    paths = [project_root] + [p for p in site.getsitepackages() if Path(p).is_dir()]
+    return list(dict.fromkeys(paths))
+
+
+STUB_SITE_ENV = "DFLASH_TRITON_STUB_SITE"
+STUB_MARKER = "DFLASH_STUB_NUMPY"  # model.py accepts a numpy other than the deployed one only from a marked directory
+
+
+def stub_site_dir() -> Path:
+    """Where the stub's numpy < 2 lives: $DFLASH_TRITON_STUB_SITE or a per-Python cache directory."""
+    if os.environ.get(STUB_SITE_ENV):
+        return Path(os.environ[STUB_SITE_ENV])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "dflash-export" / f"triton-stub-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _numpy_major(where: Path | None = None) -> int | None:
+    if where is None:
+        from importlib import metadata
+
+        try:
+            return int(metadata.version("numpy").split(".")[0])
+        except metadata.PackageNotFoundError:
+            return None
+    found = sorted(where.glob("numpy-*.dist-info"))
+    return int(found[-1].name.split("-")[1].split(".")[0]) if found else None
+
+
+def ensure_stub_site(install: bool = True) -> Path | None:
+    """Return the numpy < 2 directory the stub needs (None when this environment's numpy is already < 2).
+
+    Installs `numpy<2` there with pip when absent and `install` is true; MissingDependency otherwise.
+    """
+    if (_numpy_major() or 0) < 2:
+        return None
+    site_dir = stub_site_dir()
+    if (_numpy_major(site_dir) or 2) < 2:
+        (site_dir / STUB_MARKER).touch()
+        return site_dir
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site_dir), "numpy<2"]
+    if not install:
+        raise MissingDependency("the python backend stub needs numpy<2 (it was built against numpy 1); run: "
+                                + " ".join(cmd[:-1]) + " 'numpy<2'", field="numpy")
+    print(f"the python backend stub needs numpy<2: installing it once into {site_dir}", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or (_numpy_major(site_dir) or 2) >= 2:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise MissingDependency(f"could not install numpy<2 for the python backend stub ({tail})", path=site_dir)
+    (site_dir / STUB_MARKER).touch()
+    return site_dir
+
+
+def make_backend_dir(install: TritonInstall, into: Path) -> Path:
+    """Build `<into>/python/` = the wheel's python backend + the stub for this Python. Returns `into`."""
+    py = into / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        (py / name).symlink_to(install.python_backend / name)
+    # A copy, not a link: the stub's $ORIGIN-relative rpath then resolves nowhere, so LD_LIBRARY_PATH alone decides
+    # which libpython it gets (the interpreter's own, first).
+    shutil.copy2(install.stub, py / "triton_python_backend_stub")
+    return into
+
+
+def make_stub_env(into: Path, stub_site: Path | None) -> Path:
+    """A minimal virtual environment for the stub; returns its bin directory (to put first on PATH).
+
+    The stub's embedded interpreter ignores PYTHONPATH and finds its prefix from `python3` on PATH, so a venv there
+    decides its `sys.path`: its site-packages holds numpy < 2 (when needed) ahead of everything, then a .pth adds the
+    project root and this environment's site-packages (with their own .pth files, e.g. editable installs).
+    """
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    (into / "bin").mkdir(parents=True, exist_ok=True)
+    (into / "bin" / "python3").symlink_to(base)
+    (into / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
+                                     f"version = {platform.python_version()}\n")
+    sp = into / "lib" / f"python{ver}" / "site-packages"
+    sp.mkdir(parents=True, exist_ok=True)
+    if stub_site is not None:
+        for entry in stub_site.iterdir():
+            if entry.name.startswith("numpy"):
+                (sp / entry.name).symlink_to(entry)
+    # Plain lines are appended to sys.path; `import` lines run (addsitedir also processes that dir's .pth files).
+    lines = [p if not p.endswith("site-packages") else f"import site; site.addsitedir({p!r})"
+             for p in stub_python_path()]
+    (sp / "dflash_serving.pth").write_text("\n".join(lines) + "\n")
+    return into / "bin"
+
+
+def server_env(install: TritonInstall, stub_site: Path | None, stub_bin: Path,
+               base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment tritonserver (and through it every stub) runs with."""
+    env = dict(os.environ if base is None else base)
+    libs = [str(python_lib_dir())] + [str(d) for d in install.lib_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(libs)
+    # The stubs ignore PYTHONPATH (their paths come from the stub venv); this is for anything else they spawn.
+    pypath = ([str(stub_site)] if stub_site else []) + stub_python_path()
+    env["PATH"] = str(stub_bin) + os.pathsep + env.get("PATH", "")
+    if env.get("PYTHONPATH"):
+        pypath.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = ":".join(pypath)
+    # Each stub is a separate process per model instance; one BLAS/OpenMP thread each keeps N instances from
+    # oversubscribing the cores (a user who wants more sets it explicitly).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+class TritonServer:
+    """A tritonserver process on a model repository; a context manager that starts it and waits for readiness.
+
+    `log_to` None keeps the server's output in memory (the last lines come with any ServerError); `echo=True` also
+    copies it to stderr as it arrives (the `serve` command).
+    """
+
+    def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
+                 log_verbose: int = 0, extra_args: list[str] | None = None):
+        self.repo = Path(repo).resolve()
+        if not self.repo.is_dir():
+            raise DFlashError("model repository not found", path=self.repo)
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.ready_timeout_s = ready_timeout_s
+        self.echo = echo
+        self.log_verbose = log_verbose
+        self.extra_args = list(extra_args or [])
+        self.proc: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+        self._log: collections.deque[str] = collections.deque(maxlen=400)
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+
+    # URLs -------------------------------------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def log_text(self) -> str:
+        return "".join(self._log)
+
+    # Lifecycle --------------------------------------------------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        install = find_triton()
+        return [
+            str(install.binary),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false",
+            # The written config.pbtxt is the contract; never let the server rewrite it.
+            "--disable-auto-complete-config",
+            "--exit-on-error=true",
+            "--strict-readiness=true",
+            "--exit-timeout-secs=10",
+            f"--log-verbose={self.log_verbose}",
+            # Unique shared-memory names: several servers (tests, other users) may run on one machine.
+            f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{self.http_port}_",
+            *self.extra_args,
+        ]
+
+    def start(self) -> "TritonServer":
+        """Launch and block until `/v2/health/ready` answers 200; ServerError (with the log tail) if it dies."""
+        install = find_triton()
+        stub_site = ensure_stub_site()
+        self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
+        backend_dir = make_backend_dir(install, self._workdir / "backends")
+        stub_bin = make_stub_env(self._workdir / "stubenv", stub_site)
+        cmd = self.command(backend_dir)
+        self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.append(line)
+            if self.echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = self.http_url + "/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(self._death_line())
+            if _http_ok(url):
+                return
+            time.sleep(0.2)
+        raise ServerError(f"not ready after {self.ready_timeout_s:.0f} s; last log line: {self._last_error()}",
+                          path=self.repo)
+
+    def _last_error(self) -> str:
+        """The most telling log line: a model's load failure, else the last error line, else the last line."""
+        lines = [ln.strip() for ln in self._log if ln.strip()]
+        for pick in (lambda ln: ln.startswith("E") and "failed to load '" in ln,
+                     lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln,
+                     lambda ln: "error" in ln.lower(),
+                     lambda ln: True):
+            found = [ln for ln in lines if pick(ln)]
+            if found:
+                # Triton's lines carry a Python traceback with escaped newlines; its first line says it all.
+                line = re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[-1])
+                return line.split("\\n")[0].strip('"')
+        return "(no output)"
+
+    def _death_line(self) -> str:
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        return f"tritonserver exited with code {self.proc.returncode}: {self._last_error()}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self) -> int:
+        """Block until the server exits on its own; ServerError when that exit was not requested."""
+        assert self.proc is not None
+        rc = self.proc.wait()
+        if not self._stopping:
+            raise ServerError(self._death_line())
+        return rc
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group (server + stubs), SIGKILL what is left after `timeout_s`."""
+        self._stopping = True
+        proc = self.proc
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if pgid is not None and proc.poll() is None:
+                os.killpg(pgid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            if pgid is not None:
+                # Stubs live in the same group; make sure none outlives the server.
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
+          ready_timeout_s: float = 600.0) -> int:
+    """Run tritonserver in the foreground until Ctrl-C / SIGTERM; prints the URLs once ready.
+
+    Returns 0 after a requested stop; raises ServerError (one line) if the server dies on its own.
+    """
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, host, ready_timeout_s, echo=True)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.start()
+        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}", flush=True)
+        print(f"  curl -s {server.http_url}/v2/models/dflash/generate -d '{{\"text_input\": \"Hello\", "
+              f"\"max_tokens\": 32}}'", flush=True)
+        server.wait()
+        return 0
+    except KeyboardInterrupt:
+        print("stopping tritonserver", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,143 @@
+"""Triton python-backend model running the DFlash runtime (copied as `<repo>/<model>/1/model.py` by `deploy`).
+
+Runs inside `triton_python_backend_stub`, which starts from the base interpreter's `sys.path`. The environment and
+project recorded at deploy time come from the `sys_path` parameter of config.pbtxt; `serve` also exports them in
+PYTHONPATH (numpy is imported by the backend utilities before this file runs). `initialize` then checks that the
+libraries loaded are the ones recorded, so a mismatched environment fails the model load with one clear message
+instead of subtly different numerics.
+
+One engine per model instance; each instance handles its requests one after another (concurrency = instance count).
+A bad request gets an error response naming the input; the instance keeps serving.
+"""
+
+import json
+import os
+import site
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _param(config: dict, key: str, default=None):
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    return default if value is None else value
+
+
+def _extend_sys_path(paths):
+    for p in reversed(paths):
+        if os.path.isdir(p):
+            if p.endswith("site-packages"):
+                site.addsitedir(p)  # also processes .pth files (editable installs)
+            if p in sys.path:
+                sys.path.remove(p)
+            sys.path.insert(0, p)
+
+
+def _check_versions(expected: dict) -> None:
+    import importlib
+    import importlib.metadata as md
+
+    for name, want in expected.items():
+        if name == "numpy":
+            continue
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            raise RuntimeError(f"{name} {want} was recorded at deploy time but is not importable here "
+                               f"(sys.path[:3]={sys.path[:3]})") from None
+        if have != want:
+            raise RuntimeError(f"{name} {have} loaded, but the repository was deployed with {name} {want}: "
+                               "serve from the same environment or redeploy")
+    # numpy is imported by the backend utilities before this file runs. `serve` substitutes numpy 1 (the stub is built
+    # against numpy 1) from a directory it marks; any other numpy means the server was started some other way.
+    np_home = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    from_stub = os.path.isfile(os.path.join(np_home, "DFLASH_STUB_NUMPY"))
+    if "numpy" in expected and np.__version__ != expected["numpy"] and not from_stub:
+        raise RuntimeError(f"numpy {np.__version__} imported from {np.__file__}, deployed with "
+                           f"{expected['numpy']}: start the server with `dflash-export serve`")
+    if "onnxruntime" in expected:
+        importlib.import_module("onnxruntime")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = config = json.loads(args["model_config"])
+        _extend_sys_path(json.loads(_param(config, "sys_path", "[]")))
+        _check_versions(json.loads(_param(config, "library_versions", "{}")))
+
+        from dflash_export.deploy.handler import RequestRunner
+        from dflash_export.engines.base import load_engine
+        from dflash_export.runtime import DFlashRuntime
+
+        engine_dir = _param(config, "engine_dir")
+        if not os.path.isabs(engine_dir):
+            engine_dir = os.path.join(args["model_repository"], engine_dir)
+        threads = int(_param(config, "threads", "0"))
+        if threads <= 0:
+            # Instances are separate processes sharing the machine: split the cores rather than oversubscribe them.
+            count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+            threads = max(1, len(os.sched_getaffinity(0)) // count)
+        self.engine = load_engine(os.path.normpath(engine_dir), threads=threads)
+        self.runner = RequestRunner(DFlashRuntime(self.engine))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.output_names = [o["name"] for o in config["output"]]
+
+    # Adapters -------------------------------------------------------------------------------------------------------
+    def _response(self, chunk) -> "pb_utils.InferenceResponse":
+        values = {
+            "text_output": np.array([chunk.text.encode("utf-8")], dtype=np.object_),
+            "finish_reason": np.array([(chunk.finish_reason or "").encode()], dtype=np.object_),
+            "completion_tokens": np.array([chunk.completion_tokens], dtype=np.int32),
+            "accepted_tokens": np.array([chunk.accepted_tokens], dtype=np.int32),
+            "drafted_tokens": np.array([chunk.drafted_tokens], dtype=np.int32),
+            "acceptance_length": np.array([chunk.acceptance_length], dtype=np.float32),
+        }
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, values[n]) for n in self.output_names])
+
+    @staticmethod
+    def _error(exc: BaseException) -> "pb_utils.InferenceResponse":
+        from dflash_export.errors import DFlashError
+
+        message = str(exc) if isinstance(exc, DFlashError) else f"internal error: {type(exc).__name__}: {exc}"
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+    @staticmethod
+    def _inputs(request):
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        return get
+
+    # Execution ------------------------------------------------------------------------------------------------------
+    def execute(self, requests):
+        from dflash_export.deploy.handler import generate_text, parse_request
+
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._response(generate_text(self.runner, parse_request(self._inputs(request)))))
+            except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
+                responses.append(self._error(e))
+        return responses
+
+    def _stream(self, request) -> None:
+        from dflash_export.deploy.handler import parse_request
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            for chunk in self.runner.run(parse_request(self._inputs(request))):
+                sender.send(self._response(chunk), flags=final if chunk.finish_reason else 0)
+        except Exception as e:  # noqa: BLE001
+            sender.send(self._error(e), flags=final)
+
+    def finalize(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
