@@ -167,7 +167,8 @@ def test_dispatch_uses_reference_on_cpu():
     inputs = _attention_inputs(1, 4, 2, 4, 3, 16)
     assert torch.equal(kv_injected_block_attention(*inputs), kv_injected_block_attention_ref(*inputs))
     logits, drafts, dprobs, unif = _verify_case(2, 4, 20, 1.0, seed=2)
-    for a, b in zip(fused_verify(logits, drafts, dprobs, unif, 1.0), fused_verify_ref(logits, drafts, dprobs, unif, 1.0)):
+    got = fused_verify(logits, drafts, dprobs, unif, 1.0)
+    for a, b in zip(got, fused_verify_ref(logits, drafts, dprobs, unif, 1.0)):
         assert torch.equal(a, b)
 
 

@@ -63,7 +63,8 @@ def check_attention_inputs(q, k_ctx, v_ctx, k_blk, v_blk) -> None:
     if tuple(v_ctx.shape) != (B, KVH, T, D) or tuple(k_ctx.shape) != (B, KVH, T, D):
         raise _shape_error(op, f"k_ctx {tuple(k_ctx.shape)} / v_ctx {tuple(v_ctx.shape)} must be [{B}, KVH, T, {D}]")
     if tuple(k_blk.shape) != (B, KVH, S, D) or tuple(v_blk.shape) != (B, KVH, S, D):
-        raise _shape_error(op, f"k_blk {tuple(k_blk.shape)} / v_blk {tuple(v_blk.shape)} must be [{B}, {KVH}, {S}, {D}]")
+        raise _shape_error(op, f"k_blk {tuple(k_blk.shape)} / v_blk {tuple(v_blk.shape)} must be "
+                               f"[{B}, {KVH}, {S}, {D}]")
 
 
 def kv_injected_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Torch reference math of the two custom ops: the yardstick the Triton kernels and TensorRT plugins are checked against.
+"""Torch reference math of the two custom ops: what the Triton kernels and TensorRT plugins are checked against.
 
 Both functions are batched versions of what the PyTorch reference model does one sequence at a time
 (`models.drafter.block_attention`, `sampling.verify_block`), written with torch ops only so they run on any device.

@@ -1,0 +1,637 @@
+"""The TensorRT backend: the exported ONNX graphs compiled to TensorRT engines, the two custom ops as plugins.
+
+Bounded on purpose. Everything that needs `tensorrt` (plugin registration, engine build, the polygraphy comparison)
+imports it inside a function and is reached only through `register_plugins`, `build_tensorrt_engines`,
+`build_tensorrt` and `compare_onnxruntime_tensorrt`; without it they raise MissingDependency naming the extra.
+What does not need it is plain Python and tested everywhere: the plugin contract check on ONNX models
+(`check_plugin_attributes`), the optimization-profile tables (`profile_shapes`), example feeds, and the Triton AOT
+compilation of the plugin kernels (`compile_*_aot`, triton only).
+
+Plugins (`tensorrt.plugin`, TensorRT >= 10.8; AOT needs >= 10.12): `dflash::KVInjectedBlockAttention` and
+`dflash::FusedVerify`, version "1" — TensorRT's ONNX parser finds them by the node's op type plus its
+`plugin_namespace` / `plugin_version` attributes. Each has a shape/dtype registration, an autotune declaration
+(type combinations; tactics = key-tile sizes for the attention), an `aot_impl` returning the Triton kernel compiled
+to PTX (so engines run without Python), and a JIT `impl` fallback that launches the same kernels through torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from dflash_export.errors import DFlashError, MissingDependency
+
+BACKEND = "tensorrt"
+PLUGIN_NAMESPACE = "dflash"
+PLUGIN_VERSION = "1"
+KV_ATTENTION = "KVInjectedBlockAttention"
+FUSED_VERIFY = "FusedVerify"
+INSTALL_HINT = "pip install 'dflash-export[tensorrt]' (TensorRT >= 10.8 + polygraphy) on a machine with an NVIDIA GPU"
+TARGET_ONNX, DRAFTER_ONNX = "target_verify.onnx", "drafter.onnx"
+TARGET_ENGINE, DRAFTER_ENGINE = "target_verify.engine", "drafter.engine"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginSpec:
+    """What a dflash node must look like for its plugin: arity and typed attributes (besides plugin_*)."""
+
+    n_inputs: int
+    n_outputs: int
+    attributes: dict[str, type]
+
+
+PLUGINS: dict[str, PluginSpec] = {
+    KV_ATTENTION: PluginSpec(5, 1, {"num_heads": int, "num_kv_heads": int, "scale": float}),
+    FUSED_VERIFY: PluginSpec(4, 3, {"temperature": float}),
+}
+
+# Autotune tactics of the attention plugin: the key-tile size (BLOCK_N) its kernel streams context keys with.
+ATTENTION_TACTICS = {1: 64, 2: 32}
+ATTENTION_BLOCK_M = 16   # one query tile covers a 16-token block; larger blocks take more tiles
+VERIFY_BLOCK_V = 1024
+
+
+def _missing(what: str) -> MissingDependency:
+    return MissingDependency(f"{what}: {INSTALL_HINT}", field="--backend tensorrt")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The plugin contract on ONNX models (onnx only)
+
+def _attr_value(attr):
+    from onnx import helper
+
+    return helper.get_attribute_value(attr)
+
+
+def _dflash_nodes(model):
+    """(where, node) for every node of domain dflash: the main graph, subgraphs, and model-local function bodies
+    other than the ops' own definitions."""
+    from onnx import AttributeProto
+
+    def walk(graph, where):
+        for node in graph.node:
+            yield where, node
+            for a in node.attribute:
+                if a.type == AttributeProto.GRAPH:
+                    yield from walk(a.g, f"{where}/{node.name or node.op_type}")
+                elif a.type == AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        yield from walk(g, f"{where}/{node.name or node.op_type}")
+
+    for where, node in walk(model.graph, "graph"):
+        if node.domain == PLUGIN_NAMESPACE:
+            yield where, node
+    for f in model.functions:
+        if f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS:
+            continue  # the reference definition of an op, not a use of it
+        for node in f.node:
+            if node.domain == PLUGIN_NAMESPACE:
+                yield f"function {f.name}", node
+
+
+def check_plugin_attributes(onnx_model) -> dict[str, int]:
+    """Check that every `dflash` node maps onto a registered plugin; return {op_type: count}.
+
+    Each node needs a known op type (= plugin name), plugin_namespace == "dflash", plugin_version == "1", the plugin's
+    attributes with the right types, and its arity. `onnx_model` is a ModelProto or a path (external data not loaded).
+    Raises DFlashError naming the node and attribute otherwise.
+    """
+    import onnx
+
+    path = None
+    if not isinstance(onnx_model, onnx.ModelProto):
+        path = Path(onnx_model)
+        if not path.is_file():
+            raise DFlashError("ONNX model not found", path=path)
+        try:
+            onnx_model = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # protobuf raises its own DecodeError
+            raise DFlashError(f"cannot read ONNX model ({e})", path=path) from None
+    counts: dict[str, int] = {}
+    for where, node in _dflash_nodes(onnx_model):
+        label = f"{where}: node {node.name or '?'} ({node.op_type})"
+        spec = PLUGINS.get(node.op_type)
+        if spec is None:
+            raise DFlashError(f"{label}: no plugin registered under this op type (known: {', '.join(PLUGINS)})",
+                              path=path, field="op_type")
+        attrs = {a.name: _attr_value(a) for a in node.attribute}
+        for name, expected in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION)):
+            value = attrs.get(name)
+            if isinstance(value, bytes):
+                value = value.decode()
+            if value is None:
+                raise DFlashError(f"{label}: missing attribute", path=path, field=name)
+            if value != expected:
+                raise DFlashError(f"{label}: {value!r} does not match the registered plugin's {expected!r}",
+                                  path=path, field=name)
+        for name, typ in spec.attributes.items():
+            if name not in attrs:
+                raise DFlashError(f"{label}: missing attribute", path=path, field=name)
+            value = attrs[name]
+            if not isinstance(value, typ) or isinstance(value, bool):
+                raise DFlashError(f"{label}: expected {typ.__name__}, got {type(value).__name__}", path=path,
+                                  field=name)
+        if node.op_type == KV_ATTENTION:
+            if attrs["num_heads"] < 1 or attrs["num_kv_heads"] < 1 or attrs["num_heads"] % attrs["num_kv_heads"]:
+                raise DFlashError(f"{label}: num_heads {attrs['num_heads']} is not a positive multiple of "
+                                  f"num_kv_heads {attrs['num_kv_heads']}", path=path, field="num_heads")
+        if len(node.input) != spec.n_inputs or len(node.output) != spec.n_outputs:
+            raise DFlashError(f"{label}: {len(node.input)} inputs / {len(node.output)} outputs, the plugin takes "
+                              f"{spec.n_inputs} / {spec.n_outputs}", path=path, field="inputs")
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    if counts and not any(o.domain == PLUGIN_NAMESPACE for o in onnx_model.opset_import):
+        raise DFlashError(f"dflash nodes present but no opset_import for domain {PLUGIN_NAMESPACE!r}", path=path,
+                          field="opset_import")
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Optimization profiles (pure Python: named ONNX dims -> min / opt / max)
+
+@dataclasses.dataclass
+class Profile:
+    """One optimization profile: a range per named ONNX dimension, and values for shape-tensor (scalar) inputs."""
+
+    name: str
+    dims: dict[str, tuple[int, int, int]]
+    values: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+
+
+def _fixed(n: int) -> tuple[int, int, int]:
+    return (n, n, n)
+
+
+def graph_profiles(graph: str, block_size: int, max_seq_len: int, vocab_size: int, max_batch: int = 1
+                   ) -> list[Profile]:
+    """The optimization profiles of `target_verify` (prefill, block verify, single-token decode) or `drafter`
+    (first block after prefill: all prompt features at once; steady state: <= block_size new features).
+
+    Dim names are the export's (dflash_export.export.graph); the runtime selects the profile by index.
+    """
+    bs, L = block_size, max_seq_len
+    opt_past = min(512, L - bs)
+    batch = (1, 1, max_batch)
+    if graph == "target_verify":
+        sampling = {"n_draft_or_1": (0, 1, max(1, bs - 1)), "vocab_or_1": (1, 1, vocab_size), "n_uniforms": (1, 1, bs)}
+        return [
+            Profile("prefill", {"batch": batch, "seq": (1, min(512, L), L), "past": _fixed(0), "n_draft": _fixed(0),
+                                **sampling}, {"num_logits": _fixed(1)}),
+            Profile("verify", {"batch": batch, "seq": _fixed(bs), "past": (0, opt_past, L - bs),
+                               "n_draft": _fixed(bs - 1), **sampling}, {"num_logits": _fixed(bs)}),
+            Profile("decode", {"batch": batch, "seq": _fixed(1), "past": (0, opt_past, L - 1), "n_draft": _fixed(0),
+                               **sampling}, {"num_logits": _fixed(1)}),
+        ]
+    if graph == "drafter":
+        # positions: context 0..past_ctx+n_ctx-1, then the block; all must stay below max_seq_len
+        step_past = max(0, L - 2 * bs)
+        return [
+            Profile("first_block", {"batch": batch, "n_ctx": (1, min(512, L - bs), L - bs), "past_ctx": _fixed(0),
+                                    "block": _fixed(bs)}),
+            Profile("step", {"batch": batch, "n_ctx": (0, bs, bs), "past_ctx": (0, min(512, step_past), step_past),
+                             "block": _fixed(bs)}),
+        ]
+    raise DFlashError(f"unknown graph {graph!r} (target_verify, drafter)", field="graph")
+
+
+def profile_shapes(model, profile: Profile) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """min / opt / max shape of every graph input of `model` (ModelProto) under `profile`; scalar shape-tensor
+    inputs map to their value ranges as 1-tuples. Raises DFlashError for a dynamic dim the profile does not name."""
+    out = {}
+    for inp in model.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        if not dims:
+            if inp.name not in profile.values:
+                raise DFlashError(f"scalar input {inp.name!r} has no value range in profile {profile.name!r}",
+                                  field=inp.name)
+            lo, opt, hi = profile.values[inp.name]
+            out[inp.name] = ((lo,), (opt,), (hi,))
+            continue
+        lo, opt, hi = [], [], []
+        for d in dims:
+            if d.HasField("dim_value"):
+                rng = _fixed(d.dim_value)
+            elif d.dim_param in profile.dims:
+                rng = profile.dims[d.dim_param]
+            else:
+                raise DFlashError(f"dynamic dim {d.dim_param!r} of input {inp.name!r} has no range in profile "
+                                  f"{profile.name!r}", field=inp.name)
+            lo.append(rng[0])
+            opt.append(rng[1])
+            hi.append(rng[2])
+        out[inp.name] = (tuple(lo), tuple(opt), tuple(hi))
+    return out
+
+
+def vocab_size_of(model) -> int:
+    """The vocabulary size: the static last dim of the graph's logits output."""
+    for o in model.graph.output:
+        if o.name.endswith("logits"):
+            last = o.type.tensor_type.shape.dim[-1]
+            if last.HasField("dim_value"):
+                return int(last.dim_value)
+    raise DFlashError("no logits output with a static vocabulary dim", field="outputs")
+
+
+def example_feeds(model, profile: Profile, seed: int = 0, vocab_size: int | None = None) -> dict[str, Any]:
+    """Concrete inputs at the profile's opt shapes (valid token ids, consistent positions): for comparing runtimes.
+    Token ids are drawn below `vocab_size` (default: the graph's logits width)."""
+    import numpy as np
+
+    from onnx import TensorProto
+
+    rng = np.random.default_rng(seed)
+    shapes = {k: v[1] for k, v in profile_shapes(model, profile).items()}
+    vocab = vocab_size or vocab_size_of(model)
+    past = profile.dims.get("past", profile.dims.get("past_ctx", (0, 0, 0)))[1]
+    feeds: dict[str, Any] = {}
+    for inp in model.graph.input:
+        name, shape = inp.name, shapes[inp.name]
+        elem = inp.type.tensor_type.elem_type
+        if name in profile.values:
+            feeds[name] = np.array(shape[0], dtype=np.int64)
+        elif name in ("position_ids", "block_positions", "ctx_positions"):
+            start = past + (shapes["ctx"][1] if name == "block_positions" and "ctx" in shapes else 0)
+            feeds[name] = np.broadcast_to(start + np.arange(shape[-1], dtype=np.int64), shape).copy()
+        elif elem in (TensorProto.INT64, TensorProto.INT32):
+            dtype = np.int64 if elem == TensorProto.INT64 else np.int32
+            feeds[name] = rng.integers(0, vocab, size=shape).astype(dtype)
+        elif name == "draft_probs":
+            p = rng.random(shape).astype(np.float32) + 1e-3
+            feeds[name] = p / p.sum(-1, keepdims=True)
+        elif name == "uniforms":
+            feeds[name] = rng.random(shape).astype(np.float32)
+        else:
+            feeds[name] = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+    return feeds
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton AOT compilation of the plugin kernels (triton only; PTX, no GPU needed when `target` is given)
+
+@dataclasses.dataclass
+class AotKernel:
+    name: str
+    ptx: str
+    num_warps: int
+    shared_mem: int
+
+
+_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32"}
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict[str, Any], target=None) -> AotKernel:
+    if importlib.util.find_spec("triton") is None:
+        raise MissingDependency("triton is not installed (pip install 'dflash-export[kernels]')")
+    import triton
+
+    sig = dict(signature)
+    sig.update({k: "constexpr" for k in constexprs})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    compiled = triton.compile(src, target=target) if target is not None else triton.compile(src)
+    return AotKernel(compiled.metadata.name, compiled.asm["ptx"], compiled.metadata.num_warps,
+                     compiled.metadata.shared)
+
+
+def compile_attention_aot(dtype: str, scale: float, head_dim: int, block_n: int = 64, target=None) -> AotKernel:
+    """PTX of `kv_injected_block_attention_aot_kernel` for one dtype ("float32" | "float16" | "bfloat16"), with
+    scale and tile sizes compiled in. Arguments: 5 input pointers, (H, KVH, S, T, D) int32, output pointer."""
+    from dflash_export.kernels.triton_attention import kv_injected_block_attention_aot_kernel
+
+    t = "*" + _TRITON_TYPES[dtype]
+    signature = {"q_ptr": t, "kc_ptr": t, "vc_ptr": t, "kb_ptr": t, "vb_ptr": t, "H": "i32", "KVH": "i32",
+                 "S": "i32", "T": "i32", "D": "i32", "o_ptr": t}
+    block_d = max(16, 1 << (int(head_dim) - 1).bit_length())
+    constexprs = {"QK_SCALE": float(scale) * 1.4426950408889634, "BLOCK_M": ATTENTION_BLOCK_M, "BLOCK_N": block_n,
+                  "BLOCK_D": block_d, "PRECISION": "ieee" if dtype == "float32" else None}
+    return _compile(kv_injected_block_attention_aot_kernel, signature, constexprs, target)
+
+
+def compile_verify_aot(logits_dtype: str, temperature: float, block_size: int | None, token_dtype: str = "int64",
+                       probs_dtype: str = "float32", uniforms_dtype: str = "float32", target=None) -> AotKernel:
+    """PTX of `fused_verify_aot_kernel` (greedy when temperature <= 0). Arguments: logits, draft tokens, draft probs,
+    uniforms pointers, (BS, V) int32, accept_len / emitted_tokens / n_emitted int64 pointers."""
+    from dflash_export.kernels.reference import EMIT_PAD
+    from dflash_export.kernels.triton_verify import fused_verify_aot_kernel
+
+    signature = {"logits_ptr": "*" + _TRITON_TYPES[logits_dtype], "draft_tok_ptr": "*" + _TRITON_TYPES[token_dtype],
+                 "draft_prob_ptr": "*" + _TRITON_TYPES[probs_dtype], "unif_ptr": "*" + _TRITON_TYPES[uniforms_dtype],
+                 "BS": "i32", "V": "i32", "accept_ptr": "*i64", "emitted_ptr": "*i64", "n_emitted_ptr": "*i64"}
+    block_bs = max(2, 1 << (int(block_size or 64) - 1).bit_length())
+    constexprs = {"INV_TEMP": 1.0 / temperature if temperature > 0 else 1.0, "GREEDY": temperature <= 0,
+                  "BLOCK_V": VERIFY_BLOCK_V, "BLOCK_BS": block_bs, "PAD": EMIT_PAD}
+    return _compile(fused_verify_aot_kernel, signature, constexprs, target)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TensorRT: plugin registration (needs tensorrt)
+
+_REGISTERED = False
+
+
+def tensorrt_available() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def require_tensorrt(gpu: bool = True):
+    """Import tensorrt (and check for a CUDA device) or raise MissingDependency with the install line."""
+    if not tensorrt_available():
+        raise _missing("tensorrt is not installed")
+    import tensorrt as trt
+
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise _missing("no CUDA device visible")
+    return trt
+
+
+def _dtype_name(trt, dtype) -> str:
+    names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64",
+             trt.int32: "int32"}
+    if dtype not in names:
+        raise DFlashError(f"unsupported plugin tensor dtype {dtype}", field="dtype")
+    return names[dtype]
+
+
+def _const_dim(expr, default: int | None = None) -> int | None:
+    """Build-time value of a plugin shape expression, or `default` when it is dynamic."""
+    try:
+        return int(expr.constant_value()) if expr.is_constant else default
+    except (RuntimeError, AttributeError):
+        return default
+
+
+def register_plugins() -> None:
+    """Register both dflash plugins with TensorRT's plugin registry (idempotent). Must run before parsing an ONNX
+    graph with dflash nodes, and before deserializing an engine built with the JIT `impl` fallback."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    trt = require_tensorrt(gpu=False)
+    import tensorrt.plugin as trtp
+
+    float_types = "FP32|FP16|BF16"
+
+    @trtp.register(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
+    def _attention_desc(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc, k_blk: trtp.TensorDesc,
+                        v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int, scale: float) -> trtp.TensorDesc:
+        return q.like()  # [B, H, S, D] in q's dtype
+
+    @trtp.autotune(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
+    def _attention_autotune(q, k_ctx, v_ctx, k_blk, v_blk, num_heads: int, num_kv_heads: int, scale: float,
+                            outputs) -> list:
+        combo = trtp.AutoTuneCombination(", ".join([float_types] * 6))  # 5 inputs + output share one type
+        combo.tactics(list(ATTENTION_TACTICS))
+        return [combo]
+
+    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
+    def _attention_aot(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc, k_blk: trtp.TensorDesc,
+                       v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int, scale: float, outputs, tactic: int):
+        B, H, S, D = q.shape_expr
+        head_dim = _const_dim(D, 128)
+        kernel = compile_attention_aot(_dtype_name(trt, q.dtype), scale, head_dim, ATTENTION_TACTICS.get(tactic, 64))
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = B * H
+        launch.grid_y = trtp.cdiv(S, ATTENTION_BLOCK_M)
+        launch.block_x = kernel.num_warps * 32
+        launch.shared_mem = kernel.shared_mem
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (H, k_ctx.shape_expr[1], S,
+                                                                         k_ctx.shape_expr[2], D)])
+        return kernel.name.encode(), kernel.ptx.encode(), launch, extra
+
+    @trtp.impl(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
+    def _attention_impl(q: trtp.Tensor, k_ctx: trtp.Tensor, v_ctx: trtp.Tensor, k_blk: trtp.Tensor,
+                        v_blk: trtp.Tensor, num_heads: int, num_kv_heads: int, scale: float, outputs, stream: int,
+                        tactic: int) -> None:
+        import torch
+
+        from dflash_export.kernels.triton_attention import kv_injected_block_attention_triton
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            args = [torch.as_tensor(t, device="cuda") for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
+            out = torch.as_tensor(outputs[0], device="cuda")
+            out.copy_(kv_injected_block_attention_triton(*args, scale=scale, block_n=ATTENTION_TACTICS.get(tactic)))
+
+    @trtp.register(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
+    def _verify_desc(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
+                     uniforms: trtp.TensorDesc, temperature: float):
+        B, BS = target_logits.shape_expr[0], target_logits.shape_expr[1]
+        return (trtp.from_shape_expr((B,), dtype=trt.int64),        # accept_len
+                trtp.from_shape_expr((B, BS), dtype=trt.int64),     # emitted_tokens (EMIT_PAD-padded)
+                trtp.from_shape_expr((B,), dtype=trt.int64))        # n_emitted
+
+    @trtp.autotune(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
+    def _verify_autotune(target_logits, draft_tokens, draft_probs, uniforms, temperature: float, outputs) -> list:
+        return [trtp.AutoTuneCombination(f"{float_types}, INT64, FP32, FP32, INT64, INT64, INT64")]
+
+    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
+    def _verify_aot(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
+                    uniforms: trtp.TensorDesc, temperature: float, outputs, tactic: int):
+        B, BS, V = target_logits.shape_expr
+        kernel = compile_verify_aot(_dtype_name(trt, target_logits.dtype), temperature, _const_dim(BS),
+                                    _dtype_name(trt, draft_tokens.dtype), _dtype_name(trt, draft_probs.dtype),
+                                    _dtype_name(trt, uniforms.dtype))
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = B
+        launch.block_x = kernel.num_warps * 32
+        launch.shared_mem = kernel.shared_mem
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(BS), trtp.SymInt32(V)])
+        return kernel.name.encode(), kernel.ptx.encode(), launch, extra
+
+    @trtp.impl(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
+    def _verify_impl(target_logits: trtp.Tensor, draft_tokens: trtp.Tensor, draft_probs: trtp.Tensor,
+                     uniforms: trtp.Tensor, temperature: float, outputs, stream: int) -> None:
+        import torch
+
+        from dflash_export.kernels.triton_verify import fused_verify_triton
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            ins = [torch.as_tensor(t, device="cuda") for t in (target_logits, draft_tokens, draft_probs, uniforms)]
+            results = fused_verify_triton(*ins, temperature=float(temperature))
+            for dst, src in zip(outputs, results):
+                torch.as_tensor(dst, device="cuda").copy_(src)
+
+    _REGISTERED = True
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Engine build (needs tensorrt + GPU)
+
+def _network_flags(trt, strongly_typed: bool) -> int:
+    flags = 0
+    if strongly_typed:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    # Both impl and aot_impl are registered: ask for the AOT kernels (engines then run without Python).
+    if hasattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    return flags
+
+
+def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
+                      workspace_gib: float = 8.0) -> dict[str, Any]:
+    """Parse one ONNX graph and write its serialized TensorRT engine. fp32 recipes build strongly typed networks
+    (the graph's own types are the precision); fp16 / bf16 recipes let TensorRT lower the fp32 graph through the
+    matching builder flag (a typed low-precision export is the export stage's job). Returns build facts."""
+    import onnx
+
+    trt = require_tensorrt()
+    register_plugins()
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    counts = check_plugin_attributes(model)
+    shapes = [profile_shapes(model, p) for p in profiles]
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    strongly_typed = dtype == "float32"
+    network = builder.create_network(_network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    if not strongly_typed:
+        config.set_flag(trt.BuilderFlag.BF16 if dtype == "bfloat16" else trt.BuilderFlag.FP16)
+    for shape in shapes:
+        profile = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            tensor = network.get_input(i)
+            lo, opt, hi = shape[tensor.name]
+            if tensor.is_shape_tensor:
+                profile.set_shape_input(tensor.name, lo, opt, hi)
+            else:
+                profile.set_shape(tensor.name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise DFlashError("TensorRT failed to build the engine (see the log above)", path=onnx_path)
+    engine_path.write_bytes(bytes(serialized))
+    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "plugins": counts,
+            "bytes": engine_path.stat().st_size}
+
+
+def _export_facts(onnx_path: Path) -> dict[str, str]:
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> dict[str, Any]:
+    """Build `target_verify.engine` and `drafter.engine` in `out_dir` from the exported graphs in `export_dir`.
+
+    Profiles: target_verify = prefill / verify (block_size tokens) / decode (1 token); drafter = first block after
+    prefill / steady-state step (see `graph_profiles`). Returns the per-engine build facts for the manifest.
+    """
+    import onnx
+
+    require_tensorrt()
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    facts: dict[str, Any] = {}
+    for onnx_name, engine_name, graph in ((TARGET_ONNX, TARGET_ENGINE, "target_verify"),
+                                          (DRAFTER_ONNX, DRAFTER_ENGINE, "drafter")):
+        onnx_path = export_dir / onnx_name
+        if not onnx_path.is_file():
+            raise DFlashError("exported graph not found (run the export first)", path=onnx_path)
+        meta = _export_facts(onnx_path)
+        block_size = int(meta.get("dflash.block_size", recipe.block_size or 0))
+        if block_size < 2:
+            raise DFlashError("graph metadata has no dflash.block_size", path=onnx_path, field="dflash.block_size")
+        vocab = vocab_size_of(onnx.load(str(onnx_path), load_external_data=False))
+        profiles = graph_profiles(graph, block_size, recipe.max_seq_len, vocab, max_batch)
+        facts[engine_name] = build_engine_file(onnx_path, out_dir / engine_name, profiles, recipe.dtype)
+        facts[engine_name]["block_size"] = block_size
+    return facts
+
+
+def build_tensorrt(recipe, out_dir) -> Path:
+    """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
+    plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
+    ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first)."""
+    import torch
+
+    from dflash_export.engines.base import write_manifest
+    from dflash_export.errors import atomic_dir
+    from dflash_export.export import export_recipe
+    from dflash_export.models import load_drafter
+
+    trt = require_tensorrt()
+    if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        res = export_recipe(recipe, tmp / "onnx")
+        facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe)
+        c = drafter.config
+        write_manifest(tmp, {
+            "backend": BACKEND, "recipe": recipe.name,
+            "block_size": recipe.block_size or c.block_size, "mask_token_id": c.mask_token_id,
+            "target_layer_ids": list(c.target_layer_ids), "max_seq_len": recipe.max_seq_len,
+            "dtypes": {"precision": recipe.dtype, "graph": "float32"},
+            "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
+                                          "ops": list(PLUGINS), "implementation": "aot (triton ptx)"},
+            "export": res.metadata, "tensorrt": trt.__version__,
+            "gpu": torch.cuda.get_device_name(0),
+        })
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# validate: ONNX Runtime vs TensorRT (polygraphy)
+
+def compare_onnxruntime_tensorrt(engine_dir, atol: float = 1e-3, rtol: float = 1e-3, seed: int = 0
+                                 ) -> dict[str, Any]:
+    """Run each graph's ONNX model (ONNX Runtime, the plugins' reference functions inlined) and its TensorRT engine
+    (plugins) on the same inputs at every profile's opt shapes; compare all outputs with polygraphy's Comparator.
+
+    Returns {"ok": bool, "<engine>/<profile>": {"ok": bool, "max_abs_diff": {output: float}}}.
+    """
+    import numpy as np
+    import onnx
+
+    require_tensorrt()
+    if importlib.util.find_spec("polygraphy") is None:
+        raise _missing("polygraphy is not installed")
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    from dflash_export.engines.base import read_manifest
+
+    register_plugins()  # an engine built with the JIT fallback needs the Python plugins at deserialization
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    report: dict[str, Any] = {}
+    for onnx_name, engine_name, graph in ((TARGET_ONNX, TARGET_ENGINE, "target_verify"),
+                                          (DRAFTER_ONNX, DRAFTER_ENGINE, "drafter")):
+        onnx_path = engine_dir / "onnx" / onnx_name
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        profiles = graph_profiles(graph, int(manifest["block_size"]), int(manifest["max_seq_len"]),
+                                  vocab_size_of(model))
+        engine_bytes = (engine_dir / engine_name).read_bytes()
+        for index, profile in enumerate(profiles):
+            feeds = example_feeds(model, profile, seed)
+            runners = [OnnxrtRunner(SessionFromOnnx(str(onnx_path))),
+                       TrtRunner(EngineFromBytes(engine_bytes), optimization_profile=index)]
+            results = Comparator.run(runners, data_loader=[feeds])
+            accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol))
+            ort_out, trt_out = results[0][1][0], results[1][1][0]
+            diffs = {name: float(np.max(np.abs(np.asarray(ort_out[name], np.float64)
+                                               - np.asarray(trt_out[name], np.float64)), initial=0.0))
+                     for name in ort_out.keys()}
+            report[f"{graph}/{profile.name}"] = {"ok": bool(accuracy), "max_abs_diff": diffs}
+    report["ok"] = all(v["ok"] for v in report.values())
+    return report
+
+
+class TensorRTEngine:
+    """Placeholder so `load_engine` fails with a clear message: driving the TensorRT engines through the DFlash runtime
+    loop (KV buffers, profile switching) is not written yet; `compare_onnxruntime_tensorrt` validates them."""
+
+    def __init__(self, engine_dir, manifest, **kwargs):
+        raise DFlashError("running TensorRT engines through the DFlash runtime is not implemented yet; validate them "
+                          "with the ONNX Runtime comparison", path=engine_dir, field="backend")

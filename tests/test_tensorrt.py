@@ -1,0 +1,185 @@
+"""The TensorRT backend's parts that run without TensorRT: the plugin contract on ONNX graphs, the optimization
+profiles against the real exported graphs (run through ONNX Runtime), Triton AOT compilation of the plugin kernels,
+and the one-line errors when TensorRT or a GPU is missing."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from dflash_export.engines import tensorrt as trt_backend
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.export import ops
+
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+
+def _attention_model(**overrides):
+    attrs = dict(num_heads=4, num_kv_heads=2, scale=0.25, **ops.plugin_attrs())
+    attrs.update(overrides)
+    attrs = {k: v for k, v in attrs.items() if v is not None}
+    node = helper.make_node(ops.KV_ATTENTION, ["q", "kc", "vc", "kb", "vb"], ["out"], name="attn0",
+                            domain=ops.DOMAIN, **attrs)
+    f = TensorProto.FLOAT
+    graph = helper.make_graph([node], "attention", [
+        helper.make_tensor_value_info("q", f, [1, 4, 4, 16]),
+        *[helper.make_tensor_value_info(n, f, [1, 2, "T", 16]) for n in ("kc", "vc")],
+        *[helper.make_tensor_value_info(n, f, [1, 2, 4, 16]) for n in ("kb", "vb")],
+    ], [helper.make_tensor_value_info("out", f, [1, 4, 4, 16])])
+    return ops.make_model(graph, [ops.kv_injected_block_attention_function()])
+
+
+def test_plugin_names_and_attributes_are_the_export_contract():
+    assert (trt_backend.PLUGIN_NAMESPACE, trt_backend.PLUGIN_VERSION) == (ops.PLUGIN_NAMESPACE, ops.PLUGIN_VERSION)
+    assert set(trt_backend.PLUGINS) == {ops.KV_ATTENTION, ops.FUSED_VERIFY}
+    for op, spec in trt_backend.PLUGINS.items():
+        assert set(spec.attributes) | {"plugin_namespace", "plugin_version"} == set(ops.REQUIRED_ATTRS[op])
+
+
+def test_check_plugin_attributes_accepts_both_ops():
+    assert trt_backend.check_plugin_attributes(_attention_model()) == {ops.KV_ATTENTION: 1}
+    assert trt_backend.check_plugin_attributes(ops.fused_verify_model(0.0)) == {ops.FUSED_VERIFY: 1}
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"plugin_version": None}, "plugin_version"),
+    ({"plugin_version": "2"}, "plugin_version"),
+    ({"plugin_namespace": "other"}, "plugin_namespace"),
+    ({"scale": None}, "scale"),
+    ({"scale": 1}, "scale"),
+    ({"num_heads": 3}, "num_heads"),
+])
+def test_check_plugin_attributes_rejects_a_node_the_plugin_would_not_take(overrides, field):
+    with pytest.raises(DFlashError, match=field):
+        trt_backend.check_plugin_attributes(_attention_model(**overrides))
+
+
+def test_check_plugin_attributes_rejects_unknown_ops_arity_and_missing_opset(tmp_path):
+    model = _attention_model()
+    model.graph.node[0].op_type = "BlockAttention"
+    with pytest.raises(DFlashError, match="no plugin registered"):
+        trt_backend.check_plugin_attributes(model)
+    model = _attention_model()
+    del model.graph.node[0].input[4]
+    with pytest.raises(DFlashError, match="4 inputs"):
+        trt_backend.check_plugin_attributes(model)
+    model = _attention_model()
+    del model.opset_import[1]
+    with pytest.raises(DFlashError, match="opset_import"):
+        trt_backend.check_plugin_attributes(model)
+    (tmp_path / "bad.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(DFlashError, match="bad.onnx"):
+        trt_backend.check_plugin_attributes(tmp_path / "bad.onnx")
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    from dflash_export.export import export_recipe
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe("tiny-qwen3")
+    out = tmp_path_factory.mktemp("export") / "onnx"
+    export_recipe(recipe, out)
+    return recipe, out
+
+
+def test_exported_graphs_carry_plugin_ready_nodes(tiny_export):
+    _, out = tiny_export
+    assert trt_backend.check_plugin_attributes(out / trt_backend.DRAFTER_ONNX) == {ops.KV_ATTENTION: 2}
+    assert trt_backend.check_plugin_attributes(out / trt_backend.TARGET_ONNX) == {ops.FUSED_VERIFY: 1}
+
+
+@pytest.mark.parametrize("graph", ["target_verify", "drafter"])
+def test_every_profile_describes_inputs_the_exported_graph_runs_with(tiny_export, graph):
+    """Each profile's opt shapes, fed to ONNX Runtime on the real graph, give outputs of the expected sizes; min and
+    max stay inside 1..max_seq_len (so a TensorRT build would accept the ranges)."""
+    import onnx
+    import onnxruntime as ort
+
+    recipe, out = tiny_export
+    path = out / f"{graph}.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    vocab = trt_backend.vocab_size_of(model)
+    assert vocab == 256
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for profile in trt_backend.graph_profiles(graph, 4, recipe.max_seq_len, vocab):
+        shapes = trt_backend.profile_shapes(model, profile)
+        assert set(shapes) == {i.name for i in model.graph.input}
+        for lo, opt, hi in shapes.values():
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)) and max(hi, default=0) <= recipe.max_seq_len
+        feeds = trt_backend.example_feeds(model, profile)
+        results = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        if graph == "target_verify":
+            n = int(feeds["num_logits"])
+            assert results["logits"].shape == (1, n, vocab)
+            assert results["emitted_tokens"].shape == (1, n) and int(results["n_emitted"][0]) >= 1
+        else:
+            assert results["draft_logits"].shape == (1, 3, vocab)
+            total = feeds["past_ctx_key_0"].shape[2] + feeds["ctx"].shape[1]
+            assert results["present_ctx_key_0"].shape[2] == total
+
+
+def test_profiles_name_every_dynamic_dim_or_fail_clearly():
+    import onnx
+
+    with pytest.raises(DFlashError, match="unknown graph"):
+        trt_backend.graph_profiles("lm_head", 4, 64, 10)
+    model = ops.fused_verify_model(0.0, vocab_size=10)
+    profile = trt_backend.Profile("p", {"B": (1, 1, 1)})
+    with pytest.raises(DFlashError, match="'bs'"):
+        trt_backend.profile_shapes(model, profile)
+    assert isinstance(model, onnx.ModelProto)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_plugin_kernels_compile_ahead_of_time_to_ptx():
+    """What aot_impl hands TensorRT: PTX for sm_90 of both entry points, compiled here without a GPU (in a fresh
+    process: the test process may run triton in interpreter mode)."""
+    code = textwrap.dedent("""
+        from triton.backends.compiler import GPUTarget
+        from dflash_export.engines.tensorrt import compile_attention_aot, compile_verify_aot
+        target = GPUTarget("cuda", 90, 32)
+        kernels = [compile_attention_aot("bfloat16", 128 ** -0.5, 128, 64, target),
+                   compile_attention_aot("float32", 0.25, 16, 32, target),
+                   compile_verify_aot("float32", 0.0, 16, target=target),
+                   compile_verify_aot("bfloat16", 0.7, 16, target=target)]
+        for k in kernels:
+            assert ".entry " + k.name in k.ptx and k.num_warps > 0, k.name
+        print("ok", [k.name for k in kernels])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="tensorrt is installed")
+def test_without_tensorrt_every_entry_point_names_the_extra_and_the_gpu(tmp_path):
+    from dflash_export.recipes import load_recipe
+
+    pattern = r"dflash-export\[tensorrt\].*NVIDIA GPU"
+    with pytest.raises(MissingDependency, match=pattern):
+        trt_backend.build_tensorrt(load_recipe("tiny-qwen3"), tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
+    with pytest.raises(MissingDependency, match=pattern):
+        trt_backend.register_plugins()
+    with pytest.raises(MissingDependency, match=pattern):
+        trt_backend.compare_onnxruntime_tensorrt(tmp_path)
+    with pytest.raises(MissingDependency, match=pattern):
+        trt_backend.build_tensorrt_engines(tmp_path, tmp_path, load_recipe("tiny-qwen3"))
+
+
+def test_example_feeds_are_valid_ids_and_distributions():
+    model = ops.fused_verify_model(1.0, vocab_size=12)
+    profile = trt_backend.Profile("p", {"B": (1, 2, 2), "bs": (4, 4, 4), "n": (3, 3, 3), "n_or_1": (3, 3, 3),
+                                        "V_or_1": (12, 12, 12), "bs_or_1": (4, 4, 4)})
+    feeds = trt_backend.example_feeds(model, profile, vocab_size=12)
+    assert feeds["draft_tokens"].dtype == np.int64 and feeds["draft_tokens"].max() < 12
+    assert np.allclose(feeds["draft_probs"].sum(-1), 1.0, atol=1e-5)
+    assert feeds["uniforms"].shape == (2, 4) and 0 <= feeds["uniforms"].min()
