@@ -1,0 +1,32 @@
+"""The `validate` click command: parse options and call `validate.command.run_validate` (heavy imports inside)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--engine", "engine_dir", default=None, type=click.Path(),
+              help="Built engine directory [default: engines/<recipe>/onnxruntime].")
+@click.option("--suite", default=None,
+              help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
+@click.option("--num-prompts", default=None, type=click.IntRange(1), help="Use the first N prompts of the suite.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(0.0),
+              help="Temperature of the sampled losslessness check (0 skips it).")
+@click.option("--dist-samples", default=200, show_default=True, type=click.IntRange(0),
+              help="Seeds per prompt for the sampled check.")
+@click.option("--report", "report_dir", default=None, type=click.Path(),
+              help="Report directory [default: validate-report/<recipe>/<backend>].")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, dist_samples, report_dir,
+             no_progress):
+    """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
+
+    Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
+    """
+    from dflash_export.validate.command import run_validate
+
+    run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
+                 show_progress=not no_progress, echo=click.echo)

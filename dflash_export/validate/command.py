@@ -1,0 +1,82 @@
+"""`dflash-export validate` behind the click command: resolve recipe, engine and suite, run, write the report, judge.
+
+Bad input (unknown recipe, missing engine, malformed suite) raises DFlashError (exit 2) before anything runs; a failed
+threshold raises CheckFailed (exit 1) after the report is written, so a failing run still leaves its evidence.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_export.errors import CheckFailed, DFlashError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def default_engine_dir(recipe_name: str) -> Path:
+    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; DFlashError if neither."""
+    rel = Path("engines") / recipe_name / "onnxruntime"
+    for d in (Path.cwd() / rel, REPO_ROOT / rel):
+        if (d / "manifest.json").is_file():
+            return d
+    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel}: build it first with "
+                      f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
+                      field="--engine")
+
+
+def open_engine(engine_dir: Path, recipe):
+    """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
+    from dflash_export.engines.base import load_engine, read_manifest
+
+    manifest = read_manifest(engine_dir)
+    built_for = manifest.get("recipe")
+    if built_for and built_for != recipe.name:
+        raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}",
+                          path=Path(engine_dir) / "manifest.json", field="recipe")
+    meta = {"dir": str(engine_dir), "manifest": {k: manifest[k] for k in ("tool_version", "libraries", "dtype",
+                                                                          "build_flags") if k in manifest}}
+    return load_engine(engine_dir), meta
+
+
+def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
+                 max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
+                 show_progress: bool = True, echo=print):
+    """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
+    from dflash_export.recipes import load_recipe
+    from dflash_export.validate.suites import encode_prompt, load_suite
+
+    recipe = load_recipe(recipe_name)
+    # Read the suite before loading any model, so a malformed file fails in a second.
+    path, prompts = load_suite(suite or recipe.suite, num_prompts)
+    edir = Path(engine_dir) if engine_dir else default_engine_dir(recipe.name)
+    engine, meta = open_engine(edir, recipe)
+    try:
+        encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
+                   for p in prompts]
+        from dflash_export.validate.runner import Reference, ValidateOptions
+
+        reference = Reference.from_recipe(recipe)
+        opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples)
+        return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
+                               "path": str(path)}, meta, report_dir, show_progress, echo)
+    finally:
+        engine.close()
+
+
+def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, report_dir, show_progress=False,
+                    echo=print):
+    """Run, write the report, print the summary; CheckFailed (exit 1) when a threshold fails."""
+    from dflash_export.validate.report import summary_rows, write_report
+    from dflash_export.validate.runner import run_validation
+
+    report = run_validation(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, show_progress)
+    out = Path(report_dir) if report_dir else Path("validate-report") / recipe.name / engine.info.backend
+    files = write_report(report, out)
+    for check, value, threshold, status in summary_rows(report):
+        echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
+    echo(f"report: {files['md']}")
+    if report.failures:
+        parts = [f"{t['name']} {t['value']:.4g} < {t['threshold']:.4g}" + (f" ({t['note']})" if t["note"] else "")
+                 for t in report.failures]
+        raise CheckFailed(f"{len(parts)} threshold(s) failed: " + "; ".join(parts))
+    return report

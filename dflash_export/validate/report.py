@@ -1,0 +1,139 @@
+"""Report files of a validation: report.json (every figure), report.md (the ten-second summary) and three PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_export.errors import atomic_file
+from dflash_export.validate.runner import ValidationReport
+
+PLOTS = {"tau_histogram": "tau_histogram.png", "speedup_per_prompt": "speedup_per_prompt.png",
+         "tokens_per_s": "tokens_per_s.png"}
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.2f}"
+
+
+def summary_rows(report: ValidationReport) -> list[tuple[str, str, str, str]]:
+    """(check, value, threshold, status) rows shared by report.md and the terminal summary."""
+    rows = []
+    for t in report.thresholds:
+        rows.append((t["name"], _fmt(t["value"]), f"{t['op']} {_fmt(t['threshold'])}",
+                     "PASS" if t["passed"] else "FAIL"))
+    return rows
+
+
+def render_markdown(report: ValidationReport) -> str:
+    d = report.to_dict()
+    g, a, s, dist = d["greedy"], d["acceptance"], d["speed"], d["distribution"]
+    cm = s["cost_model"]
+    lines = [
+        f"# dflash-export validate: {report.recipe} ({report.engine.get('backend')}) — "
+        f"**{'PASS' if report.passed else 'FAIL'}**",
+        "",
+        f"Suite `{report.suite.get('name', '?')}`, {g['prompts']} prompts, {report.options['max_new_tokens']} new "
+        f"tokens, block size {a['block_size']}.",
+        "",
+        "| check | value | threshold | status |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {c} | {v} | {t} | {st} |" for c, v, t, st in summary_rows(report)]
+    lines += [
+        "",
+        "| figure | engine DFlash | engine AR | reference spec | reference AR |",
+        "|---|---|---|---|---|",
+        f"| tokens/s (median) | {s['engine_dflash_tok_s']:.1f} | {s['engine_ar_tok_s']:.1f} | "
+        f"{s['reference_spec_tok_s']:.1f} | {s['reference_ar_tok_s']:.1f} |",
+        f"| ms per output token (median) | {s['engine_dflash_tpot_ms']:.2f} | {s['engine_ar_tpot_ms']:.2f} | "
+        f"{s['reference_spec_tpot_ms']:.2f} | {s['reference_ar_tpot_ms']:.2f} |",
+        f"| identical to reference AR | {g['identical_fraction']:.0%} | {g['engine_ar_identical_fraction']:.0%} | "
+        f"{g['reference_spec_identical_fraction']:.0%} | 100% |",
+        "",
+        f"τ {a['tau']:.2f} (online {a['tau_online']:.2f}) over {a['steps']} steps. Each DFlash step costs "
+        f"{cm['draft_ms']:.2f} ms draft + {cm['verify_ms']:.2f} ms verify = {cm['step_ms']:.2f} ms and commits "
+        f"τ tokens: "
+        f"{cm['ms_per_token_dflash']:.2f} ms/token vs {cm['ar_decode_ms']:.2f} ms per AR decode, so τ predicts "
+        f"{cm['predicted_speedup_vs_ar']:.2f}× (measured {cm['measured_decode_speedup_vs_ar']:.2f}× per decoded "
+        "token).",
+        "",
+    ]
+    if dist.get("ran"):
+        lines.append(f"T={dist['temperature']} losslessness: {dist['test']}; {dist['tested_tokens']} tokens from "
+                     f"{dist['samples_per_prompt']} seeds × {len(dist['prompts'])} prompts, χ²={dist['chi2']:.1f} "
+                     f"({dist['bins']} bins), p = {dist['p_value']:.3g}.")
+    else:
+        lines.append(f"T>0 check not run ({dist.get('reason', '')}).")
+    bad = [r for r in g["per_prompt"] if not r["identical"]]
+    if bad:
+        lines += ["", "| prompt | first divergence | diagnosis | engine tokens | reference tokens |",
+                  "|---|---|---|---|---|"]
+        for r in bad[:10]:
+            w = r["around_divergence"]
+            lines.append(f"| {r['id']} | {r['first_divergence']} | {r['diagnosis']} | {w['engine']} | "
+                         f"{w['reference']} |")
+    lines += ["", "Plots: " + ", ".join(f"[{k}]({v})" for k, v in PLOTS.items()), ""]
+    return "\n".join(lines)
+
+
+def _plots(report: ValidationReport, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, s = report.acceptance, report.speed
+    ks = [int(k) for k in a["histogram"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.4
+    ax.bar([k - width / 2 for k in ks], list(a["histogram"].values()), width, label=f"engine (τ {a['tau']:.2f})")
+    ax.bar([k + width / 2 for k in ks], list(a["histogram_online"].values()), width,
+           label=f"online (τ {a['tau_online']:.2f})")
+    ax.set_xlabel("tokens committed per step (accepted + bonus)")
+    ax.set_ylabel("steps")
+    ax.set_xticks(ks)
+    ax.set_title(f"{report.recipe}: acceptance")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / PLOTS["tau_histogram"], dpi=100)
+    plt.close(fig)
+
+    per = s["per_prompt"]
+    ids = [str(p["id"])[:12] for p in per]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(per) + 2), 3.5))
+    x = range(len(per))
+    ax.bar([i - 0.2 for i in x], [p["speedup_vs_ar"] for p in per], 0.4, label="vs engine AR")
+    ax.bar([i + 0.2 for i in x], [p["speedup_vs_reference"] for p in per], 0.4, label="vs reference spec")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(ids, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("DFlash speedup (tok/s ratio)")
+    ax.set_title(f"{report.recipe}: per-prompt speedup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / PLOTS["speedup_per_prompt"], dpi=100)
+    plt.close(fig)
+
+    labels = ["engine\nDFlash", "engine\nAR", "reference\nspec", "reference\nAR"]
+    vals = [s["engine_dflash_tok_s"], s["engine_ar_tok_s"], s["reference_spec_tok_s"], s["reference_ar_tok_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:cyan", "tab:red"])
+    ax.set_ylabel("tokens/s (median over prompts)")
+    ax.set_title(f"{report.recipe}: throughput, DFlash vs AR")
+    fig.tight_layout()
+    fig.savefig(out / PLOTS["tokens_per_s"], dpi=100)
+    plt.close(fig)
+
+
+def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
+    """Write report.json, report.md and the plots into `out_dir` (created); returns their paths by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / "report.json") as f:
+        json.dump(report.to_dict(), f, indent=2, default=str)
+        f.write("\n")
+    with atomic_file(out / "report.md") as f:
+        f.write(render_markdown(report))
+    _plots(report, out)
+    return {"json": out / "report.json", "md": out / "report.md", **{k: out / v for k, v in PLOTS.items()}}

@@ -1,0 +1,350 @@
+"""Validate a built engine against the PyTorch reference: greedy losslessness, acceptance, the T>0 distribution, speed.
+
+`run_validation` takes an opened engine (any backend, or a wrapper with a planted fault) and the reference models, runs
+the suite, and returns a `ValidationReport` holding every figure plus the list of failed thresholds. It never raises
+on a failed threshold; the CLI turns `report.failures` into exit code 1 after the report files are written.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.validate import checks
+from dflash_export.validate.instrument import InstrumentedEngine
+
+
+@dataclass
+class ValidateOptions:
+    max_new_tokens: int = 64
+    temperature: float = 1.0          # of the distribution check; 0 skips it
+    top_k: int = 0
+    top_p: float = 1.0
+    dist_prompts: int = 2             # prompts the distribution check samples from
+    dist_samples: int = 200           # seeds per prompt
+    dist_tokens: int | None = None    # tokens per sample; default 2 * block_size (prefill token + two DFlash steps)
+    warmup: int = 1                   # untimed generations before timing
+
+
+@dataclass
+class Reference:
+    """The yardstick: the recipe's target and drafter in PyTorch, loaded independently of the engine."""
+
+    target: Any
+    drafter: Any
+    block_size: int | None = None
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "Reference":
+        import torch
+
+        from dflash_export.models import load_drafter, load_target
+
+        dtype = getattr(torch, recipe.dtype)
+        return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.block_size)
+
+    def next_token_logits(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits [len(ids), V] (row i predicts the token after ids[:i + 1])."""
+        import torch
+
+        t = torch.tensor([ids], dtype=torch.long)
+        out = self.target.forward(t, torch.arange(len(ids))[None], self.target.new_cache())
+        return out.logits[0].double().numpy()
+
+
+@dataclass
+class ValidationReport:
+    recipe: str
+    engine: dict[str, Any]
+    suite: dict[str, Any]
+    options: dict[str, Any]
+    greedy: dict[str, Any] = field(default_factory=dict)
+    acceptance: dict[str, Any] = field(default_factory=dict)
+    distribution: dict[str, Any] = field(default_factory=dict)
+    speed: dict[str, Any] = field(default_factory=dict)
+    thresholds: list[dict[str, Any]] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        return [t for t in self.thresholds if not t["passed"]]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "passed": self.passed, "engine": self.engine, "suite": self.suite,
+                "options": self.options, "thresholds": self.thresholds, "greedy": self.greedy,
+                "acceptance": self.acceptance, "distribution": self.distribution, "speed": self.speed,
+                "environment": self.environment}
+
+
+def environment_info() -> dict[str, Any]:
+    """Library versions and the machine, so a report says what it was measured on."""
+    from dflash_export import __version__
+    from dflash_export.engines.base import library_versions
+
+    env: dict[str, Any] = {"tool_version": __version__, "versions": library_versions(("numpy", "scipy", "onnx",
+                           "onnxruntime", "torch", "transformers", "tokenizers", "tensorrt", "matplotlib")),
+                           "machine": {"platform": platform.platform(), "processor": platform.processor() or
+                                       platform.machine(), "cpu_count": os.cpu_count(), "hostname": platform.node()}}
+    try:
+        import torch
+
+        env["machine"]["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            env["machine"]["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return env
+
+
+class _Progress:
+    """A rich progress bar on stderr, or nothing (tests, pipes)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("validate", total=total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.stop()
+
+    def step(self, description: str, n: int = 1) -> None:
+        if self.bar:
+            self.bar.update(self.task, advance=n, description=description)
+
+
+def _greedy_params(opts: ValidateOptions) -> SamplingParams:
+    return SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=0.0)
+
+
+def _warm_up(engine: InstrumentedEngine, runtime, reference: Reference, ids: list[int], opts: ValidateOptions) -> None:
+    from dflash_export.reference import ar_generate, spec_generate
+
+    sp = SamplingParams(max_new_tokens=min(opts.max_new_tokens, 16))
+    for _ in range(opts.warmup):
+        runtime.generate(ids, sp, "dflash")
+        runtime.generate(ids, sp, "ar")
+        ar_generate(reference.target, ids, sp.max_new_tokens)
+        spec_generate(reference.drafter, reference.target, ids, sp.max_new_tokens, block_size=reference.block_size)
+    engine.reset()
+
+
+def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pid: str, ids: list[int],
+                   opts: ValidateOptions, codec) -> tuple[dict, dict]:
+    """Run one prompt four ways (engine DFlash/AR, reference spec/AR); return (losslessness row, raw timing/log)."""
+    from dflash_export.reference import ar_generate, spec_generate
+
+    sp = _greedy_params(opts)
+    ref_ar = ar_generate(reference.target, ids, opts.max_new_tokens)
+    ref_spec = spec_generate(reference.drafter, reference.target, ids, opts.max_new_tokens,
+                             block_size=reference.block_size)
+    engine.reset()
+    dfl = runtime.generate(ids, sp, "dflash")
+    dfl_log = engine.reset()
+    ar = runtime.generate(ids, sp, "ar")
+    ar_log = engine.reset()
+
+    ref_next = np.argmax(reference.next_token_logits(ids + dfl.tokens)[len(ids) - 1:], axis=-1).tolist()
+    online = checks.online_acceptance(dfl_log.steps, dfl.tokens, ref_next)
+    div = checks.first_divergence(dfl.tokens, ref_ar.tokens)
+    ar_div = checks.first_divergence(ar.tokens, ref_ar.tokens)
+    row: dict[str, Any] = {
+        "id": pid, "prompt_tokens": len(ids), "new_tokens": len(dfl.tokens),
+        "identical": div is None, "first_divergence": div,
+        "engine_ar_identical": ar_div is None, "engine_ar_first_divergence": ar_div,
+        "diagnosis": checks.diagnose(dfl.tokens, ar.tokens, ref_ar.tokens),
+        "reference_spec_identical": ref_spec.tokens == ref_ar.tokens,
+        "tau": dfl.tau, "tau_online": float(np.mean(online)) if online else 1.0, "steps": len(dfl.acceptance_lengths),
+    }
+    if div is not None:
+        row["around_divergence"] = {
+            "engine": checks.window(dfl.tokens, div), "reference": checks.window(ref_ar.tokens, div),
+            "engine_text": _safe_decode(codec, checks.window(dfl.tokens, div)),
+            "reference_text": _safe_decode(codec, checks.window(ref_ar.tokens, div)),
+        }
+    timing = {
+        "id": pid,
+        "engine_dflash_tok_s": dfl.tokens_per_s, "engine_ar_tok_s": ar.tokens_per_s,
+        "reference_spec_tok_s": ref_spec.tokens_per_s, "reference_ar_tok_s": ref_ar.tokens_per_s,
+        "engine_dflash_tpot_ms": 1e3 * dfl.tpot_s, "engine_ar_tpot_ms": 1e3 * ar.tpot_s,
+        "reference_spec_tpot_ms": 1e3 * ref_spec.tpot_s, "reference_ar_tpot_ms": 1e3 * ref_ar.tpot_s,
+        "speedup_vs_ar": _ratio(dfl.tokens_per_s, ar.tokens_per_s),
+        "speedup_vs_reference": _ratio(dfl.tokens_per_s, ref_spec.tokens_per_s),
+        "speedup_vs_reference_ar": _ratio(dfl.tokens_per_s, ref_ar.tokens_per_s),
+    }
+    raw = {"timing": timing, "lengths": list(dfl.acceptance_lengths), "online": online,
+           "draft_s": dfl_log.draft_s, "verify_s": dfl_log.verify_s, "decode_s": ar_log.decode_s}
+    return row, raw
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _safe_decode(codec, ids: list[int]) -> str:
+    try:
+        return codec.decode(ids)
+    except Exception:  # a decode problem must not hide the divergence itself
+        return ""
+
+
+def _distribution_check(runtime, reference: Reference, prompts: list[tuple[str, list[int]]], opts: ValidateOptions,
+                        block_size: int, progress: _Progress) -> dict[str, Any]:
+    """Sample the engine's DFlash output under many seeds and test it against the reference target's conditionals.
+
+    For every sampled token, the reference target's distribution given the engine's own prefix (one teacher-forced pass
+    per sample) turns the token into a randomized PIT value; under losslessness these are iid Uniform(0, 1)
+    (Rosenblatt), whatever the prompt or position, so all samples pool into one chi-square test. Only tokens that came
+    out of a DFlash step are tested (the first token is a plain prefill draw); a token the target gives probability 0
+    fails outright.
+    """
+    from dflash_export.sampling import probs_from_logits
+
+    n_tok = opts.dist_tokens or 2 * block_size
+    sp_base = dict(max_new_tokens=n_tok, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
+    pit_rng = np.random.default_rng(12345)  # independent of the engine's stream
+    per_pos: dict[int, list[float]] = {}
+    impossible = 0
+    t0 = time.perf_counter()
+    for pi, (pid, ids) in enumerate(prompts):
+        for s in range(opts.dist_samples):
+            st = runtime.generate(ids, SamplingParams(seed=1_000_003 * pi + s, **sp_base), "dflash")
+            logits = reference.next_token_logits(ids + st.tokens[:-1])[len(ids) - 1:]
+            for j, tok in enumerate(st.tokens):
+                p = probs_from_logits(logits[j], opts.temperature, opts.top_k, opts.top_p)
+                if p[tok] <= 0:
+                    impossible += 1
+                    continue
+                per_pos.setdefault(j, []).append(checks.randomized_pit(p, tok, float(pit_rng.random())))
+            progress.step(f"T={opts.temperature} sampling {pid}")
+    pooled = [u for j, us in per_pos.items() if j >= 1 for u in us]
+    test = checks.uniformity_chi2(pooled)
+    p_value = 0.0 if impossible else test.p_value
+    return {
+        "ran": True, "test": "randomized PIT vs reference conditionals, Pearson chi-square uniformity",
+        "temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "prompts": [p for p, _ in prompts],
+        "samples_per_prompt": opts.dist_samples, "tokens_per_sample": n_tok, "tested_tokens": test.n,
+        "bins": test.bins, "chi2": test.statistic, "p_value": p_value, "impossible_tokens": impossible,
+        "per_position": [{"position": j, "n": len(us), "mean_pit": float(np.mean(us)),
+                          "p_value": checks.uniformity_chi2(us).p_value} for j, us in sorted(per_pos.items())],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _threshold(name: str, value: float, minimum: float, note: str = "") -> dict[str, Any]:
+    return {"name": name, "value": float(value), "op": ">=", "threshold": float(minimum),
+            "passed": bool(value >= minimum - 1e-12), "note": note}
+
+
+def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[tuple[str, list[int]]],
+                   opts: ValidateOptions | None = None, suite: dict[str, Any] | None = None,
+                   engine_meta: dict[str, Any] | None = None, show_progress: bool = False) -> ValidationReport:
+    """Run every check of one engine on encoded `prompts` [(id, token ids)] and judge it by `recipe.thresholds`."""
+    from dflash_export.runtime import DFlashRuntime
+
+    opts = opts or ValidateOptions()
+    inst = InstrumentedEngine(engine)
+    runtime = DFlashRuntime(inst)
+    info = engine.info
+    bs = info.block_size
+    run_dist = opts.temperature > 0 and opts.dist_samples > 0
+    dist_prompts = prompts[: max(1, opts.dist_prompts)] if run_dist else []
+    report = ValidationReport(
+        recipe=recipe.name,
+        engine={"backend": info.backend, "recipe": info.recipe, "block_size": bs, "mask_token_id": info.mask_token_id,
+                "vocab_size": info.vocab_size, "target_layer_ids": list(info.target_layer_ids), **(engine_meta or {})},
+        suite={**(suite or {}), "prompts": len(prompts)},
+        options={**opts.__dict__, "dist_tokens": opts.dist_tokens or 2 * bs},
+        environment=environment_info(),
+    )
+    rows, raws = [], []
+    with _Progress(show_progress, len(prompts) + len(dist_prompts) * opts.dist_samples) as progress:
+        progress.step("warming up", 0)
+        _warm_up(inst, runtime, reference, prompts[0][1], opts)
+        for pid, ids in prompts:
+            row, raw = _greedy_prompt(inst, runtime, reference, pid, ids, opts, engine.codec)
+            rows.append(row)
+            raws.append(raw)
+            progress.step(f"greedy {pid}")
+        report.distribution = (_distribution_check(runtime, reference, dist_prompts, opts, bs, progress) if run_dist
+                               else {"ran": False, "reason": "temperature 0: sampled check skipped"})
+
+    n = len(rows)
+    identical = sum(r["identical"] for r in rows)
+    report.greedy = {
+        "identical_fraction": identical / n, "identical": identical, "prompts": n,
+        "engine_ar_identical_fraction": sum(r["engine_ar_identical"] for r in rows) / n,
+        "reference_spec_identical_fraction": sum(r["reference_spec_identical"] for r in rows) / n,
+        "per_prompt": rows,
+    }
+    lengths = [x for r in raws for x in r["lengths"]]
+    online = [x for r in raws for x in r["online"]]
+    report.acceptance = {
+        "block_size": bs, "tau": float(np.mean(lengths)) if lengths else 1.0,
+        "tau_online": float(np.mean(online)) if online else 1.0, "steps": len(lengths),
+        "histogram": {str(k + 1): c for k, c in enumerate(checks.histogram(lengths, bs))},
+        "histogram_online": {str(k + 1): c for k, c in enumerate(checks.histogram(online, bs))},
+        "tau_per_prompt": [r["tau"] for r in rows], "tau_online_per_prompt": [r["tau_online"] for r in rows],
+    }
+    report.speed = _speed_summary(raws, report.acceptance["tau"])
+
+    th = recipe.thresholds
+    bad = [r for r in rows if not r["identical"]]
+    note = ""
+    if bad:
+        r = bad[0]
+        note = (f"{len(bad)} prompt(s) differ; first: {r['id']} at token {r['first_divergence']} "
+                f"({r['diagnosis']})")
+    report.thresholds = [
+        _threshold("identical_fraction", report.greedy["identical_fraction"], th.min_identical_fraction, note),
+        _threshold("tau", report.acceptance["tau"], th.min_tau,
+                   f"online tau {report.acceptance['tau_online']:.2f}"),
+        _threshold("speedup_vs_ar", report.speed["speedup_vs_ar"], th.min_speedup_vs_ar),
+        _threshold("speedup_vs_reference", report.speed["speedup_vs_reference"], th.min_speedup_vs_reference),
+    ]
+    if run_dist:
+        d = report.distribution
+        report.thresholds.append(_threshold(
+            "distribution_p_value", d["p_value"], th.min_distribution_p_value,
+            f"{d['test']}, {d['tested_tokens']} tokens" + (f", {d['impossible_tokens']} impossible tokens"
+                                                           if d["impossible_tokens"] else "")))
+    return report
+
+
+def _speed_summary(raws: list[dict], tau: float) -> dict[str, Any]:
+    timing = [r["timing"] for r in raws]
+    med = {k: checks.median(t[k] for t in timing) for k in timing[0] if k != "id"}
+    draft_ms = 1e3 * checks.median(x for r in raws for x in r["draft_s"])
+    verify_ms = 1e3 * checks.median(x for r in raws for x in r["verify_s"])
+    decode_ms = 1e3 * checks.median(x for r in raws for x in r["decode_s"])
+    step_ms = draft_ms + verify_ms
+    # Each DFlash step costs one draft + one verify and commits tau tokens; AR commits one per decode.
+    predicted = tau * decode_ms / step_ms if step_ms > 0 else 0.0
+    return {
+        **{k: v for k, v in med.items()}, "statistic": "median over prompts",
+        "per_prompt": timing,
+        "cost_model": {"draft_ms": draft_ms, "verify_ms": verify_ms, "step_ms": step_ms, "ar_decode_ms": decode_ms,
+                       "tau": tau, "ms_per_token_dflash": step_ms / tau if tau else 0.0,
+                       "predicted_speedup_vs_ar": predicted,
+                       "measured_decode_speedup_vs_ar": _ratio(med["engine_ar_tpot_ms"], med["engine_dflash_tpot_ms"])},
+    }

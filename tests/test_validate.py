@@ -1,0 +1,361 @@
+"""`dflash-export validate`: a healthy engine passes, planted faults fail for the right reason, reports hold together,
+malformed suites are refused with their line number.
+
+A random tiny drafter has τ ≈ 1, which cannot show a τ collapse, so the session first trains one (a few seconds, cached
+on disk) on the tiny Qwen3 target's own greedy outputs for the `tiny-random` prompts: with correct taps it reaches τ ≈ 4
+on them, and feeding it the wrong layers' outputs visibly lowers τ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_export.errors import CheckFailed, DFlashError
+
+MAX_NEW = 16      # the trained drafter memorised 20 tokens per prompt: stay inside them
+NUM_PROMPTS = 3
+_TRAIN_VERSION = 1
+
+
+def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
+    from dflash_export.tokenization import ByteCodec
+    from dflash_export.validate.suites import encode_prompt, load_suite
+
+    path, prompts = load_suite("tiny-random")
+    codec = ByteCodec(vocab_size, {mask_id})
+    return [encode_prompt(p, codec, False, vocab_size, path) for p in prompts]
+
+
+def _train_drafter(out: Path) -> None:
+    """Fit the tiny drafter to the target's greedy continuations (hard labels) with the train module's block layout."""
+    from dflash_export.models import load_drafter, load_target
+    from dflash_export.models.drafter import save_drafter
+    from dflash_export.train import build_blocks, generate_sequences, synthetic_prompt_ids, train_forward
+
+    torch.manual_seed(0)
+    target = load_target("tiny:qwen3/target")
+    drafter = load_drafter("tiny:qwen3/drafter")
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    cfg = drafter.config
+    prompts = list(enumerate(_suite_ids(target.vocab_size, cfg.mask_token_id)))
+    prompts += [(100 + i, ids) for i, ids in synthetic_prompt_ids(target.vocab_size, 8, seed=0)]
+    seqs = generate_sequences(target, prompts, cfg.target_layer_ids, max_new_tokens=20, batch_size=16)
+    anchors = [list(range(s.prompt_len, len(s.ids) - 1)) for s in seqs]
+    batch = build_blocks(seqs, anchors, cfg.block_size, cfg.mask_token_id)
+    batch.taps = batch.taps.clone()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2, weight_decay=0.0)
+    drafter.train()
+    bs = cfg.block_size
+    for _ in range(100):
+        hidden = train_forward(drafter, target.embed, batch)
+        b, nq, h = hidden.shape
+        logits = target.lm_head(hidden.view(b, nq // bs, bs, h)[:, :, 1:])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_drafter(drafter.eval(), out)
+
+
+@pytest.fixture(scope="session")
+def trained_drafter_dir() -> Path:
+    from dflash_export.sources import cache_dir
+
+    suite = (Path(__file__).resolve().parent.parent / "validate" / "tiny-random.jsonl").read_bytes()
+    key = hashlib.sha256(suite + f"v{_TRAIN_VERSION}".encode()).hexdigest()[:10]
+    out = cache_dir() / "tests" / f"validate-trained-drafter-{key}"
+    if not (out / "config.json").is_file():
+        _train_drafter(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def recipe_path(trained_drafter_dir, tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("recipe") / "tiny-trained.yaml"
+    p.write_text(
+        "name: tiny-trained\n"
+        "target: tiny:qwen3/target\n"
+        f"drafter: {trained_drafter_dir}\n"
+        "dtype: float32\nmax_seq_len: 256\nchat_template: false\nsuite: tiny-random\n"
+        "thresholds:\n  min_identical_fraction: 1.0\n  min_tau: 3.0\n  min_distribution_p_value: 0.001\n"
+    )
+    return p
+
+
+@pytest.fixture(scope="session")
+def recipe(recipe_path):
+    from dflash_export.recipes import load_recipe
+
+    return load_recipe(recipe_path)
+
+
+@pytest.fixture(scope="session")
+def reference(recipe):
+    from dflash_export.validate.runner import Reference
+
+    return Reference.from_recipe(recipe)
+
+
+@pytest.fixture(scope="session")
+def prompts(trained_drafter_dir):
+    from dflash_export.tiny import TINY
+
+    spec = TINY["qwen3"]
+    return [(f"p{i}", ids) for i, ids in enumerate(_suite_ids(spec.vocab_size, spec.mask_token_id)[:NUM_PROMPTS])]
+
+
+def _engine(recipe, cls=None, target=None):
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.models import load_drafter, load_target
+
+    cls = cls or TorchEngine
+    return cls(target or load_target(recipe.target_path), load_drafter(recipe.drafter_path), recipe.name,
+               recipe.max_seq_len)
+
+
+def _run(recipe, engine, reference, prompts, **opts):
+    from dflash_export.validate.runner import ValidateOptions, run_validation
+
+    o = dict(max_new_tokens=MAX_NEW, temperature=0.0, dist_samples=0, warmup=1)
+    o.update(opts)
+    return run_validation(recipe, engine, reference, prompts, ValidateOptions(**o))
+
+
+def _failed(report) -> set[str]:
+    return {t["name"] for t in report.failures}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A healthy engine, through the CLI, and its report
+
+
+@pytest.fixture(scope="session")
+def healthy_cli_run(recipe_path, recipe, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.base import write_manifest
+
+    root = tmp_path_factory.mktemp("healthy")
+    engine_dir = root / "engine"
+    engine_dir.mkdir()
+    write_manifest(engine_dir, {"backend": "pytorch", "recipe": recipe.name, "recipe_path": str(recipe_path),
+                                "block_size": 4, "mask_token_id": 255})
+    report_dir = root / "report"
+    res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--engine", str(engine_dir),
+                                    "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW),
+                                    "--dist-samples", "40", "--report", str(report_dir), "--no-progress"])
+    return res, report_dir
+
+
+def test_healthy_engine_passes_every_threshold(healthy_cli_run):
+    res, _ = healthy_cli_run
+    assert res.exit_code == 0, res.output
+    assert "FAIL" not in res.output
+    assert "distribution_p_value" in res.output
+
+
+def test_report_files_parse_and_their_figures_agree(healthy_cli_run):
+    _, out = healthy_cli_run
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["passed"] is True
+    g, a, s, d = rep["greedy"], rep["acceptance"], rep["speed"], rep["distribution"]
+    assert g["prompts"] == NUM_PROMPTS == len(g["per_prompt"])
+    assert g["identical_fraction"] == sum(r["identical"] for r in g["per_prompt"]) / g["prompts"] == 1.0
+    assert all(r["first_divergence"] is None and r["diagnosis"] == "identical" for r in g["per_prompt"])
+    hist = {int(k): v for k, v in a["histogram"].items()}
+    assert sorted(hist) == [1, 2, 3, 4] and sum(hist.values()) == a["steps"]
+    assert a["tau"] == pytest.approx(sum(k * v for k, v in hist.items()) / a["steps"])
+    assert a["tau"] > 3.0
+    # Lossless: the engine's own acceptance and the one judged against the reference target agree (the last,
+    # truncated step of a prompt may be judged short).
+    assert a["tau"] - 0.5 <= a["tau_online"] <= a["tau"] + 1e-9
+    for p in s["per_prompt"]:
+        assert p["speedup_vs_ar"] == pytest.approx(p["engine_dflash_tok_s"] / p["engine_ar_tok_s"])
+    assert s["speedup_vs_ar"] == pytest.approx(np.median([p["speedup_vs_ar"] for p in s["per_prompt"]]))
+    cm = s["cost_model"]
+    assert cm["step_ms"] == pytest.approx(cm["draft_ms"] + cm["verify_ms"])
+    assert cm["predicted_speedup_vs_ar"] == pytest.approx(cm["tau"] * cm["ar_decode_ms"] / cm["step_ms"])
+    assert d["ran"] and 0.0 <= d["p_value"] <= 1.0 and d["impossible_tokens"] == 0
+    by_name = {t["name"]: t for t in rep["thresholds"]}
+    assert by_name["tau"]["value"] == a["tau"] and by_name["distribution_p_value"]["value"] == d["p_value"]
+    assert {"versions", "machine"} <= set(rep["environment"])
+    md = (out / "report.md").read_text()
+    assert "**PASS**" in md and "| tau |" in md and f"{a['tau']:.2f}" in md
+    from matplotlib.image import imread
+
+    for name in ("tau_histogram.png", "speedup_per_prompt.png", "tokens_per_s.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert imread(out / name).shape[0] > 100
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planted faults
+
+
+def test_wrong_tap_offset_collapses_tau(recipe, reference, prompts):
+    engine = _engine(recipe)
+    # The classic export bug: tap hidden_states[id] (the layer's input) instead of hidden_states[id + 1].
+    engine.info.target_layer_ids = [i - 1 for i in engine.info.target_layer_ids]
+    report = _run(recipe, engine, reference, prompts)
+    assert _failed(report) == {"tau"}, report.thresholds
+    assert report.acceptance["tau"] < 3.0
+    assert report.greedy["identical_fraction"] == 1.0  # taps only slow it down; greedy output stays lossless
+
+
+def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, prompts):
+    from dflash_export.models import load_target
+
+    target = load_target(recipe.target_path)
+    with torch.no_grad():
+        w = target.hf.model.layers[2].mlp.down_proj.weight
+        w.add_(0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    report = _run(recipe, _engine(recipe, target=target), reference, prompts)
+    assert "identical_fraction" in _failed(report)
+    bad = [r for r in report.greedy["per_prompt"] if not r["identical"]]
+    assert bad
+    r = bad[0]
+    assert r["diagnosis"] == "export changed the model" and not r["engine_ar_identical"]
+    w = r["around_divergence"]
+    at = min(r["first_divergence"], 4)
+    assert w["engine"][:at] == w["reference"][:at] and w["engine"][at] != w["reference"][at]
+    note = {t["name"]: t for t in report.thresholds}["identical_fraction"]["note"]
+    assert f"at token {r['first_divergence']}" in note
+
+
+def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts):
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.sampling import probs_from_logits, sample_from
+
+    class SkipsRejection(TorchEngine):
+        """Takes every sampled draft (no p/q test): outputs follow the drafter's distribution, not the target's."""
+
+        @torch.inference_mode()
+        def verify(self, seq, block, draft_probs, sp, uniforms):
+            if sp.greedy:
+                return super().verify(seq, block, draft_probs, sp, uniforms)
+            bs = len(block)
+            pos = torch.arange(seq.length, seq.length + bs)[None]
+            out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
+            p = probs_from_logits(out.logits[0, -1].double().numpy(), sp.temperature, sp.top_k, sp.top_p)
+            accept = bs - 1
+            seq.length += bs
+            seq.taps, seq.taps_pos = out.taps, pos
+            return accept, [int(t) for t in block[1:]] + [sample_from(p, uniforms[-1])]
+
+    report = _run(recipe, _engine(recipe, SkipsRejection), reference, prompts[:1], temperature=1.0,
+                  dist_samples=40, dist_prompts=1)
+    assert _failed(report) == {"distribution_p_value"}, report.thresholds
+    assert report.distribution["p_value"] < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("content, where, what", [
+    ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2", "invalid JSON"),
+    ('{"prompt": "ok"}\n\n{"text": "no prompt field"}\n', "line 3", "exactly one of"),
+    ('{"messages": [{"role": "user"}]}\n', "line 1", "messages[0]"),
+    ('{"input_ids": [1, -2]}\n', "line 1", "non-negative"),
+    ('["a list"]\n', "line 1", "JSON object"),
+    ("", None, "empty"),
+    ("\n\n", None, "empty"),
+])
+def test_malformed_suite_is_refused_with_its_line(tmp_path, content, where, what):
+    from dflash_export.validate.suites import load_suite
+
+    f = tmp_path / "suite.jsonl"
+    f.write_text(content)
+    with pytest.raises(DFlashError) as e:
+        load_suite(str(f))
+    msg = str(e.value)
+    assert str(f) in msg and what in msg and e.value.exit_code == 2
+    if where:
+        assert where in msg
+
+
+def test_suite_formats_and_named_suites():
+    from dflash_export.validate.suites import list_suites, load_suite
+
+    assert {"tiny-random", "humaneval"} <= set(list_suites())
+    _, prompts = load_suite("tiny-random")
+    assert {p.kind for p in prompts} == {"text", "messages", "input_ids"}
+    _, few = load_suite("humaneval", 5)
+    assert len(few) == 5 and few[0].id == "HumanEval/0"
+
+
+def test_cli_exit_codes_for_bad_input(tmp_path, recipe_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    runner = CliRunner()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    res = runner.invoke(main, ["validate", "--recipe", str(recipe_path), "--suite", str(bad), "--engine", "x"])
+    assert res.exit_code == 2 and "line 2" in res.output
+    res = runner.invoke(main, ["validate", "--recipe", str(recipe_path)])
+    assert res.exit_code == 2 and "dflash-export build --recipe tiny-trained" in res.output
+    res = runner.invoke(main, ["validate", "--recipe", str(recipe_path), "--suite", "no-such-suite"])
+    assert res.exit_code == 2 and "tiny-random" in res.output
+
+
+def test_failed_threshold_is_exit_1_and_names_the_check(recipe, reference, prompts, tmp_path):
+    from dflash_export.validate.command import validate_engine
+    from dflash_export.validate.runner import ValidateOptions
+
+    engine = _engine(recipe)
+    engine.info.target_layer_ids = [i - 1 for i in engine.info.target_layer_ids]
+    with pytest.raises(CheckFailed) as e:
+        validate_engine(recipe, engine, reference, prompts[:1], ValidateOptions(max_new_tokens=8, temperature=0),
+                        {"name": "tiny-random"}, {}, tmp_path, echo=lambda *_: None)
+    assert e.value.exit_code == 1 and "tau" in str(e.value)
+    assert json.loads((tmp_path / "report.json").read_text())["passed"] is False  # evidence written before failing
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The rules, alone
+
+
+def test_first_divergence_and_diagnosis():
+    from dflash_export.validate.checks import diagnose, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert diagnose([1, 9], [1, 2], [1, 2]) == "speculation changed the output"
+    assert diagnose([1, 9], [1, 9], [1, 2]) == "export changed the model"
+
+
+def test_online_acceptance_is_not_spoiled_by_an_early_divergence():
+    from dflash_export.validate.checks import online_acceptance
+    from dflash_export.validate.instrument import StepRecord
+
+    # The engine diverged from the reference at output 1 (7 instead of 2). Judged against the reference's greedy
+    # choice after the engine's own prefix, later steps whose drafts match count in full.
+    engine = [1, 7, 8, 9, 10, 11, 12]
+    ref_next = [1, 2, 8, 9, 10, 11, 12, 13]      # reference argmax after prompt + engine[:j]
+    steps = [StepRecord(1, [7, 8, 9], 0), StepRecord(2, [8, 9, 10], 3), StepRecord(6, [12, 13, 14], 1)]
+    assert online_acceptance(steps, engine, ref_next) == [1, 4, 3]
+
+
+def test_pit_is_uniform_for_exact_draws_and_not_for_wrong_ones():
+    from dflash_export.validate.checks import randomized_pit, uniformity_chi2
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(20, 0.3))
+    q = rng.dirichlet(np.full(20, 0.3))
+    good = [randomized_pit(p, int(rng.choice(20, p=p)), rng.random()) for _ in range(600)]
+    bad = [randomized_pit(p, int(rng.choice(20, p=q)), rng.random()) for _ in range(600)]
+    assert uniformity_chi2(good).p_value > 1e-3
+    assert uniformity_chi2(bad).p_value < 1e-3
