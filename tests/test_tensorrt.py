@@ -183,3 +183,121 @@ def test_example_feeds_are_valid_ids_and_distributions():
     assert feeds["draft_tokens"].dtype == np.int64 and feeds["draft_tokens"].max() < 12
     assert np.allclose(feeds["draft_probs"].sum(-1), 1.0, atol=1e-5)
     assert feeds["uniforms"].shape == (2, 4) and 0 <= feeds["uniforms"].min()
+
+
+class _Expr:
+    """A stand-in for tensorrt.plugin's ShapeExpr: arithmetic kept as text, optional build-time constant."""
+
+    def __init__(self, text, const=None):
+        self.text, self._const = str(text), const
+
+    @property
+    def is_constant(self):
+        return self._const is not None
+
+    def constant_value(self):
+        return self._const
+
+    def __mul__(self, other):
+        return _Expr(f"({self.text}*{getattr(other, 'text', other)})")
+
+
+def _fake_tensorrt(monkeypatch):
+    """Install stand-in `tensorrt` / `tensorrt.plugin` modules that record what register_plugins declares.
+
+    This proves the glue is self-consistent (every decorator gets a callable whose annotations evaluate, each
+    function runs on descriptor-like inputs); it cannot prove TensorRT accepts it — only a TensorRT install can."""
+    import types
+
+    registry = {}
+    trtp = types.ModuleType("tensorrt.plugin")
+
+    def decorator(kind):
+        def factory(plugin_id):
+            def wrap(fn):
+                registry[(kind, plugin_id)] = fn
+                return fn
+            return wrap
+        return factory
+
+    for kind in ("register", "autotune", "aot_impl", "impl"):
+        setattr(trtp, kind, decorator(kind))
+
+    class TensorDesc:
+        def __init__(self, shape_expr=(), dtype="float32"):
+            self.shape_expr, self.dtype = shape_expr, dtype
+
+        def like(self):
+            return TensorDesc(self.shape_expr, self.dtype)
+
+    class AutoTuneCombination:
+        def __init__(self, types=""):
+            self.types, self.tactic_ids = types, []
+
+        def tactics(self, ids):
+            self.tactic_ids = ids
+
+    class KernelLaunchParams:
+        grid_x = grid_y = grid_z = block_x = shared_mem = None
+
+    trtp.TensorDesc, trtp.Tensor, trtp.AutoTuneCombination = TensorDesc, object, AutoTuneCombination
+    trtp.KernelLaunchParams, trtp.SymExprs = KernelLaunchParams, tuple
+    trtp.SymInt32 = lambda e: ("i32", getattr(e, "text", e))
+    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
+    trtp.cdiv = lambda a, b: f"cdiv({getattr(a, 'text', a)},{b})"
+    trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
+    trt = types.ModuleType("tensorrt")
+    trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = "float32", "float16", "bfloat16", "int64", "int32"
+    trt.plugin = trtp
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(trt_backend, "tensorrt_available", lambda: True)
+    monkeypatch.setattr(trt_backend, "_REGISTERED", False)
+    compiled = []
+
+    def fake_compile(fn, signature, constexprs, target=None):
+        compiled.append((fn.__name__ if hasattr(fn, "__name__") else str(fn), signature, constexprs))
+        return trt_backend.AotKernel("k", ".entry k", 4, 1024)
+
+    monkeypatch.setattr(trt_backend, "_compile", fake_compile)
+    return registry, trtp, compiled
+
+
+def test_register_plugins_declares_shapes_autotune_and_aot_launches(monkeypatch):
+    pytest.importorskip("triton")
+    registry, trtp, compiled = _fake_tensorrt(monkeypatch)
+    trt_backend.register_plugins()
+    attn, verify = "dflash::KVInjectedBlockAttention", "dflash::FusedVerify"
+    assert {k for k in registry} == {(kind, p) for kind in ("register", "autotune", "aot_impl", "impl")
+                                     for p in (attn, verify)}
+    B, H, S, D, KVH, T = _Expr("B"), _Expr("H", 32), _Expr("S"), _Expr("D", 128), _Expr("KVH", 8), _Expr("T")
+    q = trtp.TensorDesc((B, H, S, D), "bfloat16")
+    kc = trtp.TensorDesc((B, KVH, T, D), "bfloat16")
+    kb = trtp.TensorDesc((B, KVH, S, D), "bfloat16")
+    out = registry[("register", attn)](q, kc, kc, kb, kb, 32, 8, 128 ** -0.5)
+    assert out.shape_expr == q.shape_expr and out.dtype == "bfloat16"
+    (combo,) = registry[("autotune", attn)](q, kc, kc, kb, kb, 32, 8, 0.1, (out,))
+    assert combo.types.count("FP32|FP16|BF16") == 6 and combo.tactic_ids == list(trt_backend.ATTENTION_TACTICS)
+    name, ptx, launch, extra = registry[("aot_impl", attn)](q, kc, kc, kb, kb, 32, 8, 128 ** -0.5, (out,), 2)
+    assert (name, ptx) == (b"k", b".entry k") and launch.block_x == 128 and launch.shared_mem == 1024
+    assert launch.grid_x.text == "(B*H)" and launch.grid_y == f"cdiv(S,{trt_backend.ATTENTION_BLOCK_M})"
+    assert [e[1] for e in extra] == ["H", "KVH", "S", "T", "D"]  # the AOT kernel's int32 arguments, in order
+    fn, signature, constexprs = compiled[-1]
+    assert list(signature)[:11] == ["q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "H", "KVH", "S", "T", "D",
+                                    "o_ptr"]
+    assert signature["q_ptr"] == "*bf16" and constexprs["BLOCK_N"] == trt_backend.ATTENTION_TACTICS[2]
+    assert constexprs["BLOCK_D"] == 128 and constexprs["PRECISION"] is None
+
+    V, BS = _Expr("V"), _Expr("BS", 16)
+    logits = trtp.TensorDesc((B, BS, V), "float32")
+    toks, probs, unif = (trtp.TensorDesc((B, _Expr("n")), "int64"), trtp.TensorDesc((B, 1, 1), "float32"),
+                         trtp.TensorDesc((B, 1), "float32"))
+    outs = registry[("register", verify)](logits, toks, probs, unif, 0.0)
+    assert [o.dtype for o in outs] == ["int64"] * 3 and outs[1].shape_expr == (B, BS)
+    name, ptx, launch, extra = registry[("aot_impl", verify)](logits, toks, probs, unif, 0.0, outs, 0)
+    assert launch.grid_x is B and [e[1] for e in extra] == ["BS", "V"]
+    fn, signature, constexprs = compiled[-1]
+    assert constexprs["GREEDY"] is True and constexprs["BLOCK_BS"] == 16
+    assert list(signature)[4:6] == ["BS", "V"] and signature["accept_ptr"] == "*i64"
+    trt_backend.register_plugins()  # idempotent
+    assert len(compiled) == 2

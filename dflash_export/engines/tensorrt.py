@@ -14,12 +14,12 @@ Plugins (`tensorrt.plugin`, TensorRT >= 10.8; AOT needs >= 10.12): `dflash::KVIn
 to PTX (so engines run without Python), and a JIT `impl` fallback that launches the same kernels through torch.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: tensorrt.plugin reads the plugin functions' annotations at
+# registration, so they must be real types, not strings.
 import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Tuple, Union
 
 from dflash_export.errors import DFlashError, MissingDependency
 
@@ -375,6 +375,7 @@ def register_plugins() -> None:
     import tensorrt.plugin as trtp
 
     float_types = "FP32|FP16|BF16"
+    has_aot = hasattr(trtp, "aot_impl")
 
     @trtp.register(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
     def _attention_desc(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc, k_blk: trtp.TensorDesc,
@@ -382,31 +383,36 @@ def register_plugins() -> None:
         return q.like()  # [B, H, S, D] in q's dtype
 
     @trtp.autotune(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
-    def _attention_autotune(q, k_ctx, v_ctx, k_blk, v_blk, num_heads: int, num_kv_heads: int, scale: float,
-                            outputs) -> list:
+    def _attention_autotune(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc,
+                            k_blk: trtp.TensorDesc, v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
+                            scale: float, outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
         combo = trtp.AutoTuneCombination(", ".join([float_types] * 6))  # 5 inputs + output share one type
         combo.tactics(list(ATTENTION_TACTICS))
         return [combo]
 
-    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
-    def _attention_aot(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc, k_blk: trtp.TensorDesc,
-                       v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int, scale: float, outputs, tactic: int):
-        B, H, S, D = q.shape_expr
-        head_dim = _const_dim(D, 128)
-        kernel = compile_attention_aot(_dtype_name(trt, q.dtype), scale, head_dim, ATTENTION_TACTICS.get(tactic, 64))
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = B * H
-        launch.grid_y = trtp.cdiv(S, ATTENTION_BLOCK_M)
-        launch.block_x = kernel.num_warps * 32
-        launch.shared_mem = kernel.shared_mem
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (H, k_ctx.shape_expr[1], S,
-                                                                         k_ctx.shape_expr[2], D)])
-        return kernel.name.encode(), kernel.ptx.encode(), launch, extra
+    if has_aot:  # TensorRT >= 10.12: the compiled kernel goes into the engine, no Python at run time
+        @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
+        def _attention_aot(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc,
+                           k_blk: trtp.TensorDesc, v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
+                           scale: float, outputs: Tuple[trtp.TensorDesc], tactic: int
+                           ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+            B, H, S, D = q.shape_expr
+            head_dim = _const_dim(D, 128)
+            kernel = compile_attention_aot(_dtype_name(trt, q.dtype), scale, head_dim,
+                                           ATTENTION_TACTICS.get(tactic, 64))
+            launch = trtp.KernelLaunchParams()
+            launch.grid_x = B * H
+            launch.grid_y = trtp.cdiv(S, ATTENTION_BLOCK_M)
+            launch.block_x = kernel.num_warps * 32
+            launch.shared_mem = kernel.shared_mem
+            extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (H, k_ctx.shape_expr[1], S,
+                                                                             k_ctx.shape_expr[2], D)])
+            return kernel.name.encode(), kernel.ptx.encode(), launch, extra
 
     @trtp.impl(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
     def _attention_impl(q: trtp.Tensor, k_ctx: trtp.Tensor, v_ctx: trtp.Tensor, k_blk: trtp.Tensor,
-                        v_blk: trtp.Tensor, num_heads: int, num_kv_heads: int, scale: float, outputs, stream: int,
-                        tactic: int) -> None:
+                        v_blk: trtp.Tensor, num_heads: int, num_kv_heads: int, scale: float,
+                        outputs: Tuple[trtp.Tensor], stream: int, tactic: int) -> None:
         import torch
 
         from dflash_export.kernels.triton_attention import kv_injected_block_attention_triton
@@ -418,33 +424,41 @@ def register_plugins() -> None:
 
     @trtp.register(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
     def _verify_desc(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
-                     uniforms: trtp.TensorDesc, temperature: float):
+                     uniforms: trtp.TensorDesc, temperature: float
+                     ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
         B, BS = target_logits.shape_expr[0], target_logits.shape_expr[1]
         return (trtp.from_shape_expr((B,), dtype=trt.int64),        # accept_len
                 trtp.from_shape_expr((B, BS), dtype=trt.int64),     # emitted_tokens (EMIT_PAD-padded)
                 trtp.from_shape_expr((B,), dtype=trt.int64))        # n_emitted
 
     @trtp.autotune(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
-    def _verify_autotune(target_logits, draft_tokens, draft_probs, uniforms, temperature: float, outputs) -> list:
+    def _verify_autotune(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
+                         uniforms: trtp.TensorDesc, temperature: float,
+                         outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]
+                         ) -> List[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(f"{float_types}, INT64, FP32, FP32, INT64, INT64, INT64")]
 
-    @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
-    def _verify_aot(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
-                    uniforms: trtp.TensorDesc, temperature: float, outputs, tactic: int):
-        B, BS, V = target_logits.shape_expr
-        kernel = compile_verify_aot(_dtype_name(trt, target_logits.dtype), temperature, _const_dim(BS),
-                                    _dtype_name(trt, draft_tokens.dtype), _dtype_name(trt, draft_probs.dtype),
-                                    _dtype_name(trt, uniforms.dtype))
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = B
-        launch.block_x = kernel.num_warps * 32
-        launch.shared_mem = kernel.shared_mem
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(BS), trtp.SymInt32(V)])
-        return kernel.name.encode(), kernel.ptx.encode(), launch, extra
+    if has_aot:
+        @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
+        def _verify_aot(target_logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc,
+                        draft_probs: trtp.TensorDesc, uniforms: trtp.TensorDesc, temperature: float,
+                        outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc], tactic: int
+                        ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+            B, BS, V = target_logits.shape_expr
+            kernel = compile_verify_aot(_dtype_name(trt, target_logits.dtype), temperature, _const_dim(BS),
+                                        _dtype_name(trt, draft_tokens.dtype), _dtype_name(trt, draft_probs.dtype),
+                                        _dtype_name(trt, uniforms.dtype))
+            launch = trtp.KernelLaunchParams()
+            launch.grid_x = B
+            launch.block_x = kernel.num_warps * 32
+            launch.shared_mem = kernel.shared_mem
+            extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(BS), trtp.SymInt32(V)])
+            return kernel.name.encode(), kernel.ptx.encode(), launch, extra
 
     @trtp.impl(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
     def _verify_impl(target_logits: trtp.Tensor, draft_tokens: trtp.Tensor, draft_probs: trtp.Tensor,
-                     uniforms: trtp.Tensor, temperature: float, outputs, stream: int) -> None:
+                     uniforms: trtp.Tensor, temperature: float,
+                     outputs: Tuple[trtp.Tensor, trtp.Tensor, trtp.Tensor], stream: int) -> None:
         import torch
 
         from dflash_export.kernels.triton_verify import fused_verify_triton
