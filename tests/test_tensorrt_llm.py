@@ -120,3 +120,15 @@ def test_missing_drafter_is_a_dflash_error(recipe, tmp_path):
 def test_llmapi_validation_without_tensorrt_llm_names_the_extra_and_the_gpu(bundle):
     with pytest.raises(MissingDependency, match=r"dflash-export\[tensorrt-llm\].*NVIDIA GPU"):
         trtllm.validate_with_llmapi(bundle, ["hello"])
+
+
+def test_sliding_window_drafter_keeps_its_windows_for_tensorrt_llm(recipe):
+    import dataclasses as dc
+
+    config, _ = read_drafter_checkpoint(recipe.drafter_path)
+    sliding = dc.replace(config, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    cfg = trtllm.normalized_drafter_config(sliding, "bfloat16", 4)
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 64
+    assert cfg["dflash_config"]["use_swa"] is True and cfg["dflash_config"]["swa_window_size"] == 64
+    plain = trtllm.normalized_drafter_config(config, "float32", 4)
+    assert "use_swa" not in plain["dflash_config"] and "use_sliding_window" not in plain

@@ -56,6 +56,8 @@ def normalized_drafter_config(config, dtype: str, block_size: int) -> dict[str, 
     cfg["torch_dtype"] = dtype
     if config.layer_types and "sliding_attention" in config.layer_types:
         cfg["use_sliding_window"] = True  # else an HF Qwen3 config drops sliding_window and every layer is full
+        # TensorRT-LLM windows the block decode of 'sliding_attention' layers only when dflash_config asks for it
+        cfg["dflash_config"].update(use_swa=True, swa_window_size=int(config.sliding_window))
     return cfg
 
 
