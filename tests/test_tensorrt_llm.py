@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import shlex
 
 import pytest
 import torch
@@ -74,7 +75,9 @@ def test_serve_command_is_written_verbatim_in_script_readme_and_manifest(bundle,
     script = (bundle / trtllm.SERVE_FILE).read_text()
     assert script.startswith("#!/bin/sh") and "exec trtllm-serve " in script
     assert (bundle / trtllm.SERVE_FILE).stat().st_mode & 0o111
-    assert "trtllm-serve" in (bundle / trtllm.README_FILE).read_text()
+    readme = (bundle / trtllm.README_FILE).read_text()
+    block = readme.split("```")[1]
+    assert shlex.split(block.replace("\\\n", " ")) == command  # the README's command is the exact argv
 
 
 def test_triton_llmapi_model_yaml_is_llm_arguments_plus_triton_config(bundle, recipe):

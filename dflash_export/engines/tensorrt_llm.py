@@ -150,7 +150,9 @@ def triton_llmapi_model_yaml(target_dir: Path, options: dict[str, Any], decouple
 
 def _readme(recipe: Recipe, command: list[str], options: dict[str, Any]) -> str:
     spec = options["speculative_config"]
-    cmd = " \\\n    ".join(shlex.quote(a) for a in command)
+    # program + model on the first line, then one `--flag value` pair per line
+    q = [shlex.quote(a) for a in command]
+    cmd = " \\\n    ".join([" ".join(q[:2])] + [" ".join(q[i:i + 2]) for i in range(2, len(q), 2)])
     return f"""# {recipe.name}: TensorRT-LLM DFlash bundle
 
 Written by `dflash-export build --backend tensorrt-llm`. Needs TensorRT-LLM >= 1.3 (PyTorch backend) and an NVIDIA GPU.
