@@ -38,6 +38,19 @@ def open_engine(engine_dir: Path, recipe):
     return load_engine(engine_dir), meta
 
 
+def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> None:
+    """Refuse, before minutes of generation, a prompt the engine cannot take (too long for max_seq_len)."""
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.runtime import DFlashRuntime
+
+    runtime = DFlashRuntime(engine)
+    for p, (_, ids) in zip(prompts, encoded):
+        try:
+            runtime.check_request(ids, SamplingParams(max_new_tokens=max_new_tokens))
+        except DFlashError as e:
+            raise DFlashError(f"prompt {p.id!r}: {e}", path=path, field=f"line {p.line}") from None
+
+
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
                  show_progress: bool = True, echo=print):
@@ -53,6 +66,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     try:
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
+        check_fits(engine, prompts, encoded, max_new_tokens, path)
         from dflash_export.validate.runner import Reference, ValidateOptions
 
         reference = Reference.from_recipe(recipe)
