@@ -17,10 +17,12 @@ import click
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--dist-samples", default=200, show_default=True, type=click.IntRange(0),
               help="Seeds per prompt for the sampled check.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),
               help="Report directory [default: validate-report/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, dist_samples, report_dir,
+def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, dist_samples, repeats, report_dir,
              no_progress):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
@@ -29,4 +31,4 @@ def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature
     from dflash_export.validate.command import run_validate
 
     run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
-                 show_progress=not no_progress, echo=click.echo)
+                 repeats=repeats, show_progress=not no_progress, echo=click.echo)

@@ -53,7 +53,7 @@ def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> Non
 
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
-                 show_progress: bool = True, echo=print):
+                 repeats: int = 1, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.suites import encode_prompt, load_suite
@@ -70,7 +70,8 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         from dflash_export.validate.runner import Reference, ValidateOptions
 
         reference = Reference.from_recipe(recipe)
-        opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples)
+        opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
+                               repeats=repeats)
         return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
                                "path": str(path)}, meta, report_dir, show_progress, echo)
     finally:

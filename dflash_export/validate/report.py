@@ -34,7 +34,8 @@ def render_markdown(report: ValidationReport) -> str:
         f"**{'PASS' if report.passed else 'FAIL'}**",
         "",
         f"Suite `{report.suite.get('name', '?')}`, {g['prompts']} prompts, {report.options['max_new_tokens']} new "
-        f"tokens, block size {a['block_size']}.",
+        f"tokens, block size {a['block_size']}; timings are medians over prompts of {report.options['repeats']} "
+        "run(s) each, after warm-up.",
         "",
         "| check | value | threshold | status |",
         "|---|---|---|---|",

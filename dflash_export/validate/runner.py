@@ -30,6 +30,7 @@ class ValidateOptions:
     dist_samples: int = 200           # seeds per prompt
     dist_tokens: int | None = None    # tokens per sample; default 2 * block_size (prefill token + two DFlash steps)
     warmup: int = 1                   # untimed generations before timing
+    repeats: int = 1                  # timed runs per prompt and way; medians are reported
 
 
 @dataclass
@@ -151,21 +152,26 @@ def _warm_up(engine: InstrumentedEngine, runtime, reference: Reference, ids: lis
 
 def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pid: str, ids: list[int],
                    opts: ValidateOptions, codec) -> tuple[dict, dict]:
-    """Run one prompt four ways (engine DFlash/AR, reference spec/AR); return (losslessness row, raw timing/log)."""
+    """Run one prompt four ways (engine DFlash/AR, reference spec/AR), `opts.repeats` times each; return
+    (losslessness row, raw timings and call logs). Tokens come from the first run; later runs must repeat them."""
     from dflash_export.reference import ar_generate, spec_generate
 
     sp = _greedy_params(opts)
-    ref_ar = ar_generate(reference.target, ids, opts.max_new_tokens)
-    ref_spec = spec_generate(reference.drafter, reference.target, ids, opts.max_new_tokens,
-                             block_size=reference.block_size)
-    engine.reset()
-    dfl = runtime.generate(ids, sp, "dflash")
-    dfl_log = engine.reset()
-    ar = runtime.generate(ids, sp, "ar")
-    ar_log = engine.reset()
+    runs: dict[str, list] = {"ref_ar": [], "ref_spec": [], "dfl": [], "ar": []}
+    logs: dict[str, list] = {"dfl": [], "ar": []}
+    for _ in range(max(1, opts.repeats)):
+        runs["ref_ar"].append(ar_generate(reference.target, ids, opts.max_new_tokens))
+        runs["ref_spec"].append(spec_generate(reference.drafter, reference.target, ids, opts.max_new_tokens,
+                                              block_size=reference.block_size))
+        engine.reset()
+        runs["dfl"].append(runtime.generate(ids, sp, "dflash"))
+        logs["dfl"].append(engine.reset())
+        runs["ar"].append(runtime.generate(ids, sp, "ar"))
+        logs["ar"].append(engine.reset())
+    ref_ar, ref_spec, dfl, ar = (runs[k][0] for k in ("ref_ar", "ref_spec", "dfl", "ar"))
 
     ref_next = np.argmax(reference.next_token_logits(ids + dfl.tokens)[len(ids) - 1:], axis=-1).tolist()
-    online = checks.online_acceptance(dfl_log.steps, dfl.tokens, ref_next)
+    online = checks.online_acceptance(logs["dfl"][0].steps, dfl.tokens, ref_next)
     div = checks.first_divergence(dfl.tokens, ref_ar.tokens)
     ar_div = checks.first_divergence(ar.tokens, ref_ar.tokens)
     row: dict[str, Any] = {
@@ -174,6 +180,8 @@ def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pi
         "engine_ar_identical": ar_div is None, "engine_ar_first_divergence": ar_div,
         "diagnosis": checks.diagnose(dfl.tokens, ar.tokens, ref_ar.tokens),
         "reference_spec_identical": ref_spec.tokens == ref_ar.tokens,
+        "deterministic": all(r.tokens == dfl.tokens for r in runs["dfl"]) and all(r.tokens == ar.tokens
+                                                                                   for r in runs["ar"]),
         "tau": dfl.tau, "tau_online": float(np.mean(online)) if online else 1.0, "steps": len(dfl.acceptance_lengths),
     }
     if div is not None:
@@ -182,20 +190,26 @@ def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pi
             "engine_text": _safe_decode(codec, checks.window(dfl.tokens, div)),
             "reference_text": _safe_decode(codec, checks.window(ref_ar.tokens, div)),
         }
-    timing = {
-        "id": pid,
-        "engine_dflash_tok_s": dfl.tokens_per_s, "engine_ar_tok_s": ar.tokens_per_s,
-        "reference_spec_tok_s": ref_spec.tokens_per_s, "reference_ar_tok_s": ref_ar.tokens_per_s,
-        "engine_dflash_tpot_ms": 1e3 * dfl.tpot_s, "engine_ar_tpot_ms": 1e3 * ar.tpot_s,
-        "reference_spec_tpot_ms": 1e3 * ref_spec.tpot_s, "reference_ar_tpot_ms": 1e3 * ref_ar.tpot_s,
-        "speedup_vs_ar": _ratio(dfl.tokens_per_s, ar.tokens_per_s),
-        "speedup_vs_reference": _ratio(dfl.tokens_per_s, ref_spec.tokens_per_s),
-        "speedup_vs_reference_ar": _ratio(dfl.tokens_per_s, ref_ar.tokens_per_s),
-    }
+
+    def med(key: str, attr: str, scale: float = 1.0) -> float:
+        return scale * checks.median(getattr(r, attr) for r in runs[key])
+
+    timing = {"id": pid}
+    for key, name in (("dfl", "engine_dflash"), ("ar", "engine_ar"), ("ref_spec", "reference_spec"),
+                      ("ref_ar", "reference_ar")):
+        timing[f"{name}_tok_s"] = med(key, "tokens_per_s")
+        timing[f"{name}_tpot_ms"] = med(key, "tpot_s", 1e3)
+    timing["speedup_vs_ar"] = _ratio(timing["engine_dflash_tok_s"], timing["engine_ar_tok_s"])
+    timing["speedup_vs_reference"] = _ratio(timing["engine_dflash_tok_s"], timing["reference_spec_tok_s"])
+    timing["speedup_vs_reference_ar"] = _ratio(timing["engine_dflash_tok_s"], timing["reference_ar_tok_s"])
     raw = {"timing": timing, "lengths": list(dfl.acceptance_lengths), "online": online,
-           "draft_s": dfl_log.draft_s, "verify_s": dfl_log.verify_s, "decode_s": ar_log.decode_s,
-           "dflash_loop_s": dfl.total_s - dfl.ttft_s, "dflash_steps": len(dfl.acceptance_lengths),
-           "ar_loop_s": ar.total_s - ar.ttft_s, "ar_steps": len(ar.tokens) - 1}
+           "draft_s": [x for lg in logs["dfl"] for x in lg.draft_s],
+           "verify_s": [x for lg in logs["dfl"] for x in lg.verify_s],
+           "decode_s": [x for lg in logs["ar"] for x in lg.decode_s],
+           "dflash_loop_s": sum(r.total_s - r.ttft_s for r in runs["dfl"]),
+           "dflash_steps": sum(len(r.acceptance_lengths) for r in runs["dfl"]),
+           "ar_loop_s": sum(r.total_s - r.ttft_s for r in runs["ar"]),
+           "ar_steps": sum(len(r.tokens) - 1 for r in runs["ar"])}
     return row, raw
 
 
@@ -297,6 +311,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         "identical_fraction": identical / n, "identical": identical, "prompts": n,
         "engine_ar_identical_fraction": sum(r["engine_ar_identical"] for r in rows) / n,
         "reference_spec_identical_fraction": sum(r["reference_spec_identical"] for r in rows) / n,
+        "deterministic": all(r["deterministic"] for r in rows),
         "per_prompt": rows,
     }
     lengths = [x for r in raws for x in r["lengths"]]
@@ -324,6 +339,11 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         _threshold("speedup_vs_ar", report.speed["speedup_vs_ar"], th.min_speedup_vs_ar),
         _threshold("speedup_vs_reference", report.speed["speedup_vs_reference"], th.min_speedup_vs_reference),
     ]
+    if opts.repeats > 1:
+        nondet = [r["id"] for r in rows if not r["deterministic"]]
+        report.thresholds.append(_threshold(
+            "deterministic_fraction", 1 - len(nondet) / n, 1.0,
+            f"outputs changed between repeated runs: {', '.join(map(str, nondet[:5]))}" if nondet else ""))
     if run_dist:
         d = report.distribution
         report.thresholds.append(_threshold(
