@@ -1,0 +1,187 @@
+"""The engine logic TensorRT engines run under (graph_engine.GraphEngine), proven without TensorRT: driven by an ONNX
+Runtime runner over the very graphs a TensorRT build compiles, with every call checked against the optimization
+profile the TensorRT runner would select. Greedy output equals the PyTorch reference and the ONNX Runtime engine;
+seeded sampling equals the ONNX Runtime engine; every accept length commits and crops the caches correctly; a
+request that fills max_seq_len stays inside the profiles. Without TensorRT, loading a TensorRT engine names the extra
+and the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from dflash_export.engines import graph_engine as ge
+from dflash_export.engines.base import SamplingParams, load_engine
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.runtime import DFlashRuntime
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def engines(request, tmp_path_factory):
+    """(graph engine over the portable export, OrtEngine, TorchEngine) for one tiny family."""
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.export import export_recipe
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    export_recipe(recipe, root / "onnx")
+    ort_eng = load_engine(build_onnxruntime(recipe, root / "onnxruntime", threads=1), threads=1)
+    info = dataclasses.replace(ort_eng.info, backend="onnxruntime-portable")
+    runner = ge.OrtGraphRunner(root / "onnx", check_profiles=(info.block_size, info.max_seq_len))
+    eng = ge.GraphEngine(runner, info, ort_eng.codec)
+    yield eng, ort_eng, TorchEngine.from_recipe(recipe)
+    eng.close()
+    ort_eng.close()
+
+
+def test_greedy_dflash_and_ar_equal_reference_and_ort_engine(engines):
+    from dflash_export.reference import ar_generate
+
+    eng, ort_eng, torch_eng = engines
+    for prompt in PROMPTS:
+        ref = ar_generate(torch_eng.target, prompt, 40).tokens
+        sp = SamplingParams(max_new_tokens=40)
+        for mode in ("dflash", "ar"):
+            assert DFlashRuntime(eng).generate(prompt, sp, mode).tokens == ref, (mode, prompt)
+        assert DFlashRuntime(ort_eng).generate(prompt, sp).tokens == ref, ("onnxruntime engine", prompt)
+
+
+def test_seeded_sampling_equals_ort_and_torch_engines(engines):
+    """Same seed, same uniforms consumed in the same order: the same tokens and acceptance lengths."""
+    eng, ort_eng, torch_eng = engines
+    for seed, (t, k, p) in enumerate([(0.8, 0, 1.0), (1.0, 20, 1.0), (0.6, 0, 0.9)]):
+        sp = SamplingParams(max_new_tokens=24, temperature=t, top_k=k, top_p=p, seed=seed)
+        for prompt in PROMPTS[:2]:
+            got = DFlashRuntime(eng).generate(prompt, sp)
+            for other in (torch_eng, ort_eng):
+                want = DFlashRuntime(other).generate(prompt, sp)
+                assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), (
+                    other.info.backend, sp, prompt)
+
+
+def test_every_accept_length_commits_and_crops_like_the_ort_engine(engines):
+    """The tiny drafter is random and rarely accepted, so blocks come from the reference continuation with one slot
+    corrupted: accept lengths 0..bs-1 all occur, and the target cache is cropped to the committed tokens each time."""
+    from dflash_export.reference import ar_generate
+
+    eng, ort_eng, torch_eng = engines
+    bs = eng.info.block_size
+    rng = np.random.default_rng(1)
+    prompt = list(range(30, 49))
+    cont = ar_generate(torch_eng.target, prompt, 120).tokens
+    sp = SamplingParams()
+    seqs = [e.new_sequence() for e in (eng, ort_eng)]
+    first = [e.prefill(s, np.array(prompt)) for e, s in zip((eng, ort_eng), seqs)]
+    np.testing.assert_allclose(first[0], first[1], atol=1e-4)
+    done, accepts = 0, set()
+    while done + bs < len(cont) - 1:
+        drafts = [e.draft(s, cont[done], sp, None)[0] for e, s in zip((eng, ort_eng), seqs)]
+        np.testing.assert_array_equal(drafts[0], drafts[1])
+        block = np.array(cont[done: done + bs], np.int64)
+        k = int(rng.integers(1, bs + 1))
+        if k < bs:
+            block[k] = (block[k] + 1) % (eng.info.vocab_size - 2)
+        results = [e.verify(s, block, None, sp, None) for e, s in zip((eng, ort_eng), seqs)]
+        assert results[0] == results[1]
+        accept, emitted = results[0]
+        assert emitted == cont[done + 1: done + 2 + accept]
+        accepts.add(accept)
+        done += accept + 1
+        assert seqs[0].length == seqs[1].length == seqs[0].t_kv.length == len(prompt) + done
+        assert seqs[0].d_kv.length == len(prompt) + done - accept - 1  # context features cached up to the anchor
+    assert accepts == set(range(bs))
+
+
+def test_a_request_filling_max_seq_len_stays_inside_the_profiles(engines):
+    """The largest request the runtime admits (prompt + max_tokens + block == max_seq_len) runs end to end with every
+    call inside the TensorRT profile it selects: the drafter's steady-state context cache reaches max_seq_len-bs-1."""
+    eng, _, _ = engines
+    bs, limit = eng.info.block_size, eng.info.max_seq_len
+    prompt = [3 + (i * 7) % 200 for i in range(limit - bs - 24)]
+    for mode in ("dflash", "ar"):
+        stats = DFlashRuntime(eng).generate(prompt, SamplingParams(max_new_tokens=24, stop_token_ids=[]), mode)
+        assert len(stats.tokens) == 24
+
+
+def test_runs_outside_the_named_profile_are_refused(engines):
+    eng, _, _ = engines
+    runner = eng.runner
+    seq = eng.new_sequence()
+    feeds = {"input_ids": np.array([[1, 2]]), "position_ids": np.array([[0, 1]]), "num_logits": np.array(1),
+             "draft_tokens": np.zeros((1, 0), np.int64), "draft_probs": np.zeros((1, 1, 1), np.float32),
+             "uniforms": np.zeros((1, 1), np.float32)}
+    with pytest.raises(DFlashError, match="outside profile 'decode'"):  # decode takes exactly one token
+        runner.run(ge.TARGET, ge.DECODE, feeds, ["logits"], seq.t_kv)
+    with pytest.raises(DFlashError, match="no optimization profile 'warmup'"):
+        runner.run(ge.TARGET, "warmup", feeds, ["logits"], seq.t_kv)
+    assert seq.t_kv.length == 0
+    assert runner.run(ge.TARGET, ge.PREFILL, feeds, ["logits"], seq.t_kv)["logits"].shape == (1, 1, 256)
+    assert seq.t_kv.length == 2
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.array([1, 2]))
+    with pytest.raises(DFlashError, match="prefill runs once"):  # the prefill profile is for an empty cache
+        eng.prefill(seq, np.array([3]))
+
+
+def _tensorrt_manifest(**overrides):
+    m = {"backend": "tensorrt", "recipe": "tiny-qwen3", "block_size": 4, "mask_token_id": 255, "vocab_size": 256,
+         "stop_token_ids": [0], "max_seq_len": 512, "target_layer_ids": [1, 3], "files": {},
+         "engines": {"target_verify.engine": {"profiles": ["prefill", "verify", "decode"]},
+                     "drafter.engine": {"profiles": ["first_block", "step"]}}}
+    m.update(overrides)
+    return m
+
+
+def test_tensorrt_engine_info_comes_from_the_manifest(tmp_path):
+    from dflash_export.engines.tensorrt import tensorrt_engine_info
+
+    info = tensorrt_engine_info(tmp_path, _tensorrt_manifest())
+    assert (info.backend, info.block_size, info.mask_token_id, info.vocab_size, info.max_seq_len) == (
+        "tensorrt", 4, 255, 256, 512)
+    assert info.stop_token_ids == [0] and info.target_layer_ids == [1, 3]
+    m = _tensorrt_manifest()
+    del m["stop_token_ids"]
+    with pytest.raises(DFlashError, match="stop_token_ids.*rebuild"):
+        tensorrt_engine_info(tmp_path, m)
+    with pytest.raises(DFlashError, match="not a tensorrt engine"):
+        tensorrt_engine_info(tmp_path, _tensorrt_manifest(backend="onnxruntime"))
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="tensorrt is installed")
+def test_without_tensorrt_loading_an_engine_names_the_extra_and_the_gpu(tmp_path):
+    from dflash_export.engines.tensorrt import TensorRTEngine
+
+    (tmp_path / "manifest.json").write_text(json.dumps(_tensorrt_manifest()))
+    pattern = r"dflash-export\[tensorrt\].*NVIDIA GPU"
+    with pytest.raises(MissingDependency, match=pattern):
+        load_engine(tmp_path)
+    with pytest.raises(MissingDependency, match=pattern):
+        TensorRTEngine(tmp_path, _tensorrt_manifest())
+
+
+def test_build_records_what_the_engine_needs_to_run(tmp_path):
+    """build_tensorrt writes the codec / tokenizer and the stop ids + vocabulary (read from the target's config),
+    so a TensorRT engine directory describes itself like an ONNX Runtime one."""
+    from dflash_export.engines.tensorrt import tensorrt_engine_info, write_serving_files
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.models import load_drafter
+    from dflash_export.recipes import load_recipe
+    from dflash_export.tokenization import TextCodec
+
+    recipe = load_recipe("tiny-llama")
+    facts = write_serving_files(recipe, load_drafter(recipe.drafter_path), tmp_path)
+    ref = TorchEngine.from_recipe(recipe)
+    assert facts == {"stop_token_ids": ref.info.stop_token_ids, "vocab_size": ref.info.vocab_size}
+    info = tensorrt_engine_info(tmp_path, _tensorrt_manifest(**facts))
+    assert info.stop_token_ids == ref.info.stop_token_ids
+    codec = TextCodec.from_dir(tmp_path)
+    assert codec.encode("hi") == ref.codec.encode("hi")
