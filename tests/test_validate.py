@@ -280,6 +280,14 @@ def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts)
     assert report.distribution["p_value"] < 1e-3
 
 
+def test_healthy_sampler_passes_with_top_k_and_top_p(recipe, reference, prompts):
+    report = _run(recipe, _engine(recipe), reference, prompts[1:2], temperature=0.8, top_k=20, top_p=0.9,
+                  dist_samples=40, dist_prompts=1)
+    d = report.distribution
+    assert report.passed, report.thresholds
+    assert d["impossible_tokens"] == 0 and d["top_k"] == 20 and d["top_p"] == 0.9 and d["tested_tokens"] > 200
+
+
 def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference, prompts):
     from dflash_export.engines.torch_ref import TorchEngine
 

@@ -15,6 +15,9 @@ import click
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="top-p of the sampled check.")
 @click.option("--dist-samples", default=200, show_default=True, type=click.IntRange(0),
               help="Seeds per prompt for the sampled check.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
@@ -22,8 +25,8 @@ import click
 @click.option("--report", "report_dir", default=None, type=click.Path(),
               help="Report directory [default: validate-report/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, dist_samples, repeats, report_dir,
-             no_progress):
+def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, top_k, top_p, dist_samples, repeats,
+             report_dir, no_progress):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
     Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
@@ -31,4 +34,4 @@ def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature
     from dflash_export.validate.command import run_validate
 
     run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
-                 repeats=repeats, show_progress=not no_progress, echo=click.echo)
+                 repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo)

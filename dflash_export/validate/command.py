@@ -53,7 +53,7 @@ def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> Non
 
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
-                 repeats: int = 1, show_progress: bool = True, echo=print):
+                 repeats: int = 1, top_k: int = 0, top_p: float = 1.0, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.suites import encode_prompt, load_suite
@@ -71,7 +71,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
 
         reference = Reference.from_recipe(recipe)
         opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
-                               repeats=repeats)
+                               repeats=repeats, top_k=top_k, top_p=top_p)
         return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
                                "path": str(path)}, meta, report_dir, show_progress, echo)
     finally:
