@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.errors import DFlashError
 from dflash_export.validate import checks
 from dflash_export.validate.instrument import InstrumentedEngine
 
@@ -279,6 +280,8 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     from dflash_export.runtime import DFlashRuntime
 
     opts = opts or ValidateOptions()
+    if not prompts:
+        raise DFlashError("no prompts to validate on", field="--suite")
     inst = InstrumentedEngine(engine)
     runtime = DFlashRuntime(inst)
     info = engine.info
