@@ -184,7 +184,15 @@ def test_write_repository_layout_and_redeploy(tmp_path):
         write_repository(engine, tmp_path / "r2", instances=0)
 
 
-def test_deploy_cli_bad_engine_is_one_line_error(tmp_path):
+def test_deploy_cli_writes_repository_and_bad_engine_is_one_line_error(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "deploy", "--engine", str(engine), "--repo",
+                        str(tmp_path / "ok"), "--instances", "2", "--max-queue-size", "9", "--no-stream"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "dflash-export serve --repo" in r.stdout
+    cfg = check_config_text((tmp_path / "ok" / "dflash" / "config.pbtxt").read_text(), expect_name="dflash")
+    assert cfg["instance_group"][0]["count"] == 2 and not (tmp_path / "ok" / "dflash_stream").exists()
     (tmp_path / "empty").mkdir()
     r = subprocess.run([sys.executable, "-m", "dflash_export", "deploy", "--engine", str(tmp_path / "empty"),
                         "--repo", str(tmp_path / "repo")], capture_output=True, text=True, cwd=ROOT)

