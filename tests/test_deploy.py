@@ -525,3 +525,28 @@ def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert pids_mentioning(str(repo)) == [], "serve left tritonserver or a stub running"
+
+
+@pytest.mark.server
+def test_max_queue_size_rejects_overflow_and_keeps_serving(tmp_path, engine_dir):
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(engine_dir, tmp_path / "repo", instances=1, max_queue_size=1, decoupled=False)
+    with TritonServer(repo, *free_ports(3), ready_timeout_s=120) as srv:
+        url = f"{srv.http_url}/v2/models/dflash/generate"
+        results: list = []
+        barrier = threading.Barrier(8)
+
+        def go():
+            barrier.wait()
+            results.append(post_json(url, {"text_input": "queue", "max_tokens": 400}))
+
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        codes = sorted(code for code, _ in results)
+        assert codes.count(200) >= 1 and any(code == 503 and "queue" in body["error"] for code, body in results)
+        assert post_json(url, {"text_input": "after", "max_tokens": 2})[0] == 200
+    assert pids_mentioning(str(repo)) == []
