@@ -1,8 +1,8 @@
 """What serving through Triton costs: the same greedy requests run directly on an engine and through tritonserver.
 
-    python benchmarks/triton_bench.py                                # tiny-qwen3 ONNX Runtime engine (built in a temp dir)
+    python benchmarks/triton_bench.py                              # tiny-qwen3 ORT engine, built in a temp dir
     python benchmarks/triton_bench.py --engine engines/smollm2-135m/onnxruntime
-    python benchmarks/triton_bench.py --smollm2-random-drafter      # SmolLM2-135M target + a random 2-layer drafter
+    python benchmarks/triton_bench.py --smollm2-random-drafter     # SmolLM2-135M target + a random 2-layer drafter
 
 Single client: per-request latency (median, p90) and decode tokens/s, direct vs Triton (tritonclient HTTP, model
 `dflash`), one request at a time, same prompts, after warm-up. Throughput: C concurrent HTTP clients (C in
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import threading

@@ -225,6 +225,34 @@ def test_llmapi_repository_for_a_tensorrt_llm_bundle(tmp_path):
     assert (model / "1" / "model.py").read_text() == fake_py.read_text()
 
 
+def test_stub_environment_finds_project_numpy1_and_own_libpython(tmp_path):
+    """What the stub gets: this interpreter's libpython first, numpy < 2 (the stub is built against numpy 1), the
+    project and this environment's packages (checked with an isolated interpreter, as the stub runs one)."""
+    import sysconfig
+
+    from dflash_export.deploy.server import ensure_stub_site, find_triton, make_stub_env, server_env
+
+    install = find_triton()
+    stub_site = ensure_stub_site()
+    stub_bin = make_stub_env(tmp_path / "stubenv", stub_site)
+    env = server_env(install, stub_site, stub_bin, base={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/usr/lib"})
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == sysconfig.get_config_var("LIBDIR")
+    assert env["LD_LIBRARY_PATH"].endswith(":/usr/lib") and env["PATH"].startswith(str(stub_bin))
+    probe = ("import numpy, onnxruntime, dflash_export, sys; "
+             "print(numpy.__version__, onnxruntime.__version__, dflash_export.__file__, sys.prefix)")
+    r = subprocess.run([str(stub_bin / "python3"), "-I", "-c", probe], capture_output=True, text=True,
+                       env={"PATH": env["PATH"], "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+    assert r.returncode == 0, r.stderr
+    np_version, ort_version, pkg, prefix = r.stdout.split()
+    assert int(np_version.split(".")[0]) < 2 and Path(pkg).parent.parent == ROOT
+    from importlib import metadata
+
+    assert ort_version == metadata.version("onnxruntime") and prefix == str(tmp_path / "stubenv")
+    ldd = subprocess.run(["ldd", str(install.stub)], capture_output=True, text=True,
+                         env={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]}).stdout
+    assert f"{sysconfig.get_config_var('LIBDIR')}/libpython" in ldd
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Request contract in-process (the same code the Triton model runs)
 

@@ -157,8 +157,8 @@ def make_backend_dir(install: TritonInstall, into: Path) -> Path:
     py.mkdir(parents=True, exist_ok=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
         (py / name).symlink_to(install.python_backend / name)
-    # A copy, not a link: the stub's $ORIGIN-relative rpath then resolves nowhere, so LD_LIBRARY_PATH alone decides
-    # which libpython it gets (the interpreter's own, first).
+    # A copy, not a link: its $ORIGIN-relative rpath then points nowhere whatever ld.so makes of symlinks, so
+    # LD_LIBRARY_PATH alone decides its libraries: the interpreter's own libpython first, then the wheel's.
     shutil.copy2(install.stub, py / "triton_python_backend_stub")
     return into
 
@@ -288,8 +288,9 @@ class TritonServer:
         backend_dir = make_backend_dir(install, self._workdir / "backends")
         stub_bin = make_stub_env(self._workdir / "stubenv", stub_site)
         cmd = self.command(backend_dir)
-        self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     start_new_session=True)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
         try:
