@@ -185,3 +185,237 @@ def test_build_records_what_the_engine_needs_to_run(tmp_path):
     assert info.stop_token_ids == ref.info.stop_token_ids
     codec = TextCodec.from_dir(tmp_path)
     assert codec.encode("hi") == ref.codec.encode("hi")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TensorRTRunner against an emulated TensorRT: the runner's own code (profile switching, shapes, addresses, host
+# shape tensors, the device K/V ping-pong and its repacking on truncation, output reads) executed on the CPU. The
+# emulation follows the TensorRT 10 Python API the runner calls and runs each engine's ONNX graph in ONNX Runtime,
+# reading inputs from and writing outputs to the raw addresses it is given; it refuses shapes outside the active
+# profile as TensorRT does. What it cannot vouch for is TensorRT's and CUDA's own behaviour.
+
+
+class _FakeTrt:
+    """The slice of the `tensorrt` module TensorRTRunner touches."""
+
+    float32, float16, bfloat16, int64, int32, int8, bool = ("f32", "f16", "bf16", "i64", "i32", "i8", "b")
+
+    class TensorIOMode:
+        INPUT, OUTPUT = "input", "output"
+
+    class TensorLocation:
+        DEVICE, HOST = "device", "host"
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, level):
+            self.level = level
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def deserialize_cuda_engine(self, data: bytes):
+            spec = json.loads(data)
+            return _FakeEngine(spec["onnx"], spec["graph"], spec["block_size"], spec["max_seq_len"])
+
+
+def _array_at(address: int, dtype, shape) -> np.ndarray:
+    """A numpy view of `shape` elements of `dtype` at a raw (CPU) address."""
+    import ctypes
+
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    buf = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(address)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class _FakeEngine:
+    def __init__(self, onnx_path, graph, block_size, max_seq_len):
+        import onnx
+        import onnxruntime as ort
+
+        from dflash_export.engines import tensorrt as trt_backend
+
+        self.session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+        model = onnx.load(onnx_path, load_external_data=False)
+        self.profiles = [trt_backend.profile_shapes(model, p) for p in trt_backend.graph_profiles(
+            graph, block_size, max_seq_len, trt_backend.vocab_size_of(model))]
+        self.io = [(i, _FakeTrt.TensorIOMode.INPUT) for i in self.session.get_inputs()] + [
+            (o, _FakeTrt.TensorIOMode.OUTPUT) for o in self.session.get_outputs()]
+        self.by_name = {v.name: (v, mode) for v, mode in self.io}
+        self.num_io_tensors = len(self.io)
+        self.num_optimization_profiles = len(self.profiles)
+
+    def get_tensor_name(self, i):
+        return self.io[i][0].name
+
+    def get_tensor_mode(self, name):
+        return self.by_name[name][1]
+
+    def get_tensor_dtype(self, name):
+        return {"tensor(float)": _FakeTrt.float32, "tensor(int64)": _FakeTrt.int64}[self.by_name[name][0].type]
+
+    def get_tensor_shape(self, name):
+        return tuple(d if isinstance(d, int) else -1 for d in self.by_name[name][0].shape)
+
+    def get_tensor_location(self, name):
+        # scalar shape-tensor inputs live on the host, as TensorRT places them
+        return _FakeTrt.TensorLocation.HOST if self.by_name[name][0].shape == [] else _FakeTrt.TensorLocation.DEVICE
+
+    def create_execution_context(self):
+        return _FakeContext(self)
+
+
+class _FakeContext:
+    NP = {_FakeTrt.float32: np.float32, _FakeTrt.int64: np.int64}
+
+    def __init__(self, engine: _FakeEngine):
+        self.engine, self.profile, self.shapes, self.addresses, self.results = engine, 0, {}, {}, None
+        self.profile_switches = 0
+
+    def set_optimization_profile_async(self, index, stream):
+        self.profile, self.profile_switches = index, self.profile_switches + 1
+        self.shapes = {}  # TensorRT forgets input shapes on a profile switch
+        return True
+
+    def set_input_shape(self, name, shape):
+        lo, _, hi = self.engine.profiles[self.profile][name]
+        if len(shape) != len(lo) or not all(a <= s <= b for a, s, b in zip(lo, shape, hi)):
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+
+    def _feeds(self):
+        feeds = {}
+        for v in self.engine.session.get_inputs():
+            dtype = self.NP[self.engine.get_tensor_dtype(v.name)]
+            shape = self.shapes.get(v.name, tuple(d for d in self.engine.get_tensor_shape(v.name)))
+            feeds[v.name] = _array_at(self.addresses[v.name], dtype, shape).copy()
+            if v.shape == []:
+                lo, _, hi = self.engine.profiles[self.profile][v.name]
+                assert lo[0] <= int(feeds[v.name]) <= hi[0], (v.name, int(feeds[v.name]))
+        return feeds
+
+    def infer_shapes(self):
+        missing = [v.name for v in self.engine.session.get_inputs()
+                   if (-1 in self.engine.get_tensor_shape(v.name) and v.name not in self.shapes)
+                   or v.name not in self.addresses]
+        if not missing:
+            names = [o.name for o in self.engine.session.get_outputs()]
+            self.results = dict(zip(names, self.engine.session.run(names, self._feeds())))
+        return missing
+
+    def get_tensor_shape(self, name):
+        return self.results[name].shape if name in self.results else self.shapes[name]
+
+    def execute_async_v3(self, stream):
+        names = [o.name for o in self.engine.session.get_outputs()]
+        results = dict(zip(names, self.engine.session.run(names, self._feeds())))  # inputs as they are now
+        for name, value in results.items():
+            assert value.shape == self.results[name].shape, name
+            if value.size:
+                _array_at(self.addresses[name], value.dtype, value.shape)[...] = value
+        return True
+
+
+@pytest.fixture()
+def emulated_tensorrt(monkeypatch):
+    """TensorRT replaced by the emulation and CUDA streams by no-ops, so TensorRTRunner runs on CPU tensors."""
+    import contextlib
+
+    import torch
+
+    from dflash_export.engines import tensorrt as trt_backend
+
+    class Stream:
+        cuda_stream = 0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda gpu=True: _FakeTrt)
+    monkeypatch.setattr(trt_backend, "register_plugins", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    return trt_backend
+
+
+def _emulated_engine_dir(root, recipe):
+    """A TensorRT engine directory as build_tensorrt lays it out, its .engine files naming the ONNX graph to emulate."""
+    from dflash_export.engines import tensorrt as trt_backend
+    from dflash_export.engines.base import write_manifest
+    from dflash_export.export import export_recipe
+    from dflash_export.models import load_drafter
+
+    drafter = load_drafter(recipe.drafter_path)
+    out = root / "tensorrt"
+    out.mkdir()
+    export_recipe(recipe, out / "onnx")
+    bs = recipe.block_size or drafter.block_size
+    engines = {}
+    for graph, fname in (("target_verify", trt_backend.TARGET_ENGINE), ("drafter", trt_backend.DRAFTER_ENGINE)):
+        (out / fname).write_text(json.dumps({"onnx": str(out / "onnx" / f"{graph}.onnx"), "graph": graph,
+                                             "block_size": bs, "max_seq_len": recipe.max_seq_len}))
+        engines[fname] = {"profiles": [p.name for p in trt_backend.graph_profiles(graph, bs, recipe.max_seq_len, 2)]}
+    c = drafter.config
+    write_manifest(out, {"backend": "tensorrt", "recipe": recipe.name, "block_size": bs,
+                         "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                         "max_seq_len": recipe.max_seq_len, "engines": engines,
+                         **trt_backend.write_serving_files(recipe, drafter, out)})
+    return out
+
+
+def test_tensorrt_runner_on_emulated_tensorrt_matches_the_ort_engine(engines, emulated_tensorrt, tmp_path):
+    """load_engine -> TensorRTEngine -> TensorRTRunner, end to end on CPU: greedy (DFlash and AR) equals the
+    reference, seeded sampling equals the ONNX Runtime engine, a request filling max_seq_len stays in the profiles,
+    and the device caches hold exactly the committed rows."""
+    from dflash_export.recipes import load_recipe
+
+    eng_ref, ort_eng, _ = engines
+    recipe = load_recipe(ort_eng.info.recipe)
+    eng = load_engine(_emulated_engine_dir(tmp_path, recipe), device="cpu")
+    assert type(eng).__name__ == "TensorRTEngine" and eng.info.vocab_size == ort_eng.info.vocab_size
+    for prompt in PROMPTS[:3]:
+        sp = SamplingParams(max_new_tokens=24)
+        want = DFlashRuntime(eng_ref).generate(prompt, sp).tokens
+        for mode in ("dflash", "ar"):
+            assert DFlashRuntime(eng).generate(prompt, sp, mode).tokens == want, (mode, prompt)
+        sp = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=3)
+        got, want = DFlashRuntime(eng).generate(prompt, sp), DFlashRuntime(ort_eng).generate(prompt, sp)
+        assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), prompt
+    bs, limit = eng.info.block_size, eng.info.max_seq_len
+    prompt = [3 + (i * 7) % 200 for i in range(limit - bs - 12)]
+    sp = SamplingParams(max_new_tokens=12, stop_token_ids=[])
+    assert DFlashRuntime(eng).generate(prompt, sp).tokens == DFlashRuntime(eng_ref).generate(prompt, sp).tokens
+    eng.close()
+
+
+def test_tensorrt_runner_switches_profiles_only_when_the_step_kind_changes(engines, emulated_tensorrt, tmp_path):
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(engines[1].info.recipe)
+    eng = load_engine(_emulated_engine_dir(tmp_path, recipe), device="cpu")
+    contexts = [eng.runner.graphs[g].context for g in ("target_verify", "drafter")]
+    stats = DFlashRuntime(eng).generate(PROMPTS[1], SamplingParams(max_new_tokens=16))
+    assert len(stats.acceptance_lengths) > 2
+    # a new context starts on profile 0 (prefill / first_block); the steps after it stay on verify / step
+    assert [c.profile_switches for c in contexts] == [1, 1]
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.array(PROMPTS[0]))
+    drafts, _ = eng.draft(seq, 7, SamplingParams(), None)
+    eng.verify(seq, np.concatenate([[7], drafts]), None, SamplingParams(), None)
+    assert [c.profile_switches for c in contexts] == [3, 2]  # target: prefill, verify; drafter: first_block
+    # device caches hold exactly the committed rows, as a dense prefix of their buffers
+    kvh, d, _ = seq.t_kv.layout["key_0"]
+    assert seq.t_kv.length == seq.length and seq.t_kv.past("key_0").shape == (1, kvh, seq.length, d)
+    eng.close()

@@ -789,13 +789,13 @@ class TensorRTRunner(GraphRunner):
     buffers (`_DeviceKVCache`, sized by max_seq_len), and the stream is synchronized before outputs are read.
     """
 
-    def __init__(self, engine_dir, manifest: dict, device: int = 0):
+    def __init__(self, engine_dir, manifest: dict, device: int | str = 0):
         trt = require_tensorrt()
         import torch
 
         register_plugins()  # engines whose plugins fell back to the Python impl need them at deserialization
         self.trt, self.torch = trt, torch
-        self.device = torch.device("cuda", device)
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self.max_seq_len = int(manifest["max_seq_len"])
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -876,9 +876,9 @@ class TensorRTRunner(GraphRunner):
 class TensorRTEngine(GraphEngine):
     """The DFlash Engine over a directory written by `build_tensorrt`: GraphEngine's logic (the same as ONNX
     Runtime's CPU twin over the directory's `onnx/` graphs) with a `TensorRTRunner`. Needs tensorrt, torch and an
-    NVIDIA GPU; kwargs: `device` (CUDA index)."""
+    NVIDIA GPU; kwargs: `device` (CUDA index, or a torch device string such as "cuda:1")."""
 
-    def __init__(self, engine_dir, manifest, device: int = 0, **_):
+    def __init__(self, engine_dir, manifest, device: int | str = 0, **_):
         from dflash_export.tokenization import TextCodec
 
         require_tensorrt()  # first: without TensorRT or a GPU the answer is the install line, not a manifest detail
