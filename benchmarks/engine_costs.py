@@ -70,7 +70,7 @@ def build(args, work: Path) -> Path:
         "max_seq_len": args.max_seq_len, "block_size": args.block_size, "chat_template": False}))
     recipe = load_recipe(work / "recipe.yaml")
     t0 = time.perf_counter()
-    out = build_onnxruntime(recipe, work / "engine", threads=args.threads)
+    out = build_onnxruntime(recipe, work / "engine", threads=args.threads, draft_vocab=args.draft_vocab)
     secs = time.perf_counter() - t0
     sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted(out.iterdir())}
     print(f"build: {secs:.1f} s, peak RSS of the building process {_rss_mb():.0f} MB, files (MB): {sizes}")
@@ -152,6 +152,7 @@ def main():
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache while measuring")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--draft-vocab", type=int, default=None, help="build with a draft vocabulary of the first N ids")
     args = ap.parse_args()
     if args.engine is None:
         work = Path(tempfile.mkdtemp(prefix="engine-costs-"))

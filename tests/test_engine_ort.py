@@ -155,3 +155,27 @@ def test_incomplete_manifest_is_refused_with_the_field(built, tmp_path):
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DFlashError, match="shapes"):
         load_engine(dst, threads=1)
+
+
+def test_draft_vocabulary_restriction_stays_lossless(tmp_path):
+    """A drafter limited to the first 100 ids proposes nothing above them, and the output is still the target's."""
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.models import load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.reference import ar_generate
+
+    recipe = load_recipe("tiny-llama")
+    out = build_onnxruntime(recipe, tmp_path / "eng", threads=1, draft_vocab=100)
+    eng = load_engine(out, threads=1)
+    assert eng.draft_vocab == 100 and (out / "draft_head.onnx").is_file()
+    target = load_target(recipe.target_path)
+    rt = DFlashRuntime(eng)
+    for prompt in PROMPTS[:3]:
+        assert rt.generate(prompt, SamplingParams(max_new_tokens=40)).tokens == ar_generate(target, prompt, 40).tokens
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.array(PROMPTS[1]))
+    toks, probs = eng.draft(seq, 5, SamplingParams(temperature=1.0), np.full(eng.info.block_size - 1, 0.999))
+    assert (toks < 100).all() and probs.shape == (eng.info.block_size - 1, eng.info.vocab_size)
+    assert np.allclose(probs.sum(-1), 1) and not probs[:, 100:].any()
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, seed=3)
+    assert len(rt.generate(PROMPTS[0], sp).tokens) == 24

@@ -153,7 +153,7 @@ def test_metadata_disagreeing_with_recipe_is_refused(exported):
         check_model_contract(model, res.out_dir / TARGET_FILE)
 
 
-# FusedVerify alone -----------------------------------------------------------------------------------------------------
+# FusedVerify alone ----------------------------------------------------------------------------------------------------
 
 def _run_verify(sess, logits, drafts, dprobs=None, u=None):
     bs = logits.shape[1]

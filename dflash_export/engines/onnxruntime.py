@@ -38,6 +38,7 @@ from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
 HEAD = "lm_head.onnx"
+DRAFT_HEAD = "draft_head.onnx"
 SHARED = "shared_weights.bin"
 ENGINE_FORMAT = 2
 
@@ -113,10 +114,10 @@ class OrtEngine(Engine):
                               path=mpath, field="engine_format")
         shapes = field("shapes")
         try:
-            self.t_layers, self.t_kv_heads, self.t_head_dim = (int(shapes[k]) for k in
-                                                               ("target_layers", "target_kv_heads", "target_head_dim"))
-            self.d_layers, self.d_kv_heads, self.d_head_dim = (int(shapes[k]) for k in
-                                                               ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))
+            self.t_layers, self.t_kv_heads, self.t_head_dim = (
+                int(shapes[k]) for k in ("target_layers", "target_kv_heads", "target_head_dim"))
+            self.d_layers, self.d_kv_heads, self.d_head_dim = (
+                int(shapes[k]) for k in ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))
         except (KeyError, TypeError, ValueError) as e:
             raise DFlashError(f"incomplete ({e})", path=mpath, field="shapes") from None
         self.info = EngineInfo(
@@ -138,13 +139,17 @@ class OrtEngine(Engine):
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         if spin is None:
             spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
-        if not spin:  # spinning workers, on a shared 2-core machine, steal the time the others need: measured 2.5x slower steps under load
+        if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._embed = _map_embedding(self.engine_dir, manifest, mpath)
         providers = ["CPUExecutionProvider"]
         self.target = self._session(ort, TARGET, so, providers)
         self.drafter = self._session(ort, DRAFTER, so, providers)
         self.head = self._session(ort, HEAD, so, providers)
+        # Optional draft vocabulary: the drafter proposes only among the first `draft_vocab` ids (an LM head a
+        # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
+        self.draft_vocab = int(manifest.get("flags", {}).get("draft_vocab") or 0)
+        self.draft_head = self._session(ort, DRAFT_HEAD, so, providers) if self.draft_vocab else self.head
         self._check_graph_metadata(mpath)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
@@ -156,7 +161,8 @@ class OrtEngine(Engine):
         try:
             return ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # ORT raises its own Fail / InvalidGraph types
-            raise DFlashError(f"ONNX Runtime cannot load the graph ({str(e).splitlines()[0][:300]})", path=path) from None
+            raise DFlashError(f"ONNX Runtime cannot load the graph ({str(e).splitlines()[0][:300]})",
+                              path=path) from None
 
     def _check_graph_metadata(self, mpath: Path) -> None:
         """The graphs describe themselves (export metadata); refuse a manifest that disagrees with them."""
@@ -238,11 +244,14 @@ class OrtEngine(Engine):
         res = self.drafter.run(names, feeds)
         seq.d_kv = res[1:]
         seq.ctx = seq.ctx_pos = None
-        logits = self._logits(res[0])
+        logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
         if sp.greedy:
             return np.argmax(logits, axis=-1).astype(np.int64), None
         probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
-        return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
+        tokens = np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64)
+        if probs.shape[-1] < self.info.vocab_size:  # ids past the draft vocabulary have draft probability 0
+            probs = np.pad(probs, ((0, 0), (0, self.info.vocab_size - probs.shape[-1])))
+        return tokens, probs
 
     def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
         block = np.asarray(block, np.int64)
@@ -260,7 +269,7 @@ class OrtEngine(Engine):
         return accept, emitted
 
     def close(self) -> None:
-        self.target = self.drafter = self.head = None
+        self.target = self.drafter = self.head = self.draft_head = None
 
 
 def _map_embedding(engine_dir: Path, manifest: dict, mpath: Path) -> np.ndarray:
@@ -284,27 +293,33 @@ def _map_embedding(engine_dir: Path, manifest: dict, mpath: Path) -> np.ndarray:
 # Build
 
 
-def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
-    """Export the recipe's pair, optimize both graphs for ONNX Runtime and write a complete engine directory.
+def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None) -> Path:
+    """Export the recipe's pair, optimize its graphs for ONNX Runtime and write a complete engine directory.
+
+    `draft_vocab`: draft among the first N token ids only (cheaper drafting, same lossless output; see OrtEngine).
 
     Written in a temporary sibling and renamed when complete (errors.atomic_dir). Returns `out_dir`.
     """
-    import onnx
     import torch
 
     from dflash_export.errors import atomic_dir
-    from dflash_export.export import ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_FILE, SHARED_FILE, export_models
+    from dflash_export.export import (ORT_DRAFT_HEAD_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_FILE,
+                                      SHARED_FILE, export_models)
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_drafter, load_target
     from dflash_export.sources import resolve_source
 
     ort = _ort()
+    if draft_vocab is not None and draft_vocab < 2:
+        raise DFlashError(f"must be >= 2, got {draft_vocab}", field="draft_vocab")
     if recipe.dtype != "float32":
         raise DFlashError(f"the onnxruntime backend builds float32 engines (recipe asks {recipe.dtype})",
                           path=recipe.path, field="dtype")
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     spec = target_spec(target)
+    if draft_vocab is not None and draft_vocab >= spec.vocab_size:
+        draft_vocab = None  # the whole vocabulary: the ordinary head serves
     bs = recipe.block_size or drafter.block_size
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
@@ -312,10 +327,13 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
         export_dir.mkdir()
         res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
                             max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
-                            ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True)
+                            ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
         manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
         # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
-        for src, dst in ((ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD)):
+        graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD)]
+        if draft_vocab:
+            graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
+        for src, dst in graphs:
             _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
         shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
         shutil.rmtree(export_dir)
@@ -335,7 +353,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
             "vocab_size": spec.vocab_size,
             "dtypes": {"weights": "float32", "activations": "float32", "kv_cache": "float32"},
             "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
-                      "lm_head": "own session, prepacked", "export": res.metadata},
+                      "lm_head": "own session, prepacked", "draft_vocab": draft_vocab, "export": res.metadata},
             "optimized": True,
             "shared_tensors": manifest_shared,
             "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
@@ -344,7 +362,6 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None) -> Path:
                        "drafter_head_dim": drafter.config.head_dim},
             "export_seconds": round(res.seconds, 2),
         }
-        del onnx
         write_manifest(tmp, manifest)
     return out_dir
 

@@ -31,10 +31,11 @@ MS = "com.microsoft"
 class GraphBuilder:
     """Collects nodes and initializers; `op` returns the output name(s)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, store: "WeightStore | None" = None):
         self.name = name
+        self.store = store  # large weights go to disk as soon as they are made: export memory stays ~ the model's
         self.nodes: list[onnx.NodeProto] = []
-        self.inits: dict[str, np.ndarray] = {}
+        self.inits: dict[str, np.ndarray | onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self._n = 0
@@ -52,7 +53,8 @@ class GraphBuilder:
         return outs[0] if n_out == 1 else outs
 
     def weight(self, name: str, arr: np.ndarray) -> str:
-        self.inits[name] = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr)
+        self.inits[name] = self.store.put(name, arr) if self.store and arr.nbytes > self.store.small_bytes else arr
         return name
 
     def const(self, value, dtype=np.int64) -> str:
@@ -198,11 +200,13 @@ def head_name(shared: dict) -> str:
     return SHARED_HEAD if SHARED_HEAD in shared else SHARED_EMBED
 
 
-def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") -> tuple[onnx.ModelProto, dict, dict]:
+def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", store: "WeightStore | None" = None
+                       ) -> tuple[onnx.ModelProto, dict, dict]:
     """Target decoder + folded fc/hidden_norm + FusedVerify.
 
     Inputs: input_ids [B,S] int64; position_ids [B,S] int64 (portable; absolute positions, past = positions below);
-    num_logits [] int64 (LM head on the last num_logits rows); draft_tokens [B,num_logits-1] int64; draft_probs, uniforms
+    num_logits [] int64 (LM head on the last num_logits rows); draft_tokens [B,num_logits-1] int64; draft_probs,
+    uniforms
     (FusedVerify's, read only when sampling); per layer past_key_i / past_value_i [B,KVH,P,D] (portable) or the shared
     [B,KVH,max_len,D] buffers + seqlens_k [B] int32 / total_seq_len [] int32 (ort).
     Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of the
@@ -214,7 +218,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
     sd = np_state(target.hf)
     dsd = np_state(drafter)
     shared = shared_tensors(target)
-    g = GraphBuilder("dflash_target_verify")
+    g = GraphBuilder("dflash_target_verify", store)
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
 
     if ort:
@@ -370,7 +374,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable") 
     return (*finish(g, [] if ort else [ops.fused_verify_function()], ort), shared)
 
 
-def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable"
+def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable", store: "WeightStore | None" = None
                         ) -> tuple[onnx.ModelProto, dict, dict]:
     """One bidirectional drafter pass over a block, with the context K/V cache outside the graph.
 
@@ -392,7 +396,7 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable"
     t = target_spec(target)
     sd = np_state(drafter)
     shared = shared_tensors(target)
-    g = GraphBuilder("dflash_drafter")
+    g = GraphBuilder("dflash_drafter", store)
     D, H, KVH = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     ctx = g.input("ctx", F32, ["batch", "n_ctx", c.hidden_size])
     ctx_pos = g.input("ctx_positions", I64, ["batch", "n_ctx"])
@@ -451,8 +455,11 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable"
     return (*finish(g, [ops.kv_injected_block_attention_function()], False), shared)
 
 
-def build_head_graph(target) -> tuple[onnx.ModelProto, dict, dict]:
+def build_head_graph(target, rows: int | None = None, store: "WeightStore | None" = None
+                     ) -> tuple[onnx.ModelProto, dict, dict]:
     """The ONNX Runtime engine's LM head, shared by target and drafter (one prepacked copy of the head matrix).
+
+    `rows`: a draft head over the first `rows` token ids only (its own copy of those rows), logits [B,n,rows].
 
     Input hidden [B,n,H] (final-normed rows) -> logits [B,n,V]. Nothing else: argmax and acceptance run on the host,
     because ORT's ArgMax over a 49152-wide row is ~5x slower than numpy's (0.67 vs 0.14 ms for 16 rows, measured) and
@@ -460,10 +467,14 @@ def build_head_graph(target) -> tuple[onnx.ModelProto, dict, dict]:
     """
     t = target_spec(target)
     shared = shared_tensors(target)
-    g = GraphBuilder("dflash_lm_head")
+    g = GraphBuilder("dflash_lm_head", store)
     hidden = g.input("hidden", F32, ["batch", "rows", t.hidden_size])
-    g.op("Identity", [g.lm_head(hidden, head_name(shared), t.hidden_size)], outputs=["logits"])
-    g.output("logits", F32, ["batch", "rows", t.vocab_size])
+    head = head_name(shared)
+    if rows:
+        head = g.weight("draft_head", shared[head][:rows])
+        shared = {}
+    g.op("Identity", [g.lm_head(hidden, head, t.hidden_size)], outputs=["logits"])
+    g.output("logits", F32, ["batch", "rows", rows or t.vocab_size])
     return (*finish(g, [], False), shared)
 
 
@@ -517,12 +528,14 @@ class WeightStore:
         self.f.close()
 
 
-def place_weights(model: onnx.ModelProto, inits: dict[str, np.ndarray], store: WeightStore, shared: WeightStore,
+def place_weights(model: onnx.ModelProto, inits: dict, store: WeightStore, shared: WeightStore,
                   shared_arrays: dict) -> None:
     """Attach the model's weights: small ones inline, large ones in `store`, the embedding / LM head in `shared`
     (written once, referenced by both graphs)."""
     for name, arr in inits.items():
-        if arr.nbytes <= store.small_bytes:
+        if isinstance(arr, onnx.TensorProto):  # already written by the builder
+            model.graph.initializer.append(arr)
+        elif arr.nbytes <= store.small_bytes:
             model.graph.initializer.append(numpy_helper.from_array(arr, name))
         else:
             model.graph.initializer.append(store.put(name, arr))

@@ -1,8 +1,8 @@
 """The two DFlash custom ops as ONNX model-local functions (domain `dflash`), holding the reference math.
 
-A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines the
-function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes carry
-`plugin_namespace` / `plugin_version` for that lookup. The names and attributes here are the plugin contract shared with
+A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines
+the function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes
+carry `plugin_namespace` / `plugin_version` for that lookup. The names and attributes here are the plugin contract shared with
 `engines/tensorrt.py` and `kernels/`: keep them stable.
 
 Hand-written with onnx.helper because no exporter (optimum, torch.onnx) emits custom-domain nodes backed by functions.
@@ -94,8 +94,8 @@ def fused_verify_function() -> onnx.FunctionProto:
 
     Semantics of sampling.verify_block: temperature <= 0 greedy (longest prefix where draft == argmax, then the target's
     argmax); otherwise rejection sampling in float64 (accept draft i iff u[i]*q < p; on rejection draw from
-    normalize(max(p-q, 0)) — p itself when that is all zero — else the bonus from the last slot's p, both by inverse CDF
-    with u[bs-1]). draft_probs / uniforms are read only when sampling (greedy callers may pass any small array).
+    normalize(max(p-q, 0)) — p itself when that is all zero — else the bonus from the last slot's p, both by inverse
+    CDF with u[bs-1]). draft_probs / uniforms are read only when sampling (greedy callers may pass any small array).
     """
     n = helper.make_node
     i64 = lambda name, v: _const_node(name, np.array(v, np.int64))  # noqa: E731
