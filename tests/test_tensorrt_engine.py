@@ -289,7 +289,10 @@ class _FakeContext:
         return True
 
     def set_tensor_address(self, name, address):
+        if not address:  # TensorRT refuses null addresses
+            return False
         self.addresses[name] = address
+        return True
 
     def _feeds(self):
         feeds = {}
@@ -419,3 +422,13 @@ def test_tensorrt_runner_switches_profiles_only_when_the_step_kind_changes(engin
     kvh, d, _ = seq.t_kv.layout["key_0"]
     assert seq.t_kv.length == seq.length and seq.t_kv.past("key_0").shape == (1, kvh, seq.length, d)
     eng.close()
+
+
+def test_tensorrt_engine_refuses_a_manifest_without_the_profiles_it_selects(emulated_tensorrt, tmp_path):
+    from dflash_export.recipes import load_recipe
+
+    out = _emulated_engine_dir(tmp_path, load_recipe("tiny-qwen3"))
+    m = json.loads((out / "manifest.json").read_text())
+    m["engines"]["drafter.engine"]["profiles"] = ["first_block", "steady"]
+    with pytest.raises(DFlashError, match=r"drafter.engine profiles.*lack \['step'\]"):
+        emulated_tensorrt.TensorRTEngine(out, m, device="cpu")

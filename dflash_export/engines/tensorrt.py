@@ -18,11 +18,13 @@ to PTX (so engines run without Python), and a JIT `impl` fallback that launches 
 # registration, so they must be real types, not strings.
 import dataclasses
 import importlib.util
+import threading
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
 from dflash_export.engines.base import EngineInfo
-from dflash_export.engines.graph_engine import GraphEngine, GraphRunner, KVCache
+from dflash_export.engines.graph_engine import (DECODE, FIRST_BLOCK, PREFILL, STEP, VERIFY, GraphEngine, GraphRunner,
+                                                KVCache)
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -766,8 +768,8 @@ class _TrtGraph:
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self.dtypes = {n: _torch_dtype(trt, torch, self.engine.get_tensor_dtype(n)) for n in names}
         self.dynamic = {n for n in self.inputs if -1 in tuple(self.engine.get_tensor_shape(n))}
-        # Shape-tensor inputs (num_logits) are read by TensorRT from host memory at enqueue: one persistent host
-        # buffer each, so the pointer stays valid.
+        # Shape-tensor inputs (num_logits) live in host memory, read by TensorRT when it infers shapes and
+        # enqueues: one persistent host buffer each keeps the bound pointer valid.
         self.host_inputs = {n: torch.zeros(tuple(self.engine.get_tensor_shape(n)), dtype=self.dtypes[n])
                             for n in self.inputs if self.engine.get_tensor_location(n) == trt.TensorLocation.HOST}
         self.kv_layout = {}
@@ -802,15 +804,19 @@ class TensorRTRunner(GraphRunner):
         self._runtime = trt.Runtime(self._logger)
         engines = manifest.get("engines") or {}
         self.graphs: dict[str, _TrtGraph] = {}
-        for graph, fname in (("target_verify", TARGET_ENGINE), ("drafter", DRAFTER_ENGINE)):
-            names = (engines.get(fname) or {}).get("profiles")
-            if not names:
-                raise DFlashError(f"no profile names for {fname}", path=Path(engine_dir) / "manifest.json",
-                                  field="engines")
+        for graph, fname, needed in (("target_verify", TARGET_ENGINE, (PREFILL, VERIFY, DECODE)),
+                                     ("drafter", DRAFTER_ENGINE, (FIRST_BLOCK, STEP))):
+            names = (engines.get(fname) or {}).get("profiles") or []
+            if not set(needed) <= set(names):  # the engine logic selects these by name
+                raise DFlashError(f"{fname} profiles {names} lack {sorted(set(needed) - set(names))}",
+                                  path=Path(engine_dir) / "manifest.json", field="engines")
             with torch.cuda.device(self.device):
                 self.graphs[graph] = _TrtGraph(trt, torch, self._runtime, Path(engine_dir) / fname, list(names))
         # TensorRT wants a non-null address even for an empty tensor (an empty past, no drafts): one spare block
         self._empty = torch.zeros(64, dtype=torch.int64, device=self.device)
+        # One context per engine serves every sequence: a run (shapes, addresses, enqueue, sync) must not interleave
+        # with another thread's.
+        self._lock = threading.Lock()
 
     def new_cache(self, graph: str):
         return _DeviceKVCache(self.torch, self.graphs[graph].kv_layout, self.max_seq_len, self.device, self.stream)
@@ -819,6 +825,14 @@ class TensorRTRunner(GraphRunner):
         return tensor.data_ptr() if tensor.numel() else self._empty.data_ptr()
 
     def run(self, graph, profile, feeds, fetch, cache):
+        with self._lock:
+            return self._run(graph, profile, feeds, fetch, cache)
+
+    def _bind(self, g: _TrtGraph, name: str, address: int) -> None:
+        if not g.context.set_tensor_address(name, address):
+            raise DFlashError(f"TensorRT refused the address of {name}", path=g.path, field=name)
+
+    def _run(self, graph, profile, feeds, fetch, cache):
         torch = self.torch
         g = self.graphs[graph]
         if profile not in g.profiles:
@@ -836,7 +850,7 @@ class TensorRTRunner(GraphRunner):
                 elif name in g.host_inputs:
                     host = g.host_inputs[name]
                     host.copy_(torch.as_tensor(feeds[name]).reshape(host.shape))
-                    ctx.set_tensor_address(name, host.data_ptr())
+                    self._bind(g, name, host.data_ptr())
                     continue
                 else:
                     tensor = torch.as_tensor(feeds[name]).to(self.device, g.dtypes[name]).contiguous()
@@ -844,7 +858,7 @@ class TensorRTRunner(GraphRunner):
                 if name in g.dynamic and not ctx.set_input_shape(name, tuple(tensor.shape)):
                     raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}",
                                       path=g.path, field=name)
-                ctx.set_tensor_address(name, self._address(tensor))
+                self._bind(g, name, self._address(tensor))
             missing = ctx.infer_shapes()
             if missing:
                 raise DFlashError(f"TensorRT cannot infer output shapes: {', '.join(missing)} unset", path=g.path)
@@ -857,7 +871,7 @@ class TensorRTRunner(GraphRunner):
                 else:
                     tensor = torch.empty(shape, dtype=g.dtypes[name], device=self.device)
                 outputs[name] = tensor
-                ctx.set_tensor_address(name, self._address(tensor))
+                self._bind(g, name, self._address(tensor))
             if not ctx.execute_async_v3(handle):
                 raise DFlashError("TensorRT execution failed (see the log above)", path=g.path)
             host = {name: outputs[name].to("cpu", non_blocking=True) for name in fetch}
