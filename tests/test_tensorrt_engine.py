@@ -1,9 +1,10 @@
 """The engine logic TensorRT engines run under (graph_engine.GraphEngine), proven without TensorRT: driven by an ONNX
 Runtime runner over the very graphs a TensorRT build compiles, with every call checked against the optimization
 profile the TensorRT runner would select. Greedy output equals the PyTorch reference and the ONNX Runtime engine;
-seeded sampling equals the ONNX Runtime engine; every accept length commits and crops the caches correctly; a
-request that fills max_seq_len stays inside the profiles. Without TensorRT, loading a TensorRT engine names the extra
-and the GPU."""
+seeded sampling equals the ONNX Runtime and PyTorch engines; every accept length commits and crops the caches
+correctly; a request that fills max_seq_len stays inside the profiles. TensorRTRunner itself runs against an emulated
+TensorRT API on CPU tensors. Without TensorRT, loading a TensorRT engine names the extra and the GPU; with TensorRT
+and a GPU, the last test builds and runs a real engine."""
 
 from __future__ import annotations
 
@@ -432,3 +433,35 @@ def test_tensorrt_engine_refuses_a_manifest_without_the_profiles_it_selects(emul
     m["engines"]["drafter.engine"]["profiles"] = ["first_block", "steady"]
     with pytest.raises(DFlashError, match=r"drafter.engine profiles.*lack \['step'\]"):
         emulated_tensorrt.TensorRTEngine(out, m, device="cpu")
+
+
+def _gpu_ready() -> bool:
+    if not HAS_TENSORRT:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _gpu_ready(), reason="needs tensorrt and an NVIDIA GPU")
+def test_on_gpu_tensorrt_engine_follows_its_onnx_runtime_twin(tmp_path):
+    """The device check (nothing above runs real TensorRT): build tiny-qwen3, run it through the runtime, and compare
+    with the ORT runner over the same directory's onnx/ graphs. fp32 kernels differ (TF32, fused attention), so the
+    check is the first divergence, not equality of whole outputs."""
+    from dflash_export.engines.tensorrt import build_tensorrt
+    from dflash_export.recipes import load_recipe
+
+    out = build_tensorrt(load_recipe("tiny-qwen3"), tmp_path / "tensorrt")
+    eng = load_engine(out)
+    twin = ge.GraphEngine(ge.OrtGraphRunner(out / "onnx", check_profiles=(eng.info.block_size, eng.info.max_seq_len)),
+                          eng.info, eng.codec)
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=32)
+        want = DFlashRuntime(twin).generate(prompt, sp).tokens
+        for mode in ("dflash", "ar"):
+            got = DFlashRuntime(eng).generate(prompt, sp, mode).tokens
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+            assert first >= 8, (mode, prompt, first, got, want)
+    stats = DFlashRuntime(eng).generate(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0.8, seed=1))
+    assert len(stats.tokens) == 16
+    eng.close()
