@@ -414,14 +414,25 @@ def test_tensorrt_runner_switches_profiles_only_when_the_step_kind_changes(engin
     assert len(stats.acceptance_lengths) > 2
     # a new context starts on profile 0 (prefill / first_block); the steps after it stay on verify / step
     assert [c.profile_switches for c in contexts] == [1, 1]
+    from dflash_export.reference import ar_generate
+
+    bs = eng.info.block_size
+    cont = ar_generate(engines[2].target, PROMPTS[0], 2 * bs + 1).tokens
     seq = eng.new_sequence()
     eng.prefill(seq, np.array(PROMPTS[0]))
-    drafts, _ = eng.draft(seq, 7, SamplingParams(), None)
-    eng.verify(seq, np.concatenate([[7], drafts]), None, SamplingParams(), None)
+    eng.draft(seq, cont[0], SamplingParams(), None)
+    # the reference continuation as the block: every draft accepted, nothing to crop
+    assert eng.verify(seq, np.array(cont[:bs]), None, SamplingParams(), None) == (bs - 1, cont[1: bs + 1])
     assert [c.profile_switches for c in contexts] == [3, 2]  # target: prefill, verify; drafter: first_block
+    eng.draft(seq, cont[bs], SamplingParams(), None)
+    block = np.array(cont[bs: 2 * bs])
+    block[1] = (block[1] + 1) % (eng.info.vocab_size - 2)  # first draft wrong: the cache is cropped to the anchor
+    assert eng.verify(seq, block, None, SamplingParams(), None) == (0, [cont[bs + 1]])
+    assert [c.profile_switches for c in contexts] == [3, 3]  # drafter: now step
     # device caches hold exactly the committed rows, as a dense prefix of their buffers
     kvh, d, _ = seq.t_kv.layout["key_0"]
-    assert seq.t_kv.length == seq.length and seq.t_kv.past("key_0").shape == (1, kvh, seq.length, d)
+    assert seq.t_kv.length == seq.length == len(PROMPTS[0]) + bs + 1
+    assert seq.t_kv.past("key_0").shape == (1, kvh, seq.length, d)
     eng.close()
 
 
