@@ -215,7 +215,7 @@ def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tm
     res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--num-prompts", "2",
                                     "--max-new-tokens", str(MAX_NEW), "--dist-samples", "30", "--no-progress"])
     assert res.exit_code == 0, res.output
-    rep = json.loads((tmp_path / "validate-report" / recipe.name / "onnxruntime" / "report.json").read_text())
+    rep = json.loads((tmp_path / "reports" / "validate" / recipe.name / "onnxruntime" / "report.json").read_text())
     assert rep["engine"]["backend"] == "onnxruntime" and rep["engine"]["dir"].endswith("onnxruntime")
     assert rep["greedy"]["identical_fraction"] == 1.0 and rep["acceptance"]["tau"] > 3.0
 

@@ -23,7 +23,7 @@ import click
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),
-              help="Report directory [default: validate-report/<recipe>/<backend>].")
+              help="Report directory [default: reports/validate/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, top_k, top_p, dist_samples, repeats,
              report_dir, no_progress):

@@ -85,7 +85,7 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
     from dflash_export.validate.runner import run_validation
 
     report = run_validation(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, show_progress)
-    out = Path(report_dir) if report_dir else Path("validate-report") / recipe.name / engine.info.backend
+    out = Path(report_dir) if report_dir else Path("reports") / "validate" / recipe.name / engine.info.backend
     files = write_report(report, out)
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
