@@ -287,7 +287,8 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     info = engine.info
     bs = info.block_size
     run_dist = opts.temperature > 0 and opts.dist_samples > 0
-    dist_prompts = prompts[: max(1, opts.dist_prompts)] if run_dist else []
+    # The shortest prompts: every seed pays a prefill, and the test's power does not depend on prompt length.
+    dist_prompts = sorted(prompts, key=lambda p: len(p[1]))[: max(1, opts.dist_prompts)] if run_dist else []
     report = ValidationReport(
         recipe=recipe.name,
         engine={"backend": info.backend, "recipe": info.recipe, "block_size": bs, "mask_token_id": info.mask_token_id,
