@@ -252,6 +252,10 @@ def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, 
     assert w["engine"][:at] == w["reference"][:at] and w["engine"][at] != w["reference"][at]
     note = {t["name"]: t for t in report.thresholds}["identical_fraction"]["note"]
     assert f"at token {r['first_divergence']}" in note
+    from dflash_export.validate.report import render_markdown
+
+    md = render_markdown(report)
+    assert "**FAIL**" in md and f"| {r['id']} | {r['first_divergence']} | export changed the model |" in md
 
 
 def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts):
