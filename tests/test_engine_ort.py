@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +180,20 @@ def test_draft_vocabulary_restriction_stays_lossless(tmp_path):
     assert np.allclose(probs.sum(-1), 1) and not probs[:, 100:].any()
     sp = SamplingParams(max_new_tokens=24, temperature=0.9, seed=3)
     assert len(rt.generate(PROMPTS[0], sp).tokens) == 24
+
+
+def test_engine_costs_benchmark_runs_on_a_built_engine(built):
+    _, out, _, _ = built
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_costs.py"
+    r = subprocess.run([sys.executable, str(script), "--engine", str(out), "--threads", "1", "--reps", "2",
+                        "--context", "20"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for key in ("step_1_ms", "verify_8_ms", "verify_16_ms", "ratio_verify_8", "ratio_verify_16"):
+        assert key in r.stdout
+
+
+def test_draft_without_new_context_is_a_clear_error(built):
+    _, _, eng, _ = built
+    seq = eng.new_sequence()
+    with pytest.raises(DFlashError, match="prefill"):
+        eng.draft(seq, 1, SamplingParams(), None)

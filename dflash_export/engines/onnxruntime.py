@@ -231,6 +231,8 @@ class OrtEngine(Engine):
         return self._logits(hidden)[-1]
 
     def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms):
+        if seq.ctx is None:
+            raise DFlashError("draft() needs new context: call prefill() or verify() first", field="sequence")
         bs = self.info.block_size
         block = np.empty((1, bs, self._mask_row.shape[0]), np.float32)
         block[0, 0] = self._embed[anchor]
