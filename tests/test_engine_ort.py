@@ -80,6 +80,12 @@ def test_steps_match_torch_engine_with_accepting_blocks(built):
     np.testing.assert_allclose(first[0], first[1], atol=1e-4)
     done, accepts = 0, set()
     while done + bs < len(cont) - 1:
+        # pending context features: the engine's fused ctx == the reference drafter's fc + hidden_norm of the taps
+        import torch
+
+        with torch.inference_mode():
+            ref_ctx = torch_eng.drafter.project_context(seqs[1].taps).numpy()
+        np.testing.assert_allclose(seqs[0].ctx, ref_ctx, atol=1e-4, rtol=0)
         anchor = cont[done]
         drafts = [e.draft(s, anchor, sp, None)[0] for e, s in zip((eng, torch_eng), seqs)]
         np.testing.assert_array_equal(drafts[0], drafts[1])
