@@ -202,16 +202,18 @@ def head_name(shared: dict) -> str:
 
 def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", store: "WeightStore | None" = None
                        ) -> tuple[onnx.ModelProto, dict, dict]:
-    """Target decoder + folded fc/hidden_norm + FusedVerify.
+    """Target decoder + folded fc/hidden_norm (+ FusedVerify in the portable flavor).
 
-    Inputs: input_ids [B,S] int64; position_ids [B,S] int64 (portable; absolute positions, past = positions below);
+    portable — inputs: input_ids [B,S] int64; position_ids [B,S] int64 (absolute; the cache holds positions below);
     num_logits [] int64 (LM head on the last num_logits rows); draft_tokens [B,num_logits-1] int64; draft_probs,
-    uniforms
-    (FusedVerify's, read only when sampling); per layer past_key_i / past_value_i [B,KVH,P,D] (portable) or the shared
-    [B,KVH,max_len,D] buffers + seqlens_k [B] int32 / total_seq_len [] int32 (ort).
-    Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of the
-    logits rows against draft_tokens), present_key_i / present_value_i.
-    Returns the model, its own weights (numpy, placed by `place_weights`) and the shared tensors it references.
+    uniforms (FusedVerify's, read only when sampling); per layer past_key_i / past_value_i [B,KVH,P,D].
+    Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of
+    the logits rows against draft_tokens), present_key_i / present_value_i [B,KVH,P+S,D].
+    ort — inputs: inputs_embeds [B,S,H]; num_logits; seqlens_k [B] int32 (total length - 1); total_seq_len [] int32;
+    per layer past_key_i / past_value_i [B,KVH,capacity,D], bound to the same memory as present_key_i /
+    present_value_i (GroupQueryAttention writes the new rows in place). Outputs: hidden [B,num_logits,H] (final-normed
+    rows for the LM-head session), ctx, presents.
+    Returns the model, its own weights (arrays, or TensorProtos already in `store`) and the shared tensors it uses.
     """
     ort = flavor == "ort"
     t = target_spec(target)
@@ -265,8 +267,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             xn, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, residual_pending, ln1], n_out=4, domain=MS,
                                epsilon=t.rms_eps)
         else:
-            xn = g.rms_norm(x, ln1, t.rms_eps, False) if not ort else g.op(
-                "SimplifiedLayerNormalization", [x, ln1], axis=-1, epsilon=t.rms_eps)
+            xn = g.rms_norm(x, ln1, t.rms_eps, ort)
         a = p + "self_attn."
         bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
         if ort:
@@ -317,9 +318,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
                                   g.const(D ** -0.5, np.float32)])
             probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
             o5 = g.op("MatMul", [probs, v5])
-            o = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o5, g.const([0, H, -1, D])])],
-                                      perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
-            attn = o
+            attn = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o5, g.const([0, H, -1, D])])],
+                                         perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
         attn = g.linear(attn, sd[a + "o_proj.weight"], a + "o_proj", bias("o_proj"))
         ln2 = g.weight(p + "post_attention_layernorm", sd[p + "post_attention_layernorm.weight"])
         if ort:
