@@ -143,9 +143,11 @@ class OrtEngine(Engine):
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._embed = _map_embedding(self.engine_dir, manifest, mpath)
         providers = ["CPUExecutionProvider"]
-        self.target = self._session(ort, TARGET, so, providers)
-        self.drafter = self._session(ort, DRAFTER, so, providers)
+        # The LM head first: loading it briefly holds the read matrix and its prepacked copy (2 x 113 MB for SmolLM2),
+        # a transient that then lands on an almost empty process instead of on top of the target's weights.
         self.head = self._session(ort, HEAD, so, providers)
+        self.drafter = self._session(ort, DRAFTER, so, providers)
+        self.target = self._session(ort, TARGET, so, providers)
         # Optional draft vocabulary: the drafter proposes only among the first `draft_vocab` ids (an LM head a
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
         self.draft_vocab = int(manifest.get("flags", {}).get("draft_vocab") or 0)
