@@ -203,3 +203,26 @@ def test_draft_without_new_context_is_a_clear_error(built):
     seq = eng.new_sequence()
     with pytest.raises(DFlashError, match="prefill"):
         eng.draft(seq, 1, SamplingParams(), None)
+
+
+def test_failed_build_leaves_nothing_that_loads(tmp_path, monkeypatch):
+    from dflash_export.engines import onnxruntime as ort_engine
+    from dflash_export.recipes import load_recipe
+
+    def boom(*a, **k):
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(ort_engine, "_copy_tokenizer", boom)  # after export + optimization, before the manifest
+    with pytest.raises(RuntimeError, match="mid-build"):
+        ort_engine.build_onnxruntime(load_recipe("tiny-llama"), tmp_path / "eng", threads=1)
+    assert list(tmp_path.iterdir()) == []  # neither the engine dir nor its temporary sibling
+    with pytest.raises(DFlashError):
+        load_engine(tmp_path / "eng")
+
+
+def test_sequence_past_max_seq_len_is_a_clear_error(built):
+    _, _, eng, _ = built
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.arange(eng.info.max_seq_len - 2) % 200)
+    with pytest.raises(DFlashError, match="max_seq_len"):
+        eng.verify(seq, np.arange(eng.info.block_size), None, SamplingParams(), None)
