@@ -226,3 +226,13 @@ def test_sequence_past_max_seq_len_is_a_clear_error(built):
     eng.prefill(seq, np.arange(eng.info.max_seq_len - 2) % 200)
     with pytest.raises(DFlashError, match="max_seq_len"):
         eng.verify(seq, np.arange(eng.info.block_size), None, SamplingParams(), None)
+
+
+def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
+    _, out, _, _ = built
+    dst = _copy(out, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["stop_token_ids"] = "eos"
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match="stop_token_ids"):
+        load_engine(dst, threads=1)
