@@ -249,3 +249,18 @@ def test_smollm2_export_matches_reference(tmp_path):
     np.testing.assert_allclose(out["logits"][0], ref.logits[0].numpy(), atol=1e-3, rtol=0)
     np.testing.assert_array_equal(out["logits"][0].argmax(-1), ref.logits[0].numpy().argmax(-1))
     np.testing.assert_allclose(out["ctx"], ref_ctx, atol=1e-4, rtol=0)
+
+
+def test_sliding_window_drafter_is_refused_by_name(tmp_path):
+    """KVInjectedBlockAttention has no mask: a sliding-window drafter layer narrower than max_seq_len cannot be
+    exported faithfully, and says so instead of exporting something else."""
+    import copy
+
+    from dflash_export.models import load_drafter, load_target
+
+    target, drafter = load_target("tiny:llama/target"), load_drafter("tiny:llama/drafter")
+    drafter = copy.deepcopy(drafter)
+    drafter.config.layer_types = ["sliding_attention"] + ["full_attention"] * (drafter.config.num_hidden_layers - 1)
+    drafter.config.sliding_window = 8
+    with pytest.raises(DFlashError, match="layer_types"):
+        export_models(target, drafter, tmp_path, max_len=256)
