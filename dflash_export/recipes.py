@@ -78,6 +78,8 @@ class Recipe:
     max_seq_len: int = 2048
     backends: list[str] = field(default_factory=lambda: ["onnxruntime"])
     chat_template: bool = True
+    draft_vocab: int | None = None           # engines: draft among the first N token ids only (cheaper draft LM head;
+                                             # still lossless, the target verifies over the full vocabulary)
     suite: str = "sharegpt-heldout"          # default validate suite
     thresholds: Thresholds = field(default_factory=Thresholds)
     trtllm: TrtLlmOptions = field(default_factory=TrtLlmOptions)
@@ -172,6 +174,8 @@ def load_recipe(name_or_path) -> Recipe:
             raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")
     if recipe.block_size is not None and recipe.block_size < 2:
         raise DFlashError(f"must be >= 2, got {recipe.block_size}", path=p, field="block_size")
+    if recipe.draft_vocab is not None and recipe.draft_vocab < 2:
+        raise DFlashError(f"must be >= 2, got {recipe.draft_vocab}", path=p, field="draft_vocab")
     if recipe.max_seq_len < 16:
         raise DFlashError(f"must be >= 16, got {recipe.max_seq_len}", path=p, field="max_seq_len")
     return recipe

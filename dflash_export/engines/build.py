@@ -84,7 +84,10 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:
             pass  # unreadable or tampered: rebuild over it
-    build(recipe, engine_dir)
+    if backend == "onnxruntime" and recipe.draft_vocab:
+        build(recipe, engine_dir, draft_vocab=recipe.draft_vocab)
+    else:
+        build(recipe, engine_dir)
     if not (engine_dir / MANIFEST).is_file():
         raise DFlashError("the backend finished without writing a manifest", path=engine_dir)
     _record_inputs(engine_dir, inputs)
