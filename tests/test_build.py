@@ -1,6 +1,5 @@
 """`build` reuses unchanged engines, rebuilds changed ones, never leaves a loadable half-build, refuses tampering."""
 
-import json
 import os
 import shutil
 import signal
@@ -10,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_export.engines.base import load_engine, read_manifest
 from dflash_export.engines.build import build_engine

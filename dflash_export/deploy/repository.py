@@ -327,17 +327,11 @@ def _link_or_copy(src, dst):
 
 def _needed_libraries(backend: str) -> dict[str, str]:
     """Versions of the libraries the served engine imports, recorded so the model can refuse a different set."""
-    from importlib import metadata
+    from dflash_export.engines.base import library_versions
 
     names = ["numpy", "tokenizers"] + {"onnxruntime": ["onnxruntime"], "pytorch": ["torch"],
                                        "tensorrt": ["tensorrt"]}.get(backend, [])
-    out = {}
-    for n in names:
-        try:
-            out[n] = metadata.version(n)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    return {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
 
 
 def _check_target(repo: Path) -> None:

@@ -8,22 +8,14 @@ itself, read with the `gguf` package.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
+from dflash_export.engines.base import sha256_file
 from dflash_export.errors import DFlashError
 
 _CONVERSION_VERSION = 1  # bump when the conversion changes so cached copies are rebuilt
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_gguf_metadata(path: Path) -> dict:
@@ -61,7 +53,7 @@ def hf_dir_from_gguf(path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise DFlashError("GGUF file not found", path=path)
-    digest = file_sha256(path)
+    digest = sha256_file(path)
     out = cache_dir() / "targets" / f"{digest[:24]}-v{_CONVERSION_VERSION}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
