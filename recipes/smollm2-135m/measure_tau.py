@@ -10,7 +10,9 @@ included) and wall time are reported per block size. Not a test: it takes minute
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if importlib.util.find_spec("dflash_export") is None:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, str(HERE.parent.parent))
 
     from dflash_export.models import load_drafter, load_target
     from dflash_export.reference import ar_generate, spec_generate
