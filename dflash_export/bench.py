@@ -76,8 +76,19 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
         toks, total, ttft, acc = gen(ids, max_new)
         runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
                      "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc)})
-    return {"mode": mode, "load_s": load_s, "runs": runs,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"mode": mode, "load_s": load_s, "runs": runs, "peak_rss_mb": _peak_rss_mb()}
+
+
+def _peak_rss_mb() -> float:
+    """This process's own peak RSS. VmHWM belongs to the address space made at exec; ru_maxrss would also carry the
+    parent's peak across fork+exec (the parent may have just built the engine)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _summary(res: dict) -> dict:
