@@ -51,7 +51,8 @@ def _attention_program(
     num_heads, groups, S, T, D, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (batch x head, query tile) program; shared by the strided launch and the TensorRT AOT kernel."""
+    """One (batch x head, query tile) program; launched directly for strided tensors and called by the TensorRT AOT
+    kernel."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = (pid_bh // num_heads).to(tl.int64)  # batch offsets can pass 2**31 elements
@@ -75,25 +76,6 @@ def _attention_program(
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _kv_injected_block_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kcb, stride_kch, stride_kct, stride_kcd,
-    stride_vcb, stride_vch, stride_vct, stride_vcd,
-    stride_kbb, stride_kbh, stride_kbt, stride_kbd,
-    stride_vbb, stride_vbh, stride_vbt, stride_vbd,
-    stride_ob, stride_oh, stride_os, stride_od,
-    num_heads, groups, S, T, D, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):
-    _attention_program(q_ptr, kc_ptr, vc_ptr, kb_ptr, vb_ptr, o_ptr,
-                       stride_qb, stride_qh, stride_qs, stride_qd, stride_kcb, stride_kch, stride_kct, stride_kcd,
-                       stride_vcb, stride_vch, stride_vct, stride_vcd, stride_kbb, stride_kbh, stride_kbt, stride_kbd,
-                       stride_vbb, stride_vbh, stride_vbt, stride_vbd, stride_ob, stride_oh, stride_os, stride_od,
-                       num_heads, groups, S, T, D, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
 
 
 @triton.jit
@@ -136,7 +118,7 @@ def kv_injected_block_attention_triton(q: torch.Tensor, k_ctx: torch.Tensor, v_c
     block_n = block_n or default_n
     precision = "ieee" if q.dtype == torch.float32 else None
     grid = (B * H, math.ceil(S / block_m))
-    _kv_injected_block_attention_kernel[grid](
+    _attention_program[grid](
         q, k_ctx, v_ctx, k_blk, v_blk, out,
         *q.stride(), *k_ctx.stride(), *v_ctx.stride(), *k_blk.stride(), *v_blk.stride(), *out.stride(),
         H, H // KVH, S, T, D, float(scale) * _LOG2E,

@@ -68,7 +68,7 @@ def _verify_program(
     BS, V, inv_temp,
     GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_BS: tl.constexpr, PAD: tl.constexpr,
 ):
-    """One sequence per program; shared by the strided launch and the TensorRT AOT kernel."""
+    """One sequence per program; launched directly for strided tensors and called by the TensorRT AOT kernel."""
     b = tl.program_id(0).to(tl.int64)  # batch offsets can pass 2**31 elements
     n = BS - 1
     logit_base = logits_ptr + b * stride_lb
@@ -137,22 +137,6 @@ def _verify_program(
 
 
 @triton.jit
-def _fused_verify_kernel(
-    logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
-    stride_lb, stride_ls, stride_lv,
-    stride_tb, stride_ts,
-    stride_pb, stride_ps, stride_pv,
-    stride_ub, stride_us,
-    stride_eb, stride_es,
-    BS, V, inv_temp,
-    GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_BS: tl.constexpr, PAD: tl.constexpr,
-):
-    _verify_program(logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr, accept_ptr, emitted_ptr, n_emitted_ptr,
-                    stride_lb, stride_ls, stride_lv, stride_tb, stride_ts, stride_pb, stride_ps, stride_pv,
-                    stride_ub, stride_us, stride_eb, stride_es, BS, V, inv_temp, GREEDY, BLOCK_V, BLOCK_BS, PAD)
-
-
-@triton.jit
 def fused_verify_aot_kernel(
     logits_ptr, draft_tok_ptr, draft_prob_ptr, unif_ptr,
     BS, V,
@@ -181,7 +165,7 @@ def fused_verify_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     n_emitted = torch.empty(B, dtype=torch.int64, device=device)
     emitted = torch.empty((B, BS), dtype=torch.int64, device=device)
     block_v = min(block_v, triton.next_power_of_2(V))
-    _fused_verify_kernel[(B,)](
+    _verify_program[(B,)](
         target_logits, draft_tokens, draft_probs, uniforms, accept, emitted, n_emitted,
         *target_logits.stride(), *draft_tokens.stride(), *draft_probs.stride(), *uniforms.stride(), *emitted.stride(),
         BS, V, 1.0 / temperature if not greedy else 1.0,
