@@ -14,25 +14,13 @@ from typing import Any
 
 import torch
 
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, read_json_object
 from dflash_export.models.drafter import DrafterConfig, default_target_layer_ids
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise DFlashError("file not found", path=path)
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DFlashError(f"not valid JSON ({e})", path=path) from None
-    if not isinstance(data, dict):
-        raise DFlashError("expected a JSON object", path=path)
-    return data
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
@@ -67,7 +55,7 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
     single = ckpt / "model.safetensors"
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise DFlashError("missing or invalid 'weight_map'", path=index, field="weight_map")
         by_file: dict[str, set[str]] = {}
@@ -227,7 +215,7 @@ def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor
     if not ckpt.is_dir():
         raise DFlashError("drafter checkpoint directory not found", path=ckpt)
     cfg_path = ckpt / "config.json"
-    cfg = _read_json(cfg_path)
+    cfg = read_json_object(cfg_path)
     state = _strip_prefix(load_state_dict(ckpt))
     fc = state.get("fc.weight")
     config = parse_drafter_config(cfg, cfg_path, fc.shape[1] if fc is not None and fc.ndim == 2 else None)
@@ -275,7 +263,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     def warn(field, msg, file=cfg_path):
         findings.append(Finding("warning", str(file), field, msg))
 
-    raw = _read_json(cfg_path)
+    raw = read_json_object(cfg_path)
     tcfg, tcfg_path = read_target_config(target_path)
     # Tensor presence / shapes / dtypes from headers only: no weights loaded for linting.
     files = weight_files(ckpt)

@@ -41,6 +41,22 @@ class MissingDependency(DFlashError):
     exit_code = 2
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON file that must hold an object; missing, unparsable or non-object files are one DFlashError line."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError("file not found", path=path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"not valid JSON ({e})", path=path) from None
+    if not isinstance(data, dict):
+        raise DFlashError("expected a JSON object", path=path)
+    return data
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` only if the block completes.

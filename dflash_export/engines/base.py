@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, read_json_object
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -160,10 +160,7 @@ def read_manifest(engine_dir, verify_files: bool = True) -> dict[str, Any]:
         raise DFlashError("engine directory not found", path=engine_dir)
     if not path.is_file():
         raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"corrupt manifest ({e})", path=path) from None
+    manifest = read_json_object(path)
     for key in ("backend", "files", "block_size", "mask_token_id"):
         if key not in manifest:
             raise DFlashError("missing field", path=path, field=key)

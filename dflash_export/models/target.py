@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from dflash_export.arch import ARCHS
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, read_json_object
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -43,10 +43,7 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos."""
     d = resolve_target_dir(path)
     cfg_path = d / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"not valid JSON ({e})", path=cfg_path) from None
+    cfg = read_json_object(cfg_path)
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
