@@ -23,6 +23,7 @@ TRAIN_SPLIT = 12000
 class Prompt:
     index: int  # record index in the ShareGPT file (the split key)
     text: str
+    reply: str | None = None  # the dataset's own first answer (teacher-forced training data), when there is one
 
 
 def sharegpt_file() -> Path:
@@ -66,6 +67,19 @@ def first_user_turn(record) -> str | None:
     return value.strip()
 
 
+def first_reply(record) -> str | None:
+    """The assistant's answer to the opening human message, or None when the second turn is not one."""
+    conv = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(conv, list) or len(conv) < 2 or not isinstance(conv[1], dict):
+        return None
+    if conv[1].get("from") not in ("gpt", "assistant", "chatgpt"):
+        return None
+    value = conv[1].get("value")
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value.strip()
+
+
 @lru_cache(maxsize=2)
 def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
     path = Path(path_str)
@@ -79,7 +93,7 @@ def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
         n = i + 1
         p = first_user_turn(rec)
         if p is not None:
-            prompts.append(Prompt(i, p))
+            prompts.append(Prompt(i, p, first_reply(rec)))
     return n, tuple(prompts)
 
 

@@ -49,6 +49,8 @@ class TrainOptions:
     heldout_prompts: int = 16                # held-out prompts (index >= 12000) for accuracy / implied τ
     max_prompt_tokens: int = 128             # longer prompts are skipped (compute)
     max_new_tokens: int = 128                # target response length cap
+    teacher_forced_prompts: int = 0          # + conversations whose dataset answer is read (one forward, no generation)
+    max_reply_tokens: int = 256              # dataset answer length cap for those
     gen_batch_size: int = 16
     soft_topk: int = 4                       # target top-k kept as soft targets
     draft_layers: int = 2
@@ -58,6 +60,8 @@ class TrainOptions:
     gamma: float | None = None               # loss decay exp(-(k-1)/gamma); default by block size
     lr: float = 3e-4
     warmup_steps: int = 20
+    lr_decay_steps: int | None = None        # cosine decay of lr to lr_min_ratio*lr by this (total) step; None = flat
+    lr_min_ratio: float = 0.1
     batch_size: int = 4                      # sequences per step
     blocks_per_seq: int = 16                 # anchors per sequence per step
     soft_weight: float = 0.5                 # share of the soft (top-k) loss vs the hard greedy label

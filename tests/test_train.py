@@ -46,6 +46,44 @@ def test_build_blocks_lays_out_anchors_labels_and_mask_exactly():
     assert torch.equal(b.soft_ids[0, 0, 0], seq.top_ids[1]) and torch.equal(b.soft_ids[0, 1, 0], seq.top_ids[3])
 
 
+def test_teacher_forced_blocks_label_the_targets_argmax_while_the_text_stays_on_its_greedy_path():
+    ids = [1, 2, 10, 11, 12, 13, 14, 15]                     # prompt [1, 2], then the dataset's reply
+    greedy = [10, 11, 99, 13, 14, 98]                        # the target's argmax for each reply token
+    seq = TrainSequence(torch.tensor(ids), 2, torch.zeros(8, 4).half(), torch.tensor([[g, 0] for g in greedy]),
+                        torch.zeros(6, 2), 0, teacher_forced=True)
+    b = build_blocks([seq], [[2, 3, 5]], block_size=4, mask_token_id=7)
+    # anchor 2: slot 1 = argmax 11 (the text agrees: 11), slot 2 = argmax 99, slot 3 unknown (the text has 12, not 99)
+    # anchor 3: slot 1 = 99, then the text (12) already left the path; anchor 5: 14, 98 and the sequence ends
+    assert b.labels.tolist() == [[[11, 99, -100], [99, -100, -100], [14, 98, -100]]]
+    seq.teacher_forced = False  # the same rows as the target's own response: every slot is the text's next token
+    assert build_blocks([seq], [[2]], 4, 7).labels.tolist() == [[[11, 12, 13]]]
+
+
+def test_teacher_forced_data_on_the_targets_own_text_equals_generated_data(tiny_qwen3):
+    from dflash_export.train import generate_sequences, synthetic_prompt_ids, teacher_forced_sequences
+
+    target, _ = tiny_qwen3
+    prompts = synthetic_prompt_ids(target.vocab_size, 3, 5)
+    gen = generate_sequences(target, prompts, [1, 3], max_new_tokens=12, batch_size=2, topk=3)
+    tf = teacher_forced_sequences(target, [(s.index, s.ids.tolist(), s.prompt_len) for s in gen], [1, 3], 2, 3)
+    for g, t in zip(gen, tf):
+        assert t.teacher_forced and torch.equal(t.top_ids, g.top_ids)
+        torch.testing.assert_close(t.taps.float(), g.taps.float(), atol=2e-3, rtol=0)
+        anchors = [list(range(g.prompt_len, len(g.ids) - 1))]
+        assert torch.equal(build_blocks([t], anchors, 4, 255).labels, build_blocks([g], anchors, 4, 255).labels)
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_its_floor():
+    from dflash_export.train import TrainConfig, learning_rate
+
+    flat = TrainConfig(lr=1.0, warmup_steps=10)
+    assert learning_rate(flat, 0) == pytest.approx(0.1) and learning_rate(flat, 5000) == 1.0
+    cos = TrainConfig(lr=1.0, warmup_steps=10, lr_decay_steps=110, lr_min_ratio=0.1)
+    assert learning_rate(cos, 10) == pytest.approx(1.0)
+    assert learning_rate(cos, 60) == pytest.approx(0.55)
+    assert learning_rate(cos, 110) == pytest.approx(0.1) == learning_rate(cos, 10_000)
+
+
 def test_anchors_lie_in_the_response_and_leave_a_label():
     seq = _seq(list(range(20, 32)), prompt_len=5)
     g = torch.Generator().manual_seed(0)
@@ -161,7 +199,9 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
 
     from dflash_export.train import run_train
 
-    recipe = _tiny_recipe(tmp_path, steps=12, num_prompts=16, heldout_prompts=2)
+    # teacher-forced data and a decaying learning rate too: both must resume exactly
+    recipe = _tiny_recipe(tmp_path, steps=12, num_prompts=16, heldout_prompts=2, teacher_forced_prompts=8,
+                          lr_decay_steps=10)
     run_train(str(recipe), work_dir=str(tmp_path / "a"), out=str(tmp_path / "a-out"))
     run_train(str(recipe), work_dir=str(tmp_path / "b"), out=str(tmp_path / "b-out"), steps=5)
     run_train(str(recipe), work_dir=str(tmp_path / "b"), out=str(tmp_path / "b-out"), resume=True)
@@ -223,13 +263,15 @@ def test_missing_package_data_is_one_line_error(tmp_path):
 def test_truncated_sharegpt_keeps_complete_records_and_splits_by_index(tmp_path):
     from dflash_export.data import sharegpt_prompts
 
-    recs = [{"id": str(i), "conversations": [{"from": "human" if i != 1 else "gpt", "value": f"q{i}"}]}
+    recs = [{"id": str(i), "conversations": [{"from": "human" if i != 1 else "gpt", "value": f"q{i}"},
+                                             {"from": "gpt", "value": f"a{i}"}]}
             for i in range(3)]
     text = json.dumps(recs)[:-30]  # cut inside the last record
     p = tmp_path / "s.json"
     p.write_text(text)
     got = sharegpt_prompts("all", path=p)
-    assert [(x.index, x.text) for x in got] == [(0, "q0")]  # record 1 opens with gpt; record 2 is cut off
+    # record 1 opens with gpt; record 2 is cut off; the dataset's first answer rides along for teacher forcing
+    assert [(x.index, x.text, x.reply) for x in got] == [(0, "q0", "a0")]
 
 
 def test_cli_train_bad_recipe_is_one_line(tmp_path):
