@@ -1,5 +1,5 @@
 """`dflash-export bench`: tok/s and time per output token for
-(a) DFlash on the engine, (b) AR on the same engine, (c) transformers `generate` (PyTorch, recipe dtype) AR,
+(a) DFlash on the engine (adaptive verification; `dflash-full`: every draft verified), (b) AR on the same engine, (c) transformers `generate` (PyTorch, recipe dtype) AR,
 (d) the PyTorch reference `spec_generate`; τ; peak RSS.
 
 Each mode runs in its own process so its peak RSS is its own, after a warm-up generation; figures are medians over
@@ -33,18 +33,18 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
 
     recipe = load_recipe(recipe_name)
     runs = []
-    if mode in ("dflash", "ar"):
+    if mode in ("dflash", "dflash-full", "ar"):
         from dflash_export.engines.base import SamplingParams, load_engine
         from dflash_export.runtime import DFlashRuntime
 
         t0 = time.perf_counter()
         engine = load_engine(engine_dir)
         load_s = time.perf_counter() - t0
-        rt = DFlashRuntime(engine)
+        rt = DFlashRuntime(engine, adaptive=mode == "dflash")
 
         def gen(ids, n):
-            s = rt.generate(ids, SamplingParams(max_new_tokens=n), mode)
-            return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths
+            s = rt.generate(ids, SamplingParams(max_new_tokens=n), "ar" if mode == "ar" else "dflash")
+            return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths, s.drafted_tokens
     else:
         import torch
 
@@ -59,7 +59,8 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
         if mode == "reference":
             def gen(ids, n):
                 r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size)
-                return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths
+                bs = recipe.block_size or drafter.config.block_size
+                return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths, (bs - 1) * len(r.acceptance_lengths)
         else:
             stop = target.stop_token_ids
 
@@ -70,12 +71,12 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
                 out = target.hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=stop or None,
                                          pad_token_id=stop[0] if stop else 0)
                 total = time.perf_counter() - t
-                return out[0, len(ids):].tolist(), total, 0.0, []
+                return out[0, len(ids):].tolist(), total, 0.0, [], 0
     gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
     for ids in prompts:
-        toks, total, ttft, acc = gen(ids, max_new)
+        toks, total, ttft, acc, drafted = gen(ids, max_new)
         runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
-                     "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc)})
+                     "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc), "drafted": drafted})
     return {"mode": mode, "load_s": load_s, "runs": runs, "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -96,8 +97,10 @@ def _summary(res: dict) -> dict:
     tps = [len(r["tokens"]) / r["total_s"] for r in runs if r["total_s"] > 0]
     tpot = [(r["total_s"] - r["ttft_s"]) / max(1, len(r["tokens"]) - 1) for r in runs]
     taus = [r["tau"] for r in runs]
+    steps = sum(r["steps"] for r in runs)
     return {"tok_s_median": statistics.median(tps), "tpot_ms_median": 1000 * statistics.median(tpot),
             "tau_mean": sum(taus) / len(taus), "peak_rss_mb": res["peak_rss_mb"],
+            "drafts_verified_per_step": sum(r.get("drafted", 0) for r in runs) / steps if steps else 0.0,
             "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"]}
 
 
@@ -111,7 +114,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
 
     console = Console(highlight=False)
     for m in modes:
-        if m not in ("dflash", "ar", "hf", "reference"):
+        if m not in ("dflash", "dflash-full", "ar", "hf", "reference"):
             raise DFlashError(f"unknown mode {m!r}", field="--modes")
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
@@ -140,17 +143,17 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
     table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)")
-    for col in ("mode", "tok/s", "ms/token", "tau", "peak RSS MB", "identical"):
+    for col in ("mode", "tok/s", "ms/token", "tau", "drafts verified/step", "peak RSS MB", "identical"):
         table.add_column(col)
-    names = {"dflash": "(a) DFlash, engine", "ar": "(b) AR, same engine", "hf": "(c) HF generate AR",
-             "reference": "(d) PyTorch spec_generate"}
+    names = {"dflash": "(a) DFlash, engine", "dflash-full": "(a') DFlash, engine, full blocks",
+             "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate"}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
         table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau_mean']:.2f}",
-                      f"{s['peak_rss_mb']:.0f}", ident)
+                      f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
     console.print(table)
     ratios = {}
-    for a, b in (("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference")):
+    for a, b in (("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")):
         if a in summary and b in summary:
             ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]
     if ratios:

@@ -15,7 +15,7 @@ import numpy as np
 
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.sampling import probs_from_logits, sample_from
+from dflash_export.sampling import probs_from_logits, sample_from, verify_length
 
 
 @dataclass
@@ -64,10 +64,24 @@ def _pick(logits: np.ndarray, sp: SamplingParams, rng) -> int:
 
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
-    on the same engine (the fair baseline)."""
+    on the same engine (the fair baseline).
 
-    def __init__(self, engine: Engine):
+    Adaptive verification (greedy, on backends that report draft confidences): a verify pass costs about
+    1 + `verify_token_cost` * (drafts verified) plain steps (measured by benchmarks/engine_costs.py: 0.07 for SmolLM2
+    on ORT, 2 cores), and draft k is accepted with probability ~ q_k = prod of the drafter's top probabilities up to k.
+    Verifying draft k pays off while q_k >= λ * verify_token_cost, λ being the decoding rate in tokens per plain-step
+    cost (tracked online) -- the marginal rule that maximizes tokens per unit of time. Drafts past the request's
+    remaining tokens are never verified either. Greedy output is unchanged: a shorter block only ends the accepted
+    prefix earlier and the bonus token is the target's argmax there, as it would have been. Sampling keeps full blocks
+    so its random stream matches the reference's draw for draw.
+    """
+
+    def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float = 0.07,
+                 draft_cost: float = 0.3):
         self.engine = engine
+        self.adaptive = adaptive
+        self.verify_token_cost = verify_token_cost
+        self.draft_cost = draft_cost
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         info = self.engine.info
@@ -131,6 +145,7 @@ class DFlashRuntime:
         yield ev
         if ev.finished:
             return
+        rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         while True:
             if mode == "ar":
                 logits = eng.decode(seq, last)
@@ -139,12 +154,19 @@ class DFlashRuntime:
                 ev = emit([last], 0)
             else:
                 u_draft = None if sp.greedy else rng.random(bs - 1)
+                seq.draft_confidence = None
                 draft, draft_probs = eng.draft(seq, last, sp, u_draft)
-                block = np.empty(bs, dtype=np.int64)
-                block[0], block[1:] = last, draft
+                n_draft = bs - 1
+                if sp.greedy and self.adaptive and seq.draft_confidence is not None:
+                    n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
+                                  sp.max_new_tokens - produced - 1)
+                block = np.empty(n_draft + 1, dtype=np.int64)
+                block[0], block[1:] = last, draft[:n_draft]
                 accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
                 stats.acceptance_lengths.append(accept + 1)
-                stats.drafted_tokens += bs - 1
+                stats.drafted_tokens += n_draft
+                cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
+                rate = 0.9 * rate + 0.1 * (accept + 1) / cost
                 last = emitted[-1]
                 ev = emit(emitted, accept)
             yield ev

@@ -30,6 +30,21 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
     return p
 
 
+def top_probability(logits: np.ndarray) -> np.ndarray:
+    """softmax(logits).max(-1) per row: the drafter's confidence in its greedy token (what adaptive verification
+    weighs against the cost of one more verified position)."""
+    x = np.asarray(logits, np.float32)
+    return 1.0 / np.exp(x - x.max(-1, keepdims=True)).sum(-1)
+
+
+def verify_length(confidence: np.ndarray, threshold: float) -> int:
+    """How many leading drafts to verify: the longest prefix whose cumulative confidence (the chance, by the
+    drafter's own account, that every draft up to it is accepted) stays >= `threshold`."""
+    reach = np.cumprod(np.asarray(confidence, np.float64))
+    below = np.nonzero(reach < threshold)[0]
+    return int(below[0]) if len(below) else len(reach)
+
+
 def sample_from(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from a 1-D distribution with the uniform `u` in [0, 1)."""
     cdf = np.cumsum(probs, dtype=np.float64)

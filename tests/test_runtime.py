@@ -1,5 +1,6 @@
 """The backend-agnostic loop reproduces the reference exactly (greedy and seeded sampling) and rejects bad requests."""
 
+import numpy as np
 import pytest
 
 from dflash_export.engines.base import SamplingParams
@@ -18,14 +19,16 @@ def rt():
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_runtime_equals_reference_token_for_token(rt, temperature):
     eng = rt.engine
+    full = DFlashRuntime(eng, adaptive=False)
     for seed, ids in enumerate([[5, 6, 7], list(range(3, 30)), [100]]):
         sp = SamplingParams(max_new_tokens=25, temperature=temperature, top_p=0.95, seed=seed)
         spec = spec_generate(eng.drafter, eng.target, ids, max_new_tokens=25, temperature=temperature, top_p=0.95,
                              seed=seed)
         ar = ar_generate(eng.target, ids, max_new_tokens=25, temperature=temperature, top_p=0.95, seed=seed)
-        got = rt.generate(ids, sp)
+        got = full.generate(ids, sp)
         assert got.tokens == spec.tokens
-        assert got.acceptance_lengths == spec.acceptance_lengths
+        assert got.acceptance_lengths == spec.acceptance_lengths  # full blocks: the reference's steps exactly
+        assert rt.generate(ids, sp).tokens == spec.tokens
         assert rt.generate(ids, sp, mode="ar").tokens == ar.tokens
 
 
@@ -54,3 +57,68 @@ def test_streaming_yields_the_same_tokens_and_stops(rt):
 def test_bad_requests_are_named(rt, ids, sp, field):
     with pytest.raises(DFlashError, match=field):
         rt.generate(ids, sp)
+
+
+def test_verify_length_keeps_the_prefix_worth_verifying():
+    from dflash_export.sampling import top_probability, verify_length
+
+    assert verify_length(np.array([0.9, 0.5, 0.9, 0.1]), 0.3) == 3     # cumulative 0.9, 0.45, 0.405 | 0.04
+    assert verify_length(np.array([0.9, 0.5, 0.9, 0.1]), 0.42) == 2
+    assert verify_length(np.array([0.2, 1.0]), 0.3) == 0
+    assert verify_length(np.array([1.0, 1.0]), 0.3) == 2
+    logits = np.array([[0.0, 0.0], [10.0, -10.0]])
+    np.testing.assert_allclose(top_probability(logits), [0.5, 1 / (1 + np.exp(-20))], rtol=1e-6)
+
+
+class _OracleDrafts:
+    """Wraps an engine: drafts are the true greedy continuation with one slot corrupted at random and random
+    confidences, so adaptive verification sees long accepts, short blocks and everything between."""
+
+    def __init__(self, inner, cont, prompt_len, seed=0):
+        self.inner, self.info, self.codec = inner, inner.info, inner.codec
+        self.cont, self.p = cont, prompt_len
+        self.rng = np.random.default_rng(seed)
+        self.blocks = []  # (drafts verified, tokens already produced) per step
+
+    def new_sequence(self):
+        return self.inner.new_sequence()
+
+    def prefill(self, seq, ids):
+        return self.inner.prefill(seq, ids)
+
+    def decode(self, seq, token):
+        return self.inner.decode(seq, token)
+
+    def draft(self, seq, anchor, sp, uniforms):
+        real = self.inner.draft(seq, anchor, sp, uniforms)  # consumes the pending context as a real draft would
+        if not sp.greedy:
+            return real
+        bs = self.info.block_size
+        i = seq.length - self.p + 1  # cont[i - 1] is the anchor
+        drafts = np.array((self.cont + [0] * bs)[i: i + bs - 1], np.int64)
+        k = int(self.rng.integers(0, bs))
+        if k < bs - 1:
+            drafts[k] = (drafts[k] + 1) % (self.info.vocab_size - 2)
+        seq.draft_confidence = self.rng.uniform(0.3, 1.0, bs - 1)
+        return drafts, None
+
+    def verify(self, seq, block, draft_probs, sp, uniforms):
+        self.blocks.append((len(block) - 1, seq.length - self.p + 1))
+        return self.inner.verify(seq, block, draft_probs, sp, uniforms)
+
+
+def test_adaptive_verification_is_lossless_and_never_verifies_past_the_request(rt):
+    ids, n = list(range(40, 52)), 40
+    want = ar_generate(rt.engine.target, ids, max_new_tokens=n + 16).tokens
+    bs = rt.engine.info.block_size
+    oracle = _OracleDrafts(rt.engine, want, len(ids))
+    got = DFlashRuntime(oracle, verify_token_cost=0.2).generate(ids, SamplingParams(max_new_tokens=n))
+    assert got.tokens == want[:n]
+    lengths = [m for m, _ in oracle.blocks]
+    assert len(set(lengths)) > 2 and max(lengths) <= bs - 1 and min(lengths) < bs - 1
+    assert all(m <= n - produced - 1 for m, produced in oracle.blocks)
+    assert got.drafted_tokens == sum(lengths)
+    # sampling keeps full blocks (the random stream is the reference's)
+    oracle.blocks.clear()
+    DFlashRuntime(oracle).generate(ids, SamplingParams(max_new_tokens=12, temperature=0.7, seed=3))
+    assert {m for m, _ in oracle.blocks} == {bs - 1}

@@ -58,6 +58,9 @@ class Sequence:
 
     def __init__(self):
         self.length = 0
+        # Set by `draft` in greedy mode on backends that can: the drafter's probability of each greedy draft [bs-1].
+        # Lets the runtime verify only the drafts worth their verification cost (see DFlashRuntime).
+        self.draft_confidence = None
 
 
 class Engine(ABC):

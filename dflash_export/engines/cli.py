@@ -37,20 +37,25 @@ def build(recipe, backend, out, force):
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
 @click.option("--no-chat", is_flag=True, help="Send the prompt as raw text (no chat template).")
-def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat):
+@click.option("--full-blocks", is_flag=True,
+              help="Verify every drafted token (default, greedy: only the drafts the drafter's confidence says are "
+                   "worth their verification cost; same output).")
+def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks):
     """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
     from dflash_export.engines.base import SamplingParams, load_engine
     from dflash_export.runtime import DFlashRuntime, RunStats
 
     engine = load_engine(engine_dir)
-    rt = DFlashRuntime(engine)
+    rt = DFlashRuntime(engine, adaptive=not full_blocks)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     stats = RunStats()
     for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}, "
+    drafted = (f", {stats.drafted_tokens / max(1, len(stats.acceptance_lengths)):.1f} drafts verified/step"
+               if not ar else "")
+    click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
                f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
                err=True)
 
@@ -61,9 +66,9 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--modes", default="dflash,ar,hf,reference", show_default=True,
-              help="Comma list of: dflash (engine), ar (same engine), hf (transformers generate), reference "
-                   "(PyTorch spec_generate).")
+@click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
+              help="Comma list of: dflash (engine, adaptive verification), dflash-full (engine, every draft "
+                   "verified), ar (same engine), hf (transformers generate), reference (PyTorch spec_generate).")
 @click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
 def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""

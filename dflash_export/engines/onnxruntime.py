@@ -33,7 +33,7 @@ import numpy as np
 
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence, hash_inputs, write_manifest
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.sampling import probs_from_logits, sample_from, verify_block
+from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
 
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
@@ -263,6 +263,7 @@ class OrtEngine(Engine):
         seq.ctx = seq.ctx_pos = None
         logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
         if sp.greedy:
+            seq.draft_confidence = top_probability(logits)
             return np.argmax(logits, axis=-1).astype(np.int64), None
         probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
         tokens = np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
-from dflash_export.sampling import probs_from_logits, sample_from, verify_block
+from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
 
 
 class _TorchSeq(Sequence):
@@ -80,6 +80,7 @@ class TorchEngine(Engine):
                                            block, block_pos, seq.d_cache)[0].double().numpy()
         seq.taps = seq.taps_pos = None
         if sp.greedy:
+            seq.draft_confidence = top_probability(logits)
             return np.argmax(logits, axis=-1).astype(np.int64), None
         probs = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
         return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
