@@ -74,14 +74,20 @@ class DFlashRuntime:
     remaining tokens are never verified either. Greedy output is unchanged: a shorter block only ends the accepted
     prefix earlier and the bonus token is the target's argmax there, as it would have been. Sampling keeps full blocks
     so its random stream matches the reference's draw for draw.
+
+    Draft back-off (same conditions, on engines that `accumulates_context`): a draft of which nothing was accepted
+    cost `draft_cost` for no token, and hard stretches of text come in runs. After n such drafts in a row the next
+    2^n - 1 steps (at most `max_skip`) are plain one-token verifies that leave their context features pending; the
+    next draft reads them all. One accepted draft resets n. Greedy output is unchanged (every step is the target's).
     """
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float = 0.07,
-                 draft_cost: float = 0.3):
+                 draft_cost: float = 0.3, max_skip: int = 7):
         self.engine = engine
         self.adaptive = adaptive
         self.verify_token_cost = verify_token_cost
         self.draft_cost = draft_cost
+        self.max_skip = max_skip
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         info = self.engine.info
@@ -146,8 +152,16 @@ class DFlashRuntime:
         if ev.finished:
             return
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
+        misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
+        backoff = sp.greedy and self.adaptive and getattr(eng, "accumulates_context", False)
         while True:
-            if mode == "ar":
+            if mode != "ar" and skip > 0:
+                skip -= 1
+                accept, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
+                stats.acceptance_lengths.append(1)
+                last = emitted[-1]
+                ev = emit(emitted, 0)
+            elif mode == "ar":
                 logits = eng.decode(seq, last)
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)
@@ -167,6 +181,9 @@ class DFlashRuntime:
                 stats.drafted_tokens += n_draft
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
+                if backoff:
+                    misses = misses + 1 if accept == 0 else 0
+                    skip = min(self.max_skip, (1 << misses) - 1)
                 last = emitted[-1]
                 ev = emit(emitted, accept)
             yield ev

@@ -103,6 +103,31 @@ def test_steps_match_torch_engine_with_accepting_blocks(built):
     assert accepts == set(range(bs))
 
 
+def test_drafting_after_skipped_drafts_reads_every_pending_feature(built):
+    """One-token verifies with no draft between them (the runtime's draft back-off) leave their context features
+    pending; the next draft must see exactly what a draft after prefilling the whole prefix sees."""
+    from dflash_export.reference import ar_generate
+
+    _, _, eng, torch_eng = built
+    prompt = PROMPTS[1]
+    cont = ar_generate(torch_eng.target, prompt, 6).tokens
+    sp = SamplingParams(temperature=0.8)  # returns draft distributions, so whole rows can be compared
+    u = np.full(eng.info.block_size - 1, 0.5)
+    got = {}
+    for name, e in (("ort", eng), ("torch", torch_eng)):
+        seq = e.new_sequence()
+        e.prefill(seq, np.array(prompt))
+        e.draft(seq, cont[0], sp, u)  # consumes the prompt's features
+        for i in range(4):
+            assert e.verify(seq, np.array([cont[i]]), None, SamplingParams(), None) == (0, [cont[i + 1]])
+        got[name] = e.draft(seq, cont[4], sp, u)[1]
+    fresh = torch_eng.new_sequence()
+    torch_eng.prefill(fresh, np.array(prompt + cont[:4]))
+    want = torch_eng.draft(fresh, cont[4], sp, u)[1]
+    np.testing.assert_allclose(got["torch"], want, atol=1e-6)
+    np.testing.assert_allclose(got["ort"], want, atol=1e-4)
+
+
 def test_sampling_equals_torch_engine_given_the_seed(built):
     from dflash_export.engines.torch_ref import TorchEngine
 

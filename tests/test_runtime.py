@@ -79,6 +79,8 @@ class _OracleDrafts:
         self.cont, self.p = cont, prompt_len
         self.rng = np.random.default_rng(seed)
         self.blocks = []  # (drafts verified, tokens already produced) per step
+        self.drafts = 0
+        self.accumulates_context = inner.accumulates_context
 
     def new_sequence(self):
         return self.inner.new_sequence()
@@ -90,6 +92,7 @@ class _OracleDrafts:
         return self.inner.decode(seq, token)
 
     def draft(self, seq, anchor, sp, uniforms):
+        self.drafts += 1
         real = self.inner.draft(seq, anchor, sp, uniforms)  # consumes the pending context as a real draft would
         if not sp.greedy:
             return real
@@ -118,6 +121,11 @@ def test_adaptive_verification_is_lossless_and_never_verifies_past_the_request(r
     assert len(set(lengths)) > 2 and max(lengths) <= bs - 1 and min(lengths) < bs - 1
     assert all(m <= n - produced - 1 for m, produced in oracle.blocks)
     assert got.drafted_tokens == sum(lengths)
+    # draft back-off: after drafts of which nothing was accepted, plain one-token steps with no draft before them
+    assert 0 in lengths and oracle.drafts < len(oracle.blocks)
+    oracle.blocks.clear()
+    no_backoff = DFlashRuntime(oracle, verify_token_cost=0.2, max_skip=0).generate(ids, SamplingParams(max_new_tokens=n))
+    assert no_backoff.tokens == want[:n] and 0 not in [m for m, _ in oracle.blocks]
     # sampling keeps full blocks (the random stream is the reference's)
     oracle.blocks.clear()
     DFlashRuntime(oracle).generate(ids, SamplingParams(max_new_tokens=12, temperature=0.7, seed=3))

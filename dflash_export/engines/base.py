@@ -71,6 +71,9 @@ class Engine(ABC):
 
     info: EngineInfo
     codec: Any  # dflash_export.tokenization.TextCodec
+    # True when `verify` appends its context features to those still pending (a verify with no draft before it,
+    # e.g. a one-token block) instead of replacing them: then the runtime may skip drafting for a few steps.
+    accumulates_context: bool = False
 
     @abstractmethod
     def new_sequence(self) -> Sequence: ...
@@ -101,7 +104,8 @@ class Engine(ABC):
         """Score `block` [bs] (anchor + drafts) with the target, accept, and commit.
 
         Returns (accept_len, emitted) as `sampling.verify_block`. Afterwards the target cache holds anchor + accepted
-        drafts (seq.length += accept_len + 1) and their context features are pending for the next draft.
+        drafts (seq.length += accept_len + 1) and their context features are pending for the next draft (appended to
+        those still pending when the engine `accumulates_context`).
         """
 
     def close(self) -> None:

@@ -110,6 +110,7 @@ class OrtEngine(Engine):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         self.manifest = manifest
+        self.accumulates_context = True
         mpath = self.engine_dir / "manifest.json"
 
         def field(name, typ=None):
@@ -280,8 +281,12 @@ class OrtEngine(Engine):
         if not sp.greedy:
             probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
         accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
-        seq.ctx = ctx[:, : accept + 1]
-        seq.ctx_pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)[None]
+        new_ctx = ctx[:, : accept + 1]
+        new_pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)[None]
+        if seq.ctx is not None:  # no draft consumed the previous step's features: keep them, in order
+            new_ctx = np.concatenate([seq.ctx, new_ctx], axis=1)
+            new_pos = np.concatenate([seq.ctx_pos, new_pos], axis=1)
+        seq.ctx, seq.ctx_pos = new_ctx, new_pos
         # Committing = advancing the length: K/V rows past it are stale and get overwritten by the next step.
         seq.length += accept + 1
         return accept, emitted

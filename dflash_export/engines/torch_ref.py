@@ -21,6 +21,8 @@ class _TorchSeq(Sequence):
 
 
 class TorchEngine(Engine):
+    accumulates_context = True
+
     def __init__(self, target, drafter, recipe_name: str = "", max_seq_len: int = 2048, codec=None,
                  block_size: int | None = None):
         self.target, self.drafter = target, drafter
@@ -95,5 +97,8 @@ class TorchEngine(Engine):
         accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
         seq.length += accept + 1
         self.target.crop(seq.t_cache, seq.length)
-        seq.taps, seq.taps_pos = out.taps[:, : accept + 1], pos[:, : accept + 1]
+        taps, taps_pos = out.taps[:, : accept + 1], pos[:, : accept + 1]
+        if seq.taps is not None:  # no draft consumed the previous step's taps: keep them, in order
+            taps, taps_pos = torch.cat([seq.taps, taps], 1), torch.cat([seq.taps_pos, taps_pos], 1)
+        seq.taps, seq.taps_pos = taps, taps_pos
         return accept, emitted
