@@ -36,6 +36,7 @@ class InstrumentedEngine(Engine):
         self.inner = inner
         self.info = inner.info
         self.codec = inner.codec
+        self.accumulates_context = inner.accumulates_context
         self.log = CallLog()
         self._emitted = 0          # tokens emitted so far in the current request
 

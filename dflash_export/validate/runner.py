@@ -370,7 +370,11 @@ def _speed_summary(raws: list[dict], tau: float) -> dict[str, Any]:
         n = sum(r[steps] for r in raws)
         return 1e3 * sum(r[loop] for r in raws) / n if n else 0.0
 
-    draft_ms, verify_ms, decode_ms = mean_ms("draft_s"), mean_ms("verify_s"), mean_ms("decode_s")
+    verify_ms, decode_ms = mean_ms("verify_s"), mean_ms("decode_s")
+    # Per DFlash step (= verify call): the runtime's draft back-off skips drafting on some steps.
+    n_verify = sum(len(r["verify_s"]) for r in raws)
+    n_draft = sum(len(r["draft_s"]) for r in raws)
+    draft_ms = 1e3 * sum(x for r in raws for x in r["draft_s"]) / n_verify if n_verify else 0.0
     step_ms = per_step_ms("dflash_loop_s", "dflash_steps")      # wall time of one DFlash step, loop included
     ar_step_ms = per_step_ms("ar_loop_s", "ar_steps")
     # A DFlash step commits tau tokens for one draft + one verify (+ the runtime's own work); an AR step commits one.
@@ -378,7 +382,7 @@ def _speed_summary(raws: list[dict], tau: float) -> dict[str, Any]:
         **med, "statistic": "median over prompts",
         "per_prompt": timing,
         "cost_model": {
-            "draft_ms": draft_ms, "verify_ms": verify_ms, "dflash_overhead_ms": step_ms - draft_ms - verify_ms,
+            "draft_ms": draft_ms, "drafts_per_step": n_draft / n_verify if n_verify else 0.0, "verify_ms": verify_ms, "dflash_overhead_ms": step_ms - draft_ms - verify_ms,
             "step_ms": step_ms, "ar_decode_ms": decode_ms, "ar_overhead_ms": ar_step_ms - decode_ms,
             "ar_step_ms": ar_step_ms, "tau": tau, "ms_per_token_dflash": step_ms / tau if tau else 0.0,
             "predicted_speedup_vs_ar": tau * ar_step_ms / step_ms if step_ms > 0 else 0.0,
