@@ -635,7 +635,11 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
     step, wall0, best = 0, 0.0, {"tau_est": 0.0}
     if start_state is not None:
         opt.load_state_dict(start_state["optimizer"])
-        step, wall0, best = start_state["step"], start_state.get("wall_s", 0.0), start_state.get("best", best)
+        step, wall0 = start_state["step"], start_state.get("wall_s", 0.0)
+        # The best-so-far belongs to the directory it was exported to: a resumed run writing elsewhere starts afresh
+        # (else a better score recorded for another directory would keep this one empty).
+        if start_state.get("best", {}).get("out") == (str(out) if out is not None else None):
+            best = start_state["best"]
     head = target.hf.get_output_embeddings().weight.detach()
     seqs = data_loader()
     if not seqs:
@@ -658,7 +662,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         rec = {"step": step, "wall_s": round(wall, 1), "sequences": len(seqs), "vocab": len(vocab),
                **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
         if out is not None and ev and ev["tau_est"] >= best.get("tau_est", 0.0):
-            best = {**ev, "step": step}
+            best = {**ev, "step": step, "out": str(out)}
             save_drafter(drafter, out)
         save_checkpoint(work, drafter, opt, step, wall, best)
         if log:

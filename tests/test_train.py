@@ -212,6 +212,19 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], atol=0, rtol=0)
 
 
+def test_resuming_into_another_output_directory_exports_there(tmp_path):
+    from dflash_export.train import run_train
+
+    recipe = _tiny_recipe(tmp_path, steps=6, num_prompts=16, heldout_prompts=2)
+    run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "first"), steps=3)
+    state_path = tmp_path / "w" / "checkpoint" / "train_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["best"]["tau_est"] = 99.0  # unbeatable: only a fresh best-so-far lets the second directory be written
+    torch.save(state, state_path)
+    run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "second"), resume=True)
+    assert (tmp_path / "first" / "config.json").is_file() and (tmp_path / "second" / "config.json").is_file()
+
+
 def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):
     from dflash_export.train import run_train
 
