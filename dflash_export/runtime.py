@@ -155,17 +155,18 @@ class DFlashRuntime:
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
         backoff = sp.greedy and self.adaptive and getattr(eng, "accumulates_context", False)
         while True:
-            if mode != "ar" and skip > 0:
-                skip -= 1
-                accept, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
-                stats.acceptance_lengths.append(1)
-                last = emitted[-1]
-                ev = emit(emitted, 0)
-            elif mode == "ar":
+            if mode == "ar":
                 logits = eng.decode(seq, last)
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)
                 ev = emit([last], 0)
+            elif skip > 0:  # back-off: a plain step whose context features stay pending for the next draft
+                skip -= 1
+                _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
+                stats.acceptance_lengths.append(1)
+                rate = 0.9 * rate + 0.1  # one token for one step's cost
+                last = emitted[-1]
+                ev = emit(emitted, 0)
             else:
                 u_draft = None if sp.greedy else rng.random(bs - 1)
                 seq.draft_confidence = None
