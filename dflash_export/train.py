@@ -844,7 +844,7 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
                                progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
                                log=log)
     if opts.prompts == "sharegpt":
-        indices = sorted(s.index for s in loader())
+        indices = sorted({s.index for s in loader()})  # a prompt can be in both the generated and teacher-forced sets
         try:
             with atomic_file(out.parent / f"{out.name}-train-prompts.txt") as f:
                 f.write("# ShareGPT V3 record indices whose first-turn prompt this drafter was trained on\n")
