@@ -275,9 +275,19 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
         assert fig["identical_to_hf"] == "2/2", mode  # greedy: every mode is the target's own output
         assert fig["tok_s_median"] > 0 and fig["peak_rss_mb"] > 0
     assert s["dflash-full"]["drafts_verified_per_step"] == recipe_block_size(out) - 1
-    assert s["ar"]["tau_mean"] == 1.0 and set(report["ratios"]) >= {"dflash/ar", "dflash/hf", "dflash-full/ar"}
+    assert s["ar"]["tau"] == 1.0 and set(report["ratios"]) >= {"dflash/ar", "dflash/hf", "dflash-full/ar"}
     assert json.loads((tmp_path / "bench.json").read_text())["summary"].keys() == s.keys()
 
 
 def recipe_block_size(engine_dir) -> int:
     return int(read_manifest(Path(engine_dir))["block_size"])
+
+
+def test_bench_tau_is_pooled_over_prompts_like_the_reference():
+    from dflash_export.bench import _summary
+
+    runs = [{"tokens": [1] * 8, "total_s": 1.0, "ttft_s": 0.1, "tau": 4.0, "steps": 2, "drafted": 14},
+            {"tokens": [1] * 8, "total_s": 1.0, "ttft_s": 0.1, "tau": 1.0, "steps": 8, "drafted": 56}]
+    s = _summary({"runs": runs, "peak_rss_mb": 1.0, "load_s": 0.0})
+    assert s["tau"] == pytest.approx(16 / 10)  # not (4 + 1) / 2: a short looping answer must not pull it up
+    assert s["drafts_verified_per_step"] == pytest.approx(7.0)
