@@ -1,6 +1,6 @@
 """`dflash-export bench`: tok/s and time per output token for
-(a) DFlash on the engine (adaptive verification; `dflash-full`: every draft verified), (b) AR on the same engine, (c) transformers `generate` (PyTorch, recipe dtype) AR,
-(d) the PyTorch reference `spec_generate`; τ; peak RSS.
+(a) DFlash on the engine (adaptive verification; `dflash-full`: every draft verified), (b) AR on the same engine,
+(c) transformers `generate` (PyTorch, recipe dtype) AR, (d) the PyTorch reference `spec_generate`; τ; peak RSS.
 
 Each mode runs in its own process so its peak RSS is its own, after a warm-up generation; figures are medians over
 prompts. Greedy outputs of every mode are compared token for token with (c).
@@ -57,9 +57,10 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
         drafter = load_drafter(recipe.drafter_path, dtype) if mode == "reference" else None
         load_s = time.perf_counter() - t0
         if mode == "reference":
+            bs = recipe.block_size or drafter.config.block_size
+
             def gen(ids, n):
                 r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size)
-                bs = recipe.block_size or drafter.config.block_size
                 return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths, (bs - 1) * len(r.acceptance_lengths)
         else:
             stop = target.stop_token_ids

@@ -153,7 +153,7 @@ class DFlashRuntime:
             return
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
-        backoff = sp.greedy and self.adaptive and getattr(eng, "accumulates_context", False)
+        backoff = sp.greedy and self.adaptive and eng.accumulates_context
         while True:
             if mode == "ar":
                 logits = eng.decode(seq, last)

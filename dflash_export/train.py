@@ -228,15 +228,20 @@ def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, s
     prompts = sharegpt_prompts(split)
     if shuffle:
         random.Random(seed).shuffle(prompts)
-    tok = target.tokenizer
     out = []
     for p in prompts:
-        if len(p.text) > 6 * max_prompt_tokens:  # far too long to fit: skip without tokenizing
-            continue
-        ids = chat_prompt_ids(tok, p.text)
-        if len(ids) <= max_prompt_tokens:
+        ids = _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens)
+        if ids is not None:
             out.append((p.index, ids))
     return out
+
+
+def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
+    """The chat-templated prompt, or None when it is longer than `max_prompt_tokens`."""
+    if len(text) > 6 * max_prompt_tokens:  # far too long to fit: skip without tokenizing
+        return None
+    ids = chat_prompt_ids(tokenizer, text)
+    return ids if len(ids) <= max_prompt_tokens else None
 
 
 def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tokens: int, seed: int
@@ -255,10 +260,8 @@ def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tok
     stop = next(iter(target.stop_token_ids), None)
     out = []
     for p in prompts:
-        if len(p.text) > 6 * max_prompt_tokens:
-            continue
-        ids = chat_prompt_ids(tok, p.text)
-        if len(ids) > max_prompt_tokens:
+        ids = _fitting_prompt_ids(tok, p.text, max_prompt_tokens)
+        if ids is None:
             continue
         reply = tok(p.reply[: 8 * max_reply_tokens], add_special_tokens=False)["input_ids"]
         if len(reply) < max_reply_tokens and stop is not None:
@@ -718,6 +721,7 @@ def _prompt_sources(recipe, target, opts, seed: int):
 
         def heldout_src():
             return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False)
+
         def tf_src():
             return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed)
         return train_src, heldout_src, tf_src, f"sharegpt-s{opts.seed}"
@@ -725,10 +729,9 @@ def _prompt_sources(recipe, target, opts, seed: int):
         reserved = target.vocab_size - min(opts.mask_token_id or target.vocab_size - 1, target.vocab_size - 2)
 
         def tf_src():  # random "answers": exercises the teacher-forced path on tokenizer-less targets
-            rows = synthetic_prompt_ids(target.vocab_size, 2 * opts.teacher_forced_prompts, opts.seed + 2_000_000,
-                                        reserved)
-            return [(i, p + q, len(p)) for i, (p, q) in enumerate(zip([r for _, r in rows[0::2]],
-                                                                      [r for _, r in rows[1::2]]))]
+            rows = [ids for _, ids in synthetic_prompt_ids(target.vocab_size, 2 * opts.teacher_forced_prompts,
+                                                              opts.seed + 2_000_000, reserved)]
+            return [(i, p + q, len(p)) for i, (p, q) in enumerate(zip(rows[0::2], rows[1::2]))]
         return (lambda: synthetic_prompt_ids(target.vocab_size, opts.num_prompts, opts.seed, reserved),
                 lambda: synthetic_prompt_ids(target.vocab_size, opts.heldout_prompts, opts.seed + 1_000_000, reserved),
                 tf_src, f"synthetic-s{opts.seed}")
@@ -812,16 +815,16 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
                                                                                  info=f"{tps:.0f} tok/s"))
         heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
 
+        sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
+
         def loader():
-            own = load_shards(ddir)[: opts.num_prompts] if ddir.is_dir() and opts.num_prompts else []
-            forced = (load_shards(tdir)[: opts.teacher_forced_prompts]
-                      if tdir.is_dir() and opts.teacher_forced_prompts else [])
-            return own + forced
+            return [s for d, n in sources if d.is_dir() for s in load_shards(d)[:n]]
 
         if data_only:
             return {"data_dir": str(ddir), "sequences": len(loader())}
 
-        if not loader():
+        # Whether there is anything to train on, without reading the shards (train_drafter reads them next).
+        if not any(d.is_dir() and any(d.glob("shard-*.pt")) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
                               "--no-generate)", path=ddir)
         cfg = TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,

@@ -124,7 +124,8 @@ def test_adaptive_verification_is_lossless_and_never_verifies_past_the_request(r
     # draft back-off: after drafts of which nothing was accepted, plain one-token steps with no draft before them
     assert 0 in lengths and oracle.drafts < len(oracle.blocks)
     oracle.blocks.clear()
-    no_backoff = DFlashRuntime(oracle, verify_token_cost=0.2, max_skip=0).generate(ids, SamplingParams(max_new_tokens=n))
+    no_backoff = DFlashRuntime(oracle, verify_token_cost=0.2, max_skip=0).generate(ids,
+                                                                                  SamplingParams(max_new_tokens=n))
     assert no_backoff.tokens == want[:n] and 0 not in [m for m, _ in oracle.blocks]
     # sampling keeps full blocks (the random stream is the reference's)
     oracle.blocks.clear()

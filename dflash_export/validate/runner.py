@@ -382,7 +382,8 @@ def _speed_summary(raws: list[dict], tau: float) -> dict[str, Any]:
         **med, "statistic": "median over prompts",
         "per_prompt": timing,
         "cost_model": {
-            "draft_ms": draft_ms, "drafts_per_step": n_draft / n_verify if n_verify else 0.0, "verify_ms": verify_ms, "dflash_overhead_ms": step_ms - draft_ms - verify_ms,
+            "draft_ms": draft_ms, "drafts_per_step": n_draft / n_verify if n_verify else 0.0, "verify_ms": verify_ms,
+            "dflash_overhead_ms": step_ms - draft_ms - verify_ms,
             "step_ms": step_ms, "ar_decode_ms": decode_ms, "ar_overhead_ms": ar_step_ms - decode_ms,
             "ar_step_ms": ar_step_ms, "tau": tau, "ms_per_token_dflash": step_ms / tau if tau else 0.0,
             "predicted_speedup_vs_ar": tau * ar_step_ms / step_ms if step_ms > 0 else 0.0,

