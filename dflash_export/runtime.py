@@ -121,7 +121,7 @@ class DFlashRuntime:
         stop_ids = set(info.stop_token_ids if sp.stop_token_ids is None else sp.stop_token_ids)
         rng = np.random.default_rng(sp.seed)
         bs = info.block_size
-        seq = eng.new_sequence()
+        seq = eng.new_sequence(len(prompt_ids) + sp.max_new_tokens + bs)
         t0 = time.perf_counter()
         logits = eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64))
         last = _pick(logits, sp, rng)

@@ -16,7 +16,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
-           [3 + (i * 7) % 200 for i in range(250)]]  # the last one grows the K/V buffers past 256 mid-run
+           [3 + (i * 7) % 200 for i in range(250)]]  # the last one runs past 256 tokens
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
@@ -49,7 +49,7 @@ def test_engine_dir_has_manifest_and_one_shared_weight_file(built):
         locs = {t.name: {e.key: e.value for e in t.external_data}.get("location") for t in model.graph.initializer}
         assert all((v == "shared_weights.bin") == k.startswith("shared.") for k, v in locs.items() if v)
         shared_users[fname] = sorted(k for k in locs if k.startswith("shared."))
-    # only the LM head session holds a vocabulary-sized matrix; embeddings are gathered from a memory map
+    # only the LM head session holds a vocabulary-sized matrix; embedding rows are read from the file on demand
     assert shared_users["target.onnx"] == shared_users["drafter.onnx"] == [] and len(shared_users["lm_head.onnx"]) == 1
 
 
@@ -291,3 +291,32 @@ def test_bench_tau_is_pooled_over_prompts_like_the_reference():
     s = _summary({"runs": runs, "peak_rss_mb": 1.0, "load_s": 0.0})
     assert s["tau"] == pytest.approx(16 / 10)  # not (4 + 1) / 2: a short looping answer must not pull it up
     assert s["drafts_verified_per_step"] == pytest.approx(7.0)
+
+
+def test_kv_buffers_sized_by_the_hint_and_grown_past_it_give_the_same_logits(built):
+    _, _, eng, _ = built
+    ids = PROMPTS[4]
+    small, sized = eng.new_sequence(max_tokens=4), eng.new_sequence(max_tokens=len(ids))
+    assert (small.capacity, sized.capacity) == (4, len(ids))  # one allocation of exactly the request's length
+    for a, b in zip(*(eng.prefill(s, np.array(ids[:100])) for s in (small, sized))):
+        assert a == b
+    for t in ids[100:]:  # the small sequence's buffers grow (and are rebound) on the way
+        np.testing.assert_array_equal(eng.decode(small, t), eng.decode(sized, t))
+    assert small.capacity >= len(ids) and sized.capacity == len(ids)
+
+
+def test_embedding_rows_are_read_not_mapped(built):
+    """Rows come from shared_weights.bin by pread: the table is never mapped (a mapping became resident by 64 KiB
+    per token through the kernel's fault-around), and a bad id is a clear error."""
+    _, out, eng, _ = built
+    m = read_manifest(out)["shared_tensors"]["shared.embed_tokens"]
+    table = np.memmap(out / "shared_weights.bin", np.float32, "r", int(m["offset"]), tuple(m["shape"]))
+    ids = [0, 5, 5, table.shape[0] - 1]
+    np.testing.assert_array_equal(eng._embed.rows(ids), table[ids])
+    del table
+    DFlashRuntime(eng).generate([1, 2, 3], SamplingParams(max_new_tokens=8))
+    maps = Path("/proc/self/maps")
+    if maps.is_file():
+        assert str(out / "shared_weights.bin") not in maps.read_text()
+    with pytest.raises(DFlashError, match="outside the embedding"):
+        eng._embed.rows([eng._embed.shape[0]])

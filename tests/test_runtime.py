@@ -82,8 +82,8 @@ class _OracleDrafts:
         self.drafts = 0
         self.accumulates_context = inner.accumulates_context
 
-    def new_sequence(self):
-        return self.inner.new_sequence()
+    def new_sequence(self, max_tokens=None):
+        return self.inner.new_sequence(max_tokens)
 
     def prefill(self, seq, ids):
         return self.inner.prefill(seq, ids)

@@ -298,9 +298,9 @@ def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference,
     class WrongSecondBonus(TorchEngine):
         """The second DFlash step emits a wrong bonus token; the target itself (and so AR decoding) is intact."""
 
-        def new_sequence(self):
+        def new_sequence(self, max_tokens=None):
             self.steps = 0
-            return super().new_sequence()
+            return super().new_sequence(max_tokens)
 
         @torch.inference_mode()
         def verify(self, seq, block, draft_probs, sp, uniforms):

@@ -76,7 +76,9 @@ class Engine(ABC):
     accumulates_context: bool = False
 
     @abstractmethod
-    def new_sequence(self) -> Sequence: ...
+    def new_sequence(self, max_tokens: int | None = None) -> Sequence:
+        """A fresh sequence. `max_tokens`: how long it may grow (prompt + new tokens + a block), a hint that lets
+        an engine size its caches once instead of growing them."""
 
     @abstractmethod
     def prefill(self, seq: Sequence, input_ids: np.ndarray) -> np.ndarray:

@@ -95,7 +95,7 @@ class GraphEngine(Engine):
         self._dummy_u = np.zeros((1, 1), np.float32)
         self._no_drafts = np.zeros((1, 0), np.int64)
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self, max_tokens: int | None = None) -> Sequence:
         return _GraphSeq(self.runner)
 
     def _run_target(self, seq: _GraphSeq, ids: np.ndarray, profile: str, num_logits: int, drafts: np.ndarray,

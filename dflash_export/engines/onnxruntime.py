@@ -8,8 +8,8 @@ Engine directory (graphs are the export's "ort" flavor, optimized by ORT at buil
                             writes K/V in place into a preallocated buffer (past and present bound to the same memory)
   drafter.onnx (+ .data)    drafter: block embeddings + new context in; hidden rows of slots 1..bs-1 out
   lm_head.onnx              LM head, used by target and drafter: the head matrix prepacked once, in one session
-  shared_weights.bin        embedding (+ untied LM head): the LM head session loads it; the engine memory-maps the
-                            embedding and gathers rows itself, so only rows of tokens actually seen become resident
+  shared_weights.bin        embedding (+ untied LM head): the LM head session loads it; the engine reads embedding
+                            rows from it on demand (pread), so the table itself never becomes resident
   tokenizer.json + tokenizer_config.json, or codec.json (tiny pairs); manifest.json
 
 Why the embedding / LM head live this way: a Gemm over a shared user-supplied initializer cannot be prepacked, and
@@ -68,16 +68,17 @@ def default_threads() -> int:
 
 
 class _OrtSeq(Sequence):
-    def __init__(self, engine: "OrtEngine"):
+    def __init__(self, engine: "OrtEngine", max_tokens: int | None = None):
         super().__init__()
         e = engine
         # Target K/V: one buffer [1, KVH, capacity, D] per layer and kind, written in place by GroupQueryAttention
-        # (past and present bound to the same memory), so decode steps allocate nothing. Capacity starts small and
-        # doubles up to max_seq_len when a step would pass it (rare: log2 reallocations per request).
+        # (past and present bound to the same memory), so decode steps allocate nothing. Capacity is the request's
+        # whole length when the runtime says it (one allocation, no slack: the peak RSS target counts every MB);
+        # otherwise it starts at 256 and doubles up to max_seq_len when a step would pass it.
         self.capacity = 0
         self.t_kv: list[np.ndarray] = []
         self.io = None  # the target session's IOBinding for these buffers
-        self.reserve(e, min(e.info.max_seq_len, 256))
+        self.reserve(e, min(e.info.max_seq_len, max_tokens or 256))
         # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
         dshape = (1, e.d_kv_heads, 0, e.d_head_dim)
         self.d_kv = [np.zeros(dshape, np.float32) for _ in range(2 * e.d_layers)]
@@ -156,7 +157,7 @@ class OrtEngine(Engine):
             spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
         if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._embed = _map_embedding(self.engine_dir, manifest, mpath)
+        self._embed = _embedding_rows(self.engine_dir, manifest, mpath)
         providers = ["CPUExecutionProvider"]
         # The LM head first: loading it briefly holds the read matrix and its prepacked copy (2 x 113 MB for SmolLM2),
         # a transient that then lands on an almost empty process instead of on top of the target's weights.
@@ -171,7 +172,7 @@ class OrtEngine(Engine):
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
-        self._mask_row = np.array(self._embed[mask], np.float32)
+        self._mask_row = self._embed.rows([mask])[0]
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -195,11 +196,11 @@ class OrtEngine(Engine):
 
     # The Engine contract -------------------------------------------------------------------------------------------
 
-    def new_sequence(self) -> Sequence:
-        return _OrtSeq(self)
+    def new_sequence(self, max_tokens: int | None = None) -> Sequence:
+        return _OrtSeq(self, max_tokens)
 
     def _embeds(self, ids: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self._embed[ids], dtype=np.float32)[None]
+        return self._embed.rows(ids)[None]
 
     def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int) -> tuple[np.ndarray, np.ndarray]:
         """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns hidden rows, ctx."""
@@ -252,7 +253,7 @@ class OrtEngine(Engine):
             raise DFlashError("draft() needs new context: call prefill() or verify() first", field="sequence")
         bs = self.info.block_size
         block = np.empty((1, bs, self._mask_row.shape[0]), np.float32)
-        block[0, 0] = self._embed[anchor]
+        block[0, 0] = self._embed.rows([anchor])[0]
         block[0, 1:] = self._mask_row
         feeds = {"ctx": seq.ctx, "ctx_positions": seq.ctx_pos, "block_embeds": block,
                  "block_positions": np.arange(seq.length, seq.length + bs, dtype=np.int64)[None]}
@@ -294,10 +295,45 @@ class OrtEngine(Engine):
 
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = None
+        self._embed.close()
 
 
-def _map_embedding(engine_dir: Path, manifest: dict, mpath: Path) -> np.ndarray:
-    """The embedding table [V, H] as a read-only memory map of shared_weights.bin (layout from the manifest)."""
+class _EmbeddingRows:
+    """The embedding table [V, H] float32 inside shared_weights.bin, read a row at a time with pread.
+
+    Not a memory map: every page fault on a mapped file also maps its cached neighbours (the kernel's fault-around,
+    64 KiB), so a memory-mapped table became resident ~28 rows per token seen -- 50-110 MB of a 113 MB table after a
+    few hundred tokens of chat (measured), which alone put the engine over its memory budget. A pread of one 2.3 KB
+    row costs a couple of microseconds; a step reads 1-16 rows.
+    """
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int]):
+        self.path, self.offset, self.shape = path, offset, shape
+        self._row_bytes = 4 * shape[1]
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def rows(self, ids) -> np.ndarray:
+        """Rows `ids` as a fresh [n, H] float32 array."""
+        out = np.empty((len(ids), self.shape[1]), np.float32)
+        for i, t in enumerate(ids):
+            t = int(t)
+            if not 0 <= t < self.shape[0]:
+                raise DFlashError(f"token id {t} outside the embedding ({self.shape[0]} rows)", field="input_ids")
+            if os.preadv(self._fd, [out[i]], self.offset + t * self._row_bytes) != self._row_bytes:
+                raise DFlashError("truncated while reading the embedding", path=self.path)
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        self.close()
+
+
+def _embedding_rows(engine_dir: Path, manifest: dict, mpath: Path) -> _EmbeddingRows:
+    """The embedding table of shared_weights.bin (layout from the manifest), checked against the file's size."""
     path = engine_dir / SHARED
     entries = manifest.get("shared_tensors")
     if not isinstance(entries, dict) or "shared.embed_tokens" not in entries:
@@ -310,7 +346,7 @@ def _map_embedding(engine_dir: Path, manifest: dict, mpath: Path) -> np.ndarray:
                           field="shared_tensors.shared.embed_tokens") from None
     if len(shape) != 2 or length != 4 * shape[0] * shape[1] or off + length > path.stat().st_size:
         raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
-    return np.memmap(path, dtype=np.float32, mode="r", offset=off, shape=shape)
+    return _EmbeddingRows(path, off, shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

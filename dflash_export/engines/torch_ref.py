@@ -54,7 +54,7 @@ class TorchEngine(Engine):
 
         return cls.from_recipe(load_recipe(manifest["recipe_path"]))
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self, max_tokens: int | None = None) -> Sequence:
         return _TorchSeq(self.target.new_cache(), self.drafter.new_cache())
 
     @torch.inference_mode()

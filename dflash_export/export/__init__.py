@@ -9,7 +9,7 @@ Files written (all in one directory):
 Sharing decision: the embedding / LM head live once on disk, in `shared_weights.bin`, referenced by both graphs'
 external data, so each file still runs standalone in plain ONNX Runtime and nothing is duplicated on disk. In memory,
 the ORT engine (engines/onnxruntime.py) keeps one copy: its target and drafter graphs take embeddings as inputs
-(gathered from a memory map of that file) and a single LM-head session owns the head matrix. Handing one buffer to both
+(rows read from that file on demand) and a single LM-head session owns the head matrix. Handing one buffer to both
 sessions as a user initializer (SessionOptions.add_initializer) was tried first: it also holds one copy, but ORT cannot
 prepack a user initializer, which made the 8-16 row LM head of verify ~1.6x slower (measured).
 """

@@ -224,7 +224,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
 
     if ort:
-        # The engine gathers embedding rows itself (from a memory map of the shared file: only touched rows become
+        # The engine reads embedding rows itself (from the shared file, on demand: the table never becomes
         # resident) and runs the LM head in its own session, so this graph holds no vocabulary-sized tensor.
         ids = g.input("inputs_embeds", F32, ["batch", "seq", t.hidden_size])
     else:

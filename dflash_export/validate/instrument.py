@@ -44,9 +44,9 @@ class InstrumentedEngine(Engine):
         log, self.log = self.log, CallLog()
         return log
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self, max_tokens: int | None = None) -> Sequence:
         self._emitted = 0
-        return self.inner.new_sequence()
+        return self.inner.new_sequence(max_tokens)
 
     def prefill(self, seq, input_ids: np.ndarray) -> np.ndarray:
         t = time.perf_counter()
