@@ -161,9 +161,31 @@ def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tok
     return cache_dir() / "train-data" / f"{source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def shard_paths(directory: Path) -> list[Path]:
+    """The data shards of `directory`, in order (each is written atomically and never changed afterwards)."""
+    return sorted(directory.glob("shard-*.pt"))
+
+
+def shard_loader(sources: Sequence[tuple[Path, int]]) -> Callable[[], list[TrainSequence]]:
+    """A loader of the first n sequences of each (directory, n) source, for a trainer that calls it at every
+    checkpoint (data generation may be running alongside) and once more for the prompt list. Shards never change
+    once written, so they are read again only when new ones have appeared: they hold several GB of context features
+    for the SmolLM2 recipe."""
+    loaded: dict = {}
+
+    def load() -> list[TrainSequence]:
+        paths = [p for d, _ in sources if d.is_dir() for p in shard_paths(d)]
+        if loaded.get("paths") != paths:
+            loaded["paths"] = paths
+            loaded["seqs"] = [s for d, n in sources if d.is_dir() for s in load_shards(d)[:n]]
+        return loaded["seqs"]
+
+    return load
+
+
 def load_shards(directory: Path) -> list[TrainSequence]:
     seqs = []
-    for p in sorted(directory.glob("shard-*.pt")):
+    for p in shard_paths(directory):
         try:
             rows = torch.load(p, weights_only=True)
         except Exception as e:  # a corrupt shard is skipped, never trained on
@@ -816,15 +838,13 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
-
-        def loader():
-            return [s for d, n in sources if d.is_dir() for s in load_shards(d)[:n]]
+        loader = shard_loader(sources)
 
         if data_only:
             return {"data_dir": str(ddir), "sequences": len(loader())}
 
         # Whether there is anything to train on, without reading the shards (train_drafter reads them next).
-        if not any(d.is_dir() and any(d.glob("shard-*.pt")) for d, _ in sources):
+        if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
                               "--no-generate)", path=ddir)
         cfg = TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,

@@ -320,3 +320,25 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
     for text in ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."):
         ids = chat_prompt_ids(target.tokenizer, text)
         assert spec_generate(drafter, target, ids, 24).tokens == ar_generate(target, ids, 24).tokens
+
+
+def test_shard_loader_rereads_only_when_new_shards_appear(tmp_path, monkeypatch):
+    import dflash_export.train as train
+
+    def seq(i):
+        return train.TrainSequence(ids=torch.arange(4), prompt_len=2, taps=torch.zeros(4, 2, dtype=torch.float16),
+                                   top_ids=torch.zeros(2, 1, dtype=torch.long), top_logp=torch.zeros(2, 1), index=i)
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    torch.save([seq(0).to_dict(), seq(1).to_dict()], a / "shard-00000.pt")
+    reads = []
+    real = train.load_shards
+    monkeypatch.setattr(train, "load_shards", lambda d: reads.append(d) or real(d))
+    load = train.shard_loader([(a, 3), (b, 1)])  # b does not exist yet: data generation has not reached it
+    first = load()
+    assert [s.index for s in first] == [0, 1] and load() is first and len(reads) == 1
+    torch.save([seq(2).to_dict(), seq(3).to_dict()], a / "shard-00001.pt")
+    b.mkdir()
+    torch.save([seq(9).to_dict()], b / "shard-00000.pt")
+    assert [s.index for s in load()] == [0, 1, 2, 9] and len(reads) == 3  # first n of each source, re-read once
