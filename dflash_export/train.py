@@ -518,6 +518,35 @@ def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id:
     return drafter
 
 
+def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """`drafter` with layers appended up to `num_layers`, drafting exactly as before until trained.
+
+    Each new layer copies the last one's weights except its two output projections (attention `o_proj`, MLP
+    `down_proj`), which start at zero: the layer then adds nothing to the residual stream, so the grown drafter's
+    logits equal the original's, and training adds capacity on top of what was learned instead of starting over
+    (the zero-initialized-residual idea behind LoRA's B = 0 and net2net-style growth).
+    """
+    from dataclasses import replace
+
+    c = drafter.config
+    n = c.num_hidden_layers
+    if num_layers < n:
+        raise DFlashError(f"cannot grow a {n}-layer drafter to {num_layers} layers", field="train.draft_layers")
+    types = None if c.layer_types is None else list(c.layer_types) + [c.layer_types[-1]] * (num_layers - n)
+    grown = DFlashDrafter(replace(c, num_hidden_layers=num_layers, layer_types=types))
+    state = dict(drafter.state_dict())
+    last = f"layers.{n - 1}."
+    for i in range(n, num_layers):
+        for key, value in drafter.state_dict().items():
+            if key.startswith(last):
+                state[f"layers.{i}." + key[len(last):]] = value.clone()
+        for key in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
+            if f"layers.{i}.{key}" in state:
+                state[f"layers.{i}.{key}"].zero_()
+    grown.load_state_dict(state)
+    return grown.to(next(drafter.parameters()).dtype)
+
+
 def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -> None:
     """The shape contract between a drafter and a target; DFlashError naming the field that disagrees."""
     c = drafter.config
@@ -763,8 +792,9 @@ def _prompt_sources(recipe, target, opts, seed: int):
 
 def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
               num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
-              console=None) -> dict:
-    """The `train` stage: data (cached) -> drafter (from the target or the last checkpoint) -> training -> `out`."""
+              init_from=None, console=None) -> dict:
+    """The `train` stage: data (cached) -> drafter (the last checkpoint when resuming, else `init_from` grown to the
+    recipe's depth, else from the target) -> training -> `out`."""
     from dataclasses import replace
 
     from rich.console import Console
@@ -810,6 +840,18 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
                 raise DFlashError(f"checkpoint block_size {drafter.config.block_size} != recipe's {opts.block_size}",
                                   path=work / "checkpoint", field="block_size")
             console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
+    if drafter is None and init_from is not None:
+        from dflash_export.models.drafter import load_drafter
+
+        drafter = load_drafter(init_from, dtype=torch.float32)
+        check_drafter_fits(drafter, target, str(init_from))
+        if drafter.config.block_size != opts.block_size:
+            raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {opts.block_size}",
+                              path=init_from, field="block_size")
+        if drafter.config.num_hidden_layers != opts.draft_layers:
+            console.print(f"growing {init_from} from {drafter.config.num_hidden_layers} to {opts.draft_layers} "
+                          "layers (the new ones start as identities)")
+            drafter = grow_drafter(drafter, opts.draft_layers)
     if drafter is None:
         drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids)
     tap_ids = drafter.config.target_layer_ids

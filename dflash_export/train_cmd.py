@@ -26,11 +26,14 @@ import click
               help="Train on the data already cached (e.g. while another process is still generating).")
 @click.option("--checkpoint-minutes", type=click.FloatRange(0.0, min_open=True), default=5.0, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch intra-op threads.")
+@click.option("--init-from", type=click.Path(file_okay=False), default=None,
+              help="Start from this trained drafter instead of the target's layers; when the recipe asks for more "
+                   "layers, they are appended as identities (zero output projections). A fresh run: step 0.")
 def train(recipe, steps, minutes, out, seed, resume, work_dir, num_prompts, data_only, no_generate,
-          checkpoint_minutes, threads):
+          checkpoint_minutes, threads, init_from):
     """Train the recipe's DFlash drafter on its target's own greedy responses."""
     from dflash_export.train import run_train
 
     run_train(recipe, steps=steps, minutes=minutes, out=out, seed=seed, resume=resume, work_dir=work_dir,
               num_prompts=num_prompts, data_only=data_only, no_generate=no_generate,
-              checkpoint_minutes=checkpoint_minutes, threads=threads)
+              checkpoint_minutes=checkpoint_minutes, threads=threads, init_from=init_from)

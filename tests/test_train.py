@@ -225,6 +225,51 @@ def test_resuming_into_another_output_directory_exports_there(tmp_path):
     assert (tmp_path / "first" / "config.json").is_file() and (tmp_path / "second" / "config.json").is_file()
 
 
+def test_grown_drafter_drafts_exactly_as_before_and_then_trains_its_new_layer(tmp_path, tiny_qwen3):
+    from dflash_export.models import load_drafter
+    from dflash_export.train import grow_drafter, run_train
+
+    target, _ = tiny_qwen3
+    small = drafter_from_target(target, 1, 4, 255).eval()
+    grown = grow_drafter(small, 3).eval()
+    assert len(grown.layers) == 3 and grown.config.num_hidden_layers == 3
+    assert not grown.layers[2].mlp.down_proj.weight.any() and not grown.layers[1].self_attn.o_proj.weight.any()
+    taps = torch.randn(1, 5, len(small.config.target_layer_ids) * target.hidden_size)
+    args = (taps, torch.arange(5)[None], torch.tensor([[7, 255, 255, 255]]), torch.arange(5, 9)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(grown.draft_logits(target, *args), small.draft_logits(target, *args),
+                                   atol=0, rtol=0)
+    with pytest.raises(DFlashError, match="draft_layers"):
+        grow_drafter(grown, 2)
+
+    # `train --init-from` starts from the given drafter, grown to the recipe's depth
+    from dflash_export.models.drafter import save_drafter
+
+    save_drafter(small, tmp_path / "small")
+    recipe = _tiny_recipe(tmp_path, steps=4, num_prompts=16, heldout_prompts=2, draft_layers=3)
+    run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "o"), init_from=str(tmp_path / "small"))
+    out = load_drafter(tmp_path / "o")
+    assert out.config.num_hidden_layers == 3 and out.layers[2].mlp.down_proj.weight.any()
+    torch.testing.assert_close(out.fc.weight, small.fc.weight, atol=0.05, rtol=0)  # trained on, not restarted
+
+
+def test_init_from_a_drafter_that_does_not_fit_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.models import load_target
+    from dflash_export.models.drafter import save_drafter
+
+    save_drafter(drafter_from_target(load_target("tiny:llama-small-vocab/target"), 1, 4, 15), tmp_path / "other")
+    recipe = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=1)
+    for src in (tmp_path / "other", tmp_path / "missing"):
+        r = CliRunner().invoke(main, ["train", "--recipe", str(recipe), "--work-dir", str(tmp_path / "w"),
+                                      "--out", str(tmp_path / "o"), "--init-from", str(src)])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.strip().startswith("error:") and str(src.name) in r.output
+        assert not (tmp_path / "o").exists()
+
+
 def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):
     from dflash_export.train import run_train
 
