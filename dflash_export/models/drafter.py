@@ -266,8 +266,8 @@ class DFlashDrafter(nn.Module):
         return ContextCache(len(self.layers))
 
     def project_context(self, taps: torch.Tensor) -> torch.Tensor:
-        """taps [B, S, n*H_target] (concatenated target layer outputs) -> ctx [B, S, H]."""
-        return self.hidden_norm(self.fc(taps))
+        """taps [B, S, n*H_target] (concatenated target layer outputs) -> ctx [B, S, H], in the drafter's dtype."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def forward(
         self,
@@ -321,11 +321,13 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Block logits from context taps, block ids and positions: [B, bs-1, V] for block slots 1..bs-1.
 
-        `target` supplies the shared embedding and LM head (`embed`, `lm_head`).
+        `target` supplies the shared embedding and LM head (`embed`, `lm_head`). Drafter and target may differ in
+        dtype (a drafter stored in half precision next to an fp32 target): the boundary casts both ways.
         """
         ctx = self.project_context(taps) if taps is not None else None
-        hidden = self(target.embed(block_ids), block_positions, ctx, ctx_positions, cache)
-        return target.lm_head(hidden[:, 1:])
+        embeds = target.embed(block_ids)
+        hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)
+        return target.lm_head(hidden[:, 1:].to(embeds.dtype))
 
 
 def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
