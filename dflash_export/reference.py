@@ -101,8 +101,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
         block[0, 0] = tokens[-1]
         block_pos = torch.arange(start, start + bs)[None]
         # Draft: one bidirectional pass; the anchor slot yields nothing.
-        draft_logits = drafter.draft_logits(target, taps.to(drafter.fc.weight.dtype), taps_pos, block, block_pos,
-                                            d_cache)[0].float()
+        draft_logits = drafter.draft_logits(target, taps, taps_pos, block, block_pos, d_cache)[0].float()
         if greedy:
             draft = torch.argmax(draft_logits, dim=-1).numpy()
             draft_probs = None

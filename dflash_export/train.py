@@ -385,7 +385,7 @@ def train_forward(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.
 
     Same layers and math as `DFlashDrafter.forward`, with an explicit attention mask over [context; all blocks]
     instead of "everything visible"; with one block and full context it reproduces `forward` exactly."""
-    ctx = drafter.project_context(batch.taps.to(drafter.fc.weight.dtype))
+    ctx = drafter.project_context(batch.taps)
     x = embed(batch.block_ids).to(ctx.dtype)
     cos, sin = drafter.rotary(batch.block_positions, x.dtype)
     c_cos, c_sin = drafter.rotary(batch.ctx_positions, x.dtype)
@@ -536,10 +536,9 @@ def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     grown = DFlashDrafter(replace(c, num_hidden_layers=num_layers, layer_types=types))
     state = dict(drafter.state_dict())
     last = f"layers.{n - 1}."
+    last_layer = {k[len(last):]: v for k, v in state.items() if k.startswith(last)}
     for i in range(n, num_layers):
-        for key, value in drafter.state_dict().items():
-            if key.startswith(last):
-                state[f"layers.{i}." + key[len(last):]] = value.clone()
+        state.update({f"layers.{i}.{k}": v.clone() for k, v in last_layer.items()})
         for key in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
             if f"layers.{i}.{key}" in state:
                 state[f"layers.{i}.{key}"].zero_()
@@ -790,6 +789,14 @@ def _prompt_sources(recipe, target, opts, seed: int):
                       field="train.prompts")
 
 
+def _check_start(drafter: DFlashDrafter, target, block_size: int, where: Path) -> None:
+    """A drafter training starts from (a checkpoint, `--init-from`) must fit the target and the recipe's block."""
+    check_drafter_fits(drafter, target, str(where))
+    if drafter.config.block_size != block_size:
+        raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {block_size}", path=where,
+                          field="block_size")
+
+
 def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
               num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
               init_from=None, console=None) -> dict:
@@ -835,19 +842,13 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         loaded = load_checkpoint(work)
         if loaded is not None:
             drafter, start_state = loaded
-            check_drafter_fits(drafter, target, str(work / "checkpoint" / "drafter"))
-            if drafter.config.block_size != opts.block_size:
-                raise DFlashError(f"checkpoint block_size {drafter.config.block_size} != recipe's {opts.block_size}",
-                                  path=work / "checkpoint", field="block_size")
+            _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
             console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
     if drafter is None and init_from is not None:
         from dflash_export.models.drafter import load_drafter
 
         drafter = load_drafter(init_from, dtype=torch.float32)
-        check_drafter_fits(drafter, target, str(init_from))
-        if drafter.config.block_size != opts.block_size:
-            raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {opts.block_size}",
-                              path=init_from, field="block_size")
+        _check_start(drafter, target, opts.block_size, Path(init_from))
         if drafter.config.num_hidden_layers != opts.draft_layers:
             console.print(f"growing {init_from} from {drafter.config.num_hidden_layers} to {opts.draft_layers} "
                           "layers (the new ones start as identities)")

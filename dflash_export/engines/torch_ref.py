@@ -78,8 +78,8 @@ class TorchEngine(Engine):
         block = torch.full((1, bs), self.info.mask_token_id, dtype=torch.long)
         block[0, 0] = anchor
         block_pos = torch.arange(seq.length, seq.length + bs)[None]
-        logits = self.drafter.draft_logits(self.target, seq.taps.to(self.drafter.fc.weight.dtype), seq.taps_pos,
-                                           block, block_pos, seq.d_cache)[0].double().numpy()
+        logits = self.drafter.draft_logits(self.target, seq.taps, seq.taps_pos, block, block_pos,
+                                           seq.d_cache)[0].double().numpy()
         seq.taps = seq.taps_pos = None
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
