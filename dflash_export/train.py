@@ -468,23 +468,25 @@ def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor) -> dict:
 
 
 def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id: int,
-                        target_layer_ids: Sequence[int] | None = None) -> DFlashDrafter:
+                        target_layer_ids: Sequence[int] | None = None, *, recipe_path=None) -> DFlashDrafter:
     """A drafter whose layers are copies of the target's last `num_layers` layers, fc passing the deepest tap
     through, hidden_norm = the first copied layer's input norm (what that layer applied to the deepest tap's output in
-    the target), norm = the target's final norm. Taps default to z-lab's rule."""
+    the target), norm = the target's final norm. Taps default to z-lab's rule. `recipe_path` names the file that a
+    bad setting came from in the error line."""
     from dflash_export.models.drafter import default_target_layer_ids
 
     hf_cfg = target.hf.config
     n_t = target.num_layers
     if not 1 <= num_layers < n_t:
         raise DFlashError(f"draft layers must be in 1..{n_t - 1} for a {n_t}-layer target, got {num_layers}",
-                          field="train.draft_layers")
+                          path=recipe_path, field="train.draft_layers")
     if not 0 <= mask_token_id < target.vocab_size:
         raise DFlashError(f"mask_token_id {mask_token_id} is outside the target vocabulary ({target.vocab_size})",
-                          field="train.mask_token_id")
+                          path=recipe_path, field="train.mask_token_id")
     taps = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_t, num_layers)
     if any(not 0 <= t < n_t for t in taps):
-        raise DFlashError(f"target_layer_ids {taps} outside 0..{n_t - 1}", field="train.target_layer_ids")
+        raise DFlashError(f"target_layer_ids {taps} outside 0..{n_t - 1}", path=recipe_path,
+                          field="train.target_layer_ids")
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     cfg = DrafterConfig(
         hidden_size=hf_cfg.hidden_size, num_hidden_layers=num_layers, num_attention_heads=hf_cfg.num_attention_heads,
@@ -518,7 +520,7 @@ def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id:
     return drafter
 
 
-def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+def grow_drafter(drafter: DFlashDrafter, num_layers: int, *, recipe_path=None) -> DFlashDrafter:
     """`drafter` with layers appended up to `num_layers`, drafting exactly as before until trained.
 
     Each new layer copies the last one's weights except its two output projections (attention `o_proj`, MLP
@@ -531,7 +533,8 @@ def grow_drafter(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
     c = drafter.config
     n = c.num_hidden_layers
     if num_layers < n:
-        raise DFlashError(f"cannot grow a {n}-layer drafter to {num_layers} layers", field="train.draft_layers")
+        raise DFlashError(f"cannot grow a {n}-layer drafter to {num_layers} layers", path=recipe_path,
+                          field="train.draft_layers")
     types = None if c.layer_types is None else list(c.layer_types) + [c.layer_types[-1]] * (num_layers - n)
     grown = DFlashDrafter(replace(c, num_hidden_layers=num_layers, layer_types=types))
     state = dict(drafter.state_dict())
@@ -852,9 +855,10 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         if drafter.config.num_hidden_layers != opts.draft_layers:
             console.print(f"growing {init_from} from {drafter.config.num_hidden_layers} to {opts.draft_layers} "
                           "layers (the new ones start as identities)")
-            drafter = grow_drafter(drafter, opts.draft_layers)
+            drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
     if drafter is None:
-        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids)
+        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids,
+                                      recipe_path=recipe.path)
     tap_ids = drafter.config.target_layer_ids
 
     train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts, seed)

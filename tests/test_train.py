@@ -3,6 +3,7 @@ forward, a short run on a tiny pair that must learn, resumption, bad input, and 
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,14 @@ def test_grown_drafter_drafts_exactly_as_before_and_then_trains_its_new_layer(tm
     out = load_drafter(tmp_path / "o")
     assert out.config.num_hidden_layers == 3 and out.layers[2].mlp.down_proj.weight.any()
     torch.testing.assert_close(out.fc.weight, small.fc.weight, atol=0.05, rtol=0)  # trained on, not restarted
+
+    # a recipe asking for fewer layers than the start drafter has is an error naming the recipe and its field
+    (tmp_path / "shrink").mkdir()
+    shrink = _tiny_recipe(tmp_path / "shrink", steps=2, num_prompts=4, heldout_prompts=1, draft_layers=1)
+    with pytest.raises(DFlashError, match=re.escape(f"{shrink}: train.draft_layers: cannot grow")):
+        run_train(str(shrink), work_dir=str(tmp_path / "w2"), out=str(tmp_path / "o2"),
+                  init_from=str(tmp_path / "o"))
+    assert not (tmp_path / "o2").exists()
 
 
 def test_init_from_a_drafter_that_does_not_fit_is_one_line(tmp_path):
