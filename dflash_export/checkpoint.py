@@ -25,6 +25,8 @@ _SAFETENSORS_DTYPES = {
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """Parse and bounds-check a safetensors header without loading tensors."""
+    if path.exists() and not path.is_file():
+        raise DFlashError("not a file", path=path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -80,6 +82,11 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
     raise DFlashError("no model.safetensors or model.safetensors.index.json", path=ckpt)
 
 
+def has_safetensors(model_dir: Path) -> bool:
+    """Whether a model directory keeps its weights as safetensors (single file or sharded index)."""
+    return (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
+
+
 def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -131,6 +138,10 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
     layers = _field(cfg, path, "num_hidden_layers", int)
     heads = _field(cfg, path, "num_attention_heads", int)
     n_target = _field(cfg, path, "num_target_layers", int)
+    for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                        ("num_target_layers", n_target)):
+        if value < 1:
+            raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
     ids = dcfg.get("target_layer_ids")
     if ids is None:
         ids = default_target_layer_ids(n_target, layers)
@@ -265,6 +276,15 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
 
     raw = read_json_object(cfg_path)
     tcfg, tcfg_path = read_target_config(target_path)
+    # The target's weights too, from their headers: a truncated or missing shard fails here, not at export.
+    try:
+        if has_safetensors(tcfg_path.parent):
+            weight_files(tcfg_path.parent)
+        elif not any(tcfg_path.parent.glob("*.bin")):
+            err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
+    except DFlashError as e:
+        findings.append(Finding("error", str(e.path or tcfg_path.parent), e.field or "weights",
+                                str(e).split(": ")[-1]))
     # Tensor presence / shapes / dtypes from headers only: no weights loaded for linting.
     files = weight_files(ckpt)
     headers: dict[Path, dict] = {}
@@ -287,6 +307,8 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     if "target_layer_ids" not in (raw.get("dflash_config") or {}):
         warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
     n_layers, t_hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
+    if c.target_hidden_size != t_hidden:
+        err("target_hidden_size", f"{c.target_hidden_size} != target hidden_size {t_hidden}")
     if c.num_target_layers != n_layers:
         err("num_target_layers", f"{c.num_target_layers} != target num_hidden_layers {n_layers}")
     for i in c.target_layer_ids:

@@ -1,17 +1,36 @@
 """`dflash-export`: one thin click command per stage. Commands parse and call; the logic lives in the stage modules.
 
 Every DFlashError becomes one `error: <file>: <field>: <message>` line and its exit code (2 for bad input, 1 for a
-failed check), never a traceback.
+failed check), never a traceback; so do click's usage errors (`error: <option>: <message>`) and unreadable or
+unwritable paths (OSError: `error: <file>: <reason>`). Anything else is a bug: one line, exit 1, the traceback in a
+file (or on the terminal with DFLASH_EXPORT_TRACEBACK=1).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 from dflash_export import __version__
+from dflash_export.clitypes import SEED, FiniteFloat
 from dflash_export.errors import DFlashError
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _usage_error_line(e: click.ClickException) -> str:
+    """click's own errors (bad or missing options, unknown commands) as `error: <option>: <message>`, not click's
+    three-line usage block: the same shape as every other bad input."""
+    if isinstance(e, click.BadParameter) and e.param is not None and e.message:
+        hint = e.param_hint or " / ".join(getattr(e.param, "opts", None) or [e.param.name or ""])
+        if isinstance(hint, (list, tuple)):
+            hint = " / ".join(hint)
+        return f"{hint.strip(chr(39))}: {_one_line(e.message)}"
+    return _one_line(e.format_message())
 
 
 class _Group(click.Group):
@@ -19,11 +38,34 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DFlashError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"error: {_usage_error_line(e)}", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as e:
+            # A path the user gave that cannot be read or written (no such directory, a file where a directory must
+            # be, no permission, a full disk): name the file, no traceback.
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{_one_line(e.strerror or e)}", err=True)
+            sys.exit(2)
+        except (click.exceptions.Exit, click.Abort):
+            raise  # click's own control flow (--help, ctx.exit, EOF at a prompt)
+        except Exception as e:  # noqa: BLE001 -- the last resort: a bug, not bad input
+            if os.environ.get("DFLASH_EXPORT_TRACEBACK"):
+                raise
+            import tempfile
+            import traceback
+
+            fd, log = tempfile.mkstemp(prefix="dflash-export-", suffix=".traceback.txt")
+            with os.fdopen(fd, "w") as f:
+                traceback.print_exc(file=f)
+            click.echo(f"error: internal error, {type(e).__name__}: {_one_line(e)[:300]} (traceback in {log}; "
+                       "DFLASH_EXPORT_TRACEBACK=1 shows it here)", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,8 +89,8 @@ def inspect(drafter, target, as_json):
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
 @click.option("--prompt", default=None, help="Prompt text (chat template applied when the tokenizer has one).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
+@click.option("--seed", default=0, show_default=True, type=SEED)
 def reference(recipe, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
     from dflash_export.reference_cmd import run_reference

@@ -16,19 +16,31 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
 def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
     import torch
 
+    from dflash_export.errors import DFlashError
     from dflash_export.models import load_drafter, load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.train import check_drafter_fits
 
+    if prompt is not None and not prompt.strip():
+        raise DFlashError("the prompt is empty", field="--prompt")
     recipe = load_recipe(recipe_name)
     dtype = getattr(torch, recipe.dtype)
     target = load_target(recipe.target_path, dtype)
     drafter = load_drafter(recipe.drafter_path, dtype)
+    check_drafter_fits(drafter, target, recipe.drafter_path)
+    block = recipe.block_size or drafter.config.block_size
+    if block >= recipe.max_seq_len:
+        raise DFlashError(f"block of {block} does not fit max_seq_len {recipe.max_seq_len}", path=recipe.path,
+                          field="block_size" if recipe.block_size else "max_seq_len")
     if prompt is None or recipe.target.startswith("tiny:"):
         ids = list(range(3, 19)) if prompt is None else [ord(c) % (target.vocab_size - 2) for c in prompt]
         click.echo(f"[{recipe.name}] tiny pair: token prompt {ids}")
     else:
         ids = encode_prompt(target.tokenizer, prompt, recipe.chat_template)
+    if len(ids) + max_new_tokens + block > recipe.max_seq_len:
+        raise DFlashError(f"{len(ids)} prompt + {max_new_tokens} new tokens + a block of {block} exceed the recipe's "
+                          f"max_seq_len {recipe.max_seq_len}", field="--max-new-tokens")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     ar = ar_generate(target, ids, **kw)
     sp = spec_generate(drafter, target, ids, block_size=recipe.block_size, **kw)

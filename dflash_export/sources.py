@@ -42,6 +42,8 @@ def resolve_source(spec) -> Path:
 
         return tiny_pair_path(s[len("tiny:"):])
     if s.startswith("pkg:"):
-        _, dist, suffix = s.split(":", 2)
-        return package_file(dist, suffix)
+        parts = s.split(":", 2)
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            raise DFlashError(f"{s!r} is not of the form pkg:DISTRIBUTION:FILE_SUFFIX")
+        return package_file(parts[1], parts[2])
     return Path(os.path.expandvars(os.path.expanduser(s)))

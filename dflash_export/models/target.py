@@ -139,10 +139,15 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     """Load a Qwen3 / LLaMA target from an HF directory or a GGUF file (converted once, cached)."""
     from transformers import AutoModelForCausalLM
 
+    from dflash_export.checkpoint import has_safetensors, weight_files
+
     model_dir = resolve_target_dir(path)
     config, _ = read_target_config(model_dir)
+    if has_safetensors(model_dir):
+        weight_files(model_dir)  # headers bounds-checked: a truncated or missing shard is named before transformers
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
-    except OSError as e:
-        raise DFlashError(f"cannot load target weights ({str(e).splitlines()[0]})", path=model_dir) from None
+    except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None
     return TargetModel(hf, model_dir, config)

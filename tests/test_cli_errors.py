@@ -1,0 +1,112 @@
+"""The CLI's error contract, whatever the stage: click's own usage errors, unreadable paths and broken targets are one
+`error:` line with exit 2, and an unexpected exception is one line with exit 1 and its traceback kept in a file."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_export.cli import main
+from dflash_export.sources import resolve_source
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _one_error_line(r, code=2):
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output, r.output
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, r.output
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "0"], "error: --max-new-tokens: 0 is not in the range"),
+    (["reference", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
+    (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"], "error: --temperature: 'inf' is not a finite"),
+    (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"], "error: --seed: -1 is not in the range"),
+    (["reference", "--recipe", "tiny-qwen3", "--seed", "abc"], "error: --seed: 'abc' is not a valid integer"),
+    (["reference"], "error: Missing option '--recipe'"),
+    (["reference", "--recipe", "tiny-qwen3", "--bogus"], "error: No such option '--bogus'"),
+    (["frobnicate"], "error: No such command 'frobnicate'"),
+    (["build", "--recipe", "tiny-qwen3", "--backend", "onnx"], "error: --backend: 'onnx' is not one of"),
+    (["reference", "--recipe", "tiny-qwen3", "--prompt", "  "], "error: --prompt: the prompt is empty"),
+    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
+])
+def test_usage_errors_are_one_line(args, expect):
+    line = _one_error_line(_run(*args))
+    assert line.startswith(expect) or expect in line, line
+
+
+def _recipe(tmp_path, target, drafter):
+    p = tmp_path / "r.yaml"
+    p.write_text(f"name: r\ntarget: {target}\ndrafter: {drafter}\nchat_template: false\n")
+    return p
+
+
+def test_reference_refuses_a_drafter_that_does_not_fit(tmp_path):
+    line = _one_error_line(_run("reference", "--recipe",
+                                _recipe(tmp_path, "tiny:qwen3/target", "tiny:llama-small-vocab/drafter")))
+    assert "tiny:llama-small-vocab/drafter: target_hidden_size:" in line
+
+
+def test_a_truncated_or_weightless_target_is_named(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(resolve_source("tiny:qwen3/target"), target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 1000])
+    drafter = resolve_source("tiny:qwen3/drafter")
+    line = _one_error_line(_run("reference", "--recipe", _recipe(tmp_path, target, "tiny:qwen3/drafter")))
+    assert f"{weights}: " in line and "truncated safetensors" in line
+    r = _run("inspect", drafter, "--target", target)
+    assert r.exit_code == 2 and "truncated safetensors" in r.output
+    weights.unlink()
+    r = _run("inspect", drafter, "--target", target)
+    assert r.exit_code == 2 and "weights: no model.safetensors" in r.output
+
+
+def test_inspect_checks_the_target_hidden_size_and_refuses_a_directory_for_weights(tmp_path):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(resolve_source("tiny:qwen3/drafter"), drafter)
+    target = resolve_source("tiny:qwen3/target")
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["target_hidden_size"] = 128
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    r = _run("inspect", drafter, "--target", target)
+    assert r.exit_code == 2 and "target_hidden_size: 128 != target hidden_size 64" in r.output
+    (drafter / "model.safetensors").unlink()
+    (drafter / "model.safetensors").mkdir()
+    assert "model.safetensors: not a file" in _one_error_line(_run("inspect", drafter, "--target", target))
+
+
+def test_a_malformed_pkg_source_is_one_line(tmp_path):
+    line = _one_error_line(_run("reference", "--recipe", _recipe(tmp_path, "pkg:foo", "tiny:qwen3/drafter")))
+    assert "'pkg:foo' is not of the form pkg:DISTRIBUTION:FILE_SUFFIX" in line
+
+
+def test_an_unwritable_path_is_one_line_naming_it(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    line = _one_error_line(_run("export", "--recipe", "tiny-qwen3", "--out", blocker / "sub"))
+    assert str(blocker) in line
+
+
+def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monkeypatch):
+    import dflash_export.reference_cmd as ref
+
+    def boom(*a, **k):
+        raise ValueError("a bug\nover two lines")
+
+    monkeypatch.setattr(ref, "run_reference", boom)
+    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=1)
+    assert "internal error, ValueError: a bug over two lines" in line
+    log = line.split("traceback in ")[1].split(";")[0]
+    with open(log) as f:
+        assert "ValueError" in f.read()
+    monkeypatch.setenv("DFLASH_EXPORT_TRACEBACK", "1")
+    r = _run("reference", "--recipe", "tiny-qwen3")
+    assert isinstance(r.exception, ValueError)
