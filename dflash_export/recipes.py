@@ -6,6 +6,7 @@ Unknown keys and wrong types are errors naming the file and the field; relative 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -127,6 +128,8 @@ def _check(value, typ, path: Path, name: str):
         return _build(typ, value, path, name + ".")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise DFlashError(f"must be a finite number, got {value!r}", path=path, field=name)
     if typ is Path:
         return Path(value)
     if not isinstance(value, typ) or (typ in (int, float) and isinstance(value, bool)):
@@ -176,13 +179,102 @@ def load_recipe(name_or_path) -> Recipe:
     for i, b in enumerate(recipe.backends):
         if b not in BACKENDS:
             raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")
-    if recipe.block_size is not None and recipe.block_size < 2:
-        raise DFlashError(f"must be >= 2, got {recipe.block_size}", path=p, field="block_size")
-    if recipe.draft_vocab is not None and recipe.draft_vocab < 2:
-        raise DFlashError(f"must be >= 2, got {recipe.draft_vocab}", path=p, field="draft_vocab")
-    if recipe.max_seq_len < 16:
-        raise DFlashError(f"must be >= 16, got {recipe.max_seq_len}", path=p, field="max_seq_len")
+    _check_ranges(recipe, p)
     return recipe
+
+
+# Numeric ranges, checked at load so that a bad value names its file and field before any work starts.
+# (low, high, open_low): None = unbounded; open_low = the low end is excluded ("> low").
+_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    # top level
+    "block_size": (2, None, False),                       # an anchor and at least one drafted token
+    "draft_vocab": (2, None, False),
+    "max_seq_len": (16, None, False),
+    # thresholds
+    "thresholds.min_identical_fraction": (0, 1, False),
+    "thresholds.min_tau": (0, None, False),
+    "thresholds.min_speedup_vs_ar": (0, None, False),
+    "thresholds.min_speedup_vs_reference": (0, None, False),
+    "thresholds.min_distribution_p_value": (0, 1, False),
+    "thresholds.logits_atol": (0, None, False),
+    "thresholds.ctx_atol": (0, None, False),
+    # trtllm
+    "trtllm.max_batch_size": (1, None, False),
+    "trtllm.max_num_tokens": (1, None, False),
+    "trtllm.kv_cache_free_gpu_memory_fraction": (0, 1, True),
+    "trtllm.cuda_graph_batch_sizes[]": (1, None, False),
+    "trtllm.tensor_parallel_size": (1, None, False),
+    # train
+    "train.num_prompts": (0, None, False),                # 0: teacher-forced data only (checked together below)
+    "train.heldout_prompts": (1, None, False),            # the best drafter is chosen (and exported) on these
+    "train.max_prompt_tokens": (1, None, False),
+    "train.max_new_tokens": (2, None, False),             # a training block needs an anchor and one label
+    "train.teacher_forced_prompts": (0, None, False),
+    "train.max_reply_tokens": (2, None, False),           # shorter replies are dropped (train.sharegpt_reply_ids)
+    "train.gen_batch_size": (1, None, False),
+    "train.soft_topk": (1, None, False),
+    "train.draft_layers": (1, None, False),
+    "train.block_size": (2, None, False),
+    "train.mask_token_id": (0, None, False),
+    "train.target_layer_ids[]": (0, None, False),
+    "train.gamma": (0, None, True),
+    "train.lr": (0, None, True),
+    "train.warmup_steps": (0, None, False),
+    "train.lr_decay_steps": (1, None, False),
+    "train.lr_min_ratio": (0, 1, False),
+    "train.batch_size": (1, None, False),
+    "train.blocks_per_seq": (1, None, False),
+    "train.soft_weight": (0, 1, False),
+    "train.steps": (1, None, False),
+    "train.seed": (0, 2**32 - 1, False),
+}
+
+
+def _range_error(value, low, high, open_low: bool) -> str | None:
+    """None when `value` lies in the range, else the message."""
+    ok = (value > low if open_low else value >= low) and (high is None or value <= high)
+    if ok:
+        return None
+    if high is None:
+        want = f"> {low}" if open_low else f">= {low}"
+    else:
+        want = f"in {'(' if open_low else '['}{low}, {high}]"
+    return f"must be {want}, got {value!r}"
+
+
+def _check_ranges(recipe: Recipe, p: Path) -> None:
+    """Every numeric field in its range, and the few rules between fields; DFlashError naming the first bad one."""
+    for dotted, (low, high, open_low) in _RANGES.items():
+        obj = recipe
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            obj = getattr(obj, part)
+        many = leaf.endswith("[]")
+        value = getattr(obj, leaf.removesuffix("[]"))
+        if value is None:  # an optional field left at its default
+            continue
+        items = enumerate(value) if many else [(None, value)]
+        for i, v in items:
+            msg = _range_error(v, low, high, open_low)
+            if msg:
+                name = dotted.removesuffix("[]") + (f"[{i}]" if many else "")
+                raise DFlashError(msg, path=p, field=name)
+    t = recipe.train
+    if t.prompts not in ("sharegpt", "synthetic"):
+        raise DFlashError(f"unknown prompt source {t.prompts!r} (sharegpt, synthetic)", path=p, field="train.prompts")
+    if t.num_prompts + t.teacher_forced_prompts < 1:
+        raise DFlashError("the prompt set is empty: num_prompts and teacher_forced_prompts are both 0", path=p,
+                          field="train.num_prompts")
+    if t.target_layer_ids is not None:
+        if not t.target_layer_ids:
+            raise DFlashError("must not be empty (leave it out for the default taps)", path=p,
+                              field="train.target_layer_ids")
+        dup = sorted({x for x in t.target_layer_ids if t.target_layer_ids.count(x) > 1})
+        if dup:
+            raise DFlashError(f"duplicate layer ids {dup}", path=p, field="train.target_layer_ids")
+    if t.lr_decay_steps is not None and t.lr_decay_steps <= t.warmup_steps:
+        raise DFlashError(f"must be > train.warmup_steps ({t.warmup_steps}): the cosine decay starts after the "
+                          f"warm-up, got {t.lr_decay_steps}", path=p, field="train.lr_decay_steps")
 
 
 def list_recipes() -> list[str]:

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -188,9 +191,9 @@ def load_shards(directory: Path) -> list[TrainSequence]:
     for p in shard_paths(directory):
         try:
             rows = torch.load(p, weights_only=True)
-        except Exception as e:  # a corrupt shard is skipped, never trained on
+            seqs.extend(TrainSequence(**r) for r in rows)
+        except Exception as e:  # a corrupt shard is never trained on
             raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=p) from None
-        seqs.extend(TrainSequence(**r) for r in rows)
     return seqs
 
 
@@ -206,7 +209,6 @@ def generate_shards(target, prompt_source: Callable[[], list], directory: Path,
     prompts = prompt_source()[:num_prompts]
     if not prompts:
         raise DFlashError("the prompt set is empty", field="prompts")
-    directory.mkdir(parents=True, exist_ok=True)
     done = 0
     tokens = 0
     t0 = time.perf_counter()
@@ -658,15 +660,78 @@ def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wa
         raise DFlashError(f"cannot write checkpoint ({e.strerror or e})", path=work / "checkpoint") from None
 
 
+def _short_reason(e: BaseException) -> str:
+    """`Type: first sentence` of an exception, for a one-line error."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text.split(". ")[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _bare_message(e: DFlashError) -> str:
+    """A DFlashError's message without its `path: field: ` prefix."""
+    text = str(e)
+    where = f"{e.path}: " + (f"{e.field}: " if e.field else "") if e.path is not None else (
+        f"{e.field}: " if e.field else "")
+    return text[len(where):] if text.startswith(where) else text
+
+
 def load_checkpoint(work: Path):
+    """(drafter, train state) of `work/checkpoint`, or None when there is none. A checkpoint that is there but cannot
+    be read back whole -- truncated, garbage, half of it missing -- is one DFlashError naming the file, never a
+    silent fresh start."""
     from dflash_export.models.drafter import load_drafter
 
     ck = work / "checkpoint"
-    if not (ck / "train_state.pt").is_file() or not (ck / "drafter" / "config.json").is_file():
+    state_path, drafter_dir = ck / "train_state.pt", ck / "drafter"
+    if not ck.exists():
         return None
-    drafter = load_drafter(ck / "drafter", dtype=torch.float32)
-    state = torch.load(ck / "train_state.pt", weights_only=False)
+    if not state_path.is_file():
+        raise DFlashError("corrupt checkpoint (train_state.pt is missing)", path=state_path)
+    if not (drafter_dir / "config.json").is_file():
+        raise DFlashError("corrupt checkpoint (the drafter's config.json is missing)", path=drafter_dir / "config.json")
+    try:
+        drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    except DFlashError as e:
+        raise DFlashError(f"corrupt checkpoint ({_bare_message(e)})", path=e.path or drafter_dir,
+                          field=e.field) from None
+    except Exception as e:
+        raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=drafter_dir) from None
+    if state_path.stat().st_size == 0:
+        raise DFlashError("corrupt checkpoint (empty file)", path=state_path)
+    try:
+        state = torch.load(state_path, weights_only=True, map_location="cpu")
+    except Exception as e:  # zip errors (truncated), unpickling errors (garbage), ...
+        raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=state_path) from None
+    problem = _train_state_problem(state, trainable_parameters(drafter))
+    if problem:
+        raise DFlashError(f"corrupt checkpoint ({problem})", path=state_path)
     return drafter, state
+
+
+def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | None:
+    """What is wrong with a loaded train_state.pt for a drafter with `params`, or None."""
+    if not isinstance(state, dict):
+        return f"expected a dict, got {type(state).__name__}"
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a step count"
+    wall = state.get("wall_s", 0.0)
+    if not isinstance(wall, (int, float)) or not math.isfinite(wall):
+        return f"wall_s {wall!r} is not a number"
+    if not isinstance(state.get("best", {}), dict):
+        return "best is not a dict"
+    opt = state.get("optimizer")
+    try:
+        ids = [i for g in opt["param_groups"] for i in g["params"]]
+        if len(ids) != len(params):
+            return f"optimizer state for {len(ids)} tensors, the drafter has {len(params)}"
+        for i, p in zip(ids, params):
+            for key, v in opt["state"].get(i, {}).items():
+                if key != "step" and isinstance(v, torch.Tensor) and v.shape != p.shape:
+                    return f"optimizer {key} of shape {tuple(v.shape)} for a parameter of shape {tuple(p.shape)}"
+    except (TypeError, KeyError, AttributeError):
+        return "no usable optimizer state"
+    return None
 
 
 def trainable_parameters(drafter: DFlashDrafter) -> list[torch.nn.Parameter]:
@@ -800,6 +865,96 @@ def _check_start(drafter: DFlashDrafter, target, block_size: int, where: Path) -
                           field="block_size")
 
 
+SEED_MAX = 2**32 - 1  # the per-step generators seed with seed * 1_000_003 + step, which must stay below 2**64
+
+
+def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed) -> None:
+    """The options `train` takes besides the recipe, for callers that bypass the CLI's click types."""
+    def bad(option: str, message: str):
+        raise DFlashError(message, field=option)
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for option, v, low in (("--steps", steps, 0), ("--threads", threads, 1), ("--num-prompts", num_prompts, 0)):
+        if v is not None and (not is_int(v) or v < low):
+            bad(option, f"must be an integer >= {low}, got {v!r}")
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_MAX):
+        bad("--seed", f"must be an integer in [0, {SEED_MAX}], got {seed!r}")
+    for option, v in (("--minutes", minutes), ("--checkpoint-minutes", checkpoint_minutes)):
+        if v is None and option == "--minutes":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            bad(option, f"must be a finite number > 0, got {v!r}")
+
+
+def check_output_dir(path: Path, option: str, *, replaced: bool = False) -> None:
+    """`path` is a directory this run can write into, or one it can create: DFlashError naming `option` otherwise,
+    before any work starts. `replaced`: the directory is swapped in whole from a sibling (errors.atomic_dir), so its
+    parent must be writable too."""
+    def exists(q: Path) -> bool:
+        try:
+            return q.exists()
+        except OSError:  # e.g. no permission to look: then the ancestor check below says so
+            return False
+
+    path = Path(os.path.abspath(path))
+    if exists(path):
+        if not path.is_dir():
+            raise DFlashError("exists and is not a directory", path=path, field=option)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DFlashError("directory is not writable", path=path, field=option)
+        if not replaced:
+            return
+    # the nearest existing ancestor (of the parent, for a replaced directory) is where the first write happens
+    anc = path.parent
+    while not exists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise DFlashError(f"cannot create it: {anc} is not a directory", path=path, field=option)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=option)
+
+
+@contextmanager
+def _remove_new_work_dir_on_error(work: Path):
+    """A work directory this run created is removed when the run fails before its first checkpoint (nothing in it
+    could be resumed from)."""
+    work = Path(os.path.abspath(work))
+    top = None  # the outermost directory of `work` that does not exist yet
+    q = work
+    try:
+        while not q.exists() and q != q.parent:
+            top, q = q, q.parent
+    except OSError:
+        top = None
+    try:
+        yield
+    except BaseException:
+        if top is not None and work.is_dir() and not (work / "checkpoint").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            q = work.parent
+            while top in (q, *q.parents) and q != top.parent:  # empty parents it created too, never others' files
+                try:
+                    q.rmdir()
+                except OSError:
+                    break
+                q = q.parent
+        raise
+
+
+@contextmanager
+def _no_bar_on_error(bar):
+    """On an error the progress bars vanish, so that the error is the only line the user sees."""
+    try:
+        yield
+    except Exception:
+        bar.live.transient = True
+        bar.live.stop()
+        bar.disable = True  # else Progress.stop prints a blank line on a non-terminal
+        raise
+
+
 def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
               num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
               init_from=None, console=None) -> dict:
@@ -808,29 +963,25 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     from dataclasses import replace
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_export.models.target import load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.sources import cache_dir
 
     console = console or Console(stderr=True)
-    if threads:
-        torch.set_num_threads(threads)
-    recipe = load_recipe(recipe_name)
+    # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.
+    _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed)
+    recipe = load_recipe(recipe_name)  # checks every recipe field's type and range
     opts = recipe.train
     if num_prompts is not None:
         opts = replace(opts, num_prompts=num_prompts)
+        if num_prompts + opts.teacher_forced_prompts < 1:
+            raise DFlashError("the prompt set is empty: 0 training prompts and the recipe's teacher_forced_prompts "
+                              "is 0", field="--num-prompts")
     seed = opts.seed if seed is None else seed
-    if opts.block_size < 2:
-        raise DFlashError(f"must be >= 2, got {opts.block_size}", path=recipe.path, field="train.block_size")
-    target = load_target(recipe.target_path)
-    mask_id = opts.mask_token_id
-    if mask_id is None:
-        if not recipe.target.startswith("tiny:"):
-            raise DFlashError("a real target needs an explicit mask token (a reserved special-token row)",
-                              path=recipe.path, field="train.mask_token_id")
-        mask_id = target.vocab_size - 1
+    if not recipe.target.startswith("tiny:") and opts.mask_token_id is None:
+        raise DFlashError("a real target needs an explicit mask token (a reserved special-token row)",
+                          path=recipe.path, field="train.mask_token_id")
     work = Path(work_dir) if work_dir else cache_dir() / "train" / f"{recipe.name}-seed{seed}"
     if out is None:
         if ":" in recipe.drafter.split("/")[0]:
@@ -838,6 +989,31 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         else:
             out = Path(recipe.drafter_path)
     out = Path(out)
+    if not data_only:
+        check_output_dir(work, "--work-dir")
+        check_output_dir(out, "--out", replaced=True)
+    if threads:
+        torch.set_num_threads(threads)
+
+    target = load_target(recipe.target_path)
+    if opts.soft_topk > target.vocab_size:
+        raise DFlashError(f"must be <= the target's vocabulary size {target.vocab_size}, got {opts.soft_topk}",
+                          path=recipe.path, field="train.soft_topk")
+    mask_id = opts.mask_token_id if opts.mask_token_id is not None else target.vocab_size - 1
+    if opts.prompts == "synthetic" and mask_id < 2:  # synthetic prompts draw their ids from 1 .. below the mask id
+        raise DFlashError(f"must be >= 2 with synthetic prompts, got {mask_id}", path=recipe.path,
+                          field="train.mask_token_id")
+
+    with _remove_new_work_dir_on_error(work):
+        return _run_train(recipe, opts, target, mask_id, work, out, seed, steps=steps, minutes=minutes, resume=resume,
+                          data_only=data_only, no_generate=no_generate, checkpoint_minutes=checkpoint_minutes,
+                          init_from=init_from, console=console)
+
+
+def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: int, *, steps, minutes, resume,
+               data_only, no_generate, checkpoint_minutes, init_from, console) -> dict:
+    """run_train after its checks: the start drafter, data, training, the prompt list."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     start_state = None
     drafter = None
@@ -853,9 +1029,10 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         drafter = load_drafter(init_from, dtype=torch.float32)
         _check_start(drafter, target, opts.block_size, Path(init_from))
         if drafter.config.num_hidden_layers != opts.draft_layers:
-            console.print(f"growing {init_from} from {drafter.config.num_hidden_layers} to {opts.draft_layers} "
-                          "layers (the new ones start as identities)")
+            n = drafter.config.num_hidden_layers
             drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
+            console.print(f"growing {init_from} from {n} to {opts.draft_layers} layers (the new ones start as "
+                          "identities)")
     if drafter is None:
         drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids,
                                       recipe_path=recipe.path)
@@ -869,7 +1046,7 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
                     src_name.replace("-s", "-tf-s"))
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=console, transient=False) as bar, _no_bar_on_error(bar):
         if not no_generate:
             for name, src, directory, n, tf in (
                     ("held-out data", heldout_src, hdir, opts.heldout_prompts, False),

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import click
 
+from dflash_export.clitypes import FiniteFloat
+
+SEED_MAX = 2**32 - 1  # = dflash_export.train.SEED_MAX (not imported: that module pulls in torch)
+
 
 @click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
 @click.option("--steps", type=click.IntRange(0), default=None, help="Total optimizer steps (default: the recipe's).")
-@click.option("--minutes", type=click.FloatRange(0.0, min_open=True), default=None,
+@click.option("--minutes", type=FiniteFloat(0.0, min_open=True), default=None,
               help="Stop training after this much wall time (this run).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Where the best drafter goes (default: the recipe's drafter directory).")
-@click.option("--seed", type=int, default=None, help="Training seed (default: the recipe's).")
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=None, help="Training seed (default: the recipe's).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the work directory.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Checkpoints + training log (default: <cache>/train/<recipe>-seed<seed>).")
@@ -24,7 +28,7 @@ import click
 @click.option("--data-only", is_flag=True, help="Only generate (and cache) the training data, then stop.")
 @click.option("--no-generate", is_flag=True,
               help="Train on the data already cached (e.g. while another process is still generating).")
-@click.option("--checkpoint-minutes", type=click.FloatRange(0.0, min_open=True), default=5.0, show_default=True)
+@click.option("--checkpoint-minutes", type=FiniteFloat(0.0, min_open=True), default=5.0, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch intra-op threads.")
 @click.option("--init-from", type=click.Path(file_okay=False), default=None,
               help="Start from this trained drafter instead of the target's layers; when the recipe asks for more "

@@ -156,13 +156,19 @@ def test_drafter_from_target_starts_from_the_targets_top_layers(tiny_qwen3):
         drafter_from_target(target, 6, 4, 255)
 
 
+def _yaml_value(v) -> str:
+    if isinstance(v, float) and not math.isfinite(v):  # YAML spells them .nan / .inf / -.inf; JSON cannot
+        return ".nan" if v != v else (".inf" if v > 0 else "-.inf")
+    return json.dumps(v)
+
+
 def _tiny_recipe(tmp_path, **train):
     opts = dict(prompts="synthetic", num_prompts=48, heldout_prompts=6, max_new_tokens=24, block_size=4,
                 draft_layers=2, steps=80, lr=0.002, batch_size=8, blocks_per_seq=8, warmup_steps=5)
     opts.update(train)
     p = tmp_path / "tiny-train.yaml"
     lines = ["name: tiny-train", "target: tiny:qwen3/target", "drafter: tiny:qwen3/drafter", "chat_template: false",
-             "train:"] + [f"  {k}: {json.dumps(v)}" for k, v in opts.items()]
+             "train:"] + [f"  {k}: {_yaml_value(v)}" for k, v in opts.items()]
     p.write_text("\n".join(lines) + "\n")
     return p
 
@@ -396,3 +402,265 @@ def test_shard_loader_rereads_only_when_new_shards_appear(tmp_path, monkeypatch)
     b.mkdir()
     torch.save([seq(9).to_dict()], b / "shard-00000.pt")
     assert [s.index for s in load()] == [0, 1, 2, 9] and len(reads) == 3  # first n of each source, re-read once
+
+
+# ----------------------------------------------------------------------------------------------- bad input, early
+# Every check below fails before any data generation or training: one `error: <file>: <field>: <message>` line,
+# exit 2, and no work folder, output, checkpoint or cache folder left behind.
+
+
+def _train_cli(*args):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    return CliRunner().invoke(main, ["train", *[str(a) for a in args]])
+
+
+def _assert_nothing_written(tmp_path):
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+    assert not (tmp_path / "cache" / "train-data").exists() and not (tmp_path / "cache" / "train").exists()
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("lr", -1.0, "must be > 0"),
+    ("lr", 0, "must be > 0"),
+    ("lr", float("nan"), "must be a finite number"),
+    ("lr", float("inf"), "must be a finite number"),
+    ("batch_size", 0, "must be >= 1"),
+    ("soft_topk", 0, "must be >= 1"),
+    ("max_new_tokens", 0, "must be >= 2"),
+    ("max_prompt_tokens", 0, "must be >= 1"),
+    ("max_reply_tokens", 1, "must be >= 2"),
+    ("target_layer_ids", [], "must not be empty"),
+    ("target_layer_ids", [0, 1, 2, 3, 4, 5, 5], "duplicate layer ids [5]"),
+    ("target_layer_ids", [1, -1], "must be >= 0"),
+    ("steps", -5, "must be >= 1"),
+    ("steps", 0, "must be >= 1"),
+    ("gen_batch_size", 0, "must be >= 1"),
+    ("blocks_per_seq", 0, "must be >= 1"),
+    ("soft_weight", 5.0, "must be in [0, 1]"),
+    ("soft_weight", -0.1, "must be in [0, 1]"),
+    ("gamma", -1, "must be > 0"),
+    ("gamma", 0, "must be > 0"),
+    ("heldout_prompts", -1, "must be >= 1"),
+    ("heldout_prompts", 0, "must be >= 1"),
+    ("num_prompts", -3, "must be >= 0"),
+    ("teacher_forced_prompts", -1, "must be >= 0"),
+    ("draft_layers", 0, "must be >= 1"),
+    ("block_size", 1, "must be >= 2"),
+    ("mask_token_id", -1, "must be >= 0"),
+    ("warmup_steps", -1, "must be >= 0"),
+    ("lr_decay_steps", 3, "must be > train.warmup_steps (5)"),
+    ("lr_min_ratio", 1.5, "must be in [0, 1]"),
+    ("seed", -1, "must be in [0, 4294967295]"),
+])
+def test_bad_recipe_train_value_is_one_line_before_any_work(tmp_path, own_cache, field, value, message):
+    recipe = _tiny_recipe(tmp_path, **{field: value})
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {recipe}: train.{field}") and message in r.output, r.output
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("train,field,message", [
+    (dict(num_prompts=0), "train.num_prompts", "the prompt set is empty"),
+    (dict(prompts="nope"), "train.prompts", "unknown prompt source"),
+    (dict(soft_topk=100_000), "train.soft_topk", "vocabulary size 256"),       # checked against the target
+    (dict(target_layer_ids=[0, 9]), "train.target_layer_ids", "outside 0..5"),
+    (dict(mask_token_id=1), "train.mask_token_id", ">= 2 with synthetic prompts"),
+])
+def test_recipe_values_that_need_each_other_or_the_target_fail_before_any_work(tmp_path, own_cache, train, field,
+                                                                               message):
+    recipe = _tiny_recipe(tmp_path, **train)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert f": {field}: " in r.output and message in r.output and "Traceback" not in r.output, r.output
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("yaml_text,field,message", [
+    ("thresholds:\n  min_tau: .nan\n", "thresholds.min_tau", "must be a finite number"),
+    ("thresholds:\n  logits_atol: -.inf\n", "thresholds.logits_atol", "must be a finite number"),
+    ("thresholds:\n  min_identical_fraction: 2\n", "thresholds.min_identical_fraction", "must be in [0, 1]"),
+    ("thresholds:\n  min_distribution_p_value: -1\n", "thresholds.min_distribution_p_value", "must be in [0, 1]"),
+    ("trtllm:\n  kv_cache_free_gpu_memory_fraction: 0\n", "trtllm.kv_cache_free_gpu_memory_fraction",
+     "must be in (0, 1]"),
+    ("trtllm:\n  cuda_graph_batch_sizes: [1, 0]\n", "trtllm.cuda_graph_batch_sizes[1]", "must be >= 1"),
+    ("trtllm:\n  max_batch_size: 0\n", "trtllm.max_batch_size", "must be >= 1"),
+    ("max_seq_len: 8\n", "max_seq_len", "must be >= 16"),
+    ("block_size: 1\n", "block_size", "must be >= 2"),
+    ("draft_vocab: 0\n", "draft_vocab", "must be >= 2"),
+])
+def test_every_numeric_recipe_field_is_range_checked_at_load(tmp_path, yaml_text, field, message):
+    from dflash_export.recipes import load_recipe
+
+    p = tmp_path / "r.yaml"
+    p.write_text("name: r\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + yaml_text)
+    with pytest.raises(DFlashError, match=re.escape(f"{p}: {field}: {message}")):
+        load_recipe(p)
+
+
+def test_shipped_recipes_pass_the_range_checks():
+    from dflash_export.recipes import list_recipes, load_recipe
+
+    for name in list_recipes():
+        load_recipe(name)
+
+
+@pytest.mark.parametrize("args", [
+    ["--minutes", "nan"], ["--minutes", "inf"], ["--minutes", "0"], ["--minutes", "-1"],
+    ["--checkpoint-minutes", "nan"], ["--checkpoint-minutes", "inf"], ["--checkpoint-minutes", "0"],
+    ["--steps", "-1"], ["--threads", "0"], ["--threads", "-2"], ["--num-prompts", "-3"], ["--seed", "-1"],
+    ["--seed", str(2**40)],
+])
+def test_bad_train_option_is_a_usage_error_before_any_work(tmp_path, own_cache, args):
+    recipe = _tiny_recipe(tmp_path)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o", *args)
+    assert r.exit_code == 2 and args[0] in r.output and "Traceback" not in r.output, r.output
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(minutes=float("nan")), "--minutes"), (dict(minutes=0.0), "--minutes"),
+    (dict(checkpoint_minutes=float("inf")), "--checkpoint-minutes"), (dict(steps=-1), "--steps"),
+    (dict(threads=0), "--threads"), (dict(num_prompts=-3), "--num-prompts"), (dict(seed=-1), "--seed"),
+    (dict(num_prompts=0), "--num-prompts"),  # and the recipe has no teacher-forced prompts: nothing to train on
+])
+def test_run_train_checks_its_options_too(tmp_path, own_cache, kwargs, option):
+    from dflash_export.train import run_train
+
+    recipe = _tiny_recipe(tmp_path)
+    with pytest.raises(DFlashError, match=f"^{option}: "):
+        run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "o"), **kwargs)
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("which", ["out-under-file", "work-under-file", "out-is-file"])
+def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, which):
+    from dflash_export.train import run_train
+
+    recipe = _tiny_recipe(tmp_path)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    work, out = tmp_path / "w", tmp_path / "o"
+    if which == "out-under-file":
+        out, option, bad = a_file / "d", "--out", a_file / "d"
+    elif which == "work-under-file":
+        work, option, bad = a_file / "w", "--work-dir", a_file / "w"
+    else:
+        out, option, bad = a_file, "--out", a_file  # the CLI's click.Path refuses it already; the API must too
+        with pytest.raises(DFlashError, match=re.escape(f"{bad}: {option}: exists and is not a directory")):
+            run_train(str(recipe), work_dir=str(work), out=str(out))
+        _assert_nothing_written(tmp_path)
+        return
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", out)
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {bad}: {option}: cannot create it: {a_file} is not a directory"), r.output
+    _assert_nothing_written(tmp_path)
+    assert a_file.read_text() == "x"
+
+
+def test_unwritable_output_directory_is_named(tmp_path, monkeypatch):
+    import os
+
+    from dflash_export.train import check_output_dir
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    # root may write anywhere, so the permission is faked rather than set with chmod
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro)
+    with pytest.raises(DFlashError, match=re.escape(f"{ro / 'a' / 'b'}: --work-dir: cannot create it: {ro} is not "
+                                                    "writable")):
+        check_output_dir(ro / "a" / "b", "--work-dir")
+    with pytest.raises(DFlashError, match=re.escape(f"{ro}: --work-dir: directory is not writable")):
+        check_output_dir(ro, "--work-dir")
+    with pytest.raises(DFlashError, match="not writable"):  # a drafter directory is swapped in from its parent
+        check_output_dir(ro / "existing-not-needed", "--out", replaced=True)
+    check_output_dir(tmp_path / "new" / "dir", "--out", replaced=True)
+
+
+@pytest.fixture(scope="module")
+def pristine_checkpoint(tmp_path_factory):
+    from dflash_export.models import load_target
+    from dflash_export.train import save_checkpoint
+
+    target = load_target("tiny:qwen3/target")
+    d = drafter_from_target(target, 2, 4, 255)
+    opt = torch.optim.AdamW(d.parameters())
+    d(target.embed(torch.tensor([[1, 255, 255, 255]])), torch.arange(4)[None],
+      d.project_context(torch.zeros(1, 2, d.fc.in_features)), torch.arange(2)[None]).sum().backward()
+    opt.step()  # an optimizer state with exp_avg / exp_avg_sq, as a real run's
+    work = tmp_path_factory.mktemp("ck") / "w"
+    save_checkpoint(work, d, opt, 3, 1.0, {})
+    return work
+
+
+def _corrupt(work: Path, kind: str) -> Path:
+    ck = work / "checkpoint"
+    state, weights = ck / "train_state.pt", ck / "drafter" / "model.safetensors"
+    if kind == "state-truncated":
+        state.write_bytes(state.read_bytes()[:300])
+    elif kind == "state-garbage":
+        state.write_text("garbage")
+    elif kind == "state-empty":
+        state.write_bytes(b"")
+    elif kind == "state-missing":
+        state.unlink()
+    elif kind == "state-not-a-state":
+        torch.save({"step": "three"}, state)
+    elif kind == "state-optimizer-mismatch":
+        s = torch.load(state, weights_only=True)
+        s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+        torch.save(s, state)
+    elif kind == "weights-truncated":
+        weights.write_bytes(weights.read_bytes()[:500])
+        return weights
+    elif kind == "weights-garbage":
+        weights.write_text("garbage")
+        return weights
+    return state
+
+
+@pytest.mark.parametrize("kind", ["state-truncated", "state-garbage", "state-empty", "state-missing",
+                                  "state-not-a-state", "state-optimizer-mismatch", "weights-truncated",
+                                  "weights-garbage"])
+def test_corrupt_checkpoint_is_one_line_on_resume(tmp_path, own_cache, pristine_checkpoint, kind):
+    import shutil
+
+    work = tmp_path / "w"
+    shutil.copytree(pristine_checkpoint, work)
+    bad = _corrupt(work, kind)
+    before = sorted((p.name, p.stat().st_size) for p in work.rglob("*"))
+    recipe = _tiny_recipe(tmp_path, steps=2)
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", tmp_path / "o", "--resume")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {bad}: corrupt checkpoint ("), r.output
+    assert not (tmp_path / "o").exists()
+    assert sorted((p.name, p.stat().st_size) for p in work.rglob("*")) == before  # the evidence is left alone
+
+
+def test_a_failure_after_the_work_dir_exists_removes_it_and_leaves_one_line(tmp_path, own_cache, monkeypatch):
+    import dflash_export.train as train
+
+    def fail(*a, **k):
+        raise DFlashError("simulated failure", field="test")
+
+    monkeypatch.setattr(train, "train_drafter", fail)
+    recipe = _tiny_recipe(tmp_path, num_prompts=4, heldout_prompts=1, max_new_tokens=4, steps=2)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "new" / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output == "error: test: simulated failure\n", r.output  # no progress bars
+    assert not (tmp_path / "new").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_failed_generation_leaves_no_empty_cache_folder(tmp_path):
+    from dflash_export.train import generate_shards
+
+    with pytest.raises(AttributeError):  # no target: the first generation fails
+        generate_shards(None, lambda: [(0, [1, 2, 3])], tmp_path / "data", [0], 4, 1, 1, 1)
+    assert not (tmp_path / "data").exists()
