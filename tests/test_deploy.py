@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -578,3 +579,361 @@ def test_max_queue_size_rejects_overflow_and_keeps_serving(tmp_path, engine_dir)
         assert codes.count(200) >= 1 and any(code == 503 and "queue" in body["error"] for code, body in results)
         assert post_json(url, {"text_input": "after", "max_tokens": 2})[0] == 200
     assert pids_mentioning(str(repo)) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input to `deploy` and `serve`: one line naming the file / option, exit 2, nothing written, nothing left running
+
+
+def cli(*args, cwd=ROOT, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "dflash_export", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def assert_one_line(r, *needles, code=2):
+    err = r.stderr.strip()
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "\n" not in err and err.startswith("error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def edit_manifest(engine: Path, **fields) -> Path:
+    """Change manifest fields in place of the file (never through a hard link shared with another engine copy)."""
+    path = engine / "manifest.json"
+    m = json.loads(path.read_text())
+    for k, v in fields.items():
+        if v is ...:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    path.unlink()
+    path.write_text(json.dumps(m))
+    return engine
+
+
+def copy_engine(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)  # real copies: editing them never touches `src`
+    return dst
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"backend": "cuda"}, "backend"),
+    ({"block_size": "four"}, "block_size"),
+    ({"block_size": 0}, "block_size"),
+    ({"mask_token_id": -1}, "mask_token_id"),
+    ({"mask_token_id": ...}, "mask_token_id"),
+    ({"files": ["a"]}, "files"),
+    ({"files": {"../../etc/passwd": "0" * 64}}, "files"),
+    ({"recipe_path": "/nonexistent/recipe.yaml"}, "recipe_path"),
+])
+def test_deploy_validates_the_manifest_like_run(tmp_path, fields, field):
+    engine = edit_manifest(make_torch_engine_dir(tmp_path / "engine"), **fields)
+    with pytest.raises(DFlashError) as e:
+        write_repository(engine, tmp_path / "repo")
+    assert f"manifest.json: {field}" in str(e.value), str(e.value)
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"engine_format": 1}, "engine_format"),
+    ({"shapes": {"target_layers": 2}}, "shapes"),
+    ({"vocab_size": "256"}, "vocab_size"),
+    ({"stop_token_ids": "254"}, "stop_token_ids"),
+    ({"max_seq_len": ...}, "max_seq_len"),
+])
+def test_deploy_validates_onnxruntime_manifest_fields(tmp_path, engine_dir, fields, field):
+    if json.loads((engine_dir / "manifest.json").read_text())["backend"] != "onnxruntime":
+        pytest.skip("no ONNX Runtime engine in this environment")
+    engine = edit_manifest(copy_engine(engine_dir, tmp_path / "engine"), **fields)
+    with pytest.raises(DFlashError) as e:
+        write_repository(engine, tmp_path / "repo")
+    assert f"manifest.json: {field}" in str(e.value), str(e.value)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_deploy_cli_refuses_a_manifest_run_refuses(tmp_path):
+    engine = edit_manifest(make_torch_engine_dir(tmp_path / "engine"), backend="cuda")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo")
+    assert_one_line(r, f"{engine}/manifest.json: backend: unknown backend 'cuda'")
+    edit_manifest(engine, backend="pytorch", block_size="four")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo")
+    assert_one_line(r, "manifest.json: block_size:")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_llmapi_model_py_only_for_tensorrt_llm_and_must_exist(tmp_path):
+    from dflash_export.engines.tensorrt_llm import write_trtllm_bundle
+    from dflash_export.recipes import load_recipe
+
+    model_py = tmp_path / "model.py"
+    model_py.write_text("# llmapi model\n")
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    with pytest.raises(DFlashError, match="--llmapi-model-py: only used with a TensorRT-LLM bundle"):
+        write_repository(engine, tmp_path / "repo", llmapi_model_py=model_py)
+    bundle = write_trtllm_bundle(load_recipe("tiny-qwen3"), tmp_path / "bundle")
+    for bad, msg in ((tmp_path / "missing.py", "file not found"), (tmp_path, "not a file"), ("", "empty path")):
+        with pytest.raises(DFlashError, match=f"--llmapi-model-py: {msg}"):
+            write_repository(bundle, tmp_path / "repo", llmapi_model_py=bad)
+    assert not (tmp_path / "repo").exists()
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--llmapi-model-py", model_py)
+    assert_one_line(r, f"{model_py}: --llmapi-model-py:")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_deploy_never_replaces_the_current_directory_or_its_parents(tmp_path, monkeypatch):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    # The worst case: the current directory is an earlier deploy, which deploy would otherwise replace.
+    here = write_repository(engine, tmp_path / "work" / "repo")
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    for repo in ("", "  ", ".", "..", str(here), str(tmp_path)):
+        with pytest.raises(DFlashError, match="--repo") as e:
+            write_repository(engine, repo)
+        assert "\n" not in str(e.value)
+    assert (here / "notes.txt").read_text() == "mine" and Path.cwd() == here
+    r = cli("deploy", "--engine", engine, "--repo", "", cwd=here)
+    assert_one_line(r, "--repo: empty path")
+    r = cli("deploy", "--engine", engine, "--repo", ".", cwd=here)
+    assert_one_line(r, "--repo: is the current directory")
+    assert (here / "notes.txt").read_text() == "mine"
+
+
+def test_deploy_refuses_repo_inside_or_around_the_engine(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "a" / "engine")
+    with pytest.raises(DFlashError, match="inside the engine directory"):
+        write_repository(engine, engine / "repo")
+    with pytest.raises(DFlashError, match="contains the engine directory"):
+        write_repository(engine, tmp_path / "a")
+    assert sorted(p.name for p in engine.iterdir()) == ["manifest.json"]
+
+
+def test_deploy_repo_under_a_file_or_unwritable_is_one_line_up_front(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DFlashError, match="afile is a file, not a directory"):
+        write_repository(engine, tmp_path / "afile" / "sub" / "repo")
+    with pytest.raises(DFlashError, match="--repo: exists and is not a directory"):
+        write_repository(engine, tmp_path / "afile")
+    # /proc refuses new directories even to root (for whom permission bits do not count).
+    with pytest.raises(DFlashError, match="--repo: cannot write the repository"):
+        write_repository(engine, "/proc/dflash-nope/repo")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "afile" / "repo")
+    assert_one_line(r, "--repo: cannot create it:")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        with pytest.raises(DFlashError, match="is not writable"):
+            write_repository(engine, ro / "repo")
+        assert list(ro.iterdir()) == []
+
+
+def test_deploy_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    import dflash_export.deploy.repository as repository
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+
+    def fail(engine_dir, repo, *a, **k):
+        (repo / "dflash").mkdir()
+        raise OSError(28, "No space left on device", str(repo / "dflash" / "config.pbtxt"))
+
+    monkeypatch.setattr(repository, "_write_python_models", fail)
+    with pytest.raises(DFlashError, match="--repo: cannot write the repository .No space left"):
+        write_repository(engine, tmp_path / "new" / "deeper" / "repo")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture
+def small_repo(tmp_path):
+    return write_repository(make_torch_engine_dir(tmp_path / "engine"), tmp_path / "repo", decoupled=False)
+
+
+def test_check_repository_accepts_a_deploy_and_names_what_is_wrong(tmp_path, small_repo):
+    from dflash_export.deploy.repository import check_repository
+
+    assert check_repository(small_repo)["models"] == ["dflash"]
+    (tmp_path / "empty").mkdir()
+    cases = [(tmp_path / "empty", "not a model repository written by `dflash-export deploy`"),
+             (tmp_path / "nope", "model repository not found"),
+             (tmp_path / "engine" / "manifest.json", "--repo: not a directory")]
+    for repo, msg in cases:
+        with pytest.raises(DFlashError, match=msg):
+            check_repository(repo)
+
+    def broken(edit):
+        import shutil
+
+        repo = tmp_path / f"broken{len(list(tmp_path.glob('broken*')))}"
+        shutil.copytree(small_repo, repo)
+        edit(repo)
+        with pytest.raises(DFlashError) as e:
+            check_repository(repo)
+        return str(e.value)
+
+    assert "extra: not one of the deployed models" in broken(lambda r: (r / "extra").mkdir())
+    assert "dflash_repository.json: models" in broken(lambda r: (r / MARKER).write_text('{"models": []}'))
+    assert "config.pbtxt: missing" in broken(lambda r: (r / "dflash" / "config.pbtxt").unlink())
+    assert "model.py: missing" in broken(lambda r: (r / "dflash" / "1" / "model.py").unlink())
+    msg = broken(lambda r: (r / "dflash" / "config.pbtxt").write_text(
+        (r / "dflash" / "config.pbtxt").read_text().replace("TYPE_INT32", "TYPE_INT33", 1)))
+    assert "config.pbtxt: input max_tokens.data_type" in msg
+
+    def tamper(r):
+        m = r / "dflash" / "engine" / "manifest.json"
+        text = m.read_text().replace('"block_size": 4', '"block_size": "four"')
+        m.unlink()
+        m.write_text(text)
+
+    assert "engine/manifest.json: block_size" in broken(tamper)
+
+    def other_versions(r):
+        cfg = r / "dflash" / "config.pbtxt"
+        text = cfg.read_text()
+        assert "tokenizers" in text
+        cfg.write_text(re.sub(r'(\\"tokenizers\\": \\")[^\\\\]+', r"\g<1>0.0.1", text))
+
+    assert "parameters.library_versions: deployed with tokenizers 0.0.1" in broken(other_versions)
+
+
+def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
+    from dflash_export.deploy.server import serve
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    busy = held.getsockname()[1]
+    a, b, c = free_ports(3)
+    cases = [
+        (dict(http_port=a, grpc_port=a, metrics_port=c), "--grpc-port: "),
+        (dict(http_port=a, grpc_port=b, metrics_port=a), "--metrics-port: "),
+        (dict(http_port=0, grpc_port=b, metrics_port=c), "--http-port: must be in 1..65535"),
+        (dict(http_port=a, grpc_port=70000, metrics_port=c), "--grpc-port: must be in 1..65535"),
+        (dict(http_port=busy, grpc_port=b, metrics_port=c), f"--http-port: port {busy} is already in use"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="999.1.1.1"), "--host: not a valid IPv4 address"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="::1"), "--host: "),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="no-such-host.invalid"), "--host: cannot resolve"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="192.0.2.1"), "--host: 192.0.2.1 is not an address"),
+    ]
+    try:
+        for kwargs, msg in cases:
+            with pytest.raises(DFlashError) as e:
+                serve(small_repo, **kwargs)
+            assert msg in str(e.value) and e.value.exit_code == 2, (kwargs, str(e.value))
+    finally:
+        held.close()
+    assert pids_mentioning(str(small_repo)) == []
+
+
+def test_serve_cli_refuses_a_directory_deploy_did_not_write(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = cli("serve", "--repo", tmp_path / "empty")
+    assert_one_line(r, f"{tmp_path / 'empty'}: --repo: not a model repository")
+    r = cli("serve", "--repo", tmp_path / "empty", "--http-port", 18000, "--grpc-port", 18000, "--metrics-port", 18000)
+    assert_one_line(r)  # the repository is checked first; either way one line, nothing started
+    assert pids_mentioning(str(tmp_path / "empty")) == []
+
+
+def test_server_death_is_one_line_with_the_log_path(tmp_path):
+    """The message a dead server gives: the first telling log line, shortened, and where the full log is; a model
+    refusing its input (DFlashError at load) is exit 2, anything else exit 1."""
+    from dflash_export.deploy.server import ModelRefused, ServerError, TritonServer
+
+    srv = TritonServer(tmp_path, log_path=tmp_path / "triton.log")
+
+    class Done:
+        returncode = 1
+
+    srv.proc = Done()
+    prefix = "E1130 07:37:27.791032 21828 model_lifecycle.cc:642] "
+    srv._log.extend([
+        "I1130 07:37:26.000000 21828 server.cc:1] starting\n",
+        'E1130 07:37:27.011144 21828 server.cc:241] "CudaDriverHelper has not been initialized."\n',
+        prefix + "\"failed to load 'dflash' version 1: Internal: DFlashError: /r/manifest.json: max_seq_len: "
+                 "disagrees" + "x" * 400 + "\\n\\nAt:\\n  trace\"\n",
+        prefix + "\"failed to load 'dflash_stream' version 1: Internal: DFlashError: later\"\n",
+    ])
+    e = srv._death_error()
+    assert isinstance(e, ModelRefused) and e.exit_code == 2
+    msg = str(e)
+    assert msg.startswith(f"{tmp_path}: tritonserver exited (code 1: failed to load 'dflash' version 1: /r/manifest")
+    assert msg.endswith(f"); full log: {tmp_path / 'triton.log'}") and "\n" not in msg
+    assert len(msg.split(" (", 1)[1].split("); full log")[0]) <= 250  # shortened
+    assert "DFlashError" not in msg and "At:" not in msg and "later" not in msg
+    srv._log.clear()
+    srv._log.extend(['E1130 07:37:27.1 1 server.cc:1] "failed to start HTTP service: address in use"\n'])
+    e = srv._death_error()
+    assert type(e) is ServerError and e.exit_code == 1 and "failed to start HTTP service" in str(e)
+
+
+def test_server_child_dies_with_its_parent_even_on_sigkill(tmp_path):
+    """`serve` starts tritonserver in its own session; the kernel must still stop it when the CLI is killed."""
+    code = ("import subprocess, sys, time\n"
+            "from dflash_export.deploy.server import _die_with_parent\n"
+            "p = subprocess.Popen(['sleep', '300'], start_new_session=True, preexec_fn=_die_with_parent())\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(300)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(parent.stdout.readline())
+    try:
+        os.kill(child, 0)  # running
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{child}").exists() and \
+                Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.05)
+        alive = Path(f"/proc/{child}").exists() and \
+            Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the child outlived its SIGKILLed parent"
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.server
+def test_serve_model_refusing_its_engine_is_one_line_exit_2(tmp_path, engine_dir):
+    """A manifest edited to disagree with its graphs passes every pre-check but the model's own load: the server
+    exits, and `serve` says why in one line, names the full log, and leaves nothing running."""
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    m = repo / "dflash" / "engine" / "manifest.json"
+    manifest = json.loads(m.read_text())
+    if manifest["backend"] != "onnxruntime":
+        pytest.skip("needs the ONNX Runtime engine (graph metadata)")
+    edit_manifest(repo / "dflash" / "engine", max_seq_len=manifest["max_seq_len"] // 2)
+    log = tmp_path / "triton.log"
+    r = cli("serve", "--repo", repo, "--log-file", log, *sum(([f"--{n}-port", p] for n, p in
+                                                             zip(("http", "grpc", "metrics"), free_ports(3))), []))
+    assert_one_line(r, f"error: {repo}: tritonserver exited (", "max_seq_len", f"; full log: {log}")
+    assert "failed to load 'dflash'" in log.read_text()
+    assert pids_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
+def test_serve_cli_killed_outright_takes_the_server_with_it(tmp_path, engine_dir):
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("ready:"):
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert line.startswith("ready:"), line
+        assert pids_mentioning(str(repo)) != []
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and pids_mentioning(str(repo)):
+        time.sleep(0.2)
+    assert pids_mentioning(str(repo)) == [], "tritonserver outlived the killed serve"

@@ -42,8 +42,10 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
-def serve(repo_dir, host, http_port, grpc_port, metrics_port):
+@click.option("--log-file", type=click.Path(dir_okay=False), default=None,
+              help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
+def serve(repo_dir, host, http_port, grpc_port, metrics_port, log_file):
     """Run tritonserver (from nvidia-pytriton) on a model repository until Ctrl-C."""
     from dflash_export.deploy.server import serve as run_server
 
-    sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host))
+    sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file))

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_export.engines.base import read_manifest
-from dflash_export.errors import DFlashError, atomic_dir
+from dflash_export.engines.base import MANIFEST, read_manifest
+from dflash_export.errors import DFlashError, atomic_dir, read_json_object
 
 MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
@@ -334,9 +334,161 @@ def _needed_libraries(backend: str) -> dict[str, str]:
     return {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Checking the engine and the target before anything is written
+
+BACKENDS = ("onnxruntime", "tensorrt", "pytorch", "tensorrt-llm")
+
+
+def _int_field(manifest: dict, name: str, path: Path, minimum: int = 0) -> int:
+    if name not in manifest:
+        raise DFlashError("missing field", path=path, field=name)
+    value = manifest[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DFlashError(f"expected an integer, got {value!r}", path=path, field=name)
+    if value < minimum:
+        raise DFlashError(f"must be >= {minimum}, got {value}", path=path, field=name)
+    return value
+
+
+def _int_list_field(manifest: dict, name: str, path: Path) -> list[int]:
+    if name not in manifest:
+        raise DFlashError("missing field", path=path, field=name)
+    value = manifest[name]
+    if not isinstance(value, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in value):
+        raise DFlashError(f"expected a list of integers >= 0, got {value!r}", path=path, field=name)
+    return value
+
+
+def load_engine_manifest(engine_dir) -> dict[str, Any]:
+    """The engine's manifest with the checks `dflash-export run` applies, without loading any weights.
+
+    Files exist and match their hashes (`read_manifest`); the backend is one deploy can serve; the fields the backend's
+    engine reads at load time are present and typed. Stand-in until `dflash_export.engines.base` exposes a validating
+    manifest loader: `write_repository` and `check_repository` should then call that instead.
+    """
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if engine_dir.is_dir() and path.is_file():
+        # read_manifest iterates `files` as a mapping: check its shape first so a damaged one is one line.
+        files = read_json_object(path).get("files", {})
+        if not isinstance(files, dict) or any(not isinstance(k, str) or not isinstance(v, str)
+                                              for k, v in files.items()):
+            raise DFlashError("expected an object mapping file names to sha256 digests", path=path, field="files")
+        for rel in files:
+            if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise DFlashError(f"{rel!r} is not a path inside the engine directory", path=path, field="files")
+    manifest = read_manifest(engine_dir, verify_files=False)
+    backend = manifest["backend"]
+    if backend not in BACKENDS:
+        raise DFlashError(f"unknown backend {backend!r} (expected one of: {', '.join(BACKENDS)})", path=path,
+                          field="backend")
+    block_size = _int_field(manifest, "block_size", path, minimum=1)
+    mask = _int_field(manifest, "mask_token_id", path)
+    if backend in ("onnxruntime", "tensorrt"):
+        vocab = _int_field(manifest, "vocab_size", path, minimum=1)
+        if mask >= vocab:
+            raise DFlashError(f"must be below vocab_size {vocab}, got {mask}", path=path, field="mask_token_id")
+        _int_field(manifest, "max_seq_len", path, minimum=block_size)
+        _int_list_field(manifest, "stop_token_ids", path)
+        _int_list_field(manifest, "target_layer_ids", path)
+    if backend == "onnxruntime":
+        from dflash_export.engines.onnxruntime import ENGINE_FORMAT
+
+        if manifest.get("engine_format") != ENGINE_FORMAT:
+            raise DFlashError(f"engine format {manifest.get('engine_format')!r} is not {ENGINE_FORMAT}: rebuild the "
+                              "engine", path=path, field="engine_format")
+        shapes = manifest.get("shapes")
+        keys = ("target_layers", "target_kv_heads", "target_head_dim", "drafter_layers", "drafter_kv_heads",
+                "drafter_head_dim")
+        if not isinstance(shapes, dict) or any(not isinstance(shapes.get(k), int) or isinstance(shapes.get(k), bool)
+                                               or shapes[k] < 1 for k in keys):
+            raise DFlashError(f"expected an object with positive integers {', '.join(keys)}", path=path,
+                              field="shapes")
+    elif backend == "tensorrt":
+        from dflash_export.engines.tensorrt import tensorrt_engine_info
+
+        tensorrt_engine_info(engine_dir, manifest)  # the same manifest reading the TensorRT engine does
+        if not isinstance(manifest.get("engines"), dict) or not manifest["engines"]:
+            raise DFlashError("expected an object naming the engine files", path=path, field="engines")
+    elif backend == "pytorch":
+        recipe = manifest.get("recipe_path")
+        if not isinstance(recipe, str) or not recipe:
+            raise DFlashError(f"expected the recipe file's path, got {recipe!r}", path=path, field="recipe_path")
+        if not Path(recipe).is_file():
+            raise DFlashError(f"recipe {recipe} not found", path=path, field="recipe_path")
+    elif backend == "tensorrt-llm":
+        _int_list_field(manifest, "target_layer_ids", path)
+    return read_manifest(engine_dir)  # every listed file present and matching its hash
+
+
 def _check_target(repo: Path) -> None:
     if repo.exists() and (not repo.is_dir() or (any(repo.iterdir()) and not (repo / MARKER).is_file())):
         raise DFlashError("exists and was not written by `dflash-export deploy`; choose a new directory", path=repo)
+
+
+def check_repo_path(repo_arg, engine_dir: Path | None = None) -> Path:
+    """Resolve `--repo` and refuse, before anything is written, a target deploy must not (or cannot) replace."""
+    if repo_arg is None or not str(repo_arg).strip():
+        raise DFlashError("empty path: name the repository directory to write", field="--repo")
+    repo = Path(repo_arg).expanduser().resolve()
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:
+        cwd = None
+    if cwd is not None and (repo == cwd or repo in cwd.parents):
+        raise DFlashError("is the current directory or one of its parents, which deploy would replace; "
+                          "choose a new directory", path=repo, field="--repo")
+    if engine_dir is not None:
+        if repo == engine_dir or engine_dir in repo.parents:
+            raise DFlashError(f"is inside the engine directory {engine_dir}; choose a directory outside it",
+                              path=repo, field="--repo")
+        if repo in engine_dir.parents:
+            raise DFlashError(f"contains the engine directory {engine_dir}, which deploy would replace; choose "
+                              "another directory", path=repo, field="--repo")
+    if repo.is_file() or (repo.exists() and not repo.is_dir()):
+        raise DFlashError("exists and is not a directory", path=repo, field="--repo")
+    _check_target(repo)
+    # The repository is written as a sibling temp directory, then renamed: its parent must be (or become) writable.
+    anc = repo.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise DFlashError(f"cannot create it: {anc} is a file, not a directory", path=repo, field="--repo")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot create it: {anc} is not writable", path=repo, field="--repo")
+    return repo
+
+
+def _check_llmapi_model_py(llmapi_model_py, backend: str, engine_dir: Path) -> Path | None:
+    if llmapi_model_py is None:
+        return None
+    if not str(llmapi_model_py).strip():
+        raise DFlashError("empty path", field="--llmapi-model-py")
+    src = Path(llmapi_model_py).expanduser()
+    if backend != "tensorrt-llm":
+        raise DFlashError(f"only used with a TensorRT-LLM bundle, but {engine_dir} is an engine for backend "
+                          f"{backend!r} (its Triton model comes with dflash-export): drop the option", path=src,
+                          field="--llmapi-model-py")
+    if not src.exists():
+        raise DFlashError("file not found", path=src, field="--llmapi-model-py")
+    if not src.is_file():
+        raise DFlashError("not a file (expected TensorRT-LLM's llmapi model.py)", path=src, field="--llmapi-model-py")
+    if not os.access(src, os.R_OK):
+        raise DFlashError("not readable", path=src, field="--llmapi-model-py")
+    return src.resolve()
+
+
+def _os_error(e: OSError, engine_dir: Path, repo_dir: Path) -> DFlashError:
+    """One line for a filesystem failure while writing (shutil.Error carries a list of (src, dst, why))."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        src, _dst, why = e.args[0][0]
+        return DFlashError(f"cannot copy it into the repository ({why})", path=src)
+    name = Path(str(e.filename)) if e.filename else None
+    if name is not None and (name == engine_dir or engine_dir in name.parents):
+        return DFlashError(f"cannot read it ({e.strerror or e})", path=name)
+    where = f": {name}" if name is not None and name != repo_dir else ""
+    return DFlashError(f"cannot write the repository ({e.strerror or e}{where})", path=repo_dir, field="--repo")
 
 
 def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
@@ -346,28 +498,49 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
     `dflash` either way). max_queue_size 0 means unbounded. threads: intra-op threads per instance (0: the
     server's cores divided by `instances`, decided at load). Returns the repository path.
+
+    Every check (engine manifest, options, target directory) runs before anything is written; a failure while
+    writing leaves neither a partial repository nor the parent directories it created.
     """
     from dflash_export.deploy.server import stub_python_path
 
-    engine_dir, repo_dir = Path(engine_dir).resolve(), Path(repo_dir).resolve()
-    manifest = read_manifest(engine_dir)
+    if engine_dir is None or not str(engine_dir).strip():
+        raise DFlashError("empty path: name a built engine directory", field="--engine")
+    engine_dir = Path(engine_dir).expanduser().resolve()
+    manifest = load_engine_manifest(engine_dir)
     if not 1 <= instances <= MAX_INSTANCES:
         raise DFlashError(f"must be in 1..{MAX_INSTANCES}, got {instances}", field="--instances")
     if max_queue_size < 0:
         raise DFlashError(f"must be >= 0, got {max_queue_size}", field="--max-queue-size")
     if threads < 0:
         raise DFlashError(f"must be >= 0, got {threads}", field="--threads")
-    _check_target(repo_dir)
     backend = manifest["backend"]
-    with atomic_dir(repo_dir) as tmp:
-        if backend == "tensorrt-llm":
-            models = _write_llmapi(engine_dir, tmp, llmapi_model_py)
-        else:
-            models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
-                                          threads, stub_python_path())
-        (tmp / MARKER).write_text(json.dumps({
-            "engine": str(engine_dir), "backend": backend, "recipe": manifest.get("recipe"), "models": models,
-            "instances": instances, "max_queue_size": max_queue_size}, indent=2) + "\n")
+    model_py = _check_llmapi_model_py(llmapi_model_py, backend, engine_dir)
+    repo_dir = check_repo_path(repo_dir, engine_dir)
+    created = []  # parent directories atomic_dir will create, removed again if writing fails
+    anc = repo_dir.parent
+    while not anc.exists() and anc != anc.parent:
+        created.append(anc)
+        anc = anc.parent
+    try:
+        with atomic_dir(repo_dir) as tmp:
+            if backend == "tensorrt-llm":
+                models = _write_llmapi(engine_dir, tmp, model_py)
+            else:
+                models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
+                                              threads, stub_python_path())
+            (tmp / MARKER).write_text(json.dumps({
+                "engine": str(engine_dir), "backend": backend, "recipe": manifest.get("recipe"), "models": models,
+                "instances": instances, "max_queue_size": max_queue_size}, indent=2) + "\n")
+    except BaseException as e:
+        for d in created:  # deepest first; only the ones left empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(e, OSError):
+            raise _os_error(e, engine_dir, repo_dir) from None
+        raise
     return repo_dir
 
 
@@ -407,7 +580,7 @@ def _find_model_yaml(bundle: Path) -> Path:
     return found[0]
 
 
-def _write_llmapi(bundle: Path, repo: Path, llmapi_model_py) -> list[str]:
+def _write_llmapi(bundle: Path, repo: Path, llmapi_model_py: Path | None) -> list[str]:
     model_yaml = _find_model_yaml(bundle)
     # The bundle names its model (TensorRT-LLM's docs use `tensorrt_llm`); a root-level model.yaml gets ours.
     name = model_yaml.parent.parent.name if model_yaml.parent.name == "1" else MODEL_NAME
@@ -419,13 +592,110 @@ def _write_llmapi(bundle: Path, repo: Path, llmapi_model_py) -> list[str]:
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     # model.yaml refers to the bundle by absolute path, so the bundle is referenced, not copied.
     shutil.copy2(model_yaml, model_dir / "1" / "model.yaml")
-    if llmapi_model_py is not None:
-        src = Path(llmapi_model_py)
-        if not src.is_file():
-            raise DFlashError("not found", path=src, field="--llmapi-model-py")
+    if llmapi_model_py is not None:  # checked by write_repository: a readable file, for this backend only
+        src = llmapi_model_py
         shutil.copy2(src, model_dir / "1" / "model.py")
         if (src.parent / "helpers.py").is_file():
             shutil.copy2(src.parent / "helpers.py", model_dir / "1" / "helpers.py")
     else:
         (model_dir / "README.txt").write_text(LLMAPI_NOTE)
     return [name]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checking a written repository before serving it
+
+
+def _config_parameters(cfg: dict[str, Any]) -> dict[str, str]:
+    params = cfg.get("parameters", [])
+    out = {}
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict) and isinstance(p.get("key"), str) and isinstance(p.get("value"), dict):
+            out[p["key"]] = p["value"].get("string_value")
+    return out
+
+
+def _check_library_versions(recorded: str | None, cfg_path: Path) -> None:
+    """The versions recorded at deploy must be the ones `serve` gives the model (numpy is the stub's own)."""
+    from importlib import metadata
+
+    where = "parameters.library_versions"
+    try:
+        want = json.loads(recorded or "{}")
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"not valid JSON ({e.msg})", path=cfg_path, field=where) from None
+    if not isinstance(want, dict):
+        raise DFlashError("expected a JSON object of package versions", path=cfg_path, field=where)
+    for name, version in want.items():
+        if name == "numpy":
+            continue
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have != version:
+            raise DFlashError(f"deployed with {name} {version}, but this environment has "
+                              f"{name + ' ' + have if have else 'no ' + name}: serve from the environment that "
+                              "deployed it, or deploy again from this one", path=cfg_path, field=where)
+
+
+def check_repository(repo) -> dict[str, Any]:
+    """Refuse, before a server starts, a directory `dflash-export deploy` did not write or that was changed since.
+
+    Checks the marker, that Triton would load exactly the deployed models, every config.pbtxt, each model's
+    model.py, the copied engine (manifest fields and file hashes) and the recorded library versions. Returns the
+    marker.
+    """
+    repo = Path(repo)
+    if not repo.exists():
+        raise DFlashError("model repository not found", path=repo, field="--repo")
+    if not repo.is_dir():
+        raise DFlashError("not a directory", path=repo, field="--repo")
+    marker_path = repo / MARKER
+    if not marker_path.is_file():
+        raise DFlashError(f"not a model repository written by `dflash-export deploy` (no {MARKER})", path=repo,
+                          field="--repo")
+    marker = read_json_object(marker_path)
+    models = marker.get("models")
+    if not isinstance(models, list) or not models or any(not isinstance(m, str) or not _NAME.match(m)
+                                                         for m in models):
+        raise DFlashError(f"expected a non-empty list of model names, got {models!r}", path=marker_path,
+                          field="models")
+    backend = marker.get("backend")
+    try:
+        extra = sorted(d.name for d in repo.iterdir() if d.is_dir() and not d.name.startswith(".")
+                       and d.name not in models)
+    except OSError as e:
+        raise DFlashError(f"cannot read it ({e.strerror})", path=repo) from None
+    if extra:
+        raise DFlashError(f"not one of the deployed models {models} (Triton would try to load it); remove it or "
+                          "deploy again", path=repo / extra[0])
+    checked_engines: set[Path] = set()
+    for name in models:
+        model_dir = repo / name
+        cfg_path = model_dir / "config.pbtxt"
+        if not model_dir.is_dir():
+            raise DFlashError(f"model directory listed in {MARKER} is missing", path=model_dir)
+        if not cfg_path.is_file():
+            raise DFlashError("missing: deploy again", path=cfg_path)
+        try:
+            text = cfg_path.read_text()
+        except UnicodeDecodeError as e:
+            raise DFlashError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=cfg_path) from None
+        cfg = check_config_text(text, cfg_path, expect_name=name)
+        if not (model_dir / "1" / "model.py").is_file():
+            if backend == "tensorrt-llm":
+                raise DFlashError("TensorRT-LLM's llmapi model.py is missing: deploy again with --llmapi-model-py",
+                                  path=model_dir / "1" / "model.py")
+            raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
+        params = _config_parameters(cfg)
+        if cfg.get("backend") == "python" and backend != "tensorrt-llm":
+            ref = params.get("engine_dir")
+            if not ref:
+                raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
+            engine = Path(os.path.normpath(model_dir / ref)) if not os.path.isabs(ref) else Path(ref)
+            if engine not in checked_engines:
+                load_engine_manifest(engine)
+                checked_engines.add(engine)
+            _check_library_versions(params.get("library_versions"), cfg_path)
+    return marker

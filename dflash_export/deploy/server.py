@@ -21,12 +21,15 @@ compatible at run time), and the served outputs are checked against direct engin
 from __future__ import annotations
 
 import collections
+import errno
+import ipaddress
 import os
 import platform
 import re
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -45,6 +48,17 @@ class ServerError(DFlashError):
     """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
 
     exit_code = 1
+
+
+class ModelRefused(ServerError):
+    """tritonserver exited because a model refused its input at load (a DFlashError inside the model: e.g. a manifest
+    that disagrees with its graphs). Bad input, so exit code 2, like the checks `serve` makes before starting."""
+
+    exit_code = 2
+
+
+# How the python backend reports an exception raised by a model's initialize: "<Type>: <message>".
+_INPUT_ERROR = re.compile(r"(?:Internal: )?\b(?:DFlashError|MissingDependency): ")
 
 
 @dataclass
@@ -218,16 +232,105 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def resolve_host(host: str) -> str:
+    """The IPv4 address to bind for `--host` (an address as given, a name resolved); DFlashError when neither.
+
+    IPv6 is refused up front: the server joins address and port as `host:port`, which an IPv6 address breaks.
+    """
+    if not isinstance(host, str) or not host.strip() or host != host.strip():
+        raise DFlashError(f"expected an IPv4 address or host name, got {host!r}", field="--host")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        addr = None
+    if addr is not None or ":" in host:
+        if addr is None or addr.version != 4:
+            raise DFlashError(f"{host!r}: tritonserver listens on IPv4 addresses only (e.g. 127.0.0.1, 0.0.0.0)",
+                              field="--host")
+        return str(addr)
+    if re.fullmatch(r"[0-9.]+", host):
+        # Never send a malformed address (999.1.1.1, 1.2.3) to the resolver: it is not a name either.
+        raise DFlashError(f"not a valid IPv4 address: {host!r}", field="--host")
+    try:
+        infos = socket.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise DFlashError(f"cannot resolve {host!r} to an IPv4 address ({getattr(e, 'strerror', None) or e})",
+                          field="--host") from None
+    return infos[0][4][0]
+
+
+def check_listen(host: str, ports: dict[str, int]) -> None:
+    """Refuse ports out of range, one port given twice, and an address or port this machine cannot listen on.
+
+    `ports` maps option names (--http-port, ...) to ports; `host` is an IPv4 address (see `resolve_host`).
+    """
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise DFlashError(f"must be in 1..65535, got {port!r}", field=name)
+        if port in seen:
+            raise DFlashError(f"{port} is also {seen[port]}: HTTP, gRPC and metrics each need their own port",
+                              field=name)
+        seen[port] = name
+    for name, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As a server binds: a port left in TIME_WAIT by an earlier run is free, a listening one is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DFlashError(f"port {port} is already in use on {host}", field=name) from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise DFlashError(f"{host} is not an address of this machine", field="--host") from None
+                if e.errno == errno.EACCES:
+                    raise DFlashError(f"port {port} on {host}: permission denied (ports below 1024 need privileges)",
+                                      field=name) from None
+                raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror or e})", field=name) from None
+
+
+def _die_with_parent():
+    """A preexec_fn asking Linux to SIGTERM the child when this process dies, however it dies (even SIGKILL).
+
+    The server runs in its own session (so a Ctrl-C meant for the CLI reaches it only through `stop`), which also
+    means nothing else would ever stop it if the CLI were killed. None where prctl is unavailable.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec():
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _shorten(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
 class TritonServer:
     """A tritonserver process on a model repository; a context manager that starts it and waits for readiness.
 
-    `log_to` None keeps the server's output in memory (the last lines come with any ServerError); `echo=True` also
-    copies it to stderr as it arrives (the `serve` command).
+    The server's output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes
+    all of it to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in
+    its own process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread
+    must outlive the server).
     """
 
     def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
-                 log_verbose: int = 0, extra_args: list[str] | None = None):
+                 log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None):
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)
@@ -241,6 +344,8 @@ class TritonServer:
         self._log: collections.deque[str] = collections.deque(maxlen=400)
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self.log_path = Path(log_path) if log_path is not None else None
+        self._log_file = None
 
     # URLs -------------------------------------------------------------------------------------------------------------
     @property
@@ -288,12 +393,17 @@ class TritonServer:
         backend_dir = make_backend_dir(install, self._workdir / "backends")
         stub_bin = make_stub_env(self._workdir / "stubenv", stub_site)
         cmd = self.command(backend_dir)
-        self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     start_new_session=True)
-        self._reader = threading.Thread(target=self._pump, daemon=True)
-        self._reader.start()
         try:
+            if self.log_path is not None:
+                try:
+                    self._log_file = open(self.log_path, "w", encoding="utf-8", errors="replace")
+                except OSError as e:
+                    raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
+            self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         errors="replace", start_new_session=True, preexec_fn=_die_with_parent())
+            self._reader = threading.Thread(target=self._pump, daemon=True)
+            self._reader.start()
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -304,6 +414,12 @@ class TritonServer:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self._log.append(line)
+            if self._log_file is not None:
+                try:
+                    self._log_file.write(line)
+                    self._log_file.flush()
+                except (OSError, ValueError):  # disk full, or closed by stop(): the in-memory tail remains
+                    pass
             if self.echo:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -313,31 +429,42 @@ class TritonServer:
         url = self.http_url + "/v2/health/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(self._death_line())
+                raise self._death_error()
             if _http_ok(url):
                 return
             time.sleep(0.2)
-        raise ServerError(f"not ready after {self.ready_timeout_s:.0f} s; last log line: {self._last_error()}",
-                          path=self.repo)
+        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
+                          + self._log_note(), path=self.repo)
+
+    def _log_note(self) -> str:
+        return f"; full log: {self.log_path}" if self.log_path is not None else ""
 
     def _last_error(self) -> str:
-        """The most telling log line: a model's load failure, else the last error line, else the last line."""
+        """The most telling log line: the first model load failure, else the first error line, else the last line."""
         lines = [ln.strip() for ln in self._log if ln.strip()]
-        for pick in (lambda ln: ln.startswith("E") and "failed to load '" in ln,
-                     lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln,
-                     lambda ln: "error" in ln.lower(),
-                     lambda ln: True):
+        for pick, which in ((lambda ln: ln.startswith("E") and "failed to load '" in ln, 0),
+                            (lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln, 0),
+                            (lambda ln: "error" in ln.lower(), 0),
+                            (lambda ln: True, -1)):
             found = [ln for ln in lines if pick(ln)]
             if found:
                 # Triton's lines carry a Python traceback with escaped newlines; its first line says it all.
-                line = re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[-1])
+                line = re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[which])
                 return line.split("\\n")[0].strip('"')
         return "(no output)"
 
-    def _death_line(self) -> str:
+    def _death_error(self) -> ServerError:
+        """One line for a server that exited on its own: its most telling log line (shortened) and where the log is.
+
+        ModelRefused (exit 2) when that line is a model refusing its input, ServerError (exit 1) otherwise.
+        """
         if self._reader is not None:
             self._reader.join(timeout=2)
-        return f"tritonserver exited with code {self.proc.returncode}: {self._last_error()}"
+        line = self._last_error()
+        cls = ModelRefused if _INPUT_ERROR.search(line) else ServerError
+        line = _INPUT_ERROR.sub("", line, count=1)
+        return cls(f"tritonserver exited (code {self.proc.returncode}: {_shorten(line)})" + self._log_note(),
+                   path=self.repo)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -347,7 +474,7 @@ class TritonServer:
         assert self.proc is not None
         rc = self.proc.wait()
         if not self._stopping:
-            raise ServerError(self._death_line())
+            raise self._death_error()
         return rc
 
     def stop(self, timeout_s: float = 20.0) -> None:
@@ -374,6 +501,12 @@ class TritonServer:
             proc.wait()
             if self._reader is not None:
                 self._reader.join(timeout=5)
+        if self._log_file is not None:
+            try:
+                self._log_file.close()
+            except OSError:
+                pass
+            self._log_file = None
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -385,21 +518,55 @@ class TritonServer:
         self.stop()
 
 
+def default_log_path() -> Path:
+    """Where `serve` writes the server's log: a new file in the temp directory (the repository may be read-only)."""
+    fd, name = tempfile.mkstemp(prefix="dflash-tritonserver-", suffix=".log")
+    os.close(fd)
+    return Path(name)
+
+
+_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
 def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
-          ready_timeout_s: float = 600.0) -> int:
-    """Run tritonserver in the foreground until Ctrl-C / SIGTERM; prints the URLs once ready.
+          ready_timeout_s: float = 600.0, log_path=None) -> int:
+    """Run tritonserver in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once ready.
 
-    Returns 0 after a requested stop; raises ServerError (one line) if the server dies on its own.
+    Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and three
+    distinct ports must be free to listen on (DFlashError, exit 2, otherwise). The server's log goes to `log_path`
+    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
+    afterwards) and never to the terminal. Returns 0 after a requested stop. If the server exits on its own, one line
+    with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its input at load,
+    ServerError (exit 1, a runtime failure: every input was checked before the start) otherwise. The server is stopped
+    on every way out of this function (return, exception, SIGINT / SIGTERM / SIGHUP), and by the kernel if this
+    process is killed outright (see `_die_with_parent`).
     """
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, host, ready_timeout_s, echo=True)
+    from dflash_export.deploy.repository import check_repository
 
-    def on_term(signum, frame):
+    repo = Path(repo).expanduser().resolve()
+    check_repository(repo)
+    bind = resolve_host(host)
+    check_listen(bind, {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
+    if log_path is not None:
+        log_path = Path(log_path).expanduser().resolve()
+        if log_path.is_dir():
+            raise DFlashError("is a directory; expected a file name", path=log_path, field="--log-file")
+        if not log_path.parent.is_dir():
+            raise DFlashError(f"cannot create it: {log_path.parent} is not a directory", path=log_path,
+                              field="--log-file")
+    else:
+        log_path = default_log_path()
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path)
+
+    def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    # A signal the caller ignores stays ignored (`nohup`, a background job's SIGINT): it is not a stop request.
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     try:
         server.start()
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}", flush=True)
+        print(f"  tritonserver log: {log_path}", flush=True)
         print(f"  curl -s {server.http_url}/v2/models/dflash/generate -d '{{\"text_input\": \"Hello\", "
               f"\"max_tokens\": 32}}'", flush=True)
         server.wait()
@@ -408,5 +575,11 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
         print("stopping tritonserver", file=sys.stderr, flush=True)
         return 0
     finally:
-        server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        # A second Ctrl-C / SIGTERM must not cut the shutdown short and leave the server behind.
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            server.stop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
