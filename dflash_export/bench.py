@@ -28,8 +28,24 @@ def _encode_prompts(recipe, suite: str, n: int, codec) -> list[list[int]]:
     return [encode_prompt(p, codec, recipe.chat_template, 1 << 62, path) for p in prompts]
 
 
+WORKER_ERROR = "dflash-bench-worker-error: "  # prefix of the JSON line a worker writes to stderr on a DFlashError
+
+
+def _loading(what, path):
+    """Run `what()`; an unexpected exception becomes one DFlashError naming `path` (what was being loaded)."""
+    try:
+        return what()
+    except DFlashError:
+        raise
+    except Exception as e:  # safetensors, transformers, onnxruntime: each raises its own types
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DFlashError(f"cannot load ({type(e).__name__}: {first})" if first else
+                          f"cannot load ({type(e).__name__})", path=path) from None
+
+
 def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
     from dflash_export.recipes import load_recipe
+    from dflash_export.sources import resolve_source
 
     recipe = load_recipe(recipe_name)
     runs = []
@@ -38,7 +54,7 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
         from dflash_export.runtime import DFlashRuntime
 
         t0 = time.perf_counter()
-        engine = load_engine(engine_dir)
+        engine = _loading(lambda: load_engine(engine_dir), engine_dir)
         load_s = time.perf_counter() - t0
         rt = DFlashRuntime(engine, adaptive=mode == "dflash")
 
@@ -53,8 +69,9 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
 
         dtype = getattr(torch, recipe.dtype)
         t0 = time.perf_counter()
-        target = load_target(recipe.target_path, dtype)
-        drafter = load_drafter(recipe.drafter_path, dtype) if mode == "reference" else None
+        target = _loading(lambda: load_target(recipe.target_path, dtype), resolve_source(recipe.target_path))
+        drafter = _loading(lambda: load_drafter(recipe.drafter_path, dtype),
+                           resolve_source(recipe.drafter_path)) if mode == "reference" else None
         load_s = time.perf_counter() - t0
         if mode == "reference":
             bs = recipe.block_size or drafter.config.block_size
@@ -112,19 +129,23 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.console import Console
     from rich.table import Table
 
+    from dflash_export.engines.base import check_output_file, load_codec
     from dflash_export.recipes import load_recipe
-    from dflash_export.tokenization import TextCodec
+    from dflash_export.validate.command import check_engine_recipe
 
     console = Console(highlight=False)
     for m in modes:
         if m not in ("dflash", "dflash-full", "ar", "hf", "reference"):
             raise DFlashError(f"unknown mode {m!r}", field="--modes")
+    if out_json:
+        check_output_file(out_json, "--out")  # before minutes of benchmarking, not after
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
         from dflash_export.engines.build import build_engine
 
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
-    codec = TextCodec.from_dir(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
+    check_engine_recipe(Path(engine_dir), recipe)  # as validate does: an engine of another recipe would mislead
+    codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, codec)
     results = {}
     for mode in modes:
@@ -136,9 +157,11 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             proc = subprocess.run([sys.executable, "-m", "dflash_export.bench", str(job)], capture_output=True,
                                   text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if proc.returncode != 0:
-                raise DFlashError(f"benchmark worker failed: {proc.stderr.strip().splitlines()[-1:]}",
-                                  field=mode)
-            results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+                raise _worker_failure(mode, proc.returncode, proc.stderr)
+            try:
+                results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                raise DFlashError("benchmark worker wrote no result", field=f"--modes {mode}") from None
     summary = {m: _summary(r) for m, r in results.items()}
     base = results.get("hf") or results.get("ar")
     if base:
@@ -164,11 +187,40 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "summary": summary,
               "ratios": ratios, "raw": results}
     if out_json:
-        Path(out_json).write_text(json.dumps(report, indent=2) + "\n")
+        from dflash_export.errors import atomic_file
+
+        with atomic_file(out_json) as f:
+            f.write(json.dumps(report, indent=2) + "\n")
     return report
 
 
-if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"])
+def _worker_failure(mode: str, returncode: int, stderr: str) -> DFlashError:
+    """One line for a failed worker: its own DFlashError when it raised one (naming the file), else a short message."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith(WORKER_ERROR):
+            try:
+                msg = json.loads(ln[len(WORKER_ERROR):])["message"]
+            except (ValueError, KeyError, TypeError):
+                break
+            return DFlashError(f"{msg} (bench mode {mode})")
+    if returncode < 0:
+        why = f"killed by signal {-returncode}"
+    else:
+        why = lines[-1].strip()[:300] if lines else f"exit status {returncode}"
+    return DFlashError(f"benchmark worker failed: {why}", field=f"--modes {mode}")
+
+
+def _worker_main(job: str) -> int:
+    spec = json.loads(Path(job).read_text())
+    try:
+        out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"])
+    except DFlashError as e:
+        sys.stderr.write(WORKER_ERROR + json.dumps({"message": str(e)}) + "\n")
+        return e.exit_code or 2
     print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1]))

@@ -101,3 +101,64 @@ def test_backend_not_in_recipe_is_refused(own_recipe, tmp_path):
     recipe, _ = own_recipe
     with pytest.raises(DFlashError, match="not listed in the recipe's backends"):
         build_engine(recipe, "tensorrt-llm", tmp_path / "engines")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: one line, nothing deleted that build did not write, nothing half-made left behind
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def test_build_refuses_to_replace_a_directory_it_did_not_write(own_recipe, tmp_path):
+    recipe, _ = own_recipe
+    victim = tmp_path / "engines" / "mine" / "onnxruntime"
+    victim.mkdir(parents=True)
+    (victim / "notes.txt").write_text("mine\n")
+    for force in (False, True):
+        with pytest.raises(DFlashError, match="was not written by `dflash-export build`") as e:
+            build_engine(recipe, "onnxruntime", tmp_path / "engines", force=force)
+        assert str(victim) in str(e.value)
+    assert (victim / "notes.txt").read_text() == "mine\n" and [p.name for p in victim.iterdir()] == ["notes.txt"]
+    # an empty directory holds nothing to lose: it is built into
+    (victim / "notes.txt").unlink()
+    assert not build_engine(recipe, "onnxruntime", tmp_path / "engines").reused
+
+
+def test_build_out_that_is_a_file_is_one_line(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x\n")
+    for out in (f, f / "sub"):
+        r = _cli("build", "--recipe", "tiny-llama", "--out", str(out))
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+        assert str(f) in r.output and "--out" in r.output
+    assert f.read_text() == "x\n"
+
+
+def test_mismatched_pair_names_the_drafter_and_leaves_no_folders(tmp_path):
+    y = tmp_path / "mismatched.yaml"
+    y.write_text("name: mismatched\ntarget: tiny:qwen3/target\ndrafter: tiny:llama-small-vocab/drafter\n"
+                 "max_seq_len: 256\nchat_template: false\n")
+    out = tmp_path / "engines"
+    with pytest.raises(DFlashError) as e:
+        build_engine(load_recipe(y), "onnxruntime", out)
+    msg = str(e.value)
+    assert str(resolve_source("tiny:llama-small-vocab/drafter")) in msg and "target_hidden_size" in msg
+    assert "tmp-" not in msg and "\n" not in msg
+    assert not out.exists()  # not even an empty engines/mismatched/
+
+
+def test_draft_vocab_larger_than_the_vocabulary_is_refused(tmp_path):
+    y = tmp_path / "dv.yaml"
+    y.write_text("name: dv\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"
+                 "chat_template: false\ndraft_vocab: 100000\n")
+    out = tmp_path / "engines"
+    with pytest.raises(DFlashError, match=r"draft_vocab: must be <= the target vocabulary \(256\)") as e:
+        build_engine(load_recipe(y), "onnxruntime", out)
+    assert str(y) in str(e.value)
+    assert not out.exists()

@@ -320,3 +320,138 @@ def test_embedding_rows_are_read_not_mapped(built):
         assert str(out / "shared_weights.bin") not in maps.read_text()
     with pytest.raises(DFlashError, match="outside the embedding"):
         eng._embed.rows([eng._embed.shape[0]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input in an engine directory: one line naming the file and the field
+
+
+def _with_manifest(out, tmp_path, edit):
+    dst = _copy(out, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _rehash(d: Path) -> None:
+    """Update the manifest's file hashes after a deliberate edit (so the content check, not the hash, must catch it)."""
+    from dflash_export.engines.base import sha256_file
+
+    m = json.loads((d / "manifest.json").read_text())
+    m["files"] = {p.name: sha256_file(p) for p in d.iterdir() if p.is_file() and p.name != "manifest.json"}
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.update(files=["target.onnx"]), "files"),
+    (lambda m: m.update(manifest_version=99), "manifest_version"),
+    (lambda m: m.update(vocab_size=-5), "vocab_size"),
+    (lambda m: m.update(block_size="4"), "block_size"),
+    (lambda m: m.update(backend="mystery"), "backend"),
+    (lambda m: m.update(mask_token_id=10**6), "mask_token_id"),
+    (lambda m: m["shapes"].update(target_layers=None), "shapes.target_layers"),
+    (lambda m: m.update(target_layer_ids=[1, 99]), "target_layer_ids"),
+    (lambda m: m["flags"].update(draft_vocab=100000), "flags.draft_vocab"),
+    (lambda m: m.update(shared_tensors=[]), "shared_tensors"),
+    (lambda m: m["files"].update({"../../etc/passwd": "0" * 64}), "files"),
+    (lambda m: m.pop("engine_format"), "engine_format"),
+])
+def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_path, edit, field):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.base import validate_manifest
+
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, edit)
+    with pytest.raises(DFlashError) as e:
+        read_manifest(dst)  # the loader run, validate, bench and deploy all go through
+    assert str(e.value).startswith(f"{dst / 'manifest.json'}: {field}"), str(e.value)
+    with pytest.raises(DFlashError):
+        validate_manifest(json.loads((dst / "manifest.json").read_text()), dst / "manifest.json")
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hello", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert "manifest.json" in r.output and field.split(".")[0] in r.output
+
+
+def _with_tokenizer(out, tmp_path, files: dict[str, str]) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    dst = _copy(out, tmp_path)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(dst / "tokenizer.json"))
+    for name, text in files.items():
+        (dst / name).write_text(text)
+    _rehash(dst)
+    return dst
+
+
+@pytest.mark.parametrize("files, bad", [
+    ({"chat_template.jinja": "{% for m in messages %}{{ m.content }\n"}, "chat_template.jinja"),
+    ({"tokenizer_config.json": "[1]"}, "tokenizer_config.json"),
+    ({"tokenizer_config.json": '{"chat_template": "{% if %}"}'}, "tokenizer_config.json: chat_template"),
+    ({"tokenizer_config.json": '{"eos_token": 5}'}, "tokenizer_config.json: eos_token"),
+])
+def test_broken_tokenizer_files_are_one_line_naming_the_file(built, tmp_path, files, bad):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _, out, _, _ = built
+    dst = _with_tokenizer(out, tmp_path, files)
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert f"{dst / bad}" in r.output
+
+
+def test_working_chat_template_still_loads(built, tmp_path):
+    _, out, _, _ = built
+    dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": "{% for m in messages %}{{ m.content }} {% endfor %}"})
+    eng = load_engine(dst, threads=1)
+    assert eng.codec.encode_prompt("hi there") == [1, 2]
+    eng.close()
+
+
+def test_bench_refuses_an_engine_of_another_recipe_and_bad_out_paths(built, tmp_path):
+    from dflash_export.bench import run_bench
+
+    recipe, out, _, _ = built
+    other = "tiny-llama" if recipe.name == "tiny-qwen3" else "tiny-qwen3"
+    with pytest.raises(DFlashError, match=f"built for recipe '{recipe.name}', not '{other}'") as e:
+        run_bench(other, str(out), None, 1, 4, ["ar"], None)
+    assert "manifest.json: recipe" in str(e.value)
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    for bad in (tmp_path, afile / "b.json"):
+        with pytest.raises(DFlashError, match="--out"):
+            run_bench(recipe.name, str(out), None, 1, 4, ["ar"], str(bad))
+
+
+def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsys):
+    """A worker's DFlashError travels to the parent whole (file and field); anything else becomes a short line."""
+    import shutil
+
+    from dflash_export.bench import _worker_failure, _worker_main
+    from dflash_export.sources import resolve_source
+
+    recipe, _, _, _ = built
+    if recipe.name != "tiny-qwen3":
+        pytest.skip("one recipe is enough")
+    target = tmp_path / "target"
+    shutil.copytree(resolve_source("tiny:qwen3/target"), target)
+    with open(target / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    y = tmp_path / "trunc.yaml"
+    y.write_text(f"name: trunc\ntarget: {target}\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"
+                 "chat_template: false\n")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mode": "hf", "recipe": str(y), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
+    assert _worker_main(str(job)) == 2  # the worker process body, in-process
+    err = _worker_failure("hf", 2, "some warning\n" + capsys.readouterr().err)
+    msg = str(err)
+    assert msg.startswith(str(target)) and msg.endswith("(bench mode hf)") and "\n" not in msg, msg
+    short = str(_worker_failure("hf", 1, "Traceback (most recent call last):\n  ...\nValueError: boom\n"))
+    assert short == "--modes hf: benchmark worker failed: ValueError: boom"
+    assert "signal 9" in str(_worker_failure("ar", -9, ""))

@@ -265,3 +265,50 @@ def test_sliding_window_drafter_is_refused_by_name(tmp_path):
     drafter.config.sliding_window = 8
     with pytest.raises(DFlashError, match="layer_types"):
         export_models(target, drafter, tmp_path, max_len=256)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: one line, nothing deleted that export did not write
+
+
+def test_export_never_replaces_a_directory_it_did_not_write(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.export import EXPORT_MARKER, is_export_dir
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("x\n")
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    for out in (victim, afile, afile / "sub"):
+        r = CliRunner().invoke(main, ["export", "--recipe", "tiny-qwen3", "--out", str(out)])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert [p.name for p in victim.iterdir()] == ["notes.txt"] and afile.read_text() == "x\n"
+    # its own earlier output (marked) is replaced; so is an export written before the marker existed
+    out = tmp_path / "onnx"
+    for _ in range(2):
+        r = CliRunner().invoke(main, ["export", "--recipe", "tiny-qwen3", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+    assert is_export_dir(out) and json.loads((out / EXPORT_MARKER).read_text())["recipe"] == "tiny-qwen3"
+    (out / EXPORT_MARKER).unlink()
+    assert is_export_dir(out)
+    (out / "notes.txt").write_text("x\n")
+    assert not is_export_dir(out)
+
+
+def test_mismatched_pair_export_names_the_drafter_not_a_temp_file(tmp_path):
+    from dflash_export.export import export_recipe
+    from dflash_export.recipes import load_recipe
+    from dflash_export.sources import resolve_source
+
+    y = tmp_path / "mismatched.yaml"
+    y.write_text("name: mismatched\ntarget: tiny:qwen3/target\ndrafter: tiny:llama-small-vocab/drafter\n"
+                 "max_seq_len: 256\nchat_template: false\n")
+    out = tmp_path / "deep" / "onnx"
+    with pytest.raises(DFlashError) as e:
+        export_recipe(load_recipe(y), out)
+    msg = str(e.value)
+    assert msg.startswith(str(resolve_source("tiny:llama-small-vocab/drafter")) + ": target_hidden_size: ")
+    assert "tmp-" not in msg and not (tmp_path / "deep").exists()

@@ -433,3 +433,34 @@ def test_pit_is_uniform_for_exact_draws_and_not_for_wrong_ones():
     bad = [randomized_pit(p, int(rng.choice(20, p=q)), rng.random()) for _ in range(600)]
     assert uniformity_chi2(good).p_value > 1e-3
     assert uniformity_chi2(bad).p_value < 1e-3
+
+
+def test_suite_of_random_bytes_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.validate.suites import load_suite
+
+    f = tmp_path / "random.jsonl"
+    f.write_bytes(b'{"prompt": "fine"}\n' + bytes(range(128, 256)) * 4 + b"\n")
+    with pytest.raises(DFlashError, match="not UTF-8") as e:
+        load_suite(str(f))
+    assert str(e.value).startswith(f"{f}: line 2: ")
+    r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--suite", str(f), "--engine", "x"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+
+
+def test_report_path_that_cannot_be_a_directory_is_refused_first(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    for report in (afile, afile / "x"):
+        # the engine does not even exist: the report path is checked before anything else
+        r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--engine", str(tmp_path / "none"),
+                                      "--report", str(report)])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+        assert f"{report}: --report: " in r.output
+    assert afile.read_text() == "x\n"

@@ -13,9 +13,10 @@ import hashlib
 import json
 import platform
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -161,18 +162,161 @@ def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
     (engine_dir / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
 
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm", "pytorch")
+_SHAPE_KEYS = ("target_layers", "target_kv_heads", "target_head_dim", "drafter_layers", "drafter_kv_heads",
+               "drafter_head_dim")
+# Fields each backend's loader reads from the manifest; the others are checked only when present. (TensorRT's loader
+# names its own missing fields with a rebuild hint: older TensorRT builds did not record them.)
+_REQUIRED = {"onnxruntime": ("engine_format", "vocab_size", "stop_token_ids", "max_seq_len", "target_layer_ids",
+                             "shapes", "shared_tensors"),
+             "pytorch": ("recipe_path",), "tensorrt": (), "tensorrt-llm": ()}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def validate_manifest(manifest, path) -> dict[str, Any]:
+    """Check the structure, types and ranges of every manifest field the loaders use; DFlashError naming `path`
+    (the manifest.json) and the field otherwise. Returns the manifest unchanged.
+
+    Fields a backend needs must be present; the others are checked when present. An unknown manifest_version is
+    refused (a manifest without one predates versioning and reads as version 1).
+    """
+    path = Path(path)
+
+    def bad(field, message):
+        return DFlashError(message, path=path, field=field)
+
+    if not isinstance(manifest, dict):
+        raise DFlashError(f"expected a JSON object, got {_kind(manifest)}", path=path)
+    version = manifest.get("manifest_version", MANIFEST_VERSION)
+    if not _is_int(version) or version != MANIFEST_VERSION:
+        raise bad("manifest_version", f"unsupported manifest version {version!r} (this dflash-export reads version "
+                                      f"{MANIFEST_VERSION}): rebuild the engine with this version")
+    for key in ("backend", "files", "block_size", "mask_token_id"):
+        if key not in manifest:
+            raise bad(key, "missing field")
+    backend = manifest["backend"]
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    for key in _REQUIRED[backend]:
+        if key not in manifest:
+            raise bad(key, f"missing field (a {backend} engine needs it)")
+
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise bad("files", f"expected a mapping of file name to sha256, got {_kind(files)}")
+    for rel, digest in files.items():
+        p = Path(rel)
+        if not rel or p.is_absolute() or ".." in p.parts or rel == MANIFEST:
+            raise bad("files", f"{rel!r} is not a file inside the engine directory")
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise bad(f"files.{rel}", f"expected a sha256 hex digest, got {digest!r}")
+
+    def integer(key, minimum, value=None, name=None):
+        v = manifest[key] if value is None else value
+        if not _is_int(v):
+            raise bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
+        if v < minimum:
+            raise bad(name or key, f"must be >= {minimum}, got {v}")
+        return v
+
+    def int_list(key, minimum=0, nonempty=False):
+        v = manifest[key]
+        if not isinstance(v, list) or (nonempty and not v):
+            raise bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {_kind(v)} ({v!r})")
+        for i, x in enumerate(v):
+            integer(key, minimum, x, f"{key}[{i}]")
+        return v
+
+    def mapping(key):
+        v = manifest[key]
+        if not isinstance(v, dict):
+            raise bad(key, f"expected a mapping, got {_kind(v)}")
+        return v
+
+    def string(key):
+        v = manifest[key]
+        if not isinstance(v, str) or not v:
+            raise bad(key, f"expected a non-empty string, got {_kind(v)} ({v!r})")
+        return v
+
+    bs = integer("block_size", 2)
+    mask = integer("mask_token_id", 0)
+    vocab = integer("vocab_size", 2) if "vocab_size" in manifest else None
+    if vocab is not None and mask >= vocab:
+        raise bad("mask_token_id", f"{mask} is outside the vocabulary (vocab_size {vocab})")
+    if "max_seq_len" in manifest and integer("max_seq_len", 1) < bs:
+        raise bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
+    if "stop_token_ids" in manifest:
+        int_list("stop_token_ids")
+    if "target_layer_ids" in manifest:
+        int_list("target_layer_ids", nonempty=True)
+    for key in ("engine_format", "max_draft_len"):
+        if key in manifest:
+            integer(key, 0)
+    for key in ("recipe", "recipe_path", "target", "build_key"):
+        if key in manifest and (manifest[key] is not None or key in _REQUIRED[backend]):
+            string(key)
+    if "optimized" in manifest and not isinstance(manifest["optimized"], bool):
+        raise bad("optimized", f"expected true or false, got {manifest['optimized']!r}")
+    if "inputs" in manifest:
+        for k, v in mapping("inputs").items():
+            if not isinstance(v, str):
+                raise bad(f"inputs.{k}", f"expected a sha256 hex digest, got {_kind(v)}")
+    for key in ("engines", "dtypes", "libraries"):
+        if key in manifest:
+            mapping(key)
+    if "shapes" in manifest:
+        shapes = mapping("shapes")
+        for k in _SHAPE_KEYS:
+            if k not in shapes:
+                raise bad("shapes", f"incomplete (no {k!r})")
+            integer("shapes", 1, shapes[k], f"shapes.{k}")
+        ids = manifest.get("target_layer_ids")
+        if isinstance(ids, list) and any(t >= shapes["target_layers"] for t in ids):
+            raise bad("target_layer_ids", f"{ids} outside the target's {shapes['target_layers']} layers (shapes)")
+    if "shared_tensors" in manifest:
+        shared = mapping("shared_tensors")
+        for name, e in shared.items():
+            where = f"shared_tensors.{name}"
+            if not isinstance(e, dict) or not all(k in e for k in ("offset", "length", "shape")):
+                raise bad(where, "needs offset, length, shape")
+            integer(where, 0, e["offset"], where + ".offset")
+            integer(where, 0, e["length"], where + ".length")
+            if not isinstance(e["shape"], list) or not e["shape"]:
+                raise bad(where + ".shape", f"expected a non-empty list of integers, got {e['shape']!r}")
+            for d in e["shape"]:
+                integer(where, 1, d, where + ".shape")
+        if backend == "onnxruntime" and "shared.embed_tokens" not in shared:
+            raise bad("shared_tensors", "no shared.embed_tokens (the embedding table)")
+    if "flags" in manifest:
+        flags = mapping("flags")
+        dv = flags.get("draft_vocab")
+        if dv is not None:
+            integer("flags", 2, dv, "flags.draft_vocab")
+            if vocab is not None and dv > vocab:
+                raise bad("flags.draft_vocab", f"{dv} is larger than the vocabulary (vocab_size {vocab})")
+    return manifest
+
+
 def read_manifest(engine_dir, verify_files: bool = True) -> dict[str, Any]:
-    """Read an engine's manifest and refuse it when any listed file is missing or differs from its hash."""
+    """Read and validate an engine's manifest (see `validate_manifest`), and refuse it when any listed file is
+    missing or differs from its hash. Every problem is one DFlashError naming the file and the field."""
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if not engine_dir.is_dir():
-        raise DFlashError("engine directory not found", path=engine_dir)
+        raise DFlashError("engine directory not found" if not engine_dir.exists() else "not a directory",
+                          path=engine_dir)
     if not path.is_file():
         raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
-    manifest = read_json_object(path)
-    for key in ("backend", "files", "block_size", "mask_token_id"):
-        if key not in manifest:
-            raise DFlashError("missing field", path=path, field=key)
+    manifest = validate_manifest(read_json_object(path), path)
     if verify_files:
         for rel, digest in manifest["files"].items():
             f = engine_dir / rel
@@ -182,6 +326,109 @@ def read_manifest(engine_dir, verify_files: bool = True) -> dict[str, Any]:
                 raise DFlashError("file does not match its manifest hash (modified or truncated)", path=f,
                                   field="files")
     return manifest
+
+
+def is_engine_dir(d) -> bool:
+    """Whether `d` holds a manifest written by dflash-export (a finished or tampered engine that `build` may
+    replace), as opposed to a directory of someone else's files."""
+    try:
+        m = json.loads((Path(d) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)
+
+
+def check_output_dir(path, is_previous_output, command: str, field: str | None = "--out") -> None:
+    """Refuse, before any work, an output directory that cannot be written or must not be replaced: a file, a path
+    under a file, or an existing non-empty directory that `is_previous_output` does not recognize as an earlier
+    output of `dflash-export <command>` (replacing it would silently delete someone's files)."""
+    path = Path(path)
+    check_output_parent(path, field)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise DFlashError("exists and is a file, not a directory", path=path, field=field)
+        if any(path.iterdir()) and not is_previous_output(path):
+            raise DFlashError(f"exists and was not written by `dflash-export {command}`; choose a new directory",
+                              path=path, field=field)
+
+
+def check_output_parent(path, field: str | None = "--out") -> None:
+    """The nearest existing ancestor of `path` must be a directory (else `path` can never be created)."""
+    for parent in Path(path).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DFlashError(f"cannot be created: {parent} is a file, not a directory", path=path, field=field)
+            return
+
+
+def check_output_file(path, field: str | None = "--out") -> None:
+    """An output file path: not an existing directory, and not under a file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DFlashError("is a directory; expected a file name", path=path, field=field)
+    check_output_parent(path, field)
+
+
+@contextmanager
+def removing_new_dirs(path) -> Iterator[None]:
+    """Run the block; if it fails, remove the ancestors of `path` that it created and left empty (so a failed build
+    leaves no empty `out/<recipe>/` behind)."""
+    path = Path(path)
+    new = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for p in new:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def load_codec(engine_dir):
+    """The engine's TextCodec, with its files checked first: a malformed tokenizer_config.json, codec.json or
+    chat template is one DFlashError naming the file, not a traceback when the first prompt is encoded."""
+    from dflash_export.tokenization import TextCodec
+
+    d = Path(engine_dir)
+    if (d / "tokenizer.json").is_file():
+        cfg_path = d / "tokenizer_config.json"
+        cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = cfg.get(key)
+            if v is not None and not isinstance(v, str) and not (isinstance(v, dict)
+                                                                 and isinstance(v.get("content"), str)):
+                raise DFlashError(f"expected a string or an object with a string 'content', got {_kind(v)}",
+                                  path=cfg_path, field=key)
+        template, src, field = cfg.get("chat_template"), cfg_path, "chat_template"
+        if template is not None and not isinstance(template, str):
+            raise DFlashError(f"expected a string (one template), got {_kind(template)}", path=cfg_path,
+                              field="chat_template")
+        if template is None and (d / "chat_template.jinja").is_file():
+            src, field = d / "chat_template.jinja", None
+            try:
+                template = src.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
+        if template:
+            import jinja2
+
+            try:  # compiled as tokenization.TextCodec renders it: unknown filters / tests fail here too
+                jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+            except jinja2.TemplateSyntaxError as e:
+                raise DFlashError(f"invalid chat template (line {e.lineno}: {e.message})", path=src,
+                                  field=field) from None
+    elif (d / "codec.json").is_file():
+        cfg_path = d / "codec.json"
+        cfg = read_json_object(cfg_path)
+        v = cfg.get("vocab_size", 256)
+        if not _is_int(v) or v < 1:
+            raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field="vocab_size")
+        r = cfg.get("reserved", [])
+        if not isinstance(r, list) or not all(_is_int(x) and x >= 0 for x in r):
+            raise DFlashError(f"expected a list of non-negative integers, got {r!r}", path=cfg_path, field="reserved")
+    return TextCodec.from_dir(d)
 
 
 def load_engine(engine_dir, **kwargs) -> Engine:
@@ -200,4 +447,5 @@ def load_engine(engine_dir, **kwargs) -> Engine:
         from dflash_export.engines.torch_ref import TorchEngine
 
         return TorchEngine.from_manifest(Path(engine_dir), manifest, **kwargs)
-    raise DFlashError(f"unknown backend {backend!r}", path=Path(engine_dir) / MANIFEST, field="backend")
+    raise DFlashError(f"a {backend!r} engine does not load here (onnxruntime, tensorrt, pytorch)",
+                      path=Path(engine_dir) / MANIFEST, field="backend")

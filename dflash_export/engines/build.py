@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.engines.base import MANIFEST, hash_inputs, read_manifest
+from dflash_export.engines.base import (MANIFEST, check_output_dir, hash_inputs, is_engine_dir, read_manifest,
+                                        removing_new_dirs)
 from dflash_export.errors import DFlashError, MissingDependency
 
 DEFAULT_ROOT = Path("engines")
@@ -70,12 +71,20 @@ def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
 
 def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False
                  ) -> BuildResult:
-    """Build (or reuse) `out_root/<recipe>/<backend>/`."""
+    """Build (or reuse) `out_root/<recipe>/<backend>/`.
+
+    An existing `<backend>/` directory is replaced only when it is an earlier engine (its manifest.json says so):
+    anything else there is refused, never deleted. A failed build leaves no directory it created behind.
+    """
     if backend not in recipe.backends:
         raise DFlashError(f"backend {backend!r} is not listed in the recipe's backends {recipe.backends}",
                           path=recipe.path, field="backends")
     build = _builder(backend)
-    engine_dir = Path(out_root) / recipe.name / backend
+    out_root = Path(out_root)
+    if out_root.exists() and not out_root.is_dir():
+        raise DFlashError("exists and is a file, not a directory", path=out_root, field="--out")
+    engine_dir = out_root / recipe.name / backend
+    check_output_dir(engine_dir, is_engine_dir, "build")
     inputs = recipe_inputs(recipe)
     if engine_dir.exists() and not force:
         try:
@@ -83,12 +92,13 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
             if manifest.get("inputs") == inputs and manifest.get("backend") == backend:
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:
-            pass  # unreadable or tampered: rebuild over it
-    if backend == "onnxruntime" and recipe.draft_vocab:
-        build(recipe, engine_dir, draft_vocab=recipe.draft_vocab)
-    else:
-        build(recipe, engine_dir)
-    if not (engine_dir / MANIFEST).is_file():
-        raise DFlashError("the backend finished without writing a manifest", path=engine_dir)
-    _record_inputs(engine_dir, inputs)
+            pass  # an earlier engine, unreadable or tampered: rebuild over it
+    with removing_new_dirs(engine_dir):
+        if backend == "onnxruntime" and recipe.draft_vocab:
+            build(recipe, engine_dir, draft_vocab=recipe.draft_vocab)
+        else:
+            build(recipe, engine_dir)
+        if not (engine_dir / MANIFEST).is_file():
+            raise DFlashError("the backend finished without writing a manifest", path=engine_dir)
+        _record_inputs(engine_dir, inputs)
     return BuildResult(engine_dir, False, inputs)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence, hash_inputs, write_manifest
+from dflash_export.engines.base import (Engine, EngineInfo, SamplingParams, Sequence, check_output_dir, hash_inputs,
+                                        is_engine_dir, load_codec, removing_new_dirs, write_manifest)
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
 
@@ -142,9 +143,7 @@ class OrtEngine(Engine):
             stop_token_ids=field("stop_token_ids", _int_list), max_seq_len=field("max_seq_len", int),
             target_layer_ids=field("target_layer_ids", _int_list),
         )
-        from dflash_export.tokenization import TextCodec
-
-        self.codec = TextCodec.from_dir(self.engine_dir)
+        self.codec = load_codec(self.engine_dir)
 
         so = ort.SessionOptions()
         # Graphs were optimized at build time and saved; optimizing again at every load would only cost start-up.
@@ -368,21 +367,27 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_drafter, load_target
     from dflash_export.sources import resolve_source
+    from dflash_export.train import check_drafter_fits
 
     ort = _ort()
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, is_engine_dir, "build")
     if draft_vocab is not None and draft_vocab < 2:
-        raise DFlashError(f"must be >= 2, got {draft_vocab}", field="draft_vocab")
+        raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
     if recipe.dtype != "float32":
         raise DFlashError(f"the onnxruntime backend builds float32 engines (recipe asks {recipe.dtype})",
                           path=recipe.path, field="dtype")
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
+    check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
     spec = target_spec(target)
-    if draft_vocab is not None and draft_vocab >= spec.vocab_size:
+    if draft_vocab is not None and draft_vocab > spec.vocab_size:
+        raise DFlashError(f"must be <= the target vocabulary ({spec.vocab_size}), got {draft_vocab}",
+                          path=recipe.path, field="draft_vocab")
+    if draft_vocab is not None and draft_vocab == spec.vocab_size:
         draft_vocab = None  # the whole vocabulary: the ordinary head serves
     bs = recipe.block_size or drafter.block_size
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
         export_dir = tmp / "export"
         export_dir.mkdir()
         res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,

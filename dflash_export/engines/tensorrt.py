@@ -893,9 +893,9 @@ class TensorRTEngine(GraphEngine):
     NVIDIA GPU; kwargs: `device` (CUDA index, or a torch device string such as "cuda:1")."""
 
     def __init__(self, engine_dir, manifest, device: int | str = 0, **_):
-        from dflash_export.tokenization import TextCodec
+        from dflash_export.engines.base import load_codec
 
         require_tensorrt()  # first: without TensorRT or a GPU the answer is the install line, not a manifest detail
         engine_dir = Path(engine_dir)
         info = tensorrt_engine_info(engine_dir, manifest)
-        super().__init__(TensorRTRunner(engine_dir, manifest, device), info, TextCodec.from_dir(engine_dir))
+        super().__init__(TensorRTRunner(engine_dir, manifest, device), info, load_codec(engine_dir))

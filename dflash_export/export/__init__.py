@@ -71,7 +71,9 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     import onnx
 
     from dflash_export.export import graph
+    from dflash_export.train import check_drafter_fits
 
+    check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     bs = block_size or drafter.block_size
@@ -126,22 +128,63 @@ def validate_file(path: Path) -> None:
         raise DFlashError(f"shape inference failed: {str(e).splitlines()[0]}", path=path) from None
 
 
+EXPORT_MARKER = "export.json"  # written last into every `export` directory: what may later be replaced
+
+
+def _export_file_names() -> set[str]:
+    names = {TARGET_FILE, DRAFTER_FILE, SHARED_FILE, ORT_TARGET_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE,
+             ORT_DRAFT_HEAD_FILE, EXPORT_MARKER}
+    return names | {n + ".data" for n in names if n.endswith(".onnx")}
+
+
+def is_export_dir(d) -> bool:
+    """Whether directory `d` is an earlier output of `export` (its marker file, or, for exports written before the
+    marker existed, nothing but the files an export writes): only such a directory may be replaced."""
+    d = Path(d)
+    try:
+        marker = json.loads((d / EXPORT_MARKER).read_text())
+        if isinstance(marker, dict) and marker.get("tool") == "dflash-export" and marker.get("command") == "export":
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        names = {p.name for p in d.iterdir()}
+    except OSError:
+        return False
+    return bool(names) and TARGET_FILE in names and names <= _export_file_names() and \
+        all((d / n).is_file() for n in names)
+
+
 def export_recipe(recipe, out_dir) -> ExportResult:
-    """Load the recipe's target and drafter (fp32), write both graphs to `out_dir` atomically, and check them."""
+    """Load the recipe's target and drafter (fp32), write both graphs to `out_dir` atomically, and check them.
+
+    An existing `out_dir` is replaced only when it is an earlier export (see `is_export_dir`); a drafter that does not
+    fit the target is refused, naming the drafter and the field, before anything is written.
+    """
     import torch
 
+    from dflash_export import __version__
+    from dflash_export.engines.base import check_output_dir, removing_new_dirs
     from dflash_export.errors import atomic_dir
     from dflash_export.models import load_drafter, load_target
+    from dflash_export.sources import resolve_source
+    from dflash_export.train import check_drafter_fits
 
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, is_export_dir, "export")
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
+    check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
     th = recipe.thresholds
-    with atomic_dir(out_dir) as tmp:
-        res = export_models(target, drafter, tmp, recipe_name=recipe.name, block_size=recipe.block_size,
-                            max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol)
-    out_dir = Path(out_dir)
-    res.out_dir, res.target_path, res.drafter_path = out_dir, out_dir / TARGET_FILE, out_dir / DRAFTER_FILE
-    check_export(out_dir, expected_from_recipe(recipe, drafter))
+    with removing_new_dirs(out_dir):
+        with atomic_dir(out_dir) as tmp:
+            res = export_models(target, drafter, tmp, recipe_name=recipe.name, block_size=recipe.block_size,
+                                max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol)
+            (tmp / EXPORT_MARKER).write_text(json.dumps({
+                "tool": "dflash-export", "command": "export", "tool_version": __version__, "recipe": recipe.name,
+                "files": sorted(res.file_sizes), "metadata": res.metadata}, indent=2) + "\n")
+        res.out_dir, res.target_path, res.drafter_path = out_dir, out_dir / TARGET_FILE, out_dir / DRAFTER_FILE
+        check_export(out_dir, expected_from_recipe(recipe, drafter))
     return res
 
 
@@ -210,6 +253,6 @@ def check_export(out_dir, expected: dict[str, str] | None = None) -> dict[str, d
     return out
 
 
-__all__ = ["ExportResult", "export_recipe", "export_models", "check_export", "check_model_contract",
-           "TARGET_FILE", "DRAFTER_FILE", "SHARED_FILE", "ORT_TARGET_FILE", "ORT_DRAFTER_FILE", "ORT_HEAD_FILE",
-           "ORT_DRAFT_HEAD_FILE"]
+__all__ = ["ExportResult", "export_recipe", "is_export_dir", "EXPORT_MARKER", "export_models", "check_export",
+           "check_model_contract", "TARGET_FILE", "DRAFTER_FILE", "SHARED_FILE", "ORT_TARGET_FILE", "ORT_DRAFTER_FILE",
+           "ORT_HEAD_FILE", "ORT_DRAFT_HEAD_FILE"]

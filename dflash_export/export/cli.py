@@ -7,7 +7,8 @@ import click
 
 @click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--out", "out_dir", required=True, type=click.Path(),
+              help="Output directory (new, empty, or an earlier export).")
 def export(recipe, out_dir):
     """Export target_verify.onnx + drafter.onnx (custom ops carried as ONNX functions) and check them."""
     from dflash_export.export import export_recipe

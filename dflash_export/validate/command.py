@@ -24,15 +24,24 @@ def default_engine_dir(recipe_name: str) -> Path:
                       field="--engine")
 
 
-def open_engine(engine_dir: Path, recipe):
-    """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
-    from dflash_export.engines.base import load_engine, read_manifest
+def check_engine_recipe(engine_dir: Path, recipe) -> dict:
+    """The engine's validated manifest; DFlashError when it was built for another recipe (measuring it against this
+    recipe's reference would mislead). Shared by `validate` and `bench`."""
+    from dflash_export.engines.base import read_manifest
 
     manifest = read_manifest(engine_dir)
     built_for = manifest.get("recipe")
     if built_for and built_for != recipe.name:
         raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}",
                           path=Path(engine_dir) / "manifest.json", field="recipe")
+    return manifest
+
+
+def open_engine(engine_dir: Path, recipe):
+    """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
+    from dflash_export.engines.base import load_engine
+
+    manifest = check_engine_recipe(engine_dir, recipe)
     meta = {"dir": str(engine_dir), "manifest": {k: manifest[k] for k in ("tool_version", "libraries", "dtype",
                                                                           "build_flags") if k in manifest}}
     return load_engine(engine_dir), meta
@@ -55,9 +64,12 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
                  repeats: int = 1, top_k: int = 0, top_p: float = 1.0, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
+    from dflash_export.engines.base import check_output_dir
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.suites import encode_prompt, load_suite
 
+    if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
+        check_output_dir(report_dir, lambda _: True, "validate", field="--report")
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)

@@ -105,11 +105,15 @@ def load_suite(name_or_path: str, num_prompts: int | None = None) -> tuple[Path,
     """Read a whole suite (every line is checked, even past `num_prompts`) and return its first `num_prompts`."""
     path = suite_path(name_or_path)
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for i, raw in enumerate(f, start=1):
-            p = parse_suite_line(raw, path, i)
-            if p is not None:
-                prompts.append(p)
+    for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DFlashError(f"not UTF-8 text (byte {e.start} of the line): a suite is JSONL", path=path,
+                              field=f"line {i}") from None
+        p = parse_suite_line(text, path, i)
+        if p is not None:
+            prompts.append(p)
     if not prompts:
         raise DFlashError("suite is empty (no prompt lines)", path=path)
     return path, prompts[:num_prompts] if num_prompts else prompts
