@@ -129,7 +129,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_export.engines.base import check_output_file, load_codec
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import check_output_file
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.command import check_engine_recipe
 

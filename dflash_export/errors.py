@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class DFlashError(Exception):
@@ -97,4 +97,84 @@ def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ output paths
+# Checked before any work: a run that can only fail at its last step, or that would replace someone's directory,
+# is refused up front with one line naming the option.
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists() or p.is_symlink()
+    except OSError:  # no permission to look: the ancestor check says so
+        return False
+
+
+def check_output_parent(path, field: str | None = "--out") -> None:
+    """The nearest existing ancestor of `path` must be a writable directory (else `path` can never be created)."""
+    anc = Path(os.path.abspath(path)).parent
+    while not _exists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise DFlashError(f"cannot create it: {anc} is a file, not a directory", path=path, field=field)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=field)
+
+
+def check_output_dir(path, field: str | None = "--out", *, command: str | None = None,
+                     is_previous_output: Callable[[Path], bool] | None = None, replaced: bool = False) -> None:
+    """An output directory that can be written, refused before any work when it cannot.
+
+    `replaced`: the directory is swapped in whole from a sibling (`atomic_dir`), so its parent must be writable, it
+    may not be the current directory or one above it, and, when it already holds files, `is_previous_output` must
+    recognize them as an earlier output of `dflash-export <command>`: replacing anything else would silently delete
+    someone's files.
+    """
+    path = Path(path)
+    if replaced:
+        full = Path(os.path.abspath(path))
+        try:
+            cwd = Path.cwd()
+        except OSError:
+            cwd = None
+        if cwd is not None and (full == cwd or full in cwd.parents):
+            raise DFlashError("is the current directory or one above it, which this would replace; choose a new "
+                              "directory", path=path, field=field)
+    if _exists(path):
+        if not path.is_dir():
+            raise DFlashError("exists and is not a directory", path=path, field=field)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DFlashError("directory is not writable", path=path, field=field)
+        if not replaced:
+            return
+        if is_previous_output is not None and any(path.iterdir()) and not is_previous_output(path):
+            raise DFlashError(f"exists and was not written by `dflash-export {command}`; choose a new directory",
+                              path=path, field=field)
+    check_output_parent(path, field)
+
+
+def check_output_file(path, field: str | None = "--out") -> None:
+    """An output file path: not an existing directory, and creatable."""
+    path = Path(path)
+    if path.is_dir():
+        raise DFlashError("is a directory; expected a file name", path=path, field=field)
+    check_output_parent(path, field)
+
+
+@contextmanager
+def removing_new_dirs(path) -> Iterator[None]:
+    """Run the block; if it fails, remove the ancestors of `path` that it created and left empty (so a failed build
+    leaves no empty `out/<recipe>/` behind)."""
+    path = Path(path)
+    new = [p for p in [path, *path.parents] if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for p in new:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
         raise

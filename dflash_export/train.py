@@ -33,8 +33,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_dir, atomic_file
-from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, apply_rope, block_attention
+from dflash_export.errors import DFlashError, atomic_dir, atomic_file, check_output_dir
+from dflash_export.models.drafter import (DFlashDrafter, DrafterConfig, apply_rope, block_attention,
+                                          check_drafter_fits, is_drafter_dir)
 
 SHARD_SIZE = 32
 _DATA_VERSION = 1
@@ -551,26 +552,6 @@ def grow_drafter(drafter: DFlashDrafter, num_layers: int, *, recipe_path=None) -
     return grown.to(next(drafter.parameters()).dtype)
 
 
-def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -> None:
-    """The shape contract between a drafter and a target; DFlashError naming the field that disagrees."""
-    c = drafter.config
-    if c.target_hidden_size != target.hidden_size:
-        raise DFlashError(f"drafter expects target hidden size {c.target_hidden_size}, target has "
-                          f"{target.hidden_size}", path=where, field="target_hidden_size")
-    if c.hidden_size != target.hidden_size:
-        raise DFlashError(f"drafter hidden size {c.hidden_size} != target embedding width {target.hidden_size}",
-                          path=where, field="hidden_size")
-    if c.vocab_size != target.vocab_size:
-        raise DFlashError(f"drafter vocab {c.vocab_size} != target vocab {target.vocab_size}", path=where,
-                          field="vocab_size")
-    if any(not 0 <= t < target.num_layers for t in c.target_layer_ids):
-        raise DFlashError(f"target_layer_ids {c.target_layer_ids} outside the target's {target.num_layers} layers",
-                          path=where, field="dflash_config.target_layer_ids")
-    if not 0 <= c.mask_token_id < target.vocab_size:
-        raise DFlashError(f"mask_token_id {c.mask_token_id} outside the target vocabulary", path=where,
-                          field="dflash_config.mask_token_id")
-
-
 # ---------------------------------------------------------------------------------------------------- training loop
 
 
@@ -888,34 +869,6 @@ def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, se
             bad(option, f"must be a finite number > 0, got {v!r}")
 
 
-def check_output_dir(path: Path, option: str, *, replaced: bool = False) -> None:
-    """`path` is a directory this run can write into, or one it can create: DFlashError naming `option` otherwise,
-    before any work starts. `replaced`: the directory is swapped in whole from a sibling (errors.atomic_dir), so its
-    parent must be writable too."""
-    def exists(q: Path) -> bool:
-        try:
-            return q.exists()
-        except OSError:  # e.g. no permission to look: then the ancestor check below says so
-            return False
-
-    path = Path(os.path.abspath(path))
-    if exists(path):
-        if not path.is_dir():
-            raise DFlashError("exists and is not a directory", path=path, field=option)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise DFlashError("directory is not writable", path=path, field=option)
-        if not replaced:
-            return
-    # the nearest existing ancestor (of the parent, for a replaced directory) is where the first write happens
-    anc = path.parent
-    while not exists(anc) and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise DFlashError(f"cannot create it: {anc} is not a directory", path=path, field=option)
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=option)
-
-
 @contextmanager
 def _remove_new_work_dir_on_error(work: Path):
     """A work directory this run created is removed when the run fails before its first checkpoint (nothing in it
@@ -991,7 +944,7 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     out = Path(out)
     if not data_only:
         check_output_dir(work, "--work-dir")
-        check_output_dir(out, "--out", replaced=True)
+        check_output_dir(out, "--out", command="train", is_previous_output=is_drafter_dir, replaced=True)
     if threads:
         torch.set_num_threads(threads)
 

@@ -296,7 +296,8 @@ def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):
 
 def test_checkpoint_from_another_target_does_not_resume(tmp_path):
     from dflash_export.models import load_target
-    from dflash_export.train import check_drafter_fits, run_train, save_checkpoint
+    from dflash_export.models.drafter import check_drafter_fits
+    from dflash_export.train import run_train, save_checkpoint
 
     small = load_target("tiny:llama-small-vocab/target")
     d = drafter_from_target(small, 1, 4, 15)
@@ -561,7 +562,7 @@ def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, whi
         return
     r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", out)
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
-    assert r.output.startswith(f"error: {bad}: {option}: cannot create it: {a_file} is not a directory"), r.output
+    assert r.output.startswith(f"error: {bad}: {option}: cannot create it: {a_file} is a file, not a directory"), r.output
     _assert_nothing_written(tmp_path)
     assert a_file.read_text() == "x"
 
@@ -569,7 +570,7 @@ def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, whi
 def test_unwritable_output_directory_is_named(tmp_path, monkeypatch):
     import os
 
-    from dflash_export.train import check_output_dir
+    from dflash_export.errors import check_output_dir
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -583,6 +584,21 @@ def test_unwritable_output_directory_is_named(tmp_path, monkeypatch):
     with pytest.raises(DFlashError, match="not writable"):  # a drafter directory is swapped in from its parent
         check_output_dir(ro / "existing-not-needed", "--out", replaced=True)
     check_output_dir(tmp_path / "new" / "dir", "--out", replaced=True)
+
+
+def test_out_that_holds_something_else_is_never_replaced(tmp_path, monkeypatch):
+    from dflash_export.train import run_train
+
+    recipe = _tiny_recipe(tmp_path, steps=2)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "notes.txt").write_text("mine")
+    with pytest.raises(DFlashError, match="exists and was not written by `dflash-export train`"):
+        run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(docs))
+    assert (docs / "notes.txt").read_text() == "mine" and not (tmp_path / "w").exists()
+    monkeypatch.chdir(docs)
+    with pytest.raises(DFlashError, match="is the current directory or one above it"):
+        run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path))
 
 
 @pytest.fixture(scope="module")

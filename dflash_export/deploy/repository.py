@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_export.engines.base import MANIFEST, read_manifest
-from dflash_export.errors import DFlashError, atomic_dir, read_json_object
+from dflash_export.errors import DFlashError, atomic_dir, check_output_dir, read_json_object
 
 MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
@@ -422,23 +422,11 @@ def load_engine_manifest(engine_dir) -> dict[str, Any]:
     return read_manifest(engine_dir)  # every listed file present and matching its hash
 
 
-def _check_target(repo: Path) -> None:
-    if repo.exists() and (not repo.is_dir() or (any(repo.iterdir()) and not (repo / MARKER).is_file())):
-        raise DFlashError("exists and was not written by `dflash-export deploy`; choose a new directory", path=repo)
-
-
 def check_repo_path(repo_arg, engine_dir: Path | None = None) -> Path:
     """Resolve `--repo` and refuse, before anything is written, a target deploy must not (or cannot) replace."""
     if repo_arg is None or not str(repo_arg).strip():
         raise DFlashError("empty path: name the repository directory to write", field="--repo")
     repo = Path(repo_arg).expanduser().resolve()
-    try:
-        cwd = Path.cwd().resolve()
-    except OSError:
-        cwd = None
-    if cwd is not None and (repo == cwd or repo in cwd.parents):
-        raise DFlashError("is the current directory or one of its parents, which deploy would replace; "
-                          "choose a new directory", path=repo, field="--repo")
     if engine_dir is not None:
         if repo == engine_dir or engine_dir in repo.parents:
             raise DFlashError(f"is inside the engine directory {engine_dir}; choose a directory outside it",
@@ -446,17 +434,10 @@ def check_repo_path(repo_arg, engine_dir: Path | None = None) -> Path:
         if repo in engine_dir.parents:
             raise DFlashError(f"contains the engine directory {engine_dir}, which deploy would replace; choose "
                               "another directory", path=repo, field="--repo")
-    if repo.is_file() or (repo.exists() and not repo.is_dir()):
-        raise DFlashError("exists and is not a directory", path=repo, field="--repo")
-    _check_target(repo)
-    # The repository is written as a sibling temp directory, then renamed: its parent must be (or become) writable.
-    anc = repo.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise DFlashError(f"cannot create it: {anc} is a file, not a directory", path=repo, field="--repo")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise DFlashError(f"cannot create it: {anc} is not writable", path=repo, field="--repo")
+    # written as a sibling temp directory, then renamed: never the cwd, never someone else's directory, and its parent
+    # must be (or become) writable
+    check_output_dir(repo, "--repo", command="deploy", is_previous_output=lambda d: (d / MARKER).is_file(),
+                     replaced=True)
     return repo
 
 

@@ -338,54 +338,6 @@ def is_engine_dir(d) -> bool:
     return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)
 
 
-def check_output_dir(path, is_previous_output, command: str, field: str | None = "--out") -> None:
-    """Refuse, before any work, an output directory that cannot be written or must not be replaced: a file, a path
-    under a file, or an existing non-empty directory that `is_previous_output` does not recognize as an earlier
-    output of `dflash-export <command>` (replacing it would silently delete someone's files)."""
-    path = Path(path)
-    check_output_parent(path, field)
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
-            raise DFlashError("exists and is a file, not a directory", path=path, field=field)
-        if any(path.iterdir()) and not is_previous_output(path):
-            raise DFlashError(f"exists and was not written by `dflash-export {command}`; choose a new directory",
-                              path=path, field=field)
-
-
-def check_output_parent(path, field: str | None = "--out") -> None:
-    """The nearest existing ancestor of `path` must be a directory (else `path` can never be created)."""
-    for parent in Path(path).parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise DFlashError(f"cannot be created: {parent} is a file, not a directory", path=path, field=field)
-            return
-
-
-def check_output_file(path, field: str | None = "--out") -> None:
-    """An output file path: not an existing directory, and not under a file."""
-    path = Path(path)
-    if path.is_dir():
-        raise DFlashError("is a directory; expected a file name", path=path, field=field)
-    check_output_parent(path, field)
-
-
-@contextmanager
-def removing_new_dirs(path) -> Iterator[None]:
-    """Run the block; if it fails, remove the ancestors of `path` that it created and left empty (so a failed build
-    leaves no empty `out/<recipe>/` behind)."""
-    path = Path(path)
-    new = [p for p in [path, *path.parents] if not p.exists()]
-    try:
-        yield
-    except BaseException:
-        for p in new:  # deepest first
-            try:
-                p.rmdir()
-            except OSError:
-                pass
-        raise
-
-
 def load_codec(engine_dir):
     """The engine's TextCodec, with its files checked first: a malformed tokenizer_config.json, codec.json or
     chat template is one DFlashError naming the file, not a traceback when the first prompt is encoded."""

@@ -11,9 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.engines.base import (MANIFEST, check_output_dir, hash_inputs, is_engine_dir, read_manifest,
-                                        removing_new_dirs)
-from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.engines.base import MANIFEST, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.errors import DFlashError, MissingDependency, check_output_dir, removing_new_dirs
 
 DEFAULT_ROOT = Path("engines")
 
@@ -84,7 +83,7 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     if out_root.exists() and not out_root.is_dir():
         raise DFlashError("exists and is a file, not a directory", path=out_root, field="--out")
     engine_dir = out_root / recipe.name / backend
-    check_output_dir(engine_dir, is_engine_dir, "build")
+    check_output_dir(engine_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     inputs = recipe_inputs(recipe)
     if engine_dir.exists() and not force:
         try:

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.engines.base import (Engine, EngineInfo, SamplingParams, Sequence, check_output_dir, hash_inputs,
-                                        is_engine_dir, load_codec, removing_new_dirs, write_manifest)
+from dflash_export.engines.base import (Engine, EngineInfo, SamplingParams, Sequence, hash_inputs, is_engine_dir,
+                                        load_codec, write_manifest)
+from dflash_export.errors import check_output_dir, removing_new_dirs
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
 
@@ -367,11 +368,11 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_drafter, load_target
     from dflash_export.sources import resolve_source
-    from dflash_export.train import check_drafter_fits
+    from dflash_export.models.drafter import check_drafter_fits
 
     ort = _ort()
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, is_engine_dir, "build")
+    check_output_dir(out_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     if draft_vocab is not None and draft_vocab < 2:
         raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
     if recipe.dtype != "float32":

@@ -71,7 +71,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     import onnx
 
     from dflash_export.export import graph
-    from dflash_export.train import check_drafter_fits
+    from dflash_export.models.drafter import check_drafter_fits
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
     t0 = time.perf_counter()
@@ -164,14 +164,13 @@ def export_recipe(recipe, out_dir) -> ExportResult:
     import torch
 
     from dflash_export import __version__
-    from dflash_export.engines.base import check_output_dir, removing_new_dirs
-    from dflash_export.errors import atomic_dir
+    from dflash_export.errors import atomic_dir, check_output_dir, removing_new_dirs
     from dflash_export.models import load_drafter, load_target
     from dflash_export.sources import resolve_source
-    from dflash_export.train import check_drafter_fits
+    from dflash_export.models.drafter import check_drafter_fits
 
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, is_export_dir, "export")
+    check_output_dir(out_dir, command="export", is_previous_output=is_export_dir, replaced=True)
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))

@@ -16,11 +16,14 @@ Context K/V (after k_norm and RoPE) are kept in a `ContextCache` across steps; t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_export.errors import DFlashError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -375,3 +378,31 @@ def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None)
             total = sum(v.numel() * v.element_size() for v in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -> None:
+    """The shape contract between a drafter and a target; DFlashError naming the field that disagrees."""
+    c = drafter.config
+    if c.target_hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter expects target hidden size {c.target_hidden_size}, target has "
+                          f"{target.hidden_size}", path=where, field="target_hidden_size")
+    if c.hidden_size != target.hidden_size:
+        raise DFlashError(f"drafter hidden size {c.hidden_size} != target embedding width {target.hidden_size}",
+                          path=where, field="hidden_size")
+    if c.vocab_size != target.vocab_size:
+        raise DFlashError(f"drafter vocab {c.vocab_size} != target vocab {target.vocab_size}", path=where,
+                          field="vocab_size")
+    if any(not 0 <= t < target.num_layers for t in c.target_layer_ids):
+        raise DFlashError(f"target_layer_ids {c.target_layer_ids} outside the target's {target.num_layers} layers",
+                          path=where, field="dflash_config.target_layer_ids")
+    if not 0 <= c.mask_token_id < target.vocab_size:
+        raise DFlashError(f"mask_token_id {c.mask_token_id} outside the target vocabulary", path=where,
+                          field="dflash_config.mask_token_id")
+
+
+def is_drafter_dir(d) -> bool:
+    """Whether `d` holds a drafter checkpoint (config.json + safetensors), the only directory `train --out` may
+    replace."""
+    d = Path(d)
+    return (d / "config.json").is_file() and ((d / "model.safetensors").is_file()
+                                              or (d / "model.safetensors.index.json").is_file())

@@ -64,12 +64,12 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
                  repeats: int = 1, top_k: int = 0, top_p: float = 1.0, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
-    from dflash_export.engines.base import check_output_dir
+    from dflash_export.errors import check_output_dir
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.suites import encode_prompt, load_suite
 
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
-        check_output_dir(report_dir, lambda _: True, "validate", field="--report")
+        check_output_dir(report_dir, "--report")
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
