@@ -55,8 +55,14 @@ class TextCodec:
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
         env.globals["raise_exception"] = _raise
-        text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                           **self.special)
+        try:
+            text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                               **self.special)
+        except DFlashError:
+            raise
+        except Exception as e:  # a template that compiles but fails on these messages: bad template or bad request
+            raise DFlashError(f"cannot render the chat template for these messages ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})", field="chat_template") from None
         return self.encode(text)
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:

@@ -34,6 +34,10 @@ def _one_error_line(r, code=2):
     (["reference", "--recipe", "tiny-qwen3", "--bogus"], "error: No such option '--bogus'"),
     (["frobnicate"], "error: No such command 'frobnicate'"),
     (["build", "--recipe", "tiny-qwen3", "--backend", "onnx"], "error: --backend: 'onnx' is not one of"),
+    (["run", "--engine", ".", "--temperature", "nan", "hi"], "error: --temperature: 'nan' is not a finite"),
+    (["run", "--engine", ".", "--top-p", "nan", "hi"], "error: --top-p: "),
+    (["run", "--engine", ".", "--seed", "-3", "hi"], "error: --seed: -3 is not in the range"),
+    (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--prompt", "  "], "error: --prompt: the prompt is empty"),
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
 ])

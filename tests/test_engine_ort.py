@@ -406,6 +406,18 @@ def test_broken_tokenizer_files_are_one_line_naming_the_file(built, tmp_path, fi
     assert f"{dst / bad}" in r.output
 
 
+def test_chat_template_failing_at_render_is_one_line(built, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _, out, _, _ = built
+    dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": "{{ messages[0].content + 1 }}"})
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert "chat_template: cannot render the chat template for these messages (TypeError" in r.output
+
+
 def test_working_chat_template_still_loads(built, tmp_path):
     _, out, _, _ = built
     dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": "{% for m in messages %}{{ m.content }} {% endfor %}"})

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from dflash_export.clitypes import SEED, FiniteFloat
+
 
 @click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
@@ -31,10 +33,10 @@ def build(recipe, backend, out, force):
 @click.option("--engine", "engine_dir", required=True, help="A built engine directory.")
 @click.argument("prompt")
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=SEED)
 @click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
 @click.option("--no-chat", is_flag=True, help="Send the prompt as raw text (no chat template).")
 @click.option("--full-blocks", is_flag=True,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from dflash_export.clitypes import FiniteFloat
+
 
 @click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
@@ -13,10 +15,10 @@ import click
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
 @click.option("--num-prompts", default=None, type=click.IntRange(1), help="Use the first N prompts of the suite.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(0.0),
+@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
               help="top-p of the sampled check.")
 @click.option("--dist-samples", default=200, show_default=True, type=click.IntRange(0),
               help="Seeds per prompt for the sampled check.")
