@@ -64,8 +64,11 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     A half-written directory is removed on any exception, so it can never be taken for a finished artifact.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as e:  # named by the directory asked for, not by the temporary sibling
+        raise DFlashError(f"cannot write here ({e.strerror or e})", path=final) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
     try:
         yield tmp

@@ -259,6 +259,13 @@ def _check_ranges(recipe: Recipe, p: Path) -> None:
             if msg:
                 name = dotted.removesuffix("[]") + (f"[{i}]" if many else "")
                 raise DFlashError(msg, path=p, field=name)
+    if recipe.block_size is not None and recipe.block_size >= recipe.max_seq_len:
+        raise DFlashError(f"a block of {recipe.block_size} does not fit max_seq_len {recipe.max_seq_len}", path=p,
+                          field="block_size")
+    for name in ("target", "drafter"):
+        spec = getattr(recipe, name)
+        if spec.startswith("pkg:") and (spec.count(":") < 2 or not all(spec.split(":", 2)[1:])):
+            raise DFlashError(f"{spec!r} is not of the form pkg:DISTRIBUTION:FILE_SUFFIX", path=p, field=name)
     t = recipe.train
     if t.prompts not in ("sharegpt", "synthetic"):
         raise DFlashError(f"unknown prompt source {t.prompts!r} (sharegpt, synthetic)", path=p, field="train.prompts")

@@ -22,7 +22,7 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     from dflash_export.reference import ar_generate, spec_generate
     from dflash_export.models.drafter import check_drafter_fits
 
-    if prompt is not None and not prompt.strip():
+    if prompt is not None and not prompt:
         raise DFlashError("the prompt is empty", field="--prompt")
     recipe = load_recipe(recipe_name)
     dtype = getattr(torch, recipe.dtype)

@@ -976,6 +976,8 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
             drafter, start_state = loaded
             _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
             console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
+        else:
+            console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
     if drafter is None and init_from is not None:
         from dflash_export.models.drafter import load_drafter
 

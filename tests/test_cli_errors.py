@@ -38,7 +38,7 @@ def _one_error_line(r, code=2):
     (["run", "--engine", ".", "--top-p", "nan", "hi"], "error: --top-p: "),
     (["run", "--engine", ".", "--seed", "-3", "hi"], "error: --seed: -3 is not in the range"),
     (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
-    (["reference", "--recipe", "tiny-qwen3", "--prompt", "  "], "error: --prompt: the prompt is empty"),
+    (["reference", "--recipe", "tiny-qwen3", "--prompt", ""], "error: --prompt: the prompt is empty"),
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
 ])
 def test_usage_errors_are_one_line(args, expect):
@@ -88,8 +88,24 @@ def test_inspect_checks_the_target_hidden_size_and_refuses_a_directory_for_weigh
 
 
 def test_a_malformed_pkg_source_is_one_line(tmp_path):
-    line = _one_error_line(_run("reference", "--recipe", _recipe(tmp_path, "pkg:foo", "tiny:qwen3/drafter")))
-    assert "'pkg:foo' is not of the form pkg:DISTRIBUTION:FILE_SUFFIX" in line
+    recipe = _recipe(tmp_path, "pkg:foo", "tiny:qwen3/drafter")
+    line = _one_error_line(_run("reference", "--recipe", recipe))
+    assert f"{recipe}: target: 'pkg:foo' is not of the form pkg:DISTRIBUTION:FILE_SUFFIX" in line
+
+
+def test_a_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path):
+    recipe = _recipe(tmp_path, "tiny:qwen3/target", "tiny:qwen3/drafter")
+    recipe.write_text(recipe.read_text() + "block_size: 100000\nmax_seq_len: 512\n")
+    for args in (["reference"], ["export", "--out", tmp_path / "e"], ["build", "--out", tmp_path / "b"]):
+        line = _one_error_line(_run(args[0], "--recipe", recipe, *args[1:]))
+        assert f"{recipe}: block_size: a block of 100000 does not fit max_seq_len 512" in line
+    assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
+
+
+def test_build_into_an_empty_path_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "error: --out: empty path" in _one_error_line(_run("build", "--recipe", "tiny-qwen3", "--out", ""))
+    assert not any(tmp_path.iterdir())
 
 
 def test_an_unwritable_path_is_one_line_naming_it(tmp_path):

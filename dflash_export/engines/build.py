@@ -79,6 +79,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
         raise DFlashError(f"backend {backend!r} is not listed in the recipe's backends {recipe.backends}",
                           path=recipe.path, field="backends")
     build = _builder(backend)
+    if not str(out_root).strip():
+        raise DFlashError("empty path: name the directory engines go under", field="--out")
     out_root = Path(out_root)
     if out_root.exists() and not out_root.is_dir():
         raise DFlashError("exists and is a file, not a directory", path=out_root, field="--out")
