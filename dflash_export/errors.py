@@ -58,7 +58,7 @@ def read_json_object(path: str | os.PathLike) -> dict:
 
 
 @contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` only if the block completes.
 
     A half-written directory is removed on any exception, so it can never be taken for a finished artifact.
@@ -68,7 +68,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
-        raise DFlashError(f"cannot write here ({e.strerror or e})", path=final) from None
+        raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
     try:
         yield tmp

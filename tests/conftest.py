@@ -20,3 +20,21 @@ def tiny_llama():
     from dflash_export.models import load_drafter, load_target
 
     return load_target("tiny:llama/target"), load_drafter("tiny:llama/drafter")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tmpdir(tmp_path_factory):
+    """Temporary files of the code under test (server logs and work dirs, saved tracebacks; also in the CLI
+    subprocesses, through TMPDIR) go under pytest's own base directory, which pytest prunes, instead of
+    accumulating in /tmp."""
+    import tempfile
+
+    d = tmp_path_factory.mktemp("tmp")
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(d), str(d)
+    yield
+    tempfile.tempdir = old_dir
+    if old_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old_env

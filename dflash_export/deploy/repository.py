@@ -504,7 +504,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         created.append(anc)
         anc = anc.parent
     try:
-        with atomic_dir(repo_dir) as tmp:
+        with atomic_dir(repo_dir, field="--repo") as tmp:
             if backend == "tensorrt-llm":
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
