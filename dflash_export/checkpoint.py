@@ -284,7 +284,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
             err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
     except DFlashError as e:
         findings.append(Finding("error", str(e.path or tcfg_path.parent), e.field or "weights",
-                                str(e).split(": ")[-1]))
+                                e.message))
     # Tensor presence / shapes / dtypes from headers only: no weights loaded for linting.
     files = weight_files(ckpt)
     headers: dict[Path, dict] = {}
@@ -299,7 +299,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     try:
         c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
     except DFlashError as e:
-        err(e.field or "config", str(e).split(": ")[-1])
+        err(e.field or "config", e.message)
         return findings, {}
 
     if raw.get("architectures") not in (None, ["DFlashDraftModel"]):

@@ -25,6 +25,7 @@ class DFlashError(Exception):
         elif field:
             where = f"{field}: "
         super().__init__(where + message)
+        self.message = message  # without the `path: field: ` prefix, for errors that wrap another
         self.path = path
         self.field = field
 

@@ -648,14 +648,6 @@ def _short_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _bare_message(e: DFlashError) -> str:
-    """A DFlashError's message without its `path: field: ` prefix."""
-    text = str(e)
-    where = f"{e.path}: " + (f"{e.field}: " if e.field else "") if e.path is not None else (
-        f"{e.field}: " if e.field else "")
-    return text[len(where):] if text.startswith(where) else text
-
-
 def load_checkpoint(work: Path):
     """(drafter, train state) of `work/checkpoint`, or None when there is none. A checkpoint that is there but cannot
     be read back whole -- truncated, garbage, half of it missing -- is one DFlashError naming the file, never a
@@ -673,7 +665,7 @@ def load_checkpoint(work: Path):
     try:
         drafter = load_drafter(drafter_dir, dtype=torch.float32)
     except DFlashError as e:
-        raise DFlashError(f"corrupt checkpoint ({_bare_message(e)})", path=e.path or drafter_dir,
+        raise DFlashError(f"corrupt checkpoint ({e.message})", path=e.path or drafter_dir,
                           field=e.field) from None
     except Exception as e:
         raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=drafter_dir) from None
