@@ -529,20 +529,31 @@ def test_dead_server_raises_one_line_naming_the_cause_and_leaves_nothing(tmp_pat
     assert srv.proc.poll() is not None and pids_mentioning(str(repo)) == []
 
 
+def _serve_cli(repo, http, grpc, metrics, **popen):
+    """`dflash-export serve` in a subprocess, its stdout (the ready line) piped."""
+    return subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **popen)
+
+
+def _ready_line(proc, timeout_s: float = 120) -> str:
+    """The first `ready:` line `serve` prints, or the last line read when it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    line = ""
+    while time.monotonic() < deadline and not line.startswith("ready:"):
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+    return line
+
+
 @pytest.mark.server
 def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir):
     repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
     http, grpc, metrics = free_ports(3)
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
-                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = _serve_cli(repo, http, grpc, metrics, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline and not line.startswith("ready:"):
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
+        line = _ready_line(proc)
         assert line.startswith("ready:") and f"http://127.0.0.1:{http}" in line, line
         status, body = post_json(f"http://127.0.0.1:{http}/v2/models/dflash/generate",
                                  {"text_input": "hi", "max_tokens": 2})
@@ -918,16 +929,9 @@ def test_serve_model_refusing_its_engine_is_one_line_exit_2(tmp_path, engine_dir
 def test_serve_cli_killed_outright_takes_the_server_with_it(tmp_path, engine_dir):
     repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
     http, grpc, metrics = free_ports(3)
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
-                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = _serve_cli(repo, http, grpc, metrics)
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline and not line.startswith("ready:"):
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
+        line = _ready_line(proc)
         assert line.startswith("ready:"), line
         assert pids_mentioning(str(repo)) != []
     finally:
