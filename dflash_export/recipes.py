@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
+from dflash_export.sources import split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -264,8 +265,8 @@ def _check_ranges(recipe: Recipe, p: Path) -> None:
                           field="block_size")
     for name in ("target", "drafter"):
         spec = getattr(recipe, name)
-        if spec.startswith("pkg:") and (spec.count(":") < 2 or not all(spec.split(":", 2)[1:])):
-            raise DFlashError(f"{spec!r} is not of the form pkg:DISTRIBUTION:FILE_SUFFIX", path=p, field=name)
+        if spec.startswith("pkg:"):
+            split_pkg_spec(spec, p, name)
     t = recipe.train
     if t.prompts not in ("sharegpt", "synthetic"):
         raise DFlashError(f"unknown prompt source {t.prompts!r} (sharegpt, synthetic)", path=p, field="train.prompts")

@@ -34,6 +34,14 @@ def package_file(dist: str, suffix: str) -> Path:
     return path
 
 
+def split_pkg_spec(spec: str, path=None, field: str | None = None) -> tuple[str, str]:
+    """`pkg:DIST:SUFFIX` -> (DIST, SUFFIX); a malformed spec is a DFlashError (naming `path`/`field` when given)."""
+    parts = spec.split(":", 2)
+    if len(parts) != 3 or parts[0] != "pkg" or not parts[1] or not parts[2]:
+        raise DFlashError(f"{spec!r} is not of the form pkg:DISTRIBUTION:FILE_SUFFIX", path=path, field=field)
+    return parts[1], parts[2]
+
+
 def resolve_source(spec) -> Path:
     """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, or a filesystem path."""
     s = str(spec)
@@ -42,8 +50,5 @@ def resolve_source(spec) -> Path:
 
         return tiny_pair_path(s[len("tiny:"):])
     if s.startswith("pkg:"):
-        parts = s.split(":", 2)
-        if len(parts) != 3 or not parts[1] or not parts[2]:
-            raise DFlashError(f"{s!r} is not of the form pkg:DISTRIBUTION:FILE_SUFFIX")
-        return package_file(parts[1], parts[2])
+        return package_file(*split_pkg_spec(s))
     return Path(os.path.expandvars(os.path.expanduser(s)))
