@@ -168,14 +168,24 @@ def check_output_file(path, field: str | None = "--out") -> None:
 
 
 @contextmanager
-def removing_new_dirs(path) -> Iterator[None]:
-    """Run the block; if it fails, remove the ancestors of `path` that it created and left empty (so a failed build
-    leaves no empty `out/<recipe>/` behind)."""
-    path = Path(path)
-    new = [p for p in [path, *path.parents] if not p.exists()]
+def removing_new_dirs(path, keep_if: Callable[[Path], bool] | None = None) -> Iterator[None]:
+    """Run the block; if it fails, remove the directories on the way to `path` that it created and left empty (so a
+    failed build leaves no empty `out/<recipe>/` behind). With `keep_if`, a `path` the block created is removed with
+    whatever was written into it, unless `keep_if(path)` says it holds something worth keeping (a training work
+    directory with a checkpoint). Directories that existed before are never touched."""
+    def created(p: Path) -> bool:
+        try:
+            return not (p.exists() or p.is_symlink())
+        except OSError:  # cannot tell: treat it as someone else's
+            return False
+
+    path = Path(os.path.abspath(path))
+    new = [p for p in [path, *path.parents] if created(p)]
     try:
         yield
     except BaseException:
+        if keep_if is not None and path in new and path.is_dir() and not keep_if(path):
+            shutil.rmtree(path, ignore_errors=True)
         for p in new:  # deepest first
             try:
                 p.rmdir()

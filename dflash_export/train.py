@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_dir, atomic_file, check_output_dir
+from dflash_export.errors import DFlashError, atomic_dir, atomic_file, check_output_dir, removing_new_dirs
 from dflash_export.models.drafter import (DFlashDrafter, DrafterConfig, apply_rope, block_attention,
                                           check_drafter_fits, is_drafter_dir)
 
@@ -862,33 +860,6 @@ def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, se
 
 
 @contextmanager
-def _remove_new_work_dir_on_error(work: Path):
-    """A work directory this run created is removed when the run fails before its first checkpoint (nothing in it
-    could be resumed from)."""
-    work = Path(os.path.abspath(work))
-    top = None  # the outermost directory of `work` that does not exist yet
-    q = work
-    try:
-        while not q.exists() and q != q.parent:
-            top, q = q, q.parent
-    except OSError:
-        top = None
-    try:
-        yield
-    except BaseException:
-        if top is not None and work.is_dir() and not (work / "checkpoint").exists():
-            shutil.rmtree(work, ignore_errors=True)
-            q = work.parent
-            while top in (q, *q.parents) and q != top.parent:  # empty parents it created too, never others' files
-                try:
-                    q.rmdir()
-                except OSError:
-                    break
-                q = q.parent
-        raise
-
-
-@contextmanager
 def _no_bar_on_error(bar):
     """On an error the progress bars vanish, so that the error is the only line the user sees."""
     try:
@@ -949,7 +920,8 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         raise DFlashError(f"must be >= 2 with synthetic prompts, got {mask_id}", path=recipe.path,
                           field="train.mask_token_id")
 
-    with _remove_new_work_dir_on_error(work):
+    # a run that fails before its first checkpoint leaves no work directory: nothing in it could be resumed from
+    with removing_new_dirs(work, keep_if=lambda w: (w / "checkpoint").exists()):
         return _run_train(recipe, opts, target, mask_id, work, out, seed, steps=steps, minutes=minutes, resume=resume,
                           data_only=data_only, no_generate=no_generate, checkpoint_minutes=checkpoint_minutes,
                           init_from=init_from, console=console)
