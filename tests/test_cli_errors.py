@@ -25,7 +25,8 @@ def _one_error_line(r, code=2):
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "0"], "error: --max-new-tokens: 0 is not in the range"),
+    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "0"],
+     "error: --max-new-tokens: 0 is not in the range"),
     (["reference", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"], "error: --temperature: 'inf' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"], "error: --seed: -1 is not in the range"),

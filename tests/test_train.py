@@ -562,7 +562,8 @@ def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, whi
         return
     r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", out)
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
-    assert r.output.startswith(f"error: {bad}: {option}: cannot create it: {a_file} is a file, not a directory"), r.output
+    assert r.output.startswith(f"error: {bad}: {option}: cannot create it: {a_file} is a file, not a directory"), \
+        r.output
     _assert_nothing_written(tmp_path)
     assert a_file.read_text() == "x"
 

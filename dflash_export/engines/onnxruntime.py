@@ -367,8 +367,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                                       SHARED_FILE, export_models)
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_drafter, load_target
-    from dflash_export.sources import resolve_source
     from dflash_export.models.drafter import check_drafter_fits
+    from dflash_export.sources import resolve_source
 
     ort = _ort()
     out_dir = Path(out_dir)

@@ -166,8 +166,8 @@ def export_recipe(recipe, out_dir) -> ExportResult:
     from dflash_export import __version__
     from dflash_export.errors import atomic_dir, check_output_dir, removing_new_dirs
     from dflash_export.models import load_drafter, load_target
-    from dflash_export.sources import resolve_source
     from dflash_export.models.drafter import check_drafter_fits
+    from dflash_export.sources import resolve_source
 
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command="export", is_previous_output=is_export_dir, replaced=True)
