@@ -1,5 +1,10 @@
 """Text <-> token ids for engines, without torch or transformers: the `tokenizers` library plus the model's own
-jinja2 chat template. Tiny random pairs have no tokenizer and use a byte codec (one token per byte) instead."""
+jinja2 chat template. Tiny random pairs have no tokenizer and use a byte codec (one token per byte) instead.
+
+The chat template comes from a checkpoint (and is copied into every engine), so it is untrusted code: it is compiled
+and rendered only in jinja2's immutable sandbox, as transformers does. A template reaching for Python internals
+(`cycler.__init__.__globals__...`) gets a DFlashError naming `chat_template`, never runs anything.
+"""
 
 from __future__ import annotations
 
@@ -51,15 +56,16 @@ class TextCodec:
     def apply_chat(self, messages: list[dict]) -> list[int]:
         if not self.chat_template:
             return self.encode("\n".join(m.get("content", "") for m in messages))
-        import jinja2
+        from jinja2.sandbox import SecurityError
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
-        env.globals["raise_exception"] = _raise
         try:
-            text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                               **self.special)
+            text = chat_environment().from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, **self.special)
         except DFlashError:
             raise
+        except SecurityError as e:
+            raise DFlashError(f"the chat template tried an unsafe operation, refused by the sandbox "
+                              f"({' '.join(str(e).split())[:200]})", field="chat_template") from None
         except Exception as e:  # a template that compiles but fails on these messages: bad template or bad request
             raise DFlashError(f"cannot render the chat template for these messages ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})", field="chat_template") from None
@@ -74,6 +80,18 @@ class TextCodec:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def chat_environment():
+    """The only jinja2 environment chat templates are compiled and rendered in: jinja2's immutable sandbox (no
+    attribute starting with `_`, no unsafe callables, no mutation of passed-in lists and dicts)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise
+    return env
 
 
 def _tok_str(v):

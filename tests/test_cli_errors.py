@@ -131,3 +131,43 @@ def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monk
     monkeypatch.setenv("DFLASH_EXPORT_TRACEBACK", "1")
     r = _run("reference", "--recipe", "tiny-qwen3")
     assert isinstance(r.exception, ValueError)
+
+
+def _codec_dir(d, template):
+    """An engine-style tokenizer directory: a word-level tokenizer.json and a tokenizer_config.json holding
+    `template` as its chat template (what a checkpoint's tokenizer files give an engine)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "user": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "[UNK]"}))
+    return d
+
+
+@pytest.mark.parametrize("payload", [
+    "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+    "{{ joiner.__init__.__globals__.os.popen('touch PWNED').read() }}",
+    "{% for m in messages %}{{ m.__class__.__mro__[1].__subclasses__() }}{% endfor %}",
+    "{{ messages.append({'role': 'x'}) }}{{ ''.join(['touch PWNED']) }}",
+])
+def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch, payload):
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import DFlashError
+
+    monkeypatch.chdir(tmp_path)
+    codec = load_codec(_codec_dir(tmp_path / "engine", payload))
+    with pytest.raises(DFlashError) as e:
+        codec.encode_prompt("hi")
+    assert str(e.value).startswith("chat_template: ") and "unsafe" in str(e.value), str(e.value)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_an_ordinary_chat_template_still_renders_in_the_sandbox(tmp_path):
+    from dflash_export.engines.base import load_codec
+
+    template = ("{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m['role'] }} "
+                "{{ m.content | trim }} {% endfor %}{% if add_generation_prompt %}user{% endif %}")
+    codec = load_codec(_codec_dir(tmp_path / "engine", template))
+    assert codec.encode_prompt([{"role": "user", "content": " hi "}]) == [2, 1, 2]

@@ -365,8 +365,10 @@ def load_codec(engine_dir):
         if template:
             import jinja2
 
-            try:  # compiled as tokenization.TextCodec renders it: unknown filters / tests fail here too
-                jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+            from dflash_export.tokenization import chat_environment
+
+            try:  # compiled as tokenization.TextCodec renders it (sandboxed): unknown filters / tests fail here too
+                chat_environment().from_string(template)
             except jinja2.TemplateSyntaxError as e:
                 raise DFlashError(f"invalid chat template (line {e.lineno}: {e.message})", path=src,
                                   field=field) from None
