@@ -941,3 +941,73 @@ def test_serve_cli_killed_outright_takes_the_server_with_it(tmp_path, engine_dir
     while time.monotonic() < deadline and pids_mentioning(str(repo)):
         time.sleep(0.2)
     assert pids_mentioning(str(repo)) == [], "tritonserver outlived the killed serve"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Engine files: every file listed and hashed; graphs are what the manifest says
+
+
+def _rehash(engine: Path) -> None:
+    """Recompute every hash of the manifest (what an attacker who edits files would do)."""
+    from dflash_export.engines.base import sha256_file
+
+    m = json.loads((engine / "manifest.json").read_text())
+    m["files"] = {rel: sha256_file(engine / rel) for rel in m["files"]}
+    edit_manifest(engine, files=m["files"])
+
+
+def _ort_engine(engine_dir, dst):
+    if json.loads((engine_dir / "manifest.json").read_text())["backend"] != "onnxruntime":
+        pytest.skip("no ONNX Runtime engine in this environment")
+    return copy_engine(engine_dir, dst)
+
+
+def test_a_file_dropped_from_the_manifest_is_refused_not_trusted(tmp_path, engine_dir):
+    engine = _ort_engine(engine_dir, tmp_path / "engine")
+    files = json.loads((engine / "manifest.json").read_text())["files"]
+    data = next(rel for rel in files if rel.startswith("target") and rel.endswith(".data"))
+    edit_manifest(engine, files={k: v for k, v in files.items() if k != data})
+    (engine / data).write_bytes(b"\0" * (engine / data).stat().st_size)
+    r = cli("run", "--engine", engine, "--max-new-tokens", "4", "hello")
+    assert_one_line(r, f"{engine / data}: files: not listed in the manifest")
+    with pytest.raises(DFlashError, match="not listed in the manifest"):
+        write_repository(engine, tmp_path / "repo")
+    # An extra file next to the graphs (whatever its name) is refused the same way; so is a listed one removed.
+    (engine / data).unlink()
+    edit_manifest(engine, files=files)
+    assert_one_line(cli("run", "--engine", engine, "hello"), f"{engine / data}: files: file listed in the manifest "
+                                                              "is missing")
+
+
+def test_edited_shapes_and_swapped_graphs_are_named_errors(tmp_path, engine_dir):
+    engine = _ort_engine(engine_dir, tmp_path / "engine")
+    shapes = json.loads((engine / "manifest.json").read_text())["shapes"]
+    edit_manifest(engine, shapes={**shapes, "target_kv_heads": shapes["target_kv_heads"] + 1})
+    assert_one_line(cli("run", "--engine", engine, "--max-new-tokens", "4", "hello"),
+                    "manifest.json: shapes.target_kv_heads: manifest says")
+    edit_manifest(engine, shapes={**shapes, "drafter_layers": shapes["drafter_layers"] + 1})
+    assert_one_line(cli("run", "--engine", engine, "--max-new-tokens", "4", "hello"),
+                    "manifest.json: shapes.drafter_layers: manifest says")
+    edit_manifest(engine, shapes=shapes)
+    # Swap the drafter and the LM head (and their external data), hashes recomputed.
+    for a, b in (("drafter.onnx", "lm_head.onnx"),):
+        (engine / a).rename(engine / "swap")
+        (engine / b).rename(engine / a)
+        (engine / "swap").rename(engine / b)
+    _rehash(engine)
+    r = cli("run", "--engine", engine, "--max-new-tokens", "4", "hello")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    assert "graphs swapped or replaced" in r.stderr or "cannot load the graph" in r.stderr, r.stderr
+
+
+def test_deploy_copies_engine_files_never_hard_links(tmp_path, engine_dir):
+    engine = copy_engine(engine_dir, tmp_path / "engine")
+    repo = write_repository(engine, tmp_path / "repo", decoupled=False)
+    for f in engine.iterdir():
+        served = repo / "dflash" / "engine" / f.name
+        assert served.stat().st_ino != f.stat().st_ino and served.stat().st_nlink == 1, f
+    victim = next(f for f in engine.iterdir() if f.name != "manifest.json")
+    before = (repo / "dflash" / "engine" / victim.name).read_bytes()
+    with open(victim, "r+b") as fh:  # edit in place, as an editor or a rebuild writing into the file would
+        fh.write(b"\x00\x01\x02")
+    assert (repo / "dflash" / "engine" / victim.name).read_bytes() == before

@@ -5,12 +5,13 @@ Layout for this project's engines (onnxruntime, tensorrt, pytorch):
     <repo>/dflash_repository.json      what was deployed (Triton ignores plain files at the repository root)
     <repo>/dflash/config.pbtxt         python backend, one response per request
     <repo>/dflash/1/model.py           dflash_export/deploy/triton_model.py
-    <repo>/dflash/engine/              the engine directory, copied (hard links where the filesystem allows)
+    <repo>/dflash/engine/              the engine directory, copied (reflinked where the filesystem allows)
     <repo>/dflash_stream/...           the same model, decoupled: one response per DFlash step (generate_stream)
 
 The engine is copied rather than referenced so the repository is self-contained: it can be moved or mounted into a
-container, and a rebuild of `engines/…` in place never changes a running deployment under the server's feet. Hard
-links make the copy free on the same filesystem; its manifest hashes are checked again when each instance loads.
+container, and a rebuild of `engines/…` in place never changes a running deployment under the server's feet. The copy is a real
+copy (a reflink on filesystems that share extents, e.g. btrfs / XFS), never a hard link: with a hard link, editing a
+file of the engine would edit the deployment too. Its manifest hashes are checked again when each instance loads.
 
 For a TensorRT-LLM bundle (manifest backend "tensorrt-llm") the repository instead holds one `llmapi`-style model,
 named as in the bundle (`tensorrt_llm`): TensorRT-LLM's own python model reads `1/model.yaml` (the DFlash speculative
@@ -318,11 +319,21 @@ def write_config(model_dir: Path, cfg: ModelConfig) -> str:
 # Writing the repository
 
 
-def _link_or_copy(src, dst):
+_FICLONE = 0x40049409  # linux/fs.h: share the source's extents (copy-on-write), or fail
+
+
+def _reflink_or_copy(src, dst):
+    """Copy `src` to `dst` as its own file: a copy-on-write clone where the filesystem can, a byte copy otherwise."""
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+        import fcntl
+
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), _FICLONE, s.fileno())
+        shutil.copystat(src, dst)
+        return dst
+    except (OSError, ImportError):
+        pass
+    return shutil.copy2(src, dst)
 
 
 def _needed_libraries(backend: str) -> dict[str, str]:
@@ -475,7 +486,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: dict, instances
                          decoupled: bool | None, threads: int, sys_path: list[str]) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
-    shutil.copytree(engine_dir, home / "engine", copy_function=_link_or_copy)
+    shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
     model_py = Path(__file__).with_name("triton_model.py")
     for name, is_decoupled in variants:
         model_dir = repo / name

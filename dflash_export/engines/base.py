@@ -317,6 +317,7 @@ def read_manifest(engine_dir, verify_files: bool = True) -> dict[str, Any]:
         raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
     manifest = validate_manifest(read_json_object(path), path)
     if verify_files:
+        check_no_unlisted_files(engine_dir, manifest["files"])
         for rel, digest in manifest["files"].items():
             f = engine_dir / rel
             if not f.is_file():
@@ -325,6 +326,25 @@ def read_manifest(engine_dir, verify_files: bool = True) -> dict[str, Any]:
                 raise DFlashError("file does not match its manifest hash (modified or truncated)", path=f,
                                   field="files")
     return manifest
+
+
+def check_no_unlisted_files(engine_dir: Path, files: dict[str, str]) -> None:
+    """Refuse any file in the engine directory that the manifest does not hash (manifest.json aside).
+
+    Whatever a loader or a graph opens (graphs, their external data, shared weights, tokenizer files, whatever new
+    kind a backend adds) is a file of the directory, so "every file present is listed" covers them all without a
+    list of names: deleting a file's entry from `files` no longer disables its hash check, it makes the engine
+    unloadable. Symbolic links are refused too (their target is outside what the hashes vouch for).
+    """
+    listed = set(files)
+    for p in sorted(engine_dir.rglob("*")):
+        rel = p.relative_to(engine_dir).as_posix()
+        if p.is_symlink():
+            raise DFlashError("a symbolic link in the engine directory (engines hold plain files only)", path=p,
+                              field="files")
+        if p.is_file() and rel != MANIFEST and rel not in listed:
+            raise DFlashError("not listed in the manifest's `files` (every file of an engine must be listed and "
+                              "hashed): rebuild the engine, or remove the file", path=p, field="files")
 
 
 def is_engine_dir(d) -> bool:

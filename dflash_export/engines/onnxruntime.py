@@ -43,6 +43,10 @@ HEAD = "lm_head.onnx"
 DRAFT_HEAD = "draft_head.onnx"
 SHARED = "shared_weights.bin"
 ENGINE_FORMAT = 2
+# What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
+# files then fail the load by name instead of as an ONNX Runtime input error at the first request.
+GRAPH_ROLES = {TARGET: "target_verify_ort.onnx", DRAFTER: "drafter_ort.onnx", HEAD: "lm_head_ort.onnx",
+               DRAFT_HEAD: "draft_head_ort.onnx"}
 
 
 def _ort():
@@ -187,12 +191,33 @@ class OrtEngine(Engine):
         want = {"dflash.block_size": str(self.info.block_size), "dflash.mask_token_id": str(self.info.mask_token_id),
                 "dflash.target_layer_ids": json.dumps(self.info.target_layer_ids),
                 "dflash.max_seq_len": str(self.info.max_seq_len)}
-        for sess, fname in ((self.target, TARGET), (self.drafter, DRAFTER), (self.head, HEAD)):
+        graphs = [(self.target, TARGET), (self.drafter, DRAFTER), (self.head, HEAD)]
+        if self.draft_vocab:
+            graphs.append((self.draft_head, DRAFT_HEAD))
+        for sess, fname in graphs:
+            meta = sess.get_modelmeta().custom_metadata_map
+            if meta.get("dflash.graph") != GRAPH_ROLES[fname]:
+                raise DFlashError(f"holds the graph {meta.get('dflash.graph')!r}, expected {GRAPH_ROLES[fname]!r} "
+                                  "(graphs swapped or replaced): rebuild the engine", path=self.engine_dir / fname)
+        for sess, fname in graphs[:3]:
             meta = sess.get_modelmeta().custom_metadata_map
             for k, v in want.items():
                 if meta.get(k) != v:
                     raise DFlashError(f"manifest says {v!r} but {fname} was exported with {meta.get(k)!r}",
                                       path=mpath, field=k.split(".", 1)[1])
+        # The KV caches are sized from `shapes`: they must be the graphs' own cache inputs.
+        for sess, fname, prefix, layers, heads, dim, names in (
+                (self.target, TARGET, "past_key_", self.t_layers, self.t_kv_heads, self.t_head_dim,
+                 ("target_layers", "target_kv_heads", "target_head_dim")),
+                (self.drafter, DRAFTER, "past_ctx_key_", self.d_layers, self.d_kv_heads, self.d_head_dim,
+                 ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))):
+            caches = [i for i in sess.get_inputs() if i.name.startswith(prefix)]
+            shape = caches[0].shape if caches else [None] * 4
+            have = (len(caches), shape[1], shape[3])
+            for name, want_v, got in zip(names, (layers, heads, dim), have):
+                if got != want_v:
+                    raise DFlashError(f"manifest says {want_v} but {fname} has {got}", path=mpath,
+                                      field=f"shapes.{name}")
 
     # The Engine contract -------------------------------------------------------------------------------------------
 
