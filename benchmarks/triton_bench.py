@@ -114,8 +114,8 @@ def triton_infer(client, prompt: str, max_tokens: int):
 
     a = th.InferInput("text_input", [1], "BYTES")
     a.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-    b = th.InferInput("max_tokens", [1], "INT32")
-    b.set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
+    b = th.InferInput("max_tokens", [1], "INT64")
+    b.set_data_from_numpy(np.array([max_tokens], dtype=np.int64))
     res = client.infer("dflash", [a, b])
     return res.as_numpy("text_output")[0].decode(), int(res.as_numpy("completion_tokens")[0])
 

@@ -132,7 +132,7 @@ def test_rendered_config_parses_back_with_every_tensor():
 
 @pytest.mark.parametrize("edit, field", [
     (lambda t: t.replace('name: "dflash"', 'name: "9bad name"'), "name"),
-    (lambda t: t.replace("TYPE_INT32", "TYPE_INT33", 1), "max_tokens.data_type"),
+    (lambda t: t.replace("TYPE_INT64", "TYPE_INT65", 1), "max_tokens.data_type"),
     (lambda t: t.replace("dims: [ 1 ]", "dims: [ 0 ]", 1), "text_input.dims"),
     (lambda t: t.replace("dims: [ 1 ]", "dims: [ ]", 1), "text_input.dims"),
     (lambda t: t.replace('name: "messages"', 'name: "text_input"'), "name"),
@@ -365,7 +365,7 @@ def infer(client, text: bytes | None = b"Hello", model="dflash", **extra):
         add("text_input", np.array([text], dtype=np.object_), "BYTES")
     for name, (value, dtype) in extra.items():
         arr = value if isinstance(value, np.ndarray) else np.array([value], dtype={
-            "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BYTES": np.object_}[dtype])
+            "INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT64": np.uint64, "BYTES": np.object_}[dtype])
         add(name, arr, dtype)
     res = client.infer(model, inputs)
     return {"text": res.as_numpy("text_output")[0].decode(), "finish_reason": res.as_numpy("finish_reason")[0].decode(),
@@ -394,13 +394,13 @@ PROMPTS = [b"Hello", b"The quick brown fox", b"DFlash drafts a whole block", "ca
 @pytest.mark.server
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_tritonclient_output_equals_direct_engine_greedy(server, client, direct, prompt):
-    served = infer(client, prompt, max_tokens=(32, "INT32"))
+    served = infer(client, prompt, max_tokens=(32, "INT64"))
     assert served == as_dict(run_direct(direct, text_input=prompt, max_tokens=np.array([32], np.int32)))
 
 
 @pytest.mark.server
 def test_sampled_request_is_reproducible_and_equals_direct(server, client, direct):
-    extra = dict(max_tokens=(24, "INT32"), temperature=(0.8, "FP32"), top_p=(0.9, "FP32"), seed=(7, "UINT64"))
+    extra = dict(max_tokens=(24, "INT64"), temperature=(0.8, "FP32"), top_p=(0.9, "FP32"), seed=(7, "UINT64"))
     a, b = infer(client, b"sample", **extra), infer(client, b"sample", **extra)
     assert a == b == as_dict(run_direct(direct, text_input=b"sample", max_tokens=np.array([24], np.int32),
                                         temperature=np.array([0.8], np.float32), top_p=np.array([0.9], np.float32),
@@ -445,7 +445,7 @@ def test_16_concurrent_clients_get_the_outputs_of_lone_requests(server, client):
     import tritonclient.http as th
 
     requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 5) % 25) for i in range(20)]
-    alone = {r: infer(client, r[0], max_tokens=(r[1], "INT32")) for r in requests}
+    alone = {r: infer(client, r[0], max_tokens=(r[1], "INT64")) for r in requests}
     results: dict[tuple[int, int], dict] = {}
     errors: list[BaseException] = []
 
@@ -454,7 +454,7 @@ def test_16_concurrent_clients_get_the_outputs_of_lone_requests(server, client):
         try:
             for k in range(10):
                 r = requests[(c * 3 + k) % len(requests)]
-                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT32")))
+                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT64")))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:
@@ -500,8 +500,8 @@ def test_bad_tensor_requests_get_named_errors_and_server_keeps_serving(server, c
     cases = [
         (dict(text=b"\xff\xfe bad"), "text_input: invalid UTF-8"),
         (dict(max_tokens=(8.0, "FP32")), "max_tokens"),                  # wrong dtype: refused by Triton itself
-        (dict(text=None, max_tokens=(8, "INT32")), "text_input"),       # missing input
-        (dict(max_tokens=(np.array([1, 2], np.int32), "INT32")), "max_tokens"),  # wrong shape
+        (dict(text=None, max_tokens=(8, "INT64")), "text_input"),       # missing input
+        (dict(max_tokens=(np.array([1, 2], np.int64), "INT64")), "max_tokens"),  # wrong shape
         (dict(temperature=(-1.0, "FP32")), "temperature"),
         (dict(stop=(np.array([b"\xc3"], dtype=np.object_), "BYTES")), "stop: invalid UTF-8"),
     ]
@@ -510,7 +510,7 @@ def test_bad_tensor_requests_get_named_errors_and_server_keeps_serving(server, c
         with pytest.raises(InferenceServerException) as e:
             infer(client, text, **kwargs)
         assert named in str(e.value), (named, str(e.value))
-        assert infer(client, b"still serving", max_tokens=(3, "INT32"))["completion_tokens"] == 3
+        assert infer(client, b"still serving", max_tokens=(3, "INT64"))["completion_tokens"] == 3
 
 
 @pytest.mark.server
@@ -789,7 +789,7 @@ def test_check_repository_accepts_a_deploy_and_names_what_is_wrong(tmp_path, sma
     assert "config.pbtxt: missing" in broken(lambda r: (r / "dflash" / "config.pbtxt").unlink())
     assert "model.py: missing" in broken(lambda r: (r / "dflash" / "1" / "model.py").unlink())
     msg = broken(lambda r: (r / "dflash" / "config.pbtxt").write_text(
-        (r / "dflash" / "config.pbtxt").read_text().replace("TYPE_INT32", "TYPE_INT33", 1)))
+        (r / "dflash" / "config.pbtxt").read_text().replace("TYPE_INT64", "TYPE_INT65", 1)))
     assert "config.pbtxt: input max_tokens.data_type" in msg
 
     def tamper(r):

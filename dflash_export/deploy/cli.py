@@ -23,12 +23,18 @@ import click
               help="Also write the decoupled streaming model dflash_stream (for generate_stream).")
 @click.option("--llmapi-model-py", type=click.Path(dir_okay=False), default=None,
               help="TensorRT-LLM bundles only: TensorRT-LLM's llmapi model.py to place next to model.yaml.")
-def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py):
+@click.option("--max-request-bytes", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 30),
+              help="Largest HTTP request body `serve` lets through to tritonserver (larger: HTTP 413).")
+@click.option("--max-json-depth", default=32, show_default=True, type=click.IntRange(2, 256),
+              help="Deepest JSON nesting `serve` lets through (deeper: HTTP 400).")
+def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
+           max_json_depth):
     """Write a Triton model repository serving ENGINE (python backend running the DFlash runtime)."""
     from dflash_export.deploy.repository import MARKER, write_repository
 
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
-                            decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py)
+                            decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
+                            max_body_bytes=max_request_bytes, max_json_depth=max_json_depth)
     import json
 
     models = json.loads((repo / MARKER).read_text())["models"]
@@ -44,8 +50,30 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
-def serve(repo_dir, host, http_port, grpc_port, metrics_port, log_file):
-    """Run tritonserver (from nvidia-pytriton) on a model repository until Ctrl-C."""
+@click.option("--max-request-bytes", default=None, type=click.IntRange(1, 1 << 30),
+              help="Largest HTTP request body let through (larger: 413). Default: the value deploy recorded.")
+@click.option("--max-json-depth", default=None, type=click.IntRange(2, 256),
+              help="Deepest JSON nesting let through (deeper: 400). Default: the value deploy recorded.")
+@click.option("--restart-on-crash/--no-restart-on-crash", default=True, show_default=True,
+              help="Restart tritonserver behind the same HTTP port if it dies (at most 5 times in 10 minutes).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="On Ctrl-C / SIGTERM: seconds running requests get to finish; the rest are cancelled (503) "
+                   "and serve exits 1.")
+def serve(repo_dir, host, http_port, grpc_port, metrics_port, log_file, max_request_bytes, max_json_depth,
+          restart_on_crash, drain_timeout):
+    """Run tritonserver (from nvidia-pytriton) on a model repository until Ctrl-C.
+
+    HTTP goes through a front on --host:--http-port that bounds and checks every request before tritonserver sees
+    it; gRPC listens on 127.0.0.1 only."""
+    from dflash_export.deploy.front import Limits
+    from dflash_export.deploy.repository import check_repository
     from dflash_export.deploy.server import serve as run_server
 
-    sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file))
+    limits = None
+    if max_request_bytes is not None or max_json_depth is not None:
+        marker = check_repository(repo_dir)
+        recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
+        limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
+                        max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth))
+    sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
+                        restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout))

@@ -20,6 +20,14 @@ from dflash_export.runtime import DFlashRuntime, RunStats
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16
+ROLES = ("system", "user", "assistant", "tool")
+INT64_MAX = (1 << 63) - 1   # max_tokens travels as INT64
+UINT64_MAX = (1 << 64) - 1  # seed travels as UINT64
+MAX_MESSAGES_DEPTH = 8      # a list of {"role", "content"} objects is 2 deep
+
+
+class RequestCancelled(Exception):
+    """The request's client went away (or the server is shutting down): generation stopped between DFlash steps."""
 
 
 @dataclass
@@ -58,9 +66,19 @@ def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
     return arr.reshape(-1)[0]
 
 
+def _check_unicode(text: str, name: str) -> str:
+    """Refuse a string that cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DFlashError(f"lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} (not valid Unicode "
+                          "text)", field=name) from None
+    return text
+
+
 def _text(value, name: str) -> str:
     if isinstance(value, str):
-        return value
+        return _check_unicode(value, name)
     data = bytes(value)
     try:
         return data.decode("utf-8")
@@ -68,17 +86,93 @@ def _text(value, name: str) -> str:
         raise DFlashError(f"invalid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})", field=name) from None
 
 
-def _messages(text: str) -> list[dict]:
-    try:
-        msgs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"not valid JSON ({e.msg} at offset {e.pos})", field="messages") from None
+def _messages(text: str | list) -> list[dict]:
+    """The message list, from its JSON text (or already decoded): a non-empty list of {"role", "content"} objects,
+    roles among ROLES, no other keys."""
+    if isinstance(text, str):
+        try:
+            msgs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"not valid JSON ({e.msg} at offset {e.pos})", field="messages") from None
+        except RecursionError:
+            raise DFlashError("JSON nested too deeply", field="messages") from None
+    else:
+        msgs = text
     if not isinstance(msgs, list) or not msgs:
         raise DFlashError("expected a non-empty JSON list of {\"role\", \"content\"} objects", field="messages")
     for i, m in enumerate(msgs):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DFlashError(f"item {i} is not an object with string \"role\" and \"content\"", field="messages")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise DFlashError(f"item {i}: unknown key {extra[0]!r} (a message has only \"role\" and \"content\")",
+                              field="messages")
+        if m["role"] not in ROLES:
+            raise DFlashError(f"item {i}: unknown role {m['role'][:40]!r} (known: {', '.join(ROLES)})",
+                              field="messages")
+        _check_unicode(m["role"], "messages")
+        _check_unicode(m["content"], "messages")
     return msgs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_generate_body(body) -> dict:
+    """Check a JSON body for the generate / generate_stream endpoints before Triton sees it.
+
+    Every field must be one of the model's inputs, with the JSON type and range that input takes (max_tokens an
+    integer in 1..2^63-1, seed in 0..2^64-1: Triton would otherwise wrap or misread them); strings must be valid
+    Unicode. Returns the body with `messages` as JSON text (a list given as such is accepted and encoded). Raises
+    DFlashError naming the field.
+    """
+    if not isinstance(body, dict):
+        raise DFlashError("expected a JSON object of named inputs", field="request body")
+    known = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop")
+    for key in body:
+        if key not in known:
+            raise DFlashError(f"unknown field (known: {', '.join(known)})", field=_check_unicode(key, "request body")
+                              [:60])
+    out = dict(body)
+    for key in ("text_input",):
+        if key in body and not isinstance(body[key], str):
+            raise DFlashError(f"expected a string, got {_json_kind(body[key])}", field=key)
+        if key in body:
+            _check_unicode(body[key], key)
+    if "messages" in body:
+        if not isinstance(body["messages"], (str, list)):
+            raise DFlashError(f"expected a list of {{\"role\", \"content\"}} objects (or its JSON text), got "
+                              f"{_json_kind(body['messages'])}", field="messages")
+        out["messages"] = json.dumps(_messages(body["messages"]), ensure_ascii=False)
+    for key, lo, hi in (("max_tokens", 1, INT64_MAX), ("seed", 0, UINT64_MAX)):
+        if key in body:
+            v = body[key]
+            if not _is_int(v):
+                raise DFlashError(f"expected an integer, got {_json_kind(v)}", field=key)
+            if not lo <= v <= hi:
+                raise DFlashError(f"must be in {lo}..{hi}, got {v}", field=key)
+    for key in ("temperature", "top_p"):
+        if key in body:
+            v = body[key]
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                raise DFlashError(f"expected a number, got {_json_kind(v)}", field=key)
+            if not math.isfinite(v):
+                raise DFlashError(f"must be a finite number, got {v}", field=key)
+    if "stop" in body:
+        stops = body["stop"] if isinstance(body["stop"], list) else [body["stop"]]
+        if not all(isinstance(x, str) for x in stops):
+            raise DFlashError("expected a string or a list of strings", field="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", field="stop")
+        for x in stops:
+            _check_unicode(x, "stop")
+    return out
+
+
+def _json_kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
 def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
@@ -154,12 +248,16 @@ class RequestRunner:
             req.sp.max_new_tokens = max(1, min(req.sp.max_new_tokens, info.max_seq_len - info.block_size - len(ids)))
         return ids
 
-    def run(self, req: GenerateRequest) -> Iterator[Chunk]:
+    def run(self, req: GenerateRequest, cancelled: Callable[[], str | None] | None = None) -> Iterator[Chunk]:
         """Yield text deltas step by step; the last chunk carries `finish_reason` ("stop" / "length").
 
         Validation errors surface (as DFlashError) before the first chunk. Stop strings end the output *before* the
-        stop string; text that might begin one is held back until it is decided.
+        stop string; text that might begin one is held back until it is decided. `cancelled()` is asked before the
+        prompt and after every DFlash step; a reason (not None) stops the generation there with RequestCancelled, so
+        a client that went away holds its instance for at most one more step.
         """
+        if cancelled is not None and (why := cancelled()):
+            raise RequestCancelled(why)
         ids = self.prompt_ids(req)
         self.runtime.check_request(ids, req.sp)
         codec = self.runtime.engine.codec
@@ -168,6 +266,8 @@ class RequestRunner:
         shown = 0
         hold = max((len(s) for s in req.stop), default=1) - 1
         for ev in self.runtime.stream(ids, req.sp, stats=stats):
+            if cancelled is not None and not ev.finished and (why := cancelled()):
+                raise RequestCancelled(why)
             tokens.extend(ev.tokens)
             text = codec.decode(tokens)
             reason = ev.finish_reason if ev.finished else None
@@ -194,11 +294,12 @@ def _first_stop(text: str, stops: list[str], start: int) -> int | None:
     return min(hits) if hits else None
 
 
-def generate_text(runner: RequestRunner, req: GenerateRequest) -> Chunk:
+def generate_text(runner: RequestRunner, req: GenerateRequest,
+                  cancelled: Callable[[], str | None] | None = None) -> Chunk:
     """The whole output as one chunk (the non-streaming model's response)."""
     parts: list[str] = []
     last = None
-    for chunk in runner.run(req):
+    for chunk in runner.run(req, cancelled):
         parts.append(chunk.text)
         last = chunk
     assert last is not None

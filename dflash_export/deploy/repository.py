@@ -59,7 +59,7 @@ class TensorSpec:
 INPUTS = [
     TensorSpec("text_input", "TYPE_STRING", [1], optional=True),
     TensorSpec("messages", "TYPE_STRING", [1], optional=True),     # JSON list of {"role", "content"}
-    TensorSpec("max_tokens", "TYPE_INT32", [1], optional=True),
+    TensorSpec("max_tokens", "TYPE_INT64", [1], optional=True),  # 64-bit: no wrap of large values
     TensorSpec("temperature", "TYPE_FP32", [1], optional=True),
     TensorSpec("top_p", "TYPE_FP32", [1], optional=True),
     TensorSpec("seed", "TYPE_UINT64", [1], optional=True),
@@ -430,12 +430,14 @@ def _os_error(e: OSError, engine_dir: Path, repo_dir: Path) -> DFlashError:
 
 
 def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-                     decoupled: bool | None = None, threads: int = 0, llmapi_model_py=None) -> Path:
+                     decoupled: bool | None = None, threads: int = 0, llmapi_model_py=None,
+                     max_body_bytes: int | None = None, max_json_depth: int | None = None) -> Path:
     """Write (atomically: a temp dir renamed on success) the Triton repository for `engine_dir` into `repo_dir`.
 
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
     `dflash` either way). max_queue_size 0 means unbounded. threads: intra-op threads per instance (0: the
-    server's cores divided by `instances`, decided at load). Returns the repository path.
+    server's cores divided by `instances`, decided at load). max_body_bytes / max_json_depth: the request limits
+    `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). Returns the repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
@@ -452,6 +454,10 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be >= 0, got {max_queue_size}", field="--max-queue-size")
     if threads < 0:
         raise DFlashError(f"must be >= 0, got {threads}", field="--threads")
+    from dflash_export.deploy.front import Limits
+
+    limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
+                       if v is not None}).check()
     backend = manifest["backend"]
     model_py = _check_llmapi_model_py(llmapi_model_py, backend, engine_dir)
     repo_dir = check_repo_path(repo_dir, engine_dir)
@@ -469,7 +475,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                                               threads, stub_python_path())
             (tmp / MARKER).write_text(json.dumps({
                 "engine": str(engine_dir), "backend": backend, "recipe": manifest.get("recipe"), "models": models,
-                "instances": instances, "max_queue_size": max_queue_size}, indent=2) + "\n")
+                "instances": instances, "max_queue_size": max_queue_size,
+                "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
+                indent=2) + "\n")
     except BaseException as e:
         for d in created:  # deepest first; only the ones left empty
             try:

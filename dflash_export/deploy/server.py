@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import json
 import ipaddress
 import os
 import platform
@@ -118,6 +119,7 @@ def stub_python_path() -> list[str]:
 
 
 STUB_SITE_ENV = "DFLASH_TRITON_STUB_SITE"
+STUB_NUMPY = "numpy==1.26.4"  # exactly this one: the last numpy 1 with wheels for every Python the stubs support
 STUB_MARKER = "DFLASH_STUB_NUMPY"  # model.py accepts a numpy other than the deployed one only from a marked directory
 
 
@@ -144,7 +146,8 @@ def _numpy_major(where: Path | None = None) -> int | None:
 def ensure_stub_site(install: bool = True) -> Path | None:
     """Return the numpy < 2 directory the stub needs (None when this environment's numpy is already < 2).
 
-    Installs `numpy<2` there with pip when absent and `install` is true; MissingDependency otherwise.
+    Installs exactly STUB_NUMPY there with pip when absent and `install` is true (`./dev setup` does it once, so
+    `serve` normally finds it); MissingDependency otherwise.
     """
     if (_numpy_major() or 0) < 2:
         return None
@@ -152,15 +155,17 @@ def ensure_stub_site(install: bool = True) -> Path | None:
     if (_numpy_major(site_dir) or 2) < 2:
         (site_dir / STUB_MARKER).touch()
         return site_dir
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site_dir), "numpy<2"]
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", "--target",
+           str(site_dir), STUB_NUMPY]
     if not install:
-        raise MissingDependency("the python backend stub needs numpy<2 (it was built against numpy 1); run: "
-                                + " ".join(cmd[:-1]) + " 'numpy<2'", field="numpy")
-    print(f"the python backend stub needs numpy<2: installing it once into {site_dir}", file=sys.stderr, flush=True)
+        raise MissingDependency("the python backend stub needs numpy 1 (it was built against numpy 1); run: "
+                                + " ".join(cmd), field="numpy")
+    print(f"the python backend stub needs {STUB_NUMPY}: installing it once into {site_dir}", file=sys.stderr,
+          flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0 or (_numpy_major(site_dir) or 2) >= 2:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise MissingDependency(f"could not install numpy<2 for the python backend stub ({tail})", path=site_dir)
+        raise MissingDependency(f"could not install {STUB_NUMPY} for the python backend stub ({tail})", path=site_dir)
     (site_dir / STUB_MARKER).touch()
     return site_dir
 
@@ -224,9 +229,9 @@ def server_env(install: TritonInstall, stub_site: Path | None, stub_bin: Path,
     return env
 
 
-def _http_ok(url: str, timeout: float = 1.0) -> bool:
+def _http_ok(url: str, timeout: float = 1.0, headers: dict | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
@@ -319,18 +324,98 @@ def _shorten(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
-class TritonServer:
-    """A tritonserver process on a model repository; a context manager that starts it and waits for readiness.
+# ----------------------------------------------------------------------------------------------------------------------
+# What a dead server leaves behind
 
-    The server's output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes
-    all of it to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in
-    its own process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread
-    must outlive the server).
+SHM_DIR = Path("/dev/shm")
+OWNER_FILE = "owner.json"  # in each work dir: the pid of the process that made it, and the python_env dirs it caused
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _python_env_dirs() -> set[str]:
+    """The python backend makes a /tmp/python_env_XXXXXX directory per server and removes it only on a clean exit."""
+    return {str(p) for p in Path("/tmp").glob("python_env_*") if p.is_dir()}
+
+
+def shm_prefix(pid: int, http_port: int) -> str:
+    return f"dflash{pid}_{http_port}_"
+
+
+def remove_shm(prefix: str) -> int:
+    n = 0
+    for p in SHM_DIR.glob(prefix + "*") if SHM_DIR.is_dir() else []:
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
+    """Remove what servers started by dead processes left: their work dirs (dflash-triton-* with an owner.json naming
+    a pid no longer alive), the python_env_* dirs recorded there, and /dev/shm segments named after a dead pid.
+    Returns what was removed. Nothing of a live process is touched."""
+    removed = []
+    root = Path(tmp_root or tempfile.gettempdir())
+    for d in root.glob("dflash-triton-*"):
+        try:
+            owner = json.loads((d / OWNER_FILE).read_text())
+            pid = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge (no owner record)
+        if _pid_alive(pid):
+            continue
+        for env_dir in owner.get("python_env", []):
+            if isinstance(env_dir, str) and env_dir.startswith("/tmp/python_env_"):
+                shutil.rmtree(env_dir, ignore_errors=True)
+                removed.append(env_dir)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    for p in SHM_DIR.glob("dflash*_*_*") if SHM_DIR.is_dir() else []:
+        m = re.match(r"dflash(\d+)_\d+_", p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                p.unlink()
+                removed.append(str(p))
+            except OSError:
+                pass
+    return removed
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A tritonserver process on a model repository, behind the HTTP front (deploy/front.py); a context manager that
+    starts both and waits for readiness.
+
+    `http_port` is the front's (on `host`); tritonserver's own HTTP port is a free loopback port that answers only
+    requests carrying the front's secret header; gRPC listens on loopback only (it has no front). The server's
+    output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
+    to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in its own
+    process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
+    the server). `restart()` replaces a dead tritonserver behind the same front.
     """
 
     def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
-                 log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None):
+                 log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
+                 exit_timeout_s: int = 10):
+        from dflash_export.deploy.front import Limits
+
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)
@@ -339,13 +424,20 @@ class TritonServer:
         self.echo = echo
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args or [])
+        self.limits = (limits or Limits()).check()
+        self.exit_timeout_s = exit_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.front = None
+        self.triton_http_port: int | None = None
         self._workdir: Path | None = None
         self._log: collections.deque[str] = collections.deque(maxlen=400)
         self._reader: threading.Thread | None = None
         self._stopping = False
         self.log_path = Path(log_path) if log_path is not None else None
         self._log_file = None
+        self._shm_prefix = shm_prefix(os.getpid(), http_port)
+        self._python_envs: set[str] = set()
+        self.restarts = 0
 
     # URLs -------------------------------------------------------------------------------------------------------------
     @property
@@ -354,7 +446,7 @@ class TritonServer:
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -365,54 +457,93 @@ class TritonServer:
 
     # Lifecycle --------------------------------------------------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
+        from dflash_export.deploy.front import RESTRICTED_APIS, SECRET_HEADER
+
         install = find_triton()
-        return [
+        cmd = [
             str(install.binary),
             f"--model-repository={self.repo}",
             f"--backend-directory={backend_dir}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            # Triton's own HTTP parser must never see a request the front did not check (see deploy/front.py):
+            # loopback only, and every API behind the front's per-start secret header.
+            "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
+            f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={self.front.secret}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
             "--disable-auto-complete-config",
             "--exit-on-error=true",
             "--strict-readiness=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
-            # Unique shared-memory names: several servers (tests, other users) may run on one machine.
-            f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{self.http_port}_",
+            # Unique shared-memory names: several servers (tests, other users) may run on one machine; the pid in
+            # the name lets a later start remove what a killed one left (clean_stale_leftovers).
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             *self.extra_args,
         ]
+        return cmd
 
     def start(self) -> "TritonServer":
-        """Launch and block until `/v2/health/ready` answers 200; ServerError (with the log tail) if it dies."""
+        """Start the front (once) and tritonserver behind it; block until Triton's `/v2/health/ready` answers 200.
+        ServerError (with the log tail) if it dies first."""
+        from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
+
         install = find_triton()
         stub_site = ensure_stub_site()
-        self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
-        backend_dir = make_backend_dir(install, self._workdir / "backends")
-        stub_bin = make_stub_env(self._workdir / "stubenv", stub_site)
-        cmd = self.command(backend_dir)
         try:
-            if self.log_path is not None:
+            if self._workdir is None:
+                clean_stale_leftovers()
+                self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
+                self._write_owner()
+                make_backend_dir(install, self._workdir / "backends")
+                make_stub_env(self._workdir / "stubenv", stub_site)
+            cancel_dir = new_cancel_dir(self._workdir)
+            if self.front is None:
+                self.front = Front(self.host, self.http_port, self.limits, cancel_dir).start()
+            self.triton_http_port = _free_loopback_port()
+            cmd = self.command(self._workdir / "backends")
+            env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
+            env[CANCEL_DIR_ENV] = str(cancel_dir)
+            if self.log_path is not None and self._log_file is None:
                 try:
-                    self._log_file = open(self.log_path, "w", encoding="utf-8", errors="replace")
+                    self._log_file = open(self.log_path, "a" if self.restarts else "w", encoding="utf-8",
+                                          errors="replace")
                 except OSError as e:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
-            self.proc = subprocess.Popen(cmd, env=server_env(install, stub_site, stub_bin), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         errors="replace", start_new_session=True, preexec_fn=_die_with_parent())
+            self._stopping = False
+            envs_before = _python_env_dirs()
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, errors="replace",
+                                         start_new_session=True, preexec_fn=_die_with_parent())
             self._reader = threading.Thread(target=self._pump, daemon=True)
             self._reader.start()
             self._wait_ready()
+            self._python_envs |= _python_env_dirs() - envs_before
+            self._write_owner()
+            self.front.set_upstream(self.triton_http_port)
         except BaseException:
-            self.stop()
+            self.stop(drain_timeout_s=0)
             raise
         return self
 
+    def _write_owner(self) -> None:
+        if self._workdir is not None:
+            (self._workdir / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(),
+                                                                "python_env": sorted(self._python_envs)}))
+
+    def restart(self) -> "TritonServer":
+        """After tritonserver died on its own: clear what it left, start a new one behind the same front."""
+        self.front.set_upstream(None)
+        self._reap()
+        self.restarts += 1
+        self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
+        return self.start()
+
     def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        for line in proc.stdout:
             self._log.append(line)
             if self._log_file is not None:
                 try:
@@ -425,12 +556,14 @@ class TritonServer:
                 sys.stderr.flush()
 
     def _wait_ready(self) -> None:
+        from dflash_export.deploy.front import SECRET_HEADER
+
         deadline = time.monotonic() + self.ready_timeout_s
-        url = self.http_url + "/v2/health/ready"
+        url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._death_error()
-            if _http_ok(url):
+            if _http_ok(url, headers={SECRET_HEADER: self.front.secret}):
                 return
             time.sleep(0.2)
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
@@ -441,7 +574,7 @@ class TritonServer:
 
     def _last_error(self) -> str:
         """The most telling log line: the first model load failure, else the first error line, else the last line."""
-        lines = [ln.strip() for ln in self._log if ln.strip()]
+        lines = [ln.strip() for ln in self._log if ln.strip() and not ln.startswith("[dflash-export]")]
         for pick, which in ((lambda ln: ln.startswith("E") and "failed to load '" in ln, 0),
                             (lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln, 0),
                             (lambda ln: "error" in ln.lower(), 0),
@@ -463,8 +596,9 @@ class TritonServer:
         line = self._last_error()
         cls = ModelRefused if _INPUT_ERROR.search(line) else ServerError
         line = _INPUT_ERROR.sub("", line, count=1)
-        return cls(f"tritonserver exited (code {self.proc.returncode}: {_shorten(line)})" + self._log_note(),
-                   path=self.repo)
+        rc = self.proc.returncode
+        code = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
+        return cls(f"tritonserver exited ({code}: {_shorten(line)})" + self._log_note(), path=self.repo)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -477,20 +611,21 @@ class TritonServer:
             raise self._death_error()
         return rc
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the server's process group (server + stubs), SIGKILL what is left after `timeout_s`."""
-        self._stopping = True
+    def _reap(self, timeout_s: float = 0.0) -> int | None:
+        """End tritonserver (SIGTERM to it alone, so its stubs finish their requests and exit with it; SIGKILL to
+        the whole group after `timeout_s`) and remove its shared memory segments. Returns its exit code."""
         proc = self.proc
+        rc = None
         if proc is not None:
             try:
                 pgid = os.getpgid(proc.pid)
             except ProcessLookupError:
                 pgid = None
-            if pgid is not None and proc.poll() is None:
-                os.killpg(pgid, signal.SIGTERM)
+            if proc.poll() is None and timeout_s > 0:
                 try:
+                    proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, ProcessLookupError):
                     pass
             if pgid is not None:
                 # Stubs live in the same group; make sure none outlives the server.
@@ -498,18 +633,40 @@ class TritonServer:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            proc.wait()
+            rc = proc.wait()
             if self._reader is not None:
                 self._reader.join(timeout=5)
+        remove_shm(self._shm_prefix)
+        return rc
+
+    def stop(self, timeout_s: float = 20.0, drain_timeout_s: float = 10.0) -> bool:
+        """Drain the front (new requests 503, running ones finish for up to `drain_timeout_s`, then are cancelled
+        and answered 503), SIGTERM tritonserver (it finishes gRPC requests for up to its --exit-timeout-secs),
+        SIGKILL what is left after `timeout_s`, and remove the work dir, shared memory and python_env dirs.
+
+        Returns True when every request finished by itself (the drain completed) and tritonserver exited cleanly.
+        """
+        self._stopping = True
+        drained = True
+        if self.front is not None and self.proc is not None and self.proc.poll() is None:
+            drained = self.front.drain(drain_timeout_s)
+        rc = self._reap(timeout_s)
+        if self.front is not None:
+            self.front.close()
+            self.front = None
         if self._log_file is not None:
             try:
                 self._log_file.close()
             except OSError:
                 pass
             self._log_file = None
+        for env_dir in self._python_envs:
+            shutil.rmtree(env_dir, ignore_errors=True)
+        self._python_envs = set()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+        return drained and rc in (0, None, -signal.SIGTERM)
 
     def __enter__(self) -> "TritonServer":
         return self.start()
@@ -526,27 +683,48 @@ def default_log_path() -> Path:
 
 
 _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+MAX_RESTARTS = 5            # within RESTART_WINDOW_S: beyond that, something is wrong that a restart will not fix
+RESTART_WINDOW_S = 600.0
+
+
+class DrainIncomplete(ServerError):
+    """`serve` stopped with requests still running after the drain time (they were cancelled): exit code 1."""
 
 
 def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
-          ready_timeout_s: float = 600.0, log_path=None) -> int:
-    """Run tritonserver in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once ready.
+          ready_timeout_s: float = 600.0, log_path=None, limits=None, restart_on_crash: bool = True,
+          drain_timeout_s: float = 30.0) -> int:
+    """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
+    ready.
 
     Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and three
-    distinct ports must be free to listen on (DFlashError, exit 2, otherwise). The server's log goes to `log_path`
-    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
-    afterwards) and never to the terminal. Returns 0 after a requested stop. If the server exits on its own, one line
-    with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its input at load,
-    ServerError (exit 1, a runtime failure: every input was checked before the start) otherwise. The server is stopped
-    on every way out of this function (return, exception, SIGINT / SIGTERM / SIGHUP), and by the kernel if this
-    process is killed outright (see `_die_with_parent`).
+    distinct ports must be free to listen on (DFlashError, exit 2, otherwise). `limits` (front.Limits): the request
+    size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
+    new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept afterwards).
+
+    If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
+    front (the front answers 503 meanwhile), at most MAX_RESTARTS times in RESTART_WINDOW_S. Otherwise (or past that)
+    one line with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its
+    input at load, ServerError (exit 1) otherwise. A stop request drains: new requests get 503, running ones have
+    `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how many were
+    cancelled otherwise. The server is stopped on every way out of this function, and by the kernel if this process
+    is killed outright (see `_die_with_parent`); what a killed one left is removed by the next start.
     """
+    from dflash_export.deploy.front import Limits
     from dflash_export.deploy.repository import check_repository
 
     repo = Path(repo).expanduser().resolve()
-    check_repository(repo)
+    marker = check_repository(repo)
+    if limits is None:
+        recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
+        limits = Limits(**{k: v for k, v in recorded.items() if k in ("max_body_bytes", "max_json_depth")
+                           and isinstance(v, int)})
+    limits.check()
+    if drain_timeout_s < 0:
+        raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
     bind = resolve_host(host)
     check_listen(bind, {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
+    check_listen("127.0.0.1", {"--grpc-port": grpc_port})
     if log_path is not None:
         log_path = Path(log_path).expanduser().resolve()
         if log_path.is_dir():
@@ -556,30 +734,58 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
                               field="--log-file")
     else:
         log_path = default_log_path()
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path)
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
+                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)))
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     # A signal the caller ignores stays ignored (`nohup`, a background job's SIGINT): it is not a stop request.
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+    stopped = False
     try:
         server.start()
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}", flush=True)
         print(f"  tritonserver log: {log_path}", flush=True)
+        print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}; "
+              f"restart on crash: {'yes' if restart_on_crash else 'no'}; drain: {drain_timeout_s:g} s", flush=True)
         print(f"  curl -s {server.http_url}/v2/models/dflash/generate -d '{{\"text_input\": \"Hello\", "
               f"\"max_tokens\": 32}}'", flush=True)
-        server.wait()
-        return 0
+        crashes: list[float] = []
+        while True:
+            try:
+                server.wait()
+                return 0
+            except ServerError as e:
+                now = time.monotonic()
+                crashes = [t for t in crashes if now - t < RESTART_WINDOW_S] + [now]
+                if not restart_on_crash or len(crashes) > MAX_RESTARTS:
+                    raise
+                print(f"tritonserver died ({e}); restarting it ({len(crashes)} in the last "
+                      f"{RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+                server.restart()
+                print(f"ready again: HTTP {server.http_url}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
-        print("stopping tritonserver", file=sys.stderr, flush=True)
+        print(f"stopping: draining requests (up to {drain_timeout_s:g} s)", file=sys.stderr, flush=True)
+        # A second Ctrl-C / SIGTERM must not cut the drain short and leave the server behind.
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        front = server.front
+        cancelled = front.counts["cancelled_at_shutdown"] if front else 0
+        clean = server.stop(drain_timeout_s=drain_timeout_s)
+        stopped = True
+        cancelled = (front.counts["cancelled_at_shutdown"] if front else 0) - cancelled
+        if not clean:
+            raise DrainIncomplete(f"the drain did not complete: {cancelled} request(s) still running after "
+                                  f"{drain_timeout_s:g} s were cancelled (answered 503)" if cancelled else
+                                  "tritonserver did not stop cleanly" + server._log_note(), path=repo) from None
         return 0
     finally:
-        # A second Ctrl-C / SIGTERM must not cut the shutdown short and leave the server behind.
         for s in _STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         try:
-            server.stop()
+            if not stopped:
+                server.stop(drain_timeout_s=0)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)

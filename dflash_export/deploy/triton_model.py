@@ -7,7 +7,10 @@ libraries loaded are the ones recorded, so a mismatched environment fails the mo
 instead of subtly different numerics.
 
 One engine per model instance; each instance handles its requests one after another (concurrency = instance count).
-A bad request gets an error response naming the input; the instance keeps serving.
+A bad request gets an error response naming the input (INVALID_ARG: HTTP 400); the instance keeps serving. Between
+DFlash steps the request is checked for cancellation: Triton's own (a gRPC client that cancels or goes away) and the
+front's cancel file (an HTTP client that went away, or a shutdown past its drain time, see deploy/front.py), so an
+abandoned request holds its instance for at most one more step.
 """
 
 import json
@@ -97,10 +100,41 @@ class TritonPythonModel:
 
     @staticmethod
     def _error(exc: BaseException) -> "pb_utils.InferenceResponse":
+        from dflash_export.deploy.handler import RequestCancelled
         from dflash_export.errors import DFlashError
 
-        message = str(exc) if isinstance(exc, DFlashError) else f"internal error: {type(exc).__name__}: {exc}"
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+        codes = pb_utils.TritonError
+        if isinstance(exc, RequestCancelled):
+            message, code = f"cancelled: {exc}", getattr(codes, "CANCELLED", getattr(codes, "UNAVAILABLE", None))
+        elif isinstance(exc, DFlashError):  # the request's fault: 400, naming the input
+            message, code = str(exc), getattr(codes, "INVALID_ARG", None)
+        else:
+            message, code = f"internal error: {type(exc).__name__}: {exc}", getattr(codes, "INTERNAL", None)
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+    @staticmethod
+    def _cancelled(request, sender=None):
+        """The question `RequestRunner.run` asks between steps: why this request is cancelled, or None."""
+        from dflash_export.deploy.front import CANCEL_PARAMETER, cancel_reason
+
+        try:
+            token = json.loads(request.parameters() or "{}").get(CANCEL_PARAMETER)
+        except (ValueError, AttributeError):
+            token = None
+        token = token if isinstance(token, str) else None
+        native = [f for f in (getattr(sender, "is_cancelled", None), getattr(request, "is_cancelled", None)) if f]
+
+        def cancelled():
+            for is_cancelled in native:
+                try:
+                    if is_cancelled():
+                        return "the client cancelled the request"
+                except Exception:  # noqa: BLE001 - a stub without the call: rely on the cancel file
+                    pass
+            return cancel_reason(token)
+
+        return cancelled
 
     @staticmethod
     def _inputs(request):
@@ -121,7 +155,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                responses.append(self._response(generate_text(self.runner, parse_request(self._inputs(request)))))
+                responses.append(self._response(generate_text(self.runner, parse_request(self._inputs(request)),
+                                                              self._cancelled(request))))
             except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
                 responses.append(self._error(e))
         return responses
@@ -132,10 +167,13 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            for chunk in self.runner.run(parse_request(self._inputs(request))):
+            for chunk in self.runner.run(parse_request(self._inputs(request)), self._cancelled(request, sender)):
                 sender.send(self._response(chunk), flags=final if chunk.finish_reason else 0)
         except Exception as e:  # noqa: BLE001
-            sender.send(self._error(e), flags=final)
+            try:
+                sender.send(self._error(e), flags=final)
+            except Exception:  # noqa: BLE001 - a cancelled request's sender may refuse: nobody is listening
+                pass
 
     def finalize(self):
         engine = getattr(self, "engine", None)
