@@ -14,7 +14,7 @@ import sys
 import click
 
 from dflash_export import __version__
-from dflash_export.clitypes import SEED, FiniteFloat
+from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
 from dflash_export.errors import DFlashError
 
 
@@ -87,7 +87,8 @@ def inspect(drafter, target, as_json):
 
 @main.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
-@click.option("--prompt", default=None, help="Prompt text (chat template applied when the tokenizer has one).")
+@click.option("--prompt", default=None, type=UTF8_TEXT,
+              help="Prompt text (chat template applied when the tokenizer has one).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
 @click.option("--seed", default=0, show_default=True, type=SEED)

@@ -21,3 +21,24 @@ class FiniteFloat(click.FloatRange):
 
 
 SEED = click.IntRange(0, 2**63 - 1)
+
+
+class Utf8Text(click.ParamType):
+    """Text that must be valid UTF-8: a command-line argument in another encoding reaches Python as surrogate escapes
+    (os.fsdecode), which no tokenizer can encode; refuse it naming the byte instead of failing inside the run."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "surrogateescape")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raw = value.encode("utf-8", "surrogateescape")
+            byte = raw[len(value[:e.start].encode("utf-8", "surrogateescape"))]
+            self.fail(f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})", param, ctx)
+        return value
+
+
+UTF8_TEXT = Utf8Text()

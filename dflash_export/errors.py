@@ -67,7 +67,8 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[P
     final = Path(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        _remove_stale_temps(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
         raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
@@ -85,6 +86,31 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[P
         raise
 
 
+def _remove_stale_temps(final: Path) -> None:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` siblings of `final` left by a process that is gone (killed
+    mid-build): only this pid-named form, and only when that pid is no longer alive."""
+    import re
+
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-.+|old-(\d+))$")
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:
+        return
+    for d in siblings:
+        m = pattern.match(d.name)
+        if not m or not d.is_dir() or d.is_symlink():
+            continue
+        pid = int(m.group(1) or m.group(2))
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @contextmanager
 def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
     """Open a temp file next to `final` and move it into place on success."""
@@ -92,6 +118,10 @@ def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
     os.close(fd)
+    # mkstemp makes the file 0600; the finished file should read like any other the user writes (umask applies).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
         with open(tmp, mode) as f:
             yield f

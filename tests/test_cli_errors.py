@@ -2,6 +2,7 @@
 `error:` line with exit 2, and an unexpected exception is one line with exit 1 and its traceback kept in a file."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -171,3 +172,50 @@ def test_an_ordinary_chat_template_still_renders_in_the_sandbox(tmp_path):
                 "{{ m.content | trim }} {% endfor %}{% if add_generation_prompt %}user{% endif %}")
     codec = load_codec(_codec_dir(tmp_path / "engine", template))
     assert codec.encode_prompt([{"role": "user", "content": " hi "}]) == [2, 1, 2]
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path):
+    import subprocess
+    import sys
+
+    # A real command line: bytes that are not UTF-8 reach Python as surrogate escapes.
+    r = subprocess.run([os.fsencode(sys.executable), b"-m", b"dflash_export", b"run", b"--engine",
+                        os.fsencode(tmp_path), b"caf\xe9"], capture_output=True)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err and "internal error" not in err, err
+    assert "prompt: not valid UTF-8 (byte 0xe9 at character 3)" in err, err
+
+
+def test_atomic_files_get_ordinary_permissions():
+    import tempfile
+
+    from dflash_export.errors import atomic_file
+
+    old = os.umask(0o022)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            with atomic_file(os.path.join(d, "report.json")) as f:
+                f.write("{}")
+            assert os.stat(os.path.join(d, "report.json")).st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)
+
+
+def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
+    import subprocess
+    import sys
+
+    from dflash_export.errors import atomic_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f".onnxruntime.tmp-{dead_pid}-abcd"
+    (stale / "export").mkdir(parents=True)
+    live = tmp_path / f".onnxruntime.tmp-{os.getpid()}-efgh"  # a build still running here: kept
+    live.mkdir()
+    other = tmp_path / ".onnxruntime.tmp-notapid"  # not of the pid-named form: not ours to judge
+    other.mkdir()
+    with atomic_dir(tmp_path / "onnxruntime") as tmp:
+        (tmp / "manifest.json").write_text("{}")
+    assert not stale.exists() and live.exists() and other.exists()
+    assert (tmp_path / "onnxruntime" / "manifest.json").is_file()
