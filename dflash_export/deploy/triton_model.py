@@ -63,6 +63,19 @@ def _check_versions(expected: dict) -> None:
         importlib.import_module("onnxruntime")
 
 
+def _cancel_age_ms(token):
+    """Milliseconds since the front wrote this request's cancel file (None without one)."""
+    import time
+
+    from dflash_export.deploy.front import CANCEL_DIR_ENV
+
+    d = os.environ.get(CANCEL_DIR_ENV)
+    try:
+        return 1000 * (time.time() - os.stat(os.path.join(d, token)).st_mtime) if d and token else None
+    except OSError:
+        return None
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = config = json.loads(args["model_config"])
@@ -125,14 +138,28 @@ class TritonPythonModel:
         token = token if isinstance(token, str) else None
         native = [f for f in (getattr(sender, "is_cancelled", None), getattr(request, "is_cancelled", None)) if f]
 
+        import time
+
+        last = [time.monotonic()]
+
         def cancelled():
+            why = None
             for is_cancelled in native:
                 try:
                     if is_cancelled():
-                        return "the client cancelled the request"
+                        why = "the client cancelled the request"
                 except Exception:  # noqa: BLE001 - a stub without the call: rely on the cancel file
                     pass
-            return cancel_reason(token)
+            why = why or cancel_reason(token)
+            now = time.monotonic()
+            if why is not None:
+                # One line per cancellation for the log (benchmarks/soak.py reads it): how long the instance kept
+                # working after the cancel (at most the step in progress), and how long that step took.
+                late = _cancel_age_ms(token)
+                print(f"dflash-cancel: {why}; noticed {late if late is not None else -1:.0f} ms after it; last step "
+                      f"{1000 * (now - last[0]):.0f} ms", file=sys.stderr, flush=True)
+            last[0] = now
+            return why
 
         return cancelled
 

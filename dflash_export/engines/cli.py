@@ -1,141 +1,80 @@
-"""`dflash-export`: one thin click command per stage. Commands parse and call; the logic lives in the stage modules.
-
-Every DFlashError becomes one `error: <file>: <field>: <message>` line and its exit code (2 for bad input, 1 for a
-failed check), never a traceback; so do click's usage errors (`error: <option>: <message>`) and unreadable or
-unwritable paths (OSError: `error: <file>: <reason>`). Anything else is a bug: one line, exit 1, the traceback in a
-file (or on the terminal with DFLASH_EXPORT_TRACEBACK=1).
-"""
+"""CLI for `build`, `run` and `bench` (thin: parse and call)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
-from dflash_export import __version__
 from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
-from dflash_export.errors import DFlashError
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _usage_error_line(e: click.ClickException) -> str:
-    """click's own errors (bad or missing options, unknown commands) as `error: <option>: <message>`, not click's
-    three-line usage block: the same shape as every other bad input."""
-    if isinstance(e, click.BadParameter) and e.param is not None and e.message:
-        hint = e.param_hint or " / ".join(getattr(e.param, "opts", None) or [e.param.name or ""])
-        if isinstance(hint, (list, tuple)):
-            hint = " / ".join(hint)
-        return f"{hint.strip(chr(39))}: {_one_line(e.message)}"
-    return _one_line(e.format_message())
-
-
-class _Group(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except DFlashError as e:
-            click.echo(f"error: {_one_line(e)}", err=True)
-            sys.exit(e.exit_code)
-        except click.ClickException as e:
-            click.echo(f"error: {_usage_error_line(e)}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-        except OSError as e:
-            # A path the user gave that cannot be read or written (no such directory, a file where a directory must
-            # be, no permission, a full disk): name the file, no traceback.
-            where = f"{e.filename}: " if e.filename else ""
-            click.echo(f"error: {where}{_one_line(e.strerror or e)}", err=True)
-            sys.exit(2)
-        except (click.exceptions.Exit, click.Abort):
-            raise  # click's own control flow (--help, ctx.exit, EOF at a prompt)
-        except Exception as e:  # noqa: BLE001 -- the last resort: a bug, not bad input
-            if os.environ.get("DFLASH_EXPORT_TRACEBACK"):
-                raise
-            import tempfile
-            import traceback
-
-            fd, log = tempfile.mkstemp(prefix="dflash-export-", suffix=".traceback.txt")
-            with os.fdopen(fd, "w") as f:
-                traceback.print_exc(file=f)
-            click.echo(f"error: internal error, {type(e).__name__}: {_one_line(e)[:300]} (traceback in {log}; "
-                       "DFLASH_EXPORT_TRACEBACK=1 shows it here)", err=True)
-            sys.exit(1)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="dflash-export")
-def main():
-    """Export, compile, validate and deploy DFlash speculative decoding engines."""
-
-
-@main.command()
-@click.argument("drafter")
-@click.option("--target", required=True, help="Target: HF directory, .gguf file, or tiny:NAME/target.")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
-def inspect(drafter, target, as_json):
-    """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
-    from dflash_export.inspect_cmd import run_inspect
-
-    sys.exit(run_inspect(drafter, target, as_json))
-
-
-@main.command()
+@click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
-@click.option("--prompt", default=None, type=UTF8_TEXT,
-              help="Prompt text (chat template applied when the tokenizer has one).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
+              show_default=True)
+@click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
+@click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
+def build(recipe, backend, out, force):
+    """Build engines/<recipe>/<backend>/ (reused when every input hash matches)."""
+    from rich.console import Console
+
+    from dflash_export.engines.build import build_engine
+    from dflash_export.recipes import load_recipe
+
+    r = load_recipe(recipe)
+    res = build_engine(r, backend, out, force)
+    Console(highlight=False).print(
+        f"{'reused' if res.reused else 'built'} {res.engine_dir} "
+        f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+
+
+@click.command()
+@click.option("--engine", "engine_dir", required=True, help="A built engine directory.")
+@click.argument("prompt", type=UTF8_TEXT)
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--seed", default=0, show_default=True, type=SEED)
-def reference(recipe, prompt, max_new_tokens, temperature, seed):
-    """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
-    from dflash_export.reference_cmd import run_reference
+@click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
+@click.option("--no-chat", is_flag=True, help="Send the prompt as raw text (no chat template).")
+@click.option("--full-blocks", is_flag=True,
+              help="Verify every drafted token (default, greedy: only the drafts the drafter's confidence says are "
+                   "worth their verification cost; same output).")
+def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks):
+    """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
+    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.runtime import DFlashRuntime, RunStats
 
-    run_reference(recipe, prompt, max_new_tokens, temperature, seed)
-
-
-@main.command()
-@click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
-@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
-def demo(recipe, prompt, max_new_tokens):
-    """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
-    with DFlash and with plain AR decoding on the same engine."""
-    from dflash_export.demo import run_demo
-
-    run_demo(recipe, prompt, max_new_tokens)
-
-
-def _register_optional(name: str, module: str, attr: str) -> None:
-    """Stage commands live in their own modules; a stage whose module is absent is simply not listed."""
-    import importlib
-
-    try:
-        cmd = getattr(importlib.import_module(module), attr)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("dflash_export"):
-            return
-        raise
-    main.add_command(cmd, name)
+    engine = load_engine(engine_dir)
+    rt = DFlashRuntime(engine, adaptive=not full_blocks)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    stats = RunStats()
+    for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    drafted = (f", {stats.drafted_tokens / max(1, len(stats.acceptance_lengths)):.1f} drafts verified/step"
+               if not ar else "")
+    click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
+               f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
+               err=True)
 
 
-for _name, _module, _attr in [
-    ("train", "dflash_export.train_cmd", "train"),
-    ("export", "dflash_export.export.cli", "export"),
-    ("build", "dflash_export.engines.cli", "build"),
-    ("run", "dflash_export.engines.cli", "run"),
-    ("bench", "dflash_export.engines.cli", "bench"),
-    ("validate", "dflash_export.validate.cli", "validate"),
-    ("deploy", "dflash_export.deploy.cli", "deploy"),
-    ("serve", "dflash_export.deploy.cli", "serve"),
-]:
-    _register_optional(_name, _module, _attr)
+@click.command()
+@click.option("--recipe", required=True)
+@click.option("--engine", "engine_dir", default=None, help="Default: engines/<recipe>/onnxruntime (built if absent).")
+@click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
+@click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
+              help="Comma list of: dflash (engine, adaptive verification), dflash-full (engine, every draft "
+                   "verified), ar (same engine), hf (transformers generate), reference (PyTorch spec_generate).")
+@click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
+def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json):
+    """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    from dflash_export.bench import run_bench
 
-
-if __name__ == "__main__":
-    main()
+    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, [m.strip() for m in modes.split(",")],
+              out_json)
