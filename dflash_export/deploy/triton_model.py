@@ -140,7 +140,7 @@ class TritonPythonModel:
 
         import time
 
-        last = [time.monotonic()]
+        last = [None]  # when the previous check ran (None: this is the first, before any work on the request)
 
         def cancelled():
             why = None
@@ -156,8 +156,10 @@ class TritonPythonModel:
                 # One line per cancellation for the log (benchmarks/soak.py reads it): how long the instance kept
                 # working after the cancel (at most the step in progress), and how long that step took.
                 late = _cancel_age_ms(token)
-                print(f"dflash-cancel: {why}; noticed {late if late is not None else -1:.0f} ms after it; last step "
-                      f"{1000 * (now - last[0]):.0f} ms", file=sys.stderr, flush=True)
+                where = ("before it started (it was queued)" if last[0] is None else
+                         f"mid-generation, last step {1000 * (now - last[0]):.0f} ms")
+                print(f"dflash-cancel: {why}; noticed {late if late is not None else -1:.0f} ms after it, {where}",
+                      file=sys.stderr, flush=True)
             last[0] = now
             return why
 

@@ -1,0 +1,354 @@
+"""Soak `dflash-export serve`: many clients for minutes, good and hostile requests and dropped clients, on loopback.
+
+    python benchmarks/soak.py [--engine engines/smollm2-135m/onnxruntime] [--clients 16] [--duration 600]
+    python benchmarks/soak.py --short        # the tiny engine, 4 clients, 20 s (what the test suite runs)
+
+Deploys the engine into a temporary repository, starts `dflash-export serve` (a subprocess, exactly as a user runs
+it), and runs `--clients` threads against it until `--duration` seconds or `--max-requests` requests. Each client
+draws, per request:
+
+- a good request (non-streamed `generate` or streamed `generate_stream`) from a fixed set whose outputs were computed
+  first by running the same engine directly in this process: every served text must equal its direct run;
+- a bad request (invalid JSON, deep nesting, an oversized body, wrong JSON types, unknown fields, out-of-range or
+  negative numbers, lone surrogates, unknown roles, a prompt longer than the engine takes): each must get the 4xx
+  it is owed (a 5xx or a 200 is counted as unexpected);
+- a long request whose client goes away after a moment (streamed or not).
+
+Reported: requests and errors by kind, latency percentiles, the server tree's RSS over time (growth after warm-up),
+server crashes and restarts (from serve's output), and for every dropped client how long its instance kept working
+after the drop compared with the DFlash step it was in (from the model's `dflash-cancel:` log lines; a request
+cancelled while still queued costs no step and is counted apart). Exit status 1 when a target is missed: a crash, a
+wrong output, an unexpected status, RSS growth >= 5 %, or an instance kept busy longer than one step (plus 50 ms of
+scheduling slack) by a dropped client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about autumn.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Why is the sky blue?", "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to code.", "What does a compiler do?", "Name a famous painting.",
+    "How many legs does a spider have?", "Describe the sea in five words.", "What is 12 times 12?",
+]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def direct_outputs(engine: Path, cases: list[dict], threads: int) -> dict[str, str]:
+    """The text each good request must get, from the engine run in this process (no server)."""
+    from dflash_export.deploy.handler import RequestRunner, check_generate_body, generate_text, parse_request
+    from dflash_export.engines.base import load_engine
+    from dflash_export.runtime import DFlashRuntime
+
+    runner = RequestRunner(DFlashRuntime(load_engine(engine, threads=threads)))
+    import numpy as np
+
+    out = {}
+    for case in cases:
+        body = check_generate_body(case)
+        arrays = {k: np.array([v.encode() if isinstance(v, str) else v],
+                              dtype=np.object_ if isinstance(v, str) else
+                              (np.float32 if isinstance(v, float) else np.int64 if k != "seed" else np.uint64))
+                  for k, v in body.items()}
+        out[json.dumps(case, sort_keys=True)] = generate_text(runner, parse_request(arrays.get)).text
+    runner.runtime.engine.close()
+    return out
+
+
+def bad_requests(max_body: int) -> list[tuple[str, bytes, tuple[int, ...]]]:
+    """(kind, raw body, acceptable statuses) — every one a client error."""
+    j = lambda o: json.dumps(o).encode()  # noqa: E731
+    return [
+        ("invalid_json", b'{"text_input": "hi", ', (400,)),
+        ("deep_nesting", b"[" * 100_000, (400,)),
+        ("oversized", b'{"text_input": "' + b"x" * (max_body + 10) + b'"}', (413,)),
+        ("wrong_type_text", j({"text_input": 123}), (400,)),
+        ("wrong_type_max_tokens", j({"text_input": "hi", "max_tokens": "8"}), (400,)),
+        ("max_tokens_2p32", j({"text_input": "hi", "max_tokens": 4294967304}), (400,)),
+        ("max_tokens_2p31", j({"text_input": "hi", "max_tokens": 2 ** 31}), (400,)),
+        ("seed_negative", j({"text_input": "hi", "seed": -1}), (400,)),
+        ("unknown_field", j({"text_input": "hi", "nonsense": True}), (400,)),
+        ("lone_surrogate", b'{"text_input": "\\ud800 hi"}', (400,)),
+        ("unknown_role", j({"messages": [{"role": "wizard", "content": "hi"}]}), (400,)),
+        ("messages_not_list", j({"messages": {"role": "user", "content": "hi"}}), (400,)),
+        ("empty_prompt", j({"text_input": ""}), (400,)),
+        ("prompt_too_long", j({"text_input": "word " * 5000, "max_tokens": 4}), (400,)),
+        ("invalid_utf8", b'{"text_input": "\xff\xfe"}', (400,)),
+    ]
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts: Counter = Counter()
+        self.latency: dict[str, list[float]] = defaultdict(list)
+        self.problems: list[str] = []
+
+    def add(self, kind: str, outcome: str, seconds: float | None = None, problem: str | None = None):
+        with self.lock:
+            self.counts[(kind, outcome)] += 1
+            if seconds is not None:
+                self.latency[kind].append(seconds)
+            if problem and len(self.problems) < 50:
+                self.problems.append(problem)
+
+
+def _post(port: int, path: str, body: bytes, timeout: float = 600) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _stream_text(raw: bytes) -> tuple[str, bool]:
+    events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    return "".join(e.get("text_output", "") for e in events), any("error" in e for e in events)
+
+
+def client(cid: int, port: int, deadline: float, budget: list[int], budget_lock: threading.Lock, good: list[dict],
+           want: dict[str, str], bad: list, stats: Stats, long_tokens: int, seed: int):
+    rng = random.Random(seed + cid)
+    while time.monotonic() < deadline:
+        with budget_lock:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+        r = rng.random()
+        t0 = time.monotonic()
+        try:
+            if r < 0.50 or r >= 0.95:
+                case = rng.choice(good)
+                stream = r >= 0.95 or rng.random() < 0.25
+                ep = "dflash_stream/generate_stream" if stream else "dflash/generate"
+                kind = "good_stream" if stream else "good"
+                status, raw = _post(port, f"/v2/models/{ep}", json.dumps(case).encode())
+                dt = time.monotonic() - t0
+                if status != 200:
+                    stats.add(kind, f"status_{status}", dt, f"{kind} {case}: {status} {raw[:200]!r}")
+                    continue
+                text, err = (_stream_text(raw) if stream else (json.loads(raw)["text_output"], False))
+                expected = want[json.dumps(case, sort_keys=True)]
+                if err or text != expected:
+                    stats.add(kind, "wrong_output", dt, f"{kind} {case}: got {text[:80]!r}, want {expected[:80]!r}")
+                else:
+                    stats.add(kind, "ok", dt)
+            elif r < 0.80:
+                kind, body, ok = rng.choice(bad)
+                status, raw = _post(port, "/v2/models/dflash/generate", body)
+                dt = time.monotonic() - t0
+                if status in ok:
+                    stats.add("bad", f"{kind}_{status}", dt)
+                else:
+                    stats.add("bad", f"unexpected_{status}", dt, f"bad {kind}: {status} {raw[:200]!r}")
+            else:
+                stream = rng.random() < 0.5
+                ep = "dflash_stream/generate_stream" if stream else "dflash/generate"
+                body = json.dumps({"text_input": rng.choice(PROMPTS) + " Tell me more, at length.",
+                                   "max_tokens": long_tokens}).encode()
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(f"POST /v2/models/{ep} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                time.sleep(rng.uniform(0.2, 1.5))
+                s.close()
+                stats.add("drop_stream" if stream else "drop", "sent_and_dropped")
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            stats.add("transport", type(e).__name__, None, f"client {cid}: {type(e).__name__}: {e}")
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", type=Path, default=ROOT / "engines" / "smollm2-135m" / "onnxruntime")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    ap.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests in all")
+    ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of the good requests")
+    ap.add_argument("--long-tokens", type=int, default=400, help="max_tokens of the requests whose client drops")
+    ap.add_argument("--warmup", type=float, default=120.0, help="seconds before the RSS baseline is taken")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--short", action="store_true", help="tiny engine, 4 clients, 20 s, 5 s warm-up")
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="dflash-soak-"))
+    if args.short:
+        from dflash_export.engines.onnxruntime import build_onnxruntime
+        from dflash_export.recipes import load_recipe
+
+        args.engine = build_onnxruntime(load_recipe("tiny-qwen3"), work / "engine" / "onnxruntime")
+        args.clients, args.duration, args.warmup = min(args.clients, 4), min(args.duration, 20.0), 5.0
+        args.long_tokens = min(args.long_tokens, 400)
+    from dflash_export.deploy.front import DEFAULT_MAX_BODY_BYTES
+    from dflash_export.deploy.repository import write_repository
+
+    good = [{"text_input": p, "max_tokens": args.max_tokens} for p in PROMPTS]
+    good += [{"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": args.max_tokens},
+             {"text_input": PROMPTS[1], "max_tokens": args.max_tokens, "temperature": 0.8, "top_p": 0.9, "seed": 7}]
+    print(f"direct runs of {len(good)} good requests on {args.engine} ...", flush=True)
+    want = direct_outputs(args.engine, good, threads=1)
+    repo = write_repository(args.engine, work / "repo", instances=args.instances, max_queue_size=256, threads=1)
+    http_port, grpc_port, metrics_port = free_ports(3)
+    log = work / "tritonserver.log"
+    serve = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                              str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                              "--log-file", str(log), "--drain-timeout", "30"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    serve_err: list[str] = []
+    threading.Thread(target=lambda: serve_err.extend(serve.stderr), daemon=True).start()
+    line = ""
+    t_start = time.monotonic()
+    while not line.startswith("ready:") and time.monotonic() - t_start < 600:
+        line = serve.stdout.readline()
+        if not line and serve.poll() is not None:
+            print("serve exited before ready:", "".join(serve_err)[-2000:], file=sys.stderr)
+            return 1
+    threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()
+    print(f"serving on 127.0.0.1:{http_port} ({args.instances} instances); {args.clients} clients for "
+          f"{args.duration:.0f} s", flush=True)
+
+    stats = Stats()
+    rss: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+    deadline = t0 + args.duration
+    budget, budget_lock = [args.max_requests], threading.Lock()
+    bad = bad_requests(DEFAULT_MAX_BODY_BYTES)
+    threads = [threading.Thread(target=client, args=(c, http_port, deadline, budget, budget_lock, good, want, bad,
+                                                     stats, args.long_tokens, args.seed), daemon=True)
+               for c in range(args.clients)]
+    for t in threads:
+        t.start()
+    next_report = t0 + 60
+    while any(t.is_alive() for t in threads):
+        time.sleep(min(5.0, max(0.1, deadline - time.monotonic() + 0.1)))
+        now = time.monotonic()
+        if not rss or now - t0 - rss[-1][0] >= 4.5:
+            rss.append((now - t0, tree_rss(serve.pid)))
+        if now >= next_report:
+            done = sum(stats.counts.values())
+            print(f"  {now - t0:5.0f} s: {done} requests, RSS {rss[-1][1] / 2**20:.0f} MiB", flush=True)
+            next_report += 60
+        if now > deadline + 900:  # a request stuck for 15 min past the end: give up on it (counted below)
+            break
+    elapsed = time.monotonic() - t0
+    stuck = sum(t.is_alive() for t in threads)
+
+    alive_at_end = serve.poll() is None
+    serve.send_signal(signal.SIGTERM)
+    try:
+        serve_rc = serve.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve_rc = serve.wait()
+    err_text = "".join(serve_err)
+    restarts = err_text.count("tritonserver died")
+    log_text = log.read_text(errors="replace") if log.is_file() else ""
+    cancels = re.findall(r"dflash-cancel: [^;]*; noticed (-?\d+) ms after it, (before it started|mid-generation, "
+                         r"last step (\d+) ms)", log_text)
+    running = [(float(late), float(step)) for late, _, step in cancels if step]  # seen mid-generation
+    over = [(late, step) for late, step in running if late > step + 50]
+
+    counts = stats.counts
+    outcomes = Counter()
+    for (kind, outcome), n in counts.items():
+        outcomes[kind] += n
+    wrong = sum(n for (k, o), n in counts.items() if o == "wrong_output")
+    unexpected = sum(n for (k, o), n in counts.items() if o.startswith("unexpected_") or
+                     (k.startswith("good") and o.startswith("status_")))
+    five_xx = sum(n for (k, o), n in counts.items() if re.search(r"_5\d\d$", o))
+    transport = sum(n for (k, o), n in counts.items() if k == "transport")
+    after = [r for t, r in rss if t >= args.warmup]
+    base = statistics.mean([r for t, r in rss if args.warmup <= t < args.warmup + 60] or after[:1] or [0])
+    tail = statistics.mean([r for t, r in rss if t >= elapsed - 60] or after[-1:] or [0])
+    growth = (tail - base) / base if base else float("nan")
+    result = {
+        "engine": str(args.engine), "clients": args.clients, "instances": args.instances, "seconds": round(elapsed),
+        "requests": sum(counts.values()), "by_kind": dict(outcomes),
+        "outcomes": {f"{k}:{o}": n for (k, o), n in sorted(counts.items())},
+        "latency_s": {k: {"n": len(v), "p50": round(pct(v, .5), 3), "p90": round(pct(v, .9), 3),
+                          "p99": round(pct(v, .99), 3), "max": round(max(v), 3)} for k, v in stats.latency.items()},
+        "rss_mib": [(round(t), round(r / 2**20)) for t, r in rss[::max(1, len(rss) // 40)]],
+        "rss_growth_after_warmup": round(growth, 4),
+        "server_alive_at_end": alive_at_end, "server_restarts": restarts, "serve_exit_code": serve_rc,
+        "wrong_outputs": wrong, "unexpected_statuses": unexpected, "http_5xx": five_xx,
+        "transport_errors": transport, "clients_stuck_at_end": stuck,
+        "drops": counts[("drop", "sent_and_dropped")] + counts[("drop_stream", "sent_and_dropped")],
+        "cancels_logged": len(cancels), "cancels_mid_generation": len(running),
+        "cancels_while_queued": len(cancels) - len(running),
+        "cancel_delay_ms": {"p50": pct([a for a, _ in running], .5), "max": max([a for a, _ in running], default=0),
+                            "step_ms_p50": pct([b for _, b in running], .5),
+                            "step_ms_max": max([b for _, b in running], default=0)},
+        "cancels_later_than_one_step": len(over),
+        "problems": stats.problems[:20],
+    }
+    ok = (alive_at_end and restarts == 0 and wrong == 0 and unexpected == 0 and five_xx == 0 and transport == 0
+          and stuck == 0 and not over and (growth < 0.05 or args.short))
+    result["targets_met"] = ok
+    print(json.dumps({k: v for k, v in result.items() if k != "rss_mib"}, indent=1))
+    print("rss_mib (s, MiB):", " ".join(f"{t}:{r}" for t, r in result["rss_mib"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"targets missed; server log kept in {log}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
