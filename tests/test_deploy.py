@@ -477,8 +477,8 @@ def test_16_concurrent_clients_get_the_outputs_of_lone_requests(server, client):
 BAD_JSON = [
     ({"max_tokens": 8}, "text_input"),
     ({"text_input": ""}, "text_input: empty prompt"),
-    ({"text_input": "hi", "max_tokens": 0}, "max_tokens: must be >= 1"),
-    ({"text_input": "hi", "max_tokens": -3}, "max_tokens: must be >= 1"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens: must be in 1.."),
+    ({"text_input": "hi", "max_tokens": -3}, "max_tokens: must be in 1.."),
     ({"text_input": "hi", "max_tokens": 2_000_000_000}, "max_tokens"),
     ({"text_input": "hi", "temperature": -0.5}, "temperature: must be >= 0"),
     ({"text_input": "x" * 2000}, "text_input: prompt is 2000 tokens"),
@@ -1067,7 +1067,7 @@ def test_request_fields_are_type_and_range_checked_400_naming_the_field(server, 
     status, resp = post_json(f"{server.http_url}/v2/models/dflash/generate", body)
     assert status == 400 and resp["error"].startswith(named.split(":")[0] + ":") and named in resp["error"], resp
     status, resp = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream", body)
-    assert status == 400 and named in resp["error"], resp
+    assert status == 400 and named in (resp["error"] if isinstance(resp, dict) else resp), (status, resp)
 
 
 @pytest.mark.server
@@ -1135,9 +1135,11 @@ def test_a_client_that_goes_away_frees_its_instance_within_a_step(tmp_path, long
         assert status == 200
         assert waited < 0.25 * whole, f"waited {waited:.2f} s behind a dropped client (whole run {whole:.2f} s)"
         deadline = time.monotonic() + 10
-        while "dflash-cancel: the client went away" not in srv.log_text() and time.monotonic() < deadline:
+        while "dflash-cancel: the client" not in srv.log_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "dflash-cancel: the client went away" in srv.log_text()
+        # The front's cancel file ("the client went away") or Triton's own cancellation, whichever the model saw first.
+        assert re.search(r"dflash-cancel: the client (went away|cancelled the request); noticed -?\d+ ms after it, "
+                         r"mid-generation", srv.log_text()), srv.log_text()[-2000:]
 
 
 def _tritonserver_pid(repo: Path) -> int:
@@ -1160,7 +1162,7 @@ def test_serve_restarts_a_crashed_tritonserver_and_clears_what_it_left(tmp_path,
         first = _tritonserver_pid(repo)
         shm_before = {p.name for p in Path("/dev/shm").glob(f"dflash{proc.pid}_*")}
         assert shm_before, "the python backend's shared memory is expected under /dev/shm"
-        os.kill(first, signal.SIGSEGV)  # what the 6 MB body did before the front existed
+        os.kill(first, signal.SIGKILL)  # a crash (the 6 MB body made it segfault before the front existed)
         deadline, status = time.monotonic() + 180, None
         while time.monotonic() < deadline:
             status, body = post_json(url, {"text_input": "again", "max_tokens": 3})
@@ -1174,7 +1176,7 @@ def test_serve_restarts_a_crashed_tritonserver_and_clears_what_it_left(tmp_path,
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         err = proc.stderr.read()
-        assert "tritonserver died (" in err and "signal 11" in err and "restarting it" in err, err
+        assert "tritonserver died (" in err and "signal 9" in err and "restarting it" in err, err
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

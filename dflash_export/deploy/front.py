@@ -125,7 +125,7 @@ class Front:
         self._thread: threading.Thread | None = None
         self.counts = {"forwarded": 0, "refused": 0, "client_gone": 0, "cancelled_at_shutdown": 0}
 
-    # Lifecycle ---------------------------------------------------------------------------------------------------------
+    # Lifecycle ---------------------------------------------------------------------------------------------------
     def start(self) -> "Front":
         front = self
 
@@ -194,7 +194,7 @@ class Front:
             self._httpd.server_close()
             self._httpd = None
 
-    # Cancellation ------------------------------------------------------------------------------------------------------
+    # Cancellation ------------------------------------------------------------------------------------------------
     def cancel(self, token: str, why: str) -> bool:
         """Mark a running request cancelled (the model sees it at its next step). False if it is not running."""
         with self._lock:
@@ -320,7 +320,7 @@ def _handler_class(front: Front):
             except Refused as e:
                 self._send_error(e)
                 return
-            self._forward(body, token)
+            self._forward(body, token, streaming=has_body and m.group(1) == "generate_stream")
 
         def _read_body(self) -> bytes:
             if self.headers.get("Transfer-Encoding"):
@@ -397,7 +397,7 @@ def _handler_class(front: Front):
                 self._header_len = len(head)
             return head + body[json_len:], token
 
-        def _forward(self, body: bytes, token: str | None) -> None:
+        def _forward(self, body: bytes, token: str | None, streaming: bool) -> None:
             done = threading.Event()
             started = False
             conn = http.client.HTTPConnection("127.0.0.1", front.upstream_port, timeout=None)
@@ -421,8 +421,9 @@ def _handler_class(front: Front):
                     resp = conn.getresponse()
                 except (ConnectionError, OSError, http.client.HTTPException):
                     raise Refused(503, "tritonserver is not answering (it is being restarted); retry shortly")
-                chunked = resp.getheader("Transfer-Encoding", "").lower() == "chunked" or resp.length is None
-                if not chunked:
+                # Whole responses are read whole (however tritonserver frames them), so a request cancelled by the
+                # shutdown can still be answered 503; only generate_stream is relayed as it comes.
+                if not streaming:
                     payload = resp.read()
                     done.set()  # the model has answered: a client leaving now cancels nothing
                     why = front._in_flight.get(token) if token else None
