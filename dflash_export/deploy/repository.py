@@ -11,7 +11,8 @@ Layout for this project's engines (onnxruntime, tensorrt, pytorch):
 The engine is copied rather than referenced so the repository is self-contained: it can be moved or mounted into a
 container, and a rebuild of `engines/…` in place never changes a running deployment under the server's feet. The copy
 is a real copy (a reflink on filesystems that share extents, e.g. btrfs / XFS), never a hard link: with a hard link,
-editing a file of the engine would edit the deployment too. Its manifest hashes are checked again when each instance loads.
+editing a file of the engine would edit the deployment too. Its manifest hashes are checked again when each instance
+loads.
 
 For a TensorRT-LLM bundle (manifest backend "tensorrt-llm") the repository instead holds one `llmapi`-style model,
 named as in the bundle (`tensorrt_llm`): TensorRT-LLM's own python model reads `1/model.yaml` (the DFlash speculative
