@@ -15,7 +15,8 @@ The stubs in nvidia-pytriton 0.7 were compiled against numpy 1 (pybind11 without
 misread every tensor buffer (BYTES inputs crash the stub, outputs come back with wrong sizes). When this environment
 has numpy >= 2, the stub gets a private numpy 1 directory (exactly STUB_NUMPY) first on its path (installed once
 with pip into `stub_site_dir()`, by `./dev setup`); onnxruntime, torch and tokenizers built for numpy 2 run on numpy
-1.26 (numpy's ABI is backward compatible at run time), and the served outputs are checked against direct engine calls in tests/test_deploy.py.
+1.26 (numpy's ABI is backward compatible at run time), and the served outputs are checked against direct engine calls
+in tests/test_deploy.py.
 """
 
 from __future__ import annotations
