@@ -428,6 +428,8 @@ def cuda_tensor_view(data_ptr: int, shape, strides, dtype: str):
     import torch
 
     desc, view_as = array_interface(data_ptr, shape, strides, dtype)
+    if 0 in desc["shape"]:  # an empty tensor (no context yet) may come with a null pointer: nothing to view
+        return torch.empty(desc["shape"], dtype=getattr(torch, dtype), device="cuda")
     out = torch.as_tensor(_CudaArray(desc), device="cuda")
     return out.view(getattr(torch, view_as)) if view_as else out
 

@@ -77,13 +77,18 @@ class ConditionalFit:
     groups: int            # prefixes (nodes of the tree)
 
 
-def _node_cells(p: np.ndarray, counts: dict[int, int], min_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """(cell probabilities, observed counts): each token of p >= min_p its own cell, the rest pooled into one."""
+def _node_cells(p: np.ndarray, counts: dict[int, int], min_p: float, max_cells: int = 256
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(cell probabilities, observed counts): each token of p >= min_p its own cell (the `max_cells` likeliest at
+    most, which bounds the simulation's cost on a full vocabulary), the rest pooled into one."""
     p = np.asarray(p, np.float64)
     own = np.nonzero(p >= min_p)[0]
+    if len(own) > max_cells:
+        own = np.sort(np.argsort(-p, kind="stable")[:max_cells])
     rest = 1.0 - float(p[own].sum())
     obs = np.array([counts.get(int(t), 0) for t in own], np.float64)
-    seen_rest = sum(c for t, c in counts.items() if p[t] < min_p)
+    owned = set(own.tolist())
+    seen_rest = sum(c for t, c in counts.items() if t not in owned)
     if rest > 1e-12 or seen_rest:
         return np.append(p[own], max(rest, 1e-300)), np.append(obs, seen_rest)
     return p[own], obs
