@@ -163,13 +163,80 @@ def test_fused_verify_reference_equals_sampling_verify_block(temperature):
             assert emitted[b, :len(toks)].tolist() == toks
 
 
-def test_dispatch_uses_reference_on_cpu():
-    inputs = _attention_inputs(1, 4, 2, 4, 3, 16)
-    assert torch.equal(kv_injected_block_attention(*inputs), kv_injected_block_attention_ref(*inputs))
-    logits, drafts, dprobs, unif = _verify_case(2, 4, 20, 1.0, seed=2)
-    got = fused_verify(logits, drafts, dprobs, unif, 1.0)
-    for a, b in zip(got, fused_verify_ref(logits, drafts, dprobs, unif, 1.0)):
-        assert torch.equal(a, b)
+def _attention_numpy(q, kc, vc, kb, vb, scale=None):
+    """Hand-written float64 numpy attention (independent of the torch reference): softmax(q k^T * scale) v over the
+    context keys followed by the block keys, query head h reading kv head h // (H / KVH)."""
+    q, kc, vc, kb, vb = (np.asarray(t, np.float64) for t in (q, kc, vc, kb, vb))
+    B, H, S, D = q.shape
+    groups = H // kc.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    out = np.zeros((B, H, S, D))
+    for b in range(B):
+        for h in range(H):
+            k = np.concatenate([kc[b, h // groups], kb[b, h // groups]])
+            v = np.concatenate([vc[b, h // groups], vb[b, h // groups]])
+            s = q[b, h] @ k.T * scale
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[b, h] = (w / w.sum(-1, keepdims=True)) @ v
+    return out
+
+
+def test_attention_closed_forms_on_the_cpu_dispatcher():
+    """Independent expected values: q = 0 attends uniformly (the mean of every context and block value row of its kv
+    head); one key only returns its value; random inputs equal a float64 numpy attention."""
+    q, kc, vc, kb, vb = _attention_inputs(1, 4, 2, 3, 5, 8, seed=11)
+    got = kv_injected_block_attention(torch.zeros_like(q), kc, vc, kb, vb)
+    mean = torch.cat([vc, vb], 2).mean(2, keepdim=True)  # [1, KVH, 1, D]
+    expected = mean.repeat_interleave(2, dim=1).expand(1, 4, 3, 8)
+    assert torch.allclose(got, expected, atol=1e-6)
+    one = [t[:, :, :1] for t in (q, kb, vb)]
+    empty = kc[:, :, :0]
+    got = kv_injected_block_attention(one[0], empty, empty, one[1], one[2])
+    assert torch.allclose(got, one[2].repeat_interleave(2, dim=1), atol=1e-7)
+    got = kv_injected_block_attention(q, kc, vc, kb, vb, scale=0.37)
+    np.testing.assert_allclose(got.numpy(), _attention_numpy(q, kc, vc, kb, vb, 0.37), atol=1e-5)
+
+
+# Hand-computed FusedVerify cases on V = 3 at temperature 1: p = [0.5, 0.3, 0.2] at every row (logits = log p), the
+# draft distribution q = [0.8, 0.1, 0.1] at every slot. A draft of token 0 is accepted iff u * 0.8 < 0.5 (u < 0.625);
+# a rejection resamples from max(p - q, 0) = [0, 0.2, 0.1] (cdf 0, 0.2, 0.3 of total 0.3); the bonus draws from p
+# (cdf 0.5, 0.8, 1.0). The inverse-CDF rule takes the count of cdf entries <= u * total.
+_P3 = [0.5, 0.3, 0.2]
+_Q3 = [0.8, 0.1, 0.1]
+VERIFY_CASES = [
+    # (drafts, uniforms, expected accept_len, expected emitted tokens)
+    ([0, 0], [0.60, 0.10, 0.85], 2, [0, 0, 2]),       # both accepted; bonus u=0.85 -> 0.85 >= 0.5, 0.8 -> token 2
+    ([0, 0], [0.60, 0.65, 0.50], 1, [0, 1]),          # second rejected (0.65 >= 0.625); residual 0.5*0.3=0.15 -> 1
+    ([0, 0], [0.70, 0.00, 0.70], 0, [2]),             # first rejected; residual 0.7*0.3=0.21 >= 0.2 -> token 2
+    ([1, 0], [0.99, 0.30, 0.40], 2, [1, 0, 0]),       # token 1: q 0.1 < p 0.3 always accepted; bonus 0.4 -> token 0
+    ([2, 1], [0.00, 0.99, 0.10], 2, [2, 1, 0]),       # p >= q for tokens 1 and 2: any uniform accepts
+]
+
+
+def _verify_case_3(drafts, uniforms):
+    logits = torch.log(torch.tensor(_P3)).expand(1, 3, 3).contiguous()
+    probs = torch.tensor(_Q3).expand(1, 2, 3).contiguous()
+    return logits, torch.tensor([drafts]), probs, torch.tensor([uniforms])
+
+
+@pytest.mark.parametrize("drafts,uniforms,accept,tokens", VERIFY_CASES)
+def test_fused_verify_hand_computed_cases_on_the_cpu_dispatcher(drafts, uniforms, accept, tokens):
+    got = fused_verify(*_verify_case_3(drafts, uniforms), temperature=1.0)
+    assert got[0].tolist() == [accept] and got[2].tolist() == [accept + 1]
+    assert got[1][0].tolist() == tokens + [EMIT_PAD] * (3 - len(tokens))
+
+
+@pytest.mark.parametrize("drafts,uniforms,accept,tokens", VERIFY_CASES)
+def test_fused_verify_kernel_hand_computed_cases(verify_triton, drafts, uniforms, accept, tokens):
+    got = verify_triton(*_verify_case_3(drafts, uniforms), 1.0, block_v=2, block_bs=2)
+    assert got[0].tolist() == [accept] and got[1][0].tolist() == tokens + [EMIT_PAD] * (3 - len(tokens))
+
+
+def test_fused_verify_greedy_closed_form_on_the_cpu_dispatcher():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 3.0], [0.0, 0.0, 5.0]]])  # argmax 1, 0 (first of a tie), 2
+    for drafts, accept, tokens in (([1, 0], 2, [1, 0, 2]), ([1, 2], 1, [1, 0]), ([0, 0], 0, [1])):
+        got = fused_verify(logits, torch.tensor([drafts]))
+        assert got[0].tolist() == [accept] and got[1][0].tolist() == tokens + [EMIT_PAD] * (3 - len(tokens))
 
 
 @pytest.mark.parametrize("mutate,message", [
@@ -206,15 +273,26 @@ def test_forcing_triton_without_it_names_the_extra(monkeypatch):
         kernels.fused_verify(*_verify_case(1, 3, 8, 0.0, seed=0)[:2], backend="triton")
 
 
-def test_uniform_stream_convention_matches_numpy_runtime():
-    # uniforms come from numpy (PCG64) in the runtime; float64 -> float32 must not change any decision here
+def test_float32_uniforms_change_no_decision_outside_the_rounding_band():
+    """The runtime draws float64 uniforms (numpy PCG64); the graphs and kernels take float32. Against numpy's float64
+    `verify_block` on the same float64 probabilities, the torch op fed float32 uniforms takes the same accept / reject
+    decisions and tokens for every draw whose decision margin |u * q - p| exceeds float32 rounding (~1e-7)."""
     rng = np.random.default_rng(0)
-    logits, drafts, dprobs, _ = _verify_case(2, 4, 20, 1.0, seed=4, agree=0.9)
-    unif = torch.from_numpy(rng.random((2, 4)))
-    a = fused_verify_ref(logits, drafts, dprobs, unif, 1.0)
-    b = fused_verify_ref(logits, drafts, dprobs, unif.float(), 1.0)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
+    checked = 0
+    for seed in range(40):
+        logits, drafts, dprobs, _ = _verify_case(1, 4, 20, 1.0, seed=seed, agree=0.9)
+        unif = rng.random(4)
+        p = np.exp(logits[0].double().numpy())
+        p /= p.sum(-1, keepdims=True)
+        q = dprobs[0].double().numpy()
+        margins = [abs(unif[i] * q[i, int(d)] - p[i, int(d)]) for i, d in enumerate(drafts[0].tolist())]
+        if min(margins) < 1e-6:
+            continue
+        want = verify_block(p, logits[0].numpy(), drafts[0].numpy(), q, unif, greedy=False)
+        got = fused_verify(logits, drafts, dprobs, torch.from_numpy(unif).float()[None], 1.0)
+        assert (int(got[0][0]), got[1][0, : int(got[2][0])].tolist()) == want, seed
+        checked += 1
+    assert checked >= 35
 
 
 def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
@@ -228,8 +306,11 @@ def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
     assert report["mode"] == "cpu-dry-run" and report["kernels"]["ok"]
     for section in ("kernels", "drafter_latency", "target_verify", "attention_vs_sdpa"):
         assert "error" not in report[section], report[section]
-    assert report["drafter_latency"]["kernel_eager"]["speedup_block_vs_sequential"] > 0
-    assert report["target_verify"]["eager"]["ratio"] > 0
+    # CPU timings mean nothing; the figures must still be the ratios of the times they are reported with
+    lat = report["drafter_latency"]["kernel_eager"]
+    assert lat["speedup_block_vs_sequential"] == pytest.approx(lat["4_single_steps_ms"] / lat["block_forward_ms"])
+    tv = report["target_verify"]["eager"]
+    assert tv["ratio"] == pytest.approx(tv["verify_4_tokens_ms"] / tv["decode_1_token_ms"])
 
 
 def test_gpu_check_script_runs_from_the_repo_on_cpu(tmp_path):
@@ -290,3 +371,45 @@ def test_aot_verify_kernel_argument_order_matches_reference(temperature):
         GREEDY=temperature == 0, BLOCK_V=16, BLOCK_BS=4, PAD=EMIT_PAD)
     for a, b in zip(outs, fused_verify_ref(logits, drafts, dprobs, unif, temperature)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_fused_verify_kernel_blocks_longer_than_its_tile_are_not_cut(verify_triton, temperature):
+    """A 70-row block through a 16-slot emitted tile: every accepted draft and the final token are written (the
+    kernel loops over the tiles), as the reference emits them."""
+    BS, V = 70, 12
+    logits, drafts, dprobs, unif = _verify_case(2, BS, V, temperature, seed=12, agree=0.999)
+    if temperature == 0:
+        drafts = logits.argmax(-1)[:, :-1].clone()
+        drafts[1, 66] = (drafts[1, 66] + 1) % V   # sequence 1 rejects at slot 66; sequence 0 accepts all 69
+    got = verify_triton(logits, drafts, dprobs, unif, temperature, block_v=16, block_bs=16)
+    ref = fused_verify_ref(logits, drafts, dprobs, unif, temperature)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    if temperature == 0:
+        assert got[0].tolist() == [69, 66] and got[1][0, 69].item() == int(logits[0, 69].argmax())
+
+
+def test_aot_verify_kernel_with_the_plugin_constants_serves_any_row_count():
+    """The plugin compiles one FusedVerify kernel for every profile (num_logits 1 at prefill / decode, block_size at
+    verify): run the AOT entry point with exactly the constants the plugin compiles in, at 1, 4 and 70 rows."""
+    from dflash_export.engines.tensorrt import verify_aot_constexprs
+
+    module = _interpreted("dflash_export.kernels.triton_verify")
+    for temperature in (0.0, 0.8):
+        consts = verify_aot_constexprs(temperature)
+        assert "BS" not in consts and consts["BLOCK_BS"] < 70
+        for BS in (1, 4, 70):
+            B, V = 2, 24
+            logits, drafts, dprobs, unif = _verify_case(B, max(BS, 2), V, temperature, seed=BS, agree=0.99)
+            logits, drafts, dprobs = logits[:, :BS].contiguous(), drafts[:, :BS - 1].contiguous(), \
+                dprobs[:, :BS - 1].contiguous()
+            unif = unif[:, :BS].contiguous()
+            if BS == 1:
+                dprobs = torch.zeros(B, 1, V)  # TensorRT's minimum draft_probs shape (n_draft_or_1)
+            outs = [torch.empty(B, dtype=torch.int64), torch.empty(B, BS, dtype=torch.int64),
+                    torch.empty(B, dtype=torch.int64)]
+            module.fused_verify_aot_kernel[(B,)](logits, drafts, dprobs, unif, BS, V, *outs, **consts)
+            want = fused_verify_ref(logits, drafts, dprobs[:, :BS - 1], unif, temperature)
+            for a, b in zip(outs, want):
+                assert torch.equal(a, b), (temperature, BS)

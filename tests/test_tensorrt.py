@@ -202,11 +202,14 @@ class _Expr:
         return _Expr(f"({self.text}*{getattr(other, 'text', other)})")
 
 
-def _fake_tensorrt(monkeypatch):
+def _fake_tensorrt(monkeypatch, aot: bool = True):
     """Install stand-in `tensorrt` / `tensorrt.plugin` modules that record what register_plugins declares.
 
     This proves the glue is self-consistent (every decorator gets a callable whose annotations evaluate, each
-    function runs on descriptor-like inputs); it cannot prove TensorRT accepts it — only a TensorRT install can."""
+    function runs on descriptor-like inputs); it cannot prove TensorRT accepts it — only a TensorRT install can.
+    The stand-in follows tensorrt.plugin's sources where it matters: `aot_impl` is always exported, but
+    `KernelLaunchParams` and `trt.QuickPluginCreationRequest` exist only on an AOT-capable TensorRT (`aot=False`
+    models one without)."""
     import types
 
     registry = {}
@@ -241,7 +244,9 @@ def _fake_tensorrt(monkeypatch):
         grid_x = grid_y = grid_z = block_x = shared_mem = None
 
     trtp.TensorDesc, trtp.Tensor, trtp.AutoTuneCombination = TensorDesc, object, AutoTuneCombination
-    trtp.KernelLaunchParams, trtp.SymExprs = KernelLaunchParams, tuple
+    trtp.SymExprs = tuple
+    if aot:
+        trtp.KernelLaunchParams = KernelLaunchParams
     trtp.SymInt32 = lambda e: ("i32", getattr(e, "text", e))
     trtp.SymIntExprs = types.SimpleNamespace(from_tuple=tuple)
     trtp.cdiv = lambda a, b: f"cdiv({getattr(a, 'text', a)},{b})"
@@ -249,6 +254,9 @@ def _fake_tensorrt(monkeypatch):
     trt = types.ModuleType("tensorrt")
     trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = "float32", "float16", "bfloat16", "int64", "int32"
     trt.plugin = trtp
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=0, PREFER_AOT_PYTHON_PLUGINS=1)
+    if aot:
+        trt.QuickPluginCreationRequest = types.SimpleNamespace(PREFER_AOT=1)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
     monkeypatch.setattr(trt_backend, "tensorrt_available", lambda: True)
@@ -288,16 +296,95 @@ def test_register_plugins_declares_shapes_autotune_and_aot_launches(monkeypatch)
     assert signature["q_ptr"] == "*bf16" and constexprs["BLOCK_N"] == trt_backend.ATTENTION_TACTICS[2]
     assert constexprs["BLOCK_D"] == 128 and constexprs["PRECISION"] is None
 
-    V, BS = _Expr("V"), _Expr("BS", 16)
+    # num_logits is 1 in the prefill / decode profiles and block_size in verify: never a build-time constant
+    V, BS = _Expr("V"), _Expr("num_logits")
     logits = trtp.TensorDesc((B, BS, V), "float32")
     toks, probs, unif = (trtp.TensorDesc((B, _Expr("n")), "int64"), trtp.TensorDesc((B, 1, 1), "float32"),
                          trtp.TensorDesc((B, 1), "float32"))
     outs = registry[("register", verify)](logits, toks, probs, unif, 0.0)
     assert [o.dtype for o in outs] == ["int64"] * 3 and outs[1].shape_expr == (B, BS)
     name, ptx, launch, extra = registry[("aot_impl", verify)](logits, toks, probs, unif, 0.0, outs, 0)
-    assert launch.grid_x is B and [e[1] for e in extra] == ["BS", "V"]
+    assert launch.grid_x is B
+    assert [e[1] for e in extra] == ["num_logits", "V"]  # the row count reaches the kernel at run time
     fn, signature, constexprs = compiled[-1]
-    assert constexprs["GREEDY"] is True and constexprs["BLOCK_BS"] == 16
+    # the tile is fixed and the kernel loops over the rows (test_kernels runs these constants at 1, 4 and 70 rows)
+    assert constexprs == trt_backend.verify_aot_constexprs(0.0) and constexprs["GREEDY"] is True
     assert list(signature)[4:6] == ["BS", "V"] and signature["accept_ptr"] == "*i64"
     trt_backend.register_plugins()  # idempotent
     assert len(compiled) == 2
+    # a head_dim TensorRT cannot give at build time is refused by name, not guessed
+    q_dyn = trtp.TensorDesc((B, H, S, _Expr("D")), "float16")
+    with pytest.raises(DFlashError, match="head_dim"):
+        registry[("aot_impl", attn)](q_dyn, kc, kc, kb, kb, 32, 8, 0.1, (out,), 1)
+
+
+def test_register_plugins_without_aot_support_registers_only_the_jit_impl(monkeypatch):
+    """tensorrt.plugin exports aot_impl everywhere, but KernelLaunchParams only where AOT plugins exist: there the
+    aot_impl (whose annotations name KernelLaunchParams) must not be declared at all."""
+    registry, trtp, _ = _fake_tensorrt(monkeypatch, aot=False)
+    assert hasattr(trtp, "aot_impl") and not hasattr(trtp, "KernelLaunchParams")
+    trt_backend.register_plugins()
+    assert {kind for kind, _ in registry} == {"register", "autotune", "impl"}
+    import tensorrt
+
+    assert not trt_backend.aot_plugins_supported(tensorrt, trtp)
+
+
+def test_jit_impl_views_bf16_through_an_int16_array_interface():
+    """TensorRT's Tensor.__cuda_array_interface__ raises for bf16 (numpy has no bfloat16): the JIT impl describes the
+    buffer as int16 and reinterprets it. The same description read through numpy's __array_interface__ on the CPU
+    gives back the bf16 values, strided layouts included."""
+    import torch
+
+    x = torch.randn(3, 5, dtype=torch.float32).to(torch.bfloat16)
+    base = torch.empty(5, 3, dtype=torch.bfloat16)
+    base.copy_(x.t())
+    view = base.t()  # non-contiguous [3, 5]
+    for t in (x, view):
+        desc, view_as = trt_backend.array_interface(t.data_ptr(), t.shape, t.stride(), "bfloat16")
+        assert desc["typestr"] == "<i2" and view_as == "bfloat16" and "stream" not in desc
+        assert desc["strides"] == tuple(2 * st for st in t.stride())
+
+        class Host:
+            __array_interface__ = {**desc, "version": 3}
+
+        back = torch.from_numpy(np.array(np.asarray(Host()))).view(torch.bfloat16)
+        assert torch.equal(back, t)
+    desc, view_as = trt_backend.array_interface(1024, (2, 2), (2, 1), "float16")
+    assert (desc["typestr"], desc["strides"], view_as) == ("<f2", (4, 2), None)
+    with pytest.raises(DFlashError, match="dtype"):
+        trt_backend.array_interface(1024, (2,), (1,), "float8")
+
+
+def test_implementation_recorded_is_the_one_tensorrt_called():
+    counts = {"KVInjectedBlockAttention": 2, "FusedVerify": 1}
+    calls = {"KVInjectedBlockAttention": {trt_backend.IMPL_AOT}, "FusedVerify": {trt_backend.IMPL_JIT}}
+    assert trt_backend.build_implementations(counts, calls) == {"KVInjectedBlockAttention": trt_backend.IMPL_AOT,
+                                                                 "FusedVerify": trt_backend.IMPL_JIT}
+    assert trt_backend.build_implementations(counts, {}) == dict.fromkeys(counts, trt_backend.IMPL_JIT)
+    facts = {"a.engine": {"implementation": {"FusedVerify": trt_backend.IMPL_AOT}},
+             "b.engine": {"implementation": {"FusedVerify": trt_backend.IMPL_JIT,
+                                             "KVInjectedBlockAttention": trt_backend.IMPL_AOT}}}
+    assert trt_backend.plugin_implementations(facts) == {
+        "FusedVerify": f"{trt_backend.IMPL_AOT} + {trt_backend.IMPL_JIT}",
+        "KVInjectedBlockAttention": trt_backend.IMPL_AOT}
+
+
+def test_plugin_layers_are_counted_from_the_engine_inspector_and_checked(tmp_path):
+    import json
+
+    # the shape of IEngineInspector's JSON with ProfilingVerbosity.DETAILED: one record per layer
+    layers = [{"Name": "/layers.0/attn", "LayerType": "PluginV3", "PluginType": "KVInjectedBlockAttention"},
+              {"Name": "/layers.1/attn", "LayerType": "PluginV3", "PluginType": "KVInjectedBlockAttention"},
+              {"Name": "/lm_head/MatMul", "LayerType": "Gemm"},
+              {"Name": "verify", "LayerType": "PluginV3", "Metadata": "dflash::FusedVerify v1"}]
+    info = json.dumps({"Layers": layers, "Bindings": ["q"]})
+    counts = trt_backend.plugin_layer_counts(info)
+    assert counts == {"KVInjectedBlockAttention": 2, "FusedVerify": 1}
+    trt_backend.check_plugin_layers({"KVInjectedBlockAttention": 2, "FusedVerify": 1}, counts, tmp_path / "e")
+    with pytest.raises(DFlashError, match=r"plugin_layers: built engine holds 1 dflash::FusedVerify.*graph has 2"):
+        trt_backend.check_plugin_layers({"FusedVerify": 2}, counts, tmp_path / "e")
+    with pytest.raises(DFlashError, match="holds 0 dflash::KVInjectedBlockAttention"):
+        trt_backend.check_plugin_layers({"KVInjectedBlockAttention": 2}, {}, tmp_path / "e")
+    # an engine built without DETAILED verbosity lists layer names only: no verdict, and the caller refuses
+    assert trt_backend.plugin_layer_counts(json.dumps({"Layers": ["a", "b"]})) is None

@@ -135,3 +135,123 @@ def test_sliding_window_drafter_keeps_its_windows_for_tensorrt_llm(recipe):
     assert cfg["dflash_config"]["use_swa"] is True and cfg["dflash_config"]["swa_window_size"] == 64
     plain = trtllm.normalized_drafter_config(config, "float32", 4)
     assert "use_swa" not in plain["dflash_config"] and "use_sliding_window" not in plain
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The bundle's YAML against TensorRT-LLM's documented config schema, written down here as data (not from our writer).
+# Sources (read 2026-12-01; field names, types and constraints only):
+#   DFlashDecodingConfig  https://nvidia.github.io/TensorRT-LLM/llm-api/reference/DFlashDecodingConfig.html and
+#                         tensorrt_llm/llmapi/llm_args.py (DecodingBaseConfig + DFlashDecodingConfig; StrictBaseModel:
+#                         unknown keys are rejected)
+#   TorchLlmArgs          https://nvidia.github.io/TensorRT-LLM/llm-api/reference/TorchLlmArgs.html
+#   KvCacheConfig         https://nvidia.github.io/TensorRT-LLM/llm-api/reference/KvCacheConfig.html
+#                         (free_gpu_memory_fraction: float in [0, 1])
+#   DecodeCudaGraphConfig https://nvidia.github.io/TensorRT-LLM/llm-api/reference/DecodeCudaGraphConfig.html
+#                         (max_batch_size, when given with batch_sizes, must equal max(batch_sizes))
+#   Triton llmapi model   triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml (model, backend "pytorch",
+#                         parallel sizes, triton_config {max_batch_size, decoupled}; other keys are LLM arguments)
+#   DFlash worker         tensorrt_llm/_torch/speculative/dflash.py: a max_draft_len whose block exceeds the
+#                         checkpoint's trained block_size is refused ("Lower max_draft_len"): max_draft_len <= bs - 1
+
+_INT, _FLOAT, _STR, _BOOL = ("int",), ("float", "int"), ("str",), ("bool",)
+DFLASH_DECODING_CONFIG = {
+    "max_draft_len": (_INT, lambda v: v >= 0), "max_total_draft_tokens": (_INT, None),
+    "speculative_model": (_STR, None), "speculative_model_dir": (_STR, None),
+    "max_concurrency": (_INT, lambda v: v > 0), "draft_len_schedule": (("dict",), None), "load_format": (_STR, None),
+    "acceptance_rate_window_size": (_INT, lambda v: v >= 0),
+    "acceptance_rate_threshold": (_FLOAT, lambda v: 0.0 <= v <= 1.0),
+    "use_rejection_sampling": (_BOOL, None), "allow_advanced_sampling": (_BOOL, None),
+    "advanced_sampling_mode": (_STR, lambda v: v in ("full", "no_topk", "no_topp", "no_topk_no_topp")),
+    "enable_penalty": (_BOOL, None), "mask_token_id": (_INT, None), "target_layer_ids": (("list",), None),
+    "decoding_type": (_STR, lambda v: v == "DFlash"), "attention_backend": (_STR, lambda v: v in ("VANILLA", "TRTLLM")),
+}
+KV_CACHE_CONFIG = {"free_gpu_memory_fraction": (_FLOAT, lambda v: 0.0 <= v <= 1.0), "enable_block_reuse": (_BOOL, None),
+                   "max_tokens": (_INT, None), "dtype": (_STR, None)}
+CUDA_GRAPH_CONFIG = {"batch_sizes": (("list",), lambda v: all(isinstance(b, int) and b >= 1 for b in v)),
+                     "max_batch_size": (_INT, lambda v: v >= 0), "enable_padding": (_BOOL, None),
+                     "mode": (_STR, lambda v: v == "decode")}
+TORCH_LLM_ARGS = {
+    "model": (_STR, None), "backend": (_STR, lambda v: v == "pytorch"), "dtype": (_STR, lambda v: v in (
+        "auto", "float16", "bfloat16", "float32")),
+    "tensor_parallel_size": (_INT, lambda v: v >= 1), "pipeline_parallel_size": (_INT, lambda v: v >= 1),
+    "max_batch_size": (_INT, lambda v: v >= 1), "max_num_tokens": (_INT, lambda v: v >= 1),
+    "max_seq_len": (_INT, lambda v: v >= 1),
+    "kv_cache_config": (("dict",), KV_CACHE_CONFIG), "cuda_graph_config": (("dict",), CUDA_GRAPH_CONFIG),
+    "speculative_config": (("dict",), DFLASH_DECODING_CONFIG),
+}
+TRITON_MODEL_YAML = {**TORCH_LLM_ARGS, "triton_config": (("dict",), {"max_batch_size": (_INT, lambda v: v >= 0),
+                                                                      "decoupled": (_BOOL, None)})}
+
+
+def _schema_violations(obj: dict, schema: dict, where: str = "") -> list[str]:
+    """Every key of `obj` that the documented schema does not have, or whose value has the wrong type or breaks the
+    documented constraint (sub-dicts checked recursively)."""
+    out = []
+    for key, value in obj.items():
+        path = f"{where}{key}"
+        if key not in schema:
+            out.append(f"{path}: not a documented field")
+            continue
+        types, rule = schema[key]
+        if value is None:
+            continue
+        kind = type(value).__name__
+        if kind not in types or (isinstance(value, bool) and "bool" not in types):
+            out.append(f"{path}: {kind}, documented {types}")
+        elif isinstance(rule, dict):
+            out += _schema_violations(value, rule, path + ".")
+        elif rule is not None and not rule(value):
+            out.append(f"{path}: {value!r} breaks the documented constraint")
+    return out
+
+
+def _cross_field_violations(options: dict, drafter_cfg: dict, target_cfg: dict) -> list[str]:
+    out = []
+    spec, graphs = options["speculative_config"], options.get("cuda_graph_config") or {}
+    if spec["max_draft_len"] > int(drafter_cfg["block_size"]) - 1:
+        out.append("speculative_config.max_draft_len exceeds the drafter's block_size - 1")
+    if not all(0 <= i < int(target_cfg["num_hidden_layers"]) for i in spec["target_layer_ids"]):
+        out.append("speculative_config.target_layer_ids outside the target's layers")
+    if "max_batch_size" in graphs and graphs.get("batch_sizes") and graphs["max_batch_size"] != max(
+            graphs["batch_sizes"]):
+        out.append("cuda_graph_config.max_batch_size != max(batch_sizes)")
+    if graphs.get("batch_sizes") and max(graphs["batch_sizes"]) > options["max_batch_size"]:
+        out.append("cuda_graph_config.batch_sizes beyond max_batch_size")
+    return out
+
+
+def test_options_yaml_fits_the_documented_trtllm_schema(bundle, recipe):
+    options = yaml.safe_load((bundle / trtllm.OPTIONS_FILE).read_text())
+    assert _schema_violations(options, TORCH_LLM_ARGS) == []
+    drafter_cfg = json.loads((bundle / "drafter" / "config.json").read_text())
+    target_cfg = json.loads((resolve_source(recipe.target_path) / "config.json").read_text())
+    assert _cross_field_violations(options, drafter_cfg, target_cfg) == []
+    assert (bundle / options["speculative_config"]["speculative_model"] / "config.json").is_file()
+    model = yaml.safe_load((bundle / trtllm.TRITON_MODEL_YAML).read_text())
+    assert _schema_violations(model, TRITON_MODEL_YAML) == []
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (lambda o: o["speculative_config"].update(block_size=4), "speculative_config.block_size: not a documented"),
+    (lambda o: o["speculative_config"].update(decoding_type="dflash"), "decoding_type: 'dflash' breaks"),
+    (lambda o: o["speculative_config"].update(max_draft_len="3"), "max_draft_len: str"),
+    (lambda o: o["kv_cache_config"].update(free_gpu_memory_fraction=1.2), "free_gpu_memory_fraction: 1.2 breaks"),
+    (lambda o: o.update(max_batch_size=True), "max_batch_size: bool"),
+    (lambda o: o.update(cuda_graph_batch_sizes=[1]), "cuda_graph_batch_sizes: not a documented"),
+])
+def test_schema_check_catches_what_trtllm_would_reject(bundle, mutate, problem):
+    """The check above has teeth: each mutation is one TensorRT-LLM's pydantic models refuse."""
+    options = yaml.safe_load((bundle / trtllm.OPTIONS_FILE).read_text())
+    mutate(options)
+    assert any(problem in v for v in _schema_violations(options, TORCH_LLM_ARGS)), _schema_violations(
+        options, TORCH_LLM_ARGS)
+
+
+def test_cross_field_rules_catch_a_draft_longer_than_the_trained_block(bundle, recipe):
+    options = yaml.safe_load((bundle / trtllm.OPTIONS_FILE).read_text())
+    drafter_cfg = json.loads((bundle / "drafter" / "config.json").read_text())
+    target_cfg = json.loads((resolve_source(recipe.target_path) / "config.json").read_text())
+    options["speculative_config"]["max_draft_len"] = drafter_cfg["block_size"]
+    options["cuda_graph_config"]["batch_sizes"] = [1, 2, 4, 8, 16]
+    problems = _cross_field_violations(options, drafter_cfg, target_cfg)
+    assert any("block_size - 1" in p for p in problems) and any("beyond max_batch_size" in p for p in problems)

@@ -289,7 +289,105 @@ def test_healthy_sampler_passes_with_top_k_and_top_p(recipe, reference, prompts)
                   dist_samples=40, dist_prompts=1)
     d = report.distribution
     assert report.passed, report.thresholds
-    assert d["impossible_tokens"] == 0 and d["top_k"] == 20 and d["top_p"] == 0.9 and d["tested_tokens"] > 200
+    assert d["impossible_tokens"] == 0 and d["top_k"] == 20 and d["top_p"] == 0.9 and d["tested_tokens"] == 40 * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planted subtle sampling faults against the distribution check at its DEFAULT settings (T 0.7, top-p 0.9, 300 seeds
+# x 2 prompts). The random tiny target is nearly uniform over its 256 tokens (top probability ~0.03 at T=1), which no
+# LLM is; its LM head scaled by 5 (= sampling it at T/5) gives conditionals like a real model's at T=0.7 / top-p 0.9
+# (top probability 0.45-0.85 over 2-7 tokens). Greedy output, and with it the trained drafter's fit, is unchanged: the
+# drafter reads the same LM head. benchmarks/sampling_power.py measures the same on 20 seeds per row (README).
+
+SHARPEN = 5.0
+
+
+def sharpened_target(scale: float = SHARPEN):
+    from dflash_export.models import load_target
+
+    target = load_target("tiny:qwen3/target")
+    with torch.no_grad():
+        target.hf.get_output_embeddings().weight.mul_(scale)
+    return target
+
+
+@pytest.fixture(scope="module")
+def sharp(recipe):
+    from dflash_export.models import load_drafter
+    from dflash_export.validate.runner import Reference
+
+    return sharpened_target(), load_drafter(recipe.drafter_path), Reference(sharpened_target(),
+                                                                            load_drafter(recipe.drafter_path))
+
+
+def _default_distribution_check(recipe, sharp, fault, seed=0):
+    """validate at its defaults on the sharpened pair (the greedy half on the two prompts the T>0 half samples)."""
+    from dflash_export.validate.faults import faulty_engine
+    from dflash_export.validate.runner import ValidateOptions, run_validation
+
+    target, drafter, reference = sharp
+    from dflash_export.tiny import TINY
+
+    spec = TINY["qwen3"]
+    suite = _suite_ids(spec.vocab_size, spec.mask_token_id)
+    prompts = [(f"p{i}", ids) for i, ids in enumerate(sorted(suite, key=len)[:2])]
+    engine = faulty_engine(fault, target, drafter, recipe.name, recipe.max_seq_len)
+    opts = ValidateOptions(max_new_tokens=MAX_NEW, dist_seed=seed)
+    d = ValidateOptions()
+    assert (opts.temperature, opts.top_p, opts.dist_samples, opts.dist_prompts) == (d.temperature, d.top_p, 300, 2)
+    # the two shortest suite prompts: what the distribution check samples from anyway; the greedy half runs on them
+    report = run_validation(recipe, engine, reference, prompts, opts)
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["residual_from_p", "bonus_from_wrong_row", "top_p_off_by_one",
+                                   "temperature_twice", "draft_probs_wrong_slot"])
+def test_each_planted_sampling_fault_fails_validate_at_its_defaults(recipe, sharp, fault):
+    report = _default_distribution_check(recipe, sharp, fault)
+    d = report.distribution
+    assert "distribution_p_value" in _failed(report), (fault, d)
+    assert d["p_value"] < 1e-3 and d["samples_per_prompt"] == 300, (fault, d)
+    assert report.greedy["identical_fraction"] == 1.0  # greedy cannot see a sampling fault
+
+
+@pytest.mark.slow
+def test_correct_sampler_passes_validate_at_its_defaults_on_three_seeds(recipe, sharp):
+    """Three of the benchmark's 20 seeds (README: 20 seeds, at most 1 false alarm allowed, 0 seen)."""
+    for seed in (0, 1, 2):
+        d = _default_distribution_check(recipe, sharp, None, seed).distribution
+        assert d["p_value"] >= 1e-3 and d["impossible_tokens"] == 0, (seed, d)
+
+
+def test_g_test_null_calibration_over_20_seeds_and_power_against_a_dropped_token():
+    """The statistic alone on exact draws from known conditionals (a prefix tree of thin and thick nodes, like the
+    sampled check's): 20 seeds give at most one p < 1e-3 and a roughly uniform spread; dropping one 5 % token from the
+    sampler (the top-p fault's signature) is caught."""
+    from dflash_export.validate.checks import conditional_g_test
+
+    def tree(rng, drop=False):
+        groups = []
+        for _ in range(40):
+            k = int(rng.integers(2, 7))
+            p = np.zeros(64)
+            p[rng.choice(64, k, replace=False)] = rng.dirichlet(np.ones(k))
+            p[int(np.argsort(-p)[0])] += 0.05
+            p /= p.sum()
+            n = int(rng.choice([1, 2, 5, 20, 80, 300]))
+            q = p.copy()
+            if drop:  # the smallest-but-not-negligible token never drawn
+                q[int(np.argsort(-p)[k - 1])] = 0.0
+                q /= q.sum()
+            toks = rng.choice(64, n, p=q)
+            counts: dict[int, int] = {}
+            for t in toks:
+                counts[int(t)] = counts.get(int(t), 0) + 1
+            groups.append((p, counts))
+        return groups
+
+    ps = [conditional_g_test(tree(np.random.default_rng(seed)), seed=seed).p_value for seed in range(20)]
+    assert sum(p < 1e-3 for p in ps) <= 1 and sum(p < 0.5 for p in ps) in range(4, 17), ps
+    assert conditional_g_test(tree(np.random.default_rng(99), drop=True)).p_value < 1e-3
 
 
 def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference, prompts):
@@ -423,16 +521,15 @@ def test_online_acceptance_is_not_spoiled_by_an_early_divergence():
     assert online_acceptance(steps, engine, ref_next) == [1, 4, 3]
 
 
-def test_pit_is_uniform_for_exact_draws_and_not_for_wrong_ones():
-    from dflash_export.validate.checks import randomized_pit, uniformity_chi2
+def test_g_test_counts_every_token_of_a_prefix_in_its_own_cell():
+    """Hand-computed G: p = [0.5, 0.3, 0.2], counts [6, 3, 1] of n = 10 -> 2 * (6 ln(6/5) + 3 ln(3/3) + 1 ln(1/2))."""
+    from dflash_export.validate.checks import conditional_g_test
 
-    rng = np.random.default_rng(0)
-    p = rng.dirichlet(np.full(20, 0.3))
-    q = rng.dirichlet(np.full(20, 0.3))
-    good = [randomized_pit(p, int(rng.choice(20, p=p)), rng.random()) for _ in range(600)]
-    bad = [randomized_pit(p, int(rng.choice(20, p=q)), rng.random()) for _ in range(600)]
-    assert uniformity_chi2(good).p_value > 1e-3
-    assert uniformity_chi2(bad).p_value < 1e-3
+    fit = conditional_g_test([(np.array([0.5, 0.3, 0.2, 0.0]), {0: 6, 1: 3, 2: 1})], replicates=4000)
+    assert fit.statistic == pytest.approx(2 * (6 * np.log(1.2) + np.log(0.5)))
+    assert fit.n == 10 and fit.groups == 1 and 0.3 < fit.p_value < 1.0
+    # the null mean of G for multinomial(10, p) with 3 cells is close to 2 (its chi-square limit)
+    assert 1.6 < fit.null_mean < 2.6
 
 
 def test_suite_of_random_bytes_is_one_line(tmp_path):

@@ -55,6 +55,11 @@ PLUGINS: dict[str, PluginSpec] = {
 ATTENTION_TACTICS = {1: 64, 2: 32}
 ATTENTION_BLOCK_M = 16   # one query tile covers a 16-token block; larger blocks take more tiles
 VERIFY_BLOCK_V = 1024
+# FusedVerify writes emitted_tokens in tiles of this many slots, looping over the block's rows at run time: the row
+# count (num_logits) differs between optimization profiles, so it is never a build-time constant and no block size
+# is cut to a tile.
+VERIFY_BLOCK_BS = 16
+IMPL_AOT, IMPL_JIT = "aot (triton ptx)", "jit (python impl)"
 
 
 def _missing(what: str) -> MissingDependency:
@@ -316,20 +321,27 @@ def compile_attention_aot(dtype: str, scale: float, head_dim: int, block_n: int 
     return _compile(kv_injected_block_attention_aot_kernel, signature, constexprs, target)
 
 
-def compile_verify_aot(logits_dtype: str, temperature: float, block_size: int | None, token_dtype: str = "int64",
-                       probs_dtype: str = "float32", uniforms_dtype: str = "float32", target=None) -> AotKernel:
-    """PTX of `fused_verify_aot_kernel` (greedy when temperature <= 0). Arguments: logits, draft tokens, draft probs,
-    uniforms pointers, (BS, V) int32, accept_len / emitted_tokens / n_emitted int64 pointers."""
+def verify_aot_constexprs(temperature: float) -> dict[str, Any]:
+    """The compile-time constants of the FusedVerify AOT kernel: nothing in them depends on the block's row count
+    (BS and V are run-time int32 arguments), so one kernel serves every optimization profile and any block size."""
     from dflash_export.kernels.reference import EMIT_PAD
+
+    return {"INV_TEMP": 1.0 / temperature if temperature > 0 else 1.0, "GREEDY": temperature <= 0,
+            "BLOCK_V": VERIFY_BLOCK_V, "BLOCK_BS": VERIFY_BLOCK_BS, "PAD": EMIT_PAD}
+
+
+def compile_verify_aot(logits_dtype: str, temperature: float, block_size: int | None = None,
+                       token_dtype: str = "int64", probs_dtype: str = "float32", uniforms_dtype: str = "float32",
+                       target=None) -> AotKernel:
+    """PTX of `fused_verify_aot_kernel` (greedy when temperature <= 0). Arguments: logits, draft tokens, draft probs,
+    uniforms pointers, (BS, V) int32, accept_len / emitted_tokens / n_emitted int64 pointers. `block_size` is not
+    compiled in (kept for callers that pass it): the kernel loops over the rows it is given."""
     from dflash_export.kernels.triton_verify import fused_verify_aot_kernel
 
     signature = {"logits_ptr": "*" + _TRITON_TYPES[logits_dtype], "draft_tok_ptr": "*" + _TRITON_TYPES[token_dtype],
                  "draft_prob_ptr": "*" + _TRITON_TYPES[probs_dtype], "unif_ptr": "*" + _TRITON_TYPES[uniforms_dtype],
                  "BS": "i32", "V": "i32", "accept_ptr": "*i64", "emitted_ptr": "*i64", "n_emitted_ptr": "*i64"}
-    block_bs = max(2, 1 << (int(block_size or 64) - 1).bit_length())
-    constexprs = {"INV_TEMP": 1.0 / temperature if temperature > 0 else 1.0, "GREEDY": temperature <= 0,
-                  "BLOCK_V": VERIFY_BLOCK_V, "BLOCK_BS": block_bs, "PAD": EMIT_PAD}
-    return _compile(fused_verify_aot_kernel, signature, constexprs, target)
+    return _compile(fused_verify_aot_kernel, signature, verify_aot_constexprs(temperature), target)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -364,12 +376,76 @@ def _dtype_name(trt, dtype) -> str:
     return names[dtype]
 
 
-def _const_dim(expr, default: int | None = None) -> int | None:
-    """Build-time value of a plugin shape expression, or `default` when it is dynamic."""
+def _static_dim(expr, what: str) -> int:
+    """Build-time value of a plugin shape expression; a DFlashError naming `what` when TensorRT cannot give one (a
+    dynamic dim, or a "fake" expression outside shape calculation): the AOT kernel compiles the value in, so a guess
+    would compute the wrong thing for some shapes."""
     try:
-        return int(expr.constant_value()) if expr.is_constant else default
+        if expr.is_constant:
+            return int(expr.constant_value())
     except (RuntimeError, AttributeError):
-        return default
+        pass
+    raise DFlashError(f"{what} is not a build-time constant of this graph ({expr!r}); the AOT plugin kernel compiles "
+                      "it in", field=what)
+
+
+def aot_plugins_supported(trt, trtp) -> bool:
+    """Whether this TensorRT can build AOT Python plugins. `tensorrt.plugin` always exports `aot_impl`, but
+    `KernelLaunchParams` (which an aot_impl returns) exists only where TensorRT has quick-plugin creation requests
+    (`trt.QuickPluginCreationRequest`, TensorRT >= 10.12); with both impl and aot_impl registered the network must also
+    say which to prefer (`PREFER_AOT_PYTHON_PLUGINS`), or plugin creation fails."""
+    flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
+    return (hasattr(trtp, "aot_impl") and hasattr(trtp, "KernelLaunchParams") and hasattr(trtp, "SymIntExprs")
+            and hasattr(trt, "QuickPluginCreationRequest") and hasattr(flags, "PREFER_AOT_PYTHON_PLUGINS"))
+
+
+# __cuda_array_interface__ type strings; bf16 has none (numpy has no bfloat16), so it travels as int16 and is
+# reinterpreted by torch (same width, no copy). TensorRT's own Tensor.__cuda_array_interface__ raises for bf16.
+_ARRAY_TYPES = {"float32": ("<f4", None), "float16": ("<f2", None), "bfloat16": ("<i2", "bfloat16"),
+                "int64": ("<i8", None), "int32": ("<i4", None)}
+
+
+def array_interface(data_ptr: int, shape, strides, dtype: str) -> tuple[dict[str, Any], str | None]:
+    """(interface dict, dtype to reinterpret as) describing `shape` elements of `dtype` at `data_ptr` with `strides`
+    in elements: the keys of __cuda_array_interface__ (and numpy's __array_interface__), version 2 (no stream: the
+    plugin's impl already runs on TensorRT's stream)."""
+    if dtype not in _ARRAY_TYPES:
+        raise DFlashError(f"plugin tensor dtype {dtype} has no array interface here", field="dtype")
+    typestr, view_as = _ARRAY_TYPES[dtype]
+    itemsize = int(typestr[2:])
+    desc = {"shape": tuple(int(d) for d in shape), "typestr": typestr, "data": (int(data_ptr), False),
+            "strides": tuple(int(st) * itemsize for st in strides), "version": 2}
+    return desc, view_as
+
+
+class _CudaArray:
+    def __init__(self, desc):
+        self.__cuda_array_interface__ = desc
+
+
+def cuda_tensor_view(data_ptr: int, shape, strides, dtype: str):
+    """A torch CUDA tensor over TensorRT's buffer (no copy), bf16 included."""
+    import torch
+
+    desc, view_as = array_interface(data_ptr, shape, strides, dtype)
+    if 0 in desc["shape"]:  # an empty tensor (no context yet) may come with a null pointer: nothing to view
+        return torch.empty(desc["shape"], dtype=getattr(torch, dtype), device="cuda")
+    out = torch.as_tensor(_CudaArray(desc), device="cuda")
+    return out.view(getattr(torch, view_as)) if view_as else out
+
+
+def _torch_view(trt, t):
+    """torch view of a `tensorrt.plugin.Tensor` (data_ptr, shape, strides in elements, dtype)."""
+    return cuda_tensor_view(t.data_ptr, tuple(t.shape), tuple(t.strides), _dtype_name(trt, t.dtype))
+
+
+# Which implementation TensorRT asked for while building: aot_impl runs when it compiles an AOT plugin, impl when it
+# times or runs a JIT one. build_engine_file resets it per engine and records what was actually used.
+_BUILD_CALLS: dict[str, set[str]] = {}
+
+
+def _record_call(op: str, impl: str) -> None:
+    _BUILD_CALLS.setdefault(op, set()).add(impl)
 
 
 def register_plugins() -> None:
@@ -382,7 +458,7 @@ def register_plugins() -> None:
     import tensorrt.plugin as trtp
 
     float_types = "FP32|FP16|BF16"
-    has_aot = hasattr(trtp, "aot_impl")
+    has_aot = aot_plugins_supported(trt, trtp)
 
     @trtp.register(f"{PLUGIN_NAMESPACE}::{KV_ATTENTION}")
     def _attention_desc(q: trtp.TensorDesc, k_ctx: trtp.TensorDesc, v_ctx: trtp.TensorDesc, k_blk: trtp.TensorDesc,
@@ -403,8 +479,9 @@ def register_plugins() -> None:
                            k_blk: trtp.TensorDesc, v_blk: trtp.TensorDesc, num_heads: int, num_kv_heads: int,
                            scale: float, outputs: Tuple[trtp.TensorDesc], tactic: int
                            ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+            _record_call(KV_ATTENTION, IMPL_AOT)
             B, H, S, D = q.shape_expr
-            head_dim = _const_dim(D, 128)
+            head_dim = _static_dim(D, "head_dim")
             kernel = compile_attention_aot(_dtype_name(trt, q.dtype), scale, head_dim,
                                            ATTENTION_TACTICS.get(tactic, 64))
             launch = trtp.KernelLaunchParams()
@@ -424,9 +501,10 @@ def register_plugins() -> None:
 
         from dflash_export.kernels.triton_attention import kv_injected_block_attention_triton
 
+        _record_call(KV_ATTENTION, IMPL_JIT)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            args = [torch.as_tensor(t, device="cuda") for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
-            out = torch.as_tensor(outputs[0], device="cuda")
+            args = [_torch_view(trt, t) for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
+            out = _torch_view(trt, outputs[0])
             out.copy_(kv_injected_block_attention_triton(*args, scale=scale, block_n=ATTENTION_TACTICS.get(tactic)))
 
     @trtp.register(f"{PLUGIN_NAMESPACE}::{FUSED_VERIFY}")
@@ -451,8 +529,9 @@ def register_plugins() -> None:
                         draft_probs: trtp.TensorDesc, uniforms: trtp.TensorDesc, temperature: float,
                         outputs: Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc], tactic: int
                         ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
-            B, BS, V = target_logits.shape_expr
-            kernel = compile_verify_aot(_dtype_name(trt, target_logits.dtype), temperature, _const_dim(BS),
+            _record_call(FUSED_VERIFY, IMPL_AOT)
+            B, BS, V = target_logits.shape_expr  # BS (num_logits) differs per profile: a run-time argument
+            kernel = compile_verify_aot(_dtype_name(trt, target_logits.dtype), temperature, None,
                                         _dtype_name(trt, draft_tokens.dtype), _dtype_name(trt, draft_probs.dtype),
                                         _dtype_name(trt, uniforms.dtype))
             launch = trtp.KernelLaunchParams()
@@ -470,11 +549,12 @@ def register_plugins() -> None:
 
         from dflash_export.kernels.triton_verify import fused_verify_triton
 
+        _record_call(FUSED_VERIFY, IMPL_JIT)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            ins = [torch.as_tensor(t, device="cuda") for t in (target_logits, draft_tokens, draft_probs, uniforms)]
+            ins = [_torch_view(trt, t) for t in (target_logits, draft_tokens, draft_probs, uniforms)]
             results = fused_verify_triton(*ins, temperature=float(temperature))
             for dst, src in zip(outputs, results):
-                torch.as_tensor(dst, device="cuda").copy_(src)
+                _torch_view(trt, dst).copy_(src)
 
     _REGISTERED = True
 
@@ -514,8 +594,13 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
         raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    # Per-layer details (type, plugin name) in the engine, for the plugin-layer check below
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     if not strongly_typed:
         config.set_flag(trt.BuilderFlag.BF16 if dtype == "bfloat16" else trt.BuilderFlag.FP16)
+    elif hasattr(trt.BuilderFlag, "TF32"):
+        # TF32 is on by default: an fp32 recipe asks for fp32 matmuls (what its ONNX Runtime twin computes)
+        config.clear_flag(trt.BuilderFlag.TF32)
     for shape in shapes:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
@@ -526,12 +611,73 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
             else:
                 profile.set_shape(tensor.name, lo, opt, hi)
         config.add_optimization_profile(profile)
+    _BUILD_CALLS.clear()
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise DFlashError("TensorRT failed to build the engine (see the log above)", path=onnx_path)
-    engine_path.write_bytes(bytes(serialized))
+    data = bytes(serialized)
+    implementations = build_implementations(counts, _BUILD_CALLS)
+    layers = inspect_plugin_layers(trt, data, engine_path)
+    check_plugin_layers(counts, layers, engine_path)
+    engine_path.write_bytes(data)
     return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "plugins": counts,
-            "bytes": engine_path.stat().st_size}
+            "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
+
+
+def build_implementations(counts: dict[str, int], calls: dict[str, set[str]]) -> dict[str, str]:
+    """Per plugin op in the graph, the implementation TensorRT used: AOT when it called our aot_impl during the
+    build (it compiles an AOT plugin by asking for the kernel), else the JIT Python impl (which then must be
+    registered wherever the engine is deserialized)."""
+    return {op: IMPL_AOT if IMPL_AOT in calls.get(op, ()) else IMPL_JIT for op in counts}
+
+
+def plugin_layer_counts(engine_information: str) -> dict[str, int] | None:
+    """{plugin op: layers} from an engine inspector's JSON (`get_engine_information(LayerInformationFormat.JSON)`),
+    or None when the engine carries no per-layer details (built without ProfilingVerbosity.DETAILED). A layer counts
+    when its "LayerType" names a plugin and its details name one of our ops ("PluginType", or anywhere in the layer's
+    record, so a renamed key still counts)."""
+    import json
+
+    info = json.loads(engine_information)
+    layers = info.get("Layers", []) if isinstance(info, dict) else []
+    if layers and not all(isinstance(layer, dict) for layer in layers):
+        return None
+    counts: dict[str, int] = {}
+    for layer in layers:
+        if "plugin" not in str(layer.get("LayerType", "")).lower():
+            continue
+        named = str(layer.get("PluginType", "")) or json.dumps(layer)
+        for op in PLUGINS:
+            if op in named:
+                counts[op] = counts.get(op, 0) + 1
+                break
+    return counts
+
+
+def inspect_plugin_layers(trt, data: bytes, engine_path: Path) -> dict[str, int]:
+    """Deserialize the just-built engine and count its dflash plugin layers with TensorRT's engine inspector."""
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(data)
+    if engine is None:
+        raise DFlashError("TensorRT could not deserialize the engine it just built (see the log above)",
+                          path=engine_path)
+    inspector = engine.create_engine_inspector()
+    counts = plugin_layer_counts(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    if counts is None:
+        raise DFlashError("the engine inspector reports no per-layer details, so the plugin layers cannot be "
+                          "checked (ProfilingVerbosity.DETAILED not honoured)", path=engine_path,
+                          field="plugin_layers")
+    return counts
+
+
+def check_plugin_layers(graph_counts: dict[str, int], engine_counts: dict[str, int], engine_path: Path) -> None:
+    """The built engine must hold one plugin layer per dflash node of the graph: a parser that silently swapped a
+    node for something else (or a fallback to the function's inlined body) would otherwise go unnoticed."""
+    for op, want in graph_counts.items():
+        got = engine_counts.get(op, 0)
+        if got != want:
+            raise DFlashError(f"built engine holds {got} {PLUGIN_NAMESPACE}::{op} plugin layer(s), the graph has "
+                              f"{want} node(s)", path=engine_path, field="plugin_layers")
 
 
 def _export_facts(onnx_path: Path) -> dict[str, str]:
@@ -568,6 +714,15 @@ def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> d
     return facts
 
 
+def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
+    """{op: implementation} over every engine's build facts; an op built both ways is recorded as both."""
+    seen: dict[str, set[str]] = {}
+    for engine in facts.values():
+        for op, impl in engine.get("implementation", {}).items():
+            seen.setdefault(op, set()).add(impl)
+    return {op: " + ".join(sorted(impls)) for op, impls in seen.items()}
+
+
 def build_tensorrt(recipe, out_dir) -> Path:
     """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
     plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
@@ -595,7 +750,7 @@ def build_tensorrt(recipe, out_dir) -> Path:
             "target_layer_ids": list(c.target_layer_ids), "max_seq_len": recipe.max_seq_len,
             "dtypes": {"precision": recipe.dtype, "graph": "float32"},
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
-                                          "ops": list(PLUGINS), "implementation": "aot (triton ptx)"},
+                                          "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
             "export": res.metadata, "tensorrt": trt.__version__, **serving,
             "gpu": torch.cuda.get_device_name(0),
         })

@@ -87,14 +87,21 @@ class TorchEngine(Engine):
         probs = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
         return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
 
+    # The two steps of verification, apart so validate's planted faults (validate/faults.py) can replace one.
+    def target_probs(self, logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+        return probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+
+    def accept_block(self, probs, logits, draft_tokens, draft_probs, uniforms, greedy: bool):
+        return verify_block(probs, logits, draft_tokens, draft_probs, uniforms, greedy)
+
     @torch.inference_mode()
     def verify(self, seq: _TorchSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
         bs = len(block)
         pos = torch.arange(seq.length, seq.length + bs)[None]
         out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
         logits = out.logits[0].double().numpy()
-        probs = None if sp.greedy else probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-        accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
+        probs = None if sp.greedy else self.target_probs(logits, sp)
+        accept, emitted = self.accept_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
         seq.length += accept + 1
         self.target.crop(seq.t_cache, seq.length)
         taps, taps_pos = out.taps[:, : accept + 1], pos[:, : accept + 1]

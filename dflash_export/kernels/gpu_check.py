@@ -9,6 +9,11 @@ runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export
   target_verify      target forward of 16 tokens vs 1 token over a KV cache, Qwen3-8B layer shapes, random bf16
                      weights, a few layers only (the ratio is per layer; absolute times scale with 36/layers)
   attention_vs_sdpa  the KVInjectedBlockAttention kernel vs torch SDPA on the concatenated K/V
+  lossless_greedy, lossless_sampling, jit_views, plugin_layers
+                     correctness through the kernels (gpu_lossless.py): DFlash == AR over 128 tokens on a tiny and a
+                     mid-size random target (fp32, bf16); FusedVerify's sampled output against closed-form conditionals
+                     (fp32 / fp16 / bf16) and a planted fault it must catch; the TensorRT JIT impl's bf16-safe tensor
+                     views; the TensorRT plugin layers where TensorRT is installed (skipped, and said so, otherwise)
 
 Each section records its own error instead of aborting the run. `--cpu` runs every code path at tiny shapes on the CPU
 (for CI); the kernels then go through the Triton interpreter when TRITON_INTERPRET=1, else the torch reference.
@@ -56,6 +61,18 @@ class Shapes:
 
 TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=96, drafter_layers=2,
               target_layers=2, block=4, context=8, sdpa_contexts=(8, 24), dtype="float32", iters=2, warmup=1)
+# The random pairs of the losslessness section: a tiny one, and a mid-size one (~0.2B parameters with the embedding)
+LOSSLESS_PAIRS = {"tiny": Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
+                                 target_layers=2, block=4),
+                  "mid": Shapes(hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=3072, vocab=32000,
+                                target_layers=8, block=16)}
+LOSSLESS_PAIRS_CPU = {"tiny": LOSSLESS_PAIRS["tiny"],
+                      "mid": Shapes(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512,
+                                    target_layers=2, block=8)}
+# Correctness first, then the latency claims; the TensorRT builds (when TensorRT is there at all) last, so that a
+# slow build cannot starve the rest of the time limit
+ALL_SECTIONS = ("kernels", "lossless_greedy", "lossless_sampling", "jit_views", "drafter_latency", "target_verify",
+                "attention_vs_sdpa", "plugin_layers")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -190,7 +207,11 @@ def check_kernels(s: Shapes, device, backend: str) -> dict:
     """Triton (or the dispatcher's choice) vs the torch reference on the same device."""
     out: dict = {"backend": backend, "attention": [], "verify": []}
     g = torch.Generator(device="cpu").manual_seed(0)
-    for dtype in (torch.float32, getattr(torch, s.dtype)):
+    # bf16 tl.dot is not emulated faithfully by the CPU interpreter (garbage out): bf16 attention is a GPU-only row
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32,
+                                                                                          torch.float16)
+    out["attention_dtypes_skipped"] = [] if device.type == "cuda" else ["bfloat16 (CPU interpreter)"]
+    for dtype in dtypes:
         for ctx in sorted({0, s.context, 3 * s.context + 5}):
             shapes = [(2, s.heads, s.block, s.head_dim), (2, s.kv_heads, ctx, s.head_dim),
                       (2, s.kv_heads, ctx, s.head_dim), (2, s.kv_heads, s.block, s.head_dim),
@@ -202,24 +223,27 @@ def check_kernels(s: Shapes, device, backend: str) -> dict:
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             out["attention"].append({"dtype": str(dtype).replace("torch.", ""), "context": ctx,
                                      "max_abs_diff": diff, "tolerance": tol, "ok": diff <= tol})
-    for temperature in (0.0, 1.0):
+    for temperature, logit_dtype, block in ((0.0, torch.float32, s.block), (1.0, torch.float32, s.block),
+                                            (0.8, torch.float16, s.block), (0.8, torch.bfloat16, s.block),
+                                            (0.0, torch.float32, 70), (0.8, torch.bfloat16, 70)):
         B = 4
-        logits = (torch.randn(B, s.block, s.vocab, generator=g) * 4).to(device)
+        logits = (torch.randn(B, block, s.vocab, generator=g) * 4).to(device, logit_dtype)
         own = torch.softmax(logits[:, :-1].float() / max(temperature, 1.0), -1)
-        draft_probs = 0.9 * own + 0.1 * torch.softmax(torch.randn(B, s.block - 1, s.vocab, generator=g).to(device), -1)
+        draft_probs = 0.9 * own + 0.1 * torch.softmax(torch.randn(B, block - 1, s.vocab, generator=g).to(device), -1)
         if temperature == 0:
             drafts = logits[:, :-1].argmax(-1)
-            drafts[1, s.block // 2] = (drafts[1, s.block // 2] + 1) % s.vocab
+            drafts[1, block // 2] = (drafts[1, block // 2] + 1) % s.vocab
             drafts[2, 0] = (drafts[2, 0] + 1) % s.vocab
         else:
             drafts = torch.multinomial(draft_probs.reshape(-1, s.vocab).cpu(), 1, generator=g).reshape(
-                B, s.block - 1).to(device)
-        uniforms = torch.rand(B, s.block, generator=g).to(device)
+                B, block - 1).to(device)
+        uniforms = torch.rand(B, block, generator=g).to(device)
         got = fused_verify(logits, drafts, draft_probs, uniforms, temperature, backend=backend)
         ref = fused_verify_ref(logits, drafts, draft_probs, uniforms, temperature)
         same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref))
-        out["verify"].append({"temperature": temperature, "vocab": s.vocab, "block": s.block, "batch": B,
-                              "tokens_identical": same, "accept_len": got[0].tolist()})
+        out["verify"].append({"temperature": temperature, "logits_dtype": str(logit_dtype).replace("torch.", ""),
+                              "vocab": s.vocab, "block": block, "batch": B, "tokens_identical": same,
+                              "accept_len": got[0].tolist()})
     out["ok"] = all(a["ok"] for a in out["attention"]) and all(v["tokens_identical"] for v in out["verify"])
     return out
 
@@ -333,6 +357,13 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def _in_tmp(fn):
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        return fn(tmp)
+
+
 def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | None = None) -> dict:
     if not cpu and not torch.cuda.is_available():
         return {"error": "no CUDA device visible (use --cpu for the CI code-path check)"}
@@ -344,7 +375,16 @@ def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | Non
         backend = "triton" if triton_available() else "torch"
     report = {"mode": "cpu-dry-run" if cpu else "gpu", "environment": environment(device), "shapes": asdict(shapes),
               "kernel_backend": backend}
+    from dflash_export.kernels import gpu_lossless
+
+    pairs = LOSSLESS_PAIRS_CPU if cpu else LOSSLESS_PAIRS
     jobs = {"kernels": lambda: check_kernels(shapes, device, backend),
+            # the CPU dry run checks the code path at small sizes (the interpreter runs every program in Python)
+            "lossless_greedy": lambda: gpu_lossless.lossless_greedy(pairs, device, backend,
+                                                                    new_tokens=24 if cpu else 128),
+            "lossless_sampling": lambda: gpu_lossless.lossless_sampling(device, backend, 120 if cpu else 20000),
+            "jit_views": lambda: gpu_lossless.jit_views(device),
+            "plugin_layers": lambda: _in_tmp(gpu_lossless.plugin_layers),
             "drafter_latency": lambda: drafter_latency(shapes, device, backend),
             "target_verify": lambda: target_verify_latency(shapes, device),
             "attention_vs_sdpa": lambda: attention_vs_sdpa(shapes, device, backend)}
@@ -370,6 +410,19 @@ def _summary(report: dict) -> str:
         lines.append("kernels: attention max diff " + ", ".join(
             f"{a['dtype']}/T={a['context']}: {a['max_abs_diff']:.2e}" for a in k["attention"])
             + "; verify tokens identical " + ", ".join(str(v["tokens_identical"]) for v in k["verify"]))
+    for row in report.get("lossless_greedy", {}).get("rows", []):
+        lines.append(f"lossless greedy {row['pair']}/{row['dtype']}: identical={row['identical']} over "
+                     f"{row['tokens']} tokens (first divergence {row['first_divergence']}), accept lengths "
+                     f"{row['accept_lengths_seen']}")
+    ls = report.get("lossless_sampling", {})
+    for row in ls.get("rows", []):
+        lines.append(f"lossless sampling {row['dtype']}: chi2 {row['chi2']:.1f} on {row['df']} df, p = "
+                     f"{row['p_value']:.3g} ({row['tested_tokens']} tokens)")
+    if "planted_fault" in ls:
+        lines.append(f"planted wrong-slot fault: p = {ls['planted_fault']['p_value']:.3g} (must be < 1e-3)")
+    for name in ("jit_views", "plugin_layers"):
+        if name in report:
+            lines.append(f"{name}: ok={report[name].get('ok')} {report[name].get('reason', '')}")
     for name in ("drafter_latency", "target_verify"):
         for key, val in report.get(name, {}).items():
             if isinstance(val, dict) and ("ratio" in val or "speedup_block_vs_sequential" in val or "error" in val):
@@ -386,10 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", "--dry-run", dest="cpu", action="store_true",
                         help="tiny shapes on the CPU: checks the code paths, measures nothing meaningful")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.json (default $OUT)")
-    parser.add_argument("--sections", default="kernels,drafter_latency,target_verify,attention_vs_sdpa")
+    parser.add_argument("--sections", default=",".join(ALL_SECTIONS))
     args = parser.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
-    known = {"kernels", "drafter_latency", "target_verify", "attention_vs_sdpa"}
+    known = set(ALL_SECTIONS)
     if set(sections) - known:
         parser.error(f"unknown sections {sorted(set(sections) - known)} (known: {', '.join(sorted(known))})")
 
@@ -407,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in report:
         return 2
     failed = [n for n in sections if "error" in report.get(n, {})]
-    kernels_ok = report.get("kernels", {}).get("ok", True)
-    return 1 if failed or not kernels_ok else 0
+    checks_ok = all(report.get(n, {}).get("ok", True) for n in ("kernels", "lossless_greedy", "lossless_sampling",
+                                                                    "jit_views", "plugin_layers"))
+    return 1 if failed or not checks_ok else 0
 
 
 if __name__ == "__main__":

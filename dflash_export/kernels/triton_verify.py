@@ -127,11 +127,13 @@ def _verify_program(
             count += tl.sum(((cdf <= threshold) & (offs < V)).to(tl.int32), axis=0)
             carry += tl.sum(w, axis=0)
         last = tl.minimum(count, V - 1)
-    offs_e = tl.arange(0, BLOCK_BS)
-    e_mask = offs_e < BS
-    drafts = tl.load(tok_base + offs_e * stride_ts, mask=offs_e < n, other=0).to(tl.int64)
-    emitted = tl.where(offs_e < accept, drafts, tl.where(offs_e == accept, last.to(tl.int64), PAD))
-    tl.store(emitted_ptr + b * stride_eb + offs_e * stride_es, emitted, mask=e_mask)
+    # emitted_tokens in tiles of BLOCK_BS slots: any block size, whatever tile the kernel was compiled with
+    for start in range(0, BS, BLOCK_BS):
+        offs_e = start + tl.arange(0, BLOCK_BS)
+        e_mask = offs_e < BS
+        drafts = tl.load(tok_base + offs_e * stride_ts, mask=offs_e < n, other=0).to(tl.int64)
+        emitted = tl.where(offs_e < accept, drafts, tl.where(offs_e == accept, last.to(tl.int64), PAD))
+        tl.store(emitted_ptr + b * stride_eb + offs_e * stride_es, emitted, mask=e_mask)
     tl.store(accept_ptr + b, accept.to(tl.int64))
     tl.store(n_emitted_ptr + b, (accept + 1).to(tl.int64))
 
@@ -153,7 +155,7 @@ def fused_verify_aot_kernel(
 
 def fused_verify_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                         uniforms: torch.Tensor | None, temperature: float,
-                        block_v: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        block_v: int = 1024, block_bs: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launch. Shapes, dtypes and outputs as `reference.fused_verify_ref` (checked by the dispatcher)."""
     B, BS, V = target_logits.shape
     device = target_logits.device
@@ -169,6 +171,6 @@ def fused_verify_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
         target_logits, draft_tokens, draft_probs, uniforms, accept, emitted, n_emitted,
         *target_logits.stride(), *draft_tokens.stride(), *draft_probs.stride(), *uniforms.stride(), *emitted.stride(),
         BS, V, 1.0 / temperature if not greedy else 1.0,
-        GREEDY=greedy, BLOCK_V=block_v, BLOCK_BS=triton.next_power_of_2(BS), PAD=EMIT_PAD,
+        GREEDY=greedy, BLOCK_V=block_v, BLOCK_BS=min(block_bs, triton.next_power_of_2(BS)), PAD=EMIT_PAD,
     )
     return accept, emitted, n_emitted

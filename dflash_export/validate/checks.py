@@ -65,37 +65,76 @@ def histogram(lengths: list[int], block_size: int) -> list[int]:
     return counts
 
 
-def randomized_pit(probs: np.ndarray, token: int, w: float) -> float:
-    """Randomized probability integral transform of a discrete draw: Uniform(0, 1) exactly when `token` ~ `probs`.
-
-    Tokens are ordered by descending probability (ties by id) so that a sampler that favours unlikely tokens pushes
-    values towards 1 and one that over-favours the mode pushes them towards 0.
-    """
-    order = np.lexsort((np.arange(len(probs)), -probs))
-    rank = int(np.nonzero(order == token)[0][0])
-    below = float(probs[order[:rank]].sum())
-    return min(1.0, below + w * float(probs[token]))
-
-
 @dataclass
-class UniformityTest:
-    statistic: float
+class ConditionalFit:
+    """Likelihood-ratio (G) fit of sampled tokens to their exact conditional distributions, over a prefix tree."""
+
+    statistic: float       # sum over prefixes of G = 2 * sum_cells O ln(O / E)
+    null_mean: float       # its mean and variance under the null, by simulation
+    null_var: float
     p_value: float
-    n: int
-    bins: int
+    n: int                 # tokens tested
+    groups: int            # prefixes (nodes of the tree)
 
 
-def uniformity_chi2(values: list[float], bins: int | None = None) -> UniformityTest:
-    """Pearson chi-square of values in [0, 1] against Uniform(0, 1) over equal bins (>= 5 expected per bin)."""
-    from scipy.stats import chisquare
+def _node_cells(p: np.ndarray, counts: dict[int, int], min_p: float, max_cells: int = 256
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(cell probabilities, observed counts): each token of p >= min_p its own cell (the `max_cells` likeliest at
+    most, which bounds the simulation's cost on a full vocabulary), the rest pooled into one."""
+    p = np.asarray(p, np.float64)
+    own = np.nonzero(p >= min_p)[0]
+    if len(own) > max_cells:
+        own = np.sort(np.argsort(-p, kind="stable")[:max_cells])
+    rest = 1.0 - float(p[own].sum())
+    obs = np.array([counts.get(int(t), 0) for t in own], np.float64)
+    owned = set(own.tolist())
+    seen_rest = sum(c for t, c in counts.items() if t not in owned)
+    if rest > 1e-12 or seen_rest:
+        return np.append(p[own], max(rest, 1e-300)), np.append(obs, seen_rest)
+    return p[own], obs
 
-    n = len(values)
-    if n == 0:
-        return UniformityTest(0.0, 1.0, 0, 0)
-    k = bins or int(max(2, min(20, n // 10)))
-    counts = np.bincount(np.minimum((np.asarray(values) * k).astype(int), k - 1), minlength=k)
-    res = chisquare(counts)
-    return UniformityTest(float(res.statistic), float(res.pvalue), n, k)
+
+def _g(obs: np.ndarray, n: int, probs: np.ndarray) -> np.ndarray:
+    """G = 2 sum O ln(O / (n p)) along the last axis (0 ln 0 = 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(obs > 0, obs * np.log(obs / (n * probs)), 0.0)
+    return 2.0 * terms.sum(-1)
+
+
+def conditional_g_test(groups, replicates: int = 2000, seed: int = 0, min_p: float = 1e-4) -> ConditionalFit:
+    """Goodness of fit of tokens drawn from known conditionals, grouped by identical conditional (= same prefix).
+
+    `groups`: iterable of (p [V], {token: count}); tokens of p == 0 must be counted as impossible by the caller.
+    Statistic: the sum over prefixes of the likelihood-ratio G of the prefix's counts against n * p, one cell per token
+    (tokens below `min_p` pooled), which keeps the power against faults that move mass between likely tokens or drop
+    one (G weighs a missing cell twice as much as Pearson's X2 does). Null law: given its sample count a prefix's
+    counts are multinomial(n, p) whatever came before (the tokens are drawn in sequence), so the centred per-prefix
+    statistics are uncorrelated; their sum's mean and variance are estimated by drawing every prefix's multinomial
+    `replicates` times, and the p-value is the upper tail of the moment-matched scaled chi-square (Satterthwaite).
+    Exact at any n (no >= 5 expected rule), so prefixes seen once count too.
+    """
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(seed)
+    stat, n_total, used = 0.0, 0, 0
+    null = np.zeros(replicates)
+    for p, counts in groups:
+        n = int(sum(counts.values()))
+        if n == 0:
+            continue
+        probs, obs = _node_cells(p, counts, min_p)
+        if len(probs) < 2:
+            continue
+        probs = probs / probs.sum()
+        stat += float(_g(obs, n, probs))
+        null += _g(rng.multinomial(n, probs, size=replicates).astype(np.float64), n, probs)
+        n_total += n
+        used += 1
+    if not used:
+        return ConditionalFit(0.0, 0.0, 0.0, 1.0, 0, 0)
+    mean, var = float(null.mean()), float(null.var(ddof=1))
+    scale, dof = var / (2 * mean), 2 * mean * mean / var
+    return ConditionalFit(stat, mean, var, float(chi2.sf(stat / scale, dof)), n_total, used)
 
 
 def median(values) -> float:

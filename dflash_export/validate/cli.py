@@ -15,13 +15,13 @@ from dflash_export.clitypes import FiniteFloat
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
 @click.option("--num-prompts", default=None, type=click.IntRange(1), help="Use the first N prompts of the suite.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(0.0),
+@click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
-@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
+@click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
               help="top-p of the sampled check.")
-@click.option("--dist-samples", default=200, show_default=True, type=click.IntRange(0),
-              help="Seeds per prompt for the sampled check.")
+@click.option("--dist-samples", default=300, show_default=True, type=click.IntRange(0),
+              help="Seeds per prompt for the sampled check (the default comes from a power calculation: README).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),

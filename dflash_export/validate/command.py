@@ -61,8 +61,8 @@ def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> Non
 
 
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
-                 max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 200,
-                 repeats: int = 1, top_k: int = 0, top_p: float = 1.0, show_progress: bool = True, echo=print):
+                 max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
+                 repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     from dflash_export.errors import check_output_dir
     from dflash_export.recipes import load_recipe

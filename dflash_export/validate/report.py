@@ -71,8 +71,9 @@ def render_markdown(report: ValidationReport) -> str:
     ]
     if dist.get("ran"):
         lines.append(f"T={dist['temperature']} losslessness: {dist['test']}; {dist['tested_tokens']} tokens from "
-                     f"{dist['samples_per_prompt']} seeds × {len(dist['prompts'])} prompts, χ²={dist['chi2']:.1f} "
-                     f"({dist['bins']} bins), p = {dist['p_value']:.3g}.")
+                     f"{dist['samples_per_prompt']} seeds × {len(dist['prompts'])} prompts (top-k {dist['top_k']}, "
+                     f"top-p {dist['top_p']}), G = {dist['g']:.1f} over {dist['prefixes']} prefixes "
+                     f"(null {dist['null_mean']:.1f} ± {dist['null_sd']:.1f}), p = {dist['p_value']:.3g}.")
     else:
         lines.append(f"T>0 check not run ({dist.get('reason', '')}).")
     bad = [r for r in g["per_prompt"] if not r["identical"]]
