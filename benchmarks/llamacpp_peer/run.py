@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -37,12 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 LLAMA_TARGETS = ["llama-completion", "llama-speculative-simple", "llama-quantize", "llama-tokenize"]
-# Every x86 extension ONNX Runtime's kernels use here (AVX-512 with VNNI / BF16), but not AMX: GGML_NATIVE=ON compiled
-# ggml's AMX kernels on these machines, and the Q4_1 prompt path then died with SIGILL (the VM advertises AMX that it
-# does not grant). On another CPU, pass your own flags through LLAMACPP_CMAKE_FLAGS.
-CPU_FLAGS = os.environ.get("LLAMACPP_CMAKE_FLAGS", "").split() or [
-    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON"]
+# Built for this CPU (GGML_NATIVE); LLAMACPP_CMAKE_FLAGS overrides. Runs pass --no-repack: with it ggml keeps off its
+# extra buffer types, among them the AMX kernels, which GGML_NATIVE compiles on these machines but which die with
+# SIGILL on Q4_1 prompt processing (the VM advertises AMX it does not grant). x86 repacking covers neither F16 nor
+# Q4_1, so for those types the flag costs nothing else.
+CPU_FLAGS = os.environ.get("LLAMACPP_CMAKE_FLAGS", "").split() or ["-DGGML_NATIVE=ON"]
 
 
 def log(msg: str) -> None:
@@ -65,7 +63,7 @@ def llamacpp_build(version: str | None) -> tuple[Path, Path]:
     else:
         tmp, sdist = None, None
     base = root / version
-    src, build = base / "src", base / "build-avx512"
+    src, build = base / "src", base / "build"
     bindir = build / "bin"
     if not (src / "convert_hf_to_gguf.py").is_file():
         if sdist is None:
@@ -151,7 +149,7 @@ def _env() -> dict:
 def llama_plain(bindir: Path, model: Path, text: str, n: int, threads: int, ctx: int) -> dict:
     r = subprocess.run([str(bindir / "llama-completion"), "-m", str(model), "-p", text, "-n", str(n),
                         "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup", "-c", str(ctx),
-                        "--no-display-prompt"], capture_output=True, text=True, env=_env())
+                        "--no-display-prompt", "--no-repack"], capture_output=True, text=True, env=_env())
     if r.returncode != 0:
         raise RuntimeError(f"llama-completion failed: {r.stderr[-800:]}")
     m = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", r.stderr)
@@ -163,7 +161,7 @@ def llama_dflash(bindir: Path, model: Path, drafter: Path, text: str, n: int, th
                  n_draft: int) -> dict:
     r = subprocess.run([str(bindir / "llama-speculative-simple"), "-m", str(model), "-md", str(drafter),
                         "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft), "-p", text, "-n", str(n),
-                        "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", str(ctx)],
+                        "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", str(ctx), "--no-repack"],
                        capture_output=True, text=True, env=_env())
     if r.returncode != 0:
         raise RuntimeError(f"llama-speculative-simple failed: {r.stderr[-800:]}")
@@ -196,7 +194,9 @@ def engine_worker(engine_dir: str, prompts: list[list[int]], n: int, threads: in
             dec = st.total_s - st.ttft_s
             res[mode].append({"tokens": st.tokens, "tok_s": (len(st.tokens) - 1) / dec if dec > 0 else 0.0,
                               "tau": st.tau})
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the forking parent (which holds torch here)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    res["peak_rss_mb"] = int(hwm.split()[1]) / 1024
     return res
 
 
