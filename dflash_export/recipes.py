@@ -18,6 +18,7 @@ from dflash_export.sources import split_pkg_spec
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 DTYPES = ("float32", "float16", "bfloat16")
+PRECISIONS = ("fp32", "int8", "int4")  # ONNX Runtime engines: weight precision (activations stay fp32)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class Recipe:
     chat_template: bool = True
     draft_vocab: int | None = None           # engines: draft among the first N token ids only (cheaper draft LM head;
                                              # still lossless, the target verifies over the full vocabulary)
+    precision: str = "fp32"                  # onnxruntime engines: target (+ LM head) weights fp32, int8 or int4
+                                             # (block-wise MatMulNBits); lossless against plain decoding on the engine
+    drafter_precision: str | None = None     # the drafter's (+ draft head's) weights; default: `precision`
     suite: str = "sharegpt-heldout"          # default validate suite
     thresholds: Thresholds = field(default_factory=Thresholds)
     trtllm: TrtLlmOptions = field(default_factory=TrtLlmOptions)
@@ -177,6 +181,10 @@ def load_recipe(name_or_path) -> Recipe:
     recipe.path = p.resolve()
     if recipe.dtype not in DTYPES:
         raise DFlashError(f"{recipe.dtype!r} is not one of {', '.join(DTYPES)}", path=p, field="dtype")
+    for key in ("precision", "drafter_precision"):
+        value = getattr(recipe, key)
+        if value is not None and value not in PRECISIONS:
+            raise DFlashError(f"{value!r} is not one of {', '.join(PRECISIONS)}", path=p, field=key)
     for i, b in enumerate(recipe.backends):
         if b not in BACKENDS:
             raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")

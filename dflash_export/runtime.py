@@ -81,12 +81,14 @@ class DFlashRuntime:
     next draft reads them all. One accepted draft resets n. Greedy output is unchanged (every step is the target's).
     """
 
-    def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float = 0.07,
-                 draft_cost: float = 0.3, max_skip: int = 7):
+    def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
+                 draft_cost: float | None = None, max_skip: int = 7):
         self.engine = engine
         self.adaptive = adaptive
-        self.verify_token_cost = verify_token_cost
-        self.draft_cost = draft_cost
+        # The engine's own measured costs when it records them (quantized engines), else the fp32 engine's.
+        info = engine.info
+        self.verify_token_cost = verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07
+        self.draft_cost = draft_cost or getattr(info, "draft_cost", None) or 0.3
         self.max_skip = max_skip
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:

@@ -162,3 +162,32 @@ def test_draft_vocab_larger_than_the_vocabulary_is_refused(tmp_path):
         build_engine(load_recipe(y), "onnxruntime", out)
     assert str(y) in str(e.value)
     assert not out.exists()
+
+
+def test_each_precision_builds_its_own_engine_directory(own_recipe, tmp_path):
+    """fp32 stays at <recipe>/onnxruntime; a quantized build goes next to it, is reused by its precision, and a
+    recipe's `precision` / `drafter_precision` choose the default."""
+    recipe, _ = own_recipe
+    fp32 = build_engine(recipe, "onnxruntime", tmp_path / "engines")
+    int8 = build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int8")
+    assert fp32.engine_dir.name == "onnxruntime" and int8.engine_dir.name == "onnxruntime-int8"
+    assert read_manifest(int8.engine_dir)["precision"]["target"] == "int8"
+    assert read_manifest(fp32.engine_dir)["precision"] == {k: "fp32" for k in ("target", "drafter", "lm_head",
+                                                                              "draft_head")}
+    assert build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int8").reused
+    mixed = build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int4", drafter_precision="fp32")
+    assert mixed.engine_dir.name == "onnxruntime-int4-drafter-fp32"
+    assert read_manifest(mixed.engine_dir)["precision"] == {"target": "int4", "drafter": "fp32", "lm_head": "int4",
+                                                           "draft_head": "fp32"}
+    y = recipe.path
+    y.write_text(y.read_text() + "precision: int8\n")
+    assert build_engine(load_recipe(y), "onnxruntime", tmp_path / "engines").engine_dir == int8.engine_dir
+
+
+@pytest.mark.parametrize("line, field", [("precision: int3\n", "precision"), ("drafter_precision: fp16\n",
+                                                                            "drafter_precision")])
+def test_bad_precision_in_a_recipe_names_the_field(tmp_path, line, field):
+    y = tmp_path / "bad.yaml"
+    y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
+    with pytest.raises(DFlashError, match=field):
+        load_recipe(y)

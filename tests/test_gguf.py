@@ -88,3 +88,29 @@ def test_smollm2_gguf_converts_once_with_its_settings_intact():
     assert target.stop_token_ids == [2]
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.smollm2
+def test_smollm2_converted_tokenizer_is_the_gguf_s_for_other_readers():
+    """The converted directory is read by transformers and by the `gguf` package's SpecialVocab (what llama.cpp's
+    convert_hf_to_gguf.py uses) with the chat model's real special tokens, as the GGUF's own metadata gives them."""
+    from gguf import SpecialVocab
+    from transformers import AutoTokenizer
+
+    from dflash_export.models.gguf import read_gguf_metadata
+
+    path = _smollm2()
+    meta = read_gguf_metadata(path)
+    d = hf_dir_from_gguf(path)
+    assert not (d / "tokenizer.model").exists()  # no GGUF byte copy posing as a SentencePiece model
+    sv = SpecialVocab(d, load_merges=True)
+    assert sv.special_token_ids["bos"] == meta["tokenizer.ggml.bos_token_id"] == 1
+    assert sv.special_token_ids["eos"] == meta["tokenizer.ggml.eos_token_id"] == 2
+    assert sv.special_token_ids["pad"] == meta["tokenizer.ggml.padding_token_id"]
+    assert sv.add_special_token.get("bos", False) is meta["tokenizer.ggml.add_bos_token"] is False
+    assert len(sv.merges) > 40000
+    tok = AutoTokenizer.from_pretrained(d)
+    assert (tok.bos_token, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
+    assert tok("hi there").input_ids == tok("hi there", add_special_tokens=False).input_ids  # nothing prepended
+    text = "naïve café — 日本語 🎉\n\n  spaces\t<|im_end|>"
+    assert tok.decode(tok(text).input_ids) == text

@@ -561,3 +561,34 @@ def test_report_path_that_cannot_be_a_directory_is_refused_first(tmp_path):
         assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
         assert f"{report}: --report: " in r.output
     assert afile.read_text() == "x\n"
+
+
+def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, recipe, tmp_path, monkeypatch):
+    """An int4 engine (trained drafter, so blocks get accepted): lossless against its own AR greedily and at T>0
+    (the sampled check uses the engine's own plain-decoding conditionals), agreement with the fp32 reference
+    reported -- identical prompts, first divergences, the reference's logit margins there."""
+    pytest.importorskip("onnxruntime")
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+
+    eng = build_onnxruntime(recipe, tmp_path / "engines" / recipe.name / "onnxruntime-int4", threads=1,
+                            precision="int4")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--engine", str(eng), "--num-prompts",
+                                    "3", "--max-new-tokens", str(MAX_NEW), "--dist-samples", "30", "--no-progress",
+                                    "--report", "rep"])
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes
+    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau"}, res.output
+    g = rep["greedy"]
+    assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
+    assert g["judged_against"] == "the engine's own plain decoding"
+    agree = g["reference_agreement"]
+    assert agree["prompts"] == 3 and len(agree["first_divergences"]) == len(agree["logit_margins"]) == 3
+    for d, m in zip(agree["first_divergences"], agree["logit_margins"]):
+        assert (d is None) == (m is None) and (m is None or m >= 0)  # the reference preferred its own token
+    assert "own plain-decoding" in rep["distribution"]["test"] and rep["distribution"]["p_value"] >= 0.001
+    assert rep["engine"]["manifest"]["precision"]["target"] == "int4"
+    assert "vs the fp32 reference" in (tmp_path / "rep" / "report.md").read_text()

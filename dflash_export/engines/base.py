@@ -51,6 +51,10 @@ class EngineInfo:
     stop_token_ids: list[int]
     max_seq_len: int
     target_layer_ids: list[int] = field(default_factory=list)
+    # Cost of verifying one more draft, in plain steps (verify of n drafts ~ 1 + n * this); None = the runtime's
+    # default. Quantized ONNX Runtime engines record theirs (their int8 kernels grow with the rows, fp32's barely).
+    verify_token_cost: float | None = None
+    draft_cost: float | None = None
 
 
 class Sequence:
@@ -297,6 +301,13 @@ def validate_manifest(manifest, path) -> dict[str, Any]:
             raise bad("shared_tensors", "no shared.embed_tokens (the embedding table)")
     if "flags" in manifest:
         flags = mapping("flags")
+        for key in ("verify_token_cost", "draft_cost"):
+            v = flags.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
+                raise bad(f"flags.{key}", f"expected a positive number, got {v!r}")
+        rows = flags.get("plain_step_rows")
+        if rows is not None and (not _is_int(rows) or rows not in (1, 2)):
+            raise bad("flags.plain_step_rows", f"expected 1 or 2, got {rows!r}")
         dv = flags.get("draft_vocab")
         if dv is not None:
             integer("flags", 2, dv, "flags.draft_vocab")

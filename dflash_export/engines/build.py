@@ -68,35 +68,61 @@ def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
-def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False
-                 ) -> BuildResult:
-    """Build (or reuse) `out_root/<recipe>/<backend>/`.
+def engine_dir_name(backend: str, precisions: dict[str, str] | None = None) -> str:
+    """`onnxruntime` for an fp32 engine; `onnxruntime-int4` (target precision), `onnxruntime-int4-drafter-int8` when
+    the drafter's differs, `...-fp32-heads` when the heads were kept fp32 under quantized graphs."""
+    if not precisions or set(precisions.values()) == {"fp32"}:
+        return backend
+    name = f"{backend}-{precisions['target']}"
+    if precisions["drafter"] != precisions["target"]:
+        name += f"-drafter-{precisions['drafter']}"
+    if (precisions["lm_head"], precisions["draft_head"]) != (precisions["target"], precisions["drafter"]):
+        name += "-fp32-heads"
+    return name
 
-    An existing `<backend>/` directory is replaced only when it is an earlier engine (its manifest.json says so):
+
+def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False,
+                 precision: str | None = None, drafter_precision: str | None = None,
+                 quantize_heads: bool | None = None) -> BuildResult:
+    """Build (or reuse) `out_root/<recipe>/<backend>/` (fp32) or `.../<backend>-<precision>[...]/` (quantized
+    ONNX Runtime engines; `precision` / `drafter_precision` default to the recipe's, see `engine_dir_name`).
+
+    An existing engine directory is replaced only when it is an earlier engine (its manifest.json says so):
     anything else there is refused, never deleted. A failed build leaves no directory it created behind.
     """
     if backend not in recipe.backends:
         raise DFlashError(f"backend {backend!r} is not listed in the recipe's backends {recipe.backends}",
                           path=recipe.path, field="backends")
     build = _builder(backend)
+    precisions = None
+    if backend == "onnxruntime":
+        from dflash_export.engines.onnxruntime import graph_precisions
+
+        precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
+    elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):
+        raise DFlashError(f"weight quantization is built for the onnxruntime backend only, not {backend}",
+                          field="--precision")
     if not str(out_root).strip():
         raise DFlashError("empty path: name the directory engines go under", field="--out")
     out_root = Path(out_root)
     if out_root.exists() and not out_root.is_dir():
         raise DFlashError("exists and is a file, not a directory", path=out_root, field="--out")
-    engine_dir = out_root / recipe.name / backend
+    engine_dir = out_root / recipe.name / engine_dir_name(backend, precisions)
     check_output_dir(engine_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     inputs = recipe_inputs(recipe)
     if engine_dir.exists() and not force:
         try:
             manifest = read_manifest(engine_dir)
-            if manifest.get("inputs") == inputs and manifest.get("backend") == backend:
+            if (manifest.get("inputs") == inputs and manifest.get("backend") == backend
+                    and (precisions is None or manifest.get("precision") == precisions)):
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:
             pass  # an earlier engine, unreadable or tampered: rebuild over it
     with removing_new_dirs(engine_dir):
-        if backend == "onnxruntime" and recipe.draft_vocab:
-            build(recipe, engine_dir, draft_vocab=recipe.draft_vocab)
+        if backend == "onnxruntime":
+            build(recipe, engine_dir, draft_vocab=recipe.draft_vocab, precision=precisions["target"],
+                  drafter_precision=precisions["drafter"],
+                  quantize_heads=precisions["lm_head"] != "fp32" or precisions["draft_head"] != "fp32")
         else:
             build(recipe, engine_dir)
         if not (engine_dir / MANIFEST).is_file():

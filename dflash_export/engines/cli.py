@@ -15,15 +15,22 @@ from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
-def build(recipe, backend, out, force):
-    """Build engines/<recipe>/<backend>/ (reused when every input hash matches)."""
+@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="onnxruntime: weight precision of the target and LM head (default: the recipe's, else fp32); "
+                   "int8 / int4 = block-wise MatMulNBits, lossless against plain decoding on the same engine.")
+@click.option("--drafter-precision", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="onnxruntime: the drafter's and draft head's weight precision (default: --precision).")
+@click.option("--fp32-heads", is_flag=True, help="onnxruntime: keep the LM head and draft head fp32 when the graphs "
+                                                 "are quantized.")
+def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads):
+    """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
 
     from dflash_export.engines.build import build_engine
     from dflash_export.recipes import load_recipe
 
     r = load_recipe(recipe)
-    res = build_engine(r, backend, out, force)
+    res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None)
     Console(highlight=False).print(
         f"{'reused' if res.reused else 'built'} {res.engine_dir} "
         f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")

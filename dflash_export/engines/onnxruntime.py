@@ -147,6 +147,8 @@ class OrtEngine(Engine):
             mask_token_id=field("mask_token_id", int), vocab_size=field("vocab_size", int),
             stop_token_ids=field("stop_token_ids", _int_list), max_seq_len=field("max_seq_len", int),
             target_layer_ids=field("target_layer_ids", _int_list),
+            verify_token_cost=manifest.get("flags", {}).get("verify_token_cost"),
+            draft_cost=manifest.get("flags", {}).get("draft_cost"),
         )
         self.codec = load_codec(self.engine_dir)
 
@@ -172,6 +174,8 @@ class OrtEngine(Engine):
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
         self.draft_vocab = int(manifest.get("flags", {}).get("draft_vocab") or 0)
         self.draft_head = self._session(ort, DRAFT_HEAD, so, providers) if self.draft_vocab else self.head
+        # Rows a one-token target step runs as (2 on quantized engines, see _run_target); 1 = as it comes.
+        self.plain_step_rows = int(manifest.get("flags", {}).get("plain_step_rows") or 1)
         self._check_graph_metadata(mpath)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
@@ -234,6 +238,13 @@ class OrtEngine(Engine):
         if total > self.info.max_seq_len:
             raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len "
                               f"{self.info.max_seq_len}", field="max_tokens")
+        if s == 1 and self.plain_step_rows == 2 and total < self.info.max_seq_len:
+            # One token runs as two rows (the second a copy whose K/V row lies past the committed length and is
+            # overwritten by the next step): GroupQueryAttention's one-row path rounds differently from its
+            # many-row path, and int8 activations turn that last-bit difference into different tokens. Two rows
+            # take the verify block's arithmetic, so plain decoding and DFlash agree bit for bit.
+            hidden, ctx = self._run_target(seq, np.array([ids[0], ids[0]], np.int64), 2)
+            return hidden[:, :1], ctx[:, :1]
         if seq.reserve(self, total) or seq.io is None:
             # K/V bound once per buffer set: the same memory serves as past and present on every step.
             io = self.target.io_binding()
@@ -378,10 +389,15 @@ def _embedding_rows(engine_dir: Path, manifest: dict, mpath: Path) -> _Embedding
 # Build
 
 
-def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None) -> Path:
+def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
+                      precision: str | None = None, drafter_precision: str | None = None,
+                      quantize_heads: bool | None = None) -> Path:
     """Export the recipe's pair, optimize its graphs for ONNX Runtime and write a complete engine directory.
 
     `draft_vocab`: draft among the first N token ids only (cheaper drafting, same lossless output; see OrtEngine).
+    `precision` / `drafter_precision` (default: the recipe's): "fp32", "int8" or "int4" weights for the target and
+    the drafter graphs (see `quantize_graph`); `quantize_heads` (default QUANTIZE_HEADS): the LM head follows the
+    target's precision and the draft head the drafter's, else both heads stay fp32.
 
     Written in a temporary sibling and renamed when complete (errors.atomic_dir). Returns `out_dir`.
     """
@@ -413,6 +429,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     if draft_vocab is not None and draft_vocab == spec.vocab_size:
         draft_vocab = None  # the whole vocabulary: the ordinary head serves
     bs = recipe.block_size or drafter.block_size
+    precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
         export_dir = tmp / "export"
         export_dir.mkdir()
@@ -428,6 +445,12 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
             _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
         shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
         shutil.rmtree(export_dir)
+        quantization = {}
+        for fname, role in ((TARGET, "target"), (DRAFTER, "drafter"), (HEAD, "lm_head"), (DRAFT_HEAD, "draft_head")):
+            if (tmp / fname).is_file() and precisions[role] != "fp32":
+                if role in ("lm_head", "draft_head"):
+                    _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
+                quantization[role] = quantize_graph(tmp / fname, precisions[role])
         _copy_tokenizer(target, drafter, tmp)
         manifest = {
             "backend": "onnxruntime",
@@ -442,9 +465,15 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
             "max_seq_len": recipe.max_seq_len,
             "stop_token_ids": list(target.stop_token_ids),
             "vocab_size": spec.vocab_size,
-            "dtypes": {"weights": "float32", "activations": "float32", "kv_cache": "float32"},
+            "dtypes": {"weights": "float32" if set(precisions.values()) == {"fp32"} else "mixed",
+                       "activations": "float32", "kv_cache": "float32"},
+            "precision": precisions,
+            "quantization": quantization,
             "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
-                      "lm_head": "own session, prepacked", "draft_vocab": draft_vocab, "export": res.metadata},
+                      "lm_head": "own session, prepacked", "draft_vocab": draft_vocab,
+                      "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
+                      **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
+                      "export": res.metadata},
             "optimized": True,
             "shared_tensors": manifest_shared,
             "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
@@ -455,6 +484,113 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         }
         write_manifest(tmp, manifest)
     return out_dir
+
+
+# Quantization ---------------------------------------------------------------------------------------------------------
+
+# Block-wise weight quantization by ONNX Runtime's own MatMulNBitsQuantizer: every MatMul with a constant weight becomes
+# a MatMulNBits node (weights in blocks of QUANT_BLOCK along K, one fp32 scale each, symmetric: like llama.cpp's Q4_0 /
+# Q8_0). Symmetric int4 because the integer zero point of the asymmetric format cannot hold a Q4_1 block's float
+# minimum: on SmolLM2 (a dequantized Q4_1 GGUF) asymmetric int4 shifted whole blocks and its logits correlated 0.88
+# with fp32, symmetric 0.92 (float zero points, HQQ, lose the int8 kernels). accuracy_level 4 = int8 activations,
+# integer dot products (VNNI / AMX on x86), and rows that come out bit-identical whatever the number of rows M >= 1,
+# where accuracy_level 0 takes a GEMV path at M=1 that differs from its M>1 rows in the last bits (measured); with
+# two-row plain steps (OrtEngine._run_target) the engine is lossless against its own plain decoding.
+QUANT_BLOCK = 32
+QUANT_ACCURACY_LEVEL = 4
+QUANT_SYMMETRIC = {"int8": True, "int4": True}
+QUANT_BITS = {"int8": 8, "int4": 4}
+# Whether the LM head (target) and the draft head (drafter) are quantized with their graphs by default: measured on
+# SmolLM2 (benchmarks/engine_costs.py, see the README), the head is a fifth of the target's weights and a third of a
+# plain step's bytes, so it follows the precision.
+QUANTIZE_HEADS = True
+# The adaptive verification's cost model per (target, drafter) precision, in plain (two-row) steps, measured by
+# benchmarks/engine_costs.py on SmolLM2 (README): int8 rows cost more than fp32's, int4's most (its int8 kernel runs
+# row by row). Engines without an entry use the runtime's fp32 defaults (0.07, 0.3).
+STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
+              ("int4", "int4"): {"verify_token_cost": 0.25, "draft_cost": 0.44}}
+
+
+def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,
+                     quantize_heads: bool | None = None) -> dict[str, str]:
+    """The weight precision of each graph of the engine: target, drafter, lm_head, draft_head."""
+    from dflash_export.recipes import PRECISIONS
+
+    target = precision or getattr(recipe, "precision", None) or "fp32"
+    draft = drafter_precision or (getattr(recipe, "drafter_precision", None) if precision is None else None) or target
+    for value, name in ((target, "precision"), (draft, "drafter_precision")):
+        if value not in PRECISIONS:
+            raise DFlashError(f"{value!r} is not one of {', '.join(PRECISIONS)}", path=recipe.path, field=name)
+    heads = QUANTIZE_HEADS if quantize_heads is None else quantize_heads
+    return {"target": target, "drafter": draft, "lm_head": target if heads else "fp32",
+            "draft_head": draft if heads else "fp32"}
+
+
+def _head_as_matmul(path: Path, shared_path: Path, shared: dict) -> None:
+    """Rewrite an LM-head graph (Gemm transB over the shared [V,H] table, or over its own draft_head rows) as one
+    MatMul over its own [H,V] weight, the form MatMulNBitsQuantizer quantizes. Metadata and I/O are kept."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    gemm = [n for n in model.graph.node if n.op_type == "Gemm"]
+    if len(gemm) != 1:
+        raise DFlashError(f"expected one Gemm in the LM-head graph, found {len(gemm)}", path=path)
+    wname = gemm[0].input[1]
+    if wname in shared:
+        e = shared[wname]
+        w = np.fromfile(shared_path, np.float32, count=e["length"] // 4, offset=e["offset"]).reshape(e["shape"])
+    else:
+        init = next(t for t in model.graph.initializer if t.name == wname)
+        w = numpy_helper.to_array(init, base_dir=str(path.parent))
+    g = model.graph
+    hidden, logits = g.input[0], g.output[0]
+    node = helper.make_node("MatMul", [hidden.name, "lm_head_weight"], [logits.name], name="lm_head_matmul")
+    new_graph = helper.make_graph([node], g.name, [hidden], [logits],
+                                  [numpy_helper.from_array(np.ascontiguousarray(w.T), "lm_head_weight")])
+    new = helper.make_model(new_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    new.metadata_props.extend(model.metadata_props)
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(new, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                    size_threshold=1024)
+
+
+def quantize_graph(path: Path, precision: str) -> dict:
+    """Quantize every MatMul of the saved graph `path` (weights in `path`.data) in place with ONNX Runtime's
+    MatMulNBitsQuantizer; returns the settings for the manifest."""
+    import onnx
+
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
+                                                                     MatMulNBitsQuantizer)
+    except ImportError as e:
+        raise MissingDependency(f"quantized engines need onnxruntime's quantization tools ({e.name}): "
+                                "pip install 'dflash-export[onnx]'", field="precision") from None
+    import logging
+
+    bits, sym = QUANT_BITS[precision], QUANT_SYMMETRIC[precision]
+    model = onnx.load(str(path))
+    n_matmul = sum(n.op_type == "MatMul" for n in model.graph.node)
+    config = DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=sym,
+                                          accuracy_level=QUANT_ACCURACY_LEVEL, bits=bits)
+    quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quant_log.level
+    quant_log.setLevel(logging.WARNING)  # it logs one INFO line per node
+    try:
+        quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+        quantizer.process()
+    finally:
+        quant_log.setLevel(level)
+    out = quantizer.model.model
+    n_quant = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                    size_threshold=1024)
+    return {"quantizer": "onnxruntime.quantization.MatMulNBitsQuantizer", "op": "com.microsoft.MatMulNBits",
+            "bits": bits, "block_size": QUANT_BLOCK, "symmetric": sym, "accuracy_level": QUANT_ACCURACY_LEVEL,
+            "matmuls_quantized": n_quant, "matmuls_total": n_matmul}
 
 
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:

@@ -15,7 +15,10 @@ from pathlib import Path
 from dflash_export.engines.base import sha256_file
 from dflash_export.errors import DFlashError
 
-_CONVERSION_VERSION = 1  # bump when the conversion changes so cached copies are rebuilt
+# Bump when the conversion changes so cached copies are rebuilt. 3: the tokenizer files carry the GGUF's special tokens
+# (SmolLM2: eos <|im_end|>, no BOS added) and no GGUF byte copy posing as tokenizer.model (2 is taken by another branch's
+# transformers-5 conversion; distinct numbers keep both caches apart).
+_CONVERSION_VERSION = 3
 
 
 def read_gguf_metadata(path: Path) -> dict:
@@ -101,12 +104,57 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.tie_weights()
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    _write_special_tokens(out, read_gguf_metadata(gguf_path), tokenizer)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     # A newer transformers writes `rope_parameters`, which 4.57 ignores in favour of rope_theta / rope_scaling:
     # keep only the fields this version reads so the copy means the same thing everywhere.
     if cfg.pop("rope_parameters", None) is not None:
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+_SPECIAL = (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
+            ("unk_token", "tokenizer.ggml.unknown_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id"))
+
+
+def _write_special_tokens(out: Path, meta: dict, tokenizer) -> None:
+    """Make the saved tokenizer say what the GGUF says, so transformers and llama.cpp's convert_hf_to_gguf.py read the
+    same tokenizer as the engine: bos / eos / unk / pad from the GGUF ids (transformers' GGUF reader sets eos = bos
+    for SmolLM2), add_bos_token / add_eos_token from the GGUF flags, and no `tokenizer.model` -- transformers saves
+    the GGUF file itself under that name for a BPE vocabulary, which SentencePiece readers then fail on."""
+    (out / "tokenizer.model").unlink(missing_ok=True)
+    tokens = {name: tokenizer.convert_ids_to_tokens(int(meta[key])) for name, key in _SPECIAL if key in meta}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    for name, key in _SPECIAL:
+        if name in tokens:
+            cfg[name] = tokens[name]
+            cfg[name + "_id"] = int(meta[key])
+    cfg.update(add_bos_token=add_bos, add_eos_token=add_eos)
+    if meta.get("tokenizer.ggml.model") == "gpt2":  # a byte-level BPE: served by tokenizer.json alone
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("vocab_file", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, ensure_ascii=False) + "\n")
+    tok_path = out / "tokenizer.json"
+    if tok_path.is_file() and meta.get("tokenizer.ggml.model") == "gpt2":
+        # transformers' GGUF reader writes a byte-level BPE with SentencePiece-style decoding (byte fallback, a
+        # decoder sequence) and a post-processor that prepends bos. The GGUF's vocabulary is plain byte-level BPE:
+        # say so, so that llama.cpp's converter takes it as one (tokenizer model gpt2, not llama).
+        tj = json.loads(tok_path.read_text(encoding="utf-8"))
+        tj["model"]["byte_fallback"] = False
+        tj["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        if not (add_bos or add_eos) and (tj.get("post_processor") or {}).get("type") == "TemplateProcessing":
+            tj["post_processor"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                                    "use_regex": True}
+        tok_path.write_text(json.dumps(tj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    gen_path = out / "generation_config.json"
+    if gen_path.is_file() and "eos_token" in tokens:
+        gen = json.loads(gen_path.read_text())
+        gen["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
+        gen_path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def _chat_template_of(model_dir: Path) -> str | None:
@@ -148,6 +196,16 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     if eos is not None and int(eos) not in stop_token_ids_of(model_dir, cfg):
         fail("eos_token_id", int(eos), stop_token_ids_of(model_dir, cfg))
+    tcfg_path = model_dir / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    for name, key in _SPECIAL:
+        if key in meta and name in tcfg and tcfg.get(name + "_id", int(meta[key])) != int(meta[key]):
+            fail(f"tokenizer_config.{name}", int(meta[key]), tcfg.get(name + "_id"))
+    if "tokenizer.ggml.add_bos_token" in meta and bool(tcfg.get("add_bos_token")) != bool(
+            meta["tokenizer.ggml.add_bos_token"]):
+        fail("add_bos_token", bool(meta["tokenizer.ggml.add_bos_token"]), tcfg.get("add_bos_token"))
+    if (model_dir / "tokenizer.model").is_file():
+        fail("tokenizer.model", "no SentencePiece model (a BPE vocabulary)", "a tokenizer.model file")
     template = meta.get("tokenizer.chat_template")
     if template is not None and _chat_template_of(model_dir) != template:
         fail("chat_template", "the GGUF's template", "a different or missing template")

@@ -43,7 +43,8 @@ def open_engine(engine_dir: Path, recipe):
 
     manifest = check_engine_recipe(engine_dir, recipe)
     meta = {"dir": str(engine_dir), "manifest": {k: manifest[k] for k in ("tool_version", "libraries", "dtype",
-                                                                          "build_flags") if k in manifest}}
+                                                                          "build_flags", "precision", "quantization")
+                                                 if k in manifest}}
     return load_engine(engine_dir), meta
 
 

@@ -69,6 +69,16 @@ def render_markdown(report: ValidationReport) -> str:
         "decoded token.",
         "",
     ]
+    agree = g.get("reference_agreement")
+    precision = (report.engine.get("manifest") or {}).get("precision")
+    if agree and precision:
+        margins = [f"{m:.2f}" for m in agree["logit_margins"] if m is not None]
+        divs = [d for d in agree["first_divergences"] if d is not None]
+        lines += [f"Weights {', '.join(f'{k} {v}' for k, v in precision.items())}; greedy output judged against "
+                  f"{g.get('judged_against', 'the reference')}. Engine plain decoding vs the fp32 reference: "
+                  f"{agree['engine_ar_identical']}/{agree['prompts']} prompts identical"
+                  + (f"; first divergences at tokens {divs}, reference logit margins there {margins}" if divs else "")
+                  + ".", ""]
     if dist.get("ran"):
         lines.append(f"T={dist['temperature']} losslessness: {dist['test']}; {dist['tested_tokens']} tokens from "
                      f"{dist['samples_per_prompt']} seeds × {len(dist['prompts'])} prompts (top-k {dist['top_k']}, "

@@ -1,0 +1,343 @@
+"""This project's ONNX Runtime engines side by side with llama.cpp -- what a CPU user runs today -- on the same prompts.
+
+    python benchmarks/llamacpp_peer/run.py                        # smollm2-135m, 10 prompts x 256 tokens, 3 rounds
+    python benchmarks/llamacpp_peer/run.py --num-prompts 6 --max-new-tokens 128 --rounds 2 --out peer.json
+
+What it does (see the README section "llama.cpp peer benchmark"):
+1. llama.cpp from the tree vendored in the PyPI sdist of llama-cpp-python (`pip download --no-binary :all:`), built
+   once with cmake into the cache (`<cache>/llamacpp/<version>/build`, under `nice -n 10`: ~10-15 min on 2 cores).
+2. The recipe's target converted with llama.cpp's own convert_hf_to_gguf.py (F16; Q4_1 by llama-quantize from it), the
+   drafter with `convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET` (F16; llama.cpp's DFlash reads it).
+3. This project's engines at each --precisions (built if absent), each in its own process per round (peak RSS).
+4. Interleaved rounds: every round runs every system on every prompt, in a rotated order, so load from other processes
+   on a shared machine hits all alike; the table gives medians over rounds of per-round medians over prompts, and the
+   ratios are taken within a round before the median.
+The prompts are the suite's chat prompts as this engine's token ids; llama.cpp gets their text, and a prompt counts only
+when llama-tokenize gives back exactly those ids. Greedy; decode speed (tokens after the first / decode time), which
+both systems report without the prompt's prefill. Nothing of llama.cpp is committed or installed outside the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+LLAMA_TARGETS = ["llama-completion", "llama-speculative-simple", "llama-quantize", "llama-tokenize"]
+# Built for this CPU (GGML_NATIVE); LLAMACPP_CMAKE_FLAGS overrides. Runs pass --no-repack: with it ggml keeps off its
+# extra buffer types, among them the AMX kernels, which GGML_NATIVE compiles on these machines but which die with
+# SIGILL on Q4_1 prompt processing (the VM advertises AMX it does not grant). x86 repacking covers neither F16 nor
+# Q4_1, so for those types the flag costs nothing else.
+CPU_FLAGS = os.environ.get("LLAMACPP_CMAKE_FLAGS", "").split() or ["-DGGML_NATIVE=ON"]
+
+
+def log(msg: str) -> None:
+    print(f"[peer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# llama.cpp: fetch, build, convert ----------------------------------------------------------------------------------
+
+
+def llamacpp_build(version: str | None) -> tuple[Path, Path]:
+    """(source tree, bin dir) of llama.cpp vendored in llama-cpp-python's sdist, built once into the cache."""
+    from dflash_export.sources import cache_dir
+
+    root = cache_dir() / "llamacpp"
+    if version is None:  # the newest sdist the index has; reuse a build of it
+        tmp = Path(tempfile.mkdtemp(prefix="llamacpp-sdist-"))
+        _pip_download(None, tmp)
+        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        version = sdist.name[len("llama_cpp_python-"):-len(".tar.gz")]
+    else:
+        tmp, sdist = None, None
+    base = root / version
+    src, build = base / "src", base / "build"
+    bindir = build / "bin"
+    if not (src / "convert_hf_to_gguf.py").is_file():
+        if sdist is None:
+            tmp = Path(tempfile.mkdtemp(prefix="llamacpp-sdist-"))
+            _pip_download(version, tmp)
+            sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        log(f"extracting llama.cpp from {sdist.name}")
+        staging = base / "src.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        with tarfile.open(sdist) as tf:
+            prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+            members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tf.extractall(staging, members=[m for m in members if m.name], filter="data")
+        shutil.rmtree(src, ignore_errors=True)
+        staging.rename(src)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not all((bindir / t).is_file() for t in LLAMA_TARGETS):
+        log(f"building llama.cpp {version} into {build} (nice -n 10; ~10-15 min on 2 cores, once)")
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run(["nice", "-n", "10", "cmake", "-S", str(src), "-B", str(build), *gen,
+                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                        *CPU_FLAGS], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "-j", str(os.cpu_count() or 2),
+                        "--target", *LLAMA_TARGETS], check=True, stdout=subprocess.DEVNULL)
+    return src, bindir
+
+
+def _pip_download(version: str | None, dest: Path) -> None:
+    spec = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
+    log(f"pip download {spec} (sdist)")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+                    str(dest), spec], check=True)
+
+
+def convert(src: Path, bindir: Path, target_dir: Path, drafter_dir: Path, out: Path, types: list[str]
+            ) -> dict[str, Path]:
+    """GGUF files made by llama.cpp's own tools: target-<TYPE>.gguf for each type, drafter-F16.gguf."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    conv = [sys.executable, str(src / "convert_hf_to_gguf.py")]
+    f16 = out / "target-F16.gguf"
+    if not f16.is_file():
+        log(f"converting the target {target_dir} -> {f16.name}")
+        subprocess.run([*conv, str(target_dir), "--outtype", "f16", "--outfile", str(f16)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for t in types:
+        path = out / f"target-{t}.gguf"
+        if not path.is_file():
+            if t in ("F32", "BF16"):
+                subprocess.run([*conv, str(target_dir), "--outtype", t.lower(), "--outfile", str(path)],
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            else:
+                log(f"llama-quantize {f16.name} -> {path.name}")
+                subprocess.run([str(bindir / "llama-quantize"), str(f16), str(path), t], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        files[t] = path
+    drafter = out / "drafter-F16.gguf"
+    if not drafter.is_file():
+        log(f"converting the drafter {drafter_dir} (--target-model-dir) -> {drafter.name}")
+        subprocess.run([*conv, str(drafter_dir), "--target-model-dir", str(target_dir), "--outtype", "f16",
+                        "--outfile", str(drafter)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files["drafter"] = drafter
+    return files
+
+
+def llama_tokenize(bindir: Path, model: Path, text: str) -> list[int]:
+    r = subprocess.run([str(bindir / "llama-tokenize"), "-m", str(model), "-p", text, "--ids", "--log-disable"],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _env() -> dict:
+    # Idle OpenMP workers must not spin on a shared 2-core machine (they take the core from everyone else and
+    # from the next step, measured several-fold slower under load); ONNX Runtime's are told the same.
+    return {**os.environ, "OMP_WAIT_POLICY": "passive"}
+
+
+def llama_plain(bindir: Path, model: Path, text: str, n: int, threads: int, ctx: int) -> dict:
+    r = subprocess.run([str(bindir / "llama-completion"), "-m", str(model), "-p", text, "-n", str(n),
+                        "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup", "-c", str(ctx),
+                        "--no-display-prompt", "--no-repack"], capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-completion failed: {r.stderr[-800:]}")
+    m = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", r.stderr)
+    ms, runs = float(m.group(1)), int(m.group(2))
+    return {"text": r.stdout, "tok_s": runs / ms * 1000 if ms > 0 else 0.0, "tau": 1.0}
+
+
+def llama_dflash(bindir: Path, model: Path, drafter: Path, text: str, n: int, threads: int, ctx: int,
+                 n_draft: int) -> dict:
+    r = subprocess.run([str(bindir / "llama-speculative-simple"), "-m", str(model), "-md", str(drafter),
+                        "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft), "-p", text, "-n", str(n),
+                        "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", str(ctx), "--no-repack"],
+                       capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-speculative-simple failed: {r.stderr[-800:]}")
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", r.stderr)
+    n_pred = int(re.search(r"n_predict = (\d+)", r.stderr).group(1))
+    n_acc = int(re.search(r"n_accept\s+= (\d+)", r.stderr).group(1))
+    out = r.stdout
+    i = out.find(text)  # it echoes the prompt (specials included) before the generated text
+    gen = out[i + len(text):] if i >= 0 else out
+    return {"text": gen, "tok_s": int(m.group(1)) / float(m.group(2)), "tau": n_pred / max(1, n_pred - n_acc)}
+
+
+# This project's engines -------------------------------------------------------------------------------------------
+
+
+def engine_worker(engine_dir: str, prompts: list[list[int]], n: int, threads: int) -> dict:
+    """One engine in this process: AR then DFlash on every prompt (after one warm-up), decode tok/s and peak RSS."""
+    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.runtime import DFlashRuntime
+
+    eng = load_engine(engine_dir, threads=threads)
+    rt = DFlashRuntime(eng)
+    sp = SamplingParams(max_new_tokens=n)
+    rt.generate(prompts[0], SamplingParams(max_new_tokens=16), "dflash")
+    rt.generate(prompts[0], SamplingParams(max_new_tokens=16), "ar")
+    res = {"ar": [], "dflash": []}
+    for ids in prompts:
+        for mode in ("ar", "dflash"):
+            st = rt.generate(ids, sp, mode)
+            dec = st.total_s - st.ttft_s
+            res[mode].append({"tokens": st.tokens, "tok_s": (len(st.tokens) - 1) / dec if dec > 0 else 0.0,
+                              "tau": st.tau})
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the forking parent (which holds torch here)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    res["peak_rss_mb"] = int(hwm.split()[1]) / 1024
+    return res
+
+
+def run_engine(engine_dir: Path, prompts, n, threads) -> dict:
+    job = json.dumps({"engine": str(engine_dir), "prompts": prompts, "n": n, "threads": threads})
+    r = subprocess.run([sys.executable, __file__, "--worker"], input=job, capture_output=True, text=True,
+                       env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"engine worker failed: {r.stderr[-1500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def engine_weights_mb(engine_dir: Path) -> float:
+    """Bytes the engine holds resident: its graphs' weights (shared_weights.bin's embedding is read row by row)."""
+    return sum(p.stat().st_size for p in engine_dir.iterdir() if p.suffix in (".onnx", ".data")) / 1e6
+
+
+# Main ---------------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--recipe", default="smollm2-135m")
+    ap.add_argument("--suite", default=None)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--precisions", default="fp32,int8,int4", help="this project's engine precisions")
+    ap.add_argument("--llama-types", default="F16,Q4_1", help="llama.cpp target types (F32, F16, Q8_0, Q4_1, ...)")
+    ap.add_argument("--llama-version", default="0.3.36", help="llama-cpp-python sdist version ('' = newest)")
+    ap.add_argument("--engines-root", default="engines")
+    ap.add_argument("--out", default=None, help="write every figure to this JSON file")
+    args = ap.parse_args()
+    if args.worker:
+        job = json.loads(sys.stdin.read())
+        print(json.dumps(engine_worker(job["engine"], job["prompts"], job["n"], job["threads"])))
+        return 0
+
+    from dflash_export.bench import _encode_prompts
+    from dflash_export.engines.base import load_codec
+    from dflash_export.engines.build import build_engine
+    from dflash_export.models import load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.sources import cache_dir, resolve_source
+
+    recipe = load_recipe(args.recipe)
+    src, bindir = llamacpp_build(args.llama_version or None)
+    target_dir = Path(load_target(recipe.target_path).model_dir)
+    drafter_dir = resolve_source(recipe.drafter_path)
+    types = [t.strip() for t in args.llama_types.split(",") if t.strip()]
+    ggufs = convert(src, bindir, target_dir, drafter_dir, cache_dir() / "llamacpp" / "gguf" / recipe.name, types)
+
+    engines = {}
+    for p in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+        res = build_engine(recipe, "onnxruntime", args.engines_root, precision=p)
+        log(f"{'reused' if res.reused else 'built'} {res.engine_dir}")
+        engines[p] = res.engine_dir
+    first = next(iter(engines.values()))
+    codec = load_codec(first)
+    bs = json.loads((first / "manifest.json").read_text())["block_size"]
+    prompts, texts = [], []
+    for ids in _encode_prompts(recipe, args.suite or recipe.suite, args.num_prompts, codec):
+        text = codec.decode(ids, skip_special=False)
+        if llama_tokenize(bindir, ggufs[types[0]], text) == list(ids):
+            prompts.append(list(ids))
+            texts.append(text)
+    log(f"{len(prompts)} of {args.num_prompts} prompts tokenize to the same ids in llama.cpp")
+    ctx = max(len(p) for p in prompts) + args.max_new_tokens + 2 * bs + 16
+
+    systems = [("ours", p, m) for p in engines for m in ("ar", "dflash")] + \
+              [("llama.cpp", t, m) for t in types for m in ("ar", "dflash")]
+    rounds = []
+    for r in range(args.rounds):
+        per: dict = {}
+        order = list(engines) + [f"llama:{t}" for t in types]
+        order = order[r % len(order):] + order[: r % len(order)]
+        for item in order:
+            if item.startswith("llama:"):
+                t = item.split(":", 1)[1]
+                for mode in ("ar", "dflash"):
+                    runs = []
+                    for text in texts:
+                        if mode == "ar":
+                            runs.append(llama_plain(bindir, ggufs[t], text, args.max_new_tokens, args.threads, ctx))
+                        else:
+                            runs.append(llama_dflash(bindir, ggufs[t], ggufs["drafter"], text, args.max_new_tokens,
+                                                     args.threads, ctx, bs - 1))
+                    per[("llama.cpp", t, mode)] = runs
+            else:
+                res = run_engine(engines[item], prompts, args.max_new_tokens, args.threads)
+                per[("ours", item, "ar")] = res["ar"]
+                per[("ours", item, "dflash")] = res["dflash"]
+                per[("ours", item, "rss")] = res["peak_rss_mb"]
+            log(f"round {r + 1}/{args.rounds}: {item} done")
+        rounds.append(per)
+
+    def med_tok_s(per, key):
+        return statistics.median(x["tok_s"] for x in per[key])
+
+    table = []
+    for key in systems:
+        sysname, prec, mode = key
+        last = rounds[0][key]
+        if mode == "dflash":
+            own = rounds[0][(sysname, prec, "ar")]
+            ident = sum((a["tokens"] == b["tokens"]) if sysname == "ours" else
+                        (a["text"].rstrip() == b["text"].rstrip()) for a, b in zip(last, own))
+        else:
+            ident = None
+        row = {"system": sysname, "precision": prec, "mode": mode,
+               "tok_s": statistics.median(med_tok_s(per, key) for per in rounds),
+               "tau": statistics.median(x["tau"] for x in last), "identical_to_own_ar": ident,
+               "prompts": len(last)}
+        for t in types:
+            if ("llama.cpp", t, "ar") in rounds[0]:
+                row[f"vs_llama_{t}_plain"] = statistics.median(
+                    med_tok_s(per, key) / med_tok_s(per, ("llama.cpp", t, "ar")) for per in rounds)
+        if sysname == "ours":
+            row["peak_rss_mb"] = max(per[(sysname, prec, "rss")] for per in rounds)
+            row["weights_mb"] = engine_weights_mb(engines[prec])
+        table.append(row)
+    cols = [f"vs_llama_{t}_plain" for t in types]
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.rounds} interleaved rounds, "
+          f"{args.threads} threads; tok/s = decode speed, median over rounds of the per-round median over prompts\n")
+    print("| system | weights | mode | tok/s | " + " | ".join(f"× llama.cpp {t} plain" for t in types)
+          + " | τ | identical to own AR | peak RSS MB (× weights) |")
+    print("|---" * (6 + len(types)) + "|")
+    for row in table:
+        ratios = " | ".join(f"{row[c]:.2f}" for c in cols)
+        ident = "—" if row["identical_to_own_ar"] is None else f"{row['identical_to_own_ar']}/{row['prompts']}"
+        rss = (f"{row['peak_rss_mb']:.0f} ({row['peak_rss_mb'] / row['weights_mb']:.2f}×)"
+               if row["system"] == "ours" else "—")
+        print(f"| {row['system']} | {row['precision']} | {'DFlash' if row['mode'] == 'dflash' else 'plain'} | "
+              f"{row['tok_s']:.1f} | {ratios} | {row['tau']:.2f} | {ident} | {rss} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "table": table, "llama_cpp_version": str(src),
+                                              "prompts": len(prompts)}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

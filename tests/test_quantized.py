@@ -1,0 +1,177 @@
+"""Quantized ONNX Runtime engines (int8 / int4 MatMulNBits): lossless against their own plain decoding, and their
+logits those of the target with the dequantized weights (numpy dequantization of the stored blocks, run through the
+PyTorch reference model: independent of ONNX Runtime's kernels)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_export.engines.base import SamplingParams, load_engine, read_manifest
+from dflash_export.runtime import DFlashRuntime
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
+
+
+@pytest.fixture(scope="module", params=[("tiny-qwen3", "int4"), ("tiny-llama", "int8"), ("tiny-llama", "int4")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def built(request, tmp_path_factory):
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+
+    name, precision = request.param
+    recipe = load_recipe(name)
+    out = build_onnxruntime(recipe, tmp_path_factory.mktemp(name) / f"onnxruntime-{precision}", threads=1,
+                            precision=precision)
+    return recipe, precision, out, load_engine(out, threads=1)
+
+
+def test_manifest_records_precision_quantizer_and_every_file(built):
+    import onnx
+
+    _, precision, out, _ = built
+    m = read_manifest(out)
+    assert m["precision"] == {"target": precision, "drafter": precision, "lm_head": precision,
+                              "draft_head": precision}
+    bits = {"int8": 8, "int4": 4}[precision]
+    for role in ("target", "drafter", "lm_head"):
+        q = m["quantization"][role]
+        assert q["quantizer"] == "onnxruntime.quantization.MatMulNBitsQuantizer"
+        assert (q["bits"], q["block_size"], q["accuracy_level"]) == (bits, 32, 4) and q["matmuls_quantized"] >= 1
+    assert m["flags"]["plain_step_rows"] == 2 and "onnxruntime" in m["libraries"]
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert set(m["files"]) == on_disk
+    for fname in ("target.onnx", "lm_head.onnx"):
+        model = onnx.load(str(out / fname), load_external_data=False)
+        nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert nodes and not [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
+        for n in nodes:
+            attrs = {a.name: a.i for a in n.attribute}
+            assert attrs["bits"] == bits and attrs["accuracy_level"] == 4 and attrs["block_size"] == 32
+
+
+def test_greedy_dflash_equals_the_engine_s_own_ar(built):
+    _, _, _, eng = built
+    for adaptive in (True, False):
+        rt = DFlashRuntime(eng, adaptive=adaptive)
+        for prompt in PROMPTS:
+            sp = SamplingParams(max_new_tokens=40)
+            assert rt.generate(prompt, sp, "dflash").tokens == rt.generate(prompt, sp, "ar").tokens, prompt
+
+
+def test_accepting_blocks_commit_what_plain_decoding_would(built):
+    """The tiny drafter is random, so drafts here are the engine's own AR continuation with one token corrupted at a
+    random slot: every accept length, and the K/V rows a verify leaves behind, meet the plain decoding's tokens."""
+    _, _, _, eng = built
+    bs = eng.info.block_size
+    rt = DFlashRuntime(eng, adaptive=False)
+    rng = np.random.default_rng(0)
+    for prompt in PROMPTS[:2]:
+        ar = rt.generate(prompt, SamplingParams(max_new_tokens=60), "ar").tokens
+        true_draft = eng.draft
+
+        def oracle_draft(seq, anchor, sp, uniforms, ar=ar, n=len(prompt)):
+            true_draft(seq, anchor, sp, uniforms)  # keeps the drafter's context cache in step
+            done = seq.length - n + 1  # tokens committed so far (the anchor is the last of them)
+            cont = list(ar[done:done + bs - 1]) + [0] * bs
+            d = np.array(cont[:bs - 1], np.int64)
+            k = int(rng.integers(0, bs))
+            if k < bs - 1:
+                d[k] = (d[k] + 1) % eng.info.vocab_size
+            return d, None
+
+        eng.draft = oracle_draft
+        try:
+            got = rt.generate(prompt, SamplingParams(max_new_tokens=60), "dflash")
+        finally:
+            del eng.draft
+        assert got.tokens == ar and max(got.acceptance_lengths) > 2, prompt
+
+
+def test_verify_rows_are_bit_identical_to_plain_steps(built):
+    """What makes the engine lossless at T>0 too: the logits a verify block gives each position are the very logits
+    plain decoding computes there, bit for bit (two-row plain steps, int8 kernels invariant in the row count)."""
+    _, _, _, eng = built
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 200, 23)
+    block = rng.integers(3, 200, eng.info.block_size)
+    s1 = eng.new_sequence()
+    eng.prefill(s1, prompt)
+    hidden, _ = eng._run_target(s1, block, len(block))
+    verify_logits = eng._logits(hidden)
+    s2 = eng.new_sequence()
+    eng.prefill(s2, prompt)
+    plain = [eng.decode(s2, int(t)) for t in block]
+    np.testing.assert_array_equal(np.stack(plain), verify_logits)
+
+
+def _dequantize(model, name_prefix: str, base_dir) -> np.ndarray:
+    """W [K, N] float64 from a MatMulNBits node's blocks, per the com.microsoft.MatMulNBits contract: B [N, K/bs,
+    bs*bits/8] uint8 (low nibble first for 4 bits), scales [N * K/bs], zero points packed likewise (default 2^(bits-1))."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1] == name_prefix)
+    attrs = {a.name: a.i for a in node.attribute}
+    K, N, bits, bsz = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+    nb = -(-K // bsz)
+    B = numpy_helper.to_array(inits[node.input[1]], base_dir=base_dir).reshape(N, nb, -1)
+    scales = numpy_helper.to_array(inits[node.input[2]], base_dir=base_dir).astype(np.float64).reshape(N, nb)
+    if bits == 4:
+        q = np.stack([B & 0x0F, B >> 4], axis=-1).reshape(N, nb, bsz)
+    else:
+        q = B.reshape(N, nb, bsz)
+    zp = np.full((N, nb), 2 ** (bits - 1), np.float64)
+    if len(node.input) > 3 and node.input[3]:
+        z = numpy_helper.to_array(inits[node.input[3]], base_dir=base_dir).reshape(N, -1)
+        zp = (np.stack([z & 0x0F, z >> 4], axis=-1).reshape(N, -1)[:, :nb] if bits == 4 else z[:, :nb]).astype(
+            np.float64)
+    w = (q.astype(np.float64) - zp[..., None]) * scales[..., None]
+    return w.reshape(N, nb * bsz)[:, :K].T
+
+
+def test_logits_match_the_dequantized_weights_in_the_pytorch_reference(built):
+    """Put the numpy-dequantized weights of target.onnx / lm_head.onnx into the PyTorch reference target: the engine's
+    logits are those (up to its int8 activations), much closer than to the fp32 weights' logits."""
+    import onnx
+    import torch
+
+    from dflash_export.models import load_target
+
+    recipe, precision, out, eng = built
+    target = load_target(recipe.target_path, torch.float32)
+    tmodel = onnx.load(str(out / "target.onnx"), load_external_data=False)
+    hmodel = onnx.load(str(out / "lm_head.onnx"), load_external_data=False)
+    sd = target.hf.state_dict()
+    new = {}
+    for i in range(target.hf.config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = _dequantize(tmodel, p + "self_attn.qkv_proj_Q" + precision[-1], str(out)).T
+        q_out = sd[p + "self_attn.q_proj.weight"].shape[0]
+        kv_out = sd[p + "self_attn.k_proj.weight"].shape[0]
+        new[p + "self_attn.q_proj.weight"] = qkv[:q_out]
+        new[p + "self_attn.k_proj.weight"] = qkv[q_out:q_out + kv_out]
+        new[p + "self_attn.v_proj.weight"] = qkv[q_out + kv_out:]
+        new[p + "self_attn.o_proj.weight"] = _dequantize(tmodel, p + "self_attn.o_proj_Q" + precision[-1],
+                                                         str(out)).T
+        gu = _dequantize(tmodel, p + "mlp.gate_up_proj_Q" + precision[-1], str(out)).T
+        inter = gu.shape[0] // 2
+        new[p + "mlp.gate_proj.weight"], new[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
+        new[p + "mlp.down_proj.weight"] = _dequantize(tmodel, p + "mlp.down_proj_Q" + precision[-1], str(out)).T
+    head = _dequantize(hmodel, "lm_head_weight_Q" + precision[-1], str(out)).T  # [V, H]
+    prompt = list(range(10, 41))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        fp32_logits = target.hf(ids).logits[0, -1].double().numpy()
+        for k, v in new.items():
+            sd[k].copy_(torch.from_numpy(v).float())
+        hidden = target.hf.model(ids).last_hidden_state[0, -1].double().numpy()
+    ref = head @ hidden
+    got = eng.prefill(eng.new_sequence(), np.array(prompt)).astype(np.float64)
+    err, err_fp32 = np.abs(got - ref).max(), np.abs(got - fp32_logits).max()
+    scale = np.abs(ref).max()
+    assert err <= 0.05 * scale, (err, scale)
+    assert err < (0.5 if precision == "int4" else 0.8) * err_fp32, (err, err_fp32)  # int8 weights: near fp32
+    assert json.loads((out / "manifest.json").read_text())["precision"]["lm_head"] == precision
