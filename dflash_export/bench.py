@@ -164,19 +164,31 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             except (IndexError, ValueError):
                 raise DFlashError("benchmark worker wrote no result", field=f"--modes {mode}") from None
     summary = {m: _summary(r) for m, r in results.items()}
+    # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
+    # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
+    from dflash_export.engines.base import read_manifest
+    from dflash_export.prompt_lookup import prompt_lookup_tau
+
+    bs = recipe.block_size or int(read_manifest(engine_dir, verify_files=False)["block_size"])
+    for m in ("dflash", "dflash-full", "reference"):
+        if m in results:
+            summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(
+                [(p, r["tokens"]) for p, r in zip(prompts, results[m]["runs"])], bs)
     base = results.get("hf") or results.get("ar")
     if base:
         for m, r in results.items():
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
     table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)")
-    for col in ("mode", "tok/s", "ms/token", "tau", "drafts verified/step", "peak RSS MB", "identical"):
+    for col in ("mode", "tok/s", "ms/token", "tau", "prompt-lookup tau", "drafts verified/step", "peak RSS MB",
+                "identical"):
         table.add_column(col)
     names = {"dflash": "(a) DFlash, engine", "dflash-full": "(a') DFlash, engine, full blocks",
              "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate"}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
-        table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau']:.2f}",
+        lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
+        table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau']:.2f}", lookup,
                       f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
     console.print(table)
     ratios = {}

@@ -36,7 +36,7 @@ from dflash_export.models.drafter import (DFlashDrafter, DrafterConfig, apply_ro
                                           check_drafter_fits, is_drafter_dir)
 
 SHARD_SIZE = 32
-_DATA_VERSION = 1
+_DATA_VERSION = 2  # 2: generated data from own_answers (long answers, taps captured while decoding)
 
 
 def default_gamma(block_size: int) -> float:
@@ -163,6 +163,18 @@ def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tok
     return cache_dir() / "train-data" / f"{source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str) -> Path:
+    """Where pass 1's answer tokens for this (target, lengths, prompt source) are cached: no taps in the key, so a new
+    tap choice reuses them (own_answers.feature_shards)."""
+    import hashlib
+
+    from dflash_export.sources import cache_dir
+
+    key = json.dumps({"v": 1, "target": str(target.model_dir), "config": target.config, "p": max_prompt_tokens,
+                      "r": max_new_tokens, "src": source}, sort_keys=True, default=str)
+    return cache_dir() / "train-data" / f"{source}-answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 def shard_paths(directory: Path) -> list[Path]:
     """The data shards of `directory`, in order (each is written atomically and never changed afterwards)."""
     return sorted(directory.glob("shard-*.pt"))
@@ -232,6 +244,23 @@ def generate_shards(target, prompt_source: Callable[[], list], directory: Path,
         if progress is not None:
             progress(done, len(prompts), tokens / max(1e-9, time.perf_counter() - t0))
     return done
+
+
+def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, answers_directory: Path,
+                    tap_ids: Sequence[int], max_new_tokens: int, num_prompts: int, batch_size: int, topk: int,
+                    progress: Callable[[int, int, float], None] | None = None) -> int:
+    """Feature shards in `directory` for the target's greedy answers to the first `num_prompts` prompts of
+    `prompt_source()`: pass 1 (own_answers.generate_answer_shards) writes the answer tokens to `answers_directory` and
+    the captured features to `directory`; pass 2 fills in the features of answers generated earlier for other taps.
+    Both skip the shards already on disk, so an interrupted run resumes where it stopped."""
+    from dflash_export.own_answers import feature_shards, generate_answer_shards
+
+    prompts = prompt_source()[:num_prompts]
+    if not prompts:
+        raise DFlashError("the prompt set is empty", field="prompts")
+    feature_shards(target, answers_directory, directory, tap_ids, topk)
+    return generate_answer_shards(target, prompts, answers_directory, directory, tap_ids, max_new_tokens,
+                                  batch_size, topk, progress)
 
 
 def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
@@ -967,17 +996,22 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as bar, _no_bar_on_error(bar):
         if not no_generate:
-            for name, src, directory, n, tf in (
-                    ("held-out data", heldout_src, hdir, opts.heldout_prompts, False),
-                    ("teacher-forced data", tf_src, tdir, opts.teacher_forced_prompts, True),
-                    ("train data", train_src, ddir, opts.num_prompts, False)):
+            for name, src, directory, n, tf, kind in (
+                    ("held-out data", heldout_src, hdir, opts.heldout_prompts, False,
+                     src_name.replace("-s", "-heldout-s")),
+                    ("teacher-forced data", tf_src, tdir, opts.teacher_forced_prompts, True, None),
+                    ("train data", train_src, ddir, opts.num_prompts, False, src_name)):
                 if n == 0:
                     continue
                 task = bar.add_task(name, total=n, info="")
-                generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
-                                opts.soft_topk, teacher_forced=tf,
-                                progress=lambda d, t, tps, task=task: bar.update(task, completed=d,
-                                                                                 info=f"{tps:.0f} tok/s"))
+                progress = (lambda d, t, tps, task=task: bar.update(task, completed=d, info=f"{tps:.0f} tok/s"))
+                if tf:
+                    generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                                    opts.soft_topk, teacher_forced=True, progress=progress)
+                else:  # the target's own answers: tokens (pass 1, taps captured) then any missing features (pass 2)
+                    own_answer_data(target, src, directory,
+                                    answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
+                                    tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress)
         heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]

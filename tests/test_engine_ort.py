@@ -276,6 +276,9 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
         assert fig["tok_s_median"] > 0 and fig["peak_rss_mb"] > 0
     assert s["dflash-full"]["drafts_verified_per_step"] == recipe_block_size(out) - 1
     assert s["ar"]["tau"] == 1.0 and set(report["ratios"]) >= {"dflash/ar", "dflash/hf", "dflash-full/ar"}
+    # the prompt-lookup yardstick is reported for the speculative modes, replayed on their own output tokens
+    assert {m for m in s if "tau_prompt_lookup" in s[m]} == {"dflash", "dflash-full", "reference"}
+    assert all(1.0 <= s[m]["tau_prompt_lookup"] <= recipe_block_size(out) for m in ("dflash", "reference"))
     assert json.loads((tmp_path / "bench.json").read_text())["summary"].keys() == s.keys()
 
 

@@ -681,3 +681,39 @@ def test_a_failed_generation_leaves_no_empty_cache_folder(tmp_path):
     with pytest.raises(AttributeError):  # no target: the first generation fails
         generate_shards(None, lambda: [(0, [1, 2, 3])], tmp_path / "data", [0], 4, 1, 1, 1)
     assert not (tmp_path / "data").exists()
+
+
+def test_training_blocks_see_exactly_what_speculative_decoding_shows_the_drafter(tiny_qwen3, monkeypatch):
+    """The training attention mask equals inference's: every block that `reference.spec_generate` drafts (context
+    features arriving step by step through the drafter's cache) gets the same logits from one training forward over
+    the finished sequence with all those anchors at once (context strictly before the anchor + the whole block)."""
+    from dflash_export.reference import spec_generate
+
+    target, drafter = tiny_qwen3
+    bs = drafter.block_size
+    seen = []
+    real = type(drafter).draft_logits
+
+    def recording(self, tgt, taps, taps_pos, block, block_pos, cache=None):
+        logits = real(self, tgt, taps, taps_pos, block, block_pos, cache)
+        seen.append((int(block_pos[0, 0]), int(block[0, 0]), logits[0].clone()))
+        return logits
+
+    monkeypatch.setattr(type(drafter), "draft_logits", recording)
+    prompt = torch.randint(1, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = spec_generate(drafter, target, prompt, max_new_tokens=24)
+    full = torch.tensor(prompt + out.tokens)
+    taps = target.forward(full[None], torch.arange(len(full))[None], target.new_cache(),
+                          drafter.config.target_layer_ids).taps[0]
+    r = len(out.tokens)
+    seq = TrainSequence(full, len(prompt), taps.half(), torch.zeros(r, 2, dtype=torch.long), torch.zeros(r, 2), 0)
+    seq.taps = taps  # full precision: the comparison is about what is visible, not about fp16 rounding
+    anchors = [a for a, _, _ in seen]
+    assert len(anchors) > 3 and anchors == sorted(set(anchors))
+    assert all(int(full[a]) == tok for a, tok, _ in seen)  # the anchor is the last committed token, at its position
+    batch = build_blocks([seq], [anchors], bs, drafter.config.mask_token_id)
+    with torch.no_grad():
+        hidden = train_forward(drafter, target.embed, batch)
+        for j, (_, _, want) in enumerate(seen):
+            got = target.lm_head(hidden[0, j * bs + 1:(j + 1) * bs])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -179,6 +179,9 @@ def test_report_files_parse_and_their_figures_agree(healthy_cli_run):
     # Lossless: the engine's own acceptance and the one judged against the reference target agree (the last,
     # truncated step of a prompt may be judged short).
     assert a["tau"] - 0.5 <= a["tau_online"] <= a["tau"] + 1e-9
+    # the prompt-lookup yardstick on the same tokens, pooled like tau, from per-prompt figures in [1, bs]
+    assert all(1.0 <= r["tau_prompt_lookup"] <= a["block_size"] for r in g["per_prompt"])
+    assert 1.0 <= a["tau_prompt_lookup"] <= a["block_size"]
     for p in s["per_prompt"]:
         assert p["speedup_vs_ar"] == pytest.approx(p["engine_dflash_tok_s"] / p["engine_ar_tok_s"])
     assert s["speedup_vs_ar"] == pytest.approx(np.median([p["speedup_vs_ar"] for p in s["per_prompt"]]))

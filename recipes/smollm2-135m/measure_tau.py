@@ -90,6 +90,7 @@ def engine_main(args) -> None:
 
     from dflash_export.engines.base import SamplingParams, load_engine
     from dflash_export.engines.build import build_engine
+    from dflash_export.prompt_lookup import prompt_lookup_tau
     from dflash_export.recipes import load_recipe
     from dflash_export.runtime import DFlashRuntime
 
@@ -115,17 +116,21 @@ def engine_main(args) -> None:
             report["ar"] = {"tokens": n, "wall_s": round(ar_s, 1), "tok_per_s": round(n / ar_s, 2)}
             print(f"AR: {n} tokens in {ar_s:.1f}s ({n / ar_s:.1f} tok/s)", flush=True)
         steps = emitted = same = 0
+        outputs = []
         t0 = time.perf_counter()
         for ids, ref in zip(prompts, ar):
             r = rt.generate(ids, sp)
             same += r.tokens == ref
             steps += len(r.acceptance_lengths)
             emitted += sum(r.acceptance_lengths)  # accepted drafts + bonus per step, as the reference counts
+            outputs.append((ids, r.tokens))
         wall = time.perf_counter() - t0
         tau = emitted / max(1, steps)
+        lookup = prompt_lookup_tau(outputs, bs)  # the yardstick on the very same output tokens
         ident = "not checked" if args.no_ar else f"{same}/{len(prompts)}"
-        report[f"bs{bs}"] = {"tau": round(tau, 3), "identical": ident, "wall_s": round(wall, 1)}
-        print(f"block {bs}: tau {tau:.3f}  identical {ident}  {wall:.1f}s", flush=True)
+        report[f"bs{bs}"] = {"tau": round(tau, 3), "tau_prompt_lookup": round(lookup, 3), "identical": ident,
+                             "wall_s": round(wall, 1)}
+        print(f"block {bs}: tau {tau:.3f}  prompt-lookup tau {lookup:.3f}  identical {ident}  {wall:.1f}s", flush=True)
         engine.close()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")

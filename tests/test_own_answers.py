@@ -1,0 +1,70 @@
+"""The target's own answers (pass 1 batched greedy decoding with capture, pass 2 features) against plain unbatched
+greedy decoding and one full forward, and resumption shard by shard."""
+
+import torch
+
+from dflash_export.own_answers import SHARD_SIZE, answer_paths, feature_shards, generate_answer_shards, greedy_answers
+from dflash_export.reference import ar_generate
+from dflash_export.train import load_shards
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(i, torch.randint(1, 250, (int(torch.randint(2, 11, (1,), generator=g)),), generator=g).tolist())
+            for i in range(n)]
+
+
+def test_batched_answers_equal_unbatched_greedy_with_refills_and_early_stops(tiny_qwen3):
+    target, _ = tiny_qwen3
+    prompts = _prompts(9)
+    stop = [7, 11, 13]  # frequent enough in a random tiny model that some rows stop early and free their slot
+    # batch 3 over 9 prompts of different lengths: rows leave and new ones are merged in, left-padded
+    got = {a.key: a for a in greedy_answers(target.hf, prompts, 14, stop, batch_size=3, refill_at=1)}
+    assert sorted(got) == list(range(9))
+    lengths = set()
+    for i, p in prompts:
+        want = ar_generate(target, p, 14, stop_token_ids=stop).tokens
+        assert got[i].answer == want, i
+        lengths.add(len(want))
+    assert len(lengths) > 1  # some answers did stop early
+
+
+def test_captured_taps_and_topk_equal_one_full_forward(tiny_qwen3):
+    target, drafter = tiny_qwen3
+    taps_ids = drafter.config.target_layer_ids
+    prompts = _prompts(5, seed=1)
+    for a in greedy_answers(target.hf, prompts, 10, [], batch_size=2, tap_ids=taps_ids, topk=3):
+        full = torch.tensor(a.prompt + a.answer)
+        out = target.forward(full[None], torch.arange(len(full))[None], target.new_cache(), taps_ids)
+        # every position but the last (never fed back; stored as zeros, never visible to a block)
+        torch.testing.assert_close(a.taps[:-1].float(), out.taps[0, :-1].half().float(), atol=2e-3, rtol=2e-3)
+        assert not a.taps[-1].any()
+        logp = torch.log_softmax(out.logits[0, len(a.prompt) - 1:-1].float(), -1)
+        want_logp, want_ids = logp.topk(3, -1)
+        assert torch.equal(a.top_ids, want_ids)
+        torch.testing.assert_close(a.top_logp, want_logp, atol=1e-4, rtol=1e-4)
+        assert a.top_ids[:, 0].tolist() == a.answer  # greedy: the answer is the argmax of every step
+
+
+def test_shards_resume_and_pass_two_rebuilds_the_captured_features(tmp_path, tiny_qwen3):
+    target, drafter = tiny_qwen3
+    taps_ids = drafter.config.target_layer_ids
+    prompts = _prompts(SHARD_SIZE + 5, seed=2)
+    tok, feat = tmp_path / "tokens", tmp_path / "features"
+    assert generate_answer_shards(target, prompts, tok, feat, taps_ids, 6, batch_size=8, topk=2) == len(prompts)
+    assert [p.name for p in answer_paths(tok)] == ["answers-00000.pt", "answers-00001.pt"]
+    captured = load_shards(feat)
+    assert [s.index for s in captured] == [i for i, _ in prompts]
+    stamp = (tok / "answers-00000.pt").stat().st_mtime_ns
+    (tok / "answers-00001.pt").unlink()
+    (feat / "shard-00001.pt").unlink()
+    generate_answer_shards(target, prompts, tok, feat, taps_ids, 6, batch_size=8, topk=2)
+    assert (tok / "answers-00000.pt").stat().st_mtime_ns == stamp  # a finished shard is never redone
+    assert [s.ids.tolist() for s in load_shards(feat)] == [s.ids.tolist() for s in captured]
+    # pass 2 from the tokens alone gives the same sequences, labels and (up to fp16 rounding) features
+    rebuilt_dir = tmp_path / "rebuilt"
+    assert feature_shards(target, tok, rebuilt_dir, taps_ids, topk=2) == 2
+    for a, b in zip(load_shards(rebuilt_dir), captured):
+        assert torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len and not a.teacher_forced
+        assert torch.equal(a.top_ids, b.top_ids)
+        torch.testing.assert_close(a.taps[:-1].float(), b.taps[:-1].float(), atol=2e-3, rtol=2e-3)
