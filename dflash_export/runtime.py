@@ -163,22 +163,23 @@ class DFlashRuntime:
             elif skip > 0:  # back-off: a plain step whose context features stay pending for the next draft
                 skip -= 1
                 _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
-                stats.acceptance_lengths.append(1)
                 rate = 0.9 * rate + 0.1  # one token for one step's cost
                 last = emitted[-1]
                 ev = emit(emitted, 0)
+                stats.acceptance_lengths.append(len(ev.tokens))
             else:
                 u_draft = None if sp.greedy else rng.random(bs - 1)
                 seq.draft_confidence = None
-                draft, draft_probs = eng.draft(seq, last, sp, u_draft)
-                n_draft = bs - 1
+                # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
+                block_len = min(bs, sp.max_new_tokens - produced + 1)
+                draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
+                n_draft = block_len - 1
                 if sp.greedy and self.adaptive and seq.draft_confidence is not None:
                     n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
                                   sp.max_new_tokens - produced - 1)
                 block = np.empty(n_draft + 1, dtype=np.int64)
                 block[0], block[1:] = last, draft[:n_draft]
                 accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
-                stats.acceptance_lengths.append(accept + 1)
                 stats.drafted_tokens += n_draft
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -187,6 +188,7 @@ class DFlashRuntime:
                     skip = min(self.max_skip, (1 << misses) - 1)
                 last = emitted[-1]
                 ev = emit(emitted, accept)
+                stats.acceptance_lengths.append(len(ev.tokens))  # committed: cut at max_new_tokens / a stop
             yield ev
             if ev.finished:
                 return

@@ -13,8 +13,14 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
     x = np.asarray(logits, dtype=np.float64) / temperature
     if top_k and 0 < top_k < x.shape[-1]:
+        # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied
+        # with it in index order until k are kept.
         kth = np.partition(x, -top_k, axis=-1)[..., -top_k][..., None]
-        x = np.where(x < kth, -np.inf, x)
+        above = x > kth
+        tied = x == kth
+        room = top_k - above.sum(axis=-1, keepdims=True)
+        keep = above | (tied & (np.cumsum(tied, axis=-1) <= room))
+        x = np.where(keep, x, -np.inf)
     x = x - x.max(axis=-1, keepdims=True)
     p = np.exp(x)
     p /= p.sum(axis=-1, keepdims=True)

@@ -91,9 +91,10 @@ class _OracleDrafts:
     def decode(self, seq, token):
         return self.inner.decode(seq, token)
 
-    def draft(self, seq, anchor, sp, uniforms):
+    def draft(self, seq, anchor, sp, uniforms, block_len=None):
         self.drafts += 1
-        real = self.inner.draft(seq, anchor, sp, uniforms)  # consumes the pending context as a real draft would
+        # consumes the pending context as a real draft would
+        real = self.inner.draft(seq, anchor, sp, uniforms, block_len=block_len)
         if not sp.greedy:
             return real
         bs = self.info.block_size

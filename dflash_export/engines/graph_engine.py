@@ -128,7 +128,8 @@ class GraphEngine(Engine):
         seq.length += 1
         return out["logits"][0, -1]
 
-    def draft(self, seq: _GraphSeq, anchor: int, sp: SamplingParams, uniforms):
+    def draft(self, seq: _GraphSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
+        # Always the full block: the TensorRT profiles fix the drafter's block at block_size (see Engine.draft).
         if seq.ctx is None:
             raise DFlashError("draft needs the context features of a prefill or verify (none pending)")
         bs = self.info.block_size

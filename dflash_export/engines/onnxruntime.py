@@ -169,6 +169,7 @@ class OrtEngine(Engine):
         self.draft_vocab = int(manifest.get("flags", {}).get("draft_vocab") or 0)
         self.draft_head = self._session(ort, DRAFT_HEAD, so, providers) if self.draft_vocab else self.head
         self._check_graph_metadata(mpath)
+        self._draft_multiplier, self._draft_softcap = _draft_logit_scaling(self.drafter, self.engine_dir / DRAFTER)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
@@ -248,10 +249,10 @@ class OrtEngine(Engine):
         seq.length += 1
         return self._logits(hidden)[-1]
 
-    def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms):
+    def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
         if seq.ctx is None:
             raise DFlashError("draft() needs new context: call prefill() or verify() first", field="sequence")
-        bs = self.info.block_size
+        bs = min(block_len or self.info.block_size, self.info.block_size)
         block = np.empty((1, bs, self._mask_row.shape[0]), np.float32)
         block[0, 0] = self._embed.rows([anchor])[0]
         block[0, 1:] = self._mask_row
@@ -265,6 +266,10 @@ class OrtEngine(Engine):
         seq.d_kv = res[1:]
         seq.ctx = seq.ctx_pos = None
         logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
+        if self._draft_multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
+            logits = logits * np.float32(self._draft_multiplier)
+        if self._draft_softcap:
+            logits = np.tanh(logits / np.float32(self._draft_softcap)) * np.float32(self._draft_softcap)
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
             return np.argmax(logits, axis=-1).astype(np.int64), None
@@ -296,6 +301,20 @@ class OrtEngine(Engine):
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = None
         self._embed.close()
+
+
+def _draft_logit_scaling(session, path: Path) -> tuple[float, float | None]:
+    """(output_multiplier, final_logit_softcapping or None) from the drafter graph's metadata (export writes them;
+    graphs exported before they existed carry neither and mean 1 and none)."""
+    meta = session.get_modelmeta().custom_metadata_map
+    try:
+        mult = float(meta.get("dflash.output_multiplier", "1.0"))
+        cap = json.loads(meta.get("dflash.final_logit_softcapping", "null"))
+        cap = None if cap is None or float(cap) <= 0 else float(cap)
+    except (TypeError, ValueError):
+        raise DFlashError("unreadable drafter logit scaling metadata", path=path,
+                          field="dflash.output_multiplier") from None
+    return mult, cap
 
 
 class _EmbeddingRows:

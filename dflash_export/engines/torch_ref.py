@@ -73,8 +73,8 @@ class TorchEngine(Engine):
         return out.logits[0, -1].float().numpy()
 
     @torch.inference_mode()
-    def draft(self, seq: _TorchSeq, anchor: int, sp: SamplingParams, uniforms):
-        bs = self.info.block_size
+    def draft(self, seq: _TorchSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
+        bs = min(block_len or self.info.block_size, self.info.block_size)
         block = torch.full((1, bs), self.info.mask_token_id, dtype=torch.long)
         block[0, 0] = anchor
         block_pos = torch.arange(seq.length, seq.length + bs)[None]

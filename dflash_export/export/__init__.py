@@ -56,6 +56,13 @@ def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, lo
         "dflash.logits_atol": repr(float(logits_atol)),
         "dflash.ctx_atol": repr(float(ctx_atol)),
         "dflash.drafter_layers": str(c.num_hidden_layers),
+        # z-lab 0.1.0's drafter keys, so the graphs describe what they compute (the ORT engine applies the last two
+        # to the LM head's output)
+        "dflash.input_embedding_scale": repr(float(c.input_embedding_scale)),
+        "dflash.output_multiplier": repr(float(c.output_multiplier)),
+        "dflash.final_logit_softcapping": json.dumps(c.final_logit_softcapping),
+        "dflash.attention": json.dumps([{"causal": c.layer_causal(i), "window": c.layer_window(i)}
+                                        for i in range(c.num_hidden_layers)]),
     }
 
 

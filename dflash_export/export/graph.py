@@ -381,18 +381,17 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     Inputs: ctx [B,C,H] (features of context tokens not yet cached, C >= 0), ctx_positions [B,C] int64,
     block_ids [B,bs] int64 (anchor + masks), block_positions [B,bs] int64, per layer past_ctx_key_i / past_ctx_value_i
     [B,KVH,T,D] (after k_norm + RoPE).
-    Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (the engine turns them into draft
-    probabilities with temperature / top-k / top-p when sampling), present_ctx_key_i / present_ctx_value_i
-    [B,KVH,T+C,D].
+    Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (after `output_multiplier` and
+    `final_logit_softcapping`; the engine turns them into draft probabilities with temperature / top-k / top-p when
+    sampling), present_ctx_key_i / present_ctx_value_i [B,KVH,T+C,D].
     flavor "ort" (the ONNX Runtime engine's): block_embeds [B,bs,H] (embedding rows, gathered by the engine) replaces
-    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits.
+    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
+    the engine applies the logit multiplier and soft cap (graph metadata) to the head's output.
+    Block embeddings are scaled by `input_embedding_scale` inside the graph (both flavors). Causal / sliding-window
+    layers use MaskedKVInjectedBlockAttention; the block may be shorter than block_size (the last one of a request).
     """
     ort = flavor == "ort"
     c = drafter.config
-    for i in range(c.num_hidden_layers):
-        if c.layer_window(i) is not None and c.layer_window(i) < max_len:
-            raise DFlashError(f"layer {i} is sliding-window ({c.sliding_window}); KVInjectedBlockAttention has no mask "
-                              "(export needs max_seq_len <= sliding_window)", field="layer_types")
     t = target_spec(target)
     sd = np_state(drafter)
     shared = shared_tensors(target)
@@ -410,6 +409,21 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     cos, sin = g.rope_tables(pos, cos_tab, sin_tab)
     ccos, csin = g.rope_tables(ctx_pos, cos_tab, sin_tab)
     x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    if c.input_embedding_scale != 1.0:
+        x = g.op("Mul", [x, g.const(c.input_embedding_scale, np.float32)])
+    k_pos = None
+    if c.masked:
+        # Key positions for the masked layers: context keys sit at 0..T-1 (every engine feeds the context in order
+        # from position 0), then the block's own positions.
+        t_ctx = g.op("Add", [g.op("Shape", ["past_ctx_key_0"], start=2, end=3), g.op("Shape", [ctx], start=1, end=2)])
+        ctx_kpos = g.op("Range", [g.const(0), g.op("Squeeze", [t_ctx, g.const([0])]), g.const(1)])
+        batch = g.op("Shape", [pos], start=0, end=1)
+        ctx_kpos = g.op("Expand", [g.op("Unsqueeze", [ctx_kpos, g.const([0])]), g.op("Concat", [batch, t_ctx],
+                                                                                     axis=0)])
+        k_pos = g.op("Concat", [ctx_kpos, pos], axis=1)
+    functions = [ops.kv_injected_block_attention_function()]
+    if c.masked:
+        functions.append(ops.masked_kv_injected_block_attention_function())
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
@@ -432,8 +446,13 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
         kb = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "k_proj.weight"], "drafter." + a + "k_proj",
                                                 bias("k_proj")), KVH, D), kn, c.rms_norm_eps, False), cos, sin, D)
         vb = g.heads(g.linear(xn, sd[a + "v_proj.weight"], "drafter." + a + "v_proj", bias("v_proj")), KVH, D)
-        att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H, num_kv_heads=KVH,
-                   scale=float(D ** -0.5), **ops.plugin_attrs())
+        if c.layer_causal(i) or c.layer_window(i) is not None:
+            att = g.op(ops.MASKED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, pos, k_pos], domain=ops.DOMAIN, num_heads=H,
+                       num_kv_heads=KVH, scale=float(D ** -0.5), causal=int(c.layer_causal(i)),
+                       window=int(c.layer_window(i) or 0), **ops.plugin_attrs())
+        else:
+            att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H,
+                       num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
         x = g.op("Add", [x, g.linear(att, sd[a + "o_proj.weight"], "drafter." + a + "o_proj", bias("o_proj"))])
         xn2 = g.rms_norm(x, g.weight("drafter." + p + "post_attention_layernorm",
@@ -445,14 +464,20 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
         g.op("Identity", [rows], outputs=["hidden"])
         g.output("hidden", F32, ["batch", "n_draft", t.hidden_size])
     else:
-        logits = g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["draft_logits"])
+        logits = g.lm_head(rows, head_name(shared), t.hidden_size)
+        if c.output_multiplier != 1.0:
+            logits = g.op("Mul", [logits, g.const(c.output_multiplier, np.float32)])
+        if c.final_logit_softcapping and c.final_logit_softcapping > 0:
+            cap = g.const(c.final_logit_softcapping, np.float32)
+            logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+        logits = g.op("Identity", [logits], outputs=["draft_logits"])
         g.op("ArgMax", [logits], axis=-1, keepdims=0, outputs=["draft_tokens"])
         g.output("draft_tokens", I64, ["batch", "n_draft"])
         g.output("draft_logits", F32, ["batch", "n_draft", t.vocab_size])
     for i in range(c.num_hidden_layers):
         g.output(f"present_ctx_key_{i}", F32, ["batch", KVH, "total_ctx", D])
         g.output(f"present_ctx_value_{i}", F32, ["batch", KVH, "total_ctx", D])
-    return (*finish(g, [ops.kv_injected_block_attention_function()], False), shared)
+    return (*finish(g, functions, False), shared)
 
 
 def build_head_graph(target, rows: int | None = None, store: "WeightStore | None" = None

@@ -3,12 +3,17 @@
 Written by hand because no library carries it (transformers has no DFlash model). The math is DESIGN.md's:
 
     ctx = hidden_norm(fc(concat(taps)))                       once per new context token
+    x = target.embed(block) * input_embedding_scale
     per layer:  x_n = input_layernorm(x)
                 q = q_norm(q_proj(x_n))
                 k = k_norm([k_proj(ctx); k_proj(x_n)]),  v = [v_proj(ctx); v_proj(x_n)]
-                RoPE at absolute positions, non-causal attention over context + whole block, GQA
+                RoPE at absolute positions, attention over context + block (see `attention_mask`), GQA
                 x = x + o_proj(attn);  x = x + mlp(post_attention_layernorm(x))
-    hidden = norm(x);  draft logits = target.lm_head(hidden[:, 1:])
+    hidden = norm(x);  draft logits = softcap(target.lm_head(hidden[:, 1:]) * output_multiplier)
+
+Attention is non-causal over all context and the whole block, except as z-lab's release (dflash 0.1.0) has it:
+`sliding_attention` layers are causal (unless the config's top-level `is_causal` says otherwise) and see only keys
+less than `sliding_window` positions away; a top-level `is_causal: true` makes every layer causal.
 
 Context K/V (after k_norm and RoPE) are kept in a `ContextCache` across steps; the block's K/V are not.
 """
@@ -53,19 +58,48 @@ class DrafterConfig:
     vocab_size: int
     target_hidden_size: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None       # the non-default RoPE type and its parameters (transformers 4 form)
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     hidden_act: str = "silu"
     layer_types: list[str] | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = None      # effective window: None unless the config enables it (use_sliding_window)
+    is_causal: bool | None = None          # top-level `is_causal`: None = causal exactly on sliding layers
+    input_embedding_scale: float = 1.0     # block embeddings x this
+    output_multiplier: float = 1.0         # draft logits x this ...
+    final_logit_softcapping: float | None = None  # ... then c * tanh(logits / c) when set and > 0
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def rope_parameters(self) -> dict:
+        """RoPE as transformers 5 standardizes it: {rope_type, rope_theta, ...scaling parameters}."""
+        params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": float(self.rope_theta)}
+        params.pop("type", None)
+        return params
+
     def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (keys at most window-1 positions away), None for full attention."""
         if self.layer_types and self.layer_types[i] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer i's block queries see only keys at or before their own position (z-lab: `is_causal`
+        defaults to the layer being a sliding_attention layer)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def masked(self) -> bool:
+        """Whether any layer needs an attention mask (is causal or windowed)."""
+        return any(self.layer_causal(i) or self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def scales_logits(self) -> bool:
+        return self.output_multiplier != 1.0 or bool(self.final_logit_softcapping and
+                                                     self.final_logit_softcapping > 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The z-lab `config.json` (ModelOpt writes the same keys)."""
@@ -99,20 +133,14 @@ class DrafterConfig:
         if self.layer_types is not None:
             d["layer_types"] = list(self.layer_types)
             d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = self.sliding_window is not None  # else transformers drops sliding_window
+        if self.is_causal is not None:
+            d["is_causal"] = bool(self.is_causal)
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", None)):
+            if getattr(self, name) != default:
+                d["dflash_config"][name] = getattr(self, name)
         return d
-
-    def rope_config(self):
-        """A transformers config carrying only what its RoPE initializers read."""
-        from transformers import PretrainedConfig
-
-        cfg = PretrainedConfig()
-        cfg.rope_theta = self.rope_theta
-        cfg.rope_scaling = self.rope_scaling
-        cfg.head_dim = self.head_dim
-        cfg.hidden_size = self.hidden_size
-        cfg.num_attention_heads = self.num_attention_heads
-        cfg.max_position_embeddings = self.max_position_embeddings
-        return cfg
 
 
 class RMSNorm(nn.Module):
@@ -131,16 +159,14 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables from transformers' initializers, so every `rope_scaling` type HF knows is honoured."""
+    """RoPE tables from transformers' own initializers (models/rope.py says which types are honoured)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from dflash_export.models.rope import rope_inverse_frequencies
 
-        rope_type = "default"
-        if config.rope_scaling:
-            rope_type = config.rope_scaling.get("rope_type", config.rope_scaling.get("type", "default"))
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config.rope_config(), None)
+        inv_freq, scale = rope_inverse_frequencies(config.rope_parameters, config.head_dim,
+                                                   config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scale)
 
@@ -186,6 +212,7 @@ class DrafterAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.window = c.layer_window(layer_idx)
+        self.causal = c.layer_causal(layer_idx)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
@@ -208,12 +235,30 @@ class DrafterAttention(nn.Module):
         v_blk = self._heads(self.v_proj(x_n), self.num_kv_heads)
         k = torch.cat([k_ctx, k_blk], dim=2) if k_ctx is not None else k_blk
         v = torch.cat([v_ctx, v_blk], dim=2) if v_ctx is not None else v_blk
-        mask = None
-        if self.window is not None:  # sliding layers: a query sees keys less than `window` positions behind it
-            mask = (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < self.window
+        mask = attention_mask(q_positions, k_positions, self.causal, self.window)
         out = block_attention(q, k, v, self.scale, mask)
         b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bool, window: int | None
+                   ) -> torch.Tensor | None:
+    """Which keys each block query sees, [B, 1, S, T] bool (None: all), from absolute positions.
+
+    As z-lab's release: causal layers see keys at or before the query; a window keeps keys less than `window`
+    positions behind the query (and, in a non-causal layer, less than `window` ahead of it).
+    """
+    if not causal and window is None:
+        return None
+    delta = q_positions[:, None, :, None] - k_positions[:, None, None, :]  # query minus key position
+    visible = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        visible &= delta >= 0
+    if window is not None:
+        visible &= delta < window
+        if not causal:
+            visible &= -delta < window
+    return visible
 
 
 def block_attention(q, k, v, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,9 +373,18 @@ class DFlashDrafter(nn.Module):
         dtype (a drafter stored in half precision next to an fp32 target): the boundary casts both ways.
         """
         ctx = self.project_context(taps) if taps is not None else None
-        embeds = target.embed(block_ids)
+        embeds = target.embed(block_ids) * self.config.input_embedding_scale
         hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)
-        return target.lm_head(hidden[:, 1:].to(embeds.dtype))
+        return self.scale_logits(target.lm_head(hidden[:, 1:].to(embeds.dtype)))
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`output_multiplier`, then `final_logit_softcapping` (c * tanh(x / c)) when set and > 0, as z-lab."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping and c.final_logit_softcapping > 0:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
 
 def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:

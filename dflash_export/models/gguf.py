@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash_export.engines.base import sha256_file
 from dflash_export.errors import DFlashError
 
-_CONVERSION_VERSION = 1  # bump when the conversion changes so cached copies are rebuilt
+_CONVERSION_VERSION = 2  # bump when the conversion changes so cached copies are rebuilt
 
 
 def read_gguf_metadata(path: Path) -> dict:
@@ -101,11 +101,13 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.tie_weights()
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    # transformers 5 writes the RoPE base inside `rope_parameters`; add the top-level `rope_theta` transformers 4
+    # reads too, so the copy means the same thing to either (models/rope.py reads both).
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    # A newer transformers writes `rope_parameters`, which 4.57 ignores in favour of rope_theta / rope_scaling:
-    # keep only the fields this version reads so the copy means the same thing everywhere.
-    if cfg.pop("rope_parameters", None) is not None:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
+        cfg["rope_theta"] = params["rope_theta"]
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -131,8 +133,12 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
                           path=gguf_path, field=field)
 
     theta = meta.get(f"{arch}.rope.freq_base")
-    if theta is not None and not math.isclose(float(cfg.get("rope_theta", 0.0)), float(theta), rel_tol=1e-6):
-        fail("rope_theta", float(theta), cfg.get("rope_theta"))
+    if theta is not None:
+        from dflash_export.models.rope import rope_parameters_of
+
+        got = rope_parameters_of(cfg, model_dir / "config.json", cfg.get("model_type", arch)).get("rope_theta")
+        if not math.isclose(float(got or 0.0), float(theta), rel_tol=1e-6):
+            fail("rope_theta", float(theta), got)
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon")
     # GGUF stores eps as float32: 1e-5 reads back as 9.99999975e-06, so compare at float32 precision.
     if eps is not None and not math.isclose(float(cfg.get("rms_norm_eps", 0.0)), float(eps), rel_tol=1e-6):
