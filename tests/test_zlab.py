@@ -229,3 +229,19 @@ def test_ort_engine_applies_the_drafter_logit_scaling(ort_engines):
     eng = ort_engines["scaled"]
     assert eng._draft_multiplier == pytest.approx(0.6) and eng._draft_softcap == pytest.approx(3.0)
     assert np.isclose(ort_engines["plain"]._draft_multiplier, 1.0) and ort_engines["plain"]._draft_softcap is None
+
+
+@pytest.mark.parametrize("kind", ["sliding", "causal"])
+def test_tensorrt_build_refuses_masked_drafters_by_name_before_needing_a_gpu(kind, zlab_target, zlab_pairs, tmp_path):
+    """MaskedKVInjectedBlockAttention has no TensorRT plugin yet: the build says so, naming the key, on any machine."""
+    from dflash_export.engines.tensorrt import build_tensorrt
+    from dflash_export.errors import DFlashError
+    from dflash_export.recipes import load_recipe
+
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(f"name: zlab-{kind}\ntarget: {zlab_target}\ndrafter: {zlab_pairs[kind]}\n"
+                           "dtype: float32\nmax_seq_len: 128\nchat_template: false\n")
+    with pytest.raises(DFlashError) as e:
+        build_tensorrt(load_recipe(recipe_path), tmp_path / "engine")
+    assert e.value.field == ("is_causal" if kind == "causal" else "layer_types")
+    assert not (tmp_path / "engine").exists()

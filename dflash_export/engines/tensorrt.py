@@ -568,6 +568,16 @@ def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> d
     return facts
 
 
+def refuse_masked_drafter(config, where) -> None:
+    """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
+    TensorRT plugin or Triton kernel yet: refused by name before anything is built (issue #17)."""
+    for i in range(config.num_hidden_layers):
+        if config.layer_causal(i) or config.layer_window(i) is not None:
+            raise DFlashError(f"layer {i} is causal or sliding-window (z-lab 0.1.0): the TensorRT backend has no "
+                              "MaskedKVInjectedBlockAttention plugin yet; use --backend onnxruntime", path=where,
+                              field="is_causal" if config.is_causal else "layer_types")
+
+
 def build_tensorrt(recipe, out_dir) -> Path:
     """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
     plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
@@ -579,10 +589,11 @@ def build_tensorrt(recipe, out_dir) -> Path:
     from dflash_export.export import export_recipe
     from dflash_export.models import load_drafter
 
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = require_tensorrt()
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
-    drafter = load_drafter(recipe.drafter_path, torch.float32)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         res = export_recipe(recipe, tmp / "onnx")
