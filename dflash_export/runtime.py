@@ -82,8 +82,11 @@ class DFlashRuntime:
     """
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float = 0.07,
-                 draft_cost: float = 0.3, max_skip: int = 7):
+                 draft_cost: float = 0.3, max_skip: int = 7, full_last_block: bool = False):
         self.engine = engine
+        # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
+        # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
+        self.full_last_block = full_last_block or engine.fixed_block
         self.adaptive = adaptive
         self.verify_token_cost = verify_token_cost
         self.draft_cost = draft_cost
@@ -171,7 +174,7 @@ class DFlashRuntime:
                 u_draft = None if sp.greedy else rng.random(bs - 1)
                 seq.draft_confidence = None
                 # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
-                block_len = min(bs, sp.max_new_tokens - produced + 1)
+                block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - produced + 1)
                 draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
                 n_draft = block_len - 1
                 if sp.greedy and self.adaptive and seq.draft_confidence is not None:

@@ -237,7 +237,8 @@ def generate_shards(target, prompt_source: Callable[[], list], directory: Path,
 
 def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
     if use_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=False)  # transformers 5 returns a BatchEncoding otherwise
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tokenizer(text)["input_ids"]
 

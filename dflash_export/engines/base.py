@@ -74,6 +74,9 @@ class Engine(ABC):
     # True when `verify` appends its context features to those still pending (a verify with no draft before it,
     # e.g. a one-token block) instead of replacing them: then the runtime may skip drafting for a few steps.
     accumulates_context: bool = False
+    # True when the graphs take blocks of exactly block_size (TensorRT profiles): then the runtime never shortens the
+    # last block (z-lab does), which leaves the tokens unchanged and only the last step's acceptance length may differ.
+    fixed_block: bool = False
 
     @abstractmethod
     def new_sequence(self, max_tokens: int | None = None) -> Sequence:

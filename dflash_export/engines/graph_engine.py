@@ -86,6 +86,8 @@ class GraphEngine(Engine):
     """The Engine contract over a `GraphRunner` (batch 1). `info.block_size`, `mask_token_id` and `max_seq_len`
     must be the ones the graphs were exported with."""
 
+    fixed_block = True  # the TensorRT profiles take whole blocks (see Engine.fixed_block)
+
     def __init__(self, runner: GraphRunner, info: EngineInfo, codec):
         self.runner = runner
         self.info = info

@@ -83,6 +83,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from dflash_export.models.target import quiet_transformers
+
+    quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
