@@ -116,7 +116,8 @@ def _field(cfg: dict, path: Path, name: str, kind, default=...):
 
 
 ZLAB_DEFAULT_BLOCK_SIZE = 16  # dflash 0.1.0's DFlashDraftModel when neither block_size key is present
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def _number(value, path: Path, field: str, allow_none: bool = False) -> float | None:
@@ -149,9 +150,16 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
 
     arch = cfg.get("architectures")
     if isinstance(arch, list) and arch and arch[0] not in DRAFTER_ARCHITECTURES:
-        why = ("DFlash 2 drafters (grouped dynamic causal convolutions + candidate selector) are not supported yet"
-               if arch[0] == "DFlash2DraftModel" else f"expected one of {list(DRAFTER_ARCHITECTURES)}")
-        raise DFlashError(f"{arch[0]}: {why}", path=path, field="architectures")
+        raise DFlashError(f"{arch[0]}: expected one of {list(DRAFTER_ARCHITECTURES)}", path=path,
+                          field="architectures")
+    dflash2 = {}
+    if isinstance(arch, list) and "DFlash2DraftModel" in arch:  # z-lab's rule: the architecture decides the kind
+        for name in DFLASH2_KEYS:
+            value = draft_value(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DFlashError(f"DFlash 2 needs a positive integer, got {value!r}", path=path,
+                                  field=draft_field(name))
+            dflash2[name] = value
     top_bs, inner_bs = cfg.get("block_size"), dcfg.get("block_size")
     if top_bs is not None and inner_bs is not None and top_bs != inner_bs:
         raise DFlashError(f"block_size {top_bs} disagrees with dflash_config.block_size {inner_bs}", path=path,
@@ -222,13 +230,21 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
     multiplier = _number(draft_value("output_multiplier", 1.0), path, draft_field("output_multiplier"))
     softcap = _number(draft_value("final_logit_softcapping"), path, draft_field("final_logit_softcapping"),
                       allow_none=True)
+    if dflash2:
+        if hidden % dflash2["conv_group_size"]:
+            raise DFlashError(f"{dflash2['conv_group_size']} does not divide hidden_size {hidden}", path=path,
+                              field=draft_field("conv_group_size"))
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and not 1 < dflash2["selector_top_k"] <= vocab:
+            raise DFlashError(f"must be in 2..vocab_size ({vocab}), got {dflash2['selector_top_k']}", path=path,
+                              field=draft_field("selector_top_k"))
     known = {
         "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
         "max_position_embeddings", "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers",
         "target_hidden_size", "torch_dtype", "dtype", "dflash_config", "layer_types", "sliding_window",
         "use_sliding_window", "max_window_layers", "is_causal", "input_embedding_scale", "output_multiplier",
-        "final_logit_softcapping", "mask_token_id", "target_layer_ids", "transformers_version",
+        "final_logit_softcapping", "mask_token_id", "target_layer_ids", "transformers_version", *DFLASH2_KEYS,
     }
     return DrafterConfig(
         hidden_size=hidden,
@@ -255,6 +271,7 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         input_embedding_scale=embed_scale,
         output_multiplier=multiplier,
         final_logit_softcapping=softcap,
+        **dflash2,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         extra={k: v for k, v in cfg.items() if k not in known},
     )
@@ -285,14 +302,32 @@ def expected_drafter_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (c.hidden_size,)})
+        if c.is_dflash2:
+            groups = c.hidden_size // c.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes.update({p + conv + ".base_kernel": (2, c.conv_kernel_size, c.hidden_size),
+                               p + conv + ".kernel_projection.weight": (2 * c.conv_kernel_size * groups,
+                                                                        c.hidden_size)})
+    if c.is_dflash2:
+        shapes.update({"candidate_selector.predecessor_codebook.weight": (c.vocab_size, c.selector_rank),
+                       "candidate_selector.successor_codebook.weight": (c.vocab_size, c.selector_rank),
+                       "candidate_selector.hidden_projection.weight": (c.selector_rank, c.hidden_size)})
     return shapes
+
+
+def normalized_tensor_name(name: str) -> str:
+    """z-lab's released DFlash 2 checkpoints store the selector codebooks without `.weight` (its from_pretrained maps
+    them); models saved by its code carry it. Both read as the `.weight` name."""
+    if name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        return name + ".weight"
+    return name
 
 
 def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # Some exporters write a `model.` prefix; the contract has none. Accept and normalize.
     if state and all(k.startswith("model.") for k in state):
-        return {k[len("model."):]: v for k, v in state.items()}
-    return state
+        state = {k[len("model."):]: v for k, v in state.items()}
+    return {normalized_tensor_name(k): v for k, v in state.items()}
 
 
 def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
@@ -372,7 +407,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     for name, f in files.items():
         info = headers[f][name]
         key = name[len("model."):] if all(k.startswith("model.") for k in files) else name
-        tensors[key] = (tuple(info["shape"]), info["dtype"], f)
+        tensors[normalized_tensor_name(key)] = (tuple(info["shape"]), info["dtype"], f)
     fc_shape = tensors.get("fc.weight", ((), None, None))[0]
     try:
         c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
@@ -380,8 +415,9 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         err(e.field or "config", e.message)
         return findings, {}
 
-    if raw.get("architectures") not in (None, ["DFlashDraftModel"]):
-        warn("architectures", f"expected ['DFlashDraftModel'], got {raw.get('architectures')}")
+    if raw.get("architectures") not in (None, ["DFlashDraftModel"], ["DFlash2DraftModel"]):
+        warn("architectures", f"expected ['DFlashDraftModel'] or ['DFlash2DraftModel'], got "
+                              f"{raw.get('architectures')}")
     dcfg = raw.get("dflash_config") or {}
     if "target_layer_ids" not in dcfg and "target_layer_ids" not in raw:
         warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
@@ -415,6 +451,8 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         err("dflash_config.mask_token_id", f"{c.mask_token_id} is a stop token of the target")
     if c.vocab_size and c.vocab_size != vocab:
         warn("vocab_size", f"{c.vocab_size} != target vocab_size {vocab} (the target's LM head is used)")
+        if c.is_dflash2:  # the selector's codebooks are indexed by the target's token ids
+            findings[-1].level = "error"
     try:
         t_rope = rope_parameters_of(tcfg, tcfg_path, tcfg["model_type"])
     except DFlashError as e:
@@ -461,6 +499,8 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         "target": str(tcfg_path),
         "target architecture": tcfg.get("architectures", ["?"])[0],
         "target layers / hidden": f"{n_layers} / {t_hidden}",
+        "drafter kind": (f"DFlash 2 (conv kernel {c.conv_kernel_size}, group {c.conv_group_size}; selector rank "
+                         f"{c.selector_rank}, top-{c.selector_top_k})" if c.is_dflash2 else "DFlash"),
         "drafter layers / hidden": f"{c.num_hidden_layers} / {c.hidden_size}",
         "heads / kv heads / head_dim": f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}",
         "block_size": c.block_size,
@@ -477,7 +517,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
 
 
 DFLASH_CONFIG_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
-                      "final_logit_softcapping", "is_causal"}
+                      "final_logit_softcapping", "is_causal", *DFLASH2_KEYS}
 
 
 def _rope_scaling_key(scaling: dict | None):

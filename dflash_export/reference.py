@@ -102,14 +102,11 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
         block = torch.full((1, n), mask_id, dtype=torch.long)
         block[0, 0] = tokens[-1]
         block_pos = torch.arange(start, start + n)[None]
-        # Draft: one pass over the block; the anchor slot yields nothing.
-        draft_logits = drafter.draft_logits(target, taps, taps_pos, block, block_pos, d_cache)[0].float()
-        if greedy:
-            draft = torch.argmax(draft_logits, dim=-1).numpy()
-            draft_probs = None
-        else:  # a full block's uniforms are drawn whatever n is, so the stream stays aligned with the runtime's
-            draft_probs = probs_from_logits(draft_logits.double().numpy(), temperature, top_k, top_p)
-            draft = np.array([sample_from(p, u) for p, u in zip(draft_probs, rng.random(bs - 1))])
+        # Draft: one pass over the block (the anchor slot yields nothing), then argmax / draws -- or, for DFlash 2,
+        # the candidate selector's walk. A full block's uniforms are drawn whatever n is (the runtime's stream).
+        draft_logits, hidden = drafter.draft_step(target, taps, taps_pos, block, block_pos, d_cache)
+        draft, draft_probs = drafter.propose(draft_logits[0].float(), hidden[0], tokens[-1], temperature, top_k,
+                                             top_p, None if greedy else rng.random(bs - 1))
         block[0, 1:] = torch.from_numpy(draft)
         # Verify: the target scores the whole block in one pass.
         out = target.forward(block, block_pos, t_cache, tap_ids)

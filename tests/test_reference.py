@@ -21,9 +21,9 @@ class OracleDrafter(DFlashDrafter):
         self.prompt_len, self.continuation, self.wrong_every = prompt_len, continuation, wrong_every
         self.block_lens: list[int] = []
 
-    def draft_logits(self, target, taps, ctx_positions, block_ids, block_positions, cache=None):
+    def draft_step(self, target, taps, ctx_positions, block_ids, block_positions, cache=None):
         self.block_lens.append(block_ids.shape[1])
-        real = super().draft_logits(target, taps, ctx_positions, block_ids, block_positions, cache)
+        real, hidden = super().draft_step(target, taps, ctx_positions, block_ids, block_positions, cache)
         start = int(block_positions[0, 0])
         out = torch.full_like(real, -10.0)
         for j in range(1, block_ids.shape[1]):
@@ -32,7 +32,7 @@ class OracleDrafter(DFlashDrafter):
             if (start + j) % self.wrong_every == 0:
                 tok = (tok + 1) % real.shape[-1]
             out[0, j - 1, tok] = 10.0
-        return out
+        return out, hidden
 
 
 def _prompts(n, vocab, seed):

@@ -31,6 +31,10 @@ KINDS = {
     "causal": {"is_causal": True},
     "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": THETA,
                                  "original_max_position_embeddings": 512}},
+    # DFlash 2: grouped dynamic causal convolutions + candidate selector (z-lab's DFlash2DraftModel)
+    "dflash2": {"architectures": ["DFlash2DraftModel"],
+                "dflash_config": {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8,
+                                  "selector_top_k": 4}},
 }
 
 
@@ -79,7 +83,8 @@ def _save_zlab_drafter(d, kind: str, seed: int = 1):
                block_size=4, dflash_config=dflash_config, architectures=["DFlashDraftModel"])
     cfg.update(extra)
     torch.manual_seed(seed)
-    model = zlab.DFlashDraftModel(Qwen3Config(**cfg))
+    cls = zlab.DFlash2DraftModel if cfg["architectures"] == ["DFlash2DraftModel"] else zlab.DFlashDraftModel
+    model = cls(Qwen3Config(**cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -88,6 +93,14 @@ def _save_zlab_drafter(d, kind: str, seed: int = 1):
                 p.normal_(0.0, 0.3)
         model.norm.weight[0] = 10.0  # see zlab_target
     model.save_pretrained(str(d))
+    if cls is zlab.DFlash2DraftModel:
+        # z-lab's released DFlash 2 checkpoints store the codebooks without `.weight` (its from_pretrained maps them)
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(d / "model.safetensors"))
+        for name in ("predecessor_codebook", "successor_codebook"):
+            state[f"candidate_selector.{name}"] = state.pop(f"candidate_selector.{name}.weight")
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
     return d
 
 
@@ -102,8 +115,9 @@ def _zlab_models(target_dir, drafter_dir):
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32,
                                                   attn_implementation="sdpa").eval()
-    drafter = zlab.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=torch.float32,
-                                                    attn_implementation="sdpa").eval()
+    arch = json.loads((drafter_dir / "config.json").read_text())["architectures"]
+    cls = zlab.DFlash2DraftModel if arch == ["DFlash2DraftModel"] else zlab.DFlashDraftModel
+    drafter = cls.from_pretrained(str(drafter_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
     return target, drafter
 
 
@@ -188,9 +202,13 @@ def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_t
 
     from dflash_export.checkpoint import lint_pair
 
-    findings, summary = lint_pair(zlab_pairs["plain"], zlab_target)
-    assert not [f for f in findings if f.level == "error"], [f.line() for f in findings]
-    assert summary["rope"]["rope_theta"] == THETA
+    for kind, drafter_dir in zlab_pairs.items():  # every kind the release writes lints clean against its target
+        findings, summary = lint_pair(drafter_dir, zlab_target)
+        errors = [f.field for f in findings if f.level == "error"]
+        # the yarn drafter's RoPE is read, and differs from its target's (the project's lint rule)
+        assert errors == (["rope_scaling"] if kind == "yarn" else []), (kind, [f.line() for f in findings])
+        assert summary["rope"]["rope_theta"] == THETA
+        assert summary["drafter kind"].startswith("DFlash 2" if kind == "dflash2" else "DFlash")
     bad = tmp_path / "dynamic"
     shutil.copytree(zlab_pairs["plain"], bad)
     cfg = json.loads((bad / "config.json").read_text())
@@ -206,7 +224,8 @@ def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_t
     (lambda c: c.__setitem__("use_sliding_window", False), "sliding_window"),
     (lambda c: c.__setitem__("hidden_act", "gelu"), "hidden_act"),
     (lambda c: c["dflash_config"].__setitem__("output_multiplier", "2"), "dflash_config.output_multiplier"),
-    (lambda c: c.__setitem__("architectures", ["DFlash2DraftModel"]), "architectures"),
+    (lambda c: c.__setitem__("architectures", ["DFlash2DraftModel"]), "conv_kernel_size"),
+    (lambda c: c.__setitem__("architectures", ["DFlash3DraftModel"]), "architectures"),
 ])
 def test_keys_the_project_cannot_honour_are_refused_by_name(zlab_pairs, tmp_path, edit, field):
     import shutil
@@ -244,4 +263,77 @@ def test_tensorrt_build_refuses_masked_drafters_by_name_before_needing_a_gpu(kin
     with pytest.raises(DFlashError) as e:
         build_tensorrt(load_recipe(recipe_path), tmp_path / "engine")
     assert e.value.field == ("is_causal" if kind == "causal" else "layer_types")
+    assert not (tmp_path / "engine").exists()
+
+
+def test_dflash2_selector_proposals_equal_zlab_and_sampling_keeps_the_target_distribution(zlab_target, zlab_pairs):
+    """Greedy: the candidate selector's walk is z-lab's propose() on the same block. T>0: speculative sampling over
+    the selector's candidates (q scattered on the vocabulary, 0 elsewhere) leaves the output distribution the
+    target's: the first three tokens' histograms of spec and AR sampling agree (chi-square)."""
+    from scipy import stats
+
+    from dflash_export.models import load_drafter, load_target
+    from dflash_export.reference import ar_generate, spec_generate
+
+    z_target, z_drafter = _zlab_models(zlab_target, zlab_pairs["dflash2"])
+    target, drafter = load_target(zlab_target), load_drafter(zlab_pairs["dflash2"])
+    ids = torch.tensor([PROMPTS[3]])
+    n, bs = ids.shape[1], drafter.block_size
+    with torch.no_grad():
+        taps = zlab.extract_context_feature(z_target(ids, output_hidden_states=True).hidden_states,
+                                            z_drafter.target_layer_ids)
+        for anchor in (5, 6, 9):
+            block = torch.full((1, bs), MASK)
+            block[0, 0] = anchor
+            hidden = z_drafter(target_hidden=taps, noise_embedding=zlab._raw_input_embeddings(z_target, block),
+                               position_ids=torch.arange(n + bs)[None])[:, 1:]
+            want = z_drafter.propose(hidden, block[:, 0], zlab._output_head(z_target), 0.0)[0][0].tolist()
+            logits, mine = drafter.draft_step(target, target.forward(ids, torch.arange(n)[None], target.new_cache(),
+                                                                     drafter.config.target_layer_ids).taps,
+                                              torch.arange(n)[None], block, torch.arange(n, n + bs)[None])
+            assert drafter.propose(logits[0], mine[0], anchor, 0.0)[0].tolist() == want
+    samples, counts = 600, np.zeros((2, 3, VOCAB))
+    for s in range(samples):
+        for row, res in enumerate((spec_generate(drafter, target, PROMPTS[0], max_new_tokens=3, temperature=1.0,
+                                                 stop_token_ids=[], seed=s),
+                                   ar_generate(target, PROMPTS[0], max_new_tokens=3, temperature=1.0,
+                                               stop_token_ids=[], seed=50_000 + s))):
+            for j in range(3):
+                counts[row, j, res.tokens[j]] += 1
+    for j in range(3):
+        a, b = counts[0, j], counts[1, j]
+        keep = (a + b) >= 10
+        table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+        assert stats.chi2_contingency(table[:, table.sum(0) > 0])[1] > 1e-3, (j, a, b)
+
+
+def test_dflash2_ort_engine_sampling_matches_the_reference_draw_for_draw(zlab_target, zlab_pairs, ort_engines):
+    """T>0 on the engine (host-side selector walk over the graph's selector_hidden) against the PyTorch reference
+    with the same seed: same tokens (same uniforms, same candidate order), so the engine inherits the reference's
+    distribution check above."""
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.models import load_drafter, load_target
+    from dflash_export.reference import spec_generate
+    from dflash_export.runtime import DFlashRuntime
+
+    target, drafter = load_target(zlab_target), load_drafter(zlab_pairs["dflash2"])
+    rt = DFlashRuntime(ort_engines["dflash2"], adaptive=False)
+    for seed in range(6):
+        ids = PROMPTS[seed % len(PROMPTS)]
+        want = spec_generate(drafter, target, ids, max_new_tokens=12, temperature=0.8, stop_token_ids=[], seed=seed)
+        got = rt.generate(ids, SamplingParams(max_new_tokens=12, temperature=0.8, stop_token_ids=[], seed=seed))
+        assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths, seed
+
+
+def test_dflash2_tensorrt_build_is_refused_by_name(zlab_target, zlab_pairs, tmp_path):
+    from dflash_export.engines.tensorrt import build_tensorrt
+    from dflash_export.errors import DFlashError
+    from dflash_export.recipes import load_recipe
+
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(f"name: zlab-dflash2\ntarget: {zlab_target}\ndrafter: {zlab_pairs['dflash2']}\n"
+                           "dtype: float32\nmax_seq_len: 128\nchat_template: false\n")
+    with pytest.raises(DFlashError) as e:
+        build_tensorrt(load_recipe(recipe_path), tmp_path / "engine")
+    assert e.value.field == "architectures" and "DFlash 2" in e.value.message
     assert not (tmp_path / "engine").exists()

@@ -570,7 +570,11 @@ def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> d
 
 def refuse_masked_drafter(config, where) -> None:
     """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
-    TensorRT plugin or Triton kernel yet: refused by name before anything is built (issue #17)."""
+    TensorRT plugin or Triton kernel yet; DFlash 2's candidate selector has no host walk in the TensorRT engine yet.
+    Both refused by name before anything is built (issue #17)."""
+    if config.is_dflash2:
+        raise DFlashError("DFlash 2 drafters: the TensorRT engine has no candidate selector yet; use --backend "
+                          "onnxruntime", path=where, field="architectures")
     for i in range(config.num_hidden_layers):
         if config.layer_causal(i) or config.layer_window(i) is not None:
             raise DFlashError(f"layer {i} is causal or sliding-window (z-lab 0.1.0): the TensorRT backend has no "

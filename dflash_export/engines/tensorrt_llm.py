@@ -63,6 +63,9 @@ def _refuse_unsupported(config) -> None:
     differently): its generic block decode is non-causal on every layer, and the window it applies to
     `sliding_attention` layers (dflash_config.use_swa) is not z-lab's causal-within-the-window rule; it reads no
     embedding / logit scales."""
+    if config.is_dflash2:
+        raise DFlashError("DFlash 2 drafters are not bundled for TensorRT-LLM yet (its DFlash 2 loader is untested "
+                          "here)", field="architectures")
     for i in range(config.num_hidden_layers):
         if config.layer_causal(i) or config.layer_window(i) is not None:
             field = "is_causal" if config.is_causal else "layer_types"

@@ -63,6 +63,8 @@ def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, lo
         "dflash.final_logit_softcapping": json.dumps(c.final_logit_softcapping),
         "dflash.attention": json.dumps([{"causal": c.layer_causal(i), "window": c.layer_window(i)}
                                         for i in range(c.num_hidden_layers)]),
+        # DFlash 2: the drafter graph also outputs selector_hidden; the walk over the top-k runs on the host
+        "dflash.selector_top_k": str(c.selector_top_k),
     }
 
 

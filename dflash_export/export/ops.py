@@ -10,6 +10,19 @@ carry `plugin_namespace` / `plugin_version` for that lookup. The names and attri
 `engines/tensorrt.py` and `kernels/`: keep them stable.
 
 Hand-written with onnx.helper because no exporter (optimum, torch.onnx) emits custom-domain nodes backed by functions.
+
+DFlash 2 (z-lab's DFlash2DraftModel) adds no op here, decided from its math:
+- GroupedDynamicCausalConv is plain ONNX (export/graph.py `block_conv`): slot t of the block is
+  sum_o (base[o, c] + dynamic[t, o, g]) * x[t - o, c] over K taps (zeros before the anchor), i.e. K shifted copies, an
+  Add and a Mul each. Element-wise and a few taps wide: every runtime fuses it; a plugin would buy nothing.
+- CandidateSelector is not a graph op: it is a walk along the block (slot i's scores depend on the token chosen at
+  slot i-1) over the top-k candidates, O(slots x k x rank) multiply-adds. The drafter graph outputs its per-slot
+  projection `selector_hidden` [B, n, rank]; the engine walks on the host (`sampling.select_candidates`), as it
+  accepts blocks on the host. Host contract: draft logits [n, V] (after output_multiplier / soft cap),
+  selector_hidden [n, R], the two codebooks [V, R], the anchor token, top_k, temperature, uniforms [n] -> tokens [n]
+  (argmax walk when greedy) and, when sampling, q [n, V] = softmax(scores / T) on the candidates (descending-logit
+  order, ties by id), 0 elsewhere -- what speculative sampling verifies against. A GPU backend would need it as a
+  third op (CandidateSelect); none is implemented.
 """
 
 from __future__ import annotations

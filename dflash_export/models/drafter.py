@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,6 +69,12 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0     # block embeddings x this
     output_multiplier: float = 1.0         # draft logits x this ...
     final_logit_softcapping: float | None = None  # ... then c * tanh(logits / c) when set and > 0
+    # DFlash 2 (z-lab's DFlash2DraftModel): grouped dynamic causal convolutions around attention and MLP, and a
+    # candidate selector over the top-k draft tokens. All 0 for a DFlash drafter.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -95,6 +102,10 @@ class DrafterConfig:
     def masked(self) -> bool:
         """Whether any layer needs an attention mask (is causal or windowed)."""
         return any(self.layer_causal(i) or self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
 
     @property
     def scales_logits(self) -> bool:
@@ -140,6 +151,10 @@ class DrafterConfig:
                               ("final_logit_softcapping", None)):
             if getattr(self, name) != default:
                 d["dflash_config"][name] = getattr(self, name)
+        if self.is_dflash2:
+            d["architectures"] = ["DFlash2DraftModel"]
+            d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                                      selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         return d
 
 
@@ -285,6 +300,79 @@ class DrafterMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash 2's convolution along the block (z-lab's GroupedDynamicCausalConv): slot t mixes slots t, t-1, ...,
+    t-K+1 of the block (zeros before the anchor), channel c of group g with weight base[o, c] + dynamic[t, o, g],
+    the dynamic part projected from the (normed) layer input. `prepare` convolves the sublayer's input with
+    base_kernel[0]; `finish` convolves its output with base_kernel[1] and the second half of the same projection."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H]; dynamic [B, L, K, G]; base [K, H] -> [B, L, H]."""
+        b, length, h = x.shape
+        blocks = x.view(b, length, self.groups, self.group_size)
+        out = torch.zeros_like(blocks)
+        for o in range(self.kernel_size):
+            # shifted o slots later, zeros before the anchor (pad, then cut back: exact for blocks shorter than K)
+            shifted = blocks if o == 0 else F.pad(blocks, (0, 0, 0, 0, o, 0))[:, :length]
+            weight = base[o].view(1, 1, self.groups, self.group_size) + dynamic[:, :, o, :, None]
+            out = out + weight * shifted
+        return out.view(b, length, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self.convolve(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self.convolve(y, dynamic, self.base_kernel[1])
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's proposal over the top-k draft tokens of each slot (z-lab's CandidateSelector): a walk along the
+    block where slot i scores its candidates c by
+        logit(c) + sum_r predecessor_codebook[prev, r] * hidden_projection(h_i)[r] * successor_codebook[c, r]
+    with prev the token chosen at slot i-1 (the anchor for slot 1): argmax when greedy, a draw from
+    softmax(scores / T) when sampling (no top-k / top-p: z-lab's selector ignores them)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
+        self.successor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float,
+               uniforms=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """hidden [n, H], logits [n, V] of one block -> draft tokens [n] and, when sampling, their draft
+        distributions [n, V] (float64, the selector's q on its candidates, 0 elsewhere) drawn with `uniforms`[n]."""
+        from dflash_export.sampling import sample_from
+
+        unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
+        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
+        succ = self.successor_codebook.weight.float()
+        pred_code = self.predecessor_codebook.weight.float()
+        prev = int(anchor)
+        tokens = np.zeros(len(logits), np.int64)
+        probs = None if temperature <= 0 else np.zeros((len(logits), logits.shape[-1]), np.float64)
+        for i in range(len(logits)):
+            scores = unary[i] + (succ[candidates[i]] @ (pred_code[prev] * proj[i]))
+            if temperature <= 0:
+                index = int(torch.argmax(scores))
+            else:
+                q = torch.softmax(scores.double() / temperature, dim=-1).numpy()
+                index = sample_from(q, uniforms[i])
+                probs[i, candidates[i].numpy()] = q
+            prev = int(candidates[i, index])
+            tokens[i] = prev
+        return tokens, probs
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -292,6 +380,10 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DrafterMLP(config)
+        if config.is_dflash2:
+            args = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.attention_conv = GroupedDynamicCausalConv(*args)
+            self.mlp_conv = GroupedDynamicCausalConv(*args)
 
 
 class DFlashDrafter(nn.Module):
@@ -305,6 +397,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(config)
 
     @property
     def block_size(self) -> int:
@@ -354,6 +448,13 @@ class DFlashDrafter(nn.Module):
                     k_ctx, v_ctx = cache.append(i, k_ctx, v_ctx)
                 else:
                     k_ctx, v_ctx = cache.keys[i], cache.values[i]
+            if self.config.is_dflash2:  # DFlash 2: the block convolutions around attention and MLP
+                x_n, dyn = layer.attention_conv.prepare(layer.input_layernorm(x))
+                x = x + layer.attention_conv.finish(
+                    attn(x_n, cos, sin, k_ctx, v_ctx, block_positions, k_positions), dyn)
+                x_n, dyn = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+                x = x + layer.mlp_conv.finish(layer.mlp(x_n), dyn)
+                continue
             x = x + attn(layer.input_layernorm(x), cos, sin, k_ctx, v_ctx, block_positions, k_positions)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -372,10 +473,30 @@ class DFlashDrafter(nn.Module):
         `target` supplies the shared embedding and LM head (`embed`, `lm_head`). Drafter and target may differ in
         dtype (a drafter stored in half precision next to an fp32 target): the boundary casts both ways.
         """
+        return self.draft_step(target, taps, ctx_positions, block_ids, block_positions, cache)[0]
+
+    def draft_step(self, target, taps, ctx_positions, block_ids, block_positions, cache=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `draft_logits`, also returning the normed hidden states of slots 1..bs-1 [B, bs-1, H] (DFlash 2's
+        candidate selector reads them)."""
         ctx = self.project_context(taps) if taps is not None else None
         embeds = target.embed(block_ids) * self.config.input_embedding_scale
-        hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)
-        return self.scale_logits(target.lm_head(hidden[:, 1:].to(embeds.dtype)))
+        hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)[:, 1:]
+        return self.scale_logits(target.lm_head(hidden.to(embeds.dtype))), hidden
+
+    def propose(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: int, temperature: float, top_k: int = 0,
+                top_p: float = 1.0, uniforms=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Draft tokens [n] for one block from its logits [n, V] (and hidden [n, H]), plus their draft distributions
+        [n, V] (float64) when sampling: argmax / temperature-top-k-top-p draws for DFlash, the candidate selector's
+        walk for DFlash 2. `uniforms` [>= n] drive the draws."""
+        from dflash_export.sampling import probs_from_logits, sample_from
+
+        if self.config.is_dflash2:
+            return self.candidate_selector.select(hidden, logits, anchor, temperature, uniforms)
+        if temperature <= 0:
+            return torch.argmax(logits.float(), dim=-1).numpy(), None
+        probs = probs_from_logits(logits.double().numpy(), temperature, top_k, top_p)
+        return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], np.int64), probs
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`output_multiplier`, then `final_logit_softcapping` (c * tanh(x / c)) when set and > 0, as z-lab."""
