@@ -86,7 +86,7 @@ class DFlashRuntime:
         self.engine = engine
         # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
-        self.full_last_block = full_last_block or engine.fixed_block
+        self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
         self.adaptive = adaptive
         self.verify_token_cost = verify_token_cost
         self.draft_cost = draft_cost

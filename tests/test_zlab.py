@@ -191,9 +191,11 @@ def test_ort_engine_equals_zlab_tokens_and_acceptance(kind, zlab_target, zlab_pa
     for i, ids in enumerate(PROMPTS):
         max_new = 13 + 3 * i
         want_tokens, want_acc = _zlab_generate(z_target, z_drafter, ids, max_new)
-        got = rt.generate(ids, SamplingParams(max_new_tokens=max_new, stop_token_ids=[]))
+        sp = SamplingParams(max_new_tokens=max_new, stop_token_ids=[])
+        got = rt.generate(ids, sp)
         assert got.tokens == want_tokens, (kind, i)
         assert got.acceptance_lengths == want_acc, (kind, i)
+        assert rt.generate(ids, sp, mode="ar").tokens == want_tokens  # = plain decoding on the same engine
 
 
 def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_target, zlab_pairs, tmp_path):
@@ -337,3 +339,23 @@ def test_dflash2_tensorrt_build_is_refused_by_name(zlab_target, zlab_pairs, tmp_
         build_tensorrt(load_recipe(recipe_path), tmp_path / "engine")
     assert e.value.field == "architectures" and "DFlash 2" in e.value.message
     assert not (tmp_path / "engine").exists()
+
+
+def test_export_refuses_a_target_rope_its_tables_cannot_follow(zlab_target, zlab_pairs, tmp_path):
+    """A dynamic-NTK target (inv_freq changes with the sequence length) is refused by name, not exported with the
+    table of one length."""
+    import shutil
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.export import export_models
+    from dflash_export.models import load_drafter, load_target
+
+    d = tmp_path / "target"
+    shutil.copytree(zlab_target, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": THETA}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DFlashError) as e:
+        export_models(load_target(d), load_drafter(zlab_pairs["plain"]), tmp_path / "out", max_len=128)
+    assert e.value.field == "rope_parameters.rope_type" and "dynamic" in e.value.message

@@ -83,6 +83,12 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     from dflash_export.models.drafter import check_drafter_fits
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
+    from dflash_export.models.rope import rope_problem
+
+    t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
+    problem = rope_problem(t_rope)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
+    if problem:
+        raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     bs = block_size or drafter.block_size

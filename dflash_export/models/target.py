@@ -141,6 +141,7 @@ def quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # its config warnings too: what matters is checked and reported by name here
 
 
 def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
