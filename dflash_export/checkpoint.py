@@ -115,25 +115,65 @@ def _field(cfg: dict, path: Path, name: str, kind, default=...):
     return value
 
 
+ZLAB_DEFAULT_BLOCK_SIZE = 16  # dflash 0.1.0's DFlashDraftModel when neither block_size key is present
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _number(value, path: Path, field: str, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise DFlashError(f"expected a number, got {value!r}", path=path, field=field)
+    return float(value)
+
+
 def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = None) -> DrafterConfig:
-    """Normalize a drafter `config.json` dict; accepts block_size at top level or in dflash_config (must agree)."""
+    """Normalize a drafter `config.json` dict as z-lab's release (dflash 0.1.0, transformers 5) reads it.
+
+    DFlash keys come from `dflash_config` or the top level, `dflash_config` first (z-lab's `_draft_value`); block_size
+    may sit in both but then must agree. The Qwen3 fields go through transformers' Qwen3Config, so `rope_theta` /
+    `rope_scaling` and transformers 5's `rope_parameters`, `use_sliding_window` and the `layer_types` it derives mean
+    what they mean to the release. A key the project cannot honour is a DFlashError naming it, never ignored.
+    """
+    from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_problem, rope_source_field
+
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise DFlashError("expected an object", path=path, field="dflash_config")
+
+    def draft_value(name, default=None):
+        return dcfg.get(name, cfg.get(name, default))
+
+    def draft_field(name):
+        return f"dflash_config.{name}" if name in dcfg else name
+
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and arch and arch[0] not in DRAFTER_ARCHITECTURES:
+        raise DFlashError(f"{arch[0]}: expected one of {list(DRAFTER_ARCHITECTURES)}", path=path,
+                          field="architectures")
+    dflash2 = {}
+    if isinstance(arch, list) and "DFlash2DraftModel" in arch:  # z-lab's rule: the architecture decides the kind
+        for name in DFLASH2_KEYS:
+            value = draft_value(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DFlashError(f"DFlash 2 needs a positive integer, got {value!r}", path=path,
+                                  field=draft_field(name))
+            dflash2[name] = value
     top_bs, inner_bs = cfg.get("block_size"), dcfg.get("block_size")
     if top_bs is not None and inner_bs is not None and top_bs != inner_bs:
         raise DFlashError(f"block_size {top_bs} disagrees with dflash_config.block_size {inner_bs}", path=path,
                           field="block_size")
-    block_size = top_bs if top_bs is not None else inner_bs
+    block_size = inner_bs if inner_bs is not None else top_bs
     if block_size is None:
-        raise DFlashError("missing (neither block_size nor dflash_config.block_size)", path=path, field="block_size")
+        block_size = ZLAB_DEFAULT_BLOCK_SIZE
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise DFlashError(f"must be an integer >= 2, got {block_size!r}", path=path, field="block_size")
     if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
         raise DFlashError("missing", path=path, field="dflash_config.mask_token_id")
-    mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    mask_token_id = draft_value("mask_token_id")
     if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
-        raise DFlashError(f"expected int, got {mask_token_id!r}", path=path, field="dflash_config.mask_token_id")
+        raise DFlashError(f"expected int, got {mask_token_id!r}", path=path, field=draft_field("mask_token_id"))
     hidden = _field(cfg, path, "hidden_size", int)
     layers = _field(cfg, path, "num_hidden_layers", int)
     heads = _field(cfg, path, "num_attention_heads", int)
@@ -142,20 +182,69 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
                         ("num_target_layers", n_target)):
         if value < 1:
             raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
-    ids = dcfg.get("target_layer_ids")
+    ids = draft_value("target_layer_ids")
     if ids is None:
         ids = default_target_layer_ids(n_target, layers)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DFlashError(f"expected a non-empty list of ints, got {ids!r}", path=path,
-                          field="dflash_config.target_layer_ids")
+                          field=draft_field("target_layer_ids"))
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden is None:
         target_hidden = fc_in_features // len(ids) if fc_in_features else hidden
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise DFlashError(f"{act!r}: only the SiLU-gated MLP of Qwen3 drafters is implemented", path=path,
+                          field="hidden_act")
+
+    # Qwen3 fields as transformers reads them (the release builds its drafter from Qwen3Config).
+    hf = hf_config(cfg, path, "qwen3")
+    rope = dict(hf.rope_parameters or {})
+    rope.pop("type", None)
+    problem = rope_problem(rope, rope_source_field(cfg))
+    if problem:
+        raise DFlashError(problem[1], path=path, field=problem[0])
+    rope_theta, rope_scaling = legacy_rope_fields(rope)
+    layer_types = list(hf.layer_types) if hf.layer_types is not None else None
+    if layer_types is not None and len(layer_types) != layers:
+        raise DFlashError(f"{len(layer_types)} entries != num_hidden_layers {layers}", path=path, field="layer_types")
+    for i, kind in enumerate(layer_types or []):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise DFlashError(f"layer {i}: {kind!r} (supported: full_attention, sliding_attention)", path=path,
+                              field="layer_types")
+    window = hf.sliding_window
+    if layer_types and "sliding_attention" in layer_types:
+        if window is None:
+            why = ("use_sliding_window is not true, so transformers drops sliding_window"
+                   if cfg.get("sliding_window") else "no sliding_window")
+            raise DFlashError(f"sliding_attention layers but {why}: z-lab's release cannot build their cache either",
+                              path=path, field="sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise DFlashError(f"must be an integer >= 1, got {window!r}", path=path, field="sliding_window")
+    if "is_causal" in dcfg:
+        raise DFlashError("z-lab's release reads is_causal from the top level only (it would ignore this one): "
+                          "move it there", path=path, field="dflash_config.is_causal")
+    is_causal = cfg.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise DFlashError(f"expected true, false or null, got {is_causal!r}", path=path, field="is_causal")
+    embed_scale = _number(draft_value("input_embedding_scale", 1.0), path, draft_field("input_embedding_scale"))
+    multiplier = _number(draft_value("output_multiplier", 1.0), path, draft_field("output_multiplier"))
+    softcap = _number(draft_value("final_logit_softcapping"), path, draft_field("final_logit_softcapping"),
+                      allow_none=True)
+    if dflash2:
+        if hidden % dflash2["conv_group_size"]:
+            raise DFlashError(f"{dflash2['conv_group_size']} does not divide hidden_size {hidden}", path=path,
+                              field=draft_field("conv_group_size"))
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and not 1 < dflash2["selector_top_k"] <= vocab:
+            raise DFlashError(f"must be in 2..vocab_size ({vocab}), got {dflash2['selector_top_k']}", path=path,
+                              field=draft_field("selector_top_k"))
     known = {
         "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-        "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers", "target_hidden_size",
-        "torch_dtype", "dflash_config", "layer_types", "sliding_window",
+        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+        "max_position_embeddings", "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers",
+        "target_hidden_size", "torch_dtype", "dtype", "dflash_config", "layer_types", "sliding_window",
+        "use_sliding_window", "max_window_layers", "is_causal", "input_embedding_scale", "output_multiplier",
+        "final_logit_softcapping", "mask_token_id", "target_layer_ids", "transformers_version", *DFLASH2_KEYS,
     }
     return DrafterConfig(
         hidden_size=hidden,
@@ -171,13 +260,18 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         num_target_layers=n_target,
         vocab_size=_field(cfg, path, "vocab_size", int, 0),
         target_hidden_size=int(target_hidden),
-        rope_theta=_field(cfg, path, "rope_theta", float, 10000.0),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=_field(cfg, path, "max_position_embeddings", int, 32768),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        hidden_act=cfg.get("hidden_act", "silu"),
-        layer_types=cfg.get("layer_types"),
-        sliding_window=cfg.get("sliding_window"),
+        hidden_act=act,
+        layer_types=layer_types if layer_types and "sliding_attention" in layer_types else None,
+        sliding_window=window if layer_types and "sliding_attention" in layer_types else None,
+        is_causal=is_causal,
+        input_embedding_scale=embed_scale,
+        output_multiplier=multiplier,
+        final_logit_softcapping=softcap,
+        **dflash2,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         extra={k: v for k, v in cfg.items() if k not in known},
     )
@@ -208,14 +302,32 @@ def expected_drafter_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (c.hidden_size,)})
+        if c.is_dflash2:
+            groups = c.hidden_size // c.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes.update({p + conv + ".base_kernel": (2, c.conv_kernel_size, c.hidden_size),
+                               p + conv + ".kernel_projection.weight": (2 * c.conv_kernel_size * groups,
+                                                                        c.hidden_size)})
+    if c.is_dflash2:
+        shapes.update({"candidate_selector.predecessor_codebook.weight": (c.vocab_size, c.selector_rank),
+                       "candidate_selector.successor_codebook.weight": (c.vocab_size, c.selector_rank),
+                       "candidate_selector.hidden_projection.weight": (c.selector_rank, c.hidden_size)})
     return shapes
+
+
+def normalized_tensor_name(name: str) -> str:
+    """z-lab's released DFlash 2 checkpoints store the selector codebooks without `.weight` (its from_pretrained maps
+    them); models saved by its code carry it. Both read as the `.weight` name."""
+    if name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        return name + ".weight"
+    return name
 
 
 def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # Some exporters write a `model.` prefix; the contract has none. Accept and normalize.
     if state and all(k.startswith("model.") for k in state):
-        return {k[len("model."):]: v for k, v in state.items()}
-    return state
+        state = {k[len("model."):]: v for k, v in state.items()}
+    return {normalized_tensor_name(k): v for k, v in state.items()}
 
 
 def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
@@ -260,6 +372,7 @@ class Finding:
 
 def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
     """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
+    from dflash_export.models.rope import legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
     from dflash_export.models.target import read_target_config
 
     from dflash_export.sources import resolve_source
@@ -294,7 +407,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     for name, f in files.items():
         info = headers[f][name]
         key = name[len("model."):] if all(k.startswith("model.") for k in files) else name
-        tensors[key] = (tuple(info["shape"]), info["dtype"], f)
+        tensors[normalized_tensor_name(key)] = (tuple(info["shape"]), info["dtype"], f)
     fc_shape = tensors.get("fc.weight", ((), None, None))[0]
     try:
         c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
@@ -302,10 +415,17 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         err(e.field or "config", e.message)
         return findings, {}
 
-    if raw.get("architectures") not in (None, ["DFlashDraftModel"]):
-        warn("architectures", f"expected ['DFlashDraftModel'], got {raw.get('architectures')}")
-    if "target_layer_ids" not in (raw.get("dflash_config") or {}):
+    if raw.get("architectures") not in (None, ["DFlashDraftModel"], ["DFlash2DraftModel"]):
+        warn("architectures", f"expected ['DFlashDraftModel'] or ['DFlash2DraftModel'], got "
+                              f"{raw.get('architectures')}")
+    dcfg = raw.get("dflash_config") or {}
+    if "target_layer_ids" not in dcfg and "target_layer_ids" not in raw:
         warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
+    if "block_size" not in dcfg and "block_size" not in raw:
+        warn("dflash_config.block_size", f"absent; z-lab's default {c.block_size} is used")
+    unread = sorted(set(dcfg) - DFLASH_CONFIG_KEYS)
+    if unread:
+        warn("dflash_config", f"keys neither z-lab's release nor this project reads: {unread}")
     n_layers, t_hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
     if c.target_hidden_size != t_hidden:
         err("target_hidden_size", f"{c.target_hidden_size} != target hidden_size {t_hidden}")
@@ -331,11 +451,22 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         err("dflash_config.mask_token_id", f"{c.mask_token_id} is a stop token of the target")
     if c.vocab_size and c.vocab_size != vocab:
         warn("vocab_size", f"{c.vocab_size} != target vocab_size {vocab} (the target's LM head is used)")
-    t_theta = float(tcfg.get("rope_theta", 10000.0))
-    if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
-        err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
-    if (c.rope_scaling or None) != (tcfg.get("rope_scaling") or None):
-        err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {tcfg.get('rope_scaling')}")
+        if c.is_dflash2:  # the selector's codebooks are indexed by the target's token ids
+            findings[-1].level = "error"
+    try:
+        t_rope = rope_parameters_of(tcfg, tcfg_path, tcfg["model_type"])
+    except DFlashError as e:
+        err(e.field or "config", e.message, file=tcfg_path)
+        t_rope = None
+    if t_rope is not None:
+        problem = rope_problem(t_rope, rope_source_field(tcfg))
+        if problem:
+            err(problem[0], problem[1], file=tcfg_path)
+        t_theta, t_scaling = legacy_rope_fields(t_rope)
+        if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
+            err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
+        if _rope_scaling_key(c.rope_scaling) != _rope_scaling_key(t_scaling):
+            err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
     if c.num_attention_heads % c.num_key_value_heads:
         err("num_key_value_heads", f"{c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}")
     if c.head_dim % 2:
@@ -347,10 +478,6 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
                             f"target's table, so they must match")
         if c.hidden_size != t_hidden:
             findings[-1].level = "error"
-    if c.layer_types is not None and len(c.layer_types) != c.num_hidden_layers:
-        err("layer_types", f"{len(c.layer_types)} entries != num_hidden_layers {c.num_hidden_layers}")
-    if c.layer_types and "sliding_attention" in c.layer_types and not c.sliding_window:
-        err("sliding_window", "sliding_attention layers declared but no sliding_window")
     expected = expected_drafter_shapes(c)
     for name, shape in expected.items():
         if name not in tensors:
@@ -372,16 +499,43 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         "target": str(tcfg_path),
         "target architecture": tcfg.get("architectures", ["?"])[0],
         "target layers / hidden": f"{n_layers} / {t_hidden}",
+        "drafter kind": (f"DFlash 2 (conv kernel {c.conv_kernel_size}, group {c.conv_group_size}; selector rank "
+                         f"{c.selector_rank}, top-{c.selector_top_k})" if c.is_dflash2 else "DFlash"),
         "drafter layers / hidden": f"{c.num_hidden_layers} / {c.hidden_size}",
         "heads / kv heads / head_dim": f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}",
         "block_size": c.block_size,
         "target_layer_ids (HF hidden_states index = id+1)": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
-        "rope_theta": c.rope_theta,
+        "rope": c.rope_parameters,
+        "attention": _attention_summary(c),
+        "input_embedding_scale / output_multiplier / final_logit_softcapping":
+            f"{c.input_embedding_scale:g} / {c.output_multiplier:g} / {c.final_logit_softcapping}",
         "drafter parameters": sum(_numel(t[0]) for t in tensors.values()),
         "dtypes": ", ".join(sorted(dtypes)),
     }
     return findings, summary
+
+
+DFLASH_CONFIG_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
+                      "final_logit_softcapping", "is_causal", *DFLASH2_KEYS}
+
+
+def _rope_scaling_key(scaling: dict | None):
+    """rope_scaling compared by meaning: the legacy `type` alias dropped, numbers as floats."""
+    if not scaling:
+        return None
+    return sorted((k, float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                  for k, v in scaling.items() if k != "type")
+
+
+def _attention_summary(c: DrafterConfig) -> str:
+    kinds = []
+    for i in range(c.num_hidden_layers):
+        w = c.layer_window(i)
+        kinds.append(("causal" if c.layer_causal(i) else "bidirectional") + (f", window {w}" if w else ""))
+    if len(set(kinds)) == 1:
+        return f"all layers {kinds[0]}"
+    return "; ".join(f"layer {i}: {k}" for i, k in enumerate(kinds))
 
 
 def _numel(shape) -> int:

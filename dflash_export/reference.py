@@ -20,7 +20,7 @@ from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 @dataclass
 class GenerationResult:
     tokens: list[int]                      # new tokens only (prompt excluded), stop token included if hit
-    acceptance_lengths: list[int] = field(default_factory=list)  # per spec step: accepted drafts + 1 bonus
+    acceptance_lengths: list[int] = field(default_factory=list)  # per spec step: tokens committed (accepted + bonus)
     ttft_s: float = 0.0                    # time to first token
     tpot_s: float = 0.0                    # mean time per output token after the first
     total_s: float = 0.0
@@ -97,17 +97,16 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
     taps, taps_pos = out.taps, torch.arange(start)[None]
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        block = torch.full((1, bs), mask_id, dtype=torch.long)
+        # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
+        n = min(bs, max_new_tokens - len(tokens) + 1)
+        block = torch.full((1, n), mask_id, dtype=torch.long)
         block[0, 0] = tokens[-1]
-        block_pos = torch.arange(start, start + bs)[None]
-        # Draft: one bidirectional pass; the anchor slot yields nothing.
-        draft_logits = drafter.draft_logits(target, taps, taps_pos, block, block_pos, d_cache)[0].float()
-        if greedy:
-            draft = torch.argmax(draft_logits, dim=-1).numpy()
-            draft_probs = None
-        else:
-            draft_probs = probs_from_logits(draft_logits.double().numpy(), temperature, top_k, top_p)
-            draft = np.array([sample_from(p, u) for p, u in zip(draft_probs, rng.random(bs - 1))])
+        block_pos = torch.arange(start, start + n)[None]
+        # Draft: one pass over the block (the anchor slot yields nothing), then argmax / draws -- or, for DFlash 2,
+        # the candidate selector's walk. A full block's uniforms are drawn whatever n is (the runtime's stream).
+        draft_logits, hidden = drafter.draft_step(target, taps, taps_pos, block, block_pos, d_cache)
+        draft, draft_probs = drafter.propose(draft_logits[0].float(), hidden[0], tokens[-1], temperature, top_k,
+                                             top_p, None if greedy else rng.random(bs - 1))
         block[0, 1:] = torch.from_numpy(draft)
         # Verify: the target scores the whole block in one pass.
         out = target.forward(block, block_pos, t_cache, tap_ids)
@@ -115,8 +114,11 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
         target_probs = None if greedy else probs_from_logits(logits, temperature, top_k, top_p)
         accept, emitted = verify_block(target_probs, logits, draft, draft_probs, None if greedy else rng.random(bs),
                                        greedy)
-        tokens.extend(emitted)
-        accepted.append(accept + 1)
+        # Acceptance length = tokens this step committed: accepted drafts + bonus, cut at max_new_tokens and
+        # after a stop token (z-lab's `acceptance_lengths`).
+        committed, _ = _finish(emitted, max_new_tokens - len(tokens), stop_ids)
+        tokens.extend(committed)
+        accepted.append(len(committed))
         # Commit anchor + accepted drafts; the last emitted token becomes the next anchor (not yet in any cache).
         start += accept + 1
         target.crop(t_cache, start)

@@ -9,7 +9,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
     """Token ids for a prompt string or a message list, with the chat template when asked and available."""
     if isinstance(prompt, list) or (chat_template and getattr(tokenizer, "chat_template", None)):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() would be its keys
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
     return list(tokenizer(prompt)["input_ids"])
 
 

@@ -82,8 +82,11 @@ class DFlashRuntime:
     """
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
-                 draft_cost: float | None = None, max_skip: int = 7):
+                 draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False):
         self.engine = engine
+        # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
+        # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
+        self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
         self.adaptive = adaptive
         # The engine's own measured costs when it records them (quantized engines), else the fp32 engine's.
         info = engine.info
@@ -165,22 +168,23 @@ class DFlashRuntime:
             elif skip > 0:  # back-off: a plain step whose context features stay pending for the next draft
                 skip -= 1
                 _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
-                stats.acceptance_lengths.append(1)
                 rate = 0.9 * rate + 0.1  # one token for one step's cost
                 last = emitted[-1]
                 ev = emit(emitted, 0)
+                stats.acceptance_lengths.append(len(ev.tokens))
             else:
                 u_draft = None if sp.greedy else rng.random(bs - 1)
                 seq.draft_confidence = None
-                draft, draft_probs = eng.draft(seq, last, sp, u_draft)
-                n_draft = bs - 1
+                # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
+                block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - produced + 1)
+                draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
+                n_draft = block_len - 1
                 if sp.greedy and self.adaptive and seq.draft_confidence is not None:
                     n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
                                   sp.max_new_tokens - produced - 1)
                 block = np.empty(n_draft + 1, dtype=np.int64)
                 block[0], block[1:] = last, draft[:n_draft]
                 accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
-                stats.acceptance_lengths.append(accept + 1)
                 stats.drafted_tokens += n_draft
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -189,6 +193,7 @@ class DFlashRuntime:
                     skip = min(self.max_skip, (1 << misses) - 1)
                 last = emitted[-1]
                 ev = emit(emitted, accept)
+                stats.acceptance_lengths.append(len(ev.tokens))  # committed: cut at max_new_tokens / a stop
             yield ev
             if ev.finished:
                 return

@@ -13,8 +13,14 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
     x = np.asarray(logits, dtype=np.float64) / temperature
     if top_k and 0 < top_k < x.shape[-1]:
+        # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied
+        # with it in index order until k are kept.
         kth = np.partition(x, -top_k, axis=-1)[..., -top_k][..., None]
-        x = np.where(x < kth, -np.inf, x)
+        above = x > kth
+        tied = x == kth
+        room = top_k - above.sum(axis=-1, keepdims=True)
+        keep = above | (tied & (np.cumsum(tied, axis=-1) <= room))
+        x = np.where(keep, x, -np.inf)
     x = x - x.max(axis=-1, keepdims=True)
     p = np.exp(x)
     p /= p.sum(axis=-1, keepdims=True)
@@ -43,6 +49,39 @@ def verify_length(confidence: np.ndarray, threshold: float) -> int:
     reach = np.cumprod(np.asarray(confidence, np.float64))
     below = np.nonzero(reach < threshold)[0]
     return int(below[0]) if len(below) else len(reach)
+
+
+def select_candidates(logits: np.ndarray, projected: np.ndarray, predecessor: np.ndarray, successor: np.ndarray,
+                      anchor: int, top_k: int, temperature: float, uniforms=None
+                      ) -> tuple[np.ndarray, np.ndarray | None]:
+    """DFlash 2's candidate selector (z-lab's CandidateSelector.select) for one block, in numpy.
+
+    logits [n, V] draft logits of slots 1..n; projected [n, R] hidden_projection of those slots; predecessor /
+    successor [V, R] the codebooks. Slot i scores its top-k candidates c by logits[i, c] + sum_r predecessor[prev, r]
+    * projected[i, r] * successor[c, r], prev being the token chosen at slot i-1 (the anchor first), and takes the
+    argmax (greedy) or a draw from softmax(scores / T) with uniforms[i] (candidates in descending-logit order).
+    Returns tokens [n] int64 and, when sampling, draft distributions [n, V] float64 (q on the candidates, 0 elsewhere).
+    """
+    n, v = logits.shape
+    part = np.argpartition(-logits, top_k - 1, axis=-1)[:, :top_k]
+    tokens = np.zeros(n, np.int64)
+    probs = None if temperature <= 0 else np.zeros((n, v), np.float64)
+    prev = int(anchor)
+    for i in range(n):
+        cand = part[i][np.lexsort((part[i], -logits[i, part[i]]))]  # descending logit, ties by token id
+        scores = logits[i, cand].astype(np.float64) + successor[cand].astype(np.float64) @ (
+            predecessor[prev].astype(np.float64) * projected[i].astype(np.float64))
+        if temperature <= 0:
+            index = int(np.argmax(scores))
+        else:
+            x = scores / temperature
+            q = np.exp(x - x.max())
+            q /= q.sum()
+            index = sample_from(q, uniforms[i])
+            probs[i, cand] = q
+        prev = int(cand[index])
+        tokens[i] = prev
+    return tokens, probs
 
 
 def sample_from(probs: np.ndarray, u: float) -> int:

@@ -55,6 +55,9 @@ TINY = {
 def build_target(spec: TinySpec, out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    from dflash_export.models.target import quiet_transformers
+
+    quiet_transformers()
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,

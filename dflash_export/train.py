@@ -32,8 +32,9 @@ from typing import Callable, Sequence
 import torch
 
 from dflash_export.errors import DFlashError, atomic_dir, atomic_file, check_output_dir, removing_new_dirs
-from dflash_export.models.drafter import (DFlashDrafter, DrafterConfig, apply_rope, block_attention,
-                                          check_drafter_fits, is_drafter_dir)
+from dflash_export.models.drafter import (DFlashDrafter, DrafterConfig, apply_rope, attention_mask,
+                                          block_attention, check_drafter_fits, is_drafter_dir)
+from dflash_export.models.rope import legacy_rope_fields
 
 SHARD_SIZE = 32
 _DATA_VERSION = 2  # 2: generated data from own_answers (long answers, taps captured while decoding)
@@ -265,7 +266,8 @@ def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, 
 
 def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
     if use_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_dict=False)  # transformers 5 returns a BatchEncoding otherwise
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tokenizer(text)["input_ids"]
 
@@ -416,7 +418,7 @@ def train_forward(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.
     Same layers and math as `DFlashDrafter.forward`, with an explicit attention mask over [context; all blocks]
     instead of "everything visible"; with one block and full context it reproduces `forward` exactly."""
     ctx = drafter.project_context(batch.taps)
-    x = embed(batch.block_ids).to(ctx.dtype)
+    x = (embed(batch.block_ids) * drafter.config.input_embedding_scale).to(ctx.dtype)
     cos, sin = drafter.rotary(batch.block_positions, x.dtype)
     c_cos, c_sin = drafter.rotary(batch.ctx_positions, x.dtype)
     key_pos = torch.cat([batch.ctx_positions, batch.block_positions], dim=1)
@@ -428,10 +430,11 @@ def train_forward(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.
         q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(x_n), attn.num_heads)), cos, sin)
         k_blk = apply_rope(attn.k_norm(attn._heads(attn.k_proj(x_n), attn.num_kv_heads)), cos, sin)
         v_blk = attn._heads(attn.v_proj(x_n), attn.num_kv_heads)
-        mask = batch.attn_mask
-        if attn.window is not None:
-            mask = mask & ((batch.block_positions[:, :, None] - key_pos[:, None, :]) < attn.window)
-        out = block_attention(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), attn.scale, mask[:, None])
+        mask = batch.attn_mask[:, None]
+        layer_mask = attention_mask(batch.block_positions, key_pos, attn.causal, attn.window)
+        if layer_mask is not None:  # causal / sliding layers, as at inference (z-lab's release)
+            mask = mask & layer_mask
+        out = block_attention(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), attn.scale, mask)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x)
@@ -518,13 +521,13 @@ def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id:
         raise DFlashError(f"target_layer_ids {taps} outside 0..{n_t - 1}", path=recipe_path,
                           field="train.target_layer_ids")
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    rope_theta, rope_scaling = legacy_rope_fields(dict(hf_cfg.rope_parameters or {}))  # the target's RoPE, as is
     cfg = DrafterConfig(
         hidden_size=hf_cfg.hidden_size, num_hidden_layers=num_layers, num_attention_heads=hf_cfg.num_attention_heads,
         num_key_value_heads=hf_cfg.num_key_value_heads, head_dim=head_dim,
         intermediate_size=hf_cfg.intermediate_size, rms_norm_eps=float(hf_cfg.rms_norm_eps), block_size=block_size,
         mask_token_id=mask_token_id, target_layer_ids=taps, num_target_layers=n_t, vocab_size=target.vocab_size,
-        target_hidden_size=hf_cfg.hidden_size, rope_theta=float(getattr(hf_cfg, "rope_theta", 10000.0)),
-        rope_scaling=getattr(hf_cfg, "rope_scaling", None),
+        target_hidden_size=hf_cfg.hidden_size, rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=int(getattr(hf_cfg, "max_position_embeddings", 32768)),
     )
     drafter = DFlashDrafter(cfg)
@@ -863,6 +866,12 @@ def _check_start(drafter: DFlashDrafter, target, block_size: int, where: Path) -
     if drafter.config.block_size != block_size:
         raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {block_size}", path=where,
                           field="block_size")
+    c = drafter.config
+    for name, value, default in (("output_multiplier", c.output_multiplier, 1.0),
+                                 ("final_logit_softcapping", c.final_logit_softcapping, None)):
+        if value != default:  # the block loss scores the LM head's plain logits
+            raise DFlashError(f"{value}: training drafters with scaled draft logits is not supported", path=where,
+                              field=f"dflash_config.{name}")
 
 
 SEED_MAX = 2**32 - 1  # the per-step generators seed with seed * 1_000_003 + step, which must stay below 2**64

@@ -274,7 +274,8 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
     for mode, fig in s.items():
         assert fig["identical_to_hf"] == "2/2", mode  # greedy: every mode is the target's own output
         assert fig["tok_s_median"] > 0 and fig["peak_rss_mb"] > 0
-    assert s["dflash-full"]["drafts_verified_per_step"] == recipe_block_size(out) - 1
+    # full blocks on every step but the last of a request, which holds only what max_new_tokens leaves (as z-lab)
+    assert recipe_block_size(out) - 2 < s["dflash-full"]["drafts_verified_per_step"] <= recipe_block_size(out) - 1
     assert s["ar"]["tau"] == 1.0 and set(report["ratios"]) >= {"dflash/ar", "dflash/hf", "dflash-full/ar"}
     # the prompt-lookup yardstick is reported for the speculative modes, replayed on their own output tokens
     assert {m for m in s if "tau_prompt_lookup" in s[m]} == {"dflash", "dflash-full", "reference"}

@@ -252,19 +252,101 @@ def test_smollm2_export_matches_reference(tmp_path):
     np.testing.assert_allclose(out["ctx"], ref_ctx, atol=1e-4, rtol=0)
 
 
-def test_sliding_window_drafter_is_refused_by_name(tmp_path):
-    """KVInjectedBlockAttention has no mask: a sliding-window drafter layer narrower than max_seq_len cannot be
-    exported faithfully, and says so instead of exporting something else."""
-    import copy
+ZLAB_VARIANTS = {  # z-lab 0.1.0's drafter keys: each must reach the graph (masked op, scaled embeddings / logits)
+    "sliding-causal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3),
+    "sliding-bidirectional": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=5,
+                                  is_causal=False),
+    "all-causal": dict(is_causal=True),
+    "scaled": dict(input_embedding_scale=1.5, output_multiplier=0.7, final_logit_softcapping=2.0),
+}
 
+
+@pytest.mark.parametrize("variant", list(ZLAB_VARIANTS))
+def test_drafter_graph_honours_zlab_keys(variant, tmp_path):
+    """Causal / sliding-window layers (MaskedKVInjectedBlockAttention) and the embedding / logit scales: the graph
+    matches the reference step by step with a growing context cache, on full and shortened blocks."""
+    import dataclasses
+
+    from dflash_export.export import ops
     from dflash_export.models import load_drafter, load_target
+    from dflash_export.models.drafter import DFlashDrafter
 
-    target, drafter = load_target("tiny:llama/target"), load_drafter("tiny:llama/drafter")
-    drafter = copy.deepcopy(drafter)
-    drafter.config.layer_types = ["sliding_attention"] + ["full_attention"] * (drafter.config.num_hidden_layers - 1)
-    drafter.config.sliding_window = 8
-    with pytest.raises(DFlashError, match="layer_types"):
-        export_models(target, drafter, tmp_path, max_len=256)
+    target, base = load_target("tiny:qwen3/target"), load_drafter("tiny:qwen3/drafter")
+    drafter = DFlashDrafter(dataclasses.replace(base.config, **ZLAB_VARIANTS[variant]))
+    drafter.load_state_dict(base.state_dict())
+    drafter.eval()
+    res = export_models(target, drafter, tmp_path, max_len=256)
+    model = onnx.load(str(res.drafter_path), load_external_data=False)
+    masked = [n for n in model.graph.node if n.op_type == ops.MASKED_KV_ATTENTION]
+    c = drafter.config
+    assert len(masked) == sum(c.layer_causal(i) or c.layer_window(i) is not None for i in range(c.num_hidden_layers))
+    sess = _session(res.drafter_path)
+    names = [o.name for o in sess.get_outputs()]
+    cache = drafter.new_cache()
+    past = {f"past_ctx_{k}_{i}": np.zeros((1, c.num_key_value_heads, 0, c.head_dim), np.float32)
+            for i in range(c.num_hidden_layers) for k in ("key", "value")}
+    start = 0
+    for n_ctx, bs in ((9, 4), (3, 4), (2, 4), (1, 2)):  # the last block shortened, as at the end of a request
+        taps = torch.randn(1, n_ctx, len(c.target_layer_ids) * target.hidden_size)
+        ctx_pos = torch.arange(start, start + n_ctx)[None]
+        start += n_ctx
+        block = torch.full((1, bs), c.mask_token_id)
+        block[0, 0] = 17 + n_ctx
+        block_pos = torch.arange(start, start + bs)[None]
+        with torch.inference_mode():
+            ctx = drafter.project_context(taps)
+            ref = drafter.draft_logits(target, taps, ctx_pos, block, block_pos, cache)[0].numpy()
+        out = dict(zip(names, sess.run(None, {"ctx": ctx.numpy(), "ctx_positions": ctx_pos.numpy(),
+                                              "block_ids": block.numpy(), "block_positions": block_pos.numpy(),
+                                              **past})))
+        np.testing.assert_allclose(out["draft_logits"][0], ref, atol=ATOL, rtol=0)
+        np.testing.assert_array_equal(out["draft_tokens"][0], ref.argmax(-1))
+        for i in range(c.num_hidden_layers):
+            past[f"past_ctx_key_{i}"] = out[f"present_ctx_key_{i}"]
+            past[f"past_ctx_value_{i}"] = out[f"present_ctx_value_{i}"]
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(meta["dflash.attention"]) == [{"causal": c.layer_causal(i), "window": c.layer_window(i)}
+                                                    for i in range(c.num_hidden_layers)]
+
+
+def test_masked_attention_op_alone_follows_zlab_mask_rule():
+    """The op's function against z-lab's _attention_mask written out by hand (closed form, small sizes)."""
+    from dflash_export.export import ops
+
+    rng = np.random.default_rng(0)
+    b, h, kvh, s, t, d = 1, 4, 2, 3, 5, 8
+    q = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    kc, vc = (rng.standard_normal((b, kvh, t, d)).astype(np.float32) for _ in range(2))
+    kb, vb = (rng.standard_normal((b, kvh, s, d)).astype(np.float32) for _ in range(2))
+    qpos = np.arange(t, t + s)[None]
+    kpos = np.arange(t + s)[None]
+    for causal, window in ((1, 0), (1, 2), (0, 2), (0, 0)):
+        node = onnx.helper.make_node(ops.MASKED_KV_ATTENTION, ["q", "kc", "vc", "kb", "vb", "qp", "kp"], ["o"],
+                                     domain=ops.DOMAIN, num_heads=h, num_kv_heads=kvh, scale=d ** -0.5,
+                                     causal=causal, window=window, **ops.plugin_attrs())
+        f32 = onnx.TensorProto.FLOAT
+        graph = onnx.helper.make_graph([node], "m", [
+            onnx.helper.make_tensor_value_info("q", f32, None), onnx.helper.make_tensor_value_info("kc", f32, None),
+            onnx.helper.make_tensor_value_info("vc", f32, None), onnx.helper.make_tensor_value_info("kb", f32, None),
+            onnx.helper.make_tensor_value_info("vb", f32, None),
+            onnx.helper.make_tensor_value_info("qp", onnx.TensorProto.INT64, None),
+            onnx.helper.make_tensor_value_info("kp", onnx.TensorProto.INT64, None)],
+            [onnx.helper.make_tensor_value_info("o", f32, None)])
+        model = ops.make_model(graph, [ops.masked_kv_injected_block_attention_function()])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = sess.run(None, {"q": q, "kc": kc, "vc": vc, "kb": kb, "vb": vb, "qp": qpos, "kp": kpos})[0]
+        k = np.concatenate([kc, kb], 2).repeat(h // kvh, 1)
+        v = np.concatenate([vc, vb], 2).repeat(h // kvh, 1)
+        want = np.zeros_like(q)
+        for i in range(s):
+            qp = t + i
+            for hh in range(h):
+                vis = [j for j in range(t + s) if (not causal or j <= qp) and (not window or qp - j < window)
+                       and (causal or not window or j - qp < window)]
+                sc = np.array([q[0, hh, i] @ k[0, hh, j] for j in vis]) * d ** -0.5
+                p = np.exp(sc - sc.max())
+                want[0, hh, i] = (p / p.sum()) @ v[0, hh, vis]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

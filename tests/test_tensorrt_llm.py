@@ -125,16 +125,24 @@ def test_llmapi_validation_without_tensorrt_llm_names_the_extra_and_the_gpu(bund
         trtllm.validate_with_llmapi(bundle, ["hello"])
 
 
-def test_sliding_window_drafter_keeps_its_windows_for_tensorrt_llm(recipe):
+@pytest.mark.parametrize("change, field", [
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=64), "layer_types"),
+    (dict(is_causal=True), "is_causal"),
+    (dict(output_multiplier=0.5), "dflash_config.output_multiplier"),
+    (dict(final_logit_softcapping=30.0), "dflash_config.final_logit_softcapping"),
+    (dict(input_embedding_scale=2.0), "dflash_config.input_embedding_scale"),
+])
+def test_zlab_keys_tensorrt_llm_would_run_differently_are_refused_by_name(recipe, change, field):
+    """TensorRT-LLM's generic DFlash decodes every layer bidirectionally and reads no scales: a drafter that z-lab's
+    release runs causal / windowed / scaled is refused, not bundled to run otherwise."""
     import dataclasses as dc
 
     config, _ = read_drafter_checkpoint(recipe.drafter_path)
-    sliding = dc.replace(config, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
-    cfg = trtllm.normalized_drafter_config(sliding, "bfloat16", 4)
-    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 64
-    assert cfg["dflash_config"]["use_swa"] is True and cfg["dflash_config"]["swa_window_size"] == 64
+    with pytest.raises(DFlashError) as e:
+        trtllm.normalized_drafter_config(dc.replace(config, **change), "bfloat16", 4)
+    assert e.value.field == field
     plain = trtllm.normalized_drafter_config(config, "float32", 4)
-    assert "use_swa" not in plain["dflash_config"] and "use_sliding_window" not in plain
+    assert "use_swa" not in plain["dflash_config"] and "use_sliding_window" not in plain and "is_causal" not in plain
 
 
 # ----------------------------------------------------------------------------------------------------------------------

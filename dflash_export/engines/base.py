@@ -78,6 +78,9 @@ class Engine(ABC):
     # True when `verify` appends its context features to those still pending (a verify with no draft before it,
     # e.g. a one-token block) instead of replacing them: then the runtime may skip drafting for a few steps.
     accumulates_context: bool = False
+    # True when the graphs take blocks of exactly block_size (TensorRT profiles): then the runtime never shortens the
+    # last block (z-lab does), which leaves the tokens unchanged and only the last step's acceptance length may differ.
+    fixed_block: bool = False
 
     @abstractmethod
     def new_sequence(self, max_tokens: int | None = None) -> Sequence:
@@ -96,11 +99,14 @@ class Engine(ABC):
         """AR step: commit `token` at position seq.length and return the next-token logits [V] float32."""
 
     @abstractmethod
-    def draft(self, seq: Sequence, anchor: int, sp: SamplingParams, uniforms: np.ndarray | None
-              ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Draft block slots 1..bs-1 after `anchor` (at position seq.length), consuming the pending context.
+    def draft(self, seq: Sequence, anchor: int, sp: SamplingParams, uniforms: np.ndarray | None,
+              block_len: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Draft block slots 1..n-1 after `anchor` (at position seq.length), consuming the pending context.
 
-        Returns draft tokens [bs-1] int64 and, when sampling, their draft distributions [bs-1, V] (float64, after
+        `block_len` n (2..bs, default bs): the drafter runs over a block of n slots; the runtime shortens the last
+        block to what the request still needs, as z-lab's release does (a shorter block changes what a bidirectional
+        drafter proposes, not what is emitted). An engine with fixed block shapes may draft the full block.
+        Returns draft tokens [>= n-1] int64 and, when sampling, their draft distributions [>= n-1, V] (float64, after
         temperature / top-k / top-p). `uniforms` [bs-1] drive the inverse-CDF draws when sampling.
         """
 

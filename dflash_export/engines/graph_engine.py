@@ -86,6 +86,8 @@ class GraphEngine(Engine):
     """The Engine contract over a `GraphRunner` (batch 1). `info.block_size`, `mask_token_id` and `max_seq_len`
     must be the ones the graphs were exported with."""
 
+    fixed_block = True  # the TensorRT profiles take whole blocks (see Engine.fixed_block)
+
     def __init__(self, runner: GraphRunner, info: EngineInfo, codec):
         self.runner = runner
         self.info = info
@@ -128,7 +130,8 @@ class GraphEngine(Engine):
         seq.length += 1
         return out["logits"][0, -1]
 
-    def draft(self, seq: _GraphSeq, anchor: int, sp: SamplingParams, uniforms):
+    def draft(self, seq: _GraphSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
+        # Always the full block: the TensorRT profiles fix the drafter's block at block_size (see Engine.draft).
         if seq.ctx is None:
             raise DFlashError("draft needs the context features of a prefill or verify (none pending)")
         bs = self.info.block_size

@@ -35,13 +35,15 @@ from dflash_export.engines.base import (Engine, EngineInfo, SamplingParams, Sequ
                                         load_codec, write_manifest)
 from dflash_export.errors import check_output_dir, removing_new_dirs
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
+from dflash_export.sampling import (probs_from_logits, sample_from, select_candidates, top_probability,
+                                    verify_block)
 
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
 HEAD = "lm_head.onnx"
 DRAFT_HEAD = "draft_head.onnx"
 SHARED = "shared_weights.bin"
+SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 ENGINE_FORMAT = 2
 # What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
 # files then fail the load by name instead of as an ONNX Runtime input error at the first request.
@@ -177,6 +179,8 @@ class OrtEngine(Engine):
         # Rows a one-token target step runs as (2 on quantized engines, see _run_target); 1 = as it comes.
         self.plain_step_rows = int(manifest.get("flags", {}).get("plain_step_rows") or 1)
         self._check_graph_metadata(mpath)
+        self._draft_multiplier, self._draft_softcap = _draft_logit_scaling(self.drafter, self.engine_dir / DRAFTER)
+        self._selector = _selector_tables(self.engine_dir, manifest, mpath, self.info.vocab_size)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
@@ -284,10 +288,10 @@ class OrtEngine(Engine):
         seq.length += 1
         return self._logits(hidden)[-1]
 
-    def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms):
+    def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
         if seq.ctx is None:
             raise DFlashError("draft() needs new context: call prefill() or verify() first", field="sequence")
-        bs = self.info.block_size
+        bs = min(block_len or self.info.block_size, self.info.block_size)
         block = np.empty((1, bs, self._mask_row.shape[0]), np.float32)
         block[0, 0] = self._embed.rows([anchor])[0]
         block[0, 1:] = self._mask_row
@@ -296,11 +300,20 @@ class OrtEngine(Engine):
         for i in range(self.d_layers):
             feeds[f"past_ctx_key_{i}"] = seq.d_kv[2 * i]
             feeds[f"past_ctx_value_{i}"] = seq.d_kv[2 * i + 1]
-        names = ["hidden"] + [f"present_ctx_{k}_{i}" for i in range(self.d_layers) for k in ("key", "value")]
+        extra = ["selector_hidden"] if self._selector else []
+        names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(self.d_layers) for k in ("key", "value")]
         res = self.drafter.run(names, feeds)
-        seq.d_kv = res[1:]
+        seq.d_kv = res[1 + len(extra):]
         seq.ctx = seq.ctx_pos = None
         logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
+        if self._draft_multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
+            logits = logits * np.float32(self._draft_multiplier)
+        if self._draft_softcap:
+            logits = np.tanh(logits / np.float32(self._draft_softcap)) * np.float32(self._draft_softcap)
+        if self._selector:  # DFlash 2: the candidate selector's walk (no draft confidences: full blocks verified)
+            top_k, predecessor, successor = self._selector
+            return select_candidates(logits, res[1][0], predecessor, successor, anchor, top_k,
+                                     0.0 if sp.greedy else sp.temperature, uniforms)
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
             return np.argmax(logits, axis=-1).astype(np.int64), None
@@ -332,6 +345,45 @@ class OrtEngine(Engine):
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = None
         self._embed.close()
+
+
+def _selector_tables(engine_dir: Path, manifest: dict, mpath: Path, vocab: int):
+    """(top_k, predecessor [V, R], successor [V, R]) of a DFlash 2 engine, checked against the manifest; None for
+    DFlash."""
+    sel = manifest.get("selector")
+    if sel is None:
+        return None
+    try:
+        top_k, rank = int(sel["top_k"]), int(sel["rank"])
+    except (KeyError, TypeError, ValueError):
+        raise DFlashError("needs integer top_k and rank", path=mpath, field="selector") from None
+    tables = []
+    for fname in SELECTOR_FILES:
+        try:
+            table = np.load(engine_dir / fname, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DFlashError(f"unreadable DFlash 2 codebook ({e})", path=engine_dir / fname) from None
+        if table.shape != (vocab, rank) or table.dtype != np.float32:
+            raise DFlashError(f"shape {table.shape} {table.dtype} != ({vocab}, {rank}) float32",
+                              path=engine_dir / fname)
+        tables.append(table)
+    if not 1 < top_k <= vocab:
+        raise DFlashError(f"top_k {top_k} outside 2..{vocab}", path=mpath, field="selector.top_k")
+    return top_k, tables[0], tables[1]
+
+
+def _draft_logit_scaling(session, path: Path) -> tuple[float, float | None]:
+    """(output_multiplier, final_logit_softcapping or None) from the drafter graph's metadata (export writes them;
+    graphs exported before they existed carry neither and mean 1 and none)."""
+    meta = session.get_modelmeta().custom_metadata_map
+    try:
+        mult = float(meta.get("dflash.output_multiplier", "1.0"))
+        cap = json.loads(meta.get("dflash.final_logit_softcapping", "null"))
+        cap = None if cap is None or float(cap) <= 0 else float(cap)
+    except (TypeError, ValueError):
+        raise DFlashError("unreadable drafter logit scaling metadata", path=path,
+                          field="dflash.output_multiplier") from None
+    return mult, cap
 
 
 class _EmbeddingRows:
@@ -430,6 +482,9 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         draft_vocab = None  # the whole vocabulary: the ordinary head serves
     bs = recipe.block_size or drafter.block_size
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
+    if drafter.config.is_dflash2 and draft_vocab is not None:
+        raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
+                          "whole vocabulary)", path=recipe.path, field="draft_vocab")
     with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
         export_dir = tmp / "export"
         export_dir.mkdir()
@@ -452,6 +507,13 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                     _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
                 quantization[role] = quantize_graph(tmp / fname, precisions[role])
         _copy_tokenizer(target, drafter, tmp)
+        selector = None
+        if drafter.config.is_dflash2:  # the walk over the top-k runs on the host with these two tables
+            sel = drafter.candidate_selector
+            for fname, table in ((SELECTOR_FILES[0], sel.predecessor_codebook), (SELECTOR_FILES[1],
+                                                                                  sel.successor_codebook)):
+                np.save(tmp / fname, table.weight.detach().float().numpy())
+            selector = {"top_k": drafter.config.selector_top_k, "rank": drafter.config.selector_rank}
         manifest = {
             "backend": "onnxruntime",
             "engine_format": ENGINE_FORMAT,
@@ -482,6 +544,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                        "drafter_head_dim": drafter.config.head_dim},
             "export_seconds": round(res.seconds, 2),
         }
+        if selector:
+            manifest["selector"] = selector
         write_manifest(tmp, manifest)
     return out_dir
 

@@ -721,6 +721,18 @@ def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
         for op, impl in engine.get("implementation", {}).items():
             seen.setdefault(op, set()).add(impl)
     return {op: " + ".join(sorted(impls)) for op, impls in seen.items()}
+def refuse_masked_drafter(config, where) -> None:
+    """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
+    TensorRT plugin or Triton kernel yet; DFlash 2's candidate selector has no host walk in the TensorRT engine yet.
+    Both refused by name before anything is built (issue #17)."""
+    if config.is_dflash2:
+        raise DFlashError("DFlash 2 drafters: the TensorRT engine has no candidate selector yet; use --backend "
+                          "onnxruntime", path=where, field="architectures")
+    for i in range(config.num_hidden_layers):
+        if config.layer_causal(i) or config.layer_window(i) is not None:
+            raise DFlashError(f"layer {i} is causal or sliding-window (z-lab 0.1.0): the TensorRT backend has no "
+                              "MaskedKVInjectedBlockAttention plugin yet; use --backend onnxruntime", path=where,
+                              field="is_causal" if config.is_causal else "layer_types")
 
 
 def build_tensorrt(recipe, out_dir) -> Path:
@@ -734,10 +746,11 @@ def build_tensorrt(recipe, out_dir) -> Path:
     from dflash_export.export import export_recipe
     from dflash_export.models import load_drafter
 
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = require_tensorrt()
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
-    drafter = load_drafter(recipe.drafter_path, torch.float32)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         res = export_recipe(recipe, tmp / "onnx")

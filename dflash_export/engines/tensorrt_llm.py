@@ -48,17 +48,35 @@ def normalized_drafter_config(config, dtype: str, block_size: int) -> dict[str, 
     `dflash_config.mask_token_id` / `.target_layer_ids` (written explicitly even when the source derived them),
     Qwen3 fields for the backbone it builds from `model_type`, and weights without a `model.` prefix.
     """
+    _refuse_unsupported(config)
     cfg = config.to_dict()
     cfg["block_size"] = block_size
     cfg["dflash_config"] = {**cfg.get("dflash_config", {}), "block_size": block_size,
                             "mask_token_id": int(config.mask_token_id),
                             "target_layer_ids": [int(i) for i in config.target_layer_ids]}
     cfg["torch_dtype"] = dtype
-    if config.layer_types and "sliding_attention" in config.layer_types:
-        cfg["use_sliding_window"] = True  # else an HF Qwen3 config drops sliding_window and every layer is full
-        # TensorRT-LLM windows the block decode of 'sliding_attention' layers only when dflash_config asks for it
-        cfg["dflash_config"].update(use_swa=True, swa_window_size=int(config.sliding_window))
     return cfg
+
+
+def _refuse_unsupported(config) -> None:
+    """z-lab 0.1.0's drafter keys TensorRT-LLM's DFlash does not reproduce, refused by name (never bundled to run
+    differently): its generic block decode is non-causal on every layer, and the window it applies to
+    `sliding_attention` layers (dflash_config.use_swa) is not z-lab's causal-within-the-window rule; it reads no
+    embedding / logit scales."""
+    if config.is_dflash2:
+        raise DFlashError("DFlash 2 drafters are not bundled for TensorRT-LLM yet (its DFlash 2 loader is untested "
+                          "here)", field="architectures")
+    for i in range(config.num_hidden_layers):
+        if config.layer_causal(i) or config.layer_window(i) is not None:
+            field = "is_causal" if config.is_causal else "layer_types"
+            raise DFlashError(f"layer {i} is {'causal' if config.layer_causal(i) else 'windowed'} (z-lab 0.1.0): "
+                              "TensorRT-LLM's DFlash block attention would run it bidirectional / unwindowed; use "
+                              "--backend onnxruntime", field=field)
+    for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                          ("final_logit_softcapping", None)):
+        if getattr(config, name) != default:
+            raise DFlashError(f"{getattr(config, name)}: TensorRT-LLM's DFlash does not apply this scale; use "
+                              "--backend onnxruntime", field=f"dflash_config.{name}")
 
 
 def write_normalized_drafter(drafter_path, out: Path, dtype: str, block_size: int | None = None) -> dict[str, Any]:

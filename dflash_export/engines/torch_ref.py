@@ -73,14 +73,17 @@ class TorchEngine(Engine):
         return out.logits[0, -1].float().numpy()
 
     @torch.inference_mode()
-    def draft(self, seq: _TorchSeq, anchor: int, sp: SamplingParams, uniforms):
-        bs = self.info.block_size
+    def draft(self, seq: _TorchSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
+        bs = min(block_len or self.info.block_size, self.info.block_size)
         block = torch.full((1, bs), self.info.mask_token_id, dtype=torch.long)
         block[0, 0] = anchor
         block_pos = torch.arange(seq.length, seq.length + bs)[None]
-        logits = self.drafter.draft_logits(self.target, seq.taps, seq.taps_pos, block, block_pos,
-                                           seq.d_cache)[0].double().numpy()
+        logits, hidden = self.drafter.draft_step(self.target, seq.taps, seq.taps_pos, block, block_pos, seq.d_cache)
         seq.taps = seq.taps_pos = None
+        if self.drafter.config.is_dflash2:  # the candidate selector's walk (z-lab's DFlash2DraftModel.propose)
+            return self.drafter.propose(logits[0].float(), hidden[0], anchor, sp.temperature, sp.top_k, sp.top_p,
+                                        uniforms)
+        logits = logits[0].double().numpy()
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
             return np.argmax(logits, axis=-1).astype(np.int64), None

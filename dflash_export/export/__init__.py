@@ -56,6 +56,15 @@ def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, lo
         "dflash.logits_atol": repr(float(logits_atol)),
         "dflash.ctx_atol": repr(float(ctx_atol)),
         "dflash.drafter_layers": str(c.num_hidden_layers),
+        # z-lab 0.1.0's drafter keys, so the graphs describe what they compute (the ORT engine applies the last two
+        # to the LM head's output)
+        "dflash.input_embedding_scale": repr(float(c.input_embedding_scale)),
+        "dflash.output_multiplier": repr(float(c.output_multiplier)),
+        "dflash.final_logit_softcapping": json.dumps(c.final_logit_softcapping),
+        "dflash.attention": json.dumps([{"causal": c.layer_causal(i), "window": c.layer_window(i)}
+                                        for i in range(c.num_hidden_layers)]),
+        # DFlash 2: the drafter graph also outputs selector_hidden; the walk over the top-k runs on the host
+        "dflash.selector_top_k": str(c.selector_top_k),
     }
 
 
@@ -74,6 +83,12 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     from dflash_export.models.drafter import check_drafter_fits
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
+    from dflash_export.models.rope import rope_problem
+
+    t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
+    problem = rope_problem(t_rope)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
+    if problem:
+        raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     bs = block_size or drafter.block_size

@@ -122,6 +122,37 @@ class GraphBuilder:
         act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])
         return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], p + "down_proj")
 
+    def block_conv(self, x: str, dynamic: str, base: np.ndarray, wname: str, c) -> str:
+        """DFlash 2's grouped dynamic causal convolution along the block: x [B,L,H], dynamic [B,L,K,G], base [K,H]
+        -> sum_o (base[o] + dynamic[:, :, o]) * x shifted o slots later (zeros before the anchor), per group.
+        Plain ONNX: K shifted copies (Pad then Slice back to L, so a block shorter than K stays exact)."""
+        k, gs = c.conv_kernel_size, c.conv_group_size
+        groups = c.hidden_size // gs
+        blocks = self.op("Reshape", [x, self.const([0, 0, groups, gs])])
+        length = self.op("Shape", [x], start=1, end=2)
+        dyn = self.op("Split", [dynamic, self.const([1] * k)], n_out=k, axis=2) if k > 1 else [dynamic]
+        out = None
+        for o in range(k):
+            shifted = blocks
+            if o:
+                padded = self.op("Pad", [blocks, self.const([0, o, 0, 0, 0, 0, 0, 0])])
+                shifted = self.op("Slice", [padded, self.const([0]), length, self.const([1])])
+            dyn_o = self.op("Transpose", [dyn[o]], perm=[0, 1, 3, 2])  # [B,L,1,G] -> [B,L,G,1]
+            base_o = self.weight(f"{wname}.{o}", base[o].reshape(1, 1, groups, gs).astype(np.float32))
+            term = self.op("Mul", [self.op("Add", [base_o, dyn_o]), shifted])
+            out = term if out is None else self.op("Add", [out, term])
+        return self.op("Reshape", [out, self.const([0, 0, c.hidden_size])])
+
+    def block_conv_prepare(self, x: str, sd: dict, wname: str, p: str, c) -> tuple[str, str]:
+        """DFlash 2's `prepare`: the kernel projection of x [B,L,H] -> [B,L,2,K,G]; x convolved with base_kernel[0]
+        and the first half; returns (convolved x, the second half [B,L,K,G] for `finish`)."""
+        k, groups = c.conv_kernel_size, c.hidden_size // c.conv_group_size
+        dyn = self.op("Reshape", [self.linear(x, sd[p + "kernel_projection.weight"], wname + ".kernel_projection"),
+                                  self.const([0, 0, 2, k, groups])])
+        first, second = (self.op("Squeeze", [half, self.const([2])])
+                         for half in self.op("Split", [dyn, self.const([1, 1])], n_out=2, axis=2))
+        return self.block_conv(x, first, sd[p + "base_kernel"][0], wname + ".base0", c), second
+
     def lm_head(self, hidden: str, head: str, hidden_size: int) -> str:
         """hidden [B,n,H] -> logits [B,n,V] with Gemm(transB) on the [V,H] table itself, so the embedding and a tied
         LM head stay one tensor (a MatMul would need a transposed copy)."""
@@ -381,18 +412,17 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     Inputs: ctx [B,C,H] (features of context tokens not yet cached, C >= 0), ctx_positions [B,C] int64,
     block_ids [B,bs] int64 (anchor + masks), block_positions [B,bs] int64, per layer past_ctx_key_i / past_ctx_value_i
     [B,KVH,T,D] (after k_norm + RoPE).
-    Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (the engine turns them into draft
-    probabilities with temperature / top-k / top-p when sampling), present_ctx_key_i / present_ctx_value_i
-    [B,KVH,T+C,D].
+    Outputs: draft_tokens [B,bs-1] int64 (argmax), draft_logits [B,bs-1,V] float32 (after `output_multiplier` and
+    `final_logit_softcapping`; the engine turns them into draft probabilities with temperature / top-k / top-p when
+    sampling), present_ctx_key_i / present_ctx_value_i [B,KVH,T+C,D].
     flavor "ort" (the ONNX Runtime engine's): block_embeds [B,bs,H] (embedding rows, gathered by the engine) replaces
-    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits.
+    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
+    the engine applies the logit multiplier and soft cap (graph metadata) to the head's output.
+    Block embeddings are scaled by `input_embedding_scale` inside the graph (both flavors). Causal / sliding-window
+    layers use MaskedKVInjectedBlockAttention; the block may be shorter than block_size (the last one of a request).
     """
     ort = flavor == "ort"
     c = drafter.config
-    for i in range(c.num_hidden_layers):
-        if c.layer_window(i) is not None and c.layer_window(i) < max_len:
-            raise DFlashError(f"layer {i} is sliding-window ({c.sliding_window}); KVInjectedBlockAttention has no mask "
-                              "(export needs max_seq_len <= sliding_window)", field="layer_types")
     t = target_spec(target)
     sd = np_state(drafter)
     shared = shared_tensors(target)
@@ -410,6 +440,21 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     cos, sin = g.rope_tables(pos, cos_tab, sin_tab)
     ccos, csin = g.rope_tables(ctx_pos, cos_tab, sin_tab)
     x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    if c.input_embedding_scale != 1.0:
+        x = g.op("Mul", [x, g.const(c.input_embedding_scale, np.float32)])
+    k_pos = None
+    if c.masked:
+        # Key positions for the masked layers: context keys sit at 0..T-1 (every engine feeds the context in order
+        # from position 0), then the block's own positions.
+        t_ctx = g.op("Add", [g.op("Shape", ["past_ctx_key_0"], start=2, end=3), g.op("Shape", [ctx], start=1, end=2)])
+        ctx_kpos = g.op("Range", [g.const(0), g.op("Squeeze", [t_ctx, g.const([0])]), g.const(1)])
+        batch = g.op("Shape", [pos], start=0, end=1)
+        ctx_kpos = g.op("Expand", [g.op("Unsqueeze", [ctx_kpos, g.const([0])]), g.op("Concat", [batch, t_ctx],
+                                                                                     axis=0)])
+        k_pos = g.op("Concat", [ctx_kpos, pos], axis=1)
+    functions = [ops.kv_injected_block_attention_function()]
+    if c.masked:
+        functions.append(ops.masked_kv_injected_block_attention_function())
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
@@ -427,32 +472,59 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
         v_ctx = g.op("Concat", [past_v, cv], axis=2, outputs=[f"present_ctx_value_{i}"])
         xn = g.rms_norm(x, g.weight("drafter." + p + "input_layernorm", sd[p + "input_layernorm.weight"]),
                         c.rms_norm_eps, ort)
+        if c.is_dflash2:
+            xn, attn_dyn = g.block_conv_prepare(xn, sd, "drafter." + p + "attention_conv", p + "attention_conv.", c)
         q = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "q_proj.weight"], "drafter." + a + "q_proj",
                                                bias("q_proj")), H, D), qn, c.rms_norm_eps, False), cos, sin, D)
         kb = g.rope(g.rms_norm(g.heads(g.linear(xn, sd[a + "k_proj.weight"], "drafter." + a + "k_proj",
                                                 bias("k_proj")), KVH, D), kn, c.rms_norm_eps, False), cos, sin, D)
         vb = g.heads(g.linear(xn, sd[a + "v_proj.weight"], "drafter." + a + "v_proj", bias("v_proj")), KVH, D)
-        att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H, num_kv_heads=KVH,
-                   scale=float(D ** -0.5), **ops.plugin_attrs())
+        if c.layer_causal(i) or c.layer_window(i) is not None:
+            att = g.op(ops.MASKED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, pos, k_pos], domain=ops.DOMAIN, num_heads=H,
+                       num_kv_heads=KVH, scale=float(D ** -0.5), causal=int(c.layer_causal(i)),
+                       window=int(c.layer_window(i) or 0), **ops.plugin_attrs())
+        else:
+            att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H,
+                       num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())
         att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
-        x = g.op("Add", [x, g.linear(att, sd[a + "o_proj.weight"], "drafter." + a + "o_proj", bias("o_proj"))])
+        att = g.linear(att, sd[a + "o_proj.weight"], "drafter." + a + "o_proj", bias("o_proj"))
+        if c.is_dflash2:
+            att = g.block_conv(att, attn_dyn, sd[p + "attention_conv.base_kernel"][1], "drafter." + p +
+                               "attention_conv.base1", c)
+        x = g.op("Add", [x, att])
         xn2 = g.rms_norm(x, g.weight("drafter." + p + "post_attention_layernorm",
                                      sd[p + "post_attention_layernorm.weight"]), c.rms_norm_eps, ort)
-        x = g.op("Add", [x, g.mlp(xn2, sd, p + "mlp.", "drafter.")])
+        if c.is_dflash2:
+            xn2, mlp_dyn = g.block_conv_prepare(xn2, sd, "drafter." + p + "mlp_conv", p + "mlp_conv.", c)
+            m = g.block_conv(g.mlp(xn2, sd, p + "mlp.", "drafter."), mlp_dyn, sd[p + "mlp_conv.base_kernel"][1],
+                             "drafter." + p + "mlp_conv.base1", c)
+        else:
+            m = g.mlp(xn2, sd, p + "mlp.", "drafter.")
+        x = g.op("Add", [x, m])
     h = g.rms_norm(x, g.weight("drafter.norm", sd["norm.weight"]), c.rms_norm_eps, ort)
     rows = g.op("Slice", [h, g.const([1]), g.const([np.iinfo(np.int64).max]), g.const([1])])  # anchor slot: nothing
+    if c.is_dflash2:  # the candidate selector's projection of each slot; its walk runs on the host (ops.py)
+        g.op("Identity", [g.linear(rows, sd["candidate_selector.hidden_projection.weight"],
+                                   "drafter.candidate_selector.hidden_projection")], outputs=["selector_hidden"])
+        g.output("selector_hidden", F32, ["batch", "n_draft", c.selector_rank])
     if ort:
         g.op("Identity", [rows], outputs=["hidden"])
         g.output("hidden", F32, ["batch", "n_draft", t.hidden_size])
     else:
-        logits = g.op("Identity", [g.lm_head(rows, head_name(shared), t.hidden_size)], outputs=["draft_logits"])
+        logits = g.lm_head(rows, head_name(shared), t.hidden_size)
+        if c.output_multiplier != 1.0:
+            logits = g.op("Mul", [logits, g.const(c.output_multiplier, np.float32)])
+        if c.final_logit_softcapping and c.final_logit_softcapping > 0:
+            cap = g.const(c.final_logit_softcapping, np.float32)
+            logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+        logits = g.op("Identity", [logits], outputs=["draft_logits"])
         g.op("ArgMax", [logits], axis=-1, keepdims=0, outputs=["draft_tokens"])
         g.output("draft_tokens", I64, ["batch", "n_draft"])
         g.output("draft_logits", F32, ["batch", "n_draft", t.vocab_size])
     for i in range(c.num_hidden_layers):
         g.output(f"present_ctx_key_{i}", F32, ["batch", KVH, "total_ctx", D])
         g.output(f"present_ctx_value_{i}", F32, ["batch", KVH, "total_ctx", D])
-    return (*finish(g, [ops.kv_injected_block_attention_function()], False), shared)
+    return (*finish(g, functions, False), shared)
 
 
 def build_head_graph(target, rows: int | None = None, store: "WeightStore | None" = None

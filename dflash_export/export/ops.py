@@ -1,4 +1,8 @@
-"""The two DFlash custom ops as ONNX model-local functions (domain `dflash`), holding the reference math.
+"""The DFlash custom ops as ONNX model-local functions (domain `dflash`), holding the reference math.
+
+KVInjectedBlockAttention (every block query sees all context and block keys), its masked variant
+MaskedKVInjectedBlockAttention (causal and/or sliding-window layers, as z-lab's release 0.1.0 builds them), and
+FusedVerify.
 
 A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines
 the function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes
@@ -6,6 +10,19 @@ carry `plugin_namespace` / `plugin_version` for that lookup. The names and attri
 `engines/tensorrt.py` and `kernels/`: keep them stable.
 
 Hand-written with onnx.helper because no exporter (optimum, torch.onnx) emits custom-domain nodes backed by functions.
+
+DFlash 2 (z-lab's DFlash2DraftModel) adds no op here, decided from its math:
+- GroupedDynamicCausalConv is plain ONNX (export/graph.py `block_conv`): slot t of the block is
+  sum_o (base[o, c] + dynamic[t, o, g]) * x[t - o, c] over K taps (zeros before the anchor), i.e. K shifted copies, an
+  Add and a Mul each. Element-wise and a few taps wide: every runtime fuses it; a plugin would buy nothing.
+- CandidateSelector is not a graph op: it is a walk along the block (slot i's scores depend on the token chosen at
+  slot i-1) over the top-k candidates, O(slots x k x rank) multiply-adds. The drafter graph outputs its per-slot
+  projection `selector_hidden` [B, n, rank]; the engine walks on the host (`sampling.select_candidates`), as it
+  accepts blocks on the host. Host contract: draft logits [n, V] (after output_multiplier / soft cap),
+  selector_hidden [n, R], the two codebooks [V, R], the anchor token, top_k, temperature, uniforms [n] -> tokens [n]
+  (argmax walk when greedy) and, when sampling, q [n, V] = softmax(scores / T) on the candidates (descending-logit
+  order, ties by id), 0 elsewhere -- what speculative sampling verifies against. A GPU backend would need it as a
+  third op (CandidateSelect); none is implemented.
 """
 
 from __future__ import annotations
@@ -20,12 +37,15 @@ ONNX_OPSET = 17
 PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
 KV_ATTENTION = "KVInjectedBlockAttention"
+MASKED_KV_ATTENTION = "MaskedKVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
 EMIT_PAD = -1  # emitted_tokens past n_emitted (kernels/reference.py uses the same value)
 
 # Attributes each op node must carry (checked by `export.check`).
 REQUIRED_ATTRS = {
     KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "plugin_namespace", "plugin_version"),
+    MASKED_KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "causal", "window", "plugin_namespace",
+                          "plugin_version"),
     FUSED_VERIFY: ("temperature", "plugin_namespace", "plugin_version"),
 }
 
@@ -79,6 +99,63 @@ def kv_injected_block_attention_function() -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN, KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"], ["out"], nodes,
         [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[KV_ATTENTION]),
+    )
+
+
+def masked_kv_injected_block_attention_function() -> onnx.FunctionProto:
+    """KVInjectedBlockAttention with a mask, for drafters whose layers are causal or sliding-window.
+
+    Inputs as KVInjectedBlockAttention, plus q_positions [B,S] and k_positions [B,T+S] int64 (absolute positions of
+    the block queries and of every key: context keys first, then the block's). Attributes causal (int, 0/1) and window
+    (int, 0 = none). Query i sees key j iff (not causal or k_j <= q_i) and (window == 0 or q_i - k_j < window) and
+    (causal or window == 0 or k_j - q_i < window): z-lab's `_attention_mask`. Every block query sees at least its own
+    key, so no row is empty.
+    """
+    n = helper.make_node
+
+    def ref_int(out: str, attr: str) -> onnx.NodeProto:
+        node = helper.make_node("Constant", [], [out])
+        node.attribute.append(_ref("value_int", attr, AttributeProto.INT))
+        return node
+
+    body = kv_injected_block_attention_function().node
+    # Everything up to the scaled scores is KVInjectedBlockAttention's; the mask goes in before the softmax.
+    head = [nd for nd in body if nd.op_type != "Softmax" and "out5" not in nd.output and "out_shape" not in nd.output
+            and "out" not in nd.output]
+    nodes = [
+        *head,
+        ref_int("causal_c", "causal"), ref_int("window_c", "window"),
+        _const_node("zero_i", np.array(0, np.int64)),
+        _const_node("zero_f", np.array(0.0, np.float32)), _const_node("ninf_f", np.array(-np.inf, np.float32)),
+        _const_node("ax2", np.array([2], np.int64)), _const_node("ax1", np.array([1], np.int64)),
+        _const_node("ax12", np.array([1, 2], np.int64)),
+        n("Unsqueeze", ["q_positions", "ax2"], ["qp3"]),
+        n("Unsqueeze", ["k_positions", "ax1"], ["kp3"]),
+        n("Sub", ["qp3", "kp3"], ["delta"]),                     # [B,S,T+S] query minus key position
+        n("Cast", ["causal_c"], ["causal_b"], to=TensorProto.BOOL),
+        n("Equal", ["window_c", "zero_i"], ["no_window"]),
+        n("Not", ["causal_b"], ["bidirectional"]),
+        n("GreaterOrEqual", ["delta", "zero_i"], ["behind"]),
+        n("Or", ["bidirectional", "behind"], ["causal_ok"]),
+        n("Less", ["delta", "window_c"], ["near_behind"]),
+        n("Or", ["no_window", "near_behind"], ["window_ok"]),
+        n("Neg", ["delta"], ["neg_delta"]),
+        n("Less", ["neg_delta", "window_c"], ["near_ahead"]),
+        n("Or", ["no_window", "causal_b"], ["ahead_free"]),
+        n("Or", ["ahead_free", "near_ahead"], ["ahead_ok"]),
+        n("And", ["causal_ok", "window_ok"], ["vis1"]),
+        n("And", ["vis1", "ahead_ok"], ["visible"]),
+        n("Where", ["visible", "zero_f", "ninf_f"], ["bias3"]),
+        n("Unsqueeze", ["bias3", "ax12"], ["bias5"]),             # [B,1,1,S,T+S] against scores [B,KVH,G,S,T+S]
+        n("Add", ["scores", "bias5"], ["masked_scores"]),
+        n("Softmax", ["masked_scores"], ["probs"], axis=-1),
+        n("MatMul", ["probs", "v5"], ["out5"]),
+        n("Concat", ["b", "h", "s", "d"], ["out_shape"], axis=0),
+        n("Reshape", ["out5", "out_shape"], ["out"]),
+    ]
+    return helper.make_function(
+        DOMAIN, MASKED_KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_positions", "k_positions"], ["out"],
+        nodes, [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[MASKED_KV_ATTENTION]),
     )
 
 

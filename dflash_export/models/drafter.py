@@ -3,12 +3,17 @@
 Written by hand because no library carries it (transformers has no DFlash model). The math is DESIGN.md's:
 
     ctx = hidden_norm(fc(concat(taps)))                       once per new context token
+    x = target.embed(block) * input_embedding_scale
     per layer:  x_n = input_layernorm(x)
                 q = q_norm(q_proj(x_n))
                 k = k_norm([k_proj(ctx); k_proj(x_n)]),  v = [v_proj(ctx); v_proj(x_n)]
-                RoPE at absolute positions, non-causal attention over context + whole block, GQA
+                RoPE at absolute positions, attention over context + block (see `attention_mask`), GQA
                 x = x + o_proj(attn);  x = x + mlp(post_attention_layernorm(x))
-    hidden = norm(x);  draft logits = target.lm_head(hidden[:, 1:])
+    hidden = norm(x);  draft logits = softcap(target.lm_head(hidden[:, 1:]) * output_multiplier)
+
+Attention is non-causal over all context and the whole block, except as z-lab's release (dflash 0.1.0) has it:
+`sliding_attention` layers are causal (unless the config's top-level `is_causal` says otherwise) and see only keys
+less than `sliding_window` positions away; a top-level `is_causal: true` makes every layer causal.
 
 Context K/V (after k_norm and RoPE) are kept in a `ContextCache` across steps; the block's K/V are not.
 """
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,19 +59,58 @@ class DrafterConfig:
     vocab_size: int
     target_hidden_size: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None       # the non-default RoPE type and its parameters (transformers 4 form)
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     hidden_act: str = "silu"
     layer_types: list[str] | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = None      # effective window: None unless the config enables it (use_sliding_window)
+    is_causal: bool | None = None          # top-level `is_causal`: None = causal exactly on sliding layers
+    input_embedding_scale: float = 1.0     # block embeddings x this
+    output_multiplier: float = 1.0         # draft logits x this ...
+    final_logit_softcapping: float | None = None  # ... then c * tanh(logits / c) when set and > 0
+    # DFlash 2 (z-lab's DFlash2DraftModel): grouped dynamic causal convolutions around attention and MLP, and a
+    # candidate selector over the top-k draft tokens. All 0 for a DFlash drafter.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def rope_parameters(self) -> dict:
+        """RoPE as transformers 5 standardizes it: {rope_type, rope_theta, ...scaling parameters}."""
+        params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": float(self.rope_theta)}
+        params.pop("type", None)
+        return params
+
     def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (keys at most window-1 positions away), None for full attention."""
         if self.layer_types and self.layer_types[i] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer i's block queries see only keys at or before their own position (z-lab: `is_causal`
+        defaults to the layer being a sliding_attention layer)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def masked(self) -> bool:
+        """Whether any layer needs an attention mask (is causal or windowed)."""
+        return any(self.layer_causal(i) or self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    @property
+    def scales_logits(self) -> bool:
+        return self.output_multiplier != 1.0 or bool(self.final_logit_softcapping and
+                                                     self.final_logit_softcapping > 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The z-lab `config.json` (ModelOpt writes the same keys)."""
@@ -99,20 +144,18 @@ class DrafterConfig:
         if self.layer_types is not None:
             d["layer_types"] = list(self.layer_types)
             d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = self.sliding_window is not None  # else transformers drops sliding_window
+        if self.is_causal is not None:
+            d["is_causal"] = bool(self.is_causal)
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", None)):
+            if getattr(self, name) != default:
+                d["dflash_config"][name] = getattr(self, name)
+        if self.is_dflash2:
+            d["architectures"] = ["DFlash2DraftModel"]
+            d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                                      selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         return d
-
-    def rope_config(self):
-        """A transformers config carrying only what its RoPE initializers read."""
-        from transformers import PretrainedConfig
-
-        cfg = PretrainedConfig()
-        cfg.rope_theta = self.rope_theta
-        cfg.rope_scaling = self.rope_scaling
-        cfg.head_dim = self.head_dim
-        cfg.hidden_size = self.hidden_size
-        cfg.num_attention_heads = self.num_attention_heads
-        cfg.max_position_embeddings = self.max_position_embeddings
-        return cfg
 
 
 class RMSNorm(nn.Module):
@@ -131,16 +174,14 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables from transformers' initializers, so every `rope_scaling` type HF knows is honoured."""
+    """RoPE tables from transformers' own initializers (models/rope.py says which types are honoured)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from dflash_export.models.rope import rope_inverse_frequencies
 
-        rope_type = "default"
-        if config.rope_scaling:
-            rope_type = config.rope_scaling.get("rope_type", config.rope_scaling.get("type", "default"))
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config.rope_config(), None)
+        inv_freq, scale = rope_inverse_frequencies(config.rope_parameters, config.head_dim,
+                                                   config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scale)
 
@@ -186,6 +227,7 @@ class DrafterAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.window = c.layer_window(layer_idx)
+        self.causal = c.layer_causal(layer_idx)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
@@ -208,12 +250,30 @@ class DrafterAttention(nn.Module):
         v_blk = self._heads(self.v_proj(x_n), self.num_kv_heads)
         k = torch.cat([k_ctx, k_blk], dim=2) if k_ctx is not None else k_blk
         v = torch.cat([v_ctx, v_blk], dim=2) if v_ctx is not None else v_blk
-        mask = None
-        if self.window is not None:  # sliding layers: a query sees keys less than `window` positions behind it
-            mask = (q_positions[:, None, :, None] - k_positions[:, None, None, :]) < self.window
+        mask = attention_mask(q_positions, k_positions, self.causal, self.window)
         out = block_attention(q, k, v, self.scale, mask)
         b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bool, window: int | None
+                   ) -> torch.Tensor | None:
+    """Which keys each block query sees, [B, 1, S, T] bool (None: all), from absolute positions.
+
+    As z-lab's release: causal layers see keys at or before the query; a window keeps keys less than `window`
+    positions behind the query (and, in a non-causal layer, less than `window` ahead of it).
+    """
+    if not causal and window is None:
+        return None
+    delta = q_positions[:, None, :, None] - k_positions[:, None, None, :]  # query minus key position
+    visible = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        visible &= delta >= 0
+    if window is not None:
+        visible &= delta < window
+        if not causal:
+            visible &= -delta < window
+    return visible
 
 
 def block_attention(q, k, v, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -240,6 +300,79 @@ class DrafterMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash 2's convolution along the block (z-lab's GroupedDynamicCausalConv): slot t mixes slots t, t-1, ...,
+    t-K+1 of the block (zeros before the anchor), channel c of group g with weight base[o, c] + dynamic[t, o, g],
+    the dynamic part projected from the (normed) layer input. `prepare` convolves the sublayer's input with
+    base_kernel[0]; `finish` convolves its output with base_kernel[1] and the second half of the same projection."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H]; dynamic [B, L, K, G]; base [K, H] -> [B, L, H]."""
+        b, length, h = x.shape
+        blocks = x.view(b, length, self.groups, self.group_size)
+        out = torch.zeros_like(blocks)
+        for o in range(self.kernel_size):
+            # shifted o slots later, zeros before the anchor (pad, then cut back: exact for blocks shorter than K)
+            shifted = blocks if o == 0 else F.pad(blocks, (0, 0, 0, 0, o, 0))[:, :length]
+            weight = base[o].view(1, 1, self.groups, self.group_size) + dynamic[:, :, o, :, None]
+            out = out + weight * shifted
+        return out.view(b, length, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self.convolve(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self.convolve(y, dynamic, self.base_kernel[1])
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's proposal over the top-k draft tokens of each slot (z-lab's CandidateSelector): a walk along the
+    block where slot i scores its candidates c by
+        logit(c) + sum_r predecessor_codebook[prev, r] * hidden_projection(h_i)[r] * successor_codebook[c, r]
+    with prev the token chosen at slot i-1 (the anchor for slot 1): argmax when greedy, a draw from
+    softmax(scores / T) when sampling (no top-k / top-p: z-lab's selector ignores them)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
+        self.successor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float,
+               uniforms=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """hidden [n, H], logits [n, V] of one block -> draft tokens [n] and, when sampling, their draft
+        distributions [n, V] (float64, the selector's q on its candidates, 0 elsewhere) drawn with `uniforms`[n]."""
+        from dflash_export.sampling import sample_from
+
+        unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
+        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
+        succ = self.successor_codebook.weight.float()
+        pred_code = self.predecessor_codebook.weight.float()
+        prev = int(anchor)
+        tokens = np.zeros(len(logits), np.int64)
+        probs = None if temperature <= 0 else np.zeros((len(logits), logits.shape[-1]), np.float64)
+        for i in range(len(logits)):
+            scores = unary[i] + (succ[candidates[i]] @ (pred_code[prev] * proj[i]))
+            if temperature <= 0:
+                index = int(torch.argmax(scores))
+            else:
+                q = torch.softmax(scores.double() / temperature, dim=-1).numpy()
+                index = sample_from(q, uniforms[i])
+                probs[i, candidates[i].numpy()] = q
+            prev = int(candidates[i, index])
+            tokens[i] = prev
+        return tokens, probs
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -247,6 +380,10 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DrafterMLP(config)
+        if config.is_dflash2:
+            args = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.attention_conv = GroupedDynamicCausalConv(*args)
+            self.mlp_conv = GroupedDynamicCausalConv(*args)
 
 
 class DFlashDrafter(nn.Module):
@@ -260,6 +397,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(config)
 
     @property
     def block_size(self) -> int:
@@ -309,6 +448,13 @@ class DFlashDrafter(nn.Module):
                     k_ctx, v_ctx = cache.append(i, k_ctx, v_ctx)
                 else:
                     k_ctx, v_ctx = cache.keys[i], cache.values[i]
+            if self.config.is_dflash2:  # DFlash 2: the block convolutions around attention and MLP
+                x_n, dyn = layer.attention_conv.prepare(layer.input_layernorm(x))
+                x = x + layer.attention_conv.finish(
+                    attn(x_n, cos, sin, k_ctx, v_ctx, block_positions, k_positions), dyn)
+                x_n, dyn = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+                x = x + layer.mlp_conv.finish(layer.mlp(x_n), dyn)
+                continue
             x = x + attn(layer.input_layernorm(x), cos, sin, k_ctx, v_ctx, block_positions, k_positions)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
@@ -327,10 +473,39 @@ class DFlashDrafter(nn.Module):
         `target` supplies the shared embedding and LM head (`embed`, `lm_head`). Drafter and target may differ in
         dtype (a drafter stored in half precision next to an fp32 target): the boundary casts both ways.
         """
+        return self.draft_step(target, taps, ctx_positions, block_ids, block_positions, cache)[0]
+
+    def draft_step(self, target, taps, ctx_positions, block_ids, block_positions, cache=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `draft_logits`, also returning the normed hidden states of slots 1..bs-1 [B, bs-1, H] (DFlash 2's
+        candidate selector reads them)."""
         ctx = self.project_context(taps) if taps is not None else None
-        embeds = target.embed(block_ids)
-        hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)
-        return target.lm_head(hidden[:, 1:].to(embeds.dtype))
+        embeds = target.embed(block_ids) * self.config.input_embedding_scale
+        hidden = self(embeds.to(self.fc.weight.dtype), block_positions, ctx, ctx_positions, cache)[:, 1:]
+        return self.scale_logits(target.lm_head(hidden.to(embeds.dtype))), hidden
+
+    def propose(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: int, temperature: float, top_k: int = 0,
+                top_p: float = 1.0, uniforms=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Draft tokens [n] for one block from its logits [n, V] (and hidden [n, H]), plus their draft distributions
+        [n, V] (float64) when sampling: argmax / temperature-top-k-top-p draws for DFlash, the candidate selector's
+        walk for DFlash 2. `uniforms` [>= n] drive the draws."""
+        from dflash_export.sampling import probs_from_logits, sample_from
+
+        if self.config.is_dflash2:
+            return self.candidate_selector.select(hidden, logits, anchor, temperature, uniforms)
+        if temperature <= 0:
+            return torch.argmax(logits.float(), dim=-1).numpy(), None
+        probs = probs_from_logits(logits.double().numpy(), temperature, top_k, top_p)
+        return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], np.int64), probs
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`output_multiplier`, then `final_logit_softcapping` (c * tanh(x / c)) when set and > 0, as z-lab."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping and c.final_logit_softcapping > 0:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
 
 def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:

@@ -15,10 +15,10 @@ from pathlib import Path
 from dflash_export.engines.base import sha256_file
 from dflash_export.errors import DFlashError
 
-# Bump when the conversion changes so cached copies are rebuilt. 3: the tokenizer files carry the GGUF's special tokens
-# (SmolLM2: eos <|im_end|>, no BOS added) and no GGUF byte copy posing as tokenizer.model (2 is taken by another branch's
-# transformers-5 conversion; distinct numbers keep both caches apart).
-_CONVERSION_VERSION = 3
+# Bump when the conversion changes so cached copies are rebuilt. 4: the tokenizer files carry the GGUF's special tokens
+# (SmolLM2: eos <|im_end|>, no BOS added), no GGUF byte copy posing as tokenizer.model, and the transformers-5 config
+# carries a top-level rope_theta too.
+_CONVERSION_VERSION = 4
 
 
 def read_gguf_metadata(path: Path) -> dict:
@@ -86,6 +86,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from dflash_export.models.target import quiet_transformers
+
+    quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
@@ -105,11 +108,13 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     _write_special_tokens(out, read_gguf_metadata(gguf_path), tokenizer)
+    # transformers 5 writes the RoPE base inside `rope_parameters`; add the top-level `rope_theta` transformers 4
+    # reads too, so the copy means the same thing to either (models/rope.py reads both).
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    # A newer transformers writes `rope_parameters`, which 4.57 ignores in favour of rope_theta / rope_scaling:
-    # keep only the fields this version reads so the copy means the same thing everywhere.
-    if cfg.pop("rope_parameters", None) is not None:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
+        cfg["rope_theta"] = params["rope_theta"]
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -179,8 +184,12 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
                           path=gguf_path, field=field)
 
     theta = meta.get(f"{arch}.rope.freq_base")
-    if theta is not None and not math.isclose(float(cfg.get("rope_theta", 0.0)), float(theta), rel_tol=1e-6):
-        fail("rope_theta", float(theta), cfg.get("rope_theta"))
+    if theta is not None:
+        from dflash_export.models.rope import rope_parameters_of
+
+        got = rope_parameters_of(cfg, model_dir / "config.json", cfg.get("model_type", arch)).get("rope_theta")
+        if not math.isclose(float(got or 0.0), float(theta), rel_tol=1e-6):
+            fail("rope_theta", float(theta), got)
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon")
     # GGUF stores eps as float32: 1e-5 reads back as 9.99999975e-06, so compare at float32 precision.
     if eps is not None and not math.isclose(float(cfg.get("rms_norm_eps", 0.0)), float(eps), rel_tol=1e-6):

@@ -135,10 +135,20 @@ class TargetModel:
         return TargetOutput(out.logits, taps)
 
 
+def quiet_transformers() -> None:
+    """transformers 5 draws tqdm bars for every load and save ("Loading weights", "Writing model shards") on stderr:
+    they would break the one-line error contract of every command, and say nothing a user needs."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # its config warnings too: what matters is checked and reported by name here
+
+
 def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     """Load a Qwen3 / LLaMA target from an HF directory or a GGUF file (converted once, cached)."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     from dflash_export.checkpoint import has_safetensors, weight_files
 
     model_dir = resolve_target_dir(path)

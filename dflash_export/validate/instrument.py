@@ -61,9 +61,9 @@ class InstrumentedEngine(Engine):
         self.log.decode_s.append(time.perf_counter() - t)
         return out
 
-    def draft(self, seq, anchor: int, sp: SamplingParams, uniforms):
+    def draft(self, seq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
         t = time.perf_counter()
-        tokens, probs = self.inner.draft(seq, anchor, sp, uniforms)
+        tokens, probs = self.inner.draft(seq, anchor, sp, uniforms, block_len=block_len)
         self.log.draft_s.append(time.perf_counter() - t)
         return tokens, probs
 

@@ -1,0 +1,94 @@
+"""RoPE settings of a `config.json`, read the way transformers 5 reads them, and the ones this project can honour.
+
+A config may carry the base and scaling as `rope_theta` + `rope_scaling` (transformers 4) or inside `rope_parameters`
+(written by transformers 5, often without a top-level `rope_theta`). Reading only one of the two silently falls back to
+the default base, which runs and quietly lowers acceptance; so both go through transformers' own config class, which
+standardizes them into one dict `{rope_type, rope_theta, ...scaling}`.
+
+Honoured: types whose inverse frequencies are fixed at load (`STATIC_ROPE_TYPES`): exact cos/sin tables in every graph.
+Refused by name: types that change with the sequence length (`dynamic`, `longrope`), per-layer-type RoPE, partial
+rotary factors, and anything transformers does not know.
+"""
+
+from __future__ import annotations
+
+from dflash_export.errors import DFlashError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def hf_config(cfg: dict, path, model_type: str = "qwen3"):
+    """`cfg` through transformers' config class for `model_type` (Qwen3Config for every DFlash drafter, as z-lab's
+    release loads them). A value transformers rejects is a DFlashError naming the file and field."""
+    import transformers
+
+    from dflash_export.arch import ARCHS
+    from dflash_export.models.target import quiet_transformers
+
+    quiet_transformers()
+    arch = ARCHS.get(model_type)
+    cls_name = (arch.hf_architecture if arch else "Qwen3ForCausalLM").replace("ForCausalLM", "Config")
+    cls = getattr(transformers, cls_name)
+    fields = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "transformers_version")}
+    try:
+        return cls.from_dict(fields)
+    except Exception as e:  # huggingface_hub's strict-dataclass errors, ValueError/KeyError from rope validation
+        msg = " ".join(str(e).split())
+        field = getattr(e, "field_name", None) or next((k for k in ("rope_parameters", "rope_scaling", "rope_theta")
+                                                        if k in msg), "config")
+        raise DFlashError(f"transformers cannot read this config ({msg[:300]})", path=path, field=field) from None
+
+
+def rope_source_field(cfg: dict) -> str:
+    """The key a config's RoPE settings came from, for error messages."""
+    if isinstance(cfg.get("rope_parameters"), dict):
+        return "rope_parameters"
+    return "rope_scaling" if cfg.get("rope_scaling") else "rope_theta"
+
+
+def rope_parameters_of(cfg: dict, path, model_type: str = "qwen3") -> dict:
+    """The standardized RoPE dict of a config dict (`rope_type` and `rope_theta` always present)."""
+    params = dict(hf_config(cfg, path, model_type).rope_parameters or {})
+    params.pop("type", None)  # transformers keeps the legacy alias next to rope_type
+    return params
+
+
+def rope_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
+    """(field, reason) when these standardized RoPE parameters cannot be honoured exactly; None when they can."""
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return field, f"per-layer-type RoPE ({sorted(params)}) is not supported"
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        why = ("depends on the sequence length, which fixed cos/sin tables in the exported graphs cannot follow"
+               if rope_type in ("dynamic", "longrope") else "is not a RoPE type this project implements")
+        return f"{field}.rope_type", f"{rope_type!r} {why} (supported: {', '.join(STATIC_ROPE_TYPES)})"
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor not in (None, 1, 1.0):
+        return f"{field}.partial_rotary_factor", f"{factor} (partial rotary embeddings are not supported)"
+    return None
+
+
+def legacy_rope_fields(params: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) equivalent to standardized `params`: the form both transformers 4 and 5 read."""
+    theta = float(params.get("rope_theta", 10000.0))
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, {k: v for k, v in params.items() if k != "rope_theta"}
+
+
+def rope_inverse_frequencies(params: dict, head_dim: int, max_position_embeddings: int, path=None):
+    """(inv_freq [head_dim/2] float32, attention_scaling) from transformers' own initializer for the RoPE type."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    problem = rope_problem(params)
+    if problem:
+        raise DFlashError(problem[1], path=path, field=problem[0])
+    cfg = Qwen3Config(head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                      rope_parameters=dict(params))
+    rot = Qwen3RotaryEmbedding(cfg)
+    return rot.inv_freq.float(), float(rot.attention_scaling)
+
+
+__all__ = ["STATIC_ROPE_TYPES", "hf_config", "rope_parameters_of", "rope_problem", "rope_source_field",
+           "legacy_rope_fields", "rope_inverse_frequencies"]
