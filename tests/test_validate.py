@@ -355,11 +355,13 @@ def test_each_planted_sampling_fault_fails_validate_at_its_defaults(recipe, shar
 
 
 @pytest.mark.slow
-def test_correct_sampler_passes_validate_at_its_defaults_on_three_seeds(recipe, sharp):
-    """Three of the benchmark's 20 seeds (README: 20 seeds, at most 1 false alarm allowed, 0 seen)."""
-    for seed in (0, 1, 2):
-        d = _default_distribution_check(recipe, sharp, None, seed).distribution
-        assert d["p_value"] >= 1e-3 and d["impossible_tokens"] == 0, (seed, d)
+def test_correct_sampler_passes_validate_at_its_defaults(recipe, sharp):
+    """Seed 0 of the benchmark's 20 (README: 20 seeds, at most 1 false alarm allowed, 0 seen; the statistic's own
+    calibration over 20 seeds is the next test, on synthetic exact draws, in seconds)."""
+    report = _default_distribution_check(recipe, sharp, None)
+    d = report.distribution
+    assert d["p_value"] >= 1e-3 and d["impossible_tokens"] == 0, d
+    assert "distribution_p_value" not in _failed(report)
 
 
 def test_g_test_null_calibration_over_20_seeds_and_power_against_a_dropped_token():
