@@ -72,13 +72,14 @@ def test_accepting_blocks_commit_what_plain_decoding_would(built):
         ar = rt.generate(prompt, SamplingParams(max_new_tokens=60), "ar").tokens
         true_draft = eng.draft
 
-        def oracle_draft(seq, anchor, sp, uniforms, ar=ar, n=len(prompt)):
-            true_draft(seq, anchor, sp, uniforms)  # keeps the drafter's context cache in step
+        def oracle_draft(seq, anchor, sp, uniforms, block_len=None, ar=ar, n=len(prompt)):
+            true_draft(seq, anchor, sp, uniforms, block_len=block_len)  # keeps the drafter's context cache in step
             done = seq.length - n + 1  # tokens committed so far (the anchor is the last of them)
-            cont = list(ar[done:done + bs - 1]) + [0] * bs
-            d = np.array(cont[:bs - 1], np.int64)
-            k = int(rng.integers(0, bs))
-            if k < bs - 1:
+            n_draft = (block_len or bs) - 1  # the last block is shortened to what the request still needs
+            cont = list(ar[done:done + n_draft]) + [0] * bs
+            d = np.array(cont[:n_draft], np.int64)
+            k = int(rng.integers(0, n_draft + 1))
+            if k < n_draft:
                 d[k] = (d[k] + 1) % eng.info.vocab_size
             return d, None
 
