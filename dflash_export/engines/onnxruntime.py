@@ -564,9 +564,10 @@ QUANT_BLOCK = 32
 QUANT_ACCURACY_LEVEL = 4
 QUANT_SYMMETRIC = {"int8": True, "int4": True}
 QUANT_BITS = {"int8": 8, "int4": 4}
-# Whether the LM head (target) and the draft head (drafter) are quantized with their graphs by default: measured on
-# SmolLM2 (benchmarks/engine_costs.py, see the README), the head is a fifth of the target's weights and a third of a
-# plain step's bytes, so it follows the precision.
+# Whether the LM head (target) and the draft head (drafter) are quantized with their graphs by default. Measured on
+# SmolLM2 int4, interleaved in one process on the loaded 2-core machine: the int4 head on two rows took 11.3 ms against
+# the fp32 head's 43.7 (medians of 190), a whole step 41 ms against 52; it moves the logits little next to the body
+# (correlation with fp32 0.918 against 0.930 with an fp32 head). So the heads follow their graph's precision.
 QUANTIZE_HEADS = True
 # The adaptive verification's cost model per (target, drafter) precision, in plain (two-row) steps, measured by
 # benchmarks/engine_costs.py on SmolLM2 (README): int8 rows cost more than fp32's, int4's most (its int8 kernel runs
