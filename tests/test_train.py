@@ -692,14 +692,14 @@ def test_training_blocks_see_exactly_what_speculative_decoding_shows_the_drafter
     target, drafter = tiny_qwen3
     bs = drafter.block_size
     seen = []
-    real = type(drafter).draft_logits
+    real = type(drafter).draft_step
 
     def recording(self, tgt, taps, taps_pos, block, block_pos, cache=None):
-        logits = real(self, tgt, taps, taps_pos, block, block_pos, cache)
+        logits, hidden = real(self, tgt, taps, taps_pos, block, block_pos, cache)
         seen.append((int(block_pos[0, 0]), int(block[0, 0]), logits[0].clone()))
-        return logits
+        return logits, hidden
 
-    monkeypatch.setattr(type(drafter), "draft_logits", recording)
+    monkeypatch.setattr(type(drafter), "draft_step", recording)
     prompt = torch.randint(1, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     out = spec_generate(drafter, target, prompt, max_new_tokens=24)
     full = torch.tensor(prompt + out.tokens)
@@ -708,6 +708,8 @@ def test_training_blocks_see_exactly_what_speculative_decoding_shows_the_drafter
     r = len(out.tokens)
     seq = TrainSequence(full, len(prompt), taps.half(), torch.zeros(r, 2, dtype=torch.long), torch.zeros(r, 2), 0)
     seq.taps = taps  # full precision: the comparison is about what is visible, not about fp16 rounding
+    # z-lab shortens the request's last block (fewer slots attend to each other); training blocks are always whole
+    seen = [s for s in seen if len(s[2]) == bs - 1]
     anchors = [a for a, _, _ in seen]
     assert len(anchors) > 3 and anchors == sorted(set(anchors))
     assert all(int(full[a]) == tok for a, tok, _ in seen)  # the anchor is the last committed token, at its position
