@@ -155,6 +155,8 @@ def greedy_answers(hf, prompts: Iterable[tuple[int, list[int]]], max_new_tokens:
                     _merge_rows(cache, new_cache)
                     pos, last = torch.cat([pos, new_pos]), torch.cat([last, nxt])
                 rows.extend(new)
+        if not rows:  # every prompt answered (the source ran dry only now)
+            return
         # retire rows whose last token ended them (the prefill's first token can already do so)
         done = [i for i, r in enumerate(rows) if r.answer[-1] in stop or len(r.answer) >= max_new_tokens]
         if done:
