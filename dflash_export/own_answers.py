@@ -155,6 +155,8 @@ def greedy_answers(hf, prompts: Iterable[tuple[int, list[int]]], max_new_tokens:
                     _merge_rows(cache, new_cache)
                     pos, last = torch.cat([pos, new_pos]), torch.cat([last, nxt])
                 rows.extend(new)
+        if not rows:  # every prompt answered (the source ran dry only now)
+            return
         # retire rows whose last token ended them (the prefill's first token can already do so)
         done = [i for i, r in enumerate(rows) if r.answer[-1] in stop or len(r.answer) >= max_new_tokens]
         if done:
@@ -239,7 +241,8 @@ def generate_answer_shards(target, prompts: Sequence[tuple[int, list[int]]], tok
     if feature_dir is not None:
         feature_dir.mkdir(parents=True, exist_ok=True)
     pending: dict[int, dict[int, Answer]] = {i: {} for i in todo}
-    queue = [(i * SHARD_SIZE + j, p[1]) for i in todo for j, p in enumerate(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE])]
+    queue = [(i * SHARD_SIZE + j, p[1]) for i in todo
+             for j, p in enumerate(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE])]
     pad = next(iter(target.stop_token_ids), 0)
     tokens, t0 = 0, time.perf_counter()
     capture = feature_dir is not None and tap_ids is not None

@@ -68,3 +68,12 @@ def test_shards_resume_and_pass_two_rebuilds_the_captured_features(tmp_path, tin
         assert torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len and not a.teacher_forced
         assert torch.equal(a.top_ids, b.top_ids)
         torch.testing.assert_close(a.taps[:-1].float(), b.taps[:-1].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_source_that_runs_dry_exactly_when_the_batch_empties_ends_cleanly(tiny_qwen3):
+    target, _ = tiny_qwen3
+    prompts = _prompts(4, seed=5)
+    # 2 rows at a time, all stopping after 3 tokens: the batch empties twice, the second time with nothing left
+    got = list(greedy_answers(target.hf, prompts, 3, [], batch_size=2, refill_at=2))
+    assert sorted(a.key for a in got) == [0, 1, 2, 3] and all(len(a.answer) == 3 for a in got)
+    assert list(greedy_answers(target.hf, [], 3, [], batch_size=2)) == []

@@ -60,7 +60,8 @@ def render_markdown(report: ValidationReport) -> str:
         f"{g['reference_spec_identical_fraction']:.0%} | 100% |",
         "",
         f"τ {a['tau']:.2f} (online {a['tau_online']:.2f}) over {a['steps']} steps; prompt lookup would reach τ "
-        f"{a.get('tau_prompt_lookup', 1.0):.2f} on the same output tokens (yardstick, full blocks). A DFlash step costs "
+        f"{a.get('tau_prompt_lookup', 1.0):.2f} on the same output tokens (yardstick, full blocks). "
+        "A DFlash step costs "
         f"{cm['draft_ms']:.2f} ms draft ({cm.get('drafts_per_step', 1.0):.2f} drafts per step) + "
         f"{cm['verify_ms']:.2f} ms verify + {cm['dflash_overhead_ms']:.2f} ms loop = "
         f"{cm['step_ms']:.2f} ms and commits τ tokens ({cm['ms_per_token_dflash']:.2f} ms/token); an AR step costs "
