@@ -1105,11 +1105,16 @@ def long_engine(tmp_path_factory):
     return build_onnxruntime(load_recipe(d / "tiny-long.yaml"), d / "engine")
 
 
-def _send_and_drop(port: int, path: str, body: dict, after_s: float) -> None:
+def _send_and_drop(port: int, path: str, body: dict, after_s: float, after_first_bytes: bool = False) -> None:
+    """Send `body` and close the connection `after_s` seconds later (after the first response bytes, if asked: a
+    streamed request is then surely running, however long a loaded machine kept it queued)."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    if after_first_bytes:
+        s.settimeout(60)
+        s.recv(1)
     time.sleep(after_s)
     s.close()
 
@@ -1129,7 +1134,8 @@ def test_a_client_that_goes_away_frees_its_instance_within_a_step(tmp_path, long
         assert post_json(srv.http_url + path, long_body)[0] == 200
         whole = time.monotonic() - t0
         # Leave once the request is surely running (on a loaded machine 0.5 s can still find it queued).
-        _send_and_drop(srv.http_port, path, long_body, max(0.5, 0.1 * whole))
+        _send_and_drop(srv.http_port, path, long_body, max(0.5, 0.1 * whole),
+                       after_first_bytes=model == "dflash_stream")
         t0 = time.monotonic()
         status, _ = post_json(srv.http_url + path, {"text_input": "next", "max_tokens": 8})
         waited = time.monotonic() - t0

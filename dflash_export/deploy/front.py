@@ -202,8 +202,10 @@ class Front:
                 return False
             self._in_flight[token] = why
         if self.cancel_dir is not None:
-            try:
-                (self.cancel_dir / token).write_text(why)
+            try:  # written aside and renamed: the model must never read a created but still empty file
+                tmp = self.cancel_dir / f".{token}.tmp"
+                tmp.write_text(why)
+                os.replace(tmp, self.cancel_dir / token)
             except OSError:
                 pass
         return True
