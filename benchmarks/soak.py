@@ -53,18 +53,6 @@ PROMPTS = [
 ]
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def direct_outputs(engine: Path, cases: list[dict], threads: int) -> dict[str, str]:
     """The text each good request must get, from the engine run in this process (no server)."""
     from dflash_export.deploy.handler import RequestRunner, check_generate_body, generate_text, parse_request
@@ -236,6 +224,7 @@ def main(argv=None) -> int:
         args.long_tokens = min(args.long_tokens, 400)
     from dflash_export.deploy.front import DEFAULT_MAX_BODY_BYTES
     from dflash_export.deploy.repository import write_repository
+    from dflash_export.deploy.server import free_loopback_ports
 
     good = [{"text_input": p, "max_tokens": args.max_tokens} for p in PROMPTS]
     good += [{"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": args.max_tokens},
@@ -243,7 +232,7 @@ def main(argv=None) -> int:
     print(f"direct runs of {len(good)} good requests on {args.engine} ...", flush=True)
     want = direct_outputs(args.engine, good, threads=1)
     repo = write_repository(args.engine, work / "repo", instances=args.instances, max_queue_size=256, threads=1)
-    http_port, grpc_port, metrics_port = free_ports(3)
+    http_port, grpc_port, metrics_port = free_loopback_ports(3)
     log = work / "tritonserver.log"
     serve = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
                               str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -36,16 +35,6 @@ PROMPTS = [
     "Why is the sky blue?",
     "Translate 'good morning' into German and Spanish.",
 ]
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _pct(xs, q):
@@ -137,7 +126,7 @@ def main(argv=None):
     import tritonclient.http as th
 
     from dflash_export.deploy.repository import write_repository
-    from dflash_export.deploy.server import TritonServer
+    from dflash_export.deploy.server import TritonServer, free_loopback_ports
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="triton-bench-") as tmp:
@@ -153,7 +142,7 @@ def main(argv=None):
         threads = max(1, cores // args.instances)
         d_lat, d_tok, d_text = direct_runs(engine, prompts, args.max_tokens, threads, args.reps)
         repo = write_repository(engine, work / "repo", instances=args.instances, max_queue_size=0, decoupled=False)
-        http, grpc, metrics = _free_ports(3)
+        http, grpc, metrics = free_loopback_ports(3)
         result = {"engine": str(engine), "cores": cores, "instances": args.instances, "threads_per_instance": threads,
                   "max_tokens": args.max_tokens}
         with TritonServer(repo, http, grpc, metrics, ready_timeout_s=600) as srv:

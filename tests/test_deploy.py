@@ -27,6 +27,7 @@ import pytest
 
 from dflash_export.deploy.repository import (INPUTS, MARKER, OUTPUTS, ModelConfig, check_config_text, render_config,
                                              write_repository)
+from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.engines.base import write_manifest
 from dflash_export.errors import DFlashError
 
@@ -56,18 +57,6 @@ def make_engine_dir(d: Path) -> Path:
     except ImportError as e:  # pragma: no cover - environment without onnxruntime / onnx
         print(f"ONNX Runtime engine unavailable ({e}); serving the PyTorch engine instead")
         return make_torch_engine_dir(d / "pytorch")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -393,10 +393,16 @@ def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
     return removed
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_loopback_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now (all held open together, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class TritonServer:
@@ -502,7 +508,7 @@ class TritonServer:
             cancel_dir = new_cancel_dir(self._workdir)
             if self.front is None:
                 self.front = Front(self.host, self.http_port, self.limits, cancel_dir).start()
-            self.triton_http_port = _free_loopback_port()
+            self.triton_http_port = free_loopback_ports(1)[0]
             cmd = self.command(self._workdir / "backends")
             env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
             env[CANCEL_DIR_ENV] = str(cancel_dir)
