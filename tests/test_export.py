@@ -73,6 +73,29 @@ def test_target_graph_matches_reference_on_new_shapes(exported):
     assert past["key_0"].shape[2] == 18
 
 
+def _drafter_block_matches_reference(sess, names, target, drafter, cache, past, start, n_ctx, bs, anchor):
+    """Feed n_ctx random context taps at `start` and a block [anchor, mask...] of bs slots to the drafter graph and to
+    the PyTorch drafter (whose `cache` it advances); assert the draft logits and tokens agree; carry the graph's
+    present context K/V into `past`. Returns the graph's outputs by name."""
+    c = drafter.config
+    taps = torch.randn(1, n_ctx, len(c.target_layer_ids) * target.hidden_size)
+    ctx_pos = torch.arange(start, start + n_ctx)[None]
+    block = torch.full((1, bs), c.mask_token_id)
+    block[0, 0] = anchor
+    block_pos = torch.arange(start + n_ctx, start + n_ctx + bs)[None]
+    with torch.inference_mode():
+        ctx = drafter.project_context(taps)
+        ref = drafter.draft_logits(target, taps, ctx_pos, block, block_pos, cache)[0].numpy()
+    out = dict(zip(names, sess.run(None, {"ctx": ctx.numpy(), "ctx_positions": ctx_pos.numpy(),
+                                          "block_ids": block.numpy(), "block_positions": block_pos.numpy(), **past})))
+    np.testing.assert_allclose(out["draft_logits"][0], ref, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(out["draft_tokens"][0], ref.argmax(-1))
+    for i in range(c.num_hidden_layers):
+        past[f"past_ctx_key_{i}"] = out[f"present_ctx_key_{i}"]
+        past[f"past_ctx_value_{i}"] = out[f"present_ctx_value_{i}"]
+    return out
+
+
 def test_drafter_graph_matches_reference_on_new_shapes(exported):
     target, drafter, res = exported
     sess = _session(res.drafter_path)
@@ -85,25 +108,12 @@ def test_drafter_graph_matches_reference_on_new_shapes(exported):
             for i in range(c.num_hidden_layers) for k in ("key", "value")}
     start = 0
     for n_ctx in (9, 3, 1):  # context cache 0, 9, 12 and new context of different lengths
-        taps = torch.randn(1, n_ctx, len(c.target_layer_ids) * target.hidden_size)
-        ctx_pos = torch.arange(start, start + n_ctx)[None]
+        out = _drafter_block_matches_reference(sess, names, target, drafter, cache, past, start, n_ctx, bs,
+                                               int(rng.integers(0, 200)))
         start += n_ctx
-        block = torch.full((1, bs), c.mask_token_id)
-        block[0, 0] = int(rng.integers(0, 200))
-        block_pos = torch.arange(start, start + bs)[None]
-        with torch.inference_mode():
-            ctx = drafter.project_context(taps)
-            ref = drafter.draft_logits(target, taps, ctx_pos, block, block_pos, cache)[0].numpy()
-        out = dict(zip(names, sess.run(None, {"ctx": ctx.numpy(), "ctx_positions": ctx_pos.numpy(),
-                                              "block_ids": block.numpy(), "block_positions": block_pos.numpy(),
-                                              **past})))
-        np.testing.assert_allclose(out["draft_logits"][0], ref, atol=ATOL, rtol=0)
-        np.testing.assert_array_equal(out["draft_tokens"][0], ref.argmax(-1))
         for i in range(c.num_hidden_layers):
             np.testing.assert_allclose(out[f"present_ctx_key_{i}"], cache.keys[i].numpy(), atol=ATOL, rtol=0)
             np.testing.assert_allclose(out[f"present_ctx_value_{i}"], cache.values[i].numpy(), atol=ATOL, rtol=0)
-            past[f"past_ctx_key_{i}"] = out[f"present_ctx_key_{i}"]
-            past[f"past_ctx_value_{i}"] = out[f"present_ctx_value_{i}"]
 
 
 def test_exported_files_are_checked_and_self_describing(exported):
@@ -287,23 +297,8 @@ def test_drafter_graph_honours_zlab_keys(variant, tmp_path):
             for i in range(c.num_hidden_layers) for k in ("key", "value")}
     start = 0
     for n_ctx, bs in ((9, 4), (3, 4), (2, 4), (1, 2)):  # the last block shortened, as at the end of a request
-        taps = torch.randn(1, n_ctx, len(c.target_layer_ids) * target.hidden_size)
-        ctx_pos = torch.arange(start, start + n_ctx)[None]
+        _drafter_block_matches_reference(sess, names, target, drafter, cache, past, start, n_ctx, bs, 17 + n_ctx)
         start += n_ctx
-        block = torch.full((1, bs), c.mask_token_id)
-        block[0, 0] = 17 + n_ctx
-        block_pos = torch.arange(start, start + bs)[None]
-        with torch.inference_mode():
-            ctx = drafter.project_context(taps)
-            ref = drafter.draft_logits(target, taps, ctx_pos, block, block_pos, cache)[0].numpy()
-        out = dict(zip(names, sess.run(None, {"ctx": ctx.numpy(), "ctx_positions": ctx_pos.numpy(),
-                                              "block_ids": block.numpy(), "block_positions": block_pos.numpy(),
-                                              **past})))
-        np.testing.assert_allclose(out["draft_logits"][0], ref, atol=ATOL, rtol=0)
-        np.testing.assert_array_equal(out["draft_tokens"][0], ref.argmax(-1))
-        for i in range(c.num_hidden_layers):
-            past[f"past_ctx_key_{i}"] = out[f"present_ctx_key_{i}"]
-            past[f"past_ctx_value_{i}"] = out[f"present_ctx_value_{i}"]
     meta = {p.key: p.value for p in model.metadata_props}
     assert json.loads(meta["dflash.attention"]) == [{"causal": c.layer_causal(i), "window": c.layer_window(i)}
                                                     for i in range(c.num_hidden_layers)]
