@@ -50,142 +50,208 @@ class _Row:
     top_logp: list[torch.Tensor] = field(default_factory=list)
 
 
-def _layers(cache) -> list:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise DFlashError("this transformers version's DynamicCache has no per-layer tensors (need >= 4.56)")
-    return layers
+class SlotCache:
+    """A preallocated K/V cache of `slots` sequences, each with its own length, for a LLaMA/Qwen3 HF model whose
+    decoder layers it runs by hand (written here because transformers' generic path is what made pass 1 slow: its
+    DynamicCache concatenates every step and its attention expands K/V to every query head under a padding mask).
+
+    Per layer, K and V are [slots, kv_heads, max_len, head_dim]; slot b holds positions [0, lens[b]). Attention groups
+    the query heads that share a K/V head into the query axis ([B, kv, groups * T, d] @ [B, kv, d, S]), so K/V are read
+    once per K/V head and never copied. A sequence is prefilled alone (no padding at all) into a free slot; a decode
+    step advances every slot by one token, writing each new K/V at its own slot's length."""
+
+    def __init__(self, hf, slots: int, max_len: int):
+        cfg = hf.config
+        model = hf.model
+        if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention"
+                                                            for t in (getattr(cfg, "layer_types", None) or [])):
+            raise DFlashError("the fast answer decoder handles full attention only (this target slides a window)",
+                              field="layer_types")
+        self.hf, self.model = hf, model
+        self.layers = list(model.layers[: cfg.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.kv_heads = cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        dtype = next(hf.parameters()).dtype
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
+        self.lens = torch.zeros(slots, dtype=torch.long)
+        self.max_len = max_len
+
+    @property
+    def slots(self) -> int:
+        return int(self.lens.shape[0])
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only slots `idx` (in that order): the tail of a run, when too few sequences are left to fill them."""
+        self.k = [k[idx] for k in self.k]
+        self.v = [v[idx] for v in self.v]
+        self.lens = self.lens[idx].clone()
+
+    def _attend(self, layer, x: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor,
+                mask: torch.Tensor | None, causal_len: int | None) -> torch.Tensor:
+        """One layer's attention for x [B, T, H] at `positions` [B, T], writing K/V into the slots first."""
+        attn = layer.self_attn
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, -1, self.head_dim)
+        k = attn.k_proj(x).view(B, T, -1, self.head_dim)
+        v = attn.v_proj(x).view(B, T, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, T, d]
+        cos, sin = self._rope
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        li = self._li
+        if causal_len is not None:  # prefill of one sequence into slot slot_idx[0]: positions 0..T-1
+            s = int(slot_idx[0])
+            self.k[li][s, :, :T] = k[0]
+            self.v[li][s, :, :T] = v[0]
+            keys, values = k, v
+        else:                       # decode: one token per slot, at its own length
+            self.k[li][slot_idx, :, positions[:, 0]] = k[:, :, 0]
+            self.v[li][slot_idx, :, positions[:, 0]] = v[:, :, 0]
+            width = self._width
+            keys, values = self.k[li][:, :, :width], self.v[li][:, :, :width]
+        g = self.groups
+        q = q.reshape(B, self.kv_heads, g * T, self.head_dim)     # heads kv*g + j share K/V head kv (HF repeat_kv)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling  # [B, kv, g*T, S]
+        scores = scores + mask
+        out = torch.matmul(torch.softmax(scores.float(), -1).to(values.dtype), values)  # [B, kv, g*T, d]
+        out = out.reshape(B, -1, T, self.head_dim).transpose(1, 2).reshape(B, T, -1)
+        return attn.o_proj(out)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor, mask: torch.Tensor,
+             prefill: bool, tap_ids: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder over ids [B, T]; returns the final normed hidden states [B, T, H] and the taps [B, T, n*H]."""
+        h = self.model.embed_tokens(ids)
+        self._rope = tuple(t.unsqueeze(1) for t in self.model.rotary_emb(h, positions))
+        wanted = {t: None for t in (tap_ids or [])}
+        n = len(self.layers)
+        for li, layer in enumerate(self.layers):
+            self._li = li
+            a = self._attend(layer, layer.input_layernorm(h), positions, slot_idx, mask,
+                             ids.shape[1] if prefill else None)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if li in wanted and li != n - 1:
+                wanted[li] = h
+        normed = self.model.norm(h)
+        if n - 1 in wanted:  # HF's last hidden state is the normed one
+            wanted[n - 1] = normed
+        taps = torch.cat([wanted[t] for t in tap_ids], -1) if tap_ids else None
+        return normed, taps
+
+    def prefill(self, slot: int, prompt: Sequence[int], tap_ids: Sequence[int] | None = None):
+        """Runs `prompt` alone into `slot`; returns the last position's logits [V] and the taps [P, n*H]."""
+        T = len(prompt)
+        if T + 1 > self.max_len:
+            raise DFlashError(f"prompt of {T} tokens does not fit the decoder's {self.max_len} positions",
+                              field="max_prompt_tokens")
+        ids = torch.tensor([list(prompt)])
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1).repeat(self.groups, 1)[None, None]  # rows (group, t)
+        h, taps = self._run(ids, pos, torch.tensor([slot]), mask, True, tap_ids)
+        self.lens[slot] = T
+        logits = self.hf.lm_head(h[0, -1])
+        return logits, (taps[0] if taps is not None else None)
+
+    def step(self, tokens: torch.Tensor, tap_ids: Sequence[int] | None = None):
+        """Feeds one token per slot (tokens [slots]) at each slot's length; returns logits [slots, V], taps."""
+        B = self.slots
+        pos = self.lens.clone()
+        if int(pos.max()) + 1 > self.max_len:
+            raise DFlashError("an answer outgrew the decoder's positions", field="max_new_tokens")
+        self._width = int(pos.max()) + 1
+        keys = torch.arange(self._width)
+        mask = torch.where(keys[None, :] <= pos[:, None], 0.0, float("-inf"))[:, None, None, :]
+        h, taps = self._run(tokens[:, None], pos[:, None], torch.arange(B), mask, False, tap_ids)
+        self.lens += 1
+        return self.hf.lm_head(h[:, 0]), (taps[:, 0] if taps is not None else None)
 
 
-def _select_rows(cache, keep: torch.Tensor, trim: int) -> None:
-    """Keep batch rows `keep` of every layer, dropping the first `trim` cache columns (padding for every kept row)."""
-    for layer in _layers(cache):
-        layer.keys = layer.keys[keep, :, trim:].contiguous()
-        layer.values = layer.values[keep, :, trim:].contiguous()
-
-
-def _merge_rows(cache, new_cache) -> None:
-    """Append `new_cache`'s rows to `cache`'s, left-padding the shorter one's columns with zeros (masked out)."""
-    for layer, new in zip(_layers(cache), _layers(new_cache)):
-        a_len, b_len = layer.keys.shape[-2], new.keys.shape[-2]
-        width = max(a_len, b_len)
-
-        def pad(t, n):
-            return torch.nn.functional.pad(t, (0, 0, width - n, 0)) if n < width else t
-
-        layer.keys = torch.cat([pad(layer.keys, a_len), pad(new.keys, b_len)], 0)
-        layer.values = torch.cat([pad(layer.values, a_len), pad(new.values, b_len)], 0)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
 
 
 @torch.inference_mode()
 def greedy_answers(hf, prompts: Iterable[tuple[int, list[int]]], max_new_tokens: int, stop_ids: Sequence[int],
                    batch_size: int = 32, tap_ids: Sequence[int] | None = None, topk: int = 4,
                    pad_id: int = 0, refill_at: int | None = None) -> Iterator[Answer]:
-    """Greedy answers of the HF causal LM `hf` to `prompts` ((key, ids)), decoded `batch_size` at a time; yields each
-    as soon as it is finished (stop token or `max_new_tokens`), so not in input order.
+    """Greedy answers of the HF causal LM `hf` (LLaMA / Qwen3) to `prompts` ((key, ids)), decoded `batch_size` at a
+    time in a SlotCache; yields each as soon as it is finished (stop token or `max_new_tokens`), so not in input order.
 
-    Each row sits right-aligned in a shared KV cache with its own absolute positions (`position_ids`) and an attention
-    mask hiding its left padding, so its tokens are the ones unbatched greedy decoding would pick (up to fp32 rounding
-    of the batched matmuls at near-ties). Finished rows leave the cache at once; when `refill_at` or more slots are
-    free, the next prompts are prefilled together and merged in. With `tap_ids`, each row's taps (HF
-    hidden_states[id + 1]) and the top-k log-probabilities of each answer token are kept as well."""
+    Continuous batching: a finished sequence frees its slot at once and the next prompt is prefilled into it before
+    the next step, so every step advances a full batch until the prompts run out (then the cache shrinks to the
+    sequences left). Each token is the one unbatched greedy decoding picks, up to fp32 rounding of the batched matmuls
+    at near-ties. With `tap_ids`, each row's taps (HF hidden_states[id + 1]) and the top-k log-probabilities of each
+    answer token are kept as well. `pad_id` fills idle slots; `refill_at` is accepted for callers of the old decoder
+    (a slot is now refilled as soon as it is free)."""
     stop = set(stop_ids)
-    source = iter(prompts)
-    refill_at = refill_at or max(1, batch_size // 4)
-    rows: list[_Row] = []
-    cache = None
-    mask = torch.zeros(0, 0, dtype=torch.long)     # [B, L]: 1 = real token in the cache
-    pos = torch.zeros(0, dtype=torch.long)          # [B]: position of each row's next input token
-    last = torch.zeros(0, dtype=torch.long)         # [B]: each row's next input token
-    exhausted = False
+    source = list(prompts)
+    if not source:
+        return
+    longest = max(len(p) for _, p in source)
+    cache = SlotCache(hf, min(batch_size, len(source)), longest + max_new_tokens + 1)
+    rows: list[_Row | None] = [None] * cache.slots
+    last = torch.full((cache.slots,), pad_id, dtype=torch.long)
+    nxt_prompt = 0
 
-    def keep(out_logits: torch.Tensor, rows_slice: Sequence[_Row], col: Sequence[int] | int):
-        """Record each row's next token (+ its top-k) from the logits at column(s) `col`."""
-        idx = torch.arange(len(rows_slice))
-        cols = torch.as_tensor(col) if not isinstance(col, int) else torch.full((len(rows_slice),), col)
-        logits = out_logits[idx, cols].float()
-        nxt = logits.argmax(-1)
+    def record(row: _Row, logits: torch.Tensor) -> int:
+        logits = logits.float()
+        tok = int(logits.argmax(-1))
         if tap_ids is not None:
-            logp = torch.log_softmax(logits, -1)
-            t_logp, t_ids = logp.topk(topk, dim=-1)
-            for r, row in enumerate(rows_slice):
-                row.top_ids.append(t_ids[r])
-                row.top_logp.append(t_logp[r])
-        for r, row in enumerate(rows_slice):
-            row.answer.append(int(nxt[r]))
-        return nxt
+            t_logp, t_ids = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+            row.top_ids.append(t_ids)
+            row.top_logp.append(t_logp)
+        row.answer.append(tok)
+        return tok
+
+    def finished(row: _Row) -> bool:
+        return row.answer[-1] in stop or len(row.answer) >= max_new_tokens
 
     while True:
-        free = batch_size - len(rows)
-        if not exhausted and (free >= refill_at or not rows):
-            new = []
-            for _ in range(free):
-                try:
-                    key, ids = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                new.append(_Row(key, list(ids)))
-            if new:
-                width = max(len(r.prompt) for r in new)
-                ids = torch.full((len(new), width), pad_id, dtype=torch.long)
-                m = torch.zeros((len(new), width), dtype=torch.long)
-                for i, r in enumerate(new):
-                    ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-                    m[i, width - len(r.prompt):] = 1
-                p = (m.cumsum(-1) - 1).clamp(min=0)
-                from transformers import DynamicCache
-
-                new_cache = DynamicCache()
-                out = hf(input_ids=ids, attention_mask=m, position_ids=p, past_key_values=new_cache, use_cache=True,
-                         output_hidden_states=tap_ids is not None)
-                if tap_ids is not None:
-                    taps = torch.cat([out.hidden_states[t + 1] for t in tap_ids], -1)
-                    for i, r in enumerate(new):
-                        r.taps.append(taps[i, width - len(r.prompt):].to(torch.float16))
-                nxt = keep(out.logits, new, width - 1)
-                new_pos = torch.tensor([len(r.prompt) for r in new])
-                if cache is None:
-                    cache, mask, pos, last = new_cache, m, new_pos, nxt
+        # fill every free slot (a prompt whose first token already ends it is yielded at once)
+        for s in range(cache.slots):
+            while rows[s] is None and nxt_prompt < len(source):
+                key, ids = source[nxt_prompt]
+                nxt_prompt += 1
+                row = _Row(key, list(ids))
+                logits, taps = cache.prefill(s, row.prompt, tap_ids)
+                if taps is not None:
+                    row.taps.append(taps.to(torch.float16))
+                last[s] = record(row, logits)
+                if finished(row):
+                    yield _finish(row, tap_ids is not None)
+                    cache.lens[s] = 0
                 else:
-                    a_len, b_len = mask.shape[1], m.shape[1]
-                    w = max(a_len, b_len)
-                    mask = torch.cat([torch.nn.functional.pad(mask, (w - a_len, 0)),
-                                      torch.nn.functional.pad(m, (w - b_len, 0))], 0)
-                    _merge_rows(cache, new_cache)
-                    pos, last = torch.cat([pos, new_pos]), torch.cat([last, nxt])
-                rows.extend(new)
-        if not rows:  # every prompt answered (the source ran dry only now)
+                    rows[s] = row
+        active = [s for s in range(cache.slots) if rows[s] is not None]
+        if not active:
             return
-        # retire rows whose last token ended them (the prefill's first token can already do so)
-        done = [i for i, r in enumerate(rows) if r.answer[-1] in stop or len(r.answer) >= max_new_tokens]
-        if done:
-            for i in done:
-                yield _finish(rows[i], tap_ids is not None)
-            kept = torch.tensor([i for i in range(len(rows)) if i not in set(done)], dtype=torch.long)
-            rows = [rows[i] for i in kept.tolist()]
-            if not rows:
-                cache, mask = None, torch.zeros(0, 0, dtype=torch.long)
-                pos = last = torch.zeros(0, dtype=torch.long)
-                if exhausted:
-                    return
+        if nxt_prompt >= len(source) and len(active) <= cache.slots // 2:  # the tail: stop computing idle slots
+            idx = torch.tensor(active)
+            cache.keep(idx)
+            rows = [rows[s] for s in active]
+            last = last[idx].clone()
+        logits, taps = cache.step(last, tap_ids)
+        for s in range(cache.slots):
+            row = rows[s]
+            if row is None:
                 continue
-            mask = mask[kept]
-            trim = int((mask.cumsum(-1) == 0).sum(-1).min())  # leading columns that are padding for every row
-            mask = mask[:, trim:]
-            _select_rows(cache, kept, trim)
-            pos, last = pos[kept], last[kept]
-            if not exhausted and batch_size - len(rows) >= refill_at:
-                continue
-        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], 1)
-        out = hf(input_ids=last[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
-                 use_cache=True, output_hidden_states=tap_ids is not None)
-        if tap_ids is not None:
-            taps = torch.cat([out.hidden_states[t + 1] for t in tap_ids], -1)[:, 0].to(torch.float16)
-            for r, row in enumerate(rows):
-                row.taps.append(taps[r:r + 1])
-        last = keep(out.logits, rows, 0)
-        pos = pos + 1
+            if taps is not None:
+                row.taps.append(taps[s:s + 1].to(torch.float16))
+            last[s] = record(row, logits[s])
+            if finished(row):
+                yield _finish(row, tap_ids is not None)
+                rows[s] = None
+                last[s] = pad_id
+        for s in range(cache.slots):
+            if rows[s] is None:
+                cache.lens[s] = 0  # an idle slot's step wrote at position 0 only; keep it there
 
 
 def _finish(row: _Row, captured: bool) -> Answer:

@@ -1,6 +1,7 @@
 """The target's own answers (pass 1 batched greedy decoding with capture, pass 2 features) against plain unbatched
 greedy decoding and one full forward, and resumption shard by shard."""
 
+import pytest
 import torch
 
 from dflash_export.own_answers import SHARD_SIZE, answer_paths, feature_shards, generate_answer_shards, greedy_answers
@@ -14,11 +15,13 @@ def _prompts(n, seed=0):
             for i in range(n)]
 
 
-def test_batched_answers_equal_unbatched_greedy_with_refills_and_early_stops(tiny_qwen3):
-    target, _ = tiny_qwen3
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_llama"])
+def test_batched_answers_equal_unbatched_greedy_with_refills_and_early_stops(arch, request):
+    target, _ = request.getfixturevalue(arch)
     prompts = _prompts(9)
-    stop = [7, 11, 13]  # frequent enough in a random tiny model that some rows stop early and free their slot
-    # batch 3 over 9 prompts of different lengths: rows leave and new ones are merged in, left-padded
+    # stop tokens taken from two unstopped answers (at steps 3 and 6), so some rows stop early and free their slot
+    stop = [ar_generate(target, prompts[j][1], 8).tokens[k] for j, k in ((1, 3), (4, 6))]
+    # batch 3 over 9 prompts of different lengths: slots free up at different steps and take the next prompts
     got = {a.key: a for a in greedy_answers(target.hf, prompts, 14, stop, batch_size=3, refill_at=1)}
     assert sorted(got) == list(range(9))
     lengths = set()
@@ -29,9 +32,12 @@ def test_batched_answers_equal_unbatched_greedy_with_refills_and_early_stops(tin
     assert len(lengths) > 1  # some answers did stop early
 
 
-def test_captured_taps_and_topk_equal_one_full_forward(tiny_qwen3):
+@pytest.mark.parametrize("last_layer", [False, True])
+def test_captured_taps_and_topk_equal_one_full_forward(tiny_qwen3, last_layer):
     target, drafter = tiny_qwen3
-    taps_ids = drafter.config.target_layer_ids
+    taps_ids = list(drafter.config.target_layer_ids)
+    if last_layer:  # HF's last hidden state is after the final norm: the decoder's tap must be the same
+        taps_ids[-1] = target.hf.config.num_hidden_layers - 1
     prompts = _prompts(5, seed=1)
     for a in greedy_answers(target.hf, prompts, 10, [], batch_size=2, tap_ids=taps_ids, topk=3):
         full = torch.tensor(a.prompt + a.answer)
