@@ -125,7 +125,7 @@ def _register_optional(name: str, module: str, attr: str) -> None:
 
 
 for _name, _module, _attr in [
-    ("train", "dflash_export.train_cmd", "train"),
+    ("train", "dflash_export.train.cli", "train"),
     ("export", "dflash_export.export.cli", "export"),
     ("build", "dflash_export.engines.cli", "build"),
     ("run", "dflash_export.engines.cli", "run"),

@@ -45,7 +45,7 @@ class TrtLlmOptions:
 
 @dataclass
 class TrainOptions:
-    """How `dflash-export train` builds this recipe's drafter (dflash_export/train.py explains each choice)."""
+    """How `dflash-export train` builds this recipe's drafter (dflash_export/train/ explains each choice)."""
 
     prompts: str = "sharegpt"                # "sharegpt" (first-turn prompts, index < 12000) | "synthetic" (tiny)
     num_prompts: int = 2000                  # training prompts to generate responses for

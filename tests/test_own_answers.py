@@ -4,9 +4,15 @@ greedy decoding and one full forward, and resumption shard by shard."""
 import pytest
 import torch
 
-from dflash_export.own_answers import SHARD_SIZE, answer_paths, feature_shards, generate_answer_shards, greedy_answers
 from dflash_export.reference import ar_generate
-from dflash_export.train import load_shards
+from dflash_export.train.data import load_shards
+from dflash_export.train.own_answers import (
+    SHARD_SIZE,
+    answer_paths,
+    feature_shards,
+    generate_answer_shards,
+    greedy_answers,
+)
 
 
 def _prompts(n, seed=0):

@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from dflash_export.errors import DFlashError
-from dflash_export.train import (BlockBatch, TrainSequence, block_loss, build_blocks, default_gamma,
-                                 drafter_from_target, position_weights, sample_anchors, train_forward)
+from dflash_export.train.blocks import (
+    BlockBatch,
+    block_loss,
+    build_blocks,
+    default_gamma,
+    position_weights,
+    sample_anchors,
+    train_forward,
+)
+from dflash_export.train.data import TrainSequence
+from dflash_export.train.init_drafter import drafter_from_target
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +70,7 @@ def test_teacher_forced_blocks_label_the_targets_argmax_while_the_text_stays_on_
 
 
 def test_teacher_forced_data_on_the_targets_own_text_equals_generated_data(tiny_qwen3):
-    from dflash_export.train import generate_sequences, synthetic_prompt_ids, teacher_forced_sequences
+    from dflash_export.train.data import generate_sequences, synthetic_prompt_ids, teacher_forced_sequences
 
     target, _ = tiny_qwen3
     prompts = synthetic_prompt_ids(target.vocab_size, 3, 5)
@@ -75,7 +84,7 @@ def test_teacher_forced_data_on_the_targets_own_text_equals_generated_data(tiny_
 
 
 def test_learning_rate_warms_up_then_follows_a_cosine_to_its_floor():
-    from dflash_export.train import TrainConfig, learning_rate
+    from dflash_export.train.loop import TrainConfig, learning_rate
 
     flat = TrainConfig(lr=1.0, warmup_steps=10)
     assert learning_rate(flat, 0) == pytest.approx(0.1) and learning_rate(flat, 5000) == 1.0
@@ -186,7 +195,8 @@ def _tau(drafter, target, prompts, n=24):
 
 def test_training_on_tiny_pair_lowers_loss_and_raises_tau(tmp_path, tiny_qwen3):
     from dflash_export.models import load_drafter
-    from dflash_export.train import run_train, synthetic_prompt_ids
+    from dflash_export.train.data import synthetic_prompt_ids
+    from dflash_export.train.stage import run_train
 
     target, _ = tiny_qwen3
     recipe = _tiny_recipe(tmp_path)
@@ -204,7 +214,7 @@ def test_training_on_tiny_pair_lowers_loss_and_raises_tau(tmp_path, tiny_qwen3):
 def test_resume_continues_exactly_where_it_stopped(tmp_path):
     from safetensors.torch import load_file
 
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     # teacher-forced data and a decaying learning rate too: both must resume exactly
     recipe = _tiny_recipe(tmp_path, steps=12, num_prompts=16, heldout_prompts=2, teacher_forced_prompts=8,
@@ -220,7 +230,7 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
 
 
 def test_resuming_into_another_output_directory_exports_there(tmp_path):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     recipe = _tiny_recipe(tmp_path, steps=6, num_prompts=16, heldout_prompts=2)
     run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "first"), steps=3)
@@ -234,7 +244,8 @@ def test_resuming_into_another_output_directory_exports_there(tmp_path):
 
 def test_grown_drafter_drafts_exactly_as_before_and_then_trains_its_new_layer(tmp_path, tiny_qwen3):
     from dflash_export.models import load_drafter
-    from dflash_export.train import grow_drafter, run_train
+    from dflash_export.train.init_drafter import grow_drafter
+    from dflash_export.train.stage import run_train
 
     target, _ = tiny_qwen3
     small = drafter_from_target(target, 1, 4, 255).eval()
@@ -286,7 +297,7 @@ def test_init_from_a_drafter_that_does_not_fit_is_one_line(tmp_path):
 
 
 def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     recipe = _tiny_recipe(tmp_path)
     with pytest.raises(DFlashError, match="empty"):
@@ -297,7 +308,8 @@ def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):
 def test_checkpoint_from_another_target_does_not_resume(tmp_path):
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.train import run_train, save_checkpoint
+    from dflash_export.train.loop import save_checkpoint
+    from dflash_export.train.stage import run_train
 
     small = load_target("tiny:llama-small-vocab/target")
     d = drafter_from_target(small, 1, 4, 15)
@@ -312,7 +324,7 @@ def test_checkpoint_from_another_target_does_not_resume(tmp_path):
 
 
 def test_unknown_prompt_source_is_a_recipe_error(tmp_path):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     p = tmp_path / "r.yaml"
     p.write_text("name: r\ntarget: tiny:qwen3/target\ndrafter: d\ntrain:\n  prompts: nope\n")
@@ -370,7 +382,7 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
     from dflash_export.models import load_drafter, load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate
-    from dflash_export.train import chat_prompt_ids
+    from dflash_export.train.data import chat_prompt_ids
 
     recipe = load_recipe("smollm2-135m")
     findings, _ = lint_pair(recipe.drafter_path, recipe.target_path)
@@ -384,7 +396,7 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
 
 
 def test_shard_loader_rereads_only_when_new_shards_appear(tmp_path, monkeypatch):
-    import dflash_export.train as train
+    import dflash_export.train.data as train
 
     def seq(i):
         return train.TrainSequence(ids=torch.arange(4), prompt_len=2, taps=torch.zeros(4, 2, dtype=torch.float16),
@@ -534,7 +546,7 @@ def test_bad_train_option_is_a_usage_error_before_any_work(tmp_path, own_cache, 
     (dict(num_prompts=0), "--num-prompts"),  # and the recipe has no teacher-forced prompts: nothing to train on
 ])
 def test_run_train_checks_its_options_too(tmp_path, own_cache, kwargs, option):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     recipe = _tiny_recipe(tmp_path)
     with pytest.raises(DFlashError, match=f"^{option}: "):
@@ -544,7 +556,7 @@ def test_run_train_checks_its_options_too(tmp_path, own_cache, kwargs, option):
 
 @pytest.mark.parametrize("which", ["out-under-file", "work-under-file", "out-is-file"])
 def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, which):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     recipe = _tiny_recipe(tmp_path)
     a_file = tmp_path / "a-file"
@@ -588,7 +600,7 @@ def test_unwritable_output_directory_is_named(tmp_path, monkeypatch):
 
 
 def test_out_that_holds_something_else_is_never_replaced(tmp_path, monkeypatch):
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     recipe = _tiny_recipe(tmp_path, steps=2)
     docs = tmp_path / "docs"
@@ -605,7 +617,7 @@ def test_out_that_holds_something_else_is_never_replaced(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def pristine_checkpoint(tmp_path_factory):
     from dflash_export.models import load_target
-    from dflash_export.train import save_checkpoint
+    from dflash_export.train.loop import save_checkpoint
 
     target = load_target("tiny:qwen3/target")
     d = drafter_from_target(target, 2, 4, 255)
@@ -663,7 +675,7 @@ def test_corrupt_checkpoint_is_one_line_on_resume(tmp_path, own_cache, pristine_
 
 
 def test_a_failure_after_the_work_dir_exists_removes_it_and_leaves_one_line(tmp_path, own_cache, monkeypatch):
-    import dflash_export.train as train
+    import dflash_export.train.stage as train
 
     def fail(*a, **k):
         raise DFlashError("simulated failure", field="test")
@@ -676,7 +688,7 @@ def test_a_failure_after_the_work_dir_exists_removes_it_and_leaves_one_line(tmp_
 
 
 def test_a_failed_generation_leaves_no_empty_cache_folder(tmp_path):
-    from dflash_export.train import generate_shards
+    from dflash_export.train.data import generate_shards
 
     with pytest.raises(AttributeError):  # no target: the first generation fails
         generate_shards(None, lambda: [(0, [1, 2, 3])], tmp_path / "data", [0], 4, 1, 1, 1)

@@ -36,7 +36,8 @@ def _train_drafter(out: Path) -> None:
     """Fit the tiny drafter to the target's greedy continuations (hard labels) with the train module's block layout."""
     from dflash_export.models import load_drafter, load_target
     from dflash_export.models.drafter import save_drafter
-    from dflash_export.train import build_blocks, generate_sequences, synthetic_prompt_ids, train_forward
+    from dflash_export.train.blocks import build_blocks, train_forward
+    from dflash_export.train.data import generate_sequences, synthetic_prompt_ids
 
     torch.manual_seed(0)
     target = load_target("tiny:qwen3/target")

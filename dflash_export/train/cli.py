@@ -1,6 +1,6 @@
 """`dflash-export train`: generate the target's responses (cached), then train the recipe's drafter.
 
-Only parsing and wiring here; the method lives in dflash_export/train.py. Heavy imports stay inside the function so the
+Only parsing and wiring here; the method lives in the modules beside this one (stage.py drives them). Heavy imports stay inside the function so the
 CLI starts fast.
 """
 
@@ -10,7 +10,7 @@ import click
 
 from dflash_export.clitypes import FiniteFloat
 
-SEED_MAX = 2**32 - 1  # = dflash_export.train.SEED_MAX (not imported: that module pulls in torch)
+SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that module pulls in torch)
 
 
 @click.command()
@@ -36,7 +36,7 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.SEED_MAX (not imported: that modul
 def train(recipe, steps, minutes, out, seed, resume, work_dir, num_prompts, data_only, no_generate,
           checkpoint_minutes, threads, init_from):
     """Train the recipe's DFlash drafter on its target's own greedy responses."""
-    from dflash_export.train import run_train
+    from dflash_export.train.stage import run_train
 
     run_train(recipe, steps=steps, minutes=minutes, out=out, seed=seed, resume=resume, work_dir=work_dir,
               num_prompts=num_prompts, data_only=data_only, no_generate=no_generate,

@@ -1,0 +1,261 @@
+"""`train` as a stage: recipe and options checked, data made or found, the loop run, the best drafter written."""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from dflash_export.errors import DFlashError, atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
+from dflash_export.train.data import (
+    answers_dir,
+    data_dir,
+    generate_shards,
+    load_shards,
+    shard_loader,
+    shard_paths,
+    sharegpt_prompt_ids,
+    sharegpt_reply_ids,
+    synthetic_prompt_ids,
+)
+from dflash_export.train.init_drafter import drafter_from_target, grow_drafter
+from dflash_export.train.loop import TrainConfig, load_checkpoint, train_drafter
+from dflash_export.train.own_answers import own_answer_data
+
+
+def _prompt_sources(recipe, target, opts, seed: int):
+    """(train prompts thunk, held-out prompts thunk, source name) for the recipe's prompt kind."""
+    if opts.prompts == "sharegpt":
+        if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
+            raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
+
+        def train_src():
+            return sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed)
+
+        def heldout_src():
+            return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False)
+
+        def tf_src():
+            return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed)
+        return train_src, heldout_src, tf_src, f"sharegpt-s{opts.seed}"
+    if opts.prompts == "synthetic":
+        reserved = target.vocab_size - min(opts.mask_token_id or target.vocab_size - 1, target.vocab_size - 2)
+
+        def tf_src():  # random "answers": exercises the teacher-forced path on tokenizer-less targets
+            rows = [ids for _, ids in synthetic_prompt_ids(target.vocab_size, 2 * opts.teacher_forced_prompts,
+                                                              opts.seed + 2_000_000, reserved)]
+            return [(i, p + q, len(p)) for i, (p, q) in enumerate(zip(rows[0::2], rows[1::2]))]
+        return (lambda: synthetic_prompt_ids(target.vocab_size, opts.num_prompts, opts.seed, reserved),
+                lambda: synthetic_prompt_ids(target.vocab_size, opts.heldout_prompts, opts.seed + 1_000_000, reserved),
+                tf_src, f"synthetic-s{opts.seed}")
+    raise DFlashError(f"unknown prompt source {opts.prompts!r} (sharegpt, synthetic)", path=recipe.path,
+                      field="train.prompts")
+
+
+def _check_start(drafter: DFlashDrafter, target, block_size: int, where: Path) -> None:
+    """A drafter training starts from (a checkpoint, `--init-from`) must fit the target and the recipe's block."""
+    check_drafter_fits(drafter, target, str(where))
+    if drafter.config.block_size != block_size:
+        raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {block_size}", path=where,
+                          field="block_size")
+    c = drafter.config
+    for name, value, default in (("output_multiplier", c.output_multiplier, 1.0),
+                                 ("final_logit_softcapping", c.final_logit_softcapping, None)):
+        if value != default:  # the block loss scores the LM head's plain logits
+            raise DFlashError(f"{value}: training drafters with scaled draft logits is not supported", path=where,
+                              field=f"dflash_config.{name}")
+
+
+SEED_MAX = 2**32 - 1  # the per-step generators seed with seed * 1_000_003 + step, which must stay below 2**64
+
+
+def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed) -> None:
+    """The options `train` takes besides the recipe, for callers that bypass the CLI's click types."""
+    def bad(option: str, message: str):
+        raise DFlashError(message, field=option)
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for option, v, low in (("--steps", steps, 0), ("--threads", threads, 1), ("--num-prompts", num_prompts, 0)):
+        if v is not None and (not is_int(v) or v < low):
+            bad(option, f"must be an integer >= {low}, got {v!r}")
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_MAX):
+        bad("--seed", f"must be an integer in [0, {SEED_MAX}], got {seed!r}")
+    for option, v in (("--minutes", minutes), ("--checkpoint-minutes", checkpoint_minutes)):
+        if v is None and option == "--minutes":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            bad(option, f"must be a finite number > 0, got {v!r}")
+
+
+@contextmanager
+def _no_bar_on_error(bar):
+    """On an error the progress bars vanish, so that the error is the only line the user sees."""
+    try:
+        yield
+    except Exception:
+        bar.live.transient = True
+        bar.live.stop()
+        bar.disable = True  # else Progress.stop prints a blank line on a non-terminal
+        raise
+
+
+def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
+              num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
+              init_from=None, console=None) -> dict:
+    """The `train` stage: data (cached) -> drafter (the last checkpoint when resuming, else `init_from` grown to the
+    recipe's depth, else from the target) -> training -> `out`."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from dflash_export.models.target import load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.sources import cache_dir
+
+    console = console or Console(stderr=True)
+    # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.
+    _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed)
+    recipe = load_recipe(recipe_name)  # checks every recipe field's type and range
+    opts = recipe.train
+    if num_prompts is not None:
+        opts = replace(opts, num_prompts=num_prompts)
+        if num_prompts + opts.teacher_forced_prompts < 1:
+            raise DFlashError("the prompt set is empty: 0 training prompts and the recipe's teacher_forced_prompts "
+                              "is 0", field="--num-prompts")
+    seed = opts.seed if seed is None else seed
+    if not recipe.target.startswith("tiny:") and opts.mask_token_id is None:
+        raise DFlashError("a real target needs an explicit mask token (a reserved special-token row)",
+                          path=recipe.path, field="train.mask_token_id")
+    work = Path(work_dir) if work_dir else cache_dir() / "train" / f"{recipe.name}-seed{seed}"
+    if out is None:
+        if ":" in recipe.drafter.split("/")[0]:
+            out = work / "drafter"  # a tiny:/pkg: drafter is generated, not a place to write to
+        else:
+            out = Path(recipe.drafter_path)
+    out = Path(out)
+    if not data_only:
+        check_output_dir(work, "--work-dir")
+        check_output_dir(out, "--out", command="train", is_previous_output=is_drafter_dir, replaced=True)
+    if threads:
+        torch.set_num_threads(threads)
+
+    target = load_target(recipe.target_path)
+    if opts.soft_topk > target.vocab_size:
+        raise DFlashError(f"must be <= the target's vocabulary size {target.vocab_size}, got {opts.soft_topk}",
+                          path=recipe.path, field="train.soft_topk")
+    mask_id = opts.mask_token_id if opts.mask_token_id is not None else target.vocab_size - 1
+    if opts.prompts == "synthetic" and mask_id < 2:  # synthetic prompts draw their ids from 1 .. below the mask id
+        raise DFlashError(f"must be >= 2 with synthetic prompts, got {mask_id}", path=recipe.path,
+                          field="train.mask_token_id")
+
+    # a run that fails before its first checkpoint leaves no work directory: nothing in it could be resumed from
+    with removing_new_dirs(work, keep_if=lambda w: (w / "checkpoint").exists()):
+        return _run_train(recipe, opts, target, mask_id, work, out, seed, steps=steps, minutes=minutes, resume=resume,
+                          data_only=data_only, no_generate=no_generate, checkpoint_minutes=checkpoint_minutes,
+                          init_from=init_from, console=console)
+
+
+def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: int, *, steps, minutes, resume,
+               data_only, no_generate, checkpoint_minutes, init_from, console) -> dict:
+    """run_train after its checks: the start drafter, data, training, the prompt list."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    start_state = None
+    drafter = None
+    if resume:
+        loaded = load_checkpoint(work)
+        if loaded is not None:
+            drafter, start_state = loaded
+            _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
+            console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
+        else:
+            console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
+    if drafter is None and init_from is not None:
+        from dflash_export.models.drafter import load_drafter
+
+        drafter = load_drafter(init_from, dtype=torch.float32)
+        _check_start(drafter, target, opts.block_size, Path(init_from))
+        if drafter.config.num_hidden_layers != opts.draft_layers:
+            n = drafter.config.num_hidden_layers
+            drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
+            console.print(f"growing {init_from} from {n} to {opts.draft_layers} layers (the new ones start as "
+                          "identities)")
+    if drafter is None:
+        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids,
+                                      recipe_path=recipe.path)
+    tap_ids = drafter.config.target_layer_ids
+
+    train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts, seed)
+    ddir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk, src_name)
+    hdir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk,
+                    src_name.replace("-s", "-heldout-s"))
+    tdir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_reply_tokens, opts.soft_topk,
+                    src_name.replace("-s", "-tf-s"))
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as bar, _no_bar_on_error(bar):
+        if not no_generate:
+            for name, src, directory, n, tf, kind in (
+                    ("held-out data", heldout_src, hdir, opts.heldout_prompts, False,
+                     src_name.replace("-s", "-heldout-s")),
+                    ("teacher-forced data", tf_src, tdir, opts.teacher_forced_prompts, True, None),
+                    ("train data", train_src, ddir, opts.num_prompts, False, src_name)):
+                if n == 0:
+                    continue
+                task = bar.add_task(name, total=n, info="")
+                progress = (lambda d, t, tps, task=task: bar.update(task, completed=d, info=f"{tps:.0f} tok/s"))
+                if tf:
+                    generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                                    opts.soft_topk, teacher_forced=True, progress=progress)
+                else:  # the target's own answers: tokens (pass 1, taps captured) then any missing features (pass 2)
+                    own_answer_data(target, src, directory,
+                                    answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
+                                    tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress)
+        heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
+
+        sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
+        loader = shard_loader(sources)
+
+        if data_only:
+            return {"data_dir": str(ddir), "sequences": len(loader())}
+
+        # Whether there is anything to train on, without reading the shards (train_drafter reads them next).
+        if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
+            raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
+                              "--no-generate)", path=ddir)
+        cfg = TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,
+                          lr_decay_steps=opts.lr_decay_steps, lr_min_ratio=opts.lr_min_ratio,
+                          batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
+                          soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
+                          minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+        first = start_state["step"] if start_state else 0
+        task = bar.add_task("train", total=cfg.steps, completed=first, info="")
+        work.mkdir(parents=True, exist_ok=True)
+        log_path = work / "curve.jsonl"
+
+        def log(rec):
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if rec.get("event") == "checkpoint":
+                bar.console.print(" ".join(f"{k}={v}" for k, v in rec.items() if k != "event"))
+
+        result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
+                               progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
+                               log=log)
+    if opts.prompts == "sharegpt":
+        indices = sorted({s.index for s in loader()})  # a prompt can be in both the generated and teacher-forced sets
+        try:
+            with atomic_file(out.parent / f"{out.name}-train-prompts.txt") as f:
+                f.write("# ShareGPT V3 record indices whose first-turn prompt this drafter was trained on\n")
+                f.write("\n".join(str(i) for i in indices) + "\n")
+        except OSError as e:
+            raise DFlashError(f"cannot write the prompt list ({e.strerror or e})", path=out.parent) from None
+    console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
+                  f"at step {result['best'].get('step')})")
+    return result
