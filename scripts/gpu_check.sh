@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the DFlash kernels, losslessness through them (greedy DFlash == AR over 128 tokens on a tiny and a
 # mid-size random target, fp32 / bf16; sampled FusedVerify against closed-form conditionals, fp32 / fp16 / bf16) and
-# block-vs-token latencies on one NVIDIA GPU (dflash_export/kernels/gpu_check.py, gpu_lossless.py).
+# block-vs-token latencies on one NVIDIA GPU (dflash_export/kernels/gpu_check.py, gpu_lossless.py, synthetic.py).
 # Needs only python3 with torch (+ triton for the kernels): no install, no transformers. Where tensorrt + onnx are
 # importable it also builds one-op engines of both plugins and checks their layers; otherwise it says it skipped.
 # Writes $OUT/gpu_check.json when OUT is set (or --out DIR). --cpu: tiny shapes on the CPU, for CI.

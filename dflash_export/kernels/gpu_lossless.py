@@ -23,13 +23,13 @@ from typing import Callable
 import torch
 
 from dflash_export.kernels import fused_verify, fused_verify_ref, kv_injected_block_attention_ref
+from dflash_export.kernels.synthetic import Qwen3Layers, _rope_tables, target_step
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Greedy losslessness through a random-weight target
 
 
 def _target_logits(model, embed: torch.Tensor, ids: torch.Tensor, caches: list, past: int, target_step) -> torch.Tensor:
-    from dflash_export.kernels.gpu_check import _rope_tables
 
     t = ids.shape[1]
     x = embed[ids]
@@ -43,7 +43,6 @@ def _target_logits(model, embed: torch.Tensor, ids: torch.Tensor, caches: list, 
 def greedy_lossless(shapes, device, dtype, new_tokens: int = 128, prompt_len: int = 12, seed: int = 0,
                     backend: str = "auto") -> dict:
     """DFlash greedy output vs AR greedy output of the same random-weight target; see the module docstring."""
-    from dflash_export.kernels.gpu_check import Qwen3Layers, target_step
 
     model = Qwen3Layers(shapes, shapes.target_layers, device, dtype, seed=seed)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
