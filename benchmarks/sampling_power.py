@@ -90,7 +90,7 @@ def _drafter_dir(test_validate) -> Path:
     """The trained drafter test_validate caches (trained here on first use, a few seconds)."""
     import hashlib
 
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     suite = (ROOT / "validate" / "tiny-random.jsonl").read_bytes()
     key = hashlib.sha256(suite + f"v{test_validate._TRAIN_VERSION}".encode()).hexdigest()[:10]

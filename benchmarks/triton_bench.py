@@ -54,7 +54,8 @@ def build_smollm2_random_drafter(work: Path, block_size: int) -> Path:
     import torch
 
     from dflash_export.engines.onnxruntime import build_onnxruntime
-    from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, save_drafter
+    from dflash_export.models.config import DrafterConfig
+    from dflash_export.models.drafter import DFlashDrafter, save_drafter
     from dflash_export.models.target import read_target_config
     from dflash_export.recipes import load_recipe
 

@@ -9,14 +9,6 @@ from pathlib import Path
 from dflash_export.errors import DFlashError
 
 
-def cache_dir() -> Path:
-    """The user's cache for converted targets, generated data and tiny pairs (DFLASH_CACHE overrides)."""
-    root = os.environ.get("DFLASH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "dflash-export")
-    p = Path(os.path.expanduser(root))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
 def package_file(dist: str, suffix: str) -> Path:
     """The one file ending in `suffix` inside installed distribution `dist` (e.g. the SmolLM2 GGUF)."""
     from importlib import metadata

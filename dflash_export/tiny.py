@@ -55,7 +55,7 @@ TINY = {
 def build_target(spec: TinySpec, out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_export.models.target import quiet_transformers
+    from dflash_export.models.hfutil import quiet_transformers
 
     quiet_transformers()
     common = dict(
@@ -82,7 +82,8 @@ def build_target(spec: TinySpec, out: Path) -> Path:
 
 
 def build_drafter(spec: TinySpec, out: Path) -> Path:
-    from dflash_export.models.drafter import DFlashDrafter, DrafterConfig, save_drafter
+    from dflash_export.models.config import DrafterConfig
+    from dflash_export.models.drafter import DFlashDrafter, save_drafter
 
     cfg = DrafterConfig(
         hidden_size=spec.hidden_size, num_hidden_layers=spec.draft_layers, num_attention_heads=spec.num_heads,
@@ -123,7 +124,7 @@ def tiny_pair_path(spec_str: str) -> Path:
         raise DFlashError(f"unknown tiny pair {name!r} (known: {', '.join(TINY)})", field="tiny")
     if part not in ("target", "drafter"):
         raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     spec = TINY[name]
     digest = hashlib.sha256(json.dumps(spec.__dict__, default=list, sort_keys=True).encode()).hexdigest()[:10]

@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_export.deploy.repository import (INPUTS, MARKER, OUTPUTS, ModelConfig, check_config_text, render_config,
-                                             write_repository)
+from dflash_export.deploy.repository import (
+    INPUTS,
+    MARKER,
+    OUTPUTS,
+    ModelConfig,
+    check_config_text,
+    render_config,
+    write_repository,
+)
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.engines.base import write_manifest
 from dflash_export.errors import DFlashError
@@ -940,7 +947,7 @@ def test_serve_cli_killed_outright_takes_the_server_with_it(tmp_path, engine_dir
 
 def _rehash(engine: Path) -> None:
     """Recompute every hash of the manifest (what an attacker who edits files would do)."""
-    from dflash_export.engines.base import sha256_file
+    from dflash_export.files import sha256_file
 
     m = json.loads((engine / "manifest.json").read_text())
     m["files"] = {rel: sha256_file(engine / rel) for rel in m["files"]}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_export.models import load_drafter, save_drafter
-from dflash_export.models.drafter import default_target_layer_ids
+from dflash_export.models.config import default_target_layer_ids
 
 
 def _rms(x, w, eps):

@@ -340,7 +340,7 @@ def _with_manifest(out, tmp_path, edit):
 
 def _rehash(d: Path) -> None:
     """Update the manifest's file hashes after a deliberate edit (so the content check, not the hash, must catch it)."""
-    from dflash_export.engines.base import sha256_file
+    from dflash_export.files import sha256_file
 
     m = json.loads((d / "manifest.json").read_text())
     m["files"] = {p.name: sha256_file(p) for p in d.iterdir() if p.is_file() and p.name != "manifest.json"}

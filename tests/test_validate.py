@@ -68,7 +68,7 @@ def _train_drafter(out: Path) -> None:
 
 @pytest.fixture(scope="session")
 def trained_drafter_dir() -> Path:
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     suite = (Path(__file__).resolve().parent.parent / "validate" / "tiny-random.jsonl").read_bytes()
     key = hashlib.sha256(suite + f"v{_TRAIN_VERSION}".encode()).hexdigest()[:10]

@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 
 def llamacpp_build(version: str | None) -> tuple[Path, Path]:
     """(source tree, bin dir) of llama.cpp vendored in llama-cpp-python's sdist, built once into the cache."""
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     root = cache_dir() / "llamacpp"
     if version is None:  # the newest sdist the index has; reuse a build of it
@@ -257,9 +257,10 @@ def main() -> int:
     from dflash_export.bench import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine
+    from dflash_export.files import cache_dir
     from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
-    from dflash_export.sources import cache_dir, resolve_source
+    from dflash_export.sources import resolve_source
 
     recipe = load_recipe(args.recipe)
     src, bindir = llamacpp_build(args.llama_version or None)

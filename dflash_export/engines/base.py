@@ -9,7 +9,6 @@ This module imports neither torch nor onnxruntime: a served ORT engine needs onl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from abc import ABC, abstractmethod
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dflash_export.errors import DFlashError, read_json_object
+from dflash_export.files import sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -126,14 +126,6 @@ class Engine(ABC):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Engine directories
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def hash_inputs(paths: list[Path]) -> dict[str, str]:

@@ -12,8 +12,8 @@ import json
 import math
 from pathlib import Path
 
-from dflash_export.engines.base import sha256_file
 from dflash_export.errors import DFlashError
+from dflash_export.files import sha256_file
 
 # Bump when the conversion changes so cached copies are rebuilt. 4: the tokenizer files carry the GGUF's special tokens
 # (SmolLM2: eos <|im_end|>, no BOS added), no GGUF byte copy posing as tokenizer.model, and the transformers-5 config
@@ -51,7 +51,7 @@ def hf_dir_from_gguf(path) -> Path:
     Built on first use under `cache_dir()/targets/<sha256 of the file>/`, then reused. Raises DFlashError naming the
     field when a generation-relevant setting does not survive the conversion.
     """
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     path = Path(path)
     if not path.is_file():
@@ -86,7 +86,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from dflash_export.models.target import quiet_transformers
+    from dflash_export.models.hfutil import quiet_transformers
 
     quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
@@ -174,7 +174,7 @@ def _chat_template_of(model_dir: Path) -> str | None:
 
 def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that differs."""
-    from dflash_export.models.target import stop_token_ids_of
+    from dflash_export.models.hfutil import stop_token_ids_of
 
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = meta["general.architecture"]

@@ -23,7 +23,7 @@ def hf_config(cfg: dict, path, model_type: str = "qwen3"):
     import transformers
 
     from dflash_export.arch import ARCHS
-    from dflash_export.models.target import quiet_transformers
+    from dflash_export.models.hfutil import quiet_transformers
 
     quiet_transformers()
     arch = ARCHS.get(model_type)

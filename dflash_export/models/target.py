@@ -7,7 +7,6 @@ Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,6 +15,7 @@ import torch
 
 from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError, read_json_object
+from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -52,25 +52,6 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
                           path=cfg_path, field="model_type")
     cfg["stop_token_ids"] = stop_token_ids_of(d, cfg)
     return cfg, cfg_path
-
-
-def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
-    ids: list[int] = []
-    for src in (cfg, _maybe_json(model_dir / "generation_config.json")):
-        eos = src.get("eos_token_id")
-        if isinstance(eos, int):
-            eos = [eos]
-        for i in eos or []:
-            if i not in ids:
-                ids.append(i)
-    return ids
-
-
-def _maybe_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 @dataclass
@@ -135,21 +116,12 @@ class TargetModel:
         return TargetOutput(out.logits, taps)
 
 
-def quiet_transformers() -> None:
-    """transformers 5 draws tqdm bars for every load and save ("Loading weights", "Writing model shards") on stderr:
-    they would break the one-line error contract of every command, and say nothing a user needs."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()  # its config warnings too: what matters is checked and reported by name here
-
-
 def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     """Load a Qwen3 / LLaMA target from an HF directory or a GGUF file (converted once, cached)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    from dflash_export.checkpoint import has_safetensors, weight_files
+    from dflash_export.weights import has_safetensors, weight_files
 
     model_dir = resolve_target_dir(path)
     config, _ = read_target_config(model_dir)

@@ -118,7 +118,7 @@ def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tok
     """Where generated data for this (target, taps, lengths, prompt source) is cached."""
     import hashlib
 
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     key = json.dumps({"v": _DATA_VERSION, "target": str(target.model_dir), "config": target.config,
                       "taps": list(tap_ids), "p": max_prompt_tokens, "r": max_new_tokens, "k": topk, "src": source},
@@ -131,7 +131,7 @@ def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str
     tap choice reuses them (own_answers.feature_shards)."""
     import hashlib
 
-    from dflash_export.sources import cache_dir
+    from dflash_export.files import cache_dir
 
     key = json.dumps({"v": 1, "target": str(target.model_dir), "config": target.config, "p": max_prompt_tokens,
                       "r": max_new_tokens, "src": source}, sort_keys=True, default=str)

@@ -114,9 +114,9 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
 
     from rich.console import Console
 
+    from dflash_export.files import cache_dir
     from dflash_export.models.target import load_target
     from dflash_export.recipes import load_recipe
-    from dflash_export.sources import cache_dir
 
     console = console or Console(stderr=True)
     # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.

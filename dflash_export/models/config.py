@@ -1,0 +1,133 @@
+"""The drafter's contract: its config as z-lab's release reads it (a plain dataclass, no torch modules), and z-lab's rule
+for the target layers a drafter taps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's rule when `target_layer_ids` is absent (Python's round, i.e. banker's rounding)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's `config.json`, normalized. `target_hidden_size` comes from `fc.weight` when not given."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    vocab_size: int
+    target_hidden_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None       # the non-default RoPE type and its parameters (transformers 4 form)
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None      # effective window: None unless the config enables it (use_sliding_window)
+    is_causal: bool | None = None          # top-level `is_causal`: None = causal exactly on sliding layers
+    input_embedding_scale: float = 1.0     # block embeddings x this
+    output_multiplier: float = 1.0         # draft logits x this ...
+    final_logit_softcapping: float | None = None  # ... then c * tanh(logits / c) when set and > 0
+    # DFlash 2 (z-lab's DFlash2DraftModel): grouped dynamic causal convolutions around attention and MLP, and a
+    # candidate selector over the top-k draft tokens. All 0 for a DFlash drafter.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rope_parameters(self) -> dict:
+        """RoPE as transformers 5 standardizes it: {rope_type, rope_theta, ...scaling parameters}."""
+        params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": float(self.rope_theta)}
+        params.pop("type", None)
+        return params
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (keys at most window-1 positions away), None for full attention."""
+        if self.layer_types and self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether layer i's block queries see only keys at or before their own position (z-lab: `is_causal`
+        defaults to the layer being a sliding_attention layer)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def masked(self) -> bool:
+        """Whether any layer needs an attention mask (is causal or windowed)."""
+        return any(self.layer_causal(i) or self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    @property
+    def scales_logits(self) -> bool:
+        return self.output_multiplier != 1.0 or bool(self.final_logit_softcapping and
+                                                     self.final_logit_softcapping > 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` (ModelOpt writes the same keys)."""
+        d = dict(self.extra)
+        d.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            hidden_act=self.hidden_act,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            target_hidden_size=self.target_hidden_size,
+            torch_dtype=self.torch_dtype,
+            dflash_config={
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        )
+        if self.layer_types is not None:
+            d["layer_types"] = list(self.layer_types)
+            d["sliding_window"] = self.sliding_window
+            d["use_sliding_window"] = self.sliding_window is not None  # else transformers drops sliding_window
+        if self.is_causal is not None:
+            d["is_causal"] = bool(self.is_causal)
+        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", None)):
+            if getattr(self, name) != default:
+                d["dflash_config"][name] = getattr(self, name)
+        if self.is_dflash2:
+            d["architectures"] = ["DFlash2DraftModel"]
+            d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                                      selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
+        return d
