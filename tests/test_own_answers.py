@@ -80,6 +80,13 @@ def test_shards_resume_and_pass_two_rebuilds_the_captured_features(tmp_path, tin
         assert torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len and not a.teacher_forced
         assert torch.equal(a.top_ids, b.top_ids)
         torch.testing.assert_close(a.taps[:-1].float(), b.taps[:-1].float(), atol=2e-3, rtol=2e-3)
+    # two processes sharing the work (--data-part 0/2 and 1/2) make exactly the shards one process makes
+    split_tok, split_feat = tmp_path / "split-tokens", tmp_path / "split-features"
+    assert generate_answer_shards(target, prompts, split_tok, split_feat, taps_ids, 6, batch_size=8, topk=2,
+                                  part=(1, 2)) == len(prompts) - SHARD_SIZE  # only shard 1 is this part's
+    assert [p.name for p in answer_paths(split_tok)] == ["answers-00001.pt"]
+    generate_answer_shards(target, prompts, split_tok, split_feat, taps_ids, 6, batch_size=8, topk=2, part=(0, 2))
+    assert [s.ids.tolist() for s in load_shards(split_feat)] == [s.ids.tolist() for s in captured]
 
 
 def test_source_that_runs_dry_exactly_when_the_batch_empties_ends_cleanly(tiny_qwen3):

@@ -33,11 +33,14 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that
 @click.option("--init-from", type=click.Path(file_okay=False), default=None,
               help="Start from this trained drafter instead of the target's layers; when the recipe asks for more "
                    "layers, they are appended as identities (zero output projections). A fresh run: step 0.")
+@click.option("--data-part", default=None, metavar="I/N",
+              help="With --data-only: generate only the training-data shards i with i %% N == I (0 <= I < N), so N "
+                   "processes can share the generation; each skips shards already on disk.")
 def train(recipe, steps, minutes, out, seed, resume, work_dir, num_prompts, data_only, no_generate,
-          checkpoint_minutes, threads, init_from):
+          checkpoint_minutes, threads, init_from, data_part):
     """Train the recipe's DFlash drafter on its target's own greedy responses."""
     from dflash_export.train.stage import run_train
 
     run_train(recipe, steps=steps, minutes=minutes, out=out, seed=seed, resume=resume, work_dir=work_dir,
               num_prompts=num_prompts, data_only=data_only, no_generate=no_generate,
-              checkpoint_minutes=checkpoint_minutes, threads=threads, init_from=init_from)
+              checkpoint_minutes=checkpoint_minutes, threads=threads, init_from=init_from, data_part=data_part)

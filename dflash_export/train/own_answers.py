@@ -292,16 +292,20 @@ def load_answers(path: Path) -> list[dict]:
 def generate_answer_shards(target, prompts: Sequence[tuple[int, list[int]]], token_dir: Path,
                            feature_dir: Path | None, tap_ids: Sequence[int] | None, max_new_tokens: int,
                            batch_size: int = 32, topk: int = 4,
-                           progress: Callable[[int, int, float], None] | None = None) -> int:
+                           progress: Callable[[int, int, float], None] | None = None,
+                           part: tuple[int, int] = (0, 1)) -> int:
     """Pass 1 over `prompts` (fixed order): writes `token_dir/answers-i.pt` for every shard i that is missing, and with
     `feature_dir` + `tap_ids` the captured feature shard `feature_dir/shard-i.pt` too. Returns answers on disk.
-    `progress(done prompts, total prompts, generated tok/s)` after each shard."""
+    `progress(done prompts, total prompts, generated tok/s)` after each shard. `part` = (i, n): only the shards
+    k with k % n == i, so n processes can share the work (prompts of the others' shards count as not done)."""
     n_shards = (len(prompts) + SHARD_SIZE - 1) // SHARD_SIZE
-    todo = [i for i in range(n_shards) if not (token_dir / f"answers-{i:05d}.pt").is_file()
-            or (feature_dir is not None and not (feature_dir / f"shard-{i:05d}.pt").is_file())]
-    done_prompts = len(prompts) - sum(len(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE]) for i in todo)
+    todo = [i for i in range(n_shards) if i % part[1] == part[0]
+            and (not (token_dir / f"answers-{i:05d}.pt").is_file()
+                 or (feature_dir is not None and not (feature_dir / f"shard-{i:05d}.pt").is_file()))]
+    done_prompts = sum(len(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE]) for i in range(n_shards)
+                       if i not in todo and (token_dir / f"answers-{i:05d}.pt").is_file())
     if not todo:
-        return len(prompts)
+        return done_prompts
     token_dir.mkdir(parents=True, exist_ok=True)
     if feature_dir is not None:
         feature_dir.mkdir(parents=True, exist_ok=True)
@@ -354,7 +358,7 @@ def feature_shards(target, token_dir: Path, feature_dir: Path, tap_ids: Sequence
 
 def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, answers_directory: Path,
                     tap_ids: Sequence[int], max_new_tokens: int, num_prompts: int, batch_size: int, topk: int,
-                    progress: Callable[[int, int, float], None] | None = None) -> int:
+                    progress: Callable[[int, int, float], None] | None = None, part: tuple[int, int] = (0, 1)) -> int:
     """Feature shards in `directory` for the target's greedy answers to the first `num_prompts` prompts of
     `prompt_source()`: pass 1 (own_answers.generate_answer_shards) writes the answer tokens to `answers_directory` and
     the captured features to `directory`; pass 2 fills in the features of answers generated earlier for other taps.
@@ -364,4 +368,4 @@ def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, 
         raise DFlashError("the prompt set is empty", field="prompts")
     feature_shards(target, answers_directory, directory, tap_ids, topk)
     return generate_answer_shards(target, prompts, answers_directory, directory, tap_ids, max_new_tokens,
-                                  batch_size, topk, progress)
+                                  batch_size, topk, progress, part)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,7 +109,7 @@ def _no_bar_on_error(bar):
 
 def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, resume=False, work_dir=None,
               num_prompts=None, data_only=False, no_generate=False, checkpoint_minutes=5.0, threads=None,
-              init_from=None, console=None) -> dict:
+              init_from=None, console=None, data_part=None) -> dict:
     """The `train` stage: data (cached) -> drafter (the last checkpoint when resuming, else `init_from` grown to the
     recipe's depth, else from the target) -> training -> `out`."""
     from dataclasses import replace
@@ -121,6 +123,7 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     console = console or Console(stderr=True)
     # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.
     _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed)
+    part = _parse_part(data_part, data_only)
     recipe = load_recipe(recipe_name)  # checks every recipe field's type and range
     opts = recipe.train
     if num_prompts is not None:
@@ -158,11 +161,33 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     with removing_new_dirs(work, keep_if=lambda w: (w / "checkpoint").exists()):
         return _run_train(recipe, opts, target, mask_id, work, out, seed, steps=steps, minutes=minutes, resume=resume,
                           data_only=data_only, no_generate=no_generate, checkpoint_minutes=checkpoint_minutes,
-                          init_from=init_from, console=console)
+                          init_from=init_from, console=console, part=part)
+
+
+def _progress(bar, task, name: str, console):
+    """A data task's progress: the bar, and on a non-terminal (a log file) one dated line per update, since rich
+    draws nothing there until the task ends."""
+    def update(done, total, tps):
+        bar.update(task, completed=done, info=f"{tps:.0f} tok/s")
+        if not console.is_terminal:
+            console.print(f"{time.strftime('%H:%M:%S')} {name}: {done}/{total} prompts, {tps:.0f} tok/s", soft_wrap=True)
+    return update
+
+
+def _parse_part(data_part, data_only: bool) -> tuple[int, int]:
+    """`I/N` -> (I, N): this process makes the training shards i with i % N == I."""
+    if data_part is None:
+        return 0, 1
+    if not data_only:
+        raise DFlashError("only with --data-only (training reads every shard)", field="--data-part")
+    m = re.fullmatch(r"(\d+)/(\d+)", str(data_part).strip())
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise DFlashError(f"must be I/N with 0 <= I < N, got {data_part!r}", field="--data-part")
+    return int(m.group(1)), int(m.group(2))
 
 
 def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: int, *, steps, minutes, resume,
-               data_only, no_generate, checkpoint_minutes, init_from, console) -> dict:
+               data_only, no_generate, checkpoint_minutes, init_from, console, part=(0, 1)) -> dict:
     """run_train after its checks: the start drafter, data, training, the prompt list."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -209,14 +234,15 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                 if n == 0:
                     continue
                 task = bar.add_task(name, total=n, info="")
-                progress = (lambda d, t, tps, task=task: bar.update(task, completed=d, info=f"{tps:.0f} tok/s"))
+                progress = _progress(bar, task, name, console)
                 if tf:
                     generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
                                     opts.soft_topk, teacher_forced=True, progress=progress)
                 else:  # the target's own answers: tokens (pass 1, taps captured) then any missing features (pass 2)
                     own_answer_data(target, src, directory,
                                     answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
-                                    tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress)
+                                    tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress,
+                                    part=part if kind == src_name else (0, 1))
         heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
