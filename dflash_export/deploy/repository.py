@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import site
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -443,7 +444,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
     """
-    from dflash_export.deploy.server import stub_python_path
+    from dflash_export.deploy.repository import stub_python_path
 
     if engine_dir is None or not str(engine_dir).strip():
         raise DFlashError("empty path: name a built engine directory", field="--engine")
@@ -646,3 +647,12 @@ def check_repository(repo) -> dict[str, Any]:
                 checked_engines.add(engine)
             _check_library_versions(params.get("library_versions"), cfg_path)
     return marker
+
+
+def stub_python_path() -> list[str]:
+    """Directories the stub must import from: the project root, then this environment's site-packages."""
+    import dflash_export
+
+    project_root = str(Path(dflash_export.__file__).resolve().parent.parent)
+    paths = [project_root] + [p for p in site.getsitepackages() if Path(p).is_dir()]
+    return list(dict.fromkeys(paths))

@@ -30,7 +30,6 @@ import platform
 import re
 import shutil
 import signal
-import site
 import socket
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_export.deploy.repository import check_repository, stub_python_path
 from dflash_export.errors import DFlashError, MissingDependency
 
 
@@ -108,15 +108,6 @@ def python_lib_dir() -> Path:
                                 "python backend stub to link; use a Python built with --enable-shared",
                                 field="libpython")
     return Path(libdir)
-
-
-def stub_python_path() -> list[str]:
-    """Directories the stub must import from: the project root, then this environment's site-packages."""
-    import dflash_export
-
-    project_root = str(Path(dflash_export.__file__).resolve().parent.parent)
-    paths = [project_root] + [p for p in site.getsitepackages() if Path(p).is_dir()]
-    return list(dict.fromkeys(paths))
 
 
 STUB_SITE_ENV = "DFLASH_TRITON_STUB_SITE"
@@ -718,7 +709,6 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
     is killed outright (see `_die_with_parent`); what a killed one left is removed by the next start.
     """
     from dflash_export.deploy.front import Limits
-    from dflash_export.deploy.repository import check_repository
 
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
