@@ -38,3 +38,11 @@ def _private_tmpdir(tmp_path_factory):
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old_env
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the module's running tritonserver (the `server` fixture) is a server test, marked or not, so
+    `./dev test --fast` (-m "not slow and not server") never starts one."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
