@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import test_validate
 
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.runtime import DFlashRuntime
     from dflash_export.tiny import TINY
     from dflash_export.validate.faults import faulty_engine

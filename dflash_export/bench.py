@@ -64,7 +64,8 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
     else:
         import torch
 
-        from dflash_export.models import load_drafter, load_target
+        from dflash_export.checkpoint import load_drafter
+        from dflash_export.models import load_target
         from dflash_export.reference import spec_generate
 
         dtype = getattr(torch, recipe.dtype)

@@ -14,6 +14,7 @@ import torch
 
 from dflash_export.errors import DFlashError, read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
+from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
 
 
@@ -457,3 +458,12 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a z-lab / ModelOpt drafter checkpoint directory (single or sharded safetensors)."""
+    config, state = read_drafter_checkpoint(path)
+    model = DFlashDrafter(config)
+    model.load_state_dict(state, strict=True)
+    target_dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)
+    return model.to(target_dtype).eval()

@@ -19,7 +19,8 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     import torch
 
     from dflash_export.errors import DFlashError
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate

@@ -27,7 +27,8 @@ def _session(path):
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def exported(request, tmp_path_factory):
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
 
     target, drafter = load_target(f"tiny:{request.param}/target"), load_drafter(f"tiny:{request.param}/drafter")
     out = tmp_path_factory.mktemp(f"export-{request.param}")
@@ -239,7 +240,8 @@ def test_smollm2_export_matches_reference(tmp_path):
     """The real pair, when its package data and drafter are present. SmolLM2's outlier activations (~1e3 in a few
     channels) make fp32 accumulation-order noise reach ~5e-4 on logits of magnitude ~30 (measured 4.5e-4): the
     tolerance here is 1e-3 absolute, with argmax identical."""
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
 
     recipe = load_recipe("smollm2-135m")
@@ -278,7 +280,8 @@ def test_drafter_graph_honours_zlab_keys(variant, tmp_path):
     import dataclasses
 
     from dflash_export.export import ops
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.models.drafter import DFlashDrafter
 
     target, base = load_target("tiny:qwen3/target"), load_drafter("tiny:qwen3/drafter")

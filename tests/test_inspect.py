@@ -110,7 +110,7 @@ def test_missing_config_is_one_line_exit_2(pair):
 
 
 def test_truncated_safetensors_is_one_line_exit_2(pair):
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
 
     drafter, target = pair
@@ -124,7 +124,7 @@ def test_truncated_safetensors_is_one_line_exit_2(pair):
 
 def test_wrong_tensor_shape_at_load(pair):
     from dflash_export.errors import DFlashError
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
 
     drafter, _ = pair
     DEFECTS["wrong_shape"][0](drafter)

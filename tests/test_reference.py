@@ -5,7 +5,8 @@ import pytest
 import torch
 from scipy import stats
 
-from dflash_export.models import load_drafter, load_target
+from dflash_export.checkpoint import load_drafter
+from dflash_export.models import load_target
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.reference import ar_generate, spec_generate
 from dflash_export.sampling import probs_from_logits, verify_block

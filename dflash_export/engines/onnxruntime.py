@@ -459,7 +459,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     from dflash_export.export import (ORT_DRAFT_HEAD_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_FILE,
                                       SHARED_FILE, export_models)
     from dflash_export.export.graph import target_spec
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.sources import resolve_source
 

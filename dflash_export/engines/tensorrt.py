@@ -744,7 +744,7 @@ def build_tensorrt(recipe, out_dir) -> Path:
     from dflash_export.engines.base import write_manifest
     from dflash_export.errors import atomic_dir
     from dflash_export.export import export_recipe
-    from dflash_export.models import load_drafter
+    from dflash_export.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)

@@ -42,7 +42,8 @@ class TorchEngine(Engine):
 
     @classmethod
     def from_recipe(cls, recipe) -> "TorchEngine":
-        from dflash_export.models import load_drafter, load_target
+        from dflash_export.checkpoint import load_drafter
+        from dflash_export.models import load_target
 
         dtype = getattr(torch, recipe.dtype)
         return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.name,

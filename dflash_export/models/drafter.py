@@ -381,17 +381,6 @@ class DFlashDrafter(nn.Module):
         return logits
 
 
-def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Load a z-lab / ModelOpt drafter checkpoint directory (single or sharded safetensors)."""
-    from dflash_export.checkpoint import read_drafter_checkpoint
-
-    config, state = read_drafter_checkpoint(path)
-    model = DFlashDrafter(config)
-    model.load_state_dict(state, strict=True)
-    target_dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)
-    return model.to(target_dtype).eval()
-
-
 def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None) -> None:
     """Write `config.json` + `model.safetensors` (or shards + index) in the z-lab format, atomically."""
     import json

@@ -122,7 +122,7 @@ def load_checkpoint(work: Path):
     """(drafter, train state) of `work/checkpoint`, or None when there is none. A checkpoint that is there but cannot
     be read back whole -- truncated, garbage, half of it missing -- is one DFlashError naming the file, never a
     silent fresh start."""
-    from dflash_export.models.drafter import load_drafter
+    from dflash_export.checkpoint import load_drafter
 
     ck = work / "checkpoint"
     state_path, drafter_dir = ck / "train_state.pt", ck / "drafter"

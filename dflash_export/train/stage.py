@@ -202,7 +202,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
         else:
             console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
     if drafter is None and init_from is not None:
-        from dflash_export.models.drafter import load_drafter
+        from dflash_export.checkpoint import load_drafter
 
         drafter = load_drafter(init_from, dtype=torch.float32)
         _check_start(drafter, target, opts.block_size, Path(init_from))

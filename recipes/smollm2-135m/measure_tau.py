@@ -43,7 +43,8 @@ def main() -> None:
     if args.engine:
         return engine_main(args)
 
-    from dflash_export.models import load_drafter, load_target
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models import load_target
     from dflash_export.reference import ar_generate, spec_generate
     from dflash_export.train.data import chat_prompt_ids
 
