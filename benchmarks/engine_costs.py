@@ -96,7 +96,8 @@ def bandwidth_probe_ms(nbytes: int = 113_246_208) -> float:
 def measure(engine_dir: Path, args) -> dict:
     """Round-robin over the four kinds of step (one of each per round), so load from other processes on a shared
     machine hits every kind alike and the ratios stay meaningful; medians over the rounds."""
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
 
     eng = load_engine(engine_dir, threads=args.threads)
     rss_loaded = _rss_mb()

@@ -78,7 +78,8 @@ def build_smollm2_random_drafter(work: Path, block_size: int) -> Path:
 
 def direct_runs(engine_dir: Path, prompts, max_tokens: int, threads: int, reps: int):
     from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
     from dflash_export.runtime import DFlashRuntime
 
     runner = RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=threads)))

@@ -50,7 +50,8 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
     recipe = load_recipe(recipe_name)
     runs = []
     if mode in ("dflash", "dflash-full", "ar"):
-        from dflash_export.engines.base import SamplingParams, load_engine
+        from dflash_export.engines.base import SamplingParams
+        from dflash_export.engines.registry import load_engine
         from dflash_export.runtime import DFlashRuntime
 
         t0 = time.perf_counter()

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_export.engines.base import SamplingParams, load_engine, read_manifest
+from dflash_export.engines.base import SamplingParams, read_manifest
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 
@@ -143,7 +144,8 @@ def test_sampling_equals_torch_engine_given_the_seed(built):
 
 def test_serving_imports_no_torch(built):
     _, out, _, _ = built
-    code = ("import sys; from dflash_export.engines.base import load_engine, SamplingParams;"
+    code = ("import sys; from dflash_export.engines.base import SamplingParams;"
+            "from dflash_export.engines.registry import load_engine;"
             "from dflash_export.runtime import DFlashRuntime;"
             f"e = load_engine({str(out)!r}, threads=1);"
             "print(DFlashRuntime(e).generate([1, 2, 3], SamplingParams(max_new_tokens=4)).tokens);"

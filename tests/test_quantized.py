@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from dflash_export.engines.base import SamplingParams, load_engine, read_manifest
+from dflash_export.engines.base import SamplingParams, read_manifest
+from dflash_export.engines.registry import load_engine
 from dflash_export.runtime import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]

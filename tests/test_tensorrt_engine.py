@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from dflash_export.engines import graph_engine as ge
-from dflash_export.engines.base import SamplingParams, load_engine
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.runtime import DFlashRuntime
 

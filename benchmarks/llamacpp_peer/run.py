@@ -180,7 +180,8 @@ def llama_dflash(bindir: Path, model: Path, drafter: Path, text: str, n: int, th
 def engine_worker(engine_dir: str, n: int, threads: int) -> None:
     """One engine in this process, serving stdin lines of prompt ids with one stdout line each: AR then DFlash on the
     prompt (decode tok/s, tokens, tau). At end of input, one last line with the process's peak RSS."""
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
     from dflash_export.runtime import DFlashRuntime
 
     eng = load_engine(engine_dir, threads=threads)

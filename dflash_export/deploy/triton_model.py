@@ -83,7 +83,7 @@ class TritonPythonModel:
         _check_versions(json.loads(_param(config, "library_versions", "{}")))
 
         from dflash_export.deploy.handler import RequestRunner
-        from dflash_export.engines.base import load_engine
+        from dflash_export.engines.registry import load_engine
         from dflash_export.runtime import DFlashRuntime
 
         engine_dir = _param(config, "engine_dir")

@@ -413,21 +413,3 @@ def load_codec(engine_dir):
     return TextCodec.from_dir(d)
 
 
-def load_engine(engine_dir, **kwargs) -> Engine:
-    """Open a built engine directory with the backend its manifest names."""
-    manifest = read_manifest(engine_dir)
-    backend = manifest["backend"]
-    if backend == "onnxruntime":
-        from dflash_export.engines.onnxruntime import OrtEngine
-
-        return OrtEngine(Path(engine_dir), manifest, **kwargs)
-    if backend == "tensorrt":
-        from dflash_export.engines.tensorrt import TensorRTEngine  # type: ignore[attr-defined]
-
-        return TensorRTEngine(Path(engine_dir), manifest, **kwargs)
-    if backend == "pytorch":
-        from dflash_export.engines.torch_ref import TorchEngine
-
-        return TorchEngine.from_manifest(Path(engine_dir), manifest, **kwargs)
-    raise DFlashError(f"a {backend!r} engine does not load here (onnxruntime, tensorrt, pytorch)",
-                      path=Path(engine_dir) / MANIFEST, field="backend")

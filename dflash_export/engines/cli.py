@@ -51,7 +51,8 @@ def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads)
                    "worth their verification cost; same output).")
 def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks):
     """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
     from dflash_export.runtime import DFlashRuntime, RunStats
 
     engine = load_engine(engine_dir)

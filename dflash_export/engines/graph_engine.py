@@ -17,7 +17,7 @@ Graph protocol (dflash_export.export.graph, flavor "portable"):
                       i64, past_ctx_key_i / past_ctx_value_i [1,KVH,T,D] f32
                  out: draft_tokens [1,bs-1] i64, draft_logits [1,bs-1,V] f32, present_ctx_key_i / value_i [1,KVH,T+C,D]
 Every `past_X` input pairs with the `present_X` output: the runner feeds the first `length` cached rows and stores
-the present rows back. Profiles (tensorrt.graph_profiles): target prefill / verify / decode, drafter first_block / step.
+the present rows back. Profiles (`graph_profiles` below): target prefill / verify / decode, drafter first_block / step.
 
 `OrtGraphRunner` runs the same files in ONNX Runtime (CPU): the CPU twin of a TensorRT engine directory's `onnx/`,
 and what proves this engine logic in CI without a GPU.
@@ -25,6 +25,7 @@ and what proves this engine logic in CI without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence as Seq
@@ -196,7 +197,7 @@ class OrtGraphRunner(GraphRunner):
     """Runs `target_verify.onnx` and `drafter.onnx` from `onnx_dir` in ONNX Runtime on the CPU.
 
     `check_profiles=(block_size, max_seq_len)` makes every run also check its inputs against the TensorRT
-    optimization profile it names (tensorrt.graph_profiles): a shape a TensorRT engine would refuse fails here.
+    optimization profile it names (`graph_profiles`): a shape a TensorRT engine would refuse fails here.
     """
 
     def __init__(self, onnx_dir, threads: int = 1, check_profiles: tuple[int, int] | None = None):
@@ -248,7 +249,7 @@ def _profile_ranges(path: Path, graph: str, block_size: int, max_seq_len: int) -
     """{profile name: {input: (min shape, max shape)}} of the TensorRT profiles for this exported graph."""
     import onnx
 
-    from dflash_export.engines.tensorrt import graph_profiles, profile_shapes, vocab_size_of
+    from dflash_export.engines.graph_engine import graph_profiles, profile_shapes, vocab_size_of
 
     model = onnx.load(str(path), load_external_data=False)
     return {p.name: {k: (lo, hi) for k, (lo, _, hi) in profile_shapes(model, p).items()}
@@ -265,3 +266,90 @@ def _check_profile(ranges: dict[str, dict], graph: str, profile: str, feeds: dic
         if len(got) != len(lo) or not all(a <= g <= b for a, g, b in zip(lo, got, hi)):
             raise DFlashError(f"{graph} input {name} {tuple(got)} is outside profile {profile!r} "
                               f"[{tuple(lo)}, {tuple(hi)}]", field=name)
+
+
+@dataclasses.dataclass
+class Profile:
+    """One optimization profile: a range per named ONNX dimension, and values for shape-tensor (scalar) inputs."""
+
+    name: str
+    dims: dict[str, tuple[int, int, int]]
+    values: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+
+
+def _fixed(n: int) -> tuple[int, int, int]:
+    return (n, n, n)
+
+
+def graph_profiles(graph: str, block_size: int, max_seq_len: int, vocab_size: int, max_batch: int = 1
+                   ) -> list[Profile]:
+    """The optimization profiles of `target_verify` (prefill, block verify, single-token decode) or `drafter`
+    (first block after prefill: all prompt features at once; steady state: <= block_size new features).
+
+    Dim names are the export's (dflash_export.export.graph); the runtime selects the profile by index.
+    """
+    bs, L = block_size, max_seq_len
+    opt_past = min(512, L - bs)
+    batch = (1, 1, max_batch)
+    if graph == "target_verify":
+        sampling = {"n_draft_or_1": (0, 1, max(1, bs - 1)), "vocab_or_1": (1, 1, vocab_size), "n_uniforms": (1, 1, bs)}
+        return [
+            Profile("prefill", {"batch": batch, "seq": (1, min(512, L), L), "past": _fixed(0), "n_draft": _fixed(0),
+                                **sampling}, {"num_logits": _fixed(1)}),
+            Profile("verify", {"batch": batch, "seq": _fixed(bs), "past": (0, opt_past, L - bs),
+                               "n_draft": _fixed(bs - 1), **sampling}, {"num_logits": _fixed(bs)}),
+            Profile("decode", {"batch": batch, "seq": _fixed(1), "past": (0, opt_past, L - 1), "n_draft": _fixed(0),
+                               **sampling}, {"num_logits": _fixed(1)}),
+        ]
+    if graph == "drafter":
+        # positions: context 0..past_ctx+n_ctx-1, then the block; all must stay below max_seq_len
+        step_past = max(0, L - 2 * bs)
+        return [
+            Profile("first_block", {"batch": batch, "n_ctx": (1, min(512, L - bs), L - bs), "past_ctx": _fixed(0),
+                                    "block": _fixed(bs)}),
+            # past_ctx up to L-bs-1 (anchor at L-bs after one new feature): L-2bs refused the last steps of a
+            # request the runtime admits (tests/test_tensorrt_engine.py runs one)
+            Profile("step", {"batch": batch, "n_ctx": (0, bs, bs),
+                             "past_ctx": (0, min(512, step_past), max(0, L - bs - 1)),
+                             "block": _fixed(bs)}),
+        ]
+    raise DFlashError(f"unknown graph {graph!r} (target_verify, drafter)", field="graph")
+
+
+def profile_shapes(model, profile: Profile) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """min / opt / max shape of every graph input of `model` (ModelProto) under `profile`; scalar shape-tensor
+    inputs map to their value ranges as 1-tuples. Raises DFlashError for a dynamic dim the profile does not name."""
+    out = {}
+    for inp in model.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        if not dims:
+            if inp.name not in profile.values:
+                raise DFlashError(f"scalar input {inp.name!r} has no value range in profile {profile.name!r}",
+                                  field=inp.name)
+            lo, opt, hi = profile.values[inp.name]
+            out[inp.name] = ((lo,), (opt,), (hi,))
+            continue
+        lo, opt, hi = [], [], []
+        for d in dims:
+            if d.HasField("dim_value"):
+                rng = _fixed(d.dim_value)
+            elif d.dim_param in profile.dims:
+                rng = profile.dims[d.dim_param]
+            else:
+                raise DFlashError(f"dynamic dim {d.dim_param!r} of input {inp.name!r} has no range in profile "
+                                  f"{profile.name!r}", field=inp.name)
+            lo.append(rng[0])
+            opt.append(rng[1])
+            hi.append(rng[2])
+        out[inp.name] = (tuple(lo), tuple(opt), tuple(hi))
+    return out
+
+
+def vocab_size_of(model) -> int:
+    """The vocabulary size: the static last dim of the graph's logits output."""
+    for o in model.graph.output:
+        if o.name.endswith("logits"):
+            last = o.type.tensor_type.shape.dim[-1]
+            if last.HasField("dim_value"):
+                return int(last.dim_value)
+    raise DFlashError("no logits output with a static vocabulary dim", field="outputs")

@@ -39,7 +39,7 @@ def check_engine_recipe(engine_dir: Path, recipe) -> dict:
 
 def open_engine(engine_dir: Path, recipe):
     """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
-    from dflash_export.engines.base import load_engine
+    from dflash_export.engines.registry import load_engine
 
     manifest = check_engine_recipe(engine_dir, recipe)
     meta = {"dir": str(engine_dir), "manifest": {k: manifest[k] for k in ("tool_version", "libraries", "dtype",

@@ -89,7 +89,8 @@ def engine_main(args) -> None:
     """tau per block size on ORT engines, AR on the first engine as the reference output (greedy)."""
     from dataclasses import replace
 
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
     from dflash_export.engines.build import build_engine
     from dflash_export.prompt_lookup import prompt_lookup_tau
     from dflash_export.recipes import load_recipe
