@@ -185,6 +185,9 @@ class OrtEngine(Engine):
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
         self._mask_row = self._embed.rows([mask])[0]
+        # Drafters exported with a key bias (unmasked ones, since #18) take B padded sequences per call
+        # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
+        self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -300,19 +303,27 @@ class OrtEngine(Engine):
         for i in range(self.d_layers):
             feeds[f"past_ctx_key_{i}"] = seq.d_kv[2 * i]
             feeds[f"past_ctx_value_{i}"] = seq.d_kv[2 * i + 1]
+        if self.drafter_batches:
+            feeds["key_bias"] = np.zeros((1, seq.d_kv[0].shape[2] + seq.ctx.shape[1] + bs), np.float32)
         extra = ["selector_hidden"] if self._selector else []
         names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(self.d_layers) for k in ("key", "value")]
         res = self.drafter.run(names, feeds)
         seq.d_kv = res[1 + len(extra):]
         seq.ctx = seq.ctx_pos = None
         logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
+        return self.drafts_from_logits(seq, logits, res[1][0] if extra else None, anchor, sp, uniforms)
+
+    def drafts_from_logits(self, seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int,
+                           sp: SamplingParams, uniforms):
+        """Draft head logits [n, V_draft] of one block -> (tokens [n], draft probs [n, V] or None); sets
+        seq.draft_confidence when greedy. Shared by `draft` and the batched engine (engines/ort_batch.py)."""
         if self._draft_multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
             logits = logits * np.float32(self._draft_multiplier)
         if self._draft_softcap:
             logits = np.tanh(logits / np.float32(self._draft_softcap)) * np.float32(self._draft_softcap)
         if self._selector:  # DFlash 2: the candidate selector's walk (no draft confidences: full blocks verified)
             top_k, predecessor, successor = self._selector
-            return select_candidates(logits, res[1][0], predecessor, successor, anchor, top_k,
+            return select_candidates(logits, selector_hidden, predecessor, successor, anchor, top_k,
                                      0.0 if sp.greedy else sp.temperature, uniforms)
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)

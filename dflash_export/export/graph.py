@@ -416,7 +416,8 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     `final_logit_softcapping`; the engine turns them into draft probabilities with temperature / top-k / top-p when
     sampling), present_ctx_key_i / present_ctx_value_i [B,KVH,T+C,D].
     flavor "ort" (the ONNX Runtime engine's): block_embeds [B,bs,H] (embedding rows, gathered by the engine) replaces
-    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
+    block_ids; unmasked drafters also take key_bias [B,T+C+bs] float (0 visible, -inf padding; see
+    ops.biased_kv_injected_block_attention_function), so B sequences of different lengths draft in one call; and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
     the engine applies the logit multiplier and soft cap (graph metadata) to the head's output.
     Block embeddings are scaled by `input_embedding_scale` inside the graph (both flavors). Causal / sliding-window
     layers use MaskedKVInjectedBlockAttention; the block may be shorter than block_size (the last one of a request).
@@ -452,7 +453,14 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
         ctx_kpos = g.op("Expand", [g.op("Unsqueeze", [ctx_kpos, g.const([0])]), g.op("Concat", [batch, t_ctx],
                                                                                      axis=0)])
         k_pos = g.op("Concat", [ctx_kpos, pos], axis=1)
-    functions = [ops.kv_injected_block_attention_function()]
+    # ort flavor, unmasked layers: a key bias [B, T+C+bs] (0 / -inf) lets one call carry sequences of different
+    # context and block lengths, padded (engines/ort_batch.py). Masked drafters keep their positional mask and are
+    # drafted one sequence per call.
+    batched = ort and not c.masked
+    if batched:
+        g.input("key_bias", F32, ["batch", "n_keys"])
+    functions = [ops.biased_kv_injected_block_attention_function() if batched
+                 else ops.kv_injected_block_attention_function()]
     if c.masked:
         functions.append(ops.masked_kv_injected_block_attention_function())
     for i in range(c.num_hidden_layers):
@@ -483,6 +491,9 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
             att = g.op(ops.MASKED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, pos, k_pos], domain=ops.DOMAIN, num_heads=H,
                        num_kv_heads=KVH, scale=float(D ** -0.5), causal=int(c.layer_causal(i)),
                        window=int(c.layer_window(i) or 0), **ops.plugin_attrs())
+        elif batched:
+            att = g.op(ops.BIASED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, "key_bias"], domain=ops.DOMAIN,
+                       num_heads=H, num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())
         else:
             att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H,
                        num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())
