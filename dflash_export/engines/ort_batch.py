@@ -204,6 +204,46 @@ class BatchedOrtEngine:
         outs = io.get_outputs()
         return outs[0].numpy(), outs[1].numpy()
 
+    def _run_target_batch(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks of B sequences over their pasts in one call of target_batch.onnx (attention in plain ops: it reads
+        the K/V buffer and returns the new rows, written back here for the real rows only)."""
+        e = self.engine
+        sess = e.batch_target_session()
+        a, z = self._range(seqs)
+        s = max(len(x) for x in blocks)
+        cap = self._buf.t_cap
+        embeds = np.empty((len(seqs), s, e._mask_row.shape[0]), np.float32)
+        pos = np.empty((len(seqs), s), np.int64)
+        bias = np.zeros((len(seqs), cap), np.float32)
+        for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+            if seq.length + s > min(self.info.max_seq_len, cap):
+                raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room", field="max_tokens")
+            embeds[i, : len(blk)] = e._embed.rows(blk)
+            embeds[i, len(blk):] = embeds[i, len(blk) - 1]
+            pos[i] = np.arange(seq.length, seq.length + s)
+            bias[i, seq.length:] = -np.inf
+        io = sess.io_binding()
+        io.bind_output("hidden", "cpu")
+        io.bind_output("ctx", "cpu")
+        news = []
+        for i in range(e.t_layers):
+            for j, kind in enumerate(("key", "value")):
+                io.bind_cpu_input(f"past_{kind}_{i}", self._buf.t_kv[2 * i + j][a:z])
+                io.bind_output(f"new_{kind}_{i}", "cpu")
+                news.append(2 * i + j)
+        io.bind_cpu_input("inputs_embeds", embeds)
+        io.bind_cpu_input("num_logits", np.array(s, np.int64))
+        io.bind_cpu_input("position_ids", pos)
+        io.bind_cpu_input("past_bias", bias)
+        sess.run_with_iobinding(io)
+        outs = io.get_outputs()
+        for k, buf_i in enumerate(news):
+            new = outs[2 + k].numpy()
+            buf = self._buf.t_kv[buf_i]
+            for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+                buf[seq.slot, :, seq.length: seq.length + len(blk)] = new[i, :, : len(blk)]
+        return outs[0].numpy(), outs[1].numpy()
+
     def _head(self, rows: list[np.ndarray]) -> list[np.ndarray]:
         """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each."""
         cat = np.concatenate(rows, axis=0)[None]
@@ -225,10 +265,15 @@ class BatchedOrtEngine:
         """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step).
         Returns logits [n_b, V] per sequence. Nothing is committed until `commit`."""
         blocks = [np.asarray(b, np.int64) for b in blocks]
-        if len(seqs) == 1 or max(len(b) for b in blocks) == 1:
+        # GQA's in-place graph for one sequence and for one-row steps of fp32 engines (quantized ones run one-token
+        # steps as two rows, which GQA takes for one sequence a call only).
+        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.plain_step_rows == 1):
             hidden, ctx = self._run_target(seqs, blocks, prefill=False)
             rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
-        else:  # GroupQueryAttention (CPU) takes many rows over a past for one sequence per call only
+        elif self.engine.batch_target_session() is not None:
+            hidden, ctx = self._run_target_batch(seqs, blocks)
+            rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
+        else:  # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
             rows = []
             for seq, blk in zip(seqs, blocks):
                 hidden, ctx = self._run_target([seq], [blk], prefill=False)
