@@ -18,9 +18,11 @@ The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlash
     since padding costs as much as a draft -- while  sum_b q[b, k] >= λ * a * B,  i.e. while the expected tokens the
     slot adds pay for B more rows at the current rate. With one sequence this is DFlashRuntime's own rule. As the
     load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
-    shrinks towards plain decoding (S = 1); when a draft yields no verified slot, drafting backs off for 2^n - 1 steps
-    (n such drafts in a row, at most `max_skip`), and per sequence after n drafts of which nothing was accepted, as
-    DFlashRuntime does.
+    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1) unless what drafting
+    has yielded lately (EMAs of accepted drafts per drafting sequence g and of the rows per sequence S' it led to)
+    beats plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1));  one drafting
+    step in every `max_skip` + 1 keeps those figures current. Per sequence, after n drafts of which nothing was
+    accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix.
 """
 
@@ -41,7 +43,7 @@ from dflash_export.sampling import probs_from_logits, verify_block
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
-DRAFT_ROW_COST = 0.25
+DRAFT_ROW_COST = 0.3
 
 
 @dataclass
@@ -97,8 +99,11 @@ class BatchingRuntime:
         self.queued_tokens = 0
         self.active: list[_Active] = []
         self.rate = 1.0           # λ: tokens per unit of single-sequence plain-step cost
-        self._draft_misses = 0    # batch back-off: drafts in a row that left no slot worth verifying
-        self._draft_skip = 0
+        # What drafting has been yielding (EMAs over drafting steps, B > 1): drafts accepted per drafting sequence,
+        # and the rows the target call then took. Optimistic at start, so that drafting is tried and measured.
+        self.accepted_per_draft = 1.0
+        self.rows_per_draft_step = self.info.block_size / 2
+        self._since_draft = 0
         self._ids = itertools.count()
         self.steps = 0
         self.rows_verified = 0    # drafts verified (sum over sequences and steps), for the bench's report
@@ -208,9 +213,8 @@ class BatchingRuntime:
         acts = list(self.active)  # slot order
         acts.sort(key=lambda a: a.seq.slot)
         drafting = []
-        batch_may_draft = self._draft_skip == 0
-        if not batch_may_draft:
-            self._draft_skip -= 1
+        batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts)) or self._since_draft >= self.max_skip
+        self._since_draft = 0 if batch_may_draft else self._since_draft + 1
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs = 0, None, None
             sp = a.req.sp
@@ -249,7 +253,7 @@ class BatchingRuntime:
                 blk[1:] = a.drafts[: a.n_draft]
             blocks.append(blk)
         logits = self.batch.target_step([a.seq for a in acts], blocks)
-        tokens = 0
+        tokens = accepted = 0
         done = []
         for a, blk, lg in zip(acts, blocks, logits):
             sp = a.req.sp
@@ -269,6 +273,8 @@ class BatchingRuntime:
                     a.misses = a.misses + 1 if accept == 0 else 0
                     a.skip = min(self.max_skip, (1 << a.misses) - 1)
             self.batch.commit(a.seq, accept)
+            if a.drafts is not None:
+                accepted += accept
             a.last = emitted[-1]
             tokens += accept + 1
             ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
@@ -277,17 +283,20 @@ class BatchingRuntime:
                 done.append(a)
         for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
             self._finish(a)
-        n_rows = sum(len(b) for b in blocks)
         rows = len(blocks) * max(len(b) for b in blocks)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
-        if drafting and self.adaptive:
-            adaptive_greedy = [a for a in drafting if a.req.sp.greedy and a.seq.draft_confidence is not None]
-            if adaptive_greedy and n_rows == len(blocks):  # drafted, and not one slot was worth verifying
-                self._draft_misses += 1
-                self._draft_skip = min(self.max_skip, (1 << self._draft_misses) - 1) if len(acts) > 1 else 0
-            else:
-                self._draft_misses = 0
+        if drafting:
+            self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * accepted / len(drafting)
+            self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * rows / len(blocks)
+
+    def _drafting_pays(self, b: int) -> bool:
+        """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
+        from what drafting has yielded lately (B > 1; one sequence follows DFlashRuntime's rule)."""
+        plain = b / (1.0 + self.a * (b - 1))
+        cost = (self.draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1.0
+                + self.a * (b * self.rows_per_draft_step - 1))
+        return b * (1.0 + self.accepted_per_draft) / cost > plain
 
     def _choose_rows(self, acts: list[_Active], drafting: list[_Active]) -> int:
         """S, the rows of this step's target call (see the module docstring)."""

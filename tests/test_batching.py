@@ -235,3 +235,25 @@ def test_scheduler_verifies_less_as_load_grows(built):
     assert 1 < rt._choose_rows(many, many) < alone
     rt.rate *= 2
     assert rt._choose_rows(many, many) == 1
+
+
+def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, reference, monkeypatch):
+    """Engines built before target_batch.onnx: many-row blocks run one sequence per GQA call, same tokens."""
+    _, eng, _ = built
+    monkeypatch.setattr(type(eng), "batch_target_session", lambda self: None)
+    rt = BatchingRuntime(eng, max_batch=4, adaptive=False)
+    got = rt.generate_many(PROMPTS, SamplingParams(max_new_tokens=40))
+    assert [g.tokens for g in got] == [r[:40] for r in reference]
+
+
+def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tmp_path):
+    from dflash_export.bench_batch import run_concurrency
+
+    _, eng, _ = built
+    rep = run_concurrency(str(eng.engine_dir), PROMPTS[:5], 12, [1, 3], ["dflash", "ar"], threads=1)
+    assert [(r["concurrency"], r["mode"]) for r in rep["levels"]] == [(1, "dflash"), (1, "ar"), (3, "dflash"),
+                                                                      (3, "ar")]
+    for r in rep["levels"]:
+        assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
+        assert r["latency_p50_s"] <= r["latency_p99_s"]
+    assert rep["divergences"] == []
