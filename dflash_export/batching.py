@@ -18,10 +18,11 @@ The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlash
     since padding costs as much as a draft -- while  sum_b q[b, k] >= λ * a * B,  i.e. while the expected tokens the
     slot adds pay for B more rows at the current rate. With one sequence this is DFlashRuntime's own rule. As the
     load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
-    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1) unless what drafting
-    has yielded lately (EMAs of accepted drafts per drafting sequence g and of the rows per sequence S' it led to)
-    beats plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1));  one drafting
-    step in every `max_skip` + 1 keeps those figures current. Per sequence, after n drafts of which nothing was
+    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1) unless it is expected
+    to beat plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
+    and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
+    they would verify at the current rate (1 + verify_length(confidences, λ a)). While drafting does not pay, one
+    sequence (in turn) drafts every `max_skip` + 1 steps to keep g current. Per sequence, after n drafts of which nothing was
     accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix.
 """
@@ -99,11 +100,12 @@ class BatchingRuntime:
         self.queued_tokens = 0
         self.active: list[_Active] = []
         self.rate = 1.0           # λ: tokens per unit of single-sequence plain-step cost
-        # What drafting has been yielding (EMAs over drafting steps, B > 1): drafts accepted per drafting sequence,
-        # and the rows the target call then took. Optimistic at start, so that drafting is tried and measured.
+        # What drafting is expected to yield per drafting sequence (EMAs over recent drafts, B > 1; see
+        # _learn_from_drafts). Optimistic at start, so that drafting is tried and measured.
         self.accepted_per_draft = 1.0
         self.rows_per_draft_step = self.info.block_size / 2
         self._since_draft = 0
+        self._probe_turn = 0
         self._ids = itertools.count()
         self.steps = 0
         self.rows_verified = 0    # drafts verified (sum over sequences and steps), for the bench's report
@@ -213,14 +215,23 @@ class BatchingRuntime:
         acts = list(self.active)  # slot order
         acts.sort(key=lambda a: a.seq.slot)
         drafting = []
-        batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts)) or self._since_draft >= self.max_skip
-        self._since_draft = 0 if batch_may_draft else self._since_draft + 1
+        batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts))
+        probe = None
+        if batch_may_draft:
+            self._since_draft = 0
+        else:  # one sequence drafts now and then, to keep the estimate of what drafting would yield current
+            self._since_draft += 1
+            candidates = [a for a in acts if a.req.mode == "dflash" and a.req.sp.greedy]
+            if self._since_draft > self.max_skip and candidates:
+                probe = candidates[self._probe_turn % len(candidates)]
+                self._probe_turn += 1
+                self._since_draft = 0
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs = 0, None, None
             sp = a.req.sp
             if a.req.mode != "dflash":
                 continue
-            if sp.greedy and (a.skip > 0 or not batch_may_draft):
+            if sp.greedy and a is not probe and (a.skip > 0 or not batch_may_draft):
                 a.skip = max(0, a.skip - 1)
                 continue
             drafting.append(a)
@@ -237,6 +248,7 @@ class BatchingRuntime:
             for a, (d, p) in zip(drafting, res):
                 a.drafts, a.draft_probs = d, p
             draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+            self._learn_from_drafts(drafting)
         s = self._choose_rows(acts, drafting)
         blocks = []
         for a in acts:
@@ -253,7 +265,7 @@ class BatchingRuntime:
                 blk[1:] = a.drafts[: a.n_draft]
             blocks.append(blk)
         logits = self.batch.target_step([a.seq for a in acts], blocks)
-        tokens = accepted = 0
+        tokens = 0
         done = []
         for a, blk, lg in zip(acts, blocks, logits):
             sp = a.req.sp
@@ -269,12 +281,10 @@ class BatchingRuntime:
                 accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
                 a.req.stats.drafted_tokens += a.n_draft
                 self.rows_verified += a.n_draft
-                if sp.greedy and self.adaptive:  # DFlashRuntime's per-sequence back-off
+                if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
                     a.misses = a.misses + 1 if accept == 0 else 0
                     a.skip = min(self.max_skip, (1 << a.misses) - 1)
             self.batch.commit(a.seq, accept)
-            if a.drafts is not None:
-                accepted += accept
             a.last = emitted[-1]
             tokens += accept + 1
             ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
@@ -286,9 +296,26 @@ class BatchingRuntime:
         rows = len(blocks) * max(len(b) for b in blocks)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
-        if drafting:
-            self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * accepted / len(drafting)
-            self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * rows / len(blocks)
+
+    def _learn_from_drafts(self, drafting: list[_Active]) -> None:
+        """Update what drafting is expected to yield per sequence: the rows each drafting sequence's own confidences
+        would have it verify at the current rate (1 + verify_length(conf, λ a), the batch rule per sequence) and the
+        drafts it would then get accepted (the sum of its cumulative confidences over them)."""
+        from dflash_export.sampling import verify_length
+
+        gains, rows = [], []
+        for a in drafting:
+            conf = a.seq.draft_confidence
+            if not (a.req.sp.greedy and self.adaptive and conf is not None):
+                continue
+            room = max(0, min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1))
+            conf = np.asarray(conf[:room], np.float64)
+            n = verify_length(conf, self.rate * self.a)
+            gains.append(float(np.cumprod(conf)[:n].sum()) if n else 0.0)
+            rows.append(1 + n)
+        if gains:
+            self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * float(np.mean(gains))
+            self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * float(np.mean(rows))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
@@ -317,3 +344,93 @@ class BatchingRuntime:
                 break
             k += 1
         return max(s, k)
+
+
+class BatchingService:
+    """A `BatchingRuntime` shared by many threads: one scheduler thread steps it while requests are active, callers
+    submit and consume their own events. Duck-types what `deploy.handler.RequestRunner` reads from a DFlashRuntime
+    (`engine`, `encode`, `check_request`, `stream`), so the Triton model can hand every request to one batch.
+
+    A consumer that stops iterating `stream` (its client went away: RequestRunner stops between steps) cancels its
+    request; the slot is freed at the next step boundary. An engine failure ends every active request with it.
+    """
+
+    def __init__(self, engine, max_batch: int = 8, max_queued_tokens: int = 65536, **runtime_kwargs):
+        import threading
+
+        self.runtime = BatchingRuntime(engine, max_batch, max_queued_tokens, **runtime_kwargs)
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-batching", daemon=True)
+        self._thread.start()
+
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        return self.engine.codec.encode_prompt(prompt, chat)
+
+    def check_request(self, prompt_ids, sp: SamplingParams) -> None:
+        self.runtime._single.check_request(prompt_ids, sp)
+
+    def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None):
+        """Yield the request's StepEvents as the shared batch commits them; the last has finished=True."""
+        import queue
+
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            if self._closed:
+                raise DFlashError("the batching service is closed", field="model")
+            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put)
+            if stats is not None:
+                stats.prompt_tokens = req.stats.prompt_tokens
+                req.stats = stats
+            self._work.notify()
+        try:
+            while True:
+                ev = events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if not req.done:
+                with self._lock:
+                    self.runtime.cancel(req)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and self.runtime.idle:
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    self.runtime.step()
+                except Exception as e:  # noqa: BLE001 - every waiting consumer gets the failure, the loop goes on
+                    self._fail_all(e)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        rt = self.runtime
+        for act in list(rt.active):
+            act.req.done = True
+            if act.req.on_event is not None:
+                act.req.on_event(exc)
+            try:
+                rt.batch.remove(act.seq)
+            except DFlashError:
+                pass
+        rt.active.clear()
+        while rt.queue:
+            req = rt.queue.popleft()
+            req.done = True
+            if req.on_event is not None:
+                req.on_event(exc)
+        rt.queued_tokens = 0
+        rt.batch = BatchedOrtEngine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._work.notify()
+        self._thread.join(timeout=10)
