@@ -208,7 +208,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
 
 
 def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int,
-                          max_new: int, levels: list[int], modes: list[str], out_json: str | None) -> dict:
+                          max_new: int, levels: list[int], modes: list[str], out_json: str | None,
+                          reps: int = 1) -> dict:
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
     from dflash_export.bench_batch import run_concurrency
     from dflash_export.engines.base import load_codec
@@ -228,7 +229,7 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     check_engine_recipe(Path(engine_dir), recipe)
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
-    report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes)}
+    report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps)}
     if out_json:
         from dflash_export.errors import atomic_file
 

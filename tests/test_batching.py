@@ -257,3 +257,35 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
         assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p99_s"]
     assert rep["divergences"] == []
+
+
+def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(built, reference):
+    import threading
+
+    from dflash_export.batching import BatchingService
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=3)
+    got, errors = {}, []
+
+    def client(i):
+        try:
+            got[i] = [t for ev in svc.stream(PROMPTS[i], SamplingParams(max_new_tokens=30)) for t in ev.tokens]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and [got[i] for i in range(len(PROMPTS))] == [r[:30] for r in reference]
+        dropped = svc.stream(PROMPTS[4], SamplingParams(max_new_tokens=60))
+        next(dropped)
+        dropped.close()  # the consumer went away: cancelled at the next step boundary
+        assert [t for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=5)) for t in ev.tokens] == \
+            reference[0][:5]
+        assert not svc.runtime.active and svc.runtime.batch.kv_bytes == 0
+    finally:
+        svc.close()

@@ -83,7 +83,9 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 @click.option("--concurrency", default=None,
               help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "
                    "DFlash and plain decoding (modes dflash / ar of --modes; default both) at each level.")
-def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency):
+@click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
+              help="With --concurrency: interleaved passes per level and mode; the fastest counts.")
+def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
     from dflash_export.bench import run_bench, run_concurrency_bench
 
@@ -94,6 +96,7 @@ def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_jso
         except ValueError:
             raise DFlashError(f"expected a comma list of integers, got {concurrency!r}",
                               field="--concurrency") from None
-        run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json)
+        run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json,
+                              reps)
         return
     run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, mode_list, out_json)
