@@ -190,6 +190,7 @@ class OrtEngine(Engine):
         # Drafters exported with a key bias (unmasked ones, since #18) take B padded sequences per call
         # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
         self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
+        self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -202,7 +203,7 @@ class OrtEngine(Engine):
     def batch_target_session(self):
         """The target graph for B sequences verifying blocks in one call (target_batch.onnx), loaded on first use
         (it holds a second copy of the target's weights); None for engines built without it."""
-        if getattr(self, "_target_batch", None) is None and (self.engine_dir / TARGET_BATCH).is_file():
+        if self._target_batch is None and (self.engine_dir / TARGET_BATCH).is_file():
             sess = self._session(self._ort, TARGET_BATCH, self._session_options, self._providers)
             meta = sess.get_modelmeta().custom_metadata_map
             if meta.get("dflash.graph") != GRAPH_ROLES[TARGET_BATCH] or meta.get("dflash.max_seq_len") != str(
@@ -211,7 +212,7 @@ class OrtEngine(Engine):
                                   f"{GRAPH_ROLES[TARGET_BATCH]!r} of this engine: rebuild the engine",
                                   path=self.engine_dir / TARGET_BATCH)
             self._target_batch = sess
-        return getattr(self, "_target_batch", None)
+        return self._target_batch
 
     def _check_graph_metadata(self, mpath: Path) -> None:
         """The graphs describe themselves (export metadata); refuse a manifest that disagrees with them."""
@@ -370,7 +371,7 @@ class OrtEngine(Engine):
         return accept, emitted
 
     def close(self) -> None:
-        self.target = self.drafter = self.head = self.draft_head = None
+        self.target = self.drafter = self.head = self.draft_head = self._target_batch = None
         self._embed.close()
 
 

@@ -2,7 +2,8 @@
 
 KVInjectedBlockAttention (every block query sees all context and block keys), its masked variant
 MaskedKVInjectedBlockAttention (causal and/or sliding-window layers, as z-lab's release 0.1.0 builds them), and
-FusedVerify.
+FusedVerify. BiasedKVInjectedBlockAttention (an additive key bias, for B padded sequences per drafter call) appears
+only in the ONNX Runtime engine's drafter graph; no TensorRT plugin implements it (a TensorRT batch contract would).
 
 A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines
 the function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes
