@@ -8,6 +8,7 @@ Single client: per-request latency (median, p90) and decode tokens/s, direct vs 
 `dflash`), one request at a time, same prompts, after warm-up. Throughput: C concurrent HTTP clients (C in
 --concurrency) each sending its share of --requests-per-level requests; reports requests/s and generated tokens/s.
 Every served text is checked against the direct run of the same request (greedy: they must be identical).
+`--max-batch N --instances 1`: one instance whose concurrent requests share one continuous batch (deploy --max-batch).
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--requests-per-level", type=int, default=48)
     ap.add_argument("--instances", type=int, default=max(1, len(os.sched_getaffinity(0))),
                     help="model instances (default: one per core)")
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="deploy --max-batch: > 1 feeds each instance's concurrent requests into one shared batch")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -143,7 +146,8 @@ def main(argv=None):
         # Direct with the threads one Triton instance gets (cores / instances), so the single-client gap is Triton's.
         threads = max(1, cores // args.instances)
         d_lat, d_tok, d_text = direct_runs(engine, prompts, args.max_tokens, threads, args.reps)
-        repo = write_repository(engine, work / "repo", instances=args.instances, max_queue_size=0, decoupled=False)
+        repo = write_repository(engine, work / "repo", instances=args.instances, max_queue_size=0, decoupled=False,
+                                max_batch=args.max_batch)
         http, grpc, metrics = free_loopback_ports(3)
         result = {"engine": str(engine), "cores": cores, "instances": args.instances, "threads_per_instance": threads,
                   "max_tokens": args.max_tokens}
@@ -201,7 +205,7 @@ def main(argv=None):
                 wall = time.perf_counter() - t0
                 levels[c] = {"requests": len(lats), "wall_s": wall, "req_per_s": len(lats) / wall,
                              "tok_per_s": sum(toks) / wall, "p50_ms": 1e3 * _pct(lats, 50),
-                             "p90_ms": 1e3 * _pct(lats, 90), "errors": len(errors)}
+                             "p90_ms": 1e3 * _pct(lats, 90), "p99_ms": 1e3 * _pct(lats, 99), "errors": len(errors)}
                 if errors:
                     print(f"concurrency {c}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
             result["throughput"] = levels
@@ -209,13 +213,13 @@ def main(argv=None):
 
     s = result["single_client"]
     print(f"engine {result['engine']}  cores {cores}  instances {args.instances} x {result['threads_per_instance']} "
-          f"threads  max_tokens {args.max_tokens}")
+          f"threads  max_tokens {args.max_tokens}  max_batch {args.max_batch}")
     print(f"single client   direct: p50 {s['direct']['p50_ms']:8.1f} ms  {s['direct']['tok_per_s']:8.1f} tok/s")
     print(f"                triton: p50 {s['triton']['p50_ms']:8.1f} ms  {s['triton']['tok_per_s']:8.1f} tok/s  "
           f"(+{s['overhead_ms_p50']:.1f} ms/request, {s['text_mismatches']} text mismatches)")
     for c, lv in result["throughput"].items():
         print(f"concurrency {c:3d}: {lv['req_per_s']:7.2f} req/s  {lv['tok_per_s']:8.1f} tok/s  "
-              f"p50 {lv['p50_ms']:8.1f} ms  p90 {lv['p90_ms']:8.1f} ms  errors {lv['errors']}")
+              f"p50 {lv['p50_ms']:8.1f} ms  p99 {lv['p99_ms']:8.1f} ms  errors {lv['errors']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     bad = s["text_mismatches"] + sum(lv["errors"] for lv in result["throughput"].values())

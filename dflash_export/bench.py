@@ -209,6 +209,37 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     return report
 
 
+def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int,
+                          max_new: int, levels: list[int], modes: list[str], out_json: str | None,
+                          reps: int = 1) -> dict:
+    """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
+    from dflash_export.bench_batch import run_concurrency
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import check_output_file
+    from dflash_export.recipes import load_recipe
+    from dflash_export.validate.command import check_engine_recipe
+
+    modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
+    if not levels or any(n < 1 for n in levels):  # before any engine is built
+        raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
+    if out_json:
+        check_output_file(out_json, "--out")
+    recipe = load_recipe(recipe_name)
+    if engine_dir is None:
+        from dflash_export.engines.build import build_engine
+
+        engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
+    check_engine_recipe(Path(engine_dir), recipe)
+    prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
+    report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps)}
+    if out_json:
+        from dflash_export.errors import atomic_file
+
+        with atomic_file(out_json) as f:
+            f.write(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def _worker_failure(mode: str, returncode: int, stderr: str) -> DFlashError:
     """One line for a failed worker: its own DFlashError when it raised one (naming the file), else a short message."""
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]

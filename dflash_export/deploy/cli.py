@@ -27,14 +27,20 @@ import click
               help="Largest HTTP request body `serve` lets through to tritonserver (larger: HTTP 413).")
 @click.option("--max-json-depth", default=32, show_default=True, type=click.IntRange(2, 256),
               help="Deepest JSON nesting `serve` lets through (deeper: HTTP 400).")
+@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Sequences one instance decodes together: > 1 feeds its concurrent requests into one shared "
+                   "continuous batch (onnxruntime engines); 1 runs one request at a time.")
+@click.option("--max-queued-tokens", default=65536, show_default=True, type=click.IntRange(1),
+              help="With --max-batch > 1: prompt tokens that may wait to join the batch (more: HTTP 503).")
 def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
-           max_json_depth):
+           max_json_depth, max_batch, max_queued_tokens):
     """Write a Triton model repository serving ENGINE (python backend running the DFlash runtime)."""
     from dflash_export.deploy.repository import MARKER, write_repository
 
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
                             decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
-                            max_body_bytes=max_request_bytes, max_json_depth=max_json_depth)
+                            max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_batch=max_batch,
+                            max_queued_tokens=max_queued_tokens)
     import json
 
     models = json.loads((repo / MARKER).read_text())["models"]

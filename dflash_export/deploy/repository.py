@@ -433,13 +433,17 @@ def _os_error(e: OSError, engine_dir: Path, repo_dir: Path) -> DFlashError:
 
 def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
                      decoupled: bool | None = None, threads: int = 0, llmapi_model_py=None,
-                     max_body_bytes: int | None = None, max_json_depth: int | None = None) -> Path:
+                     max_body_bytes: int | None = None, max_json_depth: int | None = None, max_batch: int = 1,
+                     max_queued_tokens: int = 65536) -> Path:
     """Write (atomically: a temp dir renamed on success) the Triton repository for `engine_dir` into `repo_dir`.
 
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
     `dflash` either way). max_queue_size 0 means unbounded. threads: intra-op threads per instance (0: the
     server's cores divided by `instances`, decided at load). max_body_bytes / max_json_depth: the request limits
-    `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). Returns the repository path.
+    `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). max_batch > 1: each instance
+    feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
+    batching; onnxruntime engines), with at most `max_queued_tokens` prompt tokens waiting to join it; 1: one
+    request at a time per instance. Returns the repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
@@ -456,6 +460,13 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be >= 0, got {max_queue_size}", field="--max-queue-size")
     if threads < 0:
         raise DFlashError(f"must be >= 0, got {threads}", field="--threads")
+    if not 1 <= max_batch <= 256:
+        raise DFlashError(f"must be in 1..256, got {max_batch}", field="--max-batch")
+    if max_queued_tokens < 1:
+        raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
+    if max_batch > 1 and manifest["backend"] != "onnxruntime":
+        raise DFlashError(f"batched serving runs on onnxruntime engines (this one is {manifest['backend']})",
+                          field="--max-batch")
     from dflash_export.deploy.front import Limits
 
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
@@ -474,10 +485,10 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
-                                              threads, stub_python_path())
+                                              threads, stub_python_path(), max_batch, max_queued_tokens)
             (tmp / MARKER).write_text(json.dumps({
                 "engine": str(engine_dir), "backend": backend, "recipe": manifest.get("recipe"), "models": models,
-                "instances": instances, "max_queue_size": max_queue_size,
+                "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch,
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
                 indent=2) + "\n")
     except BaseException as e:
@@ -493,7 +504,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
 
 
 def _write_python_models(engine_dir: Path, repo: Path, manifest: dict, instances: int, max_queue_size: int,
-                         decoupled: bool | None, threads: int, sys_path: list[str]) -> list[str]:
+                         decoupled: bool | None, threads: int, sys_path: list[str], max_batch: int = 1,
+                         max_queued_tokens: int = 65536) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
     shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
@@ -505,6 +517,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: dict, instances
             name=name, inputs=INPUTS, outputs=OUTPUTS, instances=instances, decoupled=is_decoupled,
             max_queue_size=max_queue_size,
             parameters={"engine_dir": engine_ref, "sys_path": json.dumps(sys_path), "threads": str(threads),
+                        "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
                         "library_versions": json.dumps(_needed_libraries(manifest["backend"]))},
         ))
         (model_dir / "1").mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,10 @@ PYTHONPATH (numpy is imported by the backend utilities before this file runs). `
 libraries loaded are the ones recorded, so a mismatched environment fails the model load with one clear message
 instead of subtly different numerics.
 
-One engine per model instance; each instance handles its requests one after another (concurrency = instance count).
+One engine per model instance. With `max_batch` 1 each instance handles its requests one after another
+(concurrency = instance count); with `max_batch` > 1 every request gets a thread that feeds it into the instance's
+one shared continuous batch (dflash_export.batching.BatchingService) and `execute` returns at once, responses going
+out through each request's response sender (one response in the default mode, one per step when decoupled).
 A bad request gets an error response naming the input (INVALID_ARG: HTTP 400); the instance keeps serving. Between
 DFlash steps the request is checked for cancellation: Triton's own (a gRPC client that cancels or goes away) and the
 front's cancel file (an HTTP client that went away, or a shutdown past its drain time, see deploy/front.py), so an
@@ -95,7 +98,16 @@ class TritonPythonModel:
             count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
             threads = max(1, len(os.sched_getaffinity(0)) // count)
         self.engine = load_engine(os.path.normpath(engine_dir), threads=threads)
-        self.runner = RequestRunner(DFlashRuntime(self.engine))
+        self.max_batch = int(_param(config, "max_batch", "1"))
+        self.service = None
+        if self.max_batch > 1:
+            from dflash_export.batching import BatchingService
+
+            self.service = BatchingService(self.engine, self.max_batch,
+                                           int(_param(config, "max_queued_tokens", "65536")))
+            self.runner = RequestRunner(self.service)
+        else:
+            self.runner = RequestRunner(DFlashRuntime(self.engine))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.output_names = [o["name"] for o in config["output"]]
 
@@ -119,6 +131,8 @@ class TritonPythonModel:
         codes = pb_utils.TritonError
         if isinstance(exc, RequestCancelled):
             message, code = f"cancelled: {exc}", getattr(codes, "CANCELLED", getattr(codes, "UNAVAILABLE", None))
+        elif isinstance(exc, DFlashError) and exc.field == "max_queued_tokens":  # the batch's queue is full: 503
+            message, code = str(exc), getattr(codes, "UNAVAILABLE", None)
         elif isinstance(exc, DFlashError):  # the request's fault: 400, naming the input
             message, code = str(exc), getattr(codes, "INVALID_ARG", None)
         else:
@@ -177,6 +191,13 @@ class TritonPythonModel:
     def execute(self, requests):
         from dflash_export.deploy.handler import generate_text, parse_request
 
+        if self.service is not None:  # every request joins the shared batch on its own thread
+            import threading
+
+            for request in requests:
+                target = self._stream if self.decoupled else self._generate_one
+                threading.Thread(target=target, args=(request,), daemon=True).start()
+            return None
         if self.decoupled:
             for request in requests:
                 self._stream(request)
@@ -189,6 +210,22 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
                 responses.append(self._error(e))
         return responses
+
+    def _generate_one(self, request) -> None:
+        """The default-mode model with a shared batch: one response through the request's sender."""
+        from dflash_export.deploy.handler import generate_text, parse_request
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            response = self._response(generate_text(self.runner, parse_request(self._inputs(request)),
+                                                    self._cancelled(request, sender)))
+        except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
+            response = self._error(e)
+        try:
+            sender.send(response, flags=final)
+        except Exception:  # noqa: BLE001 - a cancelled request's sender may refuse: nobody is listening
+            pass
 
     def _stream(self, request) -> None:
         from dflash_export.deploy.handler import parse_request
@@ -205,6 +242,8 @@ class TritonPythonModel:
                 pass
 
     def finalize(self):
+        if getattr(self, "service", None) is not None:
+            self.service.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

@@ -7,6 +7,7 @@ import sys
 import click
 
 from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
+from dflash_export.errors import DFlashError
 
 
 @click.command()
@@ -80,9 +81,23 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
               help="Comma list of: dflash (engine, adaptive verification), dflash-full (engine, every draft "
                    "verified), ar (same engine), hf (transformers generate), reference (PyTorch spec_generate).")
 @click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
-def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json):
+@click.option("--concurrency", default=None,
+              help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "
+                   "DFlash and plain decoding (modes dflash / ar of --modes; default both) at each level.")
+@click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
+              help="With --concurrency: interleaved passes per level and mode; the fastest counts.")
+def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
-    from dflash_export.bench import run_bench
+    from dflash_export.bench import run_bench, run_concurrency_bench
 
-    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, [m.strip() for m in modes.split(",")],
-              out_json)
+    mode_list = [m.strip() for m in modes.split(",")]
+    if concurrency is not None:
+        try:
+            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        except ValueError:
+            raise DFlashError(f"expected a comma list of integers, got {concurrency!r}",
+                              field="--concurrency") from None
+        run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json,
+                              reps)
+        return
+    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, mode_list, out_json)

@@ -42,13 +42,14 @@ TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
 HEAD = "lm_head.onnx"
 DRAFT_HEAD = "draft_head.onnx"
+TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their own pasts (engines/ort_batch.py)
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 ENGINE_FORMAT = 2
 # What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
 # files then fail the load by name instead of as an ONNX Runtime input error at the first request.
 GRAPH_ROLES = {TARGET: "target_verify_ort.onnx", DRAFTER: "drafter_ort.onnx", HEAD: "lm_head_ort.onnx",
-               DRAFT_HEAD: "draft_head_ort.onnx"}
+               DRAFT_HEAD: "draft_head_ort.onnx", TARGET_BATCH: "target_batch_ort.onnx"}
 
 
 def _ort():
@@ -161,6 +162,7 @@ class OrtEngine(Engine):
         so.intra_op_num_threads = threads or default_threads()
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self._ort, self._session_options, self._providers = ort, so, ["CPUExecutionProvider"]
         if spin is None:
             spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
         if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
@@ -185,6 +187,10 @@ class OrtEngine(Engine):
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
         self._mask_row = self._embed.rows([mask])[0]
+        # Drafters exported with a key bias (unmasked ones, since #18) take B padded sequences per call
+        # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
+        self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
+        self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -193,6 +199,20 @@ class OrtEngine(Engine):
         except Exception as e:  # ORT raises its own Fail / InvalidGraph types
             raise DFlashError(f"ONNX Runtime cannot load the graph ({str(e).splitlines()[0][:300]})",
                               path=path) from None
+
+    def batch_target_session(self):
+        """The target graph for B sequences verifying blocks in one call (target_batch.onnx), loaded on first use
+        (it holds a second copy of the target's weights); None for engines built without it."""
+        if self._target_batch is None and (self.engine_dir / TARGET_BATCH).is_file():
+            sess = self._session(self._ort, TARGET_BATCH, self._session_options, self._providers)
+            meta = sess.get_modelmeta().custom_metadata_map
+            if meta.get("dflash.graph") != GRAPH_ROLES[TARGET_BATCH] or meta.get("dflash.max_seq_len") != str(
+                    self.info.max_seq_len):
+                raise DFlashError(f"holds the graph {meta.get('dflash.graph')!r}, expected "
+                                  f"{GRAPH_ROLES[TARGET_BATCH]!r} of this engine: rebuild the engine",
+                                  path=self.engine_dir / TARGET_BATCH)
+            self._target_batch = sess
+        return self._target_batch
 
     def _check_graph_metadata(self, mpath: Path) -> None:
         """The graphs describe themselves (export metadata); refuse a manifest that disagrees with them."""
@@ -300,19 +320,27 @@ class OrtEngine(Engine):
         for i in range(self.d_layers):
             feeds[f"past_ctx_key_{i}"] = seq.d_kv[2 * i]
             feeds[f"past_ctx_value_{i}"] = seq.d_kv[2 * i + 1]
+        if self.drafter_batches:
+            feeds["key_bias"] = np.zeros((1, seq.d_kv[0].shape[2] + seq.ctx.shape[1] + bs), np.float32)
         extra = ["selector_hidden"] if self._selector else []
         names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(self.d_layers) for k in ("key", "value")]
         res = self.drafter.run(names, feeds)
         seq.d_kv = res[1 + len(extra):]
         seq.ctx = seq.ctx_pos = None
         logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
+        return self.drafts_from_logits(seq, logits, res[1][0] if extra else None, anchor, sp, uniforms)
+
+    def drafts_from_logits(self, seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int,
+                           sp: SamplingParams, uniforms):
+        """Draft head logits [n, V_draft] of one block -> (tokens [n], draft probs [n, V] or None); sets
+        seq.draft_confidence when greedy. Shared by `draft` and the batched engine (engines/ort_batch.py)."""
         if self._draft_multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
             logits = logits * np.float32(self._draft_multiplier)
         if self._draft_softcap:
             logits = np.tanh(logits / np.float32(self._draft_softcap)) * np.float32(self._draft_softcap)
         if self._selector:  # DFlash 2: the candidate selector's walk (no draft confidences: full blocks verified)
             top_k, predecessor, successor = self._selector
-            return select_candidates(logits, res[1][0], predecessor, successor, anchor, top_k,
+            return select_candidates(logits, selector_hidden, predecessor, successor, anchor, top_k,
                                      0.0 if sp.greedy else sp.temperature, uniforms)
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
@@ -343,7 +371,7 @@ class OrtEngine(Engine):
         return accept, emitted
 
     def close(self) -> None:
-        self.target = self.drafter = self.head = self.draft_head = None
+        self.target = self.drafter = self.head = self.draft_head = self._target_batch = None
         self._embed.close()
 
 
@@ -456,8 +484,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     import torch
 
     from dflash_export.errors import atomic_dir
-    from dflash_export.export import (ORT_DRAFT_HEAD_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_FILE,
-                                      SHARED_FILE, export_models)
+    from dflash_export.export import (ORT_DRAFT_HEAD_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_BATCH_FILE,
+                                      ORT_TARGET_FILE, SHARED_FILE, export_models)
     from dflash_export.export.graph import target_spec
     from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
@@ -494,7 +522,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                             ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
         manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
         # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
-        graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD)]
+        graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD),
+                  (ORT_TARGET_BATCH_FILE, TARGET_BATCH)]
         if draft_vocab:
             graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
         for src, dst in graphs:
@@ -502,7 +531,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
         shutil.rmtree(export_dir)
         quantization = {}
-        for fname, role in ((TARGET, "target"), (DRAFTER, "drafter"), (HEAD, "lm_head"), (DRAFT_HEAD, "draft_head")):
+        for fname, role in ((TARGET, "target"), (DRAFTER, "drafter"), (HEAD, "lm_head"), (DRAFT_HEAD, "draft_head"),
+                            (TARGET_BATCH, "target")):
             if (tmp / fname).is_file() and precisions[role] != "fp32":
                 if role in ("lm_head", "draft_head"):
                     _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)

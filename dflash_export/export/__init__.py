@@ -74,7 +74,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     """Write both graphs for loaded (fp32) models into an existing, empty `out_dir`; checker + shape inference run.
 
     `ort_flavor` also writes the ONNX Runtime engine's graphs (fused contrib ops; embeddings in, hidden states out, one
-    LM-head graph for both), sharing the data files: target_verify_ort.onnx, drafter_ort.onnx, lm_head_ort.onnx; with
+    LM-head graph for both), sharing the data files: target_verify_ort.onnx, drafter_ort.onnx, lm_head_ort.onnx,
+    target_batch_ort.onnx (the target for B sequences verifying blocks in one call); with
     `draft_vocab`, also draft_head_ort.onnx (an LM head over the first `draft_vocab` ids, for drafting only).
     """
     import onnx
@@ -100,7 +101,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
         outputs = [(TARGET_FILE, "target", "portable", t_store), (DRAFTER_FILE, "drafter", "portable", d_store)]
         if ort_flavor:
             outputs += [(ORT_TARGET_FILE, "target", "ort", t_store), (ORT_DRAFTER_FILE, "drafter", "ort", d_store),
-                        (ORT_HEAD_FILE, "head", "ort", d_store)]
+                        (ORT_HEAD_FILE, "head", "ort", d_store),
+                        (ORT_TARGET_BATCH_FILE, "target", "ort_batch", t_store)]
         if ort_flavor and draft_vocab:
             outputs.append((ORT_DRAFT_HEAD_FILE, "draft_head", "ort", d_store))
         for fname, kind, flavor, store in outputs:
@@ -129,6 +131,7 @@ ORT_TARGET_FILE = "target_verify_ort.onnx"
 ORT_DRAFTER_FILE = "drafter_ort.onnx"
 ORT_HEAD_FILE = "lm_head_ort.onnx"
 ORT_DRAFT_HEAD_FILE = "draft_head_ort.onnx"
+ORT_TARGET_BATCH_FILE = "target_batch_ort.onnx"  # B sequences verifying blocks in one call (engines/ort_batch.py)
 
 
 def validate_file(path: Path) -> None:
@@ -148,7 +151,7 @@ EXPORT_MARKER = "export.json"  # written last into every `export` directory: wha
 
 def _export_file_names() -> set[str]:
     names = {TARGET_FILE, DRAFTER_FILE, SHARED_FILE, ORT_TARGET_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE,
-             ORT_DRAFT_HEAD_FILE, EXPORT_MARKER}
+             ORT_DRAFT_HEAD_FILE, ORT_TARGET_BATCH_FILE, EXPORT_MARKER}
     return names | {n + ".data" for n in names if n.endswith(".onnx")}
 
 

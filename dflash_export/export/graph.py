@@ -246,7 +246,11 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     rows for the LM-head session), ctx, presents.
     Returns the model, its own weights (arrays, or TensorProtos already in `store`) and the shared tensors it uses.
     """
-    ort = flavor == "ort"
+    # "ort_batch": the ort flavor for B sequences verifying blocks over their own pasts, which GroupQueryAttention
+    # (CPU) refuses (batch > 1 with many rows and a past): attention in plain ops reads the K/V buffer and returns
+    # only the new rows (engines/ort_batch.py writes them back).
+    batch = flavor == "ort_batch"
+    ort = flavor in ("ort", "ort_batch")
     t = target_spec(target)
     sd = np_state(target.hf)
     dsd = np_state(drafter)
@@ -265,14 +269,20 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         g.input("draft_tokens", I64, ["batch", "n_draft"])
         g.input("draft_probs", F32, ["batch", "n_draft_or_1", "vocab_or_1"])
         g.input("uniforms", F32, ["batch", "n_uniforms"])
-    if ort:
+    if batch:
+        pos = g.input("position_ids", I64, ["batch", "seq"])
+        g.input("past_bias", F32, ["batch", "past"])
+    elif ort:
         g.input("seqlens_k", I32, ["batch"])
         g.input("total_seq_len", I32, [])
     else:
         pos = g.input("position_ids", I64, ["batch", "seq"])
 
     cos_t, sin_t = target_rope_tables(target, max_len)
-    if ort:
+    if batch:
+        cos, sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
+        causal = _block_causal_bias(g, ids, H // KVH)
+    elif ort:
         # GQA applies RoPE itself from half-width tables (rotate-half layout), positions from seqlens_k.
         cos_c = g.weight("rope_cos_half", cos_t[:, : D // 2])
         sin_c = g.weight("rope_sin_half", sin_t[:, : D // 2])
@@ -301,7 +311,9 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             xn = g.rms_norm(x, ln1, t.rms_eps, ort)
         a = p + "self_attn."
         bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
-        if ort:
+        if batch:
+            attn = _batched_block_attention(g, xn, sd, a, t, i, cos, sin, causal, bias)
+        elif ort:
             # One MatMul for q, k and v (same input): a third of the op dispatches, one pass over the activations.
             wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
             bqkv = None
@@ -399,10 +411,61 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         g.output("emitted_tokens", I64, ["batch", "num_logits"])
         g.output("n_emitted", I64, ["batch"])
     for i in range(t.num_layers):
+        if batch:
+            g.output(f"new_key_{i}", F32, ["batch", KVH, "seq", D])
+            g.output(f"new_value_{i}", F32, ["batch", KVH, "seq", D])
+            continue
         kv_len = "max_len" if ort else "total"
         g.output(f"present_key_{i}", F32, ["batch", KVH, kv_len, D])
         g.output(f"present_value_{i}", F32, ["batch", KVH, kv_len, D])
     return (*finish(g, [] if ort else [ops.fused_verify_function()], ort), shared)
+
+
+def _block_causal_bias(g: GraphBuilder, x: str, groups: int) -> str:
+    """[G*S, S] float: 0 where block key j <= query row r % S, -inf elsewhere (queries laid out group-major)."""
+    s = g.op("Squeeze", [g.op("Shape", [x], start=1, end=2), g.const([0])])
+    rows = g.op("Range", [g.const(0), g.op("Mul", [s, g.const(groups)]), g.const(1)])
+    qi = g.op("Unsqueeze", [g.op("Mod", [rows, s]), g.const([1])])                     # [G*S, 1]
+    kj = g.op("Unsqueeze", [g.op("Range", [g.const(0), s, g.const(1)]), g.const([0])])  # [1, S]
+    return g.op("Where", [g.op("LessOrEqual", [kj, qi]), g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
+
+
+def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
+                             sin: str, causal: str, bias) -> str:
+    """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
+    engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) and over the
+    block's own keys (causal). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm and RoPE, as
+    GroupQueryAttention caches them). Scores and softmax in fp32."""
+    D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
+    wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
+    bqkv = None
+    if bias("q_proj") is not None:
+        bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
+    q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
+                   n_out=3, axis=-1)
+    qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
+    if t.qk_norm:
+        qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)
+        kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, True)
+    qh = g.rope(qh, cos, sin, D)
+    g.op("Identity", [g.rope(kh, cos, sin, D)], outputs=[f"new_key_{i}"])
+    g.op("Identity", [vh], outputs=[f"new_value_{i}"])
+    past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
+    past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
+    # GQA without repeating K/V: query head h = kvh * G + g, so [B,H,S,D] is [B,KVH,G*S,D] (group-major rows).
+    q4 = g.op("Reshape", [qh, g.const([0, KVH, -1, D])])
+    scale = g.const(D ** -0.5, np.float32)
+    s_past = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [past_k], perm=[0, 1, 3, 2])]), scale])
+    s_past = g.op("Add", [s_past, g.op("Unsqueeze", ["past_bias", g.const([1, 2])])])  # [B,KVH,G*S,P]
+    s_new = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [f"new_key_{i}"], perm=[0, 1, 3, 2])]), scale])
+    s_new = g.op("Add", [s_new, causal])                                                 # [B,KVH,G*S,S]
+    probs = g.op("Softmax", [g.op("Concat", [s_past, s_new], axis=-1)], axis=-1)
+    p_len = g.op("Shape", [past_k], start=2, end=3)
+    s_len = g.op("Shape", [vh], start=2, end=3)
+    p_past, p_new = g.op("Split", [probs, g.op("Concat", [p_len, s_len], axis=0)], n_out=2, axis=-1)
+    o4 = g.op("Add", [g.op("MatMul", [p_past, past_v]), g.op("MatMul", [p_new, vh])])   # [B,KVH,G*S,D]
+    return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o4, g.const([0, H, -1, D])])], perm=[0, 2, 1, 3]),
+                            g.const([0, 0, H * D])])
 
 
 def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable", store: "WeightStore | None" = None
@@ -416,7 +479,8 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
     `final_logit_softcapping`; the engine turns them into draft probabilities with temperature / top-k / top-p when
     sampling), present_ctx_key_i / present_ctx_value_i [B,KVH,T+C,D].
     flavor "ort" (the ONNX Runtime engine's): block_embeds [B,bs,H] (embedding rows, gathered by the engine) replaces
-    block_ids, and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
+    block_ids; unmasked drafters also take key_bias [B,T+C+bs] float (0 visible, -inf padding; see
+    ops.biased_kv_injected_block_attention_function), so B sequences of different lengths draft in one call; and the output is hidden [B,bs-1,H] (normed, for the engine's LM head session) instead of tokens/logits;
     the engine applies the logit multiplier and soft cap (graph metadata) to the head's output.
     Block embeddings are scaled by `input_embedding_scale` inside the graph (both flavors). Causal / sliding-window
     layers use MaskedKVInjectedBlockAttention; the block may be shorter than block_size (the last one of a request).
@@ -452,7 +516,14 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
         ctx_kpos = g.op("Expand", [g.op("Unsqueeze", [ctx_kpos, g.const([0])]), g.op("Concat", [batch, t_ctx],
                                                                                      axis=0)])
         k_pos = g.op("Concat", [ctx_kpos, pos], axis=1)
-    functions = [ops.kv_injected_block_attention_function()]
+    # ort flavor, unmasked layers: a key bias [B, T+C+bs] (0 / -inf) lets one call carry sequences of different
+    # context and block lengths, padded (engines/ort_batch.py). Masked drafters keep their positional mask and are
+    # drafted one sequence per call.
+    batched = ort and not c.masked
+    if batched:
+        g.input("key_bias", F32, ["batch", "n_keys"])
+    functions = [ops.biased_kv_injected_block_attention_function() if batched
+                 else ops.kv_injected_block_attention_function()]
     if c.masked:
         functions.append(ops.masked_kv_injected_block_attention_function())
     for i in range(c.num_hidden_layers):
@@ -483,6 +554,9 @@ def build_drafter_graph(target, drafter, max_len: int, flavor: str = "portable",
             att = g.op(ops.MASKED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, pos, k_pos], domain=ops.DOMAIN, num_heads=H,
                        num_kv_heads=KVH, scale=float(D ** -0.5), causal=int(c.layer_causal(i)),
                        window=int(c.layer_window(i) or 0), **ops.plugin_attrs())
+        elif batched:
+            att = g.op(ops.BIASED_KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb, "key_bias"], domain=ops.DOMAIN,
+                       num_heads=H, num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())
         else:
             att = g.op(ops.KV_ATTENTION, [q, k_ctx, v_ctx, kb, vb], domain=ops.DOMAIN, num_heads=H,
                        num_kv_heads=KVH, scale=float(D ** -0.5), **ops.plugin_attrs())

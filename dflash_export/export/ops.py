@@ -2,7 +2,8 @@
 
 KVInjectedBlockAttention (every block query sees all context and block keys), its masked variant
 MaskedKVInjectedBlockAttention (causal and/or sliding-window layers, as z-lab's release 0.1.0 builds them), and
-FusedVerify.
+FusedVerify. BiasedKVInjectedBlockAttention (an additive key bias, for B padded sequences per drafter call) appears
+only in the ONNX Runtime engine's drafter graph; no TensorRT plugin implements it (a TensorRT batch contract would).
 
 A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines
 the function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes
@@ -38,6 +39,7 @@ PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
 KV_ATTENTION = "KVInjectedBlockAttention"
 MASKED_KV_ATTENTION = "MaskedKVInjectedBlockAttention"
+BIASED_KV_ATTENTION = "BiasedKVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
 EMIT_PAD = -1  # emitted_tokens past n_emitted (kernels/reference.py uses the same value)
 
@@ -46,6 +48,7 @@ REQUIRED_ATTRS = {
     KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "plugin_namespace", "plugin_version"),
     MASKED_KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "causal", "window", "plugin_namespace",
                           "plugin_version"),
+    BIASED_KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "plugin_namespace", "plugin_version"),
     FUSED_VERIFY: ("temperature", "plugin_namespace", "plugin_version"),
 }
 
@@ -156,6 +159,34 @@ def masked_kv_injected_block_attention_function() -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN, MASKED_KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_positions", "k_positions"], ["out"],
         nodes, [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[MASKED_KV_ATTENTION]),
+    )
+
+
+def biased_kv_injected_block_attention_function() -> onnx.FunctionProto:
+    """KVInjectedBlockAttention plus key_bias [B, T+S] float, added to every query's scores before the softmax
+    (0 = visible, -inf = a padding key): what lets one drafter call carry B sequences whose context lengths and
+    block lengths differ (engines/ort_batch.py pads each to the batch's longest and masks the padding).
+
+    With an all-zero bias the result is KVInjectedBlockAttention's bit for bit (x + 0 == x), so a batch of one
+    drafts exactly as the unbatched op. Used by the ONNX Runtime flavor only (no TensorRT plugin).
+    """
+    n = helper.make_node
+    body = kv_injected_block_attention_function().node
+    head = [nd for nd in body if nd.op_type != "Softmax" and "out5" not in nd.output and "out_shape" not in nd.output
+            and "out" not in nd.output]
+    nodes = [
+        *head,
+        _const_node("ax123", np.array([1, 2, 3], np.int64)),
+        n("Unsqueeze", ["key_bias", "ax123"], ["bias5"]),          # [B,1,1,1,T+S] against scores [B,KVH,G,S,T+S]
+        n("Add", ["scores", "bias5"], ["biased_scores"]),
+        n("Softmax", ["biased_scores"], ["probs"], axis=-1),
+        n("MatMul", ["probs", "v5"], ["out5"]),
+        n("Concat", ["b", "h", "s", "d"], ["out_shape"], axis=0),
+        n("Reshape", ["out5", "out_shape"], ["out"]),
+    ]
+    return helper.make_function(
+        DOMAIN, BIASED_KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk", "key_bias"], ["out"], nodes,
+        [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[BIASED_KV_ATTENTION]),
     )
 
 

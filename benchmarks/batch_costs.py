@@ -1,0 +1,67 @@
+"""Cost of the batched engine's calls, in single-sequence plain steps: target steps of B sequences x S rows (GQA
+graph for S = 1, target_batch.onnx for S > 1) and drafts of B sequences -- what batching.py's cost model reads.
+
+    python benchmarks/batch_costs.py [--engine engines/smollm2-135m/onnxruntime] [--context 200] [--reps 10]
+
+Medians of `reps` calls after a warm-up, interleaved, on sequences with `context` committed tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from dflash_export.engines.base import SamplingParams, load_engine
+from dflash_export.engines.ort_batch import BatchedOrtEngine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", default="engines/smollm2-135m/onnxruntime")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batches", default="1,4,8,16")
+    args = ap.parse_args()
+    eng = load_engine(args.engine)
+    bs = eng.info.block_size
+    sp = SamplingParams()
+    rng = np.random.default_rng(0)
+    times: dict[tuple, list[float]] = {}
+    h_drafter = eng.drafter.get_inputs()[0].shape[2]  # ctx [B, C, H_drafter]
+    batches = {}
+    for b in (int(x) for x in args.batches.split(",")):
+        batch = BatchedOrtEngine(eng, max_batch=b)
+        seqs = [batch.add(args.context + 64) for _ in range(b)]
+        batch.prefill(seqs, [rng.integers(100, 10000, args.context) for _ in range(b)])
+        batch.draft(seqs, [5] * b, [sp] * b, [None] * b, [bs] * b)  # the prompt's features enter the draft cache
+        batches[b] = (batch, seqs)
+    for _ in range(args.reps + 1):
+        for b, (batch, seqs) in batches.items():
+            for s in (1, bs):
+                t = time.perf_counter()
+                batch.target_step(seqs, [rng.integers(100, 10000, s) for _ in seqs])
+                times.setdefault(("target", b, s), []).append(time.perf_counter() - t)
+                for q in seqs:  # nothing committed: the cache keeps its length, the features stay pending
+                    q._step_ctx = None
+            d_lens = [q.d_len for q in seqs]
+            for q in seqs:
+                q.ctx = np.ones((2, h_drafter), np.float32)
+                q.ctx_pos = np.arange(q.length - 2, q.length, dtype=np.int64)
+            t = time.perf_counter()
+            batch.draft(seqs, [5] * b, [sp] * b, [None] * b, [bs] * b)
+            times.setdefault(("draft", b, bs), []).append(time.perf_counter() - t)
+            for q, d in zip(seqs, d_lens):  # the draft cache keeps its length from rep to rep
+                q.d_len = d
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    unit = med[("target", 1, 1)]
+    print(f"single-sequence plain step: {unit * 1000:.1f} ms (context {args.context})")
+    for (kind, b, s), v in sorted(med.items()):
+        print(f"{kind:6s} B={b:2d} S={s}: {v * 1000:7.1f} ms = {v / unit:5.2f} plain steps"
+              f"  ({(v / unit - 1) / max(1, b * s - 1):.3f} per extra row)")
+
+
+if __name__ == "__main__":
+    main()

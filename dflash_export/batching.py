@@ -1,0 +1,436 @@
+"""Continuous batching: many requests share each engine step (ONNX Runtime engine, `engines/ort_batch.py`).
+
+Requests join and leave between steps. A step: sequences that joined are prefilled together; the sequences that
+speculate draft together (one drafter call); then one target call verifies every active sequence's block (a plain
+step is a block of one). Each request keeps its own sampling randomness, consumed exactly as `runtime.DFlashRuntime`
+consumes it, its own stop handling and statistics, so its tokens are those of the request run alone.
+
+Bounds: at most `max_batch` active sequences (their K/V is what the engine holds), and at most `max_queued_tokens`
+prompt tokens waiting to join (a request that would pass it is refused with a DFlashError naming `max_queued_tokens`).
+
+The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlashRuntime does):
+    A target call over B sequences of S rows each (the longest block sets S, shorter ones are padded) costs about
+    1 + a * (B*S - 1) single-sequence plain steps (a = the engine's verify_token_cost, 0.07 for fp32 SmolLM2 on ORT:
+    a step's weights are read once whatever its rows), and a draft over B_d sequences about
+    draft_cost * (1 + a_d * (B_d - 1)). Let q[b, k] be sequence b's chance that its first k drafts are all accepted
+    (the product of the drafter's confidences, as adaptive verification uses) and λ the batch's decoding rate in
+    tokens per unit of that cost (tracked online). Slot k is verified -- for every sequence that has a draft there,
+    since padding costs as much as a draft -- while  sum_b q[b, k] >= λ * a * B,  i.e. while the expected tokens the
+    slot adds pay for B more rows at the current rate. With one sequence this is DFlashRuntime's own rule. As the
+    load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
+    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1) unless it is expected
+    to beat plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
+    and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
+    they would verify at the current rate (1 + verify_length(confidences, λ a)). While drafting does not pay, one
+    sequence (in turn) drafts every `max_skip` + 1 steps to keep g current. Per sequence, after n drafts of which nothing was
+    accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
+Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq
+from dflash_export.errors import DFlashError
+from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _pick
+from dflash_export.sampling import probs_from_logits, verify_block
+
+# A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
+# benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
+DRAFT_ROW_COST = 0.3
+
+
+@dataclass
+class Request:
+    """One generation. `events` collects StepEvents as they come (or `on_event` is called with each)."""
+
+    prompt_ids: list[int]
+    sp: SamplingParams
+    mode: str = "dflash"
+    id: int = 0
+    on_event: object = None
+    stats: RunStats = field(default_factory=RunStats)
+    events: list = field(default_factory=list)
+    submitted_s: float = 0.0
+    done: bool = False
+    cancelled: bool = False
+    error: Exception | None = None
+
+
+class _Active:
+    """A request's decoding state while it holds a slot."""
+
+    def __init__(self, req: Request, seq: BatchSeq, stop_ids: set[int]):
+        self.req, self.seq, self.stop_ids = req, seq, stop_ids
+        self.rng = np.random.default_rng(req.sp.seed)
+        self.produced = 0
+        self.last = -1
+        self.misses = self.skip = 0
+        self.n_draft = 0
+        self.drafts: np.ndarray | None = None
+        self.draft_probs = None
+        self.block_len = 0
+
+
+class BatchingRuntime:
+    """Continuous batching over one ONNX Runtime engine. Single-threaded: `step()` advances every active request by
+    one engine step; `submit` and `cancel` between steps. See the module docstring for the scheduling rule."""
+
+    def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
+                 verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7):
+        if max_queued_tokens < 1:
+            raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
+        self.batch = BatchedOrtEngine(engine, max_batch)
+        self.info = engine.info
+        self.codec = engine.codec
+        self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip)  # its checks/costs
+        self.adaptive = adaptive
+        self.a = self._single.verify_token_cost
+        self.draft_cost = self._single.draft_cost
+        self.max_skip = max_skip
+        self.max_queued_tokens = max_queued_tokens
+        self.queue: collections.deque[Request] = collections.deque()
+        self.queued_tokens = 0
+        self.active: list[_Active] = []
+        self.rate = 1.0           # λ: tokens per unit of single-sequence plain-step cost
+        # What drafting is expected to yield per drafting sequence (EMAs over recent drafts, B > 1; see
+        # _learn_from_drafts). Optimistic at start, so that drafting is tried and measured.
+        self.accepted_per_draft = 1.0
+        self.rows_per_draft_step = self.info.block_size / 2
+        self._since_draft = 0
+        self._probe_turn = 0
+        self._ids = itertools.count()
+        self.steps = 0
+        self.rows_verified = 0    # drafts verified (sum over sequences and steps), for the bench's report
+
+    # Requests -----------------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", on_event=None) -> Request:
+        """Queue a request; DFlashError when it is invalid or the queue holds `max_queued_tokens` already."""
+        if mode not in ("dflash", "ar"):
+            raise DFlashError(f"unknown mode {mode!r} (dflash, ar)", field="mode")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._single.check_request(prompt_ids, sp)
+        if self.queued_tokens + len(prompt_ids) > self.max_queued_tokens:
+            raise DFlashError(f"the queue is full ({self.queued_tokens} prompt tokens waiting, bound "
+                              f"{self.max_queued_tokens})", field="max_queued_tokens")
+        req = Request(prompt_ids, sp, mode, next(self._ids), on_event)
+        req.submitted_s = time.perf_counter()
+        req.stats.prompt_tokens = len(prompt_ids)
+        self.queue.append(req)
+        self.queued_tokens += len(prompt_ids)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Drop a request (queued or running) at the next step boundary; its slot is freed then."""
+        req.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.active
+
+    def generate_many(self, prompts, sps, mode: str = "dflash") -> list[RunStats]:
+        """Run the requests together (all submitted at once) to completion; their stats in order."""
+        if isinstance(sps, SamplingParams):
+            sps = [sps] * len(prompts)
+        reqs = [self.submit(p, sp, mode) for p, sp in zip(prompts, sps)]
+        while not self.idle:
+            self.step()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return [r.stats for r in reqs]
+
+    # The step -----------------------------------------------------------------------------------------------------
+
+    def _emit(self, act: _Active, new: list[int], accept: int | None) -> StepEvent:
+        out, reason = [], None
+        sp, stats = act.req.sp, act.req.stats
+        for t in new:
+            out.append(t)
+            act.produced += 1
+            if t in act.stop_ids:
+                reason = "stop"
+                break
+            if act.produced >= sp.max_new_tokens:
+                reason = "length"
+                break
+        stats.tokens.extend(out)
+        if reason:
+            stats.finish_reason = reason
+            stats.total_s = time.perf_counter() - act.req.submitted_s
+        ev = StepEvent(out, accept, reason is not None, reason)
+        act.req.events.append(ev)
+        if act.req.on_event is not None:
+            act.req.on_event(ev)
+        return ev
+
+    def _finish(self, act: _Active) -> None:
+        act.req.done = True
+        self.batch.remove(act.seq)
+        self.active.remove(act)
+
+    def _admit(self) -> None:
+        joiners: list[_Active] = []
+        while self.queue and len(self.active) + len(joiners) < self.batch.max_batch:
+            req = self.queue.popleft()
+            self.queued_tokens -= len(req.prompt_ids)
+            if req.cancelled:
+                req.done = True
+                req.stats.finish_reason = "cancelled"
+                continue
+            sp = req.sp
+            seq = self.batch.add(len(req.prompt_ids) + sp.max_new_tokens + self.info.block_size)
+            seq.keep_context = req.mode == "dflash"
+            stop = set(self.info.stop_token_ids if sp.stop_token_ids is None else sp.stop_token_ids)
+            joiners.append(_Active(req, seq, stop))
+        if not joiners:
+            return
+        self.active.extend(joiners)
+        logits = self.batch.prefill([a.seq for a in joiners], [a.req.prompt_ids for a in joiners])
+        for act, row in zip(joiners, logits):
+            act.last = _pick(row, act.req.sp, act.rng)
+            act.req.stats.ttft_s = time.perf_counter() - act.req.submitted_s
+            if self._emit(act, [act.last], None).finished:
+                self._finish(act)
+
+    def step(self) -> None:
+        """Admit queued requests (prefill), then one draft + verify (or plain) step for every active request."""
+        for act in [a for a in self.active if a.req.cancelled]:
+            act.req.stats.finish_reason = "cancelled"
+            act.req.stats.total_s = time.perf_counter() - act.req.submitted_s
+            self._finish(act)
+        self._admit()
+        if not self.active:
+            return
+        self.steps += 1
+        bs = self.info.block_size
+        acts = list(self.active)  # slot order
+        acts.sort(key=lambda a: a.seq.slot)
+        drafting = []
+        batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts))
+        probe = None
+        if batch_may_draft:
+            self._since_draft = 0
+        else:  # one sequence drafts now and then, to keep the estimate of what drafting would yield current
+            self._since_draft += 1
+            candidates = [a for a in acts if a.req.mode == "dflash" and a.req.sp.greedy]
+            if self._since_draft > self.max_skip and candidates:
+                probe = candidates[self._probe_turn % len(candidates)]
+                self._probe_turn += 1
+                self._since_draft = 0
+        for a in acts:
+            a.n_draft, a.drafts, a.draft_probs = 0, None, None
+            sp = a.req.sp
+            if a.req.mode != "dflash":
+                continue
+            if sp.greedy and a is not probe and (a.skip > 0 or not batch_may_draft):
+                a.skip = max(0, a.skip - 1)
+                continue
+            drafting.append(a)
+        draft_cost = 0.0
+        if drafting:
+            us = []
+            for a in drafting:
+                sp = a.req.sp
+                us.append(None if sp.greedy else a.rng.random(bs - 1))
+                full = self._single.full_last_block
+                a.block_len = bs if full else min(bs, sp.max_new_tokens - a.produced + 1)
+            res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
+                                   [a.req.sp for a in drafting], us, [a.block_len for a in drafting])
+            for a, (d, p) in zip(drafting, res):
+                a.drafts, a.draft_probs = d, p
+            draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+            self._learn_from_drafts(drafting)
+        s = self._choose_rows(acts, drafting)
+        blocks = []
+        for a in acts:
+            if a.drafts is not None:
+                cap = a.block_len - 1
+                if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
+                    cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
+                    a.n_draft = max(0, min(s - 1, cap))
+                else:
+                    a.n_draft = cap
+            blk = np.empty(a.n_draft + 1, np.int64)
+            blk[0] = a.last
+            if a.n_draft:
+                blk[1:] = a.drafts[: a.n_draft]
+            blocks.append(blk)
+        logits = self.batch.target_step([a.seq for a in acts], blocks)
+        tokens = 0
+        done = []
+        for a, blk, lg in zip(acts, blocks, logits):
+            sp = a.req.sp
+            if a.req.mode == "ar":
+                a.last = _pick(lg[0], sp, a.rng)
+                accept, emitted = 0, [a.last]
+            elif a.drafts is None:  # a plain step whose features stay pending (back-off)
+                accept, emitted = verify_block(None, lg, blk[1:], None, None, True)
+            else:
+                u = None if sp.greedy else a.rng.random(bs)
+                probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k,
+                                                                 sp.top_p)
+                accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
+                a.req.stats.drafted_tokens += a.n_draft
+                self.rows_verified += a.n_draft
+                if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
+                    a.misses = a.misses + 1 if accept == 0 else 0
+                    a.skip = min(self.max_skip, (1 << a.misses) - 1)
+            self.batch.commit(a.seq, accept)
+            a.last = emitted[-1]
+            tokens += accept + 1
+            ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
+            a.req.stats.acceptance_lengths.append(len(ev.tokens) if a.req.mode == "dflash" else 1)
+            if ev.finished:
+                done.append(a)
+        for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
+            self._finish(a)
+        rows = len(blocks) * max(len(b) for b in blocks)
+        cost = draft_cost + 1.0 + self.a * (rows - 1)
+        self.rate = 0.9 * self.rate + 0.1 * tokens / cost
+
+    def _learn_from_drafts(self, drafting: list[_Active]) -> None:
+        """Update what drafting is expected to yield per sequence: the rows each drafting sequence's own confidences
+        would have it verify at the current rate (1 + verify_length(conf, λ a), the batch rule per sequence) and the
+        drafts it would then get accepted (the sum of its cumulative confidences over them)."""
+        from dflash_export.sampling import verify_length
+
+        gains, rows = [], []
+        for a in drafting:
+            conf = a.seq.draft_confidence
+            if not (a.req.sp.greedy and self.adaptive and conf is not None):
+                continue
+            room = max(0, min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1))
+            conf = np.asarray(conf[:room], np.float64)
+            n = verify_length(conf, self.rate * self.a)
+            gains.append(float(np.cumprod(conf)[:n].sum()) if n else 0.0)
+            rows.append(1 + n)
+        if gains:
+            self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * float(np.mean(gains))
+            self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * float(np.mean(rows))
+
+    def _drafting_pays(self, b: int) -> bool:
+        """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
+        from what drafting has yielded lately (B > 1; one sequence follows DFlashRuntime's rule)."""
+        plain = b / (1.0 + self.a * (b - 1))
+        cost = (self.draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1.0
+                + self.a * (b * self.rows_per_draft_step - 1))
+        return b * (1.0 + self.accepted_per_draft) / cost > plain
+
+    def _choose_rows(self, acts: list[_Active], drafting: list[_Active]) -> int:
+        """S, the rows of this step's target call (see the module docstring)."""
+        s = 1
+        scored = []
+        for a in drafting:
+            if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
+                room = min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1)
+                scored.append(np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64)))
+            else:
+                s = max(s, a.block_len)
+        b = len(acts)
+        bar = self.rate * self.a * b
+        k = 1
+        while k < self.info.block_size:
+            gain = sum(q[k - 1] for q in scored if len(q) >= k)
+            if k >= s and (gain <= 0 or gain < bar):
+                break
+            k += 1
+        return max(s, k)
+
+
+class BatchingService:
+    """A `BatchingRuntime` shared by many threads: one scheduler thread steps it while requests are active, callers
+    submit and consume their own events. Duck-types what `deploy.handler.RequestRunner` reads from a DFlashRuntime
+    (`engine`, `encode`, `check_request`, `stream`), so the Triton model can hand every request to one batch.
+
+    A consumer that stops iterating `stream` (its client went away: RequestRunner stops between steps) cancels its
+    request; the slot is freed at the next step boundary. An engine failure ends every active request with it.
+    """
+
+    def __init__(self, engine, max_batch: int = 8, max_queued_tokens: int = 65536, **runtime_kwargs):
+        import threading
+
+        self.runtime = BatchingRuntime(engine, max_batch, max_queued_tokens, **runtime_kwargs)
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-batching", daemon=True)
+        self._thread.start()
+
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        return self.engine.codec.encode_prompt(prompt, chat)
+
+    def check_request(self, prompt_ids, sp: SamplingParams) -> None:
+        self.runtime._single.check_request(prompt_ids, sp)
+
+    def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None):
+        """Yield the request's StepEvents as the shared batch commits them; the last has finished=True."""
+        import queue
+
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            if self._closed:
+                raise DFlashError("the batching service is closed", field="model")
+            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put)
+            if stats is not None:
+                stats.prompt_tokens = req.stats.prompt_tokens
+                req.stats = stats
+            self._work.notify()
+        try:
+            while True:
+                ev = events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if not req.done:
+                with self._lock:
+                    self.runtime.cancel(req)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and self.runtime.idle:
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    self.runtime.step()
+                except Exception as e:  # noqa: BLE001 - every waiting consumer gets the failure, the loop goes on
+                    self._fail_all(e)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        rt = self.runtime
+        for act in list(rt.active):
+            act.req.done = True
+            if act.req.on_event is not None:
+                act.req.on_event(exc)
+            try:
+                rt.batch.remove(act.seq)
+            except DFlashError:
+                pass
+        rt.active.clear()
+        while rt.queue:
+            req = rt.queue.popleft()
+            req.done = True
+            if req.on_event is not None:
+                req.on_event(exc)
+        rt.queued_tokens = 0
+        rt.batch = BatchedOrtEngine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._work.notify()
+        self._thread.join(timeout=10)

@@ -1,0 +1,367 @@
+"""B sequences per call on the ONNX Runtime engine: the target step (prefill, verify, plain step) and the drafter.
+
+`BatchedOrtEngine` drives the same sessions as `OrtEngine` (it wraps one), so a batch of one computes what the
+single-sequence path computes; `dflash_export.batching` schedules it. Imports neither torch nor anything beyond
+numpy and onnxruntime.
+
+How B sequences of different lengths share one call:
+- Target (GroupQueryAttention over a K/V buffer shared by past and present): every layer's cache is one buffer
+  [slots, KVH, capacity, D], a sequence owning one slot. A call runs a contiguous range of slots with S rows each
+  (S = the longest block in the call); a sequence with n < S real rows is padded at its end. Its `seqlens_k` says
+  length + S - 1, so GQA puts the new rows at length .. length + S - 1: the real rows attend exactly to the cache
+  and to each other (causal), the padding rows come after every real row and are never seen, and their K/V rows lie
+  past the committed length, overwritten by the next step -- as the quantized engines' two-row plain step already
+  does. Prefills run in their own calls (an empty cache per sequence, the prompt right-padded).
+- Drafter (context K/V outside the graph, `key_bias` input): each sequence's cached context, its new context
+  features and its block are padded to the call's longest, and key_bias (-inf) hides every padding key from every
+  query. With no padding (a batch of one) the bias is all zeros and the drafts are the unbatched graph's, bit for bit.
+  Drafters with causal / sliding-window layers (no key_bias) draft one sequence per call inside a batched step.
+- LM head and draft head: one call over the rows every sequence needs (the head is row-wise).
+
+Slots are kept dense (0..n-1, in join order): a leaving sequence's slot takes the last slot's rows, so every step
+is one contiguous range and K/V memory is slots x the longest request's length, grown on demand and released when the
+batch empties.
+
+Exactness: every real row sees the same keys with the same values as when the sequence runs alone; what padding
+changes is the shape of the kernels (GEMMs with more rows, GQA's many-row path instead of its one-row path for a
+plain step). fp32 rows can then differ from the unbatched ones in the last bits (as DFlash's verify rows already
+differ from plain decoding's one-row steps), which can flip a greedy token only at an exact near-tie; the tests and
+`bench --concurrency` compare every output with the sequence run alone and report any such flip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash_export.engines.base import SamplingParams, Sequence
+from dflash_export.engines.onnxruntime import OrtEngine
+from dflash_export.errors import DFlashError
+
+
+class BatchSeq(Sequence):
+    """One sequence of a batch. `length`: committed tokens (the next anchor sits there); `slot`: its K/V slot."""
+
+    def __init__(self, max_tokens: int):
+        super().__init__()
+        self.slot = -1
+        self.max_tokens = max_tokens
+        self.d_len = 0                            # drafter context K/V rows cached
+        self.ctx: np.ndarray | None = None        # pending context features [n, H_drafter]
+        self.ctx_pos: np.ndarray | None = None    # their positions [n]
+        self.keep_context = True                  # False: plain decoding only, features dropped
+        self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
+
+
+@dataclass
+class _Buffers:
+    """Per-layer K/V buffers [slots, KVH, capacity, D] (target) or [slots, KVH, capacity, D] (drafter context)."""
+
+    t_kv: list[np.ndarray] = field(default_factory=list)
+    d_kv: list[np.ndarray] = field(default_factory=list)
+    slots: int = 0
+    t_cap: int = 0
+    d_cap: int = 0
+
+
+class BatchedOrtEngine:
+    """B sequences per call over an `OrtEngine`'s sessions. Not thread-safe: one scheduler drives it.
+
+    Call order per sequence: `add`, `prefill` (in a group of new sequences), then steps of `draft` (optional, for
+    the sequences that speculate) and `target_step` + `commit` (all active sequences), `remove` when done.
+    """
+
+    def __init__(self, engine: OrtEngine, max_batch: int = 16):
+        if not isinstance(engine, OrtEngine):
+            raise DFlashError(f"batched decoding runs on the onnxruntime backend (got {engine.info.backend})",
+                              field="backend")
+        if max_batch < 1:
+            raise DFlashError(f"must be >= 1, got {max_batch}", field="max_batch")
+        self.engine = engine
+        self.info = engine.info
+        self.codec = engine.codec
+        self.max_batch = max_batch
+        self.seqs: list[BatchSeq] = []  # by slot
+        self._buf = _Buffers()
+        e = engine
+        self._t_shape = (e.t_kv_heads, e.t_head_dim)
+        self._d_shape = (e.d_kv_heads, e.d_head_dim)
+
+    # Slots and memory -----------------------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the batch's K/V buffers now."""
+        return sum(b.nbytes for b in self._buf.t_kv + self._buf.d_kv)
+
+    def add(self, max_tokens: int) -> BatchSeq:
+        """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
+        if len(self.seqs) >= self.max_batch:
+            raise DFlashError(f"the batch is full ({self.max_batch} sequences)", field="max_batch")
+        if max_tokens > self.info.max_seq_len:
+            raise DFlashError(f"{max_tokens} tokens exceed the engine's max_seq_len {self.info.max_seq_len}",
+                              field="max_tokens")
+        seq = BatchSeq(max_tokens)
+        seq.slot = len(self.seqs)
+        self.seqs.append(seq)
+        self._reserve(len(self.seqs), max(s.max_tokens for s in self.seqs))
+        return seq
+
+    def remove(self, seq: BatchSeq) -> None:
+        """Free `seq`'s slot: the last slot's committed rows move into it (slots stay dense). Call it between
+        steps, after every `commit` of the step (rows of an uncommitted step would not move)."""
+        if seq.slot < 0 or seq.slot >= len(self.seqs) or self.seqs[seq.slot] is not seq:
+            raise DFlashError("sequence is not in this batch", field="sequence")
+        hole, last = seq.slot, len(self.seqs) - 1
+        if hole != last:
+            mover = self.seqs[last]
+            for buf in self._buf.t_kv:
+                buf[hole, :, : mover.length] = buf[last, :, : mover.length]
+            for buf in self._buf.d_kv:
+                buf[hole, :, : mover.d_len] = buf[last, :, : mover.d_len]
+            mover.slot = hole
+            self.seqs[hole] = mover
+        self.seqs.pop()
+        seq.slot = -1
+        if not self.seqs:  # an idle engine holds no K/V
+            self._buf = _Buffers()
+
+    def _reserve(self, slots: int, t_need: int, d_need: int = 0) -> None:
+        b = self._buf
+        if slots <= b.slots and t_need <= b.t_cap and d_need <= b.d_cap:
+            return
+        # Grow by doubling (bounded by the batch bound and max_seq_len) so joins and long contexts rarely copy.
+        new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
+        t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
+        d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
+        n = len(self.seqs)
+        e = self.engine
+
+        def grow(old: list[np.ndarray], layers: int, shape, cap, old_cap):
+            out = []
+            for i in range(2 * layers):
+                buf = np.zeros((new_slots, shape[0], cap, shape[1]), np.float32)
+                if old:
+                    m = min(n, old[i].shape[0])
+                    buf[:m, :, :old_cap] = old[i][:m]
+                out.append(buf)
+            return out
+
+        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, e.t_layers, self._t_shape,
+                                                                             t_cap, b.t_cap)
+        d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
+                                                                             d_cap, b.d_cap)
+        self._buf = _Buffers(t_kv, d_kv, new_slots, t_cap, d_cap)
+
+    def _range(self, seqs: list[BatchSeq]) -> tuple[int, int]:
+        slots = [s.slot for s in seqs]
+        if not seqs or slots != list(range(slots[0], slots[0] + len(seqs))) or slots[0] < 0 \
+                or slots[-1] >= len(self.seqs):
+            raise DFlashError("a batched target call takes a contiguous range of slots, in slot order")
+        return slots[0], slots[-1] + 1
+
+    # Target -------------------------------------------------------------------------------------------------------
+
+    def _run_target(self, seqs: list[BatchSeq], blocks: list[np.ndarray], prefill: bool
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's ids [n_b] at positions length..; returns hidden [B, S, H] and ctx [B, S, H_d]."""
+        e = self.engine
+        a, z = self._range(seqs)
+        s = max(len(x) for x in blocks)
+        if s == 1 and e.plain_step_rows == 2:  # quantized engines: one-token steps run as two rows (OrtEngine)
+            s = 2
+        for seq, blk in zip(seqs, blocks):
+            if len(blk) == 0:
+                raise DFlashError("empty block", field="input_ids")
+            if prefill and seq.length:
+                raise DFlashError("prefill runs once, on a new sequence")
+            if seq.length + s > self.info.max_seq_len or seq.length + s > self._buf.t_cap:
+                raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room "
+                                  f"({min(self.info.max_seq_len, self._buf.t_cap)})", field="max_tokens")
+        embeds = np.empty((len(seqs), s, e._mask_row.shape[0]), np.float32)
+        for i, blk in enumerate(blocks):
+            embeds[i, : len(blk)] = e._embed.rows(blk)
+            embeds[i, len(blk):] = embeds[i, len(blk) - 1]  # padding rows: finite values nobody attends to
+        lengths = np.array([q.length for q in seqs], np.int64)
+        # Prefill: GQA's first-prompt form (total_seq_len == S), each row sees the rows before it; steps: each
+        # sequence's past is its committed length (seqlens_k = length + S - 1).
+        seqlens = (lengths + s - 1).astype(np.int32)
+        total = int(seqlens.max()) + 1
+        io = e.target.io_binding()
+        io.bind_output("hidden", "cpu")
+        io.bind_output("ctx", "cpu")
+        for i in range(e.t_layers):
+            for j, kind in enumerate(("key", "value")):
+                view = self._buf.t_kv[2 * i + j][a:z]
+                io.bind_cpu_input(f"past_{kind}_{i}", view)
+                io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, view.shape, view.ctypes.data)
+        io.bind_cpu_input("inputs_embeds", embeds)
+        io.bind_cpu_input("num_logits", np.array(s, np.int64))
+        io.bind_cpu_input("seqlens_k", seqlens)
+        io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        e.target.run_with_iobinding(io)
+        outs = io.get_outputs()
+        return outs[0].numpy(), outs[1].numpy()
+
+    def _run_target_batch(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks of B sequences over their pasts in one call of target_batch.onnx (attention in plain ops: it reads
+        the K/V buffer and returns the new rows, written back here for the real rows only)."""
+        e = self.engine
+        sess = e.batch_target_session()
+        a, z = self._range(seqs)
+        s = max(len(x) for x in blocks)
+        cap = self._buf.t_cap
+        embeds = np.empty((len(seqs), s, e._mask_row.shape[0]), np.float32)
+        pos = np.empty((len(seqs), s), np.int64)
+        bias = np.zeros((len(seqs), cap), np.float32)
+        for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+            if seq.length + s > min(self.info.max_seq_len, cap):
+                raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room", field="max_tokens")
+            embeds[i, : len(blk)] = e._embed.rows(blk)
+            embeds[i, len(blk):] = embeds[i, len(blk) - 1]
+            pos[i] = np.arange(seq.length, seq.length + s)
+            bias[i, seq.length:] = -np.inf
+        io = sess.io_binding()
+        io.bind_output("hidden", "cpu")
+        io.bind_output("ctx", "cpu")
+        news = []
+        for i in range(e.t_layers):
+            for j, kind in enumerate(("key", "value")):
+                io.bind_cpu_input(f"past_{kind}_{i}", self._buf.t_kv[2 * i + j][a:z])
+                io.bind_output(f"new_{kind}_{i}", "cpu")
+                news.append(2 * i + j)
+        io.bind_cpu_input("inputs_embeds", embeds)
+        io.bind_cpu_input("num_logits", np.array(s, np.int64))
+        io.bind_cpu_input("position_ids", pos)
+        io.bind_cpu_input("past_bias", bias)
+        sess.run_with_iobinding(io)
+        outs = io.get_outputs()
+        for k, buf_i in enumerate(news):
+            new = outs[2 + k].numpy()
+            buf = self._buf.t_kv[buf_i]
+            for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+                buf[seq.slot, :, seq.length: seq.length + len(blk)] = new[i, :, : len(blk)]
+        return outs[0].numpy(), outs[1].numpy()
+
+    def _head(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each."""
+        cat = np.concatenate(rows, axis=0)[None]
+        logits = self.engine.head.run(["logits"], {"hidden": cat})[0][0]
+        return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
+
+    def prefill(self, seqs: list[BatchSeq], prompts: list) -> list[np.ndarray]:
+        """Prompts [S_b] int64 of new sequences (a contiguous slot range) -> each one's last-position logits [V]."""
+        ids = [np.asarray(p, np.int64) for p in prompts]
+        hidden, ctx = self._run_target(seqs, ids, prefill=True)
+        for i, (seq, p) in enumerate(zip(seqs, ids)):
+            n = len(p)
+            if seq.keep_context:
+                seq.ctx, seq.ctx_pos = ctx[i, :n].copy(), np.arange(n, dtype=np.int64)
+            seq.length = n
+        return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
+
+    def target_step(self, seqs: list[BatchSeq], blocks: list) -> list[np.ndarray]:
+        """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step).
+        Returns logits [n_b, V] per sequence. Nothing is committed until `commit`."""
+        blocks = [np.asarray(b, np.int64) for b in blocks]
+        # GQA's in-place graph for one sequence and for one-row steps of fp32 engines (quantized ones run one-token
+        # steps as two rows, which GQA takes for one sequence a call only).
+        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.plain_step_rows == 1):
+            hidden, ctx = self._run_target(seqs, blocks, prefill=False)
+            rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
+        elif self.engine.batch_target_session() is not None:
+            hidden, ctx = self._run_target_batch(seqs, blocks)
+            rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
+        else:  # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
+            rows = []
+            for seq, blk in zip(seqs, blocks):
+                hidden, ctx = self._run_target([seq], [blk], prefill=False)
+                rows.append((hidden[0, : len(blk)], ctx[0, : len(blk)]))
+        for seq, (_, c) in zip(seqs, rows):
+            seq._step_ctx = c if seq.keep_context else None
+        return self._head([h for h, _ in rows])
+
+    def commit(self, seq: BatchSeq, accept: int) -> None:
+        """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
+        ones (in order), the rows past them are stale and get overwritten by the next step."""
+        if seq._step_ctx is not None:
+            new = seq._step_ctx[: accept + 1].copy()
+            pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)
+            if seq.ctx is not None:
+                new, pos = np.concatenate([seq.ctx, new]), np.concatenate([seq.ctx_pos, pos])
+            seq.ctx, seq.ctx_pos = new, pos
+        seq._step_ctx = None
+        seq.length += accept + 1
+
+    # Drafter ------------------------------------------------------------------------------------------------------
+
+    def draft(self, seqs: list[BatchSeq], anchors: list[int], sps: list[SamplingParams], uniforms: list,
+              block_lens: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Draft one block per sequence (any subset of the batch, each with pending context features).
+
+        block_lens[b] <= block_size: sequence b's block (anchor + masks). Returns per sequence (drafts
+        [block_len - 1] int64, draft probs [block_len - 1, V] when sampling else None); greedy sets
+        seq.draft_confidence, as OrtEngine.draft does."""
+        e = self.engine
+        for seq in seqs:
+            if seq.ctx is None:
+                raise DFlashError("draft() needs new context: prefill or a step first", field="sequence")
+        groups = [list(range(len(seqs)))] if e.drafter_batches else [[i] for i in range(len(seqs))]
+        out: list = [None] * len(seqs)
+        for group in groups:
+            g_seqs = [seqs[i] for i in group]
+            hidden, sel = self._run_drafter(g_seqs, [anchors[i] for i in group], [block_lens[i] for i in group])
+            logits = self.engine.draft_head.run(
+                ["logits"], {"hidden": np.concatenate([hidden[j, : block_lens[i] - 1]
+                                                       for j, i in enumerate(group)])[None]})[0][0]
+            parts = np.split(logits, np.cumsum([block_lens[i] - 1 for i in group])[:-1])
+            for j, i in enumerate(group):
+                seqs[i].draft_confidence = None
+                out[i] = e.drafts_from_logits(seqs[i], parts[j], None if sel is None else sel[j, : block_lens[i] - 1],
+                                              anchors[i], sps[i], uniforms[i])
+        return out
+
+    def _run_drafter(self, seqs: list[BatchSeq], anchors: list[int], block_lens: list[int]):
+        e = self.engine
+        nb = len(seqs)
+        t_pad = max(s.d_len for s in seqs)
+        c_pad = max(len(s.ctx) for s in seqs)
+        b_pad = max(block_lens)
+        self._reserve(len(self.seqs), self._buf.t_cap, max(s.d_len + len(s.ctx) for s in seqs))
+        h_d = seqs[0].ctx.shape[1]
+        ctx = np.zeros((nb, c_pad, h_d), np.float32)
+        ctx_pos = np.zeros((nb, c_pad), np.int64)
+        block = np.empty((nb, b_pad, e._mask_row.shape[0]), np.float32)
+        block[:] = e._mask_row
+        block_pos = np.empty((nb, b_pad), np.int64)
+        bias = np.zeros((nb, t_pad + c_pad + b_pad), np.float32)
+        anchor_rows = e._embed.rows(anchors)
+        for i, s in enumerate(seqs):
+            c = len(s.ctx)
+            ctx[i, :c], ctx_pos[i, :c] = s.ctx, s.ctx_pos
+            block[i, 0] = anchor_rows[i]
+            block_pos[i] = np.arange(s.length, s.length + b_pad)
+            bias[i, s.d_len: t_pad] = -np.inf
+            bias[i, t_pad + c: t_pad + c_pad] = -np.inf
+            bias[i, t_pad + c_pad + block_lens[i]:] = -np.inf
+        if b_pad > self.info.block_size or int(block_pos.max()) >= self.info.max_seq_len:
+            raise DFlashError(f"a block at {int(block_pos.max())} passes the engine's max_seq_len", field="max_tokens")
+        slots = np.array([s.slot for s in seqs])
+        feeds = {"ctx": ctx, "ctx_positions": ctx_pos, "block_embeds": block, "block_positions": block_pos}
+        if e.drafter_batches:
+            feeds["key_bias"] = bias
+        for i in range(e.d_layers):
+            for j, kind in enumerate(("key", "value")):
+                feeds[f"past_ctx_{kind}_{i}"] = self._buf.d_kv[2 * i + j][slots, :, :t_pad]
+        extra = ["selector_hidden"] if e._selector else []
+        names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(e.d_layers) for k in ("key", "value")]
+        res = e.drafter.run(names, feeds)
+        presents = res[1 + len(extra):]
+        for i, s in enumerate(seqs):  # the new context rows join each sequence's cache
+            c = len(s.ctx)
+            for buf, present in zip(self._buf.d_kv, presents):
+                buf[s.slot, :, s.d_len: s.d_len + c] = present[i, :, t_pad: t_pad + c]
+            s.d_len += c
+            s.ctx = s.ctx_pos = None
+        return res[0], (res[1] if extra else None)

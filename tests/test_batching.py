@@ -1,0 +1,291 @@
+"""Batched ONNX Runtime engine and continuous batching: every sequence of a batch -- different prompt lengths,
+different block lengths, joining and leaving between steps -- gets the PyTorch reference's greedy tokens and exactly
+the tokens it gets run alone; batched logits and drafts match the reference / the unbatched graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_export.batching import BatchingRuntime
+from dflash_export.engines.base import SamplingParams, load_engine
+from dflash_export.engines.ort_batch import BatchedOrtEngine
+from dflash_export.errors import DFlashError
+from dflash_export.runtime import DFlashRuntime
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
+           [3 + (i * 7) % 200 for i in range(150)], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def built(request, tmp_path_factory):
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(request.param)
+    out = build_onnxruntime(recipe, tmp_path_factory.mktemp(request.param) / "onnxruntime", threads=1)
+    return recipe, load_engine(out, threads=1), TorchEngine.from_recipe(recipe)
+
+
+@pytest.fixture(scope="module")
+def reference(built):
+    """Each prompt's reference greedy continuation (PyTorch, fp32), 64 tokens."""
+    from dflash_export.reference import ar_generate
+
+    _, _, torch_eng = built
+    return [ar_generate(torch_eng.target, p, 64).tokens for p in PROMPTS]
+
+
+def _reference_logits(torch_eng, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return torch_eng.target.hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def test_batched_prefill_and_verify_logits_match_the_reference(built, reference):
+    """Prompts of 1..150 tokens prefilled in one call, then one call verifying blocks of 1..bs rows (the reference
+    continuation): every real row's logits are the PyTorch target's at that position."""
+    _, eng, torch_eng = built
+    bs = eng.info.block_size
+    batch = BatchedOrtEngine(eng, max_batch=len(PROMPTS))
+    seqs = [batch.add(len(p) + 64 + bs) for p in PROMPTS]
+    first = batch.prefill(seqs, PROMPTS)
+    for p, row in zip(PROMPTS, first):
+        ref = _reference_logits(torch_eng, p)[-1]
+        np.testing.assert_allclose(row, ref, atol=1e-4)
+        assert int(np.argmax(row)) == int(np.argmax(ref))
+    blocks = [np.array(cont[: 1 + i % bs]) for i, cont in enumerate(reference)]  # 1..bs rows, mixed in one call
+    got = batch.target_step(seqs, blocks)
+    for p, blk, lg in zip(PROMPTS, blocks, got):
+        # row i predicts the token after block[i]: the reference's position len(p) + i
+        ref = _reference_logits(torch_eng, p + list(blk))[len(p): len(p) + len(blk)]
+        np.testing.assert_allclose(lg, ref, atol=1e-4)
+        assert (np.argmax(lg, -1) == np.argmax(ref, -1)).all()
+
+
+def test_batched_drafts_equal_each_sequence_drafted_alone(built):
+    """One drafter call over sequences whose cached context, new context and block lengths all differ (padded and
+    masked by key_bias) drafts for each what the unbatched graph drafts for it alone, over two steps."""
+    _, eng, _ = built
+    assert eng.drafter_batches
+    bs = eng.info.block_size
+    sp = SamplingParams()
+    prompts = PROMPTS[:4]
+    lens2 = [bs - i % 3 for i in range(4)]
+    batch = BatchedOrtEngine(eng, max_batch=4)
+    seqs = [batch.add(len(p) + 64) for p in prompts]
+    batch.prefill(seqs, prompts)
+    r1 = batch.draft(seqs, [p[-1] for p in prompts], [sp] * 4, [None] * 4, [bs] * 4)
+    conf1 = [s.draft_confidence for s in seqs]
+    blocks = [np.array([p[-1], *d[: 1 + i]]) for i, (p, (d, _)) in enumerate(zip(prompts, r1))]
+    batch.target_step(seqs, blocks)
+    for i, seq in enumerate(seqs):  # commit 1 + i % 2 tokens: new context of different lengths
+        batch.commit(seq, min(i % 2, len(blocks[i]) - 1))
+    r2 = batch.draft(seqs, [5] * 4, [sp] * 4, [None] * 4, lens2)
+    conf2 = [s.draft_confidence for s in seqs]
+    for i, p in enumerate(prompts):  # the same two steps, alone
+        s = eng.new_sequence(len(p) + 64)
+        eng.prefill(s, np.array(p))
+        d1, _ = eng.draft(s, p[-1], sp, None, block_len=bs)
+        np.testing.assert_array_equal(r1[i][0], d1)
+        np.testing.assert_allclose(conf1[i], s.draft_confidence, rtol=1e-5)
+        _, ctx = eng._run_target(s, blocks[i], len(blocks[i]))
+        keep = min(i % 2, len(blocks[i]) - 1) + 1
+        s.ctx, s.ctx_pos = ctx[:, :keep], np.arange(s.length, s.length + keep, dtype=np.int64)[None]
+        s.length += keep
+        d2, _ = eng.draft(s, 5, sp, None, block_len=lens2[i])
+        np.testing.assert_array_equal(r2[i][0], d2)
+        np.testing.assert_allclose(conf2[i], s.draft_confidence, rtol=1e-5)
+
+
+def _oracle_drafts(batch: BatchedOrtEngine, conts: dict, rng, confidence: float = 0.99):
+    """Replace the batch's drafts by each sequence's reference continuation with one token corrupted at a random
+    slot (the tiny drafter is random and rarely accepted): every accept length gets exercised."""
+    true_draft = batch.draft
+
+    def draft(seqs, anchors, sps, uniforms, block_lens):
+        out = true_draft(seqs, anchors, sps, uniforms, block_lens)  # keeps the drafter's context cache in step
+        fixed = []
+        for seq, (d, p), bl in zip(seqs, out, block_lens):
+            cont, n_prompt = conts[id(seq)]
+            done = seq.length - n_prompt + 1
+            d = np.array((list(cont[done: done + bl - 1]) + [0] * bl)[: bl - 1], np.int64)
+            k = int(rng.integers(0, bl))
+            if k < bl - 1:
+                d[k] = (d[k] + 1) % batch.info.vocab_size
+            if seq.draft_confidence is not None:
+                seq.draft_confidence = np.full(bl - 1, confidence)
+            fixed.append((d, p))
+        return fixed
+
+    batch.draft = draft
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_continuous_batching_greedy_tokens_equal_reference_and_alone(built, reference, adaptive):
+    """Six requests through a batch of at most 3 (they join and leave between steps), drafts that are accepted at
+    every length: each request's tokens are the reference's and those of the request run alone."""
+    _, eng, _ = built
+    rng = np.random.default_rng(0)
+    max_new = [64, 40, 64, 17, 64, 33]
+    sps = [SamplingParams(max_new_tokens=n) for n in max_new]
+    rt = BatchingRuntime(eng, max_batch=3, adaptive=adaptive)
+    conts = {}
+    true_add = rt.batch.add
+
+    def add(max_tokens, _prompts=iter(PROMPTS), _refs=iter(reference)):
+        seq = true_add(max_tokens)
+        p = next(_prompts)
+        conts[id(seq)] = (next(_refs), len(p))
+        return seq
+
+    rt.batch.add = add
+    _oracle_drafts(rt.batch, conts, rng)
+    widths = []
+    reqs = [rt.submit(p, sp) for p, sp in zip(PROMPTS, sps)]
+    while not rt.idle:
+        rt.step()
+        widths.append(len(rt.active))
+        assert len(rt.active) <= 3
+    assert max(widths) == 3 and rt.batch.kv_bytes == 0  # an idle engine holds no K/V
+    single = DFlashRuntime(eng)
+    for req, ref, sp, p in zip(reqs, reference, sps, PROMPTS):
+        assert req.stats.tokens == ref[: sp.max_new_tokens], p
+        assert req.stats.tokens == single.generate(p, sp).tokens, p
+    assert max(max(r.stats.acceptance_lengths) for r in reqs) > 2
+
+
+def test_continuous_batching_mixed_modes_and_plain(built, reference):
+    """DFlash, plain decoding and sampled requests in one batch (with the real, random drafter)."""
+    _, eng, _ = built
+    single = DFlashRuntime(eng)
+    rt = BatchingRuntime(eng, max_batch=4)
+    jobs = [(p, SamplingParams(max_new_tokens=30), m) for p, m in zip(PROMPTS, ["dflash", "ar"] * 3)]
+    jobs += [(PROMPTS[i], SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=i), m)
+             for i, m in ((0, "dflash"), (1, "ar"), (3, "dflash"))]
+    reqs = [rt.submit(p, sp, m) for p, sp, m in jobs]
+    while not rt.idle:
+        rt.step()
+    for req, (p, sp, m) in zip(reqs, jobs):
+        alone = single.generate(p, sp, m)
+        assert req.stats.tokens == alone.tokens, (p, sp, m)
+        if sp.greedy:
+            assert req.stats.tokens == reference[PROMPTS.index(p)][:30]
+
+
+def test_bounds_cancel_and_bad_requests(built):
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=2, max_queued_tokens=40)
+    rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=8))  # 31 tokens queued
+    with pytest.raises(DFlashError) as e:
+        rt.submit(PROMPTS[3], SamplingParams(max_new_tokens=8))  # +8 fits, then +31 does not
+        rt.submit(PROMPTS[1], SamplingParams(max_new_tokens=8))
+    assert e.value.field == "max_queued_tokens"
+    for bad, fld in (([], "text_input"), ([eng.info.vocab_size], "input_ids")):
+        with pytest.raises(DFlashError) as e:
+            rt.submit(bad, SamplingParams())
+        assert e.value.field == fld
+    with pytest.raises(DFlashError) as e:
+        rt.submit([1], SamplingParams(max_new_tokens=eng.info.max_seq_len))
+    assert e.value.field == "max_tokens"
+    c = rt.submit([5], SamplingParams(max_new_tokens=50))
+    rt.step()
+    assert len(rt.active) == 2
+    rt.cancel(rt.active[0].req)
+    rt.step()
+    while not rt.idle:
+        rt.step()
+    assert c.done and rt.batch.kv_bytes == 0
+    with pytest.raises(DFlashError) as e:
+        BatchingRuntime(eng, max_batch=0)
+    assert e.value.field == "max_batch"
+
+
+def test_scheduler_verifies_less_as_load_grows(built):
+    """The rule in closed form: slot k is verified while sum_b q[b,k] >= rate * a * B. One sequence: the single
+    runtime's verify_length; many sequences at a plain-decoding rate: no slot (plain batched decoding)."""
+    from dflash_export.batching import _Active
+    from dflash_export.sampling import verify_length
+
+    _, eng, _ = built
+    bs = eng.info.block_size
+    rt = BatchingRuntime(eng)
+    conf = np.array([0.9, 0.8, 0.7, 0.5, 0.9, 0.9, 0.9][: bs - 1])
+
+    def acts(n):
+        out = []
+        for _ in range(n):
+            a = _Active.__new__(_Active)
+            a.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100)})()
+            a.produced, a.block_len = 0, bs
+            a.seq = type("S", (), {"draft_confidence": conf})()
+            out.append(a)
+        return out
+
+    for rate in (0.5, 1.0, 2.0, 5.0):
+        rt.rate = rate
+        one = acts(1)
+        assert rt._choose_rows(one, one) - 1 == verify_length(conf, rate * rt.a)
+    rt.rate = 1.0
+    alone = rt._choose_rows(acts(1), acts(1))
+    many = acts(16)
+    rt.rate = 16 / (1 + rt.a * 15)  # what plain decoding of 16 sequences yields per unit of cost
+    assert 1 < rt._choose_rows(many, many) < alone
+    rt.rate *= 2
+    assert rt._choose_rows(many, many) == 1
+
+
+def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, reference, monkeypatch):
+    """Engines built before target_batch.onnx: many-row blocks run one sequence per GQA call, same tokens."""
+    _, eng, _ = built
+    monkeypatch.setattr(type(eng), "batch_target_session", lambda self: None)
+    rt = BatchingRuntime(eng, max_batch=4, adaptive=False)
+    got = rt.generate_many(PROMPTS, SamplingParams(max_new_tokens=40))
+    assert [g.tokens for g in got] == [r[:40] for r in reference]
+
+
+def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tmp_path):
+    from dflash_export.bench_batch import run_concurrency
+
+    _, eng, _ = built
+    rep = run_concurrency(str(eng.engine_dir), PROMPTS[:5], 12, [1, 3], ["dflash", "ar"], threads=1)
+    assert [(r["concurrency"], r["mode"]) for r in rep["levels"]] == [(1, "dflash"), (1, "ar"), (3, "dflash"),
+                                                                      (3, "ar")]
+    for r in rep["levels"]:
+        assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
+        assert r["latency_p50_s"] <= r["latency_p99_s"]
+    assert rep["divergences"] == []
+
+
+def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(built, reference):
+    import threading
+
+    from dflash_export.batching import BatchingService
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=3)
+    got, errors = {}, []
+
+    def client(i):
+        try:
+            got[i] = [t for ev in svc.stream(PROMPTS[i], SamplingParams(max_new_tokens=30)) for t in ev.tokens]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and [got[i] for i in range(len(PROMPTS))] == [r[:30] for r in reference]
+        dropped = svc.stream(PROMPTS[4], SamplingParams(max_new_tokens=60))
+        next(dropped)
+        dropped.close()  # the consumer went away: cancelled at the next step boundary
+        assert [t for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=5)) for t in ev.tokens] == \
+            reference[0][:5]
+        assert not svc.runtime.active and svc.runtime.batch.kv_bytes == 0
+    finally:
+        svc.close()

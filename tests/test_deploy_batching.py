@@ -1,0 +1,102 @@
+"""Triton with a shared continuous batch per instance (`deploy --max-batch N`): concurrent clients, streamed or not,
+get the text of the same request run alone; a full queue is HTTP 503; bad requests are still named errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from dflash_export.deploy.repository import write_repository
+from dflash_export.deploy.server import free_loopback_ports as free_ports
+from dflash_export.errors import DFlashError
+
+from test_deploy import PROMPTS, infer, make_engine_dir, post_json, run_direct  # noqa: I001 - the tests' helpers
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return make_engine_dir(tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture(scope="module")
+def direct(engine_dir):
+    from dflash_export.deploy.handler import RequestRunner
+    from dflash_export.engines.base import load_engine
+    from dflash_export.runtime import DFlashRuntime
+
+    return RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=1)))
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(engine_dir, tmp_path_factory.mktemp("triton") / "repo", instances=1, max_queue_size=256,
+                            max_batch=8, max_queued_tokens=4096)
+    assert 'string_value: "8"' in (repo / "dflash" / "config.pbtxt").read_text()
+    http, grpc, metrics = free_ports(3)
+    srv = TritonServer(repo, http, grpc, metrics, ready_timeout_s=240)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_deploy_refuses_bad_batch_options(tmp_path, engine_dir):
+    for kwargs, field in (({"max_batch": 0}, "--max-batch"), ({"max_queued_tokens": 0}, "--max-queued-tokens")):
+        with pytest.raises(DFlashError) as e:
+            write_repository(engine_dir, tmp_path / "r", **kwargs)
+        assert e.value.field == field
+
+
+@pytest.mark.server
+def test_16_concurrent_clients_share_one_batch_and_get_lone_outputs(server, direct):
+    import tritonclient.http as th
+
+    requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 5) % 25) for i in range(20)]
+    alone = {r: run_direct(direct, text_input=r[0], max_tokens=np.array([r[1]], np.int32)) for r in requests}
+    results, errors = {}, []
+
+    def worker(c: int):
+        cli = th.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=180)
+        try:
+            for k in range(4):
+                r = requests[(c * 3 + k) % len(requests)]
+                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT64")))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            cli.close()
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    assert len(results) == 64
+    for r, out in results.values():  # the tokens; acceptance statistics follow the batch's own scheduling
+        want = alone[r]
+        assert (out["text"], out["finish_reason"], out["completion_tokens"]) == (
+            want.text, want.finish_reason, want.completion_tokens), r
+
+
+@pytest.mark.server
+def test_stream_and_errors_through_the_shared_batch(server, direct):
+    status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream",
+                             {"text_input": "stream me", "max_tokens": 20})
+    assert status == 200
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == run_direct(
+        direct, text_input=b"stream me", max_tokens=np.array([20], np.int32)).text
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "hi", "temperature": -1})
+    assert status == 400 and "temperature" in str(body)
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "x" * 2000})
+    assert status == 400 and "text_input" in str(body)
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi", "max_tokens": 5})
+    assert status == 200 and body["completion_tokens"] == 5
