@@ -56,7 +56,7 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_export.engines.base import load_engine
+    from dflash_export.engines.registry import load_engine
 
     if not levels or any(n < 1 for n in levels):
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")

@@ -24,7 +24,7 @@ def engine_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def direct(engine_dir):
     from dflash_export.deploy.handler import RequestRunner
-    from dflash_export.engines.base import load_engine
+    from dflash_export.engines.registry import load_engine
     from dflash_export.runtime import DFlashRuntime
 
     return RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=1)))
