@@ -5,9 +5,9 @@
 
 Each engine runs in fresh processes (one per engine, setting and round), so every peak is that engine's alone: the
 process imports numpy, onnxruntime and the runtime (RSS "before load"), loads the engine, then decodes the recipe
-suite's first prompts plain and with DFlash. Peak RSS is the process's VmHWM at the end. "weights" are the bytes of
-the engine's graph files (*.onnx + *.onnx.data: what its sessions hold); the fp32 embedding table in
-shared_weights.bin is read a row at a time (pread) and never resident, so it is listed apart.
+suite's first prompts plain and with DFlash. Peak RSS is the process's VmHWM at the end. "weights" are the bytes the
+engine's sessions hold: its graph files (*.onnx + *.onnx.data) and the tensors of shared_weights.bin a graph names (an
+fp32 engine's tied LM head); the embedding table, read a row at a time (pread) and never resident, is listed apart.
 
 Each engine also runs with `release_pages=False` (the engine before the weight-page release, see
 `engines.onnxruntime._release_weight_pages`), in the same rounds and alternating order, so the memory it saves and
@@ -65,10 +65,26 @@ def worker(engine_dir: str, release: bool, prompts: list[list[int]], max_new: in
 
 
 def weight_bytes(engine_dir: Path) -> tuple[float, float]:
-    """(graph weight MiB, embedding file MiB) of an engine directory."""
-    graphs = sum(p.stat().st_size for p in engine_dir.iterdir() if p.name.endswith((".onnx", ".onnx.data")))
-    shared = engine_dir / "shared_weights.bin"
-    return graphs / 2 ** 20, (shared.stat().st_size / 2 ** 20 if shared.is_file() else 0.0)
+    """(MiB of weights the sessions hold, MiB of shared_weights.bin no graph refers to) of an engine directory.
+
+    The sessions hold their graph files (*.onnx, *.onnx.data) and whatever tensors of shared_weights.bin a graph names
+    (an fp32 engine's LM head: the tied embedding matrix); the rest of that file (the embedding table of a quantized
+    engine) is only read a row at a time."""
+    import onnx
+
+    graphs = [p for p in engine_dir.iterdir() if p.name.endswith((".onnx", ".onnx.data"))]
+    held = sum(p.stat().st_size for p in graphs)
+    shared_file = engine_dir / "shared_weights.bin"
+    referenced = {}
+    for p in graphs:
+        if p.suffix == ".onnx":
+            for t in onnx.load(str(p), load_external_data=False).graph.initializer:
+                ext = {e.key: e.value for e in t.external_data}
+                if ext.get("location") == shared_file.name:
+                    referenced[ext.get("offset", "0")] = int(ext["length"])
+    held += sum(referenced.values())
+    rest = (shared_file.stat().st_size if shared_file.is_file() else 0) - sum(referenced.values())
+    return held / 2 ** 20, rest / 2 ** 20
 
 
 def main() -> int:
@@ -116,7 +132,7 @@ def main() -> int:
 
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.rounds} rounds; memory: max over "
           "rounds; tok/s: median over rounds of the per-process median over prompts\n")
-    print("| engine | weight pages released | weights MiB | embedding file MiB (not resident) | RSS before load MiB "
+    print("| engine | weight pages released | weights MiB | shared_weights.bin MiB read by row (not resident) | RSS before load MiB "
           "| peak RSS MiB | peak / weights | (peak − before load) / weights | anon / file MiB at end | plain tok/s "
           "| DFlash tok/s | DFlash identical to plain |")
     print("|---" * 12 + "|")
