@@ -133,8 +133,8 @@ def main() -> int:
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.rounds} rounds; memory: max over "
           "rounds; tok/s: median over rounds of the per-process median over prompts\n")
     print("| engine | weight pages released | weights MiB | shared_weights.bin MiB read by row (not resident) "
-          "| RSS before load MiB | peak RSS MiB | peak / weights | (peak − before load) / weights | anon / file MiB at end | plain tok/s "
-          "| DFlash tok/s | DFlash identical to plain |")
+          "| RSS before load MiB | peak RSS MiB | peak / weights | (peak − before load) / weights "
+          "| anon / file MiB at end | plain tok/s | DFlash tok/s | DFlash identical to plain |")
     print("|---" * 12 + "|")
     table = []
     for e in engines:
