@@ -140,6 +140,26 @@ def llama_tokenize(bindir: Path, model: Path, text: str) -> list[int]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+# Runs argv[1:] as a child and prints its peak RSS: wait4's ru_maxrss of a child forked from this small process (a child
+# forked straight from the benchmark would inherit the benchmark's own high-water mark, torch included, across exec).
+_PEAK_RSS = ("import os, sys\n"
+             "pid = os.fork()\n"
+             "if pid == 0:\n"
+             "    os.execvp(sys.argv[1], sys.argv[1:])\n"
+             "_, status, ru = os.wait4(pid, 0)\n"
+             "sys.stderr.write(f'\\npeak_rss_kb={ru.ru_maxrss}\\n')\n"
+             "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+def _measured(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, env=_env())
+
+
+def _peak_rss_mb(stderr: str) -> float:
+    m = re.search(r"peak_rss_kb=(\d+)", stderr)
+    return int(m.group(1)) / 1024 if m else 0.0
+
+
 def _env() -> dict:
     # Idle OpenMP workers must not spin on a shared 2-core machine (they take the core from everyone else and
     # from the next step, measured several-fold slower under load); ONNX Runtime's are told the same.
@@ -147,22 +167,22 @@ def _env() -> dict:
 
 
 def llama_plain(bindir: Path, model: Path, text: str, n: int, threads: int, ctx: int) -> dict:
-    r = subprocess.run([str(bindir / "llama-completion"), "-m", str(model), "-p", text, "-n", str(n),
-                        "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup", "-c", str(ctx),
-                        "--no-display-prompt", "--no-repack"], capture_output=True, text=True, env=_env())
+    r = _measured([str(bindir / "llama-completion"), "-m", str(model), "-p", text, "-n", str(n),
+                   "-t", str(threads), "--temp", "0", "-no-cnv", "--no-warmup", "-c", str(ctx),
+                   "--no-display-prompt", "--no-repack"])
     if r.returncode != 0:
         raise RuntimeError(f"llama-completion failed: {r.stderr[-800:]}")
     m = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", r.stderr)
     ms, runs = float(m.group(1)), int(m.group(2))
-    return {"text": r.stdout, "tok_s": runs / ms * 1000 if ms > 0 else 0.0, "tau": 1.0}
+    return {"text": r.stdout, "tok_s": runs / ms * 1000 if ms > 0 else 0.0, "tau": 1.0,
+            "peak_rss_mb": _peak_rss_mb(r.stderr)}
 
 
 def llama_dflash(bindir: Path, model: Path, drafter: Path, text: str, n: int, threads: int, ctx: int,
                  n_draft: int) -> dict:
-    r = subprocess.run([str(bindir / "llama-speculative-simple"), "-m", str(model), "-md", str(drafter),
-                        "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft), "-p", text, "-n", str(n),
-                        "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", str(ctx), "--no-repack"],
-                       capture_output=True, text=True, env=_env())
+    r = _measured([str(bindir / "llama-speculative-simple"), "-m", str(model), "-md", str(drafter),
+                   "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft), "-p", text, "-n", str(n),
+                   "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", str(ctx), "--no-repack"])
     if r.returncode != 0:
         raise RuntimeError(f"llama-speculative-simple failed: {r.stderr[-800:]}")
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", r.stderr)
@@ -171,7 +191,8 @@ def llama_dflash(bindir: Path, model: Path, drafter: Path, text: str, n: int, th
     out = r.stdout
     i = out.find(text)  # it echoes the prompt (specials included) before the generated text
     gen = out[i + len(text):] if i >= 0 else out
-    return {"text": gen, "tok_s": int(m.group(1)) / float(m.group(2)), "tau": n_pred / max(1, n_pred - n_acc)}
+    return {"text": gen, "tok_s": int(m.group(1)) / float(m.group(2)), "tau": n_pred / max(1, n_pred - n_acc),
+            "peak_rss_mb": _peak_rss_mb(r.stderr)}
 
 
 # This project's engines -------------------------------------------------------------------------------------------
@@ -229,8 +250,12 @@ class EngineProcess:
 
 
 def engine_weights_mb(engine_dir: Path) -> float:
-    """Bytes the engine holds resident: its graphs' weights (shared_weights.bin's embedding is read row by row)."""
-    return sum(p.stat().st_size for p in engine_dir.iterdir() if p.suffix in (".onnx", ".data")) / 1e6
+    """MiB of weights the engine's sessions hold (benchmarks/engine_memory.py: graph files + the shared tensors a
+    graph names; a quantized engine's embedding table is read row by row)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from engine_memory import weight_bytes
+
+    return weight_bytes(engine_dir)[0]
 
 
 # Main ---------------------------------------------------------------------------------------------------------------
@@ -343,18 +368,21 @@ def main() -> int:
         if sysname == "ours":
             row["peak_rss_mb"] = max(per[(sysname, prec, "rss")] for per in rounds)
             row["weights_mb"] = engine_weights_mb(engines[prec])
+        else:  # per process: the GGUF files are memory-mapped, so their pages count in it
+            row["peak_rss_mb"] = max(x["peak_rss_mb"] for per in rounds for x in per[key])
+            row["weights_mb"] = (ggufs[prec].stat().st_size + (ggufs["drafter"].stat().st_size
+                                                                 if mode == "dflash" else 0)) / 2 ** 20
         table.append(row)
     cols = [f"vs_llama_{t}_plain" for t in types]
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.rounds} interleaved rounds, "
           f"{args.threads} threads; tok/s = decode speed, median over rounds of the per-round median over prompts\n")
     print("| system | weights | mode | tok/s | " + " | ".join(f"× llama.cpp {t} plain" for t in types)
-          + " | τ | identical to own AR | peak RSS MB (× weights) |")
+          + " | τ | identical to own AR | peak RSS MiB (× weights) |")
     print("|---" * (6 + len(types)) + "|")
     for row in table:
         ratios = " | ".join(f"{row[c]:.2f}" for c in cols)
         ident = "—" if row["identical_to_own_ar"] is None else f"{row['identical_to_own_ar']}/{row['prompts']}"
-        rss = (f"{row['peak_rss_mb']:.0f} ({row['peak_rss_mb'] / row['weights_mb']:.2f}×)"
-               if row["system"] == "ours" else "—")
+        rss = f"{row['peak_rss_mb']:.0f} ({row['peak_rss_mb'] / row['weights_mb']:.2f}×)"
         print(f"| {row['system']} | {row['precision']} | {'DFlash' if row['mode'] == 'dflash' else 'plain'} | "
               f"{row['tok_s']:.1f} | {ratios} | {row['tau']:.2f} | {ident} | {rss} |")
     if "fp32" in engines:  # agreement with fp32 is reported, not owed: the first token where plain decoding differs
