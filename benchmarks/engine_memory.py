@@ -41,7 +41,8 @@ def worker(engine_dir: str, release: bool, prompts: list[list[int]], max_new: in
     import numpy  # noqa: F401  (counted in the process's own memory, before the engine)
     import onnxruntime  # noqa: F401
 
-    from dflash_export.engines.base import SamplingParams, load_engine
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
     from dflash_export.runtime import DFlashRuntime
 
     before = _status()
