@@ -732,3 +732,30 @@ def test_training_blocks_see_exactly_what_speculative_decoding_shows_the_drafter
         for j, (_, _, want) in enumerate(seen):
             got = target.lm_head(hidden[0, j * bs + 1:(j + 1) * bs])
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_data_only_parts_log_a_dated_line_per_shard_and_together_make_every_shard(tmp_path, own_cache):
+    import re
+
+    recipe = _tiny_recipe(tmp_path, num_prompts=40, heldout_prompts=1, max_new_tokens=4)  # 2 shards of 32
+    first = _train_cli("--recipe", recipe, "--data-only", "--data-part", "1/2")
+    assert first.exit_code == 0, first.output
+    # a log file (not a terminal) gets one dated line per finished shard, from this part's shard 1 only
+    assert re.search(r"^\d\d:\d\d:\d\d train data: 8/40 prompts, \d+ tok/s$", first.output, re.M), first.output
+    shards = sorted((tmp_path / "cache" / "train-data").glob("synthetic-s0-[0-9a-f]*/shard-*.pt"))
+    assert [p.name for p in shards] == ["shard-00001.pt"]
+    second = _train_cli("--recipe", recipe, "--data-only", "--data-part", "0/2")
+    assert second.exit_code == 0 and re.search(r"train data: 40/40 prompts", second.output), second.output
+    shards = sorted((tmp_path / "cache" / "train-data").glob("synthetic-s0-[0-9a-f]*/shard-*.pt"))
+    assert [p.name for p in shards] == ["shard-00000.pt", "shard-00001.pt"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data-part", "0/2"], "error: --data-part: only with --data-only (training reads every shard)\n"),
+    (["--data-only", "--data-part", "2/2"], "error: --data-part: must be I/N with 0 <= I < N, got '2/2'\n"),
+    (["--data-only", "--data-part", "x"], "error: --data-part: must be I/N with 0 <= I < N, got 'x'\n"),
+])
+def test_bad_data_part_is_one_line_before_any_work(tmp_path, own_cache, args, message):
+    r = _train_cli("--recipe", _tiny_recipe(tmp_path), *args)
+    assert r.exit_code == 2 and r.output == message, r.output
+    assert not (tmp_path / "cache" / "train-data").exists()

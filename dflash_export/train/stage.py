@@ -164,12 +164,13 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
                           init_from=init_from, console=console, part=part)
 
 
-def _progress(bar, task, name: str, console):
-    """A data task's progress: the bar, and on a non-terminal (a log file) one dated line per update, since rich
-    draws nothing there until the task ends."""
+def _progress(bar, task, name: str, console, log_lines: bool):
+    """A data task's progress: the bar, and with `log_lines` on a non-terminal (the log file of a `--data-only`
+    background job) one dated line per update, since rich draws nothing there until the task ends. A training run
+    keeps its one-line error contract: no lines before the error."""
     def update(done, total, tps):
         bar.update(task, completed=done, info=f"{tps:.0f} tok/s")
-        if not console.is_terminal:
+        if log_lines and not console.is_terminal:
             console.print(f"{time.strftime('%H:%M:%S')} {name}: {done}/{total} prompts, {tps:.0f} tok/s", soft_wrap=True)
     return update
 
@@ -234,7 +235,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                 if n == 0:
                     continue
                 task = bar.add_task(name, total=n, info="")
-                progress = _progress(bar, task, name, console)
+                progress = _progress(bar, task, name, console, log_lines=data_only)
                 if tf:
                     generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
                                     opts.soft_topk, teacher_forced=True, progress=progress)
