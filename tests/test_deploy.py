@@ -373,6 +373,35 @@ def infer(client, text: bytes | None = b"Hello", model="dflash", **extra):
             "acceptance_length": float(res.as_numpy("acceptance_length")[0])}
 
 
+def concurrent_infer(server, requests, clients: int, per_client: int, network_timeout: float, join_timeout: float
+                     ) -> dict[tuple[int, int], tuple]:
+    """`clients` threads, each with its own client, send `per_client` of `requests` ((text, max_tokens)) in turn;
+    returns {(client, k): (request, output)}. Any client error fails the test."""
+    import tritonclient.http as th
+
+    results: dict[tuple[int, int], tuple] = {}
+    errors: list[BaseException] = []
+
+    def worker(c: int):
+        cli = th.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=network_timeout)
+        try:
+            for k in range(per_client):
+                r = requests[(c * 3 + k) % len(requests)]
+                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT64")))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            cli.close()
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=join_timeout)
+    assert not errors, errors[:3]
+    return results
+
+
 def as_dict(chunk):
     return {"text": chunk.text, "finish_reason": chunk.finish_reason, "completion_tokens": chunk.completion_tokens,
             "accepted_tokens": chunk.accepted_tokens, "drafted_tokens": chunk.drafted_tokens,
@@ -440,30 +469,10 @@ def test_generate_stream_deltas_join_to_direct_output(server, direct):
 
 @pytest.mark.server
 def test_16_concurrent_clients_get_the_outputs_of_lone_requests(server, client):
-    import tritonclient.http as th
 
     requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 5) % 25) for i in range(20)]
     alone = {r: infer(client, r[0], max_tokens=(r[1], "INT64")) for r in requests}
-    results: dict[tuple[int, int], dict] = {}
-    errors: list[BaseException] = []
-
-    def worker(c: int):
-        cli = th.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=120)
-        try:
-            for k in range(10):
-                r = requests[(c * 3 + k) % len(requests)]
-                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT64")))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-        finally:
-            cli.close()
-
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
-    assert not errors, errors[:3]
+    results = concurrent_infer(server, requests, clients=16, per_client=10, network_timeout=120, join_timeout=180)
     assert len(results) == 160
     for r, out in results.values():
         assert out == alone[r]

@@ -4,7 +4,6 @@ get the text of the same request run alone; a full queue is HTTP 503; bad reques
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from dflash_export.deploy.repository import write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.errors import DFlashError
 
-from test_deploy import PROMPTS, infer, make_engine_dir, post_json, run_direct  # noqa: I001 - the tests' helpers
+from test_deploy import PROMPTS, concurrent_infer, make_engine_dir, post_json, run_direct  # noqa: I001 - the tests' helpers
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +54,10 @@ def test_deploy_refuses_bad_batch_options(tmp_path, engine_dir):
 
 @pytest.mark.server
 def test_16_concurrent_clients_share_one_batch_and_get_lone_outputs(server, direct):
-    import tritonclient.http as th
 
     requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 5) % 25) for i in range(20)]
     alone = {r: run_direct(direct, text_input=r[0], max_tokens=np.array([r[1]], np.int32)) for r in requests}
-    results, errors = {}, []
-
-    def worker(c: int):
-        cli = th.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=180)
-        try:
-            for k in range(4):
-                r = requests[(c * 3 + k) % len(requests)]
-                results[(c, k)] = (r, infer(cli, r[0], max_tokens=(r[1], "INT64")))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-        finally:
-            cli.close()
-
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors[:3]
+    results = concurrent_infer(server, requests, clients=16, per_client=4, network_timeout=180, join_timeout=300)
     assert len(results) == 64
     for r, out in results.values():  # the tokens; acceptance statistics follow the batch's own scheduling
         want = alone[r]
