@@ -12,21 +12,7 @@ from dflash_export.deploy.repository import write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.errors import DFlashError
 
-from test_deploy import PROMPTS, concurrent_infer, make_engine_dir, post_json, run_direct  # noqa: I001 - the tests' helpers
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
-    return make_engine_dir(tmp_path_factory.mktemp("engine"))
-
-
-@pytest.fixture(scope="module")
-def direct(engine_dir):
-    from dflash_export.deploy.handler import RequestRunner
-    from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
-
-    return RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=1)))
+from test_deploy import PROMPTS, concurrent_infer, direct, engine_dir, make_engine_dir, post_json, run_direct  # noqa: F401, I001 - the tests' helpers and fixtures
 
 
 @pytest.fixture(scope="module")

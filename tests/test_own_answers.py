@@ -28,7 +28,7 @@ def test_batched_answers_equal_unbatched_greedy_with_refills_and_early_stops(arc
     # stop tokens taken from two unstopped answers (at steps 3 and 6), so some rows stop early and free their slot
     stop = [ar_generate(target, prompts[j][1], 8).tokens[k] for j, k in ((1, 3), (4, 6))]
     # batch 3 over 9 prompts of different lengths: slots free up at different steps and take the next prompts
-    got = {a.key: a for a in greedy_answers(target.hf, prompts, 14, stop, batch_size=3, refill_at=1)}
+    got = {a.key: a for a in greedy_answers(target.hf, prompts, 14, stop, batch_size=3)}
     assert sorted(got) == list(range(9))
     lengths = set()
     for i, p in prompts:
@@ -93,6 +93,6 @@ def test_source_that_runs_dry_exactly_when_the_batch_empties_ends_cleanly(tiny_q
     target, _ = tiny_qwen3
     prompts = _prompts(4, seed=5)
     # 2 rows at a time, all stopping after 3 tokens: the batch empties twice, the second time with nothing left
-    got = list(greedy_answers(target.hf, prompts, 3, [], batch_size=2, refill_at=2))
+    got = list(greedy_answers(target.hf, prompts, 3, [], batch_size=2))
     assert sorted(a.key for a in got) == [0, 1, 2, 3] and all(len(a.answer) == 3 for a in got)
     assert list(greedy_answers(target.hf, [], 3, [], batch_size=2)) == []

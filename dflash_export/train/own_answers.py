@@ -5,8 +5,8 @@ after ~100 tokens, lines copied from the prompt). A drafter only learns to draft
 data are the target's greedy answers up to `max_new_tokens` (512 for the SmolLM2 recipe), not 128-token prefixes.
 
 Two passes, both resumable shard by shard (shard i = prompts [i*SHARD_SIZE, (i+1)*SHARD_SIZE) of a fixed order):
-- pass 1, tokens: `greedy_answers` decodes many prompts at once with a KV cache -- left padding, explicit positions,
-  finished rows dropped and the freed slots refilled with the next prompts -- and writes `answers-XXXXX.pt`
+- pass 1, tokens: `greedy_answers` decodes many prompts at once in a `SlotCache` -- one slot per sequence with its
+  own length, a finished sequence's slot refilled with the next prompt at once -- and writes `answers-XXXXX.pt`
   (index, prompt ids, answer ids). The same decoding steps already compute every position's hidden states and next-token
   logits, so pass 1 also keeps the taps and top-k soft targets and writes the feature shard alongside (capture).
 - pass 2, features: `feature_shards` rebuilds a feature shard from a token shard with one causal forward over prompt +
@@ -92,9 +92,10 @@ class SlotCache:
         self.v = [v[idx] for v in self.v]
         self.lens = self.lens[idx].clone()
 
-    def _attend(self, layer, x: torch.Tensor, positions: torch.Tensor, slot_idx: torch.Tensor,
-                mask: torch.Tensor | None, causal_len: int | None) -> torch.Tensor:
-        """One layer's attention for x [B, T, H] at `positions` [B, T], writing K/V into the slots first."""
+    def _attend(self, li: int, layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                positions: torch.Tensor, slot_idx: torch.Tensor, mask: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """Layer `li`'s attention for x [B, T, H] at `positions` [B, T], writing K/V into the slots first; the keys
+        are the mask's last axis wide."""
         attn = layer.self_attn
         B, T, _ = x.shape
         q = attn.q_proj(x).view(B, T, -1, self.head_dim)
@@ -103,10 +104,9 @@ class SlotCache:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, T, d]
-        cos, sin = self._rope
+        cos, sin = rope
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        li = self._li
-        if causal_len is not None:  # prefill of one sequence into slot slot_idx[0]: positions 0..T-1
+        if prefill:  # prefill of one sequence into slot slot_idx[0]: positions 0..T-1
             s = int(slot_idx[0])
             self.k[li][s, :, :T] = k[0]
             self.v[li][s, :, :T] = v[0]
@@ -114,7 +114,7 @@ class SlotCache:
         else:                       # decode: one token per slot, at its own length
             self.k[li][slot_idx, :, positions[:, 0]] = k[:, :, 0]
             self.v[li][slot_idx, :, positions[:, 0]] = v[:, :, 0]
-            width = self._width
+            width = mask.shape[-1]
             keys, values = self.k[li][:, :, :width], self.v[li][:, :, :width]
         g = self.groups
         q = q.reshape(B, self.kv_heads, g * T, self.head_dim)     # heads kv*g + j share K/V head kv (HF repeat_kv)
@@ -128,14 +128,11 @@ class SlotCache:
              prefill: bool, tap_ids: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder over ids [B, T]; returns the final normed hidden states [B, T, H] and the taps [B, T, n*H]."""
         h = self.model.embed_tokens(ids)
-        self._rope = tuple(t.unsqueeze(1) for t in self.model.rotary_emb(h, positions))
+        rope = tuple(t.unsqueeze(1) for t in self.model.rotary_emb(h, positions))
         wanted = {t: None for t in (tap_ids or [])}
         n = len(self.layers)
         for li, layer in enumerate(self.layers):
-            self._li = li
-            a = self._attend(layer, layer.input_layernorm(h), positions, slot_idx, mask,
-                             ids.shape[1] if prefill else None)
-            h = h + a
+            h = h + self._attend(li, layer, layer.input_layernorm(h), rope, positions, slot_idx, mask, prefill)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if li in wanted and li != n - 1:
                 wanted[li] = h
@@ -165,8 +162,7 @@ class SlotCache:
         pos = self.lens.clone()
         if int(pos.max()) + 1 > self.max_len:
             raise DFlashError("an answer outgrew the decoder's positions", field="max_new_tokens")
-        self._width = int(pos.max()) + 1
-        keys = torch.arange(self._width)
+        keys = torch.arange(int(pos.max()) + 1)
         mask = torch.where(keys[None, :] <= pos[:, None], 0.0, float("-inf"))[:, None, None, :]
         h, taps = self._run(tokens[:, None], pos[:, None], torch.arange(B), mask, False, tap_ids)
         self.lens += 1
@@ -181,7 +177,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def greedy_answers(hf, prompts: Iterable[tuple[int, list[int]]], max_new_tokens: int, stop_ids: Sequence[int],
                    batch_size: int = 32, tap_ids: Sequence[int] | None = None, topk: int = 4,
-                   pad_id: int = 0, refill_at: int | None = None) -> Iterator[Answer]:
+                   pad_id: int = 0) -> Iterator[Answer]:
     """Greedy answers of the HF causal LM `hf` (LLaMA / Qwen3) to `prompts` ((key, ids)), decoded `batch_size` at a
     time in a SlotCache; yields each as soon as it is finished (stop token or `max_new_tokens`), so not in input order.
 
@@ -189,8 +185,7 @@ def greedy_answers(hf, prompts: Iterable[tuple[int, list[int]]], max_new_tokens:
     the next step, so every step advances a full batch until the prompts run out (then the cache shrinks to the
     sequences left). Each token is the one unbatched greedy decoding picks, up to fp32 rounding of the batched matmuls
     at near-ties. With `tap_ids`, each row's taps (HF hidden_states[id + 1]) and the top-k log-probabilities of each
-    answer token are kept as well. `pad_id` fills idle slots; `refill_at` is accepted for callers of the old decoder
-    (a slot is now refilled as soon as it is free)."""
+    answer token are kept as well. `pad_id` fills idle slots."""
     stop = set(stop_ids)
     source = list(prompts)
     if not source:
