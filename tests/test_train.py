@@ -149,6 +149,25 @@ def test_block_loss_weights_slots_and_restricted_vocab_matches_full():
     assert full.valid.tolist() == [[[True, True], [True, False]]]
 
 
+def test_heldout_evaluation_reports_prompt_lookup_on_the_same_blocks(tiny_qwen3):
+    """A period-8 loop after a 3-token prompt, every anchor evaluated: prompt lookup drafts all 3 slots right from
+    anchor 12 on (its last two tokens first recur at 9 positions back) and nothing before, so over the 29 full blocks
+    (anchors 3..31) it takes 9 steps of 1 token and 20 of 4: tau = 29 / (9 + 20/4). The drafter's first-slot accuracy
+    splits into the copyable blocks and the rest, weighted back to its overall acc1."""
+    from dflash_export.train.loop import evaluate
+
+    target, _ = tiny_qwen3
+    d = drafter_from_target(target, 2, 4, 255).eval()
+    ids = [1, 2, 3] + list(range(10, 18)) * 4
+    r = len(ids) - 3
+    seq = TrainSequence(torch.tensor(ids), 3, torch.randn(len(ids), d.fc.in_features).half(),
+                        torch.zeros(r, 2, dtype=torch.long), torch.zeros(r, 2), 0)
+    ev = evaluate(d, target, [seq], block_size=4, blocks_per_seq=32)
+    assert ev["lookup_tau_est"] == pytest.approx(29 / 14)
+    assert ev["copyable"] == pytest.approx(20 / 29)
+    assert ev["acc1"] == pytest.approx(20 / 29 * ev["copy_acc1"] + 9 / 29 * ev["other_acc1"])
+
+
 def test_drafter_from_target_starts_from_the_targets_top_layers(tiny_qwen3):
     target, _ = tiny_qwen3
     d = drafter_from_target(target, 2, 4, 255)

@@ -12,6 +12,7 @@ import torch
 
 from dflash_export.errors import DFlashError, atomic_dir
 from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (
     BlockBatch,
     acceptance_stats,
@@ -78,11 +79,16 @@ def make_batch(seqs: Sequence[TrainSequence], cfg: TrainConfig, mask_token_id: i
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], block_size: int,
              blocks_per_seq: int = 32, seed: int = 12345) -> dict:
-    """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes)."""
+    """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes).
+
+    The yardstick on the very same blocks: `lookup_tau_est` is the τ prompt lookup (prompt_lookup.lookup_proposal on
+    the tokens up to the anchor) would reach there, `copyable` the share of blocks whose first slot prompt lookup gets
+    right, and `copy_acc1` / `other_acc1` the drafter's first-slot accuracy on those blocks and on the rest -- whether
+    the drafter has learnt to copy what its context repeats."""
     if not seqs:
         return {}
     g = torch.Generator().manual_seed(seed)
-    corr, val = [], []
+    corr, val, look = [], [], []
     for s in seqs:
         anc = sample_anchors(s, blocks_per_seq, g)
         if not anc:
@@ -93,9 +99,23 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
                          torch.ones(block_size - 1), 0.0)
         corr.append(out.correct.flatten(0, 1))
         val.append(out.valid.flatten(0, 1))
+        ids = s.ids.tolist()
+        labels = batch.labels[0]
+        proposals = [lookup_proposal(ids[:a + 1], block_size - 1) for a in anc]
+        look.append(torch.tensor([[k < len(p) and p[k] == int(labels[i, k]) for k in range(block_size - 1)]
+                                  for i, p in enumerate(proposals)], dtype=torch.bool))
     if not corr:
         return {}
-    return acceptance_stats(torch.cat(corr), torch.cat(val))
+    correct, valid, lookup = torch.cat(corr), torch.cat(val), torch.cat(look) & torch.cat(val)
+    stats = acceptance_stats(correct, valid)
+    stats["lookup_tau_est"] = acceptance_stats(lookup, valid)["tau_est"]
+    full = valid.all(-1)
+    hit = lookup[full][:, 0]
+    first = correct[full][:, 0].float()
+    stats["copyable"] = float(hit.float().mean()) if len(hit) else 0.0
+    stats["copy_acc1"] = float(first[hit].mean()) if bool(hit.any()) else 0.0
+    stats["other_acc1"] = float(first[~hit].mean()) if bool((~hit).any()) else 0.0
+    return stats
 
 
 def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict) -> None:
