@@ -1,6 +1,7 @@
 """Soak `dflash-export serve`: many clients for minutes, good and hostile requests and dropped clients, on loopback.
 
     python benchmarks/soak.py [--engine engines/smollm2-135m/onnxruntime] [--clients 16] [--duration 600]
+    python benchmarks/soak.py --instances 1 --max-batch 16 --duration 300   # one shared batch per instance
     python benchmarks/soak.py --short        # the tiny engine, 4 clients, 20 s (what the test suite runs)
 
 Deploys the engine into a temporary repository, starts `dflash-export serve` (a subprocess, exactly as a user runs
@@ -206,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests in all")
     ap.add_argument("--instances", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="deploy --max-batch: > 1 puts each instance's concurrent requests into one shared batch")
     ap.add_argument("--max-tokens", type=int, default=24, help="max_tokens of the good requests")
     ap.add_argument("--long-tokens", type=int, default=400, help="max_tokens of the requests whose client drops")
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds before the RSS baseline is taken")
@@ -231,7 +234,8 @@ def main(argv=None) -> int:
              {"text_input": PROMPTS[1], "max_tokens": args.max_tokens, "temperature": 0.8, "top_p": 0.9, "seed": 7}]
     print(f"direct runs of {len(good)} good requests on {args.engine} ...", flush=True)
     want = direct_outputs(args.engine, good, threads=1)
-    repo = write_repository(args.engine, work / "repo", instances=args.instances, max_queue_size=256, threads=1)
+    repo = write_repository(args.engine, work / "repo", instances=args.instances, max_queue_size=256, threads=1,
+                            max_batch=args.max_batch)
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     log = work / "tritonserver.log"
     serve = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
@@ -248,7 +252,8 @@ def main(argv=None) -> int:
             print("serve exited before ready:", "".join(serve_err)[-2000:], file=sys.stderr)
             return 1
     threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()
-    print(f"serving on 127.0.0.1:{http_port} ({args.instances} instances); {args.clients} clients for "
+    print(f"serving on 127.0.0.1:{http_port} ({args.instances} instances, max batch {args.max_batch}); "
+          f"{args.clients} clients for "
           f"{args.duration:.0f} s", flush=True)
 
     stats = Stats()
