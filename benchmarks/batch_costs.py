@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from dflash_export.engines.base import SamplingParams
-from dflash_export.engines.registry import load_engine
 from dflash_export.engines.ort_batch import BatchedOrtEngine
+from dflash_export.engines.registry import load_engine
 
 
 def main() -> None:

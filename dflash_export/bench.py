@@ -132,7 +132,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.table import Table
 
     from dflash_export.engines.base import load_codec
-    from dflash_export.errors import check_output_file
+    from dflash_export.files import check_output_file
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.command import check_engine_recipe
 
@@ -202,7 +202,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "summary": summary,
               "ratios": ratios, "raw": results}
     if out_json:
-        from dflash_export.errors import atomic_file
+        from dflash_export.files import atomic_file
 
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")
@@ -215,7 +215,7 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
     from dflash_export.bench_batch import run_concurrency
     from dflash_export.engines.base import load_codec
-    from dflash_export.errors import check_output_file
+    from dflash_export.files import check_output_file
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.command import check_engine_recipe
 
@@ -233,7 +233,7 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
     report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps)}
     if out_json:
-        from dflash_export.errors import atomic_file
+        from dflash_export.files import atomic_file
 
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from dflash_export.errors import DFlashError, read_json_object
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files

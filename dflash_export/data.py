@@ -130,7 +130,7 @@ def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> li
 
 
 def write_heldout_suite(path: Path, n: int = 100) -> Path:
-    from dflash_export.errors import atomic_file
+    from dflash_export.files import atomic_file
 
     rows = heldout_suite(n)
     if not rows:

@@ -10,8 +10,8 @@ import click
 def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
     from dflash_export.checkpoint import lint_pair
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.engines.registry import load_engine
     from dflash_export.engines.build import build_engine
+    from dflash_export.engines.registry import load_engine
     from dflash_export.errors import DFlashError
     from dflash_export.recipes import load_recipe
     from dflash_export.runtime import DFlashRuntime, RunStats

@@ -1,10 +1,18 @@
-"""Files the project keeps for itself: where its cache lives, and the content hash that names a build's inputs."""
+"""Files: where the project's cache lives, the content hash that names a build's inputs, JSON objects read with one
+clear error, and writers that leave either the whole result or nothing (atomic files and directories, output-path
+checks before any work starts)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
+
+from dflash_export.errors import DFlashError
 
 
 def cache_dir() -> Path:
@@ -21,3 +29,180 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON file that must hold an object; missing, unparsable or non-object files are one DFlashError line."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError("file not found", path=path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"not valid JSON ({e})", path=path) from None
+    if not isinstance(data, dict):
+        raise DFlashError("expected a JSON object", path=path)
+    return data
+
+
+@contextmanager
+def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling directory; rename it to `final` only if the block completes.
+
+    A half-written directory is removed on any exception, so it can never be taken for a finished artifact.
+    """
+    final = Path(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    except OSError as e:  # named by the directory asked for, not by the temporary sibling
+        raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` siblings of `final` left by a process that is gone (killed
+    mid-build): only this pid-named form, and only when that pid is no longer alive."""
+    import re
+
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-.+|old-(\d+))$")
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:
+        return
+    for d in siblings:
+        m = pattern.match(d.name)
+        if not m or not d.is_dir() or d.is_symlink():
+            continue
+        pid = int(m.group(1) or m.group(2))
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
+    """Open a temp file next to `final` and move it into place on success."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    os.close(fd)
+    # mkstemp makes the file 0600; the finished file should read like any other the user writes (umask applies).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        with open(tmp, mode) as f:
+            yield f
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists() or p.is_symlink()
+    except OSError:  # no permission to look: the ancestor check says so
+        return False
+
+
+def check_output_parent(path, field: str | None = "--out") -> None:
+    """The nearest existing ancestor of `path` must be a writable directory (else `path` can never be created)."""
+    anc = Path(os.path.abspath(path)).parent
+    while not _exists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise DFlashError(f"cannot create it: {anc} is a file, not a directory", path=path, field=field)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=field)
+
+
+def check_output_dir(path, field: str | None = "--out", *, command: str | None = None,
+                     is_previous_output: Callable[[Path], bool] | None = None, replaced: bool = False) -> None:
+    """An output directory that can be written, refused before any work when it cannot.
+
+    `replaced`: the directory is swapped in whole from a sibling (`atomic_dir`), so its parent must be writable, it
+    may not be the current directory or one above it, and, when it already holds files, `is_previous_output` must
+    recognize them as an earlier output of `dflash-export <command>`: replacing anything else would silently delete
+    someone's files.
+    """
+    path = Path(path)
+    if replaced:
+        full = Path(os.path.abspath(path))
+        try:
+            cwd = Path.cwd()
+        except OSError:
+            cwd = None
+        if cwd is not None and (full == cwd or full in cwd.parents):
+            raise DFlashError("is the current directory or one above it, which this would replace; choose a new "
+                              "directory", path=path, field=field)
+    if _exists(path):
+        if not path.is_dir():
+            raise DFlashError("exists and is not a directory", path=path, field=field)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DFlashError("directory is not writable", path=path, field=field)
+        if not replaced:
+            return
+        if is_previous_output is not None and any(path.iterdir()) and not is_previous_output(path):
+            raise DFlashError(f"exists and was not written by `dflash-export {command}`; choose a new directory",
+                              path=path, field=field)
+    check_output_parent(path, field)
+
+
+def check_output_file(path, field: str | None = "--out") -> None:
+    """An output file path: not an existing directory, and creatable."""
+    path = Path(path)
+    if path.is_dir():
+        raise DFlashError("is a directory; expected a file name", path=path, field=field)
+    check_output_parent(path, field)
+
+
+@contextmanager
+def removing_new_dirs(path, keep_if: Callable[[Path], bool] | None = None) -> Iterator[None]:
+    """Run the block; if it fails, remove the directories on the way to `path` that it created and left empty (so a
+    failed build leaves no empty `out/<recipe>/` behind). With `keep_if`, a `path` the block created is removed with
+    whatever was written into it, unless `keep_if(path)` says it holds something worth keeping (a training work
+    directory with a checkpoint). Directories that existed before are never touched."""
+    def created(p: Path) -> bool:
+        try:
+            return not (p.exists() or p.is_symlink())
+        except OSError:  # cannot tell: treat it as someone else's
+            return False
+
+    path = Path(os.path.abspath(path))
+    new = [p for p in [path, *path.parents] if created(p)]
+    try:
+        yield
+    except BaseException:
+        if keep_if is not None and path in new and path.is_dir() and not keep_if(path):
+            shutil.rmtree(path, ignore_errors=True)
+        for p in new:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise

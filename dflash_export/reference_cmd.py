@@ -18,8 +18,8 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
 def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
     import torch
 
-    from dflash_export.errors import DFlashError
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.errors import DFlashError
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.recipes import load_recipe

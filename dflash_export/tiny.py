@@ -108,7 +108,7 @@ def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
     root.mkdir(parents=True, exist_ok=True)
     target, drafter = root / "target", root / "drafter"
     if not (target / "config.json").is_file():
-        from dflash_export.errors import atomic_dir
+        from dflash_export.files import atomic_dir
 
         with atomic_dir(target) as tmp:
             build_target(spec, tmp)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from dflash_export.errors import DFlashError, read_json_object
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

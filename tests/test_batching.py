@@ -9,8 +9,8 @@ import pytest
 
 from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
-from dflash_export.engines.registry import load_engine
 from dflash_export.engines.ort_batch import BatchedOrtEngine
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_export.engines.registry import load_engine
 from dflash_export.engines.base import read_manifest
 from dflash_export.engines.build import build_engine
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
 from dflash_export.sources import resolve_source

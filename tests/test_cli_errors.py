@@ -189,7 +189,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path):
 def test_atomic_files_get_ordinary_permissions():
     import tempfile
 
-    from dflash_export.errors import atomic_file
+    from dflash_export.files import atomic_file
 
     old = os.umask(0o022)
     try:
@@ -205,7 +205,7 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
     import subprocess
     import sys
 
-    from dflash_export.errors import atomic_dir
+    from dflash_export.files import atomic_dir
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

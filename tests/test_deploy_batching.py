@@ -7,12 +7,19 @@ import json
 
 import numpy as np
 import pytest
+from test_deploy import (  # noqa: F401, I001 - the tests' helpers and fixtures
+    PROMPTS,
+    concurrent_infer,
+    direct,
+    engine_dir,
+    make_engine_dir,
+    post_json,
+    run_direct,
+)
 
 from dflash_export.deploy.repository import write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.errors import DFlashError
-
-from test_deploy import PROMPTS, concurrent_infer, direct, engine_dir, make_engine_dir, post_json, run_direct  # noqa: F401, I001 - the tests' helpers and fixtures
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from dflash_export.errors import DFlashError
-from dflash_export.export import (DRAFTER_FILE, TARGET_FILE, check_export, check_model_contract, export_models)
+from dflash_export.export import (
+    DRAFTER_FILE,
+    TARGET_FILE,
+    check_export,
+    check_model_contract,
+    export_models,
+)
 from dflash_export.export.ops import EMIT_PAD, fused_verify_model
 from dflash_export.sampling import probs_from_logits, verify_block
 
@@ -279,8 +285,8 @@ def test_drafter_graph_honours_zlab_keys(variant, tmp_path):
     matches the reference step by step with a growing context cache, on full and shortened blocks."""
     import dataclasses
 
-    from dflash_export.export import ops
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.export import ops
     from dflash_export.models import load_target
     from dflash_export.models.drafter import DFlashDrafter
 

@@ -123,8 +123,8 @@ def test_truncated_safetensors_is_one_line_exit_2(pair):
 
 
 def test_wrong_tensor_shape_at_load(pair):
-    from dflash_export.errors import DFlashError
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.errors import DFlashError
 
     drafter, _ = pair
     DEFECTS["wrong_shape"][0](drafter)

@@ -17,8 +17,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.kernels import (EMIT_PAD, fused_verify, fused_verify_ref, kv_injected_block_attention,
-                                   kv_injected_block_attention_ref)
+from dflash_export.kernels import (
+    EMIT_PAD,
+    fused_verify,
+    fused_verify_ref,
+    kv_injected_block_attention,
+    kv_injected_block_attention_ref,
+)
 from dflash_export.models.drafter import block_attention
 from dflash_export.sampling import verify_block
 

@@ -174,9 +174,9 @@ def test_without_tensorrt_loading_an_engine_names_the_extra_and_the_gpu(tmp_path
 def test_build_records_what_the_engine_needs_to_run(tmp_path):
     """build_tensorrt writes the codec / tokenizer and the stop ids + vocabulary (read from the target's config),
     so a TensorRT engine directory describes itself like an ONNX Runtime one."""
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines.tensorrt import tensorrt_engine_info, write_serving_files
     from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.recipes import load_recipe
     from dflash_export.tokenization import TextCodec
 
@@ -362,10 +362,10 @@ def emulated_tensorrt(monkeypatch):
 
 def _emulated_engine_dir(root, recipe):
     """A TensorRT engine directory as build_tensorrt lays it out, its .engine files naming the ONNX graph to emulate."""
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines import tensorrt as trt_backend
     from dflash_export.engines.base import write_manifest
     from dflash_export.export import export_recipe
-    from dflash_export.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path)
     out = root / "tensorrt"

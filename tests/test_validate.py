@@ -115,8 +115,8 @@ def prompts(trained_drafter_dir):
 
 
 def _engine(recipe, cls=None, target=None):
-    from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.models import load_target
 
     cls = cls or TorchEngine

@@ -165,8 +165,8 @@ def test_reference_equals_zlab_tokens_acceptance_and_block_logits(kind, zlab_tar
 
 @pytest.fixture(scope="module")
 def ort_engines(zlab_target, zlab_pairs, tmp_path_factory):
-    from dflash_export.engines.registry import load_engine
     from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
     from dflash_export.recipes import load_recipe
 
     root = tmp_path_factory.mktemp("zlab_ort")
@@ -233,8 +233,8 @@ def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_t
 def test_keys_the_project_cannot_honour_are_refused_by_name(zlab_pairs, tmp_path, edit, field):
     import shutil
 
-    from dflash_export.errors import DFlashError
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.errors import DFlashError
 
     d = tmp_path / "d"
     shutil.copytree(zlab_pairs["sliding"], d)
@@ -315,8 +315,8 @@ def test_dflash2_ort_engine_sampling_matches_the_reference_draw_for_draw(zlab_ta
     """T>0 on the engine (host-side selector walk over the graph's selector_hidden) against the PyTorch reference
     with the same seed: same tokens (same uniforms, same candidate order), so the engine inherits the reference's
     distribution check above."""
-    from dflash_export.engines.base import SamplingParams
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.engines.base import SamplingParams
     from dflash_export.models import load_target
     from dflash_export.reference import spec_generate
     from dflash_export.runtime import DFlashRuntime
@@ -349,9 +349,9 @@ def test_export_refuses_a_target_rope_its_tables_cannot_follow(zlab_target, zlab
     table of one length."""
     import shutil
 
+    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
     from dflash_export.export import export_models
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
 
     d = tmp_path / "target"

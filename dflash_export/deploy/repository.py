@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_export.engines.base import MANIFEST, read_manifest
-from dflash_export.errors import DFlashError, atomic_dir, check_output_dir, read_json_object
+from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_dir, check_output_dir, read_json_object
 
 MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import collections
 import errno
-import json
 import ipaddress
+import json
 import os
 import platform
 import re

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_export.errors import DFlashError, read_json_object
-from dflash_export.files import sha256_file
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object, sha256_file
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

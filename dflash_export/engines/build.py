@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.base import MANIFEST, hash_inputs, is_engine_dir, read_manifest
-from dflash_export.errors import DFlashError, MissingDependency, check_output_dir, removing_new_dirs
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.files import check_output_dir, removing_new_dirs
 
 DEFAULT_ROOT = Path("engines")
 

@@ -32,12 +32,25 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.engines.base import (Engine, EngineInfo, SamplingParams, Sequence, hash_inputs, is_engine_dir,
-                                        load_codec, write_manifest)
-from dflash_export.errors import check_output_dir, removing_new_dirs
+from dflash_export.engines.base import (
+    Engine,
+    EngineInfo,
+    SamplingParams,
+    Sequence,
+    hash_inputs,
+    is_engine_dir,
+    load_codec,
+    write_manifest,
+)
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.sampling import (probs_from_logits, sample_from, select_candidates, top_probability,
-                                    verify_block)
+from dflash_export.files import check_output_dir, removing_new_dirs
+from dflash_export.sampling import (
+    probs_from_logits,
+    sample_from,
+    select_candidates,
+    top_probability,
+    verify_block,
+)
 
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
@@ -537,11 +550,18 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     """
     import torch
 
-    from dflash_export.errors import atomic_dir
-    from dflash_export.export import (ORT_DRAFT_HEAD_FILE, ORT_DRAFTER_FILE, ORT_HEAD_FILE, ORT_TARGET_BATCH_FILE,
-                                      ORT_TARGET_FILE, SHARED_FILE, export_models)
-    from dflash_export.export.graph import target_spec
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.export import (
+        ORT_DRAFT_HEAD_FILE,
+        ORT_DRAFTER_FILE,
+        ORT_HEAD_FILE,
+        ORT_TARGET_BATCH_FILE,
+        ORT_TARGET_FILE,
+        SHARED_FILE,
+        export_models,
+    )
+    from dflash_export.export.graph import target_spec
+    from dflash_export.files import atomic_dir
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.sources import resolve_source
@@ -712,8 +732,10 @@ def quantize_graph(path: Path, precision: str) -> dict:
     import onnx
 
     try:
-        from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
-                                                                     MatMulNBitsQuantizer)
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            MatMulNBitsQuantizer,
+        )
     except ImportError as e:
         raise MissingDependency(f"quantized engines need onnxruntime's quantization tools ({e.name}): "
                                 "pip install 'dflash-export[onnx]'", field="precision") from None

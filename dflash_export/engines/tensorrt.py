@@ -23,8 +23,20 @@ from pathlib import Path
 from typing import Any, List, Tuple, Union
 
 from dflash_export.engines.base import EngineInfo
-from dflash_export.engines.graph_engine import (DECODE, FIRST_BLOCK, PREFILL, STEP, VERIFY, GraphEngine, GraphRunner,
-                                                KVCache, Profile, graph_profiles, profile_shapes, vocab_size_of)
+from dflash_export.engines.graph_engine import (
+    DECODE,
+    FIRST_BLOCK,
+    PREFILL,
+    STEP,
+    VERIFY,
+    GraphEngine,
+    GraphRunner,
+    KVCache,
+    Profile,
+    graph_profiles,
+    profile_shapes,
+    vocab_size_of,
+)
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -165,7 +177,6 @@ def example_feeds(model, profile: Profile, seed: int = 0, vocab_size: int | None
     """Concrete inputs at the profile's opt shapes (valid token ids, consistent positions): for comparing runtimes.
     Token ids are drawn below `vocab_size` (default: the graph's logits width)."""
     import numpy as np
-
     from onnx import TensorProto
 
     rng = np.random.default_rng(seed)
@@ -655,10 +666,10 @@ def build_tensorrt(recipe, out_dir) -> Path:
     ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first)."""
     import torch
 
-    from dflash_export.engines.base import write_manifest
-    from dflash_export.errors import atomic_dir
-    from dflash_export.export import export_recipe
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.engines.base import write_manifest
+    from dflash_export.export import export_recipe
+    from dflash_export.files import atomic_dir
 
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)

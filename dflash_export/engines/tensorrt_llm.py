@@ -20,7 +20,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from dflash_export.errors import DFlashError, MissingDependency, atomic_dir
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.files import atomic_dir
 from dflash_export.recipes import DTYPES, Recipe
 
 BACKEND = "tensorrt-llm"

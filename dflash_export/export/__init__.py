@@ -182,8 +182,8 @@ def export_recipe(recipe, out_dir) -> ExportResult:
     import torch
 
     from dflash_export import __version__
-    from dflash_export.errors import atomic_dir, check_output_dir, removing_new_dirs
     from dflash_export.checkpoint import load_drafter
+    from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.sources import resolve_source

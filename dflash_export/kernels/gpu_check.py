@@ -41,7 +41,6 @@ from dflash_export.kernels import fused_verify, kv_injected_block_attention, tri
 from dflash_export.kernels.reference import fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, Shapes, _rope_tables, drafter_step, target_step
 
-
 TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=96, drafter_layers=2,
               target_layers=2, block=4, context=8, sdpa_contexts=(8, 24), dtype="float32", iters=2, warmup=1)
 # The random pairs of the losslessness section: a tiny one, and a mid-size one (~0.2B parameters with the embedding)

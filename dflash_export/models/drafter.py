@@ -387,7 +387,7 @@ def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None)
 
     from safetensors.torch import save_file
 
-    from dflash_export.errors import atomic_dir
+    from dflash_export.files import atomic_dir
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     cfg = model.config.to_dict()

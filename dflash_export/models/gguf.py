@@ -65,7 +65,7 @@ def hf_dir_from_gguf(path) -> Path:
     if arch not in ("llama", "qwen3"):
         raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3)", path=path,
                           field="general.architecture")
-    from dflash_export.errors import atomic_dir
+    from dflash_export.files import atomic_dir
 
     try:
         with atomic_dir(out) as tmp:

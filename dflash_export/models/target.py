@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import torch
 
 from dflash_export.arch import ARCHS
-from dflash_export.errors import DFlashError, read_json_object
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 
 

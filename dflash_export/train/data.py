@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_file
+from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_file
 
 SHARD_SIZE = 32
 _DATA_VERSION = 2  # 2: generated data from own_answers (long answers, taps captured while decoding)

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_dir
+from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_dir
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (

@@ -23,7 +23,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_file
+from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_file
 from dflash_export.train.data import TrainSequence, teacher_forced_sequences
 
 SHARD_SIZE = 32

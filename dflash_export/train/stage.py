@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_export.errors import DFlashError, atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
 from dflash_export.train.data import (
     answers_dir,

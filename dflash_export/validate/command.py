@@ -65,7 +65,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
                  repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
-    from dflash_export.errors import check_output_dir
+    from dflash_export.files import check_output_dir
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.suites import encode_prompt, load_suite
 

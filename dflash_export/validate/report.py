@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_export.errors import atomic_file
+from dflash_export.files import atomic_file
 from dflash_export.validate.runner import ValidationReport
 
 PLOTS = {"tau_histogram": "tau_histogram.png", "speedup_per_prompt": "speedup_per_prompt.png",

@@ -90,8 +90,8 @@ def engine_main(args) -> None:
     from dataclasses import replace
 
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.engines.registry import load_engine
     from dflash_export.engines.build import build_engine
+    from dflash_export.engines.registry import load_engine
     from dflash_export.prompt_lookup import prompt_lookup_tau
     from dflash_export.recipes import load_recipe
     from dflash_export.runtime import DFlashRuntime
