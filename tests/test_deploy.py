@@ -25,15 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_export.deploy.repository import (
-    INPUTS,
-    MARKER,
-    OUTPUTS,
-    ModelConfig,
-    check_config_text,
-    render_config,
-    write_repository,
-)
+from dflash_export.deploy.pbtxt import ModelConfig, check_config_text, render_config
+from dflash_export.deploy.repository import INPUTS, MARKER, OUTPUTS, write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.engines.base import write_manifest
 from dflash_export.errors import DFlashError

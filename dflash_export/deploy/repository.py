@@ -19,20 +19,26 @@ named as in the bundle (`tensorrt_llm`): TensorRT-LLM's own python model reads `
 config, with absolute paths into the bundle, which is therefore referenced rather than copied).
 
 Every config.pbtxt is rendered from a structured description, parsed back and checked (names, data types, dims)
-before anything is written.
+before anything is written (`deploy/pbtxt.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import site
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_export.deploy.pbtxt import (
+    MAX_INSTANCES,
+    NAME_PATTERN,
+    ModelConfig,
+    TensorSpec,
+    check_config_text,
+    write_config,
+)
 from dflash_export.engines.base import MANIFEST, read_manifest
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object
@@ -41,20 +47,6 @@ MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
 MARKER = "dflash_repository.json"
 DEFAULT_MAX_QUEUE_SIZE = 64
-MAX_INSTANCES = 64
-
-# Data types Triton's model configuration accepts (TYPE_STRING is Triton's BYTES).
-DATA_TYPES = {"TYPE_BOOL", "TYPE_UINT8", "TYPE_UINT16", "TYPE_UINT32", "TYPE_UINT64", "TYPE_INT8", "TYPE_INT16",
-              "TYPE_INT32", "TYPE_INT64", "TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16"}
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
-
-
-@dataclass
-class TensorSpec:
-    name: str
-    data_type: str
-    dims: list[int]
-    optional: bool = False
 
 
 # The request/response contract of the `dflash` models (see README "Deploy"). Every input but the prompt is optional
@@ -98,224 +90,8 @@ LLMAPI_OUTPUTS = [
 ]
 
 
-@dataclass
-class ModelConfig:
-    """The parts of Triton's ModelConfig this project writes."""
-
-    name: str
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    backend: str = "python"
-    max_batch_size: int | None = 0     # None: leave it to the model (llmapi reads it from model.yaml)
-    instances: int | None = 1          # None: leave instance_group to the model (llmapi sets it in model.yaml)
-    decoupled: bool | None = False     # None: leave the transaction policy to the model
-    max_queue_size: int | None = None  # None: no queue policy
-    parameters: dict[str, str] = field(default_factory=dict)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Rendering and checking config.pbtxt
-
-
-def _quote(s: str) -> str:
-    """A protobuf text-format string literal (non-ASCII as octal-escaped UTF-8 bytes)."""
-    out = []
-    for b in s.encode("utf-8"):
-        c = chr(b)
-        if c in '"\\':
-            out.append("\\" + c)
-        elif 32 <= b < 127:
-            out.append(c)
-        else:
-            out.append(f"\\{b:03o}")
-    return '"' + "".join(out) + '"'
-
-
-def _tensor_block(t: TensorSpec) -> str:
-    lines = [f"    name: {_quote(t.name)}", f"    data_type: {t.data_type}",
-             f"    dims: [ {', '.join(str(d) for d in t.dims)} ]"]
-    if t.optional:
-        lines.append("    optional: true")
-    return "  {\n" + "\n".join(lines) + "\n  }"
-
-
-def render_config(cfg: ModelConfig) -> str:
-    parts = [f"name: {_quote(cfg.name)}", f"backend: {_quote(cfg.backend)}"]
-    if cfg.max_batch_size is not None:
-        parts.append(f"max_batch_size: {cfg.max_batch_size}")
-    if cfg.decoupled is not None:
-        parts.append(f"model_transaction_policy {{\n  decoupled: {str(cfg.decoupled).lower()}\n}}")
-    parts.append("input [\n" + ",\n".join(_tensor_block(t) for t in cfg.inputs) + "\n]")
-    parts.append("output [\n" + ",\n".join(_tensor_block(t) for t in cfg.outputs) + "\n]")
-    if cfg.instances is not None:
-        parts.append(f"instance_group [\n  {{\n    count: {cfg.instances}\n    kind: KIND_CPU\n  }}\n]")
-    if cfg.max_queue_size is not None:
-        # The queue policy lives in the dynamic batcher; with max_batch_size 0 it batches nothing and only queues.
-        parts.append("dynamic_batching {\n  default_queue_policy {\n"
-                     f"    max_queue_size: {cfg.max_queue_size}\n  }}\n}}")
-    for key, value in cfg.parameters.items():
-        parts.append(f"parameters {{\n  key: {_quote(key)}\n  value {{\n    string_value: {_quote(value)}\n  }}\n}}")
-    return "\n".join(parts) + "\n"
-
-
-_TOKEN = re.compile(r'\s*(?:(#[^\n]*)|("(?:[^"\\]|\\.)*")|([{}\[\]:,])|([A-Za-z0-9_.+\-]+))', re.S)
-
-
-def _unquote(lit: str) -> str:
-    raw = lit[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
-    return raw.encode("latin-1").decode("utf-8")
-
-
-def parse_pbtxt(text: str, path="config.pbtxt") -> dict[str, Any]:
-    """Parse the protobuf text format subset Triton configs use into dicts; repeated fields become lists."""
-    tokens: list[tuple[str, str]] = []
-    pos = 0
-    text = text.rstrip()
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if not m or m.end() == pos:
-            raise DFlashError(f"config.pbtxt syntax error at offset {pos}: {text[pos:pos + 20]!r}", path=path)
-        pos = m.end()
-        if m.group(1):
-            continue
-        if m.group(2):
-            tokens.append(("str", _unquote(m.group(2))))
-        elif m.group(3):
-            tokens.append(("punct", m.group(3)))
-        elif m.group(4):
-            tokens.append(("word", m.group(4)))
-    i = 0
-
-    def fail(msg):
-        raise DFlashError(f"config.pbtxt: {msg} (token {i})", path=path)
-
-    def value():
-        nonlocal i
-        kind, tok = tokens[i]
-        if tok == "{" and kind == "punct":
-            i += 1
-            return message("}")
-        if tok == "[" and kind == "punct":
-            i += 1
-            items = []
-            while not (tokens[i] == ("punct", "]")):
-                items.append(value())
-                if tokens[i] == ("punct", ","):
-                    i += 1
-            i += 1
-            return items
-        i += 1
-        if kind == "str":
-            return tok
-        if kind != "word":
-            fail(f"unexpected {tok!r}")
-        if tok in ("true", "false"):
-            return tok == "true"
-        if re.fullmatch(r"[+-]?\d+", tok):
-            return int(tok)
-        if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", tok):
-            return float(tok)
-        return tok  # enum
-
-    def message(end):
-        nonlocal i
-        out: dict[str, Any] = {}
-        while i < len(tokens) and tokens[i] != ("punct", end or ""):
-            kind, key = tokens[i]
-            if kind != "word":
-                fail(f"expected a field name, got {key!r}")
-            i += 1
-            if tokens[i] == ("punct", ":"):
-                i += 1
-            v = value()
-            if key in out:
-                prev = out[key]
-                out[key] = (prev if isinstance(prev, list) else [prev]) + (v if isinstance(v, list) else [v])
-            else:
-                out[key] = v
-            if i < len(tokens) and tokens[i] == ("punct", ","):
-                i += 1
-        if end:
-            if i >= len(tokens):
-                fail(f"missing {end!r}")
-            i += 1
-        return out
-
-    try:
-        return message(None)
-    except IndexError:
-        fail("unexpected end of file")
-        raise  # unreachable
-
-
-def check_config_text(text: str, path="config.pbtxt", expect_name: str | None = None) -> dict[str, Any]:
-    """Check a config.pbtxt: name, backend, batch size, and every tensor's name / data type / dims.
-
-    Returns the parsed config; DFlashError naming the file and the offending field otherwise.
-    """
-    cfg = parse_pbtxt(text, path)
-
-    def err(field_name, msg):
-        raise DFlashError(msg, path=path, field=field_name)
-
-    name = cfg.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        err("name", f"model name must match {_NAME.pattern}, got {name!r}")
-    if expect_name is not None and name != expect_name:
-        err("name", f"must equal the model's directory name {expect_name!r}, got {name!r}")
-    if not isinstance(cfg.get("backend"), str) or not cfg["backend"]:
-        err("backend", "missing or empty")
-    mbs = cfg.get("max_batch_size", 0)
-    if not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 0:
-        err("max_batch_size", f"must be an integer >= 0, got {mbs!r}")
-    seen: set[str] = set()
-    for section in ("input", "output"):
-        tensors = cfg.get(section, [])
-        tensors = tensors if isinstance(tensors, list) else [tensors]
-        if not tensors:
-            err(section, "no tensors declared")
-        for k, t in enumerate(tensors):
-            where = f"{section}[{k}]"
-            if not isinstance(t, dict):
-                err(where, "must be a message")
-            tname = t.get("name")
-            if not isinstance(tname, str) or not _NAME.match(tname):
-                err(f"{where}.name", f"must match {_NAME.pattern}, got {tname!r}")
-            key = f"{section}:{tname}"
-            if key in seen:
-                err(f"{where}.name", f"duplicate {section} {tname!r}")
-            seen.add(key)
-            if t.get("data_type") not in DATA_TYPES:
-                err(f"{section} {tname}.data_type", f"unknown data type {t.get('data_type')!r}")
-            dims = t.get("dims")
-            dims = [dims] if isinstance(dims, int) and not isinstance(dims, bool) else dims
-            if not isinstance(dims, list) or not dims:
-                err(f"{section} {tname}.dims", "must be a non-empty list")
-            if any(not isinstance(d, int) or isinstance(d, bool) or (d < 1 and d != -1) for d in dims):
-                err(f"{section} {tname}.dims", f"each dim must be >= 1 or -1 (variable), got {dims}")
-            if "optional" in t and (section == "output" or not isinstance(t["optional"], bool)):
-                err(f"{section} {tname}.optional", "only inputs may be optional (true/false)")
-    for g in cfg.get("instance_group", []) if isinstance(cfg.get("instance_group"), list) else []:
-        count = g.get("count", 1)
-        if not isinstance(count, int) or not 1 <= count <= MAX_INSTANCES:
-            err("instance_group.count", f"must be in 1..{MAX_INSTANCES}, got {count!r}")
-        if g.get("kind", "KIND_CPU") not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO", "KIND_MODEL"):
-            err("instance_group.kind", f"unknown kind {g.get('kind')!r}")
-    policy = cfg.get("dynamic_batching", {}).get("default_queue_policy", {}) if isinstance(
-        cfg.get("dynamic_batching"), dict) else {}
-    mqs = policy.get("max_queue_size", 0)
-    if not isinstance(mqs, int) or mqs < 0:
-        err("dynamic_batching.default_queue_policy.max_queue_size", f"must be >= 0, got {mqs!r}")
-    return cfg
-
-
-def write_config(model_dir: Path, cfg: ModelConfig) -> str:
-    """Render, check and write `<model_dir>/config.pbtxt`; returns the text."""
-    text = render_config(cfg)
-    check_config_text(text, model_dir / "config.pbtxt", expect_name=model_dir.name)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
-    return text
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -449,8 +225,6 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
     """
-    from dflash_export.deploy.repository import stub_python_path
-
     if engine_dir is None or not str(engine_dir).strip():
         raise DFlashError("empty path: name a built engine directory", field="--engine")
     engine_dir = Path(engine_dir).expanduser().resolve()
@@ -619,7 +393,7 @@ def check_repository(repo) -> dict[str, Any]:
                           field="--repo")
     marker = read_json_object(marker_path)
     models = marker.get("models")
-    if not isinstance(models, list) or not models or any(not isinstance(m, str) or not _NAME.match(m)
+    if not isinstance(models, list) or not models or any(not isinstance(m, str) or not NAME_PATTERN.match(m)
                                                          for m in models):
         raise DFlashError(f"expected a non-empty list of model names, got {models!r}", path=marker_path,
                           field="models")
