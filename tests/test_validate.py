@@ -238,6 +238,12 @@ def test_wrong_tap_offset_collapses_tau(recipe, reference, prompts):
     assert _failed(report) == {"tau"}, report.thresholds
     assert report.acceptance["tau"] < 3.0
     assert report.greedy["identical_fraction"] == 1.0  # taps only slow it down; greedy output stays lossless
+    assert report.distribution == {"ran": False, "reason": "temperature 0: sampled check skipped"}
+
+
+def test_skipped_sampled_check_says_which_option_skipped_it(recipe, reference, prompts):
+    report = _run(recipe, _engine(recipe), reference, prompts[:1], temperature=0.7, dist_samples=0)
+    assert report.distribution == {"ran": False, "reason": "--dist-samples 0: sampled check skipped"}
 
 
 def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, prompts):

@@ -343,7 +343,8 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
             progress.step(f"greedy {pid}")
         report.distribution = (_distribution_check(runtime, reference, dist_prompts, opts, bs, progress,
                                                    own_engine=engine if quantized else None) if run_dist
-                               else {"ran": False, "reason": "temperature 0: sampled check skipped"})
+                               else {"ran": False, "reason": ("temperature 0" if opts.temperature <= 0 else
+                                                              "--dist-samples 0") + ": sampled check skipped"})
 
     n = len(rows)
     # Lossless is owed against plain decoding on the same engine at its precision; a quantized engine's agreement with
