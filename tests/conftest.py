@@ -24,6 +24,20 @@ def tiny_llama():
     return load_target("tiny:llama/target"), load_drafter("tiny:llama/drafter")
 
 
+@pytest.fixture(scope="session", params=["tiny-qwen3", "tiny-llama"])
+def ort_pair(request, tmp_path_factory):
+    """(recipe, engine dir, loaded ONNX Runtime engine, TorchEngine) of each tiny recipe, built once per session for
+    every test module that drives a built engine (engine, batching, bench)."""
+    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe(request.param)
+    out = build_onnxruntime(recipe, tmp_path_factory.mktemp(request.param) / "onnxruntime", threads=1)
+    return recipe, out, load_engine(out, threads=1), TorchEngine.from_recipe(recipe)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_tmpdir(tmp_path_factory):
     """Temporary files of the code under test (server logs and work dirs, saved tracebacks; also in the CLI

@@ -10,7 +10,6 @@ import pytest
 from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine
-from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 
@@ -18,15 +17,10 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 6
            [3 + (i * 7) % 200 for i in range(150)], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
-def built(request, tmp_path_factory):
-    from dflash_export.engines.onnxruntime import build_onnxruntime
-    from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.recipes import load_recipe
-
-    recipe = load_recipe(request.param)
-    out = build_onnxruntime(recipe, tmp_path_factory.mktemp(request.param) / "onnxruntime", threads=1)
-    return recipe, load_engine(out, threads=1), TorchEngine.from_recipe(recipe)
+@pytest.fixture(scope="module")
+def built(ort_pair):
+    recipe, _, eng, torch_eng = ort_pair
+    return recipe, eng, torch_eng
 
 
 @pytest.fixture(scope="module")
@@ -245,19 +239,6 @@ def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, ref
     rt = BatchingRuntime(eng, max_batch=4, adaptive=False)
     got = rt.generate_many(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [g.tokens for g in got] == [r[:40] for r in reference]
-
-
-def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tmp_path):
-    from dflash_export.bench_batch import run_concurrency
-
-    _, eng, _ = built
-    rep = run_concurrency(str(eng.engine_dir), PROMPTS[:5], 12, [1, 3], ["dflash", "ar"], threads=1)
-    assert [(r["concurrency"], r["mode"]) for r in rep["levels"]] == [(1, "dflash"), (1, "ar"), (3, "dflash"),
-                                                                      (3, "ar")]
-    for r in rep["levels"]:
-        assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
-        assert r["latency_p50_s"] <= r["latency_p99_s"]
-    assert rep["divergences"] == []
 
 
 def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(built, reference):
