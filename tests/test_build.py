@@ -192,3 +192,16 @@ def test_bad_precision_in_a_recipe_names_the_field(tmp_path, line, field):
     y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
     with pytest.raises(DFlashError, match=field):
         load_recipe(y)
+
+
+def test_backend_table_agrees_with_the_manifest_and_recipe_contracts():
+    """engines/registry.BACKENDS is the one table build, run and deploy read; the manifest check (engines/base) and
+    the recipe check (recipes.py) sit below it and keep their own name lists, which must name the same backends."""
+    from dflash_export import recipes
+    from dflash_export.engines import base, registry
+
+    assert tuple(registry.BACKENDS) == base.BACKEND_NAMES
+    assert registry.BUILDABLE == recipes.BACKENDS
+    assert set(registry.OPENERS) == {"onnxruntime", "tensorrt", "pytorch"}  # a TensorRT-LLM bundle is TRT-LLM's
+    with pytest.raises(DFlashError, match=r"unknown backend 'pytorch' \(onnxruntime, tensorrt, tensorrt-llm\)"):
+        registry.backend_builder("pytorch")  # the reference engine has nothing to build

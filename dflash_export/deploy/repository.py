@@ -39,7 +39,7 @@ from dflash_export.deploy.pbtxt import (
     check_config_text,
     write_config,
 )
-from dflash_export.engines.base import MANIFEST, read_manifest
+from dflash_export.engines.registry import BACKENDS, check_engine_manifest
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object
 
@@ -119,43 +119,13 @@ def _needed_libraries(backend: str) -> dict[str, str]:
     """Versions of the libraries the served engine imports, recorded so the model can refuse a different set."""
     from dflash_export.engines.base import library_versions
 
-    names = ["numpy", "tokenizers"] + {"onnxruntime": ["onnxruntime"], "pytorch": ["torch"],
-                                       "tensorrt": ["tensorrt"]}.get(backend, [])
+    spec = BACKENDS.get(backend)
+    names = ["numpy", "tokenizers", *(spec.serve_libraries if spec else ())]
     return {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Checking the engine and the target before anything is written
-
-
-def load_engine_manifest(engine_dir) -> dict[str, Any]:
-    """The engine's manifest with the checks `dflash-export run` applies, without loading any weights.
-
-    `read_manifest` validates every field and hashes every listed file; what is left is what a backend's own loader
-    checks beyond the manifest's shape (the ORT engine format, TensorRT's engine table, the PyTorch engine's recipe).
-    """
-    engine_dir = Path(engine_dir)
-    path = engine_dir / MANIFEST
-    manifest = read_manifest(engine_dir)
-    backend = manifest["backend"]
-    if backend == "onnxruntime":
-        from dflash_export.engines.onnxruntime import ENGINE_FORMAT
-
-        if manifest["engine_format"] != ENGINE_FORMAT:
-            raise DFlashError(f"engine format {manifest['engine_format']!r} is not {ENGINE_FORMAT}: rebuild the "
-                              "engine", path=path, field="engine_format")
-    elif backend == "tensorrt":
-        from dflash_export.engines.tensorrt import tensorrt_engine_info
-
-        tensorrt_engine_info(engine_dir, manifest)  # the same manifest reading the TensorRT engine does
-        if not manifest.get("engines"):
-            raise DFlashError("expected an object naming the engine files", path=path, field="engines")
-    elif backend == "pytorch":
-        if not Path(manifest["recipe_path"]).is_file():
-            raise DFlashError(f"recipe {manifest['recipe_path']} not found", path=path, field="recipe_path")
-    elif backend == "tensorrt-llm" and "target_layer_ids" not in manifest:
-        raise DFlashError("missing field", path=path, field="target_layer_ids")
-    return manifest
 
 
 def check_repo_path(repo_arg, engine_dir: Path | None = None) -> Path:
@@ -228,7 +198,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     if engine_dir is None or not str(engine_dir).strip():
         raise DFlashError("empty path: name a built engine directory", field="--engine")
     engine_dir = Path(engine_dir).expanduser().resolve()
-    manifest = load_engine_manifest(engine_dir)
+    manifest = check_engine_manifest(engine_dir)
     if not 1 <= instances <= MAX_INSTANCES:
         raise DFlashError(f"must be in 1..{MAX_INSTANCES}, got {instances}", field="--instances")
     if max_queue_size < 0:
@@ -239,8 +209,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be in 1..256, got {max_batch}", field="--max-batch")
     if max_queued_tokens < 1:
         raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
-    if max_batch > 1 and manifest["backend"] != "onnxruntime":
-        raise DFlashError(f"batched serving runs on onnxruntime engines (this one is {manifest['backend']})",
+    if max_batch > 1 and not BACKENDS[manifest["backend"]].batched:
+        batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
+        raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest['backend']})",
                           field="--max-batch")
     from dflash_export.deploy.front import Limits
 
@@ -256,7 +227,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         anc = anc.parent
     try:
         with atomic_dir(repo_dir, field="--repo") as tmp:
-            if backend == "tensorrt-llm":
+            if not BACKENDS[backend].served_by_dflash:  # TensorRT-LLM: its own llmapi model
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
@@ -431,7 +402,7 @@ def check_repository(repo) -> dict[str, Any]:
                 raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
             engine = Path(os.path.normpath(model_dir / ref)) if not os.path.isabs(ref) else Path(ref)
             if engine not in checked_engines:
-                load_engine_manifest(engine)
+                check_engine_manifest(engine)
                 checked_engines.add(engine)
             _check_library_versions(params.get("library_versions"), cfg_path)
     return marker

@@ -163,7 +163,7 @@ def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
     (engine_dir / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
 
-BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm", "pytorch")
+BACKEND_NAMES = ("onnxruntime", "tensorrt", "tensorrt-llm", "pytorch")  # what a manifest may name (engines/registry)
 _SHAPE_KEYS = ("target_layers", "target_kv_heads", "target_head_dim", "drafter_layers", "drafter_kv_heads",
                "drafter_head_dim")
 # Fields each backend's loader reads from the manifest; the others are checked only when present. (TensorRT's loader
@@ -204,8 +204,8 @@ def validate_manifest(manifest, path) -> dict[str, Any]:
         if key not in manifest:
             raise bad(key, "missing field")
     backend = manifest["backend"]
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKEND_NAMES)})")
     for key in _REQUIRED[backend]:
         if key not in manifest:
             raise bad(key, f"missing field (a {backend} engine needs it)")

@@ -1,6 +1,6 @@
 """`build`: one engine directory per (recipe, backend), reused when its inputs are unchanged.
 
-The backend builders write into a temporary directory that is renamed only when complete (errors.atomic_dir), so an
+The backend builders write into a temporary directory that is renamed only when complete (files.atomic_dir), so an
 interrupted build never leaves a directory that loads as an engine; `read_manifest` also re-checks every file hash.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.base import MANIFEST, hash_inputs, is_engine_dir, read_manifest
-from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.engines.registry import BACKENDS, backend_builder
+from dflash_export.errors import DFlashError
 from dflash_export.files import check_output_dir, removing_new_dirs
 
 DEFAULT_ROOT = Path("engines")
@@ -36,25 +37,6 @@ def recipe_inputs(recipe) -> dict[str, str]:
             raise DFlashError("not found", path=p, field="target" if spec == recipe.target_path else "drafter")
         paths.append(p)
     return hash_inputs(paths)
-
-
-def _builder(backend: str):
-    if backend == "onnxruntime":
-        try:
-            from dflash_export.engines.onnxruntime import build_onnxruntime
-        except ImportError as e:
-            raise MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({e.name})",
-                                    field="--backend") from None
-        return build_onnxruntime
-    if backend == "tensorrt":
-        from dflash_export.engines.tensorrt import build_tensorrt
-
-        return build_tensorrt
-    if backend == "tensorrt-llm":
-        from dflash_export.engines.tensorrt_llm import build_tensorrt_llm
-
-        return build_tensorrt_llm
-    raise DFlashError(f"unknown backend {backend!r} (onnxruntime, tensorrt, tensorrt-llm)", field="--backend")
 
 
 def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
@@ -94,9 +76,9 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     if backend not in recipe.backends:
         raise DFlashError(f"backend {backend!r} is not listed in the recipe's backends {recipe.backends}",
                           path=recipe.path, field="backends")
-    build = _builder(backend)
+    build = backend_builder(backend)
     precisions = None
-    if backend == "onnxruntime":
+    if BACKENDS[backend].quantizable:  # the ONNX Runtime engines
         from dflash_export.engines.onnxruntime import graph_precisions
 
         precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
@@ -120,7 +102,7 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
         except DFlashError:
             pass  # an earlier engine, unreadable or tampered: rebuild over it
     with removing_new_dirs(engine_dir):
-        if backend == "onnxruntime":
+        if precisions is not None:
             build(recipe, engine_dir, draft_vocab=recipe.draft_vocab, precision=precisions["target"],
                   drafter_precision=precisions["drafter"],
                   quantize_heads=precisions["lm_head"] != "fp32" or precisions["draft_head"] != "fp32")

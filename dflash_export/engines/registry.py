@@ -1,17 +1,50 @@
-"""Opening a built engine directory with the backend its manifest names.
+"""The engine backends in one table: how each is built, opened, and checked before `deploy` / `run` use it.
 
-This module sits above every backend (each imports `engines.base`, none imports this), so the dispatch no longer makes
-`base` import the backends that import it. The backends are imported when an engine of theirs is opened: a served ONNX
-Runtime engine must not import torch (the PyTorch reference backend's dependency) nor TensorRT's modules.
+This module sits above every backend (each imports `engines.base`, none imports this), so dispatching on a backend
+name never makes `base` import the backends that import it. A backend's module is imported only when one of its
+engines is built or opened: a served ONNX Runtime engine must not import torch (the PyTorch reference backend's
+dependency) nor TensorRT's modules.
+
+To add a backend: write its module under `engines/` (a builder writing an engine directory with a manifest, and / or
+an `Engine` class), then one `Backend` row in BACKENDS -- `build`, `run`, `bench`, `validate` and `deploy` read it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from dflash_export.engines.base import MANIFEST, Engine, read_manifest
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, MissingDependency
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend. `builder()` returns its build function (recipe, engine_dir, **options), importing its module;
+    `opener(engine_dir, manifest, **kwargs)` returns an Engine; `check(engine_dir, manifest)` is what `run` and
+    `deploy` check beyond the manifest's shape, without loading weights. None: not built / not opened in-process."""
+
+    name: str
+    builder: Callable[[], Callable] | None
+    opener: Callable[..., Engine] | None
+    check: Callable[[Path, dict], None]
+    quantizable: bool = False              # builds weight-quantized engines (`--precision`)
+    batched: bool = False                  # has a batched runner: deploy --max-batch > 1, bench --concurrency
+    serve_libraries: tuple[str, ...] = ()  # what the served engine imports besides numpy and tokenizers
+    served_by_dflash: bool = True          # Triton serves it through this project's python model (else its own)
+
+
+# --------------------------------------------------------------------------------------------------- ONNX Runtime
+
+
+def _build_onnxruntime():
+    try:
+        from dflash_export.engines.onnxruntime import build_onnxruntime
+    except ImportError as e:
+        raise MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({e.name})",
+                                field="--backend") from None
+    return build_onnxruntime
 
 
 def _open_onnxruntime(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
@@ -20,10 +53,52 @@ def _open_onnxruntime(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
     return OrtEngine(engine_dir, manifest, **kwargs)
 
 
+def _check_onnxruntime(engine_dir: Path, manifest: dict) -> None:
+    from dflash_export.engines.onnxruntime import ENGINE_FORMAT
+
+    if manifest["engine_format"] != ENGINE_FORMAT:
+        raise DFlashError(f"engine format {manifest['engine_format']!r} is not {ENGINE_FORMAT}: rebuild the engine",
+                          path=engine_dir / MANIFEST, field="engine_format")
+
+
+# --------------------------------------------------------------------------------------------------- TensorRT
+
+
+def _build_tensorrt():
+    from dflash_export.engines.tensorrt import build_tensorrt
+
+    return build_tensorrt
+
+
 def _open_tensorrt(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
     from dflash_export.engines.tensorrt import TensorRTEngine
 
     return TensorRTEngine(engine_dir, manifest, **kwargs)
+
+
+def _check_tensorrt(engine_dir: Path, manifest: dict) -> None:
+    from dflash_export.engines.tensorrt import tensorrt_engine_info
+
+    tensorrt_engine_info(engine_dir, manifest)  # the same manifest reading the TensorRT engine does
+    if not manifest.get("engines"):
+        raise DFlashError("expected an object naming the engine files", path=engine_dir / MANIFEST, field="engines")
+
+
+# --------------------------------------------------------------------------------------------------- TensorRT-LLM
+
+
+def _build_tensorrt_llm():
+    from dflash_export.engines.tensorrt_llm import build_tensorrt_llm
+
+    return build_tensorrt_llm
+
+
+def _check_tensorrt_llm(engine_dir: Path, manifest: dict) -> None:
+    if "target_layer_ids" not in manifest:
+        raise DFlashError("missing field", path=engine_dir / MANIFEST, field="target_layer_ids")
+
+
+# --------------------------------------------------------------------------------------------------- PyTorch
 
 
 def _open_pytorch(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
@@ -32,12 +107,46 @@ def _open_pytorch(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
     return TorchEngine.from_manifest(engine_dir, manifest, **kwargs)
 
 
+def _check_pytorch(engine_dir: Path, manifest: dict) -> None:
+    if not Path(manifest["recipe_path"]).is_file():
+        raise DFlashError(f"recipe {manifest['recipe_path']} not found", path=engine_dir / MANIFEST,
+                          field="recipe_path")
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("onnxruntime", _build_onnxruntime, _open_onnxruntime, _check_onnxruntime, quantizable=True, batched=True,
+            serve_libraries=("onnxruntime",)),
+    Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, serve_libraries=("tensorrt",)),
+    # a TensorRT-LLM bundle is served by TensorRT-LLM itself (Triton's llmapi model), never opened here
+    Backend("tensorrt-llm", _build_tensorrt_llm, None, _check_tensorrt_llm, served_by_dflash=False),
+    # the PyTorch reference as an engine (tests, `run --backend pytorch`): nothing to build
+    Backend("pytorch", None, _open_pytorch, _check_pytorch, serve_libraries=("torch",)),
+)}
+
 # backend name (the manifest's "backend") -> how to open its engine directory
-OPENERS: dict[str, Callable[..., Engine]] = {
-    "onnxruntime": _open_onnxruntime,
-    "tensorrt": _open_tensorrt,
-    "pytorch": _open_pytorch,
-}
+OPENERS: dict[str, Callable[..., Engine]] = {b.name: b.opener for b in BACKENDS.values() if b.opener}
+BUILDABLE = tuple(b.name for b in BACKENDS.values() if b.builder)
+
+
+def backend_builder(name: str) -> Callable:
+    """The build function of backend `name` (imports its module); one error naming the buildable backends else."""
+    spec = BACKENDS.get(name)
+    if spec is None or spec.builder is None:
+        raise DFlashError(f"unknown backend {name!r} ({', '.join(BUILDABLE)})", field="--backend")
+    return spec.builder()
+
+
+def check_engine_manifest(engine_dir) -> dict:
+    """The engine's manifest with the checks `run` and `deploy` apply, without loading any weights.
+
+    `read_manifest` validates every field and hashes every listed file; what is left is what a backend's own loader
+    checks beyond the manifest's shape (the ORT engine format, TensorRT's engine table, the PyTorch engine's recipe)."""
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    spec = BACKENDS.get(manifest["backend"])
+    if spec is not None:
+        spec.check(engine_dir, manifest)
+    return manifest
 
 
 def load_engine(engine_dir, **kwargs) -> Engine:
