@@ -366,6 +366,18 @@ def infer(client, text: bytes | None = b"Hello", model="dflash", **extra):
             "acceptance_length": float(res.as_numpy("acceptance_length")[0])}
 
 
+def stream_equals_direct(server, direct, text: str, max_tokens: int) -> list[dict]:
+    """Stream `text` through `dflash_stream` and check the deltas join to the same request run directly; the events."""
+    status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream",
+                             {"text_input": text, "max_tokens": max_tokens})
+    assert status == 200
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == run_direct(
+        direct, text_input=text.encode(), max_tokens=np.array([max_tokens], np.int32)).text
+    return events
+
+
 def concurrent_infer(server, requests, clients: int, per_client: int, network_timeout: float, join_timeout: float
                      ) -> dict[tuple[int, int], tuple]:
     """`clients` threads, each with its own client, send `per_client` of `requests` ((text, max_tokens)) in turn;
@@ -447,13 +459,7 @@ def test_generate_endpoint_plain_json(server, direct):
 
 @pytest.mark.server
 def test_generate_stream_deltas_join_to_direct_output(server, direct):
-    status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream",
-                             {"text_input": "stream me", "max_tokens": 20})
-    assert status == 200
-    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
-    assert len(events) > 1 and all("error" not in e for e in events)
-    assert "".join(e["text_output"] for e in events) == run_direct(
-        direct, text_input=b"stream me", max_tokens=np.array([20], np.int32)).text
+    events = stream_equals_direct(server, direct, "stream me", 20)
     assert [e["finish_reason"] for e in events[:-1]] == [""] * (len(events) - 1)
     assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 20
     status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream", {"text_input": ""})

@@ -3,7 +3,6 @@ get the text of the same request run alone; a full queue is HTTP 503; bad reques
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from test_deploy import (  # noqa: F401, I001 - the tests' helpers and fixtures
     make_engine_dir,
     post_json,
     run_direct,
+    stream_equals_direct,
 )
 
 from dflash_export.deploy.repository import write_repository
@@ -60,13 +60,7 @@ def test_16_concurrent_clients_share_one_batch_and_get_lone_outputs(server, dire
 
 @pytest.mark.server
 def test_stream_and_errors_through_the_shared_batch(server, direct):
-    status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream",
-                             {"text_input": "stream me", "max_tokens": 20})
-    assert status == 200
-    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
-    assert len(events) > 1 and all("error" not in e for e in events)
-    assert "".join(e["text_output"] for e in events) == run_direct(
-        direct, text_input=b"stream me", max_tokens=np.array([20], np.int32)).text
+    stream_equals_direct(server, direct, "stream me", 20)
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "hi", "temperature": -1})
     assert status == 400 and "temperature" in str(body)
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "x" * 2000})
