@@ -7,14 +7,13 @@ interrupted build never leaves a directory that loads as an engine; `read_manife
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.base import MANIFEST, hash_inputs, is_engine_dir, read_manifest
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
-from dflash_export.files import check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
 
 DEFAULT_ROOT = Path("engines")
 
@@ -46,9 +45,8 @@ def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
     if manifest.get("inputs") == inputs:
         return
     manifest["inputs"] = inputs
-    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        f.write(json.dumps(manifest, indent=2) + "\n")
 
 
 def engine_dir_name(backend: str, precisions: dict[str, str] | None = None) -> str:
