@@ -216,6 +216,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--short", action="store_true", help="tiny engine, 4 clients, 20 s, 5 s warm-up")
     args = ap.parse_args(argv)
+    from dflash_export.deploy.repository import MAX_BATCH
+
+    if not 1 <= args.max_batch <= MAX_BATCH:  # refused before any work (deploy would refuse it after the direct runs)
+        ap.error(f"--max-batch: must be in 1..{MAX_BATCH}, got {args.max_batch}")
 
     work = Path(tempfile.mkdtemp(prefix="dflash-soak-"))
     if args.short:

@@ -127,6 +127,10 @@ def main(argv=None):
                     help="deploy --max-batch: > 1 feeds each instance's concurrent requests into one shared batch")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
+    from dflash_export.deploy.repository import MAX_BATCH
+
+    if not 1 <= args.max_batch <= MAX_BATCH:  # refused before any work (deploy would refuse it after the direct runs)
+        ap.error(f"--max-batch: must be in 1..{MAX_BATCH}, got {args.max_batch}")
 
     import tritonclient.http as th
 

@@ -47,6 +47,7 @@ MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
 MARKER = "dflash_repository.json"
 DEFAULT_MAX_QUEUE_SIZE = 64
+MAX_BATCH = 256  # deploy --max-batch: sequences one instance's shared batch may hold
 
 
 # The request/response contract of the `dflash` models (see README "Deploy"). Every input but the prompt is optional
@@ -205,8 +206,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be >= 0, got {max_queue_size}", field="--max-queue-size")
     if threads < 0:
         raise DFlashError(f"must be >= 0, got {threads}", field="--threads")
-    if not 1 <= max_batch <= 256:
-        raise DFlashError(f"must be in 1..256, got {max_batch}", field="--max-batch")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise DFlashError(f"must be in 1..{MAX_BATCH}, got {max_batch}", field="--max-batch")
     if max_queued_tokens < 1:
         raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
     if max_batch > 1 and not BACKENDS[manifest["backend"]].batched:
