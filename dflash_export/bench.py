@@ -168,10 +168,10 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     summary = {m: _summary(r) for m, r in results.items()}
     # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
     # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
-    from dflash_export.engines.base import read_manifest
+    from dflash_export.engines.manifest import read_manifest
     from dflash_export.prompt_lookup import prompt_lookup_tau
 
-    bs = recipe.block_size or int(read_manifest(engine_dir, verify_files=False)["block_size"])
+    bs = recipe.block_size or read_manifest(engine_dir, verify_files=False).block_size
     for m in ("dflash", "dflash-full", "reference"):
         if m in results:
             summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(

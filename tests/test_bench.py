@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_export.engines.base import read_manifest
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.errors import DFlashError
 
 # the concurrency bench's prompts: short, long (past a block of context), one token, repeats
@@ -54,7 +54,7 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
 
 
 def recipe_block_size(engine_dir) -> int:
-    return int(read_manifest(Path(engine_dir))["block_size"])
+    return read_manifest(Path(engine_dir)).block_size
 
 
 def test_bench_tau_is_pooled_over_prompts_like_the_reference():

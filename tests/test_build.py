@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_export.engines.base import read_manifest
 from dflash_export.engines.build import build_engine
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
@@ -35,7 +35,7 @@ def test_rebuild_with_unchanged_inputs_reuses_and_changed_input_rebuilds(own_rec
     first = build_engine(recipe, "onnxruntime", tmp_path / "engines")
     assert not first.reused
     m1 = read_manifest(first.engine_dir)
-    assert m1["block_size"] == 4 and m1["mask_token_id"] == 255 and m1["inputs"]
+    assert m1.block_size == 4 and m1.mask_token_id == 255 and m1.inputs
     again = build_engine(recipe, "onnxruntime", tmp_path / "engines")
     assert again.reused and again.engine_dir == first.engine_dir
     # change one drafter weight: the hash differs, so the engine is rebuilt
@@ -46,7 +46,7 @@ def test_rebuild_with_unchanged_inputs_reuses_and_changed_input_rebuilds(own_rec
     save_file(sd, str(drafter / "model.safetensors"))
     third = build_engine(recipe, "onnxruntime", tmp_path / "engines")
     assert not third.reused
-    assert read_manifest(third.engine_dir)["inputs"] != m1["inputs"]
+    assert read_manifest(third.engine_dir).inputs != m1.inputs
 
 
 def test_manifest_that_does_not_match_its_files_is_refused(own_recipe, tmp_path):
@@ -172,13 +172,13 @@ def test_each_precision_builds_its_own_engine_directory(own_recipe, tmp_path):
     fp32 = build_engine(recipe, "onnxruntime", tmp_path / "engines")
     int8 = build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int8")
     assert fp32.engine_dir.name == "onnxruntime" and int8.engine_dir.name == "onnxruntime-int8"
-    assert read_manifest(int8.engine_dir)["precision"]["target"] == "int8"
-    assert read_manifest(fp32.engine_dir)["precision"] == {k: "fp32" for k in ("target", "drafter", "lm_head",
+    assert read_manifest(int8.engine_dir).precision["target"] == "int8"
+    assert read_manifest(fp32.engine_dir).precision == {k: "fp32" for k in ("target", "drafter", "lm_head",
                                                                               "draft_head")}
     assert build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int8").reused
     mixed = build_engine(recipe, "onnxruntime", tmp_path / "engines", precision="int4", drafter_precision="fp32")
     assert mixed.engine_dir.name == "onnxruntime-int4-drafter-fp32"
-    assert read_manifest(mixed.engine_dir)["precision"] == {"target": "int4", "drafter": "fp32", "lm_head": "int4",
+    assert read_manifest(mixed.engine_dir).precision == {"target": "int4", "drafter": "fp32", "lm_head": "int4",
                                                            "draft_head": "fp32"}
     y = recipe.path
     y.write_text(y.read_text() + "precision: int8\n")
@@ -198,9 +198,9 @@ def test_backend_table_agrees_with_the_manifest_and_recipe_contracts():
     """engines/registry.BACKENDS is the one table build, run and deploy read; the manifest check (engines/base) and
     the recipe check (recipes.py) sit below it and keep their own name lists, which must name the same backends."""
     from dflash_export import recipes
-    from dflash_export.engines import base, registry
+    from dflash_export.engines import manifest, registry
 
-    assert tuple(registry.BACKENDS) == base.BACKEND_NAMES
+    assert tuple(registry.BACKENDS) == manifest.BACKEND_NAMES
     assert registry.BUILDABLE == recipes.BACKENDS
     assert set(registry.OPENERS) == {"onnxruntime", "tensorrt", "pytorch"}  # a TensorRT-LLM bundle is TRT-LLM's
     with pytest.raises(DFlashError, match=r"unknown backend 'pytorch' \(onnxruntime, tensorrt, tensorrt-llm\)"):

@@ -28,7 +28,7 @@ import pytest
 from dflash_export.deploy.pbtxt import ModelConfig, check_config_text, render_config
 from dflash_export.deploy.repository import INPUTS, MARKER, OUTPUTS, write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
-from dflash_export.engines.base import write_manifest
+from dflash_export.engines.manifest import write_manifest
 from dflash_export.errors import DFlashError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -749,7 +749,7 @@ def test_deploy_repo_under_a_file_or_unwritable_is_one_line_up_front(tmp_path):
 
 
 def test_deploy_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
-    import dflash_export.deploy.repository as repository
+    from dflash_export.deploy import repository
 
     engine = make_torch_engine_dir(tmp_path / "engine")
 

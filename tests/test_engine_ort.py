@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_export.engines.base import SamplingParams, read_manifest
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
@@ -28,14 +29,14 @@ def built(ort_pair):
 def test_engine_dir_has_manifest_and_one_shared_weight_file(built):
     recipe, out, eng, _ = built
     m = read_manifest(out)
-    assert m["backend"] == "onnxruntime" and m["recipe"] == recipe.name
+    assert m.backend == "onnxruntime" and m.recipe == recipe.name
     for key in ("recipe_path", "inputs", "block_size", "target_layer_ids", "mask_token_id", "max_seq_len",
                 "stop_token_ids", "vocab_size", "dtypes", "flags"):
-        assert key in m, key
+        assert key in m.raw, key
     names = {p.name for p in out.iterdir()}
     assert {"target.onnx", "drafter.onnx", "lm_head.onnx", "shared_weights.bin", "codec.json", "manifest.json"} <= names
     assert not any(n.startswith("target_verify") for n in names)  # the export's portable graph is not shipped
-    assert eng.info.block_size == m["block_size"] and eng.info.max_seq_len == recipe.max_seq_len
+    assert eng.info.block_size == m.block_size and eng.info.max_seq_len == recipe.max_seq_len
     import onnx
 
     shared_users = {}
@@ -156,6 +157,31 @@ def _copy(out, tmp_path):
     return dst
 
 
+def test_manifest_reads_back_typed_and_agrees_with_the_checkpoints(built):
+    """read_manifest hands loaders typed, read-only fields; each agrees with the checkpoints' own config.json."""
+    from dataclasses import FrozenInstanceError
+
+    from dflash_export.engines.manifest import Shapes
+    from dflash_export.sources import resolve_source
+
+    recipe, out, _, _ = built
+    m = read_manifest(out)
+    t = json.loads((resolve_source(recipe.target_path) / "config.json").read_text())
+    d = json.loads((resolve_source(recipe.drafter_path) / "config.json").read_text())
+    t_head = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    assert m.shapes == Shapes(t["num_hidden_layers"], t["num_key_value_heads"], t_head, d["num_hidden_layers"],
+                              d["num_key_value_heads"], d["head_dim"])
+    assert m.shared_tensors["shared.embed_tokens"].shape == (t["vocab_size"], t["hidden_size"])
+    assert m.target_layer_ids == tuple(d["dflash_config"]["target_layer_ids"])
+    assert m.mask_token_id == d["dflash_config"]["mask_token_id"] and m.vocab_size == t["vocab_size"]
+    assert m.max_seq_len == recipe.max_seq_len and m.selector is None and m.optimized is True
+    assert m.path == out / "manifest.json"
+    with pytest.raises(FrozenInstanceError):
+        m.block_size = 3
+    with pytest.raises(TypeError):
+        m.files["extra.bin"] = "0" * 64
+
+
 def test_manifest_disagreeing_with_graphs_is_refused(built, tmp_path):
     _, out, _, _ = built
     dst = _copy(out, tmp_path)
@@ -265,8 +291,8 @@ def test_embedding_rows_are_read_not_mapped(built):
     """Rows come from shared_weights.bin by pread: the table is never mapped (a mapping became resident by 64 KiB
     per token through the kernel's fault-around), and a bad id is a clear error."""
     _, out, eng, _ = built
-    m = read_manifest(out)["shared_tensors"]["shared.embed_tokens"]
-    table = np.memmap(out / "shared_weights.bin", np.float32, "r", int(m["offset"]), tuple(m["shape"]))
+    m = read_manifest(out).shared_tensors["shared.embed_tokens"]
+    table = np.memmap(out / "shared_weights.bin", np.float32, "r", m.offset, m.shape)
     ids = [0, 5, 5, table.shape[0] - 1]
     np.testing.assert_array_equal(eng._embed.rows(ids), table[ids])
     del table
@@ -312,12 +338,15 @@ def _rehash(d: Path) -> None:
     (lambda m: m.update(shared_tensors=[]), "shared_tensors"),
     (lambda m: m["files"].update({"../../etc/passwd": "0" * 64}), "files"),
     (lambda m: m.pop("engine_format"), "engine_format"),
+    (lambda m: m.update(selector="top-4"), "selector"),
+    (lambda m: m.update(selector={"top_k": 1, "rank": 8}), "selector.top_k"),
+    (lambda m: m.update(precision={"target": 8}), "precision.target"),
 ])
 def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_path, edit, field):
     from click.testing import CliRunner
 
     from dflash_export.cli import main
-    from dflash_export.engines.base import validate_manifest
+    from dflash_export.engines.manifest import validate_manifest
 
     _, out, _, _ = built
     dst = _with_manifest(out, tmp_path, edit)

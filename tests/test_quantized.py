@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from dflash_export.engines.base import SamplingParams, read_manifest
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
 from dflash_export.runtime import DFlashRuntime
 
@@ -34,16 +35,16 @@ def test_manifest_records_precision_quantizer_and_every_file(built):
 
     _, precision, out, _ = built
     m = read_manifest(out)
-    assert m["precision"] == {"target": precision, "drafter": precision, "lm_head": precision,
+    assert m.precision == {"target": precision, "drafter": precision, "lm_head": precision,
                               "draft_head": precision}
     bits = {"int8": 8, "int4": 4}[precision]
     for role in ("target", "drafter", "lm_head"):
-        q = m["quantization"][role]
+        q = m.raw["quantization"][role]
         assert q["quantizer"] == "onnxruntime.quantization.MatMulNBitsQuantizer"
         assert (q["bits"], q["block_size"], q["accuracy_level"]) == (bits, 32, 4) and q["matmuls_quantized"] >= 1
-    assert m["flags"]["plain_step_rows"] == 2 and "onnxruntime" in m["libraries"]
+    assert m.flags.plain_step_rows == 2 and "onnxruntime" in m.raw["libraries"]
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"}
-    assert set(m["files"]) == on_disk
+    assert set(m.files) == on_disk
     for fname in ("target.onnx", "lm_head.onnx"):
         model = onnx.load(str(out / fname), load_external_data=False)
         nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]

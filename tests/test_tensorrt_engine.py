@@ -144,19 +144,25 @@ def _tensorrt_manifest(**overrides):
     return m
 
 
+def _typed(m: dict, engine_dir):
+    from dflash_export.engines.manifest import validate_manifest
+
+    return validate_manifest(m, engine_dir / "manifest.json")
+
+
 def test_tensorrt_engine_info_comes_from_the_manifest(tmp_path):
     from dflash_export.engines.tensorrt import tensorrt_engine_info
 
-    info = tensorrt_engine_info(tmp_path, _tensorrt_manifest())
+    info = tensorrt_engine_info(_typed(_tensorrt_manifest(), tmp_path))
     assert (info.backend, info.block_size, info.mask_token_id, info.vocab_size, info.max_seq_len) == (
         "tensorrt", 4, 255, 256, 512)
     assert info.stop_token_ids == [0] and info.target_layer_ids == [1, 3]
     m = _tensorrt_manifest()
     del m["stop_token_ids"]
     with pytest.raises(DFlashError, match="stop_token_ids.*rebuild"):
-        tensorrt_engine_info(tmp_path, m)
+        tensorrt_engine_info(_typed(m, tmp_path))
     with pytest.raises(DFlashError, match="not a tensorrt engine"):
-        tensorrt_engine_info(tmp_path, _tensorrt_manifest(backend="onnxruntime"))
+        tensorrt_engine_info(_typed(_tensorrt_manifest(backend="tensorrt-llm"), tmp_path))
 
 
 @pytest.mark.skipif(HAS_TENSORRT, reason="tensorrt is installed")
@@ -168,7 +174,7 @@ def test_without_tensorrt_loading_an_engine_names_the_extra_and_the_gpu(tmp_path
     with pytest.raises(MissingDependency, match=pattern):
         load_engine(tmp_path)
     with pytest.raises(MissingDependency, match=pattern):
-        TensorRTEngine(tmp_path, _tensorrt_manifest())
+        TensorRTEngine(tmp_path, _typed(_tensorrt_manifest(), tmp_path))
 
 
 def test_build_records_what_the_engine_needs_to_run(tmp_path):
@@ -184,7 +190,7 @@ def test_build_records_what_the_engine_needs_to_run(tmp_path):
     facts = write_serving_files(recipe, load_drafter(recipe.drafter_path), tmp_path)
     ref = TorchEngine.from_recipe(recipe)
     assert facts == {"stop_token_ids": ref.info.stop_token_ids, "vocab_size": ref.info.vocab_size}
-    info = tensorrt_engine_info(tmp_path, _tensorrt_manifest(**facts))
+    info = tensorrt_engine_info(_typed(_tensorrt_manifest(**facts), tmp_path))
     assert info.stop_token_ids == ref.info.stop_token_ids
     codec = TextCodec.from_dir(tmp_path)
     assert codec.encode("hi") == ref.codec.encode("hi")
@@ -364,7 +370,7 @@ def _emulated_engine_dir(root, recipe):
     """A TensorRT engine directory as build_tensorrt lays it out, its .engine files naming the ONNX graph to emulate."""
     from dflash_export.checkpoint import load_drafter
     from dflash_export.engines import tensorrt as trt_backend
-    from dflash_export.engines.base import write_manifest
+    from dflash_export.engines.manifest import write_manifest
     from dflash_export.export import export_recipe
 
     drafter = load_drafter(recipe.drafter_path)
@@ -452,7 +458,7 @@ def test_tensorrt_engine_on_emulated_tensorrt_refuses_a_manifest_without_the_pro
     m = json.loads((out / "manifest.json").read_text())
     m["engines"]["drafter.engine"]["profiles"] = ["first_block", "steady"]
     with pytest.raises(DFlashError, match=r"drafter.engine profiles.*lack \['step'\]"):
-        emulated_tensorrt.TensorRTEngine(out, m, device="cpu")
+        emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
 
 
 def _gpu_ready() -> bool:
@@ -470,7 +476,7 @@ def test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin(tm
     - greedy DFlash on the engine equals greedy AR on the same engine over the whole output (128 tokens): lossless;
     - both equal the ORT runner over the directory's onnx/ graphs (the same fp32 graphs), whole output;
     - sampled DFlash output (T=0.7, top-p 0.9) fits the PyTorch reference's conditionals (validate's check)."""
-    from dflash_export.engines.base import read_manifest
+    from dflash_export.engines.manifest import read_manifest
     from dflash_export.engines.tensorrt import IMPL_AOT, IMPL_JIT, build_tensorrt
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.runner import Reference, ValidateOptions, _distribution_check, _Progress
@@ -478,10 +484,10 @@ def test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin(tm
     recipe = load_recipe("tiny-qwen3")
     out = build_tensorrt(recipe, tmp_path / "tensorrt")
     manifest = read_manifest(out)
-    impl = manifest["plugins"]["implementation"]
+    impl = manifest.raw["plugins"]["implementation"]
     assert set(impl) == {"KVInjectedBlockAttention", "FusedVerify"} and set(impl.values()) <= {IMPL_AOT, IMPL_JIT}
-    layers = manifest["engines"]["drafter.engine"]["plugin_layers"]
-    assert layers == manifest["engines"]["drafter.engine"]["plugins"], layers
+    layers = manifest.engines["drafter.engine"]["plugin_layers"]
+    assert layers == manifest.engines["drafter.engine"]["plugins"], layers
     eng = load_engine(out)
     twin = ge.GraphEngine(ge.OrtGraphRunner(out / "onnx", check_profiles=(eng.info.block_size, eng.info.max_seq_len)),
                           eng.info, eng.codec)

@@ -11,7 +11,7 @@ import yaml
 
 from dflash_export.checkpoint import read_drafter_checkpoint
 from dflash_export.engines import tensorrt_llm as trtllm
-from dflash_export.engines.base import read_manifest
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.recipes import TrtLlmOptions, load_recipe
 from dflash_export.sources import resolve_source
@@ -32,9 +32,9 @@ def test_bundle_holds_the_documented_files_and_a_valid_manifest(bundle):
                 trtllm.README_FILE, trtllm.TRITON_MODEL_YAML):
         assert (bundle / rel).is_file(), rel
     manifest = read_manifest(bundle)
-    assert manifest["backend"] == "tensorrt-llm"
-    assert manifest["block_size"] == 4 and manifest["max_draft_len"] == 3
-    assert manifest["mask_token_id"] == 255 and manifest["target_layer_ids"] == [1, 3]
+    assert manifest.backend == "tensorrt-llm"
+    assert manifest.block_size == 4 and manifest.max_draft_len == 3
+    assert manifest.mask_token_id == 255 and manifest.target_layer_ids == (1, 3)
     assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
 
 
@@ -66,7 +66,7 @@ def test_normalized_checkpoint_loads_back_with_the_same_weights(bundle, recipe):
 
 
 def test_serve_command_is_written_verbatim_in_script_readme_and_manifest(bundle, recipe):
-    command = read_manifest(bundle)["serve_command"]
+    command = read_manifest(bundle).raw["serve_command"]
     target = str(resolve_source(recipe.target_path).resolve())
     assert command[:4] == ["trtllm-serve", target, "--backend", "pytorch"]
     flags = dict(zip(command[4::2], command[5::2]))

@@ -145,7 +145,7 @@ def healthy_cli_run(recipe_path, recipe, tmp_path_factory):
     from click.testing import CliRunner
 
     from dflash_export.cli import main
-    from dflash_export.engines.base import write_manifest
+    from dflash_export.engines.manifest import write_manifest
 
     root = tmp_path_factory.mktemp("healthy")
     engine_dir = root / "engine"
@@ -487,7 +487,7 @@ def test_cli_exit_codes_for_bad_input(tmp_path, recipe_path):
     long.write_text('{"prompt": "short"}\n{"input_ids": [%s]}\n' % ", ".join(["5"] * 300))
     engine_dir = tmp_path / "engine"
     engine_dir.mkdir()
-    from dflash_export.engines.base import write_manifest
+    from dflash_export.engines.manifest import write_manifest
 
     write_manifest(engine_dir, {"backend": "pytorch", "recipe": "tiny-trained", "recipe_path": str(recipe_path),
                                 "block_size": 4, "mask_token_id": 255})

@@ -39,6 +39,7 @@ from dflash_export.deploy.pbtxt import (
     check_config_text,
     write_config,
 )
+from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object
@@ -118,7 +119,7 @@ def _reflink_or_copy(src, dst):
 
 def _needed_libraries(backend: str) -> dict[str, str]:
     """Versions of the libraries the served engine imports, recorded so the model can refuse a different set."""
-    from dflash_export.engines.base import library_versions
+    from dflash_export.engines.manifest import library_versions
 
     spec = BACKENDS.get(backend)
     names = ["numpy", "tokenizers", *(spec.serve_libraries if spec else ())]
@@ -210,15 +211,15 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be in 1..{MAX_BATCH}, got {max_batch}", field="--max-batch")
     if max_queued_tokens < 1:
         raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
-    if max_batch > 1 and not BACKENDS[manifest["backend"]].batched:
+    if max_batch > 1 and not BACKENDS[manifest.backend].batched:
         batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
-        raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest['backend']})",
+        raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest.backend})",
                           field="--max-batch")
     from dflash_export.deploy.front import Limits
 
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
                        if v is not None}).check()
-    backend = manifest["backend"]
+    backend = manifest.backend
     model_py = _check_llmapi_model_py(llmapi_model_py, backend, engine_dir)
     repo_dir = check_repo_path(repo_dir, engine_dir)
     created = []  # parent directories atomic_dir will create, removed again if writing fails
@@ -234,7 +235,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
                                               threads, stub_python_path(), max_batch, max_queued_tokens)
             (tmp / MARKER).write_text(json.dumps({
-                "engine": str(engine_dir), "backend": backend, "recipe": manifest.get("recipe"), "models": models,
+                "engine": str(engine_dir), "backend": backend, "recipe": manifest.recipe, "models": models,
                 "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch,
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
                 indent=2) + "\n")
@@ -250,7 +251,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     return repo_dir
 
 
-def _write_python_models(engine_dir: Path, repo: Path, manifest: dict, instances: int, max_queue_size: int,
+def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, instances: int, max_queue_size: int,
                          decoupled: bool | None, threads: int, sys_path: list[str], max_batch: int = 1,
                          max_queued_tokens: int = 65536) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
@@ -265,7 +266,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: dict, instances
             max_queue_size=max_queue_size,
             parameters={"engine_dir": engine_ref, "sys_path": json.dumps(sys_path), "threads": str(threads),
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
-                        "library_versions": json.dumps(_needed_libraries(manifest["backend"]))},
+                        "library_versions": json.dumps(_needed_libraries(manifest.backend))},
         ))
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(model_py, model_dir / "1" / "model.py")

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.engines.base import MANIFEST, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.engines.manifest import MANIFEST, hash_inputs, is_engine_dir, read_manifest
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
@@ -94,8 +94,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     if engine_dir.exists() and not force:
         try:
             manifest = read_manifest(engine_dir)
-            if (manifest.get("inputs") == inputs and manifest.get("backend") == backend
-                    and (precisions is None or manifest.get("precision") == precisions)):
+            if (manifest.inputs == inputs and manifest.backend == backend
+                    and (precisions is None or manifest.precision == precisions)):
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:
             pass  # an earlier engine, unreadable or tampered: rebuild over it

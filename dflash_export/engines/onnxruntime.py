@@ -32,16 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.engines.base import (
-    Engine,
-    EngineInfo,
-    SamplingParams,
-    Sequence,
-    hash_inputs,
-    is_engine_dir,
-    load_codec,
-    write_manifest,
-)
+from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
+from dflash_export.engines.manifest import Manifest, hash_inputs, is_engine_dir, write_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import check_output_dir, removing_new_dirs
 from dflash_export.sampling import (
@@ -74,12 +66,6 @@ def _ort():
     return onnxruntime
 
 
-def _int_list(value) -> list[int]:
-    if not isinstance(value, list):
-        raise TypeError
-    return [int(x) for x in value]
-
-
 def default_threads() -> int:
     """Intra-op threads = the cores this process may use (one per core; never more threads than cores, since a
     batch-1 step is a few hundred small ops and every oversubscribed wake-up costs more than the op)."""
@@ -91,7 +77,7 @@ def default_threads() -> int:
 
 
 class _OrtSeq(Sequence):
-    def __init__(self, engine: "OrtEngine", max_tokens: int | None = None):
+    def __init__(self, engine: OrtEngine, max_tokens: int | None = None):
         super().__init__()
         e = engine
         # Target K/V: one buffer [1, KVH, capacity, D] per layer and kind, written in place by GroupQueryAttention
@@ -108,7 +94,7 @@ class _OrtSeq(Sequence):
         self.ctx: np.ndarray | None = None        # pending context features [1, n, H_drafter]
         self.ctx_pos: np.ndarray | None = None    # their positions [1, n]
 
-    def reserve(self, e: "OrtEngine", need: int) -> bool:
+    def reserve(self, e: OrtEngine, need: int) -> bool:
         """Grow the K/V buffers to hold `need` tokens; True when they were reallocated (bindings must follow)."""
         if need <= self.capacity:
             return False
@@ -133,48 +119,28 @@ class OrtEngine(Engine):
 
     accumulates_context = True
 
-    def __init__(self, engine_dir: Path, manifest: dict, threads: int | None = None, spin: bool | None = None,
+    def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None, spin: bool | None = None,
                  release_pages: bool = True, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
-        self.manifest = manifest
-        mpath = self.engine_dir / "manifest.json"
-
-        def field(name, typ=None):
-            if name not in manifest:
-                raise DFlashError("missing field", path=mpath, field=name)
-            try:
-                return manifest[name] if typ is None else typ(manifest[name])
-            except (TypeError, ValueError):
-                raise DFlashError(f"expected {typ.__name__}, got {manifest[name]!r}", path=mpath, field=name) from None
-
-        if manifest.get("backend") != "onnxruntime":
-            raise DFlashError(f"not an onnxruntime engine ({manifest.get('backend')!r})", path=mpath, field="backend")
-        if field("engine_format", int) != ENGINE_FORMAT:
-            raise DFlashError(f"engine format {manifest['engine_format']} is not {ENGINE_FORMAT}: rebuild the engine",
+        mpath = manifest.path
+        if manifest.backend != "onnxruntime":
+            raise DFlashError(f"not an onnxruntime engine ({manifest.backend!r})", path=mpath, field="backend")
+        if manifest.require("engine_format") != ENGINE_FORMAT:
+            raise DFlashError(f"engine format {manifest.engine_format} is not {ENGINE_FORMAT}: rebuild the engine",
                               path=mpath, field="engine_format")
-        shapes = field("shapes")
-        try:
-            self.t_layers, self.t_kv_heads, self.t_head_dim = (
-                int(shapes[k]) for k in ("target_layers", "target_kv_heads", "target_head_dim"))
-            self.d_layers, self.d_kv_heads, self.d_head_dim = (
-                int(shapes[k]) for k in ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise DFlashError(f"incomplete ({e})", path=mpath, field="shapes") from None
-        self.info = EngineInfo(
-            backend="onnxruntime", recipe=str(manifest.get("recipe", "")), block_size=field("block_size", int),
-            mask_token_id=field("mask_token_id", int), vocab_size=field("vocab_size", int),
-            stop_token_ids=field("stop_token_ids", _int_list), max_seq_len=field("max_seq_len", int),
-            target_layer_ids=field("target_layer_ids", _int_list),
-            verify_token_cost=manifest.get("flags", {}).get("verify_token_cost"),
-            draft_cost=manifest.get("flags", {}).get("draft_cost"),
-        )
+        shapes = manifest.require("shapes")
+        self.t_layers, self.t_kv_heads, self.t_head_dim = (
+            shapes.target_layers, shapes.target_kv_heads, shapes.target_head_dim)
+        self.d_layers, self.d_kv_heads, self.d_head_dim = (
+            shapes.drafter_layers, shapes.drafter_kv_heads, shapes.drafter_head_dim)
+        self.info = manifest.engine_info()
         self.codec = load_codec(self.engine_dir)
 
         so = ort.SessionOptions()
         # Graphs were optimized at build time and saved; optimizing again at every load would only cost start-up.
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if manifest.get(
-            "optimized") else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if manifest.optimized \
+            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = threads or default_threads()
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -183,7 +149,7 @@ class OrtEngine(Engine):
             spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
         if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._embed = _embedding_rows(self.engine_dir, manifest, mpath)
+        self._embed = _embedding_rows(self.engine_dir, manifest)
         self._release_pages = release_pages
         self.released_bytes = 0  # resident file pages of the weights given back after loading (bytes)
         providers = ["CPUExecutionProvider"]
@@ -194,13 +160,13 @@ class OrtEngine(Engine):
         self.target = self._session(ort, TARGET, so, providers)
         # Optional draft vocabulary: the drafter proposes only among the first `draft_vocab` ids (an LM head a
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
-        self.draft_vocab = int(manifest.get("flags", {}).get("draft_vocab") or 0)
+        self.draft_vocab = manifest.flags.draft_vocab
         self.draft_head = self._session(ort, DRAFT_HEAD, so, providers) if self.draft_vocab else self.head
         # Rows a one-token target step runs as (2 on quantized engines, see _run_target); 1 = as it comes.
-        self.plain_step_rows = int(manifest.get("flags", {}).get("plain_step_rows") or 1)
+        self.plain_step_rows = manifest.flags.plain_step_rows
         self._check_graph_metadata(mpath)
         self._draft_multiplier, self._draft_softcap = _draft_logit_scaling(self.drafter, self.engine_dir / DRAFTER)
-        self._selector = _selector_tables(self.engine_dir, manifest, mpath, self.info.vocab_size)
+        self._selector = _selector_tables(self.engine_dir, manifest, self.info.vocab_size)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
@@ -442,16 +408,12 @@ def _release_weight_pages(engine_dir: Path) -> int:
     return released
 
 
-def _selector_tables(engine_dir: Path, manifest: dict, mpath: Path, vocab: int):
+def _selector_tables(engine_dir: Path, manifest: Manifest, vocab: int):
     """(top_k, predecessor [V, R], successor [V, R]) of a DFlash 2 engine, checked against the manifest; None for
     DFlash."""
-    sel = manifest.get("selector")
-    if sel is None:
+    if manifest.selector is None:
         return None
-    try:
-        top_k, rank = int(sel["top_k"]), int(sel["rank"])
-    except (KeyError, TypeError, ValueError):
-        raise DFlashError("needs integer top_k and rank", path=mpath, field="selector") from None
+    top_k, rank = manifest.selector.top_k, manifest.selector.rank
     tables = []
     for fname in SELECTOR_FILES:
         try:
@@ -462,8 +424,6 @@ def _selector_tables(engine_dir: Path, manifest: dict, mpath: Path, vocab: int):
             raise DFlashError(f"shape {table.shape} {table.dtype} != ({vocab}, {rank}) float32",
                               path=engine_dir / fname)
         tables.append(table)
-    if not 1 < top_k <= vocab:
-        raise DFlashError(f"top_k {top_k} outside 2..{vocab}", path=mpath, field="selector.top_k")
     return top_k, tables[0], tables[1]
 
 
@@ -515,18 +475,13 @@ class _EmbeddingRows:
         self.close()
 
 
-def _embedding_rows(engine_dir: Path, manifest: dict, mpath: Path) -> _EmbeddingRows:
+def _embedding_rows(engine_dir: Path, manifest: Manifest) -> _EmbeddingRows:
     """The embedding table of shared_weights.bin (layout from the manifest), checked against the file's size."""
     path = engine_dir / SHARED
-    entries = manifest.get("shared_tensors")
-    if not isinstance(entries, dict) or "shared.embed_tokens" not in entries:
-        raise DFlashError("missing or without shared.embed_tokens", path=mpath, field="shared_tensors")
-    e = entries["shared.embed_tokens"]
-    try:
-        off, length, shape = int(e["offset"]), int(e["length"]), tuple(int(x) for x in e["shape"])
-    except (KeyError, TypeError, ValueError):
-        raise DFlashError("needs offset, length, shape", path=mpath,
-                          field="shared_tensors.shared.embed_tokens") from None
+    e = manifest.shared_tensors.get("shared.embed_tokens")
+    if e is None:
+        raise DFlashError("missing or without shared.embed_tokens", path=manifest.path, field="shared_tensors")
+    off, length, shape = e.offset, e.length, e.shape
     if len(shape) != 2 or length != 4 * shape[0] * shape[1] or off + length > path.stat().st_size:
         raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
     return _EmbeddingRows(path, off, shape)

@@ -11,11 +11,12 @@ an `Engine` class), then one `Backend` row in BACKENDS -- `build`, `run`, `bench
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from dflash_export.engines.base import MANIFEST, Engine, read_manifest
+from dflash_export.engines.base import Engine
+from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 
 
@@ -28,7 +29,7 @@ class Backend:
     name: str
     builder: Callable[[], Callable] | None
     opener: Callable[..., Engine] | None
-    check: Callable[[Path, dict], None]
+    check: Callable[[Path, Manifest], None]
     quantizable: bool = False              # builds weight-quantized engines (`--precision`)
     batched: bool = False                  # has a batched runner: deploy --max-batch > 1, bench --concurrency
     serve_libraries: tuple[str, ...] = ()  # what the served engine imports besides numpy and tokenizers
@@ -47,18 +48,18 @@ def _build_onnxruntime():
     return build_onnxruntime
 
 
-def _open_onnxruntime(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
+def _open_onnxruntime(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
     from dflash_export.engines.onnxruntime import OrtEngine
 
     return OrtEngine(engine_dir, manifest, **kwargs)
 
 
-def _check_onnxruntime(engine_dir: Path, manifest: dict) -> None:
+def _check_onnxruntime(engine_dir: Path, manifest: Manifest) -> None:
     from dflash_export.engines.onnxruntime import ENGINE_FORMAT
 
-    if manifest["engine_format"] != ENGINE_FORMAT:
-        raise DFlashError(f"engine format {manifest['engine_format']!r} is not {ENGINE_FORMAT}: rebuild the engine",
-                          path=engine_dir / MANIFEST, field="engine_format")
+    if manifest.engine_format != ENGINE_FORMAT:
+        raise DFlashError(f"engine format {manifest.engine_format!r} is not {ENGINE_FORMAT}: rebuild the engine",
+                          path=manifest.path, field="engine_format")
 
 
 # --------------------------------------------------------------------------------------------------- TensorRT
@@ -70,18 +71,18 @@ def _build_tensorrt():
     return build_tensorrt
 
 
-def _open_tensorrt(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
+def _open_tensorrt(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
     from dflash_export.engines.tensorrt import TensorRTEngine
 
     return TensorRTEngine(engine_dir, manifest, **kwargs)
 
 
-def _check_tensorrt(engine_dir: Path, manifest: dict) -> None:
+def _check_tensorrt(engine_dir: Path, manifest: Manifest) -> None:
     from dflash_export.engines.tensorrt import tensorrt_engine_info
 
-    tensorrt_engine_info(engine_dir, manifest)  # the same manifest reading the TensorRT engine does
-    if not manifest.get("engines"):
-        raise DFlashError("expected an object naming the engine files", path=engine_dir / MANIFEST, field="engines")
+    tensorrt_engine_info(manifest)  # the same manifest reading the TensorRT engine does
+    if not manifest.engines:
+        raise DFlashError("expected an object naming the engine files", path=manifest.path, field="engines")
 
 
 # --------------------------------------------------------------------------------------------------- TensorRT-LLM
@@ -93,24 +94,22 @@ def _build_tensorrt_llm():
     return build_tensorrt_llm
 
 
-def _check_tensorrt_llm(engine_dir: Path, manifest: dict) -> None:
-    if "target_layer_ids" not in manifest:
-        raise DFlashError("missing field", path=engine_dir / MANIFEST, field="target_layer_ids")
+def _check_tensorrt_llm(engine_dir: Path, manifest: Manifest) -> None:
+    manifest.require("target_layer_ids")
 
 
 # --------------------------------------------------------------------------------------------------- PyTorch
 
 
-def _open_pytorch(engine_dir: Path, manifest: dict, **kwargs) -> Engine:
+def _open_pytorch(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
     from dflash_export.engines.torch_ref import TorchEngine
 
     return TorchEngine.from_manifest(engine_dir, manifest, **kwargs)
 
 
-def _check_pytorch(engine_dir: Path, manifest: dict) -> None:
-    if not Path(manifest["recipe_path"]).is_file():
-        raise DFlashError(f"recipe {manifest['recipe_path']} not found", path=engine_dir / MANIFEST,
-                          field="recipe_path")
+def _check_pytorch(engine_dir: Path, manifest: Manifest) -> None:
+    if not Path(manifest.recipe_path).is_file():
+        raise DFlashError(f"recipe {manifest.recipe_path} not found", path=manifest.path, field="recipe_path")
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
@@ -136,14 +135,14 @@ def backend_builder(name: str) -> Callable:
     return spec.builder()
 
 
-def check_engine_manifest(engine_dir) -> dict:
+def check_engine_manifest(engine_dir) -> Manifest:
     """The engine's manifest with the checks `run` and `deploy` apply, without loading any weights.
 
     `read_manifest` validates every field and hashes every listed file; what is left is what a backend's own loader
     checks beyond the manifest's shape (the ORT engine format, TensorRT's engine table, the PyTorch engine's recipe)."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    spec = BACKENDS.get(manifest["backend"])
+    spec = BACKENDS.get(manifest.backend)
     if spec is not None:
         spec.check(engine_dir, manifest)
     return manifest
@@ -152,7 +151,7 @@ def check_engine_manifest(engine_dir) -> dict:
 def load_engine(engine_dir, **kwargs) -> Engine:
     """Open a built engine directory with the backend its manifest names."""
     manifest = read_manifest(engine_dir)
-    backend = manifest["backend"]
+    backend = manifest.backend
     opener = OPENERS.get(backend)
     if opener is None:
         raise DFlashError(f"a {backend!r} engine does not load here ({', '.join(OPENERS)})",

@@ -37,6 +37,7 @@ from dflash_export.engines.graph_engine import (
     profile_shapes,
     vocab_size_of,
 )
+from dflash_export.engines.manifest import Manifest
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -667,7 +668,7 @@ def build_tensorrt(recipe, out_dir) -> Path:
     import torch
 
     from dflash_export.checkpoint import load_drafter
-    from dflash_export.engines.base import write_manifest
+    from dflash_export.engines.manifest import write_manifest
     from dflash_export.export import export_recipe
     from dflash_export.files import atomic_dir
 
@@ -730,7 +731,7 @@ def compare_onnxruntime_tensorrt(engine_dir, atol: float = 1e-3, rtol: float = 1
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
     from polygraphy.comparator import Comparator, CompareFunc
 
-    from dflash_export.engines.base import read_manifest
+    from dflash_export.engines.manifest import read_manifest
 
     register_plugins()  # an engine built with the JIT fallback needs the Python plugins at deserialization
     engine_dir = Path(engine_dir)
@@ -740,7 +741,7 @@ def compare_onnxruntime_tensorrt(engine_dir, atol: float = 1e-3, rtol: float = 1
                                           (DRAFTER_ONNX, DRAFTER_ENGINE, "drafter")):
         onnx_path = engine_dir / "onnx" / onnx_name
         model = onnx.load(str(onnx_path), load_external_data=False)
-        profiles = graph_profiles(graph, int(manifest["block_size"]), int(manifest["max_seq_len"]),
+        profiles = graph_profiles(graph, manifest.block_size, manifest.require("max_seq_len"),
                                   vocab_size_of(model))
         engine_bytes = (engine_dir / engine_name).read_bytes()
         for index, profile in enumerate(profiles):
@@ -761,29 +762,11 @@ def compare_onnxruntime_tensorrt(engine_dir, atol: float = 1e-3, rtol: float = 1
 # ----------------------------------------------------------------------------------------------------------------------
 # Running the engines: the DFlash runtime drives them through graph_engine.GraphEngine, as ONNX Runtime's CPU twin
 
-def tensorrt_engine_info(engine_dir, manifest: dict) -> EngineInfo:
+def tensorrt_engine_info(manifest: Manifest) -> EngineInfo:
     """The EngineInfo of a TensorRT engine directory, from its manifest (no tensorrt needed)."""
-    from dflash_export.engines.base import MANIFEST
-
-    mpath = Path(engine_dir) / MANIFEST
-    if manifest.get("backend") != BACKEND:
-        raise DFlashError(f"not a tensorrt engine ({manifest.get('backend')!r})", path=mpath, field="backend")
-
-    def field(name):
-        if name not in manifest:
-            raise DFlashError("missing field (rebuild the engine: older builds did not record it)", path=mpath,
-                              field=name)
-        return manifest[name]
-
-    try:
-        return EngineInfo(backend=BACKEND, recipe=str(manifest.get("recipe", "")),
-                          block_size=int(field("block_size")), mask_token_id=int(field("mask_token_id")),
-                          vocab_size=int(field("vocab_size")),
-                          stop_token_ids=[int(x) for x in field("stop_token_ids")],
-                          max_seq_len=int(field("max_seq_len")),
-                          target_layer_ids=[int(x) for x in field("target_layer_ids")])
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"malformed value ({e})", path=mpath) from None
+    if manifest.backend != BACKEND:
+        raise DFlashError(f"not a tensorrt engine ({manifest.backend!r})", path=manifest.path, field="backend")
+    return manifest.engine_info("rebuild the engine: older builds did not record it")
 
 
 def _torch_dtype(trt, torch, dtype):
@@ -884,7 +867,7 @@ class TensorRTRunner(GraphRunner):
     buffers (`_DeviceKVCache`, sized by max_seq_len), and the stream is synchronized before outputs are read.
     """
 
-    def __init__(self, engine_dir, manifest: dict, device: int | str = 0):
+    def __init__(self, engine_dir, manifest: Manifest, device: int | str = 0):
         trt = require_tensorrt()
         import torch
 
@@ -892,17 +875,17 @@ class TensorRTRunner(GraphRunner):
         self.trt, self.torch = trt, torch
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        self.max_seq_len = int(manifest["max_seq_len"])
+        self.max_seq_len = manifest.require("max_seq_len")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        engines = manifest.get("engines") or {}
+        engines = manifest.engines
         self.graphs: dict[str, _TrtGraph] = {}
         for graph, fname, needed in (("target_verify", TARGET_ENGINE, (PREFILL, VERIFY, DECODE)),
                                      ("drafter", DRAFTER_ENGINE, (FIRST_BLOCK, STEP))):
             names = (engines.get(fname) or {}).get("profiles") or []
             if not set(needed) <= set(names):  # the engine logic selects these by name
                 raise DFlashError(f"{fname} profiles {names} lack {sorted(set(needed) - set(names))}",
-                                  path=Path(engine_dir) / "manifest.json", field="engines")
+                                  path=manifest.path, field="engines")
             with torch.cuda.device(self.device):
                 self.graphs[graph] = _TrtGraph(trt, torch, self._runtime, Path(engine_dir) / fname, list(names))
         # TensorRT wants a non-null address even for an empty tensor (an empty past, no drafts): one spare block
@@ -990,5 +973,5 @@ class TensorRTEngine(GraphEngine):
 
         require_tensorrt()  # first: without TensorRT or a GPU the answer is the install line, not a manifest detail
         engine_dir = Path(engine_dir)
-        info = tensorrt_engine_info(engine_dir, manifest)
+        info = tensorrt_engine_info(manifest)
         super().__init__(TensorRTRunner(engine_dir, manifest, device), info, load_codec(engine_dir))

@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from dflash_export.engines.manifest import Manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir
 from dflash_export.recipes import DTYPES, Recipe
@@ -198,7 +199,7 @@ Paths inside the YAML files are absolute: after moving this directory, rebuild i
 def _input_hashes(drafter_dir: Path, target_dir: Path) -> dict[str, str]:
     """Identity of the inputs: every drafter file, and the target's JSON / tokenizer files. The target's weights are
     referenced, not copied, so they are not read here (hashing 16 GB on every build would dominate it)."""
-    from dflash_export.engines.base import hash_inputs
+    from dflash_export.engines.manifest import hash_inputs
 
     out = hash_inputs([drafter_dir])
     small = [p for p in sorted(target_dir.iterdir()) if p.is_file() and p.suffix in (".json", ".model", ".txt")]
@@ -212,7 +213,7 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
     An existing bundle whose manifest records the same inputs and options is reused as is. The target must be (or
     convert to) an HF checkpoint directory: TensorRT-LLM loads it by path.
     """
-    from dflash_export.engines.base import MANIFEST, read_manifest, write_manifest
+    from dflash_export.engines.manifest import MANIFEST, read_manifest, write_manifest
     from dflash_export.models.target import resolve_target_dir
     from dflash_export.sources import resolve_source
 
@@ -227,7 +228,7 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
                                            "out": str(out_dir)}, sort_keys=True).encode()).hexdigest()
     if (out_dir / MANIFEST).is_file():
         try:
-            if read_manifest(out_dir).get("build_key") == build_key:
+            if read_manifest(out_dir).build_key == build_key:
                 return out_dir
         except DFlashError:
             pass  # stale or damaged: rebuild
@@ -286,16 +287,16 @@ def build_tensorrt_llm(recipe: Recipe, out_dir) -> Path:
 # ----------------------------------------------------------------------------------------------------------------------
 # Validation through the LLM API (GPU + tensorrt_llm only)
 
-def read_bundle(bundle) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_bundle(bundle) -> tuple[Manifest, dict[str, Any]]:
     """(manifest, LLM-API options) of a bundle, with its files checked against the manifest hashes."""
     import yaml
 
-    from dflash_export.engines.base import read_manifest
+    from dflash_export.engines.manifest import read_manifest
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    if manifest.get("backend") != BACKEND:
-        raise DFlashError(f"not a TensorRT-LLM bundle (backend {manifest.get('backend')!r})", path=bundle)
+    if manifest.backend != BACKEND:
+        raise DFlashError(f"not a TensorRT-LLM bundle (backend {manifest.backend!r})", path=bundle)
     return manifest, yaml.safe_load((bundle / OPTIONS_FILE).read_text())
 
 
@@ -336,7 +337,7 @@ def validate_with_llmapi(bundle, prompts: list[str], max_new_tokens: int = 128) 
     sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
 
     def run(with_speculation: bool) -> tuple[list[list[int]], float]:
-        llm = LLM(model=manifest["target"], **_llm_kwargs(options, with_speculation))
+        llm = LLM(model=manifest.require("target"), **_llm_kwargs(options, with_speculation))
         try:
             llm.generate(prompts[:1], sampling)  # warm-up: CUDA graphs and autotuning are not measured
             start = time.perf_counter()

@@ -41,7 +41,7 @@ class TorchEngine(Engine):
         self.codec = codec
 
     @classmethod
-    def from_recipe(cls, recipe) -> "TorchEngine":
+    def from_recipe(cls, recipe) -> TorchEngine:
         from dflash_export.checkpoint import load_drafter
         from dflash_export.models import load_target
 
@@ -50,10 +50,10 @@ class TorchEngine(Engine):
                    recipe.max_seq_len, block_size=recipe.block_size)
 
     @classmethod
-    def from_manifest(cls, engine_dir: Path, manifest: dict, **_) -> "TorchEngine":
+    def from_manifest(cls, engine_dir: Path, manifest, **_) -> TorchEngine:
         from dflash_export.recipes import load_recipe
 
-        return cls.from_recipe(load_recipe(manifest["recipe_path"]))
+        return cls.from_recipe(load_recipe(manifest.recipe_path))
 
     def new_sequence(self, max_tokens: int | None = None) -> Sequence:
         return _TorchSeq(self.target.new_cache(), self.drafter.new_cache())

@@ -24,16 +24,16 @@ def default_engine_dir(recipe_name: str) -> Path:
                       field="--engine")
 
 
-def check_engine_recipe(engine_dir: Path, recipe) -> dict:
+def check_engine_recipe(engine_dir: Path, recipe):
     """The engine's validated manifest; DFlashError when it was built for another recipe (measuring it against this
     recipe's reference would mislead). Shared by `validate` and `bench`."""
-    from dflash_export.engines.base import read_manifest
+    from dflash_export.engines.manifest import read_manifest
 
     manifest = read_manifest(engine_dir)
-    built_for = manifest.get("recipe")
+    built_for = manifest.recipe
     if built_for and built_for != recipe.name:
-        raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}",
-                          path=Path(engine_dir) / "manifest.json", field="recipe")
+        raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}", path=manifest.path,
+                          field="recipe")
     return manifest
 
 
@@ -42,9 +42,8 @@ def open_engine(engine_dir: Path, recipe):
     from dflash_export.engines.registry import load_engine
 
     manifest = check_engine_recipe(engine_dir, recipe)
-    meta = {"dir": str(engine_dir), "manifest": {k: manifest[k] for k in ("tool_version", "libraries", "dtype",
-                                                                          "build_flags", "precision", "quantization")
-                                                 if k in manifest}}
+    recorded = ("tool_version", "libraries", "dtype", "build_flags", "precision", "quantization")
+    meta = {"dir": str(engine_dir), "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
     return load_engine(engine_dir), meta
 
 

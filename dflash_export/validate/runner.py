@@ -44,7 +44,7 @@ class Reference:
     block_size: int | None = None
 
     @classmethod
-    def from_recipe(cls, recipe) -> "Reference":
+    def from_recipe(cls, recipe) -> Reference:
         import torch
 
         from dflash_export.checkpoint import load_drafter
@@ -93,7 +93,7 @@ class ValidationReport:
 def environment_info() -> dict[str, Any]:
     """Library versions and the machine, so a report says what it was measured on."""
     from dflash_export import __version__
-    from dflash_export.engines.base import library_versions
+    from dflash_export.engines.manifest import library_versions
 
     env: dict[str, Any] = {"tool_version": __version__, "versions": library_versions(("numpy", "scipy", "onnx",
                            "onnxruntime", "torch", "transformers", "tokenizers", "tensorrt", "matplotlib")),

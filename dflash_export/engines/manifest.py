@@ -1,0 +1,378 @@
+"""The engine directory's manifest: one typed `Manifest`, read and validated here and nowhere else.
+
+`write_manifest` records what a build made (every file's sha256, the tool and library versions, the backend's fields);
+`read_manifest` checks the structure, types and ranges of every field a loader uses, then every listed file against
+its hash, and returns a `Manifest` whose fields are already the right types: a backend's loader reads attributes and
+never re-parses JSON. Fields a backend does not need are optional (None); `Manifest.require` names a missing one.
+`raw` keeps the whole JSON object for records (validate's report, the deploy log).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from dflash_export.engines.base import EngineInfo, _is_int, _kind
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object, sha256_file
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """K/V cache geometry of the two models (what an engine allocates before any graph runs)."""
+
+    target_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    drafter_layers: int
+    drafter_kv_heads: int
+    drafter_head_dim: int
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A tensor inside shared_weights.bin: byte offset, byte length, shape (float32)."""
+
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Run-time hints a build records; every one has a default for engines that predate it."""
+
+    verify_token_cost: float | None = None  # verify of n drafts ~ 1 + n * this plain steps; None = runtime default
+    draft_cost: float | None = None
+    plain_step_rows: int = 1                 # rows a one-token target step runs as (2 on quantized ORT engines)
+    draft_vocab: int = 0                     # draft among the first N ids; 0 = the whole vocabulary
+
+
+@dataclass(frozen=True)
+class Selector:
+    """DFlash 2's candidate selector: candidates per slot and codebook rank."""
+
+    top_k: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path                               # the manifest.json it was read from (errors name it)
+    backend: str
+    block_size: int
+    mask_token_id: int
+    files: Mapping[str, str]                 # relative path -> sha256 of every file of the engine
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    engine_format: int | None = None
+    max_draft_len: int | None = None
+    recipe: str | None = None
+    recipe_path: str | None = None
+    target: str | None = None
+    build_key: str | None = None
+    optimized: bool = False
+    shapes: Shapes | None = None
+    shared_tensors: Mapping[str, SharedTensor] = field(default_factory=dict)
+    flags: Flags = Flags()
+    selector: Selector | None = None
+    engines: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Mapping[str, str] | None = None
+    precision: Mapping[str, str] | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def require(self, name: str, hint: str = ""):
+        """The field `name`; one DFlashError naming the manifest and the field when the engine did not record it."""
+        value = getattr(self, name)
+        if value is None:
+            raise DFlashError("missing field" + (f" ({hint})" if hint else ""), path=self.path, field=name)
+        return value
+
+    def engine_info(self, hint: str = "") -> EngineInfo:
+        """What the runtime needs to know of a compiled engine (ONNX Runtime, TensorRT)."""
+        req = self.require
+        return EngineInfo(backend=self.backend, recipe=self.recipe or "", block_size=self.block_size,
+                          mask_token_id=self.mask_token_id, vocab_size=req("vocab_size", hint),
+                          stop_token_ids=list(req("stop_token_ids", hint)), max_seq_len=req("max_seq_len", hint),
+                          target_layer_ids=list(req("target_layer_ids", hint)),
+                          verify_token_cost=self.flags.verify_token_cost, draft_cost=self.flags.draft_cost)
+
+
+def hash_inputs(paths: list[Path]) -> dict[str, str]:
+    """sha256 of every file under the given files / directories, keyed by path (the build's identity)."""
+    out = {}
+    for p in paths:
+        p = Path(p)
+        files = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
+        for f in files:
+            out[str(f)] = sha256_file(f)
+    return out
+
+
+def library_versions(names=("numpy", "onnx", "onnxruntime", "torch", "transformers", "optimum-onnx", "tensorrt",
+                            "tensorrt-llm", "tokenizers")) -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
+    """Record hashes of every file in `engine_dir` (so tampering or truncation is caught at load) + the manifest."""
+    from dflash_export import __version__
+
+    files = {str(p.relative_to(engine_dir)): sha256_file(p) for p in sorted(engine_dir.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
+    full = {"manifest_version": MANIFEST_VERSION, "tool": "dflash-export", "tool_version": __version__,
+            "libraries": library_versions(), **manifest, "files": files}
+    (engine_dir / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
+
+
+BACKEND_NAMES = ("onnxruntime", "tensorrt", "tensorrt-llm", "pytorch")  # what a manifest may name (engines/registry)
+_SHAPE_KEYS = ("target_layers", "target_kv_heads", "target_head_dim", "drafter_layers", "drafter_kv_heads",
+               "drafter_head_dim")
+# Fields each backend's loader reads from the manifest; the others are checked only when present. (TensorRT's loader
+# names its own missing fields with a rebuild hint: older TensorRT builds did not record them.)
+_REQUIRED = {"onnxruntime": ("engine_format", "vocab_size", "stop_token_ids", "max_seq_len", "target_layer_ids",
+                             "shapes", "shared_tensors"),
+             "pytorch": ("recipe_path",), "tensorrt": (), "tensorrt-llm": ()}
+
+
+def validate_manifest(manifest, path) -> Manifest:
+    """Check the structure, types and ranges of every manifest field the loaders use; DFlashError naming `path`
+    (the manifest.json) and the field otherwise. Returns the typed `Manifest`.
+
+    Fields a backend needs must be present; the others are checked when present. An unknown manifest_version is
+    refused (a manifest without one predates versioning and reads as version 1).
+    """
+    path = Path(path)
+
+    def bad(field, message):
+        return DFlashError(message, path=path, field=field)
+
+    if not isinstance(manifest, dict):
+        raise DFlashError(f"expected a JSON object, got {_kind(manifest)}", path=path)
+    version = manifest.get("manifest_version", MANIFEST_VERSION)
+    if not _is_int(version) or version != MANIFEST_VERSION:
+        raise bad("manifest_version", f"unsupported manifest version {version!r} (this dflash-export reads version "
+                                      f"{MANIFEST_VERSION}): rebuild the engine with this version")
+    for key in ("backend", "files", "block_size", "mask_token_id"):
+        if key not in manifest:
+            raise bad(key, "missing field")
+    backend = manifest["backend"]
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKEND_NAMES)})")
+    for key in _REQUIRED[backend]:
+        if key not in manifest:
+            raise bad(key, f"missing field (a {backend} engine needs it)")
+
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise bad("files", f"expected a mapping of file name to sha256, got {_kind(files)}")
+    for rel, digest in files.items():
+        p = Path(rel)
+        if not rel or p.is_absolute() or ".." in p.parts or rel == MANIFEST:
+            raise bad("files", f"{rel!r} is not a file inside the engine directory")
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise bad(f"files.{rel}", f"expected a sha256 hex digest, got {digest!r}")
+
+    def integer(key, minimum, value=None, name=None):
+        v = manifest[key] if value is None else value
+        if not _is_int(v):
+            raise bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
+        if v < minimum:
+            raise bad(name or key, f"must be >= {minimum}, got {v}")
+        return v
+
+    def int_list(key, minimum=0, nonempty=False):
+        v = manifest[key]
+        if not isinstance(v, list) or (nonempty and not v):
+            raise bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {_kind(v)} ({v!r})")
+        for i, x in enumerate(v):
+            integer(key, minimum, x, f"{key}[{i}]")
+        return v
+
+    def mapping(key):
+        v = manifest[key]
+        if not isinstance(v, dict):
+            raise bad(key, f"expected a mapping, got {_kind(v)}")
+        return v
+
+    def string(key):
+        v = manifest[key]
+        if not isinstance(v, str) or not v:
+            raise bad(key, f"expected a non-empty string, got {_kind(v)} ({v!r})")
+        return v
+
+    bs = integer("block_size", 2)
+    mask = integer("mask_token_id", 0)
+    vocab = integer("vocab_size", 2) if "vocab_size" in manifest else None
+    if vocab is not None and mask >= vocab:
+        raise bad("mask_token_id", f"{mask} is outside the vocabulary (vocab_size {vocab})")
+    if "max_seq_len" in manifest and integer("max_seq_len", 1) < bs:
+        raise bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
+    if "stop_token_ids" in manifest:
+        int_list("stop_token_ids")
+    if "target_layer_ids" in manifest:
+        int_list("target_layer_ids", nonempty=True)
+    for key in ("engine_format", "max_draft_len"):
+        if key in manifest:
+            integer(key, 0)
+    for key in ("recipe", "recipe_path", "target", "build_key"):
+        if key in manifest and (manifest[key] is not None or key in _REQUIRED[backend]):
+            string(key)
+    if "optimized" in manifest and not isinstance(manifest["optimized"], bool):
+        raise bad("optimized", f"expected true or false, got {manifest['optimized']!r}")
+    if "inputs" in manifest:
+        for k, v in mapping("inputs").items():
+            if not isinstance(v, str):
+                raise bad(f"inputs.{k}", f"expected a sha256 hex digest, got {_kind(v)}")
+    for key in ("engines", "dtypes", "libraries"):
+        if key in manifest:
+            mapping(key)
+    if "shapes" in manifest:
+        shapes = mapping("shapes")
+        for k in _SHAPE_KEYS:
+            if k not in shapes:
+                raise bad("shapes", f"incomplete (no {k!r})")
+            integer("shapes", 1, shapes[k], f"shapes.{k}")
+        ids = manifest.get("target_layer_ids")
+        if isinstance(ids, list) and any(t >= shapes["target_layers"] for t in ids):
+            raise bad("target_layer_ids", f"{ids} outside the target's {shapes['target_layers']} layers (shapes)")
+    if "shared_tensors" in manifest:
+        shared = mapping("shared_tensors")
+        for name, e in shared.items():
+            where = f"shared_tensors.{name}"
+            if not isinstance(e, dict) or not all(k in e for k in ("offset", "length", "shape")):
+                raise bad(where, "needs offset, length, shape")
+            integer(where, 0, e["offset"], where + ".offset")
+            integer(where, 0, e["length"], where + ".length")
+            if not isinstance(e["shape"], list) or not e["shape"]:
+                raise bad(where + ".shape", f"expected a non-empty list of integers, got {e['shape']!r}")
+            for d in e["shape"]:
+                integer(where, 1, d, where + ".shape")
+        if backend == "onnxruntime" and "shared.embed_tokens" not in shared:
+            raise bad("shared_tensors", "no shared.embed_tokens (the embedding table)")
+    if "flags" in manifest:
+        flags = mapping("flags")
+        for key in ("verify_token_cost", "draft_cost"):
+            v = flags.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
+                raise bad(f"flags.{key}", f"expected a positive number, got {v!r}")
+        rows = flags.get("plain_step_rows")
+        if rows is not None and (not _is_int(rows) or rows not in (1, 2)):
+            raise bad("flags.plain_step_rows", f"expected 1 or 2, got {rows!r}")
+        dv = flags.get("draft_vocab")
+        if dv is not None:
+            integer("flags", 2, dv, "flags.draft_vocab")
+            if vocab is not None and dv > vocab:
+                raise bad("flags.draft_vocab", f"{dv} is larger than the vocabulary (vocab_size {vocab})")
+    selector = None
+    if manifest.get("selector") is not None:
+        sel = manifest["selector"]
+        if not isinstance(sel, dict) or not all(_is_int(sel.get(k)) for k in ("top_k", "rank")):
+            raise bad("selector", "needs integer top_k and rank")
+        integer("selector", 1, sel["rank"], "selector.rank")
+        if not 1 < sel["top_k"] <= (vocab or sel["top_k"]):
+            raise bad("selector.top_k", f"top_k {sel['top_k']} outside 2..{vocab}")
+        selector = Selector(sel["top_k"], sel["rank"])
+    if manifest.get("precision") is not None:
+        for k, v in mapping("precision").items():
+            if not isinstance(v, str):
+                raise bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
+    return _typed(manifest, path, selector)
+
+
+def _typed(m: dict[str, Any], path: Path, selector: Selector | None) -> Manifest:
+    """The validated JSON object as a Manifest (every check above has passed)."""
+    flags = m.get("flags") or {}
+
+    def tuple_or_none(v):
+        return None if v is None else tuple(v)
+
+    return Manifest(
+        path=path, backend=m["backend"], block_size=m["block_size"], mask_token_id=m["mask_token_id"],
+        files=MappingProxyType(dict(m["files"])), vocab_size=m.get("vocab_size"), max_seq_len=m.get("max_seq_len"),
+        stop_token_ids=tuple_or_none(m.get("stop_token_ids")),
+        target_layer_ids=tuple_or_none(m.get("target_layer_ids")),
+        engine_format=m.get("engine_format"), max_draft_len=m.get("max_draft_len"), recipe=m.get("recipe"),
+        recipe_path=m.get("recipe_path"), target=m.get("target"), build_key=m.get("build_key"),
+        optimized=bool(m.get("optimized", False)),
+        shapes=Shapes(**{k: m["shapes"][k] for k in _SHAPE_KEYS}) if "shapes" in m else None,
+        shared_tensors=MappingProxyType({name: SharedTensor(e["offset"], e["length"], tuple(e["shape"]))
+                                         for name, e in (m.get("shared_tensors") or {}).items()}),
+        flags=Flags(verify_token_cost=flags.get("verify_token_cost"), draft_cost=flags.get("draft_cost"),
+                    plain_step_rows=flags.get("plain_step_rows") or 1, draft_vocab=flags.get("draft_vocab") or 0),
+        selector=selector, engines=MappingProxyType(dict(m.get("engines") or {})),
+        inputs=None if m.get("inputs") is None else MappingProxyType(dict(m["inputs"])),
+        precision=None if m.get("precision") is None else MappingProxyType(dict(m["precision"])),
+        raw=MappingProxyType(m))
+
+
+def read_manifest(engine_dir, verify_files: bool = True) -> Manifest:
+    """Read and validate an engine's manifest (see `validate_manifest`), and refuse it when any listed file is
+    missing or differs from its hash. Every problem is one DFlashError naming the file and the field."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if not engine_dir.is_dir():
+        raise DFlashError("engine directory not found" if not engine_dir.exists() else "not a directory",
+                          path=engine_dir)
+    if not path.is_file():
+        raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
+    manifest = validate_manifest(read_json_object(path), path)
+    if verify_files:
+        check_no_unlisted_files(engine_dir, manifest.files)
+        for rel, digest in manifest.files.items():
+            f = engine_dir / rel
+            if not f.is_file():
+                raise DFlashError("file listed in the manifest is missing", path=f, field="files")
+            if sha256_file(f) != digest:
+                raise DFlashError("file does not match its manifest hash (modified or truncated)", path=f,
+                                  field="files")
+    return manifest
+
+
+def check_no_unlisted_files(engine_dir: Path, files: Mapping[str, str]) -> None:
+    """Refuse any file in the engine directory that the manifest does not hash (manifest.json aside).
+
+    Whatever a loader or a graph opens (graphs, their external data, shared weights, tokenizer files, whatever new
+    kind a backend adds) is a file of the directory, so "every file present is listed" covers them all without a
+    list of names: deleting a file's entry from `files` no longer disables its hash check, it makes the engine
+    unloadable. Symbolic links are refused too (their target is outside what the hashes vouch for).
+    """
+    listed = set(files)
+    for p in sorted(engine_dir.rglob("*")):
+        rel = p.relative_to(engine_dir).as_posix()
+        if p.is_symlink():
+            raise DFlashError("a symbolic link in the engine directory (engines hold plain files only)", path=p,
+                              field="files")
+        if p.is_file() and rel != MANIFEST and rel not in listed:
+            raise DFlashError("not listed in the manifest's `files` (every file of an engine must be listed and "
+                              "hashed): rebuild the engine, or remove the file", path=p, field="files")
+
+
+def is_engine_dir(d) -> bool:
+    """Whether `d` holds a manifest written by dflash-export (a finished or tampered engine that `build` may
+    replace), as opposed to a directory of someone else's files."""
+    try:
+        m = json.loads((Path(d) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)
+
+
