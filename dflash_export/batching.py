@@ -22,7 +22,10 @@ The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlash
     to beat plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
     and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
     they would verify at the current rate (1 + verify_length(confidences, λ a)). While drafting does not pay, one
-    sequence (in turn) drafts every `max_skip` + 1 steps to keep g current. Per sequence, after n drafts of which nothing was
+    sequence (in turn) drafts now and then to keep g current: after `max_skip` + 1 plain steps, then after twice as
+    many each time the probe leaves drafting unprofitable (at most PROBE_MAX_GAP: a probe makes its step a drafter
+    call and a longer verify, ~8 % of the plain steps' time when it came every 8 steps at 16 sequences; measured
+    by `bench --concurrency`), back to `max_skip` + 1 as soon as drafting pays. Per sequence, after n drafts of which nothing was
     accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix.
 """
@@ -45,6 +48,7 @@ from dflash_export.sampling import probs_from_logits, verify_block
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
 DRAFT_ROW_COST = 0.3
+PROBE_MAX_GAP = 64  # the most plain steps between two probes of a batch where drafting does not pay
 
 
 @dataclass
@@ -105,7 +109,9 @@ class BatchingRuntime:
         self.accepted_per_draft = 1.0
         self.rows_per_draft_step = self.info.block_size / 2
         self._since_draft = 0
+        self._probe_gap = max_skip + 1  # plain steps before the next probe (doubles while probes find no gain)
         self._probe_turn = 0
+        self.probes = 0
         self._ids = itertools.count()
         self.steps = 0
         self.rows_verified = 0    # drafts verified (sum over sequences and steps), for the bench's report
@@ -219,13 +225,16 @@ class BatchingRuntime:
         probe = None
         if batch_may_draft:
             self._since_draft = 0
+            self._probe_gap = self.max_skip + 1
         else:  # one sequence drafts now and then, to keep the estimate of what drafting would yield current
             self._since_draft += 1
             candidates = [a for a in acts if a.req.mode == "dflash" and a.req.sp.greedy]
-            if self._since_draft > self.max_skip and candidates:
+            if self._since_draft >= self._probe_gap and candidates:
                 probe = candidates[self._probe_turn % len(candidates)]
                 self._probe_turn += 1
+                self.probes += 1
                 self._since_draft = 0
+                self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs = 0, None, None
             sp = a.req.sp

@@ -232,6 +232,22 @@ def test_scheduler_verifies_less_as_load_grows(built):
     assert rt._choose_rows(many, many) == 1
 
 
+def test_probes_back_off_while_drafting_does_not_pay(built, reference):
+    """While drafting does not pay, one sequence probes after 8 plain steps, then after 16, 32, 64, 64, ...: over 130
+    steps of two requests that is 4 probes (steps 8, 24, 56, 120), not 16; the tokens stay the reference's."""
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=2, max_skip=7)
+    rt._drafting_pays = lambda b: False
+    sp = SamplingParams(max_new_tokens=160, stop_token_ids=[])  # both stay in the batch for the 130 steps
+    reqs = [rt.submit(p, sp) for p in PROMPTS[:2]]
+    for _ in range(130):
+        rt.step()
+        assert len(rt.active) == 2
+    assert rt.probes == 4
+    for req, ref in zip(reqs, reference[:2]):
+        assert req.stats.tokens[: len(ref)] == ref[: len(req.stats.tokens)]
+
+
 def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, reference, monkeypatch):
     """Engines built before target_batch.onnx: many-row blocks run one sequence per GQA call, same tokens."""
     _, eng, _ = built
