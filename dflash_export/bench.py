@@ -76,7 +76,7 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
                            resolve_source(recipe.drafter_path)) if mode == "reference" else None
         load_s = time.perf_counter() - t0
         if mode == "reference":
-            bs = recipe.block_size or drafter.config.block_size
+            bs = drafter.spec(recipe.block_size).block_size
 
             def gen(ids, n):
                 r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size)
@@ -171,7 +171,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from dflash_export.engines.manifest import read_manifest
     from dflash_export.prompt_lookup import prompt_lookup_tau
 
-    bs = recipe.block_size or read_manifest(engine_dir, verify_files=False).block_size
+    bs = read_manifest(engine_dir, verify_files=False).block_size  # the block the engine drafted (its spec)
     for m in ("dflash", "dflash-full", "reference"):
         if m in results:
             summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(

@@ -82,8 +82,8 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
                   ) -> GenerationResult:
     """DFlash speculative decoding: draft a block in one drafter pass, verify it in one target pass, repeat."""
     ids = _as_ids(input_ids)
-    bs = block_size or drafter.block_size
-    mask_id, tap_ids = drafter.config.mask_token_id, drafter.config.target_layer_ids
+    spec = drafter.spec(block_size)
+    bs, mask_id, tap_ids = spec.block_size, spec.mask_token_id, list(spec.target_layer_ids)
     stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
     greedy = temperature <= 0
     rng = np.random.default_rng(seed)

@@ -128,6 +128,22 @@ def _zlab_generate(target, drafter, ids, max_new):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_dflash_spec_is_what_zlab_reads_from_the_checkpoint(kind, zlab_target, zlab_pairs):
+    """DFlashSpec, resolved once and passed to every stage, holds the constants z-lab's model takes from the same
+    config: block size, mask id, taps, the kind of drafter and the embedding / logit scaling."""
+    from dflash_export.checkpoint import load_drafter
+
+    _, zd = _zlab_models(zlab_target, zlab_pairs[kind])
+    spec = load_drafter(zlab_pairs[kind]).spec()
+    assert (spec.block_size, spec.mask_token_id, spec.target_layer_ids) == (
+        zd.block_size, zd.mask_token_id, tuple(zd.target_layer_ids))
+    assert spec.kind == ("dflash2" if isinstance(zd, zlab.DFlash2DraftModel) else "dflash")
+    for key, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        assert getattr(spec, key) == zlab._draft_value(zd.config, key, default), key
+    assert load_drafter(zlab_pairs[kind]).spec(2).block_size == 2  # a recipe's shorter block
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_reference_equals_zlab_tokens_acceptance_and_block_logits(kind, zlab_target, zlab_pairs, monkeypatch):
     from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target

@@ -36,6 +36,7 @@ from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_co
 from dflash_export.engines.manifest import Manifest, hash_inputs, is_engine_dir, write_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import check_output_dir, removing_new_dirs
+from dflash_export.models.config import DFlashSpec
 from dflash_export.sampling import (
     probs_from_logits,
     sample_from,
@@ -203,9 +204,9 @@ class OrtEngine(Engine):
 
     def _check_graph_metadata(self, mpath: Path) -> None:
         """The graphs describe themselves (export metadata); refuse a manifest that disagrees with them."""
-        want = {"dflash.block_size": str(self.info.block_size), "dflash.mask_token_id": str(self.info.mask_token_id),
-                "dflash.target_layer_ids": json.dumps(self.info.target_layer_ids),
-                "dflash.max_seq_len": str(self.info.max_seq_len)}
+        info = self.info
+        want = DFlashSpec(info.block_size, info.mask_token_id, tuple(info.target_layer_ids)).contract_metadata(
+            info.max_seq_len)
         graphs = [(self.target, TARGET), (self.drafter, DRAFTER), (self.head, HEAD)]
         if self.draft_vocab:
             graphs.append((self.draft_head, DRAFT_HEAD))
@@ -538,7 +539,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                           path=recipe.path, field="draft_vocab")
     if draft_vocab is not None and draft_vocab == spec.vocab_size:
         draft_vocab = None  # the whole vocabulary: the ordinary head serves
-    bs = recipe.block_size or drafter.block_size
+    dspec = drafter.spec(recipe.block_size)
+    bs = dspec.block_size
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     if drafter.config.is_dflash2 and draft_vocab is not None:
         raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
@@ -581,9 +583,9 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
             "recipe_path": str(recipe.path) if recipe.path else recipe.name,
             "inputs": hash_inputs([p for p in (recipe.path, target.model_dir, resolve_source(recipe.drafter_path))
                                    if p]),
-            "block_size": bs,
-            "target_layer_ids": list(drafter.config.target_layer_ids),
-            "mask_token_id": drafter.config.mask_token_id,
+            "block_size": dspec.block_size,
+            "target_layer_ids": list(dspec.target_layer_ids),
+            "mask_token_id": dspec.mask_token_id,
             "max_seq_len": recipe.max_seq_len,
             "stop_token_ids": list(target.stop_token_ids),
             "vocab_size": spec.vocab_size,

@@ -682,11 +682,11 @@ def build_tensorrt(recipe, out_dir) -> Path:
         res = export_recipe(recipe, tmp / "onnx")
         serving = write_serving_files(recipe, drafter, tmp)
         facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe)
-        c = drafter.config
+        dspec = drafter.spec(recipe.block_size)
         write_manifest(tmp, {
             "backend": BACKEND, "recipe": recipe.name,
-            "block_size": recipe.block_size or c.block_size, "mask_token_id": c.mask_token_id,
-            "target_layer_ids": list(c.target_layer_ids), "max_seq_len": recipe.max_seq_len,
+            "block_size": dspec.block_size, "mask_token_id": dspec.mask_token_id,
+            "target_layer_ids": list(dspec.target_layer_ids), "max_seq_len": recipe.max_seq_len,
             "dtypes": {"precision": recipe.dtype, "graph": "float32"},
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
                                           "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},

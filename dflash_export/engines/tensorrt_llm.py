@@ -23,6 +23,7 @@ from typing import Any
 from dflash_export.engines.manifest import Manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir
+from dflash_export.models.config import DFlashSpec
 from dflash_export.recipes import DTYPES, Recipe
 
 BACKEND = "tensorrt-llm"
@@ -92,8 +93,7 @@ def write_normalized_drafter(drafter_path, out: Path, dtype: str, block_size: in
     if dtype not in DTYPES:
         raise DFlashError(f"{dtype!r} is not one of {', '.join(DTYPES)}", field="dtype")
     config, state = read_drafter_checkpoint(drafter_path)
-    bs = block_size or config.block_size
-    cfg = normalized_drafter_config(config, dtype, bs)
+    cfg = normalized_drafter_config(config, dtype, DFlashSpec.resolve(config, block_size).block_size)
     torch_dtype = getattr(torch, dtype)
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in sorted(state.items())}
     out.mkdir(parents=True, exist_ok=True)

@@ -26,11 +26,11 @@ class TorchEngine(Engine):
     def __init__(self, target, drafter, recipe_name: str = "", max_seq_len: int = 2048, codec=None,
                  block_size: int | None = None):
         self.target, self.drafter = target, drafter
-        bs = block_size or drafter.block_size
+        spec = drafter.spec(block_size)
         self.info = EngineInfo(
-            backend="pytorch", recipe=recipe_name, block_size=bs, mask_token_id=drafter.config.mask_token_id,
+            backend="pytorch", recipe=recipe_name, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
             vocab_size=target.vocab_size, stop_token_ids=list(target.stop_token_ids), max_seq_len=max_seq_len,
-            target_layer_ids=list(drafter.config.target_layer_ids),
+            target_layer_ids=list(spec.target_layer_ids),
         )
         if codec is None:
             from dflash_export.tokenization import ByteCodec, TextCodec

@@ -48,10 +48,7 @@ def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, lo
     return {
         "dflash.format_version": FORMAT_VERSION,
         "dflash.recipe": recipe_name,
-        "dflash.block_size": str(block_size),
-        "dflash.target_layer_ids": json.dumps(list(c.target_layer_ids)),
-        "dflash.mask_token_id": str(c.mask_token_id),
-        "dflash.max_seq_len": str(max_len),
+        **drafter.spec(block_size).contract_metadata(max_len),
         "dflash.opset": str(ops.ONNX_OPSET),
         "dflash.logits_atol": repr(float(logits_atol)),
         "dflash.ctx_atol": repr(float(ctx_atol)),
@@ -92,7 +89,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
-    bs = block_size or drafter.block_size
+    bs = drafter.spec(block_size).block_size
     meta = export_metadata(recipe_name, drafter, bs, max_len, logits_atol, ctx_atol)
     shared_store = graph.WeightStore(out_dir / SHARED_FILE)
     t_store = graph.WeightStore(out_dir / (TARGET_FILE + ".data"))
@@ -207,13 +204,8 @@ def export_recipe(recipe, out_dir) -> ExportResult:
 
 
 def expected_from_recipe(recipe, drafter) -> dict[str, str]:
-    c = drafter.config
-    return {
-        "dflash.block_size": str(recipe.block_size or c.block_size),
-        "dflash.target_layer_ids": json.dumps(list(c.target_layer_ids)),
-        "dflash.mask_token_id": str(c.mask_token_id),
-        "dflash.max_seq_len": str(recipe.max_seq_len),
-    }
+    """The graph metadata an export of `recipe` must carry (the DFlash spec the recipe resolves to)."""
+    return drafter.spec(recipe.block_size).contract_metadata(recipe.max_seq_len)
 
 
 def check_model_contract(model, path: Path, expected: dict[str, str] | None = None) -> dict[str, str]:

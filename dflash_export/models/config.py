@@ -1,5 +1,5 @@
-"""The drafter's contract: its config as z-lab's release reads it (a plain dataclass, no torch modules), and z-lab's rule
-for the target layers a drafter taps."""
+"""The drafter's contract: its config as z-lab's release reads it (a plain dataclass, no torch modules), z-lab's rule
+for the target layers a drafter taps, and `DFlashSpec`, the constants every stage resolves once and shares."""
 
 from __future__ import annotations
 
@@ -131,3 +131,37 @@ class DrafterConfig:
             d["dflash_config"].update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
                                       selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         return d
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """The DFlash constants every stage must agree on, resolved once from the drafter's config and a recipe's block
+    size (which may shorten the drafter's own) and passed down: export writes them into each graph's metadata, a
+    build into the manifest, the reference and the runtimes draft with them. `contract_metadata` is the one place
+    their graph-metadata spelling lives (export writes it, export's check and the ORT engine compare against it)."""
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    kind: str = "dflash"                     # "dflash", or "dflash2" (causal convolutions + candidate selector)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def resolve(cls, config: DrafterConfig, block_size: int | None = None) -> DFlashSpec:
+        """The spec of a drafter with this config, drafting blocks of `block_size` (None: the drafter's own)."""
+        return cls(block_size=int(block_size or config.block_size), mask_token_id=int(config.mask_token_id),
+                   target_layer_ids=tuple(int(t) for t in config.target_layer_ids),
+                   kind="dflash2" if config.is_dflash2 else "dflash",
+                   input_embedding_scale=float(config.input_embedding_scale),
+                   output_multiplier=float(config.output_multiplier),
+                   final_logit_softcapping=config.final_logit_softcapping)
+
+    def contract_metadata(self, max_seq_len: int) -> dict[str, str]:
+        """The graph-metadata keys (strings, as ONNX wants) an engine checks its graphs against."""
+        import json
+
+        return {"dflash.block_size": str(self.block_size),
+                "dflash.target_layer_ids": json.dumps(list(self.target_layer_ids)),
+                "dflash.mask_token_id": str(self.mask_token_id), "dflash.max_seq_len": str(max_seq_len)}

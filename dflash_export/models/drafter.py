@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_export.errors import DFlashError
-from dflash_export.models.config import DrafterConfig
+from dflash_export.models.config import DFlashSpec, DrafterConfig
 
 
 class RMSNorm(nn.Module):
@@ -276,6 +276,10 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def spec(self, block_size: int | None = None) -> DFlashSpec:
+        """The DFlash constants of this drafter drafting blocks of `block_size` (None: its own)."""
+        return DFlashSpec.resolve(self.config, block_size)
 
     def new_cache(self) -> ContextCache:
         return ContextCache(len(self.layers))
