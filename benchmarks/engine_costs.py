@@ -33,7 +33,7 @@ def _rss_mb() -> float:
 def build(args, work: Path) -> Path:
     import torch
 
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.models.config import DrafterConfig
     from dflash_export.models.drafter import DFlashDrafter, save_drafter
     from dflash_export.recipes import load_recipe

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="dflash-soak-"))
     if args.short:
-        from dflash_export.engines.onnxruntime import build_onnxruntime
+        from dflash_export.engines.ort_build import build_onnxruntime
         from dflash_export.recipes import load_recipe
 
         args.engine = build_onnxruntime(load_recipe("tiny-qwen3"), work / "engine" / "onnxruntime")

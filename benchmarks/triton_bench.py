@@ -43,7 +43,7 @@ def _pct(xs, q):
 
 
 def build_tiny(work: Path) -> Path:
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.recipes import load_recipe
 
     return build_onnxruntime(load_recipe("tiny-qwen3"), work / "tiny-ort")
@@ -54,7 +54,7 @@ def build_smollm2_random_drafter(work: Path, block_size: int) -> Path:
     depends on shapes, not on what the drafter learned (acceptance will be ~1 token per step)."""
     import torch
 
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.models.config import DrafterConfig
     from dflash_export.models.drafter import DFlashDrafter, save_drafter
     from dflash_export.models.target import read_target_config

@@ -28,7 +28,7 @@ def tiny_llama():
 def ort_pair(request, tmp_path_factory):
     """(recipe, engine dir, loaded ONNX Runtime engine, TorchEngine) of each tiny recipe, built once per session for
     every test module that drives a built engine (engine, batching, bench)."""
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.registry import load_engine
     from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.recipes import load_recipe

@@ -50,7 +50,7 @@ def make_torch_engine_dir(d: Path) -> Path:
 def make_engine_dir(d: Path) -> Path:
     """The tiny ONNX Runtime engine; the PyTorch engine directory only when ONNX Runtime cannot build it."""
     try:
-        from dflash_export.engines.onnxruntime import build_onnxruntime
+        from dflash_export.engines.ort_build import build_onnxruntime
         from dflash_export.recipes import load_recipe
 
         return build_onnxruntime(load_recipe("tiny-qwen3"), d / "onnxruntime")
@@ -1100,7 +1100,7 @@ def test_only_the_front_reaches_tritonserver(server):
 @pytest.fixture(scope="module")
 def long_engine(tmp_path_factory):
     """The tiny pair with room for 4000 new tokens: a generation that lasts seconds, so a drop lands mid-way."""
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.recipes import load_recipe
 
     d = tmp_path_factory.mktemp("long")

@@ -213,7 +213,7 @@ def test_incomplete_manifest_is_refused_with_the_field(built, tmp_path):
 
 def test_draft_vocabulary_restriction_stays_lossless(tmp_path):
     """A drafter limited to the first 100 ids proposes nothing above them, and the output is still the target's."""
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate
@@ -243,15 +243,15 @@ def test_draft_without_new_context_is_a_clear_error(built):
 
 
 def test_failed_build_leaves_nothing_that_loads(tmp_path, monkeypatch):
-    from dflash_export.engines import onnxruntime as ort_engine
+    from dflash_export.engines import ort_build
     from dflash_export.recipes import load_recipe
 
     def boom(*a, **k):
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setattr(ort_engine, "_copy_tokenizer", boom)  # after export + optimization, before the manifest
+    monkeypatch.setattr(ort_build, "_copy_tokenizer", boom)  # after export + optimization, before the manifest
     with pytest.raises(RuntimeError, match="mid-build"):
-        ort_engine.build_onnxruntime(load_recipe("tiny-llama"), tmp_path / "eng", threads=1)
+        ort_build.build_onnxruntime(load_recipe("tiny-llama"), tmp_path / "eng", threads=1)
     assert list(tmp_path.iterdir()) == []  # neither the engine dir nor its temporary sibling
     with pytest.raises(DFlashError):
         load_engine(tmp_path / "eng")

@@ -20,7 +20,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 6
 @pytest.fixture(scope="module", params=[("tiny-qwen3", "int4"), ("tiny-llama", "int8"), ("tiny-llama", "int4")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def built(request, tmp_path_factory):
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.recipes import load_recipe
 
     name, precision = request.param

@@ -29,7 +29,7 @@ HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
 def engines(request, tmp_path_factory):
     """(graph engine over the portable export, OrtEngine, TorchEngine) for one tiny family."""
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.export import export_recipe
     from dflash_export.recipes import load_recipe

@@ -214,7 +214,7 @@ def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tm
     from click.testing import CliRunner
 
     from dflash_export.cli import main
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
 
     build_onnxruntime(recipe, tmp_path / "engines" / recipe.name / "onnxruntime", threads=1)
     monkeypatch.chdir(tmp_path)
@@ -585,7 +585,7 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
     from click.testing import CliRunner
 
     from dflash_export.cli import main
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
 
     eng = build_onnxruntime(recipe, tmp_path / "engines" / recipe.name / "onnxruntime-int4", threads=1,
                             precision="int4")

@@ -181,7 +181,7 @@ def test_reference_equals_zlab_tokens_acceptance_and_block_logits(kind, zlab_tar
 
 @pytest.fixture(scope="module")
 def ort_engines(zlab_target, zlab_pairs, tmp_path_factory):
-    from dflash_export.engines.onnxruntime import build_onnxruntime
+    from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.registry import load_engine
     from dflash_export.recipes import load_recipe
 

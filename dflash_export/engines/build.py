@@ -77,7 +77,7 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     build = backend_builder(backend)
     precisions = None
     if BACKENDS[backend].quantizable:  # the ONNX Runtime engines
-        from dflash_export.engines.onnxruntime import graph_precisions
+        from dflash_export.engines.ort_build import graph_precisions
 
         precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):

@@ -41,7 +41,7 @@ class Backend:
 
 def _build_onnxruntime():
     try:
-        from dflash_export.engines.onnxruntime import build_onnxruntime
+        from dflash_export.engines.ort_build import build_onnxruntime
     except ImportError as e:
         raise MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({e.name})",
                                 field="--backend") from None

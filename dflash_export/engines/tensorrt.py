@@ -702,7 +702,7 @@ def write_serving_files(recipe, drafter, dst: Path) -> dict[str, Any]:
     config, without loading its weights)."""
     from types import SimpleNamespace
 
-    from dflash_export.engines.onnxruntime import _copy_tokenizer
+    from dflash_export.engines.ort_build import _copy_tokenizer
     from dflash_export.models.target import read_target_config, resolve_target_dir
 
     cfg, _ = read_target_config(recipe.target_path)
