@@ -152,7 +152,9 @@ _PEAK_RSS = ("import os, sys\n"
 
 
 def _measured(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, env=_env())
+    # errors="replace": a generation cut at -n can end inside a multi-byte character (llama.cpp prints raw bytes)
+    return subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, errors="replace",
+                          env=_env())
 
 
 def _peak_rss_mb(stderr: str) -> float:
