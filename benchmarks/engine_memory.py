@@ -68,12 +68,17 @@ def worker(engine_dir: str, release: bool, prompts: list[list[int]], max_new: in
 def weight_bytes(engine_dir: Path) -> tuple[float, float]:
     """(MiB of weights the sessions hold, MiB of shared_weights.bin no graph refers to) of an engine directory.
 
-    The sessions hold their graph files (*.onnx, *.onnx.data) and whatever tensors of shared_weights.bin a graph names
+    The sessions hold their graph files (*.onnx, *.onnx.data; the batched-verify graph aside) and whatever tensors of shared_weights.bin a graph names
     (an fp32 engine's LM head: the tied embedding matrix); the rest of that file (the embedding table of a quantized
     engine) is only read a row at a time."""
     import onnx
 
-    graphs = [p for p in engine_dir.iterdir() if p.name.endswith((".onnx", ".onnx.data"))]
+    from dflash_export.engines.onnxruntime import TARGET_BATCH
+
+    # target_batch.onnx (batched verify, engines/ort_batch.py) is opened only by a batch's first many-row verify:
+    # one request at a time never holds it
+    graphs = [p for p in engine_dir.iterdir() if p.name.endswith((".onnx", ".onnx.data"))
+              and not p.name.startswith(TARGET_BATCH)]
     held = sum(p.stat().st_size for p in graphs)
     shared_file = engine_dir / "shared_weights.bin"
     referenced = {}
