@@ -98,14 +98,7 @@ class DFlashRuntime:
         info = self.engine.info
         if len(prompt_ids) == 0:
             raise DFlashError("empty prompt", field="text_input")
-        if sp.max_new_tokens < 1:
-            raise DFlashError(f"must be >= 1, got {sp.max_new_tokens}", field="max_tokens")
-        if sp.temperature < 0:
-            raise DFlashError(f"must be >= 0, got {sp.temperature}", field="temperature")
-        if not 0 < sp.top_p <= 1:
-            raise DFlashError(f"must be in (0, 1], got {sp.top_p}", field="top_p")
-        if sp.top_k < 0:
-            raise DFlashError(f"must be >= 0, got {sp.top_k}", field="top_k")
+        sp.check()
         # Room for the prompt, the new tokens and one speculative block beyond them.
         need = len(prompt_ids) + sp.max_new_tokens + info.block_size
         if need > info.max_seq_len:

@@ -194,8 +194,6 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     max_tokens = _scalar(get, "max_tokens", "int")
     if max_tokens is not None:
         sp.max_new_tokens = int(max_tokens)
-        if sp.max_new_tokens < 1:
-            raise DFlashError(f"must be >= 1, got {sp.max_new_tokens}", field="max_tokens")
     else:
         sp.max_new_tokens = DEFAULT_MAX_TOKENS
     for name, attr in (("temperature", "temperature"), ("top_p", "top_p")):
@@ -205,15 +203,10 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
             if not math.isfinite(v):
                 raise DFlashError(f"must be a finite number, got {v}", field=name)
             setattr(sp, attr, v)
-    if sp.temperature < 0:
-        raise DFlashError(f"must be >= 0, got {sp.temperature}", field="temperature")
-    if not 0 < sp.top_p <= 1:
-        raise DFlashError(f"must be in (0, 1], got {sp.top_p}", field="top_p")
     seed = _scalar(get, "seed", "int")
     if seed is not None:
-        if int(seed) < 0:
-            raise DFlashError(f"must be >= 0, got {int(seed)}", field="seed")
         sp.seed = int(seed)
+    sp.check()
 
     stop: list[str] = []
     stop_arr = get("stop")

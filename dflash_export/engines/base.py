@@ -9,6 +9,7 @@ This module imports neither torch nor onnxruntime: a served ORT engine needs onl
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    def check(self) -> None:
+        """The one check of these settings, wherever a request comes from (CLI, Triton, Python): a DFlashError
+        naming the request field (`max_tokens`, as the served API calls it) otherwise."""
+        if self.max_new_tokens < 1:
+            raise DFlashError(f"must be >= 1, got {self.max_new_tokens}", field="max_tokens")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DFlashError(f"must be >= 0, got {self.temperature}", field="temperature")
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise DFlashError(f"must be in (0, 1], got {self.top_p}", field="top_p")
+        if self.top_k < 0:
+            raise DFlashError(f"must be >= 0, got {self.top_k}", field="top_k")
+        if self.seed < 0:
+            raise DFlashError(f"must be >= 0, got {self.seed}", field="seed")
 
 
 @dataclass
