@@ -147,7 +147,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         from dflash_export.engines.build import build_engine
 
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
-    check_engine_recipe(Path(engine_dir), recipe)  # as validate does: an engine of another recipe would mislead
+    manifest = check_engine_recipe(Path(engine_dir), recipe)  # as validate does: another recipe's engine misleads
     codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, codec)
     results = {}
@@ -168,10 +168,9 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     summary = {m: _summary(r) for m, r in results.items()}
     # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
     # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
-    from dflash_export.engines.manifest import read_manifest
     from dflash_export.prompt_lookup import prompt_lookup_tau
 
-    bs = read_manifest(engine_dir, verify_files=False).block_size  # the block the engine drafted (its spec)
+    bs = manifest.block_size  # the block the engine drafted (its spec)
     for m in ("dflash", "dflash-full", "reference"):
         if m in results:
             summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(

@@ -148,9 +148,11 @@ def check_engine_manifest(engine_dir) -> Manifest:
     return manifest
 
 
-def load_engine(engine_dir, **kwargs) -> Engine:
-    """Open a built engine directory with the backend its manifest names."""
-    manifest = read_manifest(engine_dir)
+def load_engine(engine_dir, manifest: Manifest | None = None, **kwargs) -> Engine:
+    """Open a built engine directory with the backend its manifest names. `manifest`: the directory's manifest as
+    `read_manifest` just returned it (its files hashed), so a caller that has read it does not hash them again."""
+    if manifest is None:
+        manifest = read_manifest(engine_dir)
     backend = manifest.backend
     opener = OPENERS.get(backend)
     if opener is None:

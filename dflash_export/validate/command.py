@@ -44,7 +44,7 @@ def open_engine(engine_dir: Path, recipe):
     manifest = check_engine_recipe(engine_dir, recipe)
     recorded = ("tool_version", "libraries", "dtype", "build_flags", "precision", "quantization")
     meta = {"dir": str(engine_dir), "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
-    return load_engine(engine_dir), meta
+    return load_engine(engine_dir, manifest), meta
 
 
 def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> None:
