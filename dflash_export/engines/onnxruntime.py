@@ -65,6 +65,16 @@ def _ort():
     return onnxruntime
 
 
+def check_ort_manifest(manifest: Manifest) -> None:
+    """What an ONNX Runtime engine needs of its manifest beyond `validate_manifest`: its backend and this format
+    (`run` and `deploy` apply it through the registry before loading any weight; the engine applies it again)."""
+    if manifest.backend != "onnxruntime":
+        raise DFlashError(f"not an onnxruntime engine ({manifest.backend!r})", path=manifest.path, field="backend")
+    if manifest.require("engine_format") != ENGINE_FORMAT:
+        raise DFlashError(f"engine format {manifest.engine_format!r} is not {ENGINE_FORMAT}: rebuild the engine",
+                          path=manifest.path, field="engine_format")
+
+
 def default_threads() -> int:
     """Intra-op threads = the cores this process may use (one per core; never more threads than cores, since a
     batch-1 step is a few hundred small ops and every oversubscribed wake-up costs more than the op)."""
@@ -123,11 +133,7 @@ class OrtEngine(Engine):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         mpath = manifest.path
-        if manifest.backend != "onnxruntime":
-            raise DFlashError(f"not an onnxruntime engine ({manifest.backend!r})", path=mpath, field="backend")
-        if manifest.require("engine_format") != ENGINE_FORMAT:
-            raise DFlashError(f"engine format {manifest.engine_format} is not {ENGINE_FORMAT}: rebuild the engine",
-                              path=mpath, field="engine_format")
+        check_ort_manifest(manifest)
         shapes = manifest.require("shapes")
         self.t_layers, self.t_kv_heads, self.t_head_dim = (
             shapes.target_layers, shapes.target_kv_heads, shapes.target_head_dim)

@@ -55,11 +55,9 @@ def _open_onnxruntime(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
 
 
 def _check_onnxruntime(engine_dir: Path, manifest: Manifest) -> None:
-    from dflash_export.engines.onnxruntime import ENGINE_FORMAT
+    from dflash_export.engines.onnxruntime import check_ort_manifest
 
-    if manifest.engine_format != ENGINE_FORMAT:
-        raise DFlashError(f"engine format {manifest.engine_format!r} is not {ENGINE_FORMAT}: rebuild the engine",
-                          path=manifest.path, field="engine_format")
+    check_ort_manifest(manifest)
 
 
 # --------------------------------------------------------------------------------------------------- TensorRT
