@@ -39,7 +39,7 @@ class ExportResult:
     file_sizes: dict[str, int] = field(default_factory=dict)
 
 
-def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, logits_atol: float = 1e-4,
+def export_metadata(recipe_name: str, drafter, spec, max_len: int, logits_atol: float = 1e-4,
                     ctx_atol: float = 1e-4) -> dict[str, str]:
     """Runtime-critical facts written into each model so a file describes itself (values are strings, as ONNX wants)."""
     from dflash_export.export import ops
@@ -48,16 +48,16 @@ def export_metadata(recipe_name: str, drafter, block_size: int, max_len: int, lo
     return {
         "dflash.format_version": FORMAT_VERSION,
         "dflash.recipe": recipe_name,
-        **drafter.spec(block_size).contract_metadata(max_len),
+        **spec.contract_metadata(max_len),
         "dflash.opset": str(ops.ONNX_OPSET),
         "dflash.logits_atol": repr(float(logits_atol)),
         "dflash.ctx_atol": repr(float(ctx_atol)),
         "dflash.drafter_layers": str(c.num_hidden_layers),
         # z-lab 0.1.0's drafter keys, so the graphs describe what they compute (the ORT engine applies the last two
         # to the LM head's output)
-        "dflash.input_embedding_scale": repr(float(c.input_embedding_scale)),
-        "dflash.output_multiplier": repr(float(c.output_multiplier)),
-        "dflash.final_logit_softcapping": json.dumps(c.final_logit_softcapping),
+        "dflash.input_embedding_scale": repr(spec.input_embedding_scale),
+        "dflash.output_multiplier": repr(spec.output_multiplier),
+        "dflash.final_logit_softcapping": json.dumps(spec.final_logit_softcapping),
         "dflash.attention": json.dumps([{"causal": c.layer_causal(i), "window": c.layer_window(i)}
                                         for i in range(c.num_hidden_layers)]),
         # DFlash 2: the drafter graph also outputs selector_hidden; the walk over the top-k runs on the host
@@ -89,8 +89,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
-    bs = drafter.spec(block_size).block_size
-    meta = export_metadata(recipe_name, drafter, bs, max_len, logits_atol, ctx_atol)
+    spec = drafter.spec(block_size)
+    meta = export_metadata(recipe_name, drafter, spec, max_len, logits_atol, ctx_atol)
     shared_store = graph.WeightStore(out_dir / SHARED_FILE)
     t_store = graph.WeightStore(out_dir / (TARGET_FILE + ".data"))
     d_store = graph.WeightStore(out_dir / (DRAFTER_FILE + ".data"))
