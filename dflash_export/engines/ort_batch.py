@@ -48,10 +48,23 @@ class BatchSeq(Sequence):
         self.slot = -1
         self.max_tokens = max_tokens
         self.d_len = 0                            # drafter context K/V rows cached
-        self.ctx: np.ndarray | None = None        # pending context features [n, H_drafter]
-        self.ctx_pos: np.ndarray | None = None    # their positions [n]
+        # Context features not yet in the drafter's cache, as chunks (a commit appends one: no copying of what is
+        # already pending, however long a sequence goes without drafting); positions ctx_start, ctx_start + 1, ...
+        self.ctx_parts: list[np.ndarray] = []
+        self.ctx_start = 0
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
+
+    @property
+    def pending(self) -> int:
+        """Context rows waiting for the drafter."""
+        return sum(len(p) for p in self.ctx_parts)
+
+    def pending_context(self) -> np.ndarray:
+        """The pending features as one array [n, H_drafter] (kept as one chunk from then on)."""
+        if len(self.ctx_parts) > 1:
+            self.ctx_parts = [np.concatenate(self.ctx_parts)]
+        return self.ctx_parts[0]
 
 
 @dataclass
@@ -257,7 +270,7 @@ class BatchedOrtEngine:
         for i, (seq, p) in enumerate(zip(seqs, ids)):
             n = len(p)
             if seq.keep_context:
-                seq.ctx, seq.ctx_pos = ctx[i, :n].copy(), np.arange(n, dtype=np.int64)
+                seq.ctx_parts, seq.ctx_start = [ctx[i, :n].copy()], 0
             seq.length = n
         return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
 
@@ -286,11 +299,9 @@ class BatchedOrtEngine:
         """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
         ones (in order), the rows past them are stale and get overwritten by the next step."""
         if seq._step_ctx is not None:
-            new = seq._step_ctx[: accept + 1].copy()
-            pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)
-            if seq.ctx is not None:
-                new, pos = np.concatenate([seq.ctx, new]), np.concatenate([seq.ctx_pos, pos])
-            seq.ctx, seq.ctx_pos = new, pos
+            if not seq.ctx_parts:
+                seq.ctx_start = seq.length
+            seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
         seq._step_ctx = None
         seq.length += accept + 1
 
@@ -305,7 +316,7 @@ class BatchedOrtEngine:
         seq.draft_confidence, as OrtEngine.draft does."""
         e = self.engine
         for seq in seqs:
-            if seq.ctx is None:
+            if not seq.ctx_parts:
                 raise DFlashError("draft() needs new context: prefill or a step first", field="sequence")
         groups = [list(range(len(seqs)))] if e.drafter_batches else [[i] for i in range(len(seqs))]
         out: list = [None] * len(seqs)
@@ -325,11 +336,12 @@ class BatchedOrtEngine:
     def _run_drafter(self, seqs: list[BatchSeq], anchors: list[int], block_lens: list[int]):
         e = self.engine
         nb = len(seqs)
+        pend = [s.pending_context() for s in seqs]
         t_pad = max(s.d_len for s in seqs)
-        c_pad = max(len(s.ctx) for s in seqs)
+        c_pad = max(len(c) for c in pend)
         b_pad = max(block_lens)
-        self._reserve(len(self.seqs), self._buf.t_cap, max(s.d_len + len(s.ctx) for s in seqs))
-        h_d = seqs[0].ctx.shape[1]
+        self._reserve(len(self.seqs), self._buf.t_cap, max(s.d_len + len(c) for s, c in zip(seqs, pend)))
+        h_d = pend[0].shape[1]
         ctx = np.zeros((nb, c_pad, h_d), np.float32)
         ctx_pos = np.zeros((nb, c_pad), np.int64)
         block = np.empty((nb, b_pad, e._mask_row.shape[0]), np.float32)
@@ -338,8 +350,8 @@ class BatchedOrtEngine:
         bias = np.zeros((nb, t_pad + c_pad + b_pad), np.float32)
         anchor_rows = e._embed.rows(anchors)
         for i, s in enumerate(seqs):
-            c = len(s.ctx)
-            ctx[i, :c], ctx_pos[i, :c] = s.ctx, s.ctx_pos
+            c = len(pend[i])
+            ctx[i, :c], ctx_pos[i, :c] = pend[i], np.arange(s.ctx_start, s.ctx_start + c)
             block[i, 0] = anchor_rows[i]
             block_pos[i] = np.arange(s.length, s.length + b_pad)
             bias[i, s.d_len: t_pad] = -np.inf
@@ -359,9 +371,9 @@ class BatchedOrtEngine:
         res = e.drafter.run(names, feeds)
         presents = res[1 + len(extra):]
         for i, s in enumerate(seqs):  # the new context rows join each sequence's cache
-            c = len(s.ctx)
+            c = len(pend[i])
             for buf, present in zip(self._buf.d_kv, presents):
                 buf[s.slot, :, s.d_len: s.d_len + c] = present[i, :, t_pad: t_pad + c]
             s.d_len += c
-            s.ctx = s.ctx_pos = None
+            s.ctx_parts = []
         return res[0], (res[1] if extra else None)
