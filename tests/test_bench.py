@@ -121,3 +121,13 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
         assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p99_s"]
     assert rep["divergences"] == []
+
+
+def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
+    from dflash_export.bench_batch import run_concurrency
+
+    _, out, _, _ = built
+    rep = run_concurrency(str(out), PROMPTS[:2], 4, [2], ["dflash", "ar"], threads=1, reps=2)
+    d = next(r for r in rep["levels"] if r["mode"] == "dflash")
+    assert len(d["pass_ratios_vs_ar"]) == 2 and all(x > 0 for x in d["pass_ratios_vs_ar"])
+    assert d["identical_runs"] == [True, True]
