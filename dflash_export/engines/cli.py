@@ -85,7 +85,8 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
               help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "
                    "DFlash and plain decoding (modes dflash / ar of --modes; default both) at each level.")
 @click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
-              help="With --concurrency: interleaved passes per level and mode; the fastest counts.")
+              help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
+                   "ratio is also printed pass by pass).")
 def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
     from dflash_export.bench import run_bench, run_concurrency_bench
