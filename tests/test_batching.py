@@ -287,3 +287,26 @@ def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(bu
         assert not svc.runtime.active and svc.runtime.batch.kv_bytes == 0
     finally:
         svc.close()
+
+
+def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_empties(built):
+    """What the served model logs (`dflash-kv:` lines, benchmarks/soak.py): every reallocation with its size, the
+    target part equal to the closed form slots x capacity x layers x 2 x kv_heads x head_dim x 4 bytes of the
+    target's own config, and 0 once the last sequence leaves."""
+    _, eng, torch_eng = built
+    cfg = torch_eng.target.hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    seen = []
+    batch = BatchedOrtEngine(eng, max_batch=4)
+    batch.on_resize = lambda nbytes, slots, cap: seen.append((nbytes, slots, cap))
+    seqs = [batch.add(40), batch.add(90)]
+    batch.prefill(seqs, [[1, 2, 3], [4, 5, 6, 7]])
+    batch.draft(seqs, [3, 7], [SamplingParams()] * 2, [None] * 2, [eng.info.block_size] * 2)
+    assert len(seen) >= 2 and seen[-1][0] == batch.kv_bytes  # the target's buffers, then the drafter's
+    nbytes, slots, cap = seen[-1]
+    target_part = sum(b.nbytes for b in batch._buf.t_kv)
+    assert (slots, cap) == (2, 90) and target_part == slots * cap * per_token and nbytes > target_part
+    for s in list(seqs):
+        batch.remove(s)
+    assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0

@@ -66,6 +66,14 @@ def _check_versions(expected: dict) -> None:
         importlib.import_module("onnxruntime")
 
 
+def _log_kv(nbytes: int, slots: int, capacity: int) -> None:
+    """One log line per K/V reallocation of the shared batch (benchmarks/soak.py reads them)."""
+    import time
+
+    print(f"dflash-kv: {time.time():.3f} pid {os.getpid()}: {nbytes} bytes, {slots} slots x {capacity} tokens",
+          file=sys.stderr, flush=True)
+
+
 def _cancel_age_ms(token):
     """Milliseconds since the front wrote this request's cancel file (None without one)."""
     import time
@@ -104,7 +112,7 @@ class TritonPythonModel:
             from dflash_export.batching import BatchingService
 
             self.service = BatchingService(self.engine, self.max_batch,
-                                           int(_param(config, "max_queued_tokens", "65536")))
+                                           int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
             self.runner = RequestRunner(self.service)
         else:
             self.runner = RequestRunner(DFlashRuntime(self.engine))

@@ -97,6 +97,9 @@ class BatchedOrtEngine:
         self.max_batch = max_batch
         self.seqs: list[BatchSeq] = []  # by slot
         self._buf = _Buffers()
+        # Called with (bytes, slots, target capacity) whenever the K/V buffers are reallocated or released: the
+        # served model logs it, so memory growth under load can be told apart from K/V growth (benchmarks/soak.py).
+        self.on_resize = None
         e = engine
         self._t_shape = (e.t_kv_heads, e.t_head_dim)
         self._d_shape = (e.d_kv_heads, e.d_head_dim)
@@ -139,6 +142,8 @@ class BatchedOrtEngine:
         seq.slot = -1
         if not self.seqs:  # an idle engine holds no K/V
             self._buf = _Buffers()
+            if self.on_resize is not None:
+                self.on_resize(0, 0, 0)
 
     def _reserve(self, slots: int, t_need: int, d_need: int = 0) -> None:
         b = self._buf
@@ -166,6 +171,8 @@ class BatchedOrtEngine:
         d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
                                                                              d_cap, b.d_cap)
         self._buf = _Buffers(t_kv, d_kv, new_slots, t_cap, d_cap)
+        if self.on_resize is not None:
+            self.on_resize(self.kv_bytes, new_slots, t_cap)
 
     def _range(self, seqs: list[BatchSeq]) -> tuple[int, int]:
         slots = [s.slot for s in seqs]
