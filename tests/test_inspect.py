@@ -130,37 +130,3 @@ def test_wrong_tensor_shape_at_load(pair):
     DEFECTS["wrong_shape"][0](drafter)
     with pytest.raises(DFlashError, match=r"layers.0.self_attn.k_proj.weight: shape \(16, 64\)"):
         load_drafter(drafter)
-
-
-def test_unknown_recipe_key_is_one_line_exit_2(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nblock_sise: 4\n")
-    r = _cli("reference", "--recipe", str(bad))
-    assert r.returncode == 2 and "bad.yaml: block_sise: unknown key" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_wrong_recipe_type_names_field(tmp_path):
-    from dflash_export.errors import DFlashError
-    from dflash_export.recipes import load_recipe
-
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\ntarget: a\ndrafter: b\nmax_seq_len: lots\nthresholds: {min_tau: fast}\n")
-    with pytest.raises(DFlashError, match="max_seq_len: expected int, got str"):
-        load_recipe(bad)
-    bad.write_text("name: x\ntarget: a\ndrafter: b\nthresholds: {min_tau: fast}\n")
-    with pytest.raises(DFlashError, match="thresholds.min_tau: expected float"):
-        load_recipe(bad)
-    bad.write_text("name: x\ntarget: a\ndrafter: b\nbackends: [onnxruntime, cuda]\n")
-    with pytest.raises(DFlashError, match=r"backends\[1\]: 'cuda' is not one of"):
-        load_recipe(bad)
-
-
-def test_shipped_recipes_all_parse():
-    from dflash_export.recipes import list_recipes, load_recipe
-
-    names = list_recipes()
-    for required in ("qwen3-4b", "qwen3-8b", "qwen3-coder-30b-a3b", "llama3.1-8b-instruct", "tiny-qwen3", "tiny-llama"):
-        assert required in names
-    for n in names:
-        r = load_recipe(n)
-        assert r.name == n

@@ -59,17 +59,6 @@ def test_bad_requests_are_named(rt, ids, sp, field):
         rt.generate(ids, sp)
 
 
-def test_verify_length_keeps_the_prefix_worth_verifying():
-    from dflash_export.sampling import top_probability, verify_length
-
-    assert verify_length(np.array([0.9, 0.5, 0.9, 0.1]), 0.3) == 3     # cumulative 0.9, 0.45, 0.405 | 0.04
-    assert verify_length(np.array([0.9, 0.5, 0.9, 0.1]), 0.42) == 2
-    assert verify_length(np.array([0.2, 1.0]), 0.3) == 0
-    assert verify_length(np.array([1.0, 1.0]), 0.3) == 2
-    logits = np.array([[0.0, 0.0], [10.0, -10.0]])
-    np.testing.assert_allclose(top_probability(logits), [0.5, 1 / (1 + np.exp(-20))], rtol=1e-6)
-
-
 class _OracleDrafts:
     """Wraps an engine: drafts are the true greedy continuation with one slot corrupted at random and random
     confidences, so adaptive verification sees long accepts, short blocks and everything between."""
@@ -133,17 +122,3 @@ def test_adaptive_verification_is_lossless_and_never_verifies_past_the_request(r
     oracle.blocks.clear()
     DFlashRuntime(oracle).generate(ids, SamplingParams(max_new_tokens=12, temperature=0.7, seed=3))
     assert all(m == min(bs - 1, 12 - produced) for m, produced in oracle.blocks), oracle.blocks
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_new_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"),
-    ({"top_k": -1}, "top_k"), ({"seed": -3}, "seed"),
-])
-def test_sampling_params_are_checked_in_one_place_naming_the_request_field(kwargs, field):
-    """SamplingParams.check is what the runtime, the batching service and the Triton handler all apply."""
-    with pytest.raises(DFlashError) as e:
-        SamplingParams(**kwargs).check()
-    assert e.value.field == field
-    SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=0).check()  # the edges pass

@@ -1,0 +1,118 @@
+"""engines/manifest.py: a built engine's manifest reads back typed and agrees with the checkpoints' own configs; an
+engine whose files or fields do not match it is refused, with one line naming manifest.json and the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dflash_export.engines.manifest import read_manifest
+from dflash_export.engines.registry import load_engine
+from dflash_export.errors import DFlashError
+
+
+@pytest.fixture(scope="module")
+def built(ort_pair):
+    return ort_pair
+
+
+def _with_manifest(out, tmp_path, edit):
+    """A copy of the engine directory `out` whose manifest.json went through `edit` (hashes left as they were)."""
+    dst = tmp_path / "eng"
+    shutil.copytree(out, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_manifest_reads_back_typed_and_agrees_with_the_checkpoints(built):
+    """read_manifest hands loaders typed, read-only fields; each agrees with the checkpoints' own config.json."""
+    from dataclasses import FrozenInstanceError
+
+    from dflash_export.engines.manifest import Shapes
+    from dflash_export.sources import resolve_source
+
+    recipe, out, _, _ = built
+    m = read_manifest(out)
+    t = json.loads((resolve_source(recipe.target_path) / "config.json").read_text())
+    d = json.loads((resolve_source(recipe.drafter_path) / "config.json").read_text())
+    t_head = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    assert m.shapes == Shapes(t["num_hidden_layers"], t["num_key_value_heads"], t_head, d["num_hidden_layers"],
+                              d["num_key_value_heads"], d["head_dim"])
+    assert m.shared_tensors["shared.embed_tokens"].shape == (t["vocab_size"], t["hidden_size"])
+    assert m.target_layer_ids == tuple(d["dflash_config"]["target_layer_ids"])
+    assert m.mask_token_id == d["dflash_config"]["mask_token_id"] and m.vocab_size == t["vocab_size"]
+    assert m.max_seq_len == recipe.max_seq_len and m.selector is None and m.optimized is True
+    assert m.path == out / "manifest.json"
+    with pytest.raises(FrozenInstanceError):
+        m.block_size = 3
+    with pytest.raises(TypeError):
+        m.files["extra.bin"] = "0" * 64
+
+
+def test_manifest_disagreeing_with_graphs_is_refused(built, tmp_path):
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: m.update(block_size=m["block_size"] + 1))
+    with pytest.raises(DFlashError, match="block_size"):
+        load_engine(dst, threads=1)
+
+
+def test_modified_engine_file_is_refused(built, tmp_path):
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: None)
+    with open(dst / "shared_weights.bin", "r+b") as f:
+        f.write(b"\1\2\3\4")
+    with pytest.raises(DFlashError, match="shared_weights.bin"):
+        load_engine(dst, threads=1)
+
+
+def test_incomplete_manifest_is_refused_with_the_field(built, tmp_path):
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: m.pop("shapes"))
+    with pytest.raises(DFlashError, match="shapes"):
+        load_engine(dst, threads=1)
+
+
+def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: m.update(stop_token_ids="eos"))
+    with pytest.raises(DFlashError, match="stop_token_ids"):
+        load_engine(dst, threads=1)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.update(files=["target.onnx"]), "files"),
+    (lambda m: m.update(manifest_version=99), "manifest_version"),
+    (lambda m: m.update(vocab_size=-5), "vocab_size"),
+    (lambda m: m.update(block_size="4"), "block_size"),
+    (lambda m: m.update(backend="mystery"), "backend"),
+    (lambda m: m.update(mask_token_id=10**6), "mask_token_id"),
+    (lambda m: m["shapes"].update(target_layers=None), "shapes.target_layers"),
+    (lambda m: m.update(target_layer_ids=[1, 99]), "target_layer_ids"),
+    (lambda m: m["flags"].update(draft_vocab=100000), "flags.draft_vocab"),
+    (lambda m: m.update(shared_tensors=[]), "shared_tensors"),
+    (lambda m: m["files"].update({"../../etc/passwd": "0" * 64}), "files"),
+    (lambda m: m.pop("engine_format"), "engine_format"),
+    (lambda m: m.update(selector="top-4"), "selector"),
+    (lambda m: m.update(selector={"top_k": 1, "rank": 8}), "selector.top_k"),
+    (lambda m: m.update(precision={"target": 8}), "precision.target"),
+])
+def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_path, edit, field):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.manifest import validate_manifest
+
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, edit)
+    with pytest.raises(DFlashError) as e:
+        read_manifest(dst)  # the loader run, validate, bench and deploy all go through
+    assert str(e.value).startswith(f"{dst / 'manifest.json'}: {field}"), str(e.value)
+    with pytest.raises(DFlashError):
+        validate_manifest(json.loads((dst / "manifest.json").read_text()), dst / "manifest.json")
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hello", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert "manifest.json" in r.output and field.split(".")[0] in r.output

@@ -1,0 +1,51 @@
+"""Recipes: every shipped recipe parses; a bad key, type or value is one line naming the file and the field."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_export.errors import DFlashError
+from dflash_export.recipes import list_recipes, load_recipe
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "dflash_export", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_recipe_key_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nblock_sise: 4\n")
+    r = _cli("reference", "--recipe", str(bad))
+    assert r.returncode == 2 and "bad.yaml: block_sise: unknown key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_wrong_recipe_type_names_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntarget: a\ndrafter: b\nmax_seq_len: lots\nthresholds: {min_tau: fast}\n")
+    with pytest.raises(DFlashError, match="max_seq_len: expected int, got str"):
+        load_recipe(bad)
+    bad.write_text("name: x\ntarget: a\ndrafter: b\nthresholds: {min_tau: fast}\n")
+    with pytest.raises(DFlashError, match="thresholds.min_tau: expected float"):
+        load_recipe(bad)
+    bad.write_text("name: x\ntarget: a\ndrafter: b\nbackends: [onnxruntime, cuda]\n")
+    with pytest.raises(DFlashError, match=r"backends\[1\]: 'cuda' is not one of"):
+        load_recipe(bad)
+
+
+def test_shipped_recipes_all_parse():
+    names = list_recipes()
+    for required in ("qwen3-4b", "qwen3-8b", "qwen3-coder-30b-a3b", "llama3.1-8b-instruct", "tiny-qwen3", "tiny-llama"):
+        assert required in names
+    for n in names:
+        r = load_recipe(n)
+        assert r.name == n
+
+
+@pytest.mark.parametrize("line, field", [("precision: int3\n", "precision"), ("drafter_precision: fp16\n",
+                                                                            "drafter_precision")])
+def test_bad_precision_in_a_recipe_names_the_field(tmp_path, line, field):
+    y = tmp_path / "bad.yaml"
+    y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
+    with pytest.raises(DFlashError, match=field):
+        load_recipe(y)
