@@ -888,7 +888,7 @@ def test_server_death_is_one_line_with_the_log_path(tmp_path):
 def test_server_child_dies_with_its_parent_even_on_sigkill(tmp_path):
     """`serve` starts tritonserver in its own session; the kernel must still stop it when the CLI is killed."""
     code = ("import subprocess, sys, time\n"
-            "from dflash_export.deploy.server import _die_with_parent\n"
+            "from dflash_export.deploy.triton_process import _die_with_parent\n"
             "p = subprocess.Popen(['sleep', '300'], start_new_session=True, preexec_fn=_die_with_parent())\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(300)\n")

@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from dflash_export.engines import tensorrt as trt_backend
+from dflash_export.engines import tensorrt_plugins as trt_plugins
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.export import ops
 
@@ -259,15 +260,16 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
         trt.QuickPluginCreationRequest = types.SimpleNamespace(PREFER_AOT=1)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.setattr(trt_backend, "tensorrt_available", lambda: True)
-    monkeypatch.setattr(trt_backend, "_REGISTERED", False)
+    # patched where they are defined (tensorrt_plugins); trt_backend re-exports the public names
+    monkeypatch.setattr(trt_plugins, "tensorrt_available", lambda: True)
+    monkeypatch.setattr(trt_plugins, "_REGISTERED", False)
     compiled = []
 
     def fake_compile(fn, signature, constexprs, target=None):
         compiled.append((fn.__name__ if hasattr(fn, "__name__") else str(fn), signature, constexprs))
         return trt_backend.AotKernel("k", ".entry k", 4, 1024)
 
-    monkeypatch.setattr(trt_backend, "_compile", fake_compile)
+    monkeypatch.setattr(trt_plugins, "_compile", fake_compile)
     return registry, trtp, compiled
 
 

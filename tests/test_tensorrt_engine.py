@@ -348,6 +348,7 @@ def emulated_tensorrt(monkeypatch):
     import torch
 
     from dflash_export.engines import tensorrt as trt_backend
+    from dflash_export.engines import tensorrt_plugins as trt_plugins
 
     class Stream:
         cuda_stream = 0
@@ -358,8 +359,9 @@ def emulated_tensorrt(monkeypatch):
         def synchronize(self):
             pass
 
-    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda gpu=True: _EmulatedTrt)
-    monkeypatch.setattr(trt_backend, "register_plugins", lambda: None)
+    # patched where they are defined: the runtime (tensorrt_runtime) calls them through tensorrt_plugins
+    monkeypatch.setattr(trt_plugins, "require_tensorrt", lambda gpu=True: _EmulatedTrt)
+    monkeypatch.setattr(trt_plugins, "register_plugins", lambda: None)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())

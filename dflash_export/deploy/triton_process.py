@@ -1,0 +1,446 @@
+"""One tritonserver process behind the HTTP front (deploy/front.py): `TritonServer` builds its command line, starts
+it and waits for readiness, keeps its log and turns its death into one line (`ServerError` / `ModelRefused`),
+restarts it, and stops it (drain, SIGTERM, SIGKILL, clean-up); and what a server started by a dead process left
+behind (work dirs, python_env dirs, /dev/shm segments), removed by the next start. Where the binary and its python
+stub come from, and the environment they run with: `triton_install`. `serve` (deploy/server.py) runs one in the
+foreground.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dflash_export.deploy.triton_install import (
+    ensure_stub_site,
+    find_triton,
+    make_backend_dir,
+    make_stub_env,
+    server_env,
+)
+from dflash_export.errors import DFlashError
+
+
+class ServerError(DFlashError):
+    """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
+
+    exit_code = 1
+
+
+class ModelRefused(ServerError):
+    """tritonserver exited because a model refused its input at load (a DFlashError inside the model: e.g. a manifest
+    that disagrees with its graphs). Bad input, so exit code 2, like the checks `serve` makes before starting."""
+
+    exit_code = 2
+
+
+# How the python backend reports an exception raised by a model's initialize: "<Type>: <message>".
+_INPUT_ERROR = re.compile(r"(?:Internal: )?\b(?:DFlashError|MissingDependency): ")
+
+
+def _http_ok(url: str, timeout: float = 1.0, headers: dict | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def _die_with_parent():
+    """A preexec_fn asking Linux to SIGTERM the child when this process dies, however it dies (even SIGKILL).
+
+    The server runs in its own session (so a Ctrl-C meant for the CLI reaches it only through `stop`), which also
+    means nothing else would ever stop it if the CLI were killed. None where prctl is unavailable.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec():
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _shorten(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a dead server leaves behind
+
+SHM_DIR = Path("/dev/shm")
+OWNER_FILE = "owner.json"  # in each work dir: the pid of the process that made it, and the python_env dirs it caused
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _python_env_dirs() -> set[str]:
+    """The python backend makes a /tmp/python_env_XXXXXX directory per server and removes it only on a clean exit."""
+    return {str(p) for p in Path("/tmp").glob("python_env_*") if p.is_dir()}
+
+
+def shm_prefix(pid: int, http_port: int) -> str:
+    return f"dflash{pid}_{http_port}_"
+
+
+def remove_shm(prefix: str) -> int:
+    n = 0
+    for p in SHM_DIR.glob(prefix + "*") if SHM_DIR.is_dir() else []:
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
+    """Remove what servers started by dead processes left: their work dirs (dflash-triton-* with an owner.json naming
+    a pid no longer alive), the python_env_* dirs recorded there, and /dev/shm segments named after a dead pid.
+    Returns what was removed. Nothing of a live process is touched."""
+    removed = []
+    root = Path(tmp_root or tempfile.gettempdir())
+    for d in root.glob("dflash-triton-*"):
+        try:
+            owner = json.loads((d / OWNER_FILE).read_text())
+            pid = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge (no owner record)
+        if _pid_alive(pid):
+            continue
+        for env_dir in owner.get("python_env", []):
+            if isinstance(env_dir, str) and env_dir.startswith("/tmp/python_env_"):
+                shutil.rmtree(env_dir, ignore_errors=True)
+                removed.append(env_dir)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    for p in SHM_DIR.glob("dflash*_*_*") if SHM_DIR.is_dir() else []:
+        m = re.match(r"dflash(\d+)_\d+_", p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                p.unlink()
+                removed.append(str(p))
+            except OSError:
+                pass
+    return removed
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now (all held open together, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class TritonServer:
+    """A tritonserver process on a model repository, behind the HTTP front (deploy/front.py); a context manager that
+    starts both and waits for readiness.
+
+    `http_port` is the front's (on `host`); tritonserver's own HTTP port is a free loopback port that answers only
+    requests carrying the front's secret header; gRPC listens on loopback only (it has no front). The server's
+    output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
+    to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in its own
+    process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
+    the server). `restart()` replaces a dead tritonserver behind the same front.
+    """
+
+    def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
+                 log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
+                 exit_timeout_s: int = 10):
+        from dflash_export.deploy.front import Limits
+
+        self.repo = Path(repo).resolve()
+        if not self.repo.is_dir():
+            raise DFlashError("model repository not found", path=self.repo)
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.ready_timeout_s = ready_timeout_s
+        self.echo = echo
+        self.log_verbose = log_verbose
+        self.extra_args = list(extra_args or [])
+        self.limits = (limits or Limits()).check()
+        self.exit_timeout_s = exit_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.front = None
+        self.triton_http_port: int | None = None
+        self._workdir: Path | None = None
+        self._log: collections.deque[str] = collections.deque(maxlen=400)
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+        self.log_path = Path(log_path) if log_path is not None else None
+        self._log_file = None
+        self._shm_prefix = shm_prefix(os.getpid(), http_port)
+        self._python_envs: set[str] = set()
+        self.restarts = 0
+
+    # URLs -------------------------------------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def log_text(self) -> str:
+        return "".join(self._log)
+
+    # Lifecycle --------------------------------------------------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        from dflash_export.deploy.front import RESTRICTED_APIS, SECRET_HEADER
+
+        install = find_triton()
+        cmd = [
+            str(install.binary),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backend_dir}",
+            # Triton's own HTTP parser must never see a request the front did not check (see deploy/front.py):
+            # loopback only, and every API behind the front's per-start secret header.
+            "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
+            f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={self.front.secret}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false",
+            # The written config.pbtxt is the contract; never let the server rewrite it.
+            "--disable-auto-complete-config",
+            "--exit-on-error=true",
+            "--strict-readiness=true",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+            # Unique shared-memory names: several servers (tests, other users) may run on one machine; the pid in
+            # the name lets a later start remove what a killed one left (clean_stale_leftovers).
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            *self.extra_args,
+        ]
+        return cmd
+
+    def start(self) -> "TritonServer":
+        """Start the front (once) and tritonserver behind it; block until Triton's `/v2/health/ready` answers 200.
+        ServerError (with the log tail) if it dies first."""
+        from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
+
+        install = find_triton()
+        stub_site = ensure_stub_site()
+        try:
+            if self._workdir is None:
+                clean_stale_leftovers()
+                self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
+                self._write_owner()
+                make_backend_dir(install, self._workdir / "backends")
+                make_stub_env(self._workdir / "stubenv", stub_site)
+            cancel_dir = new_cancel_dir(self._workdir)
+            if self.front is None:
+                self.front = Front(self.host, self.http_port, self.limits, cancel_dir).start()
+            self.triton_http_port = free_loopback_ports(1)[0]
+            cmd = self.command(self._workdir / "backends")
+            env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
+            env[CANCEL_DIR_ENV] = str(cancel_dir)
+            if self.log_path is not None and self._log_file is None:
+                try:
+                    self._log_file = open(self.log_path, "a" if self.restarts else "w", encoding="utf-8",
+                                          errors="replace")
+                except OSError as e:
+                    raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
+            self._stopping = False
+            envs_before = _python_env_dirs()
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, errors="replace",
+                                         start_new_session=True, preexec_fn=_die_with_parent())
+            self._reader = threading.Thread(target=self._pump, daemon=True)
+            self._reader.start()
+            self._wait_ready()
+            self._python_envs |= _python_env_dirs() - envs_before
+            self._write_owner()
+            self.front.set_upstream(self.triton_http_port)
+        except BaseException:
+            self.stop(drain_timeout_s=0)
+            raise
+        return self
+
+    def _write_owner(self) -> None:
+        if self._workdir is not None:
+            (self._workdir / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(),
+                                                                "python_env": sorted(self._python_envs)}))
+
+    def restart(self) -> "TritonServer":
+        """After tritonserver died on its own: clear what it left, start a new one behind the same front."""
+        self.front.set_upstream(None)
+        self._reap()
+        self.restarts += 1
+        self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
+        return self.start()
+
+    def _pump(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        for line in proc.stdout:
+            self._log.append(line)
+            if self._log_file is not None:
+                try:
+                    self._log_file.write(line)
+                    self._log_file.flush()
+                except (OSError, ValueError):  # disk full, or closed by stop(): the in-memory tail remains
+                    pass
+            if self.echo:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def _wait_ready(self) -> None:
+        from dflash_export.deploy.front import SECRET_HEADER
+
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._death_error()
+            if _http_ok(url, headers={SECRET_HEADER: self.front.secret}):
+                return
+            time.sleep(0.2)
+        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
+                          + self._log_note(), path=self.repo)
+
+    def _log_note(self) -> str:
+        return f"; full log: {self.log_path}" if self.log_path is not None else ""
+
+    def _last_error(self) -> str:
+        """The most telling log line: the first model load failure, else the first error line, else the last line."""
+        lines = [ln.strip() for ln in self._log if ln.strip() and not ln.startswith("[dflash-export]")]
+        for pick, which in ((lambda ln: ln.startswith("E") and "failed to load '" in ln, 0),
+                            (lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln, 0),
+                            (lambda ln: "error" in ln.lower(), 0),
+                            (lambda ln: True, -1)):
+            found = [ln for ln in lines if pick(ln)]
+            if found:
+                # Triton's lines carry a Python traceback with escaped newlines; its first line says it all.
+                line = re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[which])
+                return line.split("\\n")[0].strip('"')
+        return "(no output)"
+
+    def _death_error(self) -> ServerError:
+        """One line for a server that exited on its own: its most telling log line (shortened) and where the log is.
+
+        ModelRefused (exit 2) when that line is a model refusing its input, ServerError (exit 1) otherwise.
+        """
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        line = self._last_error()
+        cls = ModelRefused if _INPUT_ERROR.search(line) else ServerError
+        line = _INPUT_ERROR.sub("", line, count=1)
+        rc = self.proc.returncode
+        code = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
+        return cls(f"tritonserver exited ({code}: {_shorten(line)})" + self._log_note(), path=self.repo)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self) -> int:
+        """Block until the server exits on its own; ServerError when that exit was not requested."""
+        assert self.proc is not None
+        rc = self.proc.wait()
+        if not self._stopping:
+            raise self._death_error()
+        return rc
+
+    def _reap(self, timeout_s: float = 0.0) -> int | None:
+        """End tritonserver (SIGTERM to it alone, so its stubs finish their requests and exit with it; SIGKILL to
+        the whole group after `timeout_s`) and remove its shared memory segments. Returns its exit code."""
+        proc = self.proc
+        rc = None
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if proc.poll() is None and timeout_s > 0:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(timeout=timeout_s)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    pass
+            if pgid is not None:
+                # Stubs live in the same group; make sure none outlives the server.
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            rc = proc.wait()
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+        remove_shm(self._shm_prefix)
+        return rc
+
+    def stop(self, timeout_s: float = 20.0, drain_timeout_s: float = 10.0) -> bool:
+        """Drain the front (new requests 503, running ones finish for up to `drain_timeout_s`, then are cancelled
+        and answered 503), SIGTERM tritonserver (it finishes gRPC requests for up to its --exit-timeout-secs),
+        SIGKILL what is left after `timeout_s`, and remove the work dir, shared memory and python_env dirs.
+
+        Returns True when every request finished by itself (the drain completed) and tritonserver exited cleanly.
+        """
+        self._stopping = True
+        drained = True
+        if self.front is not None and self.proc is not None and self.proc.poll() is None:
+            drained = self.front.drain(drain_timeout_s)
+        rc = self._reap(timeout_s)
+        if self.front is not None:
+            self.front.close()
+            self.front = None
+        if self._log_file is not None:
+            try:
+                self._log_file.close()
+            except OSError:
+                pass
+            self._log_file = None
+        for env_dir in self._python_envs:
+            shutil.rmtree(env_dir, ignore_errors=True)
+        self._python_envs = set()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        return drained and rc in (0, None, -signal.SIGTERM)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

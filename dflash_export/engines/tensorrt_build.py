@@ -1,0 +1,251 @@
+"""The TensorRT backend's build: `build --backend tensorrt` exports the recipe's graphs and compiles each to a
+TensorRT engine with the dflash plugins and the graph's optimization profiles, checks the built engine holds one
+plugin layer per dflash node, records which plugin implementation TensorRT used, and writes the engine directory
+(engines, their ONNX graphs, tokenizer files, manifest.json). Needs tensorrt and an NVIDIA GPU, imported lazily;
+the inspector-JSON and implementation bookkeeping is plain Python.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from dflash_export.engines import tensorrt_plugins as plugins
+from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
+from dflash_export.engines.tensorrt_plugins import (
+    BACKEND,
+    DRAFTER_ENGINE,
+    DRAFTER_ONNX,
+    IMPL_AOT,
+    IMPL_JIT,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    PLUGINS,
+    TARGET_ENGINE,
+    TARGET_ONNX,
+    check_plugin_attributes,
+)
+from dflash_export.errors import DFlashError
+
+
+def _network_flags(trt, strongly_typed: bool) -> int:
+    flags = 0
+    if strongly_typed:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    # Both impl and aot_impl are registered: ask for the AOT kernels (engines then run without Python).
+    if hasattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    return flags
+
+
+def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
+                      workspace_gib: float = 8.0) -> dict[str, Any]:
+    """Parse one ONNX graph and write its serialized TensorRT engine. fp32 recipes build strongly typed networks
+    (the graph's own types are the precision); fp16 / bf16 recipes let TensorRT lower the fp32 graph through the
+    matching builder flag (a typed low-precision export is the export stage's job). Returns build facts."""
+    import onnx
+
+    trt = plugins.require_tensorrt()
+    plugins.register_plugins()
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    counts = check_plugin_attributes(model)
+    shapes = [profile_shapes(model, p) for p in profiles]
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    strongly_typed = dtype == "float32"
+    network = builder.create_network(_network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    # Per-layer details (type, plugin name) in the engine, for the plugin-layer check below
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    if not strongly_typed:
+        config.set_flag(trt.BuilderFlag.BF16 if dtype == "bfloat16" else trt.BuilderFlag.FP16)
+    elif hasattr(trt.BuilderFlag, "TF32"):
+        # TF32 is on by default: an fp32 recipe asks for fp32 matmuls (what its ONNX Runtime twin computes)
+        config.clear_flag(trt.BuilderFlag.TF32)
+    for shape in shapes:
+        profile = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            tensor = network.get_input(i)
+            lo, opt, hi = shape[tensor.name]
+            if tensor.is_shape_tensor:
+                profile.set_shape_input(tensor.name, lo, opt, hi)
+            else:
+                profile.set_shape(tensor.name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    plugins._BUILD_CALLS.clear()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise DFlashError("TensorRT failed to build the engine (see the log above)", path=onnx_path)
+    data = bytes(serialized)
+    implementations = build_implementations(counts, plugins._BUILD_CALLS)
+    layers = inspect_plugin_layers(trt, data, engine_path)
+    check_plugin_layers(counts, layers, engine_path)
+    engine_path.write_bytes(data)
+    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "plugins": counts,
+            "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
+
+
+def build_implementations(counts: dict[str, int], calls: dict[str, set[str]]) -> dict[str, str]:
+    """Per plugin op in the graph, the implementation TensorRT used: AOT when it called our aot_impl during the
+    build (it compiles an AOT plugin by asking for the kernel), else the JIT Python impl (which then must be
+    registered wherever the engine is deserialized)."""
+    return {op: IMPL_AOT if IMPL_AOT in calls.get(op, ()) else IMPL_JIT for op in counts}
+
+
+def plugin_layer_counts(engine_information: str) -> dict[str, int] | None:
+    """{plugin op: layers} from an engine inspector's JSON (`get_engine_information(LayerInformationFormat.JSON)`),
+    or None when the engine carries no per-layer details (built without ProfilingVerbosity.DETAILED). A layer counts
+    when its "LayerType" names a plugin and its details name one of our ops ("PluginType", or anywhere in the layer's
+    record, so a renamed key still counts)."""
+    import json
+
+    info = json.loads(engine_information)
+    layers = info.get("Layers", []) if isinstance(info, dict) else []
+    if layers and not all(isinstance(layer, dict) for layer in layers):
+        return None
+    counts: dict[str, int] = {}
+    for layer in layers:
+        if "plugin" not in str(layer.get("LayerType", "")).lower():
+            continue
+        named = str(layer.get("PluginType", "")) or json.dumps(layer)
+        for op in PLUGINS:
+            if op in named:
+                counts[op] = counts.get(op, 0) + 1
+                break
+    return counts
+
+
+def inspect_plugin_layers(trt, data: bytes, engine_path: Path) -> dict[str, int]:
+    """Deserialize the just-built engine and count its dflash plugin layers with TensorRT's engine inspector."""
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(data)
+    if engine is None:
+        raise DFlashError("TensorRT could not deserialize the engine it just built (see the log above)",
+                          path=engine_path)
+    inspector = engine.create_engine_inspector()
+    counts = plugin_layer_counts(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    if counts is None:
+        raise DFlashError("the engine inspector reports no per-layer details, so the plugin layers cannot be "
+                          "checked (ProfilingVerbosity.DETAILED not honoured)", path=engine_path,
+                          field="plugin_layers")
+    return counts
+
+
+def check_plugin_layers(graph_counts: dict[str, int], engine_counts: dict[str, int], engine_path: Path) -> None:
+    """The built engine must hold one plugin layer per dflash node of the graph: a parser that silently swapped a
+    node for something else (or a fallback to the function's inlined body) would otherwise go unnoticed."""
+    for op, want in graph_counts.items():
+        got = engine_counts.get(op, 0)
+        if got != want:
+            raise DFlashError(f"built engine holds {got} {PLUGIN_NAMESPACE}::{op} plugin layer(s), the graph has "
+                              f"{want} node(s)", path=engine_path, field="plugin_layers")
+
+
+def _export_facts(onnx_path: Path) -> dict[str, str]:
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> dict[str, Any]:
+    """Build `target_verify.engine` and `drafter.engine` in `out_dir` from the exported graphs in `export_dir`.
+
+    Profiles: target_verify = prefill / verify (block_size tokens) / decode (1 token); drafter = first block after
+    prefill / steady-state step (see `graph_profiles`). Returns the per-engine build facts for the manifest.
+    """
+    import onnx
+
+    plugins.require_tensorrt()
+    export_dir, out_dir = Path(export_dir), Path(out_dir)
+    facts: dict[str, Any] = {}
+    for onnx_name, engine_name, graph in ((TARGET_ONNX, TARGET_ENGINE, "target_verify"),
+                                          (DRAFTER_ONNX, DRAFTER_ENGINE, "drafter")):
+        onnx_path = export_dir / onnx_name
+        if not onnx_path.is_file():
+            raise DFlashError("exported graph not found (run the export first)", path=onnx_path)
+        meta = _export_facts(onnx_path)
+        block_size = int(meta.get("dflash.block_size", recipe.block_size or 0))
+        if block_size < 2:
+            raise DFlashError("graph metadata has no dflash.block_size", path=onnx_path, field="dflash.block_size")
+        vocab = vocab_size_of(onnx.load(str(onnx_path), load_external_data=False))
+        profiles = graph_profiles(graph, block_size, recipe.max_seq_len, vocab, max_batch)
+        facts[engine_name] = build_engine_file(onnx_path, out_dir / engine_name, profiles, recipe.dtype)
+        facts[engine_name]["block_size"] = block_size
+    return facts
+
+
+def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
+    """{op: implementation} over every engine's build facts; an op built both ways is recorded as both."""
+    seen: dict[str, set[str]] = {}
+    for engine in facts.values():
+        for op, impl in engine.get("implementation", {}).items():
+            seen.setdefault(op, set()).add(impl)
+    return {op: " + ".join(sorted(impls)) for op, impls in seen.items()}
+
+
+def refuse_masked_drafter(config, where) -> None:
+    """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
+    TensorRT plugin or Triton kernel yet; DFlash 2's candidate selector has no host walk in the TensorRT engine yet.
+    Both refused by name before anything is built (issue #17)."""
+    if config.is_dflash2:
+        raise DFlashError("DFlash 2 drafters: the TensorRT engine has no candidate selector yet; use --backend "
+                          "onnxruntime", path=where, field="architectures")
+    for i in range(config.num_hidden_layers):
+        if config.layer_causal(i) or config.layer_window(i) is not None:
+            raise DFlashError(f"layer {i} is causal or sliding-window (z-lab 0.1.0): the TensorRT backend has no "
+                              "MaskedKVInjectedBlockAttention plugin yet; use --backend onnxruntime", path=where,
+                              field="is_causal" if config.is_causal else "layer_types")
+
+
+def build_tensorrt(recipe, out_dir) -> Path:
+    """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
+    plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
+    ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first)."""
+    import torch
+
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.engines.manifest import write_manifest
+    from dflash_export.export import export_recipe
+    from dflash_export.files import atomic_dir
+
+    drafter = load_drafter(recipe.drafter_path, torch.float32)
+    refuse_masked_drafter(drafter.config, recipe.drafter_path)
+    trt = plugins.require_tensorrt()
+    if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        res = export_recipe(recipe, tmp / "onnx")
+        serving = write_serving_files(recipe, drafter, tmp)
+        facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe)
+        dspec = drafter.spec(recipe.block_size)
+        write_manifest(tmp, {
+            "backend": BACKEND, "recipe": recipe.name,
+            "block_size": dspec.block_size, "mask_token_id": dspec.mask_token_id,
+            "target_layer_ids": list(dspec.target_layer_ids), "max_seq_len": recipe.max_seq_len,
+            "dtypes": {"precision": recipe.dtype, "graph": "float32"},
+            "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
+                                          "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
+            "export": res.metadata, "tensorrt": trt.__version__, **serving,
+            "gpu": torch.cuda.get_device_name(0),
+        })
+    return out_dir
+
+
+def write_serving_files(recipe, drafter, dst: Path) -> dict[str, Any]:
+    """What running an engine needs besides the engines: the target's tokenizer files (or the tiny pairs'
+    codec.json) copied into `dst`; returns the manifest's stop_token_ids and vocab_size (read from the target's
+    config, without loading its weights)."""
+    from types import SimpleNamespace
+
+    from dflash_export.engines.ort_build import _copy_tokenizer
+    from dflash_export.models.target import read_target_config, resolve_target_dir
+
+    cfg, _ = read_target_config(recipe.target_path)
+    target = SimpleNamespace(model_dir=resolve_target_dir(recipe.target_path), vocab_size=int(cfg["vocab_size"]))
+    _copy_tokenizer(target, drafter, Path(dst))
+    return {"stop_token_ids": [int(x) for x in cfg["stop_token_ids"]], "vocab_size": int(cfg["vocab_size"])}
