@@ -1,8 +1,10 @@
 """The Engine contract (engines/base.Engine), one test per clause, over every runner this machine runs: the PyTorch
-engine, the ONNX Runtime engine, and the graph engine TensorRT engines run under (an ONNX Runtime runner over the
-portable export, every call checked against the TensorRT profile it would select). Each runner is held to the
-target model itself (transformers' forward, its hidden states tapped by hand at layer_id + 1, z-lab's rule) and to
-`reference.ar_generate`, never to another runner, so a new backend's runner joins by adding one entry to RUNNERS.
+engine, the ONNX Runtime engine, the graph engine TensorRT engines run under (an ONNX Runtime runner over the
+portable export, every call checked against the TensorRT profile it would select), and the TensorRT engine itself
+(load_engine -> TensorRTEngine -> TensorRTRunner) on the emulated TensorRT API of tests/tensorrt_emulation.py.
+Each runner is held to the target model itself (transformers' forward, its hidden states tapped by hand at
+layer_id + 1, z-lab's rule) and to `reference.ar_generate`, never to another runner, so a new backend's runner
+joins by adding one entry to RUNNERS.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime
 
-RUNNERS = ("pytorch", "onnxruntime", "graph")
+RUNNERS = ("pytorch", "onnxruntime", "graph", "tensorrt-emulated")
 PROMPT = list(range(30, 49))
 
 
@@ -29,6 +31,17 @@ def runner(request, ort_pair, tmp_path_factory):
         yield torch_eng, torch_eng
     elif request.param == "onnxruntime":
         yield ort_eng, torch_eng
+    elif request.param == "tensorrt-emulated":
+        from tensorrt_emulation import emulate_tensorrt, emulated_engine_dir
+
+        from dflash_export.engines.registry import load_engine
+
+        with pytest.MonkeyPatch.context() as mp:
+            emulate_tensorrt(mp)
+            eng = load_engine(emulated_engine_dir(tmp_path_factory.mktemp(f"{recipe.name}-trt"), recipe),
+                              device="cpu")
+            yield eng, torch_eng
+            eng.close()
     else:
         from dflash_export.engines import graph_engine as ge
         from dflash_export.export import export_recipe
