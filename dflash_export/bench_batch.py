@@ -114,8 +114,8 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
         console.print("DFlash / plain batched, per level (wall; CPU): " + ", ".join(
             f"{n}: {w:.2f}x; {c:.2f}x" for n, (w, c) in ratio.items()))
         if reps > 1:  # the fastest passes may come from different moments; adjacent passes share the machine's load
-            console.print("DFlash / plain batched, pass by pass (median [min, max]): " + ", ".join(
-                f"{n}: {np.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}]" for n, r in pair_ratios.items()))
+            console.print("DFlash / plain batched, pass by pass (median, min-max): " + ", ".join(
+                f"{n}: {np.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for n, r in pair_ratios.items()))
         for n, r in pair_ratios.items():
             for res in results:
                 if res["concurrency"] == n and res["mode"] == "dflash":
