@@ -16,6 +16,7 @@ from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (
     BlockBatch,
+    LossOut,
     acceptance_stats,
     block_loss,
     build_blocks,
@@ -203,6 +204,36 @@ def trainable_parameters(drafter: DFlashDrafter) -> list[torch.nn.Parameter]:
     return [p for n, p in drafter.named_parameters()]
 
 
+def _resume_state(opt, start_state: dict | None, out: Path | None) -> tuple[int, float, dict]:
+    """(step, wall seconds so far, best-so-far) to start from; loads the optimizer state when resuming."""
+    step, wall0, best = 0, 0.0, {"tau_est": 0.0}
+    if start_state is not None:
+        opt.load_state_dict(start_state["optimizer"])
+        step, wall0 = start_state["step"], start_state.get("wall_s", 0.0)
+        # The best-so-far belongs to the directory it was exported to: a resumed run writing elsewhere starts afresh
+        # (else a better score recorded for another directory would keep this one empty).
+        if start_state.get("best", {}).get("out") == (str(out) if out is not None else None):
+            best = start_state["best"]
+    return step, wall0, best
+
+
+def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSequence], vocab, head: torch.Tensor,
+                weights: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[float, LossOut]:
+    """One optimizer step at `step`'s learning rate; returns the rate and the batch's loss and accept figures."""
+    lr = learning_rate(cfg, step)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
+    hidden = train_forward(drafter, target.embed, batch)
+    res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
+    opt.zero_grad(set_to_none=True)
+    res.loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return lr, res
+
+
 def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
                   heldout: Sequence[TrainSequence], cfg: TrainConfig, work: Path, out: Path | None = None,
                   start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
@@ -217,14 +248,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
     weights = position_weights(cfg.block_size, gamma)
     params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step, wall0, best = 0, 0.0, {"tau_est": 0.0}
-    if start_state is not None:
-        opt.load_state_dict(start_state["optimizer"])
-        step, wall0 = start_state["step"], start_state.get("wall_s", 0.0)
-        # The best-so-far belongs to the directory it was exported to: a resumed run writing elsewhere starts afresh
-        # (else a better score recorded for another directory would keep this one empty).
-        if start_state.get("best", {}).get("out") == (str(out) if out is not None else None):
-            best = start_state["best"]
+    step, wall0, best = _resume_state(opt, start_state, out)
     head = target.hf.get_output_embeddings().weight.detach()
     seqs = data_loader()
     if not seqs:
@@ -255,17 +279,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         return rec
 
     while step < cfg.steps and (deadline is None or time.perf_counter() < deadline):
-        lr = learning_rate(cfg, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
-        hidden = train_forward(drafter, target.embed, batch)
-        res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        lr, res = _train_step(drafter, target, opt, params, seqs, vocab, head, weights, cfg, step)
         step += 1
         window.append({"loss": res.loss.item(), **acceptance_stats(res.correct, res.valid)})
         if progress is not None:
