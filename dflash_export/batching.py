@@ -43,7 +43,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _pick
-from dflash_export.sampling import probs_from_logits, verify_block
+from dflash_export.sampling import probs_from_logits, verify_block, verify_length
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -329,8 +329,6 @@ class BatchingRuntime:
         """Update what drafting is expected to yield per sequence: the rows each drafting sequence's own confidences
         would have it verify at the current rate (1 + verify_length(conf, λ a), the batch rule per sequence) and the
         drafts it would then get accepted (the sum of its cumulative confidences over them)."""
-        from dflash_export.sampling import verify_length
-
         gains, rows = [], []
         for a in drafting:
             conf = a.seq.draft_confidence

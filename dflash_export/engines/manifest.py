@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dflash_export import __version__
 from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
@@ -134,8 +135,6 @@ def library_versions(names=("numpy", "onnx", "onnxruntime", "torch", "transforme
 
 def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
     """Record hashes of every file in `engine_dir` (so tampering or truncation is caught at load) + the manifest."""
-    from dflash_export import __version__
-
     files = {str(p.relative_to(engine_dir)): sha256_file(p) for p in sorted(engine_dir.rglob("*"))
              if p.is_file() and p.name != MANIFEST}
     full = {"manifest_version": MANIFEST_VERSION, "tool": "dflash-export", "tool_version": __version__,
