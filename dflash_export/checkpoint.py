@@ -16,6 +16,9 @@ from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
+from dflash_export.models.target import read_target_config
+from dflash_export.sources import resolve_source
 from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
 
 
@@ -122,8 +125,6 @@ def _target_layer_ids(cfg: dict, dcfg: dict, path: Path, n_target: int, layers: 
 def _qwen3_fields(cfg: dict, path: Path, layers: int) -> tuple[float, dict | None, list[str] | None, int | None]:
     """rope_theta, rope_scaling, layer_types and sliding_window as transformers' Qwen3Config reads them (the release
     builds its drafter from it)."""
-    from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_problem, rope_source_field
-
     hf = hf_config(cfg, path, "qwen3")
     rope = dict(hf.rope_parameters or {})
     rope.pop("type", None)
@@ -300,8 +301,6 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """Read and check a drafter checkpoint directory: config + every tensor present with the right shape."""
-    from dflash_export.sources import resolve_source
-
     ckpt = resolve_source(path)
     if not ckpt.is_dir():
         raise DFlashError("drafter checkpoint directory not found", path=ckpt)
@@ -427,8 +426,6 @@ def _lint_target_fit(findings: _Findings, c: DrafterConfig, tcfg: dict, fc_shape
 
 def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Path) -> None:
     """The target's RoPE is one the project implements, and the drafter's is the same."""
-    from dflash_export.models.rope import legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
-
     try:
         t_rope = rope_parameters_of(tcfg, tcfg_path, tcfg["model_type"])
     except DFlashError as e:
@@ -505,9 +502,6 @@ def _pair_summary(ckpt: Path, tcfg: dict, tcfg_path: Path, c: DrafterConfig, ten
 
 def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
     """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
-    from dflash_export.models.target import read_target_config
-    from dflash_export.sources import resolve_source
-
     ckpt = resolve_source(drafter_path)
     cfg_path = ckpt / "config.json"
     findings = _Findings(cfg_path)

@@ -10,9 +10,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash_export.checkpoint import load_drafter
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
-from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.models.drafter import DFlashDrafter, save_drafter
 from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (
     BlockBatch,
@@ -122,8 +123,6 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
 
 def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict) -> None:
     """`work/checkpoint/` = z-lab drafter + optimizer/step state, replaced atomically as one directory."""
-    from dflash_export.models.drafter import save_drafter
-
     try:
         with atomic_dir(work / "checkpoint") as tmp:
             save_drafter(drafter, tmp / "drafter")
@@ -144,8 +143,6 @@ def load_checkpoint(work: Path):
     """(drafter, train state) of `work/checkpoint`, or None when there is none. A checkpoint that is there but cannot
     be read back whole -- truncated, garbage, half of it missing -- is one DFlashError naming the file, never a
     silent fresh start."""
-    from dflash_export.checkpoint import load_drafter
-
     ck = work / "checkpoint"
     state_path, drafter_dir = ck / "train_state.pt", ck / "drafter"
     if not ck.exists():
@@ -239,8 +236,6 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
                   start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
     """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
     drafter (by held-out implied τ) to `out`. Returns the last log record."""
-    from dflash_export.models.drafter import save_drafter
-
     torch.manual_seed(cfg.seed)
     for p in target.hf.parameters():
         p.requires_grad_(False)

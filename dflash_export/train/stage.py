@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
+from dflash_export.checkpoint import load_drafter
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_file, cache_dir, check_output_dir, removing_new_dirs
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
+from dflash_export.models.target import load_target
+from dflash_export.recipes import load_recipe
 from dflash_export.train.data import (
     answers_dir,
     data_dir,
@@ -116,10 +119,6 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     from dataclasses import replace
 
     from rich.console import Console
-
-    from dflash_export.files import cache_dir
-    from dflash_export.models.target import load_target
-    from dflash_export.recipes import load_recipe
 
     console = console or Console(stderr=True)
     # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.
@@ -256,8 +255,6 @@ def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool,
         else:
             console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
     if drafter is None and init_from is not None:
-        from dflash_export.checkpoint import load_drafter
-
         drafter = load_drafter(init_from, dtype=torch.float32)
         _check_start(drafter, target, opts.block_size, Path(init_from))
         if drafter.config.num_hidden_layers != opts.draft_layers:
