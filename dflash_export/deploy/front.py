@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from dflash_export.deploy.handler import check_generate_body
 from dflash_export.errors import DFlashError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -400,8 +401,6 @@ class _FrontHandler(BaseHTTPRequestHandler):
         return json_len
 
     def _tag_generate_body(self, obj) -> tuple[dict, str]:
-        from dflash_export.deploy.handler import check_generate_body
-
         try:
             obj = check_generate_body(obj)
         except DFlashError as e:

@@ -26,7 +26,18 @@ from dflash_export.engines.onnxruntime import (
     default_threads,
 )
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.files import check_output_dir, removing_new_dirs
+from dflash_export.export import (
+    ORT_DRAFT_HEAD_FILE,
+    ORT_DRAFTER_FILE,
+    ORT_HEAD_FILE,
+    ORT_TARGET_BATCH_FILE,
+    ORT_TARGET_FILE,
+    SHARED_FILE,
+    export_models,
+)
+from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.recipes import PRECISIONS
+from dflash_export.sources import resolve_source
 
 
 def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
@@ -41,8 +52,6 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
 
     Written in a temporary sibling and renamed when complete (errors.atomic_dir). Returns `out_dir`.
     """
-    from dflash_export.files import atomic_dir
-
     ort = _ort()
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
@@ -80,7 +89,6 @@ def _load_pair(recipe, draft_vocab: int | None):
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.sources import resolve_source
 
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
@@ -98,16 +106,6 @@ def _export_optimized(ort, recipe, target, drafter, tmp: Path, bs: int, draft_vo
                       threads: int | None):
     """Export the pair's ORT graphs under `tmp`/export, optimize each into `tmp` and move the shared weights there.
     Returns the export result and the shared tensors' layout."""
-    from dflash_export.export import (
-        ORT_DRAFT_HEAD_FILE,
-        ORT_DRAFTER_FILE,
-        ORT_HEAD_FILE,
-        ORT_TARGET_BATCH_FILE,
-        ORT_TARGET_FILE,
-        SHARED_FILE,
-        export_models,
-    )
-
     export_dir = tmp / "export"
     export_dir.mkdir()
     res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
@@ -153,8 +151,6 @@ def _save_selector(drafter, tmp: Path) -> dict | None:
 def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, str], quantization: dict,
                   draft_vocab: int | None, res, manifest_shared: dict) -> dict:
     """The engine's manifest fields (write_manifest adds the files' hashes and the versions)."""
-    from dflash_export.sources import resolve_source
-
     return {
         "backend": "onnxruntime",
         "engine_format": ENGINE_FORMAT,
@@ -224,8 +220,6 @@ STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
 def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,
                      quantize_heads: bool | None = None) -> dict[str, str]:
     """The weight precision of each graph of the engine: target, drafter, lm_head, draft_head."""
-    from dflash_export.recipes import PRECISIONS
-
     target = precision or getattr(recipe, "precision", None) or "fp32"
     draft = drafter_precision or (getattr(recipe, "drafter_precision", None) if precision is None else None) or target
     for value, name in ((target, "precision"), (draft, "drafter_precision")):
@@ -308,8 +302,6 @@ def quantize_graph(path: Path, precision: str) -> dict:
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:
     """Where each shared tensor sits in shared_weights.bin (read from the graphs' external-data entries)."""
     import onnx
-
-    from dflash_export.export import SHARED_FILE
 
     out = {}
     for model_path in model_paths:

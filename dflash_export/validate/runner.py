@@ -15,8 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from dflash_export import __version__
 from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.engines.manifest import library_versions
 from dflash_export.errors import DFlashError
+from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
+from dflash_export.runtime import DFlashRuntime
+from dflash_export.sampling import probs_from_logits
 from dflash_export.validate import checks
 from dflash_export.validate.instrument import InstrumentedEngine
 
@@ -92,9 +97,6 @@ class ValidationReport:
 
 def environment_info() -> dict[str, Any]:
     """Library versions and the machine, so a report says what it was measured on."""
-    from dflash_export import __version__
-    from dflash_export.engines.manifest import library_versions
-
     env: dict[str, Any] = {"tool_version": __version__, "versions": library_versions(("numpy", "scipy", "onnx",
                            "onnxruntime", "torch", "transformers", "tokenizers", "tensorrt", "matplotlib")),
                            "machine": {"platform": platform.platform(), "processor": platform.processor() or
@@ -260,8 +262,6 @@ def _distribution_check(runtime, reference: Reference, prompts: list[tuple[str, 
     token the target gives probability 0 fails outright. `own_engine` (quantized engines): the conditionals are the
     engine's own plain decoding's instead of the fp32 reference's -- what a quantized engine's DFlash owes exactness to.
     """
-    from dflash_export.sampling import probs_from_logits
-
     n_tok = opts.dist_tokens or block_size + 1
     sp_base = dict(max_new_tokens=n_tok, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     nodes: dict[tuple, tuple[np.ndarray, dict[int, int]]] = {}
@@ -310,8 +310,6 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
                    opts: ValidateOptions | None = None, suite: dict[str, Any] | None = None,
                    engine_meta: dict[str, Any] | None = None, show_progress: bool = False) -> ValidationReport:
     """Run every check of one engine on encoded `prompts` [(id, token ids)] and judge it by `recipe.thresholds`."""
-    from dflash_export.runtime import DFlashRuntime
-
     opts = opts or ValidateOptions()
     if not prompts:
         raise DFlashError("no prompts to validate on", field="--suite")
@@ -382,8 +380,6 @@ def _acceptance_summary(prompts: list[tuple[str, list[int]]], rows: list[dict], 
     lengths = [x for r in raws for x in r["lengths"]]
     online = [x for r in raws for x in r["online"]]
     # the prompt-lookup yardstick, replayed on the engine's own output tokens with full blocks of bs (no decode)
-    from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
-
     lookup = [prompt_lookup_steps(ids, r["answer"], bs) for (_, ids), r in zip(prompts, raws)]
     for row, steps in zip(rows, lookup):
         row["tau_prompt_lookup"] = pooled_tau([steps])
