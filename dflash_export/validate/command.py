@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_export.errors import CheckFailed, DFlashError
+from dflash_export.files import check_output_dir
+from dflash_export.recipes import load_recipe
+from dflash_export.validate.suites import encode_prompt, load_suite
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -64,10 +67,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
                  repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
-    from dflash_export.files import check_output_dir
-    from dflash_export.recipes import load_recipe
-    from dflash_export.validate.suites import encode_prompt, load_suite
-
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
         check_output_dir(report_dir, "--report")
     recipe = load_recipe(recipe_name)
