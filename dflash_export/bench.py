@@ -23,7 +23,6 @@ from dflash_export.files import atomic_file, check_output_file
 from dflash_export.prompt_lookup import prompt_lookup_tau
 from dflash_export.recipes import load_recipe
 from dflash_export.sources import resolve_source
-from dflash_export.validate.command import check_engine_recipe
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 
@@ -133,6 +132,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.table import Table
 
     from dflash_export.engines.base import load_codec
+    from dflash_export.validate.command import check_engine_recipe
 
     console = Console(highlight=False)
     for m in modes:
@@ -208,6 +208,7 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
     from dflash_export.bench_batch import run_concurrency
     from dflash_export.engines.base import load_codec
+    from dflash_export.validate.command import check_engine_recipe
 
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
