@@ -44,7 +44,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _pick
-from dflash_export.sampling import probs_from_logits, verify_block
+from dflash_export.sampling import probs_from_logits, verify_block, verify_length
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -210,17 +210,44 @@ class BatchingRuntime:
 
     def step(self) -> None:
         """Admit queued requests (prefill), then one draft + verify (or plain) step for every active request."""
-        for act in [a for a in self.active if a.req.cancelled]:
-            act.req.stats.finish_reason = "cancelled"
-            act.req.stats.total_s = time.perf_counter() - act.req.submitted_s
-            self._finish(act)
+        self._drop_cancelled()
         self._admit()
         if not self.active:
             return
         self.steps += 1
-        bs = self.info.block_size
         acts = list(self.active)  # slot order
         acts.sort(key=lambda a: a.seq.slot)
+        drafting, probe = self._drafting(acts)
+        draft_cost = self._draft(drafting) if drafting else 0.0
+        s = self._choose_rows(acts, drafting)
+        blocks = [self._block(a, s) for a in acts]
+        logits = self.batch.target_step([a.seq for a in acts], blocks)
+        tokens = 0
+        done = []
+        for a, blk, lg in zip(acts, blocks, logits):
+            accept, emitted = self._verify(a, blk, lg, probe)
+            self.batch.commit(a.seq, accept)
+            a.last = emitted[-1]
+            tokens += accept + 1
+            ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
+            a.req.stats.acceptance_lengths.append(len(ev.tokens) if a.req.mode == "dflash" else 1)
+            if ev.finished:
+                done.append(a)
+        for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
+            self._finish(a)
+        rows = len(blocks) * max(len(b) for b in blocks)
+        cost = draft_cost + 1.0 + self.a * (rows - 1)
+        self.rate = 0.9 * self.rate + 0.1 * tokens / cost
+
+    def _drop_cancelled(self) -> None:
+        for act in [a for a in self.active if a.req.cancelled]:
+            act.req.stats.finish_reason = "cancelled"
+            act.req.stats.total_s = time.perf_counter() - act.req.submitted_s
+            self._finish(act)
+
+    def _drafting(self, acts: list[_Active]) -> tuple[list[_Active], _Active | None]:
+        """The sequences that draft this step (their per-step fields reset, every sequence's), and the probe: when
+        drafting does not pay for the batch, one greedy sequence drafts now and then anyway."""
         drafting = []
         batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts))
         probe = None
@@ -245,74 +272,64 @@ class BatchingRuntime:
                 a.skip = max(0, a.skip - 1)
                 continue
             drafting.append(a)
-        draft_cost = 0.0
-        if drafting:
-            us = []
-            for a in drafting:
-                sp = a.req.sp
-                us.append(None if sp.greedy else a.rng.random(bs - 1))
-                full = self._single.full_last_block
-                a.block_len = bs if full else min(bs, sp.max_new_tokens - a.produced + 1)
-            res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
-                                   [a.req.sp for a in drafting], us, [a.block_len for a in drafting])
-            for a, (d, p) in zip(drafting, res):
-                a.drafts, a.draft_probs = d, p
-            draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
-            self._learn_from_drafts(drafting)
-        s = self._choose_rows(acts, drafting)
-        blocks = []
-        for a in acts:
-            if a.drafts is not None:
-                cap = a.block_len - 1
-                if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
-                    cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
-                    a.n_draft = max(0, min(s - 1, cap))
-                else:
-                    a.n_draft = cap
-            blk = np.empty(a.n_draft + 1, np.int64)
-            blk[0] = a.last
-            if a.n_draft:
-                blk[1:] = a.drafts[: a.n_draft]
-            blocks.append(blk)
-        logits = self.batch.target_step([a.seq for a in acts], blocks)
-        tokens = 0
-        done = []
-        for a, blk, lg in zip(acts, blocks, logits):
+        return drafting, probe
+
+    def _draft(self, drafting: list[_Active]) -> float:
+        """One batched draft for `drafting` (drafts and their probabilities stored on each); returns its cost in plain
+        steps."""
+        bs = self.info.block_size
+        us = []
+        for a in drafting:
             sp = a.req.sp
-            if a.req.mode == "ar":
-                a.last = _pick(lg[0], sp, a.rng)
-                accept, emitted = 0, [a.last]
-            elif a.drafts is None:  # a plain step whose features stay pending (back-off)
-                accept, emitted = verify_block(None, lg, blk[1:], None, None, True)
+            us.append(None if sp.greedy else a.rng.random(bs - 1))
+            full = self._single.full_last_block
+            a.block_len = bs if full else min(bs, sp.max_new_tokens - a.produced + 1)
+        res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
+                               [a.req.sp for a in drafting], us, [a.block_len for a in drafting])
+        for a, (d, p) in zip(drafting, res):
+            a.drafts, a.draft_probs = d, p
+        draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+        self._learn_from_drafts(drafting)
+        return draft_cost
+
+    def _block(self, a: _Active, s: int) -> np.ndarray:
+        """The rows this sequence verifies in a target call of `s` rows: its last token, then its drafts (sets
+        `a.n_draft`)."""
+        if a.drafts is not None:
+            cap = a.block_len - 1
+            if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
+                cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
+                a.n_draft = max(0, min(s - 1, cap))
             else:
-                u = None if sp.greedy else a.rng.random(bs)
-                probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k,
-                                                                 sp.top_p)
-                accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
-                a.req.stats.drafted_tokens += a.n_draft
-                self.rows_verified += a.n_draft
-                if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
-                    a.misses = a.misses + 1 if accept == 0 else 0
-                    a.skip = min(self.max_skip, (1 << a.misses) - 1)
-            self.batch.commit(a.seq, accept)
-            a.last = emitted[-1]
-            tokens += accept + 1
-            ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
-            a.req.stats.acceptance_lengths.append(len(ev.tokens) if a.req.mode == "dflash" else 1)
-            if ev.finished:
-                done.append(a)
-        for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
-            self._finish(a)
-        rows = len(blocks) * max(len(b) for b in blocks)
-        cost = draft_cost + 1.0 + self.a * (rows - 1)
-        self.rate = 0.9 * self.rate + 0.1 * tokens / cost
+                a.n_draft = cap
+        blk = np.empty(a.n_draft + 1, np.int64)
+        blk[0] = a.last
+        if a.n_draft:
+            blk[1:] = a.drafts[: a.n_draft]
+        return blk
+
+    def _verify(self, a: _Active, blk: np.ndarray, lg: np.ndarray, probe: _Active | None) -> tuple[int, list[int]]:
+        """(drafts accepted, tokens emitted) of one sequence from its target logits `lg`; updates its back-off."""
+        sp = a.req.sp
+        if a.req.mode == "ar":
+            a.last = _pick(lg[0], sp, a.rng)
+            return 0, [a.last]
+        if a.drafts is None:  # a plain step whose features stay pending (back-off)
+            return verify_block(None, lg, blk[1:], None, None, True)
+        u = None if sp.greedy else a.rng.random(self.info.block_size)
+        probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+        accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
+        a.req.stats.drafted_tokens += a.n_draft
+        self.rows_verified += a.n_draft
+        if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
+            a.misses = a.misses + 1 if accept == 0 else 0
+            a.skip = min(self.max_skip, (1 << a.misses) - 1)
+        return accept, emitted
 
     def _learn_from_drafts(self, drafting: list[_Active]) -> None:
         """Update what drafting is expected to yield per sequence: the rows each drafting sequence's own confidences
         would have it verify at the current rate (1 + verify_length(conf, λ a), the batch rule per sequence) and the
         drafts it would then get accepted (the sum of its cumulative confidences over them)."""
-        from dflash_export.sampling import verify_length
-
         gains, rows = [], []
         for a in drafting:
             conf = a.seq.draft_confidence

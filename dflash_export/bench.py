@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_file, check_output_file
+from dflash_export.prompt_lookup import prompt_lookup_tau
+from dflash_export.recipes import load_recipe
+from dflash_export.sources import resolve_source
+from dflash_export.validate.suites import encode_prompt, load_suite
 
 
 def _encode_prompts(recipe, suite: str, n: int, codec) -> list[list[int]]:
-    from dflash_export.validate.suites import encode_prompt, load_suite
-
     path, prompts = load_suite(suite, n)
     return [encode_prompt(p, codec, recipe.chat_template, 1 << 62, path) for p in prompts]
 
@@ -44,9 +47,6 @@ def _loading(what, path):
 
 
 def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
-    from dflash_export.recipes import load_recipe
-    from dflash_export.sources import resolve_source
-
     recipe = load_recipe(recipe_name)
     runs = []
     if mode in ("dflash", "dflash-full", "ar"):
@@ -132,8 +132,6 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.table import Table
 
     from dflash_export.engines.base import load_codec
-    from dflash_export.files import check_output_file
-    from dflash_export.recipes import load_recipe
     from dflash_export.validate.command import check_engine_recipe
 
     console = Console(highlight=False)
@@ -168,8 +166,6 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     summary = {m: _summary(r) for m, r in results.items()}
     # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
     # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
-    from dflash_export.prompt_lookup import prompt_lookup_tau
-
     bs = manifest.block_size  # the block the engine drafted (its spec)
     for m in ("dflash", "dflash-full", "reference"):
         if m in results:
@@ -201,8 +197,6 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "summary": summary,
               "ratios": ratios, "raw": results}
     if out_json:
-        from dflash_export.files import atomic_file
-
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")
     return report
@@ -214,8 +208,6 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
     from dflash_export.bench_batch import run_concurrency
     from dflash_export.engines.base import load_codec
-    from dflash_export.files import check_output_file
-    from dflash_export.recipes import load_recipe
     from dflash_export.validate.command import check_engine_recipe
 
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
@@ -232,8 +224,6 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
     report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps)}
     if out_json:
-        from dflash_export.files import atomic_file
-
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")
     return report

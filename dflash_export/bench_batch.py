@@ -17,14 +17,14 @@ import time
 
 import numpy as np
 
+from dflash_export.batching import BatchingRuntime
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 
 
 def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, mode: str) -> dict:
     """Run every prompt once with `concurrency` requests in flight; figures and each request's tokens."""
-    from dflash_export.batching import BatchingRuntime
-    from dflash_export.engines.base import SamplingParams
-
     rt = BatchingRuntime(engine, max_batch=concurrency)
     sp = SamplingParams(max_new_tokens=max_new)
     pending = list(enumerate(prompts))
@@ -57,8 +57,6 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
                     modes: list[str], threads: int | None = None, reps: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
-
-    from dflash_export.engines.registry import load_engine
 
     if not levels or any(n < 1 for n in levels):
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")

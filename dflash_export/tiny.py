@@ -14,6 +14,10 @@ from pathlib import Path
 import torch
 
 from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_dir, cache_dir
+from dflash_export.models.config import DrafterConfig
+from dflash_export.models.drafter import DFlashDrafter, save_drafter
+from dflash_export.models.hfutil import quiet_transformers
 
 _VERSION = 2  # bump when the builders change so cached pairs are rebuilt
 
@@ -55,8 +59,6 @@ TINY = {
 def build_target(spec: TinySpec, out: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_export.models.hfutil import quiet_transformers
-
     quiet_transformers()
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -82,9 +84,6 @@ def build_target(spec: TinySpec, out: Path) -> Path:
 
 
 def build_drafter(spec: TinySpec, out: Path) -> Path:
-    from dflash_export.models.config import DrafterConfig
-    from dflash_export.models.drafter import DFlashDrafter, save_drafter
-
     cfg = DrafterConfig(
         hidden_size=spec.hidden_size, num_hidden_layers=spec.draft_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
@@ -108,8 +107,6 @@ def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
     root.mkdir(parents=True, exist_ok=True)
     target, drafter = root / "target", root / "drafter"
     if not (target / "config.json").is_file():
-        from dflash_export.files import atomic_dir
-
         with atomic_dir(target) as tmp:
             build_target(spec, tmp)
     if not (drafter / "config.json").is_file():
@@ -124,8 +121,6 @@ def tiny_pair_path(spec_str: str) -> Path:
         raise DFlashError(f"unknown tiny pair {name!r} (known: {', '.join(TINY)})", field="tiny")
     if part not in ("target", "drafter"):
         raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
-    from dflash_export.files import cache_dir
-
     spec = TINY[name]
     digest = hashlib.sha256(json.dumps(spec.__dict__, default=list, sort_keys=True).encode()).hexdigest()[:10]
     root = cache_dir() / "tiny" / f"{name}-v{_VERSION}-{digest}"

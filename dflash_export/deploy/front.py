@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from dflash_export.deploy.handler import check_generate_body
 from dflash_export.errors import DFlashError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -259,222 +260,264 @@ def _watch_client(sock: socket.socket, done: threading.Event, on_gone) -> None:
         return  # gone, or the client sent more (a pipelined request): either way nothing more to watch
 
 
-def _handler_class(front: Front):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "dflash-front"
-        timeout = 60  # a client has this long for each read of its request (no slow-loris holding a thread)
+class _FrontHandler(BaseHTTPRequestHandler):
+    """One client connection of a Front (`front`, set by `_handler_class`): route, bound and check the request, then
+    forward it to tritonserver and relay the answer."""
 
-        def log_message(self, *args):  # the front is quiet; tritonserver's log tells what was served
+    front: Front
+    protocol_version = "HTTP/1.1"
+    server_version = "dflash-front"
+    timeout = 60  # a client has this long for each read of its request (no slow-loris holding a thread)
+
+    def log_message(self, *args):  # the front is quiet; tritonserver's log tells what was served
+        pass
+
+    def do_GET(self):
+        self._serve(has_body=False)
+
+    def do_POST(self):
+        self._serve(has_body=True)
+
+    def do_PUT(self):
+        self._send_error(Refused(405, f"method {self.command} not allowed"))
+
+    do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_PUT
+
+    # Answers of the front itself ---------------------------------------------------------------------------------
+    def _send_json(self, status: int, payload: dict, close: bool = False, extra: dict | None = None) -> None:
+        body = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+    def _send_error(self, e: Refused) -> None:
+        self.front.counts["refused"] += 1
+        extra = {"Retry-After": "1"} if e.status == 503 else None
+        self._send_json(e.status, {"error": e.message}, close=e.close, extra=extra)
+
+    # Route, read and check ---------------------------------------------------------------------------------------
+    def _serve(self, has_body: bool) -> None:
+        front = self.front
+        path = self.path.split("?", 1)[0]
+        try:
+            routes = _POST_ROUTES if has_body else _GET_ROUTES
+            m = routes.match(path)
+            if not m:
+                raise Refused(404 if not (_GET_ROUTES.match(path) or _POST_ROUTES.match(path)) else 405,
+                              f"{self.command} {path[:100]}: not served (the front forwards health, metadata, "
+                              "infer, generate and generate_stream)", close=has_body)
+            body = self._read_body() if has_body else b""
+            if front.draining:
+                raise Refused(503, "the server is shutting down", close=True)
+            if front.upstream_port is None:
+                raise Refused(503, "tritonserver is (re)starting; retry shortly")
+            token = None
+            if has_body:
+                body, token = self._check_body(m.group(1), body)
+        except Refused as e:
+            self._send_error(e)
+            return
+        self._forward(body, token, streaming=has_body and m.group(1) == "generate_stream")
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise Refused(411, "send the body with a Content-Length (chunked request bodies are not accepted)",
+                          close=True)
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise Refused(411, "Content-Length required", close=True)
+        try:
+            n = int(length)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            raise Refused(400, f"Content-Length: not a byte count ({length[:40]!r})", close=True) from None
+        limit = self.front.limits.max_body_bytes
+        if n > limit:
+            # Read (and drop) a moderately large body so the client sees the 413 rather than a reset while it
+            # is still sending; beyond DISCARD_MAX just close.
+            if n <= DISCARD_MAX:
+                self._discard_body(n)
+            raise Refused(413, f"request body is {n} bytes; the limit is {limit} (--max-request-bytes)",
+                          close=True)
+        try:
+            body = self.rfile.read(n)
+        except (OSError, socket.timeout):
+            raise Refused(400, "request body: the client stopped sending", close=True) from None
+        if len(body) != n:
+            raise Refused(400, f"request body: {len(body)} of {n} bytes received", close=True)
+        return body
+
+    def _discard_body(self, n: int) -> None:
+        """Read and drop up to `n` body bytes (until the client stops sending)."""
+        left = n
+        try:
+            while left > 0:
+                got = self.rfile.read(min(left, 1 << 16))
+                if not got:
+                    break
+                left -= len(got)
+        except (OSError, socket.timeout):
             pass
 
-        def do_GET(self):
-            self._serve(has_body=False)
+    def _check_body(self, endpoint: str, body: bytes) -> tuple[bytes, str]:
+        """The body with its JSON part checked and tagged with a new cancel token, and that token."""
+        header_len = self.headers.get("Inference-Header-Content-Length")
+        json_len = self._json_length(header_len, body)
+        obj = parse_json_bounded(body[:json_len], self.front.limits.max_json_depth)
+        if endpoint in ("generate", "generate_stream"):
+            obj, token = self._tag_generate_body(obj)
+        else:
+            obj, token = self._tag_infer_body(obj)
+        head = json.dumps(obj, ensure_ascii=False).encode()
+        if header_len is not None:
+            self._header_len = len(head)
+        return head + body[json_len:], token
 
-        def do_POST(self):
-            self._serve(has_body=True)
+    @staticmethod
+    def _json_length(header_len: str | None, body: bytes) -> int:
+        """Bytes of JSON at the start of the body: all of it, or Inference-Header-Content-Length's (binary tensors
+        follow)."""
+        if header_len is None:
+            return len(body)
+        try:
+            json_len = int(header_len)
+            if not 0 <= json_len <= len(body):
+                raise ValueError
+        except ValueError:
+            raise Refused(400, f"Inference-Header-Content-Length: {header_len[:40]!r} is not a length "
+                               f"within the {len(body)}-byte body") from None
+        return json_len
 
-        def do_PUT(self):
-            self._send_error(Refused(405, f"method {self.command} not allowed"))
+    def _tag_generate_body(self, obj) -> tuple[dict, str]:
+        try:
+            obj = check_generate_body(obj)
+        except DFlashError as e:
+            raise Refused(400, str(e)) from None
+        if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
+            parse_json_bounded(obj["messages"].encode(), self.front.limits.max_json_depth, "messages")
+        token = self.front._begin()
+        # The generate extension passes fields that are not inputs as request parameters.
+        obj[CANCEL_PARAMETER] = token
+        return obj, token
 
-        do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_PUT
+    def _tag_infer_body(self, obj) -> tuple[dict, str]:
+        if not isinstance(obj, dict):
+            raise Refused(400, "request body: expected a JSON object")
+        params = obj.get("parameters", {})
+        if not isinstance(params, dict):
+            raise Refused(400, "parameters: expected a JSON object")
+        token = self.front._begin()
+        obj["parameters"] = {**params, CANCEL_PARAMETER: token}
+        return obj, token
 
-        # -----------------------------------------------------------------------------------------------------------
-        def _send_json(self, status: int, payload: dict, close: bool = False, extra: dict | None = None) -> None:
-            body = json.dumps(payload).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (extra or {}).items():
-                    self.send_header(k, v)
-                if close:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                self.wfile.write(body)
-                self.wfile.flush()
-            except OSError:
-                self.close_connection = True
-
-        def _send_error(self, e: Refused) -> None:
-            front.counts["refused"] += 1
-            extra = {"Retry-After": "1"} if e.status == 503 else None
-            self._send_json(e.status, {"error": e.message}, close=e.close, extra=extra)
-
-        def _serve(self, has_body: bool) -> None:
-            path = self.path.split("?", 1)[0]
-            try:
-                routes = _POST_ROUTES if has_body else _GET_ROUTES
-                m = routes.match(path)
-                if not m:
-                    raise Refused(404 if not (_GET_ROUTES.match(path) or _POST_ROUTES.match(path)) else 405,
-                                  f"{self.command} {path[:100]}: not served (the front forwards health, metadata, "
-                                  "infer, generate and generate_stream)", close=has_body)
-                body = self._read_body() if has_body else b""
-                if front.draining:
-                    raise Refused(503, "the server is shutting down", close=True)
-                if front.upstream_port is None:
-                    raise Refused(503, "tritonserver is (re)starting; retry shortly")
-                token = None
-                if has_body:
-                    body, token = self._check_body(m.group(1), body)
-            except Refused as e:
-                self._send_error(e)
-                return
-            self._forward(body, token, streaming=has_body and m.group(1) == "generate_stream")
-
-        def _read_body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding"):
-                raise Refused(411, "send the body with a Content-Length (chunked request bodies are not accepted)",
-                              close=True)
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise Refused(411, "Content-Length required", close=True)
-            try:
-                n = int(length)
-                if n < 0:
-                    raise ValueError
-            except ValueError:
-                raise Refused(400, f"Content-Length: not a byte count ({length[:40]!r})", close=True) from None
-            limit = front.limits.max_body_bytes
-            if n > limit:
-                # Read (and drop) a moderately large body so the client sees the 413 rather than a reset while it
-                # is still sending; beyond DISCARD_MAX just close.
-                if n <= DISCARD_MAX:
-                    left = n
-                    try:
-                        while left > 0:
-                            got = self.rfile.read(min(left, 1 << 16))
-                            if not got:
-                                break
-                            left -= len(got)
-                    except (OSError, socket.timeout):
-                        pass
-                raise Refused(413, f"request body is {n} bytes; the limit is {limit} (--max-request-bytes)",
-                              close=True)
-            try:
-                body = self.rfile.read(n)
-            except (OSError, socket.timeout):
-                raise Refused(400, "request body: the client stopped sending", close=True) from None
-            if len(body) != n:
-                raise Refused(400, f"request body: {len(body)} of {n} bytes received", close=True)
-            return body
-
-        def _check_body(self, endpoint: str, body: bytes) -> tuple[bytes, str]:
-            limits = front.limits
-            header_len = self.headers.get("Inference-Header-Content-Length")
-            json_len = len(body)
-            if header_len is not None:
-                try:
-                    json_len = int(header_len)
-                    if not 0 <= json_len <= len(body):
-                        raise ValueError
-                except ValueError:
-                    raise Refused(400, f"Inference-Header-Content-Length: {header_len[:40]!r} is not a length "
-                                       f"within the {len(body)}-byte body") from None
-            obj = parse_json_bounded(body[:json_len], limits.max_json_depth)
-            if endpoint in ("generate", "generate_stream"):
-                from dflash_export.deploy.handler import check_generate_body
-
-                try:
-                    obj = check_generate_body(obj)
-                except DFlashError as e:
-                    raise Refused(400, str(e)) from None
-                if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
-                    parse_json_bounded(obj["messages"].encode(), limits.max_json_depth, "messages")
-                token = front._begin()
-                # The generate extension passes fields that are not inputs as request parameters.
-                obj[CANCEL_PARAMETER] = token
+    # Forward and relay -------------------------------------------------------------------------------------------
+    def _forward(self, body: bytes, token: str | None, streaming: bool) -> None:
+        front = self.front
+        done = threading.Event()
+        started = False
+        conn = http.client.HTTPConnection("127.0.0.1", front.upstream_port, timeout=None)
+        if token is not None:
+            self._watch_while_running(token, done)
+        try:
+            resp = self._request_upstream(conn, body)
+            # Whole responses are read whole (however tritonserver frames them), so a request cancelled by the
+            # shutdown can still be answered 503; only generate_stream is relayed as it comes.
+            if not streaming:
+                payload = resp.read()
+                done.set()  # the model has answered: a client leaving now cancels nothing
+                why = front._in_flight.get(token) if token else None
+                if why is not None and "shutting down" in why:
+                    raise Refused(503, f"cancelled: {why}", close=True)
+                started = True
+                self._relay_whole(resp, payload)
             else:
-                if not isinstance(obj, dict):
-                    raise Refused(400, "request body: expected a JSON object")
-                params = obj.get("parameters", {})
-                if not isinstance(params, dict):
-                    raise Refused(400, "parameters: expected a JSON object")
-                token = front._begin()
-                obj["parameters"] = {**params, CANCEL_PARAMETER: token}
-            head = json.dumps(obj, ensure_ascii=False).encode()
-            if header_len is not None:
-                self._header_len = len(head)
-            return head + body[json_len:], token
-
-        def _forward(self, body: bytes, token: str | None, streaming: bool) -> None:
-            done = threading.Event()
-            started = False
-            conn = http.client.HTTPConnection("127.0.0.1", front.upstream_port, timeout=None)
-            if token is not None:
-                def gone():
-                    if not done.is_set() and front.cancel(token, "the client went away"):
-                        front.counts["client_gone"] += 1
-
-                threading.Thread(target=_watch_client, args=(self.connection, done, gone), daemon=True).start()
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                headers[SECRET_HEADER] = front.secret
-                if body or self.command == "POST":
-                    headers["Content-Length"] = str(len(body))
-                if getattr(self, "_header_len", None) is not None:
-                    headers["Inference-Header-Content-Length"] = str(self._header_len)
-                    self._header_len = None
-                try:
-                    conn.request(self.command, self.path, body=body if self.command == "POST" else None,
-                                 headers=headers)
-                    resp = conn.getresponse()
-                except (ConnectionError, OSError, http.client.HTTPException):
-                    raise Refused(503, "tritonserver is not answering (it is being restarted); retry shortly")
-                # Whole responses are read whole (however tritonserver frames them), so a request cancelled by the
-                # shutdown can still be answered 503; only generate_stream is relayed as it comes.
-                if not streaming:
-                    payload = resp.read()
-                    done.set()  # the model has answered: a client leaving now cancels nothing
-                    why = front._in_flight.get(token) if token else None
-                    if why is not None and "shutting down" in why:
-                        raise Refused(503, f"cancelled: {why}", close=True)
-                    started = True
-                    self.send_response(resp.status, resp.reason)
-                    for k, v in resp.getheaders():
-                        if k.lower() not in _HOP:
-                            self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    self.wfile.flush()
-                else:
-                    started = True
-                    self.send_response(resp.status, resp.reason)
-                    for k, v in resp.getheaders():
-                        if k.lower() not in _HOP:
-                            self.send_header(k, v)
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                    while True:
-                        chunk = resp.read1(65536)
-                        if not chunk:
-                            done.set()
-                            break
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                        self.wfile.flush()
-                    self.wfile.write(b"0\r\n\r\n")
-                    self.wfile.flush()
-                front.counts["forwarded"] += 1
-            except Refused as e:
-                if not started:
-                    self._send_error(e)
-                else:
-                    self.close_connection = True
-            except (OSError, http.client.HTTPException):
-                # The client went away mid-response (or tritonserver died mid-stream): nothing more to say to it.
+                started = True
+                self._relay_stream(resp, done)
+            front.counts["forwarded"] += 1
+        except Refused as e:
+            if not started:
+                self._send_error(e)
+            else:
                 self.close_connection = True
-                if token is not None and not done.is_set() and front.cancel(token, "the client went away"):
-                    front.counts["client_gone"] += 1
-            finally:
-                done.set()
-                conn.close()
-                if token is not None:
-                    front._end(token)
+        except (OSError, http.client.HTTPException):
+            # The client went away mid-response (or tritonserver died mid-stream): nothing more to say to it.
+            self.close_connection = True
+            if token is not None and not done.is_set() and front.cancel(token, "the client went away"):
+                front.counts["client_gone"] += 1
+        finally:
+            done.set()
+            conn.close()
+            if token is not None:
+                front._end(token)
 
-    return Handler
+    def _watch_while_running(self, token: str, done: threading.Event) -> None:
+        """Cancel the request if its client goes away before `done` is set."""
+        front = self.front
+
+        def gone():
+            if not done.is_set() and front.cancel(token, "the client went away"):
+                front.counts["client_gone"] += 1
+
+        threading.Thread(target=_watch_client, args=(self.connection, done, gone), daemon=True).start()
+
+    def _request_upstream(self, conn: http.client.HTTPConnection, body: bytes) -> http.client.HTTPResponse:
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        headers[SECRET_HEADER] = self.front.secret
+        if body or self.command == "POST":
+            headers["Content-Length"] = str(len(body))
+        if getattr(self, "_header_len", None) is not None:
+            headers["Inference-Header-Content-Length"] = str(self._header_len)
+            self._header_len = None
+        try:
+            conn.request(self.command, self.path, body=body if self.command == "POST" else None,
+                         headers=headers)
+            return conn.getresponse()
+        except (ConnectionError, OSError, http.client.HTTPException):
+            raise Refused(503, "tritonserver is not answering (it is being restarted); retry shortly")
+
+    def _send_upstream_head(self, resp: http.client.HTTPResponse) -> None:
+        self.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP:
+                self.send_header(k, v)
+
+    def _relay_whole(self, resp: http.client.HTTPResponse, payload: bytes) -> None:
+        self._send_upstream_head(resp)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+        self.wfile.flush()
+
+    def _relay_stream(self, resp: http.client.HTTPResponse, done: threading.Event) -> None:
+        self._send_upstream_head(resp)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        while True:
+            chunk = resp.read1(65536)
+            if not chunk:
+                done.set()
+                break
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+def _handler_class(front: Front) -> type[_FrontHandler]:
+    """The request handler class of one Front (http.server makes a handler per connection from the class)."""
+    return type("Handler", (_FrontHandler,), {"front": front})
 
 
 def new_cancel_dir(parent: Path) -> Path:

@@ -31,6 +31,8 @@ import site
 from pathlib import Path
 from typing import Any
 
+import dflash_export
+from dflash_export.deploy.front import Limits
 from dflash_export.deploy.pbtxt import (
     MAX_INSTANCES,
     NAME_PATTERN,
@@ -39,7 +41,7 @@ from dflash_export.deploy.pbtxt import (
     check_config_text,
     write_config,
 )
-from dflash_export.engines.manifest import Manifest
+from dflash_export.engines.manifest import Manifest, library_versions
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object
@@ -119,8 +121,6 @@ def _reflink_or_copy(src, dst):
 
 def _needed_libraries(backend: str) -> dict[str, str]:
     """Versions of the libraries the served engine imports, recorded so the model can refuse a different set."""
-    from dflash_export.engines.manifest import library_versions
-
     spec = BACKENDS.get(backend)
     names = ["numpy", "tokenizers", *(spec.serve_libraries if spec else ())]
     return {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
@@ -215,8 +215,6 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
         raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest.backend})",
                           field="--max-batch")
-    from dflash_export.deploy.front import Limits
-
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
                        if v is not None}).check()
     backend = manifest.backend
@@ -412,8 +410,6 @@ def check_repository(repo) -> dict[str, Any]:
 
 def stub_python_path() -> list[str]:
     """Directories the stub must import from: the project root, then this environment's site-packages."""
-    import dflash_export
-
     project_root = str(Path(dflash_export.__file__).resolve().parent.parent)
     paths = [project_root] + [p for p in site.getsitepackages() if Path(p).is_dir()]
     return list(dict.fromkeys(paths))

@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.tokenization import TextCodec, chat_environment
 
 
 @dataclass
@@ -150,8 +151,6 @@ def _kind(v) -> str:
 def load_codec(engine_dir):
     """The engine's TextCodec, with its files checked first: a malformed tokenizer_config.json, codec.json or
     chat template is one DFlashError naming the file, not a traceback when the first prompt is encoded."""
-    from dflash_export.tokenization import TextCodec
-
     d = Path(engine_dir)
     if (d / "tokenizer.json").is_file():
         cfg_path = d / "tokenizer_config.json"
@@ -174,8 +173,6 @@ def load_codec(engine_dir):
                 raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
         if template:
             import jinja2
-
-            from dflash_export.tokenization import chat_environment
 
             try:  # compiled as tokenization.TextCodec renders it (sandboxed): unknown filters / tests fail here too
                 chat_environment().from_string(template)

@@ -14,6 +14,7 @@ from dflash_export.engines.manifest import MANIFEST, hash_inputs, is_engine_dir,
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.sources import resolve_source
 
 DEFAULT_ROOT = Path("engines")
 
@@ -27,8 +28,6 @@ class BuildResult:
 
 def recipe_inputs(recipe) -> dict[str, str]:
     """Hashes of everything an engine is built from: the recipe file, the target (GGUF or HF dir), the drafter."""
-    from dflash_export.sources import resolve_source
-
     paths = [Path(recipe.path)] if recipe.path else []
     for spec in (recipe.target_path, recipe.drafter_path):
         p = resolve_source(spec)

@@ -33,7 +33,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 TARGET, DRAFTER = "target_verify", "drafter"
@@ -204,8 +204,6 @@ class OrtGraphRunner(GraphRunner):
         try:
             import onnxruntime as ort
         except ImportError:
-            from dflash_export.errors import MissingDependency
-
             raise MissingDependency("onnxruntime is not installed (pip install 'dflash-export[runtime]')") from None
         self.onnx_dir = Path(onnx_dir)
         so = ort.SessionOptions()
@@ -248,8 +246,6 @@ class OrtGraphRunner(GraphRunner):
 def _profile_ranges(path: Path, graph: str, block_size: int, max_seq_len: int) -> dict[str, dict]:
     """{profile name: {input: (min shape, max shape)}} of the TensorRT profiles for this exported graph."""
     import onnx
-
-    from dflash_export.engines.graph_engine import graph_profiles, profile_shapes, vocab_size_of
 
     model = onnx.load(str(path), load_external_data=False)
     return {p.name: {k: (lo, hi) for k, (lo, _, hi) in profile_shapes(model, p).items()}

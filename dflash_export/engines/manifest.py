@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from dflash_export import __version__
 from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
@@ -134,8 +135,6 @@ def library_versions(names=("numpy", "onnx", "onnxruntime", "torch", "transforme
 
 def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
     """Record hashes of every file in `engine_dir` (so tampering or truncation is caught at load) + the manifest."""
-    from dflash_export import __version__
-
     files = {str(p.relative_to(engine_dir)): sha256_file(p) for p in sorted(engine_dir.rglob("*"))
              if p.is_file() and p.name != MANIFEST}
     full = {"manifest_version": MANIFEST_VERSION, "tool": "dflash-export", "tool_version": __version__,
@@ -153,6 +152,162 @@ _REQUIRED = {"onnxruntime": ("engine_format", "vocab_size", "stop_token_ids", "m
              "pytorch": ("recipe_path",), "tensorrt": (), "tensorrt-llm": ()}
 
 
+class _Fields:
+    """Typed reads of one manifest's fields, each failing as a DFlashError naming the manifest and the field."""
+
+    def __init__(self, manifest: dict, path: Path):
+        self.manifest, self.path = manifest, path
+
+    def bad(self, field, message) -> DFlashError:
+        return DFlashError(message, path=self.path, field=field)
+
+    def integer(self, key, minimum, value=None, name=None):
+        v = self.manifest[key] if value is None else value
+        if not _is_int(v):
+            raise self.bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
+        if v < minimum:
+            raise self.bad(name or key, f"must be >= {minimum}, got {v}")
+        return v
+
+    def int_list(self, key, minimum=0, nonempty=False):
+        v = self.manifest[key]
+        if not isinstance(v, list) or (nonempty and not v):
+            raise self.bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {_kind(v)} "
+                                f"({v!r})")
+        for i, x in enumerate(v):
+            self.integer(key, minimum, x, f"{key}[{i}]")
+        return v
+
+    def mapping(self, key):
+        v = self.manifest[key]
+        if not isinstance(v, dict):
+            raise self.bad(key, f"expected a mapping, got {_kind(v)}")
+        return v
+
+    def string(self, key):
+        v = self.manifest[key]
+        if not isinstance(v, str) or not v:
+            raise self.bad(key, f"expected a non-empty string, got {_kind(v)} ({v!r})")
+        return v
+
+
+def _check_backend(f: _Fields) -> str:
+    """The manifest version, the fields every manifest has and those its backend needs; returns the backend."""
+    manifest = f.manifest
+    version = manifest.get("manifest_version", MANIFEST_VERSION)
+    if not _is_int(version) or version != MANIFEST_VERSION:
+        raise f.bad("manifest_version", f"unsupported manifest version {version!r} (this dflash-export reads "
+                                        f"version {MANIFEST_VERSION}): rebuild the engine with this version")
+    for key in ("backend", "files", "block_size", "mask_token_id"):
+        if key not in manifest:
+            raise f.bad(key, "missing field")
+    backend = manifest["backend"]
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise f.bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKEND_NAMES)})")
+    for key in _REQUIRED[backend]:
+        if key not in manifest:
+            raise f.bad(key, f"missing field (a {backend} engine needs it)")
+    return backend
+
+
+def _check_files(f: _Fields) -> None:
+    """`files`: relative paths inside the engine directory, each with a sha256 hex digest."""
+    files = f.manifest["files"]
+    if not isinstance(files, dict):
+        raise f.bad("files", f"expected a mapping of file name to sha256, got {_kind(files)}")
+    for rel, digest in files.items():
+        p = Path(rel)
+        if not rel or p.is_absolute() or ".." in p.parts or rel == MANIFEST:
+            raise f.bad("files", f"{rel!r} is not a file inside the engine directory")
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise f.bad(f"files.{rel}", f"expected a sha256 hex digest, got {digest!r}")
+
+
+def _check_scalars(f: _Fields, backend: str) -> int | None:
+    """The single-valued fields (sizes, token ids, names) and the plain mappings; returns vocab_size (None: absent)."""
+    manifest = f.manifest
+    bs = f.integer("block_size", 2)
+    mask = f.integer("mask_token_id", 0)
+    vocab = f.integer("vocab_size", 2) if "vocab_size" in manifest else None
+    if vocab is not None and mask >= vocab:
+        raise f.bad("mask_token_id", f"{mask} is outside the vocabulary (vocab_size {vocab})")
+    if "max_seq_len" in manifest and f.integer("max_seq_len", 1) < bs:
+        raise f.bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
+    if "stop_token_ids" in manifest:
+        f.int_list("stop_token_ids")
+    if "target_layer_ids" in manifest:
+        f.int_list("target_layer_ids", nonempty=True)
+    for key in ("engine_format", "max_draft_len"):
+        if key in manifest:
+            f.integer(key, 0)
+    for key in ("recipe", "recipe_path", "target", "build_key"):
+        if key in manifest and (manifest[key] is not None or key in _REQUIRED[backend]):
+            f.string(key)
+    if "optimized" in manifest and not isinstance(manifest["optimized"], bool):
+        raise f.bad("optimized", f"expected true or false, got {manifest['optimized']!r}")
+    if "inputs" in manifest:
+        for k, v in f.mapping("inputs").items():
+            if not isinstance(v, str):
+                raise f.bad(f"inputs.{k}", f"expected a sha256 hex digest, got {_kind(v)}")
+    for key in ("engines", "dtypes", "libraries"):
+        if key in manifest:
+            f.mapping(key)
+    return vocab
+
+
+def _check_shapes(f: _Fields) -> None:
+    shapes = f.mapping("shapes")
+    for k in _SHAPE_KEYS:
+        if k not in shapes:
+            raise f.bad("shapes", f"incomplete (no {k!r})")
+        f.integer("shapes", 1, shapes[k], f"shapes.{k}")
+    ids = f.manifest.get("target_layer_ids")
+    if isinstance(ids, list) and any(t >= shapes["target_layers"] for t in ids):
+        raise f.bad("target_layer_ids", f"{ids} outside the target's {shapes['target_layers']} layers (shapes)")
+
+
+def _check_shared_tensors(f: _Fields, backend: str) -> None:
+    shared = f.mapping("shared_tensors")
+    for name, e in shared.items():
+        where = f"shared_tensors.{name}"
+        if not isinstance(e, dict) or not all(k in e for k in ("offset", "length", "shape")):
+            raise f.bad(where, "needs offset, length, shape")
+        f.integer(where, 0, e["offset"], where + ".offset")
+        f.integer(where, 0, e["length"], where + ".length")
+        if not isinstance(e["shape"], list) or not e["shape"]:
+            raise f.bad(where + ".shape", f"expected a non-empty list of integers, got {e['shape']!r}")
+        for d in e["shape"]:
+            f.integer(where, 1, d, where + ".shape")
+    if backend == "onnxruntime" and "shared.embed_tokens" not in shared:
+        raise f.bad("shared_tensors", "no shared.embed_tokens (the embedding table)")
+
+
+def _check_flags(f: _Fields, vocab: int | None) -> None:
+    flags = f.mapping("flags")
+    for key in ("verify_token_cost", "draft_cost"):
+        v = flags.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
+            raise f.bad(f"flags.{key}", f"expected a positive number, got {v!r}")
+    rows = flags.get("plain_step_rows")
+    if rows is not None and (not _is_int(rows) or rows not in (1, 2)):
+        raise f.bad("flags.plain_step_rows", f"expected 1 or 2, got {rows!r}")
+    dv = flags.get("draft_vocab")
+    if dv is not None:
+        f.integer("flags", 2, dv, "flags.draft_vocab")
+        if vocab is not None and dv > vocab:
+            raise f.bad("flags.draft_vocab", f"{dv} is larger than the vocabulary (vocab_size {vocab})")
+
+
+def _check_selector(f: _Fields, vocab: int | None) -> Selector:
+    sel = f.manifest["selector"]
+    if not isinstance(sel, dict) or not all(_is_int(sel.get(k)) for k in ("top_k", "rank")):
+        raise f.bad("selector", "needs integer top_k and rank")
+    f.integer("selector", 1, sel["rank"], "selector.rank")
+    if not 1 < sel["top_k"] <= (vocab or sel["top_k"]):
+        raise f.bad("selector.top_k", f"top_k {sel['top_k']} outside 2..{vocab}")
+    return Selector(sel["top_k"], sel["rank"])
+
+
 def validate_manifest(manifest, path) -> Manifest:
     """Check the structure, types and ranges of every manifest field the loaders use; DFlashError naming `path`
     (the manifest.json) and the field otherwise. Returns the typed `Manifest`.
@@ -161,140 +316,23 @@ def validate_manifest(manifest, path) -> Manifest:
     refused (a manifest without one predates versioning and reads as version 1).
     """
     path = Path(path)
-
-    def bad(field, message):
-        return DFlashError(message, path=path, field=field)
-
     if not isinstance(manifest, dict):
         raise DFlashError(f"expected a JSON object, got {_kind(manifest)}", path=path)
-    version = manifest.get("manifest_version", MANIFEST_VERSION)
-    if not _is_int(version) or version != MANIFEST_VERSION:
-        raise bad("manifest_version", f"unsupported manifest version {version!r} (this dflash-export reads version "
-                                      f"{MANIFEST_VERSION}): rebuild the engine with this version")
-    for key in ("backend", "files", "block_size", "mask_token_id"):
-        if key not in manifest:
-            raise bad(key, "missing field")
-    backend = manifest["backend"]
-    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
-        raise bad("backend", f"unknown backend {backend!r} (known: {', '.join(BACKEND_NAMES)})")
-    for key in _REQUIRED[backend]:
-        if key not in manifest:
-            raise bad(key, f"missing field (a {backend} engine needs it)")
-
-    files = manifest["files"]
-    if not isinstance(files, dict):
-        raise bad("files", f"expected a mapping of file name to sha256, got {_kind(files)}")
-    for rel, digest in files.items():
-        p = Path(rel)
-        if not rel or p.is_absolute() or ".." in p.parts or rel == MANIFEST:
-            raise bad("files", f"{rel!r} is not a file inside the engine directory")
-        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise bad(f"files.{rel}", f"expected a sha256 hex digest, got {digest!r}")
-
-    def integer(key, minimum, value=None, name=None):
-        v = manifest[key] if value is None else value
-        if not _is_int(v):
-            raise bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
-        if v < minimum:
-            raise bad(name or key, f"must be >= {minimum}, got {v}")
-        return v
-
-    def int_list(key, minimum=0, nonempty=False):
-        v = manifest[key]
-        if not isinstance(v, list) or (nonempty and not v):
-            raise bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {_kind(v)} ({v!r})")
-        for i, x in enumerate(v):
-            integer(key, minimum, x, f"{key}[{i}]")
-        return v
-
-    def mapping(key):
-        v = manifest[key]
-        if not isinstance(v, dict):
-            raise bad(key, f"expected a mapping, got {_kind(v)}")
-        return v
-
-    def string(key):
-        v = manifest[key]
-        if not isinstance(v, str) or not v:
-            raise bad(key, f"expected a non-empty string, got {_kind(v)} ({v!r})")
-        return v
-
-    bs = integer("block_size", 2)
-    mask = integer("mask_token_id", 0)
-    vocab = integer("vocab_size", 2) if "vocab_size" in manifest else None
-    if vocab is not None and mask >= vocab:
-        raise bad("mask_token_id", f"{mask} is outside the vocabulary (vocab_size {vocab})")
-    if "max_seq_len" in manifest and integer("max_seq_len", 1) < bs:
-        raise bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
-    if "stop_token_ids" in manifest:
-        int_list("stop_token_ids")
-    if "target_layer_ids" in manifest:
-        int_list("target_layer_ids", nonempty=True)
-    for key in ("engine_format", "max_draft_len"):
-        if key in manifest:
-            integer(key, 0)
-    for key in ("recipe", "recipe_path", "target", "build_key"):
-        if key in manifest and (manifest[key] is not None or key in _REQUIRED[backend]):
-            string(key)
-    if "optimized" in manifest and not isinstance(manifest["optimized"], bool):
-        raise bad("optimized", f"expected true or false, got {manifest['optimized']!r}")
-    if "inputs" in manifest:
-        for k, v in mapping("inputs").items():
-            if not isinstance(v, str):
-                raise bad(f"inputs.{k}", f"expected a sha256 hex digest, got {_kind(v)}")
-    for key in ("engines", "dtypes", "libraries"):
-        if key in manifest:
-            mapping(key)
+    f = _Fields(manifest, path)
+    backend = _check_backend(f)
+    _check_files(f)
+    vocab = _check_scalars(f, backend)
     if "shapes" in manifest:
-        shapes = mapping("shapes")
-        for k in _SHAPE_KEYS:
-            if k not in shapes:
-                raise bad("shapes", f"incomplete (no {k!r})")
-            integer("shapes", 1, shapes[k], f"shapes.{k}")
-        ids = manifest.get("target_layer_ids")
-        if isinstance(ids, list) and any(t >= shapes["target_layers"] for t in ids):
-            raise bad("target_layer_ids", f"{ids} outside the target's {shapes['target_layers']} layers (shapes)")
+        _check_shapes(f)
     if "shared_tensors" in manifest:
-        shared = mapping("shared_tensors")
-        for name, e in shared.items():
-            where = f"shared_tensors.{name}"
-            if not isinstance(e, dict) or not all(k in e for k in ("offset", "length", "shape")):
-                raise bad(where, "needs offset, length, shape")
-            integer(where, 0, e["offset"], where + ".offset")
-            integer(where, 0, e["length"], where + ".length")
-            if not isinstance(e["shape"], list) or not e["shape"]:
-                raise bad(where + ".shape", f"expected a non-empty list of integers, got {e['shape']!r}")
-            for d in e["shape"]:
-                integer(where, 1, d, where + ".shape")
-        if backend == "onnxruntime" and "shared.embed_tokens" not in shared:
-            raise bad("shared_tensors", "no shared.embed_tokens (the embedding table)")
+        _check_shared_tensors(f, backend)
     if "flags" in manifest:
-        flags = mapping("flags")
-        for key in ("verify_token_cost", "draft_cost"):
-            v = flags.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
-                raise bad(f"flags.{key}", f"expected a positive number, got {v!r}")
-        rows = flags.get("plain_step_rows")
-        if rows is not None and (not _is_int(rows) or rows not in (1, 2)):
-            raise bad("flags.plain_step_rows", f"expected 1 or 2, got {rows!r}")
-        dv = flags.get("draft_vocab")
-        if dv is not None:
-            integer("flags", 2, dv, "flags.draft_vocab")
-            if vocab is not None and dv > vocab:
-                raise bad("flags.draft_vocab", f"{dv} is larger than the vocabulary (vocab_size {vocab})")
-    selector = None
-    if manifest.get("selector") is not None:
-        sel = manifest["selector"]
-        if not isinstance(sel, dict) or not all(_is_int(sel.get(k)) for k in ("top_k", "rank")):
-            raise bad("selector", "needs integer top_k and rank")
-        integer("selector", 1, sel["rank"], "selector.rank")
-        if not 1 < sel["top_k"] <= (vocab or sel["top_k"]):
-            raise bad("selector.top_k", f"top_k {sel['top_k']} outside 2..{vocab}")
-        selector = Selector(sel["top_k"], sel["rank"])
+        _check_flags(f, vocab)
+    selector = _check_selector(f, vocab) if manifest.get("selector") is not None else None
     if manifest.get("precision") is not None:
-        for k, v in mapping("precision").items():
+        for k, v in f.mapping("precision").items():
             if not isinstance(v, str):
-                raise bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
+                raise f.bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
     return _typed(manifest, path, selector)
 
 

@@ -26,7 +26,18 @@ from dflash_export.engines.onnxruntime import (
     default_threads,
 )
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.files import check_output_dir, removing_new_dirs
+from dflash_export.export import (
+    ORT_DRAFT_HEAD_FILE,
+    ORT_DRAFTER_FILE,
+    ORT_HEAD_FILE,
+    ORT_TARGET_BATCH_FILE,
+    ORT_TARGET_FILE,
+    SHARED_FILE,
+    export_models,
+)
+from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.recipes import PRECISIONS
+from dflash_export.sources import resolve_source
 
 
 def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
@@ -41,24 +52,6 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
 
     Written in a temporary sibling and renamed when complete (errors.atomic_dir). Returns `out_dir`.
     """
-    import torch
-
-    from dflash_export.checkpoint import load_drafter
-    from dflash_export.export import (
-        ORT_DRAFT_HEAD_FILE,
-        ORT_DRAFTER_FILE,
-        ORT_HEAD_FILE,
-        ORT_TARGET_BATCH_FILE,
-        ORT_TARGET_FILE,
-        SHARED_FILE,
-        export_models,
-    )
-    from dflash_export.export.graph import target_spec
-    from dflash_export.files import atomic_dir
-    from dflash_export.models import load_target
-    from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.sources import resolve_source
-
     ort = _ort()
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
@@ -67,6 +60,36 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     if recipe.dtype != "float32":
         raise DFlashError(f"the onnxruntime backend builds float32 engines (recipe asks {recipe.dtype})",
                           path=recipe.path, field="dtype")
+    target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
+    dspec = drafter.spec(recipe.block_size)
+    precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
+    if drafter.config.is_dflash2 and draft_vocab is not None:
+        raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
+                          "whole vocabulary)", path=recipe.path, field="draft_vocab")
+    with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
+        res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
+                                                 threads)
+        quantization = _quantize_graphs(tmp, precisions, manifest_shared)
+        _copy_tokenizer(target, drafter, tmp)
+        selector = _save_selector(drafter, tmp)
+        manifest = _ort_manifest(recipe, target, drafter, spec, dspec, precisions, quantization, draft_vocab, res,
+                                 manifest_shared)
+        if selector:
+            manifest["selector"] = selector
+        write_manifest(tmp, manifest)
+    return out_dir
+
+
+def _load_pair(recipe, draft_vocab: int | None):
+    """The recipe's target and drafter in float32, checked to fit each other; the target's spec; the draft
+    vocabulary checked against it (None when it is the whole vocabulary: the ordinary head serves)."""
+    import torch
+
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.export.graph import target_spec
+    from dflash_export.models import load_target
+    from dflash_export.models.drafter import check_drafter_fits
+
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
@@ -76,77 +99,88 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                           path=recipe.path, field="draft_vocab")
     if draft_vocab is not None and draft_vocab == spec.vocab_size:
         draft_vocab = None  # the whole vocabulary: the ordinary head serves
-    dspec = drafter.spec(recipe.block_size)
-    bs = dspec.block_size
-    precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
-    if drafter.config.is_dflash2 and draft_vocab is not None:
-        raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
-                          "whole vocabulary)", path=recipe.path, field="draft_vocab")
-    with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
-        export_dir = tmp / "export"
-        export_dir.mkdir()
-        res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
-                            max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
-                            ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
-        manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
-        # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
-        graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD),
-                  (ORT_TARGET_BATCH_FILE, TARGET_BATCH)]
-        if draft_vocab:
-            graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
-        for src, dst in graphs:
-            _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
-        shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
-        shutil.rmtree(export_dir)
-        quantization = {}
-        for fname, role in ((TARGET, "target"), (DRAFTER, "drafter"), (HEAD, "lm_head"), (DRAFT_HEAD, "draft_head"),
-                            (TARGET_BATCH, "target")):
-            if (tmp / fname).is_file() and precisions[role] != "fp32":
-                if role in ("lm_head", "draft_head"):
-                    _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
-                quantization[role] = quantize_graph(tmp / fname, precisions[role])
-        _copy_tokenizer(target, drafter, tmp)
-        selector = None
-        if drafter.config.is_dflash2:  # the walk over the top-k runs on the host with these two tables
-            sel = drafter.candidate_selector
-            for fname, table in ((SELECTOR_FILES[0], sel.predecessor_codebook), (SELECTOR_FILES[1],
-                                                                                  sel.successor_codebook)):
-                np.save(tmp / fname, table.weight.detach().float().numpy())
-            selector = {"top_k": drafter.config.selector_top_k, "rank": drafter.config.selector_rank}
-        manifest = {
-            "backend": "onnxruntime",
-            "engine_format": ENGINE_FORMAT,
-            "recipe": recipe.name,
-            "recipe_path": str(recipe.path) if recipe.path else recipe.name,
-            "inputs": hash_inputs([p for p in (recipe.path, target.model_dir, resolve_source(recipe.drafter_path))
-                                   if p]),
-            "block_size": dspec.block_size,
-            "target_layer_ids": list(dspec.target_layer_ids),
-            "mask_token_id": dspec.mask_token_id,
-            "max_seq_len": recipe.max_seq_len,
-            "stop_token_ids": list(target.stop_token_ids),
-            "vocab_size": spec.vocab_size,
-            "dtypes": {"weights": "float32" if set(precisions.values()) == {"fp32"} else "mixed",
-                       "activations": "float32", "kv_cache": "float32"},
-            "precision": precisions,
-            "quantization": quantization,
-            "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
-                      "lm_head": "own session, prepacked", "draft_vocab": draft_vocab,
-                      "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
-                      **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
-                      "export": res.metadata},
-            "optimized": True,
-            "shared_tensors": manifest_shared,
-            "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
-                       "target_head_dim": spec.head_dim, "drafter_layers": drafter.config.num_hidden_layers,
-                       "drafter_kv_heads": drafter.config.num_key_value_heads,
-                       "drafter_head_dim": drafter.config.head_dim},
-            "export_seconds": round(res.seconds, 2),
-        }
-        if selector:
-            manifest["selector"] = selector
-        write_manifest(tmp, manifest)
-    return out_dir
+    return target, drafter, spec, draft_vocab
+
+
+def _export_optimized(ort, recipe, target, drafter, tmp: Path, bs: int, draft_vocab: int | None,
+                      threads: int | None):
+    """Export the pair's ORT graphs under `tmp`/export, optimize each into `tmp` and move the shared weights there.
+    Returns the export result and the shared tensors' layout."""
+    export_dir = tmp / "export"
+    export_dir.mkdir()
+    res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
+                        max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
+                        ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
+    manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
+    # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
+    graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD),
+              (ORT_TARGET_BATCH_FILE, TARGET_BATCH)]
+    if draft_vocab:
+        graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
+    for src, dst in graphs:
+        _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
+    shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
+    shutil.rmtree(export_dir)
+    return res, manifest_shared
+
+
+def _quantize_graphs(tmp: Path, precisions: dict[str, str], manifest_shared: dict) -> dict:
+    """Quantize every graph whose role is not fp32 (heads first rewritten as MatMuls); returns what each got."""
+    quantization = {}
+    for fname, role in ((TARGET, "target"), (DRAFTER, "drafter"), (HEAD, "lm_head"), (DRAFT_HEAD, "draft_head"),
+                        (TARGET_BATCH, "target")):
+        if (tmp / fname).is_file() and precisions[role] != "fp32":
+            if role in ("lm_head", "draft_head"):
+                _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
+            quantization[role] = quantize_graph(tmp / fname, precisions[role])
+    return quantization
+
+
+def _save_selector(drafter, tmp: Path) -> dict | None:
+    """DFlash 2: save the selector's two codebooks (the walk over the top-k runs on the host with them) and return
+    the manifest's `selector`; None for a DFlash drafter."""
+    if not drafter.config.is_dflash2:
+        return None
+    sel = drafter.candidate_selector
+    for fname, table in ((SELECTOR_FILES[0], sel.predecessor_codebook), (SELECTOR_FILES[1],
+                                                                          sel.successor_codebook)):
+        np.save(tmp / fname, table.weight.detach().float().numpy())
+    return {"top_k": drafter.config.selector_top_k, "rank": drafter.config.selector_rank}
+
+
+def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, str], quantization: dict,
+                  draft_vocab: int | None, res, manifest_shared: dict) -> dict:
+    """The engine's manifest fields (write_manifest adds the files' hashes and the versions)."""
+    return {
+        "backend": "onnxruntime",
+        "engine_format": ENGINE_FORMAT,
+        "recipe": recipe.name,
+        "recipe_path": str(recipe.path) if recipe.path else recipe.name,
+        "inputs": hash_inputs([p for p in (recipe.path, target.model_dir, resolve_source(recipe.drafter_path))
+                               if p]),
+        "block_size": dspec.block_size,
+        "target_layer_ids": list(dspec.target_layer_ids),
+        "mask_token_id": dspec.mask_token_id,
+        "max_seq_len": recipe.max_seq_len,
+        "stop_token_ids": list(target.stop_token_ids),
+        "vocab_size": spec.vocab_size,
+        "dtypes": {"weights": "float32" if set(precisions.values()) == {"fp32"} else "mixed",
+                   "activations": "float32", "kv_cache": "float32"},
+        "precision": precisions,
+        "quantization": quantization,
+        "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
+                  "lm_head": "own session, prepacked", "draft_vocab": draft_vocab,
+                  "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
+                  **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
+                  "export": res.metadata},
+        "optimized": True,
+        "shared_tensors": manifest_shared,
+        "shapes": {"target_layers": spec.num_layers, "target_kv_heads": spec.num_kv_heads,
+                   "target_head_dim": spec.head_dim, "drafter_layers": drafter.config.num_hidden_layers,
+                   "drafter_kv_heads": drafter.config.num_key_value_heads,
+                   "drafter_head_dim": drafter.config.head_dim},
+        "export_seconds": round(res.seconds, 2),
+    }
 
 
 # Block-wise weight quantization by ONNX Runtime's own MatMulNBitsQuantizer: every MatMul with a constant weight becomes
@@ -186,8 +220,6 @@ STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
 def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,
                      quantize_heads: bool | None = None) -> dict[str, str]:
     """The weight precision of each graph of the engine: target, drafter, lm_head, draft_head."""
-    from dflash_export.recipes import PRECISIONS
-
     target = precision or getattr(recipe, "precision", None) or "fp32"
     draft = drafter_precision or (getattr(recipe, "drafter_precision", None) if precision is None else None) or target
     for value, name in ((target, "precision"), (draft, "drafter_precision")):
@@ -270,8 +302,6 @@ def quantize_graph(path: Path, precision: str) -> dict:
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:
     """Where each shared tensor sits in shared_weights.bin (read from the graphs' external-data entries)."""
     import onnx
-
-    from dflash_export.export import SHARED_FILE
 
     out = {}
     for model_path in model_paths:

@@ -20,11 +20,12 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from dflash_export.engines.manifest import Manifest
+from dflash_export.engines.manifest import MANIFEST, Manifest, hash_inputs, read_manifest, write_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir
 from dflash_export.models.config import DFlashSpec
 from dflash_export.recipes import DTYPES, Recipe
+from dflash_export.sources import resolve_source
 
 BACKEND = "tensorrt-llm"
 DRAFTER_DIR = "drafter"
@@ -199,8 +200,6 @@ Paths inside the YAML files are absolute: after moving this directory, rebuild i
 def _input_hashes(drafter_dir: Path, target_dir: Path) -> dict[str, str]:
     """Identity of the inputs: every drafter file, and the target's JSON / tokenizer files. The target's weights are
     referenced, not copied, so they are not read here (hashing 16 GB on every build would dominate it)."""
-    from dflash_export.engines.manifest import hash_inputs
-
     out = hash_inputs([drafter_dir])
     small = [p for p in sorted(target_dir.iterdir()) if p.is_file() and p.suffix in (".json", ".model", ".txt")]
     out.update(hash_inputs(small))
@@ -213,9 +212,7 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
     An existing bundle whose manifest records the same inputs and options is reused as is. The target must be (or
     convert to) an HF checkpoint directory: TensorRT-LLM loads it by path.
     """
-    from dflash_export.engines.manifest import MANIFEST, read_manifest, write_manifest
     from dflash_export.models.target import resolve_target_dir
-    from dflash_export.sources import resolve_source
 
     out_dir = Path(out_dir).resolve()
     target_dir = resolve_target_dir(recipe.target_path).resolve()
@@ -290,8 +287,6 @@ def build_tensorrt_llm(recipe: Recipe, out_dir) -> Path:
 def read_bundle(bundle) -> tuple[Manifest, dict[str, Any]]:
     """(manifest, LLM-API options) of a bundle, with its files checked against the manifest hashes."""
     import yaml
-
-    from dflash_export.engines.manifest import read_manifest
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)

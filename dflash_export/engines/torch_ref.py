@@ -8,9 +8,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_export.checkpoint import load_drafter
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
 from dflash_export.errors import DFlashError
+from dflash_export.models import load_target
+from dflash_export.recipes import load_recipe
 from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
+from dflash_export.tokenization import ByteCodec, TextCodec
 
 
 class _TorchSeq(Sequence):
@@ -34,8 +38,6 @@ class TorchEngine(Engine):
             target_layer_ids=list(spec.target_layer_ids),
         )
         if codec is None:
-            from dflash_export.tokenization import ByteCodec, TextCodec
-
             d = Path(target.model_dir)
             codec = TextCodec.from_dir(d) if (d / "tokenizer.json").is_file() else ByteCodec(
                 target.vocab_size, {drafter.config.mask_token_id})
@@ -43,17 +45,12 @@ class TorchEngine(Engine):
 
     @classmethod
     def from_recipe(cls, recipe) -> TorchEngine:
-        from dflash_export.checkpoint import load_drafter
-        from dflash_export.models import load_target
-
         dtype = getattr(torch, recipe.dtype)
         return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.name,
                    recipe.max_seq_len, block_size=recipe.block_size)
 
     @classmethod
     def from_manifest(cls, engine_dir: Path, manifest, **_) -> TorchEngine:
-        from dflash_export.recipes import load_recipe
-
         return cls.from_recipe(load_recipe(manifest.recipe_path))
 
     def new_sequence(self, max_tokens: int | None = None) -> Sequence:

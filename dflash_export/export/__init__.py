@@ -21,7 +21,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_export import __version__
 from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.models.rope import rope_problem
+from dflash_export.sources import resolve_source
 
 TARGET_FILE = "target_verify.onnx"
 DRAFTER_FILE = "drafter.onnx"
@@ -81,8 +85,6 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     from dflash_export.models.drafter import check_drafter_fits
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
-    from dflash_export.models.rope import rope_problem
-
     t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
     problem = rope_problem(t_rope)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
     if problem:
@@ -178,12 +180,9 @@ def export_recipe(recipe, out_dir) -> ExportResult:
     """
     import torch
 
-    from dflash_export import __version__
     from dflash_export.checkpoint import load_drafter
-    from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
     from dflash_export.models import load_target
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.sources import resolve_source
 
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command="export", is_previous_output=is_export_dir, replaced=True)

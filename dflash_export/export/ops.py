@@ -196,46 +196,45 @@ def _scale_constant() -> onnx.NodeProto:
     return node
 
 
-def fused_verify_function() -> onnx.FunctionProto:
-    """target_logits [B,bs,V] float; draft_tokens [B,n] int64 (n = rows of logits - 1); draft_probs [B,n,V] float;
-    uniforms [B,bs] float -> accept_len [B], emitted_tokens [B,bs] (EMIT_PAD past n_emitted), n_emitted [B] (int64).
+def _i64(name: str, v) -> onnx.NodeProto:
+    return _const_node(name, np.array(v, np.int64))
 
-    Semantics of sampling.verify_block: temperature <= 0 greedy (longest prefix where draft == argmax, then the target's
-    argmax); otherwise rejection sampling in float64 (accept draft i iff u[i]*q < p; on rejection draw from
-    normalize(max(p-q, 0)) — p itself when that is all zero — else the bonus from the last slot's p, both by inverse
-    CDF with u[bs-1]). draft_probs / uniforms are read only when sampling (greedy callers may pass any small array).
-    """
+
+def _leading_accepts(prefix: str, accepted: str) -> list[onnx.NodeProto]:
+    """accept_len = number of leading trues: count positions where no rejection happened so far."""
     n = helper.make_node
-    i64 = lambda name, v: _const_node(name, np.array(v, np.int64))  # noqa: E731
-    temp = helper.make_node("Constant", [], ["temperature_c"])
-    temp.attribute.append(_ref("value_float", "temperature", AttributeProto.FLOAT))
+    return [
+        n("Not", [accepted], [f"{prefix}rej"]),
+        n("Cast", [f"{prefix}rej"], [f"{prefix}rej_i"], to=TensorProto.INT64),
+        n("CumSum", [f"{prefix}rej_i", f"{prefix}ax1"], [f"{prefix}cs"]),
+        n("Equal", [f"{prefix}cs", f"{prefix}zero"], [f"{prefix}ok"]),
+        n("Cast", [f"{prefix}ok"], [f"{prefix}ok_i"], to=TensorProto.INT64),
+        n("ReduceSum", [f"{prefix}ok_i", f"{prefix}ax1v"], [f"{prefix}acc"], keepdims=0),
+    ]
 
-    def leading_accepts(prefix: str, accepted: str) -> list[onnx.NodeProto]:
-        # accept_len = number of leading trues: count positions where no rejection happened so far.
-        return [
-            n("Not", [accepted], [f"{prefix}rej"]),
-            n("Cast", [f"{prefix}rej"], [f"{prefix}rej_i"], to=TensorProto.INT64),
-            n("CumSum", [f"{prefix}rej_i", f"{prefix}ax1"], [f"{prefix}cs"]),
-            n("Equal", [f"{prefix}cs", f"{prefix}zero"], [f"{prefix}ok"]),
-            n("Cast", [f"{prefix}ok"], [f"{prefix}ok_i"], to=TensorProto.INT64),
-            n("ReduceSum", [f"{prefix}ok_i", f"{prefix}ax1v"], [f"{prefix}acc"], keepdims=0),
-        ]
 
-    # Greedy branch: outputs acc [B], last [B,1].
+def _verify_greedy_branch() -> onnx.GraphProto:
+    """FusedVerify's greedy branch (temperature <= 0): outputs acc [B], last [B,1]."""
+    n, i64 = helper.make_node, _i64
     g = "g_"
     greedy_nodes = [
         i64(g + "ax1", 1), i64(g + "ax1v", [1]), i64(g + "zero", 0),
         n("ArgMax", ["target_logits"], [g + "next"], axis=-1, keepdims=0),
         n("Slice", [g + "next", "c_zero1", "n1", "c_one1"], [g + "next_head"]),
         n("Equal", ["draft_tokens", g + "next_head"], [g + "match"]),
-        *leading_accepts(g, g + "match"),
+        *_leading_accepts(g, g + "match"),
         n("Unsqueeze", [g + "acc", "c_one1"], [g + "acc2"]),
         n("GatherElements", [g + "next", g + "acc2"], [g + "last"], axis=1),
     ]
-    greedy = helper.make_graph(greedy_nodes, "greedy", [], [
+    return helper.make_graph(greedy_nodes, "greedy", [], [
         helper.make_tensor_value_info(g + "acc", TensorProto.INT64, None),
         helper.make_tensor_value_info(g + "last", TensorProto.INT64, None)])
 
+
+def _verify_sampling_branch() -> onnx.GraphProto:
+    """FusedVerify's sampling branch: rejection sampling in float64, then the residual (or bonus) token drawn by
+    inverse CDF; outputs acc [B], last [B,1]."""
+    n, i64 = helper.make_node, _i64
     s = "s_"
     sampling_nodes = [
         i64(s + "ax1", 1), i64(s + "ax1v", [1]), i64(s + "zero", 0), i64(s + "ax2", [2]),
@@ -254,7 +253,7 @@ def fused_verify_function() -> onnx.FunctionProto:
         n("Slice", [s + "u", "c_zero1", "n1", "c_one1"], [s + "u_head"]),
         n("Mul", [s + "u_head", s + "q_tok"], [s + "uq"]),
         n("Less", [s + "uq", s + "p_tok"], [s + "accepted"]),
-        *leading_accepts(s, s + "accepted"),
+        *_leading_accepts(s, s + "accepted"),
         # Residual at the stopping slot; q padded with a zero row so the all-accepted case yields p[n] (the bonus).
         n("Shape", [s + "q"], [s + "q_shape"]),
         n("ScatterElements", [s + "q_shape", "c_one1", "c_one1"], [s + "pad_shape"], axis=0),
@@ -287,9 +286,24 @@ def fused_verify_function() -> onnx.FunctionProto:
         n("Sub", [s + "v1", "c_one1"], [s + "vmax"]),
         n("Min", [s + "idx3", s + "vmax"], [s + "last"]),
     ]
-    sampling = helper.make_graph(sampling_nodes, "sampling", [], [
+    return helper.make_graph(sampling_nodes, "sampling", [], [
         helper.make_tensor_value_info(s + "acc", TensorProto.INT64, None),
         helper.make_tensor_value_info(s + "last", TensorProto.INT64, None)])
+
+
+def fused_verify_function() -> onnx.FunctionProto:
+    """target_logits [B,bs,V] float; draft_tokens [B,n] int64 (n = rows of logits - 1); draft_probs [B,n,V] float;
+    uniforms [B,bs] float -> accept_len [B], emitted_tokens [B,bs] (EMIT_PAD past n_emitted), n_emitted [B] (int64).
+
+    Semantics of sampling.verify_block: temperature <= 0 greedy (longest prefix where draft == argmax, then the target's
+    argmax); otherwise rejection sampling in float64 (accept draft i iff u[i]*q < p; on rejection draw from
+    normalize(max(p-q, 0)) — p itself when that is all zero — else the bonus from the last slot's p, both by inverse
+    CDF with u[bs-1]). draft_probs / uniforms are read only when sampling (greedy callers may pass any small array).
+    """
+    n, i64 = helper.make_node, _i64
+    temp = helper.make_node("Constant", [], ["temperature_c"])
+    temp.attribute.append(_ref("value_float", "temperature", AttributeProto.FLOAT))
+    greedy, sampling = _verify_greedy_branch(), _verify_sampling_branch()
 
     nodes = [
         temp,

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_export.kernels import fused_verify, kv_injected_block_attention, triton_available
+from dflash_export.kernels import fused_verify, gpu_lossless, kv_injected_block_attention, triton_available
 from dflash_export.kernels.reference import fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, Shapes, _rope_tables, drafter_step, target_step
 
@@ -274,8 +274,6 @@ def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | Non
         backend = "triton" if triton_available() else "torch"
     report = {"mode": "cpu-dry-run" if cpu else "gpu", "environment": environment(device), "shapes": asdict(shapes),
               "kernel_backend": backend}
-    from dflash_export.kernels import gpu_lossless
-
     pairs = LOSSLESS_PAIRS_CPU if cpu else LOSSLESS_PAIRS
     jobs = {"kernels": lambda: check_kernels(shapes, device, backend),
             # the CPU dry run checks the code path at small sizes (the interpreter runs every program in Python)

@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_export.errors import DFlashError
+from dflash_export.files import atomic_dir
 from dflash_export.models.config import DFlashSpec, DrafterConfig
+from dflash_export.models.rope import rope_inverse_frequencies
+from dflash_export.sampling import probs_from_logits, sample_from
 
 
 class RMSNorm(nn.Module):
@@ -51,8 +54,6 @@ class Rotary(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        from dflash_export.models.rope import rope_inverse_frequencies
-
         inv_freq, scale = rope_inverse_frequencies(config.rope_parameters, config.head_dim,
                                                    config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -224,8 +225,6 @@ class CandidateSelector(nn.Module):
                uniforms=None) -> tuple[np.ndarray, np.ndarray | None]:
         """hidden [n, H], logits [n, V] of one block -> draft tokens [n] and, when sampling, their draft
         distributions [n, V] (float64, the selector's q on its candidates, 0 elsewhere) drawn with `uniforms`[n]."""
-        from dflash_export.sampling import sample_from
-
         unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
         proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
         succ = self.successor_codebook.weight.float()
@@ -366,8 +365,6 @@ class DFlashDrafter(nn.Module):
         """Draft tokens [n] for one block from its logits [n, V] (and hidden [n, H]), plus their draft distributions
         [n, V] (float64) when sampling: argmax / temperature-top-k-top-p draws for DFlash, the candidate selector's
         walk for DFlash 2. `uniforms` [>= n] drive the draws."""
-        from dflash_export.sampling import probs_from_logits, sample_from
-
         if self.config.is_dflash2:
             return self.candidate_selector.select(hidden, logits, anchor, temperature, uniforms)
         if temperature <= 0:
@@ -390,8 +387,6 @@ def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None)
     import json
 
     from safetensors.torch import save_file
-
-    from dflash_export.files import atomic_dir
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     cfg = model.config.to_dict()

@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
-from dflash_export.files import sha256_file
+from dflash_export.files import atomic_dir, cache_dir, sha256_file
+from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
+from dflash_export.models.rope import rope_parameters_of
 
 # Bump when the conversion changes so cached copies are rebuilt. 4: the tokenizer files carry the GGUF's special tokens
 # (SmolLM2: eos <|im_end|>, no BOS added), no GGUF byte copy posing as tokenizer.model, and the transformers-5 config
@@ -51,8 +53,6 @@ def hf_dir_from_gguf(path) -> Path:
     Built on first use under `cache_dir()/targets/<sha256 of the file>/`, then reused. Raises DFlashError naming the
     field when a generation-relevant setting does not survive the conversion.
     """
-    from dflash_export.files import cache_dir
-
     path = Path(path)
     if not path.is_file():
         raise DFlashError("GGUF file not found", path=path)
@@ -65,8 +65,6 @@ def hf_dir_from_gguf(path) -> Path:
     if arch not in ("llama", "qwen3"):
         raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3)", path=path,
                           field="general.architecture")
-    from dflash_export.files import atomic_dir
-
     try:
         with atomic_dir(out) as tmp:
             _convert(path, tmp)
@@ -85,8 +83,6 @@ def _convert(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from dflash_export.models.hfutil import quiet_transformers
 
     quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
@@ -174,8 +170,6 @@ def _chat_template_of(model_dir: Path) -> str | None:
 
 def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that differs."""
-    from dflash_export.models.hfutil import stop_token_ids_of
-
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = meta["general.architecture"]
 
@@ -185,8 +179,6 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
 
     theta = meta.get(f"{arch}.rope.freq_base")
     if theta is not None:
-        from dflash_export.models.rope import rope_parameters_of
-
         got = rope_parameters_of(cfg, model_dir / "config.json", cfg.get("model_type", arch)).get("rope_theta")
         if not math.isclose(float(got or 0.0), float(theta), rel_tol=1e-6):
             fail("rope_theta", float(theta), got)

@@ -12,7 +12,9 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
+from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
+from dflash_export.models.hfutil import quiet_transformers
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -21,9 +23,6 @@ def hf_config(cfg: dict, path, model_type: str = "qwen3"):
     """`cfg` through transformers' config class for `model_type` (Qwen3Config for every DFlash drafter, as z-lab's
     release loads them). A value transformers rejects is a DFlashError naming the file and field."""
     import transformers
-
-    from dflash_export.arch import ARCHS
-    from dflash_export.models.hfutil import quiet_transformers
 
     quiet_transformers()
     arch = ARCHS.get(model_type)

@@ -16,7 +16,10 @@ import torch
 from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
+from dflash_export.sources import resolve_source
+from dflash_export.weights import has_safetensors, weight_files
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -26,12 +29,8 @@ def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence
 
 def resolve_target_dir(path) -> Path:
     """An HF model directory for `path`: an HF directory as is, a `.gguf` file through the cached conversion."""
-    from dflash_export.sources import resolve_source
-
     p = resolve_source(path)
     if p.is_file() and p.suffix == ".gguf":
-        from dflash_export.models.gguf import hf_dir_from_gguf
-
         return hf_dir_from_gguf(p)
     if not p.exists():
         raise DFlashError("target not found", path=p)
@@ -122,8 +121,6 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    from dflash_export.weights import has_safetensors, weight_files
-
     model_dir = resolve_target_dir(path)
     config, _ = read_target_config(model_dir)
     if has_safetensors(model_dir):

@@ -10,8 +10,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash_export.data import sharegpt_prompts
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_file
+from dflash_export.files import atomic_file, cache_dir
+from dflash_export.models.target import tap_hidden_states
 
 SHARD_SIZE = 32
 _DATA_VERSION = 2  # 2: generated data from own_answers (long answers, taps captured while decoding)
@@ -74,8 +76,6 @@ def generate_sequences(target, prompts: Sequence[tuple[int, list[int]]], tap_ids
         for r, f in enumerate(full):
             ids2[r, : len(f)] = torch.tensor(f)
         res = hf(input_ids=ids2, output_hidden_states=True, use_cache=False)
-        from dflash_export.models.target import tap_hidden_states
-
         taps = tap_hidden_states(res.hidden_states, tap_ids)
         for r, ((index, p), f) in enumerate(zip(batch, full)):
             n_p, s = len(p), len(f)
@@ -92,8 +92,6 @@ def teacher_forced_sequences(target, items: Sequence[tuple[int, list[int], int]]
                              batch_size: int = 16, topk: int = 4) -> list[TrainSequence]:
     """`items` = (index, prompt + reply ids, prompt length): one causal forward per batch (right padding cannot affect
     earlier positions) gives the taps of every position and the target's top-k for every reply token."""
-    from dflash_export.models.target import tap_hidden_states
-
     hf = target.hf
     pad = next(iter(target.stop_token_ids), 0)
     out: dict[int, TrainSequence] = {}
@@ -119,8 +117,6 @@ def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tok
     """Where generated data for this (target, taps, lengths, prompt source) is cached."""
     import hashlib
 
-    from dflash_export.files import cache_dir
-
     key = json.dumps({"v": _DATA_VERSION, "target": str(target.model_dir), "config": target.config,
                       "taps": list(tap_ids), "p": max_prompt_tokens, "r": max_new_tokens, "k": topk, "src": source},
                      sort_keys=True, default=str)
@@ -131,8 +127,6 @@ def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str
     """Where pass 1's answer tokens for this (target, lengths, prompt source) are cached: no taps in the key, so a new
     tap choice reuses them (own_answers.feature_shards)."""
     import hashlib
-
-    from dflash_export.files import cache_dir
 
     key = json.dumps({"v": 1, "target": str(target.model_dir), "config": target.config, "p": max_prompt_tokens,
                       "r": max_new_tokens, "src": source}, sort_keys=True, default=str)
@@ -223,8 +217,6 @@ def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, s
     """ShareGPT first-turn prompts of `split`, chat-templated, at most `max_prompt_tokens` tokens, in a seeded order."""
     import random
 
-    from dflash_export.data import sharegpt_prompts
-
     prompts = sharegpt_prompts(split)
     if shuffle:
         random.Random(seed).shuffle(prompts)
@@ -251,8 +243,6 @@ def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tok
     generated one would), in a seeded order. The order is not the prompt-only source's, so the two sets overlap
     only partly and together cover more distinct prompts."""
     import random
-
-    from dflash_export.data import sharegpt_prompts
 
     prompts = [p for p in sharegpt_prompts(split) if p.reply]
     random.Random(seed + 7919).shuffle(prompts)

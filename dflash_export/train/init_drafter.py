@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from dflash_export.errors import DFlashError
-from dflash_export.models.config import DrafterConfig
+from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.rope import legacy_rope_fields
 
@@ -18,8 +18,6 @@ def drafter_from_target(target, num_layers: int, block_size: int, mask_token_id:
     through, hidden_norm = the first copied layer's input norm (what that layer applied to the deepest tap's output in
     the target), norm = the target's final norm. Taps default to z-lab's rule. `recipe_path` names the file that a
     bad setting came from in the error line."""
-    from dflash_export.models.config import default_target_layer_ids
-
     hf_cfg = target.hf.config
     n_t = target.num_layers
     if not 1 <= num_layers < n_t:

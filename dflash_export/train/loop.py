@@ -10,12 +10,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash_export.checkpoint import load_drafter
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
-from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.models.drafter import DFlashDrafter, save_drafter
 from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (
     BlockBatch,
+    LossOut,
     acceptance_stats,
     block_loss,
     build_blocks,
@@ -121,8 +123,6 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
 
 def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict) -> None:
     """`work/checkpoint/` = z-lab drafter + optimizer/step state, replaced atomically as one directory."""
-    from dflash_export.models.drafter import save_drafter
-
     try:
         with atomic_dir(work / "checkpoint") as tmp:
             save_drafter(drafter, tmp / "drafter")
@@ -143,8 +143,6 @@ def load_checkpoint(work: Path):
     """(drafter, train state) of `work/checkpoint`, or None when there is none. A checkpoint that is there but cannot
     be read back whole -- truncated, garbage, half of it missing -- is one DFlashError naming the file, never a
     silent fresh start."""
-    from dflash_export.checkpoint import load_drafter
-
     ck = work / "checkpoint"
     state_path, drafter_dir = ck / "train_state.pt", ck / "drafter"
     if not ck.exists():
@@ -203,20 +201,8 @@ def trainable_parameters(drafter: DFlashDrafter) -> list[torch.nn.Parameter]:
     return [p for n, p in drafter.named_parameters()]
 
 
-def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
-                  heldout: Sequence[TrainSequence], cfg: TrainConfig, work: Path, out: Path | None = None,
-                  start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
-    """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
-    drafter (by held-out implied τ) to `out`. Returns the last log record."""
-    from dflash_export.models.drafter import save_drafter
-
-    torch.manual_seed(cfg.seed)
-    for p in target.hf.parameters():
-        p.requires_grad_(False)
-    gamma = cfg.gamma or default_gamma(cfg.block_size)
-    weights = position_weights(cfg.block_size, gamma)
-    params = trainable_parameters(drafter)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+def _resume_state(opt, start_state: dict | None, out: Path | None) -> tuple[int, float, dict]:
+    """(step, wall seconds so far, best-so-far) to start from; loads the optimizer state when resuming."""
     step, wall0, best = 0, 0.0, {"tau_est": 0.0}
     if start_state is not None:
         opt.load_state_dict(start_state["optimizer"])
@@ -225,6 +211,39 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         # (else a better score recorded for another directory would keep this one empty).
         if start_state.get("best", {}).get("out") == (str(out) if out is not None else None):
             best = start_state["best"]
+    return step, wall0, best
+
+
+def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSequence], vocab, head: torch.Tensor,
+                weights: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[float, LossOut]:
+    """One optimizer step at `step`'s learning rate; returns the rate and the batch's loss and accept figures."""
+    lr = learning_rate(cfg, step)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
+    hidden = train_forward(drafter, target.embed, batch)
+    res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
+    opt.zero_grad(set_to_none=True)
+    res.loss.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return lr, res
+
+
+def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
+                  heldout: Sequence[TrainSequence], cfg: TrainConfig, work: Path, out: Path | None = None,
+                  start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
+    """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
+    drafter (by held-out implied τ) to `out`. Returns the last log record."""
+    torch.manual_seed(cfg.seed)
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    weights = position_weights(cfg.block_size, gamma)
+    params = trainable_parameters(drafter)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step, wall0, best = _resume_state(opt, start_state, out)
     head = target.hf.get_output_embeddings().weight.detach()
     seqs = data_loader()
     if not seqs:
@@ -255,17 +274,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         return rec
 
     while step < cfg.steps and (deadline is None or time.perf_counter() < deadline):
-        lr = learning_rate(cfg, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
-        hidden = train_forward(drafter, target.embed, batch)
-        res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        lr, res = _train_step(drafter, target, opt, params, seqs, vocab, head, weights, cfg, step)
         step += 1
         window.append({"loss": res.loss.item(), **acceptance_stats(res.correct, res.valid)})
         if progress is not None:

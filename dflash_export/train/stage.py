@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
+from dflash_export.checkpoint import load_drafter
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_file, cache_dir, check_output_dir, removing_new_dirs
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
+from dflash_export.models.target import load_target
+from dflash_export.recipes import load_recipe
 from dflash_export.train.data import (
     answers_dir,
     data_dir,
@@ -117,10 +120,6 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
 
     from rich.console import Console
 
-    from dflash_export.files import cache_dir
-    from dflash_export.models.target import load_target
-    from dflash_export.recipes import load_recipe
-
     console = console or Console(stderr=True)
     # Everything the run is told -- options, recipe fields, where it writes -- is checked before any work starts.
     _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed)
@@ -193,29 +192,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     """run_train after its checks: the start drafter, data, training, the prompt list."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    start_state = None
-    drafter = None
-    if resume:
-        loaded = load_checkpoint(work)
-        if loaded is not None:
-            drafter, start_state = loaded
-            _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
-            console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
-        else:
-            console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
-    if drafter is None and init_from is not None:
-        from dflash_export.checkpoint import load_drafter
-
-        drafter = load_drafter(init_from, dtype=torch.float32)
-        _check_start(drafter, target, opts.block_size, Path(init_from))
-        if drafter.config.num_hidden_layers != opts.draft_layers:
-            n = drafter.config.num_hidden_layers
-            drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
-            console.print(f"growing {init_from} from {n} to {opts.draft_layers} layers (the new ones start as "
-                          "identities)")
-    if drafter is None:
-        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids,
-                                      recipe_path=recipe.path)
+    drafter, start_state = _start_drafter(recipe, opts, target, mask_id, work, resume, init_from, console)
     tap_ids = drafter.config.target_layer_ids
 
     train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts, seed)
@@ -235,16 +212,9 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                     ("train data", train_src, ddir, opts.num_prompts, False, src_name)):
                 if n == 0:
                     continue
-                task = bar.add_task(name, total=n, info="")
-                progress = _progress(bar, task, name, console, log_lines=data_only)
-                if tf:
-                    generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
-                                    opts.soft_topk, teacher_forced=True, progress=progress)
-                else:  # the target's own answers: tokens (pass 1, taps captured) then any missing features (pass 2)
-                    own_answer_data(target, src, directory,
-                                    answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
-                                    tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress,
-                                    part=part if kind == src_name else (0, 1))
+                progress = _progress(bar, bar.add_task(name, total=n, info=""), name, console, log_lines=data_only)
+                _make_data(target, opts, src, directory, tap_ids, n, tf, kind,
+                           part if kind == src_name else (0, 1), progress)
         heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
@@ -257,33 +227,83 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
         if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
                               "--no-generate)", path=ddir)
-        cfg = TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,
-                          lr_decay_steps=opts.lr_decay_steps, lr_min_ratio=opts.lr_min_ratio,
-                          batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
-                          soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
-                          minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+        cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes)
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
         work.mkdir(parents=True, exist_ok=True)
-        log_path = work / "curve.jsonl"
-
-        def log(rec):
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if rec.get("event") == "checkpoint":
-                bar.console.print(" ".join(f"{k}={v}" for k, v in rec.items() if k != "event"))
-
         result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
                                progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
-                               log=log)
+                               log=_curve_logger(work / "curve.jsonl", bar))
     if opts.prompts == "sharegpt":
-        indices = sorted({s.index for s in loader()})  # a prompt can be in both the generated and teacher-forced sets
-        try:
-            with atomic_file(out.parent / f"{out.name}-train-prompts.txt") as f:
-                f.write("# ShareGPT V3 record indices whose first-turn prompt this drafter was trained on\n")
-                f.write("\n".join(str(i) for i in indices) + "\n")
-        except OSError as e:
-            raise DFlashError(f"cannot write the prompt list ({e.strerror or e})", path=out.parent) from None
+        _write_prompt_list(out, loader)
     console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
                   f"at step {result['best'].get('step')})")
     return result
+
+
+def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool, init_from, console):
+    """(drafter, training state) to start from: the last checkpoint when resuming, else `init_from` grown to the
+    recipe's depth, else a drafter made from the target (state None: step 0)."""
+    start_state = None
+    drafter = None
+    if resume:
+        loaded = load_checkpoint(work)
+        if loaded is not None:
+            drafter, start_state = loaded
+            _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
+            console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
+        else:
+            console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
+    if drafter is None and init_from is not None:
+        drafter = load_drafter(init_from, dtype=torch.float32)
+        _check_start(drafter, target, opts.block_size, Path(init_from))
+        if drafter.config.num_hidden_layers != opts.draft_layers:
+            n = drafter.config.num_hidden_layers
+            drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
+            console.print(f"growing {init_from} from {n} to {opts.draft_layers} layers (the new ones start as "
+                          "identities)")
+    if drafter is None:
+        drafter = drafter_from_target(target, opts.draft_layers, opts.block_size, mask_id, opts.target_layer_ids,
+                                      recipe_path=recipe.path)
+    return drafter, start_state
+
+
+def _make_data(target, opts, src, directory: Path, tap_ids, n: int, teacher_forced: bool, kind, part,
+               progress) -> None:
+    """One data set's shards: teacher-forced replies, or the target's own answers (tokens in pass 1, taps captured,
+    then any missing features in pass 2)."""
+    if teacher_forced:
+        generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                        opts.soft_topk, teacher_forced=True, progress=progress)
+    else:
+        own_answer_data(target, src, directory, answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
+                        tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress, part=part)
+
+
+def _train_config(opts, seed: int, steps, minutes, checkpoint_minutes) -> TrainConfig:
+    return TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,
+                       lr_decay_steps=opts.lr_decay_steps, lr_min_ratio=opts.lr_min_ratio,
+                       batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
+                       soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
+                       minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+
+
+def _curve_logger(log_path: Path, bar):
+    """The training loop's `log`: every record appended to curve.jsonl, checkpoints also printed above the bars."""
+    def log(rec):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if rec.get("event") == "checkpoint":
+            bar.console.print(" ".join(f"{k}={v}" for k, v in rec.items() if k != "event"))
+    return log
+
+
+def _write_prompt_list(out: Path, loader) -> None:
+    """Beside a drafter trained on ShareGPT prompts: the record indices of its prompts."""
+    indices = sorted({s.index for s in loader()})  # a prompt can be in both the generated and teacher-forced sets
+    try:
+        with atomic_file(out.parent / f"{out.name}-train-prompts.txt") as f:
+            f.write("# ShareGPT V3 record indices whose first-turn prompt this drafter was trained on\n")
+            f.write("\n".join(str(i) for i in indices) + "\n")
+    except OSError as e:
+        raise DFlashError(f"cannot write the prompt list ({e.strerror or e})", path=out.parent) from None

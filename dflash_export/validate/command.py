@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.manifest import read_manifest
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import CheckFailed, DFlashError
+from dflash_export.files import check_output_dir
+from dflash_export.recipes import load_recipe
+from dflash_export.runtime import DFlashRuntime
+from dflash_export.validate.report import summary_rows, write_report
+from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
+from dflash_export.validate.suites import encode_prompt, load_suite
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -27,8 +36,6 @@ def default_engine_dir(recipe_name: str) -> Path:
 def check_engine_recipe(engine_dir: Path, recipe):
     """The engine's validated manifest; DFlashError when it was built for another recipe (measuring it against this
     recipe's reference would mislead). Shared by `validate` and `bench`."""
-    from dflash_export.engines.manifest import read_manifest
-
     manifest = read_manifest(engine_dir)
     built_for = manifest.recipe
     if built_for and built_for != recipe.name:
@@ -39,8 +46,6 @@ def check_engine_recipe(engine_dir: Path, recipe):
 
 def open_engine(engine_dir: Path, recipe):
     """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
-    from dflash_export.engines.registry import load_engine
-
     manifest = check_engine_recipe(engine_dir, recipe)
     recorded = ("tool_version", "libraries", "dtype", "build_flags", "precision", "quantization")
     meta = {"dir": str(engine_dir), "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
@@ -49,9 +54,6 @@ def open_engine(engine_dir: Path, recipe):
 
 def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> None:
     """Refuse, before minutes of generation, a prompt the engine cannot take (too long for max_seq_len)."""
-    from dflash_export.engines.base import SamplingParams
-    from dflash_export.runtime import DFlashRuntime
-
     runtime = DFlashRuntime(engine)
     for p, (_, ids) in zip(prompts, encoded):
         try:
@@ -64,10 +66,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
                  repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
-    from dflash_export.files import check_output_dir
-    from dflash_export.recipes import load_recipe
-    from dflash_export.validate.suites import encode_prompt, load_suite
-
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
         check_output_dir(report_dir, "--report")
     recipe = load_recipe(recipe_name)
@@ -79,8 +77,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
         check_fits(engine, prompts, encoded, max_new_tokens, path)
-        from dflash_export.validate.runner import Reference, ValidateOptions
-
         reference = Reference.from_recipe(recipe)
         opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
                                repeats=repeats, top_k=top_k, top_p=top_p)
@@ -93,9 +89,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
 def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, report_dir, show_progress=False,
                     echo=print):
     """Run, write the report, print the summary; CheckFailed (exit 1) when a threshold fails."""
-    from dflash_export.validate.report import summary_rows, write_report
-    from dflash_export.validate.runner import run_validation
-
     report = run_validation(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, show_progress)
     out = Path(report_dir) if report_dir else Path("reports") / "validate" / recipe.name / engine.info.backend
     files = write_report(report, out)

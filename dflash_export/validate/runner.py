@@ -15,8 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from dflash_export import __version__
 from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.engines.manifest import library_versions
 from dflash_export.errors import DFlashError
+from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
+from dflash_export.runtime import DFlashRuntime
+from dflash_export.sampling import probs_from_logits
 from dflash_export.validate import checks
 from dflash_export.validate.instrument import InstrumentedEngine
 
@@ -92,9 +97,6 @@ class ValidationReport:
 
 def environment_info() -> dict[str, Any]:
     """Library versions and the machine, so a report says what it was measured on."""
-    from dflash_export import __version__
-    from dflash_export.engines.manifest import library_versions
-
     env: dict[str, Any] = {"tool_version": __version__, "versions": library_versions(("numpy", "scipy", "onnx",
                            "onnxruntime", "torch", "transformers", "tokenizers", "tensorrt", "matplotlib")),
                            "machine": {"platform": platform.platform(), "processor": platform.processor() or
@@ -260,8 +262,6 @@ def _distribution_check(runtime, reference: Reference, prompts: list[tuple[str, 
     token the target gives probability 0 fails outright. `own_engine` (quantized engines): the conditionals are the
     engine's own plain decoding's instead of the fp32 reference's -- what a quantized engine's DFlash owes exactness to.
     """
-    from dflash_export.sampling import probs_from_logits
-
     n_tok = opts.dist_tokens or block_size + 1
     sp_base = dict(max_new_tokens=n_tok, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
     nodes: dict[tuple, tuple[np.ndarray, dict[int, int]]] = {}
@@ -310,8 +310,6 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
                    opts: ValidateOptions | None = None, suite: dict[str, Any] | None = None,
                    engine_meta: dict[str, Any] | None = None, show_progress: bool = False) -> ValidationReport:
     """Run every check of one engine on encoded `prompts` [(id, token ids)] and judge it by `recipe.thresholds`."""
-    from dflash_export.runtime import DFlashRuntime
-
     opts = opts or ValidateOptions()
     if not prompts:
         raise DFlashError("no prompts to validate on", field="--suite")
@@ -346,12 +344,21 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
                                else {"ran": False, "reason": ("temperature 0" if opts.temperature <= 0 else
                                                               "--dist-samples 0") + ": sampled check skipped"})
 
-    n = len(rows)
     # Lossless is owed against plain decoding on the same engine at its precision; a quantized engine's agreement with
     # the fp32 reference is reported (identical prompts, first divergences, the reference's logit margins there).
     key = "own_ar_identical" if quantized else "identical"
+    report.greedy = _greedy_summary(rows, key, quantized)
+    report.acceptance = _acceptance_summary(prompts, rows, raws, bs)
+    report.speed = _speed_summary(raws, report.acceptance["tau"])
+    report.thresholds = _judge(report, recipe.thresholds, rows, key, quantized, opts, run_dist)
+    return report
+
+
+def _greedy_summary(rows: list[dict], key: str, quantized: bool) -> dict[str, Any]:
+    """Greedy losslessness over the prompts, judged by each row's `key` (identical to which plain decoding)."""
+    n = len(rows)
     identical = sum(r[key] for r in rows)
-    report.greedy = {
+    return {
         "identical_fraction": identical / n, "identical": identical, "prompts": n,
         "judged_against": "the engine's own plain decoding" if quantized else "the reference's plain decoding",
         "own_ar_identical_fraction": sum(r["own_ar_identical"] for r in rows) / n,
@@ -364,15 +371,19 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         "deterministic": all(r["deterministic"] for r in rows),
         "per_prompt": rows,
     }
+
+
+def _acceptance_summary(prompts: list[tuple[str, list[int]]], rows: list[dict], raws: list[dict],
+                        bs: int) -> dict[str, Any]:
+    """Acceptance lengths (replayed and online) with the prompt-lookup yardstick; adds each row's
+    `tau_prompt_lookup`."""
     lengths = [x for r in raws for x in r["lengths"]]
     online = [x for r in raws for x in r["online"]]
     # the prompt-lookup yardstick, replayed on the engine's own output tokens with full blocks of bs (no decode)
-    from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
-
     lookup = [prompt_lookup_steps(ids, r["answer"], bs) for (_, ids), r in zip(prompts, raws)]
     for row, steps in zip(rows, lookup):
         row["tau_prompt_lookup"] = pooled_tau([steps])
-    report.acceptance = {
+    return {
         "block_size": bs, "tau": float(np.mean(lengths)) if lengths else 1.0,
         "tau_online": float(np.mean(online)) if online else 1.0, "steps": len(lengths),
         "tau_prompt_lookup": pooled_tau(lookup),
@@ -380,9 +391,12 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         "histogram_online": {str(k + 1): c for k, c in enumerate(checks.histogram(online, bs))},
         "tau_per_prompt": [r["tau"] for r in rows], "tau_online_per_prompt": [r["tau_online"] for r in rows],
     }
-    report.speed = _speed_summary(raws, report.acceptance["tau"])
 
-    th = recipe.thresholds
+
+def _judge(report: ValidationReport, th, rows: list[dict], key: str, quantized: bool, opts: ValidateOptions,
+           run_dist: bool) -> list[dict[str, Any]]:
+    """The report's figures against the recipe's thresholds `th`, each with a note saying what failed."""
+    n = len(rows)
     bad = [r for r in rows if not r[key]]
     note = "against the engine's own AR" if quantized else ""
     if bad:
@@ -390,7 +404,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         where = r["own_ar_first_divergence"] if quantized else r["first_divergence"]
         note = (f"{len(bad)} prompt(s) differ; first: {r['id']} at token {where} "
                 f"({'vs own AR' if quantized else r['diagnosis']})")
-    report.thresholds = [
+    thresholds = [
         _threshold("identical_fraction", report.greedy["identical_fraction"], th.min_identical_fraction, note),
         _threshold("tau", report.acceptance["tau"], th.min_tau,
                    f"online tau {report.acceptance['tau_online']:.2f}; prompt-lookup yardstick "
@@ -400,16 +414,16 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     ]
     if opts.repeats > 1:
         nondet = [r["id"] for r in rows if not r["deterministic"]]
-        report.thresholds.append(_threshold(
+        thresholds.append(_threshold(
             "deterministic_fraction", 1 - len(nondet) / n, 1.0,
             f"outputs changed between repeated runs: {', '.join(map(str, nondet[:5]))}" if nondet else ""))
     if run_dist:
         d = report.distribution
-        report.thresholds.append(_threshold(
+        thresholds.append(_threshold(
             "distribution_p_value", d["p_value"], th.min_distribution_p_value,
             f"{d['test']}, {d['tested_tokens']} tokens" + (f", {d['impossible_tokens']} impossible tokens"
                                                            if d["impossible_tokens"] else "")))
-    return report
+    return thresholds
 
 
 def _speed_summary(raws: list[dict], tau: float) -> dict[str, Any]:
