@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         "rss_mib": [(round(t), round(r / 2**20)) for t, r in rss[::max(1, len(rss) // 40)]],
         "rss_growth_after_warmup": round(growth, 4),
         "kv_reserved_mib": {"after_warmup": round(kv_base / 2**20), "at_end": round(kv_tail / 2**20),
-                            "peak": round(max([n for _, _, n in kv_events] or [0]) / 2**20)},
+                            "peak": round(max([kv_at(t) for t, _, _ in kv_events] or [0]) / 2**20)},
         "rss_growth_beyond_kv": round(beyond_kv, 4),
         "server_alive_at_end": alive_at_end, "server_restarts": restarts, "serve_exit_code": serve_rc,
         "wrong_outputs": wrong, "unexpected_statuses": unexpected, "http_5xx": five_xx,
