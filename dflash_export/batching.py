@@ -383,13 +383,15 @@ class BatchingService:
     """
 
     def __init__(self, engine, max_batch: int = 8, max_queued_tokens: int = 65536, on_resize=None,
-                 **runtime_kwargs):
-        """`on_resize(bytes, slots, capacity)`: called whenever the batch's K/V buffers are reallocated or released."""
+                 idle_release_s: float = 5.0, **runtime_kwargs):
+        """`on_resize(bytes, slots, capacity)`: called whenever the batch's K/V buffers are reallocated or released.
+        The buffers stay allocated between requests and are freed once the batch has been idle `idle_release_s`."""
         import threading
 
         self.runtime = BatchingRuntime(engine, max_batch, max_queued_tokens, **runtime_kwargs)
         self.on_resize = on_resize
-        self.runtime.batch.on_resize = on_resize
+        self.idle_release_s = idle_release_s
+        self._configure(self.runtime.batch)
         self.engine = engine
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -429,11 +431,16 @@ class BatchingService:
                 with self._lock:
                     self.runtime.cancel(req)
 
+    def _configure(self, batch: BatchedOrtEngine) -> None:
+        batch.on_resize = self.on_resize
+        batch.keep_buffers = True
+
     def _loop(self) -> None:
         while True:
             with self._lock:
                 while not self._closed and self.runtime.idle:
-                    self._work.wait()
+                    if not self._work.wait(timeout=self.idle_release_s):
+                        self.runtime.batch.release()  # idle for a while: give the K/V memory back
                 if self._closed:
                     return
                 try:
@@ -459,7 +466,7 @@ class BatchingService:
                 req.on_event(exc)
         rt.queued_tokens = 0
         rt.batch = BatchedOrtEngine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
-        rt.batch.on_resize = self.on_resize
+        self._configure(rt.batch)
         if self.on_resize is not None:
             self.on_resize(0, 0, 0)
 

@@ -4,6 +4,8 @@ the tokens it gets run alone; batched logits and drafts match the reference / th
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -263,7 +265,7 @@ def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(bu
     from dflash_export.batching import BatchingService
 
     _, eng, _ = built
-    svc = BatchingService(eng, max_batch=3)
+    svc = BatchingService(eng, max_batch=3, idle_release_s=0.2)
     got, errors = {}, []
 
     def client(i):
@@ -284,7 +286,11 @@ def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(bu
         dropped.close()  # the consumer went away: cancelled at the next step boundary
         assert [t for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=5)) for t in ev.tokens] == \
             reference[0][:5]
-        assert not svc.runtime.active and svc.runtime.batch.kv_bytes == 0
+        assert not svc.runtime.active
+        deadline = time.monotonic() + 30  # the K/V buffers outlive the last request until the batch idles 0.2 s
+        while svc.runtime.batch.kv_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.runtime.batch.kv_bytes == 0
     finally:
         svc.close()
 
@@ -309,4 +315,15 @@ def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_emptie
     assert (slots, cap) == (2, 90) and target_part == slots * cap * per_token and nbytes > target_part
     for s in list(seqs):
         batch.remove(s)
+    assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0
+    # a server's batch keeps them across an empty moment (reused, not reallocated) until it releases them
+    batch.keep_buffers = True
+    s = batch.add(90)
+    batch.prefill([s], [[1, 2, 3]])
+    held, n_events = batch.kv_bytes, len(seen)
+    batch.remove(s)
+    s = batch.add(60)
+    assert batch.kv_bytes == held and len(seen) == n_events and s.slot == 0
+    batch.remove(s)
+    batch.release()
     assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0

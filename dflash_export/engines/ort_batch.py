@@ -100,6 +100,10 @@ class BatchedOrtEngine:
         # Called with (bytes, slots, target capacity) whenever the K/V buffers are reallocated or released: the
         # served model logs it, so memory growth under load can be told apart from K/V growth (benchmarks/soak.py).
         self.on_resize = None
+        # True: the buffers outlive an emptied batch (reused by the next requests, freed by `release`) -- a server
+        # whose batch empties and refills every few seconds would otherwise free and reallocate hundreds of MB each
+        # time, and the freed heap pages stay in its RSS.
+        self.keep_buffers = False
         e = engine
         self._t_shape = (e.t_kv_heads, e.t_head_dim)
         self._d_shape = (e.d_kv_heads, e.d_head_dim)
@@ -140,10 +144,16 @@ class BatchedOrtEngine:
             self.seqs[hole] = mover
         self.seqs.pop()
         seq.slot = -1
-        if not self.seqs:  # an idle engine holds no K/V
-            self._buf = _Buffers()
-            if self.on_resize is not None:
-                self.on_resize(0, 0, 0)
+        if not self.seqs and not self.keep_buffers:  # an idle engine holds no K/V
+            self.release()
+
+    def release(self) -> None:
+        """Free the K/V buffers if no sequence is active (a server calls it once the batch has been idle a while)."""
+        if self.seqs or not self._buf.slots:
+            return
+        self._buf = _Buffers()
+        if self.on_resize is not None:
+            self.on_resize(0, 0, 0)
 
     def _reserve(self, slots: int, t_need: int, d_need: int = 0) -> None:
         b = self._buf
