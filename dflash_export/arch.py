@@ -12,19 +12,12 @@ from dataclasses import dataclass
 class ArchSpec:
     model_type: str
     hf_architecture: str          # HF `architectures[0]`
-    qk_norm: bool                 # per-head RMSNorm on q and k before RoPE (Qwen3)
-    attention_bias_field: str     # config field that says whether q/k/v/o carry a bias
-    gguf_arch: str | None         # `general.architecture` in a GGUF file
+    qk_norm: bool                 # per-head RMSNorm on q and k before RoPE (Qwen3): models/target, export/graph
+    gguf_arch: str | None         # `general.architecture` in a GGUF file this project converts: models/gguf
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_norm=True, attention_bias_field="attention_bias", gguf_arch="qwen3"),
-    "llama": ArchSpec("llama", "LlamaForCausalLM", qk_norm=False, attention_bias_field="attention_bias", gguf_arch="llama"),
+    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_norm=True, gguf_arch="qwen3"),
+    "llama": ArchSpec("llama", "LlamaForCausalLM", qk_norm=False, gguf_arch="llama"),
 }
 
-
-def arch_for(model_type: str) -> ArchSpec:
-    try:
-        return ARCHS[model_type]
-    except KeyError:
-        raise KeyError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ARCHS))}") from None

@@ -130,3 +130,16 @@ def test_smollm2_converted_tokenizer_is_the_gguf_s_for_other_readers():
     assert tok("hi there").input_ids == tok("hi there", add_special_tokens=False).input_ids  # nothing prepended
     text = "naïve café — 日本語 🎉\n\n  spaces\t<|im_end|>"
     assert tok.decode(tok(text).input_ids) == text
+
+
+def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkeypatch):
+    """The supported GGUF architectures come from arch.ARCHS (llama, qwen3); another one is refused by name."""
+    from dflash_export.models import gguf
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "read_gguf_metadata", lambda path: _meta(**{"general.architecture": "gemma3"}))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    with pytest.raises(DFlashError) as e:
+        hf_dir_from_gguf(f)
+    assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3)" in str(e.value)

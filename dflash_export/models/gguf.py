@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
@@ -62,8 +63,9 @@ def hf_dir_from_gguf(path) -> Path:
         return out
     meta = read_gguf_metadata(path)
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen3)", path=path,
+    known = sorted(a.gguf_arch for a in ARCHS.values() if a.gguf_arch)
+    if arch not in known:
+        raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
                           field="general.architecture")
     try:
         with atomic_dir(out) as tmp:
