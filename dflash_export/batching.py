@@ -43,7 +43,7 @@ import numpy as np
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _pick
+from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
 from dflash_export.sampling import probs_from_logits, verify_block, verify_length
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
@@ -75,13 +75,17 @@ class _Active:
     def __init__(self, req: Request, seq: BatchSeq, stop_ids: set[int]):
         self.req, self.seq, self.stop_ids = req, seq, stop_ids
         self.rng = np.random.default_rng(req.sp.seed)
-        self.produced = 0
+        self.emit = _Emitter(req.sp, stop_ids, req.stats, req.submitted_s)  # DFlashRuntime's stop / length cut
         self.last = -1
         self.misses = self.skip = 0
         self.n_draft = 0
         self.drafts: np.ndarray | None = None
         self.draft_probs = None
         self.block_len = 0
+
+    @property
+    def produced(self) -> int:
+        return self.emit.produced
 
 
 class BatchingRuntime:
@@ -158,22 +162,7 @@ class BatchingRuntime:
     # The step -----------------------------------------------------------------------------------------------------
 
     def _emit(self, act: _Active, new: list[int], accept: int | None) -> StepEvent:
-        out, reason = [], None
-        sp, stats = act.req.sp, act.req.stats
-        for t in new:
-            out.append(t)
-            act.produced += 1
-            if t in act.stop_ids:
-                reason = "stop"
-                break
-            if act.produced >= sp.max_new_tokens:
-                reason = "length"
-                break
-        stats.tokens.extend(out)
-        if reason:
-            stats.finish_reason = reason
-            stats.total_s = time.perf_counter() - act.req.submitted_s
-        ev = StepEvent(out, accept, reason is not None, reason)
+        ev = act.emit(new, accept)
         act.req.events.append(ev)
         if act.req.on_event is not None:
             act.req.on_event(ev)

@@ -216,7 +216,7 @@ def test_scheduler_verifies_less_as_load_grows(built):
         for _ in range(n):
             a = _Active.__new__(_Active)
             a.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100)})()
-            a.produced, a.block_len = 0, bs
+            a.emit, a.block_len = type("E", (), {"produced": 0})(), bs  # nothing produced yet
             a.seq = type("S", (), {"draft_confidence": conf})()
             out.append(a)
         return out
