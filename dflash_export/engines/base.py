@@ -67,6 +67,13 @@ class EngineInfo:
     verify_token_cost: float | None = None
     draft_cost: float | None = None
 
+    def check_room(self, total: int) -> None:
+        """Refuse a step that would take a sequence to `total` tokens, past max_seq_len (every engine's caches and
+        profiles end there)."""
+        if total > self.max_seq_len:
+            raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len {self.max_seq_len}",
+                              field="max_tokens")
+
 
 class Sequence:
     """Per-request state. `length` = committed tokens in the target cache; the next anchor sits at `length`."""

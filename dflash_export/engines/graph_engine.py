@@ -106,9 +106,7 @@ class GraphEngine(Engine):
         """ids [S] at positions seq.length.. through the target; its K/V appended to seq.t_kv."""
         s = len(ids)
         total = seq.length + s
-        if total > self.info.max_seq_len:
-            raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len "
-                              f"{self.info.max_seq_len}", field="max_tokens")
+        self.info.check_room(total)
         if seq.t_kv.length != seq.length:  # the cache must hold exactly the committed tokens
             raise DFlashError(f"target cache holds {seq.t_kv.length} rows for {seq.length} committed tokens")
         feeds = {"input_ids": ids.reshape(1, s), "position_ids": np.arange(seq.length, total, dtype=np.int64)[None],

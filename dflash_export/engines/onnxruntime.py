@@ -251,9 +251,7 @@ class OrtEngine(Engine):
         """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns hidden rows, ctx."""
         s = len(ids)
         total = seq.length + s
-        if total > self.info.max_seq_len:
-            raise DFlashError(f"sequence would reach {total} tokens, over the engine's max_seq_len "
-                              f"{self.info.max_seq_len}", field="max_tokens")
+        self.info.check_room(total)
         if s == 1 and self.plain_step_rows == 2 and total < self.info.max_seq_len:
             # One token runs as two rows (the second a copy whose K/V row lies past the committed length and is
             # overwritten by the next step): GroupQueryAttention's one-row path rounds differently from its

@@ -10,7 +10,6 @@ import torch
 
 from dflash_export.checkpoint import load_drafter
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
-from dflash_export.errors import DFlashError
 from dflash_export.models import load_target
 from dflash_export.recipes import load_recipe
 from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
@@ -56,16 +55,10 @@ class TorchEngine(Engine):
     def new_sequence(self, max_tokens: int | None = None) -> Sequence:
         return _TorchSeq(self.target.new_cache(), self.drafter.new_cache())
 
-    def _check_room(self, seq: _TorchSeq, rows: int) -> None:
-        """As every compiled engine: no step past max_seq_len (their caches and profiles end there)."""
-        if seq.length + rows > self.info.max_seq_len:
-            raise DFlashError(f"sequence would reach {seq.length + rows} tokens, over the engine's max_seq_len "
-                              f"{self.info.max_seq_len}", field="max_tokens")
-
     @torch.inference_mode()
     def prefill(self, seq: _TorchSeq, input_ids: np.ndarray) -> np.ndarray:
         n = len(input_ids)
-        self._check_room(seq, n)
+        self.info.check_room(seq.length + n)
         pos = torch.arange(n)[None]
         out = self.target.forward(torch.from_numpy(input_ids)[None], pos, seq.t_cache, self.info.target_layer_ids)
         seq.length = n
@@ -74,7 +67,7 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def decode(self, seq: _TorchSeq, token: int) -> np.ndarray:
-        self._check_room(seq, 1)
+        self.info.check_room(seq.length + 1)
         out = self.target.forward(torch.tensor([[token]]), torch.tensor([[seq.length]]), seq.t_cache)
         seq.length += 1
         return out.logits[0, -1].float().numpy()
@@ -107,7 +100,7 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def verify(self, seq: _TorchSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
         bs = len(block)
-        self._check_room(seq, bs)
+        self.info.check_room(seq.length + bs)
         pos = torch.arange(seq.length, seq.length + bs)[None]
         out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
         logits = out.logits[0].double().numpy()
