@@ -49,16 +49,10 @@ class BatchSeq(Sequence):
         self.max_tokens = max_tokens
         self.d_len = 0                            # drafter context K/V rows cached
         # Context features not yet in the drafter's cache, as chunks (a commit appends one: no copying of what is
-        # already pending, however long a sequence goes without drafting); positions ctx_start, ctx_start + 1, ...
+        # already pending, however long a sequence goes without drafting); their positions are d_len, d_len + 1, ...
         self.ctx_parts: list[np.ndarray] = []
-        self.ctx_start = 0
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
-
-    @property
-    def pending(self) -> int:
-        """Context rows waiting for the drafter."""
-        return sum(len(p) for p in self.ctx_parts)
 
     def pending_context(self) -> np.ndarray:
         """The pending features as one array [n, H_drafter] (kept as one chunk from then on)."""
@@ -287,7 +281,7 @@ class BatchedOrtEngine:
         for i, (seq, p) in enumerate(zip(seqs, ids)):
             n = len(p)
             if seq.keep_context:
-                seq.ctx_parts, seq.ctx_start = [ctx[i, :n].copy()], 0
+                seq.ctx_parts = [ctx[i, :n].copy()]
             seq.length = n
         return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
 
@@ -316,8 +310,6 @@ class BatchedOrtEngine:
         """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
         ones (in order), the rows past them are stale and get overwritten by the next step."""
         if seq._step_ctx is not None:
-            if not seq.ctx_parts:
-                seq.ctx_start = seq.length
             seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
         seq._step_ctx = None
         seq.length += accept + 1
@@ -368,7 +360,7 @@ class BatchedOrtEngine:
         anchor_rows = e._embed.rows(anchors)
         for i, s in enumerate(seqs):
             c = len(pend[i])
-            ctx[i, :c], ctx_pos[i, :c] = pend[i], np.arange(s.ctx_start, s.ctx_start + c)
+            ctx[i, :c], ctx_pos[i, :c] = pend[i], np.arange(s.d_len, s.d_len + c)
             block[i, 0] = anchor_rows[i]
             block_pos[i] = np.arange(s.length, s.length + b_pad)
             bias[i, s.d_len: t_pad] = -np.inf
