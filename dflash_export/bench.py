@@ -18,11 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_export.bench_batch import run_concurrency
+from dflash_export.engines.base import SamplingParams, load_codec
+from dflash_export.engines.build import build_engine
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
 from dflash_export.prompt_lookup import prompt_lookup_tau
 from dflash_export.recipes import load_recipe
+from dflash_export.runtime import DFlashRuntime
 from dflash_export.sources import resolve_source
+from dflash_export.validate.command import check_engine_recipe
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 
@@ -50,10 +56,6 @@ def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int
     recipe = load_recipe(recipe_name)
     runs = []
     if mode in ("dflash", "dflash-full", "ar"):
-        from dflash_export.engines.base import SamplingParams
-        from dflash_export.engines.registry import load_engine
-        from dflash_export.runtime import DFlashRuntime
-
         t0 = time.perf_counter()
         engine = _loading(lambda: load_engine(engine_dir), engine_dir)
         load_s = time.perf_counter() - t0
@@ -131,9 +133,6 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_export.engines.base import load_codec
-    from dflash_export.validate.command import check_engine_recipe
-
     console = Console(highlight=False)
     for m in modes:
         if m not in ("dflash", "dflash-full", "ar", "hf", "reference"):
@@ -142,8 +141,6 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         check_output_file(out_json, "--out")  # before minutes of benchmarking, not after
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
-        from dflash_export.engines.build import build_engine
-
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     manifest = check_engine_recipe(Path(engine_dir), recipe)  # as validate does: another recipe's engine misleads
     codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
@@ -206,10 +203,6 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
                           max_new: int, levels: list[int], modes: list[str], out_json: str | None,
                           reps: int = 1) -> dict:
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
-    from dflash_export.bench_batch import run_concurrency
-    from dflash_export.engines.base import load_codec
-    from dflash_export.validate.command import check_engine_recipe
-
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
@@ -217,8 +210,6 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
         check_output_file(out_json, "--out")
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
-        from dflash_export.engines.build import build_engine
-
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     check_engine_recipe(Path(engine_dir), recipe)
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))

@@ -15,7 +15,10 @@ import click
 
 from dflash_export import __version__
 from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
+from dflash_export.demo import run_demo
 from dflash_export.errors import DFlashError
+from dflash_export.inspect_cmd import run_inspect
+from dflash_export.reference_cmd import run_reference
 
 
 def _one_line(text: str) -> str:
@@ -80,8 +83,6 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
 def inspect(drafter, target, as_json):
     """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
-    from dflash_export.inspect_cmd import run_inspect
-
     sys.exit(run_inspect(drafter, target, as_json))
 
 
@@ -94,8 +95,6 @@ def inspect(drafter, target, as_json):
 @click.option("--seed", default=0, show_default=True, type=SEED)
 def reference(recipe, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
-    from dflash_export.reference_cmd import run_reference
-
     run_reference(recipe, prompt, max_new_tokens, temperature, seed)
 
 
@@ -106,8 +105,6 @@ def reference(recipe, prompt, max_new_tokens, temperature, seed):
 def demo(recipe, prompt, max_new_tokens):
     """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
     with DFlash and with plain AR decoding on the same engine."""
-    from dflash_export.demo import run_demo
-
     run_demo(recipe, prompt, max_new_tokens)
 
 

@@ -118,12 +118,12 @@ def test_an_unwritable_path_is_one_line_naming_it(tmp_path):
 
 
 def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monkeypatch):
-    import dflash_export.reference_cmd as ref
+    import dflash_export.cli as cli
 
     def boom(*a, **k):
         raise ValueError("a bug\nover two lines")
 
-    monkeypatch.setattr(ref, "run_reference", boom)
+    monkeypatch.setattr(cli, "run_reference", boom)
     line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=1)
     assert "internal error, ValueError: a bug over two lines" in line
     log = line.split("traceback in ")[1].split(";")[0]
@@ -219,3 +219,17 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
         (tmp / "manifest.json").write_text("{}")
     assert not stale.exists() and live.exists() and other.exists()
     assert (tmp_path / "onnxruntime" / "manifest.json").is_file()
+
+
+def test_the_cli_imports_no_heavy_library_before_a_command_needs_it():
+    """`dflash-export --help` (and every command's argument checks) must not pay for torch, onnx, onnxruntime or
+    transformers: the package's own imports sit at module top, so a module importing one of them at its top would
+    drag it into every command (docs/architecture.md, exception (a))."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dflash_export.cli;"
+            "heavy = sorted({'torch', 'onnx', 'onnxruntime', 'transformers', 'tensorrt'} & set(sys.modules));"
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -7,6 +7,10 @@ import sys
 
 import click
 
+from dflash_export.deploy.front import Limits
+from dflash_export.deploy.repository import MARKER, check_repository, write_repository
+from dflash_export.deploy.server import serve as run_server
+
 
 @click.command()
 @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False),
@@ -35,8 +39,6 @@ import click
 def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
            max_json_depth, max_batch, max_queued_tokens):
     """Write a Triton model repository serving ENGINE (python backend running the DFlash runtime)."""
-    from dflash_export.deploy.repository import MARKER, write_repository
-
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
                             decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
                             max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_batch=max_batch,
@@ -71,10 +73,6 @@ def serve(repo_dir, host, http_port, grpc_port, metrics_port, log_file, max_requ
 
     HTTP goes through a front on --host:--http-port that bounds and checks every request before tritonserver sees
     it; gRPC listens on 127.0.0.1 only."""
-    from dflash_export.deploy.front import Limits
-    from dflash_export.deploy.repository import check_repository
-    from dflash_export.deploy.server import serve as run_server
-
     limits = None
     if max_request_bytes is not None or max_json_depth is not None:
         marker = check_repository(repo_dir)

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_export.deploy.front import Limits
 from dflash_export.deploy.repository import check_repository
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,
@@ -141,8 +142,6 @@ def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, h
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
     recorded by deploy), the drain time, the host and ports, the log file (default: `default_log_path()`).
     Returns (repository, address to bind, limits, log path)."""
-    from dflash_export.deploy.front import Limits
-
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
     if limits is None:

@@ -17,7 +17,7 @@ misread every tensor buffer (BYTES inputs crash the stub, outputs come back with
 has numpy >= 2, the stub gets a private numpy 1 directory (exactly STUB_NUMPY) first on its path (installed once
 with pip into `stub_site_dir()`, by `./dev setup`); onnxruntime, torch and tokenizers built for numpy 2 run on numpy
 1.26 (numpy's ABI is backward compatible at run time), and the served outputs are checked against direct engine calls
-in tests/test_deploy.py.
+in tests/test_deploy_server.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dflash_export.deploy.front import CANCEL_DIR_ENV, RESTRICTED_APIS, SECRET_HEADER, Front, Limits, new_cancel_dir
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -36,14 +37,12 @@ from dflash_export.errors import DFlashError
 
 class ServerError(DFlashError):
     """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
-
     exit_code = 1
 
 
 class ModelRefused(ServerError):
     """tritonserver exited because a model refused its input at load (a DFlashError inside the model: e.g. a manifest
     that disagrees with its graphs). Bad input, so exit code 2, like the checks `serve` makes before starting."""
-
     exit_code = 2
 
 
@@ -185,7 +184,6 @@ class TritonServer:
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
                  exit_timeout_s: int = 10):
-        from dflash_export.deploy.front import Limits
 
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
@@ -228,8 +226,6 @@ class TritonServer:
 
     # Lifecycle --------------------------------------------------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
-        from dflash_export.deploy.front import RESTRICTED_APIS, SECRET_HEADER
-
         install = find_triton()
         cmd = [
             str(install.binary),
@@ -258,8 +254,6 @@ class TritonServer:
     def start(self) -> "TritonServer":
         """Start the front (once) and tritonserver behind it; block until Triton's `/v2/health/ready` answers 200.
         ServerError (with the log tail) if it dies first."""
-        from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
-
         install = find_triton()
         stub_site = ensure_stub_site()
         try:
@@ -327,8 +321,6 @@ class TritonServer:
                 sys.stderr.flush()
 
     def _wait_ready(self) -> None:
-        from dflash_export.deploy.front import SECRET_HEADER
-
         deadline = time.monotonic() + self.ready_timeout_s
         url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
         while time.monotonic() < deadline:

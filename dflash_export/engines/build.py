@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.manifest import MANIFEST, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
@@ -76,7 +77,6 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     build = backend_builder(backend)
     precisions = None
     if BACKENDS[backend].quantizable:  # the ONNX Runtime engines
-        from dflash_export.engines.ort_build import graph_precisions
 
         precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):

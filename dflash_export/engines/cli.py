@@ -6,8 +6,14 @@ import sys
 
 import click
 
+from dflash_export.bench import run_bench, run_concurrency_bench
 from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.build import build_engine
+from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
+from dflash_export.recipes import load_recipe
+from dflash_export.runtime import DFlashRuntime, RunStats
 
 
 @click.command()
@@ -26,9 +32,6 @@ from dflash_export.errors import DFlashError
 def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads):
     """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
-
-    from dflash_export.engines.build import build_engine
-    from dflash_export.recipes import load_recipe
 
     r = load_recipe(recipe)
     res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None)
@@ -52,10 +55,6 @@ def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads)
                    "worth their verification cost; same output).")
 def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks):
     """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
-    from dflash_export.engines.base import SamplingParams
-    from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime, RunStats
-
     engine = load_engine(engine_dir)
     rt = DFlashRuntime(engine, adaptive=not full_blocks)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -89,8 +88,6 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
                    "ratio is also printed pass by pass).")
 def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
-    from dflash_export.bench import run_bench, run_concurrency_bench
-
     mode_list = [m.strip() for m in modes.split(",")]
     if concurrency is not None:
         try:

@@ -25,6 +25,7 @@ from typing import Any
 
 from dflash_export.engines import tensorrt_plugins as plugins
 from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
+from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.tensorrt_build import (
     build_engine_file,
     build_implementations,
@@ -144,8 +145,6 @@ def compare_onnxruntime_tensorrt(engine_dir, atol: float = 1e-3, rtol: float = 1
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
     from polygraphy.comparator import Comparator, CompareFunc
-
-    from dflash_export.engines.manifest import read_manifest
 
     plugins.register_plugins()  # an engine built with the JIT fallback needs the Python plugins at deserialization
     engine_dir = Path(engine_dir)

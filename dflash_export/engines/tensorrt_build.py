@@ -10,6 +10,8 @@ from typing import Any
 
 from dflash_export.engines import tensorrt_plugins as plugins
 from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
+from dflash_export.engines.manifest import write_manifest
+from dflash_export.engines.ort_build import _copy_tokenizer
 from dflash_export.engines.tensorrt_plugins import (
     BACKEND,
     DRAFTER_ENGINE,
@@ -24,6 +26,8 @@ from dflash_export.engines.tensorrt_plugins import (
     check_plugin_attributes,
 )
 from dflash_export.errors import DFlashError
+from dflash_export.export import export_recipe
+from dflash_export.files import atomic_dir
 
 
 def _network_flags(trt, strongly_typed: bool) -> int:
@@ -208,9 +212,6 @@ def build_tensorrt(recipe, out_dir) -> Path:
     import torch
 
     from dflash_export.checkpoint import load_drafter
-    from dflash_export.engines.manifest import write_manifest
-    from dflash_export.export import export_recipe
-    from dflash_export.files import atomic_dir
 
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
@@ -242,7 +243,6 @@ def write_serving_files(recipe, drafter, dst: Path) -> dict[str, Any]:
     config, without loading its weights)."""
     from types import SimpleNamespace
 
-    from dflash_export.engines.ort_build import _copy_tokenizer
     from dflash_export.models.target import read_target_config, resolve_target_dir
 
     cfg, _ = read_target_config(recipe.target_path)

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from dflash_export.engines import tensorrt_plugins as plugins
-from dflash_export.engines.base import EngineInfo
+from dflash_export.engines.base import EngineInfo, load_codec
 from dflash_export.engines.graph_engine import (
     DECODE,
     FIRST_BLOCK,
@@ -231,8 +231,6 @@ class TensorRTEngine(GraphEngine):
     NVIDIA GPU; kwargs: `device` (CUDA index, or a torch device string such as "cuda:1")."""
 
     def __init__(self, engine_dir, manifest, device: int | str = 0, **_):
-        from dflash_export.engines.base import load_codec
-
         # first: without TensorRT or a GPU the answer is the install line, not a manifest detail
         plugins.require_tensorrt()
         engine_dir = Path(engine_dir)

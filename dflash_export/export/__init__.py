@@ -81,7 +81,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     """
     import onnx
 
-    from dflash_export.export import graph
+    from dflash_export.export import builder, graph
     from dflash_export.models.drafter import check_drafter_fits
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
@@ -93,9 +93,9 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     out_dir = Path(out_dir)
     spec = drafter.spec(block_size)
     meta = export_metadata(recipe_name, drafter, spec, max_len, logits_atol, ctx_atol)
-    shared_store = graph.WeightStore(out_dir / SHARED_FILE)
-    t_store = graph.WeightStore(out_dir / (TARGET_FILE + ".data"))
-    d_store = graph.WeightStore(out_dir / (DRAFTER_FILE + ".data"))
+    shared_store = builder.WeightStore(out_dir / SHARED_FILE)
+    t_store = builder.WeightStore(out_dir / (TARGET_FILE + ".data"))
+    d_store = builder.WeightStore(out_dir / (DRAFTER_FILE + ".data"))
     try:
         outputs = [(TARGET_FILE, "target", "portable", t_store), (DRAFTER_FILE, "drafter", "portable", d_store)]
         if ort_flavor:
@@ -113,7 +113,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
                 model, inits, shared = graph.build_head_graph(target, draft_vocab, store)
             else:
                 model, inits, shared = graph.build_target_graph(target, drafter, max_len, flavor, store)
-            graph.place_weights(model, inits, store, shared_store, shared)
+            builder.place_weights(model, inits, store, shared_store, shared)
             del inits
             onnx.helper.set_model_props(model, {**meta, "dflash.graph": fname, "dflash.flavor": flavor})
             onnx.save_model(model, str(out_dir / fname))

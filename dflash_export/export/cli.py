@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from dflash_export.export import export_recipe
+from dflash_export.recipes import load_recipe
+
 
 @click.command()
 @click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
@@ -11,9 +14,6 @@ import click
               help="Output directory (new, empty, or an earlier export).")
 def export(recipe, out_dir):
     """Export target_verify.onnx + drafter.onnx (custom ops carried as ONNX functions) and check them."""
-    from dflash_export.export import export_recipe
-    from dflash_export.recipes import load_recipe
-
     res = export_recipe(load_recipe(recipe), out_dir)
     for name, size in res.file_sizes.items():
         click.echo(f"{name:28s} {size / 1e6:10.2f} MB")

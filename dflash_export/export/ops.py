@@ -7,8 +7,8 @@ only in the ONNX Runtime engine's drafter graph; no TensorRT plugin implements i
 
 A graph carries each op as a node of domain `dflash` *and* the function that defines it, so plain ONNX Runtime inlines
 the function (no custom-op library) while TensorRT's parser maps the node onto a plugin found by op type; the nodes
-carry `plugin_namespace` / `plugin_version` for that lookup. The names and attributes here are the plugin contract shared with
-`engines/tensorrt_plugins.py` and `kernels/`: keep them stable.
+carry `plugin_namespace` / `plugin_version` for that lookup. The names and attributes here are the plugin contract
+shared with `engines/tensorrt_plugins.py` and `kernels/`: keep them stable.
 
 Hand-written with onnx.helper because no exporter (optimum, torch.onnx) emits custom-domain nodes backed by functions.
 

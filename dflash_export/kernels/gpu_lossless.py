@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from dflash_export.engines import tensorrt as trt_backend
+from dflash_export.engines.tensorrt import cuda_tensor_view
 from dflash_export.kernels import fused_verify, fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, _rope_tables, target_step
 
@@ -30,7 +32,6 @@ from dflash_export.kernels.synthetic import Qwen3Layers, _rope_tables, target_st
 
 
 def _target_logits(model, embed: torch.Tensor, ids: torch.Tensor, caches: list, past: int, target_step) -> torch.Tensor:
-
     t = ids.shape[1]
     x = embed[ids]
     cos, sin = _rope_tables(torch.arange(past, past + t, device=ids.device), model.s.head_dim, x.dtype)
@@ -254,7 +255,6 @@ def plugin_layers(tmp_dir) -> dict:
     import onnx
     from onnx import TensorProto
 
-    from dflash_export.engines import tensorrt as trt_backend
     from dflash_export.export import ops
 
     trt = trt_backend.require_tensorrt()
@@ -330,7 +330,6 @@ def jit_views(device) -> dict:
     the plugins take, contiguous and strided: equal to the tensors they view, with no copy."""
     if device.type != "cuda":
         return {"ran": False, "reason": "needs CUDA", "ok": True}
-    from dflash_export.engines.tensorrt import cuda_tensor_view
 
     rows = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32):

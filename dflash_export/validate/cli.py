@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import FiniteFloat
+from dflash_export.validate.command import run_validate
 
 
 @click.command()
@@ -33,7 +34,5 @@ def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature
 
     Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
     """
-    from dflash_export.validate.command import run_validate
-
     run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
                  repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo)
