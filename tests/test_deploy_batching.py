@@ -3,10 +3,9 @@ get the text of the same request run alone; a full queue is HTTP 503; bad reques
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-from test_deploy import (  # noqa: F401, I001 - the tests' helpers and fixtures
+from deploy_support import (  # noqa: F401, I001 - the tests' helpers and fixtures
     PROMPTS,
     concurrent_infer,
     direct,

@@ -1,0 +1,55 @@
+"""The request handler the Triton model runs, tested in-process: request inputs named when bad, stop strings, streamed
+chunks that join to the whole output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from deploy_support import direct, engine_dir, getter, run_direct  # noqa: F401 - direct and engine_dir are fixtures
+
+from dflash_export.errors import DFlashError
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({}, "text_input"),
+    ({"text_input": b""}, "text_input: empty prompt"),
+    ({"text_input": b"\xff\xfehi"}, "text_input: invalid UTF-8"),
+    ({"text_input": b"hi", "max_tokens": np.array([0], np.int32)}, "max_tokens"),
+    ({"text_input": b"hi", "max_tokens": np.array([1.0], np.float32)}, "max_tokens: expected an integer"),
+    ({"text_input": b"hi", "temperature": np.array([-0.1], np.float32)}, "temperature"),
+    ({"text_input": b"hi", "temperature": np.array([np.nan], np.float32)}, "temperature: must be a finite"),
+    ({"text_input": b"hi", "top_p": np.array([0.0], np.float32)}, "top_p"),
+    ({"messages": b"[{\"role\": \"user\"}]"}, "messages"),
+    ({"messages": b"{"}, "messages: not valid JSON"),
+    ({"text_input": b"a", "messages": b"[]"}, "messages"),
+])
+def test_parse_request_names_the_bad_input(inputs, field):
+    from dflash_export.deploy.handler import parse_request
+
+    with pytest.raises(DFlashError) as e:
+        parse_request(getter(**inputs))
+    assert str(e.value).startswith(field.split(":")[0]) and field in str(e.value)
+
+
+def test_stop_string_ends_output_before_it(direct):
+    full = run_direct(direct, text_input=b"Hello there", max_tokens=np.array([24], np.int32))
+    # A stop string taken from the middle of the greedy output must cut exactly there.
+    visible = [i for i, c in enumerate(full.text) if c.isprintable() and c != "\ufffd" and i > 2]
+    if not visible:
+        pytest.skip("tiny output has no printable character to stop at")
+    cut = visible[0]
+    stop = full.text[cut]
+    out = run_direct(direct, text_input=b"Hello there", max_tokens=np.array([24], np.int32),
+                     stop=np.array([stop.encode()], dtype=np.object_))
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.index(stop)]
+
+
+def test_streamed_chunks_join_to_the_whole_output(direct):
+    from dflash_export.deploy.handler import parse_request
+
+    req = parse_request(getter(text_input=b"stream me", max_tokens=np.array([20], np.int32)))
+    chunks = list(direct.run(req))
+    whole = run_direct(direct, text_input=b"stream me", max_tokens=np.array([20], np.int32))
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == whole.finish_reason and chunks[-1].completion_tokens == 20

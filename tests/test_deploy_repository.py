@@ -1,0 +1,378 @@
+"""`deploy` writes a checked Triton repository: the rendered config.pbtxt, the copied engine, the recorded limits, and a
+one-line error for every bad engine, manifest or output path, with nothing left half-written. No server is started."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deploy_support import (
+    ROOT,
+    assert_one_line,
+    cli,
+    copy_engine,
+    edit_manifest,
+    engine_dir,  # noqa: F401 - a fixture
+    make_torch_engine_dir,
+    ort_engine,
+    rehash,
+    small_repo,  # noqa: F401 - a fixture
+)
+
+from dflash_export.deploy.pbtxt import ModelConfig, check_config_text, render_config
+from dflash_export.deploy.repository import INPUTS, MARKER, OUTPUTS, write_repository
+from dflash_export.errors import DFlashError
+
+
+def test_rendered_config_parses_back_with_every_tensor():
+    text = render_config(ModelConfig("dflash", INPUTS, OUTPUTS, instances=3, decoupled=True, max_queue_size=7,
+                                     parameters={"engine_dir": "../x \"y\"/é"}))
+    cfg = check_config_text(text, expect_name="dflash")
+    assert [t["name"] for t in cfg["input"]] == [t.name for t in INPUTS]
+    assert [t["data_type"] for t in cfg["output"]] == [t.data_type for t in OUTPUTS]
+    assert all(t["optional"] is True for t in cfg["input"])  # generate works with text_input alone
+    assert cfg["instance_group"][0]["count"] == 3
+    assert cfg["model_transaction_policy"]["decoupled"] is True
+    assert cfg["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 7
+    assert cfg["parameters"]["value"]["string_value"] == "../x \"y\"/é"
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t.replace('name: "dflash"', 'name: "9bad name"'), "name"),
+    (lambda t: t.replace("TYPE_INT64", "TYPE_INT65", 1), "max_tokens.data_type"),
+    (lambda t: t.replace("dims: [ 1 ]", "dims: [ 0 ]", 1), "text_input.dims"),
+    (lambda t: t.replace("dims: [ 1 ]", "dims: [ ]", 1), "text_input.dims"),
+    (lambda t: t.replace('name: "messages"', 'name: "text_input"'), "name"),
+    (lambda t: t.replace('name: "text_output"', 'name: "text output"'), "name"),
+    (lambda t: t.replace("data_type: TYPE_FP32\n    dims: [ 1 ]\n  }\n]",
+                         "data_type: TYPE_FP32\n    dims: [ 1 ]\n    optional: true\n  }\n]"), "optional"),
+    (lambda t: t.replace("count: 1", "count: 0"), "instance_group.count"),
+    (lambda t: t.replace("max_queue_size: 64", "max_queue_size: -1"), "max_queue_size"),
+    (lambda t: t.replace("input [", "input [ {", 1), "config.pbtxt"),
+])
+def test_config_checker_rejects_bad_config_naming_the_field(edit, field):
+    good = render_config(ModelConfig("dflash", INPUTS, OUTPUTS, max_queue_size=64))
+    check_config_text(good, expect_name="dflash")
+    with pytest.raises(DFlashError) as e:
+        check_config_text(edit(good), "repo/dflash/config.pbtxt", expect_name="dflash")
+    assert field in str(e.value) and "repo/dflash/config.pbtxt" in str(e.value)
+
+
+def test_config_checker_wants_the_directory_name():
+    with pytest.raises(DFlashError, match="directory name"):
+        check_config_text(render_config(ModelConfig("other", INPUTS, OUTPUTS)), expect_name="dflash")
+
+
+def test_write_repository_layout_and_redeploy(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    repo = write_repository(engine, tmp_path / "repo", instances=3, max_queue_size=5)
+    marker = json.loads((repo / MARKER).read_text())
+    assert marker["models"] == ["dflash", "dflash_stream"]
+    for name, decoupled in (("dflash", False), ("dflash_stream", True)):
+        cfg = check_config_text((repo / name / "config.pbtxt").read_text(), expect_name=name)
+        assert cfg["model_transaction_policy"]["decoupled"] is decoupled
+        assert cfg["instance_group"][0]["count"] == 3
+        assert cfg["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 5
+        params = {p["key"]: p["value"]["string_value"] for p in cfg["parameters"]}
+        assert (repo / name / params["engine_dir"] / "manifest.json").is_file()  # relative: the repo can move
+        assert str(ROOT) in json.loads(params["sys_path"])
+        assert (repo / name / "1" / "model.py").read_text().startswith('"""Triton python-backend model')
+    assert (repo / "dflash" / "engine" / "manifest.json").read_bytes() == (engine / "manifest.json").read_bytes()
+    # Deploying again replaces the earlier repository; a foreign directory is never overwritten.
+    write_repository(engine, repo, instances=1, decoupled=False)
+    assert json.loads((repo / MARKER).read_text())["models"] == ["dflash"]
+    assert not (repo / "dflash_stream").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("x")
+    with pytest.raises(DFlashError, match="not written by"):
+        write_repository(engine, foreign)
+    assert (foreign / "keep.txt").is_file()
+    with pytest.raises(DFlashError, match="--instances"):
+        write_repository(engine, tmp_path / "r2", instances=0)
+
+
+def test_deploy_cli_writes_repository_and_bad_engine_is_one_line_error(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "deploy", "--engine", str(engine), "--repo",
+                        str(tmp_path / "ok"), "--instances", "2", "--max-queue-size", "9", "--no-stream"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "dflash-export serve --repo" in r.stdout
+    cfg = check_config_text((tmp_path / "ok" / "dflash" / "config.pbtxt").read_text(), expect_name="dflash")
+    assert cfg["instance_group"][0]["count"] == 2 and not (tmp_path / "ok" / "dflash_stream").exists()
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "deploy", "--engine", str(tmp_path / "empty"),
+                        "--repo", str(tmp_path / "repo")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "manifest.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "repo").exists()
+
+
+def test_llmapi_repository_for_a_tensorrt_llm_bundle(tmp_path):
+    from dflash_export.engines.tensorrt_llm import write_trtllm_bundle
+    from dflash_export.recipes import load_recipe
+
+    bundle = write_trtllm_bundle(load_recipe("tiny-qwen3"), tmp_path / "bundle")
+    repo = write_repository(bundle, tmp_path / "repo")
+    model = repo / "tensorrt_llm"
+    cfg = check_config_text((model / "config.pbtxt").read_text(), expect_name="tensorrt_llm")
+    assert cfg["backend"] == "python"
+    # Batching, decoupling and instances are model.yaml's triton_config to set, so config.pbtxt leaves them out.
+    assert "max_batch_size" not in cfg and "model_transaction_policy" not in cfg and "instance_group" not in cfg
+    assert {t["name"] for t in cfg["input"]} >= {"text_input", "sampling_param_max_tokens", "streaming"}
+    assert {t["name"] for t in cfg["output"]} >= {"text_output", "total_accepted_draft_tokens"}
+    yaml_src = bundle / "triton" / "tensorrt_llm" / "1" / "model.yaml"
+    assert (model / "1" / "model.yaml").read_bytes() == yaml_src.read_bytes()
+    assert "decoding_type: DFlash" in (model / "1" / "model.yaml").read_text()
+    assert "model.py" in (model / "README.txt").read_text()
+    fake_py = tmp_path / "llmapi" / "model.py"
+    fake_py.parent.mkdir()
+    fake_py.write_text("# TensorRT-LLM's llmapi model.py would be here\n")
+    write_repository(bundle, repo, llmapi_model_py=fake_py)
+    assert (model / "1" / "model.py").read_text() == fake_py.read_text()
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"backend": "cuda"}, "backend"),
+    ({"block_size": "four"}, "block_size"),
+    ({"block_size": 0}, "block_size"),
+    ({"mask_token_id": -1}, "mask_token_id"),
+    ({"mask_token_id": ...}, "mask_token_id"),
+    ({"files": ["a"]}, "files"),
+    ({"files": {"../../etc/passwd": "0" * 64}}, "files"),
+    ({"recipe_path": "/nonexistent/recipe.yaml"}, "recipe_path"),
+])
+def test_deploy_validates_the_manifest_like_run(tmp_path, fields, field):
+    engine = edit_manifest(make_torch_engine_dir(tmp_path / "engine"), **fields)
+    with pytest.raises(DFlashError) as e:
+        write_repository(engine, tmp_path / "repo")
+    assert f"manifest.json: {field}" in str(e.value), str(e.value)
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"engine_format": 1}, "engine_format"),
+    ({"shapes": {"target_layers": 2}}, "shapes"),
+    ({"vocab_size": "256"}, "vocab_size"),
+    ({"stop_token_ids": "254"}, "stop_token_ids"),
+    ({"max_seq_len": ...}, "max_seq_len"),
+])
+def test_deploy_validates_onnxruntime_manifest_fields(tmp_path, engine_dir, fields, field):
+    if json.loads((engine_dir / "manifest.json").read_text())["backend"] != "onnxruntime":
+        pytest.skip("no ONNX Runtime engine in this environment")
+    engine = edit_manifest(copy_engine(engine_dir, tmp_path / "engine"), **fields)
+    with pytest.raises(DFlashError) as e:
+        write_repository(engine, tmp_path / "repo")
+    assert f"manifest.json: {field}" in str(e.value), str(e.value)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_deploy_cli_refuses_a_manifest_run_refuses(tmp_path):
+    engine = edit_manifest(make_torch_engine_dir(tmp_path / "engine"), backend="cuda")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo")
+    assert_one_line(r, f"{engine}/manifest.json: backend: unknown backend 'cuda'")
+    edit_manifest(engine, backend="pytorch", block_size="four")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo")
+    assert_one_line(r, "manifest.json: block_size:")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_llmapi_model_py_only_for_tensorrt_llm_and_must_exist(tmp_path):
+    from dflash_export.engines.tensorrt_llm import write_trtllm_bundle
+    from dflash_export.recipes import load_recipe
+
+    model_py = tmp_path / "model.py"
+    model_py.write_text("# llmapi model\n")
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    with pytest.raises(DFlashError, match="--llmapi-model-py: only used with a TensorRT-LLM bundle"):
+        write_repository(engine, tmp_path / "repo", llmapi_model_py=model_py)
+    bundle = write_trtllm_bundle(load_recipe("tiny-qwen3"), tmp_path / "bundle")
+    for bad, msg in ((tmp_path / "missing.py", "file not found"), (tmp_path, "not a file"), ("", "empty path")):
+        with pytest.raises(DFlashError, match=f"--llmapi-model-py: {msg}"):
+            write_repository(bundle, tmp_path / "repo", llmapi_model_py=bad)
+    assert not (tmp_path / "repo").exists()
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo", "--llmapi-model-py", model_py)
+    assert_one_line(r, f"{model_py}: --llmapi-model-py:")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_deploy_never_replaces_the_current_directory_or_its_parents(tmp_path, monkeypatch):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    # The worst case: the current directory is an earlier deploy, which deploy would otherwise replace.
+    here = write_repository(engine, tmp_path / "work" / "repo")
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    for repo in ("", "  ", ".", "..", str(here), str(tmp_path)):
+        with pytest.raises(DFlashError, match="--repo") as e:
+            write_repository(engine, repo)
+        assert "\n" not in str(e.value)
+    assert (here / "notes.txt").read_text() == "mine" and Path.cwd() == here
+    r = cli("deploy", "--engine", engine, "--repo", "", cwd=here)
+    assert_one_line(r, "--repo: empty path")
+    r = cli("deploy", "--engine", engine, "--repo", ".", cwd=here)
+    assert_one_line(r, "--repo: is the current directory")
+    assert (here / "notes.txt").read_text() == "mine"
+
+
+def test_deploy_refuses_repo_inside_or_around_the_engine(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "a" / "engine")
+    with pytest.raises(DFlashError, match="inside the engine directory"):
+        write_repository(engine, engine / "repo")
+    with pytest.raises(DFlashError, match="contains the engine directory"):
+        write_repository(engine, tmp_path / "a")
+    assert sorted(p.name for p in engine.iterdir()) == ["manifest.json"]
+
+
+def test_deploy_repo_under_a_file_or_unwritable_is_one_line_up_front(tmp_path):
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DFlashError, match="afile is a file, not a directory"):
+        write_repository(engine, tmp_path / "afile" / "sub" / "repo")
+    with pytest.raises(DFlashError, match="--repo: exists and is not a directory"):
+        write_repository(engine, tmp_path / "afile")
+    # /proc refuses new directories even to root (for whom permission bits do not count).
+    with pytest.raises(DFlashError, match="--repo: cannot write"):
+        write_repository(engine, "/proc/dflash-nope/repo")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "afile" / "repo")
+    assert_one_line(r, "--repo: cannot create it:")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        with pytest.raises(DFlashError, match="is not writable"):
+            write_repository(engine, ro / "repo")
+        assert list(ro.iterdir()) == []
+
+
+def test_deploy_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    from dflash_export.deploy import repository
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+
+    def fail(engine_dir, repo, *a, **k):
+        (repo / "dflash").mkdir()
+        raise OSError(28, "No space left on device", str(repo / "dflash" / "config.pbtxt"))
+
+    monkeypatch.setattr(repository, "_write_python_models", fail)
+    with pytest.raises(DFlashError, match="--repo: cannot write the repository .No space left"):
+        write_repository(engine, tmp_path / "new" / "deeper" / "repo")
+    assert not (tmp_path / "new").exists()
+
+
+def test_check_repository_accepts_a_deploy_and_names_what_is_wrong(tmp_path, small_repo):
+    from dflash_export.deploy.repository import check_repository
+
+    assert check_repository(small_repo)["models"] == ["dflash"]
+    (tmp_path / "empty").mkdir()
+    cases = [(tmp_path / "empty", "not a model repository written by `dflash-export deploy`"),
+             (tmp_path / "nope", "model repository not found"),
+             (tmp_path / "engine" / "manifest.json", "--repo: not a directory")]
+    for repo, msg in cases:
+        with pytest.raises(DFlashError, match=msg):
+            check_repository(repo)
+
+    def broken(edit):
+
+        repo = tmp_path / f"broken{len(list(tmp_path.glob('broken*')))}"
+        shutil.copytree(small_repo, repo)
+        edit(repo)
+        with pytest.raises(DFlashError) as e:
+            check_repository(repo)
+        return str(e.value)
+
+    assert "extra: not one of the deployed models" in broken(lambda r: (r / "extra").mkdir())
+    assert "dflash_repository.json: models" in broken(lambda r: (r / MARKER).write_text('{"models": []}'))
+    assert "config.pbtxt: missing" in broken(lambda r: (r / "dflash" / "config.pbtxt").unlink())
+    assert "model.py: missing" in broken(lambda r: (r / "dflash" / "1" / "model.py").unlink())
+    msg = broken(lambda r: (r / "dflash" / "config.pbtxt").write_text(
+        (r / "dflash" / "config.pbtxt").read_text().replace("TYPE_INT64", "TYPE_INT65", 1)))
+    assert "config.pbtxt: input max_tokens.data_type" in msg
+
+    def tamper(r):
+        m = r / "dflash" / "engine" / "manifest.json"
+        text = m.read_text().replace('"block_size": 4', '"block_size": "four"')
+        m.unlink()
+        m.write_text(text)
+
+    assert "engine/manifest.json: block_size" in broken(tamper)
+
+    def other_versions(r):
+        cfg = r / "dflash" / "config.pbtxt"
+        text = cfg.read_text()
+        assert "tokenizers" in text
+        cfg.write_text(re.sub(r'(\\"tokenizers\\": \\")[^\\\\]+', r"\g<1>0.0.1", text))
+
+    assert "parameters.library_versions: deployed with tokenizers 0.0.1" in broken(other_versions)
+
+
+def test_a_file_dropped_from_the_manifest_is_refused_not_trusted(tmp_path, engine_dir):
+    engine = ort_engine(engine_dir, tmp_path / "engine")
+    files = json.loads((engine / "manifest.json").read_text())["files"]
+    data = next(rel for rel in files if rel.startswith("target") and rel.endswith(".data"))
+    edit_manifest(engine, files={k: v for k, v in files.items() if k != data})
+    (engine / data).write_bytes(b"\0" * (engine / data).stat().st_size)
+    r = cli("run", "--engine", engine, "--max-new-tokens", "4", "hello")
+    assert_one_line(r, f"{engine / data}: files: not listed in the manifest")
+    with pytest.raises(DFlashError, match="not listed in the manifest"):
+        write_repository(engine, tmp_path / "repo")
+    # An extra file next to the graphs (whatever its name) is refused the same way; so is a listed one removed.
+    (engine / data).unlink()
+    edit_manifest(engine, files=files)
+    assert_one_line(cli("run", "--engine", engine, "hello"), f"{engine / data}: files: file listed in the manifest "
+                                                              "is missing")
+
+
+def test_edited_shapes_and_swapped_graphs_are_named_errors(tmp_path, engine_dir):
+    engine = ort_engine(engine_dir, tmp_path / "engine")
+    shapes = json.loads((engine / "manifest.json").read_text())["shapes"]
+    edit_manifest(engine, shapes={**shapes, "target_kv_heads": shapes["target_kv_heads"] + 1})
+    assert_one_line(cli("run", "--engine", engine, "--max-new-tokens", "4", "hello"),
+                    "manifest.json: shapes.target_kv_heads: manifest says")
+    edit_manifest(engine, shapes={**shapes, "drafter_layers": shapes["drafter_layers"] + 1})
+    assert_one_line(cli("run", "--engine", engine, "--max-new-tokens", "4", "hello"),
+                    "manifest.json: shapes.drafter_layers: manifest says")
+    edit_manifest(engine, shapes=shapes)
+    # Swap the drafter and the LM head (and their external data), hashes recomputed.
+    for a, b in (("drafter.onnx", "lm_head.onnx"),):
+        (engine / a).rename(engine / "swap")
+        (engine / b).rename(engine / a)
+        (engine / "swap").rename(engine / b)
+    rehash(engine)
+    r = cli("run", "--engine", engine, "--max-new-tokens", "4", "hello")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    assert "graphs swapped or replaced" in r.stderr or "cannot load the graph" in r.stderr, r.stderr
+
+
+def test_deploy_copies_engine_files_never_hard_links(tmp_path, engine_dir):
+    engine = copy_engine(engine_dir, tmp_path / "engine")
+    repo = write_repository(engine, tmp_path / "repo", decoupled=False)
+    for f in engine.iterdir():
+        served = repo / "dflash" / "engine" / f.name
+        assert served.stat().st_ino != f.stat().st_ino and served.stat().st_nlink == 1, f
+    victim = next(f for f in engine.iterdir() if f.name != "manifest.json")
+    before = (repo / "dflash" / "engine" / victim.name).read_bytes()
+    with open(victim, "r+b") as fh:  # edit in place, as an editor or a rebuild writing into the file would
+        fh.write(b"\x00\x01\x02")
+    assert (repo / "dflash" / "engine" / victim.name).read_bytes() == before
+
+
+def test_deploy_records_the_request_limits_serve_applies(tmp_path):
+    from dflash_export.deploy.front import Limits, Refused, parse_json_bounded
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    repo = write_repository(engine, tmp_path / "repo", max_body_bytes=4096, max_json_depth=4)
+    assert json.loads((repo / MARKER).read_text())["limits"] == {"max_body_bytes": 4096, "max_json_depth": 4}
+    with pytest.raises(DFlashError, match="--max-json-depth: must be in 2..256"):
+        write_repository(engine, tmp_path / "repo2", max_json_depth=1)
+    assert not (tmp_path / "repo2").exists()
+    assert Limits(4096, 4).check().max_json_depth == 4
+    # The depth scan ignores brackets inside strings and counts objects and arrays alike.
+    assert parse_json_bounded(b'{"a": "[[[[[[[[", "b": [[1]]}', 4) == {"a": "[[[[[[[[", "b": [[1]]}
+    with pytest.raises(Refused, match="nested deeper than 4 levels"):
+        parse_json_bounded(b'{"a": [{"b": [[1]]}]}', 4)

@@ -1,0 +1,604 @@
+"""`serve` runs the real tritonserver on a deployed repository, on loopback, behind the project's HTTP front.
+
+The server tests (marker `server`) deploy the tiny ONNX Runtime engine (or, only if ONNX Runtime cannot build it, a
+PyTorch engine directory), start tritonserver from nvidia-pytriton on free ports and compare every served output with
+the same request run directly on the engine in this process. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deploy_support import (
+    PROMPTS,
+    ROOT,
+    as_dict,
+    assert_one_line,
+    cli,
+    concurrent_infer,
+    direct,  # noqa: F401 - a fixture
+    edit_manifest,
+    engine_dir,  # noqa: F401 - a fixture
+    group_pids,
+    infer,
+    long_engine,  # noqa: F401 - a fixture
+    pids_mentioning,
+    post_json,
+    post_raw,
+    ready_line,
+    run_direct,
+    send_and_drop,
+    serve_cli,
+    small_repo,  # noqa: F401 - a fixture
+    stream_equals_direct,
+    tritonserver_pid,
+)
+
+from dflash_export.deploy.repository import write_repository
+from dflash_export.deploy.server import free_loopback_ports as free_ports
+from dflash_export.errors import DFlashError
+
+
+def test_stub_environment_finds_project_numpy1_and_own_libpython(tmp_path):
+    """What the stub gets: this interpreter's libpython first, numpy < 2 (the stub is built against numpy 1), the
+    project and this environment's packages (checked with an isolated interpreter, as the stub runs one)."""
+    import sysconfig
+
+    from dflash_export.deploy.server import ensure_stub_site, find_triton, make_stub_env, server_env
+
+    install = find_triton()
+    stub_site = ensure_stub_site()
+    stub_bin = make_stub_env(tmp_path / "stubenv", stub_site)
+    env = server_env(install, stub_site, stub_bin, base={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/usr/lib"})
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == sysconfig.get_config_var("LIBDIR")
+    assert env["LD_LIBRARY_PATH"].endswith(":/usr/lib") and env["PATH"].startswith(str(stub_bin))
+    probe = ("import numpy, onnxruntime, dflash_export, sys; "
+             "print(numpy.__version__, onnxruntime.__version__, dflash_export.__file__, sys.prefix)")
+    r = subprocess.run([str(stub_bin / "python3"), "-I", "-c", probe], capture_output=True, text=True,
+                       env={"PATH": env["PATH"], "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+    assert r.returncode == 0, r.stderr
+    np_version, ort_version, pkg, prefix = r.stdout.split()
+    assert int(np_version.split(".")[0]) < 2 and Path(pkg).parent.parent == ROOT
+    from importlib import metadata
+
+    assert ort_version == metadata.version("onnxruntime") and prefix == str(tmp_path / "stubenv")
+    ldd = subprocess.run(["ldd", str(install.stub)], capture_output=True, text=True,
+                         env={"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]}).stdout
+    assert f"{sysconfig.get_config_var('LIBDIR')}/libpython" in ldd
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(engine_dir, tmp_path_factory.mktemp("triton") / "repo", instances=2, max_queue_size=256)
+    http, grpc, metrics = free_ports(3)
+    srv = TritonServer(repo, http, grpc, metrics, ready_timeout_s=240)
+    srv.start()
+    pgid = os.getpgid(srv.proc.pid)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        assert srv.proc.poll() is not None
+        assert group_pids(pgid) == [] and pids_mentioning(str(repo)) == [], "a server process outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import tritonclient.http as th
+
+    return th.InferenceServerClient(server.http_url.removeprefix("http://"), concurrency=16, network_timeout=120)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tritonclient_output_equals_direct_engine_greedy(server, client, direct, prompt):
+    served = infer(client, prompt, max_tokens=(32, "INT64"))
+    assert served == as_dict(run_direct(direct, text_input=prompt, max_tokens=np.array([32], np.int32)))
+
+
+@pytest.mark.server
+def test_sampled_request_is_reproducible_and_equals_direct(server, client, direct):
+    extra = dict(max_tokens=(24, "INT64"), temperature=(0.8, "FP32"), top_p=(0.9, "FP32"), seed=(7, "UINT64"))
+    a, b = infer(client, b"sample", **extra), infer(client, b"sample", **extra)
+    assert a == b == as_dict(run_direct(direct, text_input=b"sample", max_tokens=np.array([24], np.int32),
+                                        temperature=np.array([0.8], np.float32), top_p=np.array([0.9], np.float32),
+                                        seed=np.array([7], np.uint64)))
+
+
+@pytest.mark.server
+def test_generate_endpoint_plain_json(server, direct):
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate",
+                             {"text_input": "The quick brown fox", "max_tokens": 32})
+    assert status == 200, body
+    want = run_direct(direct, text_input=b"The quick brown fox", max_tokens=np.array([32], np.int32))
+    assert body["text_output"] == want.text and body["finish_reason"] == want.finish_reason
+    assert body["completion_tokens"] == 32 and body["accepted_tokens"] == want.accepted_tokens
+    # Only text_input: every other input is optional.
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi"})
+    assert status == 200 and body["finish_reason"] in ("stop", "length")
+    # messages as JSON text.
+    msgs = json.dumps([{"role": "user", "content": "hey"}])
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"messages": msgs, "max_tokens": 8})
+    assert status == 200 and body["text_output"] == run_direct(
+        direct, messages=msgs.encode(), max_tokens=np.array([8], np.int32)).text
+
+
+@pytest.mark.server
+def test_generate_stream_deltas_join_to_direct_output(server, direct):
+    events = stream_equals_direct(server, direct, "stream me", 20)
+    assert [e["finish_reason"] for e in events[:-1]] == [""] * (len(events) - 1)
+    assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 20
+    status, body = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream", {"text_input": ""})
+    assert "text_input: empty prompt" in str(body)
+
+
+@pytest.mark.server
+def test_16_concurrent_clients_get_the_outputs_of_lone_requests(server, client):
+
+    requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 5) % 25) for i in range(20)]
+    alone = {r: infer(client, r[0], max_tokens=(r[1], "INT64")) for r in requests}
+    results = concurrent_infer(server, requests, clients=16, per_client=10, network_timeout=120, join_timeout=180)
+    assert len(results) == 160
+    for r, out in results.values():
+        assert out == alone[r]
+
+
+# (request, what the error must name). Each is followed by a good request on the same server.
+BAD_JSON = [
+    ({"max_tokens": 8}, "text_input"),
+    ({"text_input": ""}, "text_input: empty prompt"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens: must be in 1.."),
+    ({"text_input": "hi", "max_tokens": -3}, "max_tokens: must be in 1.."),
+    ({"text_input": "hi", "max_tokens": 2_000_000_000}, "max_tokens"),
+    ({"text_input": "hi", "temperature": -0.5}, "temperature: must be >= 0"),
+    ({"text_input": "x" * 2000}, "text_input: prompt is 2000 tokens"),
+    ({"messages": "[{\"role\": 1}]"}, "messages"),
+]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("body, named", BAD_JSON, ids=[n.split(":")[0] + str(i) for i, (_, n) in enumerate(BAD_JSON)])
+def test_bad_json_request_gets_named_error_and_server_keeps_serving(server, body, named):
+    status, resp = post_json(f"{server.http_url}/v2/models/dflash/generate", body)
+    assert status == 400 and named in resp["error"], (status, resp)
+    status, resp = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "ok", "max_tokens": 4})
+    assert status == 200 and resp["completion_tokens"] == 4
+
+
+@pytest.mark.server
+def test_bad_tensor_requests_get_named_errors_and_server_keeps_serving(server, client):
+    from tritonclient.utils import InferenceServerException
+
+    cases = [
+        (dict(text=b"\xff\xfe bad"), "text_input: invalid UTF-8"),
+        (dict(max_tokens=(8.0, "FP32")), "max_tokens"),                  # wrong dtype: refused by Triton itself
+        (dict(text=None, max_tokens=(8, "INT64")), "text_input"),       # missing input
+        (dict(max_tokens=(np.array([1, 2], np.int64), "INT64")), "max_tokens"),  # wrong shape
+        (dict(temperature=(-1.0, "FP32")), "temperature"),
+        (dict(stop=(np.array([b"\xc3"], dtype=np.object_), "BYTES")), "stop: invalid UTF-8"),
+    ]
+    for kwargs, named in cases:
+        text = kwargs.pop("text", b"hello")
+        with pytest.raises(InferenceServerException) as e:
+            infer(client, text, **kwargs)
+        assert named in str(e.value), (named, str(e.value))
+        assert infer(client, b"still serving", max_tokens=(3, "INT64"))["completion_tokens"] == 3
+
+
+@pytest.mark.server
+def test_dead_server_raises_one_line_naming_the_cause_and_leaves_nothing(tmp_path, engine_dir):
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    # Corrupt the copied engine: the model must refuse to load, the server exit, and the error say why.
+    victim = next(p for p in sorted((repo / "dflash" / "engine").iterdir()) if p.name != "manifest.json")
+    victim.unlink()
+    victim.write_bytes(b"truncated")
+    srv = TritonServer(repo, *free_ports(3), ready_timeout_s=120)
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    assert "\n" not in str(e.value) and "manifest hash" in str(e.value), str(e.value)
+    assert srv.proc.poll() is not None and pids_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
+def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir):
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    http, grpc, metrics = free_ports(3)
+    proc = serve_cli(repo, http, grpc, metrics, start_new_session=True)
+    try:
+        line = ready_line(proc)
+        assert line.startswith("ready:") and f"http://127.0.0.1:{http}" in line, line
+        status, body = post_json(f"http://127.0.0.1:{http}/v2/models/dflash/generate",
+                                 {"text_input": "hi", "max_tokens": 2})
+        assert status == 200 and body["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert pids_mentioning(str(repo)) == [], "serve left tritonserver or a stub running"
+
+
+@pytest.mark.server
+def test_max_queue_size_rejects_overflow_and_keeps_serving(tmp_path, engine_dir):
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(engine_dir, tmp_path / "repo", instances=1, max_queue_size=1, decoupled=False)
+    with TritonServer(repo, *free_ports(3), ready_timeout_s=120) as srv:
+        url = f"{srv.http_url}/v2/models/dflash/generate"
+        results: list = []
+        barrier = threading.Barrier(8)
+
+        def go():
+            barrier.wait()
+            results.append(post_json(url, {"text_input": "queue", "max_tokens": 400}))
+
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        codes = sorted(code for code, _ in results)
+        assert codes.count(200) >= 1 and any(code == 503 and "queue" in body["error"] for code, body in results)
+        assert post_json(url, {"text_input": "after", "max_tokens": 2})[0] == 200
+    assert pids_mentioning(str(repo)) == []
+
+
+def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
+    from dflash_export.deploy.server import serve
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    busy = held.getsockname()[1]
+    a, b, c = free_ports(3)
+    cases = [
+        (dict(http_port=a, grpc_port=a, metrics_port=c), "--grpc-port: "),
+        (dict(http_port=a, grpc_port=b, metrics_port=a), "--metrics-port: "),
+        (dict(http_port=0, grpc_port=b, metrics_port=c), "--http-port: must be in 1..65535"),
+        (dict(http_port=a, grpc_port=70000, metrics_port=c), "--grpc-port: must be in 1..65535"),
+        (dict(http_port=busy, grpc_port=b, metrics_port=c), f"--http-port: port {busy} is already in use"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="999.1.1.1"), "--host: not a valid IPv4 address"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="::1"), "--host: "),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="no-such-host.invalid"), "--host: cannot resolve"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, host="192.0.2.1"), "--host: 192.0.2.1 is not an address"),
+    ]
+    try:
+        for kwargs, msg in cases:
+            with pytest.raises(DFlashError) as e:
+                serve(small_repo, **kwargs)
+            assert msg in str(e.value) and e.value.exit_code == 2, (kwargs, str(e.value))
+    finally:
+        held.close()
+    assert pids_mentioning(str(small_repo)) == []
+
+
+def test_serve_cli_refuses_a_directory_deploy_did_not_write(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = cli("serve", "--repo", tmp_path / "empty")
+    assert_one_line(r, f"{tmp_path / 'empty'}: --repo: not a model repository")
+    r = cli("serve", "--repo", tmp_path / "empty", "--http-port", 18000, "--grpc-port", 18000, "--metrics-port", 18000)
+    assert_one_line(r)  # the repository is checked first; either way one line, nothing started
+    assert pids_mentioning(str(tmp_path / "empty")) == []
+
+
+def test_server_death_is_one_line_with_the_log_path(tmp_path):
+    """The message a dead server gives: the first telling log line, shortened, and where the full log is; a model
+    refusing its input (DFlashError at load) is exit 2, anything else exit 1."""
+    from dflash_export.deploy.server import ModelRefused, ServerError, TritonServer
+
+    srv = TritonServer(tmp_path, log_path=tmp_path / "triton.log")
+
+    class Done:
+        returncode = 1
+
+    srv.proc = Done()
+    prefix = "E1130 07:37:27.791032 21828 model_lifecycle.cc:642] "
+    srv._log.extend([
+        "I1130 07:37:26.000000 21828 server.cc:1] starting\n",
+        'E1130 07:37:27.011144 21828 server.cc:241] "CudaDriverHelper has not been initialized."\n',
+        prefix + "\"failed to load 'dflash' version 1: Internal: DFlashError: /r/manifest.json: max_seq_len: "
+                 "disagrees" + "x" * 400 + "\\n\\nAt:\\n  trace\"\n",
+        prefix + "\"failed to load 'dflash_stream' version 1: Internal: DFlashError: later\"\n",
+    ])
+    e = srv._death_error()
+    assert isinstance(e, ModelRefused) and e.exit_code == 2
+    msg = str(e)
+    assert msg.startswith(f"{tmp_path}: tritonserver exited (code 1: failed to load 'dflash' version 1: /r/manifest")
+    assert msg.endswith(f"); full log: {tmp_path / 'triton.log'}") and "\n" not in msg
+    assert len(msg.split(" (", 1)[1].split("); full log")[0]) <= 250  # shortened
+    assert "DFlashError" not in msg and "At:" not in msg and "later" not in msg
+    srv._log.clear()
+    srv._log.extend(['E1130 07:37:27.1 1 server.cc:1] "failed to start HTTP service: address in use"\n'])
+    e = srv._death_error()
+    assert type(e) is ServerError and e.exit_code == 1 and "failed to start HTTP service" in str(e)
+
+
+def test_server_child_dies_with_its_parent_even_on_sigkill(tmp_path):
+    """`serve` starts tritonserver in its own session; the kernel must still stop it when the CLI is killed."""
+    code = ("import subprocess, sys, time\n"
+            "from dflash_export.deploy.triton_process import _die_with_parent\n"
+            "p = subprocess.Popen(['sleep', '300'], start_new_session=True, preexec_fn=_die_with_parent())\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(300)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(parent.stdout.readline())
+    try:
+        os.kill(child, 0)  # running
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{child}").exists() and \
+                Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.05)
+        alive = Path(f"/proc/{child}").exists() and \
+            Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, "the child outlived its SIGKILLed parent"
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.server
+def test_serve_model_refusing_its_engine_is_one_line_exit_2(tmp_path, engine_dir):
+    """A manifest edited to disagree with its graphs passes every pre-check but the model's own load: the server
+    exits, and `serve` says why in one line, names the full log, and leaves nothing running."""
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    m = repo / "dflash" / "engine" / "manifest.json"
+    manifest = json.loads(m.read_text())
+    if manifest["backend"] != "onnxruntime":
+        pytest.skip("needs the ONNX Runtime engine (graph metadata)")
+    edit_manifest(repo / "dflash" / "engine", max_seq_len=manifest["max_seq_len"] // 2)
+    log = tmp_path / "triton.log"
+    r = cli("serve", "--repo", repo, "--log-file", log, *sum(([f"--{n}-port", p] for n, p in
+                                                             zip(("http", "grpc", "metrics"), free_ports(3))), []))
+    assert_one_line(r, f"error: {repo}: tritonserver exited (", "max_seq_len", f"; full log: {log}")
+    assert "failed to load 'dflash'" in log.read_text()
+    assert pids_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
+def test_serve_cli_killed_outright_takes_the_server_with_it(tmp_path, engine_dir):
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    http, grpc, metrics = free_ports(3)
+    proc = serve_cli(repo, http, grpc, metrics)
+    try:
+        line = ready_line(proc)
+        assert line.startswith("ready:"), line
+        assert pids_mentioning(str(repo)) != []
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and pids_mentioning(str(repo)):
+        time.sleep(0.2)
+    assert pids_mentioning(str(repo)) == [], "tritonserver outlived the killed serve"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("body, status, named", [
+    (b'{"text_input": "' + b"x" * 6_000_000 + b'"}', 413, "the limit is 1048576 (--max-request-bytes)"),
+    (b"[" * 100_000, 400, "request body: JSON nested deeper than 32 levels (the limit, --max-json-depth)"),
+    (b'{"text_input": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested deeper than 32"),
+    (b'{"text_input": "hi", ', 400, "request body: not valid JSON"),
+    (b'{"text_input": "\xff\xfe"}', 400, "request body: not UTF-8 (byte 0xff"),
+], ids=["6MB", "100k-nested", "nested-field", "invalid-json", "invalid-utf8"])
+def test_hostile_bodies_are_refused_before_tritonserver_parses_them(server, body, status, named):
+    got, resp = post_raw(f"{server.http_url}/v2/models/dflash/generate", body)
+    assert got == status and named in resp["error"], (got, resp)
+    assert server.alive(), "tritonserver died"
+    assert post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "ok", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("body, named", [
+    ({"text_input": "hi", "max_tokens": 4294967304}, "max_tokens: prompt (2 tokens) + max_tokens (4294967304)"),
+    ({"text_input": "hi", "max_tokens": 2 ** 31}, "max_tokens: prompt (2 tokens) + max_tokens (2147483648)"),
+    ({"text_input": "hi", "max_tokens": 2 ** 63}, "max_tokens: must be in 1..9223372036854775807"),
+    ({"text_input": 123}, "text_input: expected a string, got an integer"),
+    ({"text_input": "hi", "max_tokens": "8"}, "max_tokens: expected an integer, got a string"),
+    ({"text_input": "hi", "max_tokens": 8.0}, "max_tokens: expected an integer, got a number"),
+    ({"text_input": "hi", "temperature": "hot"}, "temperature: expected a number"),
+    ({"text_input": "hi", "seed": -1}, "seed: must be in 0..18446744073709551615, got -1"),
+    ({"text_input": "hi", "seed": 2 ** 64}, "seed: must be in 0..18446744073709551615"),
+    ({"text_input": "hi", "max_tokns": 8}, "max_tokns: unknown field"),
+    ({"messages": {"role": "user", "content": "hi"}}, "messages: expected a list"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages: item 0: unknown role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages: item 0: unknown key 'name'"),
+    ({"messages": json.dumps([{"role": "root", "content": "hi"}])}, "messages: item 0: unknown role 'root'"),
+    ({"text_input": "a\ud800b"}, "text_input: lone surrogate \\ud800 at character 1"),
+    ({"text_input": "hi", "stop": [1]}, "stop: expected a string or a list of strings"),
+    ([{"text_input": "hi"}], "request body: expected a JSON object"),
+])
+def test_request_fields_are_type_and_range_checked_400_naming_the_field(server, body, named):
+    status, resp = post_json(f"{server.http_url}/v2/models/dflash/generate", body)
+    assert status == 400 and resp["error"].startswith(named.split(":")[0] + ":") and named in resp["error"], resp
+    status, resp = post_json(f"{server.http_url}/v2/models/dflash_stream/generate_stream", body)
+    assert status == 400 and named in (resp["error"] if isinstance(resp, dict) else resp), (status, resp)
+
+
+@pytest.mark.server
+def test_messages_as_a_json_list_equal_messages_as_json_text(server, direct):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hey"}]
+    a = post_json(f"{server.http_url}/v2/models/dflash/generate", {"messages": msgs, "max_tokens": 6})
+    b = post_json(f"{server.http_url}/v2/models/dflash/generate", {"messages": json.dumps(msgs), "max_tokens": 6})
+    assert a[0] == b[0] == 200 and a[1]["text_output"] == b[1]["text_output"] == run_direct(
+        direct, messages=json.dumps(msgs).encode(), max_tokens=np.array([6], np.int64)).text
+
+
+@pytest.mark.server
+def test_only_the_front_reaches_tritonserver(server):
+    """Triton's own HTTP port (loopback) answers nothing without the front's per-start secret; the front forwards
+    only the inference protocol's routes."""
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{server.triton_http_port}/v2/health/ready", timeout=10)
+        raise AssertionError("tritonserver answered without the front's header")
+    except urllib.error.HTTPError as e:
+        assert e.code == 403
+    status, body = post_json(f"{server.http_url}/v2/repository/index", {})
+    assert status == 404 and "not served" in body["error"]
+    assert urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10).status == 200
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model, endpoint", [("dflash", "generate"), ("dflash_stream", "generate_stream")])
+def test_a_client_that_goes_away_frees_its_instance_within_a_step(tmp_path, long_engine, model, endpoint):
+    """One instance. A 3000-token request whose client leaves mid-generation must stop at its next DFlash step: the
+    request sent right after it waits far less than the whole 3000-token generation takes on this server."""
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(long_engine, tmp_path / "repo", instances=1)
+    path = f"/v2/models/{model}/{endpoint}"
+    long_body = {"text_input": "go on", "max_tokens": 3000}
+    with TritonServer(repo, *free_ports(3), ready_timeout_s=120) as srv:
+        t0 = time.monotonic()
+        assert post_json(srv.http_url + path, long_body)[0] == 200
+        whole = time.monotonic() - t0
+        # Leave once the request is surely running (on a loaded machine 0.5 s can still find it queued).
+        send_and_drop(srv.http_port, path, long_body, max(0.5, 0.1 * whole),
+                       after_first_bytes=model == "dflash_stream")
+        t0 = time.monotonic()
+        status, _ = post_json(srv.http_url + path, {"text_input": "next", "max_tokens": 8})
+        waited = time.monotonic() - t0
+        assert status == 200
+        assert waited < 0.25 * whole, f"waited {waited:.2f} s behind a dropped client (whole run {whole:.2f} s)"
+        deadline = time.monotonic() + 10
+        while "dflash-cancel: the client" not in srv.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # The front's cancel file ("the client went away") or Triton's own cancellation, whichever the model saw first.
+        assert re.search(r"dflash-cancel: the client (went away|cancelled the request); noticed -?\d+ ms after it, "
+                         r"mid-generation", srv.log_text()), srv.log_text()[-2000:]
+
+
+@pytest.mark.server
+def test_serve_restarts_a_crashed_tritonserver_and_clears_what_it_left(tmp_path, engine_dir):
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{http}/v2/models/dflash/generate"
+    try:
+        assert ready_line(proc).startswith("ready:")
+        first = tritonserver_pid(repo)
+        shm_before = {p.name for p in Path("/dev/shm").glob(f"dflash{proc.pid}_*")}
+        assert shm_before, "the python backend's shared memory is expected under /dev/shm"
+        os.kill(first, signal.SIGKILL)  # a crash (the 6 MB body made it segfault before the front existed)
+        deadline, status = time.monotonic() + 180, None
+        while time.monotonic() < deadline:
+            status, body = post_json(url, {"text_input": "again", "max_tokens": 3})
+            if status == 200:
+                break
+            assert status == 503, (status, body)  # restarting: the front answers, never a reset
+            time.sleep(0.5)
+        assert status == 200 and proc.poll() is None
+        assert tritonserver_pid(repo) != first
+        assert not shm_before & {p.name for p in Path("/dev/shm").glob(f"dflash{proc.pid}_*")}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        assert "tritonserver died (" in err and "signal 9" in err and "restarting it" in err, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert pids_mentioning(str(repo)) == [] and not list(Path("/dev/shm").glob(f"dflash{proc.pid}_*"))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("drain_s, code", [(1, 1), (60, 0)])
+def test_sigterm_drains_and_exits_nonzero_when_requests_had_to_be_cancelled(tmp_path, long_engine, drain_s, code):
+    repo = write_repository(long_engine, tmp_path / "repo", instances=2, decoupled=False)
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--drain-timeout",
+                             str(drain_s)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{http}/v2/models/dflash/generate"
+    results: dict[str, tuple] = {}
+    try:
+        assert ready_line(proc).startswith("ready:")
+        workers = [threading.Thread(target=lambda k=k, n=n: results.__setitem__(k, post_json(url, {
+            "text_input": k, "max_tokens": n}, timeout=120))) for k, n in (("long", 3000), ("short", 40))]
+        for w in workers:
+            w.start()
+        time.sleep(0.5)  # both running (two instances)
+        proc.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.join(timeout=120)
+        assert proc.wait(timeout=120) == code, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert results["short"][0] == 200 and results["short"][1]["completion_tokens"] == 40
+    if code == 0:
+        assert results["long"][0] == 200 and results["long"][1]["completion_tokens"] == 3000
+    else:
+        status, body = results["long"]
+        assert status == 503 and "shutting down" in body["error"], results["long"]
+        assert "the drain did not complete: 1 request(s)" in proc.stderr.read()
+    assert pids_mentioning(str(repo)) == []
+
+
+def test_what_a_killed_server_left_is_removed_by_the_next_start(tmp_path):
+    from dflash_export.deploy.server import OWNER_FILE, clean_stale_leftovers
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    env_dir = Path(tempfile.mkdtemp(prefix="python_env_", dir="/tmp"))
+    work = tmp_path / "dflash-triton-dead"
+    (work / "backends").mkdir(parents=True)
+    (work / OWNER_FILE).write_text(json.dumps({"pid": dead, "python_env": [str(env_dir)]}))
+    live = tmp_path / "dflash-triton-live"
+    live.mkdir()
+    (live / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "python_env": []}))
+    shm_dead = Path("/dev/shm") / f"dflash{dead}_1234_test"
+    shm_live = Path("/dev/shm") / f"dflash{os.getpid()}_1234_test"
+    try:
+        shm_dead.write_bytes(b"x")
+        shm_live.write_bytes(b"x")
+        removed = clean_stale_leftovers(tmp_path)
+        assert not work.exists() and not env_dir.exists() and not shm_dead.exists()
+        assert live.exists() and shm_live.exists()
+        assert str(shm_dead) in removed and str(work) in removed
+    finally:
+        for p in (shm_dead, shm_live):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(env_dir, ignore_errors=True)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_short_soak_meets_every_target(tmp_path):
+    """benchmarks/soak.py --short: 4 clients for 20 s of good, hostile and dropped requests against `serve` on the
+    tiny engine; every served output equals its direct run, every bad request gets its 4xx, no crash, no 5xx."""
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--short", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["requests"] > 50 and res["by_kind"].get("bad", 0) > 0 and res["drops"] > 0
+    assert res["wrong_outputs"] == res["unexpected_statuses"] == res["http_5xx"] == res["server_restarts"] == 0
