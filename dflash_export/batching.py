@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -89,8 +91,10 @@ class _Active:
 
 
 class BatchingRuntime:
-    """Continuous batching over one ONNX Runtime engine. Single-threaded: `step()` advances every active request by
-    one engine step; `submit` and `cancel` between steps. See the module docstring for the scheduling rule."""
+    """Continuous batching over one ONNX Runtime engine. `step()` advances every active request by one engine step;
+    one thread steps it. `submit` and `cancel` may come from other threads at any time: the queue has its own lock,
+    held only to append or pop (never across an engine call), and a request joins at the next step boundary. See the
+    module docstring for the scheduling rule."""
 
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7):
@@ -107,6 +111,7 @@ class BatchingRuntime:
         self.max_queued_tokens = max_queued_tokens
         self.queue: collections.deque[Request] = collections.deque()
         self.queued_tokens = 0
+        self._queue_lock = threading.Lock()  # queue + queued_tokens: submitters vs the stepping thread
         self.active: list[_Active] = []
         self.rate = 1.0           # λ: tokens per unit of single-sequence plain-step cost
         # What drafting is expected to yield per drafting sequence (EMAs over recent drafts, B > 1; see
@@ -129,14 +134,15 @@ class BatchingRuntime:
             raise DFlashError(f"unknown mode {mode!r} (dflash, ar)", field="mode")
         prompt_ids = [int(t) for t in prompt_ids]
         self._single.check_request(prompt_ids, sp)
-        if self.queued_tokens + len(prompt_ids) > self.max_queued_tokens:
-            raise DFlashError(f"the queue is full ({self.queued_tokens} prompt tokens waiting, bound "
-                              f"{self.max_queued_tokens})", field="max_queued_tokens")
-        req = Request(prompt_ids, sp, mode, next(self._ids), on_event)
-        req.submitted_s = time.perf_counter()
-        req.stats.prompt_tokens = len(prompt_ids)
-        self.queue.append(req)
-        self.queued_tokens += len(prompt_ids)
+        with self._queue_lock:
+            if self.queued_tokens + len(prompt_ids) > self.max_queued_tokens:
+                raise DFlashError(f"the queue is full ({self.queued_tokens} prompt tokens waiting, bound "
+                                  f"{self.max_queued_tokens})", field="max_queued_tokens")
+            req = Request(prompt_ids, sp, mode, next(self._ids), on_event)
+            req.submitted_s = time.perf_counter()
+            req.stats.prompt_tokens = len(prompt_ids)
+            self.queue.append(req)
+            self.queued_tokens += len(prompt_ids)
         return req
 
     def cancel(self, req: Request) -> None:
@@ -176,8 +182,9 @@ class BatchingRuntime:
     def _admit(self) -> None:
         joiners: list[_Active] = []
         while self.queue and len(self.active) + len(joiners) < self.batch.max_batch:
-            req = self.queue.popleft()
-            self.queued_tokens -= len(req.prompt_ids)
+            with self._queue_lock:
+                req = self.queue.popleft()
+                self.queued_tokens -= len(req.prompt_ids)
             if req.cancelled:
                 req.done = True
                 req.stats.finish_reason = "cancelled"
@@ -369,14 +376,16 @@ class BatchingService:
 
     A consumer that stops iterating `stream` (its client went away: RequestRunner stops between steps) cancels its
     request; the slot is freed at the next step boundary. An engine failure ends every active request with it.
+
+    The scheduler holds the service's lock only to sleep while idle, never across a step: a lock held through every
+    step and retaken at once would starve the submitting threads (Python's locks are not fair), and new requests would
+    wait for the running ones to finish instead of joining the next step.
     """
 
     def __init__(self, engine, max_batch: int = 8, max_queued_tokens: int = 65536, on_resize=None,
                  idle_release_s: float = 5.0, **runtime_kwargs):
         """`on_resize(bytes, slots, capacity)`: called whenever the batch's K/V buffers are reallocated or released.
         The buffers stay allocated between requests and are freed once the batch has been idle `idle_release_s`."""
-        import threading
-
         self.runtime = BatchingRuntime(engine, max_batch, max_queued_tokens, **runtime_kwargs)
         self.on_resize = on_resize
         self.idle_release_s = idle_release_s
@@ -396,8 +405,6 @@ class BatchingService:
 
     def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None):
         """Yield the request's StepEvents as the shared batch commits them; the last has finished=True."""
-        import queue
-
         events: queue.Queue = queue.Queue()
         with self._lock:
             if self._closed:
@@ -432,10 +439,10 @@ class BatchingService:
                         self.runtime.batch.release()  # idle for a while: give the K/V memory back
                 if self._closed:
                     return
-                try:
-                    self.runtime.step()
-                except Exception as e:  # noqa: BLE001 - every waiting consumer gets the failure, the loop goes on
-                    self._fail_all(e)
+            try:
+                self.runtime.step()
+            except Exception as e:  # noqa: BLE001 - every waiting consumer gets the failure, the loop goes on
+                self._fail_all(e)
 
     def _fail_all(self, exc: BaseException) -> None:
         rt = self.runtime
@@ -448,12 +455,13 @@ class BatchingService:
             except DFlashError:
                 pass
         rt.active.clear()
-        while rt.queue:
-            req = rt.queue.popleft()
+        with rt._queue_lock:
+            queued, rt.queued_tokens = list(rt.queue), 0
+            rt.queue.clear()
+        for req in queued:
             req.done = True
             if req.on_event is not None:
                 req.on_event(exc)
-        rt.queued_tokens = 0
         rt.batch = BatchedOrtEngine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
         self._configure(rt.batch)
         if self.on_resize is not None:

@@ -327,3 +327,57 @@ def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_emptie
     batch.remove(s)
     batch.release()
     assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0
+
+
+def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(built, reference):
+    """A request submitted while another is being decoded joins at the next step boundary: it waits neither for the
+    running request to finish nor for the scheduler to let go of a lock (one held through every step and retaken at
+    once starved the submitting threads: they got in after tens of steps, or after the running request ended)."""
+    import threading
+
+    from dflash_export.batching import BatchingService
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=4)
+    step = svc.runtime.batch.target_step
+
+    def slow_step(*a, **k):  # ~30 ms a step, as a real model's: the long request lasts seconds
+        time.sleep(0.03)
+        return step(*a, **k)
+
+    svc.runtime.batch.target_step = slow_step
+    started, stop, long_tokens, got, waited = threading.Event(), threading.Event(), [], {}, {}
+
+    def long_client():
+        for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=400, stop_token_ids=[]), mode="ar"):
+            long_tokens.extend(ev.tokens)
+            started.set()
+            if stop.is_set():
+                return
+
+    def short_client(i):
+        at = svc.runtime.steps
+        got[i] = []
+        for ev in svc.stream(PROMPTS[i], SamplingParams(max_new_tokens=6)):
+            if not got[i]:
+                waited[i] = svc.runtime.steps - at  # steps the running batch made before this request's first token
+            got[i].extend(ev.tokens)
+
+    try:
+        runner = threading.Thread(target=long_client)
+        runner.start()
+        assert started.wait(60)
+        shorts = [threading.Thread(target=short_client, args=(i,)) for i in (1, 2, 3)]
+        for t in shorts:
+            t.start()
+        for t in shorts:
+            t.join(timeout=60)
+        still_running = runner.is_alive() and len(long_tokens) < 400
+        stop.set()
+        runner.join(timeout=60)
+        assert still_running, "the short requests waited for the long one to finish"
+        assert max(waited.values()) <= 3, waited
+        assert [got[i] for i in (1, 2, 3)] == [reference[i][:6] for i in (1, 2, 3)]
+    finally:
+        stop.set()
+        svc.close()
