@@ -21,6 +21,7 @@ from pathlib import Path
 from dflash_export.bench_batch import run_concurrency
 from dflash_export.engines.base import SamplingParams, load_codec
 from dflash_export.engines.build import build_engine
+from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
@@ -28,7 +29,6 @@ from dflash_export.prompt_lookup import prompt_lookup_tau
 from dflash_export.recipes import load_recipe
 from dflash_export.runtime import DFlashRuntime
 from dflash_export.sources import resolve_source
-from dflash_export.validate.command import check_engine_recipe
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 

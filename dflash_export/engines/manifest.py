@@ -385,6 +385,17 @@ def read_manifest(engine_dir, verify_files: bool = True) -> Manifest:
     return manifest
 
 
+def check_engine_recipe(engine_dir: Path, recipe):
+    """The engine's validated manifest; DFlashError when it was built for another recipe (measuring it against this
+    recipe's reference would mislead). Shared by `validate` and `bench`."""
+    manifest = read_manifest(engine_dir)
+    built_for = manifest.recipe
+    if built_for and built_for != recipe.name:
+        raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}", path=manifest.path,
+                          field="recipe")
+    return manifest
+
+
 def check_no_unlisted_files(engine_dir: Path, files: Mapping[str, str]) -> None:
     """Refuse any file in the engine directory that the manifest does not hash (manifest.json aside).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
-from dflash_export.engines.manifest import read_manifest
+from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import CheckFailed, DFlashError
 from dflash_export.files import check_output_dir
@@ -31,17 +31,6 @@ def default_engine_dir(recipe_name: str) -> Path:
     raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel}: build it first with "
                       f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
                       field="--engine")
-
-
-def check_engine_recipe(engine_dir: Path, recipe):
-    """The engine's validated manifest; DFlashError when it was built for another recipe (measuring it against this
-    recipe's reference would mislead). Shared by `validate` and `bench`."""
-    manifest = read_manifest(engine_dir)
-    built_for = manifest.recipe
-    if built_for and built_for != recipe.name:
-        raise DFlashError(f"engine was built for recipe {built_for!r}, not {recipe.name!r}", path=manifest.path,
-                          field="recipe")
-    return manifest
 
 
 def open_engine(engine_dir: Path, recipe):
