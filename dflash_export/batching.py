@@ -387,6 +387,10 @@ class BatchingService:
         """`on_resize(bytes, slots, capacity)`: called whenever the batch's K/V buffers are reallocated or released.
         The buffers stay allocated between requests and are freed once the batch has been idle `idle_release_s`."""
         self.runtime = BatchingRuntime(engine, max_batch, max_queued_tokens, **runtime_kwargs)
+        # The batched-verify graph (a second copy of the target's weights) is loaded now, not at the first step that
+        # verifies several sequences: a served model's memory is all there once it reports ready, and no request
+        # pays for the load.
+        engine.batch_target_session()
         self.on_resize = on_resize
         self.idle_release_s = idle_release_s
         self._configure(self.runtime.batch)

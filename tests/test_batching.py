@@ -381,3 +381,18 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
     finally:
         stop.set()
         svc.close()
+
+
+def test_a_service_loads_the_batched_verify_graph_before_its_first_request(built):
+    """Served memory is all there once the model is ready (benchmarks/soak.py takes the idle RSS then)."""
+    from dflash_export.batching import BatchingService
+    from dflash_export.engines.registry import load_engine
+
+    _, eng, _ = built
+    fresh = load_engine(eng.engine_dir, threads=1)
+    assert fresh._target_batch is None  # a single-request engine never loads it
+    svc = BatchingService(fresh, max_batch=2)
+    try:
+        assert fresh._target_batch is not None and not svc.runtime.active
+    finally:
+        svc.close()
