@@ -145,6 +145,13 @@ class BatchingRuntime:
             self.queued_tokens += len(prompt_ids)
         return req
 
+    def take_queue(self) -> list[Request]:
+        """Empty the queue (for a caller that ends the queued requests itself) and return what it held."""
+        with self._queue_lock:
+            queued, self.queued_tokens = list(self.queue), 0
+            self.queue.clear()
+        return queued
+
     def cancel(self, req: Request) -> None:
         """Drop a request (queued or running) at the next step boundary; its slot is freed then."""
         req.cancelled = True
@@ -459,10 +466,7 @@ class BatchingService:
             except DFlashError:
                 pass
         rt.active.clear()
-        with rt._queue_lock:
-            queued, rt.queued_tokens = list(rt.queue), 0
-            rt.queue.clear()
-        for req in queued:
+        for req in rt.take_queue():
             req.done = True
             if req.on_event is not None:
                 req.on_event(exc)

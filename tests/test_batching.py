@@ -396,3 +396,49 @@ def test_a_service_loads_the_batched_verify_graph_before_its_first_request(built
         assert fresh._target_batch is not None and not svc.runtime.active
     finally:
         svc.close()
+
+
+def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_goes_on(built, reference):
+    """A step that raises ends every request then in the batch or waiting to join with that error (each consumer's
+    `stream` raises it); the queue's tokens are given back, and the next request runs on a fresh batch, correctly."""
+    import threading
+
+    from dflash_export.batching import BatchingService
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=1)
+    gate, failed = threading.Event(), []
+
+    def failing_step(*a, **k):
+        gate.wait(30)  # until the second request is queued behind the first
+        raise RuntimeError("device lost")
+
+    svc.runtime.batch.target_step = failing_step
+
+    def client(i):
+        try:
+            list(svc.stream(PROMPTS[i], SamplingParams(max_new_tokens=8)))
+        except RuntimeError as e:
+            failed.append((i, str(e)))
+
+    try:
+        first = threading.Thread(target=client, args=(0,))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not svc.runtime.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = threading.Thread(target=client, args=(1,))
+        second.start()
+        while not svc.runtime.queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        first.join(30)
+        second.join(30)
+        assert sorted(failed) == [(0, "device lost"), (1, "device lost")]
+        assert not svc.runtime.queue and svc.runtime.queued_tokens == 0 and not svc.runtime.active
+        assert svc.runtime.batch.target_step is not failing_step  # a fresh batch
+        got = [t for ev in svc.stream(PROMPTS[2], SamplingParams(max_new_tokens=6)) for t in ev.tokens]
+        assert got == reference[2][:6]
+    finally:
+        gate.set()
+        svc.close()
