@@ -68,6 +68,7 @@ class Request:
     submitted_s: float = 0.0
     done: bool = False
     cancelled: bool = False
+    joined: bool = False  # taken from the queue into the batch (set by the stepping thread)
     error: Exception | None = None
 
 
@@ -196,6 +197,7 @@ class BatchingRuntime:
                 req.done = True
                 req.stats.finish_reason = "cancelled"
                 continue
+            req.joined = True
             sp = req.sp
             seq = self.batch.add(len(req.prompt_ids) + sp.max_new_tokens + self.info.block_size)
             seq.keep_context = req.mode == "dflash"
@@ -414,8 +416,17 @@ class BatchingService:
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         self.runtime._single.check_request(prompt_ids, sp)
 
-    def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None):
-        """Yield the request's StepEvents as the shared batch commits them; the last has finished=True."""
+    # A caller's `cancelled()` is asked this often while its request waits to join the batch.
+    QUEUED_POLL_S = 0.05
+    polls_cancel_while_queued = True  # what deploy.handler.RequestRunner looks for
+
+    def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None,
+               cancelled=None):
+        """Yield the request's StepEvents as the shared batch commits them; the last has finished=True.
+
+        `cancelled()` (optional): asked every QUEUED_POLL_S while the request still waits to join the batch; when it
+        answers (anything but None) the request leaves the queue and the stream ends without a finished event, so a
+        client that went away costs no prefill. Once the request has joined, the caller checks between events."""
         events: queue.Queue = queue.Queue()
         with self._lock:
             if self._closed:
@@ -427,7 +438,15 @@ class BatchingService:
             self._work.notify()
         try:
             while True:
-                ev = events.get()
+                if cancelled is not None and not req.joined:
+                    try:
+                        ev = events.get(timeout=self.QUEUED_POLL_S)
+                    except queue.Empty:
+                        if not req.joined and cancelled() is not None:
+                            return
+                        continue
+                else:
+                    ev = events.get()
                 if isinstance(ev, BaseException):
                     raise ev
                 yield ev

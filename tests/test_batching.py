@@ -364,10 +364,10 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
             got[i].extend(ev.tokens)
 
     try:
-        runner = threading.Thread(target=long_client)
+        runner = threading.Thread(target=long_client, daemon=True)
         runner.start()
         assert started.wait(60)
-        shorts = [threading.Thread(target=short_client, args=(i,)) for i in (1, 2, 3)]
+        shorts = [threading.Thread(target=short_client, args=(i,), daemon=True) for i in (1, 2, 3)]
         for t in shorts:
             t.start()
         for t in shorts:
@@ -422,12 +422,12 @@ def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_
             failed.append((i, str(e)))
 
     try:
-        first = threading.Thread(target=client, args=(0,))
+        first = threading.Thread(target=client, args=(0,), daemon=True)
         first.start()
         deadline = time.monotonic() + 30
         while not svc.runtime.active and time.monotonic() < deadline:
             time.sleep(0.01)
-        second = threading.Thread(target=client, args=(1,))
+        second = threading.Thread(target=client, args=(1,), daemon=True)
         second.start()
         while not svc.runtime.queue and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -441,4 +441,73 @@ def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_
         assert got == reference[2][:6]
     finally:
         gate.set()
+        svc.close()
+
+
+def test_a_request_cancelled_while_queued_leaves_without_a_prefill(built):
+    """A request waiting to join a full batch whose client goes away leaves the queue at the next poll: its stream
+    ends, the Triton handler raises RequestCancelled with the reason, and the batch never prefills it."""
+    import threading
+
+    from dflash_export.batching import BatchingService
+    from dflash_export.deploy.handler import GenerateRequest, RequestCancelled, RequestRunner
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=1)
+    batch = svc.runtime.batch
+    step, prefill, prefilled = batch.target_step, batch.prefill, []
+
+    def slow_step(*a, **k):
+        time.sleep(0.03)
+        return step(*a, **k)
+
+    def counting_prefill(seqs, prompts):
+        prefilled.extend(prompts)
+        return prefill(seqs, prompts)
+
+    batch.target_step, batch.prefill = slow_step, counting_prefill
+    stop, gone, asked = threading.Event(), threading.Event(), []
+
+    def long_client():
+        for _ in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=400, stop_token_ids=[]), mode="ar"):
+            if stop.is_set():
+                return
+
+    def cancelled(queued: bool = False):
+        asked.append(queued)
+        return "the client went away" if gone.is_set() else None
+
+    try:
+        runner = threading.Thread(target=long_client, daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 30
+        while not prefilled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        req = GenerateRequest("Hello there", SamplingParams(max_new_tokens=6))
+        outcome = []
+
+        def queued_client():
+            try:
+                outcome.extend(RequestRunner(svc).run(req, cancelled))
+            except RequestCancelled as e:
+                outcome.append(e)
+
+        waiting = threading.Thread(target=queued_client, daemon=True)
+        waiting.start()
+        while not svc.runtime.queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # several polls while queued
+        gone.set()
+        waiting.join(10)
+        assert not waiting.is_alive() and runner.is_alive()  # out while the long request still runs
+        assert len(outcome) == 1 and isinstance(outcome[0], RequestCancelled), outcome
+        assert "went away" in str(outcome[0]) and True in asked
+        stop.set()
+        runner.join(30)
+        deadline = time.monotonic() + 10
+        while svc.runtime.queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(prefilled) == 1  # the long request's prompt: the cancelled one was never prefilled
+    finally:
+        stop.set()
         svc.close()

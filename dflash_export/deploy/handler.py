@@ -247,7 +247,9 @@ class RequestRunner:
         Validation errors surface (as DFlashError) before the first chunk. Stop strings end the output *before* the
         stop string; text that might begin one is held back until it is decided. `cancelled()` is asked before the
         prompt and after every DFlash step; a reason (not None) stops the generation there with RequestCancelled, so
-        a client that went away holds its instance for at most one more step.
+        a client that went away holds its instance for at most one more step. Behind a shared batch
+        (`BatchingService`) it is also asked, as `cancelled(queued=True)`, while the request waits to join: a client
+        that leaves then costs no prefill.
         """
         if cancelled is not None and (why := cancelled()):
             raise RequestCancelled(why)
@@ -258,7 +260,16 @@ class RequestRunner:
         tokens: list[int] = []
         shown = 0
         hold = max((len(s) for s in req.stop), default=1) - 1
-        for ev in self.runtime.stream(ids, req.sp, stats=stats):
+        while_queued: list[str] = []
+
+        def ask_queued():
+            why = cancelled(queued=True)
+            if why is not None:
+                while_queued.append(why)
+            return why
+
+        polls = cancelled is not None and getattr(self.runtime, "polls_cancel_while_queued", False)
+        for ev in self.runtime.stream(ids, req.sp, stats=stats, **({"cancelled": ask_queued} if polls else {})):
             if cancelled is not None and not ev.finished and (why := cancelled()):
                 raise RequestCancelled(why)
             tokens.extend(ev.tokens)
@@ -280,6 +291,8 @@ class RequestRunner:
             yield Chunk(delta, reason, len(stats.tokens), stats.accepted_tokens, stats.drafted_tokens, stats.tau)
             if reason is not None:
                 return
+        if while_queued:  # the stream ended before the request joined the batch
+            raise RequestCancelled(while_queued[0])
 
 
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -150,7 +150,8 @@ class TritonPythonModel:
 
     @staticmethod
     def _cancelled(request, sender=None):
-        """The question `RequestRunner.run` asks between steps: why this request is cancelled, or None."""
+        """The question `RequestRunner.run` asks between steps (and, `queued=True`, while the request waits to join a
+        shared batch): why this request is cancelled, or None."""
         from dflash_export.deploy.front import CANCEL_PARAMETER, cancel_reason
 
         try:
@@ -164,7 +165,7 @@ class TritonPythonModel:
 
         last = [None]  # when the previous check ran (None: this is the first, before any work on the request)
 
-        def cancelled():
+        def cancelled(queued: bool = False):
             why = None
             for is_cancelled in native:
                 try:
@@ -178,7 +179,7 @@ class TritonPythonModel:
                 # One line per cancellation for the log (benchmarks/soak.py reads it): how long the instance kept
                 # working after the cancel (at most the step in progress), and how long that step took.
                 late = _cancel_age_ms(token)
-                where = ("before it started (it was queued)" if last[0] is None else
+                where = ("before it started (it was queued)" if last[0] is None or queued else
                          f"mid-generation, last step {1000 * (now - last[0]):.0f} ms")
                 print(f"dflash-cancel: {why}; noticed {late if late is not None else -1:.0f} ms after it, {where}",
                       file=sys.stderr, flush=True)
