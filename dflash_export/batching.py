@@ -154,8 +154,19 @@ class BatchingRuntime:
         return queued
 
     def cancel(self, req: Request) -> None:
-        """Drop a request (queued or running) at the next step boundary; its slot is freed then."""
+        """Drop a request. A queued one leaves the queue now (its prompt tokens stop counting against
+        `max_queued_tokens`); a running one at the next step boundary, its slot freed then."""
         req.cancelled = True
+        with self._queue_lock:
+            if req.joined:
+                return
+            for i, queued in enumerate(self.queue):
+                if queued is req:
+                    del self.queue[i]
+                    self.queued_tokens -= len(req.prompt_ids)
+                    req.done = True
+                    req.stats.finish_reason = "cancelled"
+                    return
 
     @property
     def idle(self) -> bool:
@@ -189,15 +200,17 @@ class BatchingRuntime:
 
     def _admit(self) -> None:
         joiners: list[_Active] = []
-        while self.queue and len(self.active) + len(joiners) < self.batch.max_batch:
-            with self._queue_lock:
+        while len(self.active) + len(joiners) < self.batch.max_batch:
+            with self._queue_lock:  # a cancel from another thread may empty the queue at any moment
+                if not self.queue:
+                    break
                 req = self.queue.popleft()
                 self.queued_tokens -= len(req.prompt_ids)
-            if req.cancelled:
+                req.joined = True
+            if req.cancelled:  # cancelled while being taken from the queue
                 req.done = True
                 req.stats.finish_reason = "cancelled"
                 continue
-            req.joined = True
             sp = req.sp
             seq = self.batch.add(len(req.prompt_ids) + sp.max_new_tokens + self.info.block_size)
             seq.keep_context = req.mode == "dflash"

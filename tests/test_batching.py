@@ -502,6 +502,7 @@ def test_a_request_cancelled_while_queued_leaves_without_a_prefill(built):
         assert not waiting.is_alive() and runner.is_alive()  # out while the long request still runs
         assert len(outcome) == 1 and isinstance(outcome[0], RequestCancelled), outcome
         assert "went away" in str(outcome[0]) and True in asked
+        assert not svc.runtime.queue and svc.runtime.queued_tokens == 0  # out of the queue bound at once
         stop.set()
         runner.join(30)
         deadline = time.monotonic() + 10
