@@ -195,7 +195,7 @@ def test_failed_build_leaves_nothing_that_loads(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setattr(ort_build, "_copy_tokenizer", boom)  # after export + optimization, before the manifest
+    monkeypatch.setattr(ort_build, "copy_tokenizer", boom)  # after export + optimization, before the manifest
     with pytest.raises(RuntimeError, match="mid-build"):
         ort_build.build_onnxruntime(load_recipe("tiny-llama"), tmp_path / "eng", threads=1)
     assert list(tmp_path.iterdir()) == []  # neither the engine dir nor its temporary sibling

@@ -37,12 +37,14 @@ from dflash_export.errors import DFlashError
 
 class ServerError(DFlashError):
     """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
+
     exit_code = 1
 
 
 class ModelRefused(ServerError):
     """tritonserver exited because a model refused its input at load (a DFlashError inside the model: e.g. a manifest
     that disagrees with its graphs). Bad input, so exit code 2, like the checks `serve` makes before starting."""
+
     exit_code = 2
 
 
@@ -184,7 +186,6 @@ class TritonServer:
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
                  exit_timeout_s: int = 10):
-
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)

@@ -77,7 +77,6 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     build = backend_builder(backend)
     precisions = None
     if BACKENDS[backend].quantizable:  # the ONNX Runtime engines
-
         precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):
         raise DFlashError(f"weight quantization is built for the onnxruntime backend only, not {backend}",

@@ -70,7 +70,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
-        _copy_tokenizer(target, drafter, tmp)
+        copy_tokenizer(target, drafter, tmp)
         selector = _save_selector(drafter, tmp)
         manifest = _ort_manifest(recipe, target, drafter, spec, dspec, precisions, quantization, draft_vocab, res,
                                  manifest_shared)
@@ -370,7 +370,7 @@ def _relink_shared(model_path: Path, shared: dict) -> None:
     onnx.save_model(model, str(model_path))
 
 
-def _copy_tokenizer(target, drafter, dst: Path) -> None:
+def copy_tokenizer(target, drafter, dst: Path) -> None:
     src = Path(target.model_dir)
     if (src / "tokenizer.json").is_file():
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

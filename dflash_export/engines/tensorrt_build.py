@@ -11,7 +11,7 @@ from typing import Any
 from dflash_export.engines import tensorrt_plugins as plugins
 from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
 from dflash_export.engines.manifest import write_manifest
-from dflash_export.engines.ort_build import _copy_tokenizer
+from dflash_export.engines.ort_build import copy_tokenizer
 from dflash_export.engines.tensorrt_plugins import (
     BACKEND,
     DRAFTER_ENGINE,
@@ -247,5 +247,5 @@ def write_serving_files(recipe, drafter, dst: Path) -> dict[str, Any]:
 
     cfg, _ = read_target_config(recipe.target_path)
     target = SimpleNamespace(model_dir=resolve_target_dir(recipe.target_path), vocab_size=int(cfg["vocab_size"]))
-    _copy_tokenizer(target, drafter, Path(dst))
+    copy_tokenizer(target, drafter, Path(dst))
     return {"stop_token_ids": [int(x) for x in cfg["stop_token_ids"]], "vocab_size": int(cfg["vocab_size"])}
