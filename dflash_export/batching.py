@@ -124,8 +124,15 @@ class BatchingRuntime:
         self._probe_turn = 0
         self.probes = 0
         self._ids = itertools.count()
+        # The work done, for the bench's report: target calls (= steps), their rows (B x S, padding included),
+        # drafter calls and the sequences they drafted, and the cost model's total (in single-sequence plain steps).
+        # Deterministic for a given load, so two modes' work can be compared without timing noise.
         self.steps = 0
-        self.rows_verified = 0    # drafts verified (sum over sequences and steps), for the bench's report
+        self.rows_verified = 0    # drafts verified (sum over sequences and steps)
+        self.target_rows = 0
+        self.draft_calls = 0
+        self.draft_seqs = 0
+        self.modelled_cost = 0.0
 
     # Requests -----------------------------------------------------------------------------------------------------
 
@@ -255,6 +262,8 @@ class BatchingRuntime:
             self._finish(a)
         rows = len(blocks) * max(len(b) for b in blocks)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
+        self.target_rows += rows
+        self.modelled_cost += cost
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
 
     def _drop_cancelled(self) -> None:
@@ -307,6 +316,8 @@ class BatchingRuntime:
         for a, (d, p) in zip(drafting, res):
             a.drafts, a.draft_probs = d, p
         draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+        self.draft_calls += 1
+        self.draft_seqs += len(drafting)
         self._learn_from_drafts(drafting)
         return draft_cost
 

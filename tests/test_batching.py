@@ -250,6 +250,29 @@ def test_probes_back_off_while_drafting_does_not_pay(built, reference):
         assert req.stats.tokens[: len(ref)] == ref[: len(req.stats.tokens)]
 
 
+def test_when_drafting_does_not_pay_a_dflash_batch_does_plain_decodings_work_plus_its_probes(built, reference):
+    """"Never worse than plain batched decoding", counted rather than timed: with drafting unprofitable for the
+    batch, DFlash requests make exactly the target calls plain decoding makes for the same load (same calls, same
+    rows), and the only extra work is one single-sequence drafter call per probe -- 4 probes in 130 steps (steps 8,
+    24, 56, 120 of the back-off), so the cost model's total exceeds plain decoding's by 4 draft costs, no more."""
+    _, eng, _ = built
+    sp = SamplingParams(max_new_tokens=160, stop_token_ids=[])
+    work = {}
+    for mode in ("dflash", "ar"):
+        rt = BatchingRuntime(eng, max_batch=3, max_skip=7)
+        rt._drafting_pays = lambda b: False
+        reqs = [rt.submit(p, sp, mode) for p in PROMPTS[:3]]
+        for _ in range(130):
+            rt.step()
+        for req, ref in zip(reqs, reference[:3]):
+            assert req.stats.tokens[: len(ref)] == ref[: len(req.stats.tokens)]
+        work[mode] = rt
+    d, a = work["dflash"], work["ar"]
+    assert (d.steps, d.target_rows) == (a.steps, a.target_rows) == (130, 130 * 3)
+    assert (d.draft_calls, d.draft_seqs, d.probes) == (4, 4, 4) and (a.draft_calls, a.draft_seqs) == (0, 0)
+    assert d.modelled_cost - a.modelled_cost == pytest.approx(4 * d.draft_cost)
+
+
 def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, reference, monkeypatch):
     """Engines built before target_batch.onnx: many-row blocks run one sequence per GQA call, same tokens."""
     _, eng, _ = built

@@ -120,6 +120,9 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
     for r in rep["levels"]:
         assert r["identical_to_alone"] == "5/5" and r["tokens"] == 60 and r["tok_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p99_s"]
+        assert r["target_rows"] >= r["engine_steps"] > 0 and r["modelled_cost"] >= r["engine_steps"]
+        if r["mode"] == "ar":  # plain decoding: one row per sequence per call, no drafter, cost 1 + a(B - 1)
+            assert r["draft_calls"] == r["probes"] == 0 and r["target_rows"] == r["tokens"] - 5  # 1st: prefill
     assert rep["divergences"] == []
 
 
