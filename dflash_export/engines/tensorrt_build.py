@@ -195,6 +195,7 @@ def build_batch_engines(onnx_dir, out_dir, block_size: int, max_seq_len: int, dt
     `onnx_dir`, see tensorrt_batch.plain_op_graph) compiled with profiles for 1..max_batch sequences
     (graph_engine.batch_profiles). Returns the per-engine build facts for the manifest, each with what the runtime
     checks (`profiles`, `max_batch`, the `onnx` graph) and the ops the plain-op copy rewrote."""
+    plugins.require_tensorrt()
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     rewritten = write_plain_batch_graphs(onnx_dir)
     facts: dict[str, Any] = {}
