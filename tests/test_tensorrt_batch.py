@@ -198,3 +198,17 @@ def test_an_engine_built_without_the_batch_engines_gives_one_clear_error(pair, t
         BatchingRuntime(eng, max_batch=2)
     assert e.value.field == "engines.drafter_batch.engine.max_batch"
     eng.close()
+
+
+def test_the_batched_engine_follows_the_engine_backend(pair):
+    """`BatchingRuntime` gets ONNX Runtime's batched engine for an ONNX Runtime engine, TensorRT's for a TensorRT one,
+    and one DFlashError naming the backend for an engine with no batched runner (the PyTorch reference)."""
+    from dflash_export.engines.ort_batch import BatchedOrtEngine, batched_engine
+    from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+
+    eng, ort_eng, torch_eng, _, _ = pair
+    assert type(batched_engine(ort_eng, 2)) is BatchedOrtEngine
+    assert type(batched_engine(eng, 2)) is BatchedTensorRTEngine
+    with pytest.raises(DFlashError, match="onnxruntime and tensorrt backends \\(got pytorch\\)") as e:
+        BatchingRuntime(torch_eng, max_batch=2)
+    assert e.value.field == "backend"

@@ -509,7 +509,9 @@ def batched_engine(engine, max_batch: int = 16) -> BatchedEngine:
         return BatchedOrtEngine(engine, max_batch)
     if engine.info.backend == "tensorrt":
         from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+        from dflash_export.engines.tensorrt_runtime import TensorRTEngine
 
-        return BatchedTensorRTEngine(engine, max_batch)
+        if isinstance(engine, TensorRTEngine):
+            return BatchedTensorRTEngine(engine, max_batch)
     raise DFlashError(f"batched decoding runs on the onnxruntime and tensorrt backends (got {engine.info.backend})",
                       field="backend")
