@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_export.engines.base import SamplingParams
-from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq
+from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq, batched_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
 from dflash_export.sampling import probs_from_logits, verify_block, verify_length
@@ -101,7 +101,7 @@ class BatchingRuntime:
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
-        self.batch = BatchedOrtEngine(engine, max_batch)
+        self.batch = batched_engine(engine, max_batch)  # the engine's backend's (ort_batch.batched_engine)
         self.info = engine.info
         self.codec = engine.codec
         self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip)  # its checks/costs
@@ -513,7 +513,7 @@ class BatchingService:
             req.done = True
             if req.on_event is not None:
                 req.on_event(exc)
-        rt.batch = BatchedOrtEngine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
+        rt.batch = batched_engine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
         self._configure(rt.batch)
         if self.on_resize is not None:
             self.on_resize(0, 0, 0)

@@ -41,7 +41,8 @@ class _EmulatedTrt:
 
         def deserialize_cuda_engine(self, data: bytes):
             spec = json.loads(data)
-            return _EmulatedEngine(spec["onnx"], spec["graph"], spec["block_size"], spec["max_seq_len"])
+            return _EmulatedEngine(spec["onnx"], spec["graph"], spec["block_size"], spec["max_seq_len"],
+                                   spec.get("max_batch", 1))
 
 
 def _array_at(address: int, dtype, shape) -> np.ndarray:
@@ -56,7 +57,7 @@ def _array_at(address: int, dtype, shape) -> np.ndarray:
 
 
 class _EmulatedEngine:
-    def __init__(self, onnx_path, graph, block_size, max_seq_len):
+    def __init__(self, onnx_path, graph, block_size, max_seq_len, max_batch=1):
         import onnx
         import onnxruntime as ort
 
@@ -64,8 +65,9 @@ class _EmulatedEngine:
 
         self.session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
         model = onnx.load(onnx_path, load_external_data=False)
+        vocab = trt_backend.vocab_size_of(model) if graph in ("target_verify", "drafter") else 0
         self.profiles = [trt_backend.profile_shapes(model, p) for p in trt_backend.graph_profiles(
-            graph, block_size, max_seq_len, trt_backend.vocab_size_of(model))]
+            graph, block_size, max_seq_len, vocab, max_batch)]
         self.io = [(i, _EmulatedTrt.TensorIOMode.INPUT) for i in self.session.get_inputs()] + [
             (o, _EmulatedTrt.TensorIOMode.OUTPUT) for o in self.session.get_outputs()]
         self.by_name = {v.name: (v, mode) for v, mode in self.io}
@@ -179,26 +181,47 @@ def emulate_tensorrt(monkeypatch):
     return trt_backend
 
 
-def emulated_engine_dir(root, recipe):
-    """A TensorRT engine directory as build_tensorrt lays it out, its .engine files naming the ONNX graph to emulate."""
+def emulated_engine_dir(root, recipe, max_batch: int | None = None):
+    """A TensorRT engine directory as build_tensorrt lays it out, its .engine files naming the ONNX graph to emulate.
+
+    `max_batch`: also continuous batching's engines, written by the build's own `build_batch_engines` (the plain-op
+    graphs, profiles and manifest facts) with only the TensorRT compilation replaced by an engine file for the
+    emulation; None: a directory as built before the batch engines existed."""
+    from unittest import mock
+
     from dflash_export.checkpoint import load_drafter
     from dflash_export.engines import tensorrt as trt_backend
+    from dflash_export.engines import tensorrt_build
     from dflash_export.engines.manifest import write_manifest
     from dflash_export.export import export_recipe
 
     drafter = load_drafter(recipe.drafter_path)
     out = root / "tensorrt"
     out.mkdir()
-    export_recipe(recipe, out / "onnx")
+    export_recipe(recipe, out / "onnx", ort_flavor=max_batch is not None)
     bs = recipe.block_size or drafter.block_size
     engines = {}
     for graph, fname in (("target_verify", trt_backend.TARGET_ENGINE), ("drafter", trt_backend.DRAFTER_ENGINE)):
         (out / fname).write_text(json.dumps({"onnx": str(out / "onnx" / f"{graph}.onnx"), "graph": graph,
                                              "block_size": bs, "max_seq_len": recipe.max_seq_len}))
         engines[fname] = {"profiles": [p.name for p in trt_backend.graph_profiles(graph, bs, recipe.max_seq_len, 2)]}
+    extra = {}
+    if max_batch is not None:
+        graph_of = {plain: graph for graph, (_, plain, _) in tensorrt_build.BATCH_FILES.items()}
+
+        def compile_for_emulation(onnx_path, engine_path, profiles, dtype):
+            (engine_path).write_text(json.dumps({"onnx": str(onnx_path), "graph": graph_of[onnx_path.name],
+                                                 "block_size": bs, "max_seq_len": recipe.max_seq_len,
+                                                 "max_batch": max_batch}))
+            return {"profiles": [p.name for p in profiles], "strongly_typed": dtype == "float32"}
+
+        with mock.patch.object(tensorrt_build, "build_engine_file", compile_for_emulation):
+            engines.update(tensorrt_build.build_batch_engines(out / "onnx", out, bs, recipe.max_seq_len,
+                                                              recipe.dtype, max_batch))
+        extra["shared_tensors"] = tensorrt_build.embedding_layout(out / "onnx")
     c = drafter.config
     write_manifest(out, {"backend": "tensorrt", "recipe": recipe.name, "block_size": bs,
                          "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                          "max_seq_len": recipe.max_seq_len, "engines": engines,
-                         **trt_backend.write_serving_files(recipe, drafter, out)})
+                         **trt_backend.write_serving_files(recipe, drafter, out), **extra})
     return out

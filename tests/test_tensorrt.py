@@ -129,7 +129,7 @@ def test_profiles_name_every_dynamic_dim_or_fail_clearly():
     import onnx
 
     with pytest.raises(DFlashError, match="unknown graph"):
-        trt_backend.graph_profiles("lm_head", 4, 64, 10)
+        trt_backend.graph_profiles("draft_head", 4, 64, 10)  # lm_head is a batch graph (tensorrt_batch)
     model = ops.fused_verify_model(0.0, vocab_size=10)
     profile = trt_backend.Profile("p", {"B": (1, 1, 1)})
     with pytest.raises(DFlashError, match="'bs'"):
@@ -174,6 +174,9 @@ def test_without_tensorrt_every_entry_point_names_the_extra_and_the_gpu(tmp_path
         trt_backend.compare_onnxruntime_tensorrt(tmp_path)
     with pytest.raises(MissingDependency, match=pattern):
         trt_backend.build_tensorrt_engines(tmp_path, tmp_path, load_recipe("tiny-qwen3"))
+    with pytest.raises(MissingDependency, match=pattern):  # before any plain-op graph is written
+        trt_backend.build_batch_engines(tmp_path, tmp_path, 4, 512, "float32")
+    assert not list(tmp_path.glob("*.onnx"))
 
 
 def test_example_feeds_are_valid_ids_and_distributions():

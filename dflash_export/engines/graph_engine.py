@@ -307,7 +307,45 @@ def graph_profiles(graph: str, block_size: int, max_seq_len: int, vocab_size: in
                              "past_ctx": (0, min(512, step_past), max(0, L - bs - 1)),
                              "block": _fixed(bs)}),
         ]
-    raise DFlashError(f"unknown graph {graph!r} (target_verify, drafter)", field="graph")
+    if graph in BATCH_GRAPHS:
+        return batch_profiles(graph, block_size, max_seq_len, max_batch)
+    raise DFlashError(f"unknown graph {graph!r} (target_verify, drafter, {', '.join(BATCH_GRAPHS)})", field="graph")
+
+
+# The batch graphs TensorRT compiles for continuous batching (engines/tensorrt_batch.py; the ONNX Runtime backend runs
+# their "ort" flavor originals): B sequences per call, each padded to the call's longest.
+TARGET_BATCH, DRAFTER_BATCH, LM_HEAD = "target_batch", "drafter_batch", "lm_head"
+BATCH_GRAPHS = (TARGET_BATCH, DRAFTER_BATCH, LM_HEAD)
+BATCH_PREFILL, BATCH_STEP, BATCH = "batch_prefill", "batch_step", "batch"
+
+
+def batch_profiles(graph: str, block_size: int, max_seq_len: int, max_batch: int) -> list[Profile]:
+    """The optimization profiles of a batch graph: what `BatchedEngine` feeds it for 1..max_batch sequences.
+
+    target_batch: `past` is the K/V buffers' capacity (1..max_seq_len, the whole buffer is fed, past_bias hides
+    what lies past each sequence), `seq` the call's longest block: prompts (batch_prefill) or <= block_size rows
+    (batch_step; a prefill of short prompts fits it too). drafter_batch: cached context (past_ctx, 0 on the first
+    block), pending context (n_ctx: a prompt's features, or the tokens committed since the last draft) and the
+    block, padded to the longest of the call; n_keys = past_ctx + n_ctx + block. lm_head: the rows of one call
+    (a block per sequence at most)."""
+    bs, L, mb = block_size, max_seq_len, max_batch
+    if mb < 1:
+        raise DFlashError(f"must be >= 1, got {mb}", field="max_batch")
+    opt_b, opt_past = max(1, mb // 2), min(512, L)
+    batch = (1, opt_b, mb)
+    if graph == TARGET_BATCH:
+        return [
+            Profile(BATCH_PREFILL, {"batch": batch, "seq": (1, min(512, L), L), "past": (1, opt_past, L)},
+                    {"num_logits": (1, min(512, L), L)}),
+            Profile(BATCH_STEP, {"batch": batch, "seq": (1, bs, bs), "past": (1, opt_past, L)},
+                    {"num_logits": (1, bs, bs)}),
+        ]
+    if graph == DRAFTER_BATCH:
+        return [Profile(BATCH, {"batch": batch, "n_ctx": (1, bs, L), "past_ctx": (0, min(512, L - bs), L),
+                                "block": (1, bs, bs), "n_keys": (1, min(512, L), 2 * L + bs)})]
+    if graph == LM_HEAD:
+        return [Profile(BATCH, {"batch": _fixed(1), "rows": (1, opt_b * bs, mb * bs)})]
+    raise DFlashError(f"unknown batch graph {graph!r} ({', '.join(BATCH_GRAPHS)})", field="graph")
 
 
 def profile_shapes(model, profile: Profile) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:

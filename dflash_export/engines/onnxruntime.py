@@ -170,7 +170,8 @@ class OrtEngine(Engine):
         # Rows a one-token target step runs as (2 on quantized engines, see _run_target); 1 = as it comes.
         self.plain_step_rows = manifest.flags.plain_step_rows
         self._check_graph_metadata(mpath)
-        self._draft_multiplier, self._draft_softcap = _draft_logit_scaling(self.drafter, self.engine_dir / DRAFTER)
+        self._draft_multiplier, self._draft_softcap = draft_logit_scaling(
+            self.drafter.get_modelmeta().custom_metadata_map, self.engine_dir / DRAFTER)
         self._selector = _selector_tables(self.engine_dir, manifest, self.info.vocab_size)
         mask = self.info.mask_token_id
         if not 0 <= mask < self._embed.shape[0]:
@@ -324,22 +325,8 @@ class OrtEngine(Engine):
                            sp: SamplingParams, uniforms):
         """Draft head logits [n, V_draft] of one block -> (tokens [n], draft probs [n, V] or None); sets
         seq.draft_confidence when greedy. Shared by `draft` and the batched engine (engines/ort_batch.py)."""
-        if self._draft_multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
-            logits = logits * np.float32(self._draft_multiplier)
-        if self._draft_softcap:
-            logits = np.tanh(logits / np.float32(self._draft_softcap)) * np.float32(self._draft_softcap)
-        if self._selector:  # DFlash 2: the candidate selector's walk (no draft confidences: full blocks verified)
-            top_k, predecessor, successor = self._selector
-            return select_candidates(logits, selector_hidden, predecessor, successor, anchor, top_k,
-                                     0.0 if sp.greedy else sp.temperature, uniforms)
-        if sp.greedy:
-            seq.draft_confidence = top_probability(logits)
-            return np.argmax(logits, axis=-1).astype(np.int64), None
-        probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
-        tokens = np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64)
-        if probs.shape[-1] < self.info.vocab_size:  # ids past the draft vocabulary have draft probability 0
-            probs = np.pad(probs, ((0, 0), (0, self.info.vocab_size - probs.shape[-1])))
-        return tokens, probs
+        return drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms, self._draft_multiplier,
+                                  self._draft_softcap, self._selector, self.info.vocab_size)
 
     def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
         block = np.asarray(block, np.int64)
@@ -411,6 +398,29 @@ def _release_weight_pages(engine_dir: Path) -> int:
     return released
 
 
+def drafts_from_logits(seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int, sp: SamplingParams, uniforms,
+                       multiplier: float, softcap: float | None, selector, vocab_size: int):
+    """Draft head logits [n, V_draft] of one block -> (tokens [n], draft probs [n, V] or None), after the drafter's
+    logit scaling (`draft_logit_scaling`); sets seq.draft_confidence when greedy. `selector`: DFlash 2's
+    `_selector_tables` or None. What every host-side drafting path (ONNX Runtime, TensorRT's batched engine) runs."""
+    if multiplier != 1.0:  # z-lab's compute_logits: multiplier, then soft cap
+        logits = logits * np.float32(multiplier)
+    if softcap:
+        logits = np.tanh(logits / np.float32(softcap)) * np.float32(softcap)
+    if selector:  # DFlash 2: the candidate selector's walk (no draft confidences: full blocks verified)
+        top_k, predecessor, successor = selector
+        return select_candidates(logits, selector_hidden, predecessor, successor, anchor, top_k,
+                                 0.0 if sp.greedy else sp.temperature, uniforms)
+    if sp.greedy:
+        seq.draft_confidence = top_probability(logits)
+        return np.argmax(logits, axis=-1).astype(np.int64), None
+    probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+    tokens = np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64)
+    if probs.shape[-1] < vocab_size:  # ids past the draft vocabulary have draft probability 0
+        probs = np.pad(probs, ((0, 0), (0, vocab_size - probs.shape[-1])))
+    return tokens, probs
+
+
 def _selector_tables(engine_dir: Path, manifest: Manifest, vocab: int):
     """(top_k, predecessor [V, R], successor [V, R]) of a DFlash 2 engine, checked against the manifest; None for
     DFlash."""
@@ -430,10 +440,9 @@ def _selector_tables(engine_dir: Path, manifest: Manifest, vocab: int):
     return top_k, tables[0], tables[1]
 
 
-def _draft_logit_scaling(session, path: Path) -> tuple[float, float | None]:
-    """(output_multiplier, final_logit_softcapping or None) from the drafter graph's metadata (export writes them;
-    graphs exported before they existed carry neither and mean 1 and none)."""
-    meta = session.get_modelmeta().custom_metadata_map
+def draft_logit_scaling(meta, path: Path) -> tuple[float, float | None]:
+    """(output_multiplier, final_logit_softcapping or None) from the drafter graph's metadata `meta` (a mapping; export
+    writes them; graphs exported before they existed carry neither and mean 1 and none)."""
     try:
         mult = float(meta.get("dflash.output_multiplier", "1.0"))
         cap = json.loads(meta.get("dflash.final_logit_softcapping", "null"))

@@ -4,6 +4,11 @@
 single-sequence path computes; `dflash_export.batching` schedules it. Imports neither torch nor anything beyond
 numpy and onnxruntime.
 
+The bookkeeping (slots, dense slot moves, context chunks, padding, the bias inputs) is `BatchedEngine`, apart from
+what executes the graphs: a `BatchGraphs` runs the batch graphs (target_batch, drafter with key_bias, LM head, draft
+head) on host arrays. `OrtBatchGraphs` runs an `OrtEngine`'s sessions; the TensorRT backend runs engines compiled
+from the same graphs (engines/tensorrt_batch.py). `batched_engine` picks the one for an engine's backend.
+
 How B sequences of different lengths share one call:
 - Target (GroupQueryAttention over a K/V buffer shared by past and present): every layer's cache is one buffer
   [slots, KVH, capacity, D], a sequence owning one slot. A call runs a contiguous range of slots with S rows each
@@ -31,11 +36,12 @@ differ from plain decoding's one-row steps), which can flip a greedy token only 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_export.engines.base import SamplingParams, Sequence
+from dflash_export.engines.base import EngineInfo, SamplingParams, Sequence
 from dflash_export.engines.onnxruntime import OrtEngine
 from dflash_export.errors import DFlashError
 
@@ -72,22 +78,115 @@ class _Buffers:
     d_cap: int = 0
 
 
-class BatchedOrtEngine:
-    """B sequences per call over an `OrtEngine`'s sessions. Not thread-safe: one scheduler drives it.
+class BatchGraphs(ABC):
+    """Executes the batch graphs on host arrays; what `BatchedEngine` needs of a backend besides its bookkeeping.
+
+    Graph protocol (the export's "ort" flavor graphs; TensorRT compiles plain-op copies of the same graphs):
+      target_batch  in:  inputs_embeds [B,S,H] f32, num_logits [] i64 (= S), position_ids [B,S] i64,
+                         past_bias [B,P] f32 (0 visible, -inf past the sequence's length), past_key_i / past_value_i
+                         [B,KVH,P,D] f32 (the K/V buffers' slot range, read only)
+                    out: hidden [B,S,H], ctx [B,S,H_drafter], new_key_i / new_value_i [B,KVH,S,D]
+      drafter       in:  ctx [B,C,H_drafter], ctx_positions [B,C] i64, block_embeds [B,bs,H], block_positions [B,bs]
+                         i64, key_bias [B,T+C+bs] f32 (drafters that batch), past_ctx_key_i / value_i [B,KVH,T,D]
+                    out: hidden [B,bs-1,H] (+ selector_hidden), present_ctx_key_i / value_i [B,KVH,T+C,D]
+      lm_head / draft_head  hidden [1,N,H] -> logits [1,N,V]
+    """
+
+    info: EngineInfo
+    codec: object
+    t_layers: int
+    t_kv_heads: int
+    t_head_dim: int
+    d_layers: int
+    d_kv_heads: int
+    d_head_dim: int
+    drafter_batches: bool   # the drafter takes key_bias: B padded sequences per call
+    has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
+    mask_row: np.ndarray    # the mask token's embedding row [H]
+
+    @abstractmethod
+    def embed_rows(self, ids) -> np.ndarray:
+        """Embedding rows of `ids` as a fresh [n, H] float32 array."""
+
+    @abstractmethod
+    def target_batch(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> list[np.ndarray]:
+        """Run target_batch: `feeds` are the non-K/V inputs, `past` the per-layer key, value buffers (key_0, value_0,
+        key_1, ...). Returns [hidden, ctx, new_key_0, new_value_0, ...]."""
+
+    @abstractmethod
+    def drafter(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run the drafter; returns the outputs `names`, in order."""
+
+    @abstractmethod
+    def lm_head(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [1, N, H] -> logits [N, V]."""
+
+    @abstractmethod
+    def draft_head(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [1, N, H] -> draft logits [N, V_draft]."""
+
+    @abstractmethod
+    def drafts_from_logits(self, seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int,
+                           sp: SamplingParams, uniforms):
+        """One block's draft-head logits -> (drafts, draft probs or None), as the single-sequence engine drafts."""
+
+
+class OrtBatchGraphs(BatchGraphs):
+    """`BatchGraphs` over an `OrtEngine`'s sessions (target_batch.onnx loaded on first use)."""
+
+    def __init__(self, engine: OrtEngine):
+        e = engine
+        self.engine, self.info, self.codec = e, e.info, e.codec
+        self.t_layers, self.t_kv_heads, self.t_head_dim = e.t_layers, e.t_kv_heads, e.t_head_dim
+        self.d_layers, self.d_kv_heads, self.d_head_dim = e.d_layers, e.d_kv_heads, e.d_head_dim
+        self.drafter_batches = e.drafter_batches
+        self.has_selector = bool(e._selector)
+        self.mask_row = e._mask_row
+
+    def embed_rows(self, ids) -> np.ndarray:
+        return self.engine._embed.rows(ids)
+
+    def target_batch(self, feeds, past):
+        sess = self.engine.batch_target_session()
+        io = sess.io_binding()
+        io.bind_output("hidden", "cpu")
+        io.bind_output("ctx", "cpu")
+        for i in range(self.t_layers):
+            for j, kind in enumerate(("key", "value")):
+                io.bind_cpu_input(f"past_{kind}_{i}", past[2 * i + j])
+                io.bind_output(f"new_{kind}_{i}", "cpu")
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, value)
+        sess.run_with_iobinding(io)
+        return [o.numpy() for o in io.get_outputs()]
+
+    def drafter(self, names, feeds):
+        return self.engine.drafter.run(names, feeds)
+
+    def lm_head(self, hidden):
+        return self.engine.head.run(["logits"], {"hidden": hidden})[0][0]
+
+    def draft_head(self, hidden):
+        return self.engine.draft_head.run(["logits"], {"hidden": hidden})[0][0]
+
+    def drafts_from_logits(self, seq, logits, selector_hidden, anchor, sp, uniforms):
+        return self.engine.drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms)
+
+
+class BatchedEngine:
+    """B sequences per call over a `BatchGraphs`: the slots, K/V buffers and context bookkeeping. Not thread-safe:
+    one scheduler drives it. Every target call runs target_batch (prefills included: an empty past, all masked).
 
     Call order per sequence: `add`, `prefill` (in a group of new sequences), then steps of `draft` (optional, for
     the sequences that speculate) and `target_step` + `commit` (all active sequences), `remove` when done.
     """
 
-    def __init__(self, engine: OrtEngine, max_batch: int = 16):
-        if not isinstance(engine, OrtEngine):
-            raise DFlashError(f"batched decoding runs on the onnxruntime backend (got {engine.info.backend})",
-                              field="backend")
+    def __init__(self, graphs: BatchGraphs, max_batch: int = 16):
         if max_batch < 1:
             raise DFlashError(f"must be >= 1, got {max_batch}", field="max_batch")
-        self.engine = engine
-        self.info = engine.info
-        self.codec = engine.codec
+        self.graphs = graphs
+        self.info = graphs.info
+        self.codec = graphs.codec
         self.max_batch = max_batch
         self.seqs: list[BatchSeq] = []  # by slot
         self._buf = _Buffers()
@@ -98,9 +197,9 @@ class BatchedOrtEngine:
         # whose batch empties and refills every few seconds would otherwise free and reallocate hundreds of MB each
         # time, and the freed heap pages stay in its RSS.
         self.keep_buffers = False
-        e = engine
-        self._t_shape = (e.t_kv_heads, e.t_head_dim)
-        self._d_shape = (e.d_kv_heads, e.d_head_dim)
+        g = graphs
+        self._t_shape = (g.t_kv_heads, g.t_head_dim)
+        self._d_shape = (g.d_kv_heads, g.d_head_dim)
 
     # Slots and memory -----------------------------------------------------------------------------------------------
 
@@ -158,7 +257,7 @@ class BatchedOrtEngine:
         t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         n = len(self.seqs)
-        e = self.engine
+        e = self.graphs
 
         def grow(old: list[np.ndarray], layers: int, shape, cap, old_cap):
             out = []
@@ -186,6 +285,162 @@ class BatchedOrtEngine:
         return slots[0], slots[-1] + 1
 
     # Target -------------------------------------------------------------------------------------------------------
+
+    def _run_target_batch(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks of B sequences over their pasts in one call of target_batch (attention in plain ops: it reads
+        the K/V buffer and returns the new rows, written back here for the real rows only)."""
+        a, z = self._range(seqs)
+        s = max(len(x) for x in blocks)
+        cap = self._buf.t_cap
+        embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
+        pos = np.empty((len(seqs), s), np.int64)
+        bias = np.zeros((len(seqs), cap), np.float32)
+        for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+            if len(blk) == 0:
+                raise DFlashError("empty block", field="input_ids")
+            if seq.length + s > min(self.info.max_seq_len, cap):
+                raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room", field="max_tokens")
+            embeds[i, : len(blk)] = self.graphs.embed_rows(blk)
+            embeds[i, len(blk):] = embeds[i, len(blk) - 1]
+            pos[i] = np.arange(seq.length, seq.length + s)
+            bias[i, seq.length:] = -np.inf
+        past = [buf[a:z] for buf in self._buf.t_kv]
+        feeds = {"inputs_embeds": embeds, "num_logits": np.array(s, np.int64), "position_ids": pos, "past_bias": bias}
+        outs = self.graphs.target_batch(feeds, past)
+        for buf, new in zip(self._buf.t_kv, outs[2:]):
+            for i, (seq, blk) in enumerate(zip(seqs, blocks)):
+                buf[seq.slot, :, seq.length: seq.length + len(blk)] = new[i, :, : len(blk)]
+        return outs[0], outs[1]
+
+    def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Hidden [B, S, H] and ctx [B, S, H_d] of new sequences' prompts (right-padded to the longest)."""
+        for seq in seqs:
+            if seq.length:
+                raise DFlashError("prefill runs once, on a new sequence")
+        return self._run_target_batch(seqs, ids)
+
+    def _step_rows(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each sequence's (hidden [n_b, H], ctx [n_b, H_d]) for its block at positions length.."""
+        hidden, ctx = self._run_target_batch(seqs, blocks)
+        return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
+
+    def _head(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each."""
+        cat = np.concatenate(rows, axis=0)[None]
+        logits = self.graphs.lm_head(cat)
+        return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
+
+    def prefill(self, seqs: list[BatchSeq], prompts: list) -> list[np.ndarray]:
+        """Prompts [S_b] int64 of new sequences (a contiguous slot range) -> each one's last-position logits [V]."""
+        ids = [np.asarray(p, np.int64) for p in prompts]
+        hidden, ctx = self._prefill_rows(seqs, ids)
+        for i, (seq, p) in enumerate(zip(seqs, ids)):
+            n = len(p)
+            if seq.keep_context:
+                seq.ctx_parts = [ctx[i, :n].copy()]
+            seq.length = n
+        return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
+
+    def target_step(self, seqs: list[BatchSeq], blocks: list) -> list[np.ndarray]:
+        """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step).
+        Returns logits [n_b, V] per sequence. Nothing is committed until `commit`."""
+        blocks = [np.asarray(b, np.int64) for b in blocks]
+        rows = self._step_rows(seqs, blocks)
+        for seq, (_, c) in zip(seqs, rows):
+            seq._step_ctx = c if seq.keep_context else None
+        return self._head([h for h, _ in rows])
+
+    def commit(self, seq: BatchSeq, accept: int) -> None:
+        """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
+        ones (in order), the rows past them are stale and get overwritten by the next step."""
+        if seq._step_ctx is not None:
+            seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
+        seq._step_ctx = None
+        seq.length += accept + 1
+
+    # Drafter ------------------------------------------------------------------------------------------------------
+
+    def draft(self, seqs: list[BatchSeq], anchors: list[int], sps: list[SamplingParams], uniforms: list,
+              block_lens: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Draft one block per sequence (any subset of the batch, each with pending context features).
+
+        block_lens[b] <= block_size: sequence b's block (anchor + masks). Returns per sequence (drafts
+        [block_len - 1] int64, draft probs [block_len - 1, V] when sampling else None); greedy sets
+        seq.draft_confidence, as OrtEngine.draft does."""
+        g = self.graphs
+        for seq in seqs:
+            if not seq.ctx_parts:
+                raise DFlashError("draft() needs new context: prefill or a step first", field="sequence")
+        groups = [list(range(len(seqs)))] if g.drafter_batches else [[i] for i in range(len(seqs))]
+        out: list = [None] * len(seqs)
+        for group in groups:
+            g_seqs = [seqs[i] for i in group]
+            hidden, sel = self._run_drafter(g_seqs, [anchors[i] for i in group], [block_lens[i] for i in group])
+            logits = g.draft_head(np.concatenate([hidden[j, : block_lens[i] - 1] for j, i in enumerate(group)])[None])
+            parts = np.split(logits, np.cumsum([block_lens[i] - 1 for i in group])[:-1])
+            for j, i in enumerate(group):
+                seqs[i].draft_confidence = None
+                out[i] = g.drafts_from_logits(seqs[i], parts[j], None if sel is None else sel[j, : block_lens[i] - 1],
+                                              anchors[i], sps[i], uniforms[i])
+        return out
+
+    def _run_drafter(self, seqs: list[BatchSeq], anchors: list[int], block_lens: list[int]):
+        g = self.graphs
+        nb = len(seqs)
+        pend = [s.pending_context() for s in seqs]
+        t_pad = max(s.d_len for s in seqs)
+        c_pad = max(len(c) for c in pend)
+        b_pad = max(block_lens)
+        self._reserve(len(self.seqs), self._buf.t_cap, max(s.d_len + len(c) for s, c in zip(seqs, pend)))
+        h_d = pend[0].shape[1]
+        ctx = np.zeros((nb, c_pad, h_d), np.float32)
+        ctx_pos = np.zeros((nb, c_pad), np.int64)
+        block = np.empty((nb, b_pad, g.mask_row.shape[0]), np.float32)
+        block[:] = g.mask_row
+        block_pos = np.empty((nb, b_pad), np.int64)
+        bias = np.zeros((nb, t_pad + c_pad + b_pad), np.float32)
+        anchor_rows = g.embed_rows(anchors)
+        for i, s in enumerate(seqs):
+            c = len(pend[i])
+            ctx[i, :c], ctx_pos[i, :c] = pend[i], np.arange(s.d_len, s.d_len + c)
+            block[i, 0] = anchor_rows[i]
+            block_pos[i] = np.arange(s.length, s.length + b_pad)
+            bias[i, s.d_len: t_pad] = -np.inf
+            bias[i, t_pad + c: t_pad + c_pad] = -np.inf
+            bias[i, t_pad + c_pad + block_lens[i]:] = -np.inf
+        if b_pad > self.info.block_size or int(block_pos.max()) >= self.info.max_seq_len:
+            raise DFlashError(f"a block at {int(block_pos.max())} passes the engine's max_seq_len", field="max_tokens")
+        slots = np.array([s.slot for s in seqs])
+        feeds = {"ctx": ctx, "ctx_positions": ctx_pos, "block_embeds": block, "block_positions": block_pos}
+        if g.drafter_batches:
+            feeds["key_bias"] = bias
+        for i in range(g.d_layers):
+            for j, kind in enumerate(("key", "value")):
+                feeds[f"past_ctx_{kind}_{i}"] = self._buf.d_kv[2 * i + j][slots, :, :t_pad]
+        extra = ["selector_hidden"] if g.has_selector else []
+        names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(g.d_layers) for k in ("key", "value")]
+        res = g.drafter(names, feeds)
+        presents = res[1 + len(extra):]
+        for i, s in enumerate(seqs):  # the new context rows join each sequence's cache
+            c = len(pend[i])
+            for buf, present in zip(self._buf.d_kv, presents):
+                buf[s.slot, :, s.d_len: s.d_len + c] = present[i, :, t_pad: t_pad + c]
+            s.d_len += c
+            s.ctx_parts = []
+        return res[0], (res[1] if extra else None)
+
+
+class BatchedOrtEngine(BatchedEngine):
+    """`BatchedEngine` over an `OrtEngine`'s sessions. Prefills and the steps GroupQueryAttention takes (one sequence;
+    one-row steps of fp32 engines) run the engine's in-place GQA graph over the batch's buffers; many-row steps of
+    several sequences run target_batch.onnx."""
+
+    def __init__(self, engine: OrtEngine, max_batch: int = 16):
+        if not isinstance(engine, OrtEngine):
+            raise DFlashError(f"batched decoding runs on the onnxruntime backend (got {engine.info.backend})",
+                              field="backend")
+        super().__init__(OrtBatchGraphs(engine), max_batch)
+        self.engine = engine
 
     def _run_target(self, seqs: list[BatchSeq], blocks: list[np.ndarray], prefill: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -228,161 +483,35 @@ class BatchedOrtEngine:
         outs = io.get_outputs()
         return outs[0].numpy(), outs[1].numpy()
 
-    def _run_target_batch(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Blocks of B sequences over their pasts in one call of target_batch.onnx (attention in plain ops: it reads
-        the K/V buffer and returns the new rows, written back here for the real rows only)."""
-        e = self.engine
-        sess = e.batch_target_session()
-        a, z = self._range(seqs)
-        s = max(len(x) for x in blocks)
-        cap = self._buf.t_cap
-        embeds = np.empty((len(seqs), s, e._mask_row.shape[0]), np.float32)
-        pos = np.empty((len(seqs), s), np.int64)
-        bias = np.zeros((len(seqs), cap), np.float32)
-        for i, (seq, blk) in enumerate(zip(seqs, blocks)):
-            if seq.length + s > min(self.info.max_seq_len, cap):
-                raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room", field="max_tokens")
-            embeds[i, : len(blk)] = e._embed.rows(blk)
-            embeds[i, len(blk):] = embeds[i, len(blk) - 1]
-            pos[i] = np.arange(seq.length, seq.length + s)
-            bias[i, seq.length:] = -np.inf
-        io = sess.io_binding()
-        io.bind_output("hidden", "cpu")
-        io.bind_output("ctx", "cpu")
-        news = []
-        for i in range(e.t_layers):
-            for j, kind in enumerate(("key", "value")):
-                io.bind_cpu_input(f"past_{kind}_{i}", self._buf.t_kv[2 * i + j][a:z])
-                io.bind_output(f"new_{kind}_{i}", "cpu")
-                news.append(2 * i + j)
-        io.bind_cpu_input("inputs_embeds", embeds)
-        io.bind_cpu_input("num_logits", np.array(s, np.int64))
-        io.bind_cpu_input("position_ids", pos)
-        io.bind_cpu_input("past_bias", bias)
-        sess.run_with_iobinding(io)
-        outs = io.get_outputs()
-        for k, buf_i in enumerate(news):
-            new = outs[2 + k].numpy()
-            buf = self._buf.t_kv[buf_i]
-            for i, (seq, blk) in enumerate(zip(seqs, blocks)):
-                buf[seq.slot, :, seq.length: seq.length + len(blk)] = new[i, :, : len(blk)]
-        return outs[0].numpy(), outs[1].numpy()
+    def _prefill_rows(self, seqs, ids):
+        return self._run_target(seqs, ids, prefill=True)
 
-    def _head(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each."""
-        cat = np.concatenate(rows, axis=0)[None]
-        logits = self.engine.head.run(["logits"], {"hidden": cat})[0][0]
-        return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
-
-    def prefill(self, seqs: list[BatchSeq], prompts: list) -> list[np.ndarray]:
-        """Prompts [S_b] int64 of new sequences (a contiguous slot range) -> each one's last-position logits [V]."""
-        ids = [np.asarray(p, np.int64) for p in prompts]
-        hidden, ctx = self._run_target(seqs, ids, prefill=True)
-        for i, (seq, p) in enumerate(zip(seqs, ids)):
-            n = len(p)
-            if seq.keep_context:
-                seq.ctx_parts = [ctx[i, :n].copy()]
-            seq.length = n
-        return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
-
-    def target_step(self, seqs: list[BatchSeq], blocks: list) -> list[np.ndarray]:
-        """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step).
-        Returns logits [n_b, V] per sequence. Nothing is committed until `commit`."""
-        blocks = [np.asarray(b, np.int64) for b in blocks]
+    def _step_rows(self, seqs, blocks):
         # GQA's in-place graph for one sequence and for one-row steps of fp32 engines (quantized ones run one-token
         # steps as two rows, which GQA takes for one sequence a call only).
         if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.plain_step_rows == 1):
             hidden, ctx = self._run_target(seqs, blocks, prefill=False)
-            rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
-        elif self.engine.batch_target_session() is not None:
-            hidden, ctx = self._run_target_batch(seqs, blocks)
-            rows = [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
-        else:  # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
-            rows = []
-            for seq, blk in zip(seqs, blocks):
-                hidden, ctx = self._run_target([seq], [blk], prefill=False)
-                rows.append((hidden[0, : len(blk)], ctx[0, : len(blk)]))
-        for seq, (_, c) in zip(seqs, rows):
-            seq._step_ctx = c if seq.keep_context else None
-        return self._head([h for h, _ in rows])
+            return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
+        if self.engine.batch_target_session() is not None:
+            return super()._step_rows(seqs, blocks)
+        # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
+        rows = []
+        for seq, blk in zip(seqs, blocks):
+            hidden, ctx = self._run_target([seq], [blk], prefill=False)
+            rows.append((hidden[0, : len(blk)], ctx[0, : len(blk)]))
+        return rows
 
-    def commit(self, seq: BatchSeq, accept: int) -> None:
-        """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
-        ones (in order), the rows past them are stale and get overwritten by the next step."""
-        if seq._step_ctx is not None:
-            seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
-        seq._step_ctx = None
-        seq.length += accept + 1
 
-    # Drafter ------------------------------------------------------------------------------------------------------
+def batched_engine(engine, max_batch: int = 16) -> BatchedEngine:
+    """The batched engine for `engine`'s backend: ONNX Runtime's over its sessions, TensorRT's over the batch engines
+    its build compiled (engines/tensorrt_batch.py). What `dflash_export.batching` drives."""
+    if isinstance(engine, OrtEngine):
+        return BatchedOrtEngine(engine, max_batch)
+    if engine.info.backend == "tensorrt":
+        from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+        from dflash_export.engines.tensorrt_runtime import TensorRTEngine
 
-    def draft(self, seqs: list[BatchSeq], anchors: list[int], sps: list[SamplingParams], uniforms: list,
-              block_lens: list[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Draft one block per sequence (any subset of the batch, each with pending context features).
-
-        block_lens[b] <= block_size: sequence b's block (anchor + masks). Returns per sequence (drafts
-        [block_len - 1] int64, draft probs [block_len - 1, V] when sampling else None); greedy sets
-        seq.draft_confidence, as OrtEngine.draft does."""
-        e = self.engine
-        for seq in seqs:
-            if not seq.ctx_parts:
-                raise DFlashError("draft() needs new context: prefill or a step first", field="sequence")
-        groups = [list(range(len(seqs)))] if e.drafter_batches else [[i] for i in range(len(seqs))]
-        out: list = [None] * len(seqs)
-        for group in groups:
-            g_seqs = [seqs[i] for i in group]
-            hidden, sel = self._run_drafter(g_seqs, [anchors[i] for i in group], [block_lens[i] for i in group])
-            logits = self.engine.draft_head.run(
-                ["logits"], {"hidden": np.concatenate([hidden[j, : block_lens[i] - 1]
-                                                       for j, i in enumerate(group)])[None]})[0][0]
-            parts = np.split(logits, np.cumsum([block_lens[i] - 1 for i in group])[:-1])
-            for j, i in enumerate(group):
-                seqs[i].draft_confidence = None
-                out[i] = e.drafts_from_logits(seqs[i], parts[j], None if sel is None else sel[j, : block_lens[i] - 1],
-                                              anchors[i], sps[i], uniforms[i])
-        return out
-
-    def _run_drafter(self, seqs: list[BatchSeq], anchors: list[int], block_lens: list[int]):
-        e = self.engine
-        nb = len(seqs)
-        pend = [s.pending_context() for s in seqs]
-        t_pad = max(s.d_len for s in seqs)
-        c_pad = max(len(c) for c in pend)
-        b_pad = max(block_lens)
-        self._reserve(len(self.seqs), self._buf.t_cap, max(s.d_len + len(c) for s, c in zip(seqs, pend)))
-        h_d = pend[0].shape[1]
-        ctx = np.zeros((nb, c_pad, h_d), np.float32)
-        ctx_pos = np.zeros((nb, c_pad), np.int64)
-        block = np.empty((nb, b_pad, e._mask_row.shape[0]), np.float32)
-        block[:] = e._mask_row
-        block_pos = np.empty((nb, b_pad), np.int64)
-        bias = np.zeros((nb, t_pad + c_pad + b_pad), np.float32)
-        anchor_rows = e._embed.rows(anchors)
-        for i, s in enumerate(seqs):
-            c = len(pend[i])
-            ctx[i, :c], ctx_pos[i, :c] = pend[i], np.arange(s.d_len, s.d_len + c)
-            block[i, 0] = anchor_rows[i]
-            block_pos[i] = np.arange(s.length, s.length + b_pad)
-            bias[i, s.d_len: t_pad] = -np.inf
-            bias[i, t_pad + c: t_pad + c_pad] = -np.inf
-            bias[i, t_pad + c_pad + block_lens[i]:] = -np.inf
-        if b_pad > self.info.block_size or int(block_pos.max()) >= self.info.max_seq_len:
-            raise DFlashError(f"a block at {int(block_pos.max())} passes the engine's max_seq_len", field="max_tokens")
-        slots = np.array([s.slot for s in seqs])
-        feeds = {"ctx": ctx, "ctx_positions": ctx_pos, "block_embeds": block, "block_positions": block_pos}
-        if e.drafter_batches:
-            feeds["key_bias"] = bias
-        for i in range(e.d_layers):
-            for j, kind in enumerate(("key", "value")):
-                feeds[f"past_ctx_{kind}_{i}"] = self._buf.d_kv[2 * i + j][slots, :, :t_pad]
-        extra = ["selector_hidden"] if e._selector else []
-        names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(e.d_layers) for k in ("key", "value")]
-        res = e.drafter.run(names, feeds)
-        presents = res[1 + len(extra):]
-        for i, s in enumerate(seqs):  # the new context rows join each sequence's cache
-            c = len(pend[i])
-            for buf, present in zip(self._buf.d_kv, presents):
-                buf[s.slot, :, s.d_len: s.d_len + c] = present[i, :, t_pad: t_pad + c]
-            s.d_len += c
-            s.ctx_parts = []
-        return res[0], (res[1] if extra else None)
+        if isinstance(engine, TensorRTEngine):
+            return BatchedTensorRTEngine(engine, max_batch)
+    raise DFlashError(f"batched decoding runs on the onnxruntime and tensorrt backends (got {engine.info.backend})",
+                      field="backend")

@@ -7,13 +7,21 @@ reached. The work lives in three modules, imported one way (this module -> build
   backend's shared constants;
 - `tensorrt_build`: `build --backend tensorrt` (`build_tensorrt`, `build_tensorrt_engines`, `build_engine_file`, the
   plugin-layer check);
-- `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines.
+- `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines;
+- `tensorrt_batch`: continuous batching (issue #18). The build also compiles plain-op copies of the export's batch
+  graphs (target_batch, the drafter with key_bias, the LM head; ONNX Runtime's fused norms rewritten, the dflash
+  function inlined) with profiles for 1..max_batch sequences (default 8), recorded in the manifest;
+  `BatchedTensorRTEngine` runs them under the bookkeeping ONNX Runtime's batched engine uses (ort_batch.BatchedEngine),
+  which `BatchingRuntime` picks for a TensorRT engine. Tested on CPU only, against the emulated TensorRT API
+  (tests/test_tensorrt_batch.py); TensorRT parsing and building these graphs, device-resident K/V (the batch keeps
+  K/V in host buffers, copied per call) and speed are unchecked without a GPU.
 This module holds `validate`'s ONNX Runtime vs TensorRT comparison (`compare_onnxruntime_tensorrt`) and the example
 feeds it runs.
 
 Bounded on purpose. Everything that needs `tensorrt` (plugin registration, engine build, the polygraphy comparison)
 imports it inside a function and is reached only through `register_plugins`, `build_tensorrt_engines`,
-`build_tensorrt` and `compare_onnxruntime_tensorrt`; without it they raise MissingDependency naming the extra.
+`build_batch_engines`, `build_tensorrt` and `compare_onnxruntime_tensorrt`; without it they raise MissingDependency
+naming the extra.
 What does not need it is plain Python and tested everywhere: the plugin contract check on ONNX models
 (`check_plugin_attributes`), the optimization-profile tables (`profile_shapes`), example feeds, and the Triton AOT
 compilation of the plugin kernels (`compile_*_aot`, triton only).
@@ -26,7 +34,14 @@ from typing import Any
 from dflash_export.engines import tensorrt_plugins as plugins
 from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
 from dflash_export.engines.manifest import read_manifest
+from dflash_export.engines.tensorrt_batch import (
+    BatchedTensorRTEngine,
+    TrtBatchGraphs,
+    check_batch_manifest,
+    plain_op_graph,
+)
 from dflash_export.engines.tensorrt_build import (
+    build_batch_engines,
     build_engine_file,
     build_implementations,
     build_tensorrt,
@@ -79,11 +94,14 @@ __all__ = [
     "array_interface", "check_plugin_attributes", "compile_attention_aot", "compile_verify_aot", "cuda_tensor_view",
     "register_plugins", "require_tensorrt", "tensorrt_available", "verify_aot_constexprs",
     # tensorrt_build
+    "build_batch_engines",
     "build_engine_file", "build_implementations", "build_tensorrt", "build_tensorrt_engines", "check_plugin_layers",
     "inspect_plugin_layers", "plugin_implementations", "plugin_layer_counts", "refuse_masked_drafter",
     "write_serving_files",
     # tensorrt_runtime
     "TensorRTEngine", "TensorRTRunner", "tensorrt_engine_info",
+    # tensorrt_batch
+    "BatchedTensorRTEngine", "TrtBatchGraphs", "check_batch_manifest", "plain_op_graph",
     # graph_engine (the optimization-profile tables)
     "Profile", "graph_profiles", "profile_shapes", "vocab_size_of",
     # here

@@ -12,6 +12,13 @@ from dflash_export.engines import tensorrt_plugins as plugins
 from dflash_export.engines.graph_engine import Profile, graph_profiles, profile_shapes, vocab_size_of
 from dflash_export.engines.manifest import write_manifest
 from dflash_export.engines.ort_build import copy_tokenizer
+from dflash_export.engines.tensorrt_batch import (
+    BATCH_FILES,
+    DEFAULT_MAX_BATCH,
+    batch_engine_entry,
+    embedding_layout,
+    write_plain_batch_graphs,
+)
 from dflash_export.engines.tensorrt_plugins import (
     BACKEND,
     DRAFTER_ENGINE,
@@ -182,6 +189,24 @@ def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> d
     return facts
 
 
+def build_batch_engines(onnx_dir, out_dir, block_size: int, max_seq_len: int, dtype: str,
+                        max_batch: int = DEFAULT_MAX_BATCH) -> dict[str, Any]:
+    """Continuous batching's engines in `out_dir`: the plain-op copies of the export's batch graphs (written into
+    `onnx_dir`, see tensorrt_batch.plain_op_graph) compiled with profiles for 1..max_batch sequences
+    (graph_engine.batch_profiles). Returns the per-engine build facts for the manifest, each with what the runtime
+    checks (`profiles`, `max_batch`, the `onnx` graph) and the ops the plain-op copy rewrote."""
+    plugins.require_tensorrt()
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    rewritten = write_plain_batch_graphs(onnx_dir)
+    facts: dict[str, Any] = {}
+    for graph, (_, plain, engine_name) in BATCH_FILES.items():
+        profiles = graph_profiles(graph, block_size, max_seq_len, 0, max_batch)  # batch profiles take no vocab range
+        facts[engine_name] = build_engine_file(onnx_dir / plain, out_dir / engine_name, profiles, dtype)
+        facts[engine_name].update(batch_engine_entry(graph, block_size, max_seq_len, max_batch),
+                                  rewritten_ops=rewritten[graph])
+    return facts
+
+
 def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
     """{op: implementation} over every engine's build facts; an op built both ways is recorded as both."""
     seen: dict[str, set[str]] = {}
@@ -205,10 +230,14 @@ def refuse_masked_drafter(config, where) -> None:
                               field="is_causal" if config.is_causal else "layer_types")
 
 
-def build_tensorrt(recipe, out_dir) -> Path:
+def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
     """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
     plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
-    ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first)."""
+    ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first).
+
+    Also continuous batching's engines (`build_batch_engines`: target_batch, drafter_batch, lm_head for 1..max_batch
+    sequences a call), from the export's "ort" flavor graphs made plain-op; never built on a GPU yet (see
+    engines/tensorrt_batch.py)."""
     import torch
 
     from dflash_export.checkpoint import load_drafter
@@ -220,10 +249,12 @@ def build_tensorrt(recipe, out_dir) -> Path:
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
-        res = export_recipe(recipe, tmp / "onnx")
+        res = export_recipe(recipe, tmp / "onnx", ort_flavor=True)
         serving = write_serving_files(recipe, drafter, tmp)
         facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe)
         dspec = drafter.spec(recipe.block_size)
+        facts.update(build_batch_engines(tmp / "onnx", tmp, dspec.block_size, recipe.max_seq_len, recipe.dtype,
+                                         max_batch))
         write_manifest(tmp, {
             "backend": BACKEND, "recipe": recipe.name,
             "block_size": dspec.block_size, "mask_token_id": dspec.mask_token_id,
@@ -232,6 +263,7 @@ def build_tensorrt(recipe, out_dir) -> Path:
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
                                           "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
             "export": res.metadata, "tensorrt": trt.__version__, **serving,
+            "shared_tensors": embedding_layout(tmp / "onnx"),
             "gpu": torch.cuda.get_device_name(0),
         })
     return out_dir

@@ -111,7 +111,7 @@ class _TrtGraph:
                             for n in self.inputs if self.engine.get_tensor_location(n) == trt.TensorLocation.HOST}
         self.kv_layout = {}
         for n in self.inputs:
-            if n.startswith("past_"):
+            if n.startswith("past_") and len(self.engine.get_tensor_shape(n)) == 4:  # not a batch graph's past_bias
                 _, kvh, _, d = tuple(self.engine.get_tensor_shape(n))
                 self.kv_layout[n[len("past_"):]] = (int(kvh), int(d), self.dtypes[n])
 
@@ -236,3 +236,21 @@ class TensorRTEngine(GraphEngine):
         engine_dir = Path(engine_dir)
         info = tensorrt_engine_info(manifest)
         super().__init__(TensorRTRunner(engine_dir, manifest, device), info, load_codec(engine_dir))
+        self.engine_dir, self.manifest = engine_dir, manifest
+        self._batch = None  # the batch engines (engines/tensorrt_batch.py), loaded by batch_target_session()
+
+    def batch_target_session(self):
+        """The batch engines continuous batching runs (`TrtBatchGraphs`), loaded on first use: a single-request engine
+        never holds them; `BatchingService` loads them before its first request (as the ONNX Runtime engine's
+        method of the same name). DFlashError naming the manifest field for a directory built without them."""
+        if self._batch is None:
+            from dflash_export.engines.tensorrt_batch import TrtBatchGraphs
+
+            self._batch = TrtBatchGraphs(self.runner, self.engine_dir, self.manifest, self.info, self.codec)
+        return self._batch
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        super().close()

@@ -172,8 +172,10 @@ def is_export_dir(d) -> bool:
         all((d / n).is_file() for n in names)
 
 
-def export_recipe(recipe, out_dir) -> ExportResult:
+def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
     """Load the recipe's target and drafter (fp32), write both graphs to `out_dir` atomically, and check them.
+    `ort_flavor`: also the "ort" flavor graphs (see `export_models`; the TensorRT build compiles its batch engines
+    from plain-op copies of them).
 
     An existing `out_dir` is replaced only when it is an earlier export (see `is_export_dir`); a drafter that does not
     fit the target is refused, naming the drafter and the field, before anything is written.
@@ -193,7 +195,8 @@ def export_recipe(recipe, out_dir) -> ExportResult:
     with removing_new_dirs(out_dir):
         with atomic_dir(out_dir) as tmp:
             res = export_models(target, drafter, tmp, recipe_name=recipe.name, block_size=recipe.block_size,
-                                max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol)
+                                max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol,
+                                ort_flavor=ort_flavor)
             (tmp / EXPORT_MARKER).write_text(json.dumps({
                 "tool": "dflash-export", "command": "export", "tool_version": __version__, "recipe": recipe.name,
                 "files": sorted(res.file_sizes), "metadata": res.metadata}, indent=2) + "\n")

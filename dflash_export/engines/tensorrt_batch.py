@@ -1,0 +1,357 @@
+"""Continuous batching on the TensorRT backend: the batch graphs compiled to TensorRT engines, driven by the same
+bookkeeping as ONNX Runtime's batched engine (engines/ort_batch.py `BatchedEngine`).
+
+What is built (`build --backend tensorrt`, tensorrt_build.build_batch_engines): the export's "ort" flavor batch graphs
+-- target_batch (attention in plain ops over the K/V buffer, `past_bias`, new K/V rows out), the drafter with
+`key_bias`, the LM head -- hold ONNX Runtime's fused normalizations (SimplifiedLayerNormalization,
+com.microsoft SkipSimplifiedLayerNormalization) and the drafter's dflash BiasedKVInjectedBlockAttention function, none
+of which TensorRT's parser or plugins know. `plain_op_graph` rewrites the norms as the standard ops of the portable
+flavor's RMSNorm and inlines the function, and refuses any node left outside the standard ONNX domain; the plain
+copies (onnx/*_trt.onnx, weights shared by file with the other graphs) are compiled with profiles whose batch axis runs
+1..max_batch (graph_engine.batch_profiles) and recorded in the manifest (engines.<file>.profiles / max_batch, the
+embedding's place in shared_tensors).
+
+What runs: `TrtBatchGraphs` executes the three engines on host arrays through the TensorRTRunner's context, stream and
+lock; `BatchedTensorRTEngine` is `BatchedEngine` over it (every target call, prefills included, runs target_batch).
+The K/V stay in the batch's host buffers, copied to the device for each call: correct, not fast.
+
+What is tested, and how: on CPU only, against the EMULATION of the TensorRT API (tests/tensorrt_emulation.py: each
+engine's ONNX graph run by ONNX Runtime behind TensorRT's engine / context calls, shapes outside the active profile
+refused): greedy tokens through `BatchingRuntime` equal the PyTorch reference and the ONNX Runtime batched engine,
+B > max_batch is refused, a directory built without the batch engines fails with one DFlashError
+(tests/test_tensorrt_batch.py). What cannot be checked without a GPU: that TensorRT's parser takes the plain batch
+graphs and builds them under these profiles (-inf biases, empty past_ctx, the Range / Where of the causal bias),
+device-resident K/V (not implemented), and speed.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+
+from dflash_export.engines.graph_engine import (
+    BATCH,
+    BATCH_PREFILL,
+    BATCH_STEP,
+    DRAFTER_BATCH,
+    LM_HEAD,
+    TARGET_BATCH,
+)
+from dflash_export.engines.ort_batch import BatchedEngine, BatchGraphs
+from dflash_export.errors import DFlashError
+
+# graph -> (the export's "ort" flavor graph, its plain-op copy TensorRT parses, the engine file)
+BATCH_FILES = {
+    TARGET_BATCH: ("target_batch_ort.onnx", "target_batch_trt.onnx", "target_batch.engine"),
+    DRAFTER_BATCH: ("drafter_ort.onnx", "drafter_batch_trt.onnx", "drafter_batch.engine"),
+    LM_HEAD: ("lm_head_ort.onnx", "lm_head_trt.onnx", "lm_head.engine"),
+}
+BATCH_PROFILE_NAMES = {TARGET_BATCH: (BATCH_PREFILL, BATCH_STEP), DRAFTER_BATCH: (BATCH,), LM_HEAD: (BATCH,)}
+DEFAULT_MAX_BATCH = 8
+EMBED = "shared.embed_tokens"
+_REBUILD = "rebuild the engine with `build --backend tensorrt` (this engine predates continuous batching on TensorRT)"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Plain-op copies of the batch graphs (no tensorrt needed)
+
+def plain_op_graph(src: Path, dst: Path) -> dict[str, int]:
+    """Write `dst` (same directory as `src`: the external weights stay shared): `src` with ONNX Runtime's fused
+    RMSNorms as standard ops and every local function inlined. Returns {rewritten op: count}. Raises DFlashError
+    naming `src` and the op for any node left outside the standard ONNX domain (TensorRT could not parse it)."""
+    import onnx
+    import onnx.inliner
+    from onnx import TensorProto, helper
+
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise DFlashError("exported batch graph not found (export with the ort flavor)", path=src)
+    if src.parent.resolve() != dst.parent.resolve():
+        raise DFlashError("the plain-op copy must sit next to its source (they share the external weights)", path=dst)
+    model = onnx.load(str(src), load_external_data=False)
+    inlined = len(model.functions)
+    if inlined:
+        model = onnx.inliner.inline_local_functions(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    consumed = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    counts: collections.Counter[str] = collections.Counter()
+    fresh = (f"plain_rms_{i}" for i in range(1 << 30))
+    nodes = []
+
+    def rms(x: str, scale: str, eps: float, out: str) -> None:
+        # the portable flavor's RMSNorm (export/builder.py): x * 1/sqrt(mean(x^2, -1) + eps) * scale, in fp32
+        p = next(fresh)
+        nodes.append(helper.make_node("Mul", [x, x], [p + "_sq"]))
+        if opset >= 18:
+            nodes.append(helper.make_node("Constant", [], [p + "_axes"],
+                                          value=helper.make_tensor(p + "_axes", TensorProto.INT64, [1], [-1])))
+            nodes.append(helper.make_node("ReduceMean", [p + "_sq", p + "_axes"], [p + "_ms"], keepdims=1))
+        else:
+            nodes.append(helper.make_node("ReduceMean", [p + "_sq"], [p + "_ms"], axes=[-1], keepdims=1))
+        nodes.append(helper.make_node("Constant", [], [p + "_eps"],
+                                      value=helper.make_tensor(p + "_eps", TensorProto.FLOAT, [], [eps])))
+        nodes.append(helper.make_node("Add", [p + "_ms", p + "_eps"], [p + "_var"]))
+        nodes.append(helper.make_node("Sqrt", [p + "_var"], [p + "_std"]))
+        nodes.append(helper.make_node("Reciprocal", [p + "_std"], [p + "_inv"]))
+        nodes.append(helper.make_node("Mul", [x, p + "_inv"], [p + "_xn"]))
+        nodes.append(helper.make_node("Mul", [p + "_xn", scale], [out]))
+
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        eps = float(attrs.get("epsilon", 1e-5))
+        if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "com.microsoft"):
+            if int(attrs.get("axis", -1)) != -1:
+                raise DFlashError(f"node {node.name!r}: SimplifiedLayerNormalization over axis {attrs['axis']}, only "
+                                  "the last axis has a plain-op form here", path=src, field=node.op_type)
+            _unused_outputs(node, 1, consumed, src)
+            rms(node.input[0], node.input[1], eps, node.output[0])
+        elif node.op_type == "SkipSimplifiedLayerNormalization" and node.domain == "com.microsoft":
+            _unused_outputs(node, 1, consumed, src, keep=(3,))
+            total = node.output[3] if len(node.output) > 3 and node.output[3] else next(fresh) + "_sum"
+            if len(node.input) > 3 and node.input[3]:  # the optional bias joins the sum
+                nodes.append(helper.make_node("Add", [node.input[0], node.input[1]], [total + "_nobias"]))
+                nodes.append(helper.make_node("Add", [total + "_nobias", node.input[3]], [total]))
+            else:
+                nodes.append(helper.make_node("Add", [node.input[0], node.input[1]], [total]))
+            rms(total, node.input[2], eps, node.output[0])
+        else:
+            nodes.append(node)
+            continue
+        counts[node.op_type] += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {n.domain for n in model.graph.node}
+    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
+    for node in model.graph.node:
+        if not onnx.defs.has(node.op_type, node.domain or ""):
+            raise DFlashError(f"node {node.name!r} ({node.domain or 'ai.onnx'}::{node.op_type}) is not a standard ONNX "
+                              "op: TensorRT's parser has no importer for it", path=src, field=node.op_type)
+    meta = {p.key: p.value for p in model.metadata_props}
+    meta.update({"dflash.graph": dst.name, "dflash.flavor": "trt_batch", "dflash.plain_of": src.name})
+    onnx.helper.set_model_props(model, meta)
+    onnx.save_model(model, str(dst))
+    onnx.checker.check_model(str(dst))  # by path: the external weights resolve next to it
+    if inlined:
+        counts["inlined_functions"] = inlined
+    return dict(counts)
+
+
+def _unused_outputs(node, first: int, consumed: set[str], src: Path, keep: tuple[int, ...] = ()) -> None:
+    """The node's outputs from `first` on (but `keep`) must be unread: the plain form does not compute them."""
+    for i, name in enumerate(node.output):
+        if i >= first and i not in keep and name and name in consumed:
+            raise DFlashError(f"node {node.name!r}: output {i} ({name}) of {node.op_type} is read, the plain-op form "
+                              "does not compute it", path=src, field=node.op_type)
+
+
+def write_plain_batch_graphs(onnx_dir: Path) -> dict[str, dict[str, int]]:
+    """The plain-op copy of each batch graph in `onnx_dir` (an export with the ort flavor). Returns, per graph, the
+    ops rewritten."""
+    onnx_dir = Path(onnx_dir)
+    return {graph: plain_op_graph(onnx_dir / src, onnx_dir / plain) for graph, (src, plain, _) in BATCH_FILES.items()}
+
+
+def batch_engine_entry(graph: str, block_size: int, max_seq_len: int, max_batch: int) -> dict:
+    """The manifest's record of one batch engine: its profile names (by index, as built), the batch bound, the ONNX
+    graph it came from (relative to the engine directory)."""
+    from dflash_export.engines.graph_engine import batch_profiles
+
+    return {"profiles": [p.name for p in batch_profiles(graph, block_size, max_seq_len, max_batch)],
+            "max_batch": max_batch, "onnx": f"onnx/{BATCH_FILES[graph][1]}"}
+
+
+def embedding_layout(onnx_dir: Path) -> dict[str, dict]:
+    """The manifest's shared_tensors entry of the embedding table inside onnx/shared_weights.bin (from the portable
+    target graph's external-data record): the batched engine reads embedding rows from it on the host."""
+    from dflash_export.engines.ort_build import _shared_layout
+
+    layout = _shared_layout(Path(onnx_dir) / "target_verify.onnx")
+    if EMBED not in layout:
+        raise DFlashError(f"no {EMBED} in the shared weights", path=Path(onnx_dir) / "target_verify.onnx",
+                          field="shared_tensors")
+    return {EMBED: layout[EMBED]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runtime
+
+def check_batch_manifest(manifest) -> int:
+    """The batch bound a TensorRT engine directory's batch engines were built for; one DFlashError naming the manifest
+    and the field when they were not built (or not recorded)."""
+    bounds = []
+    for graph, (_, _, fname) in BATCH_FILES.items():
+        entry = manifest.engines.get(fname)
+        if not isinstance(entry, dict):
+            raise DFlashError(f"no batched engine {fname}: {_REBUILD}", path=manifest.path, field=f"engines.{fname}")
+        names = entry.get("profiles")
+        if not isinstance(names, list) or not set(BATCH_PROFILE_NAMES[graph]) <= set(names):
+            raise DFlashError(f"{fname} profiles {names} lack {list(BATCH_PROFILE_NAMES[graph])}: {_REBUILD}",
+                              path=manifest.path, field=f"engines.{fname}.profiles")
+        bound = entry.get("max_batch")
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+            raise DFlashError(f"{fname} records no batch bound ({bound!r}): {_REBUILD}", path=manifest.path,
+                              field=f"engines.{fname}.max_batch")
+        bounds.append(bound)
+    if EMBED not in manifest.shared_tensors:
+        raise DFlashError(f"no {EMBED} (the batched engine reads embedding rows from it): {_REBUILD}",
+                          path=manifest.path, field="shared_tensors")
+    return min(bounds)
+
+
+class TrtBatchGraphs(BatchGraphs):
+    """`BatchGraphs` over the three batch engines of a TensorRT engine directory, run through `runner`'s (a
+    TensorRTRunner) runtime, device, stream and lock. Inputs are host arrays copied to the device per call; outputs
+    come back as host arrays once the stream is synchronized."""
+
+    def __init__(self, runner, engine_dir, manifest, info, codec):
+        from dflash_export.engines.onnxruntime import SHARED, _EmbeddingRows, draft_logit_scaling
+        from dflash_export.engines.tensorrt_runtime import _TrtGraph
+
+        self.max_batch = check_batch_manifest(manifest)
+        self.manifest_path = manifest.path
+        self.runner, self.info, self.codec = runner, info, codec
+        engine_dir = Path(engine_dir)
+        torch = runner.torch
+        self.graphs = {}
+        for graph, (_, _, fname) in BATCH_FILES.items():
+            with torch.cuda.device(runner.device):
+                self.graphs[graph] = _TrtGraph(runner.trt, torch, runner._runtime, engine_dir / fname,
+                                               list(manifest.engines[fname]["profiles"]))
+        (self.t_layers, self.t_kv_heads, self.t_head_dim) = _kv_geometry(self.graphs[TARGET_BATCH], "key_")
+        (self.d_layers, self.d_kv_heads, self.d_head_dim) = _kv_geometry(self.graphs[DRAFTER_BATCH], "ctx_key_")
+        self.drafter_batches = "key_bias" in self.graphs[DRAFTER_BATCH].inputs
+        if not self.drafter_batches:
+            raise DFlashError("the drafter batch engine takes no key_bias (masked drafters draft one sequence a call, "
+                              "which the TensorRT backend does not build)", path=engine_dir / BATCH_FILES[
+                                  DRAFTER_BATCH][2], field="key_bias")
+        self.has_selector = False  # DFlash 2 drafters are refused by the TensorRT build
+        e = manifest.shared_tensors[EMBED]
+        path = engine_dir / "onnx" / SHARED
+        if len(e.shape) != 2 or e.length != 4 * e.shape[0] * e.shape[1] or not path.is_file() \
+                or e.offset + e.length > path.stat().st_size:
+            raise DFlashError("embedding does not fit the file", path=path, field=f"shared_tensors.{EMBED}")
+        self._embed = _EmbeddingRows(path, e.offset, tuple(e.shape))
+        if not 0 <= info.mask_token_id < e.shape[0]:
+            raise DFlashError(f"mask token {info.mask_token_id} outside the embedding", path=manifest.path,
+                              field="mask_token_id")
+        self.mask_row = self._embed.rows([info.mask_token_id])[0]
+        self._multiplier, self._softcap = draft_logit_scaling(*_graph_metadata(engine_dir, DRAFTER_BATCH))
+
+    # BatchGraphs ---------------------------------------------------------------------------------------------------
+
+    def embed_rows(self, ids) -> np.ndarray:
+        return self._embed.rows(ids)
+
+    def target_batch(self, feeds, past):
+        g = self.graphs[TARGET_BATCH]
+        feeds = dict(feeds)
+        for i in range(self.t_layers):
+            feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
+        profile = BATCH_STEP if feeds["inputs_embeds"].shape[1] <= self.info.block_size else BATCH_PREFILL
+        names = ["hidden", "ctx"] + [f"new_{k}_{i}" for i in range(self.t_layers) for k in ("key", "value")]
+        return self._run(g, profile, feeds, names)
+
+    def drafter(self, names, feeds):
+        return self._run(self.graphs[DRAFTER_BATCH], BATCH, feeds, names)
+
+    def lm_head(self, hidden):
+        return self._run(self.graphs[LM_HEAD], BATCH, {"hidden": hidden}, ["logits"])[0][0]
+
+    def draft_head(self, hidden):
+        return self.lm_head(hidden)  # the TensorRT build has no draft vocabulary: the LM head drafts
+
+    def drafts_from_logits(self, seq, logits, selector_hidden, anchor, sp, uniforms):
+        from dflash_export.engines.onnxruntime import drafts_from_logits
+
+        return drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms, self._multiplier,
+                                  self._softcap, None, self.info.vocab_size)
+
+    # Execution -----------------------------------------------------------------------------------------------------
+
+    def _run(self, g, profile: str, feeds: dict[str, np.ndarray], fetch: list[str]) -> list[np.ndarray]:
+        """Run engine `g` under `profile` on host `feeds`; host copies of the outputs `fetch`, in order."""
+        r = self.runner
+        torch = r.torch
+        if profile not in g.profiles:
+            raise DFlashError(f"engine has no optimization profile {profile!r} (has {', '.join(g.profiles)})",
+                              path=g.path)
+        with r._lock:  # one context per engine, shared with nothing else, but the stream is the runner's
+            ctx, handle = g.context, r.stream.cuda_stream
+            keep = []  # device copies of the inputs must outlive the enqueue
+            with torch.cuda.stream(r.stream):
+                if g.active != g.profiles[profile]:
+                    if not ctx.set_optimization_profile_async(g.profiles[profile], handle):
+                        raise DFlashError(f"TensorRT refused profile {profile!r}", path=g.path)
+                    g.active = g.profiles[profile]
+                for name in g.inputs:
+                    if name not in feeds:
+                        raise DFlashError(f"no feed for engine input {name}", path=g.path, field=name)
+                    if name in g.host_inputs:
+                        host = g.host_inputs[name]
+                        host.copy_(torch.as_tensor(np.asarray(feeds[name])).reshape(host.shape))
+                        r._bind(g, name, host.data_ptr())
+                        continue
+                    tensor = torch.as_tensor(np.ascontiguousarray(feeds[name])).to(r.device, g.dtypes[name])
+                    keep.append(tensor)
+                    if name in g.dynamic and not ctx.set_input_shape(name, tuple(tensor.shape)):
+                        raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}",
+                                          path=g.path, field=name)
+                    r._bind(g, name, r._address(tensor))
+                missing = ctx.infer_shapes()
+                if missing:
+                    raise DFlashError(f"TensorRT cannot infer output shapes: {', '.join(missing)} unset", path=g.path)
+                outputs = {}
+                for name in g.outputs:
+                    tensor = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=g.dtypes[name], device=r.device)
+                    outputs[name] = tensor
+                    r._bind(g, name, r._address(tensor))
+                if not ctx.execute_async_v3(handle):
+                    raise DFlashError("TensorRT execution failed (see the log above)", path=g.path)
+                host = [outputs[name].to("cpu", non_blocking=True) for name in fetch]
+            r.stream.synchronize()
+            del keep
+            return [t.numpy() for t in host]
+
+    def close(self) -> None:
+        for g in self.graphs.values():
+            g.close()
+        self.graphs = {}
+        self._embed.close()
+
+
+def _kv_geometry(g, prefix: str) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of an engine's K/V inputs past_<prefix>i [B, KVH, P, D]."""
+    keys = [x for x in g.kv_layout if x.startswith(prefix) and x[len(prefix):].isdigit()]
+    if not keys:
+        raise DFlashError(f"engine has no past_{prefix}* inputs", path=g.path)
+    kvh, d, _ = g.kv_layout[keys[0]]
+    return len(keys), kvh, d
+
+
+def _graph_metadata(engine_dir: Path, graph: str) -> tuple[dict[str, str], Path]:
+    """(metadata, path) of a batch engine's ONNX graph in the engine directory's onnx/."""
+    import onnx
+
+    path = engine_dir / "onnx" / BATCH_FILES[graph][1]
+    if not path.is_file():
+        raise DFlashError(f"the batch engine's ONNX graph is missing: {_REBUILD}", path=path)
+    model = onnx.load(str(path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}, path
+
+
+class BatchedTensorRTEngine(BatchedEngine):
+    """`BatchedEngine` over a `TensorRTEngine`'s batch engines (loaded on first use, by `batch_target_session`).
+    `max_batch` may not pass the bound the engines' profiles were built for."""
+
+    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH):
+        graphs = engine.batch_target_session()
+        if max_batch > graphs.max_batch:
+            raise DFlashError(f"{max_batch} sequences per call exceed the batch engines' profiles (built for at most "
+                              f"{graphs.max_batch}; rebuild with a larger max_batch)", path=graphs.manifest_path,
+                              field="max_batch")
+        super().__init__(graphs, max_batch)
+        self.engine = engine

@@ -1,0 +1,214 @@
+"""Continuous batching on the TensorRT backend, proven on CPU against the EMULATION of the TensorRT API
+(tests/tensorrt_emulation.py: each engine's ONNX graph run by ONNX Runtime behind TensorRT's engine / context calls,
+shapes outside the active optimization profile refused). The engine directory is written by the build's own
+`build_batch_engines` (plain-op graphs, profiles, manifest facts), only the TensorRT compilation replaced.
+
+Proven here: the plain-op batch graphs hold standard ONNX ops only and compute what the ONNX Runtime flavor computes;
+greedy tokens of prompts of different lengths, joining and leaving a batch, equal the PyTorch reference and the ONNX
+Runtime batched engine; more sequences than the profiles take are refused; a directory built without the batch
+engines fails with one DFlashError naming the manifest field. Not proven (needs a GPU): that TensorRT parses and builds
+these graphs, its numerics, speed (README "GPU status")."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tensorrt_emulation import emulate_tensorrt, emulated_engine_dir
+from test_batching import _oracle_drafts
+
+from dflash_export.batching import BatchingRuntime
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.registry import load_engine
+from dflash_export.errors import DFlashError
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
+           [3 + (i * 7) % 200 for i in range(90)]]
+MAX_BATCH = 3
+
+
+@pytest.fixture(scope="module")
+def pair(ort_pair, tmp_path_factory):
+    """(emulated TensorRT engine with batch engines for <= MAX_BATCH sequences, ONNX Runtime engine, TorchEngine,
+    the engine directory, the emulation module) of each tiny family (conftest's ort_pair); TensorRT emulated for the
+    whole module."""
+    recipe, _, ort_eng, torch_eng = ort_pair
+    root = tmp_path_factory.mktemp(recipe.name)
+    with pytest.MonkeyPatch.context() as mp:
+        trt_backend = emulate_tensorrt(mp)
+        out = emulated_engine_dir(root, recipe, max_batch=MAX_BATCH)
+        eng = load_engine(out, device="cpu")
+        yield eng, ort_eng, torch_eng, out, trt_backend
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """Each prompt's greedy continuation by the PyTorch reference (fp32), 40 tokens."""
+    from dflash_export.reference import ar_generate
+
+    return [ar_generate(pair[2].target, p, 40).tokens for p in PROMPTS]
+
+
+def test_plain_op_batch_graphs_hold_standard_ops_only_and_compute_the_ort_flavor(pair):
+    """What TensorRT parses: no com.microsoft / ORT-only / dflash node left, and every output equal to the ONNX Runtime
+    flavor's graph it was made from, on shapes (3 sequences, padding biases) the export never traced."""
+    import onnx
+    import onnxruntime as ort
+
+    from dflash_export.engines.tensorrt_batch import BATCH_FILES
+
+    out = pair[3] / "onnx"
+    rng = np.random.default_rng(0)
+    dims = {"batch": 3, "seq": 4, "past": 7, "n_ctx": 5, "past_ctx": 6, "block": 4, "n_keys": 15, "rows": 9}
+    manifest = json.loads((pair[3] / "manifest.json").read_text())
+    for graph, (src, plain, engine_name) in BATCH_FILES.items():
+        model = onnx.load(str(out / plain), load_external_data=False)
+        assert all(onnx.defs.has(n.op_type, n.domain) for n in model.graph.node), graph
+        assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}, graph
+        assert manifest["engines"][engine_name]["max_batch"] == MAX_BATCH
+        a, b = (ort.InferenceSession(str(out / f), providers=["CPUExecutionProvider"]) for f in (src, plain))
+        feeds = {}
+        for i in a.get_inputs():
+            shape = [dims[d] if isinstance(d, str) else d for d in i.shape]
+            if i.name == "num_logits":
+                feeds[i.name] = np.array(dims["seq"], np.int64)
+            elif i.type == "tensor(int64)":
+                feeds[i.name] = np.broadcast_to(np.arange(shape[-1]), shape).astype(np.int64).copy()
+            elif i.name in ("past_bias", "key_bias"):
+                feeds[i.name] = np.where(rng.random(shape) < 0.3, -np.inf, 0.0).astype(np.float32)
+                feeds[i.name][..., -1] = 0.0  # every query sees a key
+            else:
+                feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+        for x, y in zip(a.run(None, feeds), b.run(None, feeds)):
+            np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_op_pass_refuses_an_op_tensorrt_cannot_parse(tmp_path):
+    from onnx import TensorProto, helper, save_model
+
+    from dflash_export.engines.tensorrt_batch import plain_op_graph
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    node = helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft", name="gelu")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    save_model(model, str(tmp_path / "a.onnx"))
+    with pytest.raises(DFlashError, match="com.microsoft::FastGelu.*not a standard ONNX op") as e:
+        plain_op_graph(tmp_path / "a.onnx", tmp_path / "b.onnx")
+    assert e.value.field == "FastGelu" and str(tmp_path / "a.onnx") in str(e.value)
+
+
+def test_continuous_batching_on_emulated_tensorrt_equals_reference_and_ort_batch(pair, reference):
+    """Five prompts of 1..90 tokens through a batch of at most 3 (joining and leaving between steps), drafts accepted
+    at every length: each request's greedy tokens are the PyTorch reference's and the ONNX Runtime batched engine's;
+    the target and drafter engines ran several sequences per call."""
+    from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+
+    eng, ort_eng, _, _, _ = pair
+    max_new = [40, 25, 40, 17, 33]
+    sps = [SamplingParams(max_new_tokens=n) for n in max_new]
+    got = {}
+    for name, engine in (("tensorrt", eng), ("onnxruntime", ort_eng)):
+        rt = BatchingRuntime(engine, max_batch=MAX_BATCH, adaptive=False)
+        conts, rng = {}, np.random.default_rng(0)
+        true_add = rt.batch.add
+
+        def add(max_tokens, _prompts=iter(PROMPTS), _refs=iter(reference)):
+            seq = true_add(max_tokens)
+            conts[id(seq)] = (next(_refs), len(next(_prompts)))
+            return seq
+
+        rt.batch.add = add
+        _oracle_drafts(rt.batch, conts, rng)
+        widths = []
+        if name == "tensorrt":
+            assert isinstance(rt.batch, BatchedTensorRTEngine)
+            graphs = rt.batch.graphs
+            for method in ("target_batch", "drafter"):
+                true = getattr(graphs, method)
+
+                def record(*args, _true=true, _method=method):
+                    feeds = args[0] if _method == "target_batch" else args[1]
+                    widths.append((_method, len(next(iter(feeds.values())))))
+                    return _true(*args)
+
+                setattr(graphs, method, record)
+        reqs = [rt.submit(p, sp) for p, sp in zip(PROMPTS, sps)]
+        while not rt.idle:
+            rt.step()
+        got[name] = [r.stats.tokens for r in reqs]
+        for req, ref, sp, p in zip(reqs, reference, sps, PROMPTS):
+            assert req.stats.tokens == ref[: sp.max_new_tokens], (name, p)
+        assert max(max(r.stats.acceptance_lengths) for r in reqs) >= 2, name
+        if name == "tensorrt":
+            assert rt.batch.kv_bytes == 0  # an idle batch holds no K/V
+            for method in ("target_batch", "drafter"):
+                assert max(w for m, w in widths if m == method) == MAX_BATCH, (method, widths)
+            del graphs.target_batch, graphs.drafter  # the instance's wrappers: the class methods again
+    assert got["tensorrt"] == got["onnxruntime"]
+
+
+def test_more_sequences_than_the_batch_profiles_take_are_refused(pair):
+    """B > max_batch: refused when the batch is made (naming the manifest and max_batch), and by the engine's profile
+    itself when a call asks for it anyway."""
+    eng, _, _, out, _ = pair
+    with pytest.raises(DFlashError, match=f"exceed the batch engines' profiles.*at most {MAX_BATCH}") as e:
+        BatchingRuntime(eng, max_batch=MAX_BATCH + 1)
+    assert e.value.field == "max_batch" and "manifest.json" in str(e.value)
+    graphs = eng.batch_target_session()
+    b, s, cap = MAX_BATCH + 1, 2, 16
+    kv = np.zeros((b, graphs.t_kv_heads, cap, graphs.t_head_dim), np.float32)
+    feeds = {"inputs_embeds": np.zeros((b, s, graphs.mask_row.shape[0]), np.float32),
+             "num_logits": np.array(s, np.int64), "position_ids": np.tile(np.arange(s), (b, 1)),
+             "past_bias": np.full((b, cap), -np.inf, np.float32)}
+    with pytest.raises(DFlashError, match=r"\(4, 2, \d+\) of inputs_embeds is outside profile 'batch_step'") as e:
+        graphs.target_batch(feeds, [kv] * (2 * graphs.t_layers))
+    assert e.value.field == "inputs_embeds"
+    with pytest.raises(DFlashError, match="outside profile 'batch'"):
+        graphs.lm_head(np.zeros((1, MAX_BATCH * eng.info.block_size + 1, graphs.mask_row.shape[0]), np.float32))
+    # inside the profile, the same call runs
+    feeds = {k: v[:MAX_BATCH] if k != "num_logits" else v for k, v in feeds.items()}
+    hidden = graphs.target_batch(feeds, [kv[:MAX_BATCH]] * (2 * graphs.t_layers))[0]
+    assert hidden.shape == (MAX_BATCH, s, graphs.mask_row.shape[0])
+
+
+def test_an_engine_built_without_the_batch_engines_gives_one_clear_error(pair, tmp_path, monkeypatch):
+    """A directory from before the batch engines (no engines entry) or with an entry lacking its batch bound: one
+    DFlashError naming manifest.json, the field and the rebuild; single-request decoding still runs."""
+    from dflash_export.engines.manifest import validate_manifest
+    from dflash_export.recipes import load_recipe
+    from dflash_export.runtime import DFlashRuntime
+
+    _, ort_eng, _, full, trt_backend = pair
+    emulate_tensorrt(monkeypatch)
+    old = emulated_engine_dir(tmp_path, load_recipe(ort_eng.info.recipe))  # as built before this change
+    eng = load_engine(old, device="cpu")
+    with pytest.raises(DFlashError, match="no batched engine target_batch.engine.*rebuild the engine") as e:
+        BatchingRuntime(eng, max_batch=2)
+    assert e.value.field == "engines.target_batch.engine" and str(old / "manifest.json") in str(e.value)
+    assert len(DFlashRuntime(eng).generate([1, 2, 3], SamplingParams(max_new_tokens=4)).tokens) == 4
+    eng.close()
+    m = json.loads((full / "manifest.json").read_text())
+    del m["engines"]["drafter_batch.engine"]["max_batch"]
+    eng = trt_backend.TensorRTEngine(full, validate_manifest(m, full / "manifest.json"), device="cpu")
+    with pytest.raises(DFlashError, match="records no batch bound") as e:
+        BatchingRuntime(eng, max_batch=2)
+    assert e.value.field == "engines.drafter_batch.engine.max_batch"
+    eng.close()
+
+
+def test_the_batched_engine_follows_the_engine_backend(pair):
+    """`BatchingRuntime` gets ONNX Runtime's batched engine for an ONNX Runtime engine, TensorRT's for a TensorRT one,
+    and one DFlashError naming the backend for an engine with no batched runner (the PyTorch reference)."""
+    from dflash_export.engines.ort_batch import BatchedOrtEngine, batched_engine
+    from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+
+    eng, ort_eng, torch_eng, _, _ = pair
+    assert type(batched_engine(ort_eng, 2)) is BatchedOrtEngine
+    assert type(batched_engine(eng, 2)) is BatchedTensorRTEngine
+    with pytest.raises(DFlashError, match="onnxruntime and tensorrt backends \\(got pytorch\\)") as e:
+        BatchingRuntime(torch_eng, max_batch=2)
+    assert e.value.field == "backend"
