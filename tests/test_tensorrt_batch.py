@@ -212,3 +212,39 @@ def test_the_batched_engine_follows_the_engine_backend(pair):
     with pytest.raises(DFlashError, match="onnxruntime and tensorrt backends \\(got pytorch\\)") as e:
         BatchingRuntime(torch_eng, max_batch=2)
     assert e.value.field == "backend"
+
+
+def test_deploy_takes_a_batch_bound_up_to_the_one_the_engines_were_built_for(pair, tmp_path, monkeypatch):
+    """`deploy --max-batch N` on a TensorRT engine: N up to the build's bound writes the repository; one more, or a
+    directory without the batch engines, is refused before anything is written, naming the manifest and the field."""
+    from dflash_export.deploy.repository import write_repository
+    from dflash_export.recipes import load_recipe
+
+    _, ort_eng, _, full, _ = pair
+    repo = write_repository(full, tmp_path / "repo", max_batch=MAX_BATCH)
+    cfg = (repo / "dflash" / "config.pbtxt").read_text()
+    assert 'key: "max_batch"' in cfg and f'string_value: "{MAX_BATCH}"' in cfg
+    with pytest.raises(DFlashError, match=f"{MAX_BATCH + 1} sequences per call.*built for at most {MAX_BATCH}") as e:
+        write_repository(full, tmp_path / "repo2", max_batch=MAX_BATCH + 1)
+    assert e.value.field == "--max-batch" and str(full / "manifest.json") in str(e.value)
+    assert not (tmp_path / "repo2").exists()
+    emulate_tensorrt(monkeypatch)
+    old = emulated_engine_dir(tmp_path, load_recipe(ort_eng.info.recipe))
+    with pytest.raises(DFlashError, match="no batched engine target_batch.engine") as e:
+        write_repository(old, tmp_path / "repo3", max_batch=2)
+    assert e.value.field == "engines.target_batch.engine" and not (tmp_path / "repo3").exists()
+
+
+def test_the_concurrency_bench_runs_on_a_tensorrt_engine(pair, monkeypatch):
+    """`bench --concurrency --engine DIR` on a TensorRT engine directory (load_engine pinned to the emulation's
+    device): both modes run at every level, each request's tokens equal to the same request run alone (that the
+    batched tokens are the reference's is the test above)."""
+    from dflash_export import bench_batch
+
+    _, _, _, full, _ = pair
+    monkeypatch.setattr(bench_batch, "load_engine", lambda d, **kw: load_engine(d, device="cpu", **kw))
+    rep = bench_batch.run_concurrency(str(full), PROMPTS, 24, [1, MAX_BATCH], ["dflash", "ar"], threads=1)
+    assert [(r["concurrency"], r["mode"]) for r in rep["levels"]] == [(1, "dflash"), (1, "ar"), (MAX_BATCH, "dflash"),
+                                                                      (MAX_BATCH, "ar")]
+    assert all(r["identical_to_alone"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in rep["levels"])
+    assert rep["divergences"] == []

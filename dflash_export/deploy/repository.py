@@ -191,8 +191,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     server's cores divided by `instances`, decided at load). max_body_bytes / max_json_depth: the request limits
     `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). max_batch > 1: each instance
     feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
-    batching; onnxruntime engines), with at most `max_queued_tokens` prompt tokens waiting to join it; 1: one
-    request at a time per instance. Returns the repository path.
+    batching; onnxruntime engines, and tensorrt engines up to the bound their batch engines were built for), with at
+    most `max_queued_tokens` prompt tokens waiting to join it; 1: one request at a time per instance. Returns the
+    repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
@@ -215,6 +216,10 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
         raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest.backend})",
                           field="--max-batch")
+    bound = BACKENDS[manifest.backend].batch_bound
+    if max_batch > 1 and bound is not None and max_batch > (built := bound(manifest)):
+        raise DFlashError(f"{max_batch} sequences per call, but the engine's batched engines were built for at most "
+                          f"{built}", path=manifest.path, field="--max-batch")
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
                        if v is not None}).check()
     backend = manifest.backend

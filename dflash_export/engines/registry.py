@@ -32,6 +32,9 @@ class Backend:
     check: Callable[[Path, Manifest], None]
     quantizable: bool = False              # builds weight-quantized engines (`--precision`)
     batched: bool = False                  # has a batched runner: deploy --max-batch > 1, bench --concurrency
+    # The most sequences one batched call of this engine directory takes (its build's bound; one error naming the
+    # manifest field when it has no batched engines); None: bounded only by memory.
+    batch_bound: Callable[[Manifest], int] | None = None
     serve_libraries: tuple[str, ...] = ()  # what the served engine imports besides numpy and tokenizers
     served_by_dflash: bool = True          # Triton serves it through this project's python model (else its own)
 
@@ -83,6 +86,12 @@ def _check_tensorrt(engine_dir: Path, manifest: Manifest) -> None:
         raise DFlashError("expected an object naming the engine files", path=manifest.path, field="engines")
 
 
+def _tensorrt_batch_bound(manifest: Manifest) -> int:
+    from dflash_export.engines.tensorrt_batch import check_batch_manifest
+
+    return check_batch_manifest(manifest)
+
+
 # --------------------------------------------------------------------------------------------------- TensorRT-LLM
 
 
@@ -113,7 +122,8 @@ def _check_pytorch(engine_dir: Path, manifest: Manifest) -> None:
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("onnxruntime", _build_onnxruntime, _open_onnxruntime, _check_onnxruntime, quantizable=True, batched=True,
             serve_libraries=("onnxruntime",)),
-    Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, serve_libraries=("tensorrt",)),
+    Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, batched=True,
+            batch_bound=_tensorrt_batch_bound, serve_libraries=("tensorrt",)),
     # a TensorRT-LLM bundle is served by TensorRT-LLM itself (Triton's llmapi model), never opened here
     Backend("tensorrt-llm", _build_tensorrt_llm, None, _check_tensorrt_llm, served_by_dflash=False),
     # the PyTorch reference as an engine (tests, `run --backend pytorch`): nothing to build
