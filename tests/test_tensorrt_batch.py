@@ -248,3 +248,33 @@ def test_the_concurrency_bench_runs_on_a_tensorrt_engine(pair, monkeypatch):
                                                                       (MAX_BATCH, "ar")]
     assert all(r["identical_to_alone"] == f"{len(PROMPTS)}/{len(PROMPTS)}" for r in rep["levels"])
     assert rep["divergences"] == []
+
+
+def test_build_reuses_a_tensorrt_engine_only_for_the_batch_bound_it_was_built_for(pair, tmp_path, monkeypatch):
+    """`build --backend tensorrt --max-batch N`: an engine whose batch engines were built for N (or no N asked) is
+    reused; another N rebuilds with that bound; `--max-batch` on ONNX Runtime (bounded where it runs) is refused."""
+    from dflash_export.engines import build as build_mod
+    from dflash_export.recipes import load_recipe
+
+    _, ort_eng, _, _, _ = pair
+    recipe = load_recipe(ort_eng.info.recipe)
+    root = tmp_path / "engines"
+    emulate_tensorrt(monkeypatch)
+    (root / recipe.name).mkdir(parents=True)
+    d = emulated_engine_dir(root / recipe.name, recipe, max_batch=MAX_BATCH)
+    build_mod._record_inputs(d, build_mod.recipe_inputs(recipe))
+    assert build_mod.build_engine(recipe, "tensorrt", root, max_batch=MAX_BATCH).reused
+    assert build_mod.build_engine(recipe, "tensorrt", root).reused
+    calls = []
+
+    def builder(recipe, engine_dir, **options):
+        calls.append(options)
+        raise DFlashError("stop here")
+
+    monkeypatch.setattr(build_mod, "backend_builder", lambda name: builder)
+    with pytest.raises(DFlashError, match="stop here"):
+        build_mod.build_engine(recipe, "tensorrt", root, max_batch=MAX_BATCH + 1)
+    assert calls == [{"max_batch": MAX_BATCH + 1}]
+    with pytest.raises(DFlashError, match=r"build time \(tensorrt\), not onnxruntime") as e:
+        build_mod.build_engine(recipe, "onnxruntime", root, max_batch=4)
+    assert e.value.field == "--max-batch"

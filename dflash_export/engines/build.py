@@ -64,9 +64,12 @@ def engine_dir_name(backend: str, precisions: dict[str, str] | None = None) -> s
 
 def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False,
                  precision: str | None = None, drafter_precision: str | None = None,
-                 quantize_heads: bool | None = None) -> BuildResult:
+                 quantize_heads: bool | None = None, max_batch: int | None = None) -> BuildResult:
     """Build (or reuse) `out_root/<recipe>/<backend>/` (fp32) or `.../<backend>-<precision>[...]/` (quantized
     ONNX Runtime engines; `precision` / `drafter_precision` default to the recipe's, see `engine_dir_name`).
+    `max_batch`: the most sequences per call continuous batching's engines are built for, for backends whose batch
+    is fixed at build time (TensorRT's profiles; None: the backend's default); an engine built for another bound is
+    rebuilt, not reused. ONNX Runtime batches are bounded where they run (`deploy --max-batch`).
 
     An existing engine directory is replaced only when it is an earlier engine (its manifest.json says so):
     anything else there is refused, never deleted. A failed build leaves no directory it created behind.
@@ -81,6 +84,12 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):
         raise DFlashError(f"weight quantization is built for the onnxruntime backend only, not {backend}",
                           field="--precision")
+    bound = BACKENDS[backend].batch_bound
+    if max_batch is not None and (bound is None or max_batch < 1):
+        raise DFlashError(f"must be >= 1, got {max_batch}" if bound is not None else
+                          f"sizes the batch engines of backends that fix it at build time (tensorrt), not {backend}: "
+                          "an onnxruntime batch is bounded where it runs (deploy --max-batch)", field="--max-batch")
+    options = {} if max_batch is None else {"max_batch": max_batch}
     if not str(out_root).strip():
         raise DFlashError("empty path: name the directory engines go under", field="--out")
     out_root = Path(out_root)
@@ -93,7 +102,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
         try:
             manifest = read_manifest(engine_dir)
             if (manifest.inputs == inputs and manifest.backend == backend
-                    and (precisions is None or manifest.precision == precisions)):
+                    and (precisions is None or manifest.precision == precisions)
+                    and (max_batch is None or bound(manifest) == max_batch)):
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:
             pass  # an earlier engine, unreadable or tampered: rebuild over it
@@ -103,7 +113,7 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
                   drafter_precision=precisions["drafter"],
                   quantize_heads=precisions["lm_head"] != "fp32" or precisions["draft_head"] != "fp32")
         else:
-            build(recipe, engine_dir)
+            build(recipe, engine_dir, **options)
         if not (engine_dir / MANIFEST).is_file():
             raise DFlashError("the backend finished without writing a manifest", path=engine_dir)
         _record_inputs(engine_dir, inputs)

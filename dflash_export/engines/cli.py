@@ -29,12 +29,16 @@ from dflash_export.runtime import DFlashRuntime, RunStats
               help="onnxruntime: the drafter's and draft head's weight precision (default: --precision).")
 @click.option("--fp32-heads", is_flag=True, help="onnxruntime: keep the LM head and draft head fp32 when the graphs "
                                                  "are quantized.")
-def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads):
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="tensorrt: the most sequences per call the continuous-batching engines' profiles take (default 8; "
+                   "deploy --max-batch may not pass it).")
+def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
     """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
 
     r = load_recipe(recipe)
-    res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None)
+    res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
+                       max_batch)
     Console(highlight=False).print(
         f"{'reused' if res.reused else 'built'} {res.engine_dir} "
         f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
