@@ -6,8 +6,9 @@ numpy and onnxruntime.
 
 The bookkeeping (slots, dense slot moves, context chunks, padding, the bias inputs) is `BatchedEngine`, apart from
 what executes the graphs: a `BatchGraphs` runs the batch graphs (target_batch, drafter with key_bias, LM head, draft
-head) on host arrays. `OrtBatchGraphs` runs an `OrtEngine`'s sessions; the TensorRT backend runs engines compiled
-from the same graphs (engines/tensorrt_batch.py). `batched_engine` picks the one for an engine's backend.
+head) on host arrays, the K/V buffers where its `kv_store` keeps them (`HostKV`: host arrays). `OrtBatchGraphs` runs
+an `OrtEngine`'s sessions; the TensorRT backend runs engines compiled from the same graphs, its K/V on the device
+(engines/tensorrt_batch.py). `batched_engine` picks the one for an engine's backend.
 
 How B sequences of different lengths share one call:
 - Target (GroupQueryAttention over a K/V buffer shared by past and present): every layer's cache is one buffer
@@ -69,7 +70,8 @@ class BatchSeq(Sequence):
 
 @dataclass
 class _Buffers:
-    """Per-layer K/V buffers [slots, KVH, capacity, D] (target) or [slots, KVH, capacity, D] (drafter context)."""
+    """Per-layer K/V buffers [slots, KVH, capacity, D] (target) or [slots, KVH, capacity, D] (drafter context), held
+    as the graphs' `kv_store` keeps them (host arrays: `HostKV`)."""
 
     t_kv: list[np.ndarray] = field(default_factory=list)
     d_kv: list[np.ndarray] = field(default_factory=list)
@@ -78,8 +80,46 @@ class _Buffers:
     d_cap: int = 0
 
 
+class HostKV:
+    """Where the batch's K/V buffers [slots, KVH, capacity, D] live: host numpy arrays (ONNX Runtime binds them by
+    address). The operations `BatchedEngine` performs on them, so a backend can keep them elsewhere (TensorRT: torch
+    tensors on its device, engines/tensorrt_batch.py `DeviceKV`). `graph` is "target" or "drafter"."""
+
+    def zeros(self, shape: tuple, graph: str) -> np.ndarray:
+        return np.zeros(shape, np.float32)
+
+    def nbytes(self, buf) -> int:
+        return buf.nbytes
+
+    def copy_prefix(self, new, old, m: int, old_cap: int) -> None:
+        """A grown buffer takes the old one's first `m` slots (all of its rows)."""
+        new[:m, :, :old_cap] = old[:m]
+
+    def slot_range(self, bufs: list, a: int, z: int) -> list:
+        """Views of slots a..z-1 of each buffer (what a target call reads as its past)."""
+        return [buf[a:z] for buf in bufs]
+
+    def write_rows(self, bufs: list, news: list, rows: list[tuple[int, int, int, int, int]]) -> None:
+        """New K/V rows into the buffers: per (i, slot, at, src, n), rows src..src+n-1 of sequence i of each output
+        go to rows at..at+n-1 of `slot`."""
+        for buf, new in zip(bufs, news):
+            for i, slot, at, src, n in rows:
+                buf[slot, :, at: at + n] = new[i, :, src: src + n]
+
+    def move(self, bufs: list, dst: int, src: int, n: int) -> None:
+        """The first `n` rows of slot `src` into slot `dst`."""
+        for buf in bufs:
+            buf[dst, :, :n] = buf[src, :, :n]
+
+    def gather(self, bufs: list, slots: list[int], t: int) -> list:
+        """Rows 0..t-1 of `slots` (any order) of each buffer, as new dense [len(slots), KVH, t, D] arrays."""
+        idx = np.array(slots)
+        return [buf[idx, :, :t] for buf in bufs]
+
+
 class BatchGraphs(ABC):
-    """Executes the batch graphs on host arrays; what `BatchedEngine` needs of a backend besides its bookkeeping.
+    """Executes the batch graphs on host arrays (the K/V as its `kv_store` holds them); what `BatchedEngine` needs of a
+    backend besides its bookkeeping.
 
     Graph protocol (the export's "ort" flavor graphs; TensorRT compiles plain-op copies of the same graphs):
       target_batch  in:  inputs_embeds [B,S,H] f32, num_logits [] i64 (= S), position_ids [B,S] i64,
@@ -104,6 +144,10 @@ class BatchGraphs(ABC):
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
 
+    def kv_store(self) -> HostKV:
+        """Where the batch's K/V buffers live (host arrays unless a backend keeps them on its device)."""
+        return HostKV()
+
     @abstractmethod
     def embed_rows(self, ids) -> np.ndarray:
         """Embedding rows of `ids` as a fresh [n, H] float32 array."""
@@ -111,11 +155,13 @@ class BatchGraphs(ABC):
     @abstractmethod
     def target_batch(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> list[np.ndarray]:
         """Run target_batch: `feeds` are the non-K/V inputs, `past` the per-layer key, value buffers (key_0, value_0,
-        key_1, ...). Returns [hidden, ctx, new_key_0, new_value_0, ...]."""
+        key_1, ...), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]: hidden and ctx
+        host arrays, the new K/V rows as `kv_store` takes them."""
 
     @abstractmethod
     def drafter(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Run the drafter; returns the outputs `names`, in order."""
+        """Run the drafter; returns the outputs `names`, in order (past_ctx_* feeds and present_ctx_* outputs as
+        `kv_store` holds them, the others host arrays)."""
 
     @abstractmethod
     def lm_head(self, hidden: np.ndarray) -> np.ndarray:
@@ -190,6 +236,7 @@ class BatchedEngine:
         self.max_batch = max_batch
         self.seqs: list[BatchSeq] = []  # by slot
         self._buf = _Buffers()
+        self._kv = graphs.kv_store()
         # Called with (bytes, slots, target capacity) whenever the K/V buffers are reallocated or released: the
         # served model logs it, so memory growth under load can be told apart from K/V growth (benchmarks/soak.py).
         self.on_resize = None
@@ -206,7 +253,7 @@ class BatchedEngine:
     @property
     def kv_bytes(self) -> int:
         """Bytes held by the batch's K/V buffers now."""
-        return sum(b.nbytes for b in self._buf.t_kv + self._buf.d_kv)
+        return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv)
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -229,10 +276,8 @@ class BatchedEngine:
         hole, last = seq.slot, len(self.seqs) - 1
         if hole != last:
             mover = self.seqs[last]
-            for buf in self._buf.t_kv:
-                buf[hole, :, : mover.length] = buf[last, :, : mover.length]
-            for buf in self._buf.d_kv:
-                buf[hole, :, : mover.d_len] = buf[last, :, : mover.d_len]
+            self._kv.move(self._buf.t_kv, hole, last, mover.length)
+            self._kv.move(self._buf.d_kv, hole, last, mover.d_len)
             mover.slot = hole
             self.seqs[hole] = mover
         self.seqs.pop()
@@ -259,20 +304,20 @@ class BatchedEngine:
         n = len(self.seqs)
         e = self.graphs
 
-        def grow(old: list[np.ndarray], layers: int, shape, cap, old_cap):
+        def grow(old: list, layers: int, shape, cap, old_cap, graph: str):
             out = []
             for i in range(2 * layers):
-                buf = np.zeros((new_slots, shape[0], cap, shape[1]), np.float32)
+                buf = self._kv.zeros((new_slots, shape[0], cap, shape[1]), graph)
                 if old:
                     m = min(n, old[i].shape[0])
-                    buf[:m, :, :old_cap] = old[i][:m]
+                    self._kv.copy_prefix(buf, old[i], m, old_cap)
                 out.append(buf)
             return out
 
         t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, e.t_layers, self._t_shape,
-                                                                             t_cap, b.t_cap)
+                                                                             t_cap, b.t_cap, "target")
         d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
-                                                                             d_cap, b.d_cap)
+                                                                             d_cap, b.d_cap, "drafter")
         self._buf = _Buffers(t_kv, d_kv, new_slots, t_cap, d_cap)
         if self.on_resize is not None:
             self.on_resize(self.kv_bytes, new_slots, t_cap)
@@ -304,12 +349,11 @@ class BatchedEngine:
             embeds[i, len(blk):] = embeds[i, len(blk) - 1]
             pos[i] = np.arange(seq.length, seq.length + s)
             bias[i, seq.length:] = -np.inf
-        past = [buf[a:z] for buf in self._buf.t_kv]
+        past = self._kv.slot_range(self._buf.t_kv, a, z)
         feeds = {"inputs_embeds": embeds, "num_logits": np.array(s, np.int64), "position_ids": pos, "past_bias": bias}
         outs = self.graphs.target_batch(feeds, past)
-        for buf, new in zip(self._buf.t_kv, outs[2:]):
-            for i, (seq, blk) in enumerate(zip(seqs, blocks)):
-                buf[seq.slot, :, seq.length: seq.length + len(blk)] = new[i, :, : len(blk)]
+        self._kv.write_rows(self._buf.t_kv, outs[2:],
+                            [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
         return outs[0], outs[1]
 
     def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -410,22 +454,21 @@ class BatchedEngine:
             bias[i, t_pad + c_pad + block_lens[i]:] = -np.inf
         if b_pad > self.info.block_size or int(block_pos.max()) >= self.info.max_seq_len:
             raise DFlashError(f"a block at {int(block_pos.max())} passes the engine's max_seq_len", field="max_tokens")
-        slots = np.array([s.slot for s in seqs])
         feeds = {"ctx": ctx, "ctx_positions": ctx_pos, "block_embeds": block, "block_positions": block_pos}
         if g.drafter_batches:
             feeds["key_bias"] = bias
+        past = self._kv.gather(self._buf.d_kv, [s.slot for s in seqs], t_pad)
         for i in range(g.d_layers):
             for j, kind in enumerate(("key", "value")):
-                feeds[f"past_ctx_{kind}_{i}"] = self._buf.d_kv[2 * i + j][slots, :, :t_pad]
+                feeds[f"past_ctx_{kind}_{i}"] = past[2 * i + j]
         extra = ["selector_hidden"] if g.has_selector else []
         names = ["hidden"] + extra + [f"present_ctx_{k}_{i}" for i in range(g.d_layers) for k in ("key", "value")]
         res = g.drafter(names, feeds)
-        presents = res[1 + len(extra):]
-        for i, s in enumerate(seqs):  # the new context rows join each sequence's cache
-            c = len(pend[i])
-            for buf, present in zip(self._buf.d_kv, presents):
-                buf[s.slot, :, s.d_len: s.d_len + c] = present[i, :, t_pad: t_pad + c]
-            s.d_len += c
+        # the new context rows join each sequence's cache
+        self._kv.write_rows(self._buf.d_kv, res[1 + len(extra):],
+                            [(i, s.slot, s.d_len, t_pad, len(pend[i])) for i, s in enumerate(seqs)])
+        for i, s in enumerate(seqs):
+            s.d_len += len(pend[i])
             s.ctx_parts = []
         return res[0], (res[1] if extra else None)
 
