@@ -5,8 +5,9 @@ shapes outside the active optimization profile refused). The engine directory is
 
 Proven here: the plain-op batch graphs hold standard ONNX ops only and compute what the ONNX Runtime flavor computes;
 greedy tokens of prompts of different lengths, joining and leaving a batch, equal the PyTorch reference and the ONNX
-Runtime batched engine; more sequences than the profiles take are refused; a directory built without the batch
-engines fails with one DFlashError naming the manifest field. Not proven (needs a GPU): that TensorRT parses and builds
+Runtime batched engine; the batch's K/V are device tensors bound by address, never copied between host and device;
+more sequences than the profiles take are refused; a directory built without the batch engines fails with one
+DFlashError naming the manifest field. Not proven (needs a GPU): that TensorRT parses and builds
 these graphs, its numerics, speed (README "GPU status")."""
 
 from __future__ import annotations
@@ -149,6 +150,65 @@ def test_continuous_batching_on_emulated_tensorrt_equals_reference_and_ort_batch
                 assert max(w for m, w in widths if m == method) == MAX_BATCH, (method, widths)
             del graphs.target_batch, graphs.drafter  # the instance's wrappers: the class methods again
     assert got["tensorrt"] == got["onnxruntime"]
+
+
+def test_the_batch_kv_stay_on_the_device_bound_by_address(pair, reference, monkeypatch):
+    """The batch's K/V (target and drafter context) are torch tensors on the engine's device: every target call's
+    past_key_i / past_value_i address is a slot of those very buffers, the new K/V rows and the drafter's present
+    context come back as device tensors, and the only host -> device copies of a run are the small inputs -- no K/V,
+    at any step (prefills, verifies, joins and leaves). The tokens stay the reference's."""
+    import torch
+
+    from dflash_export.engines.graph_engine import TARGET_BATCH
+
+    eng = pair[0]
+    rt = BatchingRuntime(eng, max_batch=MAX_BATCH, adaptive=False)
+    batch, graphs = rt.batch, rt.batch.graphs
+    uploads, bound, returned = [], [], []
+    true_upload = graphs._upload
+
+    def upload(name, value, dtype):
+        uploads.append(name)
+        return true_upload(name, value, dtype)
+
+    ctx = graphs.graphs[TARGET_BATCH].context
+    true_set = ctx.set_tensor_address
+
+    def set_address(name, address):
+        if name.startswith(("past_key_", "past_value_")):
+            i = int(name.rsplit("_", 1)[1])
+            buf = batch._buf.t_kv[2 * i + name.startswith("past_value_")]
+            step = buf.stride(0) * buf.element_size()
+            bound.append(isinstance(buf, torch.Tensor) and (address - buf.data_ptr()) % step == 0
+                         and 0 <= address - buf.data_ptr() < buf.shape[0] * step)
+        return true_set(name, address)
+
+    def recording(method, first):
+        true = getattr(graphs, method)
+
+        def run(*args):
+            outs = true(*args)
+            returned.append(all(isinstance(o, torch.Tensor) for o in outs[first:])
+                            and all(isinstance(b, torch.Tensor) for b in batch._buf.t_kv + batch._buf.d_kv))
+            return outs
+        return run
+
+    monkeypatch.setattr(graphs, "_upload", upload)
+    monkeypatch.setattr(ctx, "set_tensor_address", set_address)
+    monkeypatch.setattr(graphs, "target_batch", recording("target_batch", 2))
+    monkeypatch.setattr(graphs, "drafter", recording("drafter", 1))
+    sps = [SamplingParams(max_new_tokens=n) for n in (30, 12, 30, 9, 20)]
+    reqs = [rt.submit(p, sp) for p, sp in zip(PROMPTS, sps)]
+    while not rt.idle:
+        rt.step()
+    for req, ref, sp in zip(reqs, reference, sps):
+        assert req.stats.tokens == ref[: sp.max_new_tokens]
+    assert bound and all(bound), bound
+    assert len(returned) > len(PROMPTS) and all(returned)
+    small = {"inputs_embeds", "position_ids", "past_bias", "ctx", "ctx_positions", "block_embeds", "block_positions",
+             "key_bias", "hidden"}
+    assert uploads and set(uploads) <= small, sorted(set(uploads) - small)
+    assert batch.kv_bytes == 0
 
 
 def test_more_sequences_than_the_batch_profiles_take_are_refused(pair):

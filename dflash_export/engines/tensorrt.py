@@ -13,8 +13,9 @@ reached. The work lives in three modules, imported one way (this module -> build
   function inlined) with profiles for 1..max_batch sequences (default 8), recorded in the manifest;
   `BatchedTensorRTEngine` runs them under the bookkeeping ONNX Runtime's batched engine uses (ort_batch.BatchedEngine),
   which `BatchingRuntime` picks for a TensorRT engine. Tested on CPU only, against the emulated TensorRT API
-  (tests/test_tensorrt_batch.py); TensorRT parsing and building these graphs, device-resident K/V (the batch keeps
-  K/V in host buffers, copied per call) and speed are unchecked without a GPU.
+  (tests/test_tensorrt_batch.py); the batch's K/V stay on the device (torch buffers bound by address, `DeviceKV`: a
+  step copies only its small inputs and outputs). TensorRT parsing and building these graphs, the device-side K/V
+  work under a real CUDA stream and speed are unchecked without a GPU.
 This module holds `validate`'s ONNX Runtime vs TensorRT comparison (`compare_onnxruntime_tensorrt`) and the example
 feeds it runs.
 

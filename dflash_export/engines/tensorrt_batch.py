@@ -11,9 +11,12 @@ copies (onnx/*_trt.onnx, weights shared by file with the other graphs) are compi
 1..max_batch (graph_engine.batch_profiles) and recorded in the manifest (engines.<file>.profiles / max_batch, the
 embedding's place in shared_tensors).
 
-What runs: `TrtBatchGraphs` executes the three engines on host arrays through the TensorRTRunner's context, stream and
-lock; `BatchedTensorRTEngine` is `BatchedEngine` over it (every target call, prefills included, runs target_batch).
-The K/V stay in the batch's host buffers, copied to the device for each call: correct, not fast.
+What runs: `TrtBatchGraphs` executes the three engines through the TensorRTRunner's context, stream and lock;
+`BatchedTensorRTEngine` is `BatchedEngine` over it (every target call, prefills included, runs target_batch). The
+batch's K/V (target and drafter context) live on the device (`DeviceKV`: torch tensors [slots, KVH, capacity, D],
+grown, moved and written there): target_batch reads its slot range by address, the new rows are copied into the
+buffers on the device, the drafter's past context is gathered there. A step copies only its small inputs
+(embeddings, positions, biases, context features) to the device and its hidden rows / logits back.
 
 What is tested, and how: on CPU only, against the EMULATION of the TensorRT API (tests/tensorrt_emulation.py: each
 engine's ONNX graph run by ONNX Runtime behind TensorRT's engine / context calls, shapes outside the active profile
@@ -21,7 +24,8 @@ refused): greedy tokens through `BatchingRuntime` equal the PyTorch reference an
 B > max_batch is refused, a directory built without the batch engines fails with one DFlashError
 (tests/test_tensorrt_batch.py). What cannot be checked without a GPU: that TensorRT's parser takes the plain batch
 graphs and builds them under these profiles (-inf biases, empty past_ctx, the Range / Where of the causal bias),
-device-resident K/V (not implemented), and speed.
+the device-side K/V work under a real CUDA stream (the emulation's torch device is the CPU, its stream a no-op), and
+speed.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dflash_export.engines.graph_engine import (
     LM_HEAD,
     TARGET_BATCH,
 )
-from dflash_export.engines.ort_batch import BatchedEngine, BatchGraphs
+from dflash_export.engines.ort_batch import BatchedEngine, BatchGraphs, HostKV
 from dflash_export.errors import DFlashError
 
 # graph -> (the export's "ort" flavor graph, its plain-op copy TensorRT parses, the engine file)
@@ -202,10 +206,57 @@ def check_batch_manifest(manifest) -> int:
     return min(bounds)
 
 
+class DeviceKV(HostKV):
+    """The batch's K/V buffers as torch tensors on the engines' device (`HostKV`'s operations, each one device work
+    queued on the runner's stream): target_batch reads a slot range of them by address, its new rows and the drafter's
+    new context rows are copied into them on the device. Nothing of them crosses to the host."""
+
+    def __init__(self, torch, device, stream, dtypes: dict):
+        self.torch, self.device, self.stream = torch, device, stream
+        self.dtypes = dtypes  # graph -> the engine's K/V dtype
+
+    def zeros(self, shape, graph):
+        with self.torch.cuda.stream(self.stream):
+            return self.torch.zeros(shape, dtype=self.dtypes[graph], device=self.device)
+
+    def nbytes(self, buf):
+        return buf.numel() * buf.element_size()
+
+    def copy_prefix(self, new, old, m, old_cap):
+        with self.torch.cuda.stream(self.stream):
+            new[:m, :, :old_cap].copy_(old[:m])
+
+    def slot_range(self, bufs, a, z):
+        return [buf[a:z] for buf in bufs]  # a slot range of a dense buffer is dense: bound by address as it is
+
+    def write_rows(self, bufs, news, rows):
+        # one gather + one scatter per buffer, whatever the number of sequences: every (slot, row) pair is distinct
+        torch = self.torch
+        idx = np.array([(i, slot, at + k, src + k) for i, slot, at, src, n in rows for k in range(n)], np.int64)
+        if not len(idx):
+            return
+        with torch.cuda.stream(self.stream):
+            seq, slot, at, src = torch.as_tensor(idx.T.copy()).to(self.device)
+            for buf, new in zip(bufs, news):
+                buf[slot, :, at] = new[seq, :, src].to(buf.dtype)
+
+    def move(self, bufs, dst, src, n):
+        with self.torch.cuda.stream(self.stream):
+            for buf in bufs:
+                buf[dst, :, :n].copy_(buf[src, :, :n])
+
+    def gather(self, bufs, slots, t):
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            idx = torch.as_tensor(slots, dtype=torch.int64).to(self.device)
+            return [buf[:, :, :t].index_select(0, idx) for buf in bufs]
+
+
 class TrtBatchGraphs(BatchGraphs):
     """`BatchGraphs` over the three batch engines of a TensorRT engine directory, run through `runner`'s (a
-    TensorRTRunner) runtime, device, stream and lock. Inputs are host arrays copied to the device per call; outputs
-    come back as host arrays once the stream is synchronized."""
+    TensorRTRunner) runtime, device, stream and lock. The K/V are the batch's device buffers (`kv_store`: `DeviceKV`),
+    bound by address: past K/V in, new K/V rows out stay on the device. The other inputs are host arrays copied to
+    the device per call; the other outputs come back as host arrays once the stream is synchronized."""
 
     def __init__(self, runner, engine_dir, manifest, info, codec):
         from dflash_export.engines.onnxruntime import SHARED, _EmbeddingRows, draft_logit_scaling
@@ -243,6 +294,11 @@ class TrtBatchGraphs(BatchGraphs):
 
     # BatchGraphs ---------------------------------------------------------------------------------------------------
 
+    def kv_store(self) -> DeviceKV:
+        r = self.runner
+        return DeviceKV(r.torch, r.device, r.stream, {"target": self.graphs[TARGET_BATCH].kv_layout["key_0"][2],
+                                                      "drafter": self.graphs[DRAFTER_BATCH].kv_layout["ctx_key_0"][2]})
+
     def embed_rows(self, ids) -> np.ndarray:
         return self._embed.rows(ids)
 
@@ -253,10 +309,11 @@ class TrtBatchGraphs(BatchGraphs):
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
         profile = BATCH_STEP if feeds["inputs_embeds"].shape[1] <= self.info.block_size else BATCH_PREFILL
         names = ["hidden", "ctx"] + [f"new_{k}_{i}" for i in range(self.t_layers) for k in ("key", "value")]
-        return self._run(g, profile, feeds, names)
+        return self._run(g, profile, feeds, names, on_device=set(names[2:]))
 
     def drafter(self, names, feeds):
-        return self._run(self.graphs[DRAFTER_BATCH], BATCH, feeds, names)
+        return self._run(self.graphs[DRAFTER_BATCH], BATCH, feeds, names,
+                         on_device={n for n in names if n.startswith("present_ctx_")})
 
     def lm_head(self, hidden):
         return self._run(self.graphs[LM_HEAD], BATCH, {"hidden": hidden}, ["logits"])[0][0]
@@ -272,8 +329,13 @@ class TrtBatchGraphs(BatchGraphs):
 
     # Execution -----------------------------------------------------------------------------------------------------
 
-    def _run(self, g, profile: str, feeds: dict[str, np.ndarray], fetch: list[str]) -> list[np.ndarray]:
-        """Run engine `g` under `profile` on host `feeds`; host copies of the outputs `fetch`, in order."""
+    def _upload(self, name: str, value, dtype):
+        """A host input on the device (the only host -> device copies of a call; the tests watch them)."""
+        return self.runner.torch.as_tensor(np.ascontiguousarray(value)).to(self.runner.device, dtype)
+
+    def _run(self, g, profile: str, feeds: dict, fetch: list[str], on_device: set[str] = frozenset()) -> list:
+        """Run engine `g` under `profile` on `feeds` (host arrays, copied to the device, or tensors already on it, bound
+        as they are); the outputs `fetch`, in order: host copies, but those named in `on_device`, left there."""
         r = self.runner
         torch = r.torch
         if profile not in g.profiles:
@@ -295,7 +357,11 @@ class TrtBatchGraphs(BatchGraphs):
                         host.copy_(torch.as_tensor(np.asarray(feeds[name])).reshape(host.shape))
                         r._bind(g, name, host.data_ptr())
                         continue
-                    tensor = torch.as_tensor(np.ascontiguousarray(feeds[name])).to(r.device, g.dtypes[name])
+                    value = feeds[name]
+                    if isinstance(value, torch.Tensor):  # the batch's K/V, already on the device: bound as it is
+                        tensor = value.to(r.device, g.dtypes[name]).contiguous()
+                    else:
+                        tensor = self._upload(name, value, g.dtypes[name])
                     keep.append(tensor)
                     if name in g.dynamic and not ctx.set_input_shape(name, tuple(tensor.shape)):
                         raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}",
@@ -311,10 +377,11 @@ class TrtBatchGraphs(BatchGraphs):
                     r._bind(g, name, r._address(tensor))
                 if not ctx.execute_async_v3(handle):
                     raise DFlashError("TensorRT execution failed (see the log above)", path=g.path)
-                host = [outputs[name].to("cpu", non_blocking=True) for name in fetch]
+                out = [outputs[name] if name in on_device else outputs[name].to("cpu", non_blocking=True)
+                       for name in fetch]
             r.stream.synchronize()
             del keep
-            return [t.numpy() for t in host]
+            return [t if name in on_device else t.numpy() for name, t in zip(fetch, out)]
 
     def close(self) -> None:
         for g in self.graphs.values():
