@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_export.engines.base import SamplingParams
-from dflash_export.engines.ort_batch import BatchedOrtEngine, BatchSeq, batched_engine
+from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
+from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
 from dflash_export.sampling import probs_from_logits, verify_block, verify_length
@@ -101,7 +102,7 @@ class BatchingRuntime:
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
-        self.batch = batched_engine(engine, max_batch)  # the engine's backend's (ort_batch.batched_engine)
+        self.batch = batched_engine(engine, max_batch)  # the engine's backend's (engines.registry)
         self.info = engine.info
         self.codec = engine.codec
         self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip)  # its checks/costs
@@ -423,7 +424,7 @@ class BatchingService:
         # The batched-verify graph (a second copy of the target's weights) is loaded now, not at the first step that
         # verifies several sequences: a served model's memory is all there once it reports ready, and no request
         # pays for the load.
-        engine.batch_target_session()
+        self.runtime.batch.preload()
         self.on_resize = on_resize
         self.idle_release_s = idle_release_s
         self._configure(self.runtime.batch)
@@ -481,7 +482,7 @@ class BatchingService:
                 with self._lock:
                     self.runtime.cancel(req)
 
-    def _configure(self, batch: BatchedOrtEngine) -> None:
+    def _configure(self, batch: BatchedEngine) -> None:
         batch.on_resize = self.on_resize
         batch.keep_buffers = True
 

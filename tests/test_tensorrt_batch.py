@@ -218,7 +218,9 @@ def test_more_sequences_than_the_batch_profiles_take_are_refused(pair):
     with pytest.raises(DFlashError, match=f"exceed the batch engines' profiles.*at most {MAX_BATCH}") as e:
         BatchingRuntime(eng, max_batch=MAX_BATCH + 1)
     assert e.value.field == "max_batch" and "manifest.json" in str(e.value)
-    graphs = eng.batch_target_session()
+    from dflash_export.engines.tensorrt_batch import batch_graphs
+
+    graphs = batch_graphs(eng)
     b, s, cap = MAX_BATCH + 1, 2, 16
     kv = np.zeros((b, graphs.t_kv_heads, cap, graphs.t_head_dim), np.float32)
     feeds = {"inputs_embeds": np.zeros((b, s, graphs.mask_row.shape[0]), np.float32),
@@ -263,7 +265,8 @@ def test_an_engine_built_without_the_batch_engines_gives_one_clear_error(pair, t
 def test_the_batched_engine_follows_the_engine_backend(pair):
     """`BatchingRuntime` gets ONNX Runtime's batched engine for an ONNX Runtime engine, TensorRT's for a TensorRT one,
     and one DFlashError naming the backend for an engine with no batched runner (the PyTorch reference)."""
-    from dflash_export.engines.ort_batch import BatchedOrtEngine, batched_engine
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+    from dflash_export.engines.registry import batched_engine
     from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
 
     eng, ort_eng, torch_eng, _, _ = pair

@@ -8,7 +8,7 @@ The bookkeeping (slots, dense slot moves, context chunks, padding, the bias inpu
 what executes the graphs: a `BatchGraphs` runs the batch graphs (target_batch, drafter with key_bias, LM head, draft
 head) on host arrays, the K/V buffers where its `kv_store` keeps them (`HostKV`: host arrays). `OrtBatchGraphs` runs
 an `OrtEngine`'s sessions; the TensorRT backend runs engines compiled from the same graphs, its K/V on the device
-(engines/tensorrt_batch.py). `batched_engine` picks the one for an engine's backend.
+(engines/tensorrt_batch.py). `engines.registry.batched_engine` picks the one for an engine's backend.
 
 How B sequences of different lengths share one call:
 - Target (GroupQueryAttention over a K/V buffer shared by past and present): every layer's cache is one buffer
@@ -247,6 +247,10 @@ class BatchedEngine:
         g = graphs
         self._t_shape = (g.t_kv_heads, g.t_head_dim)
         self._d_shape = (g.d_kv_heads, g.d_head_dim)
+
+    def preload(self) -> None:
+        """Load every graph a step may need now (a served model's memory is all there once it reports ready, and no
+        request pays for a load). Backends that load their batch graphs when the batch is made need nothing here."""
 
     # Slots and memory -----------------------------------------------------------------------------------------------
 
@@ -526,6 +530,9 @@ class BatchedOrtEngine(BatchedEngine):
         outs = io.get_outputs()
         return outs[0].numpy(), outs[1].numpy()
 
+    def preload(self) -> None:
+        self.engine.batch_target_session()  # target_batch.onnx: a second copy of the target's weights
+
     def _prefill_rows(self, seqs, ids):
         return self._run_target(seqs, ids, prefill=True)
 
@@ -543,18 +550,3 @@ class BatchedOrtEngine(BatchedEngine):
             hidden, ctx = self._run_target([seq], [blk], prefill=False)
             rows.append((hidden[0, : len(blk)], ctx[0, : len(blk)]))
         return rows
-
-
-def batched_engine(engine, max_batch: int = 16) -> BatchedEngine:
-    """The batched engine for `engine`'s backend: ONNX Runtime's over its sessions, TensorRT's over the batch engines
-    its build compiled (engines/tensorrt_batch.py). What `dflash_export.batching` drives."""
-    if isinstance(engine, OrtEngine):
-        return BatchedOrtEngine(engine, max_batch)
-    if engine.info.backend == "tensorrt":
-        from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
-        from dflash_export.engines.tensorrt_runtime import TensorRTEngine
-
-        if isinstance(engine, TensorRTEngine):
-            return BatchedTensorRTEngine(engine, max_batch)
-    raise DFlashError(f"batched decoding runs on the onnxruntime and tensorrt backends (got {engine.info.backend})",
-                      field="backend")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_export.engines.base import Engine
 from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
@@ -31,12 +32,18 @@ class Backend:
     opener: Callable[..., Engine] | None
     check: Callable[[Path, Manifest], None]
     quantizable: bool = False              # builds weight-quantized engines (`--precision`)
-    batched: bool = False                  # has a batched runner: deploy --max-batch > 1, bench --concurrency
+    # (engine, max_batch) -> its batched engine (engines/ort_batch.BatchedEngine) for continuous batching
+    # (`batching.py`, deploy --max-batch > 1, bench --concurrency); None: one sequence per call only.
+    batcher: Callable[[Engine, int], Any] | None = None
     # The most sequences one batched call of this engine directory takes (its build's bound; one error naming the
     # manifest field when it has no batched engines); None: bounded only by memory.
     batch_bound: Callable[[Manifest], int] | None = None
     serve_libraries: tuple[str, ...] = ()  # what the served engine imports besides numpy and tokenizers
     served_by_dflash: bool = True          # Triton serves it through this project's python model (else its own)
+
+    @property
+    def batched(self) -> bool:
+        return self.batcher is not None
 
 
 # --------------------------------------------------------------------------------------------------- ONNX Runtime
@@ -61,6 +68,12 @@ def _check_onnxruntime(engine_dir: Path, manifest: Manifest) -> None:
     from dflash_export.engines.onnxruntime import check_ort_manifest
 
     check_ort_manifest(manifest)
+
+
+def _batch_onnxruntime(engine: Engine, max_batch: int):
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+
+    return BatchedOrtEngine(engine, max_batch)  # refuses anything but an OrtEngine, naming the backend
 
 
 # --------------------------------------------------------------------------------------------------- TensorRT
@@ -92,6 +105,16 @@ def _tensorrt_batch_bound(manifest: Manifest) -> int:
     return check_batch_manifest(manifest)
 
 
+def _batch_tensorrt(engine: Engine, max_batch: int):
+    from dflash_export.engines.tensorrt_batch import BatchedTensorRTEngine
+    from dflash_export.engines.tensorrt_runtime import TensorRTEngine
+
+    if not isinstance(engine, TensorRTEngine):  # e.g. the ONNX Runtime twin of a TensorRT directory's graphs
+        raise DFlashError(f"batched decoding on tensorrt needs the TensorRT engine itself (got "
+                          f"{type(engine).__name__})", field="backend")
+    return BatchedTensorRTEngine(engine, max_batch)
+
+
 # --------------------------------------------------------------------------------------------------- TensorRT-LLM
 
 
@@ -120,9 +143,9 @@ def _check_pytorch(engine_dir: Path, manifest: Manifest) -> None:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("onnxruntime", _build_onnxruntime, _open_onnxruntime, _check_onnxruntime, quantizable=True, batched=True,
-            serve_libraries=("onnxruntime",)),
-    Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, batched=True,
+    Backend("onnxruntime", _build_onnxruntime, _open_onnxruntime, _check_onnxruntime, quantizable=True,
+            batcher=_batch_onnxruntime, serve_libraries=("onnxruntime",)),
+    Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, batcher=_batch_tensorrt,
             batch_bound=_tensorrt_batch_bound, serve_libraries=("tensorrt",)),
     # a TensorRT-LLM bundle is served by TensorRT-LLM itself (Triton's llmapi model), never opened here
     Backend("tensorrt-llm", _build_tensorrt_llm, None, _check_tensorrt_llm, served_by_dflash=False),
@@ -154,6 +177,18 @@ def check_engine_manifest(engine_dir) -> Manifest:
     if spec is not None:
         spec.check(engine_dir, manifest)
     return manifest
+
+
+def batched_engine(engine: Engine, max_batch: int = 16):
+    """The batched engine (engines/ort_batch.BatchedEngine) for `engine`'s backend -- ONNX Runtime's over its
+    sessions, TensorRT's over the batch engines its build compiled -- what `dflash_export.batching` drives; one error
+    naming the backends that batch for any other."""
+    spec = BACKENDS.get(engine.info.backend)
+    if spec is None or spec.batcher is None:
+        batched = " and ".join(b.name for b in BACKENDS.values() if b.batched)
+        raise DFlashError(f"batched decoding runs on the {batched} backends (got {engine.info.backend})",
+                          field="backend")
+    return spec.batcher(engine, max_batch)
 
 
 def load_engine(engine_dir, manifest: Manifest | None = None, **kwargs) -> Engine:

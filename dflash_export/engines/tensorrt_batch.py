@@ -410,12 +410,21 @@ def _graph_metadata(engine_dir: Path, graph: str) -> tuple[dict[str, str], Path]
     return {p.key: p.value for p in model.metadata_props}, path
 
 
+def batch_graphs(engine) -> TrtBatchGraphs:
+    """A `TensorRTEngine`'s batch engines (`TrtBatchGraphs`), loaded on first use and kept on the engine (closed with
+    it): a single-request engine never holds them. DFlashError naming the manifest field for a directory built
+    without them. (Here rather than a method of the engine: this module sits above tensorrt_runtime.)"""
+    if engine._batch is None:
+        engine._batch = TrtBatchGraphs(engine.runner, engine.engine_dir, engine.manifest, engine.info, engine.codec)
+    return engine._batch
+
+
 class BatchedTensorRTEngine(BatchedEngine):
-    """`BatchedEngine` over a `TensorRTEngine`'s batch engines (loaded on first use, by `batch_target_session`).
+    """`BatchedEngine` over a `TensorRTEngine`'s batch engines (loaded when the batch is made, by `batch_graphs`).
     `max_batch` may not pass the bound the engines' profiles were built for."""
 
     def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH):
-        graphs = engine.batch_target_session()
+        graphs = batch_graphs(engine)
         if max_batch > graphs.max_batch:
             raise DFlashError(f"{max_batch} sequences per call exceed the batch engines' profiles (built for at most "
                               f"{graphs.max_batch}; rebuild with a larger max_batch)", path=graphs.manifest_path,

@@ -237,17 +237,7 @@ class TensorRTEngine(GraphEngine):
         info = tensorrt_engine_info(manifest)
         super().__init__(TensorRTRunner(engine_dir, manifest, device), info, load_codec(engine_dir))
         self.engine_dir, self.manifest = engine_dir, manifest
-        self._batch = None  # the batch engines (engines/tensorrt_batch.py), loaded by batch_target_session()
-
-    def batch_target_session(self):
-        """The batch engines continuous batching runs (`TrtBatchGraphs`), loaded on first use: a single-request engine
-        never holds them; `BatchingService` loads them before its first request (as the ONNX Runtime engine's
-        method of the same name). DFlashError naming the manifest field for a directory built without them."""
-        if self._batch is None:
-            from dflash_export.engines.tensorrt_batch import TrtBatchGraphs
-
-            self._batch = TrtBatchGraphs(self.runner, self.engine_dir, self.manifest, self.info, self.codec)
-        return self._batch
+        self._batch = None  # the batch engines, loaded on first use by engines/tensorrt_batch.py `batch_graphs`
 
     def close(self) -> None:
         if self._batch is not None:
