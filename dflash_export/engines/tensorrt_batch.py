@@ -338,17 +338,11 @@ class TrtBatchGraphs(BatchGraphs):
         as they are); the outputs `fetch`, in order: host copies, but those named in `on_device`, left there."""
         r = self.runner
         torch = r.torch
-        if profile not in g.profiles:
-            raise DFlashError(f"engine has no optimization profile {profile!r} (has {', '.join(g.profiles)})",
-                              path=g.path)
         with r._lock:  # one context per engine, shared with nothing else, but the stream is the runner's
             ctx, handle = g.context, r.stream.cuda_stream
             keep = []  # device copies of the inputs must outlive the enqueue
             with torch.cuda.stream(r.stream):
-                if g.active != g.profiles[profile]:
-                    if not ctx.set_optimization_profile_async(g.profiles[profile], handle):
-                        raise DFlashError(f"TensorRT refused profile {profile!r}", path=g.path)
-                    g.active = g.profiles[profile]
+                g.use_profile(profile, handle)
                 for name in g.inputs:
                     if name not in feeds:
                         raise DFlashError(f"no feed for engine input {name}", path=g.path, field=name)

@@ -115,6 +115,17 @@ class _TrtGraph:
                 _, kvh, _, d = tuple(self.engine.get_tensor_shape(n))
                 self.kv_layout[n[len("past_"):]] = (int(kvh), int(d), self.dtypes[n])
 
+    def use_profile(self, profile: str, stream_handle) -> None:
+        """Switch the context to optimization profile `profile` (enqueued on the stream) unless it is active; one
+        DFlashError naming the engine file for a profile it was not built with."""
+        if profile not in self.profiles:
+            raise DFlashError(f"engine has no optimization profile {profile!r} (has {', '.join(self.profiles)})",
+                              path=self.path)
+        if self.active != self.profiles[profile]:
+            if not self.context.set_optimization_profile_async(self.profiles[profile], stream_handle):
+                raise DFlashError(f"TensorRT refused profile {profile!r}", path=self.path)
+            self.active = self.profiles[profile]
+
     def close(self) -> None:
         self.context = None  # a context must go before its engine
         self.engine = None
@@ -173,15 +184,10 @@ class TensorRTRunner(GraphRunner):
     def _run(self, graph, profile, feeds, fetch, cache):
         torch = self.torch
         g = self.graphs[graph]
-        if profile not in g.profiles:
-            raise DFlashError(f"{graph} engine has no optimization profile {profile!r} (has {', '.join(g.profiles)})")
         ctx, handle = g.context, self.stream.cuda_stream
         keep = []  # device copies of the inputs must outlive the enqueue
         with torch.cuda.stream(self.stream):
-            if g.active != g.profiles[profile]:
-                if not ctx.set_optimization_profile_async(g.profiles[profile], handle):
-                    raise DFlashError(f"TensorRT refused profile {profile!r}", path=g.path)
-                g.active = g.profiles[profile]
+            g.use_profile(profile, handle)
             for name in g.inputs:
                 if name.startswith("past_"):
                     tensor = cache.past(name[len("past_"):])
