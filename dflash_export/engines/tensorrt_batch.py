@@ -347,9 +347,7 @@ class TrtBatchGraphs(BatchGraphs):
                     if name not in feeds:
                         raise DFlashError(f"no feed for engine input {name}", path=g.path, field=name)
                     if name in g.host_inputs:
-                        host = g.host_inputs[name]
-                        host.copy_(torch.as_tensor(np.asarray(feeds[name])).reshape(host.shape))
-                        r._bind(g, name, host.data_ptr())
+                        r._bind_host_input(g, name, np.asarray(feeds[name]))
                         continue
                     value = feeds[name]
                     if isinstance(value, torch.Tensor):  # the batch's K/V, already on the device: bound as it is
@@ -357,13 +355,8 @@ class TrtBatchGraphs(BatchGraphs):
                     else:
                         tensor = self._upload(name, value, g.dtypes[name])
                     keep.append(tensor)
-                    if name in g.dynamic and not ctx.set_input_shape(name, tuple(tensor.shape)):
-                        raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}",
-                                          path=g.path, field=name)
-                    r._bind(g, name, r._address(tensor))
-                missing = ctx.infer_shapes()
-                if missing:
-                    raise DFlashError(f"TensorRT cannot infer output shapes: {', '.join(missing)} unset", path=g.path)
+                    r._bind_input(g, name, tensor, profile)
+                r._infer_shapes(g)
                 outputs = {}
                 for name in g.outputs:
                     tensor = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=g.dtypes[name], device=r.device)

@@ -181,6 +181,26 @@ class TensorRTRunner(GraphRunner):
         if not g.context.set_tensor_address(name, address):
             raise DFlashError(f"TensorRT refused the address of {name}", path=g.path, field=name)
 
+    def _bind_host_input(self, g: _TrtGraph, name: str, value) -> None:
+        """A shape-tensor input (num_logits): copied into its persistent host buffer, which is what is bound."""
+        host = g.host_inputs[name]
+        host.copy_(self.torch.as_tensor(value).reshape(host.shape))
+        self._bind(g, name, host.data_ptr())
+
+    def _bind_input(self, g: _TrtGraph, name: str, tensor, profile: str) -> None:
+        """A device input: its shape set (one error naming it when the active profile does not take it), its address
+        bound."""
+        if name in g.dynamic and not g.context.set_input_shape(name, tuple(tensor.shape)):
+            raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}", path=g.path,
+                              field=name)
+        self._bind(g, name, self._address(tensor))
+
+    @staticmethod
+    def _infer_shapes(g: _TrtGraph) -> None:
+        missing = g.context.infer_shapes()
+        if missing:
+            raise DFlashError(f"TensorRT cannot infer output shapes: {', '.join(missing)} unset", path=g.path)
+
     def _run(self, graph, profile, feeds, fetch, cache):
         torch = self.torch
         g = self.graphs[graph]
@@ -192,20 +212,13 @@ class TensorRTRunner(GraphRunner):
                 if name.startswith("past_"):
                     tensor = cache.past(name[len("past_"):])
                 elif name in g.host_inputs:
-                    host = g.host_inputs[name]
-                    host.copy_(torch.as_tensor(feeds[name]).reshape(host.shape))
-                    self._bind(g, name, host.data_ptr())
+                    self._bind_host_input(g, name, feeds[name])
                     continue
                 else:
                     tensor = torch.as_tensor(feeds[name]).to(self.device, g.dtypes[name]).contiguous()
                     keep.append(tensor)
-                if name in g.dynamic and not ctx.set_input_shape(name, tuple(tensor.shape)):
-                    raise DFlashError(f"shape {tuple(tensor.shape)} of {name} is outside profile {profile!r}",
-                                      path=g.path, field=name)
-                self._bind(g, name, self._address(tensor))
-            missing = ctx.infer_shapes()
-            if missing:
-                raise DFlashError(f"TensorRT cannot infer output shapes: {', '.join(missing)} unset", path=g.path)
+                self._bind_input(g, name, tensor, profile)
+            self._infer_shapes(g)
             outputs, new_rows = {}, None
             for name in g.outputs:
                 shape = tuple(ctx.get_tensor_shape(name))
