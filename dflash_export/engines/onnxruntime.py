@@ -154,7 +154,7 @@ class OrtEngine(Engine):
             spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
         if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._embed = _embedding_rows(self.engine_dir, manifest)
+        self._embed = embedding_rows(self.engine_dir, manifest)
         self._release_pages = release_pages
         self.released_bytes = 0  # resident file pages of the weights given back after loading (bytes)
         providers = ["CPUExecutionProvider"]
@@ -487,14 +487,16 @@ class _EmbeddingRows:
         self.close()
 
 
-def _embedding_rows(engine_dir: Path, manifest: Manifest) -> _EmbeddingRows:
-    """The embedding table of shared_weights.bin (layout from the manifest), checked against the file's size."""
-    path = engine_dir / SHARED
+def embedding_rows(weights_dir: Path, manifest: Manifest) -> _EmbeddingRows:
+    """The embedding table of `weights_dir`/shared_weights.bin (layout from the manifest), checked against the file's
+    size. `weights_dir`: the engine directory (ONNX Runtime) or its onnx/ (TensorRT's batched engine)."""
+    path = Path(weights_dir) / SHARED
     e = manifest.shared_tensors.get("shared.embed_tokens")
     if e is None:
         raise DFlashError("missing or without shared.embed_tokens", path=manifest.path, field="shared_tensors")
     off, length, shape = e.offset, e.length, e.shape
-    if len(shape) != 2 or length != 4 * shape[0] * shape[1] or off + length > path.stat().st_size:
+    if len(shape) != 2 or length != 4 * shape[0] * shape[1] or not path.is_file() \
+            or off + length > path.stat().st_size:
         raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
     return _EmbeddingRows(path, off, shape)
 

@@ -259,7 +259,7 @@ class TrtBatchGraphs(BatchGraphs):
     the device per call; the other outputs come back as host arrays once the stream is synchronized."""
 
     def __init__(self, runner, engine_dir, manifest, info, codec):
-        from dflash_export.engines.onnxruntime import SHARED, _EmbeddingRows, draft_logit_scaling
+        from dflash_export.engines.onnxruntime import draft_logit_scaling, embedding_rows
         from dflash_export.engines.tensorrt_runtime import _TrtGraph
 
         self.max_batch = check_batch_manifest(manifest)
@@ -280,13 +280,8 @@ class TrtBatchGraphs(BatchGraphs):
                               "which the TensorRT backend does not build)", path=engine_dir / BATCH_FILES[
                                   DRAFTER_BATCH][2], field="key_bias")
         self.has_selector = False  # DFlash 2 drafters are refused by the TensorRT build
-        e = manifest.shared_tensors[EMBED]
-        path = engine_dir / "onnx" / SHARED
-        if len(e.shape) != 2 or e.length != 4 * e.shape[0] * e.shape[1] or not path.is_file() \
-                or e.offset + e.length > path.stat().st_size:
-            raise DFlashError("embedding does not fit the file", path=path, field=f"shared_tensors.{EMBED}")
-        self._embed = _EmbeddingRows(path, e.offset, tuple(e.shape))
-        if not 0 <= info.mask_token_id < e.shape[0]:
+        self._embed = embedding_rows(engine_dir / "onnx", manifest)
+        if not 0 <= info.mask_token_id < self._embed.shape[0]:
             raise DFlashError(f"mask token {info.mask_token_id} outside the embedding", path=manifest.path,
                               field="mask_token_id")
         self.mask_row = self._embed.rows([info.mask_token_id])[0]
