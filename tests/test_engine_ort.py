@@ -215,12 +215,14 @@ def test_kv_buffers_sized_by_the_hint_and_grown_past_it_give_the_same_logits(bui
     _, _, eng, _ = built
     ids = PROMPTS[4]
     small, sized = eng.new_sequence(max_tokens=4), eng.new_sequence(max_tokens=len(ids))
-    assert (small.capacity, sized.capacity) == (4, len(ids))  # one allocation of exactly the request's length
+    # one allocation of exactly the request's length (+ the rows a one-token step is padded with: numerics.py)
+    pad = eng.row_floor - 1
+    assert (small.capacity, sized.capacity) == (4 + pad, len(ids) + pad)
     for a, b in zip(*(eng.prefill(s, np.array(ids[:100])) for s in (small, sized))):
         assert a == b
     for t in ids[100:]:  # the small sequence's buffers grow (and are rebound) on the way
         np.testing.assert_array_equal(eng.decode(small, t), eng.decode(sized, t))
-    assert small.capacity >= len(ids) and sized.capacity == len(ids)
+    assert small.capacity >= len(ids) and sized.capacity == len(ids) + pad
 
 
 def test_embedding_rows_are_read_not_mapped(built):

@@ -106,6 +106,9 @@ class TritonPythonModel:
             count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
             threads = max(1, len(os.sched_getaffinity(0)) // count)
         self.engine = load_engine(os.path.normpath(engine_dir), threads=threads)
+        numerics = getattr(self.engine, "numerics", None)
+        if numerics is not None:  # the serving log says what this CPU's kernels guarantee, once per instance
+            print(f"dflash-numerics: pid {os.getpid()}: {numerics.statement}", file=sys.stderr, flush=True)
         self.max_batch = int(_param(config, "max_batch", "1"))
         self.service = None
         if self.max_batch > 1:

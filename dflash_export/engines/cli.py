@@ -72,6 +72,8 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
     click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
                f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
                err=True)
+    if not ar and getattr(engine, "numerics", None) is not None:
+        click.echo(f"[numerics] {engine.numerics.statement}", err=True)
 
 
 @click.command()

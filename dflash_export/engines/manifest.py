@@ -19,6 +19,7 @@ from typing import Any
 
 from dflash_export import __version__
 from dflash_export.engines.base import EngineInfo, _is_int, _kind
+from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
 
@@ -53,7 +54,7 @@ class Flags:
 
     verify_token_cost: float | None = None  # verify of n drafts ~ 1 + n * this plain steps; None = runtime default
     draft_cost: float | None = None
-    plain_step_rows: int = 1                 # rows a one-token target step runs as (2 on quantized ORT engines)
+    plain_step_rows: int = 1                 # row floor the build's numerics probe found (engines/numerics.py)
     draft_vocab: int = 0                     # draft among the first N ids; 0 = the whole vocabulary
 
 
@@ -289,8 +290,8 @@ def _check_flags(f: _Fields, vocab: int | None) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
             raise f.bad(f"flags.{key}", f"expected a positive number, got {v!r}")
     rows = flags.get("plain_step_rows")
-    if rows is not None and (not _is_int(rows) or rows not in (1, 2)):
-        raise f.bad("flags.plain_step_rows", f"expected 1 or 2, got {rows!r}")
+    if rows is not None and (not _is_int(rows) or not 1 <= rows <= MAX_ROW_FLOOR):
+        raise f.bad("flags.plain_step_rows", f"expected an integer from 1 to {MAX_ROW_FLOOR}, got {rows!r}")
     dv = flags.get("draft_vocab")
     if dv is not None:
         f.integer("flags", 2, dv, "flags.draft_vocab")

@@ -25,6 +25,7 @@ the backends with a fused kernel (TensorRT plugin).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ import numpy as np
 
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
 from dflash_export.engines.manifest import Manifest
+from dflash_export.engines.numerics import choose_row_floor
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.models.config import DFlashSpec
 from dflash_export.sampling import (
@@ -96,7 +98,8 @@ class _OrtSeq(Sequence):
         self.capacity = 0
         self.t_kv: list[np.ndarray] = []
         self.io = None  # the target session's IOBinding for these buffers
-        self.reserve(e, min(e.info.max_seq_len, max_tokens or 256))
+        # (+ the padding rows a last one-token step takes when the engine has a row floor above 1: numerics.py)
+        self.reserve(e, min(e.info.max_seq_len, max_tokens + e.row_floor - 1 if max_tokens else 256))
         # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
         dshape = (1, e.d_kv_heads, 0, e.d_head_dim)
         self.d_kv = [np.zeros(dshape, np.float32) for _ in range(2 * e.d_layers)]
@@ -167,8 +170,6 @@ class OrtEngine(Engine):
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
         self.draft_vocab = manifest.flags.draft_vocab
         self.draft_head = self._session(ort, DRAFT_HEAD, so, providers) if self.draft_vocab else self.head
-        # Rows a one-token target step runs as (2 on quantized engines, see _run_target); 1 = as it comes.
-        self.plain_step_rows = manifest.flags.plain_step_rows
         self._check_graph_metadata(mpath)
         self._draft_multiplier, self._draft_softcap = draft_logit_scaling(
             self.drafter.get_modelmeta().custom_metadata_map, self.engine_dir / DRAFTER)
@@ -181,6 +182,14 @@ class OrtEngine(Engine):
         # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
         self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
+        # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
+        # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
+        self.row_floor = manifest.flags.plain_step_rows
+        self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads)
+        if release_pages:  # what the probe read of the weight files goes back too
+            self.released_bytes += _release_weight_pages(self.engine_dir)
+        if not self.numerics.bit_identical:
+            logging.getLogger("dflash_export").warning("%s: %s", self.engine_dir, self.numerics.statement)
 
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
@@ -253,13 +262,16 @@ class OrtEngine(Engine):
         s = len(ids)
         total = seq.length + s
         self.info.check_room(total)
-        if s == 1 and self.plain_step_rows == 2 and total < self.info.max_seq_len:
-            # One token runs as two rows (the second a copy whose K/V row lies past the committed length and is
-            # overwritten by the next step): GroupQueryAttention's one-row path rounds differently from its
-            # many-row path, and int8 activations turn that last-bit difference into different tokens. Two rows
-            # take the verify block's arithmetic, so plain decoding and DFlash agree bit for bit.
-            hidden, ctx = self._run_target(seq, np.array([ids[0], ids[0]], np.int64), 2)
-            return hidden[:, :1], ctx[:, :1]
+        floor = self.row_floor
+        if s < floor and num_logits == s and seq.length + floor <= self.info.max_seq_len:
+            # A step of fewer rows than the row floor runs as `floor` rows, copies of its last token whose K/V rows
+            # lie past the committed length (overwritten by the next step): the kernels then take the same path for
+            # a one-token step as for a verify block, so plain decoding and DFlash agree bit for bit on this CPU
+            # (the floor is what engines/numerics.py found to make them agree).
+            ids = np.asarray(ids, np.int64)
+            padded = np.concatenate([ids, np.repeat(ids[-1:], floor - s)])
+            hidden, ctx = self._run_target(seq, padded, floor)
+            return hidden[:, :s], ctx[:, :s]
         if seq.reserve(self, total) or seq.io is None:
             # K/V bound once per buffer set: the same memory serves as past and present on every step.
             io = self.target.io_binding()
@@ -283,8 +295,12 @@ class OrtEngine(Engine):
         return outs[0].numpy(), outs[1].numpy()
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        """LM head over hidden rows [1, n, H] -> logits [n, V] float32."""
-        return self.head.run(["logits"], {"hidden": hidden})[0][0]
+        """LM head over hidden rows [1, n, H] -> logits [n, V] float32; fewer rows than the row floor run padded
+        with copies of the last (the int4 head's one-row kernel differs from its many-row one on AVX2)."""
+        n = hidden.shape[1]
+        if n < self.row_floor:
+            hidden = np.concatenate([hidden, np.repeat(hidden[:, -1:], self.row_floor - n, axis=1)], axis=1)
+        return self.head.run(["logits"], {"hidden": hidden})[0][0][:n]
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)

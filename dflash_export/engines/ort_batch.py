@@ -210,7 +210,7 @@ class OrtBatchGraphs(BatchGraphs):
         return self.engine.drafter.run(names, feeds)
 
     def lm_head(self, hidden):
-        return self.engine.head.run(["logits"], {"hidden": hidden})[0][0]
+        return self.engine._logits(hidden)  # padded to the engine's row floor, as its single-sequence steps
 
     def draft_head(self, hidden):
         return self.engine.draft_head.run(["logits"], {"hidden": hidden})[0][0]
@@ -495,8 +495,9 @@ class BatchedOrtEngine(BatchedEngine):
         e = self.engine
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
-        if s == 1 and e.plain_step_rows == 2:  # quantized engines: one-token steps run as two rows (OrtEngine)
-            s = 2
+        if s < e.row_floor and all(q.length + e.row_floor <= min(self.info.max_seq_len, self._buf.t_cap)
+                                   for q in seqs):
+            s = e.row_floor  # steps shorter than the engine's row floor run padded, as OrtEngine's (numerics.py)
         for seq, blk in zip(seqs, blocks):
             if len(blk) == 0:
                 raise DFlashError("empty block", field="input_ids")
@@ -537,9 +538,9 @@ class BatchedOrtEngine(BatchedEngine):
         return self._run_target(seqs, ids, prefill=True)
 
     def _step_rows(self, seqs, blocks):
-        # GQA's in-place graph for one sequence and for one-row steps of fp32 engines (quantized ones run one-token
-        # steps as two rows, which GQA takes for one sequence a call only).
-        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.plain_step_rows == 1):
+        # GQA's in-place graph for one sequence and for one-row steps of engines whose row floor is 1 (others run
+        # one-token steps padded to their floor, which GQA takes for one sequence a call only).
+        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.row_floor == 1):
             hidden, ctx = self._run_target(seqs, blocks, prefill=False)
             return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
         if self.engine.batch_target_session() is not None:

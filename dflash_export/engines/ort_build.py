@@ -77,7 +77,24 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         if selector:
             manifest["selector"] = selector
         write_manifest(tmp, manifest)
+        _record_numerics(tmp, manifest, threads)
     return out_dir
+
+
+def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None) -> None:
+    """Probe the finished engine on this CPU (engines/numerics.py) and record the row floor it found and the verdict,
+    with the CPU's features, in the manifest: what a load on the same CPU then confirms first."""
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.engines.onnxruntime import OrtEngine
+
+    engine = OrtEngine(engine_dir, read_manifest(engine_dir), threads=threads, release_pages=False)
+    try:
+        numerics = engine.numerics
+    finally:
+        engine.close()
+    manifest["flags"]["plain_step_rows"] = numerics.row_floor
+    manifest["numerics"] = numerics.to_json()
+    write_manifest(engine_dir, manifest)
 
 
 def _load_pair(recipe, draft_vocab: int | None):
@@ -170,6 +187,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
         "quantization": quantization,
         "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
                   "lm_head": "own session, prepacked", "draft_vocab": draft_vocab,
+                  # the first row floor the numerics probe tries (_record_numerics then records the one it found)
                   "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
                   **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
                   "export": res.metadata},
@@ -188,9 +206,9 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
 # Q8_0). Symmetric int4 because the integer zero point of the asymmetric format cannot hold a Q4_1 block's float
 # minimum: on SmolLM2 (a dequantized Q4_1 GGUF) asymmetric int4 shifted whole blocks and its logits correlated 0.88
 # with fp32, symmetric 0.92 (float zero points, HQQ, lose the int8 kernels). accuracy_level 4 = int8 activations,
-# integer dot products (VNNI / AMX on x86), and rows that come out bit-identical whatever the number of rows M >= 1,
-# where accuracy_level 0 takes a GEMV path at M=1 that differs from its M>1 rows in the last bits (measured); with
-# two-row plain steps (OrtEngine._run_target) the engine is lossless against its own plain decoding.
+# integer dot products (VNNI / AMX on x86). Whether a row comes out bit-identical whatever the number of rows is a
+# property of the CPU (on AVX-512 VNNI yes for M >= 1; on AVX2 int4's one-row kernel differs from its M > 1 rows):
+# the engine probes it at build and load (engines/numerics.py) and pads short steps to the row floor that agrees.
 QUANT_BLOCK = 32
 
 

@@ -81,6 +81,11 @@ def render_markdown(report: ValidationReport) -> str:
                   f"{agree['engine_ar_identical']}/{agree['prompts']} prompts identical"
                   + (f"; first divergences at tokens {divs}, reference logit margins there {margins}" if divs else "")
                   + ".", ""]
+    machine = report.environment.get("machine", {})
+    cpu = machine.get("cpu") or {}
+    lines += [f"Machine: {cpu.get('model', machine.get('processor', '?'))}, {machine.get('cpu_count')} CPUs, ISA "
+              f"{' '.join(cpu.get('isa', [])) or '?'}."
+              + (f" Kernel numerics: {g['numerics']['statement']}." if g.get("numerics") else ""), ""]
     if dist.get("ran"):
         lines.append(f"T={dist['temperature']} losslessness: {dist['test']}; {dist['tested_tokens']} tokens from "
                      f"{dist['samples_per_prompt']} seeds × {len(dist['prompts'])} prompts (top-k {dist['top_k']}, "

@@ -18,6 +18,7 @@ import numpy as np
 from dflash_export import __version__
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.engines.manifest import library_versions
+from dflash_export.engines.numerics import cpu_features
 from dflash_export.errors import DFlashError
 from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
 from dflash_export.runtime import DFlashRuntime
@@ -100,7 +101,8 @@ def environment_info() -> dict[str, Any]:
     env: dict[str, Any] = {"tool_version": __version__, "versions": library_versions(("numpy", "scipy", "onnx",
                            "onnxruntime", "torch", "transformers", "tokenizers", "tensorrt", "matplotlib")),
                            "machine": {"platform": platform.platform(), "processor": platform.processor() or
-                                       platform.machine(), "cpu_count": os.cpu_count(), "hostname": platform.node()}}
+                                       platform.machine(), "cpu_count": os.cpu_count(), "hostname": platform.node(),
+                                       "cpu": cpu_features()}}
     try:
         import torch
 
@@ -348,6 +350,9 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     # the fp32 reference is reported (identical prompts, first divergences, the reference's logit margins there).
     key = "own_ar_identical" if quantized else "identical"
     report.greedy = _greedy_summary(rows, key, quantized)
+    numerics = getattr(engine, "numerics", None)  # ONNX Runtime engines probe their kernels on this CPU at load
+    if numerics is not None:
+        report.greedy["numerics"] = {**numerics.to_json(), "statement": numerics.statement}
     report.acceptance = _acceptance_summary(prompts, rows, raws, bs)
     report.speed = _speed_summary(raws, report.acceptance["tau"])
     report.thresholds = _judge(report, recipe.thresholds, rows, key, quantized, opts, run_dist)

@@ -1,0 +1,142 @@
+"""Whether verify rows are bit-identical to plain steps on *this* CPU, checked by running the engine's own kernels.
+
+DFlash is lossless against plain decoding on the same engine only if the logits (and K/V rows) a verify block computes
+at each position are the very ones a one-token step computes there. Whether they are is a property of the kernels
+ONNX Runtime dispatches to, and so of the processor: MatMulNBits int4 at accuracy level 4 gives a one-row product
+that differs in the last bits from the same row in a many-row product on AVX2 (measured under an emulated AMD EPYC
+with AVX2/FMA/F16C and no AVX-512), but not on AVX-512 VNNI; GroupQueryAttention's one-row path differs from its
+many-row path on both. So the engine does not take a claim from the machine that built it: at build and at every
+load it runs a fixed probe (a prompt, then a block verified at every row count 1..block_size against the same tokens
+decoded one at a time) and picks the *row floor* -- the fewest rows any target step and any LM-head call runs as,
+padding with copies of the last row -- for which every logit and K/V row agrees bit for bit. Padding rows sit past the
+committed length and are overwritten by the next step, so they change nothing but the kernel shape.
+
+If no floor up to `MAX_ROW_FLOOR` agrees, the engine says so ("lossless within kernel numerics on this CPU", with the
+measured max difference) instead of claiming bit-identity; `run`, `validate` and the served model report the verdict.
+
+Imports numpy only (the served engine needs no torch).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# Row floors tried, smallest first; a floor costs (floor - 1) extra rows on every one-token step.
+MAX_ROW_FLOOR = 4
+PROBE_PROMPT_TOKENS = 7
+PROBE_SEED = 20261202
+# The instruction-set features that decide which kernels ONNX Runtime's MLAS dispatches to on x86 (numpy's names).
+ISA_FEATURES = ("SSE41", "AVX", "AVX2", "FMA3", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI",
+                "AVX512BF16", "AVX512FP16", "AVXVNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16", "ASIMD", "ASIMDDP", "SVE")
+
+
+def cpu_features() -> dict:
+    """{"model": the processor's name, "isa": the dispatch-relevant features it reports through CPUID}.
+
+    The features come from numpy's own CPUID probe rather than /proc/cpuinfo: under an emulator (qemu-user with
+    -cpu EPYC-Rome) /proc/cpuinfo still shows the host, while CPUID, which ONNX Runtime reads too, shows the
+    emulated processor."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as feats
+    except ImportError:  # numpy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__ as feats
+    isa = [f for f in ISA_FEATURES if feats.get(f)]
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"model": model, "machine": platform.machine(), "isa": isa}
+
+
+def isa_label(isa: list[str]) -> str:
+    """A short name for the widest vector ISA in `isa`: what a figure or a guarantee should be labelled with."""
+    s = set(isa)
+    if "AVX512F" in s:
+        return "AVX-512" + (" VNNI" if "AVX512VNNI" in s else "")
+    if "AVX2" in s:
+        return "AVX2" + ("+FMA" if "FMA3" in s else "") + (" AVX-VNNI" if "AVXVNNI" in s else "")
+    if "ASIMD" in s:
+        return "NEON" + (" dotprod" if "ASIMDDP" in s else "")
+    return "baseline"
+
+
+@dataclass
+class Numerics:
+    """The probe's verdict for one engine on one CPU."""
+
+    row_floor: int                 # fewest rows a target step / LM-head call runs as
+    bit_identical: bool            # verify rows == plain steps, every logit and K/V value, at that floor
+    max_abs_diff: float            # largest |verify - plain| over logits and K/V at that floor (0.0 when identical)
+    cpu: dict = field(default_factory=dict)
+    onnxruntime: str = ""
+    threads: int = 0
+    tried: list = field(default_factory=list)  # [[floor, bit_identical, max_abs_diff], ...] in the order probed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def statement(self) -> str:
+        """One line for logs and reports."""
+        where = f"{isa_label(self.cpu.get('isa', []))} ({self.cpu.get('model', '?')}), onnxruntime {self.onnxruntime}"
+        if self.bit_identical:
+            return (f"verify rows bit-identical to plain steps on this CPU (row floor {self.row_floor}; probed on "
+                    f"{where}): DFlash output equals this engine's plain decoding")
+        return (f"lossless within kernel numerics on this CPU: no row floor up to {MAX_ROW_FLOOR} makes verify rows "
+                f"bit-identical to plain steps (max |difference| {self.max_abs_diff:.3g} at row floor "
+                f"{self.row_floor}; probed on {where}); greedy output can differ from plain decoding at near-ties")
+
+
+def _probe_tokens(vocab: int, bs: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(PROBE_SEED)
+    return rng.integers(0, vocab, PROBE_PROMPT_TOKENS), rng.integers(0, vocab, bs)
+
+
+def probe_floor(engine, floor: int) -> tuple[bool, float]:
+    """Run the probe with `engine.row_floor = floor`: (bit-identical?, max |verify - plain|).
+
+    `engine` is an OrtEngine (or anything with its `_run_target` / `_logits` / `decode` and K/V buffers `t_kv`)."""
+    bs = engine.info.block_size
+    prompt, block = _probe_tokens(engine.info.vocab_size, bs)
+    engine.row_floor = floor
+    seq = engine.new_sequence(PROBE_PROMPT_TOKENS + 2 * bs + floor)
+    engine.prefill(seq, prompt)
+    start = seq.length
+    verified = []
+    for m in range(1, bs + 1):  # every row count a verify step may take; nothing is committed
+        hidden, _ = engine._run_target(seq, block[:m], m)
+        verified.append((engine._logits(hidden), [kv[:, :, start:start + m].copy() for kv in seq.t_kv]))
+    plain = np.stack([engine.decode(seq, int(t)) for t in block])
+    plain_kv = [kv[:, :, start:start + bs] for kv in seq.t_kv]
+    worst = 0.0
+    for m, (logits, kv) in enumerate(verified, start=1):
+        worst = max(worst, float(np.max(np.abs(logits - plain[:m]))))
+        for got, want in zip(kv, plain_kv):
+            worst = max(worst, float(np.max(np.abs(got - want[:, :, :m]))))
+    return worst == 0.0, worst
+
+
+def choose_row_floor(engine, first: int = 1, threads: int = 0) -> Numerics:
+    """Probe floors starting with `first` (the floor a build recorded), then the others smallest first; the first
+    bit-identical one wins, else the one with the smallest difference. Leaves `engine.row_floor` set to it."""
+    import onnxruntime
+
+    order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, engine.info.block_size) + 1) if f != first]
+    tried = []
+    for floor in order:
+        same, diff = probe_floor(engine, floor)
+        tried.append([floor, same, diff])
+        if same:
+            break
+    best = next((t for t in tried if t[1]), None) or min(tried, key=lambda t: t[2])
+    engine.row_floor = best[0]
+    return Numerics(row_floor=best[0], bit_identical=best[1], max_abs_diff=best[2], cpu=cpu_features(),
+                    onnxruntime=onnxruntime.__version__, threads=threads, tried=tried)
