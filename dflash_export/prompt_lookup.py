@@ -34,6 +34,19 @@ def lookup_proposal(context: Sequence[int], max_tokens: int, ngram_sizes: Sequen
     return []
 
 
+def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequence[int] = NGRAM_SIZES
+                    ) -> list[list[int]]:
+    """The distinct continuations (up to `max_tokens` each) of the latest earlier occurrence of the context's last n
+    tokens, for each n (largest first): the lookup branches a draft tree merges (decoding/tree.py). The first is
+    `lookup_proposal`'s."""
+    out: list[list[int]] = []
+    for n in ngram_sizes:
+        branch = lookup_proposal(context, max_tokens, (n,))
+        if branch and branch not in out:
+            out.append(branch)
+    return out
+
+
 def prompt_lookup_steps(prompt: Sequence[int], answer: Sequence[int], block_size: int,
                         ngram_sizes: Sequence[int] = NGRAM_SIZES) -> list[int]:
     """Tokens committed per step when prompt lookup drafts `answer` (after its first token) in blocks of

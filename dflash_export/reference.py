@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_export.decoding.tree import LookupStats, build_tree, chain, greedy_accept
+from dflash_export.prompt_lookup import lookup_branches
 from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 
@@ -123,6 +125,63 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
         start += accept + 1
         target.crop(t_cache, start)
         taps, taps_pos = out.taps[:, : accept + 1], block_pos[:, : accept + 1]
+    total = time.perf_counter() - t0
+    tokens, reason = _finish(tokens, max_new_tokens, stop_ids)
+    return GenerationResult(tokens, accepted, ttft, (total - ttft) / max(1, len(tokens) - 1), total, reason)
+
+
+@torch.inference_mode()
+def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, stop_token_ids=None,
+                       block_size: int | None = None, top_k: int = 4, max_nodes: int = 15, drafter_branches: bool = True,
+                       lookups: bool = True, tree_mode: str = "full") -> GenerationResult:
+    """Greedy DFlash with draft trees (decoding/tree.py): each step grows a tree from the drafter's per-slot
+    distributions (top `top_k` per depth) and the context's lookup branches, at most `max_nodes` drafted nodes (no cost
+    model: a fixed budget), verifies every node in one target pass with an ancestor-only mask at positions committed
+    length + depth ("full"; "spine": only the tree's best path, as a chain), accepts the longest path the target
+    agrees with and keeps its cache rows."""
+    ids = _as_ids(input_ids)
+    spec = drafter.spec(block_size)
+    bs, mask_id, tap_ids = spec.block_size, spec.mask_token_id, list(spec.target_layer_ids)
+    stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    t_cache, d_cache = target.new_cache(), drafter.new_cache()
+    t0 = time.perf_counter()
+    start = ids.shape[1]
+    out = target.forward(ids, torch.arange(start)[None], t_cache, tap_ids)
+    tokens = [int(torch.argmax(out.logits[0, -1]))]
+    ttft = time.perf_counter() - t0
+    taps, taps_pos = out.taps, torch.arange(start)[None]
+    context = [int(t) for t in ids[0]] + tokens
+    stats, accepted = LookupStats(bs - 1), []
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        depth = min(bs - 1, max_new_tokens - len(tokens))
+        logprobs = None
+        if drafter_branches:
+            block = torch.full((1, depth + 1), mask_id, dtype=torch.long)
+            block[0, 0] = tokens[-1]
+            draft_logits, _ = drafter.draft_step(target, taps, taps_pos, block, torch.arange(start, start + depth + 1)[None],
+                                                 d_cache)
+            logprobs = draft_logits[0].float().numpy()  # build_tree normalizes the top-K it keeps per slot
+        full = build_tree(tokens[-1], logprobs, lookup_branches(context, depth) if lookups else [], top_k=top_k,
+                          max_nodes=max_nodes, lookup_scores=stats.score)
+        spine = full.best_chain()
+        tree = full if tree_mode == "full" else chain(tokens[-1], [full.tokens[i] for i in spine[1:]])
+        n = len(tree)
+        visible = torch.ones(1, 1, n, start + n, dtype=torch.bool)
+        visible[0, 0, :, start:] = torch.from_numpy(tree.ancestor_mask())
+        positions = torch.tensor([start + d for d in tree.depths])[None]
+        out = target.forward(torch.tensor([tree.tokens]), positions, t_cache, tap_ids, attention_mask=visible)
+        path, emitted = greedy_accept(tree, out.logits[0].argmax(-1).numpy())
+        if tree_mode == "full":
+            stats.record(tree, path)
+        else:
+            stats.record(full, spine[:len(path)], set(spine))
+        committed, _ = _finish(emitted, max_new_tokens - len(tokens), stop_ids)
+        tokens.extend(committed)
+        context.extend(committed)
+        accepted.append(len(committed))
+        target.keep_rows(t_cache, start, path)
+        taps, taps_pos = out.taps[:, path], torch.arange(start, start + len(path))[None]
+        start += len(path)
     total = time.perf_counter() - t0
     tokens, reason = _finish(tokens, max_new_tokens, stop_ids)
     return GenerationResult(tokens, accepted, ttft, (total - ttft) / max(1, len(tokens) - 1), total, reason)

@@ -13,9 +13,15 @@ from typing import Iterator
 
 import numpy as np
 
+from dflash_export.decoding.tree import TreeState, build_tree
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
+from dflash_export.prompt_lookup import lookup_branches
 from dflash_export.sampling import probs_from_logits, sample_from, verify_length
+
+# What a greedy DFlash step proposes (DFlashRuntime's `proposer`); "chain" is the drafter's block as drafted.
+PROPOSERS = ("chain", "tree", "lookup", "tree+lookup")
+TREE_MODES = ("spine", "full")  # how a tree is verified: its best path as a chain, or every node in one pass
 
 
 @dataclass
@@ -108,8 +114,22 @@ class DFlashRuntime:
     """
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
-                 draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False):
+                 draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False,
+                 proposer: str = "chain", tree_top_k: int = 4, tree_nodes: int = 15, tree_mode: str = "spine"):
+        if proposer not in PROPOSERS:
+            raise DFlashError(f"{proposer!r} is not one of {', '.join(PROPOSERS)}", field="proposer")
+        if tree_mode not in TREE_MODES:
+            raise DFlashError(f"{tree_mode!r} is not one of {', '.join(TREE_MODES)}", field="tree_mode")
         self.engine = engine
+        # What a greedy step proposes (decoding/tree.py): the drafter's chain, a tree grown from its per-slot
+        # distributions (top `tree_top_k` per depth), context lookups, or a tree holding both; at most `tree_nodes`
+        # drafted nodes, fewer when the cost model says they do not pay. `tree_mode` "spine" verifies the tree's
+        # best path as a chain (rows bit-identical to plain steps where the numerics probe says chains are);
+        # "full" verifies every node in one pass (engines with tree inputs; a node off the first path attends past
+        # masked keys, which rounds differently from a plain step: lossless within kernel numerics, see
+        # engines/numerics.py). Sampling (T > 0) always drafts the chain, lossless draw for draw.
+        self.proposer, self.tree_top_k, self.tree_nodes = proposer, tree_top_k, tree_nodes
+        self.tree_mode = tree_mode
         # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
@@ -158,8 +178,20 @@ class DFlashRuntime:
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
         backoff = sp.greedy and self.adaptive and eng.accumulates_context
+        trees = mode == "dflash" and sp.greedy and self.proposer != "chain"
+        if trees:
+            state = TreeState(list(prompt_ids) + [last], bs - 1)
         while True:
-            if mode == "ar":
+            if trees:
+                accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state)
+                stats.drafted_tokens += n_draft
+                cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
+                rate = 0.9 * rate + 0.1 * (accept + 1) / cost
+                last = emitted[-1]
+                ev = emit(emitted, accept)
+                state.context.extend(ev.tokens)
+                stats.acceptance_lengths.append(len(ev.tokens))
+            elif mode == "ar":
                 logits = eng.decode(seq, last)
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)
@@ -204,6 +236,38 @@ class DFlashRuntime:
         block[0], block[1:] = last, draft[:n_draft]
         accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
         return accept, emitted, n_draft
+
+    def _tree_step(self, seq, last: int, sp: SamplingParams, bs: int, rate: float, produced: int,
+                   state: TreeState) -> tuple[int, list[int], int, bool]:
+        """One greedy step with a draft tree (decoding/tree.py): grow it from the context's lookup branches and the
+        drafter's slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass.
+        Returns (drafts accepted, tokens emitted, nodes verified, whether the drafter ran)."""
+        eng, info = self.engine, self.engine.info
+        # Depth: a block's slots, no more than the request still owes; nodes: the budget and the engine's room.
+        depth = min(bs - 1, sp.max_new_tokens - produced - 1)
+        room = info.max_seq_len - seq.length - 1
+        lookups = (lookup_branches(state.context, depth) if self.proposer in ("lookup", "tree+lookup") and depth > 0
+                   else [])
+        logprobs, drafted = None, False
+        if self.proposer in ("tree", "tree+lookup") and depth > 0 and (
+                not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
+            seq.draft_logits = None
+            eng.draft(seq, last, sp, None, block_len=bs if self.full_last_block else depth + 1)
+            drafted = seq.draft_logits is not None
+            if drafted:  # build_tree normalizes the top-K it keeps per slot
+                logprobs = seq.draft_logits[:depth]
+        min_score = rate * self.verify_token_cost if self.adaptive else 0.0
+        tree = build_tree(last, logprobs, lookups, top_k=self.tree_top_k, max_nodes=min(self.tree_nodes, room),
+                          min_score=min_score, lookup_scores=state.lookups.score)
+        if tree.is_chain or self.tree_mode == "spine" or not getattr(eng, "tree_verify", False):
+            spine = tree.best_chain()  # the chain kernel path: one row for no drafts, the block otherwise
+            accept, emitted = eng.verify(seq, np.asarray([tree.tokens[i] for i in spine], np.int64), None, sp, None)
+            path, checked = spine[:accept + 1], set(spine)
+        else:
+            accept, emitted, path = eng.verify_tree(seq, tree)
+            checked = set(range(len(tree)))
+        state.record(tree, path, checked, drafted, bool(lookups))
+        return accept, emitted, len(checked) - 1, drafted
 
     def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:
         stats = RunStats()

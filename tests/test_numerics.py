@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_cpu_features_come_from_cpuid():
     assert cpu["model"] and cpu["machine"] == platform.machine()
     if platform.machine() in ("x86_64", "AMD64"):
         assert "SSE41" in cpu["isa"]
-        flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+        flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
         if flags:  # numpy's CPUID probe and the kernel's flags agree on the wide vector units
             assert ("AVX512F" in cpu["isa"]) == ("avx512f" in flags) and ("AVX2" in cpu["isa"]) == ("avx2" in flags)
 
@@ -131,7 +132,7 @@ def test_int4_engine_is_lossless_on_an_emulated_avx2_cpu(int4_engine, tmp_path):
     script.write_text(_EMULATED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([QEMU, "-cpu", EMULATED_CPU, sys.executable, str(script), str(int4_engine)],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=600, env=env, check=False)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     res = json.loads(line[len("RESULT "):])

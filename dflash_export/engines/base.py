@@ -83,6 +83,8 @@ class Sequence:
         # Set by `draft` in greedy mode on backends that can: the drafter's probability of each greedy draft [bs-1].
         # Lets the runtime verify only the drafts worth their verification cost (see DFlashRuntime).
         self.draft_confidence = None
+        # Set with draft_confidence: the drafter's logits of the block's slots [n, V_draft] (draft trees grow from them).
+        self.draft_logits = None
 
 
 class Engine(ABC):

@@ -79,9 +79,24 @@ class Numerics:
     onnxruntime: str = ""
     threads: int = 0
     tried: list = field(default_factory=list)  # [[floor, bit_identical, max_abs_diff], ...] in the order probed
+    # Draft trees verified whole (runtime tree_mode "full"): a node off the tree's first path attends past masked
+    # keys, which the attention kernel may round differently from a plain step. None: not probed (no tree inputs).
+    tree_bit_identical: bool | None = None
+    tree_max_abs_diff: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @property
+    def tree_statement(self) -> str:
+        """One line on whole-tree verification (tree_mode "full")."""
+        if self.tree_bit_identical is None:
+            return "this engine verifies chains only (no tree inputs)"
+        if self.tree_bit_identical:
+            return "whole draft trees: every node bit-identical to plain steps on this CPU"
+        return (f"whole draft trees: lossless within kernel numerics on this CPU (nodes off the first path differ "
+                f"from plain steps by up to {self.tree_max_abs_diff:.3g} in the logits); the default tree mode "
+                "'spine' verifies one path and stays bit-identical")
 
     @property
     def statement(self) -> str:
@@ -124,6 +139,34 @@ def probe_floor(engine, floor: int) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
+PROBE_TREE_BRANCHES = ([5, 6, 7], [5, 9], [11, 12, 13])  # a branch, a sibling under it, a sibling of the root
+
+
+def probe_tree(engine) -> tuple[bool, float]:
+    """One pass over a fixed draft tree against plain decoding along each node's path: (bit-identical?, max |diff|
+    of the logits). Engines whose target graph has no tree inputs are not probed: (None, None)."""
+    if not getattr(engine, "tree_verify", False):
+        return None, None
+    from dflash_export.decoding.tree import build_tree
+
+    prompt, _ = _probe_tokens(engine.info.vocab_size, engine.info.block_size)
+    vocab = engine.info.vocab_size
+    branches = [[t % vocab for t in b] for b in PROBE_TREE_BRANCHES]
+    tree = build_tree(int(prompt[-1]), None, branches, top_k=0, max_nodes=sum(map(len, branches)))
+    seq = engine.new_sequence(PROBE_PROMPT_TOKENS + len(tree) + engine.row_floor)
+    engine.prefill(seq, prompt[:-1])
+    hidden, _ = engine._run_target(seq, np.asarray(tree.tokens, np.int64), len(tree), tree=tree)
+    tree_logits = engine._logits(hidden)
+    worst = 0.0
+    leaves = [i for i in range(len(tree)) if not tree.children(i)]
+    for leaf in leaves:  # plain decoding along each root-to-leaf path covers every node
+        plain = engine.new_sequence(PROBE_PROMPT_TOKENS + len(tree) + engine.row_floor)
+        engine.prefill(plain, prompt[:-1])
+        for node in tree.path(leaf):
+            worst = max(worst, float(np.max(np.abs(engine.decode(plain, tree.tokens[node]) - tree_logits[node]))))
+    return worst == 0.0, worst
+
+
 def choose_row_floor(engine, first: int = 1, threads: int = 0) -> Numerics:
     """Probe floors starting with `first` (the floor a build recorded), then the others smallest first; the first
     bit-identical one wins, else the one with the smallest difference. Leaves `engine.row_floor` set to it."""
@@ -138,5 +181,7 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0) -> Numerics:
             break
     best = next((t for t in tried if t[1]), None) or min(tried, key=lambda t: t[2])
     engine.row_floor = best[0]
+    tree_same, tree_diff = probe_tree(engine)
     return Numerics(row_floor=best[0], bit_identical=best[1], max_abs_diff=best[2], cpu=cpu_features(),
-                    onnxruntime=onnxruntime.__version__, threads=threads, tried=tried)
+                    onnxruntime=onnxruntime.__version__, threads=threads, tried=tried,
+                    tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
 from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import choose_row_floor
@@ -182,6 +183,8 @@ class OrtEngine(Engine):
         # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
         self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
+        # Engines built with the tree inputs verify draft trees (decoding/tree.py); older ones verify chains only.
+        self.tree_verify = {"position_ids", "attention_bias"} <= {i.name for i in self.target.get_inputs()}
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
         self.row_floor = manifest.flags.plain_step_rows
@@ -257,13 +260,16 @@ class OrtEngine(Engine):
     def _embeds(self, ids: np.ndarray) -> np.ndarray:
         return self._embed.rows(ids)[None]
 
-    def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int) -> tuple[np.ndarray, np.ndarray]:
-        """ids [S] at positions seq.length..; K/V written into seq.t_kv in place. Returns hidden rows, ctx."""
+    def _run_target(self, seq: _OrtSeq, ids: np.ndarray, num_logits: int, tree: DraftTree | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """ids [S] at positions seq.length.. (or, for a draft `tree` whose tokens they are, at seq.length + depth,
+        each row seeing the past and its ancestors only); K/V rows written into seq.t_kv in place at seq.length +
+        row. Returns hidden rows, ctx."""
         s = len(ids)
         total = seq.length + s
         self.info.check_room(total)
         floor = self.row_floor
-        if s < floor and num_logits == s and seq.length + floor <= self.info.max_seq_len:
+        if s < floor and num_logits == s and tree is None and seq.length + floor <= self.info.max_seq_len:
             # A step of fewer rows than the row floor runs as `floor` rows, copies of its last token whose K/V rows
             # lie past the committed length (overwritten by the next step): the kernels then take the same path for
             # a one-token step as for a verify block, so plain decoding and DFlash agree bit for bit on this CPU
@@ -290,6 +296,10 @@ class OrtEngine(Engine):
         io.bind_cpu_input("num_logits", np.array(num_logits, np.int64))
         io.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        if self.tree_verify:
+            pos, bias = tree_inputs(seq.length, s, tree)
+            io.bind_cpu_input("position_ids", pos)
+            io.bind_cpu_input("attention_bias", bias)
         self.target.run_with_iobinding(io)
         outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
         return outs[0].numpy(), outs[1].numpy()
@@ -363,9 +373,51 @@ class OrtEngine(Engine):
         seq.length += accept + 1
         return accept, emitted
 
+    def verify_tree(self, seq: _OrtSeq, tree: DraftTree) -> tuple[int, list[int], list[int]]:
+        """Greedy: score every node of `tree` (root = the anchor at seq.length) in one target pass, accept the
+        longest root path whose every token is the target's argmax at its parent, and commit it. The accepted rows'
+        K/V move down to consecutive cache rows (their RoPE positions, length + depth, are already those rows'), and
+        their context features become pending for the next draft. Returns (drafts accepted, tokens emitted, the
+        accepted path's node indices)."""
+        if not self.tree_verify:
+            raise DFlashError("this engine's target graph has no tree inputs (position_ids, attention_bias): rebuild "
+                              "it to verify draft trees", path=self.engine_dir / TARGET)
+        ids = np.asarray(tree.tokens, np.int64)
+        hidden, ctx = self._run_target(seq, ids, len(ids), tree=tree)
+        path, emitted = greedy_accept(tree, np.argmax(self._logits(hidden), axis=-1))
+        start = seq.length
+        for row, node in enumerate(path):
+            if node != row:  # node > row along a path, so no source is overwritten before it is read
+                for buf in seq.t_kv:
+                    buf[:, :, start + row] = buf[:, :, start + node]
+        new_ctx = ctx[:, path]
+        new_pos = np.arange(start, start + len(path), dtype=np.int64)[None]
+        if seq.ctx is not None:
+            new_ctx = np.concatenate([seq.ctx, new_ctx], axis=1)
+            new_pos = np.concatenate([seq.ctx_pos, new_pos], axis=1)
+        seq.ctx, seq.ctx_pos = new_ctx, new_pos
+        seq.length += len(path)
+        return len(path) - 1, emitted, path
+
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = self._target_batch = None
         self._embed.close()
+
+
+def tree_inputs(length: int, rows: int, tree: DraftTree | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """position_ids [1, rows] and attention_bias [1, 1, rows, length + rows] of the target graph for `rows` new
+    rows after `length` committed ones: consecutive positions and no bias (GroupQueryAttention's causal mask does the
+    rest), or, for a draft tree, positions length + depth and -inf on every new row that is not an ancestor. Rows
+    past the tree (padding to the row floor) continue its last position and see what GQA's causal mask lets them."""
+    bias = np.zeros((1, 1, rows, length + rows), np.float32)
+    if tree is None:
+        return np.arange(length, length + rows, dtype=np.int64)[None], bias
+    n = len(tree)
+    pos = np.empty(rows, np.int64)
+    pos[:n] = length + np.asarray(tree.depths, np.int64)
+    pos[n:] = pos[n - 1] + 1 + np.arange(rows - n)
+    bias[0, 0, :n, length:length + n] = np.where(tree.ancestor_mask(), 0.0, -np.inf)
+    return pos[None], bias
 
 
 def _release_weight_pages(engine_dir: Path) -> int:
@@ -429,6 +481,7 @@ def drafts_from_logits(seq: Sequence, logits: np.ndarray, selector_hidden, ancho
                                  0.0 if sp.greedy else sp.temperature, uniforms)
     if sp.greedy:
         seq.draft_confidence = top_probability(logits)
+        seq.draft_logits = logits  # what a draft tree is grown from (decoding/tree.py)
         return np.argmax(logits, axis=-1).astype(np.int64), None
     probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
     tokens = np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64)

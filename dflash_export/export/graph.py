@@ -98,8 +98,9 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of
     the logits rows against draft_tokens), present_key_i / present_value_i [B,KVH,P+S,D].
     ort — inputs: inputs_embeds [B,S,H]; num_logits; seqlens_k [B] int32 (total length - 1); total_seq_len [] int32;
-    per layer past_key_i / past_value_i [B,KVH,capacity,D], bound to the same memory as present_key_i /
-    present_value_i (GroupQueryAttention writes the new rows in place). Outputs: hidden [B,num_logits,H] (final-normed
+    position_ids [B,S] int64 and attention_bias [B,1,S,total] float (draft trees; see the inputs below); per layer
+    past_key_i / past_value_i [B,KVH,capacity,D], bound to the same memory as present_key_i / present_value_i
+    (GroupQueryAttention writes the new rows in place). Outputs: hidden [B,num_logits,H] (final-normed
     rows for the LM-head session), ctx, presents.
     Returns the model, its own weights (arrays, or TensorProtos already in `store`) and the shared tensors it uses.
     """
@@ -132,6 +133,11 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     elif ort:
         g.input("seqlens_k", I32, ["batch"])
         g.input("total_seq_len", I32, [])
+        # Draft trees (decoding/tree.py): each row's absolute position (committed length + depth in the tree) and an
+        # additive bias [B,1,S,T] (0 visible, -inf hidden) that leaves a row only its tree ancestors among the new
+        # rows; GroupQueryAttention applies its causal mask as well. A chain feeds consecutive positions and zeros.
+        g.input("position_ids", I64, ["batch", "seq"])
+        g.input("attention_bias", F32, ["batch", 1, "seq", "total"])
     else:
         pos = g.input("position_ids", I64, ["batch", "seq"])
 
@@ -193,7 +199,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             else:  # GQA takes the packed [B,S,(H+2KVH)*D] projection directly (key/value inputs left empty)
                 qkv_inputs = [qkv, "", ""]
             attn, _, _ = g.op("GroupQueryAttention", [*qkv_inputs, past_k, past_v, "seqlens_k", "total_seq_len",
-                                                      cos_c, sin_c], n_out=3, domain=MS,
+                                                      cos_c, sin_c, "position_ids", "attention_bias"], n_out=3,
+                              domain=MS,
                               outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                               num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
                               rotary_interleaved=0)

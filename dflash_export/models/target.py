@@ -101,13 +101,25 @@ class TargetModel:
     def crop(cache, length: int) -> None:
         cache.crop(length)
 
+    @staticmethod
+    def keep_rows(cache, start: int, rows: Sequence[int]) -> None:
+        """Keep the cache's first `start` rows and then the rows start + r for r in `rows`, in that order (a draft
+        tree's accepted path, compacted behind the committed tokens)."""
+        index = torch.tensor(list(range(start)) + [start + r for r in rows])
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(2, index)
+            layer.values = layer.values.index_select(2, index)
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, tap_ids: Sequence[int] | None = None
-                ) -> TargetOutput:
-        """input_ids [B, S] at absolute `positions` [B, S]; appends to `cache`. Returns all logits and the taps."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, tap_ids: Sequence[int] | None = None,
+                attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """input_ids [B, S] at absolute `positions` [B, S]; appends to `cache`. Returns all logits and the taps.
+        `attention_mask` [B, 1, S, past + S] bool (True = visible), when given, replaces the causal mask (a draft
+        tree's ancestor-only mask); transformers takes a 4-D mask as it is."""
         out = self.hf(
             input_ids=input_ids,
             position_ids=positions,
+            attention_mask=attention_mask,
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=tap_ids is not None,

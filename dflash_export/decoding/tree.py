@@ -1,0 +1,250 @@
+"""Draft trees: what one DFlash step proposes when it proposes more than one chain (written here: no library does it).
+
+A tree is prefix-closed: node 0 is the root (the anchor, the last committed token, not yet in the target's cache);
+every other node is one drafted token whose parent comes before it, so nodes are in topological order and a target
+pass over them with an ancestor-only mask is causal too. The target verifies every node in one pass, at position
+committed length + depth; greedy acceptance walks from the root to the child holding the target's argmax, as far as
+one exists, and emits that path plus the target's next token -- exactly the tokens plain decoding would produce.
+
+Where the nodes come from (`build_tree`):
+- the drafter: DFlash fills a whole block in one pass, so slot d gives a distribution over the token at depth d
+  (a marginal: one pass, no conditioning on the branch taken). Best-first by path probability (DDTree, arXiv
+  2604.12989): children of a depth-d node are the top-K tokens of slot d+1, a node's score is the product of its
+  path's draft probabilities;
+- context lookups: the tokens that followed the latest earlier occurrence of the context's last n tokens (n = 4, 3,
+  2: `prompt_lookup.lookup_proposal`), merged into the same trie, so a prefix shared with a drafter branch is verified
+  once. A lookup node's score is the running rate at which lookup tokens at its depth were accepted.
+A node joins the tree while its score pays for its verification (score >= `min_score`: the runtime's cost model
+passes λ x verify cost per node) and the node budget lasts; scores fall along every path, so the tree stays
+prefix-closed. A chain is the tree with K = 1 and no lookup: the drafts in order, as far as their cumulative
+confidence pays -- the rule `sampling.verify_length` applies to chains.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class DraftTree:
+    """tokens[0] is the root (anchor); parents[0] = -1; parents[i] < i; depths[i] = depths[parents[i]] + 1."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    sources: list[str] = field(default_factory=list)  # per node: "root", "drafter", "lookup" or "both"
+    scores: list[float] = field(default_factory=list)  # per node: its estimated chance of acceptance (root 1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = np.zeros((n, n), bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask
+
+    def best_chain(self) -> list[int]:
+        """The root-to-leaf path with the most expected accepted drafts (the sum of its nodes' scores, each the
+        chance that the path up to it is accepted): the one chain worth verifying when only one is."""
+        expected = [0.0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            expected[i] = expected[self.parents[i]] + self.scores[i]
+        return self.path(int(np.argmax(expected)))
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def chain(anchor: int, drafts) -> DraftTree:
+    """The chain anchor, drafts[0], drafts[1], ... as a tree."""
+    n = len(drafts)
+    return DraftTree([int(anchor)] + [int(t) for t in drafts], list(range(-1, n)), list(range(n + 1)),
+                     ["root"] + ["drafter"] * n, [1.0] * (n + 1))
+
+
+def greedy_accept(tree: DraftTree, target_next: np.ndarray) -> tuple[list[int], list[int]]:
+    """target_next [N]: the target's argmax after each node. Returns (accepted path node indices, root first;
+    emitted tokens = the accepted drafts + the target's token after the last of them)."""
+    kids: dict[int, dict[int, int]] = {}
+    for i in range(1, len(tree)):
+        kids.setdefault(tree.parents[i], {}).setdefault(tree.tokens[i], i)  # first node wins a duplicate token
+    path = [0]
+    while True:
+        nxt = kids.get(path[-1], {}).get(int(target_next[path[-1]]))
+        if nxt is None:
+            break
+        path.append(nxt)
+    return path, [tree.tokens[i] for i in path[1:]] + [int(target_next[path[-1]])]
+
+
+def slot_candidates(logits: np.ndarray, top_k: int) -> list[list[tuple[int, float]]]:
+    """Per slot of draft logits (or log-probabilities) [D, V]: its top-K (token, log-probability) in descending
+    order, ties by token id. Normalizes only what it returns (one logsumexp per slot, in float32 as the logits)."""
+    if logits is None or not len(logits):
+        return []
+    x = np.asarray(logits)
+    k = min(top_k, x.shape[-1])
+    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    peak = x.max(axis=-1, keepdims=True)
+    norm = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=-1, dtype=np.float64))
+    out = []
+    for d in range(len(x)):
+        cand = part[d][np.lexsort((part[d], -x[d, part[d]]))]
+        out.append([(int(t), float(x[d, t]) - float(norm[d])) for t in cand])
+    return out
+
+
+def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[list[int]], *, top_k: int,
+               max_nodes: int, min_score: float = 0.0, lookup_scores=None) -> DraftTree:
+    """A prefix-closed tree of at most `max_nodes` drafted nodes under `anchor`.
+
+    draft_logprobs [D, V]: logits (or log-probabilities) of the drafter's slots 1..D, None for no drafter branch;
+    `lookups`: token paths from the context (merged as trie paths); `top_k`: children per drafter node; `min_score`:
+    the score a node needs to be verified; `lookup_scores(depth) -> float`: the chance a lookup node at that depth
+    (1-based) is accepted (default 1: lookups are always taken, budget permitting).
+    Nodes are taken in descending score, drafter and lookup together; a token proposed by both keeps the higher."""
+    tree = DraftTree([int(anchor)], [-1], [0], ["root"], [1.0])
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    def add(parent: int, token: int, source: str, score: float) -> int:
+        key = (parent, int(token))
+        if key in index:
+            node = index[key]
+            if tree.sources[node] != source:
+                tree.sources[node] = "both"
+            tree.scores[node] = max(tree.scores[node], score)
+            return node
+        tree.tokens.append(int(token))
+        tree.parents.append(parent)
+        tree.depths.append(tree.depths[parent] + 1)
+        tree.sources.append(source)
+        tree.scores.append(score)
+        index[key] = len(tree.tokens) - 1
+        return index[key]
+
+    # Candidates in one heap: (-score, tiebreak, kind, payload). Drafter nodes expand lazily (k-best enumeration over
+    # per-slot top-K lists); lookup nodes are queued a path at a time, each after its parent was taken.
+    heap: list = []
+    order = 0
+    top = slot_candidates(draft_logprobs, top_k) if draft_logprobs is not None and top_k > 0 else None
+    if top:
+        # a drafter candidate: (parent node, depth of the child, rank among the slot's top-K, parent's log score)
+        heapq.heappush(heap, (-float(np.exp(top[0][0][1])), order, "drafter", (0, 1, 0, 0.0)))
+        order += 1
+    lookup_scores = lookup_scores or (lambda depth: 1.0)
+    for path in lookups:
+        if path:
+            heapq.heappush(heap, (-lookup_scores(1), order, "lookup", (0, list(path), 1)))
+            order += 1
+    drafted = 0
+    while heap and drafted < max_nodes:
+        neg, _, kind, payload = heapq.heappop(heap)
+        if -neg < min_score:
+            break
+        if kind == "drafter":
+            parent, depth, rank, base = payload
+            token, lp = top[depth - 1][rank]
+            before = len(tree.tokens)
+            node = add(parent, token, "drafter", -neg)
+            drafted += len(tree.tokens) - before
+            score = base + lp
+            if rank + 1 < len(top[depth - 1]):  # the next sibling
+                heapq.heappush(heap, (-float(np.exp(base + top[depth - 1][rank + 1][1])), order, "drafter",
+                                      (parent, depth, rank + 1, base)))
+                order += 1
+            if depth < len(top):  # the first child
+                heapq.heappush(heap, (-float(np.exp(score + top[depth][0][1])), order, "drafter",
+                                      (node, depth + 1, 0, score)))
+                order += 1
+        else:
+            parent, path, depth = payload
+            before = len(tree.tokens)
+            node = add(parent, path[depth - 1], "lookup", -neg)
+            drafted += len(tree.tokens) - before
+            if depth < len(path):
+                heapq.heappush(heap, (-lookup_scores(depth + 1), order, "lookup", (node, path, depth + 1)))
+                order += 1
+    return tree
+
+
+@dataclass
+class LookupStats:
+    """Running acceptance of lookup nodes per depth (Laplace-smoothed), what a lookup node's score is."""
+
+    max_depth: int
+    proposed: np.ndarray = None
+    accepted: np.ndarray = None
+
+    def __post_init__(self):
+        self.proposed = np.zeros(self.max_depth + 1)
+        self.accepted = np.zeros(self.max_depth + 1)
+
+    def score(self, depth: int) -> float:
+        """P(a lookup node at `depth` is accepted): the product of the per-depth survival rates up to it."""
+        d = min(depth, self.max_depth)
+        rates = (self.accepted[1:d + 1] + 1.0) / (self.proposed[1:d + 1] + 2.0)
+        return float(np.prod(rates))
+
+    def record(self, tree: DraftTree, path: list[int], verified=None) -> None:
+        """Count, per depth, lookup nodes verified (`verified`: node indices; default all) whose parent was
+        accepted, and those accepted themselves (`path`)."""
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            if verified is not None and i not in verified:
+                continue
+            if tree.sources[i] in ("lookup", "both") and tree.parents[i] in on_path:
+                d = min(tree.depths[i], self.max_depth)
+                self.proposed[d] += 1
+                self.accepted[d] += i in on_path
+
+
+class TreeState:
+    """One request's proposer state: the context lookups search, lookup acceptance per depth, and whether the drafter
+    pays where a lookup branch exists (its pass costs `draft_cost` plain steps; the drafter-only nodes it gets
+    accepted are what it buys, tracked as a running mean of tokens per drafted step)."""
+
+    EXPLORE_EVERY = 8  # a skipped drafter still runs every 8th step with a lookup, so its running mean stays current
+
+    def __init__(self, context, max_depth: int):
+        self.context = [int(t) for t in context]
+        self.lookups = LookupStats(max_depth)
+        self.drafter_gain = 1.0  # optimistic until measured
+        self._skipped = 0
+
+    def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float) -> bool:
+        """Whether to run the drafter this step: always without a lookup branch; with one, while the drafter's
+        running gain (tokens) is worth its cost at the current decoding rate (`rate` tokens per plain-step cost)."""
+        if not have_lookup or self.drafter_gain >= rate * draft_cost:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.EXPLORE_EVERY:
+            self._skipped = 0
+            return True
+        return False
+
+    def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
+        self.lookups.record(tree, path, verified)
+        if drafted and had_lookup:
+            gain = sum(tree.sources[i] == "drafter" for i in path[1:])
+            self.drafter_gain = 0.8 * self.drafter_gain + 0.2 * gain

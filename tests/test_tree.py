@@ -1,0 +1,223 @@
+"""Draft trees (decoding/tree.py): the tree a step grows (against brute-force enumeration), greedy acceptance, and tree
+verification in the ONNX Runtime engine and the PyTorch reference -- identical to plain decoding (transformers'
+own forward through the reference's ar_generate) for trees of every shape."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dflash_export.decoding.tree import DraftTree, LookupStats, build_tree, chain, greedy_accept
+from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.onnxruntime import tree_inputs
+from dflash_export.prompt_lookup import lookup_branches
+from dflash_export.runtime import PROPOSERS, DFlashRuntime
+
+
+def _logprobs(rng, depth: int, vocab: int) -> np.ndarray:
+    x = rng.standard_normal((depth, vocab)) * 2
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[j] for j in tree.path(i)[1:]) for i in range(1, len(tree))}
+
+
+@pytest.mark.parametrize("top_k,max_nodes", [(1, 7), (2, 5), (3, 12), (4, 30), (4, 1)])
+def test_drafter_tree_is_the_best_paths_by_probability(top_k, max_nodes):
+    """The drafted nodes are exactly the `max_nodes` most probable paths (product of per-slot probabilities, each
+    child among its slot's top-K), enumerated by brute force."""
+    rng = np.random.default_rng(top_k * 100 + max_nodes)
+    lp = _logprobs(rng, 4, 9)
+    tree = build_tree(42, lp, [], top_k=top_k, max_nodes=max_nodes)
+    topk = [np.argsort(-lp[d], kind="stable")[:top_k] for d in range(4)]
+    scored = []
+    for depth in range(1, 5):
+        for path in itertools.product(*topk[:depth]):
+            scored.append((sum(lp[d, t] for d, t in enumerate(path)), tuple(int(t) for t in path)))
+    scored.sort(key=lambda x: -x[0])
+    assert tree.tokens[0] == 42 and tree.parents[0] == -1 and len(tree) - 1 == min(max_nodes, len(scored))
+    assert _paths(tree) == {p for _, p in scored[:max_nodes]}
+    for i in range(1, len(tree)):  # topological, prefix-closed, depths consistent
+        assert tree.parents[i] < i and tree.depths[i] == tree.depths[tree.parents[i]] + 1
+
+
+def test_min_score_keeps_only_nodes_that_pay():
+    rng = np.random.default_rng(3)
+    lp = _logprobs(rng, 5, 7)
+    tree = build_tree(1, lp, [], top_k=3, max_nodes=100, min_score=0.05)
+    for i in range(1, len(tree)):
+        path = tree.path(i)[1:]
+        assert np.exp(sum(lp[tree.depths[j] - 1, tree.tokens[j]] for j in path)) >= 0.05
+    assert len(tree) > 1
+
+
+def test_k1_without_lookups_is_the_drafter_chain():
+    rng = np.random.default_rng(4)
+    lp = _logprobs(rng, 6, 11)
+    tree = build_tree(5, lp, [], top_k=1, max_nodes=6)
+    assert tree.is_chain and tree.tokens == chain(5, np.argmax(lp, -1)).tokens
+
+
+def test_lookup_branches_merge_into_the_trie():
+    """A lookup that coincides with a drafter branch shares its nodes; one that extends it continues it; one that
+    contradicts it is a sibling; a branch longer than the drafter's depth keeps going."""
+    lp = np.log(np.full((3, 10), 0.01))
+    lp[0, 4], lp[1, 5], lp[2, 6] = np.log(0.9), np.log(0.9), np.log(0.9)  # the drafter's chain 4, 5, 6
+    tree = build_tree(0, lp, [[4, 5], [4, 7, 8, 9, 1], [3]], top_k=1, max_nodes=20)
+    paths = _paths(tree)
+    assert {(4,), (4, 5), (4, 5, 6), (4, 7), (4, 7, 8), (4, 7, 8, 9), (4, 7, 8, 9, 1), (3,)} == paths
+    src = {tuple(tree.tokens[j] for j in tree.path(i)[1:]): tree.sources[i] for i in range(1, len(tree))}
+    assert src[(4,)] == src[(4, 5)] == "both" and src[(4, 5, 6)] == "drafter" and src[(3,)] == "lookup"
+    assert len(tree) - 1 == len(paths)  # shared prefixes verified once
+
+
+def test_lookup_branches_of_the_context():
+    ctx = [1, 2, 3, 4, 9, 9, 2, 3, 4, 7, 8, 5, 3, 4]
+    # n=4 "5 3 4"... no: last 4 = (8, 5, 3, 4) never earlier; n=3 (5,3,4) no; n=2 (3,4): latest earlier at 7 -> 7 8 5
+    assert lookup_branches(ctx, 3) == [[7, 8, 5]]
+    assert lookup_branches([5, 6, 5, 6, 5], 4) == [[6, 5]]  # n=4 (6,5,6,5)? no; n=3 (5,6,5): at 0 -> 6, 5
+    assert lookup_branches([1, 2, 3], 2) == []
+
+
+def test_greedy_accept_walks_the_target_s_argmax():
+    tree = build_tree(0, None, [[1, 2, 3], [1, 5], [6]], top_k=0, max_nodes=10)
+    idx = {tuple(tree.tokens[j] for j in tree.path(i)[1:]): i for i in range(len(tree))}
+    nxt = np.zeros(len(tree), np.int64)
+    nxt[idx[()]], nxt[idx[(1,)]], nxt[idx[(1, 5)]] = 1, 5, 11
+    path, emitted = greedy_accept(tree, nxt)
+    assert [tree.tokens[i] for i in path] == [0, 1, 5] and emitted == [1, 5, 11]
+    nxt[idx[()]] = 9
+    assert greedy_accept(tree, nxt) == ([0], [9])
+
+
+def test_tree_inputs_positions_and_ancestor_bias():
+    tree = DraftTree([7, 1, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
+    pos, bias = tree_inputs(10, 5, tree)  # one padding row past the tree
+    assert pos.tolist() == [[10, 11, 11, 12, 13]]
+    assert bias.shape == (1, 1, 5, 15) and (bias[0, 0, :, :10] == 0).all()
+    visible = bias[0, 0, :4, 10:14] == 0
+    assert visible.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    pos, bias = tree_inputs(3, 2)
+    assert pos.tolist() == [[3, 4]] and not bias.any()
+
+
+def test_lookup_stats_score_is_a_product_of_survival_rates():
+    stats = LookupStats(4)
+    tree = build_tree(0, None, [[1, 2, 3]], top_k=0, max_nodes=10)
+    stats.record(tree, [0, 1])  # depth 1 accepted, depth 2 proposed and rejected, depth 3 never reached
+    assert stats.score(1) == pytest.approx(2 / 3) and stats.score(2) == pytest.approx(2 / 3 * 1 / 3)
+    assert stats.score(3) == pytest.approx(2 / 3 * 1 / 3 * 1 / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree verification in the engine and the reference
+
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65], [5, 6, 7, 8] * 6]
+
+
+@pytest.fixture(scope="module")
+def pair(ort_pair):
+    _, _, eng, torch_eng = ort_pair
+    assert eng.tree_verify
+    return eng, torch_eng
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_trees_holding_the_true_continuation_anywhere_decode_as_plain_decoding(pair, top_k):
+    """Random trees (K siblings per node, up to 40 nodes, branches that coincide with, extend, contradict or run
+    past the answer) in which the target's own continuation hides at a random place: every step accepts exactly that
+    branch and emits the answer's next tokens; K/V rows compacted after each step leave later steps exact."""
+    from dflash_export.reference import ar_generate
+
+    eng, torch_eng = pair
+    bs = eng.info.block_size
+    rng = np.random.default_rng(top_k)
+    for prompt in PROMPTS[:4]:
+        answer = ar_generate(torch_eng.target, prompt, 64).tokens
+        seq = eng.new_sequence(len(prompt) + 64 + 64)
+        assert int(np.argmax(eng.prefill(seq, np.array(prompt)))) == answer[0]
+        pos = 1
+        while pos < len(answer) - bs:
+            depth = int(rng.integers(0, bs))
+            truth = answer[pos:pos + depth]
+            branches = []
+            for _ in range(top_k - 1 + int(rng.integers(0, 3))):
+                cut = int(rng.integers(0, depth + 1))  # a true prefix, then wrong or random tokens
+                tail = [int(t) for t in rng.integers(0, eng.info.vocab_size, int(rng.integers(1, bs)))]
+                branches.append(answer[pos:pos + cut] + tail)
+            branches.insert(int(rng.integers(0, len(branches) + 1)), truth)
+            tree = build_tree(answer[pos - 1], None, [b for b in branches if b], top_k=0, max_nodes=40)
+            accept, emitted, path = eng.verify_tree(seq, tree)
+            assert accept >= depth and emitted == answer[pos:pos + len(emitted)], (prompt, pos, branches)
+            assert [tree.tokens[i] for i in path[1:]] == emitted[:-1]
+            pos += len(emitted)
+
+
+def test_tree_rows_agree_with_plain_steps_as_the_engine_states(pair):
+    """Each node's logits from one tree pass against those plain decoding computes along its path: the rows of the
+    tree's first path bit for bit (they attend exactly as a chain does); the others as the load-time probe states for
+    whole trees on this CPU (a tree the probe never saw)."""
+    eng, _ = pair
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, 200, 17)
+    tree = build_tree(int(prompt[-1]), None, [[5, 6, 7], [5, 9], [11, 12, 13, 14]], top_k=0, max_nodes=20)
+    seq = eng.new_sequence()
+    eng.prefill(seq, prompt[:-1])
+    hidden, _ = eng._run_target(seq, np.asarray(tree.tokens, np.int64), len(tree), tree=tree)
+    tree_logits = eng._logits(hidden)
+    num = eng.numerics
+    assert num.tree_bit_identical is not None
+    for node in range(len(tree)):
+        plain = eng.new_sequence()
+        eng.prefill(plain, prompt[:-1])
+        for j in tree.path(node):
+            logits = eng.decode(plain, tree.tokens[j])
+        first_path = tree.path(node) == list(range(node + 1))  # every row before it is an ancestor
+        if num.tree_bit_identical or (first_path and num.bit_identical):
+            np.testing.assert_array_equal(logits, tree_logits[node])
+        else:
+            np.testing.assert_allclose(logits, tree_logits[node], atol=1e-4)
+    if not num.tree_bit_identical:
+        assert num.tree_max_abs_diff > 0 and "lossless within kernel numerics" in num.tree_statement
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("adaptive,tree_mode", [(True, "spine"), (False, "spine"), (True, "full"), (False, "full")])
+def test_every_proposer_is_lossless_against_the_reference(pair, proposer, adaptive, tree_mode):
+    from dflash_export.reference import ar_generate
+
+    eng, torch_eng = pair
+    rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12, tree_mode=tree_mode)
+    for prompt in PROMPTS:
+        want = ar_generate(torch_eng.target, prompt, 48).tokens
+        assert rt.generate(prompt, SamplingParams(max_new_tokens=48)).tokens == want, (proposer, prompt)
+
+
+@pytest.mark.parametrize("tree_mode", ["spine", "full"])
+def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
+    """Without the cost model, the engine grows and accepts the very trees the PyTorch reference does (same
+    acceptance lengths step by step; the reference verifies whole trees through transformers' attention with a 4-D
+    ancestor mask), and both decode as plain decoding."""
+    from dflash_export.reference import ar_generate, tree_spec_generate
+
+    eng, torch_eng = pair
+    rt = DFlashRuntime(eng, adaptive=False, proposer="tree+lookup", tree_nodes=15, tree_mode=tree_mode)
+    for prompt in PROMPTS:
+        ref = tree_spec_generate(torch_eng.drafter, torch_eng.target, prompt, 48, max_nodes=15, tree_mode=tree_mode)
+        got = rt.generate(prompt, SamplingParams(max_new_tokens=48))
+        assert ref.tokens == got.tokens == ar_generate(torch_eng.target, prompt, 48).tokens
+        assert ref.acceptance_lengths == got.acceptance_lengths
+
+
+def test_sampling_drafts_the_chain_draw_for_draw(pair):
+    """T > 0 keeps the chain (rejection sampling over a chain is lossless and matches the reference's stream): a
+    tree proposer samples exactly what the chain does with the same seed."""
+    eng, _ = pair
+    sp = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=5)
+    for prompt in PROMPTS[:3]:
+        want = DFlashRuntime(eng).generate(prompt, sp).tokens
+        assert DFlashRuntime(eng, proposer="tree+lookup").generate(prompt, sp).tokens == want
