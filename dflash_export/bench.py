@@ -52,14 +52,26 @@ def _loading(what, path):
                           f"cannot load ({type(e).__name__})", path=path) from None
 
 
+# Engine modes: the runtime settings each runs DFlash with. "dflash" is the engine's own recipe default (its
+# manifest's `decoding`); the proposer modes pin one (decoding/tree.py) so they compare on the same engine.
+ENGINE_MODES = {
+    "dflash": {}, "dflash-full": {"adaptive": False, "proposer": "chain"}, "ar": {},
+    "chain": {"proposer": "chain"}, "tree": {"proposer": "tree"}, "lookup": {"proposer": "lookup"},
+    "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine"},
+    "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"},
+}
+MODES = (*ENGINE_MODES, "hf", "reference")
+SPECULATIVE = [m for m in MODES if m not in ("ar", "hf")]
+
+
 def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
     recipe = load_recipe(recipe_name)
     runs = []
-    if mode in ("dflash", "dflash-full", "ar"):
+    if mode in ENGINE_MODES:
         t0 = time.perf_counter()
         engine = _loading(lambda: load_engine(engine_dir), engine_dir)
         load_s = time.perf_counter() - t0
-        rt = DFlashRuntime(engine, adaptive=mode == "dflash")
+        rt = DFlashRuntime(engine, **ENGINE_MODES[mode])
 
         def gen(ids, n):
             s = rt.generate(ids, SamplingParams(max_new_tokens=n), "ar" if mode == "ar" else "dflash")
@@ -135,8 +147,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
 
     console = Console(highlight=False)
     for m in modes:
-        if m not in ("dflash", "dflash-full", "ar", "hf", "reference"):
-            raise DFlashError(f"unknown mode {m!r}", field="--modes")
+        if m not in MODES:
+            raise DFlashError(f"unknown mode {m!r} (known: {', '.join(MODES)})", field="--modes")
     if out_json:
         check_output_file(out_json, "--out")  # before minutes of benchmarking, not after
     recipe = load_recipe(recipe_name)
@@ -164,7 +176,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
     # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
     bs = manifest.block_size  # the block the engine drafted (its spec)
-    for m in ("dflash", "dflash-full", "reference"):
+    for m in SPECULATIVE:
         if m in results:
             summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(
                 [(p, r["tokens"]) for p, r in zip(prompts, results[m]["runs"])], bs)
@@ -178,7 +190,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
                 "identical"):
         table.add_column(col)
     names = {"dflash": "(a) DFlash, engine", "dflash-full": "(a') DFlash, engine, full blocks",
-             "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate"}
+             "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate",
+             **{m: f"DFlash {m}, engine" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
         lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
@@ -186,7 +199,9 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
                       f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
     console.print(table)
     ratios = {}
-    for a, b in (("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")):
+    pairs = [("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")]
+    pairs += [(m, "ar") for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")]
+    for a, b in pairs:
         if a in summary and b in summary:
             ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]
     if ratios:

@@ -42,3 +42,23 @@ class Utf8Text(click.ParamType):
 
 
 UTF8_TEXT = Utf8Text()
+
+
+def decoding_options(command):
+    """--proposer / --tree-mode / --tree-top-k / --tree-nodes: how greedy DFlash steps propose drafts
+    (dflash_export/decoding/tree.py); unset, the engine's recipe decides (its manifest's `decoding`)."""
+    from dflash_export.decoding.tree import PROPOSERS, TREE_MODES
+
+    for opt in reversed([
+            click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
+                         help="chain: the drafter's block; tree: a tree from its per-slot top-K; lookup: the "
+                              "context's n-gram continuations; tree+lookup: both in one tree. Default: the engine's "
+                              "recipe (decoding.proposer)."),
+            click.option("--tree-mode", type=click.Choice(TREE_MODES), default=None,
+                         help="spine: verify the tree's best path as a chain (bit-identical where chains are); "
+                              "full: every node in one pass (lossless within kernel numerics, see run's report)."),
+            click.option("--tree-top-k", type=click.IntRange(1, 8), default=None, help="Drafter children per node."),
+            click.option("--tree-nodes", type=click.IntRange(1, 64), default=None,
+                         help="Drafted nodes per step at most (the cost model may verify fewer).")]):
+        command = opt(command)
+    return command

@@ -34,7 +34,8 @@ def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
         click.echo("      (tiny random pair: the text below is noise; the point is DFlash == AR, token for token)")
     results = {}
     for mode in ("dflash", "ar"):
-        click.echo(f"[3/3] {'DFlash' if mode == 'dflash' else 'plain AR (same engine)'}: {prompt!r}")
+        click.echo(f"[3/3] {'DFlash, ' + rt.describe() if mode == 'dflash' else 'plain AR (same engine)'}: "
+                   f"{prompt!r}")
         stats = RunStats()
         for delta in rt.stream_text(prompt, SamplingParams(max_new_tokens=max_new_tokens), mode, chat, stats):
             sys.stdout.write(delta)

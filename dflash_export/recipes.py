@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
 from dflash_export.errors import DFlashError
 from dflash_export.sources import split_pkg_spec
 
@@ -94,6 +95,7 @@ class Recipe:
     thresholds: Thresholds = field(default_factory=Thresholds)
     trtllm: TrtLlmOptions = field(default_factory=TrtLlmOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
+    decoding: DecodingOptions = field(default_factory=DecodingOptions)
     path: Path | None = None                 # the YAML file it came from
 
     def resolve(self, value: str) -> str:
@@ -185,6 +187,10 @@ def load_recipe(name_or_path) -> Recipe:
         value = getattr(recipe, key)
         if value is not None and value not in PRECISIONS:
             raise DFlashError(f"{value!r} is not one of {', '.join(PRECISIONS)}", path=p, field=key)
+    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES)):
+        value = getattr(recipe.decoding, key)
+        if value not in allowed:
+            raise DFlashError(f"{value!r} is not one of {', '.join(allowed)}", path=p, field=f"decoding.{key}")
     for i, b in enumerate(recipe.backends):
         if b not in BACKENDS:
             raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")
@@ -236,6 +242,9 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "train.soft_weight": (0, 1, False),
     "train.steps": (1, None, False),
     "train.seed": (0, 2**32 - 1, False),
+    # decoding
+    "decoding.tree_top_k": (1, 8, False),
+    "decoding.tree_nodes": (1, 64, False),
 }
 
 

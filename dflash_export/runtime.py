@@ -13,15 +13,11 @@ from typing import Iterator
 
 import numpy as np
 
-from dflash_export.decoding.tree import TreeState, build_tree
+from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions, TreeState, build_tree
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
 from dflash_export.prompt_lookup import lookup_branches
 from dflash_export.sampling import probs_from_logits, sample_from, verify_length
-
-# What a greedy DFlash step proposes (DFlashRuntime's `proposer`); "chain" is the drafter's block as drafted.
-PROPOSERS = ("chain", "tree", "lookup", "tree+lookup")
-TREE_MODES = ("spine", "full")  # how a tree is verified: its best path as a chain, or every node in one pass
 
 
 @dataclass
@@ -115,7 +111,14 @@ class DFlashRuntime:
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
                  draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False,
-                 proposer: str = "chain", tree_top_k: int = 4, tree_nodes: int = 15, tree_mode: str = "spine"):
+                 proposer: str | None = None, tree_top_k: int | None = None, tree_nodes: int | None = None,
+                 tree_mode: str | None = None):
+        # Unset: what the engine's recipe says (manifest `decoding`), else DecodingOptions' defaults.
+        recorded = {**DecodingOptions().__dict__, **(getattr(engine.info, "decoding", None) or {})}
+        proposer = proposer or recorded["proposer"]
+        tree_top_k = tree_top_k or recorded["tree_top_k"]
+        tree_nodes = tree_nodes or recorded["tree_nodes"]
+        tree_mode = tree_mode or recorded["tree_mode"]
         if proposer not in PROPOSERS:
             raise DFlashError(f"{proposer!r} is not one of {', '.join(PROPOSERS)}", field="proposer")
         if tree_mode not in TREE_MODES:
@@ -139,6 +142,14 @@ class DFlashRuntime:
         self.verify_token_cost = verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07
         self.draft_cost = draft_cost or getattr(info, "draft_cost", None) or 0.3
         self.max_skip = max_skip
+
+    def describe(self, temperature: float = 0.0) -> str:
+        """What a DFlash step of this runtime proposes, in a few words (run's and the demo's summary line)."""
+        if temperature > 0 or self.proposer == "chain":
+            return "chain" + (" (sampling drafts chains)" if temperature > 0 and self.proposer != "chain" else "")
+        tree = f"K {self.tree_top_k}, <= {self.tree_nodes} nodes" if "tree" in self.proposer else \
+            f"<= {self.tree_nodes} nodes"
+        return f"{self.proposer} ({tree}, {self.tree_mode})"
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         info = self.engine.info

@@ -49,3 +49,15 @@ def test_bad_precision_in_a_recipe_names_the_field(tmp_path, line, field):
     y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
     with pytest.raises(DFlashError, match=field):
         load_recipe(y)
+
+
+@pytest.mark.parametrize("line, field", [("decoding: {proposer: beam}\n", "decoding.proposer"),
+                                         ("decoding: {tree_mode: all}\n", "decoding.tree_mode"),
+                                         ("decoding: {tree_top_k: 9}\n", "decoding.tree_top_k"),
+                                         ("decoding: {tree_nodes: 0}\n", "decoding.tree_nodes"),
+                                         ("decoding: {budget: 3}\n", "decoding.budget")])
+def test_bad_decoding_options_name_the_field(tmp_path, line, field):
+    y = tmp_path / "bad.yaml"
+    y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
+    with pytest.raises(DFlashError, match=field.replace(".", r"\.")):
+        load_recipe(y)

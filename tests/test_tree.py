@@ -221,3 +221,22 @@ def test_sampling_drafts_the_chain_draw_for_draw(pair):
     for prompt in PROMPTS[:3]:
         want = DFlashRuntime(eng).generate(prompt, sp).tokens
         assert DFlashRuntime(eng, proposer="tree+lookup").generate(prompt, sp).tokens == want
+
+
+def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tmp_path):
+    """A recipe's `decoding:` section is recorded at build and is what DFlashRuntime starts from; options override."""
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.recipes import load_recipe
+
+    y = tmp_path / "r.yaml"
+    y.write_text("name: r\ntarget: tiny:llama/target\ndrafter: tiny:llama/drafter\nmax_seq_len: 256\n"
+                 "decoding: {proposer: tree+lookup, tree_nodes: 9, tree_mode: full}\n")
+    out = build_onnxruntime(load_recipe(y), tmp_path / "engine", threads=1)
+    assert read_manifest(out).raw["decoding"] == {"proposer": "tree+lookup", "tree_top_k": 4, "tree_nodes": 9,
+                                                  "tree_mode": "full"}
+    eng = load_engine(out, threads=1)
+    rt = DFlashRuntime(eng)
+    assert (rt.proposer, rt.tree_nodes, rt.tree_mode, rt.tree_top_k) == ("tree+lookup", 9, "full", 4)
+    assert DFlashRuntime(eng, proposer="lookup", tree_mode="spine").describe() == "lookup (<= 9 nodes, spine)"

@@ -7,7 +7,7 @@ import sys
 import click
 
 from dflash_export.bench import run_bench, run_concurrency_bench
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
+from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
@@ -57,10 +57,13 @@ def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads,
 @click.option("--full-blocks", is_flag=True,
               help="Verify every drafted token (default, greedy: only the drafts the drafter's confidence says are "
                    "worth their verification cost; same output).")
-def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks):
+@decoding_options
+def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks, proposer,
+        tree_mode, tree_top_k, tree_nodes):
     """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
     engine = load_engine(engine_dir)
-    rt = DFlashRuntime(engine, adaptive=not full_blocks)
+    rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
+                       tree_top_k=tree_top_k, tree_nodes=tree_nodes)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     stats = RunStats()
     for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
@@ -69,11 +72,14 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
     sys.stdout.write("\n")
     drafted = (f", {stats.drafted_tokens / max(1, len(stats.acceptance_lengths)):.1f} drafts verified/step"
                if not ar else "")
-    click.echo(f"[{'AR' if ar else 'DFlash'}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
+    mode = "AR" if ar else f"DFlash {rt.describe(temperature)}"
+    click.echo(f"[{mode}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
                f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
                err=True)
     if not ar and getattr(engine, "numerics", None) is not None:
         click.echo(f"[numerics] {engine.numerics.statement}", err=True)
+        if rt.proposer != "chain" and rt.tree_mode == "full" and temperature == 0:
+            click.echo(f"[numerics] {engine.numerics.tree_statement}", err=True)
 
 
 @click.command()
@@ -83,8 +89,10 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
-              help="Comma list of: dflash (engine, adaptive verification), dflash-full (engine, every draft "
-                   "verified), ar (same engine), hf (transformers generate), reference (PyTorch spec_generate).")
+              help="Comma list of: dflash (engine, its recipe's decoding), dflash-full (engine, chain, every draft "
+                   "verified), chain / tree / lookup / tree+lookup / tree+lookup-full (engine, that proposer; -full: "
+                   "whole trees verified), ar (same engine), hf (transformers generate), reference (PyTorch "
+                   "spec_generate).")
 @click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
 @click.option("--concurrency", default=None,
               help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "

@@ -107,7 +107,8 @@ class Manifest:
                           mask_token_id=self.mask_token_id, vocab_size=req("vocab_size", hint),
                           stop_token_ids=list(req("stop_token_ids", hint)), max_seq_len=req("max_seq_len", hint),
                           target_layer_ids=list(req("target_layer_ids", hint)),
-                          verify_token_cost=self.flags.verify_token_cost, draft_cost=self.flags.draft_cost)
+                          verify_token_cost=self.flags.verify_token_cost, draft_cost=self.flags.draft_cost,
+                          decoding=dict(self.raw.get("decoding") or {}))
 
 
 def hash_inputs(paths: list[Path]) -> dict[str, str]:
@@ -253,7 +254,26 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
     for key in ("engines", "dtypes", "libraries"):
         if key in manifest:
             f.mapping(key)
+    if "decoding" in manifest:
+        _check_decoding(f)
     return vocab
+
+
+def _check_decoding(f: _Fields) -> None:
+    """The recipe's decoding options the build recorded: known keys, allowed values (what DFlashRuntime starts from)."""
+    from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
+
+    dec = f.mapping("decoding")
+    known = DecodingOptions().__dict__
+    for key, value in dec.items():
+        if key not in known:
+            raise f.bad(f"decoding.{key}", f"unknown key (known: {', '.join(known)})")
+    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES)):
+        if key in dec and dec[key] not in allowed:
+            raise f.bad(f"decoding.{key}", f"expected one of {', '.join(allowed)}, got {dec[key]!r}")
+    for key, high in (("tree_top_k", 8), ("tree_nodes", 64)):
+        if key in dec and (not _is_int(dec[key]) or not 1 <= dec[key] <= high):
+            raise f.bad(f"decoding.{key}", f"expected an integer from 1 to {high}, got {dec[key]!r}")
 
 
 def _check_shapes(f: _Fields) -> None:

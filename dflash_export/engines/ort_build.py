@@ -5,6 +5,7 @@ describes the directory). Imports torch (to export); serving never imports this 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -187,6 +188,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
         "quantization": quantization,
         "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
                   "lm_head": "own session, prepacked", "draft_vocab": draft_vocab,
+                  "tree_verify": True,  # the target graph takes position_ids + attention_bias (whole draft trees)
                   # the first row floor the numerics probe tries (_record_numerics then records the one it found)
                   "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
                   **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
@@ -198,6 +200,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
                    "drafter_kv_heads": drafter.config.num_key_value_heads,
                    "drafter_head_dim": drafter.config.head_dim},
         "export_seconds": round(res.seconds, 2),
+        "decoding": dataclasses.asdict(recipe.decoding),
     }
 
 

@@ -53,7 +53,8 @@ def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> Non
 
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
-                 repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print):
+                 repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print,
+                 decoding: dict | None = None):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
         check_output_dir(report_dir, "--report")
@@ -68,7 +69,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         check_fits(engine, prompts, encoded, max_new_tokens, path)
         reference = Reference.from_recipe(recipe)
         opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
-                               repeats=repeats, top_k=top_k, top_p=top_p)
+                               repeats=repeats, top_k=top_k, top_p=top_p, decoding=decoding or {})
         return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
                                "path": str(path)}, meta, report_dir, show_progress, echo)
     finally:

@@ -37,6 +37,7 @@ class InstrumentedEngine(Engine):
         self.info = inner.info
         self.codec = inner.codec
         self.accumulates_context = inner.accumulates_context
+        self.tree_verify = getattr(inner, "tree_verify", False)
         self.log = CallLog()
         self._emitted = 0          # tokens emitted so far in the current request
 
@@ -75,6 +76,15 @@ class InstrumentedEngine(Engine):
         self.log.steps.append(StepRecord(self._emitted, [int(x) for x in block[1:]], int(accept)))
         self._emitted += len(emitted)
         return accept, emitted
+
+    def verify_tree(self, seq, tree):
+        t = time.perf_counter()
+        accept, emitted, path = self.inner.verify_tree(seq, tree)
+        self.log.verify_s.append(time.perf_counter() - t)
+        # A tree's judged drafts: its accepted path (the other branches were judged as well, in the same pass).
+        self.log.steps.append(StepRecord(self._emitted, [tree.tokens[i] for i in path[1:]], int(accept)))
+        self._emitted += len(emitted)
+        return accept, emitted, path
 
     def close(self) -> None:
         self.inner.close()

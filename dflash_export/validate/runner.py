@@ -39,6 +39,7 @@ class ValidateOptions:
     dist_seed: int = 0                # offsets every sampled run's seed (0: the documented default stream)
     warmup: int = 1                   # untimed generations before timing
     repeats: int = 1                  # timed runs per prompt and way; medians are reported
+    decoding: dict = field(default_factory=dict)  # DFlashRuntime proposer options; {} = the engine's recipe's
 
 
 @dataclass
@@ -316,7 +317,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     if not prompts:
         raise DFlashError("no prompts to validate on", field="--suite")
     inst = InstrumentedEngine(engine)
-    runtime = DFlashRuntime(inst)
+    runtime = DFlashRuntime(inst, **opts.decoding)
     info = engine.info
     precision = ((engine_meta or {}).get("manifest") or {}).get("precision") or {}
     quantized = any(v != "fp32" for v in precision.values())
@@ -350,6 +351,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     # the fp32 reference is reported (identical prompts, first divergences, the reference's logit margins there).
     key = "own_ar_identical" if quantized else "identical"
     report.greedy = _greedy_summary(rows, key, quantized)
+    report.greedy["proposer"] = runtime.describe()
     numerics = getattr(engine, "numerics", None)  # ONNX Runtime engines probe their kernels on this CPU at load
     if numerics is not None:
         report.greedy["numerics"] = {**numerics.to_json(), "statement": numerics.statement}
