@@ -34,7 +34,12 @@ def lookup_proposal(context: Sequence[int], max_tokens: int, ngram_sizes: Sequen
     return []
 
 
-def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequence[int] = NGRAM_SIZES
+# Draft trees match longer n-grams first: in text that repeats itself with variations, the latest match of a short
+# suffix is often the wrong occurrence, the latest match of a long one rarely.
+TREE_NGRAM_SIZES = (8, 6, 4, 3, 2)
+
+
+def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequence[int] = TREE_NGRAM_SIZES
                     ) -> list[list[int]]:
     """The distinct continuations (up to `max_tokens` each) of the latest earlier occurrence of the context's last n
     tokens, for each n (largest first): the lookup branches a draft tree merges (decoding/tree.py). The first is

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_export.decoding.tree import LookupStats, build_tree, chain, greedy_accept
+from dflash_export.decoding.tree import TreeState, build_tree, chain, greedy_accept
+from dflash_export.engines.numerics import PROBE_ROWS
 from dflash_export.prompt_lookup import lookup_branches
 from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
@@ -150,8 +151,8 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
     tokens = [int(torch.argmax(out.logits[0, -1]))]
     ttft = time.perf_counter() - t0
     taps, taps_pos = out.taps, torch.arange(start)[None]
-    context = [int(t) for t in ids[0]] + tokens
-    stats, accepted = LookupStats(bs - 1), []
+    state, accepted = TreeState([int(t) for t in ids[0]] + tokens, 2 * bs), []
+    lookup_depth = max(bs, PROBE_ROWS) - 1  # as deep as the engine's runtime lets lookup branches go
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         depth = min(bs - 1, max_new_tokens - len(tokens))
         logprobs = None
@@ -161,8 +162,10 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
             draft_logits, _ = drafter.draft_step(target, taps, taps_pos, block, torch.arange(start, start + depth + 1)[None],
                                                  d_cache)
             logprobs = draft_logits[0].float().numpy()  # build_tree normalizes the top-K it keeps per slot
-        full = build_tree(tokens[-1], logprobs, lookup_branches(context, depth) if lookups else [], top_k=top_k,
-                          max_nodes=max_nodes, lookup_scores=stats.score)
+        owed = max_new_tokens - len(tokens)
+        branches = lookup_branches(state.context, min(lookup_depth, owed)) if lookups else []
+        full = build_tree(tokens[-1], logprobs, branches, top_k=top_k, max_nodes=min(max_nodes, lookup_depth),
+                          lookup_scores=state.lookups.score)
         spine = full.best_chain()
         tree = full if tree_mode == "full" else chain(tokens[-1], [full.tokens[i] for i in spine[1:]])
         n = len(tree)
@@ -172,12 +175,12 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
         out = target.forward(torch.tensor([tree.tokens]), positions, t_cache, tap_ids, attention_mask=visible)
         path, emitted = greedy_accept(tree, out.logits[0].argmax(-1).numpy())
         if tree_mode == "full":
-            stats.record(tree, path)
+            state.record(tree, path, set(range(len(tree))), drafter_branches, bool(branches))
         else:
-            stats.record(full, spine[:len(path)], set(spine))
+            state.record(full, spine[:len(path)], set(spine), drafter_branches, bool(branches))
         committed, _ = _finish(emitted, max_new_tokens - len(tokens), stop_ids)
         tokens.extend(committed)
-        context.extend(committed)
+        state.context.extend(committed)
         accepted.append(len(committed))
         target.keep_rows(t_cache, start, path)
         taps, taps_pos = out.taps[:, path], torch.arange(start, start + len(path))[None]

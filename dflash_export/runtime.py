@@ -191,7 +191,7 @@ class DFlashRuntime:
         backoff = sp.greedy and self.adaptive and eng.accumulates_context
         trees = mode == "dflash" and sp.greedy and self.proposer != "chain"
         if trees:
-            state = TreeState(list(prompt_ids) + [last], bs - 1)
+            state = TreeState(list(prompt_ids) + [last], 2 * bs)
         while True:
             if trees:
                 accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state)
@@ -254,11 +254,15 @@ class DFlashRuntime:
         drafter's slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass.
         Returns (drafts accepted, tokens emitted, nodes verified, whether the drafter ran)."""
         eng, info = self.engine, self.engine.info
-        # Depth: a block's slots, no more than the request still owes; nodes: the budget and the engine's room.
-        depth = min(bs - 1, sp.max_new_tokens - produced - 1)
-        room = info.max_seq_len - seq.length - 1
-        lookups = (lookup_branches(state.context, depth) if self.proposer in ("lookup", "tree+lookup") and depth > 0
-                   else [])
+        # Depth: a block's slots for the drafter; lookup branches may run deeper, up to the rows the engine's
+        # numerics probe checked; never more than the request still owes. Nodes: the budget and the engine's room.
+        owed = sp.max_new_tokens - produced - 1
+        numerics = getattr(eng, "numerics", None)
+        max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else bs
+        depth = min(bs - 1, owed)
+        room = min(info.max_seq_len - seq.length - 1, max_rows - 1)
+        lookups = (lookup_branches(state.context, min(max_rows - 1, owed))
+                   if self.proposer in ("lookup", "tree+lookup") and owed > 0 else [])
         logprobs, drafted = None, False
         if self.proposer in ("tree", "tree+lookup") and depth > 0 and (
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):

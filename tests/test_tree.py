@@ -108,8 +108,10 @@ def test_lookup_stats_score_is_a_product_of_survival_rates():
     stats = LookupStats(4)
     tree = build_tree(0, None, [[1, 2, 3]], top_k=0, max_nodes=10)
     stats.record(tree, [0, 1])  # depth 1 accepted, depth 2 proposed and rejected, depth 3 never reached
-    assert stats.score(1) == pytest.approx(2 / 3) and stats.score(2) == pytest.approx(2 / 3 * 1 / 3)
-    assert stats.score(3) == pytest.approx(2 / 3 * 1 / 3 * 1 / 2)
+    a, p = LookupStats.PRIOR  # pseudo-counts (accepted, proposed) per depth
+    assert stats.score(1) == pytest.approx((a + 1) / (p + 1))
+    assert stats.score(2) == pytest.approx((a + 1) / (p + 1) * a / (p + 1))
+    assert stats.score(3) == pytest.approx((a + 1) / (p + 1) * a / (p + 1) * a / p)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -217,10 +217,15 @@ class LookupStats:
         self.proposed = np.zeros(self.max_depth + 1)
         self.accepted = np.zeros(self.max_depth + 1)
 
+    # Prior of each depth's survival rate, as pseudo-counts (accepted, proposed): a lookup token whose parent was
+    # accepted is itself accepted about 4 times in 5 (SmolLM2 on held-out chat: given a right first token, prompt
+    # lookup accepts 5.55 of 7 drafts; smollm2-135m/README.md), so a request starts trusting lookups that deep.
+    PRIOR = (4.0, 5.0)
+
     def score(self, depth: int) -> float:
         """P(a lookup node at `depth` is accepted): the product of the per-depth survival rates up to it."""
         d = min(depth, self.max_depth)
-        rates = (self.accepted[1:d + 1] + 1.0) / (self.proposed[1:d + 1] + 2.0)
+        rates = (self.accepted[1:d + 1] + self.PRIOR[0]) / (self.proposed[1:d + 1] + self.PRIOR[1])
         return float(np.prod(rates))
 
     def record(self, tree: DraftTree, path: list[int], verified=None) -> None:

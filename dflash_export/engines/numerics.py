@@ -27,6 +27,9 @@ import numpy as np
 
 # Row floors tried, smallest first; a floor costs (floor - 1) extra rows on every one-token step.
 MAX_ROW_FLOOR = 4
+# Row counts a verify may take and the probe checks: 1..max(block_size, PROBE_ROWS) (lookup branches and draft trees
+# can be longer than a block); the runtime verifies no more rows than were probed (Numerics.max_rows).
+PROBE_ROWS = 16
 PROBE_PROMPT_TOKENS = 7
 PROBE_SEED = 20261202
 # The instruction-set features that decide which kernels ONNX Runtime's MLAS dispatches to on x86 (numpy's names).
@@ -76,6 +79,7 @@ class Numerics:
     bit_identical: bool            # verify rows == plain steps, every logit and K/V value, at that floor
     max_abs_diff: float            # largest |verify - plain| over logits and K/V at that floor (0.0 when identical)
     cpu: dict = field(default_factory=dict)
+    max_rows: int = 0              # verify row counts 1..max_rows were probed (the runtime verifies no more)
     onnxruntime: str = ""
     threads: int = 0
     tried: list = field(default_factory=list)  # [[floor, bit_identical, max_abs_diff], ...] in the order probed
@@ -115,24 +119,31 @@ def _probe_tokens(vocab: int, bs: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, vocab, PROBE_PROMPT_TOKENS), rng.integers(0, vocab, bs)
 
 
-def probe_floor(engine, floor: int) -> tuple[bool, float]:
-    """Run the probe with `engine.row_floor = floor`: (bit-identical?, max |verify - plain|).
+def probe_rows(engine) -> int:
+    """The most rows a verify of this engine may take: what the probe checks."""
+    return min(max(engine.info.block_size, PROBE_ROWS), engine.info.max_seq_len - PROBE_PROMPT_TOKENS - MAX_ROW_FLOOR)
+
+
+def probe_floor(engine, floor: int, rows=None) -> tuple[bool, float]:
+    """Run the probe with `engine.row_floor = floor`: (bit-identical?, max |verify - plain|) over verifies of every
+    row count 1..probe_rows(engine), or of the row counts `rows`.
 
     `engine` is an OrtEngine (or anything with its `_run_target` / `_logits` / `decode` and K/V buffers `t_kv`)."""
-    bs = engine.info.block_size
+    bs = probe_rows(engine)
+    rows = sorted(set(rows)) if rows else range(1, bs + 1)
     prompt, block = _probe_tokens(engine.info.vocab_size, bs)
     engine.row_floor = floor
     seq = engine.new_sequence(PROBE_PROMPT_TOKENS + 2 * bs + floor)
     engine.prefill(seq, prompt)
     start = seq.length
     verified = []
-    for m in range(1, bs + 1):  # every row count a verify step may take; nothing is committed
+    for m in rows:  # every row count a verify step may take; nothing is committed
         hidden, _ = engine._run_target(seq, block[:m], m)
-        verified.append((engine._logits(hidden), [kv[:, :, start:start + m].copy() for kv in seq.t_kv]))
-    plain = np.stack([engine.decode(seq, int(t)) for t in block])
-    plain_kv = [kv[:, :, start:start + bs] for kv in seq.t_kv]
+        verified.append((m, engine._logits(hidden), [kv[:, :, start:start + m].copy() for kv in seq.t_kv]))
+    plain = np.stack([engine.decode(seq, int(t)) for t in block[:max(rows)]])
+    plain_kv = [kv[:, :, start:start + max(rows)] for kv in seq.t_kv]
     worst = 0.0
-    for m, (logits, kv) in enumerate(verified, start=1):
+    for m, logits, kv in verified:
         worst = max(worst, float(np.max(np.abs(logits - plain[:m]))))
         for got, want in zip(kv, plain_kv):
             worst = max(worst, float(np.max(np.abs(got - want[:, :, :m]))))
@@ -167,21 +178,36 @@ def probe_tree(engine) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
-def choose_row_floor(engine, first: int = 1, threads: int = 0) -> Numerics:
+def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | None = None) -> Numerics:
     """Probe floors starting with `first` (the floor a build recorded), then the others smallest first; the first
-    bit-identical one wins, else the one with the smallest difference. Leaves `engine.row_floor` set to it."""
+    bit-identical one wins, else the one with the smallest difference. Leaves `engine.row_floor` set to it.
+
+    `recorded`: the build's own verdict (manifest `numerics`). When it was probed in full on a CPU with the same
+    instruction sets, the same ONNX Runtime and thread count, and found the floor bit-identical, a load re-checks the
+    row counts where kernels change paths (1, 2, 3, the floor, block_size - 1, block_size, block_size + 1, the most
+    probed) and keeps the recorded tree verdict: the kernels this process runs, at a fraction of the cost. Anything
+    else is probed in full."""
     import onnxruntime
 
-    order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, engine.info.block_size) + 1) if f != first]
+    cpu, bs, top = cpu_features(), engine.info.block_size, probe_rows(engine)
+    same_host = bool(recorded) and recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
+        and recorded.get("cpu", {}).get("isa") == cpu["isa"] and recorded.get("onnxruntime") == onnxruntime.__version__ \
+        and recorded.get("threads") == threads and recorded.get("max_rows") == top
+    rows = [r for r in {1, 2, 3, first, bs - 1, bs, bs + 1, top} if 1 <= r <= top] if same_host else None
+    order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, bs) + 1) if f != first]
     tried = []
     for floor in order:
-        same, diff = probe_floor(engine, floor)
+        same, diff = probe_floor(engine, floor, rows)
         tried.append([floor, same, diff])
         if same:
             break
+        rows = None  # the recorded floor failed here: a full probe from now on
     best = next((t for t in tried if t[1]), None) or min(tried, key=lambda t: t[2])
     engine.row_floor = best[0]
-    tree_same, tree_diff = probe_tree(engine)
-    return Numerics(row_floor=best[0], bit_identical=best[1], max_abs_diff=best[2], cpu=cpu_features(),
+    if rows is not None and "tree_bit_identical" in recorded:
+        tree_same, tree_diff = recorded["tree_bit_identical"], recorded.get("tree_max_abs_diff")
+    else:
+        tree_same, tree_diff = probe_tree(engine)
+    return Numerics(row_floor=best[0], max_rows=top, bit_identical=best[1], max_abs_diff=best[2], cpu=cpu,
                     onnxruntime=onnxruntime.__version__, threads=threads, tried=tried,
                     tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff)

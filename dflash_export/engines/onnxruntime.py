@@ -125,7 +125,8 @@ class _OrtSeq(Sequence):
 class OrtEngine(Engine):
     """Runs an engine directory written by `build_onnxruntime`.
 
-    kwargs: `threads` (intra-op threads, default: the usable cores); `spin` (let idle ORT workers spin; default off,
+    kwargs: `threads` (intra-op threads, default: the usable cores); `probe_full` (probe the kernels' numerics in full
+    even where the build probed this CPU: engines/numerics.py); `spin` (let idle ORT workers spin; default off,
     or DFLASH_ORT_SPIN=1: on a shared 2-core machine spinning made steps 2.5x slower, measured); `release_pages`
     (default on: see `_release_weight_pages`; off only to measure what it saves).
     """
@@ -133,7 +134,7 @@ class OrtEngine(Engine):
     accumulates_context = True
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None, spin: bool | None = None,
-                 release_pages: bool = True, **_):
+                 release_pages: bool = True, probe_full: bool = False, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         mpath = manifest.path
@@ -188,7 +189,8 @@ class OrtEngine(Engine):
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
         self.row_floor = manifest.flags.plain_step_rows
-        self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads)
+        self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
+                                         recorded=manifest.raw.get("numerics") if probe_full is False else None)
         if release_pages:  # what the probe read of the weight files goes back too
             self.released_bytes += _release_weight_pages(self.engine_dir)
         if not self.numerics.bit_identical:

@@ -88,7 +88,7 @@ def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None) -> N
     from dflash_export.engines.manifest import read_manifest
     from dflash_export.engines.onnxruntime import OrtEngine
 
-    engine = OrtEngine(engine_dir, read_manifest(engine_dir), threads=threads, release_pages=False)
+    engine = OrtEngine(engine_dir, read_manifest(engine_dir), threads=threads, release_pages=False, probe_full=True)
     try:
         numerics = engine.numerics
     finally:
