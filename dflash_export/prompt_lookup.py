@@ -52,6 +52,39 @@ def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequen
     return out
 
 
+class ContextIndex:
+    """`lookup_branches` over a growing context in O(1) per call: for every n-gram size, the latest start of each
+    n-gram that has a token after it (so it starts before any suffix of the same size), updated as tokens arrive."""
+
+    def __init__(self, context: Sequence[int] = (), ngram_sizes: Sequence[int] = TREE_NGRAM_SIZES):
+        self.tokens: list[int] = []
+        self.sizes = tuple(ngram_sizes)
+        self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.extend(context)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens) - 1  # the n-grams that end just before this token now have a continuation
+            for n in self.sizes:
+                if end >= n:
+                    self._latest[n][tuple(self.tokens[end - n:end])] = end - n
+
+    def branches(self, max_tokens: int) -> list[list[int]]:
+        """What `lookup_branches(self.tokens, max_tokens, sizes)` returns."""
+        out: list[list[int]] = []
+        size = len(self.tokens)
+        for n in self.sizes:
+            if size <= n:
+                continue
+            start = self._latest[n].get(tuple(self.tokens[size - n:]))
+            if start is not None:
+                branch = self.tokens[start + n:start + n + max_tokens]
+                if branch and branch not in out:
+                    out.append(branch)
+        return out
+
+
 def prompt_lookup_steps(prompt: Sequence[int], answer: Sequence[int], block_size: int,
                         ngram_sizes: Sequence[int] = NGRAM_SIZES) -> list[int]:
     """Tokens committed per step when prompt lookup drafts `answer` (after its first token) in blocks of

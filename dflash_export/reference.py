@@ -163,7 +163,7 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
                                                  d_cache)
             logprobs = draft_logits[0].float().numpy()  # build_tree normalizes the top-K it keeps per slot
         owed = max_new_tokens - len(tokens)
-        branches = lookup_branches(state.context, min(lookup_depth, owed)) if lookups else []
+        branches = lookup_branches(state.context.tokens, min(lookup_depth, owed)) if lookups else []
         full = build_tree(tokens[-1], logprobs, branches, top_k=top_k, max_nodes=min(max_nodes, lookup_depth),
                           lookup_scores=state.lookups.score)
         spine = full.best_chain()

@@ -16,7 +16,6 @@ import numpy as np
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions, TreeState, build_tree
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.prompt_lookup import lookup_branches
 from dflash_export.sampling import probs_from_logits, sample_from, verify_length
 
 
@@ -261,7 +260,7 @@ class DFlashRuntime:
         max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else bs
         depth = min(bs - 1, owed)
         room = min(info.max_seq_len - seq.length - 1, max_rows - 1)
-        lookups = (lookup_branches(state.context, min(max_rows - 1, owed))
+        lookups = (state.context.branches(min(max_rows - 1, owed))
                    if self.proposer in ("lookup", "tree+lookup") and owed > 0 else [])
         logprobs, drafted = None, False
         if self.proposer in ("tree", "tree+lookup") and depth > 0 and (

@@ -82,6 +82,23 @@ def test_lookup_branches_of_the_context():
     assert lookup_branches([1, 2, 3], 2) == []
 
 
+def test_the_incremental_context_index_finds_what_the_scan_finds():
+    """ContextIndex (O(1) per step) against lookup_branches' backward scan, on contexts that grow a token or a
+    few at a time over a small vocabulary (many repeats)."""
+    from dflash_export.prompt_lookup import ContextIndex
+
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        ctx = [int(t) for t in rng.integers(0, 4, int(rng.integers(0, 12)))]
+        index = ContextIndex(ctx)
+        for _ in range(40):
+            new = [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 4)))]
+            ctx += new
+            index.extend(new)
+            for k in (1, 3, 15):
+                assert index.branches(k) == lookup_branches(ctx, k), (ctx, k)
+
+
 def test_greedy_accept_walks_the_target_s_argmax():
     tree = build_tree(0, None, [[1, 2, 3], [1, 5], [6]], top_k=0, max_nodes=10)
     idx = {tuple(tree.tokens[j] for j in tree.path(i)[1:]): i for i in range(len(tree))}

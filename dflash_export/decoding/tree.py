@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_export.prompt_lookup import ContextIndex
+
 # What a greedy DFlash step proposes: the drafter's block as drafted ("chain"), a tree grown from its per-slot
 # distributions, the context's lookup branches, or a tree holding both; and how a tree is verified: its best path as
 # a chain ("spine"), or every node in one target pass ("full").
@@ -249,7 +251,7 @@ class TreeState:
     EXPLORE_EVERY = 8  # a skipped drafter still runs every 8th step with a lookup, so its running mean stays current
 
     def __init__(self, context, max_depth: int):
-        self.context = [int(t) for t in context]
+        self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         self.lookups = LookupStats(max_depth)
         self.drafter_gain = 1.0  # optimistic until measured
         self._skipped = 0

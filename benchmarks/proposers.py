@@ -1,0 +1,99 @@
+"""What each way of proposing drafts buys on one engine: τ, tok/s and the ratio against plain decoding on the same
+engine, with every mode run on the same prompt before the next prompt (interleaved: the machine's load drifts, the
+ratios stay fair), each checked token for token against plain decoding, next to the prompt-lookup yardstick.
+
+    python benchmarks/proposers.py --engine engines/smollm2-135m/onnxruntime --prompts 50 --max-new-tokens 256
+
+Modes: ar (plain decoding), chain (the drafter's block), lookup (the context's n-gram continuations), tree (a tree
+from the drafter's per-slot top-K), tree+lookup (both; its best path verified as a chain), tree+lookup-full (every
+node verified in one pass). Prompts: validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19
+chose the shipped drafter's checkpoint). Not a test: minutes to hours on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODES = {"ar": None, "chain": {"proposer": "chain"}, "lookup": {"proposer": "lookup"},
+         "tree": {"proposer": "tree"}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine"},
+         "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.numerics import cpu_features, isa_label
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.prompt_lookup import prompt_lookup_tau
+    from dflash_export.runtime import DFlashRuntime
+
+    modes = [m.strip() for m in args.modes.split(",")]
+    if "ar" not in modes:
+        modes.insert(0, "ar")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"unknown mode(s) {unknown} (known: {', '.join(MODES)})")
+    engine = load_engine(args.engine, threads=args.threads)
+    runtimes = {m: DFlashRuntime(engine, **(MODES[m] or {})) for m in modes}
+    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
+    rows = rows[args.skip:args.skip + args.prompts]
+    sums = {m: {"s": 0.0, "tokens": 0, "steps": 0, "committed": 0, "verified": 0, "identical": 0} for m in modes}
+    pairs = []
+    t0 = time.time()
+    for i, row in enumerate(rows):
+        ids = runtimes["ar"].encode(row["prompt"])
+        outs = {}
+        for m in modes:
+            st = runtimes[m].generate(ids, SamplingParams(max_new_tokens=args.max_new_tokens),
+                                      "ar" if m == "ar" else "dflash")
+            outs[m] = st.tokens
+            s = sums[m]
+            s["s"] += st.total_s
+            s["tokens"] += len(st.tokens)
+            s["steps"] += len(st.acceptance_lengths)
+            s["committed"] += sum(st.acceptance_lengths)
+            s["verified"] += st.drafted_tokens
+        for m in modes:
+            sums[m]["identical"] += outs[m] == outs["ar"]
+        pairs.append((ids, outs["ar"]))
+        print(f"\r{i + 1}/{len(rows)} prompts, {time.time() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    cpu = cpu_features()
+    yard = prompt_lookup_tau(pairs, engine.info.block_size)
+    print(f"{args.engine}: {len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
+          f"{args.max_new_tokens} new tokens, greedy; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
+          f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): {yard:.3f}")
+    ar_rate = sums["ar"]["tokens"] / sums["ar"]["s"]
+    report = {"engine": args.engine, "prompts": len(rows), "max_new_tokens": args.max_new_tokens, "cpu": cpu,
+              "tau_prompt_lookup": yard, "modes": {}}
+    print(f"{'mode':18s} {'tau':>6s} {'tok/s':>7s} {'vs AR':>6s} {'verified/step':>14s} {'identical':>10s}")
+    for m in modes:
+        s = sums[m]
+        rate = s["tokens"] / s["s"]
+        tau = s["committed"] / max(1, s["steps"])
+        report["modes"][m] = {"tau": tau, "tok_s": rate, "vs_ar": rate / ar_rate,
+                              "verified_per_step": s["verified"] / max(1, s["steps"]),
+                              "identical": f"{s['identical']}/{len(rows)}"}
+        print(f"{m:18s} {tau:6.3f} {rate:7.1f} {rate / ar_rate:5.2f}x {s['verified'] / max(1, s['steps']):14.2f} "
+              f"{s['identical']:>6d}/{len(rows)}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
