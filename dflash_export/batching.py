@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_export.decoding.tree import DraftTree, TreeState, build_tree
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
@@ -86,6 +87,12 @@ class _Active:
         self.drafts: np.ndarray | None = None
         self.draft_probs = None
         self.block_len = 0
+        # Greedy requests whose proposer has lookup branches (decoding/tree.py): the context index and lookup stats,
+        # and this step's proposal -- the best path of a tree of the drafter's block and the lookups -- with each
+        # draft's chance of acceptance (what _choose_rows weighs instead of the drafter's confidences).
+        self.state: TreeState | None = None
+        self.spine: tuple[DraftTree, list[int], bool] | None = None  # tree, best path, drafter in it
+        self.spine_scores: np.ndarray | None = None
 
     @property
     def produced(self) -> int:
@@ -99,13 +106,19 @@ class BatchingRuntime:
     module docstring for the scheduling rule."""
 
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
-                 verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7):
+                 verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7,
+                 proposer: str | None = None):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
         self.batch = batched_engine(engine, max_batch)  # the engine's backend's (engines.registry)
         self.info = engine.info
         self.codec = engine.codec
-        self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip)  # its checks/costs
+        self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip,  # its checks/costs
+                                     proposer=proposer)
+        # Greedy steps propose lookup branches too when the engine's proposer has them; whole trees are not verified
+        # in a batch: each sequence verifies its tree's best path, as DFlashRuntime's "spine" mode does.
+        self.lookups = self._single.proposer in ("lookup", "tree+lookup")
+        self.drafter = self._single.proposer != "lookup"
         self.adaptive = adaptive
         self.a = self._single.verify_token_cost
         self.draft_cost = self._single.draft_cost
@@ -230,6 +243,8 @@ class BatchingRuntime:
         logits = self.batch.prefill([a.seq for a in joiners], [a.req.prompt_ids for a in joiners])
         for act, row in zip(joiners, logits):
             act.last = _pick(row, act.req.sp, act.rng)
+            if self.lookups and act.req.mode == "dflash" and act.req.sp.greedy:
+                act.state = TreeState(act.req.prompt_ids + [act.last], 2 * self.info.block_size)
             act.req.stats.ttft_s = time.perf_counter() - act.req.submitted_s
             if self._emit(act, [act.last], None).finished:
                 self._finish(act)
@@ -245,6 +260,7 @@ class BatchingRuntime:
         acts.sort(key=lambda a: a.seq.slot)
         drafting, probe = self._drafting(acts)
         draft_cost = self._draft(drafting) if drafting else 0.0
+        self._propose_lookups(acts)
         s = self._choose_rows(acts, drafting)
         blocks = [self._block(a, s) for a in acts]
         logits = self.batch.target_step([a.seq for a in acts], blocks)
@@ -257,6 +273,8 @@ class BatchingRuntime:
             tokens += accept + 1
             ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
             a.req.stats.acceptance_lengths.append(len(ev.tokens) if a.req.mode == "dflash" else 1)
+            if a.state is not None:
+                a.state.context.extend(ev.tokens)
             if ev.finished:
                 done.append(a)
         for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
@@ -292,9 +310,11 @@ class BatchingRuntime:
                 self._since_draft = 0
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
-            a.n_draft, a.drafts, a.draft_probs = 0, None, None
+            a.n_draft, a.drafts, a.draft_probs, a.spine, a.spine_scores = 0, None, None, None, None
             sp = a.req.sp
             if a.req.mode != "dflash":
+                continue
+            if sp.greedy and not self.drafter:  # lookups only (_propose_lookups)
                 continue
             if sp.greedy and a is not probe and (a.skip > 0 or not batch_may_draft):
                 a.skip = max(0, a.skip - 1)
@@ -322,12 +342,34 @@ class BatchingRuntime:
         self._learn_from_drafts(drafting)
         return draft_cost
 
+    def _propose_lookups(self, acts: list[_Active]) -> None:
+        """For greedy sequences with lookups: this step's drafts become the best path of a tree of the drafter's
+        block (when it drafted) and the context's lookup branches, no deeper than a block."""
+        bs = self.info.block_size
+        for a in acts:
+            if a.state is None:
+                continue
+            depth = min(bs - 1, a.req.sp.max_new_tokens - a.produced - 1)
+            branches = a.state.context.branches(depth) if depth > 0 else []
+            logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
+            if not branches and logits is None:
+                continue
+            tree = build_tree(a.last, logits, branches, top_k=1, max_nodes=bs - 1,
+                              lookup_scores=a.state.lookups.score)
+            spine = tree.best_chain()
+            if len(spine) < 2:
+                continue
+            a.spine = (tree, spine, logits is not None)
+            a.drafts = np.asarray([tree.tokens[i] for i in spine[1:]], np.int64)
+            a.spine_scores = np.asarray([tree.scores[i] for i in spine[1:]], np.float64)
+            a.block_len = len(spine)
+
     def _block(self, a: _Active, s: int) -> np.ndarray:
         """The rows this sequence verifies in a target call of `s` rows: its last token, then its drafts (sets
         `a.n_draft`)."""
         if a.drafts is not None:
             cap = a.block_len - 1
-            if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
+            if a.req.sp.greedy and self.adaptive and (a.spine is not None or a.seq.draft_confidence is not None):
                 cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
                 a.n_draft = max(0, min(s - 1, cap))
             else:
@@ -349,6 +391,9 @@ class BatchingRuntime:
         u = None if sp.greedy else a.rng.random(self.info.block_size)
         probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
         accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
+        if a.spine is not None:
+            tree, spine, drafted = a.spine
+            a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
         a.req.stats.drafted_tokens += a.n_draft
         self.rows_verified += a.n_draft
         if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
@@ -386,7 +431,15 @@ class BatchingRuntime:
         """S, the rows of this step's target call (see the module docstring)."""
         s = 1
         scored = []
+        spines = [a for a in acts if a.spine_scores is not None]
+        for a in spines:  # each draft's chance of acceptance along its tree's best path (already cumulative)
+            if self.adaptive:
+                scored.append(a.spine_scores)
+            else:
+                s = max(s, a.block_len)
         for a in drafting:
+            if a in spines:
+                continue
             if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
                 room = min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1)
                 scored.append(np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64)))

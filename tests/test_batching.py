@@ -154,6 +154,27 @@ def test_continuous_batching_greedy_tokens_equal_reference_and_alone(built, refe
     assert max(max(r.stats.acceptance_lengths) for r in reqs) > 2
 
 
+@pytest.mark.parametrize("proposer", ["lookup", "tree+lookup"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_batched_lookup_branches_decode_as_the_reference(built, reference, proposer, adaptive):
+    """Greedy requests whose steps propose the context's lookup branches (merged with the drafter's block for
+    tree+lookup) in a batch of at most 3, sampled ones drafting chains beside them: greedy tokens are the
+    reference's, lookups get accepted on the repetitive prompts, sampled tokens are those of the request alone."""
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=3, adaptive=adaptive, proposer=proposer)
+    sps = [SamplingParams(max_new_tokens=48) for _ in PROMPTS]
+    sps[2] = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3)
+    reqs = [rt.submit(p, sp) for p, sp in zip(PROMPTS, sps)]
+    while not rt.idle:
+        rt.step()
+    for i, (req, ref, sp) in enumerate(zip(reqs, reference, sps)):
+        if sp.greedy:
+            assert req.stats.tokens == ref[:48], PROMPTS[i]
+        else:
+            assert req.stats.tokens == DFlashRuntime(eng).generate(PROMPTS[i], sp).tokens
+    assert max(max(r.stats.acceptance_lengths) for r in reqs) > 2  # lookups accepted somewhere
+
+
 def test_continuous_batching_mixed_modes_and_plain(built, reference):
     """DFlash, plain decoding and sampled requests in one batch (with the real, random drafter)."""
     _, eng, _ = built
@@ -218,6 +239,7 @@ def test_scheduler_verifies_less_as_load_grows(built):
             a.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100)})()
             a.emit, a.block_len = type("E", (), {"produced": 0})(), bs  # nothing produced yet
             a.seq = type("S", (), {"draft_confidence": conf})()
+            a.spine_scores = None  # no lookup branch: the drafter's confidences decide
             out.append(a)
         return out
 
