@@ -144,6 +144,8 @@ class DFlashRuntime:
 
     def describe(self, temperature: float = 0.0) -> str:
         """What a DFlash step of this runtime proposes, in a few words (run's and the demo's summary line)."""
+        if self.proposer != "chain" and self.full_last_block:
+            return "chain (this engine verifies fixed blocks: no trees or lookups)"
         if temperature > 0 or self.proposer == "chain":
             return "chain" + (" (sampling drafts chains)" if temperature > 0 and self.proposer != "chain" else "")
         tree = f"K {self.tree_top_k}, <= {self.tree_nodes} nodes" if "tree" in self.proposer else \
@@ -188,7 +190,7 @@ class DFlashRuntime:
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
         backoff = sp.greedy and self.adaptive and eng.accumulates_context
-        trees = mode == "dflash" and sp.greedy and self.proposer != "chain"
+        trees = mode == "dflash" and sp.greedy and self.proposer != "chain" and not self.full_last_block
         if trees:
             state = TreeState(list(prompt_ids) + [last], 2 * bs)
         while True:
@@ -266,7 +268,7 @@ class DFlashRuntime:
         if self.proposer in ("tree", "tree+lookup") and depth > 0 and (
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
             seq.draft_logits = None
-            eng.draft(seq, last, sp, None, block_len=bs if self.full_last_block else depth + 1)
+            eng.draft(seq, last, sp, None, block_len=depth + 1)
             drafted = seq.draft_logits is not None
             if drafted:  # build_tree normalizes the top-K it keeps per slot
                 logprobs = seq.draft_logits[:depth]

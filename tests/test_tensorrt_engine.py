@@ -59,6 +59,19 @@ def test_greedy_dflash_and_ar_equal_reference_and_ort_engine(engines):
         assert DFlashRuntime(ort_eng).generate(prompt, sp).tokens == ref, ("onnxruntime engine", prompt)
 
 
+def test_a_fixed_block_engine_asked_for_trees_drafts_chains(engines):
+    """The graph engine (TensorRT's runner logic) verifies blocks of exactly block_size: asked for tree+lookup it
+    drafts the chain, says so, and decodes the reference's tokens."""
+    from dflash_export.reference import ar_generate
+
+    eng, _, torch_eng = engines
+    rt = DFlashRuntime(eng, proposer="tree+lookup")
+    assert rt.describe().startswith("chain (this engine verifies fixed blocks")
+    for prompt in PROMPTS:
+        sp = SamplingParams(max_new_tokens=40)
+        assert rt.generate(prompt, sp).tokens == ar_generate(torch_eng.target, prompt, 40).tokens, prompt
+
+
 def test_seeded_sampling_equals_ort_and_torch_engines(engines):
     """Same seed, same uniforms consumed in the same order: the same tokens and acceptance lengths."""
     eng, ort_eng, torch_eng = engines
