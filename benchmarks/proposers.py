@@ -35,7 +35,17 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--grid", action="store_true",
+                    help="instead of --modes: the curve of whole-tree verification without the cost model, drafter "
+                         "top-K 1, 2, 4 x node budget 4, 8, 15 (tree+lookup, every node verified; 15 nodes + the root "
+                         "are the rows the numerics probe checks)")
     args = ap.parse_args()
+    if args.grid:
+        for k in (1, 2, 4):
+            for n in (4, 8, 15):
+                MODES[f"K{k}-N{n}"] = {"proposer": "tree+lookup", "tree_mode": "full", "adaptive": False,
+                                        "tree_top_k": k, "tree_nodes": n}
+        args.modes = ",".join(m for m in MODES if m.startswith("K"))
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.registry import load_engine
