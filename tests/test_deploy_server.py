@@ -272,10 +272,10 @@ def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
     busy = held.getsockname()[1]
     a, b, c = free_ports(3)
     cases = [
-        (dict(http_port=a, grpc_port=a, metrics_port=c), "--grpc-port: "),
+        (dict(http_port=a, grpc_port=a, metrics_port=c, grpc=True), "--grpc-port: "),
         (dict(http_port=a, grpc_port=b, metrics_port=a), "--metrics-port: "),
         (dict(http_port=0, grpc_port=b, metrics_port=c), "--http-port: must be in 1..65535"),
-        (dict(http_port=a, grpc_port=70000, metrics_port=c), "--grpc-port: must be in 1..65535"),
+        (dict(http_port=a, grpc_port=70000, metrics_port=c, grpc=True), "--grpc-port: must be in 1..65535"),
         (dict(http_port=busy, grpc_port=b, metrics_port=c), f"--http-port: port {busy} is already in use"),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="999.1.1.1"), "--host: not a valid IPv4 address"),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="::1"), "--host: "),
