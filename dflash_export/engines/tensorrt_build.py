@@ -219,7 +219,7 @@ def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
 def refuse_masked_drafter(config, where) -> None:
     """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
     TensorRT plugin or Triton kernel yet; DFlash 2's candidate selector has no host walk in the TensorRT engine yet.
-    Both refused by name before anything is built (issue #17)."""
+    Both refused by name before anything is built."""
     if config.is_dflash2:
         raise DFlashError("DFlash 2 drafters: the TensorRT engine has no candidate selector yet; use --backend "
                           "onnxruntime", path=where, field="architectures")
