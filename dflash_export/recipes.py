@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
 from dflash_export.errors import DFlashError
-from dflash_export.sources import split_pkg_spec
+from dflash_export.sources import hf_snapshot, is_hf_id, split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -99,14 +100,31 @@ class Recipe:
     path: Path | None = None                 # the YAML file it came from
 
     def resolve(self, value: str) -> str:
-        """Paths relative to the recipe file; schemes (tiny:, pkg:) and absolute paths unchanged."""
+        """Paths relative to the recipe file; schemes (tiny:, pkg:), absolute paths and Hugging Face ids found in the
+        local cache (`Qwen/Qwen3-8B`, see sources.hf_snapshot) as they are. Every unset environment variable of the
+        pair is named at once."""
         if value.startswith(("tiny:", "pkg:")):
             return value
+        missing = self.missing_environment()
+        if missing:
+            raise DFlashError("environment variable" + ("s " if len(missing) > 1 else " ") + ", ".join(
+                f"{var} ({key})" for var, key in missing) + (" are" if len(missing) > 1 else " is") +
+                " not set: point them at the local checkpoints (see the comment at the top of the recipe), or "
+                "give --target / --drafter", path=self.path, field="target" if value == self.target else "drafter")
         v = os.path.expandvars(os.path.expanduser(value))
-        if "$" in v:
-            raise DFlashError(f"environment variable in {value!r} is not set (see the comment at the top of the "
-                              f"recipe)", path=self.path, field="target" if value == self.target else "drafter")
-        return v if os.path.isabs(v) else str((self.path.parent / v).resolve())
+        base = self.path.parent if self.path is not None else Path.cwd()
+        if is_hf_id(v) and not (base / v).exists():
+            return str(hf_snapshot(v, field="target" if value == self.target else "drafter"))
+        return v if os.path.isabs(v) else str((base / v).resolve())
+
+    def missing_environment(self) -> list[tuple[str, str]]:
+        """(variable, key) for every ${VAR} / $VAR in target and drafter that is not set."""
+        out = []
+        for key in ("target", "drafter"):
+            for m in re.finditer(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", getattr(self, key)):
+                if m.group(1) not in os.environ:
+                    out.append((m.group(1), key))
+        return out
 
     @property
     def target_path(self) -> str:
@@ -159,8 +177,39 @@ def _build(cls, data: dict, path: Path, prefix: str = ""):
     return cls(**kwargs)
 
 
-def load_recipe(name_or_path) -> Recipe:
-    """`smollm2-135m` (from recipes/) or a path to a YAML file."""
+def load_recipe(name_or_path=None, target: str | None = None, drafter: str | None = None) -> Recipe:
+    """`smollm2-135m` (from recipes/) or a path to a YAML file; `target` / `drafter` (a path, a Hugging Face id in
+    the local cache, tiny:, pkg:) replace the recipe's. Without a recipe, both make one with the defaults, named after
+    the drafter (`build --target T --drafter D`: a pair without writing YAML)."""
+    import yaml
+
+    target, drafter = _cli_source(target), _cli_source(drafter)
+    if name_or_path is None:
+        if not (target and drafter):
+            raise DFlashError("give --recipe, or --target and --drafter for a pair without a recipe",
+                              field="--recipe")
+        name = re.sub(r"[^A-Za-z0-9_.\-]+", "-", str(drafter).rstrip("/").split("/")[-1].split(":")[-1]) or "pair"
+        recipe = Recipe(name=name.lower()[:60], target=target, drafter=drafter)  # path None: no recipe file
+        _check_ranges(recipe, Path("--target/--drafter"))
+        return recipe
+    recipe = _load_recipe_file(name_or_path)
+    if target:
+        recipe.target = target
+    if drafter:
+        recipe.drafter = drafter
+    return recipe
+
+
+def _cli_source(value: str | None) -> str | None:
+    """A source given on the command line: a local path made absolute (relative to the working directory, not to a
+    recipe file); schemes and Hugging Face ids as they are."""
+    if not value or value.startswith(("tiny:", "pkg:")) or "$" in value:
+        return value
+    v = os.path.expanduser(value)
+    return v if is_hf_id(v) else str(Path(v).resolve())
+
+
+def _load_recipe_file(name_or_path) -> Recipe:
     import yaml
 
     p = Path(str(name_or_path))

@@ -1,9 +1,12 @@
-"""Where models come from: plain paths (with ~ and $VARS), `tiny:<name>` pairs built on the fly, and `pkg:<dist>`
-files shipped inside installed Python packages (located through importlib metadata, never a hard-coded path)."""
+"""Where models come from: plain paths (with ~ and $VARS), Hugging Face ids (`Qwen/Qwen3-8B`) found in the local
+Hugging Face cache (never fetched: this tool does not talk to a hub), `tiny:<name>` pairs built on the fly, and
+`pkg:<dist>` files shipped inside installed Python packages (located through importlib metadata, never a hard-coded
+path)."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
@@ -34,8 +37,45 @@ def split_pkg_spec(spec: str, path=None, field: str | None = None) -> tuple[str,
     return parts[1], parts[2]
 
 
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*(?:@[A-Za-z0-9_.\-/]+)?$")
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub (XDG_CACHE_HOME honoured)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def is_hf_id(spec: str) -> bool:
+    """`org/name[@revision]` that is not a path that exists (a local directory of that name wins)."""
+    return bool(HF_ID.match(spec)) and not Path(spec.split("@")[0]).exists()
+
+
+def hf_snapshot(repo_id: str, field: str | None = None) -> Path:
+    """The local snapshot of a Hugging Face model id (`org/name`, or `org/name@revision`: a branch, tag or commit),
+    in huggingface_hub's cache layout (models--org--name/refs/<rev> -> snapshots/<commit>/). Offline; when it is not
+    there, one line saying how to fetch it."""
+    repo, _, rev = repo_id.partition("@")
+    rev = rev or "main"
+    root = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    commit = rev
+    ref = root / "refs" / rev
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    snap = root / "snapshots" / commit
+    if not root.is_dir() or not snap.is_dir():
+        raise DFlashError(f"{repo_id} is not in the local Hugging Face cache ({hf_cache_dir()}); fetch it where a hub "
+                          f"is reachable with `hf download {repo}{'' if rev == 'main' else f' --revision {rev}'}` "
+                          "(HF_HUB_CACHE / HF_HOME choose the cache), or give a local path", field=field)
+    return snap
+
+
 def resolve_source(spec) -> Path:
-    """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, or a filesystem path."""
+    """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, a Hugging Face id in the local cache, or a filesystem
+    path."""
     s = str(spec)
     if s.startswith("tiny:"):
         from dflash_export.tiny import tiny_pair_path
@@ -43,4 +83,7 @@ def resolve_source(spec) -> Path:
         return tiny_pair_path(s[len("tiny:"):])
     if s.startswith("pkg:"):
         return package_file(*split_pkg_spec(s))
-    return Path(os.path.expandvars(os.path.expanduser(s)))
+    s = os.path.expandvars(os.path.expanduser(s))
+    if is_hf_id(s):
+        return hf_snapshot(s)
+    return Path(s)

@@ -17,7 +17,12 @@ from dflash_export.runtime import DFlashRuntime, RunStats
 
 
 @click.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--recipe", default=None, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--target", default=None,
+              help="The target instead of the recipe's: an HF directory, a .gguf file or a Hugging Face id in the "
+                   "local cache (Qwen/Qwen3-8B). With --drafter and no --recipe: a pair without writing YAML.")
+@click.option("--drafter", default=None, help="The drafter instead of the recipe's (a z-lab checkpoint directory or a "
+                                             "Hugging Face id in the local cache).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
@@ -32,16 +37,26 @@ from dflash_export.runtime import DFlashRuntime, RunStats
 @click.option("--max-batch", type=click.IntRange(1), default=None,
               help="tensorrt: the most sequences per call the continuous-batching engines' profiles take (default 8; "
                    "deploy --max-batch may not pass it).")
-def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
+def build(recipe, target, drafter, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
     """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
 
-    r = load_recipe(recipe)
+    r = load_recipe(recipe, target=target, drafter=drafter)
     res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
                        max_batch)
+    from dflash_export.engines.manifest import read_manifest
+
+    m = read_manifest(res.engine_dir)
+    weights = ""
+    if m.precision:
+        p = m.precision
+        weights = f"{p['target']} weights" + (f" (drafter {p['drafter']})" if p["drafter"] != p["target"] else "")
+        if r.dtype != "float32":
+            weights += f", from a {r.dtype} checkpoint"
+        weights += "; "
     Console(highlight=False).print(
         f"{'reused' if res.reused else 'built'} {res.engine_dir} "
-        f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+        f"({weights}{'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
 
 
 @click.command()

@@ -58,9 +58,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     check_output_dir(out_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     if draft_vocab is not None and draft_vocab < 2:
         raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
-    if recipe.dtype != "float32":
-        raise DFlashError(f"the onnxruntime backend builds float32 engines (recipe asks {recipe.dtype})",
-                          path=recipe.path, field="dtype")
+    # The CPU backend computes in float32 whatever the checkpoint's dtype (a bfloat16 / float16 checkpoint is widened,
+    # exactly); `--precision int8 / int4` quantizes the weights from there. The manifest records both.
     target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
     dspec = drafter.spec(recipe.block_size)
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
@@ -183,7 +182,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
         "stop_token_ids": list(target.stop_token_ids),
         "vocab_size": spec.vocab_size,
         "dtypes": {"weights": "float32" if set(precisions.values()) == {"fp32"} else "mixed",
-                   "activations": "float32", "kv_cache": "float32"},
+                   "activations": "float32", "kv_cache": "float32", "checkpoint": recipe.dtype},
         "precision": precisions,
         "quantization": quantization,
         "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
