@@ -185,13 +185,15 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         for m, r in results.items():
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
-    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)")
-    for col in ("mode", "tok/s", "ms/token", "tau", "prompt-lookup tau", "drafts verified/step", "peak RSS MB",
-                "identical"):
-        table.add_column(col)
-    names = {"dflash": "(a) DFlash, engine", "dflash-full": "(a') DFlash, engine, full blocks",
-             "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate",
-             **{m: f"DFlash {m}, engine" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
+    # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
+    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)",
+                  caption="lookup tau: prompt lookup replayed on the same tokens; drafts: verified per step",
+                  padding=(0, 1))
+    for col in ("mode", "tok/s", "ms/tok", "tau", "lookup tau", "drafts", "RSS MB", "same"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
+             "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
+             **{m: f"DFlash {m}" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
         lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""

@@ -29,7 +29,8 @@ class Thresholds:
 
     min_identical_fraction: float = 1.0      # greedy engine DFlash output == reference AR, fraction of prompts
     min_tau: float = 1.0                     # mean accepted tokens per step
-    min_speedup_vs_ar: float = 0.0           # engine DFlash tok/s over engine AR tok/s
+    min_speedup_vs_ar: float = 1.0           # engine DFlash tok/s over engine AR tok/s: DFlash no slower than plain
+                                             # decoding on the same engine unless a recipe sets a lower floor
     min_speedup_vs_reference: float = 0.0    # engine DFlash tok/s over PyTorch reference spec_generate tok/s
     min_distribution_p_value: float = 1e-3   # T>0 chi-square test
     logits_atol: float = 1e-4                # export parity tolerance (fp32)

@@ -53,14 +53,17 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["summary"].keys() == s.keys()
 
 
-def test_bench_compares_the_proposers_on_one_engine(built):
+def test_bench_compares_the_proposers_on_one_engine(built, monkeypatch, capsys):
     """Every proposer mode decodes the target's own output (identical to plain decoding on the engine), each with
-    the prompt-lookup yardstick on its tokens and its ratio against AR."""
+    the prompt-lookup yardstick on its tokens and its ratio against AR; the table fits an 80-column terminal."""
     from dflash_export.bench import run_bench
 
     recipe, out, _, _ = built
+    monkeypatch.setenv("COLUMNS", "80")
     modes = ["ar", "chain", "tree", "lookup", "tree+lookup", "tree+lookup-full"]
     report = run_bench(str(recipe.path), str(out), None, 2, 16, modes, None)
+    table = [ln for ln in capsys.readouterr().out.splitlines() if "│" in ln or "┃" in ln]
+    assert len(table) == len(modes) + 1 and max(len(ln) for ln in table) <= 80, "\n".join(table)
     s = report["summary"]
     for mode in modes[1:]:
         assert s[mode]["identical_to_ar"] == "2/2" and "tau_prompt_lookup" in s[mode], mode

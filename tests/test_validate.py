@@ -594,8 +594,11 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
                                     "3", "--max-new-tokens", str(MAX_NEW), "--dist-samples", "30", "--no-progress",
                                     "--report", "rep"])
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes
-    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau"}, res.output
+    # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes;
+    # and on a tiny model a DFlash step costs more than it saves (the default floor of 1.0x then fails, and says so)
+    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau", "speedup_vs_ar"}, res.output
+    if any(t["name"] == "speedup_vs_ar" and t["value"] < 1 for t in rep["thresholds"]):
+        assert "DFlash slower than plain decoding on this engine" in res.output
     g = rep["greedy"]
     assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
     assert g["judged_against"] == "the engine's own plain decoding"

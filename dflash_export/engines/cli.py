@@ -41,9 +41,24 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
     """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
 
+    import time
+
+    from dflash_export.engines import ort_build
+
     r = load_recipe(recipe, target=target, drafter=drafter)
-    res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
-                       max_batch)
+    console = Console(stderr=True, highlight=False)
+    t0 = time.monotonic()
+    with console.status(f"building {r.name} ({backend})") as status:
+        def stage(text):
+            console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
+            status.update(f"{text} ...")
+
+        ort_build.report_stages(stage if console.is_terminal else None)
+        try:
+            res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
+                               max_batch)
+        finally:
+            ort_build.report_stages(None)
     from dflash_export.engines.manifest import read_manifest
 
     m = read_manifest(res.engine_dir)

@@ -41,6 +41,20 @@ from dflash_export.recipes import PRECISIONS
 from dflash_export.sources import resolve_source
 
 
+_stage_reporter = None  # set by the CLI (build's progress line); None: silent
+
+
+def report_stages(fn) -> None:
+    """Have each long step of the build named to `fn(text)` as it starts (None: silent)."""
+    global _stage_reporter
+    _stage_reporter = fn
+
+
+def _stage(text: str) -> None:
+    if _stage_reporter is not None:
+        _stage_reporter(text)
+
+
 def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
                       precision: str | None = None, drafter_precision: str | None = None,
                       quantize_heads: bool | None = None) -> Path:
@@ -60,6 +74,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
     # The CPU backend computes in float32 whatever the checkpoint's dtype (a bfloat16 / float16 checkpoint is widened,
     # exactly); `--precision int8 / int4` quantizes the weights from there. The manifest records both.
+    _stage("loading the target and the drafter")
     target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
     dspec = drafter.spec(recipe.block_size)
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
@@ -67,6 +82,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
                           "whole vocabulary)", path=recipe.path, field="draft_vocab")
     with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
+        _stage("exporting and optimizing the graphs")
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
@@ -77,6 +93,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         if selector:
             manifest["selector"] = selector
         write_manifest(tmp, manifest)
+        _stage("probing this CPU's kernels (verify rows against plain steps)")
         _record_numerics(tmp, manifest, threads)
     return out_dir
 
@@ -149,6 +166,7 @@ def _quantize_graphs(tmp: Path, precisions: dict[str, str], manifest_shared: dic
         if (tmp / fname).is_file() and precisions[role] != "fp32":
             if role in ("lm_head", "draft_head"):
                 _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
+            _stage(f"quantizing {fname} to {precisions[role]}")
             quantization[role] = quantize_graph(tmp / fname, precisions[role])
     return quantization
 

@@ -34,7 +34,8 @@ class ValidateOptions:
     top_k: int = 0
     top_p: float = 0.9                # < 1: a nucleus fault shows
     dist_prompts: int = 2             # prompts the distribution check samples from
-    dist_samples: int = 300           # seeds per prompt (power calculation: README "The T>0 distribution check")
+    dist_samples: int = 300           # seeds per prompt (power calculation: docs/stages.md "The T>0 distribution
+                                      # check"); `validate` defaults to a quick 40, `--full` to 300
     dist_tokens: int | None = None    # tokens per sample; default block_size + 1 (prefill token + one DFlash step)
     dist_seed: int = 0                # offsets every sampled run's seed (0: the documented default stream)
     warmup: int = 1                   # untimed generations before timing
@@ -122,10 +123,12 @@ class _Progress:
         self.bar = None
         if enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                console=Console(stderr=True), transient=True)
             self.task = self.bar.add_task("validate", total=total)
 
     def __enter__(self):
@@ -334,9 +337,10 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
         environment=environment_info(),
     )
     rows, raws = [], []
-    with _Progress(show_progress, len(prompts) + len(dist_prompts) * opts.dist_samples) as progress:
-        progress.step("warming up", 0)
+    with _Progress(show_progress, 1 + len(prompts) + len(dist_prompts) * opts.dist_samples) as progress:
+        progress.step("warming up (engine and PyTorch reference)", 0)
         _warm_up(inst, runtime, reference, prompts[0][1], opts)
+        progress.step("greedy check")
         for pid, ids in prompts:
             row, raw = _greedy_prompt(inst, runtime, reference, pid, ids, opts, engine.codec)
             rows.append(row)
