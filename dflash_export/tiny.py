@@ -37,6 +37,10 @@ class TinySpec:
     target_layer_ids: tuple[int, ...] = (1, 3)
     rope_theta: float = 10000.0
     seed: int = 0
+    num_experts: int = 0             # qwen3_moe: experts per MoE layer
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 32
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def mask_token_id(self) -> int:
@@ -51,13 +55,15 @@ TINY = {
     "qwen3": TinySpec("qwen3"),
     "llama": TinySpec("llama"),
     "qwen3-b16": TinySpec("qwen3", block_size=16),
+    "qwen3-moe": TinySpec("qwen3_moe", num_experts=8, experts_per_token=2, mlp_only_layers=(2,)),
     "llama-small-vocab": TinySpec("llama", vocab_size=16, hidden_size=32, num_layers=4, head_dim=8,
                                   intermediate_size=64, target_layer_ids=(1, 2)),
 }
 
 
 def build_target(spec: TinySpec, out: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     quiet_transformers()
     common = dict(
@@ -72,13 +78,20 @@ def build_target(spec: TinySpec, out: Path) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif spec.family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif spec.family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
+            mlp_only_layers=list(spec.mlp_only_layers), norm_topk_prob=True))
     else:
         raise DFlashError(f"unknown tiny family {spec.family!r}")
     # Larger-than-init weights so the tiny model's distributions are peaked (more like a trained LM's).
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and not name.endswith("mlp.gate.weight"):
                 p.mul_(4.0)
+            elif p.ndim == 3:  # experts: transformers leaves them uninitialised (torch.empty)
+                p.normal_(0.0, 0.08)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 

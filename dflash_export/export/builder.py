@@ -115,6 +115,38 @@ class GraphBuilder:
         act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])
         return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], p + "down_proj")
 
+    def moe(self, x: str, sd: dict, p: str, top_k: int, norm_topk: bool) -> str:
+        """A mixture-of-experts MLP in plain ONNX ops, per token: router logits -> softmax -> TopK -> (renormalized)
+        weights scattered into a dense [.., E] vector (zeros for the experts not chosen), every expert's SwiGLU
+        computed and summed with those weights. Dense over the experts: right for small expert counts on CPU and
+        exact per token (a token's output depends on its own row only, as in plain steps); a real 128-expert model
+        would want a gathered or fused kernel (ONNX Runtime's MoE contrib op is not used: its CPU kernel is not
+        available in every build, and this keeps one graph for every backend)."""
+        router = sd[p + "gate.weight"]                          # [E, H]
+        gate_up = sd[p + "experts.gate_up_proj"]                 # [E, 2I, H]
+        down = sd[p + "experts.down_proj"]                       # [E, H, I]
+        num_e, two_i, hidden = gate_up.shape
+        inter = two_i // 2
+        probs = self.op("Softmax", [self.linear(x, router, p + "gate")], axis=-1)      # [B,S,E]
+        top, idx = self.op("TopK", [probs, self.const([top_k])], n_out=2, axis=-1, largest=1, sorted=1)
+        if norm_topk:
+            top = self.op("Div", [top, self.op("ReduceSum", [top, self.const([-1])], keepdims=1)])
+        weights = self.op("ScatterElements", [self.op("Mul", [probs, self.const(0.0, np.float32)]), idx, top],
+                          axis=-1)                                                   # [B,S,E]
+        # every expert's gate and up rows in one MatMul: [B,S,H] x [H, E*2I] -> [B,S,E,2I]
+        w_gu = np.ascontiguousarray(gate_up.reshape(num_e * two_i, hidden).T)
+        gu = self.op("Reshape", [self.op("MatMul", [x, self.weight(p + "experts.gate_up_proj", w_gu)]),
+                                 self.const([0, 0, num_e, two_i])])
+        g, u = self.op("Split", [gu, self.const([inter, inter])], n_out=2, axis=-1)
+        act = self.op("Mul", [self.op("Mul", [g, self.op("Sigmoid", [g])]), u])       # [B,S,E,I]
+        # per expert: [B,S,E,1,I] x [E,I,H] -> [B,S,E,1,H]
+        w_d = np.ascontiguousarray(np.transpose(down, (0, 2, 1)))                     # [E, I, H]
+        out = self.op("MatMul", [self.op("Unsqueeze", [act, self.const([3])]),
+                                 self.weight(p + "experts.down_proj", w_d)])
+        out = self.op("Squeeze", [out, self.const([3])])                               # [B,S,E,H]
+        mixed = self.op("Mul", [out, self.op("Unsqueeze", [weights, self.const([-1])])])
+        return self.op("ReduceSum", [mixed, self.const([2])], keepdims=0)              # [B,S,H]
+
     def block_conv(self, x: str, dynamic: str, base: np.ndarray, wname: str, c) -> str:
         """DFlash 2's grouped dynamic causal convolution along the block: x [B,L,H], dynamic [B,L,K,G], base [K,H]
         -> sum_o (base[o] + dynamic[:, :, o]) * x shifted o slots later (zeros before the anchor), per group.

@@ -164,6 +164,11 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         mask = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B,1,1,S,T] against scores [B,KVH,G,S,T]
 
     x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    moe = target.arch.moe
+    hf_cfg = target.hf.config
+    moe_layers = moe.layers(hf_cfg) if moe is not None else [False] * t.num_layers
+    moe_top_k = int(getattr(hf_cfg, moe.top_k)) if moe is not None else 0
+    moe_norm = bool(getattr(hf_cfg, moe.norm_topk_prob, False)) if moe is not None else False
     taps: dict[int, str] = {}
     tap_ids = list(drafter.config.target_layer_ids)
     residual_pending = None  # ort: the MLP output not yet added (fused into the next SkipSimplifiedLayerNorm)
@@ -238,7 +243,10 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         else:
             x = g.op("Add", [x, attn])
             xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
-        m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
+        if moe_layers[i]:
+            m = g.moe(xn2, sd, p + "mlp.", moe_top_k, moe_norm)
+        else:
+            m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
         if ort:
             residual_pending = m
             if i in tap_ids or i == t.num_layers - 1:
