@@ -1,6 +1,7 @@
-"""Mixture-of-experts targets (Qwen3-MoE: the paper's Qwen3-Coder-30B-A3B family) through every CPU stage, against
-transformers' own Qwen3MoeForCausalLM as the oracle: a tiny random model built from its config class (8 experts, 2
-per token, renormalized; one dense layer among them)."""
+"""Mixture-of-experts targets through every CPU stage, against transformers' own model classes as the oracle, on tiny
+random models built from their config classes: Qwen3-MoE (the paper's Qwen3-Coder-30B-A3B family: 8 experts, 2 per
+token, renormalized; one dense layer among them) and gpt-oss (biased attention with sinks, alternating 8-token
+sliding-window and full layers, YaRN RoPE, clamped SwiGLU experts with biases, softmax over the top-k logits)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ pytest.importorskip("onnxruntime")
 NEW = 64
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+FAMILIES = {"tiny-qwen3-moe": "Qwen3MoeForCausalLM", "tiny-gpt-oss": "GptOssForCausalLM"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def moe(tmp_path_factory, request):
     from transformers import AutoModelForCausalLM
 
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.registry import load_engine
 
-    recipe = load_recipe("tiny-qwen3-moe")
+    recipe = load_recipe(request.param)
     engine_dir = build_onnxruntime(recipe, tmp_path_factory.mktemp("moe") / "onnxruntime", threads=1)
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     engine = load_engine(engine_dir, threads=1)
     yield recipe, engine_dir, engine, hf
     engine.close()
@@ -50,10 +55,15 @@ def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
 
 
 def test_the_family_is_known_and_its_moe_layers_are_read_from_the_config(moe):
-    _, _, engine, hf = moe
-    from dflash_export.arch import ARCHS
+    recipe, _, engine, hf = moe
+    from dflash_export.arch import ARCHS, sliding_windows
 
-    assert ARCHS["qwen3_moe"].moe.layers(hf.config) == [True, True, False, True, True, True]
+    arch = ARCHS[hf.config.model_type]
+    if recipe.name == "tiny-qwen3-moe":
+        assert arch.moe.layers(hf.config) == [True, True, False, True, True, True]
+    else:
+        assert arch.moe.layers(hf.config) == [True] * 4
+        assert sliding_windows(arch, hf.config) == [8, None, 8, None]
 
 
 def test_engine_greedy_tokens_equal_transformers_generate(moe):
@@ -100,19 +110,21 @@ def test_batched_engine_gives_each_request_its_lone_tokens(moe):
     assert [s.tokens for s in together] == alone
 
 
-def test_inspect_reads_the_pair_with_no_finding():
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", "tiny:qwen3-moe/drafter", "--target",
-                        "tiny:qwen3-moe/target", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_inspect_reads_the_pair_with_no_finding(recipe_name):
+    recipe = load_recipe(recipe_name)
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", recipe.drafter, "--target", recipe.target,
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert out["ok"] and out["findings"] == [] and out["summary"]["target architecture"] == "Qwen3MoeForCausalLM"
+    assert out["ok"] and out["findings"] == [] and out["summary"]["target architecture"] == FAMILIES[recipe_name]
 
 
 def test_sampled_output_keeps_the_target_distribution(moe, tmp_path):
     """validate's G-test at T = 0.7 on the MoE engine (DFlash sampling against the engine's own conditionals)."""
     recipe, engine_dir, _, _ = moe
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", "tiny-qwen3-moe", "--engine",
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
                         str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
                         "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
                        capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -121,7 +133,7 @@ def test_sampled_output_keeps_the_target_distribution(moe, tmp_path):
     assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_families_without_an_export_are_refused_naming_the_layer_kind(tmp_path, model_type):
     from dflash_export.models.target import read_target_config
 
@@ -129,7 +141,7 @@ def test_families_without_an_export_are_refused_naming_the_layer_kind(tmp_path, 
                                                       "hidden_size": 8, "vocab_size": 16}))
     with pytest.raises(DFlashError) as e:
         read_target_config(tmp_path)
-    assert e.value.field == "model_type" and ("attention" in str(e.value) or "DeltaNet" in str(e.value))
+    assert e.value.field == "model_type" and "Gated DeltaNet" in str(e.value)
 
 
 @pytest.mark.slow

@@ -141,7 +141,8 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     if has_safetensors(model_dir):
         weight_files(model_dir)  # headers bounds-checked: a truncated or missing shard is named before transformers
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                  attn_implementation=ARCHS[config["model_type"]].attn_implementation)
     except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None
