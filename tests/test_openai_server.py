@@ -162,3 +162,16 @@ def test_a_killed_model_stub_is_noticed_and_the_server_recovers(served):
     assert seen_unready and status == 200 and time.monotonic() - t < 20
     time.sleep(1)
     assert stubs[0] not in pids_mentioning("triton_python_backend_stub")
+
+
+def test_local_isolation_shared_memory_is_owner_only_and_grpc_is_off(served):
+    """The python backend's IPC regions carry prompts and outputs: mode 0600. gRPC (no front, no size limit) is not
+    opened unless `serve --grpc`."""
+    triton = [p for p in pids_mentioning("--model-repository=")
+              if str(served["cache"]) in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    assert triton
+    cmd = open(f"/proc/{triton[0]}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    assert "--allow-grpc=false" in cmd
+    prefix = next(a.split("=", 1)[1] for a in cmd if "shm-region-prefix-name=" in a).split("=")[-1]
+    regions = [p for p in os.listdir("/dev/shm") if p.startswith(prefix)]
+    assert regions and all(os.stat(f"/dev/shm/{p}").st_mode & 0o077 == 0 for p in regions), regions

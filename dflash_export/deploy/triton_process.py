@@ -78,7 +78,7 @@ def _die_with_parent():
     pr_set_pdeathsig = 1
 
     def preexec():
-        os.umask(0o077)  # the python backend's /dev/shm regions carry prompts and outputs: owner-only (0600)
+        os.umask(0o077)  # files the server creates without an explicit mode: owner-only
         prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
@@ -355,6 +355,7 @@ class TritonServer:
             self._reader = threading.Thread(target=self._pump, daemon=True)
             self._reader.start()
             self._wait_ready()
+            self._protect_shm()
             self._stubs = set(group_members(self._pgid, "triton_python_b"))
             self._python_envs |= _python_env_dirs() - envs_before
             self._write_owner()
@@ -442,6 +443,17 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _protect_shm(self) -> None:
+        """Owner-only (0600) shared-memory regions: the python backend creates them 0644 whatever the umask (it sets
+        the mode itself), and they carry prompts and outputs. Run once the server is ready (before any request) and
+        again at every health poll (a region added later is closed within one poll)."""
+        for p in SHM_DIR.glob(self._shm_prefix + "*") if SHM_DIR.is_dir() else []:
+            try:
+                if p.stat().st_mode & 0o077:
+                    os.chmod(p, 0o600)
+            except OSError:
+                pass
+
     def health(self) -> str | None:
         """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead."""
         if self.stub_death is not None:
@@ -470,6 +482,7 @@ class TritonServer:
                 pass
             if self._stopping:
                 continue
+            self._protect_shm()
             if self.health() is not None and self.stub_death is not None:
                 self.front.set_upstream(None) if self.front is not None else None
                 raise ServerError(self.stub_death.split(";")[0] + self._log_note(), path=self.repo)
