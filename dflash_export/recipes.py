@@ -216,6 +216,10 @@ def _load_recipe_file(name_or_path) -> Recipe:
     p = Path(str(name_or_path))
     if not p.is_file() and p.suffix not in (".yaml", ".yml"):
         p = RECIPES_DIR / f"{name_or_path}.yaml"
+        if not p.is_file() and is_hf_id(str(name_or_path)):
+            raise DFlashError(f"{name_or_path!r} is a model id, not a recipe: build a pair with --target "
+                              f"{name_or_path} --drafter ID_OR_DIR (ids resolve in the local Hugging Face cache)",
+                              field="--recipe")
         if not p.is_file():
             known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
             raise DFlashError(f"unknown recipe {name_or_path!r} (known: {known})", field="--recipe")

@@ -65,6 +65,12 @@ def test_hf_id_resolves_to_the_cached_snapshot_and_absent_ones_say_how_to_fetch(
     assert "not in the local Hugging Face cache" in str(e.value) and "hf download Qwen/Qwen3-32B" in str(e.value)
 
 
+def test_a_model_id_given_as_a_recipe_says_how_to_build_it():
+    with pytest.raises(DFlashError) as e:
+        load_recipe("Qwen/Qwen3-8B")
+    assert "--target Qwen/Qwen3-8B --drafter" in str(e.value) and e.value.field == "--recipe"
+
+
 def test_every_unset_environment_variable_is_named_at_once(monkeypatch):
     monkeypatch.delenv("QWEN3_8B", raising=False)
     monkeypatch.delenv("QWEN3_8B_DFLASH", raising=False)
