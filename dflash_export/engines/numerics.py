@@ -19,6 +19,7 @@ Imports numpy only (the served engine needs no torch).
 
 from __future__ import annotations
 
+import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,6 +151,7 @@ def probe_floor(engine, floor: int, rows=None) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
+PROBE_VERSION = 1  # bump when the probe changes: cached verdicts of older probes are then not reused
 PROBE_TREE_BRANCHES = ([5, 6, 7], [5, 9], [11, 12, 13])  # a branch, a sibling under it, a sibling of the root
 
 
@@ -178,6 +180,31 @@ def probe_tree(engine) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
+def _cache_path(engine, cpu: dict, threads: int, top: int, first: int):
+    """Where this process's verdict for this engine on this CPU is kept (None: no engine identity to key it on)."""
+    import hashlib
+
+    import onnxruntime
+
+    from dflash_export.files import cache_dir
+
+    manifest = getattr(engine, "engine_dir", None)
+    try:
+        digest = hashlib.sha256((Path(manifest) / "manifest.json").read_bytes()).hexdigest()
+    except (OSError, TypeError):
+        return None
+    key = json.dumps([digest, cpu, onnxruntime.__version__, threads, top, first, PROBE_VERSION], sort_keys=True)
+    return cache_dir() / "numerics" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _cached(path) -> Numerics | None:
+    try:
+        data = json.loads(path.read_text())
+        return Numerics(**data) if isinstance(data, dict) else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | None = None) -> Numerics:
     """Probe floors starting with `first` (the floor a build recorded), then the others smallest first; the first
     bit-identical one wins, else the one with the smallest difference. Leaves `engine.row_floor` set to it.
@@ -190,6 +217,13 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
     import onnxruntime
 
     cpu, bs, top = cpu_features(), engine.info.block_size, probe_rows(engine)
+    # A verdict this machine already reached for these very engine files (same manifest hash, CPU, ONNX Runtime,
+    # threads): a server restarting after a crash loads its models again without probing again.
+    cache = _cache_path(engine, cpu, threads, top, first) if recorded is not None else None
+    hit = _cached(cache) if cache is not None else None
+    if hit is not None and hit.bit_identical:
+        engine.row_floor = hit.row_floor
+        return hit
     same_host = bool(recorded) and recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
         and recorded.get("cpu", {}).get("isa") == cpu["isa"] and recorded.get("onnxruntime") == onnxruntime.__version__ \
         and recorded.get("threads") == threads and recorded.get("max_rows") == top
@@ -208,6 +242,16 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         tree_same, tree_diff = recorded["tree_bit_identical"], recorded.get("tree_max_abs_diff")
     else:
         tree_same, tree_diff = probe_tree(engine)
-    return Numerics(row_floor=best[0], max_rows=top, bit_identical=best[1], max_abs_diff=best[2], cpu=cpu,
-                    onnxruntime=onnxruntime.__version__, threads=threads, tried=tried,
-                    tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff)
+    result = Numerics(row_floor=best[0], max_rows=top, bit_identical=best[1], max_abs_diff=best[2], cpu=cpu,
+                      onnxruntime=onnxruntime.__version__, threads=threads, tried=tried,
+                      tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff)
+    if cache is not None and result.bit_identical:
+        try:
+            from dflash_export.files import atomic_file
+
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(cache) as f:
+                f.write(json.dumps(result.to_json()))
+        except OSError:
+            pass  # a read-only cache costs a probe at the next load, nothing else
+    return result
