@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -256,6 +257,7 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
     trtp.cdiv = lambda a, b: f"cdiv({getattr(a, 'text', a)},{b})"
     trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
     trt = types.ModuleType("tensorrt")
+    trt.__version__ = "11.4.0.106"  # a release whose plugin creator works with any numpy (tests/trt_lane.py)
     trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = "float32", "float16", "bfloat16", "int64", "int32"
     trt.plugin = trtp
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=0, PREFER_AOT_PYTHON_PLUGINS=1)
@@ -393,3 +395,44 @@ def test_plugin_layers_are_counted_from_the_engine_inspector_and_checked(tmp_pat
         trt_backend.check_plugin_layers({"KVInjectedBlockAttention": 2}, {}, tmp_path / "e")
     # an engine built without DETAILED verbosity lists layer names only: no verdict, and the caller refuses
     assert trt_backend.plugin_layer_counts(json.dumps({"Layers": ["a", "b"]})) is None
+
+
+@pytest.mark.parametrize("trt_version, numpy_version, refused", [
+    ("10.11.0.33", "2.3.5", "older than 10.12"),
+    ("10.12.0.36", "2.3.5", None),
+    ("10.16.1.11", "2.3.5", None),
+    ("10.16.1.11", "2.4.0", "numpy 2.4.0"),
+    ("11.1.0.106", "2.4.6", "numpy 2.4.6"),
+    ("11.2.1.2", "2.4.6", None),
+    ("10.14.1.48.post1", "2.3.5", None),
+])
+def test_check_versions_refuses_the_pairs_the_real_wheels_fail_with(trt_version, numpy_version, refused):
+    """The pairs tests/trt_lane.py ran against NVIDIA's wheels: TensorRT < 11.2 creates no plugin under numpy >= 2.4
+    (TypeError in tensorrt/plugin/_lib.py), and 10.12 is the oldest checked."""
+    if refused is None:
+        trt_plugins.check_versions(trt_version, numpy_version)
+        return
+    with pytest.raises(MissingDependency) as e:
+        trt_plugins.check_versions(trt_version, numpy_version)
+    assert refused in str(e.value) and "\n" not in str(e.value)
+
+
+def _flags(*names):
+    return types.SimpleNamespace(BuilderFlag=types.SimpleNamespace(**{n: n for n in names}), __version__="x")
+
+
+def test_resolve_precision_follows_the_builder_flags_each_tensorrt_has():
+    """TensorRT 10.x has BuilderFlag.FP16 / BF16 (a float32 graph lowered, the fp32 island obeyed); 11.x has none
+    (every network strongly typed): float16 builds a float16 graph, bfloat16 is refused with one line."""
+    from dflash_export.engines.tensorrt_build import resolve_precision
+
+    trt10 = _flags("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")
+    trt11 = _flags("TF32")
+    assert resolve_precision(trt10, "float32").clear_flags == ("TF32",)
+    p = resolve_precision(trt10, "bfloat16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags, p.pin_fp32_island) == \
+        (False, "float32", ("BF16", "OBEY_PRECISION_CONSTRAINTS"), True)
+    p = resolve_precision(trt11, "float16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags) == (True, "float16", ())
+    with pytest.raises(MissingDependency, match="bfloat16"):
+        resolve_precision(trt11, "bfloat16")

@@ -5,6 +5,7 @@ plugin layer per dflash node, records which plugin implementation TensorRT used,
 the inspector-JSON and implementation bookkeeping is plain Python.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ from dflash_export.engines.tensorrt_plugins import (
     TARGET_ONNX,
     check_plugin_attributes,
 )
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.export import export_recipe
+from dflash_export.export.builder import FP32_ISLAND
 from dflash_export.files import atomic_dir
 
 
@@ -47,21 +49,77 @@ def _network_flags(trt, strongly_typed: bool) -> int:
     return flags
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildPrecision:
+    """How one recipe dtype is built on one TensorRT: the network's typing, the float type of the ONNX graph
+    TensorRT parses, the BuilderFlag names set / cleared, and whether the FP32_ISLAND layers are pinned to float32
+    by precision constraints (weakly typed builds only; a strongly typed graph carries its own casts)."""
+
+    strongly_typed: bool
+    graph_dtype: str
+    set_flags: tuple[str, ...]
+    clear_flags: tuple[str, ...]
+    pin_fp32_island: bool
+
+
+def resolve_precision(trt, dtype: str) -> BuildPrecision:
+    """float32: strongly typed, TF32 cleared (fp32 matmuls, what the ONNX Runtime twin computes). float16 / bfloat16
+    on a TensorRT with BuilderFlag.FP16 / BF16 (10.x): a weakly typed float32 graph lowered by the flag, with the
+    float32 island obeyed. On a TensorRT without them (11.x: every network strongly typed): float16 builds the
+    export's float16 copy (export/half.py); bfloat16 is refused (no bfloat16 graph is written yet)."""
+    flags = trt.BuilderFlag
+    if dtype == "float32":
+        return BuildPrecision(True, "float32", (), ("TF32",) if hasattr(flags, "TF32") else (), False)
+    if dtype not in ("float16", "bfloat16"):
+        raise DFlashError(f"TensorRT builds float32, float16 or bfloat16 recipes, not {dtype}", field="dtype")
+    flag = "BF16" if dtype == "bfloat16" else "FP16"
+    if hasattr(flags, flag):
+        obey = ("OBEY_PRECISION_CONSTRAINTS",) if hasattr(flags, "OBEY_PRECISION_CONSTRAINTS") else ()
+        return BuildPrecision(False, "float32", (flag,) + obey, (), True)
+    if dtype == "bfloat16":
+        raise MissingDependency(f"TensorRT {trt.__version__} builds only strongly typed networks and this export "
+                                "writes no bfloat16 graph yet: build bfloat16 recipes with TensorRT 10.x "
+                                "(pip install 'tensorrt>=10.14,<11' 'numpy<2.4')", field="dtype")
+    return BuildPrecision(True, "float16", (), (), False)
+
+
+def pin_fp32_island(trt, network) -> int:
+    """Weakly typed builds: ask float32 of every layer TensorRT's parser made from an FP32_ISLAND node (it names
+    layers after their nodes) and of their float outputs. Returns the number of layers pinned."""
+    floats = {trt.float32, trt.float16, trt.bfloat16}
+    pinned = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if FP32_ISLAND not in layer.name:
+            continue
+        layer.precision = trt.float32
+        for j in range(layer.num_outputs):
+            if layer.get_output(j).dtype in floats:
+                layer.set_output_type(j, trt.float32)
+        pinned += 1
+    return pinned
+
+
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
                       workspace_gib: float = 8.0) -> dict[str, Any]:
-    """Parse one ONNX graph and write its serialized TensorRT engine. fp32 recipes build strongly typed networks
-    (the graph's own types are the precision); fp16 / bf16 recipes let TensorRT lower the fp32 graph through the
-    matching builder flag (a typed low-precision export is the export stage's job). Returns build facts."""
+    """Parse one ONNX graph and write its serialized TensorRT engine, at the precision `resolve_precision` gives
+    this TensorRT for `dtype` (a float16 copy of the graph is written next to it when the build needs one).
+    Returns build facts."""
     import onnx
 
     trt = plugins.require_tensorrt()
     plugins.register_plugins()
+    precision = resolve_precision(trt, dtype)
+    if precision.graph_dtype != "float32":
+        from dflash_export.export.half import write_half_graph
+
+        onnx_path = write_half_graph(onnx_path, precision.graph_dtype)
     model = onnx.load(str(onnx_path), load_external_data=False)
     counts = check_plugin_attributes(model)
     shapes = [profile_shapes(model, p) for p in profiles]
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    strongly_typed = dtype == "float32"
+    strongly_typed = precision.strongly_typed
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
@@ -71,11 +129,11 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     # Per-layer details (type, plugin name) in the engine, for the plugin-layer check below
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    if not strongly_typed:
-        config.set_flag(trt.BuilderFlag.BF16 if dtype == "bfloat16" else trt.BuilderFlag.FP16)
-    elif hasattr(trt.BuilderFlag, "TF32"):
-        # TF32 is on by default: an fp32 recipe asks for fp32 matmuls (what its ONNX Runtime twin computes)
-        config.clear_flag(trt.BuilderFlag.TF32)
+    for flag in precision.set_flags:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    for flag in precision.clear_flags:
+        config.clear_flag(getattr(trt.BuilderFlag, flag))
+    pinned = pin_fp32_island(trt, network) if precision.pin_fp32_island else 0
     for shape in shapes:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
@@ -95,7 +153,8 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     layers = inspect_plugin_layers(trt, data, engine_path)
     check_plugin_layers(counts, layers, engine_path)
     engine_path.write_bytes(data)
-    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "plugins": counts,
+    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed,
+            "graph_dtype": precision.graph_dtype, "fp32_layers_pinned": pinned, "plugins": counts,
             "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
 
 
@@ -245,6 +304,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = plugins.require_tensorrt()
+    precision = resolve_precision(trt, recipe.dtype)  # refuses what this TensorRT cannot build before any export
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
     out_dir = Path(out_dir)
@@ -259,7 +319,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
             "backend": BACKEND, "recipe": recipe.name,
             "block_size": dspec.block_size, "mask_token_id": dspec.mask_token_id,
             "target_layer_ids": list(dspec.target_layer_ids), "max_seq_len": recipe.max_seq_len,
-            "dtypes": {"precision": recipe.dtype, "graph": "float32"},
+            "dtypes": {"precision": recipe.dtype, "graph": precision.graph_dtype},
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
                                           "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
             "export": res.metadata, "tensorrt": trt.__version__, **serving,

@@ -3,7 +3,7 @@ plugin kernels, and their registration with TensorRT; also what the backend's mo
 line, `require_tensorrt`). The base of the backend: it imports none of `tensorrt`, `tensorrt_build`,
 `tensorrt_runtime`, which all import it.
 
-Plugins (`tensorrt.plugin`, TensorRT >= 10.8; AOT needs >= 10.12): `dflash::KVInjectedBlockAttention` and
+Plugins (`tensorrt.plugin`; TensorRT >= 10.12, see MIN_TENSORRT): `dflash::KVInjectedBlockAttention` and
 `dflash::FusedVerify`, version "1" — TensorRT's ONNX parser finds them by the node's op type plus its
 `plugin_namespace` / `plugin_version` attributes. Each has a shape/dtype registration, an autotune declaration
 (type combinations; tactics = key-tile sizes for the attention), an `aot_impl` returning the Triton kernel compiled
@@ -28,7 +28,13 @@ PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
 KV_ATTENTION = "KVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
-INSTALL_HINT = "pip install 'dflash-export[tensorrt]' (TensorRT >= 10.8 + polygraphy) on a machine with an NVIDIA GPU"
+INSTALL_HINT = ("pip install 'dflash-export[tensorrt]' (TensorRT >= 10.12 with numpy < 2.4, or TensorRT >= 11.2; "
+                "+ polygraphy) on a machine with an NVIDIA GPU")
+# The oldest TensorRT whose Python plugin layer (tensorrt.plugin, AOT kernels) tests/trt_lane.py checked.
+MIN_TENSORRT = (10, 12)
+# TensorRT's plugin creator before this release reads scalar attributes with `int(array)` on 1-element arrays,
+# which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+NUMPY_24_FIX = (11, 2)
 TARGET_ONNX, DRAFTER_ONNX = "target_verify.onnx", "drafter.onnx"
 TARGET_ENGINE, DRAFTER_ENGINE = "target_verify.engine", "drafter.engine"
 
@@ -227,6 +233,28 @@ def tensorrt_available() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_versions(tensorrt_version: str, numpy_version: str) -> None:
+    """The TensorRT / numpy pairs the plugins work with, or MissingDependency saying which pair is installed and
+    what works (checked against the real wheels by tests/trt_lane.py)."""
+    trt_v, np_v = _version(tensorrt_version), _version(numpy_version)
+    if trt_v < MIN_TENSORRT:
+        raise _missing(f"TensorRT {tensorrt_version} is older than 10.12, the oldest whose Python plugin layer this "
+                       "backend was checked with")
+    if trt_v < NUMPY_24_FIX and np_v >= (2, 4):
+        raise _missing(f"TensorRT {tensorrt_version} cannot create Python plugins under numpy {numpy_version} "
+                       "(pip install 'numpy<2.4', or TensorRT >= 11.2)")
+
+
 def require_tensorrt(gpu: bool = True):
     """Import tensorrt (and check for a CUDA device) or raise MissingDependency with the install line."""
     if not tensorrt_available():
@@ -328,8 +356,14 @@ def register_plugins() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    import numpy
+
     trt = require_tensorrt(gpu=False)
-    import tensorrt.plugin as trtp
+    check_versions(trt.__version__, numpy.__version__)
+    try:
+        import tensorrt.plugin as trtp
+    except ModuleNotFoundError:
+        raise _missing(f"TensorRT {trt.__version__} has no tensorrt.plugin module") from None
 
     has_aot = aot_plugins_supported(trt, trtp)
     _register_attention(trt, trtp, has_aot)
