@@ -436,3 +436,22 @@ def test_resolve_precision_follows_the_builder_flags_each_tensorrt_has():
     assert (p.strongly_typed, p.graph_dtype, p.set_flags) == (True, "float16", ())
     with pytest.raises(MissingDependency, match="bfloat16"):
         resolve_precision(trt11, "bfloat16")
+
+
+def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodies(tiny_export):
+    """TensorRT parses a copy without the dflash model-local functions (an older parser would import a node with a
+    local function as its body); the nodes, weights references and opset imports are the export's."""
+    import onnx
+
+    from dflash_export.engines.tensorrt_build import plugin_only_graph
+
+    _, out = tiny_export
+    for name in ("target_verify.onnx", "drafter.onnx"):
+        src = out / name
+        copy = plugin_only_graph(src)
+        a, b = onnx.load(str(src), load_external_data=False), onnx.load(str(copy), load_external_data=False)
+        assert any(f.domain == "dflash" for f in a.functions)
+        assert not any(f.domain == "dflash" for f in b.functions)
+        assert list(a.graph.node) == list(b.graph.node) and list(a.opset_import) == list(b.opset_import)
+        assert list(a.graph.initializer) == list(b.graph.initializer)
+        assert trt_plugins.check_plugin_attributes(b) == trt_plugins.check_plugin_attributes(a)

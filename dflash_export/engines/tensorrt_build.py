@@ -100,6 +100,22 @@ def pin_fp32_island(trt, network) -> int:
     return pinned
 
 
+def plugin_only_graph(onnx_path: Path) -> Path:
+    """Write `<stem>.trt.onnx` next to `onnx_path`: the same graph (weights still referenced, not copied) without
+    the model-local functions that define the dflash ops, so TensorRT's parser can only import a dflash node as
+    its plugin, never as the function's body (older onnx-tensorrt parsers expand a node that has a local
+    function). Returns its path; the original, with the functions, stays what ONNX Runtime runs."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    kept = [f for f in model.functions if not (f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS)]
+    del model.functions[:]
+    model.functions.extend(kept)
+    out = Path(onnx_path).with_name(Path(onnx_path).stem + ".trt.onnx")
+    onnx.save(model, str(out))
+    return out
+
+
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
                       workspace_gib: float = 8.0) -> dict[str, Any]:
     """Parse one ONNX graph and write its serialized TensorRT engine, at the precision `resolve_precision` gives
@@ -114,6 +130,7 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
         from dflash_export.export.half import write_half_graph
 
         onnx_path = write_half_graph(onnx_path, precision.graph_dtype)
+    onnx_path = plugin_only_graph(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
     counts = check_plugin_attributes(model)
     shapes = [profile_shapes(model, p) for p in profiles]

@@ -35,7 +35,9 @@ README_FILE = "README.md"
 TRITON_MODEL_NAME = "tensorrt_llm"
 TRITON_MODEL_YAML = f"triton/{TRITON_MODEL_NAME}/1/model.yaml"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-INSTALL_HINT = "pip install 'dflash-export[tensorrt-llm]' (TensorRT-LLM >= 1.3) on a machine with an NVIDIA GPU"
+# PyPI's newest tensorrt-llm is 1.2.1 (`pip index versions tensorrt-llm`, 2026-12-03): >= 1.3 comes from NVIDIA.
+INSTALL_HINT = ("bring TensorRT-LLM >= 1.3 from NVIDIA's package index or container (PyPI has none) on a machine "
+                "with an NVIDIA GPU")
 
 
 def _missing(what: str) -> MissingDependency:

@@ -51,10 +51,11 @@ LOSSLESS_PAIRS = {"tiny": Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, in
 LOSSLESS_PAIRS_CPU = {"tiny": LOSSLESS_PAIRS["tiny"],
                       "mid": Shapes(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512,
                                     target_layers=2, block=8)}
-# Correctness first, then the latency claims; the TensorRT builds (when TensorRT is there at all) last, so that a
-# slow build cannot starve the rest of the time limit
-ALL_SECTIONS = ("kernels", "lossless_greedy", "lossless_sampling", "jit_views", "drafter_latency", "target_verify",
-                "attention_vs_sdpa", "plugin_layers")
+# The kernels, then the real TensorRT builder on one one-op engine per plugin and dtype (what the CPU lane,
+# tests/trt_lane.py, cannot run: it has no runtime library), then losslessness, then the latency claims. Each
+# section's result is written as it finishes, so a run cut short still leaves the builder's verdict.
+ALL_SECTIONS = ("kernels", "plugin_layers", "lossless_greedy", "lossless_sampling", "jit_views", "drafter_latency",
+                "target_verify", "attention_vs_sdpa")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
