@@ -55,11 +55,13 @@ LANES = (
     Lane("10.11.0.33", OLD_NUMPY, "refused: older than 10.12"),      # below the checked floor (a policy line)
     Lane("10.12.0.36", OLD_NUMPY, "ok"),                             # oldest with AOT Python plugins
     Lane("10.13.3.9", OLD_NUMPY, "ok"),
+    Lane("10.14.1.48.post1", OLD_NUMPY, "ok"),
     Lane("10.16.1.11", OLD_NUMPY, "ok"),                             # newest 10.x
     Lane("10.16.1.11", None, "refused: numpy"),                      # int(f.data) on numpy >= 2.4
     Lane("11.1.0.106", None, "refused: numpy"),
     Lane("11.2.1.2", None, "ok"),                                    # first release with the int(f.data) fix
     Lane("11.4.0.106", None, "ok"),                                  # newest 11.x
+    Lane("11.4.0.106", OLD_NUMPY, "ok"),
 )
 
 
@@ -378,6 +380,12 @@ def check() -> dict:
             assert hasattr(trt.BuilderFlag, flag), f"{dtype}: BuilderFlag.{flag} absent"
         B._network_flags(trt, prec.strongly_typed)  # every creation flag it names exists
         report["precision"][dtype] = dataclasses.asdict(prec)
+    # polygraphy: the names the backend's ONNX-Runtime-vs-TensorRT comparison imports (engines/tensorrt.py)
+    import polygraphy
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: F401
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner  # noqa: F401
+    from polygraphy.comparator import Comparator, CompareFunc  # noqa: F401
+    report["polygraphy"] = polygraphy.__version__
     registry = _Registry()
     trt.get_plugin_registry = lambda: registry
     try:

@@ -79,7 +79,7 @@ def resolve_precision(trt, dtype: str) -> BuildPrecision:
     if dtype == "bfloat16":
         raise MissingDependency(f"TensorRT {trt.__version__} builds only strongly typed networks and this export "
                                 "writes no bfloat16 graph yet: build bfloat16 recipes with TensorRT 10.x "
-                                "(pip install 'tensorrt>=10.14,<11' 'numpy<2.4')", field="dtype")
+                                "(pip install 'tensorrt>=10.12,<11' 'numpy<2.4')", field="dtype")
     return BuildPrecision(True, "float16", (), (), False)
 
 
