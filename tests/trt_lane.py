@@ -68,20 +68,26 @@ LANES = (
 # ----------------------------------------------------------------------------------------------------------------------
 # Side environment (driver side: never imports tensorrt)
 
-class WheelsUnreachable(RuntimeError):
-    """pip could not fetch a wheel (no index reachable): the caller skips, it does not fail."""
+class LaneUnavailable(RuntimeError):
+    """pip could not fetch a wheel, or no C compiler builds the stand-in: the caller skips, it does not fail."""
+
+
+_UNREACHABLE: list[str] = []  # the first failure; later lanes skip at once instead of waiting on pip again
 
 
 def _pip_target(target: Path, *requirements: str) -> None:
     if (target / ".complete").is_file():
         return
+    if _UNREACHABLE:
+        raise LaneUnavailable(_UNREACHABLE[0])
     if target.exists():
         shutil.rmtree(target)
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
-           "--target", str(target), *requirements]
+           "--retries", "1", "--timeout", "20", "--target", str(target), *requirements]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise WheelsUnreachable(f"pip install {' '.join(requirements)} failed: {res.stderr.strip()[-400:]}")
+        _UNREACHABLE.append(f"pip install {' '.join(requirements)} failed: {res.stderr.strip()[-400:]}")
+        raise LaneUnavailable(_UNREACHABLE[0])
     (target / ".complete").write_text(" ".join(requirements) + "\n")
 
 
@@ -92,7 +98,7 @@ def _standin_libs(major: str) -> Path:
     libdir.mkdir(parents=True, exist_ok=True)
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise WheelsUnreachable("no C compiler (cc / gcc) for the loader stand-in")
+        raise LaneUnavailable("no C compiler (cc / gcc) for the loader stand-in")
     for n in STANDIN_LIBS:
         so = f"{n}.so.{major}"
         subprocess.run([cc, "-shared", "-fPIC", "-O1", f"-Wl,-soname,{so}", "-o", str(libdir / so), str(STANDIN)],
