@@ -151,6 +151,10 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     for flag in precision.clear_flags:
         config.clear_flag(getattr(trt.BuilderFlag, flag))
     pinned = pin_fp32_island(trt, network) if precision.pin_fp32_island else 0
+    if precision.pin_fp32_island and pinned == 0 and any(n.name.startswith(FP32_ISLAND) for n in model.graph.node):
+        # an fp16 / bf16 engine whose tap fusion and norms run in half precision can overflow to inf
+        raise DFlashError(f"TensorRT's parser named no layer after the graph's {FP32_ISLAND} nodes, so they cannot "
+                          "be kept in float32", path=onnx_path, field="fp32_island")
     for shape in shapes:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
