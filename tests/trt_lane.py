@@ -82,8 +82,8 @@ def _pip_target(target: Path, *requirements: str) -> None:
         raise LaneUnavailable(_UNREACHABLE[0])
     if target.exists():
         shutil.rmtree(target)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--disable-pip-version-check",
-           "--retries", "1", "--timeout", "20", "--target", str(target), *requirements]
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "--target", str(target), *requirements]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         _UNREACHABLE.append(f"pip install {' '.join(requirements)} failed: {res.stderr.strip()[-400:]}")

@@ -57,7 +57,8 @@ LOSSLESS_PAIRS_CPU = {"tiny": LOSSLESS_PAIRS["tiny"],
 # cut short still leaves the builder's verdict.
 ALL_SECTIONS = ("kernels", "plugin_layers", "tiny_engine", "lossless_greedy", "lossless_sampling", "jit_views",
                 "drafter_latency", "target_verify", "attention_vs_sdpa")
-TINY_ENGINE_TEST = "tests/test_tensorrt_engine.py::test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin"
+TINY_ENGINE_TEST = ("tests/test_tensorrt_engine.py::"
+                    "test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin")
 
 
 def tiny_engine(cpu: bool, timeout_s: int = 300) -> dict:
