@@ -455,3 +455,30 @@ def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodie
         assert list(a.graph.node) == list(b.graph.node) and list(a.opset_import) == list(b.opset_import)
         assert list(a.graph.initializer) == list(b.graph.initializer)
         assert trt_plugins.check_plugin_attributes(b) == trt_plugins.check_plugin_attributes(a)
+
+
+def test_weakly_typed_builds_pin_the_fp32_island_layers_and_only_them():
+    """On TensorRT 10.x half builds, layers the parser named after fp32_island nodes ask for float32 (precision and
+    float outputs); other layers and integer outputs are left to the builder."""
+    from dflash_export.engines.tensorrt_build import pin_fp32_island
+    from dflash_export.export.builder import FP32_ISLAND
+
+    class Layer:
+        def __init__(self, name, out_types):
+            self.name, self.precision, self.outs, self.set = name, None, out_types, {}
+            self.num_outputs = len(out_types)
+
+        def get_output(self, j):
+            return types.SimpleNamespace(dtype=self.outs[j])
+
+        def set_output_type(self, j, t):
+            self.set[j] = t
+
+    trt = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16")
+    layers = [Layer(f"{FP32_ISLAND}n_ReduceMean_7", ["f16"]), Layer("n_MatMul_3", ["f16"]),
+              Layer(f"{FP32_ISLAND}n_Shape_9_shape", ["i64"])]
+    network = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+    assert pin_fp32_island(trt, network) == 2
+    assert (layers[0].precision, layers[0].set) == ("f32", {0: "f32"})
+    assert (layers[1].precision, layers[1].set) == (None, {})
+    assert (layers[2].precision, layers[2].set) == ("f32", {})
