@@ -88,3 +88,24 @@ def test_without_the_island_the_float16_tap_fusion_collapses(planted):
     res, feeds, ref_ctx, _, _ = planted
     out = _run_fp16(half_graph(onnx.load(str(res.target_path)), fp32_island=False), feeds)
     assert np.abs(out["ctx"] - ref_ctx).max() > 0.5 * np.abs(ref_ctx).max()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_copies_of_both_graphs_are_consistently_typed(planted, dtype):
+    """Every node of the copy (target and drafter) agrees on its input types under onnx's strict type inference:
+    the island's casts are where they must be. TensorRT 11 parses such copies strongly typed."""
+    res, _, _, _, _ = planted
+    for path in (res.target_path, res.drafter_path):
+        half = half_graph(onnx.load(str(path)), dtype)
+        onnx.shape_inference.infer_shapes(half, check_type=True, strict_mode=True)
+        assert any(n.name.startswith("fp32_island/") for n in half.graph.node)
+
+
+def test_bfloat16_copy_stays_on_the_reference(planted):
+    """bfloat16 has float32's range, so nothing overflows; the copy must still compute the reference's context.
+    The reference evaluator runs bfloat16 through ml_dtypes (some products come back float32), so this is a
+    check of the graph, not of bfloat16 arithmetic."""
+    res, feeds, ref_ctx, ref_logits, _ = planted
+    out = _run_fp16(half_graph(onnx.load(str(res.target_path)), "bfloat16"), feeds)
+    np.testing.assert_allclose(out["ctx"], ref_ctx, atol=1e-2 * np.abs(ref_ctx).max(), rtol=0)
+    assert out["logits"][0, -1].argmax() == ref_logits.argmax()

@@ -423,7 +423,7 @@ def _flags(*names):
 
 def test_resolve_precision_follows_the_builder_flags_each_tensorrt_has():
     """TensorRT 10.x has BuilderFlag.FP16 / BF16 (a float32 graph lowered, the fp32 island obeyed); 11.x has none
-    (every network strongly typed): float16 builds a float16 graph, bfloat16 is refused with one line."""
+    (every network strongly typed): float16 / bfloat16 build a graph of that type."""
     from dflash_export.engines.tensorrt_build import resolve_precision
 
     trt10 = _flags("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")
@@ -434,8 +434,10 @@ def test_resolve_precision_follows_the_builder_flags_each_tensorrt_has():
         (False, "float32", ("BF16", "OBEY_PRECISION_CONSTRAINTS"), True)
     p = resolve_precision(trt11, "float16")
     assert (p.strongly_typed, p.graph_dtype, p.set_flags) == (True, "float16", ())
-    with pytest.raises(MissingDependency, match="bfloat16"):
-        resolve_precision(trt11, "bfloat16")
+    p = resolve_precision(trt11, "bfloat16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags, p.pin_fp32_island) == (True, "bfloat16", (), False)
+    with pytest.raises(DFlashError, match="int8"):
+        resolve_precision(trt11, "int8")
 
 
 def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodies(tiny_export):

@@ -33,7 +33,7 @@ from dflash_export.engines.tensorrt_plugins import (
     TARGET_ONNX,
     check_plugin_attributes,
 )
-from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.errors import DFlashError
 from dflash_export.export import export_recipe
 from dflash_export.export.builder import FP32_ISLAND
 from dflash_export.files import atomic_dir
@@ -65,8 +65,8 @@ class BuildPrecision:
 def resolve_precision(trt, dtype: str) -> BuildPrecision:
     """float32: strongly typed, TF32 cleared (fp32 matmuls, what the ONNX Runtime twin computes). float16 / bfloat16
     on a TensorRT with BuilderFlag.FP16 / BF16 (10.x): a weakly typed float32 graph lowered by the flag, with the
-    float32 island obeyed. On a TensorRT without them (11.x: every network strongly typed): float16 builds the
-    export's float16 copy (export/half.py); bfloat16 is refused (no bfloat16 graph is written yet)."""
+    float32 island obeyed. On a TensorRT without them (11.x: every network strongly typed): the graph's float16 /
+    bfloat16 copy (export/half.py), whose casts keep the island float32."""
     flags = trt.BuilderFlag
     if dtype == "float32":
         return BuildPrecision(True, "float32", (), ("TF32",) if hasattr(flags, "TF32") else (), False)
@@ -76,11 +76,7 @@ def resolve_precision(trt, dtype: str) -> BuildPrecision:
     if hasattr(flags, flag):
         obey = ("OBEY_PRECISION_CONSTRAINTS",) if hasattr(flags, "OBEY_PRECISION_CONSTRAINTS") else ()
         return BuildPrecision(False, "float32", (flag,) + obey, (), True)
-    if dtype == "bfloat16":
-        raise MissingDependency(f"TensorRT {trt.__version__} builds only strongly typed networks and this export "
-                                "writes no bfloat16 graph yet: build bfloat16 recipes with TensorRT 10.x "
-                                "(pip install 'tensorrt>=10.12,<11' 'numpy<2.4')", field="dtype")
-    return BuildPrecision(True, "float16", (), (), False)
+    return BuildPrecision(True, dtype, (), (), False)
 
 
 def pin_fp32_island(trt, network) -> int:
@@ -119,7 +115,7 @@ def plugin_only_graph(onnx_path: Path) -> Path:
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
                       workspace_gib: float = 8.0) -> dict[str, Any]:
     """Parse one ONNX graph and write its serialized TensorRT engine, at the precision `resolve_precision` gives
-    this TensorRT for `dtype` (a float16 copy of the graph is written next to it when the build needs one).
+    this TensorRT for `dtype` (a half-precision copy of the graph is written next to it when the build needs one).
     Returns build facts."""
     import onnx
 

@@ -1,8 +1,8 @@
 """Half-precision copies of exported graphs, for builders that take the precision from the graph itself (TensorRT 11
 builds only strongly typed networks: no BuilderFlag.FP16 lowering of a float32 graph).
 
-`half_graph` makes every float32 tensor of the main graph float16 except around the float32 island: the
-FP32_ISLAND nodes (tap fusion, RMSNorm statistics; see builder.py) and the dflash plugin nodes compute in float32,
+`half_graph` makes every float32 tensor of the main graph float16 (or bfloat16) except around the float32 island:
+the FP32_ISLAND nodes (tap fusion, RMSNorm statistics; see builder.py) and the dflash plugin nodes compute in float32,
 with a Cast at each border. Graph inputs and outputs keep float32 (casts inside), so an engine built from the copy
 has the same I/O as one built from the original. Model-local functions (the plugins' reference bodies) are left as
 they are: only float32 plugin nodes call them.
@@ -20,8 +20,8 @@ from dflash_export.errors import DFlashError
 from dflash_export.export import ops
 from dflash_export.export.builder import FP32_ISLAND
 
-HALF_DTYPES = ("float16",)
-F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+F32 = TensorProto.FLOAT
+HALF_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
 def island_nodes(model: onnx.ModelProto) -> list[str]:
@@ -45,13 +45,25 @@ def _float_tensors(model: onnx.ModelProto) -> set[str]:
     return {name for name, t in typed.items() if t == F32}
 
 
-def _to_half_attributes(node: onnx.NodeProto) -> None:
-    """A float16 node's attributes that name float32 as a type or hold a float32 tensor."""
+def _half_array(arr: np.ndarray, elem: int) -> np.ndarray:
+    if elem == TensorProto.FLOAT16:
+        return arr.astype(np.float16)
+    import ml_dtypes  # onnx's own dependency, for bfloat16 arrays
+
+    return arr.astype(ml_dtypes.bfloat16)
+
+
+def _half_tensor(t: onnx.TensorProto, elem: int) -> onnx.TensorProto:
+    return numpy_helper.from_array(_half_array(numpy_helper.to_array(t), elem), t.name)
+
+
+def _to_half_attributes(node: onnx.NodeProto, elem: int) -> None:
+    """A half node's attributes that name float32 as a type or hold a float32 tensor."""
     for a in node.attribute:
         if node.op_type == "Cast" and a.name == "to" and a.i == F32:
-            a.i = F16
+            a.i = elem
         elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F32:
-            a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float16), a.t.name))
+            a.t.CopyFrom(_half_tensor(a.t, elem))
 
 
 def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool = True) -> onnx.ModelProto:
@@ -59,6 +71,7 @@ def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool
     `fp32_island=False` keeps only the plugin nodes float32 (what a plain conversion does; for comparison)."""
     if dtype not in HALF_DTYPES:
         raise DFlashError(f"no {dtype} graph conversion (only {', '.join(HALF_DTYPES)})", field="dtype")
+    half_elem = HALF_DTYPES[dtype]
     floats = _float_tensors(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -86,7 +99,7 @@ def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool
                 for node in g.node:
                     if node.name in island:
                         node.input[:] = [FP32_ISLAND + i if i == name else i for i in node.input]
-            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), name))
+            t.CopyFrom(_half_tensor(t, half_elem))
             half.add(name)
 
     casts: dict[tuple[str, int], str] = {}
@@ -95,7 +108,7 @@ def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool
     def cast(name: str, to: int) -> str:
         key = (name, to)
         if key not in casts:
-            casts[key] = f"{name}__{'f16' if to == F16 else 'f32'}"
+            casts[key] = f"{name}__{'f32' if to == F32 else 'half'}"
             nodes.append(helper.make_node("Cast", [name], [casts[key]], name=f"cast/{casts[key]}", to=to))
         return casts[key]
 
@@ -105,10 +118,10 @@ def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool
         for i, orig in enumerate(node.input):
             name = renamed.get(orig, orig)
             if orig in floats and is_half != (orig in half):
-                name = cast(name, F16 if is_half else F32)
+                name = cast(name, half_elem if is_half else F32)
             node.input[i] = name
         if is_half:
-            _to_half_attributes(node)
+            _to_half_attributes(node, half_elem)
         node.output[:] = [renamed.get(o, o) for o in node.output]
         nodes.append(node)
     for name, half_name in renamed.items():
