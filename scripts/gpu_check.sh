@@ -3,7 +3,9 @@
 # mid-size random target, fp32 / bf16; sampled FusedVerify against closed-form conditionals, fp32 / fp16 / bf16) and
 # block-vs-token latencies on one NVIDIA GPU (dflash_export/kernels/gpu_check.py, gpu_lossless.py, synthetic.py).
 # Needs only python3 with torch (+ triton for the kernels): no install, no transformers. Where tensorrt + onnx are
-# importable it also builds one-op engines of both plugins and checks their layers; otherwise it says it skipped.
+# importable it builds one-op engines of both plugins with the real builder and checks their layers right after the
+# kernels, and (with onnxruntime + transformers + pytest too) builds tiny-qwen3 and compares its tokens with the
+# ONNX Runtime twin (tests/test_tensorrt_engine.py's GPU test); otherwise each says it skipped.
 # Writes $OUT/gpu_check.json when OUT is set (or --out DIR). --cpu: tiny shapes on the CPU, for CI.
 # Bounded by GPU_CHECK_TIMEOUT seconds (default 480 = 8 min); finished sections are kept when it cuts the run short.
 set -euo pipefail

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -256,11 +257,7 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
     trtp.cdiv = lambda a, b: f"cdiv({getattr(a, 'text', a)},{b})"
     trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
     trt = types.ModuleType("tensorrt")
-    trt.__version__ = "11.4.0.106" if aot else "10.11.0.33"
-    if not aot:  # no TensorRT without AOT plugins takes numpy >= 2.4 (check_versions, tested on its own below)
-        from dflash_export.engines import tensorrt_plugins
-
-        monkeypatch.setattr(tensorrt_plugins, "check_versions", lambda *a: None)
+    trt.__version__ = "11.4.0.106"  # a release whose plugin creator works with any numpy (tests/trt_lane.py)
     trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = "float32", "float16", "bfloat16", "int64", "int32"
     trt.plugin = trtp
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=0, PREFER_AOT_PYTHON_PLUGINS=1)
@@ -401,73 +398,89 @@ def test_plugin_layers_are_counted_from_the_engine_inspector_and_checked(tmp_pat
 
 
 @pytest.mark.parametrize("trt_version, numpy_version, refused", [
-    ("10.7.0", "1.26.4", "too old"),
-    ("10.11.0.33", "1.26.4", None),     # JIT plugins only
+    ("10.11.0.33", "2.3.5", "older than 10.12"),
+    ("10.12.0.36", "2.3.5", None),
     ("10.16.1.11", "2.3.5", None),
-    ("10.16.1.11", "2.4.6", "numpy >= 2.4"),
-    ("11.1.0.106", "2.4.0", "numpy >= 2.4"),
+    ("10.16.1.11", "2.4.0", "numpy 2.4.0"),
+    ("11.1.0.106", "2.4.6", "numpy 2.4.6"),
     ("11.2.1.2", "2.4.6", None),
-    ("11.4.0.106", "2.4.6", None),
+    ("10.14.1.48.post1", "2.3.5", None),
 ])
-def test_tensorrt_and_numpy_pairs_are_checked_before_anything_is_built(trt_version, numpy_version, refused):
-    """The pairs found against NVIDIA's real Python layer (scripts/trt_lane.py): TensorRT <= 11.1's plugin creator
-    converts 1-element field arrays with int() / float(), which numpy >= 2.4 refuses."""
-    from dflash_export.engines.tensorrt_plugins import check_versions
-    from dflash_export.errors import MissingDependency
-
+def test_check_versions_refuses_the_pairs_the_real_wheels_fail_with(trt_version, numpy_version, refused):
+    """The pairs tests/trt_lane.py ran against NVIDIA's wheels: TensorRT < 11.2 creates no plugin under numpy >= 2.4
+    (TypeError in tensorrt/plugin/_lib.py), and 10.12 is the oldest checked."""
     if refused is None:
-        check_versions(trt_version, numpy_version)
-    else:
-        with pytest.raises(MissingDependency, match=refused):
-            check_versions(trt_version, numpy_version)
+        trt_plugins.check_versions(trt_version, numpy_version)
+        return
+    with pytest.raises(MissingDependency) as e:
+        trt_plugins.check_versions(trt_version, numpy_version)
+    assert refused in str(e.value) and "\n" not in str(e.value)
 
 
-def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodies(tiny_export, tmp_path):
-    """ONNX Runtime inlines the dflash functions; TensorRT's parser gets the nodes only, so they can only become the
-    plugins."""
-    _, tiny_export = tiny_export
+def _flags(*names):
+    return types.SimpleNamespace(BuilderFlag=types.SimpleNamespace(**{n: n for n in names}), __version__="x")
+
+
+def test_resolve_precision_follows_the_builder_flags_each_tensorrt_has():
+    """TensorRT 10.x has BuilderFlag.FP16 / BF16 (a float32 graph lowered, the fp32 island obeyed); 11.x has none
+    (every network strongly typed): float16 / bfloat16 build a graph of that type."""
+    from dflash_export.engines.tensorrt_build import resolve_precision
+
+    trt10 = _flags("FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS")
+    trt11 = _flags("TF32")
+    assert resolve_precision(trt10, "float32").clear_flags == ("TF32",)
+    p = resolve_precision(trt10, "bfloat16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags, p.pin_fp32_island) == \
+        (False, "float32", ("BF16", "OBEY_PRECISION_CONSTRAINTS"), True)
+    p = resolve_precision(trt11, "float16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags) == (True, "float16", ())
+    p = resolve_precision(trt11, "bfloat16")
+    assert (p.strongly_typed, p.graph_dtype, p.set_flags, p.pin_fp32_island) == (True, "bfloat16", (), False)
+    with pytest.raises(DFlashError, match="int8"):
+        resolve_precision(trt11, "int8")
+
+
+def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodies(tiny_export):
+    """TensorRT parses a copy without the dflash model-local functions (an older parser would import a node with a
+    local function as its body); the nodes, weights references and opset imports are the export's."""
     import onnx
 
     from dflash_export.engines.tensorrt_build import plugin_only_graph
 
-    for name in ("drafter.onnx", "target_verify.onnx"):
-        src = tiny_export / name
-        before = onnx.load(str(src), load_external_data=False)
-        out = plugin_only_graph(src, tmp_path / name)
-        after = onnx.load(str(out), load_external_data=False)
-        ours = [f for f in before.functions if f.domain == "dflash"]
-        assert not [f for f in after.functions if f.domain == "dflash"]
-        assert [n.op_type for n in after.graph.node if n.domain == "dflash"] == \
-            [n.op_type for n in before.graph.node if n.domain == "dflash"]
-        assert out == src if not ours else out != src
+    _, out = tiny_export
+    for name in ("target_verify.onnx", "drafter.onnx"):
+        src = out / name
+        copy = plugin_only_graph(src)
+        a, b = onnx.load(str(src), load_external_data=False), onnx.load(str(copy), load_external_data=False)
+        assert any(f.domain == "dflash" for f in a.functions)
+        assert not any(f.domain == "dflash" for f in b.functions)
+        assert list(a.graph.node) == list(b.graph.node) and list(a.opset_import) == list(b.opset_import)
+        assert list(a.graph.initializer) == list(b.graph.initializer)
+        assert trt_plugins.check_plugin_attributes(b) == trt_plugins.check_plugin_attributes(a)
 
 
-def test_half_precision_build_holds_the_tap_fusion_in_float32(tiny_export):
-    """The layers TensorRT makes of the exported `fc` / `hidden_norm` nodes get float32 precision and outputs."""
-    _, tiny_export = tiny_export
-    import types
-
-    import onnx
-
-    from dflash_export.engines.tensorrt_build import hold_fp32_island
-    from dflash_export.export.graph import FP32_ISLAND
-
-    names = [n.name for n in onnx.load(str(tiny_export / "target_verify.onnx"), load_external_data=False).graph.node]
-    island = [n for n in names if n.startswith(FP32_ISLAND)]
-    assert any("MatMul" in n for n in island) and len(island) >= 3  # fc's MatMul and hidden_norm's ops
+def test_weakly_typed_builds_pin_the_fp32_island_layers_and_only_them():
+    """On TensorRT 10.x half builds, layers the parser named after fp32_island nodes ask for float32 (precision and
+    float outputs); other layers and integer outputs are left to the builder."""
+    from dflash_export.engines.tensorrt_build import pin_fp32_island
+    from dflash_export.export.builder import FP32_ISLAND
 
     class Layer:
-        def __init__(self, name):
-            self.name, self.precision, self.num_outputs, self.types = name, "float16", 1, {}
+        def __init__(self, name, out_types):
+            self.name, self.precision, self.outs, self.set = name, None, out_types, {}
+            self.num_outputs = len(out_types)
 
         def get_output(self, j):
-            return types.SimpleNamespace(dtype="float16")
+            return types.SimpleNamespace(dtype=self.outs[j])
 
         def set_output_type(self, j, t):
-            self.types[j] = t
+            self.set[j] = t
 
-    layers = [Layer(n) for n in names]
-    trt = types.SimpleNamespace(float32="float32", float16="float16", bfloat16="bfloat16")
-    net = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
-    assert hold_fp32_island(trt, net) == len(island)
-    assert all((l.precision == "float32") == (l.name in island) for l in layers)
+    trt = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16")
+    layers = [Layer(f"{FP32_ISLAND}n_ReduceMean_7", ["f16"]), Layer("n_MatMul_3", ["f16"]),
+              Layer(f"{FP32_ISLAND}n_Shape_9_shape", ["i64"])]
+    network = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+    assert pin_fp32_island(trt, network) == 2
+    assert (layers[0].precision, layers[0].set) == ("f32", {0: "f32"})
+    assert (layers[1].precision, layers[1].set) == (None, {})
+    assert (layers[2].precision, layers[2].set) == ("f32", {})

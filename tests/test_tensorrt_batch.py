@@ -341,3 +341,27 @@ def test_build_reuses_a_tensorrt_engine_only_for_the_batch_bound_it_was_built_fo
     with pytest.raises(DFlashError, match=r"build time \(tensorrt\), not onnxruntime") as e:
         build_mod.build_engine(recipe, "onnxruntime", root, max_batch=4)
     assert e.value.field == "--max-batch"
+
+
+def test_plain_op_batch_graphs_keep_rmsnorm_statistics_in_the_fp32_island(pair):
+    """The plain-op RMSNorms carry the builder's fp32_island names, so the float16 copy TensorRT 11 would build
+    (export/half.py) squares and averages in float32; the copy keeps the graph's I/O types."""
+    import onnx
+
+    from dflash_export.engines.tensorrt_batch import BATCH_FILES
+    from dflash_export.export.builder import FP32_ISLAND
+    from dflash_export.export.half import half_graph
+
+    out = pair[3] / "onnx"
+    normed = set()
+    for graph, (_, plain, _) in BATCH_FILES.items():
+        model = onnx.load(str(out / plain))
+        means = [n for n in model.graph.node if n.op_type == "ReduceMean"]
+        assert all(n.name.startswith(FP32_ISLAND) for n in means), graph
+        if means:
+            normed.add(graph)
+        half = half_graph(model)
+        assert [i.type.tensor_type.elem_type for i in half.graph.input] == \
+            [i.type.tensor_type.elem_type for i in model.graph.input], graph
+        assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in half.graph.initializer), graph
+    assert normed >= {"target_batch", "drafter_batch"}

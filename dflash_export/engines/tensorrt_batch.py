@@ -45,6 +45,7 @@ from dflash_export.engines.graph_engine import (
 )
 from dflash_export.engines.ort_batch import BatchedEngine, BatchGraphs, HostKV
 from dflash_export.errors import DFlashError
+from dflash_export.export.builder import FP32_ISLAND
 
 # graph -> (the export's "ort" flavor graph, its plain-op copy TensorRT parses, the engine file)
 BATCH_FILES = {
@@ -85,22 +86,25 @@ def plain_op_graph(src: Path, dst: Path) -> dict[str, int]:
     nodes = []
 
     def rms(x: str, scale: str, eps: float, out: str) -> None:
-        # the portable flavor's RMSNorm (export/builder.py): x * 1/sqrt(mean(x^2, -1) + eps) * scale, in fp32
+        # the portable flavor's RMSNorm (export/builder.py): x * 1/sqrt(mean(x^2, -1) + eps) * scale, its statistics
+        # named as the builder's float32 island (kept float32 in a half-precision build)
         p = next(fresh)
-        nodes.append(helper.make_node("Mul", [x, x], [p + "_sq"]))
+
+        def add(op, inputs, output, **attrs):
+            nodes.append(helper.make_node(op, inputs, [output], name=FP32_ISLAND + output, **attrs))
+
+        add("Mul", [x, x], p + "_sq")
         if opset >= 18:
-            nodes.append(helper.make_node("Constant", [], [p + "_axes"],
-                                          value=helper.make_tensor(p + "_axes", TensorProto.INT64, [1], [-1])))
-            nodes.append(helper.make_node("ReduceMean", [p + "_sq", p + "_axes"], [p + "_ms"], keepdims=1))
+            add("Constant", [], p + "_axes", value=helper.make_tensor(p + "_axes", TensorProto.INT64, [1], [-1]))
+            add("ReduceMean", [p + "_sq", p + "_axes"], p + "_ms", keepdims=1)
         else:
-            nodes.append(helper.make_node("ReduceMean", [p + "_sq"], [p + "_ms"], axes=[-1], keepdims=1))
-        nodes.append(helper.make_node("Constant", [], [p + "_eps"],
-                                      value=helper.make_tensor(p + "_eps", TensorProto.FLOAT, [], [eps])))
-        nodes.append(helper.make_node("Add", [p + "_ms", p + "_eps"], [p + "_var"]))
-        nodes.append(helper.make_node("Sqrt", [p + "_var"], [p + "_std"]))
-        nodes.append(helper.make_node("Reciprocal", [p + "_std"], [p + "_inv"]))
-        nodes.append(helper.make_node("Mul", [x, p + "_inv"], [p + "_xn"]))
-        nodes.append(helper.make_node("Mul", [p + "_xn", scale], [out]))
+            add("ReduceMean", [p + "_sq"], p + "_ms", axes=[-1], keepdims=1)
+        add("Constant", [], p + "_eps", value=helper.make_tensor(p + "_eps", TensorProto.FLOAT, [], [eps]))
+        add("Add", [p + "_ms", p + "_eps"], p + "_var")
+        add("Sqrt", [p + "_var"], p + "_std")
+        add("Reciprocal", [p + "_std"], p + "_inv")
+        add("Mul", [x, p + "_inv"], p + "_xn")
+        nodes.append(helper.make_node("Mul", [p + "_xn", scale], [out], name=p + "_scaled"))
 
     for node in model.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}

@@ -5,6 +5,7 @@ plugin layer per dflash node, records which plugin implementation TensorRT used,
 the inspector-JSON and implementation bookkeeping is plain Python.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from dflash_export.engines.tensorrt_plugins import (
 )
 from dflash_export.errors import DFlashError
 from dflash_export.export import export_recipe
+from dflash_export.export.builder import FP32_ISLAND
 from dflash_export.files import atomic_dir
 
 
@@ -47,92 +49,108 @@ def _network_flags(trt, strongly_typed: bool) -> int:
     return flags
 
 
-def precision_plan(trt, dtype: str) -> dict[str, Any]:
-    """How a recipe's dtype becomes this TensorRT's builder configuration.
+@dataclasses.dataclass(frozen=True)
+class BuildPrecision:
+    """How one recipe dtype is built on one TensorRT: the network's typing, the float type of the ONNX graph
+    TensorRT parses, the BuilderFlag names set / cleared, and whether the FP32_ISLAND layers are pinned to float32
+    by precision constraints (weakly typed builds only; a strongly typed graph carries its own casts)."""
 
-    float32: a strongly typed network (the graph's types are the precision), TF32 off. float16 / bfloat16 on TensorRT
-    10.x: a weakly typed network lowered by the FP16 / BF16 builder flag, with the tap fusion (`fc`, `hidden_norm`,
-    export/graph.py FP32_ISLAND) held in float32 by precision constraints. TensorRT >= 11 has no such flags (networks
-    are strongly typed, the graph's own types decide) and this project exports float32 graphs: the engine then
-    computes in float32, and says so (`compute` in the build facts); a bf16 / fp16-typed export is not implemented.
-    """
+    strongly_typed: bool
+    graph_dtype: str
+    set_flags: tuple[str, ...]
+    clear_flags: tuple[str, ...]
+    pin_fp32_island: bool
+
+
+def resolve_precision(trt, dtype: str) -> BuildPrecision:
+    """float32: strongly typed, TF32 cleared (fp32 matmuls, what the ONNX Runtime twin computes). float16 / bfloat16
+    on a TensorRT with BuilderFlag.FP16 / BF16 (10.x): a weakly typed float32 graph lowered by the flag, with the
+    float32 island obeyed. On a TensorRT without them (11.x: every network strongly typed): the graph's float16 /
+    bfloat16 copy (export/half.py), whose casts keep the island float32."""
     flags = trt.BuilderFlag
     if dtype == "float32":
-        return {"strongly_typed": True, "set": [], "clear": ["TF32"] if hasattr(flags, "TF32") else [],
-                "compute": "float32", "fp32_island": False}
+        return BuildPrecision(True, "float32", (), ("TF32",) if hasattr(flags, "TF32") else (), False)
+    if dtype not in ("float16", "bfloat16"):
+        raise DFlashError(f"TensorRT builds float32, float16 or bfloat16 recipes, not {dtype}", field="dtype")
     flag = "BF16" if dtype == "bfloat16" else "FP16"
     if hasattr(flags, flag):
-        return {"strongly_typed": False, "set": [flag, "OBEY_PRECISION_CONSTRAINTS"], "clear": [],
-                "compute": dtype, "fp32_island": True}
-    return {"strongly_typed": True, "set": [], "clear": ["TF32"] if hasattr(flags, "TF32") else [],
-            "compute": "float32", "fp32_island": False,
-            "note": f"TensorRT {trt.__version__} builds strongly typed networks only and the export is float32: "
-                    f"this {dtype} recipe's engine computes in float32"}
+        obey = ("OBEY_PRECISION_CONSTRAINTS",) if hasattr(flags, "OBEY_PRECISION_CONSTRAINTS") else ()
+        return BuildPrecision(False, "float32", (flag,) + obey, (), True)
+    return BuildPrecision(True, dtype, (), (), False)
 
 
-def hold_fp32_island(trt, network) -> int:
-    """Constrain the tap-fusion layers (named FP32_ISLAND... by the export) to float32; returns how many."""
-    from dflash_export.export.graph import FP32_ISLAND
-
-    n = 0
+def pin_fp32_island(trt, network) -> int:
+    """Weakly typed builds: ask float32 of every layer TensorRT's parser made from an FP32_ISLAND node (it names
+    layers after their nodes) and of their float outputs. Returns the number of layers pinned."""
+    floats = {trt.float32, trt.float16, trt.bfloat16}
+    pinned = 0
     for i in range(network.num_layers):
         layer = network.get_layer(i)
-        if FP32_ISLAND in layer.name:
-            layer.precision = trt.float32
-            for j in range(layer.num_outputs):
-                if layer.get_output(j).dtype in (trt.float16, trt.bfloat16, trt.float32):
-                    layer.set_output_type(j, trt.float32)
-            n += 1
-    return n
+        if FP32_ISLAND not in layer.name:
+            continue
+        layer.precision = trt.float32
+        for j in range(layer.num_outputs):
+            if layer.get_output(j).dtype in floats:
+                layer.set_output_type(j, trt.float32)
+        pinned += 1
+    return pinned
 
 
-def plugin_only_graph(onnx_path: Path, out_path: Path) -> Path:
-    """The graph TensorRT parses: the model-local functions of the dflash nodes removed (plain ONNX Runtime inlines
-    them; an onnx-tensorrt parser that also knows the function could import its body instead of the plugin), so the
-    nodes can only become the plugins. External weight files stay where they are (same directory)."""
+def plugin_only_graph(onnx_path: Path) -> Path:
+    """Write `<stem>.trt.onnx` next to `onnx_path`: the same graph (weights still referenced, not copied) without
+    the model-local functions that define the dflash ops, so TensorRT's parser can only import a dflash node as
+    its plugin, never as the function's body (older onnx-tensorrt parsers expand a node that has a local
+    function). Returns its path; the original, with the functions, stays what ONNX Runtime runs."""
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    keep = [f for f in model.functions if not (f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS)]
-    if len(keep) == len(model.functions):
-        return onnx_path
+    kept = [f for f in model.functions if not (f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS)]
     del model.functions[:]
-    model.functions.extend(keep)
-    onnx.save(model, str(out_path))
-    return out_path
+    model.functions.extend(kept)
+    out = Path(onnx_path).with_name(Path(onnx_path).stem + ".trt.onnx")
+    onnx.save(model, str(out))
+    return out
 
 
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
                       workspace_gib: float = 8.0) -> dict[str, Any]:
-    """Parse one ONNX graph and write its serialized TensorRT engine. fp32 recipes build strongly typed networks
-    (the graph's own types are the precision); fp16 / bf16 recipes let TensorRT lower the fp32 graph through the
-    matching builder flag (a typed low-precision export is the export stage's job). Returns build facts."""
+    """Parse one ONNX graph and write its serialized TensorRT engine, at the precision `resolve_precision` gives
+    this TensorRT for `dtype` (a half-precision copy of the graph is written next to it when the build needs one).
+    Returns build facts."""
     import onnx
 
     trt = plugins.require_tensorrt()
     plugins.register_plugins()
+    precision = resolve_precision(trt, dtype)
+    if precision.graph_dtype != "float32":
+        from dflash_export.export.half import write_half_graph
+
+        onnx_path = write_half_graph(onnx_path, precision.graph_dtype)
+    onnx_path = plugin_only_graph(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
     counts = check_plugin_attributes(model)
     shapes = [profile_shapes(model, p) for p in profiles]
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    plan = precision_plan(trt, dtype)
-    strongly_typed = plan["strongly_typed"]
+    strongly_typed = precision.strongly_typed
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, logger)
-    parsed = plugin_only_graph(onnx_path, onnx_path.with_name(onnx_path.stem + ".plugins.onnx"))
-    if not parser.parse_from_file(str(parsed)):
+    if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     # Per-layer details (type, plugin name) in the engine, for the plugin-layer check below
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    for name in plan["set"]:
-        config.set_flag(getattr(trt.BuilderFlag, name))
-    for name in plan["clear"]:  # TF32 is on by default: fp32 asks for fp32 matmuls (what ONNX Runtime computes)
-        config.clear_flag(getattr(trt.BuilderFlag, name))
-    island = hold_fp32_island(trt, network) if plan["fp32_island"] else 0
+    for flag in precision.set_flags:
+        config.set_flag(getattr(trt.BuilderFlag, flag))
+    for flag in precision.clear_flags:
+        config.clear_flag(getattr(trt.BuilderFlag, flag))
+    pinned = pin_fp32_island(trt, network) if precision.pin_fp32_island else 0
+    if precision.pin_fp32_island and pinned == 0 and any(n.name.startswith(FP32_ISLAND) for n in model.graph.node):
+        # an fp16 / bf16 engine whose tap fusion and norms run in half precision can overflow to inf
+        raise DFlashError(f"TensorRT's parser named no layer after the graph's {FP32_ISLAND} nodes, so they cannot "
+                          "be kept in float32", path=onnx_path, field="fp32_island")
     for shape in shapes:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
@@ -152,10 +170,8 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     layers = inspect_plugin_layers(trt, data, engine_path)
     check_plugin_layers(counts, layers, engine_path)
     engine_path.write_bytes(data)
-    if parsed != onnx_path:
-        parsed.unlink(missing_ok=True)
-    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "compute": plan["compute"],
-            "fp32_island_layers": island, **({"note": plan["note"]} if "note" in plan else {}), "plugins": counts,
+    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed,
+            "graph_dtype": precision.graph_dtype, "fp32_layers_pinned": pinned, "plugins": counts,
             "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
 
 
@@ -305,6 +321,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = plugins.require_tensorrt()
+    precision = resolve_precision(trt, recipe.dtype)  # refuses what this TensorRT cannot build before any export
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
     out_dir = Path(out_dir)
@@ -319,7 +336,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
             "backend": BACKEND, "recipe": recipe.name,
             "block_size": dspec.block_size, "mask_token_id": dspec.mask_token_id,
             "target_layer_ids": list(dspec.target_layer_ids), "max_seq_len": recipe.max_seq_len,
-            "dtypes": {"precision": recipe.dtype, "graph": "float32"},
+            "dtypes": {"precision": recipe.dtype, "graph": precision.graph_dtype},
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
                                           "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
             "export": res.metadata, "tensorrt": trt.__version__, **serving,

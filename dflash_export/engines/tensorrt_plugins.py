@@ -3,7 +3,7 @@ plugin kernels, and their registration with TensorRT; also what the backend's mo
 line, `require_tensorrt`). The base of the backend: it imports none of `tensorrt`, `tensorrt_build`,
 `tensorrt_runtime`, which all import it.
 
-Plugins (`tensorrt.plugin`, TensorRT >= 10.8; AOT needs >= 10.12): `dflash::KVInjectedBlockAttention` and
+Plugins (`tensorrt.plugin`; TensorRT >= 10.12, see MIN_TENSORRT): `dflash::KVInjectedBlockAttention` and
 `dflash::FusedVerify`, version "1" — TensorRT's ONNX parser finds them by the node's op type plus its
 `plugin_namespace` / `plugin_version` attributes. Each has a shape/dtype registration, an autotune declaration
 (type combinations; tactics = key-tile sizes for the attention), an `aot_impl` returning the Triton kernel compiled
@@ -28,15 +28,13 @@ PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
 KV_ATTENTION = "KVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
-INSTALL_HINT = ("pip install 'dflash-export[tensorrt]' (TensorRT 10.8 - 11.1 with numpy < 2.4, or TensorRT >= 11.2; "
-                "AOT plugins from 10.12; + polygraphy) on a machine with an NVIDIA GPU")
-# Which TensorRT / numpy pairs work (checked against NVIDIA's real Python layer, scripts/trt_lane.py):
-# - tensorrt.plugin's AOT path needs TensorRT >= 10.12 (quick-plugin creation requests);
-# - TensorRT <= 11.1's plugin creator converts a plugin field with int(array) / float(array), which numpy >= 2.4
-#   refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every dflash plugin fails at parse
-#   time; 11.2 reads the element instead.
-MIN_TENSORRT = (10, 8)    # tensorrt.plugin's decorators (JIT plugins); AOT plugins from 10.12
-NUMPY_FIXED_IN = (11, 2)
+INSTALL_HINT = ("pip install 'dflash-export[tensorrt]' (TensorRT >= 10.12 with numpy < 2.4, or TensorRT >= 11.2; "
+                "+ polygraphy) on a machine with an NVIDIA GPU")
+# The oldest TensorRT whose Python plugin layer (tensorrt.plugin, AOT kernels) tests/trt_lane.py checked.
+MIN_TENSORRT = (10, 12)
+# TensorRT's plugin creator before this release reads scalar attributes with `int(array)` on 1-element arrays,
+# which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+NUMPY_24_FIX = (11, 2)
 TARGET_ONNX, DRAFTER_ONNX = "target_verify.onnx", "drafter.onnx"
 TARGET_ENGINE, DRAFTER_ENGINE = "target_verify.engine", "drafter.engine"
 
@@ -236,18 +234,24 @@ def tensorrt_available() -> bool:
 
 
 def _version(text: str) -> tuple[int, ...]:
-    import re
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
-    return tuple(int(x) for x in re.findall(r"\d+", str(text))[:3])
 
-
-def check_versions(trt_version: str, numpy_version: str) -> None:
-    """MissingDependency, one line, for a TensorRT / numpy pair this backend cannot work with."""
-    v, np_v = _version(trt_version), _version(numpy_version)
-    if v[:2] < MIN_TENSORRT:
-        raise _missing(f"TensorRT {trt_version} is too old (the dflash plugins need tensorrt.plugin, >= 10.8)")
-    if v[:2] < NUMPY_FIXED_IN and np_v[:2] >= (2, 4):
-        raise _missing(f"TensorRT {trt_version} with numpy {numpy_version}: its plugin creator fails on numpy >= 2.4 "
+def check_versions(tensorrt_version: str, numpy_version: str) -> None:
+    """The TensorRT / numpy pairs the plugins work with, or MissingDependency saying which pair is installed and
+    what works (checked against the real wheels by tests/trt_lane.py)."""
+    trt_v, np_v = _version(tensorrt_version), _version(numpy_version)
+    if trt_v < MIN_TENSORRT:
+        raise _missing(f"TensorRT {tensorrt_version} is older than 10.12, the oldest whose Python plugin layer this "
+                       "backend was checked with")
+    if trt_v < NUMPY_24_FIX and np_v >= (2, 4):
+        raise _missing(f"TensorRT {tensorrt_version} cannot create Python plugins under numpy {numpy_version} "
                        "(pip install 'numpy<2.4', or TensorRT >= 11.2)")
 
 
@@ -255,10 +259,7 @@ def require_tensorrt(gpu: bool = True):
     """Import tensorrt (and check for a CUDA device) or raise MissingDependency with the install line."""
     if not tensorrt_available():
         raise _missing("tensorrt is not installed")
-    import numpy
     import tensorrt as trt
-
-    check_versions(trt.__version__, numpy.__version__)
 
     if gpu:
         import torch
@@ -355,11 +356,14 @@ def register_plugins() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    import numpy
+
     trt = require_tensorrt(gpu=False)
+    check_versions(trt.__version__, numpy.__version__)
     try:
         import tensorrt.plugin as trtp
-    except ImportError as e:  # a TensorRT build without NVIDIA's Python plugin layer
-        raise _missing(f"TensorRT {trt.__version__} has no tensorrt.plugin ({e})") from None
+    except ModuleNotFoundError:
+        raise _missing(f"TensorRT {trt.__version__} has no tensorrt.plugin module") from None
 
     has_aot = aot_plugins_supported(trt, trtp)
     _register_attention(trt, trtp, has_aot)

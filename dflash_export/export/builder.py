@@ -19,6 +19,11 @@ F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
 I32 = TensorProto.INT32
 MS = "com.microsoft"
+# Node-name prefix of the ops that must compute in float32 in a half-precision build: the tap fusion (drafter fc +
+# hidden_norm, whose inputs are the target's raw residual stream) and every RMSNorm's statistics (x*x of a
+# |x| > 256 value already exceeds fp16's 65504). export/half.py keeps these nodes float32 in an fp16 graph;
+# tensorrt_build pins the layers TensorRT's parser names after them to float32 in a weakly typed build.
+FP32_ISLAND = "fp32_island/"
 
 
 class GraphBuilder:
@@ -33,6 +38,21 @@ class GraphBuilder:
         self.outputs: list[onnx.ValueInfoProto] = []
         self._n = 0
         self._consts: dict[tuple, str] = {}
+        self._island = 0
+
+    def fp32_island(self):
+        """Context in which every node made is named with FP32_ISLAND (kept float32 by a half-precision build)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def island():
+            self._island += 1
+            try:
+                yield
+            finally:
+                self._island -= 1
+
+        return island()
 
     def fresh(self, hint: str) -> str:
         self._n += 1
@@ -41,7 +61,8 @@ class GraphBuilder:
     def op(self, op_type: str, inputs, n_out: int = 1, name: str | None = None, domain: str = "",
            outputs: list[str] | None = None, **attrs):
         outs = outputs or [self.fresh(name or op_type.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh("n_" + op_type),
+        prefix = FP32_ISLAND if self._island else ""
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh(prefix + "n_" + op_type),
                                            domain=domain, **attrs))
         return outs[0] if n_out == 1 else outs
 
@@ -76,12 +97,15 @@ class GraphBuilder:
 
     def rms_norm(self, x: str, w: str, eps: float, ort: bool) -> str:
         if ort:
-            return self.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=float(eps))
-        # fp32 RMSNorm as the reference: x * rsqrt(mean(x^2) + eps) * w
-        sq = self.op("Mul", [x, x])
-        ms = self.op("ReduceMean", [sq], axes=[-1], keepdims=1)
-        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [ms, self.const(eps, np.float32)])])])
-        return self.op("Mul", [self.op("Mul", [x, inv]), w])
+            with self.fp32_island():
+                return self.op("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=float(eps))
+        # fp32 RMSNorm as the reference: x * rsqrt(mean(x^2) + eps) * w; the statistics stay float32 in half builds
+        with self.fp32_island():
+            sq = self.op("Mul", [x, x])
+            ms = self.op("ReduceMean", [sq], axes=[-1], keepdims=1)
+            inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [ms, self.const(eps, np.float32)])])])
+            normed = self.op("Mul", [x, inv])
+        return self.op("Mul", [normed, w])
 
     def heads(self, x: str, n: int, d: int) -> str:
         """[B,S,n*d] -> [B,n,S,d]"""

@@ -51,10 +51,41 @@ LOSSLESS_PAIRS = {"tiny": Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, in
 LOSSLESS_PAIRS_CPU = {"tiny": LOSSLESS_PAIRS["tiny"],
                       "mid": Shapes(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512,
                                     target_layers=2, block=8)}
-# Correctness first, then the latency claims; the TensorRT builds (when TensorRT is there at all) last, so that a
-# slow build cannot starve the rest of the time limit
-ALL_SECTIONS = ("kernels", "lossless_greedy", "lossless_sampling", "jit_views", "drafter_latency", "target_verify",
-                "attention_vs_sdpa", "plugin_layers")
+# The kernels, then the real TensorRT builder on one one-op engine per plugin and dtype and on the tiny pair's
+# engines against their ONNX Runtime twin (what the CPU lane, tests/trt_lane.py, cannot run: it has no runtime
+# library), then losslessness, then the latency claims. Each section's result is written as it finishes, so a run
+# cut short still leaves the builder's verdict.
+ALL_SECTIONS = ("kernels", "plugin_layers", "tiny_engine", "lossless_greedy", "lossless_sampling", "jit_views",
+                "drafter_latency", "target_verify", "attention_vs_sdpa")
+TINY_ENGINE_TEST = ("tests/test_tensorrt_engine.py::"
+                    "test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin")
+
+
+def tiny_engine(cpu: bool, timeout_s: int = 300) -> dict:
+    """`build --backend tensorrt` of tiny-qwen3 and its tokens against the ONNX Runtime twin (the repository's GPU
+    test, run by pytest in a subprocess): where tensorrt, onnx, onnxruntime and transformers are all importable, on
+    a GPU. Reports ran / ok and the test's last lines."""
+    import importlib.util
+    import subprocess
+
+    if cpu:
+        return {"ran": False, "reason": "needs a GPU", "ok": True}
+    for mod in ("tensorrt", "onnx", "onnxruntime", "transformers", "pytest"):
+        if importlib.util.find_spec(mod) is None:
+            return {"ran": False, "reason": f"{mod} is not installed", "ok": True}
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / TINY_ENGINE_TEST.split("::")[0]).is_file():
+        return {"ran": False, "reason": "the tests are not in this checkout", "ok": True}
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", TINY_ENGINE_TEST],
+                             cwd=repo, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "ok": False, "error": f"the tiny engine test ran over {timeout_s} s"}
+    out = {"ran": True, "ok": res.returncode == 0 and "1 passed" in res.stdout, "returncode": res.returncode,
+           "output_tail": (res.stdout + res.stderr)[-3000:]}
+    if not out["ok"]:
+        out["error"] = "the tiny engine test failed (see output_tail)"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -282,6 +313,7 @@ def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | Non
             "lossless_sampling": lambda: gpu_lossless.lossless_sampling(device, backend, 120 if cpu else 20000),
             "jit_views": lambda: gpu_lossless.jit_views(device),
             "plugin_layers": lambda: _in_tmp(gpu_lossless.plugin_layers),
+            "tiny_engine": lambda: tiny_engine(cpu),
             "drafter_latency": lambda: drafter_latency(shapes, device, backend),
             "target_verify": lambda: target_verify_latency(shapes, device),
             "attention_vs_sdpa": lambda: attention_vs_sdpa(shapes, device, backend)}
@@ -317,7 +349,7 @@ def _summary(report: dict) -> str:
                      f"{row['p_value']:.3g} ({row['tested_tokens']} tokens)")
     if "planted_fault" in ls:
         lines.append(f"planted wrong-slot fault: p = {ls['planted_fault']['p_value']:.3g} (must be < 1e-3)")
-    for name in ("jit_views", "plugin_layers"):
+    for name in ("jit_views", "plugin_layers", "tiny_engine"):
         if name in report:
             lines.append(f"{name}: ok={report[name].get('ok')} {report[name].get('reason', '')}")
     for name in ("drafter_latency", "target_verify"):

@@ -1,0 +1,439 @@
+"""The CPU test lane against NVIDIA's real TensorRT Python layer (not the emulation in tests/tensorrt_emulation.py).
+
+PyPI's `tensorrt-cu12-bindings` wheels hold the compiled `tensorrt` pybind module and the `tensorrt.plugin` Python
+package; the runtime libraries they link against (libnvinfer, libnvinfer_plugin, libnvonnxparser) come from another
+index and need a GPU. This lane installs the bindings of each version in LANES into a side directory under
+~/.cache/dflash-export/trt-lane/, compiles tests/trt_lane_standin.c into those three sonames (a loader stand-in whose
+nine factories return NULL: nothing runs on a GPU, no engine is built, no figure comes from it), and runs `--check`
+in a subprocess with that directory first on PYTHONPATH. The main test process never imports tensorrt, so
+`HAS_TENSORRT` stays false there.
+
+What runs for real in the subprocess: NVIDIA's bindings (enums, flags, PluginField / PluginFieldCollection,
+PluginTensorDesc), NVIDIA's `tensorrt.plugin` decorators with their signature validation, its plugin creator and
+plugin classes (create_plugin in build and runtime phases for AOT and JIT, output dtypes, type/format combinations,
+tactics, field serialisation and re-creation from the serialised fields), and this package's `register_plugins`,
+precision resolution and error lines. What is replaced: the plugin registry (the stand-in returns none, so a
+dictionary takes the creators) and anything that needs the runtime library (builder, parser, engine, the shape
+expression builder, the kernels).
+
+    python tests/trt_lane.py                # every lane; exit 0 when each matches its expectation
+    python tests/trt_lane.py --only 11.4.0.106
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("DFLASH_TRT_LANE", Path.home() / ".cache" / "dflash-export" / "trt-lane"))
+STANDIN = Path(__file__).with_name("trt_lane_standin.c")
+STANDIN_LIBS = ("libnvinfer", "libnvinfer_plugin", "libnvonnxparser")
+OLD_NUMPY = "2.3.5"  # the newest numpy below 2.4
+POLYGRAPHY = "0.49.26"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    tensorrt: str
+    numpy: str | None  # None: the main environment's numpy
+    expect: str  # "ok" | "refused: <substring of the MissingDependency line>"
+
+    @property
+    def name(self) -> str:
+        return f"tensorrt-{self.tensorrt}+numpy-{self.numpy or 'main'}"
+
+
+LANES = (
+    Lane("10.11.0.33", OLD_NUMPY, "refused: older than 10.12"),      # below the checked floor (a policy line)
+    Lane("10.12.0.36", OLD_NUMPY, "ok"),                             # oldest with AOT Python plugins
+    Lane("10.13.3.9", OLD_NUMPY, "ok"),
+    Lane("10.14.1.48.post1", OLD_NUMPY, "ok"),
+    Lane("10.16.1.11", OLD_NUMPY, "ok"),                             # newest 10.x
+    Lane("10.16.1.11", None, "refused: numpy"),                      # int(f.data) on numpy >= 2.4
+    Lane("11.1.0.106", None, "refused: numpy"),
+    Lane("11.2.1.2", None, "ok"),                                    # first release with the int(f.data) fix
+    Lane("11.4.0.106", None, "ok"),                                  # newest 11.x
+    Lane("11.4.0.106", OLD_NUMPY, "ok"),
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Side environment (driver side: never imports tensorrt)
+
+class LaneUnavailable(RuntimeError):
+    """pip could not fetch a wheel, or no C compiler builds the stand-in: the caller skips, it does not fail."""
+
+
+_UNREACHABLE: list[str] = []  # the first failure; later lanes skip at once instead of waiting on pip again
+
+
+def _pip_target(target: Path, *requirements: str) -> None:
+    if (target / ".complete").is_file():
+        return
+    if _UNREACHABLE:
+        raise LaneUnavailable(_UNREACHABLE[0])
+    if target.exists():
+        shutil.rmtree(target)
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "--target", str(target), *requirements]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        _UNREACHABLE.append(f"pip install {' '.join(requirements)} failed: {res.stderr.strip()[-400:]}")
+        raise LaneUnavailable(_UNREACHABLE[0])
+    (target / ".complete").write_text(" ".join(requirements) + "\n")
+
+
+def _standin_libs(major: str) -> Path:
+    libdir = CACHE / f"standin-{major}"
+    if all((libdir / f"{n}.so.{major}").is_file() for n in STANDIN_LIBS):
+        return libdir
+    libdir.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise LaneUnavailable("no C compiler (cc / gcc) for the loader stand-in")
+    for n in STANDIN_LIBS:
+        so = f"{n}.so.{major}"
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", f"-Wl,-soname,{so}", "-o", str(libdir / so), str(STANDIN)],
+                       check=True)
+    return libdir
+
+
+def prepare(lane: Lane) -> dict[str, str]:
+    """Install the lane's wheels (cached) and return the environment its `--check` subprocess runs in."""
+    site = CACHE / f"bindings-{lane.tensorrt}"
+    _pip_target(site, f"tensorrt-cu12-bindings=={lane.tensorrt}")
+    alias = site / "tensorrt" / "__init__.py"
+    if not alias.is_file():  # the bindings install `tensorrt_bindings`; a real install imports it as `tensorrt`
+        alias.parent.mkdir(exist_ok=True)
+        alias.write_text("import sys\nimport tensorrt_bindings\nsys.modules[__name__] = tensorrt_bindings\n")
+    poly = CACHE / f"polygraphy-{POLYGRAPHY}"
+    _pip_target(poly, f"polygraphy=={POLYGRAPHY}")
+    path = [str(ROOT), str(site), str(poly)]
+    if lane.numpy:
+        np_dir = CACHE / f"numpy-{lane.numpy}"
+        _pip_target(np_dir, f"numpy=={lane.numpy}")
+        path.insert(1, str(np_dir))
+    libdir = _standin_libs(lane.tensorrt.split(".")[0])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libdir)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    env["DFLASH_TRT_LANE_EXPECT"] = lane.expect
+    return env
+
+
+def run_lane(lane: Lane, timeout: float = 600) -> dict:
+    """Prepare the lane and run its checks in a subprocess; returns the report (with "passed")."""
+    env = prepare(lane)
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--check"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"lane": lane.name, "passed": False, "error": (res.stdout + res.stderr)[-3000:]}
+    report = json.loads(lines[-1])
+    report["lane"] = lane.name
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checks (subprocess side: imports the real tensorrt)
+
+BACKEND_FILES = ("tensorrt_build.py", "tensorrt_plugins.py", "tensorrt_runtime.py", "tensorrt.py", "tensorrt_batch.py")
+# Local names the backend gives TensorRT objects, and the class each is an instance of.
+OBJECT_CLASSES = {"builder": "Builder", "config": "IBuilderConfig", "network": "INetworkDefinition",
+                  "parser": "OnnxParser", "profile": "IOptimizationProfile", "engine": "ICudaEngine",
+                  "inspector": "EngineInspector", "runtime": "Runtime", "context": "IExecutionContext",
+                  "tensor": "ITensor", "layer": "ILayer"}
+# Attributes the backend reads only behind hasattr / a version test, so their absence is handled.
+OPTIONAL = {"BuilderFlag.FP16", "BuilderFlag.BF16", "BuilderFlag.TF32", "BuilderFlag.OBEY_PRECISION_CONSTRAINTS",
+            "NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS", "ILayer.precision", "ILayer.set_output_type"}
+
+
+# Functions / classes whose locals named as in OBJECT_CLASSES are TensorRT objects (elsewhere such names may be a
+# recipe's config or an inspector's JSON record).
+OBJECT_SCOPES = {"tensorrt_build.py": {"build_engine_file", "pin_fp32_island", "inspect_plugin_layers"},
+                 "tensorrt_runtime.py": {"_TrtGraph"}}
+
+
+def _chain(node):
+    chain, cur = [], node
+    while isinstance(cur, ast.Attribute):
+        chain.append(cur.attr)
+        cur = cur.value
+    chain.reverse()
+    root = cur.id if isinstance(cur, ast.Name) else None
+    if root == "self" and chain and chain[0] in ("trt",) + tuple(OBJECT_CLASSES):
+        root, chain = chain[0], chain[1:]
+    return root, chain
+
+
+def backend_attributes() -> set[str]:
+    """Every `trt.A.B...` chain in the backend's code, and `<object>.member` of the TensorRT objects it holds
+    (locals named as in OBJECT_CLASSES inside OBJECT_SCOPES)."""
+    found: set[str] = set()
+    for name in BACKEND_FILES:
+        tree = ast.parse((ROOT / "dflash_export" / "engines" / name).read_text())
+        scoped = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                  and n.name in OBJECT_SCOPES.get(name, ())]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                root, chain = _chain(node)
+                if root == "trt" and chain and not chain[0].startswith("_"):
+                    found.add(".".join(chain))
+        for scope in scoped:
+            for node in ast.walk(scope):
+                if isinstance(node, ast.Attribute):
+                    root, chain = _chain(node)
+                    if root in OBJECT_CLASSES and chain:
+                        found.add(f"{OBJECT_CLASSES[root]}.{chain[0]}")
+    # keep only the longest chains (a chain's prefixes exist when it does)
+    return {a for a in found if not any(b != a and b.startswith(a + ".") for b in found)}
+
+
+def _resolve(trt, dotted: str) -> bool:
+    obj = trt
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+class _Registry:
+    """Stands in for TensorRT's plugin registry (the stand-in library has none): keeps the creators
+    `tensorrt.plugin` registers, keyed as the real registry keys them."""
+
+    def __init__(self):
+        self.creators = {}
+
+    def register_creator(self, creator, namespace):
+        self.creators[(creator.name, creator.plugin_version, namespace)] = creator
+        return True
+
+    def get_creator(self, name, version, namespace):
+        return self.creators.get((name, version, namespace))
+
+
+_KEEP: list = []
+
+
+def _fields(trt, np, attrs: dict):
+    """A PluginFieldCollection carrying `attrs` as TensorRT's ONNX parser hands node attributes to a
+    tensorrt.plugin creator (ints as INT64 / floats as FLOAT64 one-element arrays, the types the decorators
+    declare)."""
+    kinds = {int: (np.int64, trt.PluginFieldType.INT64), float: (np.float64, trt.PluginFieldType.FLOAT64)}
+    fields = [trt.PluginField(k, np.array([v], dtype=kinds[type(v)][0]), kinds[type(v)][1]) for k, v in attrs.items()]
+    fc = trt.PluginFieldCollection(fields)
+    _KEEP.append(fields)  # a PluginFieldCollection does not keep its fields' arrays alive
+    return fc
+
+
+def _field_values(np, fc) -> dict:
+    out = {}
+    for f in fc:
+        data = np.asarray(f.data)
+        out[f.name] = data.reshape(-1)[0].item() if data.size == 1 else data.tolist()
+    return out
+
+
+def _dyn_desc(trt, dtype, dims):
+    d = trt.DynamicPluginTensorDesc()
+    d.desc.type = dtype
+    d.desc.format = trt.TensorFormat.LINEAR
+    d.desc.dims = trt.Dims(dims)
+    d.min, d.opt, d.max = trt.Dims(dims), trt.Dims(dims), trt.Dims(dims)
+    return d
+
+
+def _plugin_checks(trt, np, registry, report) -> None:
+    """Drive NVIDIA's plugin creator and plugin objects the way TensorRT's builder and runtime would."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    dtypes = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16}
+    cases = {
+        P.KV_ATTENTION: ({"num_heads": 4, "num_kv_heads": 2, "scale": 0.125},
+                         lambda f: [f] * 5, [[1, 4, 16, 32], [1, 2, 40, 32], [1, 2, 40, 32], [1, 2, 16, 32],
+                                             [1, 2, 16, 32]]),
+        P.FUSED_VERIFY: ({"temperature": 0.0},
+                         lambda f: [f, trt.int64, trt.float32, trt.float32], [[1, 16, 64], [1, 15], [1, 1, 1],
+                                                                               [1, 15]]),
+    }
+    requests = {"aot": trt.QuickPluginCreationRequest.STRICT_AOT, "jit": trt.QuickPluginCreationRequest.STRICT_JIT,
+                "prefer_aot": trt.QuickPluginCreationRequest.PREFER_AOT}
+    for op, (attrs, in_types, in_dims) in cases.items():
+        creator = registry.get_creator(op, P.PLUGIN_VERSION, P.PLUGIN_NAMESPACE)
+        assert creator is not None, f"{op}: no creator registered"
+        declared = {f.name for f in creator.field_names}
+        assert declared == set(attrs), f"{op}: creator declares fields {sorted(declared)}, the ONNX node has " \
+                                       f"{sorted(attrs)}"
+        for kind, req in requests.items():
+            for phase in (trt.TensorRTPhase.BUILD, trt.TensorRTPhase.RUNTIME):
+                plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), phase, req)
+                cls = type(plugin).__name__
+                want = "AOT" if kind != "jit" else "JIT"
+                assert want in cls, f"{op} {kind}: creator returned {cls}"
+                report["created"].append(f"{op}/{kind}/{phase.name}")
+        # field save / reload (JIT: the plugin an engine re-creates through the Python creator at deserialisation).
+        # Observed here: the collection get_fields_to_serialize returns does not keep its scalar fields' arrays
+        # alive, so values read from it can be another field's (recorded in "jit_fields", not asserted); the
+        # re-creation from fields that are alive must give back the node's attributes.
+        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                       requests["jit"])
+        assert plugin.attrs == attrs, f"{op}: created plugin holds {plugin.attrs}, the node has {attrs}"
+        saved = plugin.get_fields_to_serialize()
+        names = [f.name for f in saved]
+        assert sorted(names) == sorted(attrs), f"{op}: serialised field names {names}"
+        report["jit_fields"][op] = _field_values(np, saved)
+        again = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, plugin.attrs),
+                                      trt.TensorRTPhase.RUNTIME, requests["jit"])
+        assert again.attrs == attrs, f"{op}: re-created plugin holds {again.attrs}"
+        # An AOT plugin object of tensorrt.plugin has no impl_attr_names, so its get_fields_to_serialize raises
+        # in every version checked; recorded, not asserted (the engine holds the AOT kernel itself; whether
+        # TensorRT asks an AOT quick plugin for fields cannot be seen without the runtime library).
+        aot = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                    requests["aot"])
+        try:
+            report["aot_fields"][op] = _field_values(np, aot.get_fields_to_serialize())
+        except AttributeError as e:
+            report["aot_fields"][op] = f"raises AttributeError: {e}"
+        for dname, dt in dtypes.items():
+            types = in_types(dt)
+            plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                           requests["aot"])
+            out_types = plugin.get_output_data_types(types, [len(d) for d in in_dims])
+            want = [dt] if op == P.KV_ATTENTION else [trt.int64] * 3
+            assert list(out_types) == want, f"{op} {dname}: output dtypes {list(out_types)} != {want}"
+            # the autotune declaration: which type combinations (and tactics) TensorRT may pick
+            out_dims = [in_dims[0]] if op == P.KV_ATTENTION else [[1], [1, 16], [1]]
+            in_out = [_dyn_desc(trt, t, d) for t, d in zip(types, in_dims)] + \
+                     [_dyn_desc(trt, t, d) for t, d in zip(want, out_dims)]
+            # get_output_shapes needs the runtime's IExprBuilder; what it leaves on the plugin (input / output
+            # descriptors from our register function) is set here with rank-only shapes, as get_output_data_types
+            # makes them
+            trtp = sys.modules["tensorrt.plugin"]
+            plugin.input_descs = []
+            for t, d in zip(types, in_dims):
+                td = trtp.TensorDesc()
+                td.dtype, td.shape_expr = t, trtp.ShapeExprs(len(d), _is_dummy=True)
+                td._immutable = True
+                plugin.input_descs.append(td)
+            outs = plugin.register_function(*plugin.input_descs, **plugin.attrs)
+            plugin.output_descs = outs if isinstance(outs, tuple) else (outs,)
+            ranks = [len(o.shape_expr) for o in plugin.output_descs]
+            assert ranks == [len(d) for d in out_dims], f"{op} {dname}: output ranks {ranks}"
+            combos = plugin.get_supported_format_combinations(in_out, len(types))
+            n_io = len(in_out)
+            rows = [[c.type for c in combos[i:i + n_io]] for i in range(0, len(combos), n_io)]
+            assert types + want in rows, f"{op} {dname}: {types + want} not among the declared combinations"
+            plugin.configure_plugin(in_out[:len(types)], in_out[len(types):])
+            tactics = sorted(plugin.get_valid_tactics())
+            if op == P.KV_ATTENTION:
+                assert tactics == sorted(P.ATTENTION_TACTICS), f"{op} {dname}: tactics {tactics}"
+            report["combinations"][f"{op}/{dname}"] = {"rows": len(rows), "tactics": tactics}
+        # the JIT enqueue path binds the registered impl: the descriptor TensorRT dispatches to is ours
+        desc = sys.modules["tensorrt.plugin._lib"].QDP_REGISTRY[f"{P.PLUGIN_NAMESPACE}::{op}"]
+        for attr in ("impl_func", "aot_impl_func", "autotune_func", "register_func"):
+            fn = getattr(desc, attr, None)
+            assert fn is not None and fn.__module__ == P.__name__, f"{op}: {attr} is {fn!r}, not this package's"
+
+
+def _without_refusal(trt, np, registry) -> str:
+    """What the refused pair does when the version check is skipped: the error NVIDIA's code raises."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    P.check_versions = lambda *a: None
+    try:
+        P.register_plugins()
+        creator = registry.get_creator(P.FUSED_VERIFY, P.PLUGIN_VERSION, P.PLUGIN_NAMESPACE)
+        creator.create_plugin(P.FUSED_VERIFY, P.PLUGIN_NAMESPACE, _fields(trt, np, {"temperature": 0.0}),
+                              trt.TensorRTPhase.BUILD, trt.QuickPluginCreationRequest.STRICT_AOT)
+    except Exception as e:  # noqa: BLE001 -- the point is to record whatever it raises
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def check() -> dict:
+    """Runs inside the lane's subprocess. Returns the report; raises on a failed check."""
+    import numpy as np
+
+    import tensorrt as trt
+    from dflash_export.engines import tensorrt_build as B
+    from dflash_export.engines import tensorrt_plugins as P
+    from dflash_export.errors import MissingDependency
+
+    report = {"tensorrt": trt.__version__, "numpy": np.__version__, "created": [], "combinations": {},
+              "precision": {}, "aot_fields": {}, "jit_fields": {}}
+    attrs = backend_attributes()
+    missing = sorted(a for a in attrs if not _resolve(trt, a))
+    report["attributes"] = len(attrs)
+    report["optional_absent"] = [a for a in missing if a in OPTIONAL]
+    required_missing = [a for a in missing if a not in OPTIONAL]
+    assert not required_missing, f"tensorrt {trt.__version__} lacks {required_missing}"
+    for dtype in ("float32", "float16", "bfloat16"):
+        try:
+            prec = B.resolve_precision(trt, dtype)
+        except MissingDependency as e:
+            report["precision"][dtype] = f"refused: {e}"
+            continue
+        for flag in prec.set_flags + prec.clear_flags:
+            assert hasattr(trt.BuilderFlag, flag), f"{dtype}: BuilderFlag.{flag} absent"
+        B._network_flags(trt, prec.strongly_typed)  # every creation flag it names exists
+        report["precision"][dtype] = dataclasses.asdict(prec)
+    # polygraphy: the names the backend's ONNX-Runtime-vs-TensorRT comparison imports (engines/tensorrt.py)
+    import polygraphy
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: F401
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner  # noqa: F401
+    from polygraphy.comparator import Comparator, CompareFunc  # noqa: F401
+    report["polygraphy"] = polygraphy.__version__
+    registry = _Registry()
+    trt.get_plugin_registry = lambda: registry
+    try:
+        P.register_plugins()
+    except MissingDependency as e:
+        report["refused"] = str(e)
+        report["without_refusal"] = _without_refusal(trt, np, registry)
+        return report
+    assert P.aot_plugins_supported(trt, sys.modules["tensorrt.plugin"]), "AOT plugins not supported"
+    _plugin_checks(trt, np, registry, report)
+    return report
+
+
+def _check_main() -> int:
+    expect = os.environ.get("DFLASH_TRT_LANE_EXPECT", "ok")
+    report = check()
+    refused = report.get("refused")
+    if expect == "ok":
+        report["passed"] = refused is None
+    else:
+        # refused with our line; a numpy refusal must also be needed (without it NVIDIA's code fails)
+        needed = "numpy" not in expect or report.get("without_refusal", "no error") != "no error"
+        report["passed"] = refused is not None and expect.split(": ", 1)[1] in refused and needed
+    print(json.dumps(report))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="run the checks in this process (inside a lane)")
+    ap.add_argument("--only", action="append", help="TensorRT version(s) to run (default: every lane)")
+    args = ap.parse_args(argv)
+    if args.check:
+        return _check_main()
+    lanes = [ln for ln in LANES if not args.only or ln.tensorrt in args.only]
+    ok = True
+    for lane in lanes:
+        report = run_lane(lane)
+        ok &= report["passed"]
+        print(json.dumps(report))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
