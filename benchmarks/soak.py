@@ -255,7 +255,9 @@ def client(cid: int, port: int, deadline: float, budget: list[int], budget_lock:
                 else:
                     text, err = (_stream_text(out) if stream else (json.loads(out)["text_output"], False))
                 expected = want[json.dumps(case, sort_keys=True)]
-                if err or text != expected:
+                if err and faults is not None and faults.explains(t0, 0):  # a stream cut by a fault
+                    stats.add(kind, "during_fault_cut", dt)
+                elif err or text != expected:
                     stats.add(kind, "wrong_output", dt, f"{kind} {case}: got {text[:80]!r}, want {expected[:80]!r}")
                 else:
                     stats.add(kind, "ok", dt)
@@ -316,11 +318,14 @@ class Faults:
         self.events: list[dict] = []
         self.lock = threading.Lock()
 
-    def explains(self, t: float, status: int) -> bool:
+    def explains(self, t: float, status: int, end: float | None = None) -> bool:
+        """Whether a request that ran from `t` to `end` (now) overlapped a fault's window: then a 503 / 504, a
+        connection cut (status 0) or a stream ended by an error event is the fault's, not the server's."""
         if status not in (0, 503, 504):
             return False
+        end = time.monotonic() if end is None else end
         with self.lock:
-            return any(a - 1.0 <= t <= (b if b else float("inf")) + 1.0 for a, b in self.windows)
+            return any(t <= (b if b else float("inf")) + 1.0 and end >= a - 1.0 for a, b in self.windows)
 
     def run(self, stop: threading.Event) -> None:
         kinds = ["stub", "tritonserver"]
