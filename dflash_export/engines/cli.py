@@ -7,17 +7,17 @@ import sys
 import click
 
 from dflash_export.bench import run_bench, run_concurrency_bench
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options
+from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options, recipe_options
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
-from dflash_export.recipes import load_recipe
+from dflash_export.recipes import recipe_from_options
 from dflash_export.runtime import DFlashRuntime, RunStats
 
 
 @click.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@recipe_options
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
@@ -32,16 +32,43 @@ from dflash_export.runtime import DFlashRuntime, RunStats
 @click.option("--max-batch", type=click.IntRange(1), default=None,
               help="tensorrt: the most sequences per call the continuous-batching engines' profiles take (default 8; "
                    "deploy --max-batch may not pass it).")
-def build(recipe, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
-    """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
+def build(recipe, target, drafter, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
+    """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches).
+
+    On onnxruntime a bfloat16 / float16 recipe builds as fp32 activations with --precision weights (fp32, int8,
+    int4); the recipe's dtype is what the GPU backends build."""
     from rich.console import Console
 
-    r = load_recipe(recipe)
-    res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
-                       max_batch)
-    Console(highlight=False).print(
-        f"{'reused' if res.reused else 'built'} {res.engine_dir} "
+    from dflash_export.progress import progress_display
+
+    r = recipe_from_options(recipe, target, drafter)
+    with progress_display():
+        res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
+                           max_batch)
+    Console(highlight=False, soft_wrap=True).print(
+        f"{'reused' if res.reused else 'built'} {res.engine_dir}: {describe_precision(res.engine_dir, r)} "
         f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+
+
+def describe_precision(engine_dir, recipe) -> str:
+    """What the engine computes in, as its manifest records it (`int4 weights, fp32 activations`)."""
+    import json
+    from pathlib import Path
+
+    m = json.loads((Path(engine_dir) / "manifest.json").read_text())
+    prec = m.get("precision")
+    if isinstance(prec, dict) and prec:
+        t, d = prec.get("target", "fp32"), prec.get("drafter", "fp32")
+        heads = "" if (prec.get("lm_head"), prec.get("draft_head")) == (t, d) else ", fp32 heads"
+        weights = f"{t} weights" if t == d else f"{t} target / {d} drafter weights"
+        act = (m.get("dtypes") or {}).get("activations", "float32").replace("float", "fp")
+        text = f"{weights}{heads}, {act} activations"
+        asked = (m.get("dtypes") or {}).get("recipe")
+        if asked and asked != "float32":
+            text += f" (the recipe's {asked} is for GPU backends)"
+        return text
+    dt = (m.get("dtypes") or {}).get("precision") or recipe.dtype
+    return f"{dt}"
 
 
 @click.command()
@@ -83,7 +110,7 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 
 
 @click.command()
-@click.option("--recipe", required=True)
+@recipe_options
 @click.option("--engine", "engine_dir", default=None, help="Default: engines/<recipe>/onnxruntime (built if absent).")
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
@@ -100,8 +127,10 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 @click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
               help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
                    "ratio is also printed pass by pass).")
-def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
+def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
+          reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    recipe = recipe_from_options(recipe, target, drafter)
     mode_list = [m.strip() for m in modes.split(",")]
     if concurrency is not None:
         try:

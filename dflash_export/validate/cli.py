@@ -4,38 +4,50 @@ from __future__ import annotations
 
 import click
 
-from dflash_export.clitypes import FiniteFloat, decoding_options
-from dflash_export.validate.command import run_validate
+from dflash_export.clitypes import FiniteFloat, decoding_options, recipe_options
+from dflash_export.validate.command import FULL_SAMPLES, QUICK_PROMPTS, QUICK_SAMPLES, run_validate
 
 
 @click.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@recipe_options
 @click.option("--engine", "engine_dir", default=None, type=click.Path(),
               help="Built engine directory [default: engines/<recipe>/onnxruntime].")
 @click.option("--suite", default=None,
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
-@click.option("--num-prompts", default=None, type=click.IntRange(1), help="Use the first N prompts of the suite.")
+@click.option("--num-prompts", default=None, type=click.IntRange(1),
+              help=f"Use the first N prompts of the suite [default: {QUICK_PROMPTS}; --full: all].")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
 @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
               help="top-p of the sampled check.")
-@click.option("--dist-samples", default=300, show_default=True, type=click.IntRange(0),
-              help="Seeds per prompt for the sampled check (the default comes from a power calculation: README).")
+@click.option("--dist-samples", default=None, type=click.IntRange(0),
+              help=f"Seeds per prompt for the sampled check [default: {QUICK_SAMPLES}; --full: {FULL_SAMPLES}, the "
+                   "number a power calculation asks for: docs].")
+@click.option("--full", is_flag=True,
+              help=f"The full check: every prompt of the suite and {FULL_SAMPLES} seeds per sampled prompt (the "
+                   "defaults finish in minutes on the default pair).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),
               help="Report directory [default: reports/validate/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @decoding_options
-def validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, top_k, top_p, dist_samples, repeats,
-             report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
+def validate(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, temperature, top_k, top_p,
+             dist_samples, full, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
     Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
     """
-    run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
-                 repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo,
+    from dflash_export.recipes import recipe_from_options
+
+    if num_prompts is None and not full:
+        num_prompts = QUICK_PROMPTS
+    if dist_samples is None:
+        dist_samples = FULL_SAMPLES if full else QUICK_SAMPLES
+    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens,
+                 temperature, report_dir, dist_samples, repeats=repeats, top_k=top_k, top_p=top_p,
+                 show_progress=not no_progress, echo=click.echo,
                  decoding={k: v for k, v in (("proposer", proposer), ("tree_mode", tree_mode),
                                              ("tree_top_k", tree_top_k), ("tree_nodes", tree_nodes)) if v})

@@ -15,11 +15,19 @@ from dflash_export.errors import CheckFailed, DFlashError
 from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
 from dflash_export.runtime import DFlashRuntime
-from dflash_export.validate.report import summary_rows, write_report
+from dflash_export.progress import progress_display, step
+from dflash_export.validate.report import summary_rows, verdict_line, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+# The defaults finish in minutes on the default pair: the first QUICK_PROMPTS prompts of the suite and QUICK_SAMPLES
+# seeds per sampled prompt. `--full` runs the whole suite and FULL_SAMPLES seeds, the number the power calculation
+# of the sampled check asks for (benchmarks/sampling_power.py: each planted sampling fault fails at 300 seeds).
+QUICK_PROMPTS = 8
+QUICK_SAMPLES = 60
+FULL_SAMPLES = 300
 
 
 def default_engine_dir(recipe_name: str) -> Path:
@@ -62,18 +70,24 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
     edir = Path(engine_dir) if engine_dir else default_engine_dir(recipe.name)
-    engine, meta = open_engine(edir, recipe)
-    try:
-        encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
-                   for p in prompts]
-        check_fits(engine, prompts, encoded, max_new_tokens, path)
-        reference = Reference.from_recipe(recipe)
-        opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
-                               repeats=repeats, top_k=top_k, top_p=top_p, decoding=decoding or {})
-        return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
-                               "path": str(path)}, meta, report_dir, show_progress, echo)
-    finally:
-        engine.close()
+    with progress_display(show_progress, transient=True):
+        with step(f"loading the engine {edir}"):
+            engine, meta = open_engine(edir, recipe)
+        try:
+            encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
+                       for p in prompts]
+            check_fits(engine, prompts, encoded, max_new_tokens, path)
+            # An ONNX Runtime engine computes in fp32 whatever dtype the recipe asks of GPU backends.
+            ref_dtype = "float32" if engine.info.backend == "onnxruntime" else None
+            with step(f"loading the PyTorch reference ({ref_dtype or recipe.dtype})"):
+                reference = Reference.from_recipe(recipe, ref_dtype)
+            opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature,
+                                   dist_samples=dist_samples, repeats=repeats, top_k=top_k, top_p=top_p,
+                                   decoding=decoding or {})
+            return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
+                                   "path": str(path)}, meta, report_dir, show_progress, echo)
+        finally:
+            engine.close()
 
 
 def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, report_dir, show_progress=False,
@@ -85,6 +99,7 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
     echo(f"report: {files['md']}")
+    echo(verdict_line(report))
     if report.failures:
         parts = [f"{t['name']} {t['value']:.4g} < {t['threshold']:.4g}" + (f" ({t['note']})" if t["note"] else "")
                  for t in report.failures]

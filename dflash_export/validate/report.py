@@ -32,6 +32,26 @@ def summary_rows(report: ValidationReport) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def verdict_line(report: ValidationReport) -> str:
+    """The one line that says whether the engine ships, led by DFlash against plain decoding on the same engine (the
+    speed a user gains), then losslessness, τ and the sampled check."""
+    s, g, a, dist = report.speed, report.greedy, report.acceptance, report.distribution
+    x = s["speedup_vs_ar"]
+    floor = next((t["threshold"] for t in report.thresholds if t["name"] == "speedup_vs_ar"), 0.0)
+    speed = f"DFlash {x:.2f}x plain decoding on the same engine"
+    if x < 1.0:
+        speed += (f" (SLOWER; the recipe's floor {floor:.2f} allows it)" if x >= floor - 1e-12 else
+                  f" (SLOWER than plain decoding, floor {floor:.2f})")
+    judged = "own plain decoding" if "own" in g.get("judged_against", "") else "reference"
+    parts = [speed, f"{g['identical']}/{g['prompts']} greedy outputs identical to the {judged}", f"tau {a['tau']:.2f}"]
+    if dist.get("ran"):
+        parts.append(f"sampled check p = {dist['p_value']:.3g} ({dist['samples_per_prompt']} seeds x "
+                     f"{len(dist['prompts'])} prompts)")
+    else:
+        parts.append("sampled check skipped")
+    return f"{'PASS' if report.passed else 'FAIL'}: " + "; ".join(parts)
+
+
 def render_markdown(report: ValidationReport) -> str:
     d = report.to_dict()
     g, a, s, dist = d["greedy"], d["acceptance"], d["speed"], d["distribution"]
@@ -39,6 +59,8 @@ def render_markdown(report: ValidationReport) -> str:
     lines = [
         f"# dflash-export validate: {report.recipe} ({report.engine.get('backend')}) — "
         f"**{'PASS' if report.passed else 'FAIL'}**",
+        "",
+        verdict_line(report),
         "",
         f"Suite `{report.suite.get('name', '?')}`, {g['prompts']} prompts, {report.options['max_new_tokens']} new "
         f"tokens, block size {a['block_size']}; timings are medians over prompts of {report.options['repeats']} "
