@@ -26,7 +26,7 @@ from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
 from dflash_export.prompt_lookup import prompt_lookup_tau
-from dflash_export.recipes import load_recipe
+from dflash_export.recipes import Recipe, load_recipe
 from dflash_export.runtime import DFlashRuntime
 from dflash_export.sources import resolve_source
 from dflash_export.validate.suites import encode_prompt, load_suite
@@ -64,8 +64,15 @@ MODES = (*ENGINE_MODES, "hf", "reference")
 SPECULATIVE = [m for m in MODES if m not in ("ar", "hf")]
 
 
-def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
-    recipe = load_recipe(recipe_name)
+def _job_recipe(recipe) -> dict:
+    """What a worker needs of the recipe, with the pair already resolved (it may have come from --target /
+    --drafter, with no YAML to reload)."""
+    return {"name": recipe.name, "target": recipe.target_path, "drafter": recipe.drafter_path, "dtype": recipe.dtype,
+            "block_size": recipe.block_size, "max_seq_len": recipe.max_seq_len}
+
+
+def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
+    recipe = Recipe(**recipe_fields)
     runs = []
     if mode in ENGINE_MODES:
         t0 = time.perf_counter()
@@ -140,10 +147,39 @@ def _summary(res: dict) -> dict:
             "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"]}
 
 
+MODE_LEGEND = ("dflash: DFlash on the engine (its recipe's decoding); dflash-full: every draft verified; ar: plain "
+               "decoding on the same engine; hf: transformers generate; reference: PyTorch spec_generate. vs plain: "
+               "tok/s over ar's.")
+
+
+def bench_table(recipe_name: str, max_new: int, n_prompts: int, summary: dict):
+    """The figures of each mode as one rich table that fits 80 columns, one line per mode: short two-line headers,
+    mode keys for names (MODE_LEGEND says what each is), DFlash against plain decoding on the same engine as its
+    own column."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"{recipe_name}: greedy, {max_new} new tokens, {n_prompts} prompts, medians",
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False,
+                  title_justify="left")
+    for col in ("mode", "tok/s", "vs\nplain", "ms/\ntoken", "tau", "lookup\ntau", "drafts\n/step", "RSS\nMB",
+                "same\noutput"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    plain = summary.get("ar", {}).get("tok_s_median")
+    for m, s in summary.items():
+        ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
+        lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
+        vs = f"{s['tok_s_median'] / plain:.2f}x" if plain and m != "ar" else ""
+        speculative = m not in ("ar", "hf")
+        table.add_row(m, f"{s['tok_s_median']:.1f}", vs, f"{s['tpot_ms_median']:.1f}",
+                      f"{s['tau']:.2f}" if speculative else "", lookup,
+                      f"{s['drafts_verified_per_step']:.2f}" if speculative else "", f"{s['peak_rss_mb']:.0f}", ident)
+    return table
+
+
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
               modes: list[str], out_json: str | None) -> dict:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(highlight=False)
     for m in modes:
@@ -162,7 +198,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         console.print(f"[bench] {mode}: {len(prompts)} prompts x {max_new} new tokens ...")
         with tempfile.TemporaryDirectory() as tmp:
             job = Path(tmp) / "job.json"
-            job.write_text(json.dumps({"mode": mode, "recipe": str(recipe.path), "engine": engine_dir,
+            job.write_text(json.dumps({"mode": mode, "recipe": _job_recipe(recipe), "engine": engine_dir,
                                        "prompts": prompts, "max_new": max_new}))
             proc = subprocess.run([sys.executable, "-m", "dflash_export.bench", str(job)], capture_output=True,
                                   text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -185,19 +221,9 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         for m, r in results.items():
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
-    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)")
-    for col in ("mode", "tok/s", "ms/token", "tau", "prompt-lookup tau", "drafts verified/step", "peak RSS MB",
-                "identical"):
-        table.add_column(col)
-    names = {"dflash": "(a) DFlash, engine", "dflash-full": "(a') DFlash, engine, full blocks",
-             "ar": "(b) AR, same engine", "hf": "(c) HF generate AR", "reference": "(d) PyTorch spec_generate",
-             **{m: f"DFlash {m}, engine" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
-    for m, s in summary.items():
-        ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
-        lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
-        table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau']:.2f}", lookup,
-                      f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
+    table = bench_table(recipe.name, max_new, len(prompts), summary)
     console.print(table)
+    console.print(MODE_LEGEND, soft_wrap=False)
     ratios = {}
     pairs = [("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")]
     pairs += [(m, "ar") for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")]

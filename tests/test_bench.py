@@ -100,7 +100,8 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     """A worker's DFlashError travels to the parent whole (file and field); anything else becomes a short line."""
     import shutil
 
-    from dflash_export.bench import _worker_failure, _worker_main
+    from dflash_export.bench import _job_recipe, _worker_failure, _worker_main
+    from dflash_export.recipes import load_recipe
     from dflash_export.sources import resolve_source
 
     recipe, _, _, _ = built
@@ -114,7 +115,7 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     y.write_text(f"name: trunc\ntarget: {target}\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"
                  "chat_template: false\n")
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mode": "hf", "recipe": str(y), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
+    job.write_text(json.dumps({"mode": "hf", "recipe": _job_recipe(load_recipe(y)), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
     assert _worker_main(str(job)) == 2  # the worker process body, in-process
     err = _worker_failure("hf", 2, "some warning\n" + capsys.readouterr().err)
     msg = str(err)
@@ -138,6 +139,30 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
         if r["mode"] == "ar":  # plain decoding: one row per sequence per call, no drafter, cost 1 + a(B - 1)
             assert r["draft_calls"] == r["probes"] == 0 and r["target_rows"] == r["tokens"] - 5  # 1st: prefill
     assert rep["divergences"] == []
+
+
+def test_bench_table_fits_80_columns_one_line_per_mode():
+    """Every mode's row on one line of an 80-column terminal, its figures whole (rich would wrap or cut them)."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_export.bench import MODES, bench_table
+
+    summary = {m: {"tok_s_median": 12345.6, "tpot_ms_median": 123.4, "tau": 12.34, "tau_prompt_lookup": 12.34,
+                   "drafts_verified_per_step": 15.0, "peak_rss_mb": 123456.0, "identical_to_hf": "100/100"}
+               for m in MODES}
+    summary["ar"]["tok_s_median"] = 1000.0
+    console = Console(width=80, file=io.StringIO(), record=True)
+    console.print(bench_table("qwen3-coder-30b-a3b", 256, 100, summary))
+    lines = console.export_text().splitlines()
+    assert max(len(ln.rstrip()) for ln in lines) <= 80
+    for m in MODES:
+        row = [ln for ln in lines if ln.split() and ln.split()[0] == m]
+        assert len(row) == 1, (m, lines)
+        cells = row[0].split()
+        assert ("1000.0" if m == "ar" else "12345.6") in cells and "123456" in cells and "100/100" in cells, row
+        assert m == "ar" or "12.35x" in cells, row  # DFlash over plain decoding on the same engine
 
 
 def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
