@@ -701,3 +701,21 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
     assert "own plain-decoding" in rep["distribution"]["test"] and rep["distribution"]["p_value"] >= 0.001
     assert rep["engine"]["manifest"]["precision"]["target"] == "int4"
     assert "vs the fp32 reference" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_default_engine_is_the_fp32_one_else_the_only_one_built(tmp_path, monkeypatch):
+    from dflash_export.validate.command import default_engine_dir
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "engines" / "some-pair"
+    with pytest.raises(DFlashError, match="no engine built"):
+        default_engine_dir("some-pair")
+    for name in ("onnxruntime-int4", "onnxruntime-int8", "onnxruntime"):
+        (root / name).mkdir(parents=True)
+        (root / name / "manifest.json").write_text("{}")
+        if name == "onnxruntime-int4":
+            assert default_engine_dir("some-pair") == Path("engines/some-pair/onnxruntime-int4").resolve()
+        elif name == "onnxruntime-int8":
+            with pytest.raises(DFlashError, match="onnxruntime-int4, onnxruntime-int8.*--engine"):
+                default_engine_dir("some-pair")
+    assert default_engine_dir("some-pair") == Path("engines/some-pair/onnxruntime").resolve()
