@@ -65,8 +65,8 @@ SPECULATIVE = [m for m in MODES if m not in ("ar", "hf")]
 
 
 def _job_recipe(recipe) -> dict:
-    """What a worker needs of the recipe, with the pair already resolved (it may have come from --target /
-    --drafter, with no YAML to reload)."""
+    """What a worker needs of the recipe, its pair already resolved (a pair from --target / --drafter has no YAML
+    file to reload)."""
     return {"name": recipe.name, "target": recipe.target_path, "drafter": recipe.drafter_path, "dtype": recipe.dtype,
             "block_size": recipe.block_size, "max_seq_len": recipe.max_seq_len}
 
@@ -147,39 +147,10 @@ def _summary(res: dict) -> dict:
             "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"]}
 
 
-MODE_LEGEND = ("dflash: DFlash on the engine (its recipe's decoding); dflash-full: every draft verified; ar: plain "
-               "decoding on the same engine; hf: transformers generate; reference: PyTorch spec_generate. vs plain: "
-               "tok/s over ar's.")
-
-
-def bench_table(recipe_name: str, max_new: int, n_prompts: int, summary: dict):
-    """The figures of each mode as one rich table that fits 80 columns, one line per mode: short two-line headers,
-    mode keys for names (MODE_LEGEND says what each is), DFlash against plain decoding on the same engine as its
-    own column."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=f"{recipe_name}: greedy, {max_new} new tokens, {n_prompts} prompts, medians",
-                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False,
-                  title_justify="left")
-    for col in ("mode", "tok/s", "vs\nplain", "ms/\ntoken", "tau", "lookup\ntau", "drafts\n/step", "RSS\nMB",
-                "same\noutput"):
-        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
-    plain = summary.get("ar", {}).get("tok_s_median")
-    for m, s in summary.items():
-        ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
-        lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
-        vs = f"{s['tok_s_median'] / plain:.2f}x" if plain and m != "ar" else ""
-        speculative = m not in ("ar", "hf")
-        table.add_row(m, f"{s['tok_s_median']:.1f}", vs, f"{s['tpot_ms_median']:.1f}",
-                      f"{s['tau']:.2f}" if speculative else "", lookup,
-                      f"{s['drafts_verified_per_step']:.2f}" if speculative else "", f"{s['peak_rss_mb']:.0f}", ident)
-    return table
-
-
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
               modes: list[str], out_json: str | None) -> dict:
     from rich.console import Console
+    from rich.table import Table
 
     console = Console(highlight=False)
     for m in modes:
@@ -221,9 +192,21 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         for m, r in results.items():
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
-    table = bench_table(recipe.name, max_new, len(prompts), summary)
+    # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
+    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)",
+                  caption="lookup tau: prompt lookup replayed on the same tokens; drafts: verified per step",
+                  padding=(0, 1))
+    for col in ("mode", "tok/s", "ms/tok", "tau", "lookup tau", "drafts", "RSS MB", "same"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
+             "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
+             **{m: f"DFlash {m}" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
+    for m, s in summary.items():
+        ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
+        lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
+        table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau']:.2f}", lookup,
+                      f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
     console.print(table)
-    console.print(MODE_LEGEND, soft_wrap=False)
     ratios = {}
     pairs = [("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")]
     pairs += [(m, "ar") for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")]

@@ -38,6 +38,8 @@ class RunStats:
     finish_reason: str = "length"
     prompt_tokens: int = 0
     drafted_tokens: int = 0
+    draft_s: float = 0.0    # time in the drafter (and the proposal around it)
+    verify_s: float = 0.0   # time in target passes after the prefill (verifications and plain steps)
 
     @property
     def tau(self) -> float:
@@ -195,7 +197,8 @@ class DFlashRuntime:
             state = TreeState(list(prompt_ids) + [last], 2 * bs)
         while True:
             if trees:
-                accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state)
+                accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
+                                                                    stats)
                 stats.drafted_tokens += n_draft
                 cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -204,19 +207,23 @@ class DFlashRuntime:
                 state.context.extend(ev.tokens)
                 stats.acceptance_lengths.append(len(ev.tokens))
             elif mode == "ar":
+                t = time.perf_counter()
                 logits = eng.decode(seq, last)
+                stats.verify_s += time.perf_counter() - t
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)
                 ev = emit([last], 0)
             elif skip > 0:  # back-off: a plain step whose context features stay pending for the next draft
                 skip -= 1
+                t = time.perf_counter()
                 _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
+                stats.verify_s += time.perf_counter() - t
                 rate = 0.9 * rate + 0.1  # one token for one step's cost
                 last = emitted[-1]
                 ev = emit(emitted, 0)
                 stats.acceptance_lengths.append(len(ev.tokens))
             else:
-                accept, emitted, n_draft = self._draft_and_verify(seq, last, sp, rng, bs, rate, emit.produced)
+                accept, emitted, n_draft = self._draft_and_verify(seq, last, sp, rng, bs, rate, emit.produced, stats)
                 stats.drafted_tokens += n_draft
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -231,7 +238,7 @@ class DFlashRuntime:
                 return
 
     def _draft_and_verify(self, seq, last: int, sp: SamplingParams, rng, bs: int, rate: float,
-                          produced: int) -> tuple[int, list[int], int]:
+                          produced: int, stats: RunStats | None = None) -> tuple[int, list[int], int]:
         """One DFlash step after `produced` tokens: draft a block from `last`, verify its drafts (as many as pay, when
         adaptive) with the target. Returns (drafts accepted, tokens emitted, drafts verified)."""
         eng = self.engine
@@ -239,7 +246,9 @@ class DFlashRuntime:
         seq.draft_confidence = None
         # The last block holds no more slots than tokens are still owed (+1), as z-lab's release does.
         block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - produced + 1)
+        t0 = time.perf_counter()
         draft, draft_probs = eng.draft(seq, last, sp, u_draft, block_len=block_len)
+        t1 = time.perf_counter()
         n_draft = block_len - 1
         if sp.greedy and self.adaptive and seq.draft_confidence is not None:
             n_draft = min(verify_length(seq.draft_confidence, rate * self.verify_token_cost),
@@ -247,14 +256,18 @@ class DFlashRuntime:
         block = np.empty(n_draft + 1, dtype=np.int64)
         block[0], block[1:] = last, draft[:n_draft]
         accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
+        if stats is not None:
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
         return accept, emitted, n_draft
 
     def _tree_step(self, seq, last: int, sp: SamplingParams, bs: int, rate: float, produced: int,
-                   state: TreeState) -> tuple[int, list[int], int, bool]:
+                   state: TreeState, stats: RunStats | None = None) -> tuple[int, list[int], int, bool]:
         """One greedy step with a draft tree (decoding/tree.py): grow it from the context's lookup branches and the
         drafter's slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass.
         Returns (drafts accepted, tokens emitted, nodes verified, whether the drafter ran)."""
         eng, info = self.engine, self.engine.info
+        t0 = time.perf_counter()
         # Depth: a block's slots for the drafter; lookup branches may run deeper, up to the rows the engine's
         # numerics probe checked; never more than the request still owes. Nodes: the budget and the engine's room.
         owed = sp.max_new_tokens - produced - 1
@@ -275,6 +288,7 @@ class DFlashRuntime:
         min_score = rate * self.verify_token_cost if self.adaptive else 0.0
         tree = build_tree(last, logprobs, lookups, top_k=self.tree_top_k, max_nodes=min(self.tree_nodes, room),
                           min_score=min_score, lookup_scores=state.lookups.score)
+        t1 = time.perf_counter()
         if tree.is_chain or self.tree_mode == "spine" or not getattr(eng, "tree_verify", False):
             spine = tree.best_chain()  # the chain kernel path: one row for no drafts, the block otherwise
             accept, emitted = eng.verify(seq, np.asarray([tree.tokens[i] for i in spine], np.int64), None, sp, None)
@@ -282,6 +296,9 @@ class DFlashRuntime:
         else:
             accept, emitted, path = eng.verify_tree(seq, tree)
             checked = set(range(len(tree)))
+        if stats is not None:
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
         state.record(tree, path, checked, drafted, bool(lookups))
         return accept, emitted, len(checked) - 1, drafted
 

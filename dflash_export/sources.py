@@ -1,6 +1,7 @@
-"""Where models come from: plain paths (with ~ and $VARS), `tiny:<name>` pairs built on the fly, `pkg:<dist>`
-files shipped inside installed Python packages (located through importlib metadata, never a hard-coded path), and
-Hugging Face ids (`Qwen/Qwen3-8B`) read from the local Hugging Face cache, offline (this tool never downloads)."""
+"""Where models come from: plain paths (with ~ and $VARS), Hugging Face ids (`Qwen/Qwen3-8B`) found in the local
+Hugging Face cache (never fetched: this tool does not talk to a hub), `tiny:<name>` pairs built on the fly, and
+`pkg:<dist>` files shipped inside installed Python packages (located through importlib metadata, never a hard-coded
+path)."""
 
 from __future__ import annotations
 
@@ -36,57 +37,45 @@ def split_pkg_spec(spec: str, path=None, field: str | None = None) -> tuple[str,
     return parts[1], parts[2]
 
 
-# `org/name` as the Hub spells repository ids: one slash, no leading dot or slash, no `~` or `$`.
-_HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-def is_hf_id(spec: str) -> bool:
-    """Whether `spec` has the shape of a Hugging Face repository id (`Qwen/Qwen3-8B`)."""
-    return bool(_HF_ID.fullmatch(str(spec))) and not str(spec).endswith((".gguf", ".yaml", ".yml"))
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*(?:@[A-Za-z0-9_.\-/]+)?$")
 
 
 def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, where huggingface_hub puts it: $HF_HUB_CACHE, else $HF_HOME/hub, else
-    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    """The Hugging Face hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub (XDG_CACHE_HOME honoured)."""
     if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expanduser(os.environ["HF_HOME"])) / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(os.path.expanduser(xdg)) / "huggingface" / "hub"
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
-def hf_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot of model `repo_id` (cache layout `models--ORG--NAME/snapshots/<commit>/`, the commit that
-    `refs/main` names, else the newest snapshot holding a config.json); None when the cache has none."""
-    root = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-    ref = root / "refs" / "main"
+def is_hf_id(spec: str) -> bool:
+    """`org/name[@revision]` that is not a path that exists (a local directory of that name wins)."""
+    return bool(HF_ID.match(spec)) and not Path(spec.split("@")[0]).exists()
+
+
+def hf_snapshot(repo_id: str, field: str | None = None) -> Path:
+    """The local snapshot of a Hugging Face model id (`org/name`, or `org/name@revision`: a branch, tag or commit),
+    in huggingface_hub's cache layout (models--org--name/refs/<rev> -> snapshots/<commit>/). Offline; when it is not
+    there, one line saying how to fetch it."""
+    repo, _, rev = repo_id.partition("@")
+    rev = rev or "main"
+    root = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    commit = rev
+    ref = root / "refs" / rev
     if ref.is_file():
-        snap = root / "snapshots" / ref.read_text().strip()
-        if (snap / "config.json").is_file():
-            return snap
-    snaps = [d for d in (root / "snapshots").glob("*") if (d / "config.json").is_file()]
-    return max(snaps, key=lambda d: d.stat().st_mtime) if snaps else None
-
-
-def hf_fetch_hint(repo_ids) -> str:
-    """How to put `repo_ids` into the cache this tool reads (one clause)."""
-    return " and ".join(f"`hf download {r}`" for r in repo_ids)
-
-
-def resolve_hf(repo_id: str, field: str | None = None) -> Path:
-    """The cached snapshot of `repo_id`; DFlashError (one line, how to fetch it) when it is not in the cache."""
-    snap = hf_snapshot(repo_id)
-    if snap is None:
-        raise DFlashError(f"{repo_id!r} is neither a local path nor in the Hugging Face cache ({hf_cache_dir()}): "
-                          f"fetch it with {hf_fetch_hint([repo_id])} (set HF_HUB_CACHE or HF_HOME if your cache "
-                          "lives elsewhere), or pass a local directory", field=field)
+        commit = ref.read_text().strip()
+    snap = root / "snapshots" / commit
+    if not root.is_dir() or not snap.is_dir():
+        raise DFlashError(f"{repo_id} is not in the local Hugging Face cache ({hf_cache_dir()}); fetch it where a hub "
+                          f"is reachable with `hf download {repo}{'' if rev == 'main' else f' --revision {rev}'}` "
+                          "(HF_HUB_CACHE / HF_HOME choose the cache), or give a local path", field=field)
     return snap
 
 
 def resolve_source(spec) -> Path:
-    """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, a filesystem path, or a Hugging Face id (`org/name`) that is
-    not a path here, read from the local Hugging Face cache."""
+    """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, a Hugging Face id in the local cache, or a filesystem
+    path."""
     s = str(spec)
     if s.startswith("tiny:"):
         from dflash_export.tiny import tiny_pair_path
@@ -94,7 +83,7 @@ def resolve_source(spec) -> Path:
         return tiny_pair_path(s[len("tiny:"):])
     if s.startswith("pkg:"):
         return package_file(*split_pkg_spec(s))
-    p = Path(os.path.expandvars(os.path.expanduser(s)))
-    if not p.exists() and is_hf_id(s):
-        return resolve_hf(s)
-    return p
+    s = os.path.expandvars(os.path.expanduser(s))
+    if is_hf_id(s):
+        return hf_snapshot(s)
+    return Path(s)

@@ -19,7 +19,7 @@ from dflash_export.models.config import DrafterConfig
 from dflash_export.models.drafter import DFlashDrafter, save_drafter
 from dflash_export.models.hfutil import quiet_transformers
 
-_VERSION = 2  # bump when the builders change so cached pairs are rebuilt
+_VERSION = 3  # bump when the builders change so cached pairs are rebuilt
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class TinySpec:
     target_layer_ids: tuple[int, ...] = (1, 3)
     rope_theta: float = 10000.0
     seed: int = 0
+    num_experts: int = 0             # qwen3_moe: experts per MoE layer
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 32
+    mlp_only_layers: tuple[int, ...] = ()
+    sliding_window: int = 0          # gpt_oss: layers alternate sliding (this window) and full attention
 
     @property
     def mask_token_id(self) -> int:
@@ -51,13 +56,23 @@ TINY = {
     "qwen3": TinySpec("qwen3"),
     "llama": TinySpec("llama"),
     "qwen3-b16": TinySpec("qwen3", block_size=16),
+    "gpt-oss": TinySpec("gpt_oss", num_experts=8, experts_per_token=2, intermediate_size=32, sliding_window=8,
+                        num_layers=4, target_layer_ids=(0, 2)),
+    "qwen3-moe": TinySpec("qwen3_moe", num_experts=8, experts_per_token=2, mlp_only_layers=(2,)),
     "llama-small-vocab": TinySpec("llama", vocab_size=16, hidden_size=32, num_layers=4, head_dim=8,
                                   intermediate_size=64, target_layer_ids=(1, 2)),
 }
 
 
+# gpt-oss's YaRN (its factor and original length scaled down to the tiny model's 1024 positions); z-lab's drafters
+# carry their target's RoPE, so the tiny drafter does too.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 256, "rope_theta": 150000.0}
+
+
 def build_target(spec: TinySpec, out: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     quiet_transformers()
     common = dict(
@@ -72,13 +87,29 @@ def build_target(spec: TinySpec, out: Path) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif spec.family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif spec.family == "gpt_oss":
+        common.pop("rope_theta")
+        model = GptOssForCausalLM(GptOssConfig(
+            **common, num_local_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+            sliding_window=spec.sliding_window, layer_types=["sliding_attention", "full_attention"] * (
+                spec.num_layers // 2), attention_bias=True,
+            rope_parameters=dict(GPT_OSS_ROPE)))
+    elif spec.family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
+            mlp_only_layers=list(spec.mlp_only_layers), norm_topk_prob=True))
     else:
         raise DFlashError(f"unknown tiny family {spec.family!r}")
     # Larger-than-init weights so the tiny model's distributions are peaked (more like a trained LM's).
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and not name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.mul_(4.0)
+            elif p.ndim == 3:  # experts: transformers leaves them uninitialised (torch.empty)
+                p.normal_(0.0, 0.08)
+            elif name.endswith(("sinks", "_bias")) or (p.ndim == 1 and "experts" in name):
+                p.normal_(0.0, 0.5)  # sinks and expert biases are uninitialised too
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 
@@ -89,7 +120,10 @@ def build_drafter(spec: TinySpec, out: Path) -> Path:
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
         rms_norm_eps=1e-6, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
         target_layer_ids=list(spec.target_layer_ids), num_target_layers=spec.num_layers, vocab_size=spec.vocab_size,
-        target_hidden_size=spec.hidden_size, rope_theta=spec.rope_theta, max_position_embeddings=1024,
+        target_hidden_size=spec.hidden_size, max_position_embeddings=1024,
+        rope_theta=GPT_OSS_ROPE["rope_theta"] if spec.family == "gpt_oss" else spec.rope_theta,
+        rope_scaling={k: v for k, v in GPT_OSS_ROPE.items() if k != "rope_theta"} if spec.family == "gpt_oss"
+        else None,
     )
     torch.manual_seed(spec.seed + 1)
     model = DFlashDrafter(cfg)

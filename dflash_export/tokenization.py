@@ -9,9 +9,12 @@ and rendered only in jinja2's immutable sandbox, as transformers does. A templat
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
+
+_SPECIAL_LOCK = threading.Lock()  # `encode_special_tokens` is a setting of the shared tokenizer
 
 
 class TextCodec:
@@ -53,13 +56,59 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def _special_texts(self) -> list[str]:
+        if not hasattr(self, "_specials"):
+            try:
+                added = self.tokenizer.get_added_tokens_decoder().values()
+                self._specials = [a.content for a in added if a.special and a.content]
+            except AttributeError:
+                self._specials = []
+        return self._specials
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text as text: a special token's spelling in it (`<|im_start|>`) becomes ordinary tokens, never control."""
+        specials = self._special_texts()
+        if not any(sp in text for sp in specials):
+            return self.encode(text)
+        with _SPECIAL_LOCK:
+            self.tokenizer.encode_special_tokens = True
+            try:
+                return self.encode(text)
+            finally:
+                self.tokenizer.encode_special_tokens = False
+
     def apply_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template's rendering, tokenized. Message contents are text: where one spells a special token,
+        the template's own text is tokenized with its special tokens and each content on its own as plain text, so
+        `<|im_start|>system` typed by a user cannot open a turn (as strict servers do)."""
         if not self.chat_template:
             return self.encode("\n".join(m.get("content", "") for m in messages))
+        specials = self._special_texts()
+        if specials and any(isinstance(m.get("content"), str) and any(sp in m["content"] for sp in specials)
+                            for m in messages):
+            return self._apply_chat_contents_as_text(messages)
+        return self.encode(self.render_chat(messages))
+
+    def _apply_chat_contents_as_text(self, messages: list[dict]) -> list[int]:
+        import re
+
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        text = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        parts = re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text)
+        if sorted(p for p in parts if p in marks) != sorted(marks):
+            raise DFlashError("a message spells a special token of the tokenizer, and this chat template does not "
+                              "place message contents verbatim, so they cannot be kept as plain text",
+                              field="messages")
+        ids: list[int] = []
+        for p in parts:
+            ids += self.encode_text(messages[marks.index(p)]["content"]) if p in marks else self.encode(p)
+        return ids
+
+    def render_chat(self, messages: list[dict]) -> str:
         from jinja2.sandbox import SecurityError
 
         try:
-            text = chat_environment().from_string(self.chat_template).render(
+            return chat_environment().from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=True, **self.special)
         except DFlashError:
             raise
@@ -69,13 +118,14 @@ class TextCodec:
         except Exception as e:  # a template that compiles but fails on these messages: bad template or bad request
             raise DFlashError(f"cannot render the chat template for these messages ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]})", field="chat_template") from None
-        return self.encode(text)
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return self.apply_chat(prompt)
         if chat and self.chat_template:
             return self.apply_chat([{"role": "user", "content": prompt}])
+        # A raw prompt (no template) is the caller's whole text, special tokens included: whoever sends one writes
+        # the turns themselves (OpenAI's /v1/completions).
         return self.encode(prompt)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:

@@ -250,7 +250,7 @@ def _write_hf_cache(cache: Path, repo_id: str, src: Path) -> Path:
 @pytest.fixture()
 def qwen3_8b_standin(tmp_path, monkeypatch):
     """Tiny stand-ins of Qwen/Qwen3-8B and z-lab/Qwen3-8B-DFlash-b16 in a Hugging Face cache the test writes
-    (bfloat16 weights, the published config keys); HF_HUB_CACHE points at it, the recipe's variables are unset."""
+    (bfloat16 weights, the published config keys); HF_HUB_CACHE points at it, the recipe's variables name the ids."""
     import json
 
     import torch
@@ -284,14 +284,14 @@ def qwen3_8b_standin(tmp_path, monkeypatch):
     cache = tmp_path / "hf-cache"
     snaps = (_write_hf_cache(cache, "Qwen/Qwen3-8B", tdir), _write_hf_cache(cache, "z-lab/Qwen3-8B-DFlash-b16", ddir))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("QWEN3_8B", raising=False)
-    monkeypatch.delenv("QWEN3_8B_DFLASH", raising=False)
+    monkeypatch.setenv("QWEN3_8B", "Qwen/Qwen3-8B")
+    monkeypatch.setenv("QWEN3_8B_DFLASH", "z-lab/Qwen3-8B-DFlash-b16")
     return snaps
 
 
 def test_bf16_recipe_builds_int4_on_onnxruntime_from_the_hf_cache(qwen3_8b_standin, tmp_path):
-    """`build --recipe qwen3-8b --precision int4`: the recipe asks bfloat16, its variables are unset, the weights are
-    in the Hugging Face cache; the engine is built with int4 weights and says so, and it is lossless against plain
+    """`build --recipe qwen3-8b --precision int4`: the recipe asks bfloat16, its variables name Hugging Face ids, the
+    weights are in the Hugging Face cache; the engine is built with int4 weights and says so, and it is lossless against plain
     decoding on itself."""
     import json
 
@@ -306,7 +306,7 @@ def test_bf16_recipe_builds_int4_on_onnxruntime_from_the_hf_cache(qwen3_8b_stand
     assert line.startswith(f"built {edir}") and "int4 weights" in line and "bfloat16" in line, line
     m = json.loads((edir / "manifest.json").read_text())
     assert m["precision"] == {"target": "int4", "drafter": "int4", "lm_head": "int4", "draft_head": "int4"}
-    assert m["dtypes"]["recipe"] == "bfloat16" and m["dtypes"]["activations"] == "float32"
+    assert m["dtypes"]["checkpoint"] == "bfloat16" and m["dtypes"]["activations"] == "float32"
     assert m["block_size"] == 16 and m["target_layer_ids"] == [1, 4] and m["mask_token_id"] == 255
     assert m["quantization"]["target"]["bits"] == 4
     # the inputs are the snapshots refs/main names (symbolic links into blobs, as huggingface_hub writes them)
@@ -362,12 +362,11 @@ def test_every_unset_variable_is_reported_at_once(tmp_path, monkeypatch):
     for cmd in (["build"], ["validate"], ["bench"], ["export", "--out", str(tmp_path / "x")], ["reference"]):
         r = _cli(*cmd, "--recipe", "qwen3-8b")
         assert r.exit_code == 2 and r.output.count("\n") == 1, (cmd, r.output)
-        assert "QWEN3_8B, QWEN3_8B_DFLASH are not set" in r.output, r.output
-        assert "`hf download Qwen/Qwen3-8B` and `hf download z-lab/Qwen3-8B-DFlash-b16`" in r.output
+        assert "QWEN3_8B (target), QWEN3_8B_DFLASH (drafter) are not set" in r.output, r.output
     # one of the two set: only the other is named
     monkeypatch.setenv("QWEN3_8B", str(tmp_path))
     r = _cli("build", "--recipe", "qwen3-8b")
-    assert "variable QWEN3_8B_DFLASH is not set" in r.output and "QWEN3_8B," not in r.output, r.output
+    assert "variable QWEN3_8B_DFLASH (drafter) is not set" in r.output and "QWEN3_8B (" not in r.output, r.output
 
 
 def test_hf_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):

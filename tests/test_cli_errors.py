@@ -32,10 +32,8 @@ def _one_error_line(r, code=2):
     (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"], "error: --temperature: 'inf' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"], "error: --seed: -1 is not in the range"),
     (["reference", "--recipe", "tiny-qwen3", "--seed", "abc"], "error: --seed: 'abc' is not a valid integer"),
-    (["reference"], "error: --recipe: name a recipe, or a pair with both --target and --drafter (--target and "
-                    "--drafter missing)"),
-    (["build", "--target", "tiny:qwen3/target"], "error: --recipe: name a recipe, or a pair with both --target and "
-                                                 "--drafter (--drafter missing)"),
+    (["reference"], "error: --recipe: give --recipe, or --target and --drafter"),
+    (["bench", "--target", "tiny:qwen3/target"], "error: --recipe: give --recipe, or --target and --drafter"),
     (["reference", "--recipe", "tiny-qwen3", "--bogus"], "error: No such option '--bogus'"),
     (["frobnicate"], "error: No such command 'frobnicate'"),
     (["build", "--recipe", "tiny-qwen3", "--backend", "onnx"], "error: --backend: 'onnx' is not one of"),

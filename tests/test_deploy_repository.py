@@ -50,8 +50,8 @@ def test_rendered_config_parses_back_with_every_tensor():
     (lambda t: t.replace("dims: [ 1 ]", "dims: [ ]", 1), "text_input.dims"),
     (lambda t: t.replace('name: "messages"', 'name: "text_input"'), "name"),
     (lambda t: t.replace('name: "text_output"', 'name: "text output"'), "name"),
-    (lambda t: t.replace("data_type: TYPE_FP32\n    dims: [ 1 ]\n  }\n]",
-                         "data_type: TYPE_FP32\n    dims: [ 1 ]\n    optional: true\n  }\n]"), "optional"),
+    (lambda t: t.replace("data_type: TYPE_STRING\n    dims: [ 1 ]\n  }\n]",
+                         "data_type: TYPE_STRING\n    dims: [ 1 ]\n    optional: true\n  }\n]"), "optional"),
     (lambda t: t.replace("count: 1", "count: 0"), "instance_group.count"),
     (lambda t: t.replace("max_queue_size: 64", "max_queue_size: -1"), "max_queue_size"),
     (lambda t: t.replace("input [", "input [ {", 1), "config.pbtxt"),
@@ -81,7 +81,9 @@ def test_write_repository_layout_and_redeploy(tmp_path):
         assert cfg["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 5
         params = {p["key"]: p["value"]["string_value"] for p in cfg["parameters"]}
         assert (repo / name / params["engine_dir"] / "manifest.json").is_file()  # relative: the repo can move
-        assert str(ROOT) in json.loads(params["sys_path"])
+        # Relocatable: no path of the deploying machine anywhere in the config (the stub's paths come from `serve`).
+        text = (repo / name / "config.pbtxt").read_text()
+        assert "sys_path" not in params and str(ROOT) not in text and str(tmp_path) not in text
         assert (repo / name / "1" / "model.py").read_text().startswith('"""Triton python-backend model')
     assert (repo / "dflash" / "engine" / "manifest.json").read_bytes() == (engine / "manifest.json").read_bytes()
     # Deploying again replaces the earlier repository; a foreign directory is never overwritten.

@@ -31,7 +31,7 @@ def _session(path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])  # no custom-op library
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-moe", "gpt-oss"])
 def exported(request, tmp_path_factory):
     from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target

@@ -256,6 +256,11 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
     trtp.cdiv = lambda a, b: f"cdiv({getattr(a, 'text', a)},{b})"
     trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
     trt = types.ModuleType("tensorrt")
+    trt.__version__ = "11.4.0.106" if aot else "10.11.0.33"
+    if not aot:  # no TensorRT without AOT plugins takes numpy >= 2.4 (check_versions, tested on its own below)
+        from dflash_export.engines import tensorrt_plugins
+
+        monkeypatch.setattr(tensorrt_plugins, "check_versions", lambda *a: None)
     trt.float32, trt.float16, trt.bfloat16, trt.int64, trt.int32 = "float32", "float16", "bfloat16", "int64", "int32"
     trt.plugin = trtp
     trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=0, PREFER_AOT_PYTHON_PLUGINS=1)
@@ -393,3 +398,76 @@ def test_plugin_layers_are_counted_from_the_engine_inspector_and_checked(tmp_pat
         trt_backend.check_plugin_layers({"KVInjectedBlockAttention": 2}, {}, tmp_path / "e")
     # an engine built without DETAILED verbosity lists layer names only: no verdict, and the caller refuses
     assert trt_backend.plugin_layer_counts(json.dumps({"Layers": ["a", "b"]})) is None
+
+
+@pytest.mark.parametrize("trt_version, numpy_version, refused", [
+    ("10.7.0", "1.26.4", "too old"),
+    ("10.11.0.33", "1.26.4", None),     # JIT plugins only
+    ("10.16.1.11", "2.3.5", None),
+    ("10.16.1.11", "2.4.6", "numpy >= 2.4"),
+    ("11.1.0.106", "2.4.0", "numpy >= 2.4"),
+    ("11.2.1.2", "2.4.6", None),
+    ("11.4.0.106", "2.4.6", None),
+])
+def test_tensorrt_and_numpy_pairs_are_checked_before_anything_is_built(trt_version, numpy_version, refused):
+    """The pairs found against NVIDIA's real Python layer (scripts/trt_lane.py): TensorRT <= 11.1's plugin creator
+    converts 1-element field arrays with int() / float(), which numpy >= 2.4 refuses."""
+    from dflash_export.engines.tensorrt_plugins import check_versions
+    from dflash_export.errors import MissingDependency
+
+    if refused is None:
+        check_versions(trt_version, numpy_version)
+    else:
+        with pytest.raises(MissingDependency, match=refused):
+            check_versions(trt_version, numpy_version)
+
+
+def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodies(tiny_export, tmp_path):
+    """ONNX Runtime inlines the dflash functions; TensorRT's parser gets the nodes only, so they can only become the
+    plugins."""
+    _, tiny_export = tiny_export
+    import onnx
+
+    from dflash_export.engines.tensorrt_build import plugin_only_graph
+
+    for name in ("drafter.onnx", "target_verify.onnx"):
+        src = tiny_export / name
+        before = onnx.load(str(src), load_external_data=False)
+        out = plugin_only_graph(src, tmp_path / name)
+        after = onnx.load(str(out), load_external_data=False)
+        ours = [f for f in before.functions if f.domain == "dflash"]
+        assert not [f for f in after.functions if f.domain == "dflash"]
+        assert [n.op_type for n in after.graph.node if n.domain == "dflash"] == \
+            [n.op_type for n in before.graph.node if n.domain == "dflash"]
+        assert out == src if not ours else out != src
+
+
+def test_half_precision_build_holds_the_tap_fusion_in_float32(tiny_export):
+    """The layers TensorRT makes of the exported `fc` / `hidden_norm` nodes get float32 precision and outputs."""
+    _, tiny_export = tiny_export
+    import types
+
+    import onnx
+
+    from dflash_export.engines.tensorrt_build import hold_fp32_island
+    from dflash_export.export.graph import FP32_ISLAND
+
+    names = [n.name for n in onnx.load(str(tiny_export / "target_verify.onnx"), load_external_data=False).graph.node]
+    island = [n for n in names if n.startswith(FP32_ISLAND)]
+    assert any("MatMul" in n for n in island) and len(island) >= 3  # fc's MatMul and hidden_norm's ops
+
+    class Layer:
+        def __init__(self, name):
+            self.name, self.precision, self.num_outputs, self.types = name, "float16", 1, {}
+
+        def get_output(self, j):
+            return types.SimpleNamespace(dtype="float16")
+
+        def set_output_type(self, j, t):
+            self.types[j] = t
+
+    layers = [Layer(n) for n in names]
+    trt = types.SimpleNamespace(float32="float32", float16="float16", bfloat16="bfloat16")
+    net = types.SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+    assert hold_fp32_island(trt, net) == len(island)
+    assert all((l.precision == "float32") == (l.name in island) for l in layers)

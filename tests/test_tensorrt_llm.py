@@ -120,8 +120,8 @@ def test_missing_drafter_is_a_dflash_error(recipe, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed")
-def test_llmapi_validation_without_tensorrt_llm_names_the_extra_and_the_gpu(bundle):
-    with pytest.raises(MissingDependency, match=r"dflash-export\[tensorrt-llm\].*NVIDIA GPU"):
+def test_llmapi_validation_without_tensorrt_llm_names_nvidias_index_and_the_gpu(bundle):
+    with pytest.raises(MissingDependency, match=r"TensorRT-LLM >= 1.3 from NVIDIA's index.*NVIDIA GPU"):
         trtllm.validate_with_llmapi(bundle, ["hello"])
 
 

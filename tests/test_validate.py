@@ -305,8 +305,8 @@ def test_healthy_sampler_passes_with_top_k_and_top_p(recipe, reference, prompts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Planted subtle sampling faults against the distribution check at the full check's settings (`validate --full` and
-# ValidateOptions' defaults: T 0.7, top-p 0.9, 300 seeds x 2 prompts). The random tiny target is nearly uniform over its 256 tokens (top probability ~0.03 at T=1), which no
+# Planted subtle sampling faults against the distribution check at its DEFAULT settings (T 0.7, top-p 0.9, 300 seeds
+# x 2 prompts). The random tiny target is nearly uniform over its 256 tokens (top probability ~0.03 at T=1), which no
 # LLM is; its LM head scaled by 5 (= sampling it at T/5) gives conditionals like a real model's at T=0.7 / top-p 0.9
 # (top probability 0.45-0.85 over 2-7 tokens). Greedy output, and with it the trained drafter's fit, is unchanged: the
 # drafter reads the same LM head. benchmarks/sampling_power.py measures the same on 20 seeds per row (README).
@@ -344,12 +344,9 @@ def _default_distribution_check(recipe, sharp, fault, seed=0):
     suite = _suite_ids(spec.vocab_size, spec.mask_token_id)
     prompts = [(f"p{i}", ids) for i, ids in enumerate(sorted(suite, key=len)[:2])]
     engine = faulty_engine(fault, target, drafter, recipe.name, recipe.max_seq_len)
-    from dflash_export.validate.command import FULL_SAMPLES
-
     opts = ValidateOptions(max_new_tokens=MAX_NEW, dist_seed=seed)
     d = ValidateOptions()
     assert (opts.temperature, opts.top_p, opts.dist_samples, opts.dist_prompts) == (d.temperature, d.top_p, 300, 2)
-    assert FULL_SAMPLES == d.dist_samples  # what `validate --full` runs
     # the two shortest suite prompts: what the distribution check samples from anyway; the greedy half runs on them
     report = run_validation(recipe, engine, reference, prompts, opts)
     return report
@@ -540,68 +537,40 @@ def test_dflash_slower_than_plain_decoding_fails_unless_the_recipe_lowers_the_fl
     with pytest.raises(CheckFailed) as e:
         validate_engine(recipe, _slow_drafter_engine(recipe, 0.05), reference, prompts[:2], opts,
                         {"name": "tiny-random"}, {}, tmp_path / "a", echo=lines.append)
-    assert "speedup_vs_ar" in str(e.value) and "slower than plain decoding" in str(e.value)
-    verdict = lines[-1]
-    assert verdict.startswith("FAIL: DFlash 0.") and "SLOWER" in verdict, verdict
+    assert "speedup_vs_ar" in str(e.value)
+    row = next(ln for ln in lines if "speedup_vs_ar" in ln)
+    assert row.lstrip().startswith("FAIL") and "DFlash slower than plain decoding" in row, row
     # identical outputs all the same: the speed alone failed
     rep = json.loads((tmp_path / "a" / "report.json").read_text())
     assert [t["name"] for t in rep["thresholds"] if not t["passed"]] == ["speedup_vs_ar"]
-    # a recipe that accepts it: passes, and the verdict still says it is slower
+    # a recipe that accepts it: passes, and the summary still says it is slower
     lenient = dataclasses.replace(recipe, thresholds=dataclasses.replace(recipe.thresholds, min_speedup_vs_ar=0.0))
     lines.clear()
     validate_engine(lenient, _slow_drafter_engine(recipe, 0.05), reference, prompts[:2], opts,
                     {"name": "tiny-random"}, {}, tmp_path / "b", echo=lines.append)
-    assert lines[-1].startswith("PASS: DFlash 0.") and "SLOWER; the recipe's floor 0.00 allows it" in lines[-1]
-    assert "SLOWER" in (tmp_path / "b" / "report.md").read_text()
-
-
-def test_first_panel_of_each_speed_plot_is_dflash_against_plain_decoding(healthy_cli_run):
-    """Not the PyTorch reference's ratios (another scale): the per-prompt DFlash / plain ratios, on their own axis."""
-    from dflash_export.validate.report import PLOTS, speed_figures
-    from dflash_export.validate.runner import ValidationReport
-
-    _, out = healthy_cli_run
-    rep = json.loads((out / "report.json").read_text())
-    report = ValidationReport(**{k: rep[k] for k in ("recipe", "engine", "suite", "options", "greedy", "acceptance",
-                                                     "distribution", "speed", "thresholds", "environment")})
-    figs = speed_figures(report)
-    assert list(PLOTS)[0] == "speedup_per_prompt"
-    first = figs["speedup_per_prompt"].axes[0]
-    assert "plain decoding" in first.get_title()
-    heights = [b.get_height() for b in first.patches]
-    assert heights == pytest.approx([p["engine_dflash_tok_s"] / p["engine_ar_tok_s"]
-                                     for p in rep["speed"]["per_prompt"]])
-    ref_heights = [b.get_height() for b in figs["speedup_per_prompt"].axes[1].patches]
-    assert ref_heights == pytest.approx([p["speedup_vs_reference"] for p in rep["speed"]["per_prompt"]])
-    eng = figs["tokens_per_s"].axes[0]
-    assert [b.get_height() for b in eng.patches] == pytest.approx([rep["speed"]["engine_dflash_tok_s"],
-                                                                   rep["speed"]["engine_ar_tok_s"]])
+    row = next(ln for ln in lines if "speedup_vs_ar" in ln)
+    assert row.lstrip().startswith("PASS") and "DFlash slower than plain decoding" in row, row
 
 
 def test_quick_defaults_and_full_flag(monkeypatch):
-    """Without options validate runs the first QUICK_PROMPTS prompts and QUICK_SAMPLES seeds (minutes on the default
-    pair); --full the whole suite and the 300 seeds of the power calculation; explicit options win over both."""
+    """Without options validate runs the first 10 prompts and 40 seeds (minutes on the default pair); --full the
+    whole suite and the 300 seeds of the power calculation; explicit options win over both; --target / --drafter
+    name a pair without a recipe file."""
     from click.testing import CliRunner
 
     import dflash_export.validate.cli as vcli
     from dflash_export.cli import main
-    from dflash_export.validate.command import QUICK_PROMPTS, QUICK_SAMPLES
 
     seen = []
     monkeypatch.setattr(vcli, "run_validate", lambda recipe, engine, suite, n, max_new, t, report, samples, **kw:
-                        seen.append((n, samples, max_new)))
-    for args in ([], ["--full"], ["--full", "--num-prompts", "3", "--dist-samples", "7"]):
-        r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", *args])
+                        seen.append((recipe.name, n, samples, max_new)))
+    for args in (["--recipe", "tiny-qwen3"], ["--recipe", "tiny-qwen3", "--full"],
+                 ["--recipe", "tiny-qwen3", "--full", "--num-prompts", "3", "--dist-samples", "7"],
+                 ["--target", "tiny:qwen3/target", "--drafter", "tiny:qwen3/drafter"]):
+        r = CliRunner().invoke(main, ["validate", *args])
         assert r.exit_code == 0, r.output
-    assert seen == [(QUICK_PROMPTS, QUICK_SAMPLES, 64), (None, 300, 64), (3, 7, 64)]
-    assert QUICK_PROMPTS <= 10 and QUICK_SAMPLES < 300
-
-
-def test_verdict_line_is_printed_and_leads_with_dflash_against_plain(healthy_cli_run):
-    res, _ = healthy_cli_run
-    verdict = [ln for ln in res.output.splitlines() if ln.startswith(("PASS:", "FAIL:"))]
-    assert len(verdict) == 1 and verdict[0].startswith("PASS: DFlash ")
-    assert "x plain decoding on the same engine" in verdict[0] and "greedy outputs identical" in verdict[0]
+    assert seen == [("tiny-qwen3", 10, 40, 64), ("tiny-qwen3", None, 300, 64), ("tiny-qwen3", 3, 7, 64),
+                    ("drafter", 10, 40, 64)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -689,8 +658,11 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
                                     "3", "--max-new-tokens", str(MAX_NEW), "--dist-samples", "30", "--no-progress",
                                     "--report", "rep"])
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes
-    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau"}, res.output
+    # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes;
+    # and on a tiny model a DFlash step costs more than it saves (the default floor of 1.0x then fails, and says so)
+    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau", "speedup_vs_ar"}, res.output
+    if any(t["name"] == "speedup_vs_ar" and t["value"] < 1 for t in rep["thresholds"]):
+        assert "DFlash slower than plain decoding on this engine" in res.output
     g = rep["greedy"]
     assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
     assert g["judged_against"] == "the engine's own plain decoding"

@@ -8,7 +8,8 @@ import sys
 import click
 
 from dflash_export.deploy.front import Limits
-from dflash_export.deploy.repository import MARKER, check_repository, write_repository
+from dflash_export.deploy.repository import MARKER, cached_repository, check_repository, write_repository
+from dflash_export.errors import DFlashError
 from dflash_export.deploy.server import serve as run_server
 
 
@@ -51,33 +52,61 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 
 
 @click.command()
-@click.option("--repo", "repo_dir", required=True, type=click.Path(file_okay=False), help="Model repository.")
+@click.option("--engine", "engine_dir", type=click.Path(file_okay=False), default=None,
+              help="Serve this built engine directly (a model repository is made for it and cached).")
+@click.option("--repo", "repo_dir", type=click.Path(file_okay=False), default=None,
+              help="Serve a model repository written by `deploy` (instead of --engine).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", "--http-port", "http_port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+              help="HTTP port: the OpenAI API (/v1), Triton's routes (/v2), /health and /metrics.")
+@click.option("--grpc/--no-grpc", default=False, show_default=True,
+              help="Also open tritonserver's gRPC port (on 127.0.0.1 only; it has no request-size limit).")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
+              help="tritonserver's own Prometheus port (the DFlash metrics are on the HTTP port's /metrics).")
+@click.option("--model-name", default=None,
+              help="The model id the OpenAI API serves (default: the engine's recipe name).")
+@click.option("--max-batch", default=None, type=click.IntRange(1, 256),
+              help="With --engine: sequences decoded together (default 8 for onnxruntime engines, else 1).")
+@click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="With --engine: model instances (processes).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
 @click.option("--max-request-bytes", default=None, type=click.IntRange(1, 1 << 30),
               help="Largest HTTP request body let through (larger: 413). Default: the value deploy recorded.")
 @click.option("--max-json-depth", default=None, type=click.IntRange(2, 256),
               help="Deepest JSON nesting let through (deeper: 400). Default: the value deploy recorded.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=click.FloatRange(1, 86400),
+              help="Seconds a request may wait for the engine; then it is cancelled and answered 504.")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 65536),
+              help="Open client connections in all (idle ones are dropped first when full).")
 @click.option("--restart-on-crash/--no-restart-on-crash", default=True, show_default=True,
-              help="Restart tritonserver behind the same HTTP port if it dies (at most 5 times in 10 minutes).")
+              help="Restart tritonserver behind the same HTTP port if it or a model stub dies (at most 5 times in "
+                   "10 minutes).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="On Ctrl-C / SIGTERM: seconds running requests get to finish; the rest are cancelled (503) "
                    "and serve exits 1.")
-def serve(repo_dir, host, http_port, grpc_port, metrics_port, log_file, max_request_bytes, max_json_depth,
-          restart_on_crash, drain_timeout):
-    """Run tritonserver (from nvidia-pytriton) on a model repository until Ctrl-C.
+def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
+          log_file, max_request_bytes, max_json_depth, request_timeout, max_connections, restart_on_crash,
+          drain_timeout):
+    """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
-    HTTP goes through a front on --host:--http-port that bounds and checks every request before tritonserver sees
-    it; gRPC listens on 127.0.0.1 only."""
-    limits = None
-    if max_request_bytes is not None or max_json_depth is not None:
-        marker = check_repository(repo_dir)
-        recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
-        limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
-                        max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth))
+    One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
+    infer routes, /health and /metrics. tritonserver runs behind it on loopback; every request is bounded and
+    checked before it sees it."""
+    if (engine_dir is None) == (repo_dir is None):
+        raise DFlashError("give --engine DIR (a built engine) or --repo DIR (a deployed repository), one of them",
+                          field="--engine")
+    if engine_dir is not None:
+        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch)
+        click.echo(f"model repository: {repo_dir}", err=True)
+    marker = check_repository(repo_dir)
+    recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
+    limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
+                    max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth),
+                    max_connections=max_connections,
+                    max_connections_per_client=min(max_connections, Limits.max_connections_per_client),
+                    request_timeout_s=request_timeout)
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
-                        restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout))
+                        restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
+                        model_id=model_name))

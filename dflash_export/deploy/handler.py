@@ -30,12 +30,28 @@ class RequestCancelled(Exception):
     """The request's client went away (or the server is shutting down): generation stopped between DFlash steps."""
 
 
+# The typed inputs of the `dflash` models (deploy/repository.py writes them into config.pbtxt): name -> (Triton data
+# type, dims). Every one is optional, so the generate endpoint works with {"text_input": "..."} alone.
+INPUT_TYPES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "text_input": ("BYTES", (1,)),
+    "messages": ("BYTES", (1,)),             # JSON list of {"role", "content"}
+    "max_tokens": ("INT64", (1,)),           # 64-bit: no wrap of large values
+    "temperature": ("FP32", (1,)),
+    "top_p": ("FP32", (1,)),
+    "top_k": ("INT64", (1,)),
+    "seed": ("UINT64", (1,)),
+    "stop": ("BYTES", (-1,)),
+    "apply_chat_template": ("BOOL", (1,)),   # text_input through the chat template (default) or as raw text
+}
+
+
 @dataclass
 class GenerateRequest:
     prompt: str | list[dict]
     sp: SamplingParams
     stop: list[str] = field(default_factory=list)
     max_tokens_given: bool = True
+    chat: bool = True
 
 
 @dataclass
@@ -48,6 +64,8 @@ class Chunk:
     accepted_tokens: int
     drafted_tokens: int
     acceptance_length: float
+    prompt_tokens: int = 0
+    step_stats: dict | None = None  # the last chunk: per-step acceptance lengths, draft and verify seconds
 
 
 def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
@@ -61,6 +79,8 @@ def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
         raise DFlashError(f"expected BYTES, got {arr.dtype}", field=name)
     if kind == "int" and arr.dtype.kind not in "iu":
         raise DFlashError(f"expected an integer, got {arr.dtype}", field=name)
+    if kind == "bool" and arr.dtype.kind != "b":
+        raise DFlashError(f"expected a boolean, got {arr.dtype}", field=name)
     if kind == "float" and arr.dtype.kind not in "fiu":
         raise DFlashError(f"expected a number, got {arr.dtype}", field=name)
     return arr.reshape(-1)[0]
@@ -129,7 +149,7 @@ def check_generate_body(body) -> dict:
     """
     if not isinstance(body, dict):
         raise DFlashError("expected a JSON object of named inputs", field="request body")
-    known = ("text_input", "messages", "max_tokens", "temperature", "top_p", "seed", "stop")
+    known = tuple(INPUT_TYPES)
     for key in body:
         if key not in known:
             raise DFlashError(f"unknown field (known: {', '.join(known)})", field=_check_unicode(key, "request body")
@@ -145,7 +165,10 @@ def check_generate_body(body) -> dict:
             raise DFlashError(f"expected a list of {{\"role\", \"content\"}} objects (or its JSON text), got "
                               f"{_json_kind(body['messages'])}", field="messages")
         out["messages"] = json.dumps(_messages(body["messages"]), ensure_ascii=False)
-    for key, lo, hi in (("max_tokens", 1, INT64_MAX), ("seed", 0, UINT64_MAX)):
+    if "apply_chat_template" in body and not isinstance(body["apply_chat_template"], bool):
+        raise DFlashError(f"expected true or false, got {_json_kind(body['apply_chat_template'])}",
+                          field="apply_chat_template")
+    for key, lo, hi in (("max_tokens", 1, INT64_MAX), ("seed", 0, UINT64_MAX), ("top_k", 0, INT64_MAX)):
         if key in body:
             v = body[key]
             if not _is_int(v):
@@ -206,7 +229,11 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     seed = _scalar(get, "seed", "int")
     if seed is not None:
         sp.seed = int(seed)
+    top_k = _scalar(get, "top_k", "int")
+    if top_k is not None:
+        sp.top_k = int(top_k)
     sp.check()
+    chat = _scalar(get, "apply_chat_template", "bool")
 
     stop: list[str] = []
     stop_arr = get("stop")
@@ -217,7 +244,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
         if len(items) > MAX_STOP_STRINGS:
             raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}", field="stop")
         stop = [s for s in (_text(x, "stop") for x in items) if s]
-    return GenerateRequest(prompt, sp, stop, max_tokens is not None)
+    return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat))
 
 
 class RequestRunner:
@@ -227,7 +254,7 @@ class RequestRunner:
         self.runtime = runtime
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        ids = self.runtime.encode(req.prompt, chat=True)
+        ids = self.runtime.encode(req.prompt, chat=req.chat)
         info = self.runtime.engine.info
         room = info.max_seq_len - info.block_size - 1
         if not ids:
@@ -288,7 +315,10 @@ class RequestRunner:
                 delta, shown = text[shown:safe], safe
             else:
                 delta, shown = text[shown:], len(text)
-            yield Chunk(delta, reason, len(stats.tokens), stats.accepted_tokens, stats.drafted_tokens, stats.tau)
+            final = {"acceptance_lengths": list(stats.acceptance_lengths), "draft_s": round(stats.draft_s, 6),
+                     "verify_s": round(stats.verify_s, 6)} if reason is not None else None
+            yield Chunk(delta, reason, len(stats.tokens), stats.accepted_tokens, stats.drafted_tokens, stats.tau,
+                        len(ids), final)
             if reason is not None:
                 return
         if while_queued:  # the stream ended before the request joined the batch
@@ -310,4 +340,103 @@ def generate_text(runner: RequestRunner, req: GenerateRequest,
         last = chunk
     assert last is not None
     return Chunk("".join(parts), last.finish_reason, last.completion_tokens, last.accepted_tokens,
-                 last.drafted_tokens, last.acceptance_length)
+                 last.drafted_tokens, last.acceptance_length, last.prompt_tokens, last.step_stats)
+
+
+_JSON_TYPES = {"BYTES": "a string", "BOOL": "a boolean", "INT64": "an integer", "UINT64": "an integer",
+               "FP32": "a number"}
+_RANGES = {"INT64": (-(1 << 63), INT64_MAX), "UINT64": (0, UINT64_MAX)}
+MAX_INFER_ELEMENTS = 64
+
+
+def check_infer_body(body, binary_bytes: int = 0) -> dict:
+    """Check an /infer (KServe v2) body input by input before Triton decodes it: only the model's inputs, each with
+    its own data type, a shape that fits its dims, and `data` whose JSON values have that type and range (Triton
+    answers 500 to an INT64 1.5, a "x" or a 2^63, and wraps a UINT64 -1); binary tensors must account for exactly
+    the bytes after the JSON. Returns the body; DFlashError naming the input otherwise."""
+    if not isinstance(body, dict):
+        raise DFlashError("expected a JSON object", field="request body")
+    for key in body:
+        if key not in ("id", "inputs", "outputs", "parameters"):
+            raise DFlashError("unknown field (known: id, inputs, outputs, parameters)", field=str(key)[:60])
+    if "id" in body and not isinstance(body["id"], str):
+        raise DFlashError(f"expected a string, got {_json_kind(body['id'])}", field="id")
+    params = body.get("parameters", {})
+    if not isinstance(params, dict):
+        raise DFlashError("expected a JSON object", field="parameters")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list):
+        raise DFlashError("expected a list of input tensors", field="inputs")
+    seen, binary = set(), 0
+    for i, t in enumerate(inputs):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise DFlashError("expected an object with a string \"name\"", field=f"inputs[{i}]")
+        name = t["name"]
+        if name not in INPUT_TYPES:
+            raise DFlashError(f"unknown input (known: {', '.join(INPUT_TYPES)})", field=f"inputs[{i}].name")
+        if name in seen:
+            raise DFlashError("given twice", field=name)
+        seen.add(name)
+        extra = sorted(set(t) - {"name", "datatype", "shape", "data", "parameters"})
+        if extra:
+            raise DFlashError(f"unknown key {extra[0][:40]!r}", field=name)
+        dtype, dims = INPUT_TYPES[name]
+        if t.get("datatype") != dtype:
+            raise DFlashError(f"datatype must be {dtype}, got {str(t.get('datatype'))[:20]!r}", field=name)
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and len(shape) in (1, 2)):
+            raise DFlashError("shape: expected a list of one or two non-negative integers", field=name)
+        n = 1
+        for d in shape:
+            n *= d
+        if n > MAX_INFER_ELEMENTS or (dims != (-1,) and n != 1):
+            raise DFlashError(f"shape {shape}: this input takes {'one value' if dims != (-1,) else f'at most {MAX_INFER_ELEMENTS} values'}",
+                              field=name)
+        tp = t.get("parameters", {})
+        if not isinstance(tp, dict):
+            raise DFlashError("parameters: expected a JSON object", field=name)
+        if "binary_data_size" in tp:
+            size = tp["binary_data_size"]
+            if not _is_int(size) or size < 0 or "data" in t:
+                raise DFlashError("binary_data_size: a byte count, and no \"data\" beside it", field=name)
+            if dtype != "BYTES" and size != n * {"BOOL": 1, "INT64": 8, "UINT64": 8, "FP32": 4}[dtype]:
+                raise DFlashError(f"binary_data_size {size} does not fit shape {shape} of {dtype}", field=name)
+            binary += size
+            continue
+        data = t.get("data")
+        flat = _flatten(data, name)
+        if len(flat) != n:
+            raise DFlashError(f"data holds {len(flat)} values, shape {shape} needs {n}", field=name)
+        for v in flat:
+            ok = {"BYTES": isinstance(v, str), "BOOL": isinstance(v, bool),
+                  "FP32": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                  }.get(dtype, _is_int(v))
+            if not ok:
+                raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {_json_kind(v)}", field=name)
+            if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1]:
+                raise DFlashError(f"{v} is out of {dtype}'s range", field=name)
+            if isinstance(v, str):
+                _check_unicode(v, name)
+    if binary != binary_bytes:
+        raise DFlashError(f"binary tensors declare {binary} bytes, the body carries {binary_bytes} after the JSON",
+                          field="Inference-Header-Content-Length")
+    outputs = body.get("outputs", [])
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                for o in outputs):
+        raise DFlashError("expected a list of {\"name\": ...} objects", field="outputs")
+    return body
+
+
+def _flatten(data, name: str) -> list:
+    if not isinstance(data, list):
+        raise DFlashError(f"data: expected a list, got {_json_kind(data)}", field=name)
+    out, stack = [], [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(reversed(v))
+        else:
+            out.append(v)
+        if len(out) > MAX_INFER_ELEMENTS:
+            break
+    return out

@@ -33,6 +33,7 @@ from typing import Any
 
 import dflash_export
 from dflash_export.deploy.front import Limits
+from dflash_export.deploy.handler import INPUT_TYPES
 from dflash_export.deploy.pbtxt import (
     MAX_INSTANCES,
     NAME_PATTERN,
@@ -53,17 +54,10 @@ DEFAULT_MAX_QUEUE_SIZE = 64
 MAX_BATCH = 256  # deploy --max-batch: sequences one instance's shared batch may hold
 
 
-# The request/response contract of the `dflash` models (see README "Deploy"). Every input but the prompt is optional
-# so the generate endpoint works with {"text_input": "..."} alone.
-INPUTS = [
-    TensorSpec("text_input", "TYPE_STRING", [1], optional=True),
-    TensorSpec("messages", "TYPE_STRING", [1], optional=True),     # JSON list of {"role", "content"}
-    TensorSpec("max_tokens", "TYPE_INT64", [1], optional=True),  # 64-bit: no wrap of large values
-    TensorSpec("temperature", "TYPE_FP32", [1], optional=True),
-    TensorSpec("top_p", "TYPE_FP32", [1], optional=True),
-    TensorSpec("seed", "TYPE_UINT64", [1], optional=True),
-    TensorSpec("stop", "TYPE_STRING", [-1], optional=True),
-]
+# The request/response contract of the `dflash` models (docs/serving.md); the inputs' types live with the request
+# checks in deploy/handler.py.
+INPUTS = [TensorSpec(name, "TYPE_" + ("STRING" if dtype == "BYTES" else dtype), list(dims), optional=True)
+          for name, (dtype, dims) in INPUT_TYPES.items()]
 OUTPUTS = [
     TensorSpec("text_output", "TYPE_STRING", [1]),
     TensorSpec("finish_reason", "TYPE_STRING", [1]),
@@ -71,6 +65,8 @@ OUTPUTS = [
     TensorSpec("accepted_tokens", "TYPE_INT32", [1]),
     TensorSpec("drafted_tokens", "TYPE_INT32", [1]),
     TensorSpec("acceptance_length", "TYPE_FP32", [1]),
+    TensorSpec("prompt_tokens", "TYPE_INT32", [1]),
+    TensorSpec("step_stats", "TYPE_STRING", [1]),  # JSON, last response only: acceptance length per step, seconds
 ]
 
 # What the TensorRT-LLM llmapi python model reads and writes (a subset of its optional inputs).
@@ -236,7 +232,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
-                                              threads, stub_python_path(), max_batch, max_queued_tokens)
+                                              threads, max_batch, max_queued_tokens)
             (tmp / MARKER).write_text(json.dumps({
                 "engine": str(engine_dir), "backend": backend, "recipe": manifest.recipe, "models": models,
                 "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch,
@@ -255,7 +251,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
 
 
 def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, instances: int, max_queue_size: int,
-                         decoupled: bool | None, threads: int, sys_path: list[str], max_batch: int = 1,
+                         decoupled: bool | None, threads: int, max_batch: int = 1,
                          max_queued_tokens: int = 65536) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
@@ -267,7 +263,10 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
         write_config(model_dir, ModelConfig(
             name=name, inputs=INPUTS, outputs=OUTPUTS, instances=instances, decoupled=is_decoupled,
             max_queue_size=max_queue_size,
-            parameters={"engine_dir": engine_ref, "sys_path": json.dumps(sys_path), "threads": str(threads),
+            # No path of this machine: the engine is referenced relative to the model, and the stub finds the
+            # project and its libraries through the environment `serve` starts it in (deploy/triton_install.py),
+            # so the repository can move to another machine or into a container.
+            parameters={"engine_dir": engine_ref, "threads": str(threads),
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
                         "library_versions": json.dumps(_needed_libraries(manifest.backend))},
         ))
@@ -418,3 +417,30 @@ def stub_python_path() -> list[str]:
     project_root = str(Path(dflash_export.__file__).resolve().parent.parent)
     paths = [project_root] + [p for p in site.getsitepackages() if Path(p).is_dir()]
     return list(dict.fromkeys(paths))
+
+
+def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None) -> Path:
+    """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
+    engine's manifest, the options and this project's model code, then reused (checked again on every start)."""
+    import hashlib
+
+    from dflash_export.files import cache_dir
+
+    if engine_dir is None or not str(engine_dir).strip():
+        raise DFlashError("empty path: name a built engine directory", field="--engine")
+    engine = Path(engine_dir).expanduser().resolve()
+    manifest = check_engine_manifest(engine)
+    if max_batch is None:
+        max_batch = 8 if BACKENDS[manifest.backend].batched else 1
+    key = hashlib.sha256()
+    for part in ((engine / "manifest.json").read_bytes(), str(engine).encode(), f"{instances}/{max_batch}".encode(),
+                 Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
+        key.update(hashlib.sha256(part).digest())
+    repo = cache_dir() / "repos" / f"{(manifest.recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
+    if (repo / MARKER).is_file():
+        try:
+            check_repository(repo)
+            return repo
+        except DFlashError:
+            pass  # stale or damaged: written again below
+    return write_repository(engine, repo, instances=instances, max_batch=max_batch)

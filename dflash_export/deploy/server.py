@@ -138,7 +138,7 @@ class DrainIncomplete(ServerError):
 
 
 def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, host: str, log_path, limits,
-                      drain_timeout_s: float):
+                      drain_timeout_s: float, grpc: bool = False):
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
     recorded by deploy), the drain time, the host and ports, the log file (default: `default_log_path()`).
     Returns (repository, address to bind, limits, log path)."""
@@ -152,8 +152,10 @@ def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, h
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
     bind = resolve_host(host)
-    check_listen(bind, {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
-    check_listen("127.0.0.1", {"--grpc-port": grpc_port})
+    ports = {"--http-port": http_port, "--metrics-port": metrics_port, **({"--grpc-port": grpc_port} if grpc else {})}
+    check_listen(bind, ports)
+    if grpc:
+        check_listen("127.0.0.1", {"--grpc-port": grpc_port})
     if log_path is not None:
         log_path = Path(log_path).expanduser().resolve()
         if log_path.is_dir():
@@ -168,7 +170,7 @@ def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, h
 
 def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
           ready_timeout_s: float = 600.0, log_path=None, limits=None, restart_on_crash: bool = True,
-          drain_timeout_s: float = 30.0) -> int:
+          drain_timeout_s: float = 30.0, grpc: bool = False, model_id: str | None = None) -> int:
     """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
     ready.
 
@@ -187,9 +189,10 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
     start.
     """
     repo, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host, log_path, limits,
-                                                     drain_timeout_s)
+                                                     drain_timeout_s, grpc)
     server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
-                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)))
+                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc)
+    server.model_id = model_id
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -199,12 +202,16 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
     stopped = False
     try:
         server.start()
-        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}", flush=True)
+        grpc_part = f"  gRPC {server.grpc_url}" if server.grpc_url else ""
+        print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics", flush=True)
+        print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1)", flush=True)
         print(f"  tritonserver log: {log_path}", flush=True)
-        print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}; "
-              f"restart on crash: {'yes' if restart_on_crash else 'no'}; drain: {drain_timeout_s:g} s", flush=True)
-        print(f"  curl -s {server.http_url}/v2/models/dflash/generate -d '{{\"text_input\": \"Hello\", "
-              f"\"max_tokens\": 32}}'", flush=True)
+        print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "
+              f"timeout {limits.request_timeout_s:g} s; restart on crash: {'yes' if restart_on_crash else 'no'}; "
+              f"drain: {drain_timeout_s:g} s", flush=True)
+        print(f"  curl -s {server.http_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{server.front.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"Hello\"}}], \"max_tokens\": 32}}'", flush=True)
         crashes: list[float] = []
         while True:
             try:

@@ -1,8 +1,8 @@
 """Triton python-backend model running the DFlash runtime (copied as `<repo>/<model>/1/model.py` by `deploy`).
 
-Runs inside `triton_python_backend_stub`, which starts from the base interpreter's `sys.path`. The environment and
-project recorded at deploy time come from the `sys_path` parameter of config.pbtxt; `serve` also exports them in
-PYTHONPATH (numpy is imported by the backend utilities before this file runs). `initialize` then checks that the
+Runs inside `triton_python_backend_stub`, whose `sys.path` comes from the stub environment `serve` makes on the
+serving machine (deploy/triton_install.py): nothing of the deploying machine's paths is recorded in the repository
+(an older repository's `sys_path` parameter is still honoured). `initialize` then checks that the
 libraries loaded are the ones recorded, so a mismatched environment fails the model load with one clear message
 instead of subtly different numerics.
 
@@ -131,6 +131,9 @@ class TritonPythonModel:
             "accepted_tokens": np.array([chunk.accepted_tokens], dtype=np.int32),
             "drafted_tokens": np.array([chunk.drafted_tokens], dtype=np.int32),
             "acceptance_length": np.array([chunk.acceptance_length], dtype=np.float32),
+            "prompt_tokens": np.array([chunk.prompt_tokens], dtype=np.int32),
+            "step_stats": np.array([json.dumps(chunk.step_stats).encode() if chunk.step_stats else b""],
+                                   dtype=np.object_),
         }
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, values[n]) for n in self.output_names])
 

@@ -78,6 +78,7 @@ def _die_with_parent():
     pr_set_pdeathsig = 1
 
     def preexec():
+        os.umask(0o077)  # files the server creates without an explicit mode: owner-only
         prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
@@ -158,6 +159,59 @@ def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
     return removed
 
 
+def _state(pid: int) -> str | None:
+    """The process state letter from /proc (R, S, T, Z, ...), None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")
+
+
+def group_members(pgid: int, comm_prefix: str = "") -> list[int]:
+    """Live processes of process group `pgid` (whose command name starts with `comm_prefix`)."""
+    out = []
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_bytes()
+            comm = stat[stat.index(b"(") + 1: stat.rindex(b")")].decode("utf-8", "replace")
+            fields = stat.rsplit(b")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X") and comm.startswith(comm_prefix):
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def pids_with_arg(text: str) -> list[int]:
+    """Live processes one of whose command-line arguments contains `text`."""
+    needle = text.encode()
+    out = []
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "cmdline").read_bytes() and _running(int(d.name)):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def _read_marker(repo: Path) -> dict:
+    try:
+        obj = json.loads((repo / "dflash_repository.json").read_text())
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def free_loopback_ports(n: int) -> list[int]:
     """n distinct ports free on 127.0.0.1 now (all held open together, then released)."""
     socks = [socket.socket() for _ in range(n)]
@@ -185,7 +239,7 @@ class TritonServer:
     def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
-                 exit_timeout_s: int = 10):
+                 exit_timeout_s: int = 10, grpc: bool = False):
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)
@@ -208,6 +262,11 @@ class TritonServer:
         self._shm_prefix = shm_prefix(os.getpid(), http_port)
         self._python_envs: set[str] = set()
         self.restarts = 0
+        self.grpc = grpc
+        self.model_id: str | None = None  # the OpenAI API's model name (default: the repository's recipe)
+        self._pgid: int | None = None
+        self._stubs: set[int] = set()   # the model stubs of the running server (pids), counted once it is ready
+        self.stub_death: str | None = None
 
     # URLs -------------------------------------------------------------------------------------------------------------
     @property
@@ -215,8 +274,8 @@ class TritonServer:
         return f"http://{self.host}:{self.http_port}"
 
     @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+    def grpc_url(self) -> str | None:
+        return f"127.0.0.1:{self.grpc_port}" if self.grpc else None
 
     @property
     def metrics_url(self) -> str:
@@ -236,7 +295,11 @@ class TritonServer:
             # loopback only, and every API behind the front's per-start secret header.
             "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
             f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={self.front.secret}",
-            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            # gRPC has no front: off unless asked for; then loopback only, and everything but inference and health
+            # (shared-memory registration above all) behind the same per-start secret.
+            *([f"--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+               "--grpc-restricted-protocol=shared-memory,model-repository,statistics,trace,logging,model-config:"
+               f"{SECRET_HEADER}={self.front.secret}"] if self.grpc else ["--allow-grpc=false"]),
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
@@ -266,7 +329,12 @@ class TritonServer:
                 make_stub_env(self._workdir / "stubenv", stub_site)
             cancel_dir = new_cancel_dir(self._workdir)
             if self.front is None:
-                self.front = Front(self.host, self.http_port, self.limits, cancel_dir).start()
+                marker = _read_marker(self.repo)
+                self.front = Front(self.host, self.http_port, self.limits, cancel_dir,
+                                   model_id=self.model_id or str(marker.get("recipe") or "dflash"),
+                                   models=tuple(marker.get("models") or ("dflash",)),
+                                   capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1))).start()
+                self.front.health = self.health
             self.triton_http_port = free_loopback_ports(1)[0]
             cmd = self.command(self._workdir / "backends")
             env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
@@ -279,12 +347,16 @@ class TritonServer:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
             self._stopping = False
             envs_before = _python_env_dirs()
+            self.stub_death = None
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, errors="replace",
                                          start_new_session=True, preexec_fn=_die_with_parent())
+            self._pgid = self.proc.pid  # its own session: the group id is its pid, still valid after it is reaped
             self._reader = threading.Thread(target=self._pump, daemon=True)
             self._reader.start()
             self._wait_ready()
+            self._protect_shm()
+            self._stubs = set(group_members(self._pgid, "triton_python_b"))
             self._python_envs |= _python_env_dirs() - envs_before
             self._write_owner()
             self.front.set_upstream(self.triton_http_port)
@@ -338,7 +410,11 @@ class TritonServer:
 
     def _last_error(self) -> str:
         """The most telling log line: the first model load failure, else the first error line, else the last line."""
-        lines = [ln.strip() for ln in self._log if ln.strip() and not ln.startswith("[dflash-export]")]
+        log = list(self._log)
+        marks = [i for i, ln in enumerate(log) if ln.startswith("[dflash-export] tritonserver restarted")]
+        # Only this run's lines: an earlier run's failure is not this death's cause.
+        lines = [ln.strip() for ln in log[marks[-1] + 1 if marks else 0:]
+                 if ln.strip() and not ln.startswith("[dflash-export]")]
         for pick, which in ((lambda ln: ln.startswith("E") and "failed to load '" in ln, 0),
                             (lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln, 0),
                             (lambda ln: "error" in ln.lower(), 0),
@@ -367,10 +443,49 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait(self) -> int:
-        """Block until the server exits on its own; ServerError when that exit was not requested."""
+    def _protect_shm(self) -> None:
+        """Owner-only (0600) shared-memory regions: the python backend creates them 0644 whatever the umask (it sets
+        the mode itself), and they carry prompts and outputs. Run once the server is ready (before any request) and
+        again at every health poll (a region added later is closed within one poll)."""
+        for p in SHM_DIR.glob(self._shm_prefix + "*") if SHM_DIR.is_dir() else []:
+            try:
+                if p.stat().st_mode & 0o077:
+                    os.chmod(p, 0o600)
+            except OSError:
+                pass
+
+    def health(self) -> str | None:
+        """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead."""
+        if self.stub_death is not None:
+            return self.stub_death
+        if self.proc is None or self.proc.poll() is not None:
+            return "tritonserver is not running"
+        dead = sorted(p for p in self._stubs if not _running(p))
+        if dead:
+            self.stub_death = (f"a model stub died (pid {dead[0]}{f' and {len(dead) - 1} more' if len(dead) > 1 else ''}"
+                               "; the server restarts)")
+            return self.stub_death
+        if _state(self.proc.pid) == "T":
+            return "tritonserver is stopped (SIGSTOP)"
+        return None
+
+    def wait(self, poll_s: float = 0.5) -> int:
+        """Block until the server exits on its own, or one of its model stubs dies; ServerError when that was not
+        requested (a dead stub never comes back by itself: Triton keeps answering "not healthy" and its readiness
+        stays 200, so a dead stub is a dead server)."""
         assert self.proc is not None
-        rc = self.proc.wait()
+        while True:
+            try:
+                rc = self.proc.wait(timeout=poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if self._stopping:
+                continue
+            self._protect_shm()
+            if self.health() is not None and self.stub_death is not None:
+                self.front.set_upstream(None) if self.front is not None else None
+                raise ServerError(self.stub_death.split(";")[0] + self._log_note(), path=self.repo)
         if not self._stopping:
             raise self._death_error()
         return rc
@@ -381,10 +496,7 @@ class TritonServer:
         proc = self.proc
         rc = None
         if proc is not None:
-            try:
-                pgid = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                pgid = None
+            pgid = self._pgid
             if proc.poll() is None and timeout_s > 0:
                 try:
                     proc.send_signal(signal.SIGTERM)
@@ -392,10 +504,17 @@ class TritonServer:
                 except (subprocess.TimeoutExpired, ProcessLookupError):
                     pass
             if pgid is not None:
-                # Stubs live in the same group; make sure none outlives the server.
+                # Stubs live in the same group; make sure none outlives the server. The group outlives its leader
+                # (tritonserver may already be reaped by `wait`), so it is killed by the id recorded at start.
                 try:
                     os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
+                except (ProcessLookupError, PermissionError):
+                    pass
+            # A stub that left the group still names this server's shared memory on its command line.
+            for pid in pids_with_arg(self._shm_prefix):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
                     pass
             rc = proc.wait()
             if self._reader is not None:

@@ -17,7 +17,12 @@ from dflash_export.runtime import DFlashRuntime, RunStats
 
 
 @click.command()
-@recipe_options
+@click.option("--recipe", default=None, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--target", default=None,
+              help="The target instead of the recipe's: an HF directory, a .gguf file or a Hugging Face id in the "
+                   "local cache (Qwen/Qwen3-8B). With --drafter and no --recipe: a pair without writing YAML.")
+@click.option("--drafter", default=None, help="The drafter instead of the recipe's (a z-lab checkpoint directory or a "
+                                             "Hugging Face id in the local cache).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
@@ -33,42 +38,40 @@ from dflash_export.runtime import DFlashRuntime, RunStats
               help="tensorrt: the most sequences per call the continuous-batching engines' profiles take (default 8; "
                    "deploy --max-batch may not pass it).")
 def build(recipe, target, drafter, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
-    """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches).
-
-    On onnxruntime a bfloat16 / float16 recipe builds as fp32 activations with --precision weights (fp32, int8,
-    int4); the recipe's dtype is what the GPU backends build."""
+    """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     from rich.console import Console
 
-    from dflash_export.progress import progress_display
+    import time
+
+    from dflash_export.engines import ort_build
 
     r = recipe_from_options(recipe, target, drafter)
-    with progress_display():
-        res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
-                           max_batch)
-    Console(highlight=False, soft_wrap=True).print(
-        f"{'reused' if res.reused else 'built'} {res.engine_dir}: {describe_precision(res.engine_dir, r)} "
-        f"({'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+    console = Console(stderr=True, highlight=False)
+    t0 = time.monotonic()
+    with console.status(f"building {r.name} ({backend})") as status:
+        def stage(text):
+            console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
+            status.update(f"{text} ...")
 
+        ort_build.report_stages(stage if console.is_terminal else None)
+        try:
+            res = build_engine(r, backend, out, force, precision, drafter_precision, False if fp32_heads else None,
+                               max_batch)
+        finally:
+            ort_build.report_stages(None)
+    from dflash_export.engines.manifest import read_manifest
 
-def describe_precision(engine_dir, recipe) -> str:
-    """What the engine computes in, as its manifest records it (`int4 weights, fp32 activations`)."""
-    import json
-    from pathlib import Path
-
-    m = json.loads((Path(engine_dir) / "manifest.json").read_text())
-    prec = m.get("precision")
-    if isinstance(prec, dict) and prec:
-        t, d = prec.get("target", "fp32"), prec.get("drafter", "fp32")
-        heads = "" if (prec.get("lm_head"), prec.get("draft_head")) == (t, d) else ", fp32 heads"
-        weights = f"{t} weights" if t == d else f"{t} target / {d} drafter weights"
-        act = (m.get("dtypes") or {}).get("activations", "float32").replace("float", "fp")
-        text = f"{weights}{heads}, {act} activations"
-        asked = (m.get("dtypes") or {}).get("recipe")
-        if asked and asked != "float32":
-            text += f" (the recipe's {asked} is for GPU backends)"
-        return text
-    dt = (m.get("dtypes") or {}).get("precision") or recipe.dtype
-    return f"{dt}"
+    m = read_manifest(res.engine_dir)
+    weights = ""
+    if m.precision:
+        p = m.precision
+        weights = f"{p['target']} weights" + (f" (drafter {p['drafter']})" if p["drafter"] != p["target"] else "")
+        if r.dtype != "float32":
+            weights += f", from a {r.dtype} checkpoint"
+        weights += "; "
+    Console(highlight=False, soft_wrap=True).print(  # one line, whatever the path length
+        f"{'reused' if res.reused else 'built'} {res.engine_dir} "
+        f"({weights}{'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
 
 
 @click.command()

@@ -180,7 +180,7 @@ class OrtEngine(Engine):
         if not 0 <= mask < self._embed.shape[0]:
             raise DFlashError(f"mask token {mask} outside the embedding", path=mpath, field="mask_token_id")
         self._mask_row = self._embed.rows([mask])[0]
-        # Drafters exported with a key bias (unmasked ones, since #18) take B padded sequences per call
+        # Drafters exported with a key bias (unmasked ones) take B padded sequences per call
         # (engines/ort_batch.py); a batch of one feeds zeros, which leaves every bit as without it.
         self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -38,9 +37,22 @@ from dflash_export.export import (
     export_models,
 )
 from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
-from dflash_export.progress import step
 from dflash_export.recipes import PRECISIONS
 from dflash_export.sources import resolve_source
+
+
+_stage_reporter = None  # set by the CLI (build's progress line); None: silent
+
+
+def report_stages(fn) -> None:
+    """Have each long step of the build named to `fn(text)` as it starts (None: silent)."""
+    global _stage_reporter
+    _stage_reporter = fn
+
+
+def _stage(text: str) -> None:
+    if _stage_reporter is not None:
+        _stage_reporter(text)
 
 
 def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
@@ -60,16 +72,17 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     check_output_dir(out_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     if draft_vocab is not None and draft_vocab < 2:
         raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
-    # A bfloat16 / float16 recipe builds here too: ONNX Runtime's CPU kernels compute in fp32 (activations, K/V),
-    # the weights are `precision`'s; the recipe's dtype is what the GPU backends build, and the manifest records both.
-    with step("loading the target and drafter (fp32)"):
-        target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
+    # The CPU backend computes in float32 whatever the checkpoint's dtype (a bfloat16 / float16 checkpoint is widened,
+    # exactly); `--precision int8 / int4` quantizes the weights from there. The manifest records both.
+    _stage("loading the target and the drafter")
+    target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
     dspec = drafter.spec(recipe.block_size)
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     if drafter.config.is_dflash2 and draft_vocab is not None:
         raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
                           "whole vocabulary)", path=recipe.path, field="draft_vocab")
     with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
+        _stage("exporting and optimizing the graphs")
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
@@ -80,8 +93,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         if selector:
             manifest["selector"] = selector
         write_manifest(tmp, manifest)
-        with step("probing kernel numerics on this CPU"):
-            _record_numerics(tmp, manifest, threads)
+        _stage("probing this CPU's kernels (verify rows against plain steps)")
+        _record_numerics(tmp, manifest, threads)
     return out_dir
 
 
@@ -129,20 +142,17 @@ def _export_optimized(ort, recipe, target, drafter, tmp: Path, bs: int, draft_vo
     Returns the export result and the shared tensors' layout."""
     export_dir = tmp / "export"
     export_dir.mkdir()
-    with step("exporting ONNX graphs and checking them against PyTorch"):
-        res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
-                            max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
-                            ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
+    res = export_models(target, drafter, export_dir, recipe_name=recipe.name, block_size=bs,
+                        max_len=recipe.max_seq_len, logits_atol=recipe.thresholds.logits_atol,
+                        ctx_atol=recipe.thresholds.ctx_atol, ort_flavor=True, draft_vocab=draft_vocab)
     manifest_shared = _shared_layout(export_dir / ORT_HEAD_FILE, export_dir / "target_verify.onnx")
     # Optimize each graph once, now, and save the result: loads then skip optimization entirely.
     graphs = [(ORT_TARGET_FILE, TARGET), (ORT_DRAFTER_FILE, DRAFTER), (ORT_HEAD_FILE, HEAD),
               (ORT_TARGET_BATCH_FILE, TARGET_BATCH)]
     if draft_vocab:
         graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
-    with step("optimizing graphs", len(graphs)) as st:
-        for src, dst in graphs:
-            _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
-            st.advance()
+    for src, dst in graphs:
+        _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
     shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))
     shutil.rmtree(export_dir)
     return res, manifest_shared
@@ -156,8 +166,8 @@ def _quantize_graphs(tmp: Path, precisions: dict[str, str], manifest_shared: dic
         if (tmp / fname).is_file() and precisions[role] != "fp32":
             if role in ("lm_head", "draft_head"):
                 _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
-            quantization[role] = quantize_graph(tmp / fname, precisions[role], f"quantizing {fname} to "
-                                                                               f"{precisions[role]}")
+            _stage(f"quantizing {fname} to {precisions[role]}")
+            quantization[role] = quantize_graph(tmp / fname, precisions[role])
     return quantization
 
 
@@ -190,8 +200,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
         "stop_token_ids": list(target.stop_token_ids),
         "vocab_size": spec.vocab_size,
         "dtypes": {"weights": "float32" if set(precisions.values()) == {"fp32"} else "mixed",
-                   "activations": "float32", "kv_cache": "float32",
-                   "recipe": recipe.dtype},  # what the recipe asks of GPU backends; this engine is the above
+                   "activations": "float32", "kv_cache": "float32", "checkpoint": recipe.dtype},
         "precision": precisions,
         "quantization": quantization,
         "flags": {"graphs": "ort", "graph_optimization": "ORT_ENABLE_EXTENDED", "kv_cache": "in-place GQA buffer",
@@ -289,10 +298,9 @@ def _head_as_matmul(path: Path, shared_path: Path, shared: dict) -> None:
                     size_threshold=1024)
 
 
-def quantize_graph(path: Path, precision: str, label: str | None = None) -> dict:
+def quantize_graph(path: Path, precision: str) -> dict:
     """Quantize every MatMul of the saved graph `path` (weights in `path`.data) in place with ONNX Runtime's
-    MatMulNBitsQuantizer; returns the settings for the manifest. `label`: the progress bar's (one item per MatMul,
-    counted from the quantizer's own per-node log records)."""
+    MatMulNBitsQuantizer; returns the settings for the manifest."""
     import onnx
 
     try:
@@ -303,26 +311,21 @@ def quantize_graph(path: Path, precision: str, label: str | None = None) -> dict
     except ImportError as e:
         raise MissingDependency(f"quantized engines need onnxruntime's quantization tools ({e.name}): "
                                 "pip install 'dflash-export[onnx]'", field="precision") from None
+    import logging
+
     bits, sym = QUANT_BITS[precision], QUANT_SYMMETRIC[precision]
     model = onnx.load(str(path))
     n_matmul = sum(n.op_type == "MatMul" for n in model.graph.node)
     config = DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=sym,
                                           accuracy_level=QUANT_ACCURACY_LEVEL, bits=bits)
     quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level, propagate = quant_log.level, quant_log.propagate
-    with step(label or f"quantizing {path.name} to {precision}", n_matmul) as st:
-        counter = _NodeCounter(st)
-        # It logs one INFO record per node: counted for the progress bar, kept off the terminal.
-        quant_log.setLevel(logging.INFO)
-        quant_log.propagate = False
-        quant_log.addHandler(counter)
-        try:
-            quantizer = MatMulNBitsQuantizer(model, algo_config=config)
-            quantizer.process()
-        finally:
-            quant_log.removeHandler(counter)
-            quant_log.setLevel(level)
-            quant_log.propagate = propagate
+    level = quant_log.level
+    quant_log.setLevel(logging.WARNING)  # it logs one INFO line per node
+    try:
+        quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+        quantizer.process()
+    finally:
+        quant_log.setLevel(level)
     out = quantizer.model.model
     n_quant = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
     data = path.with_name(path.name + ".data")
@@ -332,19 +335,6 @@ def quantize_graph(path: Path, precision: str, label: str | None = None) -> dict
     return {"quantizer": "onnxruntime.quantization.MatMulNBitsQuantizer", "op": "com.microsoft.MatMulNBits",
             "bits": bits, "block_size": QUANT_BLOCK, "symmetric": sym, "accuracy_level": QUANT_ACCURACY_LEVEL,
             "matmuls_quantized": n_quant, "matmuls_total": n_matmul}
-
-
-class _NodeCounter(logging.Handler):
-    """Advances a progress step on each of MatMulNBitsQuantizer's per-node records ("start to quantize NODE ...")."""
-
-    def __init__(self, st):
-        super().__init__(logging.INFO)
-        self.st = st
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if msg.startswith("start to quantize ") and not msg.startswith("start to quantize model"):
-            self.st.advance()
 
 
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:

@@ -8,7 +8,7 @@ reached. The work lives in three modules, imported one way (this module -> build
 - `tensorrt_build`: `build --backend tensorrt` (`build_tensorrt`, `build_tensorrt_engines`, `build_engine_file`, the
   plugin-layer check);
 - `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines;
-- `tensorrt_batch`: continuous batching (issue #18). The build also compiles plain-op copies of the export's batch
+- `tensorrt_batch`: continuous batching. The build also compiles plain-op copies of the export's batch
   graphs (target_batch, the drafter with key_bias, the LM head; ONNX Runtime's fused norms rewritten, the dflash
   function inlined) with profiles for 1..max_batch sequences (default 8), recorded in the manifest;
   `BatchedTensorRTEngine` runs them under the bookkeeping ONNX Runtime's batched engine uses (ort_batch.BatchedEngine),

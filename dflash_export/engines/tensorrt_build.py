@@ -47,6 +47,61 @@ def _network_flags(trt, strongly_typed: bool) -> int:
     return flags
 
 
+def precision_plan(trt, dtype: str) -> dict[str, Any]:
+    """How a recipe's dtype becomes this TensorRT's builder configuration.
+
+    float32: a strongly typed network (the graph's types are the precision), TF32 off. float16 / bfloat16 on TensorRT
+    10.x: a weakly typed network lowered by the FP16 / BF16 builder flag, with the tap fusion (`fc`, `hidden_norm`,
+    export/graph.py FP32_ISLAND) held in float32 by precision constraints. TensorRT >= 11 has no such flags (networks
+    are strongly typed, the graph's own types decide) and this project exports float32 graphs: the engine then
+    computes in float32, and says so (`compute` in the build facts); a bf16 / fp16-typed export is not implemented.
+    """
+    flags = trt.BuilderFlag
+    if dtype == "float32":
+        return {"strongly_typed": True, "set": [], "clear": ["TF32"] if hasattr(flags, "TF32") else [],
+                "compute": "float32", "fp32_island": False}
+    flag = "BF16" if dtype == "bfloat16" else "FP16"
+    if hasattr(flags, flag):
+        return {"strongly_typed": False, "set": [flag, "OBEY_PRECISION_CONSTRAINTS"], "clear": [],
+                "compute": dtype, "fp32_island": True}
+    return {"strongly_typed": True, "set": [], "clear": ["TF32"] if hasattr(flags, "TF32") else [],
+            "compute": "float32", "fp32_island": False,
+            "note": f"TensorRT {trt.__version__} builds strongly typed networks only and the export is float32: "
+                    f"this {dtype} recipe's engine computes in float32"}
+
+
+def hold_fp32_island(trt, network) -> int:
+    """Constrain the tap-fusion layers (named FP32_ISLAND... by the export) to float32; returns how many."""
+    from dflash_export.export.graph import FP32_ISLAND
+
+    n = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if FP32_ISLAND in layer.name:
+            layer.precision = trt.float32
+            for j in range(layer.num_outputs):
+                if layer.get_output(j).dtype in (trt.float16, trt.bfloat16, trt.float32):
+                    layer.set_output_type(j, trt.float32)
+            n += 1
+    return n
+
+
+def plugin_only_graph(onnx_path: Path, out_path: Path) -> Path:
+    """The graph TensorRT parses: the model-local functions of the dflash nodes removed (plain ONNX Runtime inlines
+    them; an onnx-tensorrt parser that also knows the function could import its body instead of the plugin), so the
+    nodes can only become the plugins. External weight files stay where they are (same directory)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    keep = [f for f in model.functions if not (f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS)]
+    if len(keep) == len(model.functions):
+        return onnx_path
+    del model.functions[:]
+    model.functions.extend(keep)
+    onnx.save(model, str(out_path))
+    return out_path
+
+
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
                       workspace_gib: float = 8.0) -> dict[str, Any]:
     """Parse one ONNX graph and write its serialized TensorRT engine. fp32 recipes build strongly typed networks
@@ -61,21 +116,23 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     shapes = [profile_shapes(model, p) for p in profiles]
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    strongly_typed = dtype == "float32"
+    plan = precision_plan(trt, dtype)
+    strongly_typed = plan["strongly_typed"]
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed = plugin_only_graph(onnx_path, onnx_path.with_name(onnx_path.stem + ".plugins.onnx"))
+    if not parser.parse_from_file(str(parsed)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     # Per-layer details (type, plugin name) in the engine, for the plugin-layer check below
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    if not strongly_typed:
-        config.set_flag(trt.BuilderFlag.BF16 if dtype == "bfloat16" else trt.BuilderFlag.FP16)
-    elif hasattr(trt.BuilderFlag, "TF32"):
-        # TF32 is on by default: an fp32 recipe asks for fp32 matmuls (what its ONNX Runtime twin computes)
-        config.clear_flag(trt.BuilderFlag.TF32)
+    for name in plan["set"]:
+        config.set_flag(getattr(trt.BuilderFlag, name))
+    for name in plan["clear"]:  # TF32 is on by default: fp32 asks for fp32 matmuls (what ONNX Runtime computes)
+        config.clear_flag(getattr(trt.BuilderFlag, name))
+    island = hold_fp32_island(trt, network) if plan["fp32_island"] else 0
     for shape in shapes:
         profile = builder.create_optimization_profile()
         for i in range(network.num_inputs):
@@ -95,7 +152,10 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     layers = inspect_plugin_layers(trt, data, engine_path)
     check_plugin_layers(counts, layers, engine_path)
     engine_path.write_bytes(data)
-    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "plugins": counts,
+    if parsed != onnx_path:
+        parsed.unlink(missing_ok=True)
+    return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed, "compute": plan["compute"],
+            "fp32_island_layers": island, **({"note": plan["note"]} if "note" in plan else {}), "plugins": counts,
             "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
 
 
@@ -219,7 +279,7 @@ def plugin_implementations(facts: dict[str, Any]) -> dict[str, str]:
 def refuse_masked_drafter(config, where) -> None:
     """Causal / sliding-window drafter layers (z-lab 0.1.0) export as MaskedKVInjectedBlockAttention, which has no
     TensorRT plugin or Triton kernel yet; DFlash 2's candidate selector has no host walk in the TensorRT engine yet.
-    Both refused by name before anything is built (issue #17)."""
+    Both refused by name before anything is built."""
     if config.is_dflash2:
         raise DFlashError("DFlash 2 drafters: the TensorRT engine has no candidate selector yet; use --backend "
                           "onnxruntime", path=where, field="architectures")

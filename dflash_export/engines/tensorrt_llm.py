@@ -35,7 +35,10 @@ README_FILE = "README.md"
 TRITON_MODEL_NAME = "tensorrt_llm"
 TRITON_MODEL_YAML = f"triton/{TRITON_MODEL_NAME}/1/model.yaml"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-INSTALL_HINT = "pip install 'dflash-export[tensorrt-llm]' (TensorRT-LLM >= 1.3) on a machine with an NVIDIA GPU"
+# PyPI offers TensorRT-LLM only up to 1.2.1, and only as a placeholder that fails to install: it comes from NVIDIA's
+# own index, so it is no extra of this package.
+INSTALL_HINT = ("bring TensorRT-LLM >= 1.3 from NVIDIA's index (pip install 'tensorrt-llm>=1.3' --extra-index-url "
+                "https://pypi.nvidia.com) on a machine with an NVIDIA GPU")
 
 
 def _missing(what: str) -> MissingDependency:

@@ -28,7 +28,15 @@ PLUGIN_NAMESPACE = "dflash"
 PLUGIN_VERSION = "1"
 KV_ATTENTION = "KVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
-INSTALL_HINT = "pip install 'dflash-export[tensorrt]' (TensorRT >= 10.8 + polygraphy) on a machine with an NVIDIA GPU"
+INSTALL_HINT = ("pip install 'dflash-export[tensorrt]' (TensorRT 10.8 - 11.1 with numpy < 2.4, or TensorRT >= 11.2; "
+                "AOT plugins from 10.12; + polygraphy) on a machine with an NVIDIA GPU")
+# Which TensorRT / numpy pairs work (checked against NVIDIA's real Python layer, scripts/trt_lane.py):
+# - tensorrt.plugin's AOT path needs TensorRT >= 10.12 (quick-plugin creation requests);
+# - TensorRT <= 11.1's plugin creator converts a plugin field with int(array) / float(array), which numpy >= 2.4
+#   refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every dflash plugin fails at parse
+#   time; 11.2 reads the element instead.
+MIN_TENSORRT = (10, 8)    # tensorrt.plugin's decorators (JIT plugins); AOT plugins from 10.12
+NUMPY_FIXED_IN = (11, 2)
 TARGET_ONNX, DRAFTER_ONNX = "target_verify.onnx", "drafter.onnx"
 TARGET_ENGINE, DRAFTER_ENGINE = "target_verify.engine", "drafter.engine"
 
@@ -227,11 +235,30 @@ def tensorrt_available() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
+def _version(text: str) -> tuple[int, ...]:
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", str(text))[:3])
+
+
+def check_versions(trt_version: str, numpy_version: str) -> None:
+    """MissingDependency, one line, for a TensorRT / numpy pair this backend cannot work with."""
+    v, np_v = _version(trt_version), _version(numpy_version)
+    if v[:2] < MIN_TENSORRT:
+        raise _missing(f"TensorRT {trt_version} is too old (the dflash plugins need tensorrt.plugin, >= 10.8)")
+    if v[:2] < NUMPY_FIXED_IN and np_v[:2] >= (2, 4):
+        raise _missing(f"TensorRT {trt_version} with numpy {numpy_version}: its plugin creator fails on numpy >= 2.4 "
+                       "(pip install 'numpy<2.4', or TensorRT >= 11.2)")
+
+
 def require_tensorrt(gpu: bool = True):
     """Import tensorrt (and check for a CUDA device) or raise MissingDependency with the install line."""
     if not tensorrt_available():
         raise _missing("tensorrt is not installed")
+    import numpy
     import tensorrt as trt
+
+    check_versions(trt.__version__, numpy.__version__)
 
     if gpu:
         import torch
@@ -329,7 +356,10 @@ def register_plugins() -> None:
     if _REGISTERED:
         return
     trt = require_tensorrt(gpu=False)
-    import tensorrt.plugin as trtp
+    try:
+        import tensorrt.plugin as trtp
+    except ImportError as e:  # a TensorRT build without NVIDIA's Python plugin layer
+        raise _missing(f"TensorRT {trt.__version__} has no tensorrt.plugin ({e})") from None
 
     has_aot = aot_plugins_supported(trt, trtp)
     _register_attention(trt, trtp, has_aot)

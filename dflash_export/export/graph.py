@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from dflash_export.arch import sliding_windows
+from dflash_export.errors import DFlashError
 from dflash_export.export import ops
 from dflash_export.export.builder import F32, I32, I64, MS, GraphBuilder, WeightStore, finish
 
@@ -35,6 +37,9 @@ class TargetSpec:
     rms_eps: float
     qk_norm: bool
     tied: bool
+
+
+FP32_ISLAND = "tap_fusion_fp32/"  # node-name prefix of the graph's part that must stay float32 in any build
 
 
 def target_spec(target) -> TargetSpec:
@@ -57,7 +62,11 @@ def target_rope_tables(target, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     pos = torch.arange(max_len)[None]
     with torch.no_grad():
         cos, sin = rot(torch.zeros(1, dtype=torch.float32), pos)
-    return cos[0].float().numpy(), sin[0].float().numpy()
+    cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
+    d = target_spec(target).head_dim
+    if cos.shape[-1] == d // 2:  # gpt-oss's rotary module gives the half-width table (rotate-half layout)
+        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    return cos, sin
 
 
 def drafter_rope_tables(drafter, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +170,19 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         mask = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B,1,1,S,T] against scores [B,KVH,G,S,T]
 
     x = ids if ort else g.op("Gather", [SHARED_EMBED, ids], axis=0)
+    moe = target.arch.moe
+    hf_cfg = target.hf.config
+    windows = sliding_windows(target.arch, hf_cfg)
+    sinks = target.arch.attention_sinks
+    if batch and any(w is not None and w <= drafter.config.block_size for w in windows):
+        raise DFlashError(f"a sliding window of {min(w for w in windows if w)} tokens is not wider than a draft block "
+                          f"({drafter.config.block_size}): the batched graph masks windows over the past only",
+                          field="sliding_window")
+    moe_layers = moe.layers(hf_cfg) if moe is not None else [False] * t.num_layers
+    moe_top_k = int(getattr(hf_cfg, moe.top_k)) if moe is not None else 0
+    moe_norm = bool(getattr(hf_cfg, moe.norm_topk_prob, False)) if moe is not None and moe.norm_topk_prob else False
+    moe_limit = (float(getattr(hf_cfg, moe.swiglu_limit)) if moe is not None and moe.swiglu_limit
+                 and getattr(hf_cfg, moe.swiglu_limit, None) is not None else None)
     taps: dict[int, str] = {}
     tap_ids = list(drafter.config.target_layer_ids)
     residual_pending = None  # ort: the MLP output not yet added (fused into the next SkipSimplifiedLayerNorm)
@@ -175,7 +197,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         a = p + "self_attn."
         bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
         if batch:
-            attn = _batched_block_attention(g, xn, sd, a, t, i, cos, sin, causal, bias)
+            attn = _batched_block_attention(g, xn, sd, a, t, i, cos, sin, causal, bias, windows[i],
+                                            sd[a + "sinks"] if sinks else None, pos)
         elif ort:
             # One MatMul for q, k and v (same input): a third of the op dispatches, one pass over the activations.
             wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
@@ -198,12 +221,17 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
                 qkv_inputs = [q, k, v]
             else:  # GQA takes the packed [B,S,(H+2KVH)*D] projection directly (key/value inputs left empty)
                 qkv_inputs = [qkv, "", ""]
+            # gpt-oss: its per-head sinks join GQA's softmax denominator (head_sink); a sliding layer sees the
+            # keys of its sliding window: GQA's local_window_size = the config's sliding_window gives transformers' mask
+            # (checked against transformers' gpt-oss, tests/test_moe_targets.py).
+            extra = [g.weight(a + "sinks", sd[a + "sinks"])] if sinks else []
+            window = {"local_window_size": windows[i]} if windows[i] else {}
             attn, _, _ = g.op("GroupQueryAttention", [*qkv_inputs, past_k, past_v, "seqlens_k", "total_seq_len",
-                                                      cos_c, sin_c, "position_ids", "attention_bias"], n_out=3,
-                              domain=MS,
+                                                      cos_c, sin_c, "position_ids", "attention_bias", *extra],
+                              n_out=3, domain=MS,
                               outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                               num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
-                              rotary_interleaved=0)
+                              rotary_interleaved=0, **window)
         else:
             q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
             k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
@@ -223,7 +251,20 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             v5 = g.op("Unsqueeze", [vall, g.const([2])])
             scores = g.op("Mul", [g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])]),
                                   g.const(D ** -0.5, np.float32)])
-            probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+            layer_mask = mask
+            if windows[i]:  # key k visible to a query at position p also needs k > p - window
+                near = g.op("Greater", [kpos, g.op("Sub", [g.op("Unsqueeze", [pos, g.const([2])]),
+                                                           g.const(windows[i])])])
+                layer_mask = g.op("Add", [mask, g.op("Unsqueeze", [g.op("Where", [
+                    near, g.const(0.0, np.float32), g.const(-np.inf, np.float32)]), g.const([1, 2])])])
+            scores = g.op("Add", [scores, layer_mask])
+            if sinks:  # one more logit per head in the softmax, dropped after it
+                sink = g.weight(a + "sinks", sd[a + "sinks"].reshape(1, KVH, H // KVH, 1, 1))
+                col = g.op("Expand", [sink, g.op("Concat", [g.op("Shape", [scores], end=4), g.const([1])], axis=0)])
+                full = g.op("Softmax", [g.op("Concat", [scores, col], axis=-1)], axis=-1)
+                probs = g.op("Slice", [full, g.const([0]), g.const([-1]), g.const([-1])])
+            else:
+                probs = g.op("Softmax", [scores], axis=-1)
             o5 = g.op("MatMul", [probs, v5])
             attn = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o5, g.const([0, H, -1, D])])],
                                          perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
@@ -235,7 +276,10 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         else:
             x = g.op("Add", [x, attn])
             xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
-        m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
+        if moe_layers[i]:
+            m = g.moe(xn2, sd, p + "mlp.", moe, moe_top_k, moe_norm, moe_limit)
+        else:
+            m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
         if ort:
             residual_pending = m
             if i in tap_ids or i == t.num_layers - 1:
@@ -252,10 +296,15 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         taps[t.num_layers - 1] = normed  # HF's hidden_states[N] is the final-normed output (the +1 convention)
 
     # Feature fusion: ctx = hidden_norm(fc(concat(taps))) for every position, so taps never leave the graph.
+    first = len(g.nodes)
     cat = g.op("Concat", [taps[i] for i in tap_ids], axis=-1) if len(tap_ids) > 1 else taps[tap_ids[0]]
     fc = g.linear(cat, dsd["fc.weight"], "drafter.fc")
     g.op("Identity", [g.rms_norm(fc, g.weight("drafter.hidden_norm", dsd["hidden_norm.weight"]),
                                  drafter.config.rms_norm_eps, ort)], outputs=["ctx"])
+    # Named so a half-precision build keeps them in float32: the tapped hidden states of real targets exceed
+    # float16's range (|x| > 6.5e4 on Qwen3-8B), and fc sums n of them (engines/tensorrt_build.py, FP32_ISLAND).
+    for node in g.nodes[first:]:
+        node.name = FP32_ISLAND + node.name
 
     # LM head only on the rows asked for (prefill: the last; verify: the block).
     neg = g.op("Neg", [g.op("Unsqueeze", ["num_logits", g.const([0])])])
@@ -295,7 +344,8 @@ def _block_causal_bias(g: GraphBuilder, x: str, groups: int) -> str:
 
 
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
-                             sin: str, causal: str, bias) -> str:
+                             sin: str, causal: str, bias, window: int | None = None, sinks: np.ndarray | None = None,
+                             pos: str | None = None) -> str:
     """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
     engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) and over the
     block's own keys (causal). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm and RoPE, as
@@ -321,12 +371,27 @@ def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "Tar
     scale = g.const(D ** -0.5, np.float32)
     s_past = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [past_k], perm=[0, 1, 3, 2])]), scale])
     s_past = g.op("Add", [s_past, g.op("Unsqueeze", ["past_bias", g.const([1, 2])])])  # [B,KVH,G*S,P]
+    if window:  # past row j (at position j) visible to a query at position p iff j > p - window
+        j = g.op("Range", [g.const(0), g.op("Squeeze", [g.op("Shape", [past_k], start=2, end=3), g.const([0])]),
+                           g.const(1)])
+        near = g.op("Greater", [j, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
+        wmask = g.op("Unsqueeze", [g.op("Where", [near, g.const(0.0, np.float32), g.const(-np.inf, np.float32)]),
+                                   g.const([1])])                                        # [B,1,S,P]
+        s_past = g.op("Add", [s_past, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
     s_new = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [f"new_key_{i}"], perm=[0, 1, 3, 2])]), scale])
     s_new = g.op("Add", [s_new, causal])                                                 # [B,KVH,G*S,S]
-    probs = g.op("Softmax", [g.op("Concat", [s_past, s_new], axis=-1)], axis=-1)
+    parts = [s_past, s_new]
     p_len = g.op("Shape", [past_k], start=2, end=3)
     s_len = g.op("Shape", [vh], start=2, end=3)
-    p_past, p_new = g.op("Split", [probs, g.op("Concat", [p_len, s_len], axis=0)], n_out=2, axis=-1)
+    sizes = [p_len, s_len]
+    if sinks is not None:  # one more logit per head (rows group-major: head kvh*G + g), dropped after the softmax
+        sink = g.weight(a + "sinks", sinks.reshape(1, KVH, H // KVH, 1))
+        col = g.op("Reshape", [g.op("Expand", [sink, g.op("Concat", [g.const([1, KVH, H // KVH]), s_len], axis=0)]),
+                               g.const([1, KVH, -1, 1])])
+        parts.append(g.op("Expand", [col, g.op("Concat", [g.op("Shape", [s_past], end=3), g.const([1])], axis=0)]))
+        sizes.append(g.const([1]))
+    probs = g.op("Softmax", [g.op("Concat", parts, axis=-1)], axis=-1)
+    p_past, p_new = g.op("Split", [probs, g.op("Concat", sizes, axis=0)], n_out=len(parts), axis=-1)[:2]
     o4 = g.op("Add", [g.op("MatMul", [p_past, past_v]), g.op("MatMul", [p_new, vh])])   # [B,KVH,G*S,D]
     return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o4, g.const([0, H, -1, D])])], perm=[0, 2, 1, 3]),
                             g.const([0, 0, H * D])])

@@ -1,4 +1,4 @@
-"""Targets (Qwen3ForCausalLM, LlamaForCausalLM) through transformers, with DFlash's layer taps and a croppable cache.
+"""Targets (Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM) through transformers, with DFlash's layer taps and a croppable cache.
 
 Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output*, which is HF `hidden_states[id + 1]`
 (index 0 is the embedding output). Getting this wrong silently lowers acceptance, so it lives in exactly one place:
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_export.arch import ARCHS
+from dflash_export.arch import ARCHS, REFUSED
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.gguf import hf_dir_from_gguf
@@ -47,6 +47,9 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
+    if cfg["model_type"] in REFUSED:
+        raise DFlashError(f"{cfg['model_type']!r}: {REFUSED[cfg['model_type']]} (supported: {', '.join(ARCHS)})",
+                          path=cfg_path, field="model_type")
     if cfg["model_type"] not in ARCHS:
         raise DFlashError(f"unsupported model_type {cfg['model_type']!r} (supported: {', '.join(ARCHS)})",
                           path=cfg_path, field="model_type")
@@ -138,7 +141,8 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     if has_safetensors(model_dir):
         weight_files(model_dir)  # headers bounds-checked: a truncated or missing shard is named before transformers
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                  attn_implementation=ARCHS[config["model_type"]].attn_implementation)
     except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None

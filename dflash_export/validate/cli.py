@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import FiniteFloat, decoding_options, recipe_options
-from dflash_export.validate.command import FULL_SAMPLES, QUICK_PROMPTS, QUICK_SAMPLES, run_validate
+from dflash_export.validate.command import run_validate
 
 
 @click.command()
@@ -15,7 +15,10 @@ from dflash_export.validate.command import FULL_SAMPLES, QUICK_PROMPTS, QUICK_SA
 @click.option("--suite", default=None,
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
 @click.option("--num-prompts", default=None, type=click.IntRange(1),
-              help=f"Use the first N prompts of the suite [default: {QUICK_PROMPTS}; --full: all].")
+              help="Use the first N prompts of the suite [default: 10; --full: all].")
+@click.option("--full", is_flag=True,
+              help="The whole suite and the full sampled check (300 seeds per prompt, the power calculation's); "
+                   "the defaults are a quick check that finishes in minutes.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
@@ -23,31 +26,27 @@ from dflash_export.validate.command import FULL_SAMPLES, QUICK_PROMPTS, QUICK_SA
 @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
               help="top-p of the sampled check.")
 @click.option("--dist-samples", default=None, type=click.IntRange(0),
-              help=f"Seeds per prompt for the sampled check [default: {QUICK_SAMPLES}; --full: {FULL_SAMPLES}, the "
-                   "number a power calculation asks for: docs].")
-@click.option("--full", is_flag=True,
-              help=f"The full check: every prompt of the suite and {FULL_SAMPLES} seeds per sampled prompt (the "
-                   "defaults finish in minutes on the default pair).")
+              help="Seeds per prompt for the sampled check [default: 40, a quick check of low power; --full: 300, "
+                   "from the power calculation in docs/stages.md].")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),
               help="Report directory [default: reports/validate/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @decoding_options
-def validate(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, temperature, top_k, top_p,
-             dist_samples, full, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
+def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p, dist_samples,
+             repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
     Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
     """
+    if num_prompts is None and not full:
+        num_prompts = 10
+    if dist_samples is None:
+        dist_samples = 300 if full else 40
     from dflash_export.recipes import recipe_from_options
 
-    if num_prompts is None and not full:
-        num_prompts = QUICK_PROMPTS
-    if dist_samples is None:
-        dist_samples = FULL_SAMPLES if full else QUICK_SAMPLES
-    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens,
-                 temperature, report_dir, dist_samples, repeats=repeats, top_k=top_k, top_p=top_p,
-                 show_progress=not no_progress, echo=click.echo,
+    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
+                 repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo,
                  decoding={k: v for k, v in (("proposer", proposer), ("tree_mode", tree_mode),
                                              ("tree_top_k", tree_top_k), ("tree_nodes", tree_nodes)) if v})

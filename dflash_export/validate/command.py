@@ -15,28 +15,20 @@ from dflash_export.errors import CheckFailed, DFlashError
 from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
 from dflash_export.runtime import DFlashRuntime
-from dflash_export.progress import progress_display, step
-from dflash_export.validate.report import summary_rows, verdict_line, write_report
+from dflash_export.validate.report import summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
-# The defaults finish in minutes on the default pair: the first QUICK_PROMPTS prompts of the suite and QUICK_SAMPLES
-# seeds per sampled prompt. `--full` runs the whole suite and FULL_SAMPLES seeds, the number the power calculation
-# of the sampled check asks for (benchmarks/sampling_power.py: each planted sampling fault fails at 300 seeds).
-# Measured: `validate --recipe smollm2-135m --engine engines/smollm2-135m/onnxruntime` at these defaults took 7 min 35 s
-# on the shared 2-core machine under a load average of 5-7 from other jobs (greedy check 230 s, sampled check 192 s).
-QUICK_PROMPTS = 8
-QUICK_SAMPLES = 60
-FULL_SAMPLES = 300
-
 
 def reference_threads() -> int:
     """Intra-op threads of the PyTorch reference: half the cores this process may use (at least one). Its OpenMP
     workers spin-wait between ops, and on a shared machine a descheduled worker stalls every op: on the shared
-    2-core machine (load ~3) SmolLM2-135M's reference decoded 32 tokens in 12.4 s with torch's default 2 threads
-    and 2.9 s with one (spec_generate 53.5 s and 5.4 s). DFLASH_REFERENCE_THREADS overrides it."""
+    2-core machine (load average ~3 from other jobs) SmolLM2-135M's reference decoded 32 tokens in 12.4 s with
+    torch's default 2 threads and in 2.9 s with one (spec_generate: 53.5 s and 5.4 s); `validate --recipe
+    smollm2-135m` with 8 prompts x 64 tokens and 60 seeds took 18 min 17 s before, 7 min 35 s after (load 4-7).
+    DFLASH_REFERENCE_THREADS overrides it."""
     import os
 
     if os.environ.get("DFLASH_REFERENCE_THREADS", "").isdigit():
@@ -95,27 +87,22 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
     edir = Path(engine_dir) if engine_dir else default_engine_dir(recipe.name)
-    with progress_display(show_progress, transient=True):
-        with step(f"loading the engine {edir}"):
-            engine, meta = open_engine(edir, recipe)
-        try:
-            encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
-                       for p in prompts]
-            check_fits(engine, prompts, encoded, max_new_tokens, path)
-            # An ONNX Runtime engine computes in fp32 whatever dtype the recipe asks of GPU backends.
-            ref_dtype = "float32" if engine.info.backend == "onnxruntime" else None
-            with step(f"loading the PyTorch reference ({ref_dtype or recipe.dtype})"):
-                import torch
+    engine, meta = open_engine(edir, recipe)
+    try:
+        encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
+                   for p in prompts]
+        check_fits(engine, prompts, encoded, max_new_tokens, path)
+        import torch
 
-                torch.set_num_threads(reference_threads())
-                reference = Reference.from_recipe(recipe, ref_dtype)
-            opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature,
-                                   dist_samples=dist_samples, repeats=repeats, top_k=top_k, top_p=top_p,
-                                   decoding=decoding or {})
-            return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
-                                   "path": str(path)}, meta, report_dir, show_progress, echo)
-        finally:
-            engine.close()
+        torch.set_num_threads(reference_threads())
+        # An ONNX Runtime engine computes in fp32 whatever dtype the recipe asks of GPU backends: its reference too.
+        reference = Reference.from_recipe(recipe, "float32" if engine.info.backend == "onnxruntime" else None)
+        opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
+                               repeats=repeats, top_k=top_k, top_p=top_p, decoding=decoding or {})
+        return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,
+                               "path": str(path)}, meta, report_dir, show_progress, echo)
+    finally:
+        engine.close()
 
 
 def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, report_dir, show_progress=False,
@@ -127,7 +114,6 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
     echo(f"report: {files['md']}")
-    echo(verdict_line(report))
     if report.failures:
         parts = [f"{t['name']} {t['value']:.4g} < {t['threshold']:.4g}" + (f" ({t['note']})" if t["note"] else "")
                  for t in report.failures]

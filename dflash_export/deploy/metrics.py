@@ -1,0 +1,100 @@
+"""What the front exposes on `/metrics` (Prometheus text format, through `prometheus_client`): DFlash's own figures
+next to the request counts, taken from each finished generation's statistics (deploy/handler.py `step_stats`).
+
+- `dflash_acceptance_length`: histogram of tokens committed per DFlash step (accepted drafts + the bonus token),
+  one observation per step; its mean is tau.
+- `dflash_tau`: tau over the generations that finished in the last `window_s` seconds.
+- `dflash_draft_seconds_total`, `dflash_verify_seconds_total`, `dflash_steps_total`: drafter and target time and
+  step count (draft / verify time per step is their ratio; `dflash_step_seconds` holds the recent means).
+- `dflash_generated_tokens_total`, `dflash_prompt_tokens_total`, `dflash_tokens_per_second` (recent window).
+- `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered),
+  `dflash_batch_occupancy` (in-flight requests over the sequences the deployment decodes at once, capped at 1),
+  `dflash_requests_total{route, code}`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["FrontMetrics", "CONTENT_TYPE_LATEST"]
+
+ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17))
+
+
+class FrontMetrics:
+    def __init__(self, window_s: float = 60.0, capacity: int = 1):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.window_s = window_s
+        self.capacity = max(1, capacity)
+        self.requests = Counter("dflash_requests", "HTTP requests answered by the front", ["route", "code"],
+                                registry=r)
+        self.accept = Histogram("dflash_acceptance_length", "Tokens committed per DFlash step (accepted + bonus)",
+                                buckets=ACCEPT_BUCKETS, registry=r)
+        self.draft_s = Counter("dflash_draft_seconds", "Seconds spent drafting", registry=r)
+        self.verify_s = Counter("dflash_verify_seconds", "Seconds spent verifying with the target", registry=r)
+        self.steps = Counter("dflash_steps", "DFlash steps (one target verification each)", registry=r)
+        self.generated = Counter("dflash_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("dflash_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.drafted = Counter("dflash_drafted_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter("dflash_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.in_flight = Gauge("dflash_requests_in_flight", "Generation requests sent to the engine, not answered",
+                               registry=r)
+        self.occupancy = Gauge("dflash_batch_occupancy",
+                               "In-flight requests over the sequences the deployment decodes at once (<= 1)",
+                               registry=r)
+        self.tau = Gauge("dflash_tau", "Mean acceptance length of the generations finished in the recent window",
+                         registry=r)
+        self.tps = Gauge("dflash_tokens_per_second", "Generated tokens per second over the recent window",
+                         registry=r)
+        self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window", ["phase"],
+                            registry=r)
+        self._lock = threading.Lock()
+        self._recent: collections.deque = collections.deque()  # (time, tokens, steps, committed, draft_s, verify_s)
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight.set(n)
+        self.occupancy.set(min(1.0, n / self.capacity))
+
+    def observe_request(self, route: str, code: int) -> None:
+        self.requests.labels(route=route, code=str(code)).inc()
+
+    def observe_generation(self, completion_tokens: int, prompt_tokens: int, stats: dict | None) -> None:
+        """One finished generation: its token counts and `step_stats` (acceptance lengths per step, seconds)."""
+        stats = stats or {}
+        lengths = [int(x) for x in stats.get("acceptance_lengths", []) if isinstance(x, int) and x > 0]
+        draft_s = float(stats.get("draft_s", 0.0) or 0.0)
+        verify_s = float(stats.get("verify_s", 0.0) or 0.0)
+        for n in lengths:
+            self.accept.observe(n)
+        self.steps.inc(len(lengths))
+        self.draft_s.inc(max(0.0, draft_s))
+        self.verify_s.inc(max(0.0, verify_s))
+        self.generated.inc(max(0, completion_tokens))
+        self.prompt.inc(max(0, prompt_tokens))
+        self.drafted.inc(max(0, int(stats.get("drafted_tokens", 0) or 0)))
+        self.accepted.inc(max(0, int(stats.get("accepted_tokens", 0) or 0)))
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, completion_tokens, len(lengths), sum(lengths), draft_s, verify_s))
+            self._refresh(now)
+
+    def _refresh(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > self.window_s:
+            self._recent.popleft()
+        tokens = sum(r[1] for r in self._recent)
+        steps = sum(r[2] for r in self._recent)
+        committed = sum(r[3] for r in self._recent)
+        self.tau.set(committed / steps if steps else 0.0)
+        self.tps.set(tokens / self.window_s)
+        self.step_s.labels(phase="draft").set(sum(r[4] for r in self._recent) / steps if steps else 0.0)
+        self.step_s.labels(phase="verify").set(sum(r[5] for r in self._recent) / steps if steps else 0.0)
+
+    def render(self) -> bytes:
+        with self._lock:
+            self._refresh(time.monotonic())
+        return generate_latest(self.registry)

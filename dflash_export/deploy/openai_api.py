@@ -1,0 +1,277 @@
+"""The OpenAI-compatible API of the front, as pure functions: an OpenAI request body -> the `generate` body the
+`dflash` models take (deploy/handler.py), and the models' answers -> OpenAI's response, stream chunk and error
+shapes. The engine-side protocol stays Triton's; nothing here touches a socket.
+
+Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` with `stream` (server-sent events ending
+in `data: [DONE]`, `stream_options.include_usage`), `usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`,
+`temperature`, `top_p` and vLLM's `top_k`. Refused with a 400 naming the field: what this server cannot honour
+(`n` > 1, tools, logprobs, penalties, logit_bias, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`),
+and fields OpenAI does not define. A field that changes nothing here (`user`, `metadata`, `store`,
+`parallel_tool_calls` without tools, `service_tier`) is accepted and ignored, as OpenAI's own server does for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+
+from dflash_export.deploy.handler import INT64_MAX, MAX_STOP_STRINGS, UINT64_MAX, _check_unicode, _json_kind
+from dflash_export.errors import DFlashError
+
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier")
+_COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", *_IGNORED)
+CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+               "function_call", "response_format", "modalities", "audio", "prediction", "reasoning_effort")
+COMPLETION_FIELDS = (*_COMMON, "prompt", "echo", "suffix", "best_of")
+ROLES = ("system", "user", "assistant", "developer")
+
+
+class OpenAIError(Exception):
+    """A request refused in OpenAI's error shape: HTTP status, message, the offending field (`param`), type."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", param=param)
+
+
+def _number(body: dict, key: str, lo: float, hi: float):
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise _bad(key, f"expected a finite number, got {_json_kind(v)}")
+    if not lo <= v <= hi:
+        raise _bad(key, f"must be in [{lo:g}, {hi:g}], got {v}")
+    return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int):
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _bad(key, f"expected an integer, got {_json_kind(v)}")
+    if not lo <= v <= hi:
+        raise _bad(key, f"must be in {lo}..{hi}, got {v}")
+    return v
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields this server cannot honour get a 400 naming them (never silently ignored)."""
+    if _integer(body, "n", 1, 128) not in (None, 1):
+        raise _bad("n", "only n = 1 is supported (one choice per request)")
+    if _integer(body, "best_of", 1, 128) not in (None, 1):
+        raise _bad("best_of", "only best_of = 1 is supported")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, -2.0, 2.0) not in (None, 0.0):
+            raise _bad(key, "penalties are not supported (they would change the target's distribution, and "
+                            "DFlash's output is the target's own)")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "not supported")
+    if body.get("logprobs") not in (None, False, 0):
+        raise _bad("logprobs", "log probabilities are not returned by this server")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _bad("top_logprobs", "log probabilities are not returned by this server")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _bad(key, "tool calling is not supported")
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none", "auto"):
+            raise _bad(key, "tool calling is not supported")
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "not supported")
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "not supported")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    for key in ("modalities", "audio", "prediction", "reasoning_effort"):
+        if body.get(key) not in (None, ["text"]):
+            raise _bad(key, "not supported")
+
+
+def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: tuple[str, ...]) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "request body: expected a JSON object")
+    for key in body:
+        _check_unicode(key, "request body")
+        if key not in known:
+            raise _bad(key[:60], "unknown field")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", f"required: the model id (this server serves {model_id!r}), got {_json_kind(model)}")
+    if model != model_id:
+        raise OpenAIError(404, f"model {model[:80]!r} is not served here (this server serves {model_id!r})",
+                          param="model", code="model_not_found")
+    _refuse_unsupported(body)
+    if not isinstance(body.get("stream", False), bool):
+        raise _bad("stream", f"expected a boolean, got {_json_kind(body['stream'])}")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+            raise _bad("stream_options", "expected {\"include_usage\": true|false}")
+        if not body.get("stream"):
+            raise _bad("stream_options", "only allowed with stream: true")
+    out: dict = {}
+    given = [k for k in max_tokens_keys if body.get(k) is not None]
+    if len(given) > 1 and body[given[0]] != body[given[1]]:
+        raise _bad(given[1], f"disagrees with {given[0]}: give one")
+    for key in given[:1]:
+        out["max_tokens"] = _integer(body, key, 1, INT64_MAX)
+    t = _number(body, "temperature", 0.0, 2.0)
+    if t is not None:
+        out["temperature"] = t
+    p = _number(body, "top_p", 0.0, 1.0)
+    if p is not None:
+        if p <= 0:
+            raise _bad("top_p", "must be > 0")
+        out["top_p"] = p
+    k = body.get("top_k")
+    if k is not None:
+        k = _integer(body, "top_k", -1, INT64_MAX)
+        out["top_k"] = 0 if k in (-1, 0) else k  # vLLM: -1 (and 0) mean no top-k
+    seed = body.get("seed")
+    if seed is not None:
+        # OpenAI's seed is a signed 64-bit integer; the engine's is unsigned: negatives map two's-complement.
+        s = _integer(body, "seed", -(1 << 63), UINT64_MAX)
+        out["seed"] = s & UINT64_MAX
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("stop", "expected a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        stops = [_check_unicode(s, "stop") for s in stops if s]
+        if stops:
+            out["stop"] = stops
+    return out
+
+
+def chat_request(body, model_id: str) -> tuple[dict, bool, bool]:
+    """(generate body, stream, include_usage) for a /v1/chat/completions body; OpenAIError naming the field."""
+    out = _common(body, CHAT_FIELDS, model_id, ("max_completion_tokens", "max_tokens"))
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "expected a non-empty list of messages")
+    converted = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "expected an object with a string \"role\"")
+        role = m["role"]
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role", f"{role[:40]!r} is not supported (supported: {', '.join(ROLES)})")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise _bad(f"messages[{i}].{extra[0][:40]}", "not supported")
+        converted.append({"role": "system" if role == "developer" else role,
+                          "content": _content(m.get("content"), f"messages[{i}].content")})
+    out["messages"] = converted
+    return out, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def _content(c, where: str) -> str:
+    """A message's content: a string, or a list of text parts (joined); other part types are refused."""
+    if isinstance(c, str):
+        return _check_unicode(c, where)
+    if isinstance(c, list):
+        parts = []
+        for j, p in enumerate(c):
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise _bad(f"{where}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            parts.append(_check_unicode(p["text"], where))
+        return "".join(parts)
+    raise _bad(where, f"expected a string or a list of text parts, got {_json_kind(c)}")
+
+
+def completion_request(body, model_id: str) -> tuple[dict, bool, bool]:
+    """(generate body, stream, include_usage) for a /v1/completions body: the prompt as raw text, no chat template."""
+    out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "expected a string (one prompt per request; token-id prompts are not supported)")
+    if not prompt:
+        raise _bad("prompt", "empty prompt")
+    out["text_input"] = _check_unicode(prompt, "prompt")
+    out["apply_chat_template"] = False
+    if "max_tokens" not in out:
+        out["max_tokens"] = 16  # OpenAI's default for completions
+    return out, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+# Responses --------------------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return {"stop": "stop", "length": "length", "eos": "stop"}.get(reason or "", "stop" if reason else None)
+
+
+def chat_response(rid: str, model_id: str, created: int, answer: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
+                         "logprobs": None, "finish_reason": finish_reason(answer["finish_reason"])}],
+            "usage": usage(answer["prompt_tokens"], answer["completion_tokens"])}
+
+
+def completion_response(rid: str, model_id: str, created: int, answer: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "text": answer["text"], "logprobs": None,
+                         "finish_reason": finish_reason(answer["finish_reason"])}],
+            "usage": usage(answer["prompt_tokens"], answer["completion_tokens"])}
+
+
+def chat_chunk(rid: str, model_id: str, created: int, delta: dict, reason: str | None, usage_: dict | None = None,
+               choices: bool = True) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]
+            if choices else [], **({"usage": usage_} if usage_ is not None else {})}
+
+
+def completion_chunk(rid: str, model_id: str, created: int, text: str, reason: str | None,
+                     usage_: dict | None = None, choices: bool = True) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]
+            if choices else [], **({"usage": usage_} if usage_ is not None else {})}
+
+
+def models_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model_id, created)]}
+
+
+def model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "dflash-export"}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def from_dflash_error(e: DFlashError) -> OpenAIError:
+    """A request the model refused (its message starts with the input it is about)."""
+    return OpenAIError(400, str(e), param=getattr(e, "field", None))

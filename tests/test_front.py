@@ -1,0 +1,289 @@
+"""The HTTP front (deploy/front.py) in-process, against a stand-in upstream that speaks Triton's generate protocol:
+framing, limits, deadlines, connection caps, cancellation, the OpenAI shapes. No tritonserver: these run in seconds
+(the same guarantees against the real server: tests/test_deploy_server.py, tests/test_openai_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dflash_export.deploy.front import CANCEL_PARAMETER, SECRET_HEADER, Front, Limits
+
+
+class Upstream:
+    """Answers generate with the prompt reversed; `hold_s` makes it wait (polling the cancel file) first."""
+
+    def __init__(self, cancel_dir: Path):
+        self.cancel_dir = cancel_dir
+        self.hold_s = 0.0
+        self.seen: list[dict] = []
+        self.cancelled: list[str] = []
+        up = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _hold(self, token):
+                end = time.monotonic() + up.hold_s
+                while time.monotonic() < end:
+                    if (up.cancel_dir / token).exists():
+                        up.cancelled.append(token)
+                        return True
+                    time.sleep(0.02)
+                return False
+
+            def do_POST(self):
+                assert self.headers.get(SECRET_HEADER)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                up.seen.append(body)
+                token = body.get(CANCEL_PARAMETER) or body.get("parameters", {}).get(CANCEL_PARAMETER)
+                if self._hold(token):
+                    return self._send(400, {"error": "cancelled: the client went away"})
+                text = (body.get("text_input") or json.dumps(body.get("messages")))[::-1][:body.get("max_tokens", 8)]
+                out = {"text_output": text, "finish_reason": "length", "completion_tokens": len(text),
+                       "prompt_tokens": 5, "accepted_tokens": 3, "drafted_tokens": 4, "acceptance_length": 2.0,
+                       "step_stats": json.dumps({"acceptance_lengths": [2, 2], "draft_s": 0.01, "verify_s": 0.02})}
+                if self.path.endswith("generate_stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for i, ch in enumerate(text):
+                        last = i == len(text) - 1
+                        ev = {**out, "text_output": ch, "finish_reason": "length" if last else "",
+                              "completion_tokens": i + 1, "step_stats": out["step_stats"] if last else ""}
+                        data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                self._send(200, out)
+
+            def do_GET(self):
+                self._send(200, {"name": "dflash"})
+
+            def _send(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.port = self.httpd.server_address[1]
+
+
+@pytest.fixture
+def front(tmp_path):
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    f = Front("127.0.0.1", 0, Limits(max_body_bytes=4096, max_connections=16, max_connections_per_client=16,
+                                     max_header_bytes=4096, max_url_bytes=1024, header_timeout_s=1.5,
+                                     body_timeout_s=1.5, request_timeout_s=3.0), cancel_dir=cancel,
+              model_id="tiny", models=("dflash", "dflash_stream"))
+    f.start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+    f.up = up
+    yield f
+    f.close()
+    up.httpd.shutdown()
+
+
+def raw(front, data: bytes, timeout: float = 5.0, read: bool = True) -> bytes:
+    with socket.create_connection(("127.0.0.1", front.port), timeout=timeout) as s:
+        s.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except socket.timeout:
+            pass
+        return out
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}Connection: close\r\n\r\n").encode() + body
+
+
+def status_of(resp: bytes) -> int:
+    return int(resp.split(b" ", 2)[1])
+
+
+def test_generate_and_openai_chat_through_the_front(front):
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc", "max_tokens": 3}'))
+    assert status_of(resp) == 200 and json.loads(resp.split(b"\r\n\r\n", 1)[1])["text_output"] == "cba"
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    resp = raw(front, post("/v1/chat/completions", body))
+    out = json.loads(resp.split(b"\r\n\r\n", 1)[1])
+    assert out["object"] == "chat.completion" and out["choices"][0]["message"]["role"] == "assistant"
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert front.up.seen[-1]["messages"] == '[{"role": "user", "content": "hi"}]'
+    metrics = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
+    assert "dflash_acceptance_length_count 4.0" in metrics and "dflash_steps_total 4.0" in metrics
+
+
+def test_openai_stream_ends_with_done_and_usage(front):
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 5, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    resp = raw(front, post("/v1/completions", body))
+    events = [ln[6:] for ln in resp.decode().split("\n") if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "olleh"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5 and chunks[-1]["choices"] == []
+    assert front.up.seen[-1]["apply_chat_template"] is False  # completions are raw text
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
+])
+def test_openai_refusals_name_the_field_in_openai_error_shape(front, body, status, param):
+    resp = raw(front, post("/v1/chat/completions", json.dumps(body).encode()))
+    assert status_of(resp) == status
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    # two different Content-Lengths
+    (b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}", 400),
+    # Content-Length with Transfer-Encoding
+    (b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n"
+     b"\r\n0\r\n\r\n", 400),
+    # a body on GET (a request hidden in it must never be answered)
+    (b"GET /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: 38\r\n\r\nGET /v2/models/dflash HTTP/1.1\r\n\r\n\r\n", 400),
+    (b"PUT /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405),
+    (b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    (b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 5000 + b"\r\n\r\n", 431),
+    (b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+    (post("/v2/models/dflash/generate", b'{"text_input": "' + b"x" * 5000 + b'"}'), 413),
+    (post("/v2/models/dflash/generate", b'{"id": "\\ud800", "text_input": "x"}'), 400),
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "max_tokens", "datatype": "INT64", "shape": [1], '
+                                     b'"data": [1.5]}]}'), 400),
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "seed", "datatype": "UINT64", "shape": [1], '
+                                     b'"data": [-1]}]}'), 400),
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "max_tokens", "datatype": "INT64", "shape": [1], '
+                                     b'"data": [9223372036854775808]}]}'), 400),
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "stop", "datatype": "BYTES", "shape": [1], '
+                                     b'"data": [5]}]}'), 400),
+    (post("/v2/models/dflash/generate", b'{"text_input": "x"}trailing',
+          "Inference-Header-Content-Length: 19\r\n"), 400),
+])
+def test_framing_and_typed_garbage_get_a_4xx_and_nothing_reaches_upstream(front, request_bytes, status):
+    resp = raw(front, request_bytes)
+    assert status_of(resp) == status, resp[:300]
+    assert resp.count(b"HTTP/1.1 ") == 1  # one answer: nothing smuggled in a body was served
+    assert front.up.seen == []
+
+
+def test_head_gets_headers_without_a_body(front):
+    resp = raw(front, b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert status_of(resp) == 200 and b"content-length: 17" in head.lower() and body == b""
+
+
+def test_a_trickle_of_slow_clients_cannot_hold_the_door(front):
+    # 16 connections (the front's whole cap) each send one byte of a request head and stall.
+    slow = [socket.create_connection(("127.0.0.1", front.port)) for _ in range(16)]
+    for s in slow:
+        s.sendall(b"G")
+    time.sleep(0.3)
+    t = time.monotonic()
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "ok"}'))
+    assert status_of(resp) == 200 and time.monotonic() - t < 2  # the oldest trickle made room
+    assert front.counts["evicted"] >= 1
+    time.sleep(1.8)  # past the 1.5 s head deadline: every trickle is answered 408 or dropped
+    for s in slow:
+        s.settimeout(1)
+        try:
+            got = s.recv(1000)
+        except OSError:
+            got = b""
+        assert got == b"" or got.startswith(b"HTTP/1.1 408")
+        s.close()
+
+
+def test_one_byte_after_the_request_does_not_defeat_cancellation(front):
+    front.up.hold_s = 5.0
+    s = socket.create_connection(("127.0.0.1", front.port))
+    s.sendall(post("/v2/models/dflash/generate", b'{"text_input": "slow"}').replace(b"Connection: close\r\n", b""))
+    time.sleep(0.3)
+    s.sendall(b"x")  # the start of a pipelined request, then the client leaves
+    time.sleep(0.1)
+    t = time.monotonic()
+    s.close()
+    while not front.up.cancelled and time.monotonic() - t < 3:
+        time.sleep(0.02)
+    assert front.up.cancelled and time.monotonic() - t < 1.0
+    assert front.counts["client_gone"] == 1
+    # The cancel file outlives the answer the front gave up on (the model reads it at its next step).
+    assert (Path(front.cancel_dir) / front.up.cancelled[0]).exists()
+
+
+def test_many_dropped_streams_are_all_cancelled(front):
+    front.up.hold_s = 5.0
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+    socks = []
+    for _ in range(12):
+        s = socket.create_connection(("127.0.0.1", front.port))
+        s.sendall(post("/v1/chat/completions", body))
+        socks.append(s)
+    t = time.monotonic()
+    while len(front.up.seen) < 12 and time.monotonic() - t < 4:  # every request reached the engine
+        time.sleep(0.05)
+    for s in socks:
+        s.close()
+    t = time.monotonic()
+    while len(front.up.cancelled) < 12 and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert len(front.up.cancelled) == 12 and front.counts["client_gone"] == 12
+
+
+def test_an_engine_that_does_not_answer_gets_504_and_is_cancelled(front):
+    front.up.hold_s = 6.0  # longer than the 3 s request timeout
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "x"}'), timeout=8)
+    assert status_of(resp) == 504 and b"request-timeout" in resp
+    t = time.monotonic()
+    while not front.up.cancelled and time.monotonic() - t < 2:
+        time.sleep(0.02)
+    assert front.up.cancelled
+
+
+def test_unhealthy_server_answers_503_with_retry_after(front):
+    front.health = lambda: "a model stub died (pid 1)"
+    for req in (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                post("/v2/models/dflash/generate", b'{"text_input": "x"}')):
+        resp = raw(front, req)
+        assert status_of(resp) == 503 and b"retry-after" in resp.lower() and b"stub died" in resp
+
+
+def test_cancel_files_are_owner_only(front):
+    token = front._begin()
+    front.cancel(token, "test")
+    assert (Path(front.cancel_dir) / token).stat().st_mode & 0o077 == 0
+    front._end(token)
+    assert os.listdir(front.cancel_dir) == [token]  # removed later (CANCEL_FILE_TTL_S)

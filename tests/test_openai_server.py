@@ -1,0 +1,177 @@
+"""`dflash-export serve --engine DIR` speaks the OpenAI API: the real `openai` Python client and curl against the
+real tritonserver behind the front, every answer compared with the same request run directly on the engine in this
+process (greedy: identical text). Also the stub-death, orphan and special-token guarantees of the served path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from deploy_support import (
+    ROOT,
+    direct,  # noqa: F401 - a fixture
+    engine_dir,  # noqa: F401 - a fixture
+    pids_mentioning,
+    post_json,
+    ready_line,
+    run_direct,
+)
+
+from dflash_export.deploy.server import free_loopback_ports as free_ports
+
+pytestmark = pytest.mark.server
+openai = pytest.importorskip("openai")
+
+MESSAGES = [[{"role": "user", "content": "Hello"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]]
+
+
+@pytest.fixture(scope="module")
+def served(engine_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    http, metrics = free_ports(2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--engine", str(engine_dir), "--port",
+                             str(http), "--metrics-port", str(metrics), "--max-batch", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    line = ready_line(proc, 180)
+    assert line.startswith("ready:"), line
+    url = f"http://127.0.0.1:{http}"
+    yield {"url": url, "proc": proc, "cache": cache,
+           "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+
+
+def direct_text(direct, messages=None, prompt=None, max_tokens=16):
+    if messages is not None:
+        return run_direct(direct, messages=json.dumps(messages).encode(), max_tokens=np.array([max_tokens])).text
+    return run_direct(direct, text_input=prompt.encode(), max_tokens=np.array([max_tokens]),
+                      apply_chat_template=np.array([False])).text
+
+
+def test_models_lists_the_recipe(served):
+    models = served["client"].models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen3"]
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+def test_chat_completion_equals_direct_engine(served, direct, messages):
+    r = served["client"].chat.completions.create(model="tiny-qwen3", messages=messages, max_tokens=16,
+                                                 temperature=0)
+    assert r.choices[0].message.content == direct_text(direct, messages)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+def test_streamed_chat_joins_to_direct_engine(served, direct, messages):
+    stream = served["client"].chat.completions.create(model="tiny-qwen3", messages=messages, max_tokens=16,
+                                                      stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == direct_text(direct, messages)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+def test_completion_is_raw_text_and_equals_direct(served, direct):
+    r = served["client"].completions.create(model="tiny-qwen3", prompt="1 2 3 4", max_tokens=12, temperature=0)
+    assert r.choices[0].text == direct_text(direct, prompt="1 2 3 4", max_tokens=12)
+    s = "".join(c.choices[0].text for c in served["client"].completions.create(
+        model="tiny-qwen3", prompt="1 2 3 4", max_tokens=12, stream=True) if c.choices)
+    assert s == r.choices[0].text
+
+
+def test_sampling_fields_reach_the_engine(served, direct):
+    kw = dict(model="tiny-qwen3", messages=MESSAGES[0], max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    a = served["client"].chat.completions.create(**kw, extra_body={"top_k": 5}).choices[0].message.content
+    b = served["client"].chat.completions.create(**kw, extra_body={"top_k": 5}).choices[0].message.content
+    want = run_direct(direct, messages=json.dumps(MESSAGES[0]).encode(), max_tokens=np.array([12]),
+                      temperature=np.array([0.8], np.float32), top_p=np.array([0.9], np.float32),
+                      seed=np.array([7], np.uint64), top_k=np.array([5])).text
+    assert a == b == want
+
+
+def test_unsupported_fields_are_400_naming_the_field(served):
+    c = served["client"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4", messages=MESSAGES[0])
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], max_tokens=10 ** 9)
+    assert "max_tokens" in str(e.value)
+
+
+def test_curl_streams_server_sent_events_ending_in_done(served):
+    body = json.dumps({"model": "tiny-qwen3", "messages": MESSAGES[0], "max_tokens": 8, "stream": True})
+    out = subprocess.run(["curl", "-sN", served["url"] + "/v1/chat/completions", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_health_and_metrics(served):
+    with urllib.request.urlopen(served["url"] + "/health", timeout=10) as r:
+        assert r.status == 200
+    served["client"].chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], max_tokens=8)
+    with urllib.request.urlopen(served["url"] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in ("dflash_acceptance_length_bucket", "dflash_tau", "dflash_draft_seconds_total",
+                 "dflash_verify_seconds_total", "dflash_tokens_per_second", "dflash_requests_in_flight",
+                 "dflash_batch_occupancy"):
+        assert name in text
+    count = [ln for ln in text.splitlines() if ln.startswith("dflash_steps_total")]
+    assert count and float(count[0].split()[-1]) > 0
+
+
+def test_repository_is_cached_and_relocatable(served, engine_dir):
+    repos = list((served["cache"] / "repos").iterdir())
+    assert len(repos) == 1
+    for cfg in repos[0].glob("*/config.pbtxt"):
+        assert str(ROOT) not in cfg.read_text() and "site-packages" not in cfg.read_text()
+
+
+def test_a_killed_model_stub_is_noticed_and_the_server_recovers(served):
+    """kill -9 of a stub (an out-of-memory kill): readiness goes false, the server restarts it, correct requests are
+    answered again within 20 s, and nothing of the dead server is left running."""
+    url = served["url"]
+    stubs = [p for p in pids_mentioning("triton_python_backend_stub")
+             if str(served["cache"]) in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    assert stubs
+    os.kill(stubs[0], signal.SIGKILL)
+    t = time.monotonic()
+    seen_unready = False
+    while time.monotonic() - t < 60:
+        status, _ = post_json(url + "/v1/chat/completions", {"model": "tiny-qwen3", "messages": MESSAGES[0],
+                                                              "max_tokens": 4}, timeout=30)
+        if status == 200 and seen_unready:
+            break
+        seen_unready |= status == 503
+        time.sleep(0.2)
+    assert seen_unready and status == 200 and time.monotonic() - t < 20
+    time.sleep(1)
+    assert stubs[0] not in pids_mentioning("triton_python_backend_stub")
+
+
+def test_local_isolation_shared_memory_is_owner_only_and_grpc_is_off(served):
+    """The python backend's IPC regions carry prompts and outputs: mode 0600. gRPC (no front, no size limit) is not
+    opened unless `serve --grpc`."""
+    triton = [p for p in pids_mentioning("--model-repository=")
+              if str(served["cache"]) in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    assert triton
+    cmd = open(f"/proc/{triton[0]}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    assert "--allow-grpc=false" in cmd
+    prefix = next(a.split("=", 1)[1] for a in cmd if "shm-region-prefix-name=" in a).split("=")[-1]
+    regions = [p for p in os.listdir("/dev/shm") if p.startswith(prefix)]
+    assert regions and all(os.stat(f"/dev/shm/{p}").st_mode & 0o077 == 0 for p in regions), regions
