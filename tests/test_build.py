@@ -389,3 +389,46 @@ def test_hf_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "some-model").mkdir(parents=True)
     assert resolve_source("org/some-model") == Path("org/some-model")
+
+
+def test_quantization_reports_its_progress_node_by_node(tmp_path):
+    """The quantizer's per-MatMul progress (done / total and the time left) reaches the build's status line, and its
+    own per-node log lines do not reach the terminal."""
+    import logging
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_export.engines import ort_build
+
+    rng = np.random.default_rng(0)
+    n, width = 5, 64
+    inits = [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), f"w{i}") for i in range(n)]
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i - 1}", f"w{i}"], [f"h{i}" if i < n - 1 else "y"],
+                              name=f"mm{i}") for i in range(n)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])], inits)
+    path = tmp_path / "g.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+                    save_as_external_data=True, location="g.onnx.data")
+    seen, records = [], []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    root = logging.getLogger()
+    catch = Catch(logging.INFO)
+    root.addHandler(catch)
+    ort_build.report_stages(lambda text, new=True: seen.append((text, new)))
+    try:
+        info = ort_build.quantize_graph(path, "int4")
+    finally:
+        ort_build.report_stages(None)
+        root.removeHandler(catch)
+    assert info["matmuls_quantized"] == info["matmuls_total"] == n
+    counts = [t for t, new in seen if not new]
+    assert [c.split(": ")[1].split(" MatMuls")[0] for c in counts] == [f"{k}/{n}" for k in range(1, n)]
+    assert all("s left" in c for c in counts)
+    assert not [r for r in records if "quantize" in r.getMessage()]

@@ -49,8 +49,9 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
     console = Console(stderr=True, highlight=False)
     t0 = time.monotonic()
     with console.status(f"building {r.name} ({backend})") as status:
-        def stage(text):
-            console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
+        def stage(text, new=True):
+            if new:
+                console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
             status.update(f"{text} ...")
 
         ort_build.report_stages(stage if console.is_terminal else None)
