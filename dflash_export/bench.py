@@ -26,7 +26,7 @@ from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
 from dflash_export.prompt_lookup import prompt_lookup_tau
-from dflash_export.recipes import load_recipe
+from dflash_export.recipes import Recipe, load_recipe
 from dflash_export.runtime import DFlashRuntime
 from dflash_export.sources import resolve_source
 from dflash_export.validate.suites import encode_prompt, load_suite
@@ -64,8 +64,15 @@ MODES = (*ENGINE_MODES, "hf", "reference")
 SPECULATIVE = [m for m in MODES if m not in ("ar", "hf")]
 
 
-def _worker(mode: str, recipe_name: str, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
-    recipe = load_recipe(recipe_name)
+def _job_recipe(recipe) -> dict:
+    """What a worker needs of the recipe, its pair already resolved (a pair from --target / --drafter has no YAML
+    file to reload)."""
+    return {"name": recipe.name, "target": recipe.target_path, "drafter": recipe.drafter_path, "dtype": recipe.dtype,
+            "block_size": recipe.block_size, "max_seq_len": recipe.max_seq_len}
+
+
+def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
+    recipe = Recipe(**recipe_fields)
     runs = []
     if mode in ENGINE_MODES:
         t0 = time.perf_counter()
@@ -162,7 +169,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         console.print(f"[bench] {mode}: {len(prompts)} prompts x {max_new} new tokens ...")
         with tempfile.TemporaryDirectory() as tmp:
             job = Path(tmp) / "job.json"
-            job.write_text(json.dumps({"mode": mode, "recipe": str(recipe.path), "engine": engine_dir,
+            job.write_text(json.dumps({"mode": mode, "recipe": _job_recipe(recipe), "engine": engine_dir,
                                        "prompts": prompts, "max_new": max_new}))
             proc = subprocess.run([sys.executable, "-m", "dflash_export.bench", str(job)], capture_output=True,
                                   text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -14,7 +14,7 @@ import sys
 import click
 
 from dflash_export import __version__
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat
+from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, recipe_options
 from dflash_export.demo import run_demo
 from dflash_export.errors import DFlashError
 from dflash_export.inspect_cmd import run_inspect
@@ -87,15 +87,17 @@ def inspect(drafter, target, as_json):
 
 
 @main.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@recipe_options
 @click.option("--prompt", default=None, type=UTF8_TEXT,
               help="Prompt text (chat template applied when the tokenizer has one).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
 @click.option("--seed", default=0, show_default=True, type=SEED)
-def reference(recipe, prompt, max_new_tokens, temperature, seed):
+def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
-    run_reference(recipe, prompt, max_new_tokens, temperature, seed)
+    from dflash_export.recipes import recipe_from_options
+
+    run_reference(recipe_from_options(recipe, target, drafter), prompt, max_new_tokens, temperature, seed)
 
 
 @main.command()

@@ -62,3 +62,20 @@ def decoding_options(command):
                          help="Drafted nodes per step at most (the cost model may verify fewer).")]):
         command = opt(command)
     return command
+
+
+def recipe_options(command):
+    """--recipe / --target / --drafter: a recipe, or a pair without writing YAML (dflash_export.recipes
+    .recipe_from_options turns the three into one Recipe)."""
+    for opt in reversed([
+            click.option("--recipe", default=None,
+                         help="Recipe name (recipes/NAME.yaml) or a YAML path; or give the pair with --target and "
+                              "--drafter."),
+            click.option("--target", "target", default=None,
+                         help="Target: HF directory, .gguf file, Hugging Face id in the local cache (Qwen/Qwen3-8B) "
+                              "or tiny:NAME/target; replaces the recipe's."),
+            click.option("--drafter", "drafter", default=None,
+                         help="DFlash drafter: directory, Hugging Face id in the local cache or tiny:NAME/drafter; "
+                              "replaces the recipe's.")]):
+        command = opt(command)
+    return command

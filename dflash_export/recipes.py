@@ -184,6 +184,8 @@ def load_recipe(name_or_path=None, target: str | None = None, drafter: str | Non
     the drafter (`build --target T --drafter D`: a pair without writing YAML)."""
     import yaml
 
+    if isinstance(name_or_path, Recipe) and not (target or drafter):
+        return name_or_path  # already made (by recipe_from_options)
     target, drafter = _cli_source(target), _cli_source(drafter)
     if name_or_path is None:
         if not (target and drafter):
@@ -199,6 +201,15 @@ def load_recipe(name_or_path=None, target: str | None = None, drafter: str | Non
     if drafter:
         recipe.drafter = drafter
     return recipe
+
+
+def recipe_from_options(recipe: str | None, target: str | None, drafter: str | None) -> Recipe:
+    """The recipe `--recipe` / `--target` / `--drafter` name (see load_recipe), its target and drafter resolved now:
+    every unset environment variable and every id absent from the Hugging Face cache is one error before any
+    work."""
+    r = load_recipe(recipe, target=target, drafter=drafter)
+    r.target_path, r.drafter_path  # noqa: B018 -- resolved for their errors
+    return r
 
 
 def _cli_source(value: str | None) -> str | None:

@@ -103,7 +103,8 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     """A worker's DFlashError travels to the parent whole (file and field); anything else becomes a short line."""
     import shutil
 
-    from dflash_export.bench import _worker_failure, _worker_main
+    from dflash_export.bench import _job_recipe, _worker_failure, _worker_main
+    from dflash_export.recipes import load_recipe
     from dflash_export.sources import resolve_source
 
     recipe, _, _, _ = built
@@ -117,7 +118,7 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     y.write_text(f"name: trunc\ntarget: {target}\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"
                  "chat_template: false\n")
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mode": "hf", "recipe": str(y), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
+    job.write_text(json.dumps({"mode": "hf", "recipe": _job_recipe(load_recipe(y)), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
     assert _worker_main(str(job)) == 2  # the worker process body, in-process
     err = _worker_failure("hf", 2, "some warning\n" + capsys.readouterr().err)
     msg = str(err)

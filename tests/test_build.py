@@ -196,3 +196,239 @@ def test_backend_table_agrees_with_the_manifest_and_recipe_contracts():
     assert set(registry.OPENERS) == {"onnxruntime", "tensorrt", "pytorch"}  # a TensorRT-LLM bundle is TRT-LLM's
     with pytest.raises(DFlashError, match=r"unknown backend 'pytorch' \(onnxruntime, tensorrt, tensorrt-llm\)"):
         registry.backend_builder("pytorch")  # the reference engine has nothing to build
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Any pair, any precision on the CPU backend: a bfloat16 recipe whose weights come from the Hugging Face cache
+
+# The keys of the published config.json files of Qwen/Qwen3-8B and z-lab/Qwen3-8B-DFlash-b16, with tiny sizes
+# (hidden 64, 6 target layers, vocabulary 256) so that the build runs in seconds; dtype, block size 16, rope base,
+# tied-embedding flag and sliding-window keys as published.
+STANDIN_TARGET = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 250,
+    "eos_token_id": 251, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 40960, "max_window_layers": 6, "model_type": "qwen3",
+    "num_attention_heads": 4, "num_hidden_layers": 6, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 256,
+}
+STANDIN_DRAFTER = {
+    "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0, "block_size": 16,
+    "bos_token_id": 250, "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 4]}, "dtype": "bfloat16",
+    "eos_token_id": 251, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 40960,
+    "max_window_layers": 2, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "num_target_layers": 6, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 256,
+}
+
+
+def _write_hf_cache(cache: Path, repo_id: str, src: Path) -> Path:
+    """Put the files of `src` into `cache` the way huggingface_hub lays a download out: blobs named by content hash,
+    snapshots/<commit>/ of symbolic links to them, refs/main naming the commit. Returns the snapshot."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    # an older snapshot that refs/main does not name: never the one taken
+    (repo / "snapshots" / ("0" * 40)).mkdir()
+    return snap
+
+
+@pytest.fixture()
+def qwen3_8b_standin(tmp_path, monkeypatch):
+    """Tiny stand-ins of Qwen/Qwen3-8B and z-lab/Qwen3-8B-DFlash-b16 in a Hugging Face cache the test writes
+    (bfloat16 weights, the published config keys); HF_HUB_CACHE points at it, the recipe's variables name the ids."""
+    import json
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_export.models.config import DrafterConfig
+    from dflash_export.models.drafter import DFlashDrafter, save_drafter
+
+    torch.manual_seed(0)
+    keys = {k: v for k, v in STANDIN_TARGET.items() if k not in ("architectures", "torch_dtype",
+                                                                 "transformers_version", "model_type")}
+    target = Qwen3ForCausalLM(Qwen3Config(**keys)).to(torch.bfloat16)
+    tdir = tmp_path / "src" / "target"
+    target.save_pretrained(str(tdir), safe_serialization=True)
+    (tdir / "config.json").write_text(json.dumps(STANDIN_TARGET, indent=2))
+    d = STANDIN_DRAFTER
+    drafter = DFlashDrafter(DrafterConfig(
+        hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d["head_dim"], intermediate_size=d["intermediate_size"], rms_norm_eps=d["rms_norm_eps"],
+        block_size=d["block_size"], mask_token_id=d["dflash_config"]["mask_token_id"],
+        target_layer_ids=d["dflash_config"]["target_layer_ids"], num_target_layers=d["num_target_layers"],
+        vocab_size=d["vocab_size"], target_hidden_size=d["hidden_size"], rope_theta=float(d["rope_theta"]),
+        max_position_embeddings=d["max_position_embeddings"]))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.1)
+    ddir = tmp_path / "src" / "drafter"
+    save_drafter(drafter.to(torch.bfloat16), ddir)
+    (ddir / "config.json").write_text(json.dumps(STANDIN_DRAFTER, indent=2))
+    cache = tmp_path / "hf-cache"
+    snaps = (_write_hf_cache(cache, "Qwen/Qwen3-8B", tdir), _write_hf_cache(cache, "z-lab/Qwen3-8B-DFlash-b16", ddir))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("QWEN3_8B", "Qwen/Qwen3-8B")
+    monkeypatch.setenv("QWEN3_8B_DFLASH", "z-lab/Qwen3-8B-DFlash-b16")
+    return snaps
+
+
+def test_bf16_recipe_builds_int4_on_onnxruntime_from_the_hf_cache(qwen3_8b_standin, tmp_path):
+    """`build --recipe qwen3-8b --precision int4`: the recipe asks bfloat16, its variables name Hugging Face ids, the
+    weights are in the Hugging Face cache; the engine is built with int4 weights and says so, and it is lossless against plain
+    decoding on itself."""
+    import json
+
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.runtime import DFlashRuntime
+
+    target_snap, drafter_snap = qwen3_8b_standin
+    r = _cli("build", "--recipe", "qwen3-8b", "--precision", "int4", "--out", str(tmp_path / "engines"))
+    assert r.exit_code == 0, r.output
+    edir = tmp_path / "engines" / "qwen3-8b" / "onnxruntime-int4"
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith(f"built {edir}") and "int4 weights" in line and "bfloat16" in line, line
+    m = json.loads((edir / "manifest.json").read_text())
+    assert m["precision"] == {"target": "int4", "drafter": "int4", "lm_head": "int4", "draft_head": "int4"}
+    assert m["dtypes"]["checkpoint"] == "bfloat16" and m["dtypes"]["activations"] == "float32"
+    assert m["block_size"] == 16 and m["target_layer_ids"] == [1, 4] and m["mask_token_id"] == 255
+    assert m["quantization"]["target"]["bits"] == 4
+    # the inputs are the snapshots refs/main names (symbolic links into blobs, as huggingface_hub writes them)
+    assert any(k.startswith(str(target_snap)) for k in m["inputs"])
+    assert any(k.startswith(str(drafter_snap)) for k in m["inputs"])
+    engine = load_engine(edir)
+    try:
+        rt = DFlashRuntime(engine)
+        ids = [5, 17, 99, 3, 42, 8]
+        sp = SamplingParams(max_new_tokens=24)
+        assert rt.generate(ids, sp, "dflash").tokens == rt.generate(ids, sp, "ar").tokens
+    finally:
+        engine.close()
+
+
+def test_pair_from_the_command_line_needs_no_recipe_file(qwen3_8b_standin, tmp_path):
+    """--target / --drafter with Hugging Face ids: the same pair builds without any YAML, named after the drafter;
+    the engine's target is the cached snapshot's (its logits match transformers' on the same weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target_snap, _ = qwen3_8b_standin
+    r = _cli("build", "--target", "Qwen/Qwen3-8B", "--drafter", "z-lab/Qwen3-8B-DFlash-b16", "--out",
+             str(tmp_path / "engines"))
+    assert r.exit_code == 0, r.output
+    edir = tmp_path / "engines" / "qwen3-8b-dflash-b16" / "onnxruntime"
+    assert "fp32 weights" in r.output.strip().splitlines()[-1]
+    engine = load_engine(edir)
+    try:
+        ids = [5, 17, 99, 3, 42, 8]
+        seq = engine.new_sequence(64)
+        logits = engine.prefill(seq, __import__("numpy").asarray(ids, "int64"))
+    finally:
+        engine.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(target_snap), dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].numpy()
+    assert abs(logits - want).max() < 1e-3
+
+
+def test_hf_id_missing_from_the_cache_is_one_line_saying_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    r = _cli("build", "--target", "Qwen/Qwen3-8B", "--drafter", "tiny:qwen3/drafter", "--out", str(tmp_path / "e"))
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert "`hf download Qwen/Qwen3-8B`" in r.output and str(tmp_path / "empty-cache") in r.output
+    assert not (tmp_path / "e").exists()
+
+
+def test_every_unset_variable_is_reported_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    for var in ("QWEN3_8B", "QWEN3_8B_DFLASH"):
+        monkeypatch.delenv(var, raising=False)
+    for cmd in (["build"], ["validate"], ["bench"], ["export", "--out", str(tmp_path / "x")], ["reference"]):
+        r = _cli(*cmd, "--recipe", "qwen3-8b")
+        assert r.exit_code == 2 and r.output.count("\n") == 1, (cmd, r.output)
+        assert "QWEN3_8B (target), QWEN3_8B_DFLASH (drafter) are not set" in r.output, r.output
+    # one of the two set: only the other is named
+    monkeypatch.setenv("QWEN3_8B", str(tmp_path))
+    r = _cli("build", "--recipe", "qwen3-8b")
+    assert "variable QWEN3_8B_DFLASH (drafter) is not set" in r.output and "QWEN3_8B (" not in r.output, r.output
+
+
+def test_hf_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):
+    from dflash_export.sources import hf_cache_dir, resolve_source
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hf_cache_dir() == tmp_path / "home" / "hub"
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    snap = _write_hf_cache(tmp_path / "home" / "hub", "org/some-model", src)
+    assert resolve_source("org/some-model") == snap
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hf_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "home" / "hub"))
+    assert resolve_source("org/some-model") == snap
+    # a relative path that exists is a path, not an id
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "some-model").mkdir(parents=True)
+    assert resolve_source("org/some-model") == Path("org/some-model")
+
+
+def test_quantization_reports_its_progress_node_by_node(tmp_path):
+    """The quantizer's per-MatMul progress (done / total and the time left) reaches the build's status line, and its
+    own per-node log lines do not reach the terminal."""
+    import logging
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from dflash_export.engines import ort_build
+
+    rng = np.random.default_rng(0)
+    n, width = 5, 64
+    inits = [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), f"w{i}") for i in range(n)]
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i - 1}", f"w{i}"], [f"h{i}" if i < n - 1 else "y"],
+                              name=f"mm{i}") for i in range(n)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])], inits)
+    path = tmp_path / "g.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+                    save_as_external_data=True, location="g.onnx.data")
+    seen, records = [], []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    root = logging.getLogger()
+    catch = Catch(logging.INFO)
+    root.addHandler(catch)
+    ort_build.report_stages(lambda text, new=True: seen.append((text, new)))
+    try:
+        info = ort_build.quantize_graph(path, "int4")
+    finally:
+        ort_build.report_stages(None)
+        root.removeHandler(catch)
+    assert info["matmuls_quantized"] == info["matmuls_total"] == n
+    counts = [t for t, new in seen if not new]
+    assert [c.split(": ")[1].split(" MatMuls")[0] for c in counts] == [f"{k}/{n}" for k in range(1, n)]
+    assert all("s left" in c for c in counts)
+    assert not [r for r in records if "quantize" in r.getMessage()]

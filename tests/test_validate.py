@@ -87,7 +87,9 @@ def recipe_path(trained_drafter_dir, tmp_path_factory) -> Path:
         "target: tiny:qwen3/target\n"
         f"drafter: {trained_drafter_dir}\n"
         "dtype: float32\nmax_seq_len: 256\nchat_template: false\nsuite: tiny-random\n"
+        # speed on a tiny model measures the machine's load, not DFlash: no floor (the floor's own tests set one)
         "thresholds:\n  min_identical_fraction: 1.0\n  min_tau: 3.0\n  min_distribution_p_value: 0.001\n"
+        "  min_speedup_vs_ar: 0.0\n"
     )
     return p
 
@@ -509,6 +511,73 @@ def test_failed_threshold_is_exit_1_and_names_the_check(recipe, reference, promp
     assert json.loads((tmp_path / "report.json").read_text())["passed"] is False  # evidence written before failing
 
 
+def _slow_drafter_engine(recipe, delay_s: float):
+    """The healthy engine with a drafter that takes `delay_s` longer per call: same tokens, DFlash slower than plain
+    decoding on the same engine (which never drafts)."""
+    import time as _time
+
+    from dflash_export.engines.torch_ref import TorchEngine
+
+    class SlowDraft(TorchEngine):
+        def draft(self, *a, **k):
+            _time.sleep(delay_s)
+            return super().draft(*a, **k)
+
+    return _engine(recipe, SlowDraft)
+
+
+def test_dflash_slower_than_plain_decoding_fails_unless_the_recipe_lowers_the_floor(recipe, reference, prompts,
+                                                                                     tmp_path):
+    import dataclasses
+
+    from dflash_export.validate.command import validate_engine
+    from dflash_export.validate.runner import ValidateOptions
+
+    from dflash_export.recipes import Thresholds
+
+    assert Thresholds().min_speedup_vs_ar == 1.0  # the default floor: never slower than plain decoding
+    recipe = dataclasses.replace(recipe, thresholds=dataclasses.replace(recipe.thresholds, min_speedup_vs_ar=1.0))
+    lines: list[str] = []
+    opts = ValidateOptions(max_new_tokens=MAX_NEW, temperature=0)
+    with pytest.raises(CheckFailed) as e:
+        validate_engine(recipe, _slow_drafter_engine(recipe, 0.05), reference, prompts[:2], opts,
+                        {"name": "tiny-random"}, {}, tmp_path / "a", echo=lines.append)
+    assert "speedup_vs_ar" in str(e.value)
+    row = next(ln for ln in lines if "speedup_vs_ar" in ln)
+    assert row.lstrip().startswith("FAIL") and "DFlash slower than plain decoding" in row, row
+    # identical outputs all the same: the speed alone failed
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert [t["name"] for t in rep["thresholds"] if not t["passed"]] == ["speedup_vs_ar"]
+    # a recipe that accepts it: passes, and the summary still says it is slower
+    lenient = dataclasses.replace(recipe, thresholds=dataclasses.replace(recipe.thresholds, min_speedup_vs_ar=0.0))
+    lines.clear()
+    validate_engine(lenient, _slow_drafter_engine(recipe, 0.05), reference, prompts[:2], opts,
+                    {"name": "tiny-random"}, {}, tmp_path / "b", echo=lines.append)
+    row = next(ln for ln in lines if "speedup_vs_ar" in ln)
+    assert row.lstrip().startswith("PASS") and "DFlash slower than plain decoding" in row, row
+
+
+def test_quick_defaults_and_full_flag(monkeypatch):
+    """Without options validate runs the first 10 prompts and 40 seeds (minutes on the default pair); --full the
+    whole suite and the 300 seeds of the power calculation; explicit options win over both; --target / --drafter
+    name a pair without a recipe file."""
+    from click.testing import CliRunner
+
+    import dflash_export.validate.cli as vcli
+    from dflash_export.cli import main
+
+    seen = []
+    monkeypatch.setattr(vcli, "run_validate", lambda recipe, engine, suite, n, max_new, t, report, samples, **kw:
+                        seen.append((recipe.name, n, samples, max_new)))
+    for args in (["--recipe", "tiny-qwen3"], ["--recipe", "tiny-qwen3", "--full"],
+                 ["--recipe", "tiny-qwen3", "--full", "--num-prompts", "3", "--dist-samples", "7"],
+                 ["--target", "tiny:qwen3/target", "--drafter", "tiny:qwen3/drafter"]):
+        r = CliRunner().invoke(main, ["validate", *args])
+        assert r.exit_code == 0, r.output
+    assert seen == [("tiny-qwen3", 10, 40, 64), ("tiny-qwen3", None, 300, 64), ("tiny-qwen3", 3, 7, 64),
+                    ("drafter", 10, 40, 64)]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The rules, alone
 
@@ -609,3 +678,21 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
     assert "own plain-decoding" in rep["distribution"]["test"] and rep["distribution"]["p_value"] >= 0.001
     assert rep["engine"]["manifest"]["precision"]["target"] == "int4"
     assert "vs the fp32 reference" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_default_engine_is_the_fp32_one_else_the_only_one_built(tmp_path, monkeypatch):
+    from dflash_export.validate.command import default_engine_dir
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "engines" / "some-pair"
+    with pytest.raises(DFlashError, match="no engine built"):
+        default_engine_dir("some-pair")
+    for name in ("onnxruntime-int4", "onnxruntime-int8", "onnxruntime"):
+        (root / name).mkdir(parents=True)
+        (root / name / "manifest.json").write_text("{}")
+        if name == "onnxruntime-int4":
+            assert default_engine_dir("some-pair") == Path("engines/some-pair/onnxruntime-int4").resolve()
+        elif name == "onnxruntime-int8":
+            with pytest.raises(DFlashError, match="onnxruntime-int4, onnxruntime-int8.*--engine"):
+                default_engine_dir("some-pair")
+    assert default_engine_dir("some-pair") == Path("engines/some-pair/onnxruntime").resolve()

@@ -7,12 +7,12 @@ import sys
 import click
 
 from dflash_export.bench import run_bench, run_concurrency_bench
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options
+from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options, recipe_options
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
-from dflash_export.recipes import load_recipe
+from dflash_export.recipes import recipe_from_options
 from dflash_export.runtime import DFlashRuntime, RunStats
 
 
@@ -45,12 +45,13 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
 
     from dflash_export.engines import ort_build
 
-    r = load_recipe(recipe, target=target, drafter=drafter)
+    r = recipe_from_options(recipe, target, drafter)
     console = Console(stderr=True, highlight=False)
     t0 = time.monotonic()
     with console.status(f"building {r.name} ({backend})") as status:
-        def stage(text):
-            console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
+        def stage(text, new=True):
+            if new:
+                console.log(f"[{time.monotonic() - t0:5.1f} s] {text}")
             status.update(f"{text} ...")
 
         ort_build.report_stages(stage if console.is_terminal else None)
@@ -69,7 +70,7 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
         if r.dtype != "float32":
             weights += f", from a {r.dtype} checkpoint"
         weights += "; "
-    Console(highlight=False).print(
+    Console(highlight=False, soft_wrap=True).print(  # one line, whatever the path length
         f"{'reused' if res.reused else 'built'} {res.engine_dir} "
         f"({weights}{'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
 
@@ -113,7 +114,7 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 
 
 @click.command()
-@click.option("--recipe", required=True)
+@recipe_options
 @click.option("--engine", "engine_dir", default=None, help="Default: engines/<recipe>/onnxruntime (built if absent).")
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
@@ -130,8 +131,10 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 @click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
               help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
                    "ratio is also printed pass by pass).")
-def bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency, reps):
+def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
+          reps):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    recipe = recipe_from_options(recipe, target, drafter)
     mode_list = [m.strip() for m in modes.split(",")]
     if concurrency is not None:
         try:

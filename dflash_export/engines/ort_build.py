@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +52,29 @@ def report_stages(fn) -> None:
     _stage_reporter = fn
 
 
-def _stage(text: str) -> None:
+def _stage(text: str, new: bool = True) -> None:
+    """Name a step to the reporter: `new` a step that starts, else the progress of the running one (the CLI updates
+    its status line without logging a line)."""
     if _stage_reporter is not None:
-        _stage_reporter(text)
+        _stage_reporter(text, new)
+
+
+class _QuantProgress(logging.Handler):
+    """Counts MatMulNBitsQuantizer's per-node records ("start to quantize NODE ...") into the running step's status:
+    nodes done of `total` and the time left at the rate so far (its nodes are alike within a graph)."""
+
+    def __init__(self, label: str, total: int):
+        super().__init__(logging.INFO)
+        self.label, self.total, self.done, self.t0 = label, total, 0, time.monotonic()
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if not msg.startswith("start to quantize ") or msg.startswith("start to quantize model"):
+            return
+        if self.done:
+            left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
+            _stage(f"{self.label}: {self.done}/{self.total} MatMuls, about {left:.0f} s left", new=False)
+        self.done += 1
 
 
 def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: int | None = None,
@@ -311,21 +333,25 @@ def quantize_graph(path: Path, precision: str) -> dict:
     except ImportError as e:
         raise MissingDependency(f"quantized engines need onnxruntime's quantization tools ({e.name}): "
                                 "pip install 'dflash-export[onnx]'", field="precision") from None
-    import logging
-
     bits, sym = QUANT_BITS[precision], QUANT_SYMMETRIC[precision]
     model = onnx.load(str(path))
     n_matmul = sum(n.op_type == "MatMul" for n in model.graph.node)
     config = DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=sym,
                                           accuracy_level=QUANT_ACCURACY_LEVEL, bits=bits)
     quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = quant_log.level
-    quant_log.setLevel(logging.WARNING)  # it logs one INFO line per node
+    level, propagate = quant_log.level, quant_log.propagate
+    # It logs one INFO record per node: counted for the progress line, kept off the terminal.
+    counter = _QuantProgress(f"quantizing {path.name} to {precision}", n_matmul)
+    quant_log.setLevel(logging.INFO)
+    quant_log.propagate = False
+    quant_log.addHandler(counter)
     try:
         quantizer = MatMulNBitsQuantizer(model, algo_config=config)
         quantizer.process()
     finally:
+        quant_log.removeHandler(counter)
         quant_log.setLevel(level)
+        quant_log.propagate = propagate
     out = quantizer.model.model
     n_quant = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
     data = path.with_name(path.name + ".data")

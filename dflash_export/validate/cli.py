@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from dflash_export.clitypes import FiniteFloat, decoding_options
+from dflash_export.clitypes import FiniteFloat, decoding_options, recipe_options
 from dflash_export.validate.command import run_validate
 
 
 @click.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@recipe_options
 @click.option("--engine", "engine_dir", default=None, type=click.Path(),
               help="Built engine directory [default: engines/<recipe>/onnxruntime].")
 @click.option("--suite", default=None,
@@ -34,7 +34,7 @@ from dflash_export.validate.command import run_validate
               help="Report directory [default: reports/validate/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @decoding_options
-def validate(recipe, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p, dist_samples,
+def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p, dist_samples,
              repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
@@ -44,7 +44,9 @@ def validate(recipe, engine_dir, suite, num_prompts, full, max_new_tokens, tempe
         num_prompts = 10
     if dist_samples is None:
         dist_samples = 300 if full else 40
-    run_validate(recipe, engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
+    from dflash_export.recipes import recipe_from_options
+
+    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
                  repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo,
                  decoding={k: v for k, v in (("proposer", proposer), ("tree_mode", tree_mode),
                                              ("tree_top_k", tree_top_k), ("tree_nodes", tree_nodes)) if v})

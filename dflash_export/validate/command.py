@@ -22,13 +22,38 @@ from dflash_export.validate.suites import encode_prompt, load_suite
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def reference_threads() -> int:
+    """Intra-op threads of the PyTorch reference: half the cores this process may use (at least one). Its OpenMP
+    workers spin-wait between ops, and on a shared machine a descheduled worker stalls every op: on the shared
+    2-core machine (load average ~3 from other jobs) SmolLM2-135M's reference decoded 32 tokens in 12.4 s with
+    torch's default 2 threads and in 2.9 s with one (spec_generate: 53.5 s and 5.4 s); `validate --recipe
+    smollm2-135m` with 8 prompts x 64 tokens and 60 seeds took 18 min 17 s before, 7 min 35 s after (load 4-7).
+    DFLASH_REFERENCE_THREADS overrides it."""
+    import os
+
+    if os.environ.get("DFLASH_REFERENCE_THREADS", "").isdigit():
+        return max(1, int(os.environ["DFLASH_REFERENCE_THREADS"]))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
 def default_engine_dir(recipe_name: str) -> Path:
-    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; DFlashError if neither."""
-    rel = Path("engines") / recipe_name / "onnxruntime"
-    for d in (Path.cwd() / rel, REPO_ROOT / rel):
-        if (d / "manifest.json").is_file():
-            return d
-    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel}: build it first with "
+    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; when only a quantized
+    engine was built (`onnxruntime-int4`, ...) that one; DFlashError if none, or if several and no fp32 one."""
+    rel = Path("engines") / recipe_name
+    for root in (Path.cwd() / rel, REPO_ROOT / rel):
+        if (root / "onnxruntime" / "manifest.json").is_file():
+            return root / "onnxruntime"
+        built = sorted(d for d in root.glob("onnxruntime-*") if (d / "manifest.json").is_file())
+        if len(built) == 1:
+            return built[0]
+        if built:
+            raise DFlashError(f"several engines built for recipe {recipe_name!r} ({', '.join(d.name for d in built)}"
+                              f" under {root}): pass one with --engine DIR", field="--engine")
+    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel / 'onnxruntime'}: build it first with "
                       f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
                       field="--engine")
 
@@ -67,7 +92,11 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
         check_fits(engine, prompts, encoded, max_new_tokens, path)
-        reference = Reference.from_recipe(recipe)
+        import torch
+
+        torch.set_num_threads(reference_threads())
+        # An ONNX Runtime engine computes in fp32 whatever dtype the recipe asks of GPU backends: its reference too.
+        reference = Reference.from_recipe(recipe, "float32" if engine.info.backend == "onnxruntime" else None)
         opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
                                repeats=repeats, top_k=top_k, top_p=top_p, decoding=decoding or {})
         return validate_engine(recipe, engine, reference, encoded, opts, {"name": suite or recipe.suite,

@@ -52,13 +52,14 @@ class Reference:
     block_size: int | None = None
 
     @classmethod
-    def from_recipe(cls, recipe) -> Reference:
+    def from_recipe(cls, recipe, dtype: str | None = None) -> Reference:
+        """`dtype`: default the recipe's."""
         import torch
 
         from dflash_export.checkpoint import load_drafter
         from dflash_export.models import load_target
 
-        dtype = getattr(torch, recipe.dtype)
+        dtype = getattr(torch, dtype or recipe.dtype)
         return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.block_size)
 
     def next_token_logits(self, ids: list[int]) -> np.ndarray:
