@@ -182,7 +182,6 @@ def load_recipe(name_or_path=None, target: str | None = None, drafter: str | Non
     """`smollm2-135m` (from recipes/) or a path to a YAML file; `target` / `drafter` (a path, a Hugging Face id in
     the local cache, tiny:, pkg:) replace the recipe's. Without a recipe, both make one with the defaults, named after
     the drafter (`build --target T --drafter D`: a pair without writing YAML)."""
-    import yaml
 
     if isinstance(name_or_path, Recipe) and not (target or drafter):
         return name_or_path  # already made (by recipe_from_options)

@@ -60,8 +60,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_JSON_DEPTH = 32
 DISCARD_MAX = 64 << 20  # an over-limit body up to this size is read and dropped before the 413
 PENDING_MAX = 64 << 10  # bytes a client may send ahead while its request runs (pipelining); more closes it after
-WRITE_TIMEOUT_S = 60.0
-CANCEL_FILE_TTL_S = 60.0  # how long a cancel file outlives its request's answer (the model may still be mid-step)  # a client that does not read its answer for this long is dropped
+WRITE_TIMEOUT_S = 60.0  # a client that does not read its answer for this long is dropped
+CANCEL_FILE_TTL_S = 60.0  # how long a cancel file outlives its request's answer (the model may still be mid-step)
 SECRET_HEADER = "dflash-front"
 CANCEL_PARAMETER = "dflash_cancel"   # request parameter carrying the cancel token to the model
 CANCEL_DIR_ENV = "DFLASH_CANCEL_DIR"  # where the model looks for cancel files (set in the server's environment)
@@ -149,8 +149,9 @@ def _check_surrogates(obj, what: str) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise Refused(400, f"{(path or what)[:80]}: lone surrogate \\u{ord(v[e.start]):04x} at character {e.start} "
-                                   "(not valid Unicode text)") from None
+                where = (path or what)[:80]
+                raise Refused(400, f"{where}: lone surrogate \\u{ord(v[e.start]):04x} at character {e.start} (not "
+                                   "valid Unicode text)") from None
         elif isinstance(v, dict):
             for k, x in v.items():
                 stack.append((k, path or what))

@@ -390,8 +390,8 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
         for d in shape:
             n *= d
         if n > MAX_INFER_ELEMENTS or (dims != (-1,) and n != 1):
-            raise DFlashError(f"shape {shape}: this input takes {'one value' if dims != (-1,) else f'at most {MAX_INFER_ELEMENTS} values'}",
-                              field=name)
+            takes = "one value" if dims != (-1,) else f"at most {MAX_INFER_ELEMENTS} values"
+            raise DFlashError(f"shape {shape}: this input takes {takes}", field=name)
         tp = t.get("parameters", {})
         if not isinstance(tp, dict):
             raise DFlashError("parameters: expected a JSON object", field=name)

@@ -297,7 +297,7 @@ class TritonServer:
             f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={self.front.secret}",
             # gRPC has no front: off unless asked for; then loopback only, and everything but inference and health
             # (shared-memory registration above all) behind the same per-start secret.
-            *([f"--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            *(["--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--grpc-restricted-protocol=shared-memory,model-repository,statistics,trace,logging,model-config:"
                f"{SECRET_HEADER}={self.front.secret}"] if self.grpc else ["--allow-grpc=false"]),
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
@@ -462,8 +462,8 @@ class TritonServer:
             return "tritonserver is not running"
         dead = sorted(p for p in self._stubs if not _running(p))
         if dead:
-            self.stub_death = (f"a model stub died (pid {dead[0]}{f' and {len(dead) - 1} more' if len(dead) > 1 else ''}"
-                               "; the server restarts)")
+            more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
+            self.stub_death = f"a model stub died (pid {dead[0]}{more}; the server restarts)"
             return self.stub_death
         if _state(self.proc.pid) == "T":
             return "tritonserver is stopped (SIGSTOP)"

@@ -225,7 +225,8 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         engine.row_floor = hit.row_floor
         return hit
     same_host = bool(recorded) and recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
-        and recorded.get("cpu", {}).get("isa") == cpu["isa"] and recorded.get("onnxruntime") == onnxruntime.__version__ \
+        and recorded.get("cpu", {}).get("isa") == cpu["isa"] \
+        and recorded.get("onnxruntime") == onnxruntime.__version__ \
         and recorded.get("threads") == threads and recorded.get("max_rows") == top
     rows = [r for r in {1, 2, 3, first, bs - 1, bs, bs + 1, top} if 1 <= r <= top] if same_host else None
     order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, bs) + 1) if f != first]

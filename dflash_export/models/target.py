@@ -1,4 +1,4 @@
-"""Targets (Qwen3ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM) through transformers, with DFlash's layer taps and a croppable cache.
+"""Targets (Qwen3, LLaMA, Qwen3-MoE, gpt-oss) through transformers, with DFlash's layer taps and a croppable cache.
 
 Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output*, which is HF `hidden_states[id + 1]`
 (index 0 is the embedding output). Getting this wrong silently lowers acceptance, so it lives in exactly one place:

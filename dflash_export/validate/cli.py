@@ -34,8 +34,8 @@ from dflash_export.validate.command import run_validate
               help="Report directory [default: reports/validate/<recipe>/<backend>].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @decoding_options
-def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p, dist_samples,
-             repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
+def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p,
+             dist_samples, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
     Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
@@ -46,7 +46,8 @@ def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_
         dist_samples = 300 if full else 40
     from dflash_export.recipes import recipe_from_options
 
-    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens, temperature, report_dir, dist_samples,
-                 repeats=repeats, top_k=top_k, top_p=top_p, show_progress=not no_progress, echo=click.echo,
+    run_validate(recipe_from_options(recipe, target, drafter), engine_dir, suite, num_prompts, max_new_tokens,
+                 temperature, report_dir, dist_samples, repeats=repeats, top_k=top_k, top_p=top_p,
+                 show_progress=not no_progress, echo=click.echo,
                  decoding={k: v for k, v in (("proposer", proposer), ("tree_mode", tree_mode),
                                              ("tree_top_k", tree_top_k), ("tree_nodes", tree_nodes)) if v})
