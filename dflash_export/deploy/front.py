@@ -189,7 +189,6 @@ class _Conn:
         self.pending = bytearray()  # bytes the client sent while its request ran
         self.overflow = False
         self.head = bytearray()     # the bytes of the head being read (to tell 414 from 431)
-        self.task: asyncio.Task | None = None
         self.watcher: asyncio.Task | None = None
         self.evicted = False
 
@@ -328,9 +327,6 @@ class Front:
         with self._lock:
             return len(self._in_flight)
 
-    def connections(self) -> int:
-        return len(self._conns)
-
     def drain(self, timeout_s: float, grace_s: float = 10.0) -> bool:
         """Stop taking requests (503) and wait up to `timeout_s` for those in flight. True if all finished; else
         cancel the rest (their clients get 503 "shutting down", or an error event on a stream), wait up to `grace_s`
@@ -444,7 +440,6 @@ class Front:
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(self, reader, writer)
-        conn.task = asyncio.current_task()
         if not self._admit(conn):
             await conn.send_raw(503, f"too many connections busy with requests (the front's limit is "
                                      f"{self.limits.max_connections}, {self.limits.max_connections_per_client} per "
@@ -655,13 +650,15 @@ class Front:
         return None
 
     def _check_serving(self) -> None:
-        if self.draining:
-            raise Refused(503, "the server is shutting down", close=True)
-        if self.upstream_port is None:
-            raise Refused(503, "tritonserver is (re)starting; retry shortly")
-        why = self.health() if self.health is not None else None
+        why = self._not_ready()
         if why is not None:
-            raise Refused(503, f"{why}; retry shortly")
+            raise Refused(503, why if self.draining else f"{why}; retry shortly", close=self.draining)
+
+    def _refuse_if_drained(self, token: str | None) -> None:
+        """503 "shutting down" for a request the drain cancelled (its client gets that, not the engine's error)."""
+        why = self._why(token)
+        if why is not None and "shutting down" in why:
+            raise Refused(503, f"cancelled: {why}", close=True)
 
     async def _reply(self, conn: _Conn, status: int, body: bytes, ctype: str, head_only: bool = False) -> int:
         await conn.send(*_answer(status, body, ctype=ctype, head_only=head_only))
@@ -760,9 +757,7 @@ class Front:
         if streaming:
             return await self._relay_stream(conn, resp, token)
         payload = await self._read_upstream(conn, resp, token)
-        why = self._why(token)
-        if why is not None and "shutting down" in why:
-            raise Refused(503, f"cancelled: {why}", close=True)
+        self._refuse_if_drained(token)
         if resp.status_code != 200 and self.health is not None and (sick := self.health()):
             raise Refused(503, f"{sick}; retry shortly")
         if generation and resp.status_code == 200:
@@ -817,17 +812,16 @@ class Front:
         """generate_stream, relayed event by event (re-framed: the front's own chunked encoding)."""
         if resp.status_code != 200:
             payload = await self._read_upstream(conn, resp, token)
-            why = self._why(token)
-            if why is not None and "shutting down" in why:  # cancelled while queued, by the drain
-                raise Refused(503, f"cancelled: {why}", close=True)
+            self._refuse_if_drained(token)  # cancelled while queued, by the drain
             await conn.send(*_answer(resp.status_code, payload, ctype=resp.headers.get("content-type",
                                                                                        "application/json")))
             return resp.status_code
         await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                ("Cache-Control", "no-cache")]))
         async for ev in self._upstream_events(conn, resp, token):
-            if "error" in ev and self._why(token) and "shutting down" in self._why(token):
-                ev = {"error": f"cancelled: {self._why(token)}"}
+            why = self._why(token) if "error" in ev else None
+            if why is not None and "shutting down" in why:
+                ev = {"error": f"cancelled: {why}"}
             await conn.send(h11.Data(data=oa.sse(ev)))
             if ev.get("finish_reason"):
                 self._observe(ev)
@@ -868,9 +862,7 @@ class Front:
             self._end(token)
 
     def _answer_of(self, status: int, payload: bytes, token: str | None) -> dict:
-        why = self._why(token)
-        if why is not None and "shutting down" in why:
-            raise Refused(503, f"cancelled: {why}", close=True)
+        self._refuse_if_drained(token)
         try:
             obj = json.loads(payload)
         except ValueError:
