@@ -29,11 +29,11 @@ from dflash_export.runtime.single import DFlashRuntime, RunStats
                    "worth their verification cost; same output).")
 @decoding_options
 def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks, proposer,
-        tree_mode, tree_top_k, tree_nodes):
+        tree_mode, tree_top_k, tree_nodes, sampling):
     """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
     engine = load_engine(engine_dir)
     rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
-                       tree_top_k=tree_top_k, tree_nodes=tree_nodes)
+                       tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     stats = RunStats()
     for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
