@@ -17,7 +17,7 @@ from dflash_export.decoding.acceptance import Walk
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
 from dflash_export.decoding.tree import TreeState, chain
-from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
 
 
@@ -96,6 +96,32 @@ class _Emitter:
         return StepEvent(out, accept, reason is not None, reason)
 
 
+def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
+    """The one check of a request against an engine (single stream and batching alike): a DFlashError naming the
+    request field otherwise."""
+    if len(prompt_ids) == 0:
+        raise DFlashError("empty prompt", field="text_input")
+    sp.check()
+    # Room for the prompt, the new tokens and one speculative block beyond them.
+    need = len(prompt_ids) + sp.max_new_tokens + info.block_size
+    if need > info.max_seq_len:
+        raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
+                          f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
+                          field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
+                          else "text_input")
+    if any(not 0 <= int(t) < info.vocab_size for t in prompt_ids):
+        raise DFlashError("token id outside the vocabulary", field="input_ids")
+
+
+def engine_costs(engine: Engine, verify_token_cost: float | None = None, draft_cost: float | None = None
+                 ) -> tuple[float, float]:
+    """(verify_token_cost, draft_cost) in plain steps: the caller's, else the engine's own measured costs when it
+    records them (quantized engines), else the fp32 ONNX Runtime engine's (benchmarks/engine_costs.py)."""
+    info = engine.info
+    return (verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07,
+            draft_cost or getattr(info, "draft_cost", None) or 0.3)
+
+
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
     on the same engine (the fair baseline).
@@ -139,10 +165,7 @@ class DFlashRuntime:
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
         self.adaptive = adaptive
-        # The engine's own measured costs when it records them (quantized engines), else the fp32 engine's.
-        info = engine.info
-        self.verify_token_cost = verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07
-        self.draft_cost = draft_cost or getattr(info, "draft_cost", None) or 0.3
+        self.verify_token_cost, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
         self.max_skip = max_skip
 
     def walks(self, sp: SamplingParams) -> bool:
@@ -164,19 +187,7 @@ class DFlashRuntime:
         return f"{self.proposer} ({tree}, {self.tree_mode}" + (", sampled: walked" if sampled else "") + ")"
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
-        info = self.engine.info
-        if len(prompt_ids) == 0:
-            raise DFlashError("empty prompt", field="text_input")
-        sp.check()
-        # Room for the prompt, the new tokens and one speculative block beyond them.
-        need = len(prompt_ids) + sp.max_new_tokens + info.block_size
-        if need > info.max_seq_len:
-            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
-                              f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
-                              field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
-                              else "text_input")
-        if any(not 0 <= int(t) < info.vocab_size for t in prompt_ids):
-            raise DFlashError("token id outside the vocabulary", field="input_ids")
+        check_request(self.engine.info, prompt_ids, sp)
 
     def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None
                ) -> Iterator[StepEvent]:
