@@ -153,3 +153,20 @@ def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
     d = next(r for r in rep["levels"] if r["mode"] == "dflash")
     assert len(d["pass_ratios_vs_ar"]) == 2 and all(x > 0 for x in d["pass_ratios_vs_ar"])
     assert d["identical_runs"] == [True, True]
+
+
+def test_bench_samples_with_the_same_seeds_in_every_mode(built):
+    """bench --temperature / --top-k / --top-p: sampled DFlash (the walk, chain and tree+lookup) emits what plain
+    sampled decoding on the same engine emits for every prompt, alone and under continuous batching."""
+    from dflash_export.bench.concurrency import run_concurrency
+    from dflash_export.bench.suite import run_bench
+
+    recipe, out, _, _ = built
+    sampling = {"temperature": 0.7, "top_k": 20, "top_p": 0.95}
+    report = run_bench(str(recipe.path), str(out), None, 2, 12, ["dflash", "tree+lookup", "ar"], None, sampling)
+    assert report["sampling"] == sampling
+    for mode in ("dflash", "tree+lookup"):
+        assert report["summary"][mode]["identical_to_ar"] == "2/2", mode
+    rep = run_concurrency(str(out), PROMPTS, 12, [1, 3], ["dflash", "ar"], threads=1, sampling=sampling)
+    assert [r["identical_to_plain"] for r in rep["levels"] if r["mode"] == "dflash"] == ["5/5", "5/5"]
+    assert rep["divergences"] == [] and all(r["identical_to_alone"] == "5/5" for r in rep["levels"])

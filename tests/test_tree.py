@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 import pytest
 
+from dflash_export.decoding.options import PROPOSERS
 from dflash_export.decoding.prompt_lookup import lookup_branches
 from dflash_export.decoding.tree import DraftTree, LookupStats, build_tree, chain, greedy_accept
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.onnxruntime import tree_inputs
-from dflash_export.decoding.options import PROPOSERS
 from dflash_export.runtime.single import DFlashRuntime
 
 

@@ -29,7 +29,8 @@ class Proposer:
         return self.drafter and not self.lookups and self.top_k == 1
 
     def propose(self, anchor: int, draft_logprobs: np.ndarray | None, branches: Sequence[Sequence[int]], *,
-                max_nodes: int, min_score: float = 0.0, lookup_scores: Callable[[int], float] | None = None) -> DraftTree:
+                max_nodes: int, min_score: float = 0.0, lookup_scores: Callable[[int], float] | None = None
+                ) -> DraftTree:
         """The step's draft tree under `anchor`: the drafter's slots (logits or log-probabilities [D, V], None when
         it did not run this step) and the lookup `branches` this proposer uses, nodes scoring >= `min_score`, at most
         `max_nodes` (decoding/tree.build_tree)."""

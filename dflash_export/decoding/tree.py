@@ -29,6 +29,7 @@ import numpy as np
 
 from dflash_export.decoding.prompt_lookup import ContextIndex
 
+
 @dataclass
 class DraftTree:
     """tokens[0] is the root (anchor); parents[0] = -1; parents[i] < i; depths[i] = depths[parents[i]] + 1."""

@@ -344,7 +344,6 @@ class BatchingRuntime:
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs, a.spine, a.spine_scores = 0, None, None, None, None
-            sp = a.req.sp
             if a.req.mode != "dflash":
                 continue
             if a.argmax_drafts and not self.drafter:  # lookups only (_propose_lookups)
