@@ -240,9 +240,8 @@ class TreeState:
         self._skipped = 0
 
     def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float) -> bool:
-        """Whether to run the drafter this step: always without a lookup branch; with one (and for sampled walks,
-        which pass True), while the drafter's running gain (tokens) is worth its cost at the current decoding rate
-        (`rate` tokens per plain-step cost)."""
+        """Whether to run the drafter this step: always without a lookup branch; with one, while the drafter's
+        running gain (tokens) is worth its cost at the current decoding rate (`rate` tokens per plain-step cost)."""
         if not have_lookup or self.drafter_gain >= rate * draft_cost:
             return True
         self._skipped += 1

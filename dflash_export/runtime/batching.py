@@ -441,7 +441,7 @@ class BatchingRuntime:
             a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
         a.req.stats.drafted_tokens += a.n_draft
         self.rows_verified += a.n_draft
-        if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off (greedy)
+        if a.argmax_drafts and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
             a.misses = a.misses + 1 if accept == 0 else 0
             a.skip = min(self.max_skip, (1 << a.misses) - 1)
         return accept, emitted

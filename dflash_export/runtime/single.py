@@ -212,9 +212,7 @@ class DFlashRuntime:
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
         walk = self.walks(sp)
-        # Back-off after fruitless drafts suits greedy decoding, whose misses come in runs (hard stretches of text);
-        # a walk's misses are the draws' own chance, so there the drafter runs while its running gain pays.
-        backoff = sp.greedy and self.adaptive and eng.accumulates_context
+        backoff = (sp.greedy or walk) and self.adaptive and eng.accumulates_context
         # Greedy trees and lookups, and every sampled step that walks (the chain too): one tree step each.
         trees = mode == "dflash" and not self.full_last_block and (
             walk or (sp.greedy and not self.proposal.chain_only))
@@ -312,7 +310,7 @@ class DFlashRuntime:
         lookups = state.context.branches(min(max_rows - 1, owed)) if proposal.lookups and owed > 0 else []
         logprobs, drafted, drafts = None, False, None
         if proposal.drafter and depth > 0 and not skip_drafter and (
-                not self.adaptive or state.drafter_pays(bool(lookups) or rng is not None, rate, self.draft_cost)):
+                not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
             seq.draft_logits = None
             # The drafter's argmax / top-K, never a draw: a walked proposal must not look at the request's stream.
             drafts, _ = eng.draft(seq, last, sp if sp.greedy else GREEDY, None, block_len=depth + 1)
@@ -351,8 +349,7 @@ class DFlashRuntime:
         if stats is not None:
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
-        # A walk weighs the drafter by its running gain (drafter_pays above) whether or not a lookup came with it.
-        state.record(tree, path, checked, drafted, bool(lookups) or rng is not None)
+        state.record(tree, path, checked, drafted, bool(lookups))
         return accept, emitted, len(checked) - 1, drafted
 
     def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:
