@@ -47,7 +47,7 @@ import numpy as np
 from dflash_export.decoding.acceptance import walk_accept
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, top_probability, verify_block, verify_length
-from dflash_export.decoding.tree import DraftTree, TreeState, chain
+from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
@@ -135,6 +135,10 @@ class BatchingRuntime:
         self.lookups, self.drafter = proposal.lookups, proposal.drafter
         # A sequence's lookups merge with its drafter's block as a chain: one path per sequence is verified.
         self.spine_proposal = type(proposal)(1)
+        # Lookup nodes are scored by the batch's lookup acceptance per depth, learned from every sequence's steps:
+        # a request's own counts start from an optimistic prior, which at high load (a high bar per row) would pay
+        # padded rows for lookups this text does not accept until each request had learned it alone.
+        self.lookup_stats = LookupStats(2 * self.info.block_size)
         self.adaptive = adaptive
         self.a, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
         self.max_skip = max_skip
@@ -393,7 +397,7 @@ class BatchingRuntime:
             if logits is not None and a.walk:
                 logits = logits / np.float32(a.req.sp.temperature)
             tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
-                                               lookup_scores=a.state.lookups.score)
+                                               lookup_scores=self.lookup_stats.score)
             spine = tree.best_chain()
             if len(spine) < 2:
                 continue
@@ -439,6 +443,7 @@ class BatchingRuntime:
         if a.spine is not None:
             tree, spine, drafted = a.spine
             a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
+            self.lookup_stats.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]))
         a.req.stats.drafted_tokens += a.n_draft
         self.rows_verified += a.n_draft
         if a.argmax_drafts and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
