@@ -1,5 +1,5 @@
 """The CLI's error contract, whatever the stage: click's own usage errors, unreadable paths and broken targets are one
-`error:` line with exit 2, and an unexpected exception is one line with exit 1 and its traceback kept in a file."""
+`error:` line with exit 2, and an unexpected exception is one line with exit 3 and its traceback kept in a file."""
 
 import json
 import os
@@ -118,14 +118,14 @@ def test_an_unwritable_path_is_one_line_naming_it(tmp_path):
     assert str(blocker) in line
 
 
-def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monkeypatch):
+def test_an_unexpected_exception_is_one_line_exit_3_with_the_traceback_kept(monkeypatch):
     import dflash_export.cli as cli
 
     def boom(*a, **k):
         raise ValueError("a bug\nover two lines")
 
     monkeypatch.setattr(cli, "run_reference", boom)
-    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=1)
+    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=3)
     assert "internal error, ValueError: a bug over two lines" in line
     log = line.split("traceback in ")[1].split(";")[0]
     with open(log) as f:

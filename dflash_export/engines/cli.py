@@ -7,22 +7,25 @@ import sys
 import click
 
 from dflash_export.bench import run_bench, run_concurrency_bench
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, decoding_options, recipe_options
+from dflash_export.clitypes import (
+    MAX_NEW_TOKENS,
+    SEED,
+    UTF8_TEXT,
+    FiniteFloat,
+    decoding_options,
+    engine_option,
+    recipe_options,
+)
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
-from dflash_export.recipes import recipe_from_options
+from dflash_export.recipes import load_recipe, recipe_from_options
 from dflash_export.runtime import DFlashRuntime, RunStats
 
 
 @click.command()
-@click.option("--recipe", default=None, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
-@click.option("--target", default=None,
-              help="The target instead of the recipe's: an HF directory, a .gguf file or a Hugging Face id in the "
-                   "local cache (Qwen/Qwen3-8B). With --drafter and no --recipe: a pair without writing YAML.")
-@click.option("--drafter", default=None, help="The drafter instead of the recipe's (a z-lab checkpoint directory or a "
-                                             "Hugging Face id in the local cache).")
+@recipe_options
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")
@@ -76,9 +79,12 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
 
 
 @click.command()
-@click.option("--engine", "engine_dir", required=True, help="A built engine directory.")
+@engine_option("A built engine directory [default with --recipe: engines/<recipe>/onnxruntime].")
+@click.option("--recipe", default=None, metavar="NAME",
+              help="Run this recipe's engine (engines/<recipe>/onnxruntime, or its one quantized build) instead of "
+                   "giving --engine.")
 @click.argument("prompt", type=UTF8_TEXT)
-@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
@@ -89,9 +95,19 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
               help="Verify every drafted token (default, greedy: only the drafts the drafter's confidence says are "
                    "worth their verification cost; same output).")
 @decoding_options
-def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks, proposer,
-        tree_mode, tree_top_k, tree_nodes):
-    """Generate for PROMPT with a built engine, streaming; prints τ and tok/s at the end."""
+def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks,
+        proposer, tree_mode, tree_top_k, tree_nodes):
+    """Generate for PROMPT with a built engine, streaming; prints τ (tokens per target pass) and tok/s at the end.
+
+    The engine: --engine DIR, or --recipe NAME for the one `build --recipe NAME` wrote."""
+    if engine_dir is None and recipe is None:
+        raise DFlashError("give --engine DIR (a built engine) or --recipe NAME (its built engine)", field="--engine")
+    if engine_dir is None:
+        from dflash_export.validate.command import default_engine_dir
+
+        engine_dir = default_engine_dir(load_recipe(recipe).name)
+    elif recipe is not None:
+        raise DFlashError("give --engine DIR or --recipe NAME, not both", field="--recipe")
     engine = load_engine(engine_dir)
     rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
                        tree_top_k=tree_top_k, tree_nodes=tree_nodes)
@@ -115,10 +131,10 @@ def run(engine_dir, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar,
 
 @click.command()
 @recipe_options
-@click.option("--engine", "engine_dir", default=None, help="Default: engines/<recipe>/onnxruntime (built if absent).")
+@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime, built if absent].")
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
-@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
               help="Comma list of: dflash (engine, its recipe's decoding), dflash-full (engine, chain, every draft "
                    "verified), chain / tree / lookup / tree+lookup / tree+lookup-full (engine, that proposer; -full: "
