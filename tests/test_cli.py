@@ -133,7 +133,8 @@ def test_inspect_takes_a_recipe_or_a_drafter_and_its_target():
     assert json.loads(by_recipe.output) == json.loads(by_pair.output) == json.loads(by_options.output)
     assert json.loads(by_recipe.output)["ok"] is True
     r = _run("inspect")
-    assert r.exit_code == 2 and r.output.strip() == "error: --recipe: give --recipe NAME, or DRAFTER and --target TARGET"
+    assert r.exit_code == 2
+    assert r.output.strip() == "error: --recipe: give --recipe NAME, or DRAFTER and --target TARGET"
 
 
 def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
@@ -145,6 +146,12 @@ def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
                      "hello there")
     assert by_recipe.exit_code == 0 and by_engine.exit_code == 0, by_recipe.output + by_engine.output
     assert by_recipe.stdout == by_engine.stdout and by_recipe.stdout.strip()
+    # every τ says what it counted: the drafter's chain (tiny-qwen3's recipe drafts chains), cut by cost or not
+    assert "tokens per target pass (drafter chain; adaptive: drafts verified while they pay)" in by_recipe.stderr
+    r = _run("run", "--recipe", "tiny-qwen3", "--max-new-tokens", "12", "--full-blocks", "--proposer", "tree+lookup",
+             "hello there")
+    assert "tokens per target pass (tree+lookup; every draft verified)" in r.stderr, r.stderr
+    assert r.stdout == by_recipe.stdout  # greedy: the same tokens whatever is drafted
     r = _run("run", "hi")
     assert r.exit_code == 2 and "give --engine DIR (a built engine) or --recipe NAME" in r.output
     os.rename("engines", "elsewhere")

@@ -120,7 +120,8 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
     drafted = (f", {stats.drafted_tokens / max(1, len(stats.acceptance_lengths)):.1f} drafts verified/step"
                if not ar else "")
     mode = "AR" if ar else f"DFlash {rt.describe(temperature)}"
-    click.echo(f"[{mode}] {len(stats.tokens)} tokens, tau {stats.tau:.2f}{drafted}, "
+    tau = "" if ar else f", τ {stats.tau:.2f} tokens per target pass ({rt.tau_counts(temperature)})"
+    click.echo(f"[{mode}] {len(stats.tokens)} tokens{tau}{drafted}, "
                f"{stats.tokens_per_s:.1f} tok/s, TTFT {stats.ttft_s * 1000:.0f} ms, finish: {stats.finish_reason}",
                err=True)
     if not ar and getattr(engine, "numerics", None) is not None:

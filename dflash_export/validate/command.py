@@ -173,6 +173,8 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
     files = write_report(report, out)
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
+    echo(f"  tau: tokens per target pass ({report.greedy.get('tau_counts', '?')}); greedy, "
+         f"{report.greedy['prompts']} prompt(s) x {report.options['max_new_tokens']} tokens")
     echo(f"report: {files['md']}")
     if report.failures:
         parts = [f"{t['name']} {t['value']:.4g} < {t['threshold']:.4g}" + (f" ({t['note']})" if t["note"] else "")

@@ -62,7 +62,9 @@ def render_markdown(report: ValidationReport) -> str:
         f"| identical to reference AR | {g['identical_fraction']:.0%} | {g['engine_ar_identical_fraction']:.0%} | "
         f"{g['reference_spec_identical_fraction']:.0%} | 100% |",
         "",
-        f"τ {a['tau']:.2f} (online {a['tau_online']:.2f}) over {a['steps']} steps; prompt lookup would reach τ "
+        f"τ {a['tau']:.2f} tokens per target pass ({g.get('tau_counts', '?')}; greedy; online {a['tau_online']:.2f}: "
+        f"judged against the reference's own next tokens) over {a['steps']} steps of {g['prompts']} prompts; "
+        "prompt lookup would reach τ "
         f"{a.get('tau_prompt_lookup', 1.0):.2f} on the same output tokens (yardstick, full blocks). "
         "A DFlash step costs "
         f"{cm['draft_ms']:.2f} ms draft ({cm.get('drafts_per_step', 1.0):.2f} drafts per step) + "

@@ -377,6 +377,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     key = "own_ar_identical" if quantized else "identical"
     report.greedy = _greedy_summary(rows, key, quantized)
     report.greedy["proposer"] = runtime.describe()
+    report.greedy["tau_counts"] = runtime.tau_counts()
     numerics = getattr(engine, "numerics", None)  # ONNX Runtime engines probe their kernels on this CPU at load
     if numerics is not None:
         report.greedy["numerics"] = {**numerics.to_json(), "statement": numerics.statement}
