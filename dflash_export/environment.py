@@ -37,7 +37,7 @@ LIBRARIES = (
     Library("tokenizers", "tokenizers", _extra("runtime"), "run, bench, validate, serve"),
     Library("scipy", "scipy", _extra("validate"), "validate (the G-test)"),
     Library("matplotlib", "matplotlib", _extra("validate"), "validate (the report's plots)"),
-    Library("psutil", "psutil", _extra("validate"), "validate (memory figures)"),
+    Library("psutil", "psutil", _extra("validate"), "benchmarks/soak.py (memory figures)"),
     Library("h11", "h11", _extra("serve"), "serve (the HTTP front)"),
     Library("httpx", "httpx", _extra("serve"), "serve (the HTTP front)"),
     Library("prometheus_client", "prometheus-client", _extra("serve"), "serve (/metrics)"),
