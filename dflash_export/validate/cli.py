@@ -37,7 +37,9 @@ def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_
              dist_samples, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
-    Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
+    Exit 0 when every recipe threshold holds, 1 when one fails (after the report is written), 2 on bad input or a
+    missing library (before any work), 3 on a bug. Fewer than 10 prompts or 300 seeds: a warning says what the run
+    cannot detect.
     """
     if num_prompts is None and not full:
         num_prompts = 10
