@@ -49,7 +49,7 @@ LIBRARIES = (
     Library("tritonclient", "tritonclient", _extra("triton-client"), "benchmarks/triton_bench.py"),
     Library("triton", "triton", _extra("kernels"), "build --backend tensorrt (the plugins' kernels)"),
     Library("tensorrt", "tensorrt", _extra("tensorrt"), "build / run --backend tensorrt (NVIDIA GPU)"),
-    Library("tensorrt_llm", "tensorrt-llm", "NVIDIA's index (docs/gpu.md)", "build --backend tensorrt-llm (GPU)"),
+    Library("tensorrt_llm", "tensorrt-llm", "from NVIDIA's index (docs/gpu.md)", "build --backend tensorrt-llm (GPU)"),
 )
 _BY_MODULE = {lib.module: lib for lib in LIBRARIES}
 
