@@ -14,12 +14,9 @@ import sys
 import click
 
 from dflash_export import __version__
-from dflash_export.clitypes import MAX_NEW_TOKENS, SEED, UTF8_TEXT, FiniteFloat, recipe_options
-from dflash_export.demo import run_demo
+from dflash_export.clitypes import recipe_options
 from dflash_export.environment import install_hint
 from dflash_export.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_INTERNAL, DFlashError
-from dflash_export.inspect_cmd import run_inspect
-from dflash_export.reference_cmd import run_reference
 
 
 def _one_line(text: str) -> str:
@@ -77,7 +74,7 @@ class _Group(click.Group):
 
 
 # The command list: each command's summary (what `dflash-export --help` lists, never cut) and one example (the end of
-# its own --help). tests/test_cli_consistency.py parses every example with the command it belongs to.
+# its own --help). tests/test_cli.py parses every example with the command it belongs to.
 COMMANDS = {
     "inspect": ("Lint a drafter against its target (exit 2 on any error).",
                 "dflash-export inspect --recipe smollm2-135m"),
@@ -139,6 +136,7 @@ def inspect(drafter_arg, recipe, target, drafter, as_json):
     """Lint a drafter checkpoint against its target and print a summary (exit 2 on any error).
 
     The pair: --recipe NAME, or DRAFTER (a checkpoint directory) with --target, or --target and --drafter."""
+    from dflash_export.models.cli import run_inspect
     from dflash_export.recipes import recipe_from_options
 
     if drafter_arg and drafter:
@@ -147,30 +145,6 @@ def inspect(drafter_arg, recipe, target, drafter, as_json):
         raise DFlashError("give --recipe NAME, or DRAFTER and --target TARGET", field="--recipe")
     r = recipe_from_options(recipe, target, drafter or drafter_arg)
     sys.exit(run_inspect(r.drafter_path, r.target_path, as_json))
-
-
-@main.command()
-@recipe_options
-@click.option("--prompt", default=None, type=UTF8_TEXT,
-              help="Prompt text (chat template applied when the tokenizer has one).")
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
-@click.option("--seed", default=0, show_default=True, type=SEED)
-def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
-    """Run the PyTorch reference (DFlash and plain decoding) on a recipe's pair and compare them."""
-    from dflash_export.recipes import recipe_from_options
-
-    run_reference(recipe_from_options(recipe, target, drafter), prompt, max_new_tokens, temperature, seed)
-
-
-@main.command()
-@click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
-@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
-def demo(recipe, prompt, max_new_tokens):
-    """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
-    with DFlash and with plain decoding on the same engine."""
-    run_demo(recipe, prompt, max_new_tokens)
 
 
 @main.command()
@@ -236,11 +210,13 @@ def _register_optional(name: str, module: str, attr: str) -> None:
 
 
 for _name, _module, _attr in [
+    ("reference", "dflash_export.runtime.cli", "reference"),
+    ("demo", "dflash_export.runtime.cli", "demo"),
     ("train", "dflash_export.train.cli", "train"),
     ("export", "dflash_export.export.cli", "export"),
     ("build", "dflash_export.engines.cli", "build"),
-    ("run", "dflash_export.engines.cli", "run"),
-    ("bench", "dflash_export.engines.cli", "bench"),
+    ("run", "dflash_export.runtime.cli", "run"),
+    ("bench", "dflash_export.bench.cli", "bench"),
     ("validate", "dflash_export.validate.cli", "validate"),
     ("deploy", "dflash_export.deploy.cli", "deploy"),
     ("serve", "dflash_export.deploy.cli", "serve"),

@@ -122,7 +122,7 @@ def test_env_reports_backends_cpu_flags_and_the_gpu(tmp_path, monkeypatch):
 
 
 def test_inspect_takes_a_recipe_or_a_drafter_and_its_target():
-    from dflash_export.sources import resolve_source
+    from dflash_export.models.sources import resolve_source
 
     by_recipe = _run("inspect", "--recipe", "tiny-qwen3", "--json")
     by_pair = _run("inspect", resolve_source("tiny:qwen3/drafter"), "--target", resolve_source("tiny:qwen3/target"),

@@ -11,19 +11,17 @@ import sys
 from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.build import default_engine_dir
 from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.environment import install_hint
 from dflash_export.errors import CheckFailed, DFlashError, MissingDependency
 from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate.report import summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite
-
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-
 
 def reference_threads() -> int:
     """Intra-op threads of the PyTorch reference: half the cores this process may use (at least one). Its OpenMP
@@ -41,24 +39,6 @@ def reference_threads() -> int:
     except AttributeError:
         cores = os.cpu_count() or 1
     return max(1, cores // 2)
-
-
-def default_engine_dir(recipe_name: str) -> Path:
-    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; when only a quantized
-    engine was built (`onnxruntime-int4`, ...) that one; DFlashError if none, or if several and no fp32 one."""
-    rel = Path("engines") / recipe_name
-    for root in (Path.cwd() / rel, REPO_ROOT / rel):
-        if (root / "onnxruntime" / "manifest.json").is_file():
-            return root / "onnxruntime"
-        built = sorted(d for d in root.glob("onnxruntime-*") if (d / "manifest.json").is_file())
-        if len(built) == 1:
-            return built[0]
-        if built:
-            raise DFlashError(f"several engines built for recipe {recipe_name!r} ({', '.join(d.name for d in built)}"
-                              f" under {root}): pass one with --engine DIR", field="--engine")
-    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel / 'onnxruntime'}: build it first with "
-                      f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
-                      field="--engine")
 
 
 def open_engine(engine_dir: Path, recipe):
