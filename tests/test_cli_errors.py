@@ -266,8 +266,8 @@ def test_a_missing_engine_names_the_build_that_writes_it_and_a_damaged_one_the_s
     # a quantized engine's directory and another output root: the hint carries both
     other = tmp_path / "out" / "tiny-llama" / "onnxruntime-int8"
     line = _one_error_line(_run("run", "--engine", other, "hi"))
-    assert f"`dflash-export build --recipe tiny-llama --backend onnxruntime --precision int8 --out {tmp_path / 'out'}`" \
-        in line
+    out = tmp_path / "out"
+    assert f"`dflash-export build --recipe tiny-llama --backend onnxruntime --precision int8 --out {out}`" in line
     # a path of no build's shape: how to build one
     line = _one_error_line(_run("run", "--engine", tmp_path / "nowhere", "hi"))
     assert "build one with `dflash-export build --recipe NAME` (it writes engines/NAME/onnxruntime)" in line
