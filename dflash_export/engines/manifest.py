@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
+from dflash_export.recipes import BACKENDS, RECIPES_DIR
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -389,21 +391,66 @@ def read_manifest(engine_dir, verify_files: bool = True) -> Manifest:
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if not engine_dir.is_dir():
-        raise DFlashError("engine directory not found" if not engine_dir.exists() else "not a directory",
-                          path=engine_dir)
+        raise DFlashError(("engine directory not found" if not engine_dir.exists() else "not a directory") +
+                          f"; {build_hint(engine_dir)}", path=engine_dir)
     if not path.is_file():
-        raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
+        raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none); "
+                          f"{build_hint(engine_dir)}", path=engine_dir)
     manifest = validate_manifest(read_json_object(path), path)
     if verify_files:
         check_no_unlisted_files(engine_dir, manifest.files)
         for rel, digest in manifest.files.items():
             f = engine_dir / rel
             if not f.is_file():
-                raise DFlashError("file listed in the manifest is missing", path=f, field="files")
+                raise DFlashError(f"file listed in the manifest is missing; rebuild the engine with "
+                                  f"`{build_command(engine_dir, manifest)} --force`", path=f, field="files")
             if sha256_file(f) != digest:
-                raise DFlashError("file does not match its manifest hash (modified or truncated)", path=f,
-                                  field="files")
+                raise DFlashError(f"file does not match its manifest hash (modified or truncated); rebuild the "
+                                  f"engine with `{build_command(engine_dir, manifest)} --force`", path=f, field="files")
     return manifest
+
+
+def build_command(engine_dir: Path, manifest: Manifest) -> str:
+    """The `dflash-export build` line that writes `engine_dir` again: its recipe (by name when recipes/ has it,
+    else the recipe file the build read), backend, precisions and output root (engine_dir = OUT/<recipe>/<dir>)."""
+    recipe = manifest.recipe or engine_dir.parent.name
+    if manifest.recipe_path and not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        recipe = manifest.recipe_path
+    parts = ["dflash-export build --recipe", _shell_word(recipe), "--backend", manifest.backend]
+    p = manifest.precision or {}
+    if p.get("target", "fp32") != "fp32":
+        parts += ["--precision", p["target"]]
+    if p.get("drafter", p.get("target", "fp32")) != p.get("target", "fp32"):
+        parts += ["--drafter-precision", p["drafter"]]
+    if p and (p.get("lm_head"), p.get("draft_head")) != (p.get("target"), p.get("drafter")):
+        parts.append("--fp32-heads")
+    out = engine_dir.resolve().parent.parent
+    if out != (Path.cwd() / "engines").resolve():
+        parts += ["--out", _shell_word(str(out))]
+    return " ".join(parts)
+
+
+def build_hint(engine_dir: Path) -> str:
+    """What to run when no engine is at `engine_dir`: the build line when the path has the shape a build writes
+    (OUT/<recipe>/<backend>[-<precision>]) for a recipe in recipes/, else how to build one."""
+    engine_dir = Path(engine_dir)
+    recipe, leaf = engine_dir.parent.name, engine_dir.name
+    backend = next((b for b in sorted(BACKENDS, key=len, reverse=True) if leaf == b or leaf.startswith(b + "-")),
+                   None)
+    if backend is None or not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        return "build one with `dflash-export build --recipe NAME` (it writes engines/NAME/onnxruntime)"
+    parts = ["dflash-export build --recipe", recipe, "--backend", backend]
+    precision = leaf[len(backend) + 1:].split("-")[0] if leaf != backend else ""
+    if precision in ("int8", "int4"):
+        parts += ["--precision", precision]
+    out = engine_dir.absolute().parent.parent
+    if out != (Path.cwd() / "engines").absolute():
+        parts += ["--out", _shell_word(str(engine_dir.parent.parent))]
+    return f"build it with `{' '.join(parts)}`"
+
+
+def _shell_word(s: str) -> str:
+    return shlex.quote(s)
 
 
 def check_engine_recipe(engine_dir: Path, recipe):
