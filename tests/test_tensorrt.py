@@ -141,7 +141,8 @@ def test_profiles_name_every_dynamic_dim_or_fail_clearly():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_plugin_kernels_compile_ahead_of_time_to_ptx():
     """What aot_impl hands TensorRT: PTX for sm_90 of both entry points, compiled here without a GPU (in a fresh
-    process: the test process may run triton in interpreter mode)."""
+    process: the test process may run triton in interpreter mode), whose .entry declares exactly the parameters
+    TensorRT passes (Triton's trailing scratch pointers removed)."""
     code = textwrap.dedent("""
         from triton.backends.compiler import GPUTarget
         from dflash_export.engines.tensorrt import compile_attention_aot, compile_verify_aot
@@ -150,8 +151,14 @@ def test_plugin_kernels_compile_ahead_of_time_to_ptx():
                    compile_attention_aot("float32", 0.25, 16, 32, target),
                    compile_verify_aot("float32", 0.0, 16, target=target),
                    compile_verify_aot("bfloat16", 0.7, 16, target=target)]
+        from dflash_export.engines.tensorrt_ptx import parse_entry
+        # what TensorRT passes: 5 input pointers, 5 int32 extra args, 1 output pointer / 4 + 2 + 3
+        want = {"kv_injected_block_attention_aot_kernel": [64] * 5 + [32] * 5 + [64],
+                "fused_verify_aot_kernel": [64] * 4 + [32] * 2 + [64] * 3}
         for k in kernels:
-            assert ".entry " + k.name in k.ptx and k.num_warps > 0, k.name
+            assert k.num_warps > 0, k.name
+            assert [p.bits for p in parse_entry(k.ptx, k.name).params] == want[k.name], k.name
+            assert k.params == len(want[k.name])
         print("ok", [k.name for k in kernels])
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -272,7 +279,7 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
 
     def fake_compile(fn, signature, constexprs, target=None):
         compiled.append((fn.__name__ if hasattr(fn, "__name__") else str(fn), signature, constexprs))
-        return trt_backend.AotKernel("k", ".entry k", 4, 1024)
+        return trt_backend.AotKernel("k", ".entry k", 4, 1024, len(signature))
 
     monkeypatch.setattr(trt_plugins, "_compile", fake_compile)
     return registry, trtp, compiled

@@ -344,6 +344,162 @@ def _plugin_checks(trt, np, registry, report) -> None:
             assert fn is not None and fn.__module__ == P.__name__, f"{op}: {attr} is {fn!r}, not this package's"
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The AOT launch: what TensorRT passes the kernel, against the kernel's PTX .entry
+
+AOT_ARCH = 90  # the PTX each lane's aot_impl compiles (Triton needs a target without a GPU)
+
+
+def _dim_class(trt):
+    """The class of the dimension expressions a stand-in expression builder hands out: a value and whether it is a
+    build-time constant. It passes tensorrt.plugin's `isinstance(x, trt.IDimensionExpr)` checks (through
+    `__class__`), so NVIDIA's shape-expression code wraps it as it wraps the runtime's own."""
+
+    class Dim:
+        def __init__(self, value: int, constant: bool):
+            self.value, self.constant = int(value), bool(constant)
+
+        @property
+        def __class__(self):
+            return trt.IDimensionExpr
+
+        def is_constant(self):
+            return self.constant
+
+        def get_constant_value(self):
+            assert self.constant, "a dynamic dimension was read as a build-time constant"
+            return self.value
+
+    return Dim
+
+
+def _expr_builder(trt, Dim):
+    """Stands in for TensorRT's IExprBuilder: constants, and the dimension operations tensorrt.plugin builds
+    (evaluated on the profile's values; constant when both operands are)."""
+    ops = {trt.DimensionOperation.SUM: lambda a, b: a + b, trt.DimensionOperation.SUB: lambda a, b: a - b,
+           trt.DimensionOperation.PROD: lambda a, b: a * b, trt.DimensionOperation.FLOOR_DIV: lambda a, b: a // b,
+           trt.DimensionOperation.CEIL_DIV: lambda a, b: -(-a // b), trt.DimensionOperation.MAX: max,
+           trt.DimensionOperation.MIN: min, trt.DimensionOperation.EQUAL: lambda a, b: int(a == b),
+           trt.DimensionOperation.LESS: lambda a, b: int(a < b)}
+
+    class Builder:
+        def constant(self, value):
+            return Dim(value, True)
+
+        def operation(self, op, a, b):
+            return Dim(ops[op](a.value, b.value), a.constant and b.constant)
+
+    return Builder()
+
+
+class _Recorder:
+    """Stands in for what TensorRT hands get_launch_params to fill: the launch dimensions and the extra-argument
+    list (`nbSymExprs`, then one entry per argument)."""
+
+    def __init__(self):
+        self.nbSymExprs = 0
+        self.items = {}
+
+    def __setitem__(self, i, value):
+        self.items[i] = value
+
+
+_ARG_BITS = {"INT32": 32, "INT16": 16, "INT8": 8}
+
+
+def aot_launch(trt, np, creator, op, attrs, in_types, dims, tactic) -> dict:
+    """Drive NVIDIA's AOT plugin object the way TensorRT's builder does for one plugin layer: create it (strict
+    AOT), get_output_data_types, get_output_shapes over symbolic input dimensions, set_tactic, get_launch_params
+    (which calls this package's aot_impl, compiling the Triton kernel for sm_90), get_kernel. Returns what TensorRT
+    would launch: the kernel name and PTX, the width of every argument it passes (one 64-bit pointer per input, the
+    extra arguments at the widths NVIDIA's SymExprImpl declares, one pointer per output), the extra arguments' and
+    launch dimensions' values.
+
+    `dims`: per input, a list of (value, build-time constant). The runtime library's expression builder and the
+    C++ side of ISymExpr / DimsExprs are not in the stand-in: Python objects take their place (see _dim_class,
+    _expr_builder, _Recorder), and SymExprImpl's `expr` (a C++ pointer field) is kept as a Python attribute."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    trtp = sys.modules["tensorrt.plugin"]
+    tensor_mod = sys.modules[type(trtp.SymInt32(1)).__module__]
+    Dim = _dim_class(trt)
+    builder = _expr_builder(trt, Dim)
+
+    class LaneSymExpr(tensor_mod.SymExprImpl):
+        # Python attributes here: the C++ fields are write-only, and `expr` takes a capsule of a runtime expression
+        type = dtype = expr = None
+
+    saved = (tensor_mod.SymExprImpl, trt.DimsExprs)
+    tensor_mod.SymExprImpl, trt.DimsExprs = LaneSymExpr, (lambda n: [None] * n)
+    try:
+        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                       trt.QuickPluginCreationRequest.STRICT_AOT)
+        out_types = list(plugin.get_output_data_types(in_types, [len(d) for d in dims]))
+        out_exprs = plugin.get_output_shapes([[Dim(v, c) for v, c in d] for d in dims], [], builder)
+        out_dims = [[(e.value, e.constant) for e in exprs] for exprs in out_exprs]
+        in_out = [_dyn_desc(trt, t, [v for v, _ in d]) for t, d in zip(in_types, dims)] + \
+                 [_dyn_desc(trt, t, [v for v, _ in d]) for t, d in zip(out_types, out_dims)]
+        plugin.set_tactic(tactic)
+        launch, args = _Recorder(), _Recorder()
+        plugin.get_launch_params(None, in_out, len(in_types), launch, args, builder)
+        name, ptx = plugin.get_kernel([d.desc for d in in_out[:len(in_types)]],
+                                      [d.desc for d in in_out[len(in_types):]])
+    finally:
+        tensor_mod.SymExprImpl, trt.DimsExprs = saved
+    extra = [args.items[i] for i in range(args.nbSymExprs)]
+    assert all(a.type == trt.PluginArgType.INT for a in extra), f"{op}: a non-integer extra argument"
+    widths = [64] * len(in_types) + [_ARG_BITS[a.dtype.name] for a in extra] + [64] * len(out_types)
+    return {"kernel": name.decode() if isinstance(name, bytes) else name,
+            "ptx": ptx.decode() if isinstance(ptx, bytes) else ptx, "widths": widths,
+            "extra": [a.expr.value for a in extra], "output_dims": [[v for v, _ in d] for d in out_dims],
+            "launch": {k: getattr(launch, k).expr.value for k in ("grid_x", "grid_y", "grid_z", "block_x",
+                                                                  "shared_mem")}}
+
+
+def _aot_abi_checks(trt, np, registry, report) -> None:
+    """For both plugins, each float type and (attention) each tactic: the PTX .entry TensorRT gets declares exactly
+    the arguments TensorRT passes, in count and width; the extra arguments and launch grid are the intended ones."""
+    from dflash_export.engines import tensorrt_plugins as P
+    from dflash_export.engines.tensorrt_ptx import parse_entry
+    from triton.backends.compiler import GPUTarget
+
+    compile_ = P._compile
+    P._compile = lambda fn, sig, cx, target=None: compile_(fn, sig, cx, target or GPUTarget("cuda", AOT_ARCH, 32))
+    try:
+        # B = 1 and S / T dynamic (profile values 16 / 40), heads and head_dim build-time constants
+        attention_dims = [[(1, False), (4, True), (16, False), (32, True)]] + \
+                         [[(1, False), (2, True), (40, False), (32, True)]] * 2 + \
+                         [[(1, False), (2, True), (16, False), (32, True)]] * 2
+        verify_dims = [[(1, False), (16, False), (64, True)], [(1, False), (15, False)], [(1, False), (1, True),
+                                                                                             (1, True)],
+                       [(1, False), (15, False)]]
+        cases = []
+        for dname in ("float32", "float16", "bfloat16"):
+            f = getattr(trt, dname)
+            for tactic in sorted(P.ATTENTION_TACTICS):
+                cases.append((P.KV_ATTENTION, {"num_heads": 4, "num_kv_heads": 2, "scale": 0.125}, [f] * 5,
+                              attention_dims, tactic, dname))
+            cases.append((P.FUSED_VERIFY, {"temperature": 0.0 if dname == "float32" else 0.7},
+                          [f, trt.int64, trt.float32, trt.float32], verify_dims, 0, dname))
+        for op, attrs, types, dims, tactic, dname in cases:
+            creator = registry.get_creator(op, P.PLUGIN_VERSION, P.PLUGIN_NAMESPACE)
+            got = aot_launch(trt, np, creator, op, attrs, types, dims, tactic)
+            declared = [p.bits for p in parse_entry(got["ptx"], got["kernel"]).params]
+            key = f"{op}/{dname}/tactic{tactic}"
+            assert declared == got["widths"], f"{key}: .entry declares {declared}, TensorRT passes {got['widths']}"
+            if op == P.KV_ATTENTION:
+                assert got["extra"] == [4, 2, 16, 40, 32], f"{key}: extra args {got['extra']} != H, KVH, S, T, D"
+                assert got["launch"]["grid_x"] == 4 and got["launch"]["grid_y"] == 1, f"{key}: {got['launch']}"
+                assert got["output_dims"] == [[1, 4, 16, 32]], f"{key}: output dims {got['output_dims']}"
+            else:
+                assert got["extra"] == [16, 64], f"{key}: extra args {got['extra']} != BS, V"
+                assert got["launch"]["grid_x"] == 1, f"{key}: {got['launch']}"
+                assert got["output_dims"] == [[1], [1, 16], [1]], f"{key}: output dims {got['output_dims']}"
+            report["aot_abi"][key] = {"params": len(declared), "extra": got["extra"], "launch": got["launch"]}
+    finally:
+        P._compile = compile_
+
+
 def _without_refusal(trt, np, registry) -> str:
     """What the refused pair does when the version check is skipped: the error NVIDIA's code raises."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -369,7 +525,7 @@ def check() -> dict:
     from dflash_export.errors import MissingDependency
 
     report = {"tensorrt": trt.__version__, "numpy": np.__version__, "created": [], "combinations": {},
-              "precision": {}, "aot_fields": {}, "jit_fields": {}}
+              "precision": {}, "aot_fields": {}, "jit_fields": {}, "aot_abi": {}}
     attrs = backend_attributes()
     missing = sorted(a for a in attrs if not _resolve(trt, a))
     report["attributes"] = len(attrs)
@@ -402,6 +558,7 @@ def check() -> dict:
         return report
     assert P.aot_plugins_supported(trt, sys.modules["tensorrt.plugin"]), "AOT plugins not supported"
     _plugin_checks(trt, np, registry, report)
+    _aot_abi_checks(trt, np, registry, report)
     return report
 
 

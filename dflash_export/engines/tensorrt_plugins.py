@@ -21,6 +21,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
+from dflash_export.engines.tensorrt_ptx import launchable_ptx, signature_widths
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -164,10 +165,14 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
 
 @dataclasses.dataclass
 class AotKernel:
+    """A compiled plugin kernel as TensorRT takes it: entry name, PTX whose `.entry` declares exactly the
+    `params` arguments TensorRT passes, launch width and dynamic shared memory."""
+
     name: str
     ptx: str
     num_warps: int
     shared_mem: int
+    params: int
 
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32"}
@@ -182,8 +187,11 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, Any], target=N
     sig.update({k: "constexpr" for k in constexprs})
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     compiled = triton.compile(src, target=target) if target is not None else triton.compile(src)
-    return AotKernel(compiled.metadata.name, compiled.asm["ptx"], compiled.metadata.num_warps,
-                     compiled.metadata.shared)
+    meta = compiled.metadata
+    # TensorRT passes exactly the signature's run-time arguments (inputs, extra args, outputs, in that order):
+    # Triton's trailing scratch pointers leave the .entry, or the kernel is refused by name.
+    ptx, entry = launchable_ptx(compiled.asm["ptx"], meta.name, meta, signature_widths(signature))
+    return AotKernel(meta.name, ptx, meta.num_warps, meta.shared, len(entry.params))
 
 
 def compile_attention_aot(dtype: str, scale: float, head_dim: int, block_n: int = 64, target=None) -> AotKernel:
