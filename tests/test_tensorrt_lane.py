@@ -26,3 +26,19 @@ def test_backend_meets_the_real_tensorrt_python_layer(lane):
         pytest.skip(f"{lane.name}: lane unavailable ({e})")
     assert report["passed"], json.dumps(report, indent=1)[:4000]
     assert "tensorrt" not in sys.modules  # the main process stays without TensorRT
+
+
+@pytest.mark.parametrize("lane", trt_lane.TRITON_LANES, ids=lambda ln: ln.name)
+def test_shipped_ptx_assembles_with_the_parameters_tensorrt_passes(lane):
+    """Both plugin kernels, compiled by this Triton as aot_impl compiles them for sm_80 / sm_90 / sm_100 and
+    assembled by the ptxas its wheel carries (it runs on a CPU): the parameter layout the assembler records in each
+    cubin (cuobjdump's EIATTR_KPARAM_INFO) is exactly TensorRT's AOT launch -- 8-byte input pointers, 4-byte extra
+    arguments, 8-byte output pointers, nothing after -- and the trailing parameters removed are the ones this
+    Triton release appends (0, 1 or 2)."""
+    if lane.triton is None:
+        pytest.importorskip("triton")
+    try:
+        report = trt_lane.run_assemble(lane)
+    except trt_lane.LaneUnavailable as e:
+        pytest.skip(f"{lane.name}: lane unavailable ({e})")
+    assert report["passed"], json.dumps(report, indent=1)[:4000]

@@ -500,6 +500,116 @@ def _aot_abi_checks(trt, np, registry, report) -> None:
         P._compile = compile_
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The shipped PTX through NVIDIA's assembler (no TensorRT needed; runs once, not per lane)
+
+ASSEMBLE_ARCHS = (80, 90, 100)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLane:
+    triton: str | None  # None: the main environment's Triton
+    archs: tuple[int, ...] = ASSEMBLE_ARCHS
+
+    @property
+    def name(self) -> str:
+        return f"triton-{self.triton or 'main'}"
+
+
+# One Triton per shape of the .entry: 3.2 appends no parameter, 3.3 / 3.4 the global scratch pointer, 3.5 on the
+# profile scratch pointer too. 3.2's compiler aborts on compute capability 100, so it assembles sm_80 / sm_90 only.
+TRITON_LANES = (TritonLane("3.2.0", (80, 90)), TritonLane("3.3.1"), TritonLane("3.5.1"), TritonLane(None))
+
+
+def triton_appends(version: str) -> int:
+    """How many trailing pointer parameters this Triton release adds to every kernel's .entry."""
+    v = tuple(int(x) for x in version.split(".")[:2])
+    return 0 if v < (3, 3) else 1 if v < (3, 5) else 2
+
+
+def run_assemble(lane: TritonLane, timeout: float = 900) -> dict:
+    """Install the lane's Triton (cached; the main environment's for None) and run `--assemble` in a subprocess."""
+    path = [str(ROOT)]
+    if lane.triton:
+        site = CACHE / f"triton-{lane.triton}"
+        _pip_target(site, f"triton=={lane.triton}")
+        path.append(str(site))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--assemble",
+                          ",".join(str(a) for a in lane.archs)], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"lane": lane.name, "passed": False, "error": (res.stdout + res.stderr)[-3000:]}
+    report = json.loads(lines[-1])
+    appends = triton_appends(report["triton"])
+    report["lane"] = lane.name
+    report["passed"] = len(report["kernels"]) == 4 * len(lane.archs) and all(
+        k["sizes"] == k["want"] and k["removed"] == appends for k in report["kernels"].values())
+    return report
+
+
+def _nvidia_tools(arch: int) -> tuple[str, str]:
+    """(ptxas, cuobjdump) that Triton's wheel carries, as Triton picks ptxas for `arch`."""
+    from triton.backends.nvidia import compiler as nv
+
+    import inspect
+
+    if not hasattr(nv, "get_ptxas"):
+        ptxas = nv._path_to_binary("ptxas")[0]  # 3.2
+    else:  # 3.3: get_ptxas(arch) -> (path, version); 3.5: get_ptxas() -> tool; 3.9: get_ptxas(arch) -> tool
+        tool = nv.get_ptxas(arch) if inspect.signature(nv.get_ptxas).parameters else nv.get_ptxas()
+        ptxas = tool[0] if isinstance(tool, tuple) else tool.path
+    return str(ptxas), str(Path(ptxas).with_name("cuobjdump"))
+
+
+def _cubin_params(cuobjdump: str, cubin: Path) -> dict[int, int]:
+    """{ordinal: size in bytes} of the kernel parameters recorded in a cubin (EIATTR_KPARAM_INFO)."""
+    import re
+
+    out = subprocess.run([cuobjdump, "-elf", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return {int(o, 16): int(z, 16) for o, z in re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
+                                                          r"Size\s*:\s*(0x[0-9a-f]+)", out)}
+
+
+def assemble_shipped_ptx(archs=ASSEMBLE_ARCHS) -> dict:
+    """Compile both plugin kernels (attention float32 / bfloat16, verify greedy float32 / sampled bfloat16) for each
+    arch as aot_impl does, assemble the PTX TensorRT would get with Triton's ptxas, and read the parameter layout
+    the assembler recorded in the cubin. Returns {"<arch>/<kernel>/<dtype>": {"sizes": [...], "want": [...]}} and
+    the Triton version; raises when ptxas rejects the PTX."""
+    import tempfile
+
+    import triton
+    from dflash_export.engines import tensorrt_plugins as P
+    from triton.backends.compiler import GPUTarget
+
+    want = {"kv_injected_block_attention_aot_kernel": [8] * 5 + [4] * 5 + [8],
+            "fused_verify_aot_kernel": [8] * 4 + [4] * 2 + [8] * 3}
+    out = {"triton": triton.__version__, "kernels": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            target = GPUTarget("cuda", arch, 32)
+            ptxas, cuobjdump = _nvidia_tools(arch)
+            kernels = {"float32": P.compile_attention_aot("float32", 0.125, 32, 64, target),
+                       "bfloat16": P.compile_attention_aot("bfloat16", 0.125, 128, 32, target),
+                       "float32/greedy": P.compile_verify_aot("float32", 0.0, target=target),
+                       "bfloat16/sampled": P.compile_verify_aot("bfloat16", 0.7, target=target)}
+            for dname, k in kernels.items():
+                gpu = next(ln.split()[1] for ln in k.ptx.splitlines() if ln.startswith(".target"))
+                src, cubin = Path(tmp) / f"{k.name}.ptx", Path(tmp) / f"{k.name}.cubin"
+                src.write_text(k.ptx)
+                res = subprocess.run([ptxas, f"--gpu-name={gpu}", str(src), "-o", str(cubin)], capture_output=True,
+                                     text=True)
+                if res.returncode != 0:
+                    raise RuntimeError(f"ptxas {gpu} rejected {k.name} ({dname}): {res.stderr[-1500:]}")
+                params = _cubin_params(cuobjdump, cubin)
+                sizes = [params[i] for i in sorted(params)]
+                out["kernels"][f"sm_{arch}/{k.name}/{dname}"] = {"target": gpu, "sizes": sizes,
+                                                                 "want": want[k.name], "removed": k.appended}
+    return out
+
+
 def _without_refusal(trt, np, registry) -> str:
     """What the refused pair does when the version check is skipped: the error NVIDIA's code raises."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -580,9 +690,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="run the checks in this process (inside a lane)")
     ap.add_argument("--only", action="append", help="TensorRT version(s) to run (default: every lane)")
+    ap.add_argument("--assemble", type=lambda t: [int(a) for a in t.split(",")], metavar="ARCHS",
+                    help="assemble the shipped PTX for these archs (e.g. 80,90,100) with Triton's ptxas and print "
+                    "the parameter layout per kernel")
     args = ap.parse_args(argv)
     if args.check:
         return _check_main()
+    if args.assemble:
+        print(json.dumps(assemble_shipped_ptx(args.assemble)))
+        return 0
     lanes = [ln for ln in LANES if not args.only or ln.tensorrt in args.only]
     ok = True
     for lane in lanes:

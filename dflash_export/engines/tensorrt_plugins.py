@@ -18,10 +18,11 @@ every caller.
 # registration, so they must be real types, not strings.
 import dataclasses
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
-from dflash_export.engines.tensorrt_ptx import launchable_ptx, signature_widths
+from dflash_export.engines.tensorrt_ptx import launchable_ptx, parse_entry, signature_widths
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -166,13 +167,15 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
 @dataclasses.dataclass
 class AotKernel:
     """A compiled plugin kernel as TensorRT takes it: entry name, PTX whose `.entry` declares exactly the
-    `params` arguments TensorRT passes, launch width and dynamic shared memory."""
+    `params` arguments TensorRT passes, launch width and dynamic shared memory; `appended` counts the unused
+    trailing parameters Triton had added and that were removed (0, 1 or 2 by release)."""
 
     name: str
     ptx: str
     num_warps: int
     shared_mem: int
     params: int
+    appended: int = 0
 
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32"}
@@ -185,13 +188,17 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, Any], target=N
 
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    # Triton 3.2 names the compile-time constants `constants`, later releases `constexprs` (both keyed by name)
+    key = "constexprs" if "constexprs" in inspect.signature(triton.compiler.ASTSource).parameters else "constants"
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, **{key: constexprs})
     compiled = triton.compile(src, target=target) if target is not None else triton.compile(src)
     meta = compiled.metadata
     # TensorRT passes exactly the signature's run-time arguments (inputs, extra args, outputs, in that order):
     # Triton's trailing scratch pointers leave the .entry, or the kernel is refused by name.
-    ptx, entry = launchable_ptx(compiled.asm["ptx"], meta.name, meta, signature_widths(signature))
-    return AotKernel(meta.name, ptx, meta.num_warps, meta.shared, len(entry.params))
+    widths = signature_widths(signature)
+    ptx, entry = launchable_ptx(compiled.asm["ptx"], meta.name, meta, widths)
+    appended = len(parse_entry(compiled.asm["ptx"], meta.name).params) - len(widths)
+    return AotKernel(meta.name, ptx, meta.num_warps, meta.shared, len(entry.params), appended)
 
 
 def compile_attention_aot(dtype: str, scale: float, head_dim: int, block_n: int = 64, target=None) -> AotKernel:
