@@ -22,6 +22,7 @@ import inspect
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
+from dflash_export.engines.manifest import PLUGIN_PATHS
 from dflash_export.engines.tensorrt_ptx import launchable_ptx, parse_entry, signature_widths
 from dflash_export.errors import DFlashError, MissingDependency
 
@@ -63,7 +64,11 @@ VERIFY_BLOCK_V = 1024
 # count (num_logits) differs between optimization profiles, so it is never a build-time constant and no block size
 # is cut to a tile.
 VERIFY_BLOCK_BS = 16
-IMPL_AOT, IMPL_JIT = "aot (triton ptx)", "jit (python impl)"
+# The two paths a plugin layer can be built with (engines/manifest.py PLUGIN_PATHS): the Triton kernel as PTX in the
+# engine, or the Python impl. An ONNX node picks one with its `aot` attribute (1 / 0), which TensorRT's parser reads
+# before the network's PREFER_AOT / PREFER_JIT flag and turns into a strict AOT / JIT creation request.
+IMPL_AOT, IMPL_JIT = PLUGIN_PATHS
+AOT_ATTRIBUTE = "aot"
 
 
 def _missing(what: str) -> MissingDependency:
@@ -109,7 +114,7 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
     """Check that every `dflash` node maps onto a registered plugin; return {op_type: count}.
 
     Each node needs a known op type (= plugin name), plugin_namespace == "dflash", plugin_version == "1", the plugin's
-    attributes with the right types, and its arity. `onnx_model` is a ModelProto or a path (external data not loaded).
+    attributes with the right types, and its arity; an `aot` attribute, where present, is 1 or 0. `onnx_model` is a ModelProto or a path (external data not loaded).
     Raises DFlashError naming the node and attribute otherwise.
     """
     import onnx
@@ -147,6 +152,9 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
             if not isinstance(value, typ) or isinstance(value, bool):
                 raise DFlashError(f"{label}: expected {typ.__name__}, got {type(value).__name__}", path=path,
                                   field=name)
+        if AOT_ATTRIBUTE in attrs and (not isinstance(attrs[AOT_ATTRIBUTE], int) or attrs[AOT_ATTRIBUTE] not in (0, 1)):
+            raise DFlashError(f"{label}: expected the integer 1 (AOT kernel) or 0 (JIT impl), got "
+                              f"{attrs[AOT_ATTRIBUTE]!r}", path=path, field=AOT_ATTRIBUTE)
         if node.op_type == KV_ATTENTION:
             if attrs["num_heads"] < 1 or attrs["num_kv_heads"] < 1 or attrs["num_heads"] % attrs["num_kv_heads"]:
                 raise DFlashError(f"{label}: num_heads {attrs['num_heads']} is not a positive multiple of "
