@@ -252,6 +252,51 @@ def _dyn_desc(trt, dtype, dims):
     return d
 
 
+def _churn(np) -> list:
+    """Allocate and free small arrays, so memory a freed field array occupied is reused (as it would be while
+    TensorRT serializes an engine)."""
+    import gc
+
+    gc.collect()
+    return [np.full(1, 987654321, dtype=np.int64) for _ in range(256)]
+
+
+def _field_checks(trt, np, creator, op, attrs, requests, report) -> None:
+    """The fields a plugin object hands TensorRT to serialize, NVIDIA's method against the project's
+    (`keep_serialized_fields`): for JIT and AOT plugin objects, the collection read back after memory churn holds
+    the node's attributes, and a plugin re-created from that very collection in the runtime phase (what
+    deserializing a JIT engine does) holds them too. NVIDIA's own method is recorded: on an AOT plugin it must still
+    raise AttributeError (else the replacement may no longer be needed); on a JIT plugin what it reads back."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    trtp = sys.modules["tensorrt.plugin"]
+    base = sys.modules[trtp.__name__ + "._plugin_class"]._TemplatePluginBase
+    original = getattr(base.get_fields_to_serialize, "_dflash_original", None)
+    assert original is not None, f"{op}: register_plugins did not replace get_fields_to_serialize"
+    for kind in ("jit", "aot"):
+        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                       requests[kind])
+        assert plugin.attrs == attrs, f"{op} {kind}: created plugin holds {plugin.attrs}, the node has {attrs}"
+        try:
+            nvidia = original(plugin)
+            junk = _churn(np)
+            report[f"{kind}_fields_nvidia"][op] = _field_values(np, nvidia)
+            del junk
+        except AttributeError as e:
+            report[f"{kind}_fields_nvidia"][op] = f"raises AttributeError: {e}"
+        saved = plugin.get_fields_to_serialize()
+        junk = _churn(np)
+        got = _field_values(np, saved)
+        del junk
+        assert got == attrs, f"{op} {kind}: serialized fields read back {got}, the node has {attrs}"
+        again = creator.create_plugin(op, P.PLUGIN_NAMESPACE, saved, trt.TensorRTPhase.RUNTIME, requests[kind])
+        assert again.attrs == attrs, f"{op} {kind}: re-created from its own fields it holds {again.attrs}"
+        report[f"{kind}_fields"][op] = got
+    aot_nvidia = report["aot_fields_nvidia"][op]
+    assert isinstance(aot_nvidia, str) and "AttributeError" in aot_nvidia, \
+        f"{op}: NVIDIA's AOT get_fields_to_serialize no longer raises ({aot_nvidia}): recheck the replacement"
+
+
 def _plugin_checks(trt, np, registry, report) -> None:
     """Drive NVIDIA's plugin creator and plugin objects the way TensorRT's builder and runtime would."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -280,29 +325,7 @@ def _plugin_checks(trt, np, registry, report) -> None:
                 want = "AOT" if kind != "jit" else "JIT"
                 assert want in cls, f"{op} {kind}: creator returned {cls}"
                 report["created"].append(f"{op}/{kind}/{phase.name}")
-        # field save / reload (JIT: the plugin an engine re-creates through the Python creator at deserialisation).
-        # Observed here: the collection get_fields_to_serialize returns does not keep its scalar fields' arrays
-        # alive, so values read from it can be another field's (recorded in "jit_fields", not asserted); the
-        # re-creation from fields that are alive must give back the node's attributes.
-        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
-                                       requests["jit"])
-        assert plugin.attrs == attrs, f"{op}: created plugin holds {plugin.attrs}, the node has {attrs}"
-        saved = plugin.get_fields_to_serialize()
-        names = [f.name for f in saved]
-        assert sorted(names) == sorted(attrs), f"{op}: serialised field names {names}"
-        report["jit_fields"][op] = _field_values(np, saved)
-        again = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, plugin.attrs),
-                                      trt.TensorRTPhase.RUNTIME, requests["jit"])
-        assert again.attrs == attrs, f"{op}: re-created plugin holds {again.attrs}"
-        # An AOT plugin object of tensorrt.plugin has no impl_attr_names, so its get_fields_to_serialize raises
-        # in every version checked; recorded, not asserted (the engine holds the AOT kernel itself; whether
-        # TensorRT asks an AOT quick plugin for fields cannot be seen without the runtime library).
-        aot = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
-                                    requests["aot"])
-        try:
-            report["aot_fields"][op] = _field_values(np, aot.get_fields_to_serialize())
-        except AttributeError as e:
-            report["aot_fields"][op] = f"raises AttributeError: {e}"
+        _field_checks(trt, np, creator, op, attrs, requests, report)
         for dname, dt in dtypes.items():
             types = in_types(dt)
             plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
@@ -635,7 +658,8 @@ def check() -> dict:
     from dflash_export.errors import MissingDependency
 
     report = {"tensorrt": trt.__version__, "numpy": np.__version__, "created": [], "combinations": {},
-              "precision": {}, "aot_fields": {}, "jit_fields": {}, "aot_abi": {}}
+              "precision": {}, "aot_fields": {}, "jit_fields": {}, "aot_fields_nvidia": {}, "jit_fields_nvidia": {},
+              "aot_abi": {}}
     attrs = backend_attributes()
     missing = sorted(a for a in attrs if not _resolve(trt, a))
     report["attributes"] = len(attrs)

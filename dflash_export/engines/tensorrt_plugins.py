@@ -391,7 +391,62 @@ def register_plugins() -> None:
     has_aot = aot_plugins_supported(trt, trtp)
     _register_attention(trt, trtp, has_aot)
     _register_verify(trt, trtp, has_aot)
+    keep_serialized_fields(trt, trtp)
     _REGISTERED = True
+
+
+def _dflash_fields(trt, plugin):
+    """The attributes a dflash plugin object hands TensorRT to serialize, as a PluginFieldCollection whose arrays,
+    fields and collection are held by the plugin object itself, so they outlive the call (TensorRT reads them after
+    it returns). AOT plugins get the same fields as JIT ones (the attributes aot_impl takes)."""
+    import numpy as np
+
+    names = getattr(plugin, "impl_attr_names", None)
+    if names is None:
+        names = getattr(plugin, "aot_impl_attr_names", None) or ()
+    arrays, fields = [], []
+    for name in names:
+        value = plugin.attrs[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DFlashError(f"{plugin.plugin_name}: attribute {name} is a {type(value).__name__}; the dflash "
+                              "plugins take integers and floats", field=name)
+        kind = (np.int64, trt.PluginFieldType.INT64) if isinstance(value, int) else \
+            (np.float64, trt.PluginFieldType.FLOAT64)
+        arrays.append(np.array([value], dtype=kind[0]))
+        fields.append(trt.PluginField(name, arrays[-1], kind[1]))
+    collection = trt.PluginFieldCollection(fields)
+    plugin._dflash_serialized = (arrays, fields, collection)
+    return collection
+
+
+def keep_serialized_fields(trt, trtp) -> bool:
+    """Make tensorrt.plugin's plugin objects of namespace dflash serialize their attributes safely; returns whether
+    the installed tensorrt.plugin needed it (its plugin base class is where the method lives in 10.12 .. 11.4).
+
+    NVIDIA's `get_fields_to_serialize` (tests/trt_lane.py shows both in every checked release) raises
+    AttributeError on an AOT plugin (it reads `impl_attr_names`, which only JIT plugins have) and, on a JIT plugin,
+    builds each scalar field on a temporary numpy array that is freed when it returns, so TensorRT would read freed
+    memory (read back, num_kv_heads shows num_heads' value). For dflash plugins the method is replaced by
+    `_dflash_fields`; other namespaces keep NVIDIA's."""
+    import importlib
+
+    try:
+        base = importlib.import_module(trtp.__name__ + "._plugin_class")._TemplatePluginBase
+    except (ImportError, AttributeError):
+        return False
+    original = base.get_fields_to_serialize
+    if getattr(original, "_dflash_wrapped", False):
+        return True
+
+    def get_fields_to_serialize(self):
+        if getattr(self, "plugin_namespace", None) == PLUGIN_NAMESPACE:
+            return _dflash_fields(trt, self)
+        return original(self)
+
+    get_fields_to_serialize._dflash_wrapped = True
+    get_fields_to_serialize._dflash_original = original
+    base.get_fields_to_serialize = get_fields_to_serialize
+    return True
 
 
 _FLOAT_TYPES = "FP32|FP16|BF16"
