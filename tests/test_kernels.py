@@ -432,7 +432,7 @@ def test_gpu_check_builds_every_plugin_alone_on_the_aot_path_first_then_the_jit_
     import onnxruntime as ort
 
     from dflash_export.engines import tensorrt as trt_backend
-    from dflash_export.kernels import gpu_lossless
+    from dflash_export.validate import gpu_lossless
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
