@@ -540,8 +540,9 @@ class TritonLane:
 
 
 # One Triton per shape of the .entry: 3.2 appends no parameter, 3.3 / 3.4 the global scratch pointer, 3.5 on the
-# profile scratch pointer too. 3.2's compiler aborts on compute capability 100, so it assembles sm_80 / sm_90 only.
-TRITON_LANES = (TritonLane("3.2.0", (80, 90)), TritonLane("3.3.1"), TritonLane("3.5.1"), TritonLane(None))
+# profile scratch pointer too; these assemble for sm_90 (the layout does not depend on the arch; 3.2's compiler
+# aborts on compute capability 100). The main environment's Triton, what aot_impl runs, assembles all three.
+TRITON_LANES = (TritonLane("3.2.0", (90,)), TritonLane("3.3.1", (90,)), TritonLane("3.5.1", (90,)), TritonLane(None))
 
 
 def triton_appends(version: str) -> int:
