@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import trt_lane  # noqa: E402
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lane_report(lane) -> dict:
     """One subprocess run per lane, shared by the tests below."""
     try:

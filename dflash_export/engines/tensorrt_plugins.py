@@ -114,7 +114,8 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
     """Check that every `dflash` node maps onto a registered plugin; return {op_type: count}.
 
     Each node needs a known op type (= plugin name), plugin_namespace == "dflash", plugin_version == "1", the plugin's
-    attributes with the right types, and its arity; an `aot` attribute, where present, is 1 or 0. `onnx_model` is a ModelProto or a path (external data not loaded).
+    attributes with the right types, and its arity; an `aot` attribute, where present, is 1 or 0. `onnx_model` is
+    a ModelProto or a path (external data not loaded).
     Raises DFlashError naming the node and attribute otherwise.
     """
     import onnx

@@ -314,10 +314,10 @@ def plugin_layers(tmp_dir) -> dict:
                                  "ok": False})
             continue
         cases: list[tuple[str, Callable]] = [
-            ("attention_float32", lambda: attention_case(path, TensorProto.FLOAT, torch.float32, "float32")),
-            ("attention_float16", lambda: attention_case(path, TensorProto.FLOAT16, torch.float16, "float16")),
-            ("verify_greedy", lambda: verify_case(path, 0.0)),
-            ("verify_sampling", lambda: verify_case(path, 0.8))]
+            ("attention_float32", lambda p=path: attention_case(p, TensorProto.FLOAT, torch.float32, "float32")),
+            ("attention_float16", lambda p=path: attention_case(p, TensorProto.FLOAT16, torch.float16, "float16")),
+            ("verify_greedy", lambda p=path: verify_case(p, 0.0)),
+            ("verify_sampling", lambda p=path: verify_case(p, 0.8))]
         for name, fn in cases:
             try:
                 out["cases"].append({"case": f"{path}/{name}", **fn()})
