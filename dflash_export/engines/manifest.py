@@ -68,6 +68,22 @@ class Selector:
     rank: int
 
 
+# How TensorRT built a dflash plugin layer: "aot", the Triton kernel compiled to PTX inside the engine (no Python at
+# run time), or "jit", the Python impl (tensorrt.plugin must be registered wherever the engine is deserialized).
+PLUGIN_PATHS = ("aot", "jit")
+
+
+@dataclass(frozen=True)
+class PluginBuild:
+    """A TensorRT engine's dflash plugins: namespace / version, the path the build asked TensorRT's parser for (the
+    nodes' `aot` attribute) and, per op, the path TensorRT used (each one of PLUGIN_PATHS)."""
+
+    namespace: str
+    version: str
+    requested: str
+    implementation: Mapping[str, str]
+
+
 @dataclass(frozen=True)
 class Manifest:
     path: Path                               # the manifest.json it was read from (errors name it)
@@ -90,6 +106,7 @@ class Manifest:
     shared_tensors: Mapping[str, SharedTensor] = field(default_factory=dict)
     flags: Flags = Flags()
     selector: Selector | None = None
+    plugins: PluginBuild | None = None
     engines: Mapping[str, Any] = field(default_factory=dict)
     inputs: Mapping[str, str] | None = None
     precision: Mapping[str, str] | None = None
@@ -331,6 +348,30 @@ def _check_selector(f: _Fields, vocab: int | None) -> Selector:
     return Selector(sel["top_k"], sel["rank"])
 
 
+def _check_plugins(f: _Fields) -> PluginBuild:
+    """`plugins` (TensorRT engines): namespace and version strings, `requested` and every op's `implementation`
+    one of PLUGIN_PATHS, and each op built the way the build asked (a strict request leaves TensorRT no other)."""
+    plugins = f.mapping("plugins")
+    for key in ("namespace", "version", "requested", "implementation"):
+        if key not in plugins:
+            raise f.bad(f"plugins.{key}", "missing field (rebuild the engine with this version)")
+    for key in ("namespace", "version"):
+        if not isinstance(plugins[key], str) or not plugins[key]:
+            raise f.bad(f"plugins.{key}", f"expected a non-empty string, got {plugins[key]!r}")
+    requested = plugins["requested"]
+    if requested not in PLUGIN_PATHS:
+        raise f.bad("plugins.requested", f"expected one of {', '.join(PLUGIN_PATHS)}, got {requested!r}")
+    impl = plugins["implementation"]
+    if not isinstance(impl, dict):
+        raise f.bad("plugins.implementation", f"expected a mapping of op to path, got {_kind(impl)}")
+    for op, path in impl.items():
+        if path not in PLUGIN_PATHS:
+            raise f.bad(f"plugins.implementation.{op}", f"expected one of {', '.join(PLUGIN_PATHS)}, got {path!r}")
+        if path != requested:
+            raise f.bad(f"plugins.implementation.{op}", f"built as {path!r}, the build asked for {requested!r}")
+    return PluginBuild(plugins["namespace"], plugins["version"], requested, MappingProxyType(dict(impl)))
+
+
 def validate_manifest(manifest, path) -> Manifest:
     """Check the structure, types and ranges of every manifest field the loaders use; DFlashError naming `path`
     (the manifest.json) and the field otherwise. Returns the typed `Manifest`.
@@ -352,14 +393,15 @@ def validate_manifest(manifest, path) -> Manifest:
     if "flags" in manifest:
         _check_flags(f, vocab)
     selector = _check_selector(f, vocab) if manifest.get("selector") is not None else None
+    plugins = _check_plugins(f) if manifest.get("plugins") is not None else None
     if manifest.get("precision") is not None:
         for k, v in f.mapping("precision").items():
             if not isinstance(v, str):
                 raise f.bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
-    return _typed(manifest, path, selector)
+    return _typed(manifest, path, selector, plugins)
 
 
-def _typed(m: dict[str, Any], path: Path, selector: Selector | None) -> Manifest:
+def _typed(m: dict[str, Any], path: Path, selector: Selector | None, plugins: PluginBuild | None = None) -> Manifest:
     """The validated JSON object as a Manifest (every check above has passed)."""
     flags = m.get("flags") or {}
 
@@ -379,7 +421,7 @@ def _typed(m: dict[str, Any], path: Path, selector: Selector | None) -> Manifest
                                          for name, e in (m.get("shared_tensors") or {}).items()}),
         flags=Flags(verify_token_cost=flags.get("verify_token_cost"), draft_cost=flags.get("draft_cost"),
                     plain_step_rows=flags.get("plain_step_rows") or 1, draft_vocab=flags.get("draft_vocab") or 0),
-        selector=selector, engines=MappingProxyType(dict(m.get("engines") or {})),
+        selector=selector, plugins=plugins, engines=MappingProxyType(dict(m.get("engines") or {})),
         inputs=None if m.get("inputs") is None else MappingProxyType(dict(m["inputs"])),
         precision=None if m.get("precision") is None else MappingProxyType(dict(m["precision"])),
         raw=MappingProxyType(m))
