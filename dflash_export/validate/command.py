@@ -23,6 +23,7 @@ from dflash_export.validate.report import summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite
 
+
 def reference_threads() -> int:
     """Intra-op threads of the PyTorch reference: half the cores this process may use (at least one). Its OpenMP
     workers spin-wait between ops, and on a shared machine a descheduled worker stalls every op: on the shared
