@@ -141,6 +141,12 @@ class BatchingRuntime:
         self.lookup_stats = LookupStats(2 * self.info.block_size)
         self.adaptive = adaptive
         self.a, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
+        self.a_recorded = self.a
+        # The cost of a target row as this machine runs the batch now, fitted online (time = c0 + c1 * rows over the
+        # recent target calls, forgetting 2 % per call); `a` becomes c1 / (c0 + c1) when the fit has seen calls of
+        # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
+        # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
+        self._fit = np.zeros(5)  # sums of 1, r, r^2, t, r t
         self.max_skip = max_skip
         self.max_queued_tokens = max_queued_tokens
         self.queue: collections.deque[Request] = collections.deque()
@@ -295,6 +301,8 @@ class BatchingRuntime:
         t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks)
         t2 = time.perf_counter()
+        if self.adaptive:
+            self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1)
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
         # every one the target's.
         for a in drafting:
@@ -319,7 +327,7 @@ class BatchingRuntime:
         rows = len(blocks) * max(len(b) for b in blocks)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.target_rows += rows
-        self.modelled_cost += cost
+        self.modelled_cost += draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
 
     def _drop_cancelled(self) -> None:
@@ -468,6 +476,17 @@ class BatchingRuntime:
         if gains:
             self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * float(np.mean(gains))
             self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * float(np.mean(rows))
+
+    def _learn_row_cost(self, rows: int, seconds: float) -> None:
+        self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+        n, sr, srr, st, srt = self._fit
+        spread = n * srr - sr * sr
+        if n < 8 or spread <= 1e-9 * n * n:
+            return
+        c1 = (n * srt - sr * st) / spread
+        c0 = (st - c1 * sr) / n
+        if c1 > 0 and c0 > 0:
+            self.a = float(min(0.5, max(self.a_recorded, c1 / (c0 + c1))))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
