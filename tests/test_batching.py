@@ -580,3 +580,18 @@ def test_sampled_requests_in_a_batch_are_plain_sampling_draw_for_draw(built, pro
             want = single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens
             assert req.stats.tokens == want, (sampling, sp)
         assert all(r.stats.verify_s > 0 for r in reqs) and sum(r.stats.draft_s for r in reqs) > 0
+
+
+def test_the_row_cost_is_fitted_from_the_target_calls_and_never_below_the_recorded_one(built):
+    """Target calls timed as 1 + 0.2 r seconds (r rows) fit a = 0.2 / 1.2 (a row's cost against a one-row call);
+    calls whose rows cost less than the recorded cost leave the recorded one."""
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=4)
+    for i in range(40):
+        r = 1 + i % 6
+        rt._learn_row_cost(r, 1.0 + 0.2 * r)
+    assert rt.a == pytest.approx(0.2 / 1.2)
+    cheap = BatchingRuntime(eng, max_batch=4)
+    for i in range(40):
+        cheap._learn_row_cost(1 + i % 6, 1.0 + 0.001 * (1 + i % 6))
+    assert cheap.a == cheap.a_recorded
