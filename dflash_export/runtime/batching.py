@@ -515,7 +515,9 @@ class BatchingRuntime:
             else:
                 s = max(s, a.block_len)
         b = len(acts)
-        bar = self.rate * self.a * b
+        # λ is at least what a plain batched step yields (b tokens for 1 + a(b - 1)): a batch that has just grown,
+        # or a run that has just started, would otherwise judge rows against a stale lower rate.
+        bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
         k = 1
         while k < self.info.block_size:
             gain = sum(q[k - 1] for q in scored if len(q) >= k)
