@@ -325,6 +325,8 @@ def quantize_graph(path: Path, precision: str) -> dict:
     MatMulNBitsQuantizer; returns the settings for the manifest."""
     import onnx
 
+    from dflash_export.export.moe import quantize_moe_experts
+
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import (
             DefaultWeightOnlyQuantConfig,
@@ -354,13 +356,15 @@ def quantize_graph(path: Path, precision: str) -> dict:
         quant_log.propagate = propagate
     out = quantizer.model.model
     n_quant = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
+    experts = quantize_moe_experts(out, bits, QUANT_BLOCK, QUANT_ACCURACY_LEVEL)  # MoE -> QMoE: the experts' bytes
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
     onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
                     size_threshold=1024)
     return {"quantizer": "onnxruntime.quantization.MatMulNBitsQuantizer", "op": "com.microsoft.MatMulNBits",
             "bits": bits, "block_size": QUANT_BLOCK, "symmetric": sym, "accuracy_level": QUANT_ACCURACY_LEVEL,
-            "matmuls_quantized": n_quant, "matmuls_total": n_matmul}
+            "matmuls_quantized": n_quant, "matmuls_total": n_matmul,
+            **({"moe_op": "com.microsoft.QMoE", **experts} if experts["moe_total"] else {})}
 
 
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:
