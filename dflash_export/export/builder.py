@@ -215,7 +215,7 @@ class WeightStore:
         if pad:
             self.f.write(b"\0" * pad)
             pos += pad
-        data = np.ascontiguousarray(arr).tobytes()
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # written as it is: no second copy in memory
         self.f.write(data)
         t = onnx.TensorProto()
         t.name = name

@@ -162,10 +162,12 @@ def quantize_expert_stack(w: np.ndarray, bits: int, block: int) -> tuple[np.ndar
     return packed.reshape(num_e, n, -1), scales.reshape(num_e, n, kb)
 
 
-def quantize_moe_experts(model, bits: int, block: int, accuracy_level: int, base_dir: str | None = None) -> dict:
-    """Turn every com.microsoft.MoE node of `model` (onnx.ModelProto, weights loaded) into QMoE with `bits`-bit
-    expert weights (block-wise along K, symmetric); the router and biases stay fp32. A layer whose hidden or expert
-    width is not a multiple of `block` keeps its fp32 experts. Returns {"moe_quantized": n, "moe_total": m}."""
+def quantize_moe_experts(model, bits: int, block: int, accuracy_level: int, base_dir: str | None = None,
+                         store=None) -> dict:
+    """Turn every com.microsoft.MoE node of `model` (onnx.ModelProto; external weights read from `base_dir`) into
+    QMoE with `bits`-bit expert weights (block-wise along K, symmetric); the router and biases stay fp32. The new
+    tensors go inline, or to `store` (builder.WeightStore) when given. A layer whose hidden or expert width is not a
+    multiple of `block` keeps its fp32 experts. Returns {"moe_quantized": n, "moe_total": m}."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -177,11 +179,14 @@ def quantize_moe_experts(model, bits: int, block: int, accuracy_level: int, base
         if fc1.shape[2] % block or fc2.shape[2] % block:
             continue
         q1, s1 = quantize_expert_stack(fc1, bits, block)
+        del fc1
         q2, s2 = quantize_expert_stack(fc2, bits, block)
+        del fc2
         names = []
         for arr, suffix, src in ((q1, "_q", node.input[2]), (s1, "_scales", node.input[2]),
                                  (q2, "_q", node.input[4]), (s2, "_scales", node.input[4])):
-            graph.initializer.append(numpy_helper.from_array(arr, src + suffix))
+            name = src + suffix
+            graph.initializer.append(store.put(name, arr) if store else numpy_helper.from_array(arr, name))
             names.append(src + suffix)
         for src in (node.input[2], node.input[4]):
             graph.initializer.remove(inits.pop(src))
