@@ -6,7 +6,7 @@ and gpt-oss-20b, against the yardsticks that say whether the sparse expert path 
 - a dense model with the same attention projections and an MLP of the MoE's active width (k x expert width), at the
   same precision (the speed its active parameters allow);
 - the bytes a step must read (attention projections, router, k experts) at this machine's measured read bandwidth
-  (a one-row fp32 MatMul over a 1 GiB weight, same threads).
+  (a one-row fp32 MatMul over a 1 GiB weight, same threads, timed in the same rounds).
 
     python benchmarks/moe_costs.py --shape qwen3-30b-a3b --layers 2
     python benchmarks/moe_costs.py --shape gpt-oss-20b --layers 2 --no-dense-experts
@@ -199,9 +199,10 @@ def session(path: Path, threads: int):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> float:
-    """Bytes per second a one-row MatMul reads over a constant `mib` MiB fp32 weight (prepacked by ONNX Runtime as
-    every model weight here is): the rate a weight-bound step can reach on this machine."""
+def bandwidth_probe(threads: int, mib: int = 1024):
+    """A session computing a one-row MatMul over a constant `mib` MiB fp32 weight (prepacked by ONNX Runtime as every
+    model weight here is), its feed and the weight's bytes: timed within every round, it gives the rate a
+    weight-bound step can reach on this machine under the load of that moment."""
     import tempfile
 
     import onnx
@@ -221,14 +222,7 @@ def read_bandwidth(threads: int, mib: int = 1024, reps: int = 7) -> float:
                         save_as_external_data=True, location="bw.bin")
         del g
         s = session(path, threads)
-    a = np.ones((1, k), np.float32)
-    s.run(None, {"a": a})
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        s.run(None, {"a": a})
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
+    return s, {"a": np.ones((1, k), np.float32)}, nbytes
 
 
 def active_bytes(shape: dict, layers: int, precision: str) -> float:
@@ -256,8 +250,9 @@ def expert_union(shape_name: str, trials: int = 50) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def time_sessions(sessions: dict, hidden: int, rounds: int, reps: int) -> dict[str, dict[int, float]]:
-    """Median seconds per call, per session and row count; sessions interleaved within every round."""
+def time_sessions(sessions: dict, hidden: int, rounds: int, reps: int, probe) -> tuple[dict, float]:
+    """Median seconds per call, per session and row count, sessions interleaved within every round; and the median
+    read bandwidth (bytes / s) the probe (`bandwidth_probe`) measured in the same rounds."""
     rng = np.random.default_rng(11)
     inputs = {}
     for rows in ROWS:
@@ -269,7 +264,16 @@ def time_sessions(sessions: dict, hidden: int, rounds: int, reps: int) -> dict[s
         for x in inputs.values():
             s.run(None, {"x": x})
     samples = {name: {rows: [] for rows in ROWS} for name in sessions}
+    probe_sess, probe_feed, probe_bytes = probe
+    probe_sess.run(None, probe_feed)
+    rates = []
     for _ in range(rounds):
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            probe_sess.run(None, probe_feed)
+            best = min(best, time.perf_counter() - t0)
+        rates.append(probe_bytes / best)
         for name, s in sessions.items():
             for rows, x in inputs.items():
                 best = float("inf")
@@ -278,7 +282,8 @@ def time_sessions(sessions: dict, hidden: int, rounds: int, reps: int) -> dict[s
                     s.run(None, {"x": x})
                     best = min(best, time.perf_counter() - t0)
                 samples[name][rows].append(best)
-    return {name: {rows: statistics.median(v) for rows, v in per.items()} for name, per in samples.items()}
+    return ({name: {rows: statistics.median(v) for rows, v in per.items()} for name, per in samples.items()},
+            statistics.median(rates))
 
 
 def main(argv=None) -> int:
@@ -303,22 +308,22 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     shape = SHAPES[args.shape]
     cpu = cpu_features()
-    bandwidth = read_bandwidth(threads, args.bandwidth_mib)
+    probe = bandwidth_probe(threads, args.bandwidth_mib)
     report = {"shape": args.shape, **shape, "layers": args.layers, "threads": threads, "cpu": cpu,
-              "read_bandwidth_gbs": bandwidth / 1e9, "expert_union": expert_union(args.shape), "precisions": {}}
-    print(f"{args.shape} x {args.layers} layers; {cpu['model']} ({isa_label(cpu['isa'])}), {threads} threads; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+              "expert_union": expert_union(args.shape), "precisions": {}}
+    print(f"{args.shape} x {args.layers} layers; {cpu['model']} ({isa_label(cpu['isa'])}), {threads} threads")
     print("distinct experts per layer for a block of n rows (random routing): "
           + ", ".join(f"n={n}: {u:.1f}" for n, u in report["expert_union"].items()))
     for precision in args.precisions.split(","):
         forms = ["sparse", "active"] + (["dense"] if args.dense_experts and precision == "fp32" else [])
         sessions = {form: session(model_path(args.cache, args.shape, form, args.layers, precision), threads)
                     for form in forms}
-        t = time_sessions(sessions, shape["hidden"], args.rounds, args.reps)
+        t, bandwidth = time_sessions(sessions, shape["hidden"], args.rounds, args.reps, probe)
         del sessions
         bound = active_bytes(shape, args.layers, precision) / bandwidth
         sp, act = t["sparse"], t["active"]
         row = {"ms": {f: {r: v * 1e3 for r, v in per.items()} for f, per in t.items()}, "bound_ms": bound * 1e3,
+               "read_bandwidth_gbs": bandwidth / 1e9,
                "sparse_speed_vs_active": act[2] / sp[2], "step_vs_bound": sp[2] / bound,
                "verify8_over_step": sp[8] / sp[2], "verify16_over_step": sp[16] / sp[2],
                # the runtime's rule: verifying n drafts (n + 1 rows) costs 1 + n * verify_token_cost plain steps
@@ -327,7 +332,8 @@ def main(argv=None) -> int:
         if "dense" in t:
             row["sparse_speed_vs_dense_experts"] = t["dense"][2] / sp[2]
         report["precisions"][precision] = row
-        print(f"\n{precision}: ms per call (1 / 2 / 8 / 16 rows); active-bytes bound {bound * 1e3:.1f} ms")
+        print(f"\n{precision}: ms per call (1 / 2 / 8 / 16 rows); read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+              f"active-bytes bound {bound * 1e3:.1f} ms")
         for form, per in t.items():
             print(f"  {form:7s} " + " / ".join(f"{per[r] * 1e3:8.1f}" for r in ROWS))
         print(f"  plain step (2 rows): sparse {sp[2] * 1e3:.1f} ms = {row['step_vs_bound']:.2f}x the bound; "
