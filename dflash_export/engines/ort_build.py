@@ -231,6 +231,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
                   # the first row floor the numerics probe tries (_record_numerics then records the one it found)
                   "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
                   **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
+                  **MOE_VERIFY_COSTS.get((target.arch.model_type, precisions["target"]), {}),
                   "export": res.metadata},
         "optimized": True,
         "shared_tensors": manifest_shared,
@@ -275,6 +276,15 @@ QUANTIZE_HEADS = True
 # row by row). Engines without an entry use the runtime's fp32 defaults (0.07, 0.3).
 STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
               ("int4", "int4"): {"verify_token_cost": 0.25, "draft_cost": 0.44}}
+
+
+# Mixture-of-experts targets: a verify block reads the union of its rows' experts, so each verified row costs more
+# than in a dense target. Measured by benchmarks/moe_costs.py at the published per-layer shapes (Qwen3-30B-A3B,
+# gpt-oss-20b; random routing, the layers only: an upper bound for a whole model), (verify(16) / step - 1) / 15,
+# on a 2-core AMD EPYC with AVX2 (docs/targets.md). Replaces STEP_COSTS's verify_token_cost for those targets.
+MOE_VERIFY_COSTS = {("qwen3_moe", "fp32"): {"verify_token_cost": 0.27},
+                    ("qwen3_moe", "int8"): {"verify_token_cost": 0.35},
+                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.28}}
 
 
 def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,
