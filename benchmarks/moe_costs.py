@@ -52,7 +52,7 @@ ACCURACY_LEVEL = 4
 
 def _layer_weights(shape: dict, layer: int, moe: bool) -> dict[str, np.ndarray]:
     """Random weights of one layer in transformers' layout (the MoE's experts or a dense MLP of the active width)."""
-    from dflash_export.arch import ARCHS
+    from dflash_export.models.arch import ARCHS
 
     rng = np.random.default_rng(1000 + layer)
     h, e, w, k = shape["hidden"], shape["experts"], shape["width"], shape["top_k"]
@@ -97,7 +97,7 @@ def build_fp32(shape_name: str, form: str, layers: int, out: Path) -> Path:
     or "active" (a dense MLP of the active width)."""
     import onnx
 
-    from dflash_export.arch import ARCHS
+    from dflash_export.models.arch import ARCHS
     from dflash_export.export.builder import F32, GraphBuilder, WeightStore, finish
     from dflash_export.export.moe import moe_mlp
 

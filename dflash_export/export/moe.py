@@ -29,7 +29,7 @@ SPARSE_FLAVORS = ("ort", "ort_batch")
 
 def moe_mlp(g: GraphBuilder, x: str, sd: dict, p: str, spec, config, sparse: bool) -> str:
     """The mixture-of-experts MLP of the layer whose weights sit under `p` (e.g. "model.layers.3.mlp.") on x [B,S,H]
-    -> [B,S,H]. `spec`: arch.MoeSpec; `config`: the target's HF config (top-k, renormalization, SwiGLU limit)."""
+    -> [B,S,H]. `spec`: models.arch.MoeSpec; `config`: the target's HF config (top-k, renormalization, SwiGLU limit)."""
     top_k = int(getattr(config, spec.top_k))
     norm = bool(getattr(config, spec.norm_topk_prob, False)) if spec.norm_topk_prob else False
     limit = getattr(config, spec.swiglu_limit, None) if spec.swiglu_limit else None
