@@ -296,3 +296,63 @@ def test_quantized_moe_engine_decodes_dflash_identical_to_its_plain_decoding(qua
     plain = [rt.generate(p, sp, "ar").tokens for p in prompts()[:3]]
     assert [rt.generate(p, sp, "dflash").tokens for p in prompts()[:3]] == plain
     assert [s.tokens for s in BatchingRuntime(engine, max_batch=3).generate_many(prompts()[:3], sp)] == plain
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_moe_nodes_rewritten_in_standard_ops_equal_transformers_moe_block(name):
+    """TensorRT's copy of the batch graph needs standard ops only: every MoE node rewritten as the dense form over
+    its own weights gives transformers' MoE block, and no com.microsoft node is left."""
+    import onnxruntime as ort
+
+    from dflash_export.export.moe import moe_nodes_as_plain_ops
+
+    hf = _hf_target(name)
+    _, model, _ = _moe_session(hf, 0, True)
+    assert moe_nodes_as_plain_ops(model) == 1
+    assert {n.domain for n in model.graph.node} <= {""}
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(6).standard_normal((2, 7, hf.config.hidden_size)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], _hf_moe(hf, 0, x), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_tensorrt_copy_of_the_batch_graph_has_standard_ops_and_computes_the_sparse_graph(name, tmp_path):
+    """TensorRT's batched engine parses a plain-op copy of the exported batch graph (engines/tensorrt_batch.py): with
+    the sparse experts that copy holds the dense form, standard ops only, and equals the ONNX Runtime graph it was
+    made from on 3 sequences of 4 rows over a 7-row past."""
+    import onnx
+    import onnxruntime as ort
+
+    from dflash_export.engines.tensorrt_batch import plain_op_graph
+    from dflash_export.export import export_models
+    from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
+
+    recipe = load_recipe(name)
+    target, drafter = load_target(recipe.target, torch.float32), load_drafter(recipe.drafter, torch.float32)
+    export_models(target, drafter, tmp_path, block_size=recipe.block_size, max_len=64, ort_flavor=True)
+    src, dst = tmp_path / "target_batch_ort.onnx", tmp_path / "target_batch_trt.onnx"
+    assert any(n.op_type == "MoE" for n in onnx.load(str(src), load_external_data=False).graph.node)
+    counts = plain_op_graph(src, dst)
+    assert counts["MoE"] == sum(ARCH_MOE_LAYERS[name])
+    model = onnx.load(str(dst), load_external_data=False)
+    assert all(onnx.defs.has(n.op_type, n.domain) for n in model.graph.node)
+    rng = np.random.default_rng(0)
+    a, b = (ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]) for f in (src, dst))
+    dims = {"batch": 3, "seq": 4, "past": 7}
+    feeds = {}
+    for i in a.get_inputs():
+        shape = [dims[d] if isinstance(d, str) else d for d in i.shape]
+        if i.name == "num_logits":
+            feeds[i.name] = np.array(4, np.int64)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.broadcast_to(7 + np.arange(4), shape).astype(np.int64).copy()
+        elif i.name == "past_bias":
+            feeds[i.name] = np.zeros(shape, np.float32)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    for x, y in zip(a.run(None, feeds), b.run(None, feeds)):
+        np.testing.assert_allclose(y, x, atol=2e-5, rtol=1e-5)
+
+
+ARCH_MOE_LAYERS = {"tiny-qwen3-moe": [True, True, False, True, True, True], "tiny-gpt-oss": [True] * 4}

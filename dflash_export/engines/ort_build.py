@@ -283,7 +283,10 @@ STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
 # on a 2-core AMD EPYC with AVX2 (docs/targets.md). Replaces STEP_COSTS's verify_token_cost for those targets.
 MOE_VERIFY_COSTS = {("qwen3_moe", "fp32"): {"verify_token_cost": 0.27},
                     ("qwen3_moe", "int8"): {"verify_token_cost": 0.35},
-                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.28}}
+                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.28},
+                    ("gpt_oss", "fp32"): {"verify_token_cost": 0.30},
+                    ("gpt_oss", "int8"): {"verify_token_cost": 0.31},
+                    ("gpt_oss", "int4"): {"verify_token_cost": 0.33}}
 
 
 def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,

@@ -201,3 +201,68 @@ def quantize_moe_experts(model, bits: int, block: int, accuracy_level: int, base
         graph.node.insert(idx, qnode)
         done += 1
     return {"moe_quantized": done, "moe_total": len(nodes)}
+
+
+def moe_nodes_as_plain_ops(model) -> int:
+    """Rewrite every fp32 com.microsoft.MoE node of `model` (onnx.ModelProto; weights may stay external) as the
+    dense form in standard ops over the node's own weights, for a backend that parses only standard ONNX (TensorRT's
+    copy of the batch graph): softmax, top-k, the renormalized weights scattered to [N, E], every expert's SwiGLU,
+    the weighted sum. Same routing and activation attributes as the kernel. Returns the number of nodes rewritten."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    done = 0
+    for node in [n for n in graph.node if n.op_type == "MoE" and n.domain == MS]:
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        p = node.output[0] + "/plain/"
+        nodes: list = []
+
+        def op(op_type, inputs, n_out=1, **attrs):
+            outs = [f"{p}{op_type.lower()}_{len(nodes)}_{i}" for i in range(n_out)]
+            nodes.append(helper.make_node(op_type, inputs, outs, name=outs[0], **attrs))
+            return outs[0] if n_out == 1 else outs
+
+        def const(value, dtype=TensorProto.INT64):
+            arr = np.asarray(value)
+            name = f"{p}const_{len(nodes)}"
+            nodes.append(helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(
+                name, dtype, list(arr.shape), arr.reshape(-1).tolist())))
+            return name
+
+        x, logits, fc1, b1, fc2, b2 = (list(node.input) + [""] * 6)[:6]
+        k = int(a["k"])
+        probs = op("Softmax", [logits], axis=-1)
+        top, idx = op("TopK", [probs, const([k])], n_out=2, axis=-1, largest=1, sorted=1)
+        if int(a.get("normalize_routing_weights", 0)):
+            top = op("Div", [top, op("ReduceSum", [top, const([-1])], keepdims=1)])
+        weights = op("ScatterElements", [op("Mul", [probs, const(0.0, TensorProto.FLOAT)]), idx, top], axis=-1)
+        shape1 = op("Shape", [fc1])                                                       # [E, 2I, H]
+        e_2i_h = op("Split", [shape1, const([1, 1, 1])], n_out=3, axis=0)
+        rows = op("Mul", [e_2i_h[0], e_2i_h[1]])
+        w1 = op("Transpose", [op("Reshape", [fc1, op("Concat", [rows, e_2i_h[2]], axis=0)])], perm=[1, 0])
+        gu = op("MatMul", [x, w1])                                                        # [N, E*2I]
+        if b1:
+            gu = op("Add", [gu, op("Reshape", [b1, const([-1])])])
+        n_rows = op("Shape", [x], start=0, end=1)
+        gu = op("Reshape", [gu, op("Concat", [n_rows, e_2i_h[0], const([-1, 2])], axis=0)])   # [N, E, I, 2]
+        gate, up = (op("Squeeze", [h, const([3])]) for h in op("Split", [gu, const([1, 1])], n_out=2, axis=3))
+        limit = a.get("swiglu_limit")
+        if limit is not None:
+            gate = op("Min", [gate, const(float(limit), TensorProto.FLOAT)])
+            up = op("Clip", [up, const(-float(limit), TensorProto.FLOAT), const(float(limit), TensorProto.FLOAT)])
+        alpha, beta = float(a.get("activation_alpha", 1.0)), float(a.get("activation_beta", 0.0))
+        act = op("Mul", [gate, op("Sigmoid", [op("Mul", [gate, const(alpha, TensorProto.FLOAT)])])])
+        act = op("Mul", [act, op("Add", [up, const(beta, TensorProto.FLOAT)])])           # [N, E, I]
+        out = op("MatMul", [op("Unsqueeze", [act, const([2])]), op("Transpose", [fc2], perm=[0, 2, 1])])
+        out = op("Squeeze", [out, const([2])])                                           # [N, E, H]
+        if b2:
+            out = op("Add", [out, b2])
+        mixed = op("Mul", [out, op("Unsqueeze", [weights, const([-1])])])
+        nodes.append(helper.make_node("ReduceSum", [mixed, const([1])], list(node.output), name=p + "sum",
+                                      keepdims=0))
+        idx_node = list(graph.node).index(node)
+        graph.node.remove(node)
+        for offset, n in enumerate(nodes):
+            graph.node.insert(idx_node + offset, n)
+        done += 1
+    return done
