@@ -37,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {
     # hidden, experts, expert width, experts per token, q heads, kv heads, head dim
-    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden=2048, experts=128, width=768, top_k=8, heads=32, kv_heads=4,
-                          head_dim=128),
-    "gpt-oss-20b": dict(family="gpt_oss", hidden=2880, experts=32, width=2880, top_k=4, heads=64, kv_heads=8,
-                        head_dim=64),
+    "qwen3-30b-a3b": {"family": "qwen3_moe", "hidden": 2048, "experts": 128, "width": 768, "top_k": 8,
+                      "heads": 32, "kv_heads": 4, "head_dim": 128},
+    "gpt-oss-20b": {"family": "gpt_oss", "hidden": 2880, "experts": 32, "width": 2880, "top_k": 4, "heads": 64,
+                    "kv_heads": 8, "head_dim": 64},
     # a smoke-test shape (tests/test_bench.py)
-    "tiny": dict(family="qwen3_moe", hidden=64, experts=8, width=32, top_k=2, heads=4, kv_heads=2, head_dim=16),
+    "tiny": {"family": "qwen3_moe", "hidden": 64, "experts": 8, "width": 32, "top_k": 2, "heads": 4, "kv_heads": 2,
+             "head_dim": 16},
 }
 BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}   # blocks of 32, one fp32 scale each
 ROWS = (1, 2, 8, 16)
@@ -97,9 +98,9 @@ def build_fp32(shape_name: str, form: str, layers: int, out: Path) -> Path:
     or "active" (a dense MLP of the active width)."""
     import onnx
 
-    from dflash_export.models.arch import ARCHS
     from dflash_export.export.builder import F32, GraphBuilder, WeightStore, finish
     from dflash_export.export.moe import moe_mlp
+    from dflash_export.models.arch import ARCHS
 
     out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[shape_name]

@@ -178,10 +178,10 @@ def _moe_session(hf, layer: int, sparse: bool, quantize: tuple[int, int] | None 
     """One MoE MLP as an ONNX graph [B,S,H] -> [B,S,H], exported by export/moe.py from the layer's weights."""
     import onnxruntime as ort
 
-    from dflash_export.models.arch import ARCHS
     from dflash_export.export.builder import F32, GraphBuilder, finish
     from dflash_export.export.graph import np_state
     from dflash_export.export.moe import moe_mlp, quantize_moe_experts
+    from dflash_export.models.arch import ARCHS
 
     arch = ARCHS[hf.config.model_type]
     g = GraphBuilder("moe")

@@ -281,9 +281,9 @@ STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
 # than in a dense target. Measured by benchmarks/moe_costs.py at the published per-layer shapes (Qwen3-30B-A3B,
 # gpt-oss-20b; random routing, the layers only: an upper bound for a whole model), (verify(16) / step - 1) / 15,
 # on a 2-core AMD EPYC with AVX2 (docs/targets.md). Replaces STEP_COSTS's verify_token_cost for those targets.
-MOE_VERIFY_COSTS = {("qwen3_moe", "fp32"): {"verify_token_cost": 0.27},
-                    ("qwen3_moe", "int8"): {"verify_token_cost": 0.35},
-                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.28},
+MOE_VERIFY_COSTS = {("qwen3_moe", "fp32"): {"verify_token_cost": 0.26},
+                    ("qwen3_moe", "int8"): {"verify_token_cost": 0.32},
+                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.38},
                     ("gpt_oss", "fp32"): {"verify_token_cost": 0.30},
                     ("gpt_oss", "int8"): {"verify_token_cost": 0.31},
                     ("gpt_oss", "int4"): {"verify_token_cost": 0.33}}

@@ -214,21 +214,8 @@ def moe_nodes_as_plain_ops(model) -> int:
     done = 0
     for node in [n for n in graph.node if n.op_type == "MoE" and n.domain == MS]:
         a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        p = node.output[0] + "/plain/"
-        nodes: list = []
-
-        def op(op_type, inputs, n_out=1, **attrs):
-            outs = [f"{p}{op_type.lower()}_{len(nodes)}_{i}" for i in range(n_out)]
-            nodes.append(helper.make_node(op_type, inputs, outs, name=outs[0], **attrs))
-            return outs[0] if n_out == 1 else outs
-
-        def const(value, dtype=TensorProto.INT64):
-            arr = np.asarray(value)
-            name = f"{p}const_{len(nodes)}"
-            nodes.append(helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(
-                name, dtype, list(arr.shape), arr.reshape(-1).tolist())))
-            return name
-
+        g = _NodeList(node.output[0] + "/plain/")
+        op, const, nodes = g.op, g.const, g.nodes
         x, logits, fc1, b1, fc2, b2 = (list(node.input) + [""] * 6)[:6]
         k = int(a["k"])
         probs = op("Softmax", [logits], axis=-1)
@@ -258,7 +245,7 @@ def moe_nodes_as_plain_ops(model) -> int:
         if b2:
             out = op("Add", [out, b2])
         mixed = op("Mul", [out, op("Unsqueeze", [weights, const([-1])])])
-        nodes.append(helper.make_node("ReduceSum", [mixed, const([1])], list(node.output), name=p + "sum",
+        nodes.append(helper.make_node("ReduceSum", [mixed, const([1])], list(node.output), name=g.prefix + "sum",
                                       keepdims=0))
         idx_node = list(graph.node).index(node)
         graph.node.remove(node)
@@ -266,3 +253,27 @@ def moe_nodes_as_plain_ops(model) -> int:
             graph.node.insert(idx_node + offset, n)
         done += 1
     return done
+
+
+class _NodeList:
+    """Nodes made for one rewritten node, named under `prefix` (unique in the graph: the node's output name)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.nodes: list = []
+
+    def op(self, op_type: str, inputs, n_out: int = 1, **attrs):
+        from onnx import helper
+
+        outs = [f"{self.prefix}{op_type.lower()}_{len(self.nodes)}_{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=outs[0], **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype: int = 7) -> str:   # 7: TensorProto.INT64
+        from onnx import helper
+
+        arr = np.asarray(value)
+        name = f"{self.prefix}const_{len(self.nodes)}"
+        self.nodes.append(helper.make_node("Constant", [], [name], name=name, value=helper.make_tensor(
+            name, dtype, list(arr.shape), arr.reshape(-1).tolist())))
+        return name
