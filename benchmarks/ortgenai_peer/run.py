@@ -352,7 +352,7 @@ def main() -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
 
     sys.path.insert(0, str(REPO))
-    from dflash_export.bench import _encode_prompts
+    from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine
     from dflash_export.files import cache_dir
