@@ -87,8 +87,8 @@ def test_summary_medians_ratios_and_identical_counts(peer):
     assert "ngram:3:7 (best)" in table[5] and "780 (515)" in table[5]
 
     lines = peer.verdicts(rows, {"fp32": 78.0})
-    assert "fp32: plain / ORT GenAI plain 1.05x (target >= 1.05x): met" in lines
-    assert any(ln.startswith("fp32: DFlash / ORT GenAI n-gram 1.45x") and ln.endswith("met") for ln in lines)
+    assert "fp32: plain / ORT GenAI plain 1.050x (target >= 1.05x): met" in lines
+    assert any(ln.startswith("fp32: DFlash / ORT GenAI n-gram 1.450x") and ln.endswith("met") for ln in lines)
     assert any(ln.startswith("fp32: DFlash / ORT GenAI plain") and ln.endswith("met") for ln in lines)
     assert "fp32: DFlash identical to own plain 1/2: MISSED" in lines
     assert any("peak RSS 700 MiB" in ln and "= 858)" in ln and ln.endswith("met") for ln in lines)

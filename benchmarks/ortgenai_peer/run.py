@@ -154,7 +154,8 @@ def verdicts(rows: list[dict], drafter_mb: dict) -> list[str]:
             ("DFlash / ORT GenAI plain", dfl["vs_ortgenai_plain"], 1.6),
         ]
         for what, got, want in checks:
-            out.append(f"{p}: {what} {got:.2f}x (target >= {want}x): {'met' if got >= want else 'MISSED'}")
+            # three decimals: a ratio printed as the target itself must not read as met when it is not
+            out.append(f"{p}: {what} {got:.3f}x (target >= {want}x): {'met' if got >= want else 'MISSED'}")
         ok = dfl["identical_to_own_plain"] == dfl["prompts"]
         out.append(f"{p}: DFlash identical to own plain {dfl['identical_to_own_plain']}/{dfl['prompts']}: "
                    f"{'met' if ok else 'MISSED'}")
