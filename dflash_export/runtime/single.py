@@ -240,7 +240,9 @@ class DFlashRuntime:
                 stats.drafted_tokens += n_draft
                 cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
-                if backoff:  # a drafter pass of which nothing was accepted: the next 2^n - 1 steps skip it
+                # A walked drafter pass of which nothing was accepted: the next 2^n - 1 steps skip it. Greedy trees
+                # weigh the drafter by its running gain alone (TreeState.drafter_pays): backing off there cost τ.
+                if backoff and walk:
                     if skip > 0:
                         skip -= 1
                     elif drafted:
