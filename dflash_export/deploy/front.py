@@ -52,7 +52,7 @@ from typing import Callable
 import h11
 
 from dflash_export.deploy import openai_api as oa
-from dflash_export.deploy.handler import check_generate_body, check_infer_body
+from dflash_export.deploy.handler import check_generate_body, check_infer_body, check_prompt_chars
 from dflash_export.deploy.metrics import CONTENT_TYPE_LATEST, FrontMetrics
 from dflash_export.errors import DFlashError
 
@@ -268,12 +268,16 @@ class Front:
 
     `model_id`: the name the OpenAI API serves the model under; `models`: the Triton models of the repository
     (the streaming one is used for `"stream": true` when present); `capacity`: sequences the deployment decodes at
-    once (for the batch-occupancy gauge); `health`: returns why the server is not ready, or None.
+    once (for the batch-occupancy gauge); `health`: returns why the server is not ready, or None;
+    `prompt_char_limit`: prompt text longer than this many characters cannot fit the engine and gets its 400 here,
+    before it is queued or tokenized (handler.prompt_char_limit).
     """
 
     def __init__(self, host: str, port: int, limits: Limits | None = None, cancel_dir: Path | None = None,
-                 model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1):
+                 model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1,
+                 prompt_char_limit: int | None = None):
         self.host, self.port = host, port
+        self.prompt_char_limit = prompt_char_limit
         self.limits = (limits or Limits()).check()
         self.secret = secrets.token_hex(16)
         self.cancel_dir = Path(cancel_dir) if cancel_dir else None
@@ -679,10 +683,13 @@ class Front:
         try:
             if endpoint == "infer":
                 obj = check_infer_body(obj, len(body) - json_len)
+                self._check_prompt_size({t["name"]: t["data"][0] for t in obj["inputs"]
+                                         if t["name"] in ("text_input", "messages") and t.get("data")})
             else:
                 obj = check_generate_body(obj)
                 if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
                     parse_json_bounded(obj["messages"].encode(), self.limits.max_json_depth, "messages")
+                self._check_prompt_size(obj)
         except DFlashError as e:
             raise Refused(400, str(e)) from None
         token = self._begin()
@@ -694,6 +701,20 @@ class Front:
         if header_len is not None:
             headers["inference-header-content-length"] = str(len(head))
         return head + body[json_len:], token
+
+    def _check_prompt_size(self, gen: dict) -> None:
+        """DFlashError when the prompt's text cannot fit the engine (see `prompt_char_limit`)."""
+        if self.prompt_char_limit is None:
+            return
+        if isinstance(gen.get("text_input"), str):
+            check_prompt_chars(gen["text_input"], self.prompt_char_limit)
+        if isinstance(gen.get("messages"), str):
+            try:
+                messages = json.loads(gen["messages"])
+            except (ValueError, RecursionError):
+                return  # the model refuses it, naming why
+            if isinstance(messages, list):
+                check_prompt_chars(messages, self.prompt_char_limit)
 
     # Upstream ----------------------------------------------------------------------------------------------------
     def _upstream_headers(self, headers: dict, n: int | None) -> dict:
@@ -835,6 +856,7 @@ class Front:
         try:
             gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
             gen = check_generate_body(gen)
+            self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.from_dflash_error(e) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()

@@ -17,6 +17,7 @@ import numpy as np
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
 from dflash_export.runtime import DFlashRuntime, RunStats
+from dflash_export.tokenization import max_token_chars, prompt_chars
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16
@@ -247,13 +248,40 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat))
 
 
+def prompt_char_limit(engine_dir) -> int | None:
+    """The most characters of prompt text the engine in `engine_dir` can take: its room in tokens (max_seq_len minus
+    one draft block and one new token) times the most characters one token covers (tokenization.max_token_chars).
+    A longer prompt is refused before it is tokenized (tokenizing a megabyte takes seconds). None: no bound known."""
+    from dflash_export.engines.manifest import read_manifest
+
+    try:
+        m = read_manifest(engine_dir, verify_files=False)
+    except DFlashError:
+        return None
+    per_token = max_token_chars(engine_dir)
+    if not m.max_seq_len or not per_token:
+        return None
+    return max(1, m.max_seq_len - m.block_size - 1) * per_token
+
+
+def check_prompt_chars(prompt: str | list[dict], limit: int | None) -> None:
+    """DFlashError naming the input when the prompt's text is over `limit` characters (see prompt_char_limit)."""
+    n = prompt_chars(prompt)
+    if limit is not None and n > limit:
+        raise DFlashError(f"prompt text is {n} characters; this engine's context holds at most {limit} (its length "
+                          "in tokens times the longest token's characters)",
+                          field="messages" if isinstance(prompt, list) else "text_input")
+
+
 class RequestRunner:
     """Runs parsed requests on one engine (one request at a time: an engine sequence is single-threaded)."""
 
-    def __init__(self, runtime: DFlashRuntime):
+    def __init__(self, runtime: DFlashRuntime, engine_dir=None):
         self.runtime = runtime
+        self.char_limit = prompt_char_limit(engine_dir) if engine_dir is not None else None
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        check_prompt_chars(req.prompt, self.char_limit)  # before the tokenizer spends seconds on it
         ids = self.runtime.encode(req.prompt, chat=req.chat)
         info = self.runtime.engine.info
         room = info.max_seq_len - info.block_size - 1

@@ -116,9 +116,9 @@ class TritonPythonModel:
 
             self.service = BatchingService(self.engine, self.max_batch,
                                            int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
-            self.runner = RequestRunner(self.service)
+            self.runner = RequestRunner(self.service, engine_dir)
         else:
-            self.runner = RequestRunner(DFlashRuntime(self.engine))
+            self.runner = RequestRunner(DFlashRuntime(self.engine), engine_dir)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.output_names = [o["name"] for o in config["output"]]
 

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash_export.deploy.front import CANCEL_DIR_ENV, RESTRICTED_APIS, SECRET_HEADER, Front, Limits, new_cancel_dir
+from dflash_export.deploy.handler import prompt_char_limit
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -330,10 +331,11 @@ class TritonServer:
             cancel_dir = new_cancel_dir(self._workdir)
             if self.front is None:
                 marker = _read_marker(self.repo)
+                models = tuple(marker.get("models") or ("dflash",))
                 self.front = Front(self.host, self.http_port, self.limits, cancel_dir,
-                                   model_id=self.model_id or str(marker.get("recipe") or "dflash"),
-                                   models=tuple(marker.get("models") or ("dflash",)),
-                                   capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1))).start()
+                                   model_id=self.model_id or str(marker.get("recipe") or "dflash"), models=models,
+                                   capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1)),
+                                   prompt_char_limit=prompt_char_limit(self.repo / models[0] / "engine")).start()
                 self.front.health = self.health
             self.triton_http_port = free_loopback_ports(1)[0]
             cmd = self.command(self._workdir / "backends")
