@@ -178,6 +178,64 @@ def test_local_isolation_shared_memory_is_owner_only_and_grpc_is_off(served):
     assert regions and all(os.stat(f"/dev/shm/{p}").st_mode & 0o077 == 0 for p in regions), regions
 
 
+
+NOBODY_PROBE = """
+import json, socket, sys, urllib.request
+port, uds, front = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+out = {}
+try:
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    out["port"] = "connected"
+except OSError as e:
+    out["port"] = type(e).__name__
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(uds)
+    out["uds"] = "connected"
+except OSError as e:
+    out["uds"] = type(e).__name__
+for route in ("/v2/repository/index", "/v2/logging", "/v2/trace/setting", "/v2/systemsharedmemory/status",
+              "/v2/models/dflash/stats"):
+    req = urllib.request.Request(front + route, data=b"{}" if "index" in route else None)
+    try:
+        out[route] = urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as e:
+        out[route] = e.code
+print(json.dumps(out))
+"""
+
+
+def test_no_other_local_user_reaches_tritonserver(served):
+    """tritonserver's command line (readable by every local user in /proc) carries no secret, and a second uid
+    (`nobody`) can reach neither its HTTP port nor the front's Unix socket into it; through the front, Triton's
+    repository, logging, trace and shared-memory routes are not served."""
+    from dflash_export.deploy.triton_process import private_network_unavailable
+
+    if (why := private_network_unavailable()) is not None:
+        pytest.skip(f"no private network namespace on this machine ({why})")
+    triton = [p for p in pids_mentioning("--model-repository=")
+              if str(served["cache"]) in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    assert triton
+    cmds = {p: open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace").split("\0") for p in triton}
+    for cmd in cmds.values():
+        assert not any("restricted" in a or "dflash-front" in a for a in cmd), cmd
+    server = next(c for c in cmds.values() if c[0].endswith("tritonserver"))
+    port = next(a.split("=", 1)[1] for a in server if a.startswith("--http-port="))
+    bridge = next(c for c in cmds.values() if any(a.endswith("netns_bridge.py") for a in c))
+    uds = bridge[bridge.index("--uds") + 1]
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("a second uid needs root and setpriv")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c",
+                        NOBODY_PROBE, port, uds, served["url"]], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 and "Permission denied" in r.stderr and "python" in r.stderr:
+        pytest.skip(f"nobody cannot run this interpreter ({r.stderr.strip()[-200:]})")
+    got = json.loads(r.stdout)
+    assert got["port"] == "ConnectionRefusedError" and got["uds"] == "PermissionError", got
+    assert all(got[k] in (404, 405) for k in got if k.startswith("/v2/") and "stats" not in k), got
+
+
 # The real SmolLM2 tokenizer behind a shared batch (one stub process, a thread per request) -------------------------
 
 TOK_CHATS = [[{"role": "user", "content": "Hello"}],

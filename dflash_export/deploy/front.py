@@ -275,8 +275,9 @@ class Front:
 
     def __init__(self, host: str, port: int, limits: Limits | None = None, cancel_dir: Path | None = None,
                  model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1,
-                 prompt_char_limit: int | None = None):
+                 prompt_char_limit: int | None = None, upstream_uds: Path | None = None):
         self.host, self.port = host, port
+        self.upstream_uds = upstream_uds  # tritonserver's HTTP port through this Unix socket (its own namespace)
         self.prompt_char_limit = prompt_char_limit
         self.limits = (limits or Limits()).check()
         self.secret = secrets.token_hex(16)
@@ -319,8 +320,10 @@ class Front:
         import httpx
 
         # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection.
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        transport = httpx.AsyncHTTPTransport(uds=str(self.upstream_uds), limits=limits) if self.upstream_uds else None
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, limits=limits,
+                                         transport=transport)
         self._server = await asyncio.start_server(self._on_connection, sock=sock, limit=1 << 16)
 
     def set_upstream(self, port: int | None) -> None:

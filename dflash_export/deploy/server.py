@@ -206,6 +206,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
         print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics", flush=True)
         print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1)", flush=True)
         print(f"  tritonserver log: {log_path}", flush=True)
+        print(f"  tritonserver runs in {server.isolation}", flush=True)
         print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "
               f"timeout {limits.request_timeout_s:g} s; restart on crash: {'yes' if restart_on_crash else 'no'}; "
               f"drain: {drain_timeout_s:g} s", flush=True)
