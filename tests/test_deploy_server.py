@@ -556,7 +556,7 @@ def test_sigterm_drains_and_exits_nonzero_when_requests_had_to_be_cancelled(tmp_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert results["short"][0] == 200 and results["short"][1]["completion_tokens"] == 40
+    assert results["short"][0] == 200 and results["short"][1]["completion_tokens"] == 40, results["short"]
     if code == 0:
         assert results["long"][0] == 200 and results["long"][1]["completion_tokens"] == 3000
     else:

@@ -352,3 +352,42 @@ def test_a_megabyte_prompt_gets_its_400_fast_and_delays_no_one(tok_served):
     # Generous for a shared 2-core machine: the 4 floods parse and refuse 1 MB bodies meanwhile; what is ruled out
     # is the ordinary request waiting behind seconds of tokenizing.
     assert max(loaded) < alone + 3.0, (alone, loaded)
+
+
+def test_two_serves_on_one_machine_with_8001_and_8002_taken(engine_dir, tmp_path):
+    """tritonserver's own ports sit behind the front and are picked free: with 8001 and 8002 held by someone else,
+    two `serve`s given only their HTTP port both come up and answer."""
+    import socket
+
+    held = []
+    for port in (8001, 8002):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+            held.append(s)
+        except OSError:
+            s.close()  # taken already: the point stands
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path / "cache")}
+    procs, urls = [], []
+    try:
+        for port in free_ports(2):
+            procs.append(subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--engine", str(engine_dir),
+                                           "--port", str(port), "--max-batch", "1"], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                          start_new_session=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc in procs:
+            line = ready_line(proc, 180)
+            assert line.startswith("ready:"), line
+        for url in urls:
+            status, body = post_json(url + "/v1/chat/completions", {"model": "tiny-qwen3", "messages": MESSAGES[0],
+                                                                    "max_tokens": 4})
+            assert status == 200, body
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            assert proc.wait(timeout=90) == 0
+        for s in held:
+            s.close()

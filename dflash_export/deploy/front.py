@@ -212,6 +212,8 @@ class _Conn:
             else:
                 try:
                     data = await self._read(deadline)
+                except asyncio.TimeoutError:  # an OSError too since Python 3.11: the deadline, not a disconnect
+                    raise
                 except (ConnectionError, OSError):
                     data = b""
             if in_head and len(self.head) <= self.front.limits.max_header_bytes:
@@ -569,12 +571,17 @@ class Front:
         deadline = time.monotonic() + lim.body_timeout_s
         if declared is not None and int(declared) > lim.max_body_bytes:
             n = int(declared)
+            if conn.h.they_are_waiting_for_100_continue:  # it has not sent the body: answer before it does
+                raise Refused(413, f"request body is {n} bytes; the limit is {lim.max_body_bytes} "
+                                   "(--max-request-bytes)", close=True)
             # Read (and drop) a moderately large body so the client sees the 413 rather than a reset while it is
             # still sending; beyond DISCARD_MAX just close.
             if n <= DISCARD_MAX:
                 await self._discard(conn, deadline)
             raise Refused(413, f"request body is {n} bytes; the limit is {lim.max_body_bytes} (--max-request-bytes)",
                           close=True)
+        if conn.h.they_are_waiting_for_100_continue:  # `Expect: 100-continue`: the client waits for this to send
+            await conn.send(h11.InformationalResponse(status_code=100, headers=[]))
         parts, size = [], 0
         while True:
             try:
@@ -587,6 +594,9 @@ class Front:
             if isinstance(ev, h11.Data):
                 size += len(ev.data)
                 if size > lim.max_body_bytes:
+                    # A chunked body has no declared length: drop the rest of it (up to DISCARD_MAX, within the
+                    # body deadline) so the 413 reaches a client still sending, instead of a reset.
+                    await self._discard(conn, deadline, DISCARD_MAX - size)
                     raise Refused(413, f"request body is over {lim.max_body_bytes} bytes (--max-request-bytes)",
                                   close=True)
                 parts.append(ev.data)
@@ -595,12 +605,13 @@ class Front:
             else:
                 raise ClientGone
 
-    async def _discard(self, conn: _Conn, deadline: float) -> None:
+    async def _discard(self, conn: _Conn, deadline: float, limit: int = DISCARD_MAX) -> None:
         try:
-            while True:
+            while limit > 0:
                 ev = await conn.next_event(deadline)
                 if not isinstance(ev, h11.Data):
                     return
+                limit -= len(ev.data)
         except (asyncio.TimeoutError, h11.RemoteProtocolError, ConnectionError, OSError):
             return
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -230,6 +231,8 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     seed = _scalar(get, "seed", "int")
     if seed is not None:
         sp.seed = int(seed)
+    elif sp.temperature > 0:  # as OpenAI's API: without a seed every sampled answer is a fresh draw
+        sp.seed = secrets.randbits(63)
     top_k = _scalar(get, "top_k", "int")
     if top_k is not None:
         sp.top_k = int(top_k)
@@ -342,6 +345,8 @@ class RequestRunner:
                     continue
                 delta, shown = text[shown:safe], safe
             else:
+                if reason == "length":  # cut mid-character by max_tokens: its incomplete UTF-8 tail never shows
+                    text = text.rstrip("\ufffd") if len(text.rstrip("\ufffd")) >= shown else text
                 delta, shown = text[shown:], len(text)
             final = {"acceptance_lengths": list(stats.acceptance_lengths), "draft_s": round(stats.draft_s, 6),
                      "verify_s": round(stats.verify_s, 6)} if reason is not None else None

@@ -279,7 +279,7 @@ class TritonServer:
     the server). `restart()` replaces a dead tritonserver behind the same front.
     """
 
-    def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+    def __init__(self, repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
                  exit_timeout_s: int = 10, grpc: bool = False):
@@ -315,6 +315,12 @@ class TritonServer:
                           if self.private else "loopback behind a header on its command line, readable by local "
                           f"users (no private network namespace here: {private_network_unavailable()})")
         self._listeners: list[socket.socket] = []  # metrics / gRPC ports bound here, relayed into the namespace
+        # tritonserver's own ports sit behind the front: picked free unless given (two `serve`s on one machine, or
+        # one where 8001 / 8002 are taken, just work). Its metrics are exposed only on a port asked for; inside its
+        # namespace any port is free.
+        if self.grpc and self.grpc_port is None:
+            self.grpc_port = free_loopback_ports(1)[0]
+        self._inner_metrics_port = self.metrics_port or (8002 if self.private else free_loopback_ports(1)[0])
 
     # URLs -------------------------------------------------------------------------------------------------------------
     @property
@@ -326,8 +332,9 @@ class TritonServer:
         return f"127.0.0.1:{self.grpc_port}" if self.grpc else None
 
     @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+    def metrics_url(self) -> str | None:
+        """tritonserver's own Prometheus endpoint (None: not exposed; the front's /metrics has DFlash's figures)."""
+        return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else None
 
     def log_text(self) -> str:
         return "".join(self._log)
@@ -353,7 +360,8 @@ class TritonServer:
             *(["--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--grpc-restricted-protocol=shared-memory,model-repository,statistics,trace,logging,model-config:"
                f"{SECRET_HEADER}={grpc_key}"] if self.grpc else ["--allow-grpc=false"]),
-            f"--metrics-address={'127.0.0.1' if self.private else self.host}", f"--metrics-port={self.metrics_port}",
+            f"--metrics-address={'127.0.0.1' if self.private or not self.metrics_port else self.host}",
+            f"--metrics-port={self._inner_metrics_port}",
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
             "--disable-auto-complete-config",
@@ -408,7 +416,7 @@ class TritonServer:
             if self.private:
                 if not self._listeners:
                     self._listeners = self._bind_relayed_ports()
-                relayed = [self.metrics_port] + ([self.grpc_port] if self.grpc else [])
+                relayed = [port for _, port in self._relayed_ports()]
                 pass_fds = tuple(s.fileno() for s in self._listeners)
                 uds.unlink(missing_ok=True)
                 cmd = [sys.executable, "-I", str(BRIDGE), "--uds", str(uds), "--port", str(self.triton_http_port),
@@ -430,11 +438,15 @@ class TritonServer:
             raise
         return self
 
+    def _relayed_ports(self) -> list[tuple[str, int]]:
+        return ([(self.host, self.metrics_port)] if self.metrics_port else []) + \
+            ([("127.0.0.1", self.grpc_port)] if self.grpc else [])
+
     def _bind_relayed_ports(self) -> list[socket.socket]:
         """The metrics port (on `host`) and the gRPC port (loopback) bound and listening here, handed to the bridge
         (netns_bridge.py), which relays them to tritonserver inside its namespace."""
         out = []
-        for host, port in [(self.host, self.metrics_port)] + ([("127.0.0.1", self.grpc_port)] if self.grpc else []):
+        for host, port in self._relayed_ports():
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
