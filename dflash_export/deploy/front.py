@@ -287,6 +287,8 @@ class Front:
         self.upstream_port: int | None = None
         self.model_id, self.models = model_id, tuple(models)
         self.health: Callable[[], str | None] | None = None
+        # Why one model cannot serve (its stub died and it reloads), the others serving meanwhile; None: `health`.
+        self.model_health: Callable[[str], str | None] | None = None
         self.created = oa.now()
         self.draining = False
         self.metrics = FrontMetrics(capacity=capacity)
@@ -633,8 +635,8 @@ class Front:
                     raise oa.OpenAIError(404, f"model {path[len('/v1/models/'):][:80]!r} is not served here",
                                          param="model", code="model_not_found")
                 return await self._json(conn, 200, oa.model_card(self.model_id, self.created), head_only)
-            if _GET_ROUTES.match(path):
-                self._check_serving()
+            if gm := _GET_ROUTES.match(path):
+                self._check_serving(gm.group(1))
                 return await self._forward(conn, method, target, headers, b"", None, False, head_only)
             if _POST_ROUTES.match(path) or path in ("/v1/chat/completions", "/v1/completions"):
                 raise Refused(405, f"{method} {path[:100]}: use POST")
@@ -642,7 +644,7 @@ class Front:
                                "Triton routes /v2/models/<model>/generate|generate_stream|infer)")
         if path in ("/v1/chat/completions", "/v1/completions"):
             obj = parse_json_bounded(body, self.limits.max_json_depth)
-            self._check_serving()
+            self._check_serving(self._openai_model(isinstance(obj, dict) and obj.get("stream") is True))
             return await self._openai(conn, path, obj)
         m = _POST_ROUTES.match(path)
         if not m:
@@ -650,7 +652,7 @@ class Front:
                 raise Refused(405, f"POST {path[:100]}: use GET")
             raise Refused(404, f"POST {path[:100]}: not served (the front forwards infer, generate and "
                                "generate_stream, and serves /v1/chat/completions and /v1/completions)")
-        self._check_serving()
+        self._check_serving(m.group(1))
         body, token = self._check_body(m.group(2), headers, body)
         try:
             return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
@@ -658,17 +660,23 @@ class Front:
         finally:
             self._end(token)
 
-    def _not_ready(self) -> str | None:
+    def _not_ready(self, model: str | None = None) -> str | None:
         if self.draining:
             return "the server is shutting down"
         if self.upstream_port is None:
             return "tritonserver is (re)starting"
+        if model is not None and self.model_health is not None:
+            return self.model_health(model)
         if self.health is not None:
             return self.health()
         return None
 
-    def _check_serving(self) -> None:
-        why = self._not_ready()
+    def _openai_model(self, stream: bool) -> str:
+        """The Triton model an OpenAI request goes to: the streaming one for `"stream": true` when deployed."""
+        return "dflash_stream" if stream and "dflash_stream" in self.models else self.models[0]
+
+    def _check_serving(self, model: str | None = None) -> None:
+        why = self._not_ready(model)
         if why is not None:
             raise Refused(503, why if self.draining else f"{why}; retry shortly", close=self.draining)
 
@@ -878,8 +886,8 @@ class Front:
         gen[CANCEL_PARAMETER] = token
         body = json.dumps(gen, ensure_ascii=False).encode()
         headers = {"content-type": "application/json"}
-        use_stream_model = stream and "dflash_stream" in self.models
-        model = "dflash_stream" if use_stream_model else self.models[0]
+        model = self._openai_model(stream)
+        use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
         try:
             resp = await self._send_upstream(conn, "POST", target, headers, body, token)
