@@ -598,7 +598,8 @@ def test_what_a_killed_server_left_is_removed_by_the_next_start(tmp_path):
 def test_short_soak_meets_every_target(tmp_path):
     """benchmarks/soak.py --short: 4 clients for 40 s of good, hostile and dropped requests, a slowloris trickle and
     a kill -9 of a model stub and of tritonserver against `serve` on the tiny engine: every served output equals its
-    direct run, every bad request gets its 4xx, no 5xx outside a fault, recovery within 20 s, no orphans."""
+    direct run, every bad request gets its 4xx, no 5xx outside a fault, recovery within 20 s of a stub's death and
+    30 s of tritonserver's, no orphans."""
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--short", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -606,7 +607,10 @@ def test_short_soak_meets_every_target(tmp_path):
     res = json.loads(out.read_text())
     assert res["requests"] > 50 and res["by_kind"].get("bad", 0) > 0 and res["drops"] > 0
     assert res["wrong_outputs"] == res["unexpected_statuses"] == res["http_5xx"] == res["orphans_after_exit"] == 0
-    assert res["faults"] and res["server_restarts"] == len(res["faults"])
-    assert all(f["answered_correctly_after_s"] is not None and f["answered_correctly_after_s"] <= 20
-               for f in res["faults"])
+    # A stub's death reloads its model alone; tritonserver's restarts the server.
+    kinds = [f["killed"] for f in res["faults"]]
+    assert res["faults"] and res["model_reloads"] == kinds.count("stub")
+    assert res["server_restarts"] == kinds.count("tritonserver")
+    assert all(f["answered_correctly_after_s"] is not None
+               and f["answered_correctly_after_s"] <= (20 if f["killed"] == "stub" else 30) for f in res["faults"])
     assert res["slowloris_connections"].get("dropped_by_front", 0) > 0
