@@ -14,11 +14,7 @@ import sys
 import click
 
 from dflash_export import __version__
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, recipe_options
-from dflash_export.demo import run_demo
 from dflash_export.errors import DFlashError
-from dflash_export.inspect_cmd import run_inspect
-from dflash_export.reference_cmd import run_reference
 
 
 def _one_line(text: str) -> str:
@@ -77,39 +73,6 @@ def main():
     """Export, compile, validate and deploy DFlash speculative decoding engines."""
 
 
-@main.command()
-@click.argument("drafter")
-@click.option("--target", required=True, help="Target: HF directory, .gguf file, or tiny:NAME/target.")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
-def inspect(drafter, target, as_json):
-    """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
-    sys.exit(run_inspect(drafter, target, as_json))
-
-
-@main.command()
-@recipe_options
-@click.option("--prompt", default=None, type=UTF8_TEXT,
-              help="Prompt text (chat template applied when the tokenizer has one).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
-@click.option("--seed", default=0, show_default=True, type=SEED)
-def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
-    """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
-    from dflash_export.recipes import recipe_from_options
-
-    run_reference(recipe_from_options(recipe, target, drafter), prompt, max_new_tokens, temperature, seed)
-
-
-@main.command()
-@click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
-@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
-def demo(recipe, prompt, max_new_tokens):
-    """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
-    with DFlash and with plain AR decoding on the same engine."""
-    run_demo(recipe, prompt, max_new_tokens)
-
-
 def _register_optional(name: str, module: str, attr: str) -> None:
     """Stage commands live in their own modules; a stage whose module is absent is simply not listed."""
     import importlib
@@ -124,11 +87,14 @@ def _register_optional(name: str, module: str, attr: str) -> None:
 
 
 for _name, _module, _attr in [
+    ("inspect", "dflash_export.models.cli", "inspect"),
+    ("reference", "dflash_export.runtime.cli", "reference"),
+    ("demo", "dflash_export.runtime.cli", "demo"),
     ("train", "dflash_export.train.cli", "train"),
     ("export", "dflash_export.export.cli", "export"),
     ("build", "dflash_export.engines.cli", "build"),
-    ("run", "dflash_export.engines.cli", "run"),
-    ("bench", "dflash_export.engines.cli", "bench"),
+    ("run", "dflash_export.runtime.cli", "run"),
+    ("bench", "dflash_export.bench.cli", "bench"),
     ("validate", "dflash_export.validate.cli", "validate"),
     ("deploy", "dflash_export.deploy.cli", "deploy"),
     ("serve", "dflash_export.deploy.cli", "serve"),

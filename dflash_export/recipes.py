@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
 from dflash_export.errors import DFlashError
-from dflash_export.sources import hf_snapshot, is_hf_id, split_pkg_spec
+from dflash_export.models.sources import hf_snapshot, is_hf_id, split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")

@@ -106,7 +106,7 @@ def direct(engine_dir):
     """The engine in this process, behind the same request runner the Triton model uses."""
     from dflash_export.deploy.handler import RequestRunner
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     return RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=1)))
 
@@ -327,7 +327,7 @@ def smollm2_tokenizer_engine(tmp_path_factory):
     through the real tokenizer (special tokens, byte-level BPE) in seconds."""
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.recipes import load_recipe
-    from dflash_export.tiny import TinySpec, build_drafter, build_target
+    from dflash_export.models.tiny import TinySpec, build_drafter, build_target
 
     tok = smollm2_tokenizer_dir()
     d = tmp_path_factory.mktemp("smollm2-tok")

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_export.cli import main
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 
 def _run(*args):
@@ -119,12 +119,12 @@ def test_an_unwritable_path_is_one_line_naming_it(tmp_path):
 
 
 def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monkeypatch):
-    import dflash_export.cli as cli
+    import dflash_export.runtime.cli as runtime_cli
 
     def boom(*a, **k):
         raise ValueError("a bug\nover two lines")
 
-    monkeypatch.setattr(cli, "run_reference", boom)
+    monkeypatch.setattr(runtime_cli, "run_reference", boom)
     line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=1)
     assert "internal error, ValueError: a bug over two lines" in line
     log = line.split("traceback in ")[1].split(";")[0]

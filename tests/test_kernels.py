@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dflash_export.decoding.sampling import verify_block
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.kernels import (
     EMIT_PAD,
@@ -25,7 +26,6 @@ from dflash_export.kernels import (
     kv_injected_block_attention_ref,
 )
 from dflash_export.models.drafter import block_attention
-from dflash_export.sampling import verify_block
 
 
 def _triton_interprets() -> bool:
@@ -303,7 +303,7 @@ def test_float32_uniforms_change_no_decision_outside_the_rounding_band():
 def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
     import json
 
-    from dflash_export.kernels import gpu_check
+    from dflash_export.validate import gpu_check
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch reference here: the interpreter path is the next test's
     assert gpu_check.main(["--cpu", "--out", str(tmp_path)]) == 0
@@ -334,7 +334,7 @@ def test_gpu_check_script_runs_from_the_repo_on_cpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
-    from dflash_export.kernels import gpu_check
+    from dflash_export.validate import gpu_check
 
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().out

@@ -33,7 +33,7 @@ def test_manifest_reads_back_typed_and_agrees_with_the_checkpoints(built):
     from dataclasses import FrozenInstanceError
 
     from dflash_export.engines.manifest import Shapes
-    from dflash_export.sources import resolve_source
+    from dflash_export.models.sources import resolve_source
 
     recipe, out, _, _ = built
     m = read_manifest(out)

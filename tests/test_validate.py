@@ -24,7 +24,7 @@ _TRAIN_VERSION = 1
 
 
 def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
-    from dflash_export.tokenization import ByteCodec
+    from dflash_export.models.tokenization import ByteCodec
     from dflash_export.validate.suites import encode_prompt, load_suite
 
     path, prompts = load_suite("tiny-random")
@@ -34,8 +34,8 @@ def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
 
 def _train_drafter(out: Path) -> None:
     """Fit the tiny drafter to the target's greedy continuations (hard labels) with the train module's block layout."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import save_drafter
     from dflash_export.train.blocks import build_blocks, train_forward
     from dflash_export.train.data import generate_sequences, synthetic_prompt_ids
@@ -110,16 +110,16 @@ def reference(recipe):
 
 @pytest.fixture(scope="session")
 def prompts(trained_drafter_dir):
-    from dflash_export.tiny import TINY
+    from dflash_export.models.tiny import TINY
 
     spec = TINY["qwen3"]
     return [(f"p{i}", ids) for i, ids in enumerate(_suite_ids(spec.vocab_size, spec.mask_token_id)[:NUM_PROMPTS])]
 
 
 def _engine(recipe, cls=None, target=None):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     cls = cls or TorchEngine
     return cls(target or load_target(recipe.target_path), load_drafter(recipe.drafter_path), recipe.name,
@@ -273,8 +273,8 @@ def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, 
 
 
 def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts):
+    from dflash_export.decoding.sampling import probs_from_logits, sample_from
     from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.sampling import probs_from_logits, sample_from
 
     class SkipsRejection(TorchEngine):
         """Takes every sampled draft (no p/q test): outputs follow the drafter's distribution, not the target's."""
@@ -327,7 +327,7 @@ def sharpened_target(scale: float = SHARPEN):
 
 @pytest.fixture(scope="module")
 def sharp(recipe):
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.validate.runner import Reference
 
     return sharpened_target(), load_drafter(recipe.drafter_path), Reference(sharpened_target(),
@@ -340,7 +340,7 @@ def _default_distribution_check(recipe, sharp, fault, seed=0):
     from dflash_export.validate.runner import ValidateOptions, run_validation
 
     target, drafter, reference = sharp
-    from dflash_export.tiny import TINY
+    from dflash_export.models.tiny import TINY
 
     spec = TINY["qwen3"]
     suite = _suite_ids(spec.vocab_size, spec.mask_token_id)
@@ -530,10 +530,9 @@ def test_dflash_slower_than_plain_decoding_fails_unless_the_recipe_lowers_the_fl
                                                                                      tmp_path):
     import dataclasses
 
+    from dflash_export.recipes import Thresholds
     from dflash_export.validate.command import validate_engine
     from dflash_export.validate.runner import ValidateOptions
-
-    from dflash_export.recipes import Thresholds
 
     assert Thresholds().min_speedup_vs_ar == 1.0  # the default floor: never slower than plain decoding
     recipe = dataclasses.replace(recipe, thresholds=dataclasses.replace(recipe.thresholds, min_speedup_vs_ar=1.0))

@@ -17,8 +17,8 @@ import numpy as np
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime, RunStats
-from dflash_export.tokenization import max_token_chars, prompt_chars
+from dflash_export.models.tokenization import max_token_chars, prompt_chars
+from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16

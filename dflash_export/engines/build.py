@@ -15,7 +15,7 @@ from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 DEFAULT_ROOT = Path("engines")
 

@@ -316,7 +316,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
     engines/tensorrt_batch.py)."""
     import torch
 
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)

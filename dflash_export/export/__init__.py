@@ -25,7 +25,7 @@ from dflash_export import __version__
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
 from dflash_export.models.rope import rope_problem
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 TARGET_FILE = "target_verify.onnx"
 DRAFTER_FILE = "drafter.onnx"
@@ -182,8 +182,8 @@ def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
     """
     import torch
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import check_drafter_fits
 
     out_dir = Path(out_dir)

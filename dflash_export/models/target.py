@@ -13,13 +13,13 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_export.arch import ARCHS, REFUSED
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.models.arch import ARCHS, REFUSED
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
-from dflash_export.sources import resolve_source
-from dflash_export.weights import has_safetensors, weight_files
+from dflash_export.models.sources import resolve_source
+from dflash_export.models.weights import has_safetensors, weight_files
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:

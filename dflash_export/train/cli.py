@@ -1,7 +1,7 @@
 """`dflash-export train`: generate the target's responses (cached), then train the recipe's drafter.
 
-Only parsing and wiring here; the method lives in the modules beside this one (stage.py drives them). Heavy imports stay inside the function so the
-CLI starts fast.
+Only parsing and wiring here; the method lives in the modules beside this one (stage.py drives them). Heavy imports
+stay inside the function so the CLI starts fast.
 """
 
 from __future__ import annotations

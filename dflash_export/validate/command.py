@@ -14,7 +14,7 @@ from dflash_export.engines.registry import load_engine
 from dflash_export.errors import CheckFailed, DFlashError
 from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate.report import summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from dflash_export import __version__
+from dflash_export.decoding.prompt_lookup import pooled_tau, prompt_lookup_steps
+from dflash_export.decoding.sampling import probs_from_logits
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.engines.manifest import library_versions
 from dflash_export.engines.numerics import cpu_features
 from dflash_export.errors import DFlashError
-from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
-from dflash_export.runtime import DFlashRuntime
-from dflash_export.sampling import probs_from_logits
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate import checks
 from dflash_export.validate.instrument import InstrumentedEngine
 
@@ -56,8 +56,8 @@ class Reference:
         """`dtype`: default the recipe's."""
         import torch
 
-        from dflash_export.checkpoint import load_drafter
         from dflash_export.models import load_target
+        from dflash_export.models.checkpoint import load_drafter
 
         dtype = getattr(torch, dtype or recipe.dtype)
         return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.block_size)
@@ -124,8 +124,15 @@ class _Progress:
         self.bar = None
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -151,7 +158,7 @@ def _greedy_params(opts: ValidateOptions) -> SamplingParams:
 
 
 def _warm_up(engine: InstrumentedEngine, runtime, reference: Reference, ids: list[int], opts: ValidateOptions) -> None:
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     sp = SamplingParams(max_new_tokens=min(opts.max_new_tokens, 16))
     for _ in range(opts.warmup):
@@ -166,7 +173,7 @@ def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pi
                    opts: ValidateOptions, codec) -> tuple[dict, dict]:
     """Run one prompt four ways (engine DFlash/AR, reference spec/AR), `opts.repeats` times each; return
     (losslessness row, raw timings and call logs). Tokens come from the first run; later runs must repeat them."""
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     sp = _greedy_params(opts)
     runs: dict[str, list] = {"ref_ar": [], "ref_spec": [], "dfl": [], "ar": []}

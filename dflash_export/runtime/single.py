@@ -1,8 +1,8 @@
 """The backend-agnostic DFlash loop over a built engine: prefill, draft, verify (fused accept + commit), repeat.
 
-Streams tokens as they are committed. Consumes randomness exactly as `reference.py` does (numpy PCG64 seeded per request:
-one uniform for the first token, then bs-1 for drafting and bs for verifying per step), so a seeded sampled run on an
-engine is comparable with the PyTorch reference. Imports neither torch nor onnxruntime.
+Streams tokens as they are committed. Consumes randomness exactly as `runtime/reference.py` does (numpy PCG64 seeded
+per request: one uniform for the first token, then bs-1 for drafting and bs for verifying per step), so a seeded
+sampled run on an engine is comparable with the PyTorch reference. Imports neither torch nor onnxruntime.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Iterator
 
 import numpy as np
 
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions, TreeState, build_tree
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.sampling import probs_from_logits, sample_from, verify_length
 
 
 @dataclass

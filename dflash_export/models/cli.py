@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import click
 
 
 def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
@@ -10,7 +13,7 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_export.checkpoint import lint_pair
+    from dflash_export.models.checkpoint import lint_pair
 
     findings, summary = lint_pair(drafter, target)
     errors = [f for f in findings if f.level == "error"]
@@ -30,3 +33,12 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
     console.print("OK: the pair satisfies the DFlash contract" if not errors else f"{len(errors)} error(s)",
                   markup=False)
     return 2 if errors else 0
+
+
+@click.command()
+@click.argument("drafter")
+@click.option("--target", required=True, help="Target: HF directory, .gguf file, or tiny:NAME/target.")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
+def inspect(drafter, target, as_json):
+    """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
+    sys.exit(run_inspect(drafter, target, as_json))

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
+from dflash_export.runtime.batching import BatchingRuntime
 
 
 def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, mode: str) -> dict:

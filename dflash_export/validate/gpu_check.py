@@ -1,7 +1,7 @@
 """One-shot GPU check of the kernels and of the block-vs-token latency claims DFlash rests on.
 
 Needs only torch (+ triton for the kernels): no transformers, no onnxruntime, no TensorRT, no package install, so it
-runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export.kernels.gpu_check`). Sections:
+runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export.validate.gpu_check`). Sections:
 
   kernels            Triton vs torch reference, natively: attention max |diff| (fp32, bf16), FusedVerify tokens
   drafter_latency    one DFlash drafter pass over a 16-token block vs 16 sequential single-token drafter steps,
@@ -37,9 +37,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_export.kernels import fused_verify, gpu_lossless, kv_injected_block_attention, triton_available
+from dflash_export.kernels import fused_verify, kv_injected_block_attention, triton_available
 from dflash_export.kernels.reference import fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, Shapes, _rope_tables, drafter_step, target_step
+from dflash_export.validate import gpu_lossless
 
 TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=96, drafter_layers=2,
               target_layers=2, block=4, context=8, sdpa_contexts=(8, 24), dtype="float32", iters=2, warmup=1)

@@ -17,9 +17,9 @@ from dflash_export.files import read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
+from dflash_export.models.sources import resolve_source
 from dflash_export.models.target import read_target_config
-from dflash_export.sources import resolve_source
-from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
+from dflash_export.models.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
 
 
 def _field(cfg: dict, path: Path, name: str, kind, default=...):

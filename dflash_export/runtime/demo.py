@@ -11,11 +11,11 @@ from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime import DFlashRuntime, RunStats
+from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 
 def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
-    from dflash_export.checkpoint import lint_pair
+    from dflash_export.models.checkpoint import lint_pair
 
     recipe = load_recipe(recipe_name)
     click.echo(f"[1/3] inspect {recipe.name}: {recipe.description}")

@@ -21,10 +21,10 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
 def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
     import torch
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     if prompt is not None and not prompt:
         raise DFlashError("the prompt is empty", field="--prompt")
