@@ -27,8 +27,8 @@ Beside the clients: `--slowloris` connections trickle a request head a byte a se
 head deadline; they must never keep a client out), and every `--fault-every` seconds a model stub or tritonserver
 is killed with SIGKILL (alternately; the stub is one of the `dflash` model's, which the probe asks): the time until a
 correct request is answered again is measured (targets: <= 20 s after a stub, which reloads its model alone, <= 30 s
-after tritonserver, which restarts whole), failures inside a fault's window (503 with Retry-After, a connection cut mid-request) are counted apart,
-and after `serve` exits no process of it may be left (orphans).
+after tritonserver, which restarts whole), failures inside a fault's window (503 with Retry-After, a connection cut
+mid-request) are counted apart, and after `serve` exits no process of it may be left (orphans).
 
 Reported: requests and errors by kind, latency percentiles, the server tree's RSS over time (growth after warm-up),
 server crashes and restarts (from serve's output), and for every dropped client how long its instance kept working

@@ -137,8 +137,8 @@ class DrainIncomplete(ServerError):
     """`serve` stopped with requests still running after the drain time (they were cancelled): exit code 1."""
 
 
-def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path, limits,
-                      drain_timeout_s: float, grpc: bool = False):
+def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
+                      limits, drain_timeout_s: float, grpc: bool = False):
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
     recorded by deploy), the drain time, the host and ports, the log file (default: `default_log_path()`).
     Returns (repository, address to bind, limits, log path)."""
@@ -178,8 +178,8 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
 
     Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and the ports
     given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
-    metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits): the request
-    size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
+    metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
+    the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
     new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept afterwards).
 
     If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
