@@ -350,3 +350,18 @@ def test_openai_field_messages_say_what_is_accepted(front, body, param, says):
     ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 1, "stream": True,
           "stream_options": {"include_usage": False}}
     assert status_of(raw(front, post("/v1/chat/completions", json.dumps(ok).encode()))) == 200
+
+
+def test_an_instance_whose_stub_died_is_a_503_even_before_health_sees_it(front, monkeypatch):
+    """Triton's python backend answers 400 "Stub process '<instance>' is not healthy." for a dead stub: the server's
+    fault, so the client gets 503 with Retry-After (a retry lands on the reloaded model), never a 400."""
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler._send(400, {"error": "Stub process 'dflash_0_0' is not healthy."})
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'))
+    assert status_of(resp) == 503 and b"Retry-After" in resp and b"dflash_0_0" in resp
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
+    resp = raw(front, post("/v1/chat/completions", body))
+    assert status_of(resp) == 503 and b"server_error" in resp

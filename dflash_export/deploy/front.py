@@ -801,8 +801,9 @@ class Front:
             return await self._relay_stream(conn, resp, token)
         payload = await self._read_upstream(conn, resp, token)
         self._refuse_if_drained(token)
-        if resp.status_code != 200 and self.health is not None and (sick := self.health()):
-            raise Refused(503, f"{sick}; retry shortly")
+        if resp.status_code != 200 and ((self.health is not None and (sick := self.health()))
+                                        or (sick := _instance_died(payload))):
+            raise Refused(503, f"{sick}; retry shortly", headers={"Retry-After": "2"})
         if generation and resp.status_code == 200:
             self._observe(payload)
         self.counts["forwarded"] += 1
@@ -919,7 +920,8 @@ class Front:
 
     def _upstream_error(self, status: int, message) -> oa.OpenAIError:
         message = str(message or "the engine refused the request")
-        if status != 200 and self.health is not None and (sick := self.health()):
+        sick = (self.health() if self.health is not None else None) or _instance_died(message)
+        if status != 200 and sick:
             return oa.OpenAIError(503, f"{sick}; retry shortly", kind="server_error")
         if status == 400 or "INVALID_ARG" in message:
             field = message.split(":", 1)[0] if ":" in message else None
@@ -962,6 +964,14 @@ class Front:
         await conn.send(h11.Data(data=oa.sse(b"[DONE]")), h11.EndOfMessage())
         self.counts["forwarded"] += 1
         return 200
+
+
+def _instance_died(text: bytes | str) -> str | None:
+    """The python backend's answer from a model instance whose stub died ("Stub process '<instance>' is not
+    healthy."), whatever `serve`'s health check has seen yet: the server's fault, so a 503, never the client's 400."""
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    m = re.search(r"Stub process '([^']{1,80})' is not healthy", text)
+    return f"model instance {m.group(1)} died (it is being reloaded)" if m else None
 
 
 async def _one_event(obj: dict):
