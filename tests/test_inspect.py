@@ -105,7 +105,8 @@ def test_missing_config_is_one_line_exit_2(pair):
     (drafter / "config.json").unlink()
     r = _cli("inspect", str(drafter), "--target", str(target))
     assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "config.json: file not found" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert f"{drafter}: not a DFlash drafter checkpoint (no config.json)" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 

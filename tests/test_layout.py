@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_export"
 
 # The table of docs/architecture.md, floor by floor (root modules by name, folders by name).
 FLOORS = {
-    "errors": 1, "decoding": 1,
+    "errors": 1, "decoding": 1, "environment": 1,
     "files": 2, "clitypes": 2, "kernels": 2,
     "models": 3,
     "recipes": 4,

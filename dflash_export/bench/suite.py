@@ -194,7 +194,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
     # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
     table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)",
-                  caption="lookup tau: prompt lookup replayed on the same tokens; drafts: verified per step",
+                  caption="tau: tokens per target pass under the mode's drafting; lookup tau: prompt lookup replayed "
+                          "on the same tokens; drafts: verified per step",
                   padding=(0, 1))
     for col in ("mode", "tok/s", "ms/tok", "tau", "lookup tau", "drafts", "RSS MB", "same"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)

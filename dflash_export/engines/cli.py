@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import click
 
+from dflash_export.clitypes import recipe_options
 from dflash_export.engines.build import build_engine
 from dflash_export.recipes import recipe_from_options
 
 
 @click.command()
-@click.option("--recipe", default=None, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
-@click.option("--target", default=None,
-              help="The target instead of the recipe's: an HF directory, a .gguf file or a Hugging Face id in the "
-                   "local cache (Qwen/Qwen3-8B). With --drafter and no --recipe: a pair without writing YAML.")
-@click.option("--drafter", default=None, help="The drafter instead of the recipe's (a z-lab checkpoint directory or a "
-                                             "Hugging Face id in the local cache).")
+@recipe_options
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "tensorrt-llm"]), default="onnxruntime",
               show_default=True)
 @click.option("--out", default="engines", show_default=True, help="Root of engine directories.")

@@ -1,11 +1,9 @@
-"""`dflash-export inspect`: lint a drafter against its target and print a summary table."""
+"""`dflash-export inspect`'s report: lint a drafter against its target and print a summary table. The click command
+is in dflash_export/cli.py: it names the pair by recipe, which sits a floor above the models."""
 
 from __future__ import annotations
 
 import json
-import sys
-
-import click
 
 
 def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
@@ -33,12 +31,3 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
     console.print("OK: the pair satisfies the DFlash contract" if not errors else f"{len(errors)} error(s)",
                   markup=False)
     return 2 if errors else 0
-
-
-@click.command()
-@click.argument("drafter")
-@click.option("--target", required=True, help="Target: HF directory, .gguf file, or tiny:NAME/target.")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
-def inspect(drafter, target, as_json):
-    """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
-    sys.exit(run_inspect(drafter, target, as_json))

@@ -35,7 +35,8 @@ def resolve_target_dir(path) -> Path:
     if not p.exists():
         raise DFlashError("target not found", path=p)
     if not (p / "config.json").is_file():
-        raise DFlashError("not an HF model directory (no config.json) nor a .gguf file", path=p)
+        raise DFlashError("not an HF model directory (no config.json) nor a .gguf file: a target directory holds "
+                          "config.json, model.safetensors (or its index and shards) and the tokenizer files", path=p)
     return p
 
 

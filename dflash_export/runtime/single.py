@@ -154,6 +154,18 @@ class DFlashRuntime:
             f"<= {self.tree_nodes} nodes"
         return f"{self.proposer} ({tree}, {self.tree_mode})"
 
+    def tau_counts(self, temperature: float = 0.0) -> str:
+        """What a τ of this runtime counted, for every line that prints one. τ is tokens committed per target verify
+        pass (the accepted drafts + the target's own token; plain decoding: 1); it depends on what was drafted (the
+        drafter's chain, or the recipe's tree+lookup) and on whether the cost model cut drafts (adaptive)."""
+        recorded = {**DecodingOptions().__dict__, **(getattr(self.engine.info, "decoding", None) or {})}
+        chain = temperature > 0 or self.proposer == "chain" or self.full_last_block
+        what = "drafter chain" if chain else self.proposer
+        if not chain and (self.proposer, self.tree_mode) == (recorded["proposer"], recorded["tree_mode"]):
+            what += " (the recipe's default decoding)"
+        cut = self.adaptive and temperature == 0 and not self.full_last_block
+        return what + ("; adaptive: drafts verified while they pay" if cut else "; every draft verified")
+
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         info = self.engine.info
         if len(prompt_ids) == 0:

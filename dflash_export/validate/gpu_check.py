@@ -84,6 +84,8 @@ def tiny_engine(cpu: bool, timeout_s: int = 300) -> dict:
         return {"ran": True, "ok": False, "error": f"the tiny engine test ran over {timeout_s} s"}
     out = {"ran": True, "ok": res.returncode == 0 and "1 passed" in res.stdout, "returncode": res.returncode,
            "output_tail": (res.stdout + res.stderr)[-3000:]}
+    if out["ok"]:  # the test asserts manifest.plugins: requested == every op's implementation == aot
+        out["path"] = "aot"
     if not out["ok"]:
         out["error"] = "the tiny engine test failed (see output_tail)"
     return out
@@ -353,6 +355,12 @@ def _summary(report: dict) -> str:
     for name in ("jit_views", "plugin_layers", "tiny_engine"):
         if name in report:
             lines.append(f"{name}: ok={report[name].get('ok')} {report[name].get('reason', '')}")
+    for case in report.get("plugin_layers", {}).get("cases", []):
+        # which path each one-op engine was built with: asked for, and what TensorRT used per op
+        lines.append(f"  {case.get('case')}: asked {case.get('requested')}, built {case.get('implementation')}, "
+                     f"ok={case.get('ok')}" + (f" ({case['error']})" if "error" in case else ""))
+    if report.get("tiny_engine", {}).get("ok") and report["tiny_engine"].get("ran"):
+        lines.append(f"  tiny_engine built with the {report['tiny_engine']['path']} path (manifest.plugins)")
     for name in ("drafter_latency", "target_verify"):
         for key, val in report.get(name, {}).items():
             if isinstance(val, dict) and ("ratio" in val or "speedup_block_vs_sequential" in val or "error" in val):

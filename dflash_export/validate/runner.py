@@ -118,10 +118,15 @@ def environment_info() -> dict[str, Any]:
 
 
 class _Progress:
-    """A rich progress bar on stderr, or nothing (tests, pipes)."""
+    """A rich progress bar on a terminal; on a pipe or a log file, a plain line whenever the phase changes and at
+    least every `LINE_EVERY_S` seconds (a run of minutes must not look hung); nothing when disabled (tests)."""
+
+    LINE_EVERY_S = 15.0
 
     def __init__(self, enabled: bool, total: int):
         self.bar = None
+        self.lines = False
+        self.total, self.done = total, 0
         if enabled:
             from rich.console import Console
             from rich.progress import (
@@ -134,9 +139,15 @@ class _Progress:
                 TimeRemainingColumn,
             )
 
+            console = Console(stderr=True)
+            if not console.is_terminal:
+                self.lines = True
+                self.t0 = self.last = time.monotonic()
+                self.phase = None
+                return
             self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
+                                console=console, transient=True)
             self.task = self.bar.add_task("validate", total=total)
 
     def __enter__(self):
@@ -149,8 +160,17 @@ class _Progress:
             self.bar.stop()
 
     def step(self, description: str, n: int = 1) -> None:
+        self.done += n
         if self.bar:
             self.bar.update(self.task, advance=n, description=description)
+        elif self.lines:
+            import sys
+
+            now = time.monotonic()
+            phase = description.split(" ")[0]
+            if phase != self.phase or now - self.last >= self.LINE_EVERY_S or self.done == self.total:
+                print(f"[{now - self.t0:6.1f} s] {self.done}/{self.total} {description}", file=sys.stderr, flush=True)
+                self.phase, self.last = phase, now
 
 
 def _greedy_params(opts: ValidateOptions) -> SamplingParams:
@@ -364,6 +384,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     key = "own_ar_identical" if quantized else "identical"
     report.greedy = _greedy_summary(rows, key, quantized)
     report.greedy["proposer"] = runtime.describe()
+    report.greedy["tau_counts"] = runtime.tau_counts()
     numerics = getattr(engine, "numerics", None)  # ONNX Runtime engines probe their kernels on this CPU at load
     if numerics is not None:
         report.greedy["numerics"] = {**numerics.to_json(), "statement": numerics.statement}
