@@ -26,8 +26,8 @@ draws, per request:
 Beside the clients: `--slowloris` connections trickle a request head a byte a second (the front drops them at its
 head deadline; they must never keep a client out), and every `--fault-every` seconds a model stub or tritonserver
 is killed with SIGKILL (alternately; the stub is one of the `dflash` model's, which the probe asks): the time until a
-correct request is answered again is measured (targets: <= 20 s after a stub, which reloads its model alone, <= 30 s
-after tritonserver, which restarts whole), failures inside a fault's window (503 with Retry-After, a connection cut
+correct request is answered again is measured (targets: <= 20 s after a stub, <= 30 s after tritonserver; either
+restarts the server), failures inside a fault's window (503 with Retry-After, a connection cut
 mid-request) are counted apart, and after `serve` exits no process of it may be left (orphans).
 
 Reported: requests and errors by kind, latency percentiles, the server tree's RSS over time (growth after warm-up),
@@ -349,16 +349,19 @@ class Faults:
             with self.lock:
                 self.windows.append([t, 0.0])
             os.kill(victim, signal.SIGKILL)
-            recovered = None
+            recovered, noticed = None, False
             while time.monotonic() - t < 120:  # measured to the end, even past the soak's (bounded: 2 min)
+                # A correct answer counts once the server has shown the fault (a 503 or a cut connection): one that
+                # a surviving instance gives before the death is seen ends no window.
                 try:
                     status, out = _post(self.port, "/v2/models/dflash/generate", json.dumps(self.probe).encode(),
                                         timeout=30)
-                    if status == 200 and json.loads(out)["text_output"] == self.want:
+                    noticed |= status != 200
+                    if noticed and status == 200 and json.loads(out)["text_output"] == self.want:
                         recovered = time.monotonic() - t
                         break
                 except (OSError, http.client.HTTPException, ValueError):
-                    pass
+                    noticed = True
                 time.sleep(0.25)
             with self.lock:
                 self.windows[-1][1] = time.monotonic()

@@ -287,7 +287,7 @@ class Front:
         self.upstream_port: int | None = None
         self.model_id, self.models = model_id, tuple(models)
         self.health: Callable[[], str | None] | None = None
-        # Why one model cannot serve (its stub died and it reloads), the others serving meanwhile; None: `health`.
+        # Why one model cannot serve (its stub died), the others serving meanwhile; None: `health` decides.
         self.model_health: Callable[[str], str | None] | None = None
         self.created = oa.now()
         self.draining = False
@@ -971,7 +971,7 @@ def _instance_died(text: bytes | str) -> str | None:
     healthy."), whatever `serve`'s health check has seen yet: the server's fault, so a 503, never the client's 400."""
     text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
     m = re.search(r"Stub process '([^']{1,80})' is not healthy", text)
-    return f"model instance {m.group(1)} died (it is being reloaded)" if m else None
+    return f"model instance {m.group(1)} died (the server restarts)" if m else None
 
 
 async def _one_event(obj: dict):

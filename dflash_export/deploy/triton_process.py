@@ -311,7 +311,6 @@ class TritonServer:
         self._stubs: dict[int, str] = {}  # the running server's model stubs: pid -> model, counted once it is ready
         self.stub_death: str | None = None
         self._dead_models: set[str] = set()
-        self.reloads = 0
         self.private = private_network_unavailable() is None
         self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
                           if self.private else "loopback behind a header on its command line, readable by local "
@@ -367,9 +366,6 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
             "--disable-auto-complete-config",
-            # Every model at start, then load / unload through the repository API only: a model whose stub died
-            # is reloaded alone while the others keep serving (`reload_models`).
-            "--model-control-mode=explicit", "--load-model=*",
             "--exit-on-error=true",
             "--strict-readiness=true",
             f"--exit-timeout-secs={self.exit_timeout_s}",
@@ -572,15 +568,15 @@ class TritonServer:
 
     def health(self, model: str | None = None) -> str | None:
         """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead (of
-        `model`, when one is named: the other models keep serving while it reloads)."""
+        `model`, when one is named)."""
         if self.stub_death is None:
             dead = {p: m for p, m in self._stubs.items() if not _running(p)}
             if dead:
                 more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
                 models = sorted(set(dead.values()))
                 self._dead_models = set(models)
-                self.stub_death = (f"a model stub of {', '.join(models)} died (pid {min(dead)}{more}; the model "
-                                   "reloads)")
+                self.stub_death = (f"a model stub of {', '.join(models)} died (pid {min(dead)}{more}; the server "
+                                   "restarts)")
         if self.stub_death is not None and (model is None or model in self._dead_models):
             return self.stub_death
         if self.proc is None or self.proc.poll() is not None:
@@ -590,9 +586,9 @@ class TritonServer:
         return None
 
     def wait(self, poll_s: float = 0.5) -> int:
-        """Block until the server exits; ServerError when that was not requested. A dead model stub never comes
-        back by itself (Triton keeps answering "not healthy" and its readiness stays 200): its model is reloaded
-        here (`reload_models`), ServerError when that fails."""
+        """Block until the server exits on its own, or one of its model stubs dies; ServerError when that was not
+        requested (a dead stub never comes back by itself: Triton keeps answering "not healthy" and its readiness
+        stays 200, so a dead stub is a dead server)."""
         assert self.proc is not None
         while True:
             try:
@@ -604,57 +600,14 @@ class TritonServer:
                 continue
             self._protect_shm()
             if self.health() is not None and self.stub_death is not None:
-                self.reload_models()
+                # Reloading the one model (explicit model control: unload, load) was measured and left the dead
+                # stub's in-flight requests and its old model version hanging: tritonserver then waited its whole
+                # exit timeout at shutdown. So a dead stub restarts the server.
+                self.front.set_upstream(None) if self.front is not None else None
+                raise ServerError(self.stub_death.split(";")[0] + self._log_note(), path=self.repo)
         if not self._stopping:
             raise self._death_error()
         return rc
-
-    def _repository(self, route: str, timeout_s: float) -> tuple[int, bytes]:
-        """POST to tritonserver's model repository API (the front's way in); (status, body)."""
-        import http.client
-
-        uds = self._workdir / "tritonserver.sock" if self._workdir is not None else None
-
-        class Conn(http.client.HTTPConnection):
-            def connect(self):
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.settimeout(timeout_s)
-                self.sock.connect(str(uds))
-
-        conn = (Conn("tritonserver", timeout=timeout_s) if self.private else
-                http.client.HTTPConnection("127.0.0.1", self.triton_http_port, timeout=timeout_s))
-        headers = {"Content-Type": "application/json", **({} if self.private else {SECRET_HEADER: self.front.secret})}
-        try:
-            conn.request("POST", route, body=b"{}", headers=headers)
-            r = conn.getresponse()
-            return r.status, r.read()
-        except (OSError, http.client.HTTPException) as e:
-            return 0, str(e).encode()
-        finally:
-            conn.close()
-
-    def reload_models(self) -> None:
-        """Reload the models whose stubs died (unload, then load: Triton starts new stubs), the others serving
-        meanwhile; ServerError when that fails (`serve` then restarts the whole server)."""
-        models = sorted(self._dead_models)
-        old = {p for p, m in self._stubs.items() if m in models}  # their live instances' stubs exit with the unload
-        self._log.append(f"[dflash-export] reloading {', '.join(models)}: {self.stub_death}\n")
-        print(f"reloading {', '.join(models)} ({self.stub_death})", file=sys.stderr, flush=True)
-        for model in models:
-            for action in ("unload", "load"):
-                status, body = self._repository(f"/v2/repository/models/{model}/{action}", self.ready_timeout_s)
-                if status != 200:
-                    why = _shorten(body.decode("utf-8", "replace"))
-                    self.front.set_upstream(None) if self.front is not None else None
-                    raise ServerError(f"{self.stub_death.split(';')[0]}; {action} of {model} failed (HTTP {status}: "
-                                      f"{why})" + self._log_note(), path=self.repo)
-        self._protect_shm()
-        # The old stubs may still be finishing their unload when the load returns: watched no more, or their exit
-        # would read as another death.
-        self._stubs = {p: m for p, m in self._count_stubs().items() if p not in old}
-        self.stub_death, self._dead_models = None, set()
-        self.reloads += 1
-        print(f"reloaded {', '.join(models)}", file=sys.stderr, flush=True)
 
     def _reap(self, timeout_s: float = 0.0) -> int | None:
         """End tritonserver (SIGTERM to it alone, so its stubs finish their requests and exit with it; SIGKILL to
