@@ -139,3 +139,22 @@ def test_an_answer_cut_by_max_tokens_never_ends_in_half_a_character(direct):
         assert not out.text.endswith("\ufffd") and longest.startswith(out.text.rstrip("\ufffd")), (n, out.text)
         cut_in_char += out.finish_reason == "length" and len(out.text.encode()) < out.completion_tokens
     assert cut_in_char  # some cut fell inside a multi-byte character (else this proves nothing)
+
+
+def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(direct, engine_dir, tmp_path):
+    """deploy --plain: the model's `mode` parameter is "ar" and the runner decodes plainly on the same engine -- one
+    token per step, no drafts, the DFlash deployment's greedy text and its sampled text for a seed."""
+    from dflash_export.deploy.handler import RequestRunner, parse_request
+    from dflash_export.deploy.pbtxt import parse_pbtxt
+    from dflash_export.deploy.repository import write_repository
+
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False, plain=True)
+    cfg = parse_pbtxt((repo / "dflash" / "config.pbtxt").read_text())
+    assert {p["key"]: p["value"]["string_value"] for p in cfg["parameters"]}["mode"] == "ar"
+    plain = RequestRunner(direct.runtime, "ar")
+    for extra in ({}, {"temperature": np.array([0.8], np.float32), "seed": np.array([3], np.uint64)}):
+        inputs = dict(text_input=b"Hello there", max_tokens=np.array([16], np.int32), **extra)
+        chunks = list(plain.run(parse_request(getter(**inputs))))
+        want = list(direct.run(parse_request(getter(**inputs))))
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in want)
+        assert chunks[-1].drafted_tokens == 0 and chunks[-1].step_stats["acceptance_lengths"] == [1] * 15

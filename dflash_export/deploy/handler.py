@@ -279,8 +279,9 @@ def check_prompt_chars(prompt: str | list[dict], limit: int | None) -> None:
 class RequestRunner:
     """Runs parsed requests on one engine (one request at a time: an engine sequence is single-threaded)."""
 
-    def __init__(self, runtime: DFlashRuntime, engine_dir=None):
+    def __init__(self, runtime: DFlashRuntime, mode: str = "dflash", engine_dir=None):
         self.runtime = runtime
+        self.mode = mode  # "ar": plain decoding on the same engine (deploy --plain)
         self.char_limit = prompt_char_limit(engine_dir) if engine_dir is not None else None
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
@@ -327,7 +328,8 @@ class RequestRunner:
             return why
 
         polls = cancelled is not None and getattr(self.runtime, "polls_cancel_while_queued", False)
-        for ev in self.runtime.stream(ids, req.sp, stats=stats, **({"cancelled": ask_queued} if polls else {})):
+        for ev in self.runtime.stream(ids, req.sp, self.mode, stats=stats,
+                                      **({"cancelled": ask_queued} if polls else {})):
             if cancelled is not None and not ev.finished and (why := cancelled()):
                 raise RequestCancelled(why)
             tokens.extend(ev.tokens)
