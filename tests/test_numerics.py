@@ -139,3 +139,65 @@ def test_int4_engine_is_lossless_on_an_emulated_avx2_cpu(int4_engine, tmp_path):
     assert "AVX2" in res["isa"] and "AVX512F" not in res["isa"], res  # the emulated CPU, not this one
     assert res["bit_identical"], res
     assert res["worst"] == 0.0 and all(res["same"]), res
+
+
+def _forge(engine, monkeypatch, tmp_path, content) -> Path:
+    """Write `content` where this engine's cached verdict for this CPU lives (a cache in tmp_path)."""
+    from dflash_export.engines import numerics
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    path = numerics._cache_path(engine, cpu_features(), 0, numerics.probe_rows(engine), 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def _one_row_differs(engine):
+    """This CPU as one where one-row calls round differently (floor 1 is not bit-identical, floor 2 is)."""
+    engine.head = _RowDependentHead(engine.head, lambda h: 2.0 ** -20 if h.shape[1] == 1 else 0.0)
+
+
+@pytest.mark.parametrize("forged", [
+    {"row_floor": 1, "bit_identical": True},   # bit-identical claimed where floor 1 is not
+    {"row_floor": 0}, {"row_floor": -3}, {"row_floor": 64}, {"row_floor": "x"}, {"row_floor": True},
+    {"bit_identical": "yes"}, {"max_abs_diff": -1.0}, {"max_abs_diff": 0.5},  # a difference with "identical"
+    {"cpu": {"model": "elsewhere", "machine": "x86_64", "isa": ["AVX512F"]}}, {"max_rows": 3},
+    {"tried": [["1", True, 0.0]]}, {"tree_bit_identical": "no"}, {"unknown_field": 1},
+    "{not json", "[1, 2]", "", "\xff\xfe",
+])
+def test_a_forged_or_corrupt_cached_verdict_is_replaced_by_a_fresh_probe(engine, monkeypatch, tmp_path, forged):
+    """The verdict cache is read, never trusted: a verdict of the wrong type or range, about another CPU or probe,
+    or claiming bit-identity where the floor is not, gives way to the probe's own answer (floor 2 on this CPU with
+    one-row calls rounded differently), the run goes on, and the file left behind is the fresh verdict."""
+    from dflash_export.engines import numerics
+
+    _one_row_differs(engine)
+    if isinstance(forged, dict):
+        good = {"row_floor": 2, "bit_identical": True, "max_abs_diff": 0.0, "cpu": cpu_features(),
+                "max_rows": numerics.probe_rows(engine), "onnxruntime": "1", "threads": 0, "tried": [[2, True, 0.0]]}
+        forged = {**good, **forged}
+        if forged == good | {"row_floor": 1}:
+            forged["tried"] = [[1, True, 0.0]]
+    path = _forge(engine, monkeypatch, tmp_path, forged)
+    num = choose_row_floor(engine, first=1, threads=0, recorded={})
+    assert num.row_floor == engine.row_floor == 2 and num.bit_identical
+    assert [t[:2] for t in num.tried] == [[1, False], [2, True]]  # probed afresh, not read
+    cached = json.loads(path.read_text())
+    assert cached["row_floor"] == 2 and cached["bit_identical"] is True and cached["tried"] == num.tried
+
+
+def test_a_sound_cached_verdict_is_rechecked_at_its_floor_then_used(engine, monkeypatch, tmp_path):
+    """A valid cached verdict costs a re-check at the row counts where kernels change paths, not a full probe."""
+    from dflash_export.engines import numerics
+
+    _one_row_differs(engine)
+    fresh = choose_row_floor(engine, first=1, threads=0)
+    _forge(engine, monkeypatch, tmp_path, fresh.to_json())
+    calls = []
+    real = numerics.probe_floor
+    monkeypatch.setattr(numerics, "probe_floor", lambda e, floor, rows=None: calls.append((floor, rows)) or
+                        real(e, floor, rows))
+    num = choose_row_floor(engine, first=1, threads=0, recorded={})
+    assert num.row_floor == engine.row_floor == 2 and num.tried == fresh.tried
+    assert len(calls) == 1 and calls[0][0] == 2 and calls[0][1] is not None
+    assert len(calls[0][1]) < numerics.probe_rows(engine)

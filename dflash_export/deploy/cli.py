@@ -63,9 +63,11 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="HTTP port: the OpenAI API (/v1), Triton's routes (/v2), /health and /metrics.")
 @click.option("--grpc/--no-grpc", default=False, show_default=True,
               help="Also open tritonserver's gRPC port (on 127.0.0.1 only; it has no request-size limit).")
-@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--metrics-port", default=8002, show_default=True, type=click.IntRange(1, 65535),
-              help="tritonserver's own Prometheus port (the DFlash metrics are on the HTTP port's /metrics).")
+@click.option("--grpc-port", default=None, type=click.IntRange(1, 65535),
+              help="With --grpc: its port on 127.0.0.1 (default: a free one, printed when ready).")
+@click.option("--metrics-port", default=None, type=click.IntRange(1, 65535),
+              help="Expose tritonserver's own Prometheus counters on this port (default: not exposed; the DFlash "
+                   "metrics are on the HTTP port's /metrics).")
 @click.option("--model-name", default=None,
               help="The model id the OpenAI API serves (default: the engine's recipe name).")
 @click.option("--max-batch", default=None, type=click.IntRange(1, 256),

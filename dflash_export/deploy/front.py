@@ -52,7 +52,7 @@ from typing import Callable
 import h11
 
 from dflash_export.deploy import openai_api as oa
-from dflash_export.deploy.handler import check_generate_body, check_infer_body
+from dflash_export.deploy.handler import check_generate_body, check_infer_body, check_prompt_chars
 from dflash_export.deploy.metrics import CONTENT_TYPE_LATEST, FrontMetrics
 from dflash_export.errors import DFlashError
 
@@ -212,6 +212,8 @@ class _Conn:
             else:
                 try:
                     data = await self._read(deadline)
+                except asyncio.TimeoutError:  # an OSError too since Python 3.11: the deadline, not a disconnect
+                    raise
                 except (ConnectionError, OSError):
                     data = b""
             if in_head and len(self.head) <= self.front.limits.max_header_bytes:
@@ -268,18 +270,25 @@ class Front:
 
     `model_id`: the name the OpenAI API serves the model under; `models`: the Triton models of the repository
     (the streaming one is used for `"stream": true` when present); `capacity`: sequences the deployment decodes at
-    once (for the batch-occupancy gauge); `health`: returns why the server is not ready, or None.
+    once (for the batch-occupancy gauge); `health`: returns why the server is not ready, or None;
+    `prompt_char_limit`: prompt text longer than this many characters cannot fit the engine and gets its 400 here,
+    before it is queued or tokenized (handler.prompt_char_limit).
     """
 
     def __init__(self, host: str, port: int, limits: Limits | None = None, cancel_dir: Path | None = None,
-                 model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1):
+                 model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1,
+                 prompt_char_limit: int | None = None, upstream_uds: Path | None = None):
         self.host, self.port = host, port
+        self.upstream_uds = upstream_uds  # tritonserver's HTTP port through this Unix socket (its own namespace)
+        self.prompt_char_limit = prompt_char_limit
         self.limits = (limits or Limits()).check()
         self.secret = secrets.token_hex(16)
         self.cancel_dir = Path(cancel_dir) if cancel_dir else None
         self.upstream_port: int | None = None
         self.model_id, self.models = model_id, tuple(models)
         self.health: Callable[[], str | None] | None = None
+        # Why one model cannot serve (its stub died), the others serving meanwhile; None: `health` decides.
+        self.model_health: Callable[[str], str | None] | None = None
         self.created = oa.now()
         self.draining = False
         self.metrics = FrontMetrics(capacity=capacity)
@@ -315,8 +324,10 @@ class Front:
         import httpx
 
         # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection.
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        transport = httpx.AsyncHTTPTransport(uds=str(self.upstream_uds), limits=limits) if self.upstream_uds else None
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, limits=limits,
+                                         transport=transport)
         self._server = await asyncio.start_server(self._on_connection, sock=sock, limit=1 << 16)
 
     def set_upstream(self, port: int | None) -> None:
@@ -562,12 +573,17 @@ class Front:
         deadline = time.monotonic() + lim.body_timeout_s
         if declared is not None and int(declared) > lim.max_body_bytes:
             n = int(declared)
+            if conn.h.they_are_waiting_for_100_continue:  # it has not sent the body: answer before it does
+                raise Refused(413, f"request body is {n} bytes; the limit is {lim.max_body_bytes} "
+                                   "(--max-request-bytes)", close=True)
             # Read (and drop) a moderately large body so the client sees the 413 rather than a reset while it is
             # still sending; beyond DISCARD_MAX just close.
             if n <= DISCARD_MAX:
                 await self._discard(conn, deadline)
             raise Refused(413, f"request body is {n} bytes; the limit is {lim.max_body_bytes} (--max-request-bytes)",
                           close=True)
+        if conn.h.they_are_waiting_for_100_continue:  # `Expect: 100-continue`: the client waits for this to send
+            await conn.send(h11.InformationalResponse(status_code=100, headers=[]))
         parts, size = [], 0
         while True:
             try:
@@ -580,6 +596,9 @@ class Front:
             if isinstance(ev, h11.Data):
                 size += len(ev.data)
                 if size > lim.max_body_bytes:
+                    # A chunked body has no declared length: drop the rest of it (up to DISCARD_MAX, within the
+                    # body deadline) so the 413 reaches a client still sending, instead of a reset.
+                    await self._discard(conn, deadline, DISCARD_MAX - size)
                     raise Refused(413, f"request body is over {lim.max_body_bytes} bytes (--max-request-bytes)",
                                   close=True)
                 parts.append(ev.data)
@@ -588,12 +607,13 @@ class Front:
             else:
                 raise ClientGone
 
-    async def _discard(self, conn: _Conn, deadline: float) -> None:
+    async def _discard(self, conn: _Conn, deadline: float, limit: int = DISCARD_MAX) -> None:
         try:
-            while True:
+            while limit > 0:
                 ev = await conn.next_event(deadline)
                 if not isinstance(ev, h11.Data):
                     return
+                limit -= len(ev.data)
         except (asyncio.TimeoutError, h11.RemoteProtocolError, ConnectionError, OSError):
             return
 
@@ -615,8 +635,8 @@ class Front:
                     raise oa.OpenAIError(404, f"model {path[len('/v1/models/'):][:80]!r} is not served here",
                                          param="model", code="model_not_found")
                 return await self._json(conn, 200, oa.model_card(self.model_id, self.created), head_only)
-            if _GET_ROUTES.match(path):
-                self._check_serving()
+            if gm := _GET_ROUTES.match(path):
+                self._check_serving(gm.group(1))
                 return await self._forward(conn, method, target, headers, b"", None, False, head_only)
             if _POST_ROUTES.match(path) or path in ("/v1/chat/completions", "/v1/completions"):
                 raise Refused(405, f"{method} {path[:100]}: use POST")
@@ -624,7 +644,7 @@ class Front:
                                "Triton routes /v2/models/<model>/generate|generate_stream|infer)")
         if path in ("/v1/chat/completions", "/v1/completions"):
             obj = parse_json_bounded(body, self.limits.max_json_depth)
-            self._check_serving()
+            self._check_serving(self._openai_model(isinstance(obj, dict) and obj.get("stream") is True))
             return await self._openai(conn, path, obj)
         m = _POST_ROUTES.match(path)
         if not m:
@@ -632,7 +652,7 @@ class Front:
                 raise Refused(405, f"POST {path[:100]}: use GET")
             raise Refused(404, f"POST {path[:100]}: not served (the front forwards infer, generate and "
                                "generate_stream, and serves /v1/chat/completions and /v1/completions)")
-        self._check_serving()
+        self._check_serving(m.group(1))
         body, token = self._check_body(m.group(2), headers, body)
         try:
             return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
@@ -640,17 +660,23 @@ class Front:
         finally:
             self._end(token)
 
-    def _not_ready(self) -> str | None:
+    def _not_ready(self, model: str | None = None) -> str | None:
         if self.draining:
             return "the server is shutting down"
         if self.upstream_port is None:
             return "tritonserver is (re)starting"
+        if model is not None and self.model_health is not None:
+            return self.model_health(model)
         if self.health is not None:
             return self.health()
         return None
 
-    def _check_serving(self) -> None:
-        why = self._not_ready()
+    def _openai_model(self, stream: bool) -> str:
+        """The Triton model an OpenAI request goes to: the streaming one for `"stream": true` when deployed."""
+        return "dflash_stream" if stream and "dflash_stream" in self.models else self.models[0]
+
+    def _check_serving(self, model: str | None = None) -> None:
+        why = self._not_ready(model)
         if why is not None:
             raise Refused(503, why if self.draining else f"{why}; retry shortly", close=self.draining)
 
@@ -679,10 +705,13 @@ class Front:
         try:
             if endpoint == "infer":
                 obj = check_infer_body(obj, len(body) - json_len)
+                self._check_prompt_size({t["name"]: t["data"][0] for t in obj["inputs"]
+                                         if t["name"] in ("text_input", "messages") and t.get("data")})
             else:
                 obj = check_generate_body(obj)
                 if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
                     parse_json_bounded(obj["messages"].encode(), self.limits.max_json_depth, "messages")
+                self._check_prompt_size(obj)
         except DFlashError as e:
             raise Refused(400, str(e)) from None
         token = self._begin()
@@ -694,6 +723,20 @@ class Front:
         if header_len is not None:
             headers["inference-header-content-length"] = str(len(head))
         return head + body[json_len:], token
+
+    def _check_prompt_size(self, gen: dict) -> None:
+        """DFlashError when the prompt's text cannot fit the engine (see `prompt_char_limit`)."""
+        if self.prompt_char_limit is None:
+            return
+        if isinstance(gen.get("text_input"), str):
+            check_prompt_chars(gen["text_input"], self.prompt_char_limit)
+        if isinstance(gen.get("messages"), str):
+            try:
+                messages = json.loads(gen["messages"])
+            except (ValueError, RecursionError):
+                return  # the model refuses it, naming why
+            if isinstance(messages, list):
+                check_prompt_chars(messages, self.prompt_char_limit)
 
     # Upstream ----------------------------------------------------------------------------------------------------
     def _upstream_headers(self, headers: dict, n: int | None) -> dict:
@@ -758,8 +801,9 @@ class Front:
             return await self._relay_stream(conn, resp, token)
         payload = await self._read_upstream(conn, resp, token)
         self._refuse_if_drained(token)
-        if resp.status_code != 200 and self.health is not None and (sick := self.health()):
-            raise Refused(503, f"{sick}; retry shortly")
+        if resp.status_code != 200 and ((self.health is not None and (sick := self.health()))
+                                        or (sick := _instance_died(payload))):
+            raise Refused(503, f"{sick}; retry shortly", headers={"Retry-After": "2"})
         if generation and resp.status_code == 200:
             self._observe(payload)
         self.counts["forwarded"] += 1
@@ -835,6 +879,7 @@ class Front:
         try:
             gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
             gen = check_generate_body(gen)
+            self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.from_dflash_error(e) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
@@ -842,8 +887,8 @@ class Front:
         gen[CANCEL_PARAMETER] = token
         body = json.dumps(gen, ensure_ascii=False).encode()
         headers = {"content-type": "application/json"}
-        use_stream_model = stream and "dflash_stream" in self.models
-        model = "dflash_stream" if use_stream_model else self.models[0]
+        model = self._openai_model(stream)
+        use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
         try:
             resp = await self._send_upstream(conn, "POST", target, headers, body, token)
@@ -875,7 +920,8 @@ class Front:
 
     def _upstream_error(self, status: int, message) -> oa.OpenAIError:
         message = str(message or "the engine refused the request")
-        if status != 200 and self.health is not None and (sick := self.health()):
+        sick = (self.health() if self.health is not None else None) or _instance_died(message)
+        if status != 200 and sick:
             return oa.OpenAIError(503, f"{sick}; retry shortly", kind="server_error")
         if status == 400 or "INVALID_ARG" in message:
             field = message.split(":", 1)[0] if ":" in message else None
@@ -918,6 +964,14 @@ class Front:
         await conn.send(h11.Data(data=oa.sse(b"[DONE]")), h11.EndOfMessage())
         self.counts["forwarded"] += 1
         return 200
+
+
+def _instance_died(text: bytes | str) -> str | None:
+    """The python backend's answer from a model instance whose stub died ("Stub process '<instance>' is not
+    healthy."), whatever `serve`'s health check has seen yet: the server's fault, so a 503, never the client's 400."""
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    m = re.search(r"Stub process '([^']{1,80})' is not healthy", text)
+    return f"model instance {m.group(1)} died (the server restarts)" if m else None
 
 
 async def _one_event(obj: dict):

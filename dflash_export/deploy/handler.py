@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
+from dflash_export.models.tokenization import max_token_chars, prompt_chars
 from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 DEFAULT_MAX_TOKENS = 128
@@ -229,6 +231,8 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     seed = _scalar(get, "seed", "int")
     if seed is not None:
         sp.seed = int(seed)
+    elif sp.temperature > 0:  # as OpenAI's API: without a seed every sampled answer is a fresh draw
+        sp.seed = secrets.randbits(63)
     top_k = _scalar(get, "top_k", "int")
     if top_k is not None:
         sp.top_k = int(top_k)
@@ -247,14 +251,41 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat))
 
 
+def prompt_char_limit(engine_dir) -> int | None:
+    """The most characters of prompt text the engine in `engine_dir` can take: its room in tokens (max_seq_len minus
+    one draft block and one new token) times the most characters one token covers (tokenization.max_token_chars).
+    A longer prompt is refused before it is tokenized (tokenizing a megabyte takes seconds). None: no bound known."""
+    from dflash_export.engines.manifest import read_manifest
+
+    try:
+        m = read_manifest(engine_dir, verify_files=False)
+    except DFlashError:
+        return None
+    per_token = max_token_chars(engine_dir)
+    if not m.max_seq_len or not per_token:
+        return None
+    return max(1, m.max_seq_len - m.block_size - 1) * per_token
+
+
+def check_prompt_chars(prompt: str | list[dict], limit: int | None) -> None:
+    """DFlashError naming the input when the prompt's text is over `limit` characters (see prompt_char_limit)."""
+    n = prompt_chars(prompt)
+    if limit is not None and n > limit:
+        raise DFlashError(f"prompt text is {n} characters; this engine's context holds at most {limit} (its length "
+                          "in tokens times the longest token's characters)",
+                          field="messages" if isinstance(prompt, list) else "text_input")
+
+
 class RequestRunner:
     """Runs parsed requests on one engine (one request at a time: an engine sequence is single-threaded)."""
 
-    def __init__(self, runtime: DFlashRuntime, mode: str = "dflash"):
+    def __init__(self, runtime: DFlashRuntime, mode: str = "dflash", engine_dir=None):
         self.runtime = runtime
         self.mode = mode  # "ar": plain decoding on the same engine (deploy --plain)
+        self.char_limit = prompt_char_limit(engine_dir) if engine_dir is not None else None
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        check_prompt_chars(req.prompt, self.char_limit)  # before the tokenizer spends seconds on it
         ids = self.runtime.encode(req.prompt, chat=req.chat)
         info = self.runtime.engine.info
         room = info.max_seq_len - info.block_size - 1
@@ -316,6 +347,8 @@ class RequestRunner:
                     continue
                 delta, shown = text[shown:safe], safe
             else:
+                if reason == "length":  # cut mid-character by max_tokens: its incomplete UTF-8 tail never shows
+                    text = text.rstrip("\ufffd") if len(text.rstrip("\ufffd")) >= shown else text
                 delta, shown = text[shown:], len(text)
             final = {"acceptance_lengths": list(stats.acceptance_lengths), "draft_s": round(stats.draft_s, 6),
                      "verify_s": round(stats.verify_s, 6)} if reason is not None else None

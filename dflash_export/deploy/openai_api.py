@@ -124,6 +124,9 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
             raise _bad("stream_options", "expected {\"include_usage\": true|false}")
         if not body.get("stream"):
             raise _bad("stream_options", "only allowed with stream: true")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if key in so and not isinstance(so[key], bool):
+                raise _bad(f"stream_options.{key}", f"expected true or false, got {_json_kind(so[key])}")
     out: dict = {}
     given = [k for k in max_tokens_keys if body.get(k) is not None]
     if len(given) > 1 and body[given[0]] != body[given[1]]:
@@ -133,10 +136,10 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
     t = _number(body, "temperature", 0.0, 2.0)
     if t is not None:
         out["temperature"] = t
-    p = _number(body, "top_p", 0.0, 1.0)
+    p = _number(body, "top_p", -math.inf, math.inf)
     if p is not None:
-        if p <= 0:
-            raise _bad("top_p", "must be > 0")
+        if not 0 < p <= 1:
+            raise _bad("top_p", f"must be in (0, 1], got {p:g}")
         out["top_p"] = p
     k = body.get("top_k")
     if k is not None:

@@ -140,8 +140,8 @@ class DrainIncomplete(ServerError):
     exit_code = EXIT_CHECK_FAILED
 
 
-def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, host: str, log_path, limits,
-                      drain_timeout_s: float, grpc: bool = False):
+def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
+                      limits, drain_timeout_s: float, grpc: bool = False):
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
     recorded by deploy), the drain time, the host and ports, the log file (default: `default_log_path()`).
     Returns (repository, address to bind, limits, log path)."""
@@ -155,9 +155,10 @@ def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, h
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
     bind = resolve_host(host)
-    ports = {"--http-port": http_port, "--metrics-port": metrics_port, **({"--grpc-port": grpc_port} if grpc else {})}
+    ports = {"--http-port": http_port, **({"--metrics-port": metrics_port} if metrics_port is not None else {}),
+             **({"--grpc-port": grpc_port} if grpc and grpc_port is not None else {})}
     check_listen(bind, ports)
-    if grpc:
+    if grpc and grpc_port is not None:
         check_listen("127.0.0.1", {"--grpc-port": grpc_port})
     if log_path is not None:
         log_path = Path(log_path).expanduser().resolve()
@@ -171,15 +172,17 @@ def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, h
     return repo, bind, limits, log_path
 
 
-def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
+def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
+          host: str = "127.0.0.1",
           ready_timeout_s: float = 600.0, log_path=None, limits=None, restart_on_crash: bool = True,
           drain_timeout_s: float = 30.0, grpc: bool = False, model_id: str | None = None) -> int:
     """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
     ready.
 
-    Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and three
-    distinct ports must be free to listen on (DFlashError, exit 2, otherwise). `limits` (front.Limits): the request
-    size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
+    Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and the ports
+    given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
+    metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
+    the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
     new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept afterwards).
 
     If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
@@ -206,9 +209,12 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
     try:
         server.start()
         grpc_part = f"  gRPC {server.grpc_url}" if server.grpc_url else ""
-        print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics", flush=True)
+        triton_metrics = f"  tritonserver metrics {server.metrics_url}" if server.metrics_url else ""
+        print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics{triton_metrics}",
+              flush=True)
         print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1)", flush=True)
         print(f"  tritonserver log: {log_path}", flush=True)
+        print(f"  tritonserver runs in {server.isolation}", flush=True)
         print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "
               f"timeout {limits.request_timeout_s:g} s; restart on crash: {'yes' if restart_on_crash else 'no'}; "
               f"drain: {drain_timeout_s:g} s", flush=True)

@@ -117,9 +117,9 @@ class TritonPythonModel:
 
             self.service = BatchingService(self.engine, self.max_batch,
                                            int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
-            self.runner = RequestRunner(self.service, mode)
+            self.runner = RequestRunner(self.service, mode, engine_dir)
         else:
-            self.runner = RequestRunner(DFlashRuntime(self.engine), mode)
+            self.runner = RequestRunner(DFlashRuntime(self.engine), mode, engine_dir)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.output_names = [o["name"] for o in config["output"]]
 

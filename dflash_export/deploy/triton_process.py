@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash_export.deploy.front import CANCEL_DIR_ENV, RESTRICTED_APIS, SECRET_HEADER, Front, Limits, new_cancel_dir
+from dflash_export.deploy.handler import prompt_char_limit
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -212,6 +214,43 @@ def _read_marker(repo: Path) -> dict:
         return {}
 
 
+BRIDGE = Path(__file__).with_name("netns_bridge.py")
+_private_network: list[str | None] = []  # the probe's answer, once per process: None (available) or why not
+
+
+def private_network_unavailable() -> str | None:
+    """Why tritonserver cannot run in a network namespace of its own here (None: it can; see netns_bridge.py).
+    User namespaces may be disabled (kernel setting, a container's seccomp profile, AppArmor)."""
+    if not _private_network:
+        try:
+            r = subprocess.run([sys.executable, "-I", str(BRIDGE), "--probe"], capture_output=True, text=True,
+                               timeout=30)
+            _private_network.append(None if r.returncode == 0 else (r.stdout.strip() or f"exit {r.returncode}"))
+        except (OSError, subprocess.SubprocessError) as e:
+            _private_network.append(str(e))
+    return _private_network[0]
+
+
+def _uds_ok(path: Path, route: str, timeout: float = 1.0) -> bool:
+    """GET `route` from an HTTP server behind the Unix socket `path`; True on 200."""
+    import http.client
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(str(path))
+
+    conn = Conn("tritonserver", timeout=timeout)
+    try:
+        conn.request("GET", route)
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def free_loopback_ports(n: int) -> list[int]:
     """n distinct ports free on 127.0.0.1 now (all held open together, then released)."""
     socks = [socket.socket() for _ in range(n)]
@@ -228,15 +267,19 @@ class TritonServer:
     """A tritonserver process on a model repository, behind the HTTP front (deploy/front.py); a context manager that
     starts both and waits for readiness.
 
-    `http_port` is the front's (on `host`); tritonserver's own HTTP port is a free loopback port that answers only
-    requests carrying the front's secret header; gRPC listens on loopback only (it has no front). The server's
+    `http_port` is the front's (on `host`). tritonserver runs in a network namespace of its own (netns_bridge.py)
+    where the machine allows unprivileged user namespaces: no other process can connect to its ports, the front
+    reaches its HTTP port through a Unix socket in the server's 0700 work dir, and the metrics (and gRPC) ports asked
+    for are relayed from sockets bound here. Elsewhere its HTTP port is a free loopback port answering only requests
+    carrying the front's per-start header, which then stands on its command line (`isolation` says which; `serve`
+    prints it). gRPC listens on loopback only (it has no front). The server's
     output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
     to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in its own
     process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
     the server). `restart()` replaces a dead tritonserver behind the same front.
     """
 
-    def __init__(self, repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+    def __init__(self, repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
                  exit_timeout_s: int = 10, grpc: bool = False):
@@ -265,8 +308,20 @@ class TritonServer:
         self.grpc = grpc
         self.model_id: str | None = None  # the OpenAI API's model name (default: the repository's recipe)
         self._pgid: int | None = None
-        self._stubs: set[int] = set()   # the model stubs of the running server (pids), counted once it is ready
+        self._stubs: dict[int, str] = {}  # the running server's model stubs: pid -> model, counted once it is ready
         self.stub_death: str | None = None
+        self._dead_models: set[str] = set()
+        self.private = private_network_unavailable() is None
+        self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
+                          if self.private else "loopback behind a header on its command line, readable by local "
+                          f"users (no private network namespace here: {private_network_unavailable()})")
+        self._listeners: list[socket.socket] = []  # metrics / gRPC ports bound here, relayed into the namespace
+        # tritonserver's own ports sit behind the front: picked free unless given (two `serve`s on one machine, or
+        # one where 8001 / 8002 are taken, just work). Its metrics are exposed only on a port asked for; inside its
+        # namespace any port is free.
+        if self.grpc and self.grpc_port is None:
+            self.grpc_port = free_loopback_ports(1)[0]
+        self._inner_metrics_port = self.metrics_port or (8002 if self.private else free_loopback_ports(1)[0])
 
     # URLs -------------------------------------------------------------------------------------------------------------
     @property
@@ -278,8 +333,9 @@ class TritonServer:
         return f"127.0.0.1:{self.grpc_port}" if self.grpc else None
 
     @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+    def metrics_url(self) -> str | None:
+        """tritonserver's own Prometheus endpoint (None: not exposed; the front's /metrics has DFlash's figures)."""
+        return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else None
 
     def log_text(self) -> str:
         return "".join(self._log)
@@ -287,6 +343,11 @@ class TritonServer:
     # Lifecycle --------------------------------------------------------------------------------------------------------
     def command(self, backend_dir: Path) -> list[str]:
         install = find_triton()
+        # In its own network namespace nobody but the front reaches tritonserver's HTTP port, so no secret goes on
+        # its command line (/proc shows it to every local user); gRPC's restricted protocols (gRPC is relayed to
+        # this machine's loopback) then get a key no gRPC client can send: a header value cannot hold a line feed.
+        secret = self.front.secret if not self.private else None
+        grpc_key = secret or secrets.token_hex(8) + "\n"
         cmd = [
             str(install.binary),
             f"--model-repository={self.repo}",
@@ -294,13 +355,14 @@ class TritonServer:
             # Triton's own HTTP parser must never see a request the front did not check (see deploy/front.py):
             # loopback only, and every API behind the front's per-start secret header.
             "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
-            f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={self.front.secret}",
+            *([f"--http-restricted-api={RESTRICTED_APIS}:{SECRET_HEADER}={secret}"] if secret else []),
             # gRPC has no front: off unless asked for; then loopback only, and everything but inference and health
-            # (shared-memory registration above all) behind the same per-start secret.
+            # (shared-memory registration above all) behind a key.
             *(["--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                "--grpc-restricted-protocol=shared-memory,model-repository,statistics,trace,logging,model-config:"
-               f"{SECRET_HEADER}={self.front.secret}"] if self.grpc else ["--allow-grpc=false"]),
-            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               f"{SECRET_HEADER}={grpc_key}"] if self.grpc else ["--allow-grpc=false"]),
+            f"--metrics-address={'127.0.0.1' if self.private or not self.metrics_port else self.host}",
+            f"--metrics-port={self._inner_metrics_port}",
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
             "--disable-auto-complete-config",
@@ -328,13 +390,17 @@ class TritonServer:
                 make_backend_dir(install, self._workdir / "backends")
                 make_stub_env(self._workdir / "stubenv", stub_site)
             cancel_dir = new_cancel_dir(self._workdir)
+            uds = self._workdir / "tritonserver.sock"
             if self.front is None:
                 marker = _read_marker(self.repo)
+                models = tuple(marker.get("models") or ("dflash",))
                 self.front = Front(self.host, self.http_port, self.limits, cancel_dir,
-                                   model_id=self.model_id or str(marker.get("recipe") or "dflash"),
-                                   models=tuple(marker.get("models") or ("dflash",)),
-                                   capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1))).start()
+                                   model_id=self.model_id or str(marker.get("recipe") or "dflash"), models=models,
+                                   capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1)),
+                                   prompt_char_limit=prompt_char_limit(self.repo / models[0] / "engine"),
+                                   upstream_uds=uds if self.private else None).start()
                 self.front.health = self.health
+                self.front.model_health = self.health
             self.triton_http_port = free_loopback_ports(1)[0]
             cmd = self.command(self._workdir / "backends")
             env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
@@ -348,15 +414,24 @@ class TritonServer:
             self._stopping = False
             envs_before = _python_env_dirs()
             self.stub_death = None
+            pass_fds: tuple[int, ...] = ()
+            if self.private:
+                if not self._listeners:
+                    self._listeners = self._bind_relayed_ports()
+                relayed = [port for _, port in self._relayed_ports()]
+                pass_fds = tuple(s.fileno() for s in self._listeners)
+                uds.unlink(missing_ok=True)
+                cmd = [sys.executable, "-I", str(BRIDGE), "--uds", str(uds), "--port", str(self.triton_http_port),
+                       *[f"--forward={fd}:{port}" for fd, port in zip(pass_fds, relayed)], "--", *cmd]
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, errors="replace",
-                                         start_new_session=True, preexec_fn=_die_with_parent())
+                                         start_new_session=True, preexec_fn=_die_with_parent(), pass_fds=pass_fds)
             self._pgid = self.proc.pid  # its own session: the group id is its pid, still valid after it is reaped
             self._reader = threading.Thread(target=self._pump, daemon=True)
             self._reader.start()
             self._wait_ready()
             self._protect_shm()
-            self._stubs = set(group_members(self._pgid, "triton_python_b"))
+            self._stubs = self._count_stubs()
             self._python_envs |= _python_env_dirs() - envs_before
             self._write_owner()
             self.front.set_upstream(self.triton_http_port)
@@ -364,6 +439,29 @@ class TritonServer:
             self.stop(drain_timeout_s=0)
             raise
         return self
+
+    def _relayed_ports(self) -> list[tuple[str, int]]:
+        return ([(self.host, self.metrics_port)] if self.metrics_port else []) + \
+            ([("127.0.0.1", self.grpc_port)] if self.grpc else [])
+
+    def _bind_relayed_ports(self) -> list[socket.socket]:
+        """The metrics port (on `host`) and the gRPC port (loopback) bound and listening here, handed to the bridge
+        (netns_bridge.py), which relays them to tritonserver inside its namespace."""
+        out = []
+        for host, port in self._relayed_ports():
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                s.listen(128)
+            except OSError as e:
+                s.close()
+                for o in out:
+                    o.close()
+                raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror or e})",
+                                  field="--metrics-port" if port == self.metrics_port else "--grpc-port") from None
+            out.append(s)
+        return out
 
     def _write_owner(self) -> None:
         if self._workdir is not None:
@@ -396,10 +494,12 @@ class TritonServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
+        uds = self._workdir / "tritonserver.sock"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._death_error()
-            if _http_ok(url, headers={SECRET_HEADER: self.front.secret}):
+            if (_uds_ok(uds, "/v2/health/ready") if self.private else
+                    _http_ok(url, headers={SECRET_HEADER: self.front.secret})):
                 return
             time.sleep(0.2)
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
@@ -454,18 +554,34 @@ class TritonServer:
             except OSError:
                 pass
 
-    def health(self) -> str | None:
-        """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead."""
-        if self.stub_death is not None:
+    def _count_stubs(self) -> dict[int, str]:
+        """pid -> model of the server's python stubs (each names its model's model.py on its command line)."""
+        out = {}
+        for pid in group_members(self._pgid, "triton_python_b"):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                model = Path(os.fsdecode(args[1])).parent.parent.name
+            except (OSError, IndexError):
+                model = "?"
+            out[pid] = model
+        return out
+
+    def health(self, model: str | None = None) -> str | None:
+        """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead (of
+        `model`, when one is named)."""
+        if self.stub_death is None:
+            dead = {p: m for p, m in self._stubs.items() if not _running(p)}
+            if dead:
+                more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
+                models = sorted(set(dead.values()))
+                self._dead_models = set(models)
+                self.stub_death = (f"a model stub of {', '.join(models)} died (pid {min(dead)}{more}; the server "
+                                   "restarts)")
+        if self.stub_death is not None and (model is None or model in self._dead_models):
             return self.stub_death
         if self.proc is None or self.proc.poll() is not None:
             return "tritonserver is not running"
-        dead = sorted(p for p in self._stubs if not _running(p))
-        if dead:
-            more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
-            self.stub_death = f"a model stub died (pid {dead[0]}{more}; the server restarts)"
-            return self.stub_death
-        if _state(self.proc.pid) == "T":
+        if "T" in (_state(p) for p in [self.proc.pid, *group_members(self._pgid or self.proc.pid, "tritonserver")]):
             return "tritonserver is stopped (SIGSTOP)"
         return None
 
@@ -484,6 +600,9 @@ class TritonServer:
                 continue
             self._protect_shm()
             if self.health() is not None and self.stub_death is not None:
+                # Reloading the one model (explicit model control: unload, load) was measured and left the dead
+                # stub's in-flight requests and its old model version hanging: tritonserver then waited its whole
+                # exit timeout at shutdown. So a dead stub restarts the server.
                 self.front.set_upstream(None) if self.front is not None else None
                 raise ServerError(self.stub_death.split(";")[0] + self._log_note(), path=self.repo)
         if not self._stopping:
@@ -537,6 +656,9 @@ class TritonServer:
         if self.front is not None:
             self.front.close()
             self.front = None
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
         if self._log_file is not None:
             try:
                 self._log_file.close()

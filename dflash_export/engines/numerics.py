@@ -197,12 +197,47 @@ def _cache_path(engine, cpu: dict, threads: int, top: int, first: int):
     return cache_dir() / "numerics" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _cached(path) -> Numerics | None:
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v)) and v >= 0
+
+
+def _cached(path, cpu: dict, top: int, bs: int) -> Numerics | None:
+    """A verdict this machine cached, when every field has its type and range and it is about this CPU and probe
+    (a floor in 1..min(MAX_ROW_FLOOR, block_size), booleans, finite non-negative differences, 0.0 when identical,
+    the probed row count); None otherwise (missing, unreadable, corrupt or forged: the caller probes afresh)."""
     try:
-        data = json.loads(path.read_text())
-        return Numerics(**data) if isinstance(data, dict) else None
-    except (OSError, ValueError, TypeError):
+        if path.stat().st_size > 1 << 16:  # a verdict is a few hundred bytes
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
+    fields = set(Numerics.__dataclass_fields__)
+    if not isinstance(data, dict) or not set(data) <= fields:
+        return None
+    floor, same, diff = data.get("row_floor"), data.get("bit_identical"), data.get("max_abs_diff")
+    ok = (isinstance(floor, int) and not isinstance(floor, bool) and 1 <= floor <= min(MAX_ROW_FLOOR, bs)
+          and isinstance(same, bool) and _number(diff) and (diff == 0 or not same)
+          and data.get("cpu") == cpu and data.get("max_rows") == top
+          and isinstance(data.get("onnxruntime"), str)
+          and isinstance(data.get("threads"), int) and not isinstance(data.get("threads"), bool)
+          and isinstance(data.get("tried", []), list)
+          and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], int) and isinstance(t[1], bool)
+                  and _number(t[2]) for t in data.get("tried", []))
+          and data.get("tree_bit_identical") in (None, True, False)
+          and (data.get("tree_max_abs_diff") is None or _number(data.get("tree_max_abs_diff"))))
+    return Numerics(**data) if ok else None
+
+
+def _cached_recheck_rows(floor: int, bs: int, top: int) -> list[int]:
+    """What a cached verdict is re-checked at, before a load uses it: where a floor that does not hold shows first
+    (two rows, the rows just past the floor, a whole block). Fewer than `_recheck_rows`: a restarting server's load
+    (its plain steps go to the largest row count checked; 8 here against 16 on SmolLM2)."""
+    return sorted(r for r in {2, 3, floor + 1, bs} if 1 <= r <= top)
+
+
+def _recheck_rows(first: int, bs: int, top: int) -> list[int]:
+    """The row counts where kernels change paths: what a load re-checks of a verdict reached before on this CPU."""
+    return sorted(r for r in {1, 2, 3, first, bs - 1, bs, bs + 1, top} if 1 <= r <= top)
 
 
 def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | None = None) -> Numerics:
@@ -218,17 +253,28 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
 
     cpu, bs, top = cpu_features(), engine.info.block_size, probe_rows(engine)
     # A verdict this machine already reached for these very engine files (same manifest hash, CPU, ONNX Runtime,
-    # threads): a server restarting after a crash loads its models again without probing again.
+    # threads): a server restarting after a crash loads its models again with a short re-check, not a full probe.
     cache = _cache_path(engine, cpu, threads, top, first) if recorded is not None else None
-    hit = _cached(cache) if cache is not None else None
+    hit = _cached(cache, cpu, top, bs) if cache is not None else None
     if hit is not None and hit.bit_identical:
-        engine.row_floor = hit.row_floor
-        return hit
-    same_host = bool(recorded) and recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
-        and recorded.get("cpu", {}).get("isa") == cpu["isa"] \
+        # Re-checked, never trusted: the cached floor must still make verify rows equal plain steps here, at the row
+        # counts where kernels change paths; a stale or forged verdict falls through to a full probe (and is
+        # replaced).
+        same, diff = probe_floor(engine, hit.row_floor, _cached_recheck_rows(hit.row_floor, bs, top))
+        if same:
+            engine.row_floor = hit.row_floor
+            return hit
+    if cache is not None and cache.exists():
+        try:  # unusable: gone, so that only a fresh probe's verdict is ever read again
+            cache.unlink()
+        except OSError:
+            pass
+    recorded = recorded if isinstance(recorded, dict) else {}
+    same_host = recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
+        and isinstance(recorded.get("cpu"), dict) and recorded["cpu"].get("isa") == cpu["isa"] \
         and recorded.get("onnxruntime") == onnxruntime.__version__ \
         and recorded.get("threads") == threads and recorded.get("max_rows") == top
-    rows = [r for r in {1, 2, 3, first, bs - 1, bs, bs + 1, top} if 1 <= r <= top] if same_host else None
+    rows = _recheck_rows(first, bs, top) if same_host else None
     order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, bs) + 1) if f != first]
     tried = []
     for floor in order:
@@ -239,7 +285,8 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         rows = None  # the recorded floor failed here: a full probe from now on
     best = next((t for t in tried if t[1]), None) or min(tried, key=lambda t: t[2])
     engine.row_floor = best[0]
-    if rows is not None and "tree_bit_identical" in recorded:
+    if rows is not None and "tree_bit_identical" in recorded and recorded["tree_bit_identical"] in (None, True, False) \
+            and (recorded.get("tree_max_abs_diff") is None or _number(recorded.get("tree_max_abs_diff"))):
         tree_same, tree_diff = recorded["tree_bit_identical"], recorded.get("tree_max_abs_diff")
     else:
         tree_same, tree_diff = probe_tree(engine)

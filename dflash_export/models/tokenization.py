@@ -9,22 +9,37 @@ and rendered only in jinja2's immutable sandbox, as transformers does. A templat
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
 
-_SPECIAL_LOCK = threading.Lock()  # `encode_special_tokens` is a setting of the shared tokenizer
-
 
 class TextCodec:
-    """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode)."""
+    """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode).
+
+    Safe to share between threads: nothing is changed after construction. `encode_special_tokens` is a setting of a
+    `tokenizers.Tokenizer`, so text that must keep special tokens' spellings as text goes through its own copy made
+    here with that setting on (`text_tokenizer`), never through the shared one switched back and forth.
+    """
 
     def __init__(self, tokenizer, chat_template: str | None, special: dict[str, str], add_bos: str | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.special = special
         self.add_bos = add_bos
+        self._specials: list[str] = []
+        self.text_tokenizer = None
+        if tokenizer is not None:
+            try:
+                added = tokenizer.get_added_tokens_decoder().values()
+                self._specials = [a.content for a in added if a.special and a.content]
+            except AttributeError:
+                pass
+            if self._specials:
+                from tokenizers import Tokenizer
+
+                self.text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+                self.text_tokenizer.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, d: Path) -> "TextCodec":
@@ -57,25 +72,13 @@ class TextCodec:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _special_texts(self) -> list[str]:
-        if not hasattr(self, "_specials"):
-            try:
-                added = self.tokenizer.get_added_tokens_decoder().values()
-                self._specials = [a.content for a in added if a.special and a.content]
-            except AttributeError:
-                self._specials = []
         return self._specials
 
     def encode_text(self, text: str) -> list[int]:
         """Text as text: a special token's spelling in it (`<|im_start|>`) becomes ordinary tokens, never control."""
-        specials = self._special_texts()
-        if not any(sp in text for sp in specials):
+        if self.text_tokenizer is None or not any(sp in text for sp in self._specials):
             return self.encode(text)
-        with _SPECIAL_LOCK:
-            self.tokenizer.encode_special_tokens = True
-            try:
-                return self.encode(text)
-            finally:
-                self.tokenizer.encode_special_tokens = False
+        return self.text_tokenizer.encode(text, add_special_tokens=False).ids
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         """The chat template's rendering, tokenized. Message contents are text: where one spells a special token,
@@ -130,6 +133,40 @@ class TextCodec:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def max_token_chars(engine_dir: Path) -> int:
+    """Characters of prompt text one token can cover at most, for the codec files of an engine directory: a prompt
+    longer than this times the engine's room cannot fit, so it is refused before any tokenizer sees it.
+
+    Read from the vocabulary without the tokenizer: the longest entry (byte-level and metaspace entries are at least
+    as long as the text they decode to; byte-fallback entries `<0x41>` are longer), times 4 when the tokenizer has a
+    normalizer (which may fold several characters into one before the model sees them). The byte codec of tiny
+    pairs: 2 (one token per byte, a reserved byte dropped now and then). 0 when the files cannot be read (no bound).
+    """
+    d = Path(engine_dir)
+    try:
+        spec = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return 2 if (d / "codec.json").is_file() else 0
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        return 0
+    vocab = spec["model"].get("vocab")
+    entries = list(vocab) if isinstance(vocab, dict) else [v[0] for v in vocab or [] if isinstance(v, list) and v]
+    entries += [t.get("content") for t in spec.get("added_tokens") or [] if isinstance(t, dict)]
+    longest = max((len(e) for e in entries if isinstance(e, str)), default=0)
+    norm = spec.get("normalizer")
+    folds = isinstance(norm, dict) and not (norm.get("type") == "Sequence" and not norm.get("normalizers"))
+    return longest * (4 if folds else 1)
+
+
+def prompt_chars(prompt: str | list[dict]) -> int:
+    """The characters of a prompt's text: the string, or every message's content."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def chat_environment():
