@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
@@ -432,7 +433,8 @@ def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Pat
         findings.err(e.field or "config", e.message, file=tcfg_path)
         t_rope = None
     if t_rope is not None:
-        problem = rope_problem(t_rope, rope_source_field(tcfg))
+        hybrid = getattr(ARCHS.get(tcfg["model_type"]), "hybrid", None) is not None  # partial RoPE: its own graph
+        problem = rope_problem(t_rope, rope_source_field(tcfg), partial_ok=hybrid)
         if problem:
             findings.err(problem[0], problem[1], file=tcfg_path)
         t_theta, t_scaling = legacy_rope_fields(t_rope)

@@ -86,7 +86,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
     t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
-    problem = rope_problem(t_rope)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
+    problem = rope_problem(t_rope, partial_ok=target.arch.hybrid is not None)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
     if problem:
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()

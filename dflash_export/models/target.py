@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_export.arch import ARCHS, REFUSED
+from dflash_export.arch import ARCHS, REFUSED, text_settings
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.gguf import hf_dir_from_gguf
@@ -40,10 +40,11 @@ def resolve_target_dir(path) -> Path:
 
 
 def read_target_config(path) -> tuple[dict[str, Any], Path]:
-    """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos."""
+    """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos. A composite
+    (vision + text) checkpoint's decoder settings come from its `text_config` (arch.text_settings)."""
     d = resolve_target_dir(path)
     cfg_path = d / "config.json"
-    cfg = read_json_object(cfg_path)
+    cfg = text_settings(read_json_object(cfg_path))
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
@@ -98,7 +99,8 @@ class TargetModel:
     def new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache()
+        # Hybrids: transformers builds the per-layer kinds (K/V or conv + recurrent state) from the config.
+        return DynamicCache(config=self.hf.config) if self.arch.hybrid else DynamicCache()
 
     @staticmethod
     def crop(cache, length: int) -> None:
