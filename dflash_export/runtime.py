@@ -124,6 +124,9 @@ class DFlashRuntime:
             raise DFlashError(f"{proposer!r} is not one of {', '.join(PROPOSERS)}", field="proposer")
         if tree_mode not in TREE_MODES:
             raise DFlashError(f"{tree_mode!r} is not one of {', '.join(TREE_MODES)}", field="tree_mode")
+        if tree_mode == "full" and proposer != "chain" and getattr(engine, "linear_layers", None):
+            raise DFlashError("full draft trees are not verified on hybrid targets (each node would need its "
+                              "ancestors' Gated DeltaNet state): use tree_mode spine", field="tree_mode")
         self.engine = engine
         # What a greedy step proposes (decoding/tree.py): the drafter's chain, a tree grown from its per-slot
         # distributions (top `tree_top_k` per depth), context lookups, or a tree holding both; at most `tree_nodes`
