@@ -78,10 +78,22 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slo
 
 
 def build_target(spec: TinySpec, out: Path) -> Path:
-    from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3_5Config,
-                              Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
-                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                              Qwen3NextForCausalLM)
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
 
     quiet_transformers()
     common = dict(

@@ -1,0 +1,178 @@
+"""Hybrid targets (Gated DeltaNet linear attention between gated full attention) through every CPU stage built so far,
+against transformers' own model classes as the oracle, on tiny random models built from their config classes:
+Qwen3.5 (a composite vision + text checkpoint, as published), Qwen3.5-MoE (composite; experts + a shared expert) and
+Qwen3-Next (text only; fused projections grouped per key head, experts + a shared expert, one dense layer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_export.engines.base import SamplingParams
+from dflash_export.errors import DFlashError
+from dflash_export.recipes import load_recipe
+from dflash_export.sources import resolve_source
+
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("onnxruntime")
+NEW = 64
+
+FAMILIES = {"tiny-qwen3.5": "Qwen3_5ForCausalLM", "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+            "tiny-qwen3-next": "Qwen3NextForCausalLM"}
+KINDS = ["linear_attention", "linear_attention", "full_attention"] * 2
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(tmp_path_factory, request):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+
+    recipe = load_recipe(request.param)
+    engine_dir = build_onnxruntime(recipe, tmp_path_factory.mktemp("hybrid") / "onnxruntime", threads=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = load_engine(engine_dir, threads=1)
+    yield recipe, engine_dir, engine, hf
+    engine.close()
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [list(map(int, rng.integers(1, 250, size=n))) for n in (3, 8, 17, 30, 5)]
+
+
+def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_layer_kinds_and_linear_shapes_come_from_transformers_config_classes(recipe_name):
+    """Both config forms: the composite checkpoints' settings under text_config (vision ignored) read as the
+    text-only ones; the layer kinds and Gated DeltaNet sizes are what transformers' config class derived."""
+    from dflash_export.arch import ARCHS
+    from dflash_export.models.rope import hf_config
+    from dflash_export.models.target import read_target_config
+
+    target = resolve_source(load_recipe(recipe_name).target)
+    raw = json.loads((target / "config.json").read_text())
+    cfg, path = read_target_config(target)
+    assert cfg["model_type"] == raw["model_type"] and cfg["num_hidden_layers"] == 6 and cfg["hidden_size"] == 64
+    assert ("text_config" in raw) == (recipe_name != "tiny-qwen3-next") and "vision_config" not in cfg
+    arch = ARCHS[cfg["model_type"]]
+    hf_cfg = hf_config(cfg, path, cfg["model_type"])
+    assert arch.hybrid.layer_kinds(hf_cfg) == KINDS
+    assert arch.hybrid.linear_shapes(hf_cfg) == {"key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 8,
+                                                 "conv_kernel": 4, "conv_channels": 2 * 2 * 16 + 4 * 8}
+    assert hf_cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    assert cfg["stop_token_ids"] == [254]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_text_only_config_forms_are_read(tmp_path, model_type):
+    from dflash_export.arch import ARCHS
+    from dflash_export.models.rope import hf_config
+    from dflash_export.models.target import read_target_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 64,
+        "full_attention_interval": 2, "eos_token_id": 3}))
+    cfg, path = read_target_config(tmp_path)
+    kinds = ARCHS[model_type].hybrid.layer_kinds(hf_config(cfg, path, model_type))
+    assert kinds == ["linear_attention", "full_attention"] * 2
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
+    """5 prompts x 64 tokens (past the 4-tap conv window many times): plain decoding and DFlash on the ONNX Runtime
+    engine both give transformers' own greedy tokens."""
+    from dflash_export.runtime import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    rt = DFlashRuntime(engine)
+    stop = engine.info.stop_token_ids[0]
+    for ids in prompts():
+        want = hf_greedy(hf, ids, NEW, stop)
+        sp = SamplingParams(max_new_tokens=NEW)
+        ar = rt.generate(ids, sp, "ar").tokens
+        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
+        assert rt.generate(ids, sp, "dflash").tokens == ar
+
+
+def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
+    """Blocks of transformers' own next tokens with one wrong token planted at a varying place: each verify accepts
+    exactly the right prefix, and the tokens after every partial acceptance stay transformers' (the conv window and
+    recurrent state of a rejected draft leave no trace)."""
+    _, _, engine, hf = hybrid
+    stop = engine.info.stop_token_ids[0]
+    ids = prompts()[3]
+    want = hf_greedy(hf, ids, NEW, stop)
+    bs = engine.info.block_size
+    seq = engine.new_sequence(len(ids) + NEW + bs)
+    out = [int(np.argmax(engine.prefill(seq, np.asarray(ids, np.int64))))]
+    rng = np.random.default_rng(3)
+    accepts = []
+    while len(out) < len(want) - bs:
+        drafts = list(want[len(out):len(out) + bs - 1])
+        wrong = int(rng.integers(0, bs))  # bs - 1: every draft right
+        if wrong < bs - 1:
+            drafts[wrong] = (drafts[wrong] + 1) % 250
+        accept, emitted = engine.verify(seq, np.asarray([out[-1]] + drafts, np.int64), None, SamplingParams(), None)
+        assert accept == wrong, (accept, wrong)
+        accepts.append(accept)
+        out.extend(emitted)
+    assert out == want[:len(out)] and len(set(accepts)) == bs and seq.length == len(ids) + len(out) - 1
+
+
+def test_each_steps_logits_match_transformers_forward(hybrid):
+    _, _, engine, hf = hybrid
+    ids = prompts()[2]
+    seq = engine.new_sequence(len(ids) + 24 + engine.info.block_size)
+    logits = engine.prefill(seq, np.asarray(ids, np.int64))
+    tokens = list(ids)
+    worst = 0.0
+    for _ in range(16):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([tokens])).logits[0, -1].numpy()
+        worst = max(worst, float(np.abs(np.asarray(logits).reshape(-1) - ref).max()))
+        nxt = int(np.argmax(ref))
+        tokens.append(nxt)
+        logits = engine.decode(seq, nxt)
+    assert worst <= 1e-4, worst
+
+
+def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
+    from dflash_export.batching import BatchingRuntime
+    from dflash_export.runtime import DFlashRuntime
+
+    _, _, engine, _ = hybrid
+    sp = SamplingParams(max_new_tokens=24)
+    ids = prompts()[1]
+    plain = DFlashRuntime(engine).generate(ids, sp, "ar").tokens
+    assert DFlashRuntime(engine, proposer="tree+lookup", tree_mode="spine").generate(ids, sp).tokens == plain
+    assert not engine.tree_verify
+    with pytest.raises(DFlashError) as e:
+        DFlashRuntime(engine, proposer="tree", tree_mode="full")
+    assert e.value.field == "tree_mode"
+    with pytest.raises(DFlashError) as e:
+        BatchingRuntime(engine, max_batch=2).generate_many(prompts()[:2], sp)
+    assert e.value.field == "model_type" and "hybrid" in str(e.value)
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_inspect_reads_the_pair_with_no_finding(recipe_name):
+    recipe = load_recipe(recipe_name)
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", recipe.drafter, "--target", recipe.target,
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["findings"] == [], out["findings"]
