@@ -176,3 +176,30 @@ def test_inspect_reads_the_pair_with_no_finding(recipe_name):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["ok"] and out["findings"] == [], out["findings"]
+
+
+def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
+    """The yardstick's DFlash loop (reference.spec_generate) on a hybrid: transformers' Gated DeltaNet cache cannot
+    be cropped, so each verify restores a snapshot and re-runs the accepted rows; its tokens are plain greedy's."""
+    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.target import load_target
+    from dflash_export.reference import spec_generate
+
+    recipe, _, engine, hf = hybrid
+    target = load_target(recipe.target_path)
+    drafter = load_drafter(recipe.drafter_path)
+    ids = prompts()[0]
+    got = spec_generate(drafter, target, ids, max_new_tokens=24).tokens
+    assert got == hf_greedy(hf, ids, 24, engine.info.stop_token_ids[0])[:len(got)] and len(got) >= 1
+
+
+def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
+    """validate's G-test at T = 0.7 on the hybrid engine (DFlash sampling against the engine's own conditionals)."""
+    recipe, engine_dir, _, _ = hybrid
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
+                        str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
+                        "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    dist = {t["name"]: t for t in rep["thresholds"]}
+    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout

@@ -106,10 +106,27 @@ class TargetModel:
     def crop(cache, length: int) -> None:
         cache.crop(length)
 
-    @staticmethod
-    def keep_rows(cache, start: int, rows: Sequence[int]) -> None:
+    def snapshot(self, cache):
+        """What `commit` needs to roll `cache` back after a verify: a copy for hybrids (transformers' Gated DeltaNet
+        state cannot be cropped: it holds the state after the last row only), None for K/V caches (cropped)."""
+        import copy
+
+        return copy.deepcopy(cache) if self.arch.hybrid else None
+
+    def commit(self, cache, length: int, snapshot, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the first `length` tokens of `cache` after a verify: crop a K/V cache; a hybrid's goes back to its
+        `snapshot` (taken before the verify) and runs the accepted `rows` [1, n] at `positions` again."""
+        if snapshot is None:
+            cache.crop(length)
+            return
+        cache.__dict__.update(snapshot.__dict__)
+        self.forward(rows, positions, cache)
+
+    def keep_rows(self, cache, start: int, rows: Sequence[int]) -> None:
         """Keep the cache's first `start` rows and then the rows start + r for r in `rows`, in that order (a draft
         tree's accepted path, compacted behind the committed tokens)."""
+        if self.arch.hybrid:
+            raise DFlashError("draft trees are not verified on hybrid targets (Gated DeltaNet state)", field="tree_mode")
         index = torch.tensor(list(range(start)) + [start + r for r in rows])
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(2, index)
