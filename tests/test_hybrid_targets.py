@@ -203,3 +203,28 @@ def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     dist = {t["name"]: t for t in rep["thresholds"]}
     assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
+    """int8 / int4 weights (every MatMul of both layer kinds as MatMulNBits): where the numerics probe finds verify
+    rows bit-identical to plain steps, DFlash's tokens are the same engine's plain decoding."""
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime import DFlashRuntime
+
+    engine_dir = build_onnxruntime(load_recipe("tiny-qwen3.5"), tmp_path / "onnxruntime", threads=1,
+                                   precision=precision)
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    q = manifest["quantization"]["target"]
+    assert q["matmuls_quantized"] == q["matmuls_total"] > 40
+    engine = load_engine(engine_dir, threads=1)
+    try:
+        if not engine.numerics.bit_identical:
+            pytest.skip(engine.numerics.statement)
+        rt = DFlashRuntime(engine)
+        for ids in prompts()[:3]:
+            sp = SamplingParams(max_new_tokens=NEW)
+            assert rt.generate(ids, sp, "dflash").tokens == rt.generate(ids, sp, "ar").tokens
+    finally:
+        engine.close()
