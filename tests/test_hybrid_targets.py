@@ -228,3 +228,45 @@ def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
             assert rt.generate(ids, sp, "dflash").tokens == rt.generate(ids, sp, "ar").tokens
     finally:
         engine.close()
+
+
+def _stand_in(src: Path, dst: Path, text: dict, top: dict | None = None) -> None:
+    """A bf16 copy of a tiny checkpoint with a published checkpoint's config keys (under text_config when the
+    checkpoint is composite, as Qwen3.5 / 3.6 are published)."""
+    from test_sources import _to_bf16
+
+    _to_bf16(src, dst, **(top or {}))
+    cfg = json.loads((dst / "config.json").read_text())
+    (cfg["text_config"] if "text_config" in cfg else cfg).update(text)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+# Published keys of Qwen3.5-9B / Qwen3.6-35B-A3B's text settings that the tiny sizes keep (RoPE: theta 1e7, a quarter
+# of each head rotated, the multimodal sections text positions ignore; MTP layers transformers does not load).
+PUBLISHED_TEXT = {"max_position_embeddings": 262144, "full_attention_interval": 3, "mtp_num_hidden_layers": 1,
+                  "mtp_use_dedicated_embeddings": False, "attn_output_gate": True,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_name,tiny,env", [
+    ("qwen3.5-9b", "qwen3.5", ("QWEN3_5_9B", "QWEN3_5_9B_DFLASH")),
+    ("qwen3.6-35b-a3b", "qwen3.5-moe", ("QWEN3_6_35B_A3B", "QWEN3_6_35B_A3B_DFLASH"))])
+def test_the_published_hybrid_recipes_build_on_stand_ins(tmp_path, recipe_name, tiny, env):
+    """`build --recipe qwen3.5-9b / qwen3.6-35b-a3b --precision int4` with local paths: composite bf16 stand-ins with
+    the published text_config keys, and the drafters' RoPE base set to the targets' (z-lab's carry it)."""
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    _stand_in(resolve_source(f"tiny:{tiny}/target"), target, PUBLISHED_TEXT)
+    _stand_in(resolve_source(f"tiny:{tiny}/drafter"), drafter, {"rope_theta": 10000000.0,
+                                                                "max_position_embeddings": 262144})
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "build", "--recipe", recipe_name, "--precision", "int4",
+                        "--out", str(tmp_path / "engines")], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), env[0]: str(target), env[1]: str(drafter)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "engines" / recipe_name / "onnxruntime-int4" / "manifest.json").read_text())
+    assert m["precision"]["target"] == "int4" and m["dtypes"]["checkpoint"] == "bfloat16"
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", str(drafter), "--target", str(target),
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and json.loads(r.stdout)["findings"] == [], r.stdout[-2000:] + r.stderr[-2000:]
