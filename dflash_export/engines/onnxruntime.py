@@ -322,17 +322,20 @@ class OrtEngine(Engine):
             pos, bias = tree_inputs(seq.length, s, tree)
             io.bind_cpu_input("position_ids", pos)
             io.bind_cpu_input("attention_bias", bias)
+        pending = {}
         for i in self.linear_layers:  # read from the committed state; the new states come back per row
-            io.bind_cpu_input(f"conv_state_{i}", seq.linear[i][0])
-            io.bind_cpu_input(f"recurrent_state_{i}", seq.linear[i][1])
-            io.bind_output(f"conv_window_{i}", "cpu")
-            io.bind_output(f"recurrent_states_{i}", "cpu")
+            conv, rec = seq.linear[i]
+            io.bind_cpu_input(f"conv_state_{i}", conv)
+            io.bind_cpu_input(f"recurrent_state_{i}", rec)
+            # written by the graph straight into these arrays (no copy out of ONNX Runtime's buffers)
+            window = np.empty((1, conv.shape[1], conv.shape[2] + s), np.float32)
+            states = np.empty((s, *rec.shape), np.float32)
+            io.bind_output(f"conv_window_{i}", "cpu", 0, np.float32, window.shape, window.ctypes.data)
+            io.bind_output(f"recurrent_states_{i}", "cpu", 0, np.float32, states.shape, states.ctypes.data)
+            pending[i] = (window, states)
         self.target.run_with_iobinding(io)
         outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
-        if self.linear_layers:  # bound last, in this order: each layer's window, then its per-row states
-            lin = outs[len(outs) - 2 * len(self.linear_layers):]
-            seq.linear_pending = {i: (lin[2 * k].numpy(), lin[2 * k + 1].numpy())
-                                  for k, i in enumerate(self.linear_layers)}
+        seq.linear_pending = pending
         return outs[0].numpy(), outs[1].numpy()
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:

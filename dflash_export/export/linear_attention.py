@@ -5,7 +5,8 @@ Gated DeltaNet, per token t and value head h (transformers' `torch_recurrent_gat
   x = silu(depthwise causal conv over the last K inputs of in_proj_qkv) -> q, k, v; q, k L2-normalized per head,
   q scaled by Dk^-0.5, key heads repeated to the value heads; beta = sigmoid(in_proj_b), g = -exp(A_log) *
   softplus(in_proj_a + dt_bias);
-  S = S * exp(g); S += k (x) ((v - k.S) * beta); out = q.S;  then an RMSNorm per head times silu(in_proj_z), out_proj.
+  S = S * exp(g); S += k (x) ((v - k.S) * beta); out = q.S;  then an RMSNorm per head times silu(in_proj_z), out_proj
+(the scan body computes the same in an order that reads the state twice per position: `_scan_body`).
 The recurrence runs as an ONNX Scan over the block's positions, one position per iteration, so row r of a verify
 block computes exactly what a one-token step after the same prefix computes (the same ops on the same shapes):
 a block's rows are exact per token, as the K/V rows of attention layers are.
@@ -62,32 +63,37 @@ def projections(sd: dict, p: str, hybrid, shapes: dict) -> tuple[np.ndarray, np.
 
 
 def _scan_body(hv: int, dk: int, dv: int):
-    """One position of the gated delta rule: (state, q_t, k_t, v_t, g_t, beta_t) -> (state, out_t, state_t)."""
+    """One position of the gated delta rule, reading the state [B,Hv,Dk,Dv] twice (once for q.S and k.S together,
+    once to decay it) and writing it once: with d = exp(g), kS = k.S, delta = (v - d kS) beta,
+      out = q.(d S + k delta) = d q.S + (q.k) delta;  S' = d S + k (x) delta.
+    Inputs (state, qk_t [B,Hv,2,Dk] (q then k), v_t [B,Hv,1,Dv], decay_t [B,Hv], beta_t [B,Hv]) -> (state, out_t
+    [B,Hv,1,Dv], state_t)."""
     f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)  # noqa: E731
     axis = lambda n, v: helper.make_node("Constant", [], [n], value=helper.make_tensor(  # noqa: E731
         n, TensorProto.INT64, [len(v)], v))
     nodes = [
-        axis("ax_last", [-1]), axis("ax_dk", [2]), axis("ax_decay", [2, 3]),
-        helper.make_node("Exp", ["g_t"], ["decay"]),
-        helper.make_node("Unsqueeze", ["decay", "ax_decay"], ["decay4"]),                 # [B,Hv,1,1]
-        helper.make_node("Mul", ["state_in", "decay4"], ["s_decayed"]),
-        helper.make_node("Unsqueeze", ["k_t", "ax_last"], ["k_col"]),                    # [B,Hv,Dk,1]
-        helper.make_node("Mul", ["s_decayed", "k_col"], ["s_k"]),
-        helper.make_node("ReduceSum", ["s_k", "ax_dk"], ["kv_mem"], keepdims=0),        # [B,Hv,Dv]
-        helper.make_node("Sub", ["v_t", "kv_mem"], ["v_err"]),
-        helper.make_node("Unsqueeze", ["beta_t", "ax_last"], ["beta_col"]),
-        helper.make_node("Mul", ["v_err", "beta_col"], ["delta"]),
-        helper.make_node("Unsqueeze", ["delta", "ax_dk"], ["delta_row"]),                # [B,Hv,1,Dv]
-        helper.make_node("Mul", ["k_col", "delta_row"], ["update"]),
+        axis("ax_23", [2, 3]), axis("one_one", [1, 1]),
+        helper.make_node("MatMul", ["qk_t", "state_in"], ["qkS"]),                      # [B,Hv,2,Dv]
+        helper.make_node("Split", ["qkS", "one_one"], ["qS", "kS"], axis=2),
+        helper.make_node("Split", ["qk_t", "one_one"], ["q_row", "k_row"], axis=2),     # [B,Hv,1,Dk]
+        helper.make_node("Unsqueeze", ["decay_t", "ax_23"], ["d"]),                     # [B,Hv,1,1]
+        helper.make_node("Unsqueeze", ["beta_t", "ax_23"], ["beta"]),
+        helper.make_node("Mul", ["kS", "d"], ["kS_d"]),
+        helper.make_node("Sub", ["v_t", "kS_d"], ["v_err"]),
+        helper.make_node("Mul", ["v_err", "beta"], ["delta"]),                          # [B,Hv,1,Dv]
+        helper.make_node("Transpose", ["k_row"], ["k_col"], perm=[0, 1, 3, 2]),         # [B,Hv,Dk,1]
+        helper.make_node("MatMul", ["q_row", "k_col"], ["qk"]),                         # [B,Hv,1,1]
+        helper.make_node("Mul", ["qS", "d"], ["qS_d"]),
+        helper.make_node("Mul", ["qk", "delta"], ["qk_delta"]),
+        helper.make_node("Add", ["qS_d", "qk_delta"], ["out_t"]),
+        helper.make_node("Mul", ["state_in", "d"], ["s_decayed"]),
+        helper.make_node("MatMul", ["k_col", "delta"], ["update"]),                     # [B,Hv,Dk,Dv]
         helper.make_node("Add", ["s_decayed", "update"], ["state_out"]),
-        helper.make_node("Unsqueeze", ["q_t", "ax_last"], ["q_col"]),
-        helper.make_node("Mul", ["state_out", "q_col"], ["s_q"]),
-        helper.make_node("ReduceSum", ["s_q", "ax_dk"], ["out_t"], keepdims=0),          # [B,Hv,Dv]
         helper.make_node("Identity", ["state_out"], ["state_t"]),
     ]
-    inputs = [f("state_in", ["batch", hv, dk, dv]), f("q_t", ["batch", hv, dk]), f("k_t", ["batch", hv, dk]),
-              f("v_t", ["batch", hv, dv]), f("g_t", ["batch", hv]), f("beta_t", ["batch", hv])]
-    outputs = [f("state_out", ["batch", hv, dk, dv]), f("out_t", ["batch", hv, dv]),
+    inputs = [f("state_in", ["batch", hv, dk, dv]), f("qk_t", ["batch", hv, 2, dk]), f("v_t", ["batch", hv, 1, dv]),
+              f("decay_t", ["batch", hv]), f("beta_t", ["batch", hv])]
+    outputs = [f("state_out", ["batch", hv, dk, dv]), f("out_t", ["batch", hv, 1, dv]),
                f("state_t", ["batch", hv, dk, dv])]
     return helper.make_graph(nodes, "gated_delta_rule_step", inputs, outputs)
 
@@ -148,12 +154,16 @@ def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: 
     gate = g.op("Mul", [g.op("Softplus", [g.op("Add", [a, g.weight(p + "dt_bias", sd[p + "dt_bias"])])]),
                         g.weight(p + "neg_A", neg_a.astype(np.float32))])
 
-    time_major = lambda x: g.op("Transpose", [x], perm=[1, 0, 2, 3])  # noqa: E731
+    qk = g.op("Concat", [g.op("Unsqueeze", [q, g.const([3])]), g.op("Unsqueeze", [k, g.const([3])])],
+              axis=3)                                                                    # [B,S,Hv,2,Dk]
     rstate = g.input(f"recurrent_state_{i}", F32, ["batch", hv, dk, dv])
-    _, outs, _ = g.op("Scan", [rstate, time_major(q), time_major(k), time_major(v),
-                               g.op("Transpose", [gate], perm=[1, 0, 2]), g.op("Transpose", [beta], perm=[1, 0, 2])],
+    _, outs, _ = g.op("Scan", [rstate, g.op("Transpose", [qk], perm=[1, 0, 2, 3, 4]),
+                               g.op("Transpose", [g.op("Unsqueeze", [v, g.const([3])])], perm=[1, 0, 2, 3, 4]),
+                               g.op("Transpose", [g.op("Exp", [gate])], perm=[1, 0, 2]),
+                               g.op("Transpose", [beta], perm=[1, 0, 2])],
                       n_out=3, outputs=[g.fresh("final_state"), g.fresh("gdn_out"), f"recurrent_states_{i}"],
-                      body=_scan_body(hv, dk, dv), num_scan_inputs=5)
+                      body=_scan_body(hv, dk, dv), num_scan_inputs=4)
+    outs = g.op("Squeeze", [outs, g.const([3])])                                        # [S,B,Hv,Dv]
     core = g.op("Transpose", [outs], perm=[1, 0, 2, 3])                                 # [B,S,Hv,Dv]
     normed = g.rms_norm(core, g.weight(p + "norm", sd[p + "norm.weight"]), eps, False)
     zh = _heads(g, z, hv, dv)
