@@ -270,3 +270,16 @@ def test_the_published_hybrid_recipes_build_on_stand_ins(tmp_path, recipe_name, 
                         "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and json.loads(r.stdout)["findings"] == [], r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_decodes_as_transformers(hybrid):
+    """A 150-token prompt runs in chunks of HYBRID_PREFILL_ROWS (each committing its last row's state): the tokens
+    after it are transformers' greedy ones."""
+    from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
+    from dflash_export.runtime import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    ids = list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))
+    assert len(ids) > 2 * HYBRID_PREFILL_ROWS
+    got = DFlashRuntime(engine).generate(ids, SamplingParams(max_new_tokens=16), "dflash").tokens
+    assert got == hf_greedy(hf, ids, 16, engine.info.stop_token_ids[0])[:len(got)]

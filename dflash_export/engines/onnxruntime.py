@@ -54,6 +54,9 @@ TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their ow
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 ENGINE_FORMAT = 2
+# A hybrid target's prefill runs in chunks of this many rows: each call returns every row's Gated DeltaNet state
+# (2 MiB per row and linear layer at Qwen3.5's sizes), so a chunk bounds that memory whatever the prompt's length.
+HYBRID_PREFILL_ROWS = 64
 # What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
 # files then fail the load by name instead of as an ONNX Runtime input error at the first request.
 GRAPH_ROLES = {TARGET: "target_verify_ort.onnx", DRAFTER: "drafter_ort.onnx", HEAD: "lm_head_ort.onnx",
@@ -127,7 +130,8 @@ class _OrtSeq(Sequence):
         return True
 
     def commit_linear(self, row: int) -> None:
-        """Commit the Gated DeltaNet states after row `row` of the last target call (rows past it leave no trace)."""
+        """Commit the Gated DeltaNet states after row `row` of the last target call (rows past it leave no trace);
+        a no-op when nothing is pending."""
         for i, (window, states) in self.linear_pending.items():
             k = self.linear[i][0].shape[2]
             self.linear[i] = (np.ascontiguousarray(window[:, :, row + 1:row + 1 + k]), states[row])
@@ -348,8 +352,18 @@ class OrtEngine(Engine):
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
-        hidden, ctx = self._run_target(seq, ids, 1)
         n = len(ids)
+        if not self.linear_layers:
+            hidden, ctx = self._run_target(seq, ids, 1)
+        else:  # hybrids: in chunks, so the per-row states a call returns stay bounded whatever the prompt's length
+            ctxs = []
+            for a in range(0, n, HYBRID_PREFILL_ROWS):
+                part = ids[a:a + HYBRID_PREFILL_ROWS]
+                hidden, c = self._run_target(seq, part, 1)
+                seq.commit_linear(len(part) - 1)
+                seq.length += len(part)
+                ctxs.append(c)
+            ctx = np.concatenate(ctxs, axis=1)
         seq.commit_linear(n - 1)
         seq.ctx, seq.ctx_pos = ctx, np.arange(n, dtype=np.int64)[None]
         seq.length = n
