@@ -2,6 +2,7 @@
 of Qwen3.5-4B's layers: one layer of each kind, random weights (the cost depends on the shapes, not the weights).
 
     python benchmarks/hybrid_costs.py [--reps 20] [--threads N] [--precision fp32|int8|int4]
+    python benchmarks/hybrid_costs.py --dense     # the yardstick: two Qwen3 layers of the same width
 
 Layer sizes (Qwen3.5-4B's, from its published description): hidden 2560, MLP 9216, gated attention 16 query / 4
 key-value heads of 256 with RoPE on 64 channels, Gated DeltaNet 16 key / 32 value heads of 128 with a 4-tap conv.
@@ -38,11 +39,19 @@ def build(args, work: Path) -> Path:
     from dflash_export.recipes import load_recipe
 
     torch.manual_seed(0)
+    if args.dense:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        dense = {k: v for k, v in WIDTH.items() if not k.startswith("linear_")}
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, num_hidden_layers=2, rope_theta=10000000.0,
+                                     max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, **dense)
+                         ).save_pretrained(str(work / "target"))
     cfg = Qwen3_5TextConfig(vocab_size=VOCAB, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                              "partial_rotary_factor": 0.25},
                             max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, **WIDTH)
-    Qwen3_5ForCausalLM(cfg).save_pretrained(str(work / "target"))
+    if not args.dense:
+        Qwen3_5ForCausalLM(cfg).save_pretrained(str(work / "target"))
     dc = DrafterConfig(hidden_size=2560, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, intermediate_size=9216, rms_norm_eps=1e-6, block_size=16, mask_token_id=VOCAB - 1,
                        target_layer_ids=[0, 1], num_target_layers=2, vocab_size=VOCAB, target_hidden_size=2560,
@@ -67,6 +76,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32")
+    ap.add_argument("--dense", action="store_true", help="two Qwen3 layers of the same width instead (yardstick)")
     args = ap.parse_args()
     if args.engine is None:
         args.engine = build(args, Path(tempfile.mkdtemp(prefix="hybrid-costs-")))
