@@ -43,7 +43,7 @@ def worker(engine_dir: str, release: bool, prompts: list[list[int]], max_new: in
 
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     before = _status()
     eng = load_engine(engine_dir, threads=threads, release_pages=release)
@@ -68,9 +68,9 @@ def worker(engine_dir: str, release: bool, prompts: list[list[int]], max_new: in
 def weight_bytes(engine_dir: Path) -> tuple[float, float]:
     """(MiB of weights the sessions hold, MiB of shared_weights.bin no graph refers to) of an engine directory.
 
-    The sessions hold their graph files (*.onnx, *.onnx.data; the batched-verify graph aside) and whatever tensors of shared_weights.bin a graph names
-    (an fp32 engine's LM head: the tied embedding matrix); the rest of that file (the embedding table of a quantized
-    engine) is only read a row at a time."""
+    The sessions hold their graph files (*.onnx, *.onnx.data; the batched-verify graph aside) and whatever tensors of
+    shared_weights.bin a graph names (an fp32 engine's LM head: the tied embedding matrix); the rest of that file (the
+    embedding table of a quantized engine) is only read a row at a time."""
     import onnx
 
     from dflash_export.engines.onnxruntime import TARGET_BATCH
@@ -111,7 +111,7 @@ def main() -> int:
     if not args.engine:
         ap.error("give at least one --engine")
 
-    from dflash_export.bench import _encode_prompts
+    from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.recipes import load_recipe
 

@@ -46,11 +46,11 @@ def main() -> None:
                 MODES[f"K{k}-N{n}"] = {"proposer": "tree+lookup", "tree_mode": "full", "adaptive": False,
                                         "tree_top_k": k, "tree_nodes": n}
         args.modes = ",".join(m for m in MODES if m.startswith("K"))
+    from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.registry import load_engine
-    from dflash_export.prompt_lookup import prompt_lookup_tau
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     modes = [m.strip() for m in args.modes.split(",")]
     if "ar" not in modes:
@@ -87,7 +87,8 @@ def main() -> None:
     yard = prompt_lookup_tau(pairs, engine.info.block_size)
     print(f"{args.engine}: {len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
           f"{args.max_new_tokens} new tokens, greedy; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
-          f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): {yard:.3f}")
+          f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): "
+          f"{yard:.3f}")
     ar_rate = sums["ar"]["tokens"] / sums["ar"]["s"]
     report = {"engine": args.engine, "prompts": len(rows), "max_new_tokens": args.max_new_tokens, "cpu": cpu,
               "tau_prompt_lookup": yard, "modes": {}}

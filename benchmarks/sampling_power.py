@@ -47,9 +47,9 @@ def main() -> None:
     torch.set_num_threads(1)
     import test_validate
 
-    from dflash_export.checkpoint import load_drafter
-    from dflash_export.runtime import DFlashRuntime
-    from dflash_export.tiny import TINY
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.tiny import TINY
+    from dflash_export.runtime.single import DFlashRuntime
     from dflash_export.validate.faults import faulty_engine
     from dflash_export.validate.runner import Reference, _distribution_check, _Progress
 

@@ -76,7 +76,7 @@ def direct_outputs(engine: Path, cases: list[dict], threads: int) -> dict[str, s
     """The text each good request must get, from the engine run in this process (no server)."""
     from dflash_export.deploy.handler import RequestRunner, check_generate_body, generate_text, parse_request
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     runner = RequestRunner(DFlashRuntime(load_engine(engine, threads=threads)))
     import numpy as np

@@ -81,7 +81,7 @@ def direct_runs(engine_dir: Path, prompts, max_tokens: int, threads: int, reps: 
     from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     runner = RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=threads)))
 

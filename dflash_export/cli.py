@@ -1,9 +1,9 @@
 """`dflash-export`: one thin click command per stage. Commands parse and call; the logic lives in the stage modules.
 
-Every DFlashError becomes one `error: <file>: <field>: <message>` line and its exit code (2 for bad input, 1 for a
-failed check), never a traceback; so do click's usage errors (`error: <option>: <message>`) and unreadable or
-unwritable paths (OSError: `error: <file>: <reason>`). Anything else is a bug: one line, exit 1, the traceback in a
-file (or on the terminal with DFLASH_EXPORT_TRACEBACK=1).
+Exit codes, the same for every command (errors.py): 0 done, 1 a check failed (CheckFailed), 2 usage or input error
+(every DFlashError, click's usage errors as `error: <option>: <message>`, unreadable or unwritable paths as
+`error: <file>: <reason>`, a missing optional library as the line that installs it), 3 internal error (a bug: one
+line, the traceback in a file, or on the terminal with DFLASH_EXPORT_TRACEBACK=1). Never a traceback otherwise.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import sys
 import click
 
 from dflash_export import __version__
-from dflash_export.clitypes import SEED, UTF8_TEXT, FiniteFloat, recipe_options
-from dflash_export.demo import run_demo
-from dflash_export.errors import DFlashError
-from dflash_export.inspect_cmd import run_inspect
-from dflash_export.reference_cmd import run_reference
+from dflash_export.clitypes import recipe_options
+from dflash_export.environment import install_hint
+from dflash_export.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_INTERNAL, DFlashError
 
 
 def _one_line(text: str) -> str:
@@ -45,7 +43,7 @@ class _Group(click.Group):
             sys.exit(e.exit_code)
         except click.ClickException as e:
             click.echo(f"error: {_usage_error_line(e)}", err=True)
-            sys.exit(2)
+            sys.exit(EXIT_INPUT)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -54,10 +52,14 @@ class _Group(click.Group):
             # be, no permission, a full disk): name the file, no traceback.
             where = f"{e.filename}: " if e.filename else ""
             click.echo(f"error: {where}{_one_line(e.strerror or e)}", err=True)
-            sys.exit(2)
+            sys.exit(EXIT_INPUT)
         except (click.exceptions.Exit, click.Abort):
             raise  # click's own control flow (--help, ctx.exit, EOF at a prompt)
         except Exception as e:  # noqa: BLE001 -- the last resort: a bug, not bad input
+            hint = install_hint(e.name) if isinstance(e, ModuleNotFoundError) else None
+            if hint:  # an optional library this command needs (environment.LIBRARIES): how to install it
+                click.echo(f"error: {e.name}: not installed; this command needs it: {hint}", err=True)
+                sys.exit(EXIT_INPUT)
             if os.environ.get("DFLASH_EXPORT_TRACEBACK"):
                 raise
             import tempfile
@@ -68,46 +70,130 @@ class _Group(click.Group):
                 traceback.print_exc(file=f)
             click.echo(f"error: internal error, {type(e).__name__}: {_one_line(e)[:300]} (traceback in {log}; "
                        "DFLASH_EXPORT_TRACEBACK=1 shows it here)", err=True)
-            sys.exit(1)
+            sys.exit(EXIT_INTERNAL)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+# The command list: each command's summary (what `dflash-export --help` lists, never cut) and one example (the end of
+# its own --help). tests/test_cli.py parses every example with the command it belongs to.
+COMMANDS = {
+    "inspect": ("Lint a drafter against its target (exit 2 on any error).",
+                "dflash-export inspect --recipe smollm2-135m"),
+    "build": ("Build an engine directory (reused when its inputs are unchanged).",
+              "dflash-export build --recipe smollm2-135m --precision int4"),
+    "run": ("Generate for one prompt with a built engine, streaming.",
+            "dflash-export run --recipe smollm2-135m 'Name three primes.'"),
+    "validate": ("Prove an engine lossless and fast; write a report and plots.",
+                 "dflash-export validate --recipe smollm2-135m --num-prompts 5"),
+    "serve": ("Serve an engine behind an OpenAI-compatible HTTP port.",
+              "dflash-export serve --engine engines/smollm2-135m/onnxruntime --port 8000"),
+    "deploy": ("Write a Triton model repository for an engine.",
+               "dflash-export deploy --engine engines/smollm2-135m/onnxruntime --repo triton_repo"),
+    "demo": ("Lint, build and generate with the embedded default pair.",
+             "dflash-export demo --prompt 'Name three primes.'"),
+    "bench": ("Benchmark DFlash against plain decoding and the references.",
+              "dflash-export bench --recipe smollm2-135m --num-prompts 5 --modes dflash,ar"),
+    "reference": ("Run the PyTorch reference (DFlash and plain) on a pair.",
+                  "dflash-export reference --recipe tiny-qwen3 --prompt 'Hello'"),
+    "export": ("Write a pair's two ONNX graphs (no engine).",
+               "dflash-export export --recipe tiny-qwen3 --out exported/tiny-qwen3"),
+    "train": ("Train a recipe's drafter on its target's own answers.",
+              "dflash-export train --recipe smollm2-135m --data-only --threads 1"),
+    "recipes": ("List the shipped recipes, one line each.", "dflash-export recipes"),
+    "env": ("Report the backends installed, the CPU's ISA and the GPU.", "dflash-export env"),
+}
+
+
+def _with_summary_and_example(cmd: click.Command, name: str) -> click.Command:
+    summary, example = COMMANDS[name]
+    cmd.short_help = summary
+    cmd.epilog = f"\b\nExample:\n  {example}"
+    return cmd
+
+
+class _Main(_Group):
+    def list_commands(self, ctx):  # the user's path first (COMMANDS' order), not the alphabet
+        order = list(COMMANDS)
+        return sorted(super().list_commands(ctx), key=lambda n: order.index(n) if n in order else len(order))
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=f"\b\nExample (the embedded default pair, CPU):\n  dflash-export build --recipe smollm2-135m\n"
+                    f"  dflash-export validate --recipe smollm2-135m\n"
+                    f"  dflash-export serve --engine engines/smollm2-135m/onnxruntime\n\n{EXIT_CODES_HELP}")
 @click.version_option(__version__, prog_name="dflash-export")
 def main():
-    """Export, compile, validate and deploy DFlash speculative decoding engines."""
+    """Export, compile, validate and deploy DFlash speculative decoding engines.
+
+    DFlash drafts a block of tokens in one pass of a small drafter conditioned on the target's hidden states; the
+    target verifies the block in one pass. τ (tau) = tokens committed per target verify pass (plain decoding: 1)."""
 
 
 @main.command()
-@click.argument("drafter")
-@click.option("--target", required=True, help="Target: HF directory, .gguf file, or tiny:NAME/target.")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
-def inspect(drafter, target, as_json):
-    """Lint a DRAFTER checkpoint against its TARGET and print a summary (exit 2 on any error)."""
-    sys.exit(run_inspect(drafter, target, as_json))
-
-
-@main.command()
+@click.argument("drafter_arg", metavar="[DRAFTER]", required=False)
 @recipe_options
-@click.option("--prompt", default=None, type=UTF8_TEXT,
-              help="Prompt text (chat template applied when the tokenizer has one).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
-@click.option("--seed", default=0, show_default=True, type=SEED)
-def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
-    """Run the PyTorch reference (spec and AR) on a recipe's pair and compare them."""
+@click.option("--json", "as_json", is_flag=True, help="Print the findings and summary as JSON.")
+def inspect(drafter_arg, recipe, target, drafter, as_json):
+    """Lint a drafter checkpoint against its target and print a summary (exit 2 on any error).
+
+    The pair: --recipe NAME, or DRAFTER (a checkpoint directory) with --target, or --target and --drafter."""
+    from dflash_export.models.cli import run_inspect
     from dflash_export.recipes import recipe_from_options
 
-    run_reference(recipe_from_options(recipe, target, drafter), prompt, max_new_tokens, temperature, seed)
+    if drafter_arg and drafter:
+        raise DFlashError("give the drafter once: as DRAFTER or as --drafter", field="--drafter")
+    if recipe is None and not (target and (drafter or drafter_arg)):
+        raise DFlashError("give --recipe NAME, or DRAFTER and --target TARGET", field="--recipe")
+    r = recipe_from_options(recipe, target, drafter or drafter_arg)
+    sys.exit(run_inspect(r.drafter_path, r.target_path, as_json))
 
 
 @main.command()
-@click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
-@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
-def demo(recipe, prompt, max_new_tokens):
-    """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
-    with DFlash and with plain AR decoding on the same engine."""
-    run_demo(recipe, prompt, max_new_tokens)
+def recipes():
+    """List the recipes in recipes/: name, then what the pair is (and the environment variables it still needs)."""
+    from dflash_export.recipes import list_recipes, load_recipe
+
+    names = list_recipes()
+    width = max(len(n) for n in names)
+    for name in names:
+        try:
+            r = load_recipe(name)
+        except DFlashError as e:
+            click.echo(f"{name:{width}}  (unreadable: {_one_line(e)})")
+            continue
+        missing = r.missing_environment()
+        needs = f"  [set {', '.join('$' + var for var, _ in missing)}]" if missing else ""
+        click.echo(f"{name:{width}}  {_one_line(r.description) or r.target}{needs}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def env(as_json):
+    """What this environment can run: the engine backends installed, each optional library (and the line that
+    installs it), the CPU and the instruction-set features its kernels dispatch on, the NVIDIA GPU or none."""
+    import json
+    import platform
+
+    from dflash_export.engines.numerics import cpu_features, isa_label
+    from dflash_export.environment import LIBRARIES, backends_installed, gpus, installed_version
+
+    cpu = cpu_features()
+    report = {"dflash_export": __version__, "python": f"{platform.python_version()} ({sys.executable})",
+              "cpu": {**cpu, "label": isa_label(cpu["isa"])}, "gpu": gpus(), "backends": backends_installed(),
+              "libraries": {lib.dist: {"version": installed_version(lib), "needed_by": lib.needed_by,
+                                       "install": lib.install} for lib in LIBRARIES}}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"dflash-export {__version__}, Python {report['python']}")
+    click.echo(f"CPU: {cpu['model']} ({cpu['machine']}), {report['cpu']['label']}: {' '.join(cpu['isa'])}")
+    click.echo(f"GPU: {', '.join(report['gpu']) if report['gpu'] else 'none (no NVIDIA GPU seen by nvidia-smi)'}")
+    click.echo("backends: " + "; ".join(f"{b} {state}" for b, state in report["backends"].items()))
+    click.echo("libraries:")
+    width = max(len(lib.dist) for lib in LIBRARIES)
+    for lib in LIBRARIES:
+        version = installed_version(lib)
+        install = "" if version else f"; install: {lib.install}"
+        click.echo(f"  {lib.dist:{width}}  {version or 'missing':12}  for {lib.needed_by}{install}")
 
 
 def _register_optional(name: str, module: str, attr: str) -> None:
@@ -124,16 +210,22 @@ def _register_optional(name: str, module: str, attr: str) -> None:
 
 
 for _name, _module, _attr in [
+    ("reference", "dflash_export.runtime.cli", "reference"),
+    ("demo", "dflash_export.runtime.cli", "demo"),
     ("train", "dflash_export.train.cli", "train"),
     ("export", "dflash_export.export.cli", "export"),
     ("build", "dflash_export.engines.cli", "build"),
-    ("run", "dflash_export.engines.cli", "run"),
-    ("bench", "dflash_export.engines.cli", "bench"),
+    ("run", "dflash_export.runtime.cli", "run"),
+    ("bench", "dflash_export.bench.cli", "bench"),
     ("validate", "dflash_export.validate.cli", "validate"),
     ("deploy", "dflash_export.deploy.cli", "deploy"),
     ("serve", "dflash_export.deploy.cli", "serve"),
 ]:
     _register_optional(_name, _module, _attr)
+
+for _name, _cmd in main.commands.items():
+    if _name in COMMANDS:  # a command missing there fails tests/test_cli.py, not the CLI
+        _with_summary_and_example(_cmd, _name)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,15 @@ class FiniteFloat(click.FloatRange):
 
 SEED = click.IntRange(0, 2**63 - 1)
 
+# One default for every command that generates (run, bench, validate, reference, demo).
+MAX_NEW_TOKENS = 128
+
+
+def engine_option(help_text: str, required: bool = False):
+    """--engine DIR: a built engine directory, the same type and metavar in every command that takes one."""
+    return click.option("--engine", "engine_dir", required=required, default=None, metavar="DIR",
+                        type=click.Path(file_okay=False), help=help_text)
+
 
 class Utf8Text(click.ParamType):
     """Text that must be valid UTF-8: a command-line argument in another encoding reaches Python as surrogate escapes
@@ -68,7 +77,7 @@ def recipe_options(command):
     """--recipe / --target / --drafter: a recipe, or a pair without writing YAML (dflash_export.recipes
     .recipe_from_options turns the three into one Recipe)."""
     for opt in reversed([
-            click.option("--recipe", default=None,
+            click.option("--recipe", default=None, metavar="NAME",
                          help="Recipe name (recipes/NAME.yaml) or a YAML path; or give the pair with --target and "
                               "--drafter."),
             click.option("--target", "target", default=None,

@@ -1,14 +1,24 @@
-"""User-facing errors: one line naming the file and field, exit code 2, no traceback."""
+"""User-facing errors: one line naming the file and field, no traceback; and the exit codes every command uses."""
 
 from __future__ import annotations
 
 import os
 
+# The exit codes of every command (the `dflash-export --help` epilogue and docs/stages.md say the same): a script or
+# CI job can tell a failed check from a wrong command line from a bug.
+EXIT_OK = 0             # the command did its work and every check it makes held
+EXIT_CHECK_FAILED = 1   # the work was done, and a check failed (a validate threshold, an incomplete drain)
+EXIT_INPUT = 2          # usage or input error: bad option, bad file, missing library or engine; nothing was done
+EXIT_INTERNAL = 3       # a bug or a crashed subprocess (tritonserver): one line, the traceback in a file
+
+EXIT_CODES_HELP = ("Exit codes: 0 done (every check held), 1 a check failed, 2 usage or input error (nothing done), "
+                   "3 internal error.")
+
 
 class DFlashError(Exception):
     """A problem with the user's input. The CLI prints `error: <message>` and exits with `exit_code`."""
 
-    exit_code = 2
+    exit_code = EXIT_INPUT
 
     def __init__(self, message: str, *, path: str | os.PathLike | None = None, field: str | None = None):
         where = ""
@@ -28,13 +38,13 @@ class DFlashError(Exception):
 class CheckFailed(DFlashError):
     """A validation threshold failed (exit code 1, distinct from bad input)."""
 
-    exit_code = 1
+    exit_code = EXIT_CHECK_FAILED
 
 
 class MissingDependency(DFlashError):
-    """An optional library or hardware needed by a backend is absent."""
+    """An optional library or hardware a command needs is absent (exit code 2: the environment is the input)."""
 
-    exit_code = 2
+    exit_code = EXIT_INPUT
 
 
 # ------------------------------------------------------------------------------------------------ output paths

@@ -6,6 +6,7 @@ Unknown keys and wrong types are errors naming the file and the field; relative 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
 from dflash_export.errors import DFlashError
-from dflash_export.sources import hf_snapshot, is_hf_id, split_pkg_spec
+from dflash_export.models.sources import hf_snapshot, is_hf_id, split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -231,8 +232,11 @@ def _load_recipe_file(name_or_path) -> Recipe:
                               f"{name_or_path} --drafter ID_OR_DIR (ids resolve in the local Hugging Face cache)",
                               field="--recipe")
         if not p.is_file():
-            known = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
-            raise DFlashError(f"unknown recipe {name_or_path!r} (known: {known})", field="--recipe")
+            names = list_recipes()
+            close = difflib.get_close_matches(str(name_or_path), names, n=1, cutoff=0.5)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise DFlashError(f"unknown recipe {name_or_path!r}; {guess}(known: {', '.join(names)}; "
+                              "`dflash-export recipes` lists them)", field="--recipe")
     if not p.is_file():
         raise DFlashError("recipe file not found", path=p)
     try:

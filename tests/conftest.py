@@ -10,16 +10,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_qwen3():
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     return load_target("tiny:qwen3/target"), load_drafter("tiny:qwen3/drafter")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     return load_target("tiny:llama/target"), load_drafter("tiny:llama/drafter")
 

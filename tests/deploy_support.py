@@ -106,7 +106,7 @@ def direct(engine_dir):
     """The engine in this process, behind the same request runner the Triton model uses."""
     from dflash_export.deploy.handler import RequestRunner
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     return RequestRunner(DFlashRuntime(load_engine(engine_dir, threads=1)))
 

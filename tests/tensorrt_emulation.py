@@ -189,11 +189,11 @@ def emulated_engine_dir(root, recipe, max_batch: int | None = None):
     emulation; None: a directory as built before the batch engines existed."""
     from unittest import mock
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines import tensorrt as trt_backend
     from dflash_export.engines import tensorrt_build
     from dflash_export.engines.manifest import write_manifest
     from dflash_export.export import export_recipe
+    from dflash_export.models.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path)
     out = root / "tensorrt"

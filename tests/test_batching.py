@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.batching import BatchingRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
            [3 + (i * 7) % 200 for i in range(150)], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
@@ -28,7 +28,7 @@ def built(ort_pair):
 @pytest.fixture(scope="module")
 def reference(built):
     """Each prompt's reference greedy continuation (PyTorch, fp32), 64 tokens."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     _, _, torch_eng = built
     return [ar_generate(torch_eng.target, p, 64).tokens for p in PROMPTS]
@@ -224,8 +224,8 @@ def test_bounds_cancel_and_bad_requests(built):
 def test_scheduler_verifies_less_as_load_grows(built):
     """The rule in closed form: slot k is verified while sum_b q[b,k] >= rate * a * B. One sequence: the single
     runtime's verify_length; many sequences at a plain-decoding rate: no slot (plain batched decoding)."""
-    from dflash_export.batching import _Active
-    from dflash_export.sampling import verify_length
+    from dflash_export.decoding.sampling import verify_length
+    from dflash_export.runtime.batching import _Active
 
     _, eng, _ = built
     bs = eng.info.block_size
@@ -307,7 +307,7 @@ def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, ref
 def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(built, reference):
     import threading
 
-    from dflash_export.batching import BatchingService
+    from dflash_export.runtime.batching import BatchingService
 
     _, eng, _ = built
     svc = BatchingService(eng, max_batch=3, idle_release_s=0.2)
@@ -380,7 +380,7 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
     once starved the submitting threads: they got in after tens of steps, or after the running request ended)."""
     import threading
 
-    from dflash_export.batching import BatchingService
+    from dflash_export.runtime.batching import BatchingService
 
     _, eng, _ = built
     svc = BatchingService(eng, max_batch=4)
@@ -430,8 +430,8 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
 
 def test_a_service_loads_the_batched_verify_graph_before_its_first_request(built):
     """Served memory is all there once the model is ready (benchmarks/soak.py takes the idle RSS then)."""
-    from dflash_export.batching import BatchingService
     from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.batching import BatchingService
 
     _, eng, _ = built
     fresh = load_engine(eng.engine_dir, threads=1)
@@ -448,7 +448,7 @@ def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_
     `stream` raises it); the queue's tokens are given back, and the next request runs on a fresh batch, correctly."""
     import threading
 
-    from dflash_export.batching import BatchingService
+    from dflash_export.runtime.batching import BatchingService
 
     _, eng, _ = built
     svc = BatchingService(eng, max_batch=1)
@@ -494,8 +494,8 @@ def test_a_request_cancelled_while_queued_leaves_without_a_prefill(built):
     ends, the Triton handler raises RequestCancelled with the reason, and the batch never prefills it."""
     import threading
 
-    from dflash_export.batching import BatchingService
     from dflash_export.deploy.handler import GenerateRequest, RequestCancelled, RequestRunner
+    from dflash_export.runtime.batching import BatchingService
 
     _, eng, _ = built
     svc = BatchingService(eng, max_batch=1)

@@ -34,7 +34,7 @@ def test_engine_costs_benchmark_runs_on_a_built_engine(built):
 
 
 def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
-    from dflash_export.bench import run_bench
+    from dflash_export.bench.suite import run_bench
 
     recipe, out, _, _ = built
     report = run_bench(str(recipe.path), str(out), None, 2, 12, ["dflash", "dflash-full", "ar", "hf", "reference"],
@@ -56,7 +56,7 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
 def test_bench_compares_the_proposers_on_one_engine(built, monkeypatch, capsys):
     """Every proposer mode decodes the target's own output (identical to plain decoding on the engine), each with
     the prompt-lookup yardstick on its tokens and its ratio against AR; the table fits an 80-column terminal."""
-    from dflash_export.bench import run_bench
+    from dflash_export.bench.suite import run_bench
 
     recipe, out, _, _ = built
     monkeypatch.setenv("COLUMNS", "80")
@@ -75,7 +75,7 @@ def recipe_block_size(engine_dir) -> int:
 
 
 def test_bench_tau_is_pooled_over_prompts_like_the_reference():
-    from dflash_export.bench import _summary
+    from dflash_export.bench.suite import _summary
 
     runs = [{"tokens": [1] * 8, "total_s": 1.0, "ttft_s": 0.1, "tau": 4.0, "steps": 2, "drafted": 14},
             {"tokens": [1] * 8, "total_s": 1.0, "ttft_s": 0.1, "tau": 1.0, "steps": 8, "drafted": 56}]
@@ -85,7 +85,7 @@ def test_bench_tau_is_pooled_over_prompts_like_the_reference():
 
 
 def test_bench_refuses_an_engine_of_another_recipe_and_bad_out_paths(built, tmp_path):
-    from dflash_export.bench import run_bench
+    from dflash_export.bench.suite import run_bench
 
     recipe, out, _, _ = built
     other = "tiny-llama" if recipe.name == "tiny-qwen3" else "tiny-qwen3"
@@ -103,9 +103,9 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     """A worker's DFlashError travels to the parent whole (file and field); anything else becomes a short line."""
     import shutil
 
-    from dflash_export.bench import _job_recipe, _worker_failure, _worker_main
+    from dflash_export.bench.suite import _job_recipe, _worker_failure, _worker_main
+    from dflash_export.models.sources import resolve_source
     from dflash_export.recipes import load_recipe
-    from dflash_export.sources import resolve_source
 
     recipe, _, _, _ = built
     if recipe.name != "tiny-qwen3":
@@ -118,7 +118,8 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     y.write_text(f"name: trunc\ntarget: {target}\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"
                  "chat_template: false\n")
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mode": "hf", "recipe": _job_recipe(load_recipe(y)), "engine": "", "prompts": [[1, 2]], "max_new": 2}))
+    job.write_text(json.dumps({"mode": "hf", "recipe": _job_recipe(load_recipe(y)), "engine": "", "prompts": [[1, 2]],
+                               "max_new": 2}))
     assert _worker_main(str(job)) == 2  # the worker process body, in-process
     err = _worker_failure("hf", 2, "some warning\n" + capsys.readouterr().err)
     msg = str(err)
@@ -129,7 +130,7 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
 
 
 def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tmp_path):
-    from dflash_export.bench_batch import run_concurrency
+    from dflash_export.bench.concurrency import run_concurrency
 
     _, out, _, _ = built
     rep = run_concurrency(str(out), PROMPTS, 12, [1, 3], ["dflash", "ar"], threads=1)
@@ -145,7 +146,7 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
 
 
 def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
-    from dflash_export.bench_batch import run_concurrency
+    from dflash_export.bench.concurrency import run_concurrency
 
     _, out, _, _ = built
     rep = run_concurrency(str(out), PROMPTS[:2], 4, [2], ["dflash", "ar"], threads=1, reps=2)

@@ -14,8 +14,8 @@ from dflash_export.engines.build import build_engine
 from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import load_recipe
-from dflash_export.sources import resolve_source
 
 pytest.importorskip("onnxruntime")
 
@@ -291,12 +291,13 @@ def qwen3_8b_standin(tmp_path, monkeypatch):
 
 def test_bf16_recipe_builds_int4_on_onnxruntime_from_the_hf_cache(qwen3_8b_standin, tmp_path):
     """`build --recipe qwen3-8b --precision int4`: the recipe asks bfloat16, its variables name Hugging Face ids, the
-    weights are in the Hugging Face cache; the engine is built with int4 weights and says so, and it is lossless against plain
+    weights are in the Hugging Face cache; the engine is built with int4 weights and says so, and it is lossless against
+    plain
     decoding on itself."""
     import json
 
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     target_snap, drafter_snap = qwen3_8b_standin
     r = _cli("build", "--recipe", "qwen3-8b", "--precision", "int4", "--out", str(tmp_path / "engines"))
@@ -370,7 +371,7 @@ def test_every_unset_variable_is_reported_at_once(tmp_path, monkeypatch):
 
 
 def test_hf_cache_location_follows_huggingface_hub(tmp_path, monkeypatch):
-    from dflash_export.sources import hf_cache_dir, resolve_source
+    from dflash_export.models.sources import hf_cache_dir, resolve_source
 
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))

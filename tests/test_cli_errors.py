@@ -1,5 +1,5 @@
 """The CLI's error contract, whatever the stage: click's own usage errors, unreadable paths and broken targets are one
-`error:` line with exit 2, and an unexpected exception is one line with exit 1 and its traceback kept in a file."""
+`error:` line with exit 2, and an unexpected exception is one line with exit 3 and its traceback kept in a file."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_export.cli import main
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 
 def _run(*args):
@@ -118,14 +118,14 @@ def test_an_unwritable_path_is_one_line_naming_it(tmp_path):
     assert str(blocker) in line
 
 
-def test_an_unexpected_exception_is_one_line_exit_1_with_the_traceback_kept(monkeypatch):
-    import dflash_export.cli as cli
+def test_an_unexpected_exception_is_one_line_exit_3_with_the_traceback_kept(monkeypatch):
+    import dflash_export.runtime.cli as runtime_cli
 
     def boom(*a, **k):
         raise ValueError("a bug\nover two lines")
 
-    monkeypatch.setattr(cli, "run_reference", boom)
-    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=1)
+    monkeypatch.setattr(runtime_cli, "run_reference", boom)
+    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=3)
     assert "internal error, ValueError: a bug over two lines" in line
     log = line.split("traceback in ")[1].split(";")[0]
     with open(log) as f:
@@ -234,3 +234,73 @@ def test_the_cli_imports_no_heavy_library_before_a_command_needs_it():
             "assert not heavy, heavy")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _backticked(line: str) -> list[str]:
+    """The command a hint quotes between backticks, as argv for the CLI (without the program name)."""
+    import shlex
+
+    cmd = line.split("`")[1]
+    assert cmd.startswith("dflash-export "), line
+    return shlex.split(cmd)[1:]
+
+
+def test_a_missing_engine_names_the_build_that_writes_it_and_a_damaged_one_the_same_with_force(tmp_path,
+                                                                                                monkeypatch):
+    """Each hint is run as printed, and afterwards the engine runs."""
+    monkeypatch.chdir(tmp_path)
+    engine = os.path.join("engines", "tiny-qwen3", "onnxruntime")
+    line = _one_error_line(_run("run", "--engine", engine, "hi"))
+    assert f"error: {engine}: engine directory not found; build it with " \
+           "`dflash-export build --recipe tiny-qwen3 --backend onnxruntime`" in line
+    assert _run(*_backticked(line)).exit_code == 0
+    assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0
+
+    os.remove(os.path.join(engine, "drafter.onnx"))
+    line = _one_error_line(_run("run", "--engine", engine, "hi"))
+    assert "drafter.onnx: files: file listed in the manifest is missing; rebuild the engine with " \
+           "`dflash-export build --recipe tiny-qwen3 --backend onnxruntime --force`" in line
+    assert _run(*_backticked(line)).exit_code == 0
+    assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0
+
+    # a quantized engine's directory and another output root: the hint carries both
+    other = tmp_path / "out" / "tiny-llama" / "onnxruntime-int8"
+    line = _one_error_line(_run("run", "--engine", other, "hi"))
+    out = tmp_path / "out"
+    assert f"`dflash-export build --recipe tiny-llama --backend onnxruntime --precision int8 --out {out}`" in line
+    # a path of no build's shape: how to build one
+    line = _one_error_line(_run("run", "--engine", tmp_path / "nowhere", "hi"))
+    assert "build one with `dflash-export build --recipe NAME` (it writes engines/NAME/onnxruntime)" in line
+
+
+def test_a_misspelled_recipe_names_the_closest_one():
+    line = _one_error_line(_run("build", "--recipe", "smolm2-135m"))
+    assert "error: --recipe: unknown recipe 'smolm2-135m'; did you mean 'smollm2-135m'?" in line
+    assert "did you mean" not in _one_error_line(_run("build", "--recipe", "zzzzzz"))
+
+
+def test_inspect_on_a_directory_that_is_not_a_checkpoint_says_what_one_holds(tmp_path):
+    line = _one_error_line(_run("inspect", tmp_path, "--target", "tiny:qwen3/target"))
+    assert line.startswith(f"error: {tmp_path}: not a DFlash drafter checkpoint (no config.json): a drafter directory "
+                           "holds config.json")
+    assert "DFlashDraftModel" in line and "model.safetensors" in line
+    line = _one_error_line(_run("inspect", "tiny:qwen3/drafter", "--target", tmp_path))
+    assert "a target directory holds config.json, model.safetensors" in line
+
+
+def test_a_missing_optional_library_is_exit_2_with_its_install_line(monkeypatch):
+    import dflash_export.runtime.cli as cli
+
+    def needs(name):
+        def run(*a, **k):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return run
+
+    monkeypatch.setattr(cli, "run_reference", needs("matplotlib.pyplot"))
+    line = _one_error_line(_run("reference", "--recipe", "tiny-qwen3"))
+    assert line == ("error: matplotlib.pyplot: not installed; this command needs it: "
+                    "pip install 'dflash-export[validate]'")
+    monkeypatch.setattr(cli, "run_reference", needs("pytriton"))
+    assert "pip install --no-deps nvidia-pytriton" in _one_error_line(_run("reference", "--recipe", "tiny-qwen3"))
+    monkeypatch.setattr(cli, "run_reference", needs("not_a_library_of_ours"))  # a bug: internal error
+    assert "internal error, ModuleNotFoundError" in _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=3)

@@ -58,7 +58,7 @@ def test_streamed_chunks_join_to_the_whole_output(direct):
 def _chat_codec():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from dflash_export.tokenization import TextCodec
+    from dflash_export.models.tokenization import TextCodec
 
     vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -330,7 +330,7 @@ def test_server_death_is_one_line_with_the_log_path(tmp_path):
     srv._log.clear()
     srv._log.extend(['E1130 07:37:27.1 1 server.cc:1] "failed to start HTTP service: address in use"\n'])
     e = srv._death_error()
-    assert type(e) is ServerError and e.exit_code == 1 and "failed to start HTTP service" in str(e)
+    assert type(e) is ServerError and e.exit_code == 3 and "failed to start HTTP service" in str(e)
 
 
 def test_server_child_dies_with_its_parent_even_on_sigkill(tmp_path):

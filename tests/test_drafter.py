@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dflash_export.checkpoint import load_drafter
 from dflash_export.models import save_drafter
+from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.config import default_target_layer_ids
 
 

@@ -17,7 +17,7 @@ import torch
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 RUNNERS = ("pytorch", "onnxruntime", "graph", "tensorrt-emulated")
 PROMPT = list(range(30, 49))
@@ -65,7 +65,7 @@ def _target_logits_and_taps(torch_eng, ids: list[int]) -> tuple[np.ndarray, torc
 
 
 def _continuation(torch_eng, n: int) -> list[int]:
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     return ar_generate(torch_eng.target, PROMPT, n).tokens
 
@@ -134,7 +134,7 @@ def test_verify_commits_exactly_the_accepted_prefix_at_every_accept_length(runne
 
 
 def test_greedy_generation_equals_the_reference_in_both_modes(runner):
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, ref = runner
     for prompt in (PROMPT, [7], [200, 13, 13, 13, 99, 5, 64, 65]):

@@ -15,7 +15,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
            [3 + (i * 7) % 200 for i in range(250)]]  # the last one runs past 256 tokens
@@ -50,7 +50,7 @@ def test_engine_dir_has_manifest_and_one_shared_weight_file(built):
 
 
 def test_greedy_dflash_and_ar_equal_reference_ar(built):
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     _, _, eng, torch_eng = built
     rt = DFlashRuntime(eng)
@@ -63,7 +63,7 @@ def test_greedy_dflash_and_ar_equal_reference_ar(built):
 def test_steps_match_torch_engine_with_accepting_blocks(built):
     """The tiny drafter is random (it rarely gets accepted), so blocks here come from the reference continuation with
     one token corrupted at a random slot: accept lengths 0..bs-1 and every commit/crop path get exercised."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     _, _, eng, torch_eng = built
     bs = eng.info.block_size
@@ -102,7 +102,7 @@ def test_steps_match_torch_engine_with_accepting_blocks(built):
 def test_drafting_after_skipped_drafts_reads_every_pending_feature(built):
     """One-token verifies with no draft between them (the runtime's draft back-off) leave their context features
     pending; the next draft must see exactly what a draft after prefilling the whole prefix sees."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     _, _, eng, torch_eng = built
     prompt = PROMPTS[1]
@@ -141,7 +141,7 @@ def test_serving_imports_no_torch(built):
     _, out, _, _ = built
     code = ("import sys; from dflash_export.engines.base import SamplingParams;"
             "from dflash_export.engines.registry import load_engine;"
-            "from dflash_export.runtime import DFlashRuntime;"
+            "from dflash_export.runtime.single import DFlashRuntime;"
             f"e = load_engine({str(out)!r}, threads=1);"
             "print(DFlashRuntime(e).generate([1, 2, 3], SamplingParams(max_new_tokens=4)).tokens);"
             "assert 'torch' not in sys.modules, 'torch imported'")
@@ -162,7 +162,7 @@ def test_draft_vocabulary_restriction_stays_lossless(tmp_path):
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.models import load_target
     from dflash_export.recipes import load_recipe
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     recipe = load_recipe("tiny-llama")
     out = build_onnxruntime(recipe, tmp_path / "eng", threads=1, draft_vocab=100)

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from dflash_export.decoding.sampling import probs_from_logits, verify_block
 from dflash_export.errors import DFlashError
 from dflash_export.export import (
     DRAFTER_FILE,
@@ -20,7 +21,6 @@ from dflash_export.export import (
     export_models,
 )
 from dflash_export.export.ops import EMIT_PAD, fused_verify_model
-from dflash_export.sampling import probs_from_logits, verify_block
 
 ATOL = 1e-4
 
@@ -33,8 +33,8 @@ def _session(path):
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3-moe", "gpt-oss"])
 def exported(request, tmp_path_factory):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     target, drafter = load_target(f"tiny:{request.param}/target"), load_drafter(f"tiny:{request.param}/drafter")
     out = tmp_path_factory.mktemp(f"export-{request.param}")
@@ -246,8 +246,8 @@ def test_smollm2_export_matches_reference(tmp_path):
     """The real pair, when its package data and drafter are present. SmolLM2's outlier activations (~1e3 in a few
     channels) make fp32 accumulation-order noise reach ~5e-4 on logits of magnitude ~30 (measured 4.5e-4): the
     tolerance here is 1e-3 absolute, with argmax identical."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.recipes import load_recipe
 
     recipe = load_recipe("smollm2-135m")
@@ -285,9 +285,9 @@ def test_drafter_graph_honours_zlab_keys(variant, tmp_path):
     matches the reference step by step with a growing context cache, on full and shortened blocks."""
     import dataclasses
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.export import ops
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import DFlashDrafter
 
     target, base = load_target("tiny:qwen3/target"), load_drafter("tiny:qwen3/drafter")
@@ -386,8 +386,8 @@ def test_export_never_replaces_a_directory_it_did_not_write(tmp_path):
 
 def test_mismatched_pair_export_names_the_drafter_not_a_temp_file(tmp_path):
     from dflash_export.export import export_recipe
+    from dflash_export.models.sources import resolve_source
     from dflash_export.recipes import load_recipe
-    from dflash_export.sources import resolve_source
 
     y = tmp_path / "mismatched.yaml"
     y.write_text("name: mismatched\ntarget: tiny:qwen3/target\ndrafter: tiny:llama-small-vocab/drafter\n"

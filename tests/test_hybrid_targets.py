@@ -17,8 +17,8 @@ import torch
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import load_recipe
-from dflash_export.sources import resolve_source
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("onnxruntime")
@@ -59,7 +59,7 @@ def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
 def test_layer_kinds_and_linear_shapes_come_from_transformers_config_classes(recipe_name):
     """Both config forms: the composite checkpoints' settings under text_config (vision ignored) read as the
     text-only ones; the layer kinds and Gated DeltaNet sizes are what transformers' config class derived."""
-    from dflash_export.arch import ARCHS
+    from dflash_export.models.arch import ARCHS
     from dflash_export.models.rope import hf_config
     from dflash_export.models.target import read_target_config
 
@@ -79,7 +79,7 @@ def test_layer_kinds_and_linear_shapes_come_from_transformers_config_classes(rec
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_text_only_config_forms_are_read(tmp_path, model_type):
-    from dflash_export.arch import ARCHS
+    from dflash_export.models.arch import ARCHS
     from dflash_export.models.rope import hf_config
     from dflash_export.models.target import read_target_config
 
@@ -94,7 +94,7 @@ def test_text_only_config_forms_are_read(tmp_path, model_type):
 def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
     """5 prompts x 64 tokens (past the 4-tap conv window many times): plain decoding and DFlash on the ONNX Runtime
     engine both give transformers' own greedy tokens."""
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, hf = hybrid
     rt = DFlashRuntime(engine)
@@ -150,8 +150,8 @@ def test_each_steps_logits_match_transformers_forward(hybrid):
 
 
 def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
-    from dflash_export.batching import BatchingRuntime
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, _ = hybrid
     sp = SamplingParams(max_new_tokens=24)
@@ -181,9 +181,9 @@ def test_inspect_reads_the_pair_with_no_finding(recipe_name):
 def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
     """The yardstick's DFlash loop (reference.spec_generate) on a hybrid: transformers' Gated DeltaNet cache cannot
     be cropped, so each verify restores a snapshot and re-runs the accepted rows; its tokens are plain greedy's."""
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.target import load_target
-    from dflash_export.reference import spec_generate
+    from dflash_export.runtime.reference import spec_generate
 
     recipe, _, engine, hf = hybrid
     target = load_target(recipe.target_path)
@@ -199,7 +199,8 @@ def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
                         str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
                         "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     dist = {t["name"]: t for t in rep["thresholds"]}
     assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
@@ -211,7 +212,7 @@ def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
     rows bit-identical to plain steps, DFlash's tokens are the same engine's plain decoding."""
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     engine_dir = build_onnxruntime(load_recipe("tiny-qwen3.5"), tmp_path / "onnxruntime", threads=1,
                                    precision=precision)
@@ -276,7 +277,7 @@ def test_a_prompt_longer_than_a_prefill_chunk_decodes_as_transformers(hybrid):
     """A 150-token prompt runs in chunks of HYBRID_PREFILL_ROWS (each committing its last row's state): the tokens
     after it are transformers' greedy ones."""
     from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, hf = hybrid
     ids = list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))

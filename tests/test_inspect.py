@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from dflash_export.cli import main
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 
 @pytest.fixture()
@@ -105,13 +105,14 @@ def test_missing_config_is_one_line_exit_2(pair):
     (drafter / "config.json").unlink()
     r = _cli("inspect", str(drafter), "--target", str(target))
     assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "config.json: file not found" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert f"{drafter}: not a DFlash drafter checkpoint (no config.json)" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
 
 
 def test_truncated_safetensors_is_one_line_exit_2(pair):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
 
     drafter, target = pair
     f = drafter / "model.safetensors"
@@ -123,8 +124,8 @@ def test_truncated_safetensors_is_one_line_exit_2(pair):
 
 
 def test_wrong_tensor_shape_at_load(pair):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
 
     drafter, _ = pair
     DEFECTS["wrong_shape"][0](drafter)

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from dflash_export.decoding.sampling import verify_block
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.kernels import (
     EMIT_PAD,
@@ -25,7 +26,6 @@ from dflash_export.kernels import (
     kv_injected_block_attention_ref,
 )
 from dflash_export.models.drafter import block_attention
-from dflash_export.sampling import verify_block
 
 
 def _triton_interprets() -> bool:
@@ -303,7 +303,7 @@ def test_float32_uniforms_change_no_decision_outside_the_rounding_band():
 def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
     import json
 
-    from dflash_export.kernels import gpu_check
+    from dflash_export.validate import gpu_check
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # torch reference here: the interpreter path is the next test's
     assert gpu_check.main(["--cpu", "--out", str(tmp_path)]) == 0
@@ -334,7 +334,7 @@ def test_gpu_check_script_runs_from_the_repo_on_cpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_gpu_check_without_a_gpu_says_so(tmp_path, capsys):
-    from dflash_export.kernels import gpu_check
+    from dflash_export.validate import gpu_check
 
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().out
@@ -418,3 +418,67 @@ def test_aot_verify_kernel_with_the_plugin_constants_serves_any_row_count():
             want = fused_verify_ref(logits, drafts, dprobs[:, :BS - 1], unif, temperature)
             for a, b in zip(outs, want):
                 assert torch.equal(a, b), (temperature, BS)
+
+
+def test_gpu_check_builds_every_plugin_alone_on_the_aot_path_first_then_the_jit_path(tmp_path, monkeypatch):
+    """The order and the record of gpu_check's plugin_layers section, with TensorRT replaced (no GPU here): the
+    builder stand-in keeps the ONNX graph it was handed and its "engine" runs that graph in ONNX Runtime, so each
+    case still meets the torch reference. Every plugin is built alone with the AOT path asked for, then with the
+    JIT path, and each case says which path it asked for and which was built."""
+    import importlib.util
+    import types
+
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    from dflash_export.engines import tensorrt as trt_backend
+    from dflash_export.validate import gpu_lossless
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tensorrt" else real_find_spec(name, *a))
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "11.4.0.106"
+    trt.plugin = types.ModuleType("tensorrt.plugin")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trt.plugin)
+    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda gpu=True: trt)
+    monkeypatch.setattr(trt_backend, "aot_plugins_supported", lambda trt, trtp: True)
+    built = []
+
+    def build(onnx_path, engine_path, profiles, dtype, workspace_gib=8.0, implementation=None):
+        import onnx
+
+        op = onnx.load(str(onnx_path)).graph.node[0].op_type
+        built.append((op, implementation))
+        engine_path.write_text(str(onnx_path))
+        return {"requested": implementation, "implementation": {op: implementation}, "plugins": {op: 1},
+                "plugin_layers": {op: 1}}
+
+    def run_engine(trt, data, feeds):
+        import onnx
+        from onnx import TensorProto
+
+        model = onnx.load(data.decode())
+        half = any(v.dtype == torch.float16 for v in feeds.values())
+        for v in list(model.graph.input) + list(model.graph.output):  # the function body computes in float32
+            if v.type.tensor_type.elem_type == TensorProto.FLOAT16:
+                v.type.tensor_type.elem_type = TensorProto.FLOAT
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out = sess.run(None, {k: (v.float() if v.dtype == torch.float16 else v).numpy() for k, v in feeds.items()})
+        return {o.name: torch.from_numpy(a).to(torch.float16) if half and a.dtype.kind == "f" else torch.from_numpy(a)
+                for o, a in zip(sess.get_outputs(), out)}
+
+    monkeypatch.setattr(trt_backend, "build_engine_file", build)
+    monkeypatch.setattr(gpu_lossless, "_run_engine", run_engine)
+    report = gpu_lossless.plugin_layers(tmp_path)
+    paths = [p for _, p in built]
+    assert paths == ["aot"] * 4 + ["jit"] * 4, built
+    assert [op for op, _ in built[:4]] == [op for op, _ in built[4:]]
+    cases = report["cases"]
+    assert [c["case"].split("/")[0] for c in cases] == paths
+    for c in cases:
+        assert "error" not in c, c
+        path = c["case"].split("/")[0]
+        assert c["requested"] == path and set(c["implementation"].values()) == {path}
+    assert report["ok"], cases

@@ -33,7 +33,7 @@ def test_manifest_reads_back_typed_and_agrees_with_the_checkpoints(built):
     from dataclasses import FrozenInstanceError
 
     from dflash_export.engines.manifest import Shapes
-    from dflash_export.sources import resolve_source
+    from dflash_export.models.sources import resolve_source
 
     recipe, out, _, _ = built
     m = read_manifest(out)
@@ -116,3 +116,52 @@ def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_pat
     r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hello", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
     assert "manifest.json" in r.output and field.split(".")[0] in r.output
+
+
+def _tensorrt_manifest(**plugins):
+    base = {"namespace": "dflash", "version": "1", "ops": ["KVInjectedBlockAttention", "FusedVerify"],
+            "requested": "aot", "implementation": {"KVInjectedBlockAttention": "aot", "FusedVerify": "aot"}}
+    base.update(plugins)
+    return {"backend": "tensorrt", "block_size": 4, "mask_token_id": 3, "files": {}, "plugins": base}
+
+
+def test_tensorrt_manifest_records_the_plugin_path_typed(tmp_path):
+    """The path a TensorRT build asked for and the one each plugin op was built with read back as one typed,
+    read-only field."""
+    from dflash_export.engines.manifest import PluginBuild, validate_manifest
+
+    m = validate_manifest(_tensorrt_manifest(), tmp_path / "manifest.json")
+    assert m.plugins == PluginBuild("dflash", "1", "aot", {"KVInjectedBlockAttention": "aot", "FusedVerify": "aot"})
+    with pytest.raises(TypeError):
+        m.plugins.implementation["FusedVerify"] = "jit"
+    jit = validate_manifest(_tensorrt_manifest(requested="jit", implementation={"FusedVerify": "jit"}),
+                            tmp_path / "manifest.json")
+    assert jit.plugins.requested == "jit" and dict(jit.plugins.implementation) == {"FusedVerify": "jit"}
+    assert validate_manifest({k: v for k, v in _tensorrt_manifest().items() if k != "plugins"},
+                             tmp_path / "manifest.json").plugins is None
+
+
+@pytest.mark.parametrize("plugins,field", [
+    ({"requested": "python"}, "plugins.requested"),
+    ({"requested": None}, "plugins.requested"),
+    ({"implementation": {"FusedVerify": "aot (triton ptx)"}}, "plugins.implementation.FusedVerify"),
+    ({"requested": "jit"}, "plugins.implementation.KVInjectedBlockAttention"),  # built otherwise than asked
+    ({"implementation": ["aot"]}, "plugins.implementation"),
+    ({"namespace": ""}, "plugins.namespace"),
+])
+def test_malformed_plugin_path_is_refused_with_the_field(tmp_path, plugins, field):
+    from dflash_export.engines.manifest import validate_manifest
+
+    with pytest.raises(DFlashError) as err:
+        validate_manifest(_tensorrt_manifest(**plugins), tmp_path / "manifest.json")
+    assert err.value.field == field and "manifest.json" in str(err.value)
+
+
+def test_a_plugin_record_without_the_requested_path_is_refused(tmp_path):
+    from dflash_export.engines.manifest import validate_manifest
+
+    m = _tensorrt_manifest()
+    del m["plugins"]["requested"]
+    with pytest.raises(DFlashError) as err:
+        validate_manifest(m, tmp_path / "manifest.json")
+    assert err.value.field == "plugins.requested"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dflash_export.engines.base import SamplingParams
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import load_recipe
-from dflash_export.sources import resolve_source
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("onnxruntime")
@@ -55,7 +55,7 @@ def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
 
 def test_the_family_is_known_and_its_moe_layers_are_read_from_the_config(moe):
     recipe, _, engine, hf = moe
-    from dflash_export.arch import ARCHS, sliding_windows
+    from dflash_export.models.arch import ARCHS, sliding_windows
 
     arch = ARCHS[hf.config.model_type]
     if recipe.name == "tiny-qwen3-moe":
@@ -68,7 +68,7 @@ def test_the_family_is_known_and_its_moe_layers_are_read_from_the_config(moe):
 def test_engine_greedy_tokens_equal_transformers_generate(moe):
     """5 prompts x 64 tokens: plain decoding and DFlash on the ONNX Runtime engine both give transformers' own
     greedy tokens (routing is per token, so a verify block routes each row as a plain step does)."""
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, hf = moe
     rt = DFlashRuntime(engine)
@@ -99,8 +99,8 @@ def test_each_steps_logits_match_transformers_forward(moe):
 
 
 def test_batched_engine_gives_each_request_its_lone_tokens(moe):
-    from dflash_export.batching import BatchingRuntime
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, _ = moe
     sp = SamplingParams(max_new_tokens=32)
@@ -126,7 +126,8 @@ def test_sampled_output_keeps_the_target_distribution(moe, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
                         str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
                         "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     dist = {t["name"]: t for t in rep["thresholds"]}
     assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout

@@ -88,7 +88,7 @@ _EMULATED = textwrap.dedent("""
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.numerics import probe_floor
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     eng = load_engine(sys.argv[1], threads=1)
     num = eng.numerics

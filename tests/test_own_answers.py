@@ -4,7 +4,7 @@ greedy decoding and one full forward, and resumption shard by shard."""
 import pytest
 import torch
 
-from dflash_export.reference import ar_generate
+from dflash_export.runtime.reference import ar_generate
 from dflash_export.train.data import load_shards
 from dflash_export.train.own_answers import (
     SHARD_SIZE,

@@ -1,8 +1,9 @@
-"""The prompt-lookup yardstick against hand-computed cases (the definition in dflash_export/prompt_lookup.py)."""
+"""The prompt-lookup yardstick against hand-computed cases (the definition in
+dflash_export/decoding/prompt_lookup.py)."""
 
 import pytest
 
-from dflash_export.prompt_lookup import lookup_proposal, pooled_tau, prompt_lookup_steps, prompt_lookup_tau
+from dflash_export.decoding.prompt_lookup import lookup_proposal, pooled_tau, prompt_lookup_steps, prompt_lookup_tau
 
 
 def test_no_repeated_bigram_commits_one_token_per_step():

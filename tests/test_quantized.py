@@ -12,7 +12,7 @@ import pytest
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.manifest import read_manifest
 from dflash_export.engines.registry import load_engine
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
 
@@ -163,7 +163,8 @@ def test_weight_file_pages_are_given_back_and_change_no_output(built):
 
 def _dequantize(model, name_prefix: str, base_dir) -> np.ndarray:
     """W [K, N] float64 from a MatMulNBits node's blocks, per the com.microsoft.MatMulNBits contract: B [N, K/bs,
-    bs*bits/8] uint8 (low nibble first for 4 bits), scales [N * K/bs], zero points packed likewise (default 2^(bits-1))."""
+    bs*bits/8] uint8 (low nibble first for 4 bits), scales [N * K/bs], zero points packed likewise
+    (default 2^(bits-1))."""
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}

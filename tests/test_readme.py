@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,9 +17,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.smollm2]
-
 
 def readme_steps() -> list[tuple[str, str]]:
     steps = []
@@ -39,6 +37,24 @@ def test_readme_has_the_two_commands_and_a_served_example():
     assert any(" serve " in c for c in cmds) and any(c.startswith("curl ") for c in cmds)
 
 
+def test_readme_published_pair_and_install_lines_parse():
+    """The ```sh blocks (the published pair, which needs its weights; the install lines) are not run here, but every
+    `dflash-export` line in them must parse with the command it names, and the pair's engine path must be the one
+    its build writes."""
+    from dflash_export.cli import main
+
+    lines = [ln.strip() for block in re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+             for ln in block.splitlines() if ln.strip().startswith("dflash-export ")]
+    assert [ln.split()[1] for ln in lines] == ["inspect", "build", "validate", "serve"]
+    for ln in lines:
+        words = shlex.split(ln)
+        main.commands[words[1]].make_context(words[1], words[2:])
+    assert "--engine engines/qwen3-8b/onnxruntime" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.smollm2
 def test_readme_commands_run_verbatim():
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 8000)) == 0:

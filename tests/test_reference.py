@@ -5,11 +5,11 @@ import pytest
 import torch
 from scipy import stats
 
-from dflash_export.checkpoint import load_drafter
+from dflash_export.decoding.sampling import probs_from_logits, verify_block
 from dflash_export.models import load_target
+from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter
-from dflash_export.reference import ar_generate, spec_generate
-from dflash_export.sampling import probs_from_logits, verify_block
+from dflash_export.runtime.reference import ar_generate, spec_generate
 
 
 class OracleDrafter(DFlashDrafter):

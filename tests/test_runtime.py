@@ -7,8 +7,8 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.torch_ref import TorchEngine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
-from dflash_export.reference import ar_generate, spec_generate
-from dflash_export.runtime import DFlashRuntime, RunStats
+from dflash_export.runtime.reference import ar_generate, spec_generate
+from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""dflash_export.sampling and SamplingParams: the request's sampling settings are checked in one place, and the
+"""dflash_export.decoding.sampling and SamplingParams: the request's sampling settings are checked in one place, and the
 adaptive-verification rule keeps exactly the draft prefix whose expected gain pays for its rows (closed forms)."""
 
 import numpy as np
 import pytest
 
+from dflash_export.decoding.sampling import top_probability, verify_length
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.sampling import top_probability, verify_length
 
 
 def test_verify_length_keeps_the_prefix_worth_verifying():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dflash_export.errors import DFlashError
+from dflash_export.models.sources import hf_snapshot, resolve_source
 from dflash_export.recipes import load_recipe
-from dflash_export.sources import hf_snapshot, resolve_source
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -90,10 +90,71 @@ def tiny_export(tmp_path_factory):
     return recipe, out
 
 
+def _aot_flags(model) -> list:
+    """The `aot` attribute of every dflash plugin node (None where absent), as TensorRT's parser reads it: an INT."""
+    from onnx import AttributeProto
+
+    flags = []
+    for node in model.graph.node:
+        if node.domain == "dflash":
+            attr = [a for a in node.attribute if a.name == "aot"]
+            flags.append(attr[0].i if attr and attr[0].type == AttributeProto.INT else None)
+    return flags
+
+
 def test_exported_graphs_carry_plugin_ready_nodes(tiny_export):
+    """Every plugin node carries the lookup attributes and `aot` = 1 as an INT attribute: what TensorRT's ONNX
+    parser reads (`attrs.get<int>("aot")`, onnx-tensorrt) to make a strict AOT plugin request, as NVIDIA's
+    quickly-deployable-plugins sample marks its node."""
+    import onnx
+
     _, out = tiny_export
     assert trt_backend.check_plugin_attributes(out / trt_backend.DRAFTER_ONNX) == {ops.KV_ATTENTION: 2}
     assert trt_backend.check_plugin_attributes(out / trt_backend.TARGET_ONNX) == {ops.FUSED_VERIFY: 1}
+    for name, n in ((trt_backend.DRAFTER_ONNX, 2), (trt_backend.TARGET_ONNX, 1)):
+        model = onnx.load(str(out / name), load_external_data=False)
+        assert _aot_flags(model) == [1] * n, name
+        for f in model.functions:
+            if f.domain == "dflash":
+                assert "aot" in f.attribute, f.name  # the function declares what its node carries
+
+
+def test_the_aot_attribute_leaves_onnx_runtime_running_the_function_body():
+    """ONNX Runtime inlines the dflash function of a node that carries `aot`: FusedVerify's outputs equal the
+    torch reference (kernels/reference.py) for greedy and sampled verification."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from dflash_export.kernels.reference import fused_verify_ref
+
+    g = torch.Generator().manual_seed(0)
+    for temperature in (0.0, 0.8):
+        model = ops.fused_verify_model(temperature, vocab_size=12)
+        assert _aot_flags(model) == [1]
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        logits = torch.randn(2, 5, 12, generator=g) * 3
+        drafts = torch.randint(0, 12, (2, 4), generator=g)
+        probs = torch.softmax(torch.randn(2, 4, 12, generator=g), -1)
+        unif = torch.rand(2, 5, generator=g)
+        got = sess.run(None, {"target_logits": logits.numpy(), "draft_tokens": drafts.numpy(),
+                              "draft_probs": probs.numpy(), "uniforms": unif.numpy()})
+        for a, b in zip(got, fused_verify_ref(logits, drafts, probs, unif, temperature)):
+            np.testing.assert_array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize("value", [2, -1, 1.0, "1"])
+def test_check_plugin_attributes_rejects_an_aot_attribute_tensorrt_would_misread(value):
+    from onnx import helper
+
+    model = _attention_model()
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "aot"]
+    del node.attribute[:]
+    node.attribute.extend(kept + [helper.make_attribute("aot", value)])
+    with pytest.raises(DFlashError) as err:
+        trt_backend.check_plugin_attributes(model)
+    assert err.value.field == "aot"
 
 
 @pytest.mark.parametrize("graph", ["target_verify", "drafter"])
@@ -141,7 +202,8 @@ def test_profiles_name_every_dynamic_dim_or_fail_clearly():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_plugin_kernels_compile_ahead_of_time_to_ptx():
     """What aot_impl hands TensorRT: PTX for sm_90 of both entry points, compiled here without a GPU (in a fresh
-    process: the test process may run triton in interpreter mode)."""
+    process: the test process may run triton in interpreter mode), whose .entry declares exactly the parameters
+    TensorRT passes (Triton's trailing scratch pointers removed)."""
     code = textwrap.dedent("""
         from triton.backends.compiler import GPUTarget
         from dflash_export.engines.tensorrt import compile_attention_aot, compile_verify_aot
@@ -150,8 +212,14 @@ def test_plugin_kernels_compile_ahead_of_time_to_ptx():
                    compile_attention_aot("float32", 0.25, 16, 32, target),
                    compile_verify_aot("float32", 0.0, 16, target=target),
                    compile_verify_aot("bfloat16", 0.7, 16, target=target)]
+        from dflash_export.engines.tensorrt_ptx import parse_entry
+        # what TensorRT passes: 5 input pointers, 5 int32 extra args, 1 output pointer / 4 + 2 + 3
+        want = {"kv_injected_block_attention_aot_kernel": [64] * 5 + [32] * 5 + [64],
+                "fused_verify_aot_kernel": [64] * 4 + [32] * 2 + [64] * 3}
         for k in kernels:
-            assert ".entry " + k.name in k.ptx and k.num_warps > 0, k.name
+            assert k.num_warps > 0, k.name
+            assert [p.bits for p in parse_entry(k.ptx, k.name).params] == want[k.name], k.name
+            assert k.params == len(want[k.name])
         print("ok", [k.name for k in kernels])
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -272,7 +340,7 @@ def _fake_tensorrt(monkeypatch, aot: bool = True):
 
     def fake_compile(fn, signature, constexprs, target=None):
         compiled.append((fn.__name__ if hasattr(fn, "__name__") else str(fn), signature, constexprs))
-        return trt_backend.AotKernel("k", ".entry k", 4, 1024)
+        return trt_backend.AotKernel("k", ".entry k", 4, 1024, len(signature))
 
     monkeypatch.setattr(trt_plugins, "_compile", fake_compile)
     return registry, trtp, compiled
@@ -457,6 +525,37 @@ def test_graph_handed_to_tensorrt_names_the_plugins_without_their_function_bodie
         assert list(a.graph.node) == list(b.graph.node) and list(a.opset_import) == list(b.opset_import)
         assert list(a.graph.initializer) == list(b.graph.initializer)
         assert trt_plugins.check_plugin_attributes(b) == trt_plugins.check_plugin_attributes(a)
+
+
+def test_graph_handed_to_tensorrt_asks_for_the_implementation_the_build_asked_for(tiny_export, tmp_path):
+    """`aot` on every plugin node of the parsed copy: 1 for an AOT build, 0 for a JIT one (a strict request each,
+    read by the parser before the network's PREFER_AOT flag); a node without it (a graph exported before the
+    attribute) gets it; nothing else of the graph changes."""
+    import onnx
+
+    from dflash_export.engines.tensorrt_build import plugin_only_graph
+
+    _, out = tiny_export
+    for name, n in (("target_verify.onnx", 1), ("drafter.onnx", 2)):
+        src = out / name
+        a = onnx.load(str(src), load_external_data=False)
+        for impl, flag in (("jit", 0), ("aot", 1)):
+            b = onnx.load(str(plugin_only_graph(src, impl)), load_external_data=False)
+            assert _aot_flags(b) == [flag] * n, (name, impl)
+            assert trt_plugins.check_plugin_attributes(b) == trt_plugins.check_plugin_attributes(a)
+            assert [(x.op_type, list(x.input), list(x.output)) for x in a.graph.node] == \
+                   [(x.op_type, list(x.input), list(x.output)) for x in b.graph.node]
+        old = onnx.load(str(src), load_external_data=False)
+        for node in old.graph.node:
+            kept = [x for x in node.attribute if x.name != "aot"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+        assert _aot_flags(old) == [None] * n
+        legacy = tmp_path / name  # the copy only references the weights, it never reads them
+        onnx.save(old, str(legacy))
+        assert _aot_flags(onnx.load(str(plugin_only_graph(legacy, "jit")), load_external_data=False)) == [0] * n
+    with pytest.raises(DFlashError, match="unknown plugin implementation"):
+        plugin_only_graph(out / "drafter.onnx", "python")
 
 
 def test_weakly_typed_builds_pin_the_fp32_island_layers_and_only_them():

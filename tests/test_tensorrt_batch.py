@@ -19,10 +19,10 @@ import pytest
 from tensorrt_emulation import emulate_tensorrt, emulated_engine_dir
 from test_batching import _oracle_drafts
 
-from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
+from dflash_export.runtime.batching import BatchingRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65],
            [3 + (i * 7) % 200 for i in range(90)]]
@@ -47,7 +47,7 @@ def pair(ort_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(pair):
     """Each prompt's greedy continuation by the PyTorch reference (fp32), 40 tokens."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     return [ar_generate(pair[2].target, p, 40).tokens for p in PROMPTS]
 
@@ -242,7 +242,7 @@ def test_an_engine_built_without_the_batch_engines_gives_one_clear_error(pair, t
     DFlashError naming manifest.json, the field and the rebuild; single-request decoding still runs."""
     from dflash_export.engines.manifest import validate_manifest
     from dflash_export.recipes import load_recipe
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _, ort_eng, _, full, trt_backend = pair
     emulate_tensorrt(monkeypatch)
@@ -302,7 +302,7 @@ def test_the_concurrency_bench_runs_on_a_tensorrt_engine(pair, monkeypatch):
     """`bench --concurrency --engine DIR` on a TensorRT engine directory (load_engine pinned to the emulation's
     device): both modes run at every level, each request's tokens equal to the same request run alone (that the
     batched tokens are the reference's is the test above)."""
-    from dflash_export import bench_batch
+    from dflash_export.bench import concurrency as bench_batch
 
     _, _, _, full, _ = pair
     monkeypatch.setattr(bench_batch, "load_engine", lambda d, **kw: load_engine(d, device="cpu", **kw))

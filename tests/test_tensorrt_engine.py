@@ -21,7 +21,7 @@ from dflash_export.engines import graph_engine as ge
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 64, 65]]
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -48,7 +48,7 @@ def engines(request, tmp_path_factory):
 
 
 def test_greedy_dflash_and_ar_equal_reference_and_ort_engine(engines):
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, ort_eng, torch_eng = engines
     for prompt in PROMPTS:
@@ -62,7 +62,7 @@ def test_greedy_dflash_and_ar_equal_reference_and_ort_engine(engines):
 def test_a_fixed_block_engine_asked_for_trees_drafts_chains(engines):
     """The graph engine (TensorRT's runner logic) verifies blocks of exactly block_size: asked for tree+lookup it
     drafts the chain, says so, and decodes the reference's tokens."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, _, torch_eng = engines
     rt = DFlashRuntime(eng, proposer="tree+lookup")
@@ -88,7 +88,7 @@ def test_seeded_sampling_equals_ort_and_torch_engines(engines):
 def test_every_accept_length_commits_and_crops_like_the_ort_engine(engines):
     """The tiny drafter is random and rarely accepted, so blocks come from the reference continuation with one slot
     corrupted: accept lengths 0..bs-1 all occur, and the target cache is cropped to the committed tokens each time."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, ort_eng, torch_eng = engines
     bs = eng.info.block_size
@@ -194,11 +194,11 @@ def test_without_tensorrt_loading_an_engine_names_the_extra_and_the_gpu(tmp_path
 def test_build_records_what_the_engine_needs_to_run(tmp_path):
     """build_tensorrt writes the codec / tokenizer and the stop ids + vocabulary (read from the target's config),
     so a TensorRT engine directory describes itself like an ONNX Runtime one."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines.tensorrt import tensorrt_engine_info, write_serving_files
     from dflash_export.engines.torch_ref import TorchEngine
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.tokenization import TextCodec
     from dflash_export.recipes import load_recipe
-    from dflash_export.tokenization import TextCodec
 
     recipe = load_recipe("tiny-llama")
     facts = write_serving_files(recipe, load_drafter(recipe.drafter_path), tmp_path)
@@ -253,7 +253,7 @@ def test_tensorrt_runner_on_emulated_tensorrt_switches_profiles_only_when_the_st
     assert len(stats.acceptance_lengths) > 2
     # a new context starts on profile 0 (prefill / first_block); the steps after it stay on verify / step
     assert [c.profile_switches for c in contexts] == [1, 1]
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     bs = eng.info.block_size
     cont = ar_generate(engines[2].target, PROMPTS[0], 2 * bs + 1).tokens
@@ -302,15 +302,16 @@ def test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin(tm
     - both equal the ORT runner over the directory's onnx/ graphs (the same fp32 graphs), whole output;
     - sampled DFlash output (T=0.7, top-p 0.9) fits the PyTorch reference's conditionals (validate's check)."""
     from dflash_export.engines.manifest import read_manifest
-    from dflash_export.engines.tensorrt import IMPL_AOT, IMPL_JIT, build_tensorrt
+    from dflash_export.engines.tensorrt import build_tensorrt
     from dflash_export.recipes import load_recipe
     from dflash_export.validate.runner import Reference, ValidateOptions, _distribution_check, _Progress
 
     recipe = load_recipe("tiny-qwen3")
     out = build_tensorrt(recipe, tmp_path / "tensorrt")
     manifest = read_manifest(out)
-    impl = manifest.raw["plugins"]["implementation"]
-    assert set(impl) == {"KVInjectedBlockAttention", "FusedVerify"} and set(impl.values()) <= {IMPL_AOT, IMPL_JIT}
+    impl = manifest.plugins.implementation  # the build asked for the AOT kernels (TensorRT >= 10.12)
+    assert manifest.plugins.requested == "aot" and dict(impl) == {"KVInjectedBlockAttention": "aot",
+                                                                  "FusedVerify": "aot"}
     layers = manifest.engines["drafter.engine"]["plugin_layers"]
     assert layers == manifest.engines["drafter.engine"]["plugins"], layers
     eng = load_engine(out)

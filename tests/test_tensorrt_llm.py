@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 
-from dflash_export.checkpoint import read_drafter_checkpoint
 from dflash_export.engines import tensorrt_llm as trtllm
 from dflash_export.engines.manifest import read_manifest
 from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.models.checkpoint import read_drafter_checkpoint
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import TrtLlmOptions, load_recipe
-from dflash_export.sources import resolve_source
 
 
 @pytest.fixture(scope="module")

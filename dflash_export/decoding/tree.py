@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_export.prompt_lookup import ContextIndex
+from dflash_export.decoding.prompt_lookup import ContextIndex
 
 # What a greedy DFlash step proposes: the drafter's block as drafted ("chain"), a tree grown from its per-slot
 # distributions, the context's lookup branches, or a tree holding both; and how a tree is verified: its best path as

@@ -7,15 +7,15 @@ import sys
 
 import click
 
+from dflash_export.clitypes import engine_option
 from dflash_export.deploy.front import Limits
 from dflash_export.deploy.repository import MARKER, cached_repository, check_repository, write_repository
-from dflash_export.errors import DFlashError
 from dflash_export.deploy.server import serve as run_server
+from dflash_export.errors import DFlashError
 
 
 @click.command()
-@click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False),
-              help="Built engine directory (engines/<recipe>/<backend>).")
+@engine_option("A built engine directory (engines/<recipe>/<backend>).", required=True)
 @click.option("--repo", "repo_dir", required=True, type=click.Path(),
               help="Model repository to write (replaced atomically if it is an earlier deploy).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
@@ -52,8 +52,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 
 
 @click.command()
-@click.option("--engine", "engine_dir", type=click.Path(file_okay=False), default=None,
-              help="Serve this built engine directly (a model repository is made for it and cached).")
+@engine_option("Serve this built engine directly (a model repository is made for it and cached).")
 @click.option("--repo", "repo_dir", type=click.Path(file_okay=False), default=None,
               help="Serve a model repository written by `deploy` (instead of --engine).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")

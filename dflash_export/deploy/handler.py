@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime, RunStats
+from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16

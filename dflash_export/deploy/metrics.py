@@ -47,8 +47,8 @@ class FrontMetrics:
         self.occupancy = Gauge("dflash_batch_occupancy",
                                "In-flight requests over the sequences the deployment decodes at once (<= 1)",
                                registry=r)
-        self.tau = Gauge("dflash_tau", "Mean acceptance length of the generations finished in the recent window",
-                         registry=r)
+        self.tau = Gauge("dflash_tau", "tau: tokens committed per target pass (the engine's decoding, adaptive) over "
+                         "the generations finished in the recent window", registry=r)
         self.tps = Gauge("dflash_tokens_per_second", "Generated tokens per second over the recent window",
                          registry=r)
         self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window", ["phase"],

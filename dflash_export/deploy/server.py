@@ -49,7 +49,7 @@ from dflash_export.deploy.triton_process import (
     remove_shm,
     shm_prefix,
 )
-from dflash_export.errors import DFlashError
+from dflash_export.errors import EXIT_CHECK_FAILED, DFlashError
 
 __all__ = [
     # triton_install
@@ -134,7 +134,10 @@ RESTART_WINDOW_S = 600.0
 
 
 class DrainIncomplete(ServerError):
-    """`serve` stopped with requests still running after the drain time (they were cancelled): exit code 1."""
+    """`serve` stopped with requests still running after the drain time (they were cancelled): exit code 1, the
+    check that every running request finishes failed."""
+
+    exit_code = EXIT_CHECK_FAILED
 
 
 def _check_serve_args(repo, http_port: int, grpc_port: int, metrics_port: int, host: str, log_path, limits,
@@ -182,7 +185,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int 
     If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
     front (the front answers 503 meanwhile), at most MAX_RESTARTS times in RESTART_WINDOW_S. Otherwise (or past that)
     one line with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its
-    input at load, ServerError (exit 1) otherwise. A stop request drains: new requests get 503, running ones have
+    input at load, ServerError (exit 3) otherwise. A stop request drains: new requests get 503, running ones have
     `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how many were
     cancelled otherwise. The server is stopped on every way out of this function, and by the kernel if this process
     is killed outright (see `triton_process._die_with_parent`); what a killed one left is removed by the next

@@ -6,10 +6,10 @@ serving machine (deploy/triton_install.py): nothing of the deploying machine's p
 libraries loaded are the ones recorded, so a mismatched environment fails the model load with one clear message
 instead of subtly different numerics.
 
-One engine per model instance. With `max_batch` 1 each instance handles its requests one after another
-(concurrency = instance count); with `max_batch` > 1 every request gets a thread that feeds it into the instance's
-one shared continuous batch (dflash_export.batching.BatchingService) and `execute` returns at once, responses going
-out through each request's response sender (one response in the default mode, one per step when decoupled).
+One engine per model instance. With `max_batch` 1 each instance handles its requests one after another (concurrency =
+instance count); with `max_batch` > 1 every request gets a thread that feeds it into the instance's one shared
+continuous batch (dflash_export.runtime.batching.BatchingService) and `execute` returns at once, responses going out
+through each request's response sender (one response in the default mode, one per step when decoupled).
 A bad request gets an error response naming the input (INVALID_ARG: HTTP 400); the instance keeps serving. Between
 DFlash steps the request is checked for cancellation: Triton's own (a gRPC client that cancels or goes away) and the
 front's cancel file (an HTTP client that went away, or a shutdown past its drain time, see deploy/front.py), so an
@@ -95,7 +95,7 @@ class TritonPythonModel:
 
         from dflash_export.deploy.handler import RequestRunner
         from dflash_export.engines.registry import load_engine
-        from dflash_export.runtime import DFlashRuntime
+        from dflash_export.runtime.single import DFlashRuntime
 
         engine_dir = _param(config, "engine_dir")
         if not os.path.isabs(engine_dir):
@@ -112,7 +112,7 @@ class TritonPythonModel:
         self.max_batch = int(_param(config, "max_batch", "1"))
         self.service = None
         if self.max_batch > 1:
-            from dflash_export.batching import BatchingService
+            from dflash_export.runtime.batching import BatchingService
 
             self.service = BatchingService(self.engine, self.max_batch,
                                            int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)

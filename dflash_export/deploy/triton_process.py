@@ -32,13 +32,13 @@ from dflash_export.deploy.triton_install import (
     make_stub_env,
     server_env,
 )
-from dflash_export.errors import DFlashError
+from dflash_export.errors import EXIT_INTERNAL, DFlashError
 
 
 class ServerError(DFlashError):
-    """tritonserver failed to start or died (exit code 1: not a problem with the user's input)."""
+    """tritonserver failed to start or died (exit code 3: neither the user's input nor a failed check)."""
 
-    exit_code = 1
+    exit_code = EXIT_INTERNAL
 
 
 class ModelRefused(ServerError):
@@ -429,7 +429,7 @@ class TritonServer:
     def _death_error(self) -> ServerError:
         """One line for a server that exited on its own: its most telling log line (shortened) and where the log is.
 
-        ModelRefused (exit 2) when that line is a model refusing its input, ServerError (exit 1) otherwise.
+        ModelRefused (exit 2) when that line is a model refusing its input, ServerError (exit 3) otherwise.
         """
         if self._reader is not None:
             self._reader.join(timeout=2)

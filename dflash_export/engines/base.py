@@ -1,8 +1,8 @@
 """The backend-agnostic engine contract: sampling parameters, what an engine reports, its per-sequence state.
 
 An engine owns the compiled graphs and the per-sequence state (KV caches, pending context features); the runtime
-(`dflash_export.runtime`) owns the loop, sampling randomness, stop handling and streaming. Keeping the two apart is what
-lets one loop drive ONNX Runtime, TensorRT and the PyTorch reference alike.
+(`dflash_export.runtime.single`) owns the loop, sampling randomness, stop handling and streaming. Keeping the two apart
+is what lets one loop drive ONNX Runtime, TensorRT and the PyTorch reference alike.
 
 This module imports neither torch nor onnxruntime: a served ORT engine needs only numpy, onnxruntime and tokenizers.
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
-from dflash_export.tokenization import TextCodec, chat_environment
+from dflash_export.models.tokenization import TextCodec, chat_environment
 
 
 @dataclass
@@ -84,7 +84,8 @@ class Sequence:
         # Set by `draft` in greedy mode on backends that can: the drafter's probability of each greedy draft [bs-1].
         # Lets the runtime verify only the drafts worth their verification cost (see DFlashRuntime).
         self.draft_confidence = None
-        # Set with draft_confidence: the drafter's logits of the block's slots [n, V_draft] (draft trees grow from them).
+        # Set with draft_confidence: the drafter's logits of the block's slots [n, V_draft] (draft trees grow from
+        # them).
         self.draft_logits = None
 
 
@@ -95,7 +96,7 @@ class Engine(ABC):
     """
 
     info: EngineInfo
-    codec: Any  # dflash_export.tokenization.TextCodec
+    codec: Any  # dflash_export.models.tokenization.TextCodec
     # True when `verify` appends its context features to those still pending (a verify with no draft before it,
     # e.g. a one-token block) instead of replacing them: then the runtime may skip drafting for a few steps.
     accumulates_context: bool = False

@@ -15,9 +15,28 @@ from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 DEFAULT_ROOT = Path("engines")
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def default_engine_dir(recipe_name: str) -> Path:
+    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; when only a quantized
+    engine was built (`onnxruntime-int4`, ...) that one; DFlashError if none, or if several and no fp32 one."""
+    rel = Path("engines") / recipe_name
+    for root in (Path.cwd() / rel, REPO_ROOT / rel):
+        if (root / "onnxruntime" / "manifest.json").is_file():
+            return root / "onnxruntime"
+        built = sorted(d for d in root.glob("onnxruntime-*") if (d / "manifest.json").is_file())
+        if len(built) == 1:
+            return built[0]
+        if built:
+            raise DFlashError(f"several engines built for recipe {recipe_name!r} ({', '.join(d.name for d in built)}"
+                              f" under {root}): pass one with --engine DIR", field="--engine")
+    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel / 'onnxruntime'}: build it first with "
+                      f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
+                      field="--engine")
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Sequence as Seq
 
 import numpy as np
 
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_block
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 TARGET, DRAFTER = "target_verify", "drafter"
 PREFILL, VERIFY, DECODE = "prefill", "verify", "decode"   # target profiles, by token count: S prompt / bs / 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
+from dflash_export.recipes import BACKENDS, RECIPES_DIR
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -66,6 +68,22 @@ class Selector:
     rank: int
 
 
+# How TensorRT built a dflash plugin layer: "aot", the Triton kernel compiled to PTX inside the engine (no Python at
+# run time), or "jit", the Python impl (tensorrt.plugin must be registered wherever the engine is deserialized).
+PLUGIN_PATHS = ("aot", "jit")
+
+
+@dataclass(frozen=True)
+class PluginBuild:
+    """A TensorRT engine's dflash plugins: namespace / version, the path the build asked TensorRT's parser for (the
+    nodes' `aot` attribute) and, per op, the path TensorRT used (each one of PLUGIN_PATHS)."""
+
+    namespace: str
+    version: str
+    requested: str
+    implementation: Mapping[str, str]
+
+
 @dataclass(frozen=True)
 class Manifest:
     path: Path                               # the manifest.json it was read from (errors name it)
@@ -88,6 +106,7 @@ class Manifest:
     shared_tensors: Mapping[str, SharedTensor] = field(default_factory=dict)
     flags: Flags = Flags()
     selector: Selector | None = None
+    plugins: PluginBuild | None = None
     engines: Mapping[str, Any] = field(default_factory=dict)
     inputs: Mapping[str, str] | None = None
     precision: Mapping[str, str] | None = None
@@ -329,6 +348,30 @@ def _check_selector(f: _Fields, vocab: int | None) -> Selector:
     return Selector(sel["top_k"], sel["rank"])
 
 
+def _check_plugins(f: _Fields) -> PluginBuild:
+    """`plugins` (TensorRT engines): namespace and version strings, `requested` and every op's `implementation`
+    one of PLUGIN_PATHS, and each op built the way the build asked (a strict request leaves TensorRT no other)."""
+    plugins = f.mapping("plugins")
+    for key in ("namespace", "version", "requested", "implementation"):
+        if key not in plugins:
+            raise f.bad(f"plugins.{key}", "missing field (rebuild the engine with this version)")
+    for key in ("namespace", "version"):
+        if not isinstance(plugins[key], str) or not plugins[key]:
+            raise f.bad(f"plugins.{key}", f"expected a non-empty string, got {plugins[key]!r}")
+    requested = plugins["requested"]
+    if requested not in PLUGIN_PATHS:
+        raise f.bad("plugins.requested", f"expected one of {', '.join(PLUGIN_PATHS)}, got {requested!r}")
+    impl = plugins["implementation"]
+    if not isinstance(impl, dict):
+        raise f.bad("plugins.implementation", f"expected a mapping of op to path, got {_kind(impl)}")
+    for op, path in impl.items():
+        if path not in PLUGIN_PATHS:
+            raise f.bad(f"plugins.implementation.{op}", f"expected one of {', '.join(PLUGIN_PATHS)}, got {path!r}")
+        if path != requested:
+            raise f.bad(f"plugins.implementation.{op}", f"built as {path!r}, the build asked for {requested!r}")
+    return PluginBuild(plugins["namespace"], plugins["version"], requested, MappingProxyType(dict(impl)))
+
+
 def validate_manifest(manifest, path) -> Manifest:
     """Check the structure, types and ranges of every manifest field the loaders use; DFlashError naming `path`
     (the manifest.json) and the field otherwise. Returns the typed `Manifest`.
@@ -350,14 +393,15 @@ def validate_manifest(manifest, path) -> Manifest:
     if "flags" in manifest:
         _check_flags(f, vocab)
     selector = _check_selector(f, vocab) if manifest.get("selector") is not None else None
+    plugins = _check_plugins(f) if manifest.get("plugins") is not None else None
     if manifest.get("precision") is not None:
         for k, v in f.mapping("precision").items():
             if not isinstance(v, str):
                 raise f.bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
-    return _typed(manifest, path, selector)
+    return _typed(manifest, path, selector, plugins)
 
 
-def _typed(m: dict[str, Any], path: Path, selector: Selector | None) -> Manifest:
+def _typed(m: dict[str, Any], path: Path, selector: Selector | None, plugins: PluginBuild | None = None) -> Manifest:
     """The validated JSON object as a Manifest (every check above has passed)."""
     flags = m.get("flags") or {}
 
@@ -377,7 +421,7 @@ def _typed(m: dict[str, Any], path: Path, selector: Selector | None) -> Manifest
                                          for name, e in (m.get("shared_tensors") or {}).items()}),
         flags=Flags(verify_token_cost=flags.get("verify_token_cost"), draft_cost=flags.get("draft_cost"),
                     plain_step_rows=flags.get("plain_step_rows") or 1, draft_vocab=flags.get("draft_vocab") or 0),
-        selector=selector, engines=MappingProxyType(dict(m.get("engines") or {})),
+        selector=selector, plugins=plugins, engines=MappingProxyType(dict(m.get("engines") or {})),
         inputs=None if m.get("inputs") is None else MappingProxyType(dict(m["inputs"])),
         precision=None if m.get("precision") is None else MappingProxyType(dict(m["precision"])),
         raw=MappingProxyType(m))
@@ -389,21 +433,66 @@ def read_manifest(engine_dir, verify_files: bool = True) -> Manifest:
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if not engine_dir.is_dir():
-        raise DFlashError("engine directory not found" if not engine_dir.exists() else "not a directory",
-                          path=engine_dir)
+        raise DFlashError(("engine directory not found" if not engine_dir.exists() else "not a directory") +
+                          f"; {build_hint(engine_dir)}", path=engine_dir)
     if not path.is_file():
-        raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none)", path=engine_dir)
+        raise DFlashError("no manifest.json: not a finished engine (an interrupted build leaves none); "
+                          f"{build_hint(engine_dir)}", path=engine_dir)
     manifest = validate_manifest(read_json_object(path), path)
     if verify_files:
         check_no_unlisted_files(engine_dir, manifest.files)
         for rel, digest in manifest.files.items():
             f = engine_dir / rel
             if not f.is_file():
-                raise DFlashError("file listed in the manifest is missing", path=f, field="files")
+                raise DFlashError(f"file listed in the manifest is missing; rebuild the engine with "
+                                  f"`{build_command(engine_dir, manifest)} --force`", path=f, field="files")
             if sha256_file(f) != digest:
-                raise DFlashError("file does not match its manifest hash (modified or truncated)", path=f,
-                                  field="files")
+                raise DFlashError(f"file does not match its manifest hash (modified or truncated); rebuild the "
+                                  f"engine with `{build_command(engine_dir, manifest)} --force`", path=f, field="files")
     return manifest
+
+
+def build_command(engine_dir: Path, manifest: Manifest) -> str:
+    """The `dflash-export build` line that writes `engine_dir` again: its recipe (by name when recipes/ has it,
+    else the recipe file the build read), backend, precisions and output root (engine_dir = OUT/<recipe>/<dir>)."""
+    recipe = manifest.recipe or engine_dir.parent.name
+    if manifest.recipe_path and not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        recipe = manifest.recipe_path
+    parts = ["dflash-export build --recipe", _shell_word(recipe), "--backend", manifest.backend]
+    p = manifest.precision or {}
+    if p.get("target", "fp32") != "fp32":
+        parts += ["--precision", p["target"]]
+    if p.get("drafter", p.get("target", "fp32")) != p.get("target", "fp32"):
+        parts += ["--drafter-precision", p["drafter"]]
+    if p and (p.get("lm_head"), p.get("draft_head")) != (p.get("target"), p.get("drafter")):
+        parts.append("--fp32-heads")
+    out = engine_dir.resolve().parent.parent
+    if out != (Path.cwd() / "engines").resolve():
+        parts += ["--out", _shell_word(str(out))]
+    return " ".join(parts)
+
+
+def build_hint(engine_dir: Path) -> str:
+    """What to run when no engine is at `engine_dir`: the build line when the path has the shape a build writes
+    (OUT/<recipe>/<backend>[-<precision>]) for a recipe in recipes/, else how to build one."""
+    engine_dir = Path(engine_dir)
+    recipe, leaf = engine_dir.parent.name, engine_dir.name
+    backend = next((b for b in sorted(BACKENDS, key=len, reverse=True) if leaf == b or leaf.startswith(b + "-")),
+                   None)
+    if backend is None or not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        return "build one with `dflash-export build --recipe NAME` (it writes engines/NAME/onnxruntime)"
+    parts = ["dflash-export build --recipe", recipe, "--backend", backend]
+    precision = leaf[len(backend) + 1:].split("-")[0] if leaf != backend else ""
+    if precision in ("int8", "int4"):
+        parts += ["--precision", precision]
+    out = engine_dir.absolute().parent.parent
+    if out != (Path.cwd() / "engines").absolute():
+        parts += ["--out", _shell_word(str(engine_dir.parent.parent))]
+    return f"build it with `{' '.join(parts)}`"
+
+
+def _shell_word(s: str) -> str:
+    return shlex.quote(s)
 
 
 def check_engine_recipe(engine_dir: Path, recipe):

@@ -32,19 +32,19 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.decoding.tree import DraftTree, greedy_accept
-from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
-from dflash_export.engines.manifest import Manifest
-from dflash_export.engines.numerics import choose_row_floor
-from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.models.config import DFlashSpec
-from dflash_export.sampling import (
+from dflash_export.decoding.sampling import (
     probs_from_logits,
     sample_from,
     select_candidates,
     top_probability,
     verify_block,
 )
+from dflash_export.decoding.tree import DraftTree, greedy_accept
+from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
+from dflash_export.engines.manifest import Manifest
+from dflash_export.engines.numerics import choose_row_floor
+from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.models.config import DFlashSpec
 
 TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"

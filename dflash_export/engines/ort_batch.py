@@ -1,7 +1,7 @@
 """B sequences per call on the ONNX Runtime engine: the target step (prefill, verify, plain step) and the drafter.
 
 `BatchedOrtEngine` drives the same sessions as `OrtEngine` (it wraps one), so a batch of one computes what the
-single-sequence path computes; `dflash_export.batching` schedules it. Imports neither torch nor anything beyond
+single-sequence path computes; `dflash_export.runtime.batching` schedules it. Imports neither torch nor anything beyond
 numpy and onnxruntime.
 
 The bookkeeping (slots, dense slot moves, context chunks, padding, the bias inputs) is `BatchedEngine`, apart from

@@ -39,9 +39,8 @@ from dflash_export.export import (
     export_models,
 )
 from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import PRECISIONS
-from dflash_export.sources import resolve_source
-
 
 _stage_reporter = None  # set by the CLI (build's progress line); None: silent
 
@@ -141,9 +140,9 @@ def _load_pair(recipe, draft_vocab: int | None):
     vocabulary checked against it (None when it is the whole vocabulary: the ordinary head serves)."""
     import torch
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.export.graph import target_spec
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import check_drafter_fits
 
     target = load_target(recipe.target_path, torch.float32)

@@ -181,8 +181,8 @@ def check_engine_manifest(engine_dir) -> Manifest:
 
 def batched_engine(engine: Engine, max_batch: int = 16):
     """The batched engine (engines/ort_batch.BatchedEngine) for `engine`'s backend -- ONNX Runtime's over its
-    sessions, TensorRT's over the batch engines its build compiled -- what `dflash_export.batching` drives; one error
-    naming the backends that batch for any other."""
+    sessions, TensorRT's over the batch engines its build compiled -- what `dflash_export.runtime.batching` drives;
+    one error naming the backends that batch for any other."""
     spec = BACKENDS.get(engine.info.backend)
     if spec is None or spec.batcher is None:
         batched = " and ".join(b.name for b in BACKENDS.values() if b.batched)

@@ -21,6 +21,7 @@ from dflash_export.engines.tensorrt_batch import (
     write_plain_batch_graphs,
 )
 from dflash_export.engines.tensorrt_plugins import (
+    AOT_ATTRIBUTE,
     BACKEND,
     DRAFTER_ENGINE,
     DRAFTER_ONNX,
@@ -96,37 +97,61 @@ def pin_fp32_island(trt, network) -> int:
     return pinned
 
 
-def plugin_only_graph(onnx_path: Path) -> Path:
+def plugin_only_graph(onnx_path: Path, implementation: str = IMPL_AOT) -> Path:
     """Write `<stem>.trt.onnx` next to `onnx_path`: the same graph (weights still referenced, not copied) without
     the model-local functions that define the dflash ops, so TensorRT's parser can only import a dflash node as
     its plugin, never as the function's body (older onnx-tensorrt parsers expand a node that has a local
-    function). Returns its path; the original, with the functions, stays what ONNX Runtime runs."""
+    function), and with every plugin node's `aot` attribute saying the `implementation` asked for (1: the AOT
+    kernel, 0: the JIT impl; the parser makes it a strict request). Returns its path; the original, with the
+    functions, stays what ONNX Runtime runs."""
     import onnx
+    from onnx import helper
 
+    if implementation not in (IMPL_AOT, IMPL_JIT):
+        raise DFlashError(f"unknown plugin implementation {implementation!r} (expected {IMPL_AOT} or {IMPL_JIT})",
+                          field="implementation")
     model = onnx.load(str(onnx_path), load_external_data=False)
     kept = [f for f in model.functions if not (f.domain == PLUGIN_NAMESPACE and f.name in PLUGINS)]
     del model.functions[:]
     model.functions.extend(kept)
+    flag = helper.make_attribute(AOT_ATTRIBUTE, int(implementation == IMPL_AOT))
+    for _, node in plugins._dflash_nodes(model):
+        if node.op_type in PLUGINS:
+            have = [a for a in node.attribute if a.name == AOT_ATTRIBUTE]
+            if have:
+                have[0].CopyFrom(flag)
+            else:
+                node.attribute.append(flag)
     out = Path(onnx_path).with_name(Path(onnx_path).stem + ".trt.onnx")
     onnx.save(model, str(out))
     return out
 
 
+def default_implementation(trt) -> str:
+    """The plugin path a build asks for unless told otherwise: the AOT kernel where this TensorRT builds AOT Python
+    plugins (engines then run without Python), else the JIT impl."""
+    import tensorrt.plugin as trtp
+
+    return IMPL_AOT if plugins.aot_plugins_supported(trt, trtp) else IMPL_JIT
+
+
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile], dtype: str,
-                      workspace_gib: float = 8.0) -> dict[str, Any]:
+                      workspace_gib: float = 8.0, implementation: str | None = None) -> dict[str, Any]:
     """Parse one ONNX graph and write its serialized TensorRT engine, at the precision `resolve_precision` gives
-    this TensorRT for `dtype` (a half-precision copy of the graph is written next to it when the build needs one).
-    Returns build facts."""
+    this TensorRT for `dtype` (a half-precision copy of the graph is written next to it when the build needs one),
+    with every dflash plugin layer built the `implementation` way ("aot" | "jit"; default_implementation when
+    None). Returns build facts, `requested` and the `implementation` TensorRT used per op among them."""
     import onnx
 
     trt = plugins.require_tensorrt()
     plugins.register_plugins()
+    requested = implementation or default_implementation(trt)
     precision = resolve_precision(trt, dtype)
     if precision.graph_dtype != "float32":
         from dflash_export.export.half import write_half_graph
 
         onnx_path = write_half_graph(onnx_path, precision.graph_dtype)
-    onnx_path = plugin_only_graph(onnx_path)
+    onnx_path = plugin_only_graph(onnx_path, requested)
     model = onnx.load(str(onnx_path), load_external_data=False)
     counts = check_plugin_attributes(model)
     shapes = [profile_shapes(model, p) for p in profiles]
@@ -167,12 +192,17 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
         raise DFlashError("TensorRT failed to build the engine (see the log above)", path=onnx_path)
     data = bytes(serialized)
     implementations = build_implementations(counts, plugins._BUILD_CALLS)
+    for op, used in implementations.items():
+        if used != requested:
+            raise DFlashError(f"TensorRT built the {op} plugin layer(s) as {used!r}, the build asked for "
+                              f"{requested!r}", path=onnx_path, field="implementation")
     layers = inspect_plugin_layers(trt, data, engine_path)
     check_plugin_layers(counts, layers, engine_path)
     engine_path.write_bytes(data)
     return {"profiles": [p.name for p in profiles], "strongly_typed": strongly_typed,
             "graph_dtype": precision.graph_dtype, "fp32_layers_pinned": pinned, "plugins": counts,
-            "plugin_layers": layers, "implementation": implementations, "bytes": engine_path.stat().st_size}
+            "plugin_layers": layers, "requested": requested, "implementation": implementations,
+            "bytes": engine_path.stat().st_size}
 
 
 def build_implementations(counts: dict[str, int], calls: dict[str, set[str]]) -> dict[str, str]:
@@ -238,7 +268,8 @@ def _export_facts(onnx_path: Path) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
 
-def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> dict[str, Any]:
+def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1,
+                           implementation: str | None = None) -> dict[str, Any]:
     """Build `target_verify.engine` and `drafter.engine` in `out_dir` from the exported graphs in `export_dir`.
 
     Profiles: target_verify = prefill / verify (block_size tokens) / decode (1 token); drafter = first block after
@@ -260,7 +291,8 @@ def build_tensorrt_engines(export_dir, out_dir, recipe, max_batch: int = 1) -> d
             raise DFlashError("graph metadata has no dflash.block_size", path=onnx_path, field="dflash.block_size")
         vocab = vocab_size_of(onnx.load(str(onnx_path), load_external_data=False))
         profiles = graph_profiles(graph, block_size, recipe.max_seq_len, vocab, max_batch)
-        facts[engine_name] = build_engine_file(onnx_path, out_dir / engine_name, profiles, recipe.dtype)
+        facts[engine_name] = build_engine_file(onnx_path, out_dir / engine_name, profiles, recipe.dtype,
+                                               implementation=implementation)
         facts[engine_name]["block_size"] = block_size
     return facts
 
@@ -306,7 +338,7 @@ def refuse_masked_drafter(config, where) -> None:
                               field="is_causal" if config.is_causal else "layer_types")
 
 
-def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
+def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implementation: str | None = None) -> Path:
     """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
     plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
     ONNX Runtime vs TensorRT comparison, + manifest.json). Needs tensorrt and an NVIDIA GPU (checked first).
@@ -316,19 +348,21 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
     engines/tensorrt_batch.py)."""
     import torch
 
-    from dflash_export.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter
 
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = plugins.require_tensorrt()
     precision = resolve_precision(trt, recipe.dtype)  # refuses what this TensorRT cannot build before any export
+    plugins.register_plugins()
+    implementation = implementation or default_implementation(trt)
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         res = export_recipe(recipe, tmp / "onnx", ort_flavor=True)
         serving = write_serving_files(recipe, drafter, tmp)
-        facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe)
+        facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe, implementation=implementation)
         dspec = drafter.spec(recipe.block_size)
         facts.update(build_batch_engines(tmp / "onnx", tmp, dspec.block_size, recipe.max_seq_len, recipe.dtype,
                                          max_batch))
@@ -338,7 +372,8 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH) -> Path:
             "target_layer_ids": list(dspec.target_layer_ids), "max_seq_len": recipe.max_seq_len,
             "dtypes": {"precision": recipe.dtype, "graph": precision.graph_dtype},
             "engines": facts, "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION,
-                                          "ops": list(PLUGINS), "implementation": plugin_implementations(facts)},
+                                          "ops": list(PLUGINS), "requested": implementation,
+                                          "implementation": plugin_implementations(facts)},
             "export": res.metadata, "tensorrt": trt.__version__, **serving,
             "shared_tensors": embedding_layout(tmp / "onnx"),
             "gpu": torch.cuda.get_device_name(0),

@@ -24,8 +24,8 @@ from dflash_export.engines.manifest import MANIFEST, Manifest, hash_inputs, read
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir
 from dflash_export.models.config import DFlashSpec
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import DTYPES, Recipe
-from dflash_export.sources import resolve_source
 
 BACKEND = "tensorrt-llm"
 DRAFTER_DIR = "drafter"
@@ -91,7 +91,7 @@ def write_normalized_drafter(drafter_path, out: Path, dtype: str, block_size: in
     import torch
     from safetensors.torch import save_file
 
-    from dflash_export.checkpoint import read_drafter_checkpoint
+    from dflash_export.models.checkpoint import read_drafter_checkpoint
 
     if dtype not in DTYPES:
         raise DFlashError(f"{dtype!r} is not one of {', '.join(DTYPES)}", field="dtype")

@@ -18,9 +18,12 @@ every caller.
 # registration, so they must be real types, not strings.
 import dataclasses
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, List, Tuple, Union
 
+from dflash_export.engines.manifest import PLUGIN_PATHS
+from dflash_export.engines.tensorrt_ptx import launchable_ptx, parse_entry, signature_widths
 from dflash_export.errors import DFlashError, MissingDependency
 
 BACKEND = "tensorrt"
@@ -61,7 +64,11 @@ VERIFY_BLOCK_V = 1024
 # count (num_logits) differs between optimization profiles, so it is never a build-time constant and no block size
 # is cut to a tile.
 VERIFY_BLOCK_BS = 16
-IMPL_AOT, IMPL_JIT = "aot (triton ptx)", "jit (python impl)"
+# The two paths a plugin layer can be built with (engines/manifest.py PLUGIN_PATHS): the Triton kernel as PTX in the
+# engine, or the Python impl. An ONNX node picks one with its `aot` attribute (1 / 0), which TensorRT's parser reads
+# before the network's PREFER_AOT / PREFER_JIT flag and turns into a strict AOT / JIT creation request.
+IMPL_AOT, IMPL_JIT = PLUGIN_PATHS
+AOT_ATTRIBUTE = "aot"
 
 
 def _missing(what: str) -> MissingDependency:
@@ -107,7 +114,8 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
     """Check that every `dflash` node maps onto a registered plugin; return {op_type: count}.
 
     Each node needs a known op type (= plugin name), plugin_namespace == "dflash", plugin_version == "1", the plugin's
-    attributes with the right types, and its arity. `onnx_model` is a ModelProto or a path (external data not loaded).
+    attributes with the right types, and its arity; an `aot` attribute, where present, is 1 or 0. `onnx_model` is
+    a ModelProto or a path (external data not loaded).
     Raises DFlashError naming the node and attribute otherwise.
     """
     import onnx
@@ -145,6 +153,9 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
             if not isinstance(value, typ) or isinstance(value, bool):
                 raise DFlashError(f"{label}: expected {typ.__name__}, got {type(value).__name__}", path=path,
                                   field=name)
+        if AOT_ATTRIBUTE in attrs and (not isinstance(attrs[AOT_ATTRIBUTE], int) or attrs[AOT_ATTRIBUTE] not in (0, 1)):
+            raise DFlashError(f"{label}: expected the integer 1 (AOT kernel) or 0 (JIT impl), got "
+                              f"{attrs[AOT_ATTRIBUTE]!r}", path=path, field=AOT_ATTRIBUTE)
         if node.op_type == KV_ATTENTION:
             if attrs["num_heads"] < 1 or attrs["num_kv_heads"] < 1 or attrs["num_heads"] % attrs["num_kv_heads"]:
                 raise DFlashError(f"{label}: num_heads {attrs['num_heads']} is not a positive multiple of "
@@ -164,10 +175,16 @@ def check_plugin_attributes(onnx_model) -> dict[str, int]:
 
 @dataclasses.dataclass
 class AotKernel:
+    """A compiled plugin kernel as TensorRT takes it: entry name, PTX whose `.entry` declares exactly the
+    `params` arguments TensorRT passes, launch width and dynamic shared memory; `appended` counts the unused
+    trailing parameters Triton had added and that were removed (0, 1 or 2 by release)."""
+
     name: str
     ptx: str
     num_warps: int
     shared_mem: int
+    params: int
+    appended: int = 0
 
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32"}
@@ -180,10 +197,17 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, Any], target=N
 
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    # Triton 3.2 names the compile-time constants `constants`, later releases `constexprs` (both keyed by name)
+    key = "constexprs" if "constexprs" in inspect.signature(triton.compiler.ASTSource).parameters else "constants"
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, **{key: constexprs})
     compiled = triton.compile(src, target=target) if target is not None else triton.compile(src)
-    return AotKernel(compiled.metadata.name, compiled.asm["ptx"], compiled.metadata.num_warps,
-                     compiled.metadata.shared)
+    meta = compiled.metadata
+    # TensorRT passes exactly the signature's run-time arguments (inputs, extra args, outputs, in that order):
+    # Triton's trailing scratch pointers leave the .entry, or the kernel is refused by name.
+    widths = signature_widths(signature)
+    ptx, entry = launchable_ptx(compiled.asm["ptx"], meta.name, meta, widths)
+    appended = len(parse_entry(compiled.asm["ptx"], meta.name).params) - len(widths)
+    return AotKernel(meta.name, ptx, meta.num_warps, meta.shared, len(entry.params), appended)
 
 
 def compile_attention_aot(dtype: str, scale: float, head_dim: int, block_n: int = 64, target=None) -> AotKernel:
@@ -368,7 +392,62 @@ def register_plugins() -> None:
     has_aot = aot_plugins_supported(trt, trtp)
     _register_attention(trt, trtp, has_aot)
     _register_verify(trt, trtp, has_aot)
+    keep_serialized_fields(trt, trtp)
     _REGISTERED = True
+
+
+def _dflash_fields(trt, plugin):
+    """The attributes a dflash plugin object hands TensorRT to serialize, as a PluginFieldCollection whose arrays,
+    fields and collection are held by the plugin object itself, so they outlive the call (TensorRT reads them after
+    it returns). AOT plugins get the same fields as JIT ones (the attributes aot_impl takes)."""
+    import numpy as np
+
+    names = getattr(plugin, "impl_attr_names", None)
+    if names is None:
+        names = getattr(plugin, "aot_impl_attr_names", None) or ()
+    arrays, fields = [], []
+    for name in names:
+        value = plugin.attrs[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DFlashError(f"{plugin.plugin_name}: attribute {name} is a {type(value).__name__}; the dflash "
+                              "plugins take integers and floats", field=name)
+        kind = (np.int64, trt.PluginFieldType.INT64) if isinstance(value, int) else \
+            (np.float64, trt.PluginFieldType.FLOAT64)
+        arrays.append(np.array([value], dtype=kind[0]))
+        fields.append(trt.PluginField(name, arrays[-1], kind[1]))
+    collection = trt.PluginFieldCollection(fields)
+    plugin._dflash_serialized = (arrays, fields, collection)
+    return collection
+
+
+def keep_serialized_fields(trt, trtp) -> bool:
+    """Make tensorrt.plugin's plugin objects of namespace dflash serialize their attributes safely; returns whether
+    the installed tensorrt.plugin needed it (its plugin base class is where the method lives in 10.12 .. 11.4).
+
+    NVIDIA's `get_fields_to_serialize` (tests/trt_lane.py shows both in every checked release) raises
+    AttributeError on an AOT plugin (it reads `impl_attr_names`, which only JIT plugins have) and, on a JIT plugin,
+    builds each scalar field on a temporary numpy array that is freed when it returns, so TensorRT would read freed
+    memory (read back, num_kv_heads shows num_heads' value). For dflash plugins the method is replaced by
+    `_dflash_fields`; other namespaces keep NVIDIA's."""
+    import importlib
+
+    try:
+        base = importlib.import_module(trtp.__name__ + "._plugin_class")._TemplatePluginBase
+    except (ImportError, AttributeError):
+        return False
+    original = base.get_fields_to_serialize
+    if getattr(original, "_dflash_wrapped", False):
+        return True
+
+    def get_fields_to_serialize(self):
+        if getattr(self, "plugin_namespace", None) == PLUGIN_NAMESPACE:
+            return _dflash_fields(trt, self)
+        return original(self)
+
+    get_fields_to_serialize._dflash_wrapped = True
+    get_fields_to_serialize._dflash_original = original
+    base.get_fields_to_serialize = get_fields_to_serialize
+    return True
 
 
 _FLOAT_TYPES = "FP32|FP16|BF16"

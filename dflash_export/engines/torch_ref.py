@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_export.checkpoint import load_drafter
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, top_probability, verify_block
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
 from dflash_export.models import load_target
+from dflash_export.models.checkpoint import load_drafter
+from dflash_export.models.tokenization import ByteCodec, TextCodec
 from dflash_export.recipes import load_recipe
-from dflash_export.sampling import probs_from_logits, sample_from, top_probability, verify_block
-from dflash_export.tokenization import ByteCodec, TextCodec
 
 
 class _TorchSeq(Sequence):

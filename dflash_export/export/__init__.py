@@ -25,7 +25,7 @@ from dflash_export import __version__
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
 from dflash_export.models.rope import rope_problem
-from dflash_export.sources import resolve_source
+from dflash_export.models.sources import resolve_source
 
 TARGET_FILE = "target_verify.onnx"
 DRAFTER_FILE = "drafter.onnx"
@@ -86,7 +86,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
     t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
-    problem = rope_problem(t_rope, partial_ok=target.arch.hybrid is not None)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
+    # The graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow. Hybrids rotate part of each head.
+    problem = rope_problem(t_rope, partial_ok=target.arch.hybrid is not None)
     if problem:
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
@@ -183,8 +184,8 @@ def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
     """
     import torch
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import check_drafter_fits
 
     out_dir = Path(out_dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from dflash_export.export import export_recipe
 from dflash_export.clitypes import recipe_options
+from dflash_export.export import export_recipe
 from dflash_export.recipes import recipe_from_options
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from dflash_export.arch import sliding_windows
 from dflash_export.errors import DFlashError
 from dflash_export.export import linear_attention as lin
 from dflash_export.export import ops
 from dflash_export.export.builder import F32, I32, I64, MS, GraphBuilder, WeightStore, finish
+from dflash_export.models.arch import sliding_windows
 
 
 @dataclass

@@ -43,6 +43,9 @@ BIASED_KV_ATTENTION = "BiasedKVInjectedBlockAttention"
 FUSED_VERIFY = "FusedVerify"
 EMIT_PAD = -1  # emitted_tokens past n_emitted (kernels/reference.py uses the same value)
 
+# Read by TensorRT's ONNX parser on a plugin node: 1 asks for the AOT implementation, 0 for the JIT one. Optional on
+# a node (graphs written before it carry none), declared by every op's function.
+AOT_ATTR = "aot"
 # Attributes each op node must carry (checked by `export.check`).
 REQUIRED_ATTRS = {
     KV_ATTENTION: ("num_heads", "num_kv_heads", "scale", "plugin_namespace", "plugin_version"),
@@ -101,7 +104,7 @@ def kv_injected_block_attention_function() -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN, KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"], ["out"], nodes,
-        [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[KV_ATTENTION]),
+        [helper.make_opsetid("", ONNX_OPSET)], attributes=function_attrs(KV_ATTENTION),
     )
 
 
@@ -158,7 +161,7 @@ def masked_kv_injected_block_attention_function() -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN, MASKED_KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_positions", "k_positions"], ["out"],
-        nodes, [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[MASKED_KV_ATTENTION]),
+        nodes, [helper.make_opsetid("", ONNX_OPSET)], attributes=function_attrs(MASKED_KV_ATTENTION),
     )
 
 
@@ -186,7 +189,7 @@ def biased_kv_injected_block_attention_function() -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN, BIASED_KV_ATTENTION, ["q", "k_ctx", "v_ctx", "k_blk", "v_blk", "key_bias"], ["out"], nodes,
-        [helper.make_opsetid("", ONNX_OPSET)], attributes=list(REQUIRED_ATTRS[BIASED_KV_ATTENTION]),
+        [helper.make_opsetid("", ONNX_OPSET)], attributes=function_attrs(BIASED_KV_ATTENTION),
     )
 
 
@@ -336,12 +339,20 @@ def fused_verify_function() -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN, FUSED_VERIFY, ["target_logits", "draft_tokens", "draft_probs", "uniforms"],
         ["accept_len", "emitted_tokens", "n_emitted"], nodes, [helper.make_opsetid("", ONNX_OPSET)],
-        attributes=list(REQUIRED_ATTRS[FUSED_VERIFY]),
+        attributes=function_attrs(FUSED_VERIFY),
     )
 
 
+def function_attrs(op: str) -> list[str]:
+    """The attributes an op's function declares: the required ones and `aot`."""
+    return list(REQUIRED_ATTRS[op]) + [AOT_ATTR]
+
+
 def plugin_attrs() -> dict:
-    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
+    """What every dflash node carries for TensorRT: the plugin lookup, and `aot` = 1, the Triton kernel compiled
+    ahead of time (TensorRT's parser turns 1 / 0 into a strict AOT / JIT plugin request; a build asking for the JIT
+    impl rewrites it to 0 in the graph it parses). ONNX Runtime inlines the function and ignores it."""
+    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION, AOT_ATTR: 1}
 
 
 def fused_verify_model(temperature: float, vocab_size: int | None = None) -> onnx.ModelProto:

@@ -1,5 +1,5 @@
 """PyTorch models: the DFlash drafter (written here) and the targets (transformers). A drafter checkpoint is loaded by
-`dflash_export.checkpoint.load_drafter`, which reads and checks the z-lab format this package knows nothing of.
+`dflash_export.models.checkpoint.load_drafter`, which reads and checks the z-lab format this package knows nothing of.
 
 The names below load on first use: `dflash_export.models.config` (the drafter's contract, `DFlashSpec`) is plain
 Python, and a served ONNX Runtime engine that reads it must not import torch through this package."""

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_export.decoding.sampling import probs_from_logits, sample_from
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
 from dflash_export.models.config import DFlashSpec, DrafterConfig
 from dflash_export.models.rope import rope_inverse_frequencies
-from dflash_export.sampling import probs_from_logits, sample_from
 
 
 class RMSNorm(nn.Module):
@@ -309,7 +309,8 @@ class DFlashDrafter(nn.Module):
             ctx = None
         k_positions = block_positions
         if cache is not None and ctx is not None:
-            cache.positions = ctx_positions if cache.positions is None else torch.cat([cache.positions, ctx_positions], 1)
+            cache.positions = (ctx_positions if cache.positions is None
+                               else torch.cat([cache.positions, ctx_positions], 1))
         if cache is not None and cache.positions is not None:
             k_positions = torch.cat([cache.positions, block_positions], dim=1)
         elif ctx is not None:

@@ -12,9 +12,9 @@ import json
 import math
 from pathlib import Path
 
-from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
+from dflash_export.models.arch import ARCHS
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import rope_parameters_of
 
@@ -171,7 +171,8 @@ def _chat_template_of(model_dir: Path) -> str | None:
 
 
 def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
-    """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that differs."""
+    """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that
+    differs."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = meta["general.architecture"]
 

@@ -12,8 +12,8 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
-from dflash_export.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.errors import DFlashError
+from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

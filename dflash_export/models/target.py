@@ -13,13 +13,13 @@ from typing import Any, Sequence
 
 import torch
 
-from dflash_export.arch import ARCHS, REFUSED, text_settings
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
-from dflash_export.sources import resolve_source
-from dflash_export.weights import has_safetensors, weight_files
+from dflash_export.models.sources import resolve_source
+from dflash_export.models.weights import has_safetensors, weight_files
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -35,7 +35,8 @@ def resolve_target_dir(path) -> Path:
     if not p.exists():
         raise DFlashError("target not found", path=p)
     if not (p / "config.json").is_file():
-        raise DFlashError("not an HF model directory (no config.json) nor a .gguf file", path=p)
+        raise DFlashError("not an HF model directory (no config.json) nor a .gguf file: a target directory holds "
+                          "config.json, model.safetensors (or its index and shards) and the tokenizer files", path=p)
     return p
 
 
@@ -126,7 +127,8 @@ class TargetModel:
         """Keep the cache's first `start` rows and then the rows start + r for r in `rows`, in that order (a draft
         tree's accepted path, compacted behind the committed tokens)."""
         if self.arch.hybrid:
-            raise DFlashError("draft trees are not verified on hybrid targets (Gated DeltaNet state)", field="tree_mode")
+            raise DFlashError("draft trees are not verified on hybrid targets (Gated DeltaNet state)",
+                              field="tree_mode")
         index = torch.tensor(list(range(start)) + [start + r for r in rows])
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(2, index)

@@ -1,7 +1,7 @@
 """`dflash-export train`: generate the target's responses (cached), then train the recipe's drafter.
 
-Only parsing and wiring here; the method lives in the modules beside this one (stage.py drives them). Heavy imports stay inside the function so the
-CLI starts fast.
+Only parsing and wiring here; the method lives in the modules beside this one (stage.py drives them). Heavy imports
+stay inside the function so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that
 
 
 @click.command()
-@click.option("--recipe", required=True, help="Recipe name (recipes/NAME.yaml) or a YAML path.")
+@click.option("--recipe", required=True, metavar="NAME", help="Recipe name (recipes/NAME.yaml) or a YAML path.")
 @click.option("--steps", type=click.IntRange(0), default=None, help="Total optimizer steps (default: the recipe's).")
 @click.option("--minutes", type=FiniteFloat(0.0, min_open=True), default=None,
               help="Stop training after this much wall time (this run).")
@@ -34,7 +34,7 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that
               help="Start from this trained drafter instead of the target's layers; when the recipe asks for more "
                    "layers, they are appended as identities (zero output projections). A fresh run: step 0.")
 @click.option("--data-part", default=None, metavar="I/N",
-              help="With --data-only: generate only the training-data shards i with i %% N == I (0 <= I < N), so N "
+              help="With --data-only: generate only the training-data shards i with i % N == I (0 <= I < N), so N "
                    "processes can share the generation; each skips shards already on disk.")
 def train(recipe, steps, minutes, out, seed, resume, work_dir, num_prompts, data_only, no_generate,
           checkpoint_minutes, threads, init_from, data_part):

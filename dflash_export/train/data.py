@@ -10,10 +10,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.data import sharegpt_prompts
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, cache_dir
 from dflash_export.models.target import tap_hidden_states
+from dflash_export.train.sharegpt import sharegpt_prompts
 
 SHARD_SIZE = 32
 _DATA_VERSION = 2  # 2: generated data from own_answers (long answers, taps captured while decoding)

@@ -10,11 +10,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from dflash_export.checkpoint import load_drafter
+from dflash_export.decoding.prompt_lookup import lookup_proposal
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
+from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter, save_drafter
-from dflash_export.prompt_lookup import lookup_proposal
 from dflash_export.train.blocks import (
     BlockBatch,
     LossOut,

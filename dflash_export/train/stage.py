@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_export.checkpoint import load_drafter
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, cache_dir, check_output_dir, removing_new_dirs
+from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
 from dflash_export.models.target import load_target
 from dflash_export.recipes import load_recipe
@@ -171,7 +171,8 @@ def _progress(bar, task, name: str, console, log_lines: bool):
     def update(done, total, tps):
         bar.update(task, completed=done, info=f"{tps:.0f} tok/s")
         if log_lines and not console.is_terminal:
-            console.print(f"{time.strftime('%H:%M:%S')} {name}: {done}/{total} prompts, {tps:.0f} tok/s", soft_wrap=True)
+            console.print(f"{time.strftime('%H:%M:%S')} {name}: {done}/{total} prompts, {tps:.0f} tok/s",
+                          soft_wrap=True)
     return update
 
 

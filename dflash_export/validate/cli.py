@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import click
 
-from dflash_export.clitypes import FiniteFloat, decoding_options, recipe_options
+from dflash_export.clitypes import MAX_NEW_TOKENS, FiniteFloat, decoding_options, engine_option, recipe_options
 from dflash_export.validate.command import run_validate
 
 
 @click.command()
 @recipe_options
-@click.option("--engine", "engine_dir", default=None, type=click.Path(),
-              help="Built engine directory [default: engines/<recipe>/onnxruntime].")
+@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime].")
 @click.option("--suite", default=None,
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
 @click.option("--num-prompts", default=None, type=click.IntRange(1),
@@ -19,7 +18,7 @@ from dflash_export.validate.command import run_validate
 @click.option("--full", is_flag=True,
               help="The whole suite and the full sampled check (300 seeds per prompt, the power calculation's); "
                    "the defaults are a quick check that finishes in minutes.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
@@ -38,7 +37,9 @@ def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_
              dist_samples, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
-    Exit 0 when every recipe threshold holds, 1 when one fails, 2 on bad input.
+    Exit 0 when every recipe threshold holds, 1 when one fails (after the report is written), 2 on bad input or a
+    missing library (before any work), 3 on a bug. Fewer than 10 prompts or 300 seeds: a warning says what the run
+    cannot detect.
     """
     if num_prompts is None and not full:
         num_prompts = 10

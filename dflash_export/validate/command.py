@@ -6,20 +6,22 @@ threshold raises CheckFailed (exit 1) after the report is written, so a failing 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.build import default_engine_dir
 from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
-from dflash_export.errors import CheckFailed, DFlashError
+from dflash_export.environment import install_hint
+from dflash_export.errors import CheckFailed, DFlashError, MissingDependency
 from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime import DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate.report import summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import encode_prompt, load_suite
-
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def reference_threads() -> int:
@@ -40,24 +42,6 @@ def reference_threads() -> int:
     return max(1, cores // 2)
 
 
-def default_engine_dir(recipe_name: str) -> Path:
-    """`engines/<recipe>/onnxruntime` under the working directory, else under the repository; when only a quantized
-    engine was built (`onnxruntime-int4`, ...) that one; DFlashError if none, or if several and no fp32 one."""
-    rel = Path("engines") / recipe_name
-    for root in (Path.cwd() / rel, REPO_ROOT / rel):
-        if (root / "onnxruntime" / "manifest.json").is_file():
-            return root / "onnxruntime"
-        built = sorted(d for d in root.glob("onnxruntime-*") if (d / "manifest.json").is_file())
-        if len(built) == 1:
-            return built[0]
-        if built:
-            raise DFlashError(f"several engines built for recipe {recipe_name!r} ({', '.join(d.name for d in built)}"
-                              f" under {root}): pass one with --engine DIR", field="--engine")
-    raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel / 'onnxruntime'}: build it first with "
-                      f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
-                      field="--engine")
-
-
 def open_engine(engine_dir: Path, recipe):
     """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
     manifest = check_engine_recipe(engine_dir, recipe)
@@ -76,6 +60,59 @@ def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> Non
             raise DFlashError(f"prompt {p.id!r}: {e}", path=path, field=f"line {p.line}") from None
 
 
+# The libraries validate needs only after its work (the G-test's tail, the plots): checked before the work, so that a
+# run cannot spend minutes and then fail on an import.
+REPORT_LIBRARIES = ("scipy", "matplotlib")
+# The power calculation of the sampled check (docs/stages.md, "The T>0 distribution check"), measured with 2 prompts:
+# seeds per prompt at which every planted fault reached p < 0.001 in 3 of 3 runs.
+POWER_FULL_SEEDS = 300
+POWER_SMALLEST_MEASURED = 100
+QUICK_PROMPTS = 10  # the default prompt count; fewer is warned about
+
+
+def check_report_libraries() -> None:
+    """MissingDependency (exit 2, the install line) for a library the report needs, before any work."""
+    for module in REPORT_LIBRARIES:
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependency(f"not installed; validate's report needs it: {install_hint(module)}",
+                                    field=module)
+
+
+def power_warnings(num_prompts: int, dist_prompts: int, dist_samples: int, temperature: float) -> list[str]:
+    """What the run's sizes can and cannot show, one line each (empty at --full's sizes). `dist_prompts`: the
+    prompts the sampled check draws from (the suite's shortest, at most 2)."""
+    out = []
+    if num_prompts < QUICK_PROMPTS:
+        bound = 1 - 0.05 ** (1 / num_prompts)  # 95 % upper bound on a rate when 0 of n prompts diverge
+        out.append(f"{num_prompts} prompt(s): even if every one is identical to plain decoding, that bounds the "
+                   f"share of prompts that would diverge only below {bound:.0%} (95 % confidence); use "
+                   f"--num-prompts {QUICK_PROMPTS} or more (--full: the whole suite)")
+    if temperature <= 0 or dist_samples <= 0:
+        out.append("no sampled check (temperature 0 or --dist-samples 0): losslessness at T > 0 is not tested")
+        return out
+    # The power table was measured on 2 prompts; fewer prompts test fewer tokens: scale to seeds-per-2-prompts.
+    n = dist_samples * dist_prompts / 2
+    if n >= POWER_FULL_SEEDS:
+        return out
+    where = "docs/stages.md, the sampled check's power table"
+    if n < POWER_SMALLEST_MEASURED / 5:
+        out.append(f"{dist_samples} seed(s) x {dist_prompts} prompt(s): far below the smallest size measured (100 "
+                   f"seeds x 2 prompts, {where}), the sampled check's p-value says next to nothing; --full "
+                   f"({POWER_FULL_SEEDS} seeds) catches all five planted faults")
+    elif n >= POWER_SMALLEST_MEASURED:
+        out.append(f"{dist_samples} seeds x {dist_prompts} prompt(s): the sampled check catches gross sampler faults "
+                   f"(all four caught at 100 seeds x 2 prompts) but not reliably a dropped 3-10 % nucleus token "
+                   f"(0/3 at 100, 3/3 at 200; {where}); --full ({POWER_FULL_SEEDS} seeds) catches all five")
+    else:
+        out.append(f"{dist_samples} seeds x {dist_prompts} prompt(s): below the smallest size measured (100 seeds x 2 "
+                   f"prompts), the sampled check can be expected to catch only faults as gross as a bonus token from "
+                   f"the wrong row or draft probabilities from the wrong slot; a residual drawn from p (p 4e-7 at "
+                   f"100) or a temperature applied twice (2e-5 at 100) would, log p falling about linearly with the "
+                   f"sample size, not reach p < 0.001 below about 50 and 65 seeds ({where}); --full "
+                   f"({POWER_FULL_SEEDS} seeds) catches all five planted faults")
+    return out
+
+
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
                  repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print,
@@ -83,9 +120,13 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
         check_output_dir(report_dir, "--report")
+    check_report_libraries()
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
+    for line in power_warnings(len(prompts), min(len(prompts), ValidateOptions.dist_prompts), dist_samples,
+                               temperature):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     edir = Path(engine_dir) if engine_dir else default_engine_dir(recipe.name)
     engine, meta = open_engine(edir, recipe)
     try:
@@ -113,6 +154,8 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
     files = write_report(report, out)
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
+    echo(f"  tau: tokens per target pass ({report.greedy.get('tau_counts', '?')}); greedy, "
+         f"{report.greedy['prompts']} prompt(s) x {report.options['max_new_tokens']} tokens")
     echo(f"report: {files['md']}")
     if report.failures:
         parts = [f"{t['name']} {t['value']:.4g} < {t['threshold']:.4g}" + (f" ({t['note']})" if t["note"] else "")

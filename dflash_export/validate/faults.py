@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_block
 from dflash_export.engines.torch_ref import TorchEngine
-from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 FAULTS = ("residual_from_p", "bonus_from_wrong_row", "top_p_off_by_one", "temperature_twice",
           "draft_probs_wrong_slot")

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from dflash_export import __version__
+from dflash_export.decoding.prompt_lookup import pooled_tau, prompt_lookup_steps
+from dflash_export.decoding.sampling import probs_from_logits
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.engines.manifest import library_versions
 from dflash_export.engines.numerics import cpu_features
 from dflash_export.errors import DFlashError
-from dflash_export.prompt_lookup import pooled_tau, prompt_lookup_steps
-from dflash_export.runtime import DFlashRuntime
-from dflash_export.sampling import probs_from_logits
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate import checks
 from dflash_export.validate.instrument import InstrumentedEngine
 
@@ -56,8 +56,8 @@ class Reference:
         """`dtype`: default the recipe's."""
         import torch
 
-        from dflash_export.checkpoint import load_drafter
         from dflash_export.models import load_target
+        from dflash_export.models.checkpoint import load_drafter
 
         dtype = getattr(torch, dtype or recipe.dtype)
         return cls(load_target(recipe.target_path, dtype), load_drafter(recipe.drafter_path, dtype), recipe.block_size)
@@ -118,18 +118,36 @@ def environment_info() -> dict[str, Any]:
 
 
 class _Progress:
-    """A rich progress bar on stderr, or nothing (tests, pipes)."""
+    """A rich progress bar on a terminal; on a pipe or a log file, a plain line whenever the phase changes and at
+    least every `LINE_EVERY_S` seconds (a run of minutes must not look hung); nothing when disabled (tests)."""
+
+    LINE_EVERY_S = 15.0
 
     def __init__(self, enabled: bool, total: int):
         self.bar = None
+        self.lines = False
+        self.total, self.done = total, 0
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
+            console = Console(stderr=True)
+            if not console.is_terminal:
+                self.lines = True
+                self.t0 = self.last = time.monotonic()
+                self.phase = None
+                return
             self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
+                                console=console, transient=True)
             self.task = self.bar.add_task("validate", total=total)
 
     def __enter__(self):
@@ -142,8 +160,17 @@ class _Progress:
             self.bar.stop()
 
     def step(self, description: str, n: int = 1) -> None:
+        self.done += n
         if self.bar:
             self.bar.update(self.task, advance=n, description=description)
+        elif self.lines:
+            import sys
+
+            now = time.monotonic()
+            phase = description.split(" ")[0]
+            if phase != self.phase or now - self.last >= self.LINE_EVERY_S or self.done == self.total:
+                print(f"[{now - self.t0:6.1f} s] {self.done}/{self.total} {description}", file=sys.stderr, flush=True)
+                self.phase, self.last = phase, now
 
 
 def _greedy_params(opts: ValidateOptions) -> SamplingParams:
@@ -151,7 +178,7 @@ def _greedy_params(opts: ValidateOptions) -> SamplingParams:
 
 
 def _warm_up(engine: InstrumentedEngine, runtime, reference: Reference, ids: list[int], opts: ValidateOptions) -> None:
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     sp = SamplingParams(max_new_tokens=min(opts.max_new_tokens, 16))
     for _ in range(opts.warmup):
@@ -166,7 +193,7 @@ def _greedy_prompt(engine: InstrumentedEngine, runtime, reference: Reference, pi
                    opts: ValidateOptions, codec) -> tuple[dict, dict]:
     """Run one prompt four ways (engine DFlash/AR, reference spec/AR), `opts.repeats` times each; return
     (losslessness row, raw timings and call logs). Tokens come from the first run; later runs must repeat them."""
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     sp = _greedy_params(opts)
     runs: dict[str, list] = {"ref_ar": [], "ref_spec": [], "dfl": [], "ar": []}
@@ -357,6 +384,7 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     key = "own_ar_identical" if quantized else "identical"
     report.greedy = _greedy_summary(rows, key, quantized)
     report.greedy["proposer"] = runtime.describe()
+    report.greedy["tau_counts"] = runtime.tau_counts()
     numerics = getattr(engine, "numerics", None)  # ONNX Runtime engines probe their kernels on this CPU at load
     if numerics is not None:
         report.greedy["numerics"] = {**numerics.to_json(), "statement": numerics.statement}

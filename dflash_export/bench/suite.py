@@ -18,17 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_export.bench_batch import run_concurrency
+from dflash_export.bench.concurrency import run_concurrency
+from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
 from dflash_export.engines.base import SamplingParams, load_codec
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
-from dflash_export.prompt_lookup import prompt_lookup_tau
+from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import Recipe, load_recipe
-from dflash_export.runtime import DFlashRuntime
-from dflash_export.sources import resolve_source
+from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate.suites import encode_prompt, load_suite
 
 
@@ -86,9 +86,9 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
     else:
         import torch
 
-        from dflash_export.checkpoint import load_drafter
         from dflash_export.models import load_target
-        from dflash_export.reference import spec_generate
+        from dflash_export.models.checkpoint import load_drafter
+        from dflash_export.runtime.reference import spec_generate
 
         dtype = getattr(torch, recipe.dtype)
         t0 = time.perf_counter()
@@ -171,7 +171,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             job = Path(tmp) / "job.json"
             job.write_text(json.dumps({"mode": mode, "recipe": _job_recipe(recipe), "engine": engine_dir,
                                        "prompts": prompts, "max_new": max_new}))
-            proc = subprocess.run([sys.executable, "-m", "dflash_export.bench", str(job)], capture_output=True,
+            proc = subprocess.run([sys.executable, "-m", "dflash_export.bench.suite", str(job)], capture_output=True,
                                   text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if proc.returncode != 0:
                 raise _worker_failure(mode, proc.returncode, proc.stderr)
@@ -194,7 +194,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
     # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
     table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)",
-                  caption="lookup tau: prompt lookup replayed on the same tokens; drafts: verified per step",
+                  caption="tau: tokens per target pass under the mode's drafting; lookup tau: prompt lookup replayed "
+                          "on the same tokens; drafts: verified per step",
                   padding=(0, 1))
     for col in ("mode", "tok/s", "ms/tok", "tau", "lookup tau", "drafts", "RSS MB", "same"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
@@ -226,7 +227,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
 def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int,
                           max_new: int, levels: list[int], modes: list[str], out_json: str | None,
                           reps: int = 1) -> dict:
-    """`bench --concurrency`: continuous batching at each level (dflash_export.bench_batch), in this process."""
+    """`bench --concurrency`: continuous batching at each level (dflash_export.bench.concurrency), in this process."""
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")

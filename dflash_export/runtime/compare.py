@@ -21,10 +21,10 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
 def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
     import torch
 
-    from dflash_export.checkpoint import load_drafter
     from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
     from dflash_export.models.drafter import check_drafter_fits
-    from dflash_export.reference import ar_generate, spec_generate
+    from dflash_export.runtime.reference import ar_generate, spec_generate
 
     if prompt is not None and not prompt:
         raise DFlashError("the prompt is empty", field="--prompt")
@@ -54,5 +54,6 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     else:
         click.echo(target.tokenizer.decode(sp.tokens, skip_special_tokens=True))
     same = ar.tokens == sp.tokens
-    click.echo(f"identical to AR: {same} | tau {sp.tau:.2f} | AR {ar.tokens_per_s:.1f} tok/s | "
+    click.echo(f"identical to AR: {same} | τ {sp.tau:.2f} tokens per target pass (PyTorch reference: drafter chain, "
+               f"every draft verified) | AR {ar.tokens_per_s:.1f} tok/s | "
                f"DFlash {sp.tokens_per_s:.1f} tok/s | speedup {sp.tokens_per_s / max(ar.tokens_per_s, 1e-9):.2f}x")

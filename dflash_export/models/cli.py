@@ -1,4 +1,5 @@
-"""`dflash-export inspect`: lint a drafter against its target and print a summary table."""
+"""`dflash-export inspect`'s report: lint a drafter against its target and print a summary table. The click command
+is in dflash_export/cli.py: it names the pair by recipe, which sits a floor above the models."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_export.checkpoint import lint_pair
+    from dflash_export.models.checkpoint import lint_pair
 
     findings, summary = lint_pair(drafter, target)
     errors = [f for f in findings if f.level == "error"]

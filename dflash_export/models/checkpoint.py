@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from dflash_export.arch import ARCHS
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.models.arch import ARCHS
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
+from dflash_export.models.sources import resolve_source
 from dflash_export.models.target import read_target_config
-from dflash_export.sources import resolve_source
-from dflash_export.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
+from dflash_export.models.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
 
 
 def _field(cfg: dict, path: Path, name: str, kind, default=...):
@@ -502,10 +502,18 @@ def _pair_summary(ckpt: Path, tcfg: dict, tcfg_path: Path, c: DrafterConfig, ten
     }
 
 
+# What `inspect` says a drafter directory must hold when it holds none of it (DESIGN.md, the checkpoint contract).
+DRAFTER_DIRECTORY = ("a drafter directory holds config.json (architectures [\"DFlashDraftModel\"], block_size, "
+                     "num_target_layers, dflash_config {mask_token_id, target_layer_ids}, the Qwen3 layer fields) "
+                     "and model.safetensors (fc, hidden_norm, norm, layers.*; no embedding or LM head)")
+
+
 def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]:
     """All contract rules between a drafter checkpoint and its target. Returns findings and a summary dict."""
     ckpt = resolve_source(drafter_path)
     cfg_path = ckpt / "config.json"
+    if ckpt.is_dir() and not cfg_path.exists():
+        raise DFlashError(f"not a DFlash drafter checkpoint (no config.json): {DRAFTER_DIRECTORY}", path=ckpt)
     findings = _Findings(cfg_path)
     raw = read_json_object(cfg_path)
     tcfg, tcfg_path = read_target_config(target_path)

@@ -78,7 +78,7 @@ def resolve_source(spec) -> Path:
     path."""
     s = str(spec)
     if s.startswith("tiny:"):
-        from dflash_export.tiny import tiny_pair_path
+        from dflash_export.models.tiny import tiny_pair_path
 
         return tiny_pair_path(s[len("tiny:"):])
     if s.startswith("pkg:"):

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from dflash_export.batching import BatchingRuntime
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
+from dflash_export.runtime.batching import BatchingRuntime
 
 
 def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, mode: str) -> dict:
@@ -94,7 +94,8 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
     alone = {m: (next((r for r in results if r["mode"] == m and r["concurrency"] == 1), base[m])) for m in modes}
     # Short two-line headers, one line per row: the table fits 80 columns.
     table = Table(title=f"continuous batching: {len(prompts)} requests x {max_new} new tokens, greedy",
-                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, title_justify="left")
+                  caption="tau: tokens committed per target pass (accepted drafts + the target's own token)",
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, title_justify="left", caption_justify="left")
     for col in ("conc-\nurrency", "mode", "tok/s", "x\nlevel 1", "tok/\nCPU-s", "CPU x\nlevel 1", "p50\ns", "p99\ns",
                 "tau", "drafts\n/step", "same as\nalone", "K/V\npeak MB"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)

@@ -11,8 +11,9 @@ used when importable and the section says so when they are not.
                      closed-form target conditional (Pearson chi-square), fp32 / fp16 / bf16 logits; the same with
                      draft probabilities from the wrong slot must fail (the check's power, on the real kernel).
   plugin_layers      where TensorRT (+ onnx) is installed: build one-op engines of both dflash plugins (fp32 and fp16
-                     inputs), record the implementation TensorRT used (AOT / JIT), check the plugin layers with the
-                     engine inspector, and run them against the torch reference.
+                     inputs), each alone on the AOT path first (TensorRT launching the Triton PTX), then each on the
+                     JIT path (the Python impl); record the path asked for and the one TensorRT used, check the
+                     plugin layers with the engine inspector, and run them against the torch reference.
 """
 
 from __future__ import annotations
@@ -245,7 +246,9 @@ def _run_engine(trt, data: bytes, feeds: dict[str, torch.Tensor]) -> dict[str, t
 
 def plugin_layers(tmp_dir) -> dict:
     """See the module docstring. Engines are built with build_engine_file itself (so its inspector check and
-    implementation record are what run here)."""
+    implementation record are what run here): every plugin alone on the AOT path first (the Triton PTX TensorRT
+    launches itself), then every plugin alone on the JIT path (the Python impl), each against the torch
+    reference. Each case records the path the build asked for and the one TensorRT used."""
     from pathlib import Path
 
     for mod in ("tensorrt", "onnx"):
@@ -263,65 +266,75 @@ def plugin_layers(tmp_dir) -> dict:
 
     out["aot_supported"] = trt_backend.aot_plugins_supported(trt, trtp)
     g = torch.Generator(device="cpu").manual_seed(3)
-    cases: list[tuple[str, Callable]] = []
-    for elem, tdtype, dname in ((TensorProto.FLOAT, torch.float32, "float32"),
-                                (TensorProto.FLOAT16, torch.float16, "float16")):
-        def attention_case(elem=elem, tdtype=tdtype, dname=dname):
-            H, KVH, D, S, T = 8, 2, 64, 16, 40
-            model = _attention_onnx(H, KVH, D, 0.125, elem)
-            path = tmp / f"attention_{dname}.onnx"
-            onnx.save(model, str(path))
-            prof = trt_backend.Profile("p", {"B": (1, 1, 2), "S": (1, 16, 16), "T": (0, 40, 64)})
-            facts = trt_backend.build_engine_file(path, tmp / f"attention_{dname}.engine", [prof], "float32")
-            feeds = {"q": torch.randn(1, H, S, D, generator=g), "k_ctx": torch.randn(1, KVH, T, D, generator=g),
-                     "v_ctx": torch.randn(1, KVH, T, D, generator=g), "k_blk": torch.randn(1, KVH, S, D, generator=g),
-                     "v_blk": torch.randn(1, KVH, S, D, generator=g)}
-            feeds = {k: v.to(tdtype) for k, v in feeds.items()}
-            got = _run_engine(trt, (tmp / f"attention_{dname}.engine").read_bytes(), feeds)["out"].float().cpu()
-            ref = kv_injected_block_attention_ref(*[feeds[k].float() for k in ("q", "k_ctx", "v_ctx", "k_blk",
-                                                                               "v_blk")], scale=0.125)
-            diff = float((got - ref).abs().max())
-            tol = 1e-3 if tdtype == torch.float32 else 2e-2
-            return {"op": "KVInjectedBlockAttention", "dtype": dname, **_facts(facts), "max_abs_diff": diff,
-                    "ok": diff <= tol}
-        cases.append((f"attention_{dname}", attention_case))
 
-    def verify_case(temperature: float):
+    def attention_case(path, elem, tdtype, dname):
+        H, KVH, D, S, T = 8, 2, 64, 16, 40
+        model = _attention_onnx(H, KVH, D, 0.125, elem)
+        onnx_path, engine = tmp / f"attention_{dname}_{path}.onnx", tmp / f"attention_{dname}_{path}.engine"
+        onnx.save(model, str(onnx_path))
+        prof = trt_backend.Profile("p", {"B": (1, 1, 2), "S": (1, 16, 16), "T": (0, 40, 64)})
+        facts = trt_backend.build_engine_file(onnx_path, engine, [prof], "float32", implementation=path)
+        feeds = {"q": torch.randn(1, H, S, D, generator=g), "k_ctx": torch.randn(1, KVH, T, D, generator=g),
+                 "v_ctx": torch.randn(1, KVH, T, D, generator=g), "k_blk": torch.randn(1, KVH, S, D, generator=g),
+                 "v_blk": torch.randn(1, KVH, S, D, generator=g)}
+        feeds = {k: v.to(tdtype) for k, v in feeds.items()}
+        got = _run_engine(trt, engine.read_bytes(), feeds)["out"].float().cpu()
+        ref = kv_injected_block_attention_ref(*[feeds[k].float() for k in ("q", "k_ctx", "v_ctx", "k_blk",
+                                                                           "v_blk")], scale=0.125)
+        diff = float((got - ref).abs().max())
+        tol = 1e-3 if tdtype == torch.float32 else 2e-2
+        return {"op": "KVInjectedBlockAttention", "dtype": dname, **_facts(facts), "max_abs_diff": diff,
+                "ok": diff <= tol and _built_as_asked(facts, path)}
+
+    def verify_case(path, temperature: float):
         model = ops.fused_verify_model(temperature, vocab_size=50)
-        path = tmp / f"verify_{temperature}.onnx"
-        onnx.save(model, str(path))
+        onnx_path, engine = tmp / f"verify_{temperature}_{path}.onnx", tmp / f"verify_{temperature}_{path}.engine"
+        onnx.save(model, str(onnx_path))
         prof = trt_backend.Profile("p", {"B": (1, 2, 4), "bs": (1, 5, 70), "n": (0, 4, 69), "n_or_1": (1, 4, 69),
                                          "V_or_1": (1, 50, 50), "bs_or_1": (1, 5, 70)})
-        facts = trt_backend.build_engine_file(path, tmp / f"verify_{temperature}.engine", [prof], "float32")
+        facts = trt_backend.build_engine_file(onnx_path, engine, [prof], "float32", implementation=path)
         rows = []
         for BS in (5, 70):  # 70 rows: past any one emitted tile
             logits = torch.randn(2, BS, 50, generator=g) * 3
             drafts = logits[:, :-1].argmax(-1) if temperature == 0 else torch.randint(0, 50, (2, BS - 1), generator=g)
             probs = torch.softmax(torch.randn(2, BS - 1, 50, generator=g), -1)
             unif = torch.rand(2, BS, generator=g)
-            got = _run_engine(trt, (tmp / f"verify_{temperature}.engine").read_bytes(),
-                              {"target_logits": logits, "draft_tokens": drafts, "draft_probs": probs,
-                               "uniforms": unif})
+            got = _run_engine(trt, engine.read_bytes(), {"target_logits": logits, "draft_tokens": drafts,
+                                                         "draft_probs": probs, "uniforms": unif})
             ref = fused_verify_ref(logits, drafts, probs, unif, temperature)
             same = all(torch.equal(got[k].cpu(), r) for k, r in zip(("accept_len", "emitted_tokens", "n_emitted"),
                                                                      ref))
             rows.append({"rows": BS, "identical": same})
         return {"op": "FusedVerify", "temperature": temperature, **_facts(facts), "runs": rows,
-                "ok": all(r["identical"] for r in rows)}
+                "ok": all(r["identical"] for r in rows) and _built_as_asked(facts, path)}
 
-    cases += [("verify_greedy", lambda: verify_case(0.0)), ("verify_sampling", lambda: verify_case(0.8))]
-    for name, fn in cases:
-        try:
-            out["cases"].append({"case": name, **fn()})
-        except Exception as e:  # one case failing must not hide the others
-            out["cases"].append({"case": name, "error": f"{type(e).__name__}: {e}", "ok": False})
+    for path in (trt_backend.IMPL_AOT, trt_backend.IMPL_JIT):
+        if path == trt_backend.IMPL_AOT and not out["aot_supported"]:
+            out["cases"].append({"case": "aot", "ran": False, "reason": "this TensorRT builds no AOT Python plugins",
+                                 "ok": False})
+            continue
+        cases: list[tuple[str, Callable]] = [
+            ("attention_float32", lambda p=path: attention_case(p, TensorProto.FLOAT, torch.float32, "float32")),
+            ("attention_float16", lambda p=path: attention_case(p, TensorProto.FLOAT16, torch.float16, "float16")),
+            ("verify_greedy", lambda p=path: verify_case(p, 0.0)),
+            ("verify_sampling", lambda p=path: verify_case(p, 0.8))]
+        for name, fn in cases:
+            try:
+                out["cases"].append({"case": f"{path}/{name}", **fn()})
+            except Exception as e:  # one case failing must not hide the others
+                out["cases"].append({"case": f"{path}/{name}", "requested": path,
+                                     "error": f"{type(e).__name__}: {e}", "ok": False})
     out["ok"] = all(c.get("ok") for c in out["cases"])
     return out
 
 
+def _built_as_asked(facts: dict, path: str) -> bool:
+    return facts.get("requested") == path and set((facts.get("implementation") or {}).values()) == {path}
+
+
 def _facts(facts: dict) -> dict:
-    return {"implementation": facts.get("implementation"), "plugin_layers": facts.get("plugin_layers"),
-            "graph_nodes": facts.get("plugins")}
+    return {"requested": facts.get("requested"), "implementation": facts.get("implementation"),
+            "plugin_layers": facts.get("plugin_layers"), "graph_nodes": facts.get("plugins")}
 
 
 def jit_views(device) -> dict:

@@ -1,8 +1,8 @@
 """The backend-agnostic DFlash loop over a built engine: prefill, draft, verify (fused accept + commit), repeat.
 
-Streams tokens as they are committed. Consumes randomness exactly as `reference.py` does (numpy PCG64 seeded per request:
-one uniform for the first token, then bs-1 for drafting and bs for verifying per step), so a seeded sampled run on an
-engine is comparable with the PyTorch reference. Imports neither torch nor onnxruntime.
+Streams tokens as they are committed. Consumes randomness exactly as `runtime/reference.py` does (numpy PCG64 seeded
+per request: one uniform for the first token, then bs-1 for drafting and bs for verifying per step), so a seeded
+sampled run on an engine is comparable with the PyTorch reference. Imports neither torch nor onnxruntime.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Iterator
 
 import numpy as np
 
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
 from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions, TreeState, build_tree
 from dflash_export.engines.base import Engine, SamplingParams
 from dflash_export.errors import DFlashError
-from dflash_export.sampling import probs_from_logits, sample_from, verify_length
 
 
 @dataclass
@@ -156,6 +156,18 @@ class DFlashRuntime:
         tree = f"K {self.tree_top_k}, <= {self.tree_nodes} nodes" if "tree" in self.proposer else \
             f"<= {self.tree_nodes} nodes"
         return f"{self.proposer} ({tree}, {self.tree_mode})"
+
+    def tau_counts(self, temperature: float = 0.0) -> str:
+        """What a τ of this runtime counted, for every line that prints one. τ is tokens committed per target verify
+        pass (the accepted drafts + the target's own token; plain decoding: 1); it depends on what was drafted (the
+        drafter's chain, or the recipe's tree+lookup) and on whether the cost model cut drafts (adaptive)."""
+        recorded = {**DecodingOptions().__dict__, **(getattr(self.engine.info, "decoding", None) or {})}
+        chain = temperature > 0 or self.proposer == "chain" or self.full_last_block
+        what = "drafter chain" if chain else self.proposer
+        if not chain and (self.proposer, self.tree_mode) == (recorded["proposer"], recorded["tree_mode"]):
+            what += " (the recipe's default decoding)"
+        cut = self.adaptive and temperature == 0 and not self.full_last_block
+        return what + ("; adaptive: drafts verified while they pay" if cut else "; every draft verified")
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
         info = self.engine.info

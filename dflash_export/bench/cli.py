@@ -1,0 +1,45 @@
+"""CLI for `bench` (thin: parse and call)."""
+
+from __future__ import annotations
+
+import click
+
+from dflash_export.bench.suite import run_bench, run_concurrency_bench
+from dflash_export.clitypes import MAX_NEW_TOKENS, engine_option, recipe_options
+from dflash_export.errors import DFlashError
+from dflash_export.recipes import recipe_from_options
+
+
+@click.command()
+@recipe_options
+@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime, built if absent].")
+@click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
+@click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
+              help="Comma list of: dflash (engine, its recipe's decoding), dflash-full (engine, chain, every draft "
+                   "verified), chain / tree / lookup / tree+lookup / tree+lookup-full (engine, that proposer; -full: "
+                   "whole trees verified), ar (same engine), hf (transformers generate), reference (PyTorch "
+                   "spec_generate).")
+@click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
+@click.option("--concurrency", default=None,
+              help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "
+                   "DFlash and plain decoding (modes dflash / ar of --modes; default both) at each level.")
+@click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
+              help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
+                   "ratio is also printed pass by pass).")
+def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
+          reps):
+    """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    recipe = recipe_from_options(recipe, target, drafter)
+    mode_list = [m.strip() for m in modes.split(",")]
+    if concurrency is not None:
+        try:
+            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        except ValueError:
+            raise DFlashError(f"expected a comma list of integers, got {concurrency!r}",
+                              field="--concurrency") from None
+        run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json,
+                              reps)
+        return
+    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, mode_list, out_json)

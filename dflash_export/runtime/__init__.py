@@ -1,0 +1,2 @@
+"""The loops over a built engine: the single-stream DFlash runtime (`single`), continuous batching (`batching`), the
+PyTorch reference loop (`reference`) and the commands that drive them (`run`, `demo`, `reference`)."""
