@@ -284,3 +284,46 @@ def test_a_prompt_longer_than_a_prefill_chunk_decodes_as_transformers(hybrid):
     assert len(ids) > 2 * HYBRID_PREFILL_ROWS
     got = DFlashRuntime(engine).generate(ids, SamplingParams(max_new_tokens=16), "dflash").tokens
     assert got == hf_greedy(hf, ids, 16, engine.info.stop_token_ids[0])[:len(got)]
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_portable_graph_matches_transformers_over_chunks_with_state_carried(tmp_path, recipe_name):
+    """The portable target graph (what any ONNX runtime reads) over a prefill and three chunks, each chunk fed the
+    previous one's K/V, conv window tail and last row's recurrent state: logits within 1e-4 of transformers."""
+    import onnxruntime as ort
+
+    from dflash_export.export import export_models
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.target import load_target
+
+    recipe = load_recipe(recipe_name)
+    target, drafter = load_target(recipe.target_path), load_drafter(recipe.drafter_path)
+    export_models(target, drafter, tmp_path, max_len=256)
+    sess = ort.InferenceSession(str(tmp_path / "target_verify.onnx"), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    names = [o.name for o in sess.get_outputs()]
+    state = {}
+    for name, shape in shapes.items():
+        if name.startswith(("past_", "conv_state_", "recurrent_state_")):
+            dims = [1] + [0 if isinstance(d, str) else d for d in shape[1:]]
+            state[name] = np.zeros(dims, np.float32)
+    ids = np.random.default_rng(0).integers(1, 250, 20)
+    with torch.inference_mode():
+        ref = target.hf(torch.from_numpy(ids)[None]).logits[0].numpy()
+    worst, pos = 0.0, 0
+    for n in (9, 1, 6, 4):
+        feeds = dict(state, input_ids=ids[None, pos:pos + n], position_ids=np.arange(pos, pos + n)[None],
+                     num_logits=np.array(n), draft_tokens=np.zeros((1, n - 1), np.int64),
+                     draft_probs=np.zeros((1, 1, 1), np.float32), uniforms=np.zeros((1, 1), np.float32))
+        out = dict(zip(names, sess.run(None, feeds)))
+        worst = max(worst, float(np.abs(out["logits"][0] - ref[pos:pos + n]).max()))
+        for name in state:
+            i = name.rsplit("_", 1)[1]
+            if name.startswith("past_"):
+                state[name] = out[name.replace("past_", "present_")]
+            elif name.startswith("conv_state_"):
+                state[name] = out[f"conv_window_{i}"][:, :, n:]
+            else:
+                state[name] = out[f"recurrent_states_{i}"][n - 1]
+        pos += n
+    assert worst <= 1e-4, worst
