@@ -5,9 +5,15 @@ plain single-token step, 8- and 16-token verify, drafter step (forward + draft l
     python benchmarks/engine_costs.py --random              # a random LLaMA with SmolLM2's shapes (same cost)
     python benchmarks/engine_costs.py --engine DIR          # an already built engine
     python benchmarks/engine_costs.py --precision int4      # a quantized engine (MatMulNBits, two-row plain steps)
+    python benchmarks/engine_costs.py --engine DIR --cpu-time   # process CPU seconds instead of wall time
 
 The drafter is the recipe's when --drafter is given, else a random 2-layer drafter of the target's width (a drafter's
 cost depends on its shapes, not its weights). Steady state: warm-up first, medians over --reps, one process.
+On an engine whose plain steps run padded to a row floor above 1 (engines/numerics.py), it also times the plain step
+at one row (`step_floor1_ms`: what the padding costs; such a step is not bit-identical to a verify row on that CPU).
+`--cpu-time` times each call in CPU seconds of the whole process (every ONNX Runtime thread; spinning is off), which
+a shared machine's load disturbs far less than wall time: on 2 cores with 2 threads it is about twice the wall time
+of an idle machine.
 """
 
 from __future__ import annotations
@@ -118,22 +124,36 @@ def measure(engine_dir: Path, args) -> dict:
     tok = lambda: int(rng.integers(100, V - 1))  # noqa: E731
     # Random blocks are rejected at once, so each call advances its sequence by one token and every kind sees the
     # same cache length, --context + round.
+    floor = eng.row_floor
+    if floor > 1:
+        seqs["step1"] = fresh()
+
+    def step_at_floor1():
+        eng.row_floor = 1
+        try:
+            eng.decode(seqs["step1"], tok())
+        finally:
+            eng.row_floor = floor
+
     kinds = {
         "step_1_ms": lambda: eng.decode(seqs["step"], tok()),
         "verify_8_ms": lambda: eng.verify(seqs["v8"], rng.integers(100, V - 1, 8), None, sp, None),
         "verify_16_ms": lambda: eng.verify(seqs["v16"], rng.integers(100, V - 1, 16), None, sp, None),
         f"draft_{bs}_ms": lambda: eng.draft(seqs["draft"], tok(), sp, None),
     }
+    if floor > 1:
+        kinds["step_floor1_ms"] = step_at_floor1
+    clock = time.process_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.reps + 3):
         for k, fn in kinds.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             if r >= 3:
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(clock() - t0)
         # the drafter consumes the context that a verify leaves pending (untimed)
         eng.verify(seqs["draft"], rng.integers(100, V - 1, bs), None, sp, None)
-    res = {"context": args.context, "prefill_ms": prefill_ms}
+    res = {"context": args.context, "prefill_ms": prefill_ms, "row_floor": floor}
     res.update({k: 1000 * statistics.median(v) for k, v in times.items()})
     res["bandwidth_probe_ms"] = bandwidth_probe_ms()
     res["rss_after_load_mb"] = rss_loaded
@@ -144,6 +164,8 @@ def measure(engine_dir: Path, args) -> dict:
     # the adaptive verification's cost model: verify of n drafts ~ 1 + n * c plain steps (n = 7 and 15 here)
     res["verify_token_cost"] = (res["verify_16_ms"] - res["verify_8_ms"]) / 8 / step
     res[f"ratio_draft_{bs}"] = res[f"draft_{bs}_ms"] / step
+    if floor > 1:
+        res["ratio_step_floor"] = step / res["step_floor1_ms"]  # the padded step against a one-row step
     return res
 
 
@@ -160,6 +182,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--draft-vocab", type=int, default=None, help="build with a draft vocabulary of the first N ids")
     ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32", help="weights of the build")
+    ap.add_argument("--cpu-time", action="store_true", help="time calls in process CPU seconds, not wall time")
     args = ap.parse_args()
     if args.engine is None:
         work = Path(tempfile.mkdtemp(prefix="engine-costs-"))

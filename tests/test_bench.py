@@ -153,3 +153,23 @@ def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
     d = next(r for r in rep["levels"] if r["mode"] == "dflash")
     assert len(d["pass_ratios_vs_ar"]) == 2 and all(x > 0 for x in d["pass_ratios_vs_ar"])
     assert d["identical_runs"] == [True, True]
+
+
+def test_moe_costs_benchmark_times_every_form_and_the_expert_union(tmp_path):
+    """benchmarks/moe_costs.py on its smoke-test shape (8 experts, 2 per token): every form at every precision and
+    row count, the bound from the bandwidth probe, and the union of experts a block touches, between k and E and
+    growing with the block."""
+    out = tmp_path / "moe.json"
+    r = subprocess.run([sys.executable, "benchmarks/moe_costs.py", "--shape", "tiny", "--layers", "1", "--rounds", "1",
+                        "--reps", "1", "--bandwidth-mib", "8", "--cache", str(tmp_path / "cache"), "--json",
+                        str(out)], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert set(rep["precisions"]) == {"fp32", "int8", "int4"}
+    assert set(rep["precisions"]["fp32"]["ms"]) == {"sparse", "active", "dense"}
+    assert set(rep["precisions"]["int4"]["ms"]) == {"sparse", "active"}
+    for row in rep["precisions"].values():
+        assert row["bound_ms"] > 0 and all(v > 0 for per in row["ms"].values() for v in per.values())
+    union = [rep["expert_union"][str(n)] for n in (2, 4, 8, 16)]
+    assert 2 <= union[0] <= union[1] <= union[2] <= union[3] <= 8

@@ -232,6 +232,7 @@ def _ort_manifest(recipe, target, drafter, spec, dspec, precisions: dict[str, st
                   # the first row floor the numerics probe tries (_record_numerics then records the one it found)
                   "plain_step_rows": 1 if precisions["target"] == "fp32" and precisions["lm_head"] == "fp32" else 2,
                   **STEP_COSTS.get((precisions["target"], precisions["drafter"]), {}),
+                  **MOE_VERIFY_COSTS.get((target.arch.model_type, precisions["target"]), {}),
                   "export": res.metadata},
         "optimized": True,
         "shared_tensors": manifest_shared,
@@ -276,6 +277,18 @@ QUANTIZE_HEADS = True
 # row by row). Engines without an entry use the runtime's fp32 defaults (0.07, 0.3).
 STEP_COSTS = {("int8", "int8"): {"verify_token_cost": 0.1, "draft_cost": 0.37},
               ("int4", "int4"): {"verify_token_cost": 0.25, "draft_cost": 0.44}}
+
+
+# Mixture-of-experts targets: a verify block reads the union of its rows' experts, so each verified row costs more
+# than in a dense target. Measured by benchmarks/moe_costs.py at the published per-layer shapes (Qwen3-30B-A3B,
+# gpt-oss-20b; random routing, the layers only: an upper bound for a whole model), (verify(16) / step - 1) / 15,
+# on a 2-core AMD EPYC with AVX2 (docs/targets.md). Replaces STEP_COSTS's verify_token_cost for those targets.
+MOE_VERIFY_COSTS = {("qwen3_moe", "fp32"): {"verify_token_cost": 0.26},
+                    ("qwen3_moe", "int8"): {"verify_token_cost": 0.32},
+                    ("qwen3_moe", "int4"): {"verify_token_cost": 0.38},
+                    ("gpt_oss", "fp32"): {"verify_token_cost": 0.30},
+                    ("gpt_oss", "int8"): {"verify_token_cost": 0.31},
+                    ("gpt_oss", "int4"): {"verify_token_cost": 0.33}}
 
 
 def graph_precisions(recipe, precision: str | None = None, drafter_precision: str | None = None,
@@ -326,6 +339,8 @@ def quantize_graph(path: Path, precision: str) -> dict:
     MatMulNBitsQuantizer; returns the settings for the manifest."""
     import onnx
 
+    from dflash_export.export.moe import quantize_moe_experts
+
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import (
             DefaultWeightOnlyQuantConfig,
@@ -355,13 +370,15 @@ def quantize_graph(path: Path, precision: str) -> dict:
         quant_log.propagate = propagate
     out = quantizer.model.model
     n_quant = sum(n.op_type == "MatMulNBits" for n in out.graph.node)
+    experts = quantize_moe_experts(out, bits, QUANT_BLOCK, QUANT_ACCURACY_LEVEL)  # MoE -> QMoE: the experts' bytes
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
     onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
                     size_threshold=1024)
     return {"quantizer": "onnxruntime.quantization.MatMulNBitsQuantizer", "op": "com.microsoft.MatMulNBits",
             "bits": bits, "block_size": QUANT_BLOCK, "symmetric": sym, "accuracy_level": QUANT_ACCURACY_LEVEL,
-            "matmuls_quantized": n_quant, "matmuls_total": n_matmul}
+            "matmuls_quantized": n_quant, "matmuls_total": n_matmul,
+            **({"moe_op": "com.microsoft.QMoE", **experts} if experts["moe_total"] else {})}
 
 
 def _shared_layout(*model_paths: Path) -> dict[str, dict]:

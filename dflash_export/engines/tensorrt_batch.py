@@ -70,6 +70,8 @@ def plain_op_graph(src: Path, dst: Path) -> dict[str, int]:
     import onnx.inliner
     from onnx import TensorProto, helper
 
+    from dflash_export.export.moe import moe_nodes_as_plain_ops
+
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise DFlashError("exported batch graph not found (export with the ort flavor)", path=src)
@@ -79,9 +81,12 @@ def plain_op_graph(src: Path, dst: Path) -> dict[str, int]:
     inlined = len(model.functions)
     if inlined:
         model = onnx.inliner.inline_local_functions(model)
+    moe = moe_nodes_as_plain_ops(model)  # the sparse experts' com.microsoft.MoE as the dense form in standard ops
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     consumed = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     counts: collections.Counter[str] = collections.Counter()
+    if moe:
+        counts["MoE"] = moe
     fresh = (f"plain_rms_{i}" for i in range(1 << 30))
     nodes = []
 

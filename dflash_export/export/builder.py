@@ -139,63 +139,6 @@ class GraphBuilder:
         act = self.op("Mul", [gate, self.op("Sigmoid", [gate])])
         return self.linear(self.op("Mul", [act, up]), sd[p + "down_proj.weight"], p + "down_proj")
 
-    def moe(self, x: str, sd: dict, p: str, spec, top_k: int, norm_topk: bool, limit: float | None) -> str:
-        """A mixture-of-experts MLP (`spec`: arch.MoeSpec) in plain ONNX ops, per token: the router's logits, the
-        top-k experts and their weights (softmax then top-k, optionally renormalized; or top-k then a softmax over
-        those k), scattered into a dense [.., E] weight vector (zeros for the experts not chosen); every expert's
-        gated MLP computed and summed with those weights. Dense over the experts: exact per token (a token's output
-        depends on its own row only, as in plain steps) and right for small expert counts; a real 128-expert model
-        would want a gathered or fused kernel. ONNX Runtime's MoE contrib op is not used: its CPU kernel is not in
-        every build, and this keeps one graph for every backend (docs/targets.md)."""
-        router = sd[p + spec.router + ".weight"]                                       # [E, H]
-        logits = self.linear(x, router, p + spec.router, sd.get(p + spec.router + ".bias"))   # [B,S,E]
-        if spec.softmax_after_topk:
-            top, idx = self.op("TopK", [logits, self.const([top_k])], n_out=2, axis=-1, largest=1, sorted=1)
-            top = self.op("Softmax", [top], axis=-1)
-            base = logits
-        else:
-            probs = self.op("Softmax", [logits], axis=-1)
-            top, idx = self.op("TopK", [probs, self.const([top_k])], n_out=2, axis=-1, largest=1, sorted=1)
-            if norm_topk:
-                top = self.op("Div", [top, self.op("ReduceSum", [top, self.const([-1])], keepdims=1)])
-            base = probs
-        weights = self.op("ScatterElements", [self.op("Mul", [base, self.const(0.0, np.float32)]), idx, top],
-                          axis=-1)                                                     # [B,S,E]
-        gate_up, down = sd[p + "experts.gate_up_proj"], sd[p + "experts.down_proj"]
-        if spec.interleaved_transposed:   # [E, H, 2I] interleaved -> [E, 2I, H] gate rows first; down [E, I, H]
-            gate_up = np.concatenate([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], axis=2).transpose(0, 2, 1)
-            gu_bias = sd[p + "experts.gate_up_proj_bias"]
-            gu_bias = np.concatenate([gu_bias[:, 0::2], gu_bias[:, 1::2]], axis=1)   # [E, 2I]
-            w_d = np.ascontiguousarray(down)                                          # [E, I, H]
-        else:
-            gu_bias = None
-            w_d = np.ascontiguousarray(np.transpose(down, (0, 2, 1)))                 # [E, I, H]
-        num_e, two_i, hidden = gate_up.shape
-        inter = two_i // 2
-        # every expert's gate and up rows in one MatMul: [B,S,H] x [H, E*2I] -> [B,S,E,2I]
-        w_gu = np.ascontiguousarray(gate_up.reshape(num_e * two_i, hidden).T)
-        gu = self.op("MatMul", [x, self.weight(p + "experts.gate_up_proj", w_gu)])
-        if gu_bias is not None:
-            gu = self.op("Add", [gu, self.weight(p + "experts.gate_up_proj_bias", gu_bias.reshape(-1))])
-        gu = self.op("Reshape", [gu, self.const([0, 0, num_e, two_i])])
-        g, u = self.op("Split", [gu, self.const([inter, inter])], n_out=2, axis=-1)
-        if limit is not None:
-            g = self.op("Min", [g, self.const(limit, np.float32)])
-            u = self.op("Clip", [u, self.const(-limit, np.float32), self.const(limit, np.float32)])
-        gs = g if spec.swiglu_alpha == 1.0 else self.op("Mul", [g, self.const(spec.swiglu_alpha, np.float32)])
-        glu = self.op("Mul", [g, self.op("Sigmoid", [gs])])
-        if spec.up_plus_one:
-            u = self.op("Add", [u, self.const(1.0, np.float32)])
-        act = self.op("Mul", [glu, u])                                                 # [B,S,E,I]
-        # per expert: [B,S,E,1,I] x [E,I,H] -> [B,S,E,1,H]
-        out = self.op("MatMul", [self.op("Unsqueeze", [act, self.const([3])]),
-                                 self.weight(p + "experts.down_proj", w_d)])
-        out = self.op("Squeeze", [out, self.const([3])])                               # [B,S,E,H]
-        if spec.expert_bias:
-            out = self.op("Add", [out, self.weight(p + "experts.down_proj_bias", sd[p + "experts.down_proj_bias"])])
-        mixed = self.op("Mul", [out, self.op("Unsqueeze", [weights, self.const([-1])])])
-        return self.op("ReduceSum", [mixed, self.const([2])], keepdims=0)              # [B,S,H]
-
     def block_conv(self, x: str, dynamic: str, base: np.ndarray, wname: str, c) -> str:
         """DFlash 2's grouped dynamic causal convolution along the block: x [B,L,H], dynamic [B,L,K,G], base [K,H]
         -> sum_o (base[o] + dynamic[:, :, o]) * x shifted o slots later (zeros before the anchor), per group.
@@ -272,7 +215,7 @@ class WeightStore:
         if pad:
             self.f.write(b"\0" * pad)
             pos += pad
-        data = np.ascontiguousarray(arr).tobytes()
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # written as it is: no second copy in memory
         self.f.write(data)
         t = onnx.TensorProto()
         t.name = name

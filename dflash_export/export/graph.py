@@ -22,6 +22,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.export import linear_attention as lin
 from dflash_export.export import ops
 from dflash_export.export.builder import F32, I32, I64, MS, GraphBuilder, WeightStore, finish
+from dflash_export.export.moe import SPARSE_FLAVORS, moe_mlp
 from dflash_export.models.arch import sliding_windows
 
 
@@ -192,11 +193,6 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
                           f"({drafter.config.block_size}): the batched graph masks windows over the past only",
                           field="sliding_window")
     moe_layers = moe.layers(hf_cfg) if moe is not None else [False] * t.num_layers
-    moe_top_k = int(getattr(hf_cfg, moe.top_k)) if moe is not None else 0
-    moe_norm = bool(getattr(hf_cfg, moe.norm_topk_prob, False)) if moe is not None and moe.norm_topk_prob else False
-    moe_norm = moe_norm or (moe is not None and moe.always_normalized)
-    moe_limit = (float(getattr(hf_cfg, moe.swiglu_limit)) if moe is not None and moe.swiglu_limit
-                 and getattr(hf_cfg, moe.swiglu_limit, None) is not None else None)
     taps: dict[int, str] = {}
     tap_ids = list(drafter.config.target_layer_ids)
     residual_pending = None  # ort: the MLP output not yet added (fused into the next SkipSimplifiedLayerNorm)
@@ -309,7 +305,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             x = g.op("Add", [x, attn])
             xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
         if moe_layers[i]:
-            m = g.moe(xn2, sd, p + "mlp.", moe, moe_top_k, moe_norm, moe_limit)
+            m = moe_mlp(g, xn2, sd, p + "mlp.", moe, hf_cfg, sparse=flavor in SPARSE_FLAVORS)
             if hybrid and hybrid.shared_expert:
                 m = g.op("Add", [m, lin.shared_expert(g, xn2, sd, p + "mlp.")])
         else:

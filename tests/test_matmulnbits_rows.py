@@ -1,0 +1,38 @@
+"""benchmarks/matmulnbits_rows.py: its configuration parsing (one clear error for a bad one) and a tiny run that prints
+one table row per configuration, the fp32 MatMul first."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "matmulnbits_rows.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("matmulnbits_rows", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_configs_parse_and_bad_ones_name_the_option():
+    mod = _module()
+    assert mod.parse_configs("4:32:4, 8:64:1,") == [(4, 32, 4), (8, 64, 1)]
+    for bad in ("4:32", "3:32:4", "4:48:4", "4:32:9", "x:32:4"):
+        with pytest.raises(SystemExit, match="--configs"):
+            mod.parse_configs(bad)
+
+
+def test_tiny_run_prints_a_row_per_configuration():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--hidden", "64", "--inner", "128", "--layers", "1", "--reps",
+                        "1", "--threads", "1", "--configs", "4:32:4,8:32:4"], check=False, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
+    assert [ln.split(" | ")[0] for ln in rows] == ["| fp32", "| int4", "| int8"]
+    assert all(ln.count("|") == 10 for ln in rows)

@@ -1,0 +1,110 @@
+"""benchmarks/ortgenai_peer/run.py's pure parts, without ONNX Runtime GenAI installed: the n-gram grid, decode rates,
+identical counts, the summary's medians and within-round ratios (checked against figures worked out by hand), the
+table, the targets' verdicts, the venv's pins; and that the script imports nothing outside the standard library (its
+worker runs in ORT GenAI's own venv, where this package and numpy are absent)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "ortgenai_peer" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def peer():
+    spec = importlib.util.spec_from_file_location("ortgenai_peer_run", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_grid_parses_settings_in_order_without_repeats(peer):
+    assert peer.parse_grid("3:7, 2:4,3:7,") == [{"ngram_size": 3, "max_draft_tokens": 7},
+                                                 {"ngram_size": 2, "max_draft_tokens": 4}]
+    assert peer.grid_key({"ngram_size": 4, "max_draft_tokens": 16}) == "ngram:4:16"
+
+
+@pytest.mark.parametrize("spec, says", [("3", "NGRAM_SIZE:MAX_DRAFT_TOKENS"), ("a:7", "NGRAM_SIZE"),
+                                        ("1:7", "ngram_size must be >= 2"), ("3:17", "1..16"), ("3:0", "1..16"),
+                                        (" , ", "no setting")])
+def test_bad_grid_is_one_clear_error(peer, spec, says):
+    with pytest.raises(SystemExit, match=says) as e:
+        peer.parse_grid(spec)
+    assert "--ngram-grid" in str(e.value)
+
+
+def test_decode_rate_counts_tokens_after_the_first_call(peer):
+    assert peer.decode_rate(128, 1, 2.54) == pytest.approx(127 / 2.54)
+    assert peer.decode_rate(1, 1, 0.5) == 0.0 and peer.decode_rate(5, 1, 0.0) == 0.0
+
+
+def _run(tokens, tok_s, tau=1.0):
+    return {"tokens": tokens, "tok_s": tok_s, "tau": tau}
+
+
+def _rounds():
+    """Two rounds, fp32 only, two prompts; ORT GenAI's n-gram 3:7 beats 2:7 in both rounds."""
+    a, b = [1, 2, 3], [4, 5]
+
+    def one(ours_plain, ours_dfl, og_plain, og37, og27):
+        return {("ours", "fp32", "plain"): [_run(a, ours_plain[0]), _run(b, ours_plain[1])],
+                ("ours", "fp32", "dflash"): [_run(a, ours_dfl[0], 2.0), _run([4, 6], ours_dfl[1], 3.0)],
+                ("ortgenai", "fp32", "plain"): [_run(a, og_plain[0]), _run(b, og_plain[1])],
+                ("ortgenai", "fp32", "ngram:3:7"): [_run(a, og37[0], 1.5), _run(b, og37[1], 1.7)],
+                ("ortgenai", "fp32", "ngram:2:7"): [_run([9], og27[0]), _run(b, og27[1])]}
+
+    return [one((10, 12), (20, 22), (10, 10), (14, 16), (11, 11)),
+            one((8, 10), (18, 18), (9, 9), (12, 12), (10, 10))]
+
+
+def test_summary_medians_ratios_and_identical_counts(peer):
+    rows = peer.summarize(_rounds(), ["fp32"], ["ngram:3:7", "ngram:2:7"], {("ours", "fp32"): 700.0,
+                          ("ortgenai", "fp32"): 780.0}, {("ours", "fp32"): 594.0, ("ortgenai", "fp32"): 515.0})
+    by = {(r["system"], r["mode"]): r for r in rows}
+    assert [k for k in by] == [("ours", "plain"), ("ours", "dflash"), ("ortgenai", "plain"),
+                               ("ortgenai", "ngram:3:7"), ("ortgenai", "ngram:2:7")]
+    # per-round medians: ours plain 11 / 9, ORT GenAI plain 10 / 9, its n-gram 3:7 15 / 12 (best), 2:7 11 / 10
+    assert by[("ours", "plain")]["tok_s"] == pytest.approx(10.0)
+    assert by[("ours", "plain")]["vs_ortgenai_plain"] == pytest.approx((11 / 10 + 9 / 9) / 2)
+    assert by[("ours", "dflash")]["vs_ortgenai_ngram"] == pytest.approx((21 / 15 + 18 / 12) / 2)
+    assert by[("ortgenai", "ngram:3:7")]["best"] and not by[("ortgenai", "ngram:2:7")]["best"]
+    assert by[("ortgenai", "ngram:3:7")]["vs_ortgenai_ngram"] == pytest.approx(1.0)
+    # identical to own plain, from the first round: DFlash's second prompt differs, n-gram 2:7's first
+    assert by[("ours", "dflash")]["identical_to_own_plain"] == 1
+    assert by[("ortgenai", "ngram:3:7")]["identical_to_own_plain"] == 2
+    assert by[("ortgenai", "ngram:2:7")]["identical_to_own_plain"] == 1
+    assert by[("ours", "plain")]["identical_to_own_plain"] is None
+    assert by[("ours", "dflash")]["tau"] == pytest.approx(2.5) and by[("ours", "dflash")]["peak_rss_mb"] == 700.0
+
+    table = peer.render_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[3].startswith("| this project | fp32 | DFlash | 19.5 |") and "| 1/2 |" in table[3]
+    assert "ngram:3:7 (best)" in table[5] and "780 (515)" in table[5]
+
+    lines = peer.verdicts(rows, {"fp32": 78.0})
+    assert "fp32: plain / ORT GenAI plain 1.050x (target >= 1.05x): met" in lines
+    assert any(ln.startswith("fp32: DFlash / ORT GenAI n-gram 1.450x") and ln.endswith("met") for ln in lines)
+    assert any(ln.startswith("fp32: DFlash / ORT GenAI plain") and ln.endswith("met") for ln in lines)
+    assert "fp32: DFlash identical to own plain 1/2: MISSED" in lines
+    assert any("peak RSS 700 MiB" in ln and "= 858)" in ln and ln.endswith("met") for ln in lines)
+
+
+def test_venv_pins_this_projects_runtime_and_builder_libraries(peer):
+    reqs = peer.venv_requirements("0.18.0", {"onnxruntime": "1.32.0", "torch": "2.13.0+cpu", "transformers": "5.15.0",
+                                             "onnx": None})
+    assert reqs == ["onnxruntime-genai==0.18.0", "onnxruntime==1.32.0", "torch==2.13.0", "transformers==5.15.0"]
+
+
+def test_script_imports_only_the_standard_library():
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('p', {str(SCRIPT)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "bad = [n for n in sys.modules if n.split('.')[0] in ('dflash_export', 'numpy', 'onnxruntime')]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
