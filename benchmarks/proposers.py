@@ -4,10 +4,14 @@ ratios stay fair), each checked token for token against plain decoding, next to 
 
     python benchmarks/proposers.py --engine engines/smollm2-135m/onnxruntime --prompts 50 --max-new-tokens 256
 
+    python benchmarks/proposers.py --engine ENGINE --temperature 0.7 --top-k 20 --top-p 0.95   # sampled
+
 Modes: ar (plain decoding), chain (the drafter's block), lookup (the context's n-gram continuations), tree (a tree
 from the drafter's per-slot top-K), tree+lookup (both; its best path verified as a chain), tree+lookup-full (every
-node verified in one pass). Prompts: validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19
-chose the shipped drafter's checkpoint). Not a test: minutes to hours on 2 cores.
+node verified in one pass), chain-sampled (T > 0: the drafter's sampled chain, min(1, p/q)). Sampled, every mode
+draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
+validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19 chose the shipped drafter's checkpoint).
+Not a test: minutes to hours on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 MODES = {"ar": None, "chain": {"proposer": "chain"}, "lookup": {"proposer": "lookup"},
          "tree": {"proposer": "tree"}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine"},
-         "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"}}
+         "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"},
+         # T > 0: the drafter's own sampled chain with min(1, p/q) (the reference's stream) instead of the walk
+         "chain-sampled": {"proposer": "chain", "sampling": "chain"}}
 
 
 def main() -> None:
@@ -35,6 +41,9 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample (prompt i seeded with i in every mode)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--grid", action="store_true",
                     help="instead of --modes: the curve of whole-tree verification without the cost model, drafter "
                          "top-K 1, 2, 4 x node budget 4, 8, 15 (tree+lookup, every node verified; 15 nodes + the root "
@@ -69,8 +78,9 @@ def main() -> None:
         ids = runtimes["ar"].encode(row["prompt"])
         outs = {}
         for m in modes:
-            st = runtimes[m].generate(ids, SamplingParams(max_new_tokens=args.max_new_tokens),
-                                      "ar" if m == "ar" else "dflash")
+            sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=i)
+            st = runtimes[m].generate(ids, sp, "ar" if m == "ar" else "dflash")
             outs[m] = st.tokens
             s = sums[m]
             s["s"] += st.total_s
@@ -84,13 +94,15 @@ def main() -> None:
         print(f"\r{i + 1}/{len(rows)} prompts, {time.time() - t0:.0f} s", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     cpu = cpu_features()
+    how = "greedy" if args.temperature <= 0 else f"T {args.temperature:g} top-k {args.top_k} top-p {args.top_p:g}"
     yard = prompt_lookup_tau(pairs, engine.info.block_size)
     print(f"{args.engine}: {len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
-          f"{args.max_new_tokens} new tokens, greedy; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
+          f"{args.max_new_tokens} new tokens, {how}; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
           f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): "
           f"{yard:.3f}")
     ar_rate = sums["ar"]["tokens"] / sums["ar"]["s"]
     report = {"engine": args.engine, "prompts": len(rows), "max_new_tokens": args.max_new_tokens, "cpu": cpu,
+              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "tau_prompt_lookup": yard, "modes": {}}
     print(f"{'mode':18s} {'tau':>6s} {'tok/s':>7s} {'vs AR':>6s} {'verified/step':>14s} {'identical':>10s}")
     for m in modes:

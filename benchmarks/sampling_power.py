@@ -3,6 +3,11 @@ and its false-alarm rate on the correct sampler: the measurement behind the defa
 
     python benchmarks/sampling_power.py                          # defaults: the validate defaults, 20 seeds
     python benchmarks/sampling_power.py --samples 100,200,400 --seeds 10 --faults residual_from_p
+    python benchmarks/sampling_power.py --proposer tree+lookup --temperature 1.0 --top-k 20 --top-p 0.95 \
+        --faults none,top_p_off_by_one,temperature_twice,walk_one_uniform,walk_parent_row,walk_argmax_child
+
+Sampled steps walk the proposal (`--sampling walk`, the default): the chain faults (residual_from_p,
+bonus_from_wrong_row, draft_probs_wrong_slot) then run the drafter's chain, where they live.
 
 The pair is the one tests/test_validate.py trains (the tiny Qwen3 target + a drafter fitted to its greedy outputs,
 cached on disk; a random drafter is almost never accepted, which would hide the faults that act on accepted blocks),
@@ -36,6 +41,10 @@ def main() -> None:
     parser.add_argument("--faults", default="none," + ",".join(FAULTS))
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--top-p", type=float, default=d.top_p)
+    parser.add_argument("--top-k", type=int, default=d.top_k)
+    parser.add_argument("--proposer", default="chain",
+                        help="what a step proposes (chain, tree, lookup, tree+lookup); sampled steps walk it")
+    parser.add_argument("--sampling", default="walk", help="walk (the default) or chain (the drafter's chain)")
     parser.add_argument("--prompts", type=int, default=d.dist_prompts)
     parser.add_argument("--alpha", type=float, default=1e-3)
     parser.add_argument("--sharpen", type=float, default=None,
@@ -65,11 +74,11 @@ def main() -> None:
     rows = []
     for fault in args.faults.split(","):
         engine = faulty_engine(None if fault == "none" else fault, target, drafter, "tiny-trained", 256)
-        runtime = DFlashRuntime(engine)
+        runtime = DFlashRuntime(engine, proposer=args.proposer, sampling=args.sampling)
         for n in [int(x) for x in args.samples.split(",")]:
             ps, secs = [], []
             for seed in range(args.seeds):
-                opts = ValidateOptions(temperature=args.temperature, top_p=args.top_p, dist_samples=n,
+                opts = ValidateOptions(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, dist_samples=n,
                                        dist_prompts=args.prompts, dist_seed=seed)
                 t0 = time.perf_counter()
                 out = _distribution_check(runtime, reference, prompts, opts, engine.info.block_size,
@@ -79,7 +88,8 @@ def main() -> None:
             det = sum(p < args.alpha for p in ps) / len(ps)
             row = {"fault": fault, "samples": n, "seeds": args.seeds, "alpha": args.alpha, "detected": det,
                    "median_p": statistics.median(ps), "max_p": max(ps), "min_p": min(ps),
-                   "seconds_per_run": statistics.median(secs), "temperature": args.temperature, "top_p": args.top_p}
+                   "seconds_per_run": statistics.median(secs), "temperature": args.temperature, "top_p": args.top_p,
+                   "top_k": args.top_k, "proposer": args.proposer, "sampling": args.sampling}
             rows.append(row)
             print(f"{fault:24s} {n:7d} {det:9.2f} {row['median_p']:10.2e} {row['seconds_per_run']:6.1f}", flush=True)
     for row in rows:

@@ -54,9 +54,9 @@ UTF8_TEXT = Utf8Text()
 
 
 def decoding_options(command):
-    """--proposer / --tree-mode / --tree-top-k / --tree-nodes: how greedy DFlash steps propose drafts
-    (dflash_export/decoding/tree.py); unset, the engine's recipe decides (its manifest's `decoding`)."""
-    from dflash_export.decoding.tree import PROPOSERS, TREE_MODES
+    """--proposer / --tree-mode / --tree-top-k / --tree-nodes / --sampling: how DFlash steps propose and accept
+    drafts (dflash_export/decoding/options.py); unset, the engine's recipe decides (its manifest's `decoding`)."""
+    from dflash_export.decoding.options import PROPOSERS, SAMPLERS, TREE_MODES
 
     for opt in reversed([
             click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
@@ -68,7 +68,11 @@ def decoding_options(command):
                               "full: every node in one pass (lossless within kernel numerics, see run's report)."),
             click.option("--tree-top-k", type=click.IntRange(1, 8), default=None, help="Drafter children per node."),
             click.option("--tree-nodes", type=click.IntRange(1, 64), default=None,
-                         help="Drafted nodes per step at most (the cost model may verify fewer).")]):
+                         help="Drafted nodes per step at most (the cost model may verify fewer)."),
+            click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
+                         help="T > 0: walk: the target's own draw at each node (any proposer; the output is plain "
+                              "sampling's with the same seed); chain: the drafter's sampled chain with min(1, p/q) "
+                              "(the PyTorch reference's stream). Default: the engine's recipe (decoding.sampling).")]):
         command = opt(command)
     return command
 

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
+from dflash_export.decoding.options import DecodingOptions, decoding_problem
 from dflash_export.errors import DFlashError
 from dflash_export.models.sources import hf_snapshot, is_hf_id, split_pkg_spec
 
@@ -255,10 +255,9 @@ def _load_recipe_file(name_or_path) -> Recipe:
         value = getattr(recipe, key)
         if value is not None and value not in PRECISIONS:
             raise DFlashError(f"{value!r} is not one of {', '.join(PRECISIONS)}", path=p, field=key)
-    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES)):
-        value = getattr(recipe.decoding, key)
-        if value not in allowed:
-            raise DFlashError(f"{value!r} is not one of {', '.join(allowed)}", path=p, field=f"decoding.{key}")
+    problem = decoding_problem(dataclasses.asdict(recipe.decoding))
+    if problem is not None:
+        raise DFlashError(problem[1], path=p, field=problem[0])
     for i, b in enumerate(recipe.backends):
         if b not in BACKENDS:
             raise DFlashError(f"{b!r} is not one of {', '.join(BACKENDS)}", path=p, field=f"backends[{i}]")
@@ -310,9 +309,6 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "train.soft_weight": (0, 1, False),
     "train.steps": (1, None, False),
     "train.seed": (0, 2**32 - 1, False),
-    # decoding
-    "decoding.tree_top_k": (1, 8, False),
-    "decoding.tree_nodes": (1, 64, False),
 }
 
 

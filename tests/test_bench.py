@@ -155,6 +155,23 @@ def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
     assert d["identical_runs"] == [True, True]
 
 
+def test_bench_samples_with_the_same_seeds_in_every_mode(built):
+    """bench --temperature / --top-k / --top-p: sampled DFlash (the walk, chain and tree+lookup) emits what plain
+    sampled decoding on the same engine emits for every prompt, alone and under continuous batching."""
+    from dflash_export.bench.concurrency import run_concurrency
+    from dflash_export.bench.suite import run_bench
+
+    recipe, out, _, _ = built
+    sampling = {"temperature": 0.7, "top_k": 20, "top_p": 0.95}
+    report = run_bench(str(recipe.path), str(out), None, 2, 12, ["dflash", "tree+lookup", "ar"], None, sampling)
+    assert report["sampling"] == sampling
+    for mode in ("dflash", "tree+lookup"):
+        assert report["summary"][mode]["identical_to_ar"] == "2/2", mode
+    rep = run_concurrency(str(out), PROMPTS, 12, [1, 3], ["dflash", "ar"], threads=1, sampling=sampling)
+    assert [r["identical_to_plain"] for r in rep["levels"] if r["mode"] == "dflash"] == ["5/5", "5/5"]
+    assert rep["divergences"] == [] and all(r["identical_to_alone"] == "5/5" for r in rep["levels"])
+
+
 def test_moe_costs_benchmark_times_every_form_and_the_expert_union(tmp_path):
     """benchmarks/moe_costs.py on its smoke-test shape (8 experts, 2 per token): every form at every precision and
     row count, the bound from the bandwidth probe, and the union of experts a block touches, between k and E and

@@ -80,3 +80,22 @@ def test_special_tokens_typed_in_content_are_text_not_control():
     # Contents without a special token's spelling are tokenized exactly as the rendered text always was.
     msgs = [{"role": "user", "content": "plain text"}]
     assert codec.apply_chat(msgs) == tok.encode(codec.render_chat(msgs), add_special_tokens=False).ids
+
+
+def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(direct, engine_dir, tmp_path):
+    """deploy --plain: the model's `mode` parameter is "ar" and the runner decodes plainly on the same engine -- one
+    token per step, no drafts, the DFlash deployment's greedy text and its sampled text for a seed."""
+    from dflash_export.deploy.handler import RequestRunner, parse_request
+    from dflash_export.deploy.pbtxt import parse_pbtxt
+    from dflash_export.deploy.repository import write_repository
+
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False, plain=True)
+    cfg = parse_pbtxt((repo / "dflash" / "config.pbtxt").read_text())
+    assert {p["key"]: p["value"]["string_value"] for p in cfg["parameters"]}["mode"] == "ar"
+    plain = RequestRunner(direct.runtime, "ar")
+    for extra in ({}, {"temperature": np.array([0.8], np.float32), "seed": np.array([3], np.uint64)}):
+        inputs = dict(text_input=b"Hello there", max_tokens=np.array([16], np.int32), **extra)
+        chunks = list(plain.run(parse_request(getter(**inputs))))
+        want = list(direct.run(parse_request(getter(**inputs))))
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in want)
+        assert chunks[-1].drafted_tokens == 0 and chunks[-1].step_stats["acceptance_lengths"] == [1] * 15

@@ -18,8 +18,10 @@ def rt():
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_runtime_equals_reference_token_for_token(rt, temperature):
+    """The drafter's sampled chain ("chain") is the reference's spec_generate draw for draw; the walk (the default
+    at T > 0) is the reference's plain sampling draw for draw (every token the target's draw with the next uniform)."""
     eng = rt.engine
-    full = DFlashRuntime(eng, adaptive=False)
+    full = DFlashRuntime(eng, adaptive=False, sampling="chain")
     for seed, ids in enumerate([[5, 6, 7], list(range(3, 30)), [100]]):
         sp = SamplingParams(max_new_tokens=25, temperature=temperature, top_p=0.95, seed=seed)
         spec = spec_generate(eng.drafter, eng.target, ids, max_new_tokens=25, temperature=temperature, top_p=0.95,
@@ -28,7 +30,8 @@ def test_runtime_equals_reference_token_for_token(rt, temperature):
         got = full.generate(ids, sp)
         assert got.tokens == spec.tokens
         assert got.acceptance_lengths == spec.acceptance_lengths  # full blocks: the reference's steps exactly
-        assert rt.generate(ids, sp).tokens == spec.tokens
+        assert DFlashRuntime(eng, sampling="chain").generate(ids, sp).tokens == spec.tokens
+        assert rt.generate(ids, sp).tokens == (spec.tokens if temperature == 0 else ar.tokens)
         assert rt.generate(ids, sp, mode="ar").tokens == ar.tokens
 
 

@@ -9,11 +9,12 @@ import itertools
 import numpy as np
 import pytest
 
+from dflash_export.decoding.options import PROPOSERS
 from dflash_export.decoding.prompt_lookup import lookup_branches
 from dflash_export.decoding.tree import DraftTree, LookupStats, build_tree, chain, greedy_accept
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.onnxruntime import tree_inputs
-from dflash_export.runtime.single import PROPOSERS, DFlashRuntime
+from dflash_export.runtime.single import DFlashRuntime
 
 
 def _logprobs(rng, depth: int, vocab: int) -> np.ndarray:
@@ -232,14 +233,31 @@ def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
         assert ref.acceptance_lengths == got.acceptance_lengths
 
 
-def test_sampling_drafts_the_chain_draw_for_draw(pair):
-    """T > 0 keeps the chain (rejection sampling over a chain is lossless and matches the reference's stream): a
-    tree proposer samples exactly what the chain does with the same seed."""
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("tree_mode", ["spine", "full"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 20, 0.95)])
+def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, tree_mode, temperature, top_k, top_p):
+    """T > 0, every proposer and tree mode, with and without the cost model: the walk emits, token for token, what
+    plain sampled decoding on the same engine emits with the same seed (every token is the target's draw with the
+    request's next uniform; docs/trees.md). A seeded request repeats exactly."""
+    eng, _ = pair
+    for adaptive in (True, False):
+        rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12, tree_mode=tree_mode)
+        for seed, prompt in enumerate(PROMPTS[:3]):
+            sp = SamplingParams(max_new_tokens=40, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            want = rt.generate(prompt, sp, mode="ar").tokens
+            got = rt.generate(prompt, sp)
+            assert got.tokens == want, (proposer, adaptive, prompt)
+            assert rt.generate(prompt, sp).tokens == got.tokens
+
+
+def test_the_chain_sampler_keeps_the_drafter_s_chain_whatever_the_proposer(pair):
+    """sampling "chain": the drafter's own sampled chain with min(1, p/q), the same draws whatever the proposer."""
     eng, _ = pair
     sp = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=5)
     for prompt in PROMPTS[:3]:
-        want = DFlashRuntime(eng).generate(prompt, sp).tokens
-        assert DFlashRuntime(eng, proposer="tree+lookup").generate(prompt, sp).tokens == want
+        want = DFlashRuntime(eng, sampling="chain").generate(prompt, sp).tokens
+        assert DFlashRuntime(eng, proposer="tree+lookup", sampling="chain").generate(prompt, sp).tokens == want
 
 
 def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tmp_path):
@@ -254,7 +272,7 @@ def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tm
                  "decoding: {proposer: tree+lookup, tree_nodes: 9, tree_mode: full}\n")
     out = build_onnxruntime(load_recipe(y), tmp_path / "engine", threads=1)
     assert read_manifest(out).raw["decoding"] == {"proposer": "tree+lookup", "tree_top_k": 4, "tree_nodes": 9,
-                                                  "tree_mode": "full"}
+                                                  "tree_mode": "full", "sampling": "walk"}
     eng = load_engine(out, threads=1)
     rt = DFlashRuntime(eng)
     assert (rt.proposer, rt.tree_nodes, rt.tree_mode, rt.tree_top_k) == ("tree+lookup", 9, "full", 4)

@@ -433,7 +433,8 @@ def _default_distribution_check(recipe, sharp, fault, seed=0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["residual_from_p", "bonus_from_wrong_row", "top_p_off_by_one",
-                                   "temperature_twice", "draft_probs_wrong_slot"])
+                                   "temperature_twice", "draft_probs_wrong_slot", "walk_one_uniform",
+                                   "walk_parent_row", "walk_argmax_child"])
 def test_each_planted_sampling_fault_fails_validate_at_its_defaults(recipe, sharp, fault):
     report = _default_distribution_check(recipe, sharp, fault)
     d = report.distribution

@@ -25,10 +25,11 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.batching import BatchingRuntime
 
 
-def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, mode: str) -> dict:
-    """Run every prompt once with `concurrency` requests in flight; figures and each request's tokens."""
+def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, mode: str,
+              sampling: dict | None = None) -> dict:
+    """Run every prompt once with `concurrency` requests in flight (greedy, or sampled as `sampling` says, prompt i
+    seeded with i); figures and each request's tokens."""
     rt = BatchingRuntime(engine, max_batch=concurrency)
-    sp = SamplingParams(max_new_tokens=max_new)
     pending = list(enumerate(prompts))
     running: dict[int, object] = {}
     done: dict[int, object] = {}
@@ -37,7 +38,7 @@ def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, 
     while pending or running:
         while pending and len(running) < concurrency:
             i, p = pending.pop(0)
-            running[i] = rt.submit(p, sp, mode)
+            running[i] = rt.submit(p, SamplingParams(max_new_tokens=max_new, seed=i, **(sampling or {})), mode)
         rt.step()
         kv_peak = max(kv_peak, rt.batch.kv_bytes)
         for i in [i for i, r in running.items() if r.done]:
@@ -53,7 +54,7 @@ def run_level(engine, prompts: list[list[int]], max_new: int, concurrency: int, 
             "tau": sum(sum(r.stats.acceptance_lengths) for r in reqs) / max(1, steps),
             "drafts_verified_per_step": rt.rows_verified / max(1, rt.steps), "engine_steps": rt.steps,
             "target_rows": rt.target_rows, "draft_calls": rt.draft_calls, "draft_seqs": rt.draft_seqs,
-            "probes": rt.probes, "modelled_cost": rt.modelled_cost,
+            "probes": rt.probes, "modelled_cost": rt.modelled_cost, "drafting_steps": rt.drafting_steps,
             "kv_peak_mb": kv_peak / 2**20, "outputs": [r.stats.tokens for r in reqs]}
 
 
@@ -62,7 +63,7 @@ def _per_cost(r: dict) -> float:
 
 
 def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, levels: list[int],
-                    modes: list[str], threads: int | None = None, reps: int = 1) -> dict:
+                    modes: list[str], threads: int | None = None, reps: int = 1, sampling: dict | None = None) -> dict:
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -81,7 +82,7 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
             for mode in modes:
                 console.print(f"[bench] concurrency {n}, {mode} (pass {rep + 1}/{reps}): {len(prompts)} requests x "
                               f"{max_new} new tokens ...")
-                runs[mode].append(run_level(engine, prompts, max_new, n, mode))
+                runs[mode].append(run_level(engine, prompts, max_new, n, mode, sampling))
         if "dflash" in runs and "ar" in runs:
             pair_ratios[n] = [d["tok_s"] / a["tok_s"] for d, a in zip(runs["dflash"], runs["ar"])]
         for mode in modes:  # the least disturbed pass
@@ -93,7 +94,9 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
     base = {m: next(r for r in results if r["mode"] == m) for m in modes}
     alone = {m: (next((r for r in results if r["mode"] == m and r["concurrency"] == 1), base[m])) for m in modes}
     # Short two-line headers, one line per row: the table fits 80 columns.
-    table = Table(title=f"continuous batching: {len(prompts)} requests x {max_new} new tokens, greedy",
+    how = "greedy" if not (sampling or {}).get("temperature") else \
+        "T {temperature:g}, top-k {top_k}, top-p {top_p:g}".format(**sampling)
+    table = Table(title=f"continuous batching: {len(prompts)} requests x {max_new} new tokens, {how}",
                   caption="tau: tokens committed per target pass (accepted drafts + the target's own token)",
                   box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, title_justify="left", caption_justify="left")
     for col in ("conc-\nurrency", "mode", "tok/s", "x\nlevel 1", "tok/\nCPU-s", "CPU x\nlevel 1", "p50\ns", "p99\ns",
@@ -123,8 +126,10 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
             pairs.setdefault(r["concurrency"], {})[r["mode"]] = r
         ratio = {n: (p["dflash"]["tok_s"] / p["ar"]["tok_s"], p["dflash"]["tok_per_cpu_s"] / p["ar"]["tok_per_cpu_s"])
                  for n, p in pairs.items() if "dflash" in p and "ar" in p}
-        console.print("DFlash / plain batched, per level (wall; CPU): " + ", ".join(
-            f"{n}: {w:.2f}x; {c:.2f}x" for n, (w, c) in ratio.items()))
+        console.print("DFlash / plain batched, per level (wall; CPU; DFlash τ; steps that drafted): " + ", ".join(
+            f"{n}: {w:.2f}x; {c:.2f}x; τ {pairs[n]['dflash']['tau']:.2f}; "
+            f"{pairs[n]['dflash']['drafting_steps']}/{pairs[n]['dflash']['engine_steps']}"
+            for n, (w, c) in ratio.items()))
         # The work each mode did, counted (deterministic for a load, unlike time): target calls and their rows,
         # drafter calls, and tokens per unit of the scheduler's cost model (single-sequence plain steps).
         console.print("DFlash / plain batched, work per level (target calls, target rows, drafter calls; tokens per "
@@ -137,12 +142,15 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
         if reps > 1:  # the fastest passes may come from different moments; adjacent passes share the machine's load
             console.print("DFlash / plain batched, pass by pass (median, min-max): " + ", ".join(
                 f"{n}: {np.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for n, r in pair_ratios.items()))
-        for n, p in pairs.items():
-            if "dflash" in p and "ar" in p and p["dflash"]["outputs"] != p["ar"]["outputs"]:
+        for n, p in pairs.items():  # greedy, and sampled with the walk: every request is plain decoding's
+            if "dflash" in p and "ar" in p:
                 diff = sum(a != b for a, b in zip(p["dflash"]["outputs"], p["ar"]["outputs"]))
-                console.print(f"concurrency {n}: DFlash differs from plain decoding on {diff} requests")
+                p["dflash"]["identical_to_plain"] = f"{len(p['ar']['outputs']) - diff}/{len(p['ar']['outputs'])}"
+                if diff:
+                    console.print(f"concurrency {n}: DFlash differs from plain decoding on {diff} requests")
     if flips:
         console.print(f"[yellow]outputs that differ from the request run alone: {flips}[/yellow]")
     for r in results:
         r.pop("outputs")
-    return {"engine": engine_dir, "max_new_tokens": max_new, "levels": results, "divergences": flips}
+    return {"engine": engine_dir, "max_new_tokens": max_new, "sampling": sampling or {}, "levels": results,
+            "divergences": flips}

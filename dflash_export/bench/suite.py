@@ -71,17 +71,33 @@ def _job_recipe(recipe) -> dict:
             "block_size": recipe.block_size, "max_seq_len": recipe.max_seq_len}
 
 
-def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[int]], max_new: int) -> dict:
+def sampling_params(sampling: dict | None, max_new: int, index: int) -> SamplingParams:
+    """Prompt `index`'s settings: greedy, or sampled as `sampling` says (temperature, top_p, top_k) seeded with the
+    prompt's index, so every mode draws with the same stream."""
+    return SamplingParams(max_new_tokens=max_new, seed=index, **(sampling or {}))
+
+
+def _describe_sampling(sampling: dict | None) -> str:
+    s = sampling or {}
+    if not s.get("temperature"):
+        return "greedy"
+    return f"T {s['temperature']:g}" + (f", top-k {s['top_k']}" if s.get("top_k") else "") + (
+        f", top-p {s['top_p']:g}" if s.get("top_p", 1.0) < 1.0 else "")
+
+
+def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[int]], max_new: int,
+            sampling: dict | None = None) -> dict:
     recipe = Recipe(**recipe_fields)
     runs = []
+    temperature = (sampling or {}).get("temperature", 0.0)
     if mode in ENGINE_MODES:
         t0 = time.perf_counter()
         engine = _loading(lambda: load_engine(engine_dir), engine_dir)
         load_s = time.perf_counter() - t0
         rt = DFlashRuntime(engine, **ENGINE_MODES[mode])
 
-        def gen(ids, n):
-            s = rt.generate(ids, SamplingParams(max_new_tokens=n), "ar" if mode == "ar" else "dflash")
+        def gen(ids, n, i=0):
+            s = rt.generate(ids, sampling_params(sampling, n, i), "ar" if mode == "ar" else "dflash")
             return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths, s.drafted_tokens
     else:
         import torch
@@ -99,23 +115,29 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
         if mode == "reference":
             bs = drafter.spec(recipe.block_size).block_size
 
-            def gen(ids, n):
-                r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size)
+            def gen(ids, n, i=0):
+                sp = sampling_params(sampling, n, i)
+                r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size,
+                                  temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed)
                 return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths, (bs - 1) * len(r.acceptance_lengths)
         else:
             stop = target.stop_token_ids
 
             @torch.inference_mode()
-            def gen(ids, n):
+            def gen(ids, n, i=0):
                 x = torch.tensor([ids])
+                sample = {"do_sample": True, "temperature": temperature, "top_k": sampling.get("top_k") or None,
+                          "top_p": sampling.get("top_p", 1.0)} if temperature > 0 else {"do_sample": False}
+                if temperature > 0:
+                    torch.manual_seed(i)
                 t = time.perf_counter()
-                out = target.hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=stop or None,
-                                         pad_token_id=stop[0] if stop else 0)
+                out = target.hf.generate(x, max_new_tokens=n, eos_token_id=stop or None,
+                                         pad_token_id=stop[0] if stop else 0, **sample)
                 total = time.perf_counter() - t
                 return out[0, len(ids):].tolist(), total, 0.0, [], 0
     gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
-    for ids in prompts:
-        toks, total, ttft, acc, drafted = gen(ids, max_new)
+    for i, ids in enumerate(prompts):
+        toks, total, ttft, acc, drafted = gen(ids, max_new, i)
         runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
                      "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc), "drafted": drafted})
     return {"mode": mode, "load_s": load_s, "runs": runs, "peak_rss_mb": _peak_rss_mb()}
@@ -148,7 +170,7 @@ def _summary(res: dict) -> dict:
 
 
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
-              modes: list[str], out_json: str | None) -> dict:
+              modes: list[str], out_json: str | None, sampling: dict | None = None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -170,7 +192,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         with tempfile.TemporaryDirectory() as tmp:
             job = Path(tmp) / "job.json"
             job.write_text(json.dumps({"mode": mode, "recipe": _job_recipe(recipe), "engine": engine_dir,
-                                       "prompts": prompts, "max_new": max_new}))
+                                       "prompts": prompts, "max_new": max_new, "sampling": sampling}))
             proc = subprocess.run([sys.executable, "-m", "dflash_export.bench.suite", str(job)], capture_output=True,
                                   text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if proc.returncode != 0:
@@ -187,13 +209,17 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         if m in results:
             summary[m]["tau_prompt_lookup"] = prompt_lookup_tau(
                 [(p, r["tokens"]) for p, r in zip(prompts, results[m]["runs"])], bs)
-    base = results.get("hf") or results.get("ar")
+    # Sampled: plain decoding on the same engine draws with the same stream (a walked DFlash output equals it);
+    # transformers' sampler does not.
+    sampled = bool((sampling or {}).get("temperature"))
+    base = results.get("ar") if sampled else (results.get("hf") or results.get("ar"))
     if base:
         for m, r in results.items():
             same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
             summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
     # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
-    table = Table(title=f"{recipe.name}: greedy, {max_new} new tokens, {len(prompts)} prompts (medians)",
+    table = Table(title=f"{recipe.name}: {_describe_sampling(sampling)}, {max_new} new tokens, {len(prompts)} prompts "
+                  "(medians)",
                   caption="tau: tokens per target pass under the mode's drafting; lookup tau: prompt lookup replayed "
                           "on the same tokens; drafts: verified per step",
                   padding=(0, 1))
@@ -216,7 +242,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]
     if ratios:
         console.print("speedups: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "summary": summary,
+    report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "sampling": sampling or {},
+              "summary": summary,
               "ratios": ratios, "raw": results}
     if out_json:
         with atomic_file(out_json) as f:
@@ -226,7 +253,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
 
 def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int,
                           max_new: int, levels: list[int], modes: list[str], out_json: str | None,
-                          reps: int = 1) -> dict:
+                          reps: int = 1, sampling: dict | None = None) -> dict:
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench.concurrency), in this process."""
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
@@ -238,7 +265,8 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     check_engine_recipe(Path(engine_dir), recipe)
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
-    report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps)}
+    report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps,
+                                                       sampling=sampling)}
     if out_json:
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")
@@ -265,7 +293,8 @@ def _worker_failure(mode: str, returncode: int, stderr: str) -> DFlashError:
 def _worker_main(job: str) -> int:
     spec = json.loads(Path(job).read_text())
     try:
-        out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"])
+        out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"],
+                      spec.get("sampling"))
     except DFlashError as e:
         sys.stderr.write(WORKER_ERROR + json.dumps({"message": str(e)}) + "\n")
         return e.exit_code or 2

@@ -29,23 +29,6 @@ import numpy as np
 
 from dflash_export.decoding.prompt_lookup import ContextIndex
 
-# What a greedy DFlash step proposes: the drafter's block as drafted ("chain"), a tree grown from its per-slot
-# distributions, the context's lookup branches, or a tree holding both; and how a tree is verified: its best path as
-# a chain ("spine"), or every node in one target pass ("full").
-PROPOSERS = ("chain", "tree", "lookup", "tree+lookup")
-TREE_MODES = ("spine", "full")
-
-
-@dataclass
-class DecodingOptions:
-    """How a greedy DFlash step proposes drafts. A recipe's `decoding:` section; built engines record it; `run`,
-    `bench`, `validate` and the served model start from it and their options override it."""
-
-    proposer: str = "chain"                  # one of PROPOSERS
-    tree_top_k: int = 4                      # drafter children per tree node
-    tree_nodes: int = 15                     # drafted nodes per step at most (the cost model may take fewer)
-    tree_mode: str = "spine"                 # one of TREE_MODES
-
 
 @dataclass
 class DraftTree:

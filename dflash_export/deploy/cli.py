@@ -37,13 +37,16 @@ from dflash_export.errors import DFlashError
                    "continuous batch (onnxruntime engines); 1 runs one request at a time.")
 @click.option("--max-queued-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="With --max-batch > 1: prompt tokens that may wait to join the batch (more: HTTP 503).")
+@click.option("--plain", is_flag=True,
+              help="Serve plain decoding on the same engine (no drafter): the yardstick a served speedup is "
+                   "measured against.")
 def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
-           max_json_depth, max_batch, max_queued_tokens):
+           max_json_depth, max_batch, max_queued_tokens, plain):
     """Write a Triton model repository serving ENGINE (python backend running the DFlash runtime)."""
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
                             decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
                             max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_batch=max_batch,
-                            max_queued_tokens=max_queued_tokens)
+                            max_queued_tokens=max_queued_tokens, plain=plain)
     import json
 
     models = json.loads((repo / MARKER).read_text())["models"]
@@ -85,19 +88,24 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="On Ctrl-C / SIGTERM: seconds running requests get to finish; the rest are cancelled (503) "
                    "and serve exits 1.")
+@click.option("--plain", is_flag=True,
+              help="With --engine: serve plain decoding on the same engine (no drafter), the served yardstick.")
 def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
           log_file, max_request_bytes, max_json_depth, request_timeout, max_connections, restart_on_crash,
-          drain_timeout):
+          drain_timeout, plain):
     """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
     One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
     infer routes, /health and /metrics. tritonserver runs behind it on loopback; every request is bounded and
     checked before it sees it."""
+    if plain and repo_dir is not None:
+        raise DFlashError("--plain is a deploy choice: give it with --engine, or deploy the repository with --plain",
+                          field="--plain")
     if (engine_dir is None) == (repo_dir is None):
         raise DFlashError("give --engine DIR (a built engine) or --repo DIR (a deployed repository), one of them",
                           field="--engine")
     if engine_dir is not None:
-        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch)
+        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain)
         click.echo(f"model repository: {repo_dir}", err=True)
     marker = check_repository(repo_dir)
     recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}

@@ -250,8 +250,9 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
 class RequestRunner:
     """Runs parsed requests on one engine (one request at a time: an engine sequence is single-threaded)."""
 
-    def __init__(self, runtime: DFlashRuntime):
+    def __init__(self, runtime: DFlashRuntime, mode: str = "dflash"):
         self.runtime = runtime
+        self.mode = mode  # "ar": plain decoding on the same engine (deploy --plain)
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         ids = self.runtime.encode(req.prompt, chat=req.chat)
@@ -296,7 +297,8 @@ class RequestRunner:
             return why
 
         polls = cancelled is not None and getattr(self.runtime, "polls_cancel_while_queued", False)
-        for ev in self.runtime.stream(ids, req.sp, stats=stats, **({"cancelled": ask_queued} if polls else {})):
+        for ev in self.runtime.stream(ids, req.sp, self.mode, stats=stats,
+                                      **({"cancelled": ask_queued} if polls else {})):
             if cancelled is not None and not ev.finished and (why := cancelled()):
                 raise RequestCancelled(why)
             tokens.extend(ev.tokens)

@@ -179,7 +179,7 @@ def _os_error(e: OSError, engine_dir: Path, repo_dir: Path) -> DFlashError:
 def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
                      decoupled: bool | None = None, threads: int = 0, llmapi_model_py=None,
                      max_body_bytes: int | None = None, max_json_depth: int | None = None, max_batch: int = 1,
-                     max_queued_tokens: int = 65536) -> Path:
+                     max_queued_tokens: int = 65536, plain: bool = False) -> Path:
     """Write (atomically: a temp dir renamed on success) the Triton repository for `engine_dir` into `repo_dir`.
 
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
@@ -188,7 +188,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). max_batch > 1: each instance
     feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
     batching; onnxruntime engines, and tensorrt engines up to the bound their batch engines were built for), with at
-    most `max_queued_tokens` prompt tokens waiting to join it; 1: one request at a time per instance. Returns the
+    most `max_queued_tokens` prompt tokens waiting to join it; 1: one request at a time per instance. plain: the
+    models decode without the drafter (plain decoding on the same engine, the served yardstick). Returns the
     repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
@@ -232,10 +233,10 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
-                                              threads, max_batch, max_queued_tokens)
+                                              threads, max_batch, max_queued_tokens, plain)
             (tmp / MARKER).write_text(json.dumps({
                 "engine": str(engine_dir), "backend": backend, "recipe": manifest.recipe, "models": models,
-                "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch,
+                "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch, "plain": plain,
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
                 indent=2) + "\n")
     except BaseException as e:
@@ -252,7 +253,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
 
 def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, instances: int, max_queue_size: int,
                          decoupled: bool | None, threads: int, max_batch: int = 1,
-                         max_queued_tokens: int = 65536) -> list[str]:
+                         max_queued_tokens: int = 65536, plain: bool = False) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
     shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
@@ -268,6 +269,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
             # so the repository can move to another machine or into a container.
             parameters={"engine_dir": engine_ref, "threads": str(threads),
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
+                        "mode": "ar" if plain else "dflash",
                         "library_versions": json.dumps(_needed_libraries(manifest.backend))},
         ))
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
@@ -419,7 +421,7 @@ def stub_python_path() -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None) -> Path:
+def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False) -> Path:
     """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
     engine's manifest, the options and this project's model code, then reused (checked again on every start)."""
     import hashlib
@@ -433,7 +435,8 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
     if max_batch is None:
         max_batch = 8 if BACKENDS[manifest.backend].batched else 1
     key = hashlib.sha256()
-    for part in ((engine / "manifest.json").read_bytes(), str(engine).encode(), f"{instances}/{max_batch}".encode(),
+    for part in ((engine / "manifest.json").read_bytes(), str(engine).encode(),
+                 f"{instances}/{max_batch}/{plain}".encode(),
                  Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
         key.update(hashlib.sha256(part).digest())
     repo = cache_dir() / "repos" / f"{(manifest.recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
@@ -443,4 +446,4 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
             return repo
         except DFlashError:
             pass  # stale or damaged: written again below
-    return write_repository(engine, repo, instances=instances, max_batch=max_batch)
+    return write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)

@@ -110,15 +110,16 @@ class TritonPythonModel:
         if numerics is not None:  # the serving log says what this CPU's kernels guarantee, once per instance
             print(f"dflash-numerics: pid {os.getpid()}: {numerics.statement}", file=sys.stderr, flush=True)
         self.max_batch = int(_param(config, "max_batch", "1"))
+        mode = _param(config, "mode", "dflash")  # "ar": plain decoding on the same engine (deploy --plain)
         self.service = None
         if self.max_batch > 1:
             from dflash_export.runtime.batching import BatchingService
 
             self.service = BatchingService(self.engine, self.max_batch,
                                            int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
-            self.runner = RequestRunner(self.service)
+            self.runner = RequestRunner(self.service, mode)
         else:
-            self.runner = RequestRunner(DFlashRuntime(self.engine))
+            self.runner = RequestRunner(DFlashRuntime(self.engine), mode)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.output_names = [o["name"] for o in config["output"]]
 

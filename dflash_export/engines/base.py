@@ -66,7 +66,7 @@ class EngineInfo:
     # default. Quantized ONNX Runtime engines record theirs (their int8 kernels grow with the rows, fp32's barely).
     verify_token_cost: float | None = None
     draft_cost: float | None = None
-    decoding: dict = field(default_factory=dict)  # the recipe's decoding options (decoding/tree.py DecodingOptions)
+    decoding: dict = field(default_factory=dict)  # the recipe's decoding options (decoding/options.py)
 
     def check_room(self, total: int) -> None:
         """Refuse a step that would take a sequence to `total` tokens, past max_seq_len (every engine's caches and

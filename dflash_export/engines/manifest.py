@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dflash_export import __version__
+from dflash_export.decoding.options import decoding_problem
 from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
@@ -279,20 +280,10 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
 
 
 def _check_decoding(f: _Fields) -> None:
-    """The recipe's decoding options the build recorded: known keys, allowed values (what DFlashRuntime starts from)."""
-    from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions
-
-    dec = f.mapping("decoding")
-    known = DecodingOptions().__dict__
-    for key, value in dec.items():
-        if key not in known:
-            raise f.bad(f"decoding.{key}", f"unknown key (known: {', '.join(known)})")
-    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES)):
-        if key in dec and dec[key] not in allowed:
-            raise f.bad(f"decoding.{key}", f"expected one of {', '.join(allowed)}, got {dec[key]!r}")
-    for key, high in (("tree_top_k", 8), ("tree_nodes", 64)):
-        if key in dec and (not _is_int(dec[key]) or not 1 <= dec[key] <= high):
-            raise f.bad(f"decoding.{key}", f"expected an integer from 1 to {high}, got {dec[key]!r}")
+    """The recipe's decoding options the build recorded (decoding/options.py's one check)."""
+    problem = decoding_problem(f.mapping("decoding"))
+    if problem is not None:
+        raise f.bad(*problem)
 
 
 def _check_shapes(f: _Fields) -> None:

@@ -148,6 +148,7 @@ class OrtEngine(Engine):
     """
 
     accumulates_context = True
+    host_accept = True  # verify / verify_tree take the caller's acceptance (`accept=`): sampled walks
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None, spin: bool | None = None,
                  release_pages: bool = True, probe_full: bool = False, **_):
@@ -404,15 +405,21 @@ class OrtEngine(Engine):
         return drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms, self._draft_multiplier,
                                   self._draft_softcap, self._selector, self.info.vocab_size)
 
-    def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
+    def verify(self, seq: _OrtSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms, accept=None):
+        """`Engine.verify`; `accept(logits) -> (path, emitted)` (host_accept): the caller's acceptance over the
+        block's logits [bs, V] instead of `verify_block` (decoding/acceptance.py's sampled walk)."""
         block = np.asarray(block, np.int64)
         bs = len(block)
         hidden, ctx = self._run_target(seq, block, bs)
         logits = self._logits(hidden)
-        probs = None
-        if not sp.greedy:
-            probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
-        accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
+        if accept is not None:
+            path, emitted = accept(logits)
+            accept = len(path) - 1
+        else:
+            probs = None
+            if not sp.greedy:
+                probs = probs_from_logits(logits.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
+            accept, emitted = verify_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
         new_ctx = ctx[:, : accept + 1]
         new_pos = np.arange(seq.length, seq.length + accept + 1, dtype=np.int64)[None]
         if seq.ctx is not None:  # no draft consumed the previous step's features: keep them, in order
@@ -425,9 +432,10 @@ class OrtEngine(Engine):
         seq.length += accept + 1
         return accept, emitted
 
-    def verify_tree(self, seq: _OrtSeq, tree: DraftTree) -> tuple[int, list[int], list[int]]:
-        """Greedy: score every node of `tree` (root = the anchor at seq.length) in one target pass, accept the
-        longest root path whose every token is the target's argmax at its parent, and commit it. The accepted rows'
+    def verify_tree(self, seq: _OrtSeq, tree: DraftTree, accept=None) -> tuple[int, list[int], list[int]]:
+        """Score every node of `tree` (root = the anchor at seq.length) in one target pass, accept the longest root
+        path whose every token is the target's argmax at its parent (or what `accept(logits) -> (path, emitted)`
+        accepts: decoding/acceptance.py's sampled walk), and commit it. The accepted rows'
         K/V move down to consecutive cache rows (their RoPE positions, length + depth, are already those rows'), and
         their context features become pending for the next draft. Returns (drafts accepted, tokens emitted, the
         accepted path's node indices)."""
@@ -436,7 +444,8 @@ class OrtEngine(Engine):
                               "it to verify draft trees", path=self.engine_dir / TARGET)
         ids = np.asarray(tree.tokens, np.int64)
         hidden, ctx = self._run_target(seq, ids, len(ids), tree=tree)
-        path, emitted = greedy_accept(tree, np.argmax(self._logits(hidden), axis=-1))
+        logits = self._logits(hidden)
+        path, emitted = accept(logits) if accept is not None else greedy_accept(tree, np.argmax(logits, axis=-1))
         start = seq.length
         for row, node in enumerate(path):
             if node != row:  # node > row along a path, so no source is overwritten before it is read

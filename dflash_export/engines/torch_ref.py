@@ -26,6 +26,7 @@ class _TorchSeq(Sequence):
 
 class TorchEngine(Engine):
     accumulates_context = True
+    host_accept = True  # verify takes a sampled walk (`accept=`, decoding/acceptance.py)
 
     def __init__(self, target, drafter, recipe_name: str = "", max_seq_len: int = 2048, codec=None,
                  block_size: int | None = None):
@@ -86,6 +87,7 @@ class TorchEngine(Engine):
         logits = logits[0].double().numpy()
         if sp.greedy:
             seq.draft_confidence = top_probability(logits)
+            seq.draft_logits = logits  # what a draft tree is grown from (decoding/tree.py)
             return np.argmax(logits, axis=-1).astype(np.int64), None
         probs = probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
         return np.array([sample_from(p, u) for p, u in zip(probs, uniforms)], dtype=np.int64), probs
@@ -94,19 +96,28 @@ class TorchEngine(Engine):
     def target_probs(self, logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
         return probs_from_logits(logits, sp.temperature, sp.top_k, sp.top_p)
 
+    def walk(self, walk, logits: np.ndarray, sp: SamplingParams) -> tuple[list[int], list[int]]:
+        """The sampled walk over a verified block's logits, each row's distribution from `target_probs`."""
+        return walk(logits, lambda row: self.target_probs(row, sp))
+
     def accept_block(self, probs, logits, draft_tokens, draft_probs, uniforms, greedy: bool):
         return verify_block(probs, logits, draft_tokens, draft_probs, uniforms, greedy)
 
     @torch.inference_mode()
-    def verify(self, seq: _TorchSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
+    def verify(self, seq: _TorchSeq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms, accept=None):
+        """`Engine.verify`; `accept` (a decoding.acceptance.Walk): the sampled walk over the block instead."""
         bs = len(block)
         self.info.check_room(seq.length + bs)
         pos = torch.arange(seq.length, seq.length + bs)[None]
         snapshot = self.target.snapshot(seq.t_cache)
         out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
         logits = out.logits[0].double().numpy()
-        probs = None if sp.greedy else self.target_probs(logits, sp)
-        accept, emitted = self.accept_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
+        if accept is not None:
+            path, emitted = self.walk(accept, logits, sp)
+            accept = len(path) - 1
+        else:
+            probs = None if sp.greedy else self.target_probs(logits, sp)
+            accept, emitted = self.accept_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
         seq.length += accept + 1
         self.target.commit(seq.t_cache, seq.length, snapshot, torch.from_numpy(block[: accept + 1])[None],
                            pos[:, : accept + 1])

@@ -8,7 +8,8 @@ consumes it, its own stop handling and statistics, so its tokens are those of th
 Bounds: at most `max_batch` active sequences (their K/V is what the engine holds), and at most `max_queued_tokens`
 prompt tokens waiting to join (a request that would pass it is refused with a DFlashError naming `max_queued_tokens`).
 
-The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlashRuntime does):
+The scheduling rule (greedy requests and sampled ones that walk, decoding/acceptance.py, whose drafter confidences
+are tempered; those sampling the drafter's own chain verify full blocks, as DFlashRuntime does):
     A target call over B sequences of S rows each (the longest block sets S, shorter ones are padded) costs about
     1 + a * (B*S - 1) single-sequence plain steps (a = the engine's verify_token_cost, 0.07 for fp32 SmolLM2 on ORT:
     a step's weights are read once whatever its rows), and a draft over B_d sequences about
@@ -28,7 +29,8 @@ The scheduling rule (greedy requests; sampled ones verify full blocks, as DFlash
     verified only if the rule above says so, which at high load it does not (measured at 16 sequences x 32 tokens:
     probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts of which nothing was accepted the next
     2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
-Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix.
+Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix; and a
+walked sampled request's is plain sampling's, draw for draw: every token is the target's draw with its next uniform.
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_export.decoding.sampling import probs_from_logits, verify_block, verify_length
-from dflash_export.decoding.tree import DraftTree, TreeState, build_tree
+from dflash_export.decoding.acceptance import walk_accept
+from dflash_export.decoding.options import resolve_options
+from dflash_export.decoding.sampling import probs_from_logits, top_probability, verify_block, verify_length
+from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime.single import DFlashRuntime, RunStats, StepEvent, _Emitter, _pick
+from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request, engine_costs
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -80,6 +84,9 @@ class _Active:
     def __init__(self, req: Request, seq: BatchSeq, stop_ids: set[int]):
         self.req, self.seq, self.stop_ids = req, seq, stop_ids
         self.rng = np.random.default_rng(req.sp.seed)
+        # Sampled requests that walk (decoding/acceptance.py) are scheduled as greedy ones are: the drafter's argmax
+        # and top-K (its confidences tempered), every row drawn by the target with the request's next uniform.
+        self.walk = False
         self.emit = _Emitter(req.sp, stop_ids, req.stats, req.submitted_s)  # DFlashRuntime's stop / length cut
         self.last = -1
         self.misses = self.skip = 0
@@ -98,6 +105,12 @@ class _Active:
     def produced(self) -> int:
         return self.emit.produced
 
+    @property
+    def argmax_drafts(self) -> bool:
+        """Whether this request drafts the drafter's argmax (greedy, or sampled and walked): then its drafts come
+        with confidences and the cost model schedules it; the drafter's own sampled chain verifies full blocks."""
+        return self.req.sp.greedy or self.walk
+
 
 class BatchingRuntime:
     """Continuous batching over one ONNX Runtime engine. `step()` advances every active request by one engine step;
@@ -107,21 +120,33 @@ class BatchingRuntime:
 
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7,
-                 proposer: str | None = None):
+                 proposer: str | None = None, sampling: str | None = None):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
+        # The engine's recorded decoding options with the caller's, checked once (decoding/options.py).
+        self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer, sampling=sampling)
         self.batch = batched_engine(engine, max_batch)  # the engine's backend's (engines.registry)
         self.info = engine.info
         self.codec = engine.codec
-        self._single = DFlashRuntime(engine, adaptive, verify_token_cost, draft_cost, max_skip,  # its checks/costs
-                                     proposer=proposer)
-        # Greedy steps propose lookup branches too when the engine's proposer has them; whole trees are not verified
-        # in a batch: each sequence verifies its tree's best path, as DFlashRuntime's "spine" mode does.
-        self.lookups = self._single.proposer in ("lookup", "tree+lookup")
-        self.drafter = self._single.proposer != "lookup"
+        self.full_last_block = getattr(engine, "fixed_block", False)
+        # Steps propose lookup branches too when the engine's proposer has them; whole trees are not verified in a
+        # batch: each sequence verifies its tree's best path, as DFlashRuntime's "spine" mode does.
+        proposal = self.options.proposer_for()
+        self.lookups, self.drafter = proposal.lookups, proposal.drafter
+        # A sequence's lookups merge with its drafter's block as a chain: one path per sequence is verified.
+        self.spine_proposal = type(proposal)(1)
+        # Lookup nodes are scored by the batch's lookup acceptance per depth, learned from every sequence's steps:
+        # a request's own counts start from an optimistic prior, which at high load (a high bar per row) would pay
+        # padded rows for lookups this text does not accept until each request had learned it alone.
+        self.lookup_stats = LookupStats(2 * self.info.block_size)
         self.adaptive = adaptive
-        self.a = self._single.verify_token_cost
-        self.draft_cost = self._single.draft_cost
+        self.a, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
+        self.a_recorded = self.a
+        # The cost of a target row as this machine runs the batch now, fitted online (time = c0 + c1 * rows over the
+        # recent target calls, forgetting 2 % per call); `a` becomes c1 / (c0 + c1) when the fit has seen calls of
+        # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
+        # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
+        self._fit = np.zeros(5)  # sums of 1, r, r^2, t, r t
         self.max_skip = max_skip
         self.max_queued_tokens = max_queued_tokens
         self.queue: collections.deque[Request] = collections.deque()
@@ -147,20 +172,25 @@ class BatchingRuntime:
         self.draft_calls = 0
         self.draft_seqs = 0
         self.modelled_cost = 0.0
+        self.drafting_steps = 0   # steps in which some sequence drafted (the others were plain batched steps)
 
     # Requests -----------------------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", on_event=None) -> Request:
-        """Queue a request; DFlashError when it is invalid or the queue holds `max_queued_tokens` already."""
+    def submit(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", on_event=None,
+               stats: RunStats | None = None) -> Request:
+        """Queue a request; DFlashError when it is invalid or the queue holds `max_queued_tokens` already.
+        `stats`: the RunStats to fill (the request's own otherwise), set before the stepping thread can see it."""
         if mode not in ("dflash", "ar"):
             raise DFlashError(f"unknown mode {mode!r} (dflash, ar)", field="mode")
         prompt_ids = [int(t) for t in prompt_ids]
-        self._single.check_request(prompt_ids, sp)
+        check_request(self.info, prompt_ids, sp)
         with self._queue_lock:
             if self.queued_tokens + len(prompt_ids) > self.max_queued_tokens:
                 raise DFlashError(f"the queue is full ({self.queued_tokens} prompt tokens waiting, bound "
                                   f"{self.max_queued_tokens})", field="max_queued_tokens")
             req = Request(prompt_ids, sp, mode, next(self._ids), on_event)
+            if stats is not None:
+                req.stats = stats
             req.submitted_s = time.perf_counter()
             req.stats.prompt_tokens = len(prompt_ids)
             self.queue.append(req)
@@ -236,14 +266,17 @@ class BatchingRuntime:
             seq = self.batch.add(len(req.prompt_ids) + sp.max_new_tokens + self.info.block_size)
             seq.keep_context = req.mode == "dflash"
             stop = set(self.info.stop_token_ids if sp.stop_token_ids is None else sp.stop_token_ids)
-            joiners.append(_Active(req, seq, stop))
+            act = _Active(req, seq, stop)
+            act.walk = req.mode == "dflash" and not sp.greedy and self.options.sampling == "walk" and \
+                not self.full_last_block
+            joiners.append(act)
         if not joiners:
             return
         self.active.extend(joiners)
         logits = self.batch.prefill([a.seq for a in joiners], [a.req.prompt_ids for a in joiners])
         for act, row in zip(joiners, logits):
             act.last = _pick(row, act.req.sp, act.rng)
-            if self.lookups and act.req.mode == "dflash" and act.req.sp.greedy:
+            if self.lookups and act.req.mode == "dflash" and (act.req.sp.greedy or act.walk):
                 act.state = TreeState(act.req.prompt_ids + [act.last], 2 * self.info.block_size)
             act.req.stats.ttft_s = time.perf_counter() - act.req.submitted_s
             if self._emit(act, [act.last], None).finished:
@@ -258,12 +291,24 @@ class BatchingRuntime:
         self.steps += 1
         acts = list(self.active)  # slot order
         acts.sort(key=lambda a: a.seq.slot)
+        t0 = time.perf_counter()
         drafting, probe = self._drafting(acts)
         draft_cost = self._draft(drafting) if drafting else 0.0
+        self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
         s = self._choose_rows(acts, drafting)
         blocks = [self._block(a, s) for a in acts]
+        t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks)
+        t2 = time.perf_counter()
+        if self.adaptive:
+            self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1)
+        # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
+        # every one the target's.
+        for a in drafting:
+            a.req.stats.draft_s += (t1 - t0) / len(drafting)
+        for a in acts:
+            a.req.stats.verify_s += (t2 - t1) / len(acts)
         tokens = 0
         done = []
         for a, blk, lg in zip(acts, blocks, logits):
@@ -282,7 +327,7 @@ class BatchingRuntime:
         rows = len(blocks) * max(len(b) for b in blocks)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.target_rows += rows
-        self.modelled_cost += cost
+        self.modelled_cost += draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
 
     def _drop_cancelled(self) -> None:
@@ -302,7 +347,7 @@ class BatchingRuntime:
             self._probe_gap = self.max_skip + 1
         else:  # one sequence drafts now and then, to keep the estimate of what drafting would yield current
             self._since_draft += 1
-            candidates = [a for a in acts if a.req.mode == "dflash" and a.req.sp.greedy]
+            candidates = [a for a in acts if a.req.mode == "dflash" and a.argmax_drafts]
             if self._since_draft >= self._probe_gap and candidates:
                 probe = candidates[self._probe_turn % len(candidates)]
                 self._probe_turn += 1
@@ -311,12 +356,11 @@ class BatchingRuntime:
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs, a.spine, a.spine_scores = 0, None, None, None, None
-            sp = a.req.sp
             if a.req.mode != "dflash":
                 continue
-            if sp.greedy and not self.drafter:  # lookups only (_propose_lookups)
+            if a.argmax_drafts and not self.drafter:  # lookups only (_propose_lookups)
                 continue
-            if sp.greedy and a is not probe and (a.skip > 0 or not batch_may_draft):
+            if a.argmax_drafts and a is not probe and (a.skip > 0 or not batch_may_draft):
                 a.skip = max(0, a.skip - 1)
                 continue
             drafting.append(a)
@@ -329,13 +373,17 @@ class BatchingRuntime:
         us = []
         for a in drafting:
             sp = a.req.sp
-            us.append(None if sp.greedy else a.rng.random(bs - 1))
-            full = self._single.full_last_block
-            a.block_len = bs if full else min(bs, sp.max_new_tokens - a.produced + 1)
+            us.append(None if a.argmax_drafts else a.rng.random(bs - 1))
+            a.block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - a.produced + 1)
+        # Walked requests draft the argmax (never a draw: their proposal must not look at their random stream).
         res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
-                               [a.req.sp for a in drafting], us, [a.block_len for a in drafting])
+                               [GREEDY if a.walk else a.req.sp for a in drafting], us,
+                               [a.block_len for a in drafting])
         for a, (d, p) in zip(drafting, res):
             a.drafts, a.draft_probs = d, p
+            if a.walk and a.seq.draft_logits is not None:  # the chance each draft is the target's tempered draw
+                a.seq.draft_confidence = top_probability(
+                    np.asarray(a.seq.draft_logits, np.float32) / np.float32(a.req.sp.temperature))
         draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
         self.draft_calls += 1
         self.draft_seqs += len(drafting)
@@ -354,8 +402,10 @@ class BatchingRuntime:
             logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
             if not branches and logits is None:
                 continue
-            tree = build_tree(a.last, logits, branches, top_k=1, max_nodes=bs - 1,
-                              lookup_scores=a.state.lookups.score)
+            if logits is not None and a.walk:
+                logits = logits / np.float32(a.req.sp.temperature)
+            tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
+                                               lookup_scores=self.lookup_stats.score)
             spine = tree.best_chain()
             if len(spine) < 2:
                 continue
@@ -369,7 +419,7 @@ class BatchingRuntime:
         `a.n_draft`)."""
         if a.drafts is not None:
             cap = a.block_len - 1
-            if a.req.sp.greedy and self.adaptive and (a.spine is not None or a.seq.draft_confidence is not None):
+            if a.argmax_drafts and self.adaptive and (a.spine is not None or a.seq.draft_confidence is not None):
                 cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
                 a.n_draft = max(0, min(s - 1, cap))
             else:
@@ -386,17 +436,25 @@ class BatchingRuntime:
         if a.req.mode == "ar":
             a.last = _pick(lg[0], sp, a.rng)
             return 0, [a.last]
-        if a.drafts is None:  # a plain step whose features stay pending (back-off)
+        if a.walk:  # the target's draws with the request's next uniforms, along its chain (decoding/acceptance.py)
+            path, emitted = walk_accept(chain(blk[0], blk[1:]), lg, sp.temperature, sp.top_k, sp.top_p, a.rng.random)
+            if a.drafts is None:
+                return 0, emitted
+            accept = len(path) - 1
+        elif a.drafts is None:  # a plain step whose features stay pending (back-off)
             return verify_block(None, lg, blk[1:], None, None, True)
-        u = None if sp.greedy else a.rng.random(self.info.block_size)
-        probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k, sp.top_p)
-        accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
+        else:
+            u = None if sp.greedy else a.rng.random(self.info.block_size)
+            probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k,
+                                                              sp.top_p)
+            accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
         if a.spine is not None:
             tree, spine, drafted = a.spine
             a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
+            self.lookup_stats.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]))
         a.req.stats.drafted_tokens += a.n_draft
         self.rows_verified += a.n_draft
-        if sp.greedy and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
+        if a.argmax_drafts and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off
             a.misses = a.misses + 1 if accept == 0 else 0
             a.skip = min(self.max_skip, (1 << a.misses) - 1)
         return accept, emitted
@@ -408,7 +466,7 @@ class BatchingRuntime:
         gains, rows = [], []
         for a in drafting:
             conf = a.seq.draft_confidence
-            if not (a.req.sp.greedy and self.adaptive and conf is not None):
+            if not (a.argmax_drafts and self.adaptive and conf is not None):
                 continue
             room = max(0, min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1))
             conf = np.asarray(conf[:room], np.float64)
@@ -418,6 +476,17 @@ class BatchingRuntime:
         if gains:
             self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * float(np.mean(gains))
             self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * float(np.mean(rows))
+
+    def _learn_row_cost(self, rows: int, seconds: float) -> None:
+        self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+        n, sr, srr, st, srt = self._fit
+        spread = n * srr - sr * sr
+        if n < 8 or spread <= 1e-9 * n * n:
+            return
+        c1 = (n * srt - sr * st) / spread
+        c0 = (st - c1 * sr) / n
+        if c1 > 0 and c0 > 0:
+            self.a = float(min(0.5, max(self.a_recorded, c1 / (c0 + c1))))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
@@ -440,13 +509,15 @@ class BatchingRuntime:
         for a in drafting:
             if a in spines:
                 continue
-            if a.req.sp.greedy and self.adaptive and a.seq.draft_confidence is not None:
+            if a.argmax_drafts and self.adaptive and a.seq.draft_confidence is not None:
                 room = min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1)
                 scored.append(np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64)))
             else:
                 s = max(s, a.block_len)
         b = len(acts)
-        bar = self.rate * self.a * b
+        # λ is at least what a plain batched step yields (b tokens for 1 + a(b - 1)): a batch that has just grown,
+        # or a run that has just started, would otherwise judge rows against a stale lower rate.
+        bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
         k = 1
         while k < self.info.block_size:
             gain = sum(q[k - 1] for q in scored if len(q) >= k)
@@ -492,7 +563,7 @@ class BatchingService:
         return self.engine.codec.encode_prompt(prompt, chat)
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
-        self.runtime._single.check_request(prompt_ids, sp)
+        check_request(self.runtime.info, prompt_ids, sp)
 
     # A caller's `cancelled()` is asked this often while its request waits to join the batch.
     QUEUED_POLL_S = 0.05
@@ -509,10 +580,7 @@ class BatchingService:
         with self._lock:
             if self._closed:
                 raise DFlashError("the batching service is closed", field="model")
-            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put)
-            if stats is not None:
-                stats.prompt_tokens = req.stats.prompt_tokens
-                req.stats = stats
+            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put, stats=stats)
             self._work.notify()
         try:
             while True:

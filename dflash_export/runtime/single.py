@@ -13,9 +13,11 @@ from typing import Iterator
 
 import numpy as np
 
+from dflash_export.decoding.acceptance import Walk
+from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
-from dflash_export.decoding.tree import PROPOSERS, TREE_MODES, DecodingOptions, TreeState, build_tree
-from dflash_export.engines.base import Engine, SamplingParams
+from dflash_export.decoding.tree import TreeState, chain
+from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
 
 
@@ -59,6 +61,9 @@ class RunStats:
         return sum(self.acceptance_lengths) - len(self.acceptance_lengths)
 
 
+GREEDY = SamplingParams(temperature=0.0)  # what a walked step drafts with: the drafter's argmax and logits
+
+
 def _pick(logits: np.ndarray, sp: SamplingParams, rng) -> int:
     if sp.greedy:
         return int(np.argmax(logits))
@@ -91,6 +96,32 @@ class _Emitter:
         return StepEvent(out, accept, reason is not None, reason)
 
 
+def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
+    """The one check of a request against an engine (single stream and batching alike): a DFlashError naming the
+    request field otherwise."""
+    if len(prompt_ids) == 0:
+        raise DFlashError("empty prompt", field="text_input")
+    sp.check()
+    # Room for the prompt, the new tokens and one speculative block beyond them.
+    need = len(prompt_ids) + sp.max_new_tokens + info.block_size
+    if need > info.max_seq_len:
+        raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
+                          f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
+                          field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
+                          else "text_input")
+    if any(not 0 <= int(t) < info.vocab_size for t in prompt_ids):
+        raise DFlashError("token id outside the vocabulary", field="input_ids")
+
+
+def engine_costs(engine: Engine, verify_token_cost: float | None = None, draft_cost: float | None = None
+                 ) -> tuple[float, float]:
+    """(verify_token_cost, draft_cost) in plain steps: the caller's, else the engine's own measured costs when it
+    records them (quantized engines), else the fp32 ONNX Runtime engine's (benchmarks/engine_costs.py)."""
+    info = engine.info
+    return (verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07,
+            draft_cost or getattr(info, "draft_cost", None) or 0.3)
+
+
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
     on the same engine (the fair baseline).
@@ -113,76 +144,69 @@ class DFlashRuntime:
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
                  draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False,
                  proposer: str | None = None, tree_top_k: int | None = None, tree_nodes: int | None = None,
-                 tree_mode: str | None = None):
-        # Unset: what the engine's recipe says (manifest `decoding`), else DecodingOptions' defaults.
-        recorded = {**DecodingOptions().__dict__, **(getattr(engine.info, "decoding", None) or {})}
-        proposer = proposer or recorded["proposer"]
-        tree_top_k = tree_top_k or recorded["tree_top_k"]
-        tree_nodes = tree_nodes or recorded["tree_nodes"]
-        tree_mode = tree_mode or recorded["tree_mode"]
-        if proposer not in PROPOSERS:
-            raise DFlashError(f"{proposer!r} is not one of {', '.join(PROPOSERS)}", field="proposer")
-        if tree_mode not in TREE_MODES:
-            raise DFlashError(f"{tree_mode!r} is not one of {', '.join(TREE_MODES)}", field="tree_mode")
-        if tree_mode == "full" and proposer != "chain" and getattr(engine, "linear_layers", None):
+                 tree_mode: str | None = None, sampling: str | None = None):
+        # Unset: what the engine's recipe says (manifest `decoding`), else DecodingOptions' defaults; checked once.
+        self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer,
+                                       tree_top_k=tree_top_k, tree_nodes=tree_nodes, tree_mode=tree_mode,
+                                       sampling=sampling)
+        if self.options.tree_mode == "full" and self.options.proposer != "chain" \
+                and getattr(engine, "linear_layers", None):
             raise DFlashError("full draft trees are not verified on hybrid targets (each node would need its "
                               "ancestors' Gated DeltaNet state): use tree_mode spine", field="tree_mode")
         self.engine = engine
-        # What a greedy step proposes (decoding/tree.py): the drafter's chain, a tree grown from its per-slot
+        # What a step proposes (decoding/options.py): the drafter's chain, a tree grown from its per-slot
         # distributions (top `tree_top_k` per depth), context lookups, or a tree holding both; at most `tree_nodes`
         # drafted nodes, fewer when the cost model says they do not pay. `tree_mode` "spine" verifies the tree's
         # best path as a chain (rows bit-identical to plain steps where the numerics probe says chains are);
         # "full" verifies every node in one pass (engines with tree inputs; a node off the first path attends past
         # masked keys, which rounds differently from a plain step: lossless within kernel numerics, see
-        # engines/numerics.py). Sampling (T > 0) always drafts the chain, lossless draw for draw.
-        self.proposer, self.tree_top_k, self.tree_nodes = proposer, tree_top_k, tree_nodes
-        self.tree_mode = tree_mode
+        # engines/numerics.py). Sampling (T > 0) walks the proposal with the target's own draws ("walk", engines
+        # that accept on the host) or drafts the drafter's sampled chain ("chain", the reference's stream).
+        self.proposal = self.options.proposer_for()
+        self.proposer, self.tree_top_k = self.options.proposer, self.options.tree_top_k
+        self.tree_nodes, self.tree_mode = self.options.tree_nodes, self.options.tree_mode
         # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
         self.adaptive = adaptive
-        # The engine's own measured costs when it records them (quantized engines), else the fp32 engine's.
-        info = engine.info
-        self.verify_token_cost = verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07
-        self.draft_cost = draft_cost or getattr(info, "draft_cost", None) or 0.3
+        self.verify_token_cost, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
         self.max_skip = max_skip
+
+    def walks(self, sp: SamplingParams) -> bool:
+        """Whether a sampled request walks its proposals with the target's own draws (decoding/acceptance.py)."""
+        return (not sp.greedy and self.options.sampling == "walk" and getattr(self.engine, "host_accept", False)
+                and not self.full_last_block)
 
     def describe(self, temperature: float = 0.0) -> str:
         """What a DFlash step of this runtime proposes, in a few words (run's and the demo's summary line)."""
         if self.proposer != "chain" and self.full_last_block:
             return "chain (this engine verifies fixed blocks: no trees or lookups)"
-        if temperature > 0 or self.proposer == "chain":
-            return "chain" + (" (sampling drafts chains)" if temperature > 0 and self.proposer != "chain" else "")
+        sampled = temperature > 0
+        if sampled and not self.walks(SamplingParams(temperature=temperature)):
+            return "chain" + (" (sampling drafts the drafter's chain)" if self.proposer != "chain" else "")
+        if self.proposer == "chain":
+            return "chain" + (" (sampled: the target's draws walk it)" if sampled else "")
         tree = f"K {self.tree_top_k}, <= {self.tree_nodes} nodes" if "tree" in self.proposer else \
             f"<= {self.tree_nodes} nodes"
-        return f"{self.proposer} ({tree}, {self.tree_mode})"
+        return f"{self.proposer} ({tree}, {self.tree_mode}" + (", sampled: walked" if sampled else "") + ")"
 
     def tau_counts(self, temperature: float = 0.0) -> str:
         """What a τ of this runtime counted, for every line that prints one. τ is tokens committed per target verify
         pass (the accepted drafts + the target's own token; plain decoding: 1); it depends on what was drafted (the
         drafter's chain, or the recipe's tree+lookup) and on whether the cost model cut drafts (adaptive)."""
-        recorded = {**DecodingOptions().__dict__, **(getattr(self.engine.info, "decoding", None) or {})}
-        chain = temperature > 0 or self.proposer == "chain" or self.full_last_block
+        recorded = resolve_options(getattr(self.engine.info, "decoding", None))
+        walk = self.walks(SamplingParams(temperature=temperature))
+        chain = (temperature > 0 and not walk) or self.proposer == "chain" or self.full_last_block
         what = "drafter chain" if chain else self.proposer
-        if not chain and (self.proposer, self.tree_mode) == (recorded["proposer"], recorded["tree_mode"]):
+        if not chain and (self.proposer, self.tree_mode) == (recorded.proposer, recorded.tree_mode):
             what += " (the recipe's default decoding)"
-        cut = self.adaptive and temperature == 0 and not self.full_last_block
+        if walk:
+            what += ", sampled by walking it"
+        cut = self.adaptive and (temperature == 0 or walk) and not self.full_last_block
         return what + ("; adaptive: drafts verified while they pay" if cut else "; every draft verified")
 
     def check_request(self, prompt_ids, sp: SamplingParams) -> None:
-        info = self.engine.info
-        if len(prompt_ids) == 0:
-            raise DFlashError("empty prompt", field="text_input")
-        sp.check()
-        # Room for the prompt, the new tokens and one speculative block beyond them.
-        need = len(prompt_ids) + sp.max_new_tokens + info.block_size
-        if need > info.max_seq_len:
-            raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
-                              f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
-                              field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
-                              else "text_input")
-        if any(not 0 <= int(t) < info.vocab_size for t in prompt_ids):
-            raise DFlashError("token id outside the vocabulary", field="input_ids")
+        check_request(self.engine.info, prompt_ids, sp)
 
     def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None
                ) -> Iterator[StepEvent]:
@@ -206,17 +230,26 @@ class DFlashRuntime:
             return
         rate = 1.0  # λ: tokens per plain-step cost, for adaptive verification
         misses = skip = 0  # draft back-off: fruitless drafts in a row, plain steps still to take
-        backoff = sp.greedy and self.adaptive and eng.accumulates_context
-        trees = mode == "dflash" and sp.greedy and self.proposer != "chain" and not self.full_last_block
+        walk = self.walks(sp)
+        backoff = (sp.greedy or walk) and self.adaptive and eng.accumulates_context
+        # Greedy trees and lookups, and every sampled step that walks (the chain too): one tree step each.
+        trees = mode == "dflash" and not self.full_last_block and (
+            walk or (sp.greedy and not self.proposal.chain_only))
         if trees:
             state = TreeState(list(prompt_ids) + [last], 2 * bs)
         while True:
             if trees:
                 accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
-                                                                    stats)
+                                                                    stats, rng if walk else None, skip > 0)
                 stats.drafted_tokens += n_draft
                 cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
+                if backoff:  # a drafter pass of which nothing was accepted: the next 2^n - 1 steps skip it
+                    if skip > 0:
+                        skip -= 1
+                    elif drafted:
+                        misses = misses + 1 if accept == 0 else 0
+                        skip = min(self.max_skip, (1 << misses) - 1)
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 state.context.extend(ev.tokens)
@@ -277,11 +310,14 @@ class DFlashRuntime:
         return accept, emitted, n_draft
 
     def _tree_step(self, seq, last: int, sp: SamplingParams, bs: int, rate: float, produced: int,
-                   state: TreeState, stats: RunStats | None = None) -> tuple[int, list[int], int, bool]:
-        """One greedy step with a draft tree (decoding/tree.py): grow it from the context's lookup branches and the
-        drafter's slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass.
-        Returns (drafts accepted, tokens emitted, nodes verified, whether the drafter ran)."""
-        eng, info = self.engine, self.engine.info
+                   state: TreeState, stats: RunStats | None = None, rng=None, skip_drafter: bool = False
+                   ) -> tuple[int, list[int], int, bool]:
+        """One step with a draft tree (decoding/): grow it from the context's lookup branches and the drafter's
+        slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass -- and accept
+        greedily, or, with `rng` (a sampled request that walks), with the target's own draws from the request's
+        stream (decoding/acceptance.walk_accept). Returns (drafts accepted, tokens emitted, nodes verified, whether
+        the drafter ran)."""
+        eng, info, proposal = self.engine, self.engine.info, self.proposal
         t0 = time.perf_counter()
         # Depth: a block's slots for the drafter; lookup branches may run deeper, up to the rows the engine's
         # numerics probe checked; never more than the request still owes. Nodes: the budget and the engine's room.
@@ -290,26 +326,44 @@ class DFlashRuntime:
         max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else bs
         depth = min(bs - 1, owed)
         room = min(info.max_seq_len - seq.length - 1, max_rows - 1)
-        lookups = (state.context.branches(min(max_rows - 1, owed))
-                   if self.proposer in ("lookup", "tree+lookup") and owed > 0 else [])
-        logprobs, drafted = None, False
-        if self.proposer in ("tree", "tree+lookup") and depth > 0 and (
+        lookups = state.context.branches(min(max_rows - 1, owed)) if proposal.lookups and owed > 0 else []
+        logprobs, drafted, drafts = None, False, None
+        if proposal.drafter and depth > 0 and not skip_drafter and (
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
             seq.draft_logits = None
-            eng.draft(seq, last, sp, None, block_len=depth + 1)
-            drafted = seq.draft_logits is not None
-            if drafted:  # build_tree normalizes the top-K it keeps per slot
+            # The drafter's argmax / top-K, never a draw: a walked proposal must not look at the request's stream.
+            drafts, _ = eng.draft(seq, last, sp if sp.greedy else GREEDY, None, block_len=depth + 1)
+            drafted = True
+            if seq.draft_logits is not None:  # build_tree normalizes the top-K it keeps per slot
                 logprobs = seq.draft_logits[:depth]
+                if not sp.greedy:  # scores = the tempered chance each draft is the target's draw
+                    logprobs = logprobs / np.float32(sp.temperature)
         min_score = rate * self.verify_token_cost if self.adaptive else 0.0
-        tree = build_tree(last, logprobs, lookups, top_k=self.tree_top_k, max_nodes=min(self.tree_nodes, room),
-                          min_score=min_score, lookup_scores=state.lookups.score)
+        if drafted and logprobs is None and not lookups:  # a drafter without logits (DFlash 2's selector): its block
+            tree = chain(last, drafts[:depth])
+        else:
+            tree = proposal.propose(last, logprobs, lookups, max_nodes=min(self.tree_nodes, room),
+                                    min_score=min_score, lookup_scores=state.lookups.score)
         t1 = time.perf_counter()
+
+        def accept_with(t):
+            return None if rng is None else Walk(t, sp.temperature, sp.top_k, sp.top_p, rng.random)
+
         if tree.is_chain or self.tree_mode == "spine" or not getattr(eng, "tree_verify", False):
             spine = tree.best_chain()  # the chain kernel path: one row for no drafts, the block otherwise
-            accept, emitted = eng.verify(seq, np.asarray([tree.tokens[i] for i in spine], np.int64), None, sp, None)
+            block = np.asarray([tree.tokens[i] for i in spine], np.int64)
+            walked = accept_with(chain(block[0], block[1:]))
+            if walked is None:
+                accept, emitted = eng.verify(seq, block, None, sp, None)
+            else:
+                accept, emitted = eng.verify(seq, block, None, sp, None, accept=walked)
             path, checked = spine[:accept + 1], set(spine)
         else:
-            accept, emitted, path = eng.verify_tree(seq, tree)
+            walked = accept_with(tree)
+            if walked is None:
+                accept, emitted, path = eng.verify_tree(seq, tree)
+            else:
+                accept, emitted, path = eng.verify_tree(seq, tree, accept=walked)
             checked = set(range(len(tree)))
         if stats is not None:
             stats.draft_s += t1 - t0

@@ -10,6 +10,12 @@ default while passing the correct sampler.
   top_p_off_by_one        the nucleus drops the token that crosses top_p (keeps cum <= top_p, not cum - p < top_p)
   temperature_twice       target probabilities from logits / T, then tempered again by T
   draft_probs_wrong_slot  draft i is judged (and the residual formed) with the draft distribution of slot i - 1
+The walk over a tree or lookup branches (decoding/acceptance.py, `decoding.sampling: walk`) has its own:
+  walk_one_uniform        one uniform per step, reused for every draw of the walk (instead of one per token)
+  walk_parent_row         after following a child, the next draw comes from the parent's row (an off-by-one row)
+  walk_argmax_child       a child holding the target's argmax is followed without drawing (greedy leaking in)
+The chain faults act on the drafter's sampled chain (`sampling: chain`), the walk faults on the walk; the two target
+distribution faults (top_p_off_by_one, temperature_twice) on both.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import numpy as np
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_block
 from dflash_export.engines.torch_ref import TorchEngine
 
+CHAIN_FAULTS = ("residual_from_p", "bonus_from_wrong_row", "draft_probs_wrong_slot")
+WALK_FAULTS = ("walk_one_uniform", "walk_parent_row", "walk_argmax_child")
 FAULTS = ("residual_from_p", "bonus_from_wrong_row", "top_p_off_by_one", "temperature_twice",
-          "draft_probs_wrong_slot")
+          "draft_probs_wrong_slot", *WALK_FAULTS)
 
 
 def _nucleus_off_by_one(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -55,10 +63,43 @@ def _verify_with_fault(fault: str, probs, logits, draft_tokens, draft_probs, uni
     return n, [int(t) for t in draft_tokens] + [sample_from(probs[row], uniforms[n])]
 
 
+def _walk_with_fault(fault: str, walk, logits: np.ndarray, probs) -> tuple[list[int], list[int]]:
+    """`acceptance.walk_accept` over `walk.tree` with one planted fault; `probs(row)` each row's distribution."""
+    tree = walk.tree
+    kids: dict[int, dict[int, int]] = {}
+    for i in range(1, len(tree)):
+        kids.setdefault(tree.parents[i], {}).setdefault(tree.tokens[i], i)
+    path, emitted = [0], []
+    u = walk.uniform() if fault == "walk_one_uniform" else None
+    while True:
+        node = path[-1]
+        row = tree.parents[node] if fault == "walk_parent_row" and node > 0 else node
+        children = kids.get(node, {})
+        best = int(np.argmax(logits[node]))
+        if fault == "walk_argmax_child" and best in children:
+            token = best
+        else:
+            token = sample_from(probs(logits[row]), u if u is not None else walk.uniform())
+        emitted.append(token)
+        if token not in children:
+            return path, emitted
+        path.append(children[token])
+
+
 class FaultyTorchEngine(TorchEngine):
-    """The PyTorch reference engine with one planted sampling fault (`fault` in FAULTS, or None for none)."""
+    """The PyTorch reference engine with one planted sampling fault (`fault` in FAULTS, or None for none). A chain
+    fault makes the runtime sample the drafter's chain (no host walk), where it lives."""
 
     fault: str | None = None
+
+    @property
+    def host_accept(self) -> bool:
+        return self.fault not in CHAIN_FAULTS
+
+    def walk(self, walk, logits, sp):
+        if self.fault not in WALK_FAULTS:
+            return super().walk(walk, logits, sp)
+        return _walk_with_fault(self.fault, walk, logits, lambda row: self.target_probs(row, sp))
 
     def target_probs(self, logits, sp):
         if self.fault == "temperature_twice":

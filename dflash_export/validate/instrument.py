@@ -38,6 +38,7 @@ class InstrumentedEngine(Engine):
         self.codec = inner.codec
         self.accumulates_context = inner.accumulates_context
         self.tree_verify = getattr(inner, "tree_verify", False)
+        self.host_accept = getattr(inner, "host_accept", False)  # sampled walks pass through (accept=)
         self.log = CallLog()
         self._emitted = 0          # tokens emitted so far in the current request
 
@@ -68,18 +69,18 @@ class InstrumentedEngine(Engine):
         self.log.draft_s.append(time.perf_counter() - t)
         return tokens, probs
 
-    def verify(self, seq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms):
+    def verify(self, seq, block: np.ndarray, draft_probs, sp: SamplingParams, uniforms, **accept):
         t = time.perf_counter()
-        accept, emitted = self.inner.verify(seq, block, draft_probs, sp, uniforms)
+        accept, emitted = self.inner.verify(seq, block, draft_probs, sp, uniforms, **accept)
         self.log.verify_s.append(time.perf_counter() - t)
         # Drafts in the block (not those returned by draft) are what the target judged.
         self.log.steps.append(StepRecord(self._emitted, [int(x) for x in block[1:]], int(accept)))
         self._emitted += len(emitted)
         return accept, emitted
 
-    def verify_tree(self, seq, tree):
+    def verify_tree(self, seq, tree, **accept):
         t = time.perf_counter()
-        accept, emitted, path = self.inner.verify_tree(seq, tree)
+        accept, emitted, path = self.inner.verify_tree(seq, tree, **accept)
         self.log.verify_s.append(time.perf_counter() - t)
         # A tree's judged drafts: its accepted path (the other branches were judged as well, in the same pass).
         self.log.steps.append(StepRecord(self._emitted, [tree.tokens[i] for i in path[1:]], int(accept)))
