@@ -54,6 +54,9 @@ TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their ow
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 ENGINE_FORMAT = 2
+# A hybrid target's prefill runs in chunks of this many rows: each call returns every row's Gated DeltaNet state
+# (2 MiB per row and linear layer at Qwen3.5's sizes), so a chunk bounds that memory whatever the prompt's length.
+HYBRID_PREFILL_ROWS = 64
 # What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
 # files then fail the load by name instead of as an ONNX Runtime input error at the first request.
 GRAPH_ROLES = {TARGET: "target_verify_ort.onnx", DRAFTER: "drafter_ort.onnx", HEAD: "lm_head_ort.onnx",
@@ -99,6 +102,11 @@ class _OrtSeq(Sequence):
         self.capacity = 0
         self.t_kv: list[np.ndarray] = []
         self.io = None  # the target session's IOBinding for these buffers
+        # Hybrid targets' Gated DeltaNet layers (export/linear_attention.py): the committed conv window [1, C, K-1]
+        # and recurrent state [1, Hv, Dk, Dv] per linear layer, and what the last target call would commit.
+        self.linear = {i: (np.zeros(conv, np.float32), np.zeros(rec, np.float32))
+                       for i, (conv, rec) in e.linear_layers.items()}
+        self.linear_pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # (+ the padding rows a last one-token step takes when the engine has a row floor above 1: numerics.py)
         self.reserve(e, min(e.info.max_seq_len, max_tokens + e.row_floor - 1 if max_tokens else 256))
         # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
@@ -113,13 +121,21 @@ class _OrtSeq(Sequence):
             return False
         cap = max(need, min(e.info.max_seq_len, 2 * self.capacity))
         bufs = []
-        for old in self.t_kv or [None] * (2 * e.t_layers):
+        for old in self.t_kv or [None] * (2 * len(e.kv_layers)):
             buf = np.zeros((1, e.t_kv_heads, cap, e.t_head_dim), np.float32)
             if old is not None:
                 buf[:, :, : self.length] = old[:, :, : self.length]
             bufs.append(buf)
         self.t_kv, self.capacity = bufs, cap
         return True
+
+    def commit_linear(self, row: int) -> None:
+        """Commit the Gated DeltaNet states after row `row` of the last target call (rows past it leave no trace);
+        a no-op when nothing is pending."""
+        for i, (window, states) in self.linear_pending.items():
+            k = self.linear[i][0].shape[2]
+            self.linear[i] = (np.ascontiguousarray(window[:, :, row + 1:row + 1 + k]), states[row])
+        self.linear_pending = {}
 
 
 class OrtEngine(Engine):
@@ -169,6 +185,11 @@ class OrtEngine(Engine):
         self.head = self._session(ort, HEAD, so, providers)
         self.drafter = self._session(ort, DRAFTER, so, providers)
         self.target = self._session(ort, TARGET, so, providers)
+        # Hybrid targets: the layers with K/V, and per Gated DeltaNet layer its state shapes, read from the graph.
+        t_inputs = {i.name: i.shape for i in self.target.get_inputs()}
+        self.kv_layers = [i for i in range(self.t_layers) if f"past_key_{i}" in t_inputs]
+        self.linear_layers = {i: ((1, *t_inputs[f"conv_state_{i}"][1:]), (1, *t_inputs[f"recurrent_state_{i}"][1:]))
+                              for i in range(self.t_layers) if f"conv_state_{i}" in t_inputs}
         # Optional draft vocabulary: the drafter proposes only among the first `draft_vocab` ids (an LM head a
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
         self.draft_vocab = manifest.flags.draft_vocab
@@ -186,7 +207,9 @@ class OrtEngine(Engine):
         self.drafter_batches = any(i.name == "key_bias" for i in self.drafter.get_inputs())
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
         # Engines built with the tree inputs verify draft trees (decoding/tree.py); older ones verify chains only.
-        self.tree_verify = {"position_ids", "attention_bias"} <= {i.name for i in self.target.get_inputs()}
+        # Hybrids verify chains only: a tree would need each node's conv window and state gathered from its ancestors.
+        self._position_inputs = {"position_ids", "attention_bias"} <= {i.name for i in self.target.get_inputs()}
+        self.tree_verify = self._position_inputs and not self.linear_layers
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
         self.row_floor = manifest.flags.plain_step_rows
@@ -249,7 +272,8 @@ class OrtEngine(Engine):
                  ("drafter_layers", "drafter_kv_heads", "drafter_head_dim"))):
             caches = [i for i in sess.get_inputs() if i.name.startswith(prefix)]
             shape = caches[0].shape if caches else [None] * 4
-            have = (len(caches), shape[1], shape[3])
+            linear = len(self.linear_layers) if sess is self.target else 0  # hybrids: layers without K/V
+            have = (len(caches) + linear, shape[1], shape[3])
             for name, want_v, got in zip(names, (layers, heads, dim), have):
                 if got != want_v:
                     raise DFlashError(f"manifest says {want_v} but {fname} has {got}", path=mpath,
@@ -286,9 +310,9 @@ class OrtEngine(Engine):
             io = self.target.io_binding()
             io.bind_output("hidden", "cpu")  # first: get_outputs() lists outputs in binding order
             io.bind_output("ctx", "cpu")
-            for i in range(self.t_layers):
+            for n, i in enumerate(self.kv_layers):
                 for j, kind in enumerate(("key", "value")):
-                    buf = seq.t_kv[2 * i + j]
+                    buf = seq.t_kv[2 * n + j]
                     io.bind_cpu_input(f"past_{kind}_{i}", buf)
                     io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
             seq.io = io
@@ -299,12 +323,24 @@ class OrtEngine(Engine):
         io.bind_cpu_input("num_logits", np.array(num_logits, np.int64))
         io.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        if self.tree_verify:
+        if self._position_inputs:
             pos, bias = tree_inputs(seq.length, s, tree)
             io.bind_cpu_input("position_ids", pos)
             io.bind_cpu_input("attention_bias", bias)
+        pending = {}
+        for i in self.linear_layers:  # read from the committed state; the new states come back per row
+            conv, rec = seq.linear[i]
+            io.bind_cpu_input(f"conv_state_{i}", conv)
+            io.bind_cpu_input(f"recurrent_state_{i}", rec)
+            # written by the graph straight into these arrays (no copy out of ONNX Runtime's buffers)
+            window = np.empty((1, conv.shape[1], conv.shape[2] + s), np.float32)
+            states = np.empty((s, *rec.shape), np.float32)
+            io.bind_output(f"conv_window_{i}", "cpu", 0, np.float32, window.shape, window.ctypes.data)
+            io.bind_output(f"recurrent_states_{i}", "cpu", 0, np.float32, states.shape, states.ctypes.data)
+            pending[i] = (window, states)
         self.target.run_with_iobinding(io)
         outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
+        seq.linear_pending = pending
         return outs[0].numpy(), outs[1].numpy()
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -317,14 +353,26 @@ class OrtEngine(Engine):
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
-        hidden, ctx = self._run_target(seq, ids, 1)
         n = len(ids)
+        if not self.linear_layers:
+            hidden, ctx = self._run_target(seq, ids, 1)
+        else:  # hybrids: in chunks, so the per-row states a call returns stay bounded whatever the prompt's length
+            ctxs = []
+            for a in range(0, n, HYBRID_PREFILL_ROWS):
+                part = ids[a:a + HYBRID_PREFILL_ROWS]
+                hidden, c = self._run_target(seq, part, 1)
+                seq.commit_linear(len(part) - 1)
+                seq.length += len(part)
+                ctxs.append(c)
+            ctx = np.concatenate(ctxs, axis=1)
+        seq.commit_linear(n - 1)
         seq.ctx, seq.ctx_pos = ctx, np.arange(n, dtype=np.int64)[None]
         seq.length = n
         return self._logits(hidden)[-1]
 
     def decode(self, seq: _OrtSeq, token: int) -> np.ndarray:
         hidden, _ = self._run_target(seq, np.array([token], np.int64), 1)
+        seq.commit_linear(0)
         seq.length += 1
         return self._logits(hidden)[-1]
 
@@ -378,7 +426,9 @@ class OrtEngine(Engine):
             new_ctx = np.concatenate([seq.ctx, new_ctx], axis=1)
             new_pos = np.concatenate([seq.ctx_pos, new_pos], axis=1)
         seq.ctx, seq.ctx_pos = new_ctx, new_pos
-        # Committing = advancing the length: K/V rows past it are stale and get overwritten by the next step.
+        # Committing = advancing the length: K/V rows past it are stale and get overwritten by the next step; a
+        # hybrid's Gated DeltaNet layers take their state after the last accepted row.
+        seq.commit_linear(accept)
         seq.length += accept + 1
         return accept, emitted
 

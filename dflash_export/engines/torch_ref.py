@@ -109,6 +109,7 @@ class TorchEngine(Engine):
         bs = len(block)
         self.info.check_room(seq.length + bs)
         pos = torch.arange(seq.length, seq.length + bs)[None]
+        snapshot = self.target.snapshot(seq.t_cache)
         out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
         logits = out.logits[0].double().numpy()
         if accept is not None:
@@ -118,7 +119,8 @@ class TorchEngine(Engine):
             probs = None if sp.greedy else self.target_probs(logits, sp)
             accept, emitted = self.accept_block(probs, logits, block[1:], draft_probs, uniforms, sp.greedy)
         seq.length += accept + 1
-        self.target.crop(seq.t_cache, seq.length)
+        self.target.commit(seq.t_cache, seq.length, snapshot, torch.from_numpy(block[: accept + 1])[None],
+                           pos[:, : accept + 1])
         taps, taps_pos = out.taps[:, : accept + 1], pos[:, : accept + 1]
         if seq.taps is not None:  # no draft consumed the previous step's taps: keep them, in order
             taps, taps_pos = torch.cat([seq.taps, taps], 1), torch.cat([seq.taps_pos, taps_pos], 1)

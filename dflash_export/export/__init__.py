@@ -86,7 +86,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
 
     check_drafter_fits(drafter, target)  # a misfit would otherwise surface as a shape-inference error on a temp file
     t_rope = dict(getattr(target.hf.config, "rope_parameters", None) or {})
-    problem = rope_problem(t_rope)  # the graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow
+    # The graphs carry fixed cos/sin tables: a length-dependent RoPE cannot follow. Hybrids rotate part of each head.
+    problem = rope_problem(t_rope, partial_ok=target.arch.hybrid is not None)
     if problem:
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
     t0 = time.perf_counter()
@@ -100,8 +101,9 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
         outputs = [(TARGET_FILE, "target", "portable", t_store), (DRAFTER_FILE, "drafter", "portable", d_store)]
         if ort_flavor:
             outputs += [(ORT_TARGET_FILE, "target", "ort", t_store), (ORT_DRAFTER_FILE, "drafter", "ort", d_store),
-                        (ORT_HEAD_FILE, "head", "ort", d_store),
-                        (ORT_TARGET_BATCH_FILE, "target", "ort_batch", t_store)]
+                        (ORT_HEAD_FILE, "head", "ort", d_store)]
+            if target.arch.hybrid is None:  # the batched graph carries no Gated DeltaNet state yet
+                outputs.append((ORT_TARGET_BATCH_FILE, "target", "ort_batch", t_store))
         if ort_flavor and draft_vocab:
             outputs.append((ORT_DRAFT_HEAD_FILE, "draft_head", "ort", d_store))
         for fname, kind, flavor, store in outputs:

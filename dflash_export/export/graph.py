@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from dflash_export.errors import DFlashError
+from dflash_export.export import linear_attention as lin
 from dflash_export.export import ops
 from dflash_export.export.builder import F32, I32, I64, MS, GraphBuilder, WeightStore, finish
 from dflash_export.export.moe import SPARSE_FLAVORS, moe_mlp
@@ -118,6 +119,19 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     ort = flavor in ("ort", "ort_batch")
     t = target_spec(target)
     sd = np_state(target.hf)
+    # Hybrid targets (export/linear_attention.py): per layer its kind; Gated DeltaNet layers carry a conv window and
+    # a recurrent state instead of K/V (inputs conv_state_i / recurrent_state_i, outputs conv_window_i /
+    # recurrent_states_i), full-attention layers a gated query and partial RoPE.
+    hybrid = target.arch.hybrid
+    kinds = hybrid.layer_kinds(target.hf.config) if hybrid else ["full_attention"] * t.num_layers
+    if hybrid:
+        if batch:
+            raise DFlashError("the batched target graph has no Gated DeltaNet state yet", field="model_type")
+        sd = lin.fold_norms(sd)
+        lin_shapes = hybrid.linear_shapes(target.hf.config)
+        rot_cos, rot_sin = lin.rope_tables(target, max_len)
+        rot = rot_cos.shape[-1]
+    first_kv = kinds.index("full_attention")
     dsd = np_state(drafter)
     shared = shared_tensors(target)
     g = GraphBuilder("dflash_target_verify", store)
@@ -148,10 +162,12 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     else:
         pos = g.input("position_ids", I64, ["batch", "seq"])
 
-    cos_t, sin_t = target_rope_tables(target, max_len)
+    cos_t, sin_t = (rot_cos, rot_sin) if hybrid else target_rope_tables(target, max_len)
     if batch:
         cos, sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
         causal = _block_causal_bias(g, ids, H // KVH)
+    elif ort and hybrid:  # partial RoPE outside attention (GroupQueryAttention's rotary would turn every channel)
+        cos, sin = g.rope_tables("position_ids", g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
     elif ort:
         # GQA applies RoPE itself from half-width tables (rotate-half layout), positions from seqlens_k.
         cos_c = g.weight("rope_cos_half", cos_t[:, : D // 2])
@@ -159,7 +175,7 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     else:
         cos, sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
         # Causal mask over the cache: key k (absolute position k) is visible to a query at position p iff k <= p.
-        past_len = g.op("Shape", ["past_key_0"], start=2, end=3)
+        past_len = g.op("Shape", [f"past_key_{first_kv}"], start=2, end=3)
         seq_len = g.op("Shape", [ids], start=1, end=2)
         total = g.op("Squeeze", [g.op("Add", [past_len, seq_len]), g.const([0])])
         kpos = g.op("Range", [g.const(0), total, g.const(1)])
@@ -190,7 +206,19 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             xn = g.rms_norm(x, ln1, t.rms_eps, ort)
         a = p + "self_attn."
         bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
-        if batch:
+        gate = None
+        if kinds[i] == "linear_attention":
+            attn = lin.gated_delta_net(g, xn, sd, p + "linear_attn.", hybrid, lin_shapes, t.rms_eps, i)
+        elif hybrid and ort:
+            qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, t, cos, sin, rot, t.rms_eps)
+            flat = lambda x: g.op("Reshape", [g.op("Transpose", [x], perm=[0, 2, 1, 3]), g.const([0, 0, -1])])  # noqa
+            past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "max_len", D])
+            past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "max_len", D])
+            attn, _, _ = g.op("GroupQueryAttention", [flat(qh), flat(kh), flat(vh), past_k, past_v, "seqlens_k",
+                                                      "total_seq_len", "", "", "", "attention_bias"],
+                              n_out=3, domain=MS, outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
+                              num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=0)
+        elif batch:
             attn = _batched_block_attention(g, xn, sd, a, t, i, cos, sin, causal, bias, windows[i],
                                             sd[a + "sinks"] if sinks else None, pos)
         elif ort:
@@ -227,14 +255,17 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
                               num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
                               rotary_interleaved=0, **window)
         else:
-            q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
-            k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
-            v = g.linear(xn, sd[a + "v_proj.weight"], a + "v_proj", bias("v_proj"))
-            qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
-            if t.qk_norm:
-                qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, False)
-                kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, False)
-            qh, kh = g.rope(qh, cos, sin, D), g.rope(kh, cos, sin, D)
+            if hybrid:
+                qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, t, cos, sin, rot, t.rms_eps)
+            else:
+                q = g.linear(xn, sd[a + "q_proj.weight"], a + "q_proj", bias("q_proj"))
+                k = g.linear(xn, sd[a + "k_proj.weight"], a + "k_proj", bias("k_proj"))
+                v = g.linear(xn, sd[a + "v_proj.weight"], a + "v_proj", bias("v_proj"))
+                qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
+                if t.qk_norm:
+                    qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, False)
+                    kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, False)
+                qh, kh = g.rope(qh, cos, sin, D), g.rope(kh, cos, sin, D)
             past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
             past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
             kall = g.op("Concat", [past_k, kh], axis=2, outputs=[f"present_key_{i}"])
@@ -262,7 +293,10 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             o5 = g.op("MatMul", [probs, v5])
             attn = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o5, g.const([0, H, -1, D])])],
                                          perm=[0, 2, 1, 3]), g.const([0, 0, H * D])])
-        attn = g.linear(attn, sd[a + "o_proj.weight"], a + "o_proj", bias("o_proj"))
+        if gate is not None:
+            attn = lin.output_gate(g, attn, gate)
+        if kinds[i] != "linear_attention":
+            attn = g.linear(attn, sd[a + "o_proj.weight"], a + "o_proj", bias("o_proj"))
         ln2 = g.weight(p + "post_attention_layernorm", sd[p + "post_attention_layernorm.weight"])
         if ort:
             xn2, _, _, x = g.op("SkipSimplifiedLayerNormalization", [x, attn, ln2], n_out=4, domain=MS,
@@ -272,6 +306,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
             xn2 = g.rms_norm(x, ln2, t.rms_eps, False)
         if moe_layers[i]:
             m = moe_mlp(g, xn2, sd, p + "mlp.", moe, hf_cfg, sparse=flavor in SPARSE_FLAVORS)
+            if hybrid and hybrid.shared_expert:
+                m = g.op("Add", [m, lin.shared_expert(g, xn2, sd, p + "mlp.")])
         else:
             m = g.mlp_fused(xn2, sd, p + "mlp.") if ort else g.mlp(xn2, sd, p + "mlp.")
         if ort:
@@ -316,6 +352,9 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         g.output("emitted_tokens", I64, ["batch", "num_logits"])
         g.output("n_emitted", I64, ["batch"])
     for i in range(t.num_layers):
+        if kinds[i] == "linear_attention":
+            lin.declare_state_outputs(g, i, lin_shapes)
+            continue
         if batch:
             g.output(f"new_key_{i}", F32, ["batch", KVH, "seq", D])
             g.output(f"new_value_{i}", F32, ["batch", KVH, "seq", D])

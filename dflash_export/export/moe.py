@@ -32,6 +32,7 @@ def moe_mlp(g: GraphBuilder, x: str, sd: dict, p: str, spec, config, sparse: boo
     -> [B,S,H]. `spec`: models.arch.MoeSpec; `config`: the target's HF config (top-k, renormalization, SwiGLU limit)."""
     top_k = int(getattr(config, spec.top_k))
     norm = bool(getattr(config, spec.norm_topk_prob, False)) if spec.norm_topk_prob else False
+    norm = norm or spec.always_normalized  # Qwen3.5-MoE's router renormalizes whatever the config says
     limit = getattr(config, spec.swiglu_limit, None) if spec.swiglu_limit else None
     limit = float(limit) if limit is not None else None
     w = expert_weights(sd, p, spec)

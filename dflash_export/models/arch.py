@@ -29,6 +29,7 @@ class MoeSpec:
     swiglu_limit: str | None = None               # config key of the clamp (gpt-oss)
     swiglu_alpha: float = 1.0                     # gate * sigmoid(alpha * gate)
     up_plus_one: bool = False
+    always_normalized: bool = False               # the top-k weights are renormalized whatever the config says
 
     def layers(self, config) -> list[bool]:
         """Per layer, whether its MLP is the mixture of experts."""
@@ -50,6 +51,8 @@ class ArchSpec:
     attention_sinks: bool = False  # a learned per-head logit joins every softmax and is dropped after (gpt-oss)
     sliding_layers: bool = False   # config.layer_types marks layers "sliding_attention" (window config.sliding_window)
     attn_implementation: str = "sdpa"  # transformers' attention for the reference (sinks need "eager")
+    hybrid: "HybridSpec | None" = None  # Gated DeltaNet (linear attention) layers between gated full attention
+    text_config: bool = False      # composite (vision + text) config.json: the decoder's settings sit under text_config
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -80,11 +83,65 @@ def sliding_windows(arch: ArchSpec, config) -> list[int | None]:
     return [int(window) if t == "sliding_attention" and window else None for t in types]
 
 
+@dataclass(frozen=True)
+class HybridSpec:
+    """Qwen3.5 / 3.6 and Qwen3-Next: `config.layer_types` marks each layer "linear_attention" (Gated DeltaNet: a
+    depthwise causal conv of `linear_conv_kernel_dim` taps over q/k/v, then a recurrent state per value head
+    [key_head_dim, value_head_dim] updated per token by the gated delta rule) or "full_attention" (Qwen3 attention
+    whose q_proj also yields a per-channel output gate, sigmoid(gate) * attention before o_proj, and RoPE over the
+    first `partial_rotary_factor` of each head). Every RMSNorm but the Gated DeltaNet's output norm scales by
+    (1 + weight). The facts are transformers' own config classes' (Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
+    Qwen3NextConfig); the split of the input projections is the one thing that differs between the families."""
+
+    fused_projections: bool  # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head; Qwen3.5: four projections
+    shared_expert: bool = False  # MoE layers add a sigmoid-gated shared expert (mlp.shared_expert[_gate])
+
+    @staticmethod
+    def layer_kinds(config) -> list[str]:
+        """Per layer, "linear_attention" or "full_attention", as transformers' config class derived them."""
+        return list(config.layer_types)
+
+    @staticmethod
+    def linear_shapes(config) -> dict[str, int]:
+        """The Gated DeltaNet's sizes: key / value heads and head dims, the conv kernel and the conv's channels."""
+        hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        return {"key_heads": hk, "value_heads": hv, "key_dim": dk, "value_dim": dv,
+                "conv_kernel": int(config.linear_conv_kernel_dim), "conv_channels": 2 * hk * dk + hv * dv}
+
+
+_QWEN35_MOE = MoeSpec(sparse_step=None, mlp_only_layers=None, norm_topk_prob=None, always_normalized=True)
+# Qwen3.5 / 3.6 dense and MoE (composite vision + text checkpoints and their text-only forms) and Qwen3-Next. The
+# MoE routers are Qwen3-MoE's (softmax, top-k, renormalized: transformers' Qwen3_5Moe router always renormalizes).
+for _name, _arch, _moe, _composite in (
+        ("qwen3_5", "Qwen3_5ForCausalLM", None, True),
+        ("qwen3_5_text", "Qwen3_5ForCausalLM", None, False),
+        ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", _QWEN35_MOE, True),
+        ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", _QWEN35_MOE, False)):
+    ARCHS[_name] = ArchSpec(_name, _arch, qk_norm=True, gguf_arch=None, moe=_moe, text_config=_composite,
+                            attn_implementation="eager",
+                            hybrid=HybridSpec(fused_projections=False, shared_expert=_moe is not None))
+ARCHS["qwen3_next"] = ArchSpec("qwen3_next", "Qwen3NextForCausalLM", qk_norm=True, gguf_arch=None, moe=MoeSpec(),
+                               attn_implementation="eager",
+                               hybrid=HybridSpec(fused_projections=True, shared_expert=True))
+
+# transformers' config class of each family, for reading a config.json as transformers does (models/rope.py).
+CONFIG_CLASSES = {"qwen3_5": "Qwen3_5TextConfig", "qwen3_5_text": "Qwen3_5TextConfig",
+                  "qwen3_5_moe": "Qwen3_5MoeTextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+                  "qwen3_next": "Qwen3NextConfig"}
+
+
+def text_settings(cfg: dict) -> dict:
+    """A config.json's decoder settings: a composite checkpoint's `text_config` (its vision settings ignored) under
+    the checkpoint's own model_type, anything else as it is."""
+    arch = ARCHS.get(cfg.get("model_type"))
+    if arch is None or not arch.text_config or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    out = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    out.update({k: v for k, v in cfg["text_config"].items() if k != "model_type"})
+    return out
+
+
 # Families transformers knows that a DFlash drafter exists for, refused by name until their layer kinds are built.
-REFUSED: dict[str, str] = {  # gpt_oss: see ARCHS above
-    "qwen3_5": "Qwen3.5's Gated DeltaNet (linear attention) layers have no export here yet (their recurrent state "
-               "would have to roll back to the accepted prefix after each verify)",
-    "qwen3_5_moe": "Qwen3.5's Gated DeltaNet (linear attention) layers have no export here yet",
-    "qwen3_next": "Qwen3-Next's Gated DeltaNet (linear attention) layers have no export here yet",
-}
+REFUSED: dict[str, str] = {}  # gpt_oss, the Qwen3.5 / Qwen3-Next hybrids: see ARCHS above
 

@@ -14,6 +14,7 @@ import torch
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
+from dflash_export.models.arch import ARCHS
 from dflash_export.models.config import DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
@@ -432,7 +433,8 @@ def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Pat
         findings.err(e.field or "config", e.message, file=tcfg_path)
         t_rope = None
     if t_rope is not None:
-        problem = rope_problem(t_rope, rope_source_field(tcfg))
+        hybrid = getattr(ARCHS.get(tcfg["model_type"]), "hybrid", None) is not None  # partial RoPE: its own graph
+        problem = rope_problem(t_rope, rope_source_field(tcfg), partial_ok=hybrid)
         if problem:
             findings.err(problem[0], problem[1], file=tcfg_path)
         t_theta, t_scaling = legacy_rope_fields(t_rope)

@@ -13,7 +13,7 @@ rotary factors, and anything transformers does not know.
 from __future__ import annotations
 
 from dflash_export.errors import DFlashError
-from dflash_export.models.arch import ARCHS
+from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -26,7 +26,8 @@ def hf_config(cfg: dict, path, model_type: str = "qwen3"):
 
     quiet_transformers()
     arch = ARCHS.get(model_type)
-    cls_name = (arch.hf_architecture if arch else "Qwen3ForCausalLM").replace("ForCausalLM", "Config")
+    cls_name = CONFIG_CLASSES.get(model_type) or (arch.hf_architecture if arch else "Qwen3ForCausalLM").replace(
+        "ForCausalLM", "Config")
     cls = getattr(transformers, cls_name)
     fields = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "transformers_version")}
     try:
@@ -52,8 +53,9 @@ def rope_parameters_of(cfg: dict, path, model_type: str = "qwen3") -> dict:
     return params
 
 
-def rope_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
-    """(field, reason) when these standardized RoPE parameters cannot be honoured exactly; None when they can."""
+def rope_problem(params: dict, field: str = "rope_parameters", partial_ok: bool = False) -> tuple[str, str] | None:
+    """(field, reason) when these standardized RoPE parameters cannot be honoured exactly; None when they can.
+    `partial_ok`: a partial rotary factor is honoured (hybrid targets' gated attention: export/linear_attention.py)."""
     if params and all(isinstance(v, dict) for v in params.values()):
         return field, f"per-layer-type RoPE ({sorted(params)}) is not supported"
     rope_type = params.get("rope_type", "default")
@@ -62,7 +64,7 @@ def rope_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str
                if rope_type in ("dynamic", "longrope") else "is not a RoPE type this project implements")
         return f"{field}.rope_type", f"{rope_type!r} {why} (supported: {', '.join(STATIC_ROPE_TYPES)})"
     factor = params.get("partial_rotary_factor", 1.0)
-    if factor not in (None, 1, 1.0):
+    if factor not in (None, 1, 1.0) and not partial_ok:
         return f"{field}.partial_rotary_factor", f"{factor} (partial rotary embeddings are not supported)"
     return None
 

@@ -15,7 +15,7 @@ import torch
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
-from dflash_export.models.arch import ARCHS, REFUSED
+from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 from dflash_export.models.sources import resolve_source
@@ -41,10 +41,11 @@ def resolve_target_dir(path) -> Path:
 
 
 def read_target_config(path) -> tuple[dict[str, Any], Path]:
-    """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos."""
+    """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos. A composite
+    (vision + text) checkpoint's decoder settings come from its `text_config` (arch.text_settings)."""
     d = resolve_target_dir(path)
     cfg_path = d / "config.json"
-    cfg = read_json_object(cfg_path)
+    cfg = text_settings(read_json_object(cfg_path))
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
@@ -99,16 +100,35 @@ class TargetModel:
     def new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache()
+        # Hybrids: transformers builds the per-layer kinds (K/V or conv + recurrent state) from the config.
+        return DynamicCache(config=self.hf.config) if self.arch.hybrid else DynamicCache()
 
     @staticmethod
     def crop(cache, length: int) -> None:
         cache.crop(length)
 
-    @staticmethod
-    def keep_rows(cache, start: int, rows: Sequence[int]) -> None:
+    def snapshot(self, cache):
+        """What `commit` needs to roll `cache` back after a verify: a copy for hybrids (transformers' Gated DeltaNet
+        state cannot be cropped: it holds the state after the last row only), None for K/V caches (cropped)."""
+        import copy
+
+        return copy.deepcopy(cache) if self.arch.hybrid else None
+
+    def commit(self, cache, length: int, snapshot, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the first `length` tokens of `cache` after a verify: crop a K/V cache; a hybrid's goes back to its
+        `snapshot` (taken before the verify) and runs the accepted `rows` [1, n] at `positions` again."""
+        if snapshot is None:
+            cache.crop(length)
+            return
+        cache.__dict__.update(snapshot.__dict__)
+        self.forward(rows, positions, cache)
+
+    def keep_rows(self, cache, start: int, rows: Sequence[int]) -> None:
         """Keep the cache's first `start` rows and then the rows start + r for r in `rows`, in that order (a draft
         tree's accepted path, compacted behind the committed tokens)."""
+        if self.arch.hybrid:
+            raise DFlashError("draft trees are not verified on hybrid targets (Gated DeltaNet state)",
+                              field="tree_mode")
         index = torch.tensor(list(range(start)) + [start + r for r in rows])
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(2, index)

@@ -42,6 +42,7 @@ class TinySpec:
     moe_intermediate_size: int = 32
     mlp_only_layers: tuple[int, ...] = ()
     sliding_window: int = 0          # gpt_oss: layers alternate sliding (this window) and full attention
+    full_attention_interval: int = 0  # hybrids: every n-th layer full attention, the others Gated DeltaNet
 
     @property
     def mask_token_id(self) -> int:
@@ -59,6 +60,12 @@ TINY = {
     "gpt-oss": TinySpec("gpt_oss", num_experts=8, experts_per_token=2, intermediate_size=32, sliding_window=8,
                         num_layers=4, target_layer_ids=(0, 2)),
     "qwen3-moe": TinySpec("qwen3_moe", num_experts=8, experts_per_token=2, mlp_only_layers=(2,)),
+    # Hybrids: layers L L F L L F (Gated DeltaNet with 2 key heads of 16 and 4 value heads of 8, conv kernel 4;
+    # gated full attention with RoPE on a quarter of each head, as published).
+    "qwen3.5": TinySpec("qwen3_5", full_attention_interval=3),
+    "qwen3.5-moe": TinySpec("qwen3_5_moe", full_attention_interval=3, num_experts=8, experts_per_token=2),
+    "qwen3-next": TinySpec("qwen3_next", full_attention_interval=3, num_experts=8, experts_per_token=2,
+                           mlp_only_layers=(2,)),
     "llama-small-vocab": TinySpec("llama", vocab_size=16, hidden_size=32, num_layers=4, head_dim=8,
                                   intermediate_size=64, target_layer_ids=(1, 2)),
 }
@@ -76,10 +83,16 @@ def build_target(spec: TinySpec, out: Path) -> Path:
         GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     quiet_transformers()
@@ -107,6 +120,9 @@ def build_target(spec: TinySpec, out: Path) -> Path:
             **common, num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
             moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
             mlp_only_layers=list(spec.mlp_only_layers), norm_topk_prob=True))
+    elif spec.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        model = _hybrid_target(spec, common, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                               Qwen3_5MoeForConditionalGeneration, Qwen3NextConfig, Qwen3NextForCausalLM)
     else:
         raise DFlashError(f"unknown tiny family {spec.family!r}")
     # Larger-than-init weights so the tiny model's distributions are peaked (more like a trained LM's).
@@ -118,8 +134,36 @@ def build_target(spec: TinySpec, out: Path) -> Path:
                 p.normal_(0.0, 0.08)
             elif name.endswith(("sinks", "_bias")) or (p.ndim == 1 and "experts" in name):
                 p.normal_(0.0, 0.5)  # sinks and expert biases are uninitialised too
+            elif name.endswith("norm.weight") and spec.full_attention_interval:
+                p.add_(0.1 * torch.randn_like(p))  # hybrids' (1 + weight) norms start at 0: make them non-trivial
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def _hybrid_target(spec: TinySpec, common: dict, *classes):
+    """A tiny Qwen3.5 (composite: a one-block vision tower beside the text model, as the checkpoints are published),
+    Qwen3.5-MoE (composite) or Qwen3-Next (text only, MoE with a shared expert) model."""
+    q35_cfg, q35_cls, q35moe_cfg, q35moe_cls, next_cfg, next_cls = classes
+    n = spec.num_layers
+    text = dict(common, layer_types=["full_attention" if (i + 1) % spec.full_attention_interval == 0
+                                     else "linear_attention" for i in range(n)],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4)
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "partial_rotary_factor": 0.25}
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+               moe_intermediate_size=spec.moe_intermediate_size, shared_expert_intermediate_size=32)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=spec.hidden_size)
+    if spec.family == "qwen3_next":
+        return next_cls(next_cfg(**text, **moe, rope_parameters=rope, decoder_sparse_step=1, norm_topk_prob=True,
+                                 mlp_only_layers=list(spec.mlp_only_layers)))
+    tie = text.pop("tie_word_embeddings")
+    if spec.family == "qwen3_5_moe":
+        text.pop("intermediate_size")
+        cfg = q35moe_cfg(text_config={**text, **moe, "rope_parameters": rope}, vision_config=vision,
+                         tie_word_embeddings=tie)
+        return q35moe_cls(cfg)
+    return q35_cls(q35_cfg(text_config={**text, "rope_parameters": rope}, vision_config=vision,
+                           tie_word_embeddings=tie))
 
 
 def build_drafter(spec: TinySpec, out: Path) -> Path:
@@ -164,7 +208,8 @@ def tiny_pair_path(spec_str: str) -> Path:
     if part not in ("target", "drafter"):
         raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
     spec = TINY[name]
-    digest = hashlib.sha256(json.dumps(spec.__dict__, default=list, sort_keys=True).encode()).hexdigest()[:10]
+    fields = {k: v for k, v in spec.__dict__.items() if k != "full_attention_interval" or v}  # older pairs' digests
+    digest = hashlib.sha256(json.dumps(fields, default=list, sort_keys=True).encode()).hexdigest()[:10]
     root = cache_dir() / "tiny" / f"{name}-v{_VERSION}-{digest}"
     target, drafter = build_pair(spec, root)
     return target if part == "target" else drafter

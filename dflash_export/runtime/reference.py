@@ -112,6 +112,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
                                              top_p, None if greedy else rng.random(bs - 1))
         block[0, 1:] = torch.from_numpy(draft)
         # Verify: the target scores the whole block in one pass.
+        snapshot = target.snapshot(t_cache)
         out = target.forward(block, block_pos, t_cache, tap_ids)
         logits = out.logits[0].double().numpy()
         target_probs = None if greedy else probs_from_logits(logits, temperature, top_k, top_p)
@@ -124,7 +125,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, tempera
         accepted.append(len(committed))
         # Commit anchor + accepted drafts; the last emitted token becomes the next anchor (not yet in any cache).
         start += accept + 1
-        target.crop(t_cache, start)
+        target.commit(t_cache, start, snapshot, block[:, : accept + 1], block_pos[:, : accept + 1])
         taps, taps_pos = out.taps[:, : accept + 1], block_pos[:, : accept + 1]
     total = time.perf_counter() - t0
     tokens, reason = _finish(tokens, max_new_tokens, stop_ids)

@@ -149,6 +149,10 @@ class DFlashRuntime:
         self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer,
                                        tree_top_k=tree_top_k, tree_nodes=tree_nodes, tree_mode=tree_mode,
                                        sampling=sampling)
+        if self.options.tree_mode == "full" and self.options.proposer != "chain" \
+                and getattr(engine, "linear_layers", None):
+            raise DFlashError("full draft trees are not verified on hybrid targets (each node would need its "
+                              "ancestors' Gated DeltaNet state): use tree_mode spine", field="tree_mode")
         self.engine = engine
         # What a step proposes (decoding/options.py): the drafter's chain, a tree grown from its per-slot
         # distributions (top `tree_top_k` per depth), context lookups, or a tree holding both; at most `tree_nodes`

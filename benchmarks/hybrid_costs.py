@@ -1,0 +1,90 @@
+"""What a verify block costs against a plain step on a hybrid target (Gated DeltaNet + gated attention), at the width
+of Qwen3.5-4B's layers: one layer of each kind, random weights (the cost depends on the shapes, not the weights).
+
+    python benchmarks/hybrid_costs.py [--reps 20] [--threads N] [--precision fp32|int8|int4]
+    python benchmarks/hybrid_costs.py --dense     # the yardstick: two Qwen3 layers of the same width
+
+Layer sizes (Qwen3.5-4B's, from its published description): hidden 2560, MLP 9216, gated attention 16 query / 4
+key-value heads of 256 with RoPE on 64 channels, Gated DeltaNet 16 key / 32 value heads of 128 with a 4-tap conv.
+Vocabulary 4096 instead of 248320, so the LM head (whose cost per row is the same for any target) does not hide the
+layers' own ratio. The drafter: one layer of the same width. Measured by engine_costs.measure: plain step, verify
+of 8 and 16 rows, draft, interleaved round by round, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+VOCAB = 4096
+WIDTH = dict(hidden_size=2560, intermediate_size=9216, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_conv_kernel_dim=4)
+
+
+def build(args, work: Path) -> Path:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.models.config import DrafterConfig
+    from dflash_export.models.drafter import DFlashDrafter, save_drafter
+    from dflash_export.recipes import load_recipe
+
+    torch.manual_seed(0)
+    if args.dense:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        dense = {k: v for k, v in WIDTH.items() if not k.startswith("linear_")}
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, num_hidden_layers=2, rope_theta=10000000.0,
+                                     max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, **dense)
+                         ).save_pretrained(str(work / "target"))
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25},
+                            max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, **WIDTH)
+    if not args.dense:
+        Qwen3_5ForCausalLM(cfg).save_pretrained(str(work / "target"))
+    dc = DrafterConfig(hidden_size=2560, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=9216, rms_norm_eps=1e-6, block_size=16, mask_token_id=VOCAB - 1,
+                       target_layer_ids=[0, 1], num_target_layers=2, vocab_size=VOCAB, target_hidden_size=2560,
+                       rope_theta=10000000.0, max_position_embeddings=4096)
+    save_drafter(DFlashDrafter(dc), work / "drafter")
+    (work / "recipe.yaml").write_text(json.dumps({
+        "name": "hybrid-costs", "target": str(work / "target"), "drafter": str(work / "drafter"),
+        "dtype": "float32", "max_seq_len": 1024, "chat_template": False}))
+    t0 = time.perf_counter()
+    out = build_onnxruntime(load_recipe(work / "recipe.yaml"), work / "engine", threads=args.threads,
+                            precision=args.precision)
+    print(f"build: {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def main():
+    from engine_costs import measure
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=None, help="measure an engine this script built before")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the cache while measuring")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32")
+    ap.add_argument("--dense", action="store_true", help="two Qwen3 layers of the same width instead (yardstick)")
+    args = ap.parse_args()
+    if args.engine is None:
+        args.engine = build(args, Path(tempfile.mkdtemp(prefix="hybrid-costs-")))
+    res = measure(args.engine, args)
+    for k, v in res.items():
+        mark = "  (target <= 1.5)" if k == "ratio_verify_16" else ""
+        print(f"{k:22s} {v:9.2f}{mark}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Hybrid targets (Gated DeltaNet linear attention between gated full attention) through every CPU stage built so far,
+against transformers' own model classes as the oracle, on tiny random models built from their config classes:
+Qwen3.5 (a composite vision + text checkpoint, as published), Qwen3.5-MoE (composite; experts + a shared expert) and
+Qwen3-Next (text only; fused projections grouped per key head, experts + a shared expert, one dense layer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_export.engines.base import SamplingParams
+from dflash_export.errors import DFlashError
+from dflash_export.models.sources import resolve_source
+from dflash_export.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("onnxruntime")
+NEW = 64
+
+FAMILIES = {"tiny-qwen3.5": "Qwen3_5ForCausalLM", "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+            "tiny-qwen3-next": "Qwen3NextForCausalLM"}
+KINDS = ["linear_attention", "linear_attention", "full_attention"] * 2
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(tmp_path_factory, request):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+
+    recipe = load_recipe(request.param)
+    engine_dir = build_onnxruntime(recipe, tmp_path_factory.mktemp("hybrid") / "onnxruntime", threads=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = load_engine(engine_dir, threads=1)
+    yield recipe, engine_dir, engine, hf
+    engine.close()
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [list(map(int, rng.integers(1, 250, size=n))) for n in (3, 8, 17, 30, 5)]
+
+
+def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_layer_kinds_and_linear_shapes_come_from_transformers_config_classes(recipe_name):
+    """Both config forms: the composite checkpoints' settings under text_config (vision ignored) read as the
+    text-only ones; the layer kinds and Gated DeltaNet sizes are what transformers' config class derived."""
+    from dflash_export.models.arch import ARCHS
+    from dflash_export.models.rope import hf_config
+    from dflash_export.models.target import read_target_config
+
+    target = resolve_source(load_recipe(recipe_name).target)
+    raw = json.loads((target / "config.json").read_text())
+    cfg, path = read_target_config(target)
+    assert cfg["model_type"] == raw["model_type"] and cfg["num_hidden_layers"] == 6 and cfg["hidden_size"] == 64
+    assert ("text_config" in raw) == (recipe_name != "tiny-qwen3-next") and "vision_config" not in cfg
+    arch = ARCHS[cfg["model_type"]]
+    hf_cfg = hf_config(cfg, path, cfg["model_type"])
+    assert arch.hybrid.layer_kinds(hf_cfg) == KINDS
+    assert arch.hybrid.linear_shapes(hf_cfg) == {"key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 8,
+                                                 "conv_kernel": 4, "conv_channels": 2 * 2 * 16 + 4 * 8}
+    assert hf_cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    assert cfg["stop_token_ids"] == [254]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_text_only_config_forms_are_read(tmp_path, model_type):
+    from dflash_export.models.arch import ARCHS
+    from dflash_export.models.rope import hf_config
+    from dflash_export.models.target import read_target_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 64,
+        "full_attention_interval": 2, "eos_token_id": 3}))
+    cfg, path = read_target_config(tmp_path)
+    kinds = ARCHS[model_type].hybrid.layer_kinds(hf_config(cfg, path, model_type))
+    assert kinds == ["linear_attention", "full_attention"] * 2
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
+    """5 prompts x 64 tokens (past the 4-tap conv window many times): plain decoding and DFlash on the ONNX Runtime
+    engine both give transformers' own greedy tokens."""
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    rt = DFlashRuntime(engine)
+    stop = engine.info.stop_token_ids[0]
+    for ids in prompts():
+        want = hf_greedy(hf, ids, NEW, stop)
+        sp = SamplingParams(max_new_tokens=NEW)
+        ar = rt.generate(ids, sp, "ar").tokens
+        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
+        assert rt.generate(ids, sp, "dflash").tokens == ar
+
+
+def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
+    """Blocks of transformers' own next tokens with one wrong token planted at a varying place: each verify accepts
+    exactly the right prefix, and the tokens after every partial acceptance stay transformers' (the conv window and
+    recurrent state of a rejected draft leave no trace)."""
+    _, _, engine, hf = hybrid
+    stop = engine.info.stop_token_ids[0]
+    ids = prompts()[3]
+    want = hf_greedy(hf, ids, NEW, stop)
+    bs = engine.info.block_size
+    seq = engine.new_sequence(len(ids) + NEW + bs)
+    out = [int(np.argmax(engine.prefill(seq, np.asarray(ids, np.int64))))]
+    rng = np.random.default_rng(3)
+    accepts = []
+    while len(out) < len(want) - bs:
+        drafts = list(want[len(out):len(out) + bs - 1])
+        wrong = int(rng.integers(0, bs))  # bs - 1: every draft right
+        if wrong < bs - 1:
+            drafts[wrong] = (drafts[wrong] + 1) % 250
+        accept, emitted = engine.verify(seq, np.asarray([out[-1]] + drafts, np.int64), None, SamplingParams(), None)
+        assert accept == wrong, (accept, wrong)
+        accepts.append(accept)
+        out.extend(emitted)
+    assert out == want[:len(out)] and len(set(accepts)) == bs and seq.length == len(ids) + len(out) - 1
+
+
+def test_each_steps_logits_match_transformers_forward(hybrid):
+    _, _, engine, hf = hybrid
+    ids = prompts()[2]
+    seq = engine.new_sequence(len(ids) + 24 + engine.info.block_size)
+    logits = engine.prefill(seq, np.asarray(ids, np.int64))
+    tokens = list(ids)
+    worst = 0.0
+    for _ in range(16):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([tokens])).logits[0, -1].numpy()
+        worst = max(worst, float(np.abs(np.asarray(logits).reshape(-1) - ref).max()))
+        nxt = int(np.argmax(ref))
+        tokens.append(nxt)
+        logits = engine.decode(seq, nxt)
+    assert worst <= 1e-4, worst
+
+
+def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, _ = hybrid
+    sp = SamplingParams(max_new_tokens=24)
+    ids = prompts()[1]
+    plain = DFlashRuntime(engine).generate(ids, sp, "ar").tokens
+    assert DFlashRuntime(engine, proposer="tree+lookup", tree_mode="spine").generate(ids, sp).tokens == plain
+    assert not engine.tree_verify
+    with pytest.raises(DFlashError) as e:
+        DFlashRuntime(engine, proposer="tree", tree_mode="full")
+    assert e.value.field == "tree_mode"
+    with pytest.raises(DFlashError) as e:
+        BatchingRuntime(engine, max_batch=2).generate_many(prompts()[:2], sp)
+    assert e.value.field == "model_type" and "hybrid" in str(e.value)
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_inspect_reads_the_pair_with_no_finding(recipe_name):
+    recipe = load_recipe(recipe_name)
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", recipe.drafter, "--target", recipe.target,
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["findings"] == [], out["findings"]
+
+
+def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
+    """The yardstick's DFlash loop (reference.spec_generate) on a hybrid: transformers' Gated DeltaNet cache cannot
+    be cropped, so each verify restores a snapshot and re-runs the accepted rows; its tokens are plain greedy's."""
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.target import load_target
+    from dflash_export.runtime.reference import spec_generate
+
+    recipe, _, engine, hf = hybrid
+    target = load_target(recipe.target_path)
+    drafter = load_drafter(recipe.drafter_path)
+    ids = prompts()[0]
+    got = spec_generate(drafter, target, ids, max_new_tokens=24).tokens
+    assert got == hf_greedy(hf, ids, 24, engine.info.stop_token_ids[0])[:len(got)] and len(got) >= 1
+
+
+def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
+    """validate's G-test at T = 0.7 on the hybrid engine (DFlash sampling against the engine's own conditionals)."""
+    recipe, engine_dir, _, _ = hybrid
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
+                        str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
+                        "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    dist = {t["name"]: t for t in rep["thresholds"]}
+    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
+    """int8 / int4 weights (every MatMul of both layer kinds as MatMulNBits): where the numerics probe finds verify
+    rows bit-identical to plain steps, DFlash's tokens are the same engine's plain decoding."""
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.single import DFlashRuntime
+
+    engine_dir = build_onnxruntime(load_recipe("tiny-qwen3.5"), tmp_path / "onnxruntime", threads=1,
+                                   precision=precision)
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    q = manifest["quantization"]["target"]
+    assert q["matmuls_quantized"] == q["matmuls_total"] > 40
+    engine = load_engine(engine_dir, threads=1)
+    try:
+        if not engine.numerics.bit_identical:
+            pytest.skip(engine.numerics.statement)
+        rt = DFlashRuntime(engine)
+        for ids in prompts()[:3]:
+            sp = SamplingParams(max_new_tokens=NEW)
+            assert rt.generate(ids, sp, "dflash").tokens == rt.generate(ids, sp, "ar").tokens
+    finally:
+        engine.close()
+
+
+def _stand_in(src: Path, dst: Path, text: dict, top: dict | None = None) -> None:
+    """A bf16 copy of a tiny checkpoint with a published checkpoint's config keys (under text_config when the
+    checkpoint is composite, as Qwen3.5 / 3.6 are published)."""
+    from test_sources import _to_bf16
+
+    _to_bf16(src, dst, **(top or {}))
+    cfg = json.loads((dst / "config.json").read_text())
+    (cfg["text_config"] if "text_config" in cfg else cfg).update(text)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+# Published keys of Qwen3.5-9B / Qwen3.6-35B-A3B's text settings that the tiny sizes keep (RoPE: theta 1e7, a quarter
+# of each head rotated, the multimodal sections text positions ignore; MTP layers transformers does not load).
+PUBLISHED_TEXT = {"max_position_embeddings": 262144, "full_attention_interval": 3, "mtp_num_hidden_layers": 1,
+                  "mtp_use_dedicated_embeddings": False, "attn_output_gate": True,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_name,tiny,env", [
+    ("qwen3.5-9b", "qwen3.5", ("QWEN3_5_9B", "QWEN3_5_9B_DFLASH")),
+    ("qwen3.6-35b-a3b", "qwen3.5-moe", ("QWEN3_6_35B_A3B", "QWEN3_6_35B_A3B_DFLASH"))])
+def test_the_published_hybrid_recipes_build_on_stand_ins(tmp_path, recipe_name, tiny, env):
+    """`build --recipe qwen3.5-9b / qwen3.6-35b-a3b --precision int4` with local paths: composite bf16 stand-ins with
+    the published text_config keys, and the drafters' RoPE base set to the targets' (z-lab's carry it)."""
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    _stand_in(resolve_source(f"tiny:{tiny}/target"), target, PUBLISHED_TEXT)
+    _stand_in(resolve_source(f"tiny:{tiny}/drafter"), drafter, {"rope_theta": 10000000.0,
+                                                                "max_position_embeddings": 262144})
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "build", "--recipe", recipe_name, "--precision", "int4",
+                        "--out", str(tmp_path / "engines")], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), env[0]: str(target), env[1]: str(drafter)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "engines" / recipe_name / "onnxruntime-int4" / "manifest.json").read_text())
+    assert m["precision"]["target"] == "int4" and m["dtypes"]["checkpoint"] == "bfloat16"
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", str(drafter), "--target", str(target),
+                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and json.loads(r.stdout)["findings"] == [], r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_decodes_as_transformers(hybrid):
+    """A 150-token prompt runs in chunks of HYBRID_PREFILL_ROWS (each committing its last row's state): the tokens
+    after it are transformers' greedy ones."""
+    from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    ids = list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))
+    assert len(ids) > 2 * HYBRID_PREFILL_ROWS
+    got = DFlashRuntime(engine).generate(ids, SamplingParams(max_new_tokens=16), "dflash").tokens
+    assert got == hf_greedy(hf, ids, 16, engine.info.stop_token_ids[0])[:len(got)]
+
+
+@pytest.mark.parametrize("recipe_name", list(FAMILIES))
+def test_portable_graph_matches_transformers_over_chunks_with_state_carried(tmp_path, recipe_name):
+    """The portable target graph (what any ONNX runtime reads) over a prefill and three chunks, each chunk fed the
+    previous one's K/V, conv window tail and last row's recurrent state: logits within 1e-4 of transformers."""
+    import onnxruntime as ort
+
+    from dflash_export.export import export_models
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.target import load_target
+
+    recipe = load_recipe(recipe_name)
+    target, drafter = load_target(recipe.target_path), load_drafter(recipe.drafter_path)
+    export_models(target, drafter, tmp_path, max_len=256)
+    sess = ort.InferenceSession(str(tmp_path / "target_verify.onnx"), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    names = [o.name for o in sess.get_outputs()]
+    state = {}
+    for name, shape in shapes.items():
+        if name.startswith(("past_", "conv_state_", "recurrent_state_")):
+            dims = [1] + [0 if isinstance(d, str) else d for d in shape[1:]]
+            state[name] = np.zeros(dims, np.float32)
+    ids = np.random.default_rng(0).integers(1, 250, 20)
+    with torch.inference_mode():
+        ref = target.hf(torch.from_numpy(ids)[None]).logits[0].numpy()
+    worst, pos = 0.0, 0
+    for n in (9, 1, 6, 4):
+        feeds = dict(state, input_ids=ids[None, pos:pos + n], position_ids=np.arange(pos, pos + n)[None],
+                     num_logits=np.array(n), draft_tokens=np.zeros((1, n - 1), np.int64),
+                     draft_probs=np.zeros((1, 1, 1), np.float32), uniforms=np.zeros((1, 1), np.float32))
+        out = dict(zip(names, sess.run(None, feeds)))
+        worst = max(worst, float(np.abs(out["logits"][0] - ref[pos:pos + n]).max()))
+        for name in state:
+            i = name.rsplit("_", 1)[1]
+            if name.startswith("past_"):
+                state[name] = out[name.replace("past_", "present_")]
+            elif name.startswith("conv_state_"):
+                state[name] = out[f"conv_window_{i}"][:, :, n:]
+            else:
+                state[name] = out[f"recurrent_states_{i}"][n - 1]
+        pos += n
+    assert worst <= 1e-4, worst
