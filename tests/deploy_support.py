@@ -326,8 +326,8 @@ def smollm2_tokenizer_engine(tmp_path_factory):
     """A tiny random LLaMA pair with SmolLM2's vocabulary size, its tokenizer and chat template: served text goes
     through the real tokenizer (special tokens, byte-level BPE) in seconds."""
     from dflash_export.engines.ort_build import build_onnxruntime
-    from dflash_export.recipes import load_recipe
     from dflash_export.models.tiny import TinySpec, build_drafter, build_target
+    from dflash_export.recipes import load_recipe
 
     tok = smollm2_tokenizer_dir()
     d = tmp_path_factory.mktemp("smollm2-tok")

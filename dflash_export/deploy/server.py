@@ -182,8 +182,9 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and the ports
     given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
     metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
-    the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path` (default: a
-    new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept afterwards).
+    the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path`
+    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
+    afterwards).
 
     If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
     front (the front answers 503 meanwhile), at most MAX_RESTARTS times in RESTART_WINDOW_S. Otherwise (or past that)
