@@ -56,9 +56,20 @@ def test_readme_published_pair_and_install_lines_parse():
 @pytest.mark.server
 @pytest.mark.smollm2
 def test_readme_commands_run_verbatim():
+    """The README's commands as written, on a machine where tritonserver's usual ports (8001, 8002) are taken:
+    `serve` keeps tritonserver's own ports internal and picks them free."""
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 8000)) == 0:
             pytest.skip("port 8000 (the README's) is in use on this machine")
+    held = []
+    for port in (8001, 8002):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        except OSError:  # taken already: taken either way
+            s.close()
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
     server = None
     try:
@@ -87,3 +98,5 @@ def test_readme_commands_run_verbatim():
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=120)
+        for s in held:
+            s.close()
