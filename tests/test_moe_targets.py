@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from target_support import engine_and_transformers, hf_greedy, prompts
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.models.sources import resolve_source
@@ -29,28 +30,9 @@ FAMILIES = {"tiny-qwen3-moe": "Qwen3MoeForCausalLM", "tiny-gpt-oss": "GptOssForC
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def moe(tmp_path_factory, request):
-    from transformers import AutoModelForCausalLM
-
-    from dflash_export.engines.ort_build import build_onnxruntime
-    from dflash_export.engines.registry import load_engine
-
-    recipe = load_recipe(request.param)
-    engine_dir = build_onnxruntime(recipe, tmp_path_factory.mktemp("moe") / "onnxruntime", threads=1)
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32,
-                                              attn_implementation="eager").eval()
-    engine = load_engine(engine_dir, threads=1)
+    recipe, engine_dir, engine, hf = engine_and_transformers(request.param, tmp_path_factory.mktemp("moe"))
     yield recipe, engine_dir, engine, hf
     engine.close()
-
-
-def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(7)
-    return [list(map(int, rng.integers(1, 250, size=n))) for n in (3, 8, 17, 30, 5)]
-
-
-def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_the_family_is_known_and_its_moe_layers_are_read_from_the_config(moe):

@@ -1,0 +1,35 @@
+"""What the target-family tests share (test_moe_targets.py, test_hybrid_targets.py): a recipe's tiny pair built as an
+ONNX Runtime engine beside the same target loaded by transformers, the prompts they decode and transformers' greedy
+answer to them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_export.models.sources import resolve_source
+from dflash_export.recipes import load_recipe
+
+
+def engine_and_transformers(recipe_name: str, out_dir):
+    """(recipe, engine_dir, engine, transformers model) for a tiny recipe; the caller closes the engine."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+
+    recipe = load_recipe(recipe_name)
+    engine_dir = build_onnxruntime(recipe, out_dir / "onnxruntime", threads=1)
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_source(recipe.target)), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    return recipe, engine_dir, load_engine(engine_dir, threads=1), hf
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [list(map(int, rng.integers(1, 250, size=n))) for n in (3, 8, 17, 30, 5)]
+
+
+def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, len(ids):].tolist()
