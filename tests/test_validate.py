@@ -354,12 +354,15 @@ def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts)
     from dflash_export.engines.torch_ref import TorchEngine
 
     class SkipsRejection(TorchEngine):
-        """Takes every sampled draft (no p/q test): outputs follow the drafter's distribution, not the target's."""
+        """Takes every sampled draft (no p/q test): outputs follow the drafter's distribution, not the target's. It
+        samples chains (no host-side walk), so the runtime hands it the chain's uniforms."""
+
+        host_accept = False
 
         @torch.inference_mode()
-        def verify(self, seq, block, draft_probs, sp, uniforms):
+        def verify(self, seq, block, draft_probs, sp, uniforms, accept=None):
             if sp.greedy:
-                return super().verify(seq, block, draft_probs, sp, uniforms)
+                return super().verify(seq, block, draft_probs, sp, uniforms, accept=accept)
             bs = len(block)
             pos = torch.arange(seq.length, seq.length + bs)[None]
             out = self.target.forward(torch.from_numpy(block)[None], pos, seq.t_cache, self.info.target_layer_ids)
