@@ -33,3 +33,18 @@ def prompts() -> list[list[int]]:
 def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
     out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def worst_logit_gap(engine, hf, ids: list[int], steps: int = 16) -> float:
+    """Largest |engine logit - transformers logit| over a prefill and `steps` greedy one-token steps."""
+    seq = engine.new_sequence(len(ids) + steps + 8 + engine.info.block_size)
+    logits = engine.prefill(seq, np.asarray(ids, np.int64))
+    tokens, worst = list(ids), 0.0
+    for _ in range(steps):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([tokens])).logits[0, -1].numpy()
+        worst = max(worst, float(np.abs(np.asarray(logits).reshape(-1) - ref).max()))
+        nxt = int(np.argmax(ref))
+        tokens.append(nxt)
+        logits = engine.decode(seq, nxt)
+    return worst

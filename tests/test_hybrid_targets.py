@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from target_support import engine_and_transformers, hf_greedy, prompts
+from target_support import engine_and_transformers, hf_greedy, prompts, worst_logit_gap
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
@@ -116,18 +116,7 @@ def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
 
 def test_each_steps_logits_match_transformers_forward(hybrid):
     _, _, engine, hf = hybrid
-    ids = prompts()[2]
-    seq = engine.new_sequence(len(ids) + 24 + engine.info.block_size)
-    logits = engine.prefill(seq, np.asarray(ids, np.int64))
-    tokens = list(ids)
-    worst = 0.0
-    for _ in range(16):
-        with torch.inference_mode():
-            ref = hf(torch.tensor([tokens])).logits[0, -1].numpy()
-        worst = max(worst, float(np.abs(np.asarray(logits).reshape(-1) - ref).max()))
-        nxt = int(np.argmax(ref))
-        tokens.append(nxt)
-        logits = engine.decode(seq, nxt)
+    worst = worst_logit_gap(engine, hf, prompts()[2], steps=16)
     assert worst <= 1e-4, worst
 
 
