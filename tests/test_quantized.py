@@ -230,3 +230,24 @@ def test_logits_match_the_dequantized_weights_in_the_pytorch_reference(built):
     assert err <= 0.05 * scale, (err, scale)
     assert err < (0.5 if precision == "int4" else 0.8) * err_fp32, (err, err_fp32)  # int8 weights: near fp32
     assert json.loads((out / "manifest.json").read_text())["precision"]["lm_head"] == precision
+
+
+def test_whole_trees_in_a_batch_equal_plain_decoding(built):
+    """Quantized engines, tree_mode "full" under continuous batching (every node verified, trees of several
+    sequences in one call, walked sampled requests beside greedy and plain ones): each request's tokens are plain
+    decoding's of the request alone (greedy: the engine's own `ar`; sampled: plain sampling with the same seed)."""
+    from dflash_export.runtime.batching import BatchingRuntime
+
+    _, _, _, eng = built
+    single = DFlashRuntime(eng)
+    jobs = [(p, SamplingParams(max_new_tokens=40), "dflash") for p in PROMPTS]
+    jobs[1] = (PROMPTS[1], SamplingParams(max_new_tokens=40), "ar")
+    jobs.append((PROMPTS[3], SamplingParams(max_new_tokens=32, temperature=0.7, top_k=20, top_p=0.95, seed=4),
+                 "dflash"))
+    rt = BatchingRuntime(eng, max_batch=3, proposer="tree+lookup", tree_mode="full", adaptive=False)
+    reqs = [rt.submit(p, sp, m) for p, sp, m in jobs]
+    while not rt.idle:
+        rt.step()
+    assert rt.trees_verified > 0
+    for req, (p, sp, _) in zip(reqs, jobs):
+        assert req.stats.tokens == single.generate(p, sp, "ar").tokens, (p, sp)

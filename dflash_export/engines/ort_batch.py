@@ -18,6 +18,11 @@ How B sequences of different lengths share one call:
   and to each other (causal), the padding rows come after every real row and are never seen, and their K/V rows lie
   past the committed length, overwritten by the next step -- as the quantized engines' two-row plain step already
   does. Prefills run in their own calls (an empty cache per sequence, the prompt right-padded).
+- Draft trees (`target_step`'s `trees`): a sequence's block may be a whole tree, its rows the nodes, at positions
+  length + depth, each seeing only its ancestors among the new rows (GQA's `attention_bias` for one sequence a
+  call, target_batch's `block_bias` [B,S,S] for several; the other sequences of the call keep causal blocks).
+  `commit` with the accepted path moves those nodes' K/V rows down to consecutive rows of the slot (their RoPE
+  positions are already those rows') and keeps their context features: the tree's other rows become stale.
 - Drafter (context K/V outside the graph, `key_bias` input): each sequence's cached context, its new context
   features and its block are padded to the call's longest, and key_bias (-inf) hides every padding key from every
   query. With no padding (a batch of one) the bias is all zeros and the drafts are the unbatched graph's, bit for bit.
@@ -431,6 +436,11 @@ class BatchedEngine:
         """Whether a target call over `n_seqs` sequences may verify draft trees (`target_step`'s `trees`)."""
         return self.graphs.target_trees
 
+    @property
+    def max_step_rows(self) -> int:
+        """The most rows per sequence a step's target call takes (a block: the TensorRT batch profiles' bound)."""
+        return self.info.block_size
+
     def target_step(self, seqs: list[BatchSeq], blocks: list, trees: list | None = None) -> list[np.ndarray]:
         """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step),
         or, where `trees[b]` is a draft tree (decoding/tree.DraftTree, its tokens the block), every node at position
@@ -608,6 +618,10 @@ class BatchedOrtEngine(BatchedEngine):
 
     def preload(self) -> None:
         self.engine.batch_target_session()  # target_batch.onnx: a second copy of the target's weights
+
+    @property
+    def max_step_rows(self) -> int:
+        return self.info.max_seq_len  # ONNX Runtime's graphs take any number of rows
 
     def verifies_trees(self, n_seqs: int) -> bool:
         # one sequence (or engines without target_batch: one sequence a call) runs the in-place GQA graph

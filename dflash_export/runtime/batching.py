@@ -29,6 +29,13 @@ are tempered; those sampling the drafter's own chain verify full blocks, as DFla
     verified only if the rule above says so, which at high load it does not (measured at 16 sequences x 32 tokens:
     probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts of which nothing was accepted the next
     2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
+Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `BatchedEngine.verifies_trees`):
+    a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
+    deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
+    the tree's nodes, best first: node k is row k and its score (the chance its path is accepted) is what q[b, k]
+    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Where the engine cannot
+    verify trees for the call (an engine built before the batched graph's tree mask, B > 1), each sequence
+    verifies its tree's best path ("spine").
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix; and a
 walked sampled request's is plain sampling's, draw for draw: every token is the target's draw with its next uniform.
 """
@@ -421,8 +428,8 @@ class BatchingRuntime:
             if logits is not None and a.walk:
                 logits = logits / np.float32(a.req.sp.temperature)
             if full:
-                nodes = min(self.options.tree_nodes, self.max_rows - 1, bs - 1,
-                            self.info.max_seq_len - a.seq.length - 1)
+                nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1,
+                            a.seq.max_tokens - a.seq.length - 1)
                 tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,
                                                   lookup_scores=self.lookup_stats.score)
                 if len(tree) < 2:
@@ -565,7 +572,8 @@ class BatchingRuntime:
         # or a run that has just started, would otherwise judge rows against a stale lower rate.
         bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
         k = 1
-        while k < self.info.block_size:
+        top = max([self.info.block_size] + [len(a.tree[0]) for a in acts if a.tree is not None])
+        while k < top:
             gain = sum(q[k - 1] for q in scored if len(q) >= k)
             if k >= s and (gain <= 0 or gain < bar):
                 break
