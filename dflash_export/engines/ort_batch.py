@@ -374,6 +374,8 @@ class BatchedEngine:
         the K/V buffer and returns the new rows, written back here for the real rows only)."""
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
+        # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
         cap = self._buf.t_cap
         embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
         pos = np.empty((len(seqs), s), np.int64)
@@ -568,6 +570,7 @@ class BatchedOrtEngine(BatchedEngine):
         e = self.engine
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))  # see above
         if s < e.row_floor and all(q.length + e.row_floor <= min(self.info.max_seq_len, self._buf.t_cap)
                                    for q in seqs):
             s = e.row_floor  # steps shorter than the engine's row floor run padded, as OrtEngine's (numerics.py)

@@ -415,6 +415,8 @@ class BatchingRuntime:
         block (when it drafted) and the context's lookup branches, no deeper than a block."""
         bs = self.info.block_size
         full = self.full_trees and self.batch.verifies_trees(len(acts))
+        # every sequence of the call gets the call's rows (padding included): the longest one bounds them
+        room = self.info.max_seq_len - max(a.seq.length for a in acts) - 1
         for a in acts:
             if a.state is None:
                 continue
@@ -428,8 +430,7 @@ class BatchingRuntime:
             if logits is not None and a.walk:
                 logits = logits / np.float32(a.req.sp.temperature)
             if full:
-                nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1,
-                            a.seq.max_tokens - a.seq.length - 1)
+                nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1, room)
                 tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,
                                                   lookup_scores=self.lookup_stats.score)
                 if len(tree) < 2:
@@ -572,7 +573,7 @@ class BatchingRuntime:
         # or a run that has just started, would otherwise judge rows against a stale lower rate.
         bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
         k = 1
-        top = max([self.info.block_size] + [len(a.tree[0]) for a in acts if a.tree is not None])
+        top = max([self.info.block_size] + [len(a.tree[0]) for a in acts if getattr(a, "tree", None) is not None])
         while k < top:
             gain = sum(q[k - 1] for q in scored if len(q) >= k)
             if k >= s and (gain <= 0 or gain < bar):
