@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_export.deploy.front import CANCEL_PARAMETER, SECRET_HEADER, Front, Limits
+from dflash_export.deploy.connection import Limits
+from dflash_export.deploy.front import Front
+from dflash_export.deploy.upstream import CANCEL_PARAMETER, SECRET_HEADER
 
 
 class Upstream:
