@@ -163,8 +163,8 @@ class Routing:
     async def _openai(self, conn: Connection, path: str, obj) -> int:
         chat = path == "/v1/chat/completions"
         try:
+            # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
             gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
-            gen = check_generate_body(gen)
             self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.from_dflash_error(e) from None
