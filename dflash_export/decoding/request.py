@@ -70,7 +70,10 @@ def check_field(name: str, value, field: str | None = None):
         if not lo <= value <= hi:
             raise DFlashError(f"must be in {lo}..{hi}, got {value}", field=field)
         return value
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float's range (JSON allows any length)
+        value = math.inf
     if not math.isfinite(value):
         raise DFlashError(f"must be a finite number, got {value}", field=field)
     if lo_open and not lo < value <= hi:
