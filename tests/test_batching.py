@@ -595,3 +595,50 @@ def test_the_row_cost_is_fitted_from_the_target_calls_and_never_below_the_record
     for i in range(40):
         cheap._learn_row_cost(1 + i % 6, 1.0 + 0.001 * (1 + i % 6))
     assert cheap.a == cheap.a_recorded
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adaptive):
+    """tree_mode "full": greedy and walked sampled requests verify whole trees (the drafter's top-K and the context's
+    lookups) beside plain ones, several sequences per target call, each block its own tree (positions length + depth,
+    ancestor-only bias), the accepted path's K/V kept in place. Greedy tokens are the PyTorch reference's, plain
+    batched decoding's and single-stream plain decoding's; sampled ones are plain sampling's with the same seed; some
+    accepted paths leave the tree's first branch, so the K/V move and the mask are exercised (every node verified;
+    under the cost model the random drafter's nodes rarely pay, and the tokens are the same)."""
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=4, proposer="tree+lookup", tree_mode="full", adaptive=adaptive)
+    assert rt.batch.verifies_trees(4)
+    paths, tree_calls = [], []
+    commit, target_step = rt.batch.commit, rt.batch.target_step
+
+    def spy_commit(seq, accept, path=None):
+        paths.append(path)
+        return commit(seq, accept, path)
+
+    def spy_target_step(seqs, blocks, trees=None):
+        tree_calls.append(sum(t is not None and not t.is_chain for t in trees or []))
+        return target_step(seqs, blocks, trees)
+
+    rt.batch.commit, rt.batch.target_step = spy_commit, spy_target_step
+    jobs = [(p, SamplingParams(max_new_tokens=40), "dflash") for p in PROMPTS]
+    jobs[1] = (PROMPTS[1], SamplingParams(max_new_tokens=40), "ar")
+    jobs += [(PROMPTS[3], SamplingParams(max_new_tokens=32, temperature=0.7, seed=5), "dflash"),
+             (PROMPTS[4], SamplingParams(max_new_tokens=32, temperature=1.0, top_k=20, top_p=0.95, seed=6), "dflash")]
+    reqs = [rt.submit(p, sp, m) for p, sp, m in jobs]
+    while not rt.idle:
+        rt.step()
+    plain = BatchingRuntime(eng, max_batch=4)
+    plain_reqs = [plain.submit(p, sp, "ar") for p, sp, _ in jobs]
+    while not plain.idle:
+        plain.step()
+    single = DFlashRuntime(eng)
+    for req, plain_req, (p, sp, _) in zip(reqs, plain_reqs, jobs):
+        want = single.generate(p, sp, "ar").tokens
+        assert req.stats.tokens == want == plain_req.stats.tokens, (p, sp)
+        if sp.greedy:
+            assert req.stats.tokens == reference[PROMPTS.index(p)][:40]
+    if adaptive:
+        return
+    assert rt.trees_verified > 0 and max(tree_calls) >= 2  # trees of several sequences in one call
+    off_first = [q for q in paths if q is not None and q != list(range(len(q)))]
+    assert off_first, "no accepted path left the tree's first branch"

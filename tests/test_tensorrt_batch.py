@@ -205,7 +205,7 @@ def test_the_batch_kv_stay_on_the_device_bound_by_address(pair, reference, monke
         assert req.stats.tokens == ref[: sp.max_new_tokens]
     assert bound and all(bound), bound
     assert len(returned) > len(PROMPTS) and all(returned)
-    small = {"inputs_embeds", "position_ids", "past_bias", "ctx", "ctx_positions", "block_embeds", "block_positions",
+    small = {"inputs_embeds", "position_ids", "past_bias", "block_bias", "ctx", "ctx_positions", "block_embeds", "block_positions",
              "key_bias", "hidden"}
     assert uploads and set(uploads) <= small, sorted(set(uploads) - small)
     assert batch.kv_bytes == 0
@@ -225,7 +225,7 @@ def test_more_sequences_than_the_batch_profiles_take_are_refused(pair):
     kv = np.zeros((b, graphs.t_kv_heads, cap, graphs.t_head_dim), np.float32)
     feeds = {"inputs_embeds": np.zeros((b, s, graphs.mask_row.shape[0]), np.float32),
              "num_logits": np.array(s, np.int64), "position_ids": np.tile(np.arange(s), (b, 1)),
-             "past_bias": np.full((b, cap), -np.inf, np.float32)}
+             "past_bias": np.full((b, cap), -np.inf, np.float32), "block_bias": np.zeros((b, s, s), np.float32)}
     with pytest.raises(DFlashError, match=r"\(4, 2, \d+\) of inputs_embeds is outside profile 'batch_step'") as e:
         graphs.target_batch(feeds, [kv] * (2 * graphs.t_layers))
     assert e.value.field == "inputs_embeds"

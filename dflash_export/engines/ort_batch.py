@@ -18,6 +18,11 @@ How B sequences of different lengths share one call:
   and to each other (causal), the padding rows come after every real row and are never seen, and their K/V rows lie
   past the committed length, overwritten by the next step -- as the quantized engines' two-row plain step already
   does. Prefills run in their own calls (an empty cache per sequence, the prompt right-padded).
+- Draft trees (`target_step`'s `trees`): a sequence's block may be a whole tree, its rows the nodes, at positions
+  length + depth, each seeing only its ancestors among the new rows (GQA's `attention_bias` for one sequence a
+  call, target_batch's `block_bias` [B,S,S] for several; the other sequences of the call keep causal blocks).
+  `commit` with the accepted path moves those nodes' K/V rows down to consecutive rows of the slot (their RoPE
+  positions are already those rows') and keeps their context features: the tree's other rows become stale.
 - Drafter (context K/V outside the graph, `key_bias` input): each sequence's cached context, its new context
   features and its block are padded to the call's longest, and key_bias (-inf) hides every padding key from every
   query. With no padding (a batch of one) the bias is all zeros and the drafts are the unbatched graph's, bit for bit.
@@ -47,6 +52,19 @@ from dflash_export.engines.onnxruntime import OrtEngine
 from dflash_export.errors import DFlashError
 
 
+def tree_rows(length: int, rows: int, tree) -> tuple[np.ndarray, np.ndarray]:
+    """position_ids [rows] and block_bias [rows, rows] of a draft tree's block after `length` committed tokens:
+    nodes at length + depth, each seeing only its ancestors among the new rows (the graph's causal mask hides the
+    later rows); rows past the tree (padding) continue its last position and nobody attends to them."""
+    n = len(tree)
+    pos = np.empty(rows, np.int64)
+    pos[:n] = length + np.asarray(tree.depths, np.int64)
+    pos[n:] = pos[n - 1] + 1 + np.arange(rows - n)
+    bias = np.zeros((rows, rows), np.float32)
+    bias[:n, :n] = np.where(tree.ancestor_mask(), 0.0, -np.inf)
+    return pos, bias
+
+
 class BatchSeq(Sequence):
     """One sequence of a batch. `length`: committed tokens (the next anchor sits there); `slot`: its K/V slot."""
 
@@ -60,6 +78,7 @@ class BatchSeq(Sequence):
         self.ctx_parts: list[np.ndarray] = []
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
+        self._step_tree = None                    # the draft tree (decoding/tree.DraftTree) the step verifies, if any
 
     def pending_context(self) -> np.ndarray:
         """The pending features as one array [n, H_drafter] (kept as one chunk from then on)."""
@@ -111,6 +130,13 @@ class HostKV:
         for buf in bufs:
             buf[dst, :, :n] = buf[src, :, :n]
 
+    def move_rows(self, bufs: list, slot: int, at: int, nodes: list[int]) -> None:
+        """Rows at + nodes[r] of `slot` into rows at + r (a draft tree's accepted path, kept in place: node indices
+        grow along a path, so no row is overwritten before it is read; the gather copies first anyway)."""
+        idx = at + np.asarray(nodes, np.int64)
+        for buf in bufs:
+            buf[slot, :, at: at + len(nodes)] = buf[slot][:, idx]  # (buf[slot, :, idx] would put idx's axis first)
+
     def gather(self, bufs: list, slots: list[int], t: int) -> list:
         """Rows 0..t-1 of `slots` (any order) of each buffer, as new dense [len(slots), KVH, t, D] arrays."""
         idx = np.array(slots)
@@ -123,8 +149,10 @@ class BatchGraphs(ABC):
 
     Graph protocol (the export's "ort" flavor graphs; TensorRT compiles plain-op copies of the same graphs):
       target_batch  in:  inputs_embeds [B,S,H] f32, num_logits [] i64 (= S), position_ids [B,S] i64,
-                         past_bias [B,P] f32 (0 visible, -inf past the sequence's length), past_key_i / past_value_i
-                         [B,KVH,P,D] f32 (the K/V buffers' slot range, read only)
+                         past_bias [B,P] f32 (0 visible, -inf past the sequence's length), block_bias [B,S,S] f32
+                         (graphs with `target_trees`: 0 / -inf over the new rows, on top of the causal mask; a draft
+                         tree hides every row that is not an ancestor), past_key_i / past_value_i [B,KVH,P,D] f32 (the
+                         K/V buffers' slot range, read only)
                     out: hidden [B,S,H], ctx [B,S,H_drafter], new_key_i / new_value_i [B,KVH,S,D]
       drafter       in:  ctx [B,C,H_drafter], ctx_positions [B,C] i64, block_embeds [B,bs,H], block_positions [B,bs]
                          i64, key_bias [B,T+C+bs] f32 (drafters that batch), past_ctx_key_i / value_i [B,KVH,T,D]
@@ -141,6 +169,7 @@ class BatchGraphs(ABC):
     d_kv_heads: int
     d_head_dim: int
     drafter_batches: bool   # the drafter takes key_bias: B padded sequences per call
+    target_trees: bool = False  # target_batch takes block_bias: each sequence's block may be a draft tree
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
 
@@ -188,6 +217,11 @@ class OrtBatchGraphs(BatchGraphs):
         self.drafter_batches = e.drafter_batches
         self.has_selector = bool(e._selector)
         self.mask_row = e._mask_row
+
+    @property
+    def target_trees(self) -> bool:
+        sess = self.engine.batch_target_session()
+        return sess is not None and any(i.name == "block_bias" for i in sess.get_inputs())
 
     def embed_rows(self, ids) -> np.ndarray:
         return self.engine._embed.rows(ids)
@@ -340,6 +374,8 @@ class BatchedEngine:
         the K/V buffer and returns the new rows, written back here for the real rows only)."""
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
+        # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
         cap = self._buf.t_cap
         embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
         pos = np.empty((len(seqs), s), np.int64)
@@ -353,8 +389,17 @@ class BatchedEngine:
             embeds[i, len(blk):] = embeds[i, len(blk) - 1]
             pos[i] = np.arange(seq.length, seq.length + s)
             bias[i, seq.length:] = -np.inf
-        past = self._kv.slot_range(self._buf.t_kv, a, z)
         feeds = {"inputs_embeds": embeds, "num_logits": np.array(s, np.int64), "position_ids": pos, "past_bias": bias}
+        trees = [seq._step_tree for seq in seqs]
+        if any(t is not None for t in trees) and not self.graphs.target_trees:
+            raise DFlashError("this engine's batched target graph has no block_bias input: rebuild the engine to "
+                              "verify draft trees in a batch", field="tree_mode")
+        if self.graphs.target_trees:
+            feeds["block_bias"] = np.zeros((len(seqs), s, s), np.float32)
+            for i, (seq, tree) in enumerate(zip(seqs, trees)):
+                if tree is not None:
+                    pos[i], feeds["block_bias"][i] = tree_rows(seq.length, s, tree)
+        past = self._kv.slot_range(self._buf.t_kv, a, z)
         outs = self.graphs.target_batch(feeds, past)
         self._kv.write_rows(self._buf.t_kv, outs[2:],
                             [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
@@ -389,19 +434,49 @@ class BatchedEngine:
             seq.length = n
         return [row[-1] for row in self._head([hidden[i, len(p) - 1: len(p)] for i, p in enumerate(ids)])]
 
-    def target_step(self, seqs: list[BatchSeq], blocks: list) -> list[np.ndarray]:
-        """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step).
-        Returns logits [n_b, V] per sequence. Nothing is committed until `commit`."""
+    def verifies_trees(self, n_seqs: int) -> bool:
+        """Whether a target call over `n_seqs` sequences may verify draft trees (`target_step`'s `trees`)."""
+        return self.graphs.target_trees
+
+    @property
+    def max_step_rows(self) -> int:
+        """The most rows per sequence a step's target call takes (a block: the TensorRT batch profiles' bound)."""
+        return self.info.block_size
+
+    def target_step(self, seqs: list[BatchSeq], blocks: list, trees: list | None = None) -> list[np.ndarray]:
+        """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step),
+        or, where `trees[b]` is a draft tree (decoding/tree.DraftTree, its tokens the block), every node at position
+        length + depth seeing only its ancestors among the new rows. Returns logits [n_b, V] per sequence. Nothing
+        is committed until `commit`."""
         blocks = [np.asarray(b, np.int64) for b in blocks]
-        rows = self._step_rows(seqs, blocks)
+        for i, seq in enumerate(seqs):
+            tree = None if trees is None else trees[i]
+            if tree is not None and len(tree) != len(blocks[i]):
+                raise DFlashError(f"a tree of {len(tree)} nodes verifies a block of {len(blocks[i])} rows",
+                                  field="trees")
+            seq._step_tree = None if tree is None or tree.is_chain else tree  # a chain is a causal block
+        try:
+            rows = self._step_rows(seqs, blocks)
+        finally:
+            for seq in seqs:
+                seq._step_tree = None
         for seq, (_, c) in zip(seqs, rows):
             seq._step_ctx = c if seq.keep_context else None
         return self._head([h for h, _ in rows])
 
-    def commit(self, seq: BatchSeq, accept: int) -> None:
+    def commit(self, seq: BatchSeq, accept: int, path: list[int] | None = None) -> None:
         """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending
-        ones (in order), the rows past them are stale and get overwritten by the next step."""
-        if seq._step_ctx is not None:
+        ones (in order), the rows past them are stale and get overwritten by the next step. A verified tree commits
+        its accepted `path` (node indices from the root, accept + 1 of them): those nodes' K/V rows move down to
+        consecutive rows of the cache (their RoPE positions, length + depth, are already those rows') and their
+        features become pending."""
+        if path is not None and list(path) != list(range(len(path))):
+            if len(path) != accept + 1:
+                raise DFlashError("an accepted path holds accept + 1 nodes", field="path")
+            self._kv.move_rows(self._buf.t_kv, seq.slot, seq.length, list(path))
+            if seq._step_ctx is not None:
+                seq.ctx_parts.append(seq._step_ctx[np.asarray(path)].copy())
+        elif seq._step_ctx is not None:
             seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
         seq._step_ctx = None
         seq.length += accept + 1
@@ -495,6 +570,7 @@ class BatchedOrtEngine(BatchedEngine):
         e = self.engine
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))  # see above
         if s < e.row_floor and all(q.length + e.row_floor <= min(self.info.max_seq_len, self._buf.t_cap)
                                    for q in seqs):
             s = e.row_floor  # steps shorter than the engine's row floor run padded, as OrtEngine's (numerics.py)
@@ -527,15 +603,34 @@ class BatchedOrtEngine(BatchedEngine):
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        if e.tree_verify:  # the graph's draft-tree inputs: consecutive positions, no bias (chains only here)
-            io.bind_cpu_input("position_ids", (lengths[:, None] + np.arange(s)).astype(np.int64))
-            io.bind_cpu_input("attention_bias", np.zeros((len(seqs), 1, s, total), np.float32))
+        trees = [q._step_tree for q in seqs]
+        if any(t is not None for t in trees) and (prefill or not e.tree_verify):
+            raise DFlashError("this engine's target graph has no tree inputs: rebuild it to verify draft trees",
+                              field="tree_mode")
+        if e.tree_verify:  # the graph's draft-tree inputs: consecutive positions and no bias for chains
+            pos = (lengths[:, None] + np.arange(s)).astype(np.int64)
+            att = np.zeros((len(seqs), 1, s, total), np.float32)
+            for i, (q, tree) in enumerate(zip(seqs, trees)):
+                if tree is not None:
+                    pos[i], att[i, 0, :, q.length: q.length + s] = tree_rows(q.length, s, tree)
+            io.bind_cpu_input("position_ids", pos)
+            io.bind_cpu_input("attention_bias", att)
         e.target.run_with_iobinding(io)
         outs = io.get_outputs()
         return outs[0].numpy(), outs[1].numpy()
 
     def preload(self) -> None:
         self.engine.batch_target_session()  # target_batch.onnx: a second copy of the target's weights
+
+    @property
+    def max_step_rows(self) -> int:
+        return self.info.max_seq_len  # ONNX Runtime's graphs take any number of rows
+
+    def verifies_trees(self, n_seqs: int) -> bool:
+        # one sequence (or engines without target_batch: one sequence a call) runs the in-place GQA graph
+        if not self.engine.tree_verify:
+            return False
+        return n_seqs == 1 or self.engine.batch_target_session() is None or self.graphs.target_trees
 
     def _prefill_rows(self, seqs, ids):
         return self._run_target(seqs, ids, prefill=True)

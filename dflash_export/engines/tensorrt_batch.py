@@ -254,6 +254,13 @@ class DeviceKV(HostKV):
             for buf in bufs:
                 buf[dst, :, :n].copy_(buf[src, :, :n])
 
+    def move_rows(self, bufs, slot, at, nodes):
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            idx = torch.as_tensor(np.asarray(nodes, np.int64) + at).to(self.device)
+            for buf in bufs:
+                buf[slot, :, at: at + len(nodes)] = buf[slot, :, :].index_select(1, idx)
+
     def gather(self, bufs, slots, t):
         torch = self.torch
         with torch.cuda.stream(self.stream):
@@ -284,6 +291,7 @@ class TrtBatchGraphs(BatchGraphs):
         (self.t_layers, self.t_kv_heads, self.t_head_dim) = _kv_geometry(self.graphs[TARGET_BATCH], "key_")
         (self.d_layers, self.d_kv_heads, self.d_head_dim) = _kv_geometry(self.graphs[DRAFTER_BATCH], "ctx_key_")
         self.drafter_batches = "key_bias" in self.graphs[DRAFTER_BATCH].inputs
+        self.target_trees = "block_bias" in self.graphs[TARGET_BATCH].inputs
         if not self.drafter_batches:
             raise DFlashError("the drafter batch engine takes no key_bias (masked drafters draft one sequence a call, "
                               "which the TensorRT backend does not build)", path=engine_dir / BATCH_FILES[

@@ -219,6 +219,9 @@ def _target_inputs(b: _TargetGraph) -> str:
     if batch:
         b.pos = g.input("position_ids", I64, ["batch", "seq"])
         g.input("past_bias", F32, ["batch", "past"])
+        # Draft trees: per sequence an additive bias [B,S,S] over its new rows (0 visible, -inf hidden) on top of the
+        # causal mask, leaving each row only its tree ancestors; chains feed zeros.
+        g.input("block_bias", F32, ["batch", "seq", "seq"])
     elif ort:
         g.input("seqlens_k", I32, ["batch"])
         g.input("total_seq_len", I32, [])
@@ -533,6 +536,8 @@ def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "Tar
         s_past = g.op("Add", [s_past, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
     s_new = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [f"new_key_{i}"], perm=[0, 1, 3, 2])]), scale])
     s_new = g.op("Add", [s_new, causal])                                                 # [B,KVH,G*S,S]
+    tree = g.op("Tile", ["block_bias", g.const([1, H // KVH, 1])])                       # [B,G*S,S], group-major
+    s_new = g.op("Add", [s_new, g.op("Unsqueeze", [tree, g.const([1])])])
     parts = [s_past, s_new]
     p_len = g.op("Shape", [past_k], start=2, end=3)
     s_len = g.op("Shape", [vh], start=2, end=3)

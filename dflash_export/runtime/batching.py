@@ -29,6 +29,13 @@ are tempered; those sampling the drafter's own chain verify full blocks, as DFla
     verified only if the rule above says so, which at high load it does not (measured at 16 sequences x 32 tokens:
     probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts of which nothing was accepted the next
     2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
+Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `BatchedEngine.verifies_trees`):
+    a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
+    deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
+    the tree's nodes, best first: node k is row k and its score (the chance its path is accepted) is what q[b, k]
+    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Where the engine cannot
+    verify trees for the call (an engine built before the batched graph's tree mask, B > 1), each sequence
+    verifies its tree's best path ("spine").
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix; and a
 walked sampled request's is plain sampling's, draw for draw: every token is the target's draw with its next uniform.
 """
@@ -47,7 +54,7 @@ import numpy as np
 from dflash_export.decoding.acceptance import walk_accept
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, top_probability, verify_block, verify_length
-from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain
+from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain, greedy_accept
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
@@ -100,6 +107,10 @@ class _Active:
         self.state: TreeState | None = None
         self.spine: tuple[DraftTree, list[int], bool] | None = None  # tree, best path, drafter in it
         self.spine_scores: np.ndarray | None = None
+        # Whole trees (tree_mode "full"): this step's tree, verified node for node (`_block` cuts it to the rows the
+        # step verifies), and the accepted path of node indices that `commit` keeps.
+        self.tree: tuple[DraftTree, bool] | None = None  # tree, drafter in it
+        self.path: list[int] | None = None
 
     @property
     def produced(self) -> int:
@@ -120,21 +131,28 @@ class BatchingRuntime:
 
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7,
-                 proposer: str | None = None, sampling: str | None = None):
+                 proposer: str | None = None, sampling: str | None = None, tree_mode: str | None = None):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
         # The engine's recorded decoding options with the caller's, checked once (decoding/options.py).
-        self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer, sampling=sampling)
+        self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer, sampling=sampling,
+                                       tree_mode=tree_mode)
         self.batch = batched_engine(engine, max_batch)  # the engine's backend's (engines.registry)
         self.info = engine.info
         self.codec = engine.codec
         self.full_last_block = getattr(engine, "fixed_block", False)
-        # Steps propose lookup branches too when the engine's proposer has them; whole trees are not verified in a
-        # batch: each sequence verifies its tree's best path, as DFlashRuntime's "spine" mode does.
+        # Steps propose lookup branches too when the engine's proposer has them. tree_mode "spine": each sequence
+        # verifies its tree's best path, as DFlashRuntime's "spine" mode does (its lookups merged with its drafter's
+        # block as a chain); "full": each sequence's block is its whole tree (the drafter's top-K per slot and the
+        # lookups), its rows the tree's nodes, where the batched engine verifies trees (engines/ort_batch.py).
         proposal = self.options.proposer_for()
         self.lookups, self.drafter = proposal.lookups, proposal.drafter
-        # A sequence's lookups merge with its drafter's block as a chain: one path per sequence is verified.
         self.spine_proposal = type(proposal)(1)
+        self.tree_proposal = proposal
+        self.full_trees = self.options.tree_mode == "full"
+        numerics = getattr(engine, "numerics", None)
+        self.max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else self.info.block_size
+        self.trees_verified = 0  # sequence-steps that verified a tree with branches
         # Lookup nodes are scored by the batch's lookup acceptance per depth, learned from every sequence's steps:
         # a request's own counts start from an optimistic prior, which at high load (a high bar per row) would pay
         # padded rows for lookups this text does not accept until each request had learned it alone.
@@ -299,7 +317,8 @@ class BatchingRuntime:
         s = self._choose_rows(acts, drafting)
         blocks = [self._block(a, s) for a in acts]
         t1 = time.perf_counter()
-        logits = self.batch.target_step([a.seq for a in acts], blocks)
+        logits = self.batch.target_step([a.seq for a in acts], blocks,
+                                        [a.tree[0] if a.tree is not None else None for a in acts])
         t2 = time.perf_counter()
         if self.adaptive:
             self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1)
@@ -313,7 +332,7 @@ class BatchingRuntime:
         done = []
         for a, blk, lg in zip(acts, blocks, logits):
             accept, emitted = self._verify(a, blk, lg, probe)
-            self.batch.commit(a.seq, accept)
+            self.batch.commit(a.seq, accept, a.path)
             a.last = emitted[-1]
             tokens += accept + 1
             ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
@@ -356,6 +375,7 @@ class BatchingRuntime:
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs, a.spine, a.spine_scores = 0, None, None, None, None
+            a.tree = a.path = None
             if a.req.mode != "dflash":
                 continue
             if a.argmax_drafts and not self.drafter:  # lookups only (_propose_lookups)
@@ -394,16 +414,34 @@ class BatchingRuntime:
         """For greedy sequences with lookups: this step's drafts become the best path of a tree of the drafter's
         block (when it drafted) and the context's lookup branches, no deeper than a block."""
         bs = self.info.block_size
+        full = self.full_trees and self.batch.verifies_trees(len(acts))
+        # every sequence of the call gets the call's rows (padding included): the longest one bounds them
+        room = self.info.max_seq_len - max(a.seq.length for a in acts) - 1
         for a in acts:
             if a.state is None:
                 continue
-            depth = min(bs - 1, a.req.sp.max_new_tokens - a.produced - 1)
-            branches = a.state.context.branches(depth) if depth > 0 else []
+            owed = a.req.sp.max_new_tokens - a.produced - 1
+            depth = min(bs - 1, owed)
+            # Whole trees: lookup branches as deep as the numerics probe checked rows (never more rows than a block)
+            branches = a.state.context.branches(min(self.max_rows - 1, owed) if full else depth) if owed > 0 else []
             logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
             if not branches and logits is None:
                 continue
             if logits is not None and a.walk:
                 logits = logits / np.float32(a.req.sp.temperature)
+            if full:
+                nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1, room)
+                tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,
+                                                  lookup_scores=self.lookup_stats.score)
+                if len(tree) < 2:
+                    continue
+                # Nodes come best-first (decoding/tree.build_tree), parents before children: the first n rows of
+                # the tree are a tree, and each node's score is what verifying its row is expected to add.
+                a.tree = (tree, logits is not None)
+                a.drafts = np.asarray(tree.tokens[1:], np.int64)
+                a.spine_scores = np.asarray(tree.scores[1:], np.float64)
+                a.block_len = len(tree)
+                continue
             tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
                                                lookup_scores=self.lookup_stats.score)
             spine = tree.best_chain()
@@ -419,11 +457,15 @@ class BatchingRuntime:
         `a.n_draft`)."""
         if a.drafts is not None:
             cap = a.block_len - 1
-            if a.argmax_drafts and self.adaptive and (a.spine is not None or a.seq.draft_confidence is not None):
+            if a.tree is not None:  # a tree's depth is within what the request owes; its rows are its nodes
+                a.n_draft = max(0, min(s - 1, cap)) if self.adaptive else cap
+            elif a.argmax_drafts and self.adaptive and (a.spine is not None or a.seq.draft_confidence is not None):
                 cap = min(cap, a.req.sp.max_new_tokens - a.produced - 1)
                 a.n_draft = max(0, min(s - 1, cap))
             else:
                 a.n_draft = cap
+        if a.tree is not None:  # the rows this step verifies: the tree's first n_draft + 1 nodes
+            a.tree = (_first_nodes(a.tree[0], a.n_draft + 1), a.tree[1])
         blk = np.empty(a.n_draft + 1, np.int64)
         blk[0] = a.last
         if a.n_draft:
@@ -436,11 +478,18 @@ class BatchingRuntime:
         if a.req.mode == "ar":
             a.last = _pick(lg[0], sp, a.rng)
             return 0, [a.last]
-        if a.walk:  # the target's draws with the request's next uniforms, along its chain (decoding/acceptance.py)
-            path, emitted = walk_accept(chain(blk[0], blk[1:]), lg, sp.temperature, sp.top_k, sp.top_p, a.rng.random)
+        tree = None if a.tree is None else a.tree[0]
+        if a.walk:  # the target's draws with the request's next uniforms, along its tree (decoding/acceptance.py)
+            path, emitted = walk_accept(tree if tree is not None else chain(blk[0], blk[1:]), lg, sp.temperature,
+                                        sp.top_k, sp.top_p, a.rng.random)
             if a.drafts is None:
                 return 0, emitted
             accept = len(path) - 1
+            if tree is not None:
+                a.path = path
+        elif tree is not None:
+            a.path, emitted = greedy_accept(tree, np.argmax(lg, axis=-1))
+            accept = len(a.path) - 1
         elif a.drafts is None:  # a plain step whose features stay pending (back-off)
             return verify_block(None, lg, blk[1:], None, None, True)
         else:
@@ -448,7 +497,12 @@ class BatchingRuntime:
             probs = None if sp.greedy else probs_from_logits(lg.astype(np.float64), sp.temperature, sp.top_k,
                                                               sp.top_p)
             accept, emitted = verify_block(probs, lg, blk[1:], a.draft_probs, u, sp.greedy)
-        if a.spine is not None:
+        if tree is not None:
+            checked = set(range(len(tree)))
+            a.state.record(tree, a.path, checked, a.tree[1], True)
+            self.lookup_stats.record(tree, a.path, checked)
+            self.trees_verified += not tree.is_chain
+        elif a.spine is not None:
             tree, spine, drafted = a.spine
             a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
             self.lookup_stats.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]))
@@ -519,12 +573,20 @@ class BatchingRuntime:
         # or a run that has just started, would otherwise judge rows against a stale lower rate.
         bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
         k = 1
-        while k < self.info.block_size:
+        top = max([self.info.block_size] + [len(a.tree[0]) for a in acts if getattr(a, "tree", None) is not None])
+        while k < top:
             gain = sum(q[k - 1] for q in scored if len(q) >= k)
             if k >= s and (gain <= 0 or gain < bar):
                 break
             k += 1
         return max(s, k)
+
+
+def _first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first `n` nodes (a tree: every parent comes before its children)."""
+    if n >= len(tree):
+        return tree
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.sources[:n], tree.scores[:n])
 
 
 class BatchingService:
