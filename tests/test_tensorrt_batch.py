@@ -205,8 +205,8 @@ def test_the_batch_kv_stay_on_the_device_bound_by_address(pair, reference, monke
         assert req.stats.tokens == ref[: sp.max_new_tokens]
     assert bound and all(bound), bound
     assert len(returned) > len(PROMPTS) and all(returned)
-    small = {"inputs_embeds", "position_ids", "past_bias", "block_bias", "ctx", "ctx_positions", "block_embeds", "block_positions",
-             "key_bias", "hidden"}
+    small = {"inputs_embeds", "position_ids", "past_bias", "block_bias", "ctx", "ctx_positions", "block_embeds",
+             "block_positions", "key_bias", "hidden"}
     assert uploads and set(uploads) <= small, sorted(set(uploads) - small)
     assert batch.kv_bytes == 0
 
