@@ -3,6 +3,7 @@ that run the TensorRT runner on CPU (test_tensorrt_engine, test_engine_contract)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -223,5 +224,6 @@ def emulated_engine_dir(root, recipe, max_batch: int | None = None):
     write_manifest(out, {"backend": "tensorrt", "recipe": recipe.name, "block_size": bs,
                          "mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                          "max_seq_len": recipe.max_seq_len, "engines": engines,
+                         "decoding": dataclasses.asdict(recipe.decoding),
                          **trt_backend.write_serving_files(recipe, drafter, out), **extra})
     return out

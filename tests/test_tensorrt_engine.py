@@ -286,6 +286,51 @@ def test_tensorrt_engine_on_emulated_tensorrt_refuses_a_manifest_without_the_pro
         emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
 
 
+WALK_NOTE = ("sampled requests draw the drafter's chain and accept with min(1, p/q) (the recipe's walk needs host "
+             "acceptance over any block length, which fixed blocks do not give)")
+
+
+def test_tensorrt_engine_says_what_it_runs_of_the_recorded_decoding(emulated_tensorrt, tmp_path):
+    """The manifest carries the recipe's `decoding`; the engine runs the drafter's chain and chain sampling, says so
+    (a recorded walk becomes chain sampling, with the reason), and refuses a recorded tree or lookup proposer naming
+    the manifest and decoding.proposer."""
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe("tiny-qwen3")
+    out = emulated_engine_dir(tmp_path, recipe)
+    eng = emulated_tensorrt.TensorRTEngine(out, _typed(json.loads((out / "manifest.json").read_text()), out),
+                                           device="cpu")
+    assert eng.info.decoding == dataclasses.asdict(recipe.decoding) and recipe.decoding.sampling == "walk"
+    assert eng.decoding == {"proposer": "chain", "sampling": "chain", "sampling_note": WALK_NOTE}
+    rt = DFlashRuntime(eng)
+    assert rt.describe() == "chain" and rt.describe(0.7) == "chain"  # a fixed-block engine's runtime agrees
+    eng.close()
+    m = json.loads((out / "manifest.json").read_text())
+    m["decoding"]["sampling"] = "chain"
+    eng = emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
+    assert eng.decoding == {"proposer": "chain", "sampling": "chain"}
+    eng.close()
+    for proposer in ("tree", "lookup", "tree+lookup"):
+        m["decoding"]["proposer"] = proposer
+        with pytest.raises(DFlashError, match="fixed blocks.*decoding.proposer: chain") as e:
+            emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
+        assert (e.value.field, e.value.path) == ("decoding.proposer", out / "manifest.json")
+
+
+def test_build_refuses_a_proposer_the_engines_cannot_run_before_anything(tmp_path):
+    """build --backend tensorrt of a recipe asking for trees or lookups: one error naming the recipe file and
+    decoding.proposer, before TensorRT or a GPU is needed, nothing written."""
+    from dflash_export.decoding.options import DecodingOptions
+    from dflash_export.engines.tensorrt import build_tensorrt
+    from dflash_export.recipes import load_recipe
+
+    recipe = dataclasses.replace(load_recipe("tiny-qwen3"), decoding=DecodingOptions(proposer="tree+lookup"))
+    with pytest.raises(DFlashError, match="'tree\\+lookup' needs draft trees") as e:
+        build_tensorrt(recipe, tmp_path / "engine")
+    assert (e.value.field, e.value.path) == ("decoding.proposer", recipe.path)
+    assert not (tmp_path / "engine").exists()
+
+
 def _gpu_ready() -> bool:
     if not HAS_TENSORRT:
         return False

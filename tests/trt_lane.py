@@ -637,6 +637,44 @@ def assemble_shipped_ptx(archs=ASSEMBLE_ARCHS) -> dict:
     return out
 
 
+def _manifest_checks(report) -> None:
+    """build_tensorrt on tiny-qwen3 under the real bindings, with only what needs the runtime library or a GPU
+    replaced (the engine compilations, the CUDA device queries): the manifest it writes passes validation and records
+    the recipe's `decoding` and what the engines run of it; a recipe asking for draft trees is refused naming
+    decoding.proposer before anything is written."""
+    import tempfile
+    from unittest import mock
+
+    import torch
+
+    from dflash_export.decoding.options import DecodingOptions
+    from dflash_export.engines import tensorrt_build as B
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.engines.tensorrt_runtime import tensorrt_decoding
+    from dflash_export.errors import DFlashError
+    from dflash_export.recipes import load_recipe
+
+    recipe = load_recipe("tiny-qwen3")
+    with tempfile.TemporaryDirectory() as tmp, \
+            mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "get_device_name", lambda *_: "none (lane stand-in)"), \
+            mock.patch.object(B, "build_tensorrt_engines", lambda *a, **k: {}), \
+            mock.patch.object(B, "build_batch_engines", lambda *a, **k: {}):
+        out = B.build_tensorrt(recipe, Path(tmp) / "engine")
+        manifest = read_manifest(out)
+        assert manifest.raw["decoding"] == dataclasses.asdict(recipe.decoding), manifest.raw.get("decoding")
+        assert manifest.engine_info().decoding == manifest.raw["decoding"]
+        runs = manifest.raw["tensorrt_decoding"]
+        assert runs == tensorrt_decoding(dataclasses.asdict(recipe.decoding)) and runs["proposer"] == "chain", runs
+        trees = dataclasses.replace(recipe, decoding=DecodingOptions(proposer="tree"))
+        try:
+            B.build_tensorrt(trees, Path(tmp) / "trees")
+            raise AssertionError("a tree proposer was built")
+        except DFlashError as e:
+            assert e.field == "decoding.proposer" and not (Path(tmp) / "trees").exists(), e
+    report["manifest_decoding"] = runs
+
+
 def _without_refusal(trt, np, registry) -> str:
     """What the refused pair does when the version check is skipped: the error NVIDIA's code raises."""
     from dflash_export.engines import tensorrt_plugins as P
@@ -697,6 +735,7 @@ def check() -> dict:
     assert P.aot_plugins_supported(trt, sys.modules["tensorrt.plugin"]), "AOT plugins not supported"
     _plugin_checks(trt, np, registry, report)
     _aot_abi_checks(trt, np, registry, report)
+    _manifest_checks(report)
     return report
 
 

@@ -7,7 +7,8 @@ reached. The work lives in three modules, imported one way (this module -> build
   backend's shared constants;
 - `tensorrt_build`: `build --backend tensorrt` (`build_tensorrt`, `build_tensorrt_engines`, `build_engine_file`, the
   plugin-layer check);
-- `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines;
+- `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines,
+  and `tensorrt_decoding`, what they run of the recipe's `decoding` (the chain; a tree or lookup proposer refused);
 - `tensorrt_batch`: continuous batching. The build also compiles plain-op copies of the export's batch
   graphs (target_batch, the drafter with key_bias, the LM head; ONNX Runtime's fused norms rewritten, the dflash
   function inlined) with profiles for 1..max_batch sequences (default 8), recorded in the manifest;
@@ -85,7 +86,12 @@ from dflash_export.engines.tensorrt_plugins import (
     tensorrt_available,
     verify_aot_constexprs,
 )
-from dflash_export.engines.tensorrt_runtime import TensorRTEngine, TensorRTRunner, tensorrt_engine_info
+from dflash_export.engines.tensorrt_runtime import (
+    TensorRTEngine,
+    TensorRTRunner,
+    tensorrt_decoding,
+    tensorrt_engine_info,
+)
 
 __all__ = [
     # tensorrt_plugins
@@ -100,7 +106,7 @@ __all__ = [
     "inspect_plugin_layers", "plugin_implementations", "plugin_layer_counts", "refuse_masked_drafter",
     "write_serving_files",
     # tensorrt_runtime
-    "TensorRTEngine", "TensorRTRunner", "tensorrt_engine_info",
+    "TensorRTEngine", "TensorRTRunner", "tensorrt_decoding", "tensorrt_engine_info",
     # tensorrt_batch
     "BatchedTensorRTEngine", "TrtBatchGraphs", "check_batch_manifest", "plain_op_graph",
     # graph_engine (the optimization-profile tables)

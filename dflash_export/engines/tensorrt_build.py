@@ -34,6 +34,7 @@ from dflash_export.engines.tensorrt_plugins import (
     TARGET_ONNX,
     check_plugin_attributes,
 )
+from dflash_export.engines.tensorrt_runtime import tensorrt_decoding
 from dflash_export.errors import DFlashError
 from dflash_export.export import export_recipe
 from dflash_export.export.builder import FP32_ISLAND
@@ -350,6 +351,8 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implemen
 
     from dflash_export.models.checkpoint import load_drafter
 
+    decoding = dataclasses.asdict(recipe.decoding)
+    runs = tensorrt_decoding(decoding, recipe.path)  # refuses a proposer the engines cannot run, before any work
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = plugins.require_tensorrt()
@@ -377,6 +380,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implemen
             "export": res.metadata, "tensorrt": trt.__version__, **serving,
             "shared_tensors": embedding_layout(tmp / "onnx"),
             "gpu": torch.cuda.get_device_name(0),
+            "decoding": decoding, "tensorrt_decoding": runs,  # the recipe's options; what the engines run of them
         })
     return out_dir
 
