@@ -291,9 +291,8 @@ WALK_NOTE = ("sampled requests draw the drafter's chain and accept with min(1, p
 
 
 def test_tensorrt_engine_says_what_it_runs_of_the_recorded_decoding(emulated_tensorrt, tmp_path):
-    """The manifest carries the recipe's `decoding`; the engine runs the drafter's chain and chain sampling, says so
-    (a recorded walk becomes chain sampling, with the reason), and refuses a recorded tree or lookup proposer naming
-    the manifest and decoding.proposer."""
+    """The manifest carries the recipe's `decoding`; the engine runs the drafter's chain and chain sampling and says
+    so: a recorded walk becomes chain sampling, a recorded tree or lookup proposer the chain, each with its reason."""
     from dflash_export.recipes import load_recipe
 
     recipe = load_recipe("tiny-qwen3")
@@ -312,23 +311,22 @@ def test_tensorrt_engine_says_what_it_runs_of_the_recorded_decoding(emulated_ten
     eng.close()
     for proposer in ("tree", "lookup", "tree+lookup"):
         m["decoding"]["proposer"] = proposer
-        with pytest.raises(DFlashError, match="fixed blocks.*decoding.proposer: chain") as e:
-            emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
-        assert (e.value.field, e.value.path) == ("decoding.proposer", out / "manifest.json")
+        eng = emulated_tensorrt.TensorRTEngine(out, _typed(m, out), device="cpu")
+        assert (eng.decoding["proposer"], eng.decoding["sampling"]) == ("chain", "chain")
+        assert eng.decoding["proposer_note"].startswith(f"the recipe's {proposer} needs draft trees")
+        assert DFlashRuntime(eng).describe() == "chain (this engine verifies fixed blocks: no trees or lookups)"
+        eng.close()
 
 
-def test_build_refuses_a_proposer_the_engines_cannot_run_before_anything(tmp_path):
-    """build --backend tensorrt of a recipe asking for trees or lookups: one error naming the recipe file and
-    decoding.proposer, before TensorRT or a GPU is needed, nothing written."""
+def test_build_of_a_tree_recipe_records_that_the_engines_run_the_chain():
+    """build --backend tensorrt of a recipe asking for trees and lookups (the shipped smollm2-135m recipe does): the
+    manifest records the recipe's `decoding` and that the engines propose the drafter's chain, with the reason."""
     from dflash_export.decoding.options import DecodingOptions
-    from dflash_export.engines.tensorrt import build_tensorrt
-    from dflash_export.recipes import load_recipe
+    from dflash_export.engines.tensorrt_runtime import tensorrt_decoding
 
-    recipe = dataclasses.replace(load_recipe("tiny-qwen3"), decoding=DecodingOptions(proposer="tree+lookup"))
-    with pytest.raises(DFlashError, match="'tree\\+lookup' needs draft trees") as e:
-        build_tensorrt(recipe, tmp_path / "engine")
-    assert (e.value.field, e.value.path) == ("decoding.proposer", recipe.path)
-    assert not (tmp_path / "engine").exists()
+    runs = tensorrt_decoding(dataclasses.asdict(DecodingOptions(proposer="tree+lookup")))
+    assert runs["proposer"] == "chain" and "build --backend onnxruntime" in runs["proposer_note"]
+    assert runs["sampling"] == "chain" and runs["sampling_note"] == WALK_NOTE
 
 
 def _gpu_ready() -> bool:

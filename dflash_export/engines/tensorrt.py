@@ -8,7 +8,8 @@ reached. The work lives in three modules, imported one way (this module -> build
 - `tensorrt_build`: `build --backend tensorrt` (`build_tensorrt`, `build_tensorrt_engines`, `build_engine_file`, the
   plugin-layer check);
 - `tensorrt_runtime`: `TensorRTRunner` / `TensorRTEngine`, the DFlash runtime's GraphEngine over the built engines,
-  and `tensorrt_decoding`, what they run of the recipe's `decoding` (the chain; a tree or lookup proposer refused);
+  and `tensorrt_decoding`, what they run of the recipe's `decoding` (the chain, saying what it
+  runs instead of a tree or lookup proposer);
 - `tensorrt_batch`: continuous batching. The build also compiles plain-op copies of the export's batch
   graphs (target_batch, the drafter with key_bias, the LM head; ONNX Runtime's fused norms rewritten, the dflash
   function inlined) with profiles for 1..max_batch sequences (default 8), recorded in the manifest;

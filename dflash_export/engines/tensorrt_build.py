@@ -352,7 +352,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implemen
     from dflash_export.models.checkpoint import load_drafter
 
     decoding = dataclasses.asdict(recipe.decoding)
-    runs = tensorrt_decoding(decoding, recipe.path)  # refuses a proposer the engines cannot run, before any work
+    runs = tensorrt_decoding(decoding)  # the chain, with a note for what the recipe asks beyond it
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
     trt = plugins.require_tensorrt()

@@ -32,22 +32,21 @@ def tensorrt_engine_info(manifest: Manifest) -> EngineInfo:
     return manifest.engine_info("rebuild the engine: older builds did not record it")
 
 
-def tensorrt_decoding(recorded: Mapping | None, where=None) -> dict[str, str]:
+def tensorrt_decoding(recorded: Mapping | None) -> dict[str, str]:
     """What a TensorRT engine runs of its recipe's decoding options (the manifest's `decoding`, decoding/options.py).
 
     The engines verify fixed blocks of block_size through FusedVerify, with no draft-tree inputs (the portable target
     graph): a step proposes the drafter's chain ("chain"), and a sampled step draws the drafter's chain and accepts each
     draft with min(1, p/q) on the host ("chain" sampling: exact, the PyTorch reference's stream draw for draw). A
-    recipe's walk (the default) becomes chain sampling, said in "sampling_note". A proposer other than the chain
-    (trees, lookups) is refused: a DFlashError naming decoding.proposer and `where`, before anything is built.
+    recipe's tree or lookup proposer becomes the chain, said in "proposer_note", and its walk becomes chain sampling,
+    said in "sampling_note": the recipe stays buildable on both backends and the manifest says what runs.
     """
     options = resolve_options(dict(recorded or {}))
-    if options.proposer != "chain":
-        raise DFlashError(f"{options.proposer!r} needs draft trees or lookup branches; the TensorRT engines verify "
-                          "fixed blocks of block_size with no draft-tree inputs and run the drafter's chain only: set "
-                          "decoding.proposer: chain, or build --backend onnxruntime", path=where,
-                          field="decoding.proposer")
     plan = {"proposer": "chain", "sampling": "chain"}
+    if options.proposer != "chain":
+        plan["proposer_note"] = (f"the recipe's {options.proposer} needs draft trees or lookup branches; these "
+                                 "engines verify fixed blocks of block_size with no draft-tree inputs, so steps "
+                                 "propose the drafter's chain (build --backend onnxruntime runs it)")
     if options.sampling == "walk":
         plan["sampling_note"] = ("sampled requests draw the drafter's chain and accept with min(1, p/q) (the "
                                  "recipe's walk needs host acceptance over any block length, which fixed blocks do "
@@ -279,7 +278,7 @@ class TensorRTEngine(GraphEngine):
         plugins.require_tensorrt()
         engine_dir = Path(engine_dir)
         info = tensorrt_engine_info(manifest)
-        self.decoding = tensorrt_decoding(info.decoding, manifest.path)  # what it runs of the recipe's decoding
+        self.decoding = tensorrt_decoding(info.decoding)  # what it runs of the recipe's decoding
         super().__init__(TensorRTRunner(engine_dir, manifest, device), info, load_codec(engine_dir))
         self.engine_dir, self.manifest = engine_dir, manifest
         self._batch = None  # the batch engines, loaded on first use by engines/tensorrt_batch.py `batch_graphs`
