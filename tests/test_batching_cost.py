@@ -29,7 +29,7 @@ def _break_even(b: int, a: float, draft_cost: float, rows: float) -> float:
 def test_drafting_pays_exactly_above_the_break_even_gain_at_every_occupancy(engine, a, draft_cost):
     rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
     assert (rt.a, rt.draft_cost, rt.acceptance_calibration) == (a, draft_cost, 1.0)
-    for b in (2, 4, 8, 16):
+    for b in (1, 2, 4, 8, 16):
         for rows in (1.5, 3.0, 6.0):
             rt.rows_per_draft_step = rows
             g_star = _break_even(b, a, draft_cost, rows)
@@ -79,3 +79,20 @@ def test_the_calibration_is_accepted_over_expected_drafts_and_never_above_one(en
     chain.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100, temperature=0.7), "mode": "dflash"})()
     rt._learn_acceptance(chain, 0)
     assert (rt._accepted_vs_expected == before).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_one_request_alone_drafts_by_the_single_rule_when_greedy_and_by_the_cost_model_when_sampled(engine,
+                                                                                                  temperature):
+    """Drafting planted unprofitable: a greedy request alone still drafts (DFlashRuntime's rule, back-off aside);
+    a sampled one alone makes plain steps, its drafter called only by the probes (steps 8, 24, 56: 3 in 60)."""
+    rt = BatchingRuntime(engine, max_batch=2, max_skip=7)
+    rt._drafting_pays = lambda b: False
+    sp = SamplingParams(max_new_tokens=80, stop_token_ids=[], temperature=temperature, top_k=20, top_p=0.95, seed=3)
+    rt.submit([1, 2, 3, 4, 5], sp)
+    for _ in range(60):
+        rt.step()
+    if temperature:
+        assert (rt.draft_calls, rt.probes) == (3, 3)
+    else:
+        assert rt.probes == 0 and rt.draft_calls > 3
