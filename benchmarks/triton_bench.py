@@ -9,6 +9,16 @@ Single client: per-request latency (median, p90) and decode tokens/s, direct vs 
 --concurrency) each sending its share of --requests-per-level requests; reports requests/s and generated tokens/s.
 Every served text is checked against the direct run of the same request (greedy: they must be identical).
 `--max-batch N --instances 1`: one instance whose concurrent requests share one continuous batch (deploy --max-batch).
+
+`--vs-plain`: the served speedup instead, through `dflash-export serve` and OpenAI clients. Two servers of the same
+engine, DFlash and `serve --plain` (plain decoding, the yardstick), both `--max-batch`; at each level of
+--concurrency, C clients send the suite's held-out chat prompts (`/v1/chat/completions`, prompt i seeded with i,
+greedy or `--temperature/--top-p/--top-k`), the two servers taking turns level by level and pass by pass (--reps).
+Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass), τ (the DFlash server's
+`dflash_acceptance_length` histogram over the level) and how many answers are identical between the two.
+
+    python benchmarks/triton_bench.py --vs-plain --engine engines/smollm2-135m/onnxruntime --max-batch 16 \
+        --concurrency 1,8 --requests-per-level 16 --max-tokens 48 --reps 2 [--temperature 0.7 --top-p 0.95 --top-k 20]
 """
 
 from __future__ import annotations
@@ -112,6 +122,141 @@ def triton_infer(client, prompt: str, max_tokens: int):
     return res.as_numpy("text_output")[0].decode(), int(res.as_numpy("completion_tokens")[0])
 
 
+def _serve(engine: Path, port: int, max_batch: int, plain: bool, log: Path):
+    """A `dflash-export serve` process on loopback `port` (ready when /health says 200)."""
+    import subprocess
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "dflash_export", "serve", "--engine", str(engine), "--host", "127.0.0.1",
+           "--port", str(port), "--max-batch", str(max_batch), "--log-file", str(log)]
+    with open(log.with_suffix(".stderr"), "wb") as err:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd + (["--plain"] if plain else []), stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve exited with {proc.returncode}; see {log.with_suffix('.stderr')}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(2)
+    proc.terminate()
+    raise SystemExit(f"serve on port {port} not ready after 900 s")
+
+
+def _acceptance(port: int) -> tuple[float, float]:
+    """(sum, count) of the server's dflash_acceptance_length histogram."""
+    import urllib.request
+
+    total = count = 0.0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("dflash_acceptance_length_sum"):
+                total += float(line.split()[-1])
+            elif line.startswith("dflash_acceptance_length_count"):
+                count += float(line.split()[-1])
+    return total, count
+
+
+def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict) -> dict:
+    """Every prompt once, `clients` OpenAI clients at a time; tokens/s, latencies and each answer's text."""
+    import httpx
+    from openai import OpenAI
+
+    texts: dict[int, str] = {}
+    lats, toks, errors = [], [], []
+    lock = threading.Lock()
+
+    def worker(k):
+        # A fresh connection per request: the front closes a kept-alive one that sits idle past its header deadline.
+        cli = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=900, max_retries=0,
+                     http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=900))
+        model = cli.models.list().data[0].id
+        for i in range(k, len(prompts), clients):
+            t0 = time.perf_counter()
+            try:
+                r = cli.chat.completions.create(model=model, messages=prompts[i], max_tokens=max_tokens, seed=i,
+                                                **sampling)
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    errors.append(repr(e))
+                continue
+            with lock:
+                lats.append(time.perf_counter() - t0)
+                toks.append(r.usage.completion_tokens)
+                texts[i] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        print(f"port {port}, {clients} clients: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+    return {"tok_per_s": sum(toks) / wall, "wall_s": wall, "tokens": sum(toks), "errors": len(errors),
+            "p50_ms": 1e3 * _pct(lats, 50), "p99_ms": 1e3 * _pct(lats, 99), "texts": texts}
+
+
+def vs_plain(args) -> int:
+    """DFlash `serve` against `serve --plain` on the same engine, OpenAI clients (see the module docstring)."""
+    from dflash_export.deploy.triton_process import free_loopback_ports
+    from dflash_export.validate.suites import load_suite
+
+    _, suite = load_suite(args.suite, args.requests_per_level)
+    prompts = [p.messages if p.messages is not None else [{"role": "user", "content": p.text}] for p in suite]
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    if args.top_k:
+        sampling["extra_body"] = {"top_k": args.top_k}
+    levels = [int(x) for x in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
+        ports = dict(zip(("dflash", "plain"), free_loopback_ports(2)))
+        procs = {m: _serve(args.engine, ports[m], args.max_batch, m == "plain", Path(tmp) / f"{m}.log")
+                 for m in ports}
+        try:
+            for port in ports.values():  # warm-up: first calls' allocations
+                _served_level(port, prompts[:2], 2, 8, sampling)
+            result = {"engine": str(args.engine), "max_batch": args.max_batch, "max_tokens": args.max_tokens,
+                      "prompts": len(prompts), "suite": args.suite, "sampling": sampling, "levels": {}}
+            bad = 0
+            for c in levels:
+                runs = {m: [] for m in ports}
+                acc = [0.0, 0.0]
+                for _ in range(args.reps):
+                    for m, port in ports.items():  # interleaved: load drifting on a shared machine hits both alike
+                        before = _acceptance(ports["dflash"]) if m == "dflash" else None
+                        runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling))
+                        if before is not None:
+                            after = _acceptance(ports["dflash"])
+                            acc[0] += after[0] - before[0]
+                            acc[1] += after[1] - before[1]
+                best = {m: max(r, key=lambda x: x["tok_per_s"]) for m, r in runs.items()}
+                same = sum(best["dflash"]["texts"].get(i) == t for i, t in best["plain"]["texts"].items())
+                errors = sum(x["errors"] for r in runs.values() for x in r)
+                bad += errors
+                lv = {"dflash_tok_per_s": best["dflash"]["tok_per_s"], "plain_tok_per_s": best["plain"]["tok_per_s"],
+                      "ratio": best["dflash"]["tok_per_s"] / best["plain"]["tok_per_s"],
+                      "pass_ratios": [d["tok_per_s"] / p["tok_per_s"] for d, p in zip(runs["dflash"], runs["plain"])],
+                      "tau": acc[0] / acc[1] if acc[1] else float("nan"),
+                      "dflash_p50_ms": best["dflash"]["p50_ms"], "plain_p50_ms": best["plain"]["p50_ms"],
+                      "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors}
+                result["levels"][c] = lv
+                print(f"{c:3d} clients: DFlash {lv['dflash_tok_per_s']:7.1f} tok/s  plain {lv['plain_tok_per_s']:7.1f} "
+                      f"tok/s  DFlash / plain {lv['ratio']:.2f}x (pass by pass "
+                      f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])})  tau {lv['tau']:.2f}  identical "
+                      f"{lv['identical_to_plain']}  errors {errors}", flush=True)
+        finally:
+            for proc in procs.values():
+                proc.terminate()
+                proc.wait(timeout=120)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if bad else 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, help="a built engine directory (default: build the tiny-qwen3 engine)")
@@ -126,7 +271,17 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=1,
                     help="deploy --max-batch: > 1 feeds each instance's concurrent requests into one shared batch")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--vs-plain", action="store_true",
+                    help="DFlash `serve` against `serve --plain`, OpenAI clients, held-out prompts (needs --engine)")
+    ap.add_argument("--suite", default="sharegpt-heldout", help="with --vs-plain: the prompts")
+    ap.add_argument("--temperature", type=float, default=0.0, help="with --vs-plain: sample (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.vs_plain:
+        if not args.engine:
+            ap.error("--vs-plain: give --engine (a built engine directory)")
+        return vs_plain(args)
     from dflash_export.deploy.repository import MAX_BATCH
 
     if not 1 <= args.max_batch <= MAX_BATCH:  # refused before any work (deploy would refuse it after the direct runs)

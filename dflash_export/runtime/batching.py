@@ -19,16 +19,19 @@ are tempered; those sampling the drafter's own chain verify full blocks, as DFla
     since padding costs as much as a draft -- while  sum_b q[b, k] >= λ * a * B,  i.e. while the expected tokens the
     slot adds pay for B more rows at the current rate. With one sequence this is DFlashRuntime's own rule. As the
     load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
-    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1) unless it is expected
-    to beat plain batched decoding:  B (1 + g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
+    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1, or one sampled sequence:
+    one greedy sequence keeps DFlashRuntime's rule) unless it is expected
+    to beat plain batched decoding:  B (1 + c g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
     and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
-    they would verify at the current rate (1 + verify_length(confidences, λ a)). While drafting does not pay, one
-    sequence (in turn) drafts now and then to keep g current: after `max_skip` + 1 plain steps, then after twice as
-    many each time the probe leaves drafting unprofitable (at most PROBE_MAX_GAP), back to `max_skip` + 1 as soon as
-    drafting pays. A probe costs one drafter call over one sequence (its pending context included); its drafts are
-    verified only if the rule above says so, which at high load it does not (measured at 16 sequences x 32 tokens:
-    probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts of which nothing was accepted the next
-    2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
+    they would verify at the current rate (1 + verify_length(confidences, λ a)), and c (at most 1) is how much of
+    what the confidences expected recent verifies accepted (SmolLM2's drafter on held-out chat: 0.2-0.5, its
+    confidences run high; unscaled, g would keep a small batch drafting where plain steps yield more). While
+    drafting does not pay, one sequence (in turn) drafts now and then to keep g current: after `max_skip` + 1
+    plain steps, then after twice as many each time the probe leaves drafting unprofitable (at most PROBE_MAX_GAP),
+    back to `max_skip` + 1 as soon as drafting pays. A probe costs one drafter call over one sequence (its pending
+    context included); its drafts are verified only if the rule above says so, which at high load it does not
+    (measured at 16 sequences x 32 tokens: probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts
+    of which nothing was accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
 Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `BatchedEngine.verifies_trees`):
     a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
     deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
@@ -176,6 +179,10 @@ class BatchingRuntime:
         # _learn_from_drafts). Optimistic at start, so that drafting is tried and measured.
         self.accepted_per_draft = 1.0
         self.rows_per_draft_step = self.info.block_size / 2
+        # How far the confidences' expectation is borne out: drafts accepted over drafts expected accepted (the sum
+        # of each verified draft's chance), over recent verifies (forgetting 5 % per step); scales g above. A
+        # drafter whose confidences run high would otherwise keep a batch drafting where plain steps yield more.
+        self._accepted_vs_expected = np.array([1.0, 1.0])
         self._since_draft = 0
         self._probe_gap = max_skip + 1  # plain steps before the next probe (doubles while probes find no gain)
         self._probe_turn = 0
@@ -330,8 +337,10 @@ class BatchingRuntime:
             a.req.stats.verify_s += (t2 - t1) / len(acts)
         tokens = 0
         done = []
+        self._accepted_vs_expected *= 0.95
         for a, blk, lg in zip(acts, blocks, logits):
             accept, emitted = self._verify(a, blk, lg, probe)
+            self._learn_acceptance(a, accept)
             self.batch.commit(a.seq, accept, a.path)
             a.last = emitted[-1]
             tokens += accept + 1
@@ -359,7 +368,9 @@ class BatchingRuntime:
         """The sequences that draft this step (their per-step fields reset, every sequence's), and the probe: when
         drafting does not pay for the batch, one greedy sequence drafts now and then anyway."""
         drafting = []
-        batch_may_draft = len(acts) == 1 or self._drafting_pays(len(acts))
+        # One greedy sequence follows DFlashRuntime's rule (its lookups and drafts measured 1.5-1.8x plain alone); a
+        # sampled one alone is judged as a batch is: at T 0.7 it drafted at 0.76x plain (8 held-out prompts).
+        batch_may_draft = (len(acts) == 1 and acts[0].req.sp.greedy) or self._drafting_pays(len(acts))
         probe = None
         if batch_may_draft:
             self._since_draft = 0
@@ -531,6 +542,25 @@ class BatchingRuntime:
             self.accepted_per_draft = 0.8 * self.accepted_per_draft + 0.2 * float(np.mean(gains))
             self.rows_per_draft_step = 0.8 * self.rows_per_draft_step + 0.2 * float(np.mean(rows))
 
+    def _learn_acceptance(self, a: _Active, accept: int) -> None:
+        """Add one sequence's verify to the realized / expected acceptance (argmax drafts with chances only)."""
+        if not (a.argmax_drafts and a.n_draft and a.req.mode == "dflash"):
+            return
+        if a.spine_scores is not None:
+            chances = a.spine_scores[: a.n_draft]
+        elif a.seq.draft_confidence is not None:
+            chances = np.cumprod(np.asarray(a.seq.draft_confidence[: a.n_draft], np.float64))
+        else:
+            return
+        self._accepted_vs_expected += (accept, float(np.sum(chances)))
+
+    @property
+    def acceptance_calibration(self) -> float:
+        """Drafts accepted per draft the confidences expected accepted, recently (1 before any verify; at most 1:
+        a drafter whose confidences run low is not trusted beyond them)."""
+        accepted, expected = self._accepted_vs_expected
+        return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
+
     def _learn_row_cost(self, rows: int, seconds: float) -> None:
         self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
         n, sr, srr, st, srt = self._fit
@@ -544,11 +574,12 @@ class BatchingRuntime:
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
-        from what drafting has yielded lately (B > 1; one sequence follows DFlashRuntime's rule)."""
+        from what drafting has yielded lately (B > 1, or one sampled sequence; one greedy one follows DFlashRuntime's
+        rule)."""
         plain = b / (1.0 + self.a * (b - 1))
         cost = (self.draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1.0
                 + self.a * (b * self.rows_per_draft_step - 1))
-        return b * (1.0 + self.accepted_per_draft) / cost > plain
+        return b * (1.0 + self.acceptance_calibration * self.accepted_per_draft) / cost > plain
 
     def _choose_rows(self, acts: list[_Active], drafting: list[_Active]) -> int:
         """S, the rows of this step's target call (see the module docstring)."""

@@ -1,0 +1,98 @@
+"""The batch step's draft-or-plain decision against the cost model's closed form, with planted costs: drafting B
+sequences pays when B (1 + c g) tokens for draft(B) + 1 + a (B S' - 1) plain-step costs beat plain batched decoding's
+B tokens for 1 + a (B - 1), i.e. when c g exceeds the break-even gain
+
+    g* = (draft_cost (1 + r (B - 1)) + 1 + a (B S' - 1)) / (1 + a (B - 1)) - 1
+
+(r = the drafter's per-sequence row cost); c = drafts accepted / drafts the confidences expected, from the verifies.
+No timing: every cost is planted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_export.engines.base import SamplingParams
+from dflash_export.runtime.batching import DRAFT_ROW_COST, BatchingRuntime, _Active
+
+
+@pytest.fixture(scope="module")
+def engine(ort_pair):
+    return ort_pair[2]
+
+
+def _break_even(b: int, a: float, draft_cost: float, rows: float) -> float:
+    return (draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1 + a * (b * rows - 1)) / (1 + a * (b - 1)) - 1
+
+
+@pytest.mark.parametrize("a, draft_cost", [(0.07, 0.3), (0.2, 0.6), (0.03, 0.1)])
+def test_drafting_pays_exactly_above_the_break_even_gain_at_every_occupancy(engine, a, draft_cost):
+    rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
+    assert (rt.a, rt.draft_cost, rt.acceptance_calibration) == (a, draft_cost, 1.0)
+    for b in (1, 2, 4, 8, 16):
+        for rows in (1.5, 3.0, 6.0):
+            rt.rows_per_draft_step = rows
+            g_star = _break_even(b, a, draft_cost, rows)
+            rt.accepted_per_draft = g_star * 1.02
+            assert rt._drafting_pays(b), (b, rows)
+            rt.accepted_per_draft = g_star * 0.98
+            assert not rt._drafting_pays(b), (b, rows)
+
+
+def test_at_the_measured_fp32_costs_eight_sequences_never_draft(engine):
+    """a = 0.07, draft 0.3: at 8 sequences each verifying one draft (S' = 2) drafting only breaks even when every
+    draft is accepted (g* = 1.0, the most one draft can give), and needs more at S' = 3 (1.38); two sequences pay
+    from g* = 0.50. A drafter expecting g = 0.7 drafts at 2 sequences until its verifies accept 45 % of that."""
+    assert _break_even(8, 0.07, 0.3, 2.0) == pytest.approx(1.0)
+    assert _break_even(8, 0.07, 0.3, 3.0) == pytest.approx(1.3758, abs=1e-3)
+    assert _break_even(2, 0.07, 0.3, 2.0) == pytest.approx(0.4953, abs=1e-3)
+    rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=0.07, draft_cost=0.3)
+    rt.rows_per_draft_step, rt.accepted_per_draft = 2.0, 0.7
+    assert rt._drafting_pays(2) and not rt._drafting_pays(8) and not rt._drafting_pays(16)
+    rt._accepted_vs_expected = np.array([0.45 * 10.0, 10.0])  # verifies accepted 45 % of what was expected
+    assert rt.acceptance_calibration == pytest.approx(0.45)
+    assert not rt._drafting_pays(2)
+
+
+def _act(conf, n_draft, spine=None):
+    a = _Active.__new__(_Active)
+    a.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100), "mode": "dflash"})()
+    a.walk, a.n_draft, a.spine_scores = False, n_draft, spine
+    a.seq = type("S", (), {"draft_confidence": np.asarray(conf)})()
+    return a
+
+
+def test_the_calibration_is_accepted_over_expected_drafts_and_never_above_one(engine):
+    rt = BatchingRuntime(engine, max_batch=4)
+    rt._accepted_vs_expected = np.zeros(2)
+    # confidences 0.9, 0.8, 0.5: three verified drafts expect 0.9 + 0.72 + 0.36 = 1.98 accepted; one was.
+    rt._learn_acceptance(_act([0.9, 0.8, 0.5, 0.9], 3), 1)
+    assert rt.acceptance_calibration == pytest.approx(1 / 1.98)
+    # a lookup spine's chances are already cumulative: 0.5 + 0.25 expected, 2 accepted
+    rt._learn_acceptance(_act([0.1, 0.1], 2, spine=np.array([0.5, 0.25, 0.1])), 2)
+    assert rt._accepted_vs_expected == pytest.approx([3, 2.73])
+    assert rt.acceptance_calibration == 1.0  # more accepted than expected: the confidences are taken as they are
+    # plain steps (no draft verified) and sampled chains (no chances) leave it
+    before = rt._accepted_vs_expected.copy()
+    rt._learn_acceptance(_act([0.9], 0), 0)
+    chain = _act([0.9], 1)
+    chain.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100, temperature=0.7), "mode": "dflash"})()
+    rt._learn_acceptance(chain, 0)
+    assert (rt._accepted_vs_expected == before).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_one_request_alone_drafts_by_the_single_rule_when_greedy_and_by_the_cost_model_when_sampled(engine,
+                                                                                                  temperature):
+    """Drafting planted unprofitable: a greedy request alone still drafts (DFlashRuntime's rule, back-off aside);
+    a sampled one alone makes plain steps, its drafter called only by the probes (steps 8, 24, 56: 3 in 60)."""
+    rt = BatchingRuntime(engine, max_batch=2, max_skip=7)
+    rt._drafting_pays = lambda b: False
+    sp = SamplingParams(max_new_tokens=80, stop_token_ids=[], temperature=temperature, top_k=20, top_p=0.95, seed=3)
+    rt.submit([1, 2, 3, 4, 5], sp)
+    for _ in range(60):
+        rt.step()
+    if temperature:
+        assert (rt.draft_calls, rt.probes) == (3, 3)
+    else:
+        assert rt.probes == 0 and rt.draft_calls > 3
