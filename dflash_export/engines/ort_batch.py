@@ -24,6 +24,12 @@ How B sequences of different lengths share one call:
   Drafters with causal / sliding-window layers (no key_bias) draft one sequence per call inside a batched step.
 - LM head and draft head: one call over the rows every sequence needs (the head is row-wise).
 
+- Hybrid targets' Gated DeltaNet layers (export/linear_attention.py): each slot holds its sequence's committed conv
+  window [C, K-1] and recurrent state [Hv, Dk, Dv] per linear layer; a call reads its slot range's and returns
+  every row's window and state, and `commit` keeps, per sequence, the ones after its last accepted row (padding
+  rows come after every real row, so they change no real row's state). Prompts prefill one sequence a call in
+  chunks of HYBRID_PREFILL_ROWS, as the single-sequence engine's, so the states a call returns stay bounded.
+
 Slots are kept dense (0..n-1, in join order): a leaving sequence's slot takes the last slot's rows, so every step
 is one contiguous range and K/V memory is slots x the longest request's length, grown on demand and released when the
 batch empties.
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_export.engines.base import EngineInfo, SamplingParams, Sequence
-from dflash_export.engines.onnxruntime import OrtEngine
+from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS, OrtEngine
 from dflash_export.errors import DFlashError
 
 
@@ -60,6 +66,9 @@ class BatchSeq(Sequence):
         self.ctx_parts: list[np.ndarray] = []
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
+        # Hybrids: the last target call's Gated DeltaNet outputs ({layer: (windows [B,C,K-1+S], states
+        # [S,B,Hv,Dk,Dv])}, this sequence's index in that call), until `commit`
+        self._step_linear: tuple[dict, int] | None = None
 
     def pending_context(self) -> np.ndarray:
         """The pending features as one array [n, H_drafter] (kept as one chunk from then on)."""
@@ -75,6 +84,9 @@ class _Buffers:
 
     t_kv: list[np.ndarray] = field(default_factory=list)
     d_kv: list[np.ndarray] = field(default_factory=list)
+    # hybrids: per Gated DeltaNet layer its committed (conv window [slots, C, K-1], recurrent state [slots, Hv, Dk,
+    # Dv]), host arrays
+    linear: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     slots: int = 0
     t_cap: int = 0
     d_cap: int = 0
@@ -141,12 +153,20 @@ class BatchGraphs(ABC):
     d_kv_heads: int
     d_head_dim: int
     drafter_batches: bool   # the drafter takes key_bias: B padded sequences per call
+    # Hybrid targets: per Gated DeltaNet layer the shapes of one sequence's (conv window [C, K-1], recurrent state
+    # [Hv, Dk, Dv]); those layers have no K/V. target_batch then also takes conv_state_i [B,C,K-1] /
+    # recurrent_state_i [B,Hv,Dk,Dv] and returns conv_window_i [B,C,K-1+S] / recurrent_states_i [S,B,Hv,Dk,Dv].
+    linear_layers: dict = {}
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
 
     def kv_store(self) -> HostKV:
         """Where the batch's K/V buffers live (host arrays unless a backend keeps them on its device)."""
         return HostKV()
+
+    def kv_layers(self) -> list[int]:
+        """The target layers with K/V (every layer but a hybrid's Gated DeltaNet ones)."""
+        return [i for i in range(self.t_layers) if i not in self.linear_layers]
 
     @abstractmethod
     def embed_rows(self, ids) -> np.ndarray:
@@ -155,8 +175,9 @@ class BatchGraphs(ABC):
     @abstractmethod
     def target_batch(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> list[np.ndarray]:
         """Run target_batch: `feeds` are the non-K/V inputs, `past` the per-layer key, value buffers (key_0, value_0,
-        key_1, ...), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]: hidden and ctx
-        host arrays, the new K/V rows as `kv_store` takes them."""
+        key_1, ...; K/V layers only), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]:
+        hidden and ctx host arrays, the new K/V rows as `kv_store` takes them; hybrids then conv_window_i,
+        recurrent_states_i of each Gated DeltaNet layer in layer order (host arrays)."""
 
     @abstractmethod
     def drafter(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -186,6 +207,7 @@ class OrtBatchGraphs(BatchGraphs):
         self.t_layers, self.t_kv_heads, self.t_head_dim = e.t_layers, e.t_kv_heads, e.t_head_dim
         self.d_layers, self.d_kv_heads, self.d_head_dim = e.d_layers, e.d_kv_heads, e.d_head_dim
         self.drafter_batches = e.drafter_batches
+        self.linear_layers = {i: (conv[1:], rec[1:]) for i, (conv, rec) in e.linear_layers.items()}
         self.has_selector = bool(e._selector)
         self.mask_row = e._mask_row
 
@@ -197,10 +219,13 @@ class OrtBatchGraphs(BatchGraphs):
         io = sess.io_binding()
         io.bind_output("hidden", "cpu")
         io.bind_output("ctx", "cpu")
-        for i in range(self.t_layers):
+        for n, i in enumerate(self.kv_layers()):
             for j, kind in enumerate(("key", "value")):
-                io.bind_cpu_input(f"past_{kind}_{i}", past[2 * i + j])
+                io.bind_cpu_input(f"past_{kind}_{i}", past[2 * n + j])
                 io.bind_output(f"new_{kind}_{i}", "cpu")
+        for i in self.linear_layers:
+            io.bind_output(f"conv_window_{i}", "cpu")
+            io.bind_output(f"recurrent_states_{i}", "cpu")
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
         sess.run_with_iobinding(io)
@@ -257,7 +282,8 @@ class BatchedEngine:
     @property
     def kv_bytes(self) -> int:
         """Bytes held by the batch's K/V buffers now."""
-        return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv)
+        states = sum(a.nbytes + b.nbytes for a, b in self._buf.linear.values())
+        return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv) + states
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -270,6 +296,9 @@ class BatchedEngine:
         seq.slot = len(self.seqs)
         self.seqs.append(seq)
         self._reserve(len(self.seqs), max(s.max_tokens for s in self.seqs))
+        for conv, rec in self._buf.linear.values():  # a reused slot's state is a past sequence's
+            conv[seq.slot] = 0.0
+            rec[seq.slot] = 0.0
         return seq
 
     def remove(self, seq: BatchSeq) -> None:
@@ -282,6 +311,8 @@ class BatchedEngine:
             mover = self.seqs[last]
             self._kv.move(self._buf.t_kv, hole, last, mover.length)
             self._kv.move(self._buf.d_kv, hole, last, mover.d_len)
+            for conv, rec in self._buf.linear.values():
+                conv[hole], rec[hole] = conv[last], rec[last]
             mover.slot = hole
             self.seqs[hole] = mover
         self.seqs.pop()
@@ -318,11 +349,20 @@ class BatchedEngine:
                 out.append(buf)
             return out
 
-        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, e.t_layers, self._t_shape,
-                                                                             t_cap, b.t_cap, "target")
+        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, len(e.kv_layers()),
+                                                                             self._t_shape, t_cap, b.t_cap, "target")
         d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
                                                                              d_cap, b.d_cap, "drafter")
-        self._buf = _Buffers(t_kv, d_kv, new_slots, t_cap, d_cap)
+        linear = b.linear
+        if new_slots != b.slots:
+            linear = {}
+            for i, shapes in e.linear_layers.items():
+                pair = tuple(np.zeros((new_slots, *shape), np.float32) for shape in shapes)
+                for new, old in zip(pair, b.linear.get(i, ())):
+                    m = min(n, old.shape[0])
+                    new[:m] = old[:m]
+                linear[i] = pair
+        self._buf = _Buffers(t_kv, d_kv, linear, new_slots, t_cap, d_cap)
         if self.on_resize is not None:
             self.on_resize(self.kv_bytes, new_slots, t_cap)
 
@@ -355,10 +395,37 @@ class BatchedEngine:
             bias[i, seq.length:] = -np.inf
         past = self._kv.slot_range(self._buf.t_kv, a, z)
         feeds = {"inputs_embeds": embeds, "num_logits": np.array(s, np.int64), "position_ids": pos, "past_bias": bias}
+        feeds.update(self._linear_feeds(a, z))
         outs = self.graphs.target_batch(feeds, past)
-        self._kv.write_rows(self._buf.t_kv, outs[2:],
+        n_kv = len(self._buf.t_kv)
+        self._kv.write_rows(self._buf.t_kv, outs[2:2 + n_kv],
                             [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
+        lin = outs[2 + n_kv:]
+        self._hold_linear(seqs, {i: (lin[2 * n], lin[2 * n + 1]) for n, i in enumerate(self.graphs.linear_layers)})
         return outs[0], outs[1]
+
+    def _linear_feeds(self, a: int, z: int) -> dict[str, np.ndarray]:
+        """Hybrids: the committed Gated DeltaNet state of slots a..z-1 (views: a slot range is contiguous)."""
+        feeds = {}
+        for i, (conv, rec) in self._buf.linear.items():
+            feeds[f"conv_state_{i}"], feeds[f"recurrent_state_{i}"] = conv[a:z], rec[a:z]
+        return feeds
+
+    def _hold_linear(self, seqs: list[BatchSeq], outs: dict) -> None:
+        """Keep a target call's per-row Gated DeltaNet outputs with each of its sequences until `commit`."""
+        for b, seq in enumerate(seqs):
+            seq._step_linear = (outs, b) if outs else None
+
+    def _commit_linear(self, seq: BatchSeq, row: int) -> None:
+        """Sequence `seq`'s Gated DeltaNet state after row `row` of its last target call becomes its slot's."""
+        if seq._step_linear is None:
+            return
+        outs, b = seq._step_linear
+        for i, (window, states) in outs.items():
+            conv, rec = self._buf.linear[i]
+            conv[seq.slot] = window[b, :, row + 1: row + conv.shape[2] + 1]
+            rec[seq.slot] = states[row, b]
+        seq._step_linear = None
 
     def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Hidden [B, S, H] and ctx [B, S, H_d] of new sequences' prompts (right-padded to the longest)."""
@@ -384,6 +451,7 @@ class BatchedEngine:
         hidden, ctx = self._prefill_rows(seqs, ids)
         for i, (seq, p) in enumerate(zip(seqs, ids)):
             n = len(p)
+            self._commit_linear(seq, n - 1 - seq.length)  # chunked prefills have committed all but the last chunk
             if seq.keep_context:
                 seq.ctx_parts = [ctx[i, :n].copy()]
             seq.length = n
@@ -404,6 +472,7 @@ class BatchedEngine:
         if seq._step_ctx is not None:
             seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
         seq._step_ctx = None
+        self._commit_linear(seq, accept)
         seq.length += accept + 1
 
     # Drafter ------------------------------------------------------------------------------------------------------
@@ -518,27 +587,56 @@ class BatchedOrtEngine(BatchedEngine):
         io = e.target.io_binding()
         io.bind_output("hidden", "cpu")
         io.bind_output("ctx", "cpu")
-        for i in range(e.t_layers):
+        for n, i in enumerate(e.kv_layers):
             for j, kind in enumerate(("key", "value")):
-                view = self._buf.t_kv[2 * i + j][a:z]
+                view = self._buf.t_kv[2 * n + j][a:z]
                 io.bind_cpu_input(f"past_{kind}_{i}", view)
                 io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, view.shape, view.ctypes.data)
+        linear = {}
+        for name, value in self._linear_feeds(a, z).items():
+            io.bind_cpu_input(name, value)
+        for i, (conv, rec) in self._buf.linear.items():  # written by the graph straight into these arrays
+            window = np.empty((z - a, conv.shape[1], conv.shape[2] + s), np.float32)
+            states = np.empty((s, z - a, *rec.shape[1:]), np.float32)
+            io.bind_output(f"conv_window_{i}", "cpu", 0, np.float32, window.shape, window.ctypes.data)
+            io.bind_output(f"recurrent_states_{i}", "cpu", 0, np.float32, states.shape, states.ctypes.data)
+            linear[i] = (window, states)
         io.bind_cpu_input("inputs_embeds", embeds)
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
-        if e.tree_verify:  # the graph's draft-tree inputs: consecutive positions, no bias (chains only here)
+        if e._position_inputs:  # the graph's draft-tree inputs: consecutive positions, no bias (chains only here)
             io.bind_cpu_input("position_ids", (lengths[:, None] + np.arange(s)).astype(np.int64))
             io.bind_cpu_input("attention_bias", np.zeros((len(seqs), 1, s, total), np.float32))
         e.target.run_with_iobinding(io)
         outs = io.get_outputs()
+        self._hold_linear(seqs, linear)
         return outs[0].numpy(), outs[1].numpy()
 
     def preload(self) -> None:
         self.engine.batch_target_session()  # target_batch.onnx: a second copy of the target's weights
 
     def _prefill_rows(self, seqs, ids):
-        return self._run_target(seqs, ids, prefill=True)
+        if not self.graphs.linear_layers:
+            return self._run_target(seqs, ids, prefill=True)
+        # Hybrids: one sequence a call, in chunks (each row's state comes back: a chunk bounds that memory), every
+        # chunk but the last committed here; `prefill` commits the last.
+        s = max(len(p) for p in ids)
+        hidden = np.zeros((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
+        ctx = None
+        for b, (seq, p) in enumerate(zip(seqs, ids)):
+            if seq.length:
+                raise DFlashError("prefill runs once, on a new sequence")
+            for at in range(0, len(p), HYBRID_PREFILL_ROWS):
+                if at:
+                    self._commit_linear(seq, HYBRID_PREFILL_ROWS - 1)
+                    seq.length = at
+                part = p[at: at + HYBRID_PREFILL_ROWS]
+                h, c = self._run_target([seq], [part], prefill=not at)
+                if ctx is None:
+                    ctx = np.zeros((len(seqs), s, c.shape[2]), np.float32)
+                hidden[b, at: at + len(part)], ctx[b, at: at + len(part)] = h[0, : len(part)], c[0, : len(part)]
+        return hidden, ctx
 
     def _step_rows(self, seqs, blocks):
         # GQA's in-place graph for one sequence and for one-row steps of engines whose row floor is 1 (others run

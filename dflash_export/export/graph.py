@@ -125,8 +125,6 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     hybrid = target.arch.hybrid
     kinds = hybrid.layer_kinds(target.hf.config) if hybrid else ["full_attention"] * t.num_layers
     if hybrid:
-        if batch:
-            raise DFlashError("the batched target graph has no Gated DeltaNet state yet", field="model_type")
         sd = lin.fold_norms(sd)
         lin_shapes = hybrid.linear_shapes(target.hf.config)
         rot_cos, rot_sin = lin.rope_tables(target, max_len)
@@ -209,6 +207,9 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
         gate = None
         if kinds[i] == "linear_attention":
             attn = lin.gated_delta_net(g, xn, sd, p + "linear_attn.", hybrid, lin_shapes, t.rms_eps, i)
+        elif hybrid and batch:  # the Gated DeltaNet layers' state is per sequence already (batch axis first)
+            qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, t, cos, sin, rot, t.rms_eps)
+            attn = _batched_block_attention(g, xn, sd, a, t, i, cos, sin, causal, bias, heads=(qh, kh, vh))
         elif hybrid and ort:
             qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, t, cos, sin, rot, t.rms_eps)
             flat = lambda x: g.op("Reshape", [g.op("Transpose", [x], perm=[0, 2, 1, 3]), g.const([0, 0, -1])])  # noqa
@@ -376,24 +377,28 @@ def _block_causal_bias(g: GraphBuilder, x: str, groups: int) -> str:
 
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
                              sin: str, causal: str, bias, window: int | None = None, sinks: np.ndarray | None = None,
-                             pos: str | None = None) -> str:
+                             pos: str | None = None, heads: tuple[str, str, str] | None = None) -> str:
     """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
     engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) and over the
     block's own keys (causal). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm and RoPE, as
-    GroupQueryAttention caches them). Scores and softmax in fp32."""
+    GroupQueryAttention caches them). Scores and softmax in fp32. `heads`: (q, k, v) [B,h,S,D] already projected,
+    normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own."""
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
-    wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
-    bqkv = None
-    if bias("q_proj") is not None:
-        bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
-    q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
-                   n_out=3, axis=-1)
-    qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
-    if t.qk_norm:
-        qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)
-        kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, True)
-    qh = g.rope(qh, cos, sin, D)
-    g.op("Identity", [g.rope(kh, cos, sin, D)], outputs=[f"new_key_{i}"])
+    if heads is None:
+        wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
+        bqkv = None
+        if bias("q_proj") is not None:
+            bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
+        q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
+                       n_out=3, axis=-1)
+        qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
+        if t.qk_norm:
+            qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)
+            kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, True)
+        qh, kh = g.rope(qh, cos, sin, D), g.rope(kh, cos, sin, D)
+    else:
+        qh, kh, vh = heads
+    g.op("Identity", [kh], outputs=[f"new_key_{i}"])
     g.op("Identity", [vh], outputs=[f"new_value_{i}"])
     past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
     past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
