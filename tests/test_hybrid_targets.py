@@ -120,8 +120,7 @@ def test_each_steps_logits_match_transformers_forward(hybrid):
     assert worst <= 1e-4, worst
 
 
-def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
-    from dflash_export.runtime.batching import BatchingRuntime
+def test_spine_trees_work_and_full_trees_are_refused_by_name(hybrid):
     from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, _ = hybrid
@@ -133,9 +132,51 @@ def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
     with pytest.raises(DFlashError) as e:
         DFlashRuntime(engine, proposer="tree", tree_mode="full")
     assert e.value.field == "tree_mode"
-    with pytest.raises(DFlashError) as e:
-        BatchingRuntime(engine, max_batch=2).generate_many(prompts()[:2], sp)
-    assert e.value.field == "model_type" and "hybrid" in str(e.value)
+
+
+def _hf_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_batched_prefill_and_verify_rows_match_transformers_per_sequence(hybrid):
+    """Prompts of 3..150 tokens (past two prefill chunks) prefilled in one batch, then three steps in which every
+    sequence verifies a block of its own length (1..bs rows, transformers' continuation, often with a wrong draft)
+    and commits its own accepted prefix: every real row's logits are transformers' at that position, so each slot's
+    conv window and recurrent state are its own sequence's after exactly its accepted rows."""
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+    from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
+
+    _, _, engine, hf = hybrid
+    bs = engine.info.block_size
+    ps = prompts() + [list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))]
+    assert len(ps[-1]) > 2 * HYBRID_PREFILL_ROWS
+    batch = BatchedOrtEngine(engine, max_batch=len(ps))
+    seqs = [batch.add(len(p) + 4 * bs) for p in ps]
+    worst = 0.0
+    for p, row in zip(ps, batch.prefill(seqs, ps)):
+        worst = max(worst, float(np.abs(row - _hf_logits(hf, p)[-1]).max()))
+    done = [list(p) for p in ps]  # each sequence's committed tokens
+    for step in range(3):
+        blocks = []
+        for i, d in enumerate(done):
+            blk = []  # anchor + drafts: transformers' greedy continuation, one draft made wrong in two of three
+            while len(blk) < 1 + (i + step) % bs:
+                blk.append(int(np.argmax(_hf_logits(hf, d + blk)[-1])))
+            if len(blk) > 1 and (i + step) % 3:
+                wrong = 1 + (i + step) % (len(blk) - 1)
+                blk[wrong] = (blk[wrong] + 1) % 250
+            blocks.append(blk)
+        got = batch.target_step(seqs, [np.asarray(b, np.int64) for b in blocks])
+        for seq, d, blk, lg in zip(seqs, done, blocks, got):
+            ref = _hf_logits(hf, d + blk)[len(d): len(d) + len(blk)]  # row r: the token after blk[r]
+            worst = max(worst, float(np.abs(lg - ref).max()))
+            accept = 0
+            while accept + 1 < len(blk) and blk[accept + 1] == int(np.argmax(lg[accept])):
+                accept += 1
+            batch.commit(seq, accept)
+            d.extend(blk[: accept + 1])
+    assert worst <= 1e-4, worst
 
 
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
