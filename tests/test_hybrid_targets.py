@@ -179,6 +179,90 @@ def test_batched_prefill_and_verify_rows_match_transformers_per_sequence(hybrid)
     assert worst <= 1e-4, worst
 
 
+def _planted_drafts(batch, conts: dict, rng) -> None:
+    """The batch's drafts become each sequence's transformers continuation with one token made wrong at a random
+    slot (the tiny drafter is random and almost never accepted), confidently: every accept length gets verified."""
+    true_draft = batch.draft
+
+    def draft(seqs, anchors, sps, uniforms, block_lens):
+        out = true_draft(seqs, anchors, sps, uniforms, block_lens)  # keeps the drafter's context cache in step
+        fixed = []
+        for seq, (_, probs), bl in zip(seqs, out, block_lens):
+            cont, n_prompt = conts[id(seq)]
+            done = seq.length - n_prompt + 1
+            d = np.array((list(cont[done: done + bl - 1]) + [0] * bl)[: bl - 1], np.int64)
+            k = int(rng.integers(0, bl))
+            if k < bl - 1:
+                d[k] = (d[k] + 1) % 250
+            if seq.draft_confidence is not None:
+                seq.draft_confidence = np.full(bl - 1, 0.99)
+            fixed.append((d, probs))
+        return fixed
+
+    batch.draft = draft
+
+
+def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hybrid):
+    """Six requests (DFlash and plain, one prompt past two prefill chunks) through a batch of at most 3 that they
+    join and leave between steps, verifying blocks with rejections at every length: each request's tokens are
+    transformers' greedy ones and those of plain decoding of the request alone."""
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    stop = engine.info.stop_token_ids[0]
+    ps = prompts() + [list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))]
+    want = [hf_greedy(hf, p, 32, stop) for p in ps]
+    rt = BatchingRuntime(engine, max_batch=3)
+    conts, true_add, order = {}, rt.batch.add, iter(range(len(ps)))
+
+    def add(max_tokens):
+        seq = true_add(max_tokens)
+        i = next(order)
+        conts[id(seq)] = (want[i], len(ps[i]))
+        return seq
+
+    rt.batch.add = add
+    _planted_drafts(rt.batch, conts, np.random.default_rng(0))
+    sps = [SamplingParams(max_new_tokens=32 - 5 * (i % 3)) for i in range(len(ps))]
+    modes = ["dflash", "dflash", "ar"] * 2
+    reqs = [rt.submit(p, sp, m) for p, sp, m in zip(ps, sps, modes)]
+    widths = []
+    while not rt.idle:
+        rt.step()
+        widths.append(len(rt.active))
+    single = DFlashRuntime(engine)
+    for req, p, sp, w in zip(reqs, ps, sps, want):
+        assert req.stats.tokens == w[: len(req.stats.tokens)] and (len(req.stats.tokens) == min(
+            sp.max_new_tokens, len(w)) or req.stats.tokens[-1] == stop), p
+        assert req.stats.tokens == single.generate(p, sp, "ar").tokens, p
+    lengths = {n for r, m in zip(reqs, modes) if m == "dflash" for n in r.stats.acceptance_lengths}
+    assert max(widths) == 3 and len(lengths) > 2, lengths
+
+
+@pytest.mark.parametrize("sampling", ["walk", "chain"])
+def test_sampled_requests_in_a_hybrid_batch_are_plain_sampling_draw_for_draw(hybrid, sampling):
+    """Sampled requests (T 0.7 and 1.0, with and without top-k / top-p) beside a greedy one in one batch: walked
+    ones emit plain sampled decoding's tokens of the request alone with the same seed; the drafter's own sampled
+    chain ("chain") emits the single-stream runtime's, draw for draw."""
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, _ = hybrid
+    ps = prompts()
+    settings = [(0.7, 0, 1.0), (1.0, 20, 0.95), (0.7, 20, 0.95), (1.0, 0, 1.0)]
+    jobs = [(ps[i], SamplingParams(max_new_tokens=24, temperature=t, top_k=k, top_p=p, seed=i))
+            for i, (t, k, p) in enumerate(settings)]
+    jobs.append((ps[4], SamplingParams(max_new_tokens=24)))
+    rt = BatchingRuntime(engine, max_batch=4, sampling=sampling)
+    reqs = [rt.submit(p, sp) for p, sp in jobs]
+    while not rt.idle:
+        rt.step()
+    single = DFlashRuntime(engine, sampling=sampling)
+    for req, (p, sp) in zip(reqs, jobs):
+        assert req.stats.tokens == single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens, sp
+
+
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
 def test_inspect_reads_the_pair_with_no_finding(recipe_name):
     recipe = load_recipe(recipe_name)
