@@ -263,6 +263,38 @@ def test_sampled_requests_in_a_hybrid_batch_are_plain_sampling_draw_for_draw(hyb
         assert req.stats.tokens == single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens, sp
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("hybrid", ["tiny-qwen3.5"], indirect=True)
+def test_serve_batches_a_hybrid_engine_and_answers_as_run(hybrid, tmp_path):
+    """The tiny Qwen3.5 engine deployed with a shared batch of 4 behind the real tritonserver: concurrent clients and
+    a stream get the text of the same request run on the engine in this process."""
+    from deploy_support import PROMPTS, concurrent_infer, run_direct, stream_equals_direct
+
+    from dflash_export.deploy.handler import RequestRunner
+    from dflash_export.deploy.repository import write_repository
+    from dflash_export.deploy.server import TritonServer, free_loopback_ports
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, engine_dir, engine, _ = hybrid
+    repo = write_repository(engine_dir, tmp_path / "repo", instances=1, max_queue_size=64, max_batch=4,
+                            max_queued_tokens=4096)
+    direct = RequestRunner(DFlashRuntime(engine))
+    requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 7) % 25) for i in range(8)]
+    alone = {r: run_direct(direct, text_input=r[0], max_tokens=np.array([r[1]], np.int32)) for r in requests}
+    srv = TritonServer(repo, *free_loopback_ports(3), ready_timeout_s=240)
+    srv.start()
+    try:
+        results = concurrent_infer(srv, requests, clients=4, per_client=3, network_timeout=180, join_timeout=300)
+        assert len(results) == 12
+        for r, out in results.values():
+            want = alone[r]
+            assert (out["text"], out["finish_reason"], out["completion_tokens"]) == (
+                want.text, want.finish_reason, want.completion_tokens), r
+        stream_equals_direct(srv, direct, "a hybrid streams", 20)
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
 def test_inspect_reads_the_pair_with_no_finding(recipe_name):
     recipe = load_recipe(recipe_name)
