@@ -452,6 +452,6 @@ def test_portable_graph_matches_transformers_over_chunks_with_state_carried(tmp_
             elif name.startswith("conv_state_"):
                 state[name] = out[f"conv_window_{i}"][:, :, n:]
             else:
-                state[name] = out[f"recurrent_states_{i}"][n - 1]
+                state[name] = out[f"recurrent_last_{i}"]
         pos += n
     assert worst <= 1e-4, worst

@@ -26,9 +26,10 @@ How B sequences of different lengths share one call:
 
 - Hybrid targets' Gated DeltaNet layers (export/linear_attention.py): each slot holds its sequence's committed conv
   window [C, K-1] and recurrent state [Hv, Dk, Dv] per linear layer; a call reads its slot range's and returns
-  every row's window and state, and `commit` keeps, per sequence, the ones after its last accepted row (padding
-  rows come after every real row, so they change no real row's state). Prompts prefill one sequence a call in
-  chunks of HYBRID_PREFILL_ROWS, as the single-sequence engine's, so the states a call returns stay bounded.
+  every row's conv input and state update, and `commit` makes, per sequence, the ones after its last accepted row
+  its slot's (`engines.onnxruntime.committed_linear`; padding rows come after every real row, so they change no
+  real row's state). Prompts prefill one sequence a call in chunks of HYBRID_PREFILL_ROWS, as the
+  single-sequence engine's.
 
 Slots are kept dense (0..n-1, in join order): a leaving sequence's slot takes the last slot's rows, so every step
 is one contiguous range and K/V memory is slots x the longest request's length, grown on demand and released when the
@@ -49,7 +50,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_export.engines.base import EngineInfo, SamplingParams, Sequence
-from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS, OrtEngine
+from dflash_export.engines.onnxruntime import (
+    HYBRID_PREFILL_ROWS,
+    LINEAR_OUTPUTS,
+    OrtEngine,
+    committed_linear,
+    linear_outputs,
+)
 from dflash_export.errors import DFlashError
 
 
@@ -66,8 +73,8 @@ class BatchSeq(Sequence):
         self.ctx_parts: list[np.ndarray] = []
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
-        # Hybrids: the last target call's Gated DeltaNet outputs ({layer: (windows [B,C,K-1+S], states
-        # [S,B,Hv,Dk,Dv])}, this sequence's index in that call), until `commit`
+        # Hybrids: the last target call's Gated DeltaNet outputs ({layer: its LINEAR_OUTPUTS}, this sequence's
+        # index in that call), until `commit`
         self._step_linear: tuple[dict, int] | None = None
 
     def pending_context(self) -> np.ndarray:
@@ -155,7 +162,7 @@ class BatchGraphs(ABC):
     drafter_batches: bool   # the drafter takes key_bias: B padded sequences per call
     # Hybrid targets: per Gated DeltaNet layer the shapes of one sequence's (conv window [C, K-1], recurrent state
     # [Hv, Dk, Dv]); those layers have no K/V. target_batch then also takes conv_state_i [B,C,K-1] /
-    # recurrent_state_i [B,Hv,Dk,Dv] and returns conv_window_i [B,C,K-1+S] / recurrent_states_i [S,B,Hv,Dk,Dv].
+    # recurrent_state_i [B,Hv,Dk,Dv] and returns each layer's LINEAR_OUTPUTS (engines/onnxruntime.py).
     linear_layers: dict = {}
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
@@ -176,8 +183,8 @@ class BatchGraphs(ABC):
     def target_batch(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> list[np.ndarray]:
         """Run target_batch: `feeds` are the non-K/V inputs, `past` the per-layer key, value buffers (key_0, value_0,
         key_1, ...; K/V layers only), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]:
-        hidden and ctx host arrays, the new K/V rows as `kv_store` takes them; hybrids then conv_window_i,
-        recurrent_states_i of each Gated DeltaNet layer in layer order (host arrays)."""
+        hidden and ctx host arrays, the new K/V rows as `kv_store` takes them; hybrids then the LINEAR_OUTPUTS of
+        each Gated DeltaNet layer in layer order (host arrays)."""
 
     @abstractmethod
     def drafter(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -224,8 +231,8 @@ class OrtBatchGraphs(BatchGraphs):
                 io.bind_cpu_input(f"past_{kind}_{i}", past[2 * n + j])
                 io.bind_output(f"new_{kind}_{i}", "cpu")
         for i in self.linear_layers:
-            io.bind_output(f"conv_window_{i}", "cpu")
-            io.bind_output(f"recurrent_states_{i}", "cpu")
+            for name in LINEAR_OUTPUTS:
+                io.bind_output(f"{name}_{i}", "cpu")
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
         sess.run_with_iobinding(io)
@@ -400,8 +407,8 @@ class BatchedEngine:
         n_kv = len(self._buf.t_kv)
         self._kv.write_rows(self._buf.t_kv, outs[2:2 + n_kv],
                             [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
-        lin = outs[2 + n_kv:]
-        self._hold_linear(seqs, {i: (lin[2 * n], lin[2 * n + 1]) for n, i in enumerate(self.graphs.linear_layers)})
+        lin, w = outs[2 + n_kv:], len(LINEAR_OUTPUTS)
+        self._hold_linear(seqs, {i: tuple(lin[w * n: w * n + w]) for n, i in enumerate(self.graphs.linear_layers)})
         return outs[0], outs[1]
 
     def _linear_feeds(self, a: int, z: int) -> dict[str, np.ndarray]:
@@ -421,10 +428,9 @@ class BatchedEngine:
         if seq._step_linear is None:
             return
         outs, b = seq._step_linear
-        for i, (window, states) in outs.items():
+        for i, layer_outs in outs.items():
             conv, rec = self._buf.linear[i]
-            conv[seq.slot] = window[b, :, row + 1: row + conv.shape[2] + 1]
-            rec[seq.slot] = states[row, b]
+            conv[seq.slot], rec[seq.slot] = committed_linear(conv[seq.slot], rec[seq.slot], layer_outs, b, row)
         seq._step_linear = None
 
     def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -596,11 +602,9 @@ class BatchedOrtEngine(BatchedEngine):
         for name, value in self._linear_feeds(a, z).items():
             io.bind_cpu_input(name, value)
         for i, (conv, rec) in self._buf.linear.items():  # written by the graph straight into these arrays
-            window = np.empty((z - a, conv.shape[1], conv.shape[2] + s), np.float32)
-            states = np.empty((s, z - a, *rec.shape[1:]), np.float32)
-            io.bind_output(f"conv_window_{i}", "cpu", 0, np.float32, window.shape, window.ctypes.data)
-            io.bind_output(f"recurrent_states_{i}", "cpu", 0, np.float32, states.shape, states.ctypes.data)
-            linear[i] = (window, states)
+            linear[i] = linear_outputs(conv[a:z], rec[a:z], s)
+            for name, out in zip(LINEAR_OUTPUTS, linear[i]):
+                io.bind_output(f"{name}_{i}", "cpu", 0, np.float32, out.shape, out.ctypes.data)
         io.bind_cpu_input("inputs_embeds", embeds)
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)

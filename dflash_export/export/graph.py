@@ -121,7 +121,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     sd = np_state(target.hf)
     # Hybrid targets (export/linear_attention.py): per layer its kind; Gated DeltaNet layers carry a conv window and
     # a recurrent state instead of K/V (inputs conv_state_i / recurrent_state_i, outputs conv_window_i /
-    # recurrent_states_i), full-attention layers a gated query and partial RoPE.
+    # recurrent_last_i and row_keys_i / row_decays_i / row_deltas_i), full-attention layers a gated query and partial
+    # RoPE.
     hybrid = target.arch.hybrid
     kinds = hybrid.layer_kinds(target.hf.config) if hybrid else ["full_attention"] * t.num_layers
     if hybrid:
