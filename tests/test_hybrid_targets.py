@@ -134,6 +134,44 @@ def test_spine_trees_work_and_full_trees_are_refused_by_name(hybrid):
     assert e.value.field == "tree_mode"
 
 
+def test_the_state_after_an_accepted_row_is_the_scans_own_bit_for_bit():
+    """The host's commit of row r (the committed state with rows 0..r's key / decay / delta updates applied) gives
+    the bits ONNX Runtime's Scan of the gated delta rule gives when run over rows 0..r alone, for every r and for
+    each sequence of a batch."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from dflash_export.engines.onnxruntime import committed_linear
+    from dflash_export.export.linear_attention import _scan_body
+
+    b, s, hv, dk, dv = 2, 7, 3, 8, 5
+    f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)  # noqa: E731
+    scan = helper.make_node("Scan", ["in_state", "in_qk", "in_v", "in_decay", "in_beta"],
+                            ["res_last", "res_out", "res_delta"], body=_scan_body(hv, dk, dv), num_scan_inputs=4)
+    graph = helper.make_graph([scan], "scan", [f("in_state", [b, hv, dk, dv]), f("in_qk", ["s", b, hv, 2, dk]),
+                                               f("in_v", ["s", b, hv, 1, dv]), f("in_decay", ["s", b, hv]),
+                                               f("in_beta", ["s", b, hv])],
+                              [f("res_last", [b, hv, dk, dv]), f("res_out", ["s", b, hv, 1, dv]),
+                               f("res_delta", ["s", b, hv, 1, dv])])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    feeds = {"in_state": rng.standard_normal((b, hv, dk, dv), np.float32),
+             "in_qk": rng.standard_normal((s, b, hv, 2, dk), np.float32) / 3,
+             "in_v": rng.standard_normal((s, b, hv, 1, dv), np.float32),
+             "in_decay": rng.uniform(0.5, 1.0, (s, b, hv)).astype(np.float32),
+             "in_beta": rng.uniform(0.0, 1.0, (s, b, hv)).astype(np.float32)}
+    last, _, delta = sess.run(None, feeds)
+    outs = (np.zeros((b, 4, 3 + s), np.float32), last, feeds["in_qk"][:, :, :, 1].transpose(1, 0, 2, 3).copy(),
+            feeds["in_decay"].transpose(1, 0, 2).copy(), delta)
+    for r in range(s):
+        rows = {k: v[: r + 1] for k, v in feeds.items() if k != "in_state"}
+        alone = sess.run(["res_last"], {**feeds, **rows})[0]
+        for i in range(b):
+            _, state = committed_linear(np.zeros((4, 3), np.float32), feeds["in_state"][i].copy(), outs, i, r)
+            np.testing.assert_array_equal(state, alone[i])
+
+
 def _hf_logits(hf, ids: list[int]) -> np.ndarray:
     with torch.inference_mode():
         return hf(torch.tensor([ids])).logits[0].numpy()
@@ -144,8 +182,8 @@ def test_batched_prefill_and_verify_rows_match_transformers_per_sequence(hybrid)
     sequence verifies a block of its own length (1..bs rows, transformers' continuation, often with a wrong draft)
     and commits its own accepted prefix: every real row's logits are transformers' at that position, so each slot's
     conv window and recurrent state are its own sequence's after exactly its accepted rows."""
-    from dflash_export.engines.ort_batch import BatchedOrtEngine
     from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
 
     _, _, engine, hf = hybrid
     bs = engine.info.block_size

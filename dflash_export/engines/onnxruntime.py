@@ -106,18 +106,20 @@ def committed_linear(conv: np.ndarray, rec: np.ndarray, outs: tuple, b: int, row
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Sequence b's (conv window [C, K-1], recurrent state [Hv, Dk, Dv]) after row `row` of a call whose
     LINEAR_OUTPUTS are `outs`, from its committed ones before the call (conv, rec: [C, K-1], [Hv, Dk, Dv]). The
-    state after the last row is the graph's own; an earlier row's applies rows 0..row's updates to the committed
-    state here, S = S * decay + key (x) delta, in the scan body's order and float32 operations (the same bits)."""
+    state after the last row is the graph's own (a view of it); an earlier row's applies rows 0..row's updates to
+    `rec` in place, S = S * decay + key (x) delta, in the scan body's order and float32 operations (the same bits),
+    a head at a time (no state-sized temporary)."""
     window, last, keys, decays, deltas = outs
     k = conv.shape[-1]
     new_conv = window[b, :, row + 1: row + 1 + k]
     if row == keys.shape[1] - 1:
         return new_conv, last[b]
-    state = rec.copy()
     for t in range(row + 1):
-        state *= decays[b, t][:, None, None]
-        state += keys[b, t][:, :, None] * deltas[t, b]
-    return new_conv, state
+        rec *= decays[b, t][:, None, None]
+        key, delta = keys[b, t], deltas[t, b, :, 0]
+        for h in range(rec.shape[0]):
+            rec[h] += np.multiply.outer(key[h], delta[h])
+    return new_conv, rec
 
 
 class _OrtSeq(Sequence):
@@ -163,7 +165,7 @@ class _OrtSeq(Sequence):
         a no-op when nothing is pending."""
         for i, outs in self.linear_pending.items():
             conv, rec = committed_linear(self.linear[i][0][0], self.linear[i][1][0], outs, 0, row)
-            self.linear[i] = (np.ascontiguousarray(conv)[None], np.ascontiguousarray(rec)[None])
+            self.linear[i] = (np.ascontiguousarray(conv)[None], rec[None])
         self.linear_pending = {}
 
 

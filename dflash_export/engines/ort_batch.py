@@ -163,7 +163,7 @@ class BatchGraphs(ABC):
     # Hybrid targets: per Gated DeltaNet layer the shapes of one sequence's (conv window [C, K-1], recurrent state
     # [Hv, Dk, Dv]); those layers have no K/V. target_batch then also takes conv_state_i [B,C,K-1] /
     # recurrent_state_i [B,Hv,Dk,Dv] and returns each layer's LINEAR_OUTPUTS (engines/onnxruntime.py).
-    linear_layers: dict = {}
+    linear_layers: dict[int, tuple] = {}  # noqa: RUF012 - read only; a backend with hybrids sets its own
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
 
@@ -430,7 +430,10 @@ class BatchedEngine:
         outs, b = seq._step_linear
         for i, layer_outs in outs.items():
             conv, rec = self._buf.linear[i]
-            conv[seq.slot], rec[seq.slot] = committed_linear(conv[seq.slot], rec[seq.slot], layer_outs, b, row)
+            state = rec[seq.slot]  # updated in place unless the last row's state is the graph's
+            conv[seq.slot], new = committed_linear(conv[seq.slot], state, layer_outs, b, row)
+            if new is not state:
+                state[...] = new
         seq._step_linear = None
 
     def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
