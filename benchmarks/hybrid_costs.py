@@ -8,7 +8,8 @@ Layer sizes (Qwen3.5-4B's, from its published description): hidden 2560, MLP 921
 key-value heads of 256 with RoPE on 64 channels, Gated DeltaNet 16 key / 32 value heads of 128 with a 4-tap conv.
 Vocabulary 4096 instead of 248320, so the LM head (whose cost per row is the same for any target) does not hide the
 layers' own ratio. The drafter: one layer of the same width. Measured by engine_costs.measure: plain step, verify
-of 8 and 16 rows, draft, interleaved round by round, medians.
+of 8 and 16 rows, draft, interleaved round by round, medians (random blocks: each verify accepts row 0); then the
+host's commit of a 16-row verify per Gated DeltaNet layer by accepted row (`commit_row_r_ms`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,33 @@ def build(args, work: Path) -> Path:
     return out
 
 
+def commit_costs(reps: int) -> dict:
+    """What committing a verify of 16 rows costs on the host per Gated DeltaNet layer at Qwen3.5-4B's sizes, by the
+    accepted row: the last row's state is the graph's own; an earlier row applies rows 0..r's updates
+    (engines.onnxruntime.committed_linear). The least of `reps` (a host loop of small numpy calls: on a shared
+    machine its median measures the other jobs' preemptions)."""
+    import numpy as np
+
+    from dflash_export.engines.onnxruntime import committed_linear
+
+    hv, dk, dv, c, s = WIDTH["linear_num_value_heads"], 128, 128, 2 * 16 * 128 + 32 * 128, 16
+    rng = np.random.default_rng(0)
+    conv, rec = rng.standard_normal((c, 3), np.float32), rng.standard_normal((hv, dk, dv), np.float32)
+    outs = (rng.standard_normal((1, c, 3 + s), np.float32), rng.standard_normal((1, hv, dk, dv), np.float32),
+            rng.standard_normal((1, s, hv, dk), np.float32), rng.random((1, s, hv), np.float32),
+            rng.standard_normal((s, 1, hv, 1, dv), np.float32))
+    res = {}
+    for row in (0, 3, 7, 14, 15):
+        times = []
+        for _ in range(reps):
+            state = rec.copy()  # updated in place
+            t0 = time.perf_counter()
+            committed_linear(conv, state, outs, 0, row)
+            times.append(time.perf_counter() - t0)
+        res[f"commit_row_{row}_ms"] = 1000 * min(times)
+    return res
+
+
 def main():
     from engine_costs import measure
 
@@ -76,11 +104,14 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32")
+    ap.add_argument("--cpu-time", action="store_true", help="time calls in process CPU seconds, not wall time")
     ap.add_argument("--dense", action="store_true", help="two Qwen3 layers of the same width instead (yardstick)")
     args = ap.parse_args()
     if args.engine is None:
         args.engine = build(args, Path(tempfile.mkdtemp(prefix="hybrid-costs-")))
     res = measure(args.engine, args)
+    if not args.dense:
+        res.update(commit_costs(args.reps))
     for k, v in res.items():
         mark = "  (target <= 1.5)" if k == "ratio_verify_16" else ""
         print(f"{k:22s} {v:9.2f}{mark}")

@@ -120,8 +120,7 @@ def test_each_steps_logits_match_transformers_forward(hybrid):
     assert worst <= 1e-4, worst
 
 
-def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
-    from dflash_export.runtime.batching import BatchingRuntime
+def test_spine_trees_work_and_full_trees_are_refused_by_name(hybrid):
     from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, _ = hybrid
@@ -133,9 +132,205 @@ def test_spine_trees_work_and_full_trees_batching_are_refused_by_name(hybrid):
     with pytest.raises(DFlashError) as e:
         DFlashRuntime(engine, proposer="tree", tree_mode="full")
     assert e.value.field == "tree_mode"
-    with pytest.raises(DFlashError) as e:
-        BatchingRuntime(engine, max_batch=2).generate_many(prompts()[:2], sp)
-    assert e.value.field == "model_type" and "hybrid" in str(e.value)
+
+
+def test_the_state_after_an_accepted_row_is_the_scans_own_bit_for_bit():
+    """The host's commit of row r (the committed state with rows 0..r's key / decay / delta updates applied) gives
+    the bits ONNX Runtime's Scan of the gated delta rule gives when run over rows 0..r alone, for every r and for
+    each sequence of a batch."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from dflash_export.engines.onnxruntime import committed_linear
+    from dflash_export.export.linear_attention import _scan_body
+
+    b, s, hv, dk, dv = 2, 7, 3, 8, 5
+    f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)  # noqa: E731
+    scan = helper.make_node("Scan", ["in_state", "in_qk", "in_v", "in_decay", "in_beta"],
+                            ["res_last", "res_out", "res_delta"], body=_scan_body(hv, dk, dv), num_scan_inputs=4)
+    graph = helper.make_graph([scan], "scan", [f("in_state", [b, hv, dk, dv]), f("in_qk", ["s", b, hv, 2, dk]),
+                                               f("in_v", ["s", b, hv, 1, dv]), f("in_decay", ["s", b, hv]),
+                                               f("in_beta", ["s", b, hv])],
+                              [f("res_last", [b, hv, dk, dv]), f("res_out", ["s", b, hv, 1, dv]),
+                               f("res_delta", ["s", b, hv, 1, dv])])
+    model = helper.make_model(graph, opset_imports=[helper.make_operatorsetid("", 17)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    feeds = {"in_state": rng.standard_normal((b, hv, dk, dv), np.float32),
+             "in_qk": rng.standard_normal((s, b, hv, 2, dk), np.float32) / 3,
+             "in_v": rng.standard_normal((s, b, hv, 1, dv), np.float32),
+             "in_decay": rng.uniform(0.5, 1.0, (s, b, hv)).astype(np.float32),
+             "in_beta": rng.uniform(0.0, 1.0, (s, b, hv)).astype(np.float32)}
+    last, _, delta = sess.run(None, feeds)
+    outs = (np.zeros((b, 4, 3 + s), np.float32), last, feeds["in_qk"][:, :, :, 1].transpose(1, 0, 2, 3).copy(),
+            feeds["in_decay"].transpose(1, 0, 2).copy(), delta)
+    for r in range(s):
+        rows = {k: v[: r + 1] for k, v in feeds.items() if k != "in_state"}
+        alone = sess.run(["res_last"], {**feeds, **rows})[0]
+        for i in range(b):
+            _, state = committed_linear(np.zeros((4, 3), np.float32), feeds["in_state"][i].copy(), outs, i, r)
+            np.testing.assert_array_equal(state, alone[i])
+
+
+def _hf_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_batched_prefill_and_verify_rows_match_transformers_per_sequence(hybrid):
+    """Prompts of 3..150 tokens (past two prefill chunks) prefilled in one batch, then three steps in which every
+    sequence verifies a block of its own length (1..bs rows, transformers' continuation, often with a wrong draft)
+    and commits its own accepted prefix: every real row's logits are transformers' at that position, so each slot's
+    conv window and recurrent state are its own sequence's after exactly its accepted rows."""
+    from dflash_export.engines.onnxruntime import HYBRID_PREFILL_ROWS
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+
+    _, _, engine, hf = hybrid
+    bs = engine.info.block_size
+    ps = prompts() + [list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))]
+    assert len(ps[-1]) > 2 * HYBRID_PREFILL_ROWS
+    batch = BatchedOrtEngine(engine, max_batch=len(ps))
+    seqs = [batch.add(len(p) + 4 * bs) for p in ps]
+    worst = 0.0
+    for p, row in zip(ps, batch.prefill(seqs, ps)):
+        worst = max(worst, float(np.abs(row - _hf_logits(hf, p)[-1]).max()))
+    done = [list(p) for p in ps]  # each sequence's committed tokens
+    for step in range(3):
+        blocks = []
+        for i, d in enumerate(done):
+            blk = []  # anchor + drafts: transformers' greedy continuation, one draft made wrong in two of three
+            while len(blk) < 1 + (i + step) % bs:
+                blk.append(int(np.argmax(_hf_logits(hf, d + blk)[-1])))
+            if len(blk) > 1 and (i + step) % 3:
+                wrong = 1 + (i + step) % (len(blk) - 1)
+                blk[wrong] = (blk[wrong] + 1) % 250
+            blocks.append(blk)
+        got = batch.target_step(seqs, [np.asarray(b, np.int64) for b in blocks])
+        for seq, d, blk, lg in zip(seqs, done, blocks, got):
+            ref = _hf_logits(hf, d + blk)[len(d): len(d) + len(blk)]  # row r: the token after blk[r]
+            worst = max(worst, float(np.abs(lg - ref).max()))
+            accept = 0
+            while accept + 1 < len(blk) and blk[accept + 1] == int(np.argmax(lg[accept])):
+                accept += 1
+            batch.commit(seq, accept)
+            d.extend(blk[: accept + 1])
+    assert worst <= 1e-4, worst
+
+
+def _planted_drafts(batch, conts: dict, rng) -> None:
+    """The batch's drafts become each sequence's transformers continuation with one token made wrong at a random
+    slot (the tiny drafter is random and almost never accepted), confidently: every accept length gets verified."""
+    true_draft = batch.draft
+
+    def draft(seqs, anchors, sps, uniforms, block_lens):
+        out = true_draft(seqs, anchors, sps, uniforms, block_lens)  # keeps the drafter's context cache in step
+        fixed = []
+        for seq, (_, probs), bl in zip(seqs, out, block_lens):
+            cont, n_prompt = conts[id(seq)]
+            done = seq.length - n_prompt + 1
+            d = np.array((list(cont[done: done + bl - 1]) + [0] * bl)[: bl - 1], np.int64)
+            k = int(rng.integers(0, bl))
+            if k < bl - 1:
+                d[k] = (d[k] + 1) % 250
+            if seq.draft_confidence is not None:
+                seq.draft_confidence = np.full(bl - 1, 0.99)
+            fixed.append((d, probs))
+        return fixed
+
+    batch.draft = draft
+
+
+def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hybrid):
+    """Six requests (DFlash and plain, one prompt past two prefill chunks) through a batch of at most 3 that they
+    join and leave between steps, verifying blocks with rejections at every length: each request's tokens are
+    transformers' greedy ones and those of plain decoding of the request alone."""
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, hf = hybrid
+    stop = engine.info.stop_token_ids[0]
+    ps = prompts() + [list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))]
+    want = [hf_greedy(hf, p, 32, stop) for p in ps]
+    rt = BatchingRuntime(engine, max_batch=3)
+    conts, true_add, order = {}, rt.batch.add, iter(range(len(ps)))
+
+    def add(max_tokens):
+        seq = true_add(max_tokens)
+        i = next(order)
+        conts[id(seq)] = (want[i], len(ps[i]))
+        return seq
+
+    rt.batch.add = add
+    _planted_drafts(rt.batch, conts, np.random.default_rng(0))
+    sps = [SamplingParams(max_new_tokens=32 - 5 * (i % 3)) for i in range(len(ps))]
+    modes = ["dflash", "dflash", "ar"] * 2
+    reqs = [rt.submit(p, sp, m) for p, sp, m in zip(ps, sps, modes)]
+    widths = []
+    while not rt.idle:
+        rt.step()
+        widths.append(len(rt.active))
+    single = DFlashRuntime(engine)
+    for req, p, sp, w in zip(reqs, ps, sps, want):
+        assert req.stats.tokens == w[: len(req.stats.tokens)] and (len(req.stats.tokens) == min(
+            sp.max_new_tokens, len(w)) or req.stats.tokens[-1] == stop), p
+        assert req.stats.tokens == single.generate(p, sp, "ar").tokens, p
+    lengths = {n for r, m in zip(reqs, modes) if m == "dflash" for n in r.stats.acceptance_lengths}
+    assert max(widths) == 3 and len(lengths) > 2, lengths
+
+
+@pytest.mark.parametrize("sampling", ["walk", "chain"])
+def test_sampled_requests_in_a_hybrid_batch_are_plain_sampling_draw_for_draw(hybrid, sampling):
+    """Sampled requests (T 0.7 and 1.0, with and without top-k / top-p) beside a greedy one in one batch: walked
+    ones emit plain sampled decoding's tokens of the request alone with the same seed; the drafter's own sampled
+    chain ("chain") emits the single-stream runtime's, draw for draw."""
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, _ = hybrid
+    ps = prompts()
+    settings = [(0.7, 0, 1.0), (1.0, 20, 0.95), (0.7, 20, 0.95), (1.0, 0, 1.0)]
+    jobs = [(ps[i], SamplingParams(max_new_tokens=24, temperature=t, top_k=k, top_p=p, seed=i))
+            for i, (t, k, p) in enumerate(settings)]
+    jobs.append((ps[4], SamplingParams(max_new_tokens=24)))
+    rt = BatchingRuntime(engine, max_batch=4, sampling=sampling)
+    reqs = [rt.submit(p, sp) for p, sp in jobs]
+    while not rt.idle:
+        rt.step()
+    single = DFlashRuntime(engine, sampling=sampling)
+    for req, (p, sp) in zip(reqs, jobs):
+        assert req.stats.tokens == single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens, sp
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("hybrid", ["tiny-qwen3.5"], indirect=True)
+def test_serve_batches_a_hybrid_engine_and_answers_as_run(hybrid, tmp_path):
+    """The tiny Qwen3.5 engine deployed with a shared batch of 4 behind the real tritonserver: concurrent clients and
+    a stream get the text of the same request run on the engine in this process."""
+    from deploy_support import PROMPTS, concurrent_infer, run_direct, stream_equals_direct
+
+    from dflash_export.deploy.handler import RequestRunner
+    from dflash_export.deploy.repository import write_repository
+    from dflash_export.deploy.server import TritonServer, free_loopback_ports
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, engine_dir, engine, _ = hybrid
+    repo = write_repository(engine_dir, tmp_path / "repo", instances=1, max_queue_size=64, max_batch=4,
+                            max_queued_tokens=4096)
+    direct = RequestRunner(DFlashRuntime(engine))
+    requests = [(PROMPTS[i % len(PROMPTS)] + str(i).encode(), 8 + (i * 7) % 25) for i in range(8)]
+    alone = {r: run_direct(direct, text_input=r[0], max_tokens=np.array([r[1]], np.int32)) for r in requests}
+    srv = TritonServer(repo, *free_loopback_ports(3), ready_timeout_s=240)
+    srv.start()
+    try:
+        results = concurrent_infer(srv, requests, clients=4, per_client=3, network_timeout=180, join_timeout=300)
+        assert len(results) == 12
+        for r, out in results.values():
+            want = alone[r]
+            assert (out["text"], out["finish_reason"], out["completion_tokens"]) == (
+                want.text, want.finish_reason, want.completion_tokens), r
+        stream_equals_direct(srv, direct, "a hybrid streams", 20)
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
@@ -187,9 +382,12 @@ def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
 
     engine_dir = build_onnxruntime(load_recipe("tiny-qwen3.5"), tmp_path / "onnxruntime", threads=1,
                                    precision=precision)
-    manifest = json.loads((engine_dir / "manifest.json").read_text())
-    q = manifest["quantization"]["target"]
-    assert q["matmuls_quantized"] == q["matmuls_total"] > 40
+    import onnx
+
+    # target.onnx (the one-sequence graph): every MatMul quantized. (The manifest's record for the role "target" is
+    # the last target graph quantized, target_batch.onnx, whose attention MatMuls multiply activations.)
+    ops = [n.op_type for n in onnx.load(str(engine_dir / "target.onnx"), load_external_data=False).graph.node]
+    assert "MatMul" not in ops and ops.count("MatMulNBits") > 40
     engine = load_engine(engine_dir, threads=1)
     try:
         if not engine.numerics.bit_identical:
@@ -295,6 +493,6 @@ def test_portable_graph_matches_transformers_over_chunks_with_state_carried(tmp_
             elif name.startswith("conv_state_"):
                 state[name] = out[f"conv_window_{i}"][:, :, n:]
             else:
-                state[name] = out[f"recurrent_states_{i}"][n - 1]
+                state[name] = out[f"recurrent_last_{i}"]
         pos += n
     assert worst <= 1e-4, worst

@@ -54,9 +54,11 @@ TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their ow
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 ENGINE_FORMAT = 2
-# A hybrid target's prefill runs in chunks of this many rows: each call returns every row's Gated DeltaNet state
-# (2 MiB per row and linear layer at Qwen3.5's sizes), so a chunk bounds that memory whatever the prompt's length.
+# A hybrid target's prefill runs in chunks of this many rows: each call returns every row's conv input and state
+# update, and its Scan's intermediates grow with the rows, so a chunk bounds that memory whatever the prompt's length.
 HYBRID_PREFILL_ROWS = 64
+# A hybrid target call's outputs per Gated DeltaNet layer i (export/linear_attention.py), each named f"{name}_{i}".
+LINEAR_OUTPUTS = ("conv_window", "recurrent_last", "row_keys", "row_decays", "row_deltas")
 # What each engine file must be: the exported graph's own name (its `dflash.graph` metadata). Graphs swapped between
 # files then fail the load by name instead of as an ONNX Runtime input error at the first request.
 GRAPH_ROLES = {TARGET: "target_verify_ort.onnx", DRAFTER: "drafter_ort.onnx", HEAD: "lm_head_ort.onnx",
@@ -91,6 +93,35 @@ def default_threads() -> int:
     return max(1, n)
 
 
+def linear_outputs(conv: np.ndarray, rec: np.ndarray, s: int) -> tuple[np.ndarray, ...]:
+    """Empty arrays for one Gated DeltaNet layer's LINEAR_OUTPUTS of a call of `s` rows over the committed conv
+    window [B, C, K-1] and recurrent state [B, Hv, Dk, Dv] (the graph writes into them: no copy out of ONNX Runtime)."""
+    b, c, k = conv.shape
+    hv, dk, dv = rec.shape[1:]
+    return (np.empty((b, c, k + s), np.float32), np.empty(rec.shape, np.float32), np.empty((b, s, hv, dk), np.float32),
+            np.empty((b, s, hv), np.float32), np.empty((s, b, hv, 1, dv), np.float32))
+
+
+def committed_linear(conv: np.ndarray, rec: np.ndarray, outs: tuple, b: int, row: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence b's (conv window [C, K-1], recurrent state [Hv, Dk, Dv]) after row `row` of a call whose
+    LINEAR_OUTPUTS are `outs`, from its committed ones before the call (conv, rec: [C, K-1], [Hv, Dk, Dv]). The
+    state after the last row is the graph's own (a view of it); an earlier row's applies rows 0..row's updates to
+    `rec` in place, S = S * decay + key (x) delta, in the scan body's order and float32 operations (the same bits),
+    a head at a time (no state-sized temporary)."""
+    window, last, keys, decays, deltas = outs
+    k = conv.shape[-1]
+    new_conv = window[b, :, row + 1: row + 1 + k]
+    if row == keys.shape[1] - 1:
+        return new_conv, last[b]
+    for t in range(row + 1):
+        rec *= decays[b, t][:, None, None]
+        key, delta = keys[b, t], deltas[t, b, :, 0]
+        for h in range(rec.shape[0]):
+            rec[h] += np.multiply.outer(key[h], delta[h])
+    return new_conv, rec
+
+
 class _OrtSeq(Sequence):
     def __init__(self, engine: OrtEngine, max_tokens: int | None = None):
         super().__init__()
@@ -106,7 +137,7 @@ class _OrtSeq(Sequence):
         # and recurrent state [1, Hv, Dk, Dv] per linear layer, and what the last target call would commit.
         self.linear = {i: (np.zeros(conv, np.float32), np.zeros(rec, np.float32))
                        for i, (conv, rec) in e.linear_layers.items()}
-        self.linear_pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.linear_pending: dict[int, tuple[np.ndarray, ...]] = {}
         # (+ the padding rows a last one-token step takes when the engine has a row floor above 1: numerics.py)
         self.reserve(e, min(e.info.max_seq_len, max_tokens + e.row_floor - 1 if max_tokens else 256))
         # Drafter context K/V: grows by the accepted tokens each step (small: drafter layers only).
@@ -132,9 +163,9 @@ class _OrtSeq(Sequence):
     def commit_linear(self, row: int) -> None:
         """Commit the Gated DeltaNet states after row `row` of the last target call (rows past it leave no trace);
         a no-op when nothing is pending."""
-        for i, (window, states) in self.linear_pending.items():
-            k = self.linear[i][0].shape[2]
-            self.linear[i] = (np.ascontiguousarray(window[:, :, row + 1:row + 1 + k]), states[row])
+        for i, outs in self.linear_pending.items():
+            conv, rec = committed_linear(self.linear[i][0][0], self.linear[i][1][0], outs, 0, row)
+            self.linear[i] = (np.ascontiguousarray(conv)[None], rec[None])
         self.linear_pending = {}
 
 
@@ -190,6 +221,11 @@ class OrtEngine(Engine):
         self.kv_layers = [i for i in range(self.t_layers) if f"past_key_{i}" in t_inputs]
         self.linear_layers = {i: ((1, *t_inputs[f"conv_state_{i}"][1:]), (1, *t_inputs[f"recurrent_state_{i}"][1:]))
                               for i in range(self.t_layers) if f"conv_state_{i}" in t_inputs}
+        t_outputs = {o.name for o in self.target.get_outputs()}
+        for i in self.linear_layers:
+            if f"recurrent_last_{i}" not in t_outputs:
+                raise DFlashError("exported with per-row recurrent states (an earlier form of the Gated DeltaNet "
+                                  "graph): rebuild the engine", path=self.engine_dir / TARGET)
         # Optional draft vocabulary: the drafter proposes only among the first `draft_vocab` ids (an LM head a
         # fraction of the full one). Lossless all the same: the target verifies every token; only tau can drop.
         self.draft_vocab = manifest.flags.draft_vocab
@@ -332,12 +368,9 @@ class OrtEngine(Engine):
             conv, rec = seq.linear[i]
             io.bind_cpu_input(f"conv_state_{i}", conv)
             io.bind_cpu_input(f"recurrent_state_{i}", rec)
-            # written by the graph straight into these arrays (no copy out of ONNX Runtime's buffers)
-            window = np.empty((1, conv.shape[1], conv.shape[2] + s), np.float32)
-            states = np.empty((s, *rec.shape), np.float32)
-            io.bind_output(f"conv_window_{i}", "cpu", 0, np.float32, window.shape, window.ctypes.data)
-            io.bind_output(f"recurrent_states_{i}", "cpu", 0, np.float32, states.shape, states.ctypes.data)
-            pending[i] = (window, states)
+            pending[i] = linear_outputs(conv, rec, s)
+            for name, out in zip(LINEAR_OUTPUTS, pending[i]):
+                io.bind_output(f"{name}_{i}", "cpu", 0, np.float32, out.shape, out.ctypes.data)
         self.target.run_with_iobinding(io)
         outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
         seq.linear_pending = pending

@@ -29,6 +29,13 @@ How B sequences of different lengths share one call:
   Drafters with causal / sliding-window layers (no key_bias) draft one sequence per call inside a batched step.
 - LM head and draft head: one call over the rows every sequence needs (the head is row-wise).
 
+- Hybrid targets' Gated DeltaNet layers (export/linear_attention.py): each slot holds its sequence's committed conv
+  window [C, K-1] and recurrent state [Hv, Dk, Dv] per linear layer; a call reads its slot range's and returns
+  every row's conv input and state update, and `commit` makes, per sequence, the ones after its last accepted row
+  its slot's (`engines.onnxruntime.committed_linear`; padding rows come after every real row, so they change no
+  real row's state). Prompts prefill one sequence a call in chunks of HYBRID_PREFILL_ROWS, as the
+  single-sequence engine's.
+
 Slots are kept dense (0..n-1, in join order): a leaving sequence's slot takes the last slot's rows, so every step
 is one contiguous range and K/V memory is slots x the longest request's length, grown on demand and released when the
 batch empties.
@@ -48,7 +55,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_export.engines.base import EngineInfo, SamplingParams, Sequence
-from dflash_export.engines.onnxruntime import OrtEngine
+from dflash_export.engines.onnxruntime import (
+    HYBRID_PREFILL_ROWS,
+    LINEAR_OUTPUTS,
+    OrtEngine,
+    committed_linear,
+    linear_outputs,
+)
 from dflash_export.errors import DFlashError
 
 
@@ -79,6 +92,9 @@ class BatchSeq(Sequence):
         self.keep_context = True                  # False: plain decoding only, features dropped
         self._step_ctx: np.ndarray | None = None  # features of the last target step's rows, until `commit`
         self._step_tree = None                    # the draft tree (decoding/tree.DraftTree) the step verifies, if any
+        # Hybrids: the last target call's Gated DeltaNet outputs ({layer: its LINEAR_OUTPUTS}, this sequence's
+        # index in that call), until `commit`
+        self._step_linear: tuple[dict, int] | None = None
 
     def pending_context(self) -> np.ndarray:
         """The pending features as one array [n, H_drafter] (kept as one chunk from then on)."""
@@ -94,6 +110,9 @@ class _Buffers:
 
     t_kv: list[np.ndarray] = field(default_factory=list)
     d_kv: list[np.ndarray] = field(default_factory=list)
+    # hybrids: per Gated DeltaNet layer its committed (conv window [slots, C, K-1], recurrent state [slots, Hv, Dk,
+    # Dv]), host arrays
+    linear: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     slots: int = 0
     t_cap: int = 0
     d_cap: int = 0
@@ -170,12 +189,20 @@ class BatchGraphs(ABC):
     d_head_dim: int
     drafter_batches: bool   # the drafter takes key_bias: B padded sequences per call
     target_trees: bool = False  # target_batch takes block_bias: each sequence's block may be a draft tree
+    # Hybrid targets: per Gated DeltaNet layer the shapes of one sequence's (conv window [C, K-1], recurrent state
+    # [Hv, Dk, Dv]); those layers have no K/V. target_batch then also takes conv_state_i [B,C,K-1] /
+    # recurrent_state_i [B,Hv,Dk,Dv] and returns each layer's LINEAR_OUTPUTS (engines/onnxruntime.py).
+    linear_layers: dict[int, tuple] = {}  # noqa: RUF012 - read only; a backend with hybrids sets its own
     has_selector: bool      # DFlash 2: the drafter also returns selector_hidden
     mask_row: np.ndarray    # the mask token's embedding row [H]
 
     def kv_store(self) -> HostKV:
         """Where the batch's K/V buffers live (host arrays unless a backend keeps them on its device)."""
         return HostKV()
+
+    def kv_layers(self) -> list[int]:
+        """The target layers with K/V (every layer but a hybrid's Gated DeltaNet ones)."""
+        return [i for i in range(self.t_layers) if i not in self.linear_layers]
 
     @abstractmethod
     def embed_rows(self, ids) -> np.ndarray:
@@ -184,8 +211,9 @@ class BatchGraphs(ABC):
     @abstractmethod
     def target_batch(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> list[np.ndarray]:
         """Run target_batch: `feeds` are the non-K/V inputs, `past` the per-layer key, value buffers (key_0, value_0,
-        key_1, ...), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]: hidden and ctx
-        host arrays, the new K/V rows as `kv_store` takes them."""
+        key_1, ...; K/V layers only), as `kv_store` holds them. Returns [hidden, ctx, new_key_0, new_value_0, ...]:
+        hidden and ctx host arrays, the new K/V rows as `kv_store` takes them; hybrids then the LINEAR_OUTPUTS of
+        each Gated DeltaNet layer in layer order (host arrays)."""
 
     @abstractmethod
     def drafter(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -215,6 +243,7 @@ class OrtBatchGraphs(BatchGraphs):
         self.t_layers, self.t_kv_heads, self.t_head_dim = e.t_layers, e.t_kv_heads, e.t_head_dim
         self.d_layers, self.d_kv_heads, self.d_head_dim = e.d_layers, e.d_kv_heads, e.d_head_dim
         self.drafter_batches = e.drafter_batches
+        self.linear_layers = {i: (conv[1:], rec[1:]) for i, (conv, rec) in e.linear_layers.items()}
         self.has_selector = bool(e._selector)
         self.mask_row = e._mask_row
 
@@ -231,10 +260,13 @@ class OrtBatchGraphs(BatchGraphs):
         io = sess.io_binding()
         io.bind_output("hidden", "cpu")
         io.bind_output("ctx", "cpu")
-        for i in range(self.t_layers):
+        for n, i in enumerate(self.kv_layers()):
             for j, kind in enumerate(("key", "value")):
-                io.bind_cpu_input(f"past_{kind}_{i}", past[2 * i + j])
+                io.bind_cpu_input(f"past_{kind}_{i}", past[2 * n + j])
                 io.bind_output(f"new_{kind}_{i}", "cpu")
+        for i in self.linear_layers:
+            for name in LINEAR_OUTPUTS:
+                io.bind_output(f"{name}_{i}", "cpu")
         for name, value in feeds.items():
             io.bind_cpu_input(name, value)
         sess.run_with_iobinding(io)
@@ -291,7 +323,8 @@ class BatchedEngine:
     @property
     def kv_bytes(self) -> int:
         """Bytes held by the batch's K/V buffers now."""
-        return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv)
+        states = sum(a.nbytes + b.nbytes for a, b in self._buf.linear.values())
+        return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv) + states
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -304,6 +337,9 @@ class BatchedEngine:
         seq.slot = len(self.seqs)
         self.seqs.append(seq)
         self._reserve(len(self.seqs), max(s.max_tokens for s in self.seqs))
+        for conv, rec in self._buf.linear.values():  # a reused slot's state is a past sequence's
+            conv[seq.slot] = 0.0
+            rec[seq.slot] = 0.0
         return seq
 
     def remove(self, seq: BatchSeq) -> None:
@@ -316,6 +352,8 @@ class BatchedEngine:
             mover = self.seqs[last]
             self._kv.move(self._buf.t_kv, hole, last, mover.length)
             self._kv.move(self._buf.d_kv, hole, last, mover.d_len)
+            for conv, rec in self._buf.linear.values():
+                conv[hole], rec[hole] = conv[last], rec[last]
             mover.slot = hole
             self.seqs[hole] = mover
         self.seqs.pop()
@@ -352,11 +390,20 @@ class BatchedEngine:
                 out.append(buf)
             return out
 
-        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, e.t_layers, self._t_shape,
-                                                                             t_cap, b.t_cap, "target")
+        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, len(e.kv_layers()),
+                                                                             self._t_shape, t_cap, b.t_cap, "target")
         d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
                                                                              d_cap, b.d_cap, "drafter")
-        self._buf = _Buffers(t_kv, d_kv, new_slots, t_cap, d_cap)
+        linear = b.linear
+        if new_slots != b.slots:
+            linear = {}
+            for i, shapes in e.linear_layers.items():
+                pair = tuple(np.zeros((new_slots, *shape), np.float32) for shape in shapes)
+                for new, old in zip(pair, b.linear.get(i, ())):
+                    m = min(n, old.shape[0])
+                    new[:m] = old[:m]
+                linear[i] = pair
+        self._buf = _Buffers(t_kv, d_kv, linear, new_slots, t_cap, d_cap)
         if self.on_resize is not None:
             self.on_resize(self.kv_bytes, new_slots, t_cap)
 
@@ -399,11 +446,40 @@ class BatchedEngine:
             for i, (seq, tree) in enumerate(zip(seqs, trees)):
                 if tree is not None:
                     pos[i], feeds["block_bias"][i] = tree_rows(seq.length, s, tree)
+        feeds.update(self._linear_feeds(a, z))
         past = self._kv.slot_range(self._buf.t_kv, a, z)
         outs = self.graphs.target_batch(feeds, past)
-        self._kv.write_rows(self._buf.t_kv, outs[2:],
+        n_kv = len(self._buf.t_kv)
+        self._kv.write_rows(self._buf.t_kv, outs[2:2 + n_kv],
                             [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
+        lin, w = outs[2 + n_kv:], len(LINEAR_OUTPUTS)
+        self._hold_linear(seqs, {i: tuple(lin[w * n: w * n + w]) for n, i in enumerate(self.graphs.linear_layers)})
         return outs[0], outs[1]
+
+    def _linear_feeds(self, a: int, z: int) -> dict[str, np.ndarray]:
+        """Hybrids: the committed Gated DeltaNet state of slots a..z-1 (views: a slot range is contiguous)."""
+        feeds = {}
+        for i, (conv, rec) in self._buf.linear.items():
+            feeds[f"conv_state_{i}"], feeds[f"recurrent_state_{i}"] = conv[a:z], rec[a:z]
+        return feeds
+
+    def _hold_linear(self, seqs: list[BatchSeq], outs: dict) -> None:
+        """Keep a target call's per-row Gated DeltaNet outputs with each of its sequences until `commit`."""
+        for b, seq in enumerate(seqs):
+            seq._step_linear = (outs, b) if outs else None
+
+    def _commit_linear(self, seq: BatchSeq, row: int) -> None:
+        """Sequence `seq`'s Gated DeltaNet state after row `row` of its last target call becomes its slot's."""
+        if seq._step_linear is None:
+            return
+        outs, b = seq._step_linear
+        for i, layer_outs in outs.items():
+            conv, rec = self._buf.linear[i]
+            state = rec[seq.slot]  # updated in place unless the last row's state is the graph's
+            conv[seq.slot], new = committed_linear(conv[seq.slot], state, layer_outs, b, row)
+            if new is not state:
+                state[...] = new
+        seq._step_linear = None
 
     def _prefill_rows(self, seqs: list[BatchSeq], ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Hidden [B, S, H] and ctx [B, S, H_d] of new sequences' prompts (right-padded to the longest)."""
@@ -429,6 +505,7 @@ class BatchedEngine:
         hidden, ctx = self._prefill_rows(seqs, ids)
         for i, (seq, p) in enumerate(zip(seqs, ids)):
             n = len(p)
+            self._commit_linear(seq, n - 1 - seq.length)  # chunked prefills have committed all but the last chunk
             if seq.keep_context:
                 seq.ctx_parts = [ctx[i, :n].copy()]
             seq.length = n
@@ -479,6 +556,7 @@ class BatchedEngine:
         elif seq._step_ctx is not None:
             seq.ctx_parts.append(seq._step_ctx[: accept + 1].copy())
         seq._step_ctx = None
+        self._commit_linear(seq, accept)
         seq.length += accept + 1
 
     # Drafter ------------------------------------------------------------------------------------------------------
@@ -594,11 +672,18 @@ class BatchedOrtEngine(BatchedEngine):
         io = e.target.io_binding()
         io.bind_output("hidden", "cpu")
         io.bind_output("ctx", "cpu")
-        for i in range(e.t_layers):
+        for n, i in enumerate(e.kv_layers):
             for j, kind in enumerate(("key", "value")):
-                view = self._buf.t_kv[2 * i + j][a:z]
+                view = self._buf.t_kv[2 * n + j][a:z]
                 io.bind_cpu_input(f"past_{kind}_{i}", view)
                 io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, view.shape, view.ctypes.data)
+        linear = {}
+        for name, value in self._linear_feeds(a, z).items():
+            io.bind_cpu_input(name, value)
+        for i, (conv, rec) in self._buf.linear.items():  # written by the graph straight into these arrays
+            linear[i] = linear_outputs(conv[a:z], rec[a:z], s)
+            for name, out in zip(LINEAR_OUTPUTS, linear[i]):
+                io.bind_output(f"{name}_{i}", "cpu", 0, np.float32, out.shape, out.ctypes.data)
         io.bind_cpu_input("inputs_embeds", embeds)
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)
@@ -607,7 +692,7 @@ class BatchedOrtEngine(BatchedEngine):
         if any(t is not None for t in trees) and (prefill or not e.tree_verify):
             raise DFlashError("this engine's target graph has no tree inputs: rebuild it to verify draft trees",
                               field="tree_mode")
-        if e.tree_verify:  # the graph's draft-tree inputs: consecutive positions and no bias for chains
+        if e._position_inputs:  # the graph's draft-tree inputs: consecutive positions and no bias for chains
             pos = (lengths[:, None] + np.arange(s)).astype(np.int64)
             att = np.zeros((len(seqs), 1, s, total), np.float32)
             for i, (q, tree) in enumerate(zip(seqs, trees)):
@@ -617,6 +702,7 @@ class BatchedOrtEngine(BatchedEngine):
             io.bind_cpu_input("attention_bias", att)
         e.target.run_with_iobinding(io)
         outs = io.get_outputs()
+        self._hold_linear(seqs, linear)
         return outs[0].numpy(), outs[1].numpy()
 
     def preload(self) -> None:
@@ -633,7 +719,26 @@ class BatchedOrtEngine(BatchedEngine):
         return n_seqs == 1 or self.engine.batch_target_session() is None or self.graphs.target_trees
 
     def _prefill_rows(self, seqs, ids):
-        return self._run_target(seqs, ids, prefill=True)
+        if not self.graphs.linear_layers:
+            return self._run_target(seqs, ids, prefill=True)
+        # Hybrids: one sequence a call, in chunks (each row's state comes back: a chunk bounds that memory), every
+        # chunk but the last committed here; `prefill` commits the last.
+        s = max(len(p) for p in ids)
+        hidden = np.zeros((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
+        ctx = None
+        for b, (seq, p) in enumerate(zip(seqs, ids)):
+            if seq.length:
+                raise DFlashError("prefill runs once, on a new sequence")
+            for at in range(0, len(p), HYBRID_PREFILL_ROWS):
+                if at:
+                    self._commit_linear(seq, HYBRID_PREFILL_ROWS - 1)
+                    seq.length = at
+                part = p[at: at + HYBRID_PREFILL_ROWS]
+                h, c = self._run_target([seq], [part], prefill=not at)
+                if ctx is None:
+                    ctx = np.zeros((len(seqs), s, c.shape[2]), np.float32)
+                hidden[b, at: at + len(part)], ctx[b, at: at + len(part)] = h[0, : len(part)], c[0, : len(part)]
+        return hidden, ctx
 
     def _step_rows(self, seqs, blocks):
         # GQA's in-place graph for one sequence and for one-row steps of engines whose row floor is 1 (others run

@@ -173,7 +173,7 @@ def _export_optimized(ort, recipe, target, drafter, tmp: Path, bs: int, draft_vo
     if draft_vocab:
         graphs.append((ORT_DRAFT_HEAD_FILE, DRAFT_HEAD))
     for src, dst in graphs:
-        if not (export_dir / src).is_file():  # hybrid targets have no batched graph
+        if not (export_dir / src).is_file():  # a graph this export did not write
             continue
         _optimize(ort, export_dir / src, tmp / dst, export_dir / SHARED_FILE, manifest_shared, threads)
     shutil.move(str(export_dir / SHARED_FILE), str(tmp / SHARED))

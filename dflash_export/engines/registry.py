@@ -188,9 +188,9 @@ def batched_engine(engine: Engine, max_batch: int = 16):
         batched = " and ".join(b.name for b in BACKENDS.values() if b.batched)
         raise DFlashError(f"batched decoding runs on the {batched} backends (got {engine.info.backend})",
                           field="backend")
-    if getattr(engine, "linear_layers", None):
-        raise DFlashError("batched decoding of hybrid targets (Gated DeltaNet state per sequence) is not built yet: "
-                          "serve them one request at a time", field="model_type")
+    if getattr(engine, "linear_layers", None) and engine.info.backend != "onnxruntime":
+        raise DFlashError(f"batched decoding of hybrid targets (Gated DeltaNet state per sequence) runs on the "
+                          f"onnxruntime backend (got {engine.info.backend})", field="model_type")
     return spec.batcher(engine, max_batch)
 
 

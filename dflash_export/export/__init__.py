@@ -102,8 +102,7 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
         if ort_flavor:
             outputs += [(ORT_TARGET_FILE, "target", "ort", t_store), (ORT_DRAFTER_FILE, "drafter", "ort", d_store),
                         (ORT_HEAD_FILE, "head", "ort", d_store)]
-            if target.arch.hybrid is None:  # the batched graph carries no Gated DeltaNet state yet
-                outputs.append((ORT_TARGET_BATCH_FILE, "target", "ort_batch", t_store))
+            outputs.append((ORT_TARGET_BATCH_FILE, "target", "ort_batch", t_store))
         if ort_flavor and draft_vocab:
             outputs.append((ORT_DRAFT_HEAD_FILE, "draft_head", "ort", d_store))
         for fname, kind, flavor, store in outputs:

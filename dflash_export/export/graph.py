@@ -177,13 +177,12 @@ def _target_setup(target, drafter, max_len: int, flavor: str, store) -> _TargetG
     sd = np_state(target.hf)
     # Hybrid targets (export/linear_attention.py): per layer its kind; Gated DeltaNet layers carry a conv window and
     # a recurrent state instead of K/V (inputs conv_state_i / recurrent_state_i, outputs conv_window_i /
-    # recurrent_states_i), full-attention layers a gated query and partial RoPE.
+    # recurrent_last_i and row_keys_i / row_decays_i / row_deltas_i), full-attention layers a gated query and partial
+    # RoPE.
     hybrid = target.arch.hybrid
     kinds = hybrid.layer_kinds(target.hf.config) if hybrid else ["full_attention"] * t.num_layers
     lin_shapes, rot = None, 0
     if hybrid:
-        if batch:
-            raise DFlashError("the batched target graph has no Gated DeltaNet state yet", field="model_type")
         sd = lin.fold_norms(sd)
         lin_shapes = hybrid.linear_shapes(target.hf.config)
         rot_cos, rot_sin = lin.rope_tables(target, max_len)
@@ -299,7 +298,10 @@ def _attention(b: _TargetGraph, i: int, xn: str) -> str:
     gate = None
     if b.kinds[i] == "linear_attention":
         return lin.gated_delta_net(g, xn, sd, f"model.layers.{i}.linear_attn.", b.hybrid, b.lin_shapes, b.t.rms_eps, i)
-    if b.hybrid and b.ort:
+    if b.hybrid and b.batch:  # the Gated DeltaNet layers' state is per sequence already (batch axis first)
+        qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, b.t, b.cos, b.sin, b.rot, b.t.rms_eps)
+        attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.causal, bias, heads=(qh, kh, vh))
+    elif b.hybrid and b.ort:
         attn, gate = _gated_gqa_attention(b, i, xn, a)
     elif b.batch:
         attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.causal, bias, b.windows[i],
@@ -501,24 +503,28 @@ def _block_causal_bias(g: GraphBuilder, x: str, groups: int) -> str:
 
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
                              sin: str, causal: str, bias, window: int | None = None, sinks: np.ndarray | None = None,
-                             pos: str | None = None) -> str:
+                             pos: str | None = None, heads: tuple[str, str, str] | None = None) -> str:
     """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
     engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) and over the
     block's own keys (causal). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm and RoPE, as
-    GroupQueryAttention caches them). Scores and softmax in fp32."""
+    GroupQueryAttention caches them). Scores and softmax in fp32. `heads`: (q, k, v) [B,h,S,D] already projected,
+    normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own."""
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
-    wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
-    bqkv = None
-    if bias("q_proj") is not None:
-        bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
-    q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
-                   n_out=3, axis=-1)
-    qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
-    if t.qk_norm:
-        qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)
-        kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, True)
-    qh = g.rope(qh, cos, sin, D)
-    g.op("Identity", [g.rope(kh, cos, sin, D)], outputs=[f"new_key_{i}"])
+    if heads is None:
+        wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
+        bqkv = None
+        if bias("q_proj") is not None:
+            bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
+        q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
+                       n_out=3, axis=-1)
+        qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
+        if t.qk_norm:
+            qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)
+            kh = g.rms_norm(kh, g.weight(a + "k_norm", sd[a + "k_norm.weight"]), t.rms_eps, True)
+        qh, kh = g.rope(qh, cos, sin, D), g.rope(kh, cos, sin, D)
+    else:
+        qh, kh, vh = heads
+    g.op("Identity", [kh], outputs=[f"new_key_{i}"])
     g.op("Identity", [vh], outputs=[f"new_value_{i}"])
     past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
     past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])

@@ -15,9 +15,15 @@ State, per linear layer i (engine state next to the K/V cache):
   inputs  conv_state_i       [B, C, K-1]        the last K-1 conv inputs (C = 2 Hk Dk + Hv Dv channels)
           recurrent_state_i  [B, Hv, Dk, Dv]
   outputs conv_window_i      [B, C, K-1+S]      the conv inputs of the past window and of the S new rows
-          recurrent_states_i [S, B, Hv, Dk, Dv] the state after each of the S rows
-After verifying a block and accepting rows 0..r, the engine commits conv_window_i[:, :, r+1 : r+K] and
-recurrent_states_i[r]: a rejected draft leaves no trace, and nothing is recomputed.
+          recurrent_last_i   [B, Hv, Dk, Dv]    the state after the last row
+          row_keys_i         [B, S, Hv, Dk]     each row's key, decay and delta: the state's update
+          row_decays_i       [B, S, Hv]           S' = decay S + key (x) delta
+          row_deltas_i       [S, B, Hv, 1, Dv]
+After verifying a block and accepting rows 0..r, the engine commits conv_window_i[:, :, r+1 : r+K] and the state
+after row r: recurrent_last_i when r is the last row, else the committed state with rows 0..r's updates applied on
+the host in the scan body's order (`engines.onnxruntime.recurrent_state_after`, the same float32 operations, so
+the same bits). A rejected draft leaves no trace. Rows' updates instead of each row's state: a block of S rows
+writes S x (Dk + Dv + 1) floats per head instead of S x Dk x Dv (16 x 2 MiB per layer at Qwen3.5's sizes).
 
 Every RMSNorm of these families except the Gated DeltaNet's output norm scales by (1 + weight): `fold_norms` adds the
 one at export (the same float32 sum transformers computes).
@@ -67,7 +73,7 @@ def _scan_body(hv: int, dk: int, dv: int):
     once to decay it) and writing it once: with d = exp(g), kS = k.S, delta = (v - d kS) beta,
       out = q.(d S + k delta) = d q.S + (q.k) delta;  S' = d S + k (x) delta.
     Inputs (state, qk_t [B,Hv,2,Dk] (q then k), v_t [B,Hv,1,Dv], decay_t [B,Hv], beta_t [B,Hv]) -> (state, out_t
-    [B,Hv,1,Dv], state_t)."""
+    [B,Hv,1,Dv], delta_t [B,Hv,1,Dv])."""
     f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)  # noqa: E731
     axis = lambda n, v: helper.make_node("Constant", [], [n], value=helper.make_tensor(  # noqa: E731
         n, TensorProto.INT64, [len(v)], v))
@@ -89,12 +95,12 @@ def _scan_body(hv: int, dk: int, dv: int):
         helper.make_node("Mul", ["state_in", "d"], ["s_decayed"]),
         helper.make_node("MatMul", ["k_col", "delta"], ["update"]),                     # [B,Hv,Dk,Dv]
         helper.make_node("Add", ["s_decayed", "update"], ["state_out"]),
-        helper.make_node("Identity", ["state_out"], ["state_t"]),
+        helper.make_node("Identity", ["delta"], ["delta_t"]),
     ]
     inputs = [f("state_in", ["batch", hv, dk, dv]), f("qk_t", ["batch", hv, 2, dk]), f("v_t", ["batch", hv, 1, dv]),
               f("decay_t", ["batch", hv]), f("beta_t", ["batch", hv])]
     outputs = [f("state_out", ["batch", hv, dk, dv]), f("out_t", ["batch", hv, 1, dv]),
-               f("state_t", ["batch", hv, dk, dv])]
+               f("delta_t", ["batch", hv, 1, dv])]
     return helper.make_graph(nodes, "gated_delta_rule_step", inputs, outputs)
 
 
@@ -157,11 +163,13 @@ def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: 
     qk = g.op("Concat", [g.op("Unsqueeze", [q, g.const([3])]), g.op("Unsqueeze", [k, g.const([3])])],
               axis=3)                                                                    # [B,S,Hv,2,Dk]
     rstate = g.input(f"recurrent_state_{i}", F32, ["batch", hv, dk, dv])
+    decay = g.op("Exp", [gate], outputs=[f"row_decays_{i}"])                             # [B,S,Hv]
+    g.op("Identity", [k], outputs=[f"row_keys_{i}"])
     _, outs, _ = g.op("Scan", [rstate, g.op("Transpose", [qk], perm=[1, 0, 2, 3, 4]),
                                g.op("Transpose", [g.op("Unsqueeze", [v, g.const([3])])], perm=[1, 0, 2, 3, 4]),
-                               g.op("Transpose", [g.op("Exp", [gate])], perm=[1, 0, 2]),
+                               g.op("Transpose", [decay], perm=[1, 0, 2]),
                                g.op("Transpose", [beta], perm=[1, 0, 2])],
-                      n_out=3, outputs=[g.fresh("final_state"), g.fresh("gdn_out"), f"recurrent_states_{i}"],
+                      n_out=3, outputs=[f"recurrent_last_{i}", g.fresh("gdn_out"), f"row_deltas_{i}"],
                       body=_scan_body(hv, dk, dv), num_scan_inputs=4)
     outs = g.op("Squeeze", [outs, g.const([3])])                                        # [S,B,Hv,Dv]
     core = g.op("Transpose", [outs], perm=[1, 0, 2, 3])                                 # [B,S,Hv,Dv]
@@ -175,7 +183,10 @@ def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: 
 def declare_state_outputs(g: GraphBuilder, i: int, shapes: dict) -> None:
     hv, dk, dv = shapes["value_heads"], shapes["key_dim"], shapes["value_dim"]
     g.output(f"conv_window_{i}", F32, ["batch", shapes["conv_channels"], "window"])
-    g.output(f"recurrent_states_{i}", F32, ["seq", "batch", hv, dk, dv])
+    g.output(f"recurrent_last_{i}", F32, ["batch", hv, dk, dv])
+    g.output(f"row_keys_{i}", F32, ["batch", "seq", hv, dk])
+    g.output(f"row_decays_{i}", F32, ["batch", "seq", hv])
+    g.output(f"row_deltas_{i}", F32, ["seq", "batch", hv, 1, dv])
 
 
 def split_gated_query(w: np.ndarray, heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
