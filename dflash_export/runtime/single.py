@@ -356,7 +356,8 @@ class DFlashRuntime:
                 if not sp.greedy:  # scores = the tempered chance each draft is the target's draw
                     logprobs = logprobs / np.float32(sp.temperature)
         min_score = rate * self.verify_token_cost if self.adaptive else 0.0
-        if drafted and logprobs is None and not lookups and not static:  # a drafter without logits (DFlash 2's selector): its block
+        # a drafter without logits (DFlash 2's selector), nothing else proposed: its block
+        if drafted and logprobs is None and not lookups and not static:
             tree = chain(last, drafts[:depth])
         else:
             tree = proposal.propose(last, logprobs, lookups, max_nodes=min(self.tree_nodes, room),
