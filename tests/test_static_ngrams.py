@@ -140,7 +140,8 @@ def test_static_nodes_join_the_tree_and_their_acceptance_counts_apart():
 def test_build_stores_the_index_of_the_target_s_own_answers_and_greedy_decoding_is_unchanged(tmp_path):
     """`build` with decoding.static_ngrams indexes the target's greedy answers to its training prompts (the answers
     transformers' own forward gives: the reference's ar_generate), records the file with its sha256, and a greedy
-    run merging it decodes exactly as plain decoding; a changed file is one error naming it, at load."""
+    run merging it decodes exactly as plain decoding (a sampled one as plain sampling, seed for seed); a changed
+    file is one error naming it, at load."""
     import json
 
     from dflash_export.engines.base import SamplingParams
@@ -178,6 +179,9 @@ def test_build_stores_the_index_of_the_target_s_own_answers_and_greedy_decoding_
         assert got.tokens == rt.generate(prompt, sp, mode="ar").tokens
         counted.update(got.accepted_by)
     assert counted["static"] > 0  # the answers' continuations were proposed and accepted
+    for seed, prompt in enumerate([plain[2][:8], plain[3][:5]]):  # sampled: walked, plain sampling draw for draw
+        sp = SamplingParams(max_new_tokens=32, temperature=0.7, top_k=20, seed=seed)
+        assert rt.generate(prompt, sp).tokens == rt.generate(prompt, sp, mode="ar").tokens
     assert DFlashRuntime(eng, static_ngrams=False).static_index is None
     eng.info.static_index = None  # an engine built without an index
     with pytest.raises(DFlashError, match="static_ngrams"):
