@@ -10,8 +10,8 @@ Modes: ar (plain decoding), chain (the drafter's block), lookup (the context's n
 from the drafter's per-slot top-K), tree+lookup (both; its best path verified as a chain), tree+lookup-full (every
 node verified in one pass), chain-sampled (T > 0: the drafter's sampled chain, min(1, p/q)); lookup+static and
 tree+lookup+static merge the engine's static n-gram index of the target's own past answers (the other modes leave
-it out), and every mode prints its accepted drafts per source (drafter / context / static; alone in brackets). Sampled, every mode
-draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
+it out), and every mode prints its accepted drafts per source (drafter / context / static; alone in brackets).
+Sampled, every mode draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
 validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19 chose the shipped drafter's checkpoint).
 Not a test: minutes to hours on 2 cores.
 """
