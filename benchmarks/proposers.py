@@ -8,8 +8,10 @@ ratios stay fair), each checked token for token against plain decoding, next to 
 
 Modes: ar (plain decoding), chain (the drafter's block), lookup (the context's n-gram continuations), tree (a tree
 from the drafter's per-slot top-K), tree+lookup (both; its best path verified as a chain), tree+lookup-full (every
-node verified in one pass), chain-sampled (T > 0: the drafter's sampled chain, min(1, p/q)). Sampled, every mode
-draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
+node verified in one pass), chain-sampled (T > 0: the drafter's sampled chain, min(1, p/q)); lookup+static and
+tree+lookup+static merge the engine's static n-gram index of the target's own past answers (the other modes leave
+it out), and every mode prints its accepted drafts per source (drafter / context / static; alone in brackets).
+Sampled, every mode draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
 validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19 chose the shipped drafter's checkpoint).
 Not a test: minutes to hours on 2 cores.
 """
@@ -25,11 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODES = {"ar": None, "chain": {"proposer": "chain"}, "lookup": {"proposer": "lookup"},
-         "tree": {"proposer": "tree"}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine"},
-         "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"},
+OFF = {"static_ngrams": False}
+MODES = {"ar": None, "chain": {"proposer": "chain", **OFF}, "lookup": {"proposer": "lookup", **OFF},
+         "tree": {"proposer": "tree", **OFF}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine", **OFF},
+         "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full", **OFF},
          # T > 0: the drafter's own sampled chain with min(1, p/q) (the reference's stream) instead of the walk
-         "chain-sampled": {"proposer": "chain", "sampling": "chain"}}
+         "chain-sampled": {"proposer": "chain", "sampling": "chain", **OFF},
+         "lookup+static": {"proposer": "lookup", "static_ngrams": True},
+         "tree+lookup+static": {"proposer": "tree+lookup", "tree_mode": "spine", "static_ngrams": True}}
 
 
 def main() -> None:
@@ -38,7 +43,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(m for m in MODES if "static" not in m))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--temperature", type=float, default=0.0, help="sample (prompt i seeded with i in every mode)")
@@ -53,7 +58,7 @@ def main() -> None:
         for k in (1, 2, 4):
             for n in (4, 8, 15):
                 MODES[f"K{k}-N{n}"] = {"proposer": "tree+lookup", "tree_mode": "full", "adaptive": False,
-                                        "tree_top_k": k, "tree_nodes": n}
+                                        "tree_top_k": k, "tree_nodes": n, **OFF}
         args.modes = ",".join(m for m in MODES if m.startswith("K"))
     from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
     from dflash_export.engines.base import SamplingParams
@@ -71,7 +76,8 @@ def main() -> None:
     runtimes = {m: DFlashRuntime(engine, **(MODES[m] or {})) for m in modes}
     rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
     rows = rows[args.skip:args.skip + args.prompts]
-    sums = {m: {"s": 0.0, "tokens": 0, "steps": 0, "committed": 0, "verified": 0, "identical": 0} for m in modes}
+    sums = {m: {"s": 0.0, "tokens": 0, "steps": 0, "committed": 0, "verified": 0, "identical": 0, "by": {}, "only": {}}
+            for m in modes}
     pairs = []
     t0 = time.time()
     for i, row in enumerate(rows):
@@ -88,6 +94,9 @@ def main() -> None:
             s["steps"] += len(st.acceptance_lengths)
             s["committed"] += sum(st.acceptance_lengths)
             s["verified"] += st.drafted_tokens
+            for key, counts in (("by", st.accepted_by), ("only", st.accepted_only)):
+                for name, n in counts.items():
+                    s[key][name] = s[key].get(name, 0) + n
         for m in modes:
             sums[m]["identical"] += outs[m] == outs["ar"]
         pairs.append((ids, outs["ar"]))
@@ -111,9 +120,11 @@ def main() -> None:
         tau = s["committed"] / max(1, s["steps"])
         report["modes"][m] = {"tau": tau, "tok_s": rate, "vs_ar": rate / ar_rate,
                               "verified_per_step": s["verified"] / max(1, s["steps"]),
-                              "identical": f"{s['identical']}/{len(rows)}"}
+                              "identical": f"{s['identical']}/{len(rows)}", "accepted_by": s["by"],
+                              "accepted_only": s["only"]}
+        by = ", ".join(f"{k} {v} ({s['only'].get(k, 0)})" for k, v in s["by"].items()) if m != "ar" else ""
         print(f"{m:18s} {tau:6.3f} {rate:7.1f} {rate / ar_rate:5.2f}x {s['verified'] / max(1, s['steps']):14.2f} "
-              f"{s['identical']:>6d}/{len(rows)}")
+              f"{s['identical']:>6d}/{len(rows)}  {by}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
 

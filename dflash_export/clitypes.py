@@ -78,8 +78,9 @@ UTF8_TEXT = Utf8Text()
 
 
 def decoding_options(command):
-    """--proposer / --tree-mode / --tree-top-k / --tree-nodes / --sampling: how DFlash steps propose and accept
-    drafts (dflash_export/decoding/options.py); unset, the engine's recipe decides (its manifest's `decoding`)."""
+    """--proposer / --tree-mode / --tree-top-k / --tree-nodes / --sampling / --static-ngrams: how DFlash steps
+    propose and accept drafts (dflash_export/decoding/options.py); unset, the engine's recipe decides (its
+    manifest's `decoding`)."""
     from dflash_export.decoding.options import PROPOSERS, SAMPLERS, TREE_MODES
 
     for opt in reversed([
@@ -96,7 +97,10 @@ def decoding_options(command):
             click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
                          help="T > 0: walk: the target's own draw at each node (any proposer; the output is plain "
                               "sampling's with the same seed); chain: the drafter's sampled chain with min(1, p/q) "
-                              "(the PyTorch reference's stream). Default: the engine's recipe (decoding.sampling).")]):
+                              "(the PyTorch reference's stream). Default: the engine's recipe (decoding.sampling)."),
+            click.option("--static-ngrams/--no-static-ngrams", default=None,
+                         help="Merge the engine's static n-gram index of the target's own past answers into trees "
+                              "and lookups. Default: the engine's recipe (decoding.static_ngrams).")]):
         command = opt(command)
     return command
 

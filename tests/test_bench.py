@@ -190,3 +190,35 @@ def test_moe_costs_benchmark_times_every_form_and_the_expert_union(tmp_path):
         assert row["bound_ms"] > 0 and all(v > 0 for per in row["ms"].values() for v in per.values())
     union = [rep["expert_union"][str(n)] for n in (2, 4, 8, 16)]
     assert 2 <= union[0] <= union[1] <= union[2] <= union[3] <= 8
+
+
+def test_bench_counts_accepted_drafts_per_source_with_and_without_the_static_index(built, tmp_path, capsys):
+    """The +static modes merge the engine's static n-gram index, the others leave it out; every mode's accepted
+    drafts are counted per source (a chain's are all the drafter's: its acceptance lengths less the bonus tokens),
+    outputs stay identical to plain decoding, and a +static mode on an engine without an index is one error."""
+    import shutil
+
+    from dflash_export.bench.suite import run_bench
+    from dflash_export.decoding.static_ngrams import StaticNgramIndex, store_static_index
+    from dflash_export.engines.manifest import write_manifest
+
+    recipe, out, eng, _ = built
+    engine = tmp_path / "engine"
+    shutil.copytree(out, engine)
+    raw = json.loads((engine / "manifest.json").read_text())
+    raw.pop("files")
+    answers = [[3 + (i * 7 + j) % 200 for j in range(40)] for i in range(8)]
+    raw["static_ngrams"] = store_static_index(engine, StaticNgramIndex.from_answers(answers), len(answers), 320)
+    write_manifest(engine, raw)
+    modes = ["ar", "chain", "tree+lookup", "tree+lookup+static", "lookup+static"]
+    report = run_bench(str(recipe.path), str(engine), None, 2, 16, modes, None)
+    s, raw_runs = report["summary"], report["raw"]
+    for mode in modes[1:]:
+        assert s[mode]["identical_to_ar"] == "2/2", mode
+        assert set(s[mode]["accepted_by"]) == {"drafter", "context", "static"}
+    accepted = sum(round(r["tau"] * r["steps"]) - r["steps"] for r in raw_runs["chain"]["runs"])
+    assert s["chain"]["accepted_by"] == {"drafter": accepted, "context": 0, "static": 0}
+    assert s["tree+lookup"]["accepted_by"]["static"] == 0
+    assert "accepted drafts by source" in capsys.readouterr().out
+    with pytest.raises(DFlashError, match="static"):
+        run_bench(str(recipe.path), str(out), None, 1, 8, ["lookup+static"], None)

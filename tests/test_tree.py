@@ -272,7 +272,8 @@ def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tm
                  "decoding: {proposer: tree+lookup, tree_nodes: 9, tree_mode: full}\n")
     out = build_onnxruntime(load_recipe(y), tmp_path / "engine", threads=1)
     assert read_manifest(out).raw["decoding"] == {"proposer": "tree+lookup", "tree_top_k": 4, "tree_nodes": 9,
-                                                  "tree_mode": "full", "sampling": "walk"}
+                                                  "tree_mode": "full", "sampling": "walk", "static_ngrams": False,
+                                                  "static_prompts": 256, "static_entries": 200_000}
     eng = load_engine(out, threads=1)
     rt = DFlashRuntime(eng)
     assert (rt.proposer, rt.tree_nodes, rt.tree_mode, rt.tree_top_k) == ("tree+lookup", 9, "full", 4)

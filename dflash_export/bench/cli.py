@@ -19,8 +19,9 @@ from dflash_export.recipes import recipe_from_options
 @click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
               help="Comma list of: dflash (engine, its recipe's decoding), dflash-full (engine, chain, every draft "
                    "verified), chain / tree / lookup / tree+lookup / tree+lookup-full (engine, that proposer; -full: "
-                   "whole trees verified), ar (same engine), hf (transformers generate), reference (PyTorch "
-                   "spec_generate).")
+                   "whole trees verified), lookup+static / tree+lookup+static (those proposers with the engine's "
+                   "static n-gram index of the target's past answers), ar (same engine), hf (transformers generate), "
+                   "reference (PyTorch spec_generate).")
 @click.option("--out", "out_json", default=None, help="Write every figure to this JSON file.")
 @click.option("--concurrency", default=None,
               help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "

@@ -53,13 +53,19 @@ def _loading(what, path):
 
 
 # Engine modes: the runtime settings each runs DFlash with. "dflash" is the engine's own recipe default (its
-# manifest's `decoding`); the proposer modes pin one (decoding/tree.py) so they compare on the same engine.
+# manifest's `decoding`); the proposer modes pin one (decoding/tree.py) so they compare on the same engine, without
+# the static n-gram index of the target's past answers (decoding/static_ngrams.py) unless the mode says +static.
+NO_STATIC = {"static_ngrams": False}
 ENGINE_MODES = {
-    "dflash": {}, "dflash-full": {"adaptive": False, "proposer": "chain"}, "ar": {},
-    "chain": {"proposer": "chain"}, "tree": {"proposer": "tree"}, "lookup": {"proposer": "lookup"},
-    "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine"},
-    "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full"},
+    "dflash": {}, "dflash-full": {"adaptive": False, "proposer": "chain", **NO_STATIC}, "ar": {},
+    "chain": {"proposer": "chain", **NO_STATIC}, "tree": {"proposer": "tree", **NO_STATIC},
+    "lookup": {"proposer": "lookup", **NO_STATIC},
+    "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine", **NO_STATIC},
+    "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full", **NO_STATIC},
+    "lookup+static": {"proposer": "lookup", "static_ngrams": True},
+    "tree+lookup+static": {"proposer": "tree+lookup", "tree_mode": "spine", "static_ngrams": True},
 }
+PROPOSER_MODES = ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full", "lookup+static", "tree+lookup+static")
 MODES = (*ENGINE_MODES, "hf", "reference")
 SPECULATIVE = [m for m in MODES if m not in ("ar", "hf")]
 
@@ -89,6 +95,7 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
             sampling: dict | None = None) -> dict:
     recipe = Recipe(**recipe_fields)
     runs = []
+    sources: list[tuple[dict, dict]] = []  # accepted drafts per source of each engine run (RunStats.accepted_by)
     temperature = (sampling or {}).get("temperature", 0.0)
     if mode in ENGINE_MODES:
         t0 = time.perf_counter()
@@ -98,6 +105,7 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
 
         def gen(ids, n, i=0):
             s = rt.generate(ids, sampling_params(sampling, n, i), "ar" if mode == "ar" else "dflash")
+            sources.append((s.accepted_by, s.accepted_only))
             return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths, s.drafted_tokens
     else:
         import torch
@@ -140,6 +148,8 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
         toks, total, ttft, acc, drafted = gen(ids, max_new, i)
         runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
                      "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc), "drafted": drafted})
+        if sources and mode != "ar":
+            runs[-1]["accepted_by"], runs[-1]["accepted_only"] = sources[-1]
     return {"mode": mode, "load_s": load_s, "runs": runs, "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -166,7 +176,18 @@ def _summary(res: dict) -> dict:
     return {"tok_s_median": statistics.median(tps), "tpot_ms_median": 1000 * statistics.median(tpot),
             "tau": tau, "peak_rss_mb": res["peak_rss_mb"],
             "drafts_verified_per_step": sum(r.get("drafted", 0) for r in runs) / steps_total if steps_total else 0.0,
-            "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"]}
+            "tokens_total": sum(len(r["tokens"]) for r in runs), "load_s": res["load_s"],
+            **({"accepted_by": _sum_sources(runs, "accepted_by"), "accepted_only": _sum_sources(runs, "accepted_only")}
+               if any("accepted_by" in r for r in runs) else {})}
+
+
+def _sum_sources(runs: list[dict], key: str) -> dict:
+    """Accepted drafts per source (drafter / context / static) over the runs."""
+    out: dict = {}
+    for r in runs:
+        for name, n in r.get(key, {}).items():
+            out[name] = out.get(name, 0) + n
+    return out
 
 
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
@@ -227,16 +248,20 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
              "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
-             **{m: f"DFlash {m}" for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")}}
+             **{m: f"DFlash {m}" for m in PROPOSER_MODES}}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
         lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
         table.add_row(names[m], f"{s['tok_s_median']:.1f}", f"{s['tpot_ms_median']:.1f}", f"{s['tau']:.2f}", lookup,
                       f"{s['drafts_verified_per_step']:.2f}", f"{s['peak_rss_mb']:.0f}", ident)
     console.print(table)
+    for m, s in summary.items():
+        if s.get("accepted_by"):
+            console.print(f"{names[m]}: accepted drafts by source (alone): " + ", ".join(
+                f"{k} {v} ({s['accepted_only'].get(k, 0)})" for k, v in s["accepted_by"].items()))
     ratios = {}
     pairs = [("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")]
-    pairs += [(m, "ar") for m in ("chain", "tree", "lookup", "tree+lookup", "tree+lookup-full")]
+    pairs += [(m, "ar") for m in PROPOSER_MODES]
     for a, b in pairs:
         if a in summary and b in summary:
             ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]

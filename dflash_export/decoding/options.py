@@ -29,7 +29,9 @@ TREE_MODES = ("spine", "full")
 # reference's random stream, draw for draw).
 SAMPLERS = ("walk", "chain")
 # Upper bounds of the integer options (a tree's node count is what a verify pass holds).
-LIMITS = {"tree_top_k": 8, "tree_nodes": 64}
+LIMITS = {"tree_top_k": 8, "tree_nodes": 64, "static_prompts": 100_000, "static_entries": 1_000_000}
+# Switches (true / false).
+SWITCHES = ("static_ngrams",)
 
 
 @dataclass
@@ -42,6 +44,12 @@ class DecodingOptions:
     tree_nodes: int = 15                     # drafted nodes per step at most (the cost model may take fewer)
     tree_mode: str = "spine"                 # one of TREE_MODES
     sampling: str = "walk"                   # one of SAMPLERS
+    # The static n-gram index (decoding/static_ngrams.py): `build` indexes the target's greedy answers to the first
+    # `static_prompts` training prompts, keeping at most `static_entries` n-grams; a step merges its continuations
+    # into trees and lookups while `static_ngrams` is on (and the engine holds an index).
+    static_ngrams: bool = False
+    static_prompts: int = 256
+    static_entries: int = 200_000
 
     def proposer_for(self) -> Proposer:
         """The proposer these options name (top-K children per drafter node where it grows trees)."""
@@ -59,6 +67,9 @@ def decoding_problem(values: dict) -> tuple[str, str] | None:
     for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES), ("sampling", SAMPLERS)):
         if key in values and values[key] not in allowed:
             return f"decoding.{key}", f"expected one of {', '.join(allowed)}, got {values[key]!r}"
+    for key in SWITCHES:
+        if key in values and not isinstance(values[key], bool):
+            return f"decoding.{key}", f"expected true or false, got {values[key]!r}"
     for key, high in LIMITS.items():
         v = values.get(key)
         if key in values and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= high):

@@ -13,7 +13,9 @@ Where the nodes come from (`build_tree`):
   path's draft probabilities;
 - context lookups: the tokens that followed the latest earlier occurrence of the context's last n tokens (n = 4, 3,
   2: `prompt_lookup.lookup_proposal`), merged into the same trie, so a prefix shared with a drafter branch is verified
-  once. A lookup node's score is the running rate at which lookup tokens at its depth were accepted.
+  once. A lookup node's score is the running rate at which lookup tokens at its depth were accepted;
+- the target's own past answers (decoding/static_ngrams.py): the continuation those answers most often gave the
+  context's last n tokens, merged the same way, scored by the static source's own running acceptance per depth.
 A node joins the tree while its score pays for its verification (score >= `min_score`: the runtime's cost model
 passes λ x verify cost per node) and the node budget lasts; scores fall along every path, so the tree stays
 prefix-closed. A chain is the tree with K = 1 and no lookup: the drafts in order, as far as their cumulative
@@ -37,8 +39,10 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     depths: list[int]
-    sources: list[str] = field(default_factory=list)  # per node: "root", "drafter", "lookup" or "both"
+    sources: list[str] = field(default_factory=list)  # per node: "root", "drafter", "lookup", "both" or "static"
     scores: list[float] = field(default_factory=list)  # per node: its estimated chance of acceptance (root 1)
+    # per node: every source that proposed it ("drafter", "lookup" = the context, "static" = past answers)
+    origins: list[set] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -46,6 +50,12 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def proposed_by(self, node: int) -> set:
+        """The sources that proposed `node` ("drafter", "lookup", "static"; none for the root)."""
+        if self.origins:
+            return self.origins[node]
+        return {"both": {"drafter", "lookup"}, "root": set()}.get(self.sources[node], {self.sources[node]})
 
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
@@ -82,7 +92,7 @@ def chain(anchor: int, drafts) -> DraftTree:
     """The chain anchor, drafts[0], drafts[1], ... as a tree."""
     n = len(drafts)
     return DraftTree([int(anchor)] + [int(t) for t in drafts], list(range(-1, n)), list(range(n + 1)),
-                     ["root"] + ["drafter"] * n, [1.0] * (n + 1))
+                     ["root"] + ["drafter"] * n, [1.0] * (n + 1), [set()] + [{"drafter"} for _ in range(n)])
 
 
 def greedy_accept(tree: DraftTree, target_next: np.ndarray) -> tuple[list[int], list[int]]:
@@ -118,22 +128,27 @@ def slot_candidates(logits: np.ndarray, top_k: int) -> list[list[tuple[int, floa
 
 
 def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[list[int]], *, top_k: int,
-               max_nodes: int, min_score: float = 0.0, lookup_scores=None) -> DraftTree:
+               max_nodes: int, min_score: float = 0.0, lookup_scores=None, static: list[list[int]] = (),
+               static_scores=None) -> DraftTree:
     """A prefix-closed tree of at most `max_nodes` drafted nodes under `anchor`.
 
     draft_logprobs [D, V]: logits (or log-probabilities) of the drafter's slots 1..D, None for no drafter branch;
     `lookups`: token paths from the context (merged as trie paths); `top_k`: children per drafter node; `min_score`:
     the score a node needs to be verified; `lookup_scores(depth) -> float`: the chance a lookup node at that depth
-    (1-based) is accepted (default 1: lookups are always taken, budget permitting).
+    (1-based) is accepted (default 1: lookups are always taken, budget permitting); `static`, `static_scores`: the
+    same for the static index's continuations (decoding/static_ngrams.py).
     Nodes are taken in descending score, drafter and lookup together; a token proposed by both keeps the higher."""
-    tree = DraftTree([int(anchor)], [-1], [0], ["root"], [1.0])
+    tree = DraftTree([int(anchor)], [-1], [0], ["root"], [1.0], [set()])
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
 
     def add(parent: int, token: int, source: str, score: float) -> int:
         key = (parent, int(token))
         if key in index:
             node = index[key]
-            if tree.sources[node] != source:
+            tree.origins[node].add(source)
+            if tree.sources[node] == "static":
+                tree.sources[node] = source
+            elif source != "static" and tree.sources[node] != source:
                 tree.sources[node] = "both"
             tree.scores[node] = max(tree.scores[node], score)
             return node
@@ -142,6 +157,7 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
         tree.depths.append(tree.depths[parent] + 1)
         tree.sources.append(source)
         tree.scores.append(score)
+        tree.origins.append({source})
         index[key] = len(tree.tokens) - 1
         return index[key]
 
@@ -158,6 +174,11 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
     for path in lookups:
         if path:
             heapq.heappush(heap, (-lookup_scores(1), order, "lookup", (0, list(path), 1)))
+            order += 1
+    static_scores = static_scores or (lambda depth: 1.0)
+    for path in static:
+        if path:
+            heapq.heappush(heap, (-static_scores(1), order, "static", (0, list(path), 1)))
             order += 1
     drafted = 0
     while heap and drafted < max_nodes:
@@ -182,25 +203,30 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
         else:
             parent, path, depth = payload
             before = len(tree.tokens)
-            node = add(parent, path[depth - 1], "lookup", -neg)
+            node = add(parent, path[depth - 1], kind, -neg)
             drafted += len(tree.tokens) - before
             if depth < len(path):
-                heapq.heappush(heap, (-lookup_scores(depth + 1), order, "lookup", (node, path, depth + 1)))
+                scores = lookup_scores if kind == "lookup" else static_scores
+                heapq.heappush(heap, (-scores(depth + 1), order, kind, (node, path, depth + 1)))
                 order += 1
     return tree
 
 
 @dataclass
 class LookupStats:
-    """Running acceptance of lookup nodes per depth (Laplace-smoothed), what a lookup node's score is."""
+    """Running acceptance of one lookup source's nodes per depth (Laplace-smoothed), what such a node's score is.
+    `source`: "lookup" (the context's continuations) or "static" (the past answers' index)."""
 
     max_depth: int
     proposed: np.ndarray = None
     accepted: np.ndarray = None
+    source: str = "lookup"
+    prior: tuple[float, float] | None = None
 
     def __post_init__(self):
         self.proposed = np.zeros(self.max_depth + 1)
         self.accepted = np.zeros(self.max_depth + 1)
+        self.prior = self.prior or self.PRIOR
 
     # Prior of each depth's survival rate, as pseudo-counts (accepted, proposed): a lookup token whose parent was
     # accepted is itself accepted about 4 times in 5 (SmolLM2 on held-out chat: given a right first token, prompt
@@ -210,7 +236,7 @@ class LookupStats:
     def score(self, depth: int) -> float:
         """P(a lookup node at `depth` is accepted): the product of the per-depth survival rates up to it."""
         d = min(depth, self.max_depth)
-        rates = (self.accepted[1:d + 1] + self.PRIOR[0]) / (self.proposed[1:d + 1] + self.PRIOR[1])
+        rates = (self.accepted[1:d + 1] + self.prior[0]) / (self.proposed[1:d + 1] + self.prior[1])
         return float(np.prod(rates))
 
     def record(self, tree: DraftTree, path: list[int], verified=None) -> None:
@@ -220,10 +246,31 @@ class LookupStats:
         for i in range(1, len(tree)):
             if verified is not None and i not in verified:
                 continue
-            if tree.sources[i] in ("lookup", "both") and tree.parents[i] in on_path:
+            if self.source in tree.proposed_by(i) and tree.parents[i] in on_path:
                 d = min(tree.depths[i], self.max_depth)
                 self.proposed[d] += 1
                 self.accepted[d] += i in on_path
+
+
+# A continuation of other answers is weaker evidence than one of this request's own text: the static source starts at
+# one in two per depth and earns its depth from what the target accepts.
+STATIC_PRIOR = (1.0, 2.0)
+# What the per-source counts call each source (RunStats.accepted_by, `bench`): the tree's names -> the report's.
+SOURCE_NAMES = {"drafter": "drafter", "lookup": "context", "static": "static"}
+
+
+def accepted_by_source(tree: DraftTree, path: list[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Accepted drafts on `path` per source: (proposed by it, whether or not another source did too; proposed by it
+    alone), keyed by SOURCE_NAMES' values."""
+    by = {name: 0 for name in SOURCE_NAMES.values()}
+    only = dict(by)
+    for i in path[1:]:
+        origins = tree.proposed_by(i)
+        for source in origins:
+            by[SOURCE_NAMES[source]] += 1
+        if len(origins) == 1:
+            only[SOURCE_NAMES[next(iter(origins))]] += 1
+    return by, only
 
 
 class TreeState:
@@ -233,9 +280,11 @@ class TreeState:
 
     EXPLORE_EVERY = 8  # a skipped drafter still runs every 8th step with a lookup, so its running mean stays current
 
-    def __init__(self, context, max_depth: int):
+    def __init__(self, context, max_depth: int, static=None):
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         self.lookups = LookupStats(max_depth)
+        self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
+        self.static_stats = LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
         self.drafter_gain = 1.0  # optimistic until measured
         self._skipped = 0
 
@@ -252,6 +301,7 @@ class TreeState:
 
     def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
         self.lookups.record(tree, path, verified)
+        self.static_stats.record(tree, path, verified)
         if drafted and had_lookup:
             gain = sum(tree.sources[i] == "drafter" for i in path[1:])
             self.drafter_gain = 0.8 * self.drafter_gain + 0.2 * gain

@@ -38,6 +38,7 @@ class EngineInfo:
     verify_token_cost: float | None = None
     draft_cost: float | None = None
     decoding: dict = field(default_factory=dict)  # the recipe's decoding options (decoding/options.py)
+    static_index: Any = None  # the static n-gram index the engine stores (decoding/static_ngrams.py), None if none
 
     def check_room(self, total: int) -> None:
         """Refuse a step that would take a sequence to `total` tokens, past max_seq_len (every engine's caches and

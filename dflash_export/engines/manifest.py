@@ -20,6 +20,7 @@ from typing import Any
 
 from dflash_export import __version__
 from dflash_export.decoding.options import decoding_problem
+from dflash_export.decoding.static_ngrams import StaticNgramIndex
 from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
@@ -129,6 +130,18 @@ class Manifest:
                           target_layer_ids=list(req("target_layer_ids", hint)),
                           verify_token_cost=self.flags.verify_token_cost, draft_cost=self.flags.draft_cost,
                           decoding=dict(self.raw.get("decoding") or {}))
+
+    def static_index(self):
+        """The engine's static n-gram index (decoding/static_ngrams.py), read and checked against the sha256 the
+        manifest records; None when the build stored none."""
+        static = self.raw.get("static_ngrams")
+        if not static:
+            return None
+        path = self.path.parent / static["file"]
+        if not path.is_file() or sha256_file(path) != static["sha256"]:
+            raise DFlashError("the static n-gram index is missing or differs from the sha256 the manifest records: "
+                              "rebuild the engine", path=path, field="static_ngrams.sha256")
+        return StaticNgramIndex.load(path, self.require("vocab_size"))
 
 
 def hash_inputs(paths: list[Path]) -> dict[str, str]:
@@ -276,7 +289,24 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
             f.mapping(key)
     if "decoding" in manifest:
         _check_decoding(f)
+    if "static_ngrams" in manifest:
+        _check_static_ngrams(f)
     return vocab
+
+
+def _check_static_ngrams(f: _Fields) -> None:
+    """The static n-gram index the build stored (decoding/static_ngrams.py): its file, listed in `files` with the
+    same sha256, and what it was built from."""
+    static = f.mapping("static_ngrams")
+    name = static.get("file")
+    if not isinstance(name, str) or name not in f.manifest["files"]:
+        raise f.bad("static_ngrams.file", f"expected the name of a file listed in `files`, got {name!r}")
+    if static.get("sha256") != f.manifest["files"][name]:
+        raise f.bad("static_ngrams.sha256", f"expected the sha256 `files` lists for {name}")
+    for key in ("entries", "answers", "answer_tokens"):
+        v = static.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise f.bad(f"static_ngrams.{key}", f"expected a non-negative integer, got {v!r}")
 
 
 def _check_decoding(f: _Fields) -> None:

@@ -113,6 +113,8 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
                                  manifest_shared)
         if selector:
             manifest["selector"] = selector
+        if recipe.decoding.static_ngrams:
+            manifest["static_ngrams"] = _static_index(recipe, target, tmp)
         write_manifest(tmp, manifest)
         _stage("probing this CPU's kernels (verify rows against plain steps)")
         _record_numerics(tmp, manifest, threads)
@@ -133,6 +135,19 @@ def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None) -> N
     manifest["flags"]["plain_step_rows"] = numerics.row_floor
     manifest["numerics"] = numerics.to_json()
     write_manifest(engine_dir, manifest)
+
+
+def _static_index(recipe, target, tmp: Path) -> dict:
+    """The static n-gram index of the target's own greedy answers to the recipe's training prompts, stored in the
+    engine (decoding/static_ngrams.py); returns the manifest's `static_ngrams` field."""
+    from dflash_export.decoding.static_ngrams import StaticNgramIndex, store_static_index
+    from dflash_export.train.own_answers import static_index_answers
+
+    opts = recipe.decoding
+    _stage(f"indexing the target's own answers to {opts.static_prompts} training prompts (static n-grams)")
+    answers = static_index_answers(target, recipe.train, opts.static_prompts)
+    index = StaticNgramIndex.from_answers(answers, max_entries=opts.static_entries)
+    return store_static_index(tmp, index, len(answers), sum(len(a) for a in answers))
 
 
 def _load_pair(recipe, draft_vocab: int | None):

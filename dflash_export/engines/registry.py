@@ -204,4 +204,6 @@ def load_engine(engine_dir, manifest: Manifest | None = None, **kwargs) -> Engin
     if opener is None:
         raise DFlashError(f"a {backend!r} engine does not load here ({', '.join(OPENERS)})",
                           path=Path(engine_dir) / MANIFEST, field="backend")
-    return opener(Path(engine_dir), manifest, **kwargs)
+    engine = opener(Path(engine_dir), manifest, **kwargs)
+    engine.info.static_index = manifest.static_index()
+    return engine

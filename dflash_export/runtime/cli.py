@@ -44,7 +44,7 @@ from dflash_export.runtime.single import DFlashRuntime, RunStats
                    "worth their verification cost; same output).")
 @decoding_options
 def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, seed, ar, no_chat, full_blocks,
-        proposer, tree_mode, tree_top_k, tree_nodes, sampling):
+        proposer, tree_mode, tree_top_k, tree_nodes, sampling, static_ngrams):
     """Generate for PROMPT with a built engine, streaming; prints τ (tokens per target pass) and tok/s at the end.
 
     The engine: --engine DIR, or --recipe NAME for the one `build --recipe NAME` wrote."""
@@ -56,7 +56,7 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
         raise DFlashError("give --engine DIR or --recipe NAME, not both", field="--recipe")
     engine = load_engine(engine_dir)
     rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
-                       tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling)
+                       tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling, static_ngrams=static_ngrams)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     stats = RunStats()
     for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):

@@ -16,7 +16,7 @@ import numpy as np
 from dflash_export.decoding.acceptance import Walk
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
-from dflash_export.decoding.tree import TreeState, chain
+from dflash_export.decoding.tree import SOURCE_NAMES, TreeState, accepted_by_source, chain
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
 
@@ -42,6 +42,10 @@ class RunStats:
     drafted_tokens: int = 0
     draft_s: float = 0.0    # time in the drafter (and the proposal around it)
     verify_s: float = 0.0   # time in target passes after the prefill (verifications and plain steps)
+    # Accepted drafts per source (decoding/tree.SOURCE_NAMES: drafter, context, static): proposed by it (a draft
+    # two sources proposed counts for both), and proposed by it alone (what it added beyond the others).
+    accepted_by: dict = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
+    accepted_only: dict = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
 
     @property
     def tau(self) -> float:
@@ -144,11 +148,11 @@ class DFlashRuntime:
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
                  draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False,
                  proposer: str | None = None, tree_top_k: int | None = None, tree_nodes: int | None = None,
-                 tree_mode: str | None = None, sampling: str | None = None):
+                 tree_mode: str | None = None, sampling: str | None = None, static_ngrams: bool | None = None):
         # Unset: what the engine's recipe says (manifest `decoding`), else DecodingOptions' defaults; checked once.
         self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer,
                                        tree_top_k=tree_top_k, tree_nodes=tree_nodes, tree_mode=tree_mode,
-                                       sampling=sampling)
+                                       sampling=sampling, static_ngrams=static_ngrams)
         if self.options.tree_mode == "full" and self.options.proposer != "chain" \
                 and getattr(engine, "linear_layers", None):
             raise DFlashError("full draft trees are not verified on hybrid targets (each node would need its "
@@ -171,6 +175,13 @@ class DFlashRuntime:
         self.adaptive = adaptive
         self.verify_token_cost, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
         self.max_skip = max_skip
+        # The engine's static n-gram index of the target's past answers (decoding/static_ngrams.py), merged into
+        # trees and lookups while `static_ngrams` is on; asking for it on an engine built without one is an error.
+        index = getattr(engine.info, "static_index", None)
+        if static_ngrams and index is None:
+            raise DFlashError("this engine holds no static n-gram index: build it with decoding.static_ngrams true",
+                              field="static_ngrams")
+        self.static_index = index if self.options.static_ngrams else None
 
     def walks(self, sp: SamplingParams) -> bool:
         """Whether a sampled request walks its proposals with the target's own draws (decoding/acceptance.py)."""
@@ -236,7 +247,7 @@ class DFlashRuntime:
         trees = mode == "dflash" and not self.full_last_block and (
             walk or (sp.greedy and not self.proposal.chain_only))
         if trees:
-            state = TreeState(list(prompt_ids) + [last], 2 * bs)
+            state = TreeState(list(prompt_ids) + [last], 2 * bs, self.static_index)
         while True:
             if trees:
                 accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
@@ -275,6 +286,8 @@ class DFlashRuntime:
             else:
                 accept, emitted, n_draft = self._draft_and_verify(seq, last, sp, rng, bs, rate, emit.produced, stats)
                 stats.drafted_tokens += n_draft
+                stats.accepted_by["drafter"] += accept
+                stats.accepted_only["drafter"] += accept
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
                 if backoff:
@@ -329,6 +342,8 @@ class DFlashRuntime:
         depth = min(bs - 1, owed)
         room = min(info.max_seq_len - seq.length - 1, max_rows - 1)
         lookups = state.context.branches(min(max_rows - 1, owed)) if proposal.lookups and owed > 0 else []
+        static = state.static.branches(state.context.tokens, min(max_rows - 1, owed)) \
+            if state.static is not None and owed > 0 else []
         logprobs, drafted, drafts = None, False, None
         if proposal.drafter and depth > 0 and not skip_drafter and (
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
@@ -341,11 +356,13 @@ class DFlashRuntime:
                 if not sp.greedy:  # scores = the tempered chance each draft is the target's draw
                     logprobs = logprobs / np.float32(sp.temperature)
         min_score = rate * self.verify_token_cost if self.adaptive else 0.0
-        if drafted and logprobs is None and not lookups:  # a drafter without logits (DFlash 2's selector): its block
+        # a drafter without logits (DFlash 2's selector), nothing else proposed: its block
+        if drafted and logprobs is None and not lookups and not static:
             tree = chain(last, drafts[:depth])
         else:
             tree = proposal.propose(last, logprobs, lookups, max_nodes=min(self.tree_nodes, room),
-                                    min_score=min_score, lookup_scores=state.lookups.score)
+                                    min_score=min_score, lookup_scores=state.lookups.score, static=static,
+                                    static_scores=state.static_stats.score)
         t1 = time.perf_counter()
 
         def accept_with(t):
@@ -371,6 +388,11 @@ class DFlashRuntime:
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
         state.record(tree, path, checked, drafted, bool(lookups))
+        if stats is not None:
+            by, only = accepted_by_source(tree, path)
+            for name in by:
+                stats.accepted_by[name] += by[name]
+                stats.accepted_only[name] += only[name]
         return accept, emitted, len(checked) - 1, drafted
 
     def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:

@@ -365,3 +365,30 @@ def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, 
     feature_shards(target, answers_directory, directory, tap_ids, topk)
     return generate_answer_shards(target, prompts, answers_directory, directory, tap_ids, max_new_tokens,
                                   batch_size, topk, progress, part)
+
+
+def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
+                         progress: Callable[[int, int, float], None] | None = None) -> list[list[int]]:
+    """The target's greedy answers (up to `train.max_new_tokens`) to the first `num_prompts` training prompts of the
+    recipe's `train` options -- ShareGPT's train split (never its held-out split or an evaluation suite), or
+    synthetic prompts for tokenizer-less tiny targets -- what `build` indexes into the static n-gram index
+    (decoding/static_ngrams.py). Read from the answer shards `train` caches, the missing ones generated first
+    (whole shards, so `train` later finds every shard it expects complete)."""
+    from dflash_export.train.data import answers_dir, sharegpt_prompt_ids, synthetic_prompt_ids
+
+    if train.prompts == "sharegpt":
+        prompts = sharegpt_prompt_ids(target, "train", train.max_prompt_tokens, seed=train.seed)
+        source = f"sharegpt-s{train.seed}"
+    else:
+        prompts = synthetic_prompt_ids(target.vocab_size, num_prompts, train.seed, 2)
+        source = f"synthetic-static-s{train.seed}"
+    shards = (num_prompts + SHARD_SIZE - 1) // SHARD_SIZE
+    prompts = prompts[:shards * SHARD_SIZE]
+    if not prompts:
+        raise DFlashError("the prompt set is empty", field="decoding.static_prompts")
+    directory = answers_dir(target, train.max_prompt_tokens, train.max_new_tokens, source)
+    generate_answer_shards(target, prompts, directory, None, None, train.max_new_tokens, batch_size,
+                           progress=progress)
+    wanted = {key for key, _ in prompts[:num_prompts]}
+    rows = [r for i in range(shards) for r in load_answers(directory / f"answers-{i:05d}.pt")]
+    return [list(r["answer"]) for r in rows if r["index"] in wanted]

@@ -35,7 +35,7 @@ from dflash_export.validate.command import run_validate
 @decoding_options
 def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p,
              dist_samples, repeats, report_dir, no_progress, proposer, tree_mode, tree_top_k, tree_nodes,
-             sampling):
+             sampling, static_ngrams):
     """Prove an engine lossless and fast against the PyTorch reference; write report.json, report.md and plots.
 
     Exit 0 when every recipe threshold holds, 1 when one fails (after the report is written), 2 on bad input or a
@@ -53,4 +53,5 @@ def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_
                  show_progress=not no_progress, echo=click.echo,
                  decoding={k: v for k, v in (("proposer", proposer), ("tree_mode", tree_mode),
                                              ("tree_top_k", tree_top_k), ("tree_nodes", tree_nodes),
-                                             ("sampling", sampling)) if v})
+                                             ("sampling", sampling), ("static_ngrams", static_ngrams))
+                                   if v is not None})
