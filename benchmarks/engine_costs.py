@@ -209,7 +209,7 @@ def main():
         mark = ""
         if k in targets:
             mark = "  ok" if v <= targets[k] else f"  MISSES target {targets[k]}"
-        print(f"{k:22s} {v:9.2f}{mark}")
+        print(f"{k:22s} {v:9.2f}{mark}" if isinstance(v, (int, float)) else f"{k:22s} {v:>9s}")
 
 
 if __name__ == "__main__":
