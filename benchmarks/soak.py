@@ -480,7 +480,7 @@ def main(argv=None) -> int:
         args.fault_every = min(args.fault_every, 15.0) if args.fault_every else 0.0
         args.slowloris = min(args.slowloris, 32)
         args.long_tokens = min(args.long_tokens, 400)
-    from dflash_export.deploy.front import DEFAULT_MAX_BODY_BYTES
+    from dflash_export.deploy.connection import DEFAULT_MAX_BODY_BYTES
     from dflash_export.deploy.repository import write_repository
     from dflash_export.deploy.server import free_loopback_ports
 

@@ -6,6 +6,9 @@ import math
 
 import click
 
+from dflash_export.decoding.request import check_field
+from dflash_export.errors import DFlashError
+
 
 class FiniteFloat(click.FloatRange):
     """A float range that also refuses nan and ±inf (click's FloatRange lets nan through: every comparison with it
@@ -21,6 +24,27 @@ class FiniteFloat(click.FloatRange):
 
 
 SEED = click.IntRange(0, 2**63 - 1)
+
+
+class RequestField(click.ParamType):
+    """A request's decoding field given as an option (`run`, `bench`): read as a number, then held to the field's one
+    rule (decoding/request.py's `check_field`, the rule the served API applies); the error names the option."""
+
+    def __init__(self, field: str):
+        self.field = field
+        self.integer = field in ("max_tokens", "top_k", "seed")
+        self.name = "integer" if self.integer else "float"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            try:
+                value = int(value) if self.integer else float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a valid {'integer' if self.integer else 'number'}", param, ctx)
+        try:
+            return check_field(self.field, value)
+        except DFlashError as e:
+            self.fail(e.message, param, ctx)
 
 # One default for every command that generates (run, bench, validate, reference, demo).
 MAX_NEW_TOKENS = 128

@@ -31,6 +31,53 @@ def test_parse_request_names_the_bad_input(inputs, field):
     assert str(e.value).startswith(field.split(":")[0]) and field in str(e.value)
 
 
+# (field, a bad value, the message every edge gives for it)
+BAD_FIELDS = [
+    ("max_tokens", 0, "max_tokens: must be in 1..9223372036854775807, got 0"),
+    ("temperature", -0.5, "temperature: must be >= 0, got -0.5"),
+    ("top_p", 0.0, "top_p: must be in (0, 1], got 0"),
+    ("top_p", 1.5, "top_p: must be in (0, 1], got 1.5"),
+    ("top_k", -2, "top_k: must be in 0..9223372036854775807, got -2"),
+    ("seed", 2 ** 64, "seed: must be in 0..18446744073709551615, got 18446744073709551616"),
+]
+_DTYPES = {"max_tokens": ("INT64", np.int64), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+           "top_k": ("INT64", np.int64), "seed": ("UINT64", np.uint64)}
+
+
+@pytest.mark.parametrize("name, value, message", BAD_FIELDS, ids=[f"{n}={v}" for n, v, _ in BAD_FIELDS])
+def test_every_edge_refuses_a_bad_field_with_one_message(name, value, message):
+    """The generate body, the OpenAI body, the /infer body, the Python API's SamplingParams and the tensors the
+    Triton model reads all hold a decoding field to the same rule and say the same thing."""
+    from dflash_export.deploy.handler import check_generate_body, check_infer_body, parse_request
+    from dflash_export.deploy.openai_api import OpenAIError, chat_request
+    from dflash_export.engines.base import SamplingParams
+
+    with pytest.raises(DFlashError) as generate:
+        check_generate_body({"text_input": "hi", name: value})
+    openai_value = value if name != "top_k" else -2  # OpenAI's -1 means "no top-k"; -2 is still refused
+    with pytest.raises(OpenAIError) as openai:
+        chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], name: openai_value}, "m")
+    assert openai.value.param == name
+    seen = [str(generate.value)]
+    if name == "seed":  # OpenAI's seed is signed, the engine's unsigned (-1 maps to 2^64-1): OpenAI's range is named
+        assert openai.value.message.startswith("seed: must be in -9223372036854775808..18446744073709551615")
+    else:
+        seen.append(openai.value.message)
+        dtype, _ = _DTYPES[name]
+        with pytest.raises(DFlashError) as infer:
+            check_infer_body({"inputs": [{"name": name, "datatype": dtype, "shape": [1], "data": [value]}]})
+        seen.append(str(infer.value))
+    attr = "max_new_tokens" if name == "max_tokens" else name
+    with pytest.raises(DFlashError) as api:
+        SamplingParams(**{attr: value})
+    seen.append(str(api.value))
+    if value < 2 ** 63:  # what fits its tensor reaches the model; the same rule applies when it is read
+        with pytest.raises(DFlashError) as model:
+            parse_request(getter(text_input=b"hi", **{name: np.array([value], _DTYPES[name][1])}))
+        seen.append(str(model.value))
+    assert seen == [message] * len(seen)
+
+
 def test_stop_string_ends_output_before_it(direct):
     full = run_direct(direct, text_input=b"Hello there", max_tokens=np.array([24], np.int32))
     # A stop string taken from the middle of the greedy output must cut exactly there.

@@ -365,7 +365,7 @@ def test_deploy_copies_engine_files_never_hard_links(tmp_path, engine_dir):
 
 
 def test_deploy_records_the_request_limits_serve_applies(tmp_path):
-    from dflash_export.deploy.front import Limits, Refused, parse_json_bounded
+    from dflash_export.deploy.connection import Limits, Refused, parse_json_bounded
 
     engine = make_torch_engine_dir(tmp_path / "engine")
     repo = write_repository(engine, tmp_path / "repo", max_body_bytes=4096, max_json_depth=4)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_export.deploy.front import CANCEL_PARAMETER, SECRET_HEADER, Front, Limits
+from dflash_export.deploy.connection import Limits
+from dflash_export.deploy.front import Front
+from dflash_export.deploy.upstream import CANCEL_PARAMETER, SECRET_HEADER
 
 
 class Upstream:
@@ -189,6 +191,12 @@ def test_openai_refusals_name_the_field_in_openai_error_shape(front, body, statu
                                      b'"data": [9223372036854775808]}]}'), 400),
     (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "stop", "datatype": "BYTES", "shape": [1], '
                                      b'"data": [5]}]}'), 400),
+    # well-typed but out of a decoding field's range: refused at the edge, never queued
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "max_tokens", "datatype": "INT64", "shape": [1], '
+                                     b'"data": [0]}]}'), 400),
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "top_p", "datatype": "FP32", "shape": [1], '
+                                     b'"data": [0]}]}'), 400),
+    (post("/v2/models/dflash/generate", b'{"text_input": "x", "temperature": -1}'), 400),
     (post("/v2/models/dflash/generate", b'{"text_input": "x"}trailing',
           "Inference-Header-Content-Length: 19\r\n"), 400),
 ])

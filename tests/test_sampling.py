@@ -24,9 +24,9 @@ def test_verify_length_keeps_the_prefix_worth_verifying():
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"seed": -3}, "seed"),
 ])
-def test_sampling_params_are_checked_in_one_place_naming_the_request_field(kwargs, field):
-    """SamplingParams.check is what the runtime, the batching service and the Triton handler all apply."""
+def test_sampling_params_are_checked_when_made_naming_the_request_field(kwargs, field):
+    """A SamplingParams out of range cannot be made (the CLI, the Python API and the Triton model all make one)."""
     with pytest.raises(DFlashError) as e:
-        SamplingParams(**kwargs).check()
+        SamplingParams(**kwargs)
     assert e.value.field == field
     SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=0).check()  # the edges pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.bench.suite import run_bench, run_concurrency_bench
-from dflash_export.clitypes import MAX_NEW_TOKENS, FiniteFloat, engine_option, recipe_options
+from dflash_export.clitypes import MAX_NEW_TOKENS, RequestField, engine_option, recipe_options
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import recipe_from_options
 
@@ -28,10 +28,10 @@ from dflash_export.recipes import recipe_from_options
 @click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
               help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
                    "ratio is also printed pass by pass).")
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0),
+@click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="Sample at this temperature (0: greedy); prompt i is seeded with i, the same in every mode.")
-@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"))
+@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"))
 def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
           reps, temperature, top_p, top_k):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""

@@ -8,7 +8,7 @@ import sys
 import click
 
 from dflash_export.clitypes import engine_option
-from dflash_export.deploy.front import Limits
+from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.repository import MARKER, cached_repository, check_repository, write_repository
 from dflash_export.deploy.server import serve as run_server
 from dflash_export.errors import DFlashError

@@ -7,6 +7,7 @@ DFlashError whose message starts with the input it is about.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -15,16 +16,21 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dflash_export.engines.base import SamplingParams
+from dflash_export.decoding.request import (
+    DEFAULT_MAX_TOKENS,
+    FIELDS,
+    INT64_MAX,
+    UINT64_MAX,
+    SamplingParams,
+    check_field,
+    check_unicode,
+    json_kind,
+)
 from dflash_export.errors import DFlashError
 from dflash_export.models.tokenization import max_token_chars, prompt_chars
 from dflash_export.runtime.single import DFlashRuntime, RunStats
 
-DEFAULT_MAX_TOKENS = 128
-MAX_STOP_STRINGS = 16
 ROLES = ("system", "user", "assistant", "tool")
-INT64_MAX = (1 << 63) - 1   # max_tokens travels as INT64
-UINT64_MAX = (1 << 64) - 1  # seed travels as UINT64
 MAX_MESSAGES_DEPTH = 8      # a list of {"role", "content"} objects is 2 deep
 
 
@@ -88,19 +94,9 @@ def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
     return arr.reshape(-1)[0]
 
 
-def _check_unicode(text: str, name: str) -> str:
-    """Refuse a string that cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DFlashError(f"lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} (not valid Unicode "
-                          "text)", field=name) from None
-    return text
-
-
 def _text(value, name: str) -> str:
     if isinstance(value, str):
-        return _check_unicode(value, name)
+        return check_unicode(value, name)
     data = bytes(value)
     try:
         return data.decode("utf-8")
@@ -132,8 +128,8 @@ def _messages(text: str | list) -> list[dict]:
         if m["role"] not in ROLES:
             raise DFlashError(f"item {i}: unknown role {m['role'][:40]!r} (known: {', '.join(ROLES)})",
                               field="messages")
-        _check_unicode(m["role"], "messages")
-        _check_unicode(m["content"], "messages")
+        check_unicode(m["role"], "messages")
+        check_unicode(m["content"], "messages")
     return msgs
 
 
@@ -144,60 +140,36 @@ def _is_int(v) -> bool:
 def check_generate_body(body) -> dict:
     """Check a JSON body for the generate / generate_stream endpoints before Triton sees it.
 
-    Every field must be one of the model's inputs, with the JSON type and range that input takes (max_tokens an
-    integer in 1..2^63-1, seed in 0..2^64-1: Triton would otherwise wrap or misread them); strings must be valid
-    Unicode. Returns the body with `messages` as JSON text (a list given as such is accepted and encoded). Raises
-    DFlashError naming the field.
+    Every field must be one of the model's inputs; the decoding fields obey their one rule (decoding/request.py's
+    `check_field`: max_tokens an integer in 1..2^63-1, seed in 0..2^64-1, which Triton would otherwise wrap or
+    misread); strings must be valid Unicode. Returns the body with `messages` as JSON text (a list given as such is
+    accepted and encoded). Raises DFlashError naming the field.
     """
     if not isinstance(body, dict):
         raise DFlashError("expected a JSON object of named inputs", field="request body")
     known = tuple(INPUT_TYPES)
     for key in body:
         if key not in known:
-            raise DFlashError(f"unknown field (known: {', '.join(known)})", field=_check_unicode(key, "request body")
+            raise DFlashError(f"unknown field (known: {', '.join(known)})", field=check_unicode(key, "request body")
                               [:60])
     out = dict(body)
     for key in ("text_input",):
         if key in body and not isinstance(body[key], str):
-            raise DFlashError(f"expected a string, got {_json_kind(body[key])}", field=key)
+            raise DFlashError(f"expected a string, got {json_kind(body[key])}", field=key)
         if key in body:
-            _check_unicode(body[key], key)
+            check_unicode(body[key], key)
     if "messages" in body:
         if not isinstance(body["messages"], (str, list)):
             raise DFlashError(f"expected a list of {{\"role\", \"content\"}} objects (or its JSON text), got "
-                              f"{_json_kind(body['messages'])}", field="messages")
+                              f"{json_kind(body['messages'])}", field="messages")
         out["messages"] = json.dumps(_messages(body["messages"]), ensure_ascii=False)
     if "apply_chat_template" in body and not isinstance(body["apply_chat_template"], bool):
-        raise DFlashError(f"expected true or false, got {_json_kind(body['apply_chat_template'])}",
+        raise DFlashError(f"expected true or false, got {json_kind(body['apply_chat_template'])}",
                           field="apply_chat_template")
-    for key, lo, hi in (("max_tokens", 1, INT64_MAX), ("seed", 0, UINT64_MAX), ("top_k", 0, INT64_MAX)):
+    for key in FIELDS:
         if key in body:
-            v = body[key]
-            if not _is_int(v):
-                raise DFlashError(f"expected an integer, got {_json_kind(v)}", field=key)
-            if not lo <= v <= hi:
-                raise DFlashError(f"must be in {lo}..{hi}, got {v}", field=key)
-    for key in ("temperature", "top_p"):
-        if key in body:
-            v = body[key]
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
-                raise DFlashError(f"expected a number, got {_json_kind(v)}", field=key)
-            if not math.isfinite(v):
-                raise DFlashError(f"must be a finite number, got {v}", field=key)
-    if "stop" in body:
-        stops = body["stop"] if isinstance(body["stop"], list) else [body["stop"]]
-        if not all(isinstance(x, str) for x in stops):
-            raise DFlashError("expected a string or a list of strings", field="stop")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", field="stop")
-        for x in stops:
-            _check_unicode(x, "stop")
+            check_field(key, body[key])
     return out
-
-
-def _json_kind(v) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
 def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
@@ -215,28 +187,19 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
         if not prompt:
             raise DFlashError("empty prompt", field="text_input")
 
-    sp = SamplingParams()
-    max_tokens = _scalar(get, "max_tokens", "int")
-    if max_tokens is not None:
-        sp.max_new_tokens = int(max_tokens)
-    else:
-        sp.max_new_tokens = DEFAULT_MAX_TOKENS
-    for name, attr in (("temperature", "temperature"), ("top_p", "top_p")):
-        v = _scalar(get, name, "float")
-        if v is not None:
-            v = float(v)
-            if not math.isfinite(v):
-                raise DFlashError(f"must be a finite number, got {v}", field=name)
-            setattr(sp, attr, v)
-    seed = _scalar(get, "seed", "int")
-    if seed is not None:
-        sp.seed = int(seed)
-    elif sp.temperature > 0:  # as OpenAI's API: without a seed every sampled answer is a fresh draw
-        sp.seed = secrets.randbits(63)
-    top_k = _scalar(get, "top_k", "int")
-    if top_k is not None:
-        sp.top_k = int(top_k)
-    sp.check()
+    # The tensors' types are Triton's (checked here); their values obey the fields' rules, applied when the
+    # SamplingParams is made.
+    given = {name: v for name, kind in (("max_tokens", "int"), ("temperature", "float"), ("top_p", "float"),
+                                        ("top_k", "int"), ("seed", "int"))
+             if (v := _scalar(get, name, kind)) is not None}
+    max_tokens = given.pop("max_tokens", None)
+    temperature = float(given.pop("temperature", 0.0))
+    seed = given.pop("seed", None)
+    if seed is None and temperature > 0:  # as OpenAI's API: without a seed every sampled answer is a fresh draw
+        seed = secrets.randbits(63)
+    sp = SamplingParams(max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens),
+                        temperature=temperature, seed=0 if seed is None else int(seed),
+                        **{k: (int if k == "top_k" else float)(v) for k, v in given.items()})
     chat = _scalar(get, "apply_chat_template", "bool")
 
     stop: list[str] = []
@@ -245,9 +208,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
         items = np.asarray(stop_arr).reshape(-1)
         if items.dtype != np.object_ and items.dtype.kind not in "SU":
             raise DFlashError(f"expected BYTES, got {items.dtype}", field="stop")
-        if len(items) > MAX_STOP_STRINGS:
-            raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}", field="stop")
-        stop = [s for s in (_text(x, "stop") for x in items) if s]
+        stop = [s for s in check_field("stop", [_text(x, "stop") for x in items]) if s]
     return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat))
 
 
@@ -297,7 +258,8 @@ class RequestRunner:
                               field="messages" if isinstance(req.prompt, list) else "text_input")
         if not req.max_tokens_given:
             # Without an explicit max_tokens, generate as much as fits rather than refuse a long prompt.
-            req.sp.max_new_tokens = max(1, min(req.sp.max_new_tokens, info.max_seq_len - info.block_size - len(ids)))
+            room = max(1, min(req.sp.max_new_tokens, info.max_seq_len - info.block_size - len(ids)))
+            req.sp = dataclasses.replace(req.sp, max_new_tokens=room)
         return ids
 
     def run(self, req: GenerateRequest, cancelled: Callable[[], str | None] | None = None) -> Iterator[Chunk]:
@@ -395,7 +357,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
         if key not in ("id", "inputs", "outputs", "parameters"):
             raise DFlashError("unknown field (known: id, inputs, outputs, parameters)", field=str(key)[:60])
     if "id" in body and not isinstance(body["id"], str):
-        raise DFlashError(f"expected a string, got {_json_kind(body['id'])}", field="id")
+        raise DFlashError(f"expected a string, got {json_kind(body['id'])}", field="id")
     params = body.get("parameters", {})
     if not isinstance(params, dict):
         raise DFlashError("expected a JSON object", field="parameters")
@@ -447,11 +409,13 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
                   "FP32": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
                   }.get(dtype, _is_int(v))
             if not ok:
-                raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {_json_kind(v)}", field=name)
+                raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {json_kind(v)}", field=name)
             if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1]:
                 raise DFlashError(f"{v} is out of {dtype}'s range", field=name)
             if isinstance(v, str):
-                _check_unicode(v, name)
+                check_unicode(v, name)
+        if name in FIELDS:  # the decoding fields obey their rules before the request is queued
+            check_field(name, flat if name == "stop" else flat[0])
     if binary != binary_bytes:
         raise DFlashError(f"binary tensors declare {binary} bytes, the body carries {binary_bytes} after the JSON",
                           field="Inference-Header-Content-Length")
@@ -464,7 +428,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
 
 def _flatten(data, name: str) -> list:
     if not isinstance(data, list):
-        raise DFlashError(f"data: expected a list, got {_json_kind(data)}", field=name)
+        raise DFlashError(f"data: expected a list, got {json_kind(data)}", field=name)
     out, stack = [], [data]
     while stack:
         v = stack.pop()

@@ -17,7 +17,9 @@ import math
 import secrets
 import time
 
-from dflash_export.deploy.handler import INT64_MAX, MAX_STOP_STRINGS, UINT64_MAX, _check_unicode, _json_kind
+from dflash_export.decoding.request import UINT64_MAX, check_field
+from dflash_export.decoding.request import check_unicode as _check_unicode
+from dflash_export.decoding.request import json_kind as _json_kind
 from dflash_export.errors import DFlashError
 
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -127,39 +129,31 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
         for key in ("include_usage", "continuous_usage_stats"):
             if key in so and not isinstance(so[key], bool):
                 raise _bad(f"stream_options.{key}", f"expected true or false, got {_json_kind(so[key])}")
-    out: dict = {}
     given = [k for k in max_tokens_keys if body.get(k) is not None]
     if len(given) > 1 and body[given[0]] != body[given[1]]:
         raise _bad(given[1], f"disagrees with {given[0]}: give one")
-    for key in given[:1]:
-        out["max_tokens"] = _integer(body, key, 1, INT64_MAX)
-    t = _number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        out["temperature"] = t
-    p = _number(body, "top_p", -math.inf, math.inf)
-    if p is not None:
-        if not 0 < p <= 1:
-            raise _bad("top_p", f"must be in (0, 1], got {p:g}")
-        out["top_p"] = p
-    k = body.get("top_k")
-    if k is not None:
-        k = _integer(body, "top_k", -1, INT64_MAX)
-        out["top_k"] = 0 if k in (-1, 0) else k  # vLLM: -1 (and 0) mean no top-k
-    seed = body.get("seed")
-    if seed is not None:
+    # OpenAI's spellings of the decoding fields, translated; their values then obey the fields' one rule
+    # (decoding/request.py), which names the field the client sent.
+    fields = {"max_tokens": (body[given[0]], given[0])} if given else {}
+    for key in ("temperature", "top_p", "top_k", "seed", "stop"):
+        if body.get(key) is not None:
+            fields[key] = (body[key], key)
+    if "top_k" in fields and fields["top_k"][0] == -1 and type(fields["top_k"][0]) is int:
+        fields["top_k"] = (0, "top_k")  # vLLM: -1 (and 0) mean no top-k
+    if "seed" in fields:
         # OpenAI's seed is a signed 64-bit integer; the engine's is unsigned: negatives map two's-complement.
-        s = _integer(body, "seed", -(1 << 63), UINT64_MAX)
-        out["seed"] = s & UINT64_MAX
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("stop", "expected a string or a list of strings")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        stops = [_check_unicode(s, "stop") for s in stops if s]
-        if stops:
-            out["stop"] = stops
+        seed = _integer(body, "seed", -(1 << 63), UINT64_MAX)
+        fields["seed"] = (seed & UINT64_MAX, "seed")
+    try:
+        out = {key: check_field(key, value, field) for key, (value, field) in fields.items()}
+    except DFlashError as e:
+        raise from_dflash_error(e) from None
+    if out.get("temperature", 0.0) > 2.0:  # OpenAI's own bound, narrower than the engine's
+        raise _bad("temperature", f"must be in [0, 2], got {out['temperature']:g}")
+    if "stop" in out:
+        out["stop"] = [s for s in out["stop"] if s]
+        if not out["stop"]:
+            del out["stop"]
     return out
 
 
@@ -181,7 +175,7 @@ def chat_request(body, model_id: str) -> tuple[dict, bool, bool]:
             raise _bad(f"messages[{i}].{extra[0][:40]}", "not supported")
         converted.append({"role": "system" if role == "developer" else role,
                           "content": _content(m.get("content"), f"messages[{i}].content")})
-    out["messages"] = converted
+    out["messages"] = json.dumps(converted, ensure_ascii=False)  # the generate body's form: checked, as JSON text
     return out, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage"))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import dflash_export
-from dflash_export.deploy.front import Limits
+from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.handler import INPUT_TYPES
 from dflash_export.deploy.pbtxt import (
     MAX_INSTANCES,
@@ -185,7 +185,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
     `dflash` either way). max_queue_size 0 means unbounded. threads: intra-op threads per instance (0: the
     server's cores divided by `instances`, decided at load). max_body_bytes / max_json_depth: the request limits
-    `serve`'s HTTP front applies (recorded in the marker; defaults in deploy/front.py). max_batch > 1: each instance
+    the HTTP front applies (recorded in the marker; defaults in deploy/connection.py). max_batch > 1: each instance
     feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
     batching; onnxruntime engines, and tensorrt engines up to the bound their batch engines were built for), with at
     most `max_queued_tokens` prompt tokens waiting to join it; 1: one request at a time per instance. plain: the

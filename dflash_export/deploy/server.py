@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_export.deploy.front import Limits
+from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.repository import check_repository
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,

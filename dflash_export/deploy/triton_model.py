@@ -159,7 +159,8 @@ class TritonPythonModel:
     def _cancelled(request, sender=None):
         """The question `RequestRunner.run` asks between steps (and, `queued=True`, while the request waits to join a
         shared batch): why this request is cancelled, or None."""
-        from dflash_export.deploy.front import CANCEL_PARAMETER, cancel_reason
+        from dflash_export.deploy.front import cancel_reason
+        from dflash_export.deploy.upstream import CANCEL_PARAMETER
 
         try:
             token = json.loads(request.parameters() or "{}").get(CANCEL_PARAMETER)

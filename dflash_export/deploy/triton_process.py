@@ -25,7 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dflash_export.deploy.front import CANCEL_DIR_ENV, RESTRICTED_APIS, SECRET_HEADER, Front, Limits, new_cancel_dir
+from dflash_export.deploy.connection import Limits
+from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
 from dflash_export.deploy.handler import prompt_char_limit
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
@@ -34,6 +35,7 @@ from dflash_export.deploy.triton_install import (
     make_stub_env,
     server_env,
 )
+from dflash_export.deploy.upstream import RESTRICTED_APIS, SECRET_HEADER
 from dflash_export.errors import EXIT_INTERNAL, DFlashError
 
 

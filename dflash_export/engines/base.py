@@ -1,4 +1,5 @@
-"""The backend-agnostic engine contract: sampling parameters, what an engine reports, its per-sequence state.
+"""The backend-agnostic engine contract: what an engine reports, its per-sequence state, and the sampling
+parameters it decodes with (`SamplingParams`, checked when made: decoding/request.py).
 
 An engine owns the compiled graphs and the per-sequence state (KV caches, pending context features); the runtime
 (`dflash_export.runtime.single`) owns the loop, sampling randomness, stop handling and streaming. Keeping the two apart
@@ -9,7 +10,6 @@ This module imports neither torch nor onnxruntime: a served ORT engine needs onl
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,39 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from dflash_export.decoding.request import SamplingParams  # noqa: F401 - the contract's request settings
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.tokenization import TextCodec, chat_environment
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding settings. temperature 0 = greedy."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: list[int] | None = None  # None: the target's own stop ids
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    def check(self) -> None:
-        """The one check of these settings, wherever a request comes from (CLI, Triton, Python): a DFlashError
-        naming the request field (`max_tokens`, as the served API calls it) otherwise."""
-        if self.max_new_tokens < 1:
-            raise DFlashError(f"must be >= 1, got {self.max_new_tokens}", field="max_tokens")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise DFlashError(f"must be >= 0, got {self.temperature}", field="temperature")
-        if not 0 < self.top_p <= 1:  # NaN fails too
-            raise DFlashError(f"must be in (0, 1], got {self.top_p}", field="top_p")
-        if self.top_k < 0:
-            raise DFlashError(f"must be >= 0, got {self.top_k}", field="top_k")
-        if self.seed < 0:
-            raise DFlashError(f"must be >= 0, got {self.seed}", field="seed")
 
 
 @dataclass

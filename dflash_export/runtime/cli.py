@@ -11,6 +11,7 @@ from dflash_export.clitypes import (
     SEED,
     UTF8_TEXT,
     FiniteFloat,
+    RequestField,
     decoding_options,
     engine_option,
     recipe_options,
@@ -31,11 +32,11 @@ from dflash_export.runtime.single import DFlashRuntime, RunStats
               help="Run this recipe's engine (engines/<recipe>/onnxruntime, or its one quantized build) instead of "
                    "giving --engine.")
 @click.argument("prompt", type=UTF8_TEXT)
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
-@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=RequestField("max_tokens"))
+@click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"))
+@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"))
+@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"))
+@click.option("--seed", default=0, show_default=True, type=RequestField("seed"))
 @click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
 @click.option("--no-chat", is_flag=True, help="Send the prompt as raw text (no chat template).")
 @click.option("--full-blocks", is_flag=True,

@@ -98,10 +98,10 @@ class _Emitter:
 
 def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
     """The one check of a request against an engine (single stream and batching alike): a DFlashError naming the
-    request field otherwise."""
+    request field otherwise. `sp` was checked when it was made (decoding/request.py); what is left depends on the
+    engine."""
     if len(prompt_ids) == 0:
         raise DFlashError("empty prompt", field="text_input")
-    sp.check()
     # Room for the prompt, the new tokens and one speculative block beyond them.
     need = len(prompt_ids) + sp.max_new_tokens + info.block_size
     if need > info.max_seq_len:

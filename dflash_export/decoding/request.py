@@ -1,0 +1,109 @@
+"""A request's decoding fields and the one rule each obeys: the single place that turns untrusted values into checked
+ones.
+
+`check_field(name, value)` holds the type and range of every field a request may carry (`max_tokens`, `temperature`,
+`top_p`, `top_k`, `seed`, `stop`) and refuses a bad value with a DFlashError naming the field; `SamplingParams`, the
+typed settings the loops decode with, applies the same rules when it is made, so a SamplingParams that exists is a
+checked one and the code that receives one trusts it. Every edge goes through here: the HTTP front's generate, infer
+and OpenAI bodies (deploy/handler.py, deploy/openai_api.py), the request the Triton model reads, and the CLI's and
+the Python API's SamplingParams. What depends on the engine (the prompt plus `max_tokens` within its context) is
+checked where the engine is known (runtime/single.py's `check_request`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from dflash_export.errors import DFlashError
+
+DEFAULT_MAX_TOKENS = 128
+MAX_STOP_STRINGS = 16
+INT64_MAX = (1 << 63) - 1   # max_tokens travels as INT64
+UINT64_MAX = (1 << 64) - 1  # seed travels as UINT64
+
+# name -> (integer field, lowest, highest, lowest excluded)
+_RANGES = {
+    "max_tokens": (True, 1, INT64_MAX, False),
+    "top_k": (True, 0, INT64_MAX, False),
+    "seed": (True, 0, UINT64_MAX, False),
+    "temperature": (False, 0.0, math.inf, False),
+    "top_p": (False, 0.0, 1.0, True),
+}
+FIELDS = (*_RANGES, "stop")
+
+
+def json_kind(v) -> str:
+    """How a JSON value is named in an error message ("a string", "an integer", ...)."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+
+
+def check_unicode(text: str, name: str) -> str:
+    """Refuse a string that cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DFlashError(f"lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} (not valid Unicode "
+                          "text)", field=name) from None
+    return text
+
+
+def check_field(name: str, value, field: str | None = None):
+    """`value` for the request field `name`, checked: an int for the integer fields, a float for temperature and
+    top_p, a list of strings for stop (one string is a list of one); a DFlashError naming `field` (the name the
+    client used, `name` by default) otherwise."""
+    field = field or name
+    if name == "stop":
+        stops = value if isinstance(value, list) else [value]
+        if not all(isinstance(s, str) for s in stops):
+            raise DFlashError("expected a string or a list of strings", field=field)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", field=field)
+        return [check_unicode(s, field) for s in stops]
+    integer, lo, hi, lo_open = _RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        raise DFlashError(f"expected {'an integer' if integer else 'a number'}, got {json_kind(value)}", field=field)
+    if integer:
+        value = int(value)
+        if not lo <= value <= hi:
+            raise DFlashError(f"must be in {lo}..{hi}, got {value}", field=field)
+        return value
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float's range (JSON allows any length)
+        value = math.inf
+    if not math.isfinite(value):
+        raise DFlashError(f"must be a finite number, got {value}", field=field)
+    if lo_open and not lo < value <= hi:
+        raise DFlashError(f"must be in ({lo:g}, {hi:g}], got {value:g}", field=field)
+    if not lo_open and value < lo:
+        raise DFlashError(f"must be >= {lo:g}, got {value:g}", field=field)
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings, checked when made (`check_field`: a DFlashError naming the request field, as
+    the served API calls it: `max_tokens` for `max_new_tokens`). temperature 0 = greedy."""
+
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: list[int] | None = None  # None: the target's own stop ids
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def check(self) -> None:
+        """The request fields' rules (`check_field`) applied to these settings."""
+        for name, value in (("max_tokens", self.max_new_tokens), ("temperature", self.temperature),
+                            ("top_p", self.top_p), ("top_k", self.top_k), ("seed", self.seed)):
+            check_field(name, value)

@@ -1,0 +1,272 @@
+"""The front's routing: which answer a parsed request gets.
+
+`Routing` is the part of the front that maps a path to its handler: `/health` and `/v2/health/ready` (ready only when
+tritonserver and the model's stub are), `/metrics`, the OpenAI-compatible routes (deploy/openai_api.py translates the
+body; the answer is mapped back to OpenAI's shapes, errors included), and Triton's read-only and inference routes,
+forwarded after their bodies are checked (deploy/handler.py) and tagged with a cancel token; wrong methods get 405,
+unknown paths 404, a draining or restarting server 503. It also maps the engine's refusals to status codes (400 for a
+bad field, 503 for a dead stub or a full queue).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import h11
+
+from dflash_export.deploy import openai_api as oa
+from dflash_export.deploy.connection import Connection, Refused, answer, parse_json_bounded
+from dflash_export.deploy.handler import check_generate_body, check_infer_body, check_prompt_chars
+from dflash_export.deploy.metrics import CONTENT_TYPE_LATEST
+from dflash_export.deploy.upstream import CANCEL_PARAMETER, instance_died
+from dflash_export.errors import DFlashError
+
+_MODEL = r"/v2/models/([A-Za-z0-9_.\-]+)(?:/versions/[0-9]+)?"
+_GET_ROUTES = re.compile(rf"^(?:/v2|/v2/health/live|{_MODEL}(?:/ready|/config|/stats)?)$")
+_POST_ROUTES = re.compile(rf"^{_MODEL}/(infer|generate|generate_stream)$")
+_FRONT_ROUTES = ("/health", "/metrics", "/v1/models", "/v2/health/ready")
+
+
+class Routing:
+    """The front's routing side. Uses the front's `limits`, `model_id`, `models`, `created`, `draining`,
+    `upstream_port`, `health`, `model_health`, `prompt_char_limit`, `metrics`, `counts`, its cancellation registry
+    (`_begin`, `_end`, `_why`) and its upstream calls (deploy/upstream.py)."""
+
+    @staticmethod
+    def _route_label(path: str) -> str:
+        """The route a request is counted under in the metrics."""
+        return path if path in _FRONT_ROUTES or path.startswith("/v1/") else "triton"
+
+    async def _route(self, conn: Connection, method: str, target: str, path: str, headers: dict, body: bytes,
+                     head_only: bool) -> int:
+        if method in ("GET", "HEAD"):
+            if path == "/metrics":
+                return await self._reply(conn, 200, self.metrics.render(), CONTENT_TYPE_LATEST, head_only)
+            if path in ("/health", "/v2/health/ready"):
+                why = self._not_ready()
+                if why is not None:
+                    raise Refused(503, why)
+                return await self._reply(conn, 200, b"" if path != "/health" else b'{"status": "ok"}\n',
+                                         "application/json", head_only)
+            if path == "/v1/models":
+                return await self._json(conn, 200, oa.models_list(self.model_id, self.created), head_only)
+            if path.startswith("/v1/models/"):
+                if path[len("/v1/models/"):] != self.model_id:
+                    raise oa.OpenAIError(404, f"model {path[len('/v1/models/'):][:80]!r} is not served here",
+                                         param="model", code="model_not_found")
+                return await self._json(conn, 200, oa.model_card(self.model_id, self.created), head_only)
+            if gm := _GET_ROUTES.match(path):
+                self._check_serving(gm.group(1))
+                return await self._forward(conn, method, target, headers, b"", None, False, head_only)
+            if _POST_ROUTES.match(path) or path in ("/v1/chat/completions", "/v1/completions"):
+                raise Refused(405, f"{method} {path[:100]}: use POST")
+            raise Refused(404, f"{method} {path[:100]}: not served (see /v1/models, /health, /metrics, and the "
+                               "Triton routes /v2/models/<model>/generate|generate_stream|infer)")
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            obj = parse_json_bounded(body, self.limits.max_json_depth)
+            self._check_serving(self._openai_model(isinstance(obj, dict) and obj.get("stream") is True))
+            return await self._openai(conn, path, obj)
+        m = _POST_ROUTES.match(path)
+        if not m:
+            if _GET_ROUTES.match(path) or path in _FRONT_ROUTES:
+                raise Refused(405, f"POST {path[:100]}: use GET")
+            raise Refused(404, f"POST {path[:100]}: not served (the front forwards infer, generate and "
+                               "generate_stream, and serves /v1/chat/completions and /v1/completions)")
+        self._check_serving(m.group(1))
+        body, token = self._check_body(m.group(2), headers, body)
+        try:
+            return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
+                                       False, generation=m.group(2) != "infer")
+        finally:
+            self._end(token)
+
+    def _not_ready(self, model: str | None = None) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if self.upstream_port is None:
+            return "tritonserver is (re)starting"
+        if model is not None and self.model_health is not None:
+            return self.model_health(model)
+        if self.health is not None:
+            return self.health()
+        return None
+
+    def _openai_model(self, stream: bool) -> str:
+        """The Triton model an OpenAI request goes to: the streaming one for `"stream": true` when deployed."""
+        return "dflash_stream" if stream and "dflash_stream" in self.models else self.models[0]
+
+    def _check_serving(self, model: str | None = None) -> None:
+        why = self._not_ready(model)
+        if why is not None:
+            raise Refused(503, why if self.draining else f"{why}; retry shortly", close=self.draining)
+
+    def _refuse_if_drained(self, token: str | None) -> None:
+        """503 "shutting down" for a request the drain cancelled (its client gets that, not the engine's error)."""
+        why = self._why(token)
+        if why is not None and "shutting down" in why:
+            raise Refused(503, f"cancelled: {why}", close=True)
+
+    async def _reply(self, conn: Connection, status: int, body: bytes, ctype: str, head_only: bool = False) -> int:
+        await conn.send(*answer(status, body, ctype=ctype, head_only=head_only))
+        return status
+
+    async def _json(self, conn: Connection, status: int, payload, head_only: bool = False) -> int:
+        await conn.send(*answer(status, payload, head_only=head_only))
+        return status
+
+    # Checking Triton bodies --------------------------------------------------------------------------------------
+    def _check_body(self, endpoint: str, headers: dict, body: bytes) -> tuple[bytes, str]:
+        """The body with its JSON part checked and tagged with a new cancel token, and that token."""
+        header_len = headers.get("inference-header-content-length")
+        if header_len is not None and endpoint != "infer":
+            raise Refused(400, f"Inference-Header-Content-Length: binary tensors are for /infer, not {endpoint}")
+        json_len = _json_length(header_len, body)
+        obj = parse_json_bounded(body[:json_len], self.limits.max_json_depth)
+        try:
+            if endpoint == "infer":
+                obj = check_infer_body(obj, len(body) - json_len)
+                self._check_prompt_size({t["name"]: t["data"][0] for t in obj["inputs"]
+                                         if t["name"] in ("text_input", "messages") and t.get("data")})
+            else:
+                obj = check_generate_body(obj)
+                if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
+                    parse_json_bounded(obj["messages"].encode(), self.limits.max_json_depth, "messages")
+                self._check_prompt_size(obj)
+        except DFlashError as e:
+            raise Refused(400, str(e)) from None
+        token = self._begin()
+        if endpoint == "infer":
+            obj["parameters"] = {**obj.get("parameters", {}), CANCEL_PARAMETER: token}
+        else:  # the generate extension passes fields that are not inputs as request parameters
+            obj[CANCEL_PARAMETER] = token
+        head = json.dumps(obj, ensure_ascii=False).encode()
+        if header_len is not None:
+            headers["inference-header-content-length"] = str(len(head))
+        return head + body[json_len:], token
+
+    def _check_prompt_size(self, gen: dict) -> None:
+        """DFlashError when the prompt's text cannot fit the engine (see `prompt_char_limit`)."""
+        if self.prompt_char_limit is None:
+            return
+        if isinstance(gen.get("text_input"), str):
+            check_prompt_chars(gen["text_input"], self.prompt_char_limit)
+        if isinstance(gen.get("messages"), str):
+            try:
+                messages = json.loads(gen["messages"])
+            except (ValueError, RecursionError):
+                return  # the model refuses it, naming why
+            if isinstance(messages, list):
+                check_prompt_chars(messages, self.prompt_char_limit)
+
+    # OpenAI ------------------------------------------------------------------------------------------------------
+    async def _openai(self, conn: Connection, path: str, obj) -> int:
+        chat = path == "/v1/chat/completions"
+        try:
+            # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
+            gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
+            self._check_prompt_size(gen)
+        except DFlashError as e:
+            raise oa.from_dflash_error(e) from None
+        rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
+        token = self._begin()
+        gen[CANCEL_PARAMETER] = token
+        body = json.dumps(gen, ensure_ascii=False).encode()
+        headers = {"content-type": "application/json"}
+        model = self._openai_model(stream)
+        use_stream_model = model == "dflash_stream"
+        target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
+        try:
+            resp = await self._send_upstream(conn, "POST", target, headers, body, token)
+            if resp.status_code != 200 or not use_stream_model:
+                payload = await self._read_upstream(conn, resp, token)
+                answer = self._answer_of(resp.status_code, payload, token)
+                self._observe(answer["raw"])
+                if not stream:
+                    out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created, answer)
+                    return await self._json(conn, 200, out)
+                events = _one_event(answer["raw"])
+            else:
+                events = self._upstream_events(conn, resp, token)
+            return await self._openai_stream(conn, chat, rid, created, include_usage, events, token)
+        finally:
+            self._end(token)
+
+    def _answer_of(self, status: int, payload: bytes, token: str | None) -> dict:
+        self._refuse_if_drained(token)
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            obj = {"error": payload[:200].decode("utf-8", "replace")}
+        if status != 200 or "error" in obj:
+            raise self._upstream_error(status, obj.get("error"))
+        return {"text": obj.get("text_output", ""), "finish_reason": obj.get("finish_reason") or "stop",
+                "prompt_tokens": int(obj.get("prompt_tokens", 0)),
+                "completion_tokens": int(obj.get("completion_tokens", 0)), "raw": obj}
+
+    def _upstream_error(self, status: int, message) -> oa.OpenAIError:
+        message = str(message or "the engine refused the request")
+        sick = (self.health() if self.health is not None else None) or instance_died(message)
+        if status != 200 and sick:
+            return oa.OpenAIError(503, f"{sick}; retry shortly", kind="server_error")
+        if status == 400 or "INVALID_ARG" in message:
+            field = message.split(":", 1)[0] if ":" in message else None
+            return oa.OpenAIError(400, message, param=field)
+        if status in (429, 503) or "queue" in message.lower():
+            return oa.OpenAIError(503, message, kind="server_error")
+        return oa.OpenAIError(status if status >= 400 else 500, message, kind="server_error")
+
+    async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, include_usage: bool, events,
+                             token: str | None) -> int:
+        await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
+                                                               ("Cache-Control", "no-cache")]))
+        mk = oa.chat_chunk if chat else oa.completion_chunk
+        first = True
+        prompt_tokens = completion_tokens = 0
+        async for ev in events:
+            if "error" in ev:
+                why = self._why(token)
+                err = oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
+                    self._upstream_error(500, ev["error"])
+                await conn.send(h11.Data(data=oa.sse(err.body())))
+                break
+            text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
+            prompt_tokens = int(ev.get("prompt_tokens", prompt_tokens) or prompt_tokens)
+            completion_tokens = int(ev.get("completion_tokens", completion_tokens) or completion_tokens)
+            if chat and first:
+                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {"role": "assistant",
+                                                                                    "content": ""}, None))))
+            first = False
+            if text or reason:
+                delta = ({"content": text} if text else {}) if chat else text
+                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason))))
+            if reason:
+                self._observe(ev)
+                if include_usage:
+                    await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {} if chat else "", None,
+                                                            oa.usage(prompt_tokens, completion_tokens),
+                                                            choices=False))))
+                break
+        await conn.send(h11.Data(data=oa.sse(b"[DONE]")), h11.EndOfMessage())
+        self.counts["forwarded"] += 1
+        return 200
+
+
+async def _one_event(obj: dict):
+    yield obj
+
+
+def _json_length(header_len: str | None, body: bytes) -> int:
+    """Bytes of JSON at the start of the body: all of it, or Inference-Header-Content-Length's (binary tensors
+    follow)."""
+    if header_len is None:
+        return len(body)
+    try:
+        json_len = int(header_len)
+        if not 0 <= json_len <= len(body):
+            raise ValueError
+    except ValueError:
+        raise Refused(400, f"Inference-Header-Content-Length: {header_len[:40]!r} is not a length within the "
+                           f"{len(body)}-byte body") from None
+    return json_len
+

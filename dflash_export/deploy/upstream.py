@@ -1,0 +1,184 @@
+"""The front's upstream: the authenticated call to tritonserver and the relay of its answers.
+
+It holds the header name and value that tritonserver's restricted APIs require of every caller (`SECRET_HEADER`, the
+per-start secret `Front.secret`; `RESTRICTED_APIS` lists what it guards), the request parameter that carries a
+request's cancel token to the model (`CANCEL_PARAMETER`), and `Upstream`, the part of the front that forwards a
+checked request over loopback (or the namespace bridge's Unix socket), races it against its client leaving and the
+request timeout (cancelling it either way), maps an unreachable or dying tritonserver to 503 with Retry-After (the
+client retries), relays a generate_stream answer event by event, and records generation figures in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import h11
+
+from dflash_export.deploy import openai_api as oa
+from dflash_export.deploy.connection import ClientGone, Connection, Refused, answer
+
+SECRET_HEADER = "dflash-front"
+CANCEL_PARAMETER = "dflash_cancel"   # request parameter carrying the cancel token to the model
+# Triton APIs that require the secret header (every category its --http-restricted-api knows).
+RESTRICTED_APIS = ("health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging")
+_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+        "content-length", "host", SECRET_HEADER}
+
+
+class Upstream:
+    """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`) and `_refuse_if_drained` (deploy/routing.py)."""
+
+    def _open_client(self) -> None:
+        import httpx
+
+        # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        transport = httpx.AsyncHTTPTransport(uds=str(self.upstream_uds), limits=limits) if self.upstream_uds else None
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, limits=limits,
+                                         transport=transport)
+
+    def _upstream_headers(self, headers: dict, n: int | None) -> dict:
+        out = {k: v for k, v in headers.items() if k not in _HOP}
+        out[SECRET_HEADER] = self.secret
+        if n is not None:
+            out["content-length"] = str(n)
+        return out
+
+    async def _race(self, conn: Connection, aw, token: str | None, timeout: float):
+        """Await `aw` while watching the client: ClientGone (request cancelled) if it leaves first, 504 (request
+        cancelled) if `timeout` passes first."""
+        task = asyncio.ensure_future(aw)
+        watcher = conn.watching()
+        try:
+            done, _ = await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        if watcher in done:
+            if token is not None and self.cancel(token, "the client went away"):
+                self.counts["client_gone"] += 1
+            raise ClientGone
+        if token is not None:
+            self.cancel(token, f"no answer from the engine within {self.limits.request_timeout_s:g} s")
+        self.counts["timed_out"] += 1
+        raise Refused(504, f"the engine did not answer within {self.limits.request_timeout_s:g} s "
+                           "(--request-timeout); the request was cancelled")
+
+    async def _send_upstream(self, conn: Connection, method: str, target: str, headers: dict, body: bytes,
+                             token: str | None):
+        import httpx
+
+        url = f"http://127.0.0.1:{self.upstream_port}{target}"
+        req = self._client.build_request(method, url, content=body if method == "POST" else None,
+                                         headers=self._upstream_headers(headers, len(body) if method == "POST"
+                                                                        else None))
+        try:
+            return await self._race(conn, self._client.send(req, stream=True), token, self.limits.request_timeout_s)
+        except (httpx.TransportError, OSError):
+            raise Refused(503, "tritonserver is not answering (it is being restarted); retry shortly",
+                          headers={"Retry-After": "2"}) from None
+
+    async def _read_upstream(self, conn: Connection, resp, token: str | None) -> bytes:
+        import httpx
+
+        try:
+            return await self._race(conn, resp.aread(), token, self.limits.request_timeout_s)
+        except (httpx.TransportError, OSError):
+            raise Refused(503, "tritonserver stopped answering mid-request (a model stub or the server died); "
+                               "retry shortly", headers={"Retry-After": "2"}) from None
+        finally:
+            await resp.aclose()
+
+    async def _forward(self, conn: Connection, method: str, target: str, headers: dict, body: bytes, token: str | None,
+                       streaming: bool, head_only: bool, generation: bool = False) -> int:
+        resp = await self._send_upstream(conn, method, target, headers, body, token)
+        if streaming:
+            return await self._relay_stream(conn, resp, token)
+        payload = await self._read_upstream(conn, resp, token)
+        self._refuse_if_drained(token)
+        if resp.status_code != 200 and ((self.health is not None and (sick := self.health()))
+                                        or (sick := instance_died(payload))):
+            raise Refused(503, f"{sick}; retry shortly", headers={"Retry-After": "2"})
+        if generation and resp.status_code == 200:
+            self._observe(payload)
+        self.counts["forwarded"] += 1
+        ctype = resp.headers.get("content-type", "application/json")
+        extra = {k: v for k, v in resp.headers.items()
+                 if k.lower() not in _HOP | {"content-type", "content-encoding", "server"}}
+        await conn.send(*answer(resp.status_code, payload, ctype=ctype, head_only=head_only, extra=extra))
+        return resp.status_code
+
+    def _observe(self, payload: bytes | dict) -> None:
+        try:
+            obj = json.loads(payload) if isinstance(payload, bytes) else payload
+            stats = obj.get("step_stats")
+            stats = json.loads(stats) if isinstance(stats, str) and stats else {}
+            self.metrics.observe_generation(int(obj.get("completion_tokens", 0)), int(obj.get("prompt_tokens", 0)),
+                                            {**stats, "drafted_tokens": obj.get("drafted_tokens", 0),
+                                             "accepted_tokens": obj.get("accepted_tokens", 0)})
+        except (ValueError, TypeError, AttributeError):
+            pass
+
+    async def _upstream_events(self, conn: Connection, resp, token: str | None):
+        """The JSON events of a generate_stream answer (server-sent events), as they arrive."""
+        import httpx
+
+        buf = b""
+        it = resp.aiter_raw().__aiter__()
+        try:
+            while True:
+                try:
+                    chunk = await self._race(conn, it.__anext__(), token, self.limits.request_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except (httpx.TransportError, OSError):
+                    yield {"error": "tritonserver stopped answering mid-stream (a model stub or the server died)"}
+                    return
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data:"):
+                            try:
+                                yield json.loads(line[5:])
+                            except ValueError:
+                                yield {"error": "tritonserver sent an event that is not JSON"}
+                                return
+        finally:
+            await resp.aclose()
+
+    async def _relay_stream(self, conn: Connection, resp, token: str | None) -> int:
+        """generate_stream, relayed event by event (re-framed: the front's own chunked encoding)."""
+        if resp.status_code != 200:
+            payload = await self._read_upstream(conn, resp, token)
+            self._refuse_if_drained(token)  # cancelled while queued, by the drain
+            await conn.send(*answer(resp.status_code, payload, ctype=resp.headers.get("content-type",
+                                                                                       "application/json")))
+            return resp.status_code
+        await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
+                                                               ("Cache-Control", "no-cache")]))
+        async for ev in self._upstream_events(conn, resp, token):
+            why = self._why(token) if "error" in ev else None
+            if why is not None and "shutting down" in why:
+                ev = {"error": f"cancelled: {why}"}
+            await conn.send(h11.Data(data=oa.sse(ev)))
+            if ev.get("finish_reason"):
+                self._observe(ev)
+        self.counts["forwarded"] += 1
+        await conn.send(h11.EndOfMessage())
+        return 200
+
+
+def instance_died(text: bytes | str) -> str | None:
+    """The python backend's answer from a model instance whose stub died ("Stub process '<instance>' is not
+    healthy."), whatever `serve`'s health check has seen yet: the server's fault, so a 503, never the client's 400."""
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    m = re.search(r"Stub process '([^']{1,80})' is not healthy", text)
+    return f"model instance {m.group(1)} died (the server restarts)" if m else None
+
