@@ -527,6 +527,8 @@ class BatchedOrtEngine(BatchedEngine):
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        if e.graph_pads:  # padded here on the host already: every region runs the call's own rows (row_pad.py)
+            io.bind_cpu_input("row_index", np.arange(s, dtype=np.int64))
         if e.tree_verify:  # the graph's draft-tree inputs: consecutive positions, no bias (chains only here)
             io.bind_cpu_input("position_ids", (lengths[:, None] + np.arange(s)).astype(np.int64))
             io.bind_cpu_input("attention_bias", np.zeros((len(seqs), 1, s, total), np.float32))
