@@ -46,6 +46,8 @@ def test_probe_picks_the_floor_that_hides_a_one_row_kernel(engine):
     assert [t[:2] for t in num.tried] == [[1, False], [2, True]]
     assert num.tried[0][2] >= 2.0 ** -21  # at least the planted bias (the target's own one-row path may add)
     assert num.row_floor == engine.row_floor == 2 and num.bit_identical and num.max_abs_diff == 0.0
+    # The target pads its products and attention alone (engines/row_pad.py), tried before the whole step.
+    assert engine.graph_pads and num.tried[1][3] == num.row_pad == engine.row_pad == "graph"
     assert "bit-identical" in num.statement and isa_label(num.cpu["isa"]) in num.statement
 
 
@@ -55,15 +57,66 @@ def test_no_floor_agrees_then_the_engine_says_so(engine):
     engine.head = _RowDependentHead(engine.head, lambda h: len(np.unique(h[0], axis=0)) * 2.0 ** -18)
     num = choose_row_floor(engine, first=2)
     assert not num.bit_identical and num.max_abs_diff > 0
-    assert len(num.tried) == min(4, engine.info.block_size) and not any(t[1] for t in num.tried)
+    every = [(1, "host")] + [(f, p) for f in range(2, min(4, engine.info.block_size) + 1) for p in ("graph", "host")]
+    assert [tuple(t[0::3]) for t in num.tried] == [(2, "graph")] + [c for c in every if c != (2, "graph")]
+    assert not any(t[1] for t in num.tried)
     assert num.row_floor == min(num.tried, key=lambda t: t[2])[0]
     assert "lossless within kernel numerics on this CPU" in num.statement
 
 
-def test_padding_rows_change_no_committed_row(engine):
-    """The floor only changes the kernels' shape: a padded one-token step commits what a verify row computes."""
-    same, diff = probe_floor(engine, max(2, engine.row_floor))
+@pytest.mark.parametrize("pad", ["graph", "host"])
+def test_padding_rows_change_no_committed_row(engine, pad):
+    """The floor only changes the kernels' shape: a one-token step padded in the graph (products and attention) or
+    on the host (the whole step) commits what a verify row computes."""
+    same, diff = probe_floor(engine, max(2, engine.row_floor), pad=pad)
     assert same and diff == 0.0
+
+
+def _plant_one_row_norm(engine_dir: Path) -> None:
+    """Make the target's first norm take, at one row only, an input 2**-10 off: a row-wise kernel whose one-row path
+    rounds differently, which padding the products and attention alone does not hide."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    path = engine_dir / "target.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = list(model.graph.node)
+    k = next(i for i, n in enumerate(nodes) if n.op_type.endswith("LayerNormalization"))
+    x = nodes[k].input[0]
+    model.graph.initializer.extend([numpy_helper.from_array(np.array([1], np.int64), "plant_one"),
+                                    numpy_helper.from_array(np.array(2.0 ** -10, np.float32), "plant_eps")])
+    planted = [helper.make_node("Shape", [x], ["plant_rows"], start=1, end=2),
+               helper.make_node("Equal", ["plant_rows", "plant_one"], ["plant_is_one"]),
+               helper.make_node("Cast", ["plant_is_one"], ["plant_flag"], to=TensorProto.FLOAT),
+               helper.make_node("Mul", ["plant_flag", "plant_eps"], ["plant_bias"]),
+               helper.make_node("Add", [x, "plant_bias"], ["plant_x"])]
+    nodes[k].input[0] = "plant_x"
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes[:k] + planted + nodes[k:])
+    onnx.save(model, str(path))
+
+
+def test_a_one_row_norm_sends_the_padding_back_to_the_host(ort_pair, tmp_path):
+    """Padding in the graph keeps the norms at one row: where a norm's one-row path differs, the probe sees it and
+    pads the whole step on the host, which agrees."""
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.engines.onnxruntime import OrtEngine
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(ort_pair[1], engine_dir)
+    _plant_one_row_norm(engine_dir)
+    eng = OrtEngine(engine_dir, read_manifest(engine_dir, verify_files=False), threads=1, probe_full=True)
+    try:
+        num = eng.numerics
+        assert eng.graph_pads
+        verdicts = {(t[0], t[3]): t[1] for t in num.tried}
+        assert verdicts == {(1, "host"): False, (2, "graph"): False, (2, "host"): True}
+        assert all(t[2] > 0 for t in num.tried if not t[1])
+        assert num.row_floor == eng.row_floor == 2 and num.row_pad == eng.row_pad == "host" and num.bit_identical
+        # and what the verdict promises holds: plain decoding equals a verify block's rows, bit for bit
+        assert probe_floor(eng, 2, pad="host") == (True, 0.0)
+    finally:
+        eng.close()
 
 
 def test_cpu_features_come_from_cpuid():
@@ -195,8 +248,8 @@ def test_a_sound_cached_verdict_is_rechecked_at_its_floor_then_used(engine, monk
     _forge(engine, monkeypatch, tmp_path, fresh.to_json())
     calls = []
     real = numerics.probe_floor
-    monkeypatch.setattr(numerics, "probe_floor", lambda e, floor, rows=None: calls.append((floor, rows)) or
-                        real(e, floor, rows))
+    monkeypatch.setattr(numerics, "probe_floor", lambda e, floor, rows=None, pad="host":
+                        calls.append((floor, rows)) or real(e, floor, rows, pad))
     num = choose_row_floor(engine, first=1, threads=0, recorded={})
     assert num.row_floor == engine.row_floor == 2 and num.tried == fresh.tried
     assert len(calls) == 1 and calls[0][0] == 2 and calls[0][1] is not None

@@ -9,7 +9,10 @@ many-row path on both. So the engine does not take a claim from the machine that
 load it runs a fixed probe (a prompt, then a block verified at every row count 1..block_size against the same tokens
 decoded one at a time) and picks the *row floor* -- the fewest rows any target step and any LM-head call runs as,
 padding with copies of the last row -- for which every logit and K/V row agrees bit for bit. Padding rows sit past the
-committed length and are overwritten by the next step, so they change nothing but the kernel shape.
+committed length and are overwritten by the next step, so they change nothing but the kernel shape. Where the target
+graph can pad its products and attention alone (engines/row_pad.py: the norms between them then run one row, which
+saves a thread-pool hand-off per norm), each floor is tried that way first and the whole step padded on the host only
+where that does not agree (a row-wise kernel whose one-row path differs too).
 
 If no floor up to `MAX_ROW_FLOOR` agrees, the engine says so ("lossless within kernel numerics on this CPU", with the
 measured max difference) instead of claiming bit-identity; `run`, `validate` and the served model report the verdict.
@@ -88,6 +91,9 @@ class Numerics:
     # keys, which the attention kernel may round differently from a plain step. None: not probed (no tree inputs).
     tree_bit_identical: bool | None = None
     tree_max_abs_diff: float | None = None
+    # Where a step shorter than the floor is padded: "graph" (its products and attention, engines/row_pad.py) or
+    # "host" (the whole step, copies of its last token).
+    row_pad: str = "host"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,8 +114,9 @@ class Numerics:
         """One line for logs and reports."""
         where = f"{isa_label(self.cpu.get('isa', []))} ({self.cpu.get('model', '?')}), onnxruntime {self.onnxruntime}"
         if self.bit_identical:
-            return (f"verify rows bit-identical to plain steps on this CPU (row floor {self.row_floor}; probed on "
-                    f"{where}): DFlash output equals this engine's plain decoding")
+            how = " padded in the graph" if self.row_pad == "graph" and self.row_floor > 1 else ""
+            return (f"verify rows bit-identical to plain steps on this CPU (row floor {self.row_floor}{how}; probed "
+                    f"on {where}): DFlash output equals this engine's plain decoding")
         return (f"lossless within kernel numerics on this CPU: no row floor up to {MAX_ROW_FLOOR} makes verify rows "
                 f"bit-identical to plain steps (max |difference| {self.max_abs_diff:.3g} at row floor "
                 f"{self.row_floor}; probed on {where}); greedy output can differ from plain decoding at near-ties")
@@ -125,15 +132,15 @@ def probe_rows(engine) -> int:
     return min(max(engine.info.block_size, PROBE_ROWS), engine.info.max_seq_len - PROBE_PROMPT_TOKENS - MAX_ROW_FLOOR)
 
 
-def probe_floor(engine, floor: int, rows=None) -> tuple[bool, float]:
-    """Run the probe with `engine.row_floor = floor`: (bit-identical?, max |verify - plain|) over verifies of every
-    row count 1..probe_rows(engine), or of the row counts `rows`.
+def probe_floor(engine, floor: int, rows=None, pad: str = "host") -> tuple[bool, float]:
+    """Run the probe with `engine.row_floor = floor` and `engine.row_pad = pad`: (bit-identical?, max |verify -
+    plain|) over verifies of every row count 1..probe_rows(engine), or of the row counts `rows`.
 
     `engine` is an OrtEngine (or anything with its `_run_target` / `_logits` / `decode` and K/V buffers `t_kv`)."""
     bs = probe_rows(engine)
     rows = sorted(set(rows)) if rows else range(1, bs + 1)
     prompt, block = _probe_tokens(engine.info.vocab_size, bs)
-    engine.row_floor = floor
+    engine.row_floor, engine.row_pad = floor, pad
     seq = engine.new_sequence(PROBE_PROMPT_TOKENS + 2 * bs + floor)
     engine.prefill(seq, prompt)
     start = seq.length
@@ -151,7 +158,7 @@ def probe_floor(engine, floor: int, rows=None) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
-PROBE_VERSION = 1  # bump when the probe changes: cached verdicts of older probes are then not reused
+PROBE_VERSION = 2  # bump when the probe changes: cached verdicts of older probes are then not reused
 PROBE_TREE_BRANCHES = ([5, 6, 7], [5, 9], [11, 12, 13])  # a branch, a sibling under it, a sibling of the root
 
 
@@ -201,7 +208,21 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v)) and v >= 0
 
 
-def _cached(path, cpu: dict, top: int, bs: int) -> Numerics | None:
+def _pads(engine) -> tuple[str, ...]:
+    """Where this engine can pad a short step, cheapest first."""
+    return ("graph", "host") if getattr(engine, "graph_pads", False) else ("host",)
+
+
+def _candidates(engine, first: int, first_pad: str) -> list[tuple[int, str]]:
+    """(floor, pad) pairs to probe: the recorded one, then the others smallest floor first, graph before host."""
+    pads = _pads(engine)
+    rest = [(f, p) for f in range(1, min(MAX_ROW_FLOOR, engine.info.block_size) + 1)
+            for p in (pads if f > 1 else ("host",))]
+    first_pad = first_pad if first_pad in pads and first > 1 else "host"
+    return [(first, first_pad)] + [c for c in rest if c != (first, first_pad)]
+
+
+def _cached(path, cpu: dict, top: int, bs: int, pads=("host",)) -> Numerics | None:
     """A verdict this machine cached, when every field has its type and range and it is about this CPU and probe
     (a floor in 1..min(MAX_ROW_FLOOR, block_size), booleans, finite non-negative differences, 0.0 when identical,
     the probed row count); None otherwise (missing, unreadable, corrupt or forged: the caller probes afresh)."""
@@ -221,8 +242,9 @@ def _cached(path, cpu: dict, top: int, bs: int) -> Numerics | None:
           and isinstance(data.get("onnxruntime"), str)
           and isinstance(data.get("threads"), int) and not isinstance(data.get("threads"), bool)
           and isinstance(data.get("tried", []), list)
-          and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], int) and isinstance(t[1], bool)
-                  and _number(t[2]) for t in data.get("tried", []))
+          and all(isinstance(t, list) and len(t) in (3, 4) and isinstance(t[0], int) and isinstance(t[1], bool)
+                  and _number(t[2]) and (len(t) == 3 or t[3] in ("host", "graph")) for t in data.get("tried", []))
+          and data.get("row_pad", "host") in pads
           and data.get("tree_bit_identical") in (None, True, False)
           and (data.get("tree_max_abs_diff") is None or _number(data.get("tree_max_abs_diff"))))
     return Numerics(**data) if ok else None
@@ -255,14 +277,14 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
     # A verdict this machine already reached for these very engine files (same manifest hash, CPU, ONNX Runtime,
     # threads): a server restarting after a crash loads its models again with a short re-check, not a full probe.
     cache = _cache_path(engine, cpu, threads, top, first) if recorded is not None else None
-    hit = _cached(cache, cpu, top, bs) if cache is not None else None
+    hit = _cached(cache, cpu, top, bs, _pads(engine)) if cache is not None else None
     if hit is not None and hit.bit_identical:
         # Re-checked, never trusted: the cached floor must still make verify rows equal plain steps here, at the row
         # counts where kernels change paths; a stale or forged verdict falls through to a full probe (and is
         # replaced).
-        same, diff = probe_floor(engine, hit.row_floor, _cached_recheck_rows(hit.row_floor, bs, top))
+        same, diff = probe_floor(engine, hit.row_floor, _cached_recheck_rows(hit.row_floor, bs, top), hit.row_pad)
         if same:
-            engine.row_floor = hit.row_floor
+            engine.row_floor, engine.row_pad = hit.row_floor, hit.row_pad
             return hit
     if cache is not None and cache.exists():
         try:  # unusable: gone, so that only a fresh probe's verdict is ever read again
@@ -270,21 +292,22 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         except OSError:
             pass
     recorded = recorded if isinstance(recorded, dict) else {}
+    order = _candidates(engine, first, recorded.get("row_pad", "graph"))
     same_host = recorded.get("bit_identical") is True and recorded.get("row_floor") == first \
+        and recorded.get("row_pad", "host") == order[0][1] \
         and isinstance(recorded.get("cpu"), dict) and recorded["cpu"].get("isa") == cpu["isa"] \
         and recorded.get("onnxruntime") == onnxruntime.__version__ \
         and recorded.get("threads") == threads and recorded.get("max_rows") == top
     rows = _recheck_rows(first, bs, top) if same_host else None
-    order = [first] + [f for f in range(1, min(MAX_ROW_FLOOR, bs) + 1) if f != first]
     tried = []
-    for floor in order:
-        same, diff = probe_floor(engine, floor, rows)
-        tried.append([floor, same, diff])
+    for floor, pad in order:
+        same, diff = probe_floor(engine, floor, rows, pad)
+        tried.append([floor, same, diff, pad])
         if same:
             break
         rows = None  # the recorded floor failed here: a full probe from now on
     best = next((t for t in tried if t[1]), None) or min(tried, key=lambda t: t[2])
-    engine.row_floor = best[0]
+    engine.row_floor, engine.row_pad = best[0], best[3]
     if rows is not None and "tree_bit_identical" in recorded and recorded["tree_bit_identical"] in (None, True, False) \
             and (recorded.get("tree_max_abs_diff") is None or _number(recorded.get("tree_max_abs_diff"))):
         tree_same, tree_diff = recorded["tree_bit_identical"], recorded.get("tree_max_abs_diff")
@@ -292,7 +315,7 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         tree_same, tree_diff = probe_tree(engine)
     result = Numerics(row_floor=best[0], max_rows=top, bit_identical=best[1], max_abs_diff=best[2], cpu=cpu,
                       onnxruntime=onnxruntime.__version__, threads=threads, tried=tried,
-                      tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff)
+                      tree_bit_identical=tree_same, tree_max_abs_diff=tree_diff, row_pad=best[3])
     if cache is not None and result.bit_identical:
         try:
             from dflash_export.files import atomic_file

@@ -43,6 +43,7 @@ from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
 from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import choose_row_floor
+from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.models.config import DFlashSpec
 
@@ -248,6 +249,9 @@ class OrtEngine(Engine):
         self.tree_verify = self._position_inputs and not self.linear_layers
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
+        # Targets rewritten by engines/row_pad.py can pad their products and attention alone (`row_index`).
+        self.graph_pads = ROW_INDEX in {i.name for i in self.target.get_inputs()}
+        self.row_pad = "host"
         self.row_floor = manifest.flags.plain_step_rows
         self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
@@ -332,11 +336,16 @@ class OrtEngine(Engine):
         total = seq.length + s
         self.info.check_room(total)
         floor = self.row_floor
-        if s < floor and num_logits == s and tree is None and seq.length + floor <= self.info.max_seq_len:
-            # A step of fewer rows than the row floor runs as `floor` rows, copies of its last token whose K/V rows
-            # lie past the committed length (overwritten by the next step): the kernels then take the same path for
-            # a one-token step as for a verify block, so plain decoding and DFlash agree bit for bit on this CPU
-            # (the floor is what engines/numerics.py found to make them agree).
+        rows = s  # the rows attention and the products run (> s: padded inside the graph)
+        pad = s < floor and num_logits == s and tree is None and seq.length + floor <= self.info.max_seq_len
+        # A step of fewer rows than the row floor runs its kernels as `floor` rows: the kernels then take the same
+        # path for a one-token step as for a verify block, so plain decoding and DFlash agree bit for bit on this CPU
+        # (the floor, and where the padding goes, is what engines/numerics.py found to make them agree). The padding
+        # rows are copies of the last token; their K/V rows lie past the committed length (overwritten by the next
+        # step).
+        if pad and self.row_pad == "graph":  # the products and attention alone (engines/row_pad.py)
+            rows, total = floor, seq.length + floor
+        elif pad:  # the whole step
             ids = np.asarray(ids, np.int64)
             padded = np.concatenate([ids, np.repeat(ids[-1:], floor - s)])
             hidden, ctx = self._run_target(seq, padded, floor)
@@ -359,8 +368,10 @@ class OrtEngine(Engine):
         io.bind_cpu_input("num_logits", np.array(num_logits, np.int64))
         io.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        if self.graph_pads:
+            io.bind_cpu_input(ROW_INDEX, np.minimum(np.arange(rows, dtype=np.int64), s - 1))
         if self._position_inputs:
-            pos, bias = tree_inputs(seq.length, s, tree)
+            pos, bias = tree_inputs(seq.length, rows, tree)
             io.bind_cpu_input("position_ids", pos)
             io.bind_cpu_input("attention_bias", bias)
         pending = {}

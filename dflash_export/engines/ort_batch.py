@@ -688,6 +688,8 @@ class BatchedOrtEngine(BatchedEngine):
         io.bind_cpu_input("num_logits", np.array(s, np.int64))
         io.bind_cpu_input("seqlens_k", seqlens)
         io.bind_cpu_input("total_seq_len", np.array(total, np.int32))
+        if e.graph_pads:  # padded here on the host already: every region runs the call's own rows (row_pad.py)
+            io.bind_cpu_input("row_index", np.arange(s, dtype=np.int64))
         trees = [q._step_tree for q in seqs]
         if any(t is not None for t in trees) and (prefill or not e.tree_verify):
             raise DFlashError("this engine's target graph has no tree inputs: rebuild it to verify draft trees",

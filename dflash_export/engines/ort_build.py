@@ -28,6 +28,7 @@ from dflash_export.engines.onnxruntime import (
     _ort,
     default_threads,
 )
+from dflash_export.engines.row_pad import pad_in_graph
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.export import (
     ORT_DRAFT_HEAD_FILE,
@@ -107,6 +108,9 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
+        # The target's products and attention can then run a one-token step as more rows without its norms doing
+        # so (engines/row_pad.py); whether that keeps plain steps equal to verify rows is the probe's to say, below.
+        pad_in_graph(tmp / TARGET)
         copy_tokenizer(target, drafter, tmp)
         selector = _save_selector(drafter, tmp)
         manifest = _ort_manifest(recipe, target, drafter, spec, dspec, precisions, quantization, draft_vocab, res,
