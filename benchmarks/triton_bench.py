@@ -48,6 +48,17 @@ PROMPTS = [
 ]
 
 
+def _clients_wall(worker, clients: int) -> float:
+    """Seconds for `clients` threads running worker(k), k = 0..clients-1, all started together."""
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def _pct(xs, q):
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
@@ -188,13 +199,7 @@ def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampl
                 toks.append(r.usage.completion_tokens)
                 texts[i] = r.choices[0].message.content
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = _clients_wall(worker, clients)
     if errors:
         print(f"port {port}, {clients} clients: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     return {"tok_per_s": sum(toks) / wall, "wall_s": wall, "tokens": sum(toks), "errors": len(errors),
@@ -355,13 +360,7 @@ def main(argv=None):
                     finally:
                         cli.close()
 
-                threads = [threading.Thread(target=worker, args=(k,)) for k in range(c)]
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - t0
+                wall = _clients_wall(worker, c)
                 levels[c] = {"requests": len(lats), "wall_s": wall, "req_per_s": len(lats) / wall,
                              "tok_per_s": sum(toks) / wall, "p50_ms": 1e3 * _pct(lats, 50),
                              "p90_ms": 1e3 * _pct(lats, 90), "p99_ms": 1e3 * _pct(lats, 99), "errors": len(errors)}

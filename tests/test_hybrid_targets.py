@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from target_support import engine_and_transformers, hf_greedy, prompts, worst_logit_gap
+from test_batching import _oracle_drafts
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
@@ -217,29 +218,6 @@ def test_batched_prefill_and_verify_rows_match_transformers_per_sequence(hybrid)
     assert worst <= 1e-4, worst
 
 
-def _planted_drafts(batch, conts: dict, rng) -> None:
-    """The batch's drafts become each sequence's transformers continuation with one token made wrong at a random
-    slot (the tiny drafter is random and almost never accepted), confidently: every accept length gets verified."""
-    true_draft = batch.draft
-
-    def draft(seqs, anchors, sps, uniforms, block_lens):
-        out = true_draft(seqs, anchors, sps, uniforms, block_lens)  # keeps the drafter's context cache in step
-        fixed = []
-        for seq, (_, probs), bl in zip(seqs, out, block_lens):
-            cont, n_prompt = conts[id(seq)]
-            done = seq.length - n_prompt + 1
-            d = np.array((list(cont[done: done + bl - 1]) + [0] * bl)[: bl - 1], np.int64)
-            k = int(rng.integers(0, bl))
-            if k < bl - 1:
-                d[k] = (d[k] + 1) % 250
-            if seq.draft_confidence is not None:
-                seq.draft_confidence = np.full(bl - 1, 0.99)
-            fixed.append((d, probs))
-        return fixed
-
-    batch.draft = draft
-
-
 def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hybrid):
     """Six requests (DFlash and plain, one prompt past two prefill chunks) through a batch of at most 3 that they
     join and leave between steps, verifying blocks with rejections at every length: each request's tokens are
@@ -261,7 +239,7 @@ def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hy
         return seq
 
     rt.batch.add = add
-    _planted_drafts(rt.batch, conts, np.random.default_rng(0))
+    _oracle_drafts(rt.batch, conts, np.random.default_rng(0))  # one wrong token at a random slot, confidently
     sps = [SamplingParams(max_new_tokens=32 - 5 * (i % 3)) for i in range(len(ps))]
     modes = ["dflash", "dflash", "ar"] * 2
     reqs = [rt.submit(p, sp, m) for p, sp, m in zip(ps, sps, modes)]
