@@ -487,6 +487,31 @@ def test_g_test_null_calibration_over_20_seeds_and_power_against_a_dropped_token
     assert conditional_g_test(tree(np.random.default_rng(99), drop=True)).p_value < 1e-3
 
 
+def test_g_test_catches_a_sampler_sharper_than_the_target_on_prefixes_seen_once():
+    """Most sampled prefixes are seen once; a sampler drawing from p^(1/0.7) renormalised (temperature applied twice
+    at T 0.7) picks likelier tokens, so G falls below its null mean: the two-sided p-value catches it, where the upper
+    tail alone (computed here from the fit's moments) reads it as a perfect fit. Exact draws still pass."""
+    from scipy.stats import chi2
+
+    from dflash_export.validate.checks import conditional_g_test
+
+    def groups(rng, sharpen):
+        out = []
+        for _ in range(600):
+            k = int(rng.integers(3, 9))
+            p = np.zeros(64)
+            p[rng.choice(64, k, replace=False)] = rng.dirichlet(np.ones(k))
+            q = p ** (1 / 0.7) if sharpen else p
+            out.append((p, {int(rng.choice(64, p=q / q.sum())): 1}))
+        return out
+
+    fit = conditional_g_test(groups(np.random.default_rng(1), sharpen=True))
+    scale, dof = fit.null_var / (2 * fit.null_mean), 2 * fit.null_mean ** 2 / fit.null_var
+    assert fit.statistic < fit.null_mean and chi2.sf(fit.statistic / scale, dof) > 0.5  # upper tail: no alarm
+    assert fit.p_value < 1e-3, fit
+    assert conditional_g_test(groups(np.random.default_rng(2), sharpen=False)).p_value > 1e-3
+
+
 def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference, prompts):
     from dflash_export.engines.torch_ref import TorchEngine
 

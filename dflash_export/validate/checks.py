@@ -110,8 +110,11 @@ def conditional_g_test(groups, replicates: int = 2000, seed: int = 0, min_p: flo
     one (G weighs a missing cell twice as much as Pearson's X2 does). Null law: given its sample count a prefix's
     counts are multinomial(n, p) whatever came before (the tokens are drawn in sequence), so the centred per-prefix
     statistics are uncorrelated; their sum's mean and variance are estimated by drawing every prefix's multinomial
-    `replicates` times, and the p-value is the upper tail of the moment-matched scaled chi-square (Satterthwaite).
-    Exact at any n (no >= 5 expected rule), so prefixes seen once count too.
+    `replicates` times, and the p-value is two-sided on the moment-matched scaled chi-square (Satterthwaite): twice
+    the smaller tail. The lower tail matters: most sampled prefixes are seen once, where G = 2 ln(1 / p(token)), so a
+    sampler sharper than the target (temperature applied twice, greedy leaking in) draws likelier tokens and makes G
+    fall below its null mean, which an upper tail alone reads as a perfect fit. Exact at any n (no >= 5 expected
+    rule), so prefixes seen once count too.
     """
     from scipy.stats import chi2
 
@@ -134,7 +137,8 @@ def conditional_g_test(groups, replicates: int = 2000, seed: int = 0, min_p: flo
         return ConditionalFit(0.0, 0.0, 0.0, 1.0, 0, 0)
     mean, var = float(null.mean()), float(null.var(ddof=1))
     scale, dof = var / (2 * mean), 2 * mean * mean / var
-    return ConditionalFit(stat, mean, var, float(chi2.sf(stat / scale, dof)), n_total, used)
+    tails = chi2.sf(stat / scale, dof), chi2.cdf(stat / scale, dof)
+    return ConditionalFit(stat, mean, var, float(min(1.0, 2 * min(tails))), n_total, used)
 
 
 def median(values) -> float:
