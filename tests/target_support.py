@@ -1,14 +1,22 @@
 """What the target-family tests share (test_moe_targets.py, test_hybrid_targets.py): a recipe's tiny pair built as an
 ONNX Runtime engine beside the same target loaded by transformers, the prompts they decode and transformers' greedy
-answer to them."""
+answer to them, and the `inspect` / `validate` runs they check the pair with."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def engine_and_transformers(recipe_name: str, out_dir):
@@ -48,3 +56,40 @@ def worst_logit_gap(engine, hf, ids: list[int], steps: int = 16) -> float:
         tokens.append(nxt)
         logits = engine.decode(seq, nxt)
     return worst
+
+
+def check_greedy_tokens_against_transformers(engine, hf, new: int) -> None:
+    """On every prompt, plain decoding on the engine gives transformers' greedy tokens and DFlash gives plain's."""
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.runtime.single import DFlashRuntime
+
+    rt = DFlashRuntime(engine)
+    stop = engine.info.stop_token_ids[0]
+    for ids in prompts():
+        want = hf_greedy(hf, ids, new, stop)
+        sp = SamplingParams(max_new_tokens=new)
+        ar = rt.generate(ids, sp, "ar").tokens
+        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
+        assert rt.generate(ids, sp, "dflash").tokens == ar
+
+
+def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_export", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def inspect_pair(recipe) -> dict:
+    """`inspect DRAFTER --target TARGET --json` of a recipe's pair, which must exit 0."""
+    r = _cli("inspect", recipe.drafter, "--target", recipe.target, "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def validate_sampled(recipe, engine_dir, report_dir) -> tuple[dict, str]:
+    """validate's G-test at T = 0.7 on an engine (DFlash sampling against the engine's own conditionals): the
+    report's thresholds by name, and the run's stdout."""
+    r = _cli("validate", "--recipe", recipe.name, "--engine", str(engine_dir), "--num-prompts", "2",
+             "--max-new-tokens", "16", "--dist-samples", "60", "--temperature", "0.7", "--no-progress", "--report",
+             str(report_dir), timeout=900)
+    rep = json.loads((Path(report_dir) / "report.json").read_text())
+    return {t["name"]: t for t in rep["thresholds"]}, r.stdout

@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from target_support import engine_and_transformers, hf_greedy, prompts, worst_logit_gap
+from target_support import (
+    check_greedy_tokens_against_transformers,
+    engine_and_transformers,
+    hf_greedy,
+    inspect_pair,
+    prompts,
+    validate_sampled,
+    worst_logit_gap,
+)
 from test_batching import _oracle_drafts
 
 from dflash_export.engines.base import SamplingParams
@@ -77,17 +85,8 @@ def test_text_only_config_forms_are_read(tmp_path, model_type):
 def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
     """5 prompts x 64 tokens (past the 4-tap conv window many times): plain decoding and DFlash on the ONNX Runtime
     engine both give transformers' own greedy tokens."""
-    from dflash_export.runtime.single import DFlashRuntime
-
     _, _, engine, hf = hybrid
-    rt = DFlashRuntime(engine)
-    stop = engine.info.stop_token_ids[0]
-    for ids in prompts():
-        want = hf_greedy(hf, ids, NEW, stop)
-        sp = SamplingParams(max_new_tokens=NEW)
-        ar = rt.generate(ids, sp, "ar").tokens
-        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
-        assert rt.generate(ids, sp, "dflash").tokens == ar
+    check_greedy_tokens_against_transformers(engine, hf, NEW)
 
 
 def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
@@ -314,11 +313,7 @@ def test_serve_batches_a_hybrid_engine_and_answers_as_run(hybrid, tmp_path):
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
 def test_inspect_reads_the_pair_with_no_finding(recipe_name):
     recipe = load_recipe(recipe_name)
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", recipe.drafter, "--target", recipe.target,
-                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+    out = inspect_pair(recipe)
     assert out["ok"] and out["findings"] == [], out["findings"]
 
 
@@ -340,14 +335,8 @@ def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
 def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
     """validate's G-test at T = 0.7 on the hybrid engine (DFlash sampling against the engine's own conditionals)."""
     recipe, engine_dir, _, _ = hybrid
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
-                        str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
-                        "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    dist = {t["name"]: t for t in rep["thresholds"]}
-    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
+    dist, stdout = validate_sampled(recipe, engine_dir, tmp_path / "rep")
+    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, stdout
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])

@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from target_support import engine_and_transformers, hf_greedy, prompts, worst_logit_gap
+from target_support import (
+    check_greedy_tokens_against_transformers,
+    engine_and_transformers,
+    inspect_pair,
+    prompts,
+    validate_sampled,
+    worst_logit_gap,
+)
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.models.sources import resolve_source
@@ -50,17 +57,8 @@ def test_the_family_is_known_and_its_moe_layers_are_read_from_the_config(moe):
 def test_engine_greedy_tokens_equal_transformers_generate(moe):
     """5 prompts x 64 tokens: plain decoding and DFlash on the ONNX Runtime engine both give transformers' own
     greedy tokens (routing is per token, so a verify block routes each row as a plain step does)."""
-    from dflash_export.runtime.single import DFlashRuntime
-
     _, _, engine, hf = moe
-    rt = DFlashRuntime(engine)
-    stop = engine.info.stop_token_ids[0]
-    for ids in prompts():
-        want = hf_greedy(hf, ids, NEW, stop)
-        sp = SamplingParams(max_new_tokens=NEW)
-        ar = rt.generate(ids, sp, "ar").tokens
-        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
-        assert rt.generate(ids, sp, "dflash").tokens == ar
+    check_greedy_tokens_against_transformers(engine, hf, NEW)
 
 
 def test_each_steps_logits_match_transformers_forward(moe):
@@ -83,25 +81,15 @@ def test_batched_engine_gives_each_request_its_lone_tokens(moe):
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
 def test_inspect_reads_the_pair_with_no_finding(recipe_name):
     recipe = load_recipe(recipe_name)
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", recipe.drafter, "--target", recipe.target,
-                        "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
+    out = inspect_pair(recipe)
     assert out["ok"] and out["findings"] == [] and out["summary"]["target architecture"] == FAMILIES[recipe_name]
 
 
 def test_sampled_output_keeps_the_target_distribution(moe, tmp_path):
     """validate's G-test at T = 0.7 on the MoE engine (DFlash sampling against the engine's own conditionals)."""
     recipe, engine_dir, _, _ = moe
-    r = subprocess.run([sys.executable, "-m", "dflash_export", "validate", "--recipe", recipe.name, "--engine",
-                        str(engine_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--dist-samples", "60",
-                        "--temperature", "0.7", "--no-progress", "--report", str(tmp_path / "rep")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    dist = {t["name"]: t for t in rep["thresholds"]}
-    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, r.stdout
+    dist, stdout = validate_sampled(recipe, engine_dir, tmp_path / "rep")
+    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, stdout
 
 
 @pytest.mark.slow
