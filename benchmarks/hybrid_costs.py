@@ -64,7 +64,7 @@ def build(args, work: Path) -> Path:
     t0 = time.perf_counter()
     out = build_onnxruntime(load_recipe(work / "recipe.yaml"), work / "engine", threads=args.threads,
                             precision=args.precision)
-    print(f"build: {time.perf_counter() - t0:.1f} s")
+    print(f"build: {time.perf_counter() - t0:.1f} s, {out}")
     return out
 
 
@@ -95,6 +95,74 @@ def commit_costs(reps: int) -> dict:
     return res
 
 
+FORMS = ("scan", "chunked")
+
+
+def layer_costs(reps: int, threads: int | None, context_rows: int = 128) -> dict:
+    """One Gated DeltaNet layer alone at Qwen3.5-4B's shape in each block form (export/linear_attention.BLOCK_FORM),
+    random weights, over a random committed state: ms per call of 1, 8 and 16 rows, interleaved (form by form, size
+    by size, within each round), medians; then one profiled pass per form (ONNX Runtime's profiler) summing node
+    time by op type at 16 rows, and how far each form's outputs are from the scan's (max |difference| / max |scan|)."""
+    import json as _json
+    import os
+    import statistics
+    import types
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from dflash_export.export import linear_attention as lin
+
+    hk, hv, dk, dv, k = 16, 32, 128, 128, 4
+    h, c = WIDTH["hidden_size"], 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(0)
+    w = lambda *shape: (rng.standard_normal(shape, np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+    p = "l."
+    sd = {p + "in_proj_qkv.weight": w(c, h), p + "in_proj_z.weight": w(hv * dv, h), p + "in_proj_b.weight": w(hv, h),
+          p + "in_proj_a.weight": w(hv, h), p + "conv1d.weight": w(c, 1, k), p + "A_log": w(hv) * 4,
+          p + "dt_bias": w(hv), p + "norm.weight": 1 + 0.1 * w(dv), p + "out_proj.weight": w(h, hv * dv)}
+    shapes = {"key_heads": hk, "value_heads": hv, "key_dim": dk, "value_dim": dv, "conv_kernel": k,
+              "conv_channels": c}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or min(2, os.cpu_count() or 1)
+    so.inter_op_num_threads = 1
+    models = {f: lin.gated_delta_net_model(sd, p, types.SimpleNamespace(fused_projections=False), shapes, 1e-6, h, f)
+              .SerializeToString() for f in FORMS}
+    sess = {f: ort.InferenceSession(m, so) for f, m in models.items()}
+    conv, rec = rng.standard_normal((1, c, k - 1), np.float32), 0.1 * rng.standard_normal((1, hv, dk, dv), np.float32)
+    feeds = {s: {"x": rng.standard_normal((1, s, h), np.float32), "conv_state_0": conv, "recurrent_state_0": rec}
+             for s in (1, 8, 16)}
+    times = {(f, s): [] for f in FORMS for s in feeds}
+    for r in range(reps + 2):
+        for f in FORMS:
+            for s, fd in feeds.items():
+                t0 = time.perf_counter()
+                sess[f].run(None, fd)
+                if r >= 2:
+                    times[(f, s)].append(time.perf_counter() - t0)
+    res = {f"layer_{f}_{s}_ms": 1000 * statistics.median(v) for (f, s), v in times.items()}
+    ref = sess["scan"].run(None, feeds[16])
+    for f in FORMS:
+        res[f"layer_{f}_v16_over_1"] = res[f"layer_{f}_16_ms"] / res[f"layer_{f}_1_ms"]
+        out = sess[f].run(None, feeds[16])
+        res[f"layer_{f}_rel_diff_16"] = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(ref, out))
+        pso = ort.SessionOptions()
+        pso.intra_op_num_threads, pso.inter_op_num_threads = so.intra_op_num_threads, 1
+        pso.enable_profiling = True
+        pso.profile_file_prefix = tempfile.mkdtemp(prefix="gdn-profile-") + "/p"
+        ps = ort.InferenceSession(models[f], pso)
+        for _ in range(reps):
+            ps.run(None, feeds[16])
+        by_op: dict[str, float] = {}
+        for ev in _json.loads(Path(ps.end_profiling()).read_text()):
+            if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
+                op = ev["args"]["op_name"]
+                by_op[op] = by_op.get(op, 0.0) + ev["dur"] / 1000 / reps
+        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:6]
+        print(f"{f} form, 16 rows, ms per call by op type: " + ", ".join(f"{op} {ms:.1f}" for op, ms in top))
+    return res
+
+
 def main():
     from engine_costs import measure
 
@@ -106,7 +174,18 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32")
     ap.add_argument("--cpu-time", action="store_true", help="time calls in process CPU seconds, not wall time")
     ap.add_argument("--dense", action="store_true", help="two Qwen3 layers of the same width instead (yardstick)")
+    ap.add_argument("--form", choices=FORMS, default="scan",
+                    help="the Gated DeltaNet block form the built engine uses (export/linear_attention.BLOCK_FORM)")
+    ap.add_argument("--layer", action="store_true",
+                    help="only one Gated DeltaNet layer alone, every block form side by side (layer_costs)")
     args = ap.parse_args()
+    if args.layer:
+        for k, v in layer_costs(args.reps, args.threads).items():
+            print(f"{k:28s} {v:10.3g}")
+        return
+    from dflash_export.export import linear_attention
+
+    linear_attention.BLOCK_FORM = args.form
     if args.engine is None:
         args.engine = build(args, Path(tempfile.mkdtemp(prefix="hybrid-costs-")))
     res = measure(args.engine, args)
