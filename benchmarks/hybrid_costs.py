@@ -294,7 +294,7 @@ def main():
         res.update(commit_costs(args.reps))
     for k, v in res.items():
         mark = "  (target <= 1.5)" if k == "ratio_verify_16" else ""
-        print(f"{k:22s} {v:9.2f}{mark}")
+        print(f"{k:22s} {v:9.2f}{mark}" if isinstance(v, (int, float)) else f"{k:22s} {v}")
 
 
 if __name__ == "__main__":
