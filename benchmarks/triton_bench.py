@@ -157,18 +157,22 @@ def _serve(engine: Path, port: int, max_batch: int, plain: bool, log: Path):
     raise SystemExit(f"serve on port {port} not ready after 900 s")
 
 
-def _acceptance(port: int) -> tuple[float, float]:
-    """(sum, count) of the server's dflash_acceptance_length histogram."""
+SERVER_FIGURES = ("dflash_acceptance_length_sum", "dflash_acceptance_length_count", "dflash_draft_seconds_total",
+                  "dflash_verify_seconds_total", "dflash_steps_total")
+
+
+def _server_figures(port: int) -> dict[str, float]:
+    """The front's running totals (SERVER_FIGURES) from its /metrics: tokens committed per step and their count,
+    seconds the model spent drafting and verifying (its decode loop), steps."""
     import urllib.request
 
-    total = count = 0.0
+    out = dict.fromkeys(SERVER_FIGURES, 0.0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("dflash_acceptance_length_sum"):
-                total += float(line.split()[-1])
-            elif line.startswith("dflash_acceptance_length_count"):
-                count += float(line.split()[-1])
-    return total, count
+            name = line.split(" ")[0]
+            if name in out:
+                out[name] += float(line.split()[-1])
+    return out
 
 
 def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict) -> dict:
@@ -203,6 +207,7 @@ def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampl
     if errors:
         print(f"port {port}, {clients} clients: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     return {"tok_per_s": sum(toks) / wall, "wall_s": wall, "tokens": sum(toks), "errors": len(errors),
+            "latency_s": sum(lats),
             "p50_ms": 1e3 * _pct(lats, 50), "p99_ms": 1e3 * _pct(lats, 99), "texts": texts}
 
 
@@ -229,37 +234,77 @@ def vs_plain(args) -> int:
             bad = 0
             for c in levels:
                 runs = {m: [] for m in ports}
-                acc = [0.0, 0.0]
+                figs = {m: dict.fromkeys(SERVER_FIGURES, 0.0) for m in ports}
                 for _ in range(args.reps):
                     for m, port in ports.items():  # interleaved: load drifting on a shared machine hits both alike
-                        before = _acceptance(ports["dflash"]) if m == "dflash" else None
+                        before = _server_figures(port)
                         runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling))
-                        if before is not None:
-                            after = _acceptance(ports["dflash"])
-                            acc[0] += after[0] - before[0]
-                            acc[1] += after[1] - before[1]
+                        after = _server_figures(port)
+                        for k in SERVER_FIGURES:
+                            figs[m][k] += after[k] - before[k]
                 best = {m: max(r, key=lambda x: x["tok_per_s"]) for m, r in runs.items()}
                 same = sum(best["dflash"]["texts"].get(i) == t for i, t in best["plain"]["texts"].items())
                 errors = sum(x["errors"] for r in runs.values() for x in r)
                 bad += errors
+                f = figs["dflash"]
                 lv = {"dflash_tok_per_s": best["dflash"]["tok_per_s"], "plain_tok_per_s": best["plain"]["tok_per_s"],
                       "ratio": best["dflash"]["tok_per_s"] / best["plain"]["tok_per_s"],
                       "pass_ratios": [d["tok_per_s"] / p["tok_per_s"] for d, p in zip(runs["dflash"], runs["plain"])],
-                      "tau": acc[0] / acc[1] if acc[1] else float("nan"),
+                      "tau": (f["dflash_acceptance_length_sum"] / f["dflash_acceptance_length_count"]
+                              if f["dflash_acceptance_length_count"] else float("nan")),
                       "dflash_p50_ms": best["dflash"]["p50_ms"], "plain_p50_ms": best["plain"]["p50_ms"],
-                      "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors}
+                      "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors,
+                      "texts": {m: {str(i): t for i, t in best[m]["texts"].items()} for m in ports}}
+                # Where a served request's time goes: the model's decode loop (its draft and verify seconds, summed
+                # over requests: the engine's step time) against the clients' request latencies summed (at one
+                # client, the wall time); the rest is prefill, tokenization, the front, tritonserver and the IPC.
+                for m in ports:
+                    g, lat = figs[m], sum(x["latency_s"] for x in runs[m])
+                    lv[m] = {"draft_s": g["dflash_draft_seconds_total"], "verify_s": g["dflash_verify_seconds_total"],
+                             "steps": g["dflash_steps_total"], "request_s": lat,
+                             "in_loop": (g["dflash_draft_seconds_total"] + g["dflash_verify_seconds_total"]) / lat
+                             if lat else float("nan")}
                 result["levels"][c] = lv
                 print(f"{c:3d} clients: DFlash {lv['dflash_tok_per_s']:7.1f} tok/s  plain {lv['plain_tok_per_s']:7.1f} "
                       f"tok/s  DFlash / plain {lv['ratio']:.2f}x (pass by pass "
                       f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])})  tau {lv['tau']:.2f}  identical "
                       f"{lv['identical_to_plain']}  errors {errors}", flush=True)
+                for m in ports:
+                    x = lv[m]
+                    print(f"             {m:6s} server: draft {x['draft_s']:6.1f} s  verify {x['verify_s']:6.1f} s  "
+                          f"steps {x['steps']:6.0f}  request time {x['request_s']:6.1f} s  in the decode loop "
+                          f"{100 * x['in_loop']:.0f} %", flush=True)
         finally:
             for proc in procs.values():
                 proc.terminate()
                 proc.wait(timeout=120)
+    if not args.temperature:  # greedy: every served answer must be the same request's answer run directly
+        result["identical_to_direct"] = _check_direct(args.engine, prompts, args.max_tokens, result["levels"])
+        bad += sum(int(v.split("/")[1]) - int(v.split("/")[0]) for v in result["identical_to_direct"].values())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 1 if bad else 0
+
+
+def _check_direct(engine: Path, prompts: list, max_tokens: int, levels: dict) -> dict[str, str]:
+    """Greedy: each served answer (both servers, every level's best pass) against the same chat request run directly
+    on the engine in this process, one at a time (deploy/handler.py's RequestRunner over DFlashRuntime)."""
+    from dflash_export.decoding.request import SamplingParams
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.single import DFlashRuntime
+
+    runner = RequestRunner(DFlashRuntime(load_engine(engine)))
+    want = {str(i): generate_text(runner, GenerateRequest(p, SamplingParams(max_new_tokens=max_tokens))).text
+            for i, p in enumerate(prompts)}
+    runner.runtime.engine.close()
+    out = {}
+    for c, lv in levels.items():
+        for m, texts in lv["texts"].items():
+            out[f"{m}@{c}"] = f"{sum(want[i] == t for i, t in texts.items())}/{len(texts)}"
+    print("identical to the direct run (server@clients): " + ", ".join(f"{k} {v}" for k, v in out.items()),
+          flush=True)
+    return out
 
 
 def main(argv=None):
