@@ -14,8 +14,12 @@ Every served text is checked against the direct run of the same request (greedy:
 engine, DFlash and `serve --plain` (plain decoding, the yardstick), both `--max-batch`; at each level of
 --concurrency, C clients send the suite's held-out chat prompts (`/v1/chat/completions`, prompt i seeded with i,
 greedy or `--temperature/--top-p/--top-k`), the two servers taking turns level by level and pass by pass (--reps).
-Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass), τ (the DFlash server's
-`dflash_acceptance_length` histogram over the level) and how many answers are identical between the two.
+Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass; and tokens per CPU-second of each
+server's whole process tree, every pass), τ (the DFlash server's `dflash_acceptance_length` histogram over the level),
+how many answers are identical between the two, and per server where its requests' time went: the decode loop's
+draft and verify seconds and steps (its `/metrics`) against the clients' request time (the rest is prefill,
+tokenization, the front, tritonserver and the IPC between them). Greedy: every answer of both servers is also
+checked against the same request run directly on the engine in this process.
 
     python benchmarks/triton_bench.py --vs-plain --engine engines/smollm2-135m/onnxruntime --max-batch 16 \
         --concurrency 1,8 --requests-per-level 16 --max-tokens 48 --reps 2 [--temperature 0.7 --top-p 0.95 --top-k 20]
@@ -175,6 +179,27 @@ def _server_figures(port: int) -> dict[str, float]:
     return out
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a `serve` process and every process under it (the front,
+    tritonserver, the model stubs): on a shared machine, tokens per CPU-second of the server move less with other
+    jobs' load than tokens per wall-second."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict) -> dict:
     """Every prompt once, `clients` OpenAI clients at a time; tokens/s, latencies and each answer's text."""
     import httpx
@@ -237,8 +262,9 @@ def vs_plain(args) -> int:
                 figs = {m: dict.fromkeys(SERVER_FIGURES, 0.0) for m in ports}
                 for _ in range(args.reps):
                     for m, port in ports.items():  # interleaved: load drifting on a shared machine hits both alike
-                        before = _server_figures(port)
+                        before, cpu = _server_figures(port), _tree_cpu_s(procs[m].pid)
                         runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling))
+                        runs[m][-1]["cpu_s"] = _tree_cpu_s(procs[m].pid) - cpu
                         after = _server_figures(port)
                         for k in SERVER_FIGURES:
                             figs[m][k] += after[k] - before[k]
@@ -247,9 +273,12 @@ def vs_plain(args) -> int:
                 errors = sum(x["errors"] for r in runs.values() for x in r)
                 bad += errors
                 f = figs["dflash"]
+                per_cpu = {m: sum(x["tokens"] for x in r) / max(1e-9, sum(x["cpu_s"] for x in r))
+                           for m, r in runs.items()}
                 lv = {"dflash_tok_per_s": best["dflash"]["tok_per_s"], "plain_tok_per_s": best["plain"]["tok_per_s"],
                       "ratio": best["dflash"]["tok_per_s"] / best["plain"]["tok_per_s"],
                       "pass_ratios": [d["tok_per_s"] / p["tok_per_s"] for d, p in zip(runs["dflash"], runs["plain"])],
+                      "cpu_ratio": per_cpu["dflash"] / per_cpu["plain"],  # every pass, tokens per server CPU-s
                       "tau": (f["dflash_acceptance_length_sum"] / f["dflash_acceptance_length_count"]
                               if f["dflash_acceptance_length_count"] else float("nan")),
                       "dflash_p50_ms": best["dflash"]["p50_ms"], "plain_p50_ms": best["plain"]["p50_ms"],
@@ -267,7 +296,8 @@ def vs_plain(args) -> int:
                 result["levels"][c] = lv
                 print(f"{c:3d} clients: DFlash {lv['dflash_tok_per_s']:7.1f} tok/s  plain {lv['plain_tok_per_s']:7.1f} "
                       f"tok/s  DFlash / plain {lv['ratio']:.2f}x (pass by pass "
-                      f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])})  tau {lv['tau']:.2f}  identical "
+                      f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])}; per server CPU-s {lv['cpu_ratio']:.2f}x)  "
+                      f"tau {lv['tau']:.2f}  identical "
                       f"{lv['identical_to_plain']}  errors {errors}", flush=True)
                 for m in ports:
                     x = lv[m]
