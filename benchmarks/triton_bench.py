@@ -17,8 +17,8 @@ greedy or `--temperature/--top-p/--top-k`), the two servers taking turns level b
 Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass; and tokens per CPU-second of each
 server's whole process tree, every pass), τ (the DFlash server's `dflash_acceptance_length` histogram over the level),
 how many answers are identical between the two, and per server where its requests' time went: the decode loop's
-draft and verify seconds and steps (its `/metrics`) against the clients' request time (the rest is prefill,
-tokenization, the front, tritonserver and the IPC between them). Greedy: every answer of both servers is also
+draft and verify seconds and steps (its `/metrics`) against the level's wall time (the rest is prefill, the loop's
+own work, tokenization, the front, tritonserver and the IPC between them, or waiting for a core). Greedy: every answer of both servers is also
 checked against the same request run directly on the engine in this process.
 
     python benchmarks/triton_bench.py --vs-plain --engine engines/smollm2-135m/onnxruntime --max-batch 16 \
@@ -232,7 +232,6 @@ def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampl
     if errors:
         print(f"port {port}, {clients} clients: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     return {"tok_per_s": sum(toks) / wall, "wall_s": wall, "tokens": sum(toks), "errors": len(errors),
-            "latency_s": sum(lats),
             "p50_ms": 1e3 * _pct(lats, 50), "p99_ms": 1e3 * _pct(lats, 99), "texts": texts}
 
 
@@ -284,15 +283,16 @@ def vs_plain(args) -> int:
                       "dflash_p50_ms": best["dflash"]["p50_ms"], "plain_p50_ms": best["plain"]["p50_ms"],
                       "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors,
                       "texts": {m: {str(i): t for i, t in best[m]["texts"].items()} for m in ports}}
-                # Where a served request's time goes: the model's decode loop (its draft and verify seconds, summed
-                # over requests: the engine's step time) against the clients' request latencies summed (at one
-                # client, the wall time); the rest is prefill, tokenization, the front, tritonserver and the IPC.
+                # Where the served time goes: the model's draft and verify calls (their seconds, summed over requests:
+                # each request holds its share of every step's, so the sum is the engine's time in those calls)
+                # against the level's wall time; the rest is prefill, the loop's own work between calls,
+                # tokenization, the front, tritonserver and the IPC between them, or waiting for the CPU.
                 for m in ports:
-                    g, lat = figs[m], sum(x["latency_s"] for x in runs[m])
+                    g, wall = figs[m], sum(x["wall_s"] for x in runs[m])
+                    busy = g["dflash_draft_seconds_total"] + g["dflash_verify_seconds_total"]
                     lv[m] = {"draft_s": g["dflash_draft_seconds_total"], "verify_s": g["dflash_verify_seconds_total"],
-                             "steps": g["dflash_steps_total"], "request_s": lat,
-                             "in_loop": (g["dflash_draft_seconds_total"] + g["dflash_verify_seconds_total"]) / lat
-                             if lat else float("nan")}
+                             "steps": g["dflash_steps_total"], "wall_s": wall, "in_calls": busy / wall,
+                             "tokens": sum(x["tokens"] for x in runs[m])}
                 result["levels"][c] = lv
                 print(f"{c:3d} clients: DFlash {lv['dflash_tok_per_s']:7.1f} tok/s  plain {lv['plain_tok_per_s']:7.1f} "
                       f"tok/s  DFlash / plain {lv['ratio']:.2f}x (pass by pass "
@@ -301,9 +301,9 @@ def vs_plain(args) -> int:
                       f"{lv['identical_to_plain']}  errors {errors}", flush=True)
                 for m in ports:
                     x = lv[m]
-                    print(f"             {m:6s} server: draft {x['draft_s']:6.1f} s  verify {x['verify_s']:6.1f} s  "
-                          f"steps {x['steps']:6.0f}  request time {x['request_s']:6.1f} s  in the decode loop "
-                          f"{100 * x['in_loop']:.0f} %", flush=True)
+                    print(f"             {m:6s} server: {x['tokens']} tokens in {x['steps']:.0f} steps, draft "
+                          f"{x['draft_s']:.1f} s + verify {x['verify_s']:.1f} s = {100 * x['in_calls']:.0f} % of "
+                          f"{x['wall_s']:.1f} s wall", flush=True)
         finally:
             for proc in procs.values():
                 proc.terminate()
