@@ -140,7 +140,7 @@ def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(e
     spine_scores = [[0.6, 0.3]] * b
     tree_scores = [[0.6, 0.35, 0.3]] * b
     s_spine, r_spine = _closed_form(spine_scores, b, a, rate, draft_cost, 0.0, False)
-    s_tree, r_tree0 = _closed_form(tree_scores, b, a, rate, draft_cost, 0.0, True)
+    s_tree, _ = _closed_form(tree_scores, b, a, rate, draft_cost, 0.0, True)
     if b == 1:
         assert (s_spine, s_tree) == (3, 4)
         break_even = (b + 0.6 + 0.35 + 0.3) / r_spine - (draft_cost + 1 + a * (s_tree - 1))
@@ -153,7 +153,8 @@ def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(e
         rt.rate, rt.tree_cost = rate, tree_cost
         acts = [_whole(TREE) for _ in range(b)]
         s = rt._choose_step(acts, [], draft_cost)
-        whole = break_even is not None and tree_cost < break_even
+        whole = _closed_form(tree_scores, b, a, rate, draft_cost, tree_cost, True)[1] > r_spine
+        assert whole == (break_even is not None and tree_cost < break_even)
         assert [x.tree is not None for x in acts] == [whole] * b, tree_cost
         assert s == (s_tree if whole else s_spine)
         assert rt.tree_steps == int(whole)

@@ -633,10 +633,10 @@ class BatchingRuntime:
             for a in wholes:
                 self._use_whole_tree(a)
             self.tree_steps += bool(wholes)
-        s = self._choose_rows(acts, drafting)
+        s_min, scored = self._scored(acts, drafting)
+        s = rows_paid(scored, s_min, self._top(acts), self._bar(len(acts)))
         if not wholes or not self.adaptive:
             return s
-        s_min, scored = self._scored(acts, drafting)
         spine_gain = expected_gain(scored, s)
         paths = {id(a): (a.spine, a.drafts, a.spine_scores, a.block_len) for a in wholes}
         for a in wholes:
