@@ -676,7 +676,9 @@ class BatchingRuntime:
         return s, scored
 
     def _top(self, acts: list[_Active]) -> int:
-        return max([self.info.block_size] + [a.block_len for a in acts if a.drafts is not None])
+        """The most rows a step may give a sequence: a block, or a longer tree or best path (lookups as deep as the
+        numerics probe checked rows)."""
+        return max([self.info.block_size] + [a.block_len for a in acts if getattr(a, "drafts", None) is not None])
 
     def _bar(self, b: int) -> float:
         # λ is at least what a plain batched step yields (b tokens for 1 + a(b - 1)): a batch that has just grown,
