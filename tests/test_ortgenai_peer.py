@@ -108,3 +108,10 @@ def test_script_imports_only_the_standard_library():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_per_round_lines_give_each_rounds_ratios_against_the_best_setting(peer):
+    lines = peer.per_round(_rounds(), ["fp32"], ["ngram:3:7", "ngram:2:7"], [12.5, 14.0])
+    # round 1: plain medians 11 / 10, DFlash 21 against n-gram 3:7's 15; round 2: 9 / 9, 18 / 12
+    assert lines == ["fp32 round 1: plain 1.10x ORT GenAI plain, DFlash 1.40x its n-gram 3:7 (load average 12.5)",
+                     "fp32 round 2: plain 1.00x ORT GenAI plain, DFlash 1.50x its n-gram 3:7 (load average 14.0)"]
