@@ -255,8 +255,10 @@ class OrtEngine(Engine):
         self.row_floor = manifest.flags.plain_step_rows
         # The LM head runs one row at a time wherever its one-row product is every many-row product's row on this
         # CPU (fp32's GEMM on AVX2; not int4's MatMulNBits): a floor the target's attention needs then costs the head
-        # nothing. Checked before the probe, so the probe checks the steps as they will run.
-        self.head_floor_free = _head_rows_agree(self.head, probe_rows(self), self._mask_row.shape[0])
+        # nothing. Checked before the probe, so the probe checks the steps as they will run (and again for any other
+        # head session put in its place).
+        self._head_checked = None
+        self._head_floor_free()
         self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
         if release_pages:  # what the probe read of the weight files goes back too
@@ -396,10 +398,17 @@ class OrtEngine(Engine):
         with copies of the last (the int4 head's one-row kernel differs from its many-row one on AVX2), unless the
         head's rows agree at any row count on this CPU (`head_floor_free`)."""
         n = hidden.shape[1]
-        floor = 1 if self.head_floor_free else self.row_floor
+        floor = 1 if self._head_floor_free() else self.row_floor
         if n < floor:
             hidden = np.concatenate([hidden, np.repeat(hidden[:, -1:], floor - n, axis=1)], axis=1)
         return self.head.run(["logits"], {"hidden": hidden})[0][0][:n]
+
+    def _head_floor_free(self) -> bool:
+        """Whether this head session's one-row calls give its many-row rows (checked once per session)."""
+        if self._head_checked is not self.head:
+            self.head_floor_free = _head_rows_agree(self.head, probe_rows(self), self._mask_row.shape[0])
+            self._head_checked = self.head
+        return self.head_floor_free
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
