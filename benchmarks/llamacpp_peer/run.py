@@ -236,7 +236,7 @@ def engine_worker(engine_dir: str, n: int, threads: int) -> None:
     prompt (decode tok/s, tokens, tau). At end of input, one last line with the process's peak RSS."""
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.registry import load_engine
-    from dflash_export.runtime.single import DFlashRuntime
+    from dflash_export.runtime.single import DFlashRuntime, RunStats
 
     eng = load_engine(engine_dir, threads=threads)
     rt = DFlashRuntime(eng)
@@ -250,9 +250,15 @@ def engine_worker(engine_dir: str, n: int, threads: int) -> None:
             warm = False
         res = {}
         for mode in ("ar", "dflash"):
-            st = rt.generate(ids, sp, mode)
-            dec = st.total_s - st.ttft_s
-            res[mode] = {"tokens": st.tokens, "tok_s": (len(st.tokens) - 1) / dec if dec > 0 else 0.0, "tau": st.tau}
+            st, cpu0 = RunStats(), None
+            for _ in rt.stream(ids, sp, mode, st):
+                if cpu0 is None:  # the first token (the prefill's) is out: decoding starts here
+                    cpu0 = time.process_time()
+            dec, cpu, after = st.total_s - st.ttft_s, time.process_time() - cpu0, len(st.tokens) - 1
+            # CPU ms per token after the first, every thread of this process: a steadier figure than decode speed
+            # on a machine that other jobs load
+            res[mode] = {"tokens": st.tokens, "tok_s": after / dec if dec > 0 else 0.0, "tau": st.tau,
+                         "cpu_ms_per_token": 1000 * cpu / after if after > 0 else 0.0}
         print(json.dumps(res), flush=True)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the forking parent (which holds torch here)
     hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))

@@ -114,8 +114,14 @@ def per_round(rounds: list[dict], precisions: list[str], settings: list[str], lo
         for r, per in enumerate(rounds):
             plain = med_rate(per, ("ours", p, "plain")) / med_rate(per, ("ortgenai", p, "plain"))
             dfl = med_rate(per, ("ours", p, "dflash")) / med_rate(per, ("ortgenai", p, best))
-            lines.append(f"{p} round {r + 1}: plain {plain:.2f}x ORT GenAI plain, DFlash {dfl:.2f}x its "
-                         f"n-gram {best.split(':', 1)[1]} (load average {loads[r]:.1f})")
+            line = (f"{p} round {r + 1}: plain {plain:.2f}x ORT GenAI plain, DFlash {dfl:.2f}x its n-gram "
+                    f"{best.split(':', 1)[1]}")
+            keys = [("ours", p, "plain"), ("ortgenai", p, "plain"), ("ours", p, "dflash"), ("ortgenai", p, best)]
+            if all(x.get("cpu_ms_per_token") for k in keys for x in per[k]):
+                # in CPU time per token (the other side's over ours: > 1 = this project cheaper), less load-bound
+                cpu = [statistics.median(x["cpu_ms_per_token"] for x in per[k]) for k in keys]
+                line += f"; in CPU ms per token {cpu[1] / cpu[0]:.2f}x and {cpu[3] / cpu[2]:.2f}x"
+            lines.append(line + f" (load average {loads[r]:.1f})")
     return lines
 
 
@@ -271,17 +277,19 @@ def ortgenai_worker(model_dir: str, n: int, threads: int, grid: list[dict]) -> N
         gen.append_tokens(ids)
         gen.generate_next_token()  # the first token, from the prompt's logits
         first = len(gen.get_sequence(0)) - len(ids)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while not gen.is_done():
             gen.generate_next_token()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = [int(t) for t in gen.get_sequence(0)[len(ids):]]
         tau = 1.0
         if spec:
             st = gen.get_speculative_stats()
             forwards = st["target_forward_passes"] + st["standard_fallback_steps"]
             tau = (len(tokens) - first) / forwards if forwards else 1.0
-        return {"tokens": tokens, "tok_s": decode_rate(len(tokens), first, dt), "tau": tau}
+        after = len(tokens) - first
+        return {"tokens": tokens, "tok_s": decode_rate(len(tokens), first, dt), "tau": tau,
+                "cpu_ms_per_token": 1000 * cpu / after if after > 0 else 0.0}
 
     warm = True
     for line in sys.stdin:
