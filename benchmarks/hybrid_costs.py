@@ -277,8 +277,8 @@ def main():
     ap.add_argument("--form", choices=FORMS, default="scan",
                     help="the Gated DeltaNet block form the built engine uses (export/linear_attention.BLOCK_FORM)")
     ap.add_argument("--layer", action="store_true",
-                    help="only the Gated DeltaNet alone, every block form side by side: the recurrence (core_costs, with "
-                         "ONNX Runtime's GatedDeltaNet contrib op) and one whole layer (layer_costs)")
+                    help="only the Gated DeltaNet alone, every block form side by side: the recurrence "
+                         "(core_costs, with ONNX Runtime's GatedDeltaNet contrib op) and one whole layer (layer_costs)")
     args = ap.parse_args()
     if args.layer:
         for k, v in {**core_costs(args.reps, args.threads), **layer_costs(args.reps, args.threads)}.items():

@@ -18,8 +18,8 @@ Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass; and 
 server's whole process tree, every pass), τ (the DFlash server's `dflash_acceptance_length` histogram over the level),
 how many answers are identical between the two, and per server where its requests' time went: the decode loop's
 draft and verify seconds and steps (its `/metrics`) against the level's wall time (the rest is prefill, the loop's
-own work, tokenization, the front, tritonserver and the IPC between them, or waiting for a core). Greedy: every answer of both servers is also
-checked against the same request run directly on the engine in this process.
+own work, tokenization, the front, tritonserver and the IPC between them, or waiting for a core). Greedy: every
+answer of both servers is also checked against the same request run directly on the engine in this process.
 
     python benchmarks/triton_bench.py --vs-plain --engine engines/smollm2-135m/onnxruntime --max-batch 16 \
         --concurrency 1,8 --requests-per-level 16 --max-tokens 48 --reps 2 [--temperature 0.7 --top-p 0.95 --top-k 20]
