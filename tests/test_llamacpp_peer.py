@@ -28,7 +28,8 @@ if "FAIL" in prompt:
     sys.exit(3)
 if sys.argv[0].endswith("llama-completion"):
     sys.stdout.write(" the answer")
-    sys.stderr.write("llama_perf_context_print:        eval time =     500.00 ms /    20 runs   (   25.00 ms per token)\\n")
+    sys.stderr.write("llama_perf_context_print:        eval time =     500.00 ms /    20 runs   "
+                     "(   25.00 ms per token)\\n")
 else:
     sys.stdout.write(prompt + " the answer and more")
     sys.stderr.write("encoded   12 tokens in    0.100 seconds, speed:  120.000 t/s\\n"
