@@ -289,9 +289,17 @@ class BatchedEngine:
     """B sequences per call over a `BatchGraphs`: the slots, K/V buffers and context bookkeeping. Not thread-safe:
     one scheduler drives it. Every target call runs target_batch (prefills included: an empty past, all masked).
 
+    The target K/V buffers' length (the padded key length every batched attention runs over) is a multiple of
+    `key_align` (64 on ONNX Runtime): its softmax sums a row in vector lanes, so a block's own keys, which the graph
+    appends after the buffer, land in lanes set by the buffer's length; were that length to move with the batch's
+    other requests, so would a request's logits in the last bits (int4's int8-quantized activations amplify that to
+    ~0.9 on SmolLM2: docs/numerics.md). 64 covers every lane width up to AVX-512's 16 floats x 4.
+
     Call order per sequence: `add`, `prefill` (in a group of new sequences), then steps of `draft` (optional, for
     the sequences that speculate) and `target_step` + `commit` (all active sequences), `remove` when done.
     """
+
+    key_align = 1
 
     def __init__(self, graphs: BatchGraphs, max_batch: int = 16):
         if max_batch < 1:
@@ -376,6 +384,7 @@ class BatchedEngine:
         # Grow by doubling (bounded by the batch bound and max_seq_len) so joins and long contexts rarely copy.
         new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
         t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
+        t_cap = -(-t_cap // self.key_align) * self.key_align  # may pass max_seq_len: those rows stay masked
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         n = len(self.seqs)
         e = self.graphs
@@ -634,6 +643,8 @@ class BatchedOrtEngine(BatchedEngine):
     """`BatchedEngine` over an `OrtEngine`'s sessions. Prefills and the steps GroupQueryAttention takes (one sequence;
     one-row steps of fp32 engines) run the engine's in-place GQA graph over the batch's buffers; many-row steps of
     several sequences run target_batch.onnx."""
+
+    key_align = 64  # see BatchedEngine
 
     def __init__(self, engine: OrtEngine, max_batch: int = 16):
         if not isinstance(engine, OrtEngine):
