@@ -8,9 +8,11 @@ Prints, for request x (prompt 0):
    and batches that differ in x's slot, the companions, the K/V room they reserve and their blocks' rows;
 2. the same difference as a function of the K/V buffers' length (the padded key length of the batched attention),
    every sequence reserving that room -- the aligned length the engine now uses and unaligned lengths beside it;
-3. layer by layer, the K and V rows one plain step writes, batched (target_batch.onnx) against alone (the GQA graph):
-   layer i's rows are a function of layer i-1's output, so the first layer that differs locates the first op;
-4. the first token at which x's free-running greedy answer in each batch parts from x decoded alone.
+3. layer by layer, the K and V rows one plain step writes, batched (target_batch.onnx) against the single-stream
+   step (the GQA graph): layer i's rows are a function of layer i-1's output, so the first layer that differs
+   locates the first op;
+4. the first token at which x's free-running greedy answer in each batch parts from x alone in a batch of its own,
+   and from x decoded by the single-stream runtime (`run`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine
 from dflash_export.engines.registry import load_engine
+from dflash_export.runtime.single import DFlashRuntime
 
 
 def main() -> None:
@@ -76,24 +80,27 @@ def main() -> None:
     diffs = {n: float(np.abs(decode([1, 2], room=[n] * 3, force=alone, align=1)[1] - base).max())
              for n in (129, 130, 132, 136, 140, 144, 160, 192, 256)}
     print("   " + " ".join(f"{n}:{v:.2g}" for n, v in diffs.items()))
-    print("3. one step's K/V rows batched vs alone, per layer max |K diff| / max |V diff|:")
+    print("3. one step's K/V rows batched vs single-stream (GQA graph), per layer max |K diff| / max |V diff|:")
     kv = []
     for others in ([], [1, 2]):
         batch = BatchedOrtEngine(eng, max_batch=16)
         seqs = [batch.add(200) for _ in range(1 + len(others))]
         first = batch.prefill(seqs, [prompts[i] for i in [0] + others])
         n = seqs[0].length
-        batch.target_step(seqs, [[int(np.argmax(f))] for f in first])
-        for seq in seqs:
-            batch.commit(seq, 0)
+        if others:
+            batch.target_step(seqs, [[int(np.argmax(f))] for f in first])
+        else:  # the single-stream step: the GQA graph (writes its K/V row in place)
+            batch._run_target(seqs, [[int(np.argmax(first[0]))]], prefill=False)
         kv.append([buf[0, :, n].copy() for buf in batch._buf.t_kv])
     d = [float(np.abs(a - b).max()) for a, b in zip(*kv)]
     print("   " + " ".join(f"{i}:{d[2 * i]:.2g}/{d[2 * i + 1]:.2g}" for i in range(len(d) // 2)))
     print("4. first token where x's free-running greedy answer parts from x alone (None: never in "
           f"{args.steps + 1}):")
+    single = DFlashRuntime(eng).generate(prompts[0], SamplingParams(max_new_tokens=args.steps + 1), "ar").tokens
     for others in ([1, 2], [3, 4, 5, 6], [7]):
         t = decode(others)[0]
-        print(f"   batch {[0] + others}: {next((i for i, (p, q) in enumerate(zip(t, alone)) if p != q), None)}")
+        print(f"   batch {[0] + others}: {next((i for i, (p, q) in enumerate(zip(t, alone)) if p != q), None)}; "
+              f"against `run` (single-stream): {next((i for i, (p, q) in enumerate(zip(t, single)) if p != q), None)}")
 
 
 if __name__ == "__main__":

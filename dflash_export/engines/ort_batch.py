@@ -300,6 +300,7 @@ class BatchedEngine:
     """
 
     key_align = 1
+    row_floor = 1  # the fewest rows a target call runs (engines/numerics.py)
 
     def __init__(self, graphs: BatchGraphs, max_batch: int = 16):
         if max_batch < 1:
@@ -433,6 +434,9 @@ class BatchedEngine:
         # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
         self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
         cap = self._buf.t_cap
+        floor = -(-self.row_floor // len(seqs))  # a call's rows (B x S) reach the engine's row floor, padded
+        if s < floor and all(q.length + floor <= min(self.info.max_seq_len, cap) for q in seqs):
+            s = floor
         embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
         pos = np.empty((len(seqs), s), np.int64)
         bias = np.zeros((len(seqs), cap), np.float32)
@@ -653,6 +657,10 @@ class BatchedOrtEngine(BatchedEngine):
         super().__init__(OrtBatchGraphs(engine), max_batch)
         self.engine = engine
 
+    @property
+    def row_floor(self) -> int:
+        return self.engine.row_floor
+
     def _run_target(self, seqs: list[BatchSeq], blocks: list[np.ndarray], prefill: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Each sequence's ids [n_b] at positions length..; returns hidden [B, S, H] and ctx [B, S, H_d]."""
@@ -754,12 +762,19 @@ class BatchedOrtEngine(BatchedEngine):
         return hidden, ctx
 
     def _step_rows(self, seqs, blocks):
-        # GQA's in-place graph for one sequence and for one-row steps of engines whose row floor is 1 (others run
-        # one-token steps padded to their floor, which GQA takes for one sequence a call only).
-        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.row_floor == 1):
+        # GQA's in-place graph for one-row steps of engines whose row floor is 1 (others run one-token steps padded
+        # to their floor, which GQA takes for one sequence a call only), and for one sequence where target_batch
+        # cannot take its step. Every other step runs target_batch, one sequence included: GQA's and target_batch's
+        # rows differ in the last bits (RoPE and attention are other kernels), which int4's int8 activations amplify
+        # to flipped tokens, so a request whose steps switched graphs as others joined and left would decode
+        # differently by when they came (docs/numerics.md). Its cost for one sequence is GQA's (SmolLM2 int4).
+        batch_graph = self.engine.batch_target_session() is not None
+        trees = any(q._step_tree is not None for q in seqs) and not self.graphs.target_trees
+        if (max(len(b) for b in blocks) == 1 and self.engine.row_floor == 1) or \
+                (len(seqs) == 1 and (not batch_graph or trees)):
             hidden, ctx = self._run_target(seqs, blocks, prefill=False)
             return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
-        if self.engine.batch_target_session() is not None:
+        if batch_graph:
             return super()._step_rows(seqs, blocks)
         # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
         rows = []
