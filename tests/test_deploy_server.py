@@ -681,7 +681,8 @@ def test_short_soak_meets_every_target(tmp_path):
     res = json.loads(out.read_text())
     assert res["requests"] > 50 and res["by_kind"].get("bad", 0) > 0 and res["drops"] > 0
     assert res["wrong_outputs"] == res["unexpected_statuses"] == res["http_5xx"] == res["orphans_after_exit"] == 0
-    assert res["faults"] and res["server_restarts"] == len(res["faults"]) and res["model_reloads"] == 0
+    kills = [f["killed"] for f in res["faults"]]
+    assert res["server_restarts"] == kills.count("tritonserver") and res["model_reloads"] == kills.count("stub") > 0
     assert all(f["answered_correctly_after_s"] is not None
                and f["answered_correctly_after_s"] <= (20 if f["killed"] == "stub" else 30) for f in res["faults"])
     assert res["slowloris_connections"].get("dropped_by_front", 0) > 0
