@@ -265,6 +265,9 @@ def free_loopback_ports(n: int) -> list[int]:
             s.close()
 
 
+MAX_RELOADS, RELOAD_WINDOW_S = 5, 600.0  # stub deaths reloaded alone before the whole server is restarted
+
+
 class TritonServer:
     """A tritonserver process on a model repository, behind the HTTP front (deploy/front.py); a context manager that
     starts both and waits for readiness.
@@ -317,6 +320,7 @@ class TritonServer:
         self._stranded = 0  # model versions a dead stub left unable to unload (reset by a restart)
         self.stranded_at_exit = False  # the last stop ended tritonserver once only stranded versions were left
         self.reload_timeout_s = min(ready_timeout_s, 120.0)  # a reload slower than this restarts the server
+        self._reload_times: list[float] = []  # more than MAX_RELOADS in RELOAD_WINDOW_S: the server is restarted
         self.private = private_network_unavailable() is None
         self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
                           if self.private else "loopback behind a header on its command line, readable by local "
@@ -652,6 +656,10 @@ class TritonServer:
         models = sorted(self._dead_models)
         why = self.stub_death or "a model stub died"
         t0 = time.monotonic()
+        self._reload_times = [t for t in self._reload_times if t0 - t < RELOAD_WINDOW_S] + [t0]
+        if len(self._reload_times) > MAX_RELOADS:  # stubs that keep dying: a reload is not fixing it
+            raise ServerError(f"{why.split(';')[0]}, the {len(self._reload_times)}th stub death in "
+                              f"{RELOAD_WINDOW_S:.0f} s" + self._log_note(), path=self.repo)
         failed = sum(self.front.fail_model(m, why.replace("; the model reloads", "; its model reloads"))
                      for m in models) if self.front is not None else 0
         old = {p for p, m in self._stubs.items() if m in models}
