@@ -544,7 +544,7 @@ def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tm
     want = run_direct(alone, text_input=b"again", max_tokens=np.array([12])).text
     want_stream = run_direct(alone, text_input=b"meanwhile", max_tokens=np.array([12])).text
     repo = write_repository(long_engine, tmp_path / "repo", instances=2)
-    http, grpc, metrics = free_ports(3)
+    http, metrics = free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
                              str(http), "--metrics-port", str(metrics)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
