@@ -49,10 +49,15 @@ class Upstream:
 
     async def _race(self, conn: Connection, aw, token: str | None, timeout: float):
         """Await `aw` while watching the client: ClientGone (request cancelled) if it leaves first, 504 (request
-        cancelled) if `timeout` passes first."""
+        cancelled) if `timeout` passes first, 503 with Retry-After if a stub of the request's model dies first (or
+        had died: `Front.fail_model`)."""
+        failed, why = self._model_failure(token)
+        if why is not None:  # its model's stub died before this call: nothing is sent to the dead model
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise Refused(503, f"{why}; retry shortly", headers={"Retry-After": "2"})
         task = asyncio.ensure_future(aw)
         watcher = conn.watching()
-        failed, _ = self._model_failure(token)
         dead = asyncio.ensure_future(failed.wait()) if failed is not None else None
         try:
             done, _ = await asyncio.wait({task, watcher} | ({dead} if dead else set()), timeout=timeout,
