@@ -593,10 +593,22 @@ def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tm
         status, body = post_json(f"{base}/dflash/generate", {"text_input": "again", "max_tokens": 12})
         assert status == 200 and body["text_output"] == want
         assert tritonserver_pid(repo) == server and not set(stubs) & set(pids_mentioning(str(repo)))
+        # The reloaded model's stubs are watched too: a second death reloads it again (its files unchanged).
+        stubs = [p for p in pids_mentioning(str(repo)) if b"/dflash/1/model.py" in
+                 Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(stubs) == 2, stubs
+        os.kill(stubs[1], signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 60:
+            status, body = post_json(f"{base}/dflash/generate", {"text_input": "again", "max_tokens": 12})
+            if status == 200 and not set(stubs) & set(pids_mentioning(str(repo))):
+                break
+            time.sleep(0.25)
+        assert status == 200 and body["text_output"] == want and time.monotonic() - killed < 20, (status, body)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         err = proc.stderr.read()
-        assert "reloaded dflash" in err and "tritonserver died" not in err, err
+        assert err.count("reloaded dflash") == 2 and "tritonserver died" not in err, err
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

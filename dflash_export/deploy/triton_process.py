@@ -619,9 +619,9 @@ class TritonServer:
             raise self._death_error()
         return rc
 
-    def _repository(self, route: str, timeout_s: float) -> tuple[int, bytes]:
-        """POST to tritonserver's model repository API, the front's way in; (status, body), status 0 when it did not
-        answer within `timeout_s`."""
+    def _call(self, method: str, route: str, timeout_s: float, body: bytes = b"{}") -> tuple[int, bytes]:
+        """A request to tritonserver's own API, the front's way in; (status, body), status 0 when it did not answer
+        within `timeout_s`."""
         import http.client
 
         uds = self._workdir / "tritonserver.sock" if self._workdir is not None else None
@@ -636,7 +636,7 @@ class TritonServer:
                 http.client.HTTPConnection("127.0.0.1", self.triton_http_port, timeout=timeout_s))
         headers = {"Content-Type": "application/json", **({} if self.private else {SECRET_HEADER: self.front.secret})}
         try:
-            conn.request("POST", route, body=b"{}", headers=headers)
+            conn.request(method, route, body=body if method == "POST" else None, headers=headers)
             r = conn.getresponse()
             return r.status, r.read()
         except (OSError, http.client.HTTPException) as e:
@@ -650,8 +650,8 @@ class TritonServer:
         A stub's death strands what it held: Triton never releases the requests in flight on it, so that model
         version can never finish unloading (and tritonserver's exit waits for it). So: the front answers every
         request in flight on the model 503 now and refuses new ones; the model's other stubs (their requests just
-        failed) are killed, freeing their memory and cores at once; then a load through the repository API starts
-        a new version with new stubs, and the front sends the model requests again.
+        failed) are killed, freeing their memory and cores at once; then an unload and a load through the
+        repository API start a new version with new stubs, and the front sends the model requests again.
         """
         models = sorted(self._dead_models)
         why = self.stub_death or "a model stub died"
@@ -672,7 +672,12 @@ class TritonServer:
         print(f"reloading {', '.join(models)} ({why}; {failed} request(s) in flight answered 503)",
               file=sys.stderr, flush=True)
         for model in models:
-            status, body = self._repository(f"/v2/repository/models/{model}/load", self.reload_timeout_s)
+            # Unload first: a load of a loaded model whose files did not change since it was last loaded is a no-op
+            # (its dead stub stays dead; so is a load carrying the same configuration), while a load of an
+            # unloaded one always starts new stubs. The unload returns at once; the old version is left behind.
+            status, body = self._call("POST", f"/v2/repository/models/{model}/unload", self.reload_timeout_s)
+            if status == 200:
+                status, body = self._call("POST", f"/v2/repository/models/{model}/load", self.reload_timeout_s)
             if status != 200:
                 detail = _shorten(body.decode("utf-8", "replace")) if status else \
                     f"no answer within {self.reload_timeout_s:g} s"
