@@ -447,6 +447,8 @@ class TritonServer:
             self._stubs = self._count_stubs()
             self._python_envs |= _python_env_dirs() - envs_before
             self._write_owner()
+            for model in self.front.models:  # a reload that failed left its model refused; this server has it
+                self.front.model_back(model)
             self.front.set_upstream(self.triton_http_port)
         except BaseException:
             self.stop(drain_timeout_s=0)
@@ -684,7 +686,12 @@ class TritonServer:
                 raise ServerError(f"{why.split(';')[0]}; reloading {model} failed (HTTP {status}: {detail})"
                                   + self._log_note(), path=self.repo)
         self._protect_shm()
-        self._stubs = {p: m for p, m in self._count_stubs().items() if p not in old}
+        stubs = {p: m for p, m in self._count_stubs().items() if p not in old}
+        missing = [m for m in models if m not in stubs.values()]
+        if missing:  # a load that started no stub would leave the model's requests waiting on nothing
+            raise ServerError(f"{why.split(';')[0]}; reloading {', '.join(missing)} started no model stub"
+                              + self._log_note(), path=self.repo)
+        self._stubs = stubs
         self.stub_death, self._dead_models = None, set()
         self.reloads += 1
         self._stranded += len(models)
