@@ -49,8 +49,7 @@ def main() -> None:
                     q._step_ctx = None
             d_lens = [q.d_len for q in seqs]
             for q in seqs:
-                q.ctx = np.ones((2, h_drafter), np.float32)
-                q.ctx_pos = np.arange(q.length - 2, q.length, dtype=np.int64)
+                q.ctx_parts = [np.ones((2, h_drafter), np.float32)]  # two new context rows per draft
             t = time.perf_counter()
             batch.draft(seqs, [5] * b, [sp] * b, [None] * b, [bs] * b)
             times.setdefault(("draft", b, bs), []).append(time.perf_counter() - t)

@@ -12,7 +12,9 @@ cost depends on its shapes, not its weights). Steady state: warm-up first, media
 On an engine whose plain steps run padded to a row floor above 1 (engines/numerics.py), it also times the plain step
 at one row (`step_floor1_ms`: what the padding costs; such a step is not bit-identical to a verify row on that CPU),
 and where the probe chose to pad the products and attention inside the graph (engines/row_pad.py), the same step padded
-whole on the host (`step_host_pad_ms`, the other way to the same bits).
+whole on the host (`step_host_pad_ms`, the other way to the same bits); where the LM head's rows agree at any row
+count (engines/onnxruntime.py: fp32 on AVX2), the step with the head padded to the floor as well
+(`step_head_padded_ms`: what running the head at one row saves).
 `--cpu-time` times each call in CPU seconds of the whole process (every ONNX Runtime thread; spinning is off), which
 a shared machine's load disturbs far less than wall time: on 2 cores with 2 threads it is about twice the wall time
 of an idle machine.
@@ -131,6 +133,16 @@ def measure(engine_dir: Path, args) -> dict:
         seqs["step1"] = fresh()
     if floor > 1 and pad == "graph":
         seqs["step_host"] = fresh()
+    head_free = floor > 1 and getattr(eng, "head_floor_free", False)
+    if head_free:
+        seqs["step_head"] = fresh()
+
+    def step_head_padded():
+        eng.head_floor_free = False
+        try:
+            eng.decode(seqs["step_head"], tok())
+        finally:
+            eng.head_floor_free = True
 
     def step_host_padded():
         eng.row_pad = "host"
@@ -156,6 +168,8 @@ def measure(engine_dir: Path, args) -> dict:
         kinds["step_floor1_ms"] = step_at_floor1
     if "step_host" in seqs:
         kinds["step_host_pad_ms"] = step_host_padded
+    if head_free:
+        kinds["step_head_padded_ms"] = step_head_padded
     clock = time.process_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.reps + 3):
@@ -179,6 +193,8 @@ def measure(engine_dir: Path, args) -> dict:
     res[f"ratio_draft_{bs}"] = res[f"draft_{bs}_ms"] / step
     if floor > 1:
         res["ratio_step_floor"] = step / res["step_floor1_ms"]  # the padded step against a one-row step
+    if "step_head_padded_ms" in res:  # the LM head padded to the floor too, against its one-row call
+        res["ratio_step_head_padded"] = res["step_head_padded_ms"] / step
     if "step_host_pad_ms" in res:
         res["ratio_step_host_pad"] = res["step_host_pad_ms"] / step  # the whole step padded against the graph's way
     return res

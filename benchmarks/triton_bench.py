@@ -14,8 +14,12 @@ Every served text is checked against the direct run of the same request (greedy:
 engine, DFlash and `serve --plain` (plain decoding, the yardstick), both `--max-batch`; at each level of
 --concurrency, C clients send the suite's held-out chat prompts (`/v1/chat/completions`, prompt i seeded with i,
 greedy or `--temperature/--top-p/--top-k`), the two servers taking turns level by level and pass by pass (--reps).
-Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass), τ (the DFlash server's
-`dflash_acceptance_length` histogram over the level) and how many answers are identical between the two.
+Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass; and tokens per CPU-second of each
+server's whole process tree, every pass), τ (the DFlash server's `dflash_acceptance_length` histogram over the level),
+how many answers are identical between the two, and per server where its requests' time went: the decode loop's
+draft and verify seconds and steps (its `/metrics`) against the level's wall time (the rest is prefill, the loop's
+own work, tokenization, the front, tritonserver and the IPC between them, or waiting for a core). Greedy: every
+answer of both servers is also checked against the same request run directly on the engine in this process.
 
     python benchmarks/triton_bench.py --vs-plain --engine engines/smollm2-135m/onnxruntime --max-batch 16 \
         --concurrency 1,8 --requests-per-level 16 --max-tokens 48 --reps 2 [--temperature 0.7 --top-p 0.95 --top-k 20]
@@ -157,18 +161,43 @@ def _serve(engine: Path, port: int, max_batch: int, plain: bool, log: Path):
     raise SystemExit(f"serve on port {port} not ready after 900 s")
 
 
-def _acceptance(port: int) -> tuple[float, float]:
-    """(sum, count) of the server's dflash_acceptance_length histogram."""
+SERVER_FIGURES = ("dflash_acceptance_length_sum", "dflash_acceptance_length_count", "dflash_draft_seconds_total",
+                  "dflash_verify_seconds_total", "dflash_steps_total")
+
+
+def _server_figures(port: int) -> dict[str, float]:
+    """The front's running totals (SERVER_FIGURES) from its /metrics: tokens committed per step and their count,
+    seconds the model spent drafting and verifying (its decode loop), steps."""
     import urllib.request
 
-    total = count = 0.0
+    out = dict.fromkeys(SERVER_FIGURES, 0.0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("dflash_acceptance_length_sum"):
-                total += float(line.split()[-1])
-            elif line.startswith("dflash_acceptance_length_count"):
-                count += float(line.split()[-1])
-    return total, count
+            name = line.split(" ")[0]
+            if name in out:
+                out[name] += float(line.split()[-1])
+    return out
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a `serve` process and every process under it (the front,
+    tritonserver, the model stubs): on a shared machine, tokens per CPU-second of the server move less with other
+    jobs' load than tokens per wall-second."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict) -> dict:
@@ -229,37 +258,83 @@ def vs_plain(args) -> int:
             bad = 0
             for c in levels:
                 runs = {m: [] for m in ports}
-                acc = [0.0, 0.0]
+                figs = {m: dict.fromkeys(SERVER_FIGURES, 0.0) for m in ports}
                 for _ in range(args.reps):
                     for m, port in ports.items():  # interleaved: load drifting on a shared machine hits both alike
-                        before = _acceptance(ports["dflash"]) if m == "dflash" else None
+                        before, cpu = _server_figures(port), _tree_cpu_s(procs[m].pid)
                         runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling))
-                        if before is not None:
-                            after = _acceptance(ports["dflash"])
-                            acc[0] += after[0] - before[0]
-                            acc[1] += after[1] - before[1]
+                        runs[m][-1]["cpu_s"] = _tree_cpu_s(procs[m].pid) - cpu
+                        after = _server_figures(port)
+                        for k in SERVER_FIGURES:
+                            figs[m][k] += after[k] - before[k]
                 best = {m: max(r, key=lambda x: x["tok_per_s"]) for m, r in runs.items()}
                 same = sum(best["dflash"]["texts"].get(i) == t for i, t in best["plain"]["texts"].items())
                 errors = sum(x["errors"] for r in runs.values() for x in r)
                 bad += errors
+                f = figs["dflash"]
+                per_cpu = {m: sum(x["tokens"] for x in r) / max(1e-9, sum(x["cpu_s"] for x in r))
+                           for m, r in runs.items()}
                 lv = {"dflash_tok_per_s": best["dflash"]["tok_per_s"], "plain_tok_per_s": best["plain"]["tok_per_s"],
                       "ratio": best["dflash"]["tok_per_s"] / best["plain"]["tok_per_s"],
                       "pass_ratios": [d["tok_per_s"] / p["tok_per_s"] for d, p in zip(runs["dflash"], runs["plain"])],
-                      "tau": acc[0] / acc[1] if acc[1] else float("nan"),
+                      "cpu_ratio": per_cpu["dflash"] / per_cpu["plain"],  # every pass, tokens per server CPU-s
+                      "tau": (f["dflash_acceptance_length_sum"] / f["dflash_acceptance_length_count"]
+                              if f["dflash_acceptance_length_count"] else float("nan")),
                       "dflash_p50_ms": best["dflash"]["p50_ms"], "plain_p50_ms": best["plain"]["p50_ms"],
-                      "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors}
+                      "identical_to_plain": f"{same}/{len(best['plain']['texts'])}", "errors": errors,
+                      "texts": {m: {str(i): t for i, t in best[m]["texts"].items()} for m in ports}}
+                # Where the served time goes: the model's draft and verify calls (their seconds, summed over requests:
+                # each request holds its share of every step's, so the sum is the engine's time in those calls)
+                # against the level's wall time; the rest is prefill, the loop's own work between calls,
+                # tokenization, the front, tritonserver and the IPC between them, or waiting for the CPU.
+                for m in ports:
+                    g, wall = figs[m], sum(x["wall_s"] for x in runs[m])
+                    busy = g["dflash_draft_seconds_total"] + g["dflash_verify_seconds_total"]
+                    lv[m] = {"draft_s": g["dflash_draft_seconds_total"], "verify_s": g["dflash_verify_seconds_total"],
+                             "steps": g["dflash_steps_total"], "wall_s": wall, "in_calls": busy / wall,
+                             "tokens": sum(x["tokens"] for x in runs[m])}
                 result["levels"][c] = lv
                 print(f"{c:3d} clients: DFlash {lv['dflash_tok_per_s']:7.1f} tok/s  plain {lv['plain_tok_per_s']:7.1f} "
                       f"tok/s  DFlash / plain {lv['ratio']:.2f}x (pass by pass "
-                      f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])})  tau {lv['tau']:.2f}  identical "
+                      f"{', '.join(f'{x:.2f}' for x in lv['pass_ratios'])}; per server CPU-s {lv['cpu_ratio']:.2f}x)  "
+                      f"tau {lv['tau']:.2f}  identical "
                       f"{lv['identical_to_plain']}  errors {errors}", flush=True)
+                for m in ports:
+                    x = lv[m]
+                    print(f"             {m:6s} server: {x['tokens']} tokens in {x['steps']:.0f} steps, draft "
+                          f"{x['draft_s']:.1f} s + verify {x['verify_s']:.1f} s = {100 * x['in_calls']:.0f} % of "
+                          f"{x['wall_s']:.1f} s wall", flush=True)
         finally:
             for proc in procs.values():
                 proc.terminate()
                 proc.wait(timeout=120)
+    if not args.temperature:  # greedy: every served answer must be the same request's answer run directly
+        result["identical_to_direct"] = _check_direct(args.engine, prompts, args.max_tokens, result["levels"])
+        bad += sum(int(v.split("/")[1]) - int(v.split("/")[0]) for v in result["identical_to_direct"].values())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 1 if bad else 0
+
+
+def _check_direct(engine: Path, prompts: list, max_tokens: int, levels: dict) -> dict[str, str]:
+    """Greedy: each served answer (both servers, every level's best pass) against the same chat request run directly
+    on the engine in this process, one at a time (deploy/handler.py's RequestRunner over DFlashRuntime)."""
+    from dflash_export.decoding.request import SamplingParams
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.single import DFlashRuntime
+
+    runner = RequestRunner(DFlashRuntime(load_engine(engine)))
+    want = {str(i): generate_text(runner, GenerateRequest(p, SamplingParams(max_new_tokens=max_tokens))).text
+            for i, p in enumerate(prompts)}
+    runner.runtime.engine.close()
+    out = {}
+    for c, lv in levels.items():
+        for m, texts in lv["texts"].items():
+            out[f"{m}@{c}"] = f"{sum(want[i] == t for i, t in texts.items())}/{len(texts)}"
+    print("identical to the direct run (server@clients): " + ", ".join(f"{k} {v}" for k, v in out.items()),
+          flush=True)
+    return out
 
 
 def main(argv=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dflash_export.decoding.tree import DraftTree
 from dflash_export.engines.base import SamplingParams
 from dflash_export.runtime.batching import DRAFT_ROW_COST, BatchingRuntime, _Active
 
@@ -96,3 +97,78 @@ def test_one_request_alone_drafts_by_the_single_rule_when_greedy_and_by_the_cost
         assert (rt.draft_calls, rt.probes) == (3, 3)
     else:
         assert rt.probes == 0 and rt.draft_calls > 3
+
+
+# A planted tree, nodes best first as decoding/tree.build_tree orders them: the root's children A (0.6) and B (0.35),
+# A's child C (0.3, the chance that A and C are both accepted). Its best path is root, A, C (0.9 expected accepted).
+TREE = DraftTree([7, 11, 12, 13], [-1, 0, 0, 1], [0, 1, 1, 2], ["root", "drafter", "drafter", "lookup"],
+                 [1.0, 0.6, 0.35, 0.3])
+
+
+def _whole(tree):
+    """A greedy sequence whose step proposed `tree` whole, its best path the default (as _propose_lookups leaves it)."""
+    a = _act([0.5], 0)
+    spine = tree.best_chain()
+    a.whole, a.tree, a.spine = (tree, True), None, (tree, spine, True)
+    a.drafts = np.asarray([tree.tokens[i] for i in spine[1:]], np.int64)
+    a.spine_scores = np.asarray([tree.scores[i] for i in spine[1:]], np.float64)
+    a.block_len = len(spine)
+    return a
+
+
+def _closed_form(scores_per_seq, b, a, rate, draft_cost, tree_cost, is_tree):
+    """Rows and expected tokens per modelled cost of one option, from the rule's definition: row k is paid while
+    the sum over sequences of row k's chance reaches max(λ, B / (1 + a (B - 1))) a B."""
+    bar = max(rate, b / (1 + a * (b - 1))) * a * b
+    s = 1
+    while s < 8 and sum(q[s - 1] for q in scores_per_seq if len(q) >= s) >= bar:
+        s += 1
+    gain = sum(sum(q[: s - 1]) for q in scores_per_seq)
+    trees = b if is_tree and s > 2 else 0  # the first two nodes (root, A) are a chain
+    return s, (b + gain) / (draft_cost + 1 + a * (b * s - 1) + tree_cost * trees)
+
+
+@pytest.mark.parametrize("b", [1, 8])
+def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(engine, b):
+    """With planted costs (a = 0.07, draft 0.3, λ = what a plain batched step yields, or 1.5 alone) and the planted
+    tree: alone, the tree's third node (B, 0.35) pays its row and the step verifies the whole tree unless a tree
+    costs more than the break-even overhead (0.196 plain steps); at 8 sequences row 2 needs 8 x 0.35 = 2.8 expected
+    drafts against a bar of 3.0, the rows paid are the root and A, a chain, and every sequence verifies its best
+    path whatever a tree would cost."""
+    a, draft_cost = 0.07, 0.3
+    rate = 1.5 if b == 1 else b / (1 + a * (b - 1))
+    spine_scores = [[0.6, 0.3]] * b
+    tree_scores = [[0.6, 0.35, 0.3]] * b
+    s_spine, r_spine = _closed_form(spine_scores, b, a, rate, draft_cost, 0.0, False)
+    s_tree, _ = _closed_form(tree_scores, b, a, rate, draft_cost, 0.0, True)
+    if b == 1:
+        assert (s_spine, s_tree) == (3, 4)
+        break_even = (b + 0.6 + 0.35 + 0.3) / r_spine - (draft_cost + 1 + a * (s_tree - 1))
+        assert break_even == pytest.approx(0.1959, abs=1e-3)
+    else:
+        assert (s_spine, s_tree) == (2, 2)
+        break_even = None
+    for tree_cost in (0.0, 0.1, 0.19, 0.2, 0.5):
+        rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
+        rt.rate, rt.tree_cost = rate, tree_cost
+        acts = [_whole(TREE) for _ in range(b)]
+        s = rt._choose_step(acts, [], draft_cost)
+        whole = _closed_form(tree_scores, b, a, rate, draft_cost, tree_cost, True)[1] > r_spine
+        assert whole == (break_even is not None and tree_cost < break_even)
+        assert [x.tree is not None for x in acts] == [whole] * b, tree_cost
+        assert s == (s_tree if whole else s_spine)
+        assert rt.tree_steps == int(whole)
+        if not whole:  # back to the best path, as proposed
+            assert all(x.spine is not None and list(x.drafts) == [11, 13] for x in acts)
+
+
+def test_the_tree_overhead_is_the_time_trees_add_to_a_call_beyond_its_rows(engine):
+    """Calls timed as c0 + c1 * rows (c0 = 40 ms, c1 = 3 ms: a = 0.07), those verifying trees 4.3 ms more per tree:
+    the fitted overhead converges to 4.3 / 43 = 0.1 plain steps, and the row cost is the rows' alone."""
+    rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=0.03)
+    for i in range(400):
+        rows = (1, 2, 4, 8, 16)[i % 5]
+        trees = (i % 3 == 0) * (1 + i % 2)
+        rt._learn_row_cost(rows, 0.040 + 0.003 * rows + 0.0043 * trees, trees)
+    assert rt.tree_cost == pytest.approx(0.1, abs=1e-3)
+    assert rt.a == pytest.approx(0.003 / 0.043, abs=1e-3)

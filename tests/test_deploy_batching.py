@@ -3,6 +3,8 @@ get the text of the same request run alone; a full queue is HTTP 503; bad reques
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from deploy_support import (  # noqa: F401, I001 - the tests' helpers and fixtures
@@ -16,8 +18,10 @@ from deploy_support import (  # noqa: F401, I001 - the tests' helpers and fixtur
     stream_equals_direct,
 )
 
+from dflash_export.deploy.metrics import FrontMetrics
 from dflash_export.deploy.repository import write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
+from dflash_export.deploy.upstream import Upstream
 from dflash_export.errors import DFlashError
 
 
@@ -66,3 +70,28 @@ def test_stream_and_errors_through_the_shared_batch(server, direct):
     assert status == 400 and "text_input" in str(body)
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi", "max_tokens": 5})
     assert status == 200 and body["completion_tokens"] == 5
+
+
+@pytest.mark.server
+def test_metrics_get_tau_draft_and_verify_time_from_the_shared_batch(server):
+    """What /metrics sums comes from each generation's step_stats: through a shared batch they hold every step's
+    committed tokens (adding up to the answer's tokens after the prefill's) and the request's share of the drafter's
+    and the target's time, so tau, draft and verify seconds are not 0 there."""
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate",
+                             {"text_input": "Count with me: one two three four", "max_tokens": 24})
+    assert status == 200
+    stats = json.loads(body["step_stats"])
+    lengths = stats["acceptance_lengths"]
+    assert sum(lengths) == body["completion_tokens"] - 1 and lengths
+    assert stats["draft_s"] > 0 and stats["verify_s"] > 0  # a lone greedy request drafts at its first step
+
+    class Front(Upstream):  # the front's recording of an upstream answer, without its connections
+        metrics = FrontMetrics()
+
+    Front()._observe(body)
+    figures = {ln.split()[0]: float(ln.split()[-1]) for ln in Front.metrics.render().decode().splitlines()
+               if ln and not ln.startswith("#")}
+    assert figures["dflash_draft_seconds_total"] == pytest.approx(stats["draft_s"])
+    assert figures["dflash_verify_seconds_total"] == pytest.approx(stats["verify_s"])
+    assert figures["dflash_steps_total"] == len(lengths)
+    assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths)) and figures["dflash_tau"] >= 1

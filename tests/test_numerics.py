@@ -51,6 +51,39 @@ def test_probe_picks_the_floor_that_hides_a_one_row_kernel(engine):
     assert "bit-identical" in num.statement and isa_label(num.cpu["isa"]) in num.statement
 
 
+class _PerRowHead:
+    """An LM head that computes each row alone (a vector-matrix product per row): its rows agree at any row count by
+    construction; records the row count of every call."""
+
+    def __init__(self, weight, calls):
+        self.weight, self.calls = weight, calls
+
+    def run(self, names, feeds):
+        h = feeds["hidden"]
+        self.calls.append(h.shape[1])
+        return [np.stack([h[0, i] @ self.weight for i in range(h.shape[1])])[None]]
+
+
+def test_head_runs_one_row_only_where_its_rows_agree(engine):
+    """At a row floor of 2, a head whose rows agree at any row count is called with one row; one whose one-row
+    calls round differently is padded to the floor, and its logits are the many-row call's."""
+    hidden_size = engine._mask_row.shape[0]
+    weight = np.random.default_rng(0).standard_normal((hidden_size, 64)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((1, 1, hidden_size)).astype(np.float32)
+    engine.row_floor, calls = 2, []
+    engine.head = _PerRowHead(weight, calls)
+    assert engine._head_floor_free()
+    calls.clear()
+    np.testing.assert_array_equal(engine._logits(x), (x[0, 0] @ weight)[None])
+    assert calls == [1]
+    biased = _RowDependentHead(_PerRowHead(weight, calls), lambda h: 2.0 ** -20 if h.shape[1] == 1 else 0.0)
+    engine.head = biased
+    assert not engine._head_floor_free()
+    calls.clear()
+    np.testing.assert_array_equal(engine._logits(x), (x[0, 0] @ weight)[None])  # no bias: a two-row call
+    assert calls == [2]
+
+
 def test_no_floor_agrees_then_the_engine_says_so(engine):
     """Results that depend on the other rows' values (distinct rows in a verify block, copies in a padded step): no
     floor can help; the verdict says so, with the measured difference."""

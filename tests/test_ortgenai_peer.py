@@ -108,3 +108,22 @@ def test_script_imports_only_the_standard_library():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_per_round_lines_give_each_rounds_ratios_against_the_best_setting(peer):
+    lines = peer.per_round(_rounds(), ["fp32"], ["ngram:3:7", "ngram:2:7"], [12.5, 14.0])
+    # round 1: plain medians 11 / 10, DFlash 21 against n-gram 3:7's 15; round 2: 9 / 9, 18 / 12
+    assert lines == ["fp32 round 1: plain 1.10x ORT GenAI plain, DFlash 1.40x its n-gram 3:7 (load average 12.5)",
+                     "fp32 round 2: plain 1.00x ORT GenAI plain, DFlash 1.50x its n-gram 3:7 (load average 14.0)"]
+
+
+def test_per_round_lines_add_cpu_time_per_token_where_both_sides_report_it(peer):
+    rounds = _rounds()[:1]
+    for key, cpu in ((("ours", "fp32", "plain"), (40.0, 50.0)), (("ortgenai", "fp32", "plain"), (60.0, 40.0)),
+                     (("ours", "fp32", "dflash"), (20.0, 30.0)), (("ortgenai", "fp32", "ngram:3:7"), (50.0, 50.0))):
+        for run, c in zip(rounds[0][key], cpu):
+            run["cpu_ms_per_token"] = c
+    # medians: ours plain 45, ORT GenAI plain 50 -> 1.11x; ours DFlash 25, n-gram 3:7 50 -> 2.00x
+    (line,) = peer.per_round(rounds, ["fp32"], ["ngram:3:7", "ngram:2:7"], [3.0])
+    assert line == ("fp32 round 1: plain 1.10x ORT GenAI plain, DFlash 1.40x its n-gram 3:7; in CPU ms per token "
+                    "1.11x and 2.00x (load average 3.0)")

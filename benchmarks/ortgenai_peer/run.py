@@ -104,6 +104,27 @@ def ratio(rounds: list[dict], num: tuple, den: tuple) -> float:
     return statistics.median(med_rate(per, num) / med_rate(per, den) for per in rounds)
 
 
+def per_round(rounds: list[dict], precisions: list[str], settings: list[str], loads: list[float]) -> list[str]:
+    """One line per precision and round: this project's plain / ORT GenAI plain and its DFlash / ORT GenAI's best
+    n-gram setting (best over all rounds) within that round, with the load average at the round's end, so the spread
+    a shared machine puts between rounds stays visible beside the medians."""
+    lines = []
+    for p in precisions:
+        best = best_setting(rounds, p, settings)
+        for r, per in enumerate(rounds):
+            plain = med_rate(per, ("ours", p, "plain")) / med_rate(per, ("ortgenai", p, "plain"))
+            dfl = med_rate(per, ("ours", p, "dflash")) / med_rate(per, ("ortgenai", p, best))
+            line = (f"{p} round {r + 1}: plain {plain:.2f}x ORT GenAI plain, DFlash {dfl:.2f}x its n-gram "
+                    f"{best.split(':', 1)[1]}")
+            keys = [("ours", p, "plain"), ("ortgenai", p, "plain"), ("ours", p, "dflash"), ("ortgenai", p, best)]
+            if all(x.get("cpu_ms_per_token") for k in keys for x in per[k]):
+                # in CPU time per token (the other side's over ours: > 1 = this project cheaper), less load-bound
+                cpu = [statistics.median(x["cpu_ms_per_token"] for x in per[k]) for k in keys]
+                line += f"; in CPU ms per token {cpu[1] / cpu[0]:.2f}x and {cpu[3] / cpu[2]:.2f}x"
+            lines.append(line + f" (load average {loads[r]:.1f})")
+    return lines
+
+
 def summarize(rounds: list[dict], precisions: list[str], settings: list[str], rss: dict, weights: dict) -> list[dict]:
     """One row per (system, precision, mode): decode tok/s, ratios against ORT GenAI's plain and best n-gram decoding
     of the same precision within each round, tau, identical-to-own-plain count, peak RSS and weights (MiB)."""
@@ -256,17 +277,19 @@ def ortgenai_worker(model_dir: str, n: int, threads: int, grid: list[dict]) -> N
         gen.append_tokens(ids)
         gen.generate_next_token()  # the first token, from the prompt's logits
         first = len(gen.get_sequence(0)) - len(ids)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while not gen.is_done():
             gen.generate_next_token()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = [int(t) for t in gen.get_sequence(0)[len(ids):]]
         tau = 1.0
         if spec:
             st = gen.get_speculative_stats()
             forwards = st["target_forward_passes"] + st["standard_fallback_steps"]
             tau = (len(tokens) - first) / forwards if forwards else 1.0
-        return {"tokens": tokens, "tok_s": decode_rate(len(tokens), first, dt), "tau": tau}
+        after = len(tokens) - first
+        return {"tokens": tokens, "tok_s": decode_rate(len(tokens), first, dt), "tau": tau,
+                "cpu_ms_per_token": 1000 * cpu / after if after > 0 else 0.0}
 
     warm = True
     for line in sys.stdin:
@@ -382,7 +405,7 @@ def main() -> int:
                                            str(args.max_new_tokens), str(args.threads), json.dumps(grid)])
     order = list(workers)
     settings = [grid_key(s) for s in grid]
-    rounds = []
+    rounds, loads = [], []
     for r in range(args.rounds):
         per: dict = {}
         for i, ids in enumerate(prompts):
@@ -393,6 +416,7 @@ def main() -> int:
                     per.setdefault((sysname, p, "plain" if mode == "ar" else mode), []).append(x)
             log(f"round {r + 1}/{args.rounds}: prompt {i + 1}/{len(prompts)} done")
         rounds.append(per)
+        loads.append(os.getloadavg()[0])
     rss = {key: w.close() for key, w in workers.items()}
     weights, drafter_mb = {}, {}
     for p in precisions:
@@ -409,12 +433,15 @@ def main() -> int:
     print()
     for line in verdicts(rows, drafter_mb):
         print(line)
+    for line in per_round(rounds, precisions, settings, loads):
+        print(line)
     for p in precisions:  # reported, not owed: the two systems' plain decoding side by side
         same = identical(rounds[0][("ours", p, "plain")], rounds[0][("ortgenai", p, "plain")])
         print(f"{p}: this project's plain decoding identical to ORT GenAI's plain on {same}/{len(prompts)} prompts")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "args": vars(args), "table": rows, "verdicts": verdicts(rows, drafter_mb), "prompts": len(prompts),
+            "load_averages": loads,
             "rounds": [{"/".join(k): v for k, v in per.items()} for per in rounds]}, indent=2) + "\n")
     return 0
 

@@ -42,7 +42,7 @@ from dflash_export.decoding.sampling import (
 from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
 from dflash_export.engines.manifest import Manifest
-from dflash_export.engines.numerics import choose_row_floor
+from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.models.config import DFlashSpec
@@ -253,6 +253,12 @@ class OrtEngine(Engine):
         self.graph_pads = ROW_INDEX in {i.name for i in self.target.get_inputs()}
         self.row_pad = "host"
         self.row_floor = manifest.flags.plain_step_rows
+        # The LM head runs one row at a time wherever its one-row product is every many-row product's row on this
+        # CPU (fp32's GEMM on AVX2; not int4's MatMulNBits): a floor the target's attention needs then costs the head
+        # nothing. Checked before the probe, so the probe checks the steps as they will run (and again for any other
+        # head session put in its place).
+        self._head_checked = None
+        self._head_floor_free()
         self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
         if release_pages:  # what the probe read of the weight files goes back too
@@ -389,11 +395,20 @@ class OrtEngine(Engine):
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         """LM head over hidden rows [1, n, H] -> logits [n, V] float32; fewer rows than the row floor run padded
-        with copies of the last (the int4 head's one-row kernel differs from its many-row one on AVX2)."""
+        with copies of the last (the int4 head's one-row kernel differs from its many-row one on AVX2), unless the
+        head's rows agree at any row count on this CPU (`head_floor_free`)."""
         n = hidden.shape[1]
-        if n < self.row_floor:
-            hidden = np.concatenate([hidden, np.repeat(hidden[:, -1:], self.row_floor - n, axis=1)], axis=1)
+        floor = 1 if self._head_floor_free() else self.row_floor
+        if n < floor:
+            hidden = np.concatenate([hidden, np.repeat(hidden[:, -1:], floor - n, axis=1)], axis=1)
         return self.head.run(["logits"], {"hidden": hidden})[0][0][:n]
+
+    def _head_floor_free(self) -> bool:
+        """Whether this head session's one-row calls give its many-row rows (checked once per session)."""
+        if self._head_checked is not self.head:
+            self.head_floor_free = _head_rows_agree(self.head, probe_rows(self), self._mask_row.shape[0])
+            self._head_checked = self.head
+        return self.head_floor_free
 
     def prefill(self, seq: _OrtSeq, input_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
@@ -507,6 +522,21 @@ class OrtEngine(Engine):
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = self._target_batch = None
         self._embed.close()
+
+
+def _head_rows_agree(head, rows: int, hidden_size: int) -> bool:
+    """Whether the LM head session's one-row output is bit for bit each row of its outputs over 2..`rows` rows, on
+    fixed random hidden rows: then a one-row head call gives the logits a verify's many-row call gives there. Stops at
+    the first row that differs (int4 on AVX2: at two rows)."""
+    x = np.random.default_rng(PROBE_SEED).standard_normal((1, rows, hidden_size)).astype(np.float32)
+    one: list[np.ndarray] = []
+    for m in range(2, rows + 1):
+        out = head.run(["logits"], {"hidden": x[:, :m]})[0][0]
+        while len(one) < m:
+            one.append(head.run(["logits"], {"hidden": x[:, len(one):len(one) + 1]})[0][0][0])
+        if not all(np.array_equal(out[i], one[i]) for i in range(m)):
+            return False
+    return True
 
 
 def tree_inputs(length: int, rows: int, tree: DraftTree | None = None) -> tuple[np.ndarray, np.ndarray]:

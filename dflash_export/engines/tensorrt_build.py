@@ -339,6 +339,21 @@ def refuse_masked_drafter(config, where) -> None:
                               field="is_causal" if config.is_causal else "layer_types")
 
 
+def refuse_hybrid_target(recipe) -> None:
+    """Hybrid targets (Gated DeltaNet layers: a conv window and a recurrent state per sequence) have no TensorRT
+    engine here: the engine-state bindings, the Scan over a block's rows and the per-row commit are written for
+    ONNX Runtime only (engines/onnxruntime.py, engines/ort_batch.py). Refused by name before anything is built."""
+    from dflash_export.models.arch import ARCHS
+    from dflash_export.models.target import read_target_config
+
+    tcfg, _ = read_target_config(recipe.target_path)
+    arch = ARCHS.get(tcfg["model_type"])
+    if arch is not None and arch.hybrid is not None:
+        raise DFlashError(f"{tcfg['model_type']} is a hybrid target (Gated DeltaNet linear attention with a recurrent "
+                          "state per sequence): the TensorRT backend has no engine for its state; use --backend "
+                          "onnxruntime", path=recipe.path, field="model_type")
+
+
 def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implementation: str | None = None) -> Path:
     """`build --backend tensorrt`: export the recipe's graphs, compile both to TensorRT engines with the dflash
     plugins, and write `out_dir` atomically (engines + the ONNX graphs they came from, kept for `validate`'s
@@ -355,6 +370,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implemen
     runs = tensorrt_decoding(decoding)  # the chain, with a note for what the recipe asks beyond it
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     refuse_masked_drafter(drafter.config, recipe.drafter_path)
+    refuse_hybrid_target(recipe)
     trt = plugins.require_tensorrt()
     precision = resolve_precision(trt, recipe.dtype)  # refuses what this TensorRT cannot build before any export
     plugins.register_plugins()

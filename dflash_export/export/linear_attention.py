@@ -32,14 +32,18 @@ one at export (the same float32 sum transformers computes).
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from dflash_export.errors import DFlashError
-from dflash_export.export.builder import F32, GraphBuilder
+from dflash_export.export.builder import F32, GraphBuilder, finish
 
 OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight")
 L2_EPS = 1e-6  # transformers' l2norm (use_qk_l2norm_in_kernel)
+# How a block of rows runs the delta rule: "scan" (one position per iteration, every row the one-token step's bits)
+# or "chunked" (the whole block at once; cheaper per row, rows within rounding of plain steps). benchmarks/
+# hybrid_costs.py --form measures either.
+BLOCK_FORM = "scan"
 
 
 def fold_norms(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -104,6 +108,50 @@ def _scan_body(hv: int, dk: int, dv: int):
     return helper.make_graph(nodes, "gated_delta_rule_step", inputs, outputs)
 
 
+def _chunked_delta_rule(g: GraphBuilder, q: str, k: str, v: str, gate: str, beta: str, rstate: str, i: int) -> str:
+    """The gated delta rule over a whole block at once (the WY / UT-transform form), reading the state twice per
+    call instead of three times per row. Per value head, with G = cumsum(g) over the block, D[t,j] = exp(G_t - G_j)
+    for j <= t, T = I + diag(beta) (D o K K^T)_strictly-lower:
+      deltas = T^-1 diag(beta) (V - exp(G) o K S0);  out = exp(G) o Q S0 + (D o Q K^T) deltas;
+      S_last = exp(G_last) S0 + (exp(G_last - G) o K)^T deltas.
+    T^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^32) with N = T - I nilpotent: exact in exact arithmetic up to 64 rows
+    (the prefill chunk). The same row updates (key, decay, delta) as the Scan's go out for the host's commit.
+    Not the one-token step's arithmetic: a verify row differs from a plain step by rounding (measured, not bits).
+    q, k [B,S,Hv,Dk], v [B,S,Hv,Dv], gate (log decay), beta [B,S,Hv], rstate [B,Hv,Dk,Dv] -> out [B,S,Hv,Dv]."""
+    heads = lambda x: g.op("Transpose", [x], perm=[0, 2, 1, 3])  # [B,S,Hv,D] -> [B,Hv,S,D]
+    col = lambda x: g.op("Unsqueeze", [x, g.const([-1])])
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    cum = g.op("CumSum", [g.op("Transpose", [gate], perm=[0, 2, 1]), g.const(2)])       # G [B,Hv,S]
+    bh = col(g.op("Transpose", [beta], perm=[0, 2, 1]))                                # [B,Hv,S,1]
+    diff = g.op("Sub", [col(cum), g.op("Unsqueeze", [cum, g.const([-2])])])             # G_t - G_j [B,Hv,S,S]
+    n = g.op("Shape", [cum], start=2)                                                   # [S]
+    idx = g.op("Range", [g.const(0), g.op("Squeeze", [n, g.const([0])]), g.const(1)])
+    below = g.op("Cast", [g.op("Greater", [col(idx), idx])], to=TensorProto.FLOAT)     # t > j  [S,S]
+    on_below = g.op("Cast", [g.op("GreaterOrEqual", [col(idx), idx])], to=TensorProto.FLOAT)
+    dmat = g.op("Exp", [g.op("Min", [diff, g.const(0.0, np.float32)])])                # the upper half masked below
+    kt = g.op("Transpose", [kh], perm=[0, 1, 3, 2])                                     # [B,Hv,Dk,S]
+    nmat = g.op("Mul", [g.op("Mul", [g.op("Mul", [g.op("MatMul", [kh, kt]), dmat]), below]), bh])
+    qk_s0 = g.op("MatMul", [g.op("Concat", [qh, kh], axis=2), rstate])                  # [B,Hv,2S,Dv]
+    q_s0, k_s0 = g.op("Split", [qk_s0, g.op("Concat", [n, n], axis=0)], n_out=2, axis=2)
+    eg = col(g.op("Exp", [cum]))                                                        # [B,Hv,S,1]
+    x = g.op("Mul", [g.op("Sub", [vh, g.op("Mul", [eg, k_s0])]), bh])                  # diag(beta)(V - e^G K S0)
+    x = g.op("Sub", [x, g.op("MatMul", [nmat, x])])                                     # (I - N) x
+    power = nmat
+    for _ in range(5):                                                                  # (I + N^2) ... (I + N^32)
+        power = g.op("MatMul", [power, power])
+        x = g.op("Add", [x, g.op("MatMul", [power, x])])
+    deltas = x                                                                          # [B,Hv,S,Dv]
+    g.op("Unsqueeze", [g.op("Transpose", [deltas], perm=[2, 0, 1, 3]), g.const([3])],
+         outputs=[f"row_deltas_{i}"])                                                   # [S,B,Hv,1,Dv]
+    attn = g.op("Mul", [g.op("MatMul", [qh, kt]), g.op("Mul", [dmat, on_below])])      # [B,Hv,S,S]
+    out = g.op("Add", [g.op("Mul", [eg, q_s0]), g.op("MatMul", [attn, deltas])])       # [B,Hv,S,Dv]
+    last = g.op("Gather", [cum, g.op("Sub", [n, g.const([1])])], axis=2)                # G_last [B,Hv,1]
+    tail = g.op("Exp", [g.op("Sub", [last, cum])])                                      # [B,Hv,S]
+    update = g.op("MatMul", [g.op("Transpose", [g.op("Mul", [kh, col(tail)])], perm=[0, 1, 3, 2]), deltas])
+    g.op("Add", [g.op("Mul", [rstate, col(g.op("Exp", [last]))]), update], outputs=[f"recurrent_last_{i}"])
+    return heads(out)
+
+
 def _heads(g: GraphBuilder, x: str, n: int, d: int) -> str:
     """[B,S,n*d] -> [B,S,n,d]"""
     return g.op("Reshape", [x, g.const([0, 0, n, d])])
@@ -115,9 +163,11 @@ def _l2norm(g: GraphBuilder, x: str) -> str:
         return g.op("Mul", [x, g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ss, g.const(L2_EPS, np.float32)])])])])
 
 
-def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: dict, eps: float, i: int) -> str:
+def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: dict, eps: float, i: int,
+                    form: str | None = None) -> str:
     """Layer i's Gated DeltaNet over xn [B,S,H] (prefix `p` = "model.layers.{i}.linear_attn."), with its state
-    inputs and outputs (module docstring). Returns the out_proj output [B,S,H]."""
+    inputs and outputs (module docstring); `form`: BLOCK_FORM's choices (default BLOCK_FORM). Returns the out_proj
+    output [B,S,H]."""
     hk, hv, dk, dv = shapes["key_heads"], shapes["value_heads"], shapes["key_dim"], shapes["value_dim"]
     kernel, channels = shapes["conv_kernel"], shapes["conv_channels"]
     if hv % hk:
@@ -160,19 +210,22 @@ def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: 
     gate = g.op("Mul", [g.op("Softplus", [g.op("Add", [a, g.weight(p + "dt_bias", sd[p + "dt_bias"])])]),
                         g.weight(p + "neg_A", neg_a.astype(np.float32))])
 
-    qk = g.op("Concat", [g.op("Unsqueeze", [q, g.const([3])]), g.op("Unsqueeze", [k, g.const([3])])],
-              axis=3)                                                                    # [B,S,Hv,2,Dk]
     rstate = g.input(f"recurrent_state_{i}", F32, ["batch", hv, dk, dv])
     decay = g.op("Exp", [gate], outputs=[f"row_decays_{i}"])                             # [B,S,Hv]
     g.op("Identity", [k], outputs=[f"row_keys_{i}"])
-    _, outs, _ = g.op("Scan", [rstate, g.op("Transpose", [qk], perm=[1, 0, 2, 3, 4]),
-                               g.op("Transpose", [g.op("Unsqueeze", [v, g.const([3])])], perm=[1, 0, 2, 3, 4]),
-                               g.op("Transpose", [decay], perm=[1, 0, 2]),
-                               g.op("Transpose", [beta], perm=[1, 0, 2])],
-                      n_out=3, outputs=[f"recurrent_last_{i}", g.fresh("gdn_out"), f"row_deltas_{i}"],
-                      body=_scan_body(hv, dk, dv), num_scan_inputs=4)
-    outs = g.op("Squeeze", [outs, g.const([3])])                                        # [S,B,Hv,Dv]
-    core = g.op("Transpose", [outs], perm=[1, 0, 2, 3])                                 # [B,S,Hv,Dv]
+    if (form or BLOCK_FORM) == "chunked":
+        core = _chunked_delta_rule(g, q, k, v, gate, beta, rstate, i)
+    else:
+        qk = g.op("Concat", [g.op("Unsqueeze", [q, g.const([3])]), g.op("Unsqueeze", [k, g.const([3])])],
+                  axis=3)                                                                # [B,S,Hv,2,Dk]
+        _, outs, _ = g.op("Scan", [rstate, g.op("Transpose", [qk], perm=[1, 0, 2, 3, 4]),
+                                   g.op("Transpose", [g.op("Unsqueeze", [v, g.const([3])])], perm=[1, 0, 2, 3, 4]),
+                                   g.op("Transpose", [decay], perm=[1, 0, 2]),
+                                   g.op("Transpose", [beta], perm=[1, 0, 2])],
+                          n_out=3, outputs=[f"recurrent_last_{i}", g.fresh("gdn_out"), f"row_deltas_{i}"],
+                          body=_scan_body(hv, dk, dv), num_scan_inputs=4)
+        outs = g.op("Squeeze", [outs, g.const([3])])                                    # [S,B,Hv,Dv]
+        core = g.op("Transpose", [outs], perm=[1, 0, 2, 3])                             # [B,S,Hv,Dv]
     normed = g.rms_norm(core, g.weight(p + "norm", sd[p + "norm.weight"]), eps, False)
     zh = _heads(g, z, hv, dv)
     gated = g.op("Mul", [normed, g.op("Mul", [zh, g.op("Sigmoid", [zh])])])
@@ -187,6 +240,19 @@ def declare_state_outputs(g: GraphBuilder, i: int, shapes: dict) -> None:
     g.output(f"row_keys_{i}", F32, ["batch", "seq", hv, dk])
     g.output(f"row_decays_{i}", F32, ["batch", "seq", hv])
     g.output(f"row_deltas_{i}", F32, ["seq", "batch", hv, 1, dv])
+
+
+def gated_delta_net_model(sd: dict, p: str, hybrid, shapes: dict, eps: float, hidden: int, form: str):
+    """One Gated DeltaNet layer as a model of its own (input `x` [B,S,hidden], output `y`, the state inputs and
+    outputs of layer 0): what tests and benchmarks/hybrid_costs.py compare the block forms on."""
+    g = GraphBuilder("gated_delta_net")
+    x = g.input("x", F32, ["batch", "seq", hidden])
+    g.op("Identity", [gated_delta_net(g, x, sd, p, hybrid, shapes, eps, 0, form)], outputs=["y"])
+    g.output("y", F32, ["batch", "seq", hidden])
+    declare_state_outputs(g, 0, shapes)
+    model, inits = finish(g, [], ort=False)
+    model.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items())
+    return model
 
 
 def split_gated_query(w: np.ndarray, heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:

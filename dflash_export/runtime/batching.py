@@ -36,8 +36,14 @@ Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `B
     a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
     deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
     the tree's nodes, best first: node k is row k and its score (the chance its path is accepted) is what q[b, k]
-    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Where the engine cannot
-    verify trees for the call (an engine built before the batched graph's tree mask, B > 1), each sequence
+    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Each step chooses between
+    the trees and their best paths (`_choose_step`): each option's rows S by the rule above, and the one with more
+    expected tokens per modelled cost, (B + c * sum of the verified rows' chances) / (draft + 1 + a (B S - 1) +
+    t * trees), wins; t is what a sequence verifying a tree adds to the call beyond its rows (mask, positions, the
+    accepted path's K/V moved down), fitted online from the call times' residuals, 0 until measured. Rows the bar
+    pays for that are a chain verify as a chain. So trees are verified where their nodes off the best path pay
+    (one sequence, a low bar) and never where the bar stops at the best path (many sequences). Where the engine
+    cannot verify trees for the call (an engine built before the batched graph's tree mask, B > 1), each sequence
     verifies its tree's best path ("spine").
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix; and a
 walked sampled request's is plain sampling's, draw for draw: every token is the target's draw with its next uniform.
@@ -114,6 +120,9 @@ class _Active:
         # step verifies), and the accepted path of node indices that `commit` keeps.
         self.tree: tuple[DraftTree, bool] | None = None  # tree, drafter in it
         self.path: list[int] | None = None
+        # tree_mode "full": the whole tree proposed this step, which `_choose_step` verifies instead of its best path
+        # when the cost model says its nodes off that path pay
+        self.whole: tuple[DraftTree, bool] | None = None
 
     @property
     def produced(self) -> int:
@@ -168,6 +177,13 @@ class BatchingRuntime:
         # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
         # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
         self._fit = np.zeros(5)  # sums of 1, r, r^2, t, r t
+        # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
+        # positions, its accepted path's K/V moved down), in single-sequence plain steps: the fit's residual per tree
+        # on calls that verified trees, over its residual on calls that did not (forgetting 10 % per call). Starts at
+        # 0, so that trees are tried where their nodes pay and their cost is measured.
+        self.tree_cost = 0.0
+        self._residual = np.zeros(2)  # EMAs: calls without trees, per tree on calls with trees
+        self.tree_steps = 0           # steps that verified whole trees (_choose_step chose them)
         self.max_skip = max_skip
         self.max_queued_tokens = max_queued_tokens
         self.queue: collections.deque[Request] = collections.deque()
@@ -321,14 +337,15 @@ class BatchingRuntime:
         draft_cost = self._draft(drafting) if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
-        s = self._choose_rows(acts, drafting)
+        s = self._choose_step(acts, drafting, draft_cost)
         blocks = [self._block(a, s) for a in acts]
         t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks,
                                         [a.tree[0] if a.tree is not None else None for a in acts])
         t2 = time.perf_counter()
         if self.adaptive:
-            self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1)
+            trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)
+            self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1, trees)
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
         # every one the target's.
         for a in drafting:
@@ -386,7 +403,7 @@ class BatchingRuntime:
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
         for a in acts:
             a.n_draft, a.drafts, a.draft_probs, a.spine, a.spine_scores = 0, None, None, None, None
-            a.tree = a.path = None
+            a.tree = a.path = a.whole = None
             if a.req.mode != "dflash":
                 continue
             if a.argmax_drafts and not self.drafter:  # lookups only (_propose_lookups)
@@ -447,14 +464,12 @@ class BatchingRuntime:
                 if len(tree) < 2:
                     continue
                 # Nodes come best-first (decoding/tree.build_tree), parents before children: the first n rows of
-                # the tree are a tree, and each node's score is what verifying its row is expected to add.
-                a.tree = (tree, logits is not None)
-                a.drafts = np.asarray(tree.tokens[1:], np.int64)
-                a.spine_scores = np.asarray(tree.scores[1:], np.float64)
-                a.block_len = len(tree)
-                continue
-            tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
-                                               lookup_scores=self.lookup_stats.score)
+                # the tree are a tree, and each node's score is what verifying its row is expected to add. The
+                # step verifies its best path unless _choose_step finds the whole tree pays more.
+                a.whole = (tree, logits is not None)
+            else:
+                tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
+                                                   lookup_scores=self.lookup_stats.score)
             spine = tree.best_chain()
             if len(spine) < 2:
                 continue
@@ -462,6 +477,14 @@ class BatchingRuntime:
             a.drafts = np.asarray([tree.tokens[i] for i in spine[1:]], np.int64)
             a.spine_scores = np.asarray([tree.scores[i] for i in spine[1:]], np.float64)
             a.block_len = len(spine)
+
+    def _use_whole_tree(self, a: _Active) -> None:
+        """This step verifies `a`'s whole tree, node for node, instead of its best path."""
+        tree, drafted = a.whole
+        a.tree, a.spine = (tree, drafted), None
+        a.drafts = np.asarray(tree.tokens[1:], np.int64)
+        a.spine_scores = np.asarray(tree.scores[1:], np.float64)
+        a.block_len = len(tree)
 
     def _block(self, a: _Active, s: int) -> np.ndarray:
         """The rows this sequence verifies in a target call of `s` rows: its last token, then its drafts (sets
@@ -561,7 +584,21 @@ class BatchingRuntime:
         accepted, expected = self._accepted_vs_expected
         return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
 
-    def _learn_row_cost(self, rows: int, seconds: float) -> None:
+    def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0) -> None:
+        n, sr, srr, st, srt = self._fit
+        spread = n * srr - sr * sr
+        if n >= 8 and spread > 1e-9 * n * n:  # the tree overhead: this call's time against the fit before it
+            c1 = (n * srt - sr * st) / spread
+            c0 = (st - c1 * sr) / n
+            if c1 > 0 and c0 > 0:
+                residual = (seconds - c0 - c1 * rows) / (c0 + c1)
+                if trees:
+                    self._residual[1] = 0.9 * self._residual[1] + 0.1 * residual / trees
+                else:
+                    self._residual[0] = 0.9 * self._residual[0] + 0.1 * residual
+                self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
+        if trees:  # the row fit is of rows alone
+            return
         self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
         n, sr, srr, st, srt = self._fit
         spread = n * srr - sr * sr
@@ -582,7 +619,44 @@ class BatchingRuntime:
         return b * (1.0 + self.acceptance_calibration * self.accepted_per_draft) / cost > plain
 
     def _choose_rows(self, acts: list[_Active], drafting: list[_Active]) -> int:
-        """S, the rows of this step's target call (see the module docstring)."""
+        """S, the rows of this step's target call, each sequence verifying its chain or best path (see the module
+        docstring)."""
+        s, scored = self._scored(acts, drafting)
+        return rows_paid(scored, s, self._top(acts), self._bar(len(acts)))
+
+    def _choose_step(self, acts: list[_Active], drafting: list[_Active], draft_cost: float) -> int:
+        """S, the rows of this step's target call, and whether the sequences with a whole tree (tree_mode "full")
+        verify it or its best path: the option whose rows the bar pays for (`rows_paid`) and whose expected tokens
+        per modelled cost are higher (`step_rate`; a tree costs its rows plus the measured tree overhead)."""
+        wholes = [a for a in acts if a.whole is not None]
+        if not self.adaptive:  # every node verified: whole trees as they are
+            for a in wholes:
+                self._use_whole_tree(a)
+            self.tree_steps += bool(wholes)
+        s_min, scored = self._scored(acts, drafting)
+        s = rows_paid(scored, s_min, self._top(acts), self._bar(len(acts)))
+        if not wholes or not self.adaptive:
+            return s
+        spine_gain = expected_gain(scored, s)
+        paths = {id(a): (a.spine, a.drafts, a.spine_scores, a.block_len) for a in wholes}
+        for a in wholes:
+            self._use_whole_tree(a)
+        t_min, t_scored = self._scored(acts, drafting)
+        t = rows_paid(t_scored, t_min, self._top(acts), self._bar(len(acts)))
+        trees = sum(not _first_nodes(a.tree[0], t).is_chain for a in wholes)
+        b, c = len(acts), self.acceptance_calibration
+        if trees and step_rate(b, c * expected_gain(t_scored, t), draft_cost, self.a, t, trees, self.tree_cost) > \
+                step_rate(b, c * spine_gain, draft_cost, self.a, s, 0, self.tree_cost):
+            self.tree_steps += 1
+            return t
+        for a in wholes:  # the best paths pay at least as much: back to them
+            a.tree = None
+            a.spine, a.drafts, a.spine_scores, a.block_len = paths[id(a)]
+        return s
+
+    def _scored(self, acts: list[_Active], drafting: list[_Active]) -> tuple[int, list[np.ndarray]]:
+        """(the rows some sequence verifies whatever the rule says, each scored sequence's chances of acceptance
+        row by row): trees' and best paths' node scores (already cumulative), chains' cumulative confidences."""
         s = 1
         scored = []
         spines = [a for a in acts if a.spine_scores is not None]
@@ -599,18 +673,41 @@ class BatchingRuntime:
                 scored.append(np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64)))
             else:
                 s = max(s, a.block_len)
-        b = len(acts)
+        return s, scored
+
+    def _top(self, acts: list[_Active]) -> int:
+        """The most rows a step may give a sequence: a block, or a longer tree or best path (lookups as deep as the
+        numerics probe checked rows)."""
+        return max([self.info.block_size] + [a.block_len for a in acts if getattr(a, "drafts", None) is not None])
+
+    def _bar(self, b: int) -> float:
         # λ is at least what a plain batched step yields (b tokens for 1 + a(b - 1)): a batch that has just grown,
         # or a run that has just started, would otherwise judge rows against a stale lower rate.
-        bar = max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
-        k = 1
-        top = max([self.info.block_size] + [len(a.tree[0]) for a in acts if getattr(a, "tree", None) is not None])
-        while k < top:
-            gain = sum(q[k - 1] for q in scored if len(q) >= k)
-            if k >= s and (gain <= 0 or gain < bar):
-                break
-            k += 1
-        return max(s, k)
+        return max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
+
+
+def rows_paid(scored: list[np.ndarray], s_min: int, top: int, bar: float) -> int:
+    """The rows per sequence of a target call: row k (k >= 1 drafts deep) is added while the chances that row k is
+    accepted, summed over the sequences (`scored[b][k - 1]`), reach `bar` (= λ a B: what B more rows cost at the
+    batch's rate); never fewer than `s_min`, never more than `top`."""
+    k = 1
+    while k < top:
+        gain = sum(q[k - 1] for q in scored if len(q) >= k)
+        if k >= s_min and (gain <= 0 or gain < bar):
+            break
+        k += 1
+    return max(s_min, k)
+
+
+def expected_gain(scored: list[np.ndarray], s: int) -> float:
+    """Drafts expected accepted when every scored sequence verifies its first s - 1 (the sum of their chances)."""
+    return float(sum(np.sum(q[: s - 1]) for q in scored))
+
+
+def step_rate(b: int, gain: float, draft_cost: float, a: float, s: int, trees: int, tree_cost: float) -> float:
+    """Expected tokens per modelled cost of a step of B sequences x S rows expecting `gain` accepted drafts, `trees`
+    of them verifying a tree: (B + gain) / (draft + 1 + a (B S - 1) + tree_cost * trees)."""
+    return (b + gain) / (draft_cost + 1.0 + a * (b * s - 1) + tree_cost * trees)
 
 
 def _first_nodes(tree: DraftTree, n: int) -> DraftTree:
