@@ -60,9 +60,7 @@ def main() -> None:
                 MODES[f"K{k}-N{n}"] = {"proposer": "tree+lookup", "tree_mode": "full", "adaptive": False,
                                         "tree_top_k": k, "tree_nodes": n, **OFF}
         args.modes = ",".join(m for m in MODES if m.startswith("K"))
-    from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
     from dflash_export.engines.base import SamplingParams
-    from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.registry import load_engine
     from dflash_export.runtime.single import DFlashRuntime
 
@@ -101,19 +99,30 @@ def main() -> None:
             sums[m]["identical"] += outs[m] == outs["ar"]
         pairs.append((ids, outs["ar"]))
         print(f"\r{i + 1}/{len(rows)} prompts, {time.time() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        if args.json_out:  # the prompts done so far: a run cut short on a loaded machine still leaves its figures
+            summarize(args, engine, modes, sums, pairs, rows[:i + 1], quiet=True)
     print(file=sys.stderr)
+    summarize(args, engine, modes, sums, pairs, rows)
+
+
+def summarize(args, engine, modes, sums, pairs, rows, quiet: bool = False) -> None:
+    """Print (unless `quiet`) and write (--json) every mode's figures over `rows`, the prompts done."""
+    from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
+    from dflash_export.engines.numerics import cpu_features, isa_label
+
     cpu = cpu_features()
     how = "greedy" if args.temperature <= 0 else f"T {args.temperature:g} top-k {args.top_k} top-p {args.top_p:g}"
     yard = prompt_lookup_tau(pairs, engine.info.block_size)
-    print(f"{args.engine}: {len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
-          f"{args.max_new_tokens} new tokens, {how}; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
-          f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): "
-          f"{yard:.3f}")
+    say = (lambda *a, **k: None) if quiet else print
+    say(f"{args.engine}: {len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
+        f"{args.max_new_tokens} new tokens, {how}; {cpu['model']}, {isa_label(cpu['isa'])}, threads "
+        f"{args.threads or 'all'}; prompt-lookup tau on the plain output (block {engine.info.block_size}): "
+        f"{yard:.3f}")
     ar_rate = sums["ar"]["tokens"] / sums["ar"]["s"]
     report = {"engine": args.engine, "prompts": len(rows), "max_new_tokens": args.max_new_tokens, "cpu": cpu,
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "tau_prompt_lookup": yard, "modes": {}}
-    print(f"{'mode':18s} {'tau':>6s} {'tok/s':>7s} {'vs AR':>6s} {'verified/step':>14s} {'identical':>10s}")
+    say(f"{'mode':18s} {'tau':>6s} {'tok/s':>7s} {'vs AR':>6s} {'verified/step':>14s} {'identical':>10s}")
     for m in modes:
         s = sums[m]
         rate = s["tokens"] / s["s"]
@@ -123,8 +132,8 @@ def main() -> None:
                               "identical": f"{s['identical']}/{len(rows)}", "accepted_by": s["by"],
                               "accepted_only": s["only"]}
         by = ", ".join(f"{k} {v} ({s['only'].get(k, 0)})" for k, v in s["by"].items()) if m != "ar" else ""
-        print(f"{m:18s} {tau:6.3f} {rate:7.1f} {rate / ar_rate:5.2f}x {s['verified'] / max(1, s['steps']):14.2f} "
-              f"{s['identical']:>6d}/{len(rows)}  {by}")
+        say(f"{m:18s} {tau:6.3f} {rate:7.1f} {rate / ar_rate:5.2f}x {s['verified'] / max(1, s['steps']):14.2f} "
+            f"{s['identical']:>6d}/{len(rows)}  {by}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -380,6 +380,37 @@ def test_truncated_sharegpt_keeps_complete_records_and_splits_by_index(tmp_path)
     assert [(x.index, x.text, x.reply) for x in got] == [(0, "q0", "a0")]
 
 
+def test_a_bounded_prompt_list_is_the_whole_list_s_prefix_and_templates_no_further(monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash_export.train import data
+    from dflash_export.train.sharegpt import Prompt
+
+    # every third prompt is too long to fit 4 tokens; the rest fit
+    prompts = [Prompt(i, " ".join(["w"] * (6 if i % 3 == 0 else 2))) for i in range(60)]
+    monkeypatch.setattr(data, "sharegpt_prompts", lambda split: list(prompts))
+    calls = []
+
+    class Tokenizer:
+        chat_template = None
+
+        def __call__(self, text):
+            calls.append(text)
+            return {"input_ids": [len(w) for w in text.split()]}
+
+    target = SimpleNamespace(tokenizer=Tokenizer())
+    whole = data.sharegpt_prompt_ids(target, "train", 4, seed=3)
+    assert len(calls) == 60 and len(whole) == 40
+    calls.clear()
+    first = data.sharegpt_prompt_ids(target, "train", 4, seed=3, limit=10)
+    assert first == whole[:10]
+    # templated up to the 10th prompt that fits in the seeded order, not one further
+    order = [p.index for p in prompts]
+    __import__("random").Random(3).shuffle(order)
+    tenth = order.index(whole[9][0])
+    assert len(calls) == tenth + 1
+
+
 def test_cli_train_bad_recipe_is_one_line(tmp_path):
     from click.testing import CliRunner
 

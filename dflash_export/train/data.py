@@ -212,9 +212,12 @@ def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int
     return tokenizer(text)["input_ids"]
 
 
-def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, shuffle: bool = True
-                        ) -> list[tuple[int, list[int]]]:
-    """ShareGPT first-turn prompts of `split`, chat-templated, at most `max_prompt_tokens` tokens, in a seeded order."""
+def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, shuffle: bool = True,
+                        limit: int | None = None) -> list[tuple[int, list[int]]]:
+    """ShareGPT first-turn prompts of `split`, chat-templated, at most `max_prompt_tokens` tokens, in a seeded order;
+    with `limit`, the first `limit` of them (the same as the whole list's first `limit`): chat-templating and
+    tokenizing stop there, which for a few hundred prompts of the SmolLM2 recipe's train split takes a second
+    instead of the ~50 s the whole split's 7 500 first turns took on a shared 2-core EPYC."""
     import random
 
     prompts = sharegpt_prompts(split)
@@ -222,6 +225,8 @@ def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, s
         random.Random(seed).shuffle(prompts)
     out = []
     for p in prompts:
+        if limit is not None and len(out) >= limit:
+            break
         ids = _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens)
         if ids is not None:
             out.append((p.index, ids))

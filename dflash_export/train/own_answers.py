@@ -376,13 +376,15 @@ def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
     (whole shards, so `train` later finds every shard it expects complete)."""
     from dflash_export.train.data import answers_dir, sharegpt_prompt_ids, synthetic_prompt_ids
 
+    shards = (num_prompts + SHARD_SIZE - 1) // SHARD_SIZE
     if train.prompts == "sharegpt":
-        prompts = sharegpt_prompt_ids(target, "train", train.max_prompt_tokens, seed=train.seed)
+        # only the whole shards it needs: the split's first prompts in `train`'s order, templated no further
+        prompts = sharegpt_prompt_ids(target, "train", train.max_prompt_tokens, seed=train.seed,
+                                      limit=shards * SHARD_SIZE)
         source = f"sharegpt-s{train.seed}"
     else:
         prompts = synthetic_prompt_ids(target.vocab_size, num_prompts, train.seed, 2)
         source = f"synthetic-static-s{train.seed}"
-    shards = (num_prompts + SHARD_SIZE - 1) // SHARD_SIZE
     prompts = prompts[:shards * SHARD_SIZE]
     if not prompts:
         raise DFlashError("the prompt set is empty", field="decoding.static_prompts")

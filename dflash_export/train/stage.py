@@ -39,11 +39,12 @@ def _prompt_sources(recipe, target, opts, seed: int):
         if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
             raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
 
-        def train_src():
-            return sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed)
+        def train_src():  # callers take the first num_prompts: template no more than those
+            return sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed, limit=opts.num_prompts)
 
         def heldout_src():
-            return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False)
+            return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False,
+                                       limit=opts.heldout_prompts)
 
         def tf_src():
             return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed)
