@@ -26,8 +26,8 @@ draws, per request:
 Beside the clients: `--slowloris` connections trickle a request head a byte a second (the front drops them at its
 head deadline; they must never keep a client out), and every `--fault-every` seconds a model stub or tritonserver
 is killed with SIGKILL (alternately; the stub is one of the `dflash` model's, which the probe asks): the time until a
-correct request is answered again is measured (targets: <= 20 s after a stub, <= 30 s after tritonserver; either
-restarts the server), failures inside a fault's window (503 with Retry-After, a connection cut
+correct request is answered again is measured (targets: <= 20 s after a stub, whose model is reloaded alone, <= 30 s
+after tritonserver, which is restarted whole), failures inside a fault's window (503 with Retry-After, a connection cut
 mid-request) are counted apart, and after `serve` exits no process of it may be left (orphans).
 
 Reported: requests and errors by kind, latency percentiles, the server tree's RSS over time (growth after warm-up),
@@ -566,6 +566,7 @@ def main(argv=None) -> int:
     err_text = "".join(serve_err)
     restarts = err_text.count("tritonserver died")
     reloads = err_text.count("\nreloaded ") + err_text.startswith("reloaded ")
+    reload_s = [float(x) for x in re.findall(r"(?m)^reloaded \S+ in ([\d.]+) s", err_text)]  # detection to load done
     time.sleep(1.0)
     orphans = [pid for pid in _all_pids() if _mentions(pid, str(work))]  # anything of this serve still running
     log_text = log.read_text(errors="replace") if log.is_file() else ""
@@ -633,6 +634,7 @@ def main(argv=None) -> int:
         "rss_idle_mib": round(idle_rss / 2**20), "rss_peak_after_warmup_mib": round(peak_rss / 2**20),
         "rss_peak_over_idle_plus_kv_peak": round(over_bound, 4),
         "server_alive_at_end": alive_at_end, "server_restarts": restarts, "model_reloads": reloads,
+        "reload_seconds": reload_s,
         "serve_exit_code": serve_rc,
         "faults": faults.events if faults else [], "orphans_after_exit": len(orphans),
         "slowloris_connections": {o: n for (k, o), n in counts.items() if k == "slowloris"},

@@ -5,15 +5,15 @@ its three decodings -- plain, DFlash with the drafter GGUF, prompt lookup (`--sp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import stat
 import sys
 from pathlib import Path
 
 import pytest
+from script_support import BENCHMARKS, load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "llamacpp_peer" / "run.py"
+SCRIPT = BENCHMARKS / "llamacpp_peer" / "run.py"
 
 # Echoes the prompt and a fixed answer on stdout like llama-speculative-simple (which prints the prompt first), logs
 # its argv, and prints the summary lines the benchmark parses; exits 3 when told to fail.
@@ -40,10 +40,7 @@ else:
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("llamacpp_peer_run", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "llamacpp_peer_run")
 
 
 @pytest.fixture()

@@ -3,21 +3,17 @@ one table row per configuration, the fp32 MatMul first."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_support import BENCHMARKS, load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "matmulnbits_rows.py"
+SCRIPT = BENCHMARKS / "matmulnbits_rows.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("matmulnbits_rows", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "matmulnbits_rows")
 
 
 def test_configs_parse_and_bad_ones_name_the_option():

@@ -144,8 +144,8 @@ def test_repository_is_cached_and_relocatable(served, engine_dir):
 
 
 def test_a_killed_model_stub_is_noticed_and_the_server_recovers(served):
-    """kill -9 of a stub (an out-of-memory kill): readiness goes false, the server restarts it, correct requests are
-    answered again within 20 s, and nothing of the dead server is left running."""
+    """kill -9 of a stub (an out-of-memory kill): readiness goes false, its model is reloaded, correct requests are
+    answered again within 20 s, and the dead stub is not left running."""
     url = served["url"]
     stubs = [p for p in pids_mentioning("triton_python_backend_stub")
              if str(served["cache"]) in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]

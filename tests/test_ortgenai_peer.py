@@ -5,22 +5,18 @@ worker runs in ORT GenAI's own venv, where this package and numpy are absent).""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_support import BENCHMARKS, load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "ortgenai_peer" / "run.py"
+SCRIPT = BENCHMARKS / "ortgenai_peer" / "run.py"
 
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("ortgenai_peer_run", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "ortgenai_peer_run")
 
 
 def test_grid_parses_settings_in_order_without_repeats(peer):

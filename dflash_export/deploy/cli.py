@@ -85,8 +85,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 65536),
               help="Open client connections in all (idle ones are dropped first when full).")
 @click.option("--restart-on-crash/--no-restart-on-crash", default=True, show_default=True,
-              help="Restart tritonserver behind the same HTTP port if it or a model stub dies (at most 5 times in "
-                   "10 minutes).")
+              help="Restart tritonserver behind the same HTTP port if it dies, or if reloading the model of a "
+                   "dead stub fails (at most 5 times in 10 minutes). A dead stub's model is reloaded alone.")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="On Ctrl-C / SIGTERM: seconds running requests get to finish; the rest are cancelled (503) "
                    "and serve exits 1.")

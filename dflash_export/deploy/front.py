@@ -27,7 +27,9 @@ What it guarantees, before anything reaches Triton's parser:
   for its next request, never mistaken for a disconnect); when it goes away, the request's cancel file is written
   and the model stops at its next DFlash step;
 - health: `/health` and `/v2/health/ready` say 200 only when tritonserver answers and every model stub is alive
-  (`health` callback, set by `TritonServer`); in-flight requests of a dead stub get 503 with Retry-After;
+  (`health` callback, set by `TritonServer`); when a model's stub dies, every request in flight on that model is
+  answered 503 with Retry-After at once (`fail_model`, never left waiting on the dead stub) and new ones get 503
+  until the model is reloaded (`model_back`), the other models serving meanwhile;
 - drain: on shutdown new requests get 503; running ones finish or, past the drain time, are cancelled and answered
   503 "shutting down" (an error event on a stream).
 
@@ -93,6 +95,9 @@ class Front(ConnectionHandling, Routing, Upstream):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight: dict[str, str | None] = {}  # cancel token -> why it was cancelled (None: running)
+        self._model_of: dict[str, str] = {}  # cancel token -> the Triton model it runs on
+        self._failed: dict[str, asyncio.Event] = {}  # cancel token -> set when its model's stub died
+        self._failed_models: dict[str, str] = {}  # model -> why its requests fail (its stub died; it reloads)
         self._conns: set[Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -192,17 +197,56 @@ class Front(ConnectionHandling, Routing, Upstream):
                 pass
         return True
 
-    def _begin(self) -> str:
+    def fail_model(self, model: str, why: str) -> int:
+        """A stub of `model` died: every request in flight on it is cancelled and answered 503 with Retry-After now
+        (whichever instance holds it: a dead stub never answers, and the model is reloaded whole), and so is any
+        request that starts on it before `model_back`. Thread-safe; returns how many were in flight."""
+        with self._lock:
+            self._failed_models[model] = why
+            tokens = [t for t, m in self._model_of.items() if m == model and self._in_flight.get(t, "") is None]
+        for token in tokens:
+            self.cancel(token, why)
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            for token in tokens:
+                event = self._failed.get(token)
+                if event is not None:
+                    loop.call_soon_threadsafe(event.set)
+        return len(tokens)
+
+    def model_back(self, model: str) -> None:
+        """`model` serves again (reloaded): its new requests are no longer failed."""
+        with self._lock:
+            self._failed_models.pop(model, None)
+
+    def _begin(self, model: str | None = None) -> str:
+        """A new running request (on Triton model `model`); its cancel token. Called on the front's loop."""
         token = secrets.token_hex(12)
+        event = asyncio.Event()
         with self._lock:
             self._in_flight[token] = None
+            if model is not None:
+                self._model_of[token] = model
+                self._failed[token] = event
+                why = self._failed_models.get(model)
+                if why is not None:  # its stub died between the health check and now
+                    self._in_flight[token] = why
+                    event.set()
             n = len(self._in_flight)
         self.metrics.set_in_flight(n)
         return token
 
+    def _model_failure(self, token: str | None) -> tuple[asyncio.Event | None, str | None]:
+        """The event set when this request's model stub dies, and why it did (None while it has not)."""
+        with self._lock:
+            event = self._failed.get(token) if token else None
+            return event, (self._in_flight.get(token) if event is not None and event.is_set() else None)
+
     def _end(self, token: str) -> str | None:
         with self._lock:
             why = self._in_flight.pop(token, None)
+            self._model_of.pop(token, None)
+            self._failed.pop(token, None)
             n = len(self._in_flight)
             self._idle.notify_all()
         self.metrics.set_in_flight(n)

@@ -74,7 +74,7 @@ class Routing:
             raise Refused(404, f"POST {path[:100]}: not served (the front forwards infer, generate and "
                                "generate_stream, and serves /v1/chat/completions and /v1/completions)")
         self._check_serving(m.group(1))
-        body, token = self._check_body(m.group(2), headers, body)
+        body, token = self._check_body(m.group(2), headers, body, m.group(1))
         try:
             return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
                                        False, generation=m.group(2) != "infer")
@@ -96,6 +96,15 @@ class Routing:
         """The Triton model an OpenAI request goes to: the streaming one for `"stream": true` when deployed."""
         return "dflash_stream" if stream and "dflash_stream" in self.models else self.models[0]
 
+    def _sick(self, token: str | None) -> str | None:
+        """Why the model this request runs on cannot serve now (None: it can); the server's health when the request
+        names no model."""
+        with self._lock:
+            model = self._model_of.get(token) if token else None
+        if model is not None and self.model_health is not None:
+            return self.model_health(model)
+        return self.health() if self.health is not None else None
+
     def _check_serving(self, model: str | None = None) -> None:
         why = self._not_ready(model)
         if why is not None:
@@ -116,8 +125,9 @@ class Routing:
         return status
 
     # Checking Triton bodies --------------------------------------------------------------------------------------
-    def _check_body(self, endpoint: str, headers: dict, body: bytes) -> tuple[bytes, str]:
-        """The body with its JSON part checked and tagged with a new cancel token, and that token."""
+    def _check_body(self, endpoint: str, headers: dict, body: bytes, model: str | None = None) -> tuple[bytes, str]:
+        """The body with its JSON part checked and tagged with a new cancel token (of a request on `model`), and
+        that token."""
         header_len = headers.get("inference-header-content-length")
         if header_len is not None and endpoint != "infer":
             raise Refused(400, f"Inference-Header-Content-Length: binary tensors are for /infer, not {endpoint}")
@@ -135,7 +145,7 @@ class Routing:
                 self._check_prompt_size(obj)
         except DFlashError as e:
             raise Refused(400, str(e)) from None
-        token = self._begin()
+        token = self._begin(model)
         if endpoint == "infer":
             obj["parameters"] = {**obj.get("parameters", {}), CANCEL_PARAMETER: token}
         else:  # the generate extension passes fields that are not inputs as request parameters
@@ -169,11 +179,11 @@ class Routing:
         except DFlashError as e:
             raise oa.from_dflash_error(e) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
-        token = self._begin()
+        model = self._openai_model(stream)
+        token = self._begin(model)
         gen[CANCEL_PARAMETER] = token
         body = json.dumps(gen, ensure_ascii=False).encode()
         headers = {"content-type": "application/json"}
-        model = self._openai_model(stream)
         use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
         try:
@@ -199,14 +209,14 @@ class Routing:
         except ValueError:
             obj = {"error": payload[:200].decode("utf-8", "replace")}
         if status != 200 or "error" in obj:
-            raise self._upstream_error(status, obj.get("error"))
+            raise self._upstream_error(status, obj.get("error"), token)
         return {"text": obj.get("text_output", ""), "finish_reason": obj.get("finish_reason") or "stop",
                 "prompt_tokens": int(obj.get("prompt_tokens", 0)),
                 "completion_tokens": int(obj.get("completion_tokens", 0)), "raw": obj}
 
-    def _upstream_error(self, status: int, message) -> oa.OpenAIError:
+    def _upstream_error(self, status: int, message, token: str | None = None) -> oa.OpenAIError:
         message = str(message or "the engine refused the request")
-        sick = (self.health() if self.health is not None else None) or instance_died(message)
+        sick = self._sick(token) or instance_died(message)
         if status != 200 and sick:
             return oa.OpenAIError(503, f"{sick}; retry shortly", kind="server_error")
         if status == 400 or "INVALID_ARG" in message:
@@ -227,7 +237,7 @@ class Routing:
             if "error" in ev:
                 why = self._why(token)
                 err = oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
-                    self._upstream_error(500, ev["error"])
+                    self._upstream_error(500, ev["error"], token)
                 await conn.send(h11.Data(data=oa.sse(err.body())))
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None

@@ -186,8 +186,10 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
     afterwards).
 
-    If tritonserver dies on its own after it was ready, and `restart_on_crash`, it is restarted behind the same
-    front (the front answers 503 meanwhile), at most MAX_RESTARTS times in RESTART_WINDOW_S. Otherwise (or past that)
+    A model stub that dies has its model reloaded alone (`TritonServer.reload_models`; the model's requests get 503
+    meanwhile, the other models serve). If tritonserver dies on its own after it was ready, or a reload fails, and
+    `restart_on_crash`, it is restarted behind the same front (the front answers 503 meanwhile), at most MAX_RESTARTS
+    times in RESTART_WINDOW_S. Otherwise (or past that)
     one line with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its
     input at load, ServerError (exit 3) otherwise. A stop request drains: new requests get 503, running ones have
     `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how many were

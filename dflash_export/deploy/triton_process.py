@@ -265,6 +265,9 @@ def free_loopback_ports(n: int) -> list[int]:
             s.close()
 
 
+MAX_RELOADS, RELOAD_WINDOW_S = 5, 600.0  # stub deaths reloaded alone before the whole server is restarted
+
+
 class TritonServer:
     """A tritonserver process on a model repository, behind the HTTP front (deploy/front.py); a context manager that
     starts both and waits for readiness.
@@ -313,6 +316,11 @@ class TritonServer:
         self._stubs: dict[int, str] = {}  # the running server's model stubs: pid -> model, counted once it is ready
         self.stub_death: str | None = None
         self._dead_models: set[str] = set()
+        self.reloads = 0  # models reloaded alone after a stub death (explicit model control)
+        self._stranded = 0  # model versions a dead stub left unable to unload (reset by a restart)
+        self.stranded_at_exit = False  # the last stop ended tritonserver once only stranded versions were left
+        self.reload_timeout_s = min(ready_timeout_s, 120.0)  # a reload slower than this restarts the server
+        self._reload_times: list[float] = []  # more than MAX_RELOADS in RELOAD_WINDOW_S: the server is restarted
         self.private = private_network_unavailable() is None
         self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
                           if self.private else "loopback behind a header on its command line, readable by local "
@@ -368,6 +376,9 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             # The written config.pbtxt is the contract; never let the server rewrite it.
             "--disable-auto-complete-config",
+            # Every model at start, then load through the repository API only: a model whose stub died is reloaded
+            # alone while the others keep serving (`reload_models`).
+            "--model-control-mode=explicit", "--load-model=*",
             "--exit-on-error=true",
             "--strict-readiness=true",
             f"--exit-timeout-secs={self.exit_timeout_s}",
@@ -436,6 +447,8 @@ class TritonServer:
             self._stubs = self._count_stubs()
             self._python_envs |= _python_env_dirs() - envs_before
             self._write_owner()
+            for model in self.front.models:  # a reload that failed left its model refused; this server has it
+                self.front.model_back(model)
             self.front.set_upstream(self.triton_http_port)
         except BaseException:
             self.stop(drain_timeout_s=0)
@@ -475,6 +488,7 @@ class TritonServer:
         self.front.set_upstream(None)
         self._reap()
         self.restarts += 1
+        self._stranded = 0
         self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
         return self.start()
 
@@ -577,8 +591,8 @@ class TritonServer:
                 more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
                 models = sorted(set(dead.values()))
                 self._dead_models = set(models)
-                self.stub_death = (f"a model stub of {', '.join(models)} died (pid {min(dead)}{more}; the server "
-                                   "restarts)")
+                self.stub_death = (f"a model stub of {', '.join(models)} died (pid {min(dead)}{more}; the model "
+                                   "reloads)")
         if self.stub_death is not None and (model is None or model in self._dead_models):
             return self.stub_death
         if self.proc is None or self.proc.poll() is not None:
@@ -588,9 +602,9 @@ class TritonServer:
         return None
 
     def wait(self, poll_s: float = 0.5) -> int:
-        """Block until the server exits on its own, or one of its model stubs dies; ServerError when that was not
-        requested (a dead stub never comes back by itself: Triton keeps answering "not healthy" and its readiness
-        stays 200, so a dead stub is a dead server)."""
+        """Block until the server exits; ServerError when that was not requested. A dead model stub never comes
+        back by itself (Triton keeps answering "not healthy" and its readiness stays 200): its model is reloaded
+        alone here (`reload_models`), ServerError when that fails (`serve` then restarts the server)."""
         assert self.proc is not None
         while True:
             try:
@@ -602,27 +616,112 @@ class TritonServer:
                 continue
             self._protect_shm()
             if self.health() is not None and self.stub_death is not None:
-                # Reloading the one model (explicit model control: unload, load) was measured and left the dead
-                # stub's in-flight requests and its old model version hanging: tritonserver then waited its whole
-                # exit timeout at shutdown. So a dead stub restarts the server.
-                self.front.set_upstream(None) if self.front is not None else None
-                raise ServerError(self.stub_death.split(";")[0] + self._log_note(), path=self.repo)
+                self.reload_models()
         if not self._stopping:
             raise self._death_error()
         return rc
+
+    def _call(self, method: str, route: str, timeout_s: float, body: bytes = b"{}") -> tuple[int, bytes]:
+        """A request to tritonserver's own API, the front's way in; (status, body), status 0 when it did not answer
+        within `timeout_s`."""
+        import http.client
+
+        uds = self._workdir / "tritonserver.sock" if self._workdir is not None else None
+
+        class UnixConnection(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(timeout_s)
+                self.sock.connect(str(uds))
+
+        conn = (UnixConnection("tritonserver", timeout=timeout_s) if self.private else
+                http.client.HTTPConnection("127.0.0.1", self.triton_http_port, timeout=timeout_s))
+        headers = {"Content-Type": "application/json", **({} if self.private else {SECRET_HEADER: self.front.secret})}
+        try:
+            conn.request(method, route, body=body if method == "POST" else None, headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read()
+        except (OSError, http.client.HTTPException) as e:
+            return 0, str(e).encode()
+        finally:
+            conn.close()
+
+    def reload_models(self) -> None:
+        """Reload the models whose stubs died, the others serving meanwhile; ServerError when that fails.
+
+        A stub's death strands what it held: Triton never releases the requests in flight on it, so that model
+        version can never finish unloading (and tritonserver's exit waits for it). So: the front answers every
+        request in flight on the model 503 now and refuses new ones; the model's other stubs (their requests just
+        failed) are killed, freeing their memory and cores at once; then an unload and a load through the
+        repository API start a new version with new stubs, and the front sends the model requests again.
+        """
+        models = sorted(self._dead_models)
+        why = self.stub_death or "a model stub died"
+        t0 = time.monotonic()
+        self._reload_times = [t for t in self._reload_times if t0 - t < RELOAD_WINDOW_S] + [t0]
+        if len(self._reload_times) > MAX_RELOADS:  # stubs that keep dying: a reload is not fixing it
+            raise ServerError(f"{why.split(';')[0]}, the {len(self._reload_times)}th stub death in "
+                              f"{RELOAD_WINDOW_S:.0f} s" + self._log_note(), path=self.repo)
+        failed = sum(self.front.fail_model(m, why.replace("; the model reloads", "; its model reloads"))
+                     for m in models) if self.front is not None else 0
+        old = {p for p, m in self._stubs.items() if m in models}
+        for pid in old:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.append(f"[dflash-export] reloading {', '.join(models)}: {why}\n")
+        print(f"reloading {', '.join(models)} ({why}; {failed} request(s) in flight answered 503)",
+              file=sys.stderr, flush=True)
+        for model in models:
+            # Unload first: a load of a loaded model whose files did not change since it was last loaded is a no-op
+            # (its dead stub stays dead; so is a load carrying the same configuration), while a load of an
+            # unloaded one always starts new stubs. The unload returns at once; the old version is left behind.
+            status, body = self._call("POST", f"/v2/repository/models/{model}/unload", self.reload_timeout_s)
+            if status == 200:
+                status, body = self._call("POST", f"/v2/repository/models/{model}/load", self.reload_timeout_s)
+            if status != 200:
+                detail = _shorten(body.decode("utf-8", "replace")) if status else \
+                    f"no answer within {self.reload_timeout_s:g} s"
+                raise ServerError(f"{why.split(';')[0]}; reloading {model} failed (HTTP {status}: {detail})"
+                                  + self._log_note(), path=self.repo)
+        self._protect_shm()
+        stubs = {p: m for p, m in self._count_stubs().items() if p not in old}
+        missing = [m for m in models if m not in stubs.values()]
+        if missing:  # a load that started no stub would leave the model's requests waiting on nothing
+            raise ServerError(f"{why.split(';')[0]}; reloading {', '.join(missing)} started no model stub"
+                              + self._log_note(), path=self.repo)
+        self._stubs = stubs
+        self.stub_death, self._dead_models = None, set()
+        self.reloads += 1
+        self._stranded += len(models)
+        for model in models:
+            self.front.model_back(model) if self.front is not None else None
+        print(f"reloaded {', '.join(models)} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def _reap(self, timeout_s: float = 0.0) -> int | None:
         """End tritonserver (SIGTERM to it alone, so its stubs finish their requests and exit with it; SIGKILL to
         the whole group after `timeout_s`) and remove its shared memory segments. Returns its exit code."""
         proc = self.proc
         rc = None
+        self.stranded_at_exit = False
         if proc is not None:
             pgid = self._pgid
             if proc.poll() is None and timeout_s > 0:
                 try:
                     proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=timeout_s)
-                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    end = time.monotonic() + timeout_s
+                    while proc.poll() is None and time.monotonic() < end:
+                        try:
+                            proc.wait(timeout=0.2)
+                        except subprocess.TimeoutExpired:
+                            pass
+                        if self._stranded and self._only_stranded_left():
+                            # What is left can never unload (a dead stub's version): the exit is done but for
+                            # tritonserver's whole exit timeout, so it is ended now (SIGKILL, below).
+                            self.stranded_at_exit = True
+                            break
+                except ProcessLookupError:
                     pass
             if pgid is not None:
                 # Stubs live in the same group; make sure none outlives the server. The group outlives its leader
@@ -642,6 +741,15 @@ class TritonServer:
                 self._reader.join(timeout=5)
         remove_shm(self._shm_prefix)
         return rc
+
+    def _only_stranded_left(self) -> bool:
+        """Whether tritonserver's shutdown is down to the model versions that dead stubs stranded (while exiting it
+        logs "Found N live models and M in-flight non-inference requests" every second; only then)."""
+        for line in reversed(list(self._log)[-30:]):
+            m = re.search(r"Found (\d+) live models and (\d+) in-flight non-inference requests", line)
+            if m:
+                return int(m.group(1)) <= self._stranded and int(m.group(2)) == 0
+        return False
 
     def stop(self, timeout_s: float = 20.0, drain_timeout_s: float = 10.0) -> bool:
         """Drain the front (new requests 503, running ones finish for up to `drain_timeout_s`, then are cancelled
@@ -673,7 +781,7 @@ class TritonServer:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-        return drained and rc in (0, None, -signal.SIGTERM)
+        return drained and (rc in (0, None, -signal.SIGTERM) or self.stranded_at_exit)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -49,17 +49,32 @@ class Upstream:
 
     async def _race(self, conn: Connection, aw, token: str | None, timeout: float):
         """Await `aw` while watching the client: ClientGone (request cancelled) if it leaves first, 504 (request
-        cancelled) if `timeout` passes first."""
+        cancelled) if `timeout` passes first, 503 with Retry-After if a stub of the request's model dies first (or
+        had died: `Front.fail_model`)."""
+        failed, why = self._model_failure(token)
+        if why is not None:  # its model's stub died before this call: nothing is sent to the dead model
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise Refused(503, f"{why}; retry shortly", headers={"Retry-After": "2"})
         task = asyncio.ensure_future(aw)
         watcher = conn.watching()
+        dead = asyncio.ensure_future(failed.wait()) if failed is not None else None
         try:
-            done, _ = await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, watcher} | ({dead} if dead else set()), timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()
             raise
+        finally:
+            if dead is not None:
+                dead.cancel()
         if task in done:
             return task.result()
         task.cancel()
+        if dead is not None and dead in done:
+            # Its model's stub died: a dead stub never answers, so the request is answered here, at once.
+            _, why = self._model_failure(token)
+            raise Refused(503, f"{why or 'its model stub died'}; retry shortly", headers={"Retry-After": "2"})
         if watcher in done:
             if token is not None and self.cancel(token, "the client went away"):
                 self.counts["client_gone"] += 1
@@ -102,8 +117,7 @@ class Upstream:
             return await self._relay_stream(conn, resp, token)
         payload = await self._read_upstream(conn, resp, token)
         self._refuse_if_drained(token)
-        if resp.status_code != 200 and ((self.health is not None and (sick := self.health()))
-                                        or (sick := instance_died(payload))):
+        if resp.status_code != 200 and ((sick := self._sick(token)) or (sick := instance_died(payload))):
             raise Refused(503, f"{sick}; retry shortly", headers={"Retry-After": "2"})
         if generation and resp.status_code == 200:
             self._observe(payload)
@@ -137,6 +151,11 @@ class Upstream:
                     chunk = await self._race(conn, it.__anext__(), token, self.limits.request_timeout_s)
                 except StopAsyncIteration:
                     break
+                except Refused as e:  # mid-stream: the answer's head is sent, so an error event
+                    if e.status != 503:
+                        raise
+                    yield {"error": e.message}
+                    return
                 except (httpx.TransportError, OSError):
                     yield {"error": "tritonserver stopped answering mid-stream (a model stub or the server died)"}
                     return
@@ -180,5 +199,5 @@ def instance_died(text: bytes | str) -> str | None:
     healthy."), whatever `serve`'s health check has seen yet: the server's fault, so a 503, never the client's 400."""
     text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
     m = re.search(r"Stub process '([^']{1,80})' is not healthy", text)
-    return f"model instance {m.group(1)} died (the server restarts)" if m else None
+    return f"model instance {m.group(1)} died (its model reloads)" if m else None
 
