@@ -264,3 +264,39 @@ def test_whole_trees_in_a_batch_equal_plain_decoding(built):
         flips += 1
         assert full.generate(p, sp).tokens != want, (p, "only the batched trees part from plain decoding")
     assert flips <= 1
+
+
+def test_a_request_s_batched_logits_do_not_depend_on_the_requests_beside_it(built):
+    """The same request decoded in two batches whose other requests differ (prompts, slots, the K/V room they reserve,
+    blocks of several rows beside its one-row steps) and in a batch of its own gets bit-identical logits at every
+    step, so identical tokens. Before the batched buffers' length was kept to a multiple of 64 the room other
+    requests reserved moved the lanes of the softmax's sum (1e-6 on these logits, 0.6-1.0 on SmolLM2 int4's), and a
+    sequence alone ran the GQA graph (docs/numerics.md)."""
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+
+    _, _, _, eng = built
+    x = PROMPTS[1]
+
+    def decode(companions: list[tuple[list[int], int, int]], at: int) -> tuple[list[int], np.ndarray]:
+        batch = BatchedOrtEngine(eng, max_batch=8)
+        jobs = list(companions)
+        jobs.insert(at, (x, 100, 1))
+        seqs = [batch.add(room) for _, room, _ in jobs]
+        last = [int(np.argmax(lg)) for lg in batch.prefill(seqs, [p for p, _, _ in jobs])]
+        tokens, rows = [last[at]], []
+        for step in range(16):
+            blocks = [[last[i]] + [(7 * step + i) % 50 + 3] * (n - 1) for i, (_, _, n) in enumerate(jobs)]
+            logits = batch.target_step(seqs, blocks)
+            for i, seq in enumerate(seqs):
+                batch.commit(seq, 0)
+                last[i] = int(np.argmax(logits[i][0]))
+            tokens.append(last[at])
+            rows.append(logits[at][0])
+        return tokens, np.stack(rows)
+
+    a_tokens, a_logits = decode([(PROMPTS[0], 100, 1)], 0)
+    b_tokens, b_logits = decode([(PROMPTS[2], 133, 4), (PROMPTS[3], 150, 1), (PROMPTS[0], 90, 6)], 2)
+    alone_tokens, alone_logits = decode([], 0)
+    assert b_tokens == a_tokens == alone_tokens
+    np.testing.assert_array_equal(b_logits, a_logits)
+    np.testing.assert_array_equal(alone_logits, a_logits)

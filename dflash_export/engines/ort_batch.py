@@ -289,9 +289,18 @@ class BatchedEngine:
     """B sequences per call over a `BatchGraphs`: the slots, K/V buffers and context bookkeeping. Not thread-safe:
     one scheduler drives it. Every target call runs target_batch (prefills included: an empty past, all masked).
 
+    The target K/V buffers' length (the padded key length every batched attention runs over) is a multiple of
+    `key_align` (64 on ONNX Runtime): its softmax sums a row in vector lanes, so a block's own keys, which the graph
+    appends after the buffer, land in lanes set by the buffer's length; were that length to move with the batch's
+    other requests, so would a request's logits in the last bits (int4's int8-quantized activations amplify that to
+    ~0.9 on SmolLM2: docs/numerics.md). 64 covers every lane width up to AVX-512's 16 floats x 4.
+
     Call order per sequence: `add`, `prefill` (in a group of new sequences), then steps of `draft` (optional, for
     the sequences that speculate) and `target_step` + `commit` (all active sequences), `remove` when done.
     """
+
+    key_align = 1
+    row_floor = 1  # the fewest rows a target call runs (engines/numerics.py)
 
     def __init__(self, graphs: BatchGraphs, max_batch: int = 16):
         if max_batch < 1:
@@ -376,6 +385,7 @@ class BatchedEngine:
         # Grow by doubling (bounded by the batch bound and max_seq_len) so joins and long contexts rarely copy.
         new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
         t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
+        t_cap = -(-t_cap // self.key_align) * self.key_align  # may pass max_seq_len: those rows stay masked
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         n = len(self.seqs)
         e = self.graphs
@@ -424,6 +434,9 @@ class BatchedEngine:
         # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
         self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
         cap = self._buf.t_cap
+        floor = -(-self.row_floor // len(seqs))  # a call's rows (B x S) reach the engine's row floor, padded
+        if s < floor and all(q.length + floor <= min(self.info.max_seq_len, cap) for q in seqs):
+            s = floor
         embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
         pos = np.empty((len(seqs), s), np.int64)
         bias = np.zeros((len(seqs), cap), np.float32)
@@ -635,12 +648,18 @@ class BatchedOrtEngine(BatchedEngine):
     one-row steps of fp32 engines) run the engine's in-place GQA graph over the batch's buffers; many-row steps of
     several sequences run target_batch.onnx."""
 
+    key_align = 64  # see BatchedEngine
+
     def __init__(self, engine: OrtEngine, max_batch: int = 16):
         if not isinstance(engine, OrtEngine):
             raise DFlashError(f"batched decoding runs on the onnxruntime backend (got {engine.info.backend})",
                               field="backend")
         super().__init__(OrtBatchGraphs(engine), max_batch)
         self.engine = engine
+
+    @property
+    def row_floor(self) -> int:
+        return self.engine.row_floor
 
     def _run_target(self, seqs: list[BatchSeq], blocks: list[np.ndarray], prefill: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -743,12 +762,19 @@ class BatchedOrtEngine(BatchedEngine):
         return hidden, ctx
 
     def _step_rows(self, seqs, blocks):
-        # GQA's in-place graph for one sequence and for one-row steps of engines whose row floor is 1 (others run
-        # one-token steps padded to their floor, which GQA takes for one sequence a call only).
-        if len(seqs) == 1 or (max(len(b) for b in blocks) == 1 and self.engine.row_floor == 1):
+        # GQA's in-place graph for one-row steps of engines whose row floor is 1 (others run one-token steps padded
+        # to their floor, which GQA takes for one sequence a call only), and for one sequence where target_batch
+        # cannot take its step. Every other step runs target_batch, one sequence included: GQA's and target_batch's
+        # rows differ in the last bits (RoPE and attention are other kernels), which int4's int8 activations amplify
+        # to flipped tokens, so a request whose steps switched graphs as others joined and left would decode
+        # differently by when they came (docs/numerics.md). Its cost for one sequence is GQA's (SmolLM2 int4).
+        batch_graph = self.engine.batch_target_session() is not None
+        trees = any(q._step_tree is not None for q in seqs) and not self.graphs.target_trees
+        if (max(len(b) for b in blocks) == 1 and self.engine.row_floor == 1) or \
+                (len(seqs) == 1 and (not batch_graph or trees)):
             hidden, ctx = self._run_target(seqs, blocks, prefill=False)
             return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
-        if self.engine.batch_target_session() is not None:
+        if batch_graph:
             return super()._step_rows(seqs, blocks)
         # engines built before target_batch.onnx: GQA (CPU) takes many rows over a past one sequence a call
         rows = []
