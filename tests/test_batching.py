@@ -241,20 +241,21 @@ def test_scheduler_verifies_less_as_load_grows(built):
             a.emit, a.block_len = type("E", (), {"produced": 0})(), bs  # nothing produced yet
             a.seq = type("S", (), {"draft_confidence": conf})()
             a.spine_scores = None  # no lookup branch: the drafter's confidences decide
+            a.whole = None  # a chain, no whole tree
             out.append(a)
         return out
 
     for rate in (0.5, 1.0, 2.0, 5.0):
         rt.rate = rate
         one = acts(1)
-        assert rt._choose_rows(one, one) - 1 == verify_length(conf, rate * rt.a)
+        assert rt._choose_step(one, one, 0.0) - 1 == verify_length(conf, rate * rt.a)
     rt.rate = 1.0
-    alone = rt._choose_rows(acts(1), acts(1))
+    alone = rt._choose_step(acts(1), acts(1), 0.0)
     many = acts(16)
     rt.rate = 16 / (1 + rt.a * 15)  # what plain decoding of 16 sequences yields per unit of cost
-    assert 1 < rt._choose_rows(many, many) < alone
+    assert 1 < rt._choose_step(many, many, 0.0) < alone
     rt.rate *= 2
-    assert rt._choose_rows(many, many) == 1
+    assert rt._choose_step(many, many, 0.0) == 1
 
 
 def test_probes_back_off_while_drafting_does_not_pay(built, reference):

@@ -112,7 +112,7 @@ class _Active:
         self.block_len = 0
         # Greedy requests whose proposer has lookup branches (decoding/tree.py): the context index and lookup stats,
         # and this step's proposal -- the best path of a tree of the drafter's block and the lookups -- with each
-        # draft's chance of acceptance (what _choose_rows weighs instead of the drafter's confidences).
+        # draft's chance of acceptance (what _choose_step weighs instead of the drafter's confidences).
         self.state: TreeState | None = None
         self.spine: tuple[DraftTree, list[int], bool] | None = None  # tree, best path, drafter in it
         self.spine_scores: np.ndarray | None = None
@@ -585,29 +585,33 @@ class BatchingRuntime:
         return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
 
     def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0) -> None:
-        n, sr, srr, st, srt = self._fit
-        spread = n * srr - sr * sr
-        if n >= 8 and spread > 1e-9 * n * n:  # the tree overhead: this call's time against the fit before it
-            c1 = (n * srt - sr * st) / spread
-            c0 = (st - c1 * sr) / n
-            if c1 > 0 and c0 > 0:
-                residual = (seconds - c0 - c1 * rows) / (c0 + c1)
-                if trees:
-                    self._residual[1] = 0.9 * self._residual[1] + 0.1 * residual / trees
-                else:
-                    self._residual[0] = 0.9 * self._residual[0] + 0.1 * residual
-                self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
+        line = self._row_line()
+        if line is not None:  # the tree overhead: this call's time against the fit before it
+            c0, c1 = line
+            residual = (seconds - c0 - c1 * rows) / (c0 + c1)
+            if trees:
+                self._residual[1] = 0.9 * self._residual[1] + 0.1 * residual / trees
+            else:
+                self._residual[0] = 0.9 * self._residual[0] + 0.1 * residual
+            self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
         if trees:  # the row fit is of rows alone
             return
         self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+        line = self._row_line()
+        if line is not None:
+            c0, c1 = line
+            self.a = float(min(0.5, max(self.a_recorded, c1 / (c0 + c1))))
+
+    def _row_line(self) -> tuple[float, float] | None:
+        """The least-squares line seconds = c0 + c1 rows through the recent calls, or None before 8 calls of
+        different sizes or where it does not slope up from above zero."""
         n, sr, srr, st, srt = self._fit
         spread = n * srr - sr * sr
         if n < 8 or spread <= 1e-9 * n * n:
-            return
+            return None
         c1 = (n * srt - sr * st) / spread
         c0 = (st - c1 * sr) / n
-        if c1 > 0 and c0 > 0:
-            self.a = float(min(0.5, max(self.a_recorded, c1 / (c0 + c1))))
+        return (c0, c1) if c1 > 0 and c0 > 0 else None
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,
@@ -617,12 +621,6 @@ class BatchingRuntime:
         cost = (self.draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1.0
                 + self.a * (b * self.rows_per_draft_step - 1))
         return b * (1.0 + self.acceptance_calibration * self.accepted_per_draft) / cost > plain
-
-    def _choose_rows(self, acts: list[_Active], drafting: list[_Active]) -> int:
-        """S, the rows of this step's target call, each sequence verifying its chain or best path (see the module
-        docstring)."""
-        s, scored = self._scored(acts, drafting)
-        return rows_paid(scored, s, self._top(acts), self._bar(len(acts)))
 
     def _choose_step(self, acts: list[_Active], drafting: list[_Active], draft_cost: float) -> int:
         """S, the rows of this step's target call, and whether the sequences with a whole tree (tree_mode "full")
