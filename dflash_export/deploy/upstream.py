@@ -55,7 +55,7 @@ class Upstream:
         if why is not None:  # its model's stub died before this call: nothing is sent to the dead model
             if asyncio.iscoroutine(aw):
                 aw.close()
-            raise Refused(503, f"{why}; retry shortly", headers={"Retry-After": "2"})
+            raise retry_soon(why)
         task = asyncio.ensure_future(aw)
         watcher = conn.watching()
         dead = asyncio.ensure_future(failed.wait()) if failed is not None else None
@@ -74,7 +74,7 @@ class Upstream:
         if dead is not None and dead in done:
             # Its model's stub died: a dead stub never answers, so the request is answered here, at once.
             _, why = self._model_failure(token)
-            raise Refused(503, f"{why or 'its model stub died'}; retry shortly", headers={"Retry-After": "2"})
+            raise retry_soon(why or "its model stub died")
         if watcher in done:
             if token is not None and self.cancel(token, "the client went away"):
                 self.counts["client_gone"] += 1
@@ -96,8 +96,7 @@ class Upstream:
         try:
             return await self._race(conn, self._client.send(req, stream=True), token, self.limits.request_timeout_s)
         except (httpx.TransportError, OSError):
-            raise Refused(503, "tritonserver is not answering (it is being restarted); retry shortly",
-                          headers={"Retry-After": "2"}) from None
+            raise retry_soon("tritonserver is not answering (it is being restarted)") from None
 
     async def _read_upstream(self, conn: Connection, resp, token: str | None) -> bytes:
         import httpx
@@ -105,8 +104,7 @@ class Upstream:
         try:
             return await self._race(conn, resp.aread(), token, self.limits.request_timeout_s)
         except (httpx.TransportError, OSError):
-            raise Refused(503, "tritonserver stopped answering mid-request (a model stub or the server died); "
-                               "retry shortly", headers={"Retry-After": "2"}) from None
+            raise retry_soon("tritonserver stopped answering mid-request (a model stub or the server died)") from None
         finally:
             await resp.aclose()
 
@@ -118,7 +116,7 @@ class Upstream:
         payload = await self._read_upstream(conn, resp, token)
         self._refuse_if_drained(token)
         if resp.status_code != 200 and ((sick := self._sick(token)) or (sick := instance_died(payload))):
-            raise Refused(503, f"{sick}; retry shortly", headers={"Retry-After": "2"})
+            raise retry_soon(sick)
         if generation and resp.status_code == 200:
             self._observe(payload)
         self.counts["forwarded"] += 1
@@ -192,6 +190,11 @@ class Upstream:
         self.counts["forwarded"] += 1
         await conn.send(h11.EndOfMessage())
         return 200
+
+
+def retry_soon(why: str) -> Refused:
+    """The server's own fault, passing (a stub or tritonserver died, or is being restarted): 503 with Retry-After."""
+    return Refused(503, f"{why}; retry shortly", headers={"Retry-After": "2"})
 
 
 def instance_died(text: bytes | str) -> str | None:
