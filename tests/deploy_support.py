@@ -293,6 +293,24 @@ def send_and_drop(port: int, path: str, body: dict, after_s: float, after_first_
     s.close()
 
 
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU clock ticks a process has used so far (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_all_busy(pids: list[int], timeout_s: float = 60.0, window_s: float = 0.2) -> bool:
+    """True once every process in `pids` used CPU within one `window_s` window (each is running a request, not idle
+    or queued); False if that was not seen within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        before = [cpu_ticks(p) for p in pids]
+        time.sleep(window_s)
+        if all(cpu_ticks(p) > b for p, b in zip(pids, before)):
+            return True
+    return False
+
+
 def tritonserver_pid(repo: Path) -> int:
     pids = [p for p in pids_mentioning(str(repo))
             if b"tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0]]
