@@ -162,6 +162,29 @@ def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(e
             assert all(x.spine is not None and list(x.drafts) == [11, 13] for x in acts)
 
 
+@pytest.mark.parametrize("b, c, rows", [(1, 1.0, 6), (1, 0.2, 6), (8, 1.0, 4), (8, 0.6, 3), (8, 0.3, 1)])
+def test_a_batch_pays_for_rows_with_the_drafts_they_are_expected_to_get_accepted(engine, b, c, rows):
+    """In a batch, rows are paid for by calibrated chances: where verifies accepted c of the drafts the confidences
+    expected, row k is verified while c times row k's chances, summed over the sequences, reach the bar (the closed
+    form on the scaled chances). Eight sequences (a 0.07, λ = plain batching's rate: bar 3.0) with chances 0.9,
+    0.72, 0.5, 0.3, ... pay 3 drafts at c = 1, 2 at c = 0.6 and none at c = 0.3. Alone (λ 1.5: bar 0.105) the chances
+    are taken as they are (5 drafts whatever c): a lone sequence's verifies are what keep c measured."""
+    a, draft_cost = 0.07, 0.3
+    rate = 1.5 if b == 1 else b / (1 + a * (b - 1))
+    chances = [0.9, 0.72, 0.5, 0.3, 0.12, 0.05, 0.02]
+    rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
+    rt.rate = rate
+    rt._accepted_vs_expected = np.array([c * 10.0, 10.0])
+    acts = []
+    for _ in range(b):  # best paths only (no whole tree), as a chain of drafts with these cumulative chances
+        x = _act([0.5], 0, spine=np.asarray(chances))
+        x.whole, x.block_len, x.drafts = None, len(chances) + 1, np.arange(len(chances))
+        acts.append(x)
+    s = rt._choose_step(acts, [], draft_cost)
+    scale = c if b > 1 else 1.0
+    assert s == rows == _closed_form([[scale * q for q in chances]] * b, b, a, rate, draft_cost, 0.0, False)[0]
+
+
 def test_the_tree_overhead_is_the_time_trees_add_to_a_call_beyond_its_rows(engine):
     """Calls timed as c0 + c1 * rows (c0 = 40 ms, c1 = 3 ms: a = 0.07), those verifying trees 4.3 ms more per tree:
     the fitted overhead converges to 4.3 / 43 = 0.1 plain steps, and the row cost is the rows' alone."""

@@ -16,8 +16,10 @@ are tempered; those sampling the drafter's own chain verify full blocks, as DFla
     draft_cost * (1 + a_d * (B_d - 1)). Let q[b, k] be sequence b's chance that its first k drafts are all accepted
     (the product of the drafter's confidences, as adaptive verification uses) and λ the batch's decoding rate in
     tokens per unit of that cost (tracked online). Slot k is verified -- for every sequence that has a draft there,
-    since padding costs as much as a draft -- while  sum_b q[b, k] >= λ * a * B,  i.e. while the expected tokens the
-    slot adds pay for B more rows at the current rate. With one sequence this is DFlashRuntime's own rule. As the
+    since padding costs as much as a draft -- while  c * sum_b q[b, k] >= λ * a * B  (B > 1; c below: the chances
+    scaled to what recent verifies accepted), i.e. while the tokens the slot is expected to add pay for B more rows at
+    the current rate. With one sequence the chances are taken unscaled (c = 1), DFlashRuntime's own rule: a lone
+    sequence's verifies are what keep c measured, and scaled rows could shrink to none. As the
     load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
     shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1, or one sampled sequence:
     one greedy sequence keeps DFlashRuntime's rule) unless it is expected
@@ -632,6 +634,11 @@ class BatchingRuntime:
                 self._use_whole_tree(a)
             self.tree_steps += bool(wholes)
         s_min, scored = self._scored(acts, drafting)
+        # A batch pays for rows with the drafts they are expected to get accepted: the chances scaled by what recent
+        # verifies accepted. Alone, a sequence keeps its unscaled chances: its rows are what keeps c measured (scaled
+        # rows can shrink to none, and then no verify would ever move c again).
+        c = self.acceptance_calibration if len(acts) > 1 else 1.0
+        scored = [c * q for q in scored]
         s = rows_paid(scored, s_min, self._top(acts), self._bar(len(acts)))
         if not wholes or not self.adaptive:
             return s
@@ -640,11 +647,13 @@ class BatchingRuntime:
         for a in wholes:
             self._use_whole_tree(a)
         t_min, t_scored = self._scored(acts, drafting)
+        t_scored = [c * q for q in t_scored]
         t = rows_paid(t_scored, t_min, self._top(acts), self._bar(len(acts)))
         trees = sum(not _first_nodes(a.tree[0], t).is_chain for a in wholes)
-        b, c = len(acts), self.acceptance_calibration
-        if trees and step_rate(b, c * expected_gain(t_scored, t), draft_cost, self.a, t, trees, self.tree_cost) > \
-                step_rate(b, c * spine_gain, draft_cost, self.a, s, 0, self.tree_cost):
+        b = len(acts)  # the tree-or-path choice weighs calibrated gains at every size
+        c1 = 1.0 if b > 1 else self.acceptance_calibration
+        if trees and step_rate(b, c1 * expected_gain(t_scored, t), draft_cost, self.a, t, trees, self.tree_cost) > \
+                step_rate(b, c1 * spine_gain, draft_cost, self.a, s, 0, self.tree_cost):
             self.tree_steps += 1
             return t
         for a in wholes:  # the best paths pay at least as much: back to them
