@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -268,6 +269,8 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=None, help="measure an engine this script built before")
+    ap.add_argument("--keep", action="store_true", help="keep the engine built in a temporary directory (~3 GB; "
+                    "its path is printed) for a later --engine; by default it is removed at the end")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache while measuring")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
@@ -287,11 +290,17 @@ def main():
     from dflash_export.export import linear_attention
 
     linear_attention.BLOCK_FORM = args.form
+    work = None
     if args.engine is None:
-        args.engine = build(args, Path(tempfile.mkdtemp(prefix="hybrid-costs-")))
-    res = measure(args.engine, args)
-    if not args.dense:
-        res.update(commit_costs(args.reps))
+        work = Path(tempfile.mkdtemp(prefix="hybrid-costs-"))
+        args.engine = build(args, work)
+    try:
+        res = measure(args.engine, args)
+        if not args.dense:
+            res.update(commit_costs(args.reps))
+    finally:
+        if work is not None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     for k, v in res.items():
         mark = "  (target <= 1.5)" if k == "ratio_verify_16" else ""
         print(f"{k:22s} {v:9.2f}{mark}" if isinstance(v, (int, float)) else f"{k:22s} {v}")
