@@ -93,6 +93,8 @@ def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
     (lambda m: m["shapes"].update(target_layers=None), "shapes.target_layers"),
     (lambda m: m.update(target_layer_ids=[1, 99]), "target_layer_ids"),
     (lambda m: m["flags"].update(draft_vocab=100000), "flags.draft_vocab"),
+    (lambda m: m["flags"].update(row_pad_ops=["Softmax"]), "flags.row_pad_ops"),
+    (lambda m: m["flags"].update(row_pad_ops="MatMul"), "flags.row_pad_ops"),
     (lambda m: m.update(shared_tensors=[]), "shared_tensors"),
     (lambda m: m["files"].update({"../../etc/passwd": "0" * 64}), "files"),
     (lambda m: m.pop("engine_format"), "engine_format"),

@@ -227,6 +227,88 @@ def test_int4_engine_is_lossless_on_an_emulated_avx2_cpu(int4_engine, tmp_path):
     assert res["worst"] == 0.0 and all(res["same"]), res
 
 
+_REPAD = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from dflash_export.engines.manifest import read_manifest, write_manifest
+    from dflash_export.engines.ort_build import choose_graph_padding
+    from dflash_export.engines.row_pad import pad_in_graph, padded_ops, unpad_graph
+
+    d = Path(sys.argv[1])
+    unpad_graph(d / "target.onnx")  # the target as the build exports it, padded as a build pads it first
+    pad_in_graph(d / "target.onnx", products=False)
+    manifest = json.loads((d / "manifest.json").read_text())
+    write_manifest(d, manifest)  # the files as they now are
+    choose_graph_padding(d, manifest, threads=1)
+    m = read_manifest(d)
+    print("RESULT " + json.dumps({"ops": padded_ops(d / "target.onnx"), "flags": m.raw["flags"]["row_pad_ops"],
+                                  "numerics": m.raw["numerics"]}))
+""")
+
+
+def _one_row_int4_products_agree() -> bool:
+    """Whether this CPU's int4 MatMulNBits (block 32, accuracy level 4: the engines' choice) gives a row run alone
+    the bits it gets among other rows -- ONNX Runtime's kernels asked directly, not through the engine."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(3)
+    w = helper.make_tensor("w", TensorProto.FLOAT, (64, 96), rng.standard_normal((64, 96)).astype(np.float32).ravel())
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 96])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
+    q.process()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(q.model.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    many = sess.run(None, {"x": x})[0]
+    return all(np.array_equal(sess.run(None, {"x": x[i:i + 1]})[0][0], many[i]) for i in range(8))
+
+
+def test_the_build_pads_attention_alone_where_the_products_rows_agree(int4_engine):
+    """A build tries padding attention alone first and keeps it where the probe finds it bit-identical; so an int4
+    engine's graph pads its products too exactly where this CPU's MatMulNBits one-row product differs (asked of
+    ONNX Runtime directly), and its plain steps equal verify rows either way."""
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.engines.row_pad import padded_ops
+
+    m = read_manifest(int4_engine)
+    ops = padded_ops(int4_engine / "target.onnx")
+    assert m.raw["flags"]["row_pad_ops"] == ops
+    assert m.raw["numerics"]["bit_identical"] is True
+    if m.raw["numerics"]["row_floor"] > 1:
+        assert m.raw["numerics"]["row_pad"] == "graph"
+        expected = ["GroupQueryAttention"] if _one_row_int4_products_agree() else \
+            ["GroupQueryAttention", "MatMulNBits"]
+        assert ops == expected
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or QEMU is None,
+                    reason="needs x86-64 and qemu-user (./dev installs Debian's qemu-user when it runs as root)")
+def test_a_build_on_an_avx2_cpu_pads_the_int4_products_in_the_graph(int4_engine, tmp_path):
+    """On an AVX2-only CPU (emulated), where int4 MatMulNBits' one-row product differs from its many-row rows,
+    padding attention alone is not bit-identical: the build's choice pads the products too, in the graph, and the
+    probe then finds plain steps equal to verify rows there."""
+    engine = tmp_path / "engine"
+    shutil.copytree(int4_engine, engine)
+    script = tmp_path / "repad.py"
+    script.write_text(_REPAD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([QEMU, "-cpu", EMULATED_CPU, sys.executable, str(script), str(engine)],
+                          capture_output=True, text=True, timeout=900, env=env, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    num = res["numerics"]
+    assert "AVX2" in num["cpu"]["isa"] and "AVX512F" not in num["cpu"]["isa"], num
+    assert res["ops"] == res["flags"] == ["GroupQueryAttention", "MatMulNBits"], res
+    assert num["bit_identical"] is True and num["row_floor"] == 2 and num["row_pad"] == "graph", num
+
+
 def _forge(engine, monkeypatch, tmp_path, content) -> Path:
     """Write `content` where this engine's cached verdict for this CPU lives (a cache in tmp_path)."""
     from dflash_export.engines import numerics

@@ -352,6 +352,10 @@ def _check_flags(f: _Fields, vocab: int | None) -> None:
     rows = flags.get("plain_step_rows")
     if rows is not None and (not _is_int(rows) or not 1 <= rows <= MAX_ROW_FLOOR):
         raise f.bad("flags.plain_step_rows", f"expected an integer from 1 to {MAX_ROW_FLOOR}, got {rows!r}")
+    ops = flags.get("row_pad_ops")
+    if ops is not None and (not isinstance(ops, list) or not all(o in ("MatMul", "MatMulNBits", "GroupQueryAttention")
+                                                                 for o in ops)):
+        raise f.bad("flags.row_pad_ops", f"expected a list of MatMul, MatMulNBits, GroupQueryAttention, got {ops!r}")
     dv = flags.get("draft_vocab")
     if dv is not None:
         f.integer("flags", 2, dv, "flags.draft_vocab")

@@ -10,9 +10,10 @@ load it runs a fixed probe (a prompt, then a block verified at every row count 1
 decoded one at a time) and picks the *row floor* -- the fewest rows any target step and any LM-head call runs as,
 padding with copies of the last row -- for which every logit and K/V row agrees bit for bit. Padding rows sit past the
 committed length and are overwritten by the next step, so they change nothing but the kernel shape. Where the target
-graph can pad its products and attention alone (engines/row_pad.py: the norms between them then run one row, which
-saves a thread-pool hand-off per norm), each floor is tried that way first and the whole step padded on the host only
-where that does not agree (a row-wise kernel whose one-row path differs too).
+graph can pad its attention (and, where the build's CPU needed it, its products) alone (engines/row_pad.py: the norms
+between them then run one row, which saves a thread-pool hand-off per norm), each floor is tried that way first and
+the whole step padded on the host only where that does not agree (a kernel the graph leaves at one row whose one-row
+path differs too).
 
 If no floor up to `MAX_ROW_FLOOR` agrees, the engine says so ("lossless within kernel numerics on this CPU", with the
 measured max difference) instead of claiming bit-identity; `run`, `validate` and the served model report the verdict.
@@ -91,7 +92,7 @@ class Numerics:
     # keys, which the attention kernel may round differently from a plain step. None: not probed (no tree inputs).
     tree_bit_identical: bool | None = None
     tree_max_abs_diff: float | None = None
-    # Where a step shorter than the floor is padded: "graph" (its products and attention, engines/row_pad.py) or
+    # Where a step shorter than the floor is padded: "graph" (the operators the graph pads, engines/row_pad.py) or
     # "host" (the whole step, copies of its last token).
     row_pad: str = "host"
 

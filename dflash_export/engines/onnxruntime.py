@@ -249,7 +249,7 @@ class OrtEngine(Engine):
         self.tree_verify = self._position_inputs and not self.linear_layers
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
-        # Targets rewritten by engines/row_pad.py can pad their products and attention alone (`row_index`).
+        # Targets rewritten by engines/row_pad.py can pad their attention (and products) alone (`row_index`).
         self.graph_pads = ROW_INDEX in {i.name for i in self.target.get_inputs()}
         self.row_pad = "host"
         self.row_floor = manifest.flags.plain_step_rows
@@ -349,7 +349,7 @@ class OrtEngine(Engine):
         # (the floor, and where the padding goes, is what engines/numerics.py found to make them agree). The padding
         # rows are copies of the last token; their K/V rows lie past the committed length (overwritten by the next
         # step).
-        if pad and self.row_pad == "graph":  # the products and attention alone (engines/row_pad.py)
+        if pad and self.row_pad == "graph":  # attention (and products) alone (engines/row_pad.py)
             rows, total = floor, seq.length + floor
         elif pad:  # the whole step
             ids = np.asarray(ids, np.int64)

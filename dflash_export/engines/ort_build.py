@@ -28,7 +28,7 @@ from dflash_export.engines.onnxruntime import (
     _ort,
     default_threads,
 )
-from dflash_export.engines.row_pad import pad_in_graph
+from dflash_export.engines.row_pad import pad_in_graph, padded_ops, unpad_graph
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.export import (
     ORT_DRAFT_HEAD_FILE,
@@ -108,9 +108,10 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
-        # The target's products and attention can then run a one-token step as more rows without its norms doing
-        # so (engines/row_pad.py); whether that keeps plain steps equal to verify rows is the probe's to say, below.
-        pad_in_graph(tmp / TARGET)
+        # The target's attention (and, where this CPU needs it, its products: below) can then run a one-token step
+        # as more rows without its norms doing so (engines/row_pad.py); whether that keeps plain steps equal to
+        # verify rows is the probe's to say.
+        pad_in_graph(tmp / TARGET, products=False)
         copy_tokenizer(target, drafter, tmp)
         selector = _save_selector(drafter, tmp)
         manifest = _ort_manifest(recipe, target, drafter, spec, dspec, precisions, quantization, draft_vocab, res,
@@ -121,11 +122,25 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
             manifest["static_ngrams"] = _static_index(recipe, target, tmp)
         write_manifest(tmp, manifest)
         _stage("probing this CPU's kernels (verify rows against plain steps)")
-        _record_numerics(tmp, manifest, threads)
+        choose_graph_padding(tmp, manifest, threads)
     return out_dir
 
 
-def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None) -> None:
+def choose_graph_padding(engine_dir: Path, manifest: dict, threads: int | None) -> None:
+    """Probe the engine on this CPU with its target padding attention alone in the graph; where that is not
+    bit-identical at the floor the probe needs (a product's one-row kernel differs here: int4 MatMulNBits on AVX2),
+    pad the products too and probe again. Records the floor, the verdict and what the graph pads in the manifest."""
+    numerics = _record_numerics(engine_dir, manifest, threads)
+    target = engine_dir / TARGET
+    if numerics.row_floor > 1 and numerics.row_pad != "graph" and padded_ops(target) == ["GroupQueryAttention"]:
+        _stage("a product's one-row kernel differs on this CPU: padding the products in the graph too")
+        unpad_graph(target)
+        pad_in_graph(target, products=True)
+        write_manifest(engine_dir, manifest)  # the files' hashes as they now are
+        _record_numerics(engine_dir, manifest, threads)
+
+
+def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None):
     """Probe the finished engine on this CPU (engines/numerics.py) and record the row floor it found and the verdict,
     with the CPU's features, in the manifest: what a load on the same CPU then confirms first."""
     from dflash_export.engines.manifest import read_manifest
@@ -137,8 +152,10 @@ def _record_numerics(engine_dir: Path, manifest: dict, threads: int | None) -> N
     finally:
         engine.close()
     manifest["flags"]["plain_step_rows"] = numerics.row_floor
+    manifest["flags"]["row_pad_ops"] = padded_ops(engine_dir / TARGET)
     manifest["numerics"] = numerics.to_json()
     write_manifest(engine_dir, manifest)
+    return numerics
 
 
 def _static_index(recipe, target, tmp: Path) -> dict:
