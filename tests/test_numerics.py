@@ -105,6 +105,27 @@ def test_padding_rows_change_no_committed_row(engine, pad):
     assert same and diff == 0.0
 
 
+def test_the_padding_comes_off_as_it_went_on(ort_pair, tmp_path):
+    """Unpadding a padded target gives back the exported graph node for node, whichever operators were padded; a
+    graph padding attention alone gathers no product's rows, one padding the products too gathers them all."""
+    import onnx
+
+    from dflash_export.engines.row_pad import pad_in_graph, padded_ops, unpad_graph
+
+    path = tmp_path / "target.onnx"
+    shutil.copy(ort_pair[1] / "target.onnx", path)  # the graph only: its weights stay external, unread
+    assert unpad_graph(path) and not unpad_graph(path) and padded_ops(path) == []
+    exported = onnx.load(str(path), load_external_data=False).graph
+    products = sorted({n.op_type for n in exported.node if n.op_type in ("MatMul", "MatMulNBits")})
+    for with_products, ops in ((False, ["GroupQueryAttention"]), (True, sorted(["GroupQueryAttention", *products]))):
+        assert pad_in_graph(path, products=with_products) and padded_ops(path) == ops
+        assert unpad_graph(path)
+        again = onnx.load(str(path), load_external_data=False).graph
+        assert [(n.op_type, list(n.input), list(n.output)) for n in again.node] == \
+            [(n.op_type, list(n.input), list(n.output)) for n in exported.node]
+        assert [i.name for i in again.input] == [i.name for i in exported.input]
+
+
 def _plant_one_row_norm(engine_dir: Path) -> None:
     """Make the target's first norm take, at one row only, an input 2**-10 off: a row-wise kernel whose one-row path
     rounds differently, which padding the products and attention alone does not hide."""

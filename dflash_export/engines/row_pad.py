@@ -121,8 +121,14 @@ def padded_ops(path: Path) -> list[str]:
     import onnx
 
     g = onnx.load(str(path), load_external_data=False).graph
-    gathered = {n.output[0] for n in g.node if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == ROW_INDEX}
-    return sorted({n.op_type for n in g.node if n.op_type in PAD_OPS and any(t in gathered for t in n.input)})
+    padded, ops = set(), set()  # tensors of R rows: gathered, or made from gathered ones until sliced back
+    for n in g.node:
+        if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == ROW_INDEX:
+            padded.add(n.output[0])
+        elif not n.name.startswith("row_pad/") and any(t in padded for t in n.input):
+            ops.add(n.op_type)
+            padded.update(n.output[:1] if n.op_type in PAD_OPS else n.output)
+    return sorted(ops & set(PAD_OPS))
 
 
 def unpad_graph(path: Path) -> bool:
