@@ -9,6 +9,7 @@ and rendered only in jinja2's immutable sandbox, as transformers does. A templat
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
@@ -17,9 +18,11 @@ from dflash_export.errors import DFlashError
 class TextCodec:
     """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode).
 
-    Safe to share between threads: nothing is changed after construction. `encode_special_tokens` is a setting of a
-    `tokenizers.Tokenizer`, so text that must keep special tokens' spellings as text goes through its own copy made
-    here with that setting on (`text_tokenizer`), never through the shared one switched back and forth.
+    Safe to share between threads. `encode_special_tokens` is a setting of a `tokenizers.Tokenizer`, so text that
+    must keep special tokens' spellings as text goes through its own copy with that setting on (`text_tokenizer`),
+    never through the shared one switched back and forth. The copy is made at the first such text, under a lock: a
+    tokenizer holds ~31 MB for SmolLM2's vocabulary, which a process that never sees a special token's spelling in
+    text does not pay.
     """
 
     def __init__(self, tokenizer, chat_template: str | None, special: dict[str, str], add_bos: str | None = None):
@@ -28,18 +31,27 @@ class TextCodec:
         self.special = special
         self.add_bos = add_bos
         self._specials: list[str] = []
-        self.text_tokenizer = None
+        self._text_tokenizer = None
+        self._text_lock = threading.Lock()
         if tokenizer is not None:
             try:
                 added = tokenizer.get_added_tokens_decoder().values()
                 self._specials = [a.content for a in added if a.special and a.content]
             except AttributeError:
                 pass
-            if self._specials:
-                from tokenizers import Tokenizer
 
-                self.text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
-                self.text_tokenizer.encode_special_tokens = True
+    @property
+    def text_tokenizer(self):
+        """The tokenizer's copy that encodes special tokens' spellings as text (None without special tokens)."""
+        if self._text_tokenizer is None and self._specials:
+            with self._text_lock:
+                if self._text_tokenizer is None:
+                    from tokenizers import Tokenizer
+
+                    tok = Tokenizer.from_str(self.tokenizer.to_str())
+                    tok.encode_special_tokens = True
+                    self._text_tokenizer = tok  # published only once set up
+        return self._text_tokenizer
 
     @classmethod
     def from_dir(cls, d: Path) -> "TextCodec":
@@ -76,7 +88,7 @@ class TextCodec:
 
     def encode_text(self, text: str) -> list[int]:
         """Text as text: a special token's spelling in it (`<|im_start|>`) becomes ordinary tokens, never control."""
-        if self.text_tokenizer is None or not any(sp in text for sp in self._specials):
+        if not self._specials or not any(sp in text for sp in self._specials):
             return self.encode(text)
         return self.text_tokenizer.encode(text, add_special_tokens=False).ids
 
