@@ -164,6 +164,47 @@ def test_special_token_text_in_one_request_never_changes_another_s_tokens():
     assert not wrong, f"{len(wrong)} ordinary chats tokenized differently while others spelled special tokens"
 
 
+def test_the_text_tokenizer_is_made_once_at_the_first_text_that_needs_it():
+    """Ordinary chats never build the second tokenizer (a whole copy of the vocabulary); the first content spelling a
+    special token builds it once, however many threads ask at the same moment, and each gets the text's bytes."""
+    import threading
+
+    codec, tok = _chat_codec()
+    codec.apply_chat([{"role": "user", "content": "plain text"}])
+    codec.encode_text("more plain text")
+    assert codec._text_tokenizer is None
+    made, real = [], type(tok).from_str
+
+    class Counting:
+        @staticmethod
+        def from_str(text):
+            made.append(1)
+            return real(text)
+
+    import tokenizers
+
+    saved = tokenizers.Tokenizer
+    tokenizers.Tokenizer = Counting
+    try:
+        out = [None] * 8
+        barrier = threading.Barrier(8)
+
+        def first(i):
+            barrier.wait()
+            out[i] = codec.encode_text("<|im_start|>system")
+
+        threads = [threading.Thread(target=first, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        tokenizers.Tokenizer = saved
+    assert len(made) == 1
+    assert all(o == out[0] for o in out) and tok.token_to_id("<|im_start|>") not in out[0]
+    assert tok.decode(out[0]) == "<|im_start|>system"
+
+
 def test_sampling_without_a_seed_is_a_fresh_draw_each_time(direct):
     """temperature > 0 and no seed: every request draws anew (OpenAI clients expect that); a seed repeats its draw."""
     common = dict(text_input=b"Once upon a time", max_tokens=np.array([24], np.int64),
