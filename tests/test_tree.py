@@ -278,3 +278,22 @@ def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tm
     rt = DFlashRuntime(eng)
     assert (rt.proposer, rt.tree_nodes, rt.tree_mode, rt.tree_top_k) == ("tree+lookup", 9, "full", 4)
     assert DFlashRuntime(eng, proposer="lookup", tree_mode="spine").describe() == "lookup (<= 9 nodes, spine)"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8, 12])
+@pytest.mark.parametrize("masked", [False, True])
+def test_slot_candidates_are_each_slot_s_best_by_value_then_id(k, masked):
+    """Each slot's top-K against a full sort of the row by (-value, id), values drawn from a handful so ties are
+    everywhere, with and without -inf entries; log-probabilities against a float64 log-softmax."""
+    from dflash_export.decoding.tree import slot_candidates
+
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 6, (5, 300)).astype(np.float32) * np.float32(0.5)
+    if masked:
+        x[:, rng.choice(300, 290, replace=False)] = -np.inf
+    got = slot_candidates(x, k)
+    for d in range(len(x)):
+        order = np.lexsort((np.arange(300), -x[d]))[:k]
+        assert [t for t, _ in got[d]] == [int(t) for t in order]
+        ref = x[d].astype(np.float64) - np.logaddexp.reduce(x[d].astype(np.float64))
+        np.testing.assert_allclose([v for _, v in got[d]], ref[order], rtol=0, atol=1e-5)

@@ -117,7 +117,7 @@ def slot_candidates(logits: np.ndarray, top_k: int) -> list[list[tuple[int, floa
         return []
     x = np.asarray(logits)
     k = min(top_k, x.shape[-1])
-    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    part = _top_k_ids(x, k)
     peak = x.max(axis=-1, keepdims=True)
     norm = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=-1, dtype=np.float64))
     out = []
@@ -125,6 +125,27 @@ def slot_candidates(logits: np.ndarray, top_k: int) -> list[list[tuple[int, floa
         cand = part[d][np.lexsort((part[d], -x[d, part[d]]))]
         out.append([(int(t), float(x[d, t]) - float(norm[d])) for t in cand])
     return out
+
+
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """[D, k] ids of each row's k largest values, the lowest id first among equal values. For the few candidates a
+    tree takes per slot, k passes of argmax (each masking what it found) cost ~0.05 ms on 7 x 16384 logits where an
+    argpartition costs ~1 ms (a thirtieth of a SmolLM2 fp32 step). Logits with a value that is not finite (where
+    masking with -inf cannot tell found from not) and larger k go by each row's k-th largest value instead."""
+    if k > 8 or not np.isfinite(x).all():
+        kth = -np.partition(-x, k - 1, axis=-1)[:, k - 1]
+        ids = np.argpartition(-x, k - 1, axis=-1)[:, :k]  # rows whose values do not compare (NaN) keep these
+        for d in range(len(x)):
+            above, tied = np.flatnonzero(x[d] > kth[d]), np.flatnonzero(x[d] == kth[d])
+            if len(above) < k <= len(above) + len(tied):
+                ids[d] = np.concatenate([above, tied[:k - len(above)]])
+        return ids
+    y, rows = x.copy(), np.arange(len(x))
+    ids = np.empty((len(x), k), np.int64)
+    for j in range(k):
+        ids[:, j] = y.argmax(axis=-1)
+        y[rows, ids[:, j]] = -np.inf
+    return ids
 
 
 def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[list[int]], *, top_k: int,
