@@ -221,6 +221,18 @@ _EMULATED = textwrap.dedent("""
 """)
 
 
+def _run_emulated(script_text: str, engine_dir: Path, tmp_path: Path, timeout: int = 600) -> dict:
+    """Run `script_text` on `engine_dir` under qemu's emulated AVX2 CPU; the JSON of its "RESULT " line."""
+    script = tmp_path / "emulated.py"
+    script.write_text(script_text)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([QEMU, "-cpu", EMULATED_CPU, sys.executable, str(script), str(engine_dir)],
+                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
 @pytest.fixture(scope="module")
 def int4_engine(tmp_path_factory):
     from dflash_export.engines.ort_build import build_onnxruntime
@@ -235,14 +247,7 @@ def int4_engine(tmp_path_factory):
 def test_int4_engine_is_lossless_on_an_emulated_avx2_cpu(int4_engine, tmp_path):
     """The engine built on this machine, loaded on an AVX2-only CPU: its probe runs there, and what it states holds
     there -- verify rows equal plain steps at every row count, DFlash equals the engine's own plain decoding."""
-    script = tmp_path / "emulated.py"
-    script.write_text(_EMULATED)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([QEMU, "-cpu", EMULATED_CPU, sys.executable, str(script), str(int4_engine)],
-                          capture_output=True, text=True, timeout=600, env=env, check=False)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    res = json.loads(line[len("RESULT "):])
+    res = _run_emulated(_EMULATED, int4_engine, tmp_path)
     assert "AVX2" in res["isa"] and "AVX512F" not in res["isa"], res  # the emulated CPU, not this one
     assert res["bit_identical"], res
     assert res["worst"] == 0.0 and all(res["same"]), res
@@ -316,14 +321,7 @@ def test_a_build_on_an_avx2_cpu_pads_the_int4_products_in_the_graph(int4_engine,
     probe then finds plain steps equal to verify rows there."""
     engine = tmp_path / "engine"
     shutil.copytree(int4_engine, engine)
-    script = tmp_path / "repad.py"
-    script.write_text(_REPAD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([QEMU, "-cpu", EMULATED_CPU, sys.executable, str(script), str(engine)],
-                          capture_output=True, text=True, timeout=900, env=env, check=False)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    res = json.loads(line[len("RESULT "):])
+    res = _run_emulated(_REPAD, engine, tmp_path, timeout=900)
     num = res["numerics"]
     assert "AVX2" in num["cpu"]["isa"] and "AVX512F" not in num["cpu"]["isa"], num
     assert res["ops"] == res["flags"] == ["GroupQueryAttention", "MatMulNBits"], res
