@@ -430,7 +430,7 @@ def main() -> int:
     print("| system | weights | mode | tok/s | " + " | ".join(f"× llama.cpp {t} {m}" for t in types
                                                               for m in ("plain", "n-gram"))
           + " | τ | identical to own AR | peak RSS MiB (× weights) |")
-    print("|---" * (6 + len(cols)) + "|")
+    print("|---" * (7 + len(cols)) + "|")
     for row in table:
         ratios = " | ".join(f"{row[c]:.2f}" for c in cols)
         ident = "—" if row["identical_to_own_ar"] is None else f"{row['identical_to_own_ar']}/{row['prompts']}"
