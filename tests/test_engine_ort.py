@@ -225,6 +225,38 @@ def test_kv_buffers_sized_by_the_hint_and_grown_past_it_give_the_same_logits(bui
     assert small.capacity >= len(ids) and sized.capacity == len(ids) + pad
 
 
+def test_plain_steps_between_other_calls_give_the_reference_logits(built):
+    """Plain steps run through buffers bound once per sequence (OrtEngine._plain_hidden); every other target call
+    (verify blocks, one-token verifies, drafts) binds its own. Interleaved in every order, each plain step's logits are
+    the PyTorch engine's for the same prefix, and each is a fresh array that later steps leave alone."""
+    from dflash_export.runtime.reference import ar_generate
+
+    _, _, eng, torch_eng = built
+    prompt = PROMPTS[1]
+    cont = ar_generate(torch_eng.target, prompt, 40).tokens
+    seqs = [e.new_sequence() for e in (eng, torch_eng)]
+    for e, s in zip((eng, torch_eng), seqs):
+        e.prefill(s, np.array(prompt))
+    kept, done = [], 0
+    for op in ("decode", "decode", "verify", "decode", "one", "decode", "draft", "decode", "verify", "decode",
+               "decode"):
+        if op == "decode":
+            got = [e.decode(s, cont[done]) for e, s in zip((eng, torch_eng), seqs)]
+            np.testing.assert_allclose(got[0], got[1], atol=1e-4, rtol=0)
+            kept.append((got[0], got[0].copy()))
+            done += 1
+        elif op == "draft":
+            for e, s in zip((eng, torch_eng), seqs):
+                e.draft(s, cont[done], SamplingParams(), None)
+        else:  # a block of the reference's own tokens (all accepted), or a one-token verify
+            block = np.array(cont[done: done + (4 if op == "verify" else 1)], np.int64)
+            results = [e.verify(s, block, None, SamplingParams(), None) for e, s in zip((eng, torch_eng), seqs)]
+            assert results[0] == results[1] == (len(block) - 1, cont[done + 1: done + 1 + len(block)])
+            done += len(block)
+        assert seqs[0].length == seqs[1].length == len(prompt) + done
+    assert all(np.array_equal(a, b) for a, b in kept)
+
+
 def test_embedding_rows_are_read_not_mapped(built):
     """Rows come from shared_weights.bin by pread: the table is never mapped (a mapping became resident by 64 KiB
     per token through the kernel's fault-around), and a bad id is a clear error."""

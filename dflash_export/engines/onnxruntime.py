@@ -123,6 +123,46 @@ def committed_linear(conv: np.ndarray, rec: np.ndarray, outs: tuple, b: int, row
     return new_conv, rec
 
 
+class _PlainStep:
+    """What a one-token plain step of one sequence binds (OrtEngine._plain_hidden): its input arrays, written in place
+    before each step and bound as OrtValues over the same memory, and its output arrays, bound by address. Bound once
+    instead of made and bound afresh at every step, they halved the host share of an int4 plain step (0.39-0.46 ->
+    0.19-0.25 ms of a 7-11 ms step: benchmarks/ortgenai_peer/step_profile.py, 2-core AVX-512 VNNI EPYC)."""
+
+    def __init__(self, e: OrtEngine, rows: int):
+        ort = _ort()
+        self.rows = rows
+        self.embeds = np.zeros((1, 1, e._embed.shape[1]), np.float32)
+        self.seqlens = np.zeros(1, np.int32)
+        self.total = np.zeros((), np.int32)
+        self.hidden = np.empty((1, 1, e._out_widths[0]), np.float32)
+        self.ctx = np.empty((1, 1, e._out_widths[1]), np.float32)
+        inputs = {"inputs_embeds": self.embeds, "num_logits": np.ones((), np.int64), "seqlens_k": self.seqlens,
+                  "total_seq_len": self.total}
+        if e.graph_pads:  # the one row, gathered `rows` times inside the graph
+            inputs[ROW_INDEX] = np.zeros(rows, np.int64)
+        # Positions length .. length + rows - 1 and an all-zero bias over the past and the new rows (tree_inputs for
+        # no tree); the bias is a view of one zero buffer as long as the longest step, its shape set per step.
+        self.pos = self.steps = self._zeros = None
+        if e._position_inputs:
+            self.pos = np.zeros((1, rows), np.int64)
+            self.steps = np.arange(rows, dtype=np.int64)
+            inputs["position_ids"] = self.pos
+            self._zeros = np.zeros(rows * (e.info.max_seq_len + rows), np.float32)
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in inputs.items()}
+        self._ortvalue = ort.OrtValue.ortvalue_from_numpy
+
+    def bind(self, io) -> None:
+        for name, value in self._values.items():
+            io.bind_ortvalue_input(name, value)
+        io.bind_output("hidden", "cpu", 0, np.float32, self.hidden.shape, self.hidden.ctypes.data)
+        io.bind_output("ctx", "cpu", 0, np.float32, self.ctx.shape, self.ctx.ctypes.data)
+
+    def bias_value(self, total: int):
+        """attention_bias [1, 1, rows, total], all zeros, over the buffer's memory."""
+        return self._ortvalue(self._zeros[: self.rows * total].reshape(1, 1, self.rows, total))
+
+
 class _OrtSeq(Sequence):
     def __init__(self, engine: OrtEngine, max_tokens: int | None = None):
         super().__init__()
@@ -134,6 +174,8 @@ class _OrtSeq(Sequence):
         self.capacity = 0
         self.t_kv: list[np.ndarray] = []
         self.io = None  # the target session's IOBinding for these buffers
+        self.plain: _PlainStep | None = None  # one-token plain steps' buffers (OrtEngine._plain_hidden)
+        self.plain_bound = False  # whether `io` holds them now (every other target call rebinds its own)
         # Hybrid targets' Gated DeltaNet layers (export/linear_attention.py): the committed conv window [1, C, K-1]
         # and recurrent state [1, Hv, Dk, Dv] per linear layer, and what the last target call would commit.
         self.linear = {i: (np.zeros(conv, np.float32), np.zeros(rec, np.float32))
@@ -374,6 +416,7 @@ class OrtEngine(Engine):
                     io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
             seq.io = io
         io = seq.io
+        seq.plain_bound = False
         if self._out_widths is not None:  # this call's shapes, known before it runs (ORT checks them)
             hidden = np.empty((1, num_logits, self._out_widths[0]), np.float32)
             ctx = np.empty((1, s, self._out_widths[1]), np.float32)
@@ -443,8 +486,44 @@ class OrtEngine(Engine):
         seq.length = n
         return self._logits(hidden)[-1]
 
+    def _plain_hidden(self, seq: _OrtSeq, token: int) -> np.ndarray | None:
+        """The hidden row [1, 1, W] of a one-token plain step run through buffers bound once per K/V binding
+        (`_PlainStep`): the token's embedding, its positions and the step's lengths are written into arrays the
+        binding already holds, and only the attention bias (its width grows with the sequence) is bound per step.
+        The same inputs `_run_target` gives the same graph (the same row floor and in-graph padding), so the same
+        bits. The row returned is a buffer of `seq` that the next plain step overwrites. None where this path does
+        not apply: hybrids (their per-row states), outputs of unknown width, padding on the host, or a last step
+        with no room left for the padding rows (the caller takes `_run_target`)."""
+        floor = self.row_floor
+        if self.linear_layers or self._out_widths is None or (floor > 1 and self.row_pad != "graph"):
+            return None
+        total = seq.length + floor
+        if total > self.info.max_seq_len:
+            return None
+        if seq.reserve(self, total):
+            seq.io = None  # new K/V buffers: the general path binds them
+        if seq.io is None:
+            return None
+        plain = seq.plain
+        if plain is None or plain.rows != floor:
+            plain = seq.plain = _PlainStep(self, floor)
+        io = seq.io
+        if not seq.plain_bound:
+            plain.bind(io)
+            seq.plain_bound = True
+        self._embed.rows((token,), plain.embeds[0])
+        plain.seqlens[0] = total - 1
+        plain.total[()] = total
+        if plain.pos is not None:
+            np.add(plain.steps, seq.length, out=plain.pos[0])
+            io.bind_ortvalue_input("attention_bias", plain.bias_value(total))
+        self.target.run_with_iobinding(io)
+        return plain.hidden
+
     def decode(self, seq: _OrtSeq, token: int) -> np.ndarray:
-        hidden, _ = self._run_target(seq, np.array([token], np.int64), 1)
+        hidden = self._plain_hidden(seq, token)
+        if hidden is None:
+            hidden, _ = self._run_target(seq, np.array([token], np.int64), 1)
         seq.commit_linear(0)
         seq.length += 1
         return self._logits(hidden)[-1]
@@ -685,9 +764,9 @@ class _EmbeddingRows:
         self._row_bytes = 4 * shape[1]
         self._fd = os.open(path, os.O_RDONLY)
 
-    def rows(self, ids) -> np.ndarray:
-        """Rows `ids` as a fresh [n, H] float32 array."""
-        out = np.empty((len(ids), self.shape[1]), np.float32)
+    def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `ids` as a fresh [n, H] float32 array, or written into `out` (C-contiguous [n, H] float32)."""
+        out = np.empty((len(ids), self.shape[1]), np.float32) if out is None else out
         for i, t in enumerate(ids):
             t = int(t)
             if not 0 <= t < self.shape[0]:
