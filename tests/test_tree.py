@@ -11,7 +11,7 @@ import pytest
 
 from dflash_export.decoding.options import PROPOSERS
 from dflash_export.decoding.prompt_lookup import lookup_branches
-from dflash_export.decoding.tree import DraftTree, LookupStats, build_tree, chain, greedy_accept
+from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, build_tree, chain, greedy_accept
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.onnxruntime import tree_inputs
 from dflash_export.runtime.single import DFlashRuntime
@@ -297,3 +297,36 @@ def test_slot_candidates_are_each_slot_s_best_by_value_then_id(k, masked):
         assert [t for t, _ in got[d]] == [int(t) for t in order]
         ref = x[d].astype(np.float64) - np.logaddexp.reduce(x[d].astype(np.float64))
         np.testing.assert_allclose([v for _, v in got[d]], ref[order], rtol=0, atol=1e-5)
+
+
+def test_the_drafter_runs_while_its_tokens_pay_for_its_pass_and_its_rows():
+    """TreeState's rule, in closed form: draft while gain >= rate * (draft_cost + verify_cost * rows), gain and rows
+    being running means per drafted step, apart for steps with and without a lookup branch; a skipped drafter is
+    tried again after 8 skipped steps, then 16, 32, 64 while it does not pay, and every 8 again once it does."""
+    prior = {"gain": {True: 1.0, False: 0.5}, "rows": {True: 0.0, False: 2.0}}
+    assert TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 1.0, 0.3, 0.1)       # 0.5 >= 0.5
+    assert not TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 1.0, 0.3, 0.11)  # 0.5 < 0.52
+    assert not TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 2.0, 0.3, 0.0)   # 0.5 < 0.6
+
+    state = TreeState([1, 2, 3], 16)
+    assert state.drafter_pays(False, 1.0, 0.3, 0.07) and state.drafter_pays(True, 1.0, 0.3, 0.07)  # unmeasured
+    missed = chain(3, [5, 6, 7])  # three drafter rows verified, none accepted
+    for _ in range(12):
+        state.record(missed, [0], {0, 1, 2, 3}, drafted=True, had_lookup=False)
+    gain, rows = 0.8 ** 12, 3 * (1 - 0.8 ** 12)
+    assert state.drafter_gain[False] == pytest.approx(gain) and state.drafter_rows[False] == pytest.approx(rows)
+    assert state.drafter_means()["gain"][True] == 1.0  # steps with a lookup branch keep their own means
+    assert state.drafter_pays(True, 1.0, 0.3, 0.07)
+    calls = [state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(8 + 16 + 32 + 64 + 64)]
+    assert [i + 1 for i, ran in enumerate(calls) if ran] == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 64,
+                                                              8 + 16 + 32 + 64 + 64]
+    hit = chain(3, [5, 6, 7])
+    for _ in range(6):  # two of three drafts accepted per step: 2 >= 1.0 * (0.3 + 0.07 * 3)
+        state.record(hit, [0, 1, 2], {0, 1, 2, 3}, drafted=True, had_lookup=False)
+    assert state.drafter_pays(False, 1.0, 0.3, 0.07)
+    for _ in range(20):  # misses again: the wait starts over at 8
+        state.record(missed, [0], {0, 1, 2, 3}, drafted=True, had_lookup=False)
+    assert [i + 1 for i, ran in enumerate(state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(8)) if ran] == [8]
+    # a later request starts from where this one ended
+    later = TreeState([1, 2, 3], 16, drafter_prior=state.drafter_means())
+    assert later.drafter_gain == state.drafter_gain and later.drafter_rows == state.drafter_rows

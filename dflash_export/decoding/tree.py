@@ -296,33 +296,53 @@ def accepted_by_source(tree: DraftTree, path: list[int]) -> tuple[dict[str, int]
 
 class TreeState:
     """One request's proposer state: the context lookups search, lookup acceptance per depth, and whether the drafter
-    pays where a lookup branch exists (its pass costs `draft_cost` plain steps; the drafter-only nodes it gets
-    accepted are what it buys, tracked as a running mean of tokens per drafted step)."""
+    pays. Its pass costs `draft_cost` plain steps and each of its nodes verified `verify_cost` more; what it buys is
+    the drafter-only nodes the target accepts. Both are tracked as running means per drafted step, apart for steps
+    with a lookup branch (the drafter adds to the lookups' tokens) and without one (the drafter or a plain step)."""
 
-    EXPLORE_EVERY = 8  # a skipped drafter still runs every 8th step with a lookup, so its running mean stays current
+    # A skipped drafter still runs after EXPLORE_EVERY skipped steps of its kind, so its running means stay current;
+    # the wait doubles, up to EXPLORE_MAX, while those runs do not show it paying (each costs a pass).
+    EXPLORE_EVERY, EXPLORE_MAX = 8, 64
 
-    def __init__(self, context, max_depth: int, static=None):
+    def __init__(self, context, max_depth: int, static=None, drafter_prior: dict | None = None):
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         self.lookups = LookupStats(max_depth)
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
         self.static_stats = LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
-        self.drafter_gain = 1.0  # optimistic until measured
-        self._skipped = 0
+        # keyed by whether the step had a lookup branch: drafter-only tokens accepted and drafter-only nodes verified
+        # per drafted step; from `drafter_prior` (what an earlier request ended with: `drafter_means`), else
+        # optimistic until measured (the first steps draft)
+        prior = drafter_prior or {"gain": {True: 1.0, False: 1.0}, "rows": {True: 0.0, False: 0.0}}
+        self.drafter_gain, self.drafter_rows = dict(prior["gain"]), dict(prior["rows"])
+        self._skipped = {True: 0, False: 0}
+        self._explore = {True: self.EXPLORE_EVERY, False: self.EXPLORE_EVERY}
 
-    def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float) -> bool:
-        """Whether to run the drafter this step: always without a lookup branch; with one, while the drafter's
-        running gain (tokens) is worth its cost at the current decoding rate (`rate` tokens per plain-step cost)."""
-        if not have_lookup or self.drafter_gain >= rate * draft_cost:
+    def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float, verify_cost: float = 0.0) -> bool:
+        """Whether to run the drafter this step: while the tokens it adds are worth its pass and its verified nodes
+        at the current decoding rate (`rate` tokens per plain-step cost): gain >= rate * (draft_cost + verify_cost *
+        rows), the same marginal rule that admits a node to a tree. A step without it verifies the lookups alone, or
+        is a plain step."""
+        k = bool(have_lookup)
+        if self.drafter_gain[k] >= rate * (draft_cost + verify_cost * self.drafter_rows[k]):
+            self._explore[k] = self.EXPLORE_EVERY
             return True
-        self._skipped += 1
-        if self._skipped >= self.EXPLORE_EVERY:
-            self._skipped = 0
+        self._skipped[k] += 1
+        if self._skipped[k] >= self._explore[k]:
+            self._skipped[k] = 0
+            self._explore[k] = min(2 * self._explore[k], self.EXPLORE_MAX)
             return True
         return False
+
+    def drafter_means(self) -> dict:
+        """The drafter's running means, as a later request's `drafter_prior`."""
+        return {"gain": dict(self.drafter_gain), "rows": dict(self.drafter_rows)}
 
     def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
         self.lookups.record(tree, path, verified)
         self.static_stats.record(tree, path, verified)
-        if drafted and had_lookup:
+        if drafted:
+            k = bool(had_lookup)
             gain = sum(tree.sources[i] == "drafter" for i in path[1:])
-            self.drafter_gain = 0.8 * self.drafter_gain + 0.2 * gain
+            rows = sum(tree.sources[i] == "drafter" for i in verified if i)
+            self.drafter_gain[k] = 0.8 * self.drafter_gain[k] + 0.2 * gain
+            self.drafter_rows[k] = 0.8 * self.drafter_rows[k] + 0.2 * rows

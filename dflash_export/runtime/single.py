@@ -182,6 +182,8 @@ class DFlashRuntime:
             raise DFlashError("this engine holds no static n-gram index: build it with decoding.static_ngrams true",
                               field="static_ngrams")
         self.static_index = index if self.options.static_ngrams else None
+        # TreeState.drafter_means of the last tree step, greedy (True) and sampled (False): the next request's prior
+        self._drafter_means: dict[bool, dict] = {}
 
     def walks(self, sp: SamplingParams) -> bool:
         """Whether a sampled request walks its proposals with the target's own draws (decoding/acceptance.py)."""
@@ -247,7 +249,10 @@ class DFlashRuntime:
         trees = mode == "dflash" and not self.full_last_block and (
             walk or (sp.greedy and not self.proposal.chain_only))
         if trees:
-            state = TreeState(list(prompt_ids) + [last], 2 * bs, self.static_index)
+            # the drafter's running means start where the last request's ended (greedy and sampled apart: a
+            # sampled step's drafts are accepted less often)
+            state = TreeState(list(prompt_ids) + [last], 2 * bs, self.static_index,
+                              self._drafter_means.get(sp.greedy))
         while True:
             if trees:
                 accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
@@ -256,7 +261,8 @@ class DFlashRuntime:
                 cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
                 # A walked drafter pass of which nothing was accepted: the next 2^n - 1 steps skip it. Greedy trees
-                # weigh the drafter by its running gain alone (TreeState.drafter_pays): backing off there cost τ.
+                # weigh the drafter by what it adds against its pass and rows (TreeState.drafter_pays): backing
+                # off there cost τ.
                 if backoff and walk:
                     if skip > 0:
                         skip -= 1
@@ -266,6 +272,7 @@ class DFlashRuntime:
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 state.context.extend(ev.tokens)
+                self._drafter_means[sp.greedy] = state.drafter_means()
                 stats.acceptance_lengths.append(len(ev.tokens))
             elif mode == "ar":
                 t = time.perf_counter()
@@ -346,7 +353,7 @@ class DFlashRuntime:
             if state.static is not None and owed > 0 else []
         logprobs, drafted, drafts = None, False, None
         if proposal.drafter and depth > 0 and not skip_drafter and (
-                not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost)):
+                not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost, self.verify_token_cost)):
             seq.draft_logits = None
             # The drafter's argmax / top-K, never a draw: a walked proposal must not look at the request's stream.
             drafts, _ = eng.draft(seq, last, sp if sp.greedy else GREEDY, None, block_len=depth + 1)
