@@ -327,6 +327,9 @@ def test_the_drafter_runs_while_its_tokens_pay_for_its_pass_and_its_rows():
     for _ in range(20):  # misses again: the wait starts over at 8
         state.record(missed, [0], {0, 1, 2, 3}, drafted=True, had_lookup=False)
     assert [i + 1 for i, ran in enumerate(state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(8)) if ran] == [8]
-    # a later request starts from where this one ended
+    # a later request starts from where this one ended, its exploration schedule too: requests shorter than the
+    # wait still take their turn (the wait is 16 now; 4 skipped steps here, the 12th after them in the next request)
+    assert not any(state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(4))
     later = TreeState([1, 2, 3], 16, drafter_prior=state.drafter_means())
     assert later.drafter_gain == state.drafter_gain and later.drafter_rows == state.drafter_rows
+    assert [later.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(12)] == [False] * 11 + [True]

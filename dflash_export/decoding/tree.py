@@ -310,12 +310,13 @@ class TreeState:
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
         self.static_stats = LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
         # keyed by whether the step had a lookup branch: drafter-only tokens accepted and drafter-only nodes verified
-        # per drafted step; from `drafter_prior` (what an earlier request ended with: `drafter_means`), else
-        # optimistic until measured (the first steps draft)
-        prior = drafter_prior or {"gain": {True: 1.0, False: 1.0}, "rows": {True: 0.0, False: 0.0}}
+        # per drafted step, and the skipped steps since the last pass and the wait before the next; from
+        # `drafter_prior` (where an earlier request left them: `drafter_means`; a short request then still takes its
+        # turn to explore), else optimistic until measured (the first steps draft)
+        prior = {"gain": {True: 1.0, False: 1.0}, "rows": {True: 0.0, False: 0.0}, "skipped": {True: 0, False: 0},
+                 "explore": {True: self.EXPLORE_EVERY, False: self.EXPLORE_EVERY}, **(drafter_prior or {})}
         self.drafter_gain, self.drafter_rows = dict(prior["gain"]), dict(prior["rows"])
-        self._skipped = {True: 0, False: 0}
-        self._explore = {True: self.EXPLORE_EVERY, False: self.EXPLORE_EVERY}
+        self._skipped, self._explore = dict(prior["skipped"]), dict(prior["explore"])
 
     def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float, verify_cost: float = 0.0) -> bool:
         """Whether to run the drafter this step: while the tokens it adds are worth its pass and its verified nodes
@@ -334,8 +335,9 @@ class TreeState:
         return False
 
     def drafter_means(self) -> dict:
-        """The drafter's running means, as a later request's `drafter_prior`."""
-        return {"gain": dict(self.drafter_gain), "rows": dict(self.drafter_rows)}
+        """The drafter's running means and exploration schedule, as a later request's `drafter_prior`."""
+        return {"gain": dict(self.drafter_gain), "rows": dict(self.drafter_rows), "skipped": dict(self._skipped),
+                "explore": dict(self._explore)}
 
     def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
         self.lookups.record(tree, path, verified)

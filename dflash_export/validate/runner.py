@@ -374,7 +374,10 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
             rows.append(row)
             raws.append(raw)
             progress.step(f"greedy {pid}")
-        report.distribution = (_distribution_check(runtime, reference, dist_prompts, opts, bs, progress,
+        # The sampled check drafts and verifies at every step (no cost model): exactness does not depend on which
+        # drafts a cost model keeps, and each sample is then one DFlash step that exercises the acceptance.
+        dist_runtime = DFlashRuntime(inst, **{**opts.decoding, "adaptive": False}) if run_dist else None
+        report.distribution = (_distribution_check(dist_runtime, reference, dist_prompts, opts, bs, progress,
                                                    own_engine=engine if quantized else None) if run_dist
                                else {"ran": False, "reason": ("temperature 0" if opts.temperature <= 0 else
                                                               "--dist-samples 0") + ": sampled check skipped"})
