@@ -300,10 +300,11 @@ def test_slot_candidates_are_each_slot_s_best_by_value_then_id(k, masked):
 
 
 def test_the_drafter_runs_while_its_tokens_pay_for_its_pass_and_its_rows():
-    """TreeState's rule, in closed form: draft while gain >= rate * (draft_cost + verify_cost * rows), gain and rows
-    being running means per drafted step, apart for steps with and without a lookup branch; a skipped drafter is
-    tried again after 8 skipped steps, then 16, 32, 64 while it does not pay, and every 8 again once it does."""
-    prior = {"gain": {True: 1.0, False: 0.5}, "rows": {True: 0.0, False: 2.0}}
+    """DrafterGate's rule, in closed form: draft while gain >= rate * (draft_cost + verify_cost * rows), gain and rows
+    being running means per drafted step (a tree step keeps one gate for steps with a lookup branch and one for steps
+    without); a skipped drafter is tried again after 8 skipped steps, then 16, 32, 64 while it does not pay, and every
+    8 again once it does; the state carries into a later request."""
+    prior = {False: {"gain": 0.5, "rows": 2.0}}
     assert TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 1.0, 0.3, 0.1)       # 0.5 >= 0.5
     assert not TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 1.0, 0.3, 0.11)  # 0.5 < 0.52
     assert not TreeState([1, 2], 16, drafter_prior=prior).drafter_pays(False, 2.0, 0.3, 0.0)   # 0.5 < 0.6
@@ -313,9 +314,9 @@ def test_the_drafter_runs_while_its_tokens_pay_for_its_pass_and_its_rows():
     missed = chain(3, [5, 6, 7])  # three drafter rows verified, none accepted
     for _ in range(12):
         state.record(missed, [0], {0, 1, 2, 3}, drafted=True, had_lookup=False)
-    gain, rows = 0.8 ** 12, 3 * (1 - 0.8 ** 12)
-    assert state.drafter_gain[False] == pytest.approx(gain) and state.drafter_rows[False] == pytest.approx(rows)
-    assert state.drafter_means()["gain"][True] == 1.0  # steps with a lookup branch keep their own means
+    gate = state.gates[False]
+    assert gate.gain == pytest.approx(0.8 ** 12) and gate.rows == pytest.approx(3 * (1 - 0.8 ** 12))
+    assert state.gates[True].gain == 1.0  # steps with a lookup branch keep their own means
     assert state.drafter_pays(True, 1.0, 0.3, 0.07)
     calls = [state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(8 + 16 + 32 + 64 + 64)]
     assert [i + 1 for i, ran in enumerate(calls) if ran] == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 64,
@@ -331,5 +332,5 @@ def test_the_drafter_runs_while_its_tokens_pay_for_its_pass_and_its_rows():
     # wait still take their turn (the wait is 16 now; 4 skipped steps here, the 12th after them in the next request)
     assert not any(state.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(4))
     later = TreeState([1, 2, 3], 16, drafter_prior=state.drafter_means())
-    assert later.drafter_gain == state.drafter_gain and later.drafter_rows == state.drafter_rows
+    assert later.drafter_means() == state.drafter_means()
     assert [later.drafter_pays(False, 1.0, 0.3, 0.07) for _ in range(12)] == [False] * 11 + [True]

@@ -294,57 +294,67 @@ def accepted_by_source(tree: DraftTree, path: list[int]) -> tuple[dict[str, int]
     return by, only
 
 
+class DrafterGate:
+    """Whether the drafter's pass pays, for one kind of step. The pass costs `draft_cost` plain steps and each of its
+    drafts verified `verify_cost` more; what it buys is the drafts the target accepts that nothing else proposed. Both
+    are running means per drafted step (`gain`, `rows`); the drafter runs while gain >= rate * (draft_cost +
+    verify_cost * rows) at the current decoding rate (`rate` tokens per plain-step cost), the marginal rule that
+    admits a node to a tree, applied to the pass. A skipped drafter still runs after EXPLORE_EVERY skipped steps, so
+    its means stay current; the wait doubles, up to EXPLORE_MAX, while those runs do not show it paying (each costs a
+    pass), and starts over once it pays. `state()` / `prior`: where a request left it, the next request's start (a
+    short request then still takes its turn); unmeasured it is optimistic (the first steps draft)."""
+
+    EXPLORE_EVERY, EXPLORE_MAX = 8, 64
+
+    def __init__(self, prior: dict | None = None):
+        p = {"gain": 1.0, "rows": 0.0, "skipped": 0, "explore": self.EXPLORE_EVERY, **(prior or {})}
+        self.gain, self.rows, self.skipped, self.explore = p["gain"], p["rows"], p["skipped"], p["explore"]
+
+    def pays(self, rate: float, draft_cost: float, verify_cost: float = 0.0) -> bool:
+        if self.gain >= rate * (draft_cost + verify_cost * self.rows):
+            self.explore = self.EXPLORE_EVERY
+            return True
+        self.skipped += 1
+        if self.skipped >= self.explore:
+            self.skipped = 0
+            self.explore = min(2 * self.explore, self.EXPLORE_MAX)
+            return True
+        return False
+
+    def record(self, gain: int, rows: int) -> None:
+        """A drafted step: `gain` drafts accepted that only the drafter proposed, `rows` such drafts verified."""
+        self.gain = 0.8 * self.gain + 0.2 * gain
+        self.rows = 0.8 * self.rows + 0.2 * rows
+
+    def state(self) -> dict:
+        return {"gain": self.gain, "rows": self.rows, "skipped": self.skipped, "explore": self.explore}
+
+
 class TreeState:
     """One request's proposer state: the context lookups search, lookup acceptance per depth, and whether the drafter
-    pays. Its pass costs `draft_cost` plain steps and each of its nodes verified `verify_cost` more; what it buys is
-    the drafter-only nodes the target accepts. Both are tracked as running means per drafted step, apart for steps
-    with a lookup branch (the drafter adds to the lookups' tokens) and without one (the drafter or a plain step)."""
-
-    # A skipped drafter still runs after EXPLORE_EVERY skipped steps of its kind, so its running means stay current;
-    # the wait doubles, up to EXPLORE_MAX, while those runs do not show it paying (each costs a pass).
-    EXPLORE_EVERY, EXPLORE_MAX = 8, 64
+    pays (a `DrafterGate` for steps with a lookup branch, where the drafter adds to the lookups' tokens, and one for
+    steps without, where it competes with a plain step)."""
 
     def __init__(self, context, max_depth: int, static=None, drafter_prior: dict | None = None):
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         self.lookups = LookupStats(max_depth)
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
         self.static_stats = LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
-        # keyed by whether the step had a lookup branch: drafter-only tokens accepted and drafter-only nodes verified
-        # per drafted step, and the skipped steps since the last pass and the wait before the next; from
-        # `drafter_prior` (where an earlier request left them: `drafter_means`; a short request then still takes its
-        # turn to explore), else optimistic until measured (the first steps draft)
-        prior = {"gain": {True: 1.0, False: 1.0}, "rows": {True: 0.0, False: 0.0}, "skipped": {True: 0, False: 0},
-                 "explore": {True: self.EXPLORE_EVERY, False: self.EXPLORE_EVERY}, **(drafter_prior or {})}
-        self.drafter_gain, self.drafter_rows = dict(prior["gain"]), dict(prior["rows"])
-        self._skipped, self._explore = dict(prior["skipped"]), dict(prior["explore"])
+        # keyed by whether the step had a lookup branch; `drafter_prior`: an earlier request's `drafter_means()`
+        self.gates = {k: DrafterGate((drafter_prior or {}).get(k)) for k in (True, False)}
 
     def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float, verify_cost: float = 0.0) -> bool:
-        """Whether to run the drafter this step: while the tokens it adds are worth its pass and its verified nodes
-        at the current decoding rate (`rate` tokens per plain-step cost): gain >= rate * (draft_cost + verify_cost *
-        rows), the same marginal rule that admits a node to a tree. A step without it verifies the lookups alone, or
-        is a plain step."""
-        k = bool(have_lookup)
-        if self.drafter_gain[k] >= rate * (draft_cost + verify_cost * self.drafter_rows[k]):
-            self._explore[k] = self.EXPLORE_EVERY
-            return True
-        self._skipped[k] += 1
-        if self._skipped[k] >= self._explore[k]:
-            self._skipped[k] = 0
-            self._explore[k] = min(2 * self._explore[k], self.EXPLORE_MAX)
-            return True
-        return False
+        """Whether to run the drafter this step (`DrafterGate.pays`); a step without it verifies the lookups alone,
+        or is a plain step."""
+        return self.gates[bool(have_lookup)].pays(rate, draft_cost, verify_cost)
 
     def drafter_means(self) -> dict:
-        """The drafter's running means and exploration schedule, as a later request's `drafter_prior`."""
-        return {"gain": dict(self.drafter_gain), "rows": dict(self.drafter_rows), "skipped": dict(self._skipped),
-                "explore": dict(self._explore)}
+        """Both gates' state, as a later request's `drafter_prior`."""
+        return {k: gate.state() for k, gate in self.gates.items()}
 
     def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
         self.lookups.record(tree, path, verified)
         self.static_stats.record(tree, path, verified)
         if drafted:
-            k = bool(had_lookup)
-            gain = sum(tree.sources[i] == "drafter" for i in path[1:])
-            rows = sum(tree.sources[i] == "drafter" for i in verified if i)
-            self.drafter_gain[k] = 0.8 * self.drafter_gain[k] + 0.2 * gain
-            self.drafter_rows[k] = 0.8 * self.drafter_rows[k] + 0.2 * rows
+            self.gates[bool(had_lookup)].record(sum(tree.sources[i] == "drafter" for i in path[1:]),
+                                                sum(tree.sources[i] == "drafter" for i in verified if i))

@@ -16,7 +16,7 @@ import numpy as np
 from dflash_export.decoding.acceptance import Walk
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
-from dflash_export.decoding.tree import SOURCE_NAMES, TreeState, accepted_by_source, chain
+from dflash_export.decoding.tree import SOURCE_NAMES, DrafterGate, TreeState, accepted_by_source, chain
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
 
@@ -182,8 +182,9 @@ class DFlashRuntime:
             raise DFlashError("this engine holds no static n-gram index: build it with decoding.static_ngrams true",
                               field="static_ngrams")
         self.static_index = index if self.options.static_ngrams else None
-        # TreeState.drafter_means of the last tree step, greedy (True) and sampled (False): the next request's prior
-        self._drafter_means: dict[bool, dict] = {}
+        # Where the last request left the drafter's gates (decoding/tree.DrafterGate), the next request's start: tree
+        # steps ("tree", greedy?) and greedy chains ("chain", True)
+        self._drafter_means: dict[tuple, dict] = {}
 
     def walks(self, sp: SamplingParams) -> bool:
         """Whether a sampled request walks its proposals with the target's own draws (decoding/acceptance.py)."""
@@ -252,7 +253,10 @@ class DFlashRuntime:
             # the drafter's running means start where the last request's ended (greedy and sampled apart: a
             # sampled step's drafts are accepted less often)
             state = TreeState(list(prompt_ids) + [last], 2 * bs, self.static_index,
-                              self._drafter_means.get(sp.greedy))
+                              self._drafter_means.get(("tree", sp.greedy)))
+        # Greedy chains: the same rule decides whether the drafter's block pays (its drafts are all its own)
+        gate = DrafterGate(self._drafter_means.get(("chain", True))) \
+            if mode == "dflash" and not trees and backoff else None
         while True:
             if trees:
                 accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
@@ -272,7 +276,7 @@ class DFlashRuntime:
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 state.context.extend(ev.tokens)
-                self._drafter_means[sp.greedy] = state.drafter_means()
+                self._drafter_means[("tree", sp.greedy)] = state.drafter_means()
                 stats.acceptance_lengths.append(len(ev.tokens))
             elif mode == "ar":
                 t = time.perf_counter()
@@ -281,8 +285,10 @@ class DFlashRuntime:
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)
                 ev = emit([last], 0)
-            elif skip > 0:  # back-off: a plain step whose context features stay pending for the next draft
-                skip -= 1
+            elif skip > 0 or (gate is not None and not gate.pays(rate, self.draft_cost, self.verify_token_cost)):
+                # back-off, or a drafter that does not pay: a plain step whose context features stay pending for the
+                # next draft
+                skip = max(0, skip - 1)
                 t = time.perf_counter()
                 _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
                 stats.verify_s += time.perf_counter() - t
@@ -300,6 +306,9 @@ class DFlashRuntime:
                 if backoff:
                     misses = misses + 1 if accept == 0 else 0
                     skip = min(self.max_skip, (1 << misses) - 1)
+                if gate is not None:
+                    gate.record(accept, n_draft)
+                    self._drafter_means[("chain", True)] = gate.state()
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 stats.acceptance_lengths.append(len(ev.tokens))  # committed: cut at max_new_tokens / a stop
