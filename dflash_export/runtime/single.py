@@ -142,7 +142,9 @@ class DFlashRuntime:
     Draft back-off (same conditions, on engines that `accumulates_context`): a draft of which nothing was accepted
     cost `draft_cost` for no token, and hard stretches of text come in runs. After n such drafts in a row the next
     2^n - 1 steps (at most `max_skip`) are plain one-token verifies that leave their context features pending; the
-    next draft reads them all. One accepted draft resets n. Greedy output is unchanged (every step is the target's).
+    next draft reads them all. One accepted draft resets n. Beside it, a greedy chain drafts only while its accepted
+    drafts pay for the pass and the rows verified (decoding/tree.DrafterGate, the rule tree steps use). Greedy output
+    is unchanged (every step is the target's).
     """
 
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
