@@ -404,18 +404,7 @@ class OrtEngine(Engine):
             padded = np.concatenate([ids, np.repeat(ids[-1:], floor - s)])
             hidden, ctx = self._run_target(seq, padded, floor)
             return hidden[:, :s], ctx[:, :s]
-        if seq.reserve(self, total) or seq.io is None:
-            # K/V bound once per buffer set: the same memory serves as past and present on every step.
-            io = self.target.io_binding()
-            io.bind_output("hidden", "cpu")  # first: get_outputs() lists outputs in binding order
-            io.bind_output("ctx", "cpu")
-            for n, i in enumerate(self.kv_layers):
-                for j, kind in enumerate(("key", "value")):
-                    buf = seq.t_kv[2 * n + j]
-                    io.bind_cpu_input(f"past_{kind}_{i}", buf)
-                    io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
-            seq.io = io
-        io = seq.io
+        io = self._kv_io(seq, total)
         seq.plain_bound = False
         if self._out_widths is not None:  # this call's shapes, known before it runs (ORT checks them)
             hidden = np.empty((1, num_logits, self._out_widths[0]), np.float32)
@@ -449,6 +438,21 @@ class OrtEngine(Engine):
             return hidden, ctx
         outs = io.get_outputs()  # OrtValues; copy_outputs_to_cpu would also copy every K/V buffer
         return outs[0].numpy(), outs[1].numpy()
+
+    def _kv_io(self, seq: _OrtSeq, total: int):
+        """The target session's IOBinding of `seq`, its K/V buffers grown to hold `total` tokens. K/V are bound once
+        per buffer set: the same memory serves as past and present on every step."""
+        if seq.reserve(self, total) or seq.io is None:
+            io = self.target.io_binding()
+            io.bind_output("hidden", "cpu")  # first: get_outputs() lists outputs in binding order
+            io.bind_output("ctx", "cpu")
+            for n, i in enumerate(self.kv_layers):
+                for j, kind in enumerate(("key", "value")):
+                    buf = seq.t_kv[2 * n + j]
+                    io.bind_cpu_input(f"past_{kind}_{i}", buf)
+                    io.bind_output(f"present_{kind}_{i}", "cpu", 0, np.float32, buf.shape, buf.ctypes.data)
+            seq.io, seq.plain_bound = io, False
+        return seq.io
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         """LM head over hidden rows [1, n, H] -> logits [n, V] float32; fewer rows than the row floor run padded
@@ -500,14 +504,11 @@ class OrtEngine(Engine):
         total = seq.length + floor
         if total > self.info.max_seq_len:
             return None
-        if seq.reserve(self, total):
-            seq.io = None  # new K/V buffers: the general path binds them
-        if seq.io is None:
-            return None
+        io = self._kv_io(seq, total)
         plain = seq.plain
         if plain is None or plain.rows != floor:
             plain = seq.plain = _PlainStep(self, floor)
-        io = seq.io
+            seq.plain_bound = False
         if not seq.plain_bound:
             plain.bind(io)
             seq.plain_bound = True
