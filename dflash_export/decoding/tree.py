@@ -260,6 +260,10 @@ class LookupStats:
         rates = (self.accepted[1:d + 1] + self.prior[0]) / (self.proposed[1:d + 1] + self.prior[1])
         return float(np.prod(rates))
 
+    # Counts kept per depth: past it, both halve, so stats shared by many requests (a server's) follow the text
+    # they see now.
+    MEMORY = 2000
+
     def record(self, tree: DraftTree, path: list[int], verified=None) -> None:
         """Count, per depth, lookup nodes verified (`verified`: node indices; default all) whose parent was
         accepted, and those accepted themselves (`path`)."""
@@ -271,6 +275,9 @@ class LookupStats:
                 d = min(tree.depths[i], self.max_depth)
                 self.proposed[d] += 1
                 self.accepted[d] += i in on_path
+                if self.proposed[d] > self.MEMORY:
+                    self.proposed[d] /= 2
+                    self.accepted[d] /= 2
 
 
 # A continuation of other answers is weaker evidence than one of this request's own text: the static source starts at
@@ -335,11 +342,14 @@ class TreeState:
     pays (a `DrafterGate` for steps with a lookup branch, where the drafter adds to the lookups' tokens, and one for
     steps without, where it competes with a plain step)."""
 
-    def __init__(self, context, max_depth: int, static=None, drafter_prior: dict | None = None):
+    def __init__(self, context, max_depth: int, static=None, drafter_prior: dict | None = None,
+                 stats: tuple[LookupStats, LookupStats] | None = None):
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
-        self.lookups = LookupStats(max_depth)
+        # `stats`: the (lookup, static) acceptance counts to score with and add to -- earlier requests' (a runtime's,
+        # shared), else this request's own from the priors
+        self.lookups, self.static_stats = stats or (LookupStats(max_depth),
+                                                    LookupStats(max_depth, source="static", prior=STATIC_PRIOR))
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
-        self.static_stats = LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
         # keyed by whether the step had a lookup branch; `drafter_prior`: an earlier request's `drafter_means()`
         self.gates = {k: DrafterGate((drafter_prior or {}).get(k)) for k in (True, False)}
 

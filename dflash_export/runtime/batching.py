@@ -70,7 +70,8 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request, engine_costs
+from dflash_export.runtime.costs import RowTimeFit, engine_costs
+from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -178,7 +179,7 @@ class BatchingRuntime:
         # recent target calls, forgetting 2 % per call); `a` becomes c1 / (c0 + c1) when the fit has seen calls of
         # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
         # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
-        self._fit = np.zeros(5)  # sums of 1, r, r^2, t, r t
+        self._fit = RowTimeFit()
         # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
         # positions, its accepted path's K/V moved down), in single-sequence plain steps: the fit's residual per tree
         # on calls that verified trees, over its residual on calls that did not (forgetting 10 % per call). Starts at
@@ -587,7 +588,7 @@ class BatchingRuntime:
         return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
 
     def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0) -> None:
-        line = self._row_line()
+        line = self._fit.line()
         if line is not None:  # the tree overhead: this call's time against the fit before it
             c0, c1 = line
             residual = (seconds - c0 - c1 * rows) / (c0 + c1)
@@ -598,22 +599,10 @@ class BatchingRuntime:
             self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
         if trees:  # the row fit is of rows alone
             return
-        self._fit = 0.98 * self._fit + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
-        line = self._row_line()
-        if line is not None:
-            c0, c1 = line
-            self.a = float(min(0.5, max(self.a_recorded, c1 / (c0 + c1))))
-
-    def _row_line(self) -> tuple[float, float] | None:
-        """The least-squares line seconds = c0 + c1 rows through the recent calls, or None before 8 calls of
-        different sizes or where it does not slope up from above zero."""
-        n, sr, srr, st, srt = self._fit
-        spread = n * srr - sr * sr
-        if n < 8 or spread <= 1e-9 * n * n:
-            return None
-        c1 = (n * srt - sr * st) / spread
-        c0 = (st - c1 * sr) / n
-        return (c0, c1) if c1 > 0 and c0 > 0 else None
+        self._fit.add(rows, seconds)
+        a = self._fit.row_cost()
+        if a is not None:
+            self.a = float(min(0.5, max(self.a_recorded, a)))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,

@@ -16,9 +16,18 @@ import numpy as np
 from dflash_export.decoding.acceptance import Walk
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
-from dflash_export.decoding.tree import SOURCE_NAMES, DrafterGate, TreeState, accepted_by_source, chain
+from dflash_export.decoding.tree import (
+    SOURCE_NAMES,
+    STATIC_PRIOR,
+    DrafterGate,
+    LookupStats,
+    TreeState,
+    accepted_by_source,
+    chain,
+)
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
+from dflash_export.runtime.costs import StepCosts, engine_costs, records_costs
 
 
 @dataclass
@@ -117,15 +126,6 @@ def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
         raise DFlashError("token id outside the vocabulary", field="input_ids")
 
 
-def engine_costs(engine: Engine, verify_token_cost: float | None = None, draft_cost: float | None = None
-                 ) -> tuple[float, float]:
-    """(verify_token_cost, draft_cost) in plain steps: the caller's, else the engine's own measured costs when it
-    records them (quantized engines), else the fp32 ONNX Runtime engine's (benchmarks/engine_costs.py)."""
-    info = engine.info
-    return (verify_token_cost or getattr(info, "verify_token_cost", None) or 0.07,
-            draft_cost or getattr(info, "draft_cost", None) or 0.3)
-
-
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
     on the same engine (the fair baseline).
@@ -139,6 +139,10 @@ class DFlashRuntime:
     prefix earlier and the bonus token is the target's argmax there, as it would have been. Sampling keeps full blocks
     so its random stream matches the reference's draw for draw.
 
+    The costs are the engine's recorded ones (`runtime.costs.engine_costs`) until this runtime has timed enough of its
+    own target calls and drafter passes, then what this machine measures now (`runtime.costs.StepCosts`, carried from
+    request to request); a caller that gives either cost fixes both (`fit_costs` says otherwise).
+
     Draft back-off (same conditions, on engines that `accumulates_context`): a draft of which nothing was accepted
     cost `draft_cost` for no token, and hard stretches of text come in runs. After n such drafts in a row the next
     2^n - 1 steps (at most `max_skip`) are plain one-token verifies that leave their context features pending; the
@@ -150,7 +154,8 @@ class DFlashRuntime:
     def __init__(self, engine: Engine, adaptive: bool = True, verify_token_cost: float | None = None,
                  draft_cost: float | None = None, max_skip: int = 7, full_last_block: bool = False,
                  proposer: str | None = None, tree_top_k: int | None = None, tree_nodes: int | None = None,
-                 tree_mode: str | None = None, sampling: str | None = None, static_ngrams: bool | None = None):
+                 tree_mode: str | None = None, sampling: str | None = None, static_ngrams: bool | None = None,
+                 fit_costs: bool | None = None):
         # Unset: what the engine's recipe says (manifest `decoding`), else DecodingOptions' defaults; checked once.
         self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer,
                                        tree_top_k=tree_top_k, tree_nodes=tree_nodes, tree_mode=tree_mode,
@@ -176,6 +181,13 @@ class DFlashRuntime:
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
         self.adaptive = adaptive
         self.verify_token_cost, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
+        # This machine's costs, fitted from the calls the adaptive rules make anyway, for engines that record none
+        # (the fallback above is another machine's); recorded and given costs stay fixed unless `fit_costs`. On the
+        # int4 engine the fitted row cost (0.17-0.19 against the recorded 0.25) made the rules verify lookup rows
+        # that did not pay (16 held-out prompts x 64: 1.15x plain against 1.19x): their chances run high there.
+        if fit_costs is None:
+            fit_costs = verify_token_cost is None and draft_cost is None and not records_costs(engine)
+        self.costs = StepCosts(self.verify_token_cost, self.draft_cost) if fit_costs and adaptive else None
         self.max_skip = max_skip
         # The engine's static n-gram index of the target's past answers (decoding/static_ngrams.py), merged into
         # trees and lookups while `static_ngrams` is on; asking for it on an engine built without one is an error.
@@ -187,6 +199,15 @@ class DFlashRuntime:
         # Where the last request left the drafter's gates (decoding/tree.DrafterGate), the next request's start: tree
         # steps ("tree", greedy?) and greedy chains ("chain", True)
         self._drafter_means: dict[tuple, dict] = {}
+        # Lookup and static-index acceptance per depth, learned over every request of this runtime (greedy and
+        # sampled apart), as the batching runtime learns them over its batch: one request of a few dozen tokens
+        # would score its lookups by the prior alone.
+        self._lookups: dict[bool, tuple[LookupStats, LookupStats]] = {}
+
+    def _lookup_stats(self, greedy: bool, depth: int) -> tuple[LookupStats, LookupStats]:
+        if greedy not in self._lookups:
+            self._lookups[greedy] = (LookupStats(depth), LookupStats(depth, source="static", prior=STATIC_PRIOR))
+        return self._lookups[greedy]
 
     def walks(self, sp: SamplingParams) -> bool:
         """Whether a sampled request walks its proposals with the target's own draws (decoding/acceptance.py)."""
@@ -255,7 +276,7 @@ class DFlashRuntime:
             # the drafter's running means start where the last request's ended (greedy and sampled apart: a
             # sampled step's drafts are accepted less often)
             state = TreeState(list(prompt_ids) + [last], 2 * bs, self.static_index,
-                              self._drafter_means.get(("tree", sp.greedy)))
+                              self._drafter_means.get(("tree", sp.greedy)), self._lookup_stats(sp.greedy, 2 * bs))
         # Greedy chains: the same rule decides whether the drafter's block pays (its drafts are all its own)
         gate = DrafterGate(self._drafter_means.get(("chain", True))) \
             if mode == "dflash" and not trees and backoff else None
@@ -293,7 +314,9 @@ class DFlashRuntime:
                 skip = max(0, skip - 1)
                 t = time.perf_counter()
                 _, emitted = eng.verify(seq, np.array([last], np.int64), None, sp, None)
-                stats.verify_s += time.perf_counter() - t
+                t = time.perf_counter() - t
+                stats.verify_s += t
+                self._timed(1, t)
                 rate = 0.9 * rate + 0.1  # one token for one step's cost
                 last = emitted[-1]
                 ev = emit(emitted, 0)
@@ -336,11 +359,22 @@ class DFlashRuntime:
                           sp.max_new_tokens - produced - 1)
         block = np.empty(n_draft + 1, dtype=np.int64)
         block[0], block[1:] = last, draft[:n_draft]
+        t2 = time.perf_counter()
         accept, emitted = eng.verify(seq, block, draft_probs, sp, None if sp.greedy else rng.random(bs))
+        t3 = time.perf_counter()
+        if self.costs is not None:
+            self.costs.draft_pass(t1 - t0)
+        self._timed(len(block), t3 - t2)
         if stats is not None:
             stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
+            stats.verify_s += t3 - t1
         return accept, emitted, n_draft
+
+    def _timed(self, rows: int, seconds: float) -> None:
+        """A target call of `rows` rows took `seconds`: this machine's costs, when the runtime fits them."""
+        if self.costs is not None:
+            self.costs.target_call(rows, seconds)
+            self.verify_token_cost, self.draft_cost = self.costs.current()
 
     def _tree_step(self, seq, last: int, sp: SamplingParams, bs: int, rate: float, produced: int,
                    state: TreeState, stats: RunStats | None = None, rng=None, skip_drafter: bool = False
@@ -367,7 +401,10 @@ class DFlashRuntime:
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost, self.verify_token_cost)):
             seq.draft_logits = None
             # The drafter's argmax / top-K, never a draw: a walked proposal must not look at the request's stream.
+            t = time.perf_counter()
             drafts, _ = eng.draft(seq, last, sp if sp.greedy else GREEDY, None, block_len=depth + 1)
+            if self.costs is not None:
+                self.costs.draft_pass(time.perf_counter() - t)
             drafted = True
             if seq.draft_logits is not None:  # build_tree normalizes the top-K it keeps per slot
                 logprobs = seq.draft_logits[:depth]
@@ -402,9 +439,11 @@ class DFlashRuntime:
             else:
                 accept, emitted, path = eng.verify_tree(seq, tree, accept=walked)
             checked = set(range(len(tree)))
+        t2 = time.perf_counter()
+        self._timed(len(checked), t2 - t1)
         if stats is not None:
             stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
+            stats.verify_s += t2 - t1
         state.record(tree, path, checked, drafted, bool(lookups))
         if stats is not None:
             by, only = accepted_by_source(tree, path)

@@ -1,0 +1,98 @@
+"""What a step costs on the machine that runs it: the engine's recorded costs, and an online fit of the target calls'
+and the drafter's times that both runtimes (single stream and continuous batching) steer by.
+
+Costs are in units of a one-row target call (a plain step): a target call of r rows costs about 1 + a * (r - 1), a
+drafter pass `draft_cost`. They are properties of the CPU, its load and the engine's precision, not of the model
+alone: benchmarks/engine_costs.py measured the fp32 SmolLM2 engine at a = 0.05, draft 0.26 on a 2-core AVX-512 EPYC
+(0.04 / 0.24 on another run) where the runtime's fallback for engines that record no costs is 0.07 / 0.3; the int4
+engine records 0.25 / 0.44 from its build. A fit on the calls the runtime makes anyway corrects both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash_export.engines.base import Engine
+
+# What an engine that records no costs is assumed to cost (fp32 SmolLM2 on ONNX Runtime, 2 cores, measured with
+# benchmarks/engine_costs.py when the runtime's rules were written).
+DEFAULT_VERIFY_TOKEN_COST = 0.07
+DEFAULT_DRAFT_COST = 0.3
+
+
+def engine_costs(engine: Engine, verify_token_cost: float | None = None, draft_cost: float | None = None
+                 ) -> tuple[float, float]:
+    """(verify_token_cost, draft_cost) in plain steps: the caller's, else the engine's own measured costs when it
+    records them (quantized engines), else the fp32 ONNX Runtime engine's (benchmarks/engine_costs.py)."""
+    info = engine.info
+    return (verify_token_cost or getattr(info, "verify_token_cost", None) or DEFAULT_VERIFY_TOKEN_COST,
+            draft_cost or getattr(info, "draft_cost", None) or DEFAULT_DRAFT_COST)
+
+
+def records_costs(engine: Engine) -> bool:
+    """Whether the engine's manifest records costs measured at its build (quantized ONNX Runtime engines do)."""
+    return bool(getattr(engine.info, "verify_token_cost", None) or getattr(engine.info, "draft_cost", None))
+
+
+class RowTimeFit:
+    """Least-squares line seconds = c0 + c1 * rows through recent target calls, each older call's weight multiplied
+    by `keep` at every new one (0.98: the last ~50 calls count). `line()` is None until the calls' weights add up
+    to 8 (the ninth call), before two sizes were seen, and while it does not slope up from above zero (a loaded
+    machine's noise can make it)."""
+
+    def __init__(self, keep: float = 0.98):
+        self.keep = keep
+        self._sums = np.zeros(5)  # sums of 1, r, r^2, t, r t
+
+    def add(self, rows: int, seconds: float) -> None:
+        self._sums = self.keep * self._sums + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+
+    def line(self) -> tuple[float, float] | None:
+        n, sr, srr, st, srt = self._sums
+        spread = n * srr - sr * sr
+        if n < 8 or spread <= 1e-9 * n * n:
+            return None
+        c1 = (n * srt - sr * st) / spread
+        c0 = (st - c1 * sr) / n
+        return (c0, c1) if c1 > 0 and c0 > 0 else None
+
+    def row_cost(self) -> float | None:
+        """a = c1 / (c0 + c1): what one more row adds, in one-row calls; None while the line is."""
+        line = self.line()
+        return None if line is None else line[1] / (line[0] + line[1])
+
+
+class StepCosts:
+    """The single-stream runtime's costs: the recorded ones (`engine_costs`) until the fit has seen enough calls, then
+    the fit's -- a = c1 / (c0 + c1) from the target calls' times against their rows (`RowTimeFit`), and the drafter's
+    pass (an average of its recent times, 10 % per pass) over the one-row call c0 + c1. Each is kept within
+    [prior / 4, 4 * prior]: a fit far outside what the engine was measured at is a disturbed clock, not a machine.
+    One object per runtime, carried from request to request (a short request would not see enough calls)."""
+
+    SPAN = 4.0
+
+    def __init__(self, verify_token_cost: float, draft_cost: float):
+        self.prior = (verify_token_cost, draft_cost)
+        self.rows = RowTimeFit()
+        self._draft_s: float | None = None
+
+    def target_call(self, rows: int, seconds: float) -> None:
+        self.rows.add(rows, seconds)
+
+    def draft_pass(self, seconds: float) -> None:
+        self._draft_s = seconds if self._draft_s is None else 0.9 * self._draft_s + 0.1 * seconds
+
+    def _within(self, value: float, prior: float) -> float:
+        return float(min(prior * self.SPAN, max(prior / self.SPAN, value)))
+
+    def current(self) -> tuple[float, float]:
+        """(verify_token_cost, draft_cost) as this machine runs the engine now (the priors until measured)."""
+        a, d = self.prior
+        line = self.rows.line()
+        if line is None:
+            return a, d
+        c0, c1 = line
+        a = self._within(c1 / (c0 + c1), a)
+        if self._draft_s is not None:
+            d = self._within(self._draft_s / (c0 + c1), d)
+        return a, d
