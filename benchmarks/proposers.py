@@ -8,9 +8,11 @@ ratios stay fair), each checked token for token against plain decoding, next to 
 
 Modes: ar (plain decoding), chain (the drafter's block), lookup (the context's n-gram continuations), tree (a tree
 from the drafter's per-slot top-K), tree+lookup (both; its best path verified as a chain), tree+lookup-full (every
-node verified in one pass), chain-sampled (T > 0: the drafter's sampled chain, min(1, p/q)); lookup+static and
-tree+lookup+static merge the engine's static n-gram index of the target's own past answers (the other modes leave
-it out), and every mode prints its accepted drafts per source (drafter / context / static; alone in brackets).
+node verified in one pass), tree+lookup-unfitted (tree+lookup steered by the engine's recorded or the runtime's
+fallback costs, not by the costs it fits on this machine), chain-sampled (T > 0: the drafter's sampled chain, min(1,
+p/q)); lookup+static and tree+lookup+static merge the engine's static n-gram index of the target's own past answers
+(the other modes leave it out), and every mode prints its accepted drafts per source (drafter / context / static;
+alone in brackets).
 Sampled, every mode draws prompt i with seed i; a walked mode's output equals plain sampling's ("identical"). Prompts:
 validate/sharegpt-heldout.jsonl rows --skip.. (never trained on; rows 0-19 chose the shipped drafter's checkpoint).
 Not a test: minutes to hours on 2 cores.
@@ -31,6 +33,8 @@ OFF = {"static_ngrams": False}
 MODES = {"ar": None, "chain": {"proposer": "chain", **OFF}, "lookup": {"proposer": "lookup", **OFF},
          "tree": {"proposer": "tree", **OFF}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine", **OFF},
          "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full", **OFF},
+         # the default with the runtime's fallback costs fixed instead of fitted on this machine (runtime/costs.py)
+         "tree+lookup-unfitted": {"proposer": "tree+lookup", "tree_mode": "spine", "fit_costs": False, **OFF},
          # T > 0: the drafter's own sampled chain with min(1, p/q) (the reference's stream) instead of the walk
          "chain-sampled": {"proposer": "chain", "sampling": "chain", **OFF},
          "lookup+static": {"proposer": "lookup", "static_ngrams": True},
