@@ -146,7 +146,8 @@ class BatchingRuntime:
 
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7,
-                 proposer: str | None = None, sampling: str | None = None, tree_mode: str | None = None):
+                 proposer: str | None = None, sampling: str | None = None, tree_mode: str | None = None,
+                 fit_costs: bool = True):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
         # The engine's recorded decoding options with the caller's, checked once (decoding/options.py).
@@ -180,6 +181,7 @@ class BatchingRuntime:
         # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
         # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
         self._fit = RowTimeFit()
+        self.fit_costs = fit_costs  # False: the recorded costs only (what a rule does with them, clock aside)
         # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
         # positions, its accepted path's K/V moved down), in single-sequence plain steps: the fit's residual per tree
         # on calls that verified trees, over its residual on calls that did not (forgetting 10 % per call). Starts at
@@ -346,7 +348,7 @@ class BatchingRuntime:
         logits = self.batch.target_step([a.seq for a in acts], blocks,
                                         [a.tree[0] if a.tree is not None else None for a in acts])
         t2 = time.perf_counter()
-        if self.adaptive:
+        if self.adaptive and self.fit_costs:
             trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)
             self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1, trees)
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
