@@ -283,6 +283,13 @@ class LookupStats:
 # A continuation of other answers is weaker evidence than one of this request's own text: the static source starts at
 # one in two per depth and earns its depth from what the target accepts.
 STATIC_PRIOR = (1.0, 2.0)
+
+
+def source_stats(max_depth: int) -> tuple[LookupStats, LookupStats]:
+    """Fresh (lookup, static index) acceptance counts per depth, each from its prior."""
+    return LookupStats(max_depth), LookupStats(max_depth, source="static", prior=STATIC_PRIOR)
+
+
 # What the per-source counts call each source (RunStats.accepted_by, `bench`): the tree's names -> the report's.
 SOURCE_NAMES = {"drafter": "drafter", "lookup": "context", "static": "static"}
 
@@ -347,8 +354,7 @@ class TreeState:
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         # `stats`: the (lookup, static) acceptance counts to score with and add to -- earlier requests' (a runtime's,
         # shared), else this request's own from the priors
-        self.lookups, self.static_stats = stats or (LookupStats(max_depth),
-                                                    LookupStats(max_depth, source="static", prior=STATIC_PRIOR))
+        self.lookups, self.static_stats = stats or source_stats(max_depth)
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
         # keyed by whether the step had a lookup branch; `drafter_prior`: an earlier request's `drafter_means()`
         self.gates = {k: DrafterGate((drafter_prior or {}).get(k)) for k in (True, False)}

@@ -65,7 +65,7 @@ import numpy as np
 from dflash_export.decoding.acceptance import walk_accept
 from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, top_probability, verify_block, verify_length
-from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain, greedy_accept
+from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain, greedy_accept, source_stats
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
@@ -323,7 +323,10 @@ class BatchingRuntime:
         for act, row in zip(joiners, logits):
             act.last = _pick(row, act.req.sp, act.rng)
             if self.lookups and act.req.mode == "dflash" and (act.req.sp.greedy or act.walk):
-                act.state = TreeState(act.req.prompt_ids + [act.last], 2 * self.info.block_size)
+                # scored and counted by the batch's lookup acceptance (one count for every sequence)
+                depth = 2 * self.info.block_size
+                act.state = TreeState(act.req.prompt_ids + [act.last], depth,
+                                      stats=(self.lookup_stats, source_stats(depth)[1]))
             act.req.stats.ttft_s = time.perf_counter() - act.req.submitted_s
             if self._emit(act, [act.last], None).finished:
                 self._finish(act)
@@ -539,12 +542,10 @@ class BatchingRuntime:
         if tree is not None:
             checked = set(range(len(tree)))
             a.state.record(tree, a.path, checked, a.tree[1], True)
-            self.lookup_stats.record(tree, a.path, checked)
             self.trees_verified += not tree.is_chain
         elif a.spine is not None:
             tree, spine, drafted = a.spine
             a.state.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]), drafted, True)
-            self.lookup_stats.record(tree, spine[:accept + 1], set(spine[:a.n_draft + 1]))
         a.req.stats.drafted_tokens += a.n_draft
         self.rows_verified += a.n_draft
         if a.argmax_drafts and self.adaptive and a is not probe:  # DFlashRuntime's per-sequence back-off

@@ -18,12 +18,12 @@ from dflash_export.decoding.options import resolve_options
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
 from dflash_export.decoding.tree import (
     SOURCE_NAMES,
-    STATIC_PRIOR,
     DrafterGate,
     LookupStats,
     TreeState,
     accepted_by_source,
     chain,
+    source_stats,
 )
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
 from dflash_export.errors import DFlashError
@@ -206,7 +206,7 @@ class DFlashRuntime:
 
     def _lookup_stats(self, greedy: bool, depth: int) -> tuple[LookupStats, LookupStats]:
         if greedy not in self._lookups:
-            self._lookups[greedy] = (LookupStats(depth), LookupStats(depth, source="static", prior=STATIC_PRIOR))
+            self._lookups[greedy] = source_stats(depth)
         return self._lookups[greedy]
 
     def walks(self, sp: SamplingParams) -> bool:
