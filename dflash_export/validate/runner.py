@@ -348,7 +348,9 @@ def run_validation(recipe, engine: Engine, reference: Reference, prompts: list[t
     if not prompts:
         raise DFlashError("no prompts to validate on", field="--suite")
     inst = InstrumentedEngine(engine)
-    runtime = DFlashRuntime(inst, **opts.decoding)
+    # Steered by the recorded costs, never by costs fitted to this machine's clock: which drafts get verified -- and so
+    # τ and every verdict judged on it -- must not depend on how loaded the machine validating is.
+    runtime = DFlashRuntime(inst, **{**opts.decoding, "fit_costs": False})
     info = engine.info
     precision = ((engine_meta or {}).get("manifest") or {}).get("precision") or {}
     quantized = any(v != "fp32" for v in precision.values())
