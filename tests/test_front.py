@@ -373,3 +373,24 @@ def test_an_instance_whose_stub_died_is_a_503_even_before_health_sees_it(front, 
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
     resp = raw(front, post("/v1/chat/completions", body))
     assert status_of(resp) == 503 and b"server_error" in resp
+
+
+def test_a_connection_dropped_by_a_dying_stub_is_answered_with_the_death(front, monkeypatch):
+    """tritonserver can drop a request's connection the moment its model's stub dies, before `serve`'s health poll
+    (every 0.5 s) has failed the model: the client still gets 503 with Retry-After naming the death, not "the server
+    is being restarted". With no death reported, a dropped connection is a 503 that says the request was dropped."""
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler.close_connection = True
+        handler.connection.shutdown(socket.SHUT_RDWR)  # no answer at all: what a killed stub can leave
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    why = "a model stub of dflash died (pid 4242; its model reloads)"
+    timer = threading.Timer(0.6, front.fail_model, ("dflash", why))
+    timer.start()
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'), timeout=8)
+    timer.join()
+    assert status_of(resp) == 503 and b"Retry-After" in resp and b"pid 4242" in resp, resp
+    front.model_back("dflash")
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'), timeout=8)
+    assert status_of(resp) == 503 and b"Retry-After" in resp and b"dropped the request" in resp, resp

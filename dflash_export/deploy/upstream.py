@@ -23,6 +23,9 @@ SECRET_HEADER = "dflash-front"
 CANCEL_PARAMETER = "dflash_cancel"   # request parameter carrying the cancel token to the model
 # Triton APIs that require the secret header (every category its --http-restricted-api knows).
 RESTRICTED_APIS = ("health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging")
+# How long a request whose tritonserver connection broke waits to learn that its model's stub died: the health poll
+# runs every 0.5 s (`TritonServer.wait`), plus a busy machine's delay.
+STUB_DEATH_GRACE_S = 2.0
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
         "content-length", "host", SECRET_HEADER}
 
@@ -68,7 +71,7 @@ class Upstream:
         finally:
             if dead is not None:
                 dead.cancel()
-        if task in done:
+        if task in done and not (dead in done and task.exception() is not None):
             return task.result()
         task.cancel()
         if dead is not None and dead in done:
@@ -95,8 +98,11 @@ class Upstream:
                                                                         else None))
         try:
             return await self._race(conn, self._client.send(req, stream=True), token, self.limits.request_timeout_s)
-        except (httpx.TransportError, OSError):
+        except httpx.ConnectError:
             raise retry_soon("tritonserver is not answering (it is being restarted)") from None
+        except (httpx.TransportError, OSError):
+            raise await self._dropped(token, "tritonserver dropped the request (a model stub or the server "
+                                             "died)") from None
 
     async def _read_upstream(self, conn: Connection, resp, token: str | None) -> bytes:
         import httpx
@@ -104,9 +110,23 @@ class Upstream:
         try:
             return await self._race(conn, resp.aread(), token, self.limits.request_timeout_s)
         except (httpx.TransportError, OSError):
-            raise retry_soon("tritonserver stopped answering mid-request (a model stub or the server died)") from None
+            raise await self._dropped(token, "tritonserver stopped answering mid-request (a model stub or the "
+                                             "server died)") from None
         finally:
             await resp.aclose()
+
+    async def _dropped(self, token: str | None, otherwise: str) -> Refused:
+        """The 503 for a request whose connection to tritonserver broke. A stub's death can break it before `serve`'s
+        health poll has seen the death (every STUB_DEATH_GRACE_S at most): so wait that long for the request's model
+        to be failed, and name the death when it is; `otherwise` when it is not (the server itself went)."""
+        failed, why = self._model_failure(token)
+        if failed is not None and why is None:
+            try:
+                await asyncio.wait_for(failed.wait(), STUB_DEATH_GRACE_S)
+            except asyncio.TimeoutError:
+                pass
+            _, why = self._model_failure(token)
+        return retry_soon(why or otherwise)
 
     async def _forward(self, conn: Connection, method: str, target: str, headers: dict, body: bytes, token: str | None,
                        streaming: bool, head_only: bool, generation: bool = False) -> int:
@@ -155,7 +175,9 @@ class Upstream:
                     yield {"error": e.message}
                     return
                 except (httpx.TransportError, OSError):
-                    yield {"error": "tritonserver stopped answering mid-stream (a model stub or the server died)"}
+                    e = await self._dropped(token, "tritonserver stopped answering mid-stream (a model stub or the "
+                                                   "server died)")
+                    yield {"error": e.message}
                     return
                 buf += chunk
                 while b"\n\n" in buf:
