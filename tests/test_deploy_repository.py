@@ -378,3 +378,36 @@ def test_deploy_records_the_request_limits_serve_applies(tmp_path):
     assert parse_json_bounded(b'{"a": "[[[[[[[[", "b": [[1]]}', 4) == {"a": "[[[[[[[[", "b": [[1]]}
     with pytest.raises(Refused, match="nested deeper than 4 levels"):
         parse_json_bounded(b'{"a": [{"b": [[1]]}]}', 4)
+
+
+def test_serves_of_one_engine_starting_at_once_share_one_cached_repository(tmp_path, engine_dir):
+    """`serve --engine` writes its repository into the cache on first use. Four processes asking for it at once all get
+    the same checked repository, written once (the same directory, not one renamed away under another's server), and
+    nothing else is left in the cache."""
+    import time
+
+    # Each imports, says so, and waits for the go: the four calls start within a few milliseconds of each other.
+    code = """if True:
+        import os, sys, time
+        from dflash_export.deploy.repository import cached_repository, check_repository
+        open(sys.argv[2] + ".ready", "w").close()
+        while not os.path.exists(sys.argv[3]):
+            time.sleep(0.002)
+        repo = cached_repository(sys.argv[1], max_batch=1)
+        check_repository(repo)
+        print(repo, os.stat(repo).st_ino)
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path / "cache")}
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(engine_dir), str(tmp_path / f"p{i}"), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"p{i}.ready").exists() for i in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-1500:] for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1, paths  # one path and one inode: the directory each process got is the one that stays
+    repo = Path(paths.pop().rsplit(" ", 1)[0])
+    assert [p.name for p in (tmp_path / "cache" / "repos").iterdir()] == [repo.name]

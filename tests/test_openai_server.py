@@ -373,15 +373,16 @@ def test_two_serves_on_one_machine_with_8001_and_8002_taken(engine_dir, tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path / "cache")}
     procs, urls = [], []
     try:
-        for port in free_ports(2):
-            procs.append(subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--engine", str(engine_dir),
-                                           "--port", str(port), "--max-batch", "1"], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                          start_new_session=True))
+        for i, port in enumerate(free_ports(2)):
+            with open(tmp_path / f"serve{i}.err", "w") as err:
+                procs.append(subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--engine",
+                                               str(engine_dir), "--port", str(port), "--max-batch", "1"], cwd=ROOT,
+                                              env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                              start_new_session=True))
             urls.append(f"http://127.0.0.1:{port}")
-        for proc in procs:
+        for i, proc in enumerate(procs):
             line = ready_line(proc, 180)
-            assert line.startswith("ready:"), line
+            assert line.startswith("ready:"), (line, (tmp_path / f"serve{i}.err").read_text()[-2000:])
         for url in urls:
             status, body = post_json(url + "/v1/chat/completions", {"model": "tiny-qwen3", "messages": MESSAGES[0],
                                                                     "max_tokens": 4})

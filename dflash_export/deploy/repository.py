@@ -424,6 +424,7 @@ def stub_python_path() -> list[str]:
 def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False) -> Path:
     """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
     engine's manifest, the options and this project's model code, then reused (checked again on every start)."""
+    import fcntl
     import hashlib
 
     from dflash_export.files import cache_dir
@@ -440,10 +441,21 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
                  Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
         key.update(hashlib.sha256(part).digest())
     repo = cache_dir() / "repos" / f"{(manifest.recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
-    if (repo / MARKER).is_file():
-        try:
-            check_repository(repo)
-            return repo
-        except DFlashError:
-            pass  # stale or damaged: written again below
-    return write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
+    # Two `serve`s of one engine starting at once must not both write it: the second would rename the first's
+    # repository away under its starting server. One writes under the lock; the other waits, then reuses it.
+    try:
+        locks = cache_dir() / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        lock = open(locks / f"repo-{repo.name}.lock", "a")
+    except OSError as e:
+        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=cache_dir(),
+                          field="--engine") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (repo / MARKER).is_file():
+            try:
+                check_repository(repo)
+                return repo
+            except DFlashError:
+                pass  # stale or damaged: written again below
+        return write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
