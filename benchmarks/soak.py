@@ -565,6 +565,8 @@ def main(argv=None) -> int:
         serve_rc = serve.wait()
     err_text = "".join(serve_err)
     restarts = err_text.count("tritonserver died")
+    # Why each restart happened: tritonserver exiting on its own ("tritonserver exited (...)") or a reload that failed.
+    restart_reasons = re.findall(r"(?m)^tritonserver died \((.*)\); restarting it", err_text)
     reloads = err_text.count("\nreloaded ") + err_text.startswith("reloaded ")
     reload_s = [float(x) for x in re.findall(r"(?m)^reloaded \S+ in ([\d.]+) s", err_text)]  # detection to load done
     time.sleep(1.0)
@@ -633,7 +635,8 @@ def main(argv=None) -> int:
         "rss_by_process": role_growth,
         "rss_idle_mib": round(idle_rss / 2**20), "rss_peak_after_warmup_mib": round(peak_rss / 2**20),
         "rss_peak_over_idle_plus_kv_peak": round(over_bound, 4),
-        "server_alive_at_end": alive_at_end, "server_restarts": restarts, "model_reloads": reloads,
+        "server_alive_at_end": alive_at_end, "server_restarts": restarts,
+        "restart_reasons": restart_reasons, "model_reloads": reloads,
         "reload_seconds": reload_s,
         "serve_exit_code": serve_rc,
         "faults": faults.events if faults else [], "orphans_after_exit": len(orphans),

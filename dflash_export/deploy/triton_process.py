@@ -681,6 +681,8 @@ class TritonServer:
             if status == 200:
                 status, body = self._call("POST", f"/v2/repository/models/{model}/load", self.reload_timeout_s)
             if status != 200:
+                if self.proc is not None and self.proc.poll() is not None:  # the server itself died meanwhile
+                    raise self._death_error()
                 detail = _shorten(body.decode("utf-8", "replace")) if status else \
                     f"no answer within {self.reload_timeout_s:g} s"
                 raise ServerError(f"{why.split(';')[0]}; reloading {model} failed (HTTP {status}: {detail})"
