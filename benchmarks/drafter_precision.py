@@ -1,7 +1,8 @@
 """Engines that share one target and differ in their drafter (its precision, its head), side by side: each engine's
 default DFlash decoding against plain decoding on the same engine, every engine run on the same prompt before the next
 prompt (interleaved: the machine's load drifts, the ratios stay fair), with τ, tokens/s, outputs identical to plain
-decoding, and the median draft pass (drafter graph + draft head + host) against the median plain step.
+decoding, and the median draft pass (drafter graph + draft head + host) against the median plain step, as
+benchmarks/engine_costs.py times them.
 
     dflash-export build --recipe smollm2-135m --precision fp32 --drafter-precision int8
     python benchmarks/drafter_precision.py --engines engines/smollm2-135m/onnxruntime,\
@@ -16,35 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def draft_pass_ms(engine, prompt_ids, reps: int = 30) -> tuple[float, float]:
-    """(median draft pass, median plain step) in ms on `engine`, after prefilling `prompt_ids`: each rep a plain
-    step, a two-token verify (fresh context for the drafter), then one draft, as decoding interleaves them."""
-    import numpy as np
-
-    from dflash_export.engines.base import SamplingParams
-
-    sp = SamplingParams()
-    seq = engine.new_sequence(len(prompt_ids) + 4 * reps + 8)
-    tok = int(np.argmax(engine.prefill(seq, np.asarray(prompt_ids, np.int64))))
-    plain, draft = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        tok = int(np.argmax(engine.decode(seq, tok)))
-        plain.append(time.perf_counter() - t0)
-        engine.verify(seq, np.array([tok, tok], np.int64), None, sp, None)
-        t0 = time.perf_counter()
-        engine.draft(seq, tok, sp, None)
-        draft.append(time.perf_counter() - t0)
-    return statistics.median(draft[3:]) * 1e3, statistics.median(plain[3:]) * 1e3
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main() -> None:
@@ -58,6 +37,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+
+    from engine_costs import measure
 
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.numerics import cpu_features, isa_label
@@ -88,14 +69,15 @@ def main() -> None:
             s["identical"] += plain.tokens == dflash.tokens
         print(f"\r{i + 1}/{len(rows)} prompts, {time.time() - t0:.0f} s", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    probe_ids = runtimes[names[0]][0].encode(rows[0]["prompt"])
     cpu = cpu_features()
     how = "greedy" if args.temperature <= 0 else f"T {args.temperature:g} top-k {args.top_k} top-p {args.top_p:g}"
     print(f"{len(rows)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(rows) - 1}) x "
           f"{args.max_new_tokens} new tokens, {how}; CPU {cpu['model']} ({isa_label(cpu['isa'])})")
     for n in names:
         s = sums[n]
-        draft_ms, plain_ms = draft_pass_ms(engines[n], probe_ids)
+        # The step costs as engine_costs.py times them (its own load of the engine, 128 tokens of context).
+        costs = measure(Path(n), argparse.Namespace(threads=args.threads, context=128, reps=30, cpu_time=False))
+        draft_ms, plain_ms = costs[f"draft_{engines[n].info.block_size}_ms"], costs["step_1_ms"]
         precision = json.loads((Path(n) / "manifest.json").read_text()).get("precision", {})
         print(f"{n}: DFlash / plain {s['plain_s'] / s['dflash_s']:.3f}x  tau {s['tokens'] / max(1, s['steps']):.2f}  "
               f"plain {s['tokens'] / s['plain_s']:.1f} tok/s  DFlash {s['tokens'] / s['dflash_s']:.1f} tok/s  "

@@ -443,12 +443,12 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
     repo = cache_dir() / "repos" / f"{(manifest.recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
     # Two `serve`s of one engine starting at once must not both write it: the second would rename the first's
     # repository away under its starting server. One writes under the lock; the other waits, then reuses it.
+    locks = repo.parent.parent / "locks"
     try:
-        locks = cache_dir() / "locks"
         locks.mkdir(parents=True, exist_ok=True)
         lock = open(locks / f"repo-{repo.name}.lock", "a")
     except OSError as e:
-        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=cache_dir(),
+        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=locks,
                           field="--engine") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

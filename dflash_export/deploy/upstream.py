@@ -117,8 +117,8 @@ class Upstream:
 
     async def _dropped(self, token: str | None, otherwise: str) -> Refused:
         """The 503 for a request whose connection to tritonserver broke. A stub's death can break it before `serve`'s
-        health poll has seen the death (every STUB_DEATH_GRACE_S at most): so wait that long for the request's model
-        to be failed, and name the death when it is; `otherwise` when it is not (the server itself went)."""
+        health poll (every 0.5 s) has seen the death: so wait up to STUB_DEATH_GRACE_S for the request's model to be
+        failed, and name the death when it is; `otherwise` when it is not (the server itself went)."""
         failed, why = self._model_failure(token)
         if failed is not None and why is None:
             try:
