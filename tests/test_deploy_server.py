@@ -532,6 +532,58 @@ def test_serve_restarts_a_crashed_tritonserver_and_clears_what_it_left(tmp_path,
 
 
 @pytest.mark.server
+def test_tritonserver_dead_before_its_bridge_exits_is_a_restart_not_a_stub_reload(tmp_path, engine_dir):
+    """In a private network namespace `serve` runs tritonserver under a bridge process that exits with it, up to a
+    poll later; tritonserver's stubs die with tritonserver. A health poll landing in between saw dead stubs and a
+    live server, reloaded the model through a server that was gone and reported a failed reload. Here the bridge is
+    held (SIGSTOP) while tritonserver and its stubs are killed, so that moment lasts 3 s: `serve` must wait for the
+    server's exit and restart it for that reason, with no reload."""
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    http, metrics = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
+                             str(http), "--metrics-port", str(metrics)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{http}/v2/models/dflash/generate"
+    bridge = None
+    try:
+        assert ready_line(proc).startswith("ready:")
+        server = tritonserver_pid(repo)
+        bridge = int(Path(f"/proc/{server}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        if bridge == proc.pid:
+            pytest.skip("no private network namespace here: tritonserver runs without a bridge")
+        stubs = [p for p in pids_mentioning(str(repo)) if b"triton_python_backend_stub" in
+                 Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert stubs
+        os.kill(bridge, signal.SIGSTOP)
+        for pid in [server, *stubs]:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(3.0)  # six health polls with the stubs dead and the bridge alive
+        os.kill(bridge, signal.SIGCONT)
+        deadline, status = time.monotonic() + 180, None
+        while time.monotonic() < deadline:
+            status, body = post_json(url, {"text_input": "again", "max_tokens": 3})
+            if status == 200:
+                break
+            assert status == 503, (status, body)
+            time.sleep(0.5)
+        assert status == 200 and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        assert "tritonserver died (" in err and ": tritonserver exited (signal 9" in err and "reload" not in err, err
+    finally:
+        if bridge is not None:
+            try:
+                os.kill(bridge, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert pids_mentioning(str(repo)) == []
+
+
+@pytest.mark.server
 def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tmp_path, long_engine):
     """kill -9 of one `dflash` stub while both its instances run long requests: those requests get 503 with
     Retry-After within seconds (not after their whole run), the streaming model answers correctly while `dflash`

@@ -313,6 +313,9 @@ class TritonServer:
         self.grpc = grpc
         self.model_id: str | None = None  # the OpenAI API's model name (default: the repository's recipe)
         self._pgid: int | None = None
+        # tritonserver's own pid: self.proc's, or, in a private network namespace, the child of the bridge that
+        # self.proc runs, which outlives it by up to one bridge poll (its stubs die with it at once)
+        self._server_pid: int | None = None
         self._stubs: dict[int, str] = {}  # the running server's model stubs: pid -> model, counted once it is ready
         self.stub_death: str | None = None
         self._dead_models: set[str] = set()
@@ -443,6 +446,7 @@ class TritonServer:
             self._reader = threading.Thread(target=self._pump, daemon=True)
             self._reader.start()
             self._wait_ready()
+            self._server_pid = self._find_server_pid()
             self._protect_shm()
             self._stubs = self._count_stubs()
             self._python_envs |= _python_env_dirs() - envs_before
@@ -559,6 +563,25 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _find_server_pid(self) -> int | None:
+        if not self.private:
+            return self.proc.pid
+        found = group_members(self._pgid, "tritonserver")
+        return found[0] if len(found) == 1 else None
+
+    def _server_gone(self) -> bool:
+        """tritonserver itself has exited, though the bridge (self.proc) may not have noticed yet."""
+        return (self.proc is None or self.proc.poll() is not None
+                or (self._server_pid is not None and not _running(self._server_pid)))
+
+    def _await_death(self, timeout_s: float = 5.0) -> None:
+        """Once tritonserver is gone, give the bridge the moment it takes to reap it and exit with its status (what
+        `_death_error` reports)."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
     def _protect_shm(self) -> None:
         """Owner-only (0600) shared-memory regions: the python backend creates them 0644 whatever the umask (it sets
         the mode itself), and they carry prompts and outputs. Run once the server is ready (before any request) and
@@ -586,6 +609,9 @@ class TritonServer:
         """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead (of
         `model`, when one is named)."""
         if self.stub_death is None:
+            # tritonserver's death kills its stubs with it: seen before the bridge exits, that is no stub death
+            if self._server_gone():
+                return "tritonserver is not running"
             dead = {p: m for p, m in self._stubs.items() if not _running(p)}
             if dead:
                 more = f" and {len(dead) - 1} more" if len(dead) > 1 else ""
@@ -681,10 +707,12 @@ class TritonServer:
             if status == 200:
                 status, body = self._call("POST", f"/v2/repository/models/{model}/load", self.reload_timeout_s)
             if status != 200:
-                if self.proc is not None and self.proc.poll() is not None:  # the server itself died meanwhile
+                if self.proc is not None and self._server_gone():  # the server itself died meanwhile
+                    self._await_death()
                     raise self._death_error()
                 detail = _shorten(body.decode("utf-8", "replace")) if status else \
-                    f"no answer within {self.reload_timeout_s:g} s"
+                    f"no answer within {self.reload_timeout_s:g} s" if body == b"timed out" else \
+                    f"no answer: {_shorten(body.decode('utf-8', 'replace'))}"
                 raise ServerError(f"{why.split(';')[0]}; reloading {model} failed (HTTP {status}: {detail})"
                                   + self._log_note(), path=self.repo)
         self._protect_shm()
