@@ -92,6 +92,8 @@ def load_gguf_target(gguf: Path, cfg_dir: Path, device):
 def greedy_answers(target, prompts, max_new: int, batch: int, deadline: float, device) -> list[tuple[int, list, list]]:
     """(index, prompt ids, answer ids) for as many prompts as fit before `deadline`: left-padded batches of similar
     lengths, greedy, cut after the first stop token."""
+    from dflash_export.train.data import cut_at_stop, left_padded
+
     stop = set(target.stop_token_ids)
     pad = next(iter(target.stop_token_ids), 0)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
@@ -101,22 +103,11 @@ def greedy_answers(target, prompts, max_new: int, batch: int, deadline: float, d
             log(f"answers: deadline reached after {len(out)} prompts")
             break
         rows = [prompts[i] for i in order[b0:b0 + batch]]
-        width = max(len(p) for _, p in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (_, p) in enumerate(rows):
-            ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
+        ids, attn = left_padded([p for _, p in rows], pad)
         gen = target.hf.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new,
                                  do_sample=False, eos_token_id=sorted(stop) or None, pad_token_id=pad,
                                  temperature=None, top_p=None, top_k=None).cpu()
-        for r, (index, p) in enumerate(rows):
-            resp = gen[r, width:].tolist()
-            for j, t in enumerate(resp):
-                if t in stop:
-                    resp = resp[: j + 1]
-                    break
-            out.append((index, p, resp))
+        out += [(index, p, cut_at_stop(gen[r, ids.shape[1]:].tolist(), stop)) for r, (index, p) in enumerate(rows)]
         n_tok = sum(len(a) for _, _, a in out)
         log(f"answers: {len(out)} prompts, {n_tok} answer tokens")
     return out

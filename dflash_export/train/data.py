@@ -41,6 +41,25 @@ class TrainSequence:
                 "top_logp": self.top_logp, "index": self.index, "teacher_forced": self.teacher_forced}
 
 
+def left_padded(prompts: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, W] left-padded with `pad` to the longest prompt, and the attention mask (1 = a prompt token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    return ids, attn
+
+
+def cut_at_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    """A generated continuation up to and including its first stop token."""
+    for j, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: j + 1]
+    return tokens
+
+
 @torch.inference_mode()
 def generate_sequences(target, prompts: Sequence[tuple[int, list[int]]], tap_ids: Sequence[int], max_new_tokens: int,
                        batch_size: int = 16, topk: int = 4) -> list[TrainSequence]:
@@ -53,23 +72,11 @@ def generate_sequences(target, prompts: Sequence[tuple[int, list[int]]], tap_ids
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
     for b0 in range(0, len(order), batch_size):
         batch = [prompts[i] for i in order[b0:b0 + batch_size]]
-        width = max(len(p) for _, p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (_, p) in enumerate(batch):
-            ids[r, width - len(p):] = torch.tensor(p)
-            attn[r, width - len(p):] = 1
+        ids, attn = left_padded([p for _, p in batch], pad)
         gen = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
                           eos_token_id=sorted(stop) or None, pad_token_id=pad, temperature=None, top_p=None,
                           top_k=None)
-        full = []
-        for r, (_, p) in enumerate(batch):
-            resp = gen[r, width:].tolist()
-            for j, t in enumerate(resp):
-                if t in stop:
-                    resp = resp[: j + 1]
-                    break
-            full.append(p + resp)
+        full = [p + cut_at_stop(gen[r, ids.shape[1]:].tolist(), stop) for r, (_, p) in enumerate(batch)]
         # Taps and soft targets from an unpadded-left causal pass (right padding cannot affect earlier positions).
         s_max = max(len(f) for f in full)
         ids2 = torch.full((len(full), s_max), pad, dtype=torch.long)
