@@ -132,6 +132,35 @@ def test_lookup_stats_score_is_a_product_of_survival_rates():
     assert stats.score(3) == pytest.approx((a + 1) / (p + 1) * a / (p + 1) * a / p)
 
 
+def test_lookup_branches_carry_the_longest_match_that_found_them():
+    """By hand: the suffix 1 2 3 4 5 occurs as 2 3 4 5 after index 0 (continued by 9 7 4; the 3- and 2-token matches
+    of that occurrence are the same branch, credited to the 4-token match) and 4 5 occurs last at index 7 (continued
+    by 8 1 2): two branches, found by 4 and by 2 tokens. The incremental index says the same."""
+    from dflash_export.decoding.prompt_lookup import ContextIndex
+
+    ctx = [1, 2, 3, 4, 5, 9, 7, 4, 5, 8, 1, 2, 3, 4, 5]
+    want = [(4, [9, 7, 4]), (2, [8, 1, 2])]
+    assert lookup_branches(ctx, 3, with_sizes=True) == want
+    assert ContextIndex(ctx).branches(3, with_sizes=True) == want
+    assert lookup_branches(ctx, 3) == ContextIndex(ctx).branches(3) == [[9, 7, 4], [8, 1, 2]]
+
+
+def test_lookup_stats_count_each_match_length_apart():
+    """A branch found by an 8-token match accepted at depth 1 and one found by a 2-token match rejected there: each
+    length's survival rate moves from the prior by its own count alone; a branch of unknown length, none."""
+    stats = LookupStats(4)
+    tree = build_tree(0, None, [[1, 2], [3, 4]], top_k=0, max_nodes=10, lookup_sizes=[8, 2])
+    assert [tree.matches[i] for i in range(1, len(tree)) if tree.depths[i] == 1] == [8, 2]
+    first = next(i for i in range(1, len(tree)) if tree.tokens[i] == 1)
+    stats.record(tree, [0, first])
+    a, p = LookupStats.PRIOR
+    assert stats.score(1, 8) == pytest.approx((a + 1) / (p + 1))
+    assert stats.score(1, 2) == pytest.approx(a / (p + 1))
+    assert stats.score(1) == stats.score(1, 3) == pytest.approx(a / p)
+    # the 8-branch's second token was verified under an accepted parent and rejected (path stops at depth 1)
+    assert stats.score(2, 8) == pytest.approx((a + 1) / (p + 1) * a / (p + 1))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tree verification in the engine and the reference
 

@@ -39,17 +39,17 @@ def lookup_proposal(context: Sequence[int], max_tokens: int, ngram_sizes: Sequen
 TREE_NGRAM_SIZES = (8, 6, 4, 3, 2)
 
 
-def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequence[int] = TREE_NGRAM_SIZES
-                    ) -> list[list[int]]:
+def lookup_branches(context: Sequence[int], max_tokens: int, ngram_sizes: Sequence[int] = TREE_NGRAM_SIZES,
+                    with_sizes: bool = False) -> list:
     """The distinct continuations (up to `max_tokens` each) of the latest earlier occurrence of the context's last n
     tokens, for each n (largest first): the lookup branches a draft tree merges (decoding/tree.py). The first is
-    `lookup_proposal`'s."""
-    out: list[list[int]] = []
+    `lookup_proposal`'s. `with_sizes`: (n, branch) pairs, n the longest match that found the branch."""
+    out: list[tuple[int, list[int]]] = []
     for n in ngram_sizes:
         branch = lookup_proposal(context, max_tokens, (n,))
-        if branch and branch not in out:
-            out.append(branch)
-    return out
+        if branch and all(branch != b for _, b in out):
+            out.append((n, branch))
+    return out if with_sizes else [b for _, b in out]
 
 
 class ContextIndex:
@@ -70,9 +70,9 @@ class ContextIndex:
                 if end >= n:
                     self._latest[n][tuple(self.tokens[end - n:end])] = end - n
 
-    def branches(self, max_tokens: int) -> list[list[int]]:
-        """What `lookup_branches(self.tokens, max_tokens, sizes)` returns."""
-        out: list[list[int]] = []
+    def branches(self, max_tokens: int, with_sizes: bool = False) -> list:
+        """What `lookup_branches(self.tokens, max_tokens, sizes, with_sizes)` returns."""
+        out: list[tuple[int, list[int]]] = []
         size = len(self.tokens)
         for n in self.sizes:
             if size <= n:
@@ -80,9 +80,9 @@ class ContextIndex:
             start = self._latest[n].get(tuple(self.tokens[size - n:]))
             if start is not None:
                 branch = self.tokens[start + n:start + n + max_tokens]
-                if branch and branch not in out:
-                    out.append(branch)
-        return out
+                if branch and all(branch != b for _, b in out):
+                    out.append((n, branch))
+        return out if with_sizes else [b for _, b in out]
 
 
 def prompt_lookup_steps(prompt: Sequence[int], answer: Sequence[int], block_size: int,

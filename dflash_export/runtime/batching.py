@@ -459,7 +459,9 @@ class BatchingRuntime:
             owed = a.req.sp.max_new_tokens - a.produced - 1
             depth = min(bs - 1, owed)
             # Whole trees: lookup branches as deep as the numerics probe checked rows (never more rows than a block)
-            branches = a.state.context.branches(min(self.max_rows - 1, owed) if full else depth) if owed > 0 else []
+            found = a.state.context.branches(min(self.max_rows - 1, owed) if full else depth, with_sizes=True) \
+                if owed > 0 else []
+            branches, sizes = [b for _, b in found], [n for n, _ in found]
             logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
             if not branches and logits is None:
                 continue
@@ -468,7 +470,7 @@ class BatchingRuntime:
             if full:
                 nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1, room)
                 tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,
-                                                  lookup_scores=self.lookup_stats.score)
+                                                  lookup_scores=self.lookup_stats.score, lookup_sizes=sizes)
                 if len(tree) < 2:
                     continue
                 # Nodes come best-first (decoding/tree.build_tree), parents before children: the first n rows of
@@ -477,7 +479,7 @@ class BatchingRuntime:
                 a.whole = (tree, logits is not None)
             else:
                 tree = self.spine_proposal.propose(a.last, logits, branches, max_nodes=bs - 1,
-                                                   lookup_scores=self.lookup_stats.score)
+                                                   lookup_scores=self.lookup_stats.score, lookup_sizes=sizes)
             spine = tree.best_chain()
             if len(spine) < 2:
                 continue
@@ -713,7 +715,8 @@ def _first_nodes(tree: DraftTree, n: int) -> DraftTree:
     """The tree's first `n` nodes (a tree: every parent comes before its children)."""
     if n >= len(tree):
         return tree
-    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.sources[:n], tree.scores[:n])
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.sources[:n], tree.scores[:n],
+                     tree.origins[:n], tree.matches[:n])
 
 
 class BatchingService:

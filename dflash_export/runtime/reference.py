@@ -165,9 +165,10 @@ def tree_spec_generate(drafter, target, input_ids, max_new_tokens: int = 128, st
             draft_logits, _ = drafter.draft_step(target, taps, taps_pos, block, positions, d_cache)
             logprobs = draft_logits[0].float().numpy()  # build_tree normalizes the top-K it keeps per slot
         owed = max_new_tokens - len(tokens)
-        branches = lookup_branches(state.context.tokens, min(lookup_depth, owed)) if lookups else []
+        found = lookup_branches(state.context.tokens, min(lookup_depth, owed), with_sizes=True) if lookups else []
+        branches = [b for _, b in found]
         full = build_tree(tokens[-1], logprobs, branches, top_k=top_k, max_nodes=min(max_nodes, lookup_depth),
-                          lookup_scores=state.lookups.score)
+                          lookup_scores=state.lookups.score, lookup_sizes=[n for n, _ in found])
         spine = full.best_chain()
         tree = full if tree_mode == "full" else chain(tokens[-1], [full.tokens[i] for i in spine[1:]])
         n = len(tree)

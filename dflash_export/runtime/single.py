@@ -393,7 +393,9 @@ class DFlashRuntime:
         max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else bs
         depth = min(bs - 1, owed)
         room = min(info.max_seq_len - seq.length - 1, max_rows - 1)
-        lookups = state.context.branches(min(max_rows - 1, owed)) if proposal.lookups and owed > 0 else []
+        found = state.context.branches(min(max_rows - 1, owed), with_sizes=True) \
+            if proposal.lookups and owed > 0 else []
+        lookups, sizes = [b for _, b in found], [n for n, _ in found]
         static = state.static.branches(state.context.tokens, min(max_rows - 1, owed)) \
             if state.static is not None and owed > 0 else []
         logprobs, drafted, drafts = None, False, None
@@ -417,7 +419,7 @@ class DFlashRuntime:
         else:
             tree = proposal.propose(last, logprobs, lookups, max_nodes=min(self.tree_nodes, room),
                                     min_score=min_score, lookup_scores=state.lookups.score, static=static,
-                                    static_scores=state.static_stats.score)
+                                    static_scores=state.static_stats.score, lookup_sizes=sizes)
         t1 = time.perf_counter()
 
         def accept_with(t):
