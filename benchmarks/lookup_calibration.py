@@ -51,7 +51,8 @@ def answers(recipe_name: str, num_prompts: int, max_new: int, batch: int) -> lis
 
 
 def replay(pairs, max_depth: int) -> dict:
-    """{n: [branches, right at depth 1, right at depth 2, ...]} with each branch credited to the longest n matching."""
+    """{n: [branches, right at depth 1, right at depth 2, ...]}, each branch credited to the longest n that found it
+    (ContextIndex.branches, as the runtimes call it)."""
     from dflash_export.decoding.prompt_lookup import TREE_NGRAM_SIZES, ContextIndex
 
     counts = {n: [0] * (max_depth + 1) for n in TREE_NGRAM_SIZES}
@@ -60,17 +61,7 @@ def replay(pairs, max_depth: int) -> dict:
         for t in range(1, len(answer)):
             if t + max_depth > len(answer):  # too little answer left to judge a whole branch
                 break
-            toks, seen = index.tokens, []
-            for n in index.sizes:
-                if len(toks) <= n:
-                    continue
-                start = index._latest[n].get(tuple(toks[len(toks) - n:]))
-                if start is None:
-                    continue
-                branch = toks[start + n:start + n + max_depth]
-                if not branch or branch in seen:
-                    continue
-                seen.append(branch)
+            for n, branch in index.branches(max_depth, with_sizes=True):
                 row = counts[n]
                 row[0] += 1
                 for d, tok in enumerate(branch):
