@@ -2,14 +2,17 @@
 
 The recipe's `train` runs on CPUs, where the shipped drafter got ~1900 steps of 4 sequences: too little compute for it
 to learn to copy what its context repeats (recipes/smollm2-135m/README.md). This script spends a GPU's minutes on the
-same objective with the same code (train/blocks.py: block layout, masks, loss; train/loop.py: batches, learning-rate
-schedule) and only moves tensors: the target's greedy answers are made on the GPU in large batches, their taps and
-top-4 soft targets come from one causal forward, batches are laid out by CPU workers and the drafter steps on the GPU.
+same objective with the same code (train/blocks.py: block layout, masks, loss; train/loop.py: batches, the optimizer
+step, the held-out evaluation) and only moves tensors: the target's greedy answers are made on the GPU in large
+batches, their taps and top-4 soft targets come from one causal forward, batches are laid out by CPU workers and the
+drafter steps on the GPU. Its learning rate follows a cosine over the run's seconds, not its steps (a GPU's step count
+is not known in advance).
 
 Two steps, because the GPU machine has no package index and no model hub:
   python scripts/gpu_train.py prepare DIR          (here) prompts as token ids (ShareGPT train split, index < 12 000,
-                                                   chat-templated, <= 128 tokens), the target's config files, a
-                                                   digest of its fp32 weights
+                                                   chat-templated, <= 128 tokens; and 256 of the held-out split,
+                                                   index >= 12 000, for the evaluation), the target's config
+                                                   files, a digest of its fp32 weights
   python3 scripts/gpu_train.py run DIR --out OUT   (there) target from the GGUF (transformers' loader, checked against
                                                    the digest), answers, features, training, best drafter by the
                                                    held-out implied τ, saved in <= 12 MB shards
@@ -32,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 T0 = time.monotonic()
+HELDOUT_PROMPTS = 256  # held-out split prompts `prepare` writes; `run --heldout` answers the first of them
 
 
 def log(msg: str) -> None:
@@ -56,13 +60,17 @@ def prepare(out: Path, num_prompts: int) -> None:
     target = load_target(recipe.target)
     out.mkdir(parents=True, exist_ok=True)
     prompts = sharegpt_prompt_ids(target, "train", 128, seed=0, limit=num_prompts)
-    torch.save({"prompts": prompts, "stop_token_ids": target.stop_token_ids}, out / "prompts.pt")
+    # evaluation prompts from the held-out split (index >= 12 000), which no drafter of this project trained on
+    heldout = sharegpt_prompt_ids(target, "heldout", 128, seed=0, limit=HELDOUT_PROMPTS)
+    torch.save({"prompts": prompts, "heldout": heldout, "stop_token_ids": target.stop_token_ids},
+               out / "prompts.pt")
     src = resolve_target_dir(recipe.target)
     (out / "target").mkdir(exist_ok=True)
     for name in ("config.json", "generation_config.json"):
         shutil.copy(src / name, out / "target" / name)
     (out / "target" / "digest.txt").write_text(weights_digest(target.hf) + "\n")
-    log(f"{len(prompts)} prompts and the target's config and digest written to {out}")
+    log(f"{len(prompts)} training and {len(heldout)} held-out prompts, the target's config and digest written to "
+        f"{out}")
 
 
 # ---------------------------------------------------------------------------------------------------------- target
@@ -159,45 +167,13 @@ class Batches(torch.utils.data.Dataset):
         return asdict(make_batch(self.seqs, self.cfg, self.mask_id, step))
 
 
-def to_batch(d: dict, device):
-    from dflash_export.train.blocks import BlockBatch
-
-    return BlockBatch(**{k: v.to(device, non_blocking=True) for k, v in d.items()})
-
-
-@torch.no_grad()
-def heldout_stats(drafter, target, seqs, block_size: int, device, seed: int = 12345, blocks_per_seq: int = 32):
-    """Implied τ and slot accuracies on fixed anchors of held-out sequences, full-vocabulary LM head (as decoding)."""
-    from dflash_export.train.blocks import (
-        acceptance_stats,
-        block_loss,
-        build_blocks,
-        position_weights,
-        sample_anchors,
-        train_forward,
-    )
-
-    g = torch.Generator().manual_seed(seed)
-    head = target.hf.get_output_embeddings().weight
-    weights = position_weights(block_size, 1.0).to(device)
-    corr, val = [], []
-    drafter.eval()
-    for i in range(0, len(seqs), 8):
-        chunk = seqs[i:i + 8]
-        anchors = [sample_anchors(s, blocks_per_seq, g) for s in chunk]
-        batch = to_batch(vars(build_blocks(chunk, anchors, block_size, drafter.config.mask_token_id)), device)
-        hidden = train_forward(drafter, target.embed, batch)
-        res = block_loss(hidden, batch, head, None, weights, 0.0)
-        corr.append(res.correct.flatten(0, 1).cpu())
-        val.append(res.valid.flatten(0, 1).cpu())
-    drafter.train()
-    return acceptance_stats(torch.cat(corr), torch.cat(val))
-
-
 def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path, workers: int) -> list[dict]:
     from dflash_export.models.drafter import save_drafter
-    from dflash_export.train.blocks import block_loss, default_gamma, position_weights, train_forward
-    from dflash_export.train.loop import _vocab_of, trainable_parameters
+    from dflash_export.train.blocks import BlockBatch, default_gamma, position_weights
+    from dflash_export.train.loop import _vocab_of, evaluate, train_step, trainable_parameters
+
+    def heldout_stats():
+        return evaluate(drafter, target, heldout, cfg.block_size, cfg.eval_blocks_per_seq, device=device)
 
     torch.backends.cuda.matmul.allow_tf32 = True  # the drafter's training only; answers and features ran in fp32
     for p in target.hf.parameters():
@@ -212,7 +188,8 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
                                          prefetch_factor=4 if workers else None,
                                          multiprocessing_context="fork" if workers else None)
     curve = []
-    base = heldout_stats(drafter, target, heldout, cfg.block_size, device)
+    drafter.eval()
+    base = heldout_stats()
     best = {"step": 0, **base}
     curve.append({"step": 0, "wall_s": round(time.monotonic() - T0, 1), **{f"heldout_{k}": round(v, 4)
                                                                             for k, v in base.items()}})
@@ -226,18 +203,14 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
         if frac >= 1.0:
             break
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = to_batch(d, device)
-        res = block_loss(train_forward(drafter, target.embed, batch), batch, head, vocab, weights, cfg.soft_weight)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        batch = BlockBatch(**d).to(device, non_blocking=True)
+        res = train_step(drafter, target, opt, params, batch, vocab, head, weights, cfg, lr)
         window.append(res.loss.detach())
         if time.monotonic() - last_eval > 45 or (time.monotonic() - t_start) / seconds >= 1.0:
             last_eval = time.monotonic()
-            ev = heldout_stats(drafter, target, heldout, cfg.block_size, device)
+            drafter.eval()
+            ev = heldout_stats()
+            drafter.train()
             rec = {"step": step + 1, "wall_s": round(time.monotonic() - T0, 1), "lr": lr,
                    "loss": round(float(torch.stack(window).mean()), 4),
                    **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
@@ -247,7 +220,8 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
             if ev["tau_est"] > best["tau_est"]:
                 best = {"step": step + 1, **ev}
                 save_drafter(_half(drafter), out, max_shard_bytes=12 << 20)
-    ev = heldout_stats(drafter, target, heldout, cfg.block_size, device)
+    drafter.eval()
+    ev = heldout_stats()
     curve.append({"step": step, "wall_s": round(time.monotonic() - T0, 1), "final": True,
                   **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}})
     if ev["tau_est"] > best["tau_est"]:
@@ -280,10 +254,15 @@ def run(args) -> int:
         target.hf.to(device)
         drafter = load_drafter(tiny_pair_path("llama/drafter"), torch.float32)
         prompts = synthetic_prompt_ids(target.vocab_size, 96, seed=0)
+        held_prompts, prompts = prompts[:8], prompts[8:]
         max_new, gen_batch = 24, 32
     else:
         data = torch.load(args.dir / "prompts.pt", weights_only=True)
         prompts = [(int(i), list(p)) for i, p in data["prompts"]][: args.prompts]
+        if "heldout" not in data:
+            raise SystemExit(f"{args.dir / 'prompts.pt'}: no held-out prompts (written by an older `prepare`: "
+                             "run it again)")
+        held_prompts = [(int(i), list(p)) for i, p in data["heldout"]][: args.heldout]
         target = load_gguf_target(args.gguf, args.dir / "target", device)
         digest = weights_digest(target.hf)
         want = (args.dir / "target" / "digest.txt").read_text().strip()
@@ -292,10 +271,11 @@ def run(args) -> int:
         max_new, gen_batch = args.max_new_tokens, args.gen_batch
     drafter.to(device)
     taps = list(drafter.config.target_layer_ids)
+    # the held-out answers first (a deadline must not leave the evaluation without them), then the training answers
+    held_answers = greedy_answers(target, held_prompts, max_new, gen_batch, math.inf, device)
+    held = features(target, held_answers, taps, 32, device)
     answers = greedy_answers(target, prompts, max_new, gen_batch, min(end - 60, T0 + args.answer_seconds), device)
     seqs = features(target, answers, taps, 32, device)
-    n_held = max(2, min(64, len(seqs) // 16))
-    held, seqs = seqs[-n_held:], seqs[:-n_held]
     log(f"features: {len(seqs)} training / {len(held)} held-out sequences, "
         f"{sum(len(s.ids) - s.prompt_len for s in seqs)} answer tokens")
     cfg = TrainConfig(block_size=drafter.config.block_size, lr=args.lr, warmup_steps=args.warmup,
@@ -330,7 +310,8 @@ def main(argv=None) -> int:
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--batch", type=int, default=32, help="sequences per step")
     r.add_argument("--blocks-per-seq", type=int, default=32)
-    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--heldout", type=int, default=64, help="held-out split prompts answered for the evaluation")
+    r.add_argument("--lr", type=float, default=1e-4, help="peak rate (3e-4 over 2 560 answers memorised them)")
     r.add_argument("--warmup", type=int, default=100)
     r.add_argument("--workers", type=int, default=12)
     args = ap.parse_args(argv)

@@ -36,6 +36,10 @@ class BlockBatch:
     soft_logp: torch.Tensor       # [B, N, bs-1, K]
     anchors: torch.Tensor         # [B, N] anchor positions; -1 for padding blocks
 
+    def to(self, device, non_blocking: bool = False) -> "BlockBatch":
+        """The same batch with every tensor on `device` (laid out on a CPU, trained on an accelerator)."""
+        return BlockBatch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
+
 
 def sample_anchors(seq: TrainSequence, n: int, generator: torch.Generator) -> list[int]:
     """Up to `n` distinct anchor positions in the response, sorted: a in [P, S-2] (an anchor needs one label)."""

@@ -81,8 +81,10 @@ def make_batch(seqs: Sequence[TrainSequence], cfg: TrainConfig, mask_token_id: i
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], block_size: int,
-             blocks_per_seq: int = 32, seed: int = 12345) -> dict:
-    """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes).
+             blocks_per_seq: int = 32, seed: int = 12345, device: torch.device | str = "cpu") -> dict:
+    """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes). The
+    blocks are laid out on the CPU and run on `device` (where the drafter and target are); the anchors depend on
+    `seed` alone, so every evaluation of a run sees the same blocks.
 
     The yardstick on the very same blocks: `lookup_tau_est` is the τ prompt lookup (prompt_lookup.lookup_proposal on
     the tokens up to the anchor) would reach there, `copyable` the share of blocks whose first slot prompt lookup gets
@@ -97,11 +99,12 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
         if not anc:
             continue
         batch = build_blocks([s], [anc], block_size, drafter.config.mask_token_id)
-        hidden = train_forward(drafter, target.embed, batch)
-        out = block_loss(hidden, batch, target.hf.get_output_embeddings().weight, None,
-                         torch.ones(block_size - 1), 0.0)
-        corr.append(out.correct.flatten(0, 1))
-        val.append(out.valid.flatten(0, 1))
+        placed = batch.to(device)
+        hidden = train_forward(drafter, target.embed, placed)
+        out = block_loss(hidden, placed, target.hf.get_output_embeddings().weight, None,
+                         torch.ones(block_size - 1, device=device), 0.0)
+        corr.append(out.correct.flatten(0, 1).cpu())
+        val.append(out.valid.flatten(0, 1).cpu())
         ids = s.ids.tolist()
         labels = batch.labels[0]
         proposals = [lookup_proposal(ids[:a + 1], block_size - 1) for a in anc]
@@ -214,13 +217,12 @@ def _resume_state(opt, start_state: dict | None, out: Path | None) -> tuple[int,
     return step, wall0, best
 
 
-def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSequence], vocab, head: torch.Tensor,
-                weights: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[float, LossOut]:
-    """One optimizer step at `step`'s learning rate; returns the rate and the batch's loss and accept figures."""
-    lr = learning_rate(cfg, step)
+def train_step(drafter: DFlashDrafter, target, opt, params, batch: BlockBatch, vocab, head: torch.Tensor,
+               weights: torch.Tensor, cfg: TrainConfig, lr: float) -> LossOut:
+    """One optimizer step on `batch` at learning rate `lr`; the batch, `vocab`, `head` and `weights` on the
+    drafter's device. Returns the batch's loss and accept figures."""
     for group in opt.param_groups:
         group["lr"] = lr
-    batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
     hidden = train_forward(drafter, target.embed, batch)
     res = block_loss(hidden, batch, head, vocab, weights, cfg.soft_weight)
     opt.zero_grad(set_to_none=True)
@@ -228,7 +230,15 @@ def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSeq
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     opt.step()
-    return lr, res
+    return res
+
+
+def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSequence], vocab, head: torch.Tensor,
+                weights: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[float, LossOut]:
+    """Step `step` of the schedule on the CPU: its batch (seeded by step) at its learning rate."""
+    lr = learning_rate(cfg, step)
+    batch = make_batch(seqs, cfg, drafter.config.mask_token_id, step)
+    return lr, train_step(drafter, target, opt, params, batch, vocab, head, weights, cfg, lr)
 
 
 def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
