@@ -123,8 +123,8 @@ def measure(engine_dir: Path, args) -> dict:
         return seq
 
     t0 = time.perf_counter()
-    seqs = {k: fresh() for k in ("step", "v8", "v16", "draft")}
-    prefill_ms = 1000 * (time.perf_counter() - t0) / 4
+    seqs = {k: fresh() for k in ("step", "v2", "v4", "v8", "v16", "draft")}
+    prefill_ms = 1000 * (time.perf_counter() - t0) / len(seqs)
     tok = lambda: int(rng.integers(100, V - 1))  # noqa: E731
     # Random blocks are rejected at once, so each call advances its sequence by one token and every kind sees the
     # same cache length, --context + round.
@@ -160,6 +160,8 @@ def measure(engine_dir: Path, args) -> dict:
 
     kinds = {
         "step_1_ms": lambda: eng.decode(seqs["step"], tok()),
+        "verify_2_ms": lambda: eng.verify(seqs["v2"], rng.integers(100, V - 1, 2), None, sp, None),
+        "verify_4_ms": lambda: eng.verify(seqs["v4"], rng.integers(100, V - 1, 4), None, sp, None),
         "verify_8_ms": lambda: eng.verify(seqs["v8"], rng.integers(100, V - 1, 8), None, sp, None),
         "verify_16_ms": lambda: eng.verify(seqs["v16"], rng.integers(100, V - 1, 16), None, sp, None),
         f"draft_{bs}_ms": lambda: eng.draft(seqs["draft"], tok(), sp, None),
@@ -186,6 +188,8 @@ def measure(engine_dir: Path, args) -> dict:
     res["rss_after_load_mb"] = rss_loaded
     res["peak_rss_mb"] = _rss_mb()
     step = res["step_1_ms"]
+    res["ratio_verify_2"] = res["verify_2_ms"] / step  # one draft: free where the plain step pads to 2 rows
+    res["ratio_verify_4"] = res["verify_4_ms"] / step
     res["ratio_verify_8"] = res["verify_8_ms"] / step
     res["ratio_verify_16"] = res["verify_16_ms"] / step
     # the adaptive verification's cost model: verify of n drafts ~ 1 + n * c plain steps (n = 7 and 15 here)
