@@ -49,6 +49,23 @@ def test_rebuild_with_unchanged_inputs_reuses_and_changed_input_rebuilds(own_rec
     assert read_manifest(third.engine_dir).inputs != m1.inputs
 
 
+def test_an_engine_of_an_earlier_format_is_rebuilt_not_reused(own_recipe, tmp_path):
+    """An engine whose graphs an earlier version of the builder wrote (its manifest's engine_format) is refused by
+    the loader, so `build` makes it again even though its inputs are unchanged."""
+    import json
+
+    recipe, _ = own_recipe
+    d = build_engine(recipe, "onnxruntime", tmp_path / "engines").engine_dir
+    m = json.loads((d / "manifest.json").read_text())
+    m["engine_format"] -= 1
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match="engine_format"):
+        load_engine(d)
+    again = build_engine(recipe, "onnxruntime", tmp_path / "engines")
+    assert not again.reused
+    load_engine(again.engine_dir)
+
+
 def test_manifest_that_does_not_match_its_files_is_refused(own_recipe, tmp_path):
     recipe, _ = own_recipe
     d = build_engine(recipe, "onnxruntime", tmp_path / "engines").engine_dir

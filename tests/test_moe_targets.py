@@ -286,7 +286,7 @@ def test_tensorrt_copy_of_the_batch_graph_has_standard_ops_and_computes_the_spar
     assert all(onnx.defs.has(n.op_type, n.domain) for n in model.graph.node)
     rng = np.random.default_rng(0)
     a, b = (ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]) for f in (src, dst))
-    dims = {"batch": 3, "seq": 4, "past": 7}
+    dims = {"batch": 3, "seq": 4, "past": 11}  # 7 committed keys, room for the block's 4
     feeds = {}
     for i in a.get_inputs():
         shape = [dims[d] if isinstance(d, str) else d for d in i.shape]
@@ -295,7 +295,8 @@ def test_tensorrt_copy_of_the_batch_graph_has_standard_ops_and_computes_the_spar
         elif i.name == "position_ids":
             feeds[i.name] = np.broadcast_to(7 + np.arange(4), shape).astype(np.int64).copy()
         elif i.name == "past_bias":
-            feeds[i.name] = np.zeros(shape, np.float32)
+            feeds[i.name] = np.where(np.arange(shape[-1]) < 7, 0.0, -np.inf).astype(np.float32) + np.zeros(shape,
+                                                                                                       np.float32)
         else:
             feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
     for x, y in zip(a.run(None, feeds), b.run(None, feeds)):

@@ -300,3 +300,34 @@ def test_a_request_s_batched_logits_do_not_depend_on_the_requests_beside_it(buil
     assert b_tokens == a_tokens == alone_tokens
     np.testing.assert_array_equal(b_logits, a_logits)
     np.testing.assert_array_equal(alone_logits, a_logits)
+
+
+def test_a_chain_verified_in_one_batched_call_gets_the_rows_of_one_token_steps(built):
+    """A sequence's logits are a function of its tokens, not of how they were split into target calls: a block of
+    four tokens verified in one batched call and committed gives, row for row, bit for bit, what the same tokens
+    give stepped one at a time (plain decoding), with another sequence of another length in the same calls. Greedy
+    DFlash under continuous batching equals plain decoding only so. Before the block's keys were placed in the
+    buffer at their slots, the key of a committed token moved from the block's softmax sum to the past's, and the
+    rows differed in their last bits (tokens on SmolLM2 int4)."""
+    from dflash_export.engines.ort_batch import BatchedOrtEngine
+
+    _, _, _, eng = built
+    x, other = PROMPTS[1], PROMPTS[3]
+    chain = [11, 23, 5, 42]
+
+    def rows(split: list[int]) -> np.ndarray:
+        batch = BatchedOrtEngine(eng, max_batch=4)
+        seqs = [batch.add(100), batch.add(120)]
+        batch.prefill(seqs, [x, other])
+        out, at = [], 0
+        for n in split:
+            logits = batch.target_step(seqs, [chain[at:at + n], [7 + at] * n])
+            for seq in seqs:
+                batch.commit(seq, n - 1)
+            out.append(logits[0][:n])
+            at += n
+        return np.concatenate(out)
+
+    whole, steps, halves = rows([4]), rows([1, 1, 1, 1]), rows([2, 2])
+    np.testing.assert_array_equal(whole, steps)
+    np.testing.assert_array_equal(halves, steps)

@@ -77,7 +77,10 @@ def test_plain_op_batch_graphs_hold_standard_ops_only_and_compute_the_ort_flavor
                 feeds[i.name] = np.array(dims["seq"], np.int64)
             elif i.type == "tensor(int64)":
                 feeds[i.name] = np.broadcast_to(np.arange(shape[-1]), shape).astype(np.int64).copy()
-            elif i.name in ("past_bias", "key_bias"):
+            elif i.name == "past_bias":  # each sequence's committed keys first, then room for its block
+                lengths = np.array([0, 2, 3])[:, None]
+                feeds[i.name] = np.where(np.arange(shape[-1]) < lengths, 0.0, -np.inf).astype(np.float32)
+            elif i.name == "key_bias":
                 feeds[i.name] = np.where(rng.random(shape) < 0.3, -np.inf, 0.0).astype(np.float32)
                 feeds[i.name][..., -1] = 0.0  # every query sees a key
             else:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.manifest import MANIFEST, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.engines.onnxruntime import ENGINE_FORMAT
 from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
@@ -121,7 +122,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
         try:
             manifest = read_manifest(engine_dir)
             if (manifest.inputs == inputs and manifest.backend == backend
-                    and (precisions is None or manifest.precision == precisions)
+                    and (precisions is None or (manifest.precision == precisions
+                                                and manifest.engine_format == ENGINE_FORMAT))
                     and (max_batch is None or bound(manifest) == max_batch)):
                 return BuildResult(engine_dir, True, inputs)
         except DFlashError:

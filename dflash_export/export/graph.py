@@ -528,35 +528,54 @@ def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "Tar
     g.op("Identity", [vh], outputs=[f"new_value_{i}"])
     past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
     past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
+    # The block's keys and values are placed in a copy of the buffer at their slots (length_b + j) and every row
+    # attends over that one buffer: a key sits at the same place in the score row, the softmax sum and the P.V
+    # product whether an earlier call committed it or it comes with this one, so a row's bits do not depend on how
+    # the tokens before it were split into calls (a chain verified at once equals the same tokens stepped one by one:
+    # DFlash equals plain decoding). With the past and the block apart, a key moved from one sum to the other once
+    # committed, which int4's int8 activations turned into other tokens. The copy costs one pass over the buffer.
+    slot0 = g.op("ReduceSum", [g.op("Cast", [g.op("Equal", ["past_bias", g.const(0.0, np.float32)])], to=I64),
+                               g.const([1])], keepdims=0)                                 # [B] committed length
+    s_len = g.op("Shape", [vh], start=2, end=3)
+    j = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])   # [S]
+    slots = g.op("Add", [g.op("Unsqueeze", [slot0, g.const([1])]), g.op("Unsqueeze", [j, g.const([0])])])  # [B,S]
+    where = g.op("Expand", [g.op("Unsqueeze", [slots, g.const([1, 3])]), g.op("Shape", [vh])])  # [B,KVH,S,D]
+    full_k = g.op("ScatterElements", [past_k, where, f"new_key_{i}"], axis=2)
+    full_v = g.op("ScatterElements", [past_v, where, f"new_value_{i}"], axis=2)
     # GQA without repeating K/V: query head h = kvh * G + g, so [B,H,S,D] is [B,KVH,G*S,D] (group-major rows).
     q4 = g.op("Reshape", [qh, g.const([0, KVH, -1, D])])
     scale = g.const(D ** -0.5, np.float32)
-    s_past = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [past_k], perm=[0, 1, 3, 2])]), scale])
-    s_past = g.op("Add", [s_past, g.op("Unsqueeze", ["past_bias", g.const([1, 2])])])  # [B,KVH,G*S,P]
-    if window:  # past row j (at position j) visible to a query at position p iff j > p - window
-        j = g.op("Range", [g.const(0), g.op("Squeeze", [g.op("Shape", [past_k], start=2, end=3), g.const([0])]),
-                           g.const(1)])
-        near = g.op("Greater", [j, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
+    scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [full_k], perm=[0, 1, 3, 2])]), scale])
+    # Key p of sequence b: committed (p < length_b), visible to every row; the block's key length_b + j, visible to
+    # row r as the causal and tree masks say for (r, j); the rest of the buffer hidden.
+    p_len = g.op("Shape", [past_k], start=2, end=3)
+    p = g.op("Range", [g.const(0), g.op("Squeeze", [p_len, g.const([0])]), g.const(1)])   # [P]
+    rel = g.op("Sub", [g.op("Unsqueeze", [p, g.const([0])]), g.op("Unsqueeze", [slot0, g.const([1])])])  # [B,P]
+    last = g.op("Sub", [g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
+    block = g.op("Add", [g.op("Unsqueeze", [causal, g.const([0])]),
+                         g.op("Tile", ["block_bias", g.const([1, H // KVH, 1])])])        # [B,G*S,S], group-major
+    pick = g.op("Expand", [g.op("Unsqueeze", [g.op("Clip", [rel, g.const(0), last]), g.const([1])]),
+                           g.op("Concat", [g.op("Shape", [block], end=2), p_len], axis=0)])  # [B,G*S,P]
+    in_block = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, s_len]), g.const([1])]),
+                              g.op("GatherElements", [block, pick], axis=2), g.const(-np.inf, np.float32)])
+    bias = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, g.const(0)]), g.const([1])]),
+                          g.const(0.0, np.float32), in_block])                               # [B,G*S,P]
+    scores = g.op("Add", [scores, g.op("Unsqueeze", [bias, g.const([1])])])               # [B,KVH,G*S,P]
+    if window:  # the key at slot j (its position) visible to a query at position p iff j > p - window
+        near = g.op("Greater", [p, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
         wmask = g.op("Unsqueeze", [g.op("Where", [near, g.const(0.0, np.float32), g.const(-np.inf, np.float32)]),
                                    g.const([1])])                                        # [B,1,S,P]
-        s_past = g.op("Add", [s_past, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
-    s_new = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [f"new_key_{i}"], perm=[0, 1, 3, 2])]), scale])
-    s_new = g.op("Add", [s_new, causal])                                                 # [B,KVH,G*S,S]
-    tree = g.op("Tile", ["block_bias", g.const([1, H // KVH, 1])])                       # [B,G*S,S], group-major
-    s_new = g.op("Add", [s_new, g.op("Unsqueeze", [tree, g.const([1])])])
-    parts = [s_past, s_new]
-    p_len = g.op("Shape", [past_k], start=2, end=3)
-    s_len = g.op("Shape", [vh], start=2, end=3)
-    sizes = [p_len, s_len]
+        scores = g.op("Add", [scores, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
     if sinks is not None:  # one more logit per head (rows group-major: head kvh*G + g), dropped after the softmax
         sink = g.weight(a + "sinks", sinks.reshape(1, KVH, H // KVH, 1))
         col = g.op("Reshape", [g.op("Expand", [sink, g.op("Concat", [g.const([1, KVH, H // KVH]), s_len], axis=0)]),
                                g.const([1, KVH, -1, 1])])
-        parts.append(g.op("Expand", [col, g.op("Concat", [g.op("Shape", [s_past], end=3), g.const([1])], axis=0)]))
-        sizes.append(g.const([1]))
-    probs = g.op("Softmax", [g.op("Concat", parts, axis=-1)], axis=-1)
-    p_past, p_new = g.op("Split", [probs, g.op("Concat", sizes, axis=0)], n_out=len(parts), axis=-1)[:2]
-    o4 = g.op("Add", [g.op("MatMul", [p_past, past_v]), g.op("MatMul", [p_new, vh])])   # [B,KVH,G*S,D]
+        col = g.op("Expand", [col, g.op("Concat", [g.op("Shape", [scores], end=3), g.const([1])], axis=0)])
+        probs = g.op("Softmax", [g.op("Concat", [scores, col], axis=-1)], axis=-1)
+        probs = g.op("Split", [probs, g.op("Concat", [p_len, g.const([1])], axis=0)], n_out=2, axis=-1)[0]
+    else:
+        probs = g.op("Softmax", [scores], axis=-1)
+    o4 = g.op("MatMul", [probs, full_v])                                                  # [B,KVH,G*S,D]
     return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [o4, g.const([0, H, -1, D])])], perm=[0, 2, 1, 3]),
                             g.const([0, 0, H * D])])
 
