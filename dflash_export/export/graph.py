@@ -154,7 +154,7 @@ class _TargetGraph:
     sin: str | None = None
     cos_c: str | None = None
     sin_c: str | None = None
-    causal: str | None = None
+    keys: "_BatchKeys | None" = None
     mask: str | None = None
     kpos: str | None = None
 
@@ -239,7 +239,7 @@ def _target_positions(b: _TargetGraph, ids: str) -> None:
     g, pos, (cos_t, sin_t), D = b.g, b.pos, b.rope, b.t.head_dim
     if b.batch:
         b.cos, b.sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
-        b.causal = _block_causal_bias(g, ids, b.t.num_heads // b.t.num_kv_heads)
+        b.keys = _batched_keys(g, ids, b.t.num_heads // b.t.num_kv_heads)
     elif b.ort and b.hybrid:  # partial RoPE outside attention (GroupQueryAttention's rotary would turn every channel)
         b.cos, b.sin = g.rope_tables("position_ids", g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
     elif b.ort:
@@ -300,11 +300,11 @@ def _attention(b: _TargetGraph, i: int, xn: str) -> str:
         return lin.gated_delta_net(g, xn, sd, f"model.layers.{i}.linear_attn.", b.hybrid, b.lin_shapes, b.t.rms_eps, i)
     if b.hybrid and b.batch:  # the Gated DeltaNet layers' state is per sequence already (batch axis first)
         qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, b.t, b.cos, b.sin, b.rot, b.t.rms_eps)
-        attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.causal, bias, heads=(qh, kh, vh))
+        attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.keys, bias, heads=(qh, kh, vh))
     elif b.hybrid and b.ort:
         attn, gate = _gated_gqa_attention(b, i, xn, a)
     elif b.batch:
-        attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.causal, bias, b.windows[i],
+        attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.keys, bias, b.windows[i],
                                         sd[a + "sinks"] if b.sinks else None, b.pos)
     elif b.ort:
         attn = _gqa_attention(b, i, xn, a, bias)
@@ -492,23 +492,58 @@ def _target_cache_outputs(b: _TargetGraph) -> None:
         g.output(f"present_value_{i}", F32, ["batch", KVH, kv_len, D])
 
 
-def _block_causal_bias(g: GraphBuilder, x: str, groups: int) -> str:
-    """[G*S, S] float: 0 where block key j <= query row r % S, -inf elsewhere (queries laid out group-major)."""
-    s = g.op("Squeeze", [g.op("Shape", [x], start=1, end=2), g.const([0])])
+@dataclass
+class _BatchKeys:
+    """Where a batched call's keys go and what each row sees, the same in every attention layer (built once)."""
+
+    slots: str  # [B,1,S,1] int64: the buffer slot of the block's key j, length_b + j (ScatterElements indices)
+    bias: str   # [B,G*S,P] float: 0 visible, -inf hidden (query rows group-major)
+    p: str      # [P] int64: the buffer's slots
+
+
+def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
+    """The block's keys are placed in (a copy of) the K/V buffer at their slots and every row attends over that one
+    buffer: a key sits at the same place in the score row, the softmax sum and the P.V product whether an earlier
+    call committed it or it comes with this one, so a row's bits do not depend on how the tokens before it were
+    split into calls (a chain verified at once equals the same tokens stepped one by one: DFlash equals plain
+    decoding). With the past and the block apart, a key moved from one sum to the other once committed, which
+    int4's int8 activations turned into other tokens. Key p of sequence b: committed (p < length_b, read from
+    past_bias, whose visible keys are a prefix), visible to every row; the block's key length_b + j, visible to row r
+    as the causal mask (j <= r % S) and block_bias[b, r % S, j] say; the rest of the buffer hidden."""
+    length = g.op("ReduceSum", [g.op("Cast", [g.op("Equal", ["past_bias", g.const(0.0, np.float32)])], to=I64),
+                                g.const([1])], keepdims=0)                                # [B]
+    s_len = g.op("Shape", [x], start=1, end=2)
+    s = g.op("Squeeze", [s_len, g.const([0])])
+    j = g.op("Range", [g.const(0), s, g.const(1)])                                        # [S]
+    slots = g.op("Add", [g.op("Unsqueeze", [length, g.const([1])]), g.op("Unsqueeze", [j, g.const([0])])])  # [B,S]
+    p_len = g.op("Shape", ["past_bias"], start=1, end=2)
+    p = g.op("Range", [g.const(0), g.op("Squeeze", [p_len, g.const([0])]), g.const(1)])   # [P]
+    rel = g.op("Sub", [g.op("Unsqueeze", [p, g.const([0])]), g.op("Unsqueeze", [length, g.const([1])])])  # [B,P]
     rows = g.op("Range", [g.const(0), g.op("Mul", [s, g.const(groups)]), g.const(1)])
-    qi = g.op("Unsqueeze", [g.op("Mod", [rows, s]), g.const([1])])                     # [G*S, 1]
-    kj = g.op("Unsqueeze", [g.op("Range", [g.const(0), s, g.const(1)]), g.const([0])])  # [1, S]
-    return g.op("Where", [g.op("LessOrEqual", [kj, qi]), g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
+    qi = g.op("Unsqueeze", [g.op("Mod", [rows, s]), g.const([1])])                       # [G*S, 1]
+    causal = g.op("Where", [g.op("LessOrEqual", [g.op("Unsqueeze", [j, g.const([0])]), qi]),
+                            g.const(0.0, np.float32), g.const(-np.inf, np.float32)])     # [G*S, S]
+    block = g.op("Add", [g.op("Unsqueeze", [causal, g.const([0])]),
+                         g.op("Tile", ["block_bias", g.const([1, groups, 1])])])          # [B,G*S,S]
+    pick = g.op("Expand", [g.op("Unsqueeze", [g.op("Clip", [rel, g.const(0), g.op("Sub", [s, g.const(1)])]),
+                                              g.const([1])]),
+                           g.op("Concat", [g.op("Shape", [block], end=2), p_len], axis=0)])  # [B,G*S,P]
+    in_block = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, s_len]), g.const([1])]),
+                              g.op("GatherElements", [block, pick], axis=2), g.const(-np.inf, np.float32)])
+    bias = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, g.const(0)]), g.const([1])]),
+                          g.const(0.0, np.float32), in_block])                               # [B,G*S,P]
+    return _BatchKeys(g.op("Unsqueeze", [slots, g.const([1, 3])]), bias, p)
 
 
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
-                             sin: str, causal: str, bias, window: int | None = None, sinks: np.ndarray | None = None,
-                             pos: str | None = None, heads: tuple[str, str, str] | None = None) -> str:
+                             sin: str, keys: _BatchKeys, bias, window: int | None = None,
+                             sinks: np.ndarray | None = None, pos: str | None = None,
+                             heads: tuple[str, str, str] | None = None) -> str:
     """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
-    engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) and over the
-    block's own keys (causal). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm and RoPE, as
-    GroupQueryAttention caches them). Scores and softmax in fp32. `heads`: (q, k, v) [B,h,S,D] already projected,
-    normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own."""
+    engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) with the block's
+    own keys placed at their slots (`_batched_keys`). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm
+    and RoPE, as GroupQueryAttention caches them). Scores and softmax in fp32. `heads`: (q, k, v) [B,h,S,D] already
+    projected, normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own."""
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
     if heads is None:
         wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
@@ -528,50 +563,27 @@ def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "Tar
     g.op("Identity", [vh], outputs=[f"new_value_{i}"])
     past_k = g.input(f"past_key_{i}", F32, ["batch", KVH, "past", D])
     past_v = g.input(f"past_value_{i}", F32, ["batch", KVH, "past", D])
-    # The block's keys and values are placed in a copy of the buffer at their slots (length_b + j) and every row
-    # attends over that one buffer: a key sits at the same place in the score row, the softmax sum and the P.V
-    # product whether an earlier call committed it or it comes with this one, so a row's bits do not depend on how
-    # the tokens before it were split into calls (a chain verified at once equals the same tokens stepped one by one:
-    # DFlash equals plain decoding). With the past and the block apart, a key moved from one sum to the other once
-    # committed, which int4's int8 activations turned into other tokens. The copy costs one pass over the buffer.
-    slot0 = g.op("ReduceSum", [g.op("Cast", [g.op("Equal", ["past_bias", g.const(0.0, np.float32)])], to=I64),
-                               g.const([1])], keepdims=0)                                 # [B] committed length
-    s_len = g.op("Shape", [vh], start=2, end=3)
-    j = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])   # [S]
-    slots = g.op("Add", [g.op("Unsqueeze", [slot0, g.const([1])]), g.op("Unsqueeze", [j, g.const([0])])])  # [B,S]
-    where = g.op("Expand", [g.op("Unsqueeze", [slots, g.const([1, 3])]), g.op("Shape", [vh])])  # [B,KVH,S,D]
+    where = g.op("Expand", [keys.slots, g.op("Shape", [vh])])                            # [B,KVH,S,D]
     full_k = g.op("ScatterElements", [past_k, where, f"new_key_{i}"], axis=2)
     full_v = g.op("ScatterElements", [past_v, where, f"new_value_{i}"], axis=2)
     # GQA without repeating K/V: query head h = kvh * G + g, so [B,H,S,D] is [B,KVH,G*S,D] (group-major rows).
     q4 = g.op("Reshape", [qh, g.const([0, KVH, -1, D])])
     scale = g.const(D ** -0.5, np.float32)
     scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [full_k], perm=[0, 1, 3, 2])]), scale])
-    # Key p of sequence b: committed (p < length_b), visible to every row; the block's key length_b + j, visible to
-    # row r as the causal and tree masks say for (r, j); the rest of the buffer hidden.
-    p_len = g.op("Shape", [past_k], start=2, end=3)
-    p = g.op("Range", [g.const(0), g.op("Squeeze", [p_len, g.const([0])]), g.const(1)])   # [P]
-    rel = g.op("Sub", [g.op("Unsqueeze", [p, g.const([0])]), g.op("Unsqueeze", [slot0, g.const([1])])])  # [B,P]
-    last = g.op("Sub", [g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
-    block = g.op("Add", [g.op("Unsqueeze", [causal, g.const([0])]),
-                         g.op("Tile", ["block_bias", g.const([1, H // KVH, 1])])])        # [B,G*S,S], group-major
-    pick = g.op("Expand", [g.op("Unsqueeze", [g.op("Clip", [rel, g.const(0), last]), g.const([1])]),
-                           g.op("Concat", [g.op("Shape", [block], end=2), p_len], axis=0)])  # [B,G*S,P]
-    in_block = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, s_len]), g.const([1])]),
-                              g.op("GatherElements", [block, pick], axis=2), g.const(-np.inf, np.float32)])
-    bias = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, g.const(0)]), g.const([1])]),
-                          g.const(0.0, np.float32), in_block])                               # [B,G*S,P]
-    scores = g.op("Add", [scores, g.op("Unsqueeze", [bias, g.const([1])])])               # [B,KVH,G*S,P]
+    scores = g.op("Add", [scores, g.op("Unsqueeze", [keys.bias, g.const([1])])])          # [B,KVH,G*S,P]
     if window:  # the key at slot j (its position) visible to a query at position p iff j > p - window
-        near = g.op("Greater", [p, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
+        near = g.op("Greater", [keys.p, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
         wmask = g.op("Unsqueeze", [g.op("Where", [near, g.const(0.0, np.float32), g.const(-np.inf, np.float32)]),
                                    g.const([1])])                                        # [B,1,S,P]
         scores = g.op("Add", [scores, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
     if sinks is not None:  # one more logit per head (rows group-major: head kvh*G + g), dropped after the softmax
         sink = g.weight(a + "sinks", sinks.reshape(1, KVH, H // KVH, 1))
+        s_len = g.op("Shape", [vh], start=2, end=3)
         col = g.op("Reshape", [g.op("Expand", [sink, g.op("Concat", [g.const([1, KVH, H // KVH]), s_len], axis=0)]),
                                g.const([1, KVH, -1, 1])])
         col = g.op("Expand", [col, g.op("Concat", [g.op("Shape", [scores], end=3), g.const([1])], axis=0)])
         probs = g.op("Softmax", [g.op("Concat", [scores, col], axis=-1)], axis=-1)
+        p_len = g.op("Shape", [past_k], start=2, end=3)
         probs = g.op("Split", [probs, g.op("Concat", [p_len, g.const([1])], axis=0)], n_out=2, axis=-1)[0]
     else:
         probs = g.op("Softmax", [scores], axis=-1)
