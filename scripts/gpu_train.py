@@ -188,7 +188,6 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
                                          prefetch_factor=4 if workers else None,
                                          multiprocessing_context="fork" if workers else None)
     curve = []
-    drafter.eval()
     base = heldout_stats()
     best = {"step": 0, **base}
     curve.append({"step": 0, "wall_s": round(time.monotonic() - T0, 1), **{f"heldout_{k}": round(v, 4)
@@ -208,9 +207,7 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
         window.append(res.loss.detach())
         if time.monotonic() - last_eval > 45 or (time.monotonic() - t_start) / seconds >= 1.0:
             last_eval = time.monotonic()
-            drafter.eval()
             ev = heldout_stats()
-            drafter.train()
             rec = {"step": step + 1, "wall_s": round(time.monotonic() - T0, 1), "lr": lr,
                    "loss": round(float(torch.stack(window).mean()), 4),
                    **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
@@ -220,7 +217,6 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
             if ev["tau_est"] > best["tau_est"]:
                 best = {"step": step + 1, **ev}
                 save_drafter(_half(drafter), out, max_shard_bytes=12 << 20)
-    drafter.eval()
     ev = heldout_stats()
     curve.append({"step": step, "wall_s": round(time.monotonic() - T0, 1), "final": True,
                   **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}})

@@ -84,7 +84,8 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
              blocks_per_seq: int = 32, seed: int = 12345, device: torch.device | str = "cpu") -> dict:
     """Held-out position-k accuracy and implied τ, with the full-vocabulary LM head (as inference argmaxes). The
     blocks are laid out on the CPU and run on `device` (where the drafter and target are); the anchors depend on
-    `seed` alone, so every evaluation of a run sees the same blocks.
+    `seed` alone, so every evaluation of a run sees the same blocks. The drafter runs in eval mode and is left in
+    the mode it came in.
 
     The yardstick on the very same blocks: `lookup_tau_est` is the τ prompt lookup (prompt_lookup.lookup_proposal on
     the tokens up to the anchor) would reach there, `copyable` the share of blocks whose first slot prompt lookup gets
@@ -92,6 +93,16 @@ def evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], bloc
     the drafter has learnt to copy what its context repeats."""
     if not seqs:
         return {}
+    training = drafter.training
+    drafter.eval()
+    try:
+        return _evaluate(drafter, target, seqs, block_size, blocks_per_seq, seed, device)
+    finally:
+        drafter.train(training)
+
+
+def _evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], block_size: int, blocks_per_seq: int,
+              seed: int, device) -> dict:
     g = torch.Generator().manual_seed(seed)
     corr, val, look = [], [], []
     for s in seqs:
@@ -269,9 +280,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
 
     def checkpoint_and_eval():
         nonlocal best
-        drafter.eval()
         ev = evaluate(drafter, target, heldout, cfg.block_size, cfg.eval_blocks_per_seq)
-        drafter.train()
         wall = wall0 + time.perf_counter() - t_start
         rec = {"step": step, "wall_s": round(wall, 1), "sequences": len(seqs), "vocab": len(vocab),
                **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
