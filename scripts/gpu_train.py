@@ -8,11 +8,14 @@ batches, their taps and top-4 soft targets come from one causal forward, batches
 drafter steps on the GPU. Its learning rate follows a cosine over the run's seconds, not its steps (a GPU's step count
 is not known in advance).
 
-Two steps, because the GPU machine has no package index and no model hub:
-  python scripts/gpu_train.py prepare DIR          (here) prompts as token ids (ShareGPT train split, index < 12 000,
-                                                   chat-templated, <= 128 tokens; and 256 of the held-out split,
-                                                   index >= 12 000, for the evaluation), the target's config
-                                                   files, a digest of its fp32 weights
+Two steps, because the GPU machine has no package index and no model hub (transformers' GGUF reader needs PyPI `gguf`,
+which is carried there as a wheel):
+  python scripts/gpu_train.py prepare DIR          (here) prompts as token ids (every user turn of the ShareGPT
+                                                   train split, index < 12 000, with as much of its conversation as
+                                                   fits 384 tokens, chat-templated; and 256 first turns of the
+                                                   held-out split, index >= 12 000, <= 128 tokens, for the
+                                                   evaluation), the target's config files, a digest of its fp32
+                                                   weights
   python3 scripts/gpu_train.py run DIR --out OUT   (there) target from the GGUF (transformers' loader, checked against
                                                    the digest), answers, features, training, best drafter by the
                                                    held-out implied τ, saved in <= 12 MB shards
@@ -51,18 +54,32 @@ def weights_digest(model) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- prepare
-def prepare(out: Path, num_prompts: int) -> None:
+def pack(rows: list[tuple[int, list[int]]]) -> dict:
+    """(index, ids) rows as three tensors (int32 ids, one flat run, and where each row ends): a list of lists of
+    Python ints pickles to ~10x the bytes, and the device machine takes 64 MiB a call."""
+    return {"index": torch.tensor([i for i, _ in rows], dtype=torch.int64),
+            "ends": torch.tensor([len(p) for _, p in rows], dtype=torch.int64).cumsum(0),
+            "ids": torch.tensor([t for _, p in rows for t in p], dtype=torch.int32)}
+
+
+def unpack(d: dict) -> list[tuple[int, list[int]]]:
+    ends = d["ends"].tolist()
+    ids = d["ids"].tolist()
+    return [(int(i), ids[(ends[r - 1] if r else 0):e]) for r, (i, e) in enumerate(zip(d["index"].tolist(), ends))]
+
+
+def prepare(out: Path, num_prompts: int, max_prompt_tokens: int) -> None:
     from dflash_export.models.target import load_target, resolve_target_dir
     from dflash_export.recipes import load_recipe
-    from dflash_export.train.data import sharegpt_prompt_ids
+    from dflash_export.train.data import sharegpt_conversation_ids, sharegpt_prompt_ids
 
     recipe = load_recipe("smollm2-135m")
     target = load_target(recipe.target)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = sharegpt_prompt_ids(target, "train", 128, seed=0, limit=num_prompts)
+    prompts = sharegpt_conversation_ids(target, "train", max_prompt_tokens, seed=0, limit=num_prompts)
     # evaluation prompts from the held-out split (index >= 12 000), which no drafter of this project trained on
     heldout = sharegpt_prompt_ids(target, "heldout", 128, seed=0, limit=HELDOUT_PROMPTS)
-    torch.save({"prompts": prompts, "heldout": heldout, "stop_token_ids": target.stop_token_ids},
+    torch.save({"prompts": pack(prompts), "heldout": pack(heldout), "stop_token_ids": target.stop_token_ids},
                out / "prompts.pt")
     src = resolve_target_dir(recipe.target)
     (out / "target").mkdir(exist_ok=True)
@@ -104,7 +121,11 @@ def greedy_answers(target, prompts, max_new: int, batch: int, deadline: float, d
 
     stop = set(target.stop_token_ids)
     pad = next(iter(target.stop_token_ids), 0)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    # prompts come in a seeded order and a deadline may cut it anywhere: lengths are sorted within windows of four
+    # batches only (little padding), so that what is answered is a sample of every length, not the shortest ones
+    window = 4 * batch
+    order = [i for w0 in range(0, len(prompts), window)
+             for i in sorted(range(w0, min(w0 + window, len(prompts))), key=lambda i: len(prompts[i][1]))]
     out = []
     for b0 in range(0, len(order), batch):
         if out and time.monotonic() > deadline:  # one batch at least
@@ -254,11 +275,10 @@ def run(args) -> int:
         max_new, gen_batch = 24, 32
     else:
         data = torch.load(args.dir / "prompts.pt", weights_only=True)
-        prompts = [(int(i), list(p)) for i, p in data["prompts"]][: args.prompts]
-        if "heldout" not in data:
-            raise SystemExit(f"{args.dir / 'prompts.pt'}: no held-out prompts (written by an older `prepare`: "
-                             "run it again)")
-        held_prompts = [(int(i), list(p)) for i, p in data["heldout"]][: args.heldout]
+        if not isinstance(data.get("heldout"), dict):
+            raise SystemExit(f"{args.dir / 'prompts.pt'}: written by an older `prepare`: run it again")
+        prompts = unpack(data["prompts"])[: args.prompts]
+        held_prompts = unpack(data["heldout"])[: args.heldout]
         target = load_gguf_target(args.gguf, args.dir / "target", device)
         digest = weights_digest(target.hf)
         want = (args.dir / "target" / "digest.txt").read_text().strip()
@@ -291,7 +311,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("dir", type=Path)
-    p.add_argument("--prompts", type=int, default=6000)
+    p.add_argument("--prompts", type=int, default=None, help="at most this many (default: every one that fits)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
     r.add_argument("--gguf", type=Path)
@@ -301,9 +322,9 @@ def main(argv=None) -> int:
     r.add_argument("--seconds", type=float, default=480.0, help="the whole run, loading included")
     r.add_argument("--answer-seconds", type=float, default=150.0)
     r.add_argument("--reserve", type=float, default=15.0, help="seconds kept for the last evaluation and save")
-    r.add_argument("--prompts", type=int, default=6000)
-    r.add_argument("--max-new-tokens", type=int, default=512)
-    r.add_argument("--gen-batch", type=int, default=512)
+    r.add_argument("--prompts", type=int, default=None)
+    r.add_argument("--max-new-tokens", type=int, default=384)
+    r.add_argument("--gen-batch", type=int, default=1024)
     r.add_argument("--batch", type=int, default=32, help="sequences per step")
     r.add_argument("--blocks-per-seq", type=int, default=32)
     r.add_argument("--heldout", type=int, default=64, help="held-out split prompts answered for the evaluation")
@@ -312,7 +333,7 @@ def main(argv=None) -> int:
     r.add_argument("--workers", type=int, default=12)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.dir, args.prompts)
+        prepare(args.dir, args.prompts, args.max_prompt_tokens)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args)

@@ -380,6 +380,69 @@ def test_truncated_sharegpt_keeps_complete_records_and_splits_by_index(tmp_path)
     assert [(x.index, x.text, x.reply) for x in got] == [(0, "q0", "a0")]
 
 
+def test_every_user_turn_is_a_prompt_with_the_conversation_before_it(tmp_path):
+    from dflash_export.train.sharegpt import TRAIN_SPLIT, sharegpt_conversations
+
+    def rec(*turns):
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    recs = [rec(("human", "u0"), ("gpt", "a0"), ("human", "u1"), ("chatgpt", "a1"), ("user", "u2")),
+            rec(("gpt", "opens with an answer")),
+            rec(("human", "x0"), ("human", "two user turns in a row"), ("gpt", "y")),
+            rec(("human", "p0"), ("gpt", "  "), ("human", "after an empty answer"))]
+    recs += [rec(("human", "u")) for _ in range(TRAIN_SPLIT - len(recs))] + [rec(("human", "held out"))]
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(recs)[:-1])  # cut off after the last record: every record still parses
+    got = sharegpt_conversations("all", path=p)
+    assert [(c.index, c.turn, c.messages) for c in got[:5]] == [
+        (0, 0, (("user", "u0"),)),
+        (0, 1, (("user", "u0"), ("assistant", "a0"), ("user", "u1"))),
+        (0, 2, (("user", "u0"), ("assistant", "a0"), ("user", "u1"), ("assistant", "a1"), ("user", "u2"))),
+        (2, 0, (("user", "x0"),)),  # the second user message is out of turn: the conversation stops before it
+        (3, 0, (("user", "p0"),)),  # an empty answer ends it too
+    ]
+    assert len(got) == TRAIN_SPLIT - 4 + 5 + 1
+    held = sharegpt_conversations("heldout", path=p)
+    assert [(c.index, c.messages) for c in held] == [(TRAIN_SPLIT, (("user", "held out"),))]
+    assert all(c.index < TRAIN_SPLIT for c in sharegpt_conversations("train", path=p))
+    with pytest.raises(DFlashError, match="split"):
+        sharegpt_conversations("test", path=p)
+
+
+def test_a_long_conversation_keeps_its_newest_whole_pairs_that_fit(monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash_export.train import data, sharegpt
+    from dflash_export.train.sharegpt import Conversation
+
+    class Tokenizer:  # one token per word, two per message for the template
+        chat_template = "yes"
+
+        def apply_chat_template(self, chat, add_generation_prompt, return_dict):
+            assert add_generation_prompt and chat[-1]["role"] == "user" and chat[0]["role"] == "user"
+            return [len(w) for m in chat for w in ["<s>", *m["content"].split(), "</s>"]]
+
+    def words(n):
+        return " ".join(["w"] * n)
+
+    msgs = (("user", words(3)), ("assistant", words(5)), ("user", words(4)), ("assistant", words(6)),
+            ("user", words(2)))
+    convs = [Conversation(0, 2, msgs), Conversation(1, 0, (("user", words(30)),))]
+    monkeypatch.setattr(sharegpt, "sharegpt_conversations", lambda split: list(convs))
+    target = SimpleNamespace(tokenizer=Tokenizer())
+
+    def fit(max_tokens):
+        return {i: len(ids) for i, ids in data.sharegpt_conversation_ids(target, "train", max_tokens, seed=0)}
+
+    # whole: 3+5+4+6+2 words + 2 x 5 messages = 30 tokens; without the oldest pair 4+6+2 + 6 = 18; the last
+    # turn alone 4
+    assert fit(30) == {0: 30}  # the 30-word message is 32 tokens templated
+    assert fit(32) == {0: 30, 1: 32}
+    assert fit(29) == {0: 18}
+    assert fit(17) == {0: 4}
+    assert fit(3) == {}
+
+
 def test_a_bounded_prompt_list_is_the_whole_list_s_prefix_and_templates_no_further(monkeypatch):
     from types import SimpleNamespace
 

@@ -240,6 +240,49 @@ def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, s
     return out
 
 
+def sharegpt_conversation_ids(target, split: str, max_prompt_tokens: int, seed: int,
+                              limit: int | None = None) -> list[tuple[int, list[int]]]:
+    """Every user turn of `split` with as much of the conversation before it as fits `max_prompt_tokens` (whole
+    user / assistant pairs, the oldest dropped first), chat-templated, in a seeded order: (record index, ids). A turn
+    whose own message does not fit is skipped. Later turns are most of ShareGPT's user messages (a record holds ~3),
+    and their answers lean on the conversation: more prompts, and more of the copying a drafter must learn, than
+    first turns alone."""
+    import random
+
+    from dflash_export.train.sharegpt import sharegpt_conversations
+
+    convs = sharegpt_conversations(split)
+    random.Random(seed).shuffle(convs)
+    tok = target.tokenizer
+    out = []
+    for c in convs:
+        if limit is not None and len(out) >= limit:
+            break
+        ids = _fitting_conversation_ids(tok, c.messages, max_prompt_tokens)
+        if ids is not None:
+            out.append((c.index, ids))
+    return out
+
+
+def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> list[int] | None:
+    budget = 6 * max_prompt_tokens  # characters: far more than fit, so that nothing that would fit is cut untried
+    if len(messages[-1][1]) > budget:
+        return None
+    start = len(messages) - 1
+    while start >= 2 and sum(len(t) for _, t in messages[start - 2:]) <= budget:
+        start -= 2
+    for s in range(start, len(messages), 2):
+        chat = [{"role": r, "content": t} for r, t in messages[s:]]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer("\n".join(t for _, t in messages[s:]))["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            return ids
+    return None
+
+
 def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
     """The chat-templated prompt, or None when it is longer than `max_prompt_tokens`."""
     if len(text) > 6 * max_prompt_tokens:  # far too long to fit: skip without tokenizing

