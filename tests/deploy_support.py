@@ -299,11 +299,11 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def wait_all_busy(pids: list[int], timeout_s: float = 60.0, window_s: float = 0.2) -> bool:
+def wait_all_busy(pids: list[int], timeout_s: float = 60.0, window_s: float = 0.2, give_up=lambda: False) -> bool:
     """True once every process in `pids` used CPU within one `window_s` window (each is running a request, not idle
-    or queued); False if that was not seen within `timeout_s`."""
+    or queued); False if that was not seen within `timeout_s`, or once `give_up()` is true."""
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and not give_up():
         before = [cpu_ticks(p) for p in pids]
         time.sleep(window_s)
         if all(cpu_ticks(p) > b for p, b in zip(pids, before)):
