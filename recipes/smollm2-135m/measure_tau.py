@@ -36,6 +36,9 @@ def main() -> None:
                          "of the PyTorch reference: same algorithm and tau, ~3x faster; full blocks are verified")
     ap.add_argument("--engines-root", default=str(HERE.parent.parent / "engines"))
     ap.add_argument("--no-ar", action="store_true", help="(--engine) skip the AR pass that checks losslessness")
+    ap.add_argument("--proposer", default=None,
+                    help="(--engine) chain: the drafter's block alone, every draft verified (the drafter's own tau); "
+                         "default: the recipe's decoding (tree+lookup: the context's continuations too)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if importlib.util.find_spec("dflash_export") is None:  # run from a checkout without `pip install -e .`
@@ -101,12 +104,13 @@ def engine_main(args) -> None:
     drafter = Path(args.drafter).resolve()
     sp = SamplingParams(max_new_tokens=args.max_new_tokens)
     report = {"prompts": len(rows), "indices": [r["index"] for r in rows], "max_new_tokens": args.max_new_tokens,
-              "drafter": str(drafter), "decoder": "onnxruntime engine, full blocks"}
+              "drafter": str(drafter), "decoder": "onnxruntime engine, full blocks",
+              "proposer": args.proposer or "the recipe's decoding"}
     ar = None
     for bs in (int(x) for x in args.block_sizes.split(",")):
         recipe = replace(base, name=f"{base.name}-{drafter.name}-bs{bs}", block_size=bs, drafter=str(drafter))
         engine = load_engine(build_engine(recipe, "onnxruntime", args.engines_root).engine_dir, threads=args.threads)
-        rt = DFlashRuntime(engine, adaptive=False)
+        rt = DFlashRuntime(engine, adaptive=False, proposer=args.proposer)
         prompts = [rt.encode(r["prompt"]) for r in rows]
         if ar is None and args.no_ar:
             ar = [None] * len(prompts)
