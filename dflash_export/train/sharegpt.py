@@ -105,47 +105,49 @@ def conversation_turns(record) -> list[tuple[str, str]]:
     return out
 
 
-@lru_cache(maxsize=2)
-def _load_conversations(path_str: str) -> tuple[Conversation, ...]:
-    path = Path(path_str)
+def _records(path: Path):
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise DFlashError(f"cannot read ShareGPT data ({e.strerror or e})", path=path) from None
-    out = []
-    for i, rec in enumerate(iter_json_array(text, path)):
+    return iter_json_array(text, path)
+
+
+def _split(split: str, path: Path, load):
+    """`load(path)`'s items of `split` (each has an `index`), after checking the split and that a record parsed."""
+    if split not in ("train", "heldout", "all"):
+        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
+    n, items = load(str(path))
+    if n == 0:
+        raise DFlashError("no complete ShareGPT record parses", path=path)
+    if split == "train":
+        return [x for x in items if x.index < TRAIN_SPLIT]
+    if split == "heldout":
+        return [x for x in items if x.index >= TRAIN_SPLIT]
+    return list(items)
+
+
+@lru_cache(maxsize=2)
+def _load_conversations(path_str: str) -> tuple[int, tuple[Conversation, ...]]:
+    n, out = 0, []
+    for i, rec in enumerate(_records(Path(path_str))):
+        n = i + 1
         turns = conversation_turns(rec)
         for k in range(0, len(turns), 2):
             out.append(Conversation(i, k // 2, tuple(turns[: k + 1])))
-    return tuple(out)
+    return n, tuple(out)
 
 
 def sharegpt_conversations(split: str = "train", path: Path | None = None) -> list[Conversation]:
     """Every user turn of the `train` (index < 12000) or `heldout` split with the conversation before it (the
     dataset's own earlier answers), in index and turn order: a record of n user turns gives n prompts."""
-    if split not in ("train", "heldout", "all"):
-        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
-    path = path or sharegpt_file()
-    convs = _load_conversations(str(path))
-    if not convs:
-        raise DFlashError("no complete ShareGPT record parses", path=path)
-    if split == "train":
-        return [c for c in convs if c.index < TRAIN_SPLIT]
-    if split == "heldout":
-        return [c for c in convs if c.index >= TRAIN_SPLIT]
-    return list(convs)
+    return _split(split, path or sharegpt_file(), _load_conversations)
 
 
 @lru_cache(maxsize=2)
 def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
-    path = Path(path_str)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise DFlashError(f"cannot read ShareGPT data ({e.strerror or e})", path=path) from None
-    n = 0
-    prompts = []
-    for i, rec in enumerate(iter_json_array(text, path)):
+    n, prompts = 0, []
+    for i, rec in enumerate(_records(Path(path_str))):
         n = i + 1
         p = first_user_turn(rec)
         if p is not None:
@@ -155,17 +157,7 @@ def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
 
 def sharegpt_prompts(split: str = "train", path: Path | None = None) -> list[Prompt]:
     """First-turn prompts of the `train` (index < 12000) or `heldout` (index >= 12000) split, in index order."""
-    if split not in ("train", "heldout", "all"):
-        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
-    path = path or sharegpt_file()
-    n, prompts = _load(str(path))
-    if n == 0:
-        raise DFlashError("no complete ShareGPT record parses", path=path)
-    if split == "train":
-        return [p for p in prompts if p.index < TRAIN_SPLIT]
-    if split == "heldout":
-        return [p for p in prompts if p.index >= TRAIN_SPLIT]
-    return list(prompts)
+    return _split(split, path or sharegpt_file(), _load)
 
 
 def record_count(path: Path | None = None) -> int:
