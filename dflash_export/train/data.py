@@ -211,12 +211,22 @@ def generate_shards(target, prompt_source: Callable[[], list], directory: Path,
     return done
 
 
+MAX_CHARS_PER_TOKEN = 6  # more characters than any prompt's tokens ever span: longer text is skipped untokenized
+
+
 def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int]:
+    return chat_ids(tokenizer, [("user", text)], use_template)
+
+
+def chat_ids(tokenizer, messages, use_template: bool = True) -> list[int]:
+    """`messages` ((role, text), ending with a user turn) chat-templated for the assistant's answer; without a
+    template, their texts one per line."""
     if use_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+        ids = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in messages],
+                                            add_generation_prompt=True,
                                             return_dict=False)  # transformers 5 returns a BatchEncoding otherwise
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer(text)["input_ids"]
+    return tokenizer("\n".join(t for _, t in messages))["input_ids"]
 
 
 def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, shuffle: bool = True,
@@ -265,19 +275,14 @@ def sharegpt_conversation_ids(target, split: str, max_prompt_tokens: int, seed: 
 
 
 def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> list[int] | None:
-    budget = 6 * max_prompt_tokens  # characters: far more than fit, so that nothing that would fit is cut untried
+    budget = MAX_CHARS_PER_TOKEN * max_prompt_tokens  # text longer than this cannot fit: not tokenized
     if len(messages[-1][1]) > budget:
         return None
     start = len(messages) - 1
     while start >= 2 and sum(len(t) for _, t in messages[start - 2:]) <= budget:
         start -= 2
     for s in range(start, len(messages), 2):
-        chat = [{"role": r, "content": t} for r, t in messages[s:]]
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        else:
-            ids = tokenizer("\n".join(t for _, t in messages[s:]))["input_ids"]
+        ids = chat_ids(tokenizer, messages[s:])
         if len(ids) <= max_prompt_tokens:
             return ids
     return None
@@ -285,7 +290,7 @@ def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> li
 
 def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
     """The chat-templated prompt, or None when it is longer than `max_prompt_tokens`."""
-    if len(text) > 6 * max_prompt_tokens:  # far too long to fit: skip without tokenizing
+    if len(text) > MAX_CHARS_PER_TOKEN * max_prompt_tokens:  # far too long to fit: skip without tokenizing
         return None
     ids = chat_prompt_ids(tokenizer, text)
     return ids if len(ids) <= max_prompt_tokens else None
