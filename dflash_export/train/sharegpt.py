@@ -113,56 +113,57 @@ def _records(path: Path):
     return iter_json_array(text, path)
 
 
-def _split(split: str, path: Path, load):
-    """`load(path)`'s items of `split` (each has an `index`), after checking the split and that a record parsed."""
-    if split not in ("train", "heldout", "all"):
-        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
-    n, items = load(str(path))
-    if n == 0:
-        raise DFlashError("no complete ShareGPT record parses", path=path)
-    if split == "train":
-        return [x for x in items if x.index < TRAIN_SPLIT]
-    if split == "heldout":
-        return [x for x in items if x.index >= TRAIN_SPLIT]
-    return list(items)
+@dataclass(frozen=True)
+class _Parsed:
+    records: int  # complete records in the file
+    prompts: tuple[Prompt, ...]
+    conversations: tuple[Conversation, ...]
 
 
 @lru_cache(maxsize=2)
-def _load_conversations(path_str: str) -> tuple[int, tuple[Conversation, ...]]:
-    n, out = 0, []
-    for i, rec in enumerate(_records(Path(path_str))):
-        n = i + 1
-        turns = conversation_turns(rec)
-        for k in range(0, len(turns), 2):
-            out.append(Conversation(i, k // 2, tuple(turns[: k + 1])))
-    return n, tuple(out)
-
-
-def sharegpt_conversations(split: str = "train", path: Path | None = None) -> list[Conversation]:
-    """Every user turn of the `train` (index < 12000) or `heldout` split with the conversation before it (the
-    dataset's own earlier answers), in index and turn order: a record of n user turns gives n prompts."""
-    return _split(split, path or sharegpt_file(), _load_conversations)
-
-
-@lru_cache(maxsize=2)
-def _load(path_str: str) -> tuple[int, tuple[Prompt, ...]]:
-    n, prompts = 0, []
+def _load(path_str: str) -> _Parsed:
+    """The file read and decoded once for both views: first turns (with the first answer) and every user turn."""
+    n, prompts, convs = 0, [], []
     for i, rec in enumerate(_records(Path(path_str))):
         n = i + 1
         p = first_user_turn(rec)
         if p is not None:
             prompts.append(Prompt(i, p, first_reply(rec)))
-    return n, tuple(prompts)
+        turns = conversation_turns(rec)
+        convs += [Conversation(i, k // 2, tuple(turns[: k + 1])) for k in range(0, len(turns), 2)]
+    return _Parsed(n, tuple(prompts), tuple(convs))
+
+
+def _split(split: str, path: Path | None, items) -> list:
+    """`items(parsed file)` of `split` (each has an `index`), after checking the split and that a record parsed."""
+    if split not in ("train", "heldout", "all"):
+        raise DFlashError(f"unknown split {split!r} (train, heldout, all)", field="split")
+    path = path or sharegpt_file()
+    parsed = _load(str(path))
+    if parsed.records == 0:
+        raise DFlashError("no complete ShareGPT record parses", path=path)
+    chosen = items(parsed)
+    if split == "train":
+        return [x for x in chosen if x.index < TRAIN_SPLIT]
+    if split == "heldout":
+        return [x for x in chosen if x.index >= TRAIN_SPLIT]
+    return list(chosen)
+
+
+def sharegpt_conversations(split: str = "train", path: Path | None = None) -> list[Conversation]:
+    """Every user turn of the `train` (index < 12000) or `heldout` split with the conversation before it (the
+    dataset's own earlier answers), in index and turn order: a record of n user turns gives n prompts."""
+    return _split(split, path, lambda parsed: parsed.conversations)
 
 
 def sharegpt_prompts(split: str = "train", path: Path | None = None) -> list[Prompt]:
     """First-turn prompts of the `train` (index < 12000) or `heldout` (index >= 12000) split, in index order."""
-    return _split(split, path or sharegpt_file(), _load)
+    return _split(split, path, lambda parsed: parsed.prompts)
 
 
 def record_count(path: Path | None = None) -> int:
     """How many complete records the (truncated) file holds."""
-    return _load(str(path or sharegpt_file()))[0]
+    return _load(str(path or sharegpt_file())).records
 
 
 def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> list[dict]:
