@@ -22,6 +22,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
+    if importlib.util.find_spec("dflash_export") is None:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, str(HERE.parent.parent))
+    from dflash_export.decoding.options import PROPOSERS
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--skip", type=int, default=20,
@@ -36,13 +40,11 @@ def main() -> None:
                          "of the PyTorch reference: same algorithm and tau, ~3x faster; full blocks are verified")
     ap.add_argument("--engines-root", default=str(HERE.parent.parent / "engines"))
     ap.add_argument("--no-ar", action="store_true", help="(--engine) skip the AR pass that checks losslessness")
-    ap.add_argument("--proposer", default=None,
+    ap.add_argument("--proposer", default=None, choices=PROPOSERS,
                     help="(--engine) chain: the drafter's block alone, every draft verified (the drafter's own tau); "
                          "default: the recipe's decoding (tree+lookup: the context's continuations too)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if importlib.util.find_spec("dflash_export") is None:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, str(HERE.parent.parent))
     if args.engine:
         return engine_main(args)
 
