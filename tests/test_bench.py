@@ -53,6 +53,30 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["summary"].keys() == s.keys()
 
 
+def test_bench_modes_take_turns_prompt_by_prompt_in_a_rotated_order(built):
+    """Single stream with reps: every mode decodes a prompt before any mode starts the next, the mode that goes
+    first rotates from one prompt to the next, every pass repeats the first token for token, and each pass's ratio
+    is reported."""
+    from dflash_export.bench.suite import run_bench
+
+    recipe, out, _, _ = built
+    modes = ["dflash", "ar", "chain"]
+    report = run_bench(str(recipe.path), str(out), None, 2, 8, modes, None, reps=2)
+    raw = report["raw"]
+    schedule = sorted((r["started"], m, p, r["prompt"]) for m in modes
+                      for r, p in zip(raw[m]["runs"], raw[m]["pass_of_run"]))
+    assert [(p, i) for _, _, p, i in schedule] == [(p, i) for p in (0, 1) for i in (0, 1) for _ in modes]
+    firsts = [m for k, (_, m, _, _) in enumerate(schedule) if k % len(modes) == 0]
+    assert firsts == ["dflash", "ar", "chain", "dflash"]  # turn k starts with mode k mod 3
+    for m in modes:
+        runs = raw[m]["runs"]
+        assert [r["tokens"] for r in runs[:2]] == [r["tokens"] for r in runs[2:]], m
+        assert report["summary"][m]["identical_to_ar"] == "2/2"
+        assert report["summary"][m]["tokens_total"] == sum(len(r["tokens"]) for r in runs[:2])  # one pass counted
+    assert set(report["pass_ratios"]) == {"dflash/ar", "chain/ar"}
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in report["pass_ratios"].values())
+
+
 def test_bench_compares_the_proposers_on_one_engine(built, monkeypatch, capsys):
     """Every proposer mode decodes the target's own output (identical to plain decoding on the engine), each with
     the prompt-lookup yardstick on its tokens and its ratio against AR; the table fits an 80-column terminal."""

@@ -27,8 +27,9 @@ from dflash_export.recipes import recipe_from_options
               help="Comma list of concurrency levels (e.g. 1,4,8,16): continuous batching on the engine instead, "
                    "DFlash and plain decoding (modes dflash / ar of --modes; default both) at each level.")
 @click.option("--reps", default=1, show_default=True, type=click.IntRange(1),
-              help="With --concurrency: interleaved passes per level and mode; the fastest counts (the DFlash / plain "
-                   "ratio is also printed pass by pass).")
+              help="Passes over the prompts, the modes interleaved (single stream: prompt by prompt, medians over "
+                   "every pass; with --concurrency: per level, the fastest pass counts); the DFlash / plain ratio is "
+                   "also printed pass by pass.")
 @click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="Sample at this temperature (0: greedy); prompt i is seeded with i, the same in every mode.")
 @click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"))
@@ -48,4 +49,4 @@ def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_token
         run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json,
                               reps, sampling)
         return
-    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, mode_list, out_json, sampling)
+    run_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, mode_list, out_json, sampling, reps)

@@ -2,8 +2,9 @@
 (a) DFlash on the engine (adaptive verification; `dflash-full`: every draft verified), (b) AR on the same engine,
 (c) transformers `generate` (PyTorch, recipe dtype) AR, (d) the PyTorch reference `spec_generate`; τ; peak RSS.
 
-Each mode runs in its own process so its peak RSS is its own, after a warm-up generation; figures are medians over
-prompts. Greedy outputs of every mode are compared token for token with (c).
+Each mode runs in its own process, kept loaded, so its peak RSS is its own, after a warm-up generation; the modes take
+turns prompt by prompt (`_run_interleaved`); figures are medians over prompts (and passes: `reps`). Greedy outputs of
+every mode are compared token for token with (c).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _encode_prompts(recipe, suite: str, n: int, codec) -> list[list[int]]:
 
 
 WORKER_ERROR = "dflash-bench-worker-error: "  # prefix of the JSON line a worker writes to stderr on a DFlashError
+WORKER_REPLY = "dflash-bench-worker: "  # prefix of a worker's replies on stdout (a library may print there too)
 
 
 def _loading(what, path):
@@ -91,11 +93,12 @@ def _describe_sampling(sampling: dict | None) -> str:
         f", top-p {s['top_p']:g}" if s.get("top_p", 1.0) < 1.0 else "")
 
 
-def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[int]], max_new: int,
-            sampling: dict | None = None) -> dict:
+def _load_mode(mode: str, recipe_fields: dict, engine_dir: str, sampling: dict | None):
+    """Load what `mode` decodes with; returns (gen, load_s, sources): gen(ids, n, i) -> (tokens, total_s, ttft_s,
+    acceptance lengths, drafted tokens) for prompt i, and the accepted drafts per source of each engine run
+    (RunStats.accepted_by / accepted_only), appended as it runs."""
     recipe = Recipe(**recipe_fields)
-    runs = []
-    sources: list[tuple[dict, dict]] = []  # accepted drafts per source of each engine run (RunStats.accepted_by)
+    sources: list[tuple[dict, dict]] = []
     temperature = (sampling or {}).get("temperature", 0.0)
     if mode in ENGINE_MODES:
         t0 = time.perf_counter()
@@ -107,50 +110,53 @@ def _worker(mode: str, recipe_fields: dict, engine_dir: str, prompts: list[list[
             s = rt.generate(ids, sampling_params(sampling, n, i), "ar" if mode == "ar" else "dflash")
             sources.append((s.accepted_by, s.accepted_only))
             return s.tokens, s.total_s, s.ttft_s, s.acceptance_lengths, s.drafted_tokens
-    else:
-        import torch
+        return gen, load_s, sources
+    import torch
 
-        from dflash_export.models import load_target
-        from dflash_export.models.checkpoint import load_drafter
-        from dflash_export.runtime.reference import spec_generate
+    from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.runtime.reference import spec_generate
 
-        dtype = getattr(torch, recipe.dtype)
-        t0 = time.perf_counter()
-        target = _loading(lambda: load_target(recipe.target_path, dtype), resolve_source(recipe.target_path))
-        drafter = _loading(lambda: load_drafter(recipe.drafter_path, dtype),
-                           resolve_source(recipe.drafter_path)) if mode == "reference" else None
-        load_s = time.perf_counter() - t0
-        if mode == "reference":
-            bs = drafter.spec(recipe.block_size).block_size
+    dtype = getattr(torch, recipe.dtype)
+    t0 = time.perf_counter()
+    target = _loading(lambda: load_target(recipe.target_path, dtype), resolve_source(recipe.target_path))
+    drafter = _loading(lambda: load_drafter(recipe.drafter_path, dtype),
+                       resolve_source(recipe.drafter_path)) if mode == "reference" else None
+    load_s = time.perf_counter() - t0
+    if mode == "reference":
+        bs = drafter.spec(recipe.block_size).block_size
 
-            def gen(ids, n, i=0):
-                sp = sampling_params(sampling, n, i)
-                r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size,
-                                  temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed)
-                return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths, (bs - 1) * len(r.acceptance_lengths)
-        else:
-            stop = target.stop_token_ids
+        def gen(ids, n, i=0):
+            sp = sampling_params(sampling, n, i)
+            r = spec_generate(drafter, target, ids, max_new_tokens=n, block_size=recipe.block_size,
+                              temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed)
+            return r.tokens, r.total_s, r.ttft_s, r.acceptance_lengths, (bs - 1) * len(r.acceptance_lengths)
+        return gen, load_s, sources
+    stop = target.stop_token_ids
 
-            @torch.inference_mode()
-            def gen(ids, n, i=0):
-                x = torch.tensor([ids])
-                sample = {"do_sample": True, "temperature": temperature, "top_k": sampling.get("top_k") or None,
-                          "top_p": sampling.get("top_p", 1.0)} if temperature > 0 else {"do_sample": False}
-                if temperature > 0:
-                    torch.manual_seed(i)
-                t = time.perf_counter()
-                out = target.hf.generate(x, max_new_tokens=n, eos_token_id=stop or None,
-                                         pad_token_id=stop[0] if stop else 0, **sample)
-                total = time.perf_counter() - t
-                return out[0, len(ids):].tolist(), total, 0.0, [], 0
-    gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
-    for i, ids in enumerate(prompts):
-        toks, total, ttft, acc, drafted = gen(ids, max_new, i)
-        runs.append({"tokens": toks, "total_s": total, "ttft_s": ttft,
-                     "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc), "drafted": drafted})
-        if sources and mode != "ar":
-            runs[-1]["accepted_by"], runs[-1]["accepted_only"] = sources[-1]
-    return {"mode": mode, "load_s": load_s, "runs": runs, "peak_rss_mb": _peak_rss_mb()}
+    @torch.inference_mode()
+    def gen(ids, n, i=0):
+        x = torch.tensor([ids])
+        sample = {"do_sample": True, "temperature": temperature, "top_k": sampling.get("top_k") or None,
+                  "top_p": sampling.get("top_p", 1.0)} if temperature > 0 else {"do_sample": False}
+        if temperature > 0:
+            torch.manual_seed(i)
+        t = time.perf_counter()
+        out = target.hf.generate(x, max_new_tokens=n, eos_token_id=stop or None,
+                                 pad_token_id=stop[0] if stop else 0, **sample)
+        total = time.perf_counter() - t
+        return out[0, len(ids):].tolist(), total, 0.0, [], 0
+    return gen, load_s, sources
+
+
+def _run_prompt(mode: str, gen, sources: list, ids: list[int], max_new: int, index: int) -> dict:
+    started = time.time()
+    toks, total, ttft, acc, drafted = gen(ids, max_new, index)
+    run = {"prompt": index, "started": started, "tokens": toks, "total_s": total, "ttft_s": ttft,
+           "tau": (sum(acc) / len(acc)) if acc else 1.0, "steps": len(acc), "drafted": drafted}
+    if sources and mode != "ar":
+        run["accepted_by"], run["accepted_only"] = sources[-1]
+    return run
 
 
 def _peak_rss_mb() -> float:
@@ -166,9 +172,11 @@ def _peak_rss_mb() -> float:
 
 
 def _summary(res: dict) -> dict:
-    runs = res["runs"]
-    tps = [len(r["tokens"]) / r["total_s"] for r in runs if r["total_s"] > 0]
-    tpot = [(r["total_s"] - r["ttft_s"]) / max(1, len(r["tokens"]) - 1) for r in runs]
+    """Speeds: medians over every run (every pass); counts (τ, drafts, tokens, sources): over the first pass, which
+    each later pass repeats token for token."""
+    tps = [len(r["tokens"]) / r["total_s"] for r in res["runs"] if r["total_s"] > 0]
+    tpot = [(r["total_s"] - r["ttft_s"]) / max(1, len(r["tokens"]) - 1) for r in res["runs"]]
+    runs = [r for r, p in zip(res["runs"], res.get("pass_of_run") or [0] * len(res["runs"])) if p == 0]
     # τ pooled over prompts (all accepted tokens / all steps), as the reference defines it: a per-prompt mean lets a
     # few short or looping answers (τ 3-4 on a handful of steps) pull the figure far up.
     steps_total = sum(r["steps"] for r in runs)
@@ -190,8 +198,86 @@ def _sum_sources(runs: list[dict], key: str) -> dict:
     return out
 
 
+class _ModeWorker:
+    """One mode's worker process, kept loaded: `ask(i)` decodes prompt i there and returns its run."""
+
+    def __init__(self, mode: str, job: Path):
+        self.mode = mode
+        self.err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty library cannot fill it and stall
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash_export.bench.suite", str(job)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+    def reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(WORKER_REPLY):
+                try:
+                    return json.loads(line[len(WORKER_REPLY):])
+                except ValueError:
+                    break
+        rc = self.proc.wait()
+        self.err.seek(0)
+        raise _worker_failure(self.mode, rc if rc else 1, self.err.read())
+
+    def ask(self, command: str) -> dict:
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it has exited: reply() reads why
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.err.close()
+
+
+def _run_interleaved(modes: list[str], job: dict, reps: int, console) -> dict:
+    """Every mode in a process of its own, all kept loaded; each prompt is decoded by every mode before the next
+    prompt, in an order rotated from one prompt to the next, `reps` passes over the prompts. A machine whose speed
+    drifts (other jobs, clocks) then hits every mode alike, and no mode always runs first or second (on these 2-core
+    machines the second of two modes run one after the other measured up to 14 % faster)."""
+    n = len(job["prompts"])
+    results = {m: {"mode": m, "runs": [], "pass_of_run": []} for m in modes}
+    workers: dict[str, _ModeWorker] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for mode in modes:  # loaded one at a time, so each load time is its own
+                path = Path(tmp) / f"job-{len(workers)}.json"
+                path.write_text(json.dumps({"mode": mode, **job}))
+                workers[mode] = _ModeWorker(mode, path)
+                results[mode]["load_s"] = workers[mode].reply()["load_s"]
+            console.print(f"[bench] {', '.join(modes)}: {n} prompts x {job['max_new']} new tokens, interleaved"
+                          + (f", {reps} passes" if reps > 1 else "") + " ...")
+            for rep in range(reps):
+                for i in range(n):
+                    k = (rep * n + i) % len(modes)
+                    for mode in modes[k:] + modes[:k]:
+                        results[mode]["runs"].append(workers[mode].ask(str(i))["run"])
+                        results[mode]["pass_of_run"].append(rep)
+            for mode in modes:
+                results[mode]["peak_rss_mb"] = workers[mode].ask("done")["peak_rss_mb"]
+        finally:
+            for w in workers.values():
+                w.close()
+    return results
+
+
+def _pass_ratios(a: dict, b: dict) -> list[float]:
+    """Mode a's decode speed over mode b's in each pass (all tokens / all seconds of the pass)."""
+    out = []
+    for rep in sorted(set(a["pass_of_run"])):
+        speed = [sum(len(r["tokens"]) for r, p in zip(x["runs"], x["pass_of_run"]) if p == rep)
+                 / max(1e-9, sum(r["total_s"] for r, p in zip(x["runs"], x["pass_of_run"]) if p == rep))
+                 for x in (a, b)]
+        out.append(speed[0] / speed[1] if speed[1] else 0.0)
+    return out
+
+
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
-              modes: list[str], out_json: str | None, sampling: dict | None = None) -> dict:
+              modes: list[str], out_json: str | None, sampling: dict | None = None, reps: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -207,21 +293,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     manifest = check_engine_recipe(Path(engine_dir), recipe)  # as validate does: another recipe's engine misleads
     codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
     prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, codec)
-    results = {}
-    for mode in modes:
-        console.print(f"[bench] {mode}: {len(prompts)} prompts x {max_new} new tokens ...")
-        with tempfile.TemporaryDirectory() as tmp:
-            job = Path(tmp) / "job.json"
-            job.write_text(json.dumps({"mode": mode, "recipe": _job_recipe(recipe), "engine": engine_dir,
-                                       "prompts": prompts, "max_new": max_new, "sampling": sampling}))
-            proc = subprocess.run([sys.executable, "-m", "dflash_export.bench.suite", str(job)], capture_output=True,
-                                  text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            if proc.returncode != 0:
-                raise _worker_failure(mode, proc.returncode, proc.stderr)
-            try:
-                results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-            except (IndexError, ValueError):
-                raise DFlashError("benchmark worker wrote no result", field=f"--modes {mode}") from None
+    results = _run_interleaved(modes, {"recipe": _job_recipe(recipe), "engine": engine_dir, "prompts": prompts,
+                                         "max_new": max_new, "sampling": sampling}, reps, console)
     summary = {m: _summary(r) for m, r in results.items()}
     # The prompt-lookup yardstick on each speculative mode's own output tokens (no second decode): the τ a free n-gram
     # drafter would reach on the same answers, so a drafter can be seen to beat it or not.
@@ -234,10 +307,10 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     # transformers' sampler does not.
     sampled = bool((sampling or {}).get("temperature"))
     base = results.get("ar") if sampled else (results.get("hf") or results.get("ar"))
-    if base:
+    if base:  # a prompt counts when every pass's output equals the base's output of the same pass
         for m, r in results.items():
-            same = sum(a["tokens"] == b["tokens"] for a, b in zip(r["runs"], base["runs"]))
-            summary[m]["identical_to_" + base["mode"]] = f"{same}/{len(r['runs'])}"
+            differs = {a["prompt"] for a, b in zip(r["runs"], base["runs"]) if a["tokens"] != b["tokens"]}
+            summary[m]["identical_to_" + base["mode"]] = f"{len(prompts) - len(differs)}/{len(prompts)}"
     # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
     table = Table(title=f"{recipe.name}: {_describe_sampling(sampling)}, {max_new} new tokens, {len(prompts)} prompts "
                   "(medians)",
@@ -267,9 +340,13 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
             ratios[f"{a}/{b}"] = summary[a]["tok_s_median"] / summary[b]["tok_s_median"]
     if ratios:
         console.print("speedups: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    pass_ratios = {}
+    if reps > 1:  # each pass's ratio of speeds: how far one pass's figure moves from the next on this machine
+        pass_ratios = {k: _pass_ratios(results[k.split("/")[0]], results[k.split("/")[1]]) for k in ratios}
+        console.print("pass by pass: " + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v)
+                                                    for k, v in pass_ratios.items()))
     report = {"recipe": recipe.name, "engine": engine_dir, "max_new_tokens": max_new, "sampling": sampling or {},
-              "summary": summary,
-              "ratios": ratios, "raw": results}
+              "reps": reps, "summary": summary, "ratios": ratios, "pass_ratios": pass_ratios, "raw": results}
     if out_json:
         with atomic_file(out_json) as f:
             f.write(json.dumps(report, indent=2) + "\n")
@@ -315,15 +392,30 @@ def _worker_failure(mode: str, returncode: int, stderr: str) -> DFlashError:
     return DFlashError(f"benchmark worker failed: {why}", field=f"--modes {mode}")
 
 
-def _worker_main(job: str) -> int:
+def _say(obj: dict) -> None:
+    sys.stdout.write(WORKER_REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _worker_main(job: str, commands=None) -> int:
+    """A mode's worker process: load, warm up, say ready; then decode the prompt each line of `commands` (stdin)
+    names, one reply each, until "done" or the end of input; then its peak RSS. A DFlashError (a file that does not
+    load) goes to stderr as one JSON line for the parent (`_worker_failure`)."""
     spec = json.loads(Path(job).read_text())
+    mode, prompts, max_new = spec["mode"], spec["prompts"], spec["max_new"]
     try:
-        out = _worker(spec["mode"], spec["recipe"], spec["engine"], spec["prompts"], spec["max_new"],
-                      spec.get("sampling"))
+        gen, load_s, sources = _load_mode(mode, spec["recipe"], spec["engine"], spec.get("sampling"))
+        gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
+        _say({"ready": True, "load_s": load_s})
+        for line in commands if commands is not None else sys.stdin:
+            if line.strip() == "done":
+                break
+            i = int(line)
+            _say({"run": _run_prompt(mode, gen, sources, prompts[i], max_new, i)})
     except DFlashError as e:
         sys.stderr.write(WORKER_ERROR + json.dumps({"message": str(e)}) + "\n")
         return e.exit_code or 2
-    print(json.dumps(out))
+    _say({"peak_rss_mb": _peak_rss_mb()})
     return 0
 
 
