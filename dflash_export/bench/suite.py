@@ -213,7 +213,8 @@ class _ModeWorker:
             if line.startswith(WORKER_REPLY):
                 try:
                     return json.loads(line[len(WORKER_REPLY):])
-                except ValueError:
+                except ValueError:  # a reply cut short: the worker is not to be trusted further
+                    self.proc.kill()
                     break
         rc = self.proc.wait()
         self.err.seek(0)
