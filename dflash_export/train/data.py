@@ -235,19 +235,8 @@ def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, s
     with `limit`, the first `limit` of them (the same as the whole list's first `limit`): chat-templating and
     tokenizing stop there, which for a few hundred prompts of the SmolLM2 recipe's train split takes a second
     instead of the ~50 s the whole split's 7 500 first turns took on a shared 2-core EPYC."""
-    import random
-
-    prompts = sharegpt_prompts(split)
-    if shuffle:
-        random.Random(seed).shuffle(prompts)
-    out = []
-    for p in prompts:
-        if limit is not None and len(out) >= limit:
-            break
-        ids = _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens)
-        if ids is not None:
-            out.append((p.index, ids))
-    return out
+    return _seeded_fitting(sharegpt_prompts(split), seed if shuffle else None, limit,
+                           lambda p: _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens))
 
 
 def sharegpt_conversation_ids(target, split: str, max_prompt_tokens: int, seed: int,
@@ -257,20 +246,26 @@ def sharegpt_conversation_ids(target, split: str, max_prompt_tokens: int, seed: 
     whose own message does not fit is skipped. Later turns are most of ShareGPT's user messages (a record holds ~3),
     and their answers lean on the conversation: more prompts, and more of the copying a drafter must learn, than
     first turns alone."""
-    import random
-
     from dflash_export.train.sharegpt import sharegpt_conversations
 
-    convs = sharegpt_conversations(split)
-    random.Random(seed).shuffle(convs)
-    tok = target.tokenizer
+    return _seeded_fitting(sharegpt_conversations(split), seed, limit,
+                           lambda c: _fitting_conversation_ids(target.tokenizer, c.messages, max_prompt_tokens))
+
+
+def _seeded_fitting(items: list, seed: int | None, limit: int | None, ids_of) -> list[tuple[int, list[int]]]:
+    """(item.index, ids_of(item)) for the items whose ids fit (not None), in the order `seed` shuffles them to (None:
+    as given), stopping once `limit` are found: tokenizing stops there too."""
+    import random
+
+    if seed is not None:
+        random.Random(seed).shuffle(items)
     out = []
-    for c in convs:
+    for item in items:
         if limit is not None and len(out) >= limit:
             break
-        ids = _fitting_conversation_ids(tok, c.messages, max_prompt_tokens)
+        ids = ids_of(item)
         if ids is not None:
-            out.append((c.index, ids))
+            out.append((item.index, ids))
     return out
 
 
@@ -290,10 +285,7 @@ def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> li
 
 def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
     """The chat-templated prompt, or None when it is longer than `max_prompt_tokens`."""
-    if len(text) > MAX_CHARS_PER_TOKEN * max_prompt_tokens:  # far too long to fit: skip without tokenizing
-        return None
-    ids = chat_prompt_ids(tokenizer, text)
-    return ids if len(ids) <= max_prompt_tokens else None
+    return _fitting_conversation_ids(tokenizer, [("user", text)], max_prompt_tokens)
 
 
 def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tokens: int, seed: int
