@@ -63,8 +63,7 @@ def test_bench_modes_take_turns_prompt_by_prompt_in_a_rotated_order(built):
     modes = ["dflash", "ar", "chain"]
     report = run_bench(str(recipe.path), str(out), None, 2, 8, modes, None, reps=2)
     raw = report["raw"]
-    schedule = sorted((r["started"], m, p, r["prompt"]) for m in modes
-                      for r, p in zip(raw[m]["runs"], raw[m]["pass_of_run"]))
+    schedule = sorted((r["started"], m, r["pass"], r["prompt"]) for m in modes for r in raw[m]["runs"])
     assert [(p, i) for _, _, p, i in schedule] == [(p, i) for p in (0, 1) for i in (0, 1) for _ in modes]
     firsts = [m for k, (_, m, _, _) in enumerate(schedule) if k % len(modes) == 0]
     assert firsts == ["dflash", "ar", "chain", "dflash"]  # turn k starts with mode k mod 3

@@ -176,7 +176,7 @@ def _summary(res: dict) -> dict:
     each later pass repeats token for token."""
     tps = [len(r["tokens"]) / r["total_s"] for r in res["runs"] if r["total_s"] > 0]
     tpot = [(r["total_s"] - r["ttft_s"]) / max(1, len(r["tokens"]) - 1) for r in res["runs"]]
-    runs = [r for r, p in zip(res["runs"], res.get("pass_of_run") or [0] * len(res["runs"])) if p == 0]
+    runs = [r for r in res["runs"] if r.get("pass", 0) == 0]
     # τ pooled over prompts (all accepted tokens / all steps), as the reference defines it: a per-prompt mean lets a
     # few short or looping answers (τ 3-4 on a handful of steps) pull the figure far up.
     steps_total = sum(r["steps"] for r in runs)
@@ -241,7 +241,7 @@ def _run_interleaved(modes: list[str], job: dict, reps: int, console) -> dict:
     drifts (other jobs, clocks) then hits every mode alike, and no mode always runs first or second (on these 2-core
     machines the second of two modes run one after the other measured up to 14 % faster)."""
     n = len(job["prompts"])
-    results = {m: {"mode": m, "runs": [], "pass_of_run": []} for m in modes}
+    results = {m: {"mode": m, "runs": []} for m in modes}
     workers: dict[str, _ModeWorker] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -256,8 +256,7 @@ def _run_interleaved(modes: list[str], job: dict, reps: int, console) -> dict:
                 for i in range(n):
                     k = (rep * n + i) % len(modes)
                     for mode in modes[k:] + modes[:k]:
-                        results[mode]["runs"].append(workers[mode].ask(str(i))["run"])
-                        results[mode]["pass_of_run"].append(rep)
+                        results[mode]["runs"].append({**workers[mode].ask(str(i))["run"], "pass": rep})
             for mode in modes:
                 results[mode]["peak_rss_mb"] = workers[mode].ask("done")["peak_rss_mb"]
         finally:
@@ -269,10 +268,9 @@ def _run_interleaved(modes: list[str], job: dict, reps: int, console) -> dict:
 def _pass_ratios(a: dict, b: dict) -> list[float]:
     """Mode a's decode speed over mode b's in each pass (all tokens / all seconds of the pass)."""
     out = []
-    for rep in sorted(set(a["pass_of_run"])):
-        speed = [sum(len(r["tokens"]) for r, p in zip(x["runs"], x["pass_of_run"]) if p == rep)
-                 / max(1e-9, sum(r["total_s"] for r, p in zip(x["runs"], x["pass_of_run"]) if p == rep))
-                 for x in (a, b)]
+    for rep in sorted({r["pass"] for r in a["runs"]}):
+        speed = [sum(len(r["tokens"]) for r in x["runs"] if r["pass"] == rep)
+                 / max(1e-9, sum(r["total_s"] for r in x["runs"] if r["pass"] == rep)) for x in (a, b)]
         out.append(speed[0] / speed[1] if speed[1] else 0.0)
     return out
 
