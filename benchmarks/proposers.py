@@ -34,6 +34,9 @@ OFF = {"static_ngrams": False}
 MODES = {"ar": None, "chain": {"proposer": "chain", **OFF}, "lookup": {"proposer": "lookup", **OFF},
          "tree": {"proposer": "tree", **OFF}, "tree+lookup": {"proposer": "tree+lookup", "tree_mode": "spine", **OFF},
          "tree+lookup-full": {"proposer": "tree+lookup", "tree_mode": "full", **OFF},
+         # T > 0: the default walk over the tree's best path only (the breadth a draw off that path could use lost)
+         "tree+lookup-sampled-spine": {"proposer": "tree+lookup", "tree_mode": "spine", "sampled_tree_mode": "spine",
+                                       **OFF},
          # the default with the runtime's fallback costs fixed instead of fitted on this machine (runtime/costs.py)
          "tree+lookup-unfitted": {"proposer": "tree+lookup", "tree_mode": "spine", "fit_costs": False, **OFF},
          # T > 0: the drafter's own sampled chain with min(1, p/q) (the reference's stream) instead of the walk

@@ -11,7 +11,15 @@ import pytest
 
 from dflash_export.decoding.options import PROPOSERS
 from dflash_export.decoding.prompt_lookup import lookup_branches
-from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, build_tree, chain, greedy_accept
+from dflash_export.decoding.tree import (
+    DraftCalibration,
+    DraftTree,
+    LookupStats,
+    TreeState,
+    build_tree,
+    chain,
+    greedy_accept,
+)
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.onnxruntime import tree_inputs
 from dflash_export.runtime.single import DFlashRuntime
@@ -53,6 +61,77 @@ def test_min_score_keeps_only_nodes_that_pay():
         path = tree.path(i)[1:]
         assert np.exp(sum(lp[tree.depths[j] - 1, tree.tokens[j]] for j in path)) >= 0.05
     assert len(tree) > 1
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.7])
+def test_calibrated_drafter_nodes_score_each_step_at_its_scaled_probability(scale):
+    """draft_scale c: a drafter node's score is the product over its path of min(1, c x its slot probability), the
+    tree the `max_nodes` best paths by that score (brute force), and draft_q each node's raw slot probability."""
+    rng = np.random.default_rng(int(scale * 10))
+    lp = _logprobs(rng, 4, 6)
+    lp[0] = np.log([0.02, 0.03, 0.9, 0.02, 0.02, 0.01])  # a probability that scaling by 1.7 would push past 1
+    tree = build_tree(5, lp, [], top_k=3, max_nodes=9, draft_scale=scale)
+    topk = [np.argsort(-lp[d], kind="stable")[:3] for d in range(4)]
+    scored = sorted(((np.prod([min(1.0, scale * np.exp(lp[d, t])) for d, t in enumerate(path)]), path)
+                     for depth in range(1, 5) for path in itertools.product(*topk[:depth])), key=lambda x: -x[0])
+    assert _paths(tree) == {tuple(int(t) for t in p) for _, p in scored[:9]}
+    for i in range(1, len(tree)):
+        path = [tree.tokens[j] for j in tree.path(i)[1:]]
+        want = np.prod([min(1.0, scale * np.exp(lp[d, t])) for d, t in enumerate(path)])
+        assert tree.scores[i] == pytest.approx(want, rel=1e-6)
+        assert tree.draft_q[i] == pytest.approx(np.exp(lp[tree.depths[i] - 1, tree.tokens[i]]), rel=1e-6)
+
+
+def test_draft_calibration_counts_drafter_only_nodes_whose_parent_was_accepted():
+    """scale = (accepted + 4) / (sum of their raw probabilities + 4) over verified nodes only the drafter proposed
+    whose parent the walk reached; lookup nodes, unverified nodes and nodes under a rejected parent do not count."""
+    tree = build_tree(9, np.log(np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]])), [[2, 7]], top_k=2, max_nodes=10)
+    node = {tuple(tree.tokens[j] for j in tree.path(i)[1:]): i for i in range(1, len(tree))}
+    assert tree.proposed_by(node[(2,)]) == {"lookup"} and tree.proposed_by(node[(0,)]) == {"drafter"}
+    cal = DraftCalibration()
+    assert cal.scale() == 1.0
+    path = [0, node[(0,)], node[(0, 1)]]
+    cal.record(tree, path, set(range(len(tree))) - {node[(1, 0)]})
+    # counted: (0,) 0.6 accepted; (1,) 0.3 not; (0, 0) 0.5 not; (0, 1) 0.4 accepted. Not: (1, 0) unverified, (1, 1)
+    # under a rejected parent, (2,) and (2, 7) lookups
+    assert cal.expected == pytest.approx(0.6 + 0.3 + 0.5 + 0.4) and cal.accepted == 2
+    assert cal.scale() == pytest.approx(6 / 5.8)
+
+
+def test_draft_calibration_recovers_the_rate_at_which_walks_accept_drafter_nodes():
+    """Drafter nodes accepted with probability c x q (q their slot probability): the calibration learns c, and a
+    calibrated tree's expected acceptances match what the walks accept (a simulation with a known c)."""
+    rng = np.random.default_rng(11)
+    for c in (0.5, 0.8):
+        cal = DraftCalibration()
+        for _ in range(3000):
+            lp = _logprobs(rng, 3, 5)
+            tree = build_tree(1, lp, [], top_k=2, max_nodes=6)
+            path = [0]
+            while True:  # the walk: the first child whose draw accepts it (siblings exclusive: c x sum q <= 1)
+                u, acc = rng.random(), 0.0
+                for k in tree.children(path[-1]):
+                    acc += c * tree.draft_q[k]
+                    if u < acc:
+                        path.append(k)
+                        break
+                else:
+                    break
+            cal.record(tree, path, set(range(len(tree))))
+        assert cal.scale() == pytest.approx(c, abs=0.04)
+
+
+def test_a_calibrated_gate_learns_the_drafter_s_expected_gain():
+    """With a calibration (sampled steps), a drafted step adds to the gate the sum of its verified drafter nodes'
+    scores, whatever the walk accepted; without one (greedy), the drafter's tokens on the accepted path."""
+    tree = build_tree(1, np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.49, 0.01]])), [], top_k=2, max_nodes=3)
+    want = sum(tree.scores[1:])
+    for calibrated in (True, False):
+        state = TreeState([1], 8, calibration=DraftCalibration() if calibrated else None)
+        state.record(tree, [0], set(range(len(tree))), drafted=True, had_lookup=False)
+        gate = state.gates[False]
+        assert gate.gain == pytest.approx(0.8 + 0.2 * (want if calibrated else 0))
+        assert gate.rows == pytest.approx(0.2 * 3)
 
 
 def test_k1_without_lookups_is_the_drafter_chain():
@@ -263,15 +342,16 @@ def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
-@pytest.mark.parametrize("tree_mode", ["spine", "full"])
+@pytest.mark.parametrize("sampled_tree_mode", ["spine", "full"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 20, 0.95)])
-def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, tree_mode, temperature, top_k, top_p):
+def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, sampled_tree_mode, temperature, top_k, top_p):
     """T > 0, every proposer and tree mode, with and without the cost model: the walk emits, token for token, what
     plain sampled decoding on the same engine emits with the same seed (every token is the target's draw with the
     request's next uniform; docs/trees.md). A seeded request repeats exactly."""
     eng, _ = pair
     for adaptive in (True, False):
-        rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12, tree_mode=tree_mode)
+        rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12,
+                           sampled_tree_mode=sampled_tree_mode)
         for seed, prompt in enumerate(PROMPTS[:3]):
             sp = SamplingParams(max_new_tokens=40, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
             want = rt.generate(prompt, sp, mode="ar").tokens
@@ -301,8 +381,9 @@ def test_the_recipe_s_decoding_options_reach_the_runtime_through_the_manifest(tm
                  "decoding: {proposer: tree+lookup, tree_nodes: 9, tree_mode: full}\n")
     out = build_onnxruntime(load_recipe(y), tmp_path / "engine", threads=1)
     assert read_manifest(out).raw["decoding"] == {"proposer": "tree+lookup", "tree_top_k": 4, "tree_nodes": 9,
-                                                  "tree_mode": "full", "sampling": "walk", "static_ngrams": False,
-                                                  "static_prompts": 256, "static_entries": 200_000}
+                                                  "tree_mode": "full", "sampled_tree_mode": "full", "sampling": "walk",
+                                                  "static_ngrams": False, "static_prompts": 256,
+                                                  "static_entries": 200_000}
     eng = load_engine(out, threads=1)
     rt = DFlashRuntime(eng)
     assert (rt.proposer, rt.tree_nodes, rt.tree_mode, rt.tree_top_k) == ("tree+lookup", 9, "full", 4)

@@ -43,6 +43,9 @@ class DecodingOptions:
     tree_top_k: int = 4                      # drafter children per tree node
     tree_nodes: int = 15                     # drafted nodes per step at most (the cost model may take fewer)
     tree_mode: str = "spine"                 # one of TREE_MODES
+    # How a sampled step that walks verifies its tree: the walk needs breadth (a draw that leaves the best path can
+    # still land on a sibling), so by default every node, where the engine verifies trees (else its best path).
+    sampled_tree_mode: str = "full"          # one of TREE_MODES
     sampling: str = "walk"                   # one of SAMPLERS
     # The static n-gram index (decoding/static_ngrams.py): `build` indexes the target's greedy answers to the first
     # `static_prompts` training prompts, keeping at most `static_entries` n-grams; a step merges its continuations
@@ -64,7 +67,8 @@ def decoding_problem(values: dict) -> tuple[str, str] | None:
     for key, value in values.items():
         if key not in known:
             return f"decoding.{key}", f"unknown key (known: {', '.join(known)})"
-    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES), ("sampling", SAMPLERS)):
+    for key, allowed in (("proposer", PROPOSERS), ("tree_mode", TREE_MODES), ("sampled_tree_mode", TREE_MODES),
+                         ("sampling", SAMPLERS)):
         if key in values and values[key] not in allowed:
             return f"decoding.{key}", f"expected one of {', '.join(allowed)}, got {values[key]!r}"
     for key in SWITCHES:

@@ -31,13 +31,14 @@ class Proposer:
     def propose(self, anchor: int, draft_logprobs: np.ndarray | None, branches: Sequence[Sequence[int]], *,
                 max_nodes: int, min_score: float = 0.0, lookup_scores: Callable[..., float] | None = None,
                 static: Sequence[Sequence[int]] = (), static_scores: Callable[[int], float] | None = None,
-                lookup_sizes: Sequence[int] = ()) -> DraftTree:
+                lookup_sizes: Sequence[int] = (), draft_scale: float = 1.0) -> DraftTree:
         """The step's draft tree under `anchor`: the drafter's slots (logits or log-probabilities [D, V], None when
         it did not run this step) and the lookup `branches` this proposer uses, nodes scoring >= `min_score`, at most
         `max_nodes` (decoding/tree.build_tree); `static`: the static index's continuations (decoding/static_ngrams.py),
         merged by every proposer that grows trees when the runtime passes them; `lookup_sizes`: the n-gram match
-        behind each branch (ContextIndex.branches(..., with_sizes=True)), which the lookup scores depend on."""
+        behind each branch (ContextIndex.branches(..., with_sizes=True)), which the lookup scores depend on;
+        `draft_scale`: the drafter's calibration (decoding/tree.DraftCalibration)."""
         return build_tree(anchor, draft_logprobs if self.drafter else None, list(branches) if self.lookups else [],
                           top_k=self.top_k, max_nodes=max_nodes, min_score=min_score, lookup_scores=lookup_scores,
                           static=[list(b) for b in static], static_scores=static_scores,
-                          lookup_sizes=list(lookup_sizes) if self.lookups else [])
+                          lookup_sizes=list(lookup_sizes) if self.lookups else [], draft_scale=draft_scale)

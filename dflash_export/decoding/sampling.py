@@ -12,6 +12,15 @@ import numpy as np
 def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
     x = np.asarray(logits, dtype=np.float64) / temperature
+    if x.ndim == 1 and top_k and 0 < top_k < len(x) and np.isfinite(x).all():
+        # One row with top-k (every sampled step): the same k survivors, but softmax and nucleus over those k alone
+        # -- over the whole vocabulary they cost 1.4 ms of a 20 ms SmolLM2 step (its sort alone ~0.5 ms).
+        kth = np.partition(x, -top_k)[-top_k]
+        above, tied = np.flatnonzero(x > kth), np.flatnonzero(x == kth)
+        keep = np.sort(np.concatenate([above, tied[:top_k - len(above)]]))
+        out = np.zeros_like(x)
+        out[keep] = _softmax_nucleus(x[keep][None], top_p)[0]
+        return out
     if top_k and 0 < top_k < x.shape[-1]:
         # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied
         # with it in index order until k are kept.
@@ -21,6 +30,12 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
         room = top_k - above.sum(axis=-1, keepdims=True)
         keep = above | (tied & (np.cumsum(tied, axis=-1) <= room))
         x = np.where(keep, x, -np.inf)
+    return _softmax_nucleus(x, top_p)
+
+
+def _softmax_nucleus(x: np.ndarray, top_p: float) -> np.ndarray:
+    """softmax over the last axis, then the smallest set of most likely values whose mass reaches `top_p` (ties in
+    index order), renormalized."""
     x = x - x.max(axis=-1, keepdims=True)
     p = np.exp(x)
     p /= p.sum(axis=-1, keepdims=True)

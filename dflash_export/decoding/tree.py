@@ -45,6 +45,9 @@ class DraftTree:
     origins: list[set] = field(default_factory=list)
     # per node: the longest context n-gram match behind a lookup branch that proposed it (0: none, or not known)
     matches: list[int] = field(default_factory=list)
+    # per node: the drafter's probability of its token in its slot (0: the drafter did not propose it), before any
+    # calibration -- what DraftCalibration compares with the walk's acceptances
+    draft_q: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -152,7 +155,7 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
 
 def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[list[int]], *, top_k: int,
                max_nodes: int, min_score: float = 0.0, lookup_scores=None, static: list[list[int]] = (),
-               static_scores=None, lookup_sizes=()) -> DraftTree:
+               static_scores=None, lookup_sizes=(), draft_scale: float = 1.0) -> DraftTree:
     """A prefix-closed tree of at most `max_nodes` drafted nodes under `anchor`.
 
     draft_logprobs [D, V]: logits (or log-probabilities) of the drafter's slots 1..D, None for no drafter branch;
@@ -161,14 +164,17 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
     depth (1-based) is accepted, `size` the n-gram match that found its branch (`lookup_sizes`, parallel to
     `lookups`; 0 where not given) (default 1: lookups are always taken, budget permitting); `static`,
     `static_scores(depth)`: the same for the static index's continuations (decoding/static_ngrams.py).
-    Nodes are taken in descending score, drafter and lookup together; a token proposed by both keeps the higher."""
-    tree = DraftTree([int(anchor)], [-1], [0], ["root"], [1.0], [set()], [0])
+    `draft_scale`: what the drafter's probabilities are multiplied by (each step's at most 1) to be a node's chance
+    of acceptance (DraftCalibration.scale). Nodes are taken in descending score, drafter and lookup together; a token
+    proposed by both keeps the higher."""
+    tree = DraftTree([int(anchor)], [-1], [0], ["root"], [1.0], [set()], [0], [0.0])
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
 
-    def add(parent: int, token: int, source: str, score: float, match: int = 0) -> int:
+    def add(parent: int, token: int, source: str, score: float, match: int = 0, q: float = 0.0) -> int:
         key = (parent, int(token))
         if key in index:
             node = index[key]
+            tree.draft_q[node] = max(tree.draft_q[node], q)
             tree.matches[node] = max(tree.matches[node], match)
             tree.origins[node].add(source)
             if tree.sources[node] == "static":
@@ -184,6 +190,7 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
         tree.scores.append(score)
         tree.origins.append({source})
         tree.matches.append(match)
+        tree.draft_q.append(q)
         index[key] = len(tree.tokens) - 1
         return index[key]
 
@@ -192,9 +199,14 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
     heap: list = []
     order = 0
     top = slot_candidates(draft_logprobs, top_k) if draft_logprobs is not None and top_k > 0 else None
+    if top and draft_scale != 1.0:  # (token, raw log-probability, calibrated log-probability of at most 0)
+        shift = float(np.log(draft_scale))
+        top = [[(t, lp, min(0.0, lp + shift)) for t, lp in slot] for slot in top]
+    elif top:
+        top = [[(t, lp, lp) for t, lp in slot] for slot in top]
     if top:
         # a drafter candidate: (parent node, depth of the child, rank among the slot's top-K, parent's log score)
-        heapq.heappush(heap, (-float(np.exp(top[0][0][1])), order, "drafter", (0, 1, 0, 0.0)))
+        heapq.heappush(heap, (-float(np.exp(top[0][0][2])), order, "drafter", (0, 1, 0, 0.0)))
         order += 1
     lookup_scores = lookup_scores or (lambda depth, size=0: 1.0)
     sizes = list(lookup_sizes) + [0] * (len(lookups) - len(lookup_sizes))
@@ -214,17 +226,17 @@ def build_tree(anchor: int, draft_logprobs: np.ndarray | None, lookups: list[lis
             break
         if kind == "drafter":
             parent, depth, rank, base = payload
-            token, lp = top[depth - 1][rank]
+            token, raw, lp = top[depth - 1][rank]
             before = len(tree.tokens)
-            node = add(parent, token, "drafter", -neg)
+            node = add(parent, token, "drafter", -neg, q=float(np.exp(raw)))
             drafted += len(tree.tokens) - before
             score = base + lp
             if rank + 1 < len(top[depth - 1]):  # the next sibling
-                heapq.heappush(heap, (-float(np.exp(base + top[depth - 1][rank + 1][1])), order, "drafter",
+                heapq.heappush(heap, (-float(np.exp(base + top[depth - 1][rank + 1][2])), order, "drafter",
                                       (parent, depth, rank + 1, base)))
                 order += 1
             if depth < len(top):  # the first child
-                heapq.heappush(heap, (-float(np.exp(score + top[depth][0][1])), order, "drafter",
+                heapq.heappush(heap, (-float(np.exp(score + top[depth][0][2])), order, "drafter",
                                       (node, depth + 1, 0, score)))
                 order += 1
         else:
@@ -325,6 +337,35 @@ def accepted_by_source(tree: DraftTree, path: list[int]) -> tuple[dict[str, int]
     return by, only
 
 
+@dataclass
+class DraftCalibration:
+    """How often the target accepts the drafter's nodes against what the drafter's probabilities say: `scale()` turns
+    a drafter probability into a node's chance of acceptance (build_tree's `draft_scale`). Counted on nodes only the
+    drafter proposed, verified, whose parent was accepted (Laplace-smoothed toward 1). Sampled steps need it: the
+    drafter's tempered probability overstates the chance that the target's draw is that token about twofold on
+    SmolLM2 (walks accepted 0.46-0.56 of what the probabilities of the nodes they reached added up to), so uncalibrated
+    trees grow rows that are almost never accepted and the drafter looks worth more than it is."""
+
+    expected: float = 0.0  # the drafter's probabilities of the counted nodes, summed
+    accepted: float = 0.0  # how many of them the target accepted
+    PRIOR = 4.0  # pseudo-nodes at scale 1
+    MEMORY = 2000  # past this many expected acceptances both halve: a server's calibration follows its traffic
+
+    def scale(self) -> float:
+        return (self.accepted + self.PRIOR) / (self.expected + self.PRIOR)
+
+    def record(self, tree: DraftTree, path: list[int], verified) -> None:
+        if not tree.draft_q:
+            return
+        on_path = set(path)
+        for i in verified:
+            if i and tree.draft_q[i] > 0 and tree.proposed_by(i) == {"drafter"} and tree.parents[i] in on_path:
+                self.expected += tree.draft_q[i]
+                self.accepted += i in on_path
+        if self.expected > self.MEMORY:
+            self.expected, self.accepted = self.expected / 2, self.accepted / 2
+
+
 class DrafterGate:
     """Whether the drafter's pass pays, for one kind of step. The pass costs `draft_cost` plain steps and each of its
     drafts verified `verify_cost` more; what it buys is the drafts the target accepts that nothing else proposed. Both
@@ -352,8 +393,9 @@ class DrafterGate:
             return True
         return False
 
-    def record(self, gain: int, rows: int) -> None:
-        """A drafted step: `gain` drafts accepted that only the drafter proposed, `rows` such drafts verified."""
+    def record(self, gain: float, rows: int) -> None:
+        """A drafted step: `gain` drafts accepted that only the drafter proposed (or their expected number), `rows`
+        such drafts verified."""
         self.gain = 0.8 * self.gain + 0.2 * gain
         self.rows = 0.8 * self.rows + 0.2 * rows
 
@@ -367,7 +409,7 @@ class TreeState:
     steps without, where it competes with a plain step)."""
 
     def __init__(self, context, max_depth: int, static=None, drafter_prior: dict | None = None,
-                 stats: tuple[LookupStats, LookupStats] | None = None):
+                 stats: tuple[LookupStats, LookupStats] | None = None, calibration: DraftCalibration | None = None):
         self.context = ContextIndex(context)  # prompt + committed tokens, indexed for lookups
         # `stats`: the (lookup, static) acceptance counts to score with and add to -- earlier requests' (a runtime's,
         # shared), else this request's own from the priors
@@ -375,6 +417,12 @@ class TreeState:
         self.static = static  # the engine's static n-gram index (decoding/static_ngrams.py), None when off
         # keyed by whether the step had a lookup branch; `drafter_prior`: an earlier request's `drafter_means()`
         self.gates = {k: DrafterGate((drafter_prior or {}).get(k)) for k in (True, False)}
+        # the drafter's calibration (shared like `stats`); None: its probabilities are a node's score as they are
+        self.calibration = calibration
+
+    def draft_scale(self) -> float:
+        """What the drafter's probabilities are multiplied by to score its nodes (DraftCalibration.scale)."""
+        return self.calibration.scale() if self.calibration is not None else 1.0
 
     def drafter_pays(self, have_lookup: bool, rate: float, draft_cost: float, verify_cost: float = 0.0) -> bool:
         """Whether to run the drafter this step (`DrafterGate.pays`); a step without it verifies the lookups alone,
@@ -388,6 +436,13 @@ class TreeState:
     def record(self, tree: DraftTree, path: list[int], verified, drafted: bool, had_lookup: bool) -> None:
         self.lookups.record(tree, path, verified)
         self.static_stats.record(tree, path, verified)
+        if self.calibration is not None:
+            self.calibration.record(tree, path, verified)
         if drafted:
-            self.gates[bool(had_lookup)].record(sum(tree.sources[i] == "drafter" for i in path[1:]),
-                                                sum(tree.sources[i] == "drafter" for i in verified if i))
+            mine = [i for i in verified if i and tree.sources[i] == "drafter"]
+            # Calibrated, the gate learns the drafter's expected gain (its verified nodes' chances, summed): a walk's
+            # 0-or-1 outcomes made its running mean drop below the pass's cost after a few zero-gain steps and stay
+            # there, though the drafted steps paid on average. Uncalibrated (greedy), what was accepted.
+            gain = sum(tree.scores[i] for i in mine) if self.calibration is not None else \
+                sum(tree.sources[i] == "drafter" for i in path[1:])
+            self.gates[bool(had_lookup)].record(gain, len(mine))

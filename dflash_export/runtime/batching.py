@@ -716,7 +716,7 @@ def _first_nodes(tree: DraftTree, n: int) -> DraftTree:
     if n >= len(tree):
         return tree
     return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.sources[:n], tree.scores[:n],
-                     tree.origins[:n], tree.matches[:n])
+                     tree.origins[:n], tree.matches[:n], tree.draft_q[:n])
 
 
 class BatchingService:
