@@ -360,6 +360,31 @@ def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, sampled_
             assert rt.generate(prompt, sp).tokens == got.tokens
 
 
+@pytest.mark.parametrize("exact,diff,whole", [(True, 0.0, True), (False, 0.5e-4, True), (False, 1e-3, False),
+                                              (None, None, False)])
+def test_sampled_steps_walk_whole_trees_only_where_the_probe_bounds_their_rows(pair, monkeypatch, exact, diff, whole):
+    """sampled_tree_mode "full" walks whole trees where the engine's numerics probe found tree rows bit-identical to
+    plain steps or within TREE_WALK_ATOL (1e-4) of them, best paths otherwise (not probed included); greedy steps
+    keep tree_mode. Either way the output is plain sampling's."""
+    import dataclasses
+
+    eng, _ = pair
+    monkeypatch.setattr(eng, "numerics", dataclasses.replace(eng.numerics, tree_bit_identical=exact,
+                                                             tree_max_abs_diff=diff))
+    calls = []
+    real = eng.verify_tree
+    monkeypatch.setattr(eng, "verify_tree", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rt = DFlashRuntime(eng, adaptive=False, proposer="tree+lookup", tree_nodes=6, tree_mode="spine")
+    assert rt.describe(0.7).endswith(f"sampled: walked, {'full' if whole else 'spine'})")
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        sp = SamplingParams(max_new_tokens=24, temperature=0.7, seed=seed)
+        assert rt.generate(prompt, sp).tokens == rt.generate(prompt, sp, mode="ar").tokens
+    assert bool(calls) == whole
+    calls.clear()
+    rt.generate(PROMPTS[0], SamplingParams(max_new_tokens=24))
+    assert not calls  # greedy: tree_mode spine
+
+
 def test_the_chain_sampler_keeps_the_drafter_s_chain_whatever_the_proposer(pair):
     """sampling "chain": the drafter's own sampled chain with min(1, p/q), the same draws whatever the proposer."""
     eng, _ = pair

@@ -176,10 +176,16 @@ class DFlashRuntime:
         # masked keys, which rounds differently from a plain step: lossless within kernel numerics, see
         # engines/numerics.py). Sampling (T > 0) walks the proposal with the target's own draws ("walk", engines
         # that accept on the host; its tree verified as `sampled_tree_mode` says, whole by default where the engine
-        # verifies trees) or drafts the drafter's sampled chain ("chain", the reference's stream).
+        # verifies trees close enough to plain steps) or drafts the drafter's sampled chain ("chain", the
+        # reference's stream).
         self.proposal = self.options.proposer_for()
         self.proposer, self.tree_top_k = self.options.proposer, self.options.tree_top_k
         self.tree_nodes, self.tree_mode = self.options.tree_nodes, self.options.tree_mode
+        # Walked sampled steps verify whole trees only where the engine's numerics probe found tree rows within
+        # TREE_WALK_ATOL of plain steps (engines/numerics.py: int4 MatMulNBits trees are not), else best paths.
+        numerics = getattr(engine, "numerics", None)
+        walkable = getattr(engine, "tree_verify", False) and numerics is not None and numerics.trees_walkable
+        self.sampled_tree_mode = self.options.sampled_tree_mode if walkable else "spine"
         # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)
@@ -231,8 +237,7 @@ class DFlashRuntime:
         tree = f"K {self.tree_top_k}, <= {self.tree_nodes} nodes" if "tree" in self.proposer else \
             f"<= {self.tree_nodes} nodes"
         if sampled:
-            full = self.options.sampled_tree_mode == "full" and getattr(self.engine, "tree_verify", False)
-            return f"{self.proposer} ({tree}, sampled: walked, {'full' if full else 'spine'})"
+            return f"{self.proposer} ({tree}, sampled: walked, {self.sampled_tree_mode})"
         return f"{self.proposer} ({tree}, {self.tree_mode})"
 
     def tau_counts(self, temperature: float = 0.0) -> str:
@@ -431,7 +436,7 @@ class DFlashRuntime:
         def accept_with(t):
             return None if rng is None else Walk(t, sp.temperature, sp.top_k, sp.top_p, rng.random)
 
-        mode = self.tree_mode if rng is None else self.options.sampled_tree_mode
+        mode = self.tree_mode if rng is None else self.sampled_tree_mode
         if tree.is_chain or mode == "spine" or not getattr(eng, "tree_verify", False):
             spine = tree.best_chain()  # the chain kernel path: one row for no drafts, the block otherwise
             block = np.asarray([tree.tokens[i] for i in spine], np.int64)

@@ -39,6 +39,7 @@ class InstrumentedEngine(Engine):
         self.accumulates_context = inner.accumulates_context
         self.tree_verify = getattr(inner, "tree_verify", False)
         self.host_accept = getattr(inner, "host_accept", False)  # sampled walks pass through (accept=)
+        self.numerics = getattr(inner, "numerics", None)  # the rows and trees the runtime may verify
         self.log = CallLog()
         self._emitted = 0          # tokens emitted so far in the current request
 
