@@ -310,14 +310,16 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         for m, r in results.items():
             differs = {a["prompt"] for a, b in zip(r["runs"], base["runs"]) if a["tokens"] != b["tokens"]}
             summary[m]["identical_to_" + base["mode"]] = f"{len(prompts) - len(differs)}/{len(prompts)}"
-    # Short headers and mode names: the table fits 80 columns (a wrapped row is unreadable in a terminal).
+    # Short headers: the table fits 80 columns (a row the terminal wraps is unreadable). A long mode name folds inside
+    # its cell; the figures never shrink (cut to "1.…" they were lost, in a log as in a terminal).
     table = Table(title=f"{recipe.name}: {_describe_sampling(sampling)}, {max_new} new tokens, {len(prompts)} prompts "
                   "(medians)",
                   caption="tau: tokens per target pass under the mode's drafting; lookup tau: prompt lookup replayed "
                           "on the same tokens; drafts: verified per step",
                   padding=(0, 1))
-    for col in ("mode", "tok/s", "ms/tok", "tau", "lookup tau", "drafts", "RSS MB", "same"):
-        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+    table.add_column("mode", justify="left", overflow="fold")
+    for col in ("tok/s", "ms/tok", "tau", "lookup\ntau", "drafts", "RSS\nMB", "same"):
+        table.add_column(col, justify="right", no_wrap=True)
     names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
              "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
              **{m: f"DFlash {m}" for m in PROPOSER_MODES}}
