@@ -127,7 +127,6 @@ def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
         raise DFlashError("token id outside the vocabulary", field="input_ids")
 
 
-
 class DFlashRuntime:
     """Drives an `Engine`. `mode="dflash"` speculates with the drafter; `mode="ar"` decodes one token per forward
     on the same engine (the fair baseline).
