@@ -138,25 +138,26 @@ def test_top_k_top_p_filtering():
 
 
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.95), (3, 0.3)])
-def test_one_row_top_k_matches_torch_s_filters(top_k, top_p):
-    """One row with top-k (the per-step path, filtered over the k survivors only) against torch: the survivors are
-    torch.topk's values (with ties, exactly k), and the distribution is torch's softmax over them, cut to the
+def test_top_k_matches_torch_s_filters_row_by_row(top_k, top_p):
+    """Top-k (filtered over the k survivors only), one row and a block of rows, against torch: each row's survivors
+    are torch.topk's values (with ties, exactly k), and its distribution is torch's softmax over them, cut to the
     smallest most likely prefix reaching top_p and renormalized."""
     rng = np.random.default_rng(top_k)
     for trial in range(40):
-        x = rng.standard_normal(int(rng.integers(top_k + 1, 400))) * 3
+        x = rng.standard_normal((3, int(rng.integers(top_k + 1, 400)))) * 3
         if trial % 2:
             x = np.round(x)  # ties at the k-th value
-        p = probs_from_logits(x, 0.7, top_k, top_p)
-        t = torch.tensor(x) / 0.7
-        vals = torch.topk(t, top_k).values
-        if top_p == 1.0:
-            np.testing.assert_array_equal(np.sort(t.numpy()[p > 0]), np.sort(vals.numpy()))
-        q = torch.softmax(vals, 0)  # descending
-        keep = int(((torch.cumsum(q, 0) - q) < top_p).sum())
-        want = np.sort((q[:keep] / q[:keep].sum()).numpy())
-        np.testing.assert_allclose(np.sort(p[p > 0]), want, rtol=1e-12)
-        assert (p > 0).sum() == keep
+        block = probs_from_logits(x, 0.7, top_k, top_p)
+        for row, p in [(x[0], probs_from_logits(x[0], 0.7, top_k, top_p))] + list(zip(x, block)):
+            t = torch.tensor(row) / 0.7
+            vals = torch.topk(t, top_k).values
+            if top_p == 1.0:
+                np.testing.assert_array_equal(np.sort(t.numpy()[p > 0]), np.sort(vals.numpy()))
+            q = torch.softmax(vals, 0)  # descending
+            keep = int(((torch.cumsum(q, 0) - q) < top_p).sum())
+            want = np.sort((q[:keep] / q[:keep].sum()).numpy())
+            np.testing.assert_allclose(np.sort(p[p > 0]), want, rtol=1e-12)
+            assert (p > 0).sum() == keep
 
 
 @pytest.fixture(scope="module")
