@@ -53,6 +53,7 @@ def test_bad_precision_in_a_recipe_names_the_field(tmp_path, line, field):
 
 @pytest.mark.parametrize("line, field", [("decoding: {proposer: beam}\n", "decoding.proposer"),
                                          ("decoding: {tree_mode: all}\n", "decoding.tree_mode"),
+                                         ("decoding: {sampled_tree_mode: all}\n", "decoding.sampled_tree_mode"),
                                          ("decoding: {tree_top_k: 9}\n", "decoding.tree_top_k"),
                                          ("decoding: {tree_nodes: 0}\n", "decoding.tree_nodes"),
                                          ("decoding: {budget: 3}\n", "decoding.budget")])
