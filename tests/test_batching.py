@@ -620,9 +620,9 @@ def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adapt
         paths.append(path)
         return commit(seq, accept, path)
 
-    def spy_target_step(seqs, blocks, trees=None):
+    def spy_target_step(seqs, blocks, trees=None, greedy=None):
         tree_calls.append(sum(t is not None and not t.is_chain for t in trees or []))
-        return target_step(seqs, blocks, trees)
+        return target_step(seqs, blocks, trees, greedy)
 
     rt.batch.commit, rt.batch.target_step = spy_commit, spy_target_step
     jobs = [(p, SamplingParams(max_new_tokens=40), "dflash") for p in PROMPTS]

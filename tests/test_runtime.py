@@ -82,7 +82,7 @@ class _OracleDrafts:
     def prefill(self, seq, ids):
         return self.inner.prefill(seq, ids)
 
-    def decode(self, seq, token):
+    def decode(self, seq, token, greedy=False):
         return self.inner.decode(seq, token)
 
     def draft(self, seq, anchor, sp, uniforms, block_len=None):

@@ -124,7 +124,7 @@ class GraphEngine(Engine):
         seq.length = n
         return out["logits"][0, -1]
 
-    def decode(self, seq: _GraphSeq, token: int) -> np.ndarray:
+    def decode(self, seq: _GraphSeq, token: int, greedy: bool = False) -> np.ndarray:
         out = self._run_target(seq, np.array([token], np.int64), DECODE, 1, self._no_drafts, ["logits"])
         seq.length += 1
         return out["logits"][0, -1]

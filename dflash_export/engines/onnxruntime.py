@@ -41,6 +41,7 @@ from dflash_export.decoding.sampling import (
 )
 from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
+from dflash_export.engines.greedy_head import greedy_head_for
 from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
@@ -220,14 +221,16 @@ class OrtEngine(Engine):
     kwargs: `threads` (intra-op threads, default: the usable cores); `probe_full` (probe the kernels' numerics in full
     even where the build probed this CPU: engines/numerics.py); `spin` (let idle ORT workers spin; default off,
     or DFLASH_ORT_SPIN=1: on a shared 2-core machine spinning made steps 2.5x slower, measured); `release_pages`
-    (default on: see `_release_weight_pages`; off only to measure what it saves).
+    (default on: see `_release_weight_pages`; off only to measure what it saves); `greedy_head` (default on: greedy
+    rows of a large fp32 LM head screened by an int8 copy and computed exactly, engines/greedy_head.py; off: the whole
+    fp32 head, to measure what it saves).
     """
 
     accumulates_context = True
     host_accept = True  # verify / verify_tree take the caller's acceptance (`accept=`): sampled walks
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None, spin: bool | None = None,
-                 release_pages: bool = True, probe_full: bool = False, **_):
+                 release_pages: bool = True, probe_full: bool = False, greedy_head: bool = True, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         mpath = manifest.path
@@ -311,6 +314,11 @@ class OrtEngine(Engine):
         self._head_floor_free()
         self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
+        # Greedy rows of a large fp32 head: the token found by an int8 screen and the candidates' exact logits
+        # (engines/greedy_head.py), the same token on every path that asks for one; None: the whole head.
+        self.greedy_head = greedy_head_for(self.head, self.engine_dir / HEAD, self.engine_dir, ort, so, providers,
+                                           release=_release_weight_pages if release_pages else None) \
+            if greedy_head else None
         if release_pages:  # what the probe read of the weight files goes back too
             self.released_bytes += _release_weight_pages(self.engine_dir)
         if not self.numerics.bit_identical:
@@ -466,6 +474,13 @@ class OrtEngine(Engine):
             hidden = np.concatenate([hidden, np.repeat(hidden[:, -1:], floor - n, axis=1)], axis=1)
         return self.head.run(["logits"], {"hidden": hidden})[0][0][:n]
 
+    def greedy_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Logits [n, V] of hidden rows [1, n, H] for a greedy choice only: argmax reads them as full logits;
+        where `greedy_head` is on, only its candidates hold values (exact), the rest -inf. Never for sampling."""
+        if self.greedy_head is None:
+            return self._logits(hidden)
+        return self.greedy_head.logits(hidden)
+
     def _head_floor_free(self) -> bool:
         """Whether this head session's one-row calls give its many-row rows (checked once per session)."""
         if self._head_checked is not self.head:
@@ -523,13 +538,13 @@ class OrtEngine(Engine):
         self.target.run_with_iobinding(io)
         return plain.hidden
 
-    def decode(self, seq: _OrtSeq, token: int) -> np.ndarray:
+    def decode(self, seq: _OrtSeq, token: int, greedy: bool = False) -> np.ndarray:
         hidden = self._plain_hidden(seq, token)
         if hidden is None:
             hidden, _ = self._run_target(seq, np.array([token], np.int64), 1)
         seq.commit_linear(0)
         seq.length += 1
-        return self._logits(hidden)[-1]
+        return (self.greedy_logits(hidden) if greedy else self._logits(hidden))[-1]
 
     def draft(self, seq: _OrtSeq, anchor: int, sp: SamplingParams, uniforms, block_len: int | None = None):
         if seq.ctx is None:
@@ -566,7 +581,7 @@ class OrtEngine(Engine):
         block = np.asarray(block, np.int64)
         bs = len(block)
         hidden, ctx = self._run_target(seq, block, bs)
-        logits = self._logits(hidden)
+        logits = self.greedy_logits(hidden) if sp.greedy and accept is None else self._logits(hidden)
         if accept is not None:
             path, emitted = accept(logits)
             accept = len(path) - 1
@@ -599,7 +614,7 @@ class OrtEngine(Engine):
                               "it to verify draft trees", path=self.engine_dir / TARGET)
         ids = np.asarray(tree.tokens, np.int64)
         hidden, ctx = self._run_target(seq, ids, len(ids), tree=tree)
-        logits = self._logits(hidden)
+        logits = self._logits(hidden) if accept is not None else self.greedy_logits(hidden)
         path, emitted = accept(logits) if accept is not None else greedy_accept(tree, np.argmax(logits, axis=-1))
         start = seq.length
         for row, node in enumerate(path):

@@ -224,6 +224,12 @@ class BatchGraphs(ABC):
     def lm_head(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [1, N, H] -> logits [N, V]."""
 
+    @property
+    def greedy_head(self):
+        """The engine's exact greedy head (engines/greedy_head.py) where it has one: greedy rows take their token
+        from it, as the single-sequence engine's greedy steps do."""
+        return None
+
     @abstractmethod
     def draft_head(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [1, N, H] -> draft logits [N, V_draft]."""
@@ -277,6 +283,10 @@ class OrtBatchGraphs(BatchGraphs):
 
     def lm_head(self, hidden):
         return self.engine._logits(hidden)  # padded to the engine's row floor, as its single-sequence steps
+
+    @property
+    def greedy_head(self):
+        return self.engine.greedy_head
 
     def draft_head(self, hidden):
         return self.engine.draft_head.run(["logits"], {"hidden": hidden})[0][0]
@@ -506,11 +516,19 @@ class BatchedEngine:
         hidden, ctx = self._run_target_batch(seqs, blocks)
         return [(hidden[i, : len(b)], ctx[i, : len(b)]) for i, b in enumerate(blocks)]
 
-    def _head(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each."""
+    def _head(self, rows: list[np.ndarray], greedy: list[bool] | None = None) -> list[np.ndarray]:
+        """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each. Sequences marked
+        `greedy` take their rows from the engine's exact greedy head where it has one (argmax only: -inf off its
+        candidates), the same token their single-sequence steps would take."""
+        gh = self.graphs.greedy_head
         cat = np.concatenate(rows, axis=0)[None]
-        logits = self.graphs.lm_head(cat)
-        return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
+        if gh is None or greedy is None or not any(greedy):
+            logits = self.graphs.lm_head(cat)
+            return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
+        if all(greedy):  # one screen over every row (its int8 copy while few rows, the fp32 head beyond)
+            return np.split(gh.logits(cat), np.cumsum([len(r) for r in rows])[:-1])
+        logits = np.split(self.graphs.lm_head(cat), np.cumsum([len(r) for r in rows])[:-1])
+        return [gh.logits(r, full=lg) if g else lg for r, lg, g in zip(rows, logits, greedy)]
 
     def prefill(self, seqs: list[BatchSeq], prompts: list) -> list[np.ndarray]:
         """Prompts [S_b] int64 of new sequences (a contiguous slot range) -> each one's last-position logits [V]."""
@@ -533,11 +551,12 @@ class BatchedEngine:
         """The most rows per sequence a step's target call takes (a block: the TensorRT batch profiles' bound)."""
         return self.info.block_size
 
-    def target_step(self, seqs: list[BatchSeq], blocks: list, trees: list | None = None) -> list[np.ndarray]:
+    def target_step(self, seqs: list[BatchSeq], blocks: list, trees: list | None = None,
+                    greedy: list[bool] | None = None) -> list[np.ndarray]:
         """One target forward for every sequence: block [n_b] = anchor + drafts to verify (n_b = 1: a plain step),
         or, where `trees[b]` is a draft tree (decoding/tree.DraftTree, its tokens the block), every node at position
-        length + depth seeing only its ancestors among the new rows. Returns logits [n_b, V] per sequence. Nothing
-        is committed until `commit`."""
+        length + depth seeing only its ancestors among the new rows. Returns logits [n_b, V] per sequence (`greedy[b]`:
+        for an argmax only, `_head`). Nothing is committed until `commit`."""
         blocks = [np.asarray(b, np.int64) for b in blocks]
         for i, seq in enumerate(seqs):
             tree = None if trees is None else trees[i]
@@ -552,7 +571,7 @@ class BatchedEngine:
                 seq._step_tree = None
         for seq, (_, c) in zip(seqs, rows):
             seq._step_ctx = c if seq.keep_context else None
-        return self._head([h for h, _ in rows])
+        return self._head([h for h, _ in rows], greedy)
 
     def commit(self, seq: BatchSeq, accept: int, path: list[int] | None = None) -> None:
         """Commit the anchor + `accept` drafts of the last `target_step`: their context features join the pending

@@ -67,7 +67,7 @@ class TorchEngine(Engine):
         return out.logits[0, -1].float().numpy()
 
     @torch.inference_mode()
-    def decode(self, seq: _TorchSeq, token: int) -> np.ndarray:
+    def decode(self, seq: _TorchSeq, token: int, greedy: bool = False) -> np.ndarray:
         self.info.check_room(seq.length + 1)
         out = self.target.forward(torch.tensor([[token]]), torch.tensor([[seq.length]]), seq.t_cache)
         seq.length += 1

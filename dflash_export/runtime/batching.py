@@ -349,7 +349,8 @@ class BatchingRuntime:
         blocks = [self._block(a, s) for a in acts]
         t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks,
-                                        [a.tree[0] if a.tree is not None else None for a in acts])
+                                        [a.tree[0] if a.tree is not None else None for a in acts],
+                                        [a.req.sp.greedy for a in acts])
         t2 = time.perf_counter()
         if self.adaptive and self.fit_costs:
             trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)

@@ -312,7 +312,7 @@ class DFlashRuntime:
                 stats.acceptance_lengths.append(len(ev.tokens))
             elif mode == "ar":
                 t = time.perf_counter()
-                logits = eng.decode(seq, last)
+                logits = eng.decode(seq, last, greedy=sp.greedy)
                 stats.verify_s += time.perf_counter() - t
                 last = _pick(logits, sp, rng)
                 stats.acceptance_lengths.append(1)

@@ -58,9 +58,9 @@ class InstrumentedEngine(Engine):
         self._emitted = 1  # the runtime picks the first token from these logits
         return out
 
-    def decode(self, seq, token: int) -> np.ndarray:
+    def decode(self, seq, token: int, greedy: bool = False) -> np.ndarray:
         t = time.perf_counter()
-        out = self.inner.decode(seq, token)
+        out = self.inner.decode(seq, token, greedy=greedy)
         self.log.decode_s.append(time.perf_counter() - t)
         return out
 

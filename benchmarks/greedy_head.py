@@ -1,0 +1,113 @@
+"""What the screened greedy head (engines/greedy_head.py) saves: one engine loaded once, greedy decoding of held-out
+chat prompts with its head screened and whole, alternating prompt by prompt (the order flipping each time), plain
+decoding and the engine's default DFlash decoding; every output compared with the whole head's; then the head call
+alone at 1..16 rows, each way, with a cache-sized buffer written between calls as a target step would.
+
+    python benchmarks/greedy_head.py --engine engines/smollm2-135m/onnxruntime --prompts 8 --max-new-tokens 128
+
+Not a test: minutes on 2 cores. `--min-params 0` screens any fp32 head (tiny engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--min-params", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    from dflash_export.engines import greedy_head as gh
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.single import DFlashRuntime
+
+    if args.min_params is not None:
+        gh.MIN_PARAMS = args.min_params
+    engine = load_engine(args.engine, threads=args.threads)
+    screen = engine.greedy_head
+    if screen is None:
+        raise SystemExit(f"{args.engine}: no screened greedy head (not an fp32 Gemm head of >= {gh.MIN_PARAMS} "
+                         "weights)")
+    print(f"{args.engine}: head {screen.vocab} x {screen.hidden}, int8 screen "
+          f"{'on' if screen.screen is not None else 'off (its load-time check failed)'}, int8 up to "
+          f"{gh.INT8_MAX_ROWS} rows")
+    rt = DFlashRuntime(engine)
+    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
+    ids = [rt.encode(r["prompt"]) for r in rows[args.skip:args.skip + args.prompts]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    res: dict = {}
+    for rnd in range(args.rounds):
+        for i, x in enumerate(ids):
+            for mode in ("ar", "dflash"):
+                for on in ((True, False) if (i + rnd) % 2 else (False, True)):
+                    engine.greedy_head = screen if on else None
+                    t = time.perf_counter()
+                    st = rt.generate(x, sp, mode)
+                    r = res.setdefault((mode, on), {"s": 0.0, "n": 0, "out": {}})
+                    r["s"] += time.perf_counter() - t
+                    r["n"] += len(st.tokens)
+                    r["out"][i] = st.tokens
+        print(f"\rround {rnd + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    engine.greedy_head = screen
+    for mode, name in (("ar", "plain decoding"), ("dflash", "DFlash (default decoding)")):
+        on, off = res[(mode, True)], res[(mode, False)]
+        same = sum(on["out"][i] == off["out"][i] for i in range(len(ids)))
+        print(f"{name}: screened {on['n'] / on['s']:.1f} tok/s, whole head {off['n'] / off['s']:.1f} tok/s: "
+              f"{(on['n'] / on['s']) / (off['n'] / off['s']):.3f}x; identical {same}/{len(ids)}")
+    print(f"candidates per screened row {screen.candidates / max(1, screen.calls):.1f}, rows with ties computed "
+          f"exactly {screen.exact_rows} of {screen.calls}")
+
+    x = np.stack([np.random.default_rng(0).standard_normal(screen.hidden).astype(np.float32)] * 16)
+    if engine.info.vocab_size == screen.vocab:  # real rows: the hidden states of a short greedy run
+        x = _hidden_rows(engine, ids[0], 16)
+    evict = np.zeros((64, 4096), np.float32)
+    print("head call, ms (median of 25): rows | int8 screen | fp32 screen | whole head")
+    limit = gh.INT8_MAX_ROWS
+    for n in (1, 2, 3, 4, 6, 8, 12, 16):
+        cells = []
+        for how in ("int8", "fp32", "whole"):
+            ts = []
+            for _ in range(25):
+                evict += 1
+                gh.INT8_MAX_ROWS = 99 if how == "int8" else 0
+                t = time.perf_counter()
+                screen.logits(x[:n][None]) if how != "whole" else engine._logits(x[:n][None])
+                ts.append(time.perf_counter() - t)
+            cells.append(f"{1000 * np.median(ts):.2f}" if how != "int8" or screen.screen is not None else "-")
+        print(f"{n:>4} | " + " | ".join(cells))
+    gh.INT8_MAX_ROWS = limit
+
+
+def _hidden_rows(engine, prompt, n: int) -> np.ndarray:
+    """The final hidden rows of n plain greedy steps after `prompt`."""
+    seq = engine.new_sequence(len(prompt) + n + engine.info.block_size)
+    tok = int(np.argmax(engine.prefill(seq, np.asarray(prompt, np.int64))))
+    out = []
+    for _ in range(n):
+        hidden, _ = engine._run_target(seq, np.array([tok], np.int64), 1)
+        seq.length += 1
+        out.append(hidden[0, -1].copy())
+        tok = int(np.argmax(engine._logits(hidden)[-1]))
+    return np.stack(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Greedy tokens from a screened fp32 LM head (engines/greedy_head.py): always the argmax of the exactly computed
+logits, whichever screen found the candidates, whichever rows shared the call -- checked against math.fsum (an
+exactly rounded sum, independent of the code under test) and against the whole fp32 head, on heads built to have
+near ties, exact ties and outlier activations; then through an engine, where greedy decoding, DFlash and continuous
+batching give the tokens the whole head gives."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, save_model
+
+from dflash_export.engines import greedy_head as gh
+from dflash_export.engines.base import SamplingParams
+
+V, H = 3000, 64
+
+
+def _session_options():
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return so
+
+
+def _head_files(tmp_path, w: np.ndarray):
+    """An fp32 head graph as the ONNX Runtime engine writes one: Gemm(hidden, W, transB=1) over W in a weights file
+    beside it."""
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64 + np.ascontiguousarray(w, np.float32).tobytes())
+    init = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=list(w.shape),
+                       data_location=TensorProto.EXTERNAL)
+    for k, v in (("location", "weights.bin"), ("offset", "64"), ("length", str(w.size * 4))):
+        init.external_data.add(key=k, value=v)
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["hidden", "shape"], ["rows"]),
+         helper.make_node("Gemm", ["rows", "W"], ["logits2"], transB=1),
+         helper.make_node("Reshape", ["logits2", "out_shape"], ["logits"])], "head",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, "n", w.shape[1]])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "n", w.shape[0]])],
+        [init, helper.make_tensor("shape", TensorProto.INT64, [2], [-1, w.shape[1]]),
+         helper.make_tensor("out_shape", TensorProto.INT64, [3], [1, -1, w.shape[0]])])
+    path = tmp_path / "lm_head.onnx"
+    save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path, ort.InferenceSession(str(path), _session_options(), providers=["CPUExecutionProvider"])
+
+
+def _weights(seed: int = 0) -> np.ndarray:
+    """A head with hard cases: pairs of rows equal but for one element's last bit (ties after float32 sums), exact
+    duplicate rows (exact ties), rows dominating a few hidden dimensions (outliers)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((V, H)) * 0.05).astype(np.float32)
+    for a in range(0, 200, 2):
+        w[a + 1] = w[a]
+        w[a + 1, a % H] = np.nextafter(w[a, a % H], np.float32(1))
+    w[2500:2510] = w[2490]
+    return w
+
+
+def _hidden(rng, n: int, w: np.ndarray) -> np.ndarray:
+    """Hidden rows whose best tokens are the near-tied and tied rows above (plus noise), some with outliers."""
+    x = (rng.standard_normal((n, H)) * 0.3).astype(np.float32)
+    for i in range(n):
+        target = (0, 2, 50, 2490, 2505, 7)[i % 6]
+        x[i] += 8 * w[target] / np.linalg.norm(w[target])
+    x[::5, 3] = 30.0   # an outlier dimension: a coarse int8 activation block
+    return x
+
+
+def _oracle(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """argmax_j of float32(exactly rounded sum of the exact products): math.fsum, lowest index on ties."""
+    best = []
+    for row in x.astype(np.float64):
+        vals = np.array([math.fsum(row * wj) for wj in w.astype(np.float64)], np.float64).astype(np.float32)
+        best.append(int(np.argmax(vals)))
+    return np.asarray(best)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory, monkeypatch_module):
+    tmp = tmp_path_factory.mktemp("head")
+    w = _weights()
+    path, sess = _head_files(tmp, w)
+    monkeypatch_module.setattr(gh, "MIN_PARAMS", 0)
+    monkeypatch_module.setenv("DFLASH_CACHE", str(tmp / "cache"))
+    g = gh.greedy_head_for(sess, path, tmp, ort, _session_options(), ["CPUExecutionProvider"])
+    return w, sess, g
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_the_screened_argmax_is_the_exact_logits_argmax_on_near_and_exact_ties(head):
+    w, sess, g = head
+    assert g is not None and g.screen is not None  # the int8 copy passed its load-time check
+    rng = np.random.default_rng(1)
+    x = _hidden(rng, 36, w)
+    want = _oracle(w, x)
+    for limit in (0, 99):  # the fp32 head screening, then the int8 copy
+        g_rows = gh.INT8_MAX_ROWS
+        gh.INT8_MAX_ROWS = limit
+        try:
+            got = np.argmax(g.logits(x[None]), axis=1)
+            alone = [int(np.argmax(g.logits(x[i:i + 1]))) for i in range(len(x))]
+        finally:
+            gh.INT8_MAX_ROWS = g_rows
+        assert got.tolist() == want.tolist()
+        assert alone == want.tolist()  # a row alone or among others: the same token
+    # exact ties resolve to the lowest id, as numpy's argmax over full logits does
+    assert 2490 in want.tolist() and not any(2490 < t < 2510 for t in want.tolist())
+    # and where the whole fp32 head is not within a float32 rounding of a tie, it agrees too
+    full = sess.run(["logits"], {"hidden": x[None]})[0][0]
+    clear = np.sort(full, axis=1)[:, -1] - np.sort(full, axis=1)[:, -2] > 1e-3
+    assert (np.argmax(full, axis=1)[clear] == want[clear]).all()
+
+
+def test_exact_logits_do_not_depend_on_the_candidates_beside_them(head):
+    w, _, g = head
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    ids = np.array([0, 1, 17, 2490, 2505])
+    together = g.exact(x[[0, 0, 1, 3, 4]], ids)
+    alone = np.array([g.exact(x[r], np.array([j]))[0] for r, j in zip([0, 0, 1, 3, 4], ids)])
+    assert np.array_equal(together, alone)
+    fsum = np.array([math.fsum(x[r].astype(np.float64) * w[j].astype(np.float64))
+                     for r, j in zip([0, 0, 1, 3, 4], ids)], np.float64)
+    assert np.allclose(together, fsum, rtol=1e-6, atol=1e-6)
+
+
+def test_the_int8_bound_holds_on_real_rows_and_a_looser_screen_is_refused(head, tmp_path):
+    w, sess, g = head
+    x = _hidden(np.random.default_rng(3), 12, w)
+    p = g.screen.run(["logits"], {"hidden": x})[0].astype(np.float64)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    ax = np.abs(x)
+    assert np.all(np.abs(p - exact) <= g._bound(ax, ax.sum(1, dtype=np.float64)))
+    # A screen further from the head than the bound allows (weights off by more than int8's rounding) is not used:
+    # the fp32 head screens, and the tokens stay the exact ones.
+    noisy = w + np.float32(0.004) * np.sign(np.random.default_rng(4).standard_normal(w.shape)).astype(np.float32)
+    path, _ = _head_files(tmp_path, noisy)
+    bad_screen = ort.InferenceSession(str(_cached_screen(tmp_path, noisy)), _session_options(),
+                                      providers=["CPUExecutionProvider"])
+    checked = gh.GreedyHead(sess, g.matrix, bad_screen, g.tables)
+    assert checked.screen is None
+    assert np.argmax(checked.logits(x[None]), axis=1).tolist() == _oracle(w, x).tolist()
+
+
+def _cached_screen(tmp_path, w):
+    """The int8 copy of another matrix `w`, written as greedy_head_for writes its own."""
+    m = gh.HeadMatrix(tmp_path / "weights.bin", 64, w.shape)
+    out = tmp_path / "screen"
+    out.mkdir()
+    gh.ScreenTables.of(m, out=out)
+    gh._screen_graph(out / gh.GRAPH, *w.shape)
+    return out / gh.GRAPH
+
+
+def test_a_damaged_cache_is_rebuilt_and_other_heads_are_not_screened(head, tmp_path, monkeypatch):
+    w, sess, g = head
+    d = gh.screen_dir(g.matrix.path.parent, g.matrix)
+    (d / gh.TABLES).write_bytes(b"not an npz")
+    again = gh.greedy_head_for(sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort,
+                               _session_options(), ["CPUExecutionProvider"])
+    assert again.screen is not None and np.array_equal(again.tables.l1, g.tables.l1)
+    # a scaled head (alpha != 1), a head without its matrix file: the whole head, no screen
+    path, _ = _head_files(tmp_path, w)
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    next(n for n in model.graph.node if n.op_type == "Gemm").attribute.append(helper.make_attribute("alpha", 2.0))
+    onnx.save_model(model, str(path))
+    assert gh.head_matrix(path) is None
+    (tmp_path / "weights.bin").unlink()
+    assert gh.head_matrix(tmp_path / "lm_head.onnx") is None
+
+
+@pytest.fixture(scope="module")
+def screened(ort_pair, monkeypatch_module):
+    """The tiny pair's engine loaded twice: with its head screened (the size floor lifted) and whole."""
+    from dflash_export.engines.registry import load_engine
+
+    recipe, out, _, _ = ort_pair
+    monkeypatch_module.setattr(gh, "MIN_PARAMS", 0)
+    on = load_engine(out, threads=1)
+    off = load_engine(out, threads=1, greedy_head=False)
+    assert on.greedy_head is not None and on.greedy_head.screen is not None and off.greedy_head is None
+    return recipe, on, off
+
+
+def test_greedy_decoding_through_a_screened_head_is_the_whole_head_s(screened):
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    recipe, on, off = screened
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, on.info.vocab_size, size=n).tolist() for n in (5, 9, 14)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    rt_on, rt_off = DFlashRuntime(on), DFlashRuntime(off)
+    for p in prompts:
+        want = rt_off.generate(p, sp, "ar").tokens
+        assert rt_on.generate(p, sp, "ar").tokens == want
+        assert rt_on.generate(p, sp, "dflash").tokens == want
+    batched = BatchingRuntime(on, max_batch=4).generate_many(prompts, [sp] * len(prompts))
+    assert [s.tokens for s in batched] == [rt_off.generate(p, sp, "ar").tokens for p in prompts]
+    assert on.greedy_head.calls > 0
+
+
+def test_the_benchmark_prints_both_ways_and_their_agreement(ort_pair, monkeypatch_module, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "greedy_head_bench", Path(__file__).resolve().parent.parent / "benchmarks" / "greedy_head.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--engine", str(ort_pair[1]), "--prompts", "2", "--max-new-tokens", "6", "--rounds", "1",
+                "--threads", "1", "--min-params", "0"])
+    out = capsys.readouterr().out
+    assert "int8 screen on" in out
+    assert out.count("identical 2/2") == 2
+    assert "head call, ms" in out and out.strip().splitlines()[-1].startswith("  16 | ")
