@@ -72,8 +72,8 @@ def main(argv=None) -> None:
         same = sum(on["out"][i] == off["out"][i] for i in range(len(ids)))
         print(f"{name}: screened {on['n'] / on['s']:.1f} tok/s, whole head {off['n'] / off['s']:.1f} tok/s: "
               f"{(on['n'] / on['s']) / (off['n'] / off['s']):.3f}x; identical {same}/{len(ids)}")
-    print(f"candidates per screened row {screen.candidates / max(1, screen.calls):.1f}, rows with ties computed "
-          f"exactly {screen.exact_rows} of {screen.calls}")
+    print(f"candidates per screened row {screen.candidates / max(1, screen.calls):.1f}; rows with more than one, "
+          f"their logits computed again exactly: {screen.exact_rows} of {screen.calls}")
 
     x = np.stack([np.random.default_rng(0).standard_normal(screen.hidden).astype(np.float32)] * 16)
     if engine.info.vocab_size == screen.vocab:  # real rows: the hidden states of a short greedy run
