@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, save_model
 
 from dflash_export.engines import greedy_head as gh
 from dflash_export.engines.base import SamplingParams
+from dflash_export.files import MatrixRows
 
 V, H = 3000, 64
 
@@ -153,7 +154,7 @@ def test_the_int8_bound_holds_on_real_rows_and_a_looser_screen_is_refused(head, 
 
 def _cached_screen(tmp_path, w):
     """The int8 copy of another matrix `w`, written as greedy_head_for writes its own."""
-    m = gh.HeadMatrix(tmp_path / "weights.bin", 64, w.shape)
+    m = MatrixRows(tmp_path / "weights.bin", 64, w.shape)
     out = tmp_path / "screen"
     out.mkdir()
     gh.ScreenTables.of(m, out=out)

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_export.errors import DFlashError
+from dflash_export.files import MatrixRows
 
 BLOCK = 32                 # int8 blocks along the hidden size (MatMulNBits block_size)
 MIN_PARAMS = 8_000_000     # heads smaller than this are cheap enough whole (and tiny test models keep them)
@@ -60,40 +61,7 @@ FORMAT = 1                 # of the cached int8 copy (screen_dir)
 GRAPH, DATA, TABLES = "screen.onnx", "screen.data", "tables.npz"
 
 
-class HeadMatrix:
-    """The fp32 head matrix [V, H] (row j = token j's weights) inside a weights file, read with pread: rows by id
-    (the candidates) or a contiguous range (quantizing at load). Never mapped or held whole."""
-
-    def __init__(self, path: Path, offset: int, shape: tuple[int, int]):
-        self.path, self.offset, self.shape = Path(path), int(offset), (int(shape[0]), int(shape[1]))
-        self._row_bytes = 4 * self.shape[1]
-        if self.offset + self._row_bytes * self.shape[0] > self.path.stat().st_size:
-            raise DFlashError("the LM head matrix does not fit the file", path=self.path)
-        self._fd = os.open(self.path, os.O_RDONLY)
-
-    def range(self, start: int, stop: int) -> np.ndarray:
-        out = np.empty((stop - start, self.shape[1]), np.float32)
-        if os.preadv(self._fd, [out], self.offset + start * self._row_bytes) != out.nbytes:
-            raise DFlashError("truncated while reading the LM head", path=self.path)
-        return out
-
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        out = np.empty((len(ids), self.shape[1]), np.float32)
-        for i, t in enumerate(ids):
-            if os.preadv(self._fd, [out[i]], self.offset + int(t) * self._row_bytes) != self._row_bytes:
-                raise DFlashError("truncated while reading the LM head", path=self.path)
-        return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        self.close()
-
-
-def head_matrix(head_graph: Path) -> HeadMatrix | None:
+def head_matrix(head_graph: Path) -> MatrixRows | None:
     """The matrix of an LM head graph that is one Gemm(hidden, W, transB=1, alpha=1) over an external fp32
     initializer (the ONNX Runtime engine's lm_head.onnx), or None for any other head (quantized, scaled, capped,
     with a bias): those are screened by nobody and run whole."""
@@ -121,7 +89,7 @@ def head_matrix(head_graph: Path) -> HeadMatrix | None:
     if int(ext.get("length", 4 * v * h)) != 4 * v * h:
         return None
     try:
-        return HeadMatrix(Path(head_graph).parent / loc, int(ext.get("offset", 0)), (v, h))
+        return MatrixRows(Path(head_graph).parent / loc, int(ext.get("offset", 0)), (v, h), what="LM head")
     except (OSError, DFlashError):
         return None
 
@@ -141,7 +109,7 @@ class ScreenTables:
         self.l1, self.werr, self.wmax = l1, werr, float(wmax)
 
     @classmethod
-    def of(cls, matrix: HeadMatrix, int8: bool = True, out: Path | None = None) -> ScreenTables:
+    def of(cls, matrix: MatrixRows, int8: bool = True, out: Path | None = None) -> ScreenTables:
         """Read the matrix in chunks; with `int8`, quantize it (symmetric, blocks of BLOCK, scale max|w| / 127) into
         `out`/screen.data (codes + 128 as uint8 [V, H / BLOCK, BLOCK], then the scales [V, H / BLOCK] float32)."""
         v, h = matrix.shape
@@ -192,7 +160,7 @@ class GreedyHead:
     bound tables (`ScreenTables`), or None: the fp32 head screens every call (tests; heads whose int8 check
     failed)."""
 
-    def __init__(self, head, matrix: HeadMatrix, screen=None, tables: ScreenTables | None = None):
+    def __init__(self, head, matrix: MatrixRows, screen=None, tables: ScreenTables | None = None):
         self.head, self.matrix = head, matrix
         self.vocab, self.hidden = matrix.shape
         self.tables = tables if tables is not None else ScreenTables.of(matrix, int8=False)
@@ -298,7 +266,7 @@ def _screen_graph(path: Path, v: int, h: int) -> None:
     path.write_bytes(model.SerializeToString())
 
 
-def screen_dir(engine_dir: Path, matrix: HeadMatrix) -> Path:
+def screen_dir(engine_dir: Path, matrix: MatrixRows) -> Path:
     """Where the int8 copy of this engine's head is kept: the cache, keyed by the engine's manifest (whose file
     hashes name its weights), the matrix's place in its file and this module's format."""
     import hashlib

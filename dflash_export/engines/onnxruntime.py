@@ -46,6 +46,7 @@ from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.files import MatrixRows
 from dflash_export.models.config import DFlashSpec
 
 TARGET = "target.onnx"
@@ -768,41 +769,7 @@ def draft_logit_scaling(meta, path: Path) -> tuple[float, float | None]:
     return mult, cap
 
 
-class _EmbeddingRows:
-    """The embedding table [V, H] float32 inside shared_weights.bin, read a row at a time with pread.
-
-    Not a memory map: every page fault on a mapped file also maps its cached neighbours (the kernel's fault-around,
-    64 KiB), so a memory-mapped table became resident ~28 rows per token seen -- 50-110 MB of a 113 MB table after a
-    few hundred tokens of chat (measured), which alone put the engine over its memory budget. A pread of one 2.3 KB
-    row costs a couple of microseconds; a step reads 1-16 rows.
-    """
-
-    def __init__(self, path: Path, offset: int, shape: tuple[int, int]):
-        self.path, self.offset, self.shape = path, offset, shape
-        self._row_bytes = 4 * shape[1]
-        self._fd = os.open(path, os.O_RDONLY)
-
-    def rows(self, ids, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows `ids` as a fresh [n, H] float32 array, or written into `out` (C-contiguous [n, H] float32)."""
-        out = np.empty((len(ids), self.shape[1]), np.float32) if out is None else out
-        for i, t in enumerate(ids):
-            t = int(t)
-            if not 0 <= t < self.shape[0]:
-                raise DFlashError(f"token id {t} outside the embedding ({self.shape[0]} rows)", field="input_ids")
-            if os.preadv(self._fd, [out[i]], self.offset + t * self._row_bytes) != self._row_bytes:
-                raise DFlashError("truncated while reading the embedding", path=self.path)
-        return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        self.close()
-
-
-def embedding_rows(weights_dir: Path, manifest: Manifest) -> _EmbeddingRows:
+def embedding_rows(weights_dir: Path, manifest: Manifest) -> MatrixRows:
     """The embedding table of `weights_dir`/shared_weights.bin (layout from the manifest), checked against the file's
     size. `weights_dir`: the engine directory (ONNX Runtime) or its onnx/ (TensorRT's batched engine)."""
     path = Path(weights_dir) / SHARED
@@ -813,7 +780,7 @@ def embedding_rows(weights_dir: Path, manifest: Manifest) -> _EmbeddingRows:
     if len(shape) != 2 or length != 4 * shape[0] * shape[1] or not path.is_file() \
             or off + length > path.stat().st_size:
         raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
-    return _EmbeddingRows(path, off, shape)
+    return MatrixRows(path, off, shape, what="embedding")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
