@@ -219,19 +219,16 @@ class MatrixRows:
     """
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, int], what: str = "matrix"):
-        import numpy as np
-
-        self._np = np
+        """The caller has checked that the matrix fits the file (its manifest or graph says where it lies)."""
         self.path, self.offset, self.shape, self.what = Path(path), int(offset), (int(shape[0]), int(shape[1])), what
         self._row_bytes = 4 * self.shape[1]
-        self._fd = -1
-        if self.offset + self._row_bytes * self.shape[0] > self.path.stat().st_size:
-            raise DFlashError(f"the {what} does not fit the file", path=self.path)
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def rows(self, ids, out=None):
         """Rows `ids` as a fresh [n, H] float32 array, or written into `out` (C-contiguous [n, H] float32)."""
-        out = self._np.empty((len(ids), self.shape[1]), self._np.float32) if out is None else out
+        import numpy as np
+
+        out = np.empty((len(ids), self.shape[1]), np.float32) if out is None else out
         for i, t in enumerate(ids):
             t = int(t)
             if not 0 <= t < self.shape[0]:
@@ -242,7 +239,9 @@ class MatrixRows:
 
     def range(self, start: int, stop: int):
         """Rows start..stop-1 in one read."""
-        out = self._np.empty((stop - start, self.shape[1]), self._np.float32)
+        import numpy as np
+
+        out = np.empty((stop - start, self.shape[1]), np.float32)
         if os.preadv(self._fd, [out], self.offset + start * self._row_bytes) != out.nbytes:
             raise DFlashError(f"truncated while reading the {self.what}", path=self.path)
         return out

@@ -92,7 +92,7 @@ class Engine(ABC):
     def decode(self, seq: Sequence, token: int, greedy: bool = False) -> np.ndarray:
         """AR step: commit `token` at position seq.length and return the next-token logits [V] float32. `greedy`:
         the caller takes their argmax only (an engine may then return exact values only where the argmax can be,
-        -inf elsewhere: engines/greedy_head.py); never set when sampling."""
+        lower stand-ins elsewhere: engines/greedy_head.py); never set when sampling."""
 
     @abstractmethod
     def draft(self, seq: Sequence, anchor: int, sp: SamplingParams, uniforms: np.ndarray | None,

@@ -44,12 +44,10 @@ Written by hand: no library finds an exact argmax from a quantized screen.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from dflash_export.errors import DFlashError
 from dflash_export.files import MatrixRows
 
 BLOCK = 32                 # int8 blocks along the hidden size (MatMulNBits block_size)
@@ -86,11 +84,11 @@ def head_matrix(head_graph: Path) -> MatrixRows | None:
     if not loc or Path(loc).name != loc:  # a file beside the graph, nothing else
         return None
     v, h = int(init.dims[0]), int(init.dims[1])
-    if int(ext.get("length", 4 * v * h)) != 4 * v * h:
-        return None
+    path, offset = Path(head_graph).parent / loc, int(ext.get("offset", 0))
     try:
-        return MatrixRows(Path(head_graph).parent / loc, int(ext.get("offset", 0)), (v, h), what="LM head")
-    except (OSError, DFlashError):
+        fits = int(ext.get("length", 4 * v * h)) == 4 * v * h and offset + 4 * v * h <= path.stat().st_size
+        return MatrixRows(path, offset, (v, h), what="LM head") if fits else None
+    except OSError:
         return None
 
 
@@ -109,21 +107,19 @@ class ScreenTables:
         self.l1, self.werr, self.wmax = l1, werr, float(wmax)
 
     @classmethod
-    def of(cls, matrix: MatrixRows, int8: bool = True, out: Path | None = None) -> ScreenTables:
-        """Read the matrix in chunks; with `int8`, quantize it (symmetric, blocks of BLOCK, scale max|w| / 127) into
+    def of(cls, matrix: MatrixRows, out: Path) -> ScreenTables:
+        """Read the matrix in chunks and quantize it (symmetric, blocks of BLOCK, scale max|w| / 127) into
         `out`/screen.data (codes + 128 as uint8 [V, H / BLOCK, BLOCK], then the scales [V, H / BLOCK] float32)."""
         v, h = matrix.shape
-        nb = h // BLOCK if int8 else 0
+        nb = h // BLOCK
         l1 = np.zeros((nb, v), np.float32)
         werr = np.zeros(v, np.float32)
         wmax = 0.0
         scales = np.empty((v, nb), np.float32)
-        with open(out / DATA, "wb") if int8 else open(os.devnull, "wb") as codes:
+        with open(out / DATA, "wb") as codes:
             for a in range(0, v, CHUNK):
                 w = matrix.range(a, min(v, a + CHUNK))
                 wmax = max(wmax, float(np.abs(w).max(initial=0.0)))
-                if not int8:
-                    continue
                 wb = w.reshape(len(w), nb, BLOCK)
                 sc = np.abs(wb).max(-1) / np.float32(127)
                 sc[sc == 0] = 1
@@ -133,9 +129,15 @@ class ScreenTables:
                 scales[a:a + len(w)] = sc
                 l1[:, a:a + len(w)] = np.abs(deq).sum(2).T
                 werr[a:a + len(w)] = np.abs(wb - deq).max((1, 2))
-            if int8:
-                codes.write(scales.tobytes())
+            codes.write(scales.tobytes())
         return cls(l1, werr, wmax)
+
+    @classmethod
+    def without_screen(cls, matrix: MatrixRows) -> ScreenTables:
+        """max |w| alone, for a head screened by its fp32 self (no int8 copy to bound)."""
+        v, h = matrix.shape
+        wmax = max(float(np.abs(matrix.range(a, min(v, a + CHUNK))).max(initial=0.0)) for a in range(0, v, CHUNK))
+        return cls(np.zeros((0, v), np.float32), np.zeros(v, np.float32), wmax)
 
     def save(self, path: Path) -> None:
         np.savez(path, l1=self.l1, werr=self.werr, wmax=np.float64(self.wmax))
@@ -163,18 +165,19 @@ class GreedyHead:
     def __init__(self, head, matrix: MatrixRows, screen=None, tables: ScreenTables | None = None):
         self.head, self.matrix = head, matrix
         self.vocab, self.hidden = matrix.shape
-        self.tables = tables if tables is not None else ScreenTables.of(matrix, int8=False)
+        self.tables = tables if tables is not None else ScreenTables.without_screen(matrix)
         self.wmax = self.tables.wmax
         self.l1 = self.tables.l1
         self._werr = self.tables.werr if np.any(self.tables.werr) else None  # None: the int8 copy is exact
         self.screen = screen if tables is not None else None
         if self.screen is not None and not self._screen_within_bound():
             self.screen = None
-        self.calls = self.candidates = self.exact_rows = 0  # rows screened, their candidates, rows with ties
+        self.calls = self.candidates = self.exact_rows = 0  # rows screened, their candidates, rows with several
 
     def logits(self, hidden: np.ndarray, full: np.ndarray | None = None) -> np.ndarray:
-        """hidden rows [1, n, H] (or [n, H]) -> [n, V] float32: l* on each row's candidates, -inf elsewhere. `full`:
-        the fp32 head's logits of these rows when the caller has them already (they screen then)."""
+        """hidden rows [1, n, H] (or [n, H]) -> [n, V] float32 for an argmax only: l* on the candidates of rows with
+        several, the screen's proxy elsewhere (module docstring). `full`: the fp32 head's logits of these rows when
+        the caller has them already (they screen then, left unchanged)."""
         x = np.ascontiguousarray(np.asarray(hidden, np.float32).reshape(-1, self.hidden))
         n = len(x)
         int8 = full is None and self.screen is not None and n <= INT8_MAX_ROWS
@@ -186,7 +189,6 @@ class GreedyHead:
             p = self.head.run(["logits"], {"hidden": x[None]})[0][0]
         ax = np.abs(x)
         l1h = ax.sum(1, dtype=np.float64)
-        # eps on both sides of each comparison; the screen's float32 arithmetic rounds far below it
         if int8:
             bound = self._bound(ax, l1h)
             floor = (p - bound).max(1, keepdims=True)
@@ -202,12 +204,12 @@ class GreedyHead:
         out = p if full is None else np.array(p)
         out[rows[tied], cols[tied]] = self.exact(x[rows[tied]], cols[tied])
         self.candidates += len(cols)
-        self.exact_rows += int(tied.any() and len(np.unique(rows[tied])))
+        self.exact_rows += len(np.unique(rows[tied]))
         self.calls += n
         return out
 
     def _bound(self, ax: np.ndarray, l1h: np.ndarray) -> np.ndarray:
-        """B - eps for rows of |h| [n, H] (module docstring): sum_b a_b(h) ||w'_jb||_1 + ||h||_1 e_j, float32 [n, V]."""
+        """B for rows of |h| [n, H] (module docstring): sum_b a_b(h) ||w'_jb||_1 + ||h||_1 e_j, float32 [n, V]."""
         steps = ax.reshape(len(ax), -1, BLOCK).max(2) / np.float32(127)
         # einsum's own loop, not BLAS: OpenBLAS's threads spin after a call and slowed the next target call by ~2 ms
         bound = np.einsum("bj,rb->rj", self.l1, steps)

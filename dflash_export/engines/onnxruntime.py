@@ -477,7 +477,8 @@ class OrtEngine(Engine):
 
     def greedy_logits(self, hidden: np.ndarray) -> np.ndarray:
         """Logits [n, V] of hidden rows [1, n, H] for a greedy choice only: argmax reads them as full logits;
-        where `greedy_head` is on, only its candidates hold values (exact), the rest -inf. Never for sampling."""
+        where `greedy_head` is on, its candidates hold exact values and the rest a screen's proxy below the best
+        (engines/greedy_head.py). Never for sampling."""
         if self.greedy_head is None:
             return self._logits(hidden)
         return self.greedy_head.logits(hidden)

@@ -518,16 +518,16 @@ class BatchedEngine:
 
     def _head(self, rows: list[np.ndarray], greedy: list[bool] | None = None) -> list[np.ndarray]:
         """LM head over each sequence's hidden rows [n_b, H], in one call -> logits [n_b, V] each. Sequences marked
-        `greedy` take their rows from the engine's exact greedy head where it has one (argmax only: -inf off its
-        candidates), the same token their single-sequence steps would take."""
+        `greedy` take their rows from the engine's exact greedy head where it has one (for an argmax only), the same
+        token their single-sequence steps would take."""
         gh = self.graphs.greedy_head
         cat = np.concatenate(rows, axis=0)[None]
-        if gh is None or greedy is None or not any(greedy):
-            logits = self.graphs.lm_head(cat)
-            return np.split(logits, np.cumsum([len(r) for r in rows])[:-1])
-        if all(greedy):  # one screen over every row (its int8 copy while few rows, the fp32 head beyond)
-            return np.split(gh.logits(cat), np.cumsum([len(r) for r in rows])[:-1])
-        logits = np.split(self.graphs.lm_head(cat), np.cumsum([len(r) for r in rows])[:-1])
+        cuts = np.cumsum([len(r) for r in rows])[:-1]
+        if gh is not None and greedy is not None and all(greedy):  # one screen over every row
+            return np.split(gh.logits(cat), cuts)
+        logits = np.split(self.graphs.lm_head(cat), cuts)
+        if gh is None or greedy is None:
+            return logits
         return [gh.logits(r, full=lg) if g else lg for r, lg, g in zip(rows, logits, greedy)]
 
     def prefill(self, seqs: list[BatchSeq], prompts: list) -> list[np.ndarray]:
