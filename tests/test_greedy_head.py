@@ -226,3 +226,43 @@ def test_the_benchmark_prints_both_ways_and_their_agreement(ort_pair, monkeypatc
     assert "int8 screen on" in out
     assert out.count("identical 2/2") == 2
     assert "head call, ms" in out and out.strip().splitlines()[-1].startswith("  16 | ")
+
+
+_EMULATED = """
+import json, os, sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, sys.argv[2])
+import test_greedy_head as t
+from dflash_export.engines import greedy_head as gh
+
+tmp = Path(sys.argv[1])
+os.environ["DFLASH_CACHE"] = str(tmp / "cache")
+gh.MIN_PARAMS = 0
+w = t._weights()
+path, sess = t._head_files(tmp, w)
+g = gh.greedy_head_for(sess, path, tmp, ort, t._session_options(), ["CPUExecutionProvider"])
+x = t._hidden(np.random.default_rng(1), 24, w)
+got = np.argmax(g.logits(x[None]), axis=1).tolist()
+print("RESULT " + json.dumps({"screen": g.screen is not None, "same": got == t._oracle(w, x).tolist()}))
+"""
+
+
+def test_on_an_avx2_cpu_the_screen_s_tokens_are_the_exact_ones(tmp_path):
+    """The bound is a property of the int8 kernel, checked at load on the CPU that runs it: under qemu's AVX2-only
+    EPYC-Rome (MLAS's AVX2 kernels) the tokens are the exact ones whether or not the screen passes its check."""
+    import platform
+    from pathlib import Path
+
+    from test_numerics import EMULATED_CPU, QEMU, _run_emulated
+
+    if platform.machine() != "x86_64" or QEMU is None:
+        pytest.skip("needs x86-64 and qemu-user (./dev installs Debian's qemu-user when it runs as root)")
+    assert EMULATED_CPU == "EPYC-Rome"
+    here = str(Path(__file__).resolve().parent)
+    script = _EMULATED.replace("sys.argv[2]", repr(here))
+    got = _run_emulated(script, tmp_path, tmp_path, timeout=600)
+    assert got["same"], got
