@@ -165,10 +165,15 @@ def _cached_screen(tmp_path, w):
 def test_a_damaged_cache_is_rebuilt_and_other_heads_are_not_screened(head, tmp_path, monkeypatch):
     w, sess, g = head
     d = gh.screen_dir(g.matrix.path.parent, g.matrix)
-    (d / gh.TABLES).write_bytes(b"not an npz")
-    again = gh.greedy_head_for(sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort,
-                               _session_options(), ["CPUExecutionProvider"])
-    assert again.screen is not None and np.array_equal(again.tables.l1, g.tables.l1)
+    good = (d / gh.TABLES).read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF  # inside the l1 table's data: its CRC no longer matches
+    for damaged in (b"not an npz", bytes(flipped)):
+        (d / gh.TABLES).write_bytes(damaged)
+        again = gh.greedy_head_for(sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort,
+                                   _session_options(), ["CPUExecutionProvider"])
+        assert again.screen is not None and np.array_equal(again.tables.l1, g.tables.l1)
+        assert gh.ScreenTables.load(d / gh.TABLES, g.matrix.shape) is not None  # rebuilt, not worked around
     # a scaled head (alpha != 1), a head without its matrix file: the whole head, no screen
     path, _ = _head_files(tmp_path, w)
     import onnx

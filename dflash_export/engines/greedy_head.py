@@ -144,10 +144,14 @@ class ScreenTables:
 
     @classmethod
     def load(cls, path: Path, shape: tuple[int, int]) -> ScreenTables | None:
+        """The tables at `path`, or None (rebuild them) for a missing, unreadable or damaged file: an .npz is a zip
+        archive whose members carry CRC-32s, so a flipped byte fails here (BadZipFile) instead of loosening a bound."""
+        import zipfile
+
         try:
             with np.load(path, allow_pickle=False) as z:
                 t = cls(z["l1"], z["werr"], float(z["wmax"]))
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile):
             return None
         v, h = shape
         if t.l1.shape != (h // BLOCK, v) or t.werr.shape != (v,) or t.l1.dtype != np.float32 \
