@@ -5,6 +5,11 @@ the head call alone at 1..16 rows, each way, with a cache-sized buffer written b
 
     python benchmarks/greedy_head.py --engine engines/smollm2-135m/onnxruntime --prompts 8 --max-new-tokens 128
 
+`--drafts`: the same for greedy drafts from the draft head's int8 copy (engines/greedy_head.py, "Drafting") against
+the fp32 draft head: DFlash decoding each way (a runtime each), tok/s, tau, drafter passes and the drafts they had
+accepted, every output against the fp32 draft head's; then the draft head call alone at 1..120 rows (a block of 15
+rows per sequence, up to 8 sequences batched).
+
 Not a test: minutes on 2 cores. `--min-params 0` screens any fp32 head (tiny engines).
 """
 
@@ -31,6 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-params", type=int, default=None)
+    ap.add_argument("--drafts", action="store_true", help="greedy drafts: int8 copy against fp32 draft head")
     args = ap.parse_args(argv)
 
     from dflash_export.engines import greedy_head as gh
@@ -41,6 +47,8 @@ def main(argv=None) -> None:
     if args.min_params is not None:
         gh.MIN_PARAMS = args.min_params
     engine = load_engine(args.engine, threads=args.threads)
+    if args.drafts:
+        return _drafts(engine, args)
     screen = engine.greedy_head
     if screen is None:
         raise SystemExit(f"{args.engine}: no screened greedy head (not an fp32 Gemm head of >= {gh.MIN_PARAMS} "
@@ -52,8 +60,7 @@ def main(argv=None) -> None:
     # one), as a process running either way would
     rts = {True: DFlashRuntime(engine), False: DFlashRuntime(engine)}
     rt = rts[True]
-    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
-    ids = [rt.encode(r["prompt"]) for r in rows[args.skip:args.skip + args.prompts]]
+    ids = _prompt_ids(rt, args)
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     res: dict = {}
     for rnd in range(args.rounds):
@@ -97,6 +104,64 @@ def main(argv=None) -> None:
             cells.append(f"{1000 * np.median(ts):.2f}" if how != "int8" or screen.screen is not None else "-")
         print(f"{n:>4} | " + " | ".join(cells))
     gh.INT8_MAX_ROWS = limit
+
+
+def _prompt_ids(rt, args) -> list[list[int]]:
+    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
+    return [rt.encode(r["prompt"]) for r in rows[args.skip:args.skip + args.prompts]]
+
+
+def _drafts(engine, args) -> None:
+    """`--drafts` (module docstring)."""
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.runtime.single import DFlashRuntime
+
+    int8 = engine.greedy_draft_head
+    if int8 is None:
+        raise SystemExit(f"{args.engine}: no int8 copy of the draft head (not an fp32 Gemm head of >= "
+                         "MIN_PARAMS weights)")
+    rts = {True: DFlashRuntime(engine), False: DFlashRuntime(engine)}
+    ids = _prompt_ids(rts[True], args)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    res: dict = {}
+    for rnd in range(args.rounds):
+        for i, x in enumerate(ids):
+            for on in ((True, False) if (i + rnd) % 2 else (False, True)):
+                engine.greedy_draft_head = int8 if on else None
+                t = time.perf_counter()
+                st = rts[on].generate(x, sp, "dflash")
+                r = res.setdefault(on, {"s": 0.0, "n": 0, "steps": 0, "drafter": 0, "draft_s": 0.0, "out": {}})
+                r["s"] += time.perf_counter() - t
+                r["n"] += len(st.tokens)
+                r["steps"] += len(st.acceptance_lengths)
+                r["drafter"] += st.accepted_by["drafter"]
+                r["draft_s"] += st.draft_s
+                r["out"][i] = st.tokens
+        print(f"\rround {rnd + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    engine.greedy_draft_head = int8
+    for on, name in ((True, "int8 copy"), (False, "fp32 draft head")):
+        r = res[on]
+        print(f"DFlash, greedy drafts from the {name}: {r['n'] / r['s']:.1f} tok/s, tau {r['n'] / r['steps']:.2f}, "
+              f"drafter tokens accepted {r['drafter']}, proposing {1000 * r['draft_s'] / r['steps']:.2f} ms a step")
+    on, off = res[True], res[False]
+    same = sum(on["out"][i] == off["out"][i] for i in range(len(ids)))
+    print(f"int8 / fp32: {(on['n'] / on['s']) / (off['n'] / off['s']):.3f}x; identical {same}/{len(ids)}")
+    hidden = engine.info.hidden_size if hasattr(engine.info, "hidden_size") else engine._mask_row.shape[0]
+    rng = np.random.default_rng(0)
+    print("draft head call, ms (median of 25): rows | int8 copy | fp32")
+    for n in (1, 7, 15, 30, 60, 120):
+        x = rng.standard_normal((1, n, hidden)).astype(np.float32)
+        cells = []
+        for head in (int8, engine.draft_head):
+            head.run(["logits"], {"hidden": x})
+            ts = []
+            for _ in range(25):
+                t = time.perf_counter()
+                head.run(["logits"], {"hidden": x})
+                ts.append(time.perf_counter() - t)
+            cells.append(f"{1000 * np.median(ts):.2f}")
+        print(f"{n:>4} | " + " | ".join(cells))
 
 
 def _hidden_rows(engine, prompt, n: int) -> np.ndarray:

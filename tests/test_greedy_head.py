@@ -217,6 +217,75 @@ def test_greedy_decoding_through_a_screened_head_is_the_whole_head_s(screened):
     assert on.greedy_head.calls > 0
 
 
+def _int8_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """|int8 copy's logit - exact logit| may reach this (closed form, from the documented quantization alone):
+    symmetric int8 per block of 32 for both factors, sum_b max|x_b| / 127 ||w'_jb||_1 + ||x||_1 max|w_j - w'_j|,
+    plus float32 rounding."""
+    wb = w.astype(np.float64).reshape(len(w), -1, 32)
+    scale = np.abs(wb).max(-1, keepdims=True) / 127
+    deq = np.rint(wb / np.where(scale == 0, 1, scale)) * scale
+    steps = np.abs(x).reshape(len(x), -1, 32).max(-1) / 127
+    bound = steps @ np.abs(deq).sum(-1).T + np.abs(x).sum(1, keepdims=True) * np.abs(wb - deq).max((1, 2))
+    return bound + 1e-4 * (1 + np.abs(x).sum(1, keepdims=True))
+
+
+def test_greedy_drafts_read_the_draft_heads_int8_copy_and_stay_lossless(tmp_path, monkeypatch):
+    """An engine with a draft vocabulary drafts greedily from an int8 copy of its draft head (the size floor lifted):
+    the copy's logits within the int8 bound of the exact products, greedy DFlash (single and batched) still the
+    PyTorch target's own greedy tokens, and the drafter's sampled chain still reading the fp32 draft head, whose
+    probabilities its acceptance test divides by."""
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.models import load_target
+    from dflash_export.recipes import load_recipe
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.reference import ar_generate
+    from dflash_export.runtime.single import DFlashRuntime
+
+    monkeypatch.setattr(gh, "MIN_PARAMS", 0)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe("tiny-llama")
+    out = build_onnxruntime(recipe, tmp_path / "eng", threads=1, draft_vocab=100)
+    eng = load_engine(out, threads=1)
+    assert eng.draft_vocab == 100 and eng.greedy_draft_head is not None
+    assert load_engine(out, threads=1, greedy_drafts=False).greedy_draft_head is None
+
+    w = gh.head_matrix(out / "draft_head.onnx").range(0, 100)
+    x = np.random.default_rng(2).standard_normal((1, 15, w.shape[1])).astype(np.float32)
+    x[0, ::4, 5] = 25.0
+    got = eng.draft_logits(x, greedy=True).astype(np.float64)
+    exact = x[0].astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (15, 100) and np.all(np.abs(got - exact) <= _int8_bound(w, x[0]))
+    assert np.array_equal(eng.draft_logits(x, greedy=False), eng.draft_head.run(["logits"], {"hidden": x})[0][0])
+
+    target = load_target(recipe.target_path)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, eng.info.vocab_size - 2, size=n).tolist() for n in (6, 11)]
+    sp = SamplingParams(max_new_tokens=32)
+    want = [ar_generate(target, p, 32).tokens for p in prompts]
+    rt = DFlashRuntime(eng)
+    assert [rt.generate(p, sp).tokens for p in prompts] == want
+    assert [s.tokens for s in BatchingRuntime(eng, max_batch=2).generate_many(prompts, [sp] * 2)] == want
+
+    calls = []
+    int8 = eng.greedy_draft_head
+
+    class Spy:
+        def run(self, names, feeds):
+            calls.append(feeds["hidden"].shape)
+            return int8.run(names, feeds)
+
+    eng.greedy_draft_head = Spy()
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.array(prompts[0]))
+    eng.draft(seq, 5, SamplingParams(temperature=1.0), np.full(eng.info.block_size - 1, 0.5))
+    assert calls == []  # the sampled chain: the fp32 draft head
+    seq = eng.new_sequence()
+    eng.prefill(seq, np.array(prompts[0]))
+    eng.draft(seq, 5, SamplingParams(), None)
+    assert calls == [(1, eng.info.block_size - 1, w.shape[1])]
+
+
 def test_the_benchmark_prints_both_ways_and_their_agreement(ort_pair, monkeypatch_module, capsys):
     import importlib.util
     from pathlib import Path
@@ -231,6 +300,11 @@ def test_the_benchmark_prints_both_ways_and_their_agreement(ort_pair, monkeypatc
     assert "int8 screen on" in out
     assert out.count("identical 2/2") == 2
     assert "head call, ms" in out and out.strip().splitlines()[-1].startswith("  16 | ")
+    bench.main(["--engine", str(ort_pair[1]), "--prompts", "2", "--max-new-tokens", "6", "--rounds", "1",
+                "--threads", "1", "--min-params", "0", "--drafts"])
+    out = capsys.readouterr().out
+    assert "greedy drafts from the int8 copy" in out and "identical 2/2" in out
+    assert "draft head call, ms" in out and out.strip().splitlines()[-1].startswith(" 120 | ")
 
 
 _EMULATED = """

@@ -39,6 +39,13 @@ graph, of at least MIN_PARAMS weights. The int8 copy is written once to the cach
 among them: a proxy further from the head than B allows (a kernel quantizing activations more coarsely) is not used,
 and the fp32 head screens -- the same tokens at the whole head's cost.
 
+**Drafting.** A greedy draft needs no exactness at all: the target verifies every drafted token, so drafts from the
+int8 copy change only how many are accepted, never the output. Greedy drafting (and the drafter's argmax / top-K that
+trees and sampled walks grow from) reads the int8 copy of the draft head (`greedy_draft_head`) -- the copy above
+itself where the drafter drafts over the whole vocabulary, its own copy of draft_head.onnx's rows otherwise
+(SmolLM2's 16384 x 576: 1.40 against 0.60 ms for a block of 15 rows on 2 cores). Only the drafter's own sampled chain
+reads the fp32 draft head: its acceptance test divides by the draft probabilities, which stay the reference's.
+
 Written by hand: no library finds an exact argmax from a quantized screen.
 """
 
@@ -55,7 +62,7 @@ MIN_PARAMS = 8_000_000     # heads smaller than this are cheap enough whole (and
 INT8_MAX_ROWS = 6          # the int8 screen up to this many rows, the fp32 head above (measured below)
 CHUNK = 4096               # head rows quantized at a time at load (a bounded transient)
 PROBE_SEED = 20260         # the load-time check's random rows
-FORMAT = 1                 # of the cached int8 copy (screen_dir)
+FORMAT = 2                 # of the cached int8 copy (screen_dir; 2: any rank of hidden rows)
 GRAPH, DATA, TABLES = "screen.onnx", "screen.data", "tables.npz"
 
 
@@ -246,7 +253,8 @@ class GreedyHead:
 
 def _screen_graph(path: Path, v: int, h: int) -> None:
     """The int8 copy's graph at `path`, its weights and scales in DATA beside it (`ScreenTables.of`): one MatMulNBits
-    (8 bits, blocks of BLOCK, accuracy level 4), hidden [n, H] -> logits [n, V]."""
+    (8 bits, blocks of BLOCK, accuracy level 4), hidden [..., H] -> logits [..., V] (rows [n, H] when it screens,
+    the draft head's [1, n, H] when it drafts)."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -262,8 +270,8 @@ def _screen_graph(path: Path, v: int, h: int) -> None:
     node = helper.make_node("MatMulNBits", ["hidden", "weights", "scales"], ["logits"], domain="com.microsoft",
                             K=h, N=v, bits=8, block_size=BLOCK, accuracy_level=4)
     graph = helper.make_graph(
-        [node], "greedy_head_screen", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["n", h])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", v])],
+        [node], "greedy_head_screen", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
         [external("weights", TensorProto.UINT8, [v, nb, BLOCK], 0, codes),
          external("scales", TensorProto.FLOAT, [v * nb], codes, 4 * v * nb)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -285,18 +293,14 @@ def screen_dir(engine_dir: Path, matrix: MatrixRows) -> Path:
     return cache_dir() / "greedy-head" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def greedy_head_for(head, head_graph: Path, engine_dir: Path, ort, so, providers, release=None) -> GreedyHead | None:
-    """The greedy head of an engine's fp32 LM head session, or None where it does not apply (module docstring). The
-    int8 copy is written to the cache once (`screen_dir`) and loaded like an engine graph: ONNX Runtime maps its
-    weights and packs them; `release(dir)` gives back the mapped pages it no longer reads."""
+def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=None):
+    """(session, tables) of the int8 copy of an fp32 head `matrix` (`_screen_graph`, hidden [..., H] -> logits
+    [..., V]), written to the cache once (`screen_dir`) and loaded like an engine graph: ONNX Runtime maps its weights
+    and packs them; `release(dir)` gives back the mapped pages it no longer reads. None: no cache to write, or an
+    onnxruntime without 8-bit MatMulNBits."""
     from dflash_export.files import atomic_dir
 
-    matrix = head_matrix(head_graph)
-    if matrix is None or matrix.shape[0] * matrix.shape[1] < MIN_PARAMS:
-        return None
     v, h = matrix.shape
-    if h % BLOCK:
-        return GreedyHead(head, matrix)
     try:
         d = screen_dir(engine_dir, matrix)
         tables = ScreenTables.load(d / TABLES, matrix.shape) if (d / GRAPH).is_file() else None
@@ -305,9 +309,32 @@ def greedy_head_for(head, head_graph: Path, engine_dir: Path, ort, so, providers
                 ScreenTables.of(matrix, out=tmp).save(tmp / TABLES)
                 _screen_graph(tmp / GRAPH, v, h)
             tables = ScreenTables.load(d / TABLES, matrix.shape)
-        screen = ort.InferenceSession(str(d / GRAPH), so, providers=providers)
-    except Exception:  # no cache to write, or an onnxruntime without 8-bit MatMulNBits: the fp32 head screens
-        return GreedyHead(head, matrix)
+        session = ort.InferenceSession(str(d / GRAPH), so, providers=providers)
+    except Exception:
+        return None
     if release is not None:
         release(d)
-    return GreedyHead(head, matrix, screen, tables)
+    return session, tables
+
+
+def greedy_head_for(head, head_graph: Path, engine_dir: Path, ort, so, providers, release=None) -> GreedyHead | None:
+    """The greedy head of an engine's fp32 LM head session, or None where it does not apply (module docstring); its
+    int8 copy from `int8_copy`, or the fp32 head screening where there is none."""
+    matrix = head_matrix(head_graph)
+    if matrix is None or matrix.shape[0] * matrix.shape[1] < MIN_PARAMS:
+        return None
+    copy = int8_copy(matrix, engine_dir, ort, so, providers, release) if matrix.shape[1] % BLOCK == 0 else None
+    if copy is None:
+        return GreedyHead(head, matrix)
+    return GreedyHead(head, matrix, *copy)
+
+
+def greedy_draft_head(head_graph: Path, engine_dir: Path, ort, so, providers, release=None):
+    """The int8 copy of an fp32 draft head (the engine's draft_head.onnx) as a session taking the draft head's
+    [1, n, H] -> [1, n, V_draft], for greedy drafting only (module docstring, "Drafting"); None where the head is
+    not one `head_matrix` reads, is smaller than MIN_PARAMS, or no copy could be made."""
+    matrix = head_matrix(head_graph)
+    if matrix is None or matrix.shape[0] * matrix.shape[1] < MIN_PARAMS or matrix.shape[1] % BLOCK:
+        return None
+    copy = int8_copy(matrix, engine_dir, ort, so, providers, release)
+    return None if copy is None else copy[0]

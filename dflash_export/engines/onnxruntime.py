@@ -41,7 +41,7 @@ from dflash_export.decoding.sampling import (
 )
 from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
-from dflash_export.engines.greedy_head import greedy_head_for
+from dflash_export.engines.greedy_head import greedy_draft_head, greedy_head_for
 from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
@@ -224,14 +224,16 @@ class OrtEngine(Engine):
     or DFLASH_ORT_SPIN=1: on a shared 2-core machine spinning made steps 2.5x slower, measured); `release_pages`
     (default on: see `_release_weight_pages`; off only to measure what it saves); `greedy_head` (default on: greedy
     rows of a large fp32 LM head screened by an int8 copy and computed exactly, engines/greedy_head.py; off: the whole
-    fp32 head, to measure what it saves).
+    fp32 head, to measure what it saves); `greedy_drafts` (default on: greedy drafts from an int8 copy of a large fp32
+    draft head, engines/greedy_head.py "Drafting"; off: the fp32 draft head, to measure what it saves).
     """
 
     accumulates_context = True
     host_accept = True  # verify / verify_tree take the caller's acceptance (`accept=`): sampled walks
 
     def __init__(self, engine_dir: Path, manifest: Manifest, threads: int | None = None, spin: bool | None = None,
-                 release_pages: bool = True, probe_full: bool = False, greedy_head: bool = True, **_):
+                 release_pages: bool = True, probe_full: bool = False, greedy_head: bool = True,
+                 greedy_drafts: bool = True, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
         mpath = manifest.path
@@ -320,6 +322,15 @@ class OrtEngine(Engine):
         self.greedy_head = greedy_head_for(self.head, self.engine_dir / HEAD, self.engine_dir, ort, so, providers,
                                            release=_release_weight_pages if release_pages else None) \
             if greedy_head else None
+        # Greedy drafts (and the argmax / top-K trees grow from) from an int8 copy of an fp32 draft head: the target
+        # verifies them, so only tau can move (engines/greedy_head.py, "Drafting"). The greedy screen is that copy
+        # where the drafter drafts over the whole vocabulary. None: the draft head drafts.
+        self.greedy_draft_head = None
+        if greedy_drafts and self.draft_vocab:
+            self.greedy_draft_head = greedy_draft_head(self.engine_dir / DRAFT_HEAD, self.engine_dir, ort, so,
+                                                       providers, _release_weight_pages if release_pages else None)
+        elif greedy_drafts and self.greedy_head is not None:
+            self.greedy_draft_head = self.greedy_head.screen
         if release_pages:  # what the probe read of the weight files goes back too
             self.released_bytes += _release_weight_pages(self.engine_dir)
         if not self.numerics.bit_identical:
@@ -567,8 +578,14 @@ class OrtEngine(Engine):
         res = self.drafter.run(names, feeds)
         seq.d_kv = res[1 + len(extra):]
         seq.ctx = seq.ctx_pos = None
-        logits = self.draft_head.run(["logits"], {"hidden": res[0]})[0][0]
+        logits = self.draft_logits(res[0], sp.greedy)
         return self.drafts_from_logits(seq, logits, res[1][0] if extra else None, anchor, sp, uniforms)
+
+    def draft_logits(self, hidden: np.ndarray, greedy: bool) -> np.ndarray:
+        """The drafter's hidden rows [1, n, H] -> draft logits [n, V_draft]: from the draft head's int8 copy for
+        greedy drafts where there is one (`greedy_draft_head`), else from the draft head."""
+        head = self.greedy_draft_head if greedy and self.greedy_draft_head is not None else self.draft_head
+        return head.run(["logits"], {"hidden": hidden})[0][0]
 
     def drafts_from_logits(self, seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int,
                            sp: SamplingParams, uniforms):
@@ -634,6 +651,7 @@ class OrtEngine(Engine):
 
     def close(self) -> None:
         self.target = self.drafter = self.head = self.draft_head = self._target_batch = None
+        self.greedy_head = self.greedy_draft_head = None
         self._embed.close()
 
 

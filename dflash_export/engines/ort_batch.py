@@ -231,8 +231,9 @@ class BatchGraphs(ABC):
         return None
 
     @abstractmethod
-    def draft_head(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [1, N, H] -> draft logits [N, V_draft]."""
+    def draft_head(self, hidden: np.ndarray, greedy: bool = False) -> np.ndarray:
+        """hidden [1, N, H] -> draft logits [N, V_draft]; `greedy`: every row drafts greedily (an engine may read a
+        cheaper copy of the head then, as the single-sequence engine's greedy drafts do)."""
 
     @abstractmethod
     def drafts_from_logits(self, seq: Sequence, logits: np.ndarray, selector_hidden, anchor: int,
@@ -288,8 +289,8 @@ class OrtBatchGraphs(BatchGraphs):
     def greedy_head(self):
         return self.engine.greedy_head
 
-    def draft_head(self, hidden):
-        return self.engine.draft_head.run(["logits"], {"hidden": hidden})[0][0]
+    def draft_head(self, hidden, greedy=False):
+        return self.engine.draft_logits(hidden, greedy)
 
     def drafts_from_logits(self, seq, logits, selector_hidden, anchor, sp, uniforms):
         return self.engine.drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms)
@@ -609,7 +610,8 @@ class BatchedEngine:
         for group in groups:
             g_seqs = [seqs[i] for i in group]
             hidden, sel = self._run_drafter(g_seqs, [anchors[i] for i in group], [block_lens[i] for i in group])
-            logits = g.draft_head(np.concatenate([hidden[j, : block_lens[i] - 1] for j, i in enumerate(group)])[None])
+            logits = g.draft_head(np.concatenate([hidden[j, : block_lens[i] - 1] for j, i in enumerate(group)])[None],
+                                  all(sps[i].greedy for i in group))
             parts = np.split(logits, np.cumsum([block_lens[i] - 1 for i in group])[:-1])
             for j, i in enumerate(group):
                 seqs[i].draft_confidence = None

@@ -330,7 +330,7 @@ class TrtBatchGraphs(BatchGraphs):
     def lm_head(self, hidden):
         return self._run(self.graphs[LM_HEAD], BATCH, {"hidden": hidden}, ["logits"])[0][0]
 
-    def draft_head(self, hidden):
+    def draft_head(self, hidden, greedy=False):
         return self.lm_head(hidden)  # the TensorRT build has no draft vocabulary: the LM head drafts
 
     def drafts_from_logits(self, seq, logits, selector_hidden, anchor, sp, uniforms):
