@@ -269,12 +269,13 @@ def post_raw(url: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def long_engine(tmp_path_factory):
-    """The tiny pair with room for 4000 new tokens: a generation that lasts seconds, so a drop lands mid-way."""
+    """The tiny pair with room for 30000 new tokens: a generation that lasts seconds, so a drop lands mid-way (the
+    tiny target plainly decodes 3000 tokens in about a second on an idle 2-core machine)."""
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.recipes import load_recipe
 
     d = tmp_path_factory.mktemp("long")
-    text = (ROOT / "recipes" / "tiny-qwen3.yaml").read_text().replace("max_seq_len: 512", "max_seq_len: 4096")
+    text = (ROOT / "recipes" / "tiny-qwen3.yaml").read_text().replace("max_seq_len: 512", "max_seq_len: 32768")
     (d / "tiny-long.yaml").write_text(text.replace("name: tiny-qwen3", "name: tiny-long"))
     return build_onnxruntime(load_recipe(d / "tiny-long.yaml"), d / "engine")
 

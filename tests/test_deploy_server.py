@@ -691,10 +691,13 @@ def test_sigterm_drains_and_exits_nonzero_when_requests_had_to_be_cancelled(tmp_
                             start_new_session=True)
     url = f"http://127.0.0.1:{http}/v2/models/dflash/generate"
     results: dict[str, tuple] = {}
+    # the long request outlasts a 1 s drain by far (3000 tokens once finished in it on an idle machine) and fits a
+    # 60 s one
+    long_tokens = 30000 if code else 3000
     try:
         assert ready_line(proc).startswith("ready:")
         workers = [threading.Thread(target=lambda k=k, n=n: results.__setitem__(k, post_json(url, {
-            "text_input": k, "max_tokens": n}, timeout=120))) for k, n in (("long", 3000), ("short", 40))]
+            "text_input": k, "max_tokens": n}, timeout=120))) for k, n in (("long", long_tokens), ("short", 40))]
         for w in workers:
             w.start()
         time.sleep(0.5)  # both running (two instances)
