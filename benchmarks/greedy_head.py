@@ -62,20 +62,12 @@ def main(argv=None) -> None:
     rt = rts[True]
     ids = _prompt_ids(rt, args)
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    res: dict = {}
-    for rnd in range(args.rounds):
-        for i, x in enumerate(ids):
-            for mode in ("ar", "dflash"):
-                for on in ((True, False) if (i + rnd) % 2 else (False, True)):
-                    engine.greedy_head = screen if on else None
-                    t = time.perf_counter()
-                    st = rts[on].generate(x, sp, mode)
-                    r = res.setdefault((mode, on), {"s": 0.0, "n": 0, "out": {}})
-                    r["s"] += time.perf_counter() - t
-                    r["n"] += len(st.tokens)
-                    r["out"][i] = st.tokens
-        print(f"\rround {rnd + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+
+    def run(mode, on, x):
+        engine.greedy_head = screen if on else None
+        return rts[on].generate(x, sp, mode)
+
+    res = _alternate(ids, args.rounds, ("ar", "dflash"), run)
     engine.greedy_head = screen
     for mode, name in (("ar", "plain decoding"), ("dflash", "DFlash (default decoding)")):
         on, off = res[(mode, True)], res[(mode, False)]
@@ -111,6 +103,30 @@ def _prompt_ids(rt, args) -> list[list[int]]:
     return [rt.encode(r["prompt"]) for r in rows[args.skip:args.skip + args.prompts]]
 
 
+def _alternate(ids, rounds: int, modes, run) -> dict:
+    """Each prompt in each mode both ways, `run(mode, on, prompt ids) -> RunStats`, the ways' order flipping prompt by
+    prompt and round by round. Per (mode, on): seconds, tokens, target passes, drafter tokens accepted, seconds
+    proposing, and the tokens of each prompt."""
+    res = {(m, on): {"s": 0.0, "n": 0, "steps": 0, "drafter": 0, "draft_s": 0.0, "out": {}}
+           for m in modes for on in (True, False)}
+    for rnd in range(rounds):
+        for i, x in enumerate(ids):
+            for mode in modes:
+                for on in ((True, False) if (i + rnd) % 2 else (False, True)):
+                    t = time.perf_counter()
+                    st = run(mode, on, x)
+                    r = res[(mode, on)]
+                    r["s"] += time.perf_counter() - t
+                    r["n"] += len(st.tokens)
+                    r["steps"] += len(st.acceptance_lengths)
+                    r["drafter"] += st.accepted_by["drafter"]
+                    r["draft_s"] += st.draft_s
+                    r["out"][i] = st.tokens
+        print(f"\rround {rnd + 1}/{rounds}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return res
+
+
 def _drafts(engine, args) -> None:
     """`--drafts` (module docstring)."""
     from dflash_export.engines.base import SamplingParams
@@ -123,31 +139,21 @@ def _drafts(engine, args) -> None:
     rts = {True: DFlashRuntime(engine), False: DFlashRuntime(engine)}
     ids = _prompt_ids(rts[True], args)
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    res: dict = {}
-    for rnd in range(args.rounds):
-        for i, x in enumerate(ids):
-            for on in ((True, False) if (i + rnd) % 2 else (False, True)):
-                engine.greedy_draft_head = int8 if on else None
-                t = time.perf_counter()
-                st = rts[on].generate(x, sp, "dflash")
-                r = res.setdefault(on, {"s": 0.0, "n": 0, "steps": 0, "drafter": 0, "draft_s": 0.0, "out": {}})
-                r["s"] += time.perf_counter() - t
-                r["n"] += len(st.tokens)
-                r["steps"] += len(st.acceptance_lengths)
-                r["drafter"] += st.accepted_by["drafter"]
-                r["draft_s"] += st.draft_s
-                r["out"][i] = st.tokens
-        print(f"\rround {rnd + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+
+    def run(mode, on, x):
+        engine.greedy_draft_head = int8 if on else None
+        return rts[on].generate(x, sp, mode)
+
+    res = _alternate(ids, args.rounds, ("dflash",), run)
     engine.greedy_draft_head = int8
     for on, name in ((True, "int8 copy"), (False, "fp32 draft head")):
-        r = res[on]
+        r = res[("dflash", on)]
         print(f"DFlash, greedy drafts from the {name}: {r['n'] / r['s']:.1f} tok/s, tau {r['n'] / r['steps']:.2f}, "
               f"drafter tokens accepted {r['drafter']}, proposing {1000 * r['draft_s'] / r['steps']:.2f} ms a step")
-    on, off = res[True], res[False]
+    on, off = res[("dflash", True)], res[("dflash", False)]
     same = sum(on["out"][i] == off["out"][i] for i in range(len(ids)))
     print(f"int8 / fp32: {(on['n'] / on['s']) / (off['n'] / off['s']):.3f}x; identical {same}/{len(ids)}")
-    hidden = engine.info.hidden_size if hasattr(engine.info, "hidden_size") else engine._mask_row.shape[0]
+    hidden = engine._embed.shape[1]
     rng = np.random.default_rng(0)
     print("draft head call, ms (median of 25): rows | int8 copy | fp32")
     for n in (1, 7, 15, 30, 60, 120):

@@ -317,11 +317,17 @@ def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=
     return session, tables
 
 
+def _large_head(head_graph: Path) -> MatrixRows | None:
+    """`head_matrix` of a head of at least MIN_PARAMS weights, else None (it runs whole: cheap enough)."""
+    matrix = head_matrix(head_graph)
+    return matrix if matrix is not None and matrix.shape[0] * matrix.shape[1] >= MIN_PARAMS else None
+
+
 def greedy_head_for(head, head_graph: Path, engine_dir: Path, ort, so, providers, release=None) -> GreedyHead | None:
     """The greedy head of an engine's fp32 LM head session, or None where it does not apply (module docstring); its
     int8 copy from `int8_copy`, or the fp32 head screening where there is none."""
-    matrix = head_matrix(head_graph)
-    if matrix is None or matrix.shape[0] * matrix.shape[1] < MIN_PARAMS:
+    matrix = _large_head(head_graph)
+    if matrix is None:
         return None
     copy = int8_copy(matrix, engine_dir, ort, so, providers, release) if matrix.shape[1] % BLOCK == 0 else None
     if copy is None:
@@ -333,8 +339,8 @@ def greedy_draft_head(head_graph: Path, engine_dir: Path, ort, so, providers, re
     """The int8 copy of an fp32 draft head (the engine's draft_head.onnx) as a session taking the draft head's
     [1, n, H] -> [1, n, V_draft], for greedy drafting only (module docstring, "Drafting"); None where the head is
     not one `head_matrix` reads, is smaller than MIN_PARAMS, or no copy could be made."""
-    matrix = head_matrix(head_graph)
-    if matrix is None or matrix.shape[0] * matrix.shape[1] < MIN_PARAMS or matrix.shape[1] % BLOCK:
+    matrix = _large_head(head_graph)
+    if matrix is None or matrix.shape[1] % BLOCK:
         return None
     copy = int8_copy(matrix, engine_dir, ort, so, providers, release)
     return None if copy is None else copy[0]
