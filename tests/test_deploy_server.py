@@ -221,6 +221,24 @@ def test_dead_server_raises_one_line_naming_the_cause_and_leaves_nothing(tmp_pat
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("arg, named", [
+    ("--no-such-option=1", "tritonserver: unrecognized option '--no-such-option=1'"),
+    ("--log-info=perhaps", 'Bad option: "--log-info". invalid value for bool option: perhaps'),
+    ("--http-thread-count=many", 'Bad option: "--http-thread-count". Invalid option value. Got many'),
+])
+def test_server_refusing_its_command_line_names_the_option(tmp_path, small_repo, arg, named):
+    """tritonserver prints 402 lines of usage around the line naming a rejected option (before the usage for an
+    unknown option, after it for a bad value); the death message must carry that line, not a line of the usage."""
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    srv = TritonServer(small_repo, *free_ports(3), extra_args=[arg], ready_timeout_s=60)
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert srv._run_lines > 400  # the usage text did overflow the tail
+
+
+@pytest.mark.server
 def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir):
     repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
     http, grpc, metrics = free_ports(3)

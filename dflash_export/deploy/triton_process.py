@@ -54,6 +54,12 @@ class ModelRefused(ServerError):
 
 # How the python backend reports an exception raised by a model's initialize: "<Type>: <message>".
 _INPUT_ERROR = re.compile(r"(?:Internal: )?\b(?:DFlashError|MissingDependency): ")
+# tritonserver's own log lines at error level ("E1130 07:37:27.791032 21828 file.cc:642] ..."), and its complaints
+# about its command line (printed around its usage text, which is not an error however its lines begin).
+_TRITON_LINE = re.compile(r"[IWE]\d{4} ")
+_TRITON_ERROR = re.compile(r"E\d{4} ")
+_OPTION_ERROR = re.compile(r"unrecognized option|invalid option|requires an argument|^Bad option|^[Ii]nvalid ")
+_HEAD_LINES = 40
 
 
 def _http_ok(url: str, timeout: float = 1.0, headers: dict | None = None) -> bool:
@@ -303,6 +309,10 @@ class TritonServer:
         self.triton_http_port: int | None = None
         self._workdir: Path | None = None
         self._log: collections.deque[str] = collections.deque(maxlen=400)
+        # The first lines of the current run, kept apart from the tail: tritonserver names a rejected option on the
+        # line before its 402-line usage text, which pushes that line out of the tail.
+        self._head: list[str] = []
+        self._run_lines = 0
         self._reader: threading.Thread | None = None
         self._stopping = False
         self.log_path = Path(log_path) if log_path is not None else None
@@ -439,6 +449,7 @@ class TritonServer:
                 uds.unlink(missing_ok=True)
                 cmd = [sys.executable, "-I", str(BRIDGE), "--uds", str(uds), "--port", str(self.triton_http_port),
                        *[f"--forward={fd}:{port}" for fd, port in zip(pass_fds, relayed)], "--", *cmd]
+            self._head, self._run_lines = [], 0
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, errors="replace",
                                          start_new_session=True, preexec_fn=_die_with_parent(), pass_fds=pass_fds)
@@ -501,6 +512,9 @@ class TritonServer:
         assert proc is not None and proc.stdout is not None
         for line in proc.stdout:
             self._log.append(line)
+            self._run_lines += 1
+            if len(self._head) < _HEAD_LINES:
+                self._head.append(line)
             if self._log_file is not None:
                 try:
                     self._log_file.write(line)
@@ -529,14 +543,21 @@ class TritonServer:
         return f"; full log: {self.log_path}" if self.log_path is not None else ""
 
     def _last_error(self) -> str:
-        """The most telling log line: the first model load failure, else the first error line, else the last line."""
+        """The most telling log line: tritonserver refusing its command line, else the first model load failure, else
+        the first error line, else the last line."""
         log = list(self._log)
         marks = [i for i, ln in enumerate(log) if ln.startswith("[dflash-export] tritonserver restarted")]
         # Only this run's lines: an earlier run's failure is not this death's cause.
-        lines = [ln.strip() for ln in log[marks[-1] + 1 if marks else 0:]
+        run = log[marks[-1] + 1 if marks else 0:]
+        # Lines of this run the tail no longer holds (its own notes are not counted): taken from the head.
+        lost = self._run_lines - sum(not ln.startswith("[dflash-export]") for ln in run)
+        lines = [ln.strip() for ln in self._head[:max(0, lost)] + run
                  if ln.strip() and not ln.startswith("[dflash-export]")]
-        for pick, which in ((lambda ln: ln.startswith("E") and "failed to load '" in ln, 0),
-                            (lambda ln: ln.startswith("E") and "CudaDriverHelper" not in ln, 0),
+        options = [ln for ln in lines if _OPTION_ERROR.search(ln) and not _TRITON_LINE.match(ln)]
+        if options:  # "<path>/tritonserver: unrecognized option ..." or "Bad option: ..." + "invalid value ..."
+            return " ".join(re.sub(r"^\S*/tritonserver:", "tritonserver:", ln) for ln in options[:2])
+        for pick, which in ((lambda ln: _TRITON_ERROR.match(ln) and "failed to load '" in ln, 0),
+                            (lambda ln: _TRITON_ERROR.match(ln) and "CudaDriverHelper" not in ln, 0),
                             (lambda ln: "error" in ln.lower(), 0),
                             (lambda ln: True, -1)):
             found = [ln for ln in lines if pick(ln)]
