@@ -15,14 +15,12 @@ sharegpt-heldout.jsonl rows --skip.. (never trained on), encoded with the engine
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.runtime.batching import BatchingRuntime
+from dflash_export.validate.suites import load_suite
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = {"plain": ("ar", {}), "spine": ("dflash", {"tree_mode": "spine"}), "trees": ("dflash", {"tree_mode": "full"})}
 
 
@@ -61,9 +59,8 @@ def main() -> None:
     from dflash_export.engines.registry import load_engine
 
     engine = load_engine(args.engine, threads=args.threads)
-    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
-    rows = rows[args.skip:args.skip + args.prompts]
-    prompts = [engine.codec.encode_prompt(r["prompt"], True) for r in rows]
+    _, rows = load_suite("sharegpt-heldout", args.prompts, skip=args.skip)
+    prompts = [engine.codec.encode_prompt(r.text, True) for r in rows]
     run(engine, prompts[:2], 8, 2, "trees")  # warm-up: first calls allocate and initialize both target graphs
     cpu = cpu_features()
     print(f"{args.engine}: {len(prompts)} prompts (sharegpt-heldout rows {args.skip}-{args.skip + len(prompts) - 1})"

@@ -44,17 +44,17 @@ def main() -> None:
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.registry import load_engine
     from dflash_export.runtime.single import DFlashRuntime
+    from dflash_export.validate.suites import load_suite
 
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     engines = {n: load_engine(n, threads=args.threads) for n in names}
     # Plain and DFlash on separate runtimes: what one learns about costs and acceptance never steers the other.
     runtimes = {n: (DFlashRuntime(e), DFlashRuntime(e)) for n, e in engines.items()}
-    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
-    rows = rows[args.skip:args.skip + args.prompts]
+    _, rows = load_suite("sharegpt-heldout", args.prompts, skip=args.skip)
     sums = {n: {"plain_s": 0.0, "dflash_s": 0.0, "tokens": 0, "steps": 0, "identical": 0} for n in names}
     t0 = time.time()
     for i, row in enumerate(rows):
-        ids = runtimes[names[0]][0].encode(row["prompt"])
+        ids = runtimes[names[0]][0].encode(row.text)
         for n in names:
             plain_rt, dflash_rt = runtimes[n]
             sp = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

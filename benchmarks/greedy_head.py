@@ -16,7 +16,6 @@ Not a test: minutes on 2 cores. `--min-params 0` screens any fp32 head (tiny eng
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -99,8 +98,9 @@ def main(argv=None) -> None:
 
 
 def _prompt_ids(rt, args) -> list[list[int]]:
-    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
-    return [rt.encode(r["prompt"]) for r in rows[args.skip:args.skip + args.prompts]]
+    from dflash_export.validate.suites import load_suite
+
+    return [rt.encode(r.text) for r in load_suite("sharegpt-heldout", args.prompts, skip=args.skip)[1]]
 
 
 def _alternate(ids, rounds: int, modes, run) -> dict:

@@ -71,6 +71,7 @@ def main() -> None:
     from dflash_export.engines.base import SamplingParams
     from dflash_export.engines.registry import load_engine
     from dflash_export.runtime.single import DFlashRuntime
+    from dflash_export.validate.suites import load_suite
 
     modes = [m.strip() for m in args.modes.split(",")]
     if "ar" not in modes:
@@ -80,14 +81,13 @@ def main() -> None:
         sys.exit(f"unknown mode(s) {unknown} (known: {', '.join(MODES)})")
     engine = load_engine(args.engine, threads=args.threads)
     runtimes = {m: DFlashRuntime(engine, **(MODES[m] or {})) for m in modes}
-    rows = [json.loads(line) for line in (ROOT / "validate" / "sharegpt-heldout.jsonl").read_text().splitlines()]
-    rows = rows[args.skip:args.skip + args.prompts]
+    _, rows = load_suite("sharegpt-heldout", args.prompts, skip=args.skip)
     sums = {m: {"s": 0.0, "tokens": 0, "steps": 0, "committed": 0, "verified": 0, "identical": 0, "by": {}, "only": {}}
             for m in modes}
     pairs = []
     t0 = time.time()
     for i, row in enumerate(rows):
-        ids = runtimes["ar"].encode(row["prompt"])
+        ids = runtimes["ar"].encode(row.text)
         outs = {}
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:  # no mode always first: the first runs colder
             sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -575,6 +575,8 @@ def test_suite_formats_and_named_suites():
     assert {p.kind for p in prompts} == {"text", "messages", "input_ids"}
     _, few = load_suite("humaneval", 5)
     assert len(few) == 5 and few[0].id == "HumanEval/0"
+    _, later = load_suite("humaneval", 3, skip=20)  # the rows after those a benchmark keeps out
+    assert [p.id for p in later] == ["HumanEval/20", "HumanEval/21", "HumanEval/22"]
 
 
 def test_cli_exit_codes_for_bad_input(tmp_path, recipe_path):

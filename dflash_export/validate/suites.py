@@ -101,8 +101,9 @@ def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
     return SuitePrompt(pid, input_ids=list(value), line=line)
 
 
-def load_suite(name_or_path: str, num_prompts: int | None = None) -> tuple[Path, list[SuitePrompt]]:
-    """Read a whole suite (every line is checked, even past `num_prompts`) and return its first `num_prompts`."""
+def load_suite(name_or_path: str, num_prompts: int | None = None, skip: int = 0) -> tuple[Path, list[SuitePrompt]]:
+    """Read a whole suite (every line is checked, even past `num_prompts`) and return `num_prompts` of its prompts
+    (all when None) after the first `skip` (benchmarks keep rows a drafter or a threshold was chosen on out)."""
     path = suite_path(name_or_path)
     prompts = []
     for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
@@ -116,6 +117,7 @@ def load_suite(name_or_path: str, num_prompts: int | None = None) -> tuple[Path,
             prompts.append(p)
     if not prompts:
         raise DFlashError("suite is empty (no prompt lines)", path=path)
+    prompts = prompts[skip:]
     return path, prompts[:num_prompts] if num_prompts else prompts
 
 
