@@ -632,7 +632,9 @@ def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tm
         answers: list[tuple[int, object, float]] = []
 
         def long_request():
-            status, body = post_json(f"{base}/dflash/generate", long_body, timeout=300)
+            # Four times the timed request: the one on the stub left alive must still be running when the death is
+            # seen (a pair of 3000-token requests once let it finish first, a whole-suite run answering it 200).
+            status, body = post_json(f"{base}/dflash/generate", {**long_body, "max_tokens": 12000}, timeout=300)
             answers.append((status, body, time.monotonic()))
 
         stubs = [p for p in pids_mentioning(str(repo)) if b"/dflash/1/model.py" in
