@@ -134,8 +134,10 @@ def _drafts(engine, args) -> None:
 
     int8 = engine.greedy_draft_head
     if int8 is None:
+        from dflash_export.engines.greedy_head import MIN_PARAMS
+
         raise SystemExit(f"{args.engine}: no int8 copy of the draft head (not an fp32 Gemm head of >= "
-                         "MIN_PARAMS weights)")
+                         f"{MIN_PARAMS} weights)")
     rts = {True: DFlashRuntime(engine), False: DFlashRuntime(engine)}
     ids = _prompt_ids(rts[True], args)
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)

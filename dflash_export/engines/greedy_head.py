@@ -296,11 +296,13 @@ def screen_dir(engine_dir: Path, matrix: MatrixRows) -> Path:
 def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=None):
     """(session, tables) of the int8 copy of an fp32 head `matrix` (`_screen_graph`, hidden [..., H] -> logits
     [..., V]), written to the cache once (`screen_dir`) and loaded like an engine graph: ONNX Runtime maps its weights
-    and packs them; `release(dir)` gives back the mapped pages it no longer reads. None: no cache to write, or an
-    onnxruntime without 8-bit MatMulNBits."""
+    and packs them; `release(dir)` gives back the mapped pages it no longer reads. None: rows that are not whole
+    blocks of BLOCK, no cache to write, or an onnxruntime without 8-bit MatMulNBits."""
     from dflash_export.files import atomic_dir
 
     v, h = matrix.shape
+    if h % BLOCK:
+        return None
     try:
         d = screen_dir(engine_dir, matrix)
         tables = ScreenTables.load(d / TABLES, matrix.shape) if (d / GRAPH).is_file() else None
@@ -329,7 +331,7 @@ def greedy_head_for(head, head_graph: Path, engine_dir: Path, ort, so, providers
     matrix = _large_head(head_graph)
     if matrix is None:
         return None
-    copy = int8_copy(matrix, engine_dir, ort, so, providers, release) if matrix.shape[1] % BLOCK == 0 else None
+    copy = int8_copy(matrix, engine_dir, ort, so, providers, release)
     if copy is None:
         return GreedyHead(head, matrix)
     return GreedyHead(head, matrix, *copy)
@@ -340,7 +342,7 @@ def greedy_draft_head(head_graph: Path, engine_dir: Path, ort, so, providers, re
     [1, n, H] -> [1, n, V_draft], for greedy drafting only (module docstring, "Drafting"); None where the head is
     not one `head_matrix` reads, is smaller than MIN_PARAMS, or no copy could be made."""
     matrix = _large_head(head_graph)
-    if matrix is None or matrix.shape[1] % BLOCK:
+    if matrix is None:
         return None
     copy = int8_copy(matrix, engine_dir, ort, so, providers, release)
     return None if copy is None else copy[0]

@@ -319,16 +319,16 @@ class OrtEngine(Engine):
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
         # Greedy rows of a large fp32 head: the token found by an int8 screen and the candidates' exact logits
         # (engines/greedy_head.py), the same token on every path that asks for one; None: the whole head.
+        release = _release_weight_pages if release_pages else None
         self.greedy_head = greedy_head_for(self.head, self.engine_dir / HEAD, self.engine_dir, ort, so, providers,
-                                           release=_release_weight_pages if release_pages else None) \
-            if greedy_head else None
+                                           release=release) if greedy_head else None
         # Greedy drafts (and the argmax / top-K trees grow from) from an int8 copy of an fp32 draft head: the target
         # verifies them, so only tau can move (engines/greedy_head.py, "Drafting"). The greedy screen is that copy
         # where the drafter drafts over the whole vocabulary. None: the draft head drafts.
         self.greedy_draft_head = None
         if greedy_drafts and self.draft_vocab:
             self.greedy_draft_head = greedy_draft_head(self.engine_dir / DRAFT_HEAD, self.engine_dir, ort, so,
-                                                       providers, _release_weight_pages if release_pages else None)
+                                                       providers, release)
         elif greedy_drafts and self.greedy_head is not None:
             self.greedy_draft_head = self.greedy_head.screen
         if release_pages:  # what the probe read of the weight files goes back too
