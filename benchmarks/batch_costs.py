@@ -1,5 +1,6 @@
 """Cost of the batched engine's calls, in single-sequence plain steps: target steps of B sequences x S rows (GQA
-graph for S = 1, target_batch.onnx for S > 1) and drafts of B sequences -- what batching.py's cost model reads.
+graph for S = 1, target_batch.onnx for S > 1), ragged ones (one sequence a block, the others one row) and drafts of
+B sequences -- what batching.py's cost model reads (verify_token_cost, GRID_PAD_COST).
 
     python benchmarks/batch_costs.py [--engine engines/smollm2-135m/onnxruntime] [--context 200] [--reps 10]
 
@@ -41,9 +42,11 @@ def main() -> None:
         batches[b] = (batch, seqs)
     for _ in range(args.reps + 1):
         for b, (batch, seqs) in batches.items():
-            for s in (1, bs):
+            # S rows each; and ragged (S = -bs): one sequence bs rows, the others one, packed rows, attention padded
+            for s in (1, bs) + ((-bs,) if b > 1 else ()):
+                lens = [abs(s)] * b if s > 0 else [bs] + [1] * (b - 1)
                 t = time.perf_counter()
-                batch.target_step(seqs, [rng.integers(100, 10000, s) for _ in seqs])
+                batch.target_step(seqs, [rng.integers(100, 10000, n) for n in lens])
                 times.setdefault(("target", b, s), []).append(time.perf_counter() - t)
                 for q in seqs:  # nothing committed: the cache keeps its length, the features stay pending
                     q._step_ctx = None
@@ -59,8 +62,19 @@ def main() -> None:
     unit = med[("target", 1, 1)]
     print(f"single-sequence plain step: {unit * 1000:.1f} ms (context {args.context})")
     for (kind, b, s), v in sorted(med.items()):
+        if s < 0:
+            continue
         print(f"{kind:6s} B={b:2d} S={s}: {v * 1000:7.1f} ms = {v / unit:5.2f} plain steps"
               f"  ({(v / unit - 1) / max(1, b * s - 1):.3f} per extra row)")
+    # A call costs about c0 + r * rows + g * cells (cells = B x the longest block: attention's grid). The full and the
+    # ragged call share their grid, so they give r; the ragged and the one-row call give g.
+    for b in sorted({b for kind, b, s in med if s < 0}):
+        full, ragged, one = med[("target", b, bs)], med[("target", b, -bs)], med[("target", b, 1)]
+        r = (full - ragged) / ((b - 1) * (bs - 1))
+        g = (ragged - one - r * (bs - 1)) / (b * (bs - 1))
+        print(f"target B={b:2d} ragged (one sequence {bs} rows, {b - 1} one row): {ragged * 1000:7.1f} ms = "
+              f"{ragged / unit:5.2f} plain steps; a row {r * 1000:.2f} ms, a grid cell {g * 1000:.2f} ms: a padding "
+              f"cell costs {g / (r + g):.2f} of a verified row (batching.GRID_PAD_COST)")
 
 
 if __name__ == "__main__":

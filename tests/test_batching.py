@@ -226,8 +226,9 @@ def test_bounds_cancel_and_bad_requests(built):
 
 
 def test_scheduler_verifies_less_as_load_grows(built):
-    """The rule in closed form: slot k is verified while sum_b q[b,k] >= rate * a * B. One sequence: the single
-    runtime's verify_length; many sequences at a plain-decoding rate: no slot (plain batched decoding)."""
+    """The rule in closed form: each sequence verifies draft k while q[b,k] >= rate * a (its rows are packed: they
+    cost the others nothing). One sequence: the single runtime's verify_length; many sequences at a plain-decoding
+    rate: fewer; at twice that rate: none (plain batched decoding)."""
     from dflash_export.decoding.sampling import verify_length
     from dflash_export.runtime.batching import _Active
 
@@ -251,14 +252,16 @@ def test_scheduler_verifies_less_as_load_grows(built):
     for rate in (0.5, 1.0, 2.0, 5.0):
         rt.rate = rate
         one = acts(1)
-        assert rt._choose_step(one, one, 0.0) - 1 == verify_length(conf, rate * rt.a)
+        assert rt._choose_step(one, one, 0.0) == [1 + verify_length(conf, rate * rt.a)]
     rt.rate = 1.0
-    alone = rt._choose_step(acts(1), acts(1), 0.0)
+    one = acts(1)
+    [alone] = rt._choose_step(one, one, 0.0)
     many = acts(16)
     rt.rate = 16 / (1 + rt.a * 15)  # what plain decoding of 16 sequences yields per unit of cost
-    assert 1 < rt._choose_step(many, many, 0.0) < alone
-    rt.rate *= 2
-    assert rt._choose_step(many, many, 0.0) == 1
+    rows = rt._choose_step(many, many, 0.0)
+    assert rows == [1 + verify_length(conf, rt.rate * rt.a)] * 16 and 1 < rows[0] < alone
+    rt.rate = 1 / rt.a  # a bar of 1: no draft is that sure
+    assert rt._choose_step(many, many, 0.0) == [1] * 16
 
 
 def test_probes_back_off_while_drafting_does_not_pay(built, reference):

@@ -14,7 +14,7 @@ import pytest
 
 from dflash_export.decoding.tree import DraftTree
 from dflash_export.engines.base import SamplingParams
-from dflash_export.runtime.batching import DRAFT_ROW_COST, BatchingRuntime, _Active
+from dflash_export.runtime.batching import DRAFT_ROW_COST, GRID_PAD_COST, BatchingRuntime, _Active
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,18 @@ def test_the_calibration_is_accepted_over_expected_drafts_and_never_above_one(en
     # confidences 0.9, 0.8, 0.5: three verified drafts expect 0.9 + 0.72 + 0.36 = 1.98 accepted; one was.
     rt._learn_acceptance(_act([0.9, 0.8, 0.5, 0.9], 3), 1)
     assert rt.acceptance_calibration == pytest.approx(1 / 1.98)
-    # a lookup spine's chances are already cumulative: 0.5 + 0.25 expected, 2 accepted
-    rt._learn_acceptance(_act([0.1, 0.1], 2, spine=np.array([0.5, 0.25, 0.1])), 2)
+    # the best path of a tree grown with the drafter's slots: its chances are already cumulative, 0.5 + 0.25
+    # expected, 2 accepted
+    grown = _act([0.1, 0.1], 2, spine=np.array([0.5, 0.25, 0.1]))
+    grown.spine = (None, None, True)
+    rt._learn_acceptance(grown, 2)
     assert rt._accepted_vs_expected == pytest.approx([3, 2.73])
     assert rt.acceptance_calibration == 1.0  # more accepted than expected: the confidences are taken as they are
+    # the context's branches alone are scored by their own acceptance rates: their verifies leave c
+    lookups = _act([0.1, 0.1], 2, spine=np.array([0.9, 0.8]))
+    lookups.spine = (None, None, False)
+    rt._learn_acceptance(lookups, 0)
+    assert rt._accepted_vs_expected == pytest.approx([3, 2.73])
     # plain steps (no draft verified) and sampled chains (no chances) leave it
     before = rt._accepted_vs_expected.copy()
     rt._learn_acceptance(_act([0.9], 0), 0)
@@ -117,24 +125,28 @@ def _whole(tree):
 
 
 def _closed_form(scores_per_seq, b, a, rate, draft_cost, tree_cost, is_tree):
-    """Rows and expected tokens per modelled cost of one option, from the rule's definition: row k is paid while
-    the sum over sequences of row k's chance reaches max(λ, B / (1 + a (B - 1))) a B."""
-    bar = max(rate, b / (1 + a * (b - 1))) * a * b
-    s = 1
-    while s < 8 and sum(q[s - 1] for q in scores_per_seq if len(q) >= s) >= bar:
-        s += 1
-    gain = sum(sum(q[: s - 1]) for q in scores_per_seq)
-    trees = b if is_tree and s > 2 else 0  # the first two nodes (root, A) are a chain
-    return s, (b + gain) / (draft_cost + 1 + a * (b * s - 1) + tree_cost * trees)
+    """Each sequence's rows and the option's expected tokens per modelled cost, from the rule's definition: a
+    sequence verifies row k while row k's chance reaches max(λ, B / (1 + a (B - 1))) a, and the call costs the rows
+    of all its sequences, packed: 1 + a (R - 1)."""
+    bar = max(rate, b / (1 + a * (b - 1))) * a
+    rows = []
+    for q in scores_per_seq:
+        s = 1
+        while s <= len(q) and q[s - 1] >= bar:
+            s += 1
+        rows.append(s)
+    gain = sum(sum(q[: s - 1]) for q, s in zip(scores_per_seq, rows))
+    trees = sum(is_tree and s > 2 for s in rows)  # the first two nodes (root, A) are a chain
+    return rows, (b + gain) / (draft_cost + 1 + a * (sum(rows) - 1) + tree_cost * trees)
 
 
 @pytest.mark.parametrize("b", [1, 8])
 def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(engine, b):
     """With planted costs (a = 0.07, draft 0.3, λ = what a plain batched step yields, or 1.5 alone) and the planted
-    tree: alone, the tree's third node (B, 0.35) pays its row and the step verifies the whole tree unless a tree
-    costs more than the break-even overhead (0.196 plain steps); at 8 sequences row 2 needs 8 x 0.35 = 2.8 expected
-    drafts against a bar of 3.0, the rows paid are the root and A, a chain, and every sequence verifies its best
-    path whatever a tree would cost."""
+    tree: alone, the tree's third node (B, 0.35) pays its row (bar 0.105) and the step verifies the whole tree
+    unless a tree costs more than the break-even overhead (0.196 plain steps); at 8 sequences (λ 5.4, bar 0.38) B's
+    row does not pay, the rows paid are the root and A, a chain, and every sequence verifies its best path whatever
+    a tree would cost."""
     a, draft_cost = 0.07, 0.3
     rate = 1.5 if b == 1 else b / (1 + a * (b - 1))
     spine_scores = [[0.6, 0.3]] * b
@@ -142,11 +154,11 @@ def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(e
     s_spine, r_spine = _closed_form(spine_scores, b, a, rate, draft_cost, 0.0, False)
     s_tree, _ = _closed_form(tree_scores, b, a, rate, draft_cost, 0.0, True)
     if b == 1:
-        assert (s_spine, s_tree) == (3, 4)
-        break_even = (b + 0.6 + 0.35 + 0.3) / r_spine - (draft_cost + 1 + a * (s_tree - 1))
+        assert (s_spine, s_tree) == ([3], [4])
+        break_even = (b + 0.6 + 0.35 + 0.3) / r_spine - (draft_cost + 1 + a * (s_tree[0] - 1))
         assert break_even == pytest.approx(0.1959, abs=1e-3)
     else:
-        assert (s_spine, s_tree) == (2, 2)
+        assert (s_spine, s_tree) == ([2] * b, [2] * b)
         break_even = None
     for tree_cost in (0.0, 0.1, 0.19, 0.2, 0.5):
         rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
@@ -165,10 +177,10 @@ def test_a_step_verifies_whole_trees_exactly_where_their_rows_and_overhead_pay(e
 @pytest.mark.parametrize("b, c, rows", [(1, 1.0, 6), (1, 0.2, 6), (8, 1.0, 4), (8, 0.6, 3), (8, 0.3, 1)])
 def test_a_batch_pays_for_rows_with_the_drafts_they_are_expected_to_get_accepted(engine, b, c, rows):
     """In a batch, rows are paid for by calibrated chances: where verifies accepted c of the drafts the confidences
-    expected, row k is verified while c times row k's chances, summed over the sequences, reach the bar (the closed
-    form on the scaled chances). Eight sequences (a 0.07, λ = plain batching's rate: bar 3.0) with chances 0.9,
-    0.72, 0.5, 0.3, ... pay 3 drafts at c = 1, 2 at c = 0.6 and none at c = 0.3. Alone (λ 1.5: bar 0.105) the chances
-    are taken as they are (5 drafts whatever c): a lone sequence's verifies are what keep c measured."""
+    expected, a sequence verifies row k while c times row k's chance reaches the bar (the closed form on the scaled
+    chances). Eight sequences (a 0.07, λ = plain batching's rate: bar 0.38) with chances 0.9, 0.72, 0.5, 0.3, ...
+    pay 3 drafts each at c = 1, 2 at c = 0.6 and none at c = 0.3. Alone (λ 1.5: bar 0.105) the chances are taken as
+    they are (5 drafts whatever c): a lone sequence's verifies are what keep c measured."""
     a, draft_cost = 0.07, 0.3
     rate = 1.5 if b == 1 else b / (1 + a * (b - 1))
     chances = [0.9, 0.72, 0.5, 0.3, 0.12, 0.05, 0.02]
@@ -176,13 +188,47 @@ def test_a_batch_pays_for_rows_with_the_drafts_they_are_expected_to_get_accepted
     rt.rate = rate
     rt._accepted_vs_expected = np.array([c * 10.0, 10.0])
     acts = []
-    for _ in range(b):  # best paths only (no whole tree), as a chain of drafts with these cumulative chances
+    for _ in range(b):  # best paths only (no whole tree) of trees grown with the drafter, these cumulative chances
         x = _act([0.5], 0, spine=np.asarray(chances))
-        x.whole, x.block_len, x.drafts = None, len(chances) + 1, np.arange(len(chances))
+        x.whole, x.block_len, x.drafts, x.spine = None, len(chances) + 1, np.arange(len(chances)), (None, None, True)
         acts.append(x)
     s = rt._choose_step(acts, [], draft_cost)
     scale = c if b > 1 else 1.0
-    assert s == rows == _closed_form([[scale * q for q in chances]] * b, b, a, rate, draft_cost, 0.0, False)[0]
+    assert s == [rows] * b == _closed_form([[scale * q for q in chances]] * b, b, a, rate, draft_cost, 0.0, False)[0]
+    for x in acts:  # the context's branches alone: their chances are their own acceptance rates, taken as they are
+        x.spine = (None, None, False)
+    assert rt._choose_step(acts, [], draft_cost) == _closed_form([chances] * b, b, a, rate, draft_cost, 0.0, False)[0]
+
+
+@pytest.mark.parametrize("chances, rows", [
+    ([[0.97, 0.95, 0.93, 0.9]] + [[0.1, 0.05]], [5, 1]),
+    ([[0.97, 0.95, 0.93, 0.9]] * 2 + [[0.1, 0.05]] * 6, [5, 5] + [1] * 6),
+    ([[0.97, 0.95, 0.93, 0.9]] + [[0.1, 0.05]] * 7, [1] * 8),
+    ([[0.97, 0.95, 0.93, 0.9], [0.97, 0.3]] + [[0.1, 0.05]] * 6, [2, 2] + [1] * 6),
+])
+def test_a_sequence_s_rows_pay_for_themselves_and_for_the_padding_they_make(engine, chances, rows):
+    """The call takes its rows packed and pads only attention to the longest block: a sequence verifies row k while
+    its chance reaches the bar (λ a: 0.131 at 2 sequences, 0.376 at 8, plain batching's rate) and the sequences
+    reaching row S pay, with their chances over the bar, for the padding cells of the shorter ones (GRID_PAD_COST =
+    0.3 of a row each). Beside one other sequence a sure lookup branch (0.97 .. 0.9) verifies all four drafts; two
+    of them among eight pay for six padded sequences (surplus 2 x 0.52 >= 0.376 x 0.3 x 6 at row 5); one alone
+    among eight does not (0.59 < 0.79 already at row 2); beside a second sequence sure of its first draft only, the
+    two verify one draft each (row 2 is where their surplus, 2 x 0.59, covers six padded sequences)."""
+    a, draft_cost = 0.07, 0.3
+    rt = BatchingRuntime(engine, max_batch=16, verify_token_cost=a, draft_cost=draft_cost)
+    b = len(chances)
+    rt.rate = b / (1 + a * (b - 1))
+    acts = []
+    for q in chances:
+        x = _act([0.5], 0, spine=np.asarray(q))
+        x.whole, x.block_len, x.drafts, x.spine = None, len(q) + 1, np.arange(len(q)), (None, None, False)
+        acts.append(x)
+    assert rt._choose_step(acts, [], draft_cost) == rows
+    bar = rt._bar(b)
+    assert bar == pytest.approx(a * b / (1 + a * (b - 1)))
+    s = max(rows)
+    if s > 1:  # the closed form at the grid kept: the longest rows' surplus covers the padding they make
+        assert sum(q[s - 2] - bar for q, n in zip(chances, rows) if n == s) >= bar * GRID_PAD_COST * rows.count(1)
 
 
 def test_the_tree_overhead_is_the_time_trees_add_to_a_call_beyond_its_rows(engine):

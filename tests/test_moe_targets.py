@@ -286,12 +286,12 @@ def test_tensorrt_copy_of_the_batch_graph_has_standard_ops_and_computes_the_spar
     assert all(onnx.defs.has(n.op_type, n.domain) for n in model.graph.node)
     rng = np.random.default_rng(0)
     a, b = (ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]) for f in (src, dst))
-    dims = {"batch": 3, "seq": 4, "past": 11}  # 7 committed keys, room for the block's 4
+    dims = {"batch": 3, "seq": 4, "past": 11, "rows": 12}  # 7 committed keys, room for the block's 4
     feeds = {}
     for i in a.get_inputs():
         shape = [dims[d] if isinstance(d, str) else d for d in i.shape]
-        if i.name == "num_logits":
-            feeds[i.name] = np.array(4, np.int64)
+        if i.name in ("grid_rows", "cells"):  # every cell a row
+            feeds[i.name] = np.arange(12, dtype=np.int64).reshape(shape)
         elif i.name == "position_ids":
             feeds[i.name] = np.broadcast_to(7 + np.arange(4), shape).astype(np.int64).copy()
         elif i.name == "past_bias":

@@ -136,7 +136,8 @@ def test_continuous_batching_on_emulated_tensorrt_equals_reference_and_ort_batch
 
                 def record(*args, _true=true, _method=method):
                     feeds = args[0] if _method == "target_batch" else args[1]
-                    widths.append((_method, len(next(iter(feeds.values())))))
+                    first = feeds["position_ids"] if _method == "target_batch" else next(iter(feeds.values()))
+                    widths.append((_method, len(first)))  # sequences in the call
                     return _true(*args)
 
                 setattr(graphs, method, record)
@@ -208,8 +209,8 @@ def test_the_batch_kv_stay_on_the_device_bound_by_address(pair, reference, monke
         assert req.stats.tokens == ref[: sp.max_new_tokens]
     assert bound and all(bound), bound
     assert len(returned) > len(PROMPTS) and all(returned)
-    small = {"inputs_embeds", "position_ids", "past_bias", "block_bias", "ctx", "ctx_positions", "block_embeds",
-             "block_positions", "key_bias", "hidden"}
+    small = {"inputs_embeds", "grid_rows", "cells", "position_ids", "past_bias", "block_bias", "ctx", "ctx_positions",
+             "block_embeds", "block_positions", "key_bias", "hidden"}
     assert uploads and set(uploads) <= small, sorted(set(uploads) - small)
     assert batch.kv_bytes == 0
 
@@ -226,18 +227,21 @@ def test_more_sequences_than_the_batch_profiles_take_are_refused(pair):
     graphs = batch_graphs(eng)
     b, s, cap = MAX_BATCH + 1, 2, 16
     kv = np.zeros((b, graphs.t_kv_heads, cap, graphs.t_head_dim), np.float32)
-    feeds = {"inputs_embeds": np.zeros((b, s, graphs.mask_row.shape[0]), np.float32),
-             "num_logits": np.array(s, np.int64), "position_ids": np.tile(np.arange(s), (b, 1)),
-             "past_bias": np.full((b, cap), -np.inf, np.float32), "block_bias": np.zeros((b, s, s), np.float32)}
-    with pytest.raises(DFlashError, match=r"\(4, 2, \d+\) of inputs_embeds is outside profile 'batch_step'") as e:
-        graphs.target_batch(feeds, [kv] * (2 * graphs.t_layers))
-    assert e.value.field == "inputs_embeds"
+
+    def feeds(b):  # b sequences of s rows each, packed
+        return {"grid_rows": np.arange(b * s).reshape(b, s), "cells": np.arange(b * s),
+                "inputs_embeds": np.zeros((1, b * s, graphs.mask_row.shape[0]), np.float32),
+                "position_ids": np.tile(np.arange(s), (b, 1)), "past_bias": np.full((b, cap), -np.inf, np.float32),
+                "block_bias": np.zeros((b, s, s), np.float32)}
+
+    with pytest.raises(DFlashError, match=r"\(4, 2\) of grid_rows is outside profile 'batch_step'") as e:
+        graphs.target_batch(feeds(b), [kv] * (2 * graphs.t_layers))
+    assert e.value.field == "grid_rows"
     with pytest.raises(DFlashError, match="outside profile 'batch'"):
         graphs.lm_head(np.zeros((1, MAX_BATCH * eng.info.block_size + 1, graphs.mask_row.shape[0]), np.float32))
     # inside the profile, the same call runs
-    feeds = {k: v[:MAX_BATCH] if k != "num_logits" else v for k, v in feeds.items()}
-    hidden = graphs.target_batch(feeds, [kv[:MAX_BATCH]] * (2 * graphs.t_layers))[0]
-    assert hidden.shape == (MAX_BATCH, s, graphs.mask_row.shape[0])
+    hidden = graphs.target_batch(feeds(MAX_BATCH), [kv[:MAX_BATCH]] * (2 * graphs.t_layers))[0]
+    assert hidden.shape == (1, MAX_BATCH * s, graphs.mask_row.shape[0])
 
 
 def test_an_engine_built_without_the_batch_engines_gives_one_clear_error(pair, tmp_path, monkeypatch):

@@ -322,12 +322,12 @@ BATCH_PREFILL, BATCH_STEP, BATCH = "batch_prefill", "batch_step", "batch"
 def batch_profiles(graph: str, block_size: int, max_seq_len: int, max_batch: int) -> list[Profile]:
     """The optimization profiles of a batch graph: what `BatchedEngine` feeds it for 1..max_batch sequences.
 
-    target_batch: `past` is the K/V buffers' capacity (1..max_seq_len, the whole buffer is fed, past_bias hides
-    what lies past each sequence), `seq` the call's longest block: prompts (batch_prefill) or <= block_size rows
-    (batch_step; a prefill of short prompts fits it too). drafter_batch: cached context (past_ctx, 0 on the first
-    block), pending context (n_ctx: a prompt's features, or the tokens committed since the last draft) and the
-    block, padded to the longest of the call; n_keys = past_ctx + n_ctx + block. lm_head: the rows of one call
-    (a block per sequence at most)."""
+    target_batch: `past` is the K/V buffers' capacity (1..max_seq_len, the whole buffer is fed, past_bias hides what
+    lies past each sequence), `seq` the call's longest block: prompts (batch_prefill) or <= block_size rows (batch_step;
+    a prefill of short prompts fits it too), `rows` the call's packed rows (at most batch x seq). drafter_batch: cached
+    context (past_ctx, 0 on the first block), pending context (n_ctx: a prompt's features, or the tokens committed since
+    the last draft) and the block, padded to the longest of the call; n_keys = past_ctx + n_ctx + block. lm_head: the
+    rows of one call (a block per sequence at most)."""
     bs, L, mb = block_size, max_seq_len, max_batch
     if mb < 1:
         raise DFlashError(f"must be >= 1, got {mb}", field="max_batch")
@@ -335,10 +335,10 @@ def batch_profiles(graph: str, block_size: int, max_seq_len: int, max_batch: int
     batch = (1, opt_b, mb)
     if graph == TARGET_BATCH:
         return [
-            Profile(BATCH_PREFILL, {"batch": batch, "seq": (1, min(512, L), L), "past": (1, opt_past, L)},
-                    {"num_logits": (1, min(512, L), L)}),
-            Profile(BATCH_STEP, {"batch": batch, "seq": (1, bs, bs), "past": (1, opt_past, L)},
-                    {"num_logits": (1, bs, bs)}),
+            Profile(BATCH_PREFILL, {"batch": batch, "seq": (1, min(512, L), L), "past": (1, opt_past, L),
+                                    "rows": (1, min(512, L), mb * L)}),
+            Profile(BATCH_STEP, {"batch": batch, "seq": (1, bs, bs), "past": (1, opt_past, L),
+                                 "rows": (1, opt_b * bs, mb * bs)}),
         ]
     if graph == DRAFTER_BATCH:
         return [Profile(BATCH, {"batch": batch, "n_ctx": (1, bs, L), "past_ctx": (0, min(512, L - bs), L),

@@ -57,8 +57,10 @@ TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their ow
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
 # 3: target_batch's attention places a block's keys at their slots in the buffer before attending (rows independent of
-# how tokens were split into calls); an engine of format 2 is rebuilt, not reused (engines/build.py).
-ENGINE_FORMAT = 3
+# how tokens were split into calls); 4: target_batch takes its rows packed (inputs_embeds [1, rows, H], grid_rows,
+# cells; hidden / ctx out packed), so a call costs the rows its sequences verify. An engine of an older format is
+# rebuilt, not reused (engines/build.py).
+ENGINE_FORMAT = 4
 # A hybrid target's prefill runs in chunks of this many rows: each call returns every row's conv input and state
 # update, and its Scan's intermediates grow with the rows, so a chunk bounds that memory whatever the prompt's length.
 HYBRID_PREFILL_ROWS = 64

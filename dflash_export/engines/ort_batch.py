@@ -18,6 +18,12 @@ How B sequences of different lengths share one call:
   and to each other (causal), the padding rows come after every real row and are never seen, and their K/V rows lie
   past the committed length, overwritten by the next step -- as the quantized engines' two-row plain step already
   does. Prefills run in their own calls (an empty cache per sequence, the prompt right-padded).
+- Target, many rows over several pasts (target_batch: attention in plain ops over the K/V buffer, which GQA on CPU
+  refuses for B > 1): the call's rows go in packed, each sequence's block after the previous one's, with no padding
+  (`grid_rows`, `cells`); norms, projections and the MLP run on those rows alone, and only attention (and a hybrid's
+  Gated DeltaNet) runs on the [B, S] grid of blocks padded to the longest. So a call costs the rows its sequences
+  verify, not B x S: one sequence's long block costs the others nothing. A call of fewer rows than the engine's row
+  floor runs its whole grid, padded, as its one-row product kernels would otherwise round differently.
 - Draft trees (`target_step`'s `trees`): a sequence's block may be a whole tree, its rows the nodes, at positions
   length + depth, each seeing only its ancestors among the new rows (GQA's `attention_bias` for one sequence a
   call, target_batch's `block_bias` [B,S,S] for several; the other sequences of the call keep causal blocks).
@@ -63,6 +69,14 @@ from dflash_export.engines.onnxruntime import (
     linear_outputs,
 )
 from dflash_export.errors import DFlashError
+
+
+def _unpack(packed, cells: np.ndarray, b: int, s: int) -> np.ndarray:
+    """Packed rows [1, T, C] -> the grid [B, S, C], cell cells[r] holding row r."""
+    packed = np.asarray(packed)[0]
+    grid = np.zeros((b * s, packed.shape[-1]), np.float32)
+    grid[cells] = packed
+    return grid.reshape(b, s, -1)
 
 
 def tree_rows(length: int, rows: int, tree) -> tuple[np.ndarray, np.ndarray]:
@@ -439,28 +453,39 @@ class BatchedEngine:
 
     def _run_target_batch(self, seqs: list[BatchSeq], blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Blocks of B sequences over their pasts in one call of target_batch (attention in plain ops: it reads
-        the K/V buffer and returns the new rows, written back here for the real rows only)."""
+        the K/V buffer and returns the new rows, written back here for the real rows only). The graph takes the
+        blocks' rows packed, so a call costs the rows its sequences verify, not B x the longest block; only the
+        attention runs on the [B, S] grid. Returns hidden [B, S, H] and ctx [B, S, H_d] (rows past a block: 0)."""
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
         # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
         self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
         cap = self._buf.t_cap
-        floor = -(-self.row_floor // len(seqs))  # a call's rows (B x S) reach the engine's row floor, padded
-        if s < floor and all(q.length + floor <= min(self.info.max_seq_len, cap) for q in seqs):
+        lens = [len(x) for x in blocks]
+        floor = -(-self.row_floor // len(seqs))  # fewer packed rows than the engine's row floor: the whole grid,
+        padded = sum(lens) < self.row_floor     # padded as before packing (the product kernels' one-row path)
+        if padded and s < floor and all(q.length + floor <= min(self.info.max_seq_len, cap) for q in seqs):
             s = floor
-        embeds = np.empty((len(seqs), s, self.graphs.mask_row.shape[0]), np.float32)
         pos = np.empty((len(seqs), s), np.int64)
         bias = np.zeros((len(seqs), cap), np.float32)
+        grid_rows = np.empty((len(seqs), s), np.int64)
+        cells, rows, t = [], [], 0
         for i, (seq, blk) in enumerate(zip(seqs, blocks)):
             if len(blk) == 0:
                 raise DFlashError("empty block", field="input_ids")
             if seq.length + s > min(self.info.max_seq_len, cap):
                 raise DFlashError(f"sequence would reach {seq.length + s} tokens, over its room", field="max_tokens")
-            embeds[i, : len(blk)] = self.graphs.embed_rows(blk)
-            embeds[i, len(blk):] = embeds[i, len(blk) - 1]
+            n = s if padded else len(blk)
+            grid_rows[i, :n] = t + np.arange(n)
+            grid_rows[i, n:] = t + n - 1  # padding cells read the block's last row: finite, unattended
+            cells.extend(i * s + np.arange(n))
+            t += n
+            rows.append(blk if n == len(blk) else np.concatenate([blk, np.repeat(blk[-1:], n - len(blk))]))
             pos[i] = np.arange(seq.length, seq.length + s)
             bias[i, seq.length:] = -np.inf
-        feeds = {"inputs_embeds": embeds, "num_logits": np.array(s, np.int64), "position_ids": pos, "past_bias": bias}
+        embeds = self.graphs.embed_rows(np.concatenate(rows))[None]
+        feeds = {"inputs_embeds": np.ascontiguousarray(embeds, np.float32), "grid_rows": grid_rows,
+                 "cells": np.asarray(cells, np.int64), "position_ids": pos, "past_bias": bias}
         trees = [seq._step_tree for seq in seqs]
         if any(t is not None for t in trees) and not self.graphs.target_trees:
             raise DFlashError("this engine's batched target graph has no block_bias input: rebuild the engine to "
@@ -478,7 +503,7 @@ class BatchedEngine:
                             [(i, seq.slot, seq.length, 0, len(blk)) for i, (seq, blk) in enumerate(zip(seqs, blocks))])
         lin, w = outs[2 + n_kv:], len(LINEAR_OUTPUTS)
         self._hold_linear(seqs, {i: tuple(lin[w * n: w * n + w]) for n, i in enumerate(self.graphs.linear_layers)})
-        return outs[0], outs[1]
+        return _unpack(outs[0], feeds["cells"], len(seqs), s), _unpack(outs[1], feeds["cells"], len(seqs), s)
 
     def _linear_feeds(self, a: int, z: int) -> dict[str, np.ndarray]:
         """Hybrids: the committed Gated DeltaNet state of slots a..z-1 (views: a slot range is contiguous)."""

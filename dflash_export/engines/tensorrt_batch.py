@@ -319,7 +319,7 @@ class TrtBatchGraphs(BatchGraphs):
         feeds = dict(feeds)
         for i in range(self.t_layers):
             feeds[f"past_key_{i}"], feeds[f"past_value_{i}"] = past[2 * i], past[2 * i + 1]
-        profile = BATCH_STEP if feeds["inputs_embeds"].shape[1] <= self.info.block_size else BATCH_PREFILL
+        profile = BATCH_STEP if feeds["position_ids"].shape[1] <= self.info.block_size else BATCH_PREFILL
         names = ["hidden", "ctx"] + [f"new_{k}_{i}" for i in range(self.t_layers) for k in ("key", "value")]
         return self._run(g, profile, feeds, names, on_device=set(names[2:]))
 

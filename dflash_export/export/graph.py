@@ -204,13 +204,21 @@ def _target_setup(target, drafter, max_len: int, flavor: str, store) -> _TargetG
 def _target_inputs(b: _TargetGraph) -> str:
     """The graph inputs ahead of the per-layer caches; returns the token input (ids, or embeddings for ort)."""
     g, t, ort, batch = b.g, b.t, b.ort, b.batch
-    if ort:
+    if batch:
+        # Packed rows: only the sequences' real rows, one after another (a call's blocks differ in length). Every
+        # row-wise op (norms, projections, MLP) runs on them; the token mixers run on the [B, S] grid of blocks
+        # padded to the longest (grid_rows: the packed row each grid cell reads; cells: each packed row's cell).
+        ids = g.input("inputs_embeds", F32, [1, "rows", t.hidden_size])
+        g.input("grid_rows", I64, ["batch", "seq"])
+        g.input("cells", I64, ["rows"])
+    elif ort:
         # The engine reads embedding rows itself (from the shared file, on demand: the table never becomes
         # resident) and runs the LM head in its own session, so this graph holds no vocabulary-sized tensor.
         ids = g.input("inputs_embeds", F32, ["batch", "seq", t.hidden_size])
     else:
         ids = g.input("input_ids", I64, ["batch", "seq"])
-    g.input("num_logits", I64, [])
+    if not batch:
+        g.input("num_logits", I64, [])
     if not ort:
         g.input("draft_tokens", I64, ["batch", "n_draft"])
         g.input("draft_probs", F32, ["batch", "n_draft_or_1", "vocab_or_1"])
@@ -239,7 +247,7 @@ def _target_positions(b: _TargetGraph, ids: str) -> None:
     g, pos, (cos_t, sin_t), D = b.g, b.pos, b.rope, b.t.head_dim
     if b.batch:
         b.cos, b.sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
-        b.keys = _batched_keys(g, ids, b.t.num_heads // b.t.num_kv_heads)
+        b.keys = _batched_keys(g, pos, b.t.num_heads // b.t.num_kv_heads)
     elif b.ort and b.hybrid:  # partial RoPE outside attention (GroupQueryAttention's rotary would turn every channel)
         b.cos, b.sin = g.rope_tables("position_ids", g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
     elif b.ort:
@@ -296,8 +304,12 @@ def _attention(b: _TargetGraph, i: int, xn: str) -> str:
     a = f"model.layers.{i}.self_attn."
     bias = lambda n: sd.get(a + n + ".bias")  # noqa: E731
     gate = None
+    if b.batch and b.hybrid:  # the token mixer runs on the grid of blocks, its output projection on packed rows
+        xn = _to_grid(g, xn)
     if b.kinds[i] == "linear_attention":
-        return lin.gated_delta_net(g, xn, sd, f"model.layers.{i}.linear_attn.", b.hybrid, b.lin_shapes, b.t.rms_eps, i)
+        out = lin.gated_delta_net(g, xn, sd, f"model.layers.{i}.linear_attn.", b.hybrid, b.lin_shapes, b.t.rms_eps,
+                                  i)
+        return _to_rows(g, out) if b.batch else out
     if b.hybrid and b.batch:  # the Gated DeltaNet layers' state is per sequence already (batch axis first)
         qh, kh, vh, gate = lin.gated_attention_inputs(g, xn, sd, a, b.t, b.cos, b.sin, b.rot, b.t.rms_eps)
         attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.keys, bias, heads=(qh, kh, vh))
@@ -305,7 +317,7 @@ def _attention(b: _TargetGraph, i: int, xn: str) -> str:
         attn, gate = _gated_gqa_attention(b, i, xn, a)
     elif b.batch:
         attn = _batched_block_attention(g, xn, sd, a, b.t, i, b.cos, b.sin, b.keys, bias, b.windows[i],
-                                        sd[a + "sinks"] if b.sinks else None, b.pos)
+                                        sd[a + "sinks"] if b.sinks else None, b.pos, packed=True)
     elif b.ort:
         attn = _gqa_attention(b, i, xn, a, bias)
     else:
@@ -313,7 +325,19 @@ def _attention(b: _TargetGraph, i: int, xn: str) -> str:
         attn = _portable_attention(b, i, a, qh, kh, vh)
     if gate is not None:
         attn = lin.output_gate(g, attn, gate)
+    if b.batch:
+        attn = _to_rows(g, attn)
     return g.linear(attn, sd[a + "o_proj.weight"], a + "o_proj", bias("o_proj"))
+
+
+def _to_grid(g: GraphBuilder, x: str) -> str:
+    """Packed rows [1, T, C] -> the grid [B, S, C] (ort_batch: each cell reads the packed row grid_rows names)."""
+    return g.op("Gather", [g.op("Squeeze", [x, g.const([0])]), "grid_rows"], axis=0)
+
+
+def _to_rows(g: GraphBuilder, y: str) -> str:
+    """The grid [B, S, C] -> packed rows [1, T, C] (ort_batch: packed row r is grid cell cells[r])."""
+    return g.op("Unsqueeze", [g.op("Gather", [g.op("Flatten", [y], axis=2), "cells"], axis=0), g.const([0])])
 
 
 def _gated_gqa_attention(b: _TargetGraph, i: int, xn: str, a: str) -> tuple[str, str]:
@@ -458,6 +482,11 @@ def _target_logits(b: _TargetGraph, normed: str, shared: dict, ctx_size: int) ->
     """LM head only on the rows asked for (prefill: the last; verify: the block): logits + FusedVerify (portable), or
     the normed rows for the engine's LM-head session (ort); declares those outputs and ctx."""
     g, t = b.g, b.t
+    if b.batch:  # every packed row is a row of some sequence's block
+        g.op("Identity", [normed], outputs=["hidden"])
+        g.output("hidden", F32, [1, "rows", t.hidden_size])
+        g.output("ctx", F32, [1, "rows", ctx_size])
+        return
     neg = g.op("Neg", [g.op("Unsqueeze", ["num_logits", g.const([0])])])
     rows = g.op("Slice", [normed, neg, g.const([np.iinfo(np.int64).max]), g.const([1])])
     if b.ort:
@@ -502,6 +531,7 @@ class _BatchKeys:
 
 
 def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
+    """`x`: any [B, S] input of the grid (position_ids)."""
     """The block's keys are placed in (a copy of) the K/V buffer at their slots and every row attends over that one
     buffer: a key sits at the same place in the score row, the softmax sum and the P.V product whether an earlier
     call committed it or it comes with this one, so a row's bits do not depend on how the tokens before it were
@@ -538,20 +568,23 @@ def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
                              sin: str, keys: _BatchKeys, bias, window: int | None = None,
                              sinks: np.ndarray | None = None, pos: str | None = None,
-                             heads: tuple[str, str, str] | None = None) -> str:
+                             heads: tuple[str, str, str] | None = None, packed: bool = False) -> str:
     """The ort_batch flavor's attention for layer i: queries [B,S] over past_key_i / past_value_i [B,KVH,P,D] (the
     engine's K/V buffer, read only; past_bias [B,P] hides the rows past each sequence's length) with the block's
     own keys placed at their slots (`_batched_keys`). Outputs new_key_i / new_value_i [B,KVH,S,D] (keys after k_norm
     and RoPE, as GroupQueryAttention caches them). Scores and softmax in fp32. `heads`: (q, k, v) [B,h,S,D] already
-    projected, normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own."""
+    projected, normed and turned (hybrids' gated attention, export/linear_attention.py) instead of this layer's own.
+    `packed`: xn is the call's packed rows [1,T,H]; q, k and v are projected on them and then placed on the grid."""
     D, H, KVH = t.head_dim, t.num_heads, t.num_kv_heads
     if heads is None:
         wqkv = np.concatenate([sd[a + n + "_proj.weight"] for n in "qkv"], axis=0)
         bqkv = None
         if bias("q_proj") is not None:
             bqkv = np.concatenate([bias(n + "_proj") for n in "qkv"], axis=0)
-        q, k, v = g.op("Split", [g.linear(xn, wqkv, a + "qkv_proj", bqkv), g.const([H * D, KVH * D, KVH * D])],
-                       n_out=3, axis=-1)
+        qkv = g.linear(xn, wqkv, a + "qkv_proj", bqkv)
+        if packed:
+            qkv = _to_grid(g, qkv)
+        q, k, v = g.op("Split", [qkv, g.const([H * D, KVH * D, KVH * D])], n_out=3, axis=-1)
         qh, kh, vh = g.heads(q, H, D), g.heads(k, KVH, D), g.heads(v, KVH, D)
         if t.qk_norm:
             qh = g.rms_norm(qh, g.weight(a + "q_norm", sd[a + "q_norm.weight"]), t.rms_eps, True)

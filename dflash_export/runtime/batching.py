@@ -10,19 +10,20 @@ prompt tokens waiting to join (a request that would pass it is refused with a DF
 
 The scheduling rule (greedy requests and sampled ones that walk, decoding/acceptance.py, whose drafter confidences
 are tempered; those sampling the drafter's own chain verify full blocks, as DFlashRuntime does):
-    A target call over B sequences of S rows each (the longest block sets S, shorter ones are padded) costs about
-    1 + a * (B*S - 1) single-sequence plain steps (a = the engine's verify_token_cost, 0.07 for fp32 SmolLM2 on ORT:
-    a step's weights are read once whatever its rows), and a draft over B_d sequences about
-    draft_cost * (1 + a_d * (B_d - 1)). Let q[b, k] be sequence b's chance that its first k drafts are all accepted
-    (the product of the drafter's confidences, as adaptive verification uses) and λ the batch's decoding rate in
-    tokens per unit of that cost (tracked online). Slot k is verified -- for every sequence that has a draft there,
-    since padding costs as much as a draft -- while  c * sum_b q[b, k] >= λ * a * B  (B > 1; c below: the chances
-    scaled to what recent verifies accepted), i.e. while the tokens the slot is expected to add pay for B more rows at
-    the current rate. With one sequence the chances are taken unscaled (c = 1), DFlashRuntime's own rule: a lone
+    A target call over B sequences whose blocks hold R rows in all (the graph takes them packed: only attention
+    runs on the blocks padded to the longest) costs about 1 + a * (R - 1) single-sequence plain steps (a = the
+    engine's verify_token_cost, 0.07 for fp32 SmolLM2 on ORT: a step's weights are read once whatever its rows), and
+    a draft over B_d sequences about draft_cost * (1 + a_d * (B_d - 1)). Let q[b, k] be sequence b's chance that its
+    first k drafts are all accepted (the product of the drafter's confidences, as adaptive verification uses) and λ
+    the batch's decoding rate in tokens per unit of that cost (tracked online). Sequence b verifies draft k while
+    c * q[b, k] >= λ * a  (B > 1; c below: the drafter's chances scaled to what recent verifies of them accepted;
+    the context's branches alone are scored by their own acceptance rates, c = 1), i.e. while the
+    tokens the row is expected to add pay for one more row at the current rate; one sequence's rows cost the others
+    nothing. With one sequence the chances are taken unscaled (c = 1), DFlashRuntime's own rule: a lone
     sequence's verifies are what keep c measured, and scaled rows could shrink to none. As the
     load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
-    shrinks towards plain decoding (S = 1). Drafting itself is skipped for the step (B > 1, or one sampled sequence:
-    one greedy sequence keeps DFlashRuntime's rule) unless it is expected
+    shrinks towards plain decoding (one row each). Drafting itself is skipped for the step (B > 1, or one sampled
+    sequence: one greedy sequence keeps DFlashRuntime's rule) unless it is expected
     to beat plain batched decoding:  B (1 + c g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
     and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
     they would verify at the current rate (1 + verify_length(confidences, λ a)), and c (at most 1) is how much of
@@ -38,15 +39,15 @@ Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `B
     a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
     deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
     the tree's nodes, best first: node k is row k and its score (the chance its path is accepted) is what q[b, k]
-    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Each step chooses between
-    the trees and their best paths (`_choose_step`): each option's rows S by the rule above, and the one with more
-    expected tokens per modelled cost, (B + c * sum of the verified rows' chances) / (draft + 1 + a (B S - 1) +
-    t * trees), wins; t is what a sequence verifying a tree adds to the call beyond its rows (mask, positions, the
-    accepted path's K/V moved down), fitted online from the call times' residuals, 0 until measured. Rows the bar
-    pays for that are a chain verify as a chain. So trees are verified where their nodes off the best path pay
-    (one sequence, a low bar) and never where the bar stops at the best path (many sequences). Where the engine
-    cannot verify trees for the call (an engine built before the batched graph's tree mask, B > 1), each sequence
-    verifies its tree's best path ("spine").
+    is for a chain, so the rule above sizes each sequence's tree as it sizes its chain. Each step chooses between the
+    trees and their best paths (`_choose_step`): each option's rows by the rule above, and the one with more expected
+    tokens per modelled cost, (B + c * sum of the verified rows' chances) / (draft + 1 + a (R - 1) + a GRID_PAD_COST (B
+    S - R) + t * trees), wins (S: the longest block; attention pads the others to it); t is what a sequence verifying a
+    tree adds to the call beyond its rows (mask, positions, the accepted path's K/V moved down), fitted online from the
+    call times' residuals, 0 until measured. Rows the bar pays for that are a chain verify as a chain. So trees are
+    verified where their nodes off the best path pay (a low bar: one sequence, a slow batch) and never where the bar
+    stops at the best path (a fast batch). Where the engine cannot verify trees for the call (an engine built before the
+    batched graph's tree mask, B > 1), each sequence verifies its tree's best path ("spine").
 Greedy output is unchanged by any of these choices: every token is the target's argmax given the same prefix; and a
 walked sampled request's is plain sampling's, draw for draw: every token is the target's draw with its next uniform.
 """
@@ -76,6 +77,11 @@ from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
 DRAFT_ROW_COST = 0.3
+# A padding cell of the call's grid (attention runs every sequence at the longest block's rows) costs this fraction of
+# a verified row (which pays for its projections, MLP and attention). It grows with the K/V buffer every cell
+# attends over: `python benchmarks/batch_costs.py --batches 1,8` on SmolLM2, 8 sequences, measured 0.19 (fp32, context
+# 200) and 0.34 / 0.20 (fp32 / int4, context 500).
+GRID_PAD_COST = 0.3
 PROBE_MAX_GAP = 64  # the most plain steps between two probes of a batch where drafting does not pay
 
 
@@ -209,7 +215,7 @@ class BatchingRuntime:
         self._probe_turn = 0
         self.probes = 0
         self._ids = itertools.count()
-        # The work done, for the bench's report: target calls (= steps), their rows (B x S, padding included),
+        # The work done, for the bench's report: target calls (= steps), their rows (packed: each block's own),
         # drafter calls and the sequences they drafted, and the cost model's total (in single-sequence plain steps).
         # Deterministic for a given load, so two modes' work can be compared without timing noise.
         self.steps = 0
@@ -345,8 +351,8 @@ class BatchingRuntime:
         draft_cost = self._draft(drafting) if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
-        s = self._choose_step(acts, drafting, draft_cost)
-        blocks = [self._block(a, s) for a in acts]
+        rows = self._choose_step(acts, drafting, draft_cost)
+        blocks = [self._block(a, n) for a, n in zip(acts, rows)]
         t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks,
                                         [a.tree[0] if a.tree is not None else None for a in acts],
@@ -354,7 +360,7 @@ class BatchingRuntime:
         t2 = time.perf_counter()
         if self.adaptive and self.fit_costs:
             trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)
-            self._learn_row_cost(len(blocks) * max(len(b) for b in blocks), t2 - t1, trees)
+            self._learn_row_cost(sum(len(b) for b in blocks), t2 - t1, trees)
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
         # every one the target's.
         for a in drafting:
@@ -378,7 +384,7 @@ class BatchingRuntime:
                 done.append(a)
         for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
             self._finish(a)
-        rows = len(blocks) * max(len(b) for b in blocks)
+        rows = sum(len(b) for b in blocks)  # the call's packed rows (engines/ort_batch.py)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.target_rows += rows
         self.modelled_cost += draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
@@ -498,7 +504,7 @@ class BatchingRuntime:
         a.block_len = len(tree)
 
     def _block(self, a: _Active, s: int) -> np.ndarray:
-        """The rows this sequence verifies in a target call of `s` rows: its last token, then its drafts (sets
+        """The rows this sequence verifies when the step gives it `s` rows: its last token, then its drafts (sets
         `a.n_draft`)."""
         if a.drafts is not None:
             cap = a.block_len - 1
@@ -576,8 +582,8 @@ class BatchingRuntime:
 
     def _learn_acceptance(self, a: _Active, accept: int) -> None:
         """Add one sequence's verify to the realized / expected acceptance (argmax drafts with chances only)."""
-        if not (a.argmax_drafts and a.n_draft and a.req.mode == "dflash"):
-            return
+        if not (a.argmax_drafts and a.n_draft and a.req.mode == "dflash") or not _drafter_scored(a):
+            return  # the context's branches are scored by their own acceptance rates (decoding/tree.LookupStats)
         if a.spine_scores is not None:
             chances = a.spine_scores[: a.n_draft]
         elif a.seq.draft_confidence is not None:
@@ -619,97 +625,130 @@ class BatchingRuntime:
                 + self.a * (b * self.rows_per_draft_step - 1))
         return b * (1.0 + self.acceptance_calibration * self.accepted_per_draft) / cost > plain
 
-    def _choose_step(self, acts: list[_Active], drafting: list[_Active], draft_cost: float) -> int:
-        """S, the rows of this step's target call, and whether the sequences with a whole tree (tree_mode "full")
-        verify it or its best path: the option whose rows the bar pays for (`rows_paid`) and whose expected tokens
-        per modelled cost are higher (`step_rate`; a tree costs its rows plus the measured tree overhead)."""
+    def _choose_step(self, acts: list[_Active], drafting: list[_Active], draft_cost: float) -> list[int]:
+        """The rows each sequence verifies in this step's target call (in `acts` order), and whether the sequences
+        with a whole tree (tree_mode "full") verify it or its best path: the option whose rows the bar pays for
+        (`rows_paid`) and whose expected tokens per modelled cost are higher (`step_rate`; a tree costs its rows
+        plus the measured tree overhead)."""
         wholes = [a for a in acts if a.whole is not None]
         if not self.adaptive:  # every node verified: whole trees as they are
             for a in wholes:
                 self._use_whole_tree(a)
             self.tree_steps += bool(wholes)
-        s_min, scored = self._scored(acts, drafting)
-        # A batch pays for rows with the drafts they are expected to get accepted: the chances scaled by what recent
-        # verifies accepted. Alone, a sequence keeps its unscaled chances: its rows are what keeps c measured (scaled
-        # rows can shrink to none, and then no verify would ever move c again).
+        # A batch pays for rows with the drafts they are expected to get accepted: the drafter's chances scaled by
+        # what recent verifies of them accepted (the context's branches are scored by their own acceptance rates).
+        # Alone, a sequence keeps its unscaled chances: its rows are what keeps c measured (scaled rows can shrink to
+        # none, and then no verify would ever move c again).
         c = self.acceptance_calibration if len(acts) > 1 else 1.0
-        scored = [c * q for q in scored]
-        s = rows_paid(scored, s_min, self._top(acts), self._bar(len(acts)))
+        bar = self._bar(len(acts))
+        rows, scored = self._rows(acts, drafting, c, bar)
         if not wholes or not self.adaptive:
-            return s
-        spine_gain = expected_gain(scored, s)
+            return rows
+        spine_gain = expected_gain(scored, rows)
         paths = {id(a): (a.spine, a.drafts, a.spine_scores, a.block_len) for a in wholes}
         for a in wholes:
             self._use_whole_tree(a)
-        t_min, t_scored = self._scored(acts, drafting)
-        t_scored = [c * q for q in t_scored]
-        t = rows_paid(t_scored, t_min, self._top(acts), self._bar(len(acts)))
-        trees = sum(not _first_nodes(a.tree[0], t).is_chain for a in wholes)
+        t_rows, t_scored = self._rows(acts, drafting, c, bar)
+        trees = sum(not _first_nodes(a.tree[0], n).is_chain for a, n in zip(acts, t_rows) if a.tree is not None)
         b = len(acts)  # the tree-or-path choice weighs calibrated gains at every size
         c1 = 1.0 if b > 1 else self.acceptance_calibration
-        if trees and step_rate(b, c1 * expected_gain(t_scored, t), draft_cost, self.a, t, trees, self.tree_cost) > \
-                step_rate(b, c1 * spine_gain, draft_cost, self.a, s, 0, self.tree_cost):
+        if trees and step_rate(b, c1 * expected_gain(t_scored, t_rows), draft_cost, self.a, t_rows, trees,
+                               self.tree_cost) > \
+                step_rate(b, c1 * spine_gain, draft_cost, self.a, rows, 0, self.tree_cost):
             self.tree_steps += 1
-            return t
+            return t_rows
         for a in wholes:  # the best paths pay at least as much: back to them
             a.tree = None
             a.spine, a.drafts, a.spine_scores, a.block_len = paths[id(a)]
-        return s
+        return rows
 
-    def _scored(self, acts: list[_Active], drafting: list[_Active]) -> tuple[int, list[np.ndarray]]:
-        """(the rows some sequence verifies whatever the rule says, each scored sequence's chances of acceptance
-        row by row): trees' and best paths' node scores (already cumulative), chains' cumulative confidences."""
-        s = 1
-        scored = []
-        spines = [a for a in acts if a.spine_scores is not None]
-        for a in spines:  # each draft's chance of acceptance along its tree's best path (already cumulative)
-            if self.adaptive:
-                scored.append(a.spine_scores)
+    def _rows(self, acts: list[_Active], drafting: list[_Active], c: float, bar: float
+              ) -> tuple[list[int], list[np.ndarray | None]]:
+        """(the rows of each sequence, the scaled chances of acceptance row by row of each scored one, None for the
+        others). Trees' and best paths' node scores (already cumulative) and chains' cumulative confidences are scored:
+        their rows are what `rows_paid` pays for, then capped where the grid's padding does not pay (`fit_grid`). The
+        rest verify their whole block (rules that are not adaptive, drafts sampled from the drafter's chain) or one row
+        (no drafts)."""
+        rows, scored = [], []
+        for a in acts:
+            q = None
+            if a.spine_scores is not None:  # each draft's chance of acceptance along its tree's best path
+                q = a.spine_scores if self.adaptive else None
+                fixed = a.block_len
+            elif a in drafting:
+                fixed = a.block_len
+                if a.argmax_drafts and self.adaptive and a.seq.draft_confidence is not None:
+                    room = min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1)
+                    q = np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64))
             else:
-                s = max(s, a.block_len)
-        for a in drafting:
-            if a in spines:
-                continue
-            if a.argmax_drafts and self.adaptive and a.seq.draft_confidence is not None:
-                room = min(a.block_len - 1, a.req.sp.max_new_tokens - a.produced - 1)
-                scored.append(np.cumprod(np.asarray(a.seq.draft_confidence[:max(room, 0)], np.float64)))
+                fixed = 1
+            if q is None:
+                rows.append(fixed)
+                scored.append(None)
             else:
-                s = max(s, a.block_len)
-        return s, scored
-
-    def _top(self, acts: list[_Active]) -> int:
-        """The most rows a step may give a sequence: a block, or a longer tree or best path (lookups as deep as the
-        numerics probe checked rows)."""
-        return max([self.info.block_size] + [a.block_len for a in acts if getattr(a, "drafts", None) is not None])
+                q = (c if _drafter_scored(a) else 1.0) * np.asarray(q, np.float64)
+                rows.append(rows_paid(q, a.block_len, bar))
+                scored.append(q)
+        if len(acts) > 1:
+            rows = fit_grid(rows, scored, bar)
+        return rows, scored
 
     def _bar(self, b: int) -> float:
         # λ is at least what a plain batched step yields (b tokens for 1 + a(b - 1)): a batch that has just grown,
         # or a run that has just started, would otherwise judge rows against a stale lower rate.
-        return max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a * b
+        return max(self.rate, b / (1.0 + self.a * (b - 1))) * self.a
 
 
-def rows_paid(scored: list[np.ndarray], s_min: int, top: int, bar: float) -> int:
-    """The rows per sequence of a target call: row k (k >= 1 drafts deep) is added while the chances that row k is
-    accepted, summed over the sequences (`scored[b][k - 1]`), reach `bar` (= λ a B: what B more rows cost at the
-    batch's rate); never fewer than `s_min`, never more than `top`."""
+def _drafter_scored(a: _Active) -> bool:
+    """Whether a sequence's chances of acceptance this step came from the drafter's confidences (a chain, or a tree
+    or best path grown with its slots), which c calibrates; the context's branches alone are scored by their own
+    running acceptance rates (decoding/tree.LookupStats), calibrated already."""
+    if a.spine_scores is None:
+        return True
+    tree, spine = getattr(a, "tree", None), getattr(a, "spine", None)
+    if tree is not None:
+        return bool(tree[1])
+    return spine is None or bool(spine[2])
+
+
+def rows_paid(scored: np.ndarray, top: int, bar: float) -> int:
+    """The rows one sequence verifies: row k (k >= 1 drafts deep) is added while its chance of being accepted
+    (`scored[k - 1]`) reaches `bar` (= λ a: what one more row of the call costs at the batch's rate); at most `top`.
+    The call takes its sequences' rows packed, so one sequence's rows cost the others nothing."""
     k = 1
-    while k < top:
-        gain = sum(q[k - 1] for q in scored if len(q) >= k)
-        if k >= s_min and (gain <= 0 or gain < bar):
-            break
+    while k < top and k <= len(scored) and scored[k - 1] > 0 and scored[k - 1] >= bar:
         k += 1
-    return max(s_min, k)
+    return k
 
 
-def expected_gain(scored: list[np.ndarray], s: int) -> float:
-    """Drafts expected accepted when every scored sequence verifies its first s - 1 (the sum of their chances)."""
-    return float(sum(np.sum(q[: s - 1]) for q in scored))
+def fit_grid(rows: list[int], scored: list[np.ndarray | None], bar: float) -> list[int]:
+    """Each sequence's rows capped at the grid length S that pays: attention runs every sequence at the longest
+    block's rows, so the sequences reaching row S must pay, beyond their own rows, for the padding cells they make
+    the others take -- their chances at row S over the bar must sum to bar x GRID_PAD_COST per shorter sequence.
+    Sequences whose rows are not scored keep theirs, and S never falls below them."""
+    floor = max([n for n, q in zip(rows, scored) if q is None], default=1)
+    s = max(rows)
+    while s > floor:
+        surplus = sum(q[s - 2] - bar for n, q in zip(rows, scored) if q is not None and min(n, s) >= s)
+        if surplus >= bar * GRID_PAD_COST * sum(min(n, s) < s for n in rows):
+            break
+        s -= 1
+    return [n if q is None else min(n, s) for n, q in zip(rows, scored)]
 
 
-def step_rate(b: int, gain: float, draft_cost: float, a: float, s: int, trees: int, tree_cost: float) -> float:
-    """Expected tokens per modelled cost of a step of B sequences x S rows expecting `gain` accepted drafts, `trees`
-    of them verifying a tree: (B + gain) / (draft + 1 + a (B S - 1) + tree_cost * trees)."""
-    return (b + gain) / (draft_cost + 1.0 + a * (b * s - 1) + tree_cost * trees)
+def expected_gain(scored: list[np.ndarray | None], rows: list[int]) -> float:
+    """Drafts expected accepted when every scored sequence verifies its rows (the sum of their chances)."""
+    return float(sum(np.sum(q[: n - 1]) for q, n in zip(scored, rows) if q is not None))
+
+
+def step_rate(b: int, gain: float, draft_cost: float, a: float, rows: list[int], trees: int, tree_cost: float
+              ) -> float:
+    """Expected tokens per modelled cost of a step of B sequences verifying `rows` (each sequence's), R in all,
+    expecting `gain` accepted drafts, `trees` of them verifying a tree:
+    (B + gain) / (draft + 1 + a (R - 1) + a GRID_PAD_COST (B S - R) + tree_cost * trees), S = the longest."""
+    r = sum(rows)
+    pad = len(rows) * max(rows) - r
+    return (b + gain) / (draft_cost + 1.0 + a * (r - 1) + a * GRID_PAD_COST * pad + tree_cost * trees)
 
 
 def _first_nodes(tree: DraftTree, n: int) -> DraftTree:
