@@ -110,6 +110,10 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     past_key_i / past_value_i [B,KVH,capacity,D], bound to the same memory as present_key_i / present_value_i
     (GroupQueryAttention writes the new rows in place). Outputs: hidden [B,num_logits,H] (final-normed
     rows for the LM-head session), ctx, presents.
+    ort_batch — inputs: inputs_embeds [1,rows,H] (the call's rows packed, block after block), grid_rows [B,S] and
+    cells [rows] (where each packed row sits in the [B,S] grid attention runs on), position_ids [B,S], past_bias
+    [B,P], block_bias [B,S,S], per layer past_key_i / past_value_i [B,KVH,P,D] (read only). Outputs: hidden and ctx
+    [1,rows,*] packed, new_key_i / new_value_i [B,KVH,S,D] on the grid (engines/ort_batch.py writes them back).
     Returns the model, its own weights (arrays, or TensorProtos already in `store`) and the shared tensors it uses.
     """
     b = _target_setup(target, drafter, max_len, flavor, store)
