@@ -58,7 +58,7 @@ def test_at_the_measured_fp32_costs_eight_sequences_never_draft(engine):
 def _act(conf, n_draft, spine=None):
     a = _Active.__new__(_Active)
     a.req = type("R", (), {"sp": SamplingParams(max_new_tokens=100), "mode": "dflash"})()
-    a.walk, a.n_draft, a.spine_scores = False, n_draft, spine
+    a.walk, a.n_draft, a.spine_scores, a.tree, a.spine = False, n_draft, spine, None, None
     a.seq = type("S", (), {"draft_confidence": np.asarray(conf)})()
     return a
 

@@ -535,7 +535,6 @@ class _BatchKeys:
 
 
 def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
-    """`x`: any [B, S] input of the grid (position_ids)."""
     """The block's keys are placed in (a copy of) the K/V buffer at their slots and every row attends over that one
     buffer: a key sits at the same place in the score row, the softmax sum and the P.V product whether an earlier
     call committed it or it comes with this one, so a row's bits do not depend on how the tokens before it were
@@ -543,7 +542,8 @@ def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
     decoding). With the past and the block apart, a key moved from one sum to the other once committed, which
     int4's int8 activations turned into other tokens. Key p of sequence b: committed (p < length_b, read from
     past_bias, whose visible keys are a prefix), visible to every row; the block's key length_b + j, visible to row r
-    as the causal mask (j <= r % S) and block_bias[b, r % S, j] say; the rest of the buffer hidden."""
+    as the causal mask (j <= r % S) and block_bias[b, r % S, j] say; the rest of the buffer hidden. `x`: any [B, S]
+    input of the call's grid (position_ids), for S."""
     length = g.op("ReduceSum", [g.op("Cast", [g.op("Equal", ["past_bias", g.const(0.0, np.float32)])], to=I64),
                                 g.const([1])], keepdims=0)                                # [B]
     s_len = g.op("Shape", [x], start=1, end=2)

@@ -351,8 +351,8 @@ class BatchingRuntime:
         draft_cost = self._draft(drafting) if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
-        rows = self._choose_step(acts, drafting, draft_cost)
-        blocks = [self._block(a, n) for a, n in zip(acts, rows)]
+        blocks = [self._block(a, n) for a, n in zip(acts, self._choose_step(acts, drafting, draft_cost))]
+        rows = sum(len(b) for b in blocks)  # the call's packed rows (engines/ort_batch.py)
         t1 = time.perf_counter()
         logits = self.batch.target_step([a.seq for a in acts], blocks,
                                         [a.tree[0] if a.tree is not None else None for a in acts],
@@ -360,7 +360,7 @@ class BatchingRuntime:
         t2 = time.perf_counter()
         if self.adaptive and self.fit_costs:
             trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)
-            self._learn_row_cost(sum(len(b) for b in blocks), t2 - t1, trees)
+            self._learn_row_cost(rows, t2 - t1, trees)
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
         # every one the target's.
         for a in drafting:
@@ -384,7 +384,6 @@ class BatchingRuntime:
                 done.append(a)
         for a in done:  # after every commit: a freed slot takes the last slot's rows, committed ones only
             self._finish(a)
-        rows = sum(len(b) for b in blocks)  # the call's packed rows (engines/ort_batch.py)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.target_rows += rows
         self.modelled_cost += draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
@@ -705,10 +704,9 @@ def _drafter_scored(a: _Active) -> bool:
     running acceptance rates (decoding/tree.LookupStats), calibrated already."""
     if a.spine_scores is None:
         return True
-    tree, spine = getattr(a, "tree", None), getattr(a, "spine", None)
-    if tree is not None:
-        return bool(tree[1])
-    return spine is None or bool(spine[2])
+    if a.tree is not None:
+        return bool(a.tree[1])
+    return a.spine is None or bool(a.spine[2])
 
 
 def rows_paid(scored: np.ndarray, top: int, bar: float) -> int:
@@ -729,8 +727,8 @@ def fit_grid(rows: list[int], scored: list[np.ndarray | None], bar: float) -> li
     floor = max([n for n, q in zip(rows, scored) if q is None], default=1)
     s = max(rows)
     while s > floor:
-        surplus = sum(q[s - 2] - bar for n, q in zip(rows, scored) if q is not None and min(n, s) >= s)
-        if surplus >= bar * GRID_PAD_COST * sum(min(n, s) < s for n in rows):
+        surplus = sum(q[s - 2] - bar for n, q in zip(rows, scored) if q is not None and n >= s)
+        if surplus >= bar * GRID_PAD_COST * sum(n < s for n in rows):
             break
         s -= 1
     return [n if q is None else min(n, s) for n, q in zip(rows, scored)]
