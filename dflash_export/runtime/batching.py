@@ -71,7 +71,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime.costs import RowTimeFit, engine_costs
+from dflash_export.runtime.costs import COST_SPAN, RowTimeFit, engine_costs
 from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
@@ -184,8 +184,10 @@ class BatchingRuntime:
         self.a_recorded = self.a
         # The cost of a target row as this machine runs the batch now, fitted online (time = c0 + c1 * rows over the
         # recent target calls, forgetting 2 % per call); `a` becomes c1 / (c0 + c1) when the fit has seen calls of
-        # different sizes, never below the recorded cost: a loaded or smaller machine makes rows dearer than the
-        # idle measurement the recorded cost comes from, and underestimating them pays for rows that do not.
+        # different sizes, kept within [recorded / COST_SPAN, 0.5] as the single-stream runtime keeps its own fit
+        # (runtime/costs.py). The recorded cost is a single sequence's verify row; a row among a batch's packed rows
+        # costs less where the weights' kernels grow with rows (int4: 0.25 recorded, 0.08-0.10 measured with
+        # benchmarks/batch_costs.py), and a floor at the recorded cost kept int4's bar 2.5x too high.
         self._fit = RowTimeFit()
         self.fit_costs = fit_costs  # False: the recorded costs only (what a rule does with them, clock aside)
         # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
@@ -613,7 +615,7 @@ class BatchingRuntime:
         self._fit.add(rows, seconds)
         a = self._fit.row_cost()
         if a is not None:
-            self.a = float(min(0.5, max(self.a_recorded, a)))
+            self.a = float(min(0.5, max(self.a_recorded / COST_SPAN, a)))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,

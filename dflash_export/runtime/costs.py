@@ -18,6 +18,9 @@ from dflash_export.engines.base import Engine
 # benchmarks/engine_costs.py when the runtime's rules were written).
 DEFAULT_VERIFY_TOKEN_COST = 0.07
 DEFAULT_DRAFT_COST = 0.3
+# How far a fitted cost may stray from the engine's recorded (or assumed) one, either way: a fit further out is a
+# disturbed clock, not a machine.
+COST_SPAN = 4.0
 
 
 def engine_costs(engine: Engine, verify_token_cost: float | None = None, draft_cost: float | None = None
@@ -69,7 +72,7 @@ class StepCosts:
     [prior / 4, 4 * prior]: a fit far outside what the engine was measured at is a disturbed clock, not a machine.
     One object per runtime, carried from request to request (a short request would not see enough calls)."""
 
-    SPAN = 4.0
+    SPAN = COST_SPAN
 
     def __init__(self, verify_token_cost: float, draft_cost: float):
         self.prior = (verify_token_cost, draft_cost)
