@@ -612,6 +612,29 @@ def test_the_row_cost_is_fitted_from_the_target_calls_within_a_span_of_the_recor
     assert cheap.a == pytest.approx(cheap.a_recorded / 4)
 
 
+def test_the_draft_cost_is_priced_in_the_row_fits_unit(built):
+    """A batch's target calls timed 1.6 + 0.08 r seconds (r rows: a batch whose one-row call, c0 + c1 = 1.68 s,
+    carries its sequences' cost) and its drafts of B_d sequences 0.3 (1 + DRAFT_ROW_COST (B_d - 1)) seconds: the
+    drafter costs 0.3 / 1.68 of the fit's unit, the unit its rows are priced in (a = 0.08 / 1.68); drafts timed
+    next to nothing leave a quarter of the recorded cost; before the fit has a line, the recorded cost."""
+    from dflash_export.runtime.batching import DRAFT_ROW_COST
+    _, eng, _ = built
+    rt = BatchingRuntime(eng, max_batch=4)
+    recorded = rt.draft_cost_recorded
+    for i in range(6):  # no line yet: the recorded cost
+        rt._learn_draft_cost(1 + i % 3, 0.3 * (1 + DRAFT_ROW_COST * (i % 3)))
+        rt._learn_row_cost(8 + i % 5, 1.6 + 0.08 * (8 + i % 5))
+    assert rt.draft_cost == recorded
+    for i in range(60):
+        rt._learn_draft_cost(1 + i % 3, 0.3 * (1 + DRAFT_ROW_COST * (i % 3)))
+        rt._learn_row_cost(8 + i % 5, 1.6 + 0.08 * (8 + i % 5))
+    assert rt.a == pytest.approx(0.08 / 1.68)
+    assert rt.draft_cost == pytest.approx(0.3 / 1.68)
+    for _ in range(200):
+        rt._learn_draft_cost(8, 1e-6)
+    assert rt.draft_cost == pytest.approx(recorded / 4)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adaptive):
     """tree_mode "full": greedy and walked sampled requests verify whole trees (the drafter's top-K and the context's

@@ -49,6 +49,27 @@ def test_the_row_fit_is_the_least_squares_line_and_waits_for_calls_of_different_
     assert fit.line() is None
 
 
+def test_calls_of_different_batch_sizes_share_the_row_slope_and_keep_their_own_intercepts():
+    """Calls of B sequences timed 0.017 + 0.0024 (B - 1) + 0.0009 (R - B) seconds (a sequence costs more than a row
+    within one): the fit's slope is the row's 0.0009, each group's intercept its own plain call less B rows of it;
+    one line through all of them (a single group) would price a row near a sequence's 0.0024."""
+    def t(b, r):
+        return 0.017 + 0.0024 * (b - 1) + 0.0009 * (r - b)
+
+    grouped, pooled = RowTimeFit(), RowTimeFit()
+    for i in range(60):
+        b = 1 + i % 8
+        r = b + (i // 8) % 3  # some calls verify rows beyond one a sequence
+        grouped.add(r, t(b, r), group=b)
+        pooled.add(r, t(b, r))
+    for b in (1, 4, 8):
+        c0, c1 = grouped.line(b)
+        assert c1 == pytest.approx(0.0009) and c0 == pytest.approx(t(b, b) - 0.0009 * b)
+        assert grouped.row_cost(b) == pytest.approx(0.0009 / (t(b, b) - 0.0009 * (b - 1)))
+    assert grouped.line(9) is None  # a batch size not seen yet
+    assert pooled.line()[1] > 0.002
+
+
 def test_step_costs_are_the_priors_until_fitted_then_the_fit_within_four_times_the_prior():
     costs = StepCosts(0.07, 0.3)
     costs.draft_pass(0.005)
@@ -99,7 +120,7 @@ def test_the_runtime_fits_costs_only_where_none_were_recorded_or_given(engine):
     want = DFlashRuntime(engine, fit_costs=False).generate(ids, SamplingParams(max_new_tokens=40)).tokens
     for _ in range(3):  # the fit carries from request to request; the output stays the target's own
         assert rt.generate(ids, SamplingParams(max_new_tokens=40)).tokens == want
-    assert rt.costs.rows._sums[0] > 8  # every target call of the requests was timed
+    assert rt.costs.rows._sums[1][0] > 8  # every target call of the requests was timed
     a, d = rt.costs.current()
     assert DEFAULT_VERIFY_TOKEN_COST / 4 <= a <= 4 * DEFAULT_VERIFY_TOKEN_COST
     assert (rt.verify_token_cost, rt.draft_cost) == (a, d)

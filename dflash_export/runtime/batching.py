@@ -10,31 +10,31 @@ prompt tokens waiting to join (a request that would pass it is refused with a DF
 
 The scheduling rule (greedy requests and sampled ones that walk, decoding/acceptance.py, whose drafter confidences
 are tempered; those sampling the drafter's own chain verify full blocks, as DFlashRuntime does):
-    A target call over B sequences whose blocks hold R rows in all (the graph takes them packed: only attention
-    runs on the blocks padded to the longest) costs about 1 + a * (R - 1) single-sequence plain steps (a = the
-    engine's verify_token_cost, 0.07 for fp32 SmolLM2 on ORT: a step's weights are read once whatever its rows), and
-    a draft over B_d sequences about draft_cost * (1 + a_d * (B_d - 1)). Let q[b, k] be sequence b's chance that its
-    first k drafts are all accepted (the product of the drafter's confidences, as adaptive verification uses) and λ
-    the batch's decoding rate in tokens per unit of that cost (tracked online). Sequence b verifies draft k while
-    c * q[b, k] >= λ * a  (B > 1; c below: the drafter's chances scaled to what recent verifies of them accepted;
-    the context's branches alone are scored by their own acceptance rates, c = 1), i.e. while the
-    tokens the row is expected to add pay for one more row at the current rate; one sequence's rows cost the others
-    nothing. With one sequence the chances are taken unscaled (c = 1), DFlashRuntime's own rule: a lone
-    sequence's verifies are what keep c measured, and scaled rows could shrink to none. As the
-    load grows, λ grows (a plain batched step yields B tokens for 1 + a(B-1)), the bar rises and the verified block
-    shrinks towards plain decoding (one row each). Drafting itself is skipped for the step (B > 1, or one sampled
-    sequence: one greedy sequence keeps DFlashRuntime's rule) unless it is expected
-    to beat plain batched decoding:  B (1 + c g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),  where g
-    and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the rows
-    they would verify at the current rate (1 + verify_length(confidences, λ a)), and c (at most 1) is how much of
-    what the confidences expected recent verifies accepted (SmolLM2's drafter on held-out chat: 0.2-0.5, its
-    confidences run high; unscaled, g would keep a small batch drafting where plain steps yield more). While
-    drafting does not pay, one sequence (in turn) drafts now and then to keep g current: after `max_skip` + 1
-    plain steps, then after twice as many each time the probe leaves drafting unprofitable (at most PROBE_MAX_GAP),
-    back to `max_skip` + 1 as soon as drafting pays. A probe costs one drafter call over one sequence (its pending
-    context included); its drafts are verified only if the rule above says so, which at high load it does not
-    (measured at 16 sequences x 32 tokens: probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts
-    of which nothing was accepted the next 2^n - 1 steps are plain (at most `max_skip`), as DFlashRuntime does.
+    A target call over B sequences whose blocks hold R rows in all (the graph takes them packed: only attention runs on
+    the blocks padded to the longest) costs about 1 + a * (R - 1) single-sequence plain steps (a = the engine's
+    verify_token_cost, 0.07 for fp32 SmolLM2 on ORT: a step's weights are read once whatever its rows), and a draft over
+    B_d sequences about draft_cost * (1 + a_d * (B_d - 1)). Once measured, both are fitted on the batch's own calls, in
+    the unit of its own one-row call (`_learn_row_cost`, `_learn_draft_cost`). Let q[b, k] be sequence b's chance that
+    its first k drafts are all accepted (the product of the drafter's confidences, as adaptive verification uses) and λ
+    the batch's decoding rate in tokens per unit of that cost (tracked online). Sequence b verifies draft k while c *
+    q[b, k] >= λ * a  (B > 1; c below: the drafter's chances scaled to what recent verifies of them accepted; the
+    context's branches alone are scored by their own acceptance rates, c = 1), i.e. while the tokens the row is expected
+    to add pay for one more row at the current rate; one sequence's rows cost the others nothing. With one sequence the
+    chances are taken unscaled (c = 1), DFlashRuntime's own rule: a lone sequence's verifies are what keep c measured,
+    and scaled rows could shrink to none. As the load grows, λ grows (a plain batched step yields B tokens for 1 +
+    a(B-1)), the bar rises and the verified block shrinks towards plain decoding (one row each). Drafting itself is
+    skipped for the step (B > 1, or one sampled sequence: one greedy sequence keeps DFlashRuntime's rule) unless it is
+    expected to beat plain batched decoding:  B (1 + c g) / (draft(B) + 1 + a (B S' - 1))  >  B / (1 + a (B - 1)),
+    where g and S' are EMAs, over recent drafts, of the drafts each sequence's confidences expect accepted and of the
+    rows they would verify at the current rate (1 + verify_length(confidences, λ a)), and c (at most 1) is how much of
+    what the confidences expected recent verifies accepted (SmolLM2's drafter on held-out chat: 0.2-0.5, its confidences
+    run high; unscaled, g would keep a small batch drafting where plain steps yield more). While drafting does not pay,
+    one sequence (in turn) drafts now and then to keep g current: after `max_skip` + 1 plain steps, then after twice as
+    many each time the probe leaves drafting unprofitable (at most PROBE_MAX_GAP), back to `max_skip` + 1 as soon as
+    drafting pays. A probe costs one drafter call over one sequence (its pending context included); its drafts are
+    verified only if the rule above says so, which at high load it does not (measured at 16 sequences x 32 tokens:
+    probes + commits 0.05 s of a 6.3 s run). Per sequence, after n drafts of which nothing was accepted the next 2^n - 1
+    steps are plain (at most `max_skip`), as DFlashRuntime does.
 Whole trees (tree_mode "full", engines whose batched graph takes a tree mask: `BatchedEngine.verifies_trees`):
     a sequence's block is its tree -- the drafter's top-K per slot and the context's lookup branches, lookups as
     deep as the engine's numerics probe checked rows, at most `tree_nodes` and a block's rows -- and its rows are
@@ -181,14 +181,25 @@ class BatchingRuntime:
         self.lookup_stats = LookupStats(2 * self.info.block_size)
         self.adaptive = adaptive
         self.a, self.draft_cost = engine_costs(engine, verify_token_cost, draft_cost)
-        self.a_recorded = self.a
+        self.a_recorded, self.draft_cost_recorded = self.a, self.draft_cost
         # The cost of a target row as this machine runs the batch now, fitted online (time = c0 + c1 * rows over the
-        # recent target calls, forgetting 2 % per call); `a` becomes c1 / (c0 + c1) when the fit has seen calls of
-        # different sizes, kept within [recorded / COST_SPAN, 0.5] as the single-stream runtime keeps its own fit
-        # (runtime/costs.py). The recorded cost is a single sequence's verify row; a row among a batch's packed rows
-        # costs less where the weights' kernels grow with rows (int4: 0.25 recorded, 0.08-0.10 measured with
-        # benchmarks/batch_costs.py), and a floor at the recorded cost kept int4's bar 2.5x too high.
+        # recent target calls, forgetting 2 % per call, each batch size its own intercept: runtime/costs.RowTimeFit);
+        # `a` becomes c1 / (c0 + c1) for the current batch size once the fit has a line for it, kept within
+        # [recorded / COST_SPAN, min(0.5, recorded * COST_SPAN)] as the single-stream runtime keeps its own fit. The
+        # recorded cost is a single sequence's verify row in single-sequence steps; a row among a batch's packed rows,
+        # in the batch's own one-row call, costs less (fp32 at 8 sequences: a row 0.05 of a single-sequence step, the
+        # call 1.95 of them; int4 0.25 recorded, 0.08-0.10 measured by benchmarks/batch_costs.py), and a floor at
+        # the recorded cost kept int4's bar 2.5x too high. One line through calls of every batch size (before) priced
+        # a row at what a sequence costs and could leave `a` at its 0.5 cap for a whole run.
         self._fit = RowTimeFit()
+        # The drafter's pass in the same unit, the fit's one-row call c0 + c1 (as the single-stream runtime's
+        # StepCosts does): seconds per drafted sequence-equivalent (a draft of B_d sequences counts 1 + DRAFT_ROW_COST
+        # (B_d - 1)), averaged over recent drafts (10 % per draft). The unit is the current batch's own call, whose
+        # intercept c0 carries the batch's per-sequence cost: at 8 sequences it is ~1.6-2 single-sequence plain
+        # steps, and a draft cost kept in single-sequence steps charged the drafter that much too much beside rows
+        # priced in the fit's unit.
+        self._draft_s: float | None = None
+        self._group = 1  # the sequences of the last target call: whose one-row call the costs are priced in
         self.fit_costs = fit_costs  # False: the recorded costs only (what a rule does with them, clock aside)
         # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
         # positions, its accepted path's K/V moved down), in single-sequence plain steps: the fit's residual per tree
@@ -226,6 +237,7 @@ class BatchingRuntime:
         self.draft_calls = 0
         self.draft_seqs = 0
         self.modelled_cost = 0.0
+        self.modelled_draft_cost = 0.0  # the last draft's, at the recorded cost
         self.drafting_steps = 0   # steps in which some sequence drafted (the others were plain batched steps)
 
     # Requests -----------------------------------------------------------------------------------------------------
@@ -351,6 +363,7 @@ class BatchingRuntime:
         t0 = time.perf_counter()
         drafting, probe = self._drafting(acts)
         draft_cost = self._draft(drafting) if drafting else 0.0
+        modelled_draft_cost = self.modelled_draft_cost if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
         blocks = [self._block(a, n) for a, n in zip(acts, self._choose_step(acts, drafting, draft_cost))]
@@ -362,7 +375,7 @@ class BatchingRuntime:
         t2 = time.perf_counter()
         if self.adaptive and self.fit_costs:
             trees = sum(a.tree is not None and not a.tree[0].is_chain for a in acts)
-            self._learn_row_cost(rows, t2 - t1, trees)
+            self._learn_row_cost(rows, t2 - t1, trees, len(acts))
         # Each request's share of the step's time (what /metrics sums): the drafting ones share the drafter's,
         # every one the target's.
         for a in drafting:
@@ -388,7 +401,7 @@ class BatchingRuntime:
             self._finish(a)
         cost = draft_cost + 1.0 + self.a * (rows - 1)
         self.target_rows += rows
-        self.modelled_cost += draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
+        self.modelled_cost += modelled_draft_cost + 1.0 + self.a_recorded * (rows - 1)  # deterministic for a load
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
 
     def _drop_cancelled(self) -> None:
@@ -440,15 +453,19 @@ class BatchingRuntime:
             us.append(None if a.argmax_drafts else a.rng.random(bs - 1))
             a.block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - a.produced + 1)
         # Walked requests draft the argmax (never a draw: their proposal must not look at their random stream).
+        t = time.perf_counter()
         res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
                                [GREEDY if a.walk else a.req.sp for a in drafting], us,
                                [a.block_len for a in drafting])
+        if self.adaptive and self.fit_costs:
+            self._learn_draft_cost(len(drafting), time.perf_counter() - t)
         for a, (d, p) in zip(drafting, res):
             a.drafts, a.draft_probs = d, p
             if a.walk and a.seq.draft_logits is not None:  # the chance each draft is the target's tempered draw
                 a.seq.draft_confidence = top_probability(
                     np.asarray(a.seq.draft_logits, np.float32) / np.float32(a.req.sp.temperature))
         draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+        self.modelled_draft_cost = self.draft_cost_recorded * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
         self.draft_calls += 1
         self.draft_seqs += len(drafting)
         self._learn_from_drafts(drafting)
@@ -600,8 +617,12 @@ class BatchingRuntime:
         accepted, expected = self._accepted_vs_expected
         return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
 
-    def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0) -> None:
-        line = self._fit.line()
+    def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0, seqs: int = 1) -> None:
+        """A target call over `seqs` sequences and `rows` rows took `seconds`: the row cost `a` (and the drafter's,
+        `_update_draft_cost`) in the unit of a one-row call of a batch that size, within COST_SPAN of the recorded
+        cost either way and at most 0.5; the last estimate while that size has no line of its own yet."""
+        self._group = seqs
+        line = self._fit.line(seqs)
         if line is not None:  # the tree overhead: this call's time against the fit before it
             c0, c1 = line
             residual = (seconds - c0 - c1 * rows) / (c0 + c1)
@@ -612,10 +633,26 @@ class BatchingRuntime:
             self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
         if trees:  # the row fit is of rows alone
             return
-        self._fit.add(rows, seconds)
-        a = self._fit.row_cost()
+        self._fit.add(rows, seconds, group=seqs)
+        a = self._fit.row_cost(seqs)
         if a is not None:
-            self.a = float(min(0.5, max(self.a_recorded / COST_SPAN, a)))
+            self.a = float(min(0.5, self.a_recorded * COST_SPAN, max(self.a_recorded / COST_SPAN, a)))
+        self._update_draft_cost()
+
+    def _learn_draft_cost(self, seqs: int, seconds: float) -> None:
+        per = seconds / (1 + DRAFT_ROW_COST * (seqs - 1))
+        self._draft_s = per if self._draft_s is None else 0.9 * self._draft_s + 0.1 * per
+        self._update_draft_cost()
+
+    def _update_draft_cost(self) -> None:
+        """The drafter's pass over the fit's one-row call, within COST_SPAN of the recorded cost either way; the
+        recorded cost until both are measured."""
+        line = self._fit.line(self._group)
+        if line is None or self._draft_s is None:
+            return
+        d = self._draft_s / (line[0] + line[1])
+        self.draft_cost = float(min(self.draft_cost_recorded * COST_SPAN,
+                                    max(self.draft_cost_recorded / COST_SPAN, d)))
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,

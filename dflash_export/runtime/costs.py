@@ -39,29 +39,44 @@ def records_costs(engine: Engine) -> bool:
 
 class RowTimeFit:
     """Least-squares line seconds = c0 + c1 * rows through recent target calls, each older call's weight multiplied
-    by `keep` at every new one (0.98: the last ~50 calls count). `line()` is None until the calls' weights add up
-    to 8 (the ninth call), before two sizes were seen, and while it does not slope up from above zero (a loaded
-    machine's noise can make it)."""
+    by `keep` at every new one (0.98: the last ~50 calls count). Calls come in groups, a batch's call by the
+    sequences it holds (single-stream calls are all group 1): each group has its own intercept and all share the
+    slope, fitted on the rows' spread within each group (a pooled within-group regression). A call over more
+    sequences costs more than one with as many rows over fewer (each sequence's attention reads its own K/V: on
+    SmolLM2 fp32, 8 sequences x 1 row 1.95 plain steps, 1 sequence x 8 rows 1.2), so one line through calls of
+    different batch sizes prices a row at what a sequence costs. `line(group)` is None until the calls' weights add
+    up to 8 (the ninth call) and the group's to 2, before some group has seen two sizes, and while it does not
+    slope up from above zero (a loaded machine's noise can make it)."""
 
     def __init__(self, keep: float = 0.98):
         self.keep = keep
-        self._sums = np.zeros(5)  # sums of 1, r, r^2, t, r t
+        self._sums: dict[int, np.ndarray] = {}  # group -> sums of 1, r, r^2, t, r t
 
-    def add(self, rows: int, seconds: float) -> None:
-        self._sums = self.keep * self._sums + np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+    def add(self, rows: int, seconds: float, group: int = 1) -> None:
+        for g in self._sums:
+            self._sums[g] *= self.keep
+        new = np.array([1.0, rows, rows * rows, seconds, rows * seconds])
+        self._sums[group] = self._sums[group] + new if group in self._sums else new
 
-    def line(self) -> tuple[float, float] | None:
-        n, sr, srr, st, srt = self._sums
-        spread = n * srr - sr * sr
-        if n < 8 or spread <= 1e-9 * n * n:
+    def line(self, group: int = 1) -> tuple[float, float] | None:
+        sums = self._sums.get(group)
+        total = sum(g[0] for g in self._sums.values())
+        if sums is None or total < 8 or sums[0] < 2:
             return None
-        c1 = (n * srt - sr * st) / spread
+        sxx = sxy = 0.0
+        for n, sr, srr, st, srt in self._sums.values():  # spreads about each group's own means
+            sxx += srr - sr * sr / n
+            sxy += srt - sr * st / n
+        if sxx <= 1e-9 * total:
+            return None
+        c1 = sxy / sxx
+        n, sr, _, st, _ = sums
         c0 = (st - c1 * sr) / n
         return (c0, c1) if c1 > 0 and c0 > 0 else None
 
-    def row_cost(self) -> float | None:
-        """a = c1 / (c0 + c1): what one more row adds, in one-row calls; None while the line is."""
-        line = self.line()
+    def row_cost(self, group: int = 1) -> float | None:
+        """a = c1 / (c0 + c1): what one more row adds, in the group's one-row calls; None while the line is."""
+        line = self.line(group)
         return None if line is None else line[1] / (line[0] + line[1])
 
 
