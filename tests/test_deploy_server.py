@@ -617,11 +617,16 @@ def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tm
     want_stream = run_direct(alone, text_input=b"meanwhile", max_tokens=np.array([12])).text
     repo = write_repository(long_engine, tmp_path / "repo", instances=2)
     http, metrics = free_ports(2)
+    log = tmp_path / "serve.log"  # tritonserver's own log: why it was restarted, when an assertion says so
     proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
-                             str(http), "--metrics-port", str(metrics)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             str(http), "--metrics-port", str(metrics), "--log-file", str(log)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{http}/v2/models"
     long_body = {"text_input": "go on", "max_tokens": 3000}
+
+    def server_said():
+        return (log.read_text(errors="replace") if log.exists() else "").splitlines()[-12:]
+
     try:
         assert ready_line(proc).startswith("ready:")
         server = tritonserver_pid(repo)
@@ -676,7 +681,8 @@ def test_a_killed_stub_fails_its_requests_at_once_and_its_model_reloads_alone(tm
         assert status == 200 and body["text_output"] == want, (status, body)
         status, body = post_json(f"{base}/dflash/generate", {"text_input": "again", "max_tokens": 12})
         assert status == 200 and body["text_output"] == want
-        assert tritonserver_pid(repo) == server and not set(stubs) & set(pids_mentioning(str(repo)))
+        assert tritonserver_pid(repo) == server, server_said()
+        assert not set(stubs) & set(pids_mentioning(str(repo)))
         # The reloaded model's stubs are watched too: a second death reloads it again (its files unchanged).
         stubs = [p for p in pids_mentioning(str(repo)) if b"/dflash/1/model.py" in
                  Path(f"/proc/{p}/cmdline").read_bytes()]
