@@ -176,7 +176,7 @@ def test_batched_lookup_branches_decode_as_the_reference(built, reference, propo
             assert req.stats.tokens == DFlashRuntime(eng).generate(PROMPTS[i], sp, "ar").tokens
     # lookups accepted somewhere by the greedy requests
     assert max(max(r.stats.acceptance_lengths) for r, sp in zip(reqs, sps) if sp.greedy) > 1
-    assert rt.a == rt.a_recorded and rt._fit.line() is None  # nothing fitted
+    assert rt.a == rt.a_recorded and rt.costs.rows.line() is None  # nothing fitted
 
 
 def test_continuous_batching_mixed_modes_and_plain(built, reference):

@@ -71,7 +71,7 @@ from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
-from dflash_export.runtime.costs import COST_SPAN, RowTimeFit, engine_costs
+from dflash_export.runtime.costs import StepCosts, engine_costs
 from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
@@ -185,20 +185,19 @@ class BatchingRuntime:
         # The cost of a target row as this machine runs the batch now, fitted online (time = c0 + c1 * rows over the
         # recent target calls, forgetting 2 % per call, each batch size its own intercept: runtime/costs.RowTimeFit);
         # `a` becomes c1 / (c0 + c1) for the current batch size once the fit has a line for it, kept within
-        # [recorded / COST_SPAN, min(0.5, recorded * COST_SPAN)] as the single-stream runtime keeps its own fit. The
+        # [recorded / COST_SPAN, min(0.5, recorded * COST_SPAN)] as the single-stream runtime keeps its own. The
         # recorded cost is a single sequence's verify row in single-sequence steps; a row among a batch's packed rows,
         # in the batch's own one-row call, costs less (fp32 at 8 sequences: a row 0.05 of a single-sequence step, the
         # call 1.95 of them; int4 0.25 recorded, 0.08-0.10 measured by benchmarks/batch_costs.py), and a floor at
         # the recorded cost kept int4's bar 2.5x too high. One line through calls of every batch size (before) priced
         # a row at what a sequence costs and could leave `a` at its 0.5 cap for a whole run.
-        self._fit = RowTimeFit()
-        # The drafter's pass in the same unit, the fit's one-row call c0 + c1 (as the single-stream runtime's
-        # StepCosts does): seconds per drafted sequence-equivalent (a draft of B_d sequences counts 1 + DRAFT_ROW_COST
-        # (B_d - 1)), averaged over recent drafts (10 % per draft). The unit is the current batch's own call, whose
-        # intercept c0 carries the batch's per-sequence cost: at 8 sequences it is ~1.6-2 single-sequence plain
-        # steps, and a draft cost kept in single-sequence steps charged the drafter that much too much beside rows
-        # priced in the fit's unit.
-        self._draft_s: float | None = None
+        # The drafter's pass in the same unit, the fit's one-row call c0 + c1 (as the single-stream runtime's costs):
+        # seconds per drafted sequence-equivalent (a draft of B_d sequences counts 1 + DRAFT_ROW_COST (B_d - 1)),
+        # averaged over recent drafts (10 % per draft). The unit is the current batch's own call, whose intercept c0
+        # carries the batch's per-sequence cost: at 8 sequences it is ~1.6-2 single-sequence plain steps, and a draft
+        # cost kept in single-sequence steps charged the drafter that much too much beside rows priced in the fit's
+        # unit. Both fits are the single-stream runtime's (runtime/costs.StepCosts), one group per batch size.
+        self.costs = StepCosts(self.a, self.draft_cost)
         self._group = 1  # the sequences of the last target call: whose one-row call the costs are priced in
         self.fit_costs = fit_costs  # False: the recorded costs only (what a rule does with them, clock aside)
         # What a sequence verifying a whole tree adds to a target call beyond its rows (the tree's mask and
@@ -237,7 +236,6 @@ class BatchingRuntime:
         self.draft_calls = 0
         self.draft_seqs = 0
         self.modelled_cost = 0.0
-        self.modelled_draft_cost = 0.0  # the last draft's, at the recorded cost
         self.drafting_steps = 0   # steps in which some sequence drafted (the others were plain batched steps)
 
     # Requests -----------------------------------------------------------------------------------------------------
@@ -363,7 +361,8 @@ class BatchingRuntime:
         t0 = time.perf_counter()
         drafting, probe = self._drafting(acts)
         draft_cost = self._draft(drafting) if drafting else 0.0
-        modelled_draft_cost = self.modelled_draft_cost if drafting else 0.0
+        modelled_draft_cost = self.draft_cost_recorded * (1 + DRAFT_ROW_COST * (len(drafting) - 1)) \
+            if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
         blocks = [self._block(a, n) for a, n in zip(acts, self._choose_step(acts, drafting, draft_cost))]
@@ -465,7 +464,6 @@ class BatchingRuntime:
                 a.seq.draft_confidence = top_probability(
                     np.asarray(a.seq.draft_logits, np.float32) / np.float32(a.req.sp.temperature))
         draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
-        self.modelled_draft_cost = self.draft_cost_recorded * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
         self.draft_calls += 1
         self.draft_seqs += len(drafting)
         self._learn_from_drafts(drafting)
@@ -618,11 +616,10 @@ class BatchingRuntime:
         return float(min(1.0, accepted / expected)) if expected > 0 else 1.0
 
     def _learn_row_cost(self, rows: int, seconds: float, trees: int = 0, seqs: int = 1) -> None:
-        """A target call over `seqs` sequences and `rows` rows took `seconds`: the row cost `a` (and the drafter's,
-        `_update_draft_cost`) in the unit of a one-row call of a batch that size, within COST_SPAN of the recorded
-        cost either way and at most 0.5; the last estimate while that size has no line of its own yet."""
+        """A target call over `seqs` sequences and `rows` rows took `seconds`: the row cost `a` (and the drafter's)
+        in the unit of a one-row call of a batch that size (`_price`)."""
         self._group = seqs
-        line = self._fit.line(seqs)
+        line = self.costs.rows.line(seqs)
         if line is not None:  # the tree overhead: this call's time against the fit before it
             c0, c1 = line
             residual = (seconds - c0 - c1 * rows) / (c0 + c1)
@@ -633,26 +630,22 @@ class BatchingRuntime:
             self.tree_cost = float(min(1.0, max(0.0, self._residual[1] - self._residual[0])))
         if trees:  # the row fit is of rows alone
             return
-        self._fit.add(rows, seconds, group=seqs)
-        a = self._fit.row_cost(seqs)
-        if a is not None:
-            self.a = float(min(0.5, self.a_recorded * COST_SPAN, max(self.a_recorded / COST_SPAN, a)))
-        self._update_draft_cost()
+        self.costs.target_call(rows, seconds, seqs)
+        self._price(row_too=True)
 
     def _learn_draft_cost(self, seqs: int, seconds: float) -> None:
-        per = seconds / (1 + DRAFT_ROW_COST * (seqs - 1))
-        self._draft_s = per if self._draft_s is None else 0.9 * self._draft_s + 0.1 * per
-        self._update_draft_cost()
+        self.costs.draft_pass(seconds / (1 + DRAFT_ROW_COST * (seqs - 1)))
+        self._price()
 
-    def _update_draft_cost(self) -> None:
-        """The drafter's pass over the fit's one-row call, within COST_SPAN of the recorded cost either way; the
-        recorded cost until both are measured."""
-        line = self._fit.line(self._group)
-        if line is None or self._draft_s is None:
+    def _price(self, row_too: bool = False) -> None:
+        """The fitted costs of the last call's batch size (each within COST_SPAN of the recorded one, a at most 0.5),
+        the last estimate while that size has no line of its own yet."""
+        fitted = self.costs.fitted(self._group)
+        if fitted is None:
             return
-        d = self._draft_s / (line[0] + line[1])
-        self.draft_cost = float(min(self.draft_cost_recorded * COST_SPAN,
-                                    max(self.draft_cost_recorded / COST_SPAN, d)))
+        a, self.draft_cost = fitted
+        if row_too:
+            self.a = min(0.5, a)
 
     def _drafting_pays(self, b: int) -> bool:
         """Whether a drafting step is expected to yield more tokens per unit of cost than a plain batched step,

@@ -81,11 +81,12 @@ class RowTimeFit:
 
 
 class StepCosts:
-    """The single-stream runtime's costs: the recorded ones (`engine_costs`) until the fit has seen enough calls, then
-    the fit's -- a = c1 / (c0 + c1) from the target calls' times against their rows (`RowTimeFit`), and the drafter's
-    pass (an average of its recent times, 10 % per pass) over the one-row call c0 + c1. Each is kept within
+    """A runtime's costs: the recorded ones (`engine_costs`) until the fit has seen enough calls, then the fit's --
+    a = c1 / (c0 + c1) from the target calls' times against their rows (`RowTimeFit`), and the drafter's pass (an
+    average of its recent times, 10 % per pass) over the one-row call c0 + c1. Each is kept within
     [prior / 4, 4 * prior]: a fit far outside what the engine was measured at is a disturbed clock, not a machine.
-    One object per runtime, carried from request to request (a short request would not see enough calls)."""
+    One object per runtime, carried from request to request (a short request would not see enough calls). The
+    batching runtime passes each call's batch size as its group and gets the costs in that batch's one-row call."""
 
     SPAN = COST_SPAN
 
@@ -94,8 +95,8 @@ class StepCosts:
         self.rows = RowTimeFit()
         self._draft_s: float | None = None
 
-    def target_call(self, rows: int, seconds: float) -> None:
-        self.rows.add(rows, seconds)
+    def target_call(self, rows: int, seconds: float, group: int = 1) -> None:
+        self.rows.add(rows, seconds, group)
 
     def draft_pass(self, seconds: float) -> None:
         self._draft_s = seconds if self._draft_s is None else 0.9 * self._draft_s + 0.1 * seconds
@@ -103,12 +104,17 @@ class StepCosts:
     def _within(self, value: float, prior: float) -> float:
         return float(min(prior * self.SPAN, max(prior / self.SPAN, value)))
 
-    def current(self) -> tuple[float, float]:
+    def current(self, group: int = 1) -> tuple[float, float]:
         """(verify_token_cost, draft_cost) as this machine runs the engine now (the priors until measured)."""
+        return self.fitted(group) or self.prior
+
+    def fitted(self, group: int = 1) -> tuple[float, float] | None:
+        """(verify_token_cost, draft_cost) from the fit of `group`'s calls (the draft cost the prior until a pass was
+        timed); None while the fit has no line for the group."""
         a, d = self.prior
-        line = self.rows.line()
+        line = self.rows.line(group)
         if line is None:
-            return a, d
+            return None
         c0, c1 = line
         a = self._within(c1 / (c0 + c1), a)
         if self._draft_s is not None:
