@@ -83,12 +83,10 @@ class RowTimeFit:
 class StepCosts:
     """A runtime's costs: the recorded ones (`engine_costs`) until the fit has seen enough calls, then the fit's --
     a = c1 / (c0 + c1) from the target calls' times against their rows (`RowTimeFit`), and the drafter's pass (an
-    average of its recent times, 10 % per pass) over the one-row call c0 + c1. Each is kept within
-    [prior / 4, 4 * prior]: a fit far outside what the engine was measured at is a disturbed clock, not a machine.
-    One object per runtime, carried from request to request (a short request would not see enough calls). The
-    batching runtime passes each call's batch size as its group and gets the costs in that batch's one-row call."""
-
-    SPAN = COST_SPAN
+    average of its recent times, 10 % per pass) over the one-row call c0 + c1. Each is kept within [prior /
+    COST_SPAN, prior * COST_SPAN]: a fit far outside what the engine was measured at is a disturbed clock, not a
+    machine. One object per runtime, carried from request to request (a short request would not see enough calls).
+    The batching runtime passes each call's batch size as its group and gets the costs in that batch's one-row call."""
 
     def __init__(self, verify_token_cost: float, draft_cost: float):
         self.prior = (verify_token_cost, draft_cost)
@@ -102,7 +100,7 @@ class StepCosts:
         self._draft_s = seconds if self._draft_s is None else 0.9 * self._draft_s + 0.1 * seconds
 
     def _within(self, value: float, prior: float) -> float:
-        return float(min(prior * self.SPAN, max(prior / self.SPAN, value)))
+        return float(min(prior * COST_SPAN, max(prior / COST_SPAN, value)))
 
     def current(self, group: int = 1) -> tuple[float, float]:
         """(verify_token_cost, draft_cost) as this machine runs the engine now (the priors until measured)."""
