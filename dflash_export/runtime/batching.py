@@ -77,6 +77,12 @@ from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
 DRAFT_ROW_COST = 0.3
+
+
+def draft_units(sequences: int) -> float:
+    """What a draft over `sequences` sequences costs in one-sequence drafts (DRAFT_ROW_COST)."""
+    return 1 + DRAFT_ROW_COST * (sequences - 1)
+
 # A padding cell of the call's grid (attention runs every sequence at the longest block's rows) costs this fraction of
 # a verified row (which pays for its projections, MLP and attention). It grows with the K/V buffer every cell
 # attends over: `python benchmarks/batch_costs.py --batches 1,8` on SmolLM2, 8 sequences, measured 0.19 (fp32, context
@@ -361,8 +367,7 @@ class BatchingRuntime:
         t0 = time.perf_counter()
         drafting, probe = self._drafting(acts)
         draft_cost = self._draft(drafting) if drafting else 0.0
-        modelled_draft_cost = self.draft_cost_recorded * (1 + DRAFT_ROW_COST * (len(drafting) - 1)) \
-            if drafting else 0.0
+        modelled_draft_cost = self.draft_cost_recorded * draft_units(len(drafting)) if drafting else 0.0
         self.drafting_steps += bool(drafting)
         self._propose_lookups(acts)
         blocks = [self._block(a, n) for a, n in zip(acts, self._choose_step(acts, drafting, draft_cost))]
@@ -463,7 +468,7 @@ class BatchingRuntime:
             if a.walk and a.seq.draft_logits is not None:  # the chance each draft is the target's tempered draw
                 a.seq.draft_confidence = top_probability(
                     np.asarray(a.seq.draft_logits, np.float32) / np.float32(a.req.sp.temperature))
-        draft_cost = self.draft_cost * (1 + DRAFT_ROW_COST * (len(drafting) - 1))
+        draft_cost = self.draft_cost * draft_units(len(drafting))
         self.draft_calls += 1
         self.draft_seqs += len(drafting)
         self._learn_from_drafts(drafting)
@@ -634,7 +639,7 @@ class BatchingRuntime:
         self._price(row_too=True)
 
     def _learn_draft_cost(self, seqs: int, seconds: float) -> None:
-        self.costs.draft_pass(seconds / (1 + DRAFT_ROW_COST * (seqs - 1)))
+        self.costs.draft_pass(seconds / draft_units(seqs))
         self._price()
 
     def _price(self, row_too: bool = False) -> None:
@@ -652,8 +657,7 @@ class BatchingRuntime:
         from what drafting has yielded lately (B > 1, or one sampled sequence; one greedy one follows DFlashRuntime's
         rule)."""
         plain = b / (1.0 + self.a * (b - 1))
-        cost = (self.draft_cost * (1 + DRAFT_ROW_COST * (b - 1)) + 1.0
-                + self.a * (b * self.rows_per_draft_step - 1))
+        cost = self.draft_cost * draft_units(b) + 1.0 + self.a * (b * self.rows_per_draft_step - 1)
         return b * (1.0 + self.acceptance_calibration * self.accepted_per_draft) / cost > plain
 
     def _choose_step(self, acts: list[_Active], drafting: list[_Active], draft_cost: float) -> list[int]:
