@@ -179,6 +179,8 @@ def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
     rep = run_concurrency(str(out), PROMPTS[:2], 4, [2], ["dflash", "ar"], threads=1, reps=2)
     d = next(r for r in rep["levels"] if r["mode"] == "dflash")
     assert len(d["pass_ratios_vs_ar"]) == 2 and all(x > 0 for x in d["pass_ratios_vs_ar"])
+    # what a client waits, pass by pass: plain decoding's p50 latency over DFlash's
+    assert len(d["p50_latency_ratios_vs_ar"]) == 2 and all(x > 0 for x in d["p50_latency_ratios_vs_ar"])
     assert d["identical_runs"] == [True, True]
 
 
