@@ -251,14 +251,12 @@ def vs_plain(args) -> int:
         procs = {m: _serve(args.engine, ports[m], args.max_batch, m == "plain", Path(tmp) / f"{m}.log")
                  for m in ports}
         try:
-            for port in ports.values():  # warm-up: first calls' allocations
-                _served_level(port, prompts[:2], 2, 8, sampling)
             result = {"engine": str(args.engine), "max_batch": args.max_batch, "max_tokens": args.max_tokens,
                       "prompts": len(prompts), "suite": args.suite, "sampling": sampling, "levels": {}}
             bad = 0
             for c in levels:
-                for port in ports.values():  # each level warmed on both servers, untimed: a new batch size's
-                    # first calls grow the server's buffers, which the server that went first would pay alone
+                for port in ports.values():  # each level warmed on both servers, untimed: first calls'
+                    # allocations, and a new batch size's first calls grow the server's buffers
                     _served_level(port, [prompts[i % len(prompts)] for i in range(c)], c, 8, sampling)
                 runs = {m: [] for m in ports}
                 figs = {m: dict.fromkeys(SERVER_FIGURES, 0.0) for m in ports}

@@ -72,8 +72,6 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
     console = Console(highlight=False)
     engine = load_engine(engine_dir, threads=threads)
-    # Warm-up: first-call allocations and both target graphs' initialization are not steady state.
-    run_level(engine, prompts[:2], 8, 2, "dflash")
     results = []
     pair_ratios: dict[int, list[float]] = {}  # DFlash / plain, pass by pass (adjacent in time)
     # Plain p50 latency / DFlash's, pass by pass. Where every request of a level starts together and runs to its
@@ -81,9 +79,10 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
     # then moves little while most requests finish sooner (docs/batching.md, "Bursts").
     pair_latency: dict[int, list[float]] = {}
     for n in levels:
-        # Each level warmed in every mode, untimed: the first pass at a new batch size grows ONNX Runtime's arena
-        # for its calls, and without this the mode that ran first paid it alone (8 clients x 48, T 0.7: DFlash's
-        # one-row calls 35.5 ms against plain decoding's 31.3 ms right after, then 30.7 / 30.7 ms in the next pass).
+        # Each level warmed in every mode, untimed: first-call allocations and the graphs' initialization are not
+        # steady state, and the first pass at a new batch size grows ONNX Runtime's arena for its calls, which the
+        # mode that ran first paid alone (8 clients x 48, T 0.7: DFlash's one-row calls 35.5 ms against plain
+        # decoding's 31.3 ms right after, then 30.7 / 30.7 ms in the next pass).
         for mode in modes:
             run_level(engine, [prompts[i % len(prompts)] for i in range(n)], 8, n, mode, sampling)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
