@@ -5,7 +5,8 @@ Sampled (`walk_accept`): at each node draw the target's token from its own distr
 applied by `sampling.probs_from_logits`, inverse CDF with the next uniform of the request's stream, exactly what a
 plain sampled step does), follow the child carrying it, stop where none does. Every emitted token is the target's
 draw at its position with the request's next uniform, so the output is plain sampling's draw for draw whatever was
-proposed -- provided the tree was built without looking at those uniforms (the drafter's argmax / top-K, lookups).
+proposed -- provided proposing consumed none of those uniforms (the drafter's argmax / top-K, lookups), so the stream
+stays one uniform per emitted token.
 """
 
 from __future__ import annotations

@@ -456,7 +456,7 @@ class BatchingRuntime:
             sp = a.req.sp
             us.append(None if a.argmax_drafts else a.rng.random(bs - 1))
             a.block_len = bs if self.full_last_block else min(bs, sp.max_new_tokens - a.produced + 1)
-        # Walked requests draft the argmax (never a draw: their proposal must not look at their random stream).
+        # Walked requests draft the argmax (never a draw: their proposal must not consume their random stream).
         t = time.perf_counter()
         res = self.batch.draft([a.seq for a in drafting], [a.last for a in drafting],
                                [GREEDY if a.walk else a.req.sp for a in drafting], us,

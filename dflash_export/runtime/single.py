@@ -411,7 +411,7 @@ class DFlashRuntime:
         if proposal.drafter and depth > 0 and (
                 not self.adaptive or state.drafter_pays(bool(lookups), rate, self.draft_cost, self.verify_token_cost)):
             seq.draft_logits = None
-            # The drafter's argmax / top-K, never a draw: a walked proposal must not look at the request's stream.
+            # The drafter's argmax / top-K, never a draw: a walked proposal must not consume the request's stream.
             t = time.perf_counter()
             drafts, _ = eng.draft(seq, last, sp if sp.greedy else GREEDY, None, block_len=depth + 1)
             if self.costs is not None:
