@@ -34,8 +34,10 @@ def test_tiny_run_prints_a_row_per_configuration():
     assert [ln.split(" | ")[0] for ln in rows] == ["| fp32", "| int4", "| int8"]
     assert all(ln.count("|") == 10 for ln in rows)
     # the attention product's three forms at four lengths, each with the CPU's verdict: whether a row run alone gets
-    # the bits it gets among others is a property of the kernels this processor takes (docs/figures.md), which the
-    # engines' numerics probe checks when they load (engines/numerics.py), so only the report's shape is asserted
+    # the bits it gets among others is a property of the kernels this processor takes (docs/figures.md), so only the
+    # report's shape is asserted. No engine relies on the verdicts: the single-stream engine's numerics probe checks
+    # its own steps when it loads (engines/numerics.py), and batched rows are compared with each request run alone
+    # (tests/test_batching.py, `bench --concurrency`)
     rows = [ln.split(" | ") for ln in attention.splitlines() if ln.startswith("| ") and "product" not in ln]
     assert len(rows) == 12
     forms = [cells[0] for cells in rows]
