@@ -411,3 +411,10 @@ def test_serves_of_one_engine_starting_at_once_share_one_cached_repository(tmp_p
     assert len(paths) == 1, paths  # one path and one inode: the directory each process got is the one that stays
     repo = Path(paths.pop().rsplit(" ", 1)[0])
     assert [p.name for p in (tmp_path / "cache" / "repos").iterdir()] == [repo.name]
+
+
+def test_an_fp32_engine_in_a_shared_batch_is_served_without_a_note(engine_dir):
+    """Only engines that quantize their activations get `serve`'s note about shared batches (docs/serving.md)."""
+    from dflash_export.deploy.repository import shared_batch_note
+
+    assert shared_batch_note(engine_dir) is None and shared_batch_note(engine_dir, 16) is None

@@ -9,7 +9,13 @@ import click
 
 from dflash_export.clitypes import engine_option
 from dflash_export.deploy.connection import Limits
-from dflash_export.deploy.repository import MARKER, cached_repository, check_repository, write_repository
+from dflash_export.deploy.repository import (
+    MARKER,
+    cached_repository,
+    check_repository,
+    shared_batch_note,
+    write_repository,
+)
 from dflash_export.deploy.server import serve as run_server
 from dflash_export.errors import DFlashError
 
@@ -51,6 +57,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 
     models = json.loads((repo / MARKER).read_text())["models"]
     click.echo(f"wrote {repo} (models: {', '.join(models)})")
+    if note := shared_batch_note(engine_dir, max_batch):
+        click.echo(note)
     click.echo(f"serve it with: dflash-export serve --repo {repo}")
 
 
@@ -109,6 +117,8 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     if engine_dir is not None:
         repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain)
         click.echo(f"model repository: {repo_dir}", err=True)
+        if note := shared_batch_note(engine_dir, max_batch):
+            click.echo(note, err=True)
     marker = check_repository(repo_dir)
     recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
     limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
