@@ -413,8 +413,8 @@ def test_serves_of_one_engine_starting_at_once_share_one_cached_repository(tmp_p
     assert [p.name for p in (tmp_path / "cache" / "repos").iterdir()] == [repo.name]
 
 
-def test_an_fp32_engine_in_a_shared_batch_is_served_without_a_note(engine_dir):
-    """Only engines that quantize their activations get `serve`'s note about shared batches (docs/serving.md)."""
-    from dflash_export.deploy.repository import shared_batch_note
-
-    assert shared_batch_note(engine_dir) is None and shared_batch_note(engine_dir, 16) is None
+def test_an_fp32_engine_in_a_shared_batch_is_deployed_without_a_note(tmp_path, engine_dir):
+    """Only engines that quantize their activations get the note about shared batches (docs/serving.md)."""
+    r = cli("deploy", "--engine", engine_dir, "--repo", tmp_path / "repo", "--max-batch", 4)
+    assert r.returncode == 0, r.stderr
+    assert "note:" not in r.stdout and json.loads((tmp_path / "repo" / MARKER).read_text())["precision"] == "fp32"

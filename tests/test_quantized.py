@@ -336,25 +336,17 @@ def test_a_chain_verified_in_one_batched_call_gets_the_rows_of_one_token_steps(b
 def test_deploying_a_quantized_engine_in_a_shared_batch_says_its_answers_can_differ_from_run(built, tmp_path):
     """A shared batch decodes through the batched graph, whose attention rounds differently from `run`'s in the last
     bits; int8-quantized activations turn that into other tokens on real models (docs/serving.md). `deploy` says so
-    where a batch is shared, and not for one request at a time, which answers as `run` does."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    where a batch is shared, and not for one request at a time, which answers as `run` does; the repository's marker
+    records the precision, from which `serve` says it again at every start."""
+    from deploy_support import cli
 
-    from dflash_export.deploy.repository import shared_batch_note
+    from dflash_export.deploy.repository import MARKER, shared_batch_note
 
     _, precision, out, _ = built
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-
-    def deploy(max_batch: int):
-        return subprocess.run([sys.executable, "-m", "dflash_export", "deploy", "--engine", str(out), "--repo",
-                               str(tmp_path / f"repo-{max_batch}"), "--max-batch", str(max_batch)],
-                              capture_output=True, text=True, env=env, timeout=300)
-
-    shared, alone = deploy(4), deploy(1)
+    shared, alone = (cli("deploy", "--engine", out, "--repo", tmp_path / f"repo-{b}", "--max-batch", b, timeout=300)
+                     for b in (4, 1))
     assert shared.returncode == 0 and alone.returncode == 0, (shared.stderr, alone.stderr)
     assert f"this {precision} engine" in shared.stdout and "--max-batch 1 answers as run does" in shared.stdout
     assert "note:" not in alone.stdout
-    assert shared_batch_note(out) is not None  # serve --engine's own default batch is shared
+    marker = json.loads((tmp_path / "repo-4" / MARKER).read_text())
+    assert shared_batch_note(marker["precision"], marker["max_batch"]) in shared.stdout

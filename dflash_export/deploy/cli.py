@@ -55,9 +55,9 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                             max_queued_tokens=max_queued_tokens, plain=plain)
     import json
 
-    models = json.loads((repo / MARKER).read_text())["models"]
-    click.echo(f"wrote {repo} (models: {', '.join(models)})")
-    if note := shared_batch_note(engine_dir, max_batch):
+    marker = json.loads((repo / MARKER).read_text())
+    click.echo(f"wrote {repo} (models: {', '.join(marker['models'])})")
+    if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
         click.echo(note)
     click.echo(f"serve it with: dflash-export serve --repo {repo}")
 
@@ -117,9 +117,9 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     if engine_dir is not None:
         repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain)
         click.echo(f"model repository: {repo_dir}", err=True)
-        if note := shared_batch_note(engine_dir, max_batch):
-            click.echo(note, err=True)
     marker = check_repository(repo_dir)
+    if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
+        click.echo(note, err=True)
     recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
     limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
                     max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth),

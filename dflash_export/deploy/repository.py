@@ -237,6 +237,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
             (tmp / MARKER).write_text(json.dumps({
                 "engine": str(engine_dir), "backend": backend, "recipe": manifest.recipe, "models": models,
                 "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch, "plain": plain,
+                "precision": (manifest.precision or {}).get("target"),
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
                 indent=2) + "\n")
     except BaseException as e:
@@ -421,26 +422,19 @@ def stub_python_path() -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def default_max_batch(manifest) -> int:
-    """`serve --engine`'s sequences per shared batch when not given: 8 where the backend batches, else 1."""
-    return 8 if BACKENDS[manifest.backend].batched else 1
-
-
-def shared_batch_note(engine_dir, max_batch: int | None = None) -> str | None:
-    """What a user of a quantized engine served in a shared batch should know, or None: its greedy answers come from
-    the batched graph, whose attention (plain operators over the K/V buffer) rounds differently in the last bits from
-    the single-stream graph `run` uses, and int8 / int4 engines quantize activations to int8, which turns such
-    differences into other tokens (measured on SmolLM2-135M int4: docs/serving.md).
-    Each answer is still that engine's plain decoding, whatever shares its batch; `--max-batch 1` answers as `run`."""
-    manifest = check_engine_manifest(Path(engine_dir).expanduser().resolve())
-    max_batch = default_max_batch(manifest) if max_batch is None else max_batch
-    target = (manifest.precision or {}).get("target", "fp32")
-    if max_batch <= 1 or target not in ("int8", "int4"):
+def shared_batch_note(precision, max_batch) -> str | None:
+    """What a user of a quantized engine served in a shared batch should know, or None (from the repository marker's
+    `precision` and `max_batch`): its greedy answers come from the batched graph, whose attention (plain operators
+    over the K/V buffer) rounds differently in the last bits from the single-stream graph `run` uses, and int8 / int4
+    engines quantize activations to int8, which turns such differences into other tokens (measured on SmolLM2-135M
+    int4: docs/serving.md). Each answer is still that engine's plain decoding, whatever shares its batch;
+    `--max-batch 1` answers as `run`."""
+    if precision not in ("int8", "int4") or not isinstance(max_batch, int) or max_batch <= 1:
         return None
-    return (f"note: this {target} engine decodes requests in a shared batch (--max-batch {max_batch}): a greedy "
+    return (f"note: this {precision} engine decodes requests in a shared batch (--max-batch {max_batch}): a greedy "
             f"answer is the batched engine's plain decoding whatever shares its batch, but can differ from "
-            f"`dflash-export run`'s (its {target} products quantize activations to int8, which turns the two graphs' "
-            f"last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
+            f"`dflash-export run`'s (its {precision} products quantize activations to int8, which turns the two "
+            f"graphs' last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
 
 
 def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False) -> Path:
@@ -456,7 +450,7 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
     engine = Path(engine_dir).expanduser().resolve()
     manifest = check_engine_manifest(engine)
     if max_batch is None:
-        max_batch = default_max_batch(manifest)
+        max_batch = 8 if BACKENDS[manifest.backend].batched else 1
     key = hashlib.sha256()
     for part in ((engine / "manifest.json").read_bytes(), str(engine).encode(),
                  f"{instances}/{max_batch}/{plain}".encode(),
