@@ -394,3 +394,153 @@ def test_a_connection_dropped_by_a_dying_stub_is_answered_with_the_death(front, 
     front.model_back("dflash")
     resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'), timeout=8)
     assert status_of(resp) == 503 and b"Retry-After" in resp and b"dropped the request" in resp, resp
+
+
+def _chat_answers(front) -> bool:
+    """Another client's ordinary request is still answered, and answered right."""
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "ok"}], "max_tokens": 40}).encode()
+    resp = raw(front, post("/v1/chat/completions", body))
+    out = json.loads(resp.split(b"\r\n\r\n", 1)[1])
+    # the stand-in answers with its input reversed
+    return status_of(resp) == 200 and out["choices"][0]["message"]["content"] == json.dumps(
+        '[{"role": "user", "content": "ok"}]')[::-1][:40]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": '
+                             + b"9" * 5000 + b"}"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -' + b"1" * 5000 + b"}"),
+    ("/v2/models/dflash/generate", b'{"text_input": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    ("/v2/models/dflash/infer", b'{"inputs": [{"name": "max_tokens", "datatype": "INT64", "shape": [1], "data": ['
+                                + b"9" * 5000 + b"]}]}"),
+    # the messages' own JSON text, parsed again
+    ("/v2/models/dflash/generate", json.dumps({"messages": '[{"role": "user", "content": "x", "n": ' + "9" * 5000
+                                                           + "}]"}).encode()),
+])
+def test_an_integer_too_long_to_read_gets_400_not_a_dropped_connection(front, path, body):
+    front.limits.max_body_bytes = 1 << 16
+    resp = raw(front, post(path, body))
+    assert status_of(resp) == 400 and b"more than 4300 digits" in resp and b"Traceback" not in resp, resp[:300]
+    assert front.up.seen == []
+    assert _chat_answers(front)
+
+
+def test_a_completion_prompt_refused_for_its_size_names_prompt(front, monkeypatch):
+    """/v1/completions sends its prompt to the model as `text_input`: the refusals name the field the client sent,
+    whether the front refuses the prompt (characters) or the model does (tokens)."""
+    front.prompt_char_limit = 100
+    resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": "x" * 101}).encode()))
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(resp) == 400 and err["param"] == "prompt" and err["message"].startswith("prompt: prompt text is")
+    assert front.up.seen == []
+
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler._send(400, {"error": "text_input: prompt is 2100 tokens; this engine takes at most 2039"})
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": "x" * 90}).encode()))
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(resp) == 400 and err["param"] == "prompt" and err["message"].startswith("prompt: prompt is 2100")
+    monkeypatch.undo()
+    assert _chat_answers(front)
+
+
+def test_a_stream_the_model_refuses_gets_400_naming_the_field(front, monkeypatch):
+    """tritonserver answers a generate_stream whose first response is an error with 400 and the error as one
+    server-sent event: an OpenAI stream request gets that 400 in OpenAI's shape, naming the field."""
+    message = "max_tokens: prompt (9 tokens) + max_tokens (5000) + block (8) exceeds the engine's max_seq_len 2048"
+
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        data = b"data: " + json.dumps({"error": message}).encode() + b"\n\n"
+        handler.send_response(400)
+        handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000,
+                       "stream": True}).encode()
+    resp = raw(front, post("/v1/chat/completions", body))
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(resp) == 400 and err == {"message": message, "type": "invalid_request_error",
+                                              "param": "max_tokens", "code": None}
+    monkeypatch.undo()
+    assert _chat_answers(front)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /v2/models/../config HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET /v2/models/.. HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET /v2/models/./stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    b"GET /v2/models/../versions/1/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    post("/v2/models/../generate", b'{"text_input": "x"}'),
+    post("/v2/models/./infer", b'{"inputs": []}'),
+])
+def test_dot_segments_never_reach_another_triton_route(front, monkeypatch, request_bytes):
+    """A model named `.` or `..` would be normalized on the way to tritonserver into a route the front never
+    matched (/v2/config, /v2/models/stats, /v2/generate): 404, nothing forwarded."""
+    got = []
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_GET", lambda h: (got.append(h.path), h._send(200, {})))
+    resp = raw(front, request_bytes)
+    assert status_of(resp) == 404 and b"not served" in resp
+    assert got == [] and front.up.seen == []
+    resp = raw(front, b"GET /v2/models/dflash/config HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status_of(resp) == 200 and got == ["/v2/models/dflash/config"]
+    assert _chat_answers(front)
+
+
+def test_made_up_urls_do_not_grow_the_metrics(front):
+    for i in range(40):
+        assert status_of(raw(front, f"GET /v1/{i}{'a' * 500} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                                    .encode())) == 404
+        assert status_of(raw(front, f"GET /v1/models/m{i} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                                    .encode())) == 404
+    metrics = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
+    requests = [ln for ln in metrics.splitlines() if ln.startswith("dflash_requests_total{")]
+    assert 'route="/v1/other"' in metrics and 'route="/v1/models/{model}"' in metrics
+    assert "aaaa" not in metrics and "/v1/models/m1" not in metrics and len(requests) <= 4, requests
+    assert _chat_answers(front)
+
+
+def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front, monkeypatch):
+    """A stream whose client neither reads nor leaves: past the write timeout the front drops the connection and
+    cancels the request, which would otherwise run on to max_tokens for nobody."""
+    from dflash_export.deploy import connection
+
+    monkeypatch.setattr(connection, "WRITE_TIMEOUT_S", 0.5)
+    tokens = []
+
+    def do_post(handler):
+        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        tokens.append(body[CANCEL_PARAMETER])
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        data = b"data: " + json.dumps({"text_output": "x" * 200_000, "finish_reason": ""}).encode() + b"\n\n"
+        try:
+            for _ in range(200):  # 40 MB: more than the sockets between the front and the client hold
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                time.sleep(0.01)
+        except OSError:
+            pass
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", front.port))
+    try:
+        s.sendall(post("/v1/chat/completions", body))
+        t = time.monotonic()
+        while not (tokens and (Path(front.cancel_dir) / tokens[0]).exists()) and time.monotonic() - t < 8:
+            time.sleep(0.05)
+        assert tokens and (Path(front.cancel_dir) / tokens[0]).read_text() == "the client went away"
+        assert front.counts["client_gone"] == 1 and front.in_flight() == 0
+    finally:
+        s.close()
+    monkeypatch.undo()
+    assert _chat_answers(front)

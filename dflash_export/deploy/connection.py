@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ def parse_json_bounded(data: bytes, max_depth: int, what: str = "request body"):
         raise Refused(400, f"{what}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     except json.JSONDecodeError as e:
         raise Refused(400, f"{what}: not valid JSON ({e.msg} at offset {e.pos})") from None
+    except ValueError:  # an integer literal past Python's int_max_str_digits (4300 digits by default)
+        raise Refused(400, f"{what}: a number with more than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:  # unreachable after the depth scan; kept so no input can become a 500
         raise Refused(400, f"{what}: JSON nested deeper than {max_depth} levels (the limit, --max-json-depth)"
                       ) from None

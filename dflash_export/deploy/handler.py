@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import secrets
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -112,6 +113,9 @@ def _messages(text: str | list) -> list[dict]:
             msgs = json.loads(text)
         except json.JSONDecodeError as e:
             raise DFlashError(f"not valid JSON ({e.msg} at offset {e.pos})", field="messages") from None
+        except ValueError:  # an integer literal past Python's int_max_str_digits
+            raise DFlashError(f"a number with more than {sys.get_int_max_str_digits()} digits", field="messages"
+                              ) from None
         except RecursionError:
             raise DFlashError("JSON nested too deeply", field="messages") from None
     else:

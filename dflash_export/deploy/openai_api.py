@@ -272,3 +272,11 @@ def now() -> int:
 def from_dflash_error(e: DFlashError) -> OpenAIError:
     """A request the model refused (its message starts with the input it is about)."""
     return OpenAIError(400, str(e), param=getattr(e, "field", None))
+
+
+def as_sent(e: OpenAIError, chat: bool) -> OpenAIError:
+    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input`."""
+    if chat or e.param != "text_input":
+        return e
+    message = "prompt" + e.message[len("text_input"):] if e.message.startswith("text_input") else e.message
+    return OpenAIError(e.status, message, param="prompt", kind=e.kind, code=e.code)

@@ -10,6 +10,7 @@ bad field, 503 for a dead stub or a full queue).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -22,10 +23,13 @@ from dflash_export.deploy.metrics import CONTENT_TYPE_LATEST
 from dflash_export.deploy.upstream import CANCEL_PARAMETER, instance_died
 from dflash_export.errors import DFlashError
 
-_MODEL = r"/v2/models/([A-Za-z0-9_.\-]+)(?:/versions/[0-9]+)?"
+# A model name is never `.` or `..`: forwarded, the URL would be normalized to another Triton route than the one
+# matched here.
+_MODEL = r"/v2/models/(?!\.\.?(?:/|$))([A-Za-z0-9_.\-]+)(?:/versions/[0-9]+)?"
 _GET_ROUTES = re.compile(rf"^(?:/v2|/v2/health/live|{_MODEL}(?:/ready|/config|/stats)?)$")
 _POST_ROUTES = re.compile(rf"^{_MODEL}/(infer|generate|generate_stream)$")
 _FRONT_ROUTES = ("/health", "/metrics", "/v1/models", "/v2/health/ready")
+_OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 class Routing:
@@ -35,8 +39,13 @@ class Routing:
 
     @staticmethod
     def _route_label(path: str) -> str:
-        """The route a request is counted under in the metrics."""
-        return path if path in _FRONT_ROUTES or path.startswith("/v1/") else "triton"
+        """The route a request is counted under in the metrics: one of a fixed few (a label per URL a client makes
+        up would grow /metrics without bound)."""
+        if path in _FRONT_ROUTES or path in _OPENAI_ROUTES:
+            return path
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model}"
+        return "/v1/other" if path.startswith("/v1/") else "triton"
 
     async def _route(self, conn: Connection, method: str, target: str, path: str, headers: dict, body: bytes,
                      head_only: bool) -> int:
@@ -78,8 +87,17 @@ class Routing:
         try:
             return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
                                        False, generation=m.group(2) != "infer")
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            self._client_left(token)
+            raise
         finally:
             self._end(token)
+
+    def _client_left(self, token: str) -> None:
+        """The answer could not be written (the client went away, or stopped reading past the write timeout): the
+        request is cancelled, as when the watch sees the client leave."""
+        if self.cancel(token, "the client went away"):
+            self.counts["client_gone"] += 1
 
     def _not_ready(self, model: str | None = None) -> str | None:
         if self.draining:
@@ -177,7 +195,7 @@ class Routing:
             gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
             self._check_prompt_size(gen)
         except DFlashError as e:
-            raise oa.from_dflash_error(e) from None
+            raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
         model = self._openai_model(stream)
         token = self._begin(model)
@@ -199,14 +217,21 @@ class Routing:
             else:
                 events = self._upstream_events(conn, resp, token)
             return await self._openai_stream(conn, chat, rid, created, include_usage, events, token)
+        except oa.OpenAIError as e:
+            raise oa.as_sent(e, chat) from None
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            self._client_left(token)
+            raise
         finally:
             self._end(token)
 
     def _answer_of(self, status: int, payload: bytes, token: str | None) -> dict:
         self._refuse_if_drained(token)
         try:
-            obj = json.loads(payload)
+            obj = json.loads(_first_event(payload))
         except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
             obj = {"error": payload[:200].decode("utf-8", "replace")}
         if status != 200 or "error" in obj:
             raise self._upstream_error(status, obj.get("error"), token)
@@ -237,7 +262,7 @@ class Routing:
             if "error" in ev:
                 why = self._why(token)
                 err = oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
-                    self._upstream_error(500, ev["error"], token)
+                    oa.as_sent(self._upstream_error(500, ev["error"], token), chat)
                 await conn.send(h11.Data(data=oa.sse(err.body())))
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
@@ -264,6 +289,14 @@ class Routing:
 
 async def _one_event(obj: dict):
     yield obj
+
+
+def _first_event(payload: bytes) -> bytes:
+    """The JSON of an answer: a generate_stream answer's first event (tritonserver answers a stream whose first
+    response is an error with that status and the error as one `data:` event), any other answer whole."""
+    if payload.startswith(b"data:"):
+        return payload[5:].split(b"\n", 1)[0]
+    return payload
 
 
 def _json_length(header_len: str | None, body: bytes) -> int:
