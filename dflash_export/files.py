@@ -40,7 +40,9 @@ def read_json_object(path: str | os.PathLike) -> dict:
         raise DFlashError("file not found", path=path)
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:  # arrays or objects nested past the parser's depth
+        raise DFlashError("not valid JSON (nested too deeply)", path=path) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past int()'s digit limit
         raise DFlashError(f"not valid JSON ({e})", path=path) from None
     if not isinstance(data, dict):
         raise DFlashError("expected a JSON object", path=path)

@@ -240,15 +240,26 @@ def _load_recipe_file(name_or_path) -> Recipe:
     if not p.is_file():
         raise DFlashError("recipe file not found", path=p)
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"not UTF-8 text (byte {e.start}): a recipe is YAML", path=p) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "YAML"
         raise DFlashError(f"invalid YAML ({getattr(e, 'problem', e)})", path=p, field=where) from None
+    except RecursionError:
+        raise DFlashError("invalid YAML (nested too deeply)", path=p, field="YAML") from None
+    except ValueError as e:  # a scalar YAML types but Python cannot hold: a date 2024-13-01, a 5000-digit integer
+        raise DFlashError(f"invalid YAML ({e})", path=p, field="YAML") from None
     if not isinstance(data, dict):
         raise DFlashError("expected a mapping at the top level", path=p)
     recipe = _build(Recipe, data, p)
     recipe.path = p.resolve()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", recipe.name):
+        raise DFlashError(f"{recipe.name!r} cannot name a directory (engines go to OUT/<name>/): use letters, "
+                          "digits, '_', '.' and '-', starting with a letter or digit", path=p, field="name")
     if recipe.dtype not in DTYPES:
         raise DFlashError(f"{recipe.dtype!r} is not one of {', '.join(DTYPES)}", path=p, field="dtype")
     for key in ("precision", "drafter_precision"):
@@ -271,7 +282,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     # top level
     "block_size": (2, None, False),                       # an anchor and at least one drafted token
     "draft_vocab": (2, None, False),
-    "max_seq_len": (16, None, False),
+    "max_seq_len": (16, 2**20, False),                    # the graphs hold cos/sin tables of max_seq_len rows
     # thresholds
     "thresholds.min_identical_fraction": (0, 1, False),
     "thresholds.min_tau": (0, None, False),

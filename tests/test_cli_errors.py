@@ -48,6 +48,11 @@ def _one_error_line(r, code=2):
     (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--prompt", ""], "error: --prompt: the prompt is empty"),
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
+    (["run", "--engine", ".", ""], "error: prompt: the prompt is empty"),
+    (["bench", "--recipe", "tiny-qwen3", "--out", ""], "error: --out: empty path"),
+    (["validate", "--recipe", "tiny-qwen3", "--report", ""], "error: --report: empty path"),
+    (["bench", "--recipe", "tiny-qwen3", "--num-prompts", "4", "--concurrency", "1,100000000"],
+     "error: --concurrency: level 100000000 is more than --num-prompts 4"),
 ])
 def test_usage_errors_are_one_line(args, expect):
     line = _one_error_line(_run(*args))
@@ -309,3 +314,138 @@ def test_a_missing_optional_library_is_exit_2_with_its_install_line(monkeypatch)
     assert "pip install --no-deps nvidia-pytriton" in _one_error_line(_run("reference", "--recipe", "tiny-qwen3"))
     monkeypatch.setattr(cli, "run_reference", needs("not_a_library_of_ours"))  # a bug: internal error
     assert "internal error, ModuleNotFoundError" in _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=3)
+
+
+def test_demo_refuses_an_empty_prompt_before_building(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _one_error_line(_run("demo", "--recipe", "tiny-qwen3", "--prompt", ""))
+    assert line == "error: --prompt: the prompt is empty"
+    assert not any(tmp_path.iterdir())  # no engines/ built for a run that could only fail
+
+
+def test_a_concurrency_level_above_the_suites_prompts_is_refused_before_loading():
+    from dflash_export.bench.concurrency import run_concurrency
+    from dflash_export.errors import DFlashError
+
+    with pytest.raises(DFlashError) as e:
+        run_concurrency("no-such-engine", [[1, 2], [3]], 4, [1, 3], ["ar"])
+    assert str(e.value).startswith("--concurrency: level 3 is more than the suite's 2 prompts"), str(e.value)
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"name: caf\xe9\n", "not UTF-8 text (byte 9): a recipe is YAML"),
+    (b"name: " + b"[" * 5000 + b"]" * 5000 + b"\n", "YAML: invalid YAML (nested too deeply)"),
+    (b"name: r\nblock_size: " + b"9" * 5000 + b"\n", "YAML: invalid YAML (Exceeds the limit"),
+    (b"name: r\ndescription: 2024-13-01\n", "YAML: invalid YAML (month must be in 1..12)"),
+    (b"name: ../escape\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n",
+     "name: '../escape' cannot name a directory"),
+    (b"name: ''\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n", "name: '' cannot name a directory"),
+    (b"name: r\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 100000000000\n",
+     "max_seq_len: must be in [16, 1048576], got 100000000000"),
+])
+def test_an_unreadable_or_unbuildable_recipe_is_one_line_and_builds_nothing(tmp_path, content, what):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(content)
+    out = tmp_path / "sub" / "engines"
+    line = _one_error_line(_run("build", "--recipe", recipe, "--out", out))
+    assert line.startswith(f"error: {recipe}: ") and what in line, line
+    assert not (tmp_path / "sub").exists()
+
+
+def _tiny_copy(tmp_path, which):
+    d = tmp_path / which.split("/")[-1]
+    shutil.copytree(resolve_source(which), d)
+    return d
+
+
+@pytest.mark.parametrize("header, what", [
+    (b"[" * 100000 + b"]" * 100000, "corrupt safetensors header"),
+    (b"[1, 2]", "corrupt safetensors header (not a JSON object)"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + b"9" * 5000 + b"]}}",
+     "corrupt safetensors header"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [1], "data_offsets": "0-4"}}',
+     "fc.weight: corrupt safetensors header (expected data_offsets [begin, end])"),
+])
+def test_a_corrupt_safetensors_header_is_one_line_naming_the_file(tmp_path, header, what):
+    import struct
+
+    drafter = _tiny_copy(tmp_path, "tiny:qwen3/drafter")
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    line = _one_error_line(_run("inspect", drafter, "--target", "tiny:qwen3/target"))
+    assert line == f"error: {weights}: {what}", line
+
+
+@pytest.mark.parametrize("name, text, what", [
+    ("generation_config.json", '{"eos_token_id": ', "not valid JSON"),
+    ("generation_config.json", "[1]", "expected a JSON object"),
+    ("generation_config.json", '{"eos_token_id": "</s>"}', "eos_token_id: expected a token id or a list of them"),
+    ("config.json", "[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
+])
+def test_a_corrupt_target_config_is_one_line_naming_the_file(tmp_path, name, text, what):
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    (target / name).write_text(text)
+    line = _one_error_line(_run("inspect", "tiny:qwen3/drafter", "--target", target))
+    assert line.startswith(f"error: {target / name}: {what}"), line
+
+
+def test_a_target_config_field_of_the_wrong_type_names_it(tmp_path):
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["num_hidden_layers"] = str(cfg["num_hidden_layers"])
+    (target / "config.json").write_text(json.dumps(cfg))
+    line = _one_error_line(_run("inspect", "tiny:qwen3/drafter", "--target", target))
+    assert line.startswith(f"error: {target / 'config.json'}: num_hidden_layers: expected a positive integer")
+
+
+def _target_with_tokenizer(tmp_path, vocab):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]",
+                                                              "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return target
+
+
+def test_a_target_with_a_corrupt_tokenizer_config_is_named_by_reference_and_build(tmp_path):
+    target = _target_with_tokenizer(tmp_path, {"[UNK]": 0, "hi": 1})
+    (target / "tokenizer_config.json").write_text('{"chat_template": "x", ')
+    line = _one_error_line(_run("reference", "--target", target, "--drafter", "tiny:qwen3/drafter", "--prompt", "hi"))
+    assert line.startswith(f"error: {target / 'tokenizer_config.json'}: not valid JSON"), line
+    out = tmp_path / "engines"
+    line = _one_error_line(_run("build", "--target", target, "--drafter", "tiny:qwen3/drafter", "--out", out))
+    assert line.startswith(f"error: {target / 'tokenizer_config.json'}: not valid JSON"), line  # not a temp copy
+    assert not out.exists()
+
+
+def test_reference_refuses_a_prompt_its_tokenizer_cannot_give_the_target(tmp_path):
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 300)}, "hi": 300}  # ids past the target's 256
+    target = _target_with_tokenizer(tmp_path, vocab)
+    args = ["reference", "--target", target, "--drafter", "tiny:qwen3/drafter", "--max-new-tokens", "2"]
+    line = _one_error_line(_run(*args, "--prompt", "hi"))
+    assert line.startswith(f"error: {target}: its tokenizer encodes the prompt to token id 300, outside the "
+                           "target's vocabulary (vocab_size 256)"), line
+    assert _one_error_line(_run(*args, "--prompt", " ")) == "error: --prompt: the prompt encodes to no tokens"
+
+
+@pytest.mark.parametrize("text, what", [
+    ("[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
+    ('{"a": ' + "9" * 5000 + "}", "not valid JSON (Exceeds the limit"),
+])
+def test_json_too_deep_or_with_a_too_long_integer_is_named(tmp_path, text, what):
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import read_json_object
+
+    f = tmp_path / "x.json"
+    f.write_text(text)
+    with pytest.raises(DFlashError) as e:
+        read_json_object(f)
+    assert str(e.value).startswith(f"{f}: {what}"), str(e.value)
+    repo = tmp_path / "repo"  # what `serve --repo` reads first
+    repo.mkdir()
+    (repo / "dflash_repository.json").write_text(text)
+    line = _one_error_line(_run("serve", "--repo", repo))
+    assert line.startswith(f"error: {repo / 'dflash_repository.json'}: {what}"), line

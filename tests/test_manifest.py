@@ -60,6 +60,35 @@ def test_manifest_disagreeing_with_graphs_is_refused(built, tmp_path):
         load_engine(dst, threads=1)
 
 
+def test_manifest_vocab_size_disagreeing_with_the_embedding_is_refused(built, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: m.update(vocab_size=m["vocab_size"] + 744))
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hello", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {dst / 'manifest.json'}: vocab_size: manifest says "), r.output
+
+
+@pytest.mark.parametrize("text, what", [
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    ('{"block_size": ' + "9" * 5000 + "}", "Exceeds the limit"),
+])
+def test_manifest_too_deep_or_with_a_too_long_integer_is_one_line(built, tmp_path, text, what):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, lambda m: None)
+    (dst / "manifest.json").write_text(text)
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hello", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {dst / 'manifest.json'}: not valid JSON (") and what in r.output, r.output
+
+
 def test_modified_engine_file_is_refused(built, tmp_path):
     _, out, _, _ = built
     dst = _with_manifest(out, tmp_path, lambda m: None)

@@ -620,7 +620,8 @@ def test_recipe_values_that_need_each_other_or_the_target_fail_before_any_work(t
      "must be in (0, 1]"),
     ("trtllm:\n  cuda_graph_batch_sizes: [1, 0]\n", "trtllm.cuda_graph_batch_sizes[1]", "must be >= 1"),
     ("trtllm:\n  max_batch_size: 0\n", "trtllm.max_batch_size", "must be >= 1"),
-    ("max_seq_len: 8\n", "max_seq_len", "must be >= 16"),
+    ("max_seq_len: 8\n", "max_seq_len", "must be in [16, 1048576], got 8"),
+    ("max_seq_len: 100000000000\n", "max_seq_len", "must be in [16, 1048576], got 100000000000"),
     ("block_size: 1\n", "block_size", "must be >= 2"),
     ("draft_vocab: 0\n", "draft_vocab", "must be >= 2"),
 ])

@@ -551,6 +551,8 @@ def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference,
     ('{"messages": [{"role": "user"}]}\n', "line 1", "messages[0]"),
     ('{"input_ids": [1, -2]}\n', "line 1", "non-negative"),
     ('["a list"]\n', "line 1", "JSON object"),
+    ('{"prompt": "ok"}\n' + "[" * 100000 + "]" * 100000 + "\n", "line 2", "invalid JSON (nested too deeply)"),
+    ('{"input_ids": [' + "9" * 5000 + "]}\n", "line 1", "invalid JSON (Exceeds the limit"),
     ("", None, "empty"),
     ("\n\n", None, "empty"),
 ])

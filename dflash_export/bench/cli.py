@@ -37,6 +37,8 @@ from dflash_export.recipes import recipe_from_options
 def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
           reps, temperature, top_p, top_k):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
+    if out_json == "":
+        raise DFlashError("empty path: name the JSON file to write", field="--out")
     recipe = recipe_from_options(recipe, target, drafter)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     mode_list = [m.strip() for m in modes.split(",")]

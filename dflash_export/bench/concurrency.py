@@ -70,6 +70,9 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
 
     if not levels or any(n < 1 for n in levels):
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
+    if max(levels) > len(prompts):
+        raise DFlashError(f"level {max(levels)} is more than the suite's {len(prompts)} prompts: a level keeps that "
+                          "many requests in flight, one per prompt", field="--concurrency")
     console = Console(highlight=False)
     engine = load_engine(engine_dir, threads=threads)
     results = []

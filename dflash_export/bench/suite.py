@@ -361,6 +361,9 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
+    if max(levels) > num_prompts:
+        raise DFlashError(f"level {max(levels)} is more than --num-prompts {num_prompts}: a level keeps that many "
+                          "requests in flight, one per prompt", field="--concurrency")
     if out_json:
         check_output_file(out_json, "--out")
     recipe = load_recipe(recipe_name)

@@ -801,6 +801,9 @@ def embedding_rows(weights_dir: Path, manifest: Manifest) -> MatrixRows:
     if len(shape) != 2 or length != 4 * shape[0] * shape[1] or not path.is_file() \
             or off + length > path.stat().st_size:
         raise DFlashError("embedding does not fit the file", path=path, field="shared_tensors.shared.embed_tokens")
+    if manifest.vocab_size is not None and shape[0] != manifest.vocab_size:
+        raise DFlashError(f"manifest says {manifest.vocab_size} but the embedding table has {shape[0]} rows",
+                          path=manifest.path, field="vocab_size")
     return MatrixRows(path, off, shape, what="embedding")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_export.engines.base import load_codec
 from dflash_export.engines.manifest import hash_inputs, is_engine_dir, write_manifest
 from dflash_export.engines.onnxruntime import (
     DRAFT_HEAD,
@@ -184,6 +185,7 @@ def _load_pair(recipe, draft_vocab: int | None):
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
+    load_codec(target.model_dir)  # the tokenizer files the engine will copy, named where they are, before any work
     spec = target_spec(target)
     if draft_vocab is not None and draft_vocab > spec.vocab_size:
         raise DFlashError(f"must be <= the target vocabulary ({spec.vocab_size}), got {draft_vocab}",

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from dflash_export.errors import DFlashError
+from dflash_export.files import read_json_object
 
 
 def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
+    """The `eos_token_id`s of config.json (`cfg`, already read) and generation_config.json (when present); a corrupt
+    generation config or an id that is not a token id is a DFlashError naming the file."""
+    gen_path = model_dir / "generation_config.json"
     ids: list[int] = []
-    for src in (cfg, _maybe_json(model_dir / "generation_config.json")):
+    for path, src in ((model_dir / "config.json", cfg),
+                      (gen_path, read_json_object(gen_path) if gen_path.is_file() else {})):
         eos = src.get("eos_token_id")
-        if isinstance(eos, int):
+        if isinstance(eos, int) and not isinstance(eos, bool):
             eos = [eos]
+        if eos is not None and (not isinstance(eos, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos)):
+            raise DFlashError(f"expected a token id or a list of them, got {eos!r}", path=path,
+                              field="eos_token_id")
         for i in eos or []:
             if i not in ids:
                 ids.append(i)
     return ids
-
-
-def _maybe_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def quiet_transformers() -> None:

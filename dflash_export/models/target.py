@@ -49,6 +49,12 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
+    for f in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        v = cfg[f]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=f)
+    if not isinstance(cfg["model_type"], str):
+        raise DFlashError(f"expected a string, got {cfg['model_type']!r}", path=cfg_path, field="model_type")
     if cfg["model_type"] in REFUSED:
         raise DFlashError(f"{cfg['model_type']!r}: {REFUSED[cfg['model_type']]} (supported: {', '.join(ARCHS)})",
                           path=cfg_path, field="model_type")
@@ -88,6 +94,9 @@ class TargetModel:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            for name in ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
+                if (self.model_dir / name).is_file():  # a corrupt one named here, not inside transformers
+                    read_json_object(self.model_dir / name)
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         return self._tokenizer
 

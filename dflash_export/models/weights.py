@@ -35,13 +35,20 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise DFlashError("file not found", path=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an integer too long to read
         raise DFlashError("corrupt safetensors header", path=path) from None
+    if not isinstance(header, dict):
+        raise DFlashError("corrupt safetensors header (not a JSON object)", path=path)
     data_len = size - 8 - n
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info.get("data_offsets", (0, 0))
+        offsets = info.get("data_offsets", (0, 0)) if isinstance(info, dict) else None
+        if (not isinstance(offsets, (list, tuple)) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+            raise DFlashError("corrupt safetensors header (expected data_offsets [begin, end])", path=path,
+                              field=name)
+        begin, end = offsets
         if end > data_len:
             raise DFlashError(f"truncated safetensors file (tensor data cut off, {data_len} of {end} bytes)",
                               path=path, field=name)

@@ -50,6 +50,8 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
     The engine: --engine DIR, or --recipe NAME for the one `build --recipe NAME` wrote."""
     if engine_dir is None and recipe is None:
         raise DFlashError("give --engine DIR (a built engine) or --recipe NAME (its built engine)", field="--engine")
+    if not prompt:
+        raise DFlashError("the prompt is empty", field="prompt")
     if engine_dir is None:
         engine_dir = default_engine_dir(load_recipe(recipe).name)
     elif recipe is not None:
@@ -92,9 +94,11 @@ def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed
 
 @click.command()
 @click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
-@click.option("--prompt", default="Write a short poem about the sea.", show_default=True)
+@click.option("--prompt", default="Write a short poem about the sea.", show_default=True, type=UTF8_TEXT)
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 def demo(recipe, prompt, max_new_tokens):
     """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
     with DFlash and with plain decoding on the same engine."""
+    if not prompt:  # before the build, which can take minutes
+        raise DFlashError("the prompt is empty", field="--prompt")
     run_demo(recipe, prompt, max_new_tokens)

@@ -42,6 +42,13 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
         click.echo(f"[{recipe.name}] tiny pair: token prompt {ids}")
     else:
         ids = encode_prompt(target.tokenizer, prompt, recipe.chat_template)
+        if not ids:
+            raise DFlashError("the prompt encodes to no tokens", field="--prompt")
+        bad = [t for t in ids if not 0 <= t < target.vocab_size]
+        if bad:
+            raise DFlashError(f"its tokenizer encodes the prompt to token id {bad[0]}, outside the target's "
+                              f"vocabulary (vocab_size {target.vocab_size}): the tokenizer files do not belong to "
+                              "this checkpoint", path=target.model_dir)
     if len(ids) + max_new_tokens + block > recipe.max_seq_len:
         raise DFlashError(f"{len(ids)} prompt + {max_new_tokens} new tokens + a block of {block} exceed the recipe's "
                           f"max_seq_len {recipe.max_seq_len}", field="--max-new-tokens")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import MAX_NEW_TOKENS, FiniteFloat, decoding_options, engine_option, recipe_options
+from dflash_export.errors import DFlashError
 from dflash_export.validate.command import run_validate
 
 
@@ -42,6 +43,8 @@ def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_
     missing library (before any work), 3 on a bug. Fewer than 10 prompts or 300 seeds: a warning says what the run
     cannot detect.
     """
+    if report_dir == "":
+        raise DFlashError("empty path: name the report directory", field="--report")
     if num_prompts is None and not full:
         num_prompts = 10
     if dist_samples is None:

@@ -79,6 +79,10 @@ def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
         rec = json.loads(raw)
     except json.JSONDecodeError as e:
         raise DFlashError(f"invalid JSON ({e.msg} at column {e.colno})", path=path, field=f"line {line}") from None
+    except RecursionError:
+        raise DFlashError("invalid JSON (nested too deeply)", path=path, field=f"line {line}") from None
+    except ValueError as e:  # an integer past int()'s digit limit
+        raise DFlashError(f"invalid JSON ({e})", path=path, field=f"line {line}") from None
     if not isinstance(rec, dict):
         raise DFlashError(f"expected a JSON object, got {type(rec).__name__}", path=path, field=f"line {line}")
     keys = [k for k in ("prompt", "messages", "input_ids") if k in rec]
