@@ -9,7 +9,22 @@ line, the traceback in a file, or on the terminal with DFLASH_EXPORT_TRACEBACK=1
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+
+
+def _interrupted_while_loading(signum, frame):
+    """Ctrl-C while the commands load: nothing was done yet, so one line and exit 130, not an import's traceback."""
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130)
+
+
+_loading = threading.current_thread() is threading.main_thread() and \
+    signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if _loading:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 import click
 
@@ -34,16 +49,65 @@ def _usage_error_line(e: click.ClickException) -> str:
     return _one_line(e.format_message())
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) raised like Ctrl-C, so that every writer's cleanup runs (files.atomic_dir, atomic_file,
+    removing_new_dirs) instead of the process vanishing with its temporary siblings left behind."""
+
+
+def _stop(signum, frame):
+    """SIGINT / SIGTERM / SIGHUP during a command: KeyboardInterrupt (Terminated) where the command is. Not inside a
+    finalizer (`__del__`): an exception there is printed as "Exception ignored" and dropped, and the command would
+    carry on to exit 0; the signal is delivered again once the finalizer has returned."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_name == "__del__":
+            import _thread
+
+            again = threading.Timer(0.05, _thread.interrupt_main, (signum,))
+            again.daemon = True
+            again.start()
+            return
+        f = f.f_back
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+_DEFAULT_HANDLERS = (signal.default_int_handler, signal.SIG_DFL, None, _interrupted_while_loading)
+
+
+@contextmanager
+def _stop_signals_raise():
+    """While a command runs (main thread only), the stop signals raise instead of killing the process; handlers set
+    by someone else (a test harness, an ignored SIGHUP under nohup) are left alone, and all are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    for s, h in previous.items():
+        if h in _DEFAULT_HANDLERS:
+            signal.signal(s, _stop)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            if h in _DEFAULT_HANDLERS:
+                signal.signal(s, signal.default_int_handler if h is _interrupted_while_loading else h)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with _stop_signals_raise():
+                return super().invoke(ctx)
         except DFlashError as e:
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(e.exit_code)
         except click.ClickException as e:
             click.echo(f"error: {_usage_error_line(e)}", err=True)
             sys.exit(EXIT_INPUT)
+        except Terminated as e:
+            click.echo("terminated", err=True)
+            sys.exit(128 + e.args[0])
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -226,6 +290,9 @@ for _name, _module, _attr in [
 for _name, _cmd in main.commands.items():
     if _name in COMMANDS:  # a command missing there fails tests/test_cli.py, not the CLI
         _with_summary_and_example(_cmd, _name)
+
+if _loading and signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

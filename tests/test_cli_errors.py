@@ -4,6 +4,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -449,3 +450,71 @@ def test_json_too_deep_or_with_a_too_long_integer_is_named(tmp_path, text, what)
     (repo / "dflash_repository.json").write_text(text)
     line = _one_error_line(_run("serve", "--repo", repo))
     assert line.startswith(f"error: {repo / 'dflash_repository.json'}: {what}"), line
+
+
+def test_a_terminated_build_removes_what_it_had_written_and_says_so_in_one_line(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "engines"
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-llama.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "build", "--recipe", str(recipe), "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # as soon as the temporary engine has content
+        tmp = list((out / "tiny-llama").glob(".onnxruntime.tmp-*")) if (out / "tiny-llama").is_dir() else []
+        if tmp and any(tmp[0].iterdir()):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "terminated", stderr
+    assert not out.exists(), sorted(str(p) for p in out.rglob("*"))
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    # Ctrl-C lands while a stage's module is being imported (the CLI loads every command's module first).
+    code = ("import os, signal, sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'dflash_export.deploy.cli':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv = ['dflash-export', 'recipes']\n"
+            "import runpy; runpy.run_module('dflash_export', run_name='__main__')\n")
+    # Ctrl-C's default action in the child, as in a terminal: a shell running the tests in the background hands
+    # its children SIGINT ignored, and an ignored SIGINT stays ignored (and should).
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 130, r.stderr
+    assert r.stderr == "interrupted\n" and r.stdout == ""
+
+
+def test_an_interrupt_inside_a_finalizer_is_delivered_once_it_returns():
+    import signal
+    import sys
+    import time
+
+    from dflash_export import cli
+
+    class Finalized:
+        def __del__(self):  # an exception raised here would be printed and dropped, the command carrying on
+            cli._stop(signal.SIGINT, sys._getframe())
+
+    # Ctrl-C handled as in a terminal (a shell running the tests in the background hands them SIGINT ignored, and
+    # an ignored signal is not delivered again)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Finalized()
+            time.sleep(10)
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -873,3 +873,31 @@ def test_bad_data_part_is_one_line_before_any_work(tmp_path, own_cache, args, me
     r = _train_cli("--recipe", _tiny_recipe(tmp_path), *args)
     assert r.exit_code == 2 and r.output == message, r.output
     assert not (tmp_path / "cache" / "train-data").exists()
+
+
+def test_a_rerun_starts_its_own_curve_and_a_resumed_one_drops_what_followed_the_checkpoint(tmp_path):
+    from dflash_export.train.stage import _start_curve
+
+    log = tmp_path / "curve.jsonl"
+    records = [{"event": "train", "step": 10}, {"event": "checkpoint", "step": 10}, {"event": "train", "step": 20}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"event": "tra')  # killed mid-line
+    _start_curve(log, 10)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == records[:2]
+    _start_curve(log, 0)
+    assert log.read_text() == ""
+
+
+def test_a_checkpoint_torch_cannot_write_is_one_error_naming_it(tmp_path, monkeypatch, tiny_qwen3):
+    from dflash_export.train import loop
+
+    target, _ = tiny_qwen3
+    drafter = drafter_from_target(target, 1, 4, target.vocab_size - 1)
+    opt = torch.optim.AdamW(drafter.parameters())
+
+    def short_write(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 340544 vs 340432")
+
+    monkeypatch.setattr(loop.torch, "save", short_write)
+    with pytest.raises(DFlashError, match="cannot write checkpoint"):
+        loop.save_checkpoint(tmp_path, drafter, opt, 3, 1.0, {})
+    assert not any(tmp_path.iterdir())

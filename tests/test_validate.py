@@ -805,3 +805,33 @@ def test_default_engine_is_the_fp32_one_else_the_only_one_built(tmp_path, monkey
             with pytest.raises(DFlashError, match="onnxruntime-int4, onnxruntime-int8.*--engine"):
                 default_engine_dir("some-pair")
     assert default_engine_dir("some-pair") == Path("engines/some-pair/onnxruntime").resolve()
+
+
+def test_a_report_that_cannot_be_written_whole_leaves_the_earlier_one(tmp_path, monkeypatch):
+    import errno
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.validate import report as report_mod
+
+    class Report:
+        def to_dict(self):
+            return {"new": True}
+
+    def full_disk(report, out):
+        (out / report_mod.PLOTS["tau_histogram"]).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report_mod, "render_markdown", lambda r: "# new\n")
+    monkeypatch.setattr(report_mod, "_plots", full_disk)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    files = {"report.json": '{"old": true}\n', "report.md": "# old\n",
+             **{n: "old png" for n in report_mod.PLOTS.values()}}
+    for name, text in files.items():
+        (earlier / name).write_text(text)
+    with pytest.raises(DFlashError, match="--report: cannot write the report"):
+        report_mod.write_report(Report(), earlier)
+    assert {p.name: p.read_text() for p in earlier.iterdir()} == files
+    with pytest.raises(DFlashError):
+        report_mod.write_report(Report(), tmp_path / "new" / "report")
+    assert not (tmp_path / "new").exists()

@@ -140,8 +140,11 @@ def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wa
     try:
         with atomic_dir(work / "checkpoint") as tmp:
             save_drafter(drafter, tmp / "drafter")
-            torch.save({"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best},
-                       tmp / "train_state.pt")
+            try:
+                torch.save({"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best},
+                           tmp / "train_state.pt")
+            except RuntimeError as e:  # torch's zip writer reports a short write (a full disk) as a RuntimeError
+                raise DFlashError(f"cannot write checkpoint ({_short_reason(e)})", path=work / "checkpoint") from None
     except OSError as e:
         raise DFlashError(f"cannot write checkpoint ({e.strerror or e})", path=work / "checkpoint") from None
 

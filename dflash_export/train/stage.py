@@ -233,6 +233,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
         work.mkdir(parents=True, exist_ok=True)
+        _start_curve(work / "curve.jsonl", first)
         result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
                                progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
                                log=_curve_logger(work / "curve.jsonl", bar))
@@ -288,6 +289,25 @@ def _train_config(opts, seed: int, steps, minutes, checkpoint_minutes) -> TrainC
                        batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
                        soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
                        minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+
+
+def _start_curve(log_path: Path, first: int) -> None:
+    """curve.jsonl as the run starting at step `first` continues it: the records up to that step (those of the run
+    whose checkpoint it resumes from), none for a run from step 0 -- not those an interrupted run logged after its
+    last checkpoint, which this run logs again."""
+    if not log_path.is_file():
+        return
+    kept = []
+    if first > 0:
+        for line in log_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # the half line of a run killed while writing it
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= first:
+                kept.append(line + "\n")
+    with atomic_file(log_path) as f:
+        f.writelines(kept)
 
 
 def _curve_logger(log_path: Path, bar):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_export.files import atomic_file
+from dflash_export.errors import DFlashError
+from dflash_export.files import removing_new_dirs
 from dflash_export.validate.runner import ValidationReport
 
 PLOTS = {"tau_histogram": "tau_histogram.png", "speedup_per_prompt": "speedup_per_prompt.png",
@@ -166,13 +167,32 @@ def _plots(report: ValidationReport, out: Path) -> None:
 
 
 def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
-    """Write report.json, report.md and the plots into `out_dir` (created); returns their paths by name."""
+    """Write report.json, report.md and the plots into `out_dir` (created); returns their paths by name.
+
+    All of them are written into a temporary directory inside `out_dir` first and moved into place only once every one
+    is whole: an interrupted or failed write (a full disk) leaves the earlier report as it was, or no directory, never
+    a new report.json beside older or missing plots."""
+    import os
+    import shutil
+    import tempfile
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out / "report.json") as f:
-        json.dump(report.to_dict(), f, indent=2, default=str)
-        f.write("\n")
-    with atomic_file(out / "report.md") as f:
-        f.write(render_markdown(report))
-    _plots(report, out)
-    return {"json": out / "report.json", "md": out / "report.md", **{k: out / v for k, v in PLOTS.items()}}
+    names = {"json": "report.json", "md": "report.md", **PLOTS}
+    try:
+        with removing_new_dirs(out):
+            out.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".report.tmp-{os.getpid()}-", dir=out))
+            try:
+                (staging / names["json"]).write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+                (staging / names["md"]).write_text(render_markdown(report))
+                _plots(report, staging)
+                umask = os.umask(0)
+                os.umask(umask)
+                for name in names.values():
+                    os.chmod(staging / name, 0o666 & ~umask)
+                    os.replace(staging / name, out / name)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        raise DFlashError(f"cannot write the report ({e.strerror or e})", path=out, field="--report") from None
+    return {k: out / v for k, v in names.items()}
