@@ -418,3 +418,115 @@ def test_an_fp32_engine_in_a_shared_batch_is_deployed_without_a_note(tmp_path, e
     r = cli("deploy", "--engine", engine_dir, "--repo", tmp_path / "repo", "--max-batch", 4)
     assert r.returncode == 0, r.stderr
     assert "note:" not in r.stdout and json.loads((tmp_path / "repo" / MARKER).read_text())["precision"] == "fp32"
+
+
+def _param_block(key: str, value: str) -> str:
+    return f'parameters {{\n  key: "{key}"\n  value {{\n    string_value: "{value}"\n  }}\n}}\n'
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def _replace(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (old, path)
+    path.write_text(text.replace(old, new))
+
+
+# Each edit: what tritonserver would load or import from the repository; every one is refused before a server starts.
+CODE_EDITS = {
+    "model.py edited": (lambda r: _append(r / "dflash" / "1" / "model.py", "\nimport os\n"),
+                        "dflash/1/model.py: not the model this version of dflash-export serves"),
+    "module beside model.py": (lambda r: (r / "dflash" / "1" / "helpers.py").write_text("x = 1\n"),
+                               "dflash/1/helpers.py: a file or directory that `dflash-export deploy` did not write"),
+    "bytecode beside model.py": (lambda r: ((r / "dflash" / "1" / "__pycache__").mkdir(),
+                                            (r / "dflash" / "1" / "__pycache__" / "model.cpython-311.pyc")
+                                            .write_bytes(b"\0")),
+                                 "dflash/1/__pycache__: a file or directory"),
+    "another version": (lambda r: shutil.copytree(r / "dflash" / "1", r / "dflash" / "2"),
+                        "dflash/2: a file or directory that `dflash-export deploy` did not write"),
+    "file in the model directory": (lambda r: (r / "dflash" / "model.py").write_text("x = 1\n"),
+                                    "dflash/model.py: a file or directory"),
+    "model.py a link": (lambda r: (shutil.move(r / "dflash" / "1" / "model.py", r.parent / "elsewhere.py"),
+                                   (r / "dflash" / "1" / "model.py").symlink_to(r.parent / "elsewhere.py")),
+                        "dflash/1/model.py: a symbolic link"),
+    "engine a link": (lambda r: (shutil.move(r / "dflash" / "engine", r.parent / "moved-engine"),
+                                 (r / "dflash" / "engine").symlink_to(r.parent / "moved-engine")),
+                      "dflash/engine: a symbolic link"),
+    "another backend": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'backend: "python"', 'backend: "onnx"'),
+                        'dflash/config.pbtxt: backend: must be "python"'),
+    "another model file": (lambda r: _append(r / "dflash" / "config.pbtxt", 'default_model_filename: "x.py"\n'),
+                           "dflash/config.pbtxt: default_model_filename: not a field deploy writes"),
+    "all versions": (lambda r: _append(r / "dflash" / "config.pbtxt", "version_policy: { all { } }\n"),
+                     "dflash/config.pbtxt: version_policy: not a field deploy writes"),
+    "an execution environment": (lambda r: _append(r / "dflash" / "config.pbtxt", _param_block(
+        "EXECUTION_ENV_PATH", "$$TRITON_MODEL_DIRECTORY/env.tar.gz")),
+        "dflash/config.pbtxt: parameters.EXECUTION_ENV_PATH: not a parameter deploy writes"),
+    "a sys.path": (lambda r: _append(r / "dflash" / "config.pbtxt", _param_block("sys_path", '[\\"/tmp\\"]')),
+                   "dflash/config.pbtxt: parameters.sys_path: not a parameter deploy writes"),
+    "an engine elsewhere": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'string_value: "engine"',
+                                               f'string_value: "{r.parent / "engine"}"'),
+                            "dflash/config.pbtxt: parameters.engine_dir: must name the repository's own engine"),
+    "an engine outside": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'string_value: "engine"',
+                                             'string_value: "../../engine"'),
+                          "dflash/config.pbtxt: parameters.engine_dir: must name the repository's own engine"),
+    "a hidden model": (lambda r: shutil.copytree(r / "dflash", r / ".dflash"),
+                       ".dflash: not one of the deployed models"),
+    "a model a link": (lambda r: (r / "other").symlink_to(r / "dflash"), "other: a symbolic link"),
+    "a TensorRT-LLM marker": (lambda r: _replace(r / MARKER, '"backend": "pytorch"', '"backend": "tensorrt-llm"'),
+                              "dflash_repository.json: backend: a TensorRT-LLM repository"),
+}
+
+
+@pytest.mark.parametrize("edit", CODE_EDITS)
+def test_serve_refuses_code_or_config_that_deploy_did_not_write(tmp_path, small_repo, edit):
+    from dflash_export.deploy.repository import check_repository
+
+    change, message = CODE_EDITS[edit]
+    change(small_repo)
+    with pytest.raises(DFlashError) as e:
+        check_repository(small_repo)
+    assert message in str(e.value) and e.value.exit_code == 2, str(e.value)
+
+
+def test_serve_cli_refuses_an_edited_model_py_in_one_line(tmp_path, small_repo):
+    import socket
+
+    _append(small_repo / "dflash" / "1" / "model.py", "\nopen('ran', 'w')\n")
+    with socket.socket() as held:  # were the repository let through, serve would stop at this busy port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
+    assert_one_line(r, f"{small_repo / 'dflash' / '1' / 'model.py'}: not the model this version")
+    assert not (ROOT / "ran").exists()
+
+
+def test_a_deploy_of_both_models_is_served_and_a_changed_engine_is_refused(tmp_path):
+    from dflash_export.deploy.repository import REPO_FORMAT, check_repository
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    repo = write_repository(engine, tmp_path / "repo")
+    marker = check_repository(repo)
+    assert marker["models"] == ["dflash", "dflash_stream"] and marker["format"] == REPO_FORMAT
+
+    def refused(edit) -> str:
+        r = tmp_path / f"copy{len(list(tmp_path.glob('copy*')))}"
+        shutil.copytree(repo, r, symlinks=True)
+        edit(r)
+        with pytest.raises(DFlashError) as e:
+            check_repository(r)
+        return str(e.value)
+
+    assert "dflash_stream/config.pbtxt: parameters.engine_dir: must name the repository's own engine " \
+           "'../dflash/engine'" in refused(lambda r: _replace(r / "dflash_stream" / "config.pbtxt",
+                                                              "../dflash/engine", str(engine)))
+    # Another engine (another recipe, or the same recipe rebuilt) with a manifest of its own that checks out.
+    assert "dflash/engine/manifest.json: recipe: the repository's engine is for recipe 'tiny-qwen3', but deploy " \
+           "recorded 'smollm2-135m'" in refused(lambda r: _replace(r / MARKER, "tiny-qwen3", "smollm2-135m"))
+    assert "dflash/engine/manifest.json: engine_manifest_sha256: changed since deploy" in refused(
+        lambda r: edit_manifest(r / "dflash" / "engine", block_size=8))
+    # A repository of another version of the project (an older one has no `format`).
+    assert f"dflash_repository.json: format: written by another version of dflash-export (repository format 1; " \
+           f"this version serves format {REPO_FORMAT}): deploy again" in refused(
+               lambda r: (r / MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k != "format"})))

@@ -7,6 +7,7 @@ the same request run directly on the engine in this process. Nothing is mocked.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -50,7 +51,7 @@ from deploy_support import (
     wait_all_busy,
 )
 
-from dflash_export.deploy.repository import write_repository
+from dflash_export.deploy.repository import MARKER, write_repository
 from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.errors import DFlashError
 
@@ -312,6 +313,44 @@ def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
     assert pids_mentioning(str(small_repo)) == []
 
 
+@pytest.mark.parametrize("name", ["", "two words", "line\nbreak", "-dash-first", "x" * 129, "naïve"])
+def test_serve_refuses_a_model_name_clients_could_not_send_back(small_repo, name):
+    from dflash_export.deploy.server import serve
+
+    with socket.socket() as held, pytest.raises(DFlashError, match="--model-name: expected letters") as e:
+        held.bind(("127.0.0.1", 0))  # checked before the ports: a name let through would stop at this busy one
+        held.listen()
+        serve(small_repo, http_port=held.getsockname()[1], model_id=name)
+    assert e.value.exit_code == 2
+    assert pids_mentioning(str(small_repo)) == []
+
+
+def test_serve_without_tritonserver_is_one_line_and_leaves_no_log(tmp_path, small_repo, monkeypatch):
+    from dflash_export.deploy import server
+    from dflash_export.errors import MissingDependency
+
+    def missing():
+        raise MissingDependency("the tritonserver binary comes with nvidia-pytriton", field="nvidia-pytriton")
+
+    from dflash_export.deploy import triton_process
+
+    monkeypatch.setattr(server, "find_triton", missing)
+    monkeypatch.setattr(triton_process, "find_triton", missing)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(MissingDependency, match="nvidia-pytriton"):
+        server.serve(small_repo, http_port=free_ports(1)[0])
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_the_model_stub_writes_no_bytecode_into_the_repository(tmp_path):
+    from dflash_export.deploy.server import make_stub_env
+
+    make_stub_env(tmp_path / "env", None)
+    pth = next((tmp_path / "env").glob("lib/python*/site-packages/dflash_serving.pth")).read_text()
+    assert pth.splitlines()[-1] == "import sys; sys.dont_write_bytecode = True"
+
+
 def test_serve_cli_refuses_a_directory_deploy_did_not_write(tmp_path):
     (tmp_path / "empty").mkdir()
     r = cli("serve", "--repo", tmp_path / "empty")
@@ -391,6 +430,9 @@ def test_serve_model_refusing_its_engine_is_one_line_exit_2(tmp_path, engine_dir
     if manifest["backend"] != "onnxruntime":
         pytest.skip("needs the ONNX Runtime engine (graph metadata)")
     edit_manifest(repo / "dflash" / "engine", max_seq_len=manifest["max_seq_len"] // 2)
+    marker = json.loads((repo / MARKER).read_text())  # as deploy would record an engine built this way
+    marker["engine_manifest_sha256"] = hashlib.sha256(m.read_bytes()).hexdigest()
+    (repo / MARKER).write_text(json.dumps(marker))
     log = tmp_path / "triton.log"
     r = cli("serve", "--repo", repo, "--log-file", log, *sum(([f"--{n}-port", p] for n, p in
                                                              zip(("http", "grpc", "metrics"), free_ports(3))), []))

@@ -45,11 +45,14 @@ from dflash_export.deploy.pbtxt import (
 from dflash_export.engines.manifest import Manifest, library_versions
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_dir, check_output_dir, read_json_object
+from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
 
 MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
 MARKER = "dflash_repository.json"
+# The marker's `format`: the repository layout this version writes and serves. A repository of another format (an
+# older or newer dflash-export) is refused by `serve`, never run: deploy it again.
+REPO_FORMAT = 2
 DEFAULT_MAX_QUEUE_SIZE = 64
 MAX_BATCH = 256  # deploy --max-batch: sequences one instance's shared batch may hold
 
@@ -235,7 +238,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
                                               threads, max_batch, max_queued_tokens, plain)
             (tmp / MARKER).write_text(json.dumps({
-                "engine": str(engine_dir), "backend": backend, "recipe": manifest.recipe, "models": models,
+                "format": REPO_FORMAT, "engine": str(engine_dir),
+                "engine_manifest_sha256": sha256_file(engine_dir / "manifest.json"), "backend": backend,
+                "recipe": manifest.recipe, "models": models,
                 "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch, "plain": plain,
                 "precision": (manifest.precision or {}).get("target"),
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
@@ -356,9 +361,11 @@ def _check_library_versions(recorded: str | None, cfg_path: Path) -> None:
 def check_repository(repo) -> dict[str, Any]:
     """Refuse, before a server starts, a directory `dflash-export deploy` did not write or that was changed since.
 
-    Checks the marker, that Triton would load exactly the deployed models, every config.pbtxt, each model's
-    model.py, the copied engine (manifest fields and file hashes) and the recorded library versions. Returns the
-    marker.
+    Checks the marker (its format: this version's), that Triton would load exactly the deployed models and nothing
+    else (no other model, version, file or symbolic link), every config.pbtxt (deploy's fields only), that each
+    model's model.py is this version's own, the copied engine (manifest fields and file hashes, and the one deploy
+    recorded) and the recorded library versions. A TensorRT-LLM repository is refused: its model.py is TensorRT-LLM's.
+    Returns the marker.
     """
     repo = Path(repo)
     if not repo.exists():
@@ -375,15 +382,24 @@ def check_repository(repo) -> dict[str, Any]:
                                                          for m in models):
         raise DFlashError(f"expected a non-empty list of model names, got {models!r}", path=marker_path,
                           field="models")
-    backend = marker.get("backend")
+    if marker.get("format") != REPO_FORMAT:
+        raise DFlashError(f"written by another version of dflash-export (repository format "
+                          f"{marker.get('format', 1)!r}; this version serves format {REPO_FORMAT}): deploy again",
+                          path=marker_path, field="format")
+    if marker.get("backend") == "tensorrt-llm":
+        raise DFlashError("a TensorRT-LLM repository: its model.py is TensorRT-LLM's own, which `dflash-export serve` "
+                          "does not run; serve it with tritonserver in TensorRT-LLM's Triton container",
+                          path=marker_path, field="backend")
     try:
-        extra = sorted(d.name for d in repo.iterdir() if d.is_dir() and not d.name.startswith(".")
-                       and d.name not in models)
+        entries = sorted(repo.iterdir())
     except OSError as e:
         raise DFlashError(f"cannot read it ({e.strerror})", path=repo) from None
-    if extra:
-        raise DFlashError(f"not one of the deployed models {models} (Triton would try to load it); remove it or "
-                          "deploy again", path=repo / extra[0])
+    for d in entries:
+        if d.is_symlink():
+            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link"), path=d)
+        if d.is_dir() and d.name not in models:
+            raise DFlashError(f"not one of the deployed models {models} (Triton would try to load it); remove it or "
+                              "deploy again", path=d)
     checked_engines: set[Path] = set()
     for name in models:
         model_dir = repo / name
@@ -398,21 +414,70 @@ def check_repository(repo) -> dict[str, Any]:
             raise DFlashError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=cfg_path) from None
         cfg = check_config_text(text, cfg_path, expect_name=name)
         if not (model_dir / "1" / "model.py").is_file():
-            if backend == "tensorrt-llm":
-                raise DFlashError("TensorRT-LLM's llmapi model.py is missing: deploy again with --llmapi-model-py",
-                                  path=model_dir / "1" / "model.py")
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
         params = _config_parameters(cfg)
-        if cfg.get("backend") == "python" and backend != "tensorrt-llm":
-            ref = params.get("engine_dir")
-            if not ref:
-                raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
-            engine = Path(os.path.normpath(model_dir / ref)) if not os.path.isabs(ref) else Path(ref)
-            if engine not in checked_engines:
-                check_engine_manifest(engine)
-                checked_engines.add(engine)
-            _check_library_versions(params.get("library_versions"), cfg_path)
+        _check_python_model(model_dir, cfg, params, home=repo / models[0])
+        engine = repo / models[0] / "engine"
+        if engine not in checked_engines:
+            _check_served_engine(check_engine_manifest(engine), marker, marker_path)
+            checked_engines.add(engine)
+        _check_library_versions(params.get("library_versions"), cfg_path)
     return marker
+
+
+_NOT_DEPLOYED = "{} that `dflash-export deploy` did not write (tritonserver would load or import it): remove it or " \
+                "deploy again"
+# What deploy writes into a python model's config.pbtxt (pbtxt.render_config) and its `parameters`: anything else
+# (another backend or model file, an EXECUTION_ENV_PATH, a sys_path, a version policy) is refused, not run.
+_CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy", "input", "output", "instance_group",
+                  "dynamic_batching", "parameters"}
+_CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "mode", "library_versions"}
+
+
+def _check_python_model(model_dir: Path, cfg: dict[str, Any], params: dict[str, str], home: Path) -> None:
+    """A `dflash` python model exactly as deploy writes it: config.pbtxt with deploy's fields only, `1/model.py`
+    byte for byte this version's triton_model.py and nothing else beside it (the stub imports from that directory),
+    the engine referenced inside the repository, no symbolic link anywhere."""
+    cfg_path = model_dir / "config.pbtxt"
+    expected = {"config.pbtxt": False, "1": True, **({"engine": True} if model_dir == home else {})}
+    for p in sorted(model_dir.iterdir()):
+        if p.is_symlink():
+            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link"), path=p)
+        if p.name not in expected or expected[p.name] != p.is_dir():
+            raise DFlashError(_NOT_DEPLOYED.format("a file or directory"), path=p)
+    for p in sorted((model_dir / "1").iterdir()):
+        if p.name != "model.py" or p.is_symlink() or not p.is_file():
+            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link" if p.is_symlink() else "a file or directory"),
+                              path=p)
+    if (model_dir / "1" / "model.py").read_bytes() != Path(__file__).with_name("triton_model.py").read_bytes():
+        raise DFlashError("not the model this version of dflash-export serves (edited, or written by another "
+                          "version): deploy again", path=model_dir / "1" / "model.py")
+    if cfg.get("backend") != "python":
+        raise DFlashError(f"must be \"python\" (deploy writes a python backend model), got {cfg.get('backend')!r}",
+                          path=cfg_path, field="backend")
+    if extra := sorted(set(cfg) - _CONFIG_FIELDS):
+        raise DFlashError("not a field deploy writes: remove it or deploy again", path=cfg_path, field=extra[0])
+    if extra := sorted(set(params) - _CONFIG_PARAMETERS):
+        raise DFlashError("not a parameter deploy writes: remove it or deploy again", path=cfg_path,
+                          field=f"parameters.{extra[0]}")
+    ref = params.get("engine_dir")
+    if not ref:
+        raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
+    if os.path.isabs(ref) or Path(os.path.normpath(model_dir / ref)) != home / "engine":
+        raise DFlashError(f"must name the repository's own engine {os.path.relpath(home / 'engine', model_dir)!r}, "
+                          f"got {ref!r}", path=cfg_path, field="parameters.engine_dir")
+
+
+def _check_served_engine(manifest: Manifest, marker: dict[str, Any], marker_path: Path) -> None:
+    """The repository's engine must be the one deploy copied: same manifest bytes, recipe and backend."""
+    for key, have in (("recipe", manifest.recipe), ("backend", manifest.backend)):
+        if marker.get(key) != have:
+            raise DFlashError(f"the repository's engine is for {key} {have!r}, but deploy recorded "
+                              f"{marker.get(key)!r} (the engine was replaced): deploy again", path=manifest.path,
+                              field=key)
+    if marker.get("engine_manifest_sha256") != sha256_file(manifest.path):
+        raise DFlashError("changed since deploy (the engine was replaced or rebuilt in place): deploy again",
+                          path=manifest.path, field="engine_manifest_sha256")
 
 
 def stub_python_path() -> list[str]:

@@ -140,11 +140,15 @@ class DrainIncomplete(ServerError):
     exit_code = EXIT_CHECK_FAILED
 
 
+# `--model-name`: the id clients send as "model" and see in every answer, printed in the ready lines.
+MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
+
+
 def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
-                      limits, drain_timeout_s: float, grpc: bool = False):
+                      limits, drain_timeout_s: float, grpc: bool = False, model_id: str | None = None):
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
-    recorded by deploy), the drain time, the host and ports, the log file (default: `default_log_path()`).
-    Returns (repository, address to bind, limits, log path)."""
+    recorded by deploy), the drain time, the model name, the host and ports, that tritonserver is installed, the log
+    file (default: `default_log_path()`). Returns (repository, address to bind, limits, log path)."""
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
     if limits is None:
@@ -154,12 +158,16 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
     limits.check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
+    if model_id is not None and not MODEL_ID_PATTERN.fullmatch(model_id):
+        raise DFlashError(f"expected letters, digits and . _ : @ + / - (at most 128, starting with a letter or a "
+                          f"digit), got {model_id[:80]!r}", field="--model-name")
     bind = resolve_host(host)
     ports = {"--http-port": http_port, **({"--metrics-port": metrics_port} if metrics_port is not None else {}),
              **({"--grpc-port": grpc_port} if grpc and grpc_port is not None else {})}
     check_listen(bind, ports)
     if grpc and grpc_port is not None:
         check_listen("127.0.0.1", {"--grpc-port": grpc_port})
+    find_triton()  # MissingDependency before a log file is made for a server that cannot start
     if log_path is not None:
         log_path = Path(log_path).expanduser().resolve()
         if log_path.is_dir():
@@ -198,7 +206,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     start.
     """
     repo, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host, log_path, limits,
-                                                     drain_timeout_s, grpc)
+                                                     drain_timeout_s, grpc, model_id)
     server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
                           limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc)
     server.model_id = model_id

@@ -168,6 +168,10 @@ def make_stub_env(into: Path, stub_site: Path | None) -> Path:
     # Plain lines are appended to sys.path; `import` lines run (addsitedir also processes that dir's .pth files).
     lines = [p if not p.endswith("site-packages") else f"import site; site.addsitedir({p!r})"
              for p in stub_python_path()]
+    # No __pycache__ written into the model repository when the stub imports model.py: a bytecode file there would
+    # run instead of the checked model.py (check_repository refuses one). The stub's interpreter ignores
+    # PYTHONDONTWRITEBYTECODE; this line runs before any model is imported.
+    lines.append("import sys; sys.dont_write_bytecode = True")
     (sp / "dflash_serving.pth").write_text("\n".join(lines) + "\n")
     return into / "bin"
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
 from dflash_export.deploy.handler import prompt_char_limit
+from dflash_export.deploy.repository import check_repository
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -433,8 +434,10 @@ class TritonServer:
             env[CANCEL_DIR_ENV] = str(cancel_dir)
             if self.log_path is not None and self._log_file is None:
                 try:
-                    self._log_file = open(self.log_path, "a" if self.restarts else "w", encoding="utf-8",
-                                          errors="replace")
+                    # Owner-only, like the default log: it carries what the models print about requests.
+                    fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if self.restarts
+                                                                            else os.O_TRUNC), 0o600)
+                    self._log_file = open(fd, "a" if self.restarts else "w", encoding="utf-8", errors="replace")
                 except OSError as e:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
             self._stopping = False
@@ -499,9 +502,11 @@ class TritonServer:
                                                                 "python_env": sorted(self._python_envs)}))
 
     def restart(self) -> "TritonServer":
-        """After tritonserver died on its own: clear what it left, start a new one behind the same front."""
+        """After tritonserver died on its own: clear what it left, start a new one behind the same front (on the
+        repository checked again: a model started anew reads its files anew)."""
         self.front.set_upstream(None)
         self._reap()
+        check_repository(self.repo)
         self.restarts += 1
         self._stranded = 0
         self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
@@ -720,6 +725,7 @@ class TritonServer:
         self._log.append(f"[dflash-export] reloading {', '.join(models)}: {why}\n")
         print(f"reloading {', '.join(models)} ({why}; {failed} request(s) in flight answered 503)",
               file=sys.stderr, flush=True)
+        check_repository(self.repo)  # the reload reads the model's files again: they must still be deploy's
         for model in models:
             # Unload first: a load of a loaded model whose files did not change since it was last loaded is a no-op
             # (its dead stub stays dead; so is a load carrying the same configuration), while a load of an
