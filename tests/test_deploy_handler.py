@@ -205,6 +205,89 @@ def test_the_text_tokenizer_is_made_once_at_the_first_text_that_needs_it():
     assert tok.decode(out[0]) == "<|im_start|>system"
 
 
+class _Scripted:
+    """A runtime that commits a fixed answer in steps of the given sizes, as DFlash steps commit several tokens."""
+
+    def __init__(self, codec, answer: list[int], steps: list[int]):
+        from types import SimpleNamespace
+
+        self.engine = SimpleNamespace(codec=codec, info=SimpleNamespace(max_seq_len=4096, block_size=8))
+        self.answer, self.steps = answer, steps
+
+    def encode(self, prompt, chat=True):
+        return [0]
+
+    def check_request(self, ids, sp):
+        pass
+
+    def stream(self, ids, sp, mode="dflash", stats=None):
+        from itertools import cycle
+
+        from dflash_export.runtime.single import StepEvent
+
+        done = 0
+        for n in cycle(self.steps):
+            new = self.answer[done:done + n]
+            done += len(new)
+            stats.tokens.extend(new)
+            yield StepEvent(new, None, done == len(self.answer), "length" if done == len(self.answer) else None)
+            if done == len(self.answer):
+                return
+
+
+ANSWER = "ok 🙂🙂👍🏽 naïve café 日本語 🙂 end"
+
+
+@pytest.mark.parametrize("steps", [[1], [2], [3], [8], [5, 1, 7], [len(ANSWER.encode())]],
+                         ids=lambda s: "steps" + "-".join(map(str, s)))
+@pytest.mark.parametrize("stops", [["ok 🙂"], ["🙂🙂"], ["🙂"], ["é 日"], ["語 🙂 end"], ["🏽 na"], ["absent"],
+                                   ["é 日本語 🙂", "日本"], ["absent", "👍🏽 naïve", "🏽"]], ids=ascii)
+def test_a_stop_string_cuts_the_same_text_and_count_wherever_the_steps_end(stops, steps):
+    """One token per byte (a byte-level BPE without merges), so characters span tokens: whatever the steps commit,
+    the chunks never show U+FFFD or any part of a stop string, join to the tokenizer's own decode of the answer cut
+    before the stop string completed first, and count the tokens up to the one that completes it."""
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner
+    from dflash_export.engines.base import SamplingParams
+
+    codec, tok = _chat_codec()
+    answer = tok.encode(ANSWER, add_special_tokens=False).ids
+    whole = tok.decode(answer)
+    assert len(answer) == len(ANSWER.encode()) and whole == ANSWER
+    runner = RequestRunner(_Scripted(codec, answer, steps))
+    chunks = list(runner.run(GenerateRequest("hi", SamplingParams(max_new_tokens=len(answer)), stop=stops)))
+    assert not any("\ufffd" in c.text for c in chunks)
+    found = [(whole.index(s) + len(s), whole.index(s)) for s in stops if s in whole]
+    if not found:
+        assert "".join(c.text for c in chunks) == whole and chunks[-1].finish_reason == "length"
+        assert chunks[-1].completion_tokens == len(answer)
+        return
+    end, begin = min(found)  # the stop string completed first (of two completed by one token, the earlier)
+    assert "".join(c.text for c in chunks) == whole[:begin] and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].completion_tokens == len(whole[:end].encode())
+
+
+def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
+    """Stop strings taken from the greedy answer: DFlash steps that commit several tokens (context lookups accept
+    runs of the repeated text) answer the text and completion_tokens of plain decoding (one token a step), the text
+    being the whole answer cut before the stop string."""
+    from dflash_export.deploy.handler import RequestRunner, generate_text, parse_request
+    from dflash_export.runtime.single import DFlashRuntime
+
+    plain = RequestRunner(direct.runtime, "ar")
+    dflash = RequestRunner(DFlashRuntime(direct.runtime.engine, proposer="lookup"))
+    inputs = {"text_input": b"stream me", "max_tokens": np.array([40], np.int64)}
+    whole = generate_text(plain, parse_request(getter(**inputs))).text.rstrip("\ufffd")
+    assert max(generate_text(dflash, parse_request(getter(**inputs))).step_stats["acceptance_lengths"]) > 1
+    stops = {whole[i:i + n] for i in range(0, len(whole) - 3, 2) for n in (1, 2, 3, 5)} - {""}
+    for stop in sorted(stops):
+        req = {**inputs, "stop": np.array([stop.encode()], dtype=np.object_)}
+        want = generate_text(plain, parse_request(getter(**req)))
+        got = generate_text(dflash, parse_request(getter(**req)))
+        assert want.text == whole[:whole.index(stop)] and want.finish_reason == "stop", stop
+        assert (got.text, got.finish_reason, got.completion_tokens) == \
+            (want.text, want.finish_reason, want.completion_tokens), stop
+
+
 def test_sampling_without_a_seed_is_a_fresh_draw_each_time(direct):
     """temperature > 0 and no seed: every request draws anew (OpenAI clients expect that); a seed repeats its draw."""
     common = dict(text_input=b"Once upon a time", max_tokens=np.array([24], np.int64),

@@ -48,6 +48,23 @@ def test_streaming_yields_the_same_tokens_and_stops(rt):
     assert isinstance(text, str) and len(stats.tokens) == 8 and stats.finish_reason == "length"
 
 
+def test_streamed_text_cut_by_max_new_tokens_is_the_served_answer(rt):
+    """`run` prints stream_text: the tokenizer's decode of every token generated, less the incomplete UTF-8 tail a
+    max_new_tokens cut can leave (never a U+FFFD at the end), and the same text the request handler answers."""
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+
+    cut_in_char = 0
+    for n in range(1, 30):
+        sp = SamplingParams(max_new_tokens=n)
+        stats = RunStats()
+        text = "".join(rt.stream_text("café 🎉", sp, chat=False, stats=stats))
+        full = rt.engine.codec.decode(stats.tokens)
+        assert text == (full.rstrip("\ufffd") if stats.finish_reason == "length" else full), n
+        assert text == generate_text(RequestRunner(rt), GenerateRequest("café 🎉", sp, chat=False)).text, n
+        cut_in_char += stats.finish_reason == "length" and full.endswith("\ufffd")
+    assert cut_in_char  # some cut fell inside a multi-byte character (else this proves nothing)
+
+
 @pytest.mark.parametrize("ids,settings,field", [
     ([], {}, "text_input"),
     ([1, 2], {"max_new_tokens": 0}, "max_tokens"),

@@ -298,17 +298,27 @@ class RequestRunner:
                                       **({"cancelled": ask_queued} if polls else {})):
             if cancelled is not None and not ev.finished and (why := cancelled()):
                 raise RequestCancelled(why)
+            before = len(tokens)
             tokens.extend(ev.tokens)
             text = codec.decode(tokens)
             reason = ev.finish_reason if ev.finished else None
-            cut = _first_stop(text, req.stop, max(0, shown - hold))
+            kept = len(stats.tokens)
+            start = max(0, shown - hold)
+            cut = _first_stop(text, req.stop, start)
             if cut is not None:
-                text, reason = text[:cut], "stop"
+                # Stop where steps of one token would have: at the first token that completes a stop string. A DFlash
+                # step commits several, and neither the text (stop strings may overlap) nor the count of tokens may
+                # depend on where the steps ended.
+                for kept in range(before + 1, len(tokens) + 1):
+                    upto = codec.decode(tokens[:kept]) if kept < len(tokens) else text
+                    if (cut := _first_stop(upto, req.stop, start)) is not None:
+                        break
+                text, reason = upto[:cut], "stop"
             if reason is None:
-                # Never split a multi-byte character or a possible stop string across chunks.
-                safe = len(text) - hold
-                while safe > shown and text[safe - 1] == "\ufffd":
-                    safe -= 1
+                # Never split a multi-byte character or a possible stop string across chunks: the stop string may
+                # begin in the last `hold` characters of the complete text (an incomplete UTF-8 tail decodes as
+                # U+FFFD, which is no character of the answer yet).
+                safe = len(text.rstrip("\ufffd")) - hold
                 if safe <= shown:
                     continue
                 delta, shown = text[shown:safe], safe
@@ -318,7 +328,7 @@ class RequestRunner:
                 delta, shown = text[shown:], len(text)
             final = {"acceptance_lengths": list(stats.acceptance_lengths), "draft_s": round(stats.draft_s, 6),
                      "verify_s": round(stats.verify_s, 6)} if reason is not None else None
-            yield Chunk(delta, reason, len(stats.tokens), stats.accepted_tokens, stats.drafted_tokens, stats.tau,
+            yield Chunk(delta, reason, kept, stats.accepted_tokens, stats.drafted_tokens, stats.tau,
                         len(ids), final)
             if reason is not None:
                 return

@@ -486,6 +486,8 @@ class DFlashRuntime:
         for ev in self.stream(ids, sp, mode, stats):
             done.extend(ev.tokens)
             text = codec.decode(done)
+            if ev.finish_reason == "length" and len(text.rstrip("\ufffd")) >= len(shown):
+                text = text.rstrip("\ufffd")  # cut mid-character by max_new_tokens: its incomplete tail never shows
             if ev.finished or not text.endswith("\ufffd"):
                 yield text[len(shown):]
                 shown = text
