@@ -50,10 +50,12 @@ def read_json_object(path: str | os.PathLike) -> dict:
 
 
 @contextmanager
-def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` only if the block completes.
 
-    A half-written directory is removed on any exception, so it can never be taken for a finished artifact.
+    A half-written directory is removed on any exception, so it can never be taken for a finished artifact. With
+    `what` ("the engine"), a write that fails naming no file (a full disk: a write's OSError carries no path) or a
+    file of the removed temporary directory is one error naming `final`.
     """
     final = Path(final)
     try:
@@ -72,8 +74,11 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None) -> Iterator[P
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if what and isinstance(e, OSError) and e.errno is not None and (
+                e.filename is None or Path(str(e.filename)).is_relative_to(tmp)):
+            raise DFlashError(f"cannot write {what} ({e.strerror or e})", path=final, field=field) from None
         raise
 
 

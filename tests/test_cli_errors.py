@@ -233,6 +233,54 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
     assert (tmp_path / "onnxruntime" / "manifest.json").is_file()
 
 
+def test_a_write_that_fails_without_a_path_names_the_output_and_leaves_nothing(tmp_path):
+    """A full disk fails a write with an OSError that names no file: an output written with `what` is named in one
+    error (not nothing, not its removed temporary sibling); an input's own error keeps its name; without `what` the
+    caller's own handler sees the OSError."""
+    import errno
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import atomic_dir
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(DFlashError) as e:
+        with atomic_dir(tmp_path / "onnxruntime", field="--out", what="the engine") as tmp:
+            (tmp / "part").write_text("half")
+            raise full
+    assert str(e.value) == f"{tmp_path / 'onnxruntime'}: --out: cannot write the engine ({os.strerror(errno.ENOSPC)})"
+    with pytest.raises(DFlashError, match="cannot write the engine"):
+        with atomic_dir(tmp_path / "onnxruntime", what="the engine") as tmp:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "target.onnx"))
+    missing = tmp_path / "in" / "config.json"
+    with pytest.raises(FileNotFoundError) as e:
+        with atomic_dir(tmp_path / "onnxruntime", what="the engine"):
+            missing.read_text()
+    assert e.value.filename == str(missing)
+    with pytest.raises(OSError):
+        with atomic_dir(tmp_path / "onnxruntime"):
+            raise full
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["export", "build"])
+def test_a_full_disk_during_export_or_build_is_one_line_naming_the_output(tmp_path, monkeypatch, command):
+    import errno
+
+    from dflash_export import export as export_mod
+    from dflash_export.engines import ort_build
+
+    def full_disk(target, drafter, out, **kw):
+        (Path(out) / "target.onnx").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_mod, "export_models", full_disk)
+    monkeypatch.setattr(ort_build, "export_models", full_disk)
+    out = tmp_path / "out"
+    line = _one_error_line(_run(command, "--recipe", "tiny-qwen3", "--out", out))
+    assert os.strerror(errno.ENOSPC) in line and f"{out}" in line and "cannot write the " in line, line
+    assert not out.exists() or not any(out.rglob("*.onnx")), sorted(out.rglob("*"))
+
+
 def test_the_cli_imports_no_heavy_library_before_a_command_needs_it():
     """`dflash-export --help` (and every command's argument checks) must not pay for torch, onnx, onnxruntime or
     transformers: the package's own imports sit at module top, so a module importing one of them at its top would

@@ -104,7 +104,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     if drafter.config.is_dflash2 and draft_vocab is not None:
         raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
                           "whole vocabulary)", path=recipe.path, field="draft_vocab")
-    with removing_new_dirs(out_dir), atomic_dir(out_dir) as tmp:
+    with removing_new_dirs(out_dir), atomic_dir(out_dir, what="the engine") as tmp:
         _stage("exporting and optimizing the graphs")
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)

@@ -378,7 +378,7 @@ def build_tensorrt(recipe, out_dir, max_batch: int = DEFAULT_MAX_BATCH, implemen
     if recipe.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise DFlashError("this GPU has no bfloat16 support", path=recipe.path, field="dtype")
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, what="the engine") as tmp:
         res = export_recipe(recipe, tmp / "onnx", ort_flavor=True)
         serving = write_serving_files(recipe, drafter, tmp)
         facts = build_tensorrt_engines(tmp / "onnx", tmp, recipe, implementation=implementation)

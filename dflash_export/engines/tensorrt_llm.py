@@ -232,7 +232,7 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
         except DFlashError:
             pass  # stale or damaged: rebuild
 
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, what="the engine") as tmp:
         drafter_cfg = write_normalized_drafter(drafter_src, tmp / DRAFTER_DIR, recipe.dtype, recipe.block_size)
         block_size = int(drafter_cfg["block_size"])
         _check_trtllm_options(recipe, block_size)

@@ -194,7 +194,7 @@ def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
     th = recipe.thresholds
     with removing_new_dirs(out_dir):
-        with atomic_dir(out_dir) as tmp:
+        with atomic_dir(out_dir, what="the export") as tmp:
             res = export_models(target, drafter, tmp, recipe_name=recipe.name, block_size=recipe.block_size,
                                 max_len=recipe.max_seq_len, logits_atol=th.logits_atol, ctx_atol=th.ctx_atol,
                                 ort_flavor=ort_flavor)
