@@ -186,10 +186,7 @@ def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
                 (staging / names["json"]).write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
                 (staging / names["md"]).write_text(render_markdown(report))
                 _plots(report, staging)
-                umask = os.umask(0)
-                os.umask(umask)
-                for name in names.values():
-                    os.chmod(staging / name, 0o666 & ~umask)
+                for name in names.values():  # created by open(): the umask's modes, as written in place
                     os.replace(staging / name, out / name)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
