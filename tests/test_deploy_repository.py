@@ -530,3 +530,59 @@ def test_a_deploy_of_both_models_is_served_and_a_changed_engine_is_refused(tmp_p
     assert f"dflash_repository.json: format: written by another version of dflash-export (repository format 1; " \
            f"this version serves format {REPO_FORMAT}): deploy again" in refused(
                lambda r: (r / MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k != "format"})))
+
+
+def test_the_repository_cache_keeps_what_serve_can_reuse_and_never_what_a_server_runs_from(tmp_path, engine_dir,
+                                                                                          monkeypatch):
+    """Each repository `serve --engine` caches holds a full copy of its engine. Asking for one removes those no
+    `serve --engine` would pick again (engine rebuilt or gone, other code, a killed writer's temporary directory)
+    and keeps the most recently used reusable ones, but never one a running server holds."""
+    from dflash_export.deploy import repository
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    repos = tmp_path / "cache" / "repos"
+    monkeypatch.setattr(repository, "_held_locks", [])
+
+    def serve(engine, **options):  # a server starting: it holds its repository until `exit`
+        return repository.cached_repository(engine, **options), repository._held_locks[-1]
+
+    def exit(server):
+        server[1].close()
+
+    def cached():
+        return sorted(p.name for p in repos.iterdir())
+
+    engine = copy_engine(engine_dir, tmp_path / "engine")
+    other = copy_engine(engine_dir, tmp_path / "other")
+    a1 = serve(engine, max_batch=1)
+    exit(a1)
+    a2 = serve(engine, max_batch=2)  # another option: a1 stays reusable
+    assert cached() == sorted([a1[0].name, a2[0].name])
+    # A rebuilt engine (its manifest's bytes differ) never reuses the old repositories: the free one goes, the one a
+    # server still runs from stays until that server exits.
+    manifest = json.loads((engine / "manifest.json").read_text())
+    (engine / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    a3 = serve(engine, max_batch=1)
+    assert a3[0] != a1[0] and cached() == sorted([a2[0].name, a3[0].name])
+    assert (a2[0] / MARKER).is_file() and repository.check_repository(a2[0])
+    exit(a2)
+    exit(a3)
+    stale = repos / f".{a1[0].name}.tmp-999999-x"  # a writer killed mid-copy (no process 999999 on test machines)
+    live = repos / f".{a1[0].name}.tmp-{os.getpid()}-y"  # a writer still copying
+    stale.mkdir()
+    live.mkdir()
+    again = serve(engine, max_batch=1)
+    assert again[0] == a3[0] and (again[0] / MARKER).stat().st_ino == (a3[0] / MARKER).stat().st_ino  # reused
+    assert cached() == sorted([a3[0].name, live.name])
+    exit(again)
+    live.rmdir()
+    # The reusable ones past the newest four go, least recently used first; a deleted engine's go at once.
+    servers = []
+    for b in range(1, 6):
+        servers.append(serve(other, max_batch=b))
+        exit(servers[-1])
+    assert cached() == sorted(s[0].name for s in servers)  # a3, used least recently, went with the fifth
+    shutil.rmtree(other)
+    last = serve(engine, max_batch=3)
+    assert cached() == [last[0].name]
+    exit(last)

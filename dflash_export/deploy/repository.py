@@ -502,11 +502,32 @@ def shared_batch_note(precision, max_batch) -> str | None:
             f"graphs' last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
 
 
+CACHED_REPOSITORIES_KEPT = 4  # repositories `serve --engine` can reuse, kept beside the one in use (the newest used)
+_held_locks: list = []  # this process's shared locks on the cached repositories it serves from, held until it exits
+
+
+def _cached_name(engine: Path, manifest_bytes: bytes, recipe: str | None, instances: int, max_batch: int,
+                 plain: bool) -> str:
+    """The cache's directory name for these inputs: a hash of the engine's manifest and path, the options and this
+    project's repository code, so a rebuilt engine or a changed model.py never reuses an old repository."""
+    import hashlib
+
+    key = hashlib.sha256()
+    for part in (manifest_bytes, str(engine).encode(), f"{instances}/{max_batch}/{plain}".encode(),
+                 Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
+        key.update(hashlib.sha256(part).digest())
+    return f"{(recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
+
+
 def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False) -> Path:
     """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
-    engine's manifest, the options and this project's model code, then reused (checked again on every start)."""
+    engine's manifest, the options and this project's model code, then reused (checked again on every start).
+
+    Each holds a full copy of its engine, so the cache is pruned whenever one is asked for: a repository no
+    `serve --engine` would pick again (its engine rebuilt or gone, or written by other code) is removed, and of the
+    reusable ones only the CACHED_REPOSITORIES_KEPT most recently used stay. A repository a running server uses
+    (this process keeps a shared lock on it until it exits) is never removed."""
     import fcntl
-    import hashlib
 
     from dflash_export.files import cache_dir
 
@@ -516,27 +537,105 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
     manifest = check_engine_manifest(engine)
     if max_batch is None:
         max_batch = 8 if BACKENDS[manifest.backend].batched else 1
-    key = hashlib.sha256()
-    for part in ((engine / "manifest.json").read_bytes(), str(engine).encode(),
-                 f"{instances}/{max_batch}/{plain}".encode(),
-                 Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
-        key.update(hashlib.sha256(part).digest())
-    repo = cache_dir() / "repos" / f"{(manifest.recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
+    repos = cache_dir() / "repos"
+    repo = repos / _cached_name(engine, (engine / "manifest.json").read_bytes(), manifest.recipe, instances,
+                                max_batch, plain)
     # Two `serve`s of one engine starting at once must not both write it: the second would rename the first's
-    # repository away under its starting server. One writes under the lock; the other waits, then reuses it.
-    locks = repo.parent.parent / "locks"
+    # repository away under its starting server. One writes under the write lock; the other waits, then reuses it.
+    # The use lock, shared, is held from before the check until this process exits: pruning takes both, never
+    # blocking, so it passes over a repository a server runs from or is about to.
+    locks = repos.parent / "locks"
     try:
         locks.mkdir(parents=True, exist_ok=True)
-        lock = open(locks / f"repo-{repo.name}.lock", "a")
+        use = open(locks / f"repo-{repo.name}.use", "a")
     except OSError as e:
         raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=locks,
                           field="--engine") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (repo / MARKER).is_file():
+    try:
+        fcntl.flock(use, fcntl.LOCK_SH)
+        os.utime(use.fileno())  # last use, for the pruning below
+        with open(locks / f"repo-{repo.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
+                if not (repo / MARKER).is_file():
+                    raise DFlashError("not written yet")
                 check_repository(repo)
-                return repo
-            except DFlashError:
-                pass  # stale or damaged: written again below
-        return write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
+            except DFlashError:  # not there, stale or damaged: written again
+                write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
+    except OSError as e:
+        use.close()
+        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=locks,
+                          field="--engine") from None
+    except BaseException:
+        use.close()
+        raise
+    _held_locks.append(use)
+    _prune_repository_cache(repos, locks, keep=repo)
+    return repo
+
+
+def _prune_repository_cache(repos: Path, locks: Path, keep: Path) -> None:
+    """Remove from `repos` what `cached_repository` would never reuse, and the reusable repositories past the
+    CACHED_REPOSITORIES_KEPT most recently used. Only directories whose locks are free are touched (none in use or
+    being written); a temporary directory is removed only when the process that wrote it is gone."""
+    import fcntl
+    import re
+    from contextlib import ExitStack
+
+    from dflash_export.files import _remove_stale_temps
+
+    def remove_if(d: Path, condition) -> None:
+        with ExitStack() as held:
+            try:
+                for suffix in ("lock", "use"):
+                    f = held.enter_context(open(locks / f"repo-{d.name}.{suffix}", "a"))
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # BlockingIOError: being written, served from, or about to be
+                return
+            if condition(d, f):
+                _remove_tree(d)
+
+    def dead(d: Path, use) -> bool:
+        if _reusable(d):
+            reusable.append((os.stat(use.fileno()).st_mtime, d))
+            return False
+        return True
+
+    try:
+        entries = sorted(repos.iterdir())
+    except OSError:
+        return
+    reusable = []
+    for d in entries:
+        if d == keep:
+            continue
+        m = re.match(r"^\.(.+)\.(?:tmp-\d+-.+|old-\d+)$", d.name)
+        if m:  # left by a writer that was killed
+            _remove_stale_temps(repos / m.group(1))
+            continue
+        remove_if(d, dead)
+    reusable.sort(reverse=True)
+    for _, d in reusable[CACHED_REPOSITORIES_KEPT:]:
+        remove_if(d, lambda d, use: True)
+
+
+def _reusable(repo: Path) -> bool:
+    """Whether `cached_repository` could pick `repo` again: its marker names an engine whose manifest, with the
+    marker's options and this code, hashes to the directory's own name."""
+    try:
+        marker = json.loads((repo / MARKER).read_text())
+        engine = Path(marker["engine"])
+        options = marker["instances"], marker["max_batch"], marker["plain"]
+        if not (isinstance(marker.get("recipe"), (str, type(None))) and all(type(o) is int for o in options[:2])
+                and type(options[2]) is bool):
+            return False
+        return repo.name == _cached_name(engine, (engine / "manifest.json").read_bytes(), marker["recipe"], *options)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return False
+
+
+def _remove_tree(d: Path) -> None:
+    if d.is_symlink() or not d.is_dir():
+        d.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(d, ignore_errors=True)
