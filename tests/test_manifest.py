@@ -130,6 +130,8 @@ def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
     (lambda m: m.update(selector="top-4"), "selector"),
     (lambda m: m.update(selector={"top_k": 1, "rank": 8}), "selector.top_k"),
     (lambda m: m.update(precision={"target": 8}), "precision.target"),
+    (lambda m: m.update(precision={"target": "int3"}), "precision.target"),
+    (lambda m: m["precision"].update(drafter="fp16"), "precision.drafter"),
 ])
 def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_path, edit, field):
     from click.testing import CliRunner

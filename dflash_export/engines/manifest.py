@@ -25,7 +25,7 @@ from dflash_export.engines.base import EngineInfo, _is_int, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
-from dflash_export.recipes import BACKENDS, RECIPES_DIR
+from dflash_export.recipes import BACKENDS, PRECISIONS, RECIPES_DIR
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -423,6 +423,8 @@ def validate_manifest(manifest, path) -> Manifest:
         for k, v in f.mapping("precision").items():
             if not isinstance(v, str):
                 raise f.bad(f"precision.{k}", f"expected a string, got {_kind(v)}")
+            if v not in PRECISIONS:  # read by `deploy` / `serve` (the shared-batch note) and by rebuild commands
+                raise f.bad(f"precision.{k}", f"expected one of {', '.join(PRECISIONS)}, got {v[:40]!r}")
     return _typed(manifest, path, selector, plugins)
 
 
