@@ -1,7 +1,7 @@
 """Power of `validate`'s T>0 distribution check against the planted sampling faults (dflash_export/validate/faults.py),
 and its false-alarm rate on the correct sampler: the measurement behind the default sample size.
 
-    python benchmarks/sampling_power.py                          # defaults: the validate defaults, 20 seeds
+    python benchmarks/sampling_power.py                          # defaults: validate --full's, 20 seeds
     python benchmarks/sampling_power.py --samples 100,200,400 --seeds 10 --faults residual_from_p
     python benchmarks/sampling_power.py --proposer tree+lookup --temperature 1.0 --top-k 20 --top-p 0.95 \
         --faults none,top_p_off_by_one,temperature_twice,walk_one_uniform,walk_parent_row,walk_argmax_child

@@ -460,7 +460,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds before the RSS baseline is taken")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    ap.add_argument("--short", action="store_true", help="tiny engine, 4 clients, 20 s, 5 s warm-up")
+    ap.add_argument("--short", action="store_true", help="tiny engine, 4 clients, 40 s, 5 s warm-up")
     ap.add_argument("--slowloris", type=int, default=64, help="connections kept trickling a byte a second")
     ap.add_argument("--fault-every", type=float, default=120.0,
                     help="seconds between faults (kill -9 of a model stub, then of tritonserver; 0: none)")

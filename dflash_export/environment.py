@@ -48,7 +48,7 @@ LIBRARIES = (
     Library("gguf", "gguf", _extra("gguf"), "GGUF targets"),
     Library("tritonclient", "tritonclient", _extra("triton-client"), "benchmarks/triton_bench.py"),
     Library("triton", "triton", _extra("kernels"), "build --backend tensorrt (the plugins' kernels)"),
-    Library("tensorrt", "tensorrt", _extra("tensorrt"), "build / run --backend tensorrt (NVIDIA GPU)"),
+    Library("tensorrt", "tensorrt", _extra("tensorrt"), "build --backend tensorrt and its engines (NVIDIA GPU)"),
     Library("tensorrt_llm", "tensorrt-llm", "from NVIDIA's index (docs/gpu.md)", "build --backend tensorrt-llm (GPU)"),
 )
 _BY_MODULE = {lib.module: lib for lib in LIBRARIES}

@@ -1,6 +1,7 @@
 """The README's commands run verbatim: every ```bash line and ```python block of README.md, in order, from the
 repository root (`./dev test` excepted: it is this suite). A `dflash-export serve` line starts the server in the
-background (the README says to run the client in another terminal); it is stopped at the end."""
+background (the README says to run the client in another terminal); it is stopped at the end. Every command line of
+README.md and docs/*.md parses: its command and options exist, its values are accepted, the scripts it names exist."""
 
 from __future__ import annotations
 
@@ -50,6 +51,101 @@ def test_readme_published_pair_and_install_lines_parse():
         words = shlex.split(ln)
         main.commands[words[1]].make_context(words[1], words[2:])
     assert "--engine engines/qwen3-8b/onnxruntime" in lines[-1]
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# A command at the start of a line or code span: `dflash-export COMMAND` or a script of the repository run by python,
+# after environment assignments or `nice` if any.
+_COMMAND = re.compile(r"(?:[A-Z_]+=\S+\s+|nice -n \d+\s+)*(?:\./|\.venv/bin/)?"
+                      r"(?:dflash-export\s+[a-z]|python3?\s+(?:benchmarks|scripts|recipes|tests)/)")
+
+
+def doc_commands() -> list[tuple[str, bool, list[str]]]:
+    """Every command of README.md and docs/*.md as (where, whole, words): the lines of fenced blocks (continuations
+    joined, the shell variables the file's blocks set expanded; whole commands) and the inline code spans that start
+    with one (these may name an option without what the command requires). `...` elides options, `[x]` marks x
+    optional and `a|b` lists alternatives: one word list per alternative."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        fences = list(re.finditer(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M))
+        shell_vars = {}
+        for block in fences:
+            for line in block.group(1).splitlines():
+                if re.match(r"[A-Z]+=", line):  # E=...; S="..."
+                    for word in shlex.split(line):
+                        name, _, value = word.rstrip(";").partition("=")
+                        shell_vars[name] = value
+
+        def expand(s: str) -> str:
+            return re.sub(r"\$([A-Z]+)\b", lambda m: shell_vars.get(m.group(1), m.group(0)), s)
+
+        spans = []
+        for block in fences:
+            first = text.count("\n", 0, block.start(1)) + 1
+            lines = block.group(1).splitlines()
+            i = 0
+            while i < len(lines):
+                where, line = first + i, lines[i]
+                while line.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    line = line[:-1] + " " + lines[i].strip()
+                i += 1
+                line = expand(re.split(r"\s+#\s", line.strip())[0])
+                if _COMMAND.match(line):
+                    spans.append((where, True, line))
+        prose = re.sub(r"^```[a-z]*\n.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+        for m in re.finditer(r"`([^`]+)`", prose):
+            span = expand(" ".join(m.group(1).replace("\\|", "|").split()))
+            if _COMMAND.match(span):
+                spans.append((prose.count("\n", 0, m.start()) + 1, False, span))
+        for line_no, whole, span in spans:
+            words = [w.replace("[", "").replace("]", "") for w in shlex.split(span) if w != "..."]
+            words = words[words.index(next(w for w in words if w.endswith("dflash-export") or w.startswith("python"))):]
+            for k in range(max(len(w.split("|")) for w in words)):
+                found.append((f"{doc.relative_to(ROOT)}:{line_no}", whole,
+                              [w.split("|")[min(k, len(w.split("|")) - 1)] for w in words]))
+    return found
+
+
+def test_every_command_line_of_the_docs_parses():
+    """A `dflash-export` line parses with its command (options, values; a whole line lacks nothing required) and
+    `bench --modes` names known modes; a script line names a file of the repository and options that script takes."""
+    import click
+
+    from dflash_export.bench.suite import MODES as BENCH_MODES
+    from dflash_export.cli import main
+
+    commands = doc_commands()
+    assert len(commands) > 100, len(commands)
+    wrong = []
+    for where, whole, words in commands:
+        if words[0].endswith("dflash-export"):
+            name, args = words[1], words[2:]
+            if name not in main.commands:
+                wrong.append(f"{where}: no command {name!r}")
+                continue
+            try:
+                ctx = main.commands[name].make_context(name, list(args))
+            except click.MissingParameter as e:
+                if whole:
+                    wrong.append(f"{where}: {e.format_message()}")
+                continue
+            except click.ClickException as e:
+                wrong.append(f"{where}: {name}: {e.format_message()}")
+                continue
+            if name == "bench" and "--modes" in args:
+                wrong += [f"{where}: bench --modes {m}: no such mode" for m in ctx.params["modes"].split(",")
+                          if m not in BENCH_MODES]
+        else:
+            script = ROOT / words[1]
+            if not script.is_file():
+                wrong.append(f"{where}: {words[1]}: no such file")
+                continue
+            source = script.read_text()
+            wrong += [f"{where}: {words[1]} takes no {opt}" for opt in (w.split("=")[0] for w in words[2:])
+                      if opt.startswith("--") and f'"{opt}"' not in source]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.slow

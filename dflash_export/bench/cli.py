@@ -12,7 +12,8 @@ from dflash_export.recipes import recipe_from_options
 
 @click.command()
 @recipe_options
-@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime, built if absent].")
+@engine_option("A built engine directory [default: the recipe's onnxruntime engine at its precision, "
+               "engines/<recipe>/onnxruntime[-int8|-int4], built if absent].")
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))

@@ -40,7 +40,7 @@ from dflash_export.errors import DFlashError
               help="Deepest JSON nesting `serve` lets through (deeper: HTTP 400).")
 @click.option("--max-batch", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Sequences one instance decodes together: > 1 feeds its concurrent requests into one shared "
-                   "continuous batch (onnxruntime engines); 1 runs one request at a time.")
+                   "continuous batch (onnxruntime and tensorrt engines); 1 runs one request at a time.")
 @click.option("--max-queued-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="With --max-batch > 1: prompt tokens that may wait to join the batch (more: HTTP 503).")
 @click.option("--plain", is_flag=True,
@@ -48,7 +48,7 @@ from dflash_export.errors import DFlashError
                    "measured against.")
 def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
            max_json_depth, max_batch, max_queued_tokens, plain):
-    """Write a Triton model repository serving ENGINE (python backend running the DFlash runtime)."""
+    """Write a Triton model repository serving the --engine directory (python backend running the DFlash runtime)."""
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
                             decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
                             max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_batch=max_batch,
@@ -79,7 +79,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--model-name", default=None,
               help="The model id the OpenAI API serves (default: the engine's recipe name).")
 @click.option("--max-batch", default=None, type=click.IntRange(1, 256),
-              help="With --engine: sequences decoded together (default 8 for onnxruntime engines, else 1).")
+              help="With --engine: sequences decoded together (default 8 for the engines that batch, onnxruntime "
+                   "and tensorrt; else 1).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
               help="With --engine: model instances (processes).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,

@@ -535,8 +535,9 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         raise DFlashError("empty path: name a built engine directory", field="--engine")
     engine = Path(engine_dir).expanduser().resolve()
     manifest = check_engine_manifest(engine)
-    if max_batch is None:
-        max_batch = 8 if BACKENDS[manifest.backend].batched else 1
+    if max_batch is None:  # 8, or what a TensorRT engine's batched engines were built for when that is less
+        backend = BACKENDS[manifest.backend]
+        max_batch = min(8, backend.batch_bound(manifest) if backend.batch_bound else 8) if backend.batched else 1
     repos = cache_dir() / "repos"
     repo = repos / _cached_name(engine, (engine / "manifest.json").read_bytes(), manifest.recipe, instances,
                                 max_batch, plain)

@@ -149,7 +149,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             batch_bound=_tensorrt_batch_bound, serve_libraries=("tensorrt",)),
     # a TensorRT-LLM bundle is served by TensorRT-LLM itself (Triton's llmapi model), never opened here
     Backend("tensorrt-llm", _build_tensorrt_llm, None, _check_tensorrt_llm, served_by_dflash=False),
-    # the PyTorch reference as an engine (tests, `run --backend pytorch`): nothing to build
+    # the PyTorch reference as an engine (a manifest the tests write; no `build` makes one): nothing to build
     Backend("pytorch", None, _open_pytorch, _check_pytorch, serve_libraries=("torch",)),
 )}
 

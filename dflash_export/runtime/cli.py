@@ -81,7 +81,8 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
 @click.command()
 @recipe_options
 @click.option("--prompt", default=None, type=UTF8_TEXT,
-              help="Prompt text (chat template applied when the tokenizer has one).")
+              help="Prompt text (the chat template applied when the recipe asks for it and the tokenizer has one; "
+                   "a tiny pair's characters become ids). Default: the token ids 3..18.")
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
 @click.option("--seed", default=0, show_default=True, type=SEED)

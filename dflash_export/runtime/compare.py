@@ -39,7 +39,8 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
                           field="block_size" if recipe.block_size else "max_seq_len")
     if prompt is None or recipe.target.startswith("tiny:"):
         ids = list(range(3, 19)) if prompt is None else [ord(c) % (target.vocab_size - 2) for c in prompt]
-        click.echo(f"[{recipe.name}] tiny pair: token prompt {ids}")
+        kind = "tiny pair: token prompt" if recipe.target.startswith("tiny:") else "no --prompt: token ids"
+        click.echo(f"[{recipe.name}] {kind} {ids}")
     else:
         ids = encode_prompt(target.tokenizer, prompt, recipe.chat_template)
         if not ids:

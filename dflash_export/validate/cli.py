@@ -11,7 +11,8 @@ from dflash_export.validate.command import run_validate
 
 @click.command()
 @recipe_options
-@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime].")
+@engine_option("A built engine directory [default: engines/<recipe>/onnxruntime, or the recipe's one "
+               "quantized engine when only that was built].")
 @click.option("--suite", default=None,
               help="Named suite (validate/NAME.jsonl) or a .jsonl file [default: the recipe's].")
 @click.option("--num-prompts", default=None, type=click.IntRange(1),
