@@ -590,6 +590,21 @@ def test_sampled_requests_in_a_batch_are_plain_sampling_draw_for_draw(built, pro
         assert all(r.stats.verify_s > 0 for r in reqs) and sum(r.stats.draft_s for r in reqs) > 0
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("proposer, sampling", [("chain", "walk"), ("tree+lookup", "walk"), ("chain", "chain")])
+def test_sampled_requests_at_a_temperature_near_zero_decode_as_greedy(built, reference, proposer, sampling):
+    """T -> 0 in a batch (T 1e-310 or 5e-324: logits / T overflows float64, the tempered drafter scores float32):
+    every request gets the reference's greedy tokens, DFlash and plain alike."""
+    _, eng, _ = built
+    settings = [(1e-310, 0, 1.0), (5e-324, 20, 0.95), (1e-40, 0, 0.5)]
+    sps = [SamplingParams(max_new_tokens=32, temperature=t, top_k=k, top_p=p, seed=i)
+           for i, (t, k, p) in enumerate(settings)]
+    for mode in ("dflash", "ar"):
+        rt = BatchingRuntime(eng, max_batch=4, proposer=proposer, sampling=sampling)
+        for stats, want, sp in zip(rt.generate_many(PROMPTS[:3], sps, mode), reference, sps):
+            assert stats.tokens == want[:32], (mode, sp)
+
+
 def test_the_row_cost_is_fitted_from_the_target_calls_within_a_span_of_the_recorded_one(built):
     """Target calls timed as 1 + x r seconds (r rows) fit a = x / (1 + x), a row's cost against a one-row call:
     taken above the recorded cost (x = 0.2) and below it down to a quarter of it (x = 0.04 against the recorded

@@ -288,6 +288,54 @@ def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
             (want.text, want.finish_reason, want.completion_tokens), stop
 
 
+def test_fp32_fields_reach_the_model_as_values_it_takes_and_keep_their_meaning(direct):
+    """temperature and top_p reach the model as FP32 (Triton casts the JSON number): a top_p below FP32's smallest
+    positive value would arrive as 0 and a temperature beyond its range as inf, both refused there. The generate,
+    OpenAI and /infer bodies send FP32's own extremes instead: a top_p that small keeps only the most likely token
+    (the greedy answer at any temperature), and a temperature that large samples among every kept token evenly."""
+    from dflash_export.deploy.handler import check_generate_body, check_infer_body, parse_request
+    from dflash_export.deploy.openai_api import chat_request
+
+    common = dict(text_input=b"Once upon a time", max_tokens=np.array([24], np.int64),
+                  apply_chat_template=np.array([False]))
+    greedy = run_direct(direct, **common).text
+    for top_p in (1e-50, 5e-324):
+        sent = [check_generate_body({"text_input": "hi", "top_p": top_p})["top_p"],
+                chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": top_p},
+                             "m")[0]["top_p"],
+                check_infer_body({"inputs": [{"name": "top_p", "datatype": "FP32", "shape": [1],
+                                              "data": [top_p]}]})["inputs"][0]["data"][0]]
+        for value in sent:
+            fp32 = np.array([value], np.float32)
+            assert parse_request(getter(text_input=b"hi", top_p=fp32)).sp.top_p > 0
+            out = run_direct(direct, **common, top_p=fp32, temperature=np.array([1.5], np.float32),
+                             seed=np.array([3], np.uint64))
+            assert out.text == greedy
+    sent = check_generate_body({"text_input": "hi", "temperature": 1e39})["temperature"]
+    assert parse_request(getter(text_input=b"hi", temperature=np.array([sent], np.float32))).sp.temperature > 1e38
+    with pytest.raises(DFlashError, match="^temperature: .* out of FP32's range"):
+        check_infer_body({"inputs": [{"name": "temperature", "datatype": "FP32", "shape": [1], "data": [1e39]}]})
+    for huge in (10 ** 400, -(10 ** 400)):  # JSON's integers have no bound: compared, never made a float
+        with pytest.raises(DFlashError, match="^temperature: "):
+            check_infer_body({"inputs": [{"name": "temperature", "datatype": "FP32", "shape": [1], "data": [huge]}]})
+
+
+def test_openai_refuses_what_it_would_otherwise_ignore_or_fail_on():
+    """A completion's `logprobs` 0 asks for the chosen tokens' log probabilities (refused, as any logprobs); a
+    penalty given as an integer too large for a float is out of its range (a 400 naming it, not an exception)."""
+    from dflash_export.deploy.openai_api import OpenAIError, chat_request, completion_request
+
+    for value in (0, 1):
+        with pytest.raises(OpenAIError) as e:
+            completion_request({"model": "m", "prompt": "hi", "logprobs": value}, "m")
+        assert (e.value.status, e.value.param) == (400, "logprobs")
+    for key in ("presence_penalty", "frequency_penalty"):
+        for value in (10 ** 400, float("nan")):
+            with pytest.raises(OpenAIError) as e:
+                chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], key: value}, "m")
+            assert (e.value.status, e.value.param) == (400, key) and e.value.message.startswith(key)
+
+
 def test_sampling_without_a_seed_is_a_fresh_draw_each_time(direct):
     """temperature > 0 and no seed: every request draws anew (OpenAI clients expect that); a seed repeats its draw."""
     common = dict(text_input=b"Once upon a time", max_tokens=np.array([24], np.int64),

@@ -161,6 +161,8 @@ def test_openai_stream_ends_with_done_and_usage(front):
     ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ({"model": "tiny", "messages": []}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 10 ** 400}, 400,
+     "presence_penalty"),
 ])
 def test_openai_refusals_name_the_field_in_openai_error_shape(front, body, status, param):
     resp = raw(front, post("/v1/chat/completions", json.dumps(body).encode()))
@@ -197,6 +199,9 @@ def test_openai_refusals_name_the_field_in_openai_error_shape(front, body, statu
     (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "top_p", "datatype": "FP32", "shape": [1], '
                                      b'"data": [0]}]}'), 400),
     (post("/v2/models/dflash/generate", b'{"text_input": "x", "temperature": -1}'), 400),
+    # an integer too large for a float in an FP32 tensor
+    (post("/v2/models/dflash/infer", b'{"inputs": [{"name": "temperature", "datatype": "FP32", "shape": [1], '
+                                     b'"data": [1' + b"0" * 400 + b']}]}'), 400),
     (post("/v2/models/dflash/generate", b'{"text_input": "x"}trailing',
           "Inference-Header-Content-Length: 19\r\n"), 400),
 ])

@@ -35,6 +35,21 @@ def test_runtime_equals_reference_token_for_token(rt, temperature):
         assert rt.generate(ids, sp, mode="ar").tokens == ar.tokens
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("proposer, sampling", [("chain", "walk"), ("tree+lookup", "walk"), ("chain", "chain")])
+def test_a_temperature_near_zero_decodes_as_greedy(rt, proposer, sampling):
+    """T -> 0 is greedy decoding: sampled at T 1e-310 or 5e-324 (logits / T overflows float64), with top-k or
+    top-p, DFlash and plain decoding give the reference's greedy tokens."""
+    eng = rt.engine
+    runtime = DFlashRuntime(eng, proposer=proposer, sampling=sampling)
+    for seed, ids in enumerate([[5, 6, 7], list(range(3, 30)), [9, 9, 9, 9, 9, 9]]):
+        want = ar_generate(eng.target, ids, max_new_tokens=20).tokens
+        for temperature, top_k, top_p in [(1e-310, 0, 1.0), (5e-324, 20, 0.95)]:
+            sp = SamplingParams(max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            assert runtime.generate(ids, sp).tokens == want, (temperature, ids)
+            assert runtime.generate(ids, sp, mode="ar").tokens == want, (temperature, ids)
+
+
 def test_streaming_yields_the_same_tokens_and_stops(rt):
     ids = [9, 8, 7, 6]
     full = rt.generate(ids, SamplingParams(max_new_tokens=20))

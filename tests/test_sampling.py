@@ -4,7 +4,14 @@ adaptive-verification rule keeps exactly the draft prefix whose expected gain pa
 import numpy as np
 import pytest
 
-from dflash_export.decoding.sampling import top_probability, verify_length
+from dflash_export.decoding.sampling import (
+    probs_from_logits,
+    sample_from,
+    select_candidates,
+    tempered,
+    top_probability,
+    verify_length,
+)
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
 
@@ -30,3 +37,39 @@ def test_sampling_params_are_checked_when_made_naming_the_request_field(kwargs, 
         SamplingParams(**kwargs)
     assert e.value.field == field
     SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=0).check()  # the edges pass
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("temperature", [1e-300, 1e-310, 5e-324])
+def test_a_temperature_near_zero_puts_all_mass_on_the_largest_logit(temperature):
+    """softmax(logits / T) as T -> 0: probability 1 on the largest logit (shared evenly by exact ties), whatever top-k
+    and top-p keep; every draw is the argmax. A T this small overflows logits / T in float64 (and in float32 the
+    tempered scores drafting confidences come from)."""
+    logits = (np.random.default_rng(0).normal(size=(4, 50)) * 5).astype(np.float32)
+    one_hot = np.eye(50)[logits.argmax(-1)]
+    for top_k, top_p in [(0, 1.0), (5, 1.0), (0, 0.9), (5, 0.5), (1, 1.0)]:
+        probs = probs_from_logits(logits, temperature, top_k, top_p)
+        np.testing.assert_array_equal(probs, one_hot)
+        assert [sample_from(p, u) for p, u in zip(probs, [0.0, 0.3, 0.7, 0.999])] == list(logits.argmax(-1))
+    tied = np.zeros(50)
+    tied[[7, 30]] = 2.0
+    for top_k in (0, 5):
+        np.testing.assert_array_equal(probs_from_logits(tied, temperature, top_k), np.eye(50)[[7, 30]].sum(0) / 2)
+    scores = tempered(logits, temperature)
+    assert scores.dtype == np.float32 and (scores.argmax(-1) == logits.argmax(-1)).all()
+    np.testing.assert_array_equal(top_probability(scores), np.ones(4, np.float32))
+    np.testing.assert_array_equal(tempered(logits, 0.5), logits / np.float32(0.5))  # an ordinary T: unchanged
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_candidate_selector_at_a_temperature_near_zero_selects_as_greedy():
+    """DFlash 2's selector sampling its candidates at T -> 0 draws the best-scoring one: its greedy choice."""
+    rng = np.random.default_rng(1)
+    n, v, r = 6, 40, 4
+    logits, projected = rng.normal(size=(n, v)) * 4, rng.normal(size=(n, r))
+    pred, succ = rng.normal(size=(v, r)), rng.normal(size=(v, r))
+    greedy, _ = select_candidates(logits, projected, pred, succ, 3, 5, 0.0)
+    for temperature in (1e-310, 5e-324):
+        tokens, probs = select_candidates(logits, projected, pred, succ, 3, 5, temperature, rng.random(n))
+        assert list(tokens) == list(greedy)
+        np.testing.assert_array_equal(probs, np.eye(v)[greedy])

@@ -22,6 +22,8 @@ DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16
 INT64_MAX = (1 << 63) - 1   # max_tokens travels as INT64
 UINT64_MAX = (1 << 64) - 1  # seed travels as UINT64
+FP32_MAX = 3.4028234663852886e38  # temperature and top_p travel as FP32: its largest value
+FP32_TINY = 2.0 ** -149           # and its smallest positive one
 
 # name -> (integer field, lowest, highest, lowest excluded)
 _RANGES = {
@@ -80,6 +82,19 @@ def check_field(name: str, value, field: str | None = None):
         raise DFlashError(f"must be in ({lo:g}, {hi:g}], got {value:g}", field=field)
     if not lo_open and value < lo:
         raise DFlashError(f"must be >= {lo:g}, got {value:g}", field=field)
+    return value
+
+
+def as_fp32(name: str, value):
+    """A checked field's value as it is sent to the model, whose `temperature` and `top_p` inputs are FP32: rounded
+    there, a temperature beyond FP32's range would arrive as inf and a top_p below its smallest positive value as 0,
+    both refused by the model. They are sent as FP32's largest value (any temperature that large makes every kept
+    token equally likely in float64) and its smallest positive one (a top_p below the most likely token's
+    probability keeps that token alone). Other values are returned as they are."""
+    if name == "temperature" and value > FP32_MAX:
+        return FP32_MAX
+    if name == "top_p" and value < FP32_TINY:
+        return FP32_TINY
     return value
 
 

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
+TINY_TEMPERATURE = 1e-20  # below it, dividing logits by T is checked for overflow (the T -> 0 limit taken instead)
+
 
 def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
-    x = np.asarray(logits, dtype=np.float64) / temperature
+    logits = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        x = logits / temperature
+        # Only a T below TINY_TEMPERATURE can overflow float64 with float32 logits (|logit| <= 3.4e38); then each row
+        # less its maximum, divided, is 0 at the maximum and -inf (probability 0) or finite below: the limit T -> 0.
+        if temperature < TINY_TEMPERATURE and np.isinf(x).any():
+            x = (logits - logits.max(axis=-1, keepdims=True)) / temperature
     if not (top_k and 0 < top_k < x.shape[-1]):
         return _softmax_nucleus(x, top_p)
     # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied with it
@@ -29,6 +37,23 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
     for r, (keep, p) in enumerate(kept):
         out[r, keep if len(keep) else slice(None)] = p
     return out.reshape(x.shape)
+
+
+def tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """logits / temperature in float32: scores whose softmax is the tempered distribution (what a sampled step's
+    drafter confidences and tree scores are taken from). A temperature so small that the quotient overflows float32,
+    or rounds to 0 in it, gives the same scores less each row's maximum, computed in float64: 0 at the maximum, -inf
+    or a finite negative below it."""
+    x = np.asarray(logits, np.float32)
+    t = np.float32(temperature)
+    if temperature >= TINY_TEMPERATURE:  # no model's logit reaches 3.4e38 * TINY_TEMPERATURE: no overflow to check
+        return x / t
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        out = x / t
+        if t > 0 and np.isfinite(out).all():
+            return out
+        x64 = x.astype(np.float64)
+        return ((x64 - x64.max(axis=-1, keepdims=True)) / temperature).astype(np.float32)
 
 
 def _softmax_nucleus(x: np.ndarray, top_p: float) -> np.ndarray:
@@ -87,7 +112,10 @@ def select_candidates(logits: np.ndarray, projected: np.ndarray, predecessor: np
         if temperature <= 0:
             index = int(np.argmax(scores))
         else:
-            x = scores / temperature
+            with np.errstate(over="ignore"):
+                x = scores / temperature
+                if not np.isfinite(x).all():  # T so small the quotient overflows: the scores less their maximum
+                    x = (scores - scores.max()) / temperature
             q = np.exp(x - x.max())
             q /= q.sum()
             index = sample_from(q, uniforms[i])

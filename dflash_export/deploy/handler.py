@@ -20,9 +20,11 @@ import numpy as np
 from dflash_export.decoding.request import (
     DEFAULT_MAX_TOKENS,
     FIELDS,
+    FP32_MAX,
     INT64_MAX,
     UINT64_MAX,
     SamplingParams,
+    as_fp32,
     check_field,
     check_unicode,
     json_kind,
@@ -172,7 +174,9 @@ def check_generate_body(body) -> dict:
                           field="apply_chat_template")
     for key in FIELDS:
         if key in body:
-            check_field(key, body[key])
+            checked = check_field(key, body[key])
+            if (sent := as_fp32(key, checked)) != checked:
+                out[key] = sent
     return out
 
 
@@ -420,16 +424,20 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
             raise DFlashError(f"data holds {len(flat)} values, shape {shape} needs {n}", field=name)
         for v in flat:
             ok = {"BYTES": isinstance(v, str), "BOOL": isinstance(v, bool),
-                  "FP32": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                  "FP32": isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and (isinstance(v, int) or math.isfinite(v)),  # an integer is checked against the range below
                   }.get(dtype, _is_int(v))
             if not ok:
                 raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {json_kind(v)}", field=name)
-            if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1]:
+            if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1] or \
+                    dtype == "FP32" and not -FP32_MAX <= v <= FP32_MAX:
                 raise DFlashError(f"{v} is out of {dtype}'s range", field=name)
             if isinstance(v, str):
                 check_unicode(v, name)
         if name in FIELDS:  # the decoding fields obey their rules before the request is queued
-            check_field(name, flat if name == "stop" else flat[0])
+            checked = check_field(name, flat if name == "stop" else flat[0])
+            if (sent := as_fp32(name, checked)) != checked:
+                t["data"] = [sent]
     if binary != binary_bytes:
         raise DFlashError(f"binary tensors declare {binary} bytes, the body carries {binary_bytes} after the JSON",
                           field="Inference-Header-Content-Length")

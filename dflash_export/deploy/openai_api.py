@@ -17,7 +17,7 @@ import math
 import secrets
 import time
 
-from dflash_export.decoding.request import UINT64_MAX, check_field
+from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field
 from dflash_export.decoding.request import check_unicode as _check_unicode
 from dflash_export.decoding.request import json_kind as _json_kind
 from dflash_export.errors import DFlashError
@@ -52,9 +52,11 @@ def _number(body: dict, key: str, lo: float, hi: float):
     v = body.get(key)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise _bad(key, f"expected a finite number, got {_json_kind(v)}")
-    if not lo <= v <= hi:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(key, f"expected a number, got {_json_kind(v)}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise _bad(key, f"must be a finite number, got {v}")
+    if not lo <= v <= hi:  # an integer compared as it is: JSON's may be too large for a float
         raise _bad(key, f"must be in [{lo:g}, {hi:g}], got {v}")
     return float(v)
 
@@ -150,6 +152,7 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
         raise from_dflash_error(e) from None
     if out.get("temperature", 0.0) > 2.0:  # OpenAI's own bound, narrower than the engine's
         raise _bad("temperature", f"must be in [0, 2], got {out['temperature']:g}")
+    out = {key: as_fp32(key, value) for key, value in out.items()}
     if "stop" in out:
         out["stop"] = [s for s in out["stop"] if s]
         if not out["stop"]:
@@ -196,6 +199,8 @@ def _content(c, where: str) -> str:
 def completion_request(body, model_id: str) -> tuple[dict, bool, bool]:
     """(generate body, stream, include_usage) for a /v1/completions body: the prompt as raw text, no chat template."""
     out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
+    if body.get("logprobs") is not None:  # a completion's logprobs 0 still asks for the chosen tokens' own
+        raise _bad("logprobs", "log probabilities are not returned by this server")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

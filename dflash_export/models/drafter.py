@@ -237,7 +237,10 @@ class CandidateSelector(nn.Module):
             if temperature <= 0:
                 index = int(torch.argmax(scores))
             else:
-                q = torch.softmax(scores.double() / temperature, dim=-1).numpy()
+                x = scores.double() / temperature
+                if not torch.isfinite(x).all():  # T so small the quotient overflows: the scores less their maximum
+                    x = (scores.double() - scores.double().max()) / temperature
+                q = torch.softmax(x, dim=-1).numpy()
                 index = sample_from(q, uniforms[i])
                 probs[i, candidates[i].numpy()] = q
             prev = int(candidates[i, index])

@@ -65,7 +65,13 @@ import numpy as np
 
 from dflash_export.decoding.acceptance import walk_accept
 from dflash_export.decoding.options import resolve_options
-from dflash_export.decoding.sampling import probs_from_logits, top_probability, verify_block, verify_length
+from dflash_export.decoding.sampling import (
+    probs_from_logits,
+    tempered,
+    top_probability,
+    verify_block,
+    verify_length,
+)
 from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain, greedy_accept, source_stats
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
@@ -466,8 +472,7 @@ class BatchingRuntime:
         for a, (d, p) in zip(drafting, res):
             a.drafts, a.draft_probs = d, p
             if a.walk and a.seq.draft_logits is not None:  # the chance each draft is the target's tempered draw
-                a.seq.draft_confidence = top_probability(
-                    np.asarray(a.seq.draft_logits, np.float32) / np.float32(a.req.sp.temperature))
+                a.seq.draft_confidence = top_probability(tempered(a.seq.draft_logits, a.req.sp.temperature))
         draft_cost = self.draft_cost * draft_units(len(drafting))
         self.draft_calls += 1
         self.draft_seqs += len(drafting)
@@ -494,7 +499,7 @@ class BatchingRuntime:
             if not branches and logits is None:
                 continue
             if logits is not None and a.walk:
-                logits = logits / np.float32(a.req.sp.temperature)
+                logits = tempered(logits, a.req.sp.temperature)
             if full:
                 nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1, room)
                 tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,

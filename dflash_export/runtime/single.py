@@ -15,7 +15,7 @@ import numpy as np
 
 from dflash_export.decoding.acceptance import Walk
 from dflash_export.decoding.options import resolve_options
-from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_length
+from dflash_export.decoding.sampling import probs_from_logits, sample_from, tempered, verify_length
 from dflash_export.decoding.tree import (
     SOURCE_NAMES,
     DraftCalibration,
@@ -420,7 +420,7 @@ class DFlashRuntime:
             if seq.draft_logits is not None:  # build_tree normalizes the top-K it keeps per slot
                 logprobs = seq.draft_logits[:depth]
                 if not sp.greedy:  # scores = the tempered chance each draft is the target's draw
-                    logprobs = logprobs / np.float32(sp.temperature)
+                    logprobs = tempered(logprobs, sp.temperature)
         min_score = rate * self.verify_token_cost if self.adaptive else 0.0
         # a drafter without logits (DFlash 2's selector), nothing else proposed: its block
         if drafted and logprobs is None and not lookups and not static:
