@@ -334,6 +334,17 @@ def test_openai_refuses_what_it_would_otherwise_ignore_or_fail_on():
             with pytest.raises(OpenAIError) as e:
                 chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], key: value}, "m")
             assert (e.value.status, e.value.param) == (400, key) and e.value.message.startswith(key)
+            assert len(e.value.message) < 200, e.value.message  # the value quoted, not its 401 digits
+    # Wrongly typed values of refused features are refused too, never read as "not asked" by Python's 0 == False;
+    # their harmless spellings (null, false, {}, 0) pass.
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for key, value in (("logit_bias", []), ("logit_bias", 0), ("logprobs", 0), ("top_logprobs", False),
+                       ("top_logprobs", 0.0)):
+        with pytest.raises(OpenAIError) as e:
+            chat_request({**chat, key: value}, "m")
+        assert (e.value.status, e.value.param) == (400, key), (key, value)
+    for key, value in (("logit_bias", {}), ("logit_bias", None), ("logprobs", False), ("top_logprobs", 0)):
+        chat_request({**chat, key: value}, "m")
 
 
 def test_sampling_without_a_seed_is_a_fresh_draw_each_time(direct):

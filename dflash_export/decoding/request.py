@@ -42,6 +42,13 @@ def json_kind(v) -> str:
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
+def shown(v) -> str:
+    """A number as an error message quotes it: an integer of JSON's unbounded length cut to its first and last
+    digits (a 4000-digit value would otherwise fill the message)."""
+    text = str(v)
+    return text if len(text) <= 40 else f"{text[:12]}...{text[-6:]} ({len(text.lstrip('-'))} digits)"
+
+
 def check_unicode(text: str, name: str) -> str:
     """Refuse a string that cannot be UTF-8 (a lone surrogate, which JSON's \\ud800 escapes can carry)."""
     try:
@@ -70,7 +77,7 @@ def check_field(name: str, value, field: str | None = None):
     if integer:
         value = int(value)
         if not lo <= value <= hi:
-            raise DFlashError(f"must be in {lo}..{hi}, got {value}", field=field)
+            raise DFlashError(f"must be in {lo}..{hi}, got {shown(value)}", field=field)
         return value
     try:
         value = float(value)

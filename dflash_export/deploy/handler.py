@@ -28,6 +28,7 @@ from dflash_export.decoding.request import (
     check_field,
     check_unicode,
     json_kind,
+    shown,
 )
 from dflash_export.errors import DFlashError
 from dflash_export.models.tokenization import max_token_chars, prompt_chars
@@ -431,7 +432,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
                 raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {json_kind(v)}", field=name)
             if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1] or \
                     dtype == "FP32" and not -FP32_MAX <= v <= FP32_MAX:
-                raise DFlashError(f"{v} is out of {dtype}'s range", field=name)
+                raise DFlashError(f"{shown(v)} is out of {dtype}'s range", field=name)
             if isinstance(v, str):
                 check_unicode(v, name)
         if name in FIELDS:  # the decoding fields obey their rules before the request is queued

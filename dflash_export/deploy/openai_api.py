@@ -17,7 +17,7 @@ import math
 import secrets
 import time
 
-from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field
+from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field, shown
 from dflash_export.decoding.request import check_unicode as _check_unicode
 from dflash_export.decoding.request import json_kind as _json_kind
 from dflash_export.errors import DFlashError
@@ -57,7 +57,7 @@ def _number(body: dict, key: str, lo: float, hi: float):
     if isinstance(v, float) and not math.isfinite(v):
         raise _bad(key, f"must be a finite number, got {v}")
     if not lo <= v <= hi:  # an integer compared as it is: JSON's may be too large for a float
-        raise _bad(key, f"must be in [{lo:g}, {hi:g}], got {v}")
+        raise _bad(key, f"must be in [{lo:g}, {hi:g}], got {shown(v)}")
     return float(v)
 
 
@@ -68,7 +68,7 @@ def _integer(body: dict, key: str, lo: int, hi: int):
     if not isinstance(v, int) or isinstance(v, bool):
         raise _bad(key, f"expected an integer, got {_json_kind(v)}")
     if not lo <= v <= hi:
-        raise _bad(key, f"must be in {lo}..{hi}, got {v}")
+        raise _bad(key, f"must be in {lo}..{hi}, got {shown(v)}")
     return v
 
 
@@ -82,11 +82,15 @@ def _refuse_unsupported(body: dict) -> None:
         if _number(body, key, -2.0, 2.0) not in (None, 0.0):
             raise _bad(key, "penalties are not supported (they would change the target's distribution, and "
                             "DFlash's output is the target's own)")
-    if body.get("logit_bias"):
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _bad("logit_bias", f"expected an object, got {_json_kind(bias)}")
+    if bias:
         raise _bad("logit_bias", "not supported")
-    if body.get("logprobs") not in (None, False, 0):
-        raise _bad("logprobs", "log probabilities are not returned by this server")
-    if body.get("top_logprobs") not in (None, 0):
+    if body.get("logprobs") is not None and body["logprobs"] is not False:  # 0 is no boolean (chat) and still
+        raise _bad("logprobs", "log probabilities are not returned by this server")  # asks (completions)
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or top != 0):
         raise _bad("top_logprobs", "log probabilities are not returned by this server")
     for key in ("tools", "functions"):
         if body.get(key):
