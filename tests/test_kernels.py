@@ -319,12 +319,17 @@ def test_gpu_check_cpu_dry_run_covers_every_section(tmp_path, monkeypatch):
 
 
 def test_gpu_check_script_runs_from_the_repo_on_cpu(tmp_path):
+    """With torch and triton alone, as the script says: onnx, onnxruntime and transformers not importable."""
     import json
     from pathlib import Path
 
     pytest.importorskip("triton")
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHON=sys.executable, OUT=str(tmp_path), PYTHONPATH="")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nfor m in ('onnx', 'onnxruntime', 'transformers'):\n"
+                                           "    sys.modules[m] = None\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHON=sys.executable, OUT=str(tmp_path), PYTHONPATH=str(site))
     run = subprocess.run(["bash", str(script), "--cpu", "--sections", "kernels"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

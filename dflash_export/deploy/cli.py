@@ -16,7 +16,6 @@ from dflash_export.deploy.repository import (
     shared_batch_note,
     write_repository,
 )
-from dflash_export.deploy.server import serve as run_server
 from dflash_export.errors import DFlashError
 
 
@@ -109,6 +108,8 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
     infer routes, /health and /metrics. tritonserver runs behind it on loopback; every request is bounded and
     checked before it sees it."""
+    from dflash_export.deploy.server import serve as run_server  # the serve extra's libraries: before any work
+
     if plain and repo_dir is not None:
         raise DFlashError("--plain is a deploy choice: give it with --engine, or deploy the repository with --plain",
                           field="--plain")

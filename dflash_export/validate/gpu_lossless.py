@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 
-from dflash_export.engines import tensorrt as trt_backend
 from dflash_export.kernels import fused_verify, fused_verify_ref, kv_injected_block_attention_ref
 from dflash_export.kernels.synthetic import Qwen3Layers, _rope_tables, target_step
 
@@ -257,6 +256,7 @@ def plugin_layers(tmp_dir) -> dict:
     import onnx
     from onnx import TensorProto
 
+    from dflash_export.engines import tensorrt as trt_backend  # imports onnx: only here, the kernels run without it
     from dflash_export.export import ops
 
     trt = trt_backend.require_tensorrt()
@@ -342,12 +342,13 @@ def jit_views(device) -> dict:
     the plugins take, contiguous and strided: equal to the tensors they view, with no copy."""
     if device.type != "cuda":
         return {"ran": False, "reason": "needs CUDA", "ok": True}
+    from dflash_export.engines.tensorrt_plugins import cuda_tensor_view
 
     rows = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32):
         base = (torch.randn(6, 10, device=device) * 100).to(dtype)
         for t in (base, base.t()):
-            view = trt_backend.cuda_tensor_view(t.data_ptr(), t.shape, t.stride(), str(dtype).replace("torch.", ""))
+            view = cuda_tensor_view(t.data_ptr(), t.shape, t.stride(), str(dtype).replace("torch.", ""))
             rows.append({"dtype": str(dtype).replace("torch.", ""), "contiguous": t.is_contiguous(),
                          "equal": bool(torch.equal(view, t)), "same_memory": view.data_ptr() == t.data_ptr()})
     return {"ran": True, "rows": rows, "ok": all(r["equal"] and r["same_memory"] for r in rows)}
