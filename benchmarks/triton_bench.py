@@ -398,6 +398,10 @@ def main(argv=None):
     if args.vs_plain:
         if not args.engine:
             ap.error("--vs-plain: give --engine (a built engine directory)")
+        import importlib.util
+
+        if importlib.util.find_spec("openai") is None:  # its clients are the OpenAI client (the test extra has it)
+            ap.error("--vs-plain: needs the openai client: pip install 'dflash-export[test]' (or pip install openai)")
         return vs_plain(args)
     from dflash_export.deploy.repository import MAX_BATCH
 
