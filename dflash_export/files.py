@@ -65,6 +65,7 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
         raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
+    old = None
     try:
         yield tmp
         if final.exists():
@@ -76,6 +77,8 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
             tmp.rename(final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.is_dir() and not _exists(final):  # stopped between the two renames: the
+            old.rename(final)                                            # previous directory goes back in place
         if what and isinstance(e, OSError) and e.errno is not None and (
                 e.filename is None or Path(str(e.filename)).is_relative_to(tmp)):
             raise DFlashError(f"cannot write {what} ({e.strerror or e})", path=final, field=field) from None

@@ -352,9 +352,9 @@ def _check_ranges(recipe: Recipe, p: Path) -> None:
             if msg:
                 name = dotted.removesuffix("[]") + (f"[{i}]" if many else "")
                 raise DFlashError(msg, path=p, field=name)
-    if recipe.block_size is not None and recipe.block_size >= recipe.max_seq_len:
-        raise DFlashError(f"a block of {recipe.block_size} does not fit max_seq_len {recipe.max_seq_len}", path=p,
-                          field="block_size")
+    for name, block in (("block_size", recipe.block_size), ("train.block_size", recipe.train.block_size)):
+        if block is not None and block >= recipe.max_seq_len:
+            raise DFlashError(f"a block of {block} does not fit max_seq_len {recipe.max_seq_len}", path=p, field=name)
     for name in ("target", "drafter"):
         spec = getattr(recipe, name)
         if spec.startswith("pkg:"):

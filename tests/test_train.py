@@ -521,7 +521,7 @@ def test_shard_loader_rereads_only_when_new_shards_appear(tmp_path, monkeypatch)
     torch.save([seq(0).to_dict(), seq(1).to_dict()], a / "shard-00000.pt")
     reads = []
     real = train.load_shards
-    monkeypatch.setattr(train, "load_shards", lambda d: reads.append(d) or real(d))
+    monkeypatch.setattr(train, "load_shards", lambda d, *a: reads.append(d) or real(d, *a))
     load = train.shard_loader([(a, 3), (b, 1)])  # b does not exist yet: data generation has not reached it
     first = load()
     assert [s.index for s in first] == [0, 1] and load() is first and len(reads) == 1
@@ -623,6 +623,7 @@ def test_recipe_values_that_need_each_other_or_the_target_fail_before_any_work(t
     ("max_seq_len: 8\n", "max_seq_len", "must be in [16, 1048576], got 8"),
     ("max_seq_len: 100000000000\n", "max_seq_len", "must be in [16, 1048576], got 100000000000"),
     ("block_size: 1\n", "block_size", "must be >= 2"),
+    ("max_seq_len: 16\ntrain:\n  block_size: 16\n", "train.block_size", "a block of 16 does not fit max_seq_len 16"),
     ("draft_vocab: 0\n", "draft_vocab", "must be >= 2"),
 ])
 def test_every_numeric_recipe_field_is_range_checked_at_load(tmp_path, yaml_text, field, message):
@@ -901,3 +902,252 @@ def test_a_checkpoint_torch_cannot_write_is_one_error_naming_it(tmp_path, monkey
     with pytest.raises(DFlashError, match="cannot write checkpoint"):
         loop.save_checkpoint(tmp_path, drafter, opt, 3, 1.0, {})
     assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------- inputs that must never be trusted
+
+
+def _dir_target(tmp_path) -> Path:
+    """A copy of the tiny Qwen3 target as a plain directory (a recipe's `target: DIR`)."""
+    import shutil
+
+    from dflash_export.models.tiny import tiny_pair_path
+
+    target = tmp_path / "tgt"
+    shutil.copytree(tiny_pair_path("qwen3/target"), target)
+    return target
+
+
+def _dir_target_recipe(tmp_path, target: Path) -> Path:
+    p = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=1, max_new_tokens=4, mask_token_id=255)
+    p.write_text(p.read_text().replace("target: tiny:qwen3/target", f"target: {target}"))
+    return p
+
+
+@pytest.mark.parametrize("work,out,option", [
+    ("w", "tgt", "--out"),                         # the drafter would replace the target
+    ("w", "tgt/drafter", "--out"),
+    ("tgt/w", "o", "--work-dir"),
+    ("w", "w", "--out"),                           # every export would replace the checkpoints and the curve
+    ("w", "w/checkpoint/drafter", "--out"),
+    ("o/w", "o", "--out"),
+])
+def test_out_and_work_dir_overlapping_the_target_or_each_other_are_refused(tmp_path, own_cache, work, out, option):
+    target = _dir_target(tmp_path)
+    before = sorted((p.name, p.read_bytes()) for p in target.iterdir())
+    recipe = _dir_target_recipe(tmp_path, target)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / work, "--out", tmp_path / out)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {tmp_path / (work if option == '--work-dir' else out)}: {option}: overlaps")
+    assert sorted((p.name, p.read_bytes()) for p in target.iterdir()) == before
+    _assert_nothing_written(tmp_path)
+
+
+def test_cached_data_are_keyed_by_the_targets_weights_not_only_its_path(tmp_path, monkeypatch):
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_export.models import load_target
+    from dflash_export.train.data import answers_dir, data_dir
+
+    target_dir = _dir_target(tmp_path)
+
+    def dirs():
+        t = load_target(target_dir)
+        return data_dir(t, [1, 3], 16, 8, 4, "synthetic-s0"), answers_dir(t, 16, 8, "synthetic-s0")
+
+    first = dirs()
+    assert dirs() == first  # stable while the files are
+    weights = load_file(target_dir / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, target_dir / "model.safetensors", metadata={"format": "pt"})
+    second = dirs()  # same path, same config, other weights: their answers and taps are other data
+    assert second[0] != first[0] and second[1] != first[1]
+    # Data cached when the key held the target's path and config alone (that key's sha256, first 16 hex digits) are
+    # adopted once under the new name, not regenerated.
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    t = load_target(target_dir)
+    old_key = json.dumps({"v": 2, "target": str(t.model_dir), "config": t.config, "taps": [1, 3], "p": 16, "r": 8,
+                          "k": 4, "src": "synthetic-s0"}, sort_keys=True, default=str)
+    earlier = tmp_path / "cache" / "train-data" / f"synthetic-s0-{hashlib.sha256(old_key.encode()).hexdigest()[:16]}"
+    earlier.mkdir(parents=True)
+    (earlier / "shard-00000.pt").write_bytes(b"kept")
+    adopted = dirs()[0]
+    assert adopted != earlier and not earlier.exists() and (adopted / "shard-00000.pt").read_bytes() == b"kept"
+
+
+@pytest.fixture(scope="module")
+def generated_data(tmp_path_factory):
+    """A cache holding the tiny recipe's generated training data: (cache dir, recipe)."""
+    from dflash_export.train.stage import run_train
+
+    root = tmp_path_factory.mktemp("data")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE", str(root / "cache"))
+        recipe = _tiny_recipe(root, steps=2, num_prompts=4, heldout_prompts=1, max_new_tokens=4)
+        run_train(str(recipe), data_only=True)
+    return root / "cache", recipe
+
+
+def _shard_rows(path, edit):
+    rows = torch.load(path, weights_only=True)
+    for r in rows:
+        edit(r)
+    torch.save(rows, path)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("taps-of-another-width", "invalid data shard (sequence 0: taps must be a float tensor ["),
+    ("ids-outside-vocab", "invalid data shard (sequence 0: ids outside the target vocabulary (0..255))"),
+    ("top-ids-rows", "invalid data shard (sequence 0: top_ids must be an int64 tensor ["),
+    ("nan-logp", "invalid data shard (sequence 0: top_logp must be float log-probabilities (no NaN)"),
+    ("raw-pickle", "unreadable data shard (UnpicklingError)"),
+    ("answers-outside-vocab", "invalid answer shard (row 0: answer is not a non-empty list of token ids below 256)"),
+    ("inf-taps", "train.lr: the training loss is nan at step 1"),
+])
+def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monkeypatch, generated_data, kind,
+                                                                  message):
+    import pickle
+    import warnings
+
+    cache, recipe = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    data = cache / "train-data"
+    feature = next(p for p in data.glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    answers = next(data.glob("synthetic-s0-answers-*/answers-00000.pt"))
+    kept = {p: p.read_bytes() for p in (feature, answers)}
+    bad = feature
+    try:
+        if kind == "taps-of-another-width":
+            _shard_rows(feature, lambda r: r.update(taps=r["taps"][:, :64]))
+        elif kind == "ids-outside-vocab":
+            _shard_rows(feature, lambda r: r.update(ids=r["ids"] + 1000))
+        elif kind == "top-ids-rows":
+            _shard_rows(feature, lambda r: r.update(top_ids=r["top_ids"][:1], top_logp=r["top_logp"][:1]))
+        elif kind == "nan-logp":
+            _shard_rows(feature, lambda r: r["top_logp"].fill_(float("nan")))
+        elif kind == "inf-taps":  # a shard that looks right, but no finite loss comes of it
+            _shard_rows(feature, lambda r: r["taps"].fill_(float("inf")))
+            bad = None
+        elif kind == "raw-pickle":
+            feature.write_bytes(pickle.dumps([{"ids": [1, 2]}], protocol=4))
+        else:  # pass 2 rebuilds the missing feature shard from the answers
+            feature.unlink()
+            _shard_rows(answers, lambda r: r.update(answer=[t + 1000 for t in r["answer"]]))
+            bad = answers
+        with warnings.catch_warnings(record=True) as caught:  # a warning would be a line before the error's
+            warnings.simplefilter("always")
+            r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    finally:
+        for p, b in kept.items():
+            p.write_bytes(b)
+    assert not [w for w in caught if "pickle" in str(w.message)], [str(w.message) for w in caught]
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {bad}: {message}" if bad else f"error: {message}"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("train,field,message", [
+    (dict(draft_layers=3), "num_hidden_layers", "2 != the recipe's train.draft_layers 3"),
+    (dict(target_layer_ids=[0, 2]), "target_layer_ids", "[1, 3] != the recipe's train.target_layer_ids [0, 2]"),
+    (dict(mask_token_id=200), "mask_token_id", "255 != the recipe's train.mask_token_id 200"),
+    (dict(), "target", "the checkpoint was trained against another target"),
+])
+def test_a_checkpoint_of_another_recipe_or_target_does_not_resume(tmp_path, own_cache, pristine_checkpoint, train,
+                                                                  field, message):
+    import shutil
+
+    work = tmp_path / "w"
+    shutil.copytree(pristine_checkpoint, work)
+    state = work / "checkpoint" / "train_state.pt"
+    if field == "target":  # same shapes, another target's files
+        s = torch.load(state, weights_only=True)
+        torch.save({**s, "target": "0" * 64}, state)
+    where = state if field == "target" else work / "checkpoint" / "drafter"
+    recipe = _tiny_recipe(tmp_path, steps=4, **train)
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", tmp_path / "o", "--resume")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {where}: {field}: {message}"), r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_init_from_a_drafter_with_non_finite_weights_is_one_line(tmp_path, own_cache, tiny_qwen3):
+    from dflash_export.models.drafter import save_drafter
+
+    d = drafter_from_target(tiny_qwen3[0], 2, 4, 255)
+    with torch.no_grad():
+        d.fc.weight[0, 0] = float("nan")
+    save_drafter(d, tmp_path / "nan")
+    recipe = _tiny_recipe(tmp_path, steps=2)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o",
+                   "--init-from", tmp_path / "nan")
+    assert r.exit_code == 2 and r.output == f"error: {tmp_path / 'nan'}: fc.weight: non-finite weights (NaN or " \
+                                            "infinity)\n", r.output
+    _assert_nothing_written(tmp_path)
+
+
+def test_resuming_rewrites_a_deleted_output_and_a_finished_run_logs_nothing_twice(tmp_path, own_cache):
+    import shutil
+
+    from dflash_export.train.stage import run_train
+
+    recipe = _tiny_recipe(tmp_path, steps=3, num_prompts=4, heldout_prompts=1, max_new_tokens=8)
+    work, out = tmp_path / "w", tmp_path / "o"
+    run_train(str(recipe), work_dir=str(work), out=str(out))
+    curve = (work / "curve.jsonl").read_text()
+    run_train(str(recipe), work_dir=str(work), out=str(out), resume=True)  # finished: nothing new to log
+    assert (work / "curve.jsonl").read_text() == curve
+    state_path = work / "checkpoint" / "train_state.pt"
+    state = torch.load(state_path, weights_only=True)
+    state["best"]["tau_est"] = 99.0  # a best the resumed run cannot beat, recorded for a drafter now deleted
+    torch.save(state, state_path)
+    shutil.rmtree(out)
+    run_train(str(recipe), work_dir=str(work), out=str(out), resume=True, steps=4)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_an_interrupt_between_the_renames_of_a_replaced_directory_puts_the_old_one_back(tmp_path, monkeypatch):
+    from dflash_export.files import atomic_dir
+
+    with atomic_dir(tmp_path / "checkpoint") as d:
+        (d / "train_state.pt").write_text("step 3")
+    real = Path.rename
+    renames = []
+
+    def rename(self, target):
+        renames.append(self)
+        if len(renames) == 2:  # the old directory moved aside, the new one not yet in place
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(tmp_path / "checkpoint") as d:
+            (d / "train_state.pt").write_text("step 6")
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+    assert (tmp_path / "checkpoint" / "train_state.pt").read_text() == "step 3"
+
+
+def test_a_training_step_out_of_memory_names_the_batch_size(tmp_path, own_cache):
+    recipe = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=1, max_new_tokens=4,
+                          batch_size=10**13)  # 80 TB of sequence indices
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {recipe}: train.batch_size: out of memory"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_sharegpt_prompts_all_longer_than_max_prompt_tokens_name_the_field(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash_export.recipes import load_recipe
+    from dflash_export.train import stage
+
+    recipe = load_recipe(_tiny_recipe(tmp_path, prompts="sharegpt", max_prompt_tokens=3))
+    monkeypatch.setattr(stage, "sharegpt_prompt_ids", lambda *a, **k: [])  # nothing fits 3 tokens
+    train_src, heldout_src, _, _ = stage._prompt_sources(recipe, SimpleNamespace(config={}), recipe.train, 0)
+    for src, split in ((train_src, "train"), (heldout_src, "held-out")):
+        with pytest.raises(DFlashError, match=re.escape(f"{recipe.path}: train.max_prompt_tokens: no ShareGPT "
+                                                        f"{split} prompt fits in 3 tokens")):
+            src()

@@ -3,7 +3,8 @@
 What is trained and on what:
 - The target is frozen. Training data are the target's own greedy responses to prompts, generated in batches once and
   cached in shards together with the target's taps (the drafter's context features) and its top-k next-token
-  log-probabilities (soft targets). A trainer re-scans the shards, so data generation can run alongside training.
+  log-probabilities (soft targets), keyed by the target's path, config and a digest of its weight and tokenizer
+  files. A trainer re-scans the shards, so data generation can run alongside training.
 - Each sequence contributes many blocks: a random anchor position `a` in the response opens a block `[x_a, mask, ...,
   mask]` (block_size tokens) at positions a .. a+bs-1. One drafter forward serves all blocks of a batch through an
   attention mask: a block's queries see the context features at positions < a and their own block's keys
@@ -15,8 +16,9 @@ What is trained and on what:
 - Only layers, fc, hidden_norm and norm train; embedding and LM head are the target's. The drafter starts from the
   target: its layers are copies of the target's last layers, `fc` passes the deepest tap through, norms come from the
   target -- so it starts from "what the target's top does" instead of noise.
-Checkpoints hold the drafter in the z-lab format plus the optimizer state, written atomically; a step's batch and
-anchors come from a generator seeded by (seed, step), so a resumed run draws what an uninterrupted one would.
+Checkpoints hold the drafter in the z-lab format plus the optimizer state and that digest of the target, written
+atomically; a step's batch and anchors come from a generator seeded by (seed, step), so a resumed run draws what an
+uninterrupted one would.
 
 Where each part lives (imports point down this list, never up):
 - cli.py           the click command: parsing only

@@ -119,25 +119,66 @@ def teacher_forced_sequences(target, items: Sequence[tuple[int, list[int], int]]
     return [out[i] for i in range(len(items))]
 
 
-def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tokens: int, topk: int,
-             source: str) -> Path:
-    """Where generated data for this (target, taps, lengths, prompt source) is cached."""
+_KEYED_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".jinja", ".txt")  # weights, tokenizer, templates
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+
+
+def target_files_key(target) -> str:
+    """A digest of the target directory's weight, tokenizer and config files (names, sizes, and each file's bytes --
+    whole for small files, 16 evenly spaced 64 KiB samples for large ones, enough to tell other weights of the same
+    shapes apart without reading gigabytes): cached data and checkpoints made for other weights at the same path, or
+    with the same config, never match it."""
     import hashlib
 
-    key = json.dumps({"v": _DATA_VERSION, "target": str(target.model_dir), "config": target.config,
-                      "taps": list(tap_ids), "p": max_prompt_tokens, "r": max_new_tokens, "k": topk, "src": source},
-                     sort_keys=True, default=str)
-    return cache_dir() / "train-data" / f"{source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    h = hashlib.sha256()
+    model_dir = Path(target.model_dir)
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in _KEYED_SUFFIXES and p.is_file()) \
+        if model_dir.is_dir() else []
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size <= _SAMPLES * _SAMPLE_BYTES:
+                h.update(f.read())
+                continue
+            for i in range(_SAMPLES):
+                f.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _cached_data_dir(prefix: str, key: dict, target) -> Path:
+    """`cache_dir()/train-data/<prefix>-<hash of key and the target's files>`. A directory written when the key held
+    the target's path and config alone (same key, no files digest) is adopted once under the new name: regenerating
+    it would cost hours for a real target, and what it was made from was never recorded."""
+    import hashlib
+
+    def named(fields: dict) -> Path:
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return cache_dir() / "train-data" / f"{prefix}-{digest}"
+
+    directory, earlier = named({**key, "files": target_files_key(target)}), named(key)
+    if not directory.exists() and earlier.is_dir():
+        try:
+            earlier.rename(directory)
+        except OSError:
+            return earlier
+    return directory
+
+
+def data_dir(target, tap_ids: Sequence[int], max_prompt_tokens: int, max_new_tokens: int, topk: int,
+             source: str) -> Path:
+    """Where generated data for this (target and its files, taps, lengths, prompt source) is cached."""
+    return _cached_data_dir(source, {"v": _DATA_VERSION, "target": str(target.model_dir), "config": target.config,
+                                     "taps": list(tap_ids), "p": max_prompt_tokens, "r": max_new_tokens, "k": topk,
+                                     "src": source}, target)
 
 
 def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str) -> Path:
-    """Where pass 1's answer tokens for this (target, lengths, prompt source) are cached: no taps in the key, so a new
-    tap choice reuses them (own_answers.feature_shards)."""
-    import hashlib
-
-    key = json.dumps({"v": 1, "target": str(target.model_dir), "config": target.config, "p": max_prompt_tokens,
-                      "r": max_new_tokens, "src": source}, sort_keys=True, default=str)
-    return cache_dir() / "train-data" / f"{source}-answers-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    """Where pass 1's answer tokens for this (target and its files, lengths, prompt source) are cached: no taps in
+    the key, so a new tap choice reuses them (own_answers.feature_shards)."""
+    return _cached_data_dir(f"{source}-answers", {"v": 1, "target": str(target.model_dir), "config": target.config,
+                                                  "p": max_prompt_tokens, "r": max_new_tokens, "src": source}, target)
 
 
 def shard_paths(directory: Path) -> list[Path]:
@@ -145,7 +186,8 @@ def shard_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob("shard-*.pt"))
 
 
-def shard_loader(sources: Sequence[tuple[Path, int]]) -> Callable[[], list[TrainSequence]]:
+def shard_loader(sources: Sequence[tuple[Path, int]], vocab_size: int | None = None,
+                 tap_width: int | None = None) -> Callable[[], list[TrainSequence]]:
     """A loader of the first n sequences of each (directory, n) source, for a trainer that calls it at every
     checkpoint (data generation may be running alongside) and once more for the prompt list. Shards never change
     once written, so they are read again only when new ones have appeared: they hold several GB of context features
@@ -156,21 +198,73 @@ def shard_loader(sources: Sequence[tuple[Path, int]]) -> Callable[[], list[Train
         paths = [p for d, _ in sources if d.is_dir() for p in shard_paths(d)]
         if loaded.get("paths") != paths:
             loaded["paths"] = paths
-            loaded["seqs"] = [s for d, n in sources if d.is_dir() for s in load_shards(d)[:n]]
+            loaded["seqs"] = [s for d, n in sources if d.is_dir()
+                              for s in load_shards(d, vocab_size, tap_width)[:n]]
         return loaded["seqs"]
 
     return load
 
 
-def load_shards(directory: Path) -> list[TrainSequence]:
+def load_tensors(path: Path):
+    """torch.load of a file this project wrote, with weights_only=True (nothing in the file is executed) and torch's
+    warnings about foreign pickle protocols silenced: a file that is not one is the caller's one-line error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int | None = None) -> list[TrainSequence]:
+    """The sequences of `directory`'s shards; with `vocab_size` / `tap_width`, each checked against the target (ids
+    in its vocabulary, taps of its width) so that a shard made for another target is named, not trained on."""
     seqs = []
     for p in shard_paths(directory):
         try:
-            rows = torch.load(p, weights_only=True)
-            seqs.extend(TrainSequence(**r) for r in rows)
+            rows = load_tensors(p)
+            new = [TrainSequence(**r) for r in rows]
         except Exception as e:  # a corrupt shard is never trained on
             raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=p) from None
+        for i, s in enumerate(new):
+            problem = sequence_problem(s, vocab_size, tap_width)
+            if problem:
+                raise DFlashError(f"invalid data shard (sequence {i}: {problem}); delete it to regenerate", path=p)
+        seqs.extend(new)
     return seqs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width: int | None = None) -> str | None:
+    """What makes `s` unusable for training (shapes, types, ids outside `vocab_size`, taps not `tap_width` wide), or
+    None."""
+    tensors = {"ids": s.ids, "taps": s.taps, "top_ids": s.top_ids, "top_logp": s.top_logp}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+    if s.ids.dim() != 1 or s.ids.dtype != torch.long or len(s.ids) < 2:
+        return f"ids must be a 1-D int64 tensor of 2 or more tokens, got {s.ids.dtype} {tuple(s.ids.shape)}"
+    n = len(s.ids)
+    if not _is_int(s.prompt_len) or not 1 <= s.prompt_len <= n:
+        return f"prompt_len {s.prompt_len!r} outside 1..{n}"
+    if not _is_int(s.index) or not isinstance(s.teacher_forced, bool):
+        return "index must be an integer and teacher_forced a bool"
+    if s.taps.dim() != 2 or not s.taps.is_floating_point() or len(s.taps) != n \
+            or (tap_width is not None and s.taps.shape[1] != tap_width):
+        want = f"[{n}, {tap_width if tap_width is not None else 'width'}]"
+        return f"taps must be a float tensor {want}, got {s.taps.dtype} {tuple(s.taps.shape)}"
+    r = n - s.prompt_len
+    if s.top_ids.dim() != 2 or s.top_ids.dtype != torch.long or s.top_ids.shape[0] != r or s.top_ids.shape[1] < 1:
+        return f"top_ids must be an int64 tensor [{r}, k], got {s.top_ids.dtype} {tuple(s.top_ids.shape)}"
+    if s.top_logp.shape != s.top_ids.shape or not s.top_logp.is_floating_point() or s.top_logp.isnan().any():
+        return f"top_logp must be float log-probabilities (no NaN) shaped like top_ids {tuple(s.top_ids.shape)}"
+    if vocab_size is not None:
+        for name, t in (("ids", s.ids), ("top_ids", s.top_ids)):
+            if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab_size):
+                return f"{name} outside the target vocabulary (0..{vocab_size - 1})"
+    return None
 
 
 def generate_shards(target, prompt_source: Callable[[], list], directory: Path,

@@ -14,7 +14,7 @@ from dflash_export.decoding.prompt_lookup import lookup_proposal
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
 from dflash_export.models.checkpoint import load_drafter
-from dflash_export.models.drafter import DFlashDrafter, save_drafter
+from dflash_export.models.drafter import DFlashDrafter, is_drafter_dir, save_drafter
 from dflash_export.train.blocks import (
     BlockBatch,
     LossOut,
@@ -26,7 +26,7 @@ from dflash_export.train.blocks import (
     sample_anchors,
     train_forward,
 )
-from dflash_export.train.data import TrainSequence
+from dflash_export.train.data import TrainSequence, load_tensors
 
 
 @dataclass
@@ -48,6 +48,7 @@ class TrainConfig:
     checkpoint_every_s: float = 300.0
     log_every: int = 10
     eval_blocks_per_seq: int = 32
+    target_key: str | None = None  # the target's files (data.target_files_key), kept in checkpoints
     extra: dict = field(default_factory=dict)
 
 
@@ -135,14 +136,18 @@ def _evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], blo
     return stats
 
 
-def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict) -> None:
-    """`work/checkpoint/` = z-lab drafter + optimizer/step state, replaced atomically as one directory."""
+def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict,
+                    target_key: str | None = None) -> None:
+    """`work/checkpoint/` = z-lab drafter + optimizer/step state (+ the target it trains against), replaced
+    atomically as one directory."""
+    state = {"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best}
+    if target_key is not None:
+        state["target"] = target_key
     try:
         with atomic_dir(work / "checkpoint") as tmp:
             save_drafter(drafter, tmp / "drafter")
             try:
-                torch.save({"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best},
-                           tmp / "train_state.pt")
+                torch.save(state, tmp / "train_state.pt")
             except RuntimeError as e:  # torch's zip writer reports a short write (a full disk) as a RuntimeError
                 raise DFlashError(f"cannot write checkpoint ({_short_reason(e)})", path=work / "checkpoint") from None
     except OSError as e:
@@ -178,7 +183,7 @@ def load_checkpoint(work: Path):
     if state_path.stat().st_size == 0:
         raise DFlashError("corrupt checkpoint (empty file)", path=state_path)
     try:
-        state = torch.load(state_path, weights_only=True, map_location="cpu")
+        state = load_tensors(state_path)
     except Exception as e:  # zip errors (truncated), unpickling errors (garbage), ...
         raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=state_path) from None
     problem = _train_state_problem(state, trainable_parameters(drafter))
@@ -199,6 +204,8 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
         return f"wall_s {wall!r} is not a number"
     if not isinstance(state.get("best", {}), dict):
         return "best is not a dict"
+    if not isinstance(state.get("target", ""), str):
+        return "target is not a string"
     opt = state.get("optimizer")
     try:
         ids = [i for g in opt["param_groups"] for i in g["params"]]
@@ -224,9 +231,11 @@ def _resume_state(opt, start_state: dict | None, out: Path | None) -> tuple[int,
     if start_state is not None:
         opt.load_state_dict(start_state["optimizer"])
         step, wall0 = start_state["step"], start_state.get("wall_s", 0.0)
-        # The best-so-far belongs to the directory it was exported to: a resumed run writing elsewhere starts afresh
-        # (else a better score recorded for another directory would keep this one empty).
-        if start_state.get("best", {}).get("out") == (str(out) if out is not None else None):
+        # The best-so-far belongs to the directory it was exported to: a resumed run writing elsewhere, or to a
+        # directory that no longer holds that drafter, starts afresh (else a better score recorded for a drafter
+        # that is not there would keep the directory empty).
+        if start_state.get("best", {}).get("out") == (str(out) if out is not None else None) and (
+                out is None or is_drafter_dir(out)):
             best = start_state["best"]
     return step, wall0, best
 
@@ -268,6 +277,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
     params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     step, wall0, best = _resume_state(opt, start_state, out)
+    first = step
     head = target.hf.get_output_embeddings().weight.detach()
     seqs = data_loader()
     if not seqs:
@@ -290,13 +300,17 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         if out is not None and ev and ev["tau_est"] >= best.get("tau_est", 0.0):
             best = {**ev, "step": step, "out": str(out)}
             save_drafter(drafter, out)
-        save_checkpoint(work, drafter, opt, step, wall, best)
-        if log:
+        save_checkpoint(work, drafter, opt, step, wall, best, cfg.target_key)
+        if log and (step > first or start_state is None):  # a finished run resumed: its record is in the log
             log({"event": "checkpoint", **rec, "best_step": best.get("step")})
         return rec
 
     while step < cfg.steps and (deadline is None or time.perf_counter() < deadline):
         lr, res = _train_step(drafter, target, opt, params, seqs, vocab, head, weights, cfg, step)
+        if not math.isfinite(res.loss.item()):
+            raise DFlashError(f"the training loss is {res.loss.item()} at step {step + 1} (non-finite data or "
+                              "weights, or a learning rate too high); nothing of this step was saved",
+                              field="train.lr")
         step += 1
         window.append({"loss": res.loss.item(), **acceptance_stats(res.correct, res.valid)})
         if progress is not None:

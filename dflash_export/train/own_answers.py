@@ -25,7 +25,7 @@ import torch
 
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file
-from dflash_export.train.data import TrainSequence, teacher_forced_sequences
+from dflash_export.train.data import TrainSequence, load_tensors, teacher_forced_sequences
 
 SHARD_SIZE = 32
 
@@ -274,15 +274,26 @@ def _save(path: Path, rows: list[dict]) -> None:
         raise DFlashError(f"cannot write training data ({e.strerror or e})", path=path) from None
 
 
-def load_answers(path: Path) -> list[dict]:
+def load_answers(path: Path, vocab_size: int | None = None) -> list[dict]:
+    """The rows of an answer shard; each one's prompt and answer non-empty lists of token ids (below `vocab_size`
+    when given: a shard made for another target is named, not decoded)."""
     try:
-        rows = torch.load(path, weights_only=True)
+        rows = load_tensors(path)
         if not isinstance(rows, list) or not all(isinstance(r, dict) and {"index", "prompt", "answer"} <= r.keys()
                                                  for r in rows):
             raise ValueError("not a list of answers")
-        return rows
     except Exception as e:  # a corrupt shard is never trained on
         raise DFlashError(f"unreadable answer shard ({type(e).__name__}); delete it to regenerate", path=path) from None
+    for i, r in enumerate(rows):
+        for key in ("prompt", "answer"):
+            ids = r[key]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab_size or float("inf"))
+                    for t in ids):
+                raise DFlashError(f"invalid answer shard (row {i}: {key} is not a non-empty list of token ids"
+                                  + (f" below {vocab_size}" if vocab_size else "") + "); delete it to regenerate",
+                                  path=path)
+    return rows
 
 
 def generate_answer_shards(target, prompts: Sequence[tuple[int, list[int]]], token_dir: Path,
@@ -341,7 +352,7 @@ def feature_shards(target, token_dir: Path, feature_dir: Path, tap_ids: Sequence
     for n, path in enumerate(paths):
         out = feature_dir / path.name.replace("answers-", "shard-")
         if not out.is_file():
-            rows = load_answers(path)
+            rows = load_answers(path, target.vocab_size)
             items = [(r["index"], list(r["prompt"]) + list(r["answer"]), len(r["prompt"])) for r in rows]
             seqs = teacher_forced_sequences(target, items, tap_ids, batch_size, topk)
             for s in seqs:
@@ -392,5 +403,5 @@ def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
     generate_answer_shards(target, prompts, directory, None, None, train.max_new_tokens, batch_size,
                            progress=progress)
     wanted = {key for key, _ in prompts[:num_prompts]}
-    rows = [r for i in range(shards) for r in load_answers(directory / f"answers-{i:05d}.pt")]
+    rows = [r for i in range(shards) for r in load_answers(directory / f"answers-{i:05d}.pt", target.vocab_size)]
     return [list(r["answer"]) for r in rows if r["index"] in wanted]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from dflash_export.train.data import (
     sharegpt_prompt_ids,
     sharegpt_reply_ids,
     synthetic_prompt_ids,
+    target_files_key,
 )
 from dflash_export.train.init_drafter import drafter_from_target, grow_drafter
 from dflash_export.train.loop import TrainConfig, load_checkpoint, train_drafter
@@ -39,12 +41,19 @@ def _prompt_sources(recipe, target, opts, seed: int):
         if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
             raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
 
+        def fitting(split: str, prompts: list) -> list:
+            if not prompts:
+                raise DFlashError(f"no ShareGPT {split} prompt fits in {opts.max_prompt_tokens} tokens",
+                                  path=recipe.path, field="train.max_prompt_tokens")
+            return prompts
+
         def train_src():  # callers take the first num_prompts: template no more than those
-            return sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed, limit=opts.num_prompts)
+            return fitting("train", sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed,
+                                                        limit=opts.num_prompts))
 
         def heldout_src():
-            return sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0, shuffle=False,
-                                       limit=opts.heldout_prompts)
+            return fitting("held-out", sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0,
+                                                           shuffle=False, limit=opts.heldout_prompts))
 
         def tf_src():
             return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed)
@@ -63,13 +72,25 @@ def _prompt_sources(recipe, target, opts, seed: int):
                       field="train.prompts")
 
 
-def _check_start(drafter: DFlashDrafter, target, block_size: int, where: Path) -> None:
-    """A drafter training starts from (a checkpoint, `--init-from`) must fit the target and the recipe's block."""
+def _check_start(drafter: DFlashDrafter, target, opts, mask_id: int, where: Path, *, resumed: bool) -> None:
+    """A drafter training starts from (a checkpoint, `--init-from`) must fit the target and the recipe: its block,
+    mask token and (when the recipe names them) taps; a checkpoint also its number of layers (`--init-from` grows a
+    drafter to the recipe's)."""
     check_drafter_fits(drafter, target, str(where))
-    if drafter.config.block_size != block_size:
-        raise DFlashError(f"block_size {drafter.config.block_size} != the recipe's {block_size}", path=where,
-                          field="block_size")
     c = drafter.config
+    taps = opts.target_layer_ids
+    for name, have, want in (("block_size", c.block_size, opts.block_size),
+                             ("mask_token_id", c.mask_token_id, mask_id),
+                             ("target_layer_ids", list(c.target_layer_ids), list(taps) if taps else None),
+                             ("num_hidden_layers", c.num_hidden_layers, opts.draft_layers if resumed else None)):
+        if want is not None and have != want:
+            recipe_field = "draft_layers" if name == "num_hidden_layers" else name
+            raise DFlashError(f"{have} != the recipe's train.{recipe_field} {want}" + (
+                " (a checkpoint of another recipe: train it in another --work-dir)" if resumed else ""),
+                path=where, field=name)
+    for name, p in drafter.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise DFlashError("non-finite weights (NaN or infinity)", path=where, field=name)
     for name, value, default in (("output_multiplier", c.output_multiplier, 1.0),
                                  ("final_logit_softcapping", c.final_logit_softcapping, None)):
         if value != default:  # the block loss scores the LM head's plain logits
@@ -150,6 +171,8 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         torch.set_num_threads(threads)
 
     target = load_target(recipe.target_path)
+    if not data_only:
+        _check_apart(out, work, Path(target.model_dir))
     if opts.soft_topk > target.vocab_size:
         raise DFlashError(f"must be <= the target's vocabulary size {target.vocab_size}, got {opts.soft_topk}",
                           path=recipe.path, field="train.soft_topk")
@@ -163,6 +186,25 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         return _run_train(recipe, opts, target, mask_id, work, out, seed, steps=steps, minutes=minutes, resume=resume,
                           data_only=data_only, no_generate=no_generate, checkpoint_minutes=checkpoint_minutes,
                           init_from=init_from, console=console, part=part)
+
+
+def _check_apart(out: Path, work: Path, target_dir: Path) -> None:
+    """--out, --work-dir and the target's directory kept apart: the drafter directory is replaced whole at every
+    export, so it must not be, hold or lie in the target's files or the checkpoints and curve of --work-dir."""
+    def real(p: Path) -> Path:
+        return Path(os.path.realpath(p))
+
+    def overlap(a: Path, b: Path) -> bool:
+        return a == b or a in b.parents or b in a.parents
+
+    o, w, t = real(out), real(work), real(target_dir)
+    for option, path, p in (("--out", out, o), ("--work-dir", work, w)):
+        if overlap(p, t):
+            raise DFlashError(f"overlaps the target's directory {target_dir}; choose a directory outside it",
+                              path=path, field=option)
+    if o == w or o in w.parents or (w in o.parents and o.relative_to(w).parts[0] in ("checkpoint", "curve.jsonl")):
+        raise DFlashError(f"overlaps the checkpoints and curve of --work-dir {work}; choose another directory",
+                          path=out, field="--out")
 
 
 def _progress(bar, task, name: str, console, log_lines: bool):
@@ -194,8 +236,11 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     """run_train after its checks: the start drafter, data, training, the prompt list."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    drafter, start_state = _start_drafter(recipe, opts, target, mask_id, work, resume, init_from, console)
+    target_key = target_files_key(target)
+    drafter, start_state = _start_drafter(recipe, opts, target, mask_id, work, resume, init_from, console,
+                                          target_key)
     tap_ids = drafter.config.target_layer_ids
+    tap_width = len(tap_ids) * target.hidden_size
 
     train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts, seed)
     ddir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk, src_name)
@@ -217,10 +262,10 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                 progress = _progress(bar, bar.add_task(name, total=n, info=""), name, console, log_lines=data_only)
                 _make_data(target, opts, src, directory, tap_ids, n, tf, kind,
                            part if kind == src_name else (0, 1), progress)
-        heldout = load_shards(hdir)[: opts.heldout_prompts] if hdir.is_dir() else []
+        heldout = load_shards(hdir, target.vocab_size, tap_width)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
-        loader = shard_loader(sources)
+        loader = shard_loader(sources, target.vocab_size, tap_width)
 
         if data_only:
             return {"data_dir": str(ddir), "sequences": len(loader())}
@@ -229,14 +274,20 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
         if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
                               "--no-generate)", path=ddir)
-        cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes)
+        cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes, target_key)
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
         work.mkdir(parents=True, exist_ok=True)
         _start_curve(work / "curve.jsonl", first)
-        result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
-                               progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
-                               log=_curve_logger(work / "curve.jsonl", bar))
+        try:
+            result = train_drafter(drafter, target, loader, heldout, cfg, work, out, start_state,
+                                   progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
+                                   log=_curve_logger(work / "curve.jsonl", bar))
+        except (MemoryError, RuntimeError) as e:
+            if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+                raise
+            raise DFlashError("out of memory for a training step; lower train.batch_size (or blocks_per_seq, "
+                              "block_size)", path=recipe.path, field="train.batch_size") from None
     if opts.prompts == "sharegpt":
         _write_prompt_list(out, loader)
     console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
@@ -244,7 +295,8 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     return result
 
 
-def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool, init_from, console):
+def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool, init_from, console,
+                   target_key: str | None = None):
     """(drafter, training state) to start from: the last checkpoint when resuming, else `init_from` grown to the
     recipe's depth, else a drafter made from the target (state None: step 0)."""
     start_state = None
@@ -253,13 +305,17 @@ def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool,
         loaded = load_checkpoint(work)
         if loaded is not None:
             drafter, start_state = loaded
-            _check_start(drafter, target, opts.block_size, work / "checkpoint" / "drafter")
+            _check_start(drafter, target, opts, mask_id, work / "checkpoint" / "drafter", resumed=True)
+            if target_key is not None and start_state.get("target", target_key) != target_key:
+                raise DFlashError("the checkpoint was trained against another target (its files differ from "
+                                  f"{target.model_dir}'s); train this one in another --work-dir",
+                                  path=work / "checkpoint" / "train_state.pt", field="target")
             console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
         else:
             console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
     if drafter is None and init_from is not None:
         drafter = load_drafter(init_from, dtype=torch.float32)
-        _check_start(drafter, target, opts.block_size, Path(init_from))
+        _check_start(drafter, target, opts, mask_id, Path(init_from), resumed=False)
         if drafter.config.num_hidden_layers != opts.draft_layers:
             n = drafter.config.num_hidden_layers
             drafter = grow_drafter(drafter, opts.draft_layers, recipe_path=recipe.path)
@@ -283,12 +339,12 @@ def _make_data(target, opts, src, directory: Path, tap_ids, n: int, teacher_forc
                         tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress, part=part)
 
 
-def _train_config(opts, seed: int, steps, minutes, checkpoint_minutes) -> TrainConfig:
+def _train_config(opts, seed: int, steps, minutes, checkpoint_minutes, target_key: str | None = None) -> TrainConfig:
     return TrainConfig(block_size=opts.block_size, gamma=opts.gamma, lr=opts.lr, warmup_steps=opts.warmup_steps,
                        lr_decay_steps=opts.lr_decay_steps, lr_min_ratio=opts.lr_min_ratio,
                        batch_size=opts.batch_size, blocks_per_seq=opts.blocks_per_seq,
                        soft_weight=opts.soft_weight, seed=seed, steps=opts.steps if steps is None else steps,
-                       minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60)
+                       minutes=minutes, checkpoint_every_s=checkpoint_minutes * 60, target_key=target_key)
 
 
 def _start_curve(log_path: Path, first: int) -> None:
