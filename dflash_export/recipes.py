@@ -160,7 +160,13 @@ def _check(value, typ, path: Path, name: str):
     if typ is Path:
         return Path(value)
     if not isinstance(value, typ) or (typ in (int, float) and isinstance(value, bool)):
-        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({value!r})", path=path, field=name)
+        hint = ""
+        if typ is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
+            # YAML 1.1, which PyYAML reads, takes an exponent without a dot (1e-4) for text
+            text = value.strip()
+            hint = f"; YAML reads {text} as text, write it with a dot: {re.sub('[eE]', '.0e', text, count=1)}"
+        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({value!r}){hint}", path=path,
+                          field=name)
     return value
 
 

@@ -28,6 +28,13 @@ def test_wrong_recipe_type_names_field(tmp_path):
     bad.write_text("name: x\ntarget: a\ndrafter: b\nthresholds: {min_tau: fast}\n")
     with pytest.raises(DFlashError, match="thresholds.min_tau: expected float"):
         load_recipe(bad)
+    # PyYAML (YAML 1.1) reads an exponent without a dot as text: the message says how to write the number
+    bad.write_text("name: x\ntarget: a\ndrafter: b\ntrain: {lr: 3E-4}\n")
+    with pytest.raises(DFlashError, match=r"train.lr: expected float, got str \('3E-4'\); YAML reads 3E-4 as text, "
+                                          r"write it with a dot: 3.0e-4"):
+        load_recipe(bad)
+    bad.write_text("name: x\ntarget: a\ndrafter: b\ntrain: {lr: 3.0e-4}\n")
+    assert load_recipe(bad).train.lr == 3e-4
     bad.write_text("name: x\ntarget: a\ndrafter: b\nbackends: [onnxruntime, cuda]\n")
     with pytest.raises(DFlashError, match=r"backends\[1\]: 'cuda' is not one of"):
         load_recipe(bad)

@@ -314,6 +314,13 @@ def test_init_from_a_drafter_that_does_not_fit_is_one_line(tmp_path):
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         assert r.output.strip().startswith("error:") and str(src.name) in r.output
         assert not (tmp_path / "o").exists()
+    # a training checkpoint directory given for --init-from: the line points at the drafter inside it
+    save_drafter(drafter_from_target(load_target("tiny:llama-small-vocab/target"), 1, 4, 15),
+                 tmp_path / "ckpt" / "drafter")
+    r = CliRunner().invoke(main, ["train", "--recipe", str(recipe), "--work-dir", str(tmp_path / "w"),
+                                  "--out", str(tmp_path / "o"), "--init-from", str(tmp_path / "ckpt")])
+    assert r.exit_code == 2 and "--init-from" in r.output and f"give its drafter, {tmp_path / 'ckpt' / 'drafter'}" \
+        in r.output.replace("\n", ""), r.output
 
 
 def test_empty_prompt_set_is_an_error_and_leaves_no_checkpoint(tmp_path):

@@ -314,6 +314,10 @@ def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool,
         else:
             console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
     if drafter is None and init_from is not None:
+        start = Path(init_from)
+        if not (start / "config.json").exists() and (start / "drafter" / "config.json").is_file():
+            raise DFlashError(f"a training checkpoint, not a drafter: give its drafter, {start / 'drafter'} (or "
+                              "resume that run with --resume --work-dir)", path=start, field="--init-from")
         drafter = load_drafter(init_from, dtype=torch.float32)
         _check_start(drafter, target, opts, mask_id, Path(init_from), resumed=False)
         if drafter.config.num_hidden_layers != opts.draft_layers:
