@@ -87,7 +87,8 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
 
 def _remove_stale_temps(final: Path) -> None:
     """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` siblings of `final` left by a process that is gone (killed
-    mid-build): only this pid-named form, and only when that pid is no longer alive."""
+    mid-build): only this pid-named form, and only when that pid is no longer alive. An `.old-PID` with no `final`
+    beside it (killed between atomic_dir's two renames) is the previous complete directory: it is put back."""
     import re
 
     pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-.+|old-(\d+))$")
@@ -107,6 +108,12 @@ def _remove_stale_temps(final: Path) -> None:
             pass
         except PermissionError:
             continue
+        if m.group(2) and not _exists(final):  # killed between moving the previous one aside and the new one in
+            try:
+                d.rename(final)  # the previous directory is the last complete one: back in place
+                continue
+            except OSError:
+                pass
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -231,6 +231,15 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
         (tmp / "manifest.json").write_text("{}")
     assert not stale.exists() and live.exists() and other.exists()
     assert (tmp_path / "onnxruntime" / "manifest.json").is_file()
+    # Killed between moving the previous directory aside and the new one in: the next write starts from it (it is
+    # the last complete one), and replaces it as usual.
+    (tmp_path / "onnxruntime").rename(tmp_path / f".onnxruntime.old-{dead_pid}")
+    (tmp_path / f".onnxruntime.old-{dead_pid}" / "manifest.json").write_text('{"previous": 1}')
+    with atomic_dir(tmp_path / "onnxruntime") as tmp:
+        assert (tmp_path / "onnxruntime" / "manifest.json").read_text() == '{"previous": 1}'
+        (tmp / "manifest.json").write_text("{}")
+    assert (tmp_path / "onnxruntime" / "manifest.json").read_text() == "{}"
+    assert not (tmp_path / f".onnxruntime.old-{dead_pid}").exists()
 
 
 def test_a_write_that_fails_without_a_path_names_the_output_and_leaves_nothing(tmp_path):
