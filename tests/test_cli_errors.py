@@ -530,6 +530,23 @@ def _tiny_copy(tmp_path, which):
      "corrupt safetensors header"),
     (b'{"fc.weight": {"dtype": "F32", "shape": [1], "data_offsets": "0-4"}}',
      "fc.weight: corrupt safetensors header (expected data_offsets [begin, end])"),
+    # what safetensors itself refuses at load is refused by `inspect` too, before it says OK
+    (b'{"fc.weight": {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]}}',
+     "fc.weight: corrupt safetensors header (unknown dtype 'F99')"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}',
+     "fc.weight: corrupt safetensors header (expected shape [non-negative integers], got [-4])"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 16]}}',
+     "fc.weight: corrupt safetensors header (data_offsets [0, 16] do not hold F32 [4611686018427387904, 4])"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     b'"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}',
+     "b: corrupt safetensors header (tensor data overlapping another's or leaving a gap)"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+     "corrupt safetensors file (8 bytes after the last tensor's data)"),
+    (b'{"fc.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+     b'"fc.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+     "fc.weight: corrupt safetensors header (key given twice)"),
+    (b'{"__metadata__": {"format": 1}, "fc.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
+     "__metadata__: corrupt safetensors header (expected an object of strings)"),
 ])
 def test_a_corrupt_safetensors_header_is_one_line_naming_the_file(tmp_path, header, what):
     import struct
@@ -584,6 +601,27 @@ def test_a_target_with_a_corrupt_tokenizer_config_is_named_by_reference_and_buil
     line = _one_error_line(_run("build", "--target", target, "--drafter", "tiny:qwen3/drafter", "--out", out))
     assert line.startswith(f"error: {target / 'tokenizer_config.json'}: not valid JSON"), line  # not a temp copy
     assert not out.exists()
+
+
+def test_a_tokenizer_auto_map_never_imports_the_checkpoints_code(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(resolve_source("tiny:llama/target"), target)  # no built-in tokenizer class for its config
+    marker = tmp_path / "PWNED"
+    (target / "evil_tok.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                         "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "[UNK]", "tokenizer_class": "EvilTok", "auto_map": {"AutoTokenizer": [None, "evil_tok.EvilTok"]}}))
+    # transformers asks on stdin whether to run the directory's code unless told not to: a "y" must change nothing
+    r = CliRunner().invoke(main, ["reference", "--target", str(target), "--drafter", "tiny:llama/drafter",
+                                  "--max-new-tokens", "2", "--prompt", "hi"], input="y\n")
+    line = _one_error_line(r)
+    assert line.startswith(f"error: {target}: cannot load the tokenizer ("), line
+    assert not marker.exists()
 
 
 def test_reference_refuses_a_prompt_its_tokenizer_cannot_give_the_target(tmp_path):

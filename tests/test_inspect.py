@@ -131,3 +131,58 @@ def test_wrong_tensor_shape_at_load(pair):
     DEFECTS["wrong_shape"][0](drafter)
     with pytest.raises(DFlashError, match=r"layers.0.self_attn.k_proj.weight: shape \(16, 64\)"):
         load_drafter(drafter)
+
+
+def _shard(drafter: Path) -> dict:
+    """Split the drafter's weights into two shards and an index; returns the index's weight_map."""
+    sd = load_file(str(drafter / "model.safetensors"))
+    (drafter / "model.safetensors").unlink()
+    names = sorted(sd)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: sd[n] for n in part}, str(drafter / fname))
+        weight_map.update({n: fname for n in part})
+    return weight_map
+
+
+def _write_index(drafter: Path, weight_map: dict) -> Path:
+    index = drafter / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABSOLUTE", 7])
+def test_an_index_never_leads_out_of_the_checkpoint(pair, where):
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
+
+    drafter, target = pair
+    outside = drafter.parent / "outside.safetensors"  # a complete, valid file beside the checkpoint
+    shutil.copy(drafter / "model.safetensors", outside)
+    weight_map = _shard(drafter)
+    where = str(outside) if where == "ABSOLUTE" else where
+    index = _write_index(drafter, {**weight_map, "fc.weight": where})
+    r = _inspect(drafter, target)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"error: {index}: weight_map.fc.weight: " in r.output, r.output
+    with pytest.raises(DFlashError, match="weight_map.fc.weight"):
+        load_drafter(drafter)
+
+
+def test_a_tensor_in_two_shards_is_refused_by_inspect_and_load(pair):
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
+
+    drafter, target = pair
+    weight_map = _shard(drafter)
+    first, second = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == second)
+    sd = load_file(str(drafter / first))
+    sd[name] = torch.full_like(load_file(str(drafter / second))[name], 7.0)  # a second, different copy
+    save_file(sd, str(drafter / first))
+    _write_index(drafter, weight_map)
+    r = _inspect(drafter, target)
+    assert r.exit_code == 2 and f"error: {drafter / first}: {name}: tensor stored in two shards" in r.output, r.output
+    with pytest.raises(DFlashError, match="tensor stored in two shards"):
+        load_drafter(drafter)

@@ -89,8 +89,8 @@ def _convert(gguf_path: Path, out: Path) -> None:
     quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     try:
-        config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     except (ValueError, OSError, KeyError, ImportError) as e:

@@ -97,7 +97,13 @@ class TargetModel:
             for name in ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"):
                 if (self.model_dir / name).is_file():  # a corrupt one named here, not inside transformers
                     read_json_object(self.model_dir / name)
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            # trust_remote_code=False: an `auto_map` in the tokenizer files never imports the directory's code
+            # (left unset, transformers asks on stdin whether to run it when no built-in class matches).
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+            except (ValueError, OSError, KeyError, ImportError) as e:
+                first = " ".join(str(e).split())[:200] or type(e).__name__
+                raise DFlashError(f"cannot load the tokenizer ({first})", path=self.model_dir) from None
         return self._tokenizer
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -171,7 +177,7 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     if has_safetensors(model_dir):
         weight_files(model_dir)  # headers bounds-checked: a truncated or missing shard is named before transformers
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=False,
                                                   attn_implementation=ARCHS[config["model_type"]].attn_implementation)
     except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
         first = (str(e).splitlines() or [type(e).__name__])[0]

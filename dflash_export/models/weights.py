@@ -4,8 +4,9 @@ file before any tensor is loaded."""
 from __future__ import annotations
 
 import json
+import math
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -17,6 +18,30 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
+# Bits per element of every dtype the safetensors format defines (what its own reader accepts).
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+    "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all distinct (json keeps the last of a repeated key, silently)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
@@ -32,26 +57,52 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8:
                 raise DFlashError("truncated safetensors file (header longer than file)", path=path)
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise DFlashError("file not found", path=path) from None
+    except _DuplicateKey as e:
+        raise DFlashError("corrupt safetensors header (key given twice)", path=path, field=str(e.args[0])) from None
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an integer too long to read
         raise DFlashError("corrupt safetensors header", path=path) from None
     if not isinstance(header, dict):
         raise DFlashError("corrupt safetensors header (not a JSON object)", path=path)
     data_len = size - 8 - n
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise DFlashError("corrupt safetensors header (expected an object of strings)", path=path,
+                          field="__metadata__")
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        offsets = info.get("data_offsets", (0, 0)) if isinstance(info, dict) else None
-        if (not isinstance(offsets, (list, tuple)) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
             raise DFlashError("corrupt safetensors header (expected data_offsets [begin, end])", path=path,
                               field=name)
         begin, end = offsets
         if end > data_len:
             raise DFlashError(f"truncated safetensors file (tensor data cut off, {data_len} of {end} bytes)",
                               path=path, field=name)
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise DFlashError(f"corrupt safetensors header (unknown dtype {dtype!r})", path=path, field=name)
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise DFlashError(f"corrupt safetensors header (expected shape [non-negative integers], got {shape!r})",
+                              path=path, field=name)
+        bits = math.prod(shape) * _DTYPE_BITS[dtype]
+        if begin > end or bits % 8 or end - begin != bits // 8:
+            raise DFlashError(f"corrupt safetensors header (data_offsets {offsets} do not hold {dtype} {shape})",
+                              path=path, field=name)
+        spans.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise DFlashError("corrupt safetensors header (tensor data overlapping another's or leaving a gap)",
+                              path=path, field=name)
+        covered = end
+    if covered != data_len:
+        raise DFlashError(f"corrupt safetensors file ({data_len - covered} bytes after the last tensor's data)",
+                          path=path)
     return header
 
 
@@ -65,7 +116,7 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
             raise DFlashError("missing or invalid 'weight_map'", path=index, field="weight_map")
         by_file: dict[str, set[str]] = {}
         for name, fname in weight_map.items():
-            by_file.setdefault(fname, set()).add(name)
+            by_file.setdefault(_shard_name(index, name, fname), set()).add(name)
         out = {}
         for fname, names in by_file.items():
             header = safetensors_header(ckpt / fname)
@@ -73,6 +124,10 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
             if missing:
                 raise DFlashError(f"index names tensors this shard lacks: {sorted(missing)[:3]}", path=ckpt / fname,
                                   field="weight_map")
+            elsewhere = sorted(n for n in header if n != "__metadata__" and weight_map.get(n, fname) != fname)
+            if elsewhere:
+                raise DFlashError(f"tensor stored in two shards (the index names {weight_map[elsewhere[0]]!r})",
+                                  path=ckpt / fname, field=elsewhere[0])
             out.update({n: ckpt / fname for n in names})
         return out
     if single.is_file():
@@ -85,6 +140,16 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
     raise DFlashError("no model.safetensors or model.safetensors.index.json", path=ckpt)
 
 
+def _shard_name(index: Path, name: str, fname) -> str:
+    """A weight_map entry: a file name relative to the model directory, never a path leading out of it."""
+    if not isinstance(fname, str) or not fname:
+        raise DFlashError(f"expected a shard file name, got {fname!r}", path=index, field=f"weight_map.{name}")
+    parts = PurePosixPath(fname).parts
+    if PurePosixPath(fname).is_absolute() or ".." in parts:
+        raise DFlashError(f"{fname!r} is not a file of the model directory", path=index, field=f"weight_map.{name}")
+    return fname
+
+
 def has_safetensors(model_dir: Path) -> bool:
     """Whether a model directory keeps its weights as safetensors (single file or sharded index)."""
     return (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
@@ -94,11 +159,14 @@ def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     files = weight_files(ckpt)
+    by_file: dict[Path, list[str]] = {}
+    for name, fname in files.items():
+        by_file.setdefault(fname, []).append(name)
     state = {}
-    for fname in sorted(set(files.values())):
+    for fname in sorted(by_file):
         try:
             with safe_open(str(fname), framework="pt") as f:
-                for name in f.keys():
+                for name in by_file[fname]:  # the tensors the index assigns to this file, no other
                     state[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt data
             raise DFlashError(f"cannot read tensors ({e})", path=fname) from None
