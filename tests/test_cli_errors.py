@@ -164,6 +164,8 @@ def _codec_dir(d, template):
     "{{ joiner.__init__.__globals__.os.popen('touch PWNED').read() }}",
     "{% for m in messages %}{{ m.__class__.__mro__[1].__subclasses__() }}{% endfor %}",
     "{{ messages.append({'role': 'x'}) }}{{ ''.join(['touch PWNED']) }}",
+    "{{ 'x' * 1000000000 }}",  # a gigabyte string before any output
+    "{{ [messages] * 1000000000 }}",
 ])
 def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch, payload):
     from dflash_export.engines.base import load_codec
@@ -175,6 +177,20 @@ def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch
         codec.encode_prompt("hi")
     assert str(e.value).startswith("chat_template: ") and "unsafe" in str(e.value), str(e.value)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_chat_template_that_writes_without_end_is_stopped(tmp_path):
+    """Loops within jinja2's range cap that write ~4 GB: stopped once past the bound, one line naming the field."""
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.tokenization import MAX_RENDERED_CHARS
+
+    template = "{% for i in range(100000) %}{% for j in range(100000) %}" + "x" * 400 + "{% endfor %}{% endfor %}"
+    codec = load_codec(_codec_dir(tmp_path / "engine", template))
+    with pytest.raises(DFlashError) as e:
+        codec.encode_prompt("hi")
+    assert str(e.value) == f"chat_template: the chat template wrote more than {MAX_RENDERED_CHARS} characters " \
+                           "for these messages", str(e.value)
 
 
 def test_an_ordinary_chat_template_still_renders_in_the_sandbox(tmp_path):

@@ -123,8 +123,17 @@ class TextCodec:
         from jinja2.sandbox import SecurityError
 
         try:
-            return chat_environment().from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, **self.special)
+            template = chat_environment().from_string(self.chat_template)
+            # Streamed and bounded: a template that writes more than MAX_RENDERED_CHARS (no prompt this long fits
+            # the largest context an engine takes) is stopped there rather than filling memory.
+            parts, size = [], 0
+            for part in template.generate(messages=messages, add_generation_prompt=True, **self.special):
+                size += len(part)
+                if size > MAX_RENDERED_CHARS:
+                    raise DFlashError(f"the chat template wrote more than {MAX_RENDERED_CHARS} characters for "
+                                      f"these messages", field="chat_template")
+                parts.append(part)
+            return "".join(parts)
         except DFlashError:
             raise
         except SecurityError as e:
@@ -181,14 +190,29 @@ def prompt_chars(prompt: str | list[dict]) -> int:
     return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
+MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
+
+
 def chat_environment():
     """The only jinja2 environment chat templates are compiled and rendered in: jinja2's immutable sandbox (no
-    attribute starting with `_`, no unsafe callables, no mutation of passed-in lists and dicts)."""
+    attribute starting with `_`, no unsafe callables, no mutation of passed-in lists and dicts), whose `*` refuses
+    to build a string or list longer than MAX_RENDERED_CHARS (`'x' * 10**9` would fill memory before any output)."""
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
-                                        extensions=[jinja2.ext.loopcontrols])
+    class ChatSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > \
+                            MAX_RENDERED_CHARS:
+                        raise SecurityError(f"a repetition of {len(seq) * n} items (more than {MAX_RENDERED_CHARS})")
+            return super().call_binop(context, operator, left, right)
+
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                      extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise
     return env
 
