@@ -60,7 +60,7 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
     final = Path(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(final)
+        remove_stale_temps(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
         raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
@@ -85,7 +85,7 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
         raise
 
 
-def _remove_stale_temps(final: Path) -> None:
+def remove_stale_temps(final: Path) -> None:
     """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID` siblings of `final` left by a process that is gone (killed
     mid-build): only this pid-named form, and only when that pid is no longer alive. An `.old-PID` with no `final`
     beside it (killed between atomic_dir's two renames) is the previous complete directory: it is put back."""

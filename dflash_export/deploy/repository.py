@@ -400,7 +400,7 @@ def check_repository(repo) -> dict[str, Any]:
         if d.is_dir() and d.name not in models:
             raise DFlashError(f"not one of the deployed models {models} (Triton would try to load it); remove it or "
                               "deploy again", path=d)
-    checked_engines: set[Path] = set()
+    home = repo / models[0]  # the model whose directory holds the engine every model of the repository serves
     for name in models:
         model_dir = repo / name
         cfg_path = model_dir / "config.pbtxt"
@@ -416,11 +416,9 @@ def check_repository(repo) -> dict[str, Any]:
         if not (model_dir / "1" / "model.py").is_file():
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
         params = _config_parameters(cfg)
-        _check_python_model(model_dir, cfg, params, home=repo / models[0])
-        engine = repo / models[0] / "engine"
-        if engine not in checked_engines:
-            _check_served_engine(check_engine_manifest(engine), marker, marker_path)
-            checked_engines.add(engine)
+        _check_python_model(model_dir, cfg, params, home=home)
+        if model_dir == home:
+            _check_served_engine(check_engine_manifest(home / "engine"), marker, marker_path)
         _check_library_versions(params.get("library_versions"), cfg_path)
     return marker
 
@@ -557,11 +555,14 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         os.utime(use.fileno())  # last use, for the pruning below
         with open(locks / f"repo-{repo.name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not (repo / MARKER).is_file():
-                    raise DFlashError("not written yet")
-                check_repository(repo)
-            except DFlashError:  # not there, stale or damaged: written again
+            reuse = False
+            if (repo / MARKER).is_file():
+                try:
+                    check_repository(repo)
+                    reuse = True
+                except DFlashError:
+                    pass  # stale or damaged: written again
+            if not reuse:
                 write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
     except OSError as e:
         use.close()
@@ -583,7 +584,9 @@ def _prune_repository_cache(repos: Path, locks: Path, keep: Path) -> None:
     import re
     from contextlib import ExitStack
 
-    from dflash_export.files import _remove_stale_temps
+    from dflash_export.files import remove_stale_temps
+
+    reusable: list[tuple[float, Path]] = []  # (last use, repository) of those `cached_repository` could pick again
 
     def remove_if(d: Path, condition) -> None:
         with ExitStack() as held:
@@ -606,13 +609,12 @@ def _prune_repository_cache(repos: Path, locks: Path, keep: Path) -> None:
         entries = sorted(repos.iterdir())
     except OSError:
         return
-    reusable = []
     for d in entries:
         if d == keep:
             continue
         m = re.match(r"^\.(.+)\.(?:tmp-\d+-.+|old-\d+)$", d.name)
         if m:  # left by a writer that was killed
-            _remove_stale_temps(repos / m.group(1))
+            remove_stale_temps(repos / m.group(1))
             continue
         remove_if(d, dead)
     reusable.sort(reverse=True)
