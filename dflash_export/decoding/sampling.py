@@ -13,13 +13,7 @@ TINY_TEMPERATURE = 1e-20  # below it, dividing logits by T is checked for overfl
 
 def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
-    logits = np.asarray(logits, dtype=np.float64)
-    with np.errstate(over="ignore"):
-        x = logits / temperature
-        # Only a T below TINY_TEMPERATURE can overflow float64 with float32 logits (|logit| <= 3.4e38); then each row
-        # less its maximum, divided, is 0 at the maximum and -inf (probability 0) or finite below: the limit T -> 0.
-        if temperature < TINY_TEMPERATURE and np.isinf(x).any():
-            x = (logits - logits.max(axis=-1, keepdims=True)) / temperature
+    x = _over_temperature(np.asarray(logits, dtype=np.float64), temperature)
     if not (top_k and 0 < top_k < x.shape[-1]):
         return _softmax_nucleus(x, top_p)
     # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied with it
@@ -37,6 +31,17 @@ def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, to
     for r, (keep, p) in enumerate(kept):
         out[r, keep if len(keep) else slice(None)] = p
     return out.reshape(x.shape)
+
+
+def _over_temperature(x: np.ndarray, temperature: float) -> np.ndarray:
+    """x / T for float64 scores of float32 size (|x| <= 3.4e38). Only a T below TINY_TEMPERATURE can overflow that;
+    where it does, each row less its maximum, divided, is 0 at the maximum and -inf (probability 0) or finite below:
+    the limit T -> 0."""
+    with np.errstate(over="ignore"):
+        out = x / temperature
+        if temperature < TINY_TEMPERATURE and np.isinf(out).any():
+            out = (x - x.max(axis=-1, keepdims=True)) / temperature
+    return out
 
 
 def tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -112,10 +117,7 @@ def select_candidates(logits: np.ndarray, projected: np.ndarray, predecessor: np
         if temperature <= 0:
             index = int(np.argmax(scores))
         else:
-            with np.errstate(over="ignore"):
-                x = scores / temperature
-                if not np.isfinite(x).all():  # T so small the quotient overflows: the scores less their maximum
-                    x = (scores - scores.max()) / temperature
+            x = _over_temperature(scores, temperature)
             q = np.exp(x - x.max())
             q /= q.sum()
             index = sample_from(q, uniforms[i])
