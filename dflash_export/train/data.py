@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -127,15 +128,24 @@ def target_files_key(target) -> str:
     """A digest of the target directory's weight, tokenizer and config files (names, sizes, and each file's bytes --
     whole for small files, 16 evenly spaced 64 KiB samples for large ones, enough to tell other weights of the same
     shapes apart without reading gigabytes): cached data and checkpoints made for other weights at the same path, or
-    with the same config, never match it."""
-    import hashlib
-
-    h = hashlib.sha256()
+    with the same config, never match it. A `train` run asks for it once per data directory and once for its
+    checkpoints: it is read again only when a file's size, inode or times changed."""
     model_dir = Path(target.model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in _KEYED_SUFFIXES and p.is_file()) \
         if model_dir.is_dir() else []
-    for path in files:
-        size = path.stat().st_size
+    stats = [(p, p.stat()) for p in files]
+    return _files_digest(tuple((str(p), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)) for p, st in stats))
+
+
+@functools.lru_cache(maxsize=16)
+def _files_digest(files: tuple[tuple[str, int, tuple], ...]) -> str:
+    """target_files_key's digest of (path, size, identity) files; the identity (inode and times) only keys this
+    cache."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, size, _ in files:
+        path = Path(name)
         h.update(f"{path.name}\0{size}\0".encode())
         with open(path, "rb") as f:
             if size <= _SAMPLES * _SAMPLE_BYTES:
