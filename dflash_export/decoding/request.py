@@ -42,6 +42,11 @@ def json_kind(v) -> str:
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
+def is_int(v) -> bool:
+    """An integer that is not a boolean (Python's True is an int; JSON's true is no integer)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def shown(v) -> str:
     """A number as an error message quotes it: an integer of JSON's unbounded length cut to its first and last
     digits (a 4000-digit value would otherwise fill the message)."""

@@ -27,6 +27,7 @@ from dflash_export.decoding.request import (
     as_fp32,
     check_field,
     check_unicode,
+    is_int,
     json_kind,
     shown,
 )
@@ -138,10 +139,6 @@ def _messages(text: str | list) -> list[dict]:
         check_unicode(m["role"], "messages")
         check_unicode(m["content"], "messages")
     return msgs
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_generate_body(body) -> dict:
@@ -400,7 +397,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
         if t.get("datatype") != dtype:
             raise DFlashError(f"datatype must be {dtype}, got {str(t.get('datatype'))[:20]!r}", field=name)
         shape = t.get("shape")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape) and len(shape) in (1, 2)):
+        if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape) and len(shape) in (1, 2)):
             raise DFlashError("shape: expected a list of one or two non-negative integers", field=name)
         n = 1
         for d in shape:
@@ -413,7 +410,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
             raise DFlashError("parameters: expected a JSON object", field=name)
         if "binary_data_size" in tp:
             size = tp["binary_data_size"]
-            if not _is_int(size) or size < 0 or "data" in t:
+            if not is_int(size) or size < 0 or "data" in t:
                 raise DFlashError("binary_data_size: a byte count, and no \"data\" beside it", field=name)
             if dtype != "BYTES" and size != n * {"BOOL": 1, "INT64": 8, "UINT64": 8, "FP32": 4}[dtype]:
                 raise DFlashError(f"binary_data_size {size} does not fit shape {shape} of {dtype}", field=name)
@@ -427,7 +424,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
             ok = {"BYTES": isinstance(v, str), "BOOL": isinstance(v, bool),
                   "FP32": isinstance(v, (int, float)) and not isinstance(v, bool)
                   and (isinstance(v, int) or math.isfinite(v)),  # an integer is checked against the range below
-                  }.get(dtype, _is_int(v))
+                  }.get(dtype, is_int(v))
             if not ok:
                 raise DFlashError(f"expected {_JSON_TYPES[dtype]} ({dtype}), got {json_kind(v)}", field=name)
             if dtype in _RANGES and not _RANGES[dtype][0] <= v <= _RANGES[dtype][1] or \

@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from dflash_export.decoding.request import SamplingParams  # noqa: F401 - the contract's request settings
+from dflash_export.decoding.request import (
+    SamplingParams,  # noqa: F401 - the contract's request settings
+    is_int,
+)
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.tokenization import TextCodec, chat_environment
@@ -124,10 +127,6 @@ class Engine(ABC):
 # Engine directories (the manifest: engines/manifest.py)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _kind(v) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
@@ -168,10 +167,10 @@ def load_codec(engine_dir):
         cfg_path = d / "codec.json"
         cfg = read_json_object(cfg_path)
         v = cfg.get("vocab_size", 256)
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field="vocab_size")
         r = cfg.get("reserved", [])
-        if not isinstance(r, list) or not all(_is_int(x) and x >= 0 for x in r):
+        if not isinstance(r, list) or not all(is_int(x) and x >= 0 for x in r):
             raise DFlashError(f"expected a list of non-negative integers, got {r!r}", path=cfg_path, field="reserved")
     return TextCodec.from_dir(d)
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from dflash_export import __version__
 from dflash_export.decoding.options import decoding_problem
+from dflash_export.decoding.request import is_int
 from dflash_export.decoding.static_ngrams import StaticNgramIndex
-from dflash_export.engines.base import EngineInfo, _is_int, _kind
+from dflash_export.engines.base import EngineInfo, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
@@ -198,7 +199,7 @@ class _Fields:
 
     def integer(self, key, minimum, value=None, name=None):
         v = self.manifest[key] if value is None else value
-        if not _is_int(v):
+        if not is_int(v):
             raise self.bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
         if v < minimum:
             raise self.bad(name or key, f"must be >= {minimum}, got {v}")
@@ -230,7 +231,7 @@ def _check_backend(f: _Fields) -> str:
     """The manifest version, the fields every manifest has and those its backend needs; returns the backend."""
     manifest = f.manifest
     version = manifest.get("manifest_version", MANIFEST_VERSION)
-    if not _is_int(version) or version != MANIFEST_VERSION:
+    if not is_int(version) or version != MANIFEST_VERSION:
         raise f.bad("manifest_version", f"unsupported manifest version {version!r} (this dflash-export reads "
                                         f"version {MANIFEST_VERSION}): rebuild the engine with this version")
     for key in ("backend", "files", "block_size", "mask_token_id"):
@@ -350,7 +351,7 @@ def _check_flags(f: _Fields, vocab: int | None) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 100):
             raise f.bad(f"flags.{key}", f"expected a positive number, got {v!r}")
     rows = flags.get("plain_step_rows")
-    if rows is not None and (not _is_int(rows) or not 1 <= rows <= MAX_ROW_FLOOR):
+    if rows is not None and (not is_int(rows) or not 1 <= rows <= MAX_ROW_FLOOR):
         raise f.bad("flags.plain_step_rows", f"expected an integer from 1 to {MAX_ROW_FLOOR}, got {rows!r}")
     ops = flags.get("row_pad_ops")
     if ops is not None and (not isinstance(ops, list) or not all(o in ("MatMul", "MatMulNBits", "GroupQueryAttention")
@@ -365,7 +366,7 @@ def _check_flags(f: _Fields, vocab: int | None) -> None:
 
 def _check_selector(f: _Fields, vocab: int | None) -> Selector:
     sel = f.manifest["selector"]
-    if not isinstance(sel, dict) or not all(_is_int(sel.get(k)) for k in ("top_k", "rank")):
+    if not isinstance(sel, dict) or not all(is_int(sel.get(k)) for k in ("top_k", "rank")):
         raise f.bad("selector", "needs integer top_k and rank")
     f.integer("selector", 1, sel["rank"], "selector.rank")
     if not 1 < sel["top_k"] <= (vocab or sel["top_k"]):

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 
@@ -41,7 +42,7 @@ def _unique_keys(pairs: list) -> dict:
 
 
 def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:

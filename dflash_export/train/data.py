@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, cache_dir
 from dflash_export.models.target import tap_hidden_states
@@ -243,10 +244,6 @@ def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int |
     return seqs
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width: int | None = None) -> str | None:
     """What makes `s` unusable for training (shapes, types, ids outside `vocab_size`, taps not `tap_width` wide), or
     None."""
@@ -257,9 +254,9 @@ def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width:
     if s.ids.dim() != 1 or s.ids.dtype != torch.long or len(s.ids) < 2:
         return f"ids must be a 1-D int64 tensor of 2 or more tokens, got {s.ids.dtype} {tuple(s.ids.shape)}"
     n = len(s.ids)
-    if not _is_int(s.prompt_len) or not 1 <= s.prompt_len <= n:
+    if not is_int(s.prompt_len) or not 1 <= s.prompt_len <= n:
         return f"prompt_len {s.prompt_len!r} outside 1..{n}"
-    if not _is_int(s.index) or not isinstance(s.teacher_forced, bool):
+    if not is_int(s.index) or not isinstance(s.teacher_forced, bool):
         return "index must be an integer and teacher_forced a bool"
     if s.taps.dim() != 2 or not s.taps.is_floating_point() or len(s.taps) != n \
             or (tap_width is not None and s.taps.shape[1] != tap_width):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, cache_dir, check_output_dir, removing_new_dirs
 from dflash_export.models.checkpoint import load_drafter
@@ -105,9 +106,6 @@ def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, se
     """The options `train` takes besides the recipe, for callers that bypass the CLI's click types."""
     def bad(option: str, message: str):
         raise DFlashError(message, field=option)
-
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
 
     for option, v, low in (("--steps", steps, 0), ("--threads", threads, 1), ("--num-prompts", num_prompts, 0)):
         if v is not None and (not is_int(v) or v < low):
