@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file
 from dflash_export.train.data import TrainSequence, load_tensors, teacher_forced_sequences
@@ -288,8 +289,7 @@ def load_answers(path: Path, vocab_size: int | None = None) -> list[dict]:
         for key in ("prompt", "answer"):
             ids = r[key]
             if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab_size or float("inf"))
-                    for t in ids):
+                    is_int(t) and 0 <= t < (vocab_size or float("inf")) for t in ids):
                 raise DFlashError(f"invalid answer shard (row {i}: {key} is not a non-empty list of token ids"
                                   + (f" below {vocab_size}" if vocab_size else "") + "); delete it to regenerate",
                                   path=path)
