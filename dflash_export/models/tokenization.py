@@ -8,6 +8,7 @@ and rendered only in jinja2's immutable sandbox, as transformers does. A templat
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
@@ -193,10 +194,12 @@ def prompt_chars(prompt: str | list[dict]) -> int:
 MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
 
 
+@functools.cache
 def chat_environment():
     """The only jinja2 environment chat templates are compiled and rendered in: jinja2's immutable sandbox (no
     attribute starting with `_`, no unsafe callables, no mutation of passed-in lists and dicts), whose `*` refuses
-    to build a string or list longer than MAX_RENDERED_CHARS (`'x' * 10**9` would fill memory before any output)."""
+    to build a string or list longer than MAX_RENDERED_CHARS (`'x' * 10**9` would fill memory before any output).
+    Made once per process and shared (nothing changes it after this function)."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
