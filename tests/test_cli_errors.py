@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from deploy_support import engine_dir  # noqa: F401 - a fixture: the tiny ONNX Runtime engine
 
 from dflash_export.cli import main
 from dflash_export.models.sources import resolve_source
@@ -455,15 +456,7 @@ def _run_as_installed(cwd, extras: tuple[str, ...], *commands):
     return [SimpleNamespace(exit_code=c, output=o) for c, o in json.loads(r.stdout.splitlines()[-1])]
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory):
-    from dflash_export.engines.ort_build import build_onnxruntime
-    from dflash_export.recipes import load_recipe
-
-    return build_onnxruntime(load_recipe("tiny-qwen3"), tmp_path_factory.mktemp("engine") / "onnxruntime", threads=1)
-
-
-def test_the_core_install_loads_every_command_and_each_names_the_extra_it_lacks(tmp_path, tiny_engine):
+def test_the_core_install_loads_every_command_and_each_names_the_extra_it_lacks(tmp_path, engine_dir):
     """`pip install dflash-export` alone: every command's --help, `inspect` runs, and a command that needs an extra
     says which in one line, exit 2."""
     from dflash_export.cli import COMMANDS
@@ -471,9 +464,9 @@ def test_the_core_install_loads_every_command_and_each_names_the_extra_it_lacks(
     needs = {"onnx": [["export", "--recipe", "tiny-qwen3", "--out", tmp_path / "exp"],
                       ["build", "--recipe", "tiny-qwen3", "--out", tmp_path / "eng"],
                       ["demo", "--recipe", "tiny-qwen3"]],
-             "runtime": [["run", "--engine", tiny_engine, "--max-new-tokens", "4", "hi"]],
-             "validate": [["validate", "--recipe", "tiny-qwen3", "--engine", tiny_engine]],
-             "serve": [["serve", "--engine", tiny_engine]]}
+             "runtime": [["run", "--engine", engine_dir, "--max-new-tokens", "4", "hi"]],
+             "validate": [["validate", "--recipe", "tiny-qwen3", "--engine", engine_dir]],
+             "serve": [["serve", "--engine", engine_dir]]}
     helps = [["--help"]] + [[name, "--help"] for name in COMMANDS]
     failing = [(extra, args) for extra, cmds in needs.items() for args in cmds]
     results = _run_as_installed(tmp_path, (), *helps, ["inspect", "--recipe", "tiny-qwen3"], *(a for _, a in failing))
@@ -484,15 +477,15 @@ def test_the_core_install_loads_every_command_and_each_names_the_extra_it_lacks(
         assert f"pip install 'dflash-export[{extra}]'" in _one_error_line(r), (args, r.output)
 
 
-def test_the_runtime_extra_runs_a_built_engine_and_the_validate_extra_validates_it(tmp_path, tiny_engine):
+def test_the_runtime_extra_runs_a_built_engine_and_the_validate_extra_validates_it(tmp_path, engine_dir):
     """What loading an engine imports comes with the runtime extra; quantizing one needs the onnx extra's onnx-ir."""
     run, build = _run_as_installed(tmp_path, ("runtime",),
-                                   ["run", "--engine", tiny_engine, "--max-new-tokens", "4", "hi"],
+                                   ["run", "--engine", engine_dir, "--max-new-tokens", "4", "hi"],
                                    ["build", "--recipe", "tiny-qwen3", "--precision", "int8", "--out", tmp_path])
     assert run.exit_code == 0, run.output
     assert "pip install 'dflash-export[onnx]'" in _one_error_line(build)
     validate, = _run_as_installed(tmp_path, ("validate",),
-                                  ["validate", "--recipe", "tiny-qwen3", "--engine", tiny_engine, "--num-prompts", "1",
+                                  ["validate", "--recipe", "tiny-qwen3", "--engine", engine_dir, "--num-prompts", "1",
                                    "--max-new-tokens", "8", "--dist-samples", "5", "--report", tmp_path / "report"])
     assert validate.exit_code == 0, validate.output
 
