@@ -348,6 +348,18 @@ def test_a_missing_engine_names_the_build_that_writes_it_and_a_damaged_one_the_s
     assert _run(*_backticked(line)).exit_code == 0
     assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0
 
+    # a copy outside the layout a build writes: the build line writes the engine where builds do, and says so
+    import shutil
+    copy = tmp_path / "elsewhere" / "my-engine"
+    shutil.copytree(engine, copy)
+    os.remove(copy / "drafter.onnx")
+    line = _one_error_line(_run("run", "--engine", copy, "hi"))
+    assert "`dflash-export build --recipe tiny-qwen3 --backend onnxruntime --force` (it writes " \
+           f"{os.path.join('engines', 'tiny-qwen3', 'onnxruntime')}, then copy that directory to {copy})" in line
+    os.remove(os.path.join(engine, "drafter.onnx"))
+    assert _run(*_backticked(line)).exit_code == 0
+    assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0
+
     # a quantized engine's directory and another output root: the hint carries both
     other = tmp_path / "out" / "tiny-llama" / "onnxruntime-int8"
     line = _one_error_line(_run("run", "--engine", other, "hi"))

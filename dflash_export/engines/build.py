@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.engines.manifest import MANIFEST, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.engines.manifest import MANIFEST, engine_dir_name, hash_inputs, is_engine_dir, read_manifest
 from dflash_export.engines.onnxruntime import ENGINE_FORMAT
 from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
@@ -67,19 +67,6 @@ def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
     manifest["inputs"] = inputs
     with atomic_file(path) as f:
         f.write(json.dumps(manifest, indent=2) + "\n")
-
-
-def engine_dir_name(backend: str, precisions: dict[str, str] | None = None) -> str:
-    """`onnxruntime` for an fp32 engine; `onnxruntime-int4` (target precision), `onnxruntime-int4-drafter-int8` when
-    the drafter's differs, `...-fp32-heads` when the heads were kept fp32 under quantized graphs."""
-    if not precisions or set(precisions.values()) == {"fp32"}:
-        return backend
-    name = f"{backend}-{precisions['target']}"
-    if precisions["drafter"] != precisions["target"]:
-        name += f"-drafter-{precisions['drafter']}"
-    if (precisions["lm_head"], precisions["draft_head"]) != (precisions["target"], precisions["drafter"]):
-        name += "-fp32-heads"
-    return name
 
 
 def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False,

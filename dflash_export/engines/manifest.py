@@ -472,17 +472,18 @@ def read_manifest(engine_dir, verify_files: bool = True) -> Manifest:
         for rel, digest in manifest.files.items():
             f = engine_dir / rel
             if not f.is_file():
-                raise DFlashError(f"file listed in the manifest is missing; rebuild the engine with "
-                                  f"`{build_command(engine_dir, manifest)} --force`", path=f, field="files")
+                raise DFlashError(f"file listed in the manifest is missing; {rebuild_advice(engine_dir, manifest)}",
+                                  path=f, field="files")
             if sha256_file(f) != digest:
-                raise DFlashError(f"file does not match its manifest hash (modified or truncated); rebuild the "
-                                  f"engine with `{build_command(engine_dir, manifest)} --force`", path=f, field="files")
+                raise DFlashError("file does not match its manifest hash (modified or truncated); "
+                                  f"{rebuild_advice(engine_dir, manifest)}", path=f, field="files")
     return manifest
 
 
-def build_command(engine_dir: Path, manifest: Manifest) -> str:
-    """The `dflash-export build` line that writes `engine_dir` again: its recipe (by name when recipes/ has it,
-    else the recipe file the build read), backend, precisions and output root (engine_dir = OUT/<recipe>/<dir>)."""
+def rebuild_advice(engine_dir: Path, manifest: Manifest) -> str:
+    """How to write `engine_dir` again: the `dflash-export build` line with its recipe (by name when recipes/ has it,
+    else the recipe file the build read), backend, precisions and output root (engine_dir = OUT/<recipe>/<dir>).
+    An engine copied or renamed out of that layout is rebuilt where a build writes it, so the advice says so."""
     recipe = manifest.recipe or engine_dir.parent.name
     if manifest.recipe_path and not (RECIPES_DIR / f"{recipe}.yaml").is_file():
         recipe = manifest.recipe_path
@@ -494,10 +495,29 @@ def build_command(engine_dir: Path, manifest: Manifest) -> str:
         parts += ["--drafter-precision", p["drafter"]]
     if p and (p.get("lm_head"), p.get("draft_head")) != (p.get("target"), p.get("drafter")):
         parts.append("--fp32-heads")
+    name = engine_dir_name(manifest.backend, p if set(p) >= {"target", "drafter", "lm_head", "draft_head"} else None)
+    in_layout = engine_dir.name == name and (manifest.recipe is None or engine_dir.parent.name == manifest.recipe)
     out = engine_dir.resolve().parent.parent
-    if out != (Path.cwd() / "engines").resolve():
+    if in_layout and out != (Path.cwd() / "engines").resolve():
         parts += ["--out", _shell_word(str(out))]
-    return " ".join(parts)
+    advice = f"rebuild the engine with `{' '.join(parts)} --force`"
+    if not in_layout:
+        written = Path("engines") / (manifest.recipe or "RECIPE") / name
+        advice += f" (it writes {written}, then copy that directory to {engine_dir})"
+    return advice
+
+
+def engine_dir_name(backend: str, precisions: Mapping[str, str] | None = None) -> str:
+    """`onnxruntime` for an fp32 engine; `onnxruntime-int4` (target precision), `onnxruntime-int4-drafter-int8` when
+    the drafter's differs, `...-fp32-heads` when the heads were kept fp32 under quantized graphs."""
+    if not precisions or set(precisions.values()) == {"fp32"}:
+        return backend
+    name = f"{backend}-{precisions['target']}"
+    if precisions["drafter"] != precisions["target"]:
+        name += f"-drafter-{precisions['drafter']}"
+    if (precisions["lm_head"], precisions["draft_head"]) != (precisions["target"], precisions["drafter"]):
+        name += "-fp32-heads"
+    return name
 
 
 def build_hint(engine_dir: Path) -> str:
