@@ -351,6 +351,39 @@ def test_the_model_stub_writes_no_bytecode_into_the_repository(tmp_path):
     assert pth.splitlines()[-1] == "import sys; sys.dont_write_bytecode = True"
 
 
+@pytest.mark.server
+def test_files_changed_after_the_check_are_not_what_tritonserver_loads(tmp_path, engine_dir, direct):
+    """`serve` checks the repository, then starts tritonserver: a model.py swapped in between is never imported (a
+    planted one would write a file), and a config.pbtxt changed in between is refused, not loaded."""
+    import tritonclient.http as th
+
+    from dflash_export.deploy.repository import check_repository
+    from dflash_export.deploy.server import TritonServer
+
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    check_repository(repo)
+    planted = tmp_path / "planted-model-ran"
+    model_py = repo / "dflash" / "1" / "model.py"
+    model_py.write_text(f"open({str(planted)!r}, 'w').close()\n" + model_py.read_text())
+    srv = TritonServer(repo, *free_ports(3), ready_timeout_s=240)
+    try:
+        srv.start()
+        client = th.InferenceServerClient(srv.http_url.removeprefix("http://"), network_timeout=120)
+        served = infer(client, b"Hello", max_tokens=(16, "INT64"))
+        assert served == as_dict(run_direct(direct, text_input=b"Hello", max_tokens=np.array([16], np.int32)))
+    finally:
+        srv.stop()
+    assert not planted.exists()
+
+    cfg = repo / "dflash" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace('string_value: "engine"', f'string_value: "{engine_dir}"'))
+    srv = TritonServer(repo, *free_ports(3), ready_timeout_s=240)
+    with pytest.raises(DFlashError) as e:
+        srv.start()
+    assert "config.pbtxt: parameters.engine_dir: must name the repository's own engine" in str(e.value)
+    assert srv.proc is None and pids_mentioning(str(repo)) == []
+
+
 def test_serve_cli_refuses_a_directory_deploy_did_not_write(tmp_path):
     (tmp_path / "empty").mkdir()
     r = cli("serve", "--repo", tmp_path / "empty")

@@ -50,6 +50,7 @@ from dflash_export.files import atomic_dir, check_output_dir, read_json_object, 
 MODEL_NAME = "dflash"
 STREAM_MODEL_NAME = "dflash_stream"
 MARKER = "dflash_repository.json"
+TRITON_MODEL = Path(__file__).with_name("triton_model.py")  # what deploy writes as each model's 1/model.py
 # The marker's `format`: the repository layout this version writes and serves. A repository of another format (an
 # older or newer dflash-export) is refused by `serve`, never run: deploy it again.
 REPO_FORMAT = 2
@@ -263,7 +264,6 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
     shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
-    model_py = Path(__file__).with_name("triton_model.py")
     for name, is_decoupled in variants:
         model_dir = repo / name
         engine_ref = os.path.relpath(home / "engine", model_dir)
@@ -279,7 +279,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
                         "library_versions": json.dumps(_needed_libraries(manifest.backend))},
         ))
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(model_py, model_dir / "1" / "model.py")
+        shutil.copy2(TRITON_MODEL, model_dir / "1" / "model.py")
     return [name for name, _ in variants]
 
 
@@ -377,11 +377,7 @@ def check_repository(repo) -> dict[str, Any]:
         raise DFlashError(f"not a model repository written by `dflash-export deploy` (no {MARKER})", path=repo,
                           field="--repo")
     marker = read_json_object(marker_path)
-    models = marker.get("models")
-    if not isinstance(models, list) or not models or any(not isinstance(m, str) or not NAME_PATTERN.match(m)
-                                                         for m in models):
-        raise DFlashError(f"expected a non-empty list of model names, got {models!r}", path=marker_path,
-                          field="models")
+    models = _marker_models(marker, marker_path)
     if marker.get("format") != REPO_FORMAT:
         raise DFlashError(f"written by another version of dflash-export (repository format "
                           f"{marker.get('format', 1)!r}; this version serves format {REPO_FORMAT}): deploy again",
@@ -406,17 +402,10 @@ def check_repository(repo) -> dict[str, Any]:
         cfg_path = model_dir / "config.pbtxt"
         if not model_dir.is_dir():
             raise DFlashError(f"model directory listed in {MARKER} is missing", path=model_dir)
-        if not cfg_path.is_file():
-            raise DFlashError("missing: deploy again", path=cfg_path)
-        try:
-            text = cfg_path.read_text()
-        except UnicodeDecodeError as e:
-            raise DFlashError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=cfg_path) from None
-        cfg = check_config_text(text, cfg_path, expect_name=name)
+        _, _, params = _read_python_config(cfg_path, name, home)
         if not (model_dir / "1" / "model.py").is_file():
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
-        params = _config_parameters(cfg)
-        _check_python_model(model_dir, cfg, params, home=home)
+        _check_python_model(model_dir, home)
         if model_dir == home:
             _check_served_engine(check_engine_manifest(home / "engine"), marker, marker_path)
         _check_library_versions(params.get("library_versions"), cfg_path)
@@ -432,24 +421,27 @@ _CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy
 _CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "mode", "library_versions"}
 
 
-def _check_python_model(model_dir: Path, cfg: dict[str, Any], params: dict[str, str], home: Path) -> None:
-    """A `dflash` python model exactly as deploy writes it: config.pbtxt with deploy's fields only, `1/model.py`
-    byte for byte this version's triton_model.py and nothing else beside it (the stub imports from that directory),
-    the engine referenced inside the repository, no symbolic link anywhere."""
-    cfg_path = model_dir / "config.pbtxt"
-    expected = {"config.pbtxt": False, "1": True, **({"engine": True} if model_dir == home else {})}
-    for p in sorted(model_dir.iterdir()):
-        if p.is_symlink():
-            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link"), path=p)
-        if p.name not in expected or expected[p.name] != p.is_dir():
-            raise DFlashError(_NOT_DEPLOYED.format("a file or directory"), path=p)
-    for p in sorted((model_dir / "1").iterdir()):
-        if p.name != "model.py" or p.is_symlink() or not p.is_file():
-            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link" if p.is_symlink() else "a file or directory"),
-                              path=p)
-    if (model_dir / "1" / "model.py").read_bytes() != Path(__file__).with_name("triton_model.py").read_bytes():
-        raise DFlashError("not the model this version of dflash-export serves (edited, or written by another "
-                          "version): deploy again", path=model_dir / "1" / "model.py")
+def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
+    models = marker.get("models")
+    if not isinstance(models, list) or not models or any(not isinstance(m, str) or not NAME_PATTERN.match(m)
+                                                         for m in models):
+        raise DFlashError(f"expected a non-empty list of model names, got {models!r}", path=marker_path,
+                          field="models")
+    return models
+
+
+def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """A `dflash` python model's config.pbtxt, read once and checked as deploy writes it: the python backend,
+    deploy's fields and parameters only, the engine referenced inside the repository. Returns the text checked, the
+    config and its parameters."""
+    if not cfg_path.is_file():
+        raise DFlashError("missing: deploy again", path=cfg_path)
+    try:
+        text = cfg_path.read_text()
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=cfg_path) from None
+    cfg = check_config_text(text, cfg_path, expect_name=name)
+    params = _config_parameters(cfg)
     if cfg.get("backend") != "python":
         raise DFlashError(f"must be \"python\" (deploy writes a python backend model), got {cfg.get('backend')!r}",
                           path=cfg_path, field="backend")
@@ -461,9 +453,53 @@ def _check_python_model(model_dir: Path, cfg: dict[str, Any], params: dict[str, 
     ref = params.get("engine_dir")
     if not ref:
         raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
+    model_dir = cfg_path.parent
     if os.path.isabs(ref) or Path(os.path.normpath(model_dir / ref)) != home / "engine":
         raise DFlashError(f"must name the repository's own engine {os.path.relpath(home / 'engine', model_dir)!r}, "
                           f"got {ref!r}", path=cfg_path, field="parameters.engine_dir")
+    return text, cfg, params
+
+
+def _check_python_model(model_dir: Path, home: Path) -> None:
+    """A `dflash` python model's files exactly as deploy writes them: config.pbtxt, `1/model.py` byte for byte this
+    version's triton_model.py and nothing else beside it (the stub imports from that directory), the engine in the
+    first model's directory, no symbolic link anywhere."""
+    expected = {"config.pbtxt": False, "1": True, **({"engine": True} if model_dir == home else {})}
+    for p in sorted(model_dir.iterdir()):
+        if p.is_symlink():
+            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link"), path=p)
+        if p.name not in expected or expected[p.name] != p.is_dir():
+            raise DFlashError(_NOT_DEPLOYED.format("a file or directory"), path=p)
+    for p in sorted((model_dir / "1").iterdir()):
+        if p.name != "model.py" or p.is_symlink() or not p.is_file():
+            raise DFlashError(_NOT_DEPLOYED.format("a symbolic link" if p.is_symlink() else "a file or directory"),
+                              path=p)
+    if (model_dir / "1" / "model.py").read_bytes() != TRITON_MODEL.read_bytes():
+        raise DFlashError("not the model this version of dflash-export serves (edited, or written by another "
+                          "version): deploy again", path=model_dir / "1" / "model.py")
+
+
+def served_copy(repo: Path, dest: Path) -> Path:
+    """The repository tritonserver loads: `dest` (made anew, in a directory only this user can enter) holds each
+    model's config.pbtxt as read and checked here, this version's own model.py, and a link to the repository's
+    engine, which the model checks against its manifest's hashes as it loads it. What tritonserver imports and
+    configures is then what was checked, even if the repository changes between `check_repository` and the load;
+    the engine is data (graphs, weights, a tokenizer), never executed. Returns `dest`."""
+    repo = Path(repo)
+    marker_path = repo / MARKER
+    if not marker_path.is_file():
+        raise DFlashError(f"not a model repository written by `dflash-export deploy` (no {MARKER})", path=repo,
+                          field="--repo")
+    models = _marker_models(read_json_object(marker_path), marker_path)
+    home = repo / models[0]
+    shutil.rmtree(dest, ignore_errors=True)
+    for name in models:
+        text, _, _ = _read_python_config(repo / name / "config.pbtxt", name, home)
+        (dest / name / "1").mkdir(parents=True, mode=0o700)
+        (dest / name / "config.pbtxt").write_text(text)
+        shutil.copyfile(TRITON_MODEL, dest / name / "1" / "model.py")
+    (dest / models[0] / "engine").symlink_to(home / "engine", target_is_directory=True)
+    return dest
 
 
 def _check_served_engine(manifest: Manifest, marker: dict[str, Any], marker_path: Path) -> None:
@@ -512,7 +548,7 @@ def _cached_name(engine: Path, manifest_bytes: bytes, recipe: str | None, instan
 
     key = hashlib.sha256()
     for part in (manifest_bytes, str(engine).encode(), f"{instances}/{max_batch}/{plain}".encode(),
-                 Path(__file__).with_name("triton_model.py").read_bytes(), Path(__file__).read_bytes()):
+                 TRITON_MODEL.read_bytes(), Path(__file__).read_bytes()):
         key.update(hashlib.sha256(part).digest())
     return f"{(recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
 

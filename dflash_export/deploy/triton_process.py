@@ -28,7 +28,7 @@ from pathlib import Path
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
 from dflash_export.deploy.handler import prompt_char_limit
-from dflash_export.deploy.repository import check_repository
+from dflash_export.deploy.repository import check_repository, served_copy
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -309,6 +309,7 @@ class TritonServer:
         self.front = None
         self.triton_http_port: int | None = None
         self._workdir: Path | None = None
+        self._served: Path | None = None  # the copy of the checked repository tritonserver loads (served_copy)
         self._log: collections.deque[str] = collections.deque(maxlen=400)
         # The first lines of the current run, kept apart from the tail: tritonserver names a rejected option on the
         # line before its 402-line usage text, which pushes that line out of the tail.
@@ -374,7 +375,7 @@ class TritonServer:
         grpc_key = secret or secrets.token_hex(8) + "\n"
         cmd = [
             str(install.binary),
-            f"--model-repository={self.repo}",
+            f"--model-repository={self._served}",
             f"--backend-directory={backend_dir}",
             # Triton's own HTTP parser must never see a request the front did not check (see deploy/front.py):
             # loopback only, and every API behind the front's per-start secret header.
@@ -418,6 +419,8 @@ class TritonServer:
                 make_stub_env(self._workdir / "stubenv", stub_site)
             cancel_dir = new_cancel_dir(self._workdir)
             uds = self._workdir / "tritonserver.sock"
+            # The checked files tritonserver loads, under the repository's own path (so `ps` still names it).
+            self._served = served_copy(self.repo, self._workdir / "served" / self.repo.relative_to(self.repo.anchor))
             if self.front is None:
                 marker = _read_marker(self.repo)
                 models = tuple(marker.get("models") or ("dflash",))
