@@ -119,6 +119,8 @@ def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
     (lambda m: m.update(block_size="4"), "block_size"),
     (lambda m: m.update(backend="mystery"), "backend"),
     (lambda m: m.update(mask_token_id=10**6), "mask_token_id"),
+    (lambda m: m.update(stop_token_ids=[0, 10**6]), "stop_token_ids[1]"),
+    (lambda m: m.update(max_draft_len=10**9), "max_draft_len"),
     (lambda m: m["shapes"].update(target_layers=None), "shapes.target_layers"),
     (lambda m: m.update(target_layer_ids=[1, 99]), "target_layer_ids"),
     (lambda m: m["flags"].update(draft_vocab=100000), "flags.draft_vocab"),

@@ -270,12 +270,15 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
     if "max_seq_len" in manifest and f.integer("max_seq_len", 1) < bs:
         raise f.bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
     if "stop_token_ids" in manifest:
-        f.int_list("stop_token_ids")
+        for i, t in enumerate(f.int_list("stop_token_ids")):
+            if vocab is not None and t >= vocab:
+                raise f.bad(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary (vocab_size {vocab})")
     if "target_layer_ids" in manifest:
         f.int_list("target_layer_ids", nonempty=True)
-    for key in ("engine_format", "max_draft_len"):
-        if key in manifest:
-            f.integer(key, 0)
+    if "engine_format" in manifest:
+        f.integer("engine_format", 0)
+    if "max_draft_len" in manifest and f.integer("max_draft_len", 0) != bs - 1:
+        raise f.bad("max_draft_len", f"must be block_size - 1 = {bs - 1} (the drafts of one block)")
     for key in ("recipe", "recipe_path", "target", "build_key"):
         if key in manifest and (manifest[key] is not None or key in _REQUIRED[backend]):
             f.string(key)
