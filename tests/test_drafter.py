@@ -136,3 +136,41 @@ def test_sliding_window_layer_masks_far_context(tiny_qwen3, tmp_path):
         d = drafter.draft_logits(target, taps2, torch.arange(10)[None], blk, pos)
     assert torch.allclose(a, b, atol=1e-6)
     assert not torch.allclose(c, d, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_candidate_selector_at_a_temperature_near_zero_selects_the_greedy_walk():
+    """DFlash 2's selector (PyTorch) sampling at T -> 0 draws the best-scoring candidate at every slot: the greedy walk,
+    written out here in float64 numpy (top-k by logit, logit + successor . (predecessor[prev] * projection)), with a
+    one-hot draft distribution on it and no NaN. T 1e-30 divides the scores without overflow; T 1e-310 and 5e-324
+    overflow the quotient and take the limit."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dflash_export.models.drafter import CandidateSelector
+
+    n, v, r, hidden_size, top_k, anchor = 7, 40, 4, 12, 5, 3
+    selector = CandidateSelector(SimpleNamespace(selector_top_k=top_k, vocab_size=v, selector_rank=r,
+                                                 hidden_size=hidden_size))
+    torch.manual_seed(3)
+    hidden, logits = torch.randn(n, hidden_size), torch.randn(n, v) * 4
+    pred = selector.predecessor_codebook.weight.detach().double().numpy()
+    succ = selector.successor_codebook.weight.detach().double().numpy()
+    projected = hidden.double().numpy() @ selector.hidden_projection.weight.detach().double().numpy().T
+    walk, prev = [], anchor
+    for i, row in enumerate(logits.double().numpy()):
+        cand = np.argsort(-row, kind="stable")[:top_k]
+        scores = row[cand] + succ[cand] @ (pred[prev] * projected[i])
+        assert np.sort(scores)[-1] - np.sort(scores)[-2] > 1e-3  # no near-tie float32 could reorder
+        prev = int(cand[np.argmax(scores)])
+        walk.append(prev)
+    with torch.no_grad():
+        greedy, none = selector.select(hidden, logits, anchor, 0.0)
+        assert list(greedy) == walk and none is None
+        for temperature in (1e-30, 1e-310, 5e-324):
+            uniforms = np.random.default_rng(4).random(n)
+            tokens, probs = selector.select(hidden, logits, anchor, temperature, uniforms)
+            assert list(tokens) == walk, temperature
+            assert not np.isnan(probs).any()
+            np.testing.assert_array_equal(probs, np.eye(v)[walk])
