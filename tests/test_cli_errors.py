@@ -652,7 +652,41 @@ def test_reference_refuses_a_prompt_its_tokenizer_cannot_give_the_target(tmp_pat
     line = _one_error_line(_run(*args, "--prompt", "hi"))
     assert line.startswith(f"error: {target}: its tokenizer encodes the prompt to token id 300, outside the "
                            "target's vocabulary (vocab_size 256)"), line
-    assert _one_error_line(_run(*args, "--prompt", " ")) == "error: --prompt: the prompt encodes to no tokens"
+    assert _one_error_line(_run(*args, "--prompt", " ")) == (
+        f"error: {target}: --prompt: the prompt encodes to no tokens with the target's tokenizer (its tokenizer files "
+        "in this directory): give a prompt with text its vocabulary covers")
+
+
+def _reference_lines(*args):
+    r = _run("reference", *args, "--max-new-tokens", "6")
+    assert r.exit_code == 0, r.output
+    return [ln for ln in r.output.splitlines() if ln.startswith(("[", "AR  :", "DFL :"))]
+
+
+def test_reference_encodes_a_tokenizerless_target_by_bytes_wherever_it_lies(tmp_path):
+    """A target directory without tokenizer.json (a tiny random pair, by its tiny: name or copied to a path) takes
+    its engines' byte codec: "hi" is the UTF-8 bytes 104 105, never an empty prompt from the empty tokenizer
+    transformers would build from the config's model type; the copy decodes what the tiny: name decodes."""
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    assert not (target / "tokenizer.json").exists()
+    by_path = _reference_lines("--target", target, "--drafter", "tiny:qwen3/drafter", "--prompt", "hi")
+    by_name = _reference_lines("--recipe", "tiny-qwen3", "--prompt", "hi")
+    assert by_path[0] == "[drafter] no tokenizer.json: byte-codec token prompt [104, 105]"
+    assert by_name[0] == "[tiny-qwen3] no tokenizer.json: byte-codec token prompt [104, 105]"
+    assert by_path[1:] == by_name[1:] and len(by_path) == 3
+    # two bytes a character, as the engines' codec.json encodes it (not one id per code point)
+    assert _reference_lines("--recipe", "tiny-qwen3", "--prompt", "é")[0].endswith(f"prompt {list('é'.encode())}")
+
+
+def test_reference_names_the_byte_codec_when_it_drops_every_byte_of_the_prompt():
+    """Vocabulary 16: bytes modulo 16, the mask id 15 dropped; "o" is byte 111 = 15 modulo 16, so "oo" is nothing."""
+    r = _run("reference", "--target", "tiny:llama-small-vocab/target", "--drafter", "tiny:llama-small-vocab/drafter",
+             "--prompt", "oo", "--max-new-tokens", "2")
+    line = _one_error_line(r)
+    assert line.endswith(": --prompt: the prompt encodes to no tokens under the byte codec of a target without "
+                         "tokenizer.json (one token per UTF-8 byte, modulo 16; the drafter's mask id 15 dropped): give "
+                         "a prompt with other characters, or put the checkpoint's tokenizer.json beside its "
+                         "config.json"), line
 
 
 @pytest.mark.parametrize("text, what", [

@@ -18,6 +18,20 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat_template: bool) -> l
     return list(tokenizer(prompt)["input_ids"])
 
 
+def byte_codec(target, drafter):
+    """The byte codec a target without tokenizer.json is encoded with (a tiny random pair's): the one its engines
+    carry (codec.json, one token per byte, the drafter's mask id reserved), so the reference decodes the same ids
+    as `run` on them. None for a target with tokenizer.json. transformers would otherwise build an empty tokenizer
+    from the config's model type, which encodes every prompt to no tokens."""
+    from pathlib import Path
+
+    from dflash_export.models.tokenization import ByteCodec
+
+    if (Path(target.model_dir) / "tokenizer.json").is_file():
+        return None
+    return ByteCodec(target.vocab_size, {int(drafter.config.mask_token_id)})
+
+
 def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, temperature: float, seed: int) -> None:
     import torch
 
@@ -37,14 +51,25 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     if block >= recipe.max_seq_len:
         raise DFlashError(f"block of {block} does not fit max_seq_len {recipe.max_seq_len}", path=recipe.path,
                           field="block_size" if recipe.block_size else "max_seq_len")
-    if prompt is None or recipe.target.startswith("tiny:"):
-        ids = list(range(3, 19)) if prompt is None else [ord(c) % (target.vocab_size - 2) for c in prompt]
-        kind = "tiny pair: token prompt" if recipe.target.startswith("tiny:") else "no --prompt: token ids"
-        click.echo(f"[{recipe.name}] {kind} {ids}")
+    codec = byte_codec(target, drafter)
+    if prompt is None:
+        ids = list(range(3, 19))
+        click.echo(f"[{recipe.name}] no --prompt: token ids {ids}")
+    elif codec is not None:
+        ids = codec.encode_prompt(prompt, recipe.chat_template)
+        if not ids:
+            raise DFlashError(f"the prompt encodes to no tokens under the byte codec of a target without "
+                              f"tokenizer.json (one token per UTF-8 byte, modulo {min(codec.vocab_size, 256)}; the "
+                              f"drafter's mask id {drafter.config.mask_token_id} dropped): give a prompt with other "
+                              "characters, or put the checkpoint's tokenizer.json beside its config.json",
+                              path=target.model_dir, field="--prompt")
+        click.echo(f"[{recipe.name}] no tokenizer.json: byte-codec token prompt {ids}")
     else:
         ids = encode_prompt(target.tokenizer, prompt, recipe.chat_template)
         if not ids:
-            raise DFlashError("the prompt encodes to no tokens", field="--prompt")
+            raise DFlashError("the prompt encodes to no tokens with the target's tokenizer (its tokenizer files in "
+                              "this directory): give a prompt with text its vocabulary covers", path=target.model_dir,
+                              field="--prompt")
         bad = [t for t in ids if not 0 <= t < target.vocab_size]
         if bad:
             raise DFlashError(f"its tokenizer encodes the prompt to token id {bad[0]}, outside the target's "
@@ -56,7 +81,7 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     ar = ar_generate(target, ids, **kw)
     sp = spec_generate(drafter, target, ids, block_size=recipe.block_size, **kw)
-    if recipe.target.startswith("tiny:"):
+    if codec is not None:
         click.echo(f"AR  : {ar.tokens}")
         click.echo(f"DFL : {sp.tokens}")
     else:
