@@ -266,6 +266,87 @@ def test_a_stop_string_cuts_the_same_text_and_count_wherever_the_steps_end(stops
     assert chunks[-1].completion_tokens == len(whole[:end].encode())
 
 
+class _Stepping:
+    """A runtime committing an answer as DFlashRuntime does: the prefill's token, then steps of the given sizes,
+    recording each step's tokens in `stats.acceptance_lengths` before its event; `ahead`: every step recorded at the
+    start, as a shared batch stepping on its own thread may have recorded steps its consumer has not read yet."""
+
+    def __init__(self, answer: list[int], steps: list[int], ahead: bool):
+        from types import SimpleNamespace
+
+        from dflash_export.models.tokenization import ByteCodec
+
+        self.engine = SimpleNamespace(codec=ByteCodec(256, set()), info=SimpleNamespace(max_seq_len=4096, block_size=8))
+        self.answer, self.steps, self.ahead = answer, steps, ahead
+
+    def encode(self, prompt, chat=True):
+        return [1, 2]
+
+    def check_request(self, ids, sp):
+        pass
+
+    def stream(self, ids, sp, mode="dflash", stats=None):
+        from dflash_export.runtime.single import StepEvent
+
+        if self.ahead:
+            stats.acceptance_lengths.extend(self.steps)
+        done = 0
+        for i, n in enumerate([1] + self.steps):
+            new = self.answer[done:done + n]
+            done += n
+            stats.tokens.extend(new)
+            if i and not self.ahead:
+                stats.acceptance_lengths.append(n)
+            stats.drafted_tokens += 7 if i else 0
+            last = done == len(self.answer)
+            yield StepEvent(new, n - 1 if i else None, last, "length" if last else None)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["recorded-in-step", "recorded-ahead"])
+@pytest.mark.parametrize("stop, text, completion, lengths", [
+    ([], "0123456789abc", 13, [4, 3, 5]),  # no stop string: every step in full, 1 + 4 + 3 + 5 tokens
+    (["6"], "012345", 7, [4, 2]),          # completed by the second step's ("567") second token: "7" never delivered
+    (["45"], "0123", 6, [4, 1]),           # completed by the second step's first token
+    (["0"], "", 1, []),                    # completed by the prefill's token: no step
+    (["9a"], "012345678", 11, [4, 3, 3]),  # completed by the third step's ("89abc") third token: "bc" past it
+])
+def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answer(stop, text, completion, lengths,
+                                                                                   ahead):
+    """/metrics' acceptance lengths (and tau, accepted tokens) count what each step added to the answer, as `run`
+    and `bench` count tau: accepted drafts + the target's token, the last step cut where the answer ends (here at a
+    stop string), adding up to the answer's tokens after the prefill's. Steps of 4, 3 and 5 tokens after the prefill's
+    "0" commit "0123456789abc" (one token a byte); the counts are written out by hand. Drafted tokens stay the
+    engine's (7 a step, every step the request took)."""
+    import json
+
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+    from dflash_export.deploy.metrics import FrontMetrics
+    from dflash_export.deploy.upstream import Upstream
+    from dflash_export.engines.base import SamplingParams
+
+    answer = list(b"0123456789abc")
+    runner = RequestRunner(_Stepping(answer, [4, 3, 5], ahead))
+    out = generate_text(runner, GenerateRequest("hi", SamplingParams(max_new_tokens=len(answer)), stop=stop))
+    assert (out.text, out.completion_tokens) == (text, completion)
+    assert out.step_stats["acceptance_lengths"] == lengths and sum(lengths) == completion - 1
+    assert out.accepted_tokens == sum(n - 1 for n in lengths)
+    assert out.acceptance_length == pytest.approx(sum(lengths) / len(lengths) if lengths else 1.0)
+
+    class Front(Upstream):  # the front's recording of an upstream answer, without its connections
+        metrics = FrontMetrics()
+
+    Front()._observe({"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
+                      "accepted_tokens": out.accepted_tokens, "drafted_tokens": out.drafted_tokens,
+                      "step_stats": json.dumps(out.step_stats)})
+    figures = {ln.split()[0]: float(ln.split()[-1]) for ln in Front.metrics.render().decode().splitlines()
+               if ln and not ln.startswith("#")}
+    assert figures["dflash_acceptance_length_count"] == figures["dflash_steps_total"] == len(lengths)
+    assert figures["dflash_acceptance_length_sum"] == sum(lengths) == figures["dflash_generated_tokens_total"] - 1
+    assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths) if lengths else 0.0)
+    assert figures["dflash_accepted_tokens_total"] == sum(n - 1 for n in lengths)
+    assert figures["dflash_drafted_tokens_total"] == 7 * len(lengths)
+
+
 def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
     """Stop strings taken from the greedy answer: DFlash steps that commit several tokens (context lookups accept
     runs of the repeated text) answer the text and completion_tokens of plain decoding (one token a step), the text

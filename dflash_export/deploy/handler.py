@@ -285,6 +285,12 @@ class RequestRunner:
         codec = self.runtime.engine.codec
         stats = RunStats()
         tokens: list[int] = []
+        # Tokens each step added to the answer, from the events this request consumed (the first is the prefill's
+        # token, no step's): accepted drafts + the target's token, the last step cut where the answer ends, so they
+        # add up to the answer's tokens after the first, as `run` and `bench` count tau. Not `stats`, which a shared
+        # batch fills on its own thread: it may already hold a step past the stop string, or not yet the last one.
+        lengths: list[int] = []
+        events = 0
         shown = 0
         hold = max((len(s) for s in req.stop), default=1) - 1
         while_queued: list[str] = []
@@ -302,9 +308,12 @@ class RequestRunner:
                 raise RequestCancelled(why)
             before = len(tokens)
             tokens.extend(ev.tokens)
+            events += 1
+            if events > 1:
+                lengths.append(len(ev.tokens))
             text = codec.decode(tokens)
             reason = ev.finish_reason if ev.finished else None
-            kept = len(stats.tokens)
+            kept = len(tokens)
             start = max(0, shown - hold)
             cut = _first_stop(text, req.stop, start)
             if cut is not None:
@@ -316,6 +325,8 @@ class RequestRunner:
                     if (cut := _first_stop(upto, req.stop, start)) is not None:
                         break
                 text, reason = upto[:cut], "stop"
+                if events > 1:  # the step's tokens past the one completing the stop string are not in the answer
+                    lengths[-1] = kept - before
             if reason is None:
                 # Never split a multi-byte character or a possible stop string across chunks: the stop string may
                 # begin in the last `hold` characters of the complete text (an incomplete UTF-8 tail decodes as
@@ -328,10 +339,10 @@ class RequestRunner:
                 if reason == "length":  # cut mid-character by max_tokens: its incomplete UTF-8 tail never shows
                     text = text.rstrip("\ufffd") if len(text.rstrip("\ufffd")) >= shown else text
                 delta, shown = text[shown:], len(text)
-            final = {"acceptance_lengths": list(stats.acceptance_lengths), "draft_s": round(stats.draft_s, 6),
+            final = {"acceptance_lengths": list(lengths), "draft_s": round(stats.draft_s, 6),
                      "verify_s": round(stats.verify_s, 6)} if reason is not None else None
-            yield Chunk(delta, reason, kept, stats.accepted_tokens, stats.drafted_tokens, stats.tau,
-                        len(ids), final)
+            tau = sum(lengths) / len(lengths) if lengths else 1.0
+            yield Chunk(delta, reason, kept, sum(lengths) - len(lengths), stats.drafted_tokens, tau, len(ids), final)
             if reason is not None:
                 return
         if while_queued:  # the stream ended before the request joined the batch

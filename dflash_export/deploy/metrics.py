@@ -1,9 +1,14 @@
 """What the front exposes on `/metrics` (Prometheus text format, through `prometheus_client`): DFlash's own figures
 next to the request counts, taken from each finished generation's statistics (deploy/handler.py `step_stats`).
 
-- `dflash_acceptance_length`: histogram of tokens committed per DFlash step (accepted drafts + the bonus token),
-  one observation per step; its mean is tau.
+- `dflash_acceptance_length`: histogram of the tokens each DFlash step added to the answer (accepted drafts + the
+  target's own token; the last step cut where the answer ends: max_tokens, a stop token or a stop string), one
+  observation per step (the prefill's token is no step's); its mean is tau as `run` and `bench` report it, and a
+  generation's lengths add up to its tokens after the first. Drafts the engine accepted past a stop string are
+  not counted: they are in no answer.
 - `dflash_tau`: tau over the generations that finished in the last `window_s` seconds.
+- `dflash_accepted_tokens_total`: the accepted drafts within those lengths (each step's length less one);
+  `dflash_drafted_tokens_total`: the drafts the target verified, every step in full (the engine's work).
 - `dflash_draft_seconds_total`, `dflash_verify_seconds_total`, `dflash_steps_total`: drafter and target time and
   step count (draft / verify time per step is their ratio; `dflash_step_seconds` holds the recent means).
 - `dflash_generated_tokens_total`, `dflash_prompt_tokens_total`, `dflash_tokens_per_second` (recent window).
@@ -33,22 +38,28 @@ class FrontMetrics:
         self.capacity = max(1, capacity)
         self.requests = Counter("dflash_requests", "HTTP requests answered by the front", ["route", "code"],
                                 registry=r)
-        self.accept = Histogram("dflash_acceptance_length", "Tokens committed per DFlash step (accepted + bonus)",
+        self.accept = Histogram("dflash_acceptance_length",
+                                "Tokens each DFlash step added to the answer (accepted drafts + the target's token; "
+                                "the last step cut where the answer ends at max_tokens, a stop token or a stop "
+                                "string); its mean is tau, as run and bench report it",
                                 buckets=ACCEPT_BUCKETS, registry=r)
         self.draft_s = Counter("dflash_draft_seconds", "Seconds spent drafting", registry=r)
         self.verify_s = Counter("dflash_verify_seconds", "Seconds spent verifying with the target", registry=r)
         self.steps = Counter("dflash_steps", "DFlash steps (one target verification each)", registry=r)
         self.generated = Counter("dflash_generated_tokens", "Tokens generated", registry=r)
         self.prompt = Counter("dflash_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.drafted = Counter("dflash_drafted_tokens", "Draft tokens verified", registry=r)
-        self.accepted = Counter("dflash_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.drafted = Counter("dflash_drafted_tokens", "Draft tokens the target verified (every step in full)",
+                               registry=r)
+        self.accepted = Counter("dflash_accepted_tokens", "Accepted draft tokens added to the answer (each step's "
+                                "acceptance length less one; none past where the answer ends)", registry=r)
         self.in_flight = Gauge("dflash_requests_in_flight", "Generation requests sent to the engine, not answered",
                                registry=r)
         self.occupancy = Gauge("dflash_batch_occupancy",
                                "In-flight requests over the sequences the deployment decodes at once (<= 1)",
                                registry=r)
-        self.tau = Gauge("dflash_tau", "tau: tokens committed per target pass (the engine's decoding, adaptive) over "
-                         "the generations finished in the recent window", registry=r)
+        self.tau = Gauge("dflash_tau", "tau: tokens added to the answer per DFlash step (the mean acceptance length, "
+                         "the engine's decoding, adaptive) over the generations finished in the recent window",
+                         registry=r)
         self.tps = Gauge("dflash_tokens_per_second", "Generated tokens per second over the recent window",
                          registry=r)
         self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window", ["phase"],
