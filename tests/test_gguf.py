@@ -143,3 +143,74 @@ def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkey
     with pytest.raises(DFlashError) as e:
         hf_dir_from_gguf(f)
     assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3)" in str(e.value)
+
+
+def _tiny_gguf(path, drop=()):
+    """A one-layer llama GGUF (hidden size 16, a 32-token byte-level BPE vocabulary, fp32 tensors), written with the
+    `gguf` package; the tensors named in `drop` are left out."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    h, ff, heads, kv_heads, vocab = 16, 32, 2, 1, 32
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(h // heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["ab", "cd", "ef"])
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_merges(["a b", "c d", "e f"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    kv = kv_heads * h // heads
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
+              "blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (kv, h),
+              "blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_gate.weight": (ff, h),
+              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff)}
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name not in drop:
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    d = hf_dir_from_gguf(_tiny_gguf(tmp_path / "t.gguf"))
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 16
+    assert capfd.readouterr().err == ""
+
+
+def test_a_failing_conversion_is_the_one_error_line_on_stderr(tmp_path):
+    """A GGUF whose metadata reads but whose tensors do not make the model: the command's stderr is its one error line,
+    no progress bar of the conversion before it, and nothing is left in the cache to be taken for a conversion."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    bad = _tiny_gguf(tmp_path / "bad.gguf", drop=("blk.0.ffn_down.weight",))
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(repo)] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ
+                                                        else []))}
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", "--target", str(bad), "--drafter",
+                        "tiny:qwen3/drafter"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"error: {bad}: tensors: GGUF tensors do not map onto LlamaForCausalLM (1 off, e.g. "
+                        "model.layers.0.mlp.down_proj.weight)\n"), r.stderr
+    assert not (tmp_path / "cache" / "targets").exists() or not any((tmp_path / "cache" / "targets").iterdir())

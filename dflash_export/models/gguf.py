@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
@@ -68,12 +69,39 @@ def hf_dir_from_gguf(path) -> Path:
         raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
                           field="general.architecture")
     try:
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out) as tmp, _no_progress_bars():
             _convert(path, tmp)
             check_conversion(tmp, meta, path)
     except OSError as e:  # full disk, permissions: one line, and atomic_dir has removed the partial copy
         raise DFlashError(f"cannot write the converted target ({e.strerror or e})", path=out) from None
     return out
+
+
+@contextmanager
+def _no_progress_bars():
+    """No progress bars on stderr while converting, so that a failed conversion is the one error line. Besides the
+    bars quiet_transformers turns off, transformers' GGUF reader draws one of its own ("Converting and de-quantizing
+    GGUF tensors") with tqdm directly: its module's `tqdm` is a silent one for the duration."""
+    quiet_transformers()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+    except ImportError:  # _convert names the missing library
+        reader = None
+    bar = getattr(reader, "tqdm", None)
+    if not isinstance(bar, type):
+        yield
+        return
+
+    class Silent(bar):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    reader.tqdm = Silent
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
