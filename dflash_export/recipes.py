@@ -378,6 +378,11 @@ def _check_ranges(recipe: Recipe, p: Path) -> None:
         dup = sorted({x for x in t.target_layer_ids if t.target_layer_ids.count(x) > 1})
         if dup:
             raise DFlashError(f"duplicate layer ids {dup}", path=p, field="train.target_layer_ids")
+    # learning_rate reaches train.lr at step warmup_steps - 1 (counting from 0): the last step of a run of
+    # warmup_steps steps, never in a shorter one
+    if t.warmup_steps > t.steps:
+        raise DFlashError(f"must be <= train.steps ({t.steps}): the learning rate would never reach train.lr, got "
+                          f"{t.warmup_steps}", path=p, field="train.warmup_steps")
     if t.lr_decay_steps is not None and t.lr_decay_steps <= t.warmup_steps:
         raise DFlashError(f"must be > train.warmup_steps ({t.warmup_steps}): the cosine decay starts after the "
                           f"warm-up, got {t.lr_decay_steps}", path=p, field="train.lr_decay_steps")
