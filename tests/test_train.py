@@ -193,8 +193,10 @@ def _yaml_value(v) -> str:
 
 def _tiny_recipe(tmp_path, **train):
     opts = dict(prompts="synthetic", num_prompts=48, heldout_prompts=6, max_new_tokens=24, block_size=4,
-                draft_layers=2, steps=80, lr=0.002, batch_size=8, blocks_per_seq=8, warmup_steps=5)
+                draft_layers=2, steps=80, lr=0.002, batch_size=8, blocks_per_seq=8)
     opts.update(train)
+    steps = opts["steps"]  # a warm-up of 5 steps, or of the whole run when it is shorter (never longer: refused)
+    opts.setdefault("warmup_steps", max(0, min(5, steps)) if isinstance(steps, int) else 5)
     p = tmp_path / "tiny-train.yaml"
     lines = ["name: tiny-train", "target: tiny:qwen3/target", "drafter: tiny:qwen3/drafter", "chat_template: false",
              "train:"] + [f"  {k}: {_yaml_value(v)}" for k, v in opts.items()]
@@ -252,7 +254,7 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path):
 def test_resuming_into_another_output_directory_exports_there(tmp_path):
     from dflash_export.train.stage import run_train
 
-    recipe = _tiny_recipe(tmp_path, steps=6, num_prompts=16, heldout_prompts=2)
+    recipe = _tiny_recipe(tmp_path, steps=6, num_prompts=16, heldout_prompts=2, warmup_steps=3)
     run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "first"), steps=3)
     state_path = tmp_path / "w" / "checkpoint" / "train_state.pt"
     state = torch.load(state_path, weights_only=False)
@@ -590,6 +592,7 @@ def own_cache(tmp_path, monkeypatch):
     ("block_size", 1, "must be >= 2"),
     ("mask_token_id", -1, "must be >= 0"),
     ("warmup_steps", -1, "must be >= 0"),
+    ("warmup_steps", 81, "must be <= train.steps (80): the learning rate would never reach train.lr, got 81"),
     ("lr_decay_steps", 3, "must be > train.warmup_steps (5)"),
     ("lr_min_ratio", 1.5, "must be in [0, 1]"),
     ("seed", -1, "must be in [0, 4294967295]"),
@@ -675,6 +678,19 @@ def test_run_train_checks_its_options_too(tmp_path, own_cache, kwargs, option):
     with pytest.raises(DFlashError, match=f"^{option}: "):
         run_train(str(recipe), work_dir=str(tmp_path / "w"), out=str(tmp_path / "o"), **kwargs)
     _assert_nothing_written(tmp_path)
+
+
+def test_a_warm_up_as_long_as_the_run_reaches_the_peak_learning_rate_at_its_last_step(tmp_path, own_cache):
+    from dflash_export.train.stage import run_train
+
+    # 10 steps, 10 of warm-up: steps 0..9 at lr * 1/10 .. 10/10; the record at step 10 shows the last one's
+    recipe = _tiny_recipe(tmp_path, steps=10, warmup_steps=10, lr=0.002, num_prompts=4, heldout_prompts=1,
+                          max_new_tokens=4)
+    work = tmp_path / "w"
+    run_train(str(recipe), work_dir=str(work), out=str(tmp_path / "o"))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (work / "curve.jsonl").read_text().splitlines())
+           if r["event"] == "train"}
+    assert lrs == {10: pytest.approx(0.002)}
 
 
 @pytest.mark.parametrize("which", ["out-under-file", "work-under-file", "out-is-file"])
@@ -766,6 +782,8 @@ def _corrupt(work: Path, kind: str) -> Path:
         state.unlink()
     elif kind == "state-not-a-state":
         torch.save({"step": "three"}, state)
+    elif kind == "state-seed-not-a-seed":
+        torch.save({**torch.load(state, weights_only=True), "seed": "seven"}, state)
     elif kind == "state-optimizer-mismatch":
         s = torch.load(state, weights_only=True)
         s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
@@ -780,7 +798,8 @@ def _corrupt(work: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["state-truncated", "state-garbage", "state-empty", "state-missing",
-                                  "state-not-a-state", "state-optimizer-mismatch", "weights-truncated",
+                                  "state-not-a-state", "state-seed-not-a-seed", "state-optimizer-mismatch",
+                                  "weights-truncated",
                                   "weights-garbage"])
 def test_corrupt_checkpoint_is_one_line_on_resume(tmp_path, own_cache, pristine_checkpoint, kind):
     import shutil
@@ -1076,6 +1095,33 @@ def test_a_checkpoint_of_another_recipe_or_target_does_not_resume(tmp_path, own_
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert r.output.startswith(f"error: {where}: {field}: {message}"), r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_checkpoint_resumes_only_with_the_seed_it_was_made_with(tmp_path, own_cache):
+    from dflash_export.train.stage import run_train
+
+    recipe = _tiny_recipe(tmp_path, steps=4, warmup_steps=2, num_prompts=4, heldout_prompts=1, max_new_tokens=4)
+    work, out = tmp_path / "w", tmp_path / "o"
+    state = work / "checkpoint" / "train_state.pt"
+    run_train(str(recipe), work_dir=str(work), out=str(out), seed=7, steps=2)
+    before = {p: p.read_bytes() for p in sorted((work / "checkpoint").rglob("*")) if p.is_file()}
+    # the recipe's seed (0) is not the checkpoint's: one line, the checkpoint left as it was
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", out, "--resume")
+    assert r.exit_code == 2 and r.output == (f"error: {state}: seed: the checkpoint was made with seed 7, not 0: "
+                                             "resume it with --seed 7, or train seed 0 in another --work-dir\n"), \
+        r.output
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", out, "--resume", "--seed", "8")
+    assert r.exit_code == 2 and "made with seed 7, not 8: resume it with --seed 7" in r.output, r.output
+    assert {p: p.read_bytes() for p in sorted((work / "checkpoint").rglob("*")) if p.is_file()} == before
+    # the seed it was made with resumes
+    run_train(str(recipe), work_dir=str(work), out=str(out), seed=7, resume=True, steps=3)
+    assert torch.load(state, weights_only=True)["step"] == 3
+    # a checkpoint that does not record its seed resumes with the one it is given
+    s = torch.load(state, weights_only=True)
+    del s["seed"]
+    torch.save(s, state)
+    run_train(str(recipe), work_dir=str(work), out=str(out), resume=True)
+    assert torch.load(state, weights_only=True)["step"] == 4
 
 
 def test_init_from_a_drafter_with_non_finite_weights_is_one_line(tmp_path, own_cache, tiny_qwen3):

@@ -16,9 +16,9 @@ What is trained and on what:
 - Only layers, fc, hidden_norm and norm train; embedding and LM head are the target's. The drafter starts from the
   target: its layers are copies of the target's last layers, `fc` passes the deepest tap through, norms come from the
   target -- so it starts from "what the target's top does" instead of noise.
-Checkpoints hold the drafter in the z-lab format plus the optimizer state and that digest of the target, written
-atomically; a step's batch and anchors come from a generator seeded by (seed, step), so a resumed run draws what an
-uninterrupted one would.
+Checkpoints hold the drafter in the z-lab format plus the optimizer state, that digest of the target and the seed,
+written atomically; a step's batch and anchors come from a generator seeded by (seed, step), so a resumed run draws
+what an uninterrupted one would (and a resume with another seed is refused).
 
 Where each part lives (imports point down this list, never up):
 - cli.py           the click command: parsing only

@@ -137,12 +137,14 @@ def _evaluate(drafter: DFlashDrafter, target, seqs: Sequence[TrainSequence], blo
 
 
 def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wall_s: float, best: dict,
-                    target_key: str | None = None) -> None:
-    """`work/checkpoint/` = z-lab drafter + optimizer/step state (+ the target it trains against), replaced
-    atomically as one directory."""
+                    target_key: str | None = None, seed: int | None = None) -> None:
+    """`work/checkpoint/` = z-lab drafter + optimizer/step state (+ the target it trains against, the seed its
+    batches are drawn with), replaced atomically as one directory."""
     state = {"step": step, "optimizer": optimizer.state_dict(), "wall_s": wall_s, "best": best}
     if target_key is not None:
         state["target"] = target_key
+    if seed is not None:
+        state["seed"] = seed
     try:
         with atomic_dir(work / "checkpoint") as tmp:
             save_drafter(drafter, tmp / "drafter")
@@ -206,6 +208,9 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
         return "best is not a dict"
     if not isinstance(state.get("target", ""), str):
         return "target is not a string"
+    seed = state.get("seed", 0)  # absent from checkpoints written before the seed was kept
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        return f"seed {seed!r} is not a seed"
     opt = state.get("optimizer")
     try:
         ids = [i for g in opt["param_groups"] for i in g["params"]]
@@ -300,7 +305,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         if out is not None and ev and ev["tau_est"] >= best.get("tau_est", 0.0):
             best = {**ev, "step": step, "out": str(out)}
             save_drafter(drafter, out)
-        save_checkpoint(work, drafter, opt, step, wall, best, cfg.target_key)
+        save_checkpoint(work, drafter, opt, step, wall, best, cfg.target_key, cfg.seed)
         if log and (step > first or start_state is None):  # a finished run resumed: its record is in the log
             log({"event": "checkpoint", **rec, "best_step": best.get("step")})
         return rec

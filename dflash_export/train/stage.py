@@ -236,7 +236,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
 
     target_key = target_files_key(target)
     drafter, start_state = _start_drafter(recipe, opts, target, mask_id, work, resume, init_from, console,
-                                          target_key)
+                                          target_key, seed)
     tap_ids = drafter.config.target_layer_ids
     tap_width = len(tap_ids) * target.hidden_size
 
@@ -294,7 +294,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
 
 
 def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool, init_from, console,
-                   target_key: str | None = None):
+                   target_key: str | None = None, seed: int | None = None):
     """(drafter, training state) to start from: the last checkpoint when resuming, else `init_from` grown to the
     recipe's depth, else a drafter made from the target (state None: step 0)."""
     start_state = None
@@ -308,6 +308,13 @@ def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool,
                 raise DFlashError("the checkpoint was trained against another target (its files differ from "
                                   f"{target.model_dir}'s); train this one in another --work-dir",
                                   path=work / "checkpoint" / "train_state.pt", field="target")
+            # a step's batch is drawn from (seed, step): another seed would splice a second data order onto the
+            # first. A checkpoint that does not record its seed resumes with whichever it is given.
+            made_with = start_state.get("seed", seed)
+            if seed is not None and made_with != seed:
+                raise DFlashError(f"the checkpoint was made with seed {made_with}, not {seed}: resume it with --seed "
+                                  f"{made_with}, or train seed {seed} in another --work-dir",
+                                  path=work / "checkpoint" / "train_state.pt", field="seed")
             console.print(f"resuming from step {start_state['step']} ({work / 'checkpoint'})")
         else:
             console.print(f"--resume: no checkpoint in {work} yet, starting from step 0")
