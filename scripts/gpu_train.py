@@ -222,7 +222,8 @@ def train(drafter, target, seqs, heldout, cfg, seconds: float, device, out: Path
         frac = (time.monotonic() - t_start) / seconds
         if frac >= 1.0:
             break
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))  # --warmup 0: the full rate from the first step
+        lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         batch = BlockBatch(**d).to(device, non_blocking=True)
         res = train_step(drafter, target, opt, params, batch, vocab, head, weights, cfg, lr)
         window.append(res.loss.detach())

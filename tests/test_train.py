@@ -1199,7 +1199,7 @@ def test_sharegpt_prompts_all_longer_than_max_prompt_tokens_name_the_field(tmp_p
 
     recipe = load_recipe(_tiny_recipe(tmp_path, prompts="sharegpt", max_prompt_tokens=3))
     monkeypatch.setattr(stage, "sharegpt_prompt_ids", lambda *a, **k: [])  # nothing fits 3 tokens
-    train_src, heldout_src, _, _ = stage._prompt_sources(recipe, SimpleNamespace(config={}), recipe.train, 0)
+    train_src, heldout_src, _, _ = stage._prompt_sources(recipe, SimpleNamespace(config={}), recipe.train)
     for src, split in ((train_src, "train"), (heldout_src, "held-out")):
         with pytest.raises(DFlashError, match=re.escape(f"{recipe.path}: train.max_prompt_tokens: no ShareGPT "
                                                         f"{split} prompt fits in 3 tokens")):

@@ -20,7 +20,9 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that
               help="Stop training after this much wall time (this run).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Where the best drafter goes (default: the recipe's drafter directory).")
-@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=None, help="Training seed (default: the recipe's).")
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=None,
+              help="Seed of the batches and anchors drawn each step (default: the recipe's train.seed, which also "
+                   "picks the prompts).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the work directory.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Checkpoints + training log (default: <cache>/train/<recipe>-seed<seed>).")

@@ -36,8 +36,9 @@ from dflash_export.train.loop import TrainConfig, load_checkpoint, train_drafter
 from dflash_export.train.own_answers import own_answer_data
 
 
-def _prompt_sources(recipe, target, opts, seed: int):
-    """(train prompts thunk, held-out prompts thunk, source name) for the recipe's prompt kind."""
+def _prompt_sources(recipe, target, opts):
+    """(train prompts thunk, held-out prompts thunk, source name) for the recipe's prompt kind. The prompts, and the
+    answers cached for them, follow the recipe's train.seed; --seed draws the batches and anchors from them."""
     if opts.prompts == "sharegpt":
         if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
             raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
@@ -240,7 +241,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     tap_ids = drafter.config.target_layer_ids
     tap_width = len(tap_ids) * target.hidden_size
 
-    train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts, seed)
+    train_src, heldout_src, tf_src, src_name = _prompt_sources(recipe, target, opts)
     ddir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk, src_name)
     hdir = data_dir(target, tap_ids, opts.max_prompt_tokens, opts.max_new_tokens, opts.soft_topk,
                     src_name.replace("-s", "-heldout-s"))
