@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dflash_export.decoding.options import DecodingOptions, decoding_problem
 from dflash_export.errors import DFlashError
+from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.models.sources import hf_snapshot, is_hf_id, split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -127,6 +128,16 @@ class Recipe:
                 if m.group(1) not in os.environ:
                     out.append((m.group(1), key))
         return out
+
+    def drafted_block(self, drafter_block_size: int) -> int:
+        """The block this recipe's engines draft: `block_size` when set, else the drafter's own. One that does not fit
+        max_seq_len (a block follows at least one context token) is a DFlashError naming the recipe's field."""
+        block = self.block_size or drafter_block_size
+        if block >= self.max_seq_len:
+            whose = "" if self.block_size else " (the drafter's block_size)"
+            raise DFlashError(f"a block of {block}{whose} does not fit max_seq_len {self.max_seq_len}", path=self.path,
+                              field="block_size" if self.block_size else "max_seq_len")
+        return block
 
     @property
     def target_path(self) -> str:
@@ -288,7 +299,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     # top level
     "block_size": (2, None, False),                       # an anchor and at least one drafted token
     "draft_vocab": (2, None, False),
-    "max_seq_len": (16, 2**20, False),                    # the graphs hold cos/sin tables of max_seq_len rows
+    "max_seq_len": (16, MAX_SEQ_LEN, False),              # the graphs hold cos/sin tables of max_seq_len rows
     # thresholds
     "thresholds.min_identical_fraction": (0, 1, False),
     "thresholds.min_tau": (0, None, False),

@@ -117,6 +117,17 @@ def test_a_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path):
     assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
 
 
+def test_a_drafters_own_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path):
+    # The drafter drafts blocks of 16 and the recipe leaves block_size to it: a sequence of 16 holds no context before
+    # the block.
+    recipe = _recipe(tmp_path, "tiny:qwen3-b16/target", "tiny:qwen3-b16/drafter")
+    recipe.write_text(recipe.read_text() + "max_seq_len: 16\n")
+    for args in (["reference"], ["export", "--out", tmp_path / "e"], ["build", "--out", tmp_path / "b"]):
+        line = _one_error_line(_run(args[0], "--recipe", recipe, *args[1:]))
+        assert f"{recipe}: max_seq_len: a block of 16 (the drafter's block_size) does not fit max_seq_len 16" in line
+    assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
+
+
 def test_build_into_an_empty_path_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert "error: --out: empty path" in _one_error_line(_run("build", "--recipe", "tiny-qwen3", "--out", ""))

@@ -186,3 +186,109 @@ def test_a_tensor_in_two_shards_is_refused_by_inspect_and_load(pair):
     assert r.exit_code == 2 and f"error: {drafter / first}: {name}: tensor stored in two shards" in r.output, r.output
     with pytest.raises(DFlashError, match="tensor stored in two shards"):
         load_drafter(drafter)
+
+
+def _config_error(drafter, target, field):
+    """`inspect` and the loader both refuse the drafter with one line naming its config.json and `field`."""
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
+
+    r = _inspect(drafter, target)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert len(errors) == 1 and errors[0].startswith(f"error: {drafter / 'config.json'}: {field}: "), r.output
+    with pytest.raises(DFlashError) as e:
+        load_drafter(drafter)
+    assert e.value.field == field and e.value.path == drafter / "config.json", e.value
+    return errors[0]
+
+
+def _set_block(cfg, block, max_positions):
+    cfg["block_size"] = cfg["dflash_config"]["block_size"] = block
+    cfg["max_position_embeddings"] = max_positions
+
+
+@pytest.mark.parametrize("block, max_positions", [(63, 64), (64, 64), (10**9, 1024)])
+def test_a_block_fits_the_drafters_positions(pair, block, max_positions):
+    # A block drafts positions n .. n + block_size - 1 after n >= 1 context tokens, all below max_position_embeddings.
+    drafter, target = pair
+    _edit_config(drafter, lambda c: _set_block(c, block, max_positions))
+    if block < max_positions:
+        r = _inspect(drafter, target)
+        assert r.exit_code == 0 and "OK" in r.output, r.output
+    else:
+        line = _config_error(drafter, target, "dflash_config.block_size")
+        assert f"a block of {block} positions" in line and f"max_position_embeddings {max_positions}" in line
+
+
+def test_a_block_size_that_is_not_an_integer_is_refused(pair):
+    drafter, target = pair
+    _edit_config(drafter, lambda c: _set_block(c, 1e9, 2**40))
+    assert "must be an integer >= 2, got 1000000000.0" in _config_error(drafter, target, "dflash_config.block_size")
+
+
+@pytest.mark.parametrize("block", [2**20 - 1, 2**20])
+def test_a_drafter_block_is_refused_exactly_when_no_recipe_could_hold_it(pair, tmp_path, block):
+    drafter, target = pair
+    recipe = tmp_path / "r.yaml"
+    # The longest max_seq_len a recipe takes, found by asking the recipe loader.
+    longest = next(n for n in (2**20, 2**20 + 1) if not _loads(recipe, f"max_seq_len: {n + 1}\n"))
+    fits = _loads(recipe, f"max_seq_len: {longest}\nblock_size: {block}\n")
+    _edit_config(drafter, lambda c: _set_block(c, block, 2**40))
+    if fits:
+        assert _inspect(drafter, target).exit_code == 0
+    else:
+        assert "longest sequence" in _config_error(drafter, target, "dflash_config.block_size")
+
+
+def _loads(recipe: Path, extra: str) -> bool:
+    from dflash_export.errors import DFlashError
+    from dflash_export.recipes import load_recipe
+
+    recipe.write_text("name: r\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + extra)
+    try:
+        load_recipe(str(recipe))
+    except DFlashError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_position_embeddings", 0), ("max_position_embeddings", -5), ("max_position_embeddings", True),
+    ("num_key_value_heads", 0), ("num_key_value_heads", 3), ("head_dim", -16), ("head_dim", True), ("head_dim", 15),
+    ("intermediate_size", 0), ("vocab_size", -1), ("target_hidden_size", 0), ("target_hidden_size", "64"),
+])
+def test_a_drafter_size_that_is_not_a_positive_integer_its_attention_can_use_is_refused(pair, field, value):
+    # Sizes and counts are integers >= 1 (a bool is not one); K/V heads are shared by whole groups of query heads and
+    # RoPE rotates the two halves of a head, so num_key_value_heads divides num_attention_heads and head_dim is even.
+    drafter, target = pair
+    _edit_config(drafter, lambda c: c.__setitem__(field, value))
+    _config_error(drafter, target, field)
+
+
+@pytest.mark.parametrize("key, value", [("torch_dtype", "nonsense"), ("dtype", "int8"), ("torch_dtype", 5),
+                                        ("dtype", "torch.float16")])
+def test_a_drafter_dtype_transformers_cannot_load_as_floats_is_refused(pair, key, value):
+    from transformers import Qwen3Config
+
+    try:  # transformers itself: an error, or something that is not a floating-point torch dtype
+        declared = Qwen3Config.from_dict({key: value}).dtype
+    except Exception:
+        declared = None
+    assert not (isinstance(declared, torch.dtype) and declared.is_floating_point)
+    drafter, target = pair
+    _edit_config(drafter, lambda c: (c.pop("torch_dtype", None), c.__setitem__(key, value)))
+    _config_error(drafter, target, key)
+
+
+def test_dtype_and_torch_dtype_are_read_as_transformers_reads_them(pair):
+    from transformers import Qwen3Config
+
+    from dflash_export.models.checkpoint import load_drafter
+
+    drafter, _ = pair
+    keys = {"dtype": "float16", "torch_dtype": "bfloat16"}
+    _edit_config(drafter, lambda c: c.update(keys))
+    want = str(Qwen3Config.from_dict(keys).dtype).removeprefix("torch.")
+    assert want == "float16"
+    assert load_drafter(drafter).config.torch_dtype == want

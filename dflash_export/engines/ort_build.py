@@ -185,6 +185,7 @@ def _load_pair(recipe, draft_vocab: int | None):
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
+    recipe.drafted_block(drafter.config.block_size)
     load_codec(target.model_dir)  # the tokenizer files the engine will copy, named where they are, before any work
     spec = target_spec(target)
     if draft_vocab is not None and draft_vocab > spec.vocab_size:

@@ -192,6 +192,7 @@ def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
     target = load_target(recipe.target_path, torch.float32)
     drafter = load_drafter(recipe.drafter_path, torch.float32)
     check_drafter_fits(drafter, target, str(resolve_source(recipe.drafter_path)))
+    recipe.drafted_block(drafter.config.block_size)
     th = recipe.thresholds
     with removing_new_dirs(out_dir):
         with atomic_dir(out_dir, what="the export") as tmp:

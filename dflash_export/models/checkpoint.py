@@ -15,15 +15,18 @@ import torch
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS
-from dflash_export.models.config import DrafterConfig, default_target_layer_ids
+from dflash_export.models.config import MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
+from dflash_export.models.hfutil import config_dtype
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
 from dflash_export.models.sources import resolve_source
-from dflash_export.models.target import read_target_config
-from dflash_export.models.weights import has_safetensors, load_state_dict, safetensors_header, weight_files
+from dflash_export.models.target import read_target_config, target_weight_problems
+from dflash_export.models.weights import has_safetensors, load_state_dict, tensor_headers
 
 
 def _field(cfg: dict, path: Path, name: str, kind, default=...):
+    """config.json's `name` as a `kind`, or `default` when absent or null (required when no default is given). Every
+    int field read this way is a size or a count, so it must be >= 1 (a bool is not an int here)."""
     if name not in cfg or cfg[name] is None:
         if default is ...:
             raise DFlashError("missing required field", path=path, field=name)
@@ -33,6 +36,8 @@ def _field(cfg: dict, path: Path, name: str, kind, default=...):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise DFlashError(f"expected {kind.__name__}, got {type(value).__name__}", path=path, field=name)
+    if kind is int and value < 1:
+        raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
     return value
 
 
@@ -76,7 +81,10 @@ def _dflash2_keys(cfg: dict, dcfg: dict, path: Path) -> dict:
     return dflash2
 
 
-def _block_size(cfg: dict, dcfg: dict, path: Path) -> int:
+def _block_size(cfg: dict, dcfg: dict, path: Path, max_positions: int) -> int:
+    """The drafter's block: an anchor and at least one drafted token, drafted in one pass at the positions after at
+    least one context token, so fewer than `max_positions` (max_position_embeddings) and than any engine's
+    max_seq_len (MAX_SEQ_LEN)."""
     top_bs, inner_bs = cfg.get("block_size"), dcfg.get("block_size")
     if top_bs is not None and inner_bs is not None and top_bs != inner_bs:
         raise DFlashError(f"block_size {top_bs} disagrees with dflash_config.block_size {inner_bs}", path=path,
@@ -84,8 +92,15 @@ def _block_size(cfg: dict, dcfg: dict, path: Path) -> int:
     block_size = inner_bs if inner_bs is not None else top_bs
     if block_size is None:
         block_size = ZLAB_DEFAULT_BLOCK_SIZE
+    field = "dflash_config.block_size" if inner_bs is not None else "block_size"
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-        raise DFlashError(f"must be an integer >= 2, got {block_size!r}", path=path, field="block_size")
+        raise DFlashError(f"must be an integer >= 2, got {block_size!r}", path=path, field=field)
+    if block_size >= max_positions:
+        raise DFlashError(f"a block of {block_size} positions after the context does not fit max_position_embeddings "
+                          f"{max_positions}", path=path, field=field)
+    if block_size >= MAX_SEQ_LEN:
+        raise DFlashError(f"a block of {block_size} does not fit the longest sequence an engine is built for "
+                          f"({MAX_SEQ_LEN} tokens)", path=path, field=field)
     return block_size
 
 
@@ -101,15 +116,23 @@ def _mask_token_id(cfg: dict, dcfg: dict, path: Path) -> int:
 
 def _layer_sizes(cfg: dict, path: Path) -> tuple[int, int, int, int]:
     """hidden_size, num_hidden_layers, num_attention_heads, num_target_layers: each present and >= 1."""
-    hidden = _field(cfg, path, "hidden_size", int)
-    layers = _field(cfg, path, "num_hidden_layers", int)
-    heads = _field(cfg, path, "num_attention_heads", int)
-    n_target = _field(cfg, path, "num_target_layers", int)
-    for name, value in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
-                        ("num_target_layers", n_target)):
-        if value < 1:
-            raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
-    return hidden, layers, heads, n_target
+    return (_field(cfg, path, "hidden_size", int), _field(cfg, path, "num_hidden_layers", int),
+            _field(cfg, path, "num_attention_heads", int), _field(cfg, path, "num_target_layers", int))
+
+
+def _attention_sizes(cfg: dict, path: Path, hidden: int, heads: int) -> tuple[int, int]:
+    """num_key_value_heads and head_dim (defaults: one K/V head per query head, hidden_size / num_attention_heads)
+    as the drafter's attention uses them: K/V heads repeated over whole query-head groups, RoPE rotating head halves."""
+    kv = _field(cfg, path, "num_key_value_heads", int, heads)
+    if heads % kv:
+        raise DFlashError(f"{kv} does not divide num_attention_heads {heads}", path=path, field="num_key_value_heads")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise DFlashError(f"absent and hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+                          path=path, field="head_dim")
+    head_dim = _field(cfg, path, "head_dim", int, hidden // heads)
+    if head_dim % 2:
+        raise DFlashError(f"{head_dim} must be even for RoPE", path=path, field="head_dim")
+    return kv, head_dim
 
 
 def _target_layer_ids(cfg: dict, dcfg: dict, path: Path, n_target: int, layers: int) -> list[int]:
@@ -195,11 +218,14 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
     if not isinstance(dcfg, dict):
         raise DFlashError("expected an object", path=path, field="dflash_config")
     dflash2 = _dflash2_keys(cfg, dcfg, path)
-    block_size = _block_size(cfg, dcfg, path)
+    torch_dtype = config_dtype(cfg, path) or "float32"  # before transformers' config class reads it
+    max_positions = _field(cfg, path, "max_position_embeddings", int, 32768)
+    block_size = _block_size(cfg, dcfg, path, max_positions)
     mask_token_id = _mask_token_id(cfg, dcfg, path)
     hidden, layers, heads, n_target = _layer_sizes(cfg, path)
+    kv_heads, head_dim = _attention_sizes(cfg, path, hidden, heads)
     ids = _target_layer_ids(cfg, dcfg, path, n_target, layers)
-    target_hidden = cfg.get("target_hidden_size")
+    target_hidden = _field(cfg, path, "target_hidden_size", int, None)
     if target_hidden is None:
         target_hidden = fc_in_features // len(ids) if fc_in_features else hidden
     act = cfg.get("hidden_act", "silu")
@@ -220,8 +246,8 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=_field(cfg, path, "num_key_value_heads", int, heads),
-        head_dim=_field(cfg, path, "head_dim", int, hidden // heads),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         intermediate_size=_field(cfg, path, "intermediate_size", int),
         rms_norm_eps=_field(cfg, path, "rms_norm_eps", float, 1e-6),
         block_size=block_size,
@@ -229,10 +255,10 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         target_layer_ids=list(ids),
         num_target_layers=n_target,
         vocab_size=_field(cfg, path, "vocab_size", int, 0),
-        target_hidden_size=int(target_hidden),
+        target_hidden_size=target_hidden,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=_field(cfg, path, "max_position_embeddings", int, 32768),
+        max_position_embeddings=max_positions,
         attention_bias=bool(cfg.get("attention_bias", False)),
         hidden_act=act,
         layer_types=layer_types if layer_types and "sliding_attention" in layer_types else None,
@@ -242,7 +268,7 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         output_multiplier=multiplier,
         final_logit_softcapping=softcap,
         **dflash2,
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        torch_dtype=torch_dtype,
         extra={k: v for k, v in cfg.items() if k not in _DRAFTER_CONFIG_KEYS},
     )
 
@@ -352,30 +378,27 @@ class _Findings(list):
         self.append(Finding("warning", str(self.cfg_path if file is None else file), field, msg))
 
 
-def _lint_target_weights(findings: _Findings, tcfg_path: Path) -> None:
-    """The target's weights too, from their headers: a truncated or missing shard fails here, not at export."""
+def _lint_target_weights(findings: _Findings, tcfg: dict, tcfg_path: Path) -> None:
+    """The target's weights too, from their headers: a truncated or missing shard, or tensors the config does not
+    describe, fail here, not at export."""
     try:
         if has_safetensors(tcfg_path.parent):
-            weight_files(tcfg_path.parent)
-        elif not any(tcfg_path.parent.glob("*.bin")):
-            findings.err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
+            problems = target_weight_problems(tcfg_path.parent, tcfg, tcfg_path)
+        else:
+            problems = []
+            if not any(tcfg_path.parent.glob("*.bin")):
+                findings.err("weights", "no model.safetensors, index or *.bin weights", file=tcfg_path.parent)
     except DFlashError as e:
-        findings.append(Finding("error", str(e.path or tcfg_path.parent), e.field or "weights",
-                                e.message))
+        problems = [e]
+    for e in problems:
+        findings.append(Finding("error", str(e.path or tcfg_path.parent), e.field or "weights", e.message))
 
 
 def _drafter_tensor_headers(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     """Tensor name (normalized) -> (shape, dtype, file), from the safetensors headers only: no weights loaded."""
-    files = weight_files(ckpt)
-    headers: dict[Path, dict] = {}
-    for f in set(files.values()):
-        headers[f] = safetensors_header(f)
-    tensors = {}
-    for name, f in files.items():
-        info = headers[f][name]
-        key = name[len("model."):] if all(k.startswith("model.") for k in files) else name
-        tensors[normalized_tensor_name(key)] = (tuple(info["shape"]), info["dtype"], f)
-    return tensors
+    headers = tensor_headers(ckpt)
+    prefixed = all(k.startswith("model.") for k in headers)
+    return {normalized_tensor_name(name[len("model."):] if prefixed else name): info for name, info in headers.items()}
 
 
 def _lint_dflash_keys(findings: _Findings, raw: dict, c: DrafterConfig) -> None:
@@ -444,14 +467,7 @@ def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Pat
             findings.err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
 
 
-def _lint_attention_sizes(findings: _Findings, c: DrafterConfig, raw: dict, t_hidden: int) -> None:
-    if c.num_attention_heads % c.num_key_value_heads:
-        findings.err("num_key_value_heads",
-                     f"{c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}")
-    if c.head_dim % 2:
-        findings.err("head_dim", f"{c.head_dim} must be even for RoPE")
-    if "head_dim" not in raw and c.hidden_size % c.num_attention_heads:
-        findings.err("head_dim", "absent and hidden_size is not a multiple of num_attention_heads")
+def _lint_hidden_size(findings: _Findings, c: DrafterConfig, t_hidden: int) -> None:
     if c.hidden_size != t_hidden:
         findings.warn("hidden_size", f"{c.hidden_size} != target hidden_size {t_hidden}: the block embeddings come "
                                      f"from the target's table, so they must match")
@@ -524,7 +540,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     findings = _Findings(cfg_path)
     raw = read_json_object(cfg_path)
     tcfg, tcfg_path = read_target_config(target_path)
-    _lint_target_weights(findings, tcfg_path)
+    _lint_target_weights(findings, tcfg, tcfg_path)
     tensors = _drafter_tensor_headers(ckpt)
     fc_shape = tensors.get("fc.weight", ((), None, None))[0]
     try:
@@ -536,7 +552,7 @@ def lint_pair(drafter_path, target_path) -> tuple[list[Finding], dict[str, Any]]
     _lint_dflash_keys(findings, raw, c)
     _lint_target_fit(findings, c, tcfg, fc_shape, tensors)
     _lint_rope(findings, c, tcfg, tcfg_path)
-    _lint_attention_sizes(findings, c, raw, tcfg["hidden_size"])
+    _lint_hidden_size(findings, c, tcfg["hidden_size"])
     dtypes = _lint_tensors(findings, c, tensors, ckpt)
     return list(findings), _pair_summary(ckpt, tcfg, tcfg_path, c, tensors, dtypes)
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The longest sequence (prompt, answer and one block) any engine is built for: the graphs hold cos/sin tables of
+# max_seq_len rows. A recipe's max_seq_len, and so every block, stays below it.
+MAX_SEQ_LEN = 2**20
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's rule when `target_layer_ids` is absent (Python's round, i.e. banker's rounding)."""

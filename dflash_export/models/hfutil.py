@@ -1,4 +1,5 @@
-"""What every reader of an HF model directory shares: transformers kept quiet, and the stop tokens a config declares."""
+"""What every reader of an HF model directory shares: transformers kept quiet, the stop tokens a config declares, and
+the dtype it declares."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
             if i not in ids:
                 ids.append(i)
     return ids
+
+
+# The dtypes a config.json may declare: the float dtypes the stages load and build (a recipe's `dtype` too).
+CONFIG_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def config_dtype(cfg: dict, path: Path, prefix: str = "") -> str | None:
+    """The dtype a config.json (`cfg`, already read) declares, as transformers reads it: `dtype`, else the older
+    `torch_dtype`; None when neither is given. A value outside CONFIG_DTYPES under either key is a DFlashError naming
+    the file and the key (`prefix` + key: "text_config." for a composite checkpoint's decoder settings)."""
+    for key in ("dtype", "torch_dtype"):
+        value = cfg.get(key)
+        if value is not None and not (isinstance(value, str) and value in CONFIG_DTYPES):
+            raise DFlashError(f"{value!r} is not a dtype this project loads ({', '.join(CONFIG_DTYPES)})", path=path,
+                              field=prefix + key)
+    return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
 def quiet_transformers() -> None:

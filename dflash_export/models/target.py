@@ -17,9 +17,10 @@ from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.gguf import hf_dir_from_gguf
-from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
+from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
+from dflash_export.models.rope import hf_config
 from dflash_export.models.sources import resolve_source
-from dflash_export.models.weights import has_safetensors, weight_files
+from dflash_export.models.weights import has_safetensors, tensor_headers
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -40,19 +41,34 @@ def resolve_target_dir(path) -> Path:
     return p
 
 
+# Sizes transformers builds the layers from, checked when config.json gives them (its defaults stand otherwise).
+OPTIONAL_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "max_position_embeddings")
+
+
 def read_target_config(path) -> tuple[dict[str, Any], Path]:
     """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos. A composite
     (vision + text) checkpoint's decoder settings come from its `text_config` (arch.text_settings)."""
     d = resolve_target_dir(path)
     cfg_path = d / "config.json"
-    cfg = text_settings(read_json_object(cfg_path))
+    raw = read_json_object(cfg_path)
+    cfg = text_settings(raw)
+    text = raw["text_config"] if cfg is not raw else {}
+
+    def where(f: str) -> str:  # the key as config.json spells it
+        return f"text_config.{f}" if f in text else f
+
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
-    for f in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        v = cfg[f]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=f)
+    for f in ("num_hidden_layers", "hidden_size", "vocab_size", *OPTIONAL_SIZES):
+        v = cfg.get(f)
+        if (v is not None or f not in OPTIONAL_SIZES) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=where(f))
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise DFlashError(f"{kv} does not divide num_attention_heads {heads} (grouped-query attention)",
+                          path=cfg_path, field=where("num_key_value_heads"))
     if not isinstance(cfg["model_type"], str):
         raise DFlashError(f"expected a string, got {cfg['model_type']!r}", path=cfg_path, field="model_type")
     if cfg["model_type"] in REFUSED:
@@ -61,8 +77,96 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     if cfg["model_type"] not in ARCHS:
         raise DFlashError(f"unsupported model_type {cfg['model_type']!r} (supported: {', '.join(ARCHS)})",
                           path=cfg_path, field="model_type")
+    config_dtype(raw, cfg_path)
+    if text:
+        config_dtype(text, cfg_path, "text_config.")
     cfg["stop_token_ids"] = stop_token_ids_of(d, cfg)
     return cfg, cfg_path
+
+
+def _ranges(ids) -> str:
+    """Sorted layer indices as runs: [0, 1, 2, 5] -> "0..2, 5"."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def _embedding_name(tensors: dict) -> str | None:
+    """The decoder's embedding table: `model.embed_tokens.weight`, or under a composite checkpoint's language model
+    (`model.language_model.embed_tokens.weight`); the shortest such name when a checkpoint holds several."""
+    names = [n for n in tensors if n.split(".")[-2:] == ["embed_tokens", "weight"] and not n.startswith("mtp.")]
+    return min(names, key=lambda n: (n.count("."), n)) if names else None
+
+
+def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path) -> list[DFlashError]:
+    """config.json (`cfg`, from read_target_config) against the safetensors headers, no tensor data read: the
+    embedding is [vocab_size, hidden_size], the LM head too unless tie_word_embeddings, decoder layers
+    0..num_hidden_layers-1 are there and no other, and (families with plain attention in every layer) each layer's
+    q/k/v/o projections have the shapes the head counts give. transformers would otherwise fail with its own text, or
+    load a model the config does not describe (layers past num_hidden_layers dropped, a missing LM head drawn at
+    random). One DFlashError per disagreement, at most one per tensor kind; [] when the weights fit."""
+    tensors = tensor_headers(model_dir)
+    vocab, hidden, n_layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    embed = _embedding_name(tensors)
+    if embed is None:
+        return [DFlashError("no embed_tokens.weight tensor (the decoder's embedding table)", path=model_dir,
+                            field="embed_tokens.weight")]
+    problems: list[DFlashError] = []
+
+    def shape_problem(name: str, want: tuple[int, ...], spelled: str) -> bool:
+        shape, _, f = tensors[name]
+        if shape == want:
+            return False
+        problems.append(DFlashError(f"shape {list(shape)} != {spelled} = {list(want)} of {cfg_path.name}", path=f,
+                                    field=name))
+        return True
+
+    shape_problem(embed, (vocab, hidden), "[vocab_size, hidden_size]")
+    hf = hf_config(cfg, cfg_path, cfg["model_type"])
+    if "lm_head.weight" in tensors:
+        shape_problem("lm_head.weight", (vocab, hidden), "[vocab_size, hidden_size]")
+    elif not getattr(hf, "tie_word_embeddings", False):
+        problems.append(DFlashError("missing tensor: tie_word_embeddings is false, so the LM head is not the "
+                                    "embedding table and transformers would draw it at random", path=model_dir,
+                                    field="lm_head.weight"))
+    prefix = embed[:-len("embed_tokens.weight")] + "layers."
+    present = {int(n[len(prefix):].split(".")[0]) for n in tensors
+               if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit()}
+    missing, extra = sorted(set(range(n_layers)) - present), sorted(present - set(range(n_layers)))
+    if missing:
+        problems.append(DFlashError(f"{n_layers}, but the weights hold no {prefix}N.* tensors for N = "
+                                    f"{_ranges(missing)}", path=cfg_path, field="num_hidden_layers"))
+    if extra:
+        problems.append(DFlashError(f"{n_layers}, but the weights also hold {prefix}N.* for N = {_ranges(extra)} "
+                                    f"(transformers would drop them)", path=cfg_path, field="num_hidden_layers"))
+    if ARCHS[cfg["model_type"]].hybrid is None:
+        heads = int(hf.num_attention_heads)
+        kv = int(hf.num_key_value_heads or heads)
+        head_dim = getattr(hf, "head_dim", None) or hidden // heads  # as transformers' attention modules take it
+        want = {"q_proj": ((heads * head_dim, hidden), "[num_attention_heads x head_dim, hidden_size]"),
+                "k_proj": ((kv * head_dim, hidden), "[num_key_value_heads x head_dim, hidden_size]"),
+                "v_proj": ((kv * head_dim, hidden), "[num_key_value_heads x head_dim, hidden_size]"),
+                "o_proj": ((hidden, heads * head_dim), "[hidden_size, num_attention_heads x head_dim]")}
+        for proj, (shape, spelled) in want.items():
+            for i in sorted(present & set(range(n_layers))):
+                name = f"{prefix}{i}.self_attn.{proj}.weight"
+                if name not in tensors:
+                    problems.append(DFlashError("missing tensor", path=model_dir, field=name))
+                    break
+                if shape_problem(name, shape, spelled):
+                    break
+    return problems
+
+
+def check_target_weights(model_dir: Path, cfg: dict[str, Any], cfg_path: Path) -> None:
+    """target_weight_problems' first problem raised, for loaders; nothing for weights that fit their config."""
+    problems = target_weight_problems(model_dir, cfg, cfg_path)
+    if problems:
+        raise problems[0]
 
 
 @dataclass
@@ -173,9 +277,9 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
 
     quiet_transformers()
     model_dir = resolve_target_dir(path)
-    config, _ = read_target_config(model_dir)
-    if has_safetensors(model_dir):
-        weight_files(model_dir)  # headers bounds-checked: a truncated or missing shard is named before transformers
+    config, cfg_path = read_target_config(model_dir)
+    if has_safetensors(model_dir):  # headers bounds-checked and held against the config before transformers reads them
+        check_target_weights(model_dir, config, cfg_path)
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=False,
                                                   attn_implementation=ARCHS[config["model_type"]].attn_implementation)

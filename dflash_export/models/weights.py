@@ -141,6 +141,13 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
     raise DFlashError("no model.safetensors or model.safetensors.index.json", path=ckpt)
 
 
+def tensor_headers(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """Tensor name -> (shape, safetensors dtype, file), from the headers only: no tensor data is read."""
+    files = weight_files(ckpt)
+    headers = {f: safetensors_header(f) for f in set(files.values())}
+    return {name: (tuple(headers[f][name]["shape"]), headers[f][name]["dtype"], f) for name, f in files.items()}
+
+
 def _shard_name(index: Path, name: str, fname) -> str:
     """A weight_map entry: a file name relative to the model directory, never a path leading out of it."""
     if not isinstance(fname, str) or not fname:

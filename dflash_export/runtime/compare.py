@@ -47,10 +47,7 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     target = load_target(recipe.target_path, dtype)
     drafter = load_drafter(recipe.drafter_path, dtype)
     check_drafter_fits(drafter, target, recipe.drafter_path)
-    block = drafter.spec(recipe.block_size).block_size
-    if block >= recipe.max_seq_len:
-        raise DFlashError(f"block of {block} does not fit max_seq_len {recipe.max_seq_len}", path=recipe.path,
-                          field="block_size" if recipe.block_size else "max_seq_len")
+    block = recipe.drafted_block(drafter.config.block_size)
     codec = byte_codec(target, drafter)
     if prompt is None:
         ids = list(range(3, 19))
