@@ -257,13 +257,32 @@ def _loads(recipe: Path, extra: str) -> bool:
     ("max_position_embeddings", 0), ("max_position_embeddings", -5), ("max_position_embeddings", True),
     ("num_key_value_heads", 0), ("num_key_value_heads", 3), ("head_dim", -16), ("head_dim", True), ("head_dim", 15),
     ("intermediate_size", 0), ("vocab_size", -1), ("target_hidden_size", 0), ("target_hidden_size", "64"),
+    ("rms_norm_eps", 0.0), ("rms_norm_eps", -1e-6),
 ])
 def test_a_drafter_size_that_is_not_a_positive_integer_its_attention_can_use_is_refused(pair, field, value):
     # Sizes and counts are integers >= 1 (a bool is not one); K/V heads are shared by whole groups of query heads and
     # RoPE rotates the two halves of a head, so num_key_value_heads divides num_attention_heads and head_dim is even.
+    # rms_norm_eps is added under a square root (> 0).
     drafter, target = pair
     _edit_config(drafter, lambda c: c.__setitem__(field, value))
     _config_error(drafter, target, field)
+
+
+@pytest.mark.parametrize("value", ["false", 0])
+def test_attention_bias_is_json_true_or_false(pair, value):
+    # "false" is truthy in Python: read as a bias it would load bias tensors the checkpoint may not hold, or ignore
+    # those it does. inspect and the loader refuse it with one line naming the field.
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
+
+    drafter, target = pair
+    _edit_config(drafter, lambda c: c.__setitem__("attention_bias", value))
+    r = _inspect(drafter, target)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "attention_bias" in errors[0], r.output
+    with pytest.raises(DFlashError) as e:
+        load_drafter(drafter)
+    assert "attention_bias" in str(e.value) and e.value.path == drafter / "config.json", e.value
 
 
 @pytest.mark.parametrize("key, value", [("torch_dtype", "nonsense"), ("dtype", "int8"), ("torch_dtype", 5),

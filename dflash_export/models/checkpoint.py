@@ -6,6 +6,7 @@ a missing tensor, or a wrong shape is reported at load, not as a confusing error
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ def _field(cfg: dict, path: Path, name: str, kind, default=...):
         raise DFlashError(f"expected {kind.__name__}, got {type(value).__name__}", path=path, field=name)
     if kind is int and value < 1:
         raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
+    if kind is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root
+        raise DFlashError(f"must be a positive finite number, got {value}", path=path, field=name)
     return value
 
 
@@ -259,7 +262,7 @@ def parse_drafter_config(cfg: dict, path: Path, fc_in_features: int | None = Non
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_positions,
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=_field(cfg, path, "attention_bias", bool, False),
         hidden_act=act,
         layer_types=layer_types if layer_types and "sliding_attention" in layer_types else None,
         sliding_window=window if layer_types and "sliding_attention" in layer_types else None,
