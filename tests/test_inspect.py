@@ -311,3 +311,31 @@ def test_dtype_and_torch_dtype_are_read_as_transformers_reads_them(pair):
     want = str(Qwen3Config.from_dict(keys).dtype).removeprefix("torch.")
     assert want == "float16"
     assert load_drafter(drafter).config.torch_dtype == want
+
+
+@pytest.mark.parametrize("heads, kv", [(32, ...), (8, None), (4, ...)])
+def test_absent_attention_sizes_take_the_defaults_of_the_config_class_zlab_builds_the_drafter_from(pair, heads, kv):
+    # z-lab's release builds its drafter from transformers' Qwen3Config: an absent head_dim is 128 (not hidden_size /
+    # num_attention_heads), an absent num_key_value_heads 32, a null one the query heads.
+    from transformers import Qwen3Config
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import parse_drafter_config
+
+    drafter, _ = pair
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg.pop("head_dim")
+    cfg["num_attention_heads"] = heads
+    if kv is ...:
+        cfg.pop("num_key_value_heads")
+    else:
+        cfg["num_key_value_heads"] = kv
+    zlab = Qwen3Config.from_dict({k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    if heads % zlab.num_key_value_heads:
+        with pytest.raises(DFlashError) as e:
+            parse_drafter_config(cfg, drafter / "config.json")
+        assert e.value.field == "num_key_value_heads" and "Qwen3Config's default" in str(e.value)
+        return
+    c = parse_drafter_config(cfg, drafter / "config.json")
+    assert (c.head_dim, c.num_key_value_heads) == (zlab.head_dim, zlab.num_key_value_heads)
+    assert c.head_dim == 128 != c.hidden_size // heads

@@ -124,15 +124,18 @@ def _layer_sizes(cfg: dict, path: Path) -> tuple[int, int, int, int]:
 
 
 def _attention_sizes(cfg: dict, path: Path, hidden: int, heads: int) -> tuple[int, int]:
-    """num_key_value_heads and head_dim (defaults: one K/V head per query head, hidden_size / num_attention_heads)
-    as the drafter's attention uses them: K/V heads repeated over whole query-head groups, RoPE rotating head halves."""
-    kv = _field(cfg, path, "num_key_value_heads", int, heads)
+    """num_key_value_heads and head_dim as the drafter's attention uses them: K/V heads repeated over whole query-head
+    groups, RoPE rotating head halves. An absent key takes transformers' Qwen3Config default, as z-lab's release
+    builds the drafter from that class (head_dim 128 whatever hidden_size / num_attention_heads is; K/V heads 32, or
+    the query heads when the key is null)."""
+    absent = [k for k in ("num_key_value_heads", "head_dim") if k not in cfg or cfg[k] is None]
+    defaults = hf_config(cfg, path, "qwen3") if absent else None
+    kv = _field(cfg, path, "num_key_value_heads", int, getattr(defaults, "num_key_value_heads", None) or heads)
     if heads % kv:
-        raise DFlashError(f"{kv} does not divide num_attention_heads {heads}", path=path, field="num_key_value_heads")
-    if cfg.get("head_dim") is None and hidden % heads:
-        raise DFlashError(f"absent and hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
-                          path=path, field="head_dim")
-    head_dim = _field(cfg, path, "head_dim", int, hidden // heads)
+        note = " (absent: Qwen3Config's default)" if "num_key_value_heads" in absent else ""
+        raise DFlashError(f"{kv}{note} does not divide num_attention_heads {heads}", path=path,
+                          field="num_key_value_heads")
+    head_dim = _field(cfg, path, "head_dim", int, getattr(defaults, "head_dim", None))
     if head_dim % 2:
         raise DFlashError(f"{head_dim} must be even for RoPE", path=path, field="head_dim")
     return kv, head_dim
