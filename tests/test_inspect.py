@@ -339,3 +339,28 @@ def test_absent_attention_sizes_take_the_defaults_of_the_config_class_zlab_build
     c = parse_drafter_config(cfg, drafter / "config.json")
     assert (c.head_dim, c.num_key_value_heads) == (zlab.head_dim, zlab.num_key_value_heads)
     assert c.head_dim == 128 != c.hidden_size // heads
+
+
+@pytest.mark.parametrize("edit", [lambda c: c.pop("vocab_size"), lambda c: c.__setitem__("vocab_size", 7)])
+def test_a_plain_drafters_own_vocab_size_is_read_nowhere(pair, tmp_path, edit):
+    # The drafter embeds and reads out through the target's tables; z-lab's model reads vocab_size only for DFlash-2's
+    # codebooks. Absent or another value: inspect passes (a warning at most) and drafting is token for token what the
+    # unedited drafter drafts.
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.drafter import check_drafter_fits
+    from dflash_export.models.target import load_target
+    from dflash_export.runtime.reference import spec_generate
+
+    drafter, target_dir = pair
+    edited = tmp_path / "edited"
+    shutil.copytree(drafter, edited)
+    _edit_config(edited, edit)
+    r = _inspect(edited, target_dir)
+    assert r.exit_code == 0 and "error:" not in r.output, r.output
+    target = load_target(target_dir)
+    runs = []
+    for d in (drafter, edited):
+        loaded = load_drafter(d)
+        check_drafter_fits(loaded, target, str(d))
+        runs.append(spec_generate(loaded, target, [3, 5, 7, 11], max_new_tokens=24).tokens)
+    assert runs[0] == runs[1]

@@ -429,9 +429,11 @@ def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -
     if c.hidden_size != target.hidden_size:
         raise DFlashError(f"drafter hidden size {c.hidden_size} != target embedding width {target.hidden_size}",
                           path=where, field="hidden_size")
-    if c.vocab_size != target.vocab_size:
-        raise DFlashError(f"drafter vocab {c.vocab_size} != target vocab {target.vocab_size}", path=where,
-                          field="vocab_size")
+    # The drafter embeds and reads out through the target's tables, so its own vocab_size sizes only DFlash-2's
+    # selector codebooks, indexed by the target's token ids (z-lab's model reads it nowhere else).
+    if c.is_dflash2 and c.vocab_size != target.vocab_size:
+        raise DFlashError(f"drafter vocab {c.vocab_size} != target vocab {target.vocab_size} (the selector's "
+                          "codebooks are indexed by the target's token ids)", path=where, field="vocab_size")
     if any(not 0 <= t < target.num_layers for t in c.target_layer_ids):
         raise DFlashError(f"target_layer_ids {c.target_layer_ids} outside the target's {target.num_layers} layers",
                           path=where, field="dflash_config.target_layer_ids")
