@@ -695,3 +695,41 @@ def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adapt
     assert rt.trees_verified > 0 and max(tree_calls) >= 2  # trees of several sequences in one call
     off_first = [q for q in paths if q is not None and q != list(range(len(q)))]
     assert off_first, "no accepted path left the tree's first branch"
+
+
+def test_the_served_kv_note_bounds_what_a_full_batch_reserves_and_names_the_batch_that_fits(built):
+    """deploy / serve warn when a shared batch of full-length sequences could reserve more K/V than the machine has:
+    the bound is held against the buffers a full batch really reserves, and the --max-batch it names against the
+    per-token size computed from the HF configs."""
+    import re
+
+    from dflash_export.deploy.repository import kv_memory_note, kv_reservation_bytes
+    from dflash_export.engines.manifest import read_manifest
+
+    _, eng, torch_eng = built
+
+    def per_token(cfg):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+
+    t_token = per_token(torch_eng.target.hf.config)
+    d_token = per_token(torch_eng.drafter.config)
+    manifest = read_manifest(eng.engine_dir, verify_files=False)
+    L = eng.info.max_seq_len
+    bound = kv_reservation_bytes(manifest, 4)
+    assert bound == 4 * L * (t_token + d_token)
+    batch = BatchedOrtEngine(eng, max_batch=4)
+    seqs = [batch.add(L) for _ in range(4)]
+    batch.prefill(seqs, [[1, 2, 3]] * 4)
+    target_part = sum(b.nbytes for b in batch._buf.t_kv)
+    assert target_part == 4 * L * t_token and batch.kv_bytes <= bound  # the drafter's grows with the context
+    for s in seqs:
+        batch.remove(s)
+
+    slot = L * (t_token + d_token)
+    assert kv_memory_note(eng.engine_dir, 2, 4, available=8 * slot) is None  # 2 instances x 4 slots fit exactly
+    assert kv_memory_note(eng.engine_dir, 2, 1, available=0) is None  # one sequence at a time: no shared batch
+    note = kv_memory_note(eng.engine_dir, 2, 4, available=8 * slot - 1)
+    fits = int(re.search(r"--max-batch (\d+) keeps the K/V within it", note).group(1))
+    assert fits == 3 and 2 * fits * slot <= 8 * slot - 1 < 2 * (fits + 1) * slot, note
+    assert "not even one" in kv_memory_note(eng.engine_dir, 2, 4, available=slot)

@@ -4,6 +4,7 @@ rest of the CLI starts without them)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -13,6 +14,7 @@ from dflash_export.deploy.repository import (
     MARKER,
     cached_repository,
     check_repository,
+    kv_memory_note,
     shared_batch_note,
     write_repository,
 )
@@ -57,6 +59,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
     marker = json.loads((repo / MARKER).read_text())
     click.echo(f"wrote {repo} (models: {', '.join(marker['models'])})")
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
+        click.echo(note)
+    if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch):
         click.echo(note)
     click.echo(f"serve it with: dflash-export serve --repo {repo}")
 
@@ -121,6 +125,9 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
         click.echo(f"model repository: {repo_dir}", err=True)
     marker = check_repository(repo_dir)
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
+        click.echo(note, err=True)
+    if note := kv_memory_note(Path(repo_dir) / marker["models"][0] / "engine", int(marker.get("instances", 1)),
+                              int(marker.get("max_batch", 1))):
         click.echo(note, err=True)
     recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
     limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),

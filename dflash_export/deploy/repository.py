@@ -42,7 +42,7 @@ from dflash_export.deploy.pbtxt import (
     check_config_text,
     write_config,
 )
-from dflash_export.engines.manifest import Manifest, library_versions
+from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
@@ -534,6 +534,55 @@ def shared_batch_note(precision, max_batch) -> str | None:
             f"answer is the batched engine's plain decoding whatever shares its batch, but can differ from "
             f"`dflash-export run`'s (its {precision} products quantize activations to int8, which turns the two "
             f"graphs' last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
+
+
+def kv_reservation_bytes(manifest: Manifest, max_batch: int) -> int | None:
+    """About the most K/V one instance's shared batch reserves: `max_batch` slots, each as long as the engine's
+    max_seq_len, for the target's and the drafter's layers (runtime/batching's buffers; a hybrid target's
+    linear-attention layers hold less). None for an engine whose manifest records no shapes."""
+    sh = manifest.shapes
+    if sh is None or not manifest.max_seq_len:
+        return None
+    itemsize = 2 if (manifest.raw.get("dtypes") or {}).get("kv_cache") in ("float16", "bfloat16") else 4
+    per_token = 2 * itemsize * (sh.target_layers * sh.target_kv_heads * sh.target_head_dim
+                                + sh.drafter_layers * sh.drafter_kv_heads * sh.drafter_head_dim)
+    return max_batch * manifest.max_seq_len * per_token
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: int | None = None) -> str | None:
+    """A note when the shared batches of `instances` instances could reserve more K/V than this machine has
+    available (requests that fill them may get a model stub ended by the out-of-memory killer: it is reloaded, its
+    requests in flight fail), naming the --max-batch that keeps the K/V within it; None when they fit, when
+    max_batch is 1 or when either figure is unknown. The engine's weights are not counted."""
+    if max_batch <= 1 or not (Path(engine_dir) / "manifest.json").is_file():  # a TensorRT-LLM bundle: its own batch
+        return None
+    manifest = read_manifest(engine_dir, verify_files=False)  # checked where the repository was written or served
+    one = kv_reservation_bytes(manifest, max_batch)
+    available = available_memory_bytes() if available is None else available
+    if one is None or available is None or instances * one <= available:
+        return None
+    per_slot = one // max_batch
+    fits = available // (instances * per_slot)
+    gib = 2**30
+    return (f"note: at --max-batch {max_batch}, {instances} instance(s) may reserve up to {instances * one / gib:.1f} "
+            f"GiB of K/V ({max_batch} sequences x max_seq_len {manifest.max_seq_len} x "
+            f"{per_slot // manifest.max_seq_len} bytes a token each), more than the {available / gib:.1f} GiB this "
+            "machine has available: requests that fill the batches may get a model stub ended by the out-of-memory "
+            "killer (it reloads; its requests in flight fail). "
+            + (f"--max-batch {fits} keeps the K/V within it" if fits >= 1 else
+               "not even one full-length sequence per instance fits"))
 
 
 CACHED_REPOSITORIES_KEPT = 4  # repositories `serve --engine` can reuse, kept beside the one in use (the newest used)
