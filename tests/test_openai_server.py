@@ -17,7 +17,9 @@ import pytest
 from deploy_support import (
     ROOT,
     direct,  # noqa: F401 - a fixture
+    edit_manifest,
     engine_dir,  # noqa: F401 - a fixture
+    ort_engine,
     pids_mentioning,
     post_json,
     ready_line,
@@ -354,6 +356,53 @@ def test_a_megabyte_prompt_gets_its_400_fast_and_delays_no_one(tok_served):
     # Generous for a shared 2-core machine: the 4 floods parse and refuse 1 MB bodies meanwhile; what is ruled out
     # is the ordinary request waiting behind seconds of tokenizing.
     assert max(loaded) < alone + 3.0, (alone, loaded)
+
+
+# Renders the chat, unless the first message is "spin": then 10**10 loop iterations that write nothing.
+SPINNING_TEMPLATE = ("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                     "{% endfor %}{% endfor %}{% endif %}{% for m in messages %}{{ m.content }} {% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def spin_served(engine_dir, tmp_path_factory):
+    """The tiny engine with a word-level tokenizer and SPINNING_TEMPLATE as its chat template, served."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflash_export.files import sha256_file
+
+    engine = ort_engine(engine_dir, tmp_path_factory.mktemp("spin") / "engine")
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(engine / "tokenizer.json"))
+    (engine / "tokenizer_config.json").write_text(json.dumps({"chat_template": SPINNING_TEMPLATE}))
+    files = json.loads((engine / "manifest.json").read_text())["files"]
+    edit_manifest(engine, files={**files, **{name: sha256_file(engine / name)
+                                             for name in ("tokenizer.json", "tokenizer_config.json")}})
+    http, metrics = free_ports(2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--engine", str(engine), "--port",
+                             str(http), "--metrics-port", str(metrics), "--max-batch", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    line = ready_line(proc, 180)
+    assert line.startswith("ready:"), line
+    yield f"http://127.0.0.1:{http}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+
+
+def test_a_chat_template_looping_without_end_gets_a_400_and_the_server_keeps_serving(spin_served):
+    """A request that sends the template into 10**10 silent loop iterations is answered 400 naming the chat template
+    within seconds, and the next chat is answered as usual."""
+    chat = {"model": "tiny-qwen3", "max_tokens": 2, "temperature": 0}
+    start = time.monotonic()
+    status, body = post_json(spin_served + "/v1/chat/completions",
+                             {**chat, "messages": [{"role": "user", "content": "spin"}]}, timeout=120)
+    assert status == 400, body
+    assert "chat_template: the chat template did more than" in body["error"]["message"], body
+    assert time.monotonic() - start < 60
+    status, body = post_json(spin_served + "/v1/chat/completions",
+                             {**chat, "messages": [{"role": "user", "content": "hi there"}]}, timeout=120)
+    assert status == 200 and body["usage"]["prompt_tokens"] == 2, body
 
 
 def test_two_serves_on_one_machine_with_8001_and_8002_taken(engine_dir, tmp_path):

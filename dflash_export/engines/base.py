@@ -23,7 +23,7 @@ from dflash_export.decoding.request import (
 )
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
-from dflash_export.models.tokenization import TextCodec, chat_environment
+from dflash_export.models.tokenization import TextCodec, compiled_template
 
 
 @dataclass
@@ -159,9 +159,12 @@ def load_codec(engine_dir):
             import jinja2
 
             try:  # compiled as tokenization.TextCodec renders it (sandboxed): unknown filters / tests fail here too
-                chat_environment().from_string(template)
+                compiled_template(template)
             except jinja2.TemplateSyntaxError as e:
                 raise DFlashError(f"invalid chat template (line {e.lineno}: {e.message})", path=src,
+                                  field=field) from None
+            except RecursionError:
+                raise DFlashError("invalid chat template (nested deeper than Python's recursion limit)", path=src,
                                   field=field) from None
     elif (d / "codec.json").is_file():
         cfg_path = d / "codec.json"

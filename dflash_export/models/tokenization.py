@@ -2,18 +2,19 @@
 jinja2 chat template. Tiny random pairs have no tokenizer and use a byte codec (one token per byte) instead.
 
 The chat template comes from a checkpoint (and is copied into every engine), so it is untrusted code: it is compiled
-and rendered only in jinja2's immutable sandbox, as transformers does. A template reaching for Python internals
-(`cycler.__init__.__globals__...`) gets a DFlashError naming `chat_template`, never runs anything.
+and rendered only in jinja2's immutable sandbox, as transformers does, bounded in work and size (chat_sandbox.py).
+A template reaching for Python internals (`cycler.__init__.__globals__...`) gets a DFlashError naming
+`chat_template`, never runs anything; one that loops or recurses without end is stopped the same way.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
+from dflash_export.models.chat_sandbox import MAX_RENDERED_CHARS, compiled_template
 
 
 class TextCodec:
@@ -124,7 +125,7 @@ class TextCodec:
         from jinja2.sandbox import SecurityError
 
         try:
-            template = chat_environment().from_string(self.chat_template)
+            template = compiled_template(self.chat_template)
             # Streamed and bounded: a template that writes more than MAX_RENDERED_CHARS (no prompt this long fits
             # the largest context an engine takes) is stopped there rather than filling memory.
             parts, size = [], 0
@@ -137,6 +138,9 @@ class TextCodec:
             return "".join(parts)
         except DFlashError:
             raise
+        except RecursionError:
+            raise DFlashError("the chat template went deeper than Python's recursion limit (a macro or recursive "
+                              "loop calling itself without end, or nesting too deep)", field="chat_template") from None
         except SecurityError as e:
             raise DFlashError(f"the chat template tried an unsafe operation, refused by the sandbox "
                               f"({' '.join(str(e).split())[:200]})", field="chat_template") from None
@@ -191,41 +195,8 @@ def prompt_chars(prompt: str | list[dict]) -> int:
     return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
-MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
-
-
-@functools.cache
-def chat_environment():
-    """The only jinja2 environment chat templates are compiled and rendered in: jinja2's immutable sandbox (no
-    attribute starting with `_`, no unsafe callables, no mutation of passed-in lists and dicts), whose `*` refuses
-    to build a string or list longer than MAX_RENDERED_CHARS (`'x' * 10**9` would fill memory before any output).
-    Made once per process and shared (nothing changes it after this function)."""
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    class ChatSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*"])
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > \
-                            MAX_RENDERED_CHARS:
-                        raise SecurityError(f"a repetition of {len(seq) * n} items (more than {MAX_RENDERED_CHARS})")
-            return super().call_binop(context, operator, left, right)
-
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
-                      extensions=[jinja2.ext.loopcontrols])
-    env.globals["raise_exception"] = _raise
-    return env
-
-
 def _tok_str(v):
     return v.get("content") if isinstance(v, dict) else v
-
-
-def _raise(msg):
-    raise DFlashError(f"chat template: {msg}")
 
 
 class ByteCodec(TextCodec):

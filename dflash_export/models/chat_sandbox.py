@@ -1,0 +1,588 @@
+"""The jinja2 environment chat templates are compiled and rendered in, and the bounds it holds every rendering to.
+
+A chat template comes from a checkpoint's files, so it is untrusted code, run on every request of a served model. It
+runs in jinja2's immutable sandbox (no attribute starting with `_`, no unsafe callables, no mutation of passed-in
+lists and dicts), and on top of that:
+
+- work: every rendering has a budget of steps (step_budget: MAX_TEMPLATE_STEPS, plus STEPS_PER_MESSAGE for each
+  message). The template's code is metered when it is compiled: each block of statements (a loop body, a branch, a
+  macro or call block) charges what its nodes weigh every time it runs, a loop's `if` filter every time it is
+  tested, each filter and test call FILTER_STEPS, and the values an operation goes through or builds (strings by
+  length, lists and dicts by items) their size. A template that loops, recurses or grinds on large values without
+  end is stopped at the budget, with a DFlashError naming `chat_template`, whatever it writes (or not): what it
+  writes is charged too, out or into a captured block.
+- size: no operation builds a string or list longer than MAX_RENDERED_CHARS, nor an integer wider than MAX_INT_BITS
+  (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step);
+  tokenization.TextCodec.render_chat also stops a rendering that writes more than MAX_RENDERED_CHARS.
+
+The budget lives on the rendering's own jinja2 context (its EvalContext), so renderings on several threads of the one
+shared environment never share a count. The metering nodes and filters have names a template cannot spell (they
+contain spaces), so a template can neither call nor replace them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import string
+
+from dflash_export.errors import DFlashError
+
+MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
+
+# The work budget. A step is at most about half a microsecond of work (loops, macro calls, filters and string work,
+# measured alike), so MAX_TEMPLATE_STEPS stops a hostile template within a second or two. Real chat templates spend
+# a fixed amount (a system prompt, a tool list: thousands of steps) plus, per message, a few small blocks (a role
+# branch, the content, a tool call): SmolLM2's template 15 steps, a Qwen3-style one with reasoning and tool calls
+# about 100 (content is charged by length, so a long message costs more: 140 at 4000 characters). Each message gets
+# STEPS_PER_MESSAGE more, several times that, so a chat renders whatever its number of messages (a 2**20-token
+# context holds up to some 200000 short ones); the text of a 2**20-token prompt, gone through a few times, is tens
+# of thousands of steps of the fixed amount.
+MAX_TEMPLATE_STEPS = 1 << 22
+STEPS_PER_MESSAGE = 512
+UNITS_PER_STEP = 8  # a block of statements charges its nodes' weights (_weight), 8 units to a step
+CHARS_PER_STEP = 256  # string work (search, copy, compare) charges one step per 256 characters gone through
+ITEMS_PER_STEP = 16  # list / dict work done in C (copy, compare, `in`) charges one step per 16 items
+FILTER_STEPS = 2  # each call of a filter or test, the template's own or one made by `map` / `select`
+FILTER_ITEM_STEPS = 4  # each item a filter goes through (sorting or selecting by an attribute: about 2 us an item)
+MAX_INT_BITS = 1 << 16  # an integer of 65536 bits (about 20000 digits): past any count or id a template needs
+
+_CHARGE = "chat template charge"  # charges its argument in steps, returns its value unchanged
+_TOUCH = "chat template touch"  # charges the size of its value, returns it unchanged
+_CONCAT = "chat template concat"  # the `~` operator, bounded
+_WRITE = "chat template write"  # charges writing its value out (as text), returns it unchanged
+_WORK_ATTR = "chat_template_work"
+
+# Filters that take O(1) time whatever the size of the list or dict they are given: charged nothing for its size
+# (`messages|length` inside a loop over messages must stay linear).
+_CONSTANT_TIME_FILTERS = frozenset(["attr", "count", "d", "default", "first", "items", "last", "length", "random"])
+_COMPARING_TESTS = frozenset(["in", "eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=", "gt",
+                              "greaterthan", ">", "ge", ">=", "sameas"])
+_SIZE_CHECKED_FILTERS = frozenset(["format", "indent", "join", "replace", "slice", "sum", "tojson", "wordwrap"])
+# Filters and string methods whose integer arguments are widths or counts of what they build (`center(10**9)` is a
+# gigabyte of spaces): refused past MAX_RENDERED_CHARS, charged by size below it.
+_WIDTH_FILTERS = frozenset(["batch", "center", "format", "indent", "slice", "tojson", "truncate", "wordwrap"])
+_WIDTH_METHODS = frozenset(["center", "expandtabs", "ljust", "rjust", "zfill"])
+_BLOCK_FIELDS = ("body", "else_")
+
+
+def step_budget(messages) -> int:
+    """The steps a rendering for `messages` may spend."""
+    return MAX_TEMPLATE_STEPS + STEPS_PER_MESSAGE * (len(messages) if isinstance(messages, (list, tuple)) else 0)
+
+
+class _Work:
+    """One rendering's budget and the steps it has spent (mutable, so an `{% autoescape %}` block's save / restore of
+    its EvalContext keeps the same count)."""
+
+    __slots__ = ("steps", "limit")
+
+    def __init__(self, limit: int):
+        self.steps, self.limit = 0, limit
+
+
+def _work(context) -> _Work:
+    eval_ctx = context.eval_ctx
+    work = getattr(eval_ctx, _WORK_ATTR, None)
+    if work is None:  # a context made outside ChatTemplate.new_context
+        work = _Work(MAX_TEMPLATE_STEPS)
+        setattr(eval_ctx, _WORK_ATTR, work)
+    return work
+
+
+def _charge(context, steps: int) -> None:
+    work = _work(context)
+    work.steps += steps
+    if work.steps > work.limit:
+        raise DFlashError(f"the chat template did more than {work.limit} steps of work for these messages (loop "
+                          "iterations, calls and the values they go through)", field="chat_template")
+
+
+def _remaining(context) -> int:
+    work = _work(context)
+    return work.limit + 1 - work.steps
+
+
+def _size(value) -> int:
+    """Steps for C-speed work over `value` (a copy, a search, a comparison): strings by characters, lists, tuples,
+    dicts and sets by items."""
+    if isinstance(value, str):
+        return len(value) // CHARS_PER_STEP
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return len(value) // ITEMS_PER_STEP
+    return 0
+
+
+def _deep(value, limit: int) -> int:
+    """Steps for going through `value` item by item (writing it out as text, say): one per item of every nested list,
+    tuple, dict (and its keys) or set, strings by characters. Counted up to `limit` and no further."""
+    if isinstance(value, str):
+        return 1 + len(value) // CHARS_PER_STEP
+    total, pending = 0, [iter((value,))]
+    while pending and total <= limit:
+        item = next(pending[-1], _END)
+        if item is _END:
+            pending.pop()
+        elif isinstance(item, str):
+            total += 1 + len(item) // CHARS_PER_STEP
+        elif isinstance(item, dict):
+            total += 1 + len(item)
+            pending.append(iter(item.values()))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 1
+            pending.append(iter(item))
+        elif isinstance(item, range):
+            total += 1 + len(item)
+        else:
+            total += 1
+    return total
+
+
+_END = object()
+
+
+def _refuse_len(n: int, what: str) -> None:
+    if n > MAX_RENDERED_CHARS:
+        raise _security_error(f"{what} of {n} items (more than {MAX_RENDERED_CHARS})")
+
+
+def _security_error(message: str):
+    from jinja2.sandbox import SecurityError
+
+    return SecurityError(message)
+
+
+def _check_result(value) -> None:
+    if isinstance(value, (str, list, tuple)):
+        _refuse_len(len(value), "a string or list")
+
+
+def _check_int(n, what: str = "an argument") -> None:
+    if isinstance(n, int) and not isinstance(n, bool) and abs(n) > MAX_RENDERED_CHARS:
+        raise _security_error(f"{what} of {n} (more than {MAX_RENDERED_CHARS})")
+
+
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*|\*)(?:\.(\d*|\*))?[hlL]?[diouxXeEfFgGcrsa%]")
+
+
+def _arg_chars(context, value) -> int:
+    """An upper estimate of the characters `value` writes when formatted (a list or dict is gone through, and charged,
+    to know)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        items = _deep(value, _remaining(context))
+        _charge(context, items)
+        return 16 * items
+    return 32
+
+
+def _check_printf(context, fmt: str, values) -> None:
+    """Refuse a printf-style formatting (`fmt % values`, `fmt|format(...)`) whose result could pass
+    MAX_RENDERED_CHARS: each conversion writes at most its width, precision and the longest value."""
+    if isinstance(values, dict):
+        args = list(values.values())
+    elif isinstance(values, tuple):
+        args = list(values)
+    else:
+        args = [values]
+    for a in args:
+        _check_int(a)
+    widest = max((_arg_chars(context, a) for a in args), default=0)
+    total = len(fmt)
+    for m in _PRINTF.finditer(fmt):
+        total += widest + sum(int(g) for g in m.groups() if g and g != "*")
+    _refuse_len(total, "a formatted string")
+
+
+def _check_str_format(context, fmt: str, args, kwargs) -> None:
+    """The same bound for `fmt.format(...)` / `fmt.format_map(...)`."""
+    values = list(args) + list(kwargs.values())
+    if len(values) == 1 and isinstance(values[0], dict):
+        values += list(values[0].values())
+    for a in values:
+        _check_int(a)
+    widest = max((_arg_chars(context, a) for a in values), default=0)
+    total = len(fmt)
+    try:
+        fields = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return  # str.format refuses it too
+    for _, field, spec, _ in fields:
+        if field is not None:
+            total += widest + sum(int(d) for d in re.findall(r"\d+", spec or ""))
+    _refuse_len(total, "a formatted string")
+
+
+def _replaced_len(s: str, old: str, new: str, count) -> int:
+    n = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * (len(new) - len(old))
+
+
+def _joined_len(sep: str, items: list) -> int:
+    return sum(len(x) for x in items if isinstance(x, str)) + len(sep) * max(0, len(items) - 1)
+
+
+def _check_str_method(name: str, s: str, args, kwargs) -> list:
+    """Refuse a call of a string method that would build a string past MAX_RENDERED_CHARS; returns the arguments to
+    call it with (an iterable given to `join` is made a list, once, to be measured)."""
+    args = list(args)
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        _refuse_len(_replaced_len(s, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")),
+                    "a string")
+    elif name == "join" and len(args) == 1:
+        if not isinstance(args[0], (list, tuple)):
+            args[0] = list(args[0])
+        _refuse_len(_joined_len(s, args[0]), "a string")
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(size, int):
+            _refuse_len(len(s) + s.count("\t") * max(0, size), "a string")
+    elif name == "translate" and len(args) == 1 and isinstance(args[0], dict):
+        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+        _refuse_len(len(s) * max(1, longest), "a string")
+    return args
+
+
+def _lines(s) -> int:
+    return str(s).count("\n") + 1
+
+
+def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
+    """The filters whose result (or time) can be much larger than what they are given, bounded before they run."""
+    value = args[0] if args else None
+    params = args[1:]
+
+    def param(i, key, default=None):
+        return params[i] if len(params) > i else kwargs.get(key, default)
+
+    if name == "replace" and isinstance(param(0, "old"), str) and isinstance(param(1, "new"), str):
+        _refuse_len(_replaced_len(str(value), param(0, "old"), param(1, "new"), param(2, "count")), "a string")
+    elif name == "join" and isinstance(value, (list, tuple)) and param(1, "attribute") is None:
+        _refuse_len(_joined_len(str(param(0, "d", "")), value), "a string")
+    elif name == "indent":
+        width = param(0, "width", 4)
+        wide = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        _refuse_len(len(str(value)) + wide * _lines(value), "a string")
+    elif name == "wordwrap":
+        width, wrap = param(0, "width", 79), param(2, "wrapstring")
+        if isinstance(width, int) and width > 0 and isinstance(wrap, str):
+            _refuse_len(len(str(value)) * (1 + len(wrap)) // width + len(str(value)) + _lines(value) * len(wrap),
+                        "a string")
+    elif name == "format" and isinstance(value, str):
+        _check_printf(context, value, kwargs if kwargs else tuple(params))
+    elif name == "tojson" and isinstance(param(0, "indent"), int):
+        _charge(context, _deep(value, _remaining(context)) * max(1, param(0, "indent")) // CHARS_PER_STEP)
+    elif name == "slice" and isinstance(param(0, "slices"), int):
+        _charge(context, max(0, param(0, "slices")))
+    elif name == "sum" and not isinstance(param(1, "start", 0), (int, float)) and isinstance(value, (list, tuple)):
+        # Adding lists one after another copies the sum so far every time.
+        total, copied = 0, 0
+        for item in value:
+            total += len(item) if isinstance(item, (list, tuple, str)) else 1
+            copied += total
+            if copied // ITEMS_PER_STEP > _remaining(context):
+                break
+        _charge(context, copied // ITEMS_PER_STEP)
+        _refuse_len(total, "a list")
+
+
+def _counted(context, iterable):
+    """An iterator given to a filter, charging each item as the filter takes it."""
+    for item in iterable:
+        _charge(context, FILTER_ITEM_STEPS * _deep(item, _remaining(context)))
+        yield item
+
+
+def _metered_filter(name: str, func, is_test: bool = False):
+    """`func` (a filter or test), charging each call and the values it is given before it runs, and bounding what it
+    returns. Filters go through their value item by item (FILTER_ITEM_STEPS an item; an iterator, such as another
+    filter's output, as the filter takes it); tests look at a value's type, comparisons and `in` go through theirs."""
+    from jinja2.runtime import LoopContext
+    from jinja2.utils import _PassArg, pass_context
+
+    pass_arg = _PassArg.from_obj(func)
+    goes_through = name in _COMPARING_TESTS if is_test else name not in _CONSTANT_TIME_FILTERS
+    checked = not is_test and name in _SIZE_CHECKED_FILTERS
+    widths = not is_test and name in _WIDTH_FILTERS
+
+    @pass_context
+    @functools.wraps(func)
+    def metered(context, *args, **kwargs):
+        steps = FILTER_STEPS
+        if args and goes_through:
+            value = args[0]
+            if isinstance(value, str):
+                steps += len(value) // CHARS_PER_STEP
+            elif is_test:
+                steps += _size(value)
+            elif hasattr(value, "__next__") and not isinstance(value, LoopContext):
+                args = (_counted(context, value), *args[1:])
+            else:
+                steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context))
+        for a in (*args[1:], *kwargs.values()):
+            if widths and _is_int(a):
+                _check_int(a)
+                steps += abs(a) // ITEMS_PER_STEP
+            else:
+                steps += _size(a)
+        if checked:
+            _check_filter(context, name, args, kwargs)
+        _charge(context, steps)
+        if pass_arg is _PassArg.context:
+            result = func(context, *args, **kwargs)
+        elif pass_arg is _PassArg.eval_context:
+            result = func(context.eval_ctx, *args, **kwargs)
+        elif pass_arg is _PassArg.environment:
+            result = func(context.environment, *args, **kwargs)
+        else:
+            result = func(*args, **kwargs)
+        _check_result(result)
+        _charge(context, _size(result))
+        return result
+
+    return metered
+
+
+def _charge_filter(context, value, steps):
+    _charge(context, steps)
+    return value
+
+
+def _touch_filter(context, value):
+    _charge(context, _size(value))
+    return value
+
+
+def _write_filter(context, value):
+    _charge(context, _deep(value, _remaining(context)))
+    return value
+
+
+def _concat_filter(context, items):
+    """`a ~ b ~ c`: each value as text, joined, refused past MAX_RENDERED_CHARS before it is built."""
+    from jinja2.runtime import markup_join, str_join
+
+    parts = []
+    for item in items:
+        if not isinstance(item, str):
+            _charge(context, _deep(item, _remaining(context)))
+            item = str(item)
+        parts.append(item)
+    _charge(context, 2 * FILTER_STEPS + sum(len(p) for p in parts) // CHARS_PER_STEP)
+    _refuse_len(sum(len(p) for p in parts), "a string")
+    eval_ctx = context.eval_ctx
+    return (markup_join if eval_ctx.volatile or eval_ctx.autoescape else str_join)(parts)
+
+
+# --- metering the template's syntax tree -----------------------------------------------------------------------------
+
+def _weight(node) -> int:
+    """What `node` costs each time the block holding it runs, in units (about 50 ns each): a call (a macro, a method)
+    80, an operator or a size charge 10, any other node 1. Not counted: nested blocks (they charge for themselves), a
+    loop's `if` filter (charged each time it is tested), a macro's or call block's defaults (charged by its body)."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Call):
+        units = 80
+    elif isinstance(node, nodes.BinExpr) or (isinstance(node, nodes.Filter) and node.name == _TOUCH):
+        units = 10
+    else:
+        units = 1  # a filter or test charges its calls itself (FILTER_STEPS)
+    for field in node.fields:
+        if field in _BLOCK_FIELDS or (isinstance(node, nodes.For) and field == "test") or \
+                (isinstance(node, (nodes.Macro, nodes.CallBlock)) and field in ("defaults", "args")):
+            continue
+        value = getattr(node, field)
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, nodes.Node):
+                units += _weight(child)
+    return units
+
+
+def _steps(units: int) -> int:
+    """Steps a block of `units` charges each time it runs: rounded up, and 4 units for charging them."""
+    return -(-(units + 4) // UNITS_PER_STEP)
+
+
+def _charge_node(steps: int, value=None):
+    from jinja2 import nodes
+
+    return nodes.Filter(value if value is not None else nodes.Const(None), _CHARGE, [nodes.Const(steps)], [],
+                        None, None)
+
+
+def _meter(node) -> None:
+    """Rewrite the tree under `node` in place: every block of statements starts by charging its own size, a loop's
+    `if` filter charges its size each time it is tested, the operands of comparisons and slices charge their sizes,
+    and `~` goes through the bounded concatenation."""
+    from jinja2 import nodes
+
+    # A slice a size charge wraps is charged by it already: only what is inside the slice is looked at.
+    touched = isinstance(node, nodes.Filter) and node.name == _TOUCH
+    for field in node.fields:
+        value = getattr(node, field)
+        if isinstance(value, list):
+            for i, child in enumerate(value):
+                if isinstance(child, nodes.Node):
+                    value[i] = child if touched and _is_slice(child) else _metered_expr(child)
+                    _meter(value[i])
+        elif isinstance(value, nodes.Node):
+            setattr(node, field, value if touched and _is_slice(value) else _metered_expr(value))
+            _meter(getattr(node, field))
+    if isinstance(node, nodes.Output):
+        # What is written is made text first (a list's text takes as long as going through it), into the output or
+        # into a captured block (`{% set x %}`), which no cap on the rendering's output sees.
+        node.nodes = [child if isinstance(child, nodes.TemplateData) else
+                      nodes.Filter(child, _WRITE, [], [], None, None, lineno=child.lineno) for child in node.nodes]
+    if isinstance(node, nodes.For) and node.test is not None:
+        node.test = _charge_node(_steps(_weight(node.test)), node.test)
+    for field in _BLOCK_FIELDS:
+        body = getattr(node, field, None) if field in node.fields else None
+        if body is None or (field == "else_" and not body):
+            continue
+        extra = 0
+        if isinstance(node, (nodes.Macro, nodes.CallBlock)):
+            extra = sum(_weight(d) for d in node.defaults + node.args)
+        units = sum(_weight(stmt) for stmt in body) + extra
+        body.insert(0, nodes.ExprStmt(_charge_node(_steps(units))))
+
+
+def _metered_expr(node):
+    """`node`, or the node charging for it: comparisons charge their operands' sizes, slices their result's size,
+    and `~` becomes the bounded concatenation."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Compare):
+        node.expr = _touch(node.expr)
+        for op in node.ops:
+            op.expr = _touch(op.expr)
+        return node
+    if _is_slice(node):
+        return _touch(node)
+    if isinstance(node, nodes.Concat):
+        return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), _CONCAT, [], [], None, None,
+                            lineno=node.lineno)
+    return node
+
+
+def _is_slice(node) -> bool:
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+
+
+def _touch(node):
+    from jinja2 import nodes
+
+    return nodes.Filter(node, _TOUCH, [], [], None, None, lineno=node.lineno)
+
+
+@functools.cache
+def chat_environment():
+    """The only jinja2 environment chat templates are compiled and rendered in (see the module's docstring). Made
+    once per process and shared: nothing changes it after this function, and each rendering keeps its own count of
+    work."""
+    import jinja2.ext
+    from jinja2.runtime import LoopContext, Macro
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import pass_context
+
+    class ChatTemplate(jinja2.Template):
+        def new_context(self, vars=None, shared=False, locals=None):
+            context = super().new_context(vars, shared, locals)
+            setattr(context.eval_ctx, _WORK_ATTR, _Work(step_budget((vars or {}).get("messages"))))
+            return context
+
+    class ChatSandbox(ImmutableSandboxedEnvironment):
+        # Every operator: the sandbox does not fold intercepted ones at compile time, so all of them run (and are
+        # charged) in the rendering.
+        intercepted_binops = frozenset(["+", "-", "*", "/", "//", "%", "**"])
+        template_class = ChatTemplate
+
+        def _parse(self, source, name, filename):
+            tree = super()._parse(source, name, filename)
+            _meter(tree)
+            return tree
+
+        def call_binop(self, context, operator, left, right):
+            _charge(context, _size(left) + _size(right))
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        if len(seq) * n > MAX_RENDERED_CHARS:
+                            raise _security_error(f"a repetition of {len(seq) * n} items "
+                                                  f"(more than {MAX_RENDERED_CHARS})")
+                        _charge(context, len(seq) * max(0, n) // (CHARS_PER_STEP if isinstance(seq, str)
+                                                                   else ITEMS_PER_STEP))
+                if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                    raise _security_error(f"a product of more than {MAX_INT_BITS} bits")
+            elif operator == "**":
+                if _is_int(left) and _is_int(right) and abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
+                    raise _security_error(f"a power of more than {MAX_INT_BITS} bits")
+            elif operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                    _refuse_len(len(left) + len(right), "a string or list")
+            elif operator == "%" and isinstance(left, str):
+                _check_printf(context, left, right)
+            result = super().call_binop(context, operator, left, right)
+            _check_result(result)
+            if _is_int(result) and result.bit_length() > MAX_INT_BITS:  # `n + n` again and again
+                raise _security_error(f"an integer of more than {MAX_INT_BITS} bits")
+            return result
+
+        def call(self, context, obj, /, *args, **kwargs):
+            if not isinstance(obj, (Macro, LoopContext)):
+                # A function or method of the data (a string's `split`, `replace`...): charged by the sizes of
+                # what it goes through, its arguments and result bounded. (`_loop_vars` / `_block_vars` are the
+                # template's own variables, handed over by jinja2 with every call in a loop or block.)
+                method = getattr(obj, "__wrapped__", obj)  # the sandbox's wrapper of str.format
+                target, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+                given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
+                steps = _size(target) + sum(_size(a) for a in (*args, *given.values()))
+                if isinstance(target, str) and name in _WIDTH_METHODS:
+                    for a in (*args, *given.values()):
+                        _check_int(a)
+                        steps += abs(a) // ITEMS_PER_STEP if _is_int(a) else 0
+                _charge(context, steps)
+                if isinstance(target, str):
+                    if name in ("format", "format_map"):
+                        _check_str_format(context, target, args, given)
+                    else:
+                        args = _check_str_method(name, target, args, given)
+            result = super().call(context, obj, *args, **kwargs)
+            _check_result(result)
+            _charge(context, _size(result))
+            return result
+
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                      extensions=[jinja2.ext.loopcontrols])
+    env.filters = {name: _metered_filter(name, f) for name, f in env.filters.items()}
+    env.tests = {name: _metered_filter(name, f, is_test=True) for name, f in env.tests.items()}
+    env.filters[_CHARGE] = pass_context(_charge_filter)
+    env.filters[_TOUCH] = pass_context(_touch_filter)
+    env.filters[_CONCAT] = pass_context(_concat_filter)
+    env.filters[_WRITE] = pass_context(_write_filter)
+    # `lipsum(n)` writes n paragraphs of filler text in one call: no chat template uses it.
+    env.globals.pop("lipsum", None)
+    env.globals["raise_exception"] = _raise
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_template(source: str):
+    """`source` compiled in chat_environment, once per process for each template text (compiling a real chat
+    template takes 10-15 ms, rendering it for a short chat well under 1 ms). A compiled template renders on several
+    threads at once, each rendering with its own context and work budget; a template that does not compile raises
+    every time (errors are not cached)."""
+    return chat_environment().from_string(source)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _raise(msg):
+    raise DFlashError(f"chat template: {msg}")
