@@ -5,6 +5,7 @@ before any work starts), and rows of a float32 matrix read from inside a file.""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -158,6 +159,23 @@ def check_output_parent(path, field: str | None = "--out") -> None:
         raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=field)
 
 
+def is_engine_dir(d) -> bool:
+    """Whether `d` holds an engine's manifest.json written by dflash-export (a finished or tampered engine that
+    `build` may replace), as opposed to a directory of someone else's files."""
+    try:
+        m = json.loads((Path(d) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)
+
+
+def engine_dir_holding(path) -> Path | None:
+    """The engine directory `path` is, or lies inside (None: none). An engine holds only the files its manifest
+    lists (loading it refuses any other), so nothing else may be written there."""
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    return next((d for d in (p, *p.parents) if is_engine_dir(d)), None)
+
+
 def check_output_dir(path, field: str | None = "--out", *, command: str | None = None,
                      is_previous_output: Callable[[Path], bool] | None = None, replaced: bool = False) -> None:
     """An output directory that can be written, refused before any work when it cannot.
@@ -168,6 +186,11 @@ def check_output_dir(path, field: str | None = "--out", *, command: str | None =
     someone's files.
     """
     path = Path(path)
+    inside = engine_dir_holding(Path(os.path.abspath(path)).parent)
+    if inside is not None:
+        raise DFlashError(f"is inside the engine directory {inside}, which holds only the files its manifest lists "
+                          "(anything written there makes it refuse to load); choose a directory outside it",
+                          path=path, field=field)
     if replaced:
         full = Path(os.path.abspath(path))
         try:

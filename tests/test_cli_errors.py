@@ -1063,3 +1063,23 @@ def test_the_chat_templates_llama_cpp_collects_render_as_unbounded_jinja2_does()
             assert got == want, f"{path.name}, chat {i}"
             rendered += want is not None
     assert rendered >= len(templates)  # most render: the comparison is not vacuous
+
+
+def test_nothing_is_written_inside_an_engine_directory(tmp_path, engine_dir):  # noqa: F811 - the fixture
+    """An engine loads only if it holds exactly the files its manifest lists, so a report, an export, a build or a
+    training output inside one would break it: each is refused before any work, and the engine still runs."""
+    engine = tmp_path / "engines" / "tiny-qwen3" / "onnxruntime"
+    shutil.copytree(engine_dir, engine)
+    before = sorted(p.name for p in engine.iterdir())
+    for args, field in [
+        (("validate", "--recipe", "tiny-qwen3", "--engine", engine, "--num-prompts", 1, "--max-new-tokens", 4,
+          "--dist-samples", 0, "--no-progress", "--report", engine), "--report"),
+        (("validate", "--recipe", "tiny-qwen3", "--engine", engine, "--num-prompts", 1, "--max-new-tokens", 4,
+          "--dist-samples", 0, "--no-progress", "--report", engine / "report"), "--report"),
+        (("export", "--recipe", "tiny-qwen3", "--out", engine / "exported"), "--out"),
+        (("build", "--recipe", "tiny-qwen3", "--out", engine), "--out"),
+    ]:
+        line = _one_error_line(_run(*args))
+        assert f": {field}: is inside the engine directory {engine}" in line, line
+        assert sorted(p.name for p in engine.iterdir()) == before
+    assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0

@@ -10,12 +10,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.engines.manifest import MANIFEST, engine_dir_name, hash_inputs, is_engine_dir, read_manifest
+from dflash_export.engines.manifest import MANIFEST, engine_dir_name, hash_inputs, read_manifest
 from dflash_export.engines.onnxruntime import ENGINE_FORMAT
 from dflash_export.engines.ort_build import graph_precisions
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_file, check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_file, check_output_dir, is_engine_dir, removing_new_dirs
 from dflash_export.models.sources import resolve_source
 
 DEFAULT_ROOT = Path("engines")

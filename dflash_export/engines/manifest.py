@@ -576,13 +576,5 @@ def check_no_unlisted_files(engine_dir: Path, files: Mapping[str, str]) -> None:
                               "hashed): rebuild the engine, or remove the file", path=p, field="files")
 
 
-def is_engine_dir(d) -> bool:
-    """Whether `d` holds a manifest written by dflash-export (a finished or tampered engine that `build` may
-    replace), as opposed to a directory of someone else's files."""
-    try:
-        m = json.loads((Path(d) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)
 
 

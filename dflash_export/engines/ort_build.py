@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_export.engines.base import load_codec
-from dflash_export.engines.manifest import hash_inputs, is_engine_dir, write_manifest
+from dflash_export.engines.manifest import hash_inputs, write_manifest
 from dflash_export.engines.onnxruntime import (
     DRAFT_HEAD,
     DRAFTER,
@@ -40,7 +40,7 @@ from dflash_export.export import (
     SHARED_FILE,
     export_models,
 )
-from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_dir, check_output_dir, is_engine_dir, removing_new_dirs
 from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import PRECISIONS
 
