@@ -176,6 +176,14 @@ def engine_dir_holding(path) -> Path | None:
     return next((d for d in (p, *p.parents) if is_engine_dir(d)), None)
 
 
+def _refuse_inside_engine(path: Path, field: str | None) -> None:
+    inside = engine_dir_holding(Path(os.path.abspath(path)).parent)
+    if inside is not None:
+        raise DFlashError(f"is inside the engine directory {inside}, which holds only the files its manifest lists "
+                          "(anything written there makes it refuse to load); choose a path outside it",
+                          path=path, field=field)
+
+
 def check_output_dir(path, field: str | None = "--out", *, command: str | None = None,
                      is_previous_output: Callable[[Path], bool] | None = None, replaced: bool = False) -> None:
     """An output directory that can be written, refused before any work when it cannot.
@@ -186,11 +194,7 @@ def check_output_dir(path, field: str | None = "--out", *, command: str | None =
     someone's files.
     """
     path = Path(path)
-    inside = engine_dir_holding(Path(os.path.abspath(path)).parent)
-    if inside is not None:
-        raise DFlashError(f"is inside the engine directory {inside}, which holds only the files its manifest lists "
-                          "(anything written there makes it refuse to load); choose a directory outside it",
-                          path=path, field=field)
+    _refuse_inside_engine(path, field)
     if replaced:
         full = Path(os.path.abspath(path))
         try:
@@ -218,6 +222,7 @@ def check_output_file(path, field: str | None = "--out") -> None:
     path = Path(path)
     if path.is_dir():
         raise DFlashError("is a directory; expected a file name", path=path, field=field)
+    _refuse_inside_engine(path, field)
     check_output_parent(path, field)
 
 

@@ -1066,8 +1066,9 @@ def test_the_chat_templates_llama_cpp_collects_render_as_unbounded_jinja2_does()
 
 
 def test_nothing_is_written_inside_an_engine_directory(tmp_path, engine_dir):  # noqa: F811 - the fixture
-    """An engine loads only if it holds exactly the files its manifest lists, so a report, an export, a build or a
-    training output inside one would break it: each is refused before any work, and the engine still runs."""
+    """An engine loads only if it holds exactly the files its manifest lists, so a report, an export, a build, a
+    benchmark's figures or a training output inside one would break it: each is refused before any work, and the
+    engine still runs."""
     engine = tmp_path / "engines" / "tiny-qwen3" / "onnxruntime"
     shutil.copytree(engine_dir, engine)
     before = sorted(p.name for p in engine.iterdir())
@@ -1078,6 +1079,8 @@ def test_nothing_is_written_inside_an_engine_directory(tmp_path, engine_dir):  #
           "--dist-samples", 0, "--no-progress", "--report", engine / "report"), "--report"),
         (("export", "--recipe", "tiny-qwen3", "--out", engine / "exported"), "--out"),
         (("build", "--recipe", "tiny-qwen3", "--out", engine), "--out"),
+        (("bench", "--recipe", "tiny-qwen3", "--engine", engine, "--modes", "ar", "--num-prompts", 1,
+          "--max-new-tokens", 4, "--out", engine / "bench.json"), "--out"),
     ]:
         line = _one_error_line(_run(*args))
         assert f": {field}: is inside the engine directory {engine}" in line, line
