@@ -1086,3 +1086,26 @@ def test_nothing_is_written_inside_an_engine_directory(tmp_path, engine_dir):  #
         assert f": {field}: is inside the engine directory {engine}" in line, line
         assert sorted(p.name for p in engine.iterdir()) == before
     assert _run("run", "--engine", engine, "--max-new-tokens", "4", "hi").exit_code == 0
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for m in messages %}{{ m.content }", "invalid chat template (line 1:"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "invalid chat template (nested deeper than Python's recursion"),
+])
+def test_a_chat_template_that_does_not_compile_is_named_when_the_tokenizer_is_loaded(tmp_path, template, says):
+    """A real tokenizer directory (SmolLM2's) whose chat_template.jinja does not compile: one DFlashError naming the
+    file, when the tokenizer is loaded (build, or an engine's load), not at the first request."""
+    from deploy_support import smollm2_tokenizer_dir
+
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import DFlashError
+
+    d = tmp_path / "tok"
+    shutil.copytree(smollm2_tokenizer_dir(), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").write_text(template)
+    with pytest.raises(DFlashError) as e:
+        load_codec(d)
+    assert e.value.path == d / "chat_template.jinja" and says in str(e.value), str(e.value)
