@@ -1109,3 +1109,25 @@ def test_a_chat_template_that_does_not_compile_is_named_when_the_tokenizer_is_lo
     with pytest.raises(DFlashError) as e:
         load_codec(d)
     assert e.value.path == d / "chat_template.jinja" and says in str(e.value), str(e.value)
+
+
+def test_text_captured_by_a_chat_template_counts_toward_what_it_may_write():
+    """Text written into a `{% set %}` block never reaches the output, whose cap does not see it: a block capturing
+    a gigabyte is stopped at MAX_WRITTEN_CHARS (64 Mi characters), long before it is built."""
+    import time
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.chat_sandbox import MAX_WRITTEN_CHARS
+    from dflash_export.models.tokenization import TextCodec
+
+    codec = TextCodec(None, "{% set x %}{% for i in range(3) %}{% for j in range(90000) %}{{ 'a' * 4000 }}"
+                            "{% endfor %}{% endfor %}{% endset %}"
+                            "{{ x | length }}", {})
+    t0 = time.monotonic()
+    with pytest.raises(DFlashError) as e:
+        codec.render_chat([{"role": "user", "content": "hi"}])
+    assert f"more than {MAX_WRITTEN_CHARS} characters written" in str(e.value) and time.monotonic() - t0 < 5
+    # what a real chat writes is far below it: the same block at 1000 rows renders
+    small = TextCodec(None, "{% set x %}{% for i in range(1000) %}{{ 'a' * 4000 }}{% endfor %}{% endset %}"
+                            "{{ x | length }}", {})
+    assert small.render_chat([{"role": "user", "content": "hi"}]) == "4000000"

@@ -29,6 +29,9 @@ import string
 from dflash_export.errors import DFlashError
 
 MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
+# What a rendering may write in all, out and into `{% set x %}` / macro / call blocks it captures and may throw away:
+# the work budget alone would let captured text reach a gigabyte (2**22 steps of 256 characters) before it stops.
+MAX_WRITTEN_CHARS = 4 * MAX_RENDERED_CHARS
 
 # The work budget. A step is at most about half a microsecond of work (loops, macro calls, filters and string work,
 # measured alike), so MAX_TEMPLATE_STEPS stops a hostile template within a second or two. Real chat templates spend
@@ -72,13 +75,13 @@ def step_budget(messages) -> int:
 
 
 class _Work:
-    """One rendering's budget and the steps it has spent (mutable, so an `{% autoescape %}` block's save / restore of
-    its EvalContext keeps the same count)."""
+    """One rendering's budget, the steps it has spent and the characters it has written, out or into captured blocks
+    (mutable, so an `{% autoescape %}` block's save / restore of its EvalContext keeps the same count)."""
 
-    __slots__ = ("steps", "limit")
+    __slots__ = ("steps", "limit", "written")
 
     def __init__(self, limit: int):
-        self.steps, self.limit = 0, limit
+        self.steps, self.limit, self.written = 0, limit, 0
 
 
 def _work(context) -> _Work:
@@ -357,7 +360,12 @@ def _touch_filter(context, value):
 
 
 def _write_filter(context, value):
-    _charge(context, _deep(value, _remaining(context)))
+    items = _deep(value, _remaining(context))
+    _charge(context, items)
+    work = _work(context)
+    work.written += len(value) if isinstance(value, str) else 16 * items
+    if work.written > MAX_WRITTEN_CHARS:
+        raise _security_error(f"more than {MAX_WRITTEN_CHARS} characters written, out or into captured blocks")
     return value
 
 
