@@ -108,23 +108,18 @@ def test_a_malformed_pkg_source_is_one_line(tmp_path):
     assert f"{recipe}: target: 'pkg:foo' is not of the form pkg:DISTRIBUTION:FILE_SUFFIX" in line
 
 
-def test_a_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path):
-    recipe = _recipe(tmp_path, "tiny:qwen3/target", "tiny:qwen3/drafter")
-    recipe.write_text(recipe.read_text() + "block_size: 100000\nmax_seq_len: 512\n")
+@pytest.mark.parametrize("pair, extra, says", [
+    ("qwen3", "block_size: 100000\nmax_seq_len: 512\n", "block_size: a block of 100000 does not fit max_seq_len 512"),
+    # the drafter drafts blocks of 16 and the recipe leaves block_size to it: a sequence of 16 holds no context
+    ("qwen3-b16", "max_seq_len: 16\n",
+     "max_seq_len: a block of 16 (the drafter's block_size) does not fit max_seq_len 16"),
+], ids=["recipe-block", "drafter-block"])
+def test_a_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path, pair, extra, says):
+    recipe = _recipe(tmp_path, f"tiny:{pair}/target", f"tiny:{pair}/drafter")
+    recipe.write_text(recipe.read_text() + extra)
     for args in (["reference"], ["export", "--out", tmp_path / "e"], ["build", "--out", tmp_path / "b"]):
         line = _one_error_line(_run(args[0], "--recipe", recipe, *args[1:]))
-        assert f"{recipe}: block_size: a block of 100000 does not fit max_seq_len 512" in line
-    assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
-
-
-def test_a_drafters_own_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path):
-    # The drafter drafts blocks of 16 and the recipe leaves block_size to it: a sequence of 16 holds no context before
-    # the block.
-    recipe = _recipe(tmp_path, "tiny:qwen3-b16/target", "tiny:qwen3-b16/drafter")
-    recipe.write_text(recipe.read_text() + "max_seq_len: 16\n")
-    for args in (["reference"], ["export", "--out", tmp_path / "e"], ["build", "--out", tmp_path / "b"]):
-        line = _one_error_line(_run(args[0], "--recipe", recipe, *args[1:]))
-        assert f"{recipe}: max_seq_len: a block of 16 (the drafter's block_size) does not fit max_seq_len 16" in line
+        assert f"{recipe}: {says}" in line
     assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
 
 
