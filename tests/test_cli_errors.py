@@ -55,6 +55,9 @@ def _one_error_line(r, code=2):
     (["validate", "--recipe", "tiny-qwen3", "--report", ""], "error: --report: empty path"),
     (["bench", "--recipe", "tiny-qwen3", "--num-prompts", "4", "--concurrency", "1,100000000"],
      "error: --concurrency: level 100000000 is more than --num-prompts 4"),
+    (["bench", "--recipe", "tiny-qwen3", "--concurrency", "1,,2"],
+     "error: --concurrency: expected a comma list of integers, got '1,,2'"),
+    (["bench", "--recipe", "tiny-qwen3", "--modes", "ar,,dflash"], "error: --modes: unknown mode ''"),
 ])
 def test_usage_errors_are_one_line(args, expect):
     line = _one_error_line(_run(*args))

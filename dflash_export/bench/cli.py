@@ -45,7 +45,7 @@ def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_token
     mode_list = [m.strip() for m in modes.split(",")]
     if concurrency is not None:
         try:
-            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+            levels = [int(x) for x in concurrency.split(",")]  # "1,,2": an empty item is a typo, not a level
         except ValueError:
             raise DFlashError(f"expected a comma list of integers, got {concurrency!r}",
                               field="--concurrency") from None
