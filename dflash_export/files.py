@@ -176,8 +176,10 @@ def engine_dir_holding(path) -> Path | None:
     return next((d for d in (p, *p.parents) if is_engine_dir(d)), None)
 
 
-def _refuse_inside_engine(path: Path, field: str | None) -> None:
-    inside = engine_dir_holding(Path(os.path.abspath(path)).parent)
+def _refuse_inside_engine(path: Path, field: str | None, itself: bool = False) -> None:
+    """Refuse an output under an engine directory, or (`itself`: written into, not swapped in whole) the engine
+    directory itself."""
+    inside = engine_dir_holding(path if itself else Path(os.path.abspath(path)).parent)
     if inside is not None:
         raise DFlashError(f"is inside the engine directory {inside}, which holds only the files its manifest lists "
                           "(anything written there makes it refuse to load); choose a path outside it",
@@ -194,7 +196,7 @@ def check_output_dir(path, field: str | None = "--out", *, command: str | None =
     someone's files.
     """
     path = Path(path)
-    _refuse_inside_engine(path, field)
+    _refuse_inside_engine(path, field, itself=not replaced)
     if replaced:
         full = Path(os.path.abspath(path))
         try:

@@ -1079,6 +1079,8 @@ def test_nothing_is_written_inside_an_engine_directory(tmp_path, engine_dir):  #
         (("build", "--recipe", "tiny-qwen3", "--out", engine), "--out"),
         (("bench", "--recipe", "tiny-qwen3", "--engine", engine, "--modes", "ar", "--num-prompts", 1,
           "--max-new-tokens", 4, "--out", engine / "bench.json"), "--out"),
+        (("train", "--recipe", "tiny-qwen3", "--steps", 1, "--work-dir", engine, "--out", tmp_path / "drafter"),
+         "--work-dir"),
     ]:
         line = _one_error_line(_run(*args))
         assert f": {field}: is inside the engine directory {engine}" in line, line

@@ -16,7 +16,7 @@ from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.environment import install_hint
 from dflash_export.errors import CheckFailed, DFlashError, MissingDependency
-from dflash_export.files import check_output_dir, engine_dir_holding
+from dflash_export.files import check_output_dir
 from dflash_export.recipes import load_recipe
 from dflash_export.runtime.single import DFlashRuntime
 from dflash_export.validate.report import summary_rows, write_report
@@ -119,10 +119,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  decoding: dict | None = None):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
-        if (inside := engine_dir_holding(report_dir)) is not None:
-            raise DFlashError(f"is inside the engine directory {inside}, which holds only the files its manifest "
-                              "lists (a report there would make it refuse to load); choose a directory outside it",
-                              path=report_dir, field="--report")
         check_output_dir(report_dir, "--report")
     check_report_libraries()
     recipe = load_recipe(recipe_name)
