@@ -402,7 +402,7 @@ def check_repository(repo) -> dict[str, Any]:
         cfg_path = model_dir / "config.pbtxt"
         if not model_dir.is_dir():
             raise DFlashError(f"model directory listed in {MARKER} is missing", path=model_dir)
-        _, _, params = _read_python_config(cfg_path, name, home)
+        _, params = _read_python_config(cfg_path, name, home)
         if not (model_dir / "1" / "model.py").is_file():
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
         _check_python_model(model_dir, home)
@@ -430,10 +430,10 @@ def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
     return models
 
 
-def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dict[str, Any], dict[str, str]]:
+def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dict[str, str]]:
     """A `dflash` python model's config.pbtxt, read once and checked as deploy writes it: the python backend,
-    deploy's fields and parameters only, the engine referenced inside the repository. Returns the text checked, the
-    config and its parameters."""
+    deploy's fields and parameters only, the engine referenced inside the repository. Returns the text checked and
+    its parameters."""
     if not cfg_path.is_file():
         raise DFlashError("missing: deploy again", path=cfg_path)
     try:
@@ -457,7 +457,7 @@ def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dic
     if os.path.isabs(ref) or Path(os.path.normpath(model_dir / ref)) != home / "engine":
         raise DFlashError(f"must name the repository's own engine {os.path.relpath(home / 'engine', model_dir)!r}, "
                           f"got {ref!r}", path=cfg_path, field="parameters.engine_dir")
-    return text, cfg, params
+    return text, params
 
 
 def _check_python_model(model_dir: Path, home: Path) -> None:
@@ -494,7 +494,7 @@ def served_copy(repo: Path, dest: Path) -> Path:
     home = repo / models[0]
     shutil.rmtree(dest, ignore_errors=True)
     for name in models:
-        text, _, _ = _read_python_config(repo / name / "config.pbtxt", name, home)
+        text, _ = _read_python_config(repo / name / "config.pbtxt", name, home)
         (dest / name / "1").mkdir(parents=True, mode=0o700)
         (dest / name / "config.pbtxt").write_text(text)
         shutil.copyfile(TRITON_MODEL, dest / name / "1" / "model.py")

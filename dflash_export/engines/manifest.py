@@ -574,7 +574,3 @@ def check_no_unlisted_files(engine_dir: Path, files: Mapping[str, str]) -> None:
         if p.is_file() and rel != MANIFEST and rel not in listed:
             raise DFlashError("not listed in the manifest's `files` (every file of an engine must be listed and "
                               "hashed): rebuild the engine, or remove the file", path=p, field="files")
-
-
-
-

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from dflash_export.decoding.prompt_lookup import lookup_proposal
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
 from dflash_export.models.checkpoint import load_drafter
@@ -209,7 +210,7 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
     if not isinstance(state.get("target", ""), str):
         return "target is not a string"
     seed = state.get("seed", 0)  # absent from checkpoints written before the seed was kept
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         return f"seed {seed!r} is not a seed"
     opt = state.get("optimizer")
     try:
