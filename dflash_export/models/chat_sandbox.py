@@ -26,6 +26,7 @@ import functools
 import re
 import string
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 
 MAX_RENDERED_CHARS = 16 << 20  # a rendered chat: 16 Mi characters, past any prompt of a 2**20-token context
@@ -161,7 +162,7 @@ def _check_result(value) -> None:
 
 
 def _check_int(n, what: str = "an argument") -> None:
-    if isinstance(n, int) and not isinstance(n, bool) and abs(n) > MAX_RENDERED_CHARS:
+    if is_int(n) and abs(n) > MAX_RENDERED_CHARS:
         raise _security_error(f"{what} of {n} (more than {MAX_RENDERED_CHARS})")
 
 
@@ -326,7 +327,7 @@ def _metered_filter(name: str, func, is_test: bool = False):
             else:
                 steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context))
         for a in (*args[1:], *kwargs.values()):
-            if widths and _is_int(a):
+            if widths and is_int(a):
                 _check_int(a)
                 steps += abs(a) // ITEMS_PER_STEP
             else:
@@ -525,10 +526,10 @@ def chat_environment():
                                                   f"(more than {MAX_RENDERED_CHARS})")
                         _charge(context, len(seq) * max(0, n) // (CHARS_PER_STEP if isinstance(seq, str)
                                                                    else ITEMS_PER_STEP))
-                if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                if is_int(left) and is_int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
                     raise _security_error(f"a product of more than {MAX_INT_BITS} bits")
             elif operator == "**":
-                if _is_int(left) and _is_int(right) and abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
+                if is_int(left) and is_int(right) and abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
                     raise _security_error(f"a power of more than {MAX_INT_BITS} bits")
             elif operator == "+":
                 if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
@@ -537,7 +538,7 @@ def chat_environment():
                 _check_printf(context, left, right)
             result = super().call_binop(context, operator, left, right)
             _check_result(result)
-            if _is_int(result) and result.bit_length() > MAX_INT_BITS:  # `n + n` again and again
+            if is_int(result) and result.bit_length() > MAX_INT_BITS:  # `n + n` again and again
                 raise _security_error(f"an integer of more than {MAX_INT_BITS} bits")
             return result
 
@@ -553,7 +554,7 @@ def chat_environment():
                 if isinstance(target, str) and name in _WIDTH_METHODS:
                     for a in (*args, *given.values()):
                         _check_int(a)
-                        steps += abs(a) // ITEMS_PER_STEP if _is_int(a) else 0
+                        steps += abs(a) // ITEMS_PER_STEP if is_int(a) else 0
                 _charge(context, steps)
                 if isinstance(target, str):
                     if name in ("format", "format_map"):
@@ -586,10 +587,6 @@ def compiled_template(source: str):
     threads at once, each rendering with its own context and work budget; a template that does not compile raises
     every time (errors are not cached)."""
     return chat_environment().from_string(source)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _raise(msg):
