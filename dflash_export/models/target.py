@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
@@ -63,7 +64,7 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
             raise DFlashError("missing required field", path=cfg_path, field=f)
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", *OPTIONAL_SIZES):
         v = cfg.get(f)
-        if (v is not None or f not in OPTIONAL_SIZES) and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if (v is not None or f not in OPTIONAL_SIZES) and (not is_int(v) or v < 1):
             raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=where(f))
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads is not None and kv is not None and heads % kv:
