@@ -37,6 +37,7 @@ BAD_FIELDS = [
     ("temperature", -0.5, "temperature: must be >= 0, got -0.5"),
     ("top_p", 0.0, "top_p: must be in (0, 1], got 0"),
     ("top_p", 1.5, "top_p: must be in (0, 1], got 1.5"),
+    ("top_p", 1 + 2 ** -23, "top_p: must be in (0, 1], got 1.0000001192092896"),  # FP32's next value after 1
     ("top_k", -2, "top_k: must be in 0..9223372036854775807, got -2"),
     ("seed", 2 ** 64, "seed: must be in 0..18446744073709551615, got 18446744073709551616"),
 ]
@@ -76,6 +77,43 @@ def test_every_edge_refuses_a_bad_field_with_one_message(name, value, message):
             parse_request(getter(text_input=b"hi", **{name: np.array([value], _DTYPES[name][1])}))
         seen.append(str(model.value))
     assert seen == [message] * len(seen)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("temperature", 2.0000001, "temperature: must be in [0, 2], got 2.0000001"),
+    ("temperature", 10 ** 400, "temperature: must be in [0, 2], got 100000000000...000000 (401 digits)"),
+    ("top_p", 10 ** 400, "top_p: must be in (0, 1], got 100000000000...000000 (401 digits)"),
+    ("temperature", -10 ** 400, "temperature: must be >= 0, got -10000000000...000000 (401 digits)"),
+], ids=["temperature=2.0000001", "temperature=10^400", "top_p=10^400", "temperature=-10^400"])
+def test_an_openai_refusal_quotes_the_value_sent(name, value, message):
+    """Neither rounded to the bound it breaks (2.0000001 is not "2") nor read as infinite (JSON's integers have any
+    length)."""
+    from dflash_export.deploy.openai_api import OpenAIError, chat_request
+
+    with pytest.raises(OpenAIError) as e:
+        chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], name: value}, "m")
+    assert e.value.param == name and e.value.message == message
+
+
+def test_openai_sampling_fields_reach_the_engine_as_docs_serving_says():
+    """No temperature: greedy (not OpenAI's 1); a negative seed is taken modulo 2^64; top_k -1 keeps every token."""
+    from dflash_export.deploy.handler import parse_request
+    from dflash_export.deploy.openai_api import chat_request
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = chat_request(chat, "m")[0]
+    assert "temperature" not in body
+    assert parse_request(getter(messages=body["messages"].encode())).sp.temperature == 0.0
+    body = chat_request({**chat, "temperature": 0.5, "seed": -1, "top_k": -1}, "m")[0]
+    assert body["seed"] == 2 ** 64 - 1 and body["top_k"] == 0
+    assert chat_request({**chat, "seed": -2 ** 63}, "m")[0]["seed"] == 2 ** 63
+
+
+def test_a_generate_temperature_past_fp32_is_sent_as_fp32_s_largest():
+    from dflash_export.deploy.handler import check_generate_body
+
+    for value in (1e39, 10 ** 400):  # a float, and an integer too long for a float
+        assert check_generate_body({"text_input": "hi", "temperature": value})["temperature"] == 3.4028234663852886e38
 
 
 def test_stop_string_ends_output_before_it(direct):

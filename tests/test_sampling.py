@@ -39,6 +39,18 @@ def test_sampling_params_are_checked_when_made_naming_the_request_field(kwargs, 
     SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=0).check()  # the edges pass
 
 
+def test_an_integer_temperature_too_long_for_a_float_samples_every_kept_token_alike():
+    """10^400 is a valid temperature (no upper bound; JSON integers have any length): held as the largest float, so
+    decoding can divide by it, giving every token the same probability; the same integer as top_p is out of range."""
+    sp = SamplingParams(temperature=10 ** 400, top_k=3)
+    assert sp.temperature == 1.7976931348623157e308
+    np.testing.assert_allclose(probs_from_logits(np.array([1.0, 5.0, 2.0, 9.0]), sp.temperature, sp.top_k),
+                               [0, 1 / 3, 1 / 3, 1 / 3])
+    with pytest.raises(DFlashError) as e:
+        SamplingParams(top_p=10 ** 400, temperature=1.0)
+    assert str(e.value) == "top_p: must be in (0, 1], got 100000000000...000000 (401 digits)"
+
+
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("temperature", [1e-300, 1e-310, 5e-324])
 def test_a_temperature_near_zero_puts_all_mass_on_the_largest_logit(temperature):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 from dflash_export.errors import DFlashError
@@ -49,7 +50,11 @@ def is_int(v) -> bool:
 
 def shown(v) -> str:
     """A number as an error message quotes it: an integer of JSON's unbounded length cut to its first and last
-    digits (a 4000-digit value would otherwise fill the message)."""
+    digits (a 4000-digit value would otherwise fill the message); a float in `g` form where that is its exact value,
+    else in full (2.0000001 is not shown as 2, which would contradict a bound of 2)."""
+    if isinstance(v, float):
+        text = f"{v:g}"
+        return text if float(text) == v else repr(v)
     text = str(v)
     return text if len(text) <= 40 else f"{text[:12]}...{text[-6:]} ({len(text.lstrip('-'))} digits)"
 
@@ -84,16 +89,17 @@ def check_field(name: str, value, field: str | None = None):
         if not lo <= value <= hi:
             raise DFlashError(f"must be in {lo}..{hi}, got {shown(value)}", field=field)
         return value
+    given = value
     try:
         value = float(value)
-    except OverflowError:  # an integer beyond float's range (JSON allows any length)
-        value = math.inf
+    except OverflowError:  # an integer beyond float's range (JSON allows any length): float's largest of its sign
+        value = sys.float_info.max if given > 0 else -sys.float_info.max  # stands for it in the range checks
     if not math.isfinite(value):
         raise DFlashError(f"must be a finite number, got {value}", field=field)
     if lo_open and not lo < value <= hi:
-        raise DFlashError(f"must be in ({lo:g}, {hi:g}], got {value:g}", field=field)
+        raise DFlashError(f"must be in ({lo:g}, {hi:g}], got {shown(given)}", field=field)
     if not lo_open and value < lo:
-        raise DFlashError(f"must be >= {lo:g}, got {value:g}", field=field)
+        raise DFlashError(f"must be >= {lo:g}, got {shown(given)}", field=field)
     return value
 
 
@@ -110,6 +116,9 @@ def as_fp32(name: str, value):
     return value
 
 
+_CHECKED = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # SamplingParams' fields check_field rules
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, checked when made (`check_field`: a DFlashError naming the request field, as
@@ -123,14 +132,16 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # None: the target's own stop ids
 
     def __post_init__(self) -> None:
-        self.check()
+        # Held as checked: an int or a float, as check_field returns it (an integer too long for a float: float's
+        # largest value, which decoding can divide by).
+        for attr, value in zip(_CHECKED, self.check()):
+            object.__setattr__(self, attr, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    def check(self) -> None:
-        """The request fields' rules (`check_field`) applied to these settings."""
-        for name, value in (("max_tokens", self.max_new_tokens), ("temperature", self.temperature),
-                            ("top_p", self.top_p), ("top_k", self.top_k), ("seed", self.seed)):
-            check_field(name, value)
+    def check(self) -> list:
+        """The request fields' rules (`check_field`) applied to these settings; their checked values."""
+        return [check_field("max_tokens" if attr == "max_new_tokens" else attr, getattr(self, attr))
+                for attr in _CHECKED]

@@ -155,7 +155,7 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
     except DFlashError as e:
         raise from_dflash_error(e) from None
     if out.get("temperature", 0.0) > 2.0:  # OpenAI's own bound, narrower than the engine's
-        raise _bad("temperature", f"must be in [0, 2], got {out['temperature']:g}")
+        raise _bad("temperature", f"must be in [0, 2], got {shown(body['temperature'])}")
     out = {key: as_fp32(key, value) for key, value in out.items()}
     if "stop" in out:
         out["stop"] = [s for s in out["stop"] if s]
