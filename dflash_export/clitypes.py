@@ -23,12 +23,10 @@ class FiniteFloat(click.FloatRange):
         return v
 
 
-SEED = click.IntRange(0, 2**63 - 1)
-
-
 class RequestField(click.ParamType):
-    """A request's decoding field given as an option (`run`, `bench`): read as a number, then held to the field's one
-    rule (decoding/request.py's `check_field`, the rule the served API applies); the error names the option."""
+    """A request's decoding field given as an option (`run`, `bench`, `reference`): read as a number, then held to
+    the field's one rule (decoding/request.py's `check_field`, the rule the served API applies); the error names the
+    option."""
 
     def __init__(self, field: str):
         self.field = field

@@ -157,3 +157,14 @@ def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
     os.rename("engines", "elsewhere")
     r = _run("run", "--recipe", "tiny-qwen3", "hi")
     assert r.exit_code == 2 and "`dflash-export build --recipe tiny-qwen3 --backend onnxruntime`" in r.output
+
+
+def test_reference_samples_with_every_seed_run_takes_and_does_not_read_other_draws_as_a_mismatch():
+    top_seed = 2 ** 64 - 1  # the largest UINT64, a seed `run` and the served API take
+    sampled = _run("reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "8", "--temperature", "0.8",
+                   "--seed", top_seed)
+    assert sampled.exit_code == 0, sampled.output
+    # sampled, the reference's drafter chain keeps AR's distribution, not its draws: no "identical to AR" verdict
+    assert "identical to AR" not in sampled.output and "not expected when sampling" in sampled.output
+    greedy = _run("reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "8")
+    assert greedy.exit_code == 0 and "identical to AR: True" in greedy.output, greedy.output

@@ -32,7 +32,11 @@ def _one_error_line(r, code=2):
      "error: --max-new-tokens: 0 is not in the range"),
     (["reference", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
     (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"], "error: --temperature: 'inf' is not a finite"),
-    (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"], "error: --seed: -1 is not in the range"),
+    # reference takes every seed run takes (0..2^64-1), with the same message
+    (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"],
+     "error: --seed: must be in 0..18446744073709551615, got -1"),
+    (["reference", "--recipe", "tiny-qwen3", "--seed", str(2 ** 64)],
+     "error: --seed: must be in 0..18446744073709551615, got 18446744073709551616"),
     (["reference", "--recipe", "tiny-qwen3", "--seed", "abc"], "error: --seed: 'abc' is not a valid integer"),
     (["reference"], "error: --recipe: give --recipe, or --target and --drafter"),
     (["bench", "--target", "tiny:qwen3/target"], "error: --recipe: give --recipe, or --target and --drafter"),

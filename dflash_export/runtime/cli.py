@@ -8,7 +8,6 @@ import click
 
 from dflash_export.clitypes import (
     MAX_NEW_TOKENS,
-    SEED,
     UTF8_TEXT,
     FiniteFloat,
     RequestField,
@@ -85,7 +84,7 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
                    "a tiny pair's characters become ids). Default: the token ids 3..18.")
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
-@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--seed", default=0, show_default=True, type=RequestField("seed"))
 def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (DFlash and plain decoding) on a recipe's pair and compare them."""
     from dflash_export.recipes import recipe_from_options

@@ -84,6 +84,11 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     else:
         click.echo(target.tokenizer.decode(sp.tokens, skip_special_tokens=True))
     same = ar.tokens == sp.tokens
-    click.echo(f"identical to AR: {same} | τ {sp.tau:.2f} tokens per target pass (PyTorch reference: drafter chain, "
+    # Sampled, the reference's drafter chain (min(1, p/q), the residual on rejection) draws from AR's distribution
+    # but spends the seed's uniforms on drafts and acceptance tests too: its tokens are not AR's, draw for draw.
+    verdict = (f"identical to AR: {same}" if temperature <= 0 else
+               f"same tokens as AR: {same} (not expected when sampling: the drafter chain keeps AR's distribution, "
+               "not its draws)")
+    click.echo(f"{verdict} | τ {sp.tau:.2f} tokens per target pass (PyTorch reference: drafter chain, "
                f"every draft verified) | AR {ar.tokens_per_s:.1f} tok/s | "
                f"DFlash {sp.tokens_per_s:.1f} tok/s | speedup {sp.tokens_per_s / max(ar.tokens_per_s, 1e-9):.2f}x")
