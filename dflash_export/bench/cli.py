@@ -33,8 +33,10 @@ from dflash_export.recipes import recipe_from_options
                    "also printed pass by pass.")
 @click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="Sample at this temperature (0: greedy); prompt i is seeded with i, the same in every mode.")
-@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"))
-@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"))
+@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"),
+              help="Sampling: keep the fewest most likely tokens whose probabilities sum to this, in (0, 1].")
+@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"),
+              help="Sampling: keep the K most likely tokens (0: every token).")
 def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
           reps, temperature, top_p, top_k):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""
