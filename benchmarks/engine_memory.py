@@ -94,6 +94,8 @@ def weight_bytes(engine_dir: Path) -> tuple[float, float]:
 
 
 def main() -> int:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine", action="append", required=False, default=[], help="engine directory (repeatable)")
@@ -104,6 +106,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (default: the usable cores)")
     ap.add_argument("--out", default=None, help="write every figure to this JSON file")
     args = ap.parse_args()
+    at_least(args, 1, "--num-prompts", "--max-new-tokens", "--rounds")
+    at_least(args, 0, "--threads")
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["engine"], job["release"], job["prompts"], job["max_new"], job["threads"])))
@@ -113,10 +117,13 @@ def main() -> int:
 
     from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
+    from dflash_export.engines.manifest import read_manifest
     from dflash_export.recipes import load_recipe
 
     recipe = load_recipe(args.recipe)
     engines = [Path(e) for e in args.engine]
+    for e in engines:  # a missing engine is refused here, not by the first worker process
+        read_manifest(e, verify_files=False)
     prompts = [list(map(int, p)) for p in _encode_prompts(recipe, recipe.suite, args.num_prompts,
                                                           load_codec(engines[0]))]
     threads = args.threads or None
@@ -176,4 +183,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

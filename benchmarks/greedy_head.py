@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> None:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", required=True)
     ap.add_argument("--prompts", type=int, default=8)
@@ -37,6 +39,8 @@ def main(argv=None) -> None:
     ap.add_argument("--min-params", type=int, default=None)
     ap.add_argument("--drafts", action="store_true", help="greedy drafts: int8 copy against fp32 draft head")
     args = ap.parse_args(argv)
+    at_least(args, 1, "--prompts", "--max-new-tokens", "--rounds")
+    at_least(args, 0, "--skip", "--threads", "--min-params")
 
     from dflash_export.engines import greedy_head as gh
     from dflash_export.engines.base import SamplingParams
@@ -186,4 +190,6 @@ def _hidden_rows(engine, prompt, n: int) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

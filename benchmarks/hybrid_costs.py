@@ -267,6 +267,8 @@ def core_costs(reps: int, threads: int | None) -> dict:
 def main():
     from engine_costs import measure
 
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, default=None, help="measure an engine this script built before")
     ap.add_argument("--keep", action="store_true", help="keep the engine built in a temporary directory (~3 GB; "
@@ -283,6 +285,9 @@ def main():
                     help="only the Gated DeltaNet alone, every block form side by side: the recurrence "
                          "(core_costs, with ONNX Runtime's GatedDeltaNet contrib op) and one whole layer (layer_costs)")
     args = ap.parse_args()
+    at_least(args, 1, "--context", "--reps")
+    at_least(args, 0, "--threads")
+    args.random_ids = True  # engine_costs.measure's context and blocks: random ids (random weights, no tokenizer)
     if args.layer:
         for k, v in {**core_costs(args.reps, args.threads), **layer_costs(args.reps, args.threads)}.items():
             print(f"{k:28s} {v:10.3g}")
@@ -307,4 +312,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -84,6 +84,8 @@ def table(counts: dict, max_depth: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=16)
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=7)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    at_least(args, 1, "--prompts", "--max-new-tokens", "--batch", "--depth")
     pairs = answers(args.recipe, args.prompts, args.max_new_tokens, args.batch)
     rows = table(replay(pairs, args.depth), args.depth)
     print(f"{len(pairs)} held-out answers, {sum(len(a) for _, a in pairs)} tokens")
@@ -106,4 +109,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

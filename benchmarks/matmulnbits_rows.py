@@ -123,6 +123,8 @@ def attention_rows(threads: int, head_dim: int = 64, group: int = 3) -> list[tup
 
 
 def main() -> int:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--inner", type=int, default=1536)
@@ -131,6 +133,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--configs", default="4:32:4,4:64:4,4:128:4,4:32:1,4:32:0,8:32:4,8:32:1")
     args = ap.parse_args()
+    at_least(args, 1, "--hidden", "--inner", "--layers", "--threads", "--reps")
     logging.disable(logging.INFO)  # the quantizer logs one record per node
     model = stack_model(args.hidden, args.inner, args.layers)
     configs = [None] + parse_configs(args.configs)
@@ -175,4 +178,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -288,6 +288,8 @@ def time_sessions(sessions: dict, hidden: int, rounds: int, reps: int, probe) ->
 
 
 def main(argv=None) -> int:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=2)
@@ -301,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dflash-export" / "moe_costs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    at_least(args, 1, "--layers", "--rounds", "--reps", "--bandwidth-mib")
+    at_least(args, 0, "--threads")
 
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.engines.onnxruntime import default_threads
@@ -349,4 +353,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

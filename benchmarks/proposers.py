@@ -46,6 +46,8 @@ MODES = {"ar": None, "chain": {"proposer": "chain", **OFF}, "lookup": {"proposer
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", required=True)
     ap.add_argument("--prompts", type=int, default=20)
@@ -62,6 +64,8 @@ def main() -> None:
                          "top-K 1, 2, 4 x node budget 4, 8, 15 (tree+lookup, every node verified; 15 nodes + the root "
                          "are the rows the numerics probe checks)")
     args = ap.parse_args()
+    at_least(args, 1, "--prompts", "--max-new-tokens")
+    at_least(args, 0, "--skip", "--threads")
     for k in (1, 2, 4):  # the grid's modes, also by name in --modes (e.g. K4-N4)
         for n in (4, 8, 15):
             MODES[f"K{k}-N{n}"] = {"proposer": "tree+lookup", "tree_mode": "full", "adaptive": False,
@@ -147,4 +151,6 @@ def summarize(args, engine, modes, sums, pairs, rows, quiet: bool = False) -> No
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -57,6 +57,8 @@ def padded_the_other_way(engine: Path, out: Path) -> list[str]:
 
 
 def main() -> int:
+    from dflash_export.bench.script_args import at_least
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=8)
@@ -64,10 +66,13 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    at_least(args, 1, "--rounds", "--steps", "--context", "--threads")
 
+    from dflash_export.engines.manifest import read_manifest
     from dflash_export.engines.registry import load_engine
     from dflash_export.engines.row_pad import padded_ops
 
+    read_manifest(args.engine, verify_files=False)  # a missing engine: one error line, before its graph is read
     built_ops = padded_ops(args.engine / "target.onnx")
     with tempfile.TemporaryDirectory(prefix="row-padding-") as tmp:
         other_ops = padded_the_other_way(args.engine, Path(tmp))
@@ -109,4 +114,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

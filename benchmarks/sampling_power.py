@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def main() -> None:
+    from dflash_export.bench.script_args import at_least, counts, refuse
     from dflash_export.validate.faults import FAULTS
     from dflash_export.validate.runner import ValidateOptions
 
@@ -50,6 +51,11 @@ def main() -> None:
     parser.add_argument("--sharpen", type=float, default=None,
                         help="scale of the target's LM head [default: tests/test_validate.py SHARPEN, 5]")
     args = parser.parse_args()
+    at_least(args, 1, "--seeds", "--prompts")
+    counts(args.samples, "--samples")
+    unknown = [f for f in args.faults.split(",") if f not in ("none", *FAULTS)]
+    if unknown:
+        refuse("--faults", f"unknown {unknown[0]!r} (known: none, {', '.join(FAULTS)})")
 
     import torch
 
@@ -111,4 +117,6 @@ def _drafter_dir(test_validate) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

@@ -447,6 +447,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main(argv=None) -> int:
+    from dflash_export.bench.script_args import at_least, counts, refuse
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", type=Path, default=ROOT / "engines" / "smollm2-135m" / "onnxruntime")
     ap.add_argument("--clients", type=int, default=16)
@@ -465,6 +467,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fault-every", type=float, default=120.0,
                     help="seconds between faults (kill -9 of a model stub, then of tritonserver; 0: none)")
     args = ap.parse_args(argv)
+    at_least(args, 1, "--clients", "--max-requests", "--instances", "--max-tokens", "--long-tokens")
+    at_least(args, 0, "--warmup", "--seed", "--slowloris", "--fault-every")
+    if args.duration <= 0:
+        refuse("--duration", f"must be > 0, got {args.duration:g}")
     from dflash_export.deploy.repository import MAX_BATCH
 
     if not 1 <= args.max_batch <= MAX_BATCH:  # refused before any work (deploy would refuse it after the direct runs)
@@ -672,4 +678,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

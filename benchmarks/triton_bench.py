@@ -375,6 +375,8 @@ def _check_direct(engine: Path, prompts: list, max_tokens: int, levels: dict, ma
 
 
 def main(argv=None):
+    from dflash_export.bench.script_args import at_least, counts
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", type=Path, help="a built engine directory (default: build the tiny-qwen3 engine)")
     ap.add_argument("--smollm2-random-drafter", action="store_true")
@@ -395,6 +397,8 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args(argv)
+    at_least(args, 1, "--block-size", "--max-tokens", "--reps", "--requests-per-level", "--instances")
+    counts(args.concurrency, "--concurrency")
     if args.vs_plain:
         if not args.engine:
             ap.error("--vs-plain: give --engine (a built engine directory)")
@@ -501,4 +505,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_export.bench import script_args
+
+    script_args.run(main)

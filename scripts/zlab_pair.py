@@ -7,6 +7,7 @@ CLI stages can be run on it: python scripts/zlab_pair.py OUT_DIR KIND... (kinds:
         --suite /tmp/zdemo/suite.jsonl --max-new-tokens 32 --dist-samples 200
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -37,4 +38,14 @@ def main(out: Path, kinds: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or ["dflash2"])
+    from dflash_export.bench.script_args import refuse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, metavar="OUT_DIR", help="where the pair, its recipes and the suite are written")
+    ap.add_argument("kinds", nargs="*", default=["dflash2"], metavar="KIND",
+                    help=f"drafters to write, one recipe each (default dflash2; known: {', '.join(zt.KINDS)})")
+    args = ap.parse_args()
+    unknown = [k for k in args.kinds if k not in zt.KINDS]
+    if unknown:
+        refuse("KIND", f"unknown {unknown[0]!r} (known: {', '.join(zt.KINDS)})")
+    main(args.out, args.kinds)

@@ -320,6 +320,9 @@ def main() -> int:
     if args.worker:
         engine_worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))
         return 0
+    from dflash_export.bench.script_args import at_least
+
+    at_least(args, 1, "--num-prompts", "--max-new-tokens", "--rounds", "--threads")  # before the build of llama.cpp
 
     from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec

@@ -376,6 +376,9 @@ def main() -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
 
     sys.path.insert(0, str(REPO))
+    from dflash_export.bench.script_args import at_least
+
+    at_least(args, 1, "--num-prompts", "--max-new-tokens", "--rounds", "--threads")  # before ORT GenAI's install
     from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine

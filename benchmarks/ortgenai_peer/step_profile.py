@@ -160,6 +160,12 @@ def main() -> int:
         raise SystemExit("--engine: this project's engine directory is required")
 
     sys.path.insert(0, str(REPO))
+    from dflash_export.bench.script_args import at_least, refuse
+
+    at_least(args, 1, "--steps", "--rounds", "--threads")  # before ORT GenAI's install
+    at_least(args, 0, "--row-floor")
+    if not (Path(args.engine) / "manifest.json").is_file():
+        refuse("--engine", f"{args.engine}: not a built engine directory (no manifest.json)")
     from dflash_export.bench.suite import _encode_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.files import cache_dir

@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     if importlib.util.find_spec("dflash_export") is None:  # run from a checkout without `pip install -e .`
         sys.path.insert(0, str(HERE.parent.parent))
+    from dflash_export.bench.script_args import at_least, counts, refuse
     from dflash_export.decoding.options import PROPOSERS
 
     ap = argparse.ArgumentParser()
@@ -44,6 +45,11 @@ def main() -> None:
                     help="(--engine) chain: the drafter's block alone, every draft verified (the drafter's own tau); "
                          "default: the recipe's decoding (tree+lookup: the context's continuations too)")
     args = ap.parse_args()
+    at_least(args, 1, "--prompts", "--max-new-tokens", "--threads")
+    at_least(args, 0, "--skip")
+    args.block_sizes = counts(args.block_sizes, "--block-sizes")
+    if min(args.block_sizes) < 2:  # an anchor and at least one drafted token (recipes.py)
+        refuse("--block-sizes", f"each must be >= 2, got {min(args.block_sizes)}")
     torch.set_num_threads(args.threads)
     if args.engine:
         return engine_main(args)
@@ -66,7 +72,7 @@ def main() -> None:
     report = {"prompts": len(prompts), "indices": [r["index"] for r in rows], "max_new_tokens": args.max_new_tokens,
               "ar": {"tokens": ar_tokens, "wall_s": round(ar_s, 1), "tok_per_s": round(ar_tokens / ar_s, 2)}}
     print(f"AR: {ar_tokens} tokens in {ar_s:.1f}s ({ar_tokens / ar_s:.1f} tok/s)", flush=True)
-    for bs in (int(x) for x in args.block_sizes.split(",")):
+    for bs in args.block_sizes:
         steps = emitted = same = 0
         t0 = time.perf_counter()
         for ids, ref in zip(prompts, ar):
@@ -109,7 +115,7 @@ def engine_main(args) -> None:
               "drafter": str(drafter), "decoder": "onnxruntime engine, full blocks",
               "proposer": args.proposer or "the recipe's decoding"}
     ar = None
-    for bs in (int(x) for x in args.block_sizes.split(",")):
+    for bs in args.block_sizes:
         recipe = replace(base, name=f"{base.name}-{drafter.name}-bs{bs}", block_size=bs, drafter=str(drafter))
         engine = load_engine(build_engine(recipe, "onnxruntime", args.engines_root).engine_dir, threads=args.threads)
         rt = DFlashRuntime(engine, adaptive=False, proposer=args.proposer)
@@ -145,4 +151,8 @@ def engine_main(args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if importlib.util.find_spec("dflash_export") is None:
+        sys.path.insert(0, str(HERE.parent.parent))
+    from dflash_export.bench import script_args
+
+    script_args.run(main)
