@@ -1,7 +1,8 @@
 """The README's commands run verbatim: every ```bash line and ```python block of README.md, in order, from the
 repository root (`./dev test` excepted: it is this suite). A `dflash-export serve` line starts the server in the
 background (the README says to run the client in another terminal); it is stopped at the end. Every command line of
-README.md and docs/*.md parses: its command and options exist, its values are accepted, the scripts it names exist."""
+README.md, docs/*.md and recipes/*/README.md parses: its command and options exist, its values are accepted, the
+scripts it names exist."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_readme_published_pair_and_install_lines_parse():
     assert "--engine engines/qwen3-8b/onnxruntime" in lines[-1]
 
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*/README.md"))]
 # A command at the start of a line or code span: `dflash-export COMMAND` or a script of the repository run by python,
 # after environment assignments or `nice` if any.
 _COMMAND = re.compile(r"(?:[A-Z_]+=\S+\s+|nice -n \d+\s+)*(?:\./|\.venv/bin/)?"
@@ -61,10 +62,11 @@ _COMMAND = re.compile(r"(?:[A-Z_]+=\S+\s+|nice -n \d+\s+)*(?:\./|\.venv/bin/)?"
 
 
 def doc_commands() -> list[tuple[str, bool, list[str]]]:
-    """Every command of README.md and docs/*.md as (where, whole, words): the lines of fenced blocks (continuations
-    joined, the shell variables the file's blocks set expanded; whole commands) and the inline code spans that start
-    with one (these may name an option without what the command requires). `...` elides options, `[x]` marks x
-    optional and `a|b` lists alternatives: one word list per alternative."""
+    """Every command of README.md, docs/*.md and recipes/*/README.md as (where, whole, words): the lines of fenced
+    blocks (continuations joined, the shell variables the file's blocks set expanded, a trailing `&` dropped; whole
+    commands) and the inline code spans that start with one (these may name an option without what the command
+    requires). `...` elides options, `[x]` marks x optional and `a|b` lists alternatives: one word list per
+    alternative."""
     found = []
     for doc in DOCS:
         text = doc.read_text()
@@ -91,7 +93,7 @@ def doc_commands() -> list[tuple[str, bool, list[str]]]:
                     i += 1
                     line = line[:-1] + " " + lines[i].strip()
                 i += 1
-                line = expand(re.split(r"\s+#\s", line.strip())[0])
+                line = re.sub(r"\s+&$", "", expand(re.split(r"\s+#\s", line.strip())[0]))  # `cmd &`: cmd
                 if _COMMAND.match(line):
                     spans.append((where, True, line))
         prose = re.sub(r"^```[a-z]*\n.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
