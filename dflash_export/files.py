@@ -17,10 +17,20 @@ from dflash_export.errors import DFlashError
 
 
 def cache_dir() -> Path:
-    """The user's cache for converted targets, generated data and tiny pairs (DFLASH_CACHE overrides)."""
+    """The user's cache for converted targets, generated data and tiny pairs (DFLASH_CACHE overrides). Created when
+    absent; a DFlashError naming it and DFLASH_CACHE when it cannot be (no permission, a file in the way, no home
+    directory to put it in)."""
     root = os.environ.get("DFLASH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "dflash-export")
     p = Path(os.path.expanduser(root))
-    p.mkdir(parents=True, exist_ok=True)
+    if p.parts[:1] == ("~",):  # no HOME and no home directory for this user: never a `~` directory under the cwd
+        raise DFlashError("cannot find the home directory (HOME is not set); set DFLASH_CACHE to a writable "
+                          "directory", path=p)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # FileExistsError: a file by that name
+        why = "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror or e
+        raise DFlashError(f"cannot create the cache directory ({why}); set DFLASH_CACHE to a writable directory",
+                          path=p) from None
     return p
 
 
@@ -40,7 +50,7 @@ def read_json_object(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise DFlashError("file not found", path=path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8, whatever the locale
     except RecursionError:  # arrays or objects nested past the parser's depth
         raise DFlashError("not valid JSON (nested too deeply)", path=path) from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past int()'s digit limit

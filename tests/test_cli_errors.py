@@ -1135,3 +1135,73 @@ def test_text_captured_by_a_chat_template_counts_toward_what_it_may_write():
     small = TextCodec(None, "{% set x %}{% for i in range(1000) %}{{ 'a' * 4000 }}{% endfor %}{% endset %}"
                             "{{ x | length }}", {})
     assert small.render_chat([{"role": "user", "content": "hi"}]) == "4000000"
+
+
+def test_a_cache_that_cannot_be_created_is_named_and_run_goes_on_without_it(tmp_path, engine_dir,  # noqa: F811
+                                                                             monkeypatch):
+    """The cache only saves work: `run` with DFLASH_CACHE (or a HOME) where no directory can be made generates as
+    it does with a cache and writes nothing there; asked for the cache itself, the error names it and the variable
+    that moves it."""
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import cache_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    outputs = []
+    for cache in (tmp_path / "cache", afile, afile / "sub", Path("/proc/dflash-nope")):
+        monkeypatch.setenv("DFLASH_CACHE", str(cache))
+        r = _run("run", "--engine", engine_dir, "--max-new-tokens", "8", "--no-chat", "hello")
+        assert r.exit_code == 0 and "Traceback" not in r.output, (cache, r.output)
+        outputs.append(r.output.split("[DFlash")[0])  # the generated text, streamed before the statistics
+        if cache != tmp_path / "cache":
+            with pytest.raises(DFlashError, match=f"^{cache}: cannot create the cache directory .*; set DFLASH_CACHE "
+                                                  "to a writable directory$"):
+                cache_dir()
+    assert len(set(outputs)) == 1, outputs  # the same text with a cache and without
+    assert afile.read_text() == "x\n"
+
+
+def test_validates_default_report_directory_is_checked_before_validating(tmp_path, engine_dir,  # noqa: F811
+                                                                          monkeypatch):
+    """Without --report the report goes under the current directory: one that cannot be written there is refused
+    before the validation runs (which costs minutes), and nothing is written."""
+    from dflash_export.validate import command
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    real_access = os.access
+    # root may write anywhere, so the permission is faked rather than set with chmod
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != cwd and real_access(p, mode, **kw))
+    ran = []
+    monkeypatch.setattr(command, "run_validation", lambda *a, **k: ran.append(a) or pytest.fail("validation ran"))
+    line = _one_error_line(_run("validate", "--recipe", "tiny-qwen3", "--engine", engine_dir, "--num-prompts", 1,
+                                "--max-new-tokens", 4, "--dist-samples", 0, "--no-progress"))
+    backend = json.loads((engine_dir / "manifest.json").read_text())["backend"]
+    assert line == (f"error: reports/validate/tiny-qwen3/{backend}: --report: cannot create it: {cwd} is not "
+                    "writable"), line
+    assert ran == [] and list(cwd.iterdir()) == []
+
+
+def test_without_a_home_directory_the_cache_is_named_not_made_under_the_cwd(tmp_path, engine_dir,  # noqa: F811
+                                                                            monkeypatch):
+    """HOME unset for a user the password database does not know (a container run as a bare uid): `~` cannot be
+    expanded, so there is no default cache; `run` goes on without one, and no `~` directory appears in the cwd."""
+    import pwd
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import cache_dir
+
+    def unknown_user(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    for name in ("HOME", "DFLASH_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", unknown_user)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DFlashError, match=r"^~/\.cache/dflash-export: cannot find the home directory \(HOME is not "
+                                          r"set\); set DFLASH_CACHE to a writable directory$"):
+        cache_dir()
+    r = _run("run", "--engine", engine_dir, "--max-new-tokens", "8", "--no-chat", "hello")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert list(tmp_path.iterdir()) == []

@@ -586,3 +586,72 @@ def test_the_repository_cache_keeps_what_serve_can_reuse_and_never_what_a_server
     last = serve(engine, max_batch=3)
     assert cached() == [last[0].name]
     exit(last)
+
+
+def test_a_read_only_engine_deploys_to_a_repository_its_owner_can_replace_and_remove(tmp_path):
+    """An engine installed read-only (another user's, an image layer) is copied into a repository whose directories
+    its owner can write: deploying again replaces it, and removing it removes everything."""
+    import stat
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    for f in engine.iterdir():
+        f.chmod(0o444)
+    engine.chmod(0o555)
+    try:
+        for _ in range(2):
+            repo = write_repository(engine, tmp_path / "out" / "repo")
+            for d in [repo, *(p for p in repo.rglob("*") if p.is_dir())]:
+                assert d.stat().st_mode & stat.S_IWUSR, d
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["repo"]  # no earlier copy left aside
+        shutil.rmtree(repo)
+        assert not repo.exists()
+    finally:
+        engine.chmod(0o755)
+
+
+def test_a_repository_cache_that_cannot_be_written_names_the_variable_that_moves_it(tmp_path, monkeypatch):
+    from dflash_export.deploy.repository import cached_repository
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "locks").write_text("x\n")  # where its lock files go: a file, which not even root can write into
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    with pytest.raises(DFlashError, match=re.escape(f"{cache / 'locks'}: --engine: cannot write the model repository "
+                                                    "cache (") + r".*\); set DFLASH_CACHE to a writable directory$"):
+        cached_repository(engine, max_batch=1)
+    assert sorted(p.name for p in cache.iterdir()) == ["locks"]
+
+
+@pytest.mark.parametrize("name", ["with space", "$HOME", "it's", 'say "hi"', "-lead", "é", "semi;colon", "`id`",
+                                  "new\nline", "star*", "~tilde", "a&b|c"])
+def test_the_served_copy_path_reaches_the_stub_unchanged_through_its_shell(tmp_path, name):
+    """tritonserver's python backend starts each stub with `bash -c` and the model's path unquoted on the command
+    line: the served copy's path, whatever the repository's path holds, comes through the shell as one word,
+    unchanged."""
+    from dflash_export.deploy.triton_process import served_dir
+
+    served = served_dir(tmp_path / "work", tmp_path / name / "repo")
+    assert served.is_relative_to(tmp_path / "work" / "served")
+    model = served / "dflash" / "1" / "model.py"
+    out = subprocess.run(["bash", "-c", f"printf '<%s>' {model}"], capture_output=True, text=True, timeout=30)
+    assert out.stdout == f"<{model}>", out
+    assert served_dir(Path("/w"), Path("/srv/models/a-b_c.d+1/repo")) == Path("/w/served/srv/models/a-b_c.d+1/repo")
+
+
+def test_a_marked_stub_numpy_directory_is_used_without_writing_to_it(tmp_path, monkeypatch):
+    """The stub's numpy 1 directory, installed once and marked: a later `serve` only reads it, so it may be
+    read-only (installed by another user, an image layer)."""
+    from dflash_export.deploy import triton_install
+
+    site = tmp_path / "site"
+    (site / "numpy-1.26.4.dist-info").mkdir(parents=True)
+    marker = site / triton_install.STUB_MARKER
+    marker.touch()
+    os.utime(marker, ns=(10**9, 10**9))
+    monkeypatch.setenv(triton_install.STUB_SITE_ENV, str(site))
+    real = triton_install._numpy_major
+    monkeypatch.setattr(triton_install, "_numpy_major", lambda where=None: 2 if where is None else real(where))
+    assert triton_install.ensure_stub_site(install=False) == site
+    assert marker.stat().st_mtime_ns == 10**9 and sorted(p.name for p in site.iterdir()) == [
+        triton_install.STUB_MARKER, "numpy-1.26.4.dist-info"]

@@ -4,6 +4,7 @@ TorchEngine step by step, no torch at serving time, and refusal of engines that 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +358,45 @@ def test_working_chat_template_still_loads(built, tmp_path):
     eng = load_engine(dst, threads=1)
     assert eng.codec.encode_prompt("hi there") == [1, 2]
     eng.close()
+
+
+_READ_IN_ASCII_LOCALE = r"""
+import json, mmap, sys
+from pathlib import Path
+
+from dflash_export.engines.onnxruntime import _release_weight_pages
+from dflash_export.files import read_json_object
+from dflash_export.models.tokenization import TextCodec
+
+d, weights = Path(sys.argv[1]), Path(sys.argv[2])
+cfg = read_json_object(d / "tokenizer_config.json")
+codec = TextCodec.from_dir(d)
+with open(weights / "w.data", "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    released = _release_weight_pages(weights)
+    mapped.close()
+print(json.dumps([cfg["eos_token"], codec.chat_template, released]))
+"""
+
+
+def test_an_engines_files_read_the_same_in_an_ascii_locale(tmp_path):
+    """tritonserver's python backend stub runs its interpreter in an ASCII locale, whatever LANG says: an engine's
+    UTF-8 tokenizer files and chat template, and a weights file's non-ASCII path among the process's mappings, read
+    there as anywhere else."""
+    from tokenizers import Tokenizer, models
+
+    d = tmp_path / "engine"
+    d.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\u2026"}, ensure_ascii=False), "utf-8")
+    template = "{% for m in messages %}« {{ m['content'] }} »{% endfor %}"
+    (d / "chat_template.jinja").write_text(template, "utf-8")
+    weights = tmp_path / "café ü"
+    weights.mkdir()
+    (weights / "w.data").write_bytes(b"\0" * 8192)
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONPATH": str(Path(__file__).parents[1])}
+    r = subprocess.run([sys.executable, "-X", "utf8=0", "-c", _READ_IN_ASCII_LOCALE, str(d), str(weights)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    eos, chat_template, released = json.loads(r.stdout.splitlines()[-1])
+    assert eos == "\u2026" and chat_template == template and released >= 0

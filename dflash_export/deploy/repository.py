@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import site
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,10 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
     shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
+    # The copy's directories keep their source's modes, but a read-only engine (installed by another user) must
+    # not make the repository one its owner cannot remove or replace: each is made writable by its owner.
+    for d, _, _ in os.walk(home / "engine"):
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | stat.S_IWUSR)
     for name, is_decoupled in variants:
         model_dir = repo / name
         engine_ref = os.path.relpath(home / "engine", model_dir)
@@ -633,8 +638,8 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         locks.mkdir(parents=True, exist_ok=True)
         use = open(locks / f"repo-{repo.name}.use", "a")
     except OSError as e:
-        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=locks,
-                          field="--engine") from None
+        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e}); set DFLASH_CACHE to a "
+                          "writable directory", path=locks, field="--engine") from None
     try:
         fcntl.flock(use, fcntl.LOCK_SH)
         os.utime(use.fileno())  # last use, for the pruning below
@@ -651,8 +656,8 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
                 write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
     except OSError as e:
         use.close()
-        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e})", path=locks,
-                          field="--engine") from None
+        raise DFlashError(f"cannot write the model repository cache ({e.strerror or e}); set DFLASH_CACHE to a "
+                          "writable directory", path=locks, field="--engine") from None
     except BaseException:
         use.close()
         raise

@@ -117,7 +117,8 @@ def ensure_stub_site(install: bool = True) -> Path | None:
         return None
     site_dir = stub_site_dir()
     if (_numpy_major(site_dir) or 2) < 2:
-        (site_dir / STUB_MARKER).touch()
+        if not (site_dir / STUB_MARKER).is_file():  # marked once: a read-only directory (an image layer) serves as is
+            (site_dir / STUB_MARKER).touch()
         return site_dir
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", "--target",
            str(site_dir), STUB_NUMPY]

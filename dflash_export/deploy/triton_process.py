@@ -61,6 +61,16 @@ _TRITON_LINE = re.compile(r"[IWE]\d{4} ")
 _TRITON_ERROR = re.compile(r"E\d{4} ")
 _OPTION_ERROR = re.compile(r"unrecognized option|invalid option|requires an argument|^Bad option|^[Ii]nvalid ")
 _HEAD_LINES = 40
+# tritonserver's python backend starts each model's stub with `bash -c` and a command line holding, unquoted, the
+# stub's path, the model's path and the backend's directory: a space, quote or `$` in any of them splits or expands,
+# and the model never loads. The paths `TritonServer` hands it hold only these characters.
+_SHELL_UNSAFE = re.compile(r"[^\w./+,:@%=-]", re.ASCII)
+
+
+def served_dir(workdir: Path, repo: Path) -> Path:
+    """Where tritonserver loads `repo`'s served copy: under `workdir`, at the repository's own path (so `ps` still
+    names it), with each character a shell would split on or expand (_SHELL_UNSAFE) replaced by `_`."""
+    return workdir / "served" / _SHELL_UNSAFE.sub("_", str(repo.relative_to(repo.anchor)))
 
 
 def _http_ok(url: str, timeout: float = 1.0, headers: dict | None = None) -> bool:
@@ -413,6 +423,12 @@ class TritonServer:
         try:
             if self._workdir is None:
                 clean_stale_leftovers()
+                tmp = tempfile.gettempdir()
+                if _SHELL_UNSAFE.search(tmp):
+                    raise DFlashError("tritonserver's python backend starts its models through a shell command line "
+                                      "that does not quote paths, and this one has spaces, quotes or other shell "
+                                      "characters; set TMPDIR to a directory whose path has none", path=tmp,
+                                      field="TMPDIR")
                 self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
                 self._write_owner()
                 make_backend_dir(install, self._workdir / "backends")
@@ -420,7 +436,7 @@ class TritonServer:
             cancel_dir = new_cancel_dir(self._workdir)
             uds = self._workdir / "tritonserver.sock"
             # The checked files tritonserver loads, under the repository's own path (so `ps` still names it).
-            self._served = served_copy(self.repo, self._workdir / "served" / self.repo.relative_to(self.repo.anchor))
+            self._served = served_copy(self.repo, served_dir(self._workdir, self.repo))
             if self.front is None:
                 marker = _read_marker(self.repo)
                 models = tuple(marker.get("models") or ("dflash",))

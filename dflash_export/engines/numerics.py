@@ -204,20 +204,23 @@ def probe_tree(engine) -> tuple[bool, float]:
 
 
 def _cache_path(engine, cpu: dict, threads: int, top: int, first: int):
-    """Where this process's verdict for this engine on this CPU is kept (None: no engine identity to key it on)."""
+    """Where this process's verdict for this engine on this CPU is kept (None: no engine identity to key it on, or no
+    cache directory to keep it in: the load probes as if nothing were cached)."""
     import hashlib
 
     import onnxruntime
 
+    from dflash_export.errors import DFlashError
     from dflash_export.files import cache_dir
 
     manifest = getattr(engine, "engine_dir", None)
     try:
         digest = hashlib.sha256((Path(manifest) / "manifest.json").read_bytes()).hexdigest()
-    except (OSError, TypeError):
+        root = cache_dir()
+    except (OSError, TypeError, DFlashError):
         return None
     key = json.dumps([digest, cpu, onnxruntime.__version__, threads, top, first, PROBE_VERSION], sort_keys=True)
-    return cache_dir() / "numerics" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    return root / "numerics" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
 def _number(v) -> bool:

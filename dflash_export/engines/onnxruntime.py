@@ -707,7 +707,9 @@ def _release_weight_pages(engine_dir: Path) -> int:
     import ctypes
 
     try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
+        # Paths as bytes, decoded as the engine's own path is: whatever the locale (a python backend stub runs in
+        # ASCII), a mapped file under a non-ASCII path decodes.
+        maps = os.fsdecode(Path("/proc/self/maps").read_bytes()).splitlines()
         pagemap = open("/proc/self/pagemap", "rb")
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):

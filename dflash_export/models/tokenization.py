@@ -69,10 +69,10 @@ class TextCodec:
             raise DFlashError(f"cannot load tokenizer ({e})", path=tok_file) from None
         cfg = {}
         if (d / "tokenizer_config.json").is_file():
-            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
         template = cfg.get("chat_template")
         if template is None and (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
         special = {k: _tok_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if cfg.get(k) is not None}
         return cls(tok, template, special)
@@ -211,7 +211,7 @@ class ByteCodec(TextCodec):
     def from_dir(cls, d: Path) -> "ByteCodec":
         cfg = {}
         if (Path(d) / "codec.json").is_file():
-            cfg = json.loads((Path(d) / "codec.json").read_text())
+            cfg = json.loads((Path(d) / "codec.json").read_text(encoding="utf-8"))
         return cls(int(cfg.get("vocab_size", 256)), set(cfg.get("reserved", [])))
 
     def encode(self, text: str) -> list[int]:
