@@ -697,13 +697,12 @@ def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adapt
     assert off_first, "no accepted path left the tree's first branch"
 
 
-def test_the_served_kv_note_bounds_what_a_full_batch_reserves_and_names_the_batch_that_fits(built):
-    """deploy / serve warn when a shared batch of full-length sequences could reserve more K/V than the machine has:
-    the bound is held against the buffers a full batch really reserves, and the --max-batch it names against the
-    per-token size computed from the HF configs."""
-    import re
-
-    from dflash_export.deploy.repository import kv_memory_note, kv_reservation_bytes
+def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the_note_says_it(built):
+    """deploy / serve bound each instance's shared batch by K/V tokens: by default the tokens whose K/V (per-token
+    size computed from the HF configs, held against the buffers a full batch really takes) fits in half of the
+    memory available, shared by the instances, at most a full batch of full-length sequences; the note says it."""
+    from dflash_export.deploy.kv_memory import default_kv_tokens, kv_reservation_bytes
+    from dflash_export.deploy.repository import kv_memory_note
     from dflash_export.engines.manifest import read_manifest
 
     _, eng, torch_eng = built
@@ -726,10 +725,103 @@ def test_the_served_kv_note_bounds_what_a_full_batch_reserves_and_names_the_batc
     for s in seqs:
         batch.remove(s)
 
-    slot = L * (t_token + d_token)
-    assert kv_memory_note(eng.engine_dir, 2, 4, available=8 * slot) is None  # 2 instances x 4 slots fit exactly
+    token = t_token + d_token
+    available = 1000 * token + 7
+    assert default_kv_tokens(manifest, 2, 4, available) == 250  # half of 1000 tokens' bytes, over 2 instances
+    assert default_kv_tokens(manifest, 1, 4, 10 * 4 * L * token) == 4 * L  # never more than a full batch
+    assert default_kv_tokens(manifest, 1, 4, None) is None  # memory unknown: unbounded
+    note = kv_memory_note(eng.engine_dir, 2, 4, available=available)
+    assert "at most 250 K/V tokens" in note and "HTTP 400" in note and "Warning" not in note, note
+    note = kv_memory_note(eng.engine_dir, 2, 4, available=available, max_kv_tokens=600)
+    assert "at most 600 K/V tokens" in note and "Warning" in note, note  # 2 x 600 tokens pass 1000 tokens' bytes
     assert kv_memory_note(eng.engine_dir, 2, 1, available=0) is None  # one sequence at a time: no shared batch
-    note = kv_memory_note(eng.engine_dir, 2, 4, available=8 * slot - 1)
-    fits = int(re.search(r"--max-batch (\d+) keeps the K/V within it", note).group(1))
-    assert fits == 3 and 2 * fits * slot <= 8 * slot - 1 < 2 * (fits + 1) * slot, note
-    assert "not even one" in kv_memory_note(eng.engine_dir, 2, 4, available=slot)
+
+
+def _cells(eng, tokens: int) -> int:
+    """A slot's K/V rows for a sequence of `tokens`: rounded up to the batched engine's key alignment."""
+    align = BatchedOrtEngine.key_align
+    return -(-tokens // align) * align
+
+
+def _held_cells(rt) -> int:
+    """The K/V token cells the batch's target buffers hold (slots x rows), read off the buffers themselves."""
+    bufs = rt.batch._buf.t_kv
+    return bufs[0].shape[0] * bufs[0].shape[2] if bufs else 0
+
+
+def test_a_kv_bound_admits_in_arrival_order_within_the_bound_and_decodes_as_alone(built):
+    """max_kv_tokens: the buffers never hold more cells than the bound; a request that does not fit waits at the
+    head and the ones behind it wait too (they would fit beside the first); capacity frees as sequences finish; every
+    request's greedy tokens are those it gets alone."""
+    _, eng, _ = built
+    bs, align = eng.info.block_size, BatchedOrtEngine.key_align
+    specs = [(PROMPTS[0], 20), (PROMPTS[1], 40), (PROMPTS[2], 17), (PROMPTS[3], 20)]  # A, B, C, D
+    need = [_cells(eng, len(p) + n + bs) for p, n in specs]
+    assert need == [align, 2 * align, align, align] and eng.info.max_seq_len >= 2 * align  # the load's premise
+    bound = 3 * align  # A + C + D fit together (3 x align); B beside anything does not (2 x 2 align)
+    rt = BatchingRuntime(eng, max_batch=4, max_kv_tokens=bound)
+    rt.batch.keep_buffers = True  # as a served batch keeps them: B's longer rows outlive B, C and D need fewer
+    reqs = [rt.submit(p, SamplingParams(max_new_tokens=n)) for p, n in specs]
+    joins, held = [], []
+    while not rt.idle:
+        rt.step()
+        joins.append([i for i, r in enumerate(reqs) if r.joined and all(i not in j for j in joins)])
+        held.append(_held_cells(rt))
+        live = [a.req for a in rt.active]
+        assert len(live) * max([need[reqs.index(r)] for r in live], default=0) <= bound
+    assert max(held) <= bound
+    assert [j for j in joins if j] == [[0], [1], [2, 3]]  # B waited for A, and C and D waited behind B
+    single = DFlashRuntime(eng)
+    for req, (p, n) in zip(reqs, specs):
+        assert req.stats.tokens == single.generate(p, SamplingParams(max_new_tokens=n)).tokens, p
+
+    unbounded = BatchingRuntime(eng, max_batch=4)  # the same load without the bound: all four join at once
+    reqs = [unbounded.submit(p, SamplingParams(max_new_tokens=n)) for p, n in specs]
+    unbounded.step()
+    assert all(r.joined for r in reqs)
+
+
+def test_a_request_larger_than_the_kv_bound_is_refused_and_cancels_free_capacity(built):
+    _, eng, _ = built
+    bs, align = eng.info.block_size, BatchedOrtEngine.key_align
+    assert eng.info.max_seq_len >= 3 * align + 1
+    bound = 4 * align
+    rt = BatchingRuntime(eng, max_batch=4, max_kv_tokens=bound)
+    rt.batch.keep_buffers = True  # as a served batch keeps them (s2 joining below shrinks x's rows under s1)
+    with pytest.raises(DFlashError) as e:  # bound + 1 tokens: one more than the whole bound
+        rt.submit(PROMPTS[0], SamplingParams(max_new_tokens=bound + 1 - len(PROMPTS[0]) - bs))
+    assert e.value.field == "max_kv_tokens" and str(bound) in str(e.value)
+    assert not rt.queue
+    big = SamplingParams(max_new_tokens=3 * align - len(PROMPTS[0]) - bs)  # 3 x align rows
+    assert _cells(eng, len(PROMPTS[0]) + big.max_new_tokens + bs) == 3 * align
+    # An active sequence cancelled: the one waiting for its rows joins at the next step.
+    x = rt.submit(PROMPTS[0], big)
+    y = rt.submit(PROMPTS[0], big)
+    rt.step()
+    assert x.joined and not y.joined
+    rt.step()
+    assert not y.joined  # 2 x 3 align cells do not fit
+    rt.cancel(x)
+    rt.step()
+    assert y.joined and x.done and _held_cells(rt) <= bound
+    rt.cancel(y)
+    rt.step()
+    assert rt.idle
+    # A queued request cancelled at the head: the one behind it (which fits) joins.
+    small, long = SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=align - 1 - bs)
+    s1 = rt.submit(PROMPTS[2], long)  # running through the steps below
+    rt.step()
+    head = rt.submit(PROMPTS[0], big)  # beside s1: 2 x 3 align cells
+    s2 = rt.submit(PROMPTS[2], small)
+    rt.step()
+    assert not head.joined and not s2.joined
+    rt.cancel(head)
+    rt.step()
+    assert s2.joined and head.done and not head.joined and _held_cells(rt) == 2 * align
+    while not rt.idle:
+        rt.step()
+        assert _held_cells(rt) <= bound
+    assert s1.stats.tokens == DFlashRuntime(eng).generate(PROMPTS[2], long).tokens
+    with pytest.raises(DFlashError) as e:
+        BatchingRuntime(eng, max_batch=2, max_kv_tokens=0)
+    assert e.value.field == "max_kv_tokens"

@@ -62,6 +62,9 @@ def _one_error_line(r, code=2):
     (["bench", "--recipe", "tiny-qwen3", "--concurrency", "1,,2"],
      "error: --concurrency: expected a comma list of integers, got '1,,2'"),
     (["bench", "--recipe", "tiny-qwen3", "--modes", "ar,,dflash"], "error: --modes: unknown mode ''"),
+    (["deploy", "--engine", ".", "--repo", "r", "--max-batch", "2", "--max-kv-tokens", "-1"],
+     "error: --max-kv-tokens: -1 is not in the range"),
+    (["serve", "--repo", ".", "--max-kv-tokens", "500"], "error: --max-kv-tokens: --max-kv-tokens is a deploy choice"),
 ])
 def test_usage_errors_are_one_line(args, expect):
     line = _one_error_line(_run(*args))

@@ -24,13 +24,15 @@ from dflash_export.deploy.server import free_loopback_ports as free_ports
 from dflash_export.deploy.upstream import Upstream
 from dflash_export.errors import DFlashError
 
+KV_TOKENS = 384  # the served batch's K/V bound: 6 short requests at once, and one of 400 new tokens is too large
+
 
 @pytest.fixture(scope="module")
 def server(engine_dir, tmp_path_factory):
     from dflash_export.deploy.server import TritonServer
 
     repo = write_repository(engine_dir, tmp_path_factory.mktemp("triton") / "repo", instances=1, max_queue_size=256,
-                            max_batch=8, max_queued_tokens=4096)
+                            max_batch=8, max_queued_tokens=4096, max_kv_tokens=KV_TOKENS)
     assert 'string_value: "8"' in (repo / "dflash" / "config.pbtxt").read_text()
     http, grpc, metrics = free_ports(3)
     srv = TritonServer(repo, http, grpc, metrics, ready_timeout_s=240)
@@ -46,6 +48,41 @@ def test_deploy_refuses_bad_batch_options(tmp_path, engine_dir):
         with pytest.raises(DFlashError) as e:
             write_repository(engine_dir, tmp_path / "r", **kwargs)
         assert e.value.field == field
+    with pytest.raises(DFlashError) as e:
+        write_repository(engine_dir, tmp_path / "r", max_batch=2, max_kv_tokens=-1)
+    assert e.value.field == "--max-kv-tokens"
+
+
+def test_the_kv_bound_reaches_every_models_config_and_the_marker(tmp_path, engine_dir):
+    """deploy --max-kv-tokens is a parameter of each model's config (what the model stub reads) and recorded in the
+    marker (what serve's note reads); the repository with it passes serve's check. Without it: 0, decided at load."""
+    import re
+
+    from dflash_export.deploy.repository import MARKER, check_repository
+
+    for kwargs, want in (({"max_kv_tokens": 777}, "777"), ({}, "0")):
+        repo = write_repository(engine_dir, tmp_path / want, max_batch=4, **kwargs)
+        for model in ("dflash", "dflash_stream"):
+            text = (repo / model / "config.pbtxt").read_text()
+            got = re.search(r'key: "max_kv_tokens"\s*value \{\s*string_value: "(\d+)"', text)
+            assert got and got.group(1) == want, text
+        assert json.loads((repo / MARKER).read_text())["max_kv_tokens"] == int(want)
+        check_repository(repo)
+
+
+def test_serve_engine_caches_one_repository_per_kv_bound(tmp_path, engine_dir, monkeypatch):
+    """`serve --engine --max-kv-tokens T` serves a cached repository whose models' config carries T; another bound is
+    another repository, the same one is the same."""
+    import re
+
+    from dflash_export.deploy.repository import cached_repository
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    bounded = cached_repository(engine_dir, max_batch=4, max_kv_tokens=500)
+    text = (bounded / "dflash" / "config.pbtxt").read_text()
+    assert re.search(r'key: "max_kv_tokens"\s*value \{\s*string_value: "500"', text), text
+    assert cached_repository(engine_dir, max_batch=4, max_kv_tokens=500) == bounded
+    assert cached_repository(engine_dir, max_batch=4) != bounded
 
 
 @pytest.mark.server
@@ -68,6 +105,11 @@ def test_stream_and_errors_through_the_shared_batch(server, direct):
     assert status == 400 and "temperature" in str(body)
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "x" * 2000})
     assert status == 400 and "text_input" in str(body)
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi", "max_tokens": 5})
+    assert status == 200 and body["completion_tokens"] == 5
+    # K/V for more tokens than the batch's bound: refused, naming it, and the batch goes on
+    status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi", "max_tokens": 400})
+    assert status == 400 and "max_kv_tokens" in str(body) and str(KV_TOKENS) in str(body), body
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate", {"text_input": "Hi", "max_tokens": 5})
     assert status == 200 and body["completion_tokens"] == 5
 

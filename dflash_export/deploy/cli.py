@@ -44,23 +44,28 @@ from dflash_export.errors import DFlashError
                    "continuous batch (onnxruntime and tensorrt engines); 1 runs one request at a time.")
 @click.option("--max-queued-tokens", default=65536, show_default=True, type=click.IntRange(1),
               help="With --max-batch > 1: prompt tokens that may wait to join the batch (more: HTTP 503).")
+@click.option("--max-kv-tokens", default=0, show_default=True, type=click.IntRange(0),
+              help="With --max-batch > 1: K/V tokens (slots x rows) each instance's shared batch may hold; a request "
+                   "joins once its rows fit, in arrival order, and one needing more than the bound gets HTTP 400. "
+                   "0: half the memory available when an instance loads, shared by the instances.")
 @click.option("--plain", is_flag=True,
               help="Serve plain decoding on the same engine (no drafter): the yardstick a served speedup is "
                    "measured against.")
 def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llmapi_model_py, max_request_bytes,
-           max_json_depth, max_batch, max_queued_tokens, plain):
+           max_json_depth, max_batch, max_queued_tokens, max_kv_tokens, plain):
     """Write a Triton model repository serving the --engine directory (python backend running the DFlash runtime)."""
     repo = write_repository(engine_dir, repo_dir, instances=instances, max_queue_size=max_queue_size,
                             decoupled=None if stream else False, threads=threads, llmapi_model_py=llmapi_model_py,
                             max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_batch=max_batch,
-                            max_queued_tokens=max_queued_tokens, plain=plain)
+                            max_queued_tokens=max_queued_tokens, plain=plain, max_kv_tokens=max_kv_tokens)
     import json
 
     marker = json.loads((repo / MARKER).read_text())
     click.echo(f"wrote {repo} (models: {', '.join(marker['models'])})")
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
         click.echo(note)
-    if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch):
+    if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
+                              max_kv_tokens=max_kv_tokens):
         click.echo(note)
     click.echo(f"serve it with: dflash-export serve --repo {repo}")
 
@@ -86,6 +91,9 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                    "and tensorrt; else 1).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
               help="With --engine: model instances (processes).")
+@click.option("--max-kv-tokens", default=None, type=click.IntRange(0),
+              help="With --engine: K/V tokens (slots x rows) each instance's shared batch may hold (a larger request: "
+                   "HTTP 400; default 0: half the memory available when an instance loads, shared by the instances).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
 @click.option("--max-request-bytes", default=None, type=click.IntRange(1, 1 << 30),
@@ -105,8 +113,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--plain", is_flag=True,
               help="With --engine: serve plain decoding on the same engine (no drafter), the served yardstick.")
 def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
-          log_file, max_request_bytes, max_json_depth, request_timeout, max_connections, restart_on_crash,
-          drain_timeout, plain):
+          max_kv_tokens, log_file, max_request_bytes, max_json_depth, request_timeout, max_connections,
+          restart_on_crash, drain_timeout, plain):
     """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
     One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
@@ -117,17 +125,21 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     if plain and repo_dir is not None:
         raise DFlashError("--plain is a deploy choice: give it with --engine, or deploy the repository with --plain",
                           field="--plain")
+    if max_kv_tokens is not None and repo_dir is not None:
+        raise DFlashError("--max-kv-tokens is a deploy choice: give it with --engine, or deploy the repository with it",
+                          field="--max-kv-tokens")
     if (engine_dir is None) == (repo_dir is None):
         raise DFlashError("give --engine DIR (a built engine) or --repo DIR (a deployed repository), one of them",
                           field="--engine")
     if engine_dir is not None:
-        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain)
+        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain,
+                                     max_kv_tokens=max_kv_tokens or 0)
         click.echo(f"model repository: {repo_dir}", err=True)
     marker = check_repository(repo_dir)
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
         click.echo(note, err=True)
     if note := kv_memory_note(Path(repo_dir) / marker["models"][0] / "engine", int(marker.get("instances", 1)),
-                              int(marker.get("max_batch", 1))):
+                              int(marker.get("max_batch", 1)), max_kv_tokens=int(marker.get("max_kv_tokens", 0))):
         click.echo(note, err=True)
     recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
     limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),

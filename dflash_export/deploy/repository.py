@@ -35,6 +35,12 @@ from typing import Any
 import dflash_export
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.handler import INPUT_TYPES
+from dflash_export.deploy.kv_memory import (
+    KV_MEMORY_FRACTION,
+    available_memory_bytes,
+    default_kv_tokens,
+    kv_bytes_per_token,
+)
 from dflash_export.deploy.pbtxt import (
     MAX_INSTANCES,
     NAME_PATTERN,
@@ -184,7 +190,7 @@ def _os_error(e: OSError, engine_dir: Path, repo_dir: Path) -> DFlashError:
 def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
                      decoupled: bool | None = None, threads: int = 0, llmapi_model_py=None,
                      max_body_bytes: int | None = None, max_json_depth: int | None = None, max_batch: int = 1,
-                     max_queued_tokens: int = 65536, plain: bool = False) -> Path:
+                     max_queued_tokens: int = 65536, plain: bool = False, max_kv_tokens: int = 0) -> Path:
     """Write (atomically: a temp dir renamed on success) the Triton repository for `engine_dir` into `repo_dir`.
 
     decoupled: None writes both `dflash` and the streaming `dflash_stream`; True / False only that one (named
@@ -193,8 +199,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     the HTTP front applies (recorded in the marker; defaults in deploy/connection.py). max_batch > 1: each instance
     feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
     batching; onnxruntime engines, and tensorrt engines up to the bound their batch engines were built for), with at
-    most `max_queued_tokens` prompt tokens waiting to join it; 1: one request at a time per instance. plain: the
-    models decode without the drafter (plain decoding on the same engine, the served yardstick). Returns the
+    most `max_queued_tokens` prompt tokens waiting to join it and at most `max_kv_tokens` K/V token cells in its
+    buffers (0: decided when each instance loads, `default_kv_tokens`); 1: one request at a time per instance. plain:
+    the models decode without the drafter (plain decoding on the same engine, the served yardstick). Returns the
     repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
@@ -214,6 +221,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
         raise DFlashError(f"must be in 1..{MAX_BATCH}, got {max_batch}", field="--max-batch")
     if max_queued_tokens < 1:
         raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
+    if max_kv_tokens < 0:
+        raise DFlashError(f"must be >= 0 (0: from the memory available), got {max_kv_tokens}", field="--max-kv-tokens")
     if max_batch > 1 and not BACKENDS[manifest.backend].batched:
         batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
         raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest.backend})",
@@ -238,12 +247,13 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
                 models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
-                                              threads, max_batch, max_queued_tokens, plain)
+                                              threads, max_batch, max_queued_tokens, plain, max_kv_tokens)
             (tmp / MARKER).write_text(json.dumps({
                 "format": REPO_FORMAT, "engine": str(engine_dir),
                 "engine_manifest_sha256": sha256_file(engine_dir / "manifest.json"), "backend": backend,
                 "recipe": manifest.recipe, "models": models,
                 "instances": instances, "max_queue_size": max_queue_size, "max_batch": max_batch, "plain": plain,
+                "max_kv_tokens": max_kv_tokens,
                 "precision": (manifest.precision or {}).get("target"),
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
                 indent=2) + "\n")
@@ -261,7 +271,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
 
 def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, instances: int, max_queue_size: int,
                          decoupled: bool | None, threads: int, max_batch: int = 1,
-                         max_queued_tokens: int = 65536, plain: bool = False) -> list[str]:
+                         max_queued_tokens: int = 65536, plain: bool = False, max_kv_tokens: int = 0) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
     home = repo / variants[0][0]
     shutil.copytree(engine_dir, home / "engine", copy_function=_reflink_or_copy)
@@ -280,6 +290,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
             # so the repository can move to another machine or into a container.
             parameters={"engine_dir": engine_ref, "threads": str(threads),
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
+                        "max_kv_tokens": str(max_kv_tokens),
                         "mode": "ar" if plain else "dflash",
                         "library_versions": json.dumps(_needed_libraries(manifest.backend))},
         ))
@@ -423,7 +434,8 @@ _NOT_DEPLOYED = "{} that `dflash-export deploy` did not write (tritonserver woul
 # (another backend or model file, an EXECUTION_ENV_PATH, a sys_path, a version policy) is refused, not run.
 _CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy", "input", "output", "instance_group",
                   "dynamic_batching", "parameters"}
-_CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "mode", "library_versions"}
+_CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "max_kv_tokens", "mode",
+                      "library_versions"}
 
 
 def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
@@ -541,53 +553,48 @@ def shared_batch_note(precision, max_batch) -> str | None:
             f"graphs' last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
 
 
-def kv_reservation_bytes(manifest: Manifest, max_batch: int) -> int | None:
-    """About the most K/V one instance's shared batch reserves: `max_batch` slots, each as long as the engine's
-    max_seq_len, for the target's and the drafter's layers (runtime/batching's buffers; a hybrid target's
-    linear-attention layers hold less). None for an engine whose manifest records no shapes."""
-    sh = manifest.shapes
-    if sh is None or not manifest.max_seq_len:
-        return None
-    itemsize = 2 if (manifest.raw.get("dtypes") or {}).get("kv_cache") in ("float16", "bfloat16") else 4
-    per_token = 2 * itemsize * (sh.target_layers * sh.target_kv_heads * sh.target_head_dim
-                                + sh.drafter_layers * sh.drafter_kv_heads * sh.drafter_head_dim)
-    return max_batch * manifest.max_seq_len * per_token
-
-
-def available_memory_bytes() -> int | None:
-    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: int | None = None) -> str | None:
-    """A note when the shared batches of `instances` instances could reserve more K/V than this machine has
-    available (requests that fill them may get a model stub ended by the out-of-memory killer: it is reloaded, its
-    requests in flight fail), naming the --max-batch that keeps the K/V within it; None when they fit, when
-    max_batch is 1 or when either figure is unknown. The engine's weights are not counted."""
+def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: int | None = None,
+                   max_kv_tokens: int = 0) -> str | None:
+    """What bounds the K/V of each instance's shared batch: `max_kv_tokens` token cells when given, else the bound
+    `default_kv_tokens` gives for this machine's available memory now (each instance works it out again when it
+    loads), with what that allows of full-length sequences; a warning when a given bound's K/V, for every instance,
+    passes the memory available. None when max_batch is 1 (no shared batch), when the engine records no shapes, and
+    when no bound is given and the default holds max_batch full-length sequences (nothing to say)."""
     if max_batch <= 1 or not (Path(engine_dir) / "manifest.json").is_file():  # a TensorRT-LLM bundle: its own batch
         return None
     manifest = read_manifest(engine_dir, verify_files=False)  # checked where the repository was written or served
-    one = kv_reservation_bytes(manifest, max_batch)
+    per_token = kv_bytes_per_token(manifest)
     available = available_memory_bytes() if available is None else available
-    if one is None or available is None or instances * one <= available:
+    if per_token is None or not manifest.max_seq_len:
         return None
-    per_slot = one // max_batch
-    fits = available // (instances * per_slot)
     gib = 2**30
-    return (f"note: at --max-batch {max_batch}, {instances} instance(s) may reserve up to {instances * one / gib:.1f} "
-            f"GiB of K/V ({max_batch} sequences x max_seq_len {manifest.max_seq_len} x "
-            f"{per_slot // manifest.max_seq_len} bytes a token each), more than the {available / gib:.1f} GiB this "
-            "machine has available: requests that fill the batches may get a model stub ended by the out-of-memory "
-            "killer (it reloads; its requests in flight fail). "
-            + (f"--max-batch {fits} keeps the K/V within it" if fits >= 1 else
-               "not even one full-length sequence per instance fits"))
+    if max_kv_tokens:
+        tokens, how = max_kv_tokens, "--max-kv-tokens"
+    else:
+        tokens = default_kv_tokens(manifest, instances, max_batch, available)
+        if tokens is None and manifest.backend != "onnxruntime":  # K/V on the device: --max-batch bounds it
+            return None
+        if tokens is None:
+            return ("note: the memory available is unknown here: each instance bounds its shared batch's K/V by the "
+                    "memory available when it loads (by --max-batch alone where that is unknown too)")
+        how = (f"at most {KV_MEMORY_FRACTION:.0%} of the {available / gib:.1f} GiB available now, over {instances} "
+               "instance(s); each instance works it out again when it loads")
+    full = tokens // manifest.max_seq_len
+    if full >= max_batch and not max_kv_tokens:  # the default bound holds every sequence at full length: no note
+        return None
+    note = (f"note: each instance's shared batch holds at most {tokens} K/V tokens ({tokens * per_token / gib:.2f} GiB "
+            f"at {per_token} bytes a token; {how}): ")
+    if full >= max_batch:
+        note += f"all {max_batch} sequences fit at full length (max_seq_len {manifest.max_seq_len})"
+    else:
+        note += (f"{full} sequence(s) at full length (max_seq_len {manifest.max_seq_len}) or more shorter ones at "
+                 f"once (at most --max-batch {max_batch}); a request waits to join until its K/V fits, and one that "
+                 "needs more than the whole bound is refused (HTTP 400)")
+    if available is not None and instances * tokens * per_token > available:
+        note += (f". Warning: {instances} instance(s) at this bound may hold more K/V than the "
+                 f"{available / gib:.1f} GiB this machine has available (the out-of-memory killer may end a model "
+                 "stub: it reloads, its requests in flight fail)")
+    return note
 
 
 CACHED_REPOSITORIES_KEPT = 4  # repositories `serve --engine` can reuse, kept beside the one in use (the newest used)
@@ -595,19 +602,20 @@ _held_locks: list = []  # this process's shared locks on the cached repositories
 
 
 def _cached_name(engine: Path, manifest_bytes: bytes, recipe: str | None, instances: int, max_batch: int,
-                 plain: bool) -> str:
+                 plain: bool, max_kv_tokens: int = 0) -> str:
     """The cache's directory name for these inputs: a hash of the engine's manifest and path, the options and this
     project's repository code, so a rebuilt engine or a changed model.py never reuses an old repository."""
     import hashlib
 
     key = hashlib.sha256()
-    for part in (manifest_bytes, str(engine).encode(), f"{instances}/{max_batch}/{plain}".encode(),
+    for part in (manifest_bytes, str(engine).encode(), f"{instances}/{max_batch}/{plain}/{max_kv_tokens}".encode(),
                  TRITON_MODEL.read_bytes(), Path(__file__).read_bytes()):
         key.update(hashlib.sha256(part).digest())
     return f"{(recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
 
 
-def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False) -> Path:
+def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False,
+                      max_kv_tokens: int = 0) -> Path:
     """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
     engine's manifest, the options and this project's model code, then reused (checked again on every start).
 
@@ -628,7 +636,7 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         max_batch = min(8, backend.batch_bound(manifest) if backend.batch_bound else 8) if backend.batched else 1
     repos = cache_dir() / "repos"
     repo = repos / _cached_name(engine, (engine / "manifest.json").read_bytes(), manifest.recipe, instances,
-                                max_batch, plain)
+                                max_batch, plain, max_kv_tokens)
     # Two `serve`s of one engine starting at once must not both write it: the second would rename the first's
     # repository away under its starting server. One writes under the write lock; the other waits, then reuses it.
     # The use lock, shared, is held from before the check until this process exits: pruning takes both, never
@@ -653,7 +661,8 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
                 except DFlashError:
                     pass  # stale or damaged: written again
             if not reuse:
-                write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain)
+                write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain,
+                                 max_kv_tokens=max_kv_tokens)
     except OSError as e:
         use.close()
         raise DFlashError(f"cannot write the model repository cache ({e.strerror or e}); set DFLASH_CACHE to a "
@@ -718,8 +727,9 @@ def _reusable(repo: Path) -> bool:
     try:
         marker = json.loads((repo / MARKER).read_text())
         engine = Path(marker["engine"])
-        options = marker["instances"], marker["max_batch"], marker["plain"]
+        options = marker["instances"], marker["max_batch"], marker["plain"], marker.get("max_kv_tokens", 0)
         if not (isinstance(marker.get("recipe"), (str, type(None))) and all(type(o) is int for o in options[:2])
+                and type(options[3]) is int
                 and type(options[2]) is bool):
             return False
         return repo.name == _cached_name(engine, (engine / "manifest.json").read_bytes(), marker["recipe"], *options)

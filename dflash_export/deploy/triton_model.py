@@ -74,6 +74,21 @@ def _log_kv(nbytes: int, slots: int, capacity: int) -> None:
           file=sys.stderr, flush=True)
 
 
+def _kv_bound(config, engine_dir: str, instances: int, max_batch: int) -> int | None:
+    """The K/V token bound of this instance's shared batch: the config's `max_kv_tokens`, or (0, or a repository
+    written before it) the one the memory available now allows (deploy/kv_memory.py `default_kv_tokens`), logged."""
+    from dflash_export.deploy.kv_memory import available_memory_bytes, default_kv_tokens
+    from dflash_export.engines.manifest import read_manifest
+
+    tokens = int(_param(config, "max_kv_tokens", "0"))
+    if tokens <= 0:
+        manifest = read_manifest(engine_dir, verify_files=False)
+        tokens = default_kv_tokens(manifest, instances, max_batch, available_memory_bytes())
+    print(f"dflash-kv-bound: pid {os.getpid()}: {tokens if tokens else 'unbounded'} K/V tokens", file=sys.stderr,
+          flush=True)
+    return tokens or None
+
+
 def _cancel_age_ms(token):
     """Milliseconds since the front wrote this request's cancel file (None without one)."""
     import time
@@ -101,9 +116,9 @@ class TritonPythonModel:
         if not os.path.isabs(engine_dir):
             engine_dir = os.path.join(args["model_repository"], engine_dir)
         threads = int(_param(config, "threads", "0"))
+        count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         if threads <= 0:
             # Instances are separate processes sharing the machine: split the cores rather than oversubscribe them.
-            count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
             threads = max(1, len(os.sched_getaffinity(0)) // count)
         self.engine = load_engine(os.path.normpath(engine_dir), threads=threads)
         numerics = getattr(self.engine, "numerics", None)
@@ -115,8 +130,10 @@ class TritonPythonModel:
         if self.max_batch > 1:
             from dflash_export.runtime.batching import BatchingService
 
+            kv_tokens = _kv_bound(config, engine_dir, count, self.max_batch)
             self.service = BatchingService(self.engine, self.max_batch,
-                                           int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
+                                           int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv,
+                                           max_kv_tokens=kv_tokens)
             self.runner = RequestRunner(self.service, mode, engine_dir)
         else:
             self.runner = RequestRunner(DFlashRuntime(self.engine), mode, engine_dir)

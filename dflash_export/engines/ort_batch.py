@@ -344,6 +344,10 @@ class BatchedEngine:
         # whose batch empties and refills every few seconds would otherwise free and reallocate hundreds of MB each
         # time, and the freed heap pages stay in its RSS.
         self.keep_buffers = False
+        # At most this many K/V token cells (slots x target rows) once the buffers grow (None: unbounded): growth
+        # that doubling would take past it allocates exactly what the sequences need instead. The runtime admits
+        # sequences only while `kv_cells` stays within it (runtime/batching.py `max_kv_tokens`).
+        self.kv_token_limit: int | None = None
         g = graphs
         self._t_shape = (g.t_kv_heads, g.t_head_dim)
         self._d_shape = (g.d_kv_heads, g.d_head_dim)
@@ -359,6 +363,12 @@ class BatchedEngine:
         """Bytes held by the batch's K/V buffers now."""
         states = sum(a.nbytes + b.nbytes for a, b in self._buf.linear.values())
         return sum(self._kv.nbytes(b) for b in self._buf.t_kv + self._buf.d_kv) + states
+
+    def kv_cells(self, extra: int = 0) -> int:
+        """The K/V token cells (slots x rows) the target buffers need for the batch's sequences and, `extra` > 0, one
+        more of `extra` tokens: every slot as long as the longest sequence's `max_tokens`, rounded up to key_align."""
+        lens = [s.max_tokens for s in self.seqs] + ([extra] if extra > 0 else [])
+        return len(lens) * -(-max(lens, default=0) // self.key_align) * self.key_align
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -411,6 +421,13 @@ class BatchedEngine:
         new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
         t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
         t_cap = -(-t_cap // self.key_align) * self.key_align  # may pass max_seq_len: those rows stay masked
+        limit = self.kv_token_limit
+        if limit is not None and (new_slots, t_cap) != (b.slots, b.t_cap) and new_slots * t_cap > limit:
+            # Doubling, or the rows kept for a longer sequence that has left, would pass the bound: the buffers take
+            # exactly what the sequences need (fewer rows than before, where that sequence's are given back)
+            new_slots = slots
+            t_cap = max([t_need] + [s.max_tokens for s in self.seqs])
+            t_cap = -(-t_cap // self.key_align) * self.key_align
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         n = len(self.seqs)
         e = self.graphs
@@ -420,8 +437,8 @@ class BatchedEngine:
             for i in range(2 * layers):
                 buf = self._kv.zeros((new_slots, shape[0], cap, shape[1]), graph)
                 if old:
-                    m = min(n, old[i].shape[0])
-                    self._kv.copy_prefix(buf, old[i], m, old_cap)
+                    m, rows = min(n, old[i].shape[0]), min(cap, old_cap)  # fewer rows: a bound gave them back
+                    self._kv.copy_prefix(buf, old[i][:, :, :rows], m, rows)
                 out.append(buf)
             return out
 

@@ -5,8 +5,14 @@ speculate draft together (one drafter call); then one target call verifies every
 step is a block of one). Each request keeps its own sampling randomness, consumed exactly as `runtime.DFlashRuntime`
 consumes it, its own stop handling and statistics, so its tokens are those of the request run alone.
 
-Bounds: at most `max_batch` active sequences (their K/V is what the engine holds), and at most `max_queued_tokens`
-prompt tokens waiting to join (a request that would pass it is refused with a DFlashError naming `max_queued_tokens`).
+Bounds: at most `max_batch` active sequences (their K/V is what the engine holds), at most `max_queued_tokens`
+prompt tokens waiting to join (a request that would pass it is refused with a DFlashError naming `max_queued_tokens`),
+and, `max_kv_tokens` set, at most that many K/V token cells in the batch's buffers: they give every slot the rows of
+the longest sequence (its prompt + max_new_tokens + a block, rounded up to the engine's key alignment), so a request
+joins only while (sequences + 1) x the longest reservation, its own included, stays within the bound. The queue is
+first in, first out: a request that does not fit waits at its head until sequences finish or are cancelled, and
+the requests behind it wait too (a long request is never starved by short ones). A request that would not fit even
+alone is refused at `submit` with a DFlashError naming `max_kv_tokens`.
 
 The scheduling rule (greedy requests and sampled ones that walk, decoding/acceptance.py, whose drafter confidences
 are tempered; those sampling the drafter's own chain verify full blocks, as DFlashRuntime does):
@@ -165,13 +171,16 @@ class BatchingRuntime:
     def __init__(self, engine, max_batch: int = 16, max_queued_tokens: int = 65536, adaptive: bool = True,
                  verify_token_cost: float | None = None, draft_cost: float | None = None, max_skip: int = 7,
                  proposer: str | None = None, sampling: str | None = None, tree_mode: str | None = None,
-                 fit_costs: bool = True):
+                 fit_costs: bool = True, max_kv_tokens: int | None = None):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
+        if max_kv_tokens is not None and max_kv_tokens < 1:
+            raise DFlashError(f"must be >= 1, got {max_kv_tokens}", field="max_kv_tokens")
         # The engine's recorded decoding options with the caller's, checked once (decoding/options.py).
         self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer, sampling=sampling,
                                        tree_mode=tree_mode)
-        self.batch = batched_engine(engine, max_batch)  # the engine's backend's (engines.registry)
+        self.max_kv_tokens = max_kv_tokens  # K/V token cells the batch may hold (None: unbounded)
+        self.batch = self.new_batch(engine, max_batch)
         self.info = engine.info
         self.codec = engine.codec
         self.full_last_block = getattr(engine, "fixed_block", False)
@@ -250,21 +259,47 @@ class BatchingRuntime:
         self.modelled_cost = 0.0
         self.drafting_steps = 0   # steps in which some sequence drafted (the others were plain batched steps)
 
+    def new_batch(self, engine, max_batch: int) -> BatchedEngine:
+        """An empty batched engine for `engine` (its backend's: engines.registry), its buffers bounded by
+        `max_kv_tokens`."""
+        batch = batched_engine(engine, max_batch)
+        batch.kv_token_limit = self.max_kv_tokens
+        return batch
+
+    def reservation(self, req: Request) -> int:
+        """The tokens a request's sequence may grow to (what `batch.add` reserves): prompt + max_new_tokens + a
+        block."""
+        return len(req.prompt_ids) + req.sp.max_new_tokens + self.info.block_size
+
+    def _fits(self, req: Request) -> bool:
+        """Whether the batch's K/V, with `req` joined, stays within `max_kv_tokens`."""
+        return self.max_kv_tokens is None or self.batch.kv_cells(self.reservation(req)) <= self.max_kv_tokens
+
     # Requests -----------------------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", on_event=None,
                stats: RunStats | None = None) -> Request:
-        """Queue a request; DFlashError when it is invalid or the queue holds `max_queued_tokens` already.
+        """Queue a request; DFlashError when it is invalid, when its K/V alone would pass `max_kv_tokens`, or when
+        the queue holds `max_queued_tokens` already.
         `stats`: the RunStats to fill (the request's own otherwise), set before the stepping thread can see it."""
         if mode not in ("dflash", "ar"):
             raise DFlashError(f"unknown mode {mode!r} (dflash, ar)", field="mode")
         prompt_ids = [int(t) for t in prompt_ids]
         check_request(self.info, prompt_ids, sp)
+        req = Request(prompt_ids, sp, mode, 0, on_event)
+        if self.max_kv_tokens is not None:
+            align = self.batch.key_align
+            alone = -(-self.reservation(req) // align) * align  # one slot's rows
+            if alone > self.max_kv_tokens:
+                raise DFlashError(f"the request's K/V needs {alone} tokens ({len(prompt_ids)} prompt + "
+                                  f"{sp.max_new_tokens} new + a block of {self.info.block_size}, in the engine's "
+                                  f"alignment), more than the batch's bound of {self.max_kv_tokens}: ask for fewer "
+                                  "new tokens or send a shorter prompt", field="max_kv_tokens")
         with self._queue_lock:
             if self.queued_tokens + len(prompt_ids) > self.max_queued_tokens:
                 raise DFlashError(f"the queue is full ({self.queued_tokens} prompt tokens waiting, bound "
                                   f"{self.max_queued_tokens})", field="max_queued_tokens")
-            req = Request(prompt_ids, sp, mode, next(self._ids), on_event)
+            req.id = next(self._ids)
             if stats is not None:
                 req.stats = stats
             req.submitted_s = time.perf_counter()
@@ -331,7 +366,10 @@ class BatchingRuntime:
             with self._queue_lock:  # a cancel from another thread may empty the queue at any moment
                 if not self.queue:
                     break
-                req = self.queue.popleft()
+                req = self.queue[0]
+                if not req.cancelled and not self._fits(req):  # waits at the head, and so does every later one
+                    break
+                self.queue.popleft()
                 self.queued_tokens -= len(req.prompt_ids)
                 req.joined = True
             if req.cancelled:  # cancelled while being taken from the queue
@@ -339,7 +377,7 @@ class BatchingRuntime:
                 req.stats.finish_reason = "cancelled"
                 continue
             sp = req.sp
-            seq = self.batch.add(len(req.prompt_ids) + sp.max_new_tokens + self.info.block_size)
+            seq = self.batch.add(self.reservation(req))
             seq.keep_context = req.mode == "dflash"
             stop = set(self.info.stop_token_ids if sp.stop_token_ids is None else sp.stop_token_ids)
             act = _Active(req, seq, stop)
@@ -906,7 +944,7 @@ class BatchingService:
             req.done = True
             if req.on_event is not None:
                 req.on_event(exc)
-        rt.batch = batched_engine(self.engine, rt.batch.max_batch)  # a fresh, empty batch
+        rt.batch = rt.new_batch(self.engine, rt.batch.max_batch)  # a fresh, empty batch
         self._configure(rt.batch)
         if self.on_resize is not None:
             self.on_resize(0, 0, 0)

@@ -1,0 +1,53 @@
+"""How much K/V a served instance's shared batch may hold (runtime/batching.py `max_kv_tokens`): bytes a token, the
+memory available, the bound chosen from it. Imports nothing beyond the engine manifest, so the model stub can."""
+
+from __future__ import annotations
+
+from dflash_export.engines.manifest import Manifest
+
+KV_MEMORY_FRACTION = 0.5  # of the memory available when an instance loads: its batch's K/V bound by default
+
+
+def kv_bytes_per_token(manifest: Manifest) -> int | None:
+    """K/V bytes one token of one sequence takes in a shared batch's buffers: the target's and the drafter's layers
+    (runtime/batching's buffers; a hybrid target's linear-attention layers hold less). None for an engine whose
+    manifest records no shapes."""
+    sh = manifest.shapes
+    if sh is None:
+        return None
+    itemsize = 2 if (manifest.raw.get("dtypes") or {}).get("kv_cache") in ("float16", "bfloat16") else 4
+    return 2 * itemsize * (sh.target_layers * sh.target_kv_heads * sh.target_head_dim
+                           + sh.drafter_layers * sh.drafter_kv_heads * sh.drafter_head_dim)
+
+
+def kv_reservation_bytes(manifest: Manifest, max_batch: int) -> int | None:
+    """About the most K/V one instance's shared batch reserves when nothing bounds it: `max_batch` slots, each as
+    long as the engine's max_seq_len. None for an engine whose manifest records no shapes."""
+    per_token = kv_bytes_per_token(manifest)
+    if per_token is None or not manifest.max_seq_len:
+        return None
+    return max_batch * manifest.max_seq_len * per_token
+
+
+def default_kv_tokens(manifest: Manifest, instances: int, max_batch: int, available: int | None) -> int | None:
+    """The K/V bound (token cells: slots x rows) of each instance's shared batch when none is given: the tokens
+    whose K/V fits in KV_MEMORY_FRACTION of `available` bytes shared by `instances`, at most what `max_batch`
+    full-length sequences take; None (unbounded) when either figure is unknown, and for engines whose batch keeps its
+    K/V on the device (tensorrt: the memory available here says nothing about it)."""
+    per_token = kv_bytes_per_token(manifest)
+    if per_token is None or available is None or not manifest.max_seq_len or manifest.backend != "onnxruntime":
+        return None
+    fits = int(KV_MEMORY_FRACTION * available) // (instances * per_token)
+    return max(1, min(fits, max_batch * manifest.max_seq_len))
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
