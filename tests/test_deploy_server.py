@@ -222,6 +222,64 @@ def test_dead_server_raises_one_line_naming_the_cause_and_leaves_nothing(tmp_pat
 
 
 @pytest.mark.server
+def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path, small_repo, monkeypatch):
+    """A stub that exits before it reports to the python backend (a broken libpython or interpreter, a missing
+    library) leaves tritonserver waiting on its model for ever: the start must fail at once with how it exited and
+    what it printed, and leave no process, work dir or python_env dir behind."""
+    import dflash_export.deploy.triton_process as tp
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    made = tp.make_backend_dir
+
+    def broken_stub(install, into):
+        out = made(install, into)
+        stub = into / "python" / "triton_python_backend_stub"
+        stub.unlink()
+        stub.write_text("#!/bin/sh\necho 'cannot open shared object file: libpython_gone.so' >&2\nexit 7\n")
+        stub.chmod(0o700)
+        return out
+
+    monkeypatch.setattr(tp, "make_backend_dir", broken_stub)
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    took = time.monotonic() - t0
+    msg = str(e.value)
+    assert took < 30 and type(e.value) is ServerError and e.value.exit_code == 3, (took, msg)
+    assert "a model stub exited while its model loaded" in msg and "exit code 7" in msg, msg
+    assert "libpython_gone.so" in msg and "\n" not in msg, msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+    assert set(Path("/tmp").glob("python_env_*")) <= envs_before  # the killed server's own dir removed too
+
+
+def test_find_triton_refuses_a_binary_it_cannot_run(tmp_path, monkeypatch):
+    """A tritonserver file without execute permission fails `serve`'s checks (exit 2), not its start."""
+    import importlib.util
+    import types
+
+    from dflash_export.deploy.triton_install import find_triton
+    from dflash_export.errors import MissingDependency
+
+    root = tmp_path / "pytriton"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for rel, mode in (("tritonserver/bin/tritonserver", 0o644), ("tritonserver/backends/python/libtriton_python.so",
+                      0o644), (f"tritonserver/python_backend_stubs/{version}/triton_python_backend_stub", 0o755)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"")
+        (root / rel).chmod(mode)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(root)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "pytriton" else None)
+    with pytest.raises(MissingDependency) as e:
+        find_triton()
+    assert e.value.exit_code == 2 and "not executable" in str(e.value), str(e.value)
+    assert str(root / "tritonserver" / "bin" / "tritonserver") in str(e.value)
+    (root / "tritonserver" / "bin" / "tritonserver").chmod(0o755)
+    assert find_triton().binary == root / "tritonserver" / "bin" / "tritonserver"
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("arg, named", [
     ("--no-such-option=1", "tritonserver: unrecognized option '--no-such-option=1'"),
     ("--log-info=perhaps", 'Bad option: "--log-info". invalid value for bool option: perhaps'),

@@ -68,6 +68,9 @@ def find_triton() -> TritonInstall:
         if not path.is_file():
             raise MissingDependency(f"not found in the nvidia-pytriton wheel (Python {version} supported?)",
                                     path=path)
+    if not os.access(install.binary, os.X_OK):
+        raise MissingDependency("tritonserver is not executable here (its file mode, or a noexec mount); reinstall "
+                                "nvidia-pytriton", path=install.binary)
     return install
 
 

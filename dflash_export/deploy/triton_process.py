@@ -210,6 +210,32 @@ def group_members(pgid: int, comm_prefix: str = "") -> list[int]:
     return out
 
 
+STUB_ZOMBIE_S = 1.0  # a stub exited and unreaped this long while the models load: it is not coming back
+
+
+def exited_stubs(pgid: int) -> dict[int, str]:
+    """pid -> how it ended ("exit code N" / "signal N") of process group `pgid`'s python stubs that have exited but
+    are not reaped yet (zombies). tritonserver's python backend checks a stub it started with kill(pid, 0), which a
+    zombie passes: a stub that exits before it reports to the backend (it cannot start) leaves its model loading
+    forever."""
+    out = {}
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_bytes()
+            comm = stat[stat.index(b"(") + 1: stat.rindex(b")")]
+            fields = stat.rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] != b"Z" or not comm.startswith(b"triton_python_b"):
+                continue
+            status = int(fields[49]) if len(fields) > 49 else None  # field 52, exit_code: the wait status
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(d.name)] = ("exit status unknown" if status is None else f"signal {status & 0x7F}"
+                            if status & 0x7F else f"exit code {status >> 8}")
+    return out
+
+
 def pids_with_arg(text: str) -> list[int]:
     """Live processes one of whose command-line arguments contains `text`."""
     needle = text.encode()
@@ -346,6 +372,8 @@ class TritonServer:
         self.stranded_at_exit = False  # the last stop ended tritonserver once only stranded versions were left
         self.reload_timeout_s = min(ready_timeout_s, 120.0)  # a reload slower than this restarts the server
         self._reload_times: list[float] = []  # more than MAX_RELOADS in RELOAD_WINDOW_S: the server is restarted
+        self._exited_stubs: dict[int, str] = {}  # stubs that exited while the models loaded (`exited_stubs`)
+        self._zombies_seen: dict[int, float] = {}  # when each of those was first seen exited
         self.private = private_network_unavailable() is None
         self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
                           if self.private else "loopback behind a header on its command line, readable by local "
@@ -420,6 +448,7 @@ class TritonServer:
         ServerError (with the log tail) if it dies first."""
         install = find_triton()
         stub_site = ensure_stub_site()
+        envs_before: set[str] | None = None
         try:
             if self._workdir is None:
                 clean_stale_leftovers()
@@ -488,6 +517,8 @@ class TritonServer:
                 self.front.model_back(model)
             self.front.set_upstream(self.triton_http_port)
         except BaseException:
+            if envs_before is not None:  # the python backend's dir of a server that never got ready, killed below
+                self._python_envs |= _python_env_dirs() - envs_before
             self.stop(drain_timeout_s=0)
             raise
         return self
@@ -553,15 +584,41 @@ class TritonServer:
         deadline = time.monotonic() + self.ready_timeout_s
         url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
         uds = self._workdir / "tritonserver.sock"
+        self._zombies_seen = {}
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._death_error()
+            if self._stub_exited_while_loading():
+                raise self._stub_death_error()
             if (_uds_ok(uds, "/v2/health/ready") if self.private else
                     _http_ok(url, headers={SECRET_HEADER: self.front.secret})):
                 return
             time.sleep(0.2)
         raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
                           + self._log_note(), path=self.repo)
+
+    def _stub_exited_while_loading(self) -> bool:
+        """Whether a model stub exited before the server was ready and has stayed unreaped for STUB_ZOMBIE_S (one
+        tritonserver ends and reaps itself is not counted), tritonserver still waiting on it."""
+        now = time.monotonic()
+        exited = exited_stubs(self._pgid) if self._pgid is not None else {}
+        self._zombies_seen = {pid: self._zombies_seen.get(pid, now) for pid in exited}
+        self._exited_stubs = {pid: how for pid, how in exited.items() if now - self._zombies_seen[pid] >= STUB_ZOMBIE_S}
+        return bool(self._exited_stubs) and self.proc.poll() is None
+
+    def _stub_death_error(self) -> ServerError:
+        """One line for a model stub that exited while its model loaded: how it ended, the log's most telling line
+        (what the stub printed last, when it could not start) and where the log is."""
+        pid = min(self._exited_stubs)
+        more = f" and {len(self._exited_stubs) - 1} more" if len(self._exited_stubs) > 1 else ""
+        how = self._exited_stubs[pid]
+        how += ", killed: out of memory?" if how == "signal 9" else ""
+        # tritonserver's info lines (the last is "...ModelInstanceInitialize: <instance>") say nothing about why
+        said = any(ln.strip() and not ln.startswith(("[dflash-export]", "+", "|")) and "CudaDriverHelper" not in ln
+                   and not (_TRITON_LINE.match(ln) and not _TRITON_ERROR.match(ln)) for ln in self._log)
+        detail = f": {_shorten(self._last_error())}" if said else ""
+        return ServerError(f"a model stub exited while its model loaded (pid {pid}{more}, {how}{detail})"
+                           + self._log_note(), path=self.repo)
 
     def _log_note(self) -> str:
         return f"; full log: {self.log_path}" if self.log_path is not None else ""
