@@ -48,6 +48,15 @@ class RequestField(click.ParamType):
 MAX_NEW_TOKENS = 128
 
 
+def top_p_top_k_options(f):
+    """--top-p and --top-k, as `run` and `bench` take them (the served API's rules, RequestField)."""
+    f = click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"),
+                     help="Sampling: keep the K most likely tokens (0: every token).")(f)
+    return click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"),
+                        help="Sampling: keep the fewest most likely tokens whose probabilities sum to this, in "
+                             "(0, 1].")(f)
+
+
 def engine_option(help_text: str, required: bool = False):
     """--engine DIR: a built engine directory, the same type and metavar in every command that takes one."""
     return click.option("--engine", "engine_dir", required=required, default=None, metavar="DIR",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.bench.suite import run_bench, run_concurrency_bench
-from dflash_export.clitypes import MAX_NEW_TOKENS, RequestField, engine_option, recipe_options
+from dflash_export.clitypes import MAX_NEW_TOKENS, RequestField, engine_option, recipe_options, top_p_top_k_options
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import recipe_from_options
 
@@ -33,10 +33,7 @@ from dflash_export.recipes import recipe_from_options
                    "also printed pass by pass.")
 @click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="Sample at this temperature (0: greedy); prompt i is seeded with i, the same in every mode.")
-@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"),
-              help="Sampling: keep the fewest most likely tokens whose probabilities sum to this, in (0, 1].")
-@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"),
-              help="Sampling: keep the K most likely tokens (0: every token).")
+@top_p_top_k_options
 def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_tokens, modes, out_json, concurrency,
           reps, temperature, top_p, top_k):
     """Benchmark DFlash vs AR on the engine, HF generate and the PyTorch reference (medians after warm-up)."""

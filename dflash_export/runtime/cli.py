@@ -14,6 +14,7 @@ from dflash_export.clitypes import (
     decoding_options,
     engine_option,
     recipe_options,
+    top_p_top_k_options,
 )
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import default_engine_dir
@@ -34,10 +35,7 @@ from dflash_export.runtime.single import DFlashRuntime, RunStats
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=RequestField("max_tokens"))
 @click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="0: greedy; > 0: sample (--sampling walk: DFlash draws plain sampling's tokens for the same seed).")
-@click.option("--top-p", default=1.0, show_default=True, type=RequestField("top_p"),
-              help="Sampling: keep the fewest most likely tokens whose probabilities sum to this, in (0, 1].")
-@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"),
-              help="Sampling: keep the K most likely tokens (0: every token).")
+@top_p_top_k_options
 @click.option("--seed", default=0, show_default=True, type=RequestField("seed"),
               help="Sampling: the random stream's seed, 0..2^64-1; the same seed draws the same text.")
 @click.option("--ar", is_flag=True, help="Plain autoregressive decoding on the same engine (the baseline).")
