@@ -81,10 +81,20 @@ class Upstream:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd = _QuietServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.port = self.httpd.server_address[1]
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """The stand-in upstream: a connection the front resets (a cancelled or refused request) is not an error here."""
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 @pytest.fixture
