@@ -471,6 +471,14 @@ CODE_EDITS = {
     "an engine outside": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'string_value: "engine"',
                                              'string_value: "../../engine"'),
                           "dflash/config.pbtxt: parameters.engine_dir: must name the repository's own engine"),
+    "a thread count that is no number": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "threads"\n  value {\n'
+                                                            '    string_value: "0"', 'key: "threads"\n  value {\n'
+                                                            '    string_value: "two"'),
+                                         "dflash/config.pbtxt: parameters.threads: must be an integer >= 0, got 'two'"),
+    "a K/V bound below 0": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_kv_tokens"\n  value {\n'
+                                               '    string_value: "0"', 'key: "max_kv_tokens"\n  value {\n'
+                                               '    string_value: "-5"'),
+                            "dflash/config.pbtxt: parameters.max_kv_tokens: must be an integer >= 0, got '-5'"),
     "a hidden model": (lambda r: shutil.copytree(r / "dflash", r / ".dflash"),
                        ".dflash: not one of the deployed models"),
     "a model a link": (lambda r: (r / "other").symlink_to(r / "dflash"), "other: a symbolic link"),

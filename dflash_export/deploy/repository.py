@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import site
 import stat
@@ -436,6 +437,7 @@ _CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy
                   "dynamic_batching", "parameters"}
 _CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "max_kv_tokens", "mode",
                       "library_versions"}
+_INTEGER_PARAMETERS = {"threads": 0, "max_batch": 1, "max_queued_tokens": 1, "max_kv_tokens": 0}  # their floors
 
 
 def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
@@ -467,6 +469,11 @@ def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dic
     if extra := sorted(set(params) - _CONFIG_PARAMETERS):
         raise DFlashError("not a parameter deploy writes: remove it or deploy again", path=cfg_path,
                           field=f"parameters.{extra[0]}")
+    for key, lo in _INTEGER_PARAMETERS.items():  # the model reads these with int() as it loads
+        value = params.get(key)
+        if value is not None and not (re.fullmatch(r"[0-9]{1,12}", value) and int(value) >= lo):
+            raise DFlashError(f"must be an integer >= {lo}, got {value!r}: deploy again", path=cfg_path,
+                              field=f"parameters.{key}")
     ref = params.get("engine_dir")
     if not ref:
         raise DFlashError("missing: deploy again", path=cfg_path, field="parameters.engine_dir")
