@@ -151,7 +151,9 @@ def _serve(engine: Path, port: int, max_batch: int, plain: bool, log: Path):
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode}; see {log.with_suffix('.stderr')}")
+            said = [ln for ln in log.with_suffix(".stderr").read_text(errors="replace").splitlines() if ln.strip()]
+            raise SystemExit(f"serve exited with {proc.returncode}" + (f": {said[-1]}" if said else "")
+                             + f"; see {log.with_suffix('.stderr')}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:

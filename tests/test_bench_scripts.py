@@ -81,6 +81,12 @@ def test_a_missing_engine_directory_is_one_error_line(script, args):
     assert "engine directory not found" in r.stderr
 
 
+def test_triton_bench_vs_plain_says_why_serve_did_not_start():
+    r = _run(BENCHMARKS / "triton_bench.py", "--vs-plain", "--engine", NOWHERE)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "serve exited with 2: error: " in r.stderr and "engine directory not found" in r.stderr, r.stderr[-2000:]
+
+
 def test_step_profile_refuses_a_missing_engine_before_installing_ort_genai():
     _one_error_line(_run(BENCHMARKS / "ortgenai_peer" / "step_profile.py", "--engine", NOWHERE), "error: --engine: ")
 
