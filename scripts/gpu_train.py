@@ -336,6 +336,10 @@ def main(argv=None) -> int:
     if args.cmd == "prepare":
         prepare(args.dir, args.prompts, args.max_prompt_tokens)
         return 0
+    if not args.tiny and not (args.dir / "prompts.pt").is_file():  # checked before --out is made
+        ap.error(f"{args.dir / 'prompts.pt'}: not found: run `prepare {args.dir}` first (or give --tiny)")
+    if not args.tiny and (args.gguf is None or not args.gguf.is_file()):
+        ap.error(f"--gguf: the target's GGUF file is needed without --tiny ({args.gguf or 'not given'}: not found)")
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args)
 

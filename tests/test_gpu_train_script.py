@@ -32,3 +32,11 @@ def test_gpu_train_script_runs_on_the_tiny_pair_and_keeps_a_loadable_drafter(tmp
     assert next(drafter.parameters()).dtype == torch.float16
     assert {k: v.shape for k, v in drafter.state_dict().items()} == \
         {k: v.shape for k, v in shipped.state_dict().items()}
+
+
+def test_gpu_train_run_without_prepared_prompts_is_one_usage_error_and_makes_nothing(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_train.py"), "run", str(tmp_path / "none"),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "prompts.pt: not found: run `prepare" in r.stderr and not out.exists(), r.stderr[-2000:]
