@@ -368,7 +368,11 @@ class BatchedEngine:
         """The K/V token cells (slots x rows) the target buffers need for the batch's sequences and, `extra` > 0, one
         more of `extra` tokens: every slot as long as the longest sequence's `max_tokens`, rounded up to key_align."""
         lens = [s.max_tokens for s in self.seqs] + ([extra] if extra > 0 else [])
-        return len(lens) * -(-max(lens, default=0) // self.key_align) * self.key_align
+        return len(lens) * self.aligned(max(lens, default=0))
+
+    def aligned(self, tokens: int) -> int:
+        """`tokens` K/V rows rounded up to key_align: what a slot holding them takes."""
+        return -(-tokens // self.key_align) * self.key_align
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -420,14 +424,13 @@ class BatchedEngine:
         # Grow by doubling (bounded by the batch bound and max_seq_len) so joins and long contexts rarely copy.
         new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
         t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
-        t_cap = -(-t_cap // self.key_align) * self.key_align  # may pass max_seq_len: those rows stay masked
+        t_cap = self.aligned(t_cap)  # may pass max_seq_len: those rows stay masked
         limit = self.kv_token_limit
         if limit is not None and (new_slots, t_cap) != (b.slots, b.t_cap) and new_slots * t_cap > limit:
             # Doubling, or the rows kept for a longer sequence that has left, would pass the bound: the buffers take
             # exactly what the sequences need (fewer rows than before, where that sequence's are given back)
             new_slots = slots
-            t_cap = max([t_need] + [s.max_tokens for s in self.seqs])
-            t_cap = -(-t_cap // self.key_align) * self.key_align
+            t_cap = self.aligned(max([t_need] + [s.max_tokens for s in self.seqs]))
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         n = len(self.seqs)
         e = self.graphs

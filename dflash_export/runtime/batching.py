@@ -288,8 +288,7 @@ class BatchingRuntime:
         check_request(self.info, prompt_ids, sp)
         req = Request(prompt_ids, sp, mode, 0, on_event)
         if self.max_kv_tokens is not None:
-            align = self.batch.key_align
-            alone = -(-self.reservation(req) // align) * align  # one slot's rows
+            alone = self.batch.aligned(self.reservation(req))  # one slot's rows
             if alone > self.max_kv_tokens:
                 raise DFlashError(f"the request's K/V needs {alone} tokens ({len(prompt_ids)} prompt + "
                                   f"{sp.max_new_tokens} new + a block of {self.info.block_size}, in the engine's "
