@@ -113,11 +113,6 @@ def power_warnings(num_prompts: int, dist_prompts: int, dist_samples: int, tempe
     return out
 
 
-def default_report_dir(recipe_name: str, backend: str) -> Path:
-    """Where a validation writes its report without --report: relative to the current directory."""
-    return Path("reports") / "validate" / recipe_name / backend
-
-
 def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int | None,
                  max_new_tokens: int, temperature: float, report_dir: str | None, dist_samples: int = 300,
                  repeats: int = 1, top_k: int = 0, top_p: float = 0.9, show_progress: bool = True, echo=print,
@@ -136,7 +131,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     engine, meta = open_engine(edir, recipe)
     try:
         if not report_dir:  # the default, under the current directory: checked as soon as the backend names it
-            report_dir = str(default_report_dir(recipe.name, engine.info.backend))
+            report_dir = str(Path("reports") / "validate" / recipe.name / engine.info.backend)
             check_output_dir(report_dir, "--report")
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
@@ -158,7 +153,7 @@ def validate_engine(recipe, engine, reference, encoded, opts, suite_meta, engine
                     echo=print):
     """Run, write the report, print the summary; CheckFailed (exit 1) when a threshold fails."""
     report = run_validation(recipe, engine, reference, encoded, opts, suite_meta, engine_meta, show_progress)
-    out = Path(report_dir) if report_dir else default_report_dir(recipe.name, engine.info.backend)
+    out = Path(report_dir)
     files = write_report(report, out)
     for check, value, threshold, status in summary_rows(report):
         echo(f"  {status:4}  {check:22} {value:>8}  {threshold}")
