@@ -233,15 +233,22 @@ def recipes():
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def env(as_json):
     """What this environment can run: the engine backends installed, each optional library (and the line that
-    installs it), the CPU and the instruction-set features its kernels dispatch on, the NVIDIA GPU or none."""
+    installs it), the CPU and the instruction-set features its kernels dispatch on, the NVIDIA GPU or none, and
+    where the cache is (converted targets, generated data, the serve stub's numpy; DFLASH_CACHE moves it)."""
     import json
     import platform
 
     from dflash_export.engines.numerics import cpu_features, isa_label
     from dflash_export.environment import LIBRARIES, backends_installed, gpus, installed_version
+    from dflash_export.files import cache_root
 
     cpu = cpu_features()
+    try:
+        cache = str(cache_root())
+    except DFlashError as e:
+        cache = f"none ({_one_line(e)})"
     report = {"dflash_export": __version__, "python": f"{platform.python_version()} ({sys.executable})",
+              "cache": cache,
               "cpu": {**cpu, "label": isa_label(cpu["isa"])}, "gpu": gpus(), "backends": backends_installed(),
               "libraries": {lib.dist: {"version": installed_version(lib), "needed_by": lib.needed_by,
                                        "install": lib.install} for lib in LIBRARIES}}
@@ -249,6 +256,7 @@ def env(as_json):
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"dflash-export {__version__}, Python {report['python']}")
+    click.echo(f"cache: {cache}" + ("" if cache.startswith("none (") else " (DFLASH_CACHE moves it)"))
     click.echo(f"CPU: {cpu['model']} ({cpu['machine']}), {report['cpu']['label']}: {' '.join(cpu['isa'])}")
     click.echo(f"GPU: {', '.join(report['gpu']) if report['gpu'] else 'none (no NVIDIA GPU seen by nvidia-smi)'}")
     click.echo("backends: " + "; ".join(f"{b} {state}" for b, state in report["backends"].items()))

@@ -16,15 +16,27 @@ from typing import Callable, Iterator
 from dflash_export.errors import DFlashError
 
 
+def cache_root() -> Path:
+    """Where the user's cache lives, not created: $DFLASH_CACHE, else $XDG_CACHE_HOME/dflash-export, else
+    ~/.cache/dflash-export. XDG_CACHE_HOME counts only when absolute (the XDG base directory rules: an empty or
+    relative value is ignored, never a cache under whatever the cwd happens to be). A DFlashError naming DFLASH_CACHE
+    when there is no home directory to put it in."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    default = os.path.join(xdg if os.path.isabs(xdg) else "~/.cache", "dflash-export")
+    raw = os.environ.get("DFLASH_CACHE") or default
+    p = Path(os.path.expanduser(raw))
+    # No HOME and no home directory for this user (never a `~` directory under the cwd), or HOME set to "" (which
+    # expanduser turns into the root directory).
+    if p.parts[:1] == ("~",) or (raw.startswith("~") and os.environ.get("HOME") == ""):
+        raise DFlashError("cannot find the home directory (HOME is not set or empty); set DFLASH_CACHE to a "
+                          "writable directory", path=Path(raw))
+    return p
+
+
 def cache_dir() -> Path:
-    """The user's cache for converted targets, generated data and tiny pairs (DFLASH_CACHE overrides). Created when
-    absent; a DFlashError naming it and DFLASH_CACHE when it cannot be (no permission, a file in the way, no home
-    directory to put it in)."""
-    root = os.environ.get("DFLASH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "dflash-export")
-    p = Path(os.path.expanduser(root))
-    if p.parts[:1] == ("~",):  # no HOME and no home directory for this user: never a `~` directory under the cwd
-        raise DFlashError("cannot find the home directory (HOME is not set); set DFLASH_CACHE to a writable "
-                          "directory", path=p)
+    """The user's cache for converted targets, generated data and tiny pairs (`cache_root()`). Created when absent; a
+    DFlashError naming it and DFLASH_CACHE when it cannot be (no permission, a file in the way, no home directory)."""
+    p = cache_root()
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # FileExistsError: a file by that name

@@ -107,6 +107,10 @@ def test_env_reports_backends_cpu_flags_and_the_gpu(tmp_path, monkeypatch):
     assert rep["libraries"]["onnxruntime"]["version"] == importlib.metadata.version("onnxruntime")
     text = _run("env").output
     assert "GPU: none" in text and "backends: onnxruntime yes" in text
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))  # where it is, not created by looking
+    assert json.loads(_run("env", "--json").output)["cache"] == str(tmp_path / "cache")
+    assert f"cache: {tmp_path / 'cache'} (DFLASH_CACHE moves it)" in _run("env").output
+    assert not (tmp_path / "cache").exists()
 
     smi = bin_dir / "nvidia-smi"  # what nvidia-smi prints for its CSV query
     smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 143771 MiB'\n")

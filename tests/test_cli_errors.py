@@ -1203,8 +1203,42 @@ def test_without_a_home_directory_the_cache_is_named_not_made_under_the_cwd(tmp_
     monkeypatch.setattr(pwd, "getpwuid", unknown_user)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DFlashError, match=r"^~/\.cache/dflash-export: cannot find the home directory \(HOME is not "
-                                          r"set\); set DFLASH_CACHE to a writable directory$"):
+                                          r"set or empty\); set DFLASH_CACHE to a writable directory$"):
         cache_dir()
     r = _run("run", "--engine", engine_dir, "--max-new-tokens", "8", "--no-chat", "hello")
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cache_follows_the_xdg_rules_and_the_stub_numpy_follows_the_cache(tmp_path, monkeypatch):
+    """XDG base directories: XDG_CACHE_HOME counts only when absolute (empty or relative: ~/.cache, never a cache
+    under the cwd); DFLASH_CACHE wins over both; the python backend stub's numpy directory lives in that cache."""
+    import sys
+
+    from dflash_export.deploy.triton_install import STUB_SITE_ENV, stub_site_dir
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import cache_dir
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("DFLASH_CACHE", raising=False)
+    monkeypatch.delenv(STUB_SITE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    for xdg in ("", "relative/cache", "."):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert cache_dir() == home / ".cache" / "dflash-export", xdg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "dflash-export"
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    stub = f"triton-stub-py{sys.version_info.major}.{sys.version_info.minor}"
+    assert stub_site_dir() == tmp_path / "mine" / stub
+    monkeypatch.setenv(STUB_SITE_ENV, str(tmp_path / "site"))
+    assert stub_site_dir() == tmp_path / "site"
+    monkeypatch.delenv("DFLASH_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "")  # expanduser would make it /.cache
+    with pytest.raises(DFlashError, match=r"^~/\.cache/dflash-export: cannot find the home directory \(HOME is not "
+                                          r"set or empty\)"):
+        cache_dir()

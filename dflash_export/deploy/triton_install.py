@@ -33,6 +33,7 @@ from pathlib import Path
 
 from dflash_export.deploy.repository import stub_python_path
 from dflash_export.errors import MissingDependency
+from dflash_export.files import cache_root
 
 
 @dataclass
@@ -91,11 +92,11 @@ STUB_MARKER = "DFLASH_STUB_NUMPY"  # model.py accepts a numpy other than the dep
 
 
 def stub_site_dir() -> Path:
-    """Where the stub's numpy < 2 lives: $DFLASH_TRITON_STUB_SITE or a per-Python cache directory."""
+    """Where the stub's numpy < 2 lives: $DFLASH_TRITON_STUB_SITE or a per-Python directory in the user's cache
+    (files.cache_root: DFLASH_CACHE honoured)."""
     if os.environ.get(STUB_SITE_ENV):
         return Path(os.environ[STUB_SITE_ENV])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "dflash-export" / f"triton-stub-py{sys.version_info.major}.{sys.version_info.minor}"
+    return cache_root() / f"triton-stub-py{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def _numpy_major(where: Path | None = None) -> int | None:
