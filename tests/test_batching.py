@@ -437,6 +437,35 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
         svc.close()
 
 
+def test_a_served_answers_stats_carry_its_batchs_kv_bound_and_its_wait_to_join(built):
+    """The model's last answer (deploy/handler.py step_stats, which the front's /metrics reads) says the K/V bound of
+    the shared batch the request ran in and the seconds it waited to join it, here behind a request that held the
+    bound's cells."""
+    from dflash_export.deploy.handler import GenerateRequest, RequestRunner, generate_text
+    from dflash_export.runtime.batching import BatchingService
+
+    _, eng, _ = built
+    align = BatchedOrtEngine.key_align
+    svc = BatchingService(eng, max_batch=2, max_kv_tokens=align)  # one short request at a time
+    step = svc.runtime.batch.target_step
+
+    def slow_step(*a, **k):  # 10 ms a step: the first request holds the bound for 0.3 s at least
+        time.sleep(0.01)
+        return step(*a, **k)
+
+    svc.runtime.batch.target_step = slow_step
+    try:
+        runner = RequestRunner(svc)
+        first = svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=30, stop_token_ids=[]), mode="ar")
+        next(first)  # joined: the next request waits for it to finish
+        out = generate_text(runner, GenerateRequest("hello", SamplingParams(max_new_tokens=6), chat=False))
+        assert sum(len(ev.tokens) for ev in first) == 29
+        stats = out.step_stats
+        assert stats["kv_token_limit"] == align and stats["admission_wait_s"] >= 0.2, stats
+    finally:
+        svc.close()
+
+
 def test_a_service_loads_the_batched_verify_graph_before_its_first_request(built):
     """Served memory is all there once the model is ready (benchmarks/soak.py takes the idle RSS then)."""
     from dflash_export.engines.registry import load_engine
@@ -698,9 +727,10 @@ def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, adapt
 
 
 def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the_note_says_it(built):
-    """deploy / serve bound each instance's shared batch by K/V tokens: by default the tokens whose K/V (per-token
-    size computed from the HF configs, held against the buffers a full batch really takes) fits in half of the
-    memory available, shared by the instances, at most a full batch of full-length sequences; the note says it."""
+    """deploy / serve bound each instance's shared batch by K/V tokens: by default the tokens whose K/V and context
+    features waiting for the drafter (per-token size computed from the HF configs, held against the buffers a full
+    batch really takes) fit in half of the memory available, shared by the instances, at most a full batch of
+    full-length sequences; the note says it."""
     from dflash_export.deploy.kv_memory import default_kv_tokens, kv_reservation_bytes
     from dflash_export.deploy.repository import kv_memory_note
     from dflash_export.engines.manifest import read_manifest
@@ -712,7 +742,7 @@ def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the
         return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
 
     t_token = per_token(torch_eng.target.hf.config)
-    d_token = per_token(torch_eng.drafter.config)
+    d_token = per_token(torch_eng.drafter.config) + 4 * torch_eng.drafter.config.hidden_size  # + a feature row
     manifest = read_manifest(eng.engine_dir, verify_files=False)
     L = eng.info.max_seq_len
     bound = kv_reservation_bytes(manifest, 4)
@@ -737,6 +767,79 @@ def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the
     assert kv_memory_note(eng.engine_dir, 2, 1, available=0) is None  # one sequence at a time: no shared batch
 
 
+def test_a_served_instance_works_out_its_default_kv_bound_once_the_batched_graph_is_loaded(built, monkeypatch):
+    """The model stub's default bound comes from the memory available after the batched graph (a second copy of the
+    target's weights) is loaded, not before: the load takes memory the bound would otherwise count on."""
+    import importlib
+    import json
+    import sys
+    import types
+
+    from dflash_export.deploy import kv_memory
+    from dflash_export.engines.manifest import read_manifest
+
+    _, eng, _ = built
+    backend = types.ModuleType("triton_python_backend_utils")  # what the stub provides; only the policy is read
+    backend.using_decoupled_model_transaction_policy = lambda config: False
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", backend)
+    monkeypatch.delitem(sys.modules, "dflash_export.deploy.triton_model", raising=False)
+    triton_model = importlib.import_module("dflash_export.deploy.triton_model")
+    seen = []
+    preload = BatchedOrtEngine.preload
+    monkeypatch.setattr(BatchedOrtEngine, "preload", lambda self: (seen.append("load"), preload(self))[1])
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: (seen.append("memory"), 10 ** 8)[1])
+    config = {"parameters": {"engine_dir": {"string_value": str(eng.engine_dir)}, "max_batch": {"string_value": "4"}},
+              "instance_group": [{"count": 1}], "output": []}
+    model = triton_model.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config), "model_repository": "/"})
+    try:
+        assert seen == ["load", "memory"]
+        want = kv_memory.default_kv_tokens(read_manifest(eng.engine_dir, verify_files=False), 1, 4, 10 ** 8)
+        runtime = model.service.runtime
+        assert want and runtime.max_kv_tokens == runtime.batch.kv_token_limit == want
+        with pytest.raises(DFlashError, match="max_kv_tokens"):
+            runtime.set_kv_bound(0)
+    finally:
+        model.finalize()
+        sys.modules.pop("dflash_export.deploy.triton_model", None)  # bound to the stand-in backend
+
+
+def test_what_the_default_kv_bound_admits_fits_the_memory_it_was_given(built):
+    """The default bound's cells filled at their worst take at most the memory they were given, counted off the
+    arrays themselves (shapes x item sizes): two full-length slots, one drafting every step (its context K/V grown by
+    doubling) and one never drafting (every committed token's context features waiting for the drafter)."""
+    from dflash_export.deploy.kv_memory import KV_MEMORY_FRACTION, default_kv_tokens, kv_bytes_per_token
+    from dflash_export.engines.manifest import read_manifest
+
+    _, eng, _ = built
+    manifest = read_manifest(eng.engine_dir, verify_files=False)
+    rows = eng.info.max_seq_len // BatchedOrtEngine.key_align * BatchedOrtEngine.key_align  # one slot's rows
+    available = int(2 * rows * kv_bytes_per_token(manifest) / KV_MEMORY_FRACTION)
+    bound = default_kv_tokens(manifest, 1, 2, available)
+    assert bound == 2 * rows
+
+    def held() -> int:
+        arrays = batch._buf.t_kv + batch._buf.d_kv + [c for s in batch.seqs for c in s.ctx_parts]
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays)
+
+    batch = BatchedOrtEngine(eng, max_batch=2)
+    batch.kv_token_limit = bound
+    drafting, plain = batch.add(rows), batch.add(rows)
+    prompt = [3 + (i * 7) % 200 for i in range(rows // 2 + 20)]  # a first draft's rows, doubled, pass a slot's
+    last = [int(np.argmax(lg)) for lg in batch.prefill([drafting, plain], [prompt, prompt])]
+    bs, sp, most = eng.info.block_size, SamplingParams(), 0
+    while drafting.length + bs < rows:
+        batch.draft([drafting], [last[0]], [sp], [None], [bs])
+        logits = batch.target_step([drafting, plain], [[t] for t in last])  # plain steps: one row each
+        for seq in (drafting, plain):
+            batch.commit(seq, 0)
+        last = [int(np.argmax(lg[0])) for lg in logits]
+        most = max(most, held())
+    assert most <= KV_MEMORY_FRACTION * available, (most, KV_MEMORY_FRACTION * available)
+    assert batch._buf.d_cap <= batch._buf.t_cap == rows and batch._buf.slots == 2
+    assert sum(len(c) for c in plain.ctx_parts) == plain.length  # none of its context went to the drafter
+
+
 def _cells(eng, tokens: int) -> int:
     """A slot's K/V rows for a sequence of `tokens`: rounded up to the batched engine's key alignment."""
     align = BatchedOrtEngine.key_align
@@ -752,7 +855,7 @@ def _held_cells(rt) -> int:
 def test_a_kv_bound_admits_in_arrival_order_within_the_bound_and_decodes_as_alone(built):
     """max_kv_tokens: the buffers never hold more cells than the bound; a request that does not fit waits at the
     head and the ones behind it wait too (they would fit beside the first); capacity frees as sequences finish; every
-    request's greedy tokens are those it gets alone."""
+    request's greedy tokens are those it gets alone, and its stats hold the bound and how long it waited to join."""
     _, eng, _ = built
     bs, align = eng.info.block_size, BatchedOrtEngine.key_align
     specs = [(PROMPTS[0], 20), (PROMPTS[1], 40), (PROMPTS[2], 17), (PROMPTS[3], 20)]  # A, B, C, D
@@ -771,6 +874,8 @@ def test_a_kv_bound_admits_in_arrival_order_within_the_bound_and_decodes_as_alon
         assert len(live) * max([need[reqs.index(r)] for r in live], default=0) <= bound
     assert max(held) <= bound
     assert [j for j in joins if j] == [[0], [1], [2, 3]]  # B waited for A, and C and D waited behind B
+    waits = [r.stats.admission_wait_s for r in reqs]  # what each request's stats report (served: /metrics)
+    assert 0 <= waits[0] < waits[1] < min(waits[2:]) and all(r.stats.kv_token_limit == bound for r in reqs)
     single = DFlashRuntime(eng)
     for req, (p, n) in zip(reqs, specs):
         assert req.stats.tokens == single.generate(p, SamplingParams(max_new_tokens=n)).tokens, p
@@ -778,7 +883,7 @@ def test_a_kv_bound_admits_in_arrival_order_within_the_bound_and_decodes_as_alon
     unbounded = BatchingRuntime(eng, max_batch=4)  # the same load without the bound: all four join at once
     reqs = [unbounded.submit(p, SamplingParams(max_new_tokens=n)) for p, n in specs]
     unbounded.step()
-    assert all(r.joined for r in reqs)
+    assert all(r.joined for r in reqs) and all(r.stats.kv_token_limit == 0 for r in reqs)
 
 
 def test_a_request_larger_than_the_kv_bound_is_refused_and_cancels_free_capacity(built):

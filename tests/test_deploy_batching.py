@@ -118,7 +118,8 @@ def test_stream_and_errors_through_the_shared_batch(server, direct):
 def test_metrics_get_tau_draft_and_verify_time_from_the_shared_batch(server):
     """What /metrics sums comes from each generation's step_stats: through a shared batch they hold every step's
     committed tokens (adding up to the answer's tokens after the prefill's) and the request's share of the drafter's
-    and the target's time, so tau, draft and verify seconds are not 0 there."""
+    and the target's time, so tau, draft and verify seconds are not 0 there; and the batch's K/V bound and the
+    request's wait to join it."""
     status, body = post_json(f"{server.http_url}/v2/models/dflash/generate",
                              {"text_input": "Count with me: one two three four", "max_tokens": 24})
     assert status == 200
@@ -126,6 +127,7 @@ def test_metrics_get_tau_draft_and_verify_time_from_the_shared_batch(server):
     lengths = stats["acceptance_lengths"]
     assert sum(lengths) == body["completion_tokens"] - 1 and lengths
     assert stats["draft_s"] > 0 and stats["verify_s"] > 0  # a lone greedy request drafts at its first step
+    assert stats["kv_token_limit"] == KV_TOKENS and 0 <= stats["admission_wait_s"] < 30
 
     class Front(Upstream):  # the front's recording of an upstream answer, without its connections
         metrics = FrontMetrics()
@@ -137,3 +139,5 @@ def test_metrics_get_tau_draft_and_verify_time_from_the_shared_batch(server):
     assert figures["dflash_verify_seconds_total"] == pytest.approx(stats["verify_s"])
     assert figures["dflash_steps_total"] == len(lengths)
     assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths)) and figures["dflash_tau"] >= 1
+    assert figures["dflash_kv_token_limit"] == KV_TOKENS and figures["dflash_admission_wait_seconds_count"] == 1
+    assert figures["dflash_admission_wait_seconds_sum"] == pytest.approx(stats["admission_wait_s"])

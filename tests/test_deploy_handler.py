@@ -367,6 +367,7 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
     out = generate_text(runner, GenerateRequest("hi", SamplingParams(max_new_tokens=len(answer)), stop=stop))
     assert (out.text, out.completion_tokens) == (text, completion)
     assert out.step_stats["acceptance_lengths"] == lengths and sum(lengths) == completion - 1
+    assert out.step_stats["admission_wait_s"] == 0 and out.step_stats["kv_token_limit"] == 0  # no shared batch
     assert out.accepted_tokens == sum(n - 1 for n in lengths)
     assert out.acceptance_length == pytest.approx(sum(lengths) / len(lengths) if lengths else 1.0)
 
@@ -383,6 +384,8 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
     assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths) if lengths else 0.0)
     assert figures["dflash_accepted_tokens_total"] == sum(n - 1 for n in lengths)
     assert figures["dflash_drafted_tokens_total"] == 7 * len(lengths)
+    assert figures["dflash_kv_token_limit"] == 0 and figures["dflash_admission_wait_seconds_count"] == 1
+    assert figures["dflash_admission_wait_seconds_sum"] == 0
 
 
 def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
@@ -507,3 +510,5 @@ def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(
         want = list(direct.run(parse_request(getter(**inputs))))
         assert "".join(c.text for c in chunks) == "".join(c.text for c in want)
         assert chunks[-1].drafted_tokens == 0 and chunks[-1].step_stats["acceptance_lengths"] == [1] * 15
+        for last in (chunks[-1], want[-1]):  # one request at a time: no shared batch to wait for, no K/V bound
+            assert (last.step_stats["admission_wait_s"], last.step_stats["kv_token_limit"]) == (0, 0)

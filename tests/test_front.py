@@ -54,7 +54,8 @@ class Upstream:
                 text = (body.get("text_input") or json.dumps(body.get("messages")))[::-1][:body.get("max_tokens", 8)]
                 out = {"text_output": text, "finish_reason": "length", "completion_tokens": len(text),
                        "prompt_tokens": 5, "accepted_tokens": 3, "drafted_tokens": 4, "acceptance_length": 2.0,
-                       "step_stats": json.dumps({"acceptance_lengths": [2, 2], "draft_s": 0.01, "verify_s": 0.02})}
+                       "step_stats": json.dumps({"acceptance_lengths": [2, 2], "draft_s": 0.01, "verify_s": 0.02,
+                                                 "admission_wait_s": 0.3, "kv_token_limit": 384})}
                 if self.path.endswith("generate_stream"):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -149,6 +150,57 @@ def test_generate_and_openai_chat_through_the_front(front):
     assert front.up.seen[-1]["messages"] == '[{"role": "user", "content": "hi"}]'
     metrics = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
     assert "dflash_acceptance_length_count 4.0" in metrics and "dflash_steps_total 4.0" in metrics
+    assert "dflash_kv_token_limit 384.0" in metrics and "dflash_admission_wait_seconds_count 2.0" in metrics
+    assert 'dflash_admission_wait_seconds_bucket{le="0.25"} 0.0' in metrics
+    assert 'dflash_admission_wait_seconds_bucket{le="0.5"} 2.0' in metrics
+
+
+def _figures(metrics) -> dict[str, float]:
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in metrics.render().decode().splitlines()
+            if ln and not ln.startswith("#")}
+
+
+def test_metrics_show_the_kv_bound_and_admission_waits_and_skip_malformed_figures():
+    """dflash_kv_token_limit is the bound the last generation reported (0: unbounded; a generation that reports none
+    leaves it); dflash_admission_wait_seconds holds each generation's wait. Figures of the wrong type, negative, not
+    finite or too large are left out, the generation's other figures still counted, and /metrics renders."""
+    from dflash_export.deploy.metrics import FrontMetrics
+    from dflash_export.deploy.upstream import Upstream as Front
+
+    m = FrontMetrics()
+    m.observe_generation(9, 5, {"acceptance_lengths": [3, 2], "admission_wait_s": 0.02, "kv_token_limit": 4096})
+    m.observe_generation(4, 5, {"acceptance_lengths": [3], "admission_wait_s": 1.5, "kv_token_limit": 0})
+    got = _figures(m)
+    assert got["dflash_kv_token_limit"] == 0 and got["dflash_admission_wait_seconds_count"] == 2
+    assert got["dflash_admission_wait_seconds_sum"] == pytest.approx(1.52)
+    assert got['dflash_admission_wait_seconds_bucket{le="0.025"}'] == 1
+    m.observe_generation(1, 1, {"acceptance_lengths": []})  # no wait, no bound reported: neither moves
+    m.observe_generation(2, 1, {"kv_token_limit": 768, "admission_wait_s": 0})
+    got = _figures(m)
+    assert got["dflash_kv_token_limit"] == 768 and got["dflash_admission_wait_seconds_count"] == 3
+    hostile = [{"admission_wait_s": w, "kv_token_limit": k, "draft_s": w, "verify_s": k, "drafted_tokens": k,
+                "accepted_tokens": w, "acceptance_lengths": [k, True, -1, 2, "3", 1e400]}
+               for w, k in [("1", "9"), (-1.0, -5), (float("nan"), True), (float("inf"), 10 ** 400),
+                            (10 ** 400, 2.5), (None, [1]), ({}, {"a": 1})]]
+    for stats in hostile:
+        m.observe_generation(1, 10 ** 400, stats)
+    for stats in ({"acceptance_lengths": 7}, {"acceptance_lengths": "22"}, [1, 2], "x", None):
+        m.observe_generation(1, 1, stats)
+    after = _figures(m)
+    assert after["dflash_kv_token_limit"] == 768 and after["dflash_admission_wait_seconds_count"] == 3
+    assert after["dflash_draft_seconds_total"] == got["dflash_draft_seconds_total"]
+    assert after["dflash_drafted_tokens_total"] == got["dflash_drafted_tokens_total"]
+    assert after["dflash_steps_total"] == got["dflash_steps_total"] + len(hostile)  # each one's valid length 2
+    assert after["dflash_generated_tokens_total"] == got["dflash_generated_tokens_total"] + len(hostile) + 5
+    assert after["dflash_prompt_tokens_total"] == got["dflash_prompt_tokens_total"] + 5
+
+    class Recording(Front):  # the front's recording of an upstream answer, without its connections
+        metrics = m
+
+    for answer in ({"completion_tokens": 1e400, "prompt_tokens": "7", "step_stats": '{"kv_token_limit": 1e400}'},
+                   {"completion_tokens": 2, "step_stats": "[" * 100000}, {"step_stats": '{"kv_token_limit": 512}'}):
+        Recording()._observe(json.dumps(answer).encode() if "step_stats" in answer else answer)
+    assert _figures(m)["dflash_kv_token_limit"] == 512
 
 
 def test_openai_stream_ends_with_done_and_usage(front):

@@ -78,7 +78,9 @@ class Chunk:
     drafted_tokens: int
     acceptance_length: float
     prompt_tokens: int = 0
-    step_stats: dict | None = None  # the last chunk: per-step acceptance lengths, draft and verify seconds
+    # the last chunk: per-step acceptance lengths, draft and verify seconds, the seconds it waited to join a shared
+    # batch and that batch's K/V token bound (0: none)
+    step_stats: dict | None = None
 
 
 def _scalar(get: Callable[[str], np.ndarray | None], name: str, kind: str):
@@ -340,7 +342,8 @@ class RequestRunner:
                     text = text.rstrip("\ufffd") if len(text.rstrip("\ufffd")) >= shown else text
                 delta, shown = text[shown:], len(text)
             final = {"acceptance_lengths": list(lengths), "draft_s": round(stats.draft_s, 6),
-                     "verify_s": round(stats.verify_s, 6)} if reason is not None else None
+                     "verify_s": round(stats.verify_s, 6), "admission_wait_s": round(stats.admission_wait_s, 6),
+                     "kv_token_limit": stats.kv_token_limit} if reason is not None else None
             tau = sum(lengths) / len(lengths) if lengths else 1.0
             yield Chunk(delta, reason, kept, sum(lengths) - len(lengths), stats.drafted_tokens, tau, len(ids), final)
             if reason is not None:

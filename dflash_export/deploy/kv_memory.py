@@ -1,5 +1,9 @@
 """How much K/V a served instance's shared batch may hold (runtime/batching.py `max_kv_tokens`): bytes a token, the
-memory available, the bound chosen from it. Imports nothing beyond the engine manifest, so the model stub can."""
+memory available, the bound chosen from it. Imports nothing beyond the engine manifest, so the model stub can.
+
+A token's bytes are what the batch holds for it between steps, the drafter's share included (its context K/V and the
+context features waiting for it); not the weights, nor a step's activations (a drafter call's copies of its
+sequences' context K/V among them, at most twice the drafter's K/V of the sequences drafting)."""
 
 from __future__ import annotations
 
@@ -9,15 +13,25 @@ KV_MEMORY_FRACTION = 0.5  # of the memory available when an instance loads: its 
 
 
 def kv_bytes_per_token(manifest: Manifest) -> int | None:
-    """K/V bytes one token of one sequence takes in a shared batch's buffers: the target's and the drafter's layers
-    (runtime/batching's buffers; a hybrid target's linear-attention layers hold less). None for an engine whose
+    """Bytes one token of one sequence takes in a shared batch (runtime/batching's buffers; a hybrid target's
+    linear-attention layers hold less): the target's K/V, the drafter's context K/V (as many rows as the target's at
+    most: engines/ort_batch.py) and the context features waiting for the drafter (float32 rows, `context_width`
+    wide), which a sequence holds for every token it has committed since it last drafted. None for an engine whose
     manifest records no shapes."""
     sh = manifest.shapes
     if sh is None:
         return None
     itemsize = 2 if (manifest.raw.get("dtypes") or {}).get("kv_cache") in ("float16", "bfloat16") else 4
-    return 2 * itemsize * (sh.target_layers * sh.target_kv_heads * sh.target_head_dim
-                           + sh.drafter_layers * sh.drafter_kv_heads * sh.drafter_head_dim)
+    kv = 2 * itemsize * (sh.target_layers * sh.target_kv_heads * sh.target_head_dim
+                         + sh.drafter_layers * sh.drafter_kv_heads * sh.drafter_head_dim)
+    return kv + 4 * context_width(manifest)
+
+
+def context_width(manifest: Manifest) -> int:
+    """The width of a context feature row: the drafter's hidden size, which is the target embedding's width
+    (models/drafter.py `check_drafter_fits`); 0 where the manifest records no embedding."""
+    embed = manifest.shared_tensors.get("shared.embed_tokens")
+    return int(embed.shape[-1]) if embed is not None and embed.shape else 0
 
 
 def kv_reservation_bytes(manifest: Manifest, max_batch: int) -> int | None:

@@ -15,11 +15,17 @@ next to the request counts, taken from each finished generation's statistics (de
 - `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered),
   `dflash_batch_occupancy` (in-flight requests over the sequences the deployment decodes at once, capped at 1),
   `dflash_requests_total{route, code}`.
+- `dflash_admission_wait_seconds`: histogram of the seconds each generation waited to join its instance's shared
+  batch before its prefill (behind `max_batch`, the K/V bound, or the step under way; 0 where instances run one
+  request at a time: their queue is Triton's). `dflash_kv_token_limit`: the K/V token bound of the shared batch the
+  last finished generation ran in (runtime/batching.py `max_kv_tokens`; 0: unbounded, or no shared batch).
+Figures a generation's statistics give that are not of their type, negative, not finite or past 2^53 are left out.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
@@ -29,6 +35,26 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["FrontMetrics", "CONTENT_TYPE_LATEST"]
 
 ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17))
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+MAX_COUNT = 2 ** 53  # counts past it are not a generation's (nor exact as floats)
+
+
+def _count(value) -> int | None:
+    """A non-negative integer below MAX_COUNT (an integral float taken as one; not a bool); None for anything else."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT else None
+
+
+def _seconds(value) -> float | None:
+    """A finite, non-negative number (not a bool) as a float; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 class FrontMetrics:
@@ -64,6 +90,12 @@ class FrontMetrics:
                          registry=r)
         self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window", ["phase"],
                             registry=r)
+        self.admission_wait = Histogram("dflash_admission_wait_seconds",
+                                        "Seconds each generation waited to join its instance's shared batch before "
+                                        "its prefill (0 where instances run one request at a time)",
+                                        buckets=WAIT_BUCKETS, registry=r)
+        self.kv_limit = Gauge("dflash_kv_token_limit", "K/V token bound of the shared batch the last finished "
+                              "generation ran in (0: unbounded, or no shared batch)", registry=r)
         self._lock = threading.Lock()
         self._recent: collections.deque = collections.deque()  # (time, tokens, steps, committed, draft_s, verify_s)
 
@@ -75,20 +107,30 @@ class FrontMetrics:
         self.requests.labels(route=route, code=str(code)).inc()
 
     def observe_generation(self, completion_tokens: int, prompt_tokens: int, stats: dict | None) -> None:
-        """One finished generation: its token counts and `step_stats` (acceptance lengths per step, seconds)."""
-        stats = stats or {}
-        lengths = [int(x) for x in stats.get("acceptance_lengths", []) if isinstance(x, int) and x > 0]
-        draft_s = float(stats.get("draft_s", 0.0) or 0.0)
-        verify_s = float(stats.get("verify_s", 0.0) or 0.0)
+        """One finished generation: its token counts and `step_stats` (acceptance lengths per step, seconds, the
+        admission wait and K/V bound). Every figure is checked before any is recorded."""
+        stats = stats if isinstance(stats, dict) else {}
+        given = stats.get("acceptance_lengths")
+        lengths = [n for n in map(_count, given if isinstance(given, list) else []) if n]
+        draft_s = _seconds(stats.get("draft_s")) or 0.0
+        verify_s = _seconds(stats.get("verify_s")) or 0.0
+        completion_tokens = _count(completion_tokens) or 0
+        prompt_tokens = _count(prompt_tokens) or 0
+        wait_s = _seconds(stats.get("admission_wait_s"))
+        kv_limit = _count(stats.get("kv_token_limit"))
         for n in lengths:
             self.accept.observe(n)
         self.steps.inc(len(lengths))
-        self.draft_s.inc(max(0.0, draft_s))
-        self.verify_s.inc(max(0.0, verify_s))
-        self.generated.inc(max(0, completion_tokens))
-        self.prompt.inc(max(0, prompt_tokens))
-        self.drafted.inc(max(0, int(stats.get("drafted_tokens", 0) or 0)))
-        self.accepted.inc(max(0, int(stats.get("accepted_tokens", 0) or 0)))
+        self.draft_s.inc(draft_s)
+        self.verify_s.inc(verify_s)
+        self.generated.inc(completion_tokens)
+        self.prompt.inc(prompt_tokens)
+        self.drafted.inc(_count(stats.get("drafted_tokens")) or 0)
+        self.accepted.inc(_count(stats.get("accepted_tokens")) or 0)
+        if wait_s is not None:
+            self.admission_wait.observe(wait_s)
+        if kv_limit is not None:
+            self.kv_limit.set(kv_limit)
         now = time.monotonic()
         with self._lock:
             self._recent.append((now, completion_tokens, len(lengths), sum(lengths), draft_s, verify_s))

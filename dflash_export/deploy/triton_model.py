@@ -130,10 +130,11 @@ class TritonPythonModel:
         if self.max_batch > 1:
             from dflash_export.runtime.batching import BatchingService
 
-            kv_tokens = _kv_bound(config, engine_dir, count, self.max_batch)
             self.service = BatchingService(self.engine, self.max_batch,
-                                           int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv,
-                                           max_kv_tokens=kv_tokens)
+                                           int(_param(config, "max_queued_tokens", "65536")), on_resize=_log_kv)
+            # Worked out once the batched graph (a second copy of the target's weights) is loaded: from the memory
+            # that is left, not from memory that load then takes.
+            self.service.runtime.set_kv_bound(_kv_bound(config, engine_dir, count, self.max_batch))
             self.runner = RequestRunner(self.service, mode, engine_dir)
         else:
             self.runner = RequestRunner(DFlashRuntime(self.engine), mode, engine_dir)

@@ -151,10 +151,10 @@ class Upstream:
             obj = json.loads(payload) if isinstance(payload, bytes) else payload
             stats = obj.get("step_stats")
             stats = json.loads(stats) if isinstance(stats, str) and stats else {}
-            self.metrics.observe_generation(int(obj.get("completion_tokens", 0)), int(obj.get("prompt_tokens", 0)),
+            self.metrics.observe_generation(obj.get("completion_tokens", 0), obj.get("prompt_tokens", 0),
                                             {**stats, "drafted_tokens": obj.get("drafted_tokens", 0),
                                              "accepted_tokens": obj.get("accepted_tokens", 0)})
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, RecursionError):
             pass
 
     async def _upstream_events(self, conn: Connection, resp, token: str | None):

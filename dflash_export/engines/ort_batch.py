@@ -366,7 +366,8 @@ class BatchedEngine:
 
     def kv_cells(self, extra: int = 0) -> int:
         """The K/V token cells (slots x rows) the target buffers need for the batch's sequences and, `extra` > 0, one
-        more of `extra` tokens: every slot as long as the longest sequence's `max_tokens`, rounded up to key_align."""
+        more of `extra` tokens: every slot as long as the longest sequence's `max_tokens`, rounded up to key_align.
+        The drafter's context buffers hold at most as many rows (`_reserve`)."""
         lens = [s.max_tokens for s in self.seqs] + ([extra] if extra > 0 else [])
         return len(lens) * self.aligned(max(lens, default=0))
 
@@ -432,6 +433,9 @@ class BatchedEngine:
             new_slots = slots
             t_cap = self.aligned(max([t_need] + [s.max_tokens for s in self.seqs]))
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
+        # The drafter's context rows never pass the target's (a sequence's context is its committed tokens, within its
+        # target rows): the drafter's cells stay within the target's, as deploy/kv_memory.py counts them
+        d_cap = max(d_need, min(d_cap, t_cap))
         n = len(self.seqs)
         e = self.graphs
 

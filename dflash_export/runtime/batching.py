@@ -162,6 +162,11 @@ class _Active:
         return self.req.sp.greedy or self.walk
 
 
+def _check_kv_bound(max_kv_tokens: int | None) -> None:
+    if max_kv_tokens is not None and max_kv_tokens < 1:
+        raise DFlashError(f"must be >= 1, got {max_kv_tokens}", field="max_kv_tokens")
+
+
 class BatchingRuntime:
     """Continuous batching over one ONNX Runtime engine. `step()` advances every active request by one engine step;
     one thread steps it. `submit` and `cancel` may come from other threads at any time: the queue has its own lock,
@@ -174,8 +179,7 @@ class BatchingRuntime:
                  fit_costs: bool = True, max_kv_tokens: int | None = None):
         if max_queued_tokens < 1:
             raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="max_queued_tokens")
-        if max_kv_tokens is not None and max_kv_tokens < 1:
-            raise DFlashError(f"must be >= 1, got {max_kv_tokens}", field="max_kv_tokens")
+        _check_kv_bound(max_kv_tokens)
         # The engine's recorded decoding options with the caller's, checked once (decoding/options.py).
         self.options = resolve_options(getattr(engine.info, "decoding", None), proposer=proposer, sampling=sampling,
                                        tree_mode=tree_mode)
@@ -258,6 +262,12 @@ class BatchingRuntime:
         self.draft_seqs = 0
         self.modelled_cost = 0.0
         self.drafting_steps = 0   # steps in which some sequence drafted (the others were plain batched steps)
+
+    def set_kv_bound(self, max_kv_tokens: int | None) -> None:
+        """Bound the batch's K/V token cells from now on (None: unbounded): for a bound worked out from the memory
+        left once the batched graph is loaded. Sequences already running keep their rows."""
+        _check_kv_bound(max_kv_tokens)
+        self.max_kv_tokens = self.batch.kv_token_limit = max_kv_tokens
 
     def new_batch(self, engine, max_batch: int) -> BatchedEngine:
         """An empty batched engine for `engine` (its backend's: engines.registry), its buffers bounded by
@@ -371,6 +381,8 @@ class BatchingRuntime:
                 self.queue.popleft()
                 self.queued_tokens -= len(req.prompt_ids)
                 req.joined = True
+            req.stats.admission_wait_s = time.perf_counter() - req.submitted_s
+            req.stats.kv_token_limit = self.max_kv_tokens or 0
             if req.cancelled:  # cancelled while being taken from the queue
                 req.done = True
                 req.stats.finish_reason = "cancelled"

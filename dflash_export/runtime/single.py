@@ -52,6 +52,10 @@ class RunStats:
     drafted_tokens: int = 0
     draft_s: float = 0.0    # time in the drafter (and the proposal around it)
     verify_s: float = 0.0   # time in target passes after the prefill (verifications and plain steps)
+    # Behind a shared batch (runtime/batching.py): seconds queued before joining it (its prefill), and the batch's K/V
+    # token bound (0: none). A request run alone has neither.
+    admission_wait_s: float = 0.0
+    kv_token_limit: int = 0
     # Accepted drafts per source (decoding/tree.SOURCE_NAMES: drafter, context, static): proposed by it (a draft
     # two sources proposed counts for both), and proposed by it alone (what it added beyond the others).
     accepted_by: dict = field(default_factory=lambda: dict.fromkeys(SOURCE_NAMES.values(), 0))
