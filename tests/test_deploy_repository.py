@@ -651,6 +651,7 @@ def test_a_marked_stub_numpy_directory_is_used_without_writing_to_it(tmp_path, m
     """The stub's numpy 1 directory, installed once and marked: a later `serve` only reads it, so it may be
     read-only (installed by another user, an image layer)."""
     from dflash_export.deploy import triton_install
+    from dflash_export.errors import MissingDependency
 
     site = tmp_path / "site"
     (site / "numpy-1.26.4.dist-info").mkdir(parents=True)
@@ -663,3 +664,8 @@ def test_a_marked_stub_numpy_directory_is_used_without_writing_to_it(tmp_path, m
     assert triton_install.ensure_stub_site(install=False) == site
     assert marker.stat().st_mtime_ns == 10**9 and sorted(p.name for p in site.iterdir()) == [
         triton_install.STUB_MARKER, "numpy-1.26.4.dist-info"]
+    marker.unlink()  # unmarked, and the marker cannot be written (as root too: a link into no directory)
+    marker.symlink_to(tmp_path / "gone" / "marker")
+    with pytest.raises(MissingDependency, match=rf"^{re.escape(str(site))}: holds numpy 1 but not the "
+                                                rf"{triton_install.STUB_MARKER} file .*{triton_install.STUB_SITE_ENV}"):
+        triton_install.ensure_stub_site(install=False)

@@ -221,25 +221,44 @@ def test_dead_server_raises_one_line_naming_the_cause_and_leaves_nothing(tmp_pat
     assert srv.proc.poll() is not None and pids_mentioning(str(repo)) == []
 
 
+def _stand_in_stub(monkeypatch, script: str) -> None:
+    """Servers started from here on run `script` (sh) as their python backend stub."""
+    import dflash_export.deploy.triton_process as tp
+
+    made = tp.make_backend_dir
+
+    def stand_in(install, into):
+        out = made(install, into)
+        stub = into / "python" / "triton_python_backend_stub"
+        stub.unlink()
+        stub.write_text("#!/bin/sh\n" + script)
+        stub.chmod(0o700)
+        return out
+
+    monkeypatch.setattr(tp, "make_backend_dir", stand_in)
+
+
+def _stubs_of(pgid: int) -> list[int]:
+    """Processes of group `pgid` running the python backend stub, exited ones not yet reaped too."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat and "(triton_python_b" in stat and int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
 @pytest.mark.server
 def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path, small_repo, monkeypatch):
     """A stub that exits before it reports to the python backend (a broken libpython or interpreter, a missing
     library) leaves tritonserver waiting on its model for ever: the start must fail at once with how it exited and
     what it printed, and leave no process, work dir or python_env dir behind."""
-    import dflash_export.deploy.triton_process as tp
     from dflash_export.deploy.server import ServerError, TritonServer
 
-    made = tp.make_backend_dir
-
-    def broken_stub(install, into):
-        out = made(install, into)
-        stub = into / "python" / "triton_python_backend_stub"
-        stub.unlink()
-        stub.write_text("#!/bin/sh\necho 'cannot open shared object file: libpython_gone.so' >&2\nexit 7\n")
-        stub.chmod(0o700)
-        return out
-
-    monkeypatch.setattr(tp, "make_backend_dir", broken_stub)
+    _stand_in_stub(monkeypatch, "echo 'cannot open shared object file: libpython_gone.so' >&2\nexit 7\n")
     envs_before = set(Path("/tmp").glob("python_env_*"))
     srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
     t0 = time.monotonic()
@@ -252,6 +271,135 @@ def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path,
     assert "libpython_gone.so" in msg and "\n" not in msg, msg
     assert group_pids(srv._pgid) == [] and srv._workdir is None
     assert set(Path("/tmp").glob("python_env_*")) <= envs_before  # the killed server's own dir removed too
+
+
+@pytest.mark.server
+def test_a_model_stub_that_never_reports_fails_at_the_ready_timeout_naming_it(small_repo, monkeypatch, capsys):
+    """A stub that starts and never reports (a load that hangs) keeps its model loading: the python backend waits on it
+    for ever. The start waits `ready_timeout_s` (`serve --ready-timeout`), saying meanwhile and then in one error line
+    which model it waits for and what that model's stub is doing."""
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    # The backend first runs the stub without arguments (a check that it starts): that run passes.
+    _stand_in_stub(monkeypatch, '[ "$#" -eq 0 ] && exit 0\nsleep 300\n')
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=6, progress_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        srv.start()
+    took, msg = time.monotonic() - t0, str(e.value)
+    assert took < 30 and type(e.value) is ServerError and e.value.exit_code == 3 and "\n" not in msg, (took, msg)
+    found = re.search(r"not ready after 6 s: loading dflash, model stub pid (\d+) \(dflash\) sleeping, \d+\.\d s CPU "
+                      r"in \d+ s \(log: .+\); `serve --ready-timeout` sets the wait", msg)
+    assert found, msg
+    notes = re.findall(r"waiting for tritonserver to be ready \(\d+ s of 6 s\): loading dflash, model stub pid (\d+) "
+                       r"\(dflash\) sleeping", capsys.readouterr().err)
+    assert notes and set(notes) == {found.group(1)}, notes
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+
+
+@pytest.mark.server
+def test_a_failed_start_removes_its_own_python_env_dir_and_not_another_servers(small_repo, monkeypatch):
+    """The python backend's /tmp/python_env_* dir names no owner. Another `serve` starting while this one fails makes
+    its own: this one's failed start must remove only the dir its own server made."""
+    import dflash_export.deploy.triton_process as tp
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    _stand_in_stub(monkeypatch, '[ "$#" -eq 0 ] && exit 0\nexit 7\n')
+    monkeypatch.setattr(tp, "STUB_ZOMBIE_S", 4.0)  # the start fails 4 s after the stub exited: time for the other
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    other: list[Path] = []
+
+    def another_server_starts():
+        deadline, seen = time.monotonic() + 60, None
+        while time.monotonic() < deadline and not other:
+            if seen is None and srv._pgid is not None and _stubs_of(srv._pgid):
+                seen = time.monotonic()
+            if srv._python_envs or (seen is not None and time.monotonic() - seen > 2):
+                other.append(Path(tempfile.mkdtemp(prefix="python_env_", dir="/tmp")))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=another_server_starts, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ServerError) as e:
+            srv.start()
+        thread.join(timeout=10)
+        assert "a model stub exited while its model loaded" in str(e.value) and "exit code 7" in str(e.value)
+        assert other and other[0].is_dir(), "the other server's python_env dir was removed"
+        assert set(Path("/tmp").glob("python_env_*")) - envs_before == {other[0]}  # this server's own removed
+    finally:
+        for d in other:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_python_env_dir_taken_is_the_one_this_server_made(tmp_path, monkeypatch):
+    """Which python_env dir `stop` removes: one made since this server started, once a stub of this server shows the
+    backend has made its own, while tritonserver still runs (it removes its dir as it exits), and only when it is the
+    only such dir; never one made before, after, or beside another one made at the same time."""
+    import dflash_export.deploy.triton_process as tp
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tp, "PYTHON_ENV_ROOT", root)
+    for name in ("tritonserver", "triton_python_backend_stub"):  # stand-ins: what /proc shows is their name
+        shutil.copy(shutil.which("sleep"), tmp_path / name)
+
+    def env_dir() -> str:
+        return tempfile.mkdtemp(prefix="python_env_", dir=root)
+
+    def server_from(pgid: int) -> "tp.TritonServer":
+        srv = tp.TritonServer(tmp_path)
+        srv._pgid, srv._envs_before = pgid, tp._python_env_dirs()
+        return srv
+
+    before = env_dir()
+    server = subprocess.Popen([tmp_path / "tritonserver", "60"], process_group=0)
+    procs = [server]
+    try:
+        srv = server_from(server.pid)
+        ours = env_dir()
+        srv._claim_python_env()
+        assert srv._python_envs == set()  # no stub yet: the dir may be another server's
+        procs.append(subprocess.Popen([tmp_path / "triton_python_backend_stub", "60"], process_group=server.pid))
+        srv._claim_python_env()
+        assert srv._python_envs == {ours}
+        after = env_dir()
+        srv._claim_python_env()
+        assert srv._python_envs == {ours}
+
+        both = server_from(server.pid)
+        same_moment = {env_dir(), env_dir()}
+        both._claim_python_env()
+        assert both._python_envs == set()
+
+        gone = server_from(server.pid)
+        server.kill()
+        server.wait()
+        new_one = env_dir()
+        gone._claim_python_env()
+        assert gone._python_envs == set()  # tritonserver gone: the one made since may be another's
+        srv.stop()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not Path(ours).exists()
+    assert all(Path(d).is_dir() for d in (before, after, *same_moment, new_one))
+
+
+def test_serve_ready_timeout_reaches_the_server_and_is_checked(small_repo, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.deploy import server
+
+    got = {}
+    monkeypatch.setattr(server, "serve", lambda *a, **k: got.update(k) or 0)
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--ready-timeout", "45"])
+    assert r.exit_code == 0 and got["ready_timeout_s"] == 45.0, r.output
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--ready-timeout", "0"])
+    assert r.exit_code == 2 and "--ready-timeout" in r.output, r.output
 
 
 def test_find_triton_refuses_a_binary_it_cannot_run(tmp_path, monkeypatch):
@@ -360,6 +508,7 @@ def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="::1"), "--host: "),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="no-such-host.invalid"), "--host: cannot resolve"),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="192.0.2.1"), "--host: 192.0.2.1 is not an address"),
+        (dict(http_port=a, grpc_port=b, metrics_port=c, ready_timeout_s=0), "--ready-timeout: must be > 0"),
     ]
     try:
         for kwargs, msg in cases:
@@ -481,6 +630,100 @@ def test_server_death_is_one_line_with_the_log_path(tmp_path):
     srv._log.extend(['E1130 07:37:27.1 1 server.cc:1] "failed to start HTTP service: address in use"\n'])
     e = srv._death_error()
     assert type(e) is ServerError and e.exit_code == 3 and "failed to start HTTP service" in str(e)
+
+
+def _model_py(monkeypatch):
+    """deploy/triton_model.py imported as the stub imports it, a stand-in for the python backend's utilities."""
+    import importlib
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.delitem(sys.modules, "dflash_export.deploy.triton_model", raising=False)
+    return importlib.import_module("dflash_export.deploy.triton_model")
+
+
+def test_a_model_load_the_environment_fails_is_an_input_error_and_a_bug_is_not(tmp_path, monkeypatch):
+    """What the model's initialize raises, as the python backend reports it ("<class name>: <message>") and `serve`
+    reads the name: the environment to blame (a library that differs from the deployed one, a file it cannot read, an
+    optional library it cannot import, the project itself) is MissingDependency / DFlashError, exit 2, the model's
+    own line; anything else is raised as it is: a bug, exit 3."""
+    from importlib import metadata
+
+    from dflash_export.deploy.server import ModelRefused, ServerError, TritonServer
+    from dflash_export.errors import MissingDependency
+
+    model_py = _model_py(monkeypatch)
+    with pytest.raises(MissingDependency, match="onnxruntime .* loaded, but the repository was deployed with "
+                                                "onnxruntime 0.0.1"):
+        model_py._check_versions({"onnxruntime": "0.0.1"})
+    with pytest.raises(MissingDependency, match="no-such-dist 1.0 was recorded at deploy time but is not importable"):
+        model_py._check_versions({"no-such-dist": "1.0"})
+    if not metadata.version("numpy").startswith("0.1"):  # this numpy is not the stub's marked one
+        with pytest.raises(MissingDependency, match="start the server with `dflash-export serve`"):
+            model_py._check_versions({"numpy": "0.1"})
+
+    def load_fails_with(exc):
+        model = model_py.TritonPythonModel()
+        monkeypatch.setattr(model, "_initialize", lambda args: (_ for _ in ()).throw(exc))
+        with pytest.raises(Exception) as e:
+            model.initialize({})
+        return e.value
+
+    unreadable = tmp_path / "engine" / "target.onnx"
+    e = load_fails_with(PermissionError(13, "Permission denied", str(unreadable)))
+    assert type(e).__name__ == "DFlashError" and str(e) == f"{unreadable}: cannot read it (Permission denied)"
+    e = load_fails_with(ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime"))
+    assert type(e) is MissingDependency and "pip install 'dflash-export[runtime]'" in str(e), str(e)
+    e = load_fails_with(ModuleNotFoundError("No module named 'dflash_export'", name="dflash_export"))
+    assert type(e) is MissingDependency and "the project is not importable in the model stub" in str(e), str(e)
+    for bug in (ValueError("a bug"), ModuleNotFoundError("x", name="not_a_library_of_ours"),
+                ImportError("cannot import name 'gone'", name="dflash_export.runtime.single")):
+        assert load_fails_with(bug) is bug
+
+    srv = TritonServer(tmp_path)
+
+    class Done:
+        returncode = 1
+
+    srv.proc = Done()
+    for kind, cls, code in (("MissingDependency", ModelRefused, 2), ("DFlashError", ModelRefused, 2),
+                            ("RuntimeError", ServerError, 3)):
+        srv._log.clear()
+        srv._log.append("E1130 07:37:27.791032 21828 model_lifecycle.cc:642] \"failed to load 'dflash' version 1: "
+                        f"Internal: {kind}: numpy 1.26.4, deployed with 2.4.6\\n\\nAt:\\n  trace\"\n")
+        e = srv._death_error()
+        assert type(e) is cls and e.exit_code == code, (kind, str(e))
+        assert ("failed to load 'dflash' version 1: numpy 1.26.4" in str(e)) == (code == 2), str(e)
+
+
+@pytest.mark.server
+def test_a_model_stub_whose_environment_is_wrong_fails_the_start_as_an_input_error(tmp_path, small_repo,
+                                                                                   monkeypatch):
+    """A model that cannot load in its stub's environment (here: a numpy neither the deployed one nor from the
+    directory `serve` marks for the stub) fails the start with the model's own line, exit 2 like a refused input."""
+    import dflash_export.deploy.triton_process as tp
+    from dflash_export.deploy.server import STUB_MARKER, ModelRefused, TritonServer, ensure_stub_site
+
+    site = ensure_stub_site()
+    if site is None:
+        pytest.skip("numpy < 2 here: the stub imports this environment's own numpy")
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    unmarked = tmp_path / "stub-site"
+    shutil.copytree(site, unmarked, copy_function=link, ignore=shutil.ignore_patterns(STUB_MARKER))
+    monkeypatch.setattr(tp, "ensure_stub_site", lambda: unmarked)
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    with pytest.raises(ModelRefused) as e:
+        srv.start()
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    assert "failed to load 'dflash' version 1: numpy 1." in msg and "Error:" not in msg, msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
 
 
 def test_server_child_dies_with_its_parent_even_on_sigkill(tmp_path):

@@ -107,6 +107,9 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--restart-on-crash/--no-restart-on-crash", default=True, show_default=True,
               help="Restart tritonserver behind the same HTTP port if it dies, or if reloading the model of a "
                    "dead stub fails (at most 5 times in 10 minutes). A dead stub's model is reloaded alone.")
+@click.option("--ready-timeout", default=600.0, show_default=True, type=click.FloatRange(1, 86400),
+              help="Seconds the models get to load; past it serve fails, naming the model still loading and what its "
+                   "stub is doing (a line every 30 s says it while waiting).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="On Ctrl-C / SIGTERM: seconds running requests get to finish; the rest are cancelled (503) "
                    "and serve exits 1.")
@@ -114,7 +117,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="With --engine: serve plain decoding on the same engine (no drafter), the served yardstick.")
 def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
           max_kv_tokens, log_file, max_request_bytes, max_json_depth, request_timeout, max_connections,
-          restart_on_crash, drain_timeout, plain):
+          restart_on_crash, ready_timeout, drain_timeout, plain):
     """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
     One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
@@ -149,4 +152,4 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
                     request_timeout_s=request_timeout)
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
                         restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
-                        model_id=model_name))
+                        model_id=model_name, ready_timeout_s=ready_timeout))

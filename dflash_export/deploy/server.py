@@ -59,8 +59,8 @@ __all__ = [
     "OWNER_FILE", "SHM_DIR", "ModelRefused", "ServerError", "TritonServer", "clean_stale_leftovers",
     "free_loopback_ports", "remove_shm", "shm_prefix",
     # here
-    "resolve_host", "check_listen", "default_log_path", "MAX_RESTARTS", "RESTART_WINDOW_S", "DrainIncomplete",
-    "serve",
+    "resolve_host", "check_listen", "default_log_path", "MAX_RESTARTS", "RESTART_WINDOW_S", "READY_PROGRESS_S",
+    "DrainIncomplete", "serve",
 ]
 
 
@@ -131,6 +131,7 @@ def default_log_path() -> Path:
 _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 MAX_RESTARTS = 5            # within RESTART_WINDOW_S: beyond that, something is wrong that a restart will not fix
 RESTART_WINDOW_S = 600.0
+READY_PROGRESS_S = 30.0     # while the models load: a line this often saying what the start waits for
 
 
 class DrainIncomplete(ServerError):
@@ -145,10 +146,12 @@ MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
 
 
 def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
-                      limits, drain_timeout_s: float, grpc: bool = False, model_id: str | None = None):
+                      limits, drain_timeout_s: float, grpc: bool = False, model_id: str | None = None,
+                      ready_timeout_s: float = 600.0):
     """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
-    recorded by deploy), the drain time, the model name, the host and ports, that tritonserver is installed, the log
-    file (default: `default_log_path()`). Returns (repository, address to bind, limits, log path)."""
+    recorded by deploy), the drain and ready times, the model name, the host and ports, that tritonserver is
+    installed, the log file (default: `default_log_path()`). Returns (repository, address to bind, limits, log
+    path)."""
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
     if limits is None:
@@ -158,6 +161,8 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
     limits.check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
+    if not ready_timeout_s > 0:
+        raise DFlashError(f"must be > 0, got {ready_timeout_s}", field="--ready-timeout")
     if model_id is not None and not MODEL_ID_PATTERN.fullmatch(model_id):
         raise DFlashError(f"expected letters, digits and . _ : @ + / - (at most 128, starting with a letter or a "
                           f"digit), got {model_id[:80]!r}", field="--model-name")
@@ -192,23 +197,25 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
     the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path`
     (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
-    afterwards).
+    afterwards). The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
+    start waits for: the model loading and what its stubs are doing; past it ServerError says the same).
 
     A model stub that dies has its model reloaded alone (`TritonServer.reload_models`; the model's requests get 503
     meanwhile, the other models serve). If tritonserver dies on its own after it was ready, or a reload fails, and
     `restart_on_crash`, it is restarted behind the same front (the front answers 503 meanwhile), at most MAX_RESTARTS
     times in RESTART_WINDOW_S. Otherwise (or past that)
     one line with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its
-    input at load, ServerError (exit 3) otherwise. A stop request drains: new requests get 503, running ones have
-    `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how many were
-    cancelled otherwise. The server is stopped on every way out of this function, and by the kernel if this process
-    is killed outright (see `triton_process._die_with_parent`); what a killed one left is removed by the next
+    input or its environment at load, ServerError (exit 3) otherwise. A stop request drains: new requests get 503,
+    running ones have `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how
+    many were cancelled otherwise. The server is stopped on every way out of this function, and by the kernel if this
+    process is killed outright (see `triton_process._die_with_parent`); what a killed one left is removed by the next
     start.
     """
     repo, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host, log_path, limits,
-                                                     drain_timeout_s, grpc, model_id)
+                                                     drain_timeout_s, grpc, model_id, ready_timeout_s)
     server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
-                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc)
+                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc,
+                          progress_s=READY_PROGRESS_S)
     server.model_id = model_id
 
     def on_signal(signum, frame):

@@ -122,7 +122,12 @@ def ensure_stub_site(install: bool = True) -> Path | None:
     site_dir = stub_site_dir()
     if (_numpy_major(site_dir) or 2) < 2:
         if not (site_dir / STUB_MARKER).is_file():  # marked once: a read-only directory (an image layer) serves as is
-            (site_dir / STUB_MARKER).touch()
+            try:
+                (site_dir / STUB_MARKER).touch()
+            except OSError as e:
+                raise MissingDependency(f"holds numpy 1 but not the {STUB_MARKER} file that marks it for the stub, "
+                                        f"and it cannot be written ({e.strerror or e}): create that empty file in it, "
+                                        f"or point {STUB_SITE_ENV} at another directory", path=site_dir) from None
         return site_dir
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", "--target",
            str(site_dir), STUB_NUMPY]

@@ -4,7 +4,9 @@ Runs inside `triton_python_backend_stub`, whose `sys.path` comes from the stub e
 serving machine (deploy/triton_install.py): nothing of the deploying machine's paths is recorded in the repository
 (an older repository's `sys_path` parameter is still honoured). `initialize` then checks that the
 libraries loaded are the ones recorded, so a mismatched environment fails the model load with one clear message
-instead of subtly different numerics.
+instead of subtly different numerics. A load that fails because of the environment (those checks, a file it cannot
+read, an optional library it cannot import) raises MissingDependency or DFlashError, whose name the python backend
+reports and `serve` reads: one line, exit 2; any other exception is a bug (exit 3).
 
 One engine per model instance. With `max_batch` 1 each instance handles its requests one after another (concurrency =
 instance count); with `max_batch` > 1 every request gets a thread that feeds it into the instance's one shared
@@ -40,6 +42,38 @@ def _extend_sys_path(paths):
             sys.path.insert(0, p)
 
 
+def _input_error(message: str, kind: str = "MissingDependency", path=None) -> Exception:
+    """`dflash_export.errors.<kind>(message, path=path)`: a load that failed because of the environment or the input.
+    The python backend reports a failed initialize as "<class name>: <message>", and `serve` exits 2 on these names
+    (triton_process._INPUT_ERROR); where the stub cannot import the project at all, a class of that name stands in."""
+    try:
+        from dflash_export import errors
+
+        return getattr(errors, kind)(message, path=path)
+    except ImportError:
+        return type(kind, (RuntimeError,), {})(f"{path}: {message}" if path else message)
+
+
+def _environment_error(exc: BaseException) -> Exception | None:
+    """The one-line error for an exception of the load that says the environment is wrong, not the code (None: a
+    bug, reported as it is): as the CLI judges them, any OSError (a file that cannot be read) and a failed import of
+    one of the project's optional libraries (its install line added), or of the project itself."""
+    if isinstance(exc, OSError):
+        return _input_error(f"cannot read it ({exc.strerror or exc})" if exc.filename else str(exc.strerror or exc),
+                            "DFlashError", exc.filename)
+    if not isinstance(exc, ImportError) or not exc.name:
+        return None
+    if exc.name == "dflash_export":
+        return _input_error(f"the project is not importable in the model stub (sys.path[:3]={sys.path[:3]}): start "
+                            "the server with `dflash-export serve`")
+    try:
+        from dflash_export.environment import install_hint
+    except ImportError:
+        return None
+    hint = install_hint(exc.name)
+    return _input_error(f"{exc.name}: cannot be imported in the model stub ({exc}); {hint}") if hint else None
+
+
 def _check_versions(expected: dict) -> None:
     import importlib
     import importlib.metadata as md
@@ -50,18 +84,19 @@ def _check_versions(expected: dict) -> None:
         try:
             have = md.version(name)
         except md.PackageNotFoundError:
-            raise RuntimeError(f"{name} {want} was recorded at deploy time but is not importable here "
+            raise _input_error(f"{name} {want} was recorded at deploy time but is not importable here "
                                f"(sys.path[:3]={sys.path[:3]})") from None
         if have != want:
-            raise RuntimeError(f"{name} {have} loaded, but the repository was deployed with {name} {want}: "
+            raise _input_error(f"{name} {have} loaded, but the repository was deployed with {name} {want}: "
                                "serve from the same environment or redeploy")
     # numpy is imported by the backend utilities before this file runs. `serve` substitutes numpy 1 (the stub is built
     # against numpy 1) from a directory it marks; any other numpy means the server was started some other way.
     np_home = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
     from_stub = os.path.isfile(os.path.join(np_home, "DFLASH_STUB_NUMPY"))
     if "numpy" in expected and np.__version__ != expected["numpy"] and not from_stub:
-        raise RuntimeError(f"numpy {np.__version__} imported from {np.__file__}, deployed with "
-                           f"{expected['numpy']}: start the server with `dflash-export serve`")
+        raise _input_error(f"numpy {np.__version__}, deployed with {expected['numpy']}, and not from the numpy "
+                           f"directory `serve` marks for the stub: start the server with `dflash-export serve` "
+                           f"(numpy imported from {np.__file__})")
     if "onnxruntime" in expected:
         importlib.import_module("onnxruntime")
 
@@ -104,6 +139,15 @@ def _cancel_age_ms(token):
 
 class TritonPythonModel:
     def initialize(self, args):
+        try:
+            self._initialize(args)
+        except Exception as e:  # noqa: BLE001 - re-raised: as one input error when the environment is to blame
+            error = _environment_error(e)
+            if error is None:
+                raise
+            raise error from e
+
+    def _initialize(self, args):
         self.model_config = config = json.loads(args["model_config"])
         _extend_sys_path(json.loads(_param(config, "sys_path", "[]")))
         _check_versions(json.loads(_param(config, "library_versions", "{}")))

@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from stat import S_ISDIR
 
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
@@ -47,8 +48,10 @@ class ServerError(DFlashError):
 
 
 class ModelRefused(ServerError):
-    """tritonserver exited because a model refused its input at load (a DFlashError inside the model: e.g. a manifest
-    that disagrees with its graphs). Bad input, so exit code 2, like the checks `serve` makes before starting."""
+    """tritonserver exited because a model refused its input or its environment at load (a DFlashError or
+    MissingDependency inside the model: a manifest that disagrees with its graphs, a file it cannot read, a library
+    the stub cannot import or that differs from the deployed one; see triton_model.py). Bad input, so exit code 2,
+    like the checks `serve` makes before starting."""
 
     exit_code = 2
 
@@ -129,9 +132,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# The python backend makes a /tmp/python_env_XXXXXX directory per server (a fixed path: TMPDIR is not read) as it
+# initializes, before it starts any stub, and removes it only on a clean exit.
+PYTHON_ENV_ROOT = Path("/tmp")
+
+
 def _python_env_dirs() -> set[str]:
-    """The python backend makes a /tmp/python_env_XXXXXX directory per server and removes it only on a clean exit."""
-    return {str(p) for p in Path("/tmp").glob("python_env_*") if p.is_dir()}
+    """This user's python_env_* directories under PYTHON_ENV_ROOT."""
+    out = set()
+    for p in PYTHON_ENV_ROOT.glob("python_env_*"):
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            out.add(str(p))
+    return out
 
 
 def shm_prefix(pid: int, http_port: int) -> str:
@@ -164,7 +180,7 @@ def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
         if _pid_alive(pid):
             continue
         for env_dir in owner.get("python_env", []):
-            if isinstance(env_dir, str) and env_dir.startswith("/tmp/python_env_"):
+            if isinstance(env_dir, str) and env_dir.startswith(str(PYTHON_ENV_ROOT / "python_env_")):
                 shutil.rmtree(env_dir, ignore_errors=True)
                 removed.append(env_dir)
         shutil.rmtree(d, ignore_errors=True)
@@ -193,8 +209,41 @@ def _running(pid: int) -> bool:
     return _state(pid) not in (None, "Z", "X")
 
 
-def group_members(pgid: int, comm_prefix: str = "") -> list[int]:
-    """Live processes of process group `pgid` (whose command name starts with `comm_prefix`)."""
+_STATE_WORDS = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped by a tracer",
+                "Z": "exited"}
+
+
+def proc_usage(pid: int) -> str | None:
+    """What a process is doing, from /proc: "sleeping, 0.4 s CPU in 61 s" (its state, the CPU time it used and how
+    long it has run); None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        state = fields[0].decode()
+        tick = os.sysconf("SC_CLK_TCK")
+        # stat(5) fields 14 and 15 (utime, stime) and 22 (starttime), counted here from field 3 (state)
+        cpu, age = (int(fields[11]) + int(fields[12])) / tick, uptime - int(fields[19]) / tick
+    except (OSError, IndexError, ValueError):
+        return None
+    return f"{_STATE_WORDS.get(state, state)}, {cpu:.1f} s CPU in {max(0.0, age):.0f} s"
+
+
+def stub_model(pid: int) -> str | None:
+    """The model a python stub runs: its command line names the model's `<model>/<version>/model.py` (None for the
+    backend's trial run of the stub, which has no arguments, or a process gone)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [a for a in args[1:] if a.endswith(b"model.py")]
+    return Path(os.fsdecode(found[0])).parent.parent.name if found else None
+
+
+def group_members(pgid: int, comm_prefix: str = "", exited: bool = False) -> list[int]:
+    """Live processes of process group `pgid` (whose command name starts with `comm_prefix`); `exited`: also those
+    exited and not reaped yet (zombies)."""
     out = []
     for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
         if not d.name.isdigit():
@@ -203,7 +252,7 @@ def group_members(pgid: int, comm_prefix: str = "") -> list[int]:
             stat = (d / "stat").read_bytes()
             comm = stat[stat.index(b"(") + 1: stat.rindex(b")")].decode("utf-8", "replace")
             fields = stat.rsplit(b")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X") and comm.startswith(comm_prefix):
+            if int(fields[2]) == pgid and (exited or fields[0] not in (b"Z", b"X")) and comm.startswith(comm_prefix):
                 out.append(int(d.name))
         except (OSError, ValueError, IndexError):
             continue
@@ -324,18 +373,21 @@ class TritonServer:
     output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
     to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in its own
     process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
-    the server). `restart()` replaces a dead tritonserver behind the same front.
+    the server). `restart()` replaces a dead tritonserver behind the same front. While the start waits for the models
+    to load, a line every `progress_s` seconds (None: none) on stderr says what it waits for; the error at
+    `ready_timeout_s` says it too.
     """
 
     def __init__(self, repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
-                 exit_timeout_s: int = 10, grpc: bool = False):
+                 exit_timeout_s: int = 10, grpc: bool = False, progress_s: float | None = None):
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.ready_timeout_s = ready_timeout_s
+        self.progress_s = progress_s
         self.echo = echo
         self.log_verbose = log_verbose
         self.extra_args = list(extra_args or [])
@@ -357,6 +409,8 @@ class TritonServer:
         self._log_file = None
         self._shm_prefix = shm_prefix(os.getpid(), http_port)
         self._python_envs: set[str] = set()
+        # python_env dirs before this run's tritonserver started, until its own is told apart (`_claim_python_env`)
+        self._envs_before: set[str] | None = None
         self.restarts = 0
         self.grpc = grpc
         self.model_id: str | None = None  # the OpenAI API's model name (default: the repository's recipe)
@@ -448,7 +502,6 @@ class TritonServer:
         ServerError (with the log tail) if it dies first."""
         install = find_triton()
         stub_site = ensure_stub_site()
-        envs_before: set[str] | None = None
         try:
             if self._workdir is None:
                 clean_stale_leftovers()
@@ -489,7 +542,7 @@ class TritonServer:
                 except OSError as e:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
             self._stopping = False
-            envs_before = _python_env_dirs()
+            self._envs_before = _python_env_dirs()
             self.stub_death = None
             pass_fds: tuple[int, ...] = ()
             if self.private:
@@ -511,14 +564,13 @@ class TritonServer:
             self._server_pid = self._find_server_pid()
             self._protect_shm()
             self._stubs = self._count_stubs()
-            self._python_envs |= _python_env_dirs() - envs_before
+            self._claim_python_env()
             self._write_owner()
             for model in self.front.models:  # a reload that failed left its model refused; this server has it
                 self.front.model_back(model)
             self.front.set_upstream(self.triton_http_port)
         except BaseException:
-            if envs_before is not None:  # the python backend's dir of a server that never got ready, killed below
-                self._python_envs |= _python_env_dirs() - envs_before
+            self._claim_python_env()  # the dir of a server that never got ready, killed below
             self.stop(drain_timeout_s=0)
             raise
         return self
@@ -581,21 +633,70 @@ class TritonServer:
                 sys.stderr.flush()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
+        start = time.monotonic()
+        deadline = start + self.ready_timeout_s
         url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
         uds = self._workdir / "tritonserver.sock"
         self._zombies_seen = {}
+        next_note = start + self.progress_s if self.progress_s else None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self._death_error()
             if self._stub_exited_while_loading():
                 raise self._stub_death_error()
+            self._claim_python_env()
             if (_uds_ok(uds, "/v2/health/ready") if self.private else
                     _http_ok(url, headers={SECRET_HEADER: self.front.secret})):
                 return
+            if next_note is not None and time.monotonic() >= next_note:
+                print(f"waiting for tritonserver to be ready ({time.monotonic() - start:.0f} s of "
+                      f"{self.ready_timeout_s:g} s): {self._load_stage()}", file=sys.stderr, flush=True)
+                next_note += self.progress_s
             time.sleep(0.2)
-        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s ({_shorten(self._last_error())})"
-                          + self._log_note(), path=self.repo)
+        raise ServerError(f"tritonserver not ready after {self.ready_timeout_s:g} s: {self._load_stage()} (log: "
+                          f"{_shorten(self._last_error())}); `serve --ready-timeout` sets the wait" + self._log_note(),
+                          path=self.repo)
+
+    def _load_stage(self) -> str:
+        """What the start waits for, from this run's log and /proc: tritonserver not loading models yet; or the models
+        loading (begun, not yet loaded), each with its stubs' pids and what they are doing (`proc_usage`); or every
+        model loaded and the server not ready yet."""
+        lines = self._run_log()
+        begun = [m.group(1) for m in (re.search(r'"loading: (.+):\d+"', ln) for ln in lines) if m]
+        loaded = {m.group(1) for m in (re.search(r"successfully loaded '([^']+)'", ln) for ln in lines) if m}
+        loading = [m for m in dict.fromkeys(begun) if m not in loaded]
+        if not begun:
+            return "tritonserver has not begun loading the models"
+        if not loading:
+            return "every model loaded, tritonserver not ready yet"
+        stubs = []
+        for pid in sorted(group_members(self._pgid, "triton_python_b")) if self._pgid is not None else []:
+            model, usage = stub_model(pid), proc_usage(pid)
+            if usage is not None and model in (*loading, None):
+                stubs.append(f"pid {pid}" + (f" ({model})" if model else " (the backend's trial run)") + f" {usage}")
+        return f"loading {', '.join(loading)}, " + (f"model stub {'; '.join(stubs)}" if stubs else
+                                                    "no model stub running")
+
+    def _claim_python_env(self) -> None:
+        """Take this run's python_env dir into those `stop` removes (and the owner record) once it is certain to be
+        this server's: the python backend makes it before it starts a stub, and removes it only as tritonserver exits.
+        So with a stub of this server seen, then the dirs listed, then tritonserver seen still running, this server's
+        dir is among those made since it started; it is taken when it is the only one. Another server starting
+        meanwhile (another `serve`) makes a second one: then neither is taken (this one's is left, empty, rather than
+        risk removing the other's)."""
+        if self._envs_before is None or self._pgid is None or not group_members(self._pgid, "triton_python_b",
+                                                                                exited=True):
+            return
+        made = _python_env_dirs() - self._envs_before
+        if not group_members(self._pgid, "tritonserver"):
+            return
+        self._envs_before = None
+        if len(made) == 1:
+            self._python_envs |= made
+            try:
+                self._write_owner()  # a `serve` killed from here on leaves it to the next start to remove
+            except OSError:
+                pass
 
     def _stub_exited_while_loading(self) -> bool:
         """Whether a model stub exited before the server was ready and has stayed unreaped for STUB_ZOMBIE_S (one
@@ -623,17 +724,21 @@ class TritonServer:
     def _log_note(self) -> str:
         return f"; full log: {self.log_path}" if self.log_path is not None else ""
 
-    def _last_error(self) -> str:
-        """The most telling log line: tritonserver refusing its command line, else the first model load failure, else
-        the first error line, else the last line."""
+    def _run_log(self) -> list[str]:
+        """This run's log lines, stripped, without blank ones and this object's own notes: an earlier run's lines say
+        nothing about this one."""
         log = list(self._log)
         marks = [i for i, ln in enumerate(log) if ln.startswith("[dflash-export] tritonserver restarted")]
-        # Only this run's lines: an earlier run's failure is not this death's cause.
         run = log[marks[-1] + 1 if marks else 0:]
         # Lines of this run the tail no longer holds (its own notes are not counted): taken from the head.
         lost = self._run_lines - sum(not ln.startswith("[dflash-export]") for ln in run)
-        lines = [ln.strip() for ln in self._head[:max(0, lost)] + run
-                 if ln.strip() and not ln.startswith("[dflash-export]")]
+        return [ln.strip() for ln in self._head[:max(0, lost)] + run
+                if ln.strip() and not ln.startswith("[dflash-export]")]
+
+    def _last_error(self) -> str:
+        """The most telling log line: tritonserver refusing its command line, else the first model load failure, else
+        the first error line, else the last line."""
+        lines = self._run_log()
         options = [ln for ln in lines if _OPTION_ERROR.search(ln) and not _TRITON_LINE.match(ln)]
         if options:  # "<path>/tritonserver: unrecognized option ..." or "Bad option: ..." + "invalid value ..."
             return " ".join(re.sub(r"^\S*/tritonserver:", "tritonserver:", ln) for ln in options[:2])
@@ -697,15 +802,7 @@ class TritonServer:
 
     def _count_stubs(self) -> dict[int, str]:
         """pid -> model of the server's python stubs (each names its model's model.py on its command line)."""
-        out = {}
-        for pid in group_members(self._pgid, "triton_python_b"):
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                model = Path(os.fsdecode(args[1])).parent.parent.name
-            except (OSError, IndexError):
-                model = "?"
-            out[pid] = model
-        return out
+        return {pid: stub_model(pid) or "?" for pid in group_members(self._pgid, "triton_python_b")}
 
     def health(self, model: str | None = None) -> str | None:
         """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead (of
