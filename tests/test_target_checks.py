@@ -1,6 +1,8 @@
-"""A target's config.json is checked before transformers reads it: its sizes, its dtype, and its agreement with the
-weights' safetensors headers. Each defect is one line naming the file and the field or tensor, from `inspect` and from
-the loader every stage uses; that the weights disagree with the config is judged by transformers' own loading report."""
+"""A target's config.json is checked before transformers reads it: its sizes, its dtype, its layer settings, and its
+agreement with the weights' safetensors headers, in every family (hybrid and MoE targets included). Each defect is one
+line naming the file and the field or tensor, from `inspect`, from the loader every stage uses and from `export` /
+`build` (exit 2, nothing written); that the weights disagree with the config is judged by transformers' own loading
+report."""
 
 import json
 import shutil
@@ -45,6 +47,19 @@ def _refused(target: Path, family: str, file: str, field: str) -> DFlashError:
         load_target(target)
     assert (e.value.path, e.value.field) == (target / file, field), e.value
     return e.value
+
+
+def _export_refused(target: Path, family: str, file: str, field: str | None) -> str:
+    """`export` of the target with its tiny drafter: exit 2, one error line naming `file`: `field` (`field` None:
+    the file alone), no traceback, and nothing left where the export was to go. Returns the line."""
+    out = target.parent / "exported"
+    r = CliRunner().invoke(main, ["export", "--target", str(target), "--drafter", f"tiny:{family}/drafter",
+                                  "--out", str(out)])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {target / file}: " + (f"{field}: " if field else "")), errors[0]
+    assert not out.exists()
+    return errors[0]
 
 
 @pytest.mark.parametrize("field, value", [
@@ -104,6 +119,15 @@ def _transformers_complaints(target: Path) -> set[str]:
     return names
 
 
+def _transformers_objects(target: Path) -> bool:
+    """Whether transformers' loading reports a tensor missing, unexpected or misshapen, or fails outright (experts
+    it cannot stack into its own layout)."""
+    try:
+        return bool(_transformers_complaints(target))
+    except RuntimeError:
+        return True
+
+
 def _layers(n):
     def edit(text, cfg):
         text["layer_types"] = (text["layer_types"] * 3)[:n]
@@ -133,6 +157,19 @@ DISAGREEMENTS = {
     "composite_layers": ("qwen3.5-moe", _layers(4), None),
     "hybrid_layers": ("qwen3-next", _layers(8), None),
     "hybrid_hidden": ("qwen3-next", lambda t, c: t.update(hidden_size=32), "model.embed_tokens.weight"),
+    "conv_kernel": ("qwen3.5", lambda t, c: t.update(linear_conv_kernel_dim=3),
+                    "model.language_model.layers.0.linear_attn.conv1d.weight"),
+    "value_heads": ("qwen3-next", lambda t, c: t.update(linear_num_value_heads=8),
+                    "model.layers.0.linear_attn.conv1d.weight"),
+    "key_head_dim": ("qwen3-next", lambda t, c: t.update(linear_key_head_dim=8),
+                     "model.layers.0.linear_attn.conv1d.weight"),
+    "gated_query_heads": ("qwen3.5", lambda t, c: t.update(num_attention_heads=8),
+                          "model.language_model.layers.2.self_attn.q_proj.weight"),
+    "router_rows": ("gpt-oss", lambda t, c: t.update(num_local_experts=4), "model.layers.0.mlp.router.weight"),
+    "expert_width": ("gpt-oss", lambda t, c: t.update(intermediate_size=16), "model.layers.0.mlp.experts.gate_up_proj"),
+    "experts": ("qwen3-moe", lambda t, c: t.update(num_local_experts=4), "model.layers.0.mlp.gate.weight"),
+    "shared_expert": ("qwen3-next", lambda t, c: t.update(shared_expert_intermediate_size=16),
+                      "model.layers.0.mlp.shared_expert.gate_proj.weight"),
 }
 
 
@@ -150,13 +187,16 @@ def test_a_config_that_disagrees_with_its_weights_is_named_before_transformers_l
         n = json.loads((target / "config.json").read_text())
         n = n.get("text_config", n)["num_hidden_layers"]
         e = _refused(target, family, "config.json", "num_hidden_layers")
+        _export_refused(target, family, "config.json", "num_hidden_layers")
         layers = {int(c.split("layers.")[1].split(".")[0]) for c in complaints}
         assert all((i >= n) == ("also hold" in e.message) for i in layers), (layers, e.message)
         assert f"N = {min(layers)}..{max(layers)}" in e.message
     else:
         assert tensor in complaints, sorted(complaints)[:5]
         # a tensor of the wrong shape is named in its file, an absent one in the model directory
-        _refused(target, family, "model.safetensors" if case != "untied_head_missing" else "", tensor)
+        file = "model.safetensors" if case != "untied_head_missing" else ""
+        _refused(target, family, file, tensor)
+        _export_refused(target, family, file, tensor)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -177,3 +217,208 @@ def test_a_llama_config_without_head_dim_takes_transformers_default(tmp_path):
     _edit(target, lambda text, cfg: text.pop("head_dim"))
     assert not _transformers_complaints(target)
     assert load_target(target).hidden_size == 64
+
+
+def _edit_weights(target: Path, fn) -> None:
+    """`fn(state, prefix)` on the target's tensors, `prefix` the decoder's ("model." or a composite checkpoint's
+    "model.language_model.")."""
+    sd = load_file(str(target / "model.safetensors"))
+    fn(sd, "model.language_model." if "model.language_model.embed_tokens.weight" in sd else "model.")
+    save_file(sd, str(target / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _decoder(family: str) -> str:
+    return "model.language_model." if family in ("qwen3.5", "qwen3.5-moe") else "model."
+
+
+@pytest.mark.parametrize("family, tensor", [
+    *[("qwen3.5", f"layers.0.linear_attn.{n}") for n in (
+        "conv1d.weight", "A_log", "dt_bias", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+        "in_proj_a.weight", "norm.weight", "out_proj.weight")],
+    ("qwen3.5", "layers.2.self_attn.q_norm.weight"), ("qwen3.5", "layers.1.mlp.up_proj.weight"),
+    ("qwen3-next", "layers.3.linear_attn.in_proj_qkvz.weight"),
+    ("qwen3-next", "layers.0.linear_attn.in_proj_ba.weight"),
+    ("qwen3-next", "layers.0.mlp.experts.3.up_proj.weight"), ("qwen3-next", "layers.1.mlp.shared_expert_gate.weight"),
+    ("qwen3-next", "norm.weight"), ("qwen3.5-moe", "layers.1.mlp.experts.0.down_proj.weight"),
+    ("qwen3-moe", "layers.0.mlp.gate.weight"), ("qwen3-moe", "layers.1.self_attn.k_norm.weight"),
+    ("gpt-oss", "layers.0.self_attn.sinks"), ("gpt-oss", "layers.0.mlp.router.bias"),
+    ("gpt-oss", "layers.1.mlp.experts.down_proj_bias"), ("gpt-oss", "layers.1.self_attn.q_proj.bias"),
+])
+def test_a_missing_layer_tensor_is_named_before_transformers_makes_one_up(tmp_path, family, tensor):
+    """transformers loads a checkpoint that lacks one of its tensors and initializes it afresh (the export then runs
+    on made-up weights), or fails with its own text (an expert missing from a stack): refused instead, the tensor
+    named in the model directory."""
+    target = _target(tmp_path, family)
+    _edit_weights(target, lambda sd, prefix: sd.pop(prefix + tensor))
+    assert _transformers_objects(target)
+    name = _decoder(family) + tensor
+    assert "transformers would initialize it afresh" in _refused(target, family, "", name).message
+    _export_refused(target, family, "", name)
+
+
+@pytest.mark.parametrize("family, tensor, shape", [
+    ("qwen3.5", "layers.0.linear_attn.conv1d.weight", (96, 1, 3)),
+    ("qwen3-next", "layers.0.linear_attn.in_proj_qkvz.weight", (96, 64)),
+    ("qwen3-next", "layers.4.linear_attn.A_log", (2,)),
+    ("qwen3-moe", "layers.1.mlp.experts.7.down_proj.weight", (64, 16)),
+])
+def test_a_tensor_whose_shape_disagrees_with_config_is_named_in_its_file(tmp_path, family, tensor, shape):
+    import torch
+
+    target = _target(tmp_path, family)
+    _edit_weights(target, lambda sd, prefix: sd.__setitem__(prefix + tensor, torch.zeros(shape)))
+    assert _transformers_objects(target)
+    e = _refused(target, family, "model.safetensors", _decoder(family) + tensor)
+    assert f"shape {list(shape)} != " in e.message and "config.json" in e.message
+    _export_refused(target, family, "model.safetensors", _decoder(family) + tensor)
+
+
+def _layer_kinds(kinds):
+    return lambda text, cfg: text.update(layer_types=kinds)
+
+
+# (family, config edit, the field named in config.json)
+LAYER_SETTINGS = {
+    "layer_types_short": ("qwen3.5", _layer_kinds(["linear_attention", "full_attention"] * 2 + ["linear_attention"]),
+                          "text_config.layer_types"),
+    "layer_types_long": ("qwen3-next", _layer_kinds(["linear_attention", "linear_attention", "full_attention"] * 3),
+                         "layer_types"),
+    "layer_kind_unbuilt": ("qwen3-next", _layer_kinds(["linear_attention", "sliding_attention", "full_attention"] * 2),
+                           "layer_types"),
+    "gpt_oss_layer_kind": ("gpt-oss", _layer_kinds(["sliding_attention", "linear_attention"] * 2), "layer_types"),
+    "interval_zero": ("qwen3.5", lambda t, c: (t.pop("layer_types"), t.update(full_attention_interval=0)),
+                      "text_config.full_attention_interval"),
+    "value_heads_grouping": ("qwen3-next", lambda t, c: t.update(linear_num_value_heads=3), "linear_num_value_heads"),
+    "top_k_over_experts": ("qwen3-moe", lambda t, c: t.update(num_experts_per_tok=9), "num_experts_per_tok"),
+    "top_k_over_experts_hybrid": ("qwen3.5-moe", lambda t, c: t.update(num_experts_per_tok=9),
+                                  "text_config.num_experts_per_tok"),
+    "top_k_over_experts_gpt_oss": ("gpt-oss", lambda t, c: t.update(num_experts_per_tok=9), "num_experts_per_tok"),
+    "top_k_zero": ("qwen3-next", lambda t, c: t.update(num_experts_per_tok=0), "num_experts_per_tok"),
+    "sparse_step_zero": ("qwen3-moe", lambda t, c: t.update(decoder_sparse_step=0), "decoder_sparse_step"),
+    "activation": ("qwen3-next", lambda t, c: t.update(hidden_act="gelu"), "hidden_act"),
+    "hybrid_attention_bias": ("qwen3.5", lambda t, c: t.update(attention_bias=True), "text_config.attention_bias"),
+    "no_window": ("gpt-oss", lambda t, c: t.update(sliding_window=0), "sliding_window"),
+    "swiglu_limit": ("gpt-oss", lambda t, c: t.update(swiglu_limit=-1.0), "swiglu_limit"),
+    "expert_count_spelled_twice": ("qwen3-moe", lambda t, c: t.update(num_experts=4), "num_experts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_SETTINGS))
+def test_a_layer_setting_the_layers_cannot_be_built_from_is_named(tmp_path, case):
+    """Settings transformers' config class reads (or fails on with its own text) but that build no model the
+    exported graphs compute: unbuilt layer kinds, a layer_types list of the wrong length, value heads in no whole
+    groups, more experts per token than there are, an activation or biases the graphs would leave out; and a setting
+    given under two spellings that disagree (transformers reads one, silently)."""
+    family, edit, field = LAYER_SETTINGS[case]
+    target = _target(tmp_path, family)
+    _edit(target, edit)
+    errors = _errors(target, family)
+    assert len(errors) == 1 and errors[0].startswith(f"error: {target / 'config.json'}: {field}: "), errors
+    _refused(target, family, "config.json", field)
+    _export_refused(target, family, "config.json", field)
+
+
+# (family, config edit, the field named: the layers' token mixers or MLPs in the weights are of the other kind)
+LAYOUTS = {
+    "layer_types_swapped": ("qwen3.5", _layer_kinds(["full_attention", "linear_attention", "linear_attention"] * 2),
+                            "layer_types"),
+    "interval": ("qwen3.5", lambda t, c: (t.pop("layer_types"), t.update(full_attention_interval=2)),
+                 "full_attention_interval"),
+    "dense_layer_made_moe": ("qwen3-next", lambda t, c: t.update(mlp_only_layers=[]), "mlp_only_layers"),
+    "moe_layers_made_dense": ("qwen3-moe", lambda t, c: t.update(decoder_sparse_step=2), "decoder_sparse_step"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_layer_kinds_that_disagree_with_the_weights_are_named_in_config(tmp_path, case):
+    """transformers builds the layer kinds the config names, loads none of the other kind's tensors and draws the
+    named kind's at random: one error naming the config's setting instead of one per tensor."""
+    family, edit, field = LAYOUTS[case]
+    target = _target(tmp_path, family)
+    _edit(target, edit)
+    assert _transformers_complaints(target)
+    e = _refused(target, family, "config.json", field)
+    assert "but the weights hold" in e.message
+    _export_refused(target, family, "config.json", field)
+
+
+@pytest.mark.parametrize("family, tensor", [
+    ("qwen3.5", "model.language_model.layers.0.linear_attn.conv1d.bias"),
+    ("qwen3-next", "model.layers.3.linear_attn.extra"),
+    ("qwen3-moe", "model.layers.1.mlp.experts.8.up_proj.weight"),  # a ninth expert where config.json says 8
+    ("gpt-oss", "stray.weight"),
+])
+def test_a_tensor_transformers_would_drop_is_named(tmp_path, family, tensor):
+    import torch
+
+    target = _target(tmp_path, family)
+    _edit_weights(target, lambda sd, prefix: sd.__setitem__(tensor, torch.zeros(4)))
+    assert _transformers_objects(target)
+    assert "transformers would drop it" in _refused(target, family, "model.safetensors", tensor).message
+    _export_refused(target, family, "model.safetensors", tensor)
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_tensors_transformers_deliberately_ignores_pass(tmp_path, family):
+    """Multi-token-prediction heads (and Qwen3.5's vision tower, in the tiny composite checkpoint already) are
+    outside the decoder transformers loads, by its own model class's list."""
+    import torch
+
+    from dflash_export.models.target import read_target_config, target_weight_problems
+
+    target = _target(tmp_path, family)
+    _edit_weights(target, lambda sd, prefix: sd.__setitem__("mtp.fc.weight", torch.zeros(4, 4)))
+    assert not _transformers_complaints(target)
+    cfg, cfg_path = read_target_config(target)
+    assert target_weight_problems(target, cfg, cfg_path) == []
+
+
+def test_experts_stored_stacked_as_transformers_holds_them_pass(tmp_path):
+    """A Qwen-MoE checkpoint may store each layer's experts one tensor per projection ([E, 2I, H] and [E, H, I], the
+    layout transformers converts the per-expert tensors into) instead of one per expert."""
+    import torch
+
+    from dflash_export.models.target import read_target_config, target_weight_problems
+
+    target = _target(tmp_path, "qwen3-next")
+
+    def stack(sd, prefix):
+        for i in range(6):
+            p = f"{prefix}layers.{i}.mlp.experts."
+            if p + "0.gate_proj.weight" not in sd:
+                continue
+            take = lambda proj: [sd.pop(f"{p}{e}.{proj}.weight") for e in range(8)]  # noqa: E731
+            sd[p + "gate_up_proj"] = torch.cat([torch.stack(take("gate_proj")), torch.stack(take("up_proj"))], 1)
+            sd[p + "down_proj"] = torch.stack(take("down_proj"))
+
+    _edit_weights(target, stack)
+    assert not _transformers_complaints(target)
+    cfg, cfg_path = read_target_config(target)
+    assert target_weight_problems(target, cfg, cfg_path) == []
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gpt-oss"])
+def test_a_truncated_shard_of_a_hybrid_or_moe_target_is_named(tmp_path, family):
+    target = _target(tmp_path, family)
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[:-1000])
+    line = _export_refused(target, family, "model.safetensors", None)
+    assert "truncated safetensors file" in line
+
+
+@pytest.mark.parametrize("family, edit, file, field", [
+    ("qwen3.5", lambda target: _edit_weights(target, lambda sd, prefix: sd.pop(prefix + "layers.3.linear_attn.A_log")),
+     "", "model.language_model.layers.3.linear_attn.A_log"),
+    ("gpt-oss", lambda target: _edit(target, lambda text, cfg: text.update(num_experts_per_tok=9)), "config.json",
+     "num_experts_per_tok"),
+])
+def test_build_refuses_a_faulty_target_before_writing_an_engine(tmp_path, family, edit, file, field):
+    target = _target(tmp_path, family)
+    edit(target)
+    engines = tmp_path / "engines"
+    r = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", f"tiny:{family}/drafter",
+                                  "--out", str(engines)])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {target / file}: {field}: "), errors[0]
+    assert not engines.exists()

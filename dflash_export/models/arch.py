@@ -19,6 +19,7 @@ class MoeSpec:
 
     num_experts: str = "num_experts"              # config keys
     top_k: str = "num_experts_per_tok"
+    intermediate_size: str = "moe_intermediate_size"  # each expert's width
     norm_topk_prob: str | None = "norm_topk_prob"  # renormalize the top-k softmax weights to sum to 1
     sparse_step: str | None = "decoder_sparse_step"  # layer i is MoE iff (i + 1) % step == 0 and not mlp-only
     mlp_only_layers: str | None = "mlp_only_layers"
@@ -68,9 +69,10 @@ ARCHS["gpt_oss"] = ArchSpec(
     # from transformers' own rotary module), every layer a mixture of experts.
     "gpt_oss", "GptOssForCausalLM", qk_norm=False, gguf_arch=None, attention_sinks=True, sliding_layers=True,
     attn_implementation="eager",
-    moe=MoeSpec(num_experts="num_local_experts", norm_topk_prob=None, sparse_step=None, mlp_only_layers=None,
-                router="router", softmax_after_topk=True, interleaved_transposed=True, expert_bias=True,
-                swiglu_limit="swiglu_limit", swiglu_alpha=1.702, up_plus_one=True))
+    moe=MoeSpec(num_experts="num_local_experts", intermediate_size="intermediate_size", norm_topk_prob=None,
+                sparse_step=None, mlp_only_layers=None, router="router", softmax_after_topk=True,
+                interleaved_transposed=True, expert_bias=True, swiglu_limit="swiglu_limit", swiglu_alpha=1.702,
+                up_plus_one=True))
 
 
 def sliding_windows(arch: ArchSpec, config) -> list[int | None]:

@@ -7,6 +7,7 @@ Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,9 +43,15 @@ def resolve_target_dir(path) -> Path:
     return p
 
 
-# Sizes transformers builds the layers from, checked when config.json gives them (its defaults stand otherwise).
+# Sizes transformers builds the layers from, checked when config.json gives them (its defaults stand otherwise): the
+# attention's and MLP's, the experts' (MoE families) and the Gated DeltaNet's (hybrids).
 OPTIONAL_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                  "max_position_embeddings")
+                  "max_position_embeddings", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "num_experts_per_tok", "decoder_sparse_step", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval")
+# The layer kinds a family's `layer_types` may name (transformers' config classes accept more, which its decoder
+# layers of these families do not build).
+_LAYER_KINDS = {"hybrid": ("linear_attention", "full_attention"), "sliding": ("sliding_attention", "full_attention")}
 
 
 def read_target_config(path) -> tuple[dict[str, Any], Path]:
@@ -81,8 +88,63 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     config_dtype(raw, cfg_path)
     if text:
         config_dtype(text, cfg_path, "text_config.")
+    _check_layer_settings(cfg, cfg_path, where)
     cfg["stop_token_ids"] = stop_token_ids_of(d, cfg)
     return cfg, cfg_path
+
+
+def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
+    """The family's layer settings, read through transformers' config class: `layer_types` one known kind per layer,
+    value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers, a positive SwiGLU clamp
+    (gpt-oss), each token routed to 1..num_experts experts, and no setting the exported graphs would ignore (an
+    activation other than SiLU, biases they do not add). `where(key)` spells a key as config.json does."""
+    arch = ARCHS[cfg["model_type"]]
+    n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n):
+        got = f"{len(types)} entries" if isinstance(types, list) else repr(types)
+        raise DFlashError(f"expected one layer kind per layer (num_hidden_layers {n}), got {got}", path=cfg_path,
+                          field=where("layer_types"))
+    kinds = _LAYER_KINDS["hybrid" if arch.hybrid else "sliding"] if arch.hybrid or arch.sliding_layers else None
+    for i, kind in enumerate(types if kinds and types else []):
+        if kind not in kinds:
+            raise DFlashError(f"layer {i}: {kind!r} (supported: {', '.join(kinds)})", path=cfg_path,
+                              field=where("layer_types"))
+    hf = hf_config(cfg, cfg_path, cfg["model_type"])
+    for alias, key in getattr(hf, "attribute_map", {}).items():  # two spellings of one setting: transformers reads key
+        if alias in cfg and key in cfg and cfg[alias] != cfg[key]:
+            raise DFlashError(f"{cfg[alias]!r} disagrees with {key} {cfg[key]!r}, which transformers reads",
+                              path=cfg_path, field=where(alias))
+    own_activation = arch.moe is not None and arch.moe.swiglu_limit is not None  # gpt-oss's experts: hidden_act unread
+    if not own_activation and getattr(hf, "hidden_act", "silu") != "silu":
+        raise DFlashError(f"{hf.hidden_act!r}: the exported MLPs are SiLU-gated", path=cfg_path,
+                          field=where("hidden_act"))
+    if getattr(hf, "mlp_bias", False):
+        raise DFlashError("true: the exported MLPs have no biases", path=cfg_path, field=where("mlp_bias"))
+    if arch.hybrid is not None:
+        if getattr(hf, "attention_bias", False):
+            raise DFlashError("true: the exported gated attention has no q / k / v biases", path=cfg_path,
+                              field=where("attention_bias"))
+        s = arch.hybrid.linear_shapes(hf)
+        if s["value_heads"] % s["key_heads"]:
+            raise DFlashError(f"{s['value_heads']} is not a multiple of linear_num_key_heads {s['key_heads']} (each "
+                              f"key head serves a whole group of value heads)", path=cfg_path,
+                              field=where("linear_num_value_heads"))
+    window = getattr(hf, "sliding_window", None)
+    if arch.sliding_layers and "sliding_attention" in (hf.layer_types or []) and not (is_int(window) and window >= 1):
+        raise DFlashError(f"sliding_attention layers need a window of at least 1 position, got {window!r}",
+                          path=cfg_path, field=where("sliding_window"))
+    if arch.moe is not None and arch.moe.swiglu_limit:
+        limit = getattr(hf, arch.moe.swiglu_limit, None)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not 0 < limit < math.inf):
+            raise DFlashError(f"must be a positive number (the experts clamp to it), got {limit!r}", path=cfg_path,
+                              field=where(arch.moe.swiglu_limit))
+    if arch.moe is not None:
+        experts, top_k = int(getattr(hf, arch.moe.num_experts, 0) or 0), getattr(hf, arch.moe.top_k, None)
+        if experts and not (is_int(top_k) and 1 <= top_k <= experts):
+            default = "" if arch.moe.top_k in cfg else " (absent: transformers' default)"
+            raise DFlashError(f"{top_k}{default}: each token is routed to 1..{arch.moe.num_experts} ({experts}) "
+                              f"experts", path=cfg_path, field=where(arch.moe.top_k))
 
 
 def _ranges(ids) -> str:
@@ -103,13 +165,101 @@ def _embedding_name(tensors: dict) -> str | None:
     return min(names, key=lambda n: (n.count("."), n)) if names else None
 
 
+def _attention_tensors(arch, hf, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A full-attention layer's tensors: name under `layers.N.` -> (shape, how config.json gives it). Hybrids'
+    q_proj also yields the output gate (twice the rows)."""
+    heads = int(hf.num_attention_heads)
+    kv = int(hf.num_key_value_heads or heads)
+    d = getattr(hf, "head_dim", None) or hidden // heads  # as transformers' attention modules take it
+    gate = 2 if arch.hybrid else 1
+    q, k = "num_attention_heads x head_dim" + (" x 2" if arch.hybrid else ""), "num_key_value_heads x head_dim"
+    out = {"q_proj.weight": ((heads * d * gate, hidden), f"[{q}, hidden_size]"),
+           "k_proj.weight": ((kv * d, hidden), f"[{k}, hidden_size]"),
+           "v_proj.weight": ((kv * d, hidden), f"[{k}, hidden_size]"),
+           "o_proj.weight": ((hidden, heads * d), "[hidden_size, num_attention_heads x head_dim]")}
+    if getattr(hf, "attention_bias", False):
+        out.update({"q_proj.bias": ((heads * d * gate,), f"[{q}]"), "k_proj.bias": ((kv * d,), f"[{k}]"),
+                    "v_proj.bias": ((kv * d,), f"[{k}]"), "o_proj.bias": ((hidden,), "[hidden_size]")})
+    if arch.qk_norm:
+        out.update({"q_norm.weight": ((d,), "[head_dim]"), "k_norm.weight": ((d,), "[head_dim]")})
+    if arch.attention_sinks:
+        out["sinks"] = ((heads,), "[num_attention_heads]")
+    return {"self_attn." + n: v for n, v in out.items()}
+
+
+def _linear_attention_tensors(hybrid, hf, hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A Gated DeltaNet layer's tensors (arch.HybridSpec): name under `layers.N.` -> (shape, how config.json gives
+    it). Qwen3-Next fuses its input projections into in_proj_qkvz / in_proj_ba, Qwen3.5 keeps four."""
+    s = hybrid.linear_shapes(hf)
+    hk, hv, dk, dv, c = s["key_heads"], s["value_heads"], s["key_dim"], s["value_dim"], s["conv_channels"]
+    keys, values = "linear_num_key_heads x linear_key_head_dim", "linear_num_value_heads x linear_value_head_dim"
+    out = {"conv1d.weight": ((c, 1, s["conv_kernel"]), f"[2 x {keys} + {values}, 1, linear_conv_kernel_dim]"),
+           "A_log": ((hv,), "[linear_num_value_heads]"), "dt_bias": ((hv,), "[linear_num_value_heads]"),
+           "norm.weight": ((dv,), "[linear_value_head_dim]"),
+           "out_proj.weight": ((hidden, hv * dv), f"[hidden_size, {values}]")}
+    if hybrid.fused_projections:
+        out.update({"in_proj_qkvz.weight": ((2 * hk * dk + 2 * hv * dv, hidden), f"[2 x ({keys} + {values}), "
+                                                                                   f"hidden_size]"),
+                    "in_proj_ba.weight": ((2 * hv, hidden), "[2 x linear_num_value_heads, hidden_size]")})
+    else:
+        out.update({"in_proj_qkv.weight": ((c, hidden), f"[2 x {keys} + {values}, hidden_size]"),
+                    "in_proj_z.weight": ((hv * dv, hidden), f"[{values}, hidden_size]"),
+                    "in_proj_b.weight": ((hv, hidden), "[linear_num_value_heads, hidden_size]"),
+                    "in_proj_a.weight": ((hv, hidden), "[linear_num_value_heads, hidden_size]")})
+    return {"linear_attn." + n: v for n, v in out.items()}
+
+
+def _mlp_tensors(inter: int, key: str, hidden: int, prefix: str = "") -> dict[str, tuple[tuple[int, ...], str]]:
+    """A SwiGLU MLP of width `inter` (config key `key`): gate / up [inter, hidden], down [hidden, inter]."""
+    return {prefix + "gate_proj.weight": ((inter, hidden), f"[{key}, hidden_size]"),
+            prefix + "up_proj.weight": ((inter, hidden), f"[{key}, hidden_size]"),
+            prefix + "down_proj.weight": ((hidden, inter), f"[hidden_size, {key}]")}
+
+
+def _moe_tensors(arch, hf, hidden: int, fused: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A mixture-of-experts MLP's tensors (arch.MoeSpec): the router, the experts (one stacked tensor per projection
+    when `fused`, as transformers holds them, else one per expert, as Qwen's checkpoints store them) and hybrids'
+    shared expert; name under `layers.N.` -> (shape, how config.json gives it)."""
+    spec = arch.moe
+    e, i = int(getattr(hf, spec.num_experts)), int(getattr(hf, spec.intermediate_size))
+    ek, ik = spec.num_experts, spec.intermediate_size  # the config keys, for messages
+    out = {f"{spec.router}.weight": ((e, hidden), f"[{ek}, hidden_size]")}
+    if spec.expert_bias:
+        out[f"{spec.router}.bias"] = ((e,), f"[{ek}]")
+    if spec.interleaved_transposed:
+        out.update({"experts.gate_up_proj": ((e, hidden, 2 * i), f"[{ek}, hidden_size, 2 x {ik}]"),
+                    "experts.down_proj": ((e, i, hidden), f"[{ek}, {ik}, hidden_size]")})
+    elif fused:
+        out.update({"experts.gate_up_proj": ((e, 2 * i, hidden), f"[{ek}, 2 x {ik}, hidden_size]"),
+                    "experts.down_proj": ((e, hidden, i), f"[{ek}, hidden_size, {ik}]")})
+    else:
+        for x in range(e):
+            out.update(_mlp_tensors(i, ik, hidden, f"experts.{x}."))
+    if spec.expert_bias:
+        out.update({"experts.gate_up_proj_bias": ((e, 2 * i), f"[{ek}, 2 x {ik}]"),
+                    "experts.down_proj_bias": ((e, hidden), f"[{ek}, hidden_size]")})
+    if arch.hybrid is not None and arch.hybrid.shared_expert:
+        out.update(_mlp_tensors(int(hf.shared_expert_intermediate_size), "shared_expert_intermediate_size", hidden,
+                                "shared_expert."))
+        out["shared_expert_gate.weight"] = ((1, hidden), "[1, hidden_size]")
+    return {"mlp." + n: v for n, v in out.items()}
+
+
+def _tensor_kind(name: str) -> str:
+    """A layer tensor's name with its layer and expert numbers taken out: problems are reported once per kind."""
+    return ".".join("N" if part.isdigit() else part for part in name.split("."))
+
+
 def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path) -> list[DFlashError]:
     """config.json (`cfg`, from read_target_config) against the safetensors headers, no tensor data read: the
     embedding is [vocab_size, hidden_size], the LM head too unless tie_word_embeddings, decoder layers
-    0..num_hidden_layers-1 are there and no other, and (families with plain attention in every layer) each layer's
-    q/k/v/o projections have the shapes the head counts give. transformers would otherwise fail with its own text, or
-    load a model the config does not describe (layers past num_hidden_layers dropped, a missing LM head drawn at
-    random). One DFlashError per disagreement, at most one per tensor kind; [] when the weights fit."""
+    0..num_hidden_layers-1 are there and no other, each layer holds the token mixer its layer kind names (attention,
+    or a hybrid's Gated DeltaNet) and the MLP its family gives it (dense, or a mixture of experts), every tensor of
+    them with the shape the config's sizes give, and nothing transformers would drop. transformers would otherwise
+    fail with its own text, or load a model the config does not describe (layers past num_hidden_layers dropped, a
+    missing tensor initialized afresh). A quantized checkpoint (`quantization_config`) stores its tensors as its
+    quantizer does: only the shapes of the tensors it holds under their plain names are checked. One DFlashError per
+    disagreement, at most one per tensor kind; [] when the weights fit."""
     tensors = tensor_headers(model_dir)
     vocab, hidden, n_layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
     embed = _embedding_name(tensors)
@@ -117,6 +267,7 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
         return [DFlashError("no embed_tokens.weight tensor (the decoder's embedding table)", path=model_dir,
                             field="embed_tokens.weight")]
     problems: list[DFlashError] = []
+    quantized = cfg.get("quantization_config") is not None
 
     def shape_problem(name: str, want: tuple[int, ...], spelled: str) -> bool:
         shape, _, f = tensors[name]
@@ -127,6 +278,7 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
         return True
 
     shape_problem(embed, (vocab, hidden), "[vocab_size, hidden_size]")
+    arch = ARCHS[cfg["model_type"]]
     hf = hf_config(cfg, cfg_path, cfg["model_type"])
     if "lm_head.weight" in tensors:
         shape_problem("lm_head.weight", (vocab, hidden), "[vocab_size, hidden_size]")
@@ -134,9 +286,20 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
         problems.append(DFlashError("missing tensor: tie_word_embeddings is false, so the LM head is not the "
                                     "embedding table and transformers would draw it at random", path=model_dir,
                                     field="lm_head.weight"))
-    prefix = embed[:-len("embed_tokens.weight")] + "layers."
-    present = {int(n[len(prefix):].split(".")[0]) for n in tensors
-               if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit()}
+    root = embed[:-len("embed_tokens.weight")]
+    prefix = root + "layers."
+    if root + "norm.weight" in tensors:
+        shape_problem(root + "norm.weight", (hidden,), "[hidden_size]")
+    elif not quantized:
+        problems.append(DFlashError(f"missing tensor (the final norm): {cfg_path.name} describes it, and "
+                                    f"transformers would initialize it afresh", path=model_dir,
+                                    field=root + "norm.weight"))
+    by_layer: dict[int, dict[str, str]] = {}  # layer -> name under `layers.N.` -> full name
+    for name in tensors:
+        head, _, rest = name[len(prefix):].partition(".") if name.startswith(prefix) else ("", "", "")
+        if head.isdigit():
+            by_layer.setdefault(int(head), {})[rest] = name
+    present = set(by_layer)
     missing, extra = sorted(set(range(n_layers)) - present), sorted(present - set(range(n_layers)))
     if missing:
         problems.append(DFlashError(f"{n_layers}, but the weights hold no {prefix}N.* tensors for N = "
@@ -144,23 +307,106 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
     if extra:
         problems.append(DFlashError(f"{n_layers}, but the weights also hold {prefix}N.* for N = {_ranges(extra)} "
                                     f"(transformers would drop them)", path=cfg_path, field="num_hidden_layers"))
-    if ARCHS[cfg["model_type"]].hybrid is None:
-        heads = int(hf.num_attention_heads)
-        kv = int(hf.num_key_value_heads or heads)
-        head_dim = getattr(hf, "head_dim", None) or hidden // heads  # as transformers' attention modules take it
-        want = {"q_proj": ((heads * head_dim, hidden), "[num_attention_heads x head_dim, hidden_size]"),
-                "k_proj": ((kv * head_dim, hidden), "[num_key_value_heads x head_dim, hidden_size]"),
-                "v_proj": ((kv * head_dim, hidden), "[num_key_value_heads x head_dim, hidden_size]"),
-                "o_proj": ((hidden, heads * head_dim), "[hidden_size, num_attention_heads x head_dim]")}
-        for proj, (shape, spelled) in want.items():
-            for i in sorted(present & set(range(n_layers))):
-                name = f"{prefix}{i}.self_attn.{proj}.weight"
-                if name not in tensors:
-                    problems.append(DFlashError("missing tensor", path=model_dir, field=name))
-                    break
-                if shape_problem(name, shape, spelled):
-                    break
+    layers = sorted(present & set(range(n_layers)))
+    expected, skipped = _layer_expectations(arch, hf, cfg, cfg_path, hidden, layers, by_layer, problems)
+    absent: dict[str, list[str]] = {}
+    wrong: set[str] = set()
+    for i in layers:
+        for rest, (shape, spelled) in expected[i].items():
+            kind = _tensor_kind(rest)
+            if rest not in by_layer[i]:
+                absent.setdefault(kind, []).append(f"{prefix}{i}.{rest}")
+            elif kind not in wrong and shape_problem(f"{prefix}{i}.{rest}", shape, spelled):
+                wrong.add(kind)
+    for kind, names in absent.items():
+        if not quantized:
+            more = f" ({len(names)} such tensors missing)" if len(names) > 1 else ""
+            problems.append(DFlashError(f"missing tensor{more}: {cfg_path.name} describes it, and transformers "
+                                        f"would initialize it afresh", path=model_dir, field=names[0]))
+    unexpected = [] if quantized else [
+        full for i in layers for rest, full in by_layer[i].items()
+        if rest not in expected[i] and not rest.startswith(skipped.get(i, ("\0",)))] + \
+        _dropped_by_transformers(tensors, arch, root)
+    unexpected = [n for n in unexpected if not n.endswith("rotary_emb.inv_freq")]  # a buffer transformers recomputes
+    if unexpected:
+        also = unexpected[1:4] + (["..."] if len(unexpected) > 4 else [])
+        more = f" ({len(unexpected)} in all, also {', '.join(also)})" if also else ""
+        problems.append(DFlashError(f"unexpected tensor: {cfg_path.name} describes no such weight, and transformers "
+                                    f"would drop it{more}", path=tensors[unexpected[0]][2], field=unexpected[0]))
     return problems
+
+
+def _layer_expectations(arch, hf, cfg: dict, cfg_path: Path, hidden: int, layers: list[int],
+                        by_layer: dict[int, dict[str, str]], problems: list[DFlashError]
+                        ) -> tuple[dict[int, dict], dict[int, tuple[str, ...]]]:
+    """Per layer, the tensors config.json describes (name under `layers.N.` -> (shape, spelled)), and the parts left
+    unchecked where the weights hold another kind of token mixer or MLP than the config names: one problem each for
+    those (layer_types / full_attention_interval; the settings that make a layer's MLP experts or dense)."""
+    kinds = arch.hybrid.layer_kinds(hf) if arch.hybrid else None
+    moe_layers = arch.moe.layers(hf) if arch.moe else None
+    mixers = {"full_attention": "self_attn.", "linear_attention": "linear_attn."}
+    expected: dict[int, dict] = {}
+    skipped: dict[int, tuple[str, ...]] = {}
+    wrong_kind: list[int] = []
+    wrong_mlp: list[int] = []
+    for i in layers:
+        held = by_layer[i]
+        want: dict = {"input_layernorm.weight": ((hidden,), "[hidden_size]"),
+                      "post_attention_layernorm.weight": ((hidden,), "[hidden_size]")}
+        kind = kinds[i] if kinds else "full_attention"
+        other = next((k for k, p in mixers.items() if k != kind and any(r.startswith(p) for r in held)), None)
+        if kinds and other is not None and not any(r.startswith(mixers[kind]) for r in held):
+            wrong_kind.append(i)
+            skipped[i] = tuple(mixers.values())
+        else:
+            want.update(_linear_attention_tensors(arch.hybrid, hf, hidden) if kind == "linear_attention" else
+                        _attention_tensors(arch, hf, hidden))
+        moe = bool(moe_layers and moe_layers[i])
+        dense_held = any(r.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")) for r in held)
+        moe_held = any(r.startswith(("mlp.experts.", f"mlp.{arch.moe.router}.")) for r in held) if arch.moe else False
+        if (moe and dense_held and not moe_held) or (not moe and moe_held and not dense_held):
+            wrong_mlp.append(i)
+            skipped[i] = skipped.get(i, ()) + ("mlp.",)
+        elif moe:
+            want.update(_moe_tensors(arch, hf, hidden, fused="mlp.experts.gate_up_proj" in held))
+        else:
+            want.update(_mlp_tensors(int(hf.intermediate_size), "intermediate_size", hidden, "mlp."))
+        expected[i] = want
+    if wrong_kind:
+        field = "layer_types" if cfg.get("layer_types") is not None or not arch.hybrid else "full_attention_interval"
+        first = kinds[wrong_kind[0]]
+        held = "linear_attn" if first == "full_attention" else "self_attn"
+        problems.append(DFlashError(
+            f"makes layers {_ranges(j for j in wrong_kind if kinds[j] == first)} {first}, but the weights hold "
+            f"{held}.* tensors there (the other layer kind)", path=cfg_path, field=field))
+    if wrong_mlp:
+        spec, i = arch.moe, wrong_mlp[0]
+        dense = getattr(hf, spec.mlp_only_layers, None) or [] if spec.mlp_only_layers else []
+        step = int(getattr(hf, spec.sparse_step, 1) or 1) if spec.sparse_step else 1
+        if moe_layers[i]:  # the setting that would have made it dense
+            field = spec.mlp_only_layers or spec.num_experts
+        else:  # the setting that made it dense
+            field = spec.mlp_only_layers if i in dense else spec.sparse_step if (i + 1) % step else spec.num_experts
+        said, held = ("a mixture of experts", "a dense MLP") if moe_layers[i] else ("a dense MLP", "experts")
+        problems.append(DFlashError(
+            f"makes layers {_ranges(j for j in wrong_mlp if moe_layers[j] == moe_layers[i])} {said} (with "
+            f"{', '.join(k for k in (spec.num_experts, spec.sparse_step, spec.mlp_only_layers) if k)}), but the "
+            f"weights hold {held} there", path=cfg_path, field=field))
+    return expected, skipped
+
+
+def _dropped_by_transformers(tensors: dict, arch, root: str) -> list[str]:
+    """The tensors outside the decoder layers (`root` the decoder's prefix) that transformers' model class neither
+    loads nor deliberately ignores (its `_keys_to_ignore_on_load_unexpected`: Qwen3.5's vision tower,
+    multi-token-prediction heads)."""
+    import re
+
+    import transformers
+
+    ignored = getattr(getattr(transformers, arch.hf_architecture, None), "_keys_to_ignore_on_load_unexpected", None)
+    loaded = (root + "embed_tokens.weight", root + "norm.weight", "lm_head.weight")
+    return [n for n in tensors if not n.startswith(root + "layers.") and n not in loaded
+            and not any(re.search(p, n) for p in ignored or [])]
 
 
 def check_target_weights(model_dir: Path, cfg: dict[str, Any], cfg_path: Path) -> None:
