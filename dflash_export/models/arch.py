@@ -57,11 +57,13 @@ class ArchSpec:
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_norm=True, gguf_arch="qwen3"),
+    # Qwen3 with use_sliding_window: transformers marks layers from max_window_layers on "sliding_attention".
+    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_norm=True, gguf_arch="qwen3", sliding_layers=True),
     "llama": ArchSpec("llama", "LlamaForCausalLM", qk_norm=False, gguf_arch="llama"),
     # Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3's attention; softmax router, top-k, optional
-    # renormalization of the k weights, no shared expert.
-    "qwen3_moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, gguf_arch=None, moe=MoeSpec()),
+    # renormalization of the k weights, no shared expert; with use_sliding_window every layer is windowed.
+    "qwen3_moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, gguf_arch=None, moe=MoeSpec(),
+                          sliding_layers=True),
 }
 
 ARCHS["gpt_oss"] = ArchSpec(
@@ -76,12 +78,15 @@ ARCHS["gpt_oss"] = ArchSpec(
 
 
 def sliding_windows(arch: ArchSpec, config) -> list[int | None]:
-    """Per layer, its sliding window (keys with position > query position - window are visible), or None."""
+    """Per layer, its sliding window (keys with position > query position - window are visible), or None. A family
+    with sliding layers and no `layer_types` (Qwen3-MoE) windows every layer once config.sliding_window is set, as
+    transformers' model does (its config sets the window only with use_sliding_window)."""
     n = int(getattr(config, "num_hidden_layers"))
     if not arch.sliding_layers:
         return [None] * n
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
     window = getattr(config, "sliding_window", None)
+    types = list(getattr(config, "layer_types", None) or [
+        "sliding_attention" if window is not None else "full_attention"] * n)
     return [int(window) if t == "sliding_attention" and window else None for t in types]
 
 

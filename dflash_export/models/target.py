@@ -129,8 +129,9 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
             raise DFlashError(f"{s['value_heads']} is not a multiple of linear_num_key_heads {s['key_heads']} (each "
                               f"key head serves a whole group of value heads)", path=cfg_path,
                               field=where("linear_num_value_heads"))
-    window = getattr(hf, "sliding_window", None)
-    if arch.sliding_layers and "sliding_attention" in (hf.layer_types or []) and not (is_int(window) and window >= 1):
+    window, kinds_read = getattr(hf, "sliding_window", None), getattr(hf, "layer_types", None)
+    windowed = "sliding_attention" in kinds_read if kinds_read else window is not None  # arch.sliding_windows
+    if arch.sliding_layers and windowed and not (is_int(window) and window >= 1):
         raise DFlashError(f"sliding_attention layers need a window of at least 1 position, got {window!r}",
                           path=cfg_path, field=where("sliding_window"))
     if arch.moe is not None and arch.moe.swiglu_limit:

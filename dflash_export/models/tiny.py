@@ -41,7 +41,9 @@ class TinySpec:
     experts_per_token: int = 2
     moe_intermediate_size: int = 32
     mlp_only_layers: tuple[int, ...] = ()
-    sliding_window: int = 0          # gpt_oss: layers alternate sliding (this window) and full attention
+    sliding_window: int = 0          # gpt_oss: layers alternate sliding (this window) and full attention; qwen3:
+    #                                  use_sliding_window, layers from `max_window_layers` on windowed
+    max_window_layers: int = 2
     full_attention_interval: int = 0  # hybrids: every n-th layer full attention, the others Gated DeltaNet
 
     @property
@@ -57,6 +59,7 @@ TINY = {
     "qwen3": TinySpec("qwen3"),
     "llama": TinySpec("llama"),
     "qwen3-b16": TinySpec("qwen3", block_size=16),
+    "qwen3-swa": TinySpec("qwen3", sliding_window=8),  # layers 0, 1 full attention, 2..5 an 8-token window
     "gpt-oss": TinySpec("gpt_oss", num_experts=8, experts_per_token=2, intermediate_size=32, sliding_window=8,
                         num_layers=4, target_layer_ids=(0, 2)),
     "qwen3-moe": TinySpec("qwen3_moe", num_experts=8, experts_per_token=2, mlp_only_layers=(2,)),
@@ -105,7 +108,9 @@ def build_target(spec: TinySpec, out: Path) -> Path:
     )
     torch.manual_seed(spec.seed)
     if spec.family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
+        window = dict(use_sliding_window=True, sliding_window=spec.sliding_window,
+                      max_window_layers=spec.max_window_layers) if spec.sliding_window else {}
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **window))
     elif spec.family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif spec.family == "gpt_oss":
@@ -208,7 +213,9 @@ def tiny_pair_path(spec_str: str) -> Path:
     if part not in ("target", "drafter"):
         raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
     spec = TINY[name]
-    fields = {k: v for k, v in spec.__dict__.items() if k != "full_attention_interval" or v}  # older pairs' digests
+    # older pairs' digests: fields added since are left out at their defaults
+    fields = {k: v for k, v in spec.__dict__.items()
+              if (k != "full_attention_interval" or v) and (k != "max_window_layers" or spec.sliding_window)}
     digest = hashlib.sha256(json.dumps(fields, default=list, sort_keys=True).encode()).hexdigest()[:10]
     root = cache_dir() / "tiny" / f"{name}-v{_VERSION}-{digest}"
     target, drafter = build_pair(spec, root)
