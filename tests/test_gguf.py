@@ -1,6 +1,7 @@
 """GGUF targets: the checks that guard the conversion (no GGUF needed), and the real SmolLM2 conversion."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -145,9 +146,14 @@ def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkey
     assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3)" in str(e.value)
 
 
-def _tiny_gguf(path, drop=()):
+_TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight" for n in (
+    "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
+
+
+def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0):
     """A one-layer llama GGUF (hidden size 16, a 32-token byte-level BPE vocabulary, fp32 tensors), written with the
-    `gguf` package; the tensors named in `drop` are left out."""
+    `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value, GGUFValueType)}, None
+    removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another GGML type."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
@@ -172,14 +178,20 @@ def _tiny_gguf(path, drop=()):
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+    for key, value in (kv or {}).items():
+        w.kv_data[0].pop(key, None)
+        if value is not None:
+            w.add_key_value(key, *value)  # an array's item type is the values' own
     kv = kv_heads * h // heads
     shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
               "blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (kv, h),
               "blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_gate.weight": (ff, h),
-              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff)}
-    rng = np.random.default_rng(0)
+              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff), **(shapes or {})}
+    rng = np.random.default_rng(seed)
     for name, shape in shapes.items():
-        if name not in drop:
+        if name in (types or {}):
+            w.add_tensor(name, np.zeros(shape, np.int8), raw_dtype=types[name])
+        elif name not in drop:
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -197,7 +209,7 @@ def test_a_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
 
 def test_a_failing_conversion_is_the_one_error_line_on_stderr(tmp_path):
     """A GGUF whose metadata reads but whose tensors do not make the model: the command's stderr is its one error line,
-    no progress bar of the conversion before it, and nothing is left in the cache to be taken for a conversion."""
+    and nothing is left in the cache to be taken for a conversion."""
     import os
     import subprocess
     import sys
@@ -211,6 +223,210 @@ def test_a_failing_conversion_is_the_one_error_line_on_stderr(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash_export", "inspect", "--target", str(bad), "--drafter",
                         "tiny:qwen3/drafter"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
-    assert r.stderr == (f"error: {bad}: tensors: GGUF tensors do not map onto LlamaForCausalLM (1 off, e.g. "
-                        "model.layers.0.mlp.down_proj.weight)\n"), r.stderr
+    assert r.stderr == f"error: {bad}: blk.0.ffn_down.weight: missing (block_count is 1)\n", r.stderr
     assert not (tmp_path / "cache" / "targets").exists() or not any((tmp_path / "cache" / "targets").iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ bad GGUF files
+# Each fault is one line from the CLI naming the file and the key / tensor / part of the file, exit 2, no traceback,
+# nothing in the cache or the output directory; the file's header is all that is read to tell.
+
+def _drafter():
+    return Path(__file__).resolve().parent.parent / "recipes" / "smollm2-135m" / "drafter"
+
+
+def _refused(tmp_path, monkeypatch, gguf_file, field, says=""):
+    """`inspect` and `build` of `gguf_file` fail with the one line `error: FILE: FIELD: ...`."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    cache, out = tmp_path / "cache", tmp_path / "engines"
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    for args in (["inspect"], ["build", "--out", str(out)]):
+        r = CliRunner().invoke(main, [*args, "--target", str(gguf_file), "--drafter", str(_drafter())])
+        errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+        assert errors[0].startswith(f"error: {gguf_file}: {field}") and says in errors[0], errors[0]
+    assert not out.exists()
+    assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
+
+
+def _rewrite(path, fn):
+    """Apply `fn` to the file's bytes."""
+    path.write_bytes(fn(path.read_bytes()))
+    return path
+
+
+def _tensor_info_at(raw: bytes, name: str) -> int:
+    """Where tensor `name`'s info record ends its name (its dimension count follows)."""
+    return raw.index(name.encode()) + len(name)
+
+
+def _offset_past_end(raw: bytes) -> bytes:
+    """The last tensor's data offset set a gigabyte out."""
+    at = _tensor_info_at(raw, "blk.0.ffn_down.weight")
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    at += 4 + 8 * n_dims + 4
+    return raw[:at] + (10 ** 9).to_bytes(8, "little") + raw[at + 8:]
+
+
+def _layout_cases():
+    def cut(n):  # the first n bytes; n < 0: all but the last -n
+        return lambda raw: raw[:n]
+
+    kv_end = lambda raw: _tensor_info_at(raw, "token_embd.weight") - len("token_embd.weight") - 8  # noqa: E731
+    return [
+        ("empty", lambda raw: b"", "magic", "empty"),
+        ("bad magic", lambda raw: b"GGUG" + raw[4:], "magic", "not a GGUF file"),
+        ("version 99", lambda raw: raw[:4] + (99).to_bytes(4, "little") + raw[8:], "version", "99"),
+        ("cut in the header", cut(10), "header", "ends at byte 10"),
+        ("cut in the key/values", lambda raw: raw[:raw.index(b"tokenizer.ggml.tokens") + 40],
+         "tokenizer.ggml.tokens", "truncated"),
+        ("cut in the tensor infos", lambda raw: raw[:_tensor_info_at(raw, "blk.0.attn_q.weight") + 6],
+         "blk.0.attn_q.weight", "inside its shape"),
+        ("cut in the tensor data", cut(-100), "blk.0.ffn_down.weight", "past the end of the file"),
+        ("a tensor offset past the end", _offset_past_end, "blk.0.ffn_down.weight", "past the end of the file"),
+        ("a tensor name twice", lambda raw: raw.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1),
+         "blk.0.attn_q.weight", "given twice"),
+        ("an unknown tensor type", lambda raw: (lambda at: raw[:at + 4 + 16] + (99).to_bytes(4, "little")
+                                                + raw[at + 24:])(_tensor_info_at(raw, "blk.0.attn_q.weight")),
+         "blk.0.attn_q.weight", "unknown GGML tensor type 99"),
+        ("a huge key/value count", lambda raw: raw[:16] + (2 ** 40).to_bytes(8, "little") + raw[24:], "kv_count",
+         "cannot fit"),
+        ("a key's value cut short", lambda raw: raw[:raw.index(b"llama.context_length") + 20 + 4 + 2],
+         "llama.context_length", "inside its value"),
+        ("a key cut short", lambda raw: raw[:kv_end(raw) - 20], "metadata key/value", "inside its key"),
+    ]
+
+
+@pytest.mark.parametrize("fault, edit, field, says", _layout_cases(), ids=[c[0] for c in _layout_cases()])
+def test_a_cut_short_or_malformed_gguf_file_is_named_where_it_breaks(tmp_path, monkeypatch, fault, edit, field, says):
+    bad = _rewrite(_tiny_gguf(tmp_path / "t.gguf"), edit)
+    _refused(tmp_path, monkeypatch, bad, field, says)
+
+
+def test_a_directory_named_like_a_gguf_file_is_refused(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    (tmp_path / "x.gguf").mkdir()
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(main, ["inspect", "--target", str(tmp_path / "x.gguf"), "--drafter", str(_drafter())])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {tmp_path / 'x.gguf'}: not an HF model directory (no config.json) nor a .gguf")
+
+
+def _value_cases():
+    from gguf import GGUFValueType as T
+
+    return [
+        ("llama.block_count", ("1", T.STRING), "expected a positive integer, got '1'"),
+        ("llama.block_count", (0, T.UINT32), "got 0"),
+        ("llama.attention.head_count", (-2, T.INT32), "got -2"),
+        ("llama.attention.head_count", (2 ** 31, T.UINT32), "does not divide embedding_length 16"),
+        ("llama.attention.head_count_kv", (3, T.UINT32), "does not divide attention.head_count 2"),
+        ("llama.context_length", (0, T.UINT32), "got 0"),
+        ("llama.embedding_length", (16.0, T.FLOAT32), "got 16.0"),
+        ("llama.rope.freq_base", ("x", T.STRING), "expected a positive number"),
+        ("llama.attention.layer_norm_rms_epsilon", (-1.0, T.FLOAT32), "expected a positive number"),
+        ("tokenizer.chat_template", (5, T.UINT32), "expected a string"),
+        ("tokenizer.ggml.add_bos_token", (1, T.UINT8), "expected a boolean"),
+    ]
+
+
+@pytest.mark.parametrize("key, value, says", _value_cases(), ids=[f"{c[0]}={c[1][0]!r}" for c in _value_cases()])
+def test_a_setting_of_the_wrong_type_or_range_is_named(tmp_path, monkeypatch, key, value, says):
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", kv={key: value}), key, says)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("general.architecture", None, "unsupported GGUF architecture None"),
+    ("general.architecture", ("mamba", 8), "unsupported GGUF architecture 'mamba' (supported: llama, qwen3)"),
+    ("llama.block_count", None, "missing"),
+    ("llama.embedding_length", None, "missing"),
+    ("llama.attention.head_count", None, "missing"),
+    ("tokenizer.ggml.tokens", None, "expected a non-empty list of strings"),
+    ("tokenizer.ggml.model", None, "expected 'gpt2' or 'llama', got None"),
+])
+def test_a_missing_key_or_an_architecture_not_converted_is_named(tmp_path, monkeypatch, key, value, says):
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", kv={key: value}), key, says)
+
+
+@pytest.mark.parametrize("key, value, field, says", [
+    ("tokenizer.ggml.token_type", [1] * 10, None, "10 entries for 32 tokens"),
+    ("tokenizer.ggml.scores", [0.0] * 10, None, "10 entries for 32 tokens"),
+    ("tokenizer.ggml.tokens", [chr(97 + i % 26) * (1 + i // 26) for i in range(34)], "tokenizer.ggml.token_type",
+     "32 entries for 34 tokens"),
+    ("tokenizer.ggml.merges", ["a b", "qq rr"], None, "merge 1 ('qq rr')"),
+    ("tokenizer.ggml.eos_token_id", 999, None, "999 is not a token id (0..31)"),
+    ("llama.vocab_size", 40, None, "40 != 32 tokens"),
+])
+def test_a_tokenizer_whose_lists_disagree_is_named(tmp_path, monkeypatch, key, value, field, says):
+    from gguf import GGUFValueType
+
+    f = _tiny_gguf(tmp_path / "t.gguf", kv={key: (value, GGUFValueType.get_type(value))})
+    _refused(tmp_path, monkeypatch, f, field or key, says)
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    ({"shapes": {"token_embd.weight": (32, 8)}}, "token_embd.weight", "shape [32, 8] != [32, 16]"),
+    ({"shapes": {"blk.0.attn_q.weight": (8, 32)}}, "blk.0.attn_q.weight", "shape [8, 32] != [16, 16]"),
+    ({"shapes": {"output.weight": (32, 8)}}, "output.weight", "shape [32, 8] != [32, 16]"),
+    ({"shapes": {"blk.1.attn_q.weight": (16, 16)}}, "blk.1.attn_q.weight", "block_count 1"),
+    ({"shapes": {"blk.0.bogus.weight": (16,)}}, "blk.0.bogus.weight", "the conversion would drop it"),
+    ({"drop": ("blk.0.attn_v.weight",)}, "blk.0.attn_v.weight", "missing"),
+    ({"kv": {"llama.block_count": (2, 4)}}, "blk.1.attn_norm.weight", "missing (block_count is 2)"),
+    ({"types": {"output_norm.weight": 24}}, "output_norm.weight", "tensor type I8"),
+    ({"drop": ("token_embd.weight",)}, "token_embd.weight", "missing"),
+    ({"drop": _TINY_TENSORS}, "tensors", "holds no tensors"),
+])
+def test_a_tensor_that_disagrees_with_the_settings_is_named(tmp_path, monkeypatch, edit, field, says):
+    from gguf import GGMLQuantizationType, GGUFValueType
+
+    if "kv" in edit:
+        edit = {"kv": {k: (v, GGUFValueType(t)) for k, (v, t) in edit["kv"].items()}}
+    if "types" in edit:
+        edit = {"types": {k: GGMLQuantizationType(t) for k, t in edit["types"].items()}}
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", **edit), field, says)
+
+
+def test_a_shape_transformers_reads_otherwise_is_one_error(tmp_path, monkeypatch):
+    """Should transformers build a shape the header checks do not foresee, loading the tensors is one error too."""
+    from dflash_export.models import gguf
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "check_gguf_metadata", lambda meta, path: None)
+    bad = _tiny_gguf(tmp_path / "t.gguf", shapes={"blk.0.attn_q.weight": (8, 32)})
+    with pytest.raises(DFlashError) as e:
+        hf_dir_from_gguf(bad)
+    assert e.value.field == "tensors" and "size mismatch for model.layers.0.self_attn.q_proj.weight" in str(e.value)
+    assert not any((tmp_path / "cache" / "targets").iterdir())
+
+
+@pytest.mark.parametrize("stop", [RuntimeError("disk gone"), KeyboardInterrupt()])
+def test_an_interrupted_conversion_leaves_nothing_a_later_run_takes_for_done(tmp_path, monkeypatch, stop):
+    """Stopped after the weights are written: no cache entry; the next run converts afresh. Files that differ in one
+    weight get their own entries; the same bytes under another name reuse theirs."""
+    import shutil
+
+    from dflash_export.models import gguf
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    f = _tiny_gguf(tmp_path / "t.gguf")
+
+    def interrupted(out, meta, tokenizer):
+        assert (out / "model.safetensors").is_file()
+        raise stop
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "_write_special_tokens", interrupted)
+        with pytest.raises(type(stop)):
+            hf_dir_from_gguf(f)
+    assert not any((tmp_path / "cache" / "targets").iterdir())
+    d = hf_dir_from_gguf(f)
+    assert json.loads((d / "tokenizer_config.json").read_text())["eos_token_id"] == 2
+    other = hf_dir_from_gguf(_tiny_gguf(tmp_path / "u.gguf", seed=1))
+    assert other != d
+    assert hf_dir_from_gguf(shutil.copy(f, tmp_path / "copy.gguf")) == d

@@ -1,18 +1,23 @@
 """GGUF targets: converted once to an HF-format directory (fp32, dequantized) and cached by the file's hash.
 
-transformers' GGUF loader does the dequantization; this module adds what it does not promise: the conversion is cached
-atomically (a half-written copy is never taken for a finished one) and the fields that silently change generation --
-rope_theta, rms_norm_eps, tied embeddings, eos / stop ids, the chat template -- are checked against the GGUF metadata
-itself, read with the `gguf` package.
+transformers' GGUF loader does the dequantization; this module adds what it does not promise: the file's header is
+read and checked first (layout, settings, tokenizer, tensor shapes and types: one error naming the key or tensor, never
+a traceback from inside the loader), the conversion is cached atomically (a half-written copy is never taken for a
+finished one) and the fields that silently change generation -- rope_theta, rms_norm_eps, tied embeddings, eos / stop
+ids, the chat template -- are checked against the GGUF metadata itself.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import mmap
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.arch import ARCHS
@@ -25,28 +30,269 @@ from dflash_export.models.rope import rope_parameters_of
 _CONVERSION_VERSION = 4
 
 
+_HEADER = 24  # magic, version, tensor count, key/value count
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF values from `buf`; a DFlashError names `field` where the bytes run out or make no sense."""
+
+    def __init__(self, buf, order: str, path: Path):
+        self.buf, self.pos, self.order, self.path, self.field = buf, 0, order, path, "header"
+
+    def fail(self, message: str):
+        raise DFlashError(message, path=self.path, field=self.field)
+
+    def need(self, n: int, what: str) -> None:
+        if n > len(self.buf) - self.pos:
+            self.fail(f"the file ends at byte {len(self.buf)}, inside {what} (truncated?)")
+
+    def count(self, n: int, field: str) -> None:
+        """A header count of more entries than the file has bytes is an error before any is read (a file cut short
+        inside its entries is named by the entry it stops in)."""
+        if n > len(self.buf):
+            raise DFlashError(f"{n} entries cannot fit in a file of {len(self.buf)} bytes (a bad count, or the file is "
+                              "cut short)", path=self.path, field=field)
+
+    def take(self, fmt: str, what: str) -> tuple:
+        fmt = self.order + fmt
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        self.pos += n
+        return struct.unpack_from(fmt, self.buf, self.pos - n)
+
+    def text(self, what: str) -> str:
+        (n,) = self.take("Q", what)
+        self.need(n, what)
+        self.pos += n
+        try:
+            return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not UTF-8 text")
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype], what)[0]
+        if vtype == _STRING:
+            return self.text(what)
+        if vtype != _ARRAY:
+            self.fail(f"unknown GGUF value type {vtype}")
+        itype, count = self.take("IQ", what)
+        if depth > 4:
+            self.fail("arrays nested more than 4 deep")
+        if itype in _SCALARS:  # read at once: a token list's scores / types are long
+            import numpy as np
+
+            dtype = np.dtype(_SCALARS[itype]).newbyteorder(self.order)
+            self.need(count * dtype.itemsize, what)
+            self.pos += count * dtype.itemsize
+            return np.frombuffer(self.buf, dtype, count, self.pos - count * dtype.itemsize).tolist()
+        self.need(count * 8, what)  # a string or array item takes at least its 8-byte length
+        return [self.value(itype, what, depth + 1) for _ in range(count)]
+
+
 def read_gguf_metadata(path: Path) -> dict:
-    """The GGUF key/values this module checks, plus `tensor_names`. Token lists are skipped (large, not needed)."""
+    """The GGUF key/values, plus `tensor_names` and `tensors` ({name: (shape in PyTorch's order, GGML type
+    name)}), from the header alone (no tensor data read). The layout is checked on the way: DFlashError naming the
+    part that is cut short or that no GGUF reader takes -- the magic, the version, a key of an unknown value type
+    or given twice, a tensor name given twice, an unknown tensor type, tensor data past the end of the file.
+    Read here rather than with the `gguf` package's GGUFReader, which maps every tensor up front (2.3 s against 0.1 s
+    on SmolLM2) and fails on a cut or foreign file with a numpy error that names no part of it; its tables of value
+    and tensor types are what this reader takes."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
     except ImportError:
         raise DFlashError("GGUF targets need the `gguf` package (pip install 'dflash-export[gguf]')",
                           path=path) from None
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # gguf raises plain ValueError / struct errors on truncated or foreign files
-        raise DFlashError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=path) from None
-    meta: dict = {}
-    for key, fld in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                   "tokenizer.ggml.scores"):
-            continue
-        try:
-            meta[key] = fld.contents()
-        except Exception:  # an exotic field type this gguf version cannot decode is not one we check
-            continue
-    meta["tensor_names"] = [t.name for t in reader.tensors]
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+        if not head:
+            raise DFlashError("the file is empty", path=path, field="magic")
+        if head[:4] != b"GGUF"[:len(head)]:
+            raise DFlashError(f"not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')", path=path, field="magic")
+        if len(head) < _HEADER:
+            raise DFlashError(f"the file ends at byte {len(head)}, inside the {_HEADER}-byte GGUF header (truncated?)",
+                              path=path, field="header")
+        order = "<" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF else ">"  # a big-endian file reads as 0x..0000
+        (version,) = struct.unpack_from(order + "I", head, 4)
+        if version not in READER_SUPPORTED_VERSIONS:
+            raise DFlashError(f"GGUF version {version} is not one the `gguf` reader takes "
+                              f"({', '.join(map(str, READER_SUPPORTED_VERSIONS))})", path=path, field="version")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf, order, path)
+            cur.pos = 8
+            n_tensors, n_kv = cur.take("QQ", "the GGUF header")
+            cur.count(n_kv, "kv_count")
+            meta: dict = {}
+            for i in range(n_kv):
+                cur.field = f"metadata key/value {i} of {n_kv}"
+                key = cur.text("its key")
+                cur.field = key or cur.field
+                if key in meta:
+                    cur.fail("the key is given twice")
+                (vtype,) = cur.take("I", "its value type")
+                meta[key] = cur.value(vtype, "its value")
+                if key == "general.alignment" and (vtype != 4 or not meta[key] or meta[key] & (meta[key] - 1)):
+                    cur.fail(f"expected a power of two stored as uint32, got {meta[key]!r}")
+            cur.count(n_tensors, "tensor_count")
+            tensors: dict[str, tuple] = {}
+            for i in range(n_tensors):
+                cur.field = f"tensor info {i} of {n_tensors}"
+                name = cur.text("its name")
+                cur.field = name or cur.field
+                if name in tensors:
+                    cur.fail("the tensor name is given twice")
+                (n_dims,) = cur.take("I", "its dimension count")
+                if not 1 <= n_dims <= 4:
+                    cur.fail(f"{n_dims} dimensions (GGML tensors have 1 to 4)")
+                dims = cur.take("Q" * n_dims, "its shape")
+                raw_type, offset = cur.take("IQ", "its type and offset")
+                try:
+                    qtype = GGMLQuantizationType(raw_type)
+                except ValueError:
+                    cur.fail(f"unknown GGML tensor type {raw_type}")
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                if dims[0] % block:
+                    cur.fail(f"rows of {dims[0]} values do not split into {qtype.name} blocks of {block}")
+                tensors[name] = tuple(reversed(dims)), qtype.name, offset, math.prod(dims) // block * type_size
+    data = cur.pos + -cur.pos % meta.get("general.alignment", 32)
+    for name, (_, _, offset, nbytes) in tensors.items():
+        if data + offset + nbytes > size:
+            raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) runs past the end of the "
+                              f"file ({size} bytes; truncated, or a bad offset)", path=path, field=name)
+    meta["tensor_names"] = list(tensors)
+    meta["tensors"] = {name: t[:2] for name, t in tensors.items()}
     return meta
+
+
+@functools.cache
+def _dequantizable(type_name: str) -> bool:
+    """Whether the `gguf` package (what transformers' reader calls) dequantizes tensors of this GGML type."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_gguf_metadata(meta: dict, path: Path) -> None:
+    """The GGUF's settings, tokenizer and tensors against each other, before any conversion: DFlashError naming the
+    first key or tensor that is missing, of the wrong type, out of range, or that disagrees with the rest (what
+    read_target_config and target_weight_problems check on an HF directory, said in the GGUF's own names)."""
+    arch = meta.get("general.architecture")
+    known = sorted(a.gguf_arch for a in ARCHS.values() if a.gguf_arch)
+    if arch not in known:
+        raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
+                          field="general.architecture")
+
+    def fail(key: str, message: str):
+        raise DFlashError(message, path=path, field=key)
+
+    def size(name: str, required: bool = False) -> int | None:
+        key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
+        if v is None and required:
+            fail(key, f"missing (a {arch} GGUF gives it)")
+        if v is not None and (not is_int(v) or v < 1):
+            fail(key, f"expected a positive integer, got {v!r}")
+        return v
+
+    layers, hidden = size("block_count", True), size("embedding_length", True)
+    heads, ff = size("attention.head_count", True), size("feed_forward_length", True)
+    kv_heads = size("attention.head_count_kv") or heads
+    for name in ("context_length", "vocab_size", "rope.dimension_count", "attention.value_length"):
+        size(name)
+    if heads % kv_heads:
+        fail(f"{arch}.attention.head_count_kv", f"{kv_heads} does not divide attention.head_count {heads}")
+    head_dim = size("attention.key_length")
+    if head_dim is None:
+        if hidden % heads:
+            fail(f"{arch}.attention.head_count", f"{heads} does not divide embedding_length {hidden}")
+        head_dim = hidden // heads
+    if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        fail(f"{arch}.attention.value_length", f"{meta[f'{arch}.attention.value_length']} != key_length {head_dim} "
+             "(the HF model has one head_dim)")
+    for name in ("rope.freq_base", "attention.layer_norm_rms_epsilon"):
+        v = meta.get(f"{arch}.{name}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            fail(f"{arch}.{name}", f"expected a positive number, got {v!r}")
+    vocab = _check_tokenizer(meta, path)
+    if meta.get(f"{arch}.vocab_size", vocab) != vocab:
+        fail(f"{arch}.vocab_size", f"{meta[f'{arch}.vocab_size']} != {vocab} tokens in tokenizer.ggml.tokens")
+    layer = {"attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,), "attn_q.weight": (heads * head_dim, hidden),
+             "attn_k.weight": (kv_heads * head_dim, hidden), "attn_v.weight": (kv_heads * head_dim, hidden),
+             "attn_output.weight": (hidden, heads * head_dim), "ffn_gate.weight": (ff, hidden),
+             "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}
+    if ARCHS[next(k for k, a in ARCHS.items() if a.gguf_arch == arch)].qk_norm:
+        layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    top = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    tensors = meta["tensors"]
+    if not tensors:
+        fail("tensors", "the file holds no tensors (a vocabulary-only GGUF?)")
+    seen: dict[int, int] = {}
+    for name, (shape, qtype) in tensors.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < layers:
+            want = layer.get(parts[2])
+            seen[int(parts[1])] = seen.get(int(parts[1]), 0) + (want is not None)
+        else:
+            want = top.get(name, shape if name == "rope_freqs.weight" else None)  # llama3 RoPE factors, read as is
+        if want is None:
+            fail(name, f"not a tensor of a {arch} model with block_count {layers} (the conversion would drop it)")
+        if shape != want:
+            fail(name, f"shape {list(shape)} != {list(want)} that the GGUF's settings give")
+        if not _dequantizable(qtype):
+            fail(name, f"tensor type {qtype} is not one the `gguf` package dequantizes")
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in tensors:
+            fail(name, "missing")
+    if len(seen) < layers or any(n != len(layer) for n in seen.values()):
+        i = next(i for i in range(len(seen) + 1) if seen.get(i, 0) != len(layer))
+        gone = next(f"blk.{i}.{t}" for t in layer if f"blk.{i}.{t}" not in tensors)
+        fail(gone, f"missing (block_count is {layers})")
+
+
+def _check_tokenizer(meta: dict, path: Path) -> int:
+    """The tokenizer keys: a known model, a token list the scores / token types / merges / special ids agree with.
+    Returns the number of tokens."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise DFlashError(f"expected 'gpt2' or 'llama', got {model!r}", path=path, field="tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise DFlashError("expected a non-empty list of strings" + ("" if tokens is None else f", got {tokens!r}"[:80]),
+                          path=path, field="tokenizer.ggml.tokens")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        v = meta.get(key)
+        if v is not None and (not isinstance(v, list) or len(v) != len(tokens)):
+            got = f"{len(v)} entries" if isinstance(v, list) else repr(v)
+            raise DFlashError(f"{got} for {len(tokens)} tokens in tokenizer.ggml.tokens", path=path, field=key)
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        vocab = set(tokens)
+        for i, m in enumerate(merges if isinstance(merges, list) else [merges]):
+            pair = m.split(" ") if isinstance(m, str) else []
+            if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+                raise DFlashError(f"merge {i} ({m!r}) is not two tokens whose join is a token", path=path,
+                                  field="tokenizer.ggml.merges")
+    for _, key in _SPECIAL:
+        v = meta.get(key)
+        if v is not None and (not is_int(v) or not 0 <= v < len(tokens)):
+            raise DFlashError(f"{v!r} is not a token id (0..{len(tokens) - 1})", path=path, field=key)
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"):
+        if key in meta and not isinstance(meta[key], bool):
+            raise DFlashError(f"expected a boolean, got {meta[key]!r}", path=path, field=key)
+    if not isinstance(meta.get("tokenizer.chat_template", ""), str):
+        raise DFlashError(f"expected a string, got {meta['tokenizer.chat_template']!r}", path=path,
+                          field="tokenizer.chat_template")
+    return len(tokens)
 
 
 def hf_dir_from_gguf(path) -> Path:
@@ -58,19 +304,15 @@ def hf_dir_from_gguf(path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise DFlashError("GGUF file not found", path=path)
+    meta = read_gguf_metadata(path)
+    check_gguf_metadata(meta, path)  # before the cache too: a copy converted before a check existed is not taken
     digest = sha256_file(path)
     out = cache_dir() / "targets" / f"{digest[:24]}-v{_CONVERSION_VERSION}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
-    known = sorted(a.gguf_arch for a in ARCHS.values() if a.gguf_arch)
-    if arch not in known:
-        raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
-                          field="general.architecture")
     try:
         with atomic_dir(out) as tmp, _no_progress_bars():
-            _convert(path, tmp)
+            _convert(path, tmp, meta)
             check_conversion(tmp, meta, path)
     except OSError as e:  # full disk, permissions: one line, and atomic_dir has removed the partial copy
         raise DFlashError(f"cannot write the converted target ({e.strerror or e})", path=out) from None
@@ -104,7 +346,7 @@ def _no_progress_bars():
         reader.tqdm = bar
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     """Dequantize through transformers' GGUF reader into a model built from the GGUF's own config.
 
     `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate` for this one path; the pieces it
@@ -124,7 +366,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
     except (ValueError, OSError, KeyError, ImportError) as e:
         raise DFlashError(f"transformers cannot load this GGUF ({str(e).splitlines()[0]})", path=gguf_path) from None
     state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape transformers' config gives otherwise than check_gguf_metadata's reading
+        raise DFlashError(f"GGUF tensors do not fit {type(model).__name__} ({_first_mismatch(e)})", path=gguf_path,
+                          field="tensors") from None
     allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
         bad = sorted(set(missing) - allowed_missing) or sorted(unexpected)
@@ -133,7 +379,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.tie_weights()
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
-    _write_special_tokens(out, read_gguf_metadata(gguf_path), tokenizer)
+    _write_special_tokens(out, meta, tokenizer)
     # transformers 5 writes the RoPE base inside `rope_parameters`; add the top-level `rope_theta` transformers 4
     # reads too, so the copy means the same thing to either (models/rope.py reads both).
     cfg_path = out / "config.json"
@@ -142,6 +388,13 @@ def _convert(gguf_path: Path, out: Path) -> None:
     if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
         cfg["rope_theta"] = params["rope_theta"]
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _first_mismatch(e: RuntimeError) -> str:
+    """The first `size mismatch for NAME: ...` sentence of load_state_dict's error, else its first line."""
+    text = str(e)
+    at = text.find("size mismatch for ")
+    return text[at:].split(".\n")[0].split("\n")[0].rstrip(".") if at >= 0 else text.splitlines()[0]
 
 
 _SPECIAL = (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
