@@ -71,6 +71,16 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not UTF-8 text")
 
+    def entry(self, where: str, kind: str, seen: dict) -> str:
+        """An entry's name (a key, a tensor's), read at `where`; errors after it name the entry. A name already in
+        `seen` is an error."""
+        self.field = where
+        name = self.text(f"its {kind}")
+        self.field = name or where
+        if name in seen:
+            self.fail(f"the {kind} is given twice")
+        return name
+
     def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype], what)[0]
@@ -128,11 +138,7 @@ def read_gguf_metadata(path: Path) -> dict:
             cur.count(n_kv, "kv_count")
             meta: dict = {}
             for i in range(n_kv):
-                cur.field = f"metadata key/value {i} of {n_kv}"
-                key = cur.text("its key")
-                cur.field = key or cur.field
-                if key in meta:
-                    cur.fail("the key is given twice")
+                key = cur.entry(f"metadata key/value {i} of {n_kv}", "key", meta)
                 (vtype,) = cur.take("I", "its value type")
                 meta[key] = cur.value(vtype, "its value")
                 if key == "general.alignment" and (vtype != 4 or not meta[key] or meta[key] & (meta[key] - 1)):
@@ -140,11 +146,7 @@ def read_gguf_metadata(path: Path) -> dict:
             cur.count(n_tensors, "tensor_count")
             tensors: dict[str, tuple] = {}
             for i in range(n_tensors):
-                cur.field = f"tensor info {i} of {n_tensors}"
-                name = cur.text("its name")
-                cur.field = name or cur.field
-                if name in tensors:
-                    cur.fail("the tensor name is given twice")
+                name = cur.entry(f"tensor info {i} of {n_tensors}", "tensor name", tensors)
                 (n_dims,) = cur.take("I", "its dimension count")
                 if not 1 <= n_dims <= 4:
                     cur.fail(f"{n_dims} dimensions (GGML tensors have 1 to 4)")
