@@ -196,13 +196,32 @@ def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
     return removed
 
 
+def _proc_stat(pid: int | str) -> tuple[bytes, list[bytes]] | None:
+    """(command name, the fields after it, the state first) of /proc/<pid>/stat; None when there is no such process.
+    The name is what the last ")" closes: it may hold spaces and parentheses itself."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    head, _, rest = stat.rpartition(b")")
+    fields = rest.split()
+    return (head[head.index(b"(") + 1:], fields) if b"(" in head and len(fields) > 2 else None
+
+
+def _group_stats(pgid: int, comm_prefix: str = ""):
+    """(pid, stat fields) of each process of process group `pgid` whose command name starts with `comm_prefix`,
+    exited ones not reaped yet (zombies) included."""
+    prefix = comm_prefix.encode()
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        stat = _proc_stat(d.name) if d.name.isdigit() else None
+        if stat is not None and stat[0].startswith(prefix) and stat[1][2] == str(pgid).encode():
+            yield int(d.name), stat[1]
+
+
 def _state(pid: int) -> str | None:
     """The process state letter from /proc (R, S, T, Z, ...), None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
+    stat = _proc_stat(pid)
+    return stat[1][0].decode() if stat is not None else None
 
 
 def _running(pid: int) -> bool:
@@ -216,9 +235,11 @@ _STATE_WORDS = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "st
 def proc_usage(pid: int) -> str | None:
     """What a process is doing, from /proc: "sleeping, 0.4 s CPU in 61 s" (its state, the CPU time it used and how
     long it has run); None when there is no such process."""
+    stat = _proc_stat(pid)
+    if stat is None:
+        return None
+    fields = stat[1]
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
         with open("/proc/uptime", "rb") as f:
             uptime = float(f.read().split()[0])
         state = fields[0].decode()
@@ -244,19 +265,7 @@ def stub_model(pid: int) -> str | None:
 def group_members(pgid: int, comm_prefix: str = "", exited: bool = False) -> list[int]:
     """Live processes of process group `pgid` (whose command name starts with `comm_prefix`); `exited`: also those
     exited and not reaped yet (zombies)."""
-    out = []
-    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_bytes()
-            comm = stat[stat.index(b"(") + 1: stat.rindex(b")")].decode("utf-8", "replace")
-            fields = stat.rsplit(b")", 1)[1].split()
-            if int(fields[2]) == pgid and (exited or fields[0] not in (b"Z", b"X")) and comm.startswith(comm_prefix):
-                out.append(int(d.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+    return [pid for pid, fields in _group_stats(pgid, comm_prefix) if exited or fields[0] not in (b"Z", b"X")]
 
 
 STUB_ZOMBIE_S = 1.0  # a stub exited and unreaped this long while the models load: it is not coming back
@@ -268,20 +277,15 @@ def exited_stubs(pgid: int) -> dict[int, str]:
     zombie passes: a stub that exits before it reports to the backend (it cannot start) leaves its model loading
     forever."""
     out = {}
-    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not d.name.isdigit():
+    for pid, fields in _group_stats(pgid, "triton_python_b"):
+        if fields[0] != b"Z":
             continue
         try:
-            stat = (d / "stat").read_bytes()
-            comm = stat[stat.index(b"(") + 1: stat.rindex(b")")]
-            fields = stat.rsplit(b")", 1)[1].split()
-            if int(fields[2]) != pgid or fields[0] != b"Z" or not comm.startswith(b"triton_python_b"):
-                continue
             status = int(fields[49]) if len(fields) > 49 else None  # field 52, exit_code: the wait status
-        except (OSError, ValueError, IndexError):
+        except ValueError:
             continue
-        out[int(d.name)] = ("exit status unknown" if status is None else f"signal {status & 0x7F}"
-                            if status & 0x7F else f"exit code {status >> 8}")
+        out[pid] = ("exit status unknown" if status is None else f"signal {status & 0x7F}"
+                    if status & 0x7F else f"exit code {status >> 8}")
     return out
 
 
