@@ -73,6 +73,20 @@ def check_greedy_tokens_against_transformers(engine, hf, new: int) -> None:
         assert rt.generate(ids, sp, "dflash").tokens == ar
 
 
+def check_batched_tokens_equal_alone(engine, mode: str, new: int = 32, n: int = 4) -> list[list[int]]:
+    """The batched runtime gives each of the first `n` prompts, decoded together, the tokens the single-stream runtime
+    gives it alone (`mode`: "ar" or "dflash"); returns those tokens."""
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.runtime.batching import BatchingRuntime
+    from dflash_export.runtime.single import DFlashRuntime
+
+    sp = SamplingParams(max_new_tokens=new)
+    alone = [DFlashRuntime(engine).generate(p, sp, mode).tokens for p in prompts()[:n]]
+    together = BatchingRuntime(engine, max_batch=n).generate_many(prompts()[:n], sp)
+    assert [s.tokens for s in together] == alone
+    return alone
+
+
 def _cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_export", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})

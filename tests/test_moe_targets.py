@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from target_support import (
+    check_batched_tokens_equal_alone,
     check_greedy_tokens_against_transformers,
     engine_and_transformers,
     inspect_pair,
@@ -68,14 +69,8 @@ def test_each_steps_logits_match_transformers_forward(moe):
 
 
 def test_batched_engine_gives_each_request_its_lone_tokens(moe):
-    from dflash_export.runtime.batching import BatchingRuntime
-    from dflash_export.runtime.single import DFlashRuntime
-
     _, _, engine, _ = moe
-    sp = SamplingParams(max_new_tokens=32)
-    alone = [DFlashRuntime(engine).generate(p, sp, "ar").tokens for p in prompts()[:4]]
-    together = BatchingRuntime(engine, max_batch=4).generate_many(prompts()[:4], sp)
-    assert [s.tokens for s in together] == alone
+    check_batched_tokens_equal_alone(engine, "ar")
 
 
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))

@@ -9,9 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from target_support import check_greedy_tokens_against_transformers, engine_and_transformers, prompts, worst_logit_gap
-
-from dflash_export.engines.base import SamplingParams
+from target_support import (
+    check_batched_tokens_equal_alone,
+    check_greedy_tokens_against_transformers,
+    engine_and_transformers,
+    prompts,
+    worst_logit_gap,
+)
 
 pytest.importorskip("onnxruntime")
 NEW = 48
@@ -62,12 +66,6 @@ def test_each_steps_logits_match_transformers_forward(swa):
 
 
 def test_batched_engine_gives_each_request_its_lone_tokens(swa):
-    from dflash_export.runtime.batching import BatchingRuntime
-    from dflash_export.runtime.single import DFlashRuntime
-
     _, _, engine, _ = swa
-    sp = SamplingParams(max_new_tokens=32)
-    alone = [DFlashRuntime(engine).generate(p, sp, "dflash").tokens for p in prompts()[:4]]
-    together = BatchingRuntime(engine, max_batch=4).generate_many(prompts()[:4], sp)
-    assert [s.tokens for s in together] == alone
+    alone = check_batched_tokens_equal_alone(engine, "dflash")
     assert all(len(t) for t in alone) and np.mean([len(p) for p in prompts()[:4]]) + 32 > 8

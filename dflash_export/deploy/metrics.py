@@ -32,6 +32,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from dflash_export.decoding.request import is_int
+
 __all__ = ["FrontMetrics", "CONTENT_TYPE_LATEST"]
 
 ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17))
@@ -43,7 +45,7 @@ def _count(value) -> int | None:
     """A non-negative integer below MAX_COUNT (an integral float taken as one; not a bool); None for anything else."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT else None
+    return value if is_int(value) and 0 <= value < MAX_COUNT else None
 
 
 def _seconds(value) -> float | None:
