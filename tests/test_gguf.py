@@ -1,6 +1,7 @@
 """GGUF targets: the checks that guard the conversion (no GGUF needed), and the real SmolLM2 conversion."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -150,14 +151,15 @@ _TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 
 
-def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0):
-    """A one-layer llama GGUF (hidden size 16, a 32-token byte-level BPE vocabulary, fp32 tensors), written with the
-    `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value, GGUFValueType)}, None
-    removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another GGML type."""
+def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16):
+    """A one-layer llama GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary, fp32 tensors),
+    written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
+    GGUFValueType)}, None removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another
+    GGML type, `values` adds tensors with these values."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    h, ff, heads, kv_heads, vocab = 16, 32, 2, 1, 32
+    ff, heads, kv_heads, vocab = 32, 2, 1, 32
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -193,6 +195,8 @@ def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0):
             w.add_tensor(name, np.zeros(shape, np.int8), raw_dtype=types[name])
         elif name not in drop:
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    for name, value in (values or {}).items():
+        w.add_tensor(name, np.asarray(value))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -430,3 +434,137 @@ def test_an_interrupted_conversion_leaves_nothing_a_later_run_takes_for_done(tmp
     other = hf_dir_from_gguf(_tiny_gguf(tmp_path / "u.gguf", seed=1))
     assert other != d
     assert hf_dir_from_gguf(shutil.copy(f, tmp_path / "copy.gguf")) == d
+
+
+# ------------------------------------------------------------------------------------------------ RoPE scaling
+# transformers' GGUF reader keeps only RoPE's base; a GGUF that scales RoPE must convert to a config that scales it
+# the same way, else the engine decodes another model than llama.cpp does with the same file.
+
+def _llama_cpp_divisors(theta, head_dim, factor, low, high, original):
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py writes it for an HF `llama3` config: frequency i is
+    divided by 1 where its wavelength is under original / high, by `factor` over original / low, and between by the
+    reciprocal of a blend of 1 / factor and 1 linear in original / wavelength."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _converted_rope(tmp_path, monkeypatch, **gguf_args):
+    """(rope_parameters, inverse frequencies, attention scaling) of the model transformers builds from the converted
+    config.json."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    d = hf_dir_from_gguf(_tiny_gguf(tmp_path / "t.gguf", **gguf_args))
+    cfg = AutoConfig.from_pretrained(d)
+    rot = LlamaRotaryEmbedding(cfg)
+    return cfg.rope_parameters, rot.inv_freq.double().numpy(), rot.attention_scaling
+
+
+@pytest.mark.parametrize("theta, head_dim, factor, low, high, original", [
+    (500000.0, 128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1
+    (500000.0, 128, 32.0, 1.0, 4.0, 8192),  # Llama 3.2
+    (500000.0, 64, 16.0, 2.0, 6.0, 4096),
+    (10000.0, 64, 4.0, 1.0, 1.5, 2048),
+])
+def test_llama3_rope_divisors_convert_to_the_same_frequencies(tmp_path, monkeypatch, theta, head_dim, factor, low,
+                                                               high, original):
+    """Llama 3's RoPE scaling travels in a GGUF as one divisor per frequency (rope_freqs.weight), which llama.cpp
+    divides the frequency by: the converted model's inverse frequencies are the unscaled ones over those divisors,
+    and Llama 3's own settings come back as they were."""
+    import numpy as np
+    from gguf import GGUFValueType as T
+
+    divisors = np.float32(_llama_cpp_divisors(theta, head_dim, factor, low, high, original))
+    assert 1 < divisors.max() and ((divisors > 1.01) & (divisors < factor * 0.99)).sum() >= 2
+    params, inv, scaling = _converted_rope(
+        tmp_path, monkeypatch, h=2 * head_dim, values={"rope_freqs.weight": divisors},
+        kv={"llama.rope.freq_base": (theta, T.FLOAT32), "llama.rope.dimension_count": (head_dim, T.UINT32)})
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    np.testing.assert_allclose(inv, plain / divisors, rtol=2e-6)
+    assert params["rope_type"] == "llama3" and scaling == 1.0
+    if (low, high, original) == (1.0, 4.0, 8192):
+        assert params["factor"] == factor and params["low_freq_factor"] == 1.0 and params["high_freq_factor"] == 4.0
+
+
+def test_llama3_divisors_that_step_without_a_blend_convert_too(tmp_path, monkeypatch):
+    import numpy as np
+
+    divisors = np.float32([1, 1, 1, 1, 8, 8, 8, 8])
+    params, inv, _ = _converted_rope(tmp_path, monkeypatch, h=32, values={"rope_freqs.weight": divisors})
+    np.testing.assert_allclose(inv, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16) / divisors, rtol=2e-6)
+
+
+def test_all_one_rope_divisors_are_no_scaling(tmp_path, monkeypatch):
+    import numpy as np
+
+    params, inv, _ = _converted_rope(tmp_path, monkeypatch, values={"rope_freqs.weight": np.ones(4, np.float32)})
+    assert params["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("keys, want", [
+    ({"llama.rope.scaling.type": ("linear", 8), "llama.rope.scaling.factor": (4.0, 6)},
+     {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scale_linear": (2.0, 6)}, {"rope_type": "linear", "factor": 2.0}),  # the older key
+    ({"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.factor": (4.0, 6),
+      "llama.rope.scaling.original_context_length": (16, 4)},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    ({"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.factor": (2.0, 6),
+      "llama.rope.scaling.original_context_length": (32, 4), "llama.rope.scaling.yarn_beta_fast": (16.0, 6),
+      "llama.rope.scaling.yarn_beta_slow": (2.0, 6), "llama.rope.scaling.yarn_attn_factor": (1.5, 6)},
+     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+      "beta_slow": 2.0, "attention_factor": 1.5}),
+    ({"llama.rope.scaling.type": ("none", 8), "llama.rope.scaling.factor": (4.0, 6)}, {"rope_type": "default"}),
+])
+def test_linear_and_yarn_scaling_keys_convert_to_the_config_they_came_from(tmp_path, monkeypatch, keys, want):
+    """The keys llama.cpp's converter writes from an HF config's `rope_parameters` (linear: factor; YaRN: factor,
+    original context, betas, attention factor) give that config back: the same inverse frequencies and attention
+    scaling as transformers computes from it."""
+    from gguf import GGUFValueType
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    kv = {k: (v, GGUFValueType(t)) for k, (v, t) in keys.items()}
+    params, inv, scaling = _converted_rope(tmp_path, monkeypatch, kv=kv)
+    assert {k: params.get(k) for k in want} == want
+    oracle = LlamaRotaryEmbedding(LlamaConfig(hidden_size=16, num_attention_heads=2, max_position_embeddings=64,
+                                              rope_parameters={"rope_theta": 10000.0, **want}))
+    assert (inv == oracle.inv_freq.double().numpy()).all() and scaling == oracle.attention_scaling
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    ({"kv": {"llama.rope.scaling.type": ("longrope", 8)}}, "llama.rope.scaling.type", "'longrope' is not a RoPE"),
+    ({"kv": {"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.factor": (4.0, 6)}},
+     "llama.rope.scaling.original_context_length", "YaRN needs a positive integer"),
+    ({"kv": {"llama.rope.scaling.factor": (-2.0, 6)}}, "llama.rope.scaling.factor", "expected a number >= 0"),
+    ({"kv": {"llama.rope.scaling.attn_factor": (2.0, 6)}}, "llama.rope.scaling.attn_factor", "cannot honour"),
+    ({"kv": {"llama.rope.dimension_count": (4, 4)}}, "llama.rope.dimension_count", "4 != head_dim 8"),
+    ({"values": {"rope_freqs.weight": [1.0, 1.5, 4.0, 8.0]}}, "rope_freqs.weight", "not Llama 3's scaling"),
+    ({"values": {"rope_freqs.weight": [1.0, 1.0, 4.0, float("nan")]}}, "rope_freqs.weight", "positive numbers"),
+    ({"values": {"rope_freqs.weight": [1.0, 1.0, 4.0]}}, "rope_freqs.weight", "shape [3] != [4]"),
+    ({"values": {"rope_freqs.weight": [1, 1, 4, 4]}, "types": {"rope_freqs.weight": 1}}, "rope_freqs.weight",
+     "not F32"),
+    ({"values": {"rope_freqs.weight": [1.0, 1.0, 4.0, 4.0]},
+      "kv": {"llama.rope.scaling.factor": (2.0, 6)}}, "rope_freqs.weight", "together with linear scaling"),
+])
+def test_a_rope_scaling_that_cannot_be_honoured_is_named(tmp_path, monkeypatch, edit, field, says):
+    import numpy as np
+    from gguf import GGUFValueType
+
+    edit = dict(edit)
+    if "kv" in edit:
+        edit["kv"] = {k: (v, GGUFValueType(t)) for k, (v, t) in edit["kv"].items()}
+    if "values" in edit:
+        dtype = np.float16 if "types" in edit else np.float32
+        edit["values"] = {k: np.asarray(v, dtype) for k, v in edit["values"].items()}
+        edit.pop("types", None)
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", **edit), field, says)

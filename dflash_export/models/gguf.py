@@ -4,7 +4,7 @@ transformers' GGUF loader does the dequantization; this module adds what it does
 read and checked first (layout, settings, tokenizer, tensor shapes and types: one error naming the key or tensor, never
 a traceback from inside the loader), the conversion is cached atomically (a half-written copy is never taken for a
 finished one) and the fields that silently change generation -- rope_theta, rms_norm_eps, tied embeddings, eos / stop
-ids, the chat template -- are checked against the GGUF metadata itself.
+ids, the chat template, RoPE scaling -- are checked against the GGUF metadata itself.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from dflash_export.models.rope import rope_parameters_of
 
 # Bump when the conversion changes so cached copies are rebuilt. 4: the tokenizer files carry the GGUF's special tokens
 # (SmolLM2: eos <|im_end|>, no BOS added), no GGUF byte copy posing as tokenizer.model, and the transformers-5 config
-# carries a top-level rope_theta too.
-_CONVERSION_VERSION = 4
+# carries a top-level rope_theta too. 5: the GGUF's RoPE scaling (linear, YaRN, Llama 3's divisors) is kept.
+_CONVERSION_VERSION = 5
 
 
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors, one per frequency (llama.cpp's LLM_TENSOR_ROPE_FREQS)
 _HEADER = 24  # magic, version, tensor count, key/value count
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -160,11 +161,16 @@ def read_gguf_metadata(path: Path) -> dict:
                 if dims[0] % block:
                     cur.fail(f"rows of {dims[0]} values do not split into {qtype.name} blocks of {block}")
                 tensors[name] = tuple(reversed(dims)), qtype.name, offset, math.prod(dims) // block * type_size
-    data = cur.pos + -cur.pos % meta.get("general.alignment", 32)
-    for name, (_, _, offset, nbytes) in tensors.items():
-        if data + offset + nbytes > size:
-            raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) runs past the end of the "
-                              f"file ({size} bytes; truncated, or a bad offset)", path=path, field=name)
+            data = cur.pos + -cur.pos % meta.get("general.alignment", 32)
+            for name, (_, _, offset, nbytes) in tensors.items():
+                if data + offset + nbytes > size:
+                    raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) runs past the end "
+                                      f"of the file ({size} bytes; truncated, or a bad offset)", path=path, field=name)
+            shape, qtype, offset, _ = tensors.get(_ROPE_FREQS, ((), "", 0, 0))
+            if qtype == "F32" and len(shape) == 1:  # llama3 RoPE factors: a few values, read with the header
+                import numpy as np
+
+                meta[_ROPE_FREQS] = np.frombuffer(buf, np.dtype(order + "f4"), shape[0], data + offset).tolist()
     meta["tensor_names"] = list(tensors)
     meta["tensors"] = {name: t[:2] for name, t in tensors.items()}
     return meta
@@ -234,7 +240,12 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
              "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}
     if ARCHS[next(k for k, a in ARCHS.items() if a.gguf_arch == arch)].qk_norm:
         layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
-    top = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    rope_dim = size("rope.dimension_count") or head_dim
+    if rope_dim != head_dim:
+        fail(f"{arch}.rope.dimension_count", f"{rope_dim} != head_dim {head_dim} (RoPE on part of a head is not "
+             "supported for this architecture)")
+    top = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden),
+           _ROPE_FREQS: (head_dim // 2,)}
     tensors = meta["tensors"]
     if not tensors:
         fail("tensors", "the file holds no tensors (a vocabulary-only GGUF?)")
@@ -245,7 +256,7 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
             want = layer.get(parts[2])
             seen[int(parts[1])] = seen.get(int(parts[1]), 0) + (want is not None)
         else:
-            want = top.get(name, shape if name == "rope_freqs.weight" else None)  # llama3 RoPE factors, read as is
+            want = top.get(name)
         if want is None:
             fail(name, f"not a tensor of a {arch} model with block_count {layers} (the conversion would drop it)")
         if shape != want:
@@ -259,6 +270,107 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
         i = next(i for i in range(len(seen) + 1) if seen.get(i, 0) != len(layer))
         gone = next(f"blk.{i}.{t}" for t in layer if f"blk.{i}.{t}" not in tensors)
         fail(gone, f"missing (block_count is {layers})")
+    gguf_rope_scaling(meta, path)
+
+
+def gguf_rope_scaling(meta: dict, path: Path) -> dict | None:
+    """The RoPE scaling a GGUF asks for, as transformers' standardized `rope_parameters` entries (without
+    `rope_theta`), or None for none; DFlashError naming the key or tensor for a scaling this project cannot give the
+    same meaning. transformers' GGUF reader keeps only the base, so the converted config would otherwise decode
+    with unscaled RoPE where llama.cpp scales it. What llama.cpp reads (llama-model.cpp): `rope.scaling.type`
+    (default linear) with `rope.scaling.factor` (or the older `rope.scale_linear`; 0 or absent = unscaled), YaRN's
+    `original_context_length` and beta settings, and Llama 3's per-frequency divisors stored as the tensor
+    `rope_freqs.weight` (no key: convert_hf_to_gguf.py writes the divisors of the checkpoint's `llama3` settings)."""
+    arch = meta["general.architecture"]
+    key = functools.partial("{}.rope.{}".format, arch)
+
+    def fail(field: str, message: str):
+        raise DFlashError(message, path=path, field=field)
+
+    def number(name: str, lo: float = 0.0) -> float | None:
+        v = meta.get(key(name))
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < math.inf):
+            fail(key(name), f"expected a number >= {lo:g}, got {v!r}")
+        return v
+
+    kind = meta.get(key("scaling.type"), "linear")
+    if kind not in ("none", "linear", "yarn"):
+        fail(key("scaling.type"), f"{kind!r} is not a RoPE scaling this project implements (none, linear, yarn)")
+    for name in ("scaling.attn_factor", "scaling.alpha", "scaling.yarn_log_multiplier", "scaling.yarn_ext_factor"):
+        if key(name) in meta:  # settings transformers' llama / qwen3 RoPE has no counterpart for
+            fail(key(name), "a RoPE setting this project cannot honour")
+    factor = number("scaling.factor")
+    factor = factor if factor is not None else number("scale_linear")
+    if kind == "none" or not factor or (kind == "linear" and factor == 1):
+        scaling = None
+    elif kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(factor)}
+    else:
+        orig = meta.get(key("scaling.original_context_length"))
+        if not is_int(orig) or orig < 1:
+            fail(key("scaling.original_context_length"), f"YaRN needs a positive integer, got {orig!r}")
+        scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig)}
+        for name, field in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
+                            ("attn_factor", "attention_factor")):
+            v = number(f"scaling.yarn_{name}")
+            if v is not None:
+                scaling[field] = float(v)
+    if _ROPE_FREQS not in meta.get("tensors", ()):
+        return scaling
+    if meta["tensors"][_ROPE_FREQS][1] != "F32":
+        fail(_ROPE_FREQS, f"stored as {meta['tensors'][_ROPE_FREQS][1]}, not F32 as llama.cpp reads it")
+    if scaling is not None:
+        fail(_ROPE_FREQS, f"per-frequency RoPE divisors together with {scaling['rope_type']} scaling are not supported")
+    theta = float(meta.get(key("freq_base"), 10000.0))
+    return _llama3_scaling(meta[_ROPE_FREQS], theta, path)
+
+
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_scaling(divisors: list[float], theta: float, path: Path) -> dict | None:
+    """transformers' `llama3` RoPE settings that divide each inverse frequency by `divisors` (a GGUF's
+    rope_freqs.weight), or None when every divisor is 1. llama.cpp divides frequency i by divisor i; `llama3` divides
+    the high frequencies (wavelength < original / high_freq_factor) by 1, the low ones (wavelength > original /
+    low_freq_factor) by `factor`, and blends in between, linearly in original / wavelength. Llama 3's own settings
+    (low 1, high 4, original 8192) are tried first, then the two that fit the blended divisors; whatever is chosen
+    must reproduce every divisor (to float32 precision), else the file is refused."""
+    import numpy as np
+
+    f = np.asarray(divisors, np.float64)
+    if not np.isfinite(f).all() or (f <= 0).any():
+        raise DFlashError("RoPE divisors must be positive numbers", path=path, field=_ROPE_FREQS)
+    if np.allclose(f, 1.0, rtol=0, atol=1e-7):
+        return None
+    dim = 2 * len(f)
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = float(f.max())
+
+    def divisors_of(params: dict) -> np.ndarray:
+        orig, lo, hi = (params[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
+        smooth = (orig / wavelen - lo) / (hi - lo) if hi != lo else np.zeros_like(wavelen)
+        blended = 1 / ((1 - smooth) / factor + smooth)
+        return np.where(wavelen < orig / hi, 1.0, np.where(wavelen > orig / lo, factor, blended))
+
+    candidates = [dict(_LLAMA3_DEFAULTS)]
+    mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if mid.sum() >= 2:  # the blend: orig / wavelen = lo + smooth * (hi - lo), a line in smooth
+        smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, lo = np.polyfit(smooth, 8192 / wavelen[mid], 1)
+        candidates.append({"low_freq_factor": float(lo), "high_freq_factor": float(lo + slope),
+                           "original_max_position_embeddings": 8192})
+    elif mid.sum() == 0:  # a step from 1 to `factor`: any edge between the two wavelengths either side
+        below, above = wavelen[f <= 1 + 1e-6].max(initial=wavelen[0] / 2), wavelen[f > 1 + 1e-6].min()
+        hi, lo = (8192 / (below * (above / below) ** t) for t in (1 / 3, 2 / 3))
+        candidates.append({"low_freq_factor": float(lo), "high_freq_factor": float(hi),
+                           "original_max_position_embeddings": 8192})
+    for params in candidates:
+        if params["high_freq_factor"] > params["low_freq_factor"] > 0 and np.allclose(
+                divisors_of(params), f, rtol=2e-6, atol=0):
+            return {"rope_type": "llama3", "factor": factor, **params}
+    shown = f"{np.round(f, 4).tolist()[:8]}{'...' if len(f) > 8 else ''}"
+    raise DFlashError(f"RoPE divisors {shown} are not Llama 3's scaling of any settings (1 for the high frequencies, "
+                      "a factor for the low ones, a blend between)", path=path, field=_ROPE_FREQS)
 
 
 def _check_tokenizer(meta: dict, path: Path) -> int:
@@ -383,13 +495,18 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     tokenizer.save_pretrained(str(out))
     _write_special_tokens(out, meta, tokenizer)
     # transformers 5 writes the RoPE base inside `rope_parameters`; add the top-level `rope_theta` transformers 4
-    # reads too, so the copy means the same thing to either (models/rope.py reads both).
+    # reads too, so the copy means the same thing to either (models/rope.py reads both). Its GGUF reader keeps no
+    # RoPE scaling: the GGUF's is written in (gguf_rope_scaling).
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
         cfg["rope_theta"] = params["rope_theta"]
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    scaling = gguf_rope_scaling(meta, gguf_path)
+    if scaling:
+        cfg.pop("rope_scaling", None)
+        cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **scaling}
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _first_mismatch(e: RuntimeError) -> str:
@@ -464,10 +581,13 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
                           path=gguf_path, field=field)
 
     theta = meta.get(f"{arch}.rope.freq_base")
-    if theta is not None:
-        got = rope_parameters_of(cfg, model_dir / "config.json", cfg.get("model_type", arch)).get("rope_theta")
-        if not math.isclose(float(got or 0.0), float(theta), rel_tol=1e-6):
-            fail("rope_theta", float(theta), got)
+    params = rope_parameters_of(cfg, model_dir / "config.json", cfg.get("model_type", arch))
+    if theta is not None and not math.isclose(float(params.get("rope_theta") or 0.0), float(theta), rel_tol=1e-6):
+        fail("rope_theta", float(theta), params.get("rope_theta"))
+    scaling = gguf_rope_scaling(meta, gguf_path) or {"rope_type": "default"}
+    got = {k: params.get(k) for k in scaling}
+    if got != scaling:
+        fail("rope_parameters", scaling, got)
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon")
     # GGUF stores eps as float32: 1e-5 reads back as 9.99999975e-06, so compare at float32 precision.
     if eps is not None and not math.isclose(float(cfg.get("rms_norm_eps", 0.0)), float(eps), rel_tol=1e-6):
