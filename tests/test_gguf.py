@@ -151,16 +151,16 @@ _TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 
 
-def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16):
-    """A one-layer llama GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary, fp32 tensors),
-    written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
+def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16, arch="llama"):
+    """A one-layer llama (or qwen3) GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary, fp32
+    tensors), written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
     GGUFValueType)}, None removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another
     GGML type, `values` adds tensors with these values."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
     ff, heads, kv_heads, vocab = 32, 2, 1, 32
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(64)
     w.add_embedding_length(h)
@@ -188,7 +188,9 @@ def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=N
     shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
               "blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (kv, h),
               "blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_gate.weight": (ff, h),
-              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff), **(shapes or {})}
+              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff),
+              **({"blk.0.attn_q_norm.weight": (h // heads,), "blk.0.attn_k_norm.weight": (h // heads,)}
+                 if arch == "qwen3" else {}), **(shapes or {})}
     rng = np.random.default_rng(seed)
     for name, shape in shapes.items():
         if name in (types or {}):
@@ -202,6 +204,25 @@ def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=N
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_a_qwen3_gguf_converts_with_its_own_head_size(tmp_path, monkeypatch):
+    """transformers' qwen3 GGUF mapping drops attention.key_length and its config defaults head_dim to 128: the
+    conversion takes the GGUF's (8 here), and the converted weights are the file's."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    f = _tiny_gguf(tmp_path / "q.gguf", arch="qwen3")
+    d = hf_dir_from_gguf(f)
+    assert json.loads((d / "config.json").read_text())["head_dim"] == 8
+    weights = load_file(d / "model.safetensors")
+    stored = {t.name: np.asarray(t.data) for t in GGUFReader(str(f)).tensors}
+    for gguf_name, hf_name in (("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+                               ("blk.0.attn_k_norm.weight", "model.layers.0.self_attn.k_norm.weight")):
+        assert torch.equal(weights[hf_name], torch.from_numpy(stored[gguf_name].reshape(weights[hf_name].shape).copy()))
 
 
 def test_a_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):

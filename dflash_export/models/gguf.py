@@ -474,6 +474,7 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     src_dir, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
+        config.head_dim = _head_dim(meta)  # transformers' qwen3 mapping drops key_length (its config defaults to 128)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
@@ -570,6 +571,14 @@ def _chat_template_of(model_dir: Path) -> str | None:
         return None
 
 
+def _head_dim(meta: dict) -> int:
+    """A checked GGUF's attention head size: `attention.key_length`, else embedding_length / head_count (as llama.cpp
+    reads it)."""
+    arch = meta["general.architecture"]
+    return int(meta.get(f"{arch}.attention.key_length")
+               or meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"])
+
+
 def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that
     differs."""
@@ -597,6 +606,8 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
                        (f"{arch}.attention.head_count_kv", "num_key_value_heads")):
         if key in meta and int(meta[key]) != int(cfg.get(field, -1)):
             fail(field, int(meta[key]), cfg.get(field))
+    if f"{arch}.attention.head_count" in meta and cfg.get("head_dim") != _head_dim(meta):
+        fail("head_dim", _head_dim(meta), cfg.get("head_dim"))
     tied = "output.weight" not in meta["tensor_names"]
     if bool(cfg.get("tie_word_embeddings", False)) != tied:
         fail("tie_word_embeddings", tied, cfg.get("tie_word_embeddings"))
