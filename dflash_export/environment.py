@@ -109,3 +109,15 @@ def gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()] if r.returncode == 0 else []
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

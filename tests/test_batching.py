@@ -775,6 +775,7 @@ def test_a_served_instance_works_out_its_default_kv_bound_once_the_batched_graph
     import sys
     import types
 
+    from dflash_export import environment
     from dflash_export.deploy import kv_memory
     from dflash_export.engines.manifest import read_manifest
 
@@ -787,7 +788,7 @@ def test_a_served_instance_works_out_its_default_kv_bound_once_the_batched_graph
     seen = []
     preload = BatchedOrtEngine.preload
     monkeypatch.setattr(BatchedOrtEngine, "preload", lambda self: (seen.append("load"), preload(self))[1])
-    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: (seen.append("memory"), 10 ** 8)[1])
+    monkeypatch.setattr(environment, "available_memory_bytes", lambda: (seen.append("memory"), 10 ** 8)[1])
     config = {"parameters": {"engine_dir": {"string_value": str(eng.engine_dir)}, "max_batch": {"string_value": "4"}},
               "instance_group": [{"count": 1}], "output": []}
     model = triton_model.TritonPythonModel()

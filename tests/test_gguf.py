@@ -589,3 +589,22 @@ def test_a_rope_scaling_that_cannot_be_honoured_is_named(tmp_path, monkeypatch, 
         edit["values"] = {k: np.asarray(v, dtype) for k, v in edit["values"].items()}
         edit.pop("types", None)
     _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", **edit), field, says)
+
+
+def test_a_conversion_this_machine_has_no_memory_for_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """The fp32 weights of the tiny file, with two of its largest tensors and the libraries' own half GiB, do not fit
+    in 100 MiB: one line naming the file, nothing converted."""
+    from dflash_export import environment
+
+    monkeypatch.setattr(environment, "available_memory_bytes", lambda: 100 << 20)
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf"), "tensors", "GiB is available")
+
+
+def test_a_conversion_the_cache_has_no_room_for_is_refused_before_it_starts(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from dflash_export.models import gguf
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(gguf.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf"), "tensors", "GiB free")

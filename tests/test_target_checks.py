@@ -321,9 +321,9 @@ def test_a_layer_setting_the_layers_cannot_be_built_from_is_named(tmp_path, case
 # (family, config edit, the field named: the layers' token mixers or MLPs in the weights are of the other kind)
 LAYOUTS = {
     "layer_types_swapped": ("qwen3.5", _layer_kinds(["full_attention", "linear_attention", "linear_attention"] * 2),
-                            "layer_types"),
+                            "text_config.layer_types"),
     "interval": ("qwen3.5", lambda t, c: (t.pop("layer_types"), t.update(full_attention_interval=2)),
-                 "full_attention_interval"),
+                 "text_config.full_attention_interval"),
     "dense_layer_made_moe": ("qwen3-next", lambda t, c: t.update(mlp_only_layers=[]), "mlp_only_layers"),
     "moe_layers_made_dense": ("qwen3-moe", lambda t, c: t.update(decoder_sparse_step=2), "decoder_sparse_step"),
 }

@@ -53,15 +53,3 @@ def default_kv_tokens(manifest: Manifest, instances: int, max_batch: int, availa
         return None
     fits = int(KV_MEMORY_FRACTION * available) // (instances * per_token)
     return max(1, min(fits, max_batch * manifest.max_seq_len))
-
-
-def available_memory_bytes() -> int | None:
-    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -36,12 +36,7 @@ from typing import Any
 import dflash_export
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.handler import INPUT_TYPES
-from dflash_export.deploy.kv_memory import (
-    KV_MEMORY_FRACTION,
-    available_memory_bytes,
-    default_kv_tokens,
-    kv_bytes_per_token,
-)
+from dflash_export.deploy.kv_memory import KV_MEMORY_FRACTION, default_kv_tokens, kv_bytes_per_token
 from dflash_export.deploy.pbtxt import (
     MAX_INSTANCES,
     NAME_PATTERN,
@@ -52,6 +47,7 @@ from dflash_export.deploy.pbtxt import (
 )
 from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
+from dflash_export.environment import available_memory_bytes
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
 

@@ -112,8 +112,9 @@ def _log_kv(nbytes: int, slots: int, capacity: int) -> None:
 def _kv_bound(config, engine_dir: str, instances: int, max_batch: int) -> int | None:
     """The K/V token bound of this instance's shared batch: the config's `max_kv_tokens`, or (0, or a repository
     written before it) the one the memory available now allows (deploy/kv_memory.py `default_kv_tokens`), logged."""
-    from dflash_export.deploy.kv_memory import available_memory_bytes, default_kv_tokens
+    from dflash_export.deploy.kv_memory import default_kv_tokens
     from dflash_export.engines.manifest import read_manifest
+    from dflash_export.environment import available_memory_bytes
 
     tokens = int(_param(config, "max_kv_tokens", "0"))
     if tokens <= 0:

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import mmap
+import shutil
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -424,6 +425,7 @@ def hf_dir_from_gguf(path) -> Path:
     out = cache_dir() / "targets" / f"{digest[:24]}-v{_CONVERSION_VERSION}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
+    _check_room(meta, path, out)
     try:
         with atomic_dir(out) as tmp, _no_progress_bars():
             _convert(path, tmp, meta)
@@ -431,6 +433,31 @@ def hf_dir_from_gguf(path) -> Path:
     except OSError as e:  # full disk, permissions: one line, and atomic_dir has removed the partial copy
         raise DFlashError(f"cannot write the converted target ({e.strerror or e})", path=out) from None
     return out
+
+
+_BASE_BYTES = 512 << 20  # torch, transformers and the tokenizer loaded: ~470 MiB measured on SmolLM2
+
+
+def _check_room(meta: dict, path: Path, out: Path) -> None:
+    """Refuse, before minutes of work, a conversion this machine has no room for: it holds every weight dequantized
+    to fp32 at once (the model takes the dequantized tensors themselves) plus two of the largest while it is being
+    dequantized, and writes the fp32 weights to the cache. SmolLM2-135M: 513 MiB of fp32 weights, 1267 MiB peak RSS
+    measured, 1251 MiB this estimate."""
+    from dflash_export.environment import available_memory_bytes
+
+    sizes = [math.prod(shape) * 4 for shape, _ in meta["tensors"].values()]
+    weights = sum(sizes)
+    need = weights + 2 * max(sizes) + _BASE_BYTES
+    available = available_memory_bytes()
+    gib = 1 << 30
+    if available is not None and need > available:
+        raise DFlashError(f"converting it to fp32 needs about {need / gib:.1f} GiB of memory ({weights / gib:.1f} GiB "
+                          f"of weights), and {available / gib:.1f} GiB is available", path=path, field="tensors")
+    probe = next((p for p in (out, *out.parents) if p.exists()), None)
+    free = shutil.disk_usage(probe).free if probe is not None else None
+    if free is not None and weights > free:
+        raise DFlashError(f"its fp32 copy needs {weights / gib:.1f} GiB in {out.parent}, which has "
+                          f"{free / gib:.1f} GiB free", path=path, field="tensors")
 
 
 @contextmanager
@@ -476,13 +503,14 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         config.head_dim = _head_dim(meta)  # transformers' qwen3 mapping drops key_length (its config defaults to 128)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device("meta"):  # no weights of its own: it takes the dequantized tensors (assign below)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     except (ValueError, OSError, KeyError, ImportError) as e:
         raise DFlashError(f"transformers cannot load this GGUF ({str(e).splitlines()[0]})", path=gguf_path) from None
     state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()}
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a shape transformers' config gives otherwise than check_gguf_metadata's reading
         raise DFlashError(f"GGUF tensors do not fit {type(model).__name__} ({_first_mismatch(e)})", path=gguf_path,
                           field="tensors") from None

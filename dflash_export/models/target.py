@@ -334,7 +334,10 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
         more = f" ({len(unexpected)} in all, also {', '.join(also)})" if also else ""
         problems.append(DFlashError(f"unexpected tensor: {cfg_path.name} describes no such weight, and transformers "
                                     f"would drop it{more}", path=tensors[unexpected[0]][2], field=unexpected[0]))
-    return problems
+    raw = read_json_object(cfg_path)
+    text = raw["text_config"] if text_settings(raw) is not raw else {}
+    return [DFlashError(e.message, path=e.path, field=f"text_config.{e.field}")  # the key as config.json spells it
+            if e.path == cfg_path and e.field in text else e for e in problems]
 
 
 def _layer_expectations(arch, hf, cfg: dict, cfg_path: Path, hidden: int, layers: list[int],
