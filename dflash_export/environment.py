@@ -111,13 +111,32 @@ def gpus() -> list[str]:
     return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()] if r.returncode == 0 else []
 
 
-def available_memory_bytes() -> int | None:
-    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
+def _meminfo_bytes(key: str) -> int | None:
+    """One /proc/meminfo figure (in kB there) in bytes; None where unreadable."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work (/proc/meminfo MemAvailable); None where unreadable."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def size_text(nbytes: int) -> str:
+    """A byte count for a message: MiB below 1 GiB, GiB above."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.1f} GiB"
+
+
+def memory_note() -> str:
+    """What an out-of-memory error says about the machine: "5.2 GiB of 15.6 GiB available" (/proc/meminfo
+    MemAvailable of MemTotal); "" where unreadable."""
+    available, total = available_memory_bytes(), _meminfo_bytes("MemTotal")
+    if available is None or total is None:
+        return ""
+    return f"{size_text(available)} of {size_text(total)} available"

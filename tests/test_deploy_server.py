@@ -251,14 +251,37 @@ def _stubs_of(pgid: int) -> list[int]:
     return out
 
 
-@pytest.mark.server
-def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path, small_repo, monkeypatch):
-    """A stub that exits before it reports to the python backend (a broken libpython or interpreter, a missing
-    library) leaves tritonserver waiting on its model for ever: the start must fail at once with how it exited and
-    what it printed, and leave no process, work dir or python_env dir behind."""
-    from dflash_export.deploy.server import ServerError, TritonServer
+# What the dynamic loader prints, exit code 127, when a library the stub binary needs cannot be found.
+_NO_LIBPYTHON = ('echo "$0: error while loading shared libraries: libpython_gone.so: cannot open shared object file: '
+                 'No such file or directory" >&2\nexit 127\n')
 
-    _stand_in_stub(monkeypatch, "echo 'cannot open shared object file: libpython_gone.so' >&2\nexit 7\n")
+
+@pytest.mark.server
+@pytest.mark.parametrize("script, code, needles", [
+    # a library the stub needs is missing: the environment, exit 2, with the loader's line
+    (_NO_LIBPYTHON, 2, ("the model stub of dflash cannot start (pid ", "exit code 127: error while loading shared "
+                        "libraries: libpython_gone.so: cannot open shared object file")),
+    # the stub cannot be executed, and says nothing
+    ('[ "$#" -eq 0 ] && exit 0\nexit 126\n', 2, ("the model stub of dflash cannot start (pid ",
+                                                 "exit code 126: the stub cannot be executed)")),
+    # a crash (a bug): exit 3, with what it printed last
+    ('[ "$#" -eq 0 ] && exit 0\necho "Fatal Python error: Segmentation fault" >&2\nkill -SEGV $$\n', 3,
+     ("a model stub exited while its model loaded (dflash, pid ", "signal 11: Fatal Python error: Segmentation fault")),
+    ('echo "cannot open shared object file: libpython_gone.so" >&2\nexit 7\n', 2,
+     ("the model stub of dflash cannot start (pid ", "exit code 7: cannot open shared object file: libpython_gone.so")),
+    ('[ "$#" -eq 0 ] && exit 0\necho "something else went wrong" >&2\nexit 7\n', 3,
+     ("a model stub exited while its model loaded (dflash, pid ", "exit code 7: something else went wrong)")),
+], ids=["no-libpython", "cannot-execute", "crash", "loader-error", "other-exit"])
+def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path, small_repo, monkeypatch, script,
+                                                                       code, needles):
+    """A stub that exits before it reports to the python backend (a broken libpython or interpreter, a missing
+    library) leaves tritonserver waiting on its model for ever: the start must fail at once with the model, how the
+    stub exited and what it printed, and leave no process, work dir or python_env dir behind. The environment's
+    doing (exit code 127 or 126, a loader error in what it printed) is exit 2, like a model refusing its environment;
+    a crash is a bug, exit 3."""
+    from dflash_export.deploy.server import ModelRefused, ServerError, TritonServer
+
+    _stand_in_stub(monkeypatch, script)
     envs_before = set(Path("/tmp").glob("python_env_*"))
     srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
     t0 = time.monotonic()
@@ -266,11 +289,128 @@ def test_a_model_stub_that_cannot_start_fails_the_start_within_seconds(tmp_path,
         srv.start()
     took = time.monotonic() - t0
     msg = str(e.value)
-    assert took < 30 and type(e.value) is ServerError and e.value.exit_code == 3, (took, msg)
-    assert "a model stub exited while its model loaded" in msg and "exit code 7" in msg, msg
-    assert "libpython_gone.so" in msg and "\n" not in msg, msg
+    assert took < 30 and type(e.value) is (ModelRefused if code == 2 else ServerError), (took, msg)
+    assert e.value.exit_code == code and "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
     assert group_pids(srv._pgid) == [] and srv._workdir is None
     assert set(Path("/tmp").glob("python_env_*")) <= envs_before  # the killed server's own dir removed too
+
+
+@pytest.mark.server
+def test_serve_exits_2_with_one_line_when_the_model_stub_cannot_start(tmp_path, small_repo, monkeypatch):
+    """`serve` itself: a stub that cannot start here (a shared library missing) is one `error:` line naming the model
+    and the loader's words, exit 2, no traceback, nothing left running."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _stand_in_stub(monkeypatch, _NO_LIBPYTHON)
+    http, grpc, metrics = free_ports(3)
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--http-port", http, "--grpc-port", grpc,
+                                  "--metrics-port", metrics, "--log-file", str(tmp_path / "triton.log")])
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.stderr, (r.exit_code, r.stderr)
+    assert errors[0].startswith(f"error: {small_repo}: the model stub of dflash cannot start (pid "), errors
+    assert "libpython_gone.so: cannot open shared object file" in errors[0], errors
+    assert errors[0].endswith(f"; full log: {tmp_path / 'triton.log'}"), errors
+    assert pids_mentioning(str(small_repo)) == []
+
+
+@pytest.mark.server
+def test_a_model_stub_killed_while_loading_is_named_as_out_of_memory(small_repo, monkeypatch):
+    """A stub the kernel ends with SIGKILL while its model loads (what the out-of-memory killer does) before it
+    reported: exit 2 (the machine has too little memory for the model, as a MemoryError in the load is), one line
+    naming the signal, the model, the stub's peak RSS and the memory the machine has."""
+    from dflash_export.deploy.server import ModelRefused, TritonServer
+
+    # ~60 MB held by the shell (its variable), long enough for the start's checks to see it, then SIGKILL
+    _stand_in_stub(monkeypatch, '[ "$#" -eq 0 ] && exit 0\nx=$(head -c 60000000 /dev/zero | tr "\\0" a)\nsleep 1.5\n'
+                                'kill -9 $$\n')
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    with pytest.raises(ModelRefused) as e:
+        srv.start()
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    found = re.search(r"a model stub was killed by signal 9 while loading dflash \(pid \d+, peak RSS (\d+) MiB\): "
+                      r"likely out of memory.*; [\d.]+ [MG]iB of [\d.]+ [MG]iB available now$", msg)
+    assert found and int(found.group(1)) >= 50, msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
+
+
+def _load_hook(monkeypatch, code: str) -> None:
+    """Servers started from here on run `code` in each model stub as its interpreter starts (a module the stub
+    environment's site-packages imports through a .pth file): a stand-in for what the real load meets."""
+    import dflash_export.deploy.triton_process as tp
+
+    made = tp.make_stub_env
+
+    def with_hook(into, stub_site):
+        out = made(into, stub_site)
+        site_packages = next(into.glob("lib/python*/site-packages"))
+        (site_packages / "dflash_test_hook.py").write_text(code)
+        (site_packages / "zz_dflash_test_hook.pth").write_text("import dflash_test_hook\n")
+        return out
+
+    monkeypatch.setattr(tp, "make_stub_env", with_hook)
+
+
+@pytest.mark.server
+def test_a_model_stub_killed_as_its_model_initializes_is_named_as_out_of_memory(small_repo, monkeypatch):
+    """The real stub killed outright (SIGKILL, as by the out-of-memory killer) while its model's initialize runs: the
+    python backend fails the load ("Stub process is not healthy") and tritonserver exits; the error says instead how
+    the stub ended and that memory likely ran out, exit 2."""
+    import dflash_export.deploy.triton_process as tp
+    from dflash_export.deploy.server import ModelRefused, TritonServer
+
+    _load_hook(monkeypatch, "import time\nimport dflash_export.engines.registry as registry\n"
+                            "real = registry.load_engine\n"
+                            "registry.load_engine = lambda *a, **k: time.sleep(6) or real(*a, **k)\n")
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    killed = []
+
+    def kill_the_loading_stub():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            stubs = [p for p in _stubs_of(srv._pgid) if tp.stub_model(p) == "dflash"] if srv._pgid else []
+            if stubs:
+                time.sleep(3)  # the model's initialize is under way (the hook holds it 6 s)
+                os.kill(stubs[0], signal.SIGKILL)
+                killed.append(stubs[0])
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=kill_the_loading_stub, daemon=True)
+    thread.start()
+    with pytest.raises(ModelRefused) as e:
+        srv.start()
+    thread.join(timeout=10)
+    msg = str(e.value)
+    assert killed and e.value.exit_code == 2 and "\n" not in msg, (killed, msg)
+    assert re.search(rf"a model stub was killed by signal 9 while loading dflash \(pid {killed[0]}, peak RSS "
+                     r"\d+ MiB\): likely out of memory", msg), msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+
+
+@pytest.mark.server
+def test_a_model_load_that_runs_out_of_memory_fails_the_start_as_an_environment_error(small_repo, monkeypatch):
+    """A MemoryError in the model's load (here numpy's, for an allocation no machine has) is the machine's limit, not
+    a bug: exit 2, one line naming the model, that memory ran out and how much the machine has available."""
+    from dflash_export.deploy.server import ModelRefused, TritonServer
+
+    _load_hook(monkeypatch, "import numpy as np\nimport dflash_export.engines.registry as registry\n"
+                            "registry.load_engine = lambda *a, **k: np.empty(1 << 52, dtype=np.uint8)\n")
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
+    with pytest.raises(ModelRefused) as e:
+        srv.start()
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    assert re.search(r"failed to load 'dflash' version 1: out of memory while loading the model \([\d.]+ [MG]iB of "
+                     r"[\d.]+ [MG]iB available\): MemoryError: Unable to allocate 4.00 PiB", msg), msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
 
 
 @pytest.mark.server
@@ -331,6 +471,65 @@ def test_a_failed_start_removes_its_own_python_env_dir_and_not_another_servers(s
     finally:
         for d in other:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.server
+def test_two_servers_starting_together_each_remove_their_own_python_env_dir(small_repo, monkeypatch):
+    """Two `serve`s started at the same moment (here two servers in threads 0.1 s apart, each failing its start when
+    its stub exits): each python backend makes its own /tmp/python_env_* dir; each server must tell its own apart
+    and remove it, leaving none behind."""
+    from dflash_export.deploy.server import ServerError, TritonServer
+
+    _stand_in_stub(monkeypatch, '[ "$#" -eq 0 ] && exit 0\nexit 7\n')
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    taken: dict[int, set[str]] = {}
+    stop = TritonServer.stop
+
+    def noting_stop(self, *args, **kwargs):  # the dirs each server removes, as it stops
+        taken.setdefault(id(self), set()).update(self._python_envs)
+        return stop(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonServer, "stop", noting_stop)
+    servers = [TritonServer(small_repo, *free_ports(3), ready_timeout_s=90) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def start(srv):
+        try:
+            srv.start()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(srv,), daemon=True) for srv in servers]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=120)
+    assert len(errors) == 2 and all(type(e) is ServerError and "exit code 7" in str(e) for e in errors), errors
+    mine = [taken.get(id(srv), set()) for srv in servers]
+    assert all(len(dirs) == 1 for dirs in mine) and mine[0] != mine[1], mine
+    assert not any(Path(d).exists() for dirs in mine for d in dirs)
+    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
+    assert all(group_pids(srv._pgid) == [] and srv._workdir is None for srv in servers)
+
+
+def test_the_python_env_lock_is_one_holder_at_a_time(tmp_path, monkeypatch):
+    """The turn two starting servers take: a second holder waits while the first holds it (not past its wait), has it
+    once the first lets go; a lock file that is a link (someone else's trap in /tmp) is never opened."""
+    import dflash_export.deploy.triton_process as tp
+
+    monkeypatch.setattr(tp, "PYTHON_ENV_ROOT", tmp_path)
+    first = tp.lock_python_env_turn(0)
+    assert first is not None
+    t0 = time.monotonic()
+    assert tp.lock_python_env_turn(0.3) is None and time.monotonic() - t0 >= 0.3
+    threading.Timer(0.3, os.close, (first,)).start()
+    second = tp.lock_python_env_turn(10)
+    assert second is not None and time.monotonic() - t0 < 5
+    os.close(second)
+    tp.python_env_lock_path().unlink()
+    tp.python_env_lock_path().symlink_to(tmp_path / "elsewhere")
+    assert tp.lock_python_env_turn(0) is None and not (tmp_path / "elsewhere").exists()
 
 
 def test_the_python_env_dir_taken_is_the_one_this_server_made(tmp_path, monkeypatch):
@@ -679,6 +878,17 @@ def test_a_model_load_the_environment_fails_is_an_input_error_and_a_bug_is_not(t
     for bug in (ValueError("a bug"), ModuleNotFoundError("x", name="not_a_library_of_ours"),
                 ImportError("cannot import name 'gone'", name="dflash_export.runtime.single")):
         assert load_fails_with(bug) is bug
+    # an allocation that failed: numpy's MemoryError, a C++ std::bad_alloc (pybind11 makes it a MemoryError), ONNX
+    # Runtime's own message, an OSError ENOMEM: the machine's memory, one line saying so and how much is available
+    for oom, what in ((MemoryError("Unable to allocate 8.00 GiB for an array"), "MemoryError: Unable to allocate"),
+                      (MemoryError("std::bad_alloc"), "MemoryError: std::bad_alloc"),
+                      (RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Failed to allocate memory for "
+                                    "requested buffer of size 123"), "RuntimeError: [ONNXRuntimeError]"),
+                      (OSError(12, "Cannot allocate memory"), "[Errno 12] Cannot allocate memory")):
+        e = load_fails_with(oom)
+        assert type(e) is MissingDependency and "\n" not in str(e), str(e)
+        assert re.match(r"out of memory while loading the model \([\d.]+ [MG]iB of [\d.]+ [MG]iB available\): ",
+                        str(e)) and what in str(e), str(e)
 
     srv = TritonServer(tmp_path)
 

@@ -18,8 +18,10 @@ front's cancel file (an HTTP client that went away, or a shutdown past its drain
 abandoned request holds its instance for at most one more step.
 """
 
+import errno
 import json
 import os
+import re
 import site
 import sys
 
@@ -54,10 +56,32 @@ def _input_error(message: str, kind: str = "MissingDependency", path=None) -> Ex
         return type(kind, (RuntimeError,), {})(f"{path}: {message}" if path else message)
 
 
+# How the libraries the load runs report an allocation that failed without raising MemoryError: ONNX Runtime's
+# "Failed to allocate memory for requested buffer", a C++ std::bad_alloc passed on as text, PyTorch's CPU allocator.
+_ALLOCATION_FAILED = re.compile(r"[Ff]ailed to allocate memory|\bbad[_ ]alloc(?:ation)?\b|[Cc]an't allocate memory")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether the load failed because an allocation did: MemoryError (numpy's, and a C++ std::bad_alloc that pybind11
+    turns into one), an OSError ENOMEM, or a library's own allocation-failure message."""
+    return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
+            or bool(_ALLOCATION_FAILED.search(str(exc))))
+
+
 def _environment_error(exc: BaseException) -> Exception | None:
     """The one-line error for an exception of the load that says the environment is wrong, not the code (None: a
-    bug, reported as it is): as the CLI judges them, any OSError (a file that cannot be read) and a failed import of
-    one of the project's optional libraries (its install line added), or of the project itself."""
+    bug, reported as it is): as the CLI judges them, an allocation that failed (the machine has too little memory
+    for the model: how much it has available is added), any other OSError (a file that cannot be read) and a failed
+    import of one of the project's optional libraries (its install line added), or of the project itself."""
+    if _out_of_memory(exc):
+        try:
+            from dflash_export.environment import memory_note
+
+            note = memory_note()
+        except ImportError:
+            note = ""
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return _input_error(f"out of memory while loading the model ({note or 'memory available unknown'}): {what}")
     if isinstance(exc, OSError):
         return _input_error(f"cannot read it ({exc.strerror or exc})" if exc.filename else str(exc.strerror or exc),
                             "DFlashError", exc.filename)

@@ -9,6 +9,7 @@ foreground.
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from dflash_export.deploy.triton_install import (
     server_env,
 )
 from dflash_export.deploy.upstream import RESTRICTED_APIS, SECRET_HEADER
+from dflash_export.environment import memory_note, size_text
 from dflash_export.errors import EXIT_INTERNAL, DFlashError
 
 
@@ -64,6 +66,12 @@ _TRITON_LINE = re.compile(r"[IWE]\d{4} ")
 _TRITON_ERROR = re.compile(r"E\d{4} ")
 _OPTION_ERROR = re.compile(r"unrecognized option|invalid option|requires an argument|^Bad option|^[Ii]nvalid ")
 _HEAD_LINES = 40
+# The dynamic loader's words for a shared library it cannot load (`ld.so`: the program never ran), as a stub that
+# cannot start prints them.
+_LOADER_ERROR = re.compile(r"error while loading shared libraries|cannot open shared object file|symbol lookup error|"
+                           r"undefined symbol|version `[^']+' not found")
+# How the python backend fails a model load whose stub died after it reported (while its model initialized).
+_STUB_UNHEALTHY = re.compile(r"Stub process (?:'[^']*' )?is not healthy")
 # tritonserver's python backend starts each model's stub with `bash -c` and a command line holding, unquoted, the
 # stub's path, the model's path and the backend's directory: a space, quote or `$` in any of them splits or expands,
 # and the model never loads. The paths `TritonServer` hands it hold only these characters.
@@ -135,6 +143,46 @@ def _pid_alive(pid: int) -> bool:
 # The python backend makes a /tmp/python_env_XXXXXX directory per server (a fixed path: TMPDIR is not read) as it
 # initializes, before it starts any stub, and removes it only on a clean exit.
 PYTHON_ENV_ROOT = Path("/tmp")
+
+
+# This user's `serve`s take turns from listing the python_env dirs (before tritonserver starts) to taking the one it
+# made (`_claim_python_env`): two tritonservers started within that window would each see both new dirs, and
+# neither could tell its own. The turn is an exclusive flock on a file beside the dirs (their glob never matches
+# it); a start that cannot have it within PYTHON_ENV_LOCK_WAIT_S (another one stuck before its first stub) goes on
+# without it, and then takes no dir that another server may have made.
+PYTHON_ENV_LOCK_WAIT_S = 30.0
+
+
+def python_env_lock_path() -> Path:
+    return PYTHON_ENV_ROOT / f".dflash-python-env-{os.getuid()}.lock"
+
+
+def lock_python_env_turn(wait_s: float = PYTHON_ENV_LOCK_WAIT_S) -> int | None:
+    """An open descriptor holding this user's python_env lock (closing it releases the lock); None when it could not
+    be had within `wait_s`, or its file is not this user's (another user's file at that path) or cannot be opened."""
+    try:
+        # No symlink followed (a world-writable /tmp); not inherited by tritonserver, which would hold it for its life.
+        fd = os.open(python_env_lock_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    deadline, held = time.monotonic() + wait_s, False
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+    except OSError:
+        return None
+    finally:
+        if not held:  # also when interrupted while waiting
+            os.close(fd)
 
 
 def _python_env_dirs() -> set[str]:
@@ -271,22 +319,47 @@ def group_members(pgid: int, comm_prefix: str = "", exited: bool = False) -> lis
 STUB_ZOMBIE_S = 1.0  # a stub exited and unreaped this long while the models load: it is not coming back
 
 
-def exited_stubs(pgid: int) -> dict[int, str]:
-    """pid -> how it ended ("exit code N" / "signal N") of process group `pgid`'s python stubs that have exited but
-    are not reaped yet (zombies). tritonserver's python backend checks a stub it started with kill(pid, 0), which a
-    zombie passes: a stub that exits before it reports to the backend (it cannot start) leaves its model loading
-    forever."""
-    out = {}
+def stubs_of(pgid: int) -> dict[int, str | None]:
+    """pid -> how it ended ("exit code N" / "signal N"; None: still running) of process group `pgid`'s python stubs,
+    those that have exited but are not reaped yet (zombies) included. tritonserver's python backend checks a stub it
+    started with kill(pid, 0), which a zombie passes: a stub that exits before it reports to the backend (it cannot
+    start) leaves its model loading forever."""
+    out: dict[int, str | None] = {}
     for pid, fields in _group_stats(pgid, "triton_python_b"):
         if fields[0] != b"Z":
+            out[pid] = None
             continue
         try:
             status = int(fields[49]) if len(fields) > 49 else None  # field 52, exit_code: the wait status
         except ValueError:
-            continue
+            status = None
         out[pid] = ("exit status unknown" if status is None else f"signal {status & 0x7F}"
                     if status & 0x7F else f"exit code {status >> 8}")
     return out
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """The most memory a process has held resident (/proc/<pid>/status VmHWM); None for one gone or exited (a zombie
+    has no memory left to count)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended since boot (/proc/vmstat oom_kill, machine
+    wide); None where unreadable."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def pids_with_arg(text: str) -> list[int]:
@@ -415,6 +488,7 @@ class TritonServer:
         self._python_envs: set[str] = set()
         # python_env dirs before this run's tritonserver started, until its own is told apart (`_claim_python_env`)
         self._envs_before: set[str] | None = None
+        self._env_lock: int | None = None  # this user's python_env lock, held until then (`lock_python_env_turn`)
         self.restarts = 0
         self.grpc = grpc
         self.model_id: str | None = None  # the OpenAI API's model name (default: the repository's recipe)
@@ -430,8 +504,15 @@ class TritonServer:
         self.stranded_at_exit = False  # the last stop ended tritonserver once only stranded versions were left
         self.reload_timeout_s = min(ready_timeout_s, 120.0)  # a reload slower than this restarts the server
         self._reload_times: list[float] = []  # more than MAX_RELOADS in RELOAD_WINDOW_S: the server is restarted
-        self._exited_stubs: dict[int, str] = {}  # stubs that exited while the models loaded (`exited_stubs`)
+        self._exited_stubs: dict[int, str] = {}  # stubs exited while the models loaded, STUB_ZOMBIE_S unreaped
         self._zombies_seen: dict[int, float] = {}  # when each of those was first seen exited
+        # While the models load: each stub seen running (pid -> its model, None for the backend's trial run, and the
+        # most it held resident), how each seen exited ended (`stubs_of`), and the machine's out-of-memory kills
+        # before the start: what a stub's death during the load is reported with (`_stub_failure`).
+        self._stub_models: dict[int, str | None] = {}
+        self._stub_peaks: dict[int, int] = {}
+        self._stub_ends: dict[int, str] = {}
+        self._oom_kills_before: int | None = None
         self.private = private_network_unavailable() is None
         self.isolation = ("a network namespace of its own (only the front reaches it, through a 0600 Unix socket)"
                           if self.private else "loopback behind a header on its command line, readable by local "
@@ -546,7 +627,11 @@ class TritonServer:
                 except OSError as e:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
             self._stopping = False
+            self._release_python_env_lock()  # a start that failed before its claim still held it
+            self._env_lock = lock_python_env_turn()
             self._envs_before = _python_env_dirs()
+            self._stub_models, self._stub_peaks, self._stub_ends = {}, {}, {}
+            self._oom_kills_before = oom_kills()
             self.stub_death = None
             pass_fds: tuple[int, ...] = ()
             if self.private:
@@ -569,6 +654,7 @@ class TritonServer:
             self._protect_shm()
             self._stubs = self._count_stubs()
             self._claim_python_env()
+            self._release_python_env_lock()  # claimed, or (no stub seen) never to be: the next start need not wait
             self._write_owner()
             for model in self.front.models:  # a reload that failed left its model refused; this server has it
                 self.front.model_back(model)
@@ -651,6 +737,7 @@ class TritonServer:
             self._claim_python_env()
             if (_uds_ok(uds, "/v2/health/ready") if self.private else
                     _http_ok(url, headers={SECRET_HEADER: self.front.secret})):
+                self._stub_ends = {}  # loaded: a later death is a running model's (`health`), not the load's
                 return
             if next_note is not None and time.monotonic() >= next_note:
                 print(f"waiting for tritonserver to be ready ({time.monotonic() - start:.0f} s of "
@@ -661,14 +748,18 @@ class TritonServer:
                           f"{_shorten(self._last_error())}); `serve --ready-timeout` sets the wait" + self._log_note(),
                           path=self.repo)
 
+    def _loading_models(self) -> tuple[list[str], list[str]]:
+        """(the models this run's log shows begun loading, those of them not loaded yet)."""
+        lines = self._run_log()
+        begun = [m.group(1) for m in (re.search(r'"loading: (.+):\d+"', ln) for ln in lines) if m]
+        loaded = {m.group(1) for m in (re.search(r"successfully loaded '([^']+)'", ln) for ln in lines) if m}
+        return begun, [m for m in dict.fromkeys(begun) if m not in loaded]
+
     def _load_stage(self) -> str:
         """What the start waits for, from this run's log and /proc: tritonserver not loading models yet; or the models
         loading (begun, not yet loaded), each with its stubs' pids and what they are doing (`proc_usage`); or every
         model loaded and the server not ready yet."""
-        lines = self._run_log()
-        begun = [m.group(1) for m in (re.search(r'"loading: (.+):\d+"', ln) for ln in lines) if m]
-        loaded = {m.group(1) for m in (re.search(r"successfully loaded '([^']+)'", ln) for ln in lines) if m}
-        loading = [m for m in dict.fromkeys(begun) if m not in loaded]
+        begun, loading = self._loading_models()
         if not begun:
             return "tritonserver has not begun loading the models"
         if not loading:
@@ -685,9 +776,11 @@ class TritonServer:
         """Take this run's python_env dir into those `stop` removes (and the owner record) once it is certain to be
         this server's: the python backend makes it before it starts a stub, and removes it only as tritonserver exits.
         So with a stub of this server seen, then the dirs listed, then tritonserver seen still running, this server's
-        dir is among those made since it started; it is taken when it is the only one. Another server starting
-        meanwhile (another `serve`) makes a second one: then neither is taken (this one's is left, empty, rather than
-        risk removing the other's)."""
+        dir is among those made since it started; it is taken when it is the only one. Another `serve` of this user
+        waits for its turn (the python_env lock, held from before the dirs were first listed until now) before it
+        lists the dirs and starts its tritonserver, so its dir is never among them. A second one made meanwhile (a
+        tritonserver started some other way, or a `serve` that went on without the lock): then neither is taken
+        (this one's is left, empty, rather than risk removing the other's)."""
         if self._envs_before is None or self._pgid is None or not group_members(self._pgid, "triton_python_b",
                                                                                 exited=True):
             return
@@ -695,6 +788,7 @@ class TritonServer:
         if not group_members(self._pgid, "tritonserver"):
             return
         self._envs_before = None
+        self._release_python_env_lock()
         if len(made) == 1:
             self._python_envs |= made
             try:
@@ -702,27 +796,75 @@ class TritonServer:
             except OSError:
                 pass
 
+    def _release_python_env_lock(self) -> None:
+        if self._env_lock is not None:
+            os.close(self._env_lock)
+            self._env_lock = None
+
     def _stub_exited_while_loading(self) -> bool:
         """Whether a model stub exited before the server was ready and has stayed unreaped for STUB_ZOMBIE_S (one
-        tritonserver ends and reaps itself is not counted), tritonserver still waiting on it."""
+        tritonserver ends and reaps itself is not counted), tritonserver still waiting on it. Notes on the way what
+        `_stub_failure` reports: each running stub's model and peak RSS, and how each exited one ended (a stub that
+        dies once it has reported is seen exited for the moment before tritonserver fails its load and exits)."""
         now = time.monotonic()
-        exited = exited_stubs(self._pgid) if self._pgid is not None else {}
+        stubs = stubs_of(self._pgid) if self._pgid is not None else {}
+        for pid in (pid for pid, how in stubs.items() if how is None):
+            if pid not in self._stub_models:
+                self._stub_models[pid] = stub_model(pid)
+            peak = peak_rss_bytes(pid)
+            if peak is not None:
+                self._stub_peaks[pid] = max(peak, self._stub_peaks.get(pid, 0))
+        exited = {pid: how for pid, how in stubs.items() if how is not None}
+        # the backend's trial run of the stub (no model) exits 0 as it should
+        self._stub_ends.update({pid: how for pid, how in exited.items() if how != "exit code 0"})
         self._zombies_seen = {pid: self._zombies_seen.get(pid, now) for pid in exited}
         self._exited_stubs = {pid: how for pid, how in exited.items() if now - self._zombies_seen[pid] >= STUB_ZOMBIE_S}
         return bool(self._exited_stubs) and self.proc.poll() is None
 
     def _stub_death_error(self) -> ServerError:
-        """One line for a model stub that exited while its model loaded: how it ended, the log's most telling line
-        (what the stub printed last, when it could not start) and where the log is."""
-        pid = min(self._exited_stubs)
-        more = f" and {len(self._exited_stubs) - 1} more" if len(self._exited_stubs) > 1 else ""
-        how = self._exited_stubs[pid]
-        how += ", killed: out of memory?" if how == "signal 9" else ""
-        # tritonserver's info lines (the last is "...ModelInstanceInitialize: <instance>") say nothing about why
-        said = any(ln.strip() and not ln.startswith(("[dflash-export]", "+", "|")) and "CudaDriverHelper" not in ln
-                   and not (_TRITON_LINE.match(ln) and not _TRITON_ERROR.match(ln)) for ln in self._log)
-        detail = f": {_shorten(self._last_error())}" if said else ""
-        return ServerError(f"a model stub exited while its model loaded (pid {pid}{more}, {how}{detail})"
+        """One line for a model stub that exited while its model loaded, tritonserver left waiting on it
+        (`_stub_failure`)."""
+        return self._stub_failure(self._exited_stubs)
+
+    def _stub_said(self) -> str | None:
+        """The last line of this run's log that a model stub printed itself (not tritonserver's log lines, option
+        table or last words, nor the model's own dflash-* notes); None when there is none."""
+        for ln in reversed(self._run_log()):
+            if not (_TRITON_LINE.match(ln) or ln.startswith(("+", "|", "dflash-", "error: creating server"))
+                    or "CudaDriverHelper" in ln):
+                return ln
+        return None
+
+    def _stub_failure(self, ended: dict[int, str]) -> ServerError:
+        """One line for the model stubs `ended` (pid -> how, `stubs_of`) that exited while the models loaded: the
+        model, how the first ended, and why as far as it can be told. The environment's doing, exit 2 (ModelRefused,
+        like a model refusing its environment at load): a stub that cannot start (exit code 127 or 126, the shell's
+        "not found" and "cannot execute", which the dynamic loader also gives for a shared library missing, or such a
+        loader error in what it printed: its line is given), and one killed by SIGKILL (what the kernel's
+        out-of-memory killer sends; its peak RSS and the memory available are given). Anything else (a crash: another
+        signal, another exit code) is a bug, exit 3, with the stub's last line."""
+        pid = min(ended, key=lambda p: (ended[p] == "exit code 0", p))  # a failed one first (not a trial run's)
+        more = f" and {len(ended) - 1} more" if len(ended) > 1 else ""
+        how = ended[pid]
+        model = self._stub_models.get(pid) or ", ".join(self._loading_models()[1]) or "a model"
+        said = self._stub_said()
+        if how == "signal 9":
+            peak = f", peak RSS {size_text(self._stub_peaks[pid])}" if pid in self._stub_peaks else ""
+            kills = oom_kills()
+            oom = (" (the kernel's out-of-memory killer ran meanwhile)" if None not in (kills, self._oom_kills_before)
+                   and kills > self._oom_kills_before else "")
+            note = memory_note()
+            return ModelRefused(f"a model stub was killed by signal 9 while loading {model} (pid {pid}{more}{peak}): "
+                                f"likely out of memory{oom}" + (f"; {note} now" if note else "") + self._log_note(),
+                                path=self.repo)
+        if how in ("exit code 127", "exit code 126") or (said and _LOADER_ERROR.search(said)):
+            why = said or ("the stub or a library it needs was not found" if how == "exit code 127" else
+                           "the stub cannot be executed")
+            why = re.sub(r"^\S*/triton_python_backend_stub: ", "", why)  # the loader names the binary first
+            return ModelRefused(f"the model stub of {model} cannot start (pid {pid}{more}, {how}: {_shorten(why)})"
+                                + self._log_note(), path=self.repo)
+        detail = f": {_shorten(said)}" if said else ""
+        return ServerError(f"a model stub exited while its model loaded ({model}, pid {pid}{more}, {how}{detail})"
                            + self._log_note(), path=self.repo)
 
     def _log_note(self) -> str:
@@ -765,6 +907,8 @@ class TritonServer:
         if self._reader is not None:
             self._reader.join(timeout=2)
         line = self._last_error()
+        if _STUB_UNHEALTHY.search(line) and self._stub_ends:  # a stub that died loading: how it ended says why
+            return self._stub_failure(self._stub_ends)
         cls = ModelRefused if _INPUT_ERROR.search(line) else ServerError
         line = _INPUT_ERROR.sub("", line, count=1)
         rc = self.proc.returncode
@@ -993,6 +1137,7 @@ class TritonServer:
         Returns True when every request finished by itself (the drain completed) and tritonserver exited cleanly.
         """
         self._stopping = True
+        self._release_python_env_lock()
         drained = True
         if self.front is not None and self.proc is not None and self.proc.poll() is None:
             drained = self.front.drain(drain_timeout_s)
