@@ -822,6 +822,87 @@ def test_a_corrupt_safetensors_header_is_one_line_naming_the_file(tmp_path, head
     assert line == f"error: {weights}: {what}", line
 
 
+def _drafter_with(tmp_path, tensor: str, fn, dtype: str | None = None) -> Path:
+    """A copy of the tiny qwen3 drafter, its tensors stored as `dtype` (when given), `fn` applied to `tensor`'s
+    flattened values."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    drafter = _tiny_copy(tmp_path, "tiny:qwen3/drafter")
+    sd = load_file(str(drafter / "model.safetensors"))
+    sd = {k: v.to(getattr(torch, dtype)) if dtype else v for k, v in sd.items()}
+    fn(sd[tensor].view(-1))
+    save_file(sd, str(drafter / "model.safetensors"), metadata={"format": "pt"})
+    return drafter
+
+
+def _nan_and_inf(flat):
+    flat[0], flat[-1] = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
+@pytest.mark.parametrize("command", ["export", "reference"])
+def test_a_drafter_weight_holding_nan_or_inf_is_one_line_naming_its_file_and_tensor(tmp_path, dtype, command):
+    """NaN / inf in a drafter tensor (stored in float32, bfloat16 or float16) would make every draft garbage: found as
+    the checkpoint is read, by every stage that loads it, and nothing is written."""
+    drafter = _drafter_with(tmp_path, "layers.1.mlp.down_proj.weight", _nan_and_inf, dtype)
+    out = tmp_path / "out"
+    extra = ["--out", out] if command == "export" else ["--max-new-tokens", "2"]
+    line = _one_error_line(_run(command, "--target", "tiny:qwen3/target", "--drafter", drafter, *extra))
+    assert line.startswith(f"error: {drafter / 'model.safetensors'}: layers.1.mlp.down_proj.weight: 2 non-finite "
+                           f"values (NaN/inf) of "), line
+    assert not out.exists()
+
+
+def test_a_drafter_weight_beyond_float16s_range_is_named_when_cast_to_float16(tmp_path):
+    import torch
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.checkpoint import load_drafter
+
+    drafter = _drafter_with(tmp_path, "norm.weight", lambda flat: flat.__setitem__(3, -1e6))
+    assert load_drafter(drafter, torch.float32) is not None
+    with pytest.raises(DFlashError) as e:
+        load_drafter(drafter, torch.float16)
+    assert str(e.value).startswith(f"{drafter}: norm.weight: 1 non-finite values (NaN/inf) of 64 once cast to float16 "
+                                   f"(stored as float32)"), e.value
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8"])
+def test_nonfinite_values_are_counted_in_every_dtype_a_slice_at_a_time(monkeypatch, dtype):
+    """weights.nonfinite_count on the tensor's own dtype (fp8, which torch's aminmax lacks, upcast a slice at a
+    time), on a non-contiguous tensor, and across slice boundaries."""
+    import torch
+
+    from dflash_export.models import weights
+
+    monkeypatch.setattr(weights, "_COUNT_SLICE", 7)
+    t = torch.linspace(-3, 3, 200).reshape(10, 20).to(getattr(torch, dtype))
+    assert weights.nonfinite_count(t) == 0
+    if not t.is_floating_point():
+        return
+    t[0, 0], t[4, 13], t[9, 19] = float("nan"), float("nan"), float("nan")
+    if dtype != "float8_e4m3fn":  # e4m3fn has no inf (NaN is its only non-finite value)
+        t[5, 5] = float("-inf")
+    assert weights.nonfinite_count(t) == (3 if dtype == "float8_e4m3fn" else 4)
+    assert weights.nonfinite_count(t.t()) == weights.nonfinite_count(t)  # a transposed view
+    assert weights.nonfinite_count(t[:, 13:]) == 2  # a column slice holding two of them
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_every_fp8_bit_pattern_is_judged_as_its_float32_value(dtype):
+    """The fp8 screen reads bits (e4m3fn, e5m2) or upcasts (the others): each of the 256 values, alone and all
+    together, is non-finite exactly when it is in float32."""
+    import torch
+
+    from dflash_export.models.weights import nonfinite_count
+
+    values = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype))
+    bad = ~torch.isfinite(values.float())
+    assert [nonfinite_count(values[i:i + 1]) for i in range(256)] == bad.int().tolist()
+    assert nonfinite_count(values) == int(bad.sum()) > 0
+
+
 @pytest.mark.parametrize("name, text, what", [
     ("generation_config.json", '{"eos_token_id": ', "not valid JSON"),
     ("generation_config.json", "[1]", "expected a JSON object"),

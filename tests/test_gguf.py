@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -151,11 +152,12 @@ _TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 
 
-def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16, arch="llama"):
+def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16, arch="llama", raw=None):
     """A one-layer llama (or qwen3) GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary, fp32
     tensors), written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
     GGUFValueType)}, None removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another
-    GGML type, `values` adds tensors with these values."""
+    GGML type, `values` adds tensors with these values, `raw` adds tensors as {name: (bytes as a uint8 array,
+    GGMLQuantizationType)}."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
@@ -199,6 +201,8 @@ def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=N
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     for name, value in (values or {}).items():
         w.add_tensor(name, np.asarray(value))
+    for name, (data, qtype) in (raw or {}).items():
+        w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -415,6 +419,31 @@ def test_a_tensor_that_disagrees_with_the_settings_is_named(tmp_path, monkeypatc
     if "types" in edit:
         edit = {"types": {k: GGMLQuantizationType(t) for k, t in edit["types"].items()}}
     _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", **edit), field, says)
+
+
+@pytest.mark.parametrize("stored", ["F32", "F16", "BF16", "Q8_0"])
+def test_a_tensor_holding_nan_or_inf_is_named_and_nothing_is_cached(tmp_path, monkeypatch, stored):
+    """A NaN / inf in a tensor, whatever its GGML type (a quantized block's NaN scale dequantizes to a block of
+    NaN), is found in the dequantized weights before they are saved: inspect and build refuse it naming the GGUF
+    tensor, and nothing is cached (a model built from it would emit NaN logits, argmax 0, with exit 0)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    up = np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)  # ffn_up [ff, h] at h = 32
+    up[3, 5], up[7, 0] = np.nan, -np.inf
+    if stored in ("F32", "F16"):
+        edit = {"values": {"blk.0.ffn_up.weight": up.astype(np.float32 if stored == "F32" else np.float16)}}
+    else:
+        qtype = GGMLQuantizationType[stored]
+        with np.errstate(invalid="ignore"):  # a Q8_0 block's scale of a NaN / inf block is NaN
+            edit = {"raw": {"blk.0.ffn_up.weight": (quants.quantize(up, qtype), qtype)}}
+    bad = _tiny_gguf(tmp_path / "t.gguf", drop=("blk.0.ffn_up.weight",), h=32, **edit)
+    n = 2 if stored != "Q8_0" else 64  # each Q8_0 block is 32 values under one scale
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _refused(tmp_path, monkeypatch, bad, "blk.0.ffn_up.weight",
+                 f": {n} non-finite values (NaN/inf) of 1024 (converted to model.layers.0.mlp.up_proj.weight)")
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)]  # numpy's, dequantizing: no second line
 
 
 def test_a_shape_transformers_reads_otherwise_is_one_error(tmp_path, monkeypatch):

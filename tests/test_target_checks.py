@@ -423,3 +423,59 @@ def test_build_refuses_a_faulty_target_before_writing_an_engine(tmp_path, family
     assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
     assert errors[0].startswith(f"error: {target / file}: {field}: "), errors[0]
     assert not engines.exists()
+
+
+def _plant(sd: dict, name: str, dtype=None) -> None:
+    """Every tensor of `sd` stored as `dtype` (when given), then a NaN and a -inf planted in `name`."""
+    import torch
+
+    for k in sd if dtype else ():
+        sd[k] = sd[k].to(getattr(torch, dtype))
+    flat = sd[name].view(-1)
+    flat[0], flat[-1] = float("nan"), float("-inf")
+
+
+@pytest.mark.parametrize("family, tensor, dtype, file, field", [
+    ("qwen3", "layers.1.mlp.up_proj.weight", None, "model.safetensors", "model.layers.1.mlp.up_proj.weight"),
+    ("llama", "embed_tokens.weight", "bfloat16", "model.safetensors", "model.embed_tokens.weight"),
+    ("qwen3", "layers.0.self_attn.k_norm.weight", "float16", "model.safetensors",
+     "model.layers.0.self_attn.k_norm.weight"),
+    # per-expert tensors, which transformers stacks into one parameter: named by the model directory and the name
+    # transformers gives the stack
+    ("qwen3-moe", "layers.1.mlp.experts.3.down_proj.weight", None, "", "model.layers.1.mlp.experts.down_proj"),
+])
+def test_a_weight_holding_nan_or_inf_is_named_by_export(tmp_path, family, tensor, dtype, file, field):
+    """NaN / inf in a target weight (stored in float32, bfloat16 or float16) would make every logit NaN, and the
+    engine emit token 0 with exit 0: found in the weights as loaded, named by file and tensor, nothing written."""
+    target = _target(tmp_path, family)
+    _edit_weights(target, lambda sd, prefix: _plant(sd, "model." + tensor, dtype))
+    line = _export_refused(target, family, file, field)
+    assert ": 2 non-finite values (NaN/inf) of " in line, line
+
+
+def test_build_refuses_a_target_weight_holding_nan_before_writing_an_engine(tmp_path):
+    target = _target(tmp_path)
+    _edit_weights(target, lambda sd, prefix: _plant(sd, "lm_head.weight"))
+    engines = tmp_path / "engines"
+    r = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", "tiny:qwen3/drafter",
+                                  "--out", str(engines)])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {target / 'model.safetensors'}: lm_head.weight: 2 non-finite values "
+                                f"(NaN/inf) of "), errors[0]
+    assert not engines.exists()
+
+
+def test_a_float32_weight_beyond_float16s_range_is_named_when_loaded_as_float16(tmp_path):
+    """Finite in the file, inf once loaded as float16 (the recipes' `dtype: float16`): refused, saying so."""
+    import torch
+
+    from dflash_export.models import load_target
+
+    target = _target(tmp_path)
+    _edit_weights(target, lambda sd, prefix: sd[prefix + "norm.weight"].__setitem__(0, 1e6))
+    assert load_target(target).hidden_size == 64  # float32: finite
+    with pytest.raises(DFlashError) as e:
+        load_target(target, torch.float16)
+    assert (e.value.path, e.value.field) == (target / "model.safetensors", "model.norm.weight")
+    assert e.value.message.startswith("1 non-finite values (NaN/inf) of 64 once loaded as float16 (stored as F32)")

@@ -22,7 +22,7 @@ from dflash_export.models.hfutil import config_dtype
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.target import read_target_config, target_weight_problems
-from dflash_export.models.weights import has_safetensors, load_state_dict, tensor_headers
+from dflash_export.models.weights import check_finite, has_safetensors, load_state_dict, tensor_headers
 
 
 def _field(cfg: dict, path: Path, name: str, kind, default=...):
@@ -598,4 +598,12 @@ def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
     model = DFlashDrafter(config)
     model.load_state_dict(state, strict=True)
     target_dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)
-    return model.to(target_dtype).eval()
+    model = model.to(target_dtype).eval()
+    # The stored tensors were found finite as they were read (weights.load_state_dict); a cast to a dtype of smaller
+    # range (float32 -> float16) turns values beyond it into inf, so the weights cast so are checked again.
+    for name, p in model.named_parameters():
+        held = state[name].dtype
+        if held.is_floating_point and p.is_floating_point() and torch.finfo(p.dtype).max < torch.finfo(held).max:
+            check_finite(p, resolve_source(path), name, f" once cast to {str(p.dtype).removeprefix('torch.')} "
+                                                        f"(stored as {str(held).removeprefix('torch.')})")
+    return model

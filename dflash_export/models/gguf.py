@@ -493,9 +493,12 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate` for this one path; the pieces it
     calls (config parsing, `load_gguf_checkpoint`'s name mapping + dequantization) do not need it.
     """
+    import numpy as np
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from dflash_export.models.weights import check_finite, nonfinite_count
 
     quiet_transformers()
     src_dir, name = str(gguf_path.parent), gguf_path.name
@@ -505,10 +508,17 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         with torch.device("meta"):  # no weights of its own: it takes the dequantized tensors (assign below)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf from dequantizing: named below, not warned
+            state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     except (ValueError, OSError, KeyError, ImportError) as e:
         raise DFlashError(f"transformers cannot load this GGUF ({str(e).splitlines()[0]})", path=gguf_path) from None
     state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()}
+    # Dequantized tensors that hold NaN or inf would be saved and cached as the target: refused here, each tensor
+    # checked in the state dict already in memory, before anything is written, and named as the GGUF names it.
+    bad = next((k for k, v in state.items() if nonfinite_count(v)), None)
+    if bad is not None:
+        name = _gguf_name(bad, meta) or bad
+        check_finite(state[bad], gguf_path, name, f" (converted to {bad})" if name != bad else "")
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a shape transformers' config gives otherwise than check_gguf_metadata's reading
@@ -536,6 +546,25 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
         cfg.pop("rope_scaling", None)
         cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **scaling}
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _gguf_name(hf_name: str, meta: dict) -> str | None:
+    """The GGUF tensor that transformers' parameter `hf_name` is converted from, by the `gguf` package's name map
+    (the one transformers' reader maps names with); None when no single tensor of the file is (experts that
+    transformers stacks from several, a name the map does not know)."""
+    try:
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+        arch = meta["general.architecture"]
+        key = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+        base, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            base, _, suffix = hf_name.rpartition(".")
+            suffix = "." + suffix
+        name = get_tensor_name_map(key, int(meta[f"{arch}.block_count"])).get_name(base)
+    except (ImportError, StopIteration, KeyError, TypeError, ValueError):
+        return None
+    return name + suffix if name is not None and name + suffix in meta["tensor_names"] else None
 
 
 def _first_mismatch(e: RuntimeError) -> str:

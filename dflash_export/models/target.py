@@ -22,7 +22,7 @@ from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import hf_config
 from dflash_export.models.sources import resolve_source
-from dflash_export.models.weights import has_safetensors, tensor_headers
+from dflash_export.models.weights import SAFETENSORS_DTYPES, check_finite, has_safetensors, tensor_headers
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -537,4 +537,23 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None
+    check_finite_parameters(hf, model_dir)
     return TargetModel(hf, model_dir, config)
+
+
+def check_finite_parameters(hf, model_dir: Path) -> None:
+    """Every weight transformers loaded is finite (weights.check_finite), checked on the loaded model tensor by
+    tensor, so the weights are not read a second time. A tensor is named in the safetensors file holding it when the
+    checkpoint stores it under the name transformers gives it, else in the model directory under that name (a
+    checkpoint whose names transformers renames, or *.bin weights). When it was loaded in a dtype of smaller range
+    than it is stored in, the line says so: a float32 weight beyond float16's range becomes inf loaded as float16."""
+    stored = tensor_headers(model_dir) if has_safetensors(model_dir) else {}
+    for name, p in hf.named_parameters():
+        path, note = model_dir, ""
+        if name in stored:
+            _, dtype, path = stored[name]
+            held = SAFETENSORS_DTYPES.get(dtype)
+            if p.is_floating_point() and held is not None and held.is_floating_point and \
+                    torch.finfo(p.dtype).max < torch.finfo(held).max:
+                note = f" once loaded as {str(p.dtype).removeprefix('torch.')} (stored as {dtype})"
+        check_finite(p, path, name, note)

@@ -15,7 +15,7 @@ from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
@@ -164,6 +164,8 @@ def has_safetensors(model_dir: Path) -> bool:
 
 
 def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint (single file or shards), as stored; a tensor holding NaN or inf is a
+    DFlashError naming its file and name (check_finite, on each tensor as it is read)."""
     from safetensors import safe_open
 
     files = weight_files(ckpt)
@@ -178,4 +180,57 @@ def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
                     state[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt data
             raise DFlashError(f"cannot read tensors ({e})", path=fname) from None
+        for name in by_file[fname]:
+            check_finite(state[name], fname, name)
     return state
+
+
+# Elements per slice when non-finite values are counted: the slice's boolean mask (16 MiB) and, for a 16-bit or
+# 8-bit dtype, its float32 copy (64 MiB) are all the count holds besides the tensor.
+_COUNT_SLICE = 1 << 24
+# The fp8 formats torch's aminmax lacks on the CPU, by the bits all set in each of their non-finite values and in no
+# finite one: e5m2's exponent (inf and NaN); e4m3fn's exponent and mantissa (its NaN; it has no inf).
+_FP8_NONFINITE_BITS = {getattr(torch, n): bits for n, bits in (("float8_e4m3fn", 0x7F), ("float8_e5m2", 0x7C))
+                       if hasattr(torch, n)}
+
+
+def _finite_bound(x: torch.Tensor) -> bool:
+    return math.isfinite(x.item())
+
+
+def nonfinite_count(t: torch.Tensor) -> int:
+    """How many elements of `t` are NaN or +-inf (0 for integer and bool tensors).
+
+    One torch.aminmax pass settles a finite tensor, which is nearly every one: NaN propagates to both results and an
+    inf is the max or the min, so a finite min and max mean every element is finite. It runs on the tensor's own
+    dtype, making no temporary. e4m3fn / e5m2 (fp8, which aminmax lacks on the CPU) are screened by their bits a
+    slice at a time, any other dtype aminmax lacks by each slice upcast to float32 (exact: every float dtype widens
+    to float32 with NaN and inf kept). Only a tensor that fails is counted, a slice at a time in float32 too, so no
+    whole copy of a tensor in another dtype is ever held."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0
+    t = t.detach()
+
+    def slices():  # a non-contiguous tensor is copied (this one tensor) only when it is sliced
+        return t.reshape(-1).split(_COUNT_SLICE)
+
+    bits = _FP8_NONFINITE_BITS.get(t.dtype)
+    if bits is not None:
+        finite = all(int(s.view(torch.uint8).bitwise_and(bits).max()) != bits for s in slices())
+    else:
+        try:
+            finite = all(_finite_bound(b) for b in torch.aminmax(t))
+        except RuntimeError:  # "aminmax not implemented" for this dtype (NotImplementedError is a RuntimeError)
+            finite = all(_finite_bound(b) for s in slices() for b in torch.aminmax(s.float()))
+    if finite:
+        return 0
+    return sum(s.numel() - int(torch.isfinite(s.float()).sum()) for s in slices())
+
+
+def check_finite(t: torch.Tensor, path, name: str, note: str = "") -> None:
+    """A DFlashError naming `path` and tensor `name` when `t` holds NaN or inf: such a weight makes the model's
+    logits NaN (argmax 0: garbage tokens) without any error. `note` follows the count (how the tensor was read)."""
+    n = nonfinite_count(t)
+    if n:
+        raise DFlashError(f"{n} non-finite values (NaN/inf) of {t.numel()}{note}: a model built from this weight "
+                          f"computes NaN", path=path, field=name)
