@@ -136,7 +136,8 @@ def test_smollm2_converted_tokenizer_is_the_gguf_s_for_other_readers():
 
 
 def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkeypatch):
-    """The supported GGUF architectures come from arch.ARCHS (llama, qwen3); another one is refused by name."""
+    """The supported GGUF architectures come from arch.ARCHS (llama, qwen3, qwen3moe); another one is refused by
+    name."""
     from dflash_export.models import gguf
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
@@ -145,16 +146,44 @@ def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkey
     f.write_bytes(b"GGUF")
     with pytest.raises(DFlashError) as e:
         hf_dir_from_gguf(f)
-    assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3)" in str(e.value)
+    assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3, qwen3moe)" in str(e.value)
 
 
 _TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight" for n in (
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 
 
+def _add_tiny_tokenizer(w, vocab=32):
+    """A byte-level BPE vocabulary of `vocab` tokens (three specials, the letters, three merged pairs, then filler
+    tokens no merge makes) with bos 1, eos 2, unk 0 and no BOS added."""
+    tokens = ["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["ab", "cd", "ef"]
+    tokens += [f"X{i}" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_merges(["a b", "c d", "e f"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+
+
+def _set_keys(w, kv):
+    """Set ({key: (value, GGUFValueType)}) or remove (value None) keys already added to writer `w`."""
+    for key, value in (kv or {}).items():
+        w.kv_data[0].pop(key, None)
+        if value is not None:
+            w.add_key_value(key, *value)  # an array's item type is the values' own
+
+
+_MOE = {"experts": 4, "used": 2, "width": 8}  # the qwen3moe tiny file's experts: 4 of width 8, 2 per token
+
+
 def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=None, h=16, arch="llama", raw=None):
-    """A one-layer llama (or qwen3) GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary, fp32
-    tensors), written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
+    """A one-layer llama, qwen3 or qwen3moe GGUF (hidden size `h`, two heads, a 32-token byte-level BPE vocabulary,
+    fp32 tensors; qwen3moe: the experts of _MOE in place of the dense MLP, as llama.cpp's converter stores them),
+    written with the `gguf` package; the tensors named in `drop` are left out. `kv` sets keys ({key: (value,
     GGUFValueType)}, None removes the key), `shapes` sets or adds tensors' shapes, `types` stores tensors as another
     GGML type, `values` adds tensors with these values, `raw` adds tensors as {name: (bytes as a uint8 array,
     GGMLQuantizationType)}."""
@@ -173,26 +202,23 @@ def _tiny_gguf(path, drop=(), kv=None, shapes=None, types=None, seed=0, values=N
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(h // heads)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(["<unk>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["ab", "cd", "ef"])
-    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
-    w.add_token_merges(["a b", "c d", "e f"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    for key, value in (kv or {}).items():
-        w.kv_data[0].pop(key, None)
-        if value is not None:
-            w.add_key_value(key, *value)  # an array's item type is the values' own
+    n, width = _MOE["experts"], _MOE["width"]
+    if arch == "qwen3moe":
+        w.add_expert_count(n)
+        w.add_expert_used_count(_MOE["used"])
+        w.add_expert_feed_forward_length(width)
+    _add_tiny_tokenizer(w, vocab)
+    _set_keys(w, kv)
     kv = kv_heads * h // heads
+    mlp = {"blk.0.ffn_gate.weight": (ff, h), "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff)}
+    if arch == "qwen3moe":
+        mlp = {"blk.0.ffn_gate_inp.weight": (n, h), "blk.0.ffn_gate_exps.weight": (n, width, h),
+               "blk.0.ffn_up_exps.weight": (n, width, h), "blk.0.ffn_down_exps.weight": (n, h, width)}
     shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "blk.0.attn_norm.weight": (h,),
               "blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (kv, h),
-              "blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_gate.weight": (ff, h),
-              "blk.0.ffn_up.weight": (ff, h), "blk.0.ffn_down.weight": (h, ff),
+              "blk.0.attn_v.weight": (kv, h), "blk.0.attn_output.weight": (h, h), **mlp,
               **({"blk.0.attn_q_norm.weight": (h // heads,), "blk.0.attn_k_norm.weight": (h // heads,)}
-                 if arch == "qwen3" else {}), **(shapes or {})}
+                 if arch in ("qwen3", "qwen3moe") else {}), **(shapes or {})}
     rng = np.random.default_rng(seed)
     for name, shape in shapes.items():
         if name in (types or {}):
@@ -372,7 +398,7 @@ def test_a_setting_of_the_wrong_type_or_range_is_named(tmp_path, monkeypatch, ke
 
 @pytest.mark.parametrize("key, value, says", [
     ("general.architecture", None, "unsupported GGUF architecture None"),
-    ("general.architecture", ("mamba", 8), "unsupported GGUF architecture 'mamba' (supported: llama, qwen3)"),
+    ("general.architecture", ("mamba", 8), "unsupported GGUF architecture 'mamba' (supported: llama, qwen3, qwen3moe)"),
     ("llama.block_count", None, "missing"),
     ("llama.embedding_length", None, "missing"),
     ("llama.attention.head_count", None, "missing"),
@@ -637,3 +663,275 @@ def test_a_conversion_the_cache_has_no_room_for_is_refused_before_it_starts(tmp_
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(gguf.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
     _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf"), "tensors", "GiB free")
+
+
+# ------------------------------------------------------------------------------------------------ Qwen3-MoE GGUFs
+# llama.cpp's `qwen3moe`: every layer routes through its experts (softmax over all, top k, renormalized), each
+# expert's gate / up / down projection stacked into one 3-D tensor per layer. The oracle is transformers' own
+# Qwen3MoeForCausalLM: a tiny random one is written to a GGUF here in llama.cpp's layout, converted, and must give the
+# same logits.
+
+def _tiny_qwen3_moe(seed=0, **over):
+    """A random transformers Qwen3MoeForCausalLM (fp32): by default 2 layers, hidden 16, 4 query heads of 8 over 2 kv
+    heads (so head_dim is not hidden / heads), 4 experts of width 12, 2 per token, renormalized as published."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, intermediate_size=24, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2,
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
+               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    cfg.update(over)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 3:  # the stacked experts: transformers leaves them uninitialised
+                p.normal_(0.0, 0.3)
+            elif name.endswith("norm.weight"):  # norms start at 1: make each one count
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.mul_(8.0)  # peaked distributions, and routers that prefer some experts clearly
+    return model
+
+
+def _write_qwen3_moe_gguf(model, path, kv=None):
+    """`model`'s weights and settings as llama.cpp's converter writes a Qwen3MoeForCausalLM (qwen3moe): the settings
+    under `qwen3moe.*` (head size as key_length / value_length, the experts' count, per-token count and width); q
+    and k stored as they are (the converter permutes only llama's); transformers' fused gate_up_proj [E, 2I, H] split
+    into its gate half (rows :I) and up half, each its own [E, I, H] tensor; down_proj [E, H, I] as it is; the router
+    as ffn_gate_inp. Arrays are given in PyTorch's order (the writer reverses them into GGML's)."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    _add_tiny_tokenizer(w, c.vocab_size)
+    _set_keys(w, kv)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    own = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    width = c.moe_intermediate_size
+    for i in range(c.num_hidden_layers):
+        at = f"model.layers.{i}."
+        for hf, name in own.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", sd[f"{at}{hf}.weight"])
+        gate_up = sd[f"{at}mlp.experts.gate_up_proj"]
+        assert gate_up.shape == (c.num_experts, 2 * width, c.hidden_size)
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :width].copy())
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", gate_up[:, width:].copy())
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[f"{at}mlp.experts.down_proj"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers", "head_dim", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "rms_norm_eps", "sliding_window", "tie_word_embeddings", "vocab_size")
+
+
+@pytest.mark.parametrize("over", [{}, {"num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 3,
+                                       "moe_intermediate_size": 20, "tie_word_embeddings": True}],
+                         ids=["4-experts-top2", "6-experts-top3-tied"])
+def test_a_qwen3_moe_gguf_converts_to_the_model_it_was_written_from(tmp_path, monkeypatch, over):
+    """A transformers Qwen3-MoE model written as llama.cpp lays out a qwen3moe GGUF converts back to it: the same
+    config fields (transformers' GGUF reader alone would give experts of width 768 and leave norm_topk_prob to a
+    default) and the same fp32 logits on a few token sequences."""
+    pytest.importorskip("gguf")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_export.models.arch import ARCHS
+    from dflash_export.models.gguf import read_gguf_metadata
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    hf = _tiny_qwen3_moe(**over)
+    f = _write_qwen3_moe_gguf(hf, tmp_path / "moe.gguf")
+    d = hf_dir_from_gguf(f)
+    check_conversion(d, read_gguf_metadata(f), f)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert cfg["rope_theta"] == 1000000.0
+    converted = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for field in _MOE_FIELDS:
+        want, got = getattr(hf.config, field), getattr(converted.config, field)
+        assert got == want or (field == "rms_norm_eps" and math.isclose(got, want, rel_tol=1e-6)), (field, got, want)
+    assert ARCHS["qwen3_moe"].moe.layers(converted.config) == [True] * hf.config.num_hidden_layers
+    ref, got = hf.state_dict(), converted.state_dict()
+    assert set(got) == set(ref)
+    for name in ref:  # every weight the file's, bit for bit: q / k unpermuted, the experts restacked as they were
+        assert torch.equal(got[name], ref[name]), name
+    rng = torch.Generator().manual_seed(3)
+    for n in (1, 5, 17, 40):
+        ids = torch.randint(0, hf.config.vocab_size, (1, n), generator=rng)
+        with torch.no_grad():
+            want, have = hf(ids).logits, converted(ids).logits
+        torch.testing.assert_close(have, want, rtol=0, atol=1e-6)
+        assert (have.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_the_experts_count_toward_the_conversions_memory_and_disk_estimate(tmp_path, monkeypatch):
+    """The room a conversion is checked for (fp32 bytes of every tensor) is the converted model's own size: the
+    stacked experts are counted whole, all experts of every layer."""
+    pytest.importorskip("gguf")
+    from safetensors import safe_open
+
+    from dflash_export.models.gguf import _conversion_bytes, read_gguf_metadata
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    hf = _tiny_qwen3_moe()
+    f = _write_qwen3_moe_gguf(hf, tmp_path / "moe.gguf")
+    weights, need = _conversion_bytes(read_gguf_metadata(f))
+    assert weights == 4 * sum(p.numel() for p in hf.parameters())
+    experts = hf.model.layers[0].mlp.experts
+    biggest = max(experts.gate_up_proj.numel() // 2, experts.down_proj.numel()) * 4
+    assert need - weights - biggest * 2 == 512 << 20  # the transient: two of one expert stack, plus the libraries
+    with safe_open(hf_dir_from_gguf(f) / "model.safetensors", "pt") as st:
+        assert weights == sum(4 * math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+
+
+def _moe_refusal_cases():
+    from gguf import GGUFValueType as T
+
+    return [
+        ({"kv": {"qwen3moe.expert_count": None}}, "qwen3moe.expert_count", "missing"),
+        ({"kv": {"qwen3moe.expert_count": (1, T.UINT32)}}, "qwen3moe.expert_count", "expected an integer >= 2, got 1"),
+        ({"kv": {"qwen3moe.expert_count": ("4", T.STRING)}}, "qwen3moe.expert_count", "got '4'"),
+        ({"kv": {"qwen3moe.expert_used_count": None}}, "qwen3moe.expert_used_count", "missing"),
+        ({"kv": {"qwen3moe.expert_used_count": (0, T.UINT32)}}, "qwen3moe.expert_used_count", "got 0"),
+        ({"kv": {"qwen3moe.expert_used_count": (5, T.UINT32)}}, "qwen3moe.expert_used_count",
+         "5 > expert_count 4"),
+        ({"kv": {"qwen3moe.expert_used_count": ([2], T.ARRAY)}}, "qwen3moe.expert_used_count", "got [2]"),
+        ({"kv": {"qwen3moe.expert_feed_forward_length": (8.0, T.FLOAT32)}}, "qwen3moe.expert_feed_forward_length",
+         "got 8.0"),
+        ({"kv": {"qwen3moe.expert_feed_forward_length": None, "qwen3moe.feed_forward_length": None}},
+         "qwen3moe.expert_feed_forward_length", "no feed_forward_length to derive it from"),
+        # No expert width: llama.cpp's feed_forward_length / expert_used_count (32 / 2) is 16, not the tensors' 8.
+        ({"kv": {"qwen3moe.expert_feed_forward_length": None}}, "blk.0.ffn_gate_exps.weight",
+         "shape [4, 8, 16] != [4, 16, 16]"),
+        ({"kv": {"qwen3moe.expert_group_count": (2, T.UINT32)}}, "qwen3moe.expert_group_count",
+         "group-limited routing"),
+        ({"kv": {"qwen3moe.expert_count": (8, T.UINT32)}}, "blk.0.ffn_gate_inp.weight", "shape [4, 16] != [8, 16]"),
+        ({"shapes": {"blk.0.ffn_up_exps.weight": (4, 16, 8)}}, "blk.0.ffn_up_exps.weight",
+         "shape [4, 16, 8] != [4, 8, 16]"),
+        ({"shapes": {"blk.0.ffn_down_exps.weight": (4, 8, 16)}}, "blk.0.ffn_down_exps.weight",
+         "shape [4, 8, 16] != [4, 16, 8]"),
+        ({"drop": ("blk.0.ffn_gate_inp.weight",)}, "blk.0.ffn_gate_inp.weight", "missing (block_count is 1)"),
+        ({"drop": ("blk.0.ffn_down_exps.weight",)}, "blk.0.ffn_down_exps.weight", "missing (block_count is 1)"),
+        ({"drop": ("blk.0.attn_k_norm.weight",)}, "blk.0.attn_k_norm.weight", "missing (block_count is 1)"),
+        ({"shapes": {"blk.0.ffn_gate.weight": (32, 16)}}, "blk.0.ffn_gate.weight", "the conversion would drop it"),
+        ({"shapes": {"blk.0.ffn_gate_inp_shexp.weight": (16,)}}, "blk.0.ffn_gate_inp_shexp.weight",
+         "the conversion would drop it"),
+        ({"types": {"blk.0.ffn_up_exps.weight": 24}}, "blk.0.ffn_up_exps.weight", "tensor type I8"),
+    ]
+
+
+@pytest.mark.parametrize("edit, field, says", _moe_refusal_cases(), ids=[c[1] + ": " + c[2] for c in
+                                                                          _moe_refusal_cases()])
+def test_a_qwen3_moe_setting_or_expert_tensor_that_disagrees_is_named(tmp_path, monkeypatch, edit, field, says):
+    from gguf import GGMLQuantizationType
+
+    if "types" in edit:
+        edit = {"types": {k: GGMLQuantizationType(t) for k, t in edit["types"].items()}}
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", arch="qwen3moe", **edit), field, says)
+
+
+@pytest.mark.parametrize("tensor", ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"])
+def test_a_nan_in_one_expert_is_named_by_its_gguf_tensor(tmp_path, monkeypatch, tensor):
+    """transformers fuses the gate and up stacks into one parameter: the error still names the GGUF tensor that holds
+    the NaN, and counts its values alone."""
+    import numpy as np
+
+    shape = (4, 16, 8) if tensor == "ffn_down_exps" else (4, 8, 16)
+    values = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    values[2, 3, 1] = np.nan
+    hf = "down_proj" if tensor == "ffn_down_exps" else "gate_up_proj"
+    bad = _tiny_gguf(tmp_path / "t.gguf", arch="qwen3moe", drop=(f"blk.0.{tensor}.weight",),
+                     values={f"blk.0.{tensor}.weight": values})
+    _refused(tmp_path, monkeypatch, bad, f"blk.0.{tensor}.weight",
+             f": 1 non-finite values (NaN/inf) of 512 (converted to model.layers.0.mlp.experts.{hf})")
+
+
+def test_the_tiny_qwen3_moe_file_itself_converts(tmp_path, monkeypatch):
+    """The file the refusals above edit is a good one: it converts, its experts' width the GGUF's."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    cfg = json.loads((hf_dir_from_gguf(_tiny_gguf(tmp_path / "t.gguf", arch="qwen3moe")) / "config.json").read_text())
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (4, 2, 8)
+    assert cfg["norm_topk_prob"] is True and cfg["decoder_sparse_step"] == 1 and cfg["mlp_only_layers"] == []
+
+
+@pytest.mark.parametrize("cfg_over, field", [
+    ({"moe_intermediate_size": 768}, "moe_intermediate_size"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"num_experts": 128}, "num_experts"),
+    ({"num_experts_per_tok": 8}, "num_experts_per_tok"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"sliding_window": 4096}, "sliding_window"),
+])
+def test_a_moe_field_lost_in_conversion_is_named(tmp_path, cfg_over, field):
+    """transformers' defaults (128 experts of width 768, 8 per token, no renormalization) are what a converted config
+    would hold had the GGUF's settings not been carried over: each is caught by name."""
+    good = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 8}
+    meta = _meta(**{"general.architecture": "qwen3moe", "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+                    "qwen3moe.expert_feed_forward_length": 8, "qwen3moe.rope.freq_base": 100000.0,
+                    "qwen3moe.block_count": 30, "qwen3moe.embedding_length": 576,
+                    "qwen3moe.attention.layer_norm_rms_epsilon": 9.999999747378752e-06})
+    check_conversion(_converted(tmp_path, **good), meta, tmp_path / "m.gguf")
+    with pytest.raises(DFlashError) as e:
+        check_conversion(_converted(tmp_path, **{**good, **cfg_over}), meta, tmp_path / "m.gguf")
+    assert e.value.field == field
+
+
+def test_a_qwen3_moe_gguf_target_builds_an_engine_that_decodes_as_transformers(tmp_path, monkeypatch):
+    """The tiny qwen3-moe DFlash drafter (hidden 64, 6 target layers, 256 tokens) with, as its target, a Qwen3-MoE
+    model of those shapes written as a qwen3moe GGUF: the ONNX Runtime engine built from the file decodes the
+    transformers model's own greedy tokens, plainly and with DFlash."""
+    pytest.importorskip("onnxruntime")
+    import torch
+    from target_support import check_greedy_tokens_against_transformers
+
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.models.tiny import TINY
+    from dflash_export.recipes import load_recipe
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    s = TINY["qwen3-moe"]
+    hf = _tiny_qwen3_moe(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+                         num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         intermediate_size=s.intermediate_size, moe_intermediate_size=s.moe_intermediate_size,
+                         num_experts=s.num_experts, num_experts_per_tok=s.experts_per_token, rope_theta=s.rope_theta,
+                         max_position_embeddings=1024)
+    with torch.no_grad():  # the test model's weights scaled down to the tiny pairs' (peaked, not saturated) logits
+        for name, p in hf.named_parameters():
+            if p.ndim == 2 and not name.endswith("mlp.gate.weight"):
+                p.mul_(0.5)
+    f = _write_qwen3_moe_gguf(hf, tmp_path / "target.gguf")
+    recipe = load_recipe("tiny-qwen3-moe", target=str(f))
+    engine = load_engine(build_onnxruntime(recipe, tmp_path / "engine", threads=1), threads=1)
+    try:
+        check_greedy_tokens_against_transformers(engine, hf, 24)
+    finally:
+        engine.close()

@@ -61,8 +61,9 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", qk_norm=True, gguf_arch="qwen3", sliding_layers=True),
     "llama": ArchSpec("llama", "LlamaForCausalLM", qk_norm=False, gguf_arch="llama"),
     # Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3's attention; softmax router, top-k, optional
-    # renormalization of the k weights, no shared expert; with use_sliding_window every layer is windowed.
-    "qwen3_moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, gguf_arch=None, moe=MoeSpec(),
+    # renormalization of the k weights, no shared expert; with use_sliding_window every layer is windowed. Its GGUF
+    # (llama.cpp's `qwen3moe`) has every layer a mixture of experts, renormalized: models/gguf.
+    "qwen3_moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, gguf_arch="qwen3moe", moe=MoeSpec(),
                           sliding_layers=True),
 }
 

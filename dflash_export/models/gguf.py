@@ -4,7 +4,8 @@ transformers' GGUF loader does the dequantization; this module adds what it does
 read and checked first (layout, settings, tokenizer, tensor shapes and types: one error naming the key or tensor, never
 a traceback from inside the loader), the conversion is cached atomically (a half-written copy is never taken for a
 finished one) and the fields that silently change generation -- rope_theta, rms_norm_eps, tied embeddings, eos / stop
-ids, the chat template, RoPE scaling -- are checked against the GGUF metadata itself.
+ids, the chat template, RoPE scaling, a mixture of experts' counts and width -- are checked against the GGUF metadata
+itself.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import shutil
 import struct
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
-from dflash_export.models.arch import ARCHS
+from dflash_export.models.arch import ARCHS, sliding_windows
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import rope_parameters_of
 
@@ -201,6 +203,7 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
     if arch not in known:
         raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
                           field="general.architecture")
+    spec = _arch_of(meta)
 
     def fail(key: str, message: str):
         raise DFlashError(message, path=path, field=key)
@@ -214,7 +217,9 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
         return v
 
     layers, hidden = size("block_count", True), size("embedding_length", True)
-    heads, ff = size("attention.head_count", True), size("feed_forward_length", True)
+    # A mixture-of-experts file needs no dense width: llama.cpp reads feed_forward_length only to derive the
+    # experts' width when expert_feed_forward_length is absent (gguf_moe_settings).
+    heads, ff = size("attention.head_count", True), size("feed_forward_length", spec.moe is None)
     kv_heads = size("attention.head_count_kv") or heads
     for name in ("context_length", "vocab_size", "rope.dimension_count", "attention.value_length"):
         size(name)
@@ -237,9 +242,15 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
         fail(f"{arch}.vocab_size", f"{meta[f'{arch}.vocab_size']} != {vocab} tokens in tokenizer.ggml.tokens")
     layer = {"attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,), "attn_q.weight": (heads * head_dim, hidden),
              "attn_k.weight": (kv_heads * head_dim, hidden), "attn_v.weight": (kv_heads * head_dim, hidden),
-             "attn_output.weight": (hidden, heads * head_dim), "ffn_gate.weight": (ff, hidden),
-             "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}
-    if ARCHS[next(k for k, a in ARCHS.items() if a.gguf_arch == arch)].qk_norm:
+             "attn_output.weight": (hidden, heads * head_dim)}
+    moe = gguf_moe_settings(meta, path)
+    if moe is None:
+        layer.update({"ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)})
+    else:  # every layer a mixture of experts: the router, then each expert's gate / up / down stacked on a first axis
+        n, width = moe[spec.moe.num_experts], moe[spec.moe.intermediate_size]
+        layer.update({"ffn_gate_inp.weight": (n, hidden), "ffn_gate_exps.weight": (n, width, hidden),
+                      "ffn_up_exps.weight": (n, width, hidden), "ffn_down_exps.weight": (n, hidden, width)})
+    if spec.qk_norm:
         layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
     rope_dim = size("rope.dimension_count") or head_dim
     if rope_dim != head_dim:
@@ -272,6 +283,52 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
         gone = next(f"blk.{i}.{t}" for t in layer if f"blk.{i}.{t}" not in tensors)
         fail(gone, f"missing (block_count is {layers})")
     gguf_rope_scaling(meta, path)
+
+
+def _arch_of(meta: dict):
+    """The ArchSpec of a GGUF whose `general.architecture` this project converts, else None."""
+    return next((a for a in ARCHS.values() if a.gguf_arch == meta.get("general.architecture")), None)
+
+
+def gguf_moe_settings(meta: dict, path: Path) -> dict | None:
+    """The mixture-of-experts settings a GGUF of a MoE family gives, as transformers' config fields, or None for a
+    dense family; DFlashError naming the key that is missing, out of range, or means something transformers' model
+    does not do. What llama.cpp's qwen3moe reads (llama-model.cpp, models/qwen3moe.cpp): `expert_count` (at least 2),
+    `expert_used_count`, `expert_feed_forward_length` (absent: feed_forward_length / expert_used_count), and
+    `expert_group_count` (group-limited routing when over 1). It routes every layer through the experts (a softmax
+    over all of them, the top k, always renormalized to sum to 1, no shared expert) whatever other keys say: its
+    gating function, weight scale and weight-norm keys are not read for qwen3moe, so they are not read here either.
+    transformers' Qwen3-MoE says the same with norm_topk_prob true, decoder_sparse_step 1 and mlp_only_layers [], as
+    the published Qwen3-30B-A3B / Qwen3-Coder-30B-A3B configs do."""
+    spec = _arch_of(meta)
+    if spec is None or spec.moe is None:
+        return None
+    arch = meta["general.architecture"]
+
+    def number(name: str, lo: int, required: bool = True) -> int | None:
+        key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
+        if v is None and required:
+            raise DFlashError(f"missing (a {arch} GGUF gives it)", path=path, field=key)
+        if v is not None and (not is_int(v) or v < lo):
+            raise DFlashError(f"expected an integer >= {lo}, got {v!r}", path=path, field=key)
+        return v
+
+    experts, used = number("expert_count", 2), number("expert_used_count", 1)
+    if used > experts:
+        raise DFlashError(f"{used} > expert_count {experts}", path=path, field=f"{arch}.expert_used_count")
+    width = number("expert_feed_forward_length", 1, required=False)
+    if width is None:
+        ff = meta.get(f"{arch}.feed_forward_length")
+        if not is_int(ff) or ff < used:
+            raise DFlashError("missing, and no feed_forward_length to derive it from", path=path,
+                              field=f"{arch}.expert_feed_forward_length")
+        width = ff // used
+    groups = number("expert_group_count", 0, required=False)
+    if groups is not None and groups > 1:
+        raise DFlashError(f"{groups} expert groups: group-limited routing is not {spec.hf_architecture}'s (it routes "
+                          "over all experts)", path=path, field=f"{arch}.expert_group_count")
+    return {spec.moe.num_experts: experts, spec.moe.top_k: used, spec.moe.intermediate_size: width,
+            spec.moe.norm_topk_prob: True, spec.moe.sparse_step: 1, spec.moe.mlp_only_layers: []}
 
 
 def gguf_rope_scaling(meta: dict, path: Path) -> dict | None:
@@ -438,16 +495,23 @@ def hf_dir_from_gguf(path) -> Path:
 _BASE_BYTES = 512 << 20  # torch, transformers and the tokenizer loaded: ~470 MiB measured on SmolLM2
 
 
-def _check_room(meta: dict, path: Path, out: Path) -> None:
-    """Refuse, before minutes of work, a conversion this machine has no room for: it holds every weight dequantized
-    to fp32 at once (the model takes the dequantized tensors themselves) plus two of the largest while it is being
-    dequantized, and writes the fp32 weights to the cache. SmolLM2-135M: 513 MiB of fp32 weights, 1267 MiB peak RSS
-    measured, 1251 MiB this estimate."""
-    from dflash_export.environment import available_memory_bytes
-
+def _conversion_bytes(meta: dict) -> tuple[int, int]:
+    """(fp32 bytes of the converted weights, bytes of memory the conversion needs at its peak). Every tensor counts
+    whole, a mixture of experts' stacked [experts, ...] tensors included: the weights are all held dequantized at
+    once (the model takes the dequantized tensors themselves), plus two of the largest while one is dequantized (the
+    dequantized array and its copy; an expert stack's gate and up halves are copied into their fused tensor, which is
+    part of the weights). SmolLM2-135M: 513 MiB of fp32 weights, 1267 MiB peak RSS measured, 1251 MiB this estimate."""
     sizes = [math.prod(shape) * 4 for shape, _ in meta["tensors"].values()]
     weights = sum(sizes)
-    need = weights + 2 * max(sizes) + _BASE_BYTES
+    return weights, weights + 2 * max(sizes) + _BASE_BYTES
+
+
+def _check_room(meta: dict, path: Path, out: Path) -> None:
+    """Refuse, before minutes of work, a conversion this machine has no room for: the memory _conversion_bytes
+    gives, and the fp32 weights written to the cache."""
+    from dflash_export.environment import available_memory_bytes
+
+    weights, need = _conversion_bytes(meta)
     available = available_memory_bytes()
     gib = 1 << 30
     if available is not None and need > available:
@@ -505,6 +569,11 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     try:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         config.head_dim = _head_dim(meta)  # transformers' qwen3 mapping drops key_length (its config defaults to 128)
+        # transformers' qwen3_moe mapping drops expert_feed_forward_length (its config defaults the experts' width to
+        # 768, Qwen3-30B-A3B's) and takes norm_topk_prob from a table of its own: the GGUF's settings are set instead.
+        moe = gguf_moe_settings(meta, gguf_path) or {}
+        for key, value in moe.items():
+            setattr(config, key, value)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
         with torch.device("meta"):  # no weights of its own: it takes the dequantized tensors (assign below)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -517,8 +586,8 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     # checked in the state dict already in memory, before anything is written, and named as the GGUF names it.
     bad = next((k for k, v in state.items() if nonfinite_count(v)), None)
     if bad is not None:
-        name = _gguf_name(bad, meta) or bad
-        check_finite(state[bad], gguf_path, name, f" (converted to {bad})" if name != bad else "")
+        name, part = _expert_gguf_part(bad, state[bad]) or (_gguf_name(bad, meta) or bad, state[bad])
+        check_finite(part, gguf_path, name, f" (converted to {bad})" if name != bad else "")
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # a shape transformers' config gives otherwise than check_gguf_metadata's reading
@@ -545,6 +614,7 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     if scaling:
         cfg.pop("rope_scaling", None)
         cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **scaling}
+    cfg.update(moe)  # written out even where they equal the config class's defaults, which save_pretrained leaves out
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -565,6 +635,23 @@ def _gguf_name(hf_name: str, meta: dict) -> str | None:
     except (ImportError, StopIteration, KeyError, TypeError, ValueError):
         return None
     return name + suffix if name is not None and name + suffix in meta["tensor_names"] else None
+
+
+def _expert_gguf_part(hf_name: str, tensor):
+    """(the GGUF tensor, the part of `tensor` converted from it) for transformers' stacked experts of a Qwen3-MoE
+    layer, where the `gguf` package's name map has no single tensor: `down_proj` is ffn_down_exps, and the fused
+    `gate_up_proj` [experts, 2 * width, hidden] is ffn_gate_exps (rows :width, the first half that holds NaN / inf
+    is named) and ffn_up_exps (the rest). None for any other parameter."""
+    from dflash_export.models.weights import nonfinite_count
+
+    layer, _, kind = hf_name.removeprefix("model.layers.").partition(".mlp.experts.")
+    if not layer.isdigit() or kind not in ("gate_up_proj", "down_proj") or tensor.ndim != 3:
+        return None
+    if kind == "down_proj":
+        return f"blk.{layer}.ffn_down_exps.weight", tensor
+    gate, up = tensor.split(tensor.shape[1] // 2, dim=1)
+    return (f"blk.{layer}.ffn_gate_exps.weight", gate) if nonfinite_count(gate) else \
+        (f"blk.{layer}.ffn_up_exps.weight", up)
 
 
 def _first_mismatch(e: RuntimeError) -> str:
@@ -665,6 +752,12 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
             fail(field, int(meta[key]), cfg.get(field))
     if f"{arch}.attention.head_count" in meta and cfg.get("head_dim") != _head_dim(meta):
         fail("head_dim", _head_dim(meta), cfg.get("head_dim"))
+    for field, want in (gguf_moe_settings(meta, gguf_path) or {}).items():
+        if cfg.get(field) != want or type(cfg.get(field)) is not type(want):
+            fail(field, want, cfg.get(field))
+    spec = _arch_of(meta)
+    if spec is not None and any(sliding_windows(spec, SimpleNamespace(**cfg))):  # llama.cpp windows none of them
+        fail("sliding_window", None, cfg.get("sliding_window"))
     tied = "output.weight" not in meta["tensor_names"]
     if bool(cfg.get("tie_word_embeddings", False)) != tied:
         fail("tie_word_embeddings", tied, cfg.get("tie_word_embeddings"))
