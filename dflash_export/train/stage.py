@@ -90,9 +90,6 @@ def _check_start(drafter: DFlashDrafter, target, opts, mask_id: int, where: Path
             raise DFlashError(f"{have} != the recipe's train.{recipe_field} {want}" + (
                 " (a checkpoint of another recipe: train it in another --work-dir)" if resumed else ""),
                 path=where, field=name)
-    for name, p in drafter.named_parameters():
-        if not bool(torch.isfinite(p).all()):
-            raise DFlashError("non-finite weights (NaN or infinity)", path=where, field=name)
     for name, value, default in (("output_multiplier", c.output_multiplier, 1.0),
                                  ("final_logit_softcapping", c.final_logit_softcapping, None)):
         if value != default:  # the block loss scores the LM head's plain logits
