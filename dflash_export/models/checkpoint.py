@@ -22,7 +22,14 @@ from dflash_export.models.hfutil import config_dtype
 from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.target import read_target_config, target_weight_problems
-from dflash_export.models.weights import check_finite, has_safetensors, load_state_dict, tensor_headers
+from dflash_export.models.weights import (
+    check_finite,
+    dtype_name,
+    has_safetensors,
+    load_state_dict,
+    narrows,
+    tensor_headers,
+)
 
 
 def _field(cfg: dict, path: Path, name: str, kind, default=...):
@@ -603,7 +610,7 @@ def load_drafter(path, dtype: torch.dtype | None = None) -> DFlashDrafter:
     # range (float32 -> float16) turns values beyond it into inf, so the weights cast so are checked again.
     for name, p in model.named_parameters():
         held = state[name].dtype
-        if held.is_floating_point and p.is_floating_point() and torch.finfo(p.dtype).max < torch.finfo(held).max:
-            check_finite(p, resolve_source(path), name, f" once cast to {str(p.dtype).removeprefix('torch.')} "
-                                                        f"(stored as {str(held).removeprefix('torch.')})")
+        if narrows(p.dtype, held):
+            check_finite(p, resolve_source(path), name, f" once cast to {dtype_name(p.dtype)} (stored as "
+                                                        f"{dtype_name(held)})")
     return model

@@ -198,23 +198,17 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
     """The GGUF's settings, tokenizer and tensors against each other, before any conversion: DFlashError naming the
     first key or tensor that is missing, of the wrong type, out of range, or that disagrees with the rest (what
     read_target_config and target_weight_problems check on an HF directory, said in the GGUF's own names)."""
-    arch = meta.get("general.architecture")
-    known = sorted(a.gguf_arch for a in ARCHS.values() if a.gguf_arch)
-    if arch not in known:
+    arch, spec = meta.get("general.architecture"), _arch_of(meta)
+    if spec is None:
+        known = sorted(a.gguf_arch for a in ARCHS.values() if a.gguf_arch)
         raise DFlashError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(known)})", path=path,
                           field="general.architecture")
-    spec = _arch_of(meta)
 
     def fail(key: str, message: str):
         raise DFlashError(message, path=path, field=key)
 
     def size(name: str, required: bool = False) -> int | None:
-        key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
-        if v is None and required:
-            fail(key, f"missing (a {arch} GGUF gives it)")
-        if v is not None and (not is_int(v) or v < 1):
-            fail(key, f"expected a positive integer, got {v!r}")
-        return v
+        return _int_setting(meta, path, name, 1, required)
 
     layers, hidden = size("block_count", True), size("embedding_length", True)
     # A mixture-of-experts file needs no dense width: llama.cpp reads feed_forward_length only to derive the
@@ -252,7 +246,7 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
                       "ffn_up_exps.weight": (n, width, hidden), "ffn_down_exps.weight": (n, hidden, width)})
     if spec.qk_norm:
         layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
-    rope_dim = size("rope.dimension_count") or head_dim
+    rope_dim = meta.get(f"{arch}.rope.dimension_count") or head_dim  # checked above
     if rope_dim != head_dim:
         fail(f"{arch}.rope.dimension_count", f"{rope_dim} != head_dim {head_dim} (RoPE on part of a head is not "
              "supported for this architecture)")
@@ -287,7 +281,21 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
 
 def _arch_of(meta: dict):
     """The ArchSpec of a GGUF whose `general.architecture` this project converts, else None."""
-    return next((a for a in ARCHS.values() if a.gguf_arch == meta.get("general.architecture")), None)
+    arch = meta.get("general.architecture")
+    return next((a for a in ARCHS.values() if a.gguf_arch is not None and a.gguf_arch == arch), None)
+
+
+def _int_setting(meta: dict, path: Path, name: str, lo: int = 1, required: bool = False) -> int | None:
+    """The architecture's setting `name` (`<arch>.<name>`): an integer >= `lo`, or None when absent and not
+    `required`; else DFlashError naming the key."""
+    arch = meta["general.architecture"]
+    key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
+    if v is None and required:
+        raise DFlashError(f"missing (a {arch} GGUF gives it)", path=path, field=key)
+    if v is not None and (not is_int(v) or v < lo):
+        raise DFlashError(f"expected {'a positive integer' if lo == 1 else f'an integer >= {lo}'}, got {v!r}",
+                          path=path, field=key)
+    return v
 
 
 def gguf_moe_settings(meta: dict, path: Path) -> dict | None:
@@ -306,12 +314,7 @@ def gguf_moe_settings(meta: dict, path: Path) -> dict | None:
     arch = meta["general.architecture"]
 
     def number(name: str, lo: int, required: bool = True) -> int | None:
-        key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
-        if v is None and required:
-            raise DFlashError(f"missing (a {arch} GGUF gives it)", path=path, field=key)
-        if v is not None and (not is_int(v) or v < lo):
-            raise DFlashError(f"expected an integer >= {lo}, got {v!r}", path=path, field=key)
-        return v
+        return _int_setting(meta, path, name, lo, required)
 
     experts, used = number("expert_count", 2), number("expert_used_count", 1)
     if used > experts:
@@ -403,6 +406,7 @@ def _llama3_scaling(divisors: list[float], theta: float, path: Path) -> dict | N
     dim = 2 * len(f)
     wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     factor = float(f.max())
+    original = _LLAMA3_DEFAULTS["original_max_position_embeddings"]  # any value: the settings act through its ratios
 
     def divisors_of(params: dict) -> np.ndarray:
         orig, lo, hi = (params[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
@@ -414,14 +418,14 @@ def _llama3_scaling(divisors: list[float], theta: float, path: Path) -> dict | N
     mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
     if mid.sum() >= 2:  # the blend: orig / wavelen = lo + smooth * (hi - lo), a line in smooth
         smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
-        slope, lo = np.polyfit(smooth, 8192 / wavelen[mid], 1)
+        slope, lo = np.polyfit(smooth, original / wavelen[mid], 1)
         candidates.append({"low_freq_factor": float(lo), "high_freq_factor": float(lo + slope),
-                           "original_max_position_embeddings": 8192})
+                           "original_max_position_embeddings": original})
     elif mid.sum() == 0:  # a step from 1 to `factor`: any edge between the two wavelengths either side
         below, above = wavelen[f <= 1 + 1e-6].max(initial=wavelen[0] / 2), wavelen[f > 1 + 1e-6].min()
-        hi, lo = (8192 / (below * (above / below) ** t) for t in (1 / 3, 2 / 3))
+        hi, lo = (original / (below * (above / below) ** t) for t in (1 / 3, 2 / 3))
         candidates.append({"low_freq_factor": float(lo), "high_freq_factor": float(hi),
-                           "original_max_position_embeddings": 8192})
+                           "original_max_position_embeddings": original})
     for params in candidates:
         if params["high_freq_factor"] > params["low_freq_factor"] > 0 and np.allclose(
                 divisors_of(params), f, rtol=2e-6, atol=0):

@@ -22,7 +22,14 @@ from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import hf_config
 from dflash_export.models.sources import resolve_source
-from dflash_export.models.weights import SAFETENSORS_DTYPES, check_finite, has_safetensors, tensor_headers
+from dflash_export.models.weights import (
+    SAFETENSORS_DTYPES,
+    check_finite,
+    dtype_name,
+    has_safetensors,
+    narrows,
+    tensor_headers,
+)
 
 
 def tap_hidden_states(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -54,6 +61,13 @@ OPTIONAL_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim", "int
 _LAYER_KINDS = {"hybrid": ("linear_attention", "full_attention"), "sliding": ("sliding_attention", "full_attention")}
 
 
+def _spelled(raw: dict[str, Any]):
+    """`where(key)`: a decoder setting's key as config.json `raw` spells it (`text_config.<key>` where a composite
+    checkpoint keeps it there, arch.text_settings)."""
+    text = raw["text_config"] if text_settings(raw) is not raw else {}
+    return lambda f: f"text_config.{f}" if f in text else f
+
+
 def read_target_config(path) -> tuple[dict[str, Any], Path]:
     """The target's config.json as a dict, plus `stop_token_ids` from its generation config / eos. A composite
     (vision + text) checkpoint's decoder settings come from its `text_config` (arch.text_settings)."""
@@ -62,10 +76,7 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
     raw = read_json_object(cfg_path)
     cfg = text_settings(raw)
     text = raw["text_config"] if cfg is not raw else {}
-
-    def where(f: str) -> str:  # the key as config.json spells it
-        return f"text_config.{f}" if f in text else f
-
+    where = _spelled(raw)
     for f in ("num_hidden_layers", "hidden_size", "vocab_size", "model_type"):
         if f not in cfg:
             raise DFlashError("missing required field", path=cfg_path, field=f)
@@ -334,10 +345,8 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
         more = f" ({len(unexpected)} in all, also {', '.join(also)})" if also else ""
         problems.append(DFlashError(f"unexpected tensor: {cfg_path.name} describes no such weight, and transformers "
                                     f"would drop it{more}", path=tensors[unexpected[0]][2], field=unexpected[0]))
-    raw = read_json_object(cfg_path)
-    text = raw["text_config"] if text_settings(raw) is not raw else {}
-    return [DFlashError(e.message, path=e.path, field=f"text_config.{e.field}")  # the key as config.json spells it
-            if e.path == cfg_path and e.field in text else e for e in problems]
+    where = _spelled(read_json_object(cfg_path))
+    return [DFlashError(e.message, path=e.path, field=where(e.field)) if e.path == cfg_path else e for e in problems]
 
 
 def _layer_expectations(arch, hf, cfg: dict, cfg_path: Path, hidden: int, layers: list[int],
@@ -553,7 +562,6 @@ def check_finite_parameters(hf, model_dir: Path) -> None:
         if name in stored:
             _, dtype, path = stored[name]
             held = SAFETENSORS_DTYPES.get(dtype)
-            if p.is_floating_point() and held is not None and held.is_floating_point and \
-                    torch.finfo(p.dtype).max < torch.finfo(held).max:
-                note = f" once loaded as {str(p.dtype).removeprefix('torch.')} (stored as {dtype})"
+            if held is not None and narrows(p.dtype, held):
+                note = f" once loaded as {dtype_name(p.dtype)} (stored as {dtype})"
         check_finite(p, path, name, note)

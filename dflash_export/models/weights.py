@@ -227,6 +227,16 @@ def nonfinite_count(t: torch.Tensor) -> int:
     return sum(s.numel() - int(torch.isfinite(s.float()).sum()) for s in slices())
 
 
+def narrows(loaded: torch.dtype, stored: torch.dtype) -> bool:
+    """Whether float values stored as `stored` can overflow to inf loaded as `loaded` (float32 -> float16): a tensor
+    found finite as stored is then checked again as loaded."""
+    return loaded.is_floating_point and stored.is_floating_point and torch.finfo(loaded).max < torch.finfo(stored).max
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_finite(t: torch.Tensor, path, name: str, note: str = "") -> None:
     """A DFlashError naming `path` and tensor `name` when `t` holds NaN or inf: such a weight makes the model's
     logits NaN (argmax 0: garbage tokens) without any error. `note` follows the count (how the tensor was read)."""
