@@ -317,27 +317,35 @@ def test_serve_exits_2_with_one_line_when_the_model_stub_cannot_start(tmp_path, 
     assert pids_mentioning(str(small_repo)) == []
 
 
+def _start_refused(srv) -> str:
+    """`srv.start()` fails with one line, exit 2 (ModelRefused: the environment, not a bug), and leaves no process,
+    work dir or python_env dir behind; the line."""
+    from dflash_export.deploy.server import ModelRefused
+
+    envs_before = set(Path("/tmp").glob("python_env_*"))
+    with pytest.raises(ModelRefused) as e:
+        srv.start()
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    assert group_pids(srv._pgid) == [] and srv._workdir is None
+    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
+    return msg
+
+
 @pytest.mark.server
 def test_a_model_stub_killed_while_loading_is_named_as_out_of_memory(small_repo, monkeypatch):
     """A stub the kernel ends with SIGKILL while its model loads (what the out-of-memory killer does) before it
     reported: exit 2 (the machine has too little memory for the model, as a MemoryError in the load is), one line
     naming the signal, the model, the stub's peak RSS and the memory the machine has."""
-    from dflash_export.deploy.server import ModelRefused, TritonServer
+    from dflash_export.deploy.server import TritonServer
 
     # ~60 MB held by the shell (its variable), long enough for the start's checks to see it, then SIGKILL
     _stand_in_stub(monkeypatch, '[ "$#" -eq 0 ] && exit 0\nx=$(head -c 60000000 /dev/zero | tr "\\0" a)\nsleep 1.5\n'
                                 'kill -9 $$\n')
-    envs_before = set(Path("/tmp").glob("python_env_*"))
-    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
-    with pytest.raises(ModelRefused) as e:
-        srv.start()
-    msg = str(e.value)
-    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    msg = _start_refused(TritonServer(small_repo, *free_ports(3), ready_timeout_s=90))
     found = re.search(r"a model stub was killed by signal 9 while loading dflash \(pid \d+, peak RSS (\d+) MiB\): "
                       r"likely out of memory.*; [\d.]+ [MG]iB of [\d.]+ [MG]iB available now$", msg)
     assert found and int(found.group(1)) >= 50, msg
-    assert group_pids(srv._pgid) == [] and srv._workdir is None
-    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
 
 
 def _load_hook(monkeypatch, code: str) -> None:
@@ -363,7 +371,7 @@ def test_a_model_stub_killed_as_its_model_initializes_is_named_as_out_of_memory(
     python backend fails the load ("Stub process is not healthy") and tritonserver exits; the error says instead how
     the stub ended and that memory likely ran out, exit 2."""
     import dflash_export.deploy.triton_process as tp
-    from dflash_export.deploy.server import ModelRefused, TritonServer
+    from dflash_export.deploy.server import TritonServer
 
     _load_hook(monkeypatch, "import time\nimport dflash_export.engines.registry as registry\n"
                             "real = registry.load_engine\n"
@@ -383,34 +391,24 @@ def test_a_model_stub_killed_as_its_model_initializes_is_named_as_out_of_memory(
 
     thread = threading.Thread(target=kill_the_loading_stub, daemon=True)
     thread.start()
-    with pytest.raises(ModelRefused) as e:
-        srv.start()
+    msg = _start_refused(srv)
     thread.join(timeout=10)
-    msg = str(e.value)
-    assert killed and e.value.exit_code == 2 and "\n" not in msg, (killed, msg)
+    assert killed, msg
     assert re.search(rf"a model stub was killed by signal 9 while loading dflash \(pid {killed[0]}, peak RSS "
                      r"\d+ MiB\): likely out of memory", msg), msg
-    assert group_pids(srv._pgid) == [] and srv._workdir is None
 
 
 @pytest.mark.server
 def test_a_model_load_that_runs_out_of_memory_fails_the_start_as_an_environment_error(small_repo, monkeypatch):
     """A MemoryError in the model's load (here numpy's, for an allocation no machine has) is the machine's limit, not
     a bug: exit 2, one line naming the model, that memory ran out and how much the machine has available."""
-    from dflash_export.deploy.server import ModelRefused, TritonServer
+    from dflash_export.deploy.server import TritonServer
 
     _load_hook(monkeypatch, "import numpy as np\nimport dflash_export.engines.registry as registry\n"
                             "registry.load_engine = lambda *a, **k: np.empty(1 << 52, dtype=np.uint8)\n")
-    envs_before = set(Path("/tmp").glob("python_env_*"))
-    srv = TritonServer(small_repo, *free_ports(3), ready_timeout_s=90)
-    with pytest.raises(ModelRefused) as e:
-        srv.start()
-    msg = str(e.value)
-    assert e.value.exit_code == 2 and "\n" not in msg, msg
+    msg = _start_refused(TritonServer(small_repo, *free_ports(3), ready_timeout_s=90))
     assert re.search(r"failed to load 'dflash' version 1: out of memory while loading the model \([\d.]+ [MG]iB of "
                      r"[\d.]+ [MG]iB available\): MemoryError: Unable to allocate 4.00 PiB", msg), msg
-    assert group_pids(srv._pgid) == [] and srv._workdir is None
-    assert set(Path("/tmp").glob("python_env_*")) <= envs_before
 
 
 @pytest.mark.server
