@@ -38,9 +38,20 @@ def prompts() -> list[list[int]]:
     return [list(map(int, rng.integers(1, 250, size=n))) for n in (3, 8, 17, 30, 5)]
 
 
-def hf_greedy(hf, ids: list[int], n: int, stop: int) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+# An engine's logits are transformers' up to float rounding (worst_logit_gap: at most 1e-4 in these tests), and the
+# rounding differs from CPU to CPU: where transformers' best two logits lie closer than twice that, either token is
+# its greedy choice (the tiny qwen3-next target has such a step, 7e-6 apart, on the third prompt).
+TIE = 2e-4
+
+
+def assert_transformers_greedy(hf, ids: list[int], got: list[int], stop: int, new: int) -> None:
+    """`got` is transformers' greedy continuation of `ids`: every token the argmax of transformers' logits after the
+    tokens before it (a near-tie within TIE either way), `new` tokens or ended by its first `stop`."""
+    assert got and (len(got) == new or got[-1] == stop) and stop not in got[:-1], got
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1:]
+    short = logits.max(-1).values - logits[torch.arange(len(got)), torch.tensor(got)]
+    assert float(short.max()) <= TIE, (int(short.argmax()), float(short.max()), got)
 
 
 def worst_logit_gap(engine, hf, ids: list[int], steps: int = 16) -> float:
@@ -64,12 +75,10 @@ def check_greedy_tokens_against_transformers(engine, hf, new: int) -> None:
     from dflash_export.runtime.single import DFlashRuntime
 
     rt = DFlashRuntime(engine)
-    stop = engine.info.stop_token_ids[0]
     for ids in prompts():
-        want = hf_greedy(hf, ids, new, stop)
         sp = SamplingParams(max_new_tokens=new)
         ar = rt.generate(ids, sp, "ar").tokens
-        assert ar == want[:len(ar)] and (len(ar) == len(want) or ar[-1] == stop)
+        assert_transformers_greedy(hf, ids, ar, engine.info.stop_token_ids[0], new)
         assert rt.generate(ids, sp, "dflash").tokens == ar
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 from target_support import (
+    assert_transformers_greedy,
     check_greedy_tokens_against_transformers,
     engine_and_transformers,
-    hf_greedy,
     inspect_pair,
     prompts,
     validate_sampled,
@@ -90,13 +90,15 @@ def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
 
 
 def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
-    """Blocks of transformers' own next tokens with one wrong token planted at a varying place: each verify accepts
-    exactly the right prefix, and the tokens after every partial acceptance stay transformers' (the conv window and
-    recurrent state of a rejected draft leave no trace)."""
+    """Blocks of plain decoding's next tokens (transformers' greedy ones) with one wrong token planted at a varying
+    place: each verify accepts exactly the right prefix, and the tokens after every partial acceptance stay plain
+    decoding's (the conv window and recurrent state of a rejected draft leave no trace)."""
+    from dflash_export.runtime.single import DFlashRuntime
+
     _, _, engine, hf = hybrid
-    stop = engine.info.stop_token_ids[0]
     ids = prompts()[3]
-    want = hf_greedy(hf, ids, NEW, stop)
+    want = DFlashRuntime(engine).generate(ids, SamplingParams(max_new_tokens=NEW), "ar").tokens
+    assert_transformers_greedy(hf, ids, want, engine.info.stop_token_ids[0], NEW)
     bs = engine.info.block_size
     seq = engine.new_sequence(len(ids) + NEW + bs)
     out = [int(np.argmax(engine.prefill(seq, np.asarray(ids, np.int64))))]
@@ -227,7 +229,10 @@ def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hy
     _, _, engine, hf = hybrid
     stop = engine.info.stop_token_ids[0]
     ps = prompts() + [list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))]
-    want = [hf_greedy(hf, p, 32, stop) for p in ps]
+    single = DFlashRuntime(engine)
+    want = [single.generate(p, SamplingParams(max_new_tokens=32), "ar").tokens for p in ps]
+    for p, w in zip(ps, want):
+        assert_transformers_greedy(hf, p, w, stop, 32)
     rt = BatchingRuntime(engine, max_batch=3)
     conts, true_add, order = {}, rt.batch.add, iter(range(len(ps)))
 
@@ -246,10 +251,7 @@ def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hy
     while not rt.idle:
         rt.step()
         widths.append(len(rt.active))
-    single = DFlashRuntime(engine)
-    for req, p, sp, w in zip(reqs, ps, sps, want):
-        assert req.stats.tokens == w[: len(req.stats.tokens)] and (len(req.stats.tokens) == min(
-            sp.max_new_tokens, len(w)) or req.stats.tokens[-1] == stop), p
+    for req, p, sp in zip(reqs, ps, sps):
         assert req.stats.tokens == single.generate(p, sp, "ar").tokens, p
     lengths = {n for r, m in zip(reqs, modes) if m == "dflash" for n in r.stats.acceptance_lengths}
     assert max(widths) == 3 and len(lengths) > 2, lengths
@@ -329,7 +331,7 @@ def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
     drafter = load_drafter(recipe.drafter_path)
     ids = prompts()[0]
     got = spec_generate(drafter, target, ids, max_new_tokens=24).tokens
-    assert got == hf_greedy(hf, ids, 24, engine.info.stop_token_ids[0])[:len(got)] and len(got) >= 1
+    assert_transformers_greedy(hf, ids, got, engine.info.stop_token_ids[0], 24)
 
 
 def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
@@ -419,7 +421,7 @@ def test_a_prompt_longer_than_a_prefill_chunk_decodes_as_transformers(hybrid):
     ids = list(map(int, np.random.default_rng(11).integers(1, 250, size=150)))
     assert len(ids) > 2 * HYBRID_PREFILL_ROWS
     got = DFlashRuntime(engine).generate(ids, SamplingParams(max_new_tokens=16), "dflash").tokens
-    assert got == hf_greedy(hf, ids, 16, engine.info.stop_token_ids[0])[:len(got)]
+    assert_transformers_greedy(hf, ids, got, engine.info.stop_token_ids[0], 16)
 
 
 @pytest.mark.parametrize("recipe_name", list(FAMILIES))
