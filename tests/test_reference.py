@@ -1,9 +1,11 @@
-"""The reference generators: greedy spec == AR exactly; sampled spec has exactly the target's distribution."""
+"""The reference generators: greedy spec gives the target's greedy tokens (AR's, near-ties aside); sampled spec has
+exactly the target's distribution."""
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
+from target_support import assert_transformers_greedy
 
 from dflash_export.decoding.sampling import probs_from_logits, verify_block
 from dflash_export.models import load_target
@@ -45,11 +47,13 @@ def _prompts(n, vocab, seed):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_greedy_spec_equals_ar_random_drafter(family, block_size, request):
+    """Greedy spec's tokens are the target's greedy ones, each the argmax of the target's logits after the tokens
+    before it: AR's, but where AR's best two logits lie within TIE, which the verify block's and the one-token step's
+    rounding may order apart (tiny llama, block 4: 2e-5 apart, 24th token of the 13th prompt)."""
     target, drafter = request.getfixturevalue(f"tiny_{family}")
     for ids in _prompts(20, target.vocab_size, seed=block_size):
-        ar = ar_generate(target, ids, max_new_tokens=24)
         sp = spec_generate(drafter, target, ids, max_new_tokens=24, block_size=block_size)
-        assert sp.tokens == ar.tokens
+        assert_transformers_greedy(target.hf, ids, sp.tokens, target.stop_token_ids, 24)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -63,10 +67,9 @@ def test_greedy_spec_equals_ar_with_long_accepts_stops_and_cuts(family, block_si
         # a stop token taken from inside the continuation, so it lands inside an accepted block
         stop = [full.tokens[7 + i % 9]] if i % 2 == 0 else []
         max_new = 13 + i  # not a multiple of the block size: cuts a block
-        ar = ar_generate(target, ids, max_new_tokens=max_new, stop_token_ids=stop)
         sp = spec_generate(oracle, target, ids, max_new_tokens=max_new, stop_token_ids=stop, block_size=block_size)
-        assert sp.tokens == ar.tokens, (i, sp.tokens, ar.tokens)
-        assert sp.finish_reason == ar.finish_reason
+        assert_transformers_greedy(target.hf, ids, sp.tokens, stop, max_new)  # AR's tokens, near-ties aside
+        assert sp.finish_reason == ("stop" if sp.tokens[-1] in stop else "length"), i
         seen_multi |= max(sp.acceptance_lengths, default=0) > 1
         seen_stop_inside |= sp.finish_reason == "stop" and sp.acceptance_lengths[-1:] > [1]
         # z-lab's acceptance lengths: the tokens each step committed, so they add up to the output (+ the first)
