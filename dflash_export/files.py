@@ -72,13 +72,61 @@ def read_json_object(path: str | os.PathLike) -> dict:
     return data
 
 
+def read_cache_json(path: str | os.PathLike, max_bytes: int = 1 << 20):
+    """The JSON value of a small file the cache holds, or None when it is missing, not a regular file (a FIFO, a
+    device, a symlink to one), larger than `max_bytes`, unreadable or not JSON: the caller then works it out afresh.
+    Opened non-blocking (a FIFO in its place does not hang the reader) and read no further than `max_bytes` (a link
+    to /dev/zero or a sparse file of terabytes costs nothing), since a cache entry is never trusted to be what its
+    writer left."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            return None
+        data = b""
+        while len(data) <= max_bytes and (block := os.read(fd, max_bytes + 1 - len(data))):
+            data += block
+        if len(data) > max_bytes:  # grew while read
+            return None
+        return json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    finally:
+        os.close(fd)
+
+
+def _os_error_of(e: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write: an OSError itself, or a library error that reports one
+    only in its text (safetensors, written in Rust: "... No space left on device (os error 28)") when that error can
+    only be about where it writes (no space or quota left, a file too large, a read-only filesystem): a library's
+    "no such file" may be about a file it reads."""
+    import errno
+    import re
+
+    if isinstance(e, OSError):
+        return e if e.errno is not None else None
+    if isinstance(e, DFlashError):  # already the one line to show
+        return None
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    code = int(m.group(1)) if m else None
+    if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return None
+    return OSError(code, os.strerror(code))
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` only if the block completes.
 
     A half-written directory is removed on any exception, so it can never be taken for a finished artifact. With
     `what` ("the engine"), a write that fails naming no file (a full disk: a write's OSError carries no path) or a
-    file of the removed temporary directory is one error naming `final`.
+    file of the removed temporary directory is one error naming `final`. A library's error that reports the
+    operating system's error only in its text (safetensors on a full disk) is that OSError, naming `final`.
     """
     final = Path(final)
     try:
@@ -102,9 +150,13 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and old.is_dir() and not _exists(final):  # stopped between the two renames: the
             old.rename(final)                                            # previous directory goes back in place
-        if what and isinstance(e, OSError) and e.errno is not None and (
-                e.filename is None or Path(str(e.filename)).is_relative_to(tmp)):
-            raise DFlashError(f"cannot write {what} ({e.strerror or e})", path=final, field=field) from None
+        os_error = _os_error_of(e)
+        if what and os_error is not None and (
+                os_error.filename is None or Path(str(os_error.filename)).is_relative_to(tmp)):
+            raise DFlashError(f"cannot write {what} ({os_error.strerror or os_error})", path=final,
+                              field=field) from None
+        if os_error is not None and os_error is not e:
+            raise OSError(os_error.errno, os_error.strerror, str(final)) from None
         raise
 
 

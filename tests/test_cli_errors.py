@@ -531,6 +531,31 @@ def test_a_write_that_fails_without_a_path_names_the_output_and_leaves_nothing(t
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_while_the_cache_writes_a_tiny_pair_is_one_line_and_leaves_nothing_half_written(tmp_path,
+                                                                                                    monkeypatch):
+    """safetensors reports a full disk as its own exception, the OS error only in its text ("... (os error 28)"):
+    writing the tiny pair into the cache then fails as one line naming the cache directory being written, exit 2,
+    not as an internal error, and the cache holds no part of what was being written."""
+    import errno
+
+    import safetensors
+    import safetensors.torch
+
+    def full_disk(state, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    line = _one_error_line(_run("build", "--recipe", "tiny-llama", "--out", tmp_path / "out"))
+    pair = next((cache / "tiny").iterdir())
+    written = [pair / part for part in ("target", "drafter")
+               if line == f"error: {pair / part}: {os.strerror(errno.ENOSPC)}"]
+    assert len(written) == 1 and not written[0].exists(), line
+    assert [p for p in cache.rglob("*") if p.name.startswith(".") or p.is_file() and p.read_bytes() == b"half"] == []
+
+
 @pytest.mark.parametrize("command", ["export", "build"])
 def test_a_full_disk_during_export_or_build_is_one_line_naming_the_output(tmp_path, monkeypatch, command):
     import errno

@@ -596,6 +596,37 @@ def test_the_repository_cache_keeps_what_serve_can_reuse_and_never_what_a_server
     exit(last)
 
 
+def test_a_cached_repository_whose_marker_is_a_fifo_is_pruned_without_waiting_on_it(tmp_path, engine_dir,
+                                                                                     monkeypatch):
+    """A directory in the repository cache whose marker is a FIFO (its open waits for a writer that never comes):
+    `serve --engine` asking for its own repository removes it as one it would never reuse, without waiting."""
+    import signal
+
+    from dflash_export.deploy import repository
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(repository, "_held_locks", [])
+    junk = tmp_path / "cache" / "repos" / "engine-0123456789abcdef"
+    junk.mkdir(parents=True)
+    os.mkfifo(junk / MARKER)
+
+    class Stuck(Exception):  # not an OSError, which a reader may take for an unreadable file
+        pass
+
+    def stuck(signum, frame):
+        raise Stuck("pruning waited on a marker")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(10)
+    try:
+        repo = repository.cached_repository(copy_engine(engine_dir, tmp_path / "engine"), max_batch=1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    repository._held_locks[-1].close()
+    assert sorted(p.name for p in repo.parent.iterdir()) == [repo.name]
+
+
 def test_a_read_only_engine_deploys_to_a_repository_its_owner_can_replace_and_remove(tmp_path):
     """An engine installed read-only (another user's, an image layer) is copied into a repository whose directories
     its owner can write: deploying again replaces it, and removing it removes everything."""

@@ -6,6 +6,7 @@ batching give the tokens the whole head gives."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -185,6 +186,60 @@ def test_a_damaged_cache_is_rebuilt_and_other_heads_are_not_screened(head, tmp_p
     assert gh.head_matrix(path) is None
     (tmp_path / "weights.bin").unlink()
     assert gh.head_matrix(tmp_path / "lm_head.onnx") is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a page zeroed", "graph overwritten", "data a link elsewhere"])
+def test_an_int8_copy_changed_after_it_was_written_is_made_again(head, tmp_path, damage):
+    """The cached int8 copy's graph or codes changed on disk (cut short, a page lost, overwritten, replaced by a link
+    to something else): the next load writes the copy again, byte for byte what it was, and screens with it --
+    rather than loading it, or leaving the screen off at every later load."""
+    w, sess, g = head
+    d = gh.screen_dir(g.matrix.path.parent, g.matrix)
+    data, graph = (d / gh.DATA).read_bytes(), (d / gh.GRAPH).read_bytes()
+    if damage == "truncated":
+        (d / gh.DATA).write_bytes(data[: len(data) // 2])
+    elif damage == "a page zeroed":
+        (d / gh.DATA).write_bytes(data[:4096] + bytes(4096) + data[8192:])
+    elif damage == "graph overwritten":
+        (d / gh.GRAPH).write_bytes(b"not a graph")
+    else:
+        (tmp_path / "elsewhere").write_bytes(bytes(len(data)))
+        (d / gh.DATA).unlink()
+        (d / gh.DATA).symlink_to(tmp_path / "elsewhere")
+    again = gh.greedy_head_for(sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort,
+                               _session_options(), ["CPUExecutionProvider"])
+    assert again.screen is not None
+    assert not (d / gh.DATA).is_symlink()
+    assert (d / gh.DATA).read_bytes() == data and (d / gh.GRAPH).read_bytes() == graph
+    x = _hidden(np.random.default_rng(6), 6, w)
+    assert np.argmax(again.logits(x[None]), axis=1).tolist() == _oracle(w, x).tolist()
+
+
+def test_an_engine_whose_manifest_changes_but_not_its_head_reuses_the_int8_copy(tmp_path, monkeypatch):
+    """A build probes its engine before the manifest records the verdict, and a rebuild with unchanged weights
+    writes another manifest: neither leaves another copy of the same head in the cache; other weights get their
+    own."""
+    w = _weights(7)
+    path, sess = _head_files(tmp_path, w)
+    monkeypatch.setattr(gh, "MIN_PARAMS", 0)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    from dflash_export.files import sha256_file
+
+    def load(extra: dict):
+        files = {"weights.bin": sha256_file(tmp_path / "weights.bin"), "lm_head.onnx": sha256_file(path)}
+        (tmp_path / "manifest.json").write_text(json.dumps({"files": files, **extra}))
+        return gh.greedy_head_for(sess, path, tmp_path, ort, _session_options(), ["CPUExecutionProvider"])
+
+    def copies():
+        return sorted(p.name for p in (tmp_path / "cache" / "greedy-head").iterdir())
+
+    assert load({}).screen is not None
+    first = copies()
+    assert load({"numerics": {"row_floor": 2}}).screen is not None and load({"export_seconds": 3.5}).screen is not None
+    assert copies() == first and len(first) == 1
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64 + np.ascontiguousarray(w * 2, np.float32).tobytes())
+    load({})
+    assert len(copies()) == 2
 
 
 @pytest.fixture(scope="module")

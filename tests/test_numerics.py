@@ -373,6 +373,42 @@ def test_a_forged_or_corrupt_cached_verdict_is_replaced_by_a_fresh_probe(engine,
     assert cached["row_floor"] == 2 and cached["bit_identical"] is True and cached["tried"] == num.tried
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link to a fifo", "sparse terabyte"])
+def test_a_cached_verdict_that_is_no_small_file_is_probed_afresh_without_waiting_on_it(engine, monkeypatch, tmp_path,
+                                                                                       kind):
+    """In the verdict's place a FIFO (whose open waits for a writer that never comes) or a file of a terabyte: the
+    load neither waits on it nor reads it, probes afresh, and leaves the fresh verdict there."""
+    import signal
+
+    _one_row_differs(engine)
+    path = _forge(engine, monkeypatch, tmp_path, "")
+    path.unlink()
+    if kind == "sparse terabyte":
+        with open(path, "wb") as f:
+            f.truncate(1 << 40)
+    else:
+        fifo = path if kind == "fifo" else tmp_path / "fifo"
+        os.mkfifo(fifo)
+        if fifo != path:
+            path.symlink_to(fifo)
+
+    class Stuck(Exception):  # not an OSError, which a reader may take for an unreadable file
+        pass
+
+    def stuck(signum, frame):
+        raise Stuck("the load waited on the cached verdict")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(10)
+    try:
+        num = choose_row_floor(engine, first=1, threads=0, recorded={})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert num.row_floor == engine.row_floor == 2 and [t[:2] for t in num.tried] == [[1, False], [2, True]]
+    assert path.is_file() and not path.is_symlink() and json.loads(path.read_text())["tried"] == num.tried
+
+
 def test_a_sound_cached_verdict_is_rechecked_at_its_floor_then_used(engine, monkeypatch, tmp_path):
     """A valid cached verdict costs a re-check at the row counts where kernels change paths, not a full probe."""
     from dflash_export.engines import numerics

@@ -727,8 +727,10 @@ def _prune_repository_cache(repos: Path, locks: Path, keep: Path) -> None:
 def _reusable(repo: Path) -> bool:
     """Whether `cached_repository` could pick `repo` again: its marker names an engine whose manifest, with the
     marker's options and this code, hashes to the directory's own name."""
+    from dflash_export.files import read_cache_json
+
     try:
-        marker = json.loads((repo / MARKER).read_text())
+        marker = read_cache_json(repo / MARKER)
         engine = Path(marker["engine"])
         options = marker["instances"], marker["max_batch"], marker["plain"], marker.get("max_kv_tokens", 0)
         if not (isinstance(marker.get("recipe"), (str, type(None))) and all(type(o) is int for o in options[:2])

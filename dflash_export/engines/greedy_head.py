@@ -51,6 +51,7 @@ Written by hand: no library finds an exact argmax from a quantized screen.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ MIN_PARAMS = 8_000_000     # heads smaller than this are cheap enough whole (and
 INT8_MAX_ROWS = 6          # the int8 screen up to this many rows, the fp32 head above (measured below)
 CHUNK = 4096               # head rows quantized at a time at load (a bounded transient)
 PROBE_SEED = 20260         # the load-time check's random rows
-FORMAT = 2                 # of the cached int8 copy (screen_dir; 2: any rank of hidden rows)
+FORMAT = 3                 # of the cached int8 copy (screen_dir; 2: any rank of hidden rows; 3: tables hold digests)
 GRAPH, DATA, TABLES = "screen.onnx", "screen.data", "tables.npz"
 
 
@@ -108,10 +109,11 @@ def _slack(k: int, l1: np.ndarray, wmax: float, top: np.ndarray) -> np.ndarray:
 
 class ScreenTables:
     """What bounds the int8 copy's distance from the fp32 head: `l1` [H / BLOCK, V] (block b, token j: the sum of
-    |w'_ji| over the block), `werr` [V] (max |w_j - w'_j|), `wmax` (max |w|)."""
+    |w'_ji| over the block), `werr` [V] (max |w_j - w'_j|), `wmax` (max |w|); `digests`: the sha256 of the int8
+    copy's graph and data files they were made with (`_copy_digests`), () when not recorded."""
 
-    def __init__(self, l1: np.ndarray, werr: np.ndarray, wmax: float):
-        self.l1, self.werr, self.wmax = l1, werr, float(wmax)
+    def __init__(self, l1: np.ndarray, werr: np.ndarray, wmax: float, digests: tuple[str, ...] = ()):
+        self.l1, self.werr, self.wmax, self.digests = l1, werr, float(wmax), tuple(digests)
 
     @classmethod
     def of(cls, matrix: MatrixRows, out: Path) -> ScreenTables:
@@ -147,7 +149,7 @@ class ScreenTables:
         return cls(np.zeros((0, v), np.float32), np.zeros(v, np.float32), wmax)
 
     def save(self, path: Path) -> None:
-        np.savez(path, l1=self.l1, werr=self.werr, wmax=np.float64(self.wmax))
+        np.savez(path, l1=self.l1, werr=self.werr, wmax=np.float64(self.wmax), digests=np.array(self.digests, "U64"))
 
     @classmethod
     def load(cls, path: Path, shape: tuple[int, int]) -> ScreenTables | None:
@@ -157,7 +159,7 @@ class ScreenTables:
 
         try:
             with np.load(path, allow_pickle=False) as z:
-                t = cls(z["l1"], z["werr"], float(z["wmax"]))
+                t = cls(z["l1"], z["werr"], float(z["wmax"]), tuple(str(d) for d in z["digests"].tolist()))
         except (OSError, KeyError, ValueError, zipfile.BadZipFile):
             return None
         v, h = shape
@@ -281,16 +283,46 @@ def _screen_graph(path: Path, v: int, h: int) -> None:
 
 
 def screen_dir(engine_dir: Path, matrix: MatrixRows) -> Path:
-    """Where the int8 copy of this engine's head is kept: the cache, keyed by the engine's manifest (whose file
-    hashes name its weights), the matrix's place in its file and this module's format."""
+    """Where the int8 copy of this engine's head is kept: the cache, keyed by the hash the engine's manifest records
+    for the matrix's file (its weights), the matrix's place in that file and this module's format."""
     import hashlib
     import json
 
     from dflash_export.files import cache_dir
 
-    digest = hashlib.sha256((Path(engine_dir) / "manifest.json").read_bytes()).hexdigest()
+    # The hash the manifest records for the matrix's file, not the manifest's own: a build probes its engine before
+    # the manifest gains the probe's verdict, and a rebuilt engine differs in its manifest alone; both then use the
+    # copy already made instead of leaving one more behind. The whole manifest where it records no such hash.
+    raw = (Path(engine_dir) / "manifest.json").read_bytes()
+    try:
+        digest = json.loads(raw)["files"][matrix.path.name]
+        if not isinstance(digest, str):
+            raise TypeError(digest)
+    except (ValueError, KeyError, TypeError):
+        digest = hashlib.sha256(raw).hexdigest()
     key = json.dumps([digest, matrix.path.name, matrix.offset, list(matrix.shape), BLOCK, FORMAT])
     return cache_dir() / "greedy-head" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _copy_digests(d: Path, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The sha256 of the int8 copy's graph and data files in `d`, () when either is not a regular file of the size
+    it is written at (a data file of V x H codes and V x H / BLOCK scales; a graph of a few hundred bytes): what the
+    tables record, so that a copy changed after it was written (truncated, overwritten, a page lost) is made again
+    instead of being loaded (a screen the load-time check refuses would be left unused at every later load)."""
+    import stat
+
+    from dflash_export.files import sha256_file
+
+    v, h = shape
+    sizes = {GRAPH: range(1, 1 << 16), DATA: range(v * h + 4 * v * (h // BLOCK), v * h + 4 * v * (h // BLOCK) + 1)}
+    try:
+        for name, size in sizes.items():
+            st = os.stat(d / name)
+            if not stat.S_ISREG(st.st_mode) or st.st_size not in size:
+                return ()
+        return tuple(sha256_file(d / name) for name in sizes)
+    except OSError:
+        return ()
 
 
 def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=None):
@@ -306,11 +338,12 @@ def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=
     try:
         d = screen_dir(engine_dir, matrix)
         tables = ScreenTables.load(d / TABLES, matrix.shape) if (d / GRAPH).is_file() else None
-        if tables is None:
+        if tables is None or not tables.digests or tables.digests != _copy_digests(d, matrix.shape):
             with atomic_dir(d) as tmp:
-                ScreenTables.of(matrix, out=tmp).save(tmp / TABLES)
+                tables = ScreenTables.of(matrix, out=tmp)
                 _screen_graph(tmp / GRAPH, v, h)
-            tables = ScreenTables.load(d / TABLES, matrix.shape)
+                tables.digests = _copy_digests(tmp, matrix.shape)
+                tables.save(tmp / TABLES)
         session = ort.InferenceSession(str(d / GRAPH), so, providers=providers)
     except Exception:
         return None

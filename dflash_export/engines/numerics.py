@@ -245,12 +245,9 @@ def _cached(path, cpu: dict, top: int, bs: int, pads=("host",)) -> Numerics | No
     """A verdict this machine cached, when every field has its type and range and it is about this CPU and probe
     (a floor in 1..min(MAX_ROW_FLOOR, block_size), booleans, finite non-negative differences, 0.0 when identical,
     the probed row count); None otherwise (missing, unreadable, corrupt or forged: the caller probes afresh)."""
-    try:
-        if path.stat().st_size > 1 << 16:  # a verdict is a few hundred bytes
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
+    from dflash_export.files import read_cache_json
+
+    data = read_cache_json(path, max_bytes=1 << 16)  # a verdict is a few hundred bytes
     fields = set(Numerics.__dataclass_fields__)
     if not isinstance(data, dict) or not set(data) <= fields:
         return None
