@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -81,14 +82,23 @@ def _oracle(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.asarray(best)
 
 
+@pytest.fixture(autouse=True)
+def _small_heads(monkeypatch):
+    """Every test here screens heads far under MIN_PARAMS. Lifted per test, not for the module: the session's tiny
+    pairs (conftest `ort_pair`), shared with other modules, may first load while a test here runs, and must load
+    with the floor as it is (their draft heads' int8 copies would draft otherwise)."""
+    monkeypatch.setattr(gh, "MIN_PARAMS", 0)
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory, monkeypatch_module):
     tmp = tmp_path_factory.mktemp("head")
     w = _weights()
     path, sess = _head_files(tmp, w)
-    monkeypatch_module.setattr(gh, "MIN_PARAMS", 0)
     monkeypatch_module.setenv("DFLASH_CACHE", str(tmp / "cache"))
-    g = gh.greedy_head_for(sess, path, tmp, ort, _session_options(), ["CPUExecutionProvider"])
+    with pytest.MonkeyPatch.context() as mp:  # module fixtures are made before `_small_heads`
+        mp.setattr(gh, "MIN_PARAMS", 0)
+        g = gh.greedy_head_for(sess, path, tmp, ort, _session_options(), ["CPUExecutionProvider"])
     return w, sess, g
 
 
@@ -242,14 +252,57 @@ def test_an_engine_whose_manifest_changes_but_not_its_head_reuses_the_int8_copy(
     assert len(copies()) == 2
 
 
+def test_the_cache_keeps_the_most_recently_loaded_int8_copies_and_removes_dead_writers_leftovers(tmp_path,
+                                                                                                 monkeypatch):
+    """Heads of KEPT + 2 different weights loaded one after another, the first loaded again before the last: the
+    cache then holds KEPT copies, the first and the newest among them, the second and third gone; a temporary
+    directory of a writer that is gone is removed, one of a live writer kept. A removed copy is made again (and
+    screens exactly) when its engine loads next."""
+    import subprocess
+
+    from dflash_export.files import sha256_file
+
+    monkeypatch.setattr(gh, "MIN_PARAMS", 0)
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "greedy-head"
+
+    def load(seed: int):
+        d = tmp_path / f"engine-{seed}"
+        d.mkdir(exist_ok=True)
+        w = _weights(seed)
+        path, sess = _head_files(d, w)
+        (d / "manifest.json").write_text(json.dumps({"files": {"weights.bin": sha256_file(d / "weights.bin")}}))
+        g = gh.greedy_head_for(sess, path, d, ort, _session_options(), ["CPUExecutionProvider"])
+        assert g.screen is not None
+        return g, w, gh.screen_dir(d, gh.head_matrix(path)).name
+
+    names = [load(0)[2]]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (root / f".{names[0]}.tmp-{dead.pid}-x").mkdir()
+    (root / f".{names[0]}.tmp-{os.getpid()}-y").mkdir()
+    for seed in range(1, gh.KEPT + 1):
+        names.append(load(seed)[2])
+        os.utime(root / names[0] / gh.TABLES, (0, 0)) if seed < gh.KEPT else load(0)
+    names.append(load(gh.KEPT + 1)[2])
+    left = {p.name for p in root.iterdir()}
+    assert len(set(names)) == gh.KEPT + 2
+    assert left == set(names) - {names[1], names[2]} | {f".{names[0]}.tmp-{os.getpid()}-y"}, left
+    g, w, name = load(1)
+    assert name == names[1] and (root / name).is_dir()
+    x = _hidden(np.random.default_rng(1), gh.INT8_MAX_ROWS, w)  # rows the int8 copy screens
+    assert np.argmax(g.logits(x[None]), axis=1).tolist() == _oracle(w, x).tolist()
+
+
 @pytest.fixture(scope="module")
-def screened(ort_pair, monkeypatch_module):
+def screened(ort_pair):
     """The tiny pair's engine loaded twice: with its head screened (the size floor lifted) and whole."""
     from dflash_export.engines.registry import load_engine
 
     recipe, out, _, _ = ort_pair
-    monkeypatch_module.setattr(gh, "MIN_PARAMS", 0)
-    on = load_engine(out, threads=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gh, "MIN_PARAMS", 0)
+        on = load_engine(out, threads=1)
     off = load_engine(out, threads=1, greedy_head=False)
     assert on.greedy_head is not None and on.greedy_head.screen is not None and off.greedy_head is None
     return recipe, on, off

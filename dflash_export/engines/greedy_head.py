@@ -34,10 +34,11 @@ H u sum |h_i w_ij| of the real one in any order, u = 2^-24; eps takes 4 H u ||h|
 token.
 
 On (`greedy_head_for`): fp32 heads that are one Gemm(hidden, W, transB=1, alpha=1) over a matrix in a file beside the
-graph, of at least MIN_PARAMS weights. The int8 copy is written once to the cache and loaded like an engine graph
-(ONNX Runtime maps and packs it). At every load it is checked against the fp32 head on fixed random rows, outliers
-among them: a proxy further from the head than B allows (a kernel quantizing activations more coarsely) is not used,
-and the fp32 head screens -- the same tokens at the whole head's cost.
+graph, of at least MIN_PARAMS weights. The int8 copy is written once to the cache (which keeps the KEPT most recently
+loaded copies, keyed by the head's weights file) and loaded like an engine graph (ONNX Runtime maps and packs it). At
+every load it is checked against the fp32 head on fixed random rows, outliers among them: a proxy further from the
+head than B allows (a kernel quantizing activations more coarsely) is not used, and the fp32 head screens -- the same
+tokens at the whole head's cost.
 
 **Drafting.** A greedy draft needs no exactness at all: the target verifies every drafted token, so drafts from the
 int8 copy change only how many are accepted, never the output. Greedy drafting (and the drafter's argmax / top-K that
@@ -65,6 +66,9 @@ CHUNK = 4096               # head rows quantized at a time at load (a bounded tr
 PROBE_SEED = 20260         # the load-time check's random rows
 FORMAT = 3                 # of the cached int8 copy (screen_dir; 2: any rank of hidden rows; 3: tables hold digests)
 GRAPH, DATA, TABLES = "screen.onnx", "screen.data", "tables.npz"
+# int8 copies the cache keeps, the most recently loaded (one per head: 32 MB for SmolLM2-135M, ~0.6 GB for an 8B
+# target's); a copy past them is made again when its engine loads next
+KEPT = 8
 
 
 def head_matrix(head_graph: Path) -> MatrixRows | None:
@@ -325,6 +329,41 @@ def _copy_digests(d: Path, shape: tuple[int, int]) -> tuple[str, ...]:
         return ()
 
 
+def _mark_used(d: Path) -> None:
+    """Record that the copy in `d` is loaded now (its tables' modification time, what `_prune_copies` keeps by)."""
+    try:
+        os.utime(d / TABLES)
+    except OSError:  # a read-only cache: nothing is pruned there either
+        pass
+
+
+def _prune_copies(root: Path) -> None:
+    """Remove the int8 copies in `root` past the KEPT most recently loaded or written, and the temporary directories
+    of writers that are gone. A copy is removed only once KEPT others were used after it: a process loading it then
+    falls back to screening with the fp32 head (exact, slower) for that load."""
+    import re
+    import shutil
+
+    from dflash_export.files import remove_stale_temps
+
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return
+    used = []
+    for e in entries:
+        m = re.match(r"^\.([0-9a-f]{24})\.(?:tmp|old)-", e.name)
+        if m:
+            remove_stale_temps(root / m.group(1))
+        elif re.fullmatch(r"[0-9a-f]{24}", e.name) and e.is_dir() and not e.is_symlink():
+            try:
+                used.append(((e / TABLES).stat().st_mtime if (e / TABLES).is_file() else e.stat().st_mtime, e))
+            except OSError:
+                continue
+    for _, e in sorted(used, reverse=True)[KEPT:]:
+        shutil.rmtree(e, ignore_errors=True)
+
+
 def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=None):
     """(session, tables) of the int8 copy of an fp32 head `matrix` (`_screen_graph`, hidden [..., H] -> logits
     [..., V]), written to the cache once (`screen_dir`) and loaded like an engine graph: ONNX Runtime maps its weights
@@ -344,6 +383,9 @@ def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=
                 _screen_graph(tmp / GRAPH, v, h)
                 tables.digests = _copy_digests(tmp, matrix.shape)
                 tables.save(tmp / TABLES)
+            _prune_copies(d.parent)
+        else:
+            _mark_used(d)
         session = ort.InferenceSession(str(d / GRAPH), so, providers=providers)
     except Exception:
         return None
