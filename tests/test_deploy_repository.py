@@ -600,7 +600,7 @@ def test_a_cached_repository_whose_marker_is_a_fifo_is_pruned_without_waiting_on
                                                                                      monkeypatch):
     """A directory in the repository cache whose marker is a FIFO (its open waits for a writer that never comes):
     `serve --engine` asking for its own repository removes it as one it would never reuse, without waiting."""
-    import signal
+    from wait_support import fails_after
 
     from dflash_export.deploy import repository
 
@@ -609,20 +609,8 @@ def test_a_cached_repository_whose_marker_is_a_fifo_is_pruned_without_waiting_on
     junk = tmp_path / "cache" / "repos" / "engine-0123456789abcdef"
     junk.mkdir(parents=True)
     os.mkfifo(junk / MARKER)
-
-    class Stuck(Exception):  # not an OSError, which a reader may take for an unreadable file
-        pass
-
-    def stuck(signum, frame):
-        raise Stuck("pruning waited on a marker")
-
-    previous = signal.signal(signal.SIGALRM, stuck)
-    signal.alarm(10)
-    try:
+    with fails_after(10, "pruning waited on a marker"):
         repo = repository.cached_repository(copy_engine(engine_dir, tmp_path / "engine"), max_batch=1)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     repository._held_locks[-1].close()
     assert sorted(p.name for p in repo.parent.iterdir()) == [repo.name]
 

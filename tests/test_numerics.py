@@ -378,7 +378,7 @@ def test_a_cached_verdict_that_is_no_small_file_is_probed_afresh_without_waiting
                                                                                        kind):
     """In the verdict's place a FIFO (whose open waits for a writer that never comes) or a file of a terabyte: the
     load neither waits on it nor reads it, probes afresh, and leaves the fresh verdict there."""
-    import signal
+    from wait_support import fails_after
 
     _one_row_differs(engine)
     path = _forge(engine, monkeypatch, tmp_path, "")
@@ -391,20 +391,8 @@ def test_a_cached_verdict_that_is_no_small_file_is_probed_afresh_without_waiting
         os.mkfifo(fifo)
         if fifo != path:
             path.symlink_to(fifo)
-
-    class Stuck(Exception):  # not an OSError, which a reader may take for an unreadable file
-        pass
-
-    def stuck(signum, frame):
-        raise Stuck("the load waited on the cached verdict")
-
-    previous = signal.signal(signal.SIGALRM, stuck)
-    signal.alarm(10)
-    try:
+    with fails_after(10, "the load waited on the cached verdict"):
         num = choose_row_floor(engine, first=1, threads=0, recorded={})
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert num.row_floor == engine.row_floor == 2 and [t[:2] for t in num.tried] == [[1, False], [2, True]]
     assert path.is_file() and not path.is_symlink() and json.loads(path.read_text())["tried"] == num.tried
 
