@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -664,6 +665,49 @@ def test_the_served_copy_path_reaches_the_stub_unchanged_through_its_shell(tmp_p
     out = subprocess.run(["bash", "-c", f"printf '<%s>' {model}"], capture_output=True, text=True, timeout=30)
     assert out.stdout == f"<{model}>", out
     assert served_dir(Path("/w"), Path("/srv/models/a-b_c.d+1/repo")) == Path("/w/served/srv/models/a-b_c.d+1/repo")
+
+
+def test_two_first_installs_of_the_stub_numpy_make_one_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):
+    """Two `serve`s installing the stub's numpy 1 at once: pip runs once and both get the complete directory; a pip
+    that fails (or dies) after writing part of it leaves no directory a later start would take for installed, and
+    the next start installs afresh."""
+    import threading
+
+    from dflash_export.deploy import triton_install
+    from dflash_export.errors import MissingDependency
+
+    site = tmp_path / "cache" / "site"
+    monkeypatch.setenv(triton_install.STUB_SITE_ENV, str(site))
+    real = triton_install._numpy_major
+    monkeypatch.setattr(triton_install, "_numpy_major", lambda where=None: 2 if where is None else real(where))
+    calls, fail = [], []
+
+    def pip(cmd, **kw):  # pip --target moving its files in one by one, the dist-info among the first
+        target = Path(cmd[cmd.index("--target") + 1])
+        calls.append(target)
+        (target / "numpy-1.26.4.dist-info").mkdir()
+        time.sleep(0.3)
+        if fail:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: the wheel could not be written\n")
+        (target / "numpy").mkdir()
+        (target / "numpy" / "__init__.py").write_text("")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(triton_install.subprocess, "run", pip)
+    fail.append(True)
+    with pytest.raises(MissingDependency, match="could not install .*the wheel could not be written"):
+        triton_install.ensure_stub_site()
+    assert not site.exists() and [p.name for p in site.parent.iterdir()] == [".site.lock"]
+    fail.clear()
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(triton_install.ensure_stub_site())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [site, site] and len(calls) == 2  # the failed install and one of the two
+    assert sorted(p.name for p in site.iterdir()) == [triton_install.STUB_MARKER, "numpy", "numpy-1.26.4.dist-info"]
+    assert sorted(p.name for p in site.parent.iterdir()) == [".site.lock", "site"]
 
 
 def test_a_marked_stub_numpy_directory_is_used_without_writing_to_it(tmp_path, monkeypatch):

@@ -134,13 +134,33 @@ def ensure_stub_site(install: bool = True) -> Path | None:
     if not install:
         raise MissingDependency("the python backend stub needs numpy 1 (it was built against numpy 1); run: "
                                 + " ".join(cmd), field="numpy")
-    print(f"the python backend stub needs {STUB_NUMPY}: installing it once into {site_dir}", file=sys.stderr,
-          flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 or (_numpy_major(site_dir) or 2) >= 2:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise MissingDependency(f"could not install {STUB_NUMPY} for the python backend stub ({tail})", path=site_dir)
-    (site_dir / STUB_MARKER).touch()
+    import fcntl
+
+    from dflash_export.files import atomic_dir
+
+    # Two first `serve`s at once: one installs, the other waits and finds it. pip --target moves its files in one
+    # by one, so it installs into a temporary sibling renamed into place whole (marked last): a killed or failed
+    # install leaves no directory that looks installed.
+    try:
+        site_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(site_dir.parent / f".{site_dir.name}.lock", "a")
+    except OSError as e:
+        raise MissingDependency(f"cannot install {STUB_NUMPY} for the python backend stub here ({e.strerror or e}); "
+                                f"point {STUB_SITE_ENV} at a writable directory", path=site_dir) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (_numpy_major(site_dir) or 2) < 2 and (site_dir / STUB_MARKER).is_file():
+            return site_dir
+        print(f"the python backend stub needs {STUB_NUMPY}: installing it once into {site_dir}", file=sys.stderr,
+              flush=True)
+        with atomic_dir(site_dir, what=f"the stub's {STUB_NUMPY}") as tmp:
+            cmd[cmd.index("--target") + 1] = str(tmp)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0 or (_numpy_major(tmp) or 2) >= 2:
+                tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise MissingDependency(f"could not install {STUB_NUMPY} for the python backend stub ({tail})",
+                                        path=site_dir)
+            (tmp / STUB_MARKER).touch()
     return site_dir
 
 
