@@ -54,14 +54,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# The largest JSON file read whole: configs, manifests and markers are kilobytes, a tokenizer.json tens of megabytes.
+MAX_JSON_BYTES = 256 << 20
+
+
 def read_json_object(path: str | os.PathLike) -> dict:
-    """A JSON file that must hold an object; missing, unparsable or non-object files are one DFlashError line."""
+    """A JSON file that must hold an object; missing, oversized (a sparse file of terabytes would be read whole),
+    unparsable or non-object files are one DFlashError line."""
     import json
 
     path = Path(path)
     if not path.is_file():
         raise DFlashError("file not found", path=path)
     try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise DFlashError(f"{size} bytes, more than any JSON file read here ({MAX_JSON_BYTES >> 20} MiB)",
+                              path=path)
         data = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8, whatever the locale
     except RecursionError:  # arrays or objects nested past the parser's depth
         raise DFlashError("not valid JSON (nested too deeply)", path=path) from None

@@ -1038,6 +1038,26 @@ def test_reference_names_the_byte_codec_when_it_drops_every_byte_of_the_prompt()
                          "config.json"), line
 
 
+def test_a_json_file_of_a_terabyte_is_refused_by_its_size_without_being_read(tmp_path):
+    """A sparse config.json of 1 TiB (no disk used; reading it whole would take hours and all memory): one line
+    naming the file and its size, at once; `inspect` of a drafter whose config it is says the same."""
+    import time
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import read_json_object
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    with open(d / "config.json", "wb") as f:
+        f.truncate(1 << 40)
+    t0 = time.monotonic()
+    with pytest.raises(DFlashError) as e:
+        read_json_object(d / "config.json")
+    assert time.monotonic() - t0 < 5 and str(e.value).startswith(f"{d / 'config.json'}: {1 << 40} bytes, more than")
+    line = _one_error_line(_run("inspect", d, "--target", "tiny:qwen3/target"))
+    assert line.startswith(f"error: {d / 'config.json'}: {1 << 40} bytes, more than"), line
+
+
 @pytest.mark.parametrize("text, what", [
     ("[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
     ('{"a": ' + "9" * 5000 + "}", "not valid JSON (Exceeds the limit"),
