@@ -512,6 +512,34 @@ def test_g_test_catches_a_sampler_sharper_than_the_target_on_prefixes_seen_once(
     assert conditional_g_test(groups(np.random.default_rng(2), sharpen=False)).p_value > 1e-3
 
 
+def test_g_test_on_peaked_conditionals_reads_the_likeliest_outcome_as_typical():
+    """Prefixes whose conditional puts 1 - 1e-5 on one token carry their null variance in a token the simulation
+    rarely or never draws. Every prefix drawing its likely token (probability (1 - 1e-5)^20 > 0.9998) is the most
+    typical outcome there is: p stays high rather than a crash on a zero simulated variance or a p of 0.01 from a
+    chi-square of near-zero dof. One rare draw among 400 prefixes (binomial tail P(K >= 1) = 1 - (1 - 1e-5)^400 =
+    0.00399) must not read as rarer than that."""
+    from scipy.stats import binom
+
+    from dflash_export.validate.checks import conditional_g_test
+
+    p = np.array([1 - 1e-5, 1e-5])
+    for seed in range(5):
+        assert conditional_g_test([(p, {0: 1})] * 20, seed=seed).p_value > 0.5
+    tail = binom.sf(0, 400, 1e-5)
+    for seed in range(3):
+        assert conditional_g_test([(p, {1: 1})] + [(p, {0: 1})] * 399, seed=seed).p_value >= tail
+
+
+def test_g_test_where_g_cannot_vary_under_the_null():
+    """A prefix uniform over its k tokens and seen once has G = 2 ln k whatever is drawn: the sum is a constant under
+    the null (zero variance), so any draw fits (p = 1)."""
+    from dflash_export.validate.checks import conditional_g_test
+
+    fit = conditional_g_test([(np.full(4, 0.25), {2: 1})] * 3 + [(np.array([0.5, 0.5, 0.0]), {1: 1})])
+    assert fit.statistic == pytest.approx(3 * 2 * np.log(4) + 2 * np.log(2))
+    assert fit.p_value == 1.0
+
+
 def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference, prompts):
     from dflash_export.engines.torch_ref import TorchEngine
 
