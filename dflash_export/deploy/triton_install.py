@@ -129,11 +129,13 @@ def ensure_stub_site(install: bool = True) -> Path | None:
                                         f"and it cannot be written ({e.strerror or e}): create that empty file in it, "
                                         f"or point {STUB_SITE_ENV} at another directory", path=site_dir) from None
         return site_dir
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", "--target",
-           str(site_dir), STUB_NUMPY]
+    def pip_into(target: Path) -> list[str]:
+        return [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:", "--target",
+                str(target), STUB_NUMPY]
+
     if not install:
         raise MissingDependency("the python backend stub needs numpy 1 (it was built against numpy 1); run: "
-                                + " ".join(cmd), field="numpy")
+                                + " ".join(pip_into(site_dir)), field="numpy")
     import fcntl
 
     from dflash_export.files import atomic_dir
@@ -154,8 +156,7 @@ def ensure_stub_site(install: bool = True) -> Path | None:
         print(f"the python backend stub needs {STUB_NUMPY}: installing it once into {site_dir}", file=sys.stderr,
               flush=True)
         with atomic_dir(site_dir, what=f"the stub's {STUB_NUMPY}") as tmp:
-            cmd[cmd.index("--target") + 1] = str(tmp)
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(pip_into(tmp), capture_output=True, text=True)
             if done.returncode != 0 or (_numpy_major(tmp) or 2) >= 2:
                 tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MissingDependency(f"could not install {STUB_NUMPY} for the python backend stub ({tail})",
