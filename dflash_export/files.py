@@ -240,6 +240,20 @@ def check_output_parent(path, field: str | None = "--out") -> None:
         raise DFlashError(f"cannot create it: {anc} is a file, not a directory", path=path, field=field)
     if not os.access(anc, os.W_OK | os.X_OK):
         raise DFlashError(f"cannot create it: {anc} is not writable", path=path, field=field)
+    why = _cannot_create_in(anc)
+    if why:
+        raise DFlashError(f"cannot create it: creating anything in {anc} fails ({why})", path=path, field=field)
+
+
+def _cannot_create_in(d: Path) -> str | None:
+    """Why nothing can be created in directory `d` (None: something can), found by creating and removing an empty
+    directory there. `os.access` answers from permission bits alone, so for root it says yes to /proc, /sys and
+    directories a filesystem refuses for its own reasons; only trying tells, before the work instead of after."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=d))
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
 
 
 def is_engine_dir(d) -> bool:
@@ -295,6 +309,9 @@ def check_output_dir(path, field: str | None = "--out", *, command: str | None =
         if not os.access(path, os.W_OK | os.X_OK):
             raise DFlashError("directory is not writable", path=path, field=field)
         if not replaced:
+            why = _cannot_create_in(path)
+            if why:
+                raise DFlashError(f"creating anything in this directory fails ({why})", path=path, field=field)
             return
         if is_previous_output is not None and any(path.iterdir()) and not is_previous_output(path):
             raise DFlashError(f"exists and was not written by `dflash-export {command}`; choose a new directory",

@@ -783,6 +783,23 @@ def test_report_path_that_cannot_be_a_directory_is_refused_first(tmp_path):
     assert afile.read_text() == "x\n"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a mounted /proc")
+def test_report_under_a_directory_that_refuses_new_files_is_refused_first(tmp_path):
+    """/proc takes no new files from anyone, root included, although its permission bits (all `os.access` reads)
+    say root may write there: the report path is tried before the engine is even looked for."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    for report in ("/proc/dflash-report", "/proc/dflash-report/sub"):
+        r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--engine", str(tmp_path / "none"),
+                                      "--report", report])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+        assert r.output.startswith(f"error: {report}: --report: cannot create it: creating anything in /proc fails "), \
+            r.output
+    assert not Path("/proc/dflash-report").exists()
+
+
 def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, recipe, tmp_path, monkeypatch):
     """An int4 engine (trained drafter, so blocks get accepted): lossless against its own AR greedily and at T>0
     (the sampled check uses the engine's own plain-decoding conditionals), agreement with the fp32 reference
