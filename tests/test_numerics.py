@@ -412,3 +412,28 @@ def test_a_sound_cached_verdict_is_rechecked_at_its_floor_then_used(engine, monk
     assert num.row_floor == engine.row_floor == 2 and num.tried == fresh.tried
     assert len(calls) == 1 and calls[0][0] == 2 and calls[0][1] is not None
     assert len(calls[0][1]) < numerics.probe_rows(engine)
+
+
+def test_cached_verdicts_are_bounded_and_the_most_recently_used_kept(engine, monkeypatch, tmp_path):
+    """Every rebuilt engine leaves a verdict; past KEPT_VERDICTS the least recently used go, a verdict just re-used
+    stays, and files that are not verdicts are left alone."""
+    from dflash_export.engines import numerics
+
+    monkeypatch.setattr(numerics, "KEPT_VERDICTS", 3)
+    path = _forge(engine, monkeypatch, tmp_path, "")
+    path.unlink()
+    root = path.parent
+    old = [root / f"{i:024x}.json" for i in range(5)]
+    for i, p in enumerate(old):
+        p.write_text("{}")
+        os.utime(p, (1000 + i, 1000 + i))
+    (root / "notes.txt").write_text("x")
+    os.utime(old[0], (5000, 5000))  # the oldest written, used last
+    choose_row_floor(engine, first=1, threads=0, recorded={})  # probes, writes this engine's verdict, prunes
+    assert sorted(p.name for p in root.iterdir()) == sorted([path.name, old[0].name, old[4].name, "notes.txt"])
+    # a hit marks its verdict used: two newer verdicts later, it is still there and old[0] is not
+    choose_row_floor(engine, first=1, threads=0, recorded={})
+    for i in (5, 6):
+        (root / f"{i:024x}.json").write_text("{}")
+    numerics._prune_verdicts(root)
+    assert path.exists() and not old[0].exists()

@@ -24,6 +24,7 @@ Imports numpy only (the served engine needs no torch).
 from __future__ import annotations
 
 import json
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -301,6 +302,10 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
         same, diff = probe_floor(engine, hit.row_floor, _cached_recheck_rows(hit.row_floor, bs, top), hit.row_pad)
         if same:
             engine.row_floor, engine.row_pad = hit.row_floor, hit.row_pad
+            try:
+                os.utime(cache)  # used now: what _prune_verdicts keeps by
+            except OSError:
+                pass
             return hit
     if cache is not None and cache.exists():
         try:  # unusable: gone, so that only a fresh probe's verdict is ever read again
@@ -341,4 +346,28 @@ def choose_row_floor(engine, first: int = 1, threads: int = 0, recorded: dict | 
                 f.write(json.dumps(result.to_json()))
         except OSError:
             pass  # a read-only cache costs a probe at the next load, nothing else
+        else:
+            _prune_verdicts(cache.parent)
     return result
+
+
+KEPT_VERDICTS = 512  # ~0.4 KB each; every rebuilt engine (a new manifest hash) adds one
+
+
+def _prune_verdicts(root: Path) -> None:
+    """Remove the cached verdicts in `root` past the KEPT_VERDICTS most recently used or written: a pruned one costs
+    its engine one full probe at its next load, nothing else."""
+    import re
+
+    kept = []
+    try:
+        for e in os.scandir(root):
+            if re.fullmatch(r"[0-9a-f]{24}\.json", e.name) and e.is_file(follow_symlinks=False):
+                kept.append((e.stat(follow_symlinks=False).st_mtime, e.path))
+    except OSError:
+        return
+    for _, path in sorted(kept, reverse=True)[KEPT_VERDICTS:]:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
