@@ -512,6 +512,30 @@ def test_an_interrupted_conversion_leaves_nothing_a_later_run_takes_for_done(tmp
     assert hf_dir_from_gguf(shutil.copy(f, tmp_path / "copy.gguf")) == d
 
 
+@pytest.mark.parametrize("damage", ["weights cut short", "weights emptied", "config emptied", "tokenizer gone"])
+def test_a_cached_conversion_damaged_since_is_converted_again(tmp_path, monkeypatch, damage):
+    """A conversion the cache holds that is no longer whole is made again from the GGUF, the same bytes as the first
+    time, instead of being refused at every later load."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    f = _tiny_gguf(tmp_path / "t.gguf")
+    d = hf_dir_from_gguf(f)
+    first = (d / "model.safetensors").read_bytes()
+    if damage == "weights cut short":
+        (d / "model.safetensors").write_bytes(first[:len(first) - 100])
+    elif damage == "weights emptied":
+        (d / "model.safetensors").write_bytes(b"")
+    elif damage == "config emptied":
+        (d / "config.json").write_text("")
+    else:
+        (d / "tokenizer.json").unlink()
+    assert hf_dir_from_gguf(f) == d
+    assert (d / "model.safetensors").read_bytes() == first
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 16 and (d / "tokenizer.json").is_file()
+    assert set(load_file(d / "model.safetensors")) and not [p for p in d.parent.iterdir() if p.name.startswith(".")]
+
+
 # ------------------------------------------------------------------------------------------------ RoPE scaling
 # transformers' GGUF reader keeps only RoPE's base; a GGUF that scales RoPE must convert to a config that scales it
 # the same way, else the engine decodes another model than llama.cpp does with the same file.

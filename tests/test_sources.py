@@ -107,3 +107,18 @@ def test_target_and_drafter_make_a_pair_without_a_recipe(tmp_path):
     assert (tmp_path / "engines" / "drafter" / "onnxruntime" / "manifest.json").is_file()
     r = _cli("build", "--target", "tiny:qwen3/target", "--out", tmp_path / "engines")
     assert r.returncode == 2 and "--recipe" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_cached_tiny_pair_damaged_since_is_made_again(tmp_path, monkeypatch):
+    """A tiny pair part the cache holds that is no longer whole (weights cut short, config emptied) is made again,
+    the same bytes as the first time (the pair is seeded), instead of being refused at every later load."""
+    from dflash_export.models.tiny import tiny_pair_path
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    target, drafter = tiny_pair_path("llama/target"), tiny_pair_path("llama/drafter")
+    first = {p: p.read_bytes() for d in (target, drafter) for p in sorted(d.iterdir())}
+    weights = target / "model.safetensors"
+    weights.write_bytes(first[weights][:-64])
+    (drafter / "config.json").write_text("")
+    assert tiny_pair_path("llama/target") == target and tiny_pair_path("llama/drafter") == drafter
+    assert {p: p.read_bytes() for d in (target, drafter) for p in sorted(d.iterdir())} == first

@@ -471,10 +471,14 @@ def _check_tokenizer(meta: dict, path: Path) -> int:
     return len(tokens)
 
 
+_CONVERTED_JSON = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
 def hf_dir_from_gguf(path) -> Path:
     """An HF model directory (config, fp32 safetensors, tokenizer with chat template) for GGUF file `path`.
 
-    Built on first use under `cache_dir()/targets/<sha256 of the file>/`, then reused. Raises DFlashError naming the
+    Built on first use under `cache_dir()/targets/<sha256 of the file>/`, then reused while whole (made again when
+    not: `cached_model_whole`). Raises DFlashError naming the
     field when a generation-relevant setting does not survive the conversion.
     """
     path = Path(path)
@@ -484,7 +488,9 @@ def hf_dir_from_gguf(path) -> Path:
     check_gguf_metadata(meta, path)  # before the cache too: a copy converted before a check existed is not taken
     digest = sha256_file(path)
     out = cache_dir() / "targets" / f"{digest[:24]}-v{_CONVERSION_VERSION}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    from dflash_export.models.weights import cached_model_whole
+
+    if cached_model_whole(out, _CONVERTED_JSON):
         return out
     _check_room(meta, path, out)
     try:

@@ -18,6 +18,7 @@ from dflash_export.files import atomic_dir, cache_dir
 from dflash_export.models.config import DrafterConfig
 from dflash_export.models.drafter import DFlashDrafter, save_drafter
 from dflash_export.models.hfutil import quiet_transformers
+from dflash_export.models.weights import cached_model_whole
 
 _VERSION = 3  # bump when the builders change so cached pairs are rebuilt
 
@@ -197,10 +198,10 @@ def build_drafter(spec: TinySpec, out: Path) -> Path:
 def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
     root.mkdir(parents=True, exist_ok=True)
     target, drafter = root / "target", root / "drafter"
-    if not (target / "config.json").is_file():
+    if not cached_model_whole(target):
         with atomic_dir(target) as tmp:
             build_target(spec, tmp)
-    if not (drafter / "config.json").is_file():
+    if not cached_model_whole(drafter):
         build_drafter(spec, drafter)
     return target, drafter
 

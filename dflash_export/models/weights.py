@@ -107,6 +107,22 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def cached_model_whole(d: Path, json_files: tuple[str, ...] = ("config.json",)) -> bool:
+    """Whether a model directory this project wrote to its cache is still whole: each of `json_files` a JSON object,
+    and model.safetensors' header sound and the file exactly as long as the header says. A copy cut short or emptied
+    since (a full disk, a restore, a stray edit) is then made again rather than refused at every load. Bytes changed
+    inside the tensor data are not looked for: that would read the whole file at each use."""
+    from dflash_export.files import read_cache_json
+
+    if not all(isinstance(read_cache_json(d / f, max_bytes=256 << 20), dict) for f in json_files):
+        return False
+    try:
+        safetensors_header(d / "model.safetensors")
+    except DFlashError:
+        return False
+    return True
+
+
 def weight_files(ckpt: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from a single file or a sharded index (checked against the shards)."""
     single = ckpt / "model.safetensors"
