@@ -297,8 +297,12 @@ class OrtEngine(Engine):
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
         # Engines built with the tree inputs verify draft trees (decoding/tree.py); older ones verify chains only.
         # Hybrids verify chains only: a tree would need each node's conv window and state gathered from its ancestors.
+        # So do targets with sliding-window layers: GroupQueryAttention counts its window in K/V rows, not in
+        # position_ids, and a node's row lies past its position (length + depth) wherever the tree branches, so the
+        # window would hide keys that plain decoding shows it.
         self._position_inputs = {"position_ids", "attention_bias"} <= {i.name for i in self.target.get_inputs()}
-        self.tree_verify = self._position_inputs and not self.linear_layers
+        self.tree_verify = self._position_inputs and not self.linear_layers \
+            and not _windowed_attention(self.engine_dir / TARGET)
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
         # Targets rewritten by engines/row_pad.py can pad their attention (and products) alone (`row_index`).
@@ -670,6 +674,15 @@ def _head_rows_agree(head, rows: int, hidden_size: int) -> bool:
         if not all(np.array_equal(out[i], one[i]) for i in range(m)):
             return False
     return True
+
+
+def _windowed_attention(graph: Path) -> bool:
+    """Whether the graph at `graph` has a GroupQueryAttention with a sliding window (local_window_size > 0)."""
+    import onnx
+
+    return any(n.op_type == "GroupQueryAttention" and any(a.name == "local_window_size" and a.i > 0
+                                                          for a in n.attribute)
+               for n in onnx.load(str(graph), load_external_data=False).graph.node)
 
 
 def tree_inputs(length: int, rows: int, tree: DraftTree | None = None) -> tuple[np.ndarray, np.ndarray]:
