@@ -156,6 +156,29 @@ def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsy
     assert "signal 9" in str(_worker_failure("ar", -9, ""))
 
 
+def test_bench_runs_a_prompt_that_fills_the_context_with_fewer_new_tokens_than_its_warm_ups(built, tmp_path,
+                                                                                              capsys):
+    """A prompt of max_seq_len - block - 7 tokens with 7 new tokens fits the engine exactly (prompt + new tokens + a
+    block); the bench's warm-ups (16 new tokens a worker, 8 a concurrency level) must not refuse it."""
+    from dflash_export.bench.concurrency import run_concurrency
+    from dflash_export.bench.suite import WORKER_REPLY, _job_recipe, _worker_main
+
+    recipe, out, engine, _ = built
+    if recipe.name != "tiny-qwen3":
+        pytest.skip("one recipe is enough")
+    new = 7
+    prompt = [3 + (i * 7) % 200 for i in range(engine.info.max_seq_len - engine.info.block_size - new)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mode": "ar", "recipe": _job_recipe(recipe), "engine": str(out), "prompts": [prompt],
+                               "max_new": new}))
+    assert _worker_main(str(job), ["0\n", "done\n"]) == 0, capsys.readouterr().err
+    replies = [json.loads(ln[len(WORKER_REPLY):]) for ln in capsys.readouterr().out.splitlines()
+               if ln.startswith(WORKER_REPLY)]
+    assert [len(r["run"]["tokens"]) for r in replies if "run" in r] == [new]
+    rep = run_concurrency(str(out), [prompt], new, [1], ["dflash", "ar"], threads=1)
+    assert [r["tokens"] for r in rep["levels"]] == [new, new]
+
+
 def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tmp_path):
     from dflash_export.bench.concurrency import run_concurrency
 

@@ -87,7 +87,7 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
         # mode that ran first paid alone (8 clients x 48, T 0.7: DFlash's one-row calls 35.5 ms against plain
         # decoding's 31.3 ms right after, then 30.7 / 30.7 ms in the next pass).
         for mode in modes:
-            run_level(engine, [prompts[i % len(prompts)] for i in range(n)], 8, n, mode, sampling)
+            run_level(engine, [prompts[i % len(prompts)] for i in range(n)], min(8, max_new), n, mode, sampling)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(reps):  # modes interleaved, so that load drifting on a shared machine hits both alike
             for mode in modes:

@@ -409,7 +409,9 @@ def _worker_main(job: str, commands=None) -> int:
     mode, prompts, max_new = spec["mode"], spec["prompts"], spec["max_new"]
     try:
         gen, load_s, sources = _load_mode(mode, spec["recipe"], spec["engine"], spec.get("sampling"))
-        gen(prompts[0], 16)  # warm-up: first-call allocations and graph initialization are not steady state
+        # warm-up: first-call allocations and graph initialization are not steady state; never more new tokens than
+        # the run asks for, so a prompt that fits the engine's context with them is not refused here
+        gen(prompts[0], min(16, max_new))
         _say({"ready": True, "load_s": load_s})
         for line in commands if commands is not None else sys.stdin:
             if line.strip() == "done":
