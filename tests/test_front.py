@@ -12,6 +12,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_export.deploy.connection import Limits
@@ -46,16 +47,21 @@ class Upstream:
 
             def do_POST(self):
                 assert self.headers.get(SECRET_HEADER)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                data = self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.loads(data[:int(self.headers.get("Inference-Header-Content-Length") or len(data))])
                 up.seen.append(body)
                 token = body.get(CANCEL_PARAMETER) or body.get("parameters", {}).get(CANCEL_PARAMETER)
                 if self._hold(token):
                     return self._send(400, {"error": "cancelled: the client went away"})
+                if self.path.endswith("/infer"):  # its text input (as JSON data) as a generate body's
+                    body = {"text_input": next(t["data"][0] for t in body["inputs"] if t["name"] == "text_input")}
                 text = (body.get("text_input") or json.dumps(body.get("messages")))[::-1][:body.get("max_tokens", 8)]
                 out = {"text_output": text, "finish_reason": "length", "completion_tokens": len(text),
                        "prompt_tokens": 5, "accepted_tokens": 3, "drafted_tokens": 4, "acceptance_length": 2.0,
                        "step_stats": json.dumps({"acceptance_lengths": [2, 2], "draft_s": 0.01, "verify_s": 0.02,
                                                  "admission_wait_s": 0.3, "kv_token_limit": 384})}
+                if self.path.endswith("/infer"):
+                    return self._send_infer(out, body.get("parameters", {}).get("binary_data_output", False))
                 if self.path.endswith("generate_stream"):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -73,6 +79,30 @@ class Upstream:
 
             def do_GET(self):
                 self._send(200, {"name": "dflash"})
+
+            def _send_infer(self, out, binary):
+                """A KServe v2 infer answer of the model's outputs: JSON `data`, or binary tensors after the JSON
+                (what tritonclient asks for by default)."""
+                types = {"completion_tokens": "INT32", "prompt_tokens": "INT32", "accepted_tokens": "INT32",
+                         "drafted_tokens": "INT32", "acceptance_length": "FP32"}
+                outputs, tail = [], b""
+                for name, value in out.items():
+                    t = {"name": name, "datatype": types.get(name, "BYTES"), "shape": [1]}
+                    if not binary:
+                        outputs.append({**t, "data": [value]})
+                        continue
+                    raw = np.array([value], {"INT32": np.int32, "FP32": np.float32}[t["datatype"]]).tobytes() \
+                        if name in types else len(value.encode()).to_bytes(4, "little") + value.encode()
+                    outputs.append({**t, "parameters": {"binary_data_size": len(raw)}})
+                    tail += raw
+                head = json.dumps({"model_name": "dflash", "model_version": "1", "outputs": outputs}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream" if binary else "application/json")
+                if binary:
+                    self.send_header("Inference-Header-Content-Length", str(len(head)))
+                self.send_header("Content-Length", str(len(head + tail)))
+                self.end_headers()
+                self.wfile.write(head + tail)
 
             def _send(self, status, obj):
                 data = json.dumps(obj).encode()
@@ -201,6 +231,57 @@ def test_metrics_show_the_kv_bound_and_admission_waits_and_skip_malformed_figure
                    {"completion_tokens": 2, "step_stats": "[" * 100000}, {"step_stats": '{"kv_token_limit": 512}'}):
         Recording()._observe(json.dumps(answer).encode() if "step_stats" in answer else answer)
     assert _figures(m)["dflash_kv_token_limit"] == 512
+
+
+def _scrape(front) -> dict[str, float]:
+    """/metrics as the Prometheus parser reads it: {sample name: value} of the unlabelled samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+    return {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples if not s.labels}
+
+
+@pytest.mark.parametrize("models", [("dflash", "dflash_stream"), ("dflash",)])
+def test_every_generation_is_counted_once_whichever_route_and_model_answers_it(tmp_path, models):
+    """Each generation the front relays is recorded once in /metrics: a streamed OpenAI answer also where no
+    streaming model is deployed (deploy --no-stream: the front streams the whole answer as one event), and an /infer
+    answer, its outputs as JSON or as the binary tensors tritonclient asks for. The stand-in's generations each take
+    2 steps (acceptance lengths [2, 2])."""
+    import tritonclient.http as th
+
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    f = Front("127.0.0.1", 0, cancel_dir=cancel, model_id="tiny", models=models).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+    try:
+        tokens = 0
+        for stream in (False, True):
+            body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                               "stream": stream, "stream_options": {"include_usage": True} if stream else None})
+            resp = raw(f, post("/v1/chat/completions", body.replace(', "stream_options": null', "").encode()))
+            assert status_of(resp) == 200
+            tokens += 4
+        cli = th.InferenceServerClient(f"127.0.0.1:{f.port}")
+        try:
+            text = th.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_), binary_data=False)
+            binary = cli.infer("dflash", [text])  # outputs as binary tensors
+            as_json = cli.infer("dflash", [text], outputs=[th.InferRequestedOutput(n, binary_data=False) for n in
+                                                           ("text_output", "completion_tokens", "step_stats")])
+        finally:
+            cli.close()
+        for res in (binary, as_json):
+            assert res.as_numpy("text_output")[0] in (b"olleh", "olleh")  # binary: bytes; JSON: str
+            tokens += int(res.as_numpy("completion_tokens")[0])
+        got = _scrape(f)
+        assert got["dflash_generated_tokens_total"] == tokens == 18
+        assert got["dflash_steps_total"] == got["dflash_acceptance_length_count"] == 2 * 4
+        assert got["dflash_acceptance_length_sum"] == 4 * 4 and got["dflash_tau"] == 2
+    finally:
+        f.close()
+        up.httpd.shutdown()
 
 
 def test_openai_stream_ends_with_done_and_usage(front):

@@ -86,7 +86,7 @@ class Routing:
         body, token = self._check_body(m.group(2), headers, body, m.group(1))
         try:
             return await self._forward(conn, "POST", target, headers, body, token, m.group(2) == "generate_stream",
-                                       False, generation=m.group(2) != "infer")
+                                       False, generation=m.group(2))
         except (ConnectionError, OSError, asyncio.TimeoutError):
             self._client_left(token)
             raise
@@ -209,8 +209,8 @@ class Routing:
             if resp.status_code != 200 or not use_stream_model:
                 payload = await self._read_upstream(conn, resp, token)
                 answer = self._answer_of(resp.status_code, payload, token)
-                self._observe(answer["raw"])
-                if not stream:
+                if not stream:  # a stream records its last event (`_openai_stream`)
+                    self._observe(answer["raw"])
                     out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created, answer)
                     return await self._json(conn, 200, out)
                 events = _one_event(answer["raw"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import struct
 
 import h11
 
@@ -26,6 +27,7 @@ RESTRICTED_APIS = ("health,metadata,inference,shared-memory,model-config,model-r
 # How long a request whose tritonserver connection broke waits to learn that its model's stub died: the health poll
 # runs every 0.5 s (`TritonServer.wait`), plus a busy machine's delay.
 STUB_DEATH_GRACE_S = 2.0
+_BINARY_FORMATS = {"INT32": "<i", "INT64": "<q", "UINT64": "<Q", "FP32": "<f", "FP64": "<d"}  # Triton's binary tensors
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
         "content-length", "host", SECRET_HEADER}
 
@@ -129,7 +131,9 @@ class Upstream:
         return retry_soon(why or otherwise)
 
     async def _forward(self, conn: Connection, method: str, target: str, headers: dict, body: bytes, token: str | None,
-                       streaming: bool, head_only: bool, generation: bool = False) -> int:
+                       streaming: bool, head_only: bool, generation: str | None = None) -> int:
+        """`generation`: the endpoint (generate, generate_stream, infer) of a request whose answer is a generation,
+        recorded in the metrics."""
         resp = await self._send_upstream(conn, method, target, headers, body, token)
         if streaming:
             return await self._relay_stream(conn, resp, token)
@@ -138,7 +142,8 @@ class Upstream:
         if resp.status_code != 200 and ((sick := self._sick(token)) or (sick := instance_died(payload))):
             raise retry_soon(sick)
         if generation and resp.status_code == 200:
-            self._observe(payload)
+            self._observe(payload if generation != "infer" else
+                          infer_outputs(payload, resp.headers.get("inference-header-content-length")))
         self.counts["forwarded"] += 1
         ctype = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items()
@@ -146,7 +151,9 @@ class Upstream:
         await conn.send(*answer(resp.status_code, payload, ctype=ctype, head_only=head_only, extra=extra))
         return resp.status_code
 
-    def _observe(self, payload: bytes | dict) -> None:
+    def _observe(self, payload: bytes | dict | None) -> None:
+        if payload is None:
+            return
         try:
             obj = json.loads(payload) if isinstance(payload, bytes) else payload
             stats = obj.get("step_stats")
@@ -217,6 +224,29 @@ class Upstream:
 def retry_soon(why: str) -> Refused:
     """The server's own fault, passing (a stub or tritonserver died, or is being restarted): 503 with Retry-After."""
     return Refused(503, f"{why}; retry shortly", headers={"Retry-After": "2"})
+
+
+def infer_outputs(payload: bytes, json_len: str | None) -> dict | None:
+    """The first value of each output of a KServe v2 infer answer, by name (a generation's fields, as the generate
+    protocol gives them): from its JSON `data`, or from the binary tensors after the JSON part (its length in
+    Inference-Header-Content-Length; each output's `binary_data_size` bytes in order, a BYTES element as a 4-byte
+    little-endian length and its bytes). None for an answer that is not one."""
+    try:
+        n = len(payload) if json_len is None else int(json_len)
+        out, at = {}, n
+        for t in json.loads(payload[:n])["outputs"]:
+            size = (t.get("parameters") or {}).get("binary_data_size")
+            if size is None:
+                out[t["name"]] = (t.get("data") or [None])[0]
+                continue
+            raw, at = payload[at:at + size], at + size
+            if t["datatype"] == "BYTES":
+                out[t["name"]] = raw[4:4 + int.from_bytes(raw[:4], "little")].decode("utf-8", "replace")
+            elif t["datatype"] in _BINARY_FORMATS:
+                out[t["name"]] = struct.unpack_from(_BINARY_FORMATS[t["datatype"]], raw)[0]
+        return out
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, struct.error):
+        return None
 
 
 def instance_died(text: bytes | str) -> str | None:
