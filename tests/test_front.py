@@ -437,6 +437,29 @@ def test_unhealthy_server_answers_503_with_retry_after(front):
         assert status_of(resp) == 503 and b"retry-after" in resp.lower() and b"stub died" in resp
 
 
+def test_liveness_is_tritonservers_own_while_a_model_reloads(front):
+    """While a model reloads after its stub died (the other models serving), /health, /v2/health/ready and that
+    model's ready route say 503, and /v2/health/live, which asks after tritonserver itself, 200; a stopped
+    tritonserver is neither live nor ready."""
+    stopped = []
+
+    def health(model=None):  # as TritonServer.health says it: a stub of `dflash` died ("" names no model)
+        if stopped:
+            return "tritonserver is stopped (SIGSTOP)"
+        return "a model stub of dflash died (pid 4242; the model reloads)" if model in (None, "dflash") else None
+
+    front.health = front.model_health = health
+
+    def get(path):
+        return status_of(raw(front, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()))
+
+    paths = ("/health", "/v2/health/ready", "/v2/models/dflash/ready", "/v2/models/dflash_stream/ready",
+             "/v2/health/live")
+    assert [get(p) for p in paths] == [503, 503, 503, 200, 200]
+    stopped.append(True)
+    assert [get(p) for p in paths] == [503] * 5
+
+
 def test_cancel_files_are_owner_only(front):
     token = front._begin()
     front.cancel(token, "test")

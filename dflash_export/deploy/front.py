@@ -27,9 +27,10 @@ What it guarantees, before anything reaches Triton's parser:
   for its next request, never mistaken for a disconnect); when it goes away, the request's cancel file is written
   and the model stops at its next DFlash step;
 - health: `/health` and `/v2/health/ready` say 200 only when tritonserver answers and every model stub is alive
-  (`health` callback, set by `TritonServer`); when a model's stub dies, every request in flight on that model is
-  answered 503 with Retry-After at once (`fail_model`, never left waiting on the dead stub) and new ones get 503
-  until the model is reloaded (`model_back`), the other models serving meanwhile;
+  (`health` callback, set by `TritonServer`; `/v2/health/live` asks only whether tritonserver runs and answers);
+  when a model's stub dies, every request in flight on that model is answered 503 with Retry-After at once
+  (`fail_model`, never left waiting on the dead stub) and new ones get 503 until the model is reloaded
+  (`model_back`), the other models serving meanwhile;
 - drain: on shutdown new requests get 503; running ones finish or, past the drain time, are cancelled and answered
   503 "shutting down" (an error event on a stream).
 

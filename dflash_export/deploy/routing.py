@@ -66,7 +66,9 @@ class Routing:
                                          param="model", code="model_not_found")
                 return await self._json(conn, 200, oa.model_card(self.model_id, self.created), head_only)
             if gm := _GET_ROUTES.match(path):
-                self._check_serving(gm.group(1))
+                # A route of no model (/v2, /v2/health/live) asks after tritonserver itself (model ""): a model
+                # reloading after its stub died, the others serving meanwhile, leaves it live.
+                self._check_serving(gm.group(1) or "")
                 return await self._forward(conn, method, target, headers, b"", None, False, head_only)
             if _POST_ROUTES.match(path) or path in ("/v1/chat/completions", "/v1/completions"):
                 raise Refused(405, f"{method} {path[:100]}: use POST")

@@ -954,7 +954,7 @@ class TritonServer:
 
     def health(self, model: str | None = None) -> str | None:
         """Why the server cannot serve now (None: it can): tritonserver gone or stopped, or a model stub dead (of
-        `model`, when one is named)."""
+        `model`, when one is named; "" names none: only tritonserver's own state)."""
         if self.stub_death is None:
             # tritonserver's death kills its stubs with it: seen before the bridge exits, that is no stub death
             if self._server_gone():
