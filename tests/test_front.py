@@ -715,3 +715,51 @@ def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front
         s.close()
     monkeypatch.undo()
     assert _chat_answers(front)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions",
+                                  "/v2/models/dflash_stream/generate_stream"])
+def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(front, monkeypatch, path):
+    """A client that leaves mid-stream (the front's next write to it fails) has its request's connection to
+    tritonserver closed at once, not whenever the garbage collector gets to it: tritonserver's shutdown waits for
+    every open connection. The stand-in engine streams until its writes fail, which is when the front has closed."""
+    import gc
+
+    started, closed = [], []
+
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        started.append(1)
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        data = b"data: " + json.dumps({"text_output": "x", "finish_reason": ""}).encode() + b"\n\n"
+        try:
+            for _ in range(20_000):
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                handler.wfile.flush()
+                time.sleep(0.0002)
+        except OSError:
+            closed.append(1)
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    body = {"model": "tiny", "stream": True, **({"messages": [{"role": "user", "content": "x"}]}
+                                                if path.endswith("chat/completions") else {"prompt": "x"})}
+    if path.endswith("generate_stream"):  # Triton's own streaming route, relayed event by event
+        body = {"text_input": "x", "max_tokens": 8}
+    gc.disable()  # only the front's own closing counts
+    try:
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", front.port)) as s:
+                s.sendall(post(path, json.dumps(body).encode()))
+                got = b""
+                while got.count(b"data: ") < 3:
+                    got += s.recv(65536)
+        t = time.monotonic()
+        while len(closed) < 20 and time.monotonic() - t < 3:
+            time.sleep(0.05)
+        assert len(started) == 20 and len(closed) == 20, f"{20 - len(closed)} connections to the engine still open"
+        assert front.in_flight() == 0
+    finally:
+        gc.enable()

@@ -206,6 +206,7 @@ class Routing:
         headers = {"content-type": "application/json"}
         use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
+        resp = None
         try:
             resp = await self._send_upstream(conn, "POST", target, headers, body, token)
             if resp.status_code != 200 or not use_stream_model:
@@ -226,6 +227,8 @@ class Routing:
             raise
         finally:
             self._end(token)
+            if resp is not None:  # now, also for a stream left mid-way: tritonserver's shutdown waits for it
+                await resp.aclose()
 
     def _answer_of(self, status: int, payload: bytes, token: str | None) -> dict:
         self._refuse_if_drained(token)

@@ -207,15 +207,18 @@ class Upstream:
             await conn.send(*answer(resp.status_code, payload, ctype=resp.headers.get("content-type",
                                                                                        "application/json")))
             return resp.status_code
-        await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
-                                                               ("Cache-Control", "no-cache")]))
-        async for ev in self._upstream_events(conn, resp, token):
-            why = self._why(token) if "error" in ev else None
-            if why is not None and "shutting down" in why:
-                ev = {"error": f"cancelled: {why}"}
-            await conn.send(h11.Data(data=oa.sse(ev)))
-            if ev.get("finish_reason"):
-                self._observe(ev)
+        try:
+            await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
+                                                                   ("Cache-Control", "no-cache")]))
+            async for ev in self._upstream_events(conn, resp, token):
+                why = self._why(token) if "error" in ev else None
+                if why is not None and "shutting down" in why:
+                    ev = {"error": f"cancelled: {why}"}
+                await conn.send(h11.Data(data=oa.sse(ev)))
+                if ev.get("finish_reason"):
+                    self._observe(ev)
+        finally:  # now, also when the client left mid-stream: tritonserver's shutdown waits for the connection
+            await resp.aclose()
         self.counts["forwarded"] += 1
         await conn.send(h11.EndOfMessage())
         return 200
