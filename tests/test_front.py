@@ -4,7 +4,10 @@ framing, limits, deadlines, connection caps, cancellation, the OpenAI shapes. No
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import operator
 import os
 import socket
 import threading
@@ -715,6 +718,42 @@ def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front
         s.close()
     monkeypatch.undo()
     assert _chat_answers(front)
+
+
+def test_a_read_cancelled_as_its_socket_wakes_is_no_error_in_the_log(front, tmp_path, caplog):
+    """A client that leaves cancels its request's read of tritonserver's answer. Through the Unix socket `serve`
+    reaches tritonserver by (anyio's socket streams under httpx), that socket may turn readable in the same pass of
+    the event loop, and its readiness callback then finds the read's wait cancelled: no error, and none is logged.
+    An error a callback does raise is still reported."""
+    anyio = pytest.importorskip("anyio")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "up.sock"))
+    listener.listen()
+
+    async def leave_as_the_answer_arrives():
+        loop = asyncio.get_running_loop()
+        stream = await anyio.connect_unix(str(tmp_path / "up.sock"))
+        peer = listener.accept()[0]
+        read = asyncio.ensure_future(stream.receive())
+        await asyncio.sleep(0.05)  # the read waits for the socket to turn readable
+
+        def answer_and_leave():
+            peer.send(b"data")  # readable at the loop's next poll ...
+            loop.call_soon(read.cancel)  # ... and the read cancelled ahead of its readiness callback in that pass
+
+        loop.call_soon(answer_and_leave)
+        assert (await asyncio.gather(read, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+        await asyncio.sleep(0.05)
+        await stream.aclose()
+        peer.close()
+        loop.call_soon(operator.truediv, 1, 0)
+        await asyncio.sleep(0.05)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run_coroutine_threadsafe(leave_as_the_answer_arrives(), front._loop).result(timeout=10)
+    listener.close()
+    errors = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.exc_info[0] for r in errors] == [ZeroDivisionError], [r.getMessage() for r in errors]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions",

@@ -119,6 +119,7 @@ class Front(ConnectionHandling, Routing, Upstream):
             raise DFlashError(f"cannot listen on {self.host}:{self.port} ({e.strerror or e})",
                               field="--http-port") from None
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_report_loop_error)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dflash-front", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._open(sock), self._loop).result(timeout=30)
@@ -265,6 +266,19 @@ class Front(ConnectionHandling, Routing, Upstream):
     def _why(self, token: str | None) -> str | None:
         with self._lock:
             return self._in_flight.get(token) if token else None
+
+
+def _report_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The event loop's report of an error no coroutine caught, less one that is none: a socket's readiness callback
+    setting the result of a wait that was cancelled earlier in the same pass of the loop. anyio's Unix socket streams
+    (the upstream calls through the namespace bridge's socket) wait that way, and a client that leaves cancels its
+    request's read of tritonserver's answer: that wait is over and nothing is lost."""
+    callback = getattr(context.get("handle"), "_callback", None)
+    waiter = getattr(callback, "__self__", None)
+    if isinstance(context.get("exception"), asyncio.InvalidStateError) and isinstance(waiter, asyncio.Future) \
+            and waiter.cancelled() and getattr(callback, "__name__", None) == "set_result":
+        return
+    loop.default_exception_handler(context)
 
 
 def _unlink(path: Path) -> None:
