@@ -266,6 +266,80 @@ def test_whole_trees_in_a_batch_equal_plain_decoding(built):
     assert flips <= 1
 
 
+def _drafting_the_answers(eng, answers: list[list[int]]) -> None:
+    """Make the drafter propose the continuation of whichever of `answers` (prompt + its plain answer) the sequence
+    is on: that token on top of every slot, but on every third one second to another (a sibling a walk must take off
+    the tree's first path). Its logits stay the drafter's elsewhere; the target still decides every token."""
+    inner = eng.drafts_from_logits
+
+    def drafts_from_logits(seq, logits, selector_hidden, anchor, sp, uniforms):
+        logits = np.array(logits, np.float32)
+        full = next((f for f in answers if seq.length + 1 < len(f) and f[seq.length] == anchor), None)
+        for d in range(logits.shape[0] if full is not None else 0):
+            if seq.length + 1 + d < len(full):
+                top, rival = float(logits[d].max()), int(np.argsort(-logits[d])[0])
+                if (seq.length + d) % 3 == 0 and rival != full[seq.length + 1 + d]:
+                    logits[d, rival] = top + 3.0
+                logits[d, full[seq.length + 1 + d]] = top + 2.5
+        return inner(seq, logits, selector_hidden, anchor, sp, uniforms)
+
+    eng.drafts_from_logits = drafts_from_logits
+
+
+def test_sampled_walks_on_a_quantized_target_take_best_paths_and_draw_plain_sampling_s_tokens(built):
+    """A quantized target's products round their activations to int8, and the last bits a whole-tree pass leaves in
+    the K/V rows of its accepted path flip that rounding steps later, however close the probe found the tree's rows
+    (7e-7 on these engines, then 1e-2 and more forty tokens into a walk: other draws than plain sampling's on 5-9 of
+    96 walks, and 3-8 of 192 batched requests). So sampled walks verify best paths here, alone and in a batch with
+    tree_mode "full" beside greedy requests that verify whole trees, with a drafter that proposes each request's own
+    answer so that walks run deep: every sampled request draws plain sampling's tokens (alone: the engine's plain
+    sampling; batched: plain batched sampling of the request alone)."""
+    from dflash_export.runtime.batching import BatchingRuntime
+
+    _, _, _, eng = built
+    rng = np.random.default_rng(3)
+    prompts = PROMPTS + [[int(t) for t in rng.integers(1, 250, 9)] for _ in range(2)]
+    sps = [SamplingParams(max_new_tokens=40, temperature=t, top_k=k, top_p=p, seed=i)
+           for i, (t, k, p) in enumerate([(0.7, 0, 1.0), (1.0, 20, 0.95), (0.7, 2, 1.0), (1.0, 0, 1.0),
+                                          (0.7, 20, 0.95), (0.7, 0, 1.0)])]
+    alone = [DFlashRuntime(eng).generate(p, sp, "ar").tokens for p, sp in zip(prompts, sps)]
+    batched = [BatchingRuntime(eng, max_batch=1).generate_many([p], [sp], "ar")[0].tokens
+               for p, sp in zip(prompts, sps)]
+    greedy, looped = SamplingParams(max_new_tokens=40), [5, 6, 7, 8] * 6
+    answer = DFlashRuntime(eng).generate(looped, greedy, "ar").tokens
+    trees, accepted = [], 0
+    real_verify_tree = eng.verify_tree
+    try:
+        _drafting_the_answers(eng, [p + a for p, a in zip(prompts, alone)])
+        eng.verify_tree = lambda *a, **k: trees.append(1) or real_verify_tree(*a, **k)
+        rt = DFlashRuntime(eng, proposer="tree+lookup", adaptive=False)
+        for p, sp, want in zip(prompts, sps, alone):
+            got = rt.generate(p, sp)
+            assert got.tokens == want, sp
+            accepted += got.accepted_tokens
+        assert rt.sampled_tree_mode == "spine" and not trees and accepted > 100
+        del eng.verify_tree, eng.drafts_from_logits
+
+        _drafting_the_answers(eng, [p + a for p, a in zip(prompts, batched)] + [looped + answer])
+        rt = BatchingRuntime(eng, max_batch=4, proposer="tree+lookup", tree_mode="full", adaptive=False)
+        target_step = rt.batch.target_step
+
+        def spy(seqs, blocks, trees_=None, greedy_=None):
+            trees.extend(g for t, g in zip(trees_, greedy_) if t is not None and not t.is_chain)
+            return target_step(seqs, blocks, trees_, greedy_)
+
+        rt.batch.target_step = spy
+        reqs = [rt.submit(p, sp) for p, sp in zip(prompts, sps)] + [rt.submit(looped, greedy)]
+        while not rt.idle:
+            rt.step()
+        assert [r.stats.tokens for r in reqs[:-1]] == batched
+        assert trees and all(trees)  # whole trees for the greedy request only
+        assert sum(r.stats.accepted_tokens for r in reqs[:-1]) > 10
+    finally:
+        eng.__dict__.pop("verify_tree", None)
+        eng.__dict__.pop("drafts_from_logits", None)
+
+
 def test_a_request_s_batched_logits_do_not_depend_on_the_requests_beside_it(built):
     """The same request decoded in two batches whose other requests differ (prompts, slots, the K/V room they reserve,
     blocks of several rows beside its one-row steps) and in a batch of its own gets bit-identical logits at every

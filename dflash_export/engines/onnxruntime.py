@@ -321,6 +321,10 @@ class OrtEngine(Engine):
         # head session put in its place).
         self._head_checked = None
         self._head_floor_free()
+        # int8 / int4 targets (and LM heads) are MatMulNBits at accuracy level 4: their products round the
+        # activations to int8, which turns last-bit differences into visible ones (numerics.walks_whole_trees).
+        self.quantized_activations = any((manifest.precision or {}).get(role, "fp32") != "fp32"
+                                         for role in ("target", "lm_head"))
         self.numerics = choose_row_floor(self, first=self.row_floor, threads=so.intra_op_num_threads,
                                          recorded=manifest.raw.get("numerics") if probe_full is False else None)
         # Greedy rows of a large fp32 head: the token found by an int8 screen and the candidates' exact logits

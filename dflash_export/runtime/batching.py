@@ -80,6 +80,7 @@ from dflash_export.decoding.sampling import (
 )
 from dflash_export.decoding.tree import DraftTree, LookupStats, TreeState, chain, greedy_accept, source_stats
 from dflash_export.engines.base import SamplingParams
+from dflash_export.engines.numerics import walks_whole_trees
 from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
@@ -197,6 +198,9 @@ class BatchingRuntime:
         self.spine_proposal = type(proposal)(1)
         self.tree_proposal = proposal
         self.full_trees = self.options.tree_mode == "full"
+        # Walked sampled sequences verify whole trees only where the single-stream runtime walks them too (their rows
+        # close enough to plain steps: engines/numerics.walks_whole_trees), else their best paths.
+        self.walks_trees = walks_whole_trees(engine)
         numerics = getattr(engine, "numerics", None)
         self.max_rows = numerics.max_rows if numerics is not None and numerics.max_rows else self.info.block_size
         self.trees_verified = 0  # sequence-steps that verified a tree with branches
@@ -540,8 +544,9 @@ class BatchingRuntime:
                 continue
             owed = a.req.sp.max_new_tokens - a.produced - 1
             depth = min(bs - 1, owed)
+            whole = full and (self.walks_trees or not a.walk)
             # Whole trees: lookup branches as deep as the numerics probe checked rows (never more rows than a block)
-            found = a.state.context.branches(min(self.max_rows - 1, owed) if full else depth, with_sizes=True) \
+            found = a.state.context.branches(min(self.max_rows - 1, owed) if whole else depth, with_sizes=True) \
                 if owed > 0 else []
             branches, sizes = [b for _, b in found], [n for n, _ in found]
             logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
@@ -549,7 +554,7 @@ class BatchingRuntime:
                 continue
             if logits is not None and a.walk:
                 logits = tempered(logits, a.req.sp.temperature)
-            if full:
+            if whole:
                 nodes = min(self.options.tree_nodes, self.max_rows - 1, self.batch.max_step_rows - 1, room)
                 tree = self.tree_proposal.propose(a.last, logits, branches, max_nodes=nodes,
                                                   lookup_scores=self.lookup_stats.score, lookup_sizes=sizes)

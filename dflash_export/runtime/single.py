@@ -27,6 +27,7 @@ from dflash_export.decoding.tree import (
     source_stats,
 )
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams
+from dflash_export.engines.numerics import walks_whole_trees
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.costs import StepCosts, engine_costs, records_costs
 
@@ -185,10 +186,9 @@ class DFlashRuntime:
         self.proposer, self.tree_top_k = self.options.proposer, self.options.tree_top_k
         self.tree_nodes, self.tree_mode = self.options.tree_nodes, self.options.tree_mode
         # Walked sampled steps verify whole trees only where the engine's numerics probe found tree rows within
-        # TREE_WALK_ATOL of plain steps (engines/numerics.py: int4 MatMulNBits trees are not), else best paths.
-        numerics = getattr(engine, "numerics", None)
-        walkable = getattr(engine, "tree_verify", False) and numerics is not None and numerics.trees_walkable
-        self.sampled_tree_mode = self.options.sampled_tree_mode if walkable else "spine"
+        # TREE_WALK_ATOL of plain steps on a float target, or bit-identical (engines/numerics.walks_whole_trees),
+        # else best paths.
+        self.sampled_tree_mode = self.options.sampled_tree_mode if walks_whole_trees(engine) else "spine"
         # z-lab shortens a request's last block to what it still needs; engines with fixed block shapes cannot, and
         # `full_last_block` makes any engine match them draw for draw (same tokens either way when greedy).
         self.full_last_block = full_last_block or getattr(engine, "fixed_block", False)

@@ -40,6 +40,7 @@ class InstrumentedEngine(Engine):
         self.tree_verify = getattr(inner, "tree_verify", False)
         self.host_accept = getattr(inner, "host_accept", False)  # sampled walks pass through (accept=)
         self.numerics = getattr(inner, "numerics", None)  # the rows and trees the runtime may verify
+        self.quantized_activations = getattr(inner, "quantized_activations", False)
         self.log = CallLog()
         self._emitted = 0          # tokens emitted so far in the current request
 
