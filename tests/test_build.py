@@ -171,6 +171,18 @@ def test_mismatched_pair_names_the_drafter_and_leaves_no_folders(tmp_path):
     assert not out.exists()  # not even an empty engines/mismatched/
 
 
+def test_a_head_size_onnx_runtime_attention_cannot_run_is_refused_before_the_export(tmp_path):
+    """ONNX Runtime's GroupQueryAttention takes head sizes that are multiples of 16 and says so only when the graph
+    first runs: a target with head_dim 8 is one line naming its config and the field, before any export."""
+    out = tmp_path / "engines" / "x"
+    r = _cli("build", "--target", "tiny:llama-small-vocab/target", "--drafter", "tiny:llama-small-vocab/drafter",
+             "--out", str(out))
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    config = resolve_source("tiny:llama-small-vocab/target") / "config.json"
+    assert r.output.startswith(f"error: {config}: head_dim: 8, but ") and "multiples of 16" in r.output, r.output
+    assert not (tmp_path / "engines").exists()
+
+
 def test_draft_vocab_larger_than_the_vocabulary_is_refused(tmp_path):
     y = tmp_path / "dv.yaml"
     y.write_text("name: dv\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"

@@ -188,6 +188,11 @@ def _load_pair(recipe, draft_vocab: int | None):
     recipe.drafted_block(drafter.config.block_size)
     load_codec(target.model_dir)  # the tokenizer files the engine will copy, named where they are, before any work
     spec = target_spec(target)
+    if spec.head_dim % 16:  # checked by the kernel only when it first runs: after minutes of export, as a crash
+        raise DFlashError(f"{spec.head_dim}, but the onnxruntime engine's target attention is ONNX Runtime's "
+                          "GroupQueryAttention, which takes head sizes that are multiples of 16 only (published "
+                          "Qwen3 / LLaMA models have 64 or 128)", path=Path(target.model_dir) / "config.json",
+                          field="head_dim")
     if draft_vocab is not None and draft_vocab > spec.vocab_size:
         raise DFlashError(f"must be <= the target vocabulary ({spec.vocab_size}), got {draft_vocab}",
                           path=recipe.path, field="draft_vocab")
