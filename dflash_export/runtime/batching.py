@@ -195,6 +195,7 @@ class BatchingRuntime:
         # lookups), its rows the tree's nodes, where the batched engine verifies trees (engines/ort_batch.py).
         proposal = self.options.proposer_for()
         self.lookups, self.drafter = proposal.lookups, proposal.drafter
+        self.trees = not proposal.chain_only  # steps propose trees: lookup branches, the drafter's top-K, or both
         self.spine_proposal = type(proposal)(1)
         self.tree_proposal = proposal
         self.full_trees = self.options.tree_mode == "full"
@@ -405,7 +406,7 @@ class BatchingRuntime:
         logits = self.batch.prefill([a.seq for a in joiners], [a.req.prompt_ids for a in joiners])
         for act, row in zip(joiners, logits):
             act.last = _pick(row, act.req.sp, act.rng)
-            if self.lookups and act.req.mode == "dflash" and (act.req.sp.greedy or act.walk):
+            if self.trees and act.req.mode == "dflash" and (act.req.sp.greedy or act.walk):
                 # scored and counted by the batch's lookup acceptance (one count for every sequence)
                 depth = 2 * self.info.block_size
                 act.state = TreeState(act.req.prompt_ids + [act.last], depth,
