@@ -756,6 +756,40 @@ def test_a_read_cancelled_as_its_socket_wakes_is_no_error_in_the_log(front, tmp_
     assert [r.exc_info[0] for r in errors] == [ZeroDivisionError], [r.getMessage() for r in errors]
 
 
+def test_clients_leaving_right_after_sending_leave_no_connection_to_the_engine_open(tmp_path):
+    """Clients that leave within a few milliseconds of sending: each request's call to tritonserver is left to end
+    with the cancelled request's answer and then closed, never cancelled part-way (httpcore then kept 2-5 of 300
+    connections open in its pool for good, in state NEW: sockets the server holds and its shutdown waits for)."""
+    psutil = pytest.importorskip("psutil")
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    up.hold_s = 5.0  # as a queued request: answered once its cancel file is there
+    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
+              models=("dflash", "dflash_stream")).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+
+    def open_to_engine() -> int:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == up.port)
+
+    try:
+        for i in range(300):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                    "stream": i % 2 == 1}
+            with socket.create_connection(("127.0.0.1", f.port)) as s:
+                s.sendall(post("/v1/chat/completions", json.dumps(body).encode()))
+                time.sleep(0.0005 * (i % 20))
+        t = time.monotonic()
+        while (open_to_engine() or f.in_flight()) and time.monotonic() - t < 10:
+            time.sleep(0.1)
+        assert open_to_engine() == 0 and f.in_flight() == 0
+        assert len(up.cancelled) > 200  # most reached the engine and were cancelled there
+    finally:
+        f.close()
+        up.httpd.shutdown()
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions",
                                   "/v2/models/dflash_stream/generate_stream"])
 def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(front, monkeypatch, path):

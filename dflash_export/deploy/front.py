@@ -178,6 +178,8 @@ class Front(ConnectionHandling, Routing, Upstream):
             self._server.close()
         for c in list(self._conns):
             c.evict()
+        for t in list(getattr(self, "_abandoned", ())):  # calls left to finish (Upstream._abandon)
+            t.cancel()  # the client's close below closes their connections
         if self._client is not None:
             await self._client.aclose()
 
