@@ -785,6 +785,15 @@ def test_clients_leaving_right_after_sending_leave_no_connection_to_the_engine_o
             time.sleep(0.1)
         assert open_to_engine() == 0 and f.in_flight() == 0
         assert len(up.cancelled) > 200  # most reached the engine and were cancelled there
+        # each request in /metrics once: answered (dflash_requests_total) or its client gone
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = raw(f, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+        samples = [s for fam in text_string_to_metric_families(text.decode()) for s in fam.samples]
+        answered = sum(s.value for s in samples
+                       if s.name == "dflash_requests_total" and s.labels.get("route") == "/v1/chat/completions")
+        gone = next(s.value for s in samples if s.name == "dflash_requests_client_gone_total")
+        assert gone > 200 and answered + gone == 300, (answered, gone)
     finally:
         f.close()
         up.httpd.shutdown()

@@ -66,6 +66,9 @@ class FrontMetrics:
         self.capacity = max(1, capacity)
         self.requests = Counter("dflash_requests", "HTTP requests answered by the front", ["route", "code"],
                                 registry=r)
+        self.client_gone = Counter("dflash_requests_client_gone", "Generation requests whose client left before "
+                                   "the answer (never answered, so not in dflash_requests); each was cancelled in "
+                                   "the engine", registry=r)
         self.accept = Histogram("dflash_acceptance_length",
                                 "Tokens each DFlash step added to the answer (accepted drafts + the target's token; "
                                 "the last step cut where the answer ends at max_tokens, a stop token or a stop "

@@ -100,6 +100,7 @@ class Routing:
         request is cancelled, as when the watch sees the client leave."""
         if self.cancel(token, "the client went away"):
             self.counts["client_gone"] += 1
+            self.metrics.client_gone.inc()
 
     def _not_ready(self, model: str | None = None) -> str | None:
         if self.draining:

@@ -84,6 +84,7 @@ class Upstream:
         if watcher in done:
             if token is not None and self.cancel(token, "the client went away"):
                 self.counts["client_gone"] += 1
+                self.metrics.client_gone.inc()
             self._abandon(task, token)
             raise ClientGone
         if token is not None:
