@@ -938,3 +938,22 @@ def test_a_request_larger_than_the_kv_bound_is_refused_and_cancels_free_capacity
     with pytest.raises(DFlashError) as e:
         BatchingRuntime(eng, max_batch=2, max_kv_tokens=0)
     assert e.value.field == "max_kv_tokens"
+
+
+@pytest.mark.parametrize("tree_mode", ["spine", "full"])
+def test_batched_requests_count_their_accepted_drafts_by_source(built, tree_mode):
+    """The lookup proposer's drafts are all the context's: in a batch, each request's count for it is the drafts its
+    answer kept, which without stop tokens (blocks never deeper than the tokens still owed) is its accepted tokens
+    (kept per step less one); the drafter and the static index are counted nothing. Looping prompts (a plain answer
+    repeated) get lookups accepted."""
+    _, eng, _ = built
+    plain = DFlashRuntime(eng)
+    loops = [p + 3 * plain.generate(p, SamplingParams(max_new_tokens=10), "ar").tokens for p in PROMPTS[:4]]
+    rt = BatchingRuntime(eng, max_batch=4, proposer="lookup", tree_mode=tree_mode, adaptive=False)
+    reqs = [rt.submit(p, SamplingParams(max_new_tokens=24, stop_token_ids=[])) for p in loops]
+    while not rt.idle:
+        rt.step()
+    for r in reqs:
+        s = r.stats
+        assert s.accepted_by == s.accepted_only == {"drafter": 0, "context": s.accepted_tokens, "static": 0}, s
+    assert sum(r.stats.accepted_tokens for r in reqs) > 10

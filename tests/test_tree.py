@@ -327,6 +327,36 @@ def test_every_proposer_is_lossless_against_the_reference(pair, proposer, adapti
         assert rt.generate(prompt, SamplingParams(max_new_tokens=48)).tokens == want, (proposer, prompt)
 
 
+def test_chain_drafts_cut_by_a_stop_token_are_not_counted_as_accepted(pair, monkeypatch):
+    """Greedy chain steps whose drafts are the target's own answer (the drafter made an oracle, so every draft is
+    accepted): a stop token inside an accepted block ends the answer there, and the drafts after it, accepted by the
+    target but never part of the answer, are not counted for the drafter. Its count is the drafted tokens the answer
+    kept: each step's block_size - 1 drafts, all of the last step's tokens where the stop cut it."""
+    eng, _ = pair
+    rt = DFlashRuntime(eng, proposer="chain", adaptive=False)
+    plain = DFlashRuntime(eng)
+    prompt, answer = next((p, a) for p in PROMPTS  # an answer of several tokens, each a stop token in turn
+                          if len(set((a := plain.generate(p, SamplingParams(max_new_tokens=40, stop_token_ids=[]),
+                                                          "ar").tokens)[1:30]) - {a[0]}) >= 4)
+    real_draft = eng.draft
+
+    def oracle(seq, anchor, sp, uniforms, block_len=None):
+        draft, probs = real_draft(seq, anchor, sp, uniforms, block_len=block_len)
+        produced = seq.length - len(prompt) + 1  # answer tokens so far (the anchor is the last of them)
+        truth = answer[produced:produced + len(draft)]
+        return np.asarray(truth + list(draft[len(truth):]), dtype=np.asarray(draft).dtype), probs
+
+    monkeypatch.setattr(eng, "draft", oracle)
+    bs, cut = eng.info.block_size, 0
+    for stop in sorted(set(answer[1:30]) - {answer[0]}):
+        got = rt.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[stop]))
+        assert got.tokens == answer[:answer.index(stop) + 1]
+        kept = sum(min(n, bs - 1) for n in got.acceptance_lengths)
+        assert got.accepted_by["drafter"] == kept == got.accepted_only["drafter"], stop
+        cut += got.acceptance_lengths[-1] < bs
+    assert cut  # some answers ended inside a block
+
+
 @pytest.mark.parametrize("tree_mode", ["spine", "full"])
 def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
     """Without the cost model, the engine grows and accepts the very trees the PyTorch reference does (same

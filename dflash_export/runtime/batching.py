@@ -85,7 +85,7 @@ from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.costs import StepCosts, engine_costs
-from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request
+from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request, count_sources
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -457,6 +457,8 @@ class BatchingRuntime:
             tokens += accept + 1
             ev = self._emit(a, emitted, None if a.req.mode == "ar" else accept)
             a.req.stats.acceptance_lengths.append(len(ev.tokens) if a.req.mode == "dflash" else 1)
+            if a.req.mode == "dflash" and accept:
+                self._count_sources(a, min(accept, len(ev.tokens)))
             if a.state is not None:
                 a.state.context.extend(ev.tokens)
             if ev.finished:
@@ -603,6 +605,19 @@ class BatchingRuntime:
         if a.n_draft:
             blk[1:] = a.drafts[: a.n_draft]
         return blk
+
+    @staticmethod
+    def _count_sources(a: _Active, kept: int) -> None:
+        """Count the `kept` drafts this step added to `a`'s answer for the sources that proposed them (its tree's
+        accepted path, its best path verified as a chain, or the drafter's block)."""
+        stats = a.req.stats
+        if a.tree is not None and a.path is not None:
+            count_sources(stats, a.tree[0], a.path[:1 + kept])
+        elif a.spine is not None:
+            count_sources(stats, a.spine[0], a.spine[1][:1 + kept])
+        else:
+            stats.accepted_by["drafter"] += kept
+            stats.accepted_only["drafter"] += kept
 
     def _verify(self, a: _Active, blk: np.ndarray, lg: np.ndarray, probe: _Active | None) -> tuple[int, list[int]]:
         """(drafts accepted, tokens emitted) of one sequence from its target logits `lg`; updates its back-off."""

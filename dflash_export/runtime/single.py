@@ -20,6 +20,7 @@ from dflash_export.decoding.tree import (
     SOURCE_NAMES,
     DraftCalibration,
     DrafterGate,
+    DraftTree,
     LookupStats,
     TreeState,
     accepted_by_source,
@@ -113,6 +114,14 @@ class _Emitter:
             self.stats.finish_reason = reason
             self.stats.total_s = time.perf_counter() - self.t0
         return StepEvent(out, accept, reason is not None, reason)
+
+
+def count_sources(stats: RunStats, tree: DraftTree, path: list[int]) -> None:
+    """Add the drafts on `path` (the committed part of a step's accepted path) to `stats`' per-source counts."""
+    by, only = accepted_by_source(tree, path)
+    for name in by:
+        stats.accepted_by[name] += by[name]
+        stats.accepted_only[name] += only[name]
 
 
 def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
@@ -300,8 +309,8 @@ class DFlashRuntime:
             if mode == "dflash" and not trees and backoff else None
         while True:
             if trees:
-                accept, emitted, n_draft, drafted = self._tree_step(seq, last, sp, bs, rate, emit.produced, state,
-                                                                    stats, rng if walk else None)
+                accept, emitted, n_draft, drafted, (tree, path) = self._tree_step(
+                    seq, last, sp, bs, rate, emit.produced, state, stats, rng if walk else None)
                 stats.drafted_tokens += n_draft
                 cost = (self.draft_cost if drafted else 0.0) + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
@@ -311,6 +320,7 @@ class DFlashRuntime:
                 # (8 held-out prompts x 128 at T 0.7: 1.08x plain sampling with back-off, 1.11x without).
                 last = emitted[-1]
                 ev = emit(emitted, accept)
+                count_sources(stats, tree, path[:1 + min(accept, len(ev.tokens))])  # drafts committed
                 state.context.extend(ev.tokens)
                 self._drafter_means[("tree", sp.greedy)] = state.drafter_means()
                 stats.acceptance_lengths.append(len(ev.tokens))
@@ -337,8 +347,6 @@ class DFlashRuntime:
             else:
                 accept, emitted, n_draft = self._draft_and_verify(seq, last, sp, rng, bs, rate, emit.produced, stats)
                 stats.drafted_tokens += n_draft
-                stats.accepted_by["drafter"] += accept
-                stats.accepted_only["drafter"] += accept
                 cost = self.draft_cost + 1.0 + self.verify_token_cost * n_draft
                 rate = 0.9 * rate + 0.1 * (accept + 1) / cost
                 if backoff:
@@ -350,6 +358,8 @@ class DFlashRuntime:
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 stats.acceptance_lengths.append(len(ev.tokens))  # committed: cut at max_new_tokens / a stop
+                stats.accepted_by["drafter"] += min(accept, len(ev.tokens))
+                stats.accepted_only["drafter"] += min(accept, len(ev.tokens))
             yield ev
             if ev.finished:
                 return
@@ -391,12 +401,12 @@ class DFlashRuntime:
 
     def _tree_step(self, seq, last: int, sp: SamplingParams, bs: int, rate: float, produced: int,
                    state: TreeState, stats: RunStats | None = None, rng=None
-                   ) -> tuple[int, list[int], int, bool]:
+                   ) -> tuple[int, list[int], int, bool, tuple[DraftTree, list[int]]]:
         """One step with a draft tree (decoding/): grow it from the context's lookup branches and the drafter's
         slots (when its pass pays), verify it -- its best path as a chain, or every node in one pass -- and accept
         greedily, or, with `rng` (a sampled request that walks), with the target's own draws from the request's
         stream (decoding/acceptance.walk_accept). Returns (drafts accepted, tokens emitted, nodes verified, whether
-        the drafter ran)."""
+        the drafter ran, (the tree, its accepted path))."""
         eng, info, proposal = self.engine, self.engine.info, self.proposal
         t0 = time.perf_counter()
         # Depth: a block's slots for the drafter; lookup branches may run deeper, up to the rows the engine's
@@ -462,12 +472,7 @@ class DFlashRuntime:
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
         state.record(tree, path, checked, drafted, bool(lookups))
-        if stats is not None:
-            by, only = accepted_by_source(tree, path)
-            for name in by:
-                stats.accepted_by[name] += by[name]
-                stats.accepted_only[name] += only[name]
-        return accept, emitted, len(checked) - 1, drafted
+        return accept, emitted, len(checked) - 1, drafted, (tree, path)
 
     def generate(self, prompt_ids, sp: SamplingParams, mode: str = "dflash") -> RunStats:
         stats = RunStats()
