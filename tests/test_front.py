@@ -799,6 +799,51 @@ def test_clients_leaving_right_after_sending_leave_no_connection_to_the_engine_o
         up.httpd.shutdown()
 
 
+def test_calls_left_to_finish_on_a_model_whose_stub_died_are_closed(tmp_path):
+    """A request whose client left is left to finish (its answer comes once the model sees the cancel file), but a
+    dead stub never answers: when its model is failed, those calls are cancelled and their connections to
+    tritonserver closed, rather than held until the front closes (one more per request on the stub at its death)."""
+    psutil = pytest.importorskip("psutil")
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    stop = threading.Event()
+
+    def do_post(handler):  # the dead stub's model: reads the request and never answers
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        stop.wait(30)
+
+    up.httpd.RequestHandlerClass.do_POST = do_post
+    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
+              models=("dflash", "dflash_stream")).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+
+    def open_to_engine() -> int:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == up.port)
+
+    def settle(want: int) -> int:
+        t = time.monotonic()
+        while open_to_engine() != want and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        return open_to_engine()
+
+    try:
+        for path, body in [("/v2/models/dflash/generate", {"text_input": "x"}),
+                           ("/v1/completions", {"model": "tiny", "prompt": "x"}),
+                           ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})]:
+            with socket.create_connection(("127.0.0.1", f.port)) as s:
+                s.sendall(post(path, json.dumps(body).encode()))
+                time.sleep(0.3)  # sent on to the engine, then the client leaves
+        assert settle(3) == 3 and f.in_flight() == 0 and len(f._abandoned) == 3
+        f.fail_model("dflash", "a model stub of dflash died (pid 4242; its model reloads)")
+        assert settle(0) == 0 and len(f._abandoned) == 0
+    finally:
+        stop.set()
+        f.close()
+        up.httpd.shutdown()
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions",
                                   "/v2/models/dflash_stream/generate_stream"])
 def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(front, monkeypatch, path):

@@ -204,7 +204,8 @@ class Front(ConnectionHandling, Routing, Upstream):
     def fail_model(self, model: str, why: str) -> int:
         """A stub of `model` died: every request in flight on it is cancelled and answered 503 with Retry-After now
         (whichever instance holds it: a dead stub never answers, and the model is reloaded whole), and so is any
-        request that starts on it before `model_back`. Thread-safe; returns how many were in flight."""
+        request that starts on it before `model_back`; the calls left to finish on it for requests already answered
+        (their client left, or their time ran out) are cancelled. Thread-safe; returns how many were in flight."""
         with self._lock:
             self._failed_models[model] = why
             tokens = [t for t, m in self._model_of.items() if m == model and self._in_flight.get(t, "") is None]
@@ -216,6 +217,7 @@ class Front(ConnectionHandling, Routing, Upstream):
                 event = self._failed.get(token)
                 if event is not None:
                     loop.call_soon_threadsafe(event.set)
+            loop.call_soon_threadsafe(self._drop_abandoned, model)
         return len(tokens)
 
     def model_back(self, model: str) -> None:

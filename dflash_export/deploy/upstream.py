@@ -34,12 +34,14 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 
 class Upstream:
     """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
-    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`) and `_refuse_if_drained` (deploy/routing.py)."""
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`) and `_refuse_if_drained`
+    (deploy/routing.py)."""
 
     def _open_client(self) -> None:
         import httpx
 
-        self._abandoned: set[asyncio.Future] = set()  # calls to tritonserver left to finish (`_abandon`)
+        # calls to tritonserver left to finish (`_abandon`) -> the model each runs on
+        self._abandoned: dict[asyncio.Future, str | None] = {}
         # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         transport = httpx.AsyncHTTPTransport(uds=str(self.upstream_uds), limits=limits) if self.upstream_uds else None
@@ -99,20 +101,28 @@ class Upstream:
         model answers it at its next step, or drops it from the queue): the call runs to that answer, which is then
         closed. Cancelling an httpx call part-way can leave its connection in the pool for good (httpcore 1.0: a
         call cancelled between taking a new connection and sending on it leaves that connection open and unused; 2
-        of 200 clients leaving within 10 ms of sending did). A call with no cancel file to stop it is cancelled."""
+        of 200 clients leaving within 10 ms of sending did). A call with no cancel file to stop it is cancelled, and
+        so is one whose model's stub dies before it ends (`_drop_abandoned`): a dead stub never answers."""
         if token is None or task.done():
             task.cancel()
             return
-        self._abandoned.add(task)
+        with self._lock:
+            self._abandoned[task] = self._model_of.get(token)
 
         def close(t: asyncio.Future) -> None:
-            self._abandoned.discard(t)
+            self._abandoned.pop(t, None)
             if not t.cancelled() and t.exception() is None and hasattr(t.result(), "aclose"):
                 closing = asyncio.ensure_future(t.result().aclose())
-                self._abandoned.add(closing)
-                closing.add_done_callback(self._abandoned.discard)
+                self._abandoned[closing] = None
+                closing.add_done_callback(lambda c: self._abandoned.pop(c, None))
 
         task.add_done_callback(close)
+
+    def _drop_abandoned(self, model: str) -> None:
+        """Cancel the calls left to finish on `model`, whose stub died: their answers never come, and each would
+        hold its connection to tritonserver until the front closes. Called on the front's loop."""
+        for task in [t for t, m in self._abandoned.items() if m == model]:
+            task.cancel()
 
     async def _send_upstream(self, conn: Connection, method: str, target: str, headers: dict, body: bytes,
                              token: str | None):
