@@ -274,13 +274,13 @@ class Front(ConnectionHandling, Routing, Upstream):
 
 def _report_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """The event loop's report of an error no coroutine caught, less one that is none: a socket's readiness callback
-    setting the result of a wait that was cancelled earlier in the same pass of the loop. anyio's Unix socket streams
-    (the upstream calls through the namespace bridge's socket) wait that way, and a client that leaves cancels its
-    request's read of tritonserver's answer: that wait is over and nothing is lost."""
+    setting the result of a wait that ended earlier in the same pass of the loop (cancelled, or woken already).
+    anyio's Unix socket streams (the upstream calls through the namespace bridge's socket) wait that way, and a
+    client that leaves cancels its request's read of tritonserver's answer: that wait is over and nothing is lost."""
     callback = getattr(context.get("handle"), "_callback", None)
     waiter = getattr(callback, "__self__", None)
     if isinstance(context.get("exception"), asyncio.InvalidStateError) and isinstance(waiter, asyncio.Future) \
-            and waiter.cancelled() and getattr(callback, "__name__", None) == "set_result":
+            and waiter.done() and getattr(callback, "__name__", None) == "set_result":
         return
     loop.default_exception_handler(context)
 
