@@ -893,3 +893,49 @@ def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(
         assert front.in_flight() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("whole_close", [True, False])
+def test_the_bridge_closes_its_connection_to_tritonserver_when_the_front_closes(tmp_path, whole_close):
+    """The namespace bridge's Unix socket (the front's way to tritonserver): when the front closes a connection whose
+    answer never comes (a request on a model stub that died), the bridge closes its own connection to tritonserver
+    too, not only half of it, so tritonserver's shutdown has no HTTP connection left to wait for. Its forwarded
+    ports (a user's clients, which may half-close and still read) keep the half-close."""
+    psutil = pytest.importorskip("psutil")
+    from dflash_export.deploy.netns_bridge import _relay_to
+
+    engine = socket.socket()  # tritonserver with a dead stub behind it: reads the request, never answers
+    engine.bind(("127.0.0.1", 0))
+    engine.listen()
+    port = engine.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    uds = str(tmp_path / "bridge.sock")
+    server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(_relay_to(port, whole_close), path=uds),
+                                              loop).result(timeout=10)
+
+    def bridge_to_engine() -> int:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+
+    try:
+        with socket.socket(socket.AF_UNIX) as front:
+            front.connect(uds)
+            front.sendall(b"POST /v2/models/dflash/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            conn = engine.accept()[0]
+            assert conn.recv(4096).startswith(b"POST ")
+        t = time.monotonic()
+        while bridge_to_engine() and time.monotonic() - t < 3:
+            time.sleep(0.05)
+        assert conn.recv(4096) == b""  # the request's end either way
+        assert bridge_to_engine() == (0 if whole_close else 1)
+        conn.close()  # the half-closed relay ends once tritonserver closes
+        while bridge_to_engine() and time.monotonic() - t < 6:
+            time.sleep(0.05)
+    finally:
+        server.close()
+        asyncio.run_coroutine_threadsafe(server.wait_closed(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+        engine.close()

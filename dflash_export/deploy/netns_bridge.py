@@ -64,7 +64,11 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             pass
 
 
-def _relay_to(port: int):
+def _relay_to(port: int, whole_close: bool = False):
+    """A connection handler relaying to `port` inside the namespace. `whole_close`: the client's end of stream is
+    its close (the front's HTTP client never half-closes and reads nothing after it), so the connection to
+    tritonserver is closed then instead of half-closed: an answer that never comes (a request on a model stub that
+    died) then holds no connection that tritonserver's shutdown would wait for."""
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
@@ -72,7 +76,13 @@ def _relay_to(port: int):
             writer.close()
             return
         try:
-            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+            if not whole_close:
+                await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+                return
+            back = asyncio.ensure_future(_pump(up_reader, writer))
+            await _pump(reader, up_writer)
+            back.cancel()
+            await asyncio.gather(back, return_exceptions=True)
         finally:
             for w in (writer, up_writer):
                 w.close()
@@ -83,7 +93,7 @@ def _relay_to(port: int):
 async def _serve(uds: str, http_port: int, forwards: list[tuple[int, int]], proc: subprocess.Popen) -> None:
     old = os.umask(0o177)
     try:
-        servers = [await asyncio.start_unix_server(_relay_to(http_port), path=uds)]
+        servers = [await asyncio.start_unix_server(_relay_to(http_port, whole_close=True), path=uds)]
     finally:
         os.umask(old)
     for fd, port in forwards:
