@@ -240,8 +240,8 @@ def test_deploy_repo_under_a_file_or_unwritable_is_one_line_up_front(tmp_path):
         write_repository(engine, tmp_path / "afile" / "sub" / "repo")
     with pytest.raises(DFlashError, match="--repo: exists and is not a directory"):
         write_repository(engine, tmp_path / "afile")
-    # /proc refuses new directories even to root (for whom permission bits do not count).
-    with pytest.raises(DFlashError, match="--repo: cannot write"):
+    # /proc refuses new directories even to root (for whom permission bits do not count): tried before any work.
+    with pytest.raises(DFlashError, match="--repo: cannot create it: creating anything in /proc fails"):
         write_repository(engine, "/proc/dflash-nope/repo")
     r = cli("deploy", "--engine", engine, "--repo", tmp_path / "afile" / "repo")
     assert_one_line(r, "--repo: cannot create it:")
