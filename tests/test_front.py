@@ -759,6 +759,20 @@ def test_a_read_cancelled_as_its_socket_wakes_is_no_error_in_the_log(front, tmp_
     assert [r.exc_info[0] for r in errors] == [ZeroDivisionError], [r.getMessage() for r in errors]
 
 
+def _patient_front(cancel: Path, up: Upstream) -> Front:
+    """A started front relaying to `up`, whose requests may wait 30 s for an answer."""
+    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
+              models=("dflash", "dflash_stream")).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+    return f
+
+
+def _connections_to(psutil, port: int) -> int:
+    """This process's open TCP connections to `port`."""
+    return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+
+
 def test_clients_leaving_right_after_sending_leave_no_connection_to_the_engine_open(tmp_path):
     """Clients that leave within a few milliseconds of sending: each request's call to tritonserver is left to end
     with the cancelled request's answer and then closed, never cancelled part-way (httpcore then kept 2-5 of 300
@@ -768,13 +782,10 @@ def test_clients_leaving_right_after_sending_leave_no_connection_to_the_engine_o
     cancel.mkdir()
     up = Upstream(cancel)
     up.hold_s = 5.0  # as a queued request: answered once its cancel file is there
-    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
-              models=("dflash", "dflash_stream")).start()
-    f.port = f._server.sockets[0].getsockname()[1]
-    f.set_upstream(up.port)
+    f = _patient_front(cancel, up)
 
     def open_to_engine() -> int:
-        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == up.port)
+        return _connections_to(psutil, up.port)
 
     try:
         for i in range(300):
@@ -817,13 +828,10 @@ def test_calls_left_to_finish_on_a_model_whose_stub_died_are_closed(tmp_path):
         stop.wait(30)
 
     up.httpd.RequestHandlerClass.do_POST = do_post
-    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
-              models=("dflash", "dflash_stream")).start()
-    f.port = f._server.sockets[0].getsockname()[1]
-    f.set_upstream(up.port)
+    f = _patient_front(cancel, up)
 
     def open_to_engine() -> int:
-        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == up.port)
+        return _connections_to(psutil, up.port)
 
     def settle(want: int) -> int:
         t = time.monotonic()
@@ -916,7 +924,7 @@ def test_the_bridge_closes_its_connection_to_tritonserver_when_the_front_closes(
                                               loop).result(timeout=10)
 
     def bridge_to_engine() -> int:
-        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+        return _connections_to(psutil, port)
 
     try:
         with socket.socket(socket.AF_UNIX) as front:
