@@ -536,8 +536,9 @@ class BatchingRuntime:
         return draft_cost
 
     def _propose_lookups(self, acts: list[_Active]) -> None:
-        """For greedy sequences with lookups: this step's drafts become the best path of a tree of the drafter's
-        block (when it drafted) and the context's lookup branches, no deeper than a block."""
+        """For sequences whose proposer grows trees (greedy, or walked): this step's drafts become the best path of a
+        tree of the drafter's block or top-K (when it drafted) and the context's lookup branches (when the proposer
+        has them), no deeper than a block; with tree_mode "full", the whole tree too."""
         bs = self.info.block_size
         full = self.full_trees and self.batch.verifies_trees(len(acts))
         # every sequence of the call gets the call's rows (padding included): the longest one bounds them
@@ -550,7 +551,7 @@ class BatchingRuntime:
             whole = full and (self.walks_trees or not a.walk)
             # Whole trees: lookup branches as deep as the numerics probe checked rows (never more rows than a block)
             found = a.state.context.branches(min(self.max_rows - 1, owed) if whole else depth, with_sizes=True) \
-                if owed > 0 else []
+                if owed > 0 and self.lookups else []  # the tree proposer grows from the drafter alone
             branches, sizes = [b for _, b in found], [n for n, _ in found]
             logits = a.seq.draft_logits[:depth] if a.drafts is not None and a.seq.draft_logits is not None else None
             if not branches and logits is None:
