@@ -34,8 +34,8 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 
 class Upstream:
     """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
-    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`) and `_refuse_if_drained`
-    (deploy/routing.py)."""
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`), `_client_left` and
+    `_refuse_if_drained` (deploy/routing.py)."""
 
     def _open_client(self) -> None:
         import httpx
@@ -84,9 +84,8 @@ class Upstream:
             _, why = self._model_failure(token)
             raise retry_soon(why or "its model stub died")
         if watcher in done:
-            if token is not None and self.cancel(token, "the client went away"):
-                self.counts["client_gone"] += 1
-                self.metrics.client_gone.inc()
+            if token is not None:
+                self._client_left(token)
             self._abandon(task, token)
             raise ClientGone
         if token is not None:
