@@ -13,7 +13,7 @@ import torch
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
-from dflash_export.files import read_json_object
+from dflash_export.files import MAX_JSON_BYTES, read_json_object
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -114,7 +114,7 @@ def cached_model_whole(d: Path, json_files: tuple[str, ...] = ("config.json",)) 
     inside the tensor data are not looked for: that would read the whole file at each use."""
     from dflash_export.files import read_cache_json
 
-    if not all(isinstance(read_cache_json(d / f, max_bytes=256 << 20), dict) for f in json_files):
+    if not all(isinstance(read_cache_json(d / f, max_bytes=MAX_JSON_BYTES), dict) for f in json_files):
         return False
     try:
         safetensors_header(d / "model.safetensors")
