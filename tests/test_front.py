@@ -299,6 +299,27 @@ def test_openai_stream_ends_with_done_and_usage(front):
     assert front.up.seen[-1]["apply_chat_template"] is False  # completions are raw text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_tokens_so_far_on_every_chunk(front, path):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries the usage so far (the
+    stand-in engine streams one character a token, 5 prompt tokens); the last chunk of its own, the total."""
+    ask = {"model": "tiny", "max_tokens": 4, "stream": True,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    ask |= {"prompt": "hello"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    resp = raw(front, post(path, json.dumps(ask).encode()))
+    chunks = [json.loads(ln[6:]) for ln in resp.decode().split("\n") if ln.startswith("data: {")]
+    text = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                   c["choices"][0].get("delta", {}).get("content"))]
+    assert [c["usage"]["completion_tokens"] for c in text] == [1, 2, 3, 4]
+    assert all(c["usage"]["prompt_tokens"] == 5 and "usage" in c for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 9
+    # without it, only the last chunk has usage
+    ask["stream_options"] = {"include_usage": True}
+    resp = raw(front, post(path, json.dumps(ask).encode()))
+    chunks = [json.loads(ln[6:]) for ln in resp.decode().split("\n") if ln.startswith("data: {")]
+    assert ["usage" in c for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
@@ -616,6 +637,29 @@ def test_a_completion_prompt_refused_for_its_size_names_prompt(front, monkeypatc
     resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": "x" * 90}).encode()))
     err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
     assert status_of(resp) == 400 and err["param"] == "prompt" and err["message"].startswith("prompt: prompt is 2100")
+    monkeypatch.undo()
+    assert _chat_answers(front)
+
+
+def test_a_completion_refused_for_the_default_max_tokens_says_it_was_the_default(front, monkeypatch):
+    """A completion without max_tokens asks the model for OpenAI's 16; when prompt + 16 does not fit, the refusal
+    says the client set none (a client that set max_tokens gets the model's words alone)."""
+    sent = []
+
+    def do_post(handler):
+        sent.append(json.loads(handler.rfile.read(int(handler.headers["Content-Length"]))))
+        n = sent[-1]["max_tokens"]
+        handler._send(400, {"error": f"max_tokens: prompt (2030 tokens) + max_tokens ({n}) + block (8) exceeds "
+                                     "the engine's max_seq_len 2048"})
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    for given in (None, 16):
+        body = {"model": "tiny", "prompt": "x"} | ({"max_tokens": given} if given else {})
+        resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
+        err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+        assert status_of(resp) == 400 and err["param"] == "max_tokens" and sent[-1]["max_tokens"] == 16
+        assert err["message"].startswith("max_tokens: prompt (2030 tokens) + max_tokens (16)")
+        assert ("set no max_tokens" in err["message"]) == (given is None), err["message"]
     monkeypatch.undo()
     assert _chat_answers(front)
 

@@ -3,11 +3,12 @@
 shapes. The engine-side protocol stays Triton's; nothing here touches a socket.
 
 Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` with `stream` (server-sent events ending
-in `data: [DONE]`, `stream_options.include_usage`), `usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`,
-`temperature`, `top_p` and vLLM's `top_k`. Refused with a 400 naming the field: what this server cannot honour
-(`n` > 1, tools, logprobs, penalties, logit_bias, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`),
-and fields OpenAI does not define. A field that changes nothing here (`user`, `metadata`, `store`,
-`parallel_tool_calls` without tools, `service_tier`) is accepted and ignored, as OpenAI's own server does for them.
+in `data: [DONE]`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`: usage so far on every chunk),
+`usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p` and vLLM's `top_k`. Refused
+with a 400 naming the field: what this server cannot honour (`n` > 1, tools, logprobs, penalties, logit_bias, `echo`,
+`suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI does not define. A field that changes
+nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools, `service_tier`) is accepted and
+ignored, as OpenAI's own server does for them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# OpenAI's max_tokens for a completion that sets none (a chat completion without one gets what fits).
+COMPLETION_MAX_TOKENS = 16
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -164,8 +169,8 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
     return out
 
 
-def chat_request(body, model_id: str) -> tuple[dict, bool, bool]:
-    """(generate body, stream, include_usage) for a /v1/chat/completions body; OpenAIError naming the field."""
+def chat_request(body, model_id: str) -> tuple[dict, bool, str | None]:
+    """(generate body, stream, usage: `_usage`) for a /v1/chat/completions body; OpenAIError naming the field."""
     out = _common(body, CHAT_FIELDS, model_id, ("max_completion_tokens", "max_tokens"))
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -183,7 +188,7 @@ def chat_request(body, model_id: str) -> tuple[dict, bool, bool]:
         converted.append({"role": "system" if role == "developer" else role,
                           "content": _content(m.get("content"), f"messages[{i}].content")})
     out["messages"] = json.dumps(converted, ensure_ascii=False)  # the generate body's form: checked, as JSON text
-    return out, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage"))
+    return out, bool(body.get("stream")), _usage(body)
 
 
 def _content(c, where: str) -> str:
@@ -200,8 +205,8 @@ def _content(c, where: str) -> str:
     raise _bad(where, f"expected a string or a list of text parts, got {_json_kind(c)}")
 
 
-def completion_request(body, model_id: str) -> tuple[dict, bool, bool]:
-    """(generate body, stream, include_usage) for a /v1/completions body: the prompt as raw text, no chat template."""
+def completion_request(body, model_id: str) -> tuple[dict, bool, str | None]:
+    """(generate body, stream, usage: `_usage`) for a /v1/completions body: the prompt as raw text, no chat template."""
     out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
     if body.get("logprobs") is not None:  # a completion's logprobs 0 still asks for the chosen tokens' own
         raise _bad("logprobs", "log probabilities are not returned by this server")
@@ -215,8 +220,17 @@ def completion_request(body, model_id: str) -> tuple[dict, bool, bool]:
     out["text_input"] = _check_unicode(prompt, "prompt")
     out["apply_chat_template"] = False
     if "max_tokens" not in out:
-        out["max_tokens"] = 16  # OpenAI's default for completions
-    return out, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage"))
+        out["max_tokens"] = COMPLETION_MAX_TOKENS
+    return out, bool(body.get("stream")), _usage(body)
+
+
+def _usage(body: dict) -> str | None:
+    """Where a stream carries usage: None, "final" (a last chunk of its own: include_usage) or "continuous"
+    (also on every chunk, the tokens so far: vLLM's continuous_usage_stats, which asks include_usage too)."""
+    so = body.get("stream_options") or {}
+    if not so.get("include_usage"):
+        return None
+    return "continuous" if so.get("continuous_usage_stats") else "final"
 
 
 # Responses --------------------------------------------------------------------------------------------------------
@@ -283,8 +297,13 @@ def from_dflash_error(e: DFlashError) -> OpenAIError:
     return OpenAIError(400, str(e), param=getattr(e, "field", None))
 
 
-def as_sent(e: OpenAIError, chat: bool) -> OpenAIError:
-    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input`."""
+def as_sent(e: OpenAIError, chat: bool, body=None) -> OpenAIError:
+    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input`; a
+    max_tokens the client did not send (`body`: the request) is said to be the completions default."""
+    if not chat and e.param == "max_tokens" and isinstance(body, dict) and body.get("max_tokens") is None:
+        return OpenAIError(e.status, f"{e.message} (the request set no max_tokens; /v1/completions then takes "
+                           f"{COMPLETION_MAX_TOKENS}, as OpenAI's does: set a smaller one)", param=e.param,
+                           kind=e.kind, code=e.code)
     if chat or e.param != "text_input":
         return e
     message = "prompt" + e.message[len("text_input"):] if e.message.startswith("text_input") else e.message

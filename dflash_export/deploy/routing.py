@@ -195,7 +195,7 @@ class Routing:
         chat = path == "/v1/chat/completions"
         try:
             # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
-            gen, stream, include_usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
+            gen, stream, usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
             self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
@@ -220,9 +220,9 @@ class Routing:
                 events = _one_event(answer["raw"])
             else:
                 events = self._upstream_events(conn, resp, token)
-            return await self._openai_stream(conn, chat, rid, created, include_usage, events, token)
+            return await self._openai_stream(conn, chat, rid, created, usage, events, token)
         except oa.OpenAIError as e:
-            raise oa.as_sent(e, chat) from None
+            raise oa.as_sent(e, chat, obj) from None
         except (ConnectionError, OSError, asyncio.TimeoutError):
             self._client_left(token)
             raise
@@ -257,8 +257,10 @@ class Routing:
             return oa.OpenAIError(503, message, kind="server_error")
         return oa.OpenAIError(status if status >= 400 else 500, message, kind="server_error")
 
-    async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, include_usage: bool, events,
+    async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, usage: str | None, events,
                              token: str | None) -> int:
+        """An OpenAI stream of the model's events; `usage` (openai_api._usage): None, a last chunk of its own with
+        the usage ("final"), or that and the usage so far on every chunk ("continuous")."""
         await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                ("Cache-Control", "no-cache")]))
         mk = oa.chat_chunk if chat else oa.completion_chunk
@@ -274,16 +276,18 @@ class Routing:
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
             prompt_tokens = int(ev.get("prompt_tokens", prompt_tokens) or prompt_tokens)
             completion_tokens = int(ev.get("completion_tokens", completion_tokens) or completion_tokens)
+            so_far = oa.usage(prompt_tokens, completion_tokens) if usage == "continuous" else None
             if chat and first:
                 await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {"role": "assistant",
-                                                                                    "content": ""}, None))))
+                                                                                    "content": ""}, None,
+                                                        oa.usage(prompt_tokens, 0) if so_far else None))))
             first = False
             if text or reason:
                 delta = ({"content": text} if text else {}) if chat else text
-                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason))))
+                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason, so_far))))
             if reason:
                 self._observe(ev)
-                if include_usage:
+                if usage:
                     await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {} if chat else "", None,
                                                             oa.usage(prompt_tokens, completion_tokens),
                                                             choices=False))))
