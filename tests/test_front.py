@@ -480,8 +480,24 @@ def test_liveness_is_tritonservers_own_while_a_model_reloads(front):
     paths = ("/health", "/v2/health/ready", "/v2/models/dflash/ready", "/v2/models/dflash_stream/ready",
              "/v2/health/live")
     assert [get(p) for p in paths] == [503, 503, 503, 200, 200]
+    assert get("/v1/models") == 200  # the model id is still served
     stopped.append(True)
     assert [get(p) for p in paths] == [503] * 5
+
+
+def test_the_openai_model_list_waits_for_tritonserver(front):
+    """Before tritonserver serves (a start or a restart) /v1/models says 503 with Retry-After, as a chat request
+    would get then, so a client polling it for readiness starts when requests are answered."""
+    def get(path):
+        return raw(front, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+
+    port = front.upstream_port
+    front.set_upstream(None)
+    for path in ("/v1/models", "/v1/models/tiny"):
+        resp = get(path)
+        assert status_of(resp) == 503 and b"retry-after" in resp.lower() and b"starting" in resp, resp
+    front.set_upstream(port)
+    assert [status_of(get(p)) for p in ("/v1/models", "/v1/models/tiny")] == [200, 200]
 
 
 def test_cancel_files_are_owner_only(front):

@@ -58,6 +58,12 @@ class Routing:
                     raise Refused(503, why)
                 return await self._reply(conn, 200, b"" if path != "/health" else b'{"status": "ok"}\n',
                                          "application/json", head_only)
+            if path == "/v1/models" or path.startswith("/v1/models/"):
+                # Listed once tritonserver serves (a client polling /v1/models for readiness, as with vLLM, whose
+                # server listens only then, must not get a 200 before its first request would be answered); a
+                # model reloading alone stays listed.
+                if self.draining or self.upstream_port is None:
+                    self._check_serving()
             if path == "/v1/models":
                 return await self._json(conn, 200, oa.models_list(self.model_id, self.created), head_only)
             if path.startswith("/v1/models/"):
