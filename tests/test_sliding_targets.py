@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from target_support import (
-    assert_transformers_greedy,
     check_batched_tokens_equal_alone,
     check_greedy_tokens_against_transformers,
     engine_and_transformers,
@@ -72,18 +71,4 @@ def test_batched_engine_gives_each_request_its_lone_tokens(swa):
     assert all(len(t) for t in alone) and np.mean([len(p) for p in prompts()[:4]]) + 32 > 8
 
 
-def test_whole_draft_trees_give_transformers_greedy_tokens(swa):
-    """A tree node's K/V row lies past its position wherever the tree branches, and GroupQueryAttention counts its
-    window in rows: full-tree verification of a windowed target gives transformers' greedy tokens (and plain
-    decoding's) only by verifying chains there."""
-    from dflash_export.engines.base import SamplingParams
-    from dflash_export.runtime.single import DFlashRuntime
-
-    _, _, engine, hf = swa
-    sp = SamplingParams(max_new_tokens=NEW)
-    for ids in prompts():
-        plain = DFlashRuntime(engine).generate(ids, sp, "ar").tokens
-        for proposer in ("tree", "tree+lookup"):
-            got = DFlashRuntime(engine, adaptive=False, proposer=proposer, tree_mode="full").generate(ids, sp).tokens
-            assert_transformers_greedy(hf, ids, got, engine.info.stop_token_ids[0], NEW)
-            assert got == plain
+# Whole draft trees on this target: tests/test_sliding_trees.py

@@ -53,6 +53,7 @@ TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
 HEAD = "lm_head.onnx"
 DRAFT_HEAD = "draft_head.onnx"
+WINDOW_BIAS = "window_bias_"  # the target graph's bias input of its sliding layers of W tokens: window_bias_W
 TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their own pasts (engines/ort_batch.py)
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32
@@ -155,6 +156,9 @@ class _PlainStep:
             self.steps = np.arange(rows, dtype=np.int64)
             inputs["position_ids"] = self.pos
             self._zeros = np.zeros(rows * (e.info.max_seq_len + rows), np.float32)
+        # Sliding layers' biases (window_bias): per window a buffer as long as the longest step, rewritten per step.
+        self._windows = {name: (w, np.empty(rows * (e.info.max_seq_len + rows), np.float32))
+                         for name, w in e.window_inputs.items()}
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in inputs.items()}
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
 
@@ -167,6 +171,14 @@ class _PlainStep:
     def bias_value(self, total: int):
         """attention_bias [1, 1, rows, total], all zeros, over the buffer's memory."""
         return self._ortvalue(self._zeros[: self.rows * total].reshape(1, 1, self.rows, total))
+
+    def bind_windows(self, io, length: int, total: int) -> None:
+        """Bind each window_bias_W input of a step at positions `self.pos` after `length` committed tokens (`total`
+        keys), written into its own buffer."""
+        for name, (w, buf) in self._windows.items():
+            view = buf[: self.rows * total].reshape(1, 1, self.rows, total)
+            view.fill(0.0)
+            io.bind_ortvalue_input(name, self._ortvalue(window_bias(view, length, self.pos[0], w, out=view)))
 
 
 class _OrtSeq(Sequence):
@@ -297,12 +309,16 @@ class OrtEngine(Engine):
         self._target_batch = None  # target_batch.onnx's session, loaded by batch_target_session()
         # Engines built with the tree inputs verify draft trees (decoding/tree.py); older ones verify chains only.
         # Hybrids verify chains only: a tree would need each node's conv window and state gathered from its ancestors.
-        # So do targets with sliding-window layers: GroupQueryAttention counts its window in K/V rows, not in
-        # position_ids, and a node's row lies past its position (length + depth) wherever the tree branches, so the
-        # window would hide keys that plain decoding shows it.
+        # So do targets with sliding-window layers built before their window_bias inputs: GroupQueryAttention counts
+        # its window in K/V rows, not in position_ids, and a node's row lies past its position (length + depth)
+        # wherever the tree branches, so the window would hide keys that plain decoding shows it.
+        # Engines built with window_bias_W inputs give those layers a bias that hides keys by position (and a row
+        # window wide enough for every tree row: checked here); they verify trees like any other.
         self._position_inputs = {"position_ids", "attention_bias"} <= {i.name for i in self.target.get_inputs()}
+        self.window_inputs = {name: int(name[len(WINDOW_BIAS):]) for name in t_inputs
+                              if name.startswith(WINDOW_BIAS) and name[len(WINDOW_BIAS):].isdigit()}
         self.tree_verify = self._position_inputs and not self.linear_layers \
-            and not _windowed_attention(self.engine_dir / TARGET)
+            and _trees_fit_windows(self.engine_dir / TARGET, self.window_inputs, probe_rows(self))
         # Whether verify rows equal plain steps bit for bit is a property of this CPU's kernels: probed here, at
         # every load, starting from the row floor the build found (engines/numerics.py); old engines: their flag.
         # Targets rewritten by engines/row_pad.py can pad their attention (and products) alone (`row_index`).
@@ -456,6 +472,8 @@ class OrtEngine(Engine):
             pos, bias = tree_inputs(seq.length, rows, tree)
             io.bind_cpu_input("position_ids", pos)
             io.bind_cpu_input("attention_bias", bias)
+            for name, w in self.window_inputs.items():
+                io.bind_cpu_input(name, window_bias(bias, seq.length, pos[0], w))
         pending = {}
         for i in self.linear_layers:  # read from the committed state; the new states come back per row
             conv, rec = seq.linear[i]
@@ -558,6 +576,7 @@ class OrtEngine(Engine):
         if plain.pos is not None:
             np.add(plain.steps, seq.length, out=plain.pos[0])
             io.bind_ortvalue_input("attention_bias", plain.bias_value(total))
+            plain.bind_windows(io, seq.length, total)
         self.target.run_with_iobinding(io)
         return plain.hidden
 
@@ -680,13 +699,21 @@ def _head_rows_agree(head, rows: int, hidden_size: int) -> bool:
     return True
 
 
-def _windowed_attention(graph: Path) -> bool:
-    """Whether the graph at `graph` has a GroupQueryAttention with a sliding window (local_window_size > 0)."""
+def _trees_fit_windows(graph: Path, window_inputs: dict[str, int], rows: int) -> bool:
+    """Whether every GroupQueryAttention of the graph at `graph` with a sliding window (local_window_size > 0) can
+    verify draft trees of up to `rows` rows: it takes a window_bias_W input as its attention bias (keys hidden by
+    position) and its row window reaches W + rows - 1 rows back, so that a node at row length + i and position
+    length + depth still has every key of its positions' window inside it. True for graphs without windows."""
     import onnx
 
-    return any(n.op_type == "GroupQueryAttention" and any(a.name == "local_window_size" and a.i > 0
-                                                          for a in n.attribute)
-               for n in onnx.load(str(graph), load_external_data=False).graph.node)
+    for n in onnx.load(str(graph), load_external_data=False).graph.node:
+        size = next((a.i for a in n.attribute if a.name == "local_window_size"), 0)
+        if n.op_type != "GroupQueryAttention" or size <= 0:
+            continue
+        bias = n.input[10] if len(n.input) > 10 else ""
+        if bias not in window_inputs or size < window_inputs[bias] + rows - 1:
+            return False
+    return True
 
 
 def tree_inputs(length: int, rows: int, tree: DraftTree | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -703,6 +730,27 @@ def tree_inputs(length: int, rows: int, tree: DraftTree | None = None) -> tuple[
     pos[n:] = pos[n - 1] + 1 + np.arange(rows - n)
     bias[0, 0, :n, length:length + n] = np.where(tree.ancestor_mask(), 0.0, -np.inf)
     return pos[None], bias
+
+
+def window_bias(bias: np.ndarray, length: int, pos: np.ndarray, window: int, out: np.ndarray | None = None
+                ) -> np.ndarray:
+    """window_bias_W [1, 1, rows, total] of the target graph's sliding layers of `window` tokens: `bias` (the call's
+    attention_bias) plus -inf on every key at a position `window` or more below its row's (transformers' sliding
+    window: a row at position p sees keys at positions > p - window). Committed key k sits at position k, the new
+    rows' keys at `pos` [rows] (length + depth in a draft tree); keys past the new rows (another sequence's longer
+    call) are left to the causal mask. Written into `out` (which may be `bias`) when given."""
+    if out is None:
+        out = bias.copy()
+    elif out is not bias:
+        np.copyto(out, bias)
+    rows = out.shape[2]
+    edge = np.minimum(pos - (window - 1), length)  # each row's committed keys [0, edge) lie outside its window
+    for r in np.flatnonzero(edge > 0):
+        out[0, 0, r, :edge[r]] = -np.inf
+    far = pos[None, :] <= pos[:, None] - window  # among the new rows' keys (a tree deeper than the window)
+    if far.any():
+        out[0, 0, :, length:length + rows][far] = -np.inf
+    return out
 
 
 def _release_weight_pages(engine_dir: Path) -> int:

@@ -27,6 +27,8 @@ How B sequences of different lengths share one call:
 - Draft trees (`target_step`'s `trees`): a sequence's block may be a whole tree, its rows the nodes, at positions
   length + depth, each seeing only its ancestors among the new rows (GQA's `attention_bias` for one sequence a
   call, target_batch's `block_bias` [B,S,S] for several; the other sequences of the call keep causal blocks).
+  Sliding-window layers hide keys by position: GQA's `window_bias_W` per sequence (`onnxruntime.window_bias`),
+  target_batch's window mask over each key's position (a committed key's slot, a block key's position_ids).
   `commit` with the accepted path moves those nodes' K/V rows down to consecutive rows of the slot (their RoPE
   positions are already those rows') and keeps their context features: the tree's other rows become stale.
 - Drafter (context K/V outside the graph, `key_bias` input): each sequence's cached context, its new context
@@ -67,6 +69,7 @@ from dflash_export.engines.onnxruntime import (
     OrtEngine,
     committed_linear,
     linear_outputs,
+    window_bias,
 )
 from dflash_export.errors import DFlashError
 
@@ -791,6 +794,9 @@ class BatchedOrtEngine(BatchedEngine):
                     pos[i], att[i, 0, :, q.length: q.length + s] = tree_rows(q.length, s, tree)
             io.bind_cpu_input("position_ids", pos)
             io.bind_cpu_input("attention_bias", att)
+            for name, w in e.window_inputs.items():  # sliding layers: each sequence's keys hidden by position
+                io.bind_cpu_input(name, np.concatenate([window_bias(att[i:i + 1], int(q.length), pos[i], w)
+                                                        for i, q in enumerate(seqs)]))
         e.target.run_with_iobinding(io)
         outs = io.get_outputs()
         self._hold_linear(seqs, linear)

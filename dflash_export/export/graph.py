@@ -25,6 +25,15 @@ from dflash_export.export.builder import F32, I32, I64, MS, GraphBuilder, Weight
 from dflash_export.export.moe import SPARSE_FLAVORS, moe_mlp
 from dflash_export.models.arch import sliding_windows
 
+# The most rows a verify of the ort target graph takes, or its block when longer: what the numerics probe checks and
+# the runtime verifies no more than (engines/numerics.py PROBE_ROWS). A sliding layer's row window is widened by it.
+WINDOW_TREE_ROWS = 16
+
+
+def window_bias(window: int) -> str:
+    """The ort target graph's bias input for its sliding layers of `window` tokens."""
+    return f"window_bias_{window}"
+
 
 @dataclass
 class TargetSpec:
@@ -106,7 +115,8 @@ def build_target_graph(target, drafter, max_len: int, flavor: str = "portable", 
     Outputs: logits [B,num_logits,V], ctx [B,S,H_drafter], accept_len / emitted_tokens / n_emitted (greedy verify of
     the logits rows against draft_tokens), present_key_i / present_value_i [B,KVH,P+S,D].
     ort — inputs: inputs_embeds [B,S,H]; num_logits; seqlens_k [B] int32 (total length - 1); total_seq_len [] int32;
-    position_ids [B,S] int64 and attention_bias [B,1,S,total] float (draft trees; see the inputs below); per layer
+    position_ids [B,S] int64 and attention_bias [B,1,S,total] float (draft trees; see the inputs below); targets with
+    sliding-window layers: window_bias_W [B,1,S,total] per window W (the windowed layers' bias); per layer
     past_key_i / past_value_i [B,KVH,capacity,D], bound to the same memory as present_key_i / present_value_i
     (GroupQueryAttention writes the new rows in place). Outputs: hidden [B,num_logits,H] (final-normed
     rows for the LM-head session), ctx, presents.
@@ -150,6 +160,7 @@ class _TargetGraph:
     moe_layers: list
     tap_ids: list
     rope: tuple
+    block_size: int
     lin_shapes: dict | None = None
     rot: int = 0
     taps: dict = field(default_factory=dict)
@@ -202,7 +213,7 @@ def _target_setup(target, drafter, max_len: int, flavor: str, store) -> _TargetG
     rope = (rot_cos, rot_sin) if hybrid else target_rope_tables(target, max_len)
     return _TargetGraph(GraphBuilder("dflash_target_verify", store), t, sd, np_state(drafter), flavor, hybrid, kinds,
                         windows, target.arch.attention_sinks, moe, hf_cfg, moe_layers,
-                        list(drafter.config.target_layer_ids), rope, lin_shapes, rot)
+                        list(drafter.config.target_layer_ids), rope, drafter.config.block_size, lin_shapes, rot)
 
 
 def _target_inputs(b: _TargetGraph) -> str:
@@ -241,6 +252,10 @@ def _target_inputs(b: _TargetGraph) -> str:
         # rows; GroupQueryAttention applies its causal mask as well. A chain feeds consecutive positions and zeros.
         g.input("position_ids", I64, ["batch", "seq"])
         g.input("attention_bias", F32, ["batch", 1, "seq", "total"])
+        # Sliding-window layers: attention_bias plus -inf on every key `window` or more positions before the row's
+        # (a tree node's K/V row lies past its position, so GroupQueryAttention's row window alone cannot say it).
+        for w in sorted({w for w in b.windows if w} if not b.hybrid else ()):
+            g.input(window_bias(w), F32, ["batch", 1, "seq", "total"])
     else:
         b.pos = g.input("position_ids", I64, ["batch", "seq"])
     return ids
@@ -251,7 +266,7 @@ def _target_positions(b: _TargetGraph, ids: str) -> None:
     g, pos, (cos_t, sin_t), D = b.g, b.pos, b.rope, b.t.head_dim
     if b.batch:
         b.cos, b.sin = g.rope_tables(pos, g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
-        b.keys = _batched_keys(g, pos, b.t.num_heads // b.t.num_kv_heads)
+        b.keys = _batched_keys(g, pos, b.t.num_heads // b.t.num_kv_heads, any(b.windows))
     elif b.ort and b.hybrid:  # partial RoPE outside attention (GroupQueryAttention's rotary would turn every channel)
         b.cos, b.sin = g.rope_tables("position_ids", g.weight("rope_cos", cos_t), g.weight("rope_sin", sin_t))
     elif b.ort:
@@ -384,13 +399,19 @@ def _gqa_attention(b: _TargetGraph, i: int, xn: str, a: str, bias) -> str:
         qkv_inputs = [q, k, v]
     else:  # GQA takes the packed [B,S,(H+2KVH)*D] projection directly (key/value inputs left empty)
         qkv_inputs = [qkv, "", ""]
-    # gpt-oss: its per-head sinks join GQA's softmax denominator (head_sink); a sliding layer sees the
-    # keys of its sliding window: GQA's local_window_size = the config's sliding_window gives transformers' mask
-    # (checked against transformers' gpt-oss, tests/test_moe_targets.py).
+    # gpt-oss: its per-head sinks join GQA's softmax denominator (head_sink). A sliding layer sees the keys of its
+    # window (transformers' mask: positions > p - window; checked against transformers, tests/test_moe_targets.py,
+    # tests/test_sliding_trees.py) through its own bias input, window_bias_W: GroupQueryAttention counts
+    # local_window_size in K/V rows, and a draft tree's node sits at row length + index but at position
+    # length + depth. The row window, widened by the most rows a verify takes less one, still holds every key the bias
+    # shows, and the kernel's softmax still skips the keys behind it (its two products run over every key either way:
+    # without a row window the op took up to 9 % longer on 16 rows at 4-32k keys, gpt-oss-20b's shapes; widened, no
+    # longer than with the window alone).
     extra = [g.weight(a + "sinks", sd[a + "sinks"])] if b.sinks else []
-    window = {"local_window_size": b.windows[i]} if b.windows[i] else {}
+    window = {"local_window_size": b.windows[i] + max(WINDOW_TREE_ROWS, b.block_size) - 1} if b.windows[i] else {}
+    mask = window_bias(b.windows[i]) if b.windows[i] else "attention_bias"
     attn, _, _ = g.op("GroupQueryAttention", [*qkv_inputs, past_k, past_v, "seqlens_k", "total_seq_len",
-                                              b.cos_c, b.sin_c, "position_ids", "attention_bias", *extra],
+                                              b.cos_c, b.sin_c, "position_ids", mask, *extra],
                       n_out=3, domain=MS,
                       outputs=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                       num_heads=H, kv_num_heads=KVH, scale=float(D ** -0.5), do_rotary=1,
@@ -531,10 +552,10 @@ class _BatchKeys:
 
     slots: str  # [B,1,S,1] int64: the buffer slot of the block's key j, length_b + j (ScatterElements indices)
     bias: str   # [B,G*S,P] float: 0 visible, -inf hidden (query rows group-major)
-    p: str      # [P] int64: the buffer's slots
+    kpos: str | None  # [B,P] int64: each slot's key position (graphs with sliding windows; None elsewhere)
 
 
-def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
+def _batched_keys(g: GraphBuilder, x: str, groups: int, windowed: bool = False) -> _BatchKeys:
     """The block's keys are placed in (a copy of) the K/V buffer at their slots and every row attends over that one
     buffer: a key sits at the same place in the score row, the softmax sum and the P.V product whether an earlier
     call committed it or it comes with this one, so a row's bits do not depend on how the tokens before it were
@@ -543,7 +564,7 @@ def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
     int4's int8 activations turned into other tokens. Key p of sequence b: committed (p < length_b, read from
     past_bias, whose visible keys are a prefix), visible to every row; the block's key length_b + j, visible to row r
     as the causal mask (j <= r % S) and block_bias[b, r % S, j] say; the rest of the buffer hidden. `x`: any [B, S]
-    input of the call's grid (position_ids), for S."""
+    input of the call's grid (position_ids), for S and, `windowed`, the block's key positions."""
     length = g.op("ReduceSum", [g.op("Cast", [g.op("Equal", ["past_bias", g.const(0.0, np.float32)])], to=I64),
                                 g.const([1])], keepdims=0)                                # [B]
     s_len = g.op("Shape", [x], start=1, end=2)
@@ -566,7 +587,14 @@ def _batched_keys(g: GraphBuilder, x: str, groups: int) -> _BatchKeys:
                               g.op("GatherElements", [block, pick], axis=2), g.const(-np.inf, np.float32)])
     bias = g.op("Where", [g.op("Unsqueeze", [g.op("Less", [rel, g.const(0)]), g.const([1])]),
                           g.const(0.0, np.float32), in_block])                               # [B,G*S,P]
-    return _BatchKeys(g.op("Unsqueeze", [slots, g.const([1, 3])]), bias, p)
+    if not windowed:
+        return _BatchKeys(g.op("Unsqueeze", [slots, g.const([1, 3])]), bias, None)
+    # Key positions for sliding windows: a committed key's is its slot; the block's key j's is position_ids[b, j]
+    # (a draft tree's node sits at slot length + j but position length + depth). Slots past the block: hidden above.
+    block_pos = g.op("GatherElements", [x, g.op("Clip", [rel, g.const(0), g.op("Sub", [s, g.const(1)])])], axis=1)
+    committed = g.op("Expand", [g.op("Unsqueeze", [p, g.const([0])]), g.op("Shape", [rel])])
+    kpos = g.op("Where", [g.op("Less", [rel, g.const(0)]), committed, block_pos])           # [B,P]
+    return _BatchKeys(g.op("Unsqueeze", [slots, g.const([1, 3])]), bias, kpos)
 
 
 def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "TargetSpec", i: int, cos: str,
@@ -608,8 +636,9 @@ def _batched_block_attention(g: GraphBuilder, xn: str, sd: dict, a: str, t: "Tar
     scale = g.const(D ** -0.5, np.float32)
     scores = g.op("Mul", [g.op("MatMul", [q4, g.op("Transpose", [full_k], perm=[0, 1, 3, 2])]), scale])
     scores = g.op("Add", [scores, g.op("Unsqueeze", [keys.bias, g.const([1])])])          # [B,KVH,G*S,P]
-    if window:  # the key at slot j (its position) visible to a query at position p iff j > p - window
-        near = g.op("Greater", [keys.p, g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])
+    if window:  # a key at position k visible to a query at position p iff k > p - window
+        near = g.op("Greater", [g.op("Unsqueeze", [keys.kpos, g.const([1])]),
+                                g.op("Unsqueeze", [g.op("Sub", [pos, g.const(window)]), g.const([2])])])  # [B,S,P]
         wmask = g.op("Unsqueeze", [g.op("Where", [near, g.const(0.0, np.float32), g.const(-np.inf, np.float32)]),
                                    g.const([1])])                                        # [B,1,S,P]
         scores = g.op("Add", [scores, g.op("Tile", [wmask, g.const([1, 1, H // KVH, 1])])])
