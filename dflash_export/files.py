@@ -145,20 +145,13 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
         raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
-    old = None
     try:
         yield tmp
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        old = _swap_in(tmp, final)
+        if old is not None:
+            _remove_path(old)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.is_dir() and not _exists(final):  # stopped between the two renames: the
-            old.rename(final)                                            # previous directory goes back in place
+        _remove_path(tmp)
         os_error = _os_error_of(e)
         if what and os_error is not None and (
                 os_error.filename is None or Path(str(os_error.filename)).is_relative_to(tmp)):
@@ -167,6 +160,81 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
         if os_error is not None and os_error is not e:
             raise OSError(os_error.errno, os_error.strerror, str(final)) from None
         raise
+
+
+def _swap_in(tmp: Path, final: Path) -> Path | None:
+    """Put the finished directory `tmp` at `final`'s name. When `final` exists it is exchanged with `tmp` in one
+    step (renameat2 RENAME_EXCHANGE), so that a reader always finds a whole directory there, the previous or the new
+    one, and writers finishing at once each put theirs in whole (the last one stays); `tmp` then holds the previous
+    directory, returned for the caller to remove. Where the filesystem cannot exchange, the previous one is renamed
+    aside first (put back if the second rename fails) and its new name returned; None when nothing was there."""
+    import errno
+
+    for _ in range(100):  # each retry follows another writer's rename of `final` in between
+        try:
+            tmp.rename(final)  # nothing there (or an empty directory)
+            return None
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+        try:
+            if _exchange(tmp, final):
+                return tmp
+        except FileNotFoundError:
+            continue  # another writer moved `final` aside: try again
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        try:
+            final.rename(old)
+        except FileNotFoundError:
+            continue
+        try:
+            tmp.rename(final)
+        except BaseException as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                shutil.rmtree(old, ignore_errors=True)  # another writer's came in between: replace that one
+                continue
+            if old.is_dir() and not _exists(final):  # stopped between the two renames: the previous one goes back
+                old.rename(final)
+            raise
+        return old
+    raise OSError(errno.EBUSY, "replaced by other writers over and over", str(final))
+
+
+def dir_identity(d: Path) -> tuple[int, int] | None:
+    """The directory at `d` as (device, inode): another one once `atomic_dir` has swapped a new one in; None if
+    gone."""
+    try:
+        st = os.stat(d)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths `a` and `b` atomically (Linux renameat2 RENAME_EXCHANGE); False where this system or
+    filesystem cannot, an OSError for any other failure."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library older than glibc 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _remove_path(p: Path) -> None:
+    """Remove a directory tree, or the link or file in its place; nothing if it is gone."""
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        p.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def remove_stale_temps(final: Path) -> None:

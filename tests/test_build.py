@@ -102,6 +102,78 @@ def test_interrupted_build_leaves_nothing_that_loads(tmp_path):
             load_engine(half)
 
 
+def test_builds_of_one_engine_at_once_take_turns_and_never_mix(tmp_path, monkeypatch):
+    """Two builds of one engine directory started together run one after the other: with the same inputs the later
+    reuses the earlier's engine; with other inputs the engine left is whole, its manifest naming its own inputs."""
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    import dflash_export.engines.build as build
+    from dflash_export.engines.onnxruntime import ENGINE_FORMAT
+    from dflash_export.engines.ort_build import graph_precisions
+    from dflash_export.files import atomic_dir
+
+    recipes = []
+    for i in (1, 2):
+        shutil.copytree(resolve_source("tiny:qwen3/drafter"), tmp_path / f"drafter{i}")
+        (tmp_path / f"r{i}").mkdir()
+        y = tmp_path / f"r{i}" / "mine.yaml"
+        y.write_text(f"name: mine\ntarget: tiny:qwen3/target\ndrafter: {tmp_path / f'drafter{i}'}\nmax_seq_len: 256\n"
+                     "chat_template: false\n")
+        recipes.append(load_recipe(y))
+    built = []
+
+    def builder(recipe, engine_dir, **kwargs):  # the slower the first, the later it records its inputs
+        first = recipe is recipes[0]
+        with atomic_dir(engine_dir) as tmp:
+            time.sleep(0.2 if first else 0.6)
+            (tmp / "manifest.json").write_text(json.dumps({"tool": "dflash-export", "backend": "onnxruntime",
+                                                           "drafter": str(recipe.drafter_path), "first": first}))
+        built.append(recipe)
+
+    def manifest(engine_dir):
+        m = json.loads((Path(engine_dir) / "manifest.json").read_text())
+        return SimpleNamespace(inputs=m.get("inputs"), backend="onnxruntime", engine_format=ENGINE_FORMAT,
+                               precision=graph_precisions(recipes[0], None, None, None))
+
+    record = build._record_inputs
+
+    def slow_record(engine_dir, inputs):
+        time.sleep(1.0 if json.loads((engine_dir / "manifest.json").read_text())["first"] else 0)
+        record(engine_dir, inputs)
+
+    monkeypatch.setattr(build, "backend_builder", lambda backend: builder)
+    monkeypatch.setattr(build, "read_manifest", manifest)
+    monkeypatch.setattr(build, "_record_inputs", slow_record)
+
+    def at_once(*rs, force=False):
+        results = [None] * len(rs)
+
+        def one(i):
+            try:
+                results[i] = build_engine(rs[i], "onnxruntime", tmp_path / "engines", force=force)
+            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                results[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(rs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    results = at_once(recipes[0], recipes[0])
+    assert sorted(r.reused for r in results) == [False, True] and len(built) == 1, results
+    results = at_once(recipes[0], recipes[1], force=True)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    engine = tmp_path / "engines" / "mine" / "onnxruntime"
+    m = json.loads((engine / "manifest.json").read_text())
+    mine = next(r for r in recipes if str(r.drafter_path) == m["drafter"])
+    assert m["inputs"] == build.recipe_inputs(mine)
+    assert sorted(p.name for p in engine.parent.iterdir()) == ["onnxruntime"]
+
+
 def test_backend_without_library_is_one_clear_error(own_recipe, tmp_path):
     recipe, _ = own_recipe
     recipe.backends = ["onnxruntime", "tensorrt"]

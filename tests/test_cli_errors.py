@@ -502,6 +502,105 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build(tmp_path):
     assert not (tmp_path / f".onnxruntime.old-{dead_pid}").exists()
 
 
+def test_writers_replacing_one_directory_at_once_all_succeed_and_readers_always_find_it_whole(tmp_path):
+    """Several processes replacing the same directory at once (two builds of one engine): every write succeeds, a
+    reader never finds the name missing or a directory holding files of two writes, and nothing else is left."""
+    import subprocess
+    import sys
+    import time
+
+    from dflash_export.files import atomic_dir
+
+    final = tmp_path / "onnxruntime"
+    writer = (
+        "import sys\n"
+        "from dflash_export.files import atomic_dir\n"
+        "for i in range(int(sys.argv[2])):\n"
+        "    with atomic_dir(sys.argv[1]) as tmp:\n"
+        "        for name in 'abc':\n"
+        "            (tmp / name).write_text(f'{sys.argv[3]}-{i}')\n")
+    with atomic_dir(final) as tmp:
+        for name in "abc":
+            (tmp / name).write_text("first")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(final), "150", str(w)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(3)]
+    missing, mixed, whole = 0, [], 0
+    while any(p.poll() is None for p in procs):
+        try:
+            fd = os.open(final, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            missing += 1
+            continue
+        try:  # the directory as it was when opened, even if it is replaced meanwhile
+            stamps = set()
+            for name in "abc":
+                f = os.open(name, os.O_RDONLY, dir_fd=fd)
+                stamps.add(os.read(f, 100))
+                os.close(f)
+            if len(stamps) > 1:
+                mixed.append(stamps)
+            whole += 1
+        except FileNotFoundError:  # replaced and removed while read: the next look sees the new one
+            pass
+        finally:
+            os.close(fd)
+        time.sleep(0.001)
+    outputs = [p.communicate()[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert missing == 0 and mixed == [] and whole > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["onnxruntime"]
+    assert len({(final / name).read_text() for name in "abc"}) == 1
+
+
+def test_an_engine_replaced_while_it_loads_is_loaded_again_whole(engine_dir, tmp_path, monkeypatch):
+    """A build swapping a new engine directory in while another process loads the old one: the load starts again
+    from the new engine's manifest, never keeping files of one engine under the manifest of the other."""
+    import dflash_export.engines.registry as registry
+    from dflash_export.engines.manifest import read_manifest
+    from dflash_export.files import atomic_dir
+
+    engine = tmp_path / "onnxruntime"
+    shutil.copytree(engine_dir, engine)
+    real = registry.OPENERS["onnxruntime"]
+    seen = []
+
+    def opener(d, manifest, **kwargs):
+        seen.append(manifest.raw.get("note"))
+        if len(seen) in (1, 3):  # a build finishes as the load begins
+            with atomic_dir(engine) as tmp:
+                shutil.copytree(engine_dir, tmp, dirs_exist_ok=True)
+                m = json.loads((tmp / "manifest.json").read_text())
+                (tmp / "manifest.json").write_text(json.dumps({**m, "note": f"build {len(seen)}"}))
+        return real(d, manifest, **kwargs)
+
+    monkeypatch.setitem(registry.OPENERS, "onnxruntime", opener)
+    registry.load_engine(engine, threads=1).close()
+    assert seen == [None, "build 1"]
+    registry.load_engine(engine, read_manifest(engine), threads=1).close()  # the caller's manifest, then the new one
+    assert seen == [None, "build 1", "build 1", "build 3"]
+
+
+def test_a_batch_graph_is_never_loaded_from_an_engine_rebuilt_since_the_load(engine_dir, tmp_path):
+    """The batch graph is loaded on first use: once a build has swapped another engine in, that is one error saying
+    to start again, not a graph of the new engine beside the old one's."""
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import atomic_dir
+
+    engine = tmp_path / "onnxruntime"
+    shutil.copytree(engine_dir, engine)
+    loaded = load_engine(engine, threads=1)
+    try:
+        with atomic_dir(engine) as tmp:
+            shutil.copytree(engine_dir, tmp, dirs_exist_ok=True)
+        with pytest.raises(DFlashError, match="replaced .* start again") as e:
+            loaded.batch_target_session()
+        assert str(engine) in str(e.value)
+    finally:
+        loaded.close()
+
+
 def test_a_write_that_fails_without_a_path_names_the_output_and_leaves_nothing(tmp_path):
     """A full disk fails a write with an OSError that names no file: an output written with `what` is named in one
     error (not nothing, not its removed temporary sibling); an input's own error keeps its name; without `what` the

@@ -1161,6 +1161,8 @@ def test_resuming_rewrites_a_deleted_output_and_a_finished_run_logs_nothing_twic
 
 
 def test_an_interrupt_between_the_renames_of_a_replaced_directory_puts_the_old_one_back(tmp_path, monkeypatch):
+    """On a filesystem that cannot exchange two directories in one step, the previous one is renamed aside first."""
+    import dflash_export.files as files
     from dflash_export.files import atomic_dir
 
     with atomic_dir(tmp_path / "checkpoint") as d:
@@ -1170,11 +1172,12 @@ def test_an_interrupt_between_the_renames_of_a_replaced_directory_puts_the_old_o
 
     def rename(self, target):
         renames.append(self)
-        if len(renames) == 2:  # the old directory moved aside, the new one not yet in place
+        if len(renames) == 3:  # refused onto the old one, the old one moved aside, the new one not yet in place
             raise KeyboardInterrupt
         return real(self, target)
 
     monkeypatch.setattr(Path, "rename", rename)
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     with pytest.raises(KeyboardInterrupt):
         with atomic_dir(tmp_path / "checkpoint") as d:
             (d / "train_state.pt").write_text("step 6")

@@ -7,12 +7,14 @@ interrupted build never leaves a directory that loads as an engine; `read_manife
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from dflash_export.engines.manifest import MANIFEST, engine_dir_name, hash_inputs, read_manifest
 from dflash_export.engines.onnxruntime import ENGINE_FORMAT
-from dflash_export.engines.ort_build import graph_precisions
+from dflash_export.engines.ort_build import graph_precisions, stage
 from dflash_export.engines.registry import BACKENDS, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, is_engine_dir, removing_new_dirs
@@ -38,6 +40,47 @@ def default_engine_dir(recipe_name: str) -> Path:
     raise DFlashError(f"no engine built for recipe {recipe_name!r} at {rel / 'onnxruntime'}: build it first with "
                       f"`dflash-export build --recipe {recipe_name} --backend onnxruntime`, or pass --engine DIR",
                       field="--engine")
+
+
+@contextmanager
+def _build_turn(engine_dir: Path) -> Iterator[None]:
+    """This process's turn to build `engine_dir`: an exclusive lock on its parent directory (created if needed), held
+    until the block ends. Builds of one engine started at once then run one after the other, the later one reusing
+    (or, forced or with other inputs, replacing) what the earlier one finished, never adding its input hashes to
+    another's engine. The kernel drops the lock with its process, killed or not: nothing is left to clean up."""
+    import fcntl
+    import os
+
+    parent = engine_dir.parent
+    announced = False
+    while True:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise DFlashError(f"cannot write here ({e.strerror or e})", path=engine_dir, field="--out") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not announced:
+                    stage(f"waiting for another build of {engine_dir} to finish")
+                    announced = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(parent))
+            except FileNotFoundError:  # removed by a build that failed (its empty directories go)
+                same = False
+            if same:
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # locked a directory no longer at that path: lock the one there now
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 @dataclass
@@ -105,17 +148,17 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     engine_dir = out_root / recipe.name / engine_dir_name(backend, precisions)
     check_output_dir(engine_dir, command="build", is_previous_output=is_engine_dir, replaced=True)
     inputs = recipe_inputs(recipe)
-    if engine_dir.exists() and not force:
-        try:
-            manifest = read_manifest(engine_dir)
-            if (manifest.inputs == inputs and manifest.backend == backend
-                    and (precisions is None or (manifest.precision == precisions
-                                                and manifest.engine_format == ENGINE_FORMAT))
-                    and (max_batch is None or bound(manifest) == max_batch)):
-                return BuildResult(engine_dir, True, inputs)
-        except DFlashError:
-            pass  # an earlier engine, unreadable or tampered: rebuild over it
-    with removing_new_dirs(engine_dir):
+    with removing_new_dirs(engine_dir), _build_turn(engine_dir):
+        if engine_dir.exists() and not force:  # an engine another build just finished counts
+            try:
+                manifest = read_manifest(engine_dir)
+                if (manifest.inputs == inputs and manifest.backend == backend
+                        and (precisions is None or (manifest.precision == precisions
+                                                    and manifest.engine_format == ENGINE_FORMAT))
+                        and (max_batch is None or bound(manifest) == max_batch)):
+                    return BuildResult(engine_dir, True, inputs)
+            except DFlashError:
+                pass  # an earlier engine, unreadable or tampered: rebuild over it
         if precisions is not None:
             build(recipe, engine_dir, draft_vocab=recipe.draft_vocab, precision=precisions["target"],
                   drafter_precision=precisions["drafter"],

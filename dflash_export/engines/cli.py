@@ -50,7 +50,7 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
             ort_build.report_stages(None)
     from dflash_export.engines.manifest import read_manifest
 
-    m = read_manifest(res.engine_dir)
+    m = read_manifest(res.engine_dir, verify_files=False)  # hashed by the build; only its precision is read
     weights = ""
     if m.precision:
         p = m.precision

@@ -46,7 +46,7 @@ from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.files import MatrixRows
+from dflash_export.files import MatrixRows, dir_identity
 from dflash_export.models.config import DFlashSpec
 
 TARGET = "target.onnx"
@@ -250,6 +250,7 @@ class OrtEngine(Engine):
                  greedy_drafts: bool = True, **_):
         ort = _ort()
         self.engine_dir = Path(engine_dir)
+        self._dir_identity = dir_identity(self.engine_dir)  # what a graph loaded later must still come from
         mpath = manifest.path
         check_ort_manifest(manifest)
         shapes = manifest.require("shapes")
@@ -377,6 +378,9 @@ class OrtEngine(Engine):
         """The target graph for B sequences verifying blocks in one call (target_batch.onnx), loaded on first use
         (it holds a second copy of the target's weights); None for engines built without it."""
         if self._target_batch is None and (self.engine_dir / TARGET_BATCH).is_file():
+            if dir_identity(self.engine_dir) != self._dir_identity:
+                raise DFlashError("replaced (rebuilt) since this process loaded it, so its batch graph would come "
+                                  "from another engine: start again to load the new one", path=self.engine_dir)
             sess = self._session(self._ort, TARGET_BATCH, self._session_options, self._providers)
             meta = sess.get_modelmeta().custom_metadata_map
             if meta.get("dflash.graph") != GRAPH_ROLES[TARGET_BATCH] or meta.get("dflash.max_seq_len") != str(

@@ -53,7 +53,7 @@ def report_stages(fn) -> None:
     _stage_reporter = fn
 
 
-def _stage(text: str, new: bool = True) -> None:
+def stage(text: str, new: bool = True) -> None:
     """Name a step to the reporter: `new` a step that starts, else the progress of the running one (the CLI updates
     its status line without logging a line)."""
     if _stage_reporter is not None:
@@ -74,7 +74,7 @@ class _QuantProgress(logging.Handler):
             return
         if self.done:
             left = (time.monotonic() - self.t0) / self.done * (self.total - self.done)
-            _stage(f"{self.label}: {self.done}/{self.total} MatMuls, about {left:.0f} s left", new=False)
+            stage(f"{self.label}: {self.done}/{self.total} MatMuls, about {left:.0f} s left", new=False)
         self.done += 1
 
 
@@ -97,7 +97,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         raise DFlashError(f"must be >= 2, got {draft_vocab}", path=recipe.path, field="draft_vocab")
     # The CPU backend computes in float32 whatever the checkpoint's dtype (a bfloat16 / float16 checkpoint is widened,
     # exactly); `--precision int8 / int4` quantizes the weights from there. The manifest records both.
-    _stage("loading the target and the drafter")
+    stage("loading the target and the drafter")
     target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
     dspec = drafter.spec(recipe.block_size)
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
@@ -105,7 +105,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         raise DFlashError("a draft vocabulary would change DFlash 2's top-k candidates (z-lab takes them over the "
                           "whole vocabulary)", path=recipe.path, field="draft_vocab")
     with removing_new_dirs(out_dir), atomic_dir(out_dir, what="the engine") as tmp:
-        _stage("exporting and optimizing the graphs")
+        stage("exporting and optimizing the graphs")
         res, manifest_shared = _export_optimized(ort, recipe, target, drafter, tmp, dspec.block_size, draft_vocab,
                                                  threads)
         quantization = _quantize_graphs(tmp, precisions, manifest_shared)
@@ -122,7 +122,7 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
         if recipe.decoding.static_ngrams:
             manifest["static_ngrams"] = _static_index(recipe, target, tmp)
         write_manifest(tmp, manifest)
-        _stage("probing this CPU's kernels (verify rows against plain steps)")
+        stage("probing this CPU's kernels (verify rows against plain steps)")
         choose_graph_padding(tmp, manifest, threads)
     return out_dir
 
@@ -134,7 +134,7 @@ def choose_graph_padding(engine_dir: Path, manifest: dict, threads: int | None) 
     numerics = _record_numerics(engine_dir, manifest, threads)
     target = engine_dir / TARGET
     if numerics.row_floor > 1 and numerics.row_pad != "graph" and padded_ops(target) == ["GroupQueryAttention"]:
-        _stage("a product's one-row kernel differs on this CPU: padding the products in the graph too")
+        stage("a product's one-row kernel differs on this CPU: padding the products in the graph too")
         unpad_graph(target)
         pad_in_graph(target, products=True)
         write_manifest(engine_dir, manifest)  # the files' hashes as they now are
@@ -166,7 +166,7 @@ def _static_index(recipe, target, tmp: Path) -> dict:
     from dflash_export.train.own_answers import static_index_answers
 
     opts = recipe.decoding
-    _stage(f"indexing the target's own answers to {opts.static_prompts} training prompts (static n-grams)")
+    stage(f"indexing the target's own answers to {opts.static_prompts} training prompts (static n-grams)")
     answers = static_index_answers(target, recipe.train, opts.static_prompts)
     index = StaticNgramIndex.from_answers(answers, max_entries=opts.static_entries)
     return store_static_index(tmp, index, len(answers), sum(len(a) for a in answers))
@@ -233,7 +233,7 @@ def _quantize_graphs(tmp: Path, precisions: dict[str, str], manifest_shared: dic
         if (tmp / fname).is_file() and precisions[role] != "fp32":
             if role in ("lm_head", "draft_head"):
                 _head_as_matmul(tmp / fname, tmp / SHARED, manifest_shared)
-            _stage(f"quantizing {fname} to {precisions[role]}")
+            stage(f"quantizing {fname} to {precisions[role]}")
             quantization[role] = quantize_graph(tmp / fname, precisions[role])
     return quantization
 

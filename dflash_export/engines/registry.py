@@ -205,14 +205,44 @@ def batched_engine(engine: Engine, max_batch: int = 16):
 
 def load_engine(engine_dir, manifest: Manifest | None = None, **kwargs) -> Engine:
     """Open a built engine directory with the backend its manifest names. `manifest`: the directory's manifest as
-    `read_manifest` just returned it (its files hashed), so a caller that has read it does not hash them again."""
+    `read_manifest` just returned it (its files hashed), so a caller that has read it does not hash them again.
+
+    A build may replace the directory while it loads (files.atomic_dir swaps in a whole new one): the files opened
+    could then come from two engines. When the directory there after the load is not the one there before it, or
+    holds another manifest than the one loaded, the load starts again from the engine there now."""
+    from dflash_export.files import dir_identity
+
+    engine_dir = Path(engine_dir)
+    for attempt in range(3):
+        before = dir_identity(engine_dir)
+        try:
+            engine, loaded = _load_once(engine_dir, manifest if attempt == 0 else None, **kwargs)
+        except (DFlashError, OSError):
+            if dir_identity(engine_dir) == before:
+                raise
+            continue  # replaced while it loaded: what failed may be the mixture
+        if dir_identity(engine_dir) == before and _manifest_unchanged(engine_dir, loaded):
+            return engine
+        engine.close()
+    raise DFlashError("replaced by other builds while it loaded, three times over: load it again once they finish",
+                      path=engine_dir)
+
+
+def _load_once(engine_dir: Path, manifest: Manifest | None, **kwargs) -> tuple[Engine, Manifest]:
     if manifest is None:
         manifest = read_manifest(engine_dir)
     backend = manifest.backend
     opener = OPENERS.get(backend)
     if opener is None:
         raise DFlashError(f"a {backend!r} engine does not load here ({', '.join(OPENERS)})",
-                          path=Path(engine_dir) / MANIFEST, field="backend")
-    engine = opener(Path(engine_dir), manifest, **kwargs)
+                          path=engine_dir / MANIFEST, field="backend")
+    engine = opener(engine_dir, manifest, **kwargs)
     engine.info.static_index = manifest.static_index()
-    return engine
+    return engine, manifest
+
+
+def _manifest_unchanged(engine_dir: Path, manifest: Manifest) -> bool:
+    """Whether `engine_dir` still holds the manifest `manifest` was read from (the same fields and file hashes)."""
+    from dflash_export.files import MAX_JSON_BYTES, read_cache_json
+
+    return read_cache_json(engine_dir / MANIFEST, MAX_JSON_BYTES) == dict(manifest.raw)
