@@ -22,6 +22,10 @@ from dflash_export.errors import DFlashError
     ({"messages": b"[{\"role\": \"user\"}]"}, "messages"),
     ({"messages": b"{"}, "messages: not valid JSON"),
     ({"text_input": b"a", "messages": b"[]"}, "messages"),
+    ({"input_ids": np.array([], np.int64)}, "input_ids: empty prompt"),
+    ({"input_ids": np.array([1.0], np.float32)}, "input_ids: expected integers"),
+    ({"input_ids": np.array([3, -1], np.int64)}, "input_ids: a token id is negative"),
+    ({"input_ids": np.array([3], np.int64), "text_input": b"a"}, "input_ids: send one prompt"),
 ])
 def test_parse_request_names_the_bad_input(inputs, field):
     from dflash_export.deploy.handler import parse_request
@@ -512,3 +516,29 @@ def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(
         assert chunks[-1].drafted_tokens == 0 and chunks[-1].step_stats["acceptance_lengths"] == [1] * 15
         for last in (chunks[-1], want[-1]):  # one request at a time: no shared batch to wait for, no K/V bound
             assert (last.step_stats["admission_wait_s"], last.step_stats["kv_token_limit"]) == (0, 0)
+
+
+def test_a_prompt_of_token_ids_runs_as_the_text_they_encode(direct):
+    """input_ids: the prompt's token ids, run as the text that encodes to them (the same answer and prompt_tokens);
+    ids outside the vocabulary or past the engine's context are refused naming input_ids, on every edge that takes a
+    request (the generate body, /infer, the model)."""
+    from dflash_export.deploy.handler import check_generate_body, check_infer_body
+
+    ids = direct.runtime.encode("1 2 3 4", chat=False)
+    text = run_direct(direct, text_input=b"1 2 3 4", max_tokens=np.array([10]), apply_chat_template=np.array([False]))
+    got = run_direct(direct, input_ids=np.array(ids, np.int64), max_tokens=np.array([10]))
+    assert (got.text, got.prompt_tokens, got.completion_tokens) == (text.text, len(ids), text.completion_tokens)
+    info = direct.runtime.engine.info
+    for bad, says in (([1, info.vocab_size], "outside the vocabulary"),
+                      ([1] * info.max_seq_len, "tokens; this engine")):
+        with pytest.raises(DFlashError, match=says) as e:
+            run_direct(direct, input_ids=np.array(bad, np.int64), max_tokens=np.array([4]))
+        assert e.value.field == "input_ids"
+    assert check_generate_body({"input_ids": ids})["input_ids"] == ids
+    for body, says in (({"input_ids": []}, "non-empty list"), ({"input_ids": [1, "2"]}, "holding other values"),
+                       ({"input_ids": [1, True]}, "holding other values"), ({"input_ids": [2 ** 63]}, "INT64"),
+                       ({"input_ids": [1], "messages": "[]"}, "send one prompt")):
+        with pytest.raises(DFlashError, match=says) as e:
+            check_generate_body(body)
+        assert e.value.field == "input_ids"
+    check_infer_body({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [300], "data": [1] * 300}]})

@@ -94,6 +94,24 @@ def test_completion_is_raw_text_and_equals_direct(served, direct):
     assert s == r.choices[0].text
 
 
+def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
+    """/v1/completions takes the prompt as token ids too (OpenAI's and vLLM's list of integers): the tokens the text
+    encodes to give the text's answer, streamed or not; ids outside the vocabulary are a 400 naming `prompt`."""
+    ids = direct.runtime.encode("1 2 3 4", chat=False)
+    want = direct_text(direct, prompt="1 2 3 4", max_tokens=12)
+    c = served["client"]
+    for prompt in (ids, [ids]):
+        r = c.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
+    s = "".join(x.choices[0].text for x in c.completions.create(model="tiny-qwen3", prompt=ids, max_tokens=12,
+                                                                 stream=True) if x.choices)
+    assert s == want
+    vocab = direct.runtime.engine.info.vocab_size
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny-qwen3", prompt=[1, vocab], max_tokens=4)
+    assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.body["message"]
+
+
 def test_sampling_fields_reach_the_engine(served, direct):
     kw = dict(model="tiny-qwen3", messages=MESSAGES[0], max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
     a = served["client"].chat.completions.create(**kw, extra_body={"top_k": 5}).choices[0].message.content

@@ -55,7 +55,10 @@ INPUT_TYPES: dict[str, tuple[str, tuple[int, ...]]] = {
     "seed": ("UINT64", (1,)),
     "stop": ("BYTES", (-1,)),
     "apply_chat_template": ("BOOL", (1,)),   # text_input through the chat template (default) or as raw text
+    "input_ids": ("INT64", (-1,)),           # the prompt as token ids, instead of text_input / messages
 }
+# The most token ids an input_ids prompt may hold before the engine's own bound (its max_seq_len) is known.
+MAX_PROMPT_IDS = 1 << 20
 
 
 @dataclass
@@ -65,6 +68,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     max_tokens_given: bool = True
     chat: bool = True
+    ids: list[int] | None = None  # the prompt as token ids (input_ids): `prompt` is then ""
 
 
 @dataclass
@@ -164,6 +168,16 @@ def check_generate_body(body) -> dict:
             raise DFlashError(f"expected a string, got {json_kind(body[key])}", field=key)
         if key in body:
             check_unicode(body[key], key)
+    if "input_ids" in body:
+        ids = body["input_ids"]
+        if not (isinstance(ids, list) and ids and all(is_int(t) for t in ids)):
+            raise DFlashError(f"expected a non-empty list of token ids (integers), got {json_kind(ids)}"
+                              + (" holding other values" if isinstance(ids, list) and ids else ""), field="input_ids")
+        _check_ids(ids)
+        if max(ids) > INT64_MAX:
+            raise DFlashError(f"{shown(max(ids))} is out of INT64's range", field="input_ids")
+        if "text_input" in body or "messages" in body:
+            raise DFlashError("send one prompt: input_ids, text_input or messages", field="input_ids")
     if "messages" in body:
         if not isinstance(body["messages"], (str, list)):
             raise DFlashError(f"expected a list of {{\"role\", \"content\"}} objects (or its JSON text), got "
@@ -180,16 +194,37 @@ def check_generate_body(body) -> dict:
     return out
 
 
+def _check_ids(ids) -> None:
+    """A prompt's token ids: at most MAX_PROMPT_IDS of them, none negative (the engine checks its vocabulary)."""
+    if len(ids) > MAX_PROMPT_IDS:
+        raise DFlashError(f"{len(ids)} token ids; a prompt takes at most {MAX_PROMPT_IDS}", field="input_ids")
+    if min(int(t) for t in ids) < 0:
+        raise DFlashError("a token id is negative", field="input_ids")
+
+
 def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
     """Read and type-check the inputs (`get(name)` returns the array or None when absent)."""
     text = _scalar(get, "text_input", "bytes")
     messages = _scalar(get, "messages", "bytes")
-    if text is None and messages is None:
-        raise DFlashError("missing input: send text_input (or messages as JSON)", field="text_input")
-    if text is not None and messages is not None:
-        raise DFlashError("send either text_input or messages, not both", field="messages")
+    ids_arr = get("input_ids")
+    ids = None
+    if ids_arr is not None:
+        ids_arr = np.asarray(ids_arr).reshape(-1)
+        if ids_arr.dtype.kind not in "iu":
+            raise DFlashError(f"expected integers, got {ids_arr.dtype}", field="input_ids")
+        if ids_arr.size == 0:
+            raise DFlashError("empty prompt", field="input_ids")
+        _check_ids(ids_arr)
+        ids = [int(t) for t in ids_arr]
+    if sum(x is not None for x in (text, messages, ids)) > 1:
+        raise DFlashError("send one prompt: input_ids, text_input or messages", field="messages" if ids is None
+                          else "input_ids")
+    if text is None and messages is None and ids is None:
+        raise DFlashError("missing input: send text_input (or messages as JSON, or input_ids)", field="text_input")
     if messages is not None:
         prompt: str | list[dict] = _messages(_text(messages, "messages"))
+    elif ids is not None:
+        prompt = ""
     else:
         prompt = _text(text, "text_input")
         if not prompt:
@@ -217,7 +252,7 @@ def parse_request(get: Callable[[str], np.ndarray | None]) -> GenerateRequest:
         if items.dtype != np.object_ and items.dtype.kind not in "SU":
             raise DFlashError(f"expected BYTES, got {items.dtype}", field="stop")
         stop = [s for s in check_field("stop", [_text(x, "stop") for x in items]) if s]
-    return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat))
+    return GenerateRequest(prompt, sp, stop, max_tokens is not None, True if chat is None else bool(chat), ids)
 
 
 def prompt_char_limit(engine_dir) -> int | None:
@@ -254,8 +289,11 @@ class RequestRunner:
         self.char_limit = prompt_char_limit(engine_dir) if engine_dir is not None else None
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        check_prompt_chars(req.prompt, self.char_limit)  # before the tokenizer spends seconds on it
-        ids = self.runtime.encode(req.prompt, chat=req.chat)
+        if req.ids is not None:
+            ids = list(req.ids)
+        else:
+            check_prompt_chars(req.prompt, self.char_limit)  # before the tokenizer spends seconds on it
+            ids = self.runtime.encode(req.prompt, chat=req.chat)
         info = self.runtime.engine.info
         room = info.max_seq_len - info.block_size - 1
         if not ids:
@@ -263,7 +301,8 @@ class RequestRunner:
         if len(ids) > room:
             raise DFlashError(f"prompt is {len(ids)} tokens; this engine takes at most {room} (max_seq_len "
                               f"{info.max_seq_len} minus one draft block of {info.block_size} and one new token)",
-                              field="messages" if isinstance(req.prompt, list) else "text_input")
+                              field="input_ids" if req.ids is not None else
+                              "messages" if isinstance(req.prompt, list) else "text_input")
         if not req.max_tokens_given:
             # Without an explicit max_tokens, generate as much as fits rather than refuse a long prompt.
             room = max(1, min(req.sp.max_new_tokens, info.max_seq_len - info.block_size - len(ids)))
@@ -416,8 +455,9 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
         n = 1
         for d in shape:
             n *= d
-        if n > MAX_INFER_ELEMENTS or (dims != (-1,) and n != 1):
-            takes = "one value" if dims != (-1,) else f"at most {MAX_INFER_ELEMENTS} values"
+        most = MAX_PROMPT_IDS if name == "input_ids" else MAX_INFER_ELEMENTS
+        if n > most or (dims != (-1,) and n != 1):
+            takes = "one value" if dims != (-1,) else f"at most {most} values"
             raise DFlashError(f"shape {shape}: this input takes {takes}", field=name)
         tp = t.get("parameters", {})
         if not isinstance(tp, dict):
@@ -431,7 +471,7 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
             binary += size
             continue
         data = t.get("data")
-        flat = _flatten(data, name)
+        flat = _flatten(data, name, most)
         if len(flat) != n:
             raise DFlashError(f"data holds {len(flat)} values, shape {shape} needs {n}", field=name)
         for v in flat:
@@ -460,7 +500,8 @@ def check_infer_body(body, binary_bytes: int = 0) -> dict:
     return body
 
 
-def _flatten(data, name: str) -> list:
+def _flatten(data, name: str, most: int) -> list:
+    """An /infer input's `data` as a flat list, read no further than `most` + 1 values."""
     if not isinstance(data, list):
         raise DFlashError(f"data: expected a list, got {json_kind(data)}", field=name)
     out, stack = [], [data]
@@ -470,6 +511,6 @@ def _flatten(data, name: str) -> list:
             stack.extend(reversed(v))
         else:
             out.append(v)
-        if len(out) > MAX_INFER_ELEMENTS:
+        if len(out) > most:
             break
     return out

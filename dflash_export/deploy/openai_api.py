@@ -4,11 +4,11 @@ shapes. The engine-side protocol stays Triton's; nothing here touches a socket.
 
 Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` with `stream` (server-sent events ending
 in `data: [DONE]`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`: usage so far on every chunk),
-`usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p` and vLLM's `top_k`. Refused
-with a 400 naming the field: what this server cannot honour (`n` > 1, tools, logprobs, penalties, logit_bias, `echo`,
-`suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI does not define. A field that changes
-nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools, `service_tier`) is accepted and
-ignored, as OpenAI's own server does for them.
+`usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p`, vLLM's `top_k` and a
+completion prompt of token ids. Refused with a 400 naming the field: what this server cannot honour (`n` > 1, tools,
+logprobs, penalties, logit_bias, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI
+does not define. A field that changes nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools,
+`service_tier`) is accepted and ignored, as OpenAI's own server does for them.
 """
 
 from __future__ import annotations
@@ -206,19 +206,23 @@ def _content(c, where: str) -> str:
 
 
 def completion_request(body, model_id: str) -> tuple[dict, bool, str | None]:
-    """(generate body, stream, usage: `_usage`) for a /v1/completions body: the prompt as raw text, no chat template."""
+    """(generate body, stream, usage: `_usage`) for a /v1/completions body: the prompt as raw text, no chat template,
+    or as token ids (`input_ids`)."""
     out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
     if body.get("logprobs") is not None:  # a completion's logprobs 0 still asks for the chosen tokens' own
         raise _bad("logprobs", "log probabilities are not returned by this server")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad("prompt", "expected a string (one prompt per request; token-id prompts are not supported)")
-    if not prompt:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if not prompt and isinstance(prompt, (str, list)):
         raise _bad("prompt", "empty prompt")
-    out["text_input"] = _check_unicode(prompt, "prompt")
-    out["apply_chat_template"] = False
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        out["input_ids"] = prompt  # token ids: the engine checks them against its vocabulary and context
+    elif isinstance(prompt, str):
+        out["text_input"] = _check_unicode(prompt, "prompt")
+        out["apply_chat_template"] = False
+    else:
+        raise _bad("prompt", "expected a string or a list of token ids (one prompt per request)")
     if "max_tokens" not in out:
         out["max_tokens"] = COMPLETION_MAX_TOKENS
     return out, bool(body.get("stream")), _usage(body)
@@ -298,13 +302,14 @@ def from_dflash_error(e: DFlashError) -> OpenAIError:
 
 
 def as_sent(e: OpenAIError, chat: bool, body=None) -> OpenAIError:
-    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input`; a
+    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input` (or
+    `input_ids`); a
     max_tokens the client did not send (`body`: the request) is said to be the completions default."""
     if not chat and e.param == "max_tokens" and isinstance(body, dict) and body.get("max_tokens") is None:
         return OpenAIError(e.status, f"{e.message} (the request set no max_tokens; /v1/completions then takes "
                            f"{COMPLETION_MAX_TOKENS}, as OpenAI's does: set a smaller one)", param=e.param,
                            kind=e.kind, code=e.code)
-    if chat or e.param != "text_input":
+    if chat or e.param not in ("text_input", "input_ids"):
         return e
-    message = "prompt" + e.message[len("text_input"):] if e.message.startswith("text_input") else e.message
+    message = "prompt" + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
     return OpenAIError(e.status, message, param="prompt", kind=e.kind, code=e.code)

@@ -606,13 +606,14 @@ _held_locks: list = []  # this process's shared locks on the cached repositories
 
 def _cached_name(engine: Path, manifest_bytes: bytes, recipe: str | None, instances: int, max_batch: int,
                  plain: bool, max_kv_tokens: int = 0) -> str:
-    """The cache's directory name for these inputs: a hash of the engine's manifest and path, the options and this
-    project's repository code, so a rebuilt engine or a changed model.py never reuses an old repository."""
+    """The cache's directory name for these inputs: a hash of the engine's manifest and path, the options, this
+    project's repository code and the models' inputs and outputs, so a rebuilt engine, a changed model.py or a new
+    input never reuses an old repository."""
     import hashlib
 
     key = hashlib.sha256()
     for part in (manifest_bytes, str(engine).encode(), f"{instances}/{max_batch}/{plain}/{max_kv_tokens}".encode(),
-                 TRITON_MODEL.read_bytes(), Path(__file__).read_bytes()):
+                 TRITON_MODEL.read_bytes(), Path(__file__).read_bytes(), repr(INPUTS + OUTPUTS).encode()):
         key.update(hashlib.sha256(part).digest())
     return f"{(recipe or 'engine')[:40]}-{key.hexdigest()[:16]}"
 
