@@ -94,7 +94,31 @@ def _stop_signals_raise():
                 signal.signal(s, signal.default_int_handler if h is _interrupted_while_loading else h)
 
 
+# The options that name a file or directory (or a recipe or suite that may be one).
+PATH_OPTIONS = frozenset({"--out", "--engine", "--recipe", "--target", "--drafter", "--repo", "--log-file",
+                          "--report", "--work-dir", "--init-from", "--llmapi-model-py", "--suite"})
+
+
+def expand_tilde_options(args: list[str]) -> list[str]:
+    """`--out=~/x` as the shell expands `--out ~/x`: a path option's value joined to it by `=` gets no tilde
+    expansion from the shell (the word is no assignment), so its leading `~` or `~user` is expanded here; a value
+    that names no home directory, and everything after `--`, stay as they are."""
+    out = []
+    for i, a in enumerate(args):
+        if a == "--":
+            return out + args[i:]
+        opt, eq, value = a.partition("=")
+        if eq and opt in PATH_OPTIONS and value.startswith("~"):
+            a = f"{opt}={os.path.expanduser(value)}"
+        out.append(a)
+    return out
+
+
 class _Group(click.Group):
+    def resolve_command(self, ctx, args):
+        name, cmd, args = super().resolve_command(ctx, args)
+        return name, cmd, expand_tilde_options(args)
+
     def invoke(self, ctx):
         try:
             with _stop_signals_raise():

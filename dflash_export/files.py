@@ -128,6 +128,26 @@ def _os_error_of(e: BaseException) -> OSError | None:
     return OSError(code, os.strerror(code))
 
 
+# The longest name a directory entry may have (NAME_MAX on Linux and most filesystems), and the most of it that the
+# name of a temporary sibling takes from the name it stands for: the rest holds ".", ".tmp-PID-" and mkdtemp's
+# random part (or ".old-PID").
+NAME_MAX = 255
+_STEM_MAX = 200
+
+
+def _sibling_stem(final: Path) -> str:
+    """The part of `final`'s name that its temporary siblings are named after: the whole name, or, for a name so long
+    that theirs would pass NAME_MAX, its first bytes and a hash of it (still one stem per name)."""
+    name = final.name
+    if len(os.fsencode(name)) <= _STEM_MAX:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    cut = name
+    while len(os.fsencode(cut)) > _STEM_MAX - len(digest) - 1:
+        cut = cut[:-1]
+    return f"{cut}~{digest}"
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to `final` only if the block completes.
@@ -141,7 +161,7 @@ def atomic_dir(final: str | os.PathLike, field: str | None = None, what: str | N
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_sibling_stem(final)}.tmp-{os.getpid()}-", dir=final.parent))
     except OSError as e:  # named by the directory asked for, not by the temporary sibling
         raise DFlashError(f"cannot write here ({e.strerror or e})", path=final, field=field) from None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a finished artifact should read like any other directory
@@ -182,7 +202,7 @@ def _swap_in(tmp: Path, final: Path) -> Path | None:
                 return tmp
         except FileNotFoundError:
             continue  # another writer moved `final` aside: try again
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f".{_sibling_stem(final)}.old-{os.getpid()}")
         try:
             final.rename(old)
         except FileNotFoundError:
@@ -243,7 +263,7 @@ def remove_stale_temps(final: Path) -> None:
     beside it (killed between atomic_dir's two renames) is the previous complete directory: it is put back."""
     import re
 
-    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-.+|old-(\d+))$")
+    pattern = re.compile(rf"^\.{re.escape(_sibling_stem(final))}\.(?:tmp-(\d+)-.+|old-(\d+))$")
     try:
         siblings = list(final.parent.iterdir())
     except OSError:
@@ -274,7 +294,7 @@ def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
     """Open a temp file next to `final` and move it into place on success."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{_sibling_stem(final)}.tmp-", dir=final.parent)
     os.close(fd)
     # mkstemp makes the file 0600; the finished file should read like any other the user writes (umask applies).
     umask = os.umask(0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_export.decoding.options import DecodingOptions, decoding_problem
 from dflash_export.errors import DFlashError
 from dflash_export.models.config import MAX_SEQ_LEN
-from dflash_export.models.sources import hf_snapshot, is_hf_id, split_pkg_spec
+from dflash_export.models.sources import SourcePath, hf_snapshot, is_hf_id, split_pkg_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -106,7 +106,7 @@ class Recipe:
         """Paths relative to the recipe file; schemes (tiny:, pkg:), absolute paths and Hugging Face ids found in the
         local cache (`Qwen/Qwen3-8B`, see sources.hf_snapshot) as they are. Every unset environment variable of the
         pair is named at once."""
-        if value.startswith(("tiny:", "pkg:")):
+        if value.startswith(("tiny:", "pkg:")) or isinstance(value, SourcePath):
             return value
         missing = self.missing_environment()
         if missing:
@@ -117,13 +117,15 @@ class Recipe:
         v = os.path.expandvars(os.path.expanduser(value))
         base = self.path.parent if self.path is not None else Path.cwd()
         if is_hf_id(v) and not (base / v).exists():
-            return str(hf_snapshot(v, field="target" if value == self.target else "drafter"))
-        return v if os.path.isabs(v) else str((base / v).resolve())
+            return SourcePath(hf_snapshot(v, field="target" if value == self.target else "drafter"))
+        return SourcePath(v if os.path.isabs(v) else (base / v).resolve())
 
     def missing_environment(self) -> list[tuple[str, str]]:
         """(variable, key) for every ${VAR} / $VAR in target and drafter that is not set."""
         out = []
         for key in ("target", "drafter"):
+            if isinstance(getattr(self, key), SourcePath):  # a path already: its `$` is a character of a name
+                continue
             for m in re.finditer(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", getattr(self, key)):
                 if m.group(1) not in os.environ:
                     out.append((m.group(1), key))
@@ -232,10 +234,10 @@ def recipe_from_options(recipe: str | None, target: str | None, drafter: str | N
 def _cli_source(value: str | None) -> str | None:
     """A source given on the command line: a local path made absolute (relative to the working directory, not to a
     recipe file); schemes and Hugging Face ids as they are."""
-    if not value or value.startswith(("tiny:", "pkg:")) or "$" in value:
-        return value
+    if not value or value.startswith(("tiny:", "pkg:")) or ("$" in value and not os.path.lexists(value)):
+        return value  # $VARS: expanded by Recipe.resolve, which names any unset one
     v = os.path.expanduser(value)
-    return v if is_hf_id(v) else str(Path(v).resolve())
+    return v if is_hf_id(v) else SourcePath(Path(v).resolve())
 
 
 def _load_recipe_file(name_or_path) -> Recipe:

@@ -67,7 +67,9 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
     if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
                               max_kv_tokens=max_kv_tokens):
         click.echo(note)
-    click.echo(f"serve it with: dflash-export serve --repo {repo}")
+    import shlex
+
+    click.echo(f"serve it with: dflash-export serve --repo {shlex.quote(str(repo))}")  # a line the shell takes whole
 
 
 @click.command()

@@ -90,12 +90,29 @@ def _relay_to(port: int, whole_close: bool = False):
     return relay
 
 
+# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included).
+UNIX_PATH_MAX = 107
+
+
+def _bind_address(uds: str) -> tuple[str, int | None]:
+    """(the address to bind the Unix socket `uds` at, a descriptor to close once bound or None): the path itself
+    when it fits sun_path, else the same file reached through a descriptor on its directory (/proc/self/fd/N/NAME)."""
+    if len(os.fsencode(uds)) <= UNIX_PATH_MAX:
+        return uds, None
+    head, name = os.path.split(uds)
+    fd = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{name}", fd
+
+
 async def _serve(uds: str, http_port: int, forwards: list[tuple[int, int]], proc: subprocess.Popen) -> None:
     old = os.umask(0o177)
+    address, fd = _bind_address(uds)
     try:
-        servers = [await asyncio.start_unix_server(_relay_to(http_port, whole_close=True), path=uds)]
+        servers = [await asyncio.start_unix_server(_relay_to(http_port, whole_close=True), path=address)]
     finally:
         os.umask(old)
+        if fd is not None:
+            os.close(fd)
     for fd, port in forwards:
         sock = socket.socket(fileno=fd)
         servers.append(await asyncio.start_server(_relay_to(port), sock=sock))
@@ -127,6 +144,11 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda s, f: proc.send_signal(s))
     try:
         asyncio.run(_serve(args.uds, args.port, forwards, proc))
+    except OSError as e:  # the socket could not be made: nothing could reach tritonserver, so it is ended
+        print(f"netns_bridge: cannot listen on the Unix socket {args.uds} ({e.strerror or e})", flush=True)
+        proc.terminate()
+        proc.wait()
+        return 1
     finally:
         rc = proc.wait()
     if rc < 0:  # died of a signal: so does this process, for whoever reads its status

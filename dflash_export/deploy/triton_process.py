@@ -402,7 +402,22 @@ def private_network_unavailable() -> str | None:
     return _private_network[0]
 
 
-def _uds_ok(path: Path, route: str, timeout: float = 1.0) -> bool:
+# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included); netns_bridge.py,
+# which imports nothing of the package, holds the same number.
+UNIX_PATH_MAX = 107
+UDS_NAME = "tritonserver.sock"
+
+
+def unix_address(path: Path, dir_fd: int | None) -> str:
+    """Where to connect to the Unix socket `path`: the path itself when it fits sun_path, else the same file reached
+    through `dir_fd`, a descriptor this process holds on its directory (/proc/self/fd/N/NAME), so a long TMPDIR
+    still works."""
+    if len(os.fsencode(str(path))) <= UNIX_PATH_MAX or dir_fd is None:
+        return str(path)
+    return f"/proc/self/fd/{dir_fd}/{path.name}"
+
+
+def _uds_ok(path: Path | str, route: str, timeout: float = 1.0) -> bool:
     """GET `route` from an HTTP server behind the Unix socket `path`; True on 200."""
     import http.client
 
@@ -474,6 +489,7 @@ class TritonServer:
         self.front = None
         self.triton_http_port: int | None = None
         self._workdir: Path | None = None
+        self._workdir_fd: int | None = None  # a descriptor on the work dir: the socket's address under a long TMPDIR
         self._served: Path | None = None  # the copy of the checked repository tritonserver loads (served_copy)
         self._log: collections.deque[str] = collections.deque(maxlen=400)
         # The first lines of the current run, kept apart from the tail: tritonserver names a rejected option on the
@@ -597,11 +613,12 @@ class TritonServer:
                                       "characters; set TMPDIR to a directory whose path has none", path=tmp,
                                       field="TMPDIR")
                 self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
+                self._workdir_fd = os.open(self._workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._write_owner()
                 make_backend_dir(install, self._workdir / "backends")
                 make_stub_env(self._workdir / "stubenv", stub_site)
             cancel_dir = new_cancel_dir(self._workdir)
-            uds = self._workdir / "tritonserver.sock"
+            uds = self._workdir / UDS_NAME
             # The checked files tritonserver loads, under the repository's own path (so `ps` still names it).
             self._served = served_copy(self.repo, served_dir(self._workdir, self.repo))
             if self.front is None:
@@ -611,7 +628,7 @@ class TritonServer:
                                    model_id=self.model_id or str(marker.get("recipe") or "dflash"), models=models,
                                    capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1)),
                                    prompt_char_limit=prompt_char_limit(self.repo / models[0] / "engine"),
-                                   upstream_uds=uds if self.private else None).start()
+                                   upstream_uds=self._uds_address() if self.private else None).start()
                 self.front.health = self.health
                 self.front.model_health = self.health
             self.triton_http_port = free_loopback_ports(1)[0]
@@ -664,6 +681,10 @@ class TritonServer:
             self.stop(drain_timeout_s=0)
             raise
         return self
+
+    def _uds_address(self) -> str:
+        """The address the front connects to tritonserver's Unix socket at (`unix_address`)."""
+        return unix_address(self._workdir / UDS_NAME, self._workdir_fd)
 
     def _relayed_ports(self) -> list[tuple[str, int]]:
         return ([(self.host, self.metrics_port)] if self.metrics_port else []) + \
@@ -726,7 +747,7 @@ class TritonServer:
         start = time.monotonic()
         deadline = start + self.ready_timeout_s
         url = f"http://127.0.0.1:{self.triton_http_port}/v2/health/ready"
-        uds = self._workdir / "tritonserver.sock"
+        uds = self._uds_address()
         self._zombies_seen = {}
         next_note = start + self.progress_s if self.progress_s else None
         while time.monotonic() < deadline:
@@ -999,7 +1020,7 @@ class TritonServer:
         within `timeout_s`."""
         import http.client
 
-        uds = self._workdir / "tritonserver.sock" if self._workdir is not None else None
+        uds = self._uds_address() if self._workdir is not None else None
 
         class UnixConnection(http.client.HTTPConnection):
             def connect(self):
@@ -1157,6 +1178,9 @@ class TritonServer:
         for env_dir in self._python_envs:
             shutil.rmtree(env_dir, ignore_errors=True)
         self._python_envs = set()
+        if self._workdir_fd is not None:
+            os.close(self._workdir_fd)
+            self._workdir_fd = None
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -75,9 +75,17 @@ def hf_snapshot(repo_id: str, field: str | None = None) -> Path:
     return snap
 
 
+class SourcePath(str):
+    """A source already made a local path (`~` and $VARS expanded, made absolute: a recipe's resolved target or
+    drafter, a command line's path): `resolve_source` takes it as it is, so a `$` or `~` that a directory's name
+    holds is never expanded a second time."""
+
+
 def resolve_source(spec) -> Path:
     """`tiny:NAME[/target|/drafter]`, `pkg:DIST:SUFFIX`, a Hugging Face id in the local cache, or a filesystem
-    path."""
+    path (`~` and $VARS expanded, except in a Path or a SourcePath: those are paths already)."""
+    if isinstance(spec, (Path, SourcePath)):
+        return Path(spec)
     s = str(spec)
     if s.startswith("tiny:"):
         from dflash_export.models.tiny import tiny_pair_path
