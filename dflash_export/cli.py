@@ -8,6 +8,7 @@ line, the traceback in a file, or on the terminal with DFLASH_EXPORT_TRACEBACK=1
 
 from __future__ import annotations
 
+import codecs
 import os
 import signal
 import sys
@@ -114,6 +115,126 @@ def expand_tilde_options(args: list[str]) -> list[str]:
     return out
 
 
+class _StdoutClosed(Exception):
+    """stdout's reader went away (a closed pipe: `| head -1`). Not an OSError, so that no writer on the way (rich
+    turns a BrokenPipeError into exit 1) takes it for its own."""
+
+
+def _escape_unencodable(e: UnicodeError):
+    """The stdout/stderr error handler: surrogate escapes (the undecodable bytes of an argument or path) go out as the
+    bytes they were, any other character the stream's encoding cannot hold (an ASCII locale) as a backslash escape."""
+    if not isinstance(e, UnicodeEncodeError):
+        raise e
+    try:
+        return codecs.lookup_error("surrogateescape")(e)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(e)
+
+
+codecs.register_error("dflash-escape", _escape_unencodable)
+
+
+def _to_devnull(stream) -> None:
+    """Point a stream whose reader is gone at /dev/null, so its buffered text and later writes (the interpreter
+    flushes stdout at exit) are dropped instead of failing again."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+class _Output:
+    """sys.stdout or sys.stderr while a command runs. A write to a closed pipe points the stream at /dev/null; on
+    stdout it then ends the command (_StdoutClosed: what it prints is what it is for, and a build's temporary files
+    are removed on the way out), on stderr -- progress and diagnostics only -- the command carries on without them."""
+
+    def __init__(self, stream, is_stdout: bool):
+        self._stream = stream
+        self._is_stdout = is_stdout
+
+    def _closed(self):
+        _to_devnull(self._stream)
+        if self._is_stdout:
+            raise _StdoutClosed
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _devnull_in_place_of_closed(fd: int) -> None:
+    """A closed descriptor 1 or 2 becomes /dev/null, so that no file opened later takes its number and receives what
+    a library writes there."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+
+
+@contextmanager
+def _outputs():
+    """While a command runs: a closed stdout or stderr (`>&-`) is /dev/null, not None; text the locale's encoding
+    cannot hold is escaped (_escape_unencodable) instead of failing the command half-way; writes to a closed pipe
+    are handled as _Output says."""
+    saved = {name: getattr(sys, name) for name in ("stdout", "stderr")}
+    errors = {}
+    for name, stream in saved.items():
+        if stream is None:
+            _devnull_in_place_of_closed(1 if name == "stdout" else 2)
+            stream = open(os.devnull, "w", encoding="utf-8")
+        elif getattr(stream, "errors", None) in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            errors[name] = stream.errors
+            stream.reconfigure(errors="dflash-escape")
+        setattr(sys, name, _Output(stream, name == "stdout"))
+    try:
+        yield
+    finally:
+        for name, stream in saved.items():
+            setattr(sys, name, stream)
+            if name in errors:
+                try:
+                    stream.reconfigure(errors=errors[name])
+                except (OSError, ValueError):  # a closed pipe with text still buffered: dropped at exit anyway
+                    pass
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(1, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _stdout_gone() -> None:
+    """stdout's reader went away: nothing more is written there, and the exit status is a shell's for a process that
+    SIGPIPE ended (128 + 13), quietly, as for any filter cut short by `| head`."""
+    _to_devnull(sys.__stdout__ or sys.stdout)
+    sys.exit(128 + getattr(signal, "SIGPIPE", 13))
+
+
 class _Group(click.Group):
     def resolve_command(self, ctx, args):
         name, cmd, args = super().resolve_command(ctx, args)
@@ -135,7 +256,11 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except _StdoutClosed:
+            _stdout_gone()
         except OSError as e:
+            if isinstance(e, BrokenPipeError) and _stdout_reader_gone():
+                _stdout_gone()  # a writer that bypasses sys.stdout (click re-encodes an ASCII stdout as UTF-8)
             # A path the user gave that cannot be read or written (no such directory, a file where a directory must
             # be, no permission, a full disk): name the file, no traceback.
             where = f"{e.filename}: " if e.filename else ""
@@ -199,6 +324,15 @@ def _with_summary_and_example(cmd: click.Command, name: str) -> click.Command:
 
 
 class _Main(_Group):
+    def main(self, *args, **kwargs):
+        """Every command (and --help, --version, a usage error) under _outputs; a closed stdout ends it as
+        _stdout_gone says, here as well as in a command (click writes --help before any command runs)."""
+        try:
+            with _outputs():
+                return super().main(*args, **kwargs)
+        except _StdoutClosed:
+            _stdout_gone()
+
     def list_commands(self, ctx):  # the user's path first (COMMANDS' order), not the alphabet
         order = list(COMMANDS)
         return sorted(super().list_commands(ctx), key=lambda n: order.index(n) if n in order else len(order))

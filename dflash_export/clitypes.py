@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import click
 
@@ -74,10 +75,15 @@ class Utf8Text(click.ParamType):
             value = value.decode("utf-8", "surrogateescape")
         try:
             value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raw = value.encode("utf-8", "surrogateescape")
-            byte = raw[len(value[:e.start].encode("utf-8", "surrogateescape"))]
-            self.fail(f"not valid UTF-8 (byte 0x{byte:02x} at character {e.start})", param, ctx)
+        except UnicodeEncodeError:
+            # Under a locale that is not UTF-8 (LC_ALL=C) every non-ASCII byte is escaped: the argument's own bytes
+            # are read as UTF-8, and only bytes that are not UTF-8 either are refused.
+            raw = os.fsencode(value)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                at = len(raw[:e.start].decode("utf-8", "surrogateescape"))
+                self.fail(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at character {at})", param, ctx)
         return value
 
 

@@ -1,0 +1,77 @@
+"""The CLI in the output environments scripts and CI give it: a closed pipe, a closed descriptor, an ASCII locale."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, stdout=None, stderr=None, env=None, cwd=None):
+    """`python -m dflash_export ARGS` in a subprocess; stdout / stderr: "closed-pipe" (a pipe whose reader is gone),
+    "closed" (the descriptor closed) or None (captured)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)
+    streams = {}
+    for name, how in (("stdout", stdout), ("stderr", stderr)):
+        streams[name] = w_fd if how == "closed-pipe" else subprocess.PIPE
+    argv = [sys.executable, "-m", "dflash_export", *[os.fsencode(a) if isinstance(a, bytes) else str(a) for a in args]]
+    if "closed" in (stdout, stderr):  # a shell's `>&-` / `2>&-`: the child starts without the descriptor
+        closes = "; ".join(f"os.close({fd})" for fd, how in ((1, stdout), (2, stderr)) if how == "closed")
+        argv = [sys.executable, "-c", f"import os, sys; {closes}; os.execv(sys.executable, sys.argv[1:])", *argv]
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, timeout=300, **streams)
+    finally:
+        os.close(w_fd)
+    return r.returncode, (r.stdout or b"").decode(errors="replace"), (r.stderr or b"").decode(errors="replace")
+
+
+def test_a_closed_stdout_pipe_ends_every_kind_of_output_quietly_with_sigpipes_status():
+    # --help (written by click before any command), a plain echo, rich's table and --json: one status, no message
+    for args in (["--help"], ["env"], ["env", "--json"], ["recipes"]):
+        rc, _, err = _cli(*args, stdout="closed-pipe")
+        assert rc == 141 and err == "", (args, rc, err)
+
+
+def test_a_closed_stderr_pipe_never_stops_a_command_that_reports_progress_there(tmp_path):
+    # train --data-only reports each shard on stderr: with no reader there it still writes all of its data
+    recipe = tmp_path / "tiny-train.yaml"
+    recipe.write_text("name: tiny-train\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n"
+                      "chat_template: false\ntrain:\n  prompts: synthetic\n  num_prompts: 4\n  heldout_prompts: 1\n"
+                      "  max_new_tokens: 6\n  block_size: 4\n  draft_layers: 2\n  steps: 2\n  warmup_steps: 2\n"
+                      "  batch_size: 2\n  blocks_per_seq: 2\n")
+    rc, out, _ = _cli("train", "--recipe", recipe, "--work-dir", tmp_path / "w", "--data-only", "--threads", "1",
+                      stderr="closed-pipe", env={"DFLASH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+    assert rc == 0, out
+    shards = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    rc, _, err = _cli("train", "--recipe", recipe, "--work-dir", tmp_path / "w2", "--data-only", "--threads", "1",
+                      env={"DFLASH_CACHE": str(tmp_path / "cache2"), "OMP_NUM_THREADS": "1"})
+    assert rc == 0, err
+    assert shards == sorted(p.name for p in (tmp_path / "cache2").rglob("*") if p.is_file())
+
+
+def test_a_closed_stdout_descriptor_discards_the_output_of_run(tmp_path):
+    # run streams its text with sys.stdout.write: with no stdout at all the text is dropped, the run completes
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+
+    engine = build_onnxruntime(load_recipe("tiny-qwen3"), tmp_path / "engine", threads=1)
+    rc, _, err = _cli("run", "--engine", engine, "--max-new-tokens", "4", "hello", stdout="closed",
+                      env={"OMP_NUM_THREADS": "1"})
+    assert rc == 0 and "internal error" not in err and "tokens" in err, err
+
+
+def test_output_the_locale_cannot_encode_is_escaped_and_a_utf8_argument_is_read_under_an_ascii_locale():
+    # rich's table draws '…' when a description is cut; an ASCII stdout gets an escape, not a UnicodeEncodeError
+    rc, out, err = _cli("recipes", env={"PYTHONIOENCODING": "ascii", "COLUMNS": "60"})
+    assert rc == 0 and "Error" not in err, err
+    rc, out, err = _cli("inspect", "--recipe", "tiny-qwen3", env={"PYTHONIOENCODING": "ascii", "COLUMNS": "60"})
+    assert rc == 0 and "internal error" not in err, err
+    # LC_ALL=C without UTF-8 mode: a UTF-8 prompt reaches Python as escaped bytes, and is still UTF-8
+    ascii_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    rc, _, err = _cli("run", "--engine", "/nonexistent-engine", "h\u00e9llo \U0001f642".encode(), env=ascii_locale)
+    assert rc == 2 and "not valid UTF-8" not in err and "nonexistent-engine" in err, err
+    rc, _, err = _cli("run", "--engine", "/nonexistent-engine", b"caf\xe9", env=ascii_locale)
+    assert rc == 2 and "prompt: not valid UTF-8 (byte 0xe9 at character 3)" in err, err
