@@ -34,7 +34,9 @@ import numpy as np
 # Row floors tried, smallest first; a floor costs (floor - 1) extra rows on every one-token step.
 MAX_ROW_FLOOR = 4
 # Row counts a verify may take and the probe checks: 1..max(block_size, PROBE_ROWS) (lookup branches and draft trees
-# can be longer than a block); the runtime verifies no more rows than were probed (Numerics.max_rows).
+# can be longer than a block); the runtime verifies no more rows than were probed (Numerics.max_rows). A sliding-window
+# target's row window is widened by as many (export/graph.py WINDOW_TREE_ROWS; trees are verified there only where
+# the graph's widening covers these rows, engines/onnxruntime.py `_trees_fit_windows`).
 PROBE_ROWS = 16
 PROBE_PROMPT_TOKENS = 7
 PROBE_SEED = 20261202
