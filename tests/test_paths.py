@@ -161,3 +161,18 @@ def test_deploy_prints_a_serve_command_the_shell_takes_whole(tmp_path):
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("serve it with: "))
     assert shlex.split(line.removeprefix("serve it with: ")) == ["dflash-export", "serve", "--repo", str(repo)]
+
+
+def test_a_colon_in_a_path_the_server_searches_is_one_error_naming_it(tmp_path):
+    """LD_LIBRARY_PATH, PATH and PYTHONPATH are ':'-separated lists with no quoting: a path of tritonserver's
+    environment holding a ':' (a checkout or cache dir named so) is refused naming it, not split into two."""
+    from dflash_export.deploy.triton_install import TritonInstall, server_env
+    from dflash_export.errors import DFlashError
+
+    install = TritonInstall(tmp_path / "tritonserver", tmp_path / "backend", tmp_path / "stub", [tmp_path / "lib"])
+    env = server_env(install, None, tmp_path / "stubenv" / "bin", base={"PATH": "/usr/bin"})
+    assert env["PATH"].split(":")[0] == str(tmp_path / "stubenv" / "bin")
+    for bad in (dict(stub_bin=tmp_path / "a:b" / "bin"), dict(stub_site=tmp_path / "c:d")):
+        with pytest.raises(DFlashError, match="':' in this path") as e:
+            server_env(install, bad.get("stub_site"), bad.get("stub_bin", tmp_path / "bin"), base={})
+        assert ":" in str(e.value.path)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.deploy.repository import stub_python_path
-from dflash_export.errors import MissingDependency
+from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import cache_root
 
 
@@ -212,11 +212,16 @@ def server_env(install: TritonInstall, stub_site: Path | None, stub_bin: Path,
     """The environment tritonserver (and through it every stub) runs with."""
     env = dict(os.environ if base is None else base)
     libs = [str(python_lib_dir())] + [str(d) for d in install.lib_dirs]
+    # The stubs ignore PYTHONPATH (their paths come from the stub venv); this is for anything else they spawn.
+    pypath = ([str(stub_site)] if stub_site else []) + stub_python_path()
+    for d in [*libs, str(stub_bin), *pypath]:  # a search path list has no way to quote its separator
+        if ":" in d:
+            raise DFlashError("a ':' in this path would split the search paths tritonserver and its model stubs run "
+                              "with (LD_LIBRARY_PATH, PATH, PYTHONPATH): move the interpreter, checkout or cache "
+                              "holding it to a path without one", path=Path(d))
     if env.get("LD_LIBRARY_PATH"):
         libs.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = ":".join(libs)
-    # The stubs ignore PYTHONPATH (their paths come from the stub venv); this is for anything else they spawn.
-    pypath = ([str(stub_site)] if stub_site else []) + stub_python_path()
     env["PATH"] = str(stub_bin) + os.pathsep + env.get("PATH", "")
     if env.get("PYTHONPATH"):
         pypath.append(env["PYTHONPATH"])
