@@ -108,6 +108,9 @@ def expand_tilde_options(args: list[str]) -> list[str]:
     for i, a in enumerate(args):
         if a == "--":
             return out + args[i:]
+        if not isinstance(a, str):  # click's API takes any object as an argument (argv holds strings only)
+            out.append(a)
+            continue
         opt, eq, value = a.partition("=")
         if eq and opt in PATH_OPTIONS and value.startswith("~"):
             a = f"{opt}={os.path.expanduser(value)}"

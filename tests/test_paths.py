@@ -142,8 +142,8 @@ def test_a_path_option_joined_by_equals_gets_the_tilde_expansion_the_shell_gives
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    assert expand_tilde_options(["--out=~/e", "--engine=~", "--model-name=~x", "~/p", "--", "--out=~/q"]) == \
-        [f"--out={home}/e", f"--engine={home}", "--model-name=~x", "~/p", "--", "--out=~/q"]
+    assert expand_tilde_options(["--out=~/e", "--engine=~", "--model-name=~x", "~/p", 8000, "--", "--out=~/q"]) == \
+        [f"--out={home}/e", f"--engine={home}", "--model-name=~x", "~/p", 8000, "--", "--out=~/q"]
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-m", "dflash_export", "run", "--engine=~/no-engine", "hi"],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
