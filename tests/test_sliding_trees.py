@@ -202,3 +202,55 @@ def test_batched_whole_trees_give_each_request_its_lone_tokens(windowed):
     alone = [DFlashRuntime(engine).generate(p, sp, "ar").tokens for p in prompts()[:4]]
     assert [s.tokens for s in together] == alone
     assert rt.trees_verified > 0 and max(calls) >= 2
+
+
+def test_sampled_walks_of_whole_trees_past_the_window_are_plain_sampling_draw_for_draw(windowed, monkeypatch):
+    """Sampled requests walk whole trees (the target's draw at each node picks the child carrying it) and give plain
+    sampling's tokens for the same seed. The tiny drafter is random, so the context's lookups are replaced by plain
+    sampling's continuation, one branch with a wrong token at a random depth and one that leaves it: walks run
+    deeper than the window and trees branch past its edge."""
+    from dflash_export.decoding import prompt_lookup
+    from dflash_export.engines.base import SamplingParams
+    from dflash_export.engines.numerics import walks_whole_trees
+    from dflash_export.runtime.single import DFlashRuntime
+
+    _, _, engine, _ = windowed
+    assert walks_whole_trees(engine)
+    rng = np.random.default_rng(0)
+    vocab = engine.info.vocab_size
+    want = {}
+
+    def oracle_branches(self, max_tokens, with_sizes=False):
+        prompt = next(p for p in want if tuple(self.tokens[:len(p)]) == p)
+        cont = list(want[prompt][len(self.tokens) - len(prompt):][:max_tokens])
+        if not cont:
+            return []
+        wrong, leaves = list(cont), list(cont)
+        wrong[int(rng.integers(0, len(cont)))] += 1
+        leaves[int(rng.integers(0, len(cont)))] += 2
+        out = [(3, [t % vocab for t in wrong]), (2, [t % vocab for t in leaves])]
+        return out if with_sizes else [b for _, b in out]
+
+    walked = []
+    verify_tree = engine.verify_tree
+
+    def spy(seq, tree, accept=None):
+        walked.append((seq.length, tree, accept is not None))
+        return verify_tree(seq, tree, accept)
+
+    monkeypatch.setattr(engine, "verify_tree", spy)
+    deepest = 0
+    for i, kw in enumerate([dict(temperature=0.7), dict(temperature=1.0, top_k=30, top_p=0.8)]):
+        for ids in prompts()[2:4]:
+            sp = SamplingParams(max_new_tokens=NEW, seed=i, **kw)
+            plain = DFlashRuntime(engine).generate(ids, sp, "ar").tokens
+            want[tuple(ids)] = plain
+            with monkeypatch.context() as m:
+                m.setattr(prompt_lookup.ContextIndex, "branches", oracle_branches)
+                got = DFlashRuntime(engine, adaptive=False, proposer="tree+lookup", tree_mode="full").generate(ids, sp)
+            assert got.tokens == plain, (kw, ids)
+            deepest = max(deepest, *got.acceptance_lengths)
+            del want[tuple(ids)]
+    crossing = [t for length, t, sampled in walked if sampled
+                and any(_hidden_by_row_window(length, i, d) for i, d in enumerate(t.depths))]
+    assert deepest > WINDOW and len(crossing) >= 10, (deepest, len(crossing))
