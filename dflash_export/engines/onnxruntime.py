@@ -53,7 +53,9 @@ TARGET = "target.onnx"
 DRAFTER = "drafter.onnx"
 HEAD = "lm_head.onnx"
 DRAFT_HEAD = "draft_head.onnx"
-WINDOW_BIAS = "window_bias_"  # the target graph's bias input of its sliding layers of W tokens: window_bias_W
+# The target graph's bias input of its sliding layers of W tokens, window_bias_W (export/graph.py
+# window_bias_input, not imported: serving imports nothing of the export).
+WINDOW_BIAS = "window_bias_"
 TARGET_BATCH = "target_batch.onnx"  # B sequences verifying blocks over their own pasts (engines/ort_batch.py)
 SHARED = "shared_weights.bin"
 SELECTOR_FILES = ("selector_predecessor.npy", "selector_successor.npy")  # DFlash 2's codebooks [V, R] float32

@@ -30,8 +30,9 @@ from dflash_export.models.arch import sliding_windows
 WINDOW_TREE_ROWS = 16
 
 
-def window_bias(window: int) -> str:
-    """The ort target graph's bias input for its sliding layers of `window` tokens."""
+def window_bias_input(window: int) -> str:
+    """The ort target graph's bias input for its sliding layers of `window` tokens (engines/onnxruntime.py reads the
+    window back from the name: WINDOW_BIAS there, which serving keeps free of this module's imports)."""
     return f"window_bias_{window}"
 
 
@@ -255,7 +256,7 @@ def _target_inputs(b: _TargetGraph) -> str:
         # Sliding-window layers: attention_bias plus -inf on every key `window` or more positions before the row's
         # (a tree node's K/V row lies past its position, so GroupQueryAttention's row window alone cannot say it).
         for w in sorted({w for w in b.windows if w} if not b.hybrid else ()):
-            g.input(window_bias(w), F32, ["batch", 1, "seq", "total"])
+            g.input(window_bias_input(w), F32, ["batch", 1, "seq", "total"])
     else:
         b.pos = g.input("position_ids", I64, ["batch", "seq"])
     return ids
@@ -409,7 +410,7 @@ def _gqa_attention(b: _TargetGraph, i: int, xn: str, a: str, bias) -> str:
     # longer than with the window alone).
     extra = [g.weight(a + "sinks", sd[a + "sinks"])] if b.sinks else []
     window = {"local_window_size": b.windows[i] + max(WINDOW_TREE_ROWS, b.block_size) - 1} if b.windows[i] else {}
-    mask = window_bias(b.windows[i]) if b.windows[i] else "attention_bias"
+    mask = window_bias_input(b.windows[i]) if b.windows[i] else "attention_bias"
     attn, _, _ = g.op("GroupQueryAttention", [*qkv_inputs, past_k, past_v, "seqlens_k", "total_seq_len",
                                               b.cos_c, b.sin_c, "position_ids", mask, *extra],
                       n_out=3, domain=MS,
