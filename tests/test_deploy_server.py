@@ -33,6 +33,7 @@ from deploy_support import (
     cli,
     concurrent_infer,
     direct,  # noqa: F401 - a fixture
+    drop_input,
     edit_manifest,
     engine_dir,  # noqa: F401 - a fixture
     group_pids,
@@ -660,6 +661,35 @@ def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert pids_mentioning(str(repo)) == [], "serve left tritonserver or a stub running"
+
+
+@pytest.mark.server
+def test_a_repository_deployed_without_input_ids_refuses_token_id_prompts_in_the_front(tmp_path, small_repo):
+    """`serve --repo` on a repository deployed before token-id prompts existed (its config.pbtxt declares no
+    input_ids): a completion prompt of token ids gets the front's one 400 naming `prompt` (never tritonserver's
+    own), a text prompt is answered, and the server stops cleanly."""
+    repo = drop_input(small_repo, "input_ids")
+    http, grpc, metrics = free_ports(3)
+    proc = serve_cli(repo, http, grpc, metrics, start_new_session=True)
+    try:
+        line = ready_line(proc, 180)
+        assert line.startswith("ready:"), line
+        url = f"http://127.0.0.1:{http}"
+        status, body = post_json(f"{url}/v1/completions", {"model": "tiny-qwen3", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+        assert body["error"]["message"].startswith("prompt: this model repository was deployed without token-id "
+                                                   "input (input_ids); redeploy it with `dflash-export deploy`"), body
+        status, body = post_json(f"{url}/v2/models/dflash/generate", {"input_ids": [1, 2, 3], "max_tokens": 2})
+        assert status == 400 and body["error"].startswith("input_ids: this model repository was deployed"), body
+        status, body = post_json(f"{url}/v1/completions", {"model": "tiny-qwen3", "prompt": "Hi", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert pids_mentioning(str(repo)) == []
 
 
 @pytest.mark.server

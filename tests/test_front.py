@@ -1007,3 +1007,43 @@ def test_the_bridge_closes_its_connection_to_tritonserver_when_the_front_closes(
         thread.join(timeout=10)
         loop.close()
         engine.close()
+
+
+def test_a_token_id_prompt_to_a_repository_deployed_without_input_ids_gets_one_clear_400(front, tmp_path):
+    """A repository deployed before `input_ids` existed declares no such input (its config.pbtxt, which is what
+    tritonserver loads): a prompt of token ids, on every route that takes one, gets one 400 naming the field the
+    client sent and saying how to get the input, and nothing reaches tritonserver; text prompts keep working. The
+    input names are the ones the served copy's configs declare (repository.model_inputs, as `serve` reads them)."""
+    from deploy_support import drop_input, make_torch_engine_dir
+
+    from dflash_export.deploy.repository import check_repository, model_inputs, served_copy, write_repository
+
+    fresh = write_repository(make_torch_engine_dir(tmp_path / "engine"), tmp_path / "fresh")
+    old = drop_input(write_repository(tmp_path / "engine", tmp_path / "old"), "input_ids")
+    check_repository(old)  # still served
+    front.model_inputs = model_inputs(served_copy(old, tmp_path / "served-old"))
+    assert set(front.model_inputs) == {"dflash", "dflash_stream"}
+    assert all("text_input" in v and "input_ids" not in v for v in front.model_inputs.values())
+
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}
+        resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
+        err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+        assert status_of(resp) == 400 and err["param"] == "prompt", resp[:400]
+        assert err["message"].startswith("prompt: this model repository was deployed without token-id input")
+        assert "`dflash-export deploy`" in err["message"], err["message"]
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"input_ids": [1, 2, 3], "max_tokens": 4}'))
+    assert status_of(resp) == 400 and b"input_ids: this model repository was deployed without token-id" in resp
+    infer = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}]}
+    resp = raw(front, post("/v2/models/dflash/infer", json.dumps(infer).encode()))
+    assert status_of(resp) == 400 and b"input_ids: this model repository was deployed without token-id" in resp
+    assert front.up.seen == []
+
+    resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 4})
+                           .encode()))
+    assert status_of(resp) == 200 and front.up.seen[-1]["text_input"] == "abc"
+    # A repository deployed with the input forwards the token ids.
+    front.model_inputs = model_inputs(served_copy(fresh, tmp_path / "served-fresh"))
+    resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4,
+                                                          "stream": True}).encode()))
+    assert status_of(resp) == 200 and front.up.seen[-1]["input_ids"] == [1, 2, 3]

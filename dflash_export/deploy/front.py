@@ -87,6 +87,10 @@ class Front(ConnectionHandling, Routing, Upstream):
         self.cancel_dir = Path(cancel_dir) if cancel_dir else None
         self.upstream_port: int | None = None
         self.model_id, self.models = model_id, tuple(models)
+        # Triton model -> the input names its config.pbtxt declares (set by `TritonServer` from the configs it loads;
+        # None: not known, every checked body is forwarded). A field the model declares no input for gets its 400
+        # here, naming the field (`Routing._check_model_inputs`).
+        self.model_inputs: dict[str, frozenset[str]] | None = None
         self.health: Callable[[], str | None] | None = None
         # Why one model cannot serve (its stub died), the others serving meanwhile; None: `health` decides.
         self.model_health: Callable[[str], str | None] | None = None

@@ -522,6 +522,19 @@ def served_copy(repo: Path, dest: Path) -> Path:
     return dest
 
 
+def model_inputs(served: Path) -> dict[str, frozenset[str]]:
+    """The input names each model of a served copy (`served_copy`) declares in its config.pbtxt: the inputs
+    tritonserver takes for it (the config is loaded as written, never auto-completed). A repository deployed before an
+    input existed (input_ids) declares none of it."""
+    out = {}
+    for model_dir in sorted(Path(served).iterdir()):
+        cfg_path = model_dir / "config.pbtxt"
+        if cfg_path.is_file():
+            tensors = check_config_text(cfg_path.read_text(), cfg_path, expect_name=model_dir.name).get("input", [])
+            out[model_dir.name] = frozenset(t["name"] for t in (tensors if isinstance(tensors, list) else [tensors]))
+    return out
+
+
 def _check_served_engine(manifest: Manifest, marker: dict[str, Any], marker_path: Path) -> None:
     """The repository's engine must be the one deploy copied: same manifest bytes, recipe and backend."""
     for key, have in (("recipe", manifest.recipe), ("backend", manifest.backend)):

@@ -18,7 +18,7 @@ import h11
 
 from dflash_export.deploy import openai_api as oa
 from dflash_export.deploy.connection import Connection, Refused, answer, parse_json_bounded
-from dflash_export.deploy.handler import check_generate_body, check_infer_body, check_prompt_chars
+from dflash_export.deploy.handler import INPUT_TYPES, check_generate_body, check_infer_body, check_prompt_chars
 from dflash_export.deploy.metrics import CONTENT_TYPE_LATEST
 from dflash_export.deploy.upstream import CANCEL_PARAMETER, instance_died
 from dflash_export.errors import DFlashError
@@ -34,8 +34,8 @@ _OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 class Routing:
     """The front's routing side. Uses the front's `limits`, `model_id`, `models`, `created`, `draining`,
-    `upstream_port`, `health`, `model_health`, `prompt_char_limit`, `metrics`, `counts`, its cancellation registry
-    (`_begin`, `_end`, `_why`) and its upstream calls (deploy/upstream.py)."""
+    `upstream_port`, `health`, `model_health`, `prompt_char_limit`, `model_inputs`, `metrics`, `counts`, its
+    cancellation registry (`_begin`, `_end`, `_why`) and its upstream calls (deploy/upstream.py)."""
 
     @staticmethod
     def _route_label(path: str) -> str:
@@ -163,10 +163,12 @@ class Routing:
         try:
             if endpoint == "infer":
                 obj = check_infer_body(obj, len(body) - json_len)
+                self._check_model_inputs(model, [t["name"] for t in obj["inputs"]])
                 self._check_prompt_size({t["name"]: t["data"][0] for t in obj["inputs"]
                                          if t["name"] in ("text_input", "messages") and t.get("data")})
             else:
                 obj = check_generate_body(obj)
+                self._check_model_inputs(model, obj)
                 if "messages" in obj:  # its JSON text is parsed again by the model: the same depth limit applies
                     parse_json_bounded(obj["messages"].encode(), self.limits.max_json_depth, "messages")
                 self._check_prompt_size(obj)
@@ -181,6 +183,22 @@ class Routing:
         if header_len is not None:
             headers["inference-header-content-length"] = str(len(head))
         return head + body[json_len:], token
+
+    def _check_model_inputs(self, model: str | None, fields) -> None:
+        """DFlashError naming the first of `fields` (a request's input names) that `model`'s config.pbtxt declares no
+        input for: a repository deployed before that input existed (input_ids, the prompt as token ids). Refused
+        here: tritonserver's own answer would be a 400 that does not say why."""
+        inputs = (self.model_inputs or {}).get(model) if model is not None else None
+        if inputs is None:
+            return
+        for name in fields:
+            if name in INPUT_TYPES and name not in inputs:
+                if name == "input_ids":
+                    raise DFlashError("this model repository was deployed without token-id input (input_ids); "
+                                      "redeploy it with `dflash-export deploy` to get it, or send the prompt as text",
+                                      field=name)
+                raise DFlashError(f"this model repository was deployed without the input {name!r}; redeploy it with "
+                                  "`dflash-export deploy` to get it", field=name)
 
     def _check_prompt_size(self, gen: dict) -> None:
         """DFlashError when the prompt's text cannot fit the engine (see `prompt_char_limit`)."""
@@ -202,11 +220,12 @@ class Routing:
         try:
             # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
             gen, stream, usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
+            model = self._openai_model(stream)
+            self._check_model_inputs(model, gen)
             self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
-        model = self._openai_model(stream)
         token = self._begin(model)
         gen[CANCEL_PARAMETER] = token
         body = json.dumps(gen, ensure_ascii=False).encode()

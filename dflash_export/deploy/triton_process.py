@@ -30,7 +30,7 @@ from stat import S_ISDIR
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
 from dflash_export.deploy.handler import prompt_char_limit
-from dflash_export.deploy.repository import check_repository, served_copy
+from dflash_export.deploy.repository import check_repository, model_inputs, served_copy
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
     find_triton,
@@ -631,6 +631,8 @@ class TritonServer:
                                    upstream_uds=self._uds_address() if self.private else None).start()
                 self.front.health = self.health
                 self.front.model_health = self.health
+            # What the models loaded now take (read at every start: a restart loads the repository's configs anew).
+            self.front.model_inputs = model_inputs(self._served)
             self.triton_http_port = free_loopback_ports(1)[0]
             cmd = self.command(self._workdir / "backends")
             env = server_env(install, stub_site, self._workdir / "stubenv" / "bin")
