@@ -957,3 +957,33 @@ def test_batched_requests_count_their_accepted_drafts_by_source(built, tree_mode
         s = r.stats
         assert s.accepted_by == s.accepted_only == {"drafter": 0, "context": s.accepted_tokens, "static": 0}, s
     assert sum(r.stats.accepted_tokens for r in reqs) > 10
+
+
+def test_batched_chain_drafts_count_for_the_drafter_alone(built):
+    """Chain steps verify the drafter's own block: each request's drafts kept by its answer (drafts that are its plain
+    continuation, one corrupted at a random slot, so every accept length occurs) count for the drafter, proposed by it
+    and by it alone, and for no other source. Without stop tokens (blocks never deeper than the tokens still owed)
+    that is its accepted tokens."""
+    _, eng, _ = built
+    sp = SamplingParams(max_new_tokens=24, stop_token_ids=[])
+    prompts = PROMPTS[:3]
+    plain = DFlashRuntime(eng)
+    refs = iter([plain.generate(p, sp, "ar").tokens for p in prompts])
+    rt = BatchingRuntime(eng, max_batch=3, proposer="chain", adaptive=False)
+    conts = {}
+    true_add = rt.batch.add
+
+    def add(max_tokens, _prompts=iter(prompts)):
+        seq = true_add(max_tokens)
+        conts[id(seq)] = (next(refs), len(next(_prompts)))
+        return seq
+
+    rt.batch.add = add
+    _oracle_drafts(rt.batch, conts, np.random.default_rng(0))
+    reqs = [rt.submit(p, sp) for p in prompts]
+    while not rt.idle:
+        rt.step()
+    for r in reqs:
+        s = r.stats
+        assert s.accepted_by == s.accepted_only == {"drafter": s.accepted_tokens, "context": 0, "static": 0}, s
+    assert sum(r.stats.accepted_tokens for r in reqs) > 5

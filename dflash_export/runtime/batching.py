@@ -85,7 +85,16 @@ from dflash_export.engines.ort_batch import BatchedEngine, BatchSeq
 from dflash_export.engines.registry import batched_engine
 from dflash_export.errors import DFlashError
 from dflash_export.runtime.costs import StepCosts, engine_costs
-from dflash_export.runtime.single import GREEDY, RunStats, StepEvent, _Emitter, _pick, check_request, count_sources
+from dflash_export.runtime.single import (
+    GREEDY,
+    RunStats,
+    StepEvent,
+    _Emitter,
+    _pick,
+    check_request,
+    count_drafter_block,
+    count_sources,
+)
 
 # A draft over B_d sequences costs draft_cost * (1 + DRAFT_ROW_COST * (B_d - 1)) (measured with
 # benchmarks/batch_costs.py on SmolLM2 fp32, 2 cores).
@@ -617,8 +626,7 @@ class BatchingRuntime:
         elif a.spine is not None:
             count_sources(stats, a.spine[0], a.spine[1][:1 + kept])
         else:
-            stats.accepted_by["drafter"] += kept
-            stats.accepted_only["drafter"] += kept
+            count_drafter_block(stats, kept)
 
     def _verify(self, a: _Active, blk: np.ndarray, lg: np.ndarray, probe: _Active | None) -> tuple[int, list[int]]:
         """(drafts accepted, tokens emitted) of one sequence from its target logits `lg`; updates its back-off."""

@@ -124,6 +124,14 @@ def count_sources(stats: RunStats, tree: DraftTree, path: list[int]) -> None:
         stats.accepted_only[name] += only[name]
 
 
+def count_drafter_block(stats: RunStats, kept: int) -> None:
+    """Add `kept` committed drafts of a step that verified the drafter's own block (drafts no other source proposed)
+    to `stats`' per-source counts: the drafter's, both proposed by it and by it alone."""
+    name = SOURCE_NAMES["drafter"]
+    stats.accepted_by[name] += kept
+    stats.accepted_only[name] += kept
+
+
 def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
     """The one check of a request against an engine (single stream and batching alike): a DFlashError naming the
     request field otherwise. `sp` was checked when it was made (decoding/request.py); what is left depends on the
@@ -358,8 +366,7 @@ class DFlashRuntime:
                 last = emitted[-1]
                 ev = emit(emitted, accept)
                 stats.acceptance_lengths.append(len(ev.tokens))  # committed: cut at max_new_tokens / a stop
-                stats.accepted_by["drafter"] += min(accept, len(ev.tokens))
-                stats.accepted_only["drafter"] += min(accept, len(ev.tokens))
+                count_drafter_block(stats, min(accept, len(ev.tokens)))
             yield ev
             if ev.finished:
                 return
