@@ -75,3 +75,24 @@ def test_output_the_locale_cannot_encode_is_escaped_and_a_utf8_argument_is_read_
     assert rc == 2 and "not valid UTF-8" not in err and "nonexistent-engine" in err, err
     rc, _, err = _cli("run", "--engine", "/nonexistent-engine", b"caf\xe9", env=ascii_locale)
     assert rc == 2 and "prompt: not valid UTF-8 (byte 0xe9 at character 3)" in err, err
+
+
+
+def test_build_and_run_in_a_directory_the_ascii_locale_cannot_decode(tmp_path):
+    # LC_ALL=C without UTF-8 mode: a directory named with a Latin-1 byte and a UTF-8 'é' reaches Python as surrogate
+    # escapes, which onnx's checker and external-data files, ONNX Runtime's sessions and its optimizer's output path
+    # (C++ bindings taking UTF-8 strings) cannot take; they get the same files through a descriptor on the directory.
+    # The build runs inside it on relative paths (which those bindings make absolute) and quantizes its graphs there
+    # (int8); the run names the engine by its absolute path.
+    odd = os.fsencode(tmp_path) + b"/caf\xe9 \xc3\xa9"
+    os.mkdir(odd)
+    with open(odd + b"/tiny-qwen3.yaml", "wb") as f:
+        f.write((ROOT / "recipes" / "tiny-qwen3.yaml").read_bytes())
+    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "OMP_NUM_THREADS": "1",
+           "DFLASH_CACHE": str(tmp_path / "cache")}
+    rc, out, err = _cli("build", "--recipe", "tiny-qwen3.yaml", "--out", "engines", "--precision", "int8", env=env,
+                        cwd=odd)
+    assert rc == 0 and "Traceback" not in err and "built engines/tiny-qwen3/onnxruntime-int8" in out + err, (out, err)
+    engine = odd + b"/engines/tiny-qwen3/onnxruntime-int8"
+    rc, out, err = _cli("run", "--engine", engine, "--max-new-tokens", "4", "hello", env=env)
+    assert rc == 0 and "4 tokens" in err and "Traceback" not in err, err

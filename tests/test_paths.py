@@ -176,3 +176,27 @@ def test_a_colon_in_a_path_the_server_searches_is_one_error_naming_it(tmp_path):
         with pytest.raises(DFlashError, match="':' in this path") as e:
             server_env(install, bad.get("stub_site"), bad.get("stub_bin", tmp_path / "bin"), base={})
         assert ":" in str(e.value.path)
+
+
+def test_native_path_names_the_same_file_in_utf8_for_the_c_plus_plus_bindings(tmp_path):
+    """A path whose UTF-8 is its bytes is passed as it is; one through a directory whose name is not UTF-8 (held by
+    Python as surrogate escapes) becomes the same file reached through a descriptor on that directory, a string that
+    encodes to UTF-8; a file whose own name is not UTF-8 is one error naming it."""
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import native_path
+
+    plain = tmp_path / "g.onnx"
+    plain.write_bytes(b"x")
+    with native_path(plain) as name:
+        assert name == str(plain)
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    odd.mkdir()
+    (odd / "g.onnx").write_bytes(b"y")
+    with native_path(odd / "g.onnx") as name:
+        name.encode("utf-8")
+        assert name.startswith("/proc/self/fd/") and name.endswith("/g.onnx")
+        assert os.path.samefile(name, odd / "g.onnx") and Path(name).with_name("g.onnx").read_bytes() == b"y"
+    with pytest.raises(DFlashError) as e:
+        with native_path(tmp_path / os.fsdecode(b"g\xe9.onnx")):
+            pass
+    assert "not valid UTF-8" in str(e.value) and str(tmp_path) in str(e.value)

@@ -35,6 +35,7 @@ import numpy as np
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, verify_block
 from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
 from dflash_export.errors import DFlashError, MissingDependency
+from dflash_export.files import native_path
 
 TARGET, DRAFTER = "target_verify", "drafter"
 PREFILL, VERIFY, DECODE = "prefill", "verify", "decode"   # target profiles, by token count: S prompt / bs / 1
@@ -212,7 +213,8 @@ class OrtGraphRunner(GraphRunner):
             path = self.onnx_dir / f"{graph}.onnx"
             if not path.is_file():
                 raise DFlashError("exported graph not found", path=path)
-            sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            with native_path(path) as name:
+                sess = ort.InferenceSession(name, so, providers=["CPUExecutionProvider"])
             self.sessions[graph] = sess
             # X -> (KVH, D) of each past_X input: static dims of the portable graphs
             self._kv[graph] = {i.name[len(PAST):]: (int(i.shape[1]), int(i.shape[3])) for i in sess.get_inputs()

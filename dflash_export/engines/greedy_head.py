@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.files import MatrixRows
+from dflash_export.files import MatrixRows, native_path
 
 BLOCK = 32                 # int8 blocks along the hidden size (MatMulNBits block_size)
 MIN_PARAMS = 8_000_000     # heads smaller than this are cheap enough whole (and tiny test models keep them)
@@ -386,7 +386,8 @@ def int8_copy(matrix: MatrixRows, engine_dir: Path, ort, so, providers, release=
             _prune_copies(d.parent)
         else:
             _mark_used(d)
-        session = ort.InferenceSession(str(d / GRAPH), so, providers=providers)
+        with native_path(d / GRAPH) as name:
+            session = ort.InferenceSession(name, so, providers=providers)
     except Exception:
         return None
     if release is not None:

@@ -46,7 +46,7 @@ from dflash_export.engines.manifest import Manifest
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.files import MatrixRows, dir_identity
+from dflash_export.files import MatrixRows, dir_identity, native_path
 from dflash_export.models.config import DFlashSpec
 
 TARGET = "target.onnx"
@@ -368,7 +368,10 @@ class OrtEngine(Engine):
     def _session(self, ort, fname, so, providers):
         path = self.engine_dir / fname
         try:
-            sess = ort.InferenceSession(str(path), so, providers=providers)
+            with native_path(path) as name:
+                sess = ort.InferenceSession(name, so, providers=providers)
+        except DFlashError:
+            raise
         except Exception as e:  # ORT raises its own Fail / InvalidGraph types
             raise DFlashError(f"ONNX Runtime cannot load the graph ({str(e).splitlines()[0][:300]})",
                               path=path) from None

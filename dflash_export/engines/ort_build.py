@@ -40,7 +40,7 @@ from dflash_export.export import (
     SHARED_FILE,
     export_models,
 )
-from dflash_export.files import atomic_dir, check_output_dir, is_engine_dir, removing_new_dirs
+from dflash_export.files import atomic_dir, check_output_dir, is_engine_dir, native_path, removing_new_dirs
 from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import PRECISIONS
 
@@ -364,7 +364,8 @@ def _head_as_matmul(path: Path, shared_path: Path, shared: dict) -> None:
         w = np.fromfile(shared_path, np.float32, count=e["length"] // 4, offset=e["offset"]).reshape(e["shape"])
     else:
         init = next(t for t in model.graph.initializer if t.name == wname)
-        w = numpy_helper.to_array(init, base_dir=str(path.parent))
+        with native_path(path) as name:  # its external data, beside it
+            w = numpy_helper.to_array(init, base_dir=os.path.dirname(name))
     g = model.graph
     hidden, logits = g.input[0], g.output[0]
     node = helper.make_node("MatMul", [hidden.name, "lm_head_weight"], [logits.name], name="lm_head_matmul")
@@ -374,8 +375,9 @@ def _head_as_matmul(path: Path, shared_path: Path, shared: dict) -> None:
     new.metadata_props.extend(model.metadata_props)
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    onnx.save_model(new, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
-                    size_threshold=1024)
+    with native_path(path) as name:
+        onnx.save_model(new, name, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                        size_threshold=1024)
 
 
 def quantize_graph(path: Path, precision: str) -> dict:
@@ -394,7 +396,8 @@ def quantize_graph(path: Path, precision: str) -> dict:
         raise MissingDependency(f"quantized engines need onnxruntime's quantization tools ({e.name}): "
                                 "pip install 'dflash-export[onnx]'", field="precision") from None
     bits, sym = QUANT_BITS[precision], QUANT_SYMMETRIC[precision]
-    model = onnx.load(str(path))
+    with native_path(path) as name:
+        model = onnx.load(name)
     n_matmul = sum(n.op_type == "MatMul" for n in model.graph.node)
     config = DefaultWeightOnlyQuantConfig(block_size=QUANT_BLOCK, is_symmetric=sym,
                                           accuracy_level=QUANT_ACCURACY_LEVEL, bits=bits)
@@ -417,8 +420,9 @@ def quantize_graph(path: Path, precision: str) -> dict:
     experts = quantize_moe_experts(out, bits, QUANT_BLOCK, QUANT_ACCURACY_LEVEL)  # MoE -> QMoE: the experts' bytes
     data = path.with_name(path.name + ".data")
     data.unlink(missing_ok=True)
-    onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
-                    size_threshold=1024)
+    with native_path(path) as name:
+        onnx.save_model(out, name, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                        size_threshold=1024)
     return {"quantizer": "onnxruntime.quantization.MatMulNBitsQuantizer", "op": "com.microsoft.MatMulNBits",
             "bits": bits, "block_size": QUANT_BLOCK, "symmetric": sym, "accuracy_level": QUANT_ACCURACY_LEVEL,
             "matmuls_quantized": n_quant, "matmuls_total": n_matmul,
@@ -448,7 +452,6 @@ def _optimize(ort, src: Path, dst: Path, shared_path: Path, shared: dict, thread
     so = ort.SessionOptions()
     # EXTENDED, not ALL: ALL adds layout transforms tied to this CPU's instruction set, unsafe to save and reload.
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(dst)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     so.intra_op_num_threads = threads or default_threads()
@@ -459,7 +462,9 @@ def _optimize(ort, src: Path, dst: Path, shared_path: Path, shared: dict, thread
         val = ort.OrtValue.ortvalue_from_numpy(arr)
         keep.append(val)
         so.add_initializer(name, val)
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    with native_path(src) as src_name, native_path(dst) as dst_name:
+        so.optimized_model_filepath = dst_name
+        ort.InferenceSession(src_name, so, providers=["CPUExecutionProvider"])
     _relink_shared(dst, shared)
 
 

@@ -46,6 +46,7 @@ from dflash_export.engines.graph_engine import (
 from dflash_export.engines.ort_batch import BatchedEngine, BatchGraphs, HostKV
 from dflash_export.errors import DFlashError
 from dflash_export.export.builder import FP32_ISLAND
+from dflash_export.files import native_path
 
 # graph -> (the export's "ort" flavor graph, its plain-op copy TensorRT parses, the engine file)
 BATCH_FILES = {
@@ -147,7 +148,8 @@ def plain_op_graph(src: Path, dst: Path) -> dict[str, int]:
     meta.update({"dflash.graph": dst.name, "dflash.flavor": "trt_batch", "dflash.plain_of": src.name})
     onnx.helper.set_model_props(model, meta)
     onnx.save_model(model, str(dst))
-    onnx.checker.check_model(str(dst))  # by path: the external weights resolve next to it
+    with native_path(dst) as name:
+        onnx.checker.check_model(name)  # by path: the external weights resolve next to it
     if inlined:
         counts["inlined_functions"] = inlined
     return dict(counts)

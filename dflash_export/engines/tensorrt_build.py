@@ -38,7 +38,7 @@ from dflash_export.engines.tensorrt_runtime import tensorrt_decoding
 from dflash_export.errors import DFlashError
 from dflash_export.export import export_recipe
 from dflash_export.export.builder import FP32_ISLAND
-from dflash_export.files import atomic_dir
+from dflash_export.files import atomic_dir, native_path
 
 
 def _network_flags(trt, strongly_typed: bool) -> int:
@@ -161,7 +161,9 @@ def build_engine_file(onnx_path: Path, engine_path: Path, profiles: list[Profile
     strongly_typed = precision.strongly_typed
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    with native_path(onnx_path) as name:  # external weights resolve beside it
+        parsed = parser.parse_from_file(name)
+    if not parsed:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise DFlashError(f"TensorRT could not parse the graph: {errors}", path=onnx_path)
     config = builder.create_builder_config()

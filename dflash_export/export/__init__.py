@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dflash_export import __version__
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_dir, check_output_dir, removing_new_dirs
+from dflash_export.files import atomic_dir, check_output_dir, native_path, removing_new_dirs
 from dflash_export.models.rope import rope_problem
 from dflash_export.models.sources import resolve_source
 
@@ -139,7 +139,8 @@ def validate_file(path: Path) -> None:
     import onnx
 
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        with native_path(path) as name:
+            onnx.checker.check_model(name, full_check=True)
     except onnx.checker.ValidationError as e:
         raise DFlashError(f"onnx.checker failed: {str(e).splitlines()[0]}", path=path) from None
     except onnx.shape_inference.InferenceError as e:

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from dflash_export.errors import DFlashError
 from dflash_export.export import ops
 from dflash_export.export.builder import FP32_ISLAND
+from dflash_export.files import native_path
 
 F32 = TensorProto.FLOAT
 HALF_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -135,8 +136,10 @@ def half_graph(model: onnx.ModelProto, dtype: str = "float16", fp32_island: bool
 def write_half_graph(onnx_path: Path, dtype: str = "float16") -> Path:
     """Write `<stem>.<dtype>.onnx` next to `onnx_path` and return its path (weights external when large)."""
     onnx_path = Path(onnx_path)
-    half = half_graph(onnx.load(str(onnx_path)), dtype)
+    with native_path(onnx_path) as name:
+        half = half_graph(onnx.load(name), dtype)
     out = onnx_path.with_name(f"{onnx_path.stem}.{dtype}.onnx")
     weights = sum(len(t.raw_data) for t in half.graph.initializer)
-    onnx.save(half, str(out), save_as_external_data=weights > (1 << 30), location=out.name + ".data")
+    with native_path(out) as name:
+        onnx.save(half, name, save_as_external_data=weights > (1 << 30), location=out.name + ".data")
     return out

@@ -64,7 +64,11 @@ class TextCodec:
         from tokenizers import Tokenizer
 
         try:
-            tok = Tokenizer.from_file(str(tok_file))
+            # Read here, parsed from memory: tokenizers' own open takes a UTF-8 path, which a directory name the
+            # locale cannot decode is not.
+            tok = Tokenizer.from_buffer(tok_file.read_bytes())
+        except OSError as e:
+            raise DFlashError(f"cannot read it ({e.strerror})", path=tok_file) from None
         except Exception as e:  # tokenizers raises a bare Exception for bad files
             raise DFlashError(f"cannot load tokenizer ({e})", path=tok_file) from None
         cfg = {}
