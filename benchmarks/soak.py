@@ -156,8 +156,8 @@ def raw_requests(max_body: int) -> list[tuple[str, bytes, tuple[int, ...]]]:
         ("infer_lone_surrogate", post(inf, b'{"id": "\\ud800", "inputs": []}'), (400,)),
         ("generate_binary_tail", post(gen, b'{"text_input": "hi"}tail', "Inference-Header-Content-Length: 20\r\n"),
          (400,)),
-        ("openai_n2", post("/v1/chat/completions", json.dumps({"model": "soak", "messages": [
-            {"role": "user", "content": "hi"}], "n": 2}).encode()), (400,)),
+        ("openai_n17", post("/v1/chat/completions", json.dumps({"model": "soak", "messages": [
+            {"role": "user", "content": "hi"}], "n": 17}).encode()), (400,)),
         ("openai_logprobs", post("/v1/completions", json.dumps({"model": "soak", "prompt": "hi", "logprobs": 2}
                                                                ).encode()), (400,)),
         ("openai_unknown_model", post("/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": [

@@ -113,6 +113,29 @@ def test_openai_sampling_fields_reach_the_engine_as_docs_serving_says():
     assert chat_request({**chat, "seed": -2 ** 63}, "m")[0]["seed"] == 2 ** 63
 
 
+def test_the_choices_of_a_seeded_request_get_their_own_seeds_as_docs_serving_says():
+    """`n` choices: choice 0 keeps the request's seed, choice i >= 1 takes SplitMix64's i-th number from it (its
+    first from seed 0 is 0xe220a8397b1dcdaf), every seed a valid UINT64, distinct, and the same on every call; the
+    choices of requests with nearby seeds share none; without a seed no choice gets one."""
+    from dflash_export.decoding.request import UINT64_MAX, choice_seed
+    from dflash_export.deploy.openai_api import chat_request, choice_bodies, choice_count
+
+    assert choice_seed(0, 1) == 0xE220A8397B1DCDAF
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}
+    for seed in (0, 1, 2, -1, 2 ** 64 - 1):
+        body = {**chat, "seed": seed, "n": 16}
+        gens = choice_bodies(chat_request(body, "m")[0], choice_count(body))
+        seeds = [g["seed"] for g in gens]
+        assert seeds[0] == seed % 2 ** 64 and len(set(seeds)) == 16 and all(0 <= s <= UINT64_MAX for s in seeds)
+        assert seeds == [g["seed"] for g in choice_bodies(chat_request(body, "m")[0], 16)]
+        assert all({k: v for k, v in g.items() if k != "seed"} == {k: v for k, v in gens[0].items() if k != "seed"}
+                   for g in gens)
+    near = [{choice_seed(seed, i) for i in range(4)} for seed in range(8)]
+    assert len(set().union(*near)) == 8 * 4
+    unseeded = chat_request(chat, "m")[0]
+    assert choice_count(chat) == 1 and choice_bodies(unseeded, 3) == [unseeded] * 3 and "seed" not in unseeded
+
+
 def test_a_generate_temperature_past_fp32_is_sent_as_fp32_s_largest():
     from dflash_export.deploy.handler import check_generate_body
 

@@ -29,6 +29,7 @@ class Upstream:
     def __init__(self, cancel_dir: Path):
         self.cancel_dir = cancel_dir
         self.hold_s = 0.0
+        self.refuse: dict[int, float] = {}  # seed -> seconds after which a call with it is refused (400)
         self.seen: list[dict] = []
         self.cancelled: list[str] = []
         up = self
@@ -39,8 +40,8 @@ class Upstream:
             def log_message(self, *a):
                 pass
 
-            def _hold(self, token):
-                end = time.monotonic() + up.hold_s
+            def _hold(self, token, hold_s=None):
+                end = time.monotonic() + (up.hold_s if hold_s is None else hold_s)
                 while time.monotonic() < end:
                     if (up.cancel_dir / token).exists():
                         up.cancelled.append(token)
@@ -54,8 +55,11 @@ class Upstream:
                 body = json.loads(data[:int(self.headers.get("Inference-Header-Content-Length") or len(data))])
                 up.seen.append(body)
                 token = body.get(CANCEL_PARAMETER) or body.get("parameters", {}).get(CANCEL_PARAMETER)
-                if self._hold(token):
+                refused = body.get("seed") in up.refuse
+                if self._hold(token, up.refuse[body["seed"]] if refused else None):
                     return self._send(400, {"error": "cancelled: the client went away"})
+                if refused:
+                    return self._send(400, {"error": "text_input: prompt is 9 tokens; this engine takes at most 4"})
                 if self.path.endswith("/infer"):  # its text input (as JSON data) as a generate body's
                     body = {"text_input": next(t["data"][0] for t in body["inputs"] if t["name"] == "text_input")}
                 text = (body.get("text_input") or json.dumps(body.get("messages")))[::-1][:body.get("max_tokens", 8)]
@@ -320,8 +324,142 @@ def test_continuous_usage_stats_put_the_tokens_so_far_on_every_chunk(front, path
     assert ["usage" in c for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
+def _events(resp: bytes) -> list:
+    """The JSON events of a server-sent-events answer, and "[DONE]"."""
+    return [json.loads(ln[6:]) if ln != "data: [DONE]" else "[DONE]" for ln in resp.decode().split("\n")
+            if ln.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_n_choices_are_n_generate_calls_answered_together(front, path):
+    """`n` choices: n generate calls (choice i with the seed derived from the request's: choice 0 its own), one
+    answer with choices 0..n-1, the prompt counted once in its usage and every choice's tokens summed; each call's
+    generation is counted in /metrics. Without a seed no call is given one (each draws its own)."""
+    from dflash_export.decoding.request import choice_seed
+
+    ask = {"model": "tiny", "max_tokens": 4, "n": 3, "seed": 11, "temperature": 0.7}
+    ask |= {"prompt": "hello"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    before = _scrape(front).get("dflash_generated_tokens_total", 0)
+    resp = raw(front, post(path, json.dumps(ask).encode()))
+    assert status_of(resp) == 200
+    out = json.loads(resp.split(b"\r\n\r\n", 1)[1])
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    texts = [c["message"]["content"] if "chat" in path else c["text"] for c in out["choices"]]
+    assert len(set(texts)) == 1 and len(texts[0]) == 4  # the stand-in answers the reversed prompt
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert sorted(b["seed"] for b in front.up.seen) == sorted(choice_seed(11, i) for i in range(3))
+    assert len({b[CANCEL_PARAMETER] for b in front.up.seen}) == 3
+    assert _scrape(front)["dflash_generated_tokens_total"] == before + 12
+    assert front.in_flight() == 0
+    front.up.seen.clear()
+    del ask["seed"]
+    assert status_of(raw(front, post(path, json.dumps(ask).encode()))) == 200
+    assert len(front.up.seen) == 3 and not any("seed" in b for b in front.up.seen)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_n_streamed_choices_interleave_and_end_with_one_usage_and_one_done(front, path):
+    """A stream of n choices: every chunk names its choice, each choice's text joins to its answer and ends with its
+    finish_reason; with continuous_usage_stats every chunk carries the usage so far (the prompt once, the tokens of
+    every choice so far: never decreasing), and after the last choice finishes one usage chunk with the totals, then
+    one [DONE]."""
+    ask = {"model": "tiny", "max_tokens": 4, "n": 3, "stream": True,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    ask |= {"prompt": "hello"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    events = _events(raw(front, post(path, json.dumps(ask).encode())))
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 12,
+                                                                   "total_tokens": 17}
+    assert sum(1 for c in chunks if not c["choices"]) == 1
+    texts, reasons = {}, {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        piece = choice.get("text") if "chat" not in path else choice["delta"].get("content")
+        texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+        if choice["finish_reason"]:
+            reasons[choice["index"]] = choice["finish_reason"]
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 1 and len(texts[0]) == 4
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far == sorted(so_far) and all(c["usage"]["prompt_tokens"] == 5 for c in chunks)
+    if "chat" in path:  # each choice opens with its role
+        assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]
+                      ) == [0, 1, 2]
+    assert front.in_flight() == 0 and front.counts["forwarded"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dropped_n_choice_request_cancels_every_call(front, stream):
+    """A client that leaves an n = 3 request (streamed or not) while its calls run has all 3 cancelled in the
+    engine, counted as one client gone; while they run they are 3 requests in flight (3 units of the engine's work,
+    as 3 requests of one choice would be)."""
+    front.up.hold_s = 5.0
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3,
+                       "stream": stream}).encode()
+    s = socket.create_connection(("127.0.0.1", front.port))
+    s.sendall(post("/v1/chat/completions", body))
+    t = time.monotonic()
+    while len(front.up.seen) < 3 and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert len(front.up.seen) == 3 and front.in_flight() == 3
+    s.close()
+    t = time.monotonic()
+    while len(front.up.cancelled) < 3 and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert sorted(front.up.cancelled) == sorted(b[CANCEL_PARAMETER] for b in front.up.seen)
+    assert front.counts["client_gone"] == 1
+    t = time.monotonic()
+    while front.in_flight() and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert front.in_flight() == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_refused_choice_is_the_request_s_one_error_and_cancels_the_others(front, stream):
+    """A choice the model refuses before any choice has answered makes the whole request that error (one 400 naming
+    the field, streamed or not), and the other calls, still running, are cancelled."""
+    from dflash_export.decoding.request import choice_seed
+
+    front.up.hold_s = 5.0
+    front.up.refuse = {choice_seed(3, 1): 0.3}
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 3, "seed": 3, "stream": stream}).encode()
+    t = time.monotonic()
+    resp = raw(front, post("/v1/completions", body))
+    assert status_of(resp) == 400 and time.monotonic() - t < 3
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["param"] == "prompt" and "9 tokens" in err["message"]
+    t = time.monotonic()
+    while len(front.up.cancelled) < 2 and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert len(front.up.cancelled) == 2 and front.in_flight() == 0 and front.counts["client_gone"] == 0
+
+
+def test_a_choice_refused_after_the_stream_started_ends_it_with_one_error_event(front):
+    """Once a stream has started (another choice answered first), a refused choice ends it with an error event in
+    OpenAI's shape, as a stream of one choice reports an error, then [DONE]."""
+    from dflash_export.decoding.request import choice_seed
+
+    front.up.refuse = {choice_seed(5, 2): 0.5}
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 3, "seed": 5, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    resp = raw(front, post("/v1/completions", body))
+    assert status_of(resp) == 200
+    events = _events(resp)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    errors = [e for e in events[:-1] if "error" in e]
+    assert len(errors) == 1 and errors[0] is events[-2] and errors[0]["error"]["param"] == "prompt"
+    assert not any(e.get("usage") for e in events[:-1])  # no usage chunk: not every choice finished
+    assert {c["choices"][0]["index"] for c in events[:-2]} <= {0, 1} and front.in_flight() == 0
+
+
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2.5}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": "2"}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
@@ -915,12 +1053,13 @@ def test_calls_left_to_finish_on_a_model_whose_stub_died_are_closed(tmp_path):
         up.httpd.shutdown()
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions",
-                                  "/v2/models/dflash_stream/generate_stream"])
-def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(front, monkeypatch, path):
+@pytest.mark.parametrize("path, n", [("/v1/chat/completions", 1), ("/v1/completions", 1), ("/v1/completions", 3),
+                                     ("/v2/models/dflash_stream/generate_stream", 1)])
+def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(front, monkeypatch, path, n):
     """A client that leaves mid-stream (the front's next write to it fails) has its request's connection to
     tritonserver closed at once, not whenever the garbage collector gets to it: tritonserver's shutdown waits for
-    every open connection. The stand-in engine streams until its writes fail, which is when the front has closed."""
+    every open connection; a request for n choices has all n closed. The stand-in engine streams until its writes
+    fail, which is when the front has closed."""
     import gc
 
     started, closed = [], []
@@ -944,6 +1083,8 @@ def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(
     monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
     body = {"model": "tiny", "stream": True, **({"messages": [{"role": "user", "content": "x"}]}
                                                 if path.endswith("chat/completions") else {"prompt": "x"})}
+    if n > 1:
+        body["n"] = n
     if path.endswith("generate_stream"):  # Triton's own streaming route, relayed event by event
         body = {"text_input": "x", "max_tokens": 8}
     gc.disable()  # only the front's own closing counts
@@ -955,9 +1096,10 @@ def test_a_stream_whose_client_left_closes_its_connection_to_the_engine_at_once(
                 while got.count(b"data: ") < 3:
                     got += s.recv(65536)
         t = time.monotonic()
-        while len(closed) < 20 and time.monotonic() - t < 3:
+        while len(closed) < 20 * n and time.monotonic() - t < 3:
             time.sleep(0.05)
-        assert len(started) == 20 and len(closed) == 20, f"{20 - len(closed)} connections to the engine still open"
+        assert len(started) == 20 * n and len(closed) == 20 * n, \
+            f"{20 * n - len(closed)} connections to the engine still open"
         assert front.in_flight() == 0
     finally:
         gc.enable()

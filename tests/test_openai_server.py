@@ -122,11 +122,90 @@ def test_sampling_fields_reach_the_engine(served, direct):
     assert a == b == want
 
 
+def _generated_tokens(url) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return next(float(ln.split()[-1]) for ln in r.read().decode().splitlines()
+                    if ln.startswith("dflash_generated_tokens_total"))
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_n_sampled_choices_are_seeded_runs_of_the_engine(served, direct, chat):
+    """n = 3 sampled with a seed, streamed and not: choice i is the engine's own run with the seed derived for it
+    (`choice_seed`), so choice 0 is the answer of the same request with n = 1; the choices differ from each other, a
+    second request gets the same ones, a stream's chunks join to them choice by choice; usage counts the prompt
+    once and every choice's tokens, and /metrics counts every choice's tokens."""
+    from dflash_export.decoding.request import choice_seed
+
+    c, seed = served["client"], 1234
+    kw = dict(model="tiny-qwen3", max_tokens=12, temperature=0.9, seed=seed)
+    if chat:
+        create, kw["messages"], inputs = c.chat.completions.create, MESSAGES[1], {
+            "messages": json.dumps(MESSAGES[1]).encode()}
+    else:
+        create, kw["prompt"], inputs = c.completions.create, "1 2 3 4", {
+            "text_input": b"1 2 3 4", "apply_chat_template": np.array([False])}
+
+    def text(choice):
+        return choice.message.content if chat else choice.text
+
+    want = [run_direct(direct, **inputs, max_tokens=np.array([12]), temperature=np.array([0.9], np.float32),
+                       seed=np.array([choice_seed(seed, i)], np.uint64)) for i in range(3)]
+    before = _generated_tokens(served["url"])
+    r = create(**kw, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [text(ch) for ch in r.choices] == [w.text for w in want]
+    assert len({w.text for w in want}) == 3  # sampled: the seeds draw different answers
+    assert [ch.finish_reason for ch in r.choices] == [w.finish_reason for w in want]
+    assert r.usage.prompt_tokens == want[0].prompt_tokens
+    assert r.usage.completion_tokens == sum(w.completion_tokens for w in want)
+    assert _generated_tokens(served["url"]) == before + r.usage.completion_tokens
+    assert text(create(**kw).choices[0]) == want[0].text  # n = 1: choice 0
+    assert [text(ch) for ch in create(**kw, n=3).choices] == [w.text for w in want]  # again: the same choices
+    chunks = list(create(**kw, n=3, stream=True, stream_options={"include_usage": True}))
+    joined = ["", "", ""]
+    for chunk in chunks:
+        for ch in chunk.choices:
+            joined[ch.index] += (ch.delta.content if chat else ch.text) or ""
+    assert joined == [w.text for w in want]
+    assert [chunk.choices for chunk in chunks].count([]) == 1 and chunks[-1].usage == r.usage
+
+
+def test_greedy_n_choices_are_identical_and_plain_decoding_s(served, direct):
+    """At temperature 0 every choice is the greedy answer (as OpenAI answers n > 1 there), equal to plain
+    autoregressive decoding on the same engine; streamed the same."""
+    from dflash_export.deploy.handler import RequestRunner
+
+    run = run_direct(RequestRunner(direct.runtime, mode="ar"), messages=json.dumps(MESSAGES[0]).encode(),
+                     max_tokens=np.array([16]))
+    plain = run.text
+    kw = dict(model="tiny-qwen3", messages=MESSAGES[0], max_tokens=16, temperature=0, n=2)
+    r = served["client"].chat.completions.create(**kw)
+    assert [ch.message.content for ch in r.choices] == [plain, plain]
+    assert r.usage.completion_tokens == 2 * run.completion_tokens
+    joined = ["", ""]
+    for chunk in served["client"].chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            joined[ch.index] += ch.delta.content or ""
+    assert joined == [plain, plain]
+
+
 def test_unsupported_fields_are_400_naming_the_field(served):
     c = served["client"]
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], n=n)
+        assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], n=2)
+        c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], extra_body={"n": 1.5})
     assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny-qwen3", prompt="x", best_of=2)
+    assert e.value.body["param"] == "best_of"
+    for stream in (False, True):  # every choice refused by the engine: one 400 for the request
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny-qwen3", messages=MESSAGES[0], n=3, max_tokens=10 ** 9,
+                                      stream=stream)
+        assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="gpt-4", messages=MESSAGES[0])
     with pytest.raises(openai.BadRequestError) as e:

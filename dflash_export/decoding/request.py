@@ -103,6 +103,23 @@ def check_field(name: str, value, field: str | None = None):
     return value
 
 
+_SPLITMIX_STEP = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `seed` that asks for several choices (OpenAI's `n`): choice 0
+    keeps `seed` (it is the answer the same request with one choice gets); choice i >= 1 takes the i-th number
+    SplitMix64 seeded with `seed` gives (Steele, Lea and Flood's generator: `seed` + i x 0x9E3779B97F4A7C15 modulo
+    2^64, through its finalizer). Hashed rather than `seed` + i, so that the choices of requests with nearby seeds
+    (seed 1 and seed 2, each with n = 4) do not share their draws."""
+    if index == 0:
+        return seed
+    z = (seed + index * _SPLITMIX_STEP) & UINT64_MAX
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & UINT64_MAX
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & UINT64_MAX
+    return z ^ (z >> 31)
+
+
 def as_fp32(name: str, value):
     """A checked field's value as it is sent to the model, whose `temperature` and `top_p` inputs are FP32: rounded
     there, a temperature beyond FP32's range would arrive as inf and a top_p below its smallest positive value as 0,

@@ -101,6 +101,7 @@ class Front(ConnectionHandling, Routing, Upstream):
         self._idle = threading.Condition(self._lock)
         self._in_flight: dict[str, str | None] = {}  # cancel token -> why it was cancelled (None: running)
         self._model_of: dict[str, str] = {}  # cancel token -> the Triton model it runs on
+        self._group_of: dict[str, tuple[str, ...]] = {}  # cancel token -> the tokens answering its client's request
         self._failed: dict[str, asyncio.Event] = {}  # cancel token -> set when its model's stub died
         self._failed_models: dict[str, str] = {}  # model -> why its requests fail (its stub died; it reloads)
         self._conns: set[Connection] = set()
@@ -246,6 +247,21 @@ class Front(ConnectionHandling, Routing, Upstream):
         self.metrics.set_in_flight(n)
         return token
 
+    def _begin_group(self, model: str | None, n: int) -> list[str]:
+        """`n` new running requests that answer one client request together (an OpenAI request's choices); their
+        cancel tokens. A client that leaves cancels them all at once (`Routing._client_left`)."""
+        tokens = [self._begin(model) for _ in range(n)]
+        if n > 1:
+            with self._lock:
+                for token in tokens:
+                    self._group_of[token] = tuple(tokens)
+        return tokens
+
+    def _group(self, token: str) -> tuple[str, ...]:
+        """The running requests that answer the same client request as `token` (itself included)."""
+        with self._lock:
+            return self._group_of.get(token, (token,))
+
     def _model_failure(self, token: str | None) -> tuple[asyncio.Event | None, str | None]:
         """The event set when this request's model stub dies, and why it did (None while it has not)."""
         with self._lock:
@@ -257,6 +273,7 @@ class Front(ConnectionHandling, Routing, Upstream):
             why = self._in_flight.pop(token, None)
             self._model_of.pop(token, None)
             self._failed.pop(token, None)
+            self._group_of.pop(token, None)
             n = len(self._in_flight)
             self._idle.notify_all()
         self.metrics.set_in_flight(n)

@@ -4,11 +4,12 @@ shapes. The engine-side protocol stays Triton's; nothing here touches a socket.
 
 Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` with `stream` (server-sent events ending
 in `data: [DONE]`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`: usage so far on every chunk),
-`usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p`, vLLM's `top_k` and a
-completion prompt of token ids. Refused with a 400 naming the field: what this server cannot honour (`n` > 1, tools,
-logprobs, penalties, logit_bias, `echo`, `suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI
-does not define. A field that changes nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools,
-`service_tier`) is accepted and ignored, as OpenAI's own server does for them.
+`usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p`, vLLM's `top_k`, `n` choices
+(1..MAX_CHOICES; the front makes one generate call per choice, `choice_bodies`) and a completion prompt of token ids.
+Refused with a 400 naming the field: what this server cannot honour (tools, logprobs, penalties, logit_bias, `echo`,
+`suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI does not define. A field that changes
+nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools, `service_tier`) is accepted and
+ignored, as OpenAI's own server does for them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import secrets
 import time
 
-from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field, shown
+from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field, choice_seed, shown
 from dflash_export.decoding.request import check_unicode as _check_unicode
 from dflash_export.decoding.request import json_kind as _json_kind
 from dflash_export.errors import DFlashError
@@ -47,6 +48,10 @@ class OpenAIError(Exception):
 
 # OpenAI's max_tokens for a completion that sets none (a chat completion without one gets what fits).
 COMPLETION_MAX_TOKENS = 16
+# The most choices (`n`) one request may ask for: each is a generation of its own in the engine's batch and queue,
+# and 16 covers the sampled answers evaluation harnesses ask for (pass@k with n = 4..16) while keeping one request
+# from filling a shared batch (`--max-batch` 16 is a usual size) by itself.
+MAX_CHOICES = 16
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -79,10 +84,10 @@ def _integer(body: dict, key: str, lo: int, hi: int):
 
 def _refuse_unsupported(body: dict) -> None:
     """Fields this server cannot honour get a 400 naming them (never silently ignored)."""
-    if _integer(body, "n", 1, 128) not in (None, 1):
-        raise _bad("n", "only n = 1 is supported (one choice per request)")
+    _integer(body, "n", 1, MAX_CHOICES)
     if _integer(body, "best_of", 1, 128) not in (None, 1):
-        raise _bad("best_of", "only best_of = 1 is supported")
+        raise _bad("best_of", "only best_of = 1 is supported (choosing the best of several answers needs their log "
+                              "probabilities, which this server does not return; ask for `n` answers instead)")
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, -2.0, 2.0) not in (None, 0.0):
             raise _bad(key, "penalties are not supported (they would change the target's distribution, and "
@@ -228,6 +233,20 @@ def completion_request(body, model_id: str) -> tuple[dict, bool, str | None]:
     return out, bool(body.get("stream")), _usage(body)
 
 
+def choice_count(body: dict) -> int:
+    """How many choices (`n`) a request that `chat_request` or `completion_request` accepted asks for."""
+    return 1 if body.get("n") is None else body["n"]
+
+
+def choice_bodies(gen: dict, n: int) -> list[dict]:
+    """The generate bodies of a request's `n` choices, one generation each: `gen` for every one, its `seed` (when
+    the request set one) replaced by choice i's own (decoding/request.py's `choice_seed`: choice 0 keeps the request's
+    seed, so it is the answer the request with n = 1 gets). Without a seed each generation draws its own."""
+    if "seed" not in gen:
+        return [dict(gen) for _ in range(n)]
+    return [{**gen, "seed": choice_seed(gen["seed"], i)} for i in range(n)]
+
+
 def _usage(body: dict) -> str | None:
     """Where a stream carries usage: None, "final" (a last chunk of its own: include_usage) or "continuous"
     (also on every chunk, the tokens so far: vLLM's continuous_usage_stats, which asks include_usage too)."""
@@ -252,31 +271,42 @@ def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "eos": "stop"}.get(reason or "", "stop" if reason else None)
 
 
-def chat_response(rid: str, model_id: str, created: int, answer: dict) -> dict:
+def answers_usage(answers: list[dict]) -> dict:
+    """The usage of a request's answers (one per choice): its prompt counted once, as OpenAI counts it, and every
+    choice's completion tokens."""
+    return usage(answers[0]["prompt_tokens"], sum(a["completion_tokens"] for a in answers))
+
+
+def chat_response(rid: str, model_id: str, created: int, answers: list[dict]) -> dict:
+    """A chat completion of `answers`, choice i the i-th."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]},
-                         "logprobs": None, "finish_reason": finish_reason(answer["finish_reason"])}],
-            "usage": usage(answer["prompt_tokens"], answer["completion_tokens"])}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": a["text"]},
+                         "logprobs": None, "finish_reason": finish_reason(a["finish_reason"])}
+                        for i, a in enumerate(answers)],
+            "usage": answers_usage(answers)}
 
 
-def completion_response(rid: str, model_id: str, created: int, answer: dict) -> dict:
+def completion_response(rid: str, model_id: str, created: int, answers: list[dict]) -> dict:
+    """A completion of `answers`, choice i the i-th."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "text": answer["text"], "logprobs": None,
-                         "finish_reason": finish_reason(answer["finish_reason"])}],
-            "usage": usage(answer["prompt_tokens"], answer["completion_tokens"])}
+            "choices": [{"index": i, "text": a["text"], "logprobs": None,
+                         "finish_reason": finish_reason(a["finish_reason"])} for i, a in enumerate(answers)],
+            "usage": answers_usage(answers)}
 
 
 def chat_chunk(rid: str, model_id: str, created: int, delta: dict, reason: str | None, usage_: dict | None = None,
-               choices: bool = True) -> dict:
+               choices: bool = True, index: int = 0) -> dict:
+    """A chat stream chunk of choice `index` (`choices` False: the usage chunk, no choice)."""
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_id,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]
             if choices else [], **({"usage": usage_} if usage_ is not None else {})}
 
 
 def completion_chunk(rid: str, model_id: str, created: int, text: str, reason: str | None,
-                     usage_: dict | None = None, choices: bool = True) -> dict:
+                     usage_: dict | None = None, choices: bool = True, index: int = 0) -> dict:
+    """A completion stream chunk of choice `index` (`choices` False: the usage chunk, no choice)."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]
             if choices else [], **({"usage": usage_} if usage_ is not None else {})}
 
 

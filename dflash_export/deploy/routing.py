@@ -6,11 +6,18 @@ body; the answer is mapped back to OpenAI's shapes, errors included), and Triton
 forwarded after their bodies are checked (deploy/handler.py) and tagged with a cancel token; wrong methods get 405,
 unknown paths 404, a draining or restarting server 503. It also maps the engine's refusals to status codes (400 for a
 bad field, 503 for a dead stub or a full queue).
+
+An OpenAI request for `n` choices is `n` generate calls to the model (`_Choices`), each a request of its own in the
+engine's queue and batch (so `n` counts `n` times against their bounds), answered together: one response with the
+choices in order, or one stream of their chunks as they come, each naming its choice. A call that fails before the
+stream starts fails the whole request with its error (the others are cancelled); once it has started, the stream ends
+with that error event, as a stream of one choice does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -35,7 +42,8 @@ _OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 class Routing:
     """The front's routing side. Uses the front's `limits`, `model_id`, `models`, `created`, `draining`,
     `upstream_port`, `health`, `model_health`, `prompt_char_limit`, `model_inputs`, `metrics`, `counts`, its
-    cancellation registry (`_begin`, `_end`, `_why`) and its upstream calls (deploy/upstream.py)."""
+    cancellation registry (`_begin`, `_begin_group`, `_group`, `_end`, `_why`) and its upstream calls
+    (deploy/upstream.py)."""
 
     @staticmethod
     def _route_label(path: str) -> str:
@@ -103,8 +111,9 @@ class Routing:
 
     def _client_left(self, token: str) -> None:
         """The answer could not be written (the client went away, or stopped reading past the write timeout): the
-        request is cancelled, as when the watch sees the client leave."""
-        if self.cancel(token, "the client went away"):
+        request is cancelled, as when the watch sees the client leave, and with it every request answering the same
+        client request (an OpenAI request's choices: `Front._begin_group`), counted once."""
+        if any([self.cancel(t, "the client went away") for t in self._group(token)]):  # a list: every one cancelled
             self.counts["client_gone"] += 1
             self.metrics.client_gone.inc()
 
@@ -226,37 +235,38 @@ class Routing:
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
-        token = self._begin(model)
-        gen[CANCEL_PARAMETER] = token
-        body = json.dumps(gen, ensure_ascii=False).encode()
-        headers = {"content-type": "application/json"}
+        gens = oa.choice_bodies(gen, oa.choice_count(obj))
+        tokens = self._begin_group(model, len(gens))
+        bodies = [json.dumps({**g, CANCEL_PARAMETER: t}, ensure_ascii=False).encode() for g, t in zip(gens, tokens)]
         use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
-        resp = None
+        choices = _Choices(self, conn, target, bodies, tokens, use_stream_model)
         try:
-            resp = await self._send_upstream(conn, "POST", target, headers, body, token)
-            if resp.status_code != 200 or not use_stream_model:
-                payload = await self._read_upstream(conn, resp, token)
-                answer = self._answer_of(resp.status_code, payload, token)
-                if not stream:  # a stream records its last event (`_openai_stream`)
-                    self._observe(answer["raw"])
-                    out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created, answer)
-                    return await self._json(conn, 200, out)
-                events = _one_event(answer["raw"])
-            else:
-                events = self._upstream_events(conn, resp, token)
-            return await self._openai_stream(conn, chat, rid, created, usage, events, token)
+            if not stream:
+                answers: list = [None] * len(bodies)
+                while (item := await choices.next()) is not None:
+                    if isinstance(item[1], Exception):
+                        raise item[1]
+                    answers[item[0]] = item[1]
+                for answer in answers:  # a stream records each choice's last event (`_openai_stream`)
+                    self._observe(answer)
+                out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created,
+                                                                             [_answer(a) for a in answers])
+                return await self._json(conn, 200, out)
+            first = await choices.next()
+            if first is not None and isinstance(first[1], Exception):
+                raise first[1]  # before any choice has an event: the request's error response
+            return await self._openai_stream(conn, chat, rid, created, usage, choices, first)
         except oa.OpenAIError as e:
             raise oa.as_sent(e, chat, obj) from None
         except (ConnectionError, OSError, asyncio.TimeoutError):
-            self._client_left(token)
+            self._client_left(tokens[0])
             raise
         finally:
-            self._end(token)
-            if resp is not None:  # now, also for a stream left mid-way: tritonserver's shutdown waits for it
-                await resp.aclose()
+            await choices.stop("another choice of the request failed")
 
     def _answer_of(self, status: int, payload: bytes, token: str | None) -> dict:
+        """The model's answer (its generate body), or its refusal raised in OpenAI's shape."""
         self._refuse_if_drained(token)
         try:
             obj = json.loads(_first_event(payload))
@@ -266,9 +276,7 @@ class Routing:
             obj = {"error": payload[:200].decode("utf-8", "replace")}
         if status != 200 or "error" in obj:
             raise self._upstream_error(status, obj.get("error"), token)
-        return {"text": obj.get("text_output", ""), "finish_reason": obj.get("finish_reason") or "stop",
-                "prompt_tokens": int(obj.get("prompt_tokens", 0)),
-                "completion_tokens": int(obj.get("completion_tokens", 0)), "raw": obj}
+        return obj
 
     def _upstream_error(self, status: int, message, token: str | None = None) -> oa.OpenAIError:
         message = str(message or "the engine refused the request")
@@ -282,48 +290,170 @@ class Routing:
             return oa.OpenAIError(503, message, kind="server_error")
         return oa.OpenAIError(status if status >= 400 else 500, message, kind="server_error")
 
-    async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, usage: str | None, events,
-                             token: str | None) -> int:
-        """An OpenAI stream of the model's events; `usage` (openai_api._usage): None, a last chunk of its own with
-        the usage ("final"), or that and the usage so far on every chunk ("continuous")."""
+    async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, usage: str | None,
+                             choices: _Choices, item: tuple | None) -> int:
+        """An OpenAI stream of the choices' events, `item` the first (index, event) of any (None: there are none),
+        each chunk naming its choice; `usage` (openai_api._usage): None, a last chunk of its own with the usage of
+        every choice ("final"), or that and the usage so far on every chunk ("continuous": the prompt once and the
+        tokens every choice has so far). It ends once every choice has finished, or at the first error."""
         await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                ("Cache-Control", "no-cache")]))
         mk = oa.chat_chunk if chat else oa.completion_chunk
-        first = True
-        prompt_tokens = completion_tokens = 0
-        async for ev in events:
-            if "error" in ev:
-                why = self._why(token)
-                err = oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
-                    oa.as_sent(self._upstream_error(500, ev["error"], token), chat)
+        n = len(choices.tokens)
+        started, finished, completion = [False] * n, [False] * n, [0] * n
+        prompt_tokens = 0
+        while item is not None:
+            i, ev = item
+            if isinstance(ev, Exception) or "error" in ev:
+                err = self._stream_error(ev, choices.tokens[i], chat)
                 await conn.send(h11.Data(data=oa.sse(err.body())))
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
             prompt_tokens = int(ev.get("prompt_tokens", prompt_tokens) or prompt_tokens)
-            completion_tokens = int(ev.get("completion_tokens", completion_tokens) or completion_tokens)
-            so_far = oa.usage(prompt_tokens, completion_tokens) if usage == "continuous" else None
-            if chat and first:
+            before = sum(completion)
+            completion[i] = int(ev.get("completion_tokens", completion[i]) or completion[i])
+            so_far = oa.usage(prompt_tokens, sum(completion)) if usage == "continuous" else None
+            if chat and not started[i]:
                 await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {"role": "assistant",
                                                                                     "content": ""}, None,
-                                                        oa.usage(prompt_tokens, 0) if so_far else None))))
-            first = False
+                                                        oa.usage(prompt_tokens, before) if so_far else None,
+                                                        index=i))))
+            started[i] = True
             if text or reason:
                 delta = ({"content": text} if text else {}) if chat else text
-                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason, so_far))))
+                await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason, so_far,
+                                                        index=i))))
             if reason:
                 self._observe(ev)
-                if usage:
-                    await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {} if chat else "", None,
-                                                            oa.usage(prompt_tokens, completion_tokens),
-                                                            choices=False))))
-                break
+                finished[i] = True
+                if all(finished):
+                    if usage:
+                        await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, {} if chat else "",
+                                                                None, oa.usage(prompt_tokens, sum(completion)),
+                                                                choices=False))))
+                    break
+            item = await choices.next()
         await conn.send(h11.Data(data=oa.sse(b"[DONE]")), h11.EndOfMessage())
         self.counts["forwarded"] += 1
         return 200
 
+    def _stream_error(self, ev: dict | Exception, token: str, chat: bool) -> oa.OpenAIError:
+        """The error event a started stream ends with: a choice's error event, or the refusal of a choice's call (a
+        choice other than the first to answer); any other failure is raised (the connection closes)."""
+        if isinstance(ev, oa.OpenAIError):
+            return oa.as_sent(ev, chat)
+        if isinstance(ev, Refused) and ev.status == 503:
+            return oa.OpenAIError(503, ev.message, kind="server_error")
+        if isinstance(ev, Exception):
+            raise ev
+        why = self._why(token)
+        return oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
+            oa.as_sent(self._upstream_error(500, ev["error"], token), chat)
 
-async def _one_event(obj: dict):
-    yield obj
+
+class _Choices:
+    """The generate calls of one OpenAI request, one a choice, run together: `next` gives each call's events (a
+    generate answer is one event) tagged with its choice's index, in the order they arrive, and a call's failure as
+    its exception; `stop` ends them. The calls watch a `_ChoiceWatch` in place of the connection, so that `stop` can
+    give up waiting for those still running."""
+
+    def __init__(self, front: Routing, conn: Connection, target: str, bodies: list[bytes], tokens: list[str],
+                 streamed: bool):
+        self.front, self.tokens = front, tokens
+        self.watch = _ChoiceWatch(conn)
+        self.ended = [False] * len(bodies)  # the call has given its last event, or failed
+        self._left = len(bodies)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses: list = []
+        self._tasks = [asyncio.ensure_future(self._call(i, target, body, streamed)) for i, body in enumerate(bodies)]
+
+    async def _call(self, i: int, target: str, body: bytes, streamed: bool) -> None:
+        front, token = self.front, self.tokens[i]
+        try:
+            resp = await front._send_upstream(self.watch, "POST", target, {"content-type": "application/json"}, body,
+                                              token)
+            self._responses.append(resp)
+            if resp.status_code != 200 or not streamed:
+                payload = await front._read_upstream(self.watch, resp, token)
+                self._put(i, front._answer_of(resp.status_code, payload, token), last=True)
+                return
+            async with contextlib.aclosing(front._upstream_events(self.watch, resp, token)) as events:
+                async for ev in events:
+                    last = "error" in ev or bool(ev.get("finish_reason"))
+                    self._put(i, ev, last)
+                    if last:
+                        break
+        except Exception as e:  # noqa: BLE001 - the reader raises it, or reports it on a stream
+            self._put(i, e, last=True)
+        finally:
+            self.ended[i] = True
+            self._queue.put_nowait((i, None))
+
+    def _put(self, i: int, item, last: bool) -> None:
+        self.ended[i] = self.ended[i] or last
+        self._queue.put_nowait((i, item))
+
+    async def next(self) -> tuple[int, dict | Exception] | None:
+        """The next (choice index, event or exception) of any call; None once every call has ended."""
+        while self._left:
+            i, item = await self._queue.get()
+            if item is not None:
+                return i, item
+            self._left -= 1
+        return None
+
+    async def stop(self, why: str) -> None:
+        """The request is answered (or failed): when a call has not given its last event, every call's request is
+        cancelled (`why`; its model stops at its next step or leaves the queue) and no longer waited for (its answer
+        is closed when it comes: `Upstream._abandon`); then every call's request leaves the registry and its
+        connection to tritonserver is closed."""
+        if not all(self.ended):
+            for token in self.tokens:
+                self.front.cancel(token, why)
+            self.watch.give_up()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.watch.close()
+        for token in self.tokens:
+            self.front._end(token)
+        for resp in self._responses:  # now, also for a stream left mid-way: tritonserver's shutdown waits for it
+            await resp.aclose()
+
+
+class _ChoiceWatch:
+    """What the calls of an OpenAI request's choices watch while they wait (`Upstream._race` takes it for the
+    connection): the client leaving, as the connection's own watch sees it, or the request giving them up
+    (`give_up`), which ends their waits as the client's leaving would."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._given_up = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def watching(self) -> asyncio.Task:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._either())
+        return self._task
+
+    async def _either(self) -> None:
+        given_up = asyncio.ensure_future(self._given_up.wait())
+        try:
+            await asyncio.wait({self.conn.watching(), given_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            given_up.cancel()
+
+    def give_up(self) -> None:
+        self._given_up.set()
+
+    def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+def _answer(obj: dict) -> dict:
+    """A generate answer's fields as OpenAI's responses take them."""
+    return {"text": obj.get("text_output", ""), "finish_reason": obj.get("finish_reason") or "stop",
+            "prompt_tokens": int(obj.get("prompt_tokens", 0)),
+            "completion_tokens": int(obj.get("completion_tokens", 0))}
 
 
 def _first_event(payload: bytes) -> bytes:

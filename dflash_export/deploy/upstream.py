@@ -58,7 +58,8 @@ class Upstream:
     async def _race(self, conn: Connection, aw, token: str | None, timeout: float):
         """Await `aw` while watching the client: ClientGone (request cancelled) if it leaves first, 504 (request
         cancelled) if `timeout` passes first, 503 with Retry-After if a stub of the request's model dies first (or
-        had died: `Front.fail_model`)."""
+        had died: `Front.fail_model`). `conn` is what is watched (its `watching()`): the client's connection, or a
+        watch that also ends when the request gives the call up (routing's `_ChoiceWatch`)."""
         failed, why = self._model_failure(token)
         if why is not None:  # its model's stub died before this call: nothing is sent to the dead model
             if asyncio.iscoroutine(aw):
