@@ -391,6 +391,50 @@ def test_n_streamed_choices_interleave_and_end_with_one_usage_and_one_done(front
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_completion_prompts_answers_n_choices_of_each_in_order(front, stream):
+    """A completion's `prompt` may be a batch (a list of strings or of token-id lists): choice j of prompt k is
+    choice k x n + j, each its own generate call with the seed choice j of a one-prompt request gets; usage counts
+    each prompt once (the stand-in reports 5 tokens a prompt) and every choice's tokens, streamed or not."""
+    from dflash_export.decoding.request import choice_seed
+
+    ask = {"model": "tiny", "prompt": ["hello", "abc"], "max_tokens": 4, "n": 2, "seed": 3, "stream": stream,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True} if stream else None}
+    resp = raw(front, post("/v1/completions", json.dumps({k: v for k, v in ask.items() if v is not None}).encode()))
+    assert status_of(resp) == 200
+    want_usage = {"prompt_tokens": 10, "completion_tokens": 14, "total_tokens": 24}
+    if stream:
+        events = _events(resp)
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == want_usage
+        texts = ["", "", "", ""]
+        for c in events[:-2]:
+            texts[c["choices"][0]["index"]] += c["choices"][0]["text"]
+        prompts_so_far = [c["usage"]["prompt_tokens"] for c in events[:-1]]
+        assert prompts_so_far == sorted(prompts_so_far) and prompts_so_far[-1] == 10
+    else:
+        out = json.loads(resp.split(b"\r\n\r\n", 1)[1])
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3] and out["usage"] == want_usage
+        texts = [c["text"] for c in out["choices"]]
+    assert texts == ["olle", "olle", "cba", "cba"]  # the stand-in answers the reversed prompt
+    seen = sorted((b["text_input"], b["seed"]) for b in front.up.seen)
+    assert seen == sorted((p, choice_seed(3, j)) for p in ("hello", "abc") for j in range(2))
+    assert front.in_flight() == 0
+
+
+@pytest.mark.parametrize("prompt, n, param", [
+    (["a"] * 17, 1, "prompt"),          # more answers than a request may ask for
+    (["a"] * 5, 4, "prompt"),
+    (["a", ""], 1, "prompt[1]"),       # an empty prompt in a batch is named by its place
+    ([[1, 2], [3, "x"]], 1, "prompt[1]"),
+    ([], 1, "prompt"),
+])
+def test_a_bad_batch_of_completion_prompts_gets_one_400_naming_it(front, prompt, n, param):
+    resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": prompt, "n": n}).encode()))
+    assert status_of(resp) == 400
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["param"] == param and not front.up.seen
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_dropped_n_choice_request_cancels_every_call(front, stream):
     """A client that leaves an n = 3 request (streamed or not) while its calls run has all 3 cancelled in the
     engine, counted as one client gone; while they run they are 3 requests in flight (3 units of the engine's work,

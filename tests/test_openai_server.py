@@ -106,6 +106,8 @@ def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
     s = "".join(x.choices[0].text for x in c.completions.create(model="tiny-qwen3", prompt=ids, max_tokens=12,
                                                                  stream=True) if x.choices)
     assert s == want
+    r = c.completions.create(model="tiny-qwen3", prompt=[ids, "1 2 3 4", ids], max_tokens=12, temperature=0)
+    assert [ch.text for ch in r.choices] == [want] * 3 and r.usage.prompt_tokens == 3 * len(ids)  # a batch
     vocab = direct.runtime.engine.info.vocab_size
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny-qwen3", prompt=[1, vocab], max_tokens=4)

@@ -5,7 +5,8 @@ shapes. The engine-side protocol stays Triton's; nothing here touches a socket.
 Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` with `stream` (server-sent events ending
 in `data: [DONE]`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`: usage so far on every chunk),
 `usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p`, vLLM's `top_k`, `n` choices
-(1..MAX_CHOICES; the front makes one generate call per choice, `choice_bodies`) and a completion prompt of token ids.
+(the front makes one generate call per choice, `choice_bodies`), completion prompts of token ids and batches of
+completion prompts (n choices of each; MAX_CHOICES answers in all).
 Refused with a 400 naming the field: what this server cannot honour (tools, logprobs, penalties, logit_bias, `echo`,
 `suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI does not define. A field that changes
 nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools, `service_tier`) is accepted and
@@ -210,27 +211,35 @@ def _content(c, where: str) -> str:
     raise _bad(where, f"expected a string or a list of text parts, got {_json_kind(c)}")
 
 
-def completion_request(body, model_id: str) -> tuple[dict, bool, str | None]:
-    """(generate body, stream, usage: `_usage`) for a /v1/completions body: the prompt as raw text, no chat template,
-    or as token ids (`input_ids`)."""
+def completion_request(body, model_id: str) -> tuple[list[dict], bool, str | None]:
+    """(generate bodies, one a prompt; stream; usage: `_usage`) for a /v1/completions body: each prompt as raw text,
+    no chat template, or as token ids (`input_ids`). `prompt` is one prompt (a string, a list of token ids) or a
+    batch of them (a list of strings, a list of token-id lists), answered as OpenAI does: choice j of prompt k is
+    choice k x n + j, each prompt's tokens counted once."""
     out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
     if body.get("logprobs") is not None:  # a completion's logprobs 0 still asks for the chosen tokens' own
         raise _bad("logprobs", "log probabilities are not returned by this server")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if not prompt and isinstance(prompt, (str, list)):
-        raise _bad("prompt", "empty prompt")
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        out["input_ids"] = prompt  # token ids: the engine checks them against its vocabulary and context
-    elif isinstance(prompt, str):
-        out["text_input"] = _check_unicode(prompt, "prompt")
-        out["apply_chat_template"] = False
-    else:
-        raise _bad("prompt", "expected a string or a list of token ids (one prompt per request)")
     if "max_tokens" not in out:
         out["max_tokens"] = COMPLETION_MAX_TOKENS
-    return out, bool(body.get("stream")), _usage(body)
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batch else [prompt]
+    if len(prompts) * choice_count(body) > MAX_CHOICES:
+        raise _bad("prompt", f"{len(prompts)} prompts x n = {choice_count(body)} choices: a request may ask for at "
+                             f"most {MAX_CHOICES} answers in all")
+    return [{**out, **_completion_prompt(p, f"prompt[{k}]" if batch else "prompt")} for k, p in enumerate(prompts)], \
+        bool(body.get("stream")), _usage(body)
+
+
+def _completion_prompt(prompt, where: str) -> dict:
+    """The generate fields of one completion prompt: raw text (no chat template) or token ids."""
+    if not prompt and isinstance(prompt, (str, list)):
+        raise _bad(where, "empty prompt")
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return {"input_ids": prompt}  # token ids: the engine checks them against its vocabulary and context
+    if isinstance(prompt, str):
+        return {"text_input": _check_unicode(prompt, where), "apply_chat_template": False}
+    raise _bad(where, "expected a string or a list of token ids (or a list of those: a batch of prompts)")
 
 
 def choice_count(body: dict) -> int:
@@ -271,27 +280,27 @@ def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "eos": "stop"}.get(reason or "", "stop" if reason else None)
 
 
-def answers_usage(answers: list[dict]) -> dict:
-    """The usage of a request's answers (one per choice): its prompt counted once, as OpenAI counts it, and every
-    choice's completion tokens."""
-    return usage(answers[0]["prompt_tokens"], sum(a["completion_tokens"] for a in answers))
+def answers_usage(answers: list[dict], per_prompt: int = 1) -> dict:
+    """The usage of a request's answers (`per_prompt` choices of each prompt, in order): each prompt's tokens
+    counted once, as OpenAI counts them, and every choice's completion tokens."""
+    return usage(sum(a["prompt_tokens"] for a in answers[::per_prompt]), sum(a["completion_tokens"] for a in answers))
 
 
-def chat_response(rid: str, model_id: str, created: int, answers: list[dict]) -> dict:
-    """A chat completion of `answers`, choice i the i-th."""
+def chat_response(rid: str, model_id: str, created: int, answers: list[dict], per_prompt: int = 1) -> dict:
+    """A chat completion of `answers` (`per_prompt` choices of its one prompt), choice i the i-th."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
             "choices": [{"index": i, "message": {"role": "assistant", "content": a["text"]},
                          "logprobs": None, "finish_reason": finish_reason(a["finish_reason"])}
                         for i, a in enumerate(answers)],
-            "usage": answers_usage(answers)}
+            "usage": answers_usage(answers, per_prompt)}
 
 
-def completion_response(rid: str, model_id: str, created: int, answers: list[dict]) -> dict:
-    """A completion of `answers`, choice i the i-th."""
+def completion_response(rid: str, model_id: str, created: int, answers: list[dict], per_prompt: int = 1) -> dict:
+    """A completion of `answers` (`per_prompt` choices of each prompt, in order), choice i the i-th."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model_id,
             "choices": [{"index": i, "text": a["text"], "logprobs": None,
                          "finish_reason": finish_reason(a["finish_reason"])} for i, a in enumerate(answers)],
-            "usage": answers_usage(answers)}
+            "usage": answers_usage(answers, per_prompt)}
 
 
 def chat_chunk(rid: str, model_id: str, created: int, delta: dict, reason: str | None, usage_: dict | None = None,

@@ -228,14 +228,20 @@ class Routing:
         chat = path == "/v1/chat/completions"
         try:
             # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
-            gen, stream, usage = (oa.chat_request if chat else oa.completion_request)(obj, self.model_id)
+            if chat:
+                gen, stream, usage = oa.chat_request(obj, self.model_id)
+                prompts = [gen]
+            else:  # one generate body a prompt: a completion may send a batch of them
+                prompts, stream, usage = oa.completion_request(obj, self.model_id)
             model = self._openai_model(stream)
-            self._check_model_inputs(model, gen)
-            self._check_prompt_size(gen)
+            for gen in prompts:
+                self._check_model_inputs(model, gen)
+                self._check_prompt_size(gen)
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
-        gens = oa.choice_bodies(gen, oa.choice_count(obj))
+        per_prompt = oa.choice_count(obj)  # choice j of prompt k is answer k x n + j
+        gens = [g for gen in prompts for g in oa.choice_bodies(gen, per_prompt)]
         tokens = self._begin_group(model, len(gens))
         bodies = [json.dumps({**g, CANCEL_PARAMETER: t}, ensure_ascii=False).encode() for g, t in zip(gens, tokens)]
         use_stream_model = model == "dflash_stream"
@@ -250,13 +256,14 @@ class Routing:
                     answers[item[0]] = item[1]
                 for answer in answers:  # a stream records each choice's last event (`_openai_stream`)
                     self._observe(answer)
-                out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created,
-                                                                             [_answer(a) for a in answers])
+                answers = [_answer(a) for a in answers]
+                out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created, answers,
+                                                                             per_prompt)
                 return await self._json(conn, 200, out)
             first = await choices.next()
             if first is not None and isinstance(first[1], Exception):
                 raise first[1]  # before any choice has an event: the request's error response
-            return await self._openai_stream(conn, chat, rid, created, usage, choices, first)
+            return await self._openai_stream(conn, chat, rid, created, usage, choices, first, per_prompt)
         except oa.OpenAIError as e:
             raise oa.as_sent(e, chat, obj) from None
         except (ConnectionError, OSError, asyncio.TimeoutError):
@@ -291,17 +298,18 @@ class Routing:
         return oa.OpenAIError(status if status >= 400 else 500, message, kind="server_error")
 
     async def _openai_stream(self, conn: Connection, chat: bool, rid: str, created: int, usage: str | None,
-                             choices: _Choices, item: tuple | None) -> int:
-        """An OpenAI stream of the choices' events, `item` the first (index, event) of any (None: there are none),
-        each chunk naming its choice; `usage` (openai_api._usage): None, a last chunk of its own with the usage of
-        every choice ("final"), or that and the usage so far on every chunk ("continuous": the prompt once and the
-        tokens every choice has so far). It ends once every choice has finished, or at the first error."""
+                             choices: _Choices, item: tuple | None, per_prompt: int = 1) -> int:
+        """An OpenAI stream of the choices' events (`per_prompt` choices of each prompt, in order), `item` the
+        first (index, event) of any (None: there are none), each chunk naming its choice; `usage`
+        (openai_api._usage): None, a last chunk of its own with the usage of every choice ("final"), or that and the
+        usage so far on every chunk ("continuous": each prompt once and the tokens every choice has so far). It ends
+        once every choice has finished, or at the first error."""
         await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                ("Cache-Control", "no-cache")]))
         mk = oa.chat_chunk if chat else oa.completion_chunk
         n = len(choices.tokens)
         started, finished, completion = [False] * n, [False] * n, [0] * n
-        prompt_tokens = 0
+        prompt = [0] * (n // per_prompt)  # each prompt's tokens, as its choices report them
         while item is not None:
             i, ev = item
             if isinstance(ev, Exception) or "error" in ev:
@@ -309,8 +317,9 @@ class Routing:
                 await conn.send(h11.Data(data=oa.sse(err.body())))
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
-            prompt_tokens = int(ev.get("prompt_tokens", prompt_tokens) or prompt_tokens)
-            before = sum(completion)
+            k = i // per_prompt
+            prompt[k] = int(ev.get("prompt_tokens", prompt[k]) or prompt[k])
+            prompt_tokens, before = sum(prompt), sum(completion)
             completion[i] = int(ev.get("completion_tokens", completion[i]) or completion[i])
             so_far = oa.usage(prompt_tokens, sum(completion)) if usage == "continuous" else None
             if chat and not started[i]:
