@@ -10,7 +10,8 @@ match the interpreter whose packages the models import, and it links `libpython3
   wins and brings a foreign standard library), then the wheel's bundled libraries;
 - this environment's site-packages and the project root on the stub's `sys.path`: the stub's embedded interpreter
   ignores PYTHONPATH, takes its prefix from `python3` on PATH, and imports numpy before any model code runs; so PATH
-  starts with a throw-away venv (`make_stub_env`) whose site-packages leads to the right packages.
+  starts with a throw-away venv (`make_stub_env`) whose site-packages leads to the right packages (its .pth file
+  first closes the sockets a stub inherits from tritonserver, deploy/stub_startup.py).
 
 The stubs in nvidia-pytriton 0.7 were compiled against numpy 1 (pybind11 without numpy-2 support): under numpy 2 they
 misread every tensor buffer (BYTES inputs crash the stub, outputs come back with wrong sizes). When this environment
@@ -196,9 +197,12 @@ def make_stub_env(into: Path, stub_site: Path | None) -> Path:
         for entry in stub_site.iterdir():
             if entry.name.startswith("numpy"):
                 (sp / entry.name).symlink_to(entry)
+    # The stub's first act: close the sockets it inherited from tritonserver (deploy/stub_startup.py says why).
+    shutil.copyfile(Path(__file__).with_name("stub_startup.py"), sp / "dflash_stub_startup.py")
     # Plain lines are appended to sys.path; `import` lines run (addsitedir also processes that dir's .pth files).
-    lines = [p if not p.endswith("site-packages") else f"import site; site.addsitedir({p!r})"
-             for p in stub_python_path()]
+    lines = ["import dflash_stub_startup"]
+    lines += [p if not p.endswith("site-packages") else f"import site; site.addsitedir({p!r})"
+              for p in stub_python_path()]
     # No __pycache__ written into the model repository when the stub imports model.py: a bytecode file there would
     # run instead of the checked model.py (check_repository refuses one). The stub's interpreter ignores
     # PYTHONDONTWRITEBYTECODE; this line runs before any model is imported.
