@@ -198,6 +198,16 @@ def serve_cli(repo, http, grpc, metrics, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **popen)
 
 
+def model_triton_py(monkeypatch):
+    """deploy/triton_model.py imported as the stub imports it, a stand-in for the python backend's utilities."""
+    import importlib
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.delitem(sys.modules, "dflash_export.deploy.triton_model", raising=False)
+    return importlib.import_module("dflash_export.deploy.triton_model")
+
+
 def ready_line(proc, timeout_s: float = 120) -> str:
     """The first `ready:` line `serve` prints, or the last line read when it exits or the time runs out."""
     deadline = time.monotonic() + timeout_s

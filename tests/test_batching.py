@@ -532,6 +532,42 @@ def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_
         svc.close()
 
 
+@pytest.mark.parametrize("with_stop", [True, False], ids=["stop-check", "reader-only"])
+def test_a_stop_check_drops_a_running_request_at_the_next_step_however_far_its_reader_trails(built, with_stop):
+    """A request cancelled while its reader spends 0.2 s over its last event, the batch stepping on: with its stop check
+    (`RequestRunner.run(stopped=...)`), the batch commits at most one more step for it (the one it was in, counted
+    from the request's own statistics) and the reader's next event ends its stream with RequestCancelled naming why;
+    with only the reader's check between events, the batch runs on for as long as the reader trails."""
+    import threading
+
+    from dflash_export.deploy.handler import GenerateRequest, RequestCancelled, RequestRunner
+    from dflash_export.runtime.batching import BatchingService
+    from dflash_export.runtime.single import RunStats
+
+    _, eng, _ = built
+    svc = BatchingService(eng, max_batch=2)
+    gone = threading.Event()
+    stats = RunStats()
+
+    def cancelled(queued: bool = False):
+        return "the client went away" if gone.is_set() else None
+
+    try:
+        req = GenerateRequest("", SamplingParams(max_new_tokens=400, stop_token_ids=[]), ids=[7, 8, 9])
+        chunks = RequestRunner(svc, mode="ar").run(req, cancelled, stats, gone.is_set if with_stop else None)
+        next(chunks)
+        next(chunks)
+        gone.set()
+        committed = len(stats.acceptance_lengths)
+        time.sleep(0.2)  # the reader busy with the last chunk (a slow client)
+        with pytest.raises(RequestCancelled, match="the client went away"):
+            next(chunks)
+        after = len(stats.acceptance_lengths) - committed
+        assert after <= 1 if with_stop else after > 1, after
+    finally:
+        svc.close()
+
+
 def test_a_request_cancelled_while_queued_leaves_without_a_prefill(built):
     """A request waiting to join a full batch whose client goes away leaves the queue at the next poll: its stream
     ends, the Triton handler raises RequestCancelled with the reason, and the batch never prefills it."""

@@ -3,6 +3,12 @@ chunks that join to the whole output."""
 
 from __future__ import annotations
 
+import io
+import itertools
+import json
+import re
+import time
+
 import numpy as np
 import pytest
 from deploy_support import direct, engine_dir, getter, run_direct  # noqa: F401 - direct and engine_dir are fixtures
@@ -565,3 +571,146 @@ def test_a_prompt_of_token_ids_runs_as_the_text_they_encode(direct):
             check_generate_body(body)
         assert e.value.field == "input_ids"
     check_infer_body({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [300], "data": [1] * 300}]})
+
+
+class _TritonRequest:
+    """What the model reads of a Triton request here: its parameters, carrying the front's cancel token."""
+
+    def __init__(self, token: str):
+        from dflash_export.deploy.upstream import CANCEL_PARAMETER
+
+        self._parameters = json.dumps({CANCEL_PARAMETER: token})
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class _CancelledAfter:
+    """The engine's DFlashRuntime, cancelling its request through the front once the runner has taken `after` DFlash
+    steps (and asked about them), and counting the steps begun after that."""
+
+    def __init__(self, runtime, front, token: str, after: int):
+        self.runtime, self.front, self.token, self.after = runtime, front, token, after
+        self.begun_after_cancel = 0
+
+    def __getattr__(self, name):
+        return getattr(self.runtime, name)
+
+    def stream(self, *args, **kwargs):
+        events = iter(self.runtime.stream(*args, **kwargs))
+        taken = -1  # the first event is the prefill's, no step's
+        while True:
+            if taken == self.after and not self.begun_after_cancel:
+                assert self.front.cancel(self.token, "the client went away")
+            if taken >= self.after:
+                self.begun_after_cancel += 1
+            ev = next(events, None)
+            if ev is None:
+                return
+            taken += 1
+            yield ev
+
+
+@pytest.mark.parametrize("ask_every, misses_once, steps", [(1, False, 1), (3, False, 3), (1, True, 2)],
+                         ids=["every-step", "every-third-step", "a-check-that-misses-the-file"])
+def test_a_cancel_logs_the_steps_the_runtime_began_after_it_became_visible(engine_dir, tmp_path, monkeypatch,
+                                                                           ask_every, misses_once, steps):
+    """The model's cancel line counts the DFlash steps run after the front's cancel file became visible: 1 when the
+    runner asks between every two steps (the step after the last check); more when it asks less often, or when a
+    check does not see a file already there. Each time the count equals the steps the runtime was asked to begin
+    after the cancel."""
+    from deploy_support import model_triton_py
+
+    from dflash_export.deploy import front as front_module
+    from dflash_export.deploy.cancel_log import CancelLog
+    from dflash_export.deploy.handler import RequestCancelled, RequestRunner, parse_request
+    from dflash_export.engines.registry import load_engine
+    from dflash_export.runtime.single import DFlashRuntime, RunStats
+
+    cancel_dir = tmp_path / "cancel"
+    cancel_dir.mkdir()
+    monkeypatch.setenv(front_module.CANCEL_DIR_ENV, str(cancel_dir))
+    front = front_module.Front("127.0.0.1", 0, cancel_dir=cancel_dir)
+    token = front._begin("dflash")
+    if misses_once:  # the first check after the file is written reads no file
+        record, missed = front_module.cancel_record, []
+
+        def cancel_record(t):
+            if record(t) is not None and not missed:
+                missed.append(t)
+                return None
+            return record(t)
+
+        monkeypatch.setattr(front_module, "cancel_record", cancel_record)
+    tm = model_triton_py(monkeypatch)
+    model = tm.TritonPythonModel.__new__(tm.TritonPythonModel)
+    log = io.StringIO()
+    model.cancel_log = CancelLog(out=log, timer=False)
+    runtime = _CancelledAfter(DFlashRuntime(load_engine(engine_dir, threads=1)), front, token, after=2)
+    stats = RunStats()
+    asked, _ = model._cancel_checks(_TritonRequest(token), None, stats)
+    calls = itertools.count()
+
+    def cancelled(queued=False):
+        return asked(queued) if next(calls) % ask_every == 0 else None
+
+    req = parse_request(getter(text_input=b"Tell me a long story.", max_tokens=np.array([400])))
+    with pytest.raises(RequestCancelled):
+        for _ in RequestRunner(runtime).run(req, cancelled, stats):
+            pass
+    line = log.getvalue().strip()
+    assert re.fullmatch(r"dflash-cancel: the client went away; noticed \d+ ms after it, mid-generation, last step "
+                        rf"\d+ ms, {steps} steps? after it", line), line
+    assert runtime.begun_after_cancel == steps
+
+
+def _cancel_lines(text: str) -> tuple[int, list[int], list[tuple[int, int, int]]]:
+    """(cancels logged one by one, their steps, each summary's (cancels, most steps, most ms late))."""
+    one = [int(n) for n in re.findall(r"^dflash-cancel: [^\n]*, (\d+) steps? after it$", text, re.M)]
+    summaries = [(int(c), int(s), int(ms)) for c, s, ms in re.findall(
+        r"^dflash-cancel-summary: pid \d+: (\d+) more cancels? in \d+ s \(\d+ before they started, \d+ "
+        r"mid-generation\); at most (\d+) steps? after it, noticed at most (-?\d+) ms after it, last step at most \d+ "
+        r"ms$", text, re.M)]
+    return len(one), one, summaries
+
+
+def test_cancel_lines_are_bounded_and_their_summaries_count_every_cancel():
+    """10 000 cancels in an hour: the first 5 logged one by one, the rest in summaries at most one a minute, which
+    count every cancel and keep the worst figures (one cancel of 2 steps, 900 ms late, among cancels of 1 step)."""
+    from dflash_export.deploy.cancel_log import CancelLog
+
+    now = [0.0]
+    out = io.StringIO()
+    log = CancelLog(verbatim=5, period_s=60.0, out=out, clock=lambda: now[0], timer=False)
+    for i in range(10_000):
+        now[0] = i * 0.36
+        if i == 7777:
+            log.record("the client went away", 900.0, 20.0, 2)
+        elif i % 10 == 0:
+            log.record("the client went away", 3.0, None, 0)  # still queued
+        else:
+            log.record("the client went away", 3.0, 15.0, 1)
+    log.flush()
+    lines = out.getvalue().splitlines()
+    assert len(lines) <= 5 + 3600 / 60 + 1, len(lines)
+    one, steps, summaries = _cancel_lines(out.getvalue())
+    assert one == 5 and len(summaries) == len(lines) - 5
+    assert one + sum(c for c, _, _ in summaries) == 10_000
+    assert max(s for _, s, _ in summaries) == 2 and max(ms for _, _, ms in summaries) == 900
+
+
+def test_a_cancel_summary_is_written_when_no_later_cancel_comes():
+    """Past the lines logged one by one, the summary of the last cancels comes `period_s` after the first of them
+    without any further cancel, and once."""
+    from dflash_export.deploy.cancel_log import CancelLog
+
+    out = io.StringIO()
+    log = CancelLog(verbatim=1, period_s=0.3, out=out)
+    for _ in range(4):
+        log.record("the client went away", 2.0, 10.0, 1)
+    deadline = time.monotonic() + 10
+    while len(out.getvalue().splitlines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.6)
+    one, _, summaries = _cancel_lines(out.getvalue())
+    assert one == 1 and summaries == [(3, 1, 2)], out.getvalue()

@@ -690,6 +690,40 @@ def test_cancel_files_are_owner_only(front):
     assert os.listdir(front.cancel_dir) == [token]  # removed later (CANCEL_FILE_TTL_S)
 
 
+def cancel_record_of(front, token: str):
+    from dflash_export.deploy import front as front_module
+
+    before = os.environ.get(front_module.CANCEL_DIR_ENV)
+    os.environ[front_module.CANCEL_DIR_ENV] = str(front.cancel_dir)  # as the model reads it
+    try:
+        return front_module.cancel_record(token)
+    finally:
+        if before is None:
+            del os.environ[front_module.CANCEL_DIR_ENV]
+        else:
+            os.environ[front_module.CANCEL_DIR_ENV] = before
+
+
+def test_a_cancel_file_carries_a_time_read_once_the_model_could_see_it(front, monkeypatch):
+    """The time in a cancel file (what the model counts the steps it ran after the cancel from) is read from the
+    machine's monotonic clock after the file with the reason was in place, and before `cancel` returns."""
+    from dflash_export.deploy import front as front_module
+
+    token = front._begin()
+    path = Path(front.cancel_dir) / token
+    seen = []
+    clock = front_module.cancel_clock_ns
+    monkeypatch.setattr(front_module, "cancel_clock_ns", lambda: seen.append(path.read_text()) or clock())
+    t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    assert front.cancel(token, "the client went away")
+    t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    assert seen == ["the client went away"]
+    why, at = cancel_record_of(front, token)
+    assert why == "the client went away" and t0 <= at <= t1
+    assert path.stat().st_mode & 0o077 == 0 and sorted(os.listdir(front.cancel_dir)) == [token]
+    front._end(token)
+
+
 def test_expect_100_continue_gets_its_interim_answer_before_the_body(front):
     """curl sends `Expect: 100-continue` for bodies over 1 KB and waits (1 s) for `100 Continue` before sending it;
     an over-limit body is refused at once instead, before it is sent."""
@@ -954,7 +988,7 @@ def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front
         t = time.monotonic()
         while not (tokens and (Path(front.cancel_dir) / tokens[0]).exists()) and time.monotonic() - t < 8:
             time.sleep(0.05)
-        assert tokens and (Path(front.cancel_dir) / tokens[0]).read_text() == "the client went away"
+        assert tokens and cancel_record_of(front, tokens[0])[0] == "the client went away"
         assert front.counts["client_gone"] == 1 and front.in_flight() == 0
     finally:
         s.close()

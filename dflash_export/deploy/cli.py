@@ -98,6 +98,9 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                    "HTTP 400; default 0: half the memory available when an instance loads, shared by the instances).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
+@click.option("--log-max-mb", default=64, show_default=True, type=click.IntRange(0, 1 << 20),
+              help="When the log reaches this many MiB it is renamed to LOG.1 (replacing the one before) and a new "
+                   "one begins; 0: it grows without bound.")
 @click.option("--max-request-bytes", default=None, type=click.IntRange(1, 1 << 30),
               help="Largest HTTP request body let through (larger: 413). Default: the value deploy recorded.")
 @click.option("--max-json-depth", default=None, type=click.IntRange(2, 256),
@@ -118,7 +121,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
 @click.option("--plain", is_flag=True,
               help="With --engine: serve plain decoding on the same engine (no drafter), the served yardstick.")
 def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
-          max_kv_tokens, log_file, max_request_bytes, max_json_depth, request_timeout, max_connections,
+          max_kv_tokens, log_file, log_max_mb, max_request_bytes, max_json_depth, request_timeout, max_connections,
           restart_on_crash, ready_timeout, drain_timeout, plain):
     """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
@@ -154,4 +157,4 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
                     request_timeout_s=request_timeout)
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
                         restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
-                        model_id=model_name, ready_timeout_s=ready_timeout))
+                        model_id=model_name, ready_timeout_s=ready_timeout, log_max_bytes=log_max_mb << 20))

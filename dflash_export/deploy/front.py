@@ -64,6 +64,7 @@ from dflash_export.errors import DFlashError
 
 CANCEL_FILE_TTL_S = 60.0  # how long a cancel file outlives its request's answer (the model may still be mid-step)
 CANCEL_DIR_ENV = "DFLASH_CANCEL_DIR"  # where the model looks for cancel files (set in the server's environment)
+CANCEL_TIME_MARK = "\n@"  # in a cancel file, between why the request was cancelled and when the file was visible
 
 
 class Front(ConnectionHandling, Routing, Upstream):
@@ -196,15 +197,23 @@ class Front(ConnectionHandling, Routing, Upstream):
                 return False
             self._in_flight[token] = why
         if self.cancel_dir is not None:
-            try:  # written aside and renamed: the model must never read a created but still empty file
-                tmp = self.cancel_dir / f".{token}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(why)
-                os.replace(tmp, self.cancel_dir / token)
+            try:
+                self._write_cancel_file(token, why)
+                # Then the file again, with a time read once the model could see it: a step boundary the model
+                # passed after that time without stopping is one that missed a visible cancel (the model counts
+                # the steps it ran after it, see triton_model.py).
+                self._write_cancel_file(token, f"{why}{CANCEL_TIME_MARK}{cancel_clock_ns()}")
             except OSError:
                 pass
         return True
+
+    def _write_cancel_file(self, token: str, text: str) -> None:
+        """Written aside and renamed: the model never reads a created but still empty (or half-written) file."""
+        tmp = self.cancel_dir / f".{token}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.cancel_dir / token)
 
     def fail_model(self, model: str, why: str) -> int:
         """A stub of `model` died: every request in flight on it is cancelled and answered 503 with Retry-After now
@@ -319,13 +328,38 @@ def new_cancel_dir(parent: Path) -> Path:
     return d
 
 
-def cancel_reason(token: str | None) -> str | None:
-    """Inside the model: why the request with this cancel token was cancelled (None: it was not)."""
+def cancel_clock_ns() -> int:
+    """The clock cancel files are stamped with: CLOCK_MONOTONIC, one clock for every process of the machine (the
+    front's and the model stubs'), which no change of the wall clock moves."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def cancel_path(token: str | None) -> str | None:
+    """Inside the model: where the cancel file of the request with this cancel token appears (None: no cancel dir, or
+    not a token the front makes)."""
     d = os.environ.get(CANCEL_DIR_ENV)
     if not d or not token or not re.fullmatch(r"[0-9a-f]{8,64}", token):
         return None
+    return os.path.join(d, token)
+
+
+def cancel_record(token: str | None) -> tuple[str, int | None] | None:
+    """Inside the model: why the request with this cancel token was cancelled and the `cancel_clock_ns` time the front
+    read once its cancel file could be seen (None while the front has not yet written it); None: not cancelled."""
+    path = cancel_path(token)
+    if path is None:
+        return None
     try:
-        with open(os.path.join(d, token), encoding="utf-8") as f:
-            return f.read(200) or "cancelled"
+        with open(path, encoding="utf-8") as f:
+            text = f.read(300)
     except OSError:
         return None
+    why, mark, at = text.rpartition(CANCEL_TIME_MARK)
+    why = why if mark else text
+    return why or "cancelled", int(at) if mark and at.isdigit() else None
+
+
+def cancel_reason(token: str | None) -> str | None:
+    """Inside the model: why the request with this cancel token was cancelled (None: it was not)."""
+    record = cancel_record(token)
+    return record[0] if record is not None else None

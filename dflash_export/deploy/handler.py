@@ -33,7 +33,7 @@ from dflash_export.decoding.request import (
 )
 from dflash_export.errors import DFlashError
 from dflash_export.models.tokenization import max_token_chars, prompt_chars
-from dflash_export.runtime.single import DFlashRuntime, RunStats
+from dflash_export.runtime.single import DFlashRuntime, RequestStopped, RunStats
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES_DEPTH = 8      # a list of {"role", "content"} objects is 2 deep
@@ -309,7 +309,8 @@ class RequestRunner:
             req.sp = dataclasses.replace(req.sp, max_new_tokens=room)
         return ids
 
-    def run(self, req: GenerateRequest, cancelled: Callable[[], str | None] | None = None) -> Iterator[Chunk]:
+    def run(self, req: GenerateRequest, cancelled: Callable[[], str | None] | None = None,
+            stats: RunStats | None = None, stopped: Callable[[], bool] | None = None) -> Iterator[Chunk]:
         """Yield text deltas step by step; the last chunk carries `finish_reason` ("stop" / "length").
 
         Validation errors surface (as DFlashError) before the first chunk. Stop strings end the output *before* the
@@ -317,14 +318,17 @@ class RequestRunner:
         prompt and after every DFlash step; a reason (not None) stops the generation there with RequestCancelled, so
         a client that went away holds its instance for at most one more step. Behind a shared batch
         (`BatchingService`) it is also asked, as `cancelled(queued=True)`, while the request waits to join: a client
-        that leaves then costs no prefill.
+        that leaves then costs no prefill. `stats`: the RunStats the runtime fills for this request (a new one if
+        None), e.g. for `cancelled` to count the steps the runtime ran. `stopped`: a cheap check that the request is
+        cancelled, which a shared batch makes on its own thread before each step (True: the request leaves the
+        batch there, however many of its events this thread has yet to read; then `cancelled()` says why).
         """
         if cancelled is not None and (why := cancelled()):
             raise RequestCancelled(why)
         ids = self.prompt_ids(req)
         self.runtime.check_request(ids, req.sp)
         codec = self.runtime.engine.codec
-        stats = RunStats()
+        stats = stats if stats is not None else RunStats()
         tokens: list[int] = []
         # Tokens each step added to the answer, from the events this request consumed (the first is the prefill's
         # token, no step's): accepted drafts + the target's token, the last step cut where the answer ends, so they
@@ -343,8 +347,10 @@ class RequestRunner:
             return why
 
         polls = cancelled is not None and getattr(self.runtime, "polls_cancel_while_queued", False)
-        for ev in self.runtime.stream(ids, req.sp, self.mode, stats=stats,
-                                      **({"cancelled": ask_queued} if polls else {})):
+        stops = stopped is not None and getattr(self.runtime, "stops_between_steps", False)
+        for ev in _stopped_as_cancelled(self.runtime.stream(ids, req.sp, self.mode, stats=stats,
+                                                            **({"cancelled": ask_queued} if polls else {}),
+                                                            **({"stopped": stopped} if stops else {})), cancelled):
             if cancelled is not None and not ev.finished and (why := cancelled()):
                 raise RequestCancelled(why)
             before = len(tokens)
@@ -391,17 +397,28 @@ class RequestRunner:
             raise RequestCancelled(while_queued[0])
 
 
+def _stopped_as_cancelled(events: Iterator, cancelled: Callable[[], str | None] | None) -> Iterator:
+    """`events`, a shared batch's RequestStopped (its stop check dropped the request) raised as RequestCancelled
+    saying why the request was cancelled."""
+    try:
+        yield from events
+    except RequestStopped:
+        why = cancelled() if cancelled is not None else None
+        raise RequestCancelled(why or "cancelled") from None
+
+
 def _first_stop(text: str, stops: list[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
 def generate_text(runner: RequestRunner, req: GenerateRequest,
-                  cancelled: Callable[[], str | None] | None = None) -> Chunk:
+                  cancelled: Callable[[], str | None] | None = None, stats: RunStats | None = None,
+                  stopped: Callable[[], bool] | None = None) -> Chunk:
     """The whole output as one chunk (the non-streaming model's response)."""
     parts: list[str] = []
     last = None
-    for chunk in runner.run(req, cancelled):
+    for chunk in runner.run(req, cancelled, stats, stopped):
         parts.append(chunk.text)
         last = chunk
     assert last is not None

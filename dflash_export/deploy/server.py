@@ -39,6 +39,7 @@ from dflash_export.deploy.triton_install import (
     stub_site_dir,
 )
 from dflash_export.deploy.triton_process import (
+    LOG_MAX_BYTES,
     OWNER_FILE,
     SHM_DIR,
     ModelRefused,
@@ -56,7 +57,7 @@ __all__ = [
     "STUB_MARKER", "STUB_NUMPY", "STUB_SITE_ENV", "TritonInstall", "ensure_stub_site", "find_triton",
     "make_backend_dir", "make_stub_env", "python_lib_dir", "server_env", "stub_site_dir",
     # triton_process
-    "OWNER_FILE", "SHM_DIR", "ModelRefused", "ServerError", "TritonServer", "clean_stale_leftovers",
+    "LOG_MAX_BYTES", "OWNER_FILE", "SHM_DIR", "ModelRefused", "ServerError", "TritonServer", "clean_stale_leftovers",
     "free_loopback_ports", "remove_shm", "shm_prefix",
     # here
     "resolve_host", "check_listen", "default_log_path", "MAX_RESTARTS", "RESTART_WINDOW_S", "READY_PROGRESS_S",
@@ -188,7 +189,8 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
 def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
           host: str = "127.0.0.1",
           ready_timeout_s: float = 600.0, log_path=None, limits=None, restart_on_crash: bool = True,
-          drain_timeout_s: float = 30.0, grpc: bool = False, model_id: str | None = None) -> int:
+          drain_timeout_s: float = 30.0, grpc: bool = False, model_id: str | None = None,
+          log_max_bytes: int = LOG_MAX_BYTES) -> int:
     """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
     ready.
 
@@ -197,7 +199,8 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
     the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path`
     (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
-    afterwards). The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
+    afterwards); once it holds `log_max_bytes` (0: never) it becomes `<log>.1`, replacing the one before, and a new
+    log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
     start waits for: the model loading and what its stubs are doing; past it ServerError says the same).
 
     A model stub that dies has its model reloaded alone (`TritonServer.reload_models`; the model's requests get 503
@@ -215,7 +218,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
                                                      drain_timeout_s, grpc, model_id, ready_timeout_s)
     server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
                           limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc,
-                          progress_s=READY_PROGRESS_S)
+                          progress_s=READY_PROGRESS_S, log_max_bytes=log_max_bytes)
     server.model_id = model_id
 
     def on_signal(signum, frame):
@@ -231,7 +234,9 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
         print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics{triton_metrics}",
               flush=True)
         print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1)", flush=True)
-        print(f"  tritonserver log: {log_path}", flush=True)
+        rotated = (f" (kept under {log_max_bytes / 2**20:g} MiB, the one before as {log_path}.1)"
+                   if log_max_bytes else "")
+        print(f"  tritonserver log: {log_path}{rotated}", flush=True)
         print(f"  tritonserver runs in {server.isolation}", flush=True)
         print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "
               f"timeout {limits.request_timeout_s:g} s; restart on crash: {'yes' if restart_on_crash else 'no'}; "

@@ -15,7 +15,8 @@ through each request's response sender (one response in the default mode, one pe
 A bad request gets an error response naming the input (INVALID_ARG: HTTP 400); the instance keeps serving. Between
 DFlash steps the request is checked for cancellation: Triton's own (a gRPC client that cancels or goes away) and the
 front's cancel file (an HTTP client that went away, or a shutdown past its drain time, see deploy/front.py), so an
-abandoned request holds its instance for at most one more step.
+abandoned request holds its instance for at most one more step; a shared batch's own thread also looks for the cancel
+file before each of its steps. Each cancel seen is logged (deploy/cancel_log.py) with the steps run after it.
 """
 
 import errno
@@ -150,7 +151,7 @@ def _kv_bound(config, engine_dir: str, instances: int, max_batch: int) -> int | 
 
 
 def _cancel_age_ms(token):
-    """Milliseconds since the front wrote this request's cancel file (None without one)."""
+    """Milliseconds since the front wrote this request's cancel file, by its modification time (None without one)."""
     import time
 
     from dflash_export.deploy.front import CANCEL_DIR_ENV
@@ -160,6 +161,25 @@ def _cancel_age_ms(token):
         return 1000 * (time.time() - os.stat(os.path.join(d, token)).st_mtime) if d and token else None
     except OSError:
         return None
+
+
+class _TimedSteps(list):
+    """RunStats.acceptance_lengths (one entry per DFlash step the runtime ran for the request) that also keeps when
+    each entry was appended, on `clock`: when each step ended."""
+
+    def __init__(self, lengths, clock):
+        super().__init__(lengths)
+        self.clock = clock
+        self.ends = [clock()] * len(self)
+
+    def append(self, length) -> None:
+        super().append(length)
+        self.ends.append(self.clock())
+
+    def ended_after(self, t: int) -> int:
+        import bisect
+
+        return len(self.ends) - bisect.bisect_right(self.ends, t)
 
 
 class TritonPythonModel:
@@ -208,6 +228,9 @@ class TritonPythonModel:
         else:
             self.runner = RequestRunner(DFlashRuntime(self.engine), mode, engine_dir)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        from dflash_export.deploy.cancel_log import CancelLog
+
+        self.cancel_log = CancelLog()  # this instance's cancel lines: the first ones, then a summary a minute
         self.output_names = [o["name"] for o in config["output"]]
 
     # Adapters -------------------------------------------------------------------------------------------------------
@@ -242,11 +265,14 @@ class TritonPythonModel:
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
-    @staticmethod
-    def _cancelled(request, sender=None):
-        """The question `RequestRunner.run` asks between steps (and, `queued=True`, while the request waits to join a
-        shared batch): why this request is cancelled, or None."""
-        from dflash_export.deploy.front import cancel_reason
+    def _cancel_checks(self, request, sender, stats):
+        """The checks `RequestRunner.run` makes for this request: `cancelled`, asked between steps (and, `queued=True`,
+        while the request waits to join a shared batch): why the request is cancelled, or None; and `stopped`, the
+        cheap one a shared batch makes on its own thread before each step: whether the front's cancel file is there.
+        `stats`: the RunStats the runtime fills for the request; each DFlash step's acceptance length it appends is
+        timed, and a cancel's line counts the steps that ended after the front's stamp of its cancel file (read once
+        the file was visible), or, without a stamp, after the last check that saw no cancel began."""
+        from dflash_export.deploy.front import cancel_clock_ns, cancel_path, cancel_record
         from dflash_export.deploy.upstream import CANCEL_PARAMETER
 
         try:
@@ -255,33 +281,40 @@ class TritonPythonModel:
             token = None
         token = token if isinstance(token, str) else None
         native = [f for f in (getattr(sender, "is_cancelled", None), getattr(request, "is_cancelled", None)) if f]
-
         import time
 
-        last = [None]  # when the previous check ran (None: this is the first, before any work on the request)
+        steps = stats.acceptance_lengths = _TimedSteps(stats.acceptance_lengths, cancel_clock_ns)
+        last = [None]  # when the previous check between steps began (None: none has yet)
 
         def cancelled(queued: bool = False):
-            why = None
+            began = cancel_clock_ns()
+            why = at = None
             for is_cancelled in native:
                 try:
                     if is_cancelled():
                         why = "the client cancelled the request"
                 except Exception:  # noqa: BLE001 - a stub without the call: rely on the cancel file
                     pass
-            why = why or cancel_reason(token)
-            now = time.monotonic()
-            if why is not None:
-                # One line per cancellation for the log (benchmarks/soak.py reads it): how long the instance kept
-                # working after the cancel (at most the step in progress), and how long that step took.
-                late = _cancel_age_ms(token)
-                where = ("before it started (it was queued)" if last[0] is None or queued else
-                         f"mid-generation, last step {1000 * (now - last[0]):.0f} ms")
-                print(f"dflash-cancel: {why}; noticed {late if late is not None else -1:.0f} ms after it, {where}",
-                      file=sys.stderr, flush=True)
-            last[0] = now
+            record = cancel_record(token)
+            for _ in range(20):  # a file not stamped yet: the front stamps it right after writing it
+                if record is None or record[1] is not None:
+                    break
+                time.sleep(0.001)
+                record = cancel_record(token) or record
+            if record is not None:
+                why, at = why or record[0], record[1]
+            late = _cancel_age_ms(token) if at is None else max(0.0, (began - at) / 1e6)
+            if why is not None and (last[0] is None or queued):
+                self.cancel_log.record(why, late, None, 0)
+            elif why is not None:
+                self.cancel_log.record(why, late, (began - last[0]) / 1e6,
+                                       steps.ended_after(at if at is not None else last[0]))
+            elif not queued:
+                last[0] = began
             return why
 
-        return cancelled
+        path = cancel_path(token)
+        return cancelled, (lambda: os.path.exists(path)) if path is not None else None
 
     @staticmethod
     def _inputs(request):
@@ -294,6 +327,7 @@ class TritonPythonModel:
     # Execution ------------------------------------------------------------------------------------------------------
     def execute(self, requests):
         from dflash_export.deploy.handler import generate_text, parse_request
+        from dflash_export.runtime.single import RunStats
 
         if self.service is not None:  # every request joins the shared batch on its own thread
             import threading
@@ -309,8 +343,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
+                stats = RunStats()
+                cancelled, _ = self._cancel_checks(request, None, stats)  # no shared batch to stop it
                 responses.append(self._response(generate_text(self.runner, parse_request(self._inputs(request)),
-                                                              self._cancelled(request))))
+                                                              cancelled, stats)))
             except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
                 responses.append(self._error(e))
         return responses
@@ -318,12 +354,15 @@ class TritonPythonModel:
     def _generate_one(self, request) -> None:
         """The default-mode model with a shared batch: one response through the request's sender."""
         from dflash_export.deploy.handler import generate_text, parse_request
+        from dflash_export.runtime.single import RunStats
 
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        stats = RunStats()
         try:
-            response = self._response(generate_text(self.runner, parse_request(self._inputs(request)),
-                                                    self._cancelled(request, sender)))
+            cancelled, stopped = self._cancel_checks(request, sender, stats)
+            response = self._response(generate_text(self.runner, parse_request(self._inputs(request)), cancelled,
+                                                    stats, stopped))
         except Exception as e:  # noqa: BLE001 - any failure becomes this request's error, never the model's
             response = self._error(e)
         try:
@@ -333,11 +372,14 @@ class TritonPythonModel:
 
     def _stream(self, request) -> None:
         from dflash_export.deploy.handler import parse_request
+        from dflash_export.runtime.single import RunStats
 
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        stats = RunStats()
         try:
-            for chunk in self.runner.run(parse_request(self._inputs(request)), self._cancelled(request, sender)):
+            cancelled, stopped = self._cancel_checks(request, sender, stats)
+            for chunk in self.runner.run(parse_request(self._inputs(request)), cancelled, stats, stopped):
                 sender.send(self._response(chunk), flags=final if chunk.finish_reason else 0)
         except Exception as e:  # noqa: BLE001
             try:
@@ -346,6 +388,8 @@ class TritonPythonModel:
                 pass
 
     def finalize(self):
+        if getattr(self, "cancel_log", None) is not None:
+            self.cancel_log.flush()
         if getattr(self, "service", None) is not None:
             self.service.close()
         engine = getattr(self, "engine", None)

@@ -66,6 +66,8 @@ _TRITON_LINE = re.compile(r"[IWE]\d{4} ")
 _TRITON_ERROR = re.compile(r"E\d{4} ")
 _OPTION_ERROR = re.compile(r"unrecognized option|invalid option|requires an argument|^Bad option|^[Ii]nvalid ")
 _HEAD_LINES = 40
+# The log file's size at which it is renamed to <log>.1 and begun anew (serve --log-max-mb).
+LOG_MAX_BYTES = 64 << 20
 # The dynamic loader's words for a shared library it cannot load (`ld.so`: the program never ran), as a stub that
 # cannot start prints them.
 _LOADER_ERROR = re.compile(r"error while loading shared libraries|cannot open shared object file|symbol lookup error|"
@@ -463,7 +465,9 @@ class TritonServer:
     carrying the front's per-start header, which then stands on its command line (`isolation` says which; `serve`
     prints it). gRPC listens on loopback only (it has no front). The server's
     output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
-    to that file (named in the error), `echo=True` copies it to stderr as it arrives. The server runs in its own
+    to that file (named in the error), which is renamed to `<log_path>.1` (replacing the one before) once it holds
+    `log_max_bytes` (0: never) and begun anew, so at most twice that is kept however long the server runs;
+    `echo=True` copies it to stderr as it arrives. The server runs in its own
     process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
     the server). `restart()` replaces a dead tritonserver behind the same front. While the start waits for the models
     to load, a line every `progress_s` seconds (None: none) on stderr says what it waits for; the error at
@@ -473,7 +477,8 @@ class TritonServer:
     def __init__(self, repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
                  host: str = "127.0.0.1", ready_timeout_s: float = 180.0, echo: bool = False,
                  log_verbose: int = 0, extra_args: list[str] | None = None, log_path=None, limits=None,
-                 exit_timeout_s: int = 10, grpc: bool = False, progress_s: float | None = None):
+                 exit_timeout_s: int = 10, grpc: bool = False, progress_s: float | None = None,
+                 log_max_bytes: int = LOG_MAX_BYTES):
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise DFlashError("model repository not found", path=self.repo)
@@ -499,7 +504,10 @@ class TritonServer:
         self._reader: threading.Thread | None = None
         self._stopping = False
         self.log_path = Path(log_path) if log_path is not None else None
+        self.log_max_bytes = log_max_bytes
         self._log_file = None
+        self._log_bytes = 0  # what the log file holds (its size when opened, then what _pump wrote)
+        self._log_lock = threading.Lock()  # _pump writes and renames the file; stop() closes it
         self._shm_prefix = shm_prefix(os.getpid(), http_port)
         self._python_envs: set[str] = set()
         # python_env dirs before this run's tritonserver started, until its own is told apart (`_claim_python_env`)
@@ -639,10 +647,8 @@ class TritonServer:
             env[CANCEL_DIR_ENV] = str(cancel_dir)
             if self.log_path is not None and self._log_file is None:
                 try:
-                    # Owner-only, like the default log: it carries what the models print about requests.
-                    fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if self.restarts
-                                                                            else os.O_TRUNC), 0o600)
-                    self._log_file = open(fd, "a" if self.restarts else "w", encoding="utf-8", errors="replace")
+                    with self._log_lock:
+                        self._open_log(append=bool(self.restarts))
                 except OSError as e:
                     raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
             self._stopping = False
@@ -727,6 +733,34 @@ class TritonServer:
         self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
         return self.start()
 
+    def _open_log(self, append: bool) -> None:
+        """Open the log file (owner-only, like the default log: it carries what the models print about requests)."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+        self._log_file = open(fd, "a" if append else "w", encoding="utf-8", errors="replace")
+        self._log_bytes = os.fstat(fd).st_size
+
+    def _write_log(self, line: str) -> None:
+        with self._log_lock:
+            if self._log_file is None:
+                return
+            try:
+                self._log_file.write(line)
+                self._log_file.flush()
+                self._log_bytes += len(line.encode("utf-8", "replace"))
+                if self.log_max_bytes and self._log_bytes >= self.log_max_bytes:
+                    # The full log becomes <log>.1 (the one before goes) and a new one begins; where it cannot be
+                    # renamed, it goes on.
+                    self._log_file.close()
+                    self._log_file = None
+                    try:
+                        os.replace(self.log_path, f"{self.log_path}.1")
+                        renamed = True
+                    except OSError:
+                        renamed = False
+                    self._open_log(append=not renamed)
+            except (OSError, ValueError):  # disk full, or closed by stop(): the in-memory tail remains
+                pass
+
     def _pump(self) -> None:
         proc = self.proc
         assert proc is not None and proc.stdout is not None
@@ -735,12 +769,7 @@ class TritonServer:
             self._run_lines += 1
             if len(self._head) < _HEAD_LINES:
                 self._head.append(line)
-            if self._log_file is not None:
-                try:
-                    self._log_file.write(line)
-                    self._log_file.flush()
-                except (OSError, ValueError):  # disk full, or closed by stop(): the in-memory tail remains
-                    pass
+            self._write_log(line)
             if self.echo:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -1171,12 +1200,13 @@ class TritonServer:
         for sock in self._listeners:
             sock.close()
         self._listeners = []
-        if self._log_file is not None:
-            try:
-                self._log_file.close()
-            except OSError:
-                pass
-            self._log_file = None
+        with self._log_lock:
+            if self._log_file is not None:
+                try:
+                    self._log_file.close()
+                except OSError:
+                    pass
+                self._log_file = None
         for env_dir in self._python_envs:
             shutil.rmtree(env_dir, ignore_errors=True)
         self._python_envs = set()

@@ -251,6 +251,10 @@ class Upstream:
                 await conn.send(h11.Data(data=oa.sse(ev)))
                 if ev.get("finish_reason"):
                     self._observe(ev)
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            if token is not None:  # the cancel file first, stamped before tritonserver sees the stream closed
+                self._client_left(token)
+            raise
         finally:  # now, also when the client left mid-stream: tritonserver's shutdown waits for the connection
             await resp.aclose()
         self.counts["forwarded"] += 1

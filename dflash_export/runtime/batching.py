@@ -87,6 +87,7 @@ from dflash_export.errors import DFlashError
 from dflash_export.runtime.costs import StepCosts, engine_costs
 from dflash_export.runtime.single import (
     GREEDY,
+    RequestStopped,
     RunStats,
     StepEvent,
     _Emitter,
@@ -115,7 +116,9 @@ PROBE_MAX_GAP = 64  # the most plain steps between two probes of a batch where d
 
 @dataclass
 class Request:
-    """One generation. `events` collects StepEvents as they come (or `on_event` is called with each)."""
+    """One generation. `events` collects StepEvents as they come (or `on_event` is called with each). `stop`: a cheap
+    check the stepping thread makes before every step the request is in (True: the request leaves the batch there,
+    its consumer gets RequestStopped), so a cancel seen by it costs no more steps however far the consumer trails."""
 
     prompt_ids: list[int]
     sp: SamplingParams
@@ -129,6 +132,7 @@ class Request:
     cancelled: bool = False
     joined: bool = False  # taken from the queue into the batch (set by the stepping thread)
     error: Exception | None = None
+    stop: object = None
 
 
 class _Active:
@@ -302,15 +306,16 @@ class BatchingRuntime:
     # Requests -----------------------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", on_event=None,
-               stats: RunStats | None = None) -> Request:
+               stats: RunStats | None = None, stop=None) -> Request:
         """Queue a request; DFlashError when it is invalid, when its K/V alone would pass `max_kv_tokens`, or when
         the queue holds `max_queued_tokens` already.
-        `stats`: the RunStats to fill (the request's own otherwise), set before the stepping thread can see it."""
+        `stats`: the RunStats to fill (the request's own otherwise), set before the stepping thread can see it;
+        `stop`: the request's `Request.stop` check."""
         if mode not in ("dflash", "ar"):
             raise DFlashError(f"unknown mode {mode!r} (dflash, ar)", field="mode")
         prompt_ids = [int(t) for t in prompt_ids]
         check_request(self.info, prompt_ids, sp)
-        req = Request(prompt_ids, sp, mode, 0, on_event)
+        req = Request(prompt_ids, sp, mode, 0, on_event, stop=stop)
         if self.max_kv_tokens is not None:
             alone = self.batch.aligned(self.reservation(req))  # one slot's rows
             if alone > self.max_kv_tokens:
@@ -480,10 +485,21 @@ class BatchingRuntime:
         self.rate = 0.9 * self.rate + 0.1 * tokens / cost
 
     def _drop_cancelled(self) -> None:
-        for act in [a for a in self.active if a.req.cancelled]:
+        for act in [a for a in self.active if a.req.cancelled or self._stopped(a.req)]:
             act.req.stats.finish_reason = "cancelled"
             act.req.stats.total_s = time.perf_counter() - act.req.submitted_s
             self._finish(act)
+            if not act.req.cancelled:  # dropped by its stop check: its consumer still waits for an event
+                act.req.cancelled = True
+                if act.req.on_event is not None:
+                    act.req.on_event(RequestStopped())
+
+    @staticmethod
+    def _stopped(req: Request) -> bool:
+        try:
+            return req.stop is not None and bool(req.stop())
+        except Exception:  # noqa: BLE001 - a failing check stops nothing; the consumer still checks between events
+            return False
 
     def _drafting(self, acts: list[_Active]) -> tuple[list[_Active], _Active | None]:
         """The sequences that draft this step (their per-step fields reset, every sequence's), and the probe: when
@@ -918,19 +934,23 @@ class BatchingService:
     # A caller's `cancelled()` is asked this often while its request waits to join the batch.
     QUEUED_POLL_S = 0.05
     polls_cancel_while_queued = True  # what deploy.handler.RequestRunner looks for
+    stops_between_steps = True  # `stream` takes `stopped`, asked by the batch's own thread (RequestRunner)
 
     def stream(self, prompt_ids, sp: SamplingParams, mode: str = "dflash", stats: RunStats | None = None,
-               cancelled=None):
+               cancelled=None, stopped=None):
         """Yield the request's StepEvents as the shared batch commits them; the last has finished=True.
 
         `cancelled()` (optional): asked every QUEUED_POLL_S while the request still waits to join the batch; when it
         answers (anything but None) the request leaves the queue and the stream ends without a finished event, so a
-        client that went away costs no prefill. Once the request has joined, the caller checks between events."""
+        client that went away costs no prefill. Once the request has joined, the caller checks between events, and
+        `stopped()` (optional, cheap: it runs on the batch's thread) is asked before each step of the batch: True
+        drops the request there and the stream raises RequestStopped, however many events the caller has yet to
+        read."""
         events: queue.Queue = queue.Queue()
         with self._lock:
             if self._closed:
                 raise DFlashError("the batching service is closed", field="model")
-            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put, stats=stats)
+            req = self.runtime.submit(prompt_ids, sp, mode, on_event=events.put, stats=stats, stop=stopped)
             self._work.notify()
         try:
             while True:

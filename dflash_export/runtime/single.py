@@ -43,6 +43,11 @@ class StepEvent:
     finish_reason: str | None = None
 
 
+class RequestStopped(Exception):
+    """What a request's consumer gets from a shared batch's event stream when the batch dropped the request because
+    its stop check said so (runtime/batching.py `Request.stop`; the consumer then asks why it was cancelled)."""
+
+
 @dataclass
 class RunStats:
     tokens: list[int] = field(default_factory=list)
