@@ -3,9 +3,11 @@ HTTP helpers, and process checks (no tests here)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -196,6 +198,25 @@ def serve_cli(repo, http, grpc, metrics, **popen):
     return subprocess.Popen([sys.executable, "-m", "dflash_export", "serve", "--repo", str(repo), "--http-port",
                              str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **popen)
+
+
+@contextlib.contextmanager
+def serve_until_sigterm(repo, http, grpc, metrics, ready_timeout_s: float = 120):
+    """`serve_cli` in its own session, started up to its ready line (asserted) and yielded; SIGTERM at the end must
+    stop it with exit 0, and nothing of it (tritonserver, a stub) may be left running. Killed whole if a check
+    failed first."""
+    proc = serve_cli(repo, http, grpc, metrics, start_new_session=True)
+    try:
+        line = ready_line(proc, ready_timeout_s)
+        assert line.startswith("ready:") and f"http://127.0.0.1:{http}" in line, line
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert pids_mentioning(str(repo)) == [], "serve left tritonserver or a stub running"
 
 
 def model_triton_py(monkeypatch):

@@ -47,6 +47,7 @@ from deploy_support import (
     run_direct,
     send_and_drop,
     serve_cli,
+    serve_until_sigterm,
     small_repo,  # noqa: F401 - a fixture
     stream_equals_direct,
     tritonserver_pid,
@@ -648,20 +649,10 @@ def test_server_refusing_its_command_line_names_the_option(tmp_path, small_repo,
 def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir):
     repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
     http, grpc, metrics = free_ports(3)
-    proc = serve_cli(repo, http, grpc, metrics, start_new_session=True)
-    try:
-        line = ready_line(proc)
-        assert line.startswith("ready:") and f"http://127.0.0.1:{http}" in line, line
+    with serve_until_sigterm(repo, http, grpc, metrics):
         status, body = post_json(f"http://127.0.0.1:{http}/v2/models/dflash/generate",
                                  {"text_input": "hi", "max_tokens": 2})
         assert status == 200 and body["completion_tokens"] == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert pids_mentioning(str(repo)) == [], "serve left tritonserver or a stub running"
 
 
 @pytest.mark.server
@@ -671,10 +662,7 @@ def test_a_repository_deployed_without_input_ids_refuses_token_id_prompts_in_the
     own), a text prompt is answered, and the server stops cleanly."""
     repo = drop_input(small_repo, "input_ids")
     http, grpc, metrics = free_ports(3)
-    proc = serve_cli(repo, http, grpc, metrics, start_new_session=True)
-    try:
-        line = ready_line(proc, 180)
-        assert line.startswith("ready:"), line
+    with serve_until_sigterm(repo, http, grpc, metrics, 180):
         url = f"http://127.0.0.1:{http}"
         status, body = post_json(f"{url}/v1/completions", {"model": "tiny-qwen3", "prompt": [1, 2, 3], "max_tokens": 2})
         assert status == 400 and body["error"]["param"] == "prompt", body
@@ -684,13 +672,6 @@ def test_a_repository_deployed_without_input_ids_refuses_token_id_prompts_in_the
         assert status == 400 and body["error"].startswith("input_ids: this model repository was deployed"), body
         status, body = post_json(f"{url}/v1/completions", {"model": "tiny-qwen3", "prompt": "Hi", "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2, body
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert pids_mentioning(str(repo)) == []
 
 
 @pytest.mark.server
