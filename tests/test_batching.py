@@ -1,6 +1,7 @@
 """Batched ONNX Runtime engine and continuous batching: every sequence of a batch -- different prompt lengths,
 different block lengths, joining and leaving between steps -- gets the PyTorch reference's greedy tokens and exactly
-the tokens it gets run alone; batched logits and drafts match the reference / the unbatched graph."""
+the tokens it gets run alone (as the engine's numerics probe states for this CPU: target_support.assert_as_plain);
+batched logits and drafts match the reference / the unbatched graph."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from target_support import assert_transformers_greedy
+from target_support import assert_as_plain, assert_transformers_greedy
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.ort_batch import BatchedOrtEngine
@@ -154,8 +155,8 @@ def test_continuous_batching_greedy_tokens_equal_reference_and_alone(built, refe
     assert max(widths) == 3 and rt.batch.kv_bytes == 0  # an idle engine holds no K/V
     single = DFlashRuntime(eng)
     for req, ref, sp, p in zip(reqs, reference, sps, PROMPTS):
-        assert req.stats.tokens == ref[: sp.max_new_tokens], p
-        assert req.stats.tokens == single.generate(p, sp).tokens, p
+        assert_as_plain(eng, p, req.stats.tokens, ref[: sp.max_new_tokens])
+        assert_as_plain(eng, p, req.stats.tokens, single.generate(p, sp).tokens)
     assert max(max(r.stats.acceptance_lengths) for r in reqs) > 2
 
 
@@ -175,10 +176,8 @@ def test_batched_lookup_branches_decode_as_the_reference(built, reference, propo
     while not rt.idle:
         rt.step()
     for i, (req, ref, sp) in enumerate(zip(reqs, reference, sps)):
-        if sp.greedy:
-            assert req.stats.tokens == ref[:48], PROMPTS[i]
-        else:
-            assert req.stats.tokens == DFlashRuntime(eng).generate(PROMPTS[i], sp, "ar").tokens
+        want = ref[:48] if sp.greedy else DFlashRuntime(eng).generate(PROMPTS[i], sp, "ar").tokens
+        assert_as_plain(eng, PROMPTS[i], req.stats.tokens, want, sp)
     # lookups accepted somewhere by the greedy requests
     assert max(max(r.stats.acceptance_lengths) for r, sp in zip(reqs, sps) if sp.greedy) > 1
     assert rt.a == rt.a_recorded and rt.costs.rows.line() is None  # nothing fitted
@@ -197,9 +196,9 @@ def test_continuous_batching_mixed_modes_and_plain(built, reference):
         rt.step()
     for req, (p, sp, m) in zip(reqs, jobs):
         alone = single.generate(p, sp, m)
-        assert req.stats.tokens == alone.tokens, (p, sp, m)
+        assert_as_plain(eng, p, req.stats.tokens, alone.tokens, sp)
         if sp.greedy:
-            assert req.stats.tokens == reference[PROMPTS.index(p)][:30]
+            assert_as_plain(eng, p, req.stats.tokens, reference[PROMPTS.index(p)][:30])
 
 
 def test_bounds_cancel_and_bad_requests(built):
@@ -281,8 +280,9 @@ def test_probes_back_off_while_drafting_does_not_pay(built, reference):
         rt.step()
         assert len(rt.active) == 2
     assert rt.probes == 4
-    for req, ref in zip(reqs, reference[:2]):
-        assert req.stats.tokens[: len(ref)] == ref[: len(req.stats.tokens)]
+    for req, ref, p in zip(reqs, reference[:2], PROMPTS):
+        n = min(len(ref), len(req.stats.tokens))
+        assert_as_plain(eng, p, req.stats.tokens[:n], ref[:n])
 
 
 def test_when_drafting_does_not_pay_a_dflash_batch_does_plain_decodings_work_plus_its_probes(built, reference):
@@ -299,8 +299,9 @@ def test_when_drafting_does_not_pay_a_dflash_batch_does_plain_decodings_work_plu
         reqs = [rt.submit(p, sp, mode) for p in PROMPTS[:3]]
         for _ in range(130):
             rt.step()
-        for req, ref in zip(reqs, reference[:3]):
-            assert req.stats.tokens[: len(ref)] == ref[: len(req.stats.tokens)]
+        for req, ref, p in zip(reqs, reference[:3], PROMPTS):
+            n = min(len(ref), len(req.stats.tokens))
+            assert_as_plain(eng, p, req.stats.tokens[:n], ref[:n])
         work[mode] = rt
     d, a = work["dflash"], work["ar"]
     assert (d.steps, d.target_rows) == (a.steps, a.target_rows) == (130, 130 * 3)
@@ -314,7 +315,8 @@ def test_engines_without_the_batch_graph_verify_one_sequence_per_call(built, ref
     monkeypatch.setattr(type(eng), "batch_target_session", lambda self: None)
     rt = BatchingRuntime(eng, max_batch=4, adaptive=False)
     got = rt.generate_many(PROMPTS, SamplingParams(max_new_tokens=40))
-    assert [g.tokens for g in got] == [r[:40] for r in reference]
+    for g, r, p in zip(got, reference, PROMPTS):
+        assert_as_plain(eng, p, g.tokens, r[:40])
 
 
 def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(built, reference):
@@ -338,12 +340,14 @@ def test_service_shares_one_batch_between_threads_and_frees_a_dropped_request(bu
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert not errors and [got[i] for i in range(len(PROMPTS))] == [r[:30] for r in reference]
+        assert not errors and sorted(got) == list(range(len(PROMPTS)))
+        for i, r in enumerate(reference):
+            assert_as_plain(eng, PROMPTS[i], got[i], r[:30])
         dropped = svc.stream(PROMPTS[4], SamplingParams(max_new_tokens=60))
         next(dropped)
         dropped.close()  # the consumer went away: cancelled at the next step boundary
-        assert [t for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=5)) for t in ev.tokens] == \
-            reference[0][:5]
+        assert_as_plain(eng, PROMPTS[0], [t for ev in svc.stream(PROMPTS[0], SamplingParams(max_new_tokens=5))
+                                          for t in ev.tokens], reference[0][:5])
         assert not svc.runtime.active
         deadline = time.monotonic() + 30  # the K/V buffers outlive the last request until the batch idles 0.2 s
         while svc.runtime.batch.kv_bytes and time.monotonic() < deadline:
@@ -436,7 +440,8 @@ def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(bui
         runner.join(timeout=60)
         assert still_running, "the short requests waited for the long one to finish"
         assert max(waited.values()) <= 3, waited
-        assert [got[i] for i in (1, 2, 3)] == [reference[i][:6] for i in (1, 2, 3)]
+        for i in (1, 2, 3):
+            assert_as_plain(eng, PROMPTS[i], got[i], reference[i][:6])
     finally:
         stop.set()
         svc.close()
@@ -526,7 +531,7 @@ def test_an_engine_failure_ends_the_running_and_queued_requests_and_the_service_
         assert not svc.runtime.queue and svc.runtime.queued_tokens == 0 and not svc.runtime.active
         assert svc.runtime.batch.target_step is not failing_step  # a fresh batch
         got = [t for ev in svc.stream(PROMPTS[2], SamplingParams(max_new_tokens=6)) for t in ev.tokens]
-        assert got == reference[2][:6]
+        assert_as_plain(eng, PROMPTS[2], got, reference[2][:6])
     finally:
         gate.set()
         svc.close()
@@ -656,7 +661,7 @@ def test_sampled_requests_in_a_batch_are_plain_sampling_draw_for_draw(built, pro
         single = DFlashRuntime(eng, proposer=proposer, sampling=sampling)
         for req, (p, sp) in zip(reqs, jobs):
             want = single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens
-            assert req.stats.tokens == want, (sampling, sp)
+            assert_as_plain(eng, p, req.stats.tokens, want, sp)
         assert all(r.stats.verify_s > 0 for r in reqs) and sum(r.stats.draft_s for r in reqs) > 0
 
 
@@ -671,8 +676,8 @@ def test_sampled_requests_at_a_temperature_near_zero_decode_as_greedy(built, ref
            for i, (t, k, p) in enumerate(settings)]
     for mode in ("dflash", "ar"):
         rt = BatchingRuntime(eng, max_batch=4, proposer=proposer, sampling=sampling)
-        for stats, want, sp in zip(rt.generate_many(PROMPTS[:3], sps, mode), reference, sps):
-            assert stats.tokens == want[:32], (mode, sp)
+        for stats, want, sp, p in zip(rt.generate_many(PROMPTS[:3], sps, mode), reference, sps, PROMPTS):
+            assert_as_plain(eng, p, stats.tokens, want[:32], sp)
 
 
 def test_the_row_cost_is_fitted_from_the_target_calls_within_a_span_of_the_recorded_one(built):
@@ -757,9 +762,10 @@ def test_whole_trees_in_a_batch_decode_as_plain_decoding(built, reference, propo
     single = DFlashRuntime(eng)
     for req, plain_req, (p, sp, _) in zip(reqs, plain_reqs, jobs):
         want = single.generate(p, sp, "ar").tokens
-        assert req.stats.tokens == want == plain_req.stats.tokens, (p, sp)
+        assert_as_plain(eng, p, req.stats.tokens, want, sp)
+        assert_as_plain(eng, p, plain_req.stats.tokens, want, sp)
         if sp.greedy:
-            assert req.stats.tokens == reference[PROMPTS.index(p)][:40]
+            assert_as_plain(eng, p, req.stats.tokens, reference[PROMPTS.index(p)][:40])
     if adaptive:
         return
     assert rt.trees_verified > 0 and max(tree_calls) >= 2  # trees of several sequences in one call
@@ -922,7 +928,7 @@ def test_a_kv_bound_admits_in_arrival_order_within_the_bound_and_decodes_as_alon
     assert 0 <= waits[0] < waits[1] < min(waits[2:]) and all(r.stats.kv_token_limit == bound for r in reqs)
     single = DFlashRuntime(eng)
     for req, (p, n) in zip(reqs, specs):
-        assert req.stats.tokens == single.generate(p, SamplingParams(max_new_tokens=n)).tokens, p
+        assert_as_plain(eng, p, req.stats.tokens, single.generate(p, SamplingParams(max_new_tokens=n)).tokens)
 
     unbounded = BatchingRuntime(eng, max_batch=4)  # the same load without the bound: all four join at once
     reqs = [unbounded.submit(p, SamplingParams(max_new_tokens=n)) for p, n in specs]
@@ -970,7 +976,7 @@ def test_a_request_larger_than_the_kv_bound_is_refused_and_cancels_free_capacity
     while not rt.idle:
         rt.step()
         assert _held_cells(rt) <= bound
-    assert s1.stats.tokens == DFlashRuntime(eng).generate(PROMPTS[2], long).tokens
+    assert_as_plain(eng, PROMPTS[2], s1.stats.tokens, DFlashRuntime(eng).generate(PROMPTS[2], long).tokens)
     with pytest.raises(DFlashError) as e:
         BatchingRuntime(eng, max_batch=2, max_kv_tokens=0)
     assert e.value.field == "max_kv_tokens"

@@ -155,7 +155,10 @@ def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
     r = _run("run", "--recipe", "tiny-qwen3", "--max-new-tokens", "12", "--full-blocks", "--proposer", "tree+lookup",
              "hello there")
     assert "tokens per target pass (tree+lookup; every draft verified)" in r.stderr, r.stderr
-    assert r.stdout == by_recipe.stdout  # greedy: the same tokens whatever is drafted
+    if "verify rows bit-identical to plain steps on this CPU" in by_recipe.stderr:
+        assert r.stdout == by_recipe.stdout  # greedy: plain decoding's tokens whatever is drafted
+    else:  # no row floor agrees on this CPU: `run` says DFlash is plain decoding's up to near-ties only
+        assert "[numerics] lossless within kernel numerics on this CPU" in r.stderr, r.stderr
     r = _run("run", "hi")
     assert r.exit_code == 2 and "give --engine DIR (a built engine) or --recipe NAME" in r.output
     os.rename("engines", "elsewhere")

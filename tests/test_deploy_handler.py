@@ -11,7 +11,13 @@ import time
 
 import numpy as np
 import pytest
-from deploy_support import direct, engine_dir, getter, run_direct  # noqa: F401 - direct and engine_dir are fixtures
+from deploy_support import (  # noqa: F401 - direct and engine_dir are fixtures
+    direct,
+    engine_dir,
+    exact_on_this_cpu,
+    getter,
+    run_direct,
+)
 
 from dflash_export.errors import DFlashError
 
@@ -424,7 +430,9 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
 def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
     """Stop strings taken from the greedy answer: DFlash steps that commit several tokens (context lookups accept
     runs of the repeated text) answer the text and completion_tokens of plain decoding (one token a step), the text
-    being the whole answer cut before the stop string."""
+    being the whole answer cut before the stop string (where the engine's numerics probe found verify rows
+    bit-identical to plain steps on this CPU; elsewhere DFlash's text may part from plain decoding's at a near-tie,
+    and the engine says so)."""
     from dflash_export.deploy.handler import RequestRunner, generate_text, parse_request
     from dflash_export.runtime.single import DFlashRuntime
 
@@ -439,8 +447,9 @@ def test_plain_and_dflash_deployments_cut_stop_strings_alike(direct):
         want = generate_text(plain, parse_request(getter(**req)))
         got = generate_text(dflash, parse_request(getter(**req)))
         assert want.text == whole[:whole.index(stop)] and want.finish_reason == "stop", stop
-        assert (got.text, got.finish_reason, got.completion_tokens) == \
-            (want.text, want.finish_reason, want.completion_tokens), stop
+        if exact_on_this_cpu(direct):
+            assert (got.text, got.finish_reason, got.completion_tokens) == \
+                (want.text, want.finish_reason, want.completion_tokens), stop
 
 
 def test_fp32_fields_reach_the_model_as_values_it_takes_and_keep_their_meaning(direct):
@@ -528,7 +537,8 @@ def test_an_answer_cut_by_max_tokens_never_ends_in_half_a_character(direct):
 
 def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(direct, engine_dir, tmp_path):
     """deploy --plain: the model's `mode` parameter is "ar" and the runner decodes plainly on the same engine -- one
-    token per step, no drafts, the DFlash deployment's greedy text and its sampled text for a seed."""
+    token per step, no drafts, the DFlash deployment's greedy text and its sampled text for a seed (where the
+    engine's numerics probe found verify rows bit-identical to plain steps on this CPU)."""
     from dflash_export.deploy.handler import RequestRunner, parse_request
     from dflash_export.deploy.pbtxt import parse_pbtxt
     from dflash_export.deploy.repository import write_repository
@@ -541,7 +551,7 @@ def test_a_plain_deployment_decodes_without_the_drafter_and_gives_the_same_text(
         inputs = dict(text_input=b"Hello there", max_tokens=np.array([16], np.int32), **extra)
         chunks = list(plain.run(parse_request(getter(**inputs))))
         want = list(direct.run(parse_request(getter(**inputs))))
-        assert "".join(c.text for c in chunks) == "".join(c.text for c in want)
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in want) or not exact_on_this_cpu(direct)
         assert chunks[-1].drafted_tokens == 0 and chunks[-1].step_stats["acceptance_lengths"] == [1] * 15
         for last in (chunks[-1], want[-1]):  # one request at a time: no shared batch to wait for, no K/V bound
             assert (last.step_stats["admission_wait_s"], last.step_stats["kv_token_limit"]) == (0, 0)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from target_support import (
+    assert_as_plain,
     assert_transformers_greedy,
     check_greedy_tokens_against_transformers,
     engine_and_transformers,
@@ -92,7 +93,9 @@ def test_engine_greedy_tokens_equal_transformers_generate(hybrid):
 def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
     """Blocks of plain decoding's next tokens (transformers' greedy ones) with one wrong token planted at a varying
     place: each verify accepts exactly the right prefix, and the tokens after every partial acceptance stay plain
-    decoding's (the conv window and recurrent state of a rejected draft leave no trace)."""
+    decoding's (the conv window and recurrent state of a rejected draft leave no trace) -- as the engine's numerics
+    probe states for this CPU: where it found no bit-identical row floor, a verify may part from plain decoding at a
+    near-tie (target_support.assert_as_plain), and the blocks end there."""
     from dflash_export.runtime.single import DFlashRuntime
 
     _, _, engine, hf = hybrid
@@ -110,10 +113,14 @@ def test_verify_blocks_with_rejections_commit_only_the_accepted_state(hybrid):
         if wrong < bs - 1:
             drafts[wrong] = (drafts[wrong] + 1) % 250
         accept, emitted = engine.verify(seq, np.asarray([out[-1]] + drafts, np.int64), None, SamplingParams(), None)
+        if emitted != want[len(out):len(out) + len(emitted)]:
+            assert_as_plain(engine, ids, out + emitted, want[:len(out) + len(emitted)])
+            break
         assert accept == wrong, (accept, wrong)
         accepts.append(accept)
         out.extend(emitted)
-    assert out == want[:len(out)] and len(set(accepts)) == bs and seq.length == len(ids) + len(out) - 1
+    else:
+        assert out == want[:len(out)] and len(set(accepts)) == bs and seq.length == len(ids) + len(out) - 1
 
 
 def test_each_steps_logits_match_transformers_forward(hybrid):
@@ -129,7 +136,8 @@ def test_spine_trees_work_and_full_trees_are_refused_by_name(hybrid):
     sp = SamplingParams(max_new_tokens=24)
     ids = prompts()[1]
     plain = DFlashRuntime(engine).generate(ids, sp, "ar").tokens
-    assert DFlashRuntime(engine, proposer="tree+lookup", tree_mode="spine").generate(ids, sp).tokens == plain
+    got = DFlashRuntime(engine, proposer="tree+lookup", tree_mode="spine").generate(ids, sp).tokens
+    assert_as_plain(engine, ids, got, plain)
     assert not engine.tree_verify
     with pytest.raises(DFlashError) as e:
         DFlashRuntime(engine, proposer="tree", tree_mode="full")
@@ -252,7 +260,7 @@ def test_continuous_batching_greedy_tokens_equal_transformers_and_plain_alone(hy
         rt.step()
         widths.append(len(rt.active))
     for req, p, sp in zip(reqs, ps, sps):
-        assert req.stats.tokens == single.generate(p, sp, "ar").tokens, p
+        assert_as_plain(engine, p, req.stats.tokens, single.generate(p, sp, "ar").tokens)
     lengths = {n for r, m in zip(reqs, modes) if m == "dflash" for n in r.stats.acceptance_lengths}
     assert max(widths) == 3 and len(lengths) > 2, lengths
 
@@ -277,7 +285,8 @@ def test_sampled_requests_in_a_hybrid_batch_are_plain_sampling_draw_for_draw(hyb
         rt.step()
     single = DFlashRuntime(engine, sampling=sampling)
     for req, (p, sp) in zip(reqs, jobs):
-        assert req.stats.tokens == single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens, sp
+        want = single.generate(p, sp, "ar" if sampling == "walk" else "dflash").tokens
+        assert_as_plain(engine, p, req.stats.tokens, want, sp)
 
 
 @pytest.mark.server
@@ -285,7 +294,7 @@ def test_sampled_requests_in_a_hybrid_batch_are_plain_sampling_draw_for_draw(hyb
 def test_serve_batches_a_hybrid_engine_and_answers_as_run(hybrid, tmp_path):
     """The tiny Qwen3.5 engine deployed with a shared batch of 4 behind the real tritonserver: concurrent clients and
     a stream get the text of the same request run on the engine in this process."""
-    from deploy_support import PROMPTS, concurrent_infer, run_direct, stream_equals_direct
+    from deploy_support import PROMPTS, concurrent_infer, exact_on_this_cpu, run_direct, stream_equals_direct
 
     from dflash_export.deploy.handler import RequestRunner
     from dflash_export.deploy.repository import write_repository
@@ -303,11 +312,12 @@ def test_serve_batches_a_hybrid_engine_and_answers_as_run(hybrid, tmp_path):
     try:
         results = concurrent_infer(srv, requests, clients=4, per_client=3, network_timeout=180, join_timeout=300)
         assert len(results) == 12
+        exact = exact_on_this_cpu(direct)  # else a batched answer may part from the lone one at a near-tie
         for r, out in results.values():
             want = alone[r]
             assert (out["text"], out["finish_reason"], out["completion_tokens"]) == (
-                want.text, want.finish_reason, want.completion_tokens), r
-        stream_equals_direct(srv, direct, "a hybrid streams", 20)
+                want.text, want.finish_reason, want.completion_tokens) or not exact, r
+        stream_equals_direct(srv, direct, "a hybrid streams", 20, exact=exact)
     finally:
         srv.stop()
 
@@ -337,14 +347,16 @@ def test_pytorch_reference_rolls_a_hybrid_back_to_the_accepted_prefix(hybrid):
 def test_sampled_output_keeps_the_target_distribution(hybrid, tmp_path):
     """validate's G-test at T = 0.7 on the hybrid engine (DFlash sampling against the engine's own conditionals)."""
     recipe, engine_dir, _, _ = hybrid
-    dist, stdout = validate_sampled(recipe, engine_dir, tmp_path / "rep")
-    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, stdout
+    dist, stdout, exact = validate_sampled(recipe, engine_dir, tmp_path / "rep")
+    assert dist["distribution_p_value"]["passed"], stdout
+    assert dist["identical_fraction"]["value"] == 1.0 or not exact, stdout
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
     """int8 / int4 weights (every MatMul of both layer kinds as MatMulNBits): where the numerics probe finds verify
-    rows bit-identical to plain steps, DFlash's tokens are the same engine's plain decoding."""
+    rows bit-identical to plain steps, DFlash's tokens are the same engine's plain decoding; elsewhere the engine
+    says so and they are plain decoding's up to near-ties (target_support.assert_as_plain)."""
     from dflash_export.engines.ort_build import build_onnxruntime
     from dflash_export.engines.registry import load_engine
     from dflash_export.runtime.single import DFlashRuntime
@@ -359,12 +371,10 @@ def test_quantized_hybrid_engine_decodes_dflash_as_plain(tmp_path, precision):
     assert "MatMul" not in ops and ops.count("MatMulNBits") > 40
     engine = load_engine(engine_dir, threads=1)
     try:
-        if not engine.numerics.bit_identical:
-            pytest.skip(engine.numerics.statement)
         rt = DFlashRuntime(engine)
         for ids in prompts()[:3]:
             sp = SamplingParams(max_new_tokens=NEW)
-            assert rt.generate(ids, sp, "dflash").tokens == rt.generate(ids, sp, "ar").tokens
+            assert_as_plain(engine, ids, rt.generate(ids, sp, "dflash").tokens, rt.generate(ids, sp, "ar").tokens)
     finally:
         engine.close()
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from target_support import (
+    assert_as_plain,
     check_batched_tokens_equal_alone,
     check_greedy_tokens_against_transformers,
     engine_and_transformers,
@@ -83,8 +84,9 @@ def test_inspect_reads_the_pair_with_no_finding(recipe_name):
 def test_sampled_output_keeps_the_target_distribution(moe, tmp_path):
     """validate's G-test at T = 0.7 on the MoE engine (DFlash sampling against the engine's own conditionals)."""
     recipe, engine_dir, _, _ = moe
-    dist, stdout = validate_sampled(recipe, engine_dir, tmp_path / "rep")
-    assert dist["distribution_p_value"]["passed"] and dist["identical_fraction"]["value"] == 1.0, stdout
+    dist, stdout, exact = validate_sampled(recipe, engine_dir, tmp_path / "rep")
+    assert dist["distribution_p_value"]["passed"], stdout
+    assert dist["identical_fraction"]["value"] == 1.0 or not exact, stdout
 
 
 @pytest.mark.slow
@@ -223,7 +225,8 @@ def quantized_moe(tmp_path_factory, request):
 
 def test_quantized_moe_engine_decodes_dflash_identical_to_its_plain_decoding(quantized_moe):
     """int4 / int8 experts (QMoE) in the built engine, the router fp32; on the CPU where its numerics probe finds
-    verify rows bit-identical to plain steps, DFlash gives the engine's own plain tokens, single and batched."""
+    verify rows bit-identical to plain steps, DFlash gives the engine's own plain tokens, single and batched;
+    elsewhere the engine says so and they are plain decoding's up to near-ties (target_support.assert_as_plain)."""
     from dflash_export.runtime.batching import BatchingRuntime
     from dflash_export.runtime.single import DFlashRuntime
 
@@ -231,13 +234,13 @@ def test_quantized_moe_engine_decodes_dflash_identical_to_its_plain_decoding(qua
     m = json.loads((engine_dir / "manifest.json").read_text())
     q = m["quantization"]["target"]
     assert q["moe_op"] == "com.microsoft.QMoE" and q["moe_quantized"] == q["moe_total"] > 0
-    if not engine.numerics.bit_identical:
-        pytest.skip(f"this CPU's kernels: verify rows differ from plain steps by {engine.numerics.max_abs_diff}")
     rt = DFlashRuntime(engine)
     sp = SamplingParams(max_new_tokens=32)
-    plain = [rt.generate(p, sp, "ar").tokens for p in prompts()[:3]]
-    assert [rt.generate(p, sp, "dflash").tokens for p in prompts()[:3]] == plain
-    assert [s.tokens for s in BatchingRuntime(engine, max_batch=3).generate_many(prompts()[:3], sp)] == plain
+    batched = BatchingRuntime(engine, max_batch=3).generate_many(prompts()[:3], sp)
+    for p, s in zip(prompts()[:3], batched):
+        plain = rt.generate(p, sp, "ar").tokens
+        assert_as_plain(engine, p, rt.generate(p, sp, "dflash").tokens, plain)
+        assert_as_plain(engine, p, s.tokens, plain)
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])

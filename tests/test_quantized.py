@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from target_support import assert_as_plain, assert_not_bit_identical_stated, assert_rows_as_plain
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.manifest import read_manifest
@@ -62,7 +63,7 @@ def test_greedy_dflash_equals_the_engine_s_own_ar(built):
         rt = DFlashRuntime(eng, adaptive=adaptive)
         for prompt in PROMPTS:
             sp = SamplingParams(max_new_tokens=40)
-            assert rt.generate(prompt, sp, "dflash").tokens == rt.generate(prompt, sp, "ar").tokens, prompt
+            assert_as_plain(eng, prompt, rt.generate(prompt, sp, "dflash").tokens, rt.generate(prompt, sp, "ar").tokens)
 
 
 def test_accepting_blocks_commit_what_plain_decoding_would(built):
@@ -92,7 +93,8 @@ def test_accepting_blocks_commit_what_plain_decoding_would(built):
             got = rt.generate(prompt, SamplingParams(max_new_tokens=60), "dflash")
         finally:
             del eng.draft
-        assert got.tokens == ar and max(got.acceptance_lengths) > 2, prompt
+        assert_as_plain(eng, prompt, got.tokens, ar)
+        assert max(got.acceptance_lengths) > 2, prompt
 
 
 def test_verify_rows_agree_with_plain_steps_as_the_engine_states_for_this_cpu(built):
@@ -239,7 +241,8 @@ def test_whole_trees_in_a_batch_equal_plain_decoding(built):
     where the build's numerics probe found tree rows bit-identical to plain steps on this CPU. Where it did not (a
     tree row attends past masked keys; int8 activations turn last-bit differences into ~1e-2 on the logits), a
     greedy request that parts from plain decoding parts as the single-stream runtime's whole trees do: the flip is
-    the engine's tree numerics, not batching."""
+    the engine's tree numerics, not batching. Where the probe found no verify rows bit-identical either, every
+    request is held to what the engine states (target_support.assert_as_plain)."""
     from dflash_export.runtime.batching import BatchingRuntime
 
     _, _, _, eng = built
@@ -258,8 +261,8 @@ def test_whole_trees_in_a_batch_equal_plain_decoding(built):
     flips = 0
     for req, (p, sp, _) in zip(reqs, jobs):
         want = single.generate(p, sp, "ar").tokens
-        if exact or not sp.greedy or req.stats.tokens == want:
-            assert req.stats.tokens == want, (p, sp)
+        if exact or not sp.greedy or req.stats.tokens == want or not eng.numerics.bit_identical:
+            assert_as_plain(eng, p, req.stats.tokens, want, sp)
             continue
         flips += 1
         assert full.generate(p, sp).tokens != want, (p, "only the batched trees part from plain decoding")
@@ -308,6 +311,7 @@ def test_sampled_walks_on_a_quantized_target_take_best_paths_and_draw_plain_samp
     greedy, looped = SamplingParams(max_new_tokens=40), [5, 6, 7, 8] * 6
     answer = DFlashRuntime(eng).generate(looped, greedy, "ar").tokens
     trees, accepted = [], 0
+    exact = eng.numerics.bit_identical  # else a walk parts from its answer at a near-tie, and its drafts miss after
     real_verify_tree = eng.verify_tree
     try:
         _drafting_the_answers(eng, [p + a for p, a in zip(prompts, alone)])
@@ -315,9 +319,9 @@ def test_sampled_walks_on_a_quantized_target_take_best_paths_and_draw_plain_samp
         rt = DFlashRuntime(eng, proposer="tree+lookup", adaptive=False)
         for p, sp, want in zip(prompts, sps, alone):
             got = rt.generate(p, sp)
-            assert got.tokens == want, sp
+            assert_as_plain(eng, p, got.tokens, want, sp)
             accepted += got.accepted_tokens
-        assert rt.sampled_tree_mode == "spine" and not trees and accepted > 100
+        assert rt.sampled_tree_mode == "spine" and not trees and accepted > (100 if exact else 10)
         del eng.verify_tree, eng.drafts_from_logits
 
         _drafting_the_answers(eng, [p + a for p, a in zip(prompts, batched)] + [looped + answer])
@@ -332,9 +336,10 @@ def test_sampled_walks_on_a_quantized_target_take_best_paths_and_draw_plain_samp
         reqs = [rt.submit(p, sp) for p, sp in zip(prompts, sps)] + [rt.submit(looped, greedy)]
         while not rt.idle:
             rt.step()
-        assert [r.stats.tokens for r in reqs[:-1]] == batched
+        for r, p, sp, want in zip(reqs, prompts, sps, batched):
+            assert_as_plain(eng, p, r.stats.tokens, want, sp)
         assert trees and all(trees)  # whole trees for the greedy request only
-        assert sum(r.stats.accepted_tokens for r in reqs[:-1]) > 10
+        assert sum(r.stats.accepted_tokens for r in reqs[:-1]) > (10 if exact else 0)
     finally:
         eng.__dict__.pop("verify_tree", None)
         eng.__dict__.pop("drafts_from_logits", None)
@@ -371,9 +376,14 @@ def test_a_request_s_batched_logits_do_not_depend_on_the_requests_beside_it(buil
     a_tokens, a_logits = decode([(PROMPTS[0], 100, 1)], 0)
     b_tokens, b_logits = decode([(PROMPTS[2], 133, 4), (PROMPTS[3], 150, 1), (PROMPTS[0], 90, 6)], 2)
     alone_tokens, alone_logits = decode([], 0)
-    assert b_tokens == a_tokens == alone_tokens
-    np.testing.assert_array_equal(b_logits, a_logits)
-    np.testing.assert_array_equal(alone_logits, a_logits)
+    if eng.numerics.bit_identical:
+        assert b_tokens == a_tokens == alone_tokens
+    else:  # rows agree as the engine states, up to the step whose near-tie (if any) sends the tokens apart
+        assert_not_bit_identical_stated(eng)
+    for tokens, logits in ((b_tokens, b_logits), (alone_tokens, alone_logits)):
+        same = next((i for i, (x, y) in enumerate(zip(tokens, a_tokens)) if x != y), len(tokens))
+        assert same > 0  # the prefill's token
+        assert_rows_as_plain(eng, logits[:same], a_logits[:same])
 
 
 def test_a_chain_verified_in_one_batched_call_gets_the_rows_of_one_token_steps(built):
@@ -403,8 +413,8 @@ def test_a_chain_verified_in_one_batched_call_gets_the_rows_of_one_token_steps(b
         return np.concatenate(out)
 
     whole, steps, halves = rows([4]), rows([1, 1, 1, 1]), rows([2, 2])
-    np.testing.assert_array_equal(whole, steps)
-    np.testing.assert_array_equal(halves, steps)
+    assert_rows_as_plain(eng, whole, steps)  # bit for bit where the engine's probe found its verify rows so
+    assert_rows_as_plain(eng, halves, steps)
 
 
 def test_deploying_a_quantized_engine_in_a_shared_batch_says_its_answers_can_differ_from_run(built, tmp_path):

@@ -27,7 +27,11 @@ def test_the_copy_pads_the_other_way_and_still_agrees_with_verify_rows(ort_pair,
     assert ops == padded_ops(out / "target.onnx") and ops != before and "GroupQueryAttention" in ops
     eng = load_engine(out, threads=1)  # its files match the manifest written for them
     try:
-        assert probe_floor(eng, 2, pad="graph") == (True, 0.0)
+        same, diff = probe_floor(eng, 2, pad="graph")
+        if ort_pair[2].numerics.bit_identical:  # floor 2 agrees on this CPU, padding attention alone or the products
+            assert (same, diff) == (True, 0.0)
+        else:  # no floor agrees on this CPU: the probe answers all the same, consistently
+            assert same == (diff == 0.0)
         rng = np.random.default_rng(0)
         ids = rng.integers(3, 200, 9)
         a, b = ort_pair[2].new_sequence(16), eng.new_sequence(16)

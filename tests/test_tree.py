@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from target_support import assert_transformers_greedy
+from target_support import assert_as_plain, assert_transformers_greedy
 
 from dflash_export.decoding.options import PROPOSERS
 from dflash_export.decoding.prompt_lookup import lookup_branches
@@ -261,7 +261,9 @@ def test_trees_holding_the_true_continuation_anywhere_decode_as_plain_decoding(p
     past the answer) in which the target's own continuation hides at a random place: every step accepts exactly that
     branch and emits the answer's next tokens; K/V rows compacted after each step leave later steps exact. The answer
     is plain decoding's on the engine, held to the PyTorch target's greedy choice with near-ties allowed either way
-    (target_support.TIE: the tiny llama target's 52nd token after [7] is one, 1.4e-4 apart)."""
+    (target_support.TIE: the tiny llama target's 52nd token after [7] is one, 1.4e-4 apart). Where the engine's
+    numerics probe found no bit-identical row floor, a step may part from the answer at a near-tie (assert_as_plain),
+    and the prompt ends there."""
     eng, torch_eng = pair
     bs = eng.info.block_size
     rng = np.random.default_rng(top_k)
@@ -282,7 +284,10 @@ def test_trees_holding_the_true_continuation_anywhere_decode_as_plain_decoding(p
             branches.insert(int(rng.integers(0, len(branches) + 1)), truth)
             tree = build_tree(answer[pos - 1], None, [b for b in branches if b], top_k=0, max_nodes=40)
             accept, emitted, path = eng.verify_tree(seq, tree)
-            assert accept >= depth and emitted == answer[pos:pos + len(emitted)], (prompt, pos, branches)
+            if emitted != answer[pos:pos + len(emitted)]:
+                assert_as_plain(eng, prompt, answer[:pos] + emitted, answer[:pos + len(emitted)])
+                break
+            assert accept >= depth, (prompt, pos, branches)
             assert [tree.tokens[i] for i in path[1:]] == emitted[:-1]
             pos += len(emitted)
 
@@ -318,13 +323,15 @@ def test_tree_rows_agree_with_plain_steps_as_the_engine_states(pair):
 @pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("adaptive,tree_mode", [(True, "spine"), (False, "spine"), (True, "full"), (False, "full")])
 def test_every_proposer_is_lossless_against_the_reference(pair, proposer, adaptive, tree_mode):
+    """Every proposer's greedy tokens are the reference's plain decoding's, as the engine's numerics probe states
+    for this CPU (target_support.assert_as_plain)."""
     from dflash_export.runtime.reference import ar_generate
 
     eng, torch_eng = pair
     rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12, tree_mode=tree_mode)
     for prompt in PROMPTS:
         want = ar_generate(torch_eng.target, prompt, 48).tokens
-        assert rt.generate(prompt, SamplingParams(max_new_tokens=48)).tokens == want, (proposer, prompt)
+        assert_as_plain(eng, prompt, rt.generate(prompt, SamplingParams(max_new_tokens=48)).tokens, want)
 
 
 def test_chain_drafts_cut_by_a_stop_token_are_not_counted_as_accepted(pair, monkeypatch):
@@ -350,18 +357,22 @@ def test_chain_drafts_cut_by_a_stop_token_are_not_counted_as_accepted(pair, monk
     bs, cut = eng.info.block_size, 0
     for stop in sorted(set(answer[1:30]) - {answer[0]}):
         got = rt.generate(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[stop]))
-        assert got.tokens == answer[:answer.index(stop) + 1]
+        assert_as_plain(eng, prompt, got.tokens, answer[:answer.index(stop) + 1])
+        if got.tokens != answer[:answer.index(stop) + 1]:
+            continue  # parted from plain decoding at a near-tie: the oracle's drafts are no longer the answer's
         kept = sum(min(n, bs - 1) for n in got.acceptance_lengths)
         assert got.accepted_by["drafter"] == kept == got.accepted_only["drafter"], stop
         cut += got.acceptance_lengths[-1] < bs
-    assert cut  # some answers ended inside a block
+    assert cut or not eng.numerics.bit_identical  # some answers ended inside a block
 
 
 @pytest.mark.parametrize("tree_mode", ["spine", "full"])
 def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
     """Without the cost model, the engine grows and accepts the very trees the PyTorch reference does (same
     acceptance lengths step by step; the reference verifies whole trees through transformers' attention with a 4-D
-    ancestor mask), and both decode as plain decoding."""
+    ancestor mask), and both decode as plain decoding (the engine as its numerics probe states for this CPU:
+    where it found no bit-identical row floor, its tokens may part from the reference's at a near-tie, and its steps
+    are compared only where its tokens are the reference's)."""
     from dflash_export.runtime.reference import ar_generate, tree_spec_generate
 
     eng, torch_eng = pair
@@ -369,8 +380,10 @@ def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
     for prompt in PROMPTS:
         ref = tree_spec_generate(torch_eng.drafter, torch_eng.target, prompt, 48, max_nodes=15, tree_mode=tree_mode)
         got = rt.generate(prompt, SamplingParams(max_new_tokens=48))
-        assert ref.tokens == got.tokens == ar_generate(torch_eng.target, prompt, 48).tokens
-        assert ref.acceptance_lengths == got.acceptance_lengths
+        assert ref.tokens == ar_generate(torch_eng.target, prompt, 48).tokens
+        assert_as_plain(eng, prompt, got.tokens, ref.tokens)
+        if got.tokens == ref.tokens:
+            assert ref.acceptance_lengths == got.acceptance_lengths
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
@@ -379,7 +392,8 @@ def test_engine_trees_are_the_reference_s_trees(pair, tree_mode):
 def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, sampled_tree_mode, temperature, top_k, top_p):
     """T > 0, every proposer and tree mode, with and without the cost model: the walk emits, token for token, what
     plain sampled decoding on the same engine emits with the same seed (every token is the target's draw with the
-    request's next uniform; docs/trees.md). A seeded request repeats exactly."""
+    request's next uniform; docs/trees.md), as the engine's numerics probe states for this CPU. A seeded request
+    repeats exactly."""
     eng, _ = pair
     for adaptive in (True, False):
         rt = DFlashRuntime(eng, adaptive=adaptive, proposer=proposer, tree_nodes=12,
@@ -388,7 +402,7 @@ def test_sampled_walks_are_plain_sampling_draw_for_draw(pair, proposer, sampled_
             sp = SamplingParams(max_new_tokens=40, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
             want = rt.generate(prompt, sp, mode="ar").tokens
             got = rt.generate(prompt, sp)
-            assert got.tokens == want, (proposer, adaptive, prompt)
+            assert_as_plain(eng, prompt, got.tokens, want, sp)
             assert rt.generate(prompt, sp).tokens == got.tokens
 
 
@@ -410,7 +424,7 @@ def test_sampled_steps_walk_whole_trees_only_where_the_probe_bounds_their_rows(p
     assert rt.describe(0.7).endswith(f"sampled: walked, {'full' if whole else 'spine'})")
     for seed, prompt in enumerate(PROMPTS[:2]):
         sp = SamplingParams(max_new_tokens=24, temperature=0.7, seed=seed)
-        assert rt.generate(prompt, sp).tokens == rt.generate(prompt, sp, mode="ar").tokens
+        assert_as_plain(eng, prompt, rt.generate(prompt, sp).tokens, rt.generate(prompt, sp, mode="ar").tokens, sp)
     assert bool(calls) == whole
     calls.clear()
     rt.generate(PROMPTS[0], SamplingParams(max_new_tokens=24))

@@ -287,6 +287,15 @@ def test_a_missing_report_library_is_exit_2_before_any_work(recipe_path, tmp_pat
         in res.output
 
 
+def _exact_on_this_cpu(rep: dict) -> bool:
+    """Whether the engine's numerics probe found verify rows bit-identical to plain steps on this CPU, so that greedy
+    DFlash must equal the engine's plain decoding; where it did not, the report says so in the probe's own words."""
+    num = rep["greedy"]["numerics"]
+    if not num["bit_identical"]:
+        assert "lossless within kernel numerics on this CPU" in num["statement"], num
+    return num["bit_identical"]
+
+
 def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tmp_path, monkeypatch):
     """The shipped backend, built for real, validated the way a deployer runs it: no --engine, default location."""
     pytest.importorskip("onnxruntime")
@@ -299,10 +308,14 @@ def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tm
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--num-prompts", "2",
                                     "--max-new-tokens", str(MAX_NEW), "--dist-samples", "30", "--no-progress"])
-    assert res.exit_code == 0, res.output
     rep = json.loads((tmp_path / "reports" / "validate" / recipe.name / "onnxruntime" / "report.json").read_text())
     assert rep["engine"]["backend"] == "onnxruntime" and rep["engine"]["dir"].endswith("onnxruntime")
-    assert rep["greedy"]["identical_fraction"] == 1.0 and rep["acceptance"]["tau"] > 3.0
+    assert rep["acceptance"]["tau"] > 3.0
+    if _exact_on_this_cpu(rep):
+        assert res.exit_code == 0, res.output
+        assert rep["greedy"]["identical_fraction"] == 1.0
+    else:  # a near-tie may part DFlash from plain decoding: identical_fraction alone may fail, and says why
+        assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"identical_fraction"}, res.output
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -819,11 +832,14 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes;
     # and on a tiny model a DFlash step costs more than it saves (the default floor of 1.0x then fails, and says so)
-    assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"tau", "speedup_vs_ar"}, res.output
+    failed = {t["name"] for t in rep["thresholds"] if not t["passed"]}
+    allowed = {"tau", "speedup_vs_ar"} | (set() if _exact_on_this_cpu(rep) else {"identical_fraction"})
+    assert failed <= allowed, res.output
     if any(t["name"] == "speedup_vs_ar" and t["value"] < 1 for t in rep["thresholds"]):
         assert "DFlash slower than plain decoding on this engine" in res.output
     g = rep["greedy"]
-    assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
+    if _exact_on_this_cpu(rep):
+        assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
     assert g["judged_against"] == "the engine's own plain decoding"
     agree = g["reference_agreement"]
     assert agree["prompts"] == 3 and len(agree["first_divergences"]) == len(agree["logit_margins"]) == 3
