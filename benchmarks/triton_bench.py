@@ -13,7 +13,8 @@ Every served text is checked against the direct run of the same request (greedy:
 `--vs-plain`: the served speedup instead, through `dflash-export serve` and OpenAI clients. Two servers of the same
 engine, DFlash and `serve --plain` (plain decoding, the yardstick), both `--max-batch`; at each level of
 --concurrency, C clients send the suite's held-out chat prompts (`/v1/chat/completions`, prompt i seeded with i,
-greedy or `--temperature/--top-p/--top-k`), the two servers taking turns level by level and pass by pass (--reps).
+greedy or `--temperature/--top-p/--top-k`; `--n` choices each), the two servers taking turns level by level and pass
+by pass (--reps).
 Per level: tokens/s of each, DFlash / plain (best passes, and pass by pass; and tokens per CPU-second of each
 server's whole process tree, every pass), τ (the DFlash server's `dflash_acceptance_length` histogram over the level),
 how many answers are identical between the two, and per server where its requests' time went: the decode loop's
@@ -204,8 +205,9 @@ def _tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict) -> dict:
-    """Every prompt once, `clients` OpenAI clients at a time; tokens/s, latencies and each answer's text."""
+def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampling: dict, n: int = 1) -> dict:
+    """Every prompt once (`n` choices of each), `clients` OpenAI clients at a time; tokens/s, latencies and each
+    answer's text."""
     import httpx
     from openai import OpenAI
 
@@ -222,7 +224,7 @@ def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampl
             t0 = time.perf_counter()
             try:
                 r = cli.chat.completions.create(model=model, messages=prompts[i], max_tokens=max_tokens, seed=i,
-                                                **sampling)
+                                                n=n, **sampling)
             except Exception as e:  # noqa: BLE001 - counted and reported
                 with lock:
                     errors.append(repr(e))
@@ -230,7 +232,9 @@ def _served_level(port: int, prompts: list, clients: int, max_tokens: int, sampl
             with lock:
                 lats.append(time.perf_counter() - t0)
                 toks.append(r.usage.completion_tokens)
-                texts[i] = r.choices[0].message.content
+                # n > 1: one text when every choice is the same (greedy), else the choices in order
+                choices = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+                texts[i] = choices[0] if len(set(choices)) == 1 else "\x1e".join(choices)
 
     wall = _clients_wall(worker, clients)
     if errors:
@@ -256,18 +260,18 @@ def vs_plain(args) -> int:
                  for m in ports}
         try:
             result = {"engine": str(args.engine), "max_batch": args.max_batch, "max_tokens": args.max_tokens,
-                      "prompts": len(prompts), "suite": args.suite, "sampling": sampling, "levels": {}}
+                      "prompts": len(prompts), "n": args.n, "suite": args.suite, "sampling": sampling, "levels": {}}
             bad = 0
             for c in levels:
                 for port in ports.values():  # each level warmed on both servers, untimed: first calls'
                     # allocations, and a new batch size's first calls grow the server's buffers
-                    _served_level(port, [prompts[i % len(prompts)] for i in range(c)], c, 8, sampling)
+                    _served_level(port, [prompts[i % len(prompts)] for i in range(c)], c, 8, sampling, args.n)
                 runs = {m: [] for m in ports}
                 figs = {m: dict.fromkeys(SERVER_FIGURES, 0.0) for m in ports}
                 for _ in range(args.reps):
                     for m, port in ports.items():  # interleaved: load drifting on a shared machine hits both alike
                         before, cpu = _server_figures(port), _tree_cpu_s(procs[m].pid)
-                        runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling))
+                        runs[m].append(_served_level(port, prompts, c, args.max_tokens, sampling, args.n))
                         runs[m][-1]["cpu_s"] = _tree_cpu_s(procs[m].pid) - cpu
                         after = _server_figures(port)
                         for k in SERVER_FIGURES:
@@ -398,6 +402,7 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0, help="with --vs-plain: sample (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--n", type=int, default=1, help="with --vs-plain: choices per request (OpenAI's n)")
     args = ap.parse_args(argv)
     at_least(args, 1, "--block-size", "--max-tokens", "--reps", "--requests-per-level", "--instances")
     counts(args.concurrency, "--concurrency")

@@ -30,6 +30,7 @@ class Upstream:
         self.cancel_dir = cancel_dir
         self.hold_s = 0.0
         self.refuse: dict[int, float] = {}  # seed -> seconds after which a call with it is refused (400)
+        self.fail: dict[int, tuple[int, dict]] = {}  # seed -> (status, body) a call with it is answered at once
         self.seen: list[dict] = []
         self.cancelled: list[str] = []
         up = self
@@ -55,6 +56,8 @@ class Upstream:
                 body = json.loads(data[:int(self.headers.get("Inference-Header-Content-Length") or len(data))])
                 up.seen.append(body)
                 token = body.get(CANCEL_PARAMETER) or body.get("parameters", {}).get(CANCEL_PARAMETER)
+                if body.get("seed") in up.fail:
+                    return self._send(*up.fail[body["seed"]])
                 refused = body.get("seed") in up.refuse
                 if self._hold(token, up.refuse[body["seed"]] if refused else None):
                     return self._send(400, {"error": "cancelled: the client went away"})
@@ -496,6 +499,130 @@ def test_a_choice_refused_after_the_stream_started_ends_it_with_one_error_event(
     assert len(errors) == 1 and errors[0] is events[-2] and errors[0]["error"]["param"] == "prompt"
     assert not any(e.get("usage") for e in events[:-1])  # no usage chunk: not every choice finished
     assert {c["choices"][0]["index"] for c in events[:-2]} <= {0, 1} and front.in_flight() == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_drain_past_its_time_answers_an_n_choice_request_503_once_and_counts_it_once(front, stream):
+    """Shutdown past the drain time with an n = 4 request running (streamed or not): its 4 calls are cancelled in
+    the engine, its client gets one 503 "shutting down" in OpenAI's shape for a server error (with Retry-After), and
+    it counts as one request cancelled at shutdown (what `serve` reports: requests answered 503), not 4."""
+    front.up.hold_s = 5.0
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 4, "stream": stream}).encode()
+    got = []
+    client = threading.Thread(target=lambda: got.append(raw(front, post("/v1/completions", body), timeout=8)))
+    client.start()
+    t = time.monotonic()
+    while len(front.up.seen) < 4 and time.monotonic() - t < 4:
+        time.sleep(0.02)
+    assert front.drain(0.1, grace_s=5.0) is False
+    client.join(8)
+    assert got and status_of(got[0]) == 503 and b"Retry-After" in got[0]
+    err = json.loads(got[0].split(b"\r\n\r\n", 1)[1])["error"]
+    assert "shutting down" in err["message"] and err["type"] == "server_error"
+    t = time.monotonic()
+    while (len(front.up.cancelled) < 4 or front.in_flight()) and time.monotonic() - t < 4:
+        time.sleep(0.02)
+    assert sorted(front.up.cancelled) == sorted(b[CANCEL_PARAMETER] for b in front.up.seen)
+    assert front.in_flight() == 0 and front.counts["cancelled_at_shutdown"] == 1
+
+
+@pytest.mark.parametrize("why", ["stub died", "stub not healthy", "queue full"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_the_server_cannot_serve_is_one_503_with_retry_after_and_the_others_are_cancelled(front, why,
+                                                                                                    stream):
+    """One choice of an n = 3 request that the server cannot serve now (its model's stub died: failed by `serve`'s
+    health poll, or answered by tritonserver as an instance that is not healthy; the engine's queue is full) makes
+    the request one 503 in OpenAI's shape for a server error, with Retry-After (the client retries), and the other
+    calls are cancelled."""
+    from dflash_export.decoding.request import choice_seed
+
+    front.up.hold_s = 5.0
+    if why == "stub not healthy":
+        front.up.fail = {choice_seed(3, 1): (400, {"error": "Stub process 'dflash_0_0' is not healthy."})}
+    elif why == "queue full":
+        front.up.fail = {choice_seed(3, 1): (503, {"error": "Exceeds maximum queue size"})}
+    else:
+        timer = threading.Timer(0.3, front.fail_model, ("dflash_stream" if stream else "dflash",
+                                                        "a model stub of dflash died (pid 4242; its model reloads)"))
+        timer.start()
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 3, "seed": 3, "stream": stream}).encode()
+    resp = raw(front, post("/v1/completions", body), timeout=8)
+    assert status_of(resp) == 503 and b"Retry-After" in resp, resp
+    assert json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "server_error"
+    t = time.monotonic()
+    while (front.in_flight() or (why != "stub died" and len(front.up.cancelled) < 2)) and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert front.in_flight() == 0 and front.counts["client_gone"] == 0
+    assert why == "stub died" or len(front.up.cancelled) == 2
+
+
+def test_a_choice_that_times_out_after_the_stream_started_ends_it_with_a_504_error_event(front):
+    """A choice whose engine does not answer within the request timeout, once the other choices have started the
+    stream: the stream ends with a 504 error event in OpenAI's shape and [DONE] (as a refused choice ends it), not a
+    connection cut mid-stream; the late call is cancelled."""
+    from dflash_export.decoding.request import choice_seed
+
+    front.up.refuse = {choice_seed(5, 1): 6.0}  # longer than the 3 s request timeout: answered once cancelled
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 3, "seed": 5, "stream": True}).encode()
+    resp = raw(front, post("/v1/completions", body), timeout=8)
+    assert status_of(resp) == 200
+    events = _events(resp)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    errors = [e for e in events[:-1] if "error" in e]
+    assert len(errors) == 1 and errors[0] is events[-2]
+    assert errors[0]["error"]["type"] == "server_error" and "request-timeout" in errors[0]["error"]["message"]
+    assert {c["choices"][0]["index"] for c in events[:-2]} == {0, 2}
+    t = time.monotonic()
+    while (front.in_flight() or not front.up.cancelled) and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert front.in_flight() == 0 and len(front.up.cancelled) == 1
+
+
+def test_a_prompt_of_a_batch_refused_for_its_size_is_named_by_its_place(front):
+    front.prompt_char_limit = 100
+    body = {"model": "tiny", "prompt": ["x", "y" * 101], "n": 2}
+    resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(resp) == 400 and err["param"] == "prompt[1]", err
+    assert err["message"].startswith("prompt[1]: prompt text is 101 characters") and front.up.seen == []
+
+
+def test_closing_with_an_n_choice_request_still_running_leaves_no_task_pending(tmp_path, caplog):
+    """A front closed after a drain whose grace ran out, an n = 4 request still waiting on an engine that never
+    answers: closing ends the request and every task it started before the loop closes (none is destroyed
+    pending, which asyncio logs as an error)."""
+    import gc
+
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    stop = threading.Event()
+
+    def do_post(handler):  # a stuck engine: reads the request and never answers
+        up.seen.append(json.loads(handler.rfile.read(int(handler.headers["Content-Length"]))))
+        stop.wait(30)
+
+    up.httpd.RequestHandlerClass.do_POST = do_post
+    f = _patient_front(cancel, up)
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 4}).encode()
+    client = threading.Thread(target=raw, args=(f, post("/v1/completions", body), 8))
+    client.start()
+    try:
+        t = time.monotonic()
+        while len(up.seen) < 4 and time.monotonic() - t < 4:
+            time.sleep(0.02)
+        loop = f._loop
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            assert f.drain(0.1, grace_s=0.3) is False
+            f.close()
+            pending = [repr(t)[:200] for t in asyncio.all_tasks(loop)]
+            gc.collect()
+        assert pending == [] and [r.getMessage()[:300] for r in caplog.records if r.name == "asyncio"] == []
+    finally:
+        stop.set()
+        client.join(10)
+        f.close()
+        up.httpd.shutdown()
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -989,11 +1116,51 @@ def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front
         while not (tokens and (Path(front.cancel_dir) / tokens[0]).exists()) and time.monotonic() - t < 8:
             time.sleep(0.05)
         assert tokens and cancel_record_of(front, tokens[0])[0] == "the client went away"
+        while front.in_flight() and time.monotonic() - t < 8:  # the call ends once it sees the client gone
+            time.sleep(0.05)
         assert front.counts["client_gone"] == 1 and front.in_flight() == 0
     finally:
         s.close()
     monkeypatch.undo()
     assert _chat_answers(front)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_read_slowly_is_read_from_the_engine_no_faster_than_its_client_reads(front, monkeypatch, n):
+    """An OpenAI stream (of n choices) whose client has not read yet: the front reads each call's events from
+    tritonserver as it sends them on, so what the engine has written past what the sockets hold waits in the engine
+    rather than piling up in the front's memory (the stand-in writes 40 MB a call as fast as it is read)."""
+    written = []
+
+    def do_post(handler):
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        data = b"data: " + json.dumps({"text_output": "x" * 200_000, "finish_reason": ""}).encode() + b"\n\n"
+        try:
+            for _ in range(200):
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                written.append(1)
+        except OSError:
+            pass
+
+    monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
+    body = json.dumps({"model": "tiny", "prompt": "x", "n": n, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", front.port))
+    try:
+        s.sendall(post("/v1/completions", body))
+        time.sleep(2.0)  # within the write timeout: the client is slow, not gone
+        assert len(written) < 50 * n, f"the front read {len(written)} of {200 * n} events nobody had read"
+    finally:
+        s.close()
+    t = time.monotonic()
+    while front.in_flight() and time.monotonic() - t < 4:
+        time.sleep(0.05)
+    assert front.in_flight() == 0
 
 
 def test_a_read_cancelled_as_its_socket_wakes_is_no_error_in_the_log(front, tmp_path, caplog):

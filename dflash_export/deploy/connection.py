@@ -146,6 +146,7 @@ class Connection:
         self.head = bytearray()     # the bytes of the head being read (to tell 414 from 431)
         self.watcher: asyncio.Task | None = None
         self.evicted = False
+        self.task: asyncio.Task | None = None  # the task serving this connection
 
     def evict(self) -> None:
         self.evicted = True
@@ -244,6 +245,7 @@ class ConnectionHandling:
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Connection(self, reader, writer)
+        conn.task = asyncio.current_task()
         if not self._admit(conn):
             await conn.send_raw(503, f"too many connections busy with requests (the front's limit is "
                                      f"{self.limits.max_connections}, {self.limits.max_connections_per_client} per "
@@ -338,7 +340,8 @@ class ConnectionHandling:
             self.counts["refused"] += 1
             self.metrics.observe_request(route, e.status)
             if conn.h.our_state is h11.SEND_RESPONSE:
-                payload = oa.OpenAIError(e.status, e.message).body() if openai else {"error": e.message}
+                payload = oa.OpenAIError(e.status, e.message, kind="server_error" if e.status >= 500 else
+                                         "invalid_request_error").body() if openai else {"error": e.message}
                 extra = dict(e.headers)
                 if e.status == 503:
                     extra.setdefault("Retry-After", "1")
@@ -349,7 +352,8 @@ class ConnectionHandling:
             self.counts["refused"] += 1
             self.metrics.observe_request(route, e.status)
             if conn.h.our_state is h11.SEND_RESPONSE:
-                await conn.send(*answer(e.status, e.body(), head_only=head_only))
+                extra = {"Retry-After": "1"} if e.status == 503 else None  # when to retry, as a Refused 503 says
+                await conn.send(*answer(e.status, e.body(), head_only=head_only, extra=extra))
                 return True
             return False
         except ClientGone:

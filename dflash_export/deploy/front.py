@@ -65,6 +65,7 @@ from dflash_export.errors import DFlashError
 CANCEL_FILE_TTL_S = 60.0  # how long a cancel file outlives its request's answer (the model may still be mid-step)
 CANCEL_DIR_ENV = "DFLASH_CANCEL_DIR"  # where the model looks for cancel files (set in the server's environment)
 CANCEL_TIME_MARK = "\n@"  # in a cancel file, between why the request was cancelled and when the file was visible
+SHUTDOWN_WAIT_S = 3.0  # how long closing waits for the requests still running to end once their clients are cut
 
 
 class Front(ConnectionHandling, Routing, Upstream):
@@ -155,10 +156,14 @@ class Front(ConnectionHandling, Routing, Upstream):
             if not self._in_flight:
                 return True
             tokens = list(self._in_flight)
+        counted: set[str] = set()
         for token in tokens:
-            self.cancel(token, f"the server is shutting down (requests still running after the {timeout_s:g} s "
-                               "drain)")
-            self.counts["cancelled_at_shutdown"] += 1
+            # Counted once a client request: the calls answering one client request (an OpenAI request's choices,
+            # `_begin_group`) are one request answered 503.
+            if self.cancel(token, f"the server is shutting down (requests still running after the {timeout_s:g} s "
+                                  "drain)") and token not in counted:
+                counted.update(self._group(token))
+                self.counts["cancelled_at_shutdown"] += 1
         end = time.monotonic() + grace_s
         with self._lock:
             while self._in_flight and time.monotonic() < end:
@@ -182,12 +187,22 @@ class Front(ConnectionHandling, Routing, Upstream):
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        handlers = [c.task for c in self._conns if c.task is not None]
         for c in list(self._conns):
             c.evict()
+        if handlers:  # a request still running ends as when its client leaves (its calls given up)
+            await asyncio.wait(handlers, timeout=SHUTDOWN_WAIT_S)
         for t in list(getattr(self, "_abandoned", ())):  # calls left to finish (Upstream._abandon)
             t.cancel()  # the client's close below closes their connections
         if self._client is not None:
             await self._client.aclose()
+        # Whatever is still pending on the loop is cancelled and run to its end here: a task the closed loop never
+        # finishes is destroyed pending.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        if rest:
+            await asyncio.wait(rest, timeout=SHUTDOWN_WAIT_S)
 
     # Cancellation ------------------------------------------------------------------------------------------------
     def cancel(self, token: str, why: str) -> bool:

@@ -234,9 +234,18 @@ class Routing:
             else:  # one generate body a prompt: a completion may send a batch of them
                 prompts, stream, usage = oa.completion_request(obj, self.model_id)
             model = self._openai_model(stream)
-            for gen in prompts:
-                self._check_model_inputs(model, gen)
-                self._check_prompt_size(gen)
+            for k, gen in enumerate(prompts):
+                try:
+                    self._check_model_inputs(model, gen)
+                    self._check_prompt_size(gen)
+                except DFlashError as e:
+                    err = oa.as_sent(oa.from_dflash_error(e), chat)
+                    prompt = None if chat else obj.get("prompt")
+                    if err.param == "prompt" and err.message.startswith("prompt") and isinstance(prompt, list) \
+                            and isinstance(prompt[0], (str, list)):
+                        err = oa.OpenAIError(err.status, f"prompt[{k}]{err.message[len('prompt'):]}",
+                                             param=f"prompt[{k}]")  # a batch's prompt, named by its place
+                    raise err from None
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
@@ -351,8 +360,8 @@ class Routing:
         choice other than the first to answer); any other failure is raised (the connection closes)."""
         if isinstance(ev, oa.OpenAIError):
             return oa.as_sent(ev, chat)
-        if isinstance(ev, Refused) and ev.status == 503:
-            return oa.OpenAIError(503, ev.message, kind="server_error")
+        if isinstance(ev, Refused):  # 503 (the server's state) or 504 (no answer within the request timeout)
+            return oa.OpenAIError(ev.status, ev.message, kind="server_error")
         if isinstance(ev, Exception):
             raise ev
         why = self._why(token)
@@ -371,6 +380,9 @@ class _Choices:
         self.front, self.tokens = front, tokens
         self.watch = _ChoiceWatch(conn)
         self.ended = [False] * len(bodies)  # the call has given its last event, or failed
+        # Set when `next` has given out the call's latest event: a streamed call reads its next event from
+        # tritonserver only then, so a client that reads slowly holds up the engine's answers, not the front's memory.
+        self._taken = [asyncio.Event() for _ in bodies]
         self._left = len(bodies)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: list = []
@@ -392,11 +404,22 @@ class _Choices:
                     self._put(i, ev, last)
                     if last:
                         break
+                    await self._until_taken(i)
         except Exception as e:  # noqa: BLE001 - the reader raises it, or reports it on a stream
             self._put(i, e, last=True)
         finally:
             self.ended[i] = True
             self._queue.put_nowait((i, None))
+
+    async def _until_taken(self, i: int) -> None:
+        """Until `next` has given out call `i`'s latest event, the client has left, or the request gave its calls up
+        (the call then reads on and ends as its watch says)."""
+        taken = asyncio.ensure_future(self._taken[i].wait())
+        try:
+            await asyncio.wait({taken, self.watch.watching()}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            taken.cancel()
+        self._taken[i].clear()
 
     def _put(self, i: int, item, last: bool) -> None:
         self.ended[i] = self.ended[i] or last
@@ -407,6 +430,7 @@ class _Choices:
         while self._left:
             i, item = await self._queue.get()
             if item is not None:
+                self._taken[i].set()
                 return i, item
             self._left -= 1
         return None
