@@ -1082,6 +1082,22 @@ def test_made_up_urls_do_not_grow_the_metrics(front):
     assert _chat_answers(front)
 
 
+def _write_40_mb(handler, after_each) -> None:
+    """A stand-in engine's generate_stream answer: 200 events of 200 kB (40 MB, more than the sockets between the
+    front and a client hold), `after_each()` called after each is written, until the front closes the stream."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    data = b"data: " + json.dumps({"text_output": "x" * 200_000, "finish_reason": ""}).encode() + b"\n\n"
+    try:
+        for _ in range(200):
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            after_each()
+    except OSError:
+        pass
+
+
 def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front, monkeypatch):
     """A stream whose client neither reads nor leaves: past the write timeout the front drops the connection and
     cancels the request, which would otherwise run on to max_tokens for nobody."""
@@ -1093,17 +1109,7 @@ def test_a_client_that_stops_reading_its_stream_gets_its_request_cancelled(front
     def do_post(handler):
         body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
         tokens.append(body[CANCEL_PARAMETER])
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        data = b"data: " + json.dumps({"text_output": "x" * 200_000, "finish_reason": ""}).encode() + b"\n\n"
-        try:
-            for _ in range(200):  # 40 MB: more than the sockets between the front and the client hold
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                time.sleep(0.01)
-        except OSError:
-            pass
+        _write_40_mb(handler, lambda: time.sleep(0.01))
 
     monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
@@ -1134,17 +1140,7 @@ def test_a_stream_read_slowly_is_read_from_the_engine_no_faster_than_its_client_
 
     def do_post(handler):
         handler.rfile.read(int(handler.headers["Content-Length"]))
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/event-stream")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        data = b"data: " + json.dumps({"text_output": "x" * 200_000, "finish_reason": ""}).encode() + b"\n\n"
-        try:
-            for _ in range(200):
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                written.append(1)
-        except OSError:
-            pass
+        _write_40_mb(handler, lambda: written.append(1))
 
     monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
     body = json.dumps({"model": "tiny", "prompt": "x", "n": n, "stream": True}).encode()
