@@ -144,16 +144,10 @@ def infer(client, text: bytes | None = b"Hello", model="dflash", **extra):
 
 
 def exact_on_this_cpu(direct) -> bool:
-    """Whether every path of the engine behind `direct` -- DFlash alone or in a shared batch, plain decoding -- must
-    give the same tokens on this CPU: its numerics probe found verify rows bit-identical to plain steps (an engine
-    without a probe counts as exact). Where it did not, the engine says so (the served model logs the same line)."""
-    from target_support import assert_not_bit_identical_stated
+    """`target_support.exact_on_this_cpu` of the engine behind `direct` (the served model logs the same line)."""
+    from target_support import exact_on_this_cpu as engine_exact
 
-    numerics = getattr(direct.runtime.engine, "numerics", None)
-    if numerics is not None and not numerics.bit_identical:
-        assert_not_bit_identical_stated(direct.runtime.engine)
-        return False
-    return True
+    return engine_exact(direct.runtime.engine)
 
 
 def stream_equals_direct(server, direct, text: str, max_tokens: int, exact: bool = True) -> list[dict]:

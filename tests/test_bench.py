@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from target_support import assert_not_bit_identical_stated
+from target_support import exact_on_this_cpu
 
 from dflash_export.engines.manifest import read_manifest
 from dflash_export.errors import DFlashError
@@ -22,15 +22,6 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 41)), [7], [200, 13, 13, 13, 99, 5, 6
 @pytest.fixture(scope="module")
 def built(ort_pair):
     return ort_pair
-
-
-def _exact(engine) -> bool:
-    """Whether speculative (and batched) decoding must give plain decoding's tokens on this CPU: the engine's
-    numerics probe found verify rows bit-identical to plain steps. Where it did not, the engine says so, and a bench's
-    "identical" counts may fall short at near-ties."""
-    if not engine.numerics.bit_identical:
-        assert_not_bit_identical_stated(engine)
-    return engine.numerics.bit_identical
 
 
 def test_engine_costs_benchmark_runs_on_a_built_engine(built):
@@ -52,7 +43,7 @@ def test_bench_runs_every_mode_and_checks_them_against_hf(built, tmp_path):
     s = report["summary"]
     assert set(s) == {"dflash", "dflash-full", "ar", "hf", "reference"}
     for mode, fig in s.items():  # greedy: every mode is the target's own output (DFlash's: as the probe states)
-        assert fig["identical_to_hf"] == "2/2" or (mode.startswith("dflash") and not _exact(eng)), mode
+        assert fig["identical_to_hf"] == "2/2" or (mode.startswith("dflash") and not exact_on_this_cpu(eng)), mode
         assert fig["tok_s_median"] > 0 and fig["peak_rss_mb"] > 0
     # full blocks on every step but the last of a request, which holds only what max_new_tokens leaves (as z-lab)
     assert recipe_block_size(out) - 2 < s["dflash-full"]["drafts_verified_per_step"] <= recipe_block_size(out) - 1
@@ -80,7 +71,7 @@ def test_bench_modes_take_turns_prompt_by_prompt_in_a_rotated_order(built):
     for m in modes:
         runs = raw[m]["runs"]
         assert [r["tokens"] for r in runs[:2]] == [r["tokens"] for r in runs[2:]], m
-        assert report["summary"][m]["identical_to_ar"] == "2/2" or (m != "ar" and not _exact(eng))
+        assert report["summary"][m]["identical_to_ar"] == "2/2" or (m != "ar" and not exact_on_this_cpu(eng))
         assert report["summary"][m]["tokens_total"] == sum(len(r["tokens"]) for r in runs[:2])  # one pass counted
     assert set(report["pass_ratios"]) == {"dflash/ar", "chain/ar"}
     assert all(len(v) == 2 and all(x > 0 for x in v) for v in report["pass_ratios"].values())
@@ -103,7 +94,7 @@ def test_bench_compares_the_proposers_on_one_engine(built, monkeypatch, capsys):
         assert any(tau in ln and f"{report['summary'][mode]['tau_prompt_lookup']:.2f}" in ln for ln in table), mode
     s = report["summary"]
     for mode in modes[1:]:
-        assert s[mode]["identical_to_ar"] == "2/2" or not _exact(eng), mode
+        assert s[mode]["identical_to_ar"] == "2/2" or not exact_on_this_cpu(eng), mode
         assert "tau_prompt_lookup" in s[mode], mode
         assert f"{mode}/ar" in report["ratios"]
 
@@ -198,13 +189,13 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
     assert [(r["concurrency"], r["mode"]) for r in rep["levels"]] == [(1, "dflash"), (1, "ar"), (3, "dflash"),
                                                                       (3, "ar")]
     for r in rep["levels"]:
-        assert r["identical_to_alone"] == "5/5" or not _exact(eng)
+        assert r["identical_to_alone"] == "5/5" or not exact_on_this_cpu(eng)
         assert r["tokens"] == 60 and r["tok_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p99_s"]
         assert r["target_rows"] >= r["engine_steps"] > 0 and r["modelled_cost"] >= r["engine_steps"]
         if r["mode"] == "ar":  # plain decoding: one row per sequence per call, no drafter, cost 1 + a(B - 1)
             assert r["draft_calls"] == r["probes"] == 0 and r["target_rows"] == r["tokens"] - 5  # 1st: prefill
-    assert rep["divergences"] == [] or not _exact(eng)
+    assert rep["divergences"] == [] or not exact_on_this_cpu(eng)
 
 
 def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
@@ -229,7 +220,7 @@ def test_bench_samples_with_the_same_seeds_in_every_mode(built):
     sampling = {"temperature": 0.7, "top_k": 20, "top_p": 0.95}
     report = run_bench(str(recipe.path), str(out), None, 2, 12, ["dflash", "tree+lookup", "ar"], None, sampling)
     assert report["sampling"] == sampling
-    exact = _exact(eng)  # else each count may fall short at a near-tie of a draw
+    exact = exact_on_this_cpu(eng)  # else each count may fall short at a near-tie of a draw
     for mode in ("dflash", "tree+lookup"):
         assert report["summary"][mode]["identical_to_ar"] == "2/2" or not exact, mode
     rep = run_concurrency(str(out), PROMPTS, 12, [1, 3], ["dflash", "ar"], threads=1, sampling=sampling)
@@ -279,7 +270,7 @@ def test_bench_counts_accepted_drafts_per_source_with_and_without_the_static_ind
     report = run_bench(str(recipe.path), str(engine), None, 2, 16, modes, None)
     s, raw_runs = report["summary"], report["raw"]
     for mode in modes[1:]:
-        assert s[mode]["identical_to_ar"] == "2/2" or not _exact(eng), mode
+        assert s[mode]["identical_to_ar"] == "2/2" or not exact_on_this_cpu(eng), mode
         assert set(s[mode]["accepted_by"]) == {"drafter", "context", "static"}
     accepted = sum(round(r["tau"] * r["steps"]) - r["steps"] for r in raw_runs["chain"]["runs"])
     assert s["chain"]["accepted_by"] == {"drafter": accepted, "context": 0, "static": 0}

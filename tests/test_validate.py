@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from target_support import report_exact_on_this_cpu
 
 from dflash_export.errors import CheckFailed, DFlashError
 
@@ -287,15 +288,6 @@ def test_a_missing_report_library_is_exit_2_before_any_work(recipe_path, tmp_pat
         in res.output
 
 
-def _exact_on_this_cpu(rep: dict) -> bool:
-    """Whether the engine's numerics probe found verify rows bit-identical to plain steps on this CPU, so that greedy
-    DFlash must equal the engine's plain decoding; where it did not, the report says so in the probe's own words."""
-    num = rep["greedy"]["numerics"]
-    if not num["bit_identical"]:
-        assert "lossless within kernel numerics on this CPU" in num["statement"], num
-    return num["bit_identical"]
-
-
 def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tmp_path, monkeypatch):
     """The shipped backend, built for real, validated the way a deployer runs it: no --engine, default location."""
     pytest.importorskip("onnxruntime")
@@ -311,7 +303,7 @@ def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tm
     rep = json.loads((tmp_path / "reports" / "validate" / recipe.name / "onnxruntime" / "report.json").read_text())
     assert rep["engine"]["backend"] == "onnxruntime" and rep["engine"]["dir"].endswith("onnxruntime")
     assert rep["acceptance"]["tau"] > 3.0
-    if _exact_on_this_cpu(rep):
+    if report_exact_on_this_cpu(rep):
         assert res.exit_code == 0, res.output
         assert rep["greedy"]["identical_fraction"] == 1.0
     else:  # a near-tie may part DFlash from plain decoding: identical_fraction alone may fail, and says why
@@ -833,12 +825,12 @@ def test_quantized_engine_is_judged_against_its_own_plain_decoding(recipe_path, 
     # tau may fall under the recipe's 3.0: the drafter memorised the fp32 target's continuations, which int4 changes;
     # and on a tiny model a DFlash step costs more than it saves (the default floor of 1.0x then fails, and says so)
     failed = {t["name"] for t in rep["thresholds"] if not t["passed"]}
-    allowed = {"tau", "speedup_vs_ar"} | (set() if _exact_on_this_cpu(rep) else {"identical_fraction"})
+    allowed = {"tau", "speedup_vs_ar"} | (set() if report_exact_on_this_cpu(rep) else {"identical_fraction"})
     assert failed <= allowed, res.output
     if any(t["name"] == "speedup_vs_ar" and t["value"] < 1 for t in rep["thresholds"]):
         assert "DFlash slower than plain decoding on this engine" in res.output
     g = rep["greedy"]
-    if _exact_on_this_cpu(rep):
+    if report_exact_on_this_cpu(rep):
         assert g["identical_fraction"] == 1.0 and g["own_ar_identical_fraction"] == 1.0
     assert g["judged_against"] == "the engine's own plain decoding"
     agree = g["reference_agreement"]
