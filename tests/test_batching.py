@@ -374,8 +374,9 @@ def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_emptie
     assert len(seen) >= 2 and seen[-1][0] == batch.kv_bytes  # the target's buffers, then the drafter's
     nbytes, slots, cap = seen[-1]
     target_part = sum(b.nbytes for b in batch._buf.t_kv)
-    # capacity: the largest reservation (90) rounded up to the 64 keys the batched attention's lanes need
-    assert (slots, cap) == (2, 128) and target_part == slots * cap * per_token and nbytes > target_part
+    # capacity: the longest prompt (4 rows, not the reservations of 40 and 90) rounded up to the 64 keys the batched
+    # attention's lanes need
+    assert (slots, cap) == (2, 64) and target_part == slots * cap * per_token and nbytes > target_part
     for s in list(seqs):
         batch.remove(s)
     assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0
@@ -390,6 +391,42 @@ def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_emptie
     batch.remove(s)
     batch.release()
     assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0
+
+
+def test_the_buffers_hold_the_rows_the_sequences_reached_not_the_rows_they_may_reach(built, reference, monkeypatch):
+    """Every call of a batch attends over its buffers' whole length, so they follow the sequences: a request that may
+    run to max_seq_len (a chat request without max_tokens) takes no more rows than its prompt and a step need, grows
+    them by doubling as it goes, and once the longest sequence leaves the rest get shorter buffers back; every
+    request's tokens are still those it gets alone."""
+    from dflash_export.engines import ort_batch
+
+    _, eng, _ = built
+    bs, align = eng.info.block_size, BatchedOrtEngine.key_align
+    monkeypatch.setattr(ort_batch, "MIN_ROWS", align)  # the tiny target's max_seq_len is a few hundred tokens
+    caps = []
+    rt = BatchingRuntime(eng, max_batch=2)
+    rt.batch.on_resize = lambda nbytes, slots, cap: caps.append(cap)
+    short_p, long_p = PROMPTS[0], PROMPTS[4]  # 5 and 150 tokens
+    long_sp = SamplingParams(max_new_tokens=min(64, eng.info.max_seq_len - len(long_p) - bs))
+    short_sp = SamplingParams(max_new_tokens=eng.info.max_seq_len - len(short_p) - bs)  # may fill the engine
+    short = rt.submit(short_p, short_sp)
+    rt.step()
+    assert rt.batch._buf.t_cap == align  # the prompt and a block, not max_seq_len
+    long = rt.submit(long_p, long_sp)
+    while not long.done:
+        rt.step()
+        assert rt.batch._buf.t_cap <= 2 * rt.batch.aligned(max(a.seq.length for a in rt.active) + bs)
+    grown = max(caps)
+    assert grown >= len(long_p) + long_sp.max_new_tokens  # the long request's rows were there while it ran
+    assert rt.batch._buf.t_cap < grown  # and given back once it left, the short one still running
+    for _ in range(8):
+        rt.step()
+    rt.cancel(short)
+    rt.step()
+    single = DFlashRuntime(eng)
+    assert_as_plain(eng, long_p, long.stats.tokens, single.generate(long_p, long_sp).tokens)
+    got = short.stats.tokens
+    assert_as_plain(eng, short_p, got, single.generate(short_p, SamplingParams(max_new_tokens=len(got))).tokens)
 
 
 def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(built, reference):
@@ -798,7 +835,9 @@ def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the
     assert bound == 4 * L * (t_token + d_token)
     batch = BatchedOrtEngine(eng, max_batch=4)
     seqs = [batch.add(L) for _ in range(4)]
-    batch.prefill(seqs, [[1, 2, 3]] * 4)
+    long = [3 + (i * 7) % 200 for i in range(L - eng.info.block_size)]  # the buffers follow the sequences' rows:
+    assert batch.aligned(len(long)) == L                                 # prompts that fill them
+    batch.prefill(seqs, [long] * 4)
     target_part = sum(b.nbytes for b in batch._buf.t_kv)
     assert target_part == 4 * L * t_token and batch.kv_bytes <= bound  # the drafter's grows with the context
     for s in seqs:

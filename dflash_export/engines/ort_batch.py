@@ -120,6 +120,10 @@ class BatchSeq(Sequence):
         return self.ctx_parts[0]
 
 
+# The fewest target K/V rows a batch's buffers shrink to once their longest sequence has left (BatchedEngine._fit_rows)
+MIN_ROWS = 256
+
+
 @dataclass
 class _Buffers:
     """Per-layer K/V buffers [slots, KVH, capacity, D] (target) or [slots, KVH, capacity, D] (drafter context), held
@@ -388,7 +392,10 @@ class BatchedEngine:
         seq = BatchSeq(max_tokens)
         seq.slot = len(self.seqs)
         self.seqs.append(seq)
-        self._reserve(len(self.seqs), max(s.max_tokens for s in self.seqs))
+        # A slot now; its rows as the sequence grows (`_run_target_batch`): every call's attention runs over the
+        # buffers' whole length, so reserving each request's `max_tokens` up front made every call of the batch pay
+        # for the longest one's -- a chat request without max_tokens reserves max_seq_len.
+        self._reserve(len(self.seqs), 0)
         for conv, rec in self._buf.linear.values():  # a reused slot's state is a past sequence's
             conv[seq.slot] = 0.0
             rec[seq.slot] = 0.0
@@ -412,6 +419,18 @@ class BatchedEngine:
         seq.slot = -1
         if not self.seqs and not self.keep_buffers:  # an idle engine holds no K/V
             self.release()
+        else:
+            self._fit_rows()
+
+    def _fit_rows(self) -> None:
+        """Shorten the target buffers to twice what the longest sequence left needs (its rows and a block), at least
+        MIN_ROWS, once that is at most half their length: the longest sequence has left, and the rest (or the next
+        requests, where the buffers outlive an empty batch) would otherwise attend over its rows."""
+        b = self._buf
+        need = max((s.length for s in self.seqs), default=0) + self.info.block_size
+        rows = self.aligned(max(MIN_ROWS, 2 * need))
+        if b.slots and 2 * rows <= b.t_cap:
+            self._resize(b.slots, rows, min(b.d_cap, rows))
 
     def release(self) -> None:
         """Free the K/V buffers if no sequence is active (a server calls it once the batch has been idle a while)."""
@@ -432,42 +451,47 @@ class BatchedEngine:
         limit = self.kv_token_limit
         if limit is not None and (new_slots, t_cap) != (b.slots, b.t_cap) and new_slots * t_cap > limit:
             # Doubling, or the rows kept for a longer sequence that has left, would pass the bound: the buffers take
-            # exactly what the sequences need (fewer rows than before, where that sequence's are given back)
+            # the most rows within it, never fewer than the call needs (admission keeps every sequence's
+            # `max_tokens` within it), and fewer than before where that sequence's are given back
             new_slots = slots
-            t_cap = self.aligned(max([t_need] + [s.max_tokens for s in self.seqs]))
+            t_cap = max(self.aligned(t_need), min(t_cap, limit // slots // self.key_align * self.key_align))
         d_cap = max(d_need, 2 * b.d_cap, 64) if d_need > b.d_cap else b.d_cap
         # The drafter's context rows never pass the target's (a sequence's context is its committed tokens, within its
         # target rows): the drafter's cells stay within the target's, as deploy/kv_memory.py counts them
         d_cap = max(d_need, min(d_cap, t_cap))
-        n = len(self.seqs)
-        e = self.graphs
+        self._resize(new_slots, t_cap, d_cap)
 
-        def grow(old: list, layers: int, shape, cap, old_cap, graph: str):
+    def _resize(self, slots: int, t_cap: int, d_cap: int) -> None:
+        """New buffers of `slots` x `t_cap` target rows and `d_cap` drafter context rows (those whose shape changes),
+        holding the active sequences' rows: fewer than before only where none of them needs the rows given up."""
+        b, n, e = self._buf, len(self.seqs), self.graphs
+
+        def fresh(old: list, layers: int, shape, cap, old_cap, graph: str):
             out = []
             for i in range(2 * layers):
-                buf = self._kv.zeros((new_slots, shape[0], cap, shape[1]), graph)
+                buf = self._kv.zeros((slots, shape[0], cap, shape[1]), graph)
                 if old:
-                    m, rows = min(n, old[i].shape[0]), min(cap, old_cap)  # fewer rows: a bound gave them back
+                    m, rows = min(n, old[i].shape[0]), min(cap, old_cap)
                     self._kv.copy_prefix(buf, old[i][:, :, :rows], m, rows)
                 out.append(buf)
             return out
 
-        t_kv = b.t_kv if (new_slots, t_cap) == (b.slots, b.t_cap) else grow(b.t_kv, len(e.kv_layers()),
-                                                                             self._t_shape, t_cap, b.t_cap, "target")
-        d_kv = b.d_kv if (new_slots, d_cap) == (b.slots, b.d_cap) else grow(b.d_kv, e.d_layers, self._d_shape,
-                                                                             d_cap, b.d_cap, "drafter")
+        t_kv = b.t_kv if (slots, t_cap) == (b.slots, b.t_cap) else fresh(b.t_kv, len(e.kv_layers()),
+                                                                         self._t_shape, t_cap, b.t_cap, "target")
+        d_kv = b.d_kv if (slots, d_cap) == (b.slots, b.d_cap) else fresh(b.d_kv, e.d_layers, self._d_shape,
+                                                                         d_cap, b.d_cap, "drafter")
         linear = b.linear
-        if new_slots != b.slots:
+        if slots != b.slots:
             linear = {}
             for i, shapes in e.linear_layers.items():
-                pair = tuple(np.zeros((new_slots, *shape), np.float32) for shape in shapes)
+                pair = tuple(np.zeros((slots, *shape), np.float32) for shape in shapes)
                 for new, old in zip(pair, b.linear.get(i, ())):
                     m = min(n, old.shape[0])
                     new[:m] = old[:m]
                 linear[i] = pair
-        self._buf = _Buffers(t_kv, d_kv, linear, new_slots, t_cap, d_cap)
+        self._buf = _Buffers(t_kv, d_kv, linear, slots, t_cap, d_cap)
         if self.on_resize is not None:
-            self.on_resize(self.kv_bytes, new_slots, t_cap)
+            self.on_resize(self.kv_bytes, slots, t_cap)
 
     def _range(self, seqs: list[BatchSeq]) -> tuple[int, int]:
         slots = [s.slot for s in seqs]
