@@ -96,3 +96,33 @@ def test_build_and_run_in_a_directory_the_ascii_locale_cannot_decode(tmp_path):
     engine = odd + b"/engines/tiny-qwen3/onnxruntime-int8"
     rc, out, err = _cli("run", "--engine", engine, "--max-new-tokens", "4", "hello", env=env)
     assert rc == 0 and "4 tokens" in err and "Traceback" not in err, err
+
+
+def test_bench_and_validate_read_and_write_in_a_directory_the_ascii_locale_cannot_decode(tmp_path):
+    # LC_ALL=C without UTF-8 mode: the engine, the recipe, the suite, bench's --out and validate's --report all lie in
+    # a directory whose name reaches Python as surrogate escapes. report.md (UTF-8, with its dashes and the suite's
+    # path) is written whatever the locale, the path's bytes as they are on disk.
+    from dflash_export.engines.ort_build import build_onnxruntime
+    from dflash_export.recipes import load_recipe
+
+    odd = os.fsencode(tmp_path) + b"/caf\xe9 \xc3\xa9"
+    os.mkdir(odd)
+    engine = build_onnxruntime(load_recipe("tiny-qwen3"), Path(os.fsdecode(odd + b"/engine")), threads=1)
+    for name, src in ((b"tiny-qwen3.yaml", ROOT / "recipes" / "tiny-qwen3.yaml"),
+                      (b"s\xe9.jsonl", ROOT / "validate" / "tiny-random.jsonl")):
+        with open(odd + b"/" + name, "wb") as f:
+            f.write(src.read_bytes())
+    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "OMP_NUM_THREADS": "1",
+           "DFLASH_CACHE": str(tmp_path / "cache")}
+    common = ["--recipe", odd + b"/tiny-qwen3.yaml", "--engine", os.fsencode(engine), "--suite", odd + b"/s\xe9.jsonl",
+              "--num-prompts", "2", "--max-new-tokens", "4"]
+    rc, out, err = _cli("bench", *common, "--modes", "dflash,ar", "--out", odd + b"/b\xe9.json", env=env)
+    assert rc == 0 and "Traceback" not in err, (out, err)
+    with open(odd + b"/b\xe9.json", "rb") as f:
+        assert b'"summary"' in f.read()
+    rc, out, err = _cli("validate", *common, "--dist-samples", "2", "--report", odd + b"/report", "--no-progress",
+                        env=env)
+    assert rc == 0 and "internal error" not in err and "report: " in out, (out, err)
+    with open(odd + b"/report/report.md", "rb") as f:
+        md = f.read()
+    assert "\u2014".encode() in md and b"/caf\xe9 \xc3\xa9/s\xe9.jsonl" in md

@@ -183,8 +183,10 @@ def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
             out.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".report.tmp-{os.getpid()}-", dir=out))
             try:
-                (staging / names["json"]).write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
-                (staging / names["md"]).write_text(render_markdown(report))
+                (staging / names["json"]).write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n",
+                                                     encoding="utf-8")
+                # UTF-8 whatever the locale; a path's undecodable bytes (the suite's) written as they were
+                (staging / names["md"]).write_text(render_markdown(report), encoding="utf-8", errors="surrogateescape")
                 _plots(report, staging)
                 for name in names.values():  # created by open(): the umask's modes, as written in place
                     os.replace(staging / name, out / name)
