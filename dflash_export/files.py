@@ -490,6 +490,26 @@ class MatrixRows:
         self.close()
 
 
+# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included); a longer one is
+# reached through a descriptor on its directory (`path_through_fd`). deploy/netns_bridge.py, a standard-library-only
+# script, holds the same number and mechanism.
+UNIX_PATH_MAX = 107
+
+
+def directory_fd(path: str | os.PathLike) -> int:
+    """A descriptor on the directory `path` for `path_through_fd` (O_PATH: it reads nothing; closed on exec); its
+    holder closes it once the names made through it are no longer used. OSError when it cannot be opened."""
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def path_through_fd(dir_fd: int, name: str) -> str:
+    """The file `name` in the directory `dir_fd` is held on (`directory_fd`), reached through that descriptor:
+    /proc/self/fd/N/NAME, a path of about 20 bytes before the name, valid in this process while `dir_fd` is open.
+    For a callee that cannot take the file's own path: one whose bytes are not UTF-8 (`native_path`), one longer
+    than a Unix socket's address holds."""
+    return f"/proc/self/fd/{dir_fd}/{name}"
+
+
 def _utf8_names(text: str) -> bool:
     """Whether `text`, encoded as UTF-8 (what the C++ and Rust bindings of onnx, ONNX Runtime, TensorRT and tokenizers
     do with a str), gives the bytes the file system knows it by (os.fsencode)."""
@@ -516,10 +536,10 @@ def native_path(path: str | os.PathLike) -> Iterator[str]:
         raise DFlashError("the file's name is not valid UTF-8 (onnx and ONNX Runtime take UTF-8 paths): rename it",
                           path=path)
     try:
-        fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = directory_fd(parent)
     except OSError as e:
         raise DFlashError(f"cannot open its directory ({e.strerror})", path=path) from None
     try:
-        yield f"/proc/self/fd/{fd}/{name}"
+        yield path_through_fd(fd, name)
     finally:
         os.close(fd)

@@ -90,7 +90,8 @@ def _relay_to(port: int, whole_close: bool = False):
     return relay
 
 
-# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included).
+# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included); files.py holds
+# the same number and mechanism, which this standard-library-only script does not import.
 UNIX_PATH_MAX = 107
 
 

@@ -41,6 +41,7 @@ from dflash_export.deploy.triton_install import (
 from dflash_export.deploy.upstream import RESTRICTED_APIS, SECRET_HEADER
 from dflash_export.environment import memory_note, size_text
 from dflash_export.errors import EXIT_INTERNAL, DFlashError
+from dflash_export.files import UNIX_PATH_MAX, directory_fd, path_through_fd
 
 
 class ServerError(DFlashError):
@@ -404,19 +405,16 @@ def private_network_unavailable() -> str | None:
     return _private_network[0]
 
 
-# The longest path a Unix socket's address holds (sun_path: 108 bytes, the terminating NUL included); netns_bridge.py,
-# which imports nothing of the package, holds the same number.
-UNIX_PATH_MAX = 107
 UDS_NAME = "tritonserver.sock"
 
 
 def unix_address(path: Path, dir_fd: int | None) -> str:
     """Where to connect to the Unix socket `path`: the path itself when it fits sun_path, else the same file reached
-    through `dir_fd`, a descriptor this process holds on its directory (/proc/self/fd/N/NAME), so a long TMPDIR
-    still works."""
+    through `dir_fd`, a descriptor this process holds on its directory (`path_through_fd`), so a long TMPDIR still
+    works."""
     if len(os.fsencode(str(path))) <= UNIX_PATH_MAX or dir_fd is None:
         return str(path)
-    return f"/proc/self/fd/{dir_fd}/{path.name}"
+    return path_through_fd(dir_fd, path.name)
 
 
 def _uds_ok(path: Path | str, route: str, timeout: float = 1.0) -> bool:
@@ -621,7 +619,7 @@ class TritonServer:
                                       "characters; set TMPDIR to a directory whose path has none", path=tmp,
                                       field="TMPDIR")
                 self._workdir = Path(tempfile.mkdtemp(prefix="dflash-triton-"))
-                self._workdir_fd = os.open(self._workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._workdir_fd = directory_fd(self._workdir)
                 self._write_owner()
                 make_backend_dir(install, self._workdir / "backends")
                 make_stub_env(self._workdir / "stubenv", stub_site)
