@@ -282,7 +282,7 @@ class _Group(click.Group):
             import traceback
 
             fd, log = tempfile.mkstemp(prefix="dflash-export-", suffix=".traceback.txt")
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
                 traceback.print_exc(file=f)
             click.echo(f"error: internal error, {type(e).__name__}: {_one_line(e)[:300]} (traceback in {log}; "
                        "DFLASH_EXPORT_TRACEBACK=1 shows it here)", err=True)

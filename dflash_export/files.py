@@ -301,7 +301,7 @@ def atomic_file(final: str | os.PathLike, mode: str = "w") -> Iterator:
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
     try:
-        with open(tmp, mode) as f:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
         os.replace(tmp, final)
     except BaseException:
@@ -348,7 +348,7 @@ def is_engine_dir(d) -> bool:
     """Whether `d` holds an engine's manifest.json written by dflash-export (a finished or tampered engine that
     `build` may replace), as opposed to a directory of someone else's files."""
     try:
-        m = json.loads((Path(d) / "manifest.json").read_text())
+        m = json.loads((Path(d) / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(m, dict) and (m.get("tool") == "dflash-export" or "backend" in m)

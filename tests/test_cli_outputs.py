@@ -126,3 +126,31 @@ def test_bench_and_validate_read_and_write_in_a_directory_the_ascii_locale_canno
     with open(odd + b"/report/report.md", "rb") as f:
         md = f.read()
     assert "\u2014".encode() in md and b"/caf\xe9 \xc3\xa9/s\xe9.jsonl" in md
+
+
+def test_files_the_project_writes_are_utf8_under_an_ascii_locale(tmp_path):
+    # LC_ALL=C without UTF-8 mode makes open()'s default encoding ASCII: a GGUF's tokenizer settings (token strings
+    # are any text) and every atomic_file output (bench --out, validate reports, manifests) are written as UTF-8.
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from dflash_export.files import atomic_file\n"
+        "from dflash_export.models.gguf import _write_special_tokens\n"
+        "out = Path(sys.argv[1])\n"
+        "class Tok:\n"
+        "    def convert_ids_to_tokens(self, i):\n"
+        "        return '\\u0120caf\\u00e9' if i == 5 else '<|\\u00fc|>'\n"
+        "_write_special_tokens(out, {'tokenizer.ggml.bos_token_id': 5, 'tokenizer.ggml.eos_token_id': 6}, Tok())\n"
+        "with atomic_file(out / 'a.txt') as f:\n"
+        "    f.write('\\u00e9\\u2014\\n')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0",
+           "PYTHONCOERCECLOCALE": "0"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_bytes().decode("utf-8"))
+    assert cfg["bos_token"] == "\u0120caf\u00e9" and cfg["eos_token"] == "<|\u00fc|>"
+    assert json.loads((tmp_path / "special_tokens_map.json").read_bytes())["bos_token"] == "\u0120caf\u00e9"
+    assert (tmp_path / "a.txt").read_bytes() == "\u00e9\u2014\n".encode()

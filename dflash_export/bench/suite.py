@@ -247,7 +247,7 @@ def _run_interleaved(modes: list[str], job: dict, reps: int, console) -> dict:
         try:
             for mode in modes:  # loaded one at a time, so each load time is its own
                 path = Path(tmp) / f"job-{len(workers)}.json"
-                path.write_text(json.dumps({"mode": mode, **job}))
+                path.write_text(json.dumps({"mode": mode, **job}), encoding="utf-8")
                 workers[mode] = _ModeWorker(mode, path)
                 results[mode]["load_s"] = workers[mode].reply()["load_s"]
             console.print(f"[bench] {', '.join(modes)}: {n} prompts x {job['max_new']} new tokens, interleaved"
@@ -405,7 +405,7 @@ def _worker_main(job: str, commands=None) -> int:
     """A mode's worker process: load, warm up, say ready; then decode the prompt each line of `commands` (stdin)
     names, one reply each, until "done" or the end of input; then its peak RSS. A DFlashError (a file that does not
     load) goes to stderr as one JSON line for the parent (`_worker_failure`)."""
-    spec = json.loads(Path(job).read_text())
+    spec = json.loads(Path(job).read_text(encoding="utf-8"))
     mode, prompts, max_new = spec["mode"], spec["prompts"], spec["max_new"]
     try:
         gen, load_s, sources = _load_mode(mode, spec["recipe"], spec["engine"], spec.get("sampling"))

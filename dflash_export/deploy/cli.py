@@ -60,7 +60,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                             max_queued_tokens=max_queued_tokens, plain=plain, max_kv_tokens=max_kv_tokens)
     import json
 
-    marker = json.loads((repo / MARKER).read_text())
+    marker = json.loads((repo / MARKER).read_text(encoding="utf-8"))
     click.echo(f"wrote {repo} (models: {', '.join(marker['models'])})")
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
         click.echo(note)

@@ -226,7 +226,7 @@ class Front(ConnectionHandling, Routing, Upstream):
         """Written aside and renamed: the model never reads a created but still empty (or half-written) file."""
         tmp = self.cancel_dir / f".{token}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, self.cancel_dir / token)
 

@@ -240,5 +240,5 @@ def write_config(model_dir: Path, cfg: ModelConfig) -> str:
     text = render_config(cfg)
     check_config_text(text, model_dir / "config.pbtxt", expect_name=model_dir.name)
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
+    (model_dir / "config.pbtxt").write_text(text, encoding="utf-8")
     return text

@@ -253,7 +253,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
                 "max_kv_tokens": max_kv_tokens,
                 "precision": (manifest.precision or {}).get("target"),
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_json_depth": limits.max_json_depth}},
-                indent=2) + "\n")
+                indent=2) + "\n", encoding="utf-8")
     except BaseException as e:
         for d in created:  # deepest first; only the ones left empty
             try:
@@ -330,7 +330,7 @@ def _write_llmapi(bundle: Path, repo: Path, llmapi_model_py: Path | None) -> lis
         if (src.parent / "helpers.py").is_file():
             shutil.copy2(src.parent / "helpers.py", model_dir / "1" / "helpers.py")
     else:
-        (model_dir / "README.txt").write_text(LLMAPI_NOTE)
+        (model_dir / "README.txt").write_text(LLMAPI_NOTE, encoding="utf-8")
     return [name]
 
 
@@ -452,7 +452,7 @@ def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dic
     if not cfg_path.is_file():
         raise DFlashError("missing: deploy again", path=cfg_path)
     try:
-        text = cfg_path.read_text()
+        text = cfg_path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DFlashError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=cfg_path) from None
     cfg = check_config_text(text, cfg_path, expect_name=name)
@@ -516,7 +516,7 @@ def served_copy(repo: Path, dest: Path) -> Path:
     for name in models:
         text, _ = _read_python_config(repo / name / "config.pbtxt", name, home)
         (dest / name / "1").mkdir(parents=True, mode=0o700)
-        (dest / name / "config.pbtxt").write_text(text)
+        (dest / name / "config.pbtxt").write_text(text, encoding="utf-8")
         shutil.copyfile(TRITON_MODEL, dest / name / "1" / "model.py")
     (dest / models[0] / "engine").symlink_to(home / "engine", target_is_directory=True)
     return dest
@@ -530,7 +530,8 @@ def model_inputs(served: Path) -> dict[str, frozenset[str]]:
     for model_dir in sorted(Path(served).iterdir()):
         cfg_path = model_dir / "config.pbtxt"
         if cfg_path.is_file():
-            tensors = check_config_text(cfg_path.read_text(), cfg_path, expect_name=model_dir.name).get("input", [])
+            text = cfg_path.read_text(encoding="utf-8")
+            tensors = check_config_text(text, cfg_path, expect_name=model_dir.name).get("input", [])
             out[model_dir.name] = frozenset(t["name"] for t in (tensors if isinstance(tensors, list) else [tensors]))
     return out
 

@@ -190,7 +190,7 @@ def make_stub_env(into: Path, stub_site: Path | None) -> Path:
     (into / "bin").mkdir(parents=True, exist_ok=True)
     (into / "bin" / "python3").symlink_to(base)
     (into / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
-                                     f"version = {platform.python_version()}\n")
+                                     f"version = {platform.python_version()}\n", encoding="utf-8")
     sp = into / "lib" / f"python{ver}" / "site-packages"
     sp.mkdir(parents=True, exist_ok=True)
     if stub_site is not None:
@@ -207,7 +207,7 @@ def make_stub_env(into: Path, stub_site: Path | None) -> Path:
     # run instead of the checked model.py (check_repository refuses one). The stub's interpreter ignores
     # PYTHONDONTWRITEBYTECODE; this line runs before any model is imported.
     lines.append("import sys; sys.dont_write_bytecode = True")
-    (sp / "dflash_serving.pth").write_text("\n".join(lines) + "\n")
+    (sp / "dflash_serving.pth").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return into / "bin"
 
 

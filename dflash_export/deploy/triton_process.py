@@ -224,7 +224,7 @@ def clean_stale_leftovers(tmp_root: Path | None = None) -> list[str]:
     root = Path(tmp_root or tempfile.gettempdir())
     for d in root.glob("dflash-triton-*"):
         try:
-            owner = json.loads((d / OWNER_FILE).read_text())
+            owner = json.loads((d / OWNER_FILE).read_text(encoding="utf-8"))
             pid = int(owner["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not ours to judge (no owner record)
@@ -382,7 +382,7 @@ def pids_with_arg(text: str) -> list[int]:
 
 def _read_marker(repo: Path) -> dict:
     try:
-        obj = json.loads((repo / "dflash_repository.json").read_text())
+        obj = json.loads((repo / "dflash_repository.json").read_text(encoding="utf-8"))
         return obj if isinstance(obj, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -717,8 +717,8 @@ class TritonServer:
 
     def _write_owner(self) -> None:
         if self._workdir is not None:
-            (self._workdir / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(),
-                                                                "python_env": sorted(self._python_envs)}))
+            owner = {"pid": os.getpid(), "python_env": sorted(self._python_envs)}
+            (self._workdir / OWNER_FILE).write_text(json.dumps(owner), encoding="utf-8")
 
     def restart(self) -> "TritonServer":
         """After tritonserver died on its own: clear what it left, start a new one behind the same front (on the

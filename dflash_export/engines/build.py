@@ -104,7 +104,7 @@ def recipe_inputs(recipe) -> dict[str, str]:
 def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
     """Add the input hashes to the manifest if the backend did not (atomic replace; the manifest is not hashed)."""
     path = engine_dir / MANIFEST
-    manifest = json.loads(path.read_text())
+    manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest.get("inputs") == inputs:
         return
     manifest["inputs"] = inputs

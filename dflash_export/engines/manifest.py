@@ -175,7 +175,7 @@ def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> None:
              if p.is_file() and p.name != MANIFEST}
     full = {"manifest_version": MANIFEST_VERSION, "tool": "dflash-export", "tool_version": __version__,
             "libraries": library_versions(), **manifest, "files": files}
-    (engine_dir / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
+    (engine_dir / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
 BACKEND_NAMES = ("onnxruntime", "tensorrt", "tensorrt-llm", "pytorch")  # what a manifest may name (engines/registry)

@@ -508,5 +508,5 @@ def copy_tokenizer(target, drafter, dst: Path) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, dst / name)
     else:  # tiny random pairs: byte codec, the mask id reserved
-        (dst / "codec.json").write_text(json.dumps({"vocab_size": int(target.vocab_size),
-                                                    "reserved": [int(drafter.config.mask_token_id)]}) + "\n")
+        codec = {"vocab_size": int(target.vocab_size), "reserved": [int(drafter.config.mask_token_id)]}
+        (dst / "codec.json").write_text(json.dumps(codec) + "\n", encoding="utf-8")

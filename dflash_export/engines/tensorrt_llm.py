@@ -100,7 +100,7 @@ def write_normalized_drafter(drafter_path, out: Path, dtype: str, block_size: in
     torch_dtype = getattr(torch, dtype)
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in sorted(state.items())}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return cfg
 
@@ -243,9 +243,9 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
         command = serve_command(target_dir, out_dir / OPTIONS_FILE, recipe)
         serve = tmp / SERVE_FILE
         serve.write_text("#!/bin/sh\n# Serve the DFlash bundle with TensorRT-LLM (needs an NVIDIA GPU).\nexec "
-                         + " ".join(shlex.quote(a) for a in command) + ' "$@"\n')
+                         + " ".join(shlex.quote(a) for a in command) + ' "$@"\n', encoding="utf-8")
         serve.chmod(0o755)
-        (tmp / README_FILE).write_text(_readme(recipe, command, options))
+        (tmp / README_FILE).write_text(_readme(recipe, command, options), encoding="utf-8")
         model_yaml = tmp / TRITON_MODEL_YAML
         model_yaml.parent.mkdir(parents=True)
         _write_yaml(model_yaml, triton_llmapi_model_yaml(target_dir, options),
@@ -272,7 +272,8 @@ def _recipe_fingerprint(recipe: Recipe) -> dict[str, Any]:
 def _write_yaml(path: Path, data: dict[str, Any], comment: str) -> None:
     import yaml
 
-    path.write_text(f"# {comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    text = f"# {comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    path.write_text(text, encoding="utf-8")
 
 
 def build_tensorrt_llm(recipe: Recipe, out_dir) -> Path:
@@ -294,7 +295,7 @@ def read_bundle(bundle) -> tuple[Manifest, dict[str, Any]]:
     manifest = read_manifest(bundle)
     if manifest.backend != BACKEND:
         raise DFlashError(f"not a TensorRT-LLM bundle (backend {manifest.backend!r})", path=bundle)
-    return manifest, yaml.safe_load((bundle / OPTIONS_FILE).read_text())
+    return manifest, yaml.safe_load((bundle / OPTIONS_FILE).read_text(encoding="utf-8"))
 
 
 def _llm_kwargs(options: dict[str, Any], with_speculation: bool) -> dict[str, Any]:

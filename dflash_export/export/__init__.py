@@ -161,7 +161,7 @@ def is_export_dir(d) -> bool:
     marker existed, nothing but the files an export writes): only such a directory may be replaced."""
     d = Path(d)
     try:
-        marker = json.loads((d / EXPORT_MARKER).read_text())
+        marker = json.loads((d / EXPORT_MARKER).read_text(encoding="utf-8"))
         if isinstance(marker, dict) and marker.get("tool") == "dflash-export" and marker.get("command") == "export":
             return True
     except (OSError, ValueError):
@@ -202,7 +202,7 @@ def export_recipe(recipe, out_dir, ort_flavor: bool = False) -> ExportResult:
                                 ort_flavor=ort_flavor)
             (tmp / EXPORT_MARKER).write_text(json.dumps({
                 "tool": "dflash-export", "command": "export", "tool_version": __version__, "recipe": recipe.name,
-                "files": sorted(res.file_sizes), "metadata": res.metadata}, indent=2) + "\n")
+                "files": sorted(res.file_sizes), "metadata": res.metadata}, indent=2) + "\n", encoding="utf-8")
         res.out_dir, res.target_path, res.drafter_path = out_dir, out_dir / TARGET_FILE, out_dir / DRAFTER_FILE
         check_export(out_dir, expected_from_recipe(recipe, drafter))
     return res

@@ -396,7 +396,7 @@ def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None)
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
     with atomic_dir(path) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         if max_shard_bytes is None:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
@@ -417,7 +417,7 @@ def save_drafter(model: DFlashDrafter, path, max_shard_bytes: int | None = None)
                 weight_map.update({k: name for k in shard})
             total = sum(v.numel() * v.element_size() for v in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
 def check_drafter_fits(drafter: DFlashDrafter, target, where: str = "drafter") -> None:

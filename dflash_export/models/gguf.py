@@ -616,7 +616,7 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
     # reads too, so the copy means the same thing to either (models/rope.py reads both). Its GGUF reader keeps no
     # RoPE scaling: the GGUF's is written in (gguf_rope_scaling).
     cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in cfg:
         cfg["rope_theta"] = params["rope_theta"]
@@ -625,7 +625,7 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
         cfg.pop("rope_scaling", None)
         cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **scaling}
     cfg.update(moe)  # written out even where they equal the config class's defaults, which save_pretrained leaves out
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
 
 
 def _gguf_name(hf_name: str, meta: dict) -> str | None:
@@ -685,7 +685,7 @@ def _write_special_tokens(out: Path, meta: dict, tokenizer) -> None:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
     for name, key in _SPECIAL:
         if name in tokens:
             cfg[name] = tokens[name]
@@ -694,8 +694,9 @@ def _write_special_tokens(out: Path, meta: dict, tokenizer) -> None:
     if meta.get("tokenizer.ggml.model") == "gpt2":  # a byte-level BPE: served by tokenizer.json alone
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg.pop("vocab_file", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, ensure_ascii=False) + "\n")
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2, ensure_ascii=False) + "\n",
+                                                 encoding="utf-8")
     tok_path = out / "tokenizer.json"
     if tok_path.is_file() and meta.get("tokenizer.ggml.model") == "gpt2":
         # transformers' GGUF reader writes a byte-level BPE with SentencePiece-style decoding (byte fallback, a
@@ -710,17 +711,17 @@ def _write_special_tokens(out: Path, meta: dict, tokenizer) -> None:
         tok_path.write_text(json.dumps(tj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     gen_path = out / "generation_config.json"
     if gen_path.is_file() and "eos_token" in tokens:
-        gen = json.loads(gen_path.read_text())
+        gen = json.loads(gen_path.read_text(encoding="utf-8"))
         gen["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
-        gen_path.write_text(json.dumps(gen, indent=2) + "\n")
+        gen_path.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
 
 
 def _chat_template_of(model_dir: Path) -> str | None:
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text()
+        return jinja.read_text(encoding="utf-8")
     try:
-        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+        return json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -736,7 +737,7 @@ def _head_dim(meta: dict) -> int:
 def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     """Compare the converted config / tokenizer against GGUF metadata; DFlashError names the first field that
     differs."""
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     arch = meta["general.architecture"]
 
     def fail(field: str, want, got):
@@ -775,7 +776,7 @@ def check_conversion(model_dir: Path, meta: dict, gguf_path: Path) -> None:
     if eos is not None and int(eos) not in stop_token_ids_of(model_dir, cfg):
         fail("eos_token_id", int(eos), stop_token_ids_of(model_dir, cfg))
     tcfg_path = model_dir / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.is_file() else {}
     for name, key in _SPECIAL:
         if key in meta and name in tcfg and tcfg.get(name + "_id", int(meta[key])) != int(meta[key]):
             fail(f"tokenizer_config.{name}", int(meta[key]), tcfg.get(name + "_id"))

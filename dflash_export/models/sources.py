@@ -66,7 +66,7 @@ def hf_snapshot(repo_id: str, field: str | None = None) -> Path:
     commit = rev
     ref = root / "refs" / rev
     if ref.is_file():
-        commit = ref.read_text().strip()
+        commit = ref.read_text(encoding="utf-8").strip()
     snap = root / "snapshots" / commit
     if not root.is_dir() or not snap.is_dir():
         raise DFlashError(f"{repo_id} is not in the local Hugging Face cache ({hf_cache_dir()}); fetch it where a hub "

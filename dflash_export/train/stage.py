@@ -362,7 +362,7 @@ def _start_curve(log_path: Path, first: int) -> None:
         return
     kept = []
     if first > 0:
-        for line in log_path.read_text().splitlines():
+        for line in log_path.read_text(encoding="utf-8").splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:  # the half line of a run killed while writing it

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / ".gpu_check.json.tmp"
-            tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+            tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
             tmp.replace(out / "gpu_check.json")
 
     report = run(args.cpu, sections, on_section=write)
