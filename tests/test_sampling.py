@@ -85,3 +85,34 @@ def test_the_candidate_selector_at_a_temperature_near_zero_selects_as_greedy():
         tokens, probs = select_candidates(logits, projected, pred, succ, 3, 5, temperature, rng.random(n))
         assert list(tokens) == list(greedy)
         np.testing.assert_array_equal(probs, np.eye(v)[greedy])
+
+
+@pytest.mark.parametrize("vocab", [100, 49152])
+def test_top_k_keeps_the_k_largest_logits_ties_in_index_order_in_rows_of_any_length(vocab):
+    """top-k over a float32 row: the k largest logits, ties at the k-th broken by lower index (the closed form: a
+    stable sort by descending logit), their softmax at the temperature; rows with heavy ties, -inf, +inf and a NaN.
+    Long rows select first among a subsample, short ones over the whole row: both keep exactly these."""
+    rng = np.random.default_rng(7)
+    for case in range(12):
+        row = rng.normal(size=vocab).astype(np.float32) * 4
+        if case % 3 == 1:
+            row = np.round(row)  # many values tied at the k-th
+        if case % 4 == 2:
+            row[rng.integers(0, vocab, vocab // 3)] = -np.inf
+        if case % 5 == 3:
+            row[rng.integers(0, vocab, 3)] = np.inf
+        for k in (1, 5, 20, 64):
+            t = 0.7
+            with np.errstate(invalid="ignore"):  # +inf logits: inf - inf, NaN probabilities
+                probs = probs_from_logits(row, t, k)
+            keep = np.argsort(-row.astype(np.float64), kind="stable")[:k]
+            want = np.zeros(vocab)
+            x = row[keep].astype(np.float64) / t
+            with np.errstate(invalid="ignore"):
+                want[keep] = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+            np.testing.assert_array_equal(np.flatnonzero(probs), np.flatnonzero(want))
+            np.testing.assert_allclose(probs, want, rtol=1e-12, atol=0)
+    row = rng.normal(size=vocab).astype(np.float32)
+    row[rng.permutation(vocab)[:25]] = np.nan  # k NaN logits or more: the k-th largest is NaN, and so is every p
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(probs_from_logits(row, 0.7, 20)).all()

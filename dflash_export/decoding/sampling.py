@@ -13,24 +13,49 @@ TINY_TEMPERATURE = 1e-20  # below it, dividing logits by T is checked for overfl
 
 def probs_from_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] -> probabilities (float64) after temperature, top-k and top-p (nucleus) filtering."""
-    x = _over_temperature(np.asarray(logits, dtype=np.float64), temperature)
-    if not (top_k and 0 < top_k < x.shape[-1]):
-        return _softmax_nucleus(x, top_p)
+    logits = np.asarray(logits)
+    if not (top_k and 0 < top_k < logits.shape[-1]):
+        return _softmax_nucleus(_over_temperature(np.asarray(logits, dtype=np.float64), temperature), top_p)
     # Exactly k survive, as torch.topk keeps (z-lab's release): every value above the k-th, then values tied with it
     # in index order until k are kept. Softmax and nucleus run over those k alone, row by row: over the whole
     # vocabulary they cost 2.7 ms a row on SmolLM2's 49k (the nucleus sort most of it), over the k 0.4 ms.
-    rows = x.reshape(-1, x.shape[-1])
+    # The k are chosen on the logits as given: float32 -> float64 and x / T (T >= TINY_TEMPERATURE, no overflow) keep
+    # their order and ties exactly; a smaller T may send several logits to the same -inf (_over_temperature), so it
+    # selects on the tempered scores.
+    scores = logits if logits.dtype == np.float32 and temperature >= TINY_TEMPERATURE else \
+        _over_temperature(np.asarray(logits, dtype=np.float64), temperature)
+    rows = scores.reshape(-1, scores.shape[-1])
     kept = []
     for row in rows:
-        kth = np.partition(row, -top_k)[-top_k]
-        above, tied = np.flatnonzero(row > kth), np.flatnonzero(row == kth)
-        keep = np.sort(np.concatenate([above, tied[:top_k - len(above)]]))
+        keep = _top_k_indices(row, top_k)
+        x = _over_temperature(row[keep].astype(np.float64), temperature) if row.dtype == np.float32 else row[keep]
         # a k-th value that is NaN (k NaN logits or more) keeps nothing: NaN, as softmax over all -inf gives
-        kept.append((keep, _softmax_nucleus(row[keep][None], top_p)[0] if len(keep) else np.nan))
-    out = np.zeros_like(rows)  # allocated after the partitions: before them it cost 0.2 ms a row in page faults
+        kept.append((keep, _softmax_nucleus(x[None], top_p)[0] if len(keep) else np.nan))
+    out = np.zeros(rows.shape, np.float64)  # allocated after the partitions: before them, 0.2 ms a row in page faults
     for r, (keep, p) in enumerate(kept):
         out[r, keep if len(keep) else slice(None)] = p
-    return out.reshape(x.shape)
+    return out.reshape(scores.shape)
+
+
+# _top_k_indices selects first among every SAMPLE_STRIDE-th value of a row (one of at least 4 x SAMPLE_STRIDE x k).
+SAMPLE_STRIDE = 16
+
+
+def _top_k_indices(row: np.ndarray, k: int) -> np.ndarray:
+    """The indices (ascending) of the k values torch.topk keeps: every value above the k-th largest, then values tied
+    with it in index order until k; none where the k-th is NaN. The k-th largest of every SAMPLE_STRIDE-th value is
+    at most the row's, so the values reaching it hold all of the row's k largest: the selection runs over those
+    (about SAMPLE_STRIDE x k of them) instead of the whole row: on SmolLM2's 49k logits (16 sampled sequences, top-k
+    20, AMD EPYC with AVX-512) the selection took 0.03 against 0.43 ms a row, probs_from_logits 0.25 against 0.79 ms.
+    A row holding NaN (np.partition sorts it above every number) selects over the whole row."""
+    if len(row) >= 4 * SAMPLE_STRIDE * k and not np.isnan(row.max()):
+        cand = np.flatnonzero(row >= np.partition(row[::SAMPLE_STRIDE], -k)[-k])
+    else:
+        cand = np.arange(len(row))
+    vals = row[cand]
+    kth = np.partition(vals, -k)[-k]
+    above, tied = cand[vals > kth], cand[vals == kth]
+    return np.sort(np.concatenate([above, tied[:k - len(above)]]))
 
 
 def _over_temperature(x: np.ndarray, temperature: float) -> np.ndarray:
