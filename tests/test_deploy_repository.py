@@ -381,6 +381,20 @@ def test_deploy_records_the_request_limits_serve_applies(tmp_path):
         parse_json_bounded(b'{"a": [{"b": [[1]]}]}', 4)
 
 
+def test_serve_lets_through_as_many_calls_at_once_as_the_models_hold_and_at_least_256(tmp_path):
+    """The front's default bound on its calls to tritonserver: every model's instances x batch and queue, so that a
+    full queue is still tritonserver's 503 rather than a wait at the front; 256 when that is less (a default deploy
+    holds 2 x (8 + 64))."""
+    from dflash_export.deploy.repository import upstream_call_bound
+
+    repo = write_repository(make_torch_engine_dir(tmp_path / "engine"), tmp_path / "repo")
+    assert upstream_call_bound(json.loads((repo / MARKER).read_text())) == 256
+    both = ["dflash", "dflash_stream"]
+    assert upstream_call_bound({"models": both, "instances": 2, "max_batch": 64, "max_queue_size": 64}) == 384
+    assert upstream_call_bound({"models": ["dflash"], "instances": 4, "max_batch": 128, "max_queue_size": 0}) == 512
+    assert upstream_call_bound({"models": both, "instances": 64, "max_batch": 256, "max_queue_size": 20000}) == 65536
+
+
 def test_serves_of_one_engine_starting_at_once_share_one_cached_repository(tmp_path, engine_dir):
     """`serve --engine` writes its repository into the cache on first use. Four processes asking for it at once all get
     the same checked repository, written once (the same directory, not one renamed away under another's server), and

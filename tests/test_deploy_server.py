@@ -602,6 +602,22 @@ def test_serve_ready_timeout_reaches_the_server_and_is_checked(small_repo, monke
     assert r.exit_code == 2 and "--ready-timeout" in r.output, r.output
 
 
+def test_serve_bounds_the_front_s_calls_to_tritonserver_as_told_or_by_what_the_models_hold(small_repo, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.deploy import server
+
+    got = {}
+    monkeypatch.setattr(server, "serve", lambda *a, **k: got.update(k) or 0)
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--max-upstream-calls", "7"])
+    assert r.exit_code == 0 and got["limits"].max_upstream_calls == 7, r.output
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo)])
+    assert r.exit_code == 0 and got["limits"].max_upstream_calls == 256, r.output  # 1 model x (1 + 64), at least 256
+    r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--max-upstream-calls", "0"])
+    assert r.exit_code == 2 and "--max-upstream-calls" in r.output, r.output
+
+
 def test_find_triton_refuses_a_binary_it_cannot_run(tmp_path, monkeypatch):
     """A tritonserver file without execute permission fails `serve`'s checks (exit 2), not its start."""
     import importlib.util

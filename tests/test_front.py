@@ -1198,9 +1198,9 @@ def test_a_read_cancelled_as_its_socket_wakes_is_no_error_in_the_log(front, tmp_
     assert [r.exc_info[0] for r in errors] == [ZeroDivisionError], [r.getMessage() for r in errors]
 
 
-def _patient_front(cancel: Path, up: Upstream) -> Front:
-    """A started front relaying to `up`, whose requests may wait 30 s for an answer."""
-    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
+def _patient_front(cancel: Path, up: Upstream, **limits) -> Front:
+    """A started front relaying to `up`, whose requests may wait 30 s for an answer (or as `limits` say)."""
+    f = Front("127.0.0.1", 0, Limits(**{"request_timeout_s": 30.0, **limits}), cancel_dir=cancel, model_id="tiny",
               models=("dflash", "dflash_stream")).start()
     f.port = f._server.sockets[0].getsockname()[1]
     f.set_upstream(up.port)
@@ -1430,3 +1430,165 @@ def test_a_token_id_prompt_to_a_repository_deployed_without_input_ids_gets_one_c
     resp = raw(front, post("/v1/completions", json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4,
                                                           "stream": True}).encode()))
     assert status_of(resp) == 200 and front.up.seen[-1]["input_ids"] == [1, 2, 3]
+
+
+def _count_calls_at_once(up: Upstream) -> dict:
+    """`up` counting the calls it holds at once: {"now": open now, "most": the most open at once}."""
+    seen = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    answer = up.httpd.RequestHandlerClass.do_POST
+
+    def do_post(handler):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            answer(handler)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    up.httpd.RequestHandlerClass.do_POST = do_post
+    return seen
+
+
+def test_concurrent_choices_never_hold_more_calls_to_the_engine_than_the_bound(tmp_path):
+    """8 clients at once asking for 3 choices each (streamed or not), a batch of 2 prompts x 2 and 2 generate
+    calls: 30 calls against a bound of 4. The engine never holds more than 4 at once (and does hold 4: the bound is
+    what limits), the calls past it wait their turn, and every client gets its whole answer."""
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    up.hold_s = 0.2  # each call takes 0.2 s
+    at_once = _count_calls_at_once(up)
+    f = _patient_front(cancel, up, max_upstream_calls=4)
+    asks = [("/v1/completions", {"model": "tiny", "prompt": f"p{i}", "n": 3, "max_tokens": 4, "stream": i % 2 == 1})
+            for i in range(8)]
+    asks += [("/v1/completions", {"model": "tiny", "prompt": ["ab", "cd"], "n": 2, "max_tokens": 4}),
+             ("/v2/models/dflash/generate", {"text_input": "xyz"}), ("/v2/models/dflash/generate", {"text_input": "q"})]
+    got: dict[int, bytes] = {}
+
+    def ask(i: int) -> None:
+        got[i] = raw(f, post(asks[i][0], json.dumps(asks[i][1]).encode()), timeout=20)
+
+    try:
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(30)
+        assert len(up.seen) == 30 and at_once["most"] == 4, at_once
+        for i, (path, body) in enumerate(asks):
+            assert status_of(got[i]) == 200, got[i][:300]
+            if path.startswith("/v2"):
+                assert json.loads(got[i].split(b"\r\n\r\n", 1)[1])["text_output"] == body["text_input"][::-1]
+            elif body.get("stream"):
+                events = _events(got[i])
+                texts = ["", "", ""]
+                for e in events[:-1]:
+                    texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+                assert events[-1] == "[DONE]" and texts == [body["prompt"][::-1]] * 3
+            else:
+                out = json.loads(got[i].split(b"\r\n\r\n", 1)[1])
+                want = [p[::-1] for p in body["prompt"] for _ in range(2)] if isinstance(body["prompt"], list) \
+                    else [body["prompt"][::-1]] * 3
+                assert [c["text"] for c in out["choices"]] == want
+        assert f.in_flight() == 0
+    finally:
+        f.close()
+        up.httpd.shutdown()
+
+
+def test_a_call_waiting_for_its_turn_times_out_or_leaves_without_taking_a_turn(tmp_path, caplog):
+    """With a bound of one call, a stream holding it for 3 s: a request waiting its turn past its 1.5 s request
+    timeout gets the 504 (its wait counts against the timeout), one whose client leaves while it waits is counted
+    gone; neither reaches the engine. Neither gives back a turn it never took, nor keeps one: once the stream ends,
+    3 requests at once are answered one call at a time. Nothing is logged as an error."""
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    streaming = threading.Event()
+    answer = up.httpd.RequestHandlerClass.do_POST
+
+    def do_post(handler):  # generate_stream: an event a second, each within the request timeout
+        if not handler.path.endswith("generate_stream"):
+            return answer(handler)
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        streaming.set()
+        for i in range(3):
+            time.sleep(1.0)
+            data = b"data: " + json.dumps({"text_output": "s", "finish_reason": "length" if i == 2 else ""}
+                                          ).encode() + b"\n\n"
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        handler.wfile.write(b"0\r\n\r\n")
+
+    up.httpd.RequestHandlerClass.do_POST = do_post
+    at_once = _count_calls_at_once(up)
+    f = _patient_front(cancel, up, max_upstream_calls=1, request_timeout_s=1.5)
+    got: dict[str, bytes] = {}
+
+    def ask(name: str, path: str, body: dict) -> None:
+        got[name] = raw(f, post(path, json.dumps(body).encode()), timeout=10)
+
+    try:
+        holder = threading.Thread(target=ask, args=("stream", "/v2/models/dflash_stream/generate_stream",
+                                                    {"text_input": "x"}))
+        holder.start()
+        assert streaming.wait(5)
+        waiter = threading.Thread(target=ask, args=("late", "/v1/completions", {"model": "tiny", "prompt": "late",
+                                                                                "n": 2}))
+        waiter.start()
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.sendall(post("/v1/chat/completions", json.dumps({"model": "tiny", "n": 2, "messages": [
+                {"role": "user", "content": "gone"}]}).encode()))
+            time.sleep(0.3)
+        waiter.join(10)
+        holder.join(10)
+        assert status_of(got["stream"]) == 200 and got["stream"].count(b"data: ") == 3
+        assert status_of(got["late"]) == 504 and b"request-timeout" in got["late"], got["late"][:300]
+        assert f.counts["client_gone"] == 1 and up.seen == []
+
+        clients = [threading.Thread(target=ask, args=(f"after{i}", "/v2/models/dflash/generate",
+                                                      {"text_input": f"a{i}"})) for i in range(3)]
+        up.hold_s = 0.2
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(10)
+        assert [status_of(got[f"after{i}"]) for i in range(3)] == [200] * 3
+        assert len(up.seen) == 3 and at_once["most"] == 1 and f.in_flight() == 0
+    finally:
+        f.close()
+        up.httpd.shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_call_the_drain_cancels_while_it_waits_for_its_turn_is_answered_503_and_never_sent(tmp_path):
+    """A drain past its time with one call holding the only turn and one waiting for it: both clients get 503
+    "shutting down" and only the first call ever reached the engine."""
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    up.hold_s = 10.0  # answered once cancelled
+    f = _patient_front(cancel, up, max_upstream_calls=1)
+    got: list[bytes] = []
+    clients = [threading.Thread(target=lambda i=i: got.append(raw(f, post("/v2/models/dflash/generate", json.dumps(
+        {"text_input": f"x{i}"}).encode()), timeout=10))) for i in range(2)]
+    try:
+        for c in clients:
+            c.start()
+        t = time.monotonic()
+        while (len(up.seen) < 1 or f.in_flight() < 2) and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert f.drain(0.1, grace_s=5.0) is False
+        for c in clients:
+            c.join(10)
+        assert [status_of(r) for r in got] == [503, 503] and all(b"shutting down" in r for r in got)
+        assert len(up.seen) == 1 and f.counts["cancelled_at_shutdown"] == 2
+    finally:
+        f.close()
+        up.httpd.shutdown()

@@ -16,6 +16,7 @@ from dflash_export.deploy.repository import (
     check_repository,
     kv_memory_note,
     shared_batch_note,
+    upstream_call_bound,
     write_repository,
 )
 from dflash_export.errors import DFlashError
@@ -109,6 +110,10 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="Seconds a request may wait for the engine; then it is cancelled and answered 504.")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 65536),
               help="Open client connections in all (idle ones are dropped first when full).")
+@click.option("--max-upstream-calls", default=None, type=click.IntRange(1, 65536),
+              help="Calls open to tritonserver at once (each of a request's n choices and batch prompts is one); more "
+                   "wait for a free one, first come first served, within --request-timeout. Default: what the "
+                   "models hold at once (instances x max-batch + max-queue-size, per model), at least 256.")
 @click.option("--restart-on-crash/--no-restart-on-crash", default=True, show_default=True,
               help="Restart tritonserver behind the same HTTP port if it dies, or if reloading the model of a "
                    "dead stub fails (at most 5 times in 10 minutes). A dead stub's model is reloaded alone.")
@@ -122,7 +127,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="With --engine: serve plain decoding on the same engine (no drafter), the served yardstick.")
 def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, model_name, max_batch, instances,
           max_kv_tokens, log_file, log_max_mb, max_request_bytes, max_json_depth, request_timeout, max_connections,
-          restart_on_crash, ready_timeout, drain_timeout, plain):
+          max_upstream_calls, restart_on_crash, ready_timeout, drain_timeout, plain):
     """Serve an engine (--engine DIR) or a model repository (--repo DIR) until Ctrl-C.
 
     One HTTP port speaks the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), Triton's generate and
@@ -154,7 +159,8 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
                     max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth),
                     max_connections=max_connections,
                     max_connections_per_client=min(max_connections, Limits.max_connections_per_client),
-                    request_timeout_s=request_timeout)
+                    request_timeout_s=request_timeout,
+                    max_upstream_calls=max_upstream_calls or upstream_call_bound(marker))
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
                         restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
                         model_id=model_name, ready_timeout_s=ready_timeout, log_max_bytes=log_max_mb << 20))

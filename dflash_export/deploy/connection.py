@@ -24,6 +24,7 @@ from dflash_export.errors import DFlashError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_JSON_DEPTH = 32
+DEFAULT_MAX_UPSTREAM_CALLS = 256  # calls the front has open to tritonserver at once (serve's default: at least this)
 DISCARD_MAX = 64 << 20  # an over-limit body up to this size is read and dropped before the 413
 PENDING_MAX = 64 << 10  # bytes a client may send ahead while its request runs (pipelining); more closes it after
 WRITE_TIMEOUT_S = 60.0  # a client that does not read its answer for this long is dropped
@@ -40,6 +41,7 @@ class Limits:
     header_timeout_s: float = 15.0
     body_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
+    max_upstream_calls: int = DEFAULT_MAX_UPSTREAM_CALLS  # calls open to tritonserver at once; more wait their turn
 
     def check(self) -> "Limits":
         if not 1 <= self.max_body_bytes <= 1 << 30:
@@ -56,6 +58,8 @@ class Limits:
             raise DFlashError("header and body timeouts must be in (0, 3600] seconds", field="--header-timeout")
         if not 256 <= self.max_url_bytes <= self.max_header_bytes <= 1 << 20:
             raise DFlashError("need 256 <= URL limit <= header limit <= 1 MiB", field="--max-header-bytes")
+        if not 1 <= self.max_upstream_calls <= 65536:
+            raise DFlashError(f"must be in 1..65536, got {self.max_upstream_calls}", field="--max-upstream-calls")
         return self
 
 

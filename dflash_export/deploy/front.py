@@ -20,6 +20,9 @@ What it guarantees, before anything reaches Triton's parser:
 - connections: at most `max_connections` in all and `max_connections_per_client` per client address; when full, the
   oldest connection that has not delivered a request head is dropped to make room (a trickle cannot hold the door);
   only when every connection is busy with a request does a new one get 503;
+- upstream calls: at most `max_upstream_calls` open to tritonserver at once (each choice of an OpenAI request is one
+  call); the others wait for a free one in arrival order, within the request timeout (504 past it), and one whose
+  client leaves while it waits sends nothing and takes no call's place;
 - bodies: over `max_body_bytes` 413; JSON invalid, nested deeper than `max_json_depth`, or carrying a lone surrogate
   400; generate bodies checked field by field and /infer bodies input by input (deploy/handler.py), so no value
   reaches Triton's typed decoding that it would answer with a 500;

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import dflash_export
-from dflash_export.deploy.connection import Limits
+from dflash_export.deploy.connection import DEFAULT_MAX_UPSTREAM_CALLS, Limits
 from dflash_export.deploy.handler import INPUT_TYPES
 from dflash_export.deploy.kv_memory import KV_MEMORY_FRACTION, default_kv_tokens, kv_bytes_per_token
 from dflash_export.deploy.pbtxt import (
@@ -568,6 +568,22 @@ def shared_batch_note(precision, max_batch) -> str | None:
             f"answer is the batched engine's plain decoding whatever shares its batch, but can differ from "
             f"`dflash-export run`'s (its {precision} products quantize activations to int8, which turns the two "
             f"graphs' last-bit differences in attention into other tokens); --max-batch 1 answers as run does")
+
+
+def upstream_call_bound(marker: dict) -> int:
+    """The front's bound on its calls open to tritonserver at once when `serve` is given none (`--max-upstream-calls`;
+    from the repository marker): what the repository's models hold at once, each instance's batch and each model's
+    queue, so that a full queue is still refused by tritonserver (503) rather than waited out at the front; at least
+    DEFAULT_MAX_UPSTREAM_CALLS. With an unbounded queue (--max-queue-size 0) only the batches count, and the calls
+    past the bound wait at the front."""
+    def count(key: str, default: int) -> int:
+        v = marker.get(key, default)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+    models = marker.get("models")
+    held = (len(models) if isinstance(models, list) and models else 1) * (
+        count("instances", 1) * count("max_batch", 1) + count("max_queue_size", DEFAULT_MAX_QUEUE_SIZE))
+    return min(65536, max(DEFAULT_MAX_UPSTREAM_CALLS, held))
 
 
 def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: int | None = None,

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dflash_export.deploy.connection import Limits
-from dflash_export.deploy.repository import check_repository
+from dflash_export.deploy.repository import check_repository, upstream_call_bound
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,
     STUB_NUMPY,
@@ -158,7 +158,7 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
     if limits is None:
         recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
         limits = Limits(**{k: v for k, v in recorded.items() if k in ("max_body_bytes", "max_json_depth")
-                           and isinstance(v, int)})
+                           and isinstance(v, int)}, max_upstream_calls=upstream_call_bound(marker))
     limits.check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
@@ -197,8 +197,9 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and the ports
     given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
     metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
-    the request size and JSON depth limits (default: those recorded by deploy). The server's log goes to `log_path`
-    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
+    the front's limits (default: the request size and JSON depth limits deploy recorded, and as many calls to
+    tritonserver at once as the models hold, `upstream_call_bound`). The server's log goes to `log_path` (default: a
+    new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
     afterwards); once it holds `log_max_bytes` (0: never) it becomes `<log>.1`, replacing the one before, and a new
     log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
     start waits for: the model loading and what its stubs are doing; past it ServerError says the same).
@@ -239,8 +240,8 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
         print(f"  tritonserver log: {log_path}{rotated}", flush=True)
         print(f"  tritonserver runs in {server.isolation}", flush=True)
         print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "
-              f"timeout {limits.request_timeout_s:g} s; restart on crash: {'yes' if restart_on_crash else 'no'}; "
-              f"drain: {drain_timeout_s:g} s", flush=True)
+              f"timeout {limits.request_timeout_s:g} s, {limits.max_upstream_calls} calls to tritonserver at once; "
+              f"restart on crash: {'yes' if restart_on_crash else 'no'}; drain: {drain_timeout_s:g} s", flush=True)
         print(f"  curl -s {server.http_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{server.front.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"Hello\"}}], \"max_tokens\": 32}}'", flush=True)

@@ -3,14 +3,16 @@
 It holds the header name and value that tritonserver's restricted APIs require of every caller (`SECRET_HEADER`, the
 per-start secret `Front.secret`; `RESTRICTED_APIS` lists what it guards), the request parameter that carries a
 request's cancel token to the model (`CANCEL_PARAMETER`), and `Upstream`, the part of the front that forwards a
-checked request over loopback (or the namespace bridge's Unix socket), races it against its client leaving and the
-request timeout (cancelling it either way), maps an unreachable or dying tritonserver to 503 with Retry-After (the
-client retries), relays a generate_stream answer event by event, and records generation figures in the metrics.
+checked request over loopback (or the namespace bridge's Unix socket) once one of its `max_upstream_calls` call
+slots is free, races it against its client leaving and the request timeout (cancelling it either way), maps an
+unreachable or dying tritonserver to 503 with Retry-After (the client retries), relays a generate_stream answer event
+by event, and records generation figures in the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import struct
@@ -42,7 +44,13 @@ class Upstream:
 
         # calls to tritonserver left to finish (`_abandon`) -> the model each runs on
         self._abandoned: dict[asyncio.Future, str | None] = {}
-        # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection.
+        # At most `max_upstream_calls` calls open to tritonserver at once (`_send_in_turn`); the calls still waiting
+        # for a slot, which have sent nothing.
+        self._call_slots = asyncio.Semaphore(self.limits.max_upstream_calls)
+        self._waiting_calls: set[asyncio.Future] = set()
+        # No kept-alive upstream connections: tritonserver's shutdown waits for every open HTTP connection. Each open
+        # connection is a call holding a slot, so the pool needs no bound of its own (one would be lost for good to a
+        # connection httpcore leaves open when a call is cancelled part-way, see `_abandon`).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         transport = httpx.AsyncHTTPTransport(uds=str(self.upstream_uds), limits=limits) if self.upstream_uds else None
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, limits=limits,
@@ -64,6 +72,8 @@ class Upstream:
         if why is not None:  # its model's stub died before this call: nothing is sent to the dead model
             if asyncio.iscoroutine(aw):
                 aw.close()
+            elif asyncio.isfuture(aw):
+                aw.cancel()
             raise retry_soon(why)
         task = asyncio.ensure_future(aw)
         watcher = conn.watching()
@@ -102,8 +112,9 @@ class Upstream:
         closed. Cancelling an httpx call part-way can leave its connection in the pool for good (httpcore 1.0: a
         call cancelled between taking a new connection and sending on it leaves that connection open and unused; 2
         of 200 clients leaving within 10 ms of sending did). A call with no cancel file to stop it is cancelled, and
-        so is one whose model's stub dies before it ends (`_drop_abandoned`): a dead stub never answers."""
-        if token is None or task.done():
+        so is one whose model's stub dies before it ends (`_drop_abandoned`): a dead stub never answers, and one still
+        waiting for a call slot (it has sent nothing, and its slot goes to the next call)."""
+        if token is None or task.done() or task in self._waiting_calls:
             task.cancel()
             return
         with self._lock:
@@ -132,13 +143,32 @@ class Upstream:
         req = self._client.build_request(method, url, content=body if method == "POST" else None,
                                          headers=self._upstream_headers(headers, len(body) if method == "POST"
                                                                         else None))
+        call = asyncio.ensure_future(self._send_in_turn(req, token))
+        self._waiting_calls.add(call)
+        call.add_done_callback(self._waiting_calls.discard)
         try:
-            return await self._race(conn, self._client.send(req, stream=True), token, self.limits.request_timeout_s)
+            return await self._race(conn, call, token, self.limits.request_timeout_s)
         except httpx.ConnectError:
             raise retry_soon("tritonserver is not answering (it is being restarted)") from None
         except (httpx.TransportError, OSError):
             raise await self._dropped(token, "tritonserver dropped the request (a model stub or the server "
                                              "died)") from None
+
+    async def _send_in_turn(self, req, token: str | None):
+        """`req` sent once one of the `max_upstream_calls` call slots is free (calls wait for one in arrival order,
+        within the request timeout: `_send_upstream` races the wait too); its answer holds the slot until it is
+        closed (read to its end, or closed early). A request the drain cancelled while it waited is answered 503
+        without being sent."""
+        await self._call_slots.acquire()
+        self._waiting_calls.discard(asyncio.current_task())
+        try:
+            self._refuse_if_drained(token)
+            resp = await self._client.send(req, stream=True)
+        except BaseException:
+            self._call_slots.release()
+            raise
+        resp.stream = _slot_stream_type()(resp.stream, self._call_slots.release)
+        return resp
 
     async def _read_upstream(self, conn: Connection, resp, token: str | None) -> bytes:
         import httpx
@@ -260,6 +290,30 @@ class Upstream:
         self.counts["forwarded"] += 1
         await conn.send(h11.EndOfMessage())
         return 200
+
+
+@functools.cache
+def _slot_stream_type() -> type:
+    """The body of an answer from tritonserver that gives its call slot back (`release`) once, when it is closed (an
+    httpx stream type: httpx is imported only where the front runs)."""
+    import httpx
+
+    class SlotStream(httpx.AsyncByteStream):
+        def __init__(self, stream, release):
+            self._stream, self._release = stream, release
+
+        def __aiter__(self):
+            return self._stream.__aiter__()
+
+        async def aclose(self) -> None:
+            release, self._release = self._release, None
+            try:
+                await self._stream.aclose()
+            finally:
+                if release is not None:
+                    release()
+
+    return SlotStream
 
 
 def retry_soon(why: str) -> Refused:
