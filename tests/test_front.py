@@ -575,7 +575,7 @@ def test_a_choice_that_times_out_after_the_stream_started_ends_it_with_a_504_err
     t = time.monotonic()
     while (front.in_flight() or not front.up.cancelled) and time.monotonic() - t < 4:
         time.sleep(0.05)
-    assert front.in_flight() == 0 and len(front.up.cancelled) == 1
+    assert front.in_flight() == 0 and len(front.up.cancelled) == 1 and front.counts["timed_out"] == 1
 
 
 def test_a_prompt_of_a_batch_refused_for_its_size_is_named_by_its_place(front):
@@ -759,6 +759,26 @@ def test_an_engine_that_does_not_answer_gets_504_and_is_cancelled(front):
     while not front.up.cancelled and time.monotonic() - t < 2:
         time.sleep(0.02)
     assert front.up.cancelled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_n_choice_request_the_engine_does_not_answer_in_time_is_one_504_counted_once(front, stream):
+    """An n = 4 request whose engine answers none of its calls within the request timeout (streamed or not): one 504
+    in OpenAI's shape, its 4 calls cancelled in the engine, and one request timed out in the front's counts (as a
+    request of one choice counts), not 4."""
+    front.up.hold_s = 6.0  # longer than the 3 s request timeout
+    body = json.dumps({"model": "tiny", "prompt": "hello", "n": 4, "stream": stream}).encode()
+    resp = raw(front, post("/v1/completions", body), timeout=8)
+    assert status_of(resp) == 504, resp[:300]
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "request-timeout" in err["message"] and err["type"] == "server_error"
+    t = time.monotonic()
+    while (len(front.up.cancelled) < 4 or front.in_flight()) and time.monotonic() - t < 4:
+        time.sleep(0.02)
+    assert sorted(front.up.cancelled) == sorted(b[CANCEL_PARAMETER] for b in front.up.seen)
+    assert len(front.up.seen) == 4 and front.counts["timed_out"] == 1 and front.in_flight() == 0
+    resp = raw(front, post("/v2/models/dflash/generate", b'{"text_input": "x"}'), timeout=8)
+    assert status_of(resp) == 504 and front.counts["timed_out"] == 2
 
 
 def test_unhealthy_server_answers_503_with_retry_after(front):

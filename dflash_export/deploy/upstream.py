@@ -36,7 +36,7 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 
 class Upstream:
     """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
-    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`), `_client_left` and
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`, `_group`), `_client_left` and
     `_refuse_if_drained` (deploy/routing.py)."""
 
     def _open_client(self) -> None:
@@ -99,12 +99,18 @@ class Upstream:
                 self._client_left(token)
             self._abandon(task, token)
             raise ClientGone
-        if token is not None:
-            self.cancel(token, f"no answer from the engine within {self.limits.request_timeout_s:g} s")
+        self._timed_out(token)
         self._abandon(task, token)
-        self.counts["timed_out"] += 1
         raise Refused(504, f"the engine did not answer within {self.limits.request_timeout_s:g} s "
                            "(--request-timeout); the request was cancelled")
+
+    def _timed_out(self, token: str | None) -> None:
+        """A call got no answer within the request timeout: its request is cancelled, and with it every request
+        answering the same client request (an OpenAI request's choices, `Front._begin_group`: the client request
+        fails with it), counted once however many of its calls time out."""
+        why = f"no answer from the engine within {self.limits.request_timeout_s:g} s"
+        if token is None or any([self.cancel(t, why) for t in self._group(token)]):  # a list: every one cancelled
+            self.counts["timed_out"] += 1
 
     def _abandon(self, task: asyncio.Future, token: str | None) -> None:
         """Stop waiting for `task`, a call to tritonserver whose request was cancelled through its cancel file (the
