@@ -587,6 +587,42 @@ def test_a_prompt_of_a_batch_refused_for_its_size_is_named_by_its_place(front):
     assert err["message"].startswith("prompt[1]: prompt text is 101 characters") and front.up.seen == []
 
 
+@pytest.mark.parametrize("stream, refused_first", [(False, True), (True, True), (True, False)])
+def test_the_engine_s_refusal_of_one_prompt_of_a_batch_names_it_by_its_place(front, stream, refused_first):
+    """The engine refuses prompt 1 of a batch, text or token ids (too long for it): the refusal names `prompt[1]`,
+    as the front's own checks of a batch's prompts do, whether it is the request's one 400 (it came before any
+    choice answered) or the error event ending a stream that had started."""
+    import io
+
+    answer = front.up.httpd.RequestHandlerClass.do_POST
+
+    def do_post(handler):
+        data = handler.rfile.read(int(handler.headers["Content-Length"]))
+        body = json.loads(data)
+        refused = body.get("text_input") == "long" or body.get("input_ids") == [7, 7, 7]
+        if refused != refused_first:
+            time.sleep(0.5)
+        if refused:
+            field = "text_input" if "text_input" in body else "input_ids"
+            return handler._send(400, {"error": f"{field}: prompt is 2100 tokens; this engine takes at most 2039"})
+        handler.rfile = io.BytesIO(data)
+        answer(handler)
+
+    front.up.httpd.RequestHandlerClass.do_POST = do_post
+    for prompt in (["short", "long"], [[1, 2], [7, 7, 7]]):
+        body = {"model": "tiny", "prompt": prompt, "n": 2, "max_tokens": 4, "stream": stream}
+        resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
+        if refused_first:
+            assert status_of(resp) == 400, resp[:300]
+            err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+        else:
+            events = _events(resp)
+            assert status_of(resp) == 200 and events[-1] == "[DONE]" and "error" in events[-2], events
+            err = events[-2]["error"]
+        assert err["param"] == "prompt[1]" and err["message"].startswith("prompt[1]: prompt is 2100 tokens"), err
+    assert front.in_flight() == 0
+
+
 def test_closing_with_an_n_choice_request_still_running_leaves_no_task_pending(tmp_path, caplog):
     """A front closed after a drain whose grace ran out, an n = 4 request still waiting on an engine that never
     answers: closing ends the request and every task it started before the loop closes (none is destroyed

@@ -96,7 +96,8 @@ def test_completion_is_raw_text_and_equals_direct(served, direct):
 
 def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
     """/v1/completions takes the prompt as token ids too (OpenAI's and vLLM's list of integers): the tokens the text
-    encodes to give the text's answer, streamed or not; ids outside the vocabulary are a 400 naming `prompt`."""
+    encodes to give the text's answer, streamed or not; ids outside the vocabulary are a 400 naming `prompt`, or
+    `prompt[k]` for prompt k of a batch."""
     ids = direct.runtime.encode("1 2 3 4", chat=False)
     want = direct_text(direct, prompt="1 2 3 4", max_tokens=12)
     c = served["client"]
@@ -112,6 +113,10 @@ def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny-qwen3", prompt=[1, vocab], max_tokens=4)
     assert e.value.body["param"] == "prompt" and "vocabulary" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny-qwen3", prompt=[ids, [1, vocab]], max_tokens=4)
+    assert e.value.body["param"] == "prompt[1]" and e.value.body["message"].startswith("prompt[1]: ")
+    assert "vocabulary" in e.value.body["message"]
 
 
 def test_sampling_fields_reach_the_engine(served, direct):

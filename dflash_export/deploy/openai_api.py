@@ -211,11 +211,12 @@ def _content(c, where: str) -> str:
     raise _bad(where, f"expected a string or a list of text parts, got {_json_kind(c)}")
 
 
-def completion_request(body, model_id: str) -> tuple[list[dict], bool, str | None]:
-    """(generate bodies, one a prompt; stream; usage: `_usage`) for a /v1/completions body: each prompt as raw text,
-    no chat template, or as token ids (`input_ids`). `prompt` is one prompt (a string, a list of token ids) or a
-    batch of them (a list of strings, a list of token-id lists), answered as OpenAI does: choice j of prompt k is
-    choice k x n + j, each prompt's tokens counted once."""
+def completion_request(body, model_id: str) -> tuple[list[tuple[str, dict]], bool, str | None]:
+    """(prompts: each the field the client sent it as and its generate body; stream; usage: `_usage`) for a
+    /v1/completions body: each prompt as raw text, no chat template, or as token ids (`input_ids`). `prompt` is one
+    prompt (a string, a list of token ids), sent as `prompt`, or a batch of them (a list of strings, a list of
+    token-id lists), prompt k sent as `prompt[k]`, answered as OpenAI does: choice j of prompt k is choice k x n + j,
+    each prompt's tokens counted once."""
     out = _common(body, COMPLETION_FIELDS, model_id, ("max_tokens",))
     if body.get("logprobs") is not None:  # a completion's logprobs 0 still asks for the chosen tokens' own
         raise _bad("logprobs", "log probabilities are not returned by this server")
@@ -227,7 +228,8 @@ def completion_request(body, model_id: str) -> tuple[list[dict], bool, str | Non
     if len(prompts) * choice_count(body) > MAX_CHOICES:
         raise _bad("prompt", f"{len(prompts)} prompts x n = {choice_count(body)} choices: a request may ask for at "
                              f"most {MAX_CHOICES} answers in all")
-    return [{**out, **_completion_prompt(p, f"prompt[{k}]" if batch else "prompt")} for k, p in enumerate(prompts)], \
+    fields = [f"prompt[{k}]" if batch else "prompt" for k in range(len(prompts))]
+    return [(field, {**out, **_completion_prompt(p, field)}) for field, p in zip(fields, prompts)], \
         bool(body.get("stream")), _usage(body)
 
 
@@ -340,15 +342,15 @@ def from_dflash_error(e: DFlashError) -> OpenAIError:
     return OpenAIError(400, str(e), param=getattr(e, "field", None))
 
 
-def as_sent(e: OpenAIError, chat: bool, body=None) -> OpenAIError:
-    """`e` naming the field the client sent: a completion's `prompt` reaches the model as its `text_input` (or
-    `input_ids`); a
-    max_tokens the client did not send (`body`: the request) is said to be the completions default."""
+def as_sent(e: OpenAIError, chat: bool, body=None, prompt: str = "prompt") -> OpenAIError:
+    """`e` naming the field the client sent: a completion's prompt reaches the model as its `text_input` (or
+    `input_ids`), and was sent as `prompt` (`prompt[k]` for prompt k of a batch: `completion_request`); a max_tokens
+    the client did not send (`body`: the request) is said to be the completions default."""
     if not chat and e.param == "max_tokens" and isinstance(body, dict) and body.get("max_tokens") is None:
         return OpenAIError(e.status, f"{e.message} (the request set no max_tokens; /v1/completions then takes "
                            f"{COMPLETION_MAX_TOKENS}, as OpenAI's does: set a smaller one)", param=e.param,
                            kind=e.kind, code=e.code)
     if chat or e.param not in ("text_input", "input_ids"):
         return e
-    message = "prompt" + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-    return OpenAIError(e.status, message, param="prompt", kind=e.kind, code=e.code)
+    message = prompt + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    return OpenAIError(e.status, message, param=prompt, kind=e.kind, code=e.code)

@@ -230,38 +230,33 @@ class Routing:
             # A checked generate body (openai_api applies the fields' rules); what is left is the engine's bound.
             if chat:
                 gen, stream, usage = oa.chat_request(obj, self.model_id)
-                prompts = [gen]
-            else:  # one generate body a prompt: a completion may send a batch of them
+                prompts = [("messages", gen)]
+            else:  # one generate body a prompt, each with the field it was sent as: a completion may send a batch
                 prompts, stream, usage = oa.completion_request(obj, self.model_id)
             model = self._openai_model(stream)
-            for k, gen in enumerate(prompts):
+            for field, gen in prompts:
                 try:
                     self._check_model_inputs(model, gen)
                     self._check_prompt_size(gen)
                 except DFlashError as e:
-                    err = oa.as_sent(oa.from_dflash_error(e), chat)
-                    prompt = None if chat else obj.get("prompt")
-                    if err.param == "prompt" and err.message.startswith("prompt") and isinstance(prompt, list) \
-                            and isinstance(prompt[0], (str, list)):
-                        err = oa.OpenAIError(err.status, f"prompt[{k}]{err.message[len('prompt'):]}",
-                                             param=f"prompt[{k}]")  # a batch's prompt, named by its place
-                    raise err from None
+                    raise oa.as_sent(oa.from_dflash_error(e), chat, prompt=field) from None
         except DFlashError as e:
             raise oa.as_sent(oa.from_dflash_error(e), chat) from None
         rid, created = oa.new_id("chatcmpl" if chat else "cmpl"), oa.now()
         per_prompt = oa.choice_count(obj)  # choice j of prompt k is answer k x n + j
-        gens = [g for gen in prompts for g in oa.choice_bodies(gen, per_prompt)]
+        gens = [g for _, gen in prompts for g in oa.choice_bodies(gen, per_prompt)]
+        fields = [field for field, _ in prompts for _ in range(per_prompt)]
         tokens = self._begin_group(model, len(gens))
         bodies = [json.dumps({**g, CANCEL_PARAMETER: t}, ensure_ascii=False).encode() for g, t in zip(gens, tokens)]
         use_stream_model = model == "dflash_stream"
         target = f"/v2/models/{model}/{'generate_stream' if use_stream_model else 'generate'}"
-        choices = _Choices(self, conn, target, bodies, tokens, use_stream_model)
+        choices = _Choices(self, conn, target, bodies, tokens, use_stream_model, fields)
         try:
             if not stream:
                 answers: list = [None] * len(bodies)
                 while (item := await choices.next()) is not None:
                     if isinstance(item[1], Exception):
-                        raise item[1]
+                        raise choices.as_sent(item, chat)
                     answers[item[0]] = item[1]
                 for answer in answers:  # a stream records each choice's last event (`_openai_stream`)
                     self._observe(answer)
@@ -271,7 +266,7 @@ class Routing:
                 return await self._json(conn, 200, out)
             first = await choices.next()
             if first is not None and isinstance(first[1], Exception):
-                raise first[1]  # before any choice has an event: the request's error response
+                raise choices.as_sent(first, chat)  # before any choice has an event: the request's error response
             return await self._openai_stream(conn, chat, rid, created, usage, choices, first, per_prompt)
         except oa.OpenAIError as e:
             raise oa.as_sent(e, chat, obj) from None
@@ -322,7 +317,7 @@ class Routing:
         while item is not None:
             i, ev = item
             if isinstance(ev, Exception) or "error" in ev:
-                err = self._stream_error(ev, choices.tokens[i], chat)
+                err = self._stream_error(ev, choices.tokens[i], chat, choices.fields[i])
                 await conn.send(h11.Data(data=oa.sse(err.body())))
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
@@ -355,29 +350,31 @@ class Routing:
         self.counts["forwarded"] += 1
         return 200
 
-    def _stream_error(self, ev: dict | Exception, token: str, chat: bool) -> oa.OpenAIError:
+    def _stream_error(self, ev: dict | Exception, token: str, chat: bool, field: str) -> oa.OpenAIError:
         """The error event a started stream ends with: a choice's error event, or the refusal of a choice's call (a
-        choice other than the first to answer); any other failure is raised (the connection closes)."""
+        choice other than the first to answer), naming its prompt as `field`; any other failure is raised (the
+        connection closes)."""
         if isinstance(ev, oa.OpenAIError):
-            return oa.as_sent(ev, chat)
+            return oa.as_sent(ev, chat, prompt=field)
         if isinstance(ev, Refused):  # 503 (the server's state) or 504 (no answer within the request timeout)
             return oa.OpenAIError(ev.status, ev.message, kind="server_error")
         if isinstance(ev, Exception):
             raise ev
         why = self._why(token)
         return oa.OpenAIError(503, f"cancelled: {why}", kind="server_error") if why else \
-            oa.as_sent(self._upstream_error(500, ev["error"], token), chat)
+            oa.as_sent(self._upstream_error(500, ev["error"], token), chat, prompt=field)
 
 
 class _Choices:
     """The generate calls of one OpenAI request, one a choice, run together: `next` gives each call's events (a
     generate answer is one event) tagged with its choice's index, in the order they arrive, and a call's failure as
     its exception; `stop` ends them. The calls watch a `_ChoiceWatch` in place of the connection, so that `stop` can
-    give up waiting for those still running."""
+    give up waiting for those still running. `fields`: the field each call's prompt was sent as (`prompt[k]` for
+    prompt k of a batch), which its refusal names."""
 
     def __init__(self, front: Routing, conn: Connection, target: str, bodies: list[bytes], tokens: list[str],
-                 streamed: bool):
-        self.front, self.tokens = front, tokens
+                 streamed: bool, fields: list[str]):
+        self.front, self.tokens, self.fields = front, tokens, fields
         self.watch = _ChoiceWatch(conn)
         self.ended = [False] * len(bodies)  # the call has given its last event, or failed
         # Set when `next` has given out the call's latest event: a streamed call reads its next event from
@@ -424,6 +421,11 @@ class _Choices:
     def _put(self, i: int, item, last: bool) -> None:
         self.ended[i] = self.ended[i] or last
         self._queue.put_nowait((i, item))
+
+    def as_sent(self, item: tuple[int, Exception], chat: bool) -> Exception:
+        """Call `item[0]`'s failure, a refusal naming its prompt as the client sent it (`oa.as_sent`)."""
+        i, e = item
+        return oa.as_sent(e, chat, prompt=self.fields[i]) if isinstance(e, oa.OpenAIError) else e
 
     async def next(self) -> tuple[int, dict | Exception] | None:
         """The next (choice index, event or exception) of any call; None once every call has ended."""
