@@ -437,6 +437,28 @@ def test_a_bad_batch_of_completion_prompts_gets_one_400_naming_it(front, prompt,
     assert err["param"] == param and not front.up.seen
 
 
+@pytest.mark.parametrize("prompt, param, says", [
+    (["hi", [1, 2, 3]], "prompt[1]", "a list among strings"),
+    ([[1, 2], "hi", [3]], "prompt[1]", "a string among token-id lists"),
+    ([1, 2, "x"], "prompt[2]", "a string among token ids"),
+    ([5, [6]], "prompt[1]", "a list among token ids"),
+    ([5, True], "prompt[1]", "a boolean among token ids"),
+    (["a", "b", 3], "prompt[2]", "an integer among strings"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_list_mixing_strings_token_ids_and_lists_gets_one_400_naming_its_first_odd_element(
+        front, prompt, param, says, stream):
+    """OpenAI's prompt is a string, a list of strings, a list of token ids or a list of token-id lists: a list
+    mixing them is one 400 naming its first element of another kind than its first, and nothing reaches the
+    engine."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream}
+    resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
+    assert status_of(resp) == 400
+    err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}: {says}: "), err
+    assert err["type"] == "invalid_request_error" and not front.up.seen
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_dropped_n_choice_request_cancels_every_call(front, stream):
     """A client that leaves an n = 3 request (streamed or not) while its calls run has all 3 cancelled in the

@@ -96,8 +96,8 @@ def test_completion_is_raw_text_and_equals_direct(served, direct):
 
 def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
     """/v1/completions takes the prompt as token ids too (OpenAI's and vLLM's list of integers): the tokens the text
-    encodes to give the text's answer, streamed or not; ids outside the vocabulary are a 400 naming `prompt`, or
-    `prompt[k]` for prompt k of a batch."""
+    encodes to give the text's answer, streamed or not, alone or in a batch (all token ids, or all text: never a
+    mix); ids outside the vocabulary are a 400 naming `prompt`, or `prompt[k]` for prompt k of a batch."""
     ids = direct.runtime.encode("1 2 3 4", chat=False)
     want = direct_text(direct, prompt="1 2 3 4", max_tokens=12)
     c = served["client"]
@@ -107,8 +107,13 @@ def test_a_completion_prompt_of_token_ids_equals_its_text(served, direct):
     s = "".join(x.choices[0].text for x in c.completions.create(model="tiny-qwen3", prompt=ids, max_tokens=12,
                                                                  stream=True) if x.choices)
     assert s == want
-    r = c.completions.create(model="tiny-qwen3", prompt=[ids, "1 2 3 4", ids], max_tokens=12, temperature=0)
+    r = c.completions.create(model="tiny-qwen3", prompt=[ids, ids, ids], max_tokens=12, temperature=0)
     assert [ch.text for ch in r.choices] == [want] * 3 and r.usage.prompt_tokens == 3 * len(ids)  # a batch
+    r = c.completions.create(model="tiny-qwen3", prompt=["1 2 3 4", "1 2 3 4"], max_tokens=12, temperature=0)
+    assert [ch.text for ch in r.choices] == [want] * 2 and r.usage.prompt_tokens == 2 * len(ids)
+    with pytest.raises(openai.BadRequestError) as e:  # a batch is all text or all token ids
+        c.completions.create(model="tiny-qwen3", prompt=[ids, "1 2 3 4"], max_tokens=12)
+    assert e.value.body["param"] == "prompt[1]"
     vocab = direct.runtime.engine.info.vocab_size
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny-qwen3", prompt=[1, vocab], max_tokens=4)

@@ -6,9 +6,10 @@ Served: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` wi
 in `data: [DONE]`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`: usage so far on every chunk),
 `usage`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `temperature`, `top_p`, vLLM's `top_k`, `n` choices
 (the front makes one generate call per choice, `choice_bodies`), completion prompts of token ids and batches of
-completion prompts (n choices of each; MAX_CHOICES answers in all).
+completion prompts (all strings or all token-id lists; n choices of each; MAX_CHOICES answers in all).
 Refused with a 400 naming the field: what this server cannot honour (tools, logprobs, penalties, logit_bias, `echo`,
-`suffix`, `best_of` > 1, a non-text `response_format`), and fields OpenAI does not define. A field that changes
+`suffix`, `best_of` > 1, a non-text `response_format`), fields OpenAI does not define, and a `prompt` list mixing
+strings, token ids and lists (`prompt[k]`, its first element of another kind). A field that changes
 nothing here (`user`, `metadata`, `store`, `parallel_tool_calls` without tools, `service_tier`) is accepted and
 ignored, as OpenAI's own server does for them.
 """
@@ -222,15 +223,32 @@ def completion_request(body, model_id: str) -> tuple[list[tuple[str, dict]], boo
         raise _bad("logprobs", "log probabilities are not returned by this server")
     if "max_tokens" not in out:
         out["max_tokens"] = COMPLETION_MAX_TOKENS
-    prompt = body.get("prompt")
-    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    prompts = prompt if batch else [prompt]
+    prompts = _completion_prompts(body.get("prompt"))
     if len(prompts) * choice_count(body) > MAX_CHOICES:
         raise _bad("prompt", f"{len(prompts)} prompts x n = {choice_count(body)} choices: a request may ask for at "
                              f"most {MAX_CHOICES} answers in all")
-    fields = [f"prompt[{k}]" if batch else "prompt" for k in range(len(prompts))]
-    return [(field, {**out, **_completion_prompt(p, field)}) for field, p in zip(fields, prompts)], \
-        bool(body.get("stream")), _usage(body)
+    return [(field, {**out, **_completion_prompt(p, field)}) for field, p in prompts], bool(body.get("stream")), \
+        _usage(body)
+
+
+# The kinds of element a list `prompt` may hold, one kind throughout: OpenAI's prompt is a string, a list of strings,
+# a list of token ids or a list of token-id lists.
+_PROMPT_ELEMENTS = {str: "strings", int: "token ids", list: "token-id lists"}
+
+
+def _completion_prompts(prompt) -> list[tuple[str, object]]:
+    """A completion's `prompt` as its prompts, each with the field it was sent as: one prompt (a string, a list of
+    token ids) is `prompt`, prompt k of a batch (a list of strings, a list of token-id lists) `prompt[k]`. A list
+    mixing strings, token ids and lists gets a 400 naming its first element of another kind than its first."""
+    if not isinstance(prompt, list) or not prompt or type(prompt[0]) not in _PROMPT_ELEMENTS:
+        return [("prompt", prompt)]  # one prompt (or none): `_completion_prompt` refuses what it is not
+    kind = type(prompt[0])
+    for k, p in enumerate(prompt):
+        if type(p) is not kind:  # a boolean is no token id
+            raise _bad(f"prompt[{k}]", f"{_json_kind(p)} among {_PROMPT_ELEMENTS[kind]}: a prompt is a string, a "
+                                       "list of strings, a list of token ids or a list of token-id lists, one kind "
+                                       "throughout")
+    return [("prompt", prompt)] if kind is int else [(f"prompt[{k}]", p) for k, p in enumerate(prompt)]
 
 
 def _completion_prompt(prompt, where: str) -> dict:
