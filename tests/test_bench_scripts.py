@@ -34,6 +34,7 @@ BAD_COUNTS = [
     ("batch_trees.py", ["--engine", NOWHERE, "--reps", "0"], "--reps"),
     ("batch_trees.py", ["--engine", NOWHERE, "--concurrency", "1,0"], "--concurrency"),
     ("batch_costs.py", ["--engine", NOWHERE, "--batches", "0"], "--batches"),
+    ("kv_rows.py", ["--engine", NOWHERE, "--steps", "2"], "--steps"),
     ("batch_companions.py", [NOWHERE, "--steps", "0"], "--steps"),
     ("drafter_precision.py", ["--engines", NOWHERE, "--prompts", "-1"], "--prompts"),
     ("engine_costs.py", ["--engine", NOWHERE, "--reps", "0"], "--reps"),
@@ -64,6 +65,7 @@ MISSING_ENGINE = [
     ("proposers.py", ["--engine", NOWHERE, "--prompts", "1"]),
     ("batch_trees.py", ["--engine", NOWHERE]),
     ("batch_costs.py", ["--engine", NOWHERE]),
+    ("kv_rows.py", ["--engine", NOWHERE]),
     ("batch_companions.py", [NOWHERE]),
     ("drafter_precision.py", ["--engines", NOWHERE]),
     ("engine_costs.py", ["--engine", NOWHERE]),
@@ -132,3 +134,12 @@ def test_batch_costs_prints_a_line_per_call_at_each_batch_size(tiny_engine):
              "--context", "8", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "target B= 1 S=1" in r.stdout and "target B= 2 S=1" in r.stdout and "ragged" in r.stdout, r.stdout
+
+
+def test_kv_rows_times_a_batch_allowed_few_tokens_and_allowed_max_seq_len(tiny_engine):
+    """Both allowances hold buffers of the rows the sequences reached: the same rows, whatever they may reach."""
+    r = _run(BENCHMARKS / "kv_rows.py", "--engine", str(tiny_engine), "--suite", "tiny-random", "--batch", "2",
+             "--steps", "4", "--reps", "1", "--max-new-tokens", "8", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("pass 1")]
+    assert len(lines) == 4 and len({ln.rsplit("buffers of ", 1)[1] for ln in lines}) == 1, r.stdout
