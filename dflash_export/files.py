@@ -521,20 +521,21 @@ def _utf8_names(text: str) -> bool:
 
 @contextmanager
 def native_path(path: str | os.PathLike) -> Iterator[str]:
-    """`path` as a str the C++ bindings of onnx, ONNX Runtime and TensorRT open the right file with, while the context
-    lasts: the path itself when its UTF-8 is its bytes on disk; otherwise (a directory whose name the locale cannot
-    decode, Python holding its bytes as surrogate escapes, as under LC_ALL=C without UTF-8 mode, or a locale whose
-    encoding is not UTF-8) the file reached through a descriptor held on its directory, /proc/self/fd/N/NAME. Files
-    beside it (external data, an optimized graph's output) resolve in the same directory either way. DFlashError
-    naming the path when the file's own name is not UTF-8."""
+    """`path` as a str the C++ and Rust bindings of onnx, ONNX Runtime, TensorRT, safetensors and tokenizers open the
+    right file (or directory) with, while the context lasts: the path itself when its UTF-8 is its bytes on disk;
+    otherwise (a directory whose name the locale cannot decode, Python holding its bytes as surrogate escapes, as
+    under LC_ALL=C without UTF-8 mode, or a locale whose encoding is not UTF-8) the file reached through a descriptor
+    held on its directory, /proc/self/fd/N/NAME. Files beside it (external data, an optimized graph's output, a model
+    directory's files) resolve in the same directory either way. DFlashError naming the path when the file's own
+    name is not UTF-8."""
     path = os.fspath(path)
     if _utf8_names(os.path.abspath(path)):  # a relative path too: the bindings make it absolute to find files beside it
         yield path
         return
     parent, name = os.path.split(os.path.abspath(path))
     if not _utf8_names(name):
-        raise DFlashError("the file's name is not valid UTF-8 (onnx and ONNX Runtime take UTF-8 paths): rename it",
-                          path=path)
+        raise DFlashError("the file's name is not valid UTF-8 (the C++ and Rust libraries reading it take UTF-8 "
+                          "paths): rename it", path=path)
     try:
         fd = directory_fd(parent)
     except OSError as e:

@@ -200,3 +200,28 @@ def test_native_path_names_the_same_file_in_utf8_for_the_c_plus_plus_bindings(tm
         with native_path(tmp_path / os.fsdecode(b"g\xe9.onnx")):
             pass
     assert "not valid UTF-8" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_a_target_and_a_drafter_in_a_directory_whose_name_is_not_utf8_load_as_anywhere_else(tmp_path):
+    """transformers hands the weights' path to safetensors (Rust, UTF-8 paths only): a checkpoint under a directory
+    whose name Python holds as surrogate escapes loads through a descriptor on that directory, the same weights as
+    from its own place (the same logits, the same drafter tensors)."""
+    import torch
+
+    from dflash_export.models import load_target
+    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.sources import resolve_source
+    from dflash_export.models.weights import load_state_dict
+
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    odd.mkdir()
+    for part in ("target", "drafter"):
+        shutil.copytree(resolve_source(f"tiny:qwen3/{part}"), odd / part)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        want = load_target("tiny:qwen3/target").hf(ids).logits
+        got = load_target(odd / "target").hf(ids).logits
+    assert torch.equal(want, got)
+    mine, theirs = load_state_dict(odd / "drafter"), load_state_dict(resolve_source("tiny:qwen3/drafter"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert load_drafter(odd / "drafter") is not None

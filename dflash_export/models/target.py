@@ -16,7 +16,7 @@ import torch
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
-from dflash_export.files import read_json_object
+from dflash_export.files import native_path, read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
@@ -464,7 +464,8 @@ class TargetModel:
             # trust_remote_code=False: an `auto_map` in the tokenizer files never imports the directory's code
             # (left unset, transformers asks on stdin whether to run it when no built-in class matches).
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+                with native_path(self.model_dir) as d:  # tokenizers (Rust) opens tokenizer.json by a UTF-8 path
+                    self._tokenizer = AutoTokenizer.from_pretrained(d, trust_remote_code=False)
             except (ValueError, OSError, KeyError, ImportError) as e:
                 first = " ".join(str(e).split())[:200] or type(e).__name__
                 raise DFlashError(f"cannot load the tokenizer ({first})", path=self.model_dir) from None
@@ -541,8 +542,9 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
     if has_safetensors(model_dir):  # headers bounds-checked and held against the config before transformers reads them
         check_target_weights(model_dir, config, cfg_path)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=False,
-                                                  attn_implementation=ARCHS[config["model_type"]].attn_implementation)
+        with native_path(model_dir) as d:  # safetensors (Rust) opens the weights by a UTF-8 path
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, trust_remote_code=False,
+                                                      attn_implementation=ARCHS[config["model_type"]].attn_implementation)
     except Exception as e:  # OSError, safetensors' own errors, shape mismatches from a config that lies
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None

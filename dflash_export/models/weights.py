@@ -13,7 +13,7 @@ import torch
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
-from dflash_export.files import MAX_JSON_BYTES, read_json_object
+from dflash_export.files import MAX_JSON_BYTES, native_path, read_json_object
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -191,7 +191,7 @@ def load_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     state = {}
     for fname in sorted(by_file):
         try:
-            with safe_open(str(fname), framework="pt") as f:
+            with native_path(fname) as path, safe_open(path, framework="pt") as f:
                 for name in by_file[fname]:  # the tensors the index assigns to this file, no other
                     state[name] = f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for corrupt data
