@@ -429,6 +429,31 @@ def test_the_buffers_hold_the_rows_the_sequences_reached_not_the_rows_they_may_r
     assert_as_plain(eng, short_p, got, single.generate(short_p, SamplingParams(max_new_tokens=len(got))).tokens)
 
 
+def test_steps_at_the_buffers_end_run_padded_to_the_row_floor(built, monkeypatch):
+    """The buffers hold the rows the sequences reached, so a one-token step may find only its own row left before
+    their end: they grow by the padding rows too, and every step runs at least the engine's row floor (its kernels'
+    path, which plain steps of the engine alone take: docs/numerics.md), whatever the buffers' length."""
+    _, eng, _ = built
+    monkeypatch.setattr(eng, "row_floor", max(2, eng.row_floor))
+    batch = BatchedOrtEngine(eng, max_batch=2)
+    calls, real = [], batch.graphs.target_batch
+
+    def spy(feeds, past):
+        calls.append((int(feeds["position_ids"][0, 0]), feeds["grid_rows"].shape[1], past[0].shape[2]))
+        return real(feeds, past)
+
+    monkeypatch.setattr(batch.graphs, "target_batch", spy)
+    prompt = [3 + (i * 7) % 200 for i in range(60)]
+    seq = batch.add(len(prompt) + 80 + eng.info.block_size)
+    logits = batch.prefill([seq], [prompt])[0]
+    for _ in range(80):  # past two key_align boundaries (64, 128)
+        logits = batch.target_step([seq], [[int(np.argmax(logits))]])[0][-1]
+        batch.commit(seq, 0)
+    # the prefill ran the engine's own graph: the calls are the 80 steps
+    assert len(calls) == 80 and {cap for _, _, cap in calls} >= {64, 128}
+    assert all(rows >= eng.row_floor for _, rows, _ in calls), [c for c in calls if c[1] < eng.row_floor]
+
+
 def test_requests_from_other_threads_join_the_running_batch_at_the_next_step(built, reference):
     """A request submitted while another is being decoded joins at the next step boundary: it waits neither for the
     running request to finish nor for the scheduler to let go of a lock (one held through every step and retaken at

@@ -509,12 +509,14 @@ class BatchedEngine:
         attention runs on the [B, S] grid. Returns hidden [B, S, H] and ctx [B, S, H_d] (rows past a block: 0)."""
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
-        # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers
-        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))
-        cap = self._buf.t_cap
         lens = [len(x) for x in blocks]
         floor = -(-self.row_floor // len(seqs))  # fewer packed rows than the engine's row floor: the whole grid,
         padded = sum(lens) < self.row_floor     # padded as before packing (the product kernels' one-row path)
+        # a call's rows may pass a sequence's own reservation (another sequence's tree sets S): grow the buffers, by
+        # the padding rows too (a step the buffers' end leaves unpadded would run other kernels)
+        grid = max(s, floor) if padded else s
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + grid))
+        cap = self._buf.t_cap
         if padded and s < floor and all(q.length + floor <= min(self.info.max_seq_len, cap) for q in seqs):
             s = floor
         pos = np.empty((len(seqs), s), np.int64)
@@ -764,7 +766,8 @@ class BatchedOrtEngine(BatchedEngine):
         e = self.engine
         a, z = self._range(seqs)
         s = max(len(x) for x in blocks)
-        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + s))  # see above
+        rows = max(s, e.row_floor)  # with the padding rows (see above)
+        self._reserve(len(self.seqs), min(self.info.max_seq_len, max(q.length for q in seqs) + rows))
         if s < e.row_floor and all(q.length + e.row_floor <= min(self.info.max_seq_len, self._buf.t_cap)
                                    for q in seqs):
             s = e.row_floor  # steps shorter than the engine's row floor run padded, as OrtEngine's (numerics.py)
