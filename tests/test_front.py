@@ -1579,9 +1579,10 @@ def test_concurrent_choices_never_hold_more_calls_to_the_engine_than_the_bound(t
 
 def test_a_call_waiting_for_its_turn_times_out_or_leaves_without_taking_a_turn(tmp_path, caplog):
     """With a bound of one call, a stream holding it for 3 s: a request waiting its turn past its 1.5 s request
-    timeout gets the 504 (its wait counts against the timeout), one whose client leaves while it waits is counted
-    gone; neither reaches the engine. Neither gives back a turn it never took, nor keeps one: once the stream ends,
-    3 requests at once are answered one call at a time. Nothing is logged as an error."""
+    timeout gets the 504 (its wait counts against the timeout; /metrics counts its calls waiting meanwhile), one whose
+    client leaves while it waits is counted gone; neither reaches the engine. Neither gives back a turn it never
+    took, nor keeps one: once the stream ends, 3 requests at once are answered one call at a time. Nothing is logged
+    as an error."""
     cancel = tmp_path / "cancel"
     cancel.mkdir()
     up = Upstream(cancel)
@@ -1620,12 +1621,21 @@ def test_a_call_waiting_for_its_turn_times_out_or_leaves_without_taking_a_turn(t
         waiter = threading.Thread(target=ask, args=("late", "/v1/completions", {"model": "tiny", "prompt": "late",
                                                                                 "n": 2}))
         waiter.start()
+
+        def waiting() -> float:
+            return f.metrics.registry.get_sample_value("dflash_upstream_calls_waiting")
+
+        deadline = time.monotonic() + 5
+        while waiting() < 2 and time.monotonic() < deadline:  # its two choices, on /metrics
+            time.sleep(0.02)
+        assert waiting() == 2
         with socket.create_connection(("127.0.0.1", f.port)) as s:
             s.sendall(post("/v1/chat/completions", json.dumps({"model": "tiny", "n": 2, "messages": [
                 {"role": "user", "content": "gone"}]}).encode()))
             time.sleep(0.3)
         waiter.join(10)
         holder.join(10)
+        assert waiting() == 0
         assert status_of(got["stream"]) == 200 and got["stream"].count(b"data: ") == 3
         assert status_of(got["late"]) == 504 and b"request-timeout" in got["late"], got["late"][:300]
         assert f.counts["client_gone"] == 1 and up.seen == []

@@ -99,6 +99,9 @@ class FrontMetrics:
                                         "Seconds each generation waited to join its instance's shared batch before "
                                         "its prefill (0 where instances run one request at a time)",
                                         buckets=WAIT_BUCKETS, registry=r)
+        self.upstream_waiting = Gauge("dflash_upstream_calls_waiting", "Calls to tritonserver waiting for one of "
+                                      "the front's --max-upstream-calls slots (each choice of a request is a call)",
+                                      registry=r)
         self.kv_limit = Gauge("dflash_kv_token_limit", "K/V token bound of the shared batch the last finished "
                               "generation ran in (0: unbounded, or no shared batch)", registry=r)
         self._lock = threading.Lock()

@@ -151,7 +151,8 @@ class Upstream:
                                                                         else None))
         call = asyncio.ensure_future(self._send_in_turn(req, token))
         self._waiting_calls.add(call)
-        call.add_done_callback(self._waiting_calls.discard)
+        self.metrics.upstream_waiting.set(len(self._waiting_calls))
+        call.add_done_callback(self._stop_waiting)
         try:
             return await self._race(conn, call, token, self.limits.request_timeout_s)
         except httpx.ConnectError:
@@ -160,13 +161,18 @@ class Upstream:
             raise await self._dropped(token, "tritonserver dropped the request (a model stub or the server "
                                              "died)") from None
 
+    def _stop_waiting(self, call: asyncio.Future) -> None:
+        """`call` waits for a call slot no longer (it took one, or ended): the waiting calls' gauge follows."""
+        self._waiting_calls.discard(call)
+        self.metrics.upstream_waiting.set(len(self._waiting_calls))
+
     async def _send_in_turn(self, req, token: str | None):
         """`req` sent once one of the `max_upstream_calls` call slots is free (calls wait for one in arrival order,
         within the request timeout: `_send_upstream` races the wait too); its answer holds the slot until it is
         closed (read to its end, or closed early). A request the drain cancelled while it waited is answered 503
         without being sent."""
         await self._call_slots.acquire()
-        self._waiting_calls.discard(asyncio.current_task())
+        self._stop_waiting(asyncio.current_task())
         try:
             self._refuse_if_drained(token)
             resp = await self._client.send(req, stream=True)
