@@ -57,6 +57,7 @@ differ from plain decoding's one-row steps), which can flip a greedy token only 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -122,6 +123,10 @@ class BatchSeq(Sequence):
 
 # The fewest target K/V rows a batch's buffers shrink to once their longest sequence has left (BatchedEngine._fit_rows)
 MIN_ROWS = 256
+# The target buffers' rows grow and shrink in steps of this many (and of key_align): every batched call's attention
+# runs over all of them, and a resize copies the buffers about as one call copies its past into the scores' keys, so
+# a resize every ROW_STEP rows costs less than attending over rows no sequence has reached (benchmarks/kv_rows.py)
+ROW_STEP = 64
 
 
 @dataclass
@@ -352,7 +357,7 @@ class BatchedEngine:
         # time, and the freed heap pages stay in its RSS.
         self.keep_buffers = False
         # At most this many K/V token cells (slots x target rows) once the buffers grow (None: unbounded): growth
-        # that doubling would take past it allocates exactly what the sequences need instead. The runtime admits
+        # that would take them past it allocates the most rows within it instead. The runtime admits
         # sequences only while `kv_cells` stays within it (runtime/batching.py `max_kv_tokens`).
         self.kv_token_limit: int | None = None
         g = graphs
@@ -381,6 +386,12 @@ class BatchedEngine:
     def aligned(self, tokens: int) -> int:
         """`tokens` K/V rows rounded up to key_align: what a slot holding them takes."""
         return -(-tokens // self.key_align) * self.key_align
+
+    def _rows(self, tokens: int) -> int:
+        """The target buffers' length that holds `tokens` rows: a whole number of ROW_STEP and key_align, or the
+        engine's max_seq_len (aligned) where that is less."""
+        step = math.lcm(ROW_STEP, self.key_align)
+        return max(self.aligned(tokens), min(-(-tokens // step) * step, self.aligned(self.info.max_seq_len)))
 
     def add(self, max_tokens: int) -> BatchSeq:
         """A new sequence in the next free slot; `max_tokens`: how long it may grow (prompt + new tokens + a block)."""
@@ -423,13 +434,13 @@ class BatchedEngine:
             self._fit_rows()
 
     def _fit_rows(self) -> None:
-        """Shorten the target buffers to twice what the longest sequence left needs (its rows and a block), at least
-        MIN_ROWS, once that is at most half their length: the longest sequence has left, and the rest (or the next
+        """Shorten the target buffers to what the longest sequence left needs (its rows and a block, at least
+        MIN_ROWS) once that gives up two ROW_STEPs or more: the longest sequence has left, and the rest (or the next
         requests, where the buffers outlive an empty batch) would otherwise attend over its rows."""
         b = self._buf
         need = max((s.length for s in self.seqs), default=0) + self.info.block_size
-        rows = self.aligned(max(MIN_ROWS, 2 * need))
-        if b.slots and 2 * rows <= b.t_cap:
+        rows = self._rows(max(MIN_ROWS, need))
+        if b.slots and rows + 2 * ROW_STEP <= b.t_cap:
             self._resize(b.slots, rows, min(b.d_cap, rows))
 
     def release(self) -> None:
@@ -444,14 +455,14 @@ class BatchedEngine:
         b = self._buf
         if slots <= b.slots and t_need <= b.t_cap and d_need <= b.d_cap:
             return
-        # Grow by doubling (bounded by the batch bound and max_seq_len) so joins and long contexts rarely copy.
+        # Slots grow by doubling (bounded by the batch bound) so joins rarely copy: a call runs over its slot range
+        # only. Rows grow by ROW_STEP to what the call needs: every call's attention runs over all of them.
         new_slots = max(slots, min(self.max_batch, 2 * b.slots)) if slots > b.slots else b.slots
-        t_cap = max(t_need, min(self.info.max_seq_len, 2 * b.t_cap)) if t_need > b.t_cap else b.t_cap
-        t_cap = self.aligned(t_cap)  # may pass max_seq_len: those rows stay masked
+        t_cap = self._rows(t_need) if t_need > b.t_cap else b.t_cap  # may pass max_seq_len: those rows stay masked
         limit = self.kv_token_limit
         if limit is not None and (new_slots, t_cap) != (b.slots, b.t_cap) and new_slots * t_cap > limit:
-            # Doubling, or the rows kept for a longer sequence that has left, would pass the bound: the buffers take
-            # the most rows within it, never fewer than the call needs (admission keeps every sequence's
+            # Doubled slots, or the rows kept for a longer sequence that has left, would pass the bound: the buffers
+            # take the most rows within it, never fewer than the call needs (admission keeps every sequence's
             # `max_tokens` within it), and fewer than before where that sequence's are given back
             new_slots = slots
             t_cap = max(self.aligned(t_need), min(t_cap, limit // slots // self.key_align * self.key_align))
