@@ -18,6 +18,7 @@ from dflash_export.clitypes import (
 )
 from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import default_engine_dir
+from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import load_recipe
@@ -53,11 +54,14 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
         raise DFlashError("give --engine DIR (a built engine) or --recipe NAME (its built engine)", field="--engine")
     if not prompt:
         raise DFlashError("the prompt is empty", field="prompt")
+    manifest = None
     if engine_dir is None:
-        engine_dir = default_engine_dir(load_recipe(recipe).name)
+        loaded = load_recipe(recipe)
+        engine_dir = default_engine_dir(loaded.name)
+        manifest = check_engine_recipe(engine_dir, loaded)  # as validate and bench do: another recipe's engine misleads
     elif recipe is not None:
         raise DFlashError("give --engine DIR or --recipe NAME, not both", field="--recipe")
-    engine = load_engine(engine_dir)
+    engine = load_engine(engine_dir, manifest)
     rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
                        tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling, static_ngrams=static_ngrams)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
