@@ -1467,3 +1467,111 @@ def test_the_cache_follows_the_xdg_rules_and_the_stub_numpy_follows_the_cache(tm
     with pytest.raises(DFlashError, match=r"^~/\.cache/dflash-export: cannot find the home directory \(HOME is not "
                                           r"set or empty\)"):
         cache_dir()
+
+
+def test_run_with_a_recipe_refuses_the_engine_another_recipe_built(tmp_path, monkeypatch, engine_dir):  # noqa: F811
+    """`run --recipe NAME` goes by the recipe's engine directory: one another recipe built is refused by name, as
+    `validate` and `bench` refuse it."""
+    monkeypatch.chdir(tmp_path)
+    built_for = json.loads((engine_dir / "manifest.json").read_text())["recipe"]
+    other = "tiny-llama" if built_for == "tiny-qwen3" else "tiny-qwen3"
+    moved = Path("engines") / other / "onnxruntime"
+    shutil.copytree(engine_dir, moved)
+    line = _one_error_line(_run("run", "--recipe", other, "--max-new-tokens", "4", "hi"))
+    assert line == f"error: {tmp_path / moved / 'manifest.json'}: recipe: engine was built for recipe " \
+                   f"{built_for!r}, not {other!r}", line
+    shutil.copytree(engine_dir, Path("engines") / built_for / "onnxruntime")
+    assert _run("run", "--recipe", built_for, "--max-new-tokens", "4", "hi").exit_code == 0
+
+
+@pytest.mark.parametrize("which, value", [("target", "x"), ("target", 0), ("target", -1.0), ("target", float("nan")),
+                                          ("target", True), ("drafter", "abc"), ("drafter", 0), ("drafter", [1])])
+def test_a_rope_base_that_is_not_a_positive_number_is_named(tmp_path, which, value):
+    """A RoPE base of 0, below 0 or NaN makes every cos/sin table NaN (an engine that emits token 0 forever), one that
+    is not a number cannot be computed with: either is one line naming the config and the key, from `inspect` and
+    from `export`, which writes nothing."""
+    target, drafter = _tiny_copy(tmp_path, "tiny:qwen3/target"), _tiny_copy(tmp_path, "tiny:qwen3/drafter")
+    cfg_path = (target if which == "target" else drafter) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if which == "target":
+        cfg["rope_parameters"]["rope_theta"] = value
+        key = "rope_parameters.rope_theta"
+    else:
+        cfg["rope_theta"] = value
+        key = "rope_theta"
+    cfg_path.write_text(json.dumps(cfg))
+    want = f"error: {cfg_path}: {key}: expected a positive number (the RoPE base), got {value!r}"
+    assert _one_error_line(_run("inspect", "--target", target, "--drafter", drafter)) == want
+    out = tmp_path / "exported"
+    assert _one_error_line(_run("export", "--target", target, "--drafter", drafter, "--out", out)) == want
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_an_eos_token_outside_the_vocabulary_is_named_in_the_target_config(tmp_path, name):
+    """A stop token the target's logits cannot hold is named in the file that declares it, by `inspect` and by
+    `build` (not in the manifest of the engine directory the build was writing), and the build leaves nothing."""
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    path = target / name
+    cfg = json.loads(path.read_text())
+    cfg["eos_token_id"] = [vocab - 2, vocab]
+    path.write_text(json.dumps(cfg))
+    want = f"error: {path}: eos_token_id: {vocab} is outside the vocabulary (vocab_size {vocab})"
+    assert _one_error_line(_run("inspect", "--target", target, "--drafter", "tiny:qwen3/drafter")) == want
+    out = tmp_path / "engines"
+    assert _one_error_line(_run("build", "--target", target, "--drafter", "tiny:qwen3/drafter", "--out", out)) == want
+    assert not out.exists() or not any(out.rglob("*"))
+
+
+def _relabel_safetensors(path, names, dtype):
+    """Rewrite the header of `path` so that the tensors `names` (all when None) claim `dtype`, the bytes unchanged: a
+    header that lies about its dtype (I32 is as long as F32)."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    for name, info in header.items():
+        if name != "__metadata__" and (names is None or name in names):
+            info["dtype"] = dtype
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_a_safetensors_header_giving_float_weights_an_integer_dtype_is_named(tmp_path):
+    """float32 bytes under a header that says I32 read as integers of up to 2^31, finite: the engine would compute
+    garbage without an error. `inspect` names the tensor and its file, `build` refuses and leaves nothing."""
+    target, drafter = _tiny_copy(tmp_path, "tiny:qwen3/target"), _tiny_copy(tmp_path, "tiny:qwen3/drafter")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _relabel_safetensors(target / "model.safetensors", {name}, "I32")
+    want = (f"error: {target / 'model.safetensors'}: {name}: stored as I32, but config.json describes a model that "
+            f"is not quantized (no quantization_config): its weights are floating point")
+    r = _run("inspect", "--target", target, "--drafter", drafter)
+    assert r.exit_code == 2 and want in r.output.splitlines(), r.output
+    out = tmp_path / "engines"
+    assert _one_error_line(_run("build", "--target", target, "--drafter", drafter, "--out", out)) == want
+    assert not out.exists() or not any(out.rglob("*"))
+
+    target = _tiny_copy(tmp_path / "t2", "tiny:qwen3/target")
+    _relabel_safetensors(drafter / "model.safetensors", None, "I32")
+    r = _run("inspect", "--target", target, "--drafter", drafter)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {drafter / 'model.safetensors'}: ") and \
+        "stored as I32: a drafter's weights are floating point (" in errors[0], errors[0]
+    line = _one_error_line(_run("build", "--target", target, "--drafter", drafter, "--out", out))
+    assert line.startswith(f"error: {drafter}: ") and line.endswith(
+        ": stored as int32: a drafter's weights are floating point"), line
+    assert not out.exists() or not any(out.rglob("*"))
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan")])
+def test_a_target_rms_norm_epsilon_that_is_not_positive_is_named(tmp_path, value):
+    """The drafter's and a GGUF's epsilon are checked the same way: one that is not positive makes the norms NaN."""
+    target = _tiny_copy(tmp_path, "tiny:qwen3/target")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["rms_norm_eps"] = value
+    (target / "config.json").write_text(json.dumps(cfg))
+    line = _one_error_line(_run("inspect", "--target", target, "--drafter", "tiny:qwen3/drafter"))
+    assert line == f"error: {target / 'config.json'}: rms_norm_eps: must be a positive finite number, got {value!r}"

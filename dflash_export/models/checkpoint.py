@@ -19,10 +19,18 @@ from dflash_export.models.arch import ARCHS
 from dflash_export.models.config import MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.hfutil import config_dtype
-from dflash_export.models.rope import hf_config, legacy_rope_fields, rope_parameters_of, rope_problem, rope_source_field
+from dflash_export.models.rope import (
+    hf_config,
+    legacy_rope_fields,
+    rope_parameters_of,
+    rope_problem,
+    rope_source_field,
+    rope_theta_problem,
+)
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.target import read_target_config, target_weight_problems
 from dflash_export.models.weights import (
+    INTEGER_DTYPES,
     check_finite,
     dtype_name,
     has_safetensors,
@@ -355,6 +363,9 @@ def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor
             raise DFlashError("missing tensor", path=ckpt, field=name)
         if tuple(state[name].shape) != shape:
             raise DFlashError(f"shape {tuple(state[name].shape)} != expected {shape}", path=ckpt, field=name)
+        if not state[name].is_floating_point():  # stored as integers: loading would turn them into floats silently
+            raise DFlashError(f"stored as {dtype_name(state[name].dtype)}: a drafter's weights are floating point",
+                              path=ckpt, field=name)
     # d2t/t2d (reduced draft vocabularies) are not supported yet: say so instead of silently ignoring them.
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
@@ -473,6 +484,7 @@ def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Pat
         problem = rope_problem(t_rope, rope_source_field(tcfg), partial_ok=hybrid)
         if problem:
             findings.err(problem[0], problem[1], file=tcfg_path)
+    if t_rope is not None and rope_theta_problem(t_rope, rope_source_field(tcfg)) is None:  # a base to compare with
         t_theta, t_scaling = legacy_rope_fields(t_rope)
         if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
             findings.err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
@@ -505,6 +517,11 @@ def _lint_tensors(findings: _Findings, c: DrafterConfig, tensors: dict, ckpt: Pa
             findings.err(name, f"shape {tensors[name][0]} != expected {shape}", file=tensors[name][2])
     for name in sorted(set(tensors) - set(expected)):
         findings.err(name, "unexpected tensor (embedding and LM head belong to the target)", file=tensors[name][2])
+    integer = [name for name in expected if name in tensors and tensors[name][1] in INTEGER_DTYPES]
+    if integer:  # one finding, not one per tensor
+        more = f" ({len(integer)} such tensors)" if len(integer) > 1 else ""
+        findings.err(integer[0], f"stored as {tensors[integer[0]][1]}: a drafter's weights are floating point{more}",
+                     file=tensors[integer[0]][2])
     dtypes = {t[1] for t in tensors.values()}
     if len(dtypes) > 1:
         odd = sorted(tensors, key=lambda n: tensors[n][1])

@@ -11,8 +11,10 @@ from dflash_export.files import read_json_object
 
 def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
     """The `eos_token_id`s of config.json (`cfg`, already read) and generation_config.json (when present); a corrupt
-    generation config or an id that is not a token id is a DFlashError naming the file."""
+    generation config, an id that is not a token id or one outside the vocabulary (`cfg`'s vocab_size, when an
+    integer) is a DFlashError naming the file."""
     gen_path = model_dir / "generation_config.json"
+    vocab = cfg.get("vocab_size")
     ids: list[int] = []
     for path, src in ((model_dir / "config.json", cfg),
                       (gen_path, read_json_object(gen_path) if gen_path.is_file() else {})):
@@ -24,6 +26,9 @@ def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
             raise DFlashError(f"expected a token id or a list of them, got {eos!r}", path=path,
                               field="eos_token_id")
         for i in eos or []:
+            if isinstance(vocab, int) and not isinstance(vocab, bool) and i >= vocab:
+                raise DFlashError(f"{i} is outside the vocabulary (vocab_size {vocab})", path=path,
+                                  field="eos_token_id")
             if i not in ids:
                 ids.append(i)
     return ids

@@ -12,6 +12,8 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
+import math
+
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
@@ -53,9 +55,25 @@ def rope_parameters_of(cfg: dict, path, model_type: str = "qwen3") -> dict:
     return params
 
 
+def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
+    """(field, reason) when the RoPE base of these standardized parameters (of each layer type's, when per layer type)
+    is not a positive finite number: a base of 0, below 0 or NaN makes every cos/sin table NaN, one that is not a
+    number cannot be computed with. `field`: the key the settings came from (`rope_source_field`)."""
+    name = "rope_parameters.rope_theta" if field == "rope_parameters" else "rope_theta"
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    for p in params.values() if per_type else [params]:
+        theta = p.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            return name, f"expected a positive number (the RoPE base), got {theta!r}"
+    return None
+
+
 def rope_problem(params: dict, field: str = "rope_parameters", partial_ok: bool = False) -> tuple[str, str] | None:
     """(field, reason) when these standardized RoPE parameters cannot be honoured exactly; None when they can.
     `partial_ok`: a partial rotary factor is honoured (hybrid targets' gated attention: export/linear_attention.py)."""
+    theta = rope_theta_problem(params, field)
+    if theta:
+        return theta
     if params and all(isinstance(v, dict) for v in params.values()):
         return field, f"per-layer-type RoPE ({sorted(params)}) is not supported"
     rope_type = params.get("rope_type", "default")
@@ -92,4 +110,4 @@ def rope_inverse_frequencies(params: dict, head_dim: int, max_position_embedding
 
 
 __all__ = ["STATIC_ROPE_TYPES", "hf_config", "rope_parameters_of", "rope_problem", "rope_source_field",
-           "legacy_rope_fields", "rope_inverse_frequencies"]
+           "rope_theta_problem", "legacy_rope_fields", "rope_inverse_frequencies"]

@@ -20,9 +20,10 @@ from dflash_export.files import native_path, read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
-from dflash_export.models.rope import hf_config
+from dflash_export.models.rope import hf_config, rope_source_field, rope_theta_problem
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.weights import (
+    INTEGER_DTYPES,
     SAFETENSORS_DTYPES,
     check_finite,
     dtype_name,
@@ -107,8 +108,9 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
 def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     """The family's layer settings, read through transformers' config class: `layer_types` one known kind per layer,
     value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers, a positive SwiGLU clamp
-    (gpt-oss), each token routed to 1..num_experts experts, and no setting the exported graphs would ignore (an
-    activation other than SiLU, biases they do not add). `where(key)` spells a key as config.json does."""
+    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base and RMSNorm epsilon, and no setting
+    the exported graphs would ignore (an activation other than SiLU, biases they do not add). `where(key)` spells a
+    key as config.json does."""
     arch = ARCHS[cfg["model_type"]]
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n):
@@ -125,6 +127,13 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
         if alias in cfg and key in cfg and cfg[alias] != cfg[key]:
             raise DFlashError(f"{cfg[alias]!r} disagrees with {key} {cfg[key]!r}, which transformers reads",
                               path=cfg_path, field=where(alias))
+    eps = getattr(hf, "rms_norm_eps", None)
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+        raise DFlashError(f"must be a positive finite number, got {eps!r}", path=cfg_path, field=where("rms_norm_eps"))
+    rope = rope_theta_problem(dict(getattr(hf, "rope_parameters", None) or {}), rope_source_field(cfg))
+    if rope:  # a base of 0, below 0, NaN or not a number: the model computes NaN (or nothing) at every position
+        key, _, rest = rope[0].partition(".")
+        raise DFlashError(rope[1], path=cfg_path, field=where(key) + (f".{rest}" if rest else ""))
     own_activation = arch.moe is not None and arch.moe.swiglu_limit is not None  # gpt-oss's experts: hidden_act unread
     if not own_activation and getattr(hf, "hidden_act", "silu") != "silu":
         raise DFlashError(f"{hf.hidden_act!r}: the exported MLPs are SiLU-gated", path=cfg_path,
@@ -269,9 +278,9 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
     or a hybrid's Gated DeltaNet) and the MLP its family gives it (dense, or a mixture of experts), every tensor of
     them with the shape the config's sizes give, and nothing transformers would drop. transformers would otherwise
     fail with its own text, or load a model the config does not describe (layers past num_hidden_layers dropped, a
-    missing tensor initialized afresh). A quantized checkpoint (`quantization_config`) stores its tensors as its
-    quantizer does: only the shapes of the tensors it holds under their plain names are checked. One DFlashError per
-    disagreement, at most one per tensor kind; [] when the weights fit."""
+    missing tensor initialized afresh), and each stored as floats. A quantized checkpoint (`quantization_config`)
+    stores its tensors as its quantizer does: only the shapes of the tensors it holds under their plain names are
+    checked. One DFlashError per disagreement, at most one per tensor kind; [] when the weights fit."""
     tensors = tensor_headers(model_dir)
     vocab, hidden, n_layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
     embed = _embedding_name(tensors)
@@ -282,7 +291,12 @@ def target_weight_problems(model_dir: Path, cfg: dict[str, Any], cfg_path: Path)
     quantized = cfg.get("quantization_config") is not None
 
     def shape_problem(name: str, want: tuple[int, ...], spelled: str) -> bool:
-        shape, _, f = tensors[name]
+        shape, dtype, f = tensors[name]
+        if not quantized and dtype in INTEGER_DTYPES:
+            problems.append(DFlashError(f"stored as {dtype}, but {cfg_path.name} describes a model that is not "
+                                        f"quantized (no quantization_config): its weights are floating point",
+                                        path=f, field=name))
+            return True
         if shape == want:
             return False
         problems.append(DFlashError(f"shape {list(shape)} != {spelled} = {list(want)} of {cfg_path.name}", path=f,

@@ -26,6 +26,10 @@ _DTYPE_BITS = {
     "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
 
+# The integer and boolean dtypes: no weight of a model that is not quantized is stored so (its values are floats;
+# a header that says I32 for float32 bytes would make every value a huge integer, finite and silently wrong).
+INTEGER_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
 
 class _DuplicateKey(Exception):
     pass
