@@ -393,16 +393,13 @@ def test_kv_buffers_are_reported_at_every_resize_and_freed_when_the_batch_emptie
     assert seen[-1] == (0, 0, 0) and batch.kv_bytes == 0
 
 
-def test_the_buffers_hold_the_rows_the_sequences_reached_not_the_rows_they_may_reach(built, reference, monkeypatch):
+def test_the_buffers_hold_the_rows_the_sequences_reached_not_the_rows_they_may_reach(built, reference):
     """Every call of a batch attends over its buffers' whole length, so they follow the sequences: a request that may
     run to max_seq_len (a chat request without max_tokens) takes no more rows than its prompt and a step need, grows
     them by at most 64 rows past what a step needs as it goes, and once the longest sequence leaves the rest get
     shorter buffers back; every request's tokens are still those it gets alone."""
-    from dflash_export.engines import ort_batch
-
     _, eng, _ = built
     bs, align = eng.info.block_size, BatchedOrtEngine.key_align
-    monkeypatch.setattr(ort_batch, "MIN_ROWS", align)  # the tiny target's max_seq_len is a few hundred tokens
     caps = []
     rt = BatchingRuntime(eng, max_batch=2)
     rt.batch.on_resize = lambda nbytes, slots, cap: caps.append(cap)

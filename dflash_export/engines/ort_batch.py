@@ -121,8 +121,6 @@ class BatchSeq(Sequence):
         return self.ctx_parts[0]
 
 
-# The fewest target K/V rows a batch's buffers shrink to once their longest sequence has left (BatchedEngine._fit_rows)
-MIN_ROWS = 256
 # The target buffers' rows grow and shrink in steps of this many (and of key_align): every batched call's attention
 # runs over all of them, and a resize copies the buffers about as one call copies its past into the scores' keys, so
 # a resize every ROW_STEP rows costs less than attending over rows no sequence has reached (benchmarks/kv_rows.py)
@@ -434,12 +432,12 @@ class BatchedEngine:
             self._fit_rows()
 
     def _fit_rows(self) -> None:
-        """Shorten the target buffers to what the longest sequence left needs (its rows and a block, at least
-        MIN_ROWS) once that gives up two ROW_STEPs or more: the longest sequence has left, and the rest (or the next
-        requests, where the buffers outlive an empty batch) would otherwise attend over its rows."""
+        """Shorten the target buffers to what the longest sequence left needs (its rows and a block) once that gives
+        up two ROW_STEPs or more: the longest sequence has left, and the rest (or the next requests, where the buffers
+        outlive an empty batch) would otherwise attend over its rows."""
         b = self._buf
         need = max((s.length for s in self.seqs), default=0) + self.info.block_size
-        rows = self._rows(max(MIN_ROWS, need))
+        rows = self._rows(need)
         if b.slots and rows + 2 * ROW_STEP <= b.t_cap:
             self._resize(b.slots, rows, min(b.d_cap, rows))
 
