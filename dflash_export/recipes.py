@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 import re
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,15 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
 DTYPES = ("float32", "float16", "bfloat16")
 PRECISIONS = ("fp32", "int8", "int4")  # ONNX Runtime engines: weight precision (activations stay fp32)
+# Most prompts a train count may ask for (ShareGPT holds fewer than 20 000 records; synthetic prompts are made in
+# memory all at once), as decoding.static_prompts
+MAX_PROMPTS = 100_000
+
+# A value quoted in an error: a few elements and characters of it, never the whole of a large value (an alias of an
+# alias in YAML makes a list of a billion elements from a few lines)
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 2, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
 
 
 @dataclass
@@ -178,8 +188,8 @@ def _check(value, typ, path: Path, name: str):
             # YAML 1.1, which PyYAML reads, takes an exponent without a dot (1e-4) for text
             text = value.strip()
             hint = f"; YAML reads {text} as text, write it with a dot: {re.sub('[eE]', '.0e', text, count=1)}"
-        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({value!r}){hint}", path=path,
-                          field=name)
+        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({_SHORT_REPR.repr(value)}){hint}",
+                          path=path, field=name)
     return value
 
 
@@ -240,6 +250,29 @@ def _cli_source(value: str | None) -> str | None:
     return v if is_hf_id(v) else SourcePath(Path(v).resolve())
 
 
+def _recipe_loader():
+    """PyYAML's safe loader (no tag constructs a Python object) that refuses a key given twice in one mapping: plain
+    YAML keeps the last one silently, so a recipe would train with a value its reader did not see."""
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:  # before merges (<<) are flattened in: a merged key may be overridden
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = (key_node.tag, key_node.value)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark, f"duplicate key {key_node.value!r}",
+                            key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return RecipeLoader
+
+
 def _load_recipe_file(name_or_path) -> Recipe:
     import yaml
 
@@ -263,7 +296,7 @@ def _load_recipe_file(name_or_path) -> Recipe:
     except UnicodeDecodeError as e:
         raise DFlashError(f"not UTF-8 text (byte {e.start}): a recipe is YAML", path=p) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_recipe_loader())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "YAML"
@@ -317,12 +350,13 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "trtllm.cuda_graph_batch_sizes[]": (1, None, False),
     "trtllm.tensor_parallel_size": (1, None, False),
     # train
-    "train.num_prompts": (0, None, False),                # 0: teacher-forced data only (checked together below)
-    "train.heldout_prompts": (1, None, False),            # the best drafter is chosen (and exported) on these
-    "train.max_prompt_tokens": (1, None, False),
-    "train.max_new_tokens": (2, None, False),             # a training block needs an anchor and one label
-    "train.teacher_forced_prompts": (0, None, False),
-    "train.max_reply_tokens": (2, None, False),           # shorter replies are dropped (train.sharegpt_reply_ids)
+    "train.num_prompts": (0, MAX_PROMPTS, False),         # 0: teacher-forced data only (checked together below)
+    "train.heldout_prompts": (1, MAX_PROMPTS, False),     # the best drafter is chosen (and exported) on these
+    # a prompt and its answer are one sequence, which no engine holds beyond MAX_SEQ_LEN positions
+    "train.max_prompt_tokens": (1, MAX_SEQ_LEN, False),
+    "train.max_new_tokens": (2, MAX_SEQ_LEN, False),      # a training block needs an anchor and one label
+    "train.teacher_forced_prompts": (0, MAX_PROMPTS, False),
+    "train.max_reply_tokens": (2, MAX_SEQ_LEN, False),    # shorter replies are dropped (train.sharegpt_reply_ids)
     "train.gen_batch_size": (1, None, False),
     "train.soft_topk": (1, None, False),
     "train.draft_layers": (1, None, False),

@@ -69,3 +69,36 @@ def test_bad_decoding_options_name_the_field(tmp_path, line, field):
     y.write_text("name: bad\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + line)
     with pytest.raises(DFlashError, match=field.replace(".", r"\.")):
         load_recipe(y)
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("train:\n  steps: 6\n  lr: 0.1\n  steps: 7\n", 7, "steps"),      # YAML itself would keep the last one
+    ("max_seq_len: 64\nmax_seq_len: 128\n", 5, "max_seq_len"),
+])
+def test_a_key_given_twice_is_one_line_naming_its_line(tmp_path, text, line, key):
+    y = tmp_path / "twice.yaml"
+    y.write_text("name: twice\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + text)
+    r = _cli("reference", "--recipe", str(y))
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr == f"error: {y}: line {line}: invalid YAML (duplicate key '{key}')\n", r.stderr
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path):
+    y = tmp_path / "merge.yaml"
+    y.write_text("name: merge\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n"
+                 "train:\n  <<: {steps: 60, lr: 0.1}\n  steps: 70\n")
+    r = load_recipe(y)
+    assert (r.train.steps, r.train.lr) == (70, 0.1)
+
+
+def test_a_value_of_the_wrong_type_is_quoted_short_however_large(tmp_path):
+    # ten lines of anchors and aliases make a list of 10**7 elements; the error quotes a few of them
+    anchors = "backends: [&a0 [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
+        f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 7)) + "]\n"
+    y = tmp_path / "aliases.yaml"
+    y.write_text(anchors + "name: *a6\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n")
+    with pytest.raises(DFlashError) as e:
+        load_recipe(y)
+    message = str(e.value)
+    assert message.startswith(f"{y}: name: expected str, got list ([[[...], [...], [...], [...], ...], "), message
+    assert len(message) < len(str(y)) + 200, message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import FiniteFloat
+from dflash_export.recipes import MAX_PROMPTS
 
 SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that module pulls in torch)
 
@@ -26,7 +27,8 @@ SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint in the work directory.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Checkpoints + training log (default: <cache>/train/<recipe>-seed<seed>).")
-@click.option("--num-prompts", type=click.IntRange(0), default=None, help="Training prompts (default: the recipe's).")
+@click.option("--num-prompts", type=click.IntRange(0, MAX_PROMPTS), default=None,
+              help="Training prompts (default: the recipe's).")
 @click.option("--data-only", is_flag=True, help="Only generate (and cache) the training data, then stop.")
 @click.option("--no-generate", is_flag=True,
               help="Train on the data already cached (e.g. while another process is still generating).")
