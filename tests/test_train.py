@@ -570,9 +570,9 @@ def own_cache(tmp_path, monkeypatch):
     ("lr", float("inf"), "must be a finite number"),
     ("batch_size", 0, "must be >= 1"),
     ("soft_topk", 0, "must be >= 1"),
-    ("max_new_tokens", 0, "must be >= 2"),
-    ("max_prompt_tokens", 0, "must be >= 1"),
-    ("max_reply_tokens", 1, "must be >= 2"),
+    ("max_new_tokens", 0, "must be in [2, 1048576]"),
+    ("max_prompt_tokens", 0, "must be in [1, 1048576]"),
+    ("max_reply_tokens", 1, "must be in [2, 1048576]"),
     ("target_layer_ids", [], "must not be empty"),
     ("target_layer_ids", [0, 1, 2, 3, 4, 5, 5], "duplicate layer ids [5]"),
     ("target_layer_ids", [1, -1], "must be >= 0"),
@@ -584,10 +584,10 @@ def own_cache(tmp_path, monkeypatch):
     ("soft_weight", -0.1, "must be in [0, 1]"),
     ("gamma", -1, "must be > 0"),
     ("gamma", 0, "must be > 0"),
-    ("heldout_prompts", -1, "must be >= 1"),
-    ("heldout_prompts", 0, "must be >= 1"),
-    ("num_prompts", -3, "must be >= 0"),
-    ("teacher_forced_prompts", -1, "must be >= 0"),
+    ("heldout_prompts", -1, "must be in [1, 100000]"),
+    ("heldout_prompts", 0, "must be in [1, 100000]"),
+    ("num_prompts", -3, "must be in [0, 100000]"),
+    ("teacher_forced_prompts", -1, "must be in [0, 100000]"),
     ("draft_layers", 0, "must be >= 1"),
     ("block_size", 1, "must be >= 2"),
     ("mask_token_id", -1, "must be >= 0"),
@@ -596,6 +596,13 @@ def own_cache(tmp_path, monkeypatch):
     ("lr_decay_steps", 3, "must be > train.warmup_steps (5)"),
     ("lr_min_ratio", 1.5, "must be in [0, 1]"),
     ("seed", -1, "must be in [0, 4294967295]"),
+    # huge counts and lengths: synthetic prompts are all made in memory, a prompt and its answer are one sequence
+    ("num_prompts", 10**15, "must be in [0, 100000], got 1000000000000000"),
+    ("heldout_prompts", 10**15, "must be in [1, 100000], got 1000000000000000"),
+    ("teacher_forced_prompts", 100_001, "must be in [0, 100000], got 100001"),
+    ("max_new_tokens", 10**15, "must be in [2, 1048576], got 1000000000000000"),
+    ("max_prompt_tokens", 2**20 + 1, "must be in [1, 1048576], got 1048577"),
+    ("max_reply_tokens", 10**9, "must be in [2, 1048576], got 1000000000"),
 ])
 def test_bad_recipe_train_value_is_one_line_before_any_work(tmp_path, own_cache, field, value, message):
     recipe = _tiny_recipe(tmp_path, **{field: value})
@@ -656,7 +663,7 @@ def test_shipped_recipes_pass_the_range_checks():
     ["--minutes", "nan"], ["--minutes", "inf"], ["--minutes", "0"], ["--minutes", "-1"],
     ["--checkpoint-minutes", "nan"], ["--checkpoint-minutes", "inf"], ["--checkpoint-minutes", "0"],
     ["--steps", "-1"], ["--threads", "0"], ["--threads", "-2"], ["--num-prompts", "-3"], ["--seed", "-1"],
-    ["--seed", str(2**40)],
+    ["--seed", str(2**40)], ["--num-prompts", "100001"],
 ])
 def test_bad_train_option_is_a_usage_error_before_any_work(tmp_path, own_cache, args):
     recipe = _tiny_recipe(tmp_path)
@@ -670,6 +677,7 @@ def test_bad_train_option_is_a_usage_error_before_any_work(tmp_path, own_cache, 
     (dict(checkpoint_minutes=float("inf")), "--checkpoint-minutes"), (dict(steps=-1), "--steps"),
     (dict(threads=0), "--threads"), (dict(num_prompts=-3), "--num-prompts"), (dict(seed=-1), "--seed"),
     (dict(num_prompts=0), "--num-prompts"),  # and the recipe has no teacher-forced prompts: nothing to train on
+    (dict(num_prompts=100_001), "--num-prompts"),
 ])
 def test_run_train_checks_its_options_too(tmp_path, own_cache, kwargs, option):
     from dflash_export.train.stage import run_train
@@ -784,6 +792,20 @@ def _corrupt(work: Path, kind: str) -> Path:
         torch.save({"step": "three"}, state)
     elif kind == "state-seed-not-a-seed":
         torch.save({**torch.load(state, weights_only=True), "seed": "seven"}, state)
+    elif kind in ("state-seed-too-large", "state-best-not-a-number", "state-betas-not-a-pair", "state-lr-not-a-number",
+                  "state-optimizer-step-not-a-count"):
+        s = torch.load(state, weights_only=True)
+        if kind == "state-seed-too-large":
+            s["seed"] = 2**70  # no --seed could resume it
+        elif kind == "state-best-not-a-number":
+            s["best"] = {"tau_est": "high"}
+        elif kind == "state-betas-not-a-pair":
+            s["optimizer"]["param_groups"][0]["betas"] = "x"
+        elif kind == "state-lr-not-a-number":
+            s["optimizer"]["param_groups"][0]["lr"] = "x"
+        else:
+            s["optimizer"]["state"][0]["step"] = "x"
+        torch.save(s, state)
     elif kind == "state-optimizer-mismatch":
         s = torch.load(state, weights_only=True)
         s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
@@ -799,6 +821,8 @@ def _corrupt(work: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("kind", ["state-truncated", "state-garbage", "state-empty", "state-missing",
                                   "state-not-a-state", "state-seed-not-a-seed", "state-optimizer-mismatch",
+                                  "state-seed-too-large", "state-best-not-a-number", "state-betas-not-a-pair",
+                                  "state-lr-not-a-number", "state-optimizer-step-not-a-count",
                                   "weights-truncated",
                                   "weights-garbage"])
 def test_corrupt_checkpoint_is_one_line_on_resume(tmp_path, own_cache, pristine_checkpoint, kind):
@@ -912,6 +936,10 @@ def test_a_rerun_starts_its_own_curve_and_a_resumed_one_drops_what_followed_the_
     assert [json.loads(line) for line in log.read_text().splitlines()] == records[:2]
     _start_curve(log, 0)
     assert log.read_text() == ""
+    # a damaged log (bytes that are not UTF-8) loses only its damaged lines
+    log.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records[:2]) + b"\xff\xfe{\"step\": 3}\n")
+    _start_curve(log, 10)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == records[:2]
 
 
 def test_a_checkpoint_torch_cannot_write_is_one_error_naming_it(tmp_path, monkeypatch, tiny_qwen3):
@@ -1192,6 +1220,22 @@ def test_a_training_step_out_of_memory_names_the_batch_size(tmp_path, own_cache)
     r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
     assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
     assert r.output.startswith(f"error: {recipe}: train.batch_size: out of memory"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_data_generation_out_of_memory_names_the_generation_batch(tmp_path, own_cache, monkeypatch):
+    from dflash_export.train import own_answers
+
+    def no_memory(*a, **k):  # what torch's CPU allocator raises for a K/V cache that does not fit
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 256000000000004096 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(own_answers, "SlotCache", no_memory)
+    recipe = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=1, max_new_tokens=4)
+    r = _train_cli("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {recipe}: train.gen_batch_size: out of memory generating training data"), \
+        r.output
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
 
 

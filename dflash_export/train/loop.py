@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,24 +206,62 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
     wall = state.get("wall_s", 0.0)
     if not isinstance(wall, (int, float)) or not math.isfinite(wall):
         return f"wall_s {wall!r} is not a number"
-    if not isinstance(state.get("best", {}), dict):
+    best = state.get("best", {})
+    if not isinstance(best, dict):
         return "best is not a dict"
+    tau = best.get("tau_est", 0.0)  # the held-out score each evaluation is compared with
+    if not _is_real(tau) or not math.isfinite(tau):
+        return f"best tau_est {tau!r} is not a number"
     if not isinstance(state.get("target", ""), str):
         return "target is not a string"
     seed = state.get("seed", 0)  # absent from checkpoints written before the seed was kept
-    if not is_int(seed) or seed < 0:
+    if not is_int(seed) or not 0 <= seed <= 2**32 - 1:  # the range of --seed (stage.SEED_MAX)
         return f"seed {seed!r} is not a seed"
     opt = state.get("optimizer")
     try:
         ids = [i for g in opt["param_groups"] for i in g["params"]]
         if len(ids) != len(params):
             return f"optimizer state for {len(ids)} tensors, the drafter has {len(params)}"
+        problem = _optimizer_groups_problem(opt["param_groups"], params)
+        if problem:
+            return problem
         for i, p in zip(ids, params):
             for key, v in opt["state"].get(i, {}).items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.shape != p.shape:
+                if not isinstance(v, torch.Tensor) or (key == "step" and v.numel() != 1):
+                    return f"optimizer {key} is not a {'step count' if key == 'step' else 'tensor'}"
+                if key != "step" and v.shape != p.shape:
                     return f"optimizer {key} of shape {tuple(v.shape)} for a parameter of shape {tuple(p.shape)}"
     except (TypeError, KeyError, AttributeError):
         return "no usable optimizer state"
+    return None
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _optimizer_groups_problem(groups, params: Sequence[torch.nn.Parameter]) -> str | None:
+    """What is wrong with the saved param_groups of the AdamW optimizer train_drafter makes, or None: each setting it
+    reads must be there and of the kind a new optimizer's is (a flag a bool, a rate a finite number, betas a pair)."""
+    fresh = torch.optim.AdamW(params).param_groups[0]  # no state until a step: the parameters are not touched
+    for g in groups:
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key not in g:
+                return f"optimizer setting {key} is missing"
+        for key, v in g.items():
+            if key == "params" or key not in fresh:
+                continue
+            want = fresh[key]
+            if isinstance(want, bool) or want is None:
+                ok, kind = isinstance(v, bool) or (want is None and v is None), "true or false"
+            elif isinstance(want, tuple):
+                ok = isinstance(v, (tuple, list)) and len(v) == len(want) and all(
+                    _is_real(x) and math.isfinite(x) for x in v)
+                kind = f"{len(want)} numbers"
+            else:
+                ok, kind = _is_real(v) and math.isfinite(v), "a number"
+            if not ok:
+                return f"optimizer setting {key} {reprlib.repr(v)} is not {kind}"
     return None
 
 

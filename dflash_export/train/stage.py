@@ -18,7 +18,7 @@ from dflash_export.files import atomic_file, cache_dir, check_output_dir, removi
 from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
 from dflash_export.models.target import load_target
-from dflash_export.recipes import load_recipe
+from dflash_export.recipes import MAX_PROMPTS, load_recipe
 from dflash_export.train.data import (
     answers_dir,
     data_dir,
@@ -108,6 +108,8 @@ def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, se
     for option, v, low in (("--steps", steps, 0), ("--threads", threads, 1), ("--num-prompts", num_prompts, 0)):
         if v is not None and (not is_int(v) or v < low):
             bad(option, f"must be an integer >= {low}, got {v!r}")
+    if num_prompts is not None and num_prompts > MAX_PROMPTS:
+        bad("--num-prompts", f"must be an integer in [0, {MAX_PROMPTS}], got {num_prompts!r}")
     if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_MAX):
         bad("--seed", f"must be an integer in [0, {SEED_MAX}], got {seed!r}")
     for option, v in (("--minutes", minutes), ("--checkpoint-minutes", checkpoint_minutes)):
@@ -256,8 +258,15 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                 if n == 0:
                     continue
                 progress = _progress(bar, bar.add_task(name, total=n, info=""), name, console, log_lines=data_only)
-                _make_data(target, opts, src, directory, tap_ids, n, tf, kind,
-                           part if kind == src_name else (0, 1), progress)
+                try:
+                    _make_data(target, opts, src, directory, tap_ids, n, tf, kind,
+                               part if kind == src_name else (0, 1), progress)
+                except (MemoryError, RuntimeError) as e:
+                    if not _out_of_memory(e):
+                        raise
+                    raise DFlashError("out of memory generating training data (gen_batch_size answers of up to "
+                                      "max_prompt_tokens + max_new_tokens tokens at once); lower train.gen_batch_size "
+                                      "(or max_new_tokens)", path=recipe.path, field="train.gen_batch_size") from None
         heldout = load_shards(hdir, target.vocab_size, tap_width)[: opts.heldout_prompts] if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
@@ -280,7 +289,7 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                                    progress=lambda s, loss: bar.update(task, completed=s, info=f"loss {loss:.3f}"),
                                    log=_curve_logger(work / "curve.jsonl", bar))
         except (MemoryError, RuntimeError) as e:
-            if not isinstance(e, MemoryError) and "can't allocate memory" not in str(e):
+            if not _out_of_memory(e):
                 raise
             raise DFlashError("out of memory for a training step; lower train.batch_size (or blocks_per_seq, "
                               "block_size)", path=recipe.path, field="train.batch_size") from None
@@ -289,6 +298,11 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
                   f"at step {result['best'].get('step')})")
     return result
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is the CPU running out of memory: Python's MemoryError, or torch's allocator failing."""
+    return isinstance(e, MemoryError) or "can't allocate memory" in str(e)
 
 
 def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool, init_from, console,
@@ -362,10 +376,11 @@ def _start_curve(log_path: Path, first: int) -> None:
         return
     kept = []
     if first > 0:
-        for line in log_path.read_text(encoding="utf-8").splitlines():
+        # bytes that are not UTF-8 (the log is ASCII JSON: a damaged file) spoil only their own line, dropped below
+        for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 rec = json.loads(line)
-            except ValueError:  # the half line of a run killed while writing it
+            except ValueError:  # the half line of a run killed while writing it, or a damaged one
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= first:
                 kept.append(line + "\n")
