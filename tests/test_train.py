@@ -997,6 +997,19 @@ def test_out_and_work_dir_overlapping_the_target_or_each_other_are_refused(tmp_p
     _assert_nothing_written(tmp_path)
 
 
+def test_a_work_dir_whose_curve_is_not_a_file_is_refused_before_any_work(tmp_path, own_cache):
+    """The curve is appended to at every record: a directory in its place is one line naming it before the data
+    are made, not an error after the training."""
+    work = tmp_path / "w"
+    (work / "curve.jsonl").mkdir(parents=True)
+    recipe = _dir_target_recipe(tmp_path, _dir_target(tmp_path))
+    r = _train_cli("--recipe", recipe, "--work-dir", work, "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output == f"error: {work / 'curve.jsonl'}: --work-dir: is not a file: the training curve is appended " \
+                       f"to it\n", r.output
+    assert not (tmp_path / "o").exists() and sorted(p.name for p in work.iterdir()) == ["curve.jsonl"]
+
+
 def test_cached_data_are_keyed_by_the_targets_weights_not_only_its_path(tmp_path, monkeypatch):
     import hashlib
 

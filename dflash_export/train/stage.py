@@ -165,6 +165,9 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
     if not data_only:
         check_output_dir(work, "--work-dir")
         check_output_dir(out, "--out", command="train", is_previous_output=is_drafter_dir, replaced=True)
+        curve = work / "curve.jsonl"
+        if os.path.lexists(curve) and not curve.is_file():  # found only at the first record, after the data
+            raise DFlashError("is not a file: the training curve is appended to it", path=curve, field="--work-dir")
     if threads:
         torch.set_num_threads(threads)
 
