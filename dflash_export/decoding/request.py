@@ -48,6 +48,16 @@ def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_number(v) -> bool:
+    """An integer or a float, not a boolean."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_positive_number(v) -> bool:
+    """A number above 0 and finite (NaN is not)."""
+    return is_number(v) and 0 < v < math.inf
+
+
 def shown(v) -> str:
     """A number as an error message quotes it: an integer of JSON's unbounded length cut to its first and last
     digits (a 4000-digit value would otherwise fill the message); a float in `g` form where that is its exact value,

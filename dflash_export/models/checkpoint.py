@@ -479,17 +479,19 @@ def _lint_rope(findings: _Findings, c: DrafterConfig, tcfg: dict, tcfg_path: Pat
     except DFlashError as e:
         findings.err(e.field or "config", e.message, file=tcfg_path)
         t_rope = None
-    if t_rope is not None:
-        hybrid = getattr(ARCHS.get(tcfg["model_type"]), "hybrid", None) is not None  # partial RoPE: its own graph
-        problem = rope_problem(t_rope, rope_source_field(tcfg), partial_ok=hybrid)
-        if problem:
-            findings.err(problem[0], problem[1], file=tcfg_path)
-    if t_rope is not None and rope_theta_problem(t_rope, rope_source_field(tcfg)) is None:  # a base to compare with
-        t_theta, t_scaling = legacy_rope_fields(t_rope)
-        if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
-            findings.err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
-        if _rope_scaling_key(c.rope_scaling) != _rope_scaling_key(t_scaling):
-            findings.err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
+    if t_rope is None:
+        return
+    hybrid = getattr(ARCHS.get(tcfg["model_type"]), "hybrid", None) is not None  # partial RoPE: its own graph
+    problem = rope_problem(t_rope, rope_source_field(tcfg), partial_ok=hybrid)
+    if problem:
+        findings.err(problem[0], problem[1], file=tcfg_path)
+    if rope_theta_problem(t_rope, rope_source_field(tcfg)):  # no base to compare with (named above)
+        return
+    t_theta, t_scaling = legacy_rope_fields(t_rope)
+    if abs(c.rope_theta - t_theta) > 1e-6 * max(1.0, t_theta):
+        findings.err("rope_theta", f"{c.rope_theta:g} != target rope_theta {t_theta:g}")
+    if _rope_scaling_key(c.rope_scaling) != _rope_scaling_key(t_scaling):
+        findings.err("rope_scaling", f"{c.rope_scaling} != target rope_scaling {t_scaling}")
 
 
 def _lint_hidden_size(findings: _Findings, c: DrafterConfig, t_hidden: int) -> None:

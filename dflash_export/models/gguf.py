@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash_export.decoding.request import is_int
+from dflash_export.decoding.request import is_int, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.arch import ARCHS, sliding_windows
@@ -229,7 +229,7 @@ def check_gguf_metadata(meta: dict, path: Path) -> None:
              "(the HF model has one head_dim)")
     for name in ("rope.freq_base", "attention.layer_norm_rms_epsilon"):
         v = meta.get(f"{arch}.{name}")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+        if v is not None and not is_positive_number(v):
             fail(f"{arch}.{name}", f"expected a positive number, got {v!r}")
     vocab = _check_tokenizer(meta, path)
     if meta.get(f"{arch}.vocab_size", vocab) != vocab:

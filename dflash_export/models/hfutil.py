@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 
@@ -26,7 +27,7 @@ def stop_token_ids_of(model_dir: Path, cfg: dict) -> list[int]:
             raise DFlashError(f"expected a token id or a list of them, got {eos!r}", path=path,
                               field="eos_token_id")
         for i in eos or []:
-            if isinstance(vocab, int) and not isinstance(vocab, bool) and i >= vocab:
+            if is_int(vocab) and i >= vocab:
                 raise DFlashError(f"{i} is outside the vocabulary (vocab_size {vocab})", path=path,
                                   field="eos_token_id")
             if i not in ids:

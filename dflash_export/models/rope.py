@@ -12,8 +12,7 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
-import math
-
+from dflash_export.decoding.request import is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
@@ -63,7 +62,7 @@ def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[st
     per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
     for p in params.values() if per_type else [params]:
         theta = p.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        if not is_positive_number(theta):
             return name, f"expected a positive number (the RoPE base), got {theta!r}"
     return None
 

@@ -7,14 +7,13 @@ Taps follow the +1 convention: `target_layer_ids` name a decoder layer's *output
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from dflash_export.decoding.request import is_int
+from dflash_export.decoding.request import is_int, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import native_path, read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
@@ -128,7 +127,7 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
             raise DFlashError(f"{cfg[alias]!r} disagrees with {key} {cfg[key]!r}, which transformers reads",
                               path=cfg_path, field=where(alias))
     eps = getattr(hf, "rms_norm_eps", None)
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+    if eps is not None and not is_positive_number(eps):
         raise DFlashError(f"must be a positive finite number, got {eps!r}", path=cfg_path, field=where("rms_norm_eps"))
     rope = rope_theta_problem(dict(getattr(hf, "rope_parameters", None) or {}), rope_source_field(cfg))
     if rope:  # a base of 0, below 0, NaN or not a number: the model computes NaN (or nothing) at every position
@@ -156,8 +155,7 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
                           path=cfg_path, field=where("sliding_window"))
     if arch.moe is not None and arch.moe.swiglu_limit:
         limit = getattr(hf, arch.moe.swiglu_limit, None)
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                                  or not 0 < limit < math.inf):
+        if limit is not None and not is_positive_number(limit):
             raise DFlashError(f"must be a positive number (the experts clamp to it), got {limit!r}", path=cfg_path,
                               field=where(arch.moe.swiglu_limit))
     if arch.moe is not None:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from dflash_export.decoding.prompt_lookup import lookup_proposal
-from dflash_export.decoding.request import is_int
+from dflash_export.decoding.request import is_int, is_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
 from dflash_export.models.checkpoint import load_drafter
@@ -210,7 +210,7 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
     if not isinstance(best, dict):
         return "best is not a dict"
     tau = best.get("tau_est", 0.0)  # the held-out score each evaluation is compared with
-    if not _is_real(tau) or not math.isfinite(tau):
+    if not is_number(tau) or not math.isfinite(tau):
         return f"best tau_est {tau!r} is not a number"
     if not isinstance(state.get("target", ""), str):
         return "target is not a string"
@@ -236,10 +236,6 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
     return None
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _optimizer_groups_problem(groups, params: Sequence[torch.nn.Parameter]) -> str | None:
     """What is wrong with the saved param_groups of the AdamW optimizer train_drafter makes, or None: each setting it
     reads must be there and of the kind a new optimizer's is (a flag a bool, a rate a finite number, betas a pair)."""
@@ -256,10 +252,10 @@ def _optimizer_groups_problem(groups, params: Sequence[torch.nn.Parameter]) -> s
                 ok, kind = isinstance(v, bool) or (want is None and v is None), "true or false"
             elif isinstance(want, tuple):
                 ok = isinstance(v, (tuple, list)) and len(v) == len(want) and all(
-                    _is_real(x) and math.isfinite(x) for x in v)
+                    is_number(x) and math.isfinite(x) for x in v)
                 kind = f"{len(want)} numbers"
             else:
-                ok, kind = _is_real(v) and math.isfinite(v), "a number"
+                ok, kind = is_number(v) and math.isfinite(v), "a number"
             if not ok:
                 return f"optimizer setting {key} {reprlib.repr(v)} is not {kind}"
     return None
