@@ -96,3 +96,17 @@ def test_source_that_runs_dry_exactly_when_the_batch_empties_ends_cleanly(tiny_q
     got = list(greedy_answers(target.hf, prompts, 3, [], batch_size=2))
     assert sorted(a.key for a in got) == [0, 1, 2, 3] and all(len(a.answer) == 3 for a in got)
     assert list(greedy_answers(target.hf, [], 3, [], batch_size=2)) == []
+
+
+def test_static_index_answers_that_fail_leave_no_empty_cache_folder(tmp_path, tiny_qwen3, monkeypatch):
+    from dflash_export.recipes import TrainOptions
+    from dflash_export.train import own_answers
+
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(own_answers, "SlotCache", no_memory)
+    with pytest.raises(MemoryError):
+        own_answers.static_index_answers(tiny_qwen3[0], TrainOptions(prompts="synthetic", max_new_tokens=4), 3)
+    assert not (tmp_path / "cache" / "train-data").exists()

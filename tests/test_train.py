@@ -1252,6 +1252,33 @@ def test_data_generation_out_of_memory_names_the_generation_batch(tmp_path, own_
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
 
 
+def test_failed_data_generation_keeps_its_finished_shards_and_no_empty_cache_folder(tmp_path, own_cache, monkeypatch):
+    from dflash_export.train import own_answers
+
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    recipe = _tiny_recipe(tmp_path, num_prompts=40, heldout_prompts=1, teacher_forced_prompts=2, max_new_tokens=4)
+    args = ("--recipe", recipe, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    data = tmp_path / "cache" / "train-data"
+    with monkeypatch.context() as m:  # the first answers (the held-out set's) fail: nothing was made
+        m.setattr(own_answers, "SlotCache", no_memory)
+        r = _train_cli(*args)
+    assert r.exit_code == 2 and "out of memory generating training data" in r.output, r.output
+    assert not data.exists()
+
+    real_save = own_answers._save
+    monkeypatch.setattr(own_answers, "_save", lambda path, rows: no_memory() if path.name == "answers-00001.pt"
+                        else real_save(path, rows))  # the train set's second shard of 32 fails
+    r = _train_cli(*args)
+    assert r.exit_code == 2 and "out of memory generating training data" in r.output, r.output
+    # every data set made so far, under its name less the key's digest: the train set's first shard, no empty folder
+    made = {re.sub(r"-[0-9a-f]{16}$", "", d.name): sorted(p.name for p in d.iterdir()) for d in data.iterdir()}
+    assert made == {"synthetic-heldout-s0": ["shard-00000.pt"], "synthetic-heldout-s0-answers": ["answers-00000.pt"],
+                    "synthetic-tf-s0": ["shard-00000.pt"],
+                    "synthetic-s0": ["shard-00000.pt"], "synthetic-s0-answers": ["answers-00000.pt"]}, made
+
+
 def test_sharegpt_prompts_all_longer_than_max_prompt_tokens_name_the_field(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

@@ -25,7 +25,7 @@ import torch
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
-from dflash_export.files import atomic_file
+from dflash_export.files import atomic_file, removing_new_dirs
 from dflash_export.train.data import TrainSequence, load_tensors, teacher_forced_sequences
 
 SHARD_SIZE = 32
@@ -400,8 +400,9 @@ def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
     if not prompts:
         raise DFlashError("the prompt set is empty", field="decoding.static_prompts")
     directory = answers_dir(target, train.max_prompt_tokens, train.max_new_tokens, source)
-    generate_answer_shards(target, prompts, directory, None, None, train.max_new_tokens, batch_size,
-                           progress=progress)
+    with removing_new_dirs(directory):  # a failed run leaves its finished shards, and no empty directory
+        generate_answer_shards(target, prompts, directory, None, None, train.max_new_tokens, batch_size,
+                               progress=progress)
     wanted = {key for key, _ in prompts[:num_prompts]}
     rows = [r for i in range(shards) for r in load_answers(directory / f"answers-{i:05d}.pt", target.vocab_size)]
     return [list(r["answer"]) for r in rows if r["index"] in wanted]

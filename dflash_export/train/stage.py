@@ -354,13 +354,17 @@ def _start_drafter(recipe, opts, target, mask_id: int, work: Path, resume: bool,
 def _make_data(target, opts, src, directory: Path, tap_ids, n: int, teacher_forced: bool, kind, part,
                progress) -> None:
     """One data set's shards: teacher-forced replies, or the target's own answers (tokens in pass 1, taps captured,
-    then any missing features in pass 2)."""
+    then any missing features in pass 2). A failed run leaves the shards it finished (the next run resumes from
+    them) and no cache directory it created empty."""
     if teacher_forced:
-        generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
-                        opts.soft_topk, teacher_forced=True, progress=progress)
-    else:
-        own_answer_data(target, src, directory, answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind),
-                        tap_ids, opts.max_new_tokens, n, opts.gen_batch_size, opts.soft_topk, progress, part=part)
+        with removing_new_dirs(directory):
+            generate_shards(target, src, directory, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                            opts.soft_topk, teacher_forced=True, progress=progress)
+        return
+    answers = answers_dir(target, opts.max_prompt_tokens, opts.max_new_tokens, kind)
+    with removing_new_dirs(directory), removing_new_dirs(answers):
+        own_answer_data(target, src, directory, answers, tap_ids, opts.max_new_tokens, n, opts.gen_batch_size,
+                        opts.soft_topk, progress, part=part)
 
 
 def _train_config(opts, seed: int, steps, minutes, checkpoint_minutes, target_key: str | None = None) -> TrainConfig:
