@@ -19,6 +19,7 @@ from dflash_export.decoding.options import DecodingOptions, decoding_problem
 from dflash_export.errors import DFlashError
 from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.models.sources import SourcePath, hf_snapshot, is_hf_id, split_pkg_spec
+from dflash_export.models.tiny import split_tiny_spec
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-llm")
@@ -114,8 +115,10 @@ class Recipe:
 
     def resolve(self, value: str) -> str:
         """Paths relative to the recipe file; schemes (tiny:, pkg:), absolute paths and Hugging Face ids found in the
-        local cache (`Qwen/Qwen3-8B`, see sources.hf_snapshot) as they are. Every unset environment variable of the
-        pair is named at once."""
+        local cache (`Qwen/Qwen3-8B`, see sources.hf_snapshot) as they are, a tiny: pair checked to exist. Every
+        unset environment variable of the pair is named at once."""
+        if value.startswith("tiny:") and not isinstance(value, SourcePath):
+            split_tiny_spec(value, self.path, "target" if value == self.target else "drafter")
         if value.startswith(("tiny:", "pkg:")) or isinstance(value, SourcePath):
             return value
         missing = self.missing_environment()

@@ -118,6 +118,22 @@ def test_a_malformed_pkg_source_is_one_line(tmp_path):
     assert f"{recipe}: target: 'pkg:foo' is not of the form pkg:DISTRIBUTION:FILE_SUFFIX" in line
 
 
+@pytest.mark.parametrize("field, source, says", [
+    ("target", "tiny:nope/target", "unknown tiny pair 'nope' (known: qwen3, llama, "),
+    ("drafter", "tiny:qwen3/draftr", "expected tiny:qwen3/target or tiny:qwen3/drafter"),
+])
+def test_an_unknown_tiny_source_names_the_recipe_field_in_every_command(tmp_path, field, source, says):
+    pair = {"target": "tiny:qwen3/target", "drafter": "tiny:qwen3/drafter", field: source}
+    recipe = _recipe(tmp_path, pair["target"], pair["drafter"])
+    commands = [["inspect"], ["reference"], ["export", "--out", tmp_path / "e"], ["build", "--out", tmp_path / "b"]]
+    if field == "target":  # train starts from a drafter made from the target: it never reads the recipe's
+        commands.append(["train", "--work-dir", tmp_path / "w", "--out", tmp_path / "o"])
+    for args in commands:
+        line = _one_error_line(_run(args[0], "--recipe", recipe, *args[1:]))
+        assert line.startswith(f"error: {recipe}: {field}: {says}"), (args, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
 @pytest.mark.parametrize("pair, extra, says", [
     ("qwen3", "block_size: 100000\nmax_seq_len: 512\n", "block_size: a block of 100000 does not fit max_seq_len 512"),
     # the drafter drafts blocks of 16 and the recipe leaves block_size to it: a sequence of 16 holds no context

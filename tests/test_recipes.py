@@ -102,3 +102,14 @@ def test_a_value_of_the_wrong_type_is_quoted_short_however_large(tmp_path):
     message = str(e.value)
     assert message.startswith(f"{y}: name: expected str, got list ([[[...], [...], [...], [...], ...], "), message
     assert len(message) < len(str(y)) + 200, message
+
+
+def test_a_tiny_source_is_checked_without_importing_torch(tmp_path):
+    y = tmp_path / "nope.yaml"
+    y.write_text("name: nope\ntarget: tiny:nope/target\ndrafter: tiny:qwen3/drafter\n")
+    code = ("import sys; from dflash_export.errors import DFlashError; from dflash_export.recipes import load_recipe\n"
+            f"r = load_recipe({str(y)!r}); assert r.drafter_path == 'tiny:qwen3/drafter'\n"
+            "try:\n    r.target_path\nexcept DFlashError as e:\n    print(e.path, e.field, sep='|')\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == f"{y}|target\n", r.stdout + r.stderr

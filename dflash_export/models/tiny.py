@@ -2,6 +2,7 @@
 
 Used by the tests and by the `tiny-*` recipes, so every stage can run end to end in seconds on a CPU.
 `tiny:qwen3/target` and `tiny:qwen3/drafter` resolve to directories in the cache, built once, deterministically.
+Torch is imported by the builders alone, so that a recipe's `tiny:` source is checked (split_tiny_spec) without it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir
 from dflash_export.models.config import DrafterConfig
-from dflash_export.models.drafter import DFlashDrafter, save_drafter
 from dflash_export.models.hfutil import quiet_transformers
-from dflash_export.models.weights import cached_model_whole
 
 _VERSION = 3  # bump when the builders change so cached pairs are rebuilt
 
@@ -82,6 +79,7 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slo
 
 
 def build_target(spec: TinySpec, out: Path) -> Path:
+    import torch
     from transformers import (
         GptOssConfig,
         GptOssForCausalLM,
@@ -173,6 +171,10 @@ def _hybrid_target(spec: TinySpec, common: dict, *classes):
 
 
 def build_drafter(spec: TinySpec, out: Path) -> Path:
+    import torch
+
+    from dflash_export.models.drafter import DFlashDrafter, save_drafter
+
     cfg = DrafterConfig(
         hidden_size=spec.hidden_size, num_hidden_layers=spec.draft_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
@@ -196,6 +198,8 @@ def build_drafter(spec: TinySpec, out: Path) -> Path:
 
 
 def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
+    from dflash_export.models.weights import cached_model_whole
+
     root.mkdir(parents=True, exist_ok=True)
     target, drafter = root / "target", root / "drafter"
     if not cached_model_whole(target):
@@ -206,13 +210,20 @@ def build_pair(spec: TinySpec, root: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
+def split_tiny_spec(spec_str: str, path=None, field: str | None = "tiny") -> tuple[str, str]:
+    """`tiny:qwen3/target` (or `qwen3/target`) -> ("qwen3", "target"); an unknown pair or a part other than target
+    and drafter is a DFlashError naming `path` and `field`."""
+    name, _, part = spec_str.removeprefix("tiny:").partition("/")
+    if name not in TINY:
+        raise DFlashError(f"unknown tiny pair {name!r} (known: {', '.join(TINY)})", path=path, field=field)
+    if part not in ("target", "drafter"):
+        raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", path=path, field=field)
+    return name, part
+
+
 def tiny_pair_path(spec_str: str) -> Path:
     """`qwen3/target` -> the cached directory of that part of the named tiny pair (built if needed)."""
-    name, _, part = spec_str.partition("/")
-    if name not in TINY:
-        raise DFlashError(f"unknown tiny pair {name!r} (known: {', '.join(TINY)})", field="tiny")
-    if part not in ("target", "drafter"):
-        raise DFlashError(f"expected tiny:{name}/target or tiny:{name}/drafter", field="tiny")
+    name, part = split_tiny_spec(spec_str)
     spec = TINY[name]
     # older pairs' digests: fields added since are left out at their defaults
     fields = {k: v for k, v in spec.__dict__.items()
@@ -223,4 +234,5 @@ def tiny_pair_path(spec_str: str) -> Path:
     return target if part == "target" else drafter
 
 
-__all__ = ["TinySpec", "TINY", "build_target", "build_drafter", "build_pair", "tiny_pair_path", "replace"]
+__all__ = ["TinySpec", "TINY", "build_target", "build_drafter", "build_pair", "split_tiny_spec", "tiny_pair_path",
+           "replace"]
