@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -323,6 +324,36 @@ def test_broken_tokenizer_files_are_one_line_naming_the_file(built, tmp_path, fi
     r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
     assert f"{dst / bad}" in r.output
+
+
+def _drop_target_graph(dst: Path, m: dict) -> None:
+    (dst / "target.onnx").unlink()
+    del m["files"]["target.onnx"]
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    # a manifest edited to draft among the first 100 ids, in an engine built without a draft head
+    (lambda dst, m: m["flags"].update(draft_vocab=100), "flags.draft_vocab",
+     "100: drafting among the first 100 ids needs draft_head.onnx, which the engine's files do not hold; rebuild"),
+    (_drop_target_graph, "files", "target.onnx, a graph every ONNX Runtime engine loads, is not among them; rebuild"),
+], ids=["draft-head", "target"])
+def test_a_graph_the_manifest_needs_but_does_not_list_is_one_line_naming_the_field(built, tmp_path, edit, field,
+                                                                                    says):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    _, out, _, _ = built
+    dst = _copy(out, tmp_path)
+    m = json.loads((dst / "manifest.json").read_text())
+    assert m["flags"]["draft_vocab"] is None and "draft_head.onnx" not in m["files"]
+    edit(dst, m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "1 2 3", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {dst / 'manifest.json'}: {field}: {says}"), r.output
+    with pytest.raises(DFlashError, match=re.escape(f"{dst / 'manifest.json'}: {field}: {says}")):
+        load_engine(dst, threads=1)
 
 
 def test_chat_template_failing_at_render_is_one_line(built, tmp_path):

@@ -42,7 +42,7 @@ from dflash_export.decoding.sampling import (
 from dflash_export.decoding.tree import DraftTree, greedy_accept
 from dflash_export.engines.base import Engine, SamplingParams, Sequence, load_codec
 from dflash_export.engines.greedy_head import greedy_draft_head, greedy_head_for
-from dflash_export.engines.manifest import Manifest
+from dflash_export.engines.manifest import Manifest, rebuild_advice
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.errors import DFlashError, MissingDependency
@@ -84,13 +84,24 @@ def _ort():
 
 
 def check_ort_manifest(manifest: Manifest) -> None:
-    """What an ONNX Runtime engine needs of its manifest beyond `validate_manifest`: its backend and this format
-    (`run` and `deploy` apply it through the registry before loading any weight; the engine applies it again)."""
+    """What an ONNX Runtime engine needs of its manifest beyond `validate_manifest`: its backend, this format and
+    the graphs it loads among its files (`run` and `deploy` apply it through the registry before loading any weight;
+    the engine applies it again)."""
     if manifest.backend != "onnxruntime":
         raise DFlashError(f"not an onnxruntime engine ({manifest.backend!r})", path=manifest.path, field="backend")
     if manifest.require("engine_format") != ENGINE_FORMAT:
         raise DFlashError(f"engine format {manifest.engine_format!r} is not {ENGINE_FORMAT}: rebuild the engine",
                           path=manifest.path, field="engine_format")
+    draft_vocab = manifest.flags.draft_vocab
+    for fname in (HEAD, DRAFTER, TARGET) + ((DRAFT_HEAD,) if draft_vocab else ()):
+        if fname not in manifest.files:  # read_manifest has checked that every listed file is there
+            advice = rebuild_advice(Path(manifest.path).parent, manifest)
+            if fname == DRAFT_HEAD:
+                raise DFlashError(f"{draft_vocab}: drafting among the first {draft_vocab} ids needs {DRAFT_HEAD}, "
+                                  f"which the engine's files do not hold; {advice}", path=manifest.path,
+                                  field="flags.draft_vocab")
+            raise DFlashError(f"{fname}, a graph every ONNX Runtime engine loads, is not among them; {advice}",
+                              path=manifest.path, field="files")
 
 
 def default_threads() -> int:
