@@ -494,6 +494,23 @@ CODE_EDITS = {
                                                '    string_value: "0"', 'key: "max_kv_tokens"\n  value {\n'
                                                '    string_value: "-5"'),
                             "dflash/config.pbtxt: parameters.max_kv_tokens: must be an integer >= 0, got '-5'"),
+    # what the marker records, which serve sizes its front by (upstream_call_bound), changed in the config alone
+    "more instances": (lambda r: _replace(r / "dflash" / "config.pbtxt", "count: 1", "count: 8"),
+                       "dflash/config.pbtxt: instance_group: differs from what deploy recorded in "
+                       "dflash_repository.json (instances 1)"),
+    "a longer queue": (lambda r: _replace(r / "dflash" / "config.pbtxt", "max_queue_size: 64", "max_queue_size: 4096"),
+                       "dflash/config.pbtxt: dynamic_batching: differs from what deploy recorded in "
+                       "dflash_repository.json (max_queue_size 64)"),
+    "a larger batch": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_batch"\n  value {\n'
+                                          '    string_value: "1"', 'key: "max_batch"\n  value {\n'
+                                          '    string_value: "16"'),
+                       "dflash/config.pbtxt: parameters.max_batch: differs from what deploy recorded in "
+                       "dflash_repository.json (max_batch 1)"),
+    "a K/V bound": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_kv_tokens"\n  value {\n'
+                                       '    string_value: "0"', 'key: "max_kv_tokens"\n  value {\n'
+                                       '    string_value: "4096"'),
+                    "dflash/config.pbtxt: parameters.max_kv_tokens: differs from what deploy recorded in "
+                    "dflash_repository.json (max_kv_tokens 0)"),
     "a hidden model": (lambda r: shutil.copytree(r / "dflash", r / ".dflash"),
                        ".dflash: not one of the deployed models"),
     "a model a link": (lambda r: (r / "other").symlink_to(r / "dflash"), "other: a symbolic link"),
@@ -523,6 +540,19 @@ def test_serve_cli_refuses_an_edited_model_py_in_one_line(tmp_path, small_repo):
         r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
     assert_one_line(r, f"{small_repo / 'dflash' / '1' / 'model.py'}: not the model this version")
     assert not (ROOT / "ran").exists()
+
+
+def test_serve_cli_refuses_a_config_that_holds_more_than_the_marker_records_in_one_line(tmp_path, small_repo):
+    import socket
+
+    # 8 instances instead of the 1 the marker records: the front's default bound would be sized for 1
+    _replace(small_repo / "dflash" / "config.pbtxt", "count: 1", "count: 8")
+    with socket.socket() as held:  # were the repository let through, serve would stop at this busy port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
+    assert_one_line(r, f"{small_repo / 'dflash' / 'config.pbtxt'}: instance_group: differs from what deploy "
+                       "recorded in dflash_repository.json (instances 1), which `serve` goes by: deploy again")
 
 
 def test_a_deploy_of_both_models_is_served_and_a_changed_engine_is_refused(tmp_path):

@@ -375,9 +375,10 @@ def check_repository(repo) -> dict[str, Any]:
     """Refuse, before a server starts, a directory `dflash-export deploy` did not write or that was changed since.
 
     Checks the marker (its format: this version's), that Triton would load exactly the deployed models and nothing
-    else (no other model, version, file or symbolic link), every config.pbtxt (deploy's fields only), that each
-    model's model.py is this version's own, the copied engine (manifest fields and file hashes, and the one deploy
-    recorded) and the recorded library versions. A TensorRT-LLM repository is refused: its model.py is TensorRT-LLM's.
+    else (no other model, version, file or symbolic link), every config.pbtxt (deploy's fields only; its instances,
+    queue, batch and K/V bound the ones the marker records, which `serve` goes by), that each model's model.py is
+    this version's own, the copied engine (manifest fields and file hashes, and the one deploy recorded) and the
+    recorded library versions. A TensorRT-LLM repository is refused: its model.py is TensorRT-LLM's.
     Returns the marker.
     """
     repo = Path(repo)
@@ -415,7 +416,7 @@ def check_repository(repo) -> dict[str, Any]:
         cfg_path = model_dir / "config.pbtxt"
         if not model_dir.is_dir():
             raise DFlashError(f"model directory listed in {MARKER} is missing", path=model_dir)
-        _, params = _read_python_config(cfg_path, name, home)
+        _, params = _read_python_config(cfg_path, name, home, marker)
         if not (model_dir / "1" / "model.py").is_file():
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
         _check_python_model(model_dir, home)
@@ -445,10 +446,10 @@ def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
     return models
 
 
-def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dict[str, str]]:
+def _read_python_config(cfg_path: Path, name: str, home: Path, marker: dict[str, Any]) -> tuple[str, dict[str, str]]:
     """A `dflash` python model's config.pbtxt, read once and checked as deploy writes it: the python backend,
-    deploy's fields and parameters only, the engine referenced inside the repository. Returns the text checked and
-    its parameters."""
+    deploy's fields and parameters only, the engine referenced inside the repository, the instances, queue, batch
+    and K/V bound the repository's `marker` records. Returns the text checked and its parameters."""
     if not cfg_path.is_file():
         raise DFlashError("missing: deploy again", path=cfg_path)
     try:
@@ -477,7 +478,25 @@ def _read_python_config(cfg_path: Path, name: str, home: Path) -> tuple[str, dic
     if os.path.isabs(ref) or Path(os.path.normpath(model_dir / ref)) != home / "engine":
         raise DFlashError(f"must name the repository's own engine {os.path.relpath(home / 'engine', model_dir)!r}, "
                           f"got {ref!r}", path=cfg_path, field="parameters.engine_dir")
+    _check_config_against_marker(cfg, params, marker, cfg_path)
     return text, params
+
+
+def _check_config_against_marker(cfg: dict[str, Any], params: dict[str, str], marker: dict[str, Any],
+                                 cfg_path: Path) -> None:
+    """The instances, queue, batch and K/V bound a config gives Triton and the model must be those deploy wrote from
+    the marker's values: `serve` sizes its front (upstream_call_bound) and its notes by the marker."""
+    for field, have, key, want in (
+            ("instance_group", cfg.get("instance_group"), "instances",
+             [{"count": marker.get("instances"), "kind": "KIND_CPU"}]),
+            ("dynamic_batching", cfg.get("dynamic_batching"), "max_queue_size",
+             {"default_queue_policy": {"max_queue_size": marker.get("max_queue_size")}}),
+            ("parameters.max_batch", params.get("max_batch"), "max_batch", str(marker.get("max_batch"))),
+            ("parameters.max_kv_tokens", params.get("max_kv_tokens", "0"), "max_kv_tokens",
+             str(marker.get("max_kv_tokens", 0)))):
+        if have != want:
+            raise DFlashError(f"differs from what deploy recorded in {MARKER} ({key} {marker.get(key)!r}), which "
+                              "`serve` goes by: deploy again", path=cfg_path, field=field)
 
 
 def _check_python_model(model_dir: Path, home: Path) -> None:
@@ -510,11 +529,12 @@ def served_copy(repo: Path, dest: Path) -> Path:
     if not marker_path.is_file():
         raise DFlashError(f"not a model repository written by `dflash-export deploy` (no {MARKER})", path=repo,
                           field="--repo")
-    models = _marker_models(read_json_object(marker_path), marker_path)
+    marker = read_json_object(marker_path)
+    models = _marker_models(marker, marker_path)
     home = repo / models[0]
     shutil.rmtree(dest, ignore_errors=True)
     for name in models:
-        text, _ = _read_python_config(repo / name / "config.pbtxt", name, home)
+        text, _ = _read_python_config(repo / name / "config.pbtxt", name, home, marker)
         (dest / name / "1").mkdir(parents=True, mode=0o700)
         (dest / name / "config.pbtxt").write_text(text, encoding="utf-8")
         shutil.copyfile(TRITON_MODEL, dest / name / "1" / "model.py")
