@@ -115,7 +115,7 @@ def main() -> int:
     if not args.engine:
         ap.error("give at least one --engine")
 
-    from dflash_export.bench.suite import _encode_prompts
+    from dflash_export.bench.suite import encode_suite_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.manifest import read_manifest
     from dflash_export.recipes import load_recipe
@@ -124,8 +124,8 @@ def main() -> int:
     engines = [Path(e) for e in args.engine]
     for e in engines:  # a missing engine is refused here, not by the first worker process
         read_manifest(e, verify_files=False)
-    prompts = [list(map(int, p)) for p in _encode_prompts(recipe, recipe.suite, args.num_prompts,
-                                                          load_codec(engines[0]))]
+    prompts = [list(map(int, p)) for p in encode_suite_prompts(recipe, recipe.suite, args.num_prompts,
+                                                               load_codec(engines[0]))]
     threads = args.threads or None
     results: dict[tuple[str, bool], list[dict]] = {}
     for r in range(args.rounds):

@@ -128,6 +128,37 @@ def test_bench_refuses_an_engine_of_another_recipe_and_bad_out_paths(built, tmp_
             run_bench(recipe.name, str(out), None, 1, 4, ["ar"], str(bad))
 
 
+def test_bench_refuses_a_prompt_the_engine_cannot_take_naming_the_suite_line_before_any_worker(built, tmp_path,
+                                                                                                 monkeypatch):
+    """A prompt too long for max_seq_len with the new tokens, or an id outside the vocabulary: one error naming the
+    suite file and line from the parent (single stream and batched), not a worker's line naming neither."""
+    from dflash_export.bench import suite as bench_suite
+
+    recipe, out, engine, _ = built
+    if recipe.name != "tiny-qwen3":
+        pytest.skip("one recipe is enough")
+
+    def no_workers(*a, **k):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(bench_suite, "_run_interleaved", no_workers)
+    monkeypatch.setattr(bench_suite, "run_concurrency", no_workers)
+    f = tmp_path / "suite.jsonl"
+    long = ", ".join(["5"] * (engine.info.max_seq_len - engine.info.block_size - 3))
+    for line, what in ((f'{{"input_ids": [{long}]}}', "exceeds the engine's max_seq_len"),
+                       (f'{{"input_ids": [3, {engine.info.vocab_size}]}}', "is outside the vocabulary")):
+        f.write_text('{"prompt": "fine"}\n' + line + "\n")
+        for run in (lambda: bench_suite.run_bench(recipe.name, str(out), str(f), 2, 4, ["ar"], None),
+                    lambda: bench_suite.run_concurrency_bench(recipe.name, str(out), str(f), 2, 4, [1], ["ar"], None)):
+            with pytest.raises(DFlashError, match=what) as e:
+                run()
+            assert str(e.value).startswith(f"{f}: line 2: ") and e.value.exit_code == 2, e.value
+    # the same prompt with fewer new tokens fits: the check counts the tokens asked for
+    f.write_text(f'{{"input_ids": [{long}]}}\n')
+    with pytest.raises(AssertionError, match="a worker was started"):
+        bench_suite.run_bench(recipe.name, str(out), str(f), 1, 3, ["ar"], None)
+
+
 def test_bench_worker_failure_is_one_line_naming_the_file(built, tmp_path, capsys):
     """A worker's DFlashError travels to the parent whole (file and field); anything else becomes a short line."""
     import shutil

@@ -588,6 +588,13 @@ def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference,
     ('{"input_ids": [' + "9" * 5000 + "]}\n", "line 1", "invalid JSON (Exceeds the limit"),
     ("", None, "empty"),
     ("\n\n", None, "empty"),
+    # a \ud800 escape is valid JSON but no text: the tokenizer, the report and the plots would each fail on it
+    ('{"prompt": "ok"}\n{"prompt": "a \\ud800"}\n', "line 2", "prompt: lone surrogate \\ud800 at character 2"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "\\udcff", "content": "x"}]}\n', "line 1",
+     "messages[1].role: lone surrogate \\udcff"),
+    ('{"prompt": "ok", "id": "x\\ud800"}\n', "line 1", "id: lone surrogate"),
+    ('{"prompt": "ok", "x": ' + "[" * 500 + '"\\ud800"' + "]" * 500 + "}\n", "line 1", "lone surrogate"),
+    ('{"prompt": "ok", "prompt": "other"}\n', "line 1", "key 'prompt' given twice"),
 ])
 def test_malformed_suite_is_refused_with_its_line(tmp_path, content, where, what):
     from dflash_export.validate.suites import load_suite
@@ -770,6 +777,65 @@ def test_suite_of_random_bytes_is_one_line(tmp_path):
     assert str(e.value).startswith(f"{f}: line 2: ")
     r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--suite", str(f), "--engine", "x"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+
+
+def test_suite_text_that_is_not_unicode_is_one_line_before_any_engine_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    f = tmp_path / "surrogate.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": "hi \\ud800 there", "id": "s"}\n')
+    r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--suite", str(f), "--engine", "x"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output == f"error: {f}: line 2: prompt: lone surrogate \\ud800 at character 3 (not valid Unicode text)\n"
+
+
+def test_a_directory_in_place_of_a_report_file_is_refused_first_and_the_earlier_report_kept(tmp_path, monkeypatch):
+    """A report file name taken by a directory: refused before any work, and (made after that check) before the first
+    file of the new report is moved in, so the earlier report is never half replaced."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.validate import report as report_mod
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    files = {"report.json": '{"old": true}\n', **{n: "old png" for n in report_mod.PLOTS.values()}}
+    for name, text in files.items():
+        (earlier / name).write_text(text)
+    (earlier / "report.md").mkdir()
+    r = CliRunner().invoke(main, ["validate", "--recipe", "tiny-qwen3", "--engine", str(tmp_path / "none"),
+                                  "--report", str(earlier)])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {earlier / 'report.md'}: --report: is a directory where the report writes")
+
+    class Report:
+        def to_dict(self):
+            return {"new": True}
+
+    monkeypatch.setattr(report_mod, "render_markdown", lambda r: "# new\n")
+    monkeypatch.setattr(report_mod, "_plots", lambda r, out: [(out / n).write_text("new png")
+                                                              for n in report_mod.PLOTS.values()])
+    with pytest.raises(DFlashError, match="report.md: --report: is a directory"):
+        report_mod.write_report(Report(), earlier)
+    assert {p.name: p.read_text() for p in earlier.iterdir() if p.is_file()} == files
+    assert sorted(p.name for p in earlier.iterdir()) == sorted([*files, "report.md"])  # no staging directory left
+
+
+def test_plots_show_prompt_ids_as_written_never_as_mathtext(tmp_path):
+    """Prompt ids come from the suite: `$\\foo{$` (an unknown mathtext command) or one `$` is drawn as text."""
+    from dflash_export.validate.report import PLOTS, _plots
+    from dflash_export.validate.runner import ValidationReport
+
+    ids = ["a$\\foo{$b", "one $ sign", "line\n$x$"]
+    speed = {"per_prompt": [{"id": i, "speedup_vs_ar": 1.0, "speedup_vs_reference": 2.0} for i in ids],
+             "speedup_vs_ar": 1.0, "engine_dflash_tok_s": 3.0, "engine_ar_tok_s": 3.0, "reference_spec_tok_s": 1.0,
+             "reference_ar_tok_s": 1.0}
+    acceptance = {"histogram": {"1": 3, "2": 1}, "histogram_online": {"1": 3, "2": 1}, "tau": 1.2, "tau_online": 1.2}
+    _plots(ValidationReport(recipe="tiny", engine={}, suite={}, options={}, acceptance=acceptance, speed=speed),
+           tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PLOTS.values())
 
 
 def test_report_path_that_cannot_be_a_directory_is_refused_first(tmp_path):

@@ -324,7 +324,7 @@ def main() -> int:
 
     at_least(args, 1, "--num-prompts", "--max-new-tokens", "--rounds", "--threads")  # before the build of llama.cpp
 
-    from dflash_export.bench.suite import _encode_prompts
+    from dflash_export.bench.suite import encode_suite_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine
     from dflash_export.files import cache_dir
@@ -348,7 +348,7 @@ def main() -> int:
     codec = load_codec(first)
     bs = json.loads((first / "manifest.json").read_text())["block_size"]
     prompts, texts = [], []
-    for ids in _encode_prompts(recipe, args.suite or recipe.suite, args.num_prompts, codec):
+    for ids in encode_suite_prompts(recipe, args.suite or recipe.suite, args.num_prompts, codec):
         text = codec.decode(ids, skip_special=False)
         if llama_tokenize(bindir, ggufs[types[0]], text) == list(ids):
             prompts.append(list(ids))

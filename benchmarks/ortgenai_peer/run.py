@@ -379,7 +379,7 @@ def main() -> int:
     from dflash_export.bench.script_args import at_least
 
     at_least(args, 1, "--num-prompts", "--max-new-tokens", "--rounds", "--threads")  # before ORT GenAI's install
-    from dflash_export.bench.suite import _encode_prompts
+    from dflash_export.bench.suite import encode_suite_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.engines.build import build_engine
     from dflash_export.files import cache_dir
@@ -398,7 +398,7 @@ def main() -> int:
         engines[p] = res.engine_dir
     codec = load_codec(engines[precisions[0]])
     prompts = [list(map(int, ids)) for ids in
-               _encode_prompts(recipe, args.suite or recipe.suite, args.num_prompts, codec)]
+               encode_suite_prompts(recipe, args.suite or recipe.suite, args.num_prompts, codec)]
 
     peer = _llamacpp_peer()
     workers: dict = {}

@@ -166,7 +166,7 @@ def main() -> int:
     at_least(args, 0, "--row-floor")
     if not (Path(args.engine) / "manifest.json").is_file():
         refuse("--engine", f"{args.engine}: not a built engine directory (no manifest.json)")
-    from dflash_export.bench.suite import _encode_prompts
+    from dflash_export.bench.suite import encode_suite_prompts
     from dflash_export.engines.base import load_codec
     from dflash_export.files import cache_dir
     from dflash_export.recipes import load_recipe
@@ -179,7 +179,7 @@ def main() -> int:
     if not models:
         raise SystemExit(f"no ORT GenAI {args.precision} model under {root}: run benchmarks/ortgenai_peer/run.py "
                          f"--precisions {args.precision} once")
-    ids = list(next(iter(_encode_prompts(recipe, recipe.suite, 1, load_codec(Path(args.engine))))))
+    ids = list(next(iter(encode_suite_prompts(recipe, recipe.suite, 1, load_codec(Path(args.engine))))))
     ours = _Proc([sys.executable, __file__, "--worker", "ours", str(Path(args.engine).resolve()), str(args.threads),
                   str(args.row_floor)])
     og = _Proc([str(py), __file__, "--worker", "ortgenai", str(models[-1]), str(args.threads)])

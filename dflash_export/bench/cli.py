@@ -43,10 +43,15 @@ def bench(recipe, target, drafter, engine_dir, suite, num_prompts, max_new_token
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     mode_list = [m.strip() for m in modes.split(",")]
     if concurrency is not None:
+        # Decimal ASCII digits only: "1,,2" (an empty item) is a typo, and int() alone would read "1_0" as 10
+        items = [x.strip() for x in concurrency.split(",")]
         try:
-            levels = [int(x) for x in concurrency.split(",")]  # "1,,2": an empty item is a typo, not a level
+            if not all(x.isascii() and x.isdigit() for x in items):
+                raise ValueError
+            levels = [int(x) for x in items]  # ValueError past int()'s digit limit too
         except ValueError:
-            raise DFlashError(f"expected a comma list of integers, got {concurrency!r}",
+            shown = concurrency if len(concurrency) <= 60 else concurrency[:40] + "..."
+            raise DFlashError(f"expected a comma list of positive integers, got {shown!r}",
                               field="--concurrency") from None
         run_concurrency_bench(recipe, engine_dir, suite, num_prompts, max_new_tokens, levels, mode_list, out_json,
                               reps, sampling)

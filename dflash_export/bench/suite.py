@@ -30,12 +30,20 @@ from dflash_export.files import atomic_file, check_output_file
 from dflash_export.models.sources import resolve_source
 from dflash_export.recipes import Recipe, load_recipe
 from dflash_export.runtime.single import DFlashRuntime
-from dflash_export.validate.suites import encode_prompt, load_suite
+from dflash_export.validate.suites import check_suite_fits, encode_prompt, load_suite
 
 
-def _encode_prompts(recipe, suite: str, n: int, codec) -> list[list[int]]:
+def encode_suite_prompts(recipe, suite: str, n: int, codec, manifest=None,
+                         max_new: int | None = None) -> list[list[int]]:
+    """The suite's first `n` prompts as token ids; with the engine's `manifest`, each checked against its vocabulary
+    and (given `max_new`) its max_seq_len with `max_new` tokens and a block, where the manifest records them: one
+    error naming the suite's line, before any worker loads."""
     path, prompts = load_suite(suite, n)
-    return [encode_prompt(p, codec, recipe.chat_template, 1 << 62, path) for p in prompts]
+    vocab = manifest.vocab_size if manifest is not None else None
+    encoded = [encode_prompt(p, codec, recipe.chat_template, vocab or 1 << 62, path) for p in prompts]
+    if vocab is not None and max_new is not None and manifest.max_seq_len is not None:
+        check_suite_fits(manifest, prompts, encoded, max_new, path)
+    return encoded
 
 
 WORKER_ERROR = "dflash-bench-worker-error: "  # prefix of the JSON line a worker writes to stderr on a DFlashError
@@ -275,15 +283,22 @@ def _pass_ratios(a: dict, b: dict) -> list[float]:
     return out
 
 
+def check_modes(modes: list[str]) -> None:
+    """Every mode known and given once (one worker, or one run per level, each: a second would double its runs)."""
+    for i, m in enumerate(modes):
+        if m not in MODES:
+            raise DFlashError(f"unknown mode {m!r} (known: {', '.join(MODES)})", field="--modes")
+        if m in modes[:i]:
+            raise DFlashError(f"mode {m!r} given twice", field="--modes")
+
+
 def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_prompts: int, max_new: int,
               modes: list[str], out_json: str | None, sampling: dict | None = None, reps: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(highlight=False)
-    for m in modes:
-        if m not in MODES:
-            raise DFlashError(f"unknown mode {m!r} (known: {', '.join(MODES)})", field="--modes")
+    check_modes(modes)
     if out_json:
         check_output_file(out_json, "--out")  # before minutes of benchmarking, not after
     recipe = load_recipe(recipe_name)
@@ -291,7 +306,7 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     manifest = check_engine_recipe(Path(engine_dir), recipe)  # as validate does: another recipe's engine misleads
     codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
-    prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, codec)
+    prompts = encode_suite_prompts(recipe, suite or recipe.suite, num_prompts, codec, manifest, max_new)
     results = _run_interleaved(modes, {"recipe": _job_recipe(recipe), "engine": engine_dir, "prompts": prompts,
                                          "max_new": max_new, "sampling": sampling}, reps, console)
     summary = {m: _summary(r) for m, r in results.items()}
@@ -358,9 +373,13 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
                           max_new: int, levels: list[int], modes: list[str], out_json: str | None,
                           reps: int = 1, sampling: dict | None = None) -> dict:
     """`bench --concurrency`: continuous batching at each level (dflash_export.bench.concurrency), in this process."""
+    check_modes(modes)  # a misspelt mode is refused here too, not dropped with the modes batching does not run
     modes = [m for m in modes if m in ("dflash", "ar")] or ["dflash", "ar"]
     if not levels or any(n < 1 for n in levels):  # before any engine is built
         raise DFlashError(f"expected positive integers, got {levels}", field="--concurrency")
+    twice = next((n for i, n in enumerate(levels) if n in levels[:i]), None)
+    if twice is not None:
+        raise DFlashError(f"level {twice} given twice", field="--concurrency")
     if max(levels) > num_prompts:
         raise DFlashError(f"level {max(levels)} is more than --num-prompts {num_prompts}: a level keeps that many "
                           "requests in flight, one per prompt", field="--concurrency")
@@ -369,8 +388,9 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
-    check_engine_recipe(Path(engine_dir), recipe)
-    prompts = _encode_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)))
+    manifest = check_engine_recipe(Path(engine_dir), recipe)
+    prompts = encode_suite_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)),
+                                   manifest, max_new)
     report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps,
                                                        sampling=sampling)}
     if out_json:

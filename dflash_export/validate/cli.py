@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import click
 
-from dflash_export.clitypes import MAX_NEW_TOKENS, FiniteFloat, decoding_options, engine_option, recipe_options
+from dflash_export.clitypes import (
+    MAX_NEW_TOKENS,
+    FiniteFloat,
+    RequestField,
+    decoding_options,
+    engine_option,
+    recipe_options,
+)
 from dflash_export.errors import DFlashError
 from dflash_export.validate.command import run_validate
 
@@ -23,7 +30,7 @@ from dflash_export.validate.command import run_validate
 @click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
               help="Temperature of the sampled losslessness check (0 skips it).")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="top-k of the sampled check.")
+@click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"), help="top-k of the sampled check.")
 @click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
               help="top-p of the sampled check.")
 @click.option("--dist-samples", default=None, type=click.IntRange(0),

@@ -10,18 +10,15 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dflash_export.engines.base import SamplingParams
 from dflash_export.engines.build import default_engine_dir
 from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
 from dflash_export.environment import install_hint
-from dflash_export.errors import CheckFailed, DFlashError, MissingDependency
-from dflash_export.files import check_output_dir
+from dflash_export.errors import CheckFailed, MissingDependency
 from dflash_export.recipes import load_recipe
-from dflash_export.runtime.single import DFlashRuntime
-from dflash_export.validate.report import summary_rows, write_report
+from dflash_export.validate.report import check_report_dir, summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
-from dflash_export.validate.suites import encode_prompt, load_suite
+from dflash_export.validate.suites import check_suite_fits, encode_prompt, load_suite
 
 
 def reference_threads() -> int:
@@ -48,16 +45,6 @@ def open_engine(engine_dir: Path, recipe):
     recorded = ("tool_version", "libraries", "dtype", "build_flags", "precision", "quantization")
     meta = {"dir": str(engine_dir), "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
     return load_engine(engine_dir, manifest), meta
-
-
-def check_fits(engine, prompts, encoded, max_new_tokens: int, path: Path) -> None:
-    """Refuse, before minutes of generation, a prompt the engine cannot take (too long for max_seq_len)."""
-    runtime = DFlashRuntime(engine)
-    for p, (_, ids) in zip(prompts, encoded):
-        try:
-            runtime.check_request(ids, SamplingParams(max_new_tokens=max_new_tokens))
-        except DFlashError as e:
-            raise DFlashError(f"prompt {p.id!r}: {e}", path=path, field=f"line {p.line}") from None
 
 
 # The libraries validate needs only after its work (the G-test's tail, the plots): checked before the work, so that a
@@ -119,7 +106,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
                  decoding: dict | None = None):
     """The whole command. Returns the ValidationReport when every threshold holds; raises CheckFailed otherwise."""
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
-        check_output_dir(report_dir, "--report")
+        check_report_dir(report_dir)
     check_report_libraries()
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
@@ -132,10 +119,10 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     try:
         if not report_dir:  # the default, under the current directory: checked as soon as the backend names it
             report_dir = str(Path("reports") / "validate" / recipe.name / engine.info.backend)
-            check_output_dir(report_dir, "--report")
+            check_report_dir(report_dir)
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
-        check_fits(engine, prompts, encoded, max_new_tokens, path)
+        check_suite_fits(engine.info, prompts, [ids for _, ids in encoded], max_new_tokens, path)
         import torch
 
         torch.set_num_threads(reference_threads())

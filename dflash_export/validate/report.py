@@ -6,11 +6,25 @@ import json
 from pathlib import Path
 
 from dflash_export.errors import DFlashError
-from dflash_export.files import removing_new_dirs
+from dflash_export.files import check_output_dir, removing_new_dirs
 from dflash_export.validate.runner import ValidationReport
 
 PLOTS = {"tau_histogram": "tau_histogram.png", "speedup_per_prompt": "speedup_per_prompt.png",
          "tokens_per_s": "tokens_per_s.png"}
+# Every file of a report, by name: report.json, report.md and the plots.
+REPORT_FILES = {"json": "report.json", "md": "report.md", **PLOTS}
+
+
+def check_report_dir(report_dir) -> None:
+    """A report directory that can take the report, refused before any work when it cannot: besides being a writable
+    directory (files.check_output_dir), none of the report's file names may be taken there by something a file
+    cannot replace (a directory), which would fail the report's last step with some of its files already moved."""
+    check_output_dir(report_dir, "--report")
+    out = Path(report_dir)
+    for name in REPORT_FILES.values():
+        if (out / name).is_dir():
+            raise DFlashError("is a directory where the report writes a file; move it or choose another --report",
+                              path=out / name, field="--report")
 
 
 def _fmt(v: float) -> str:
@@ -150,7 +164,9 @@ def _plots(report: ValidationReport, out: Path) -> None:
     ax2.bar(x, [p["speedup_vs_reference"] for p in per], 0.6, color="tab:cyan")
     ax2.set_ylabel("vs PyTorch\nreference spec")
     ax2.set_xticks(x)
-    ax2.set_xticklabels(ids, rotation=60, ha="right", fontsize=7)
+    # Prompt ids are the suite's text: shown as written, never parsed as mathtext (an unmatched `$` or an unknown
+    # `\command` there would fail the plot after the whole run).
+    ax2.set_xticklabels(ids, rotation=60, ha="right", fontsize=7, parse_math=False)
     fig.tight_layout()
     fig.savefig(out / PLOTS["speedup_per_prompt"], dpi=100)
     plt.close(fig)
@@ -177,7 +193,7 @@ def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
     import tempfile
 
     out = Path(out_dir)
-    names = {"json": "report.json", "md": "report.md", **PLOTS}
+    names = REPORT_FILES
     try:
         with removing_new_dirs(out):
             out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +204,9 @@ def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
                 # UTF-8 whatever the locale; a path's undecodable bytes (the suite's) written as they were
                 (staging / names["md"]).write_text(render_markdown(report), encoding="utf-8", errors="surrogateescape")
                 _plots(report, staging)
+                taken = next((out / n for n in names.values() if (out / n).is_dir()), None)
+                if taken is not None:  # checked before the first move: a report is replaced whole or not at all
+                    raise DFlashError("is a directory where the report writes a file", path=taken, field="--report")
                 for name in names.values():  # created by open(): the umask's modes, as written in place
                     os.replace(staging / name, out / name)
             finally:
