@@ -352,6 +352,9 @@ def test_perturbed_target_weight_fails_with_first_divergence(recipe, reference, 
 
     md = render_markdown(report)
     assert "**FAIL**" in md and f"| {r['id']} | {r['first_divergence']} | export changed the model |" in md
+    r["id"] = "a|b\nc"  # a suite's id as written: one row of the divergence table still, its bar escaped
+    rows = [line for line in render_markdown(report).splitlines() if "export changed the model |" in line]
+    assert rows[0].startswith("| a\\|b⏎c | ") and len(rows) == len(bad[:10])
 
 
 def test_broken_sampler_fails_the_distribution_check(recipe, reference, prompts):

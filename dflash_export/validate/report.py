@@ -31,11 +31,16 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.2f}"
 
 
+def _cell(text) -> str:
+    """Text made safe for one markdown table cell: no line break, no unescaped column bar."""
+    return str(text).replace("\r", "⏎").replace("\n", "⏎").replace("|", "\\|")
+
+
 def _quote(text: str) -> str:
-    """A decoded snippet made safe for one markdown table cell."""
+    """A decoded snippet as code in one markdown table cell."""
     if not text:
         return ""
-    return " `" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
+    return " `" + _cell(text).replace("`", "'") + "`"
 
 
 def summary_rows(report: ValidationReport) -> list[tuple[str, str, str, str]]:
@@ -119,7 +124,7 @@ def render_markdown(report: ValidationReport) -> str:
                   "|---|---|---|---|---|"]
         for r in bad[:10]:
             w = r["around_divergence"]
-            lines.append(f"| {r['id']} | {r['first_divergence']} | {r['diagnosis']} | {w['engine']}"
+            lines.append(f"| {_cell(r['id'])} | {r['first_divergence']} | {r['diagnosis']} | {w['engine']}"
                          f"{_quote(w['engine_text'])} | {w['reference']}{_quote(w['reference_text'])} |")
     lines += ["", "Plots: " + ", ".join(f"[{k}]({v})" for k, v in PLOTS.items()), ""]
     return "\n".join(lines)
