@@ -775,6 +775,44 @@ def test_serve_without_tritonserver_is_one_line_and_leaves_no_log(tmp_path, smal
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+@pytest.mark.server
+def test_a_log_file_that_is_a_fifo_no_process_reads_is_one_line_not_a_hang(tmp_path, small_repo, monkeypatch):
+    from dflash_export.deploy import server
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    os.mkfifo(tmp_path / "log")
+    port = free_ports(1)[0]
+    start = time.monotonic()
+    with pytest.raises(DFlashError) as e:
+        server.serve(small_repo, http_port=port, log_path=tmp_path / "log")
+    assert time.monotonic() - start < 30
+    assert str(e.value).startswith(f"{tmp_path / 'log'}: --log-file: cannot write the server log (a FIFO no process "
+                                   "reads") and e.value.exit_code == 2, str(e.value)
+    assert list((tmp_path / "tmp").iterdir()) == [] and pids_mentioning(str(small_repo)) == []
+    with socket.socket() as s:  # the front it had started is closed
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.server
+def test_a_log_file_named_through_dev_fd_is_written_there_not_at_the_pipe_s_name(small_repo):
+    """`--log-file /dev/stderr` or a shell's `>(...)` (/dev/fd/N): the path is kept as given, never resolved to
+    /proc/<pid>/fd/pipe:[...], which names no file."""
+    from dflash_export.deploy.server import _check_serve_args
+
+    r, w = os.pipe()
+    try:
+        *_, log_path = _check_serve_args(small_repo, free_ports(1)[0], None, None, "127.0.0.1", f"/dev/fd/{w}", None,
+                                         30.0)
+        assert log_path == Path(f"/dev/fd/{w}")
+        with open(log_path, "w") as f:
+            f.write("x\n")
+        assert os.read(r, 2) == b"x\n"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_the_model_stub_writes_no_bytecode_into_the_repository(tmp_path):
     from dflash_export.deploy.server import make_stub_env
 

@@ -175,7 +175,8 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
         check_listen("127.0.0.1", {"--grpc-port": grpc_port})
     find_triton()  # MissingDependency before a log file is made for a server that cannot start
     if log_path is not None:
-        log_path = Path(log_path).expanduser().resolve()
+        # Absolute, links kept: /dev/stderr or a shell's >(...) (/dev/fd/N) resolve to a pipe's name, no path.
+        log_path = Path(os.path.abspath(Path(log_path).expanduser()))
         if log_path.is_dir():
             raise DFlashError("is a directory; expected a file name", path=log_path, field="--log-file")
         if not log_path.parent.is_dir():

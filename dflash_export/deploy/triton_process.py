@@ -9,6 +9,7 @@ foreground.
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import json
 import os
@@ -648,7 +649,10 @@ class TritonServer:
                     with self._log_lock:
                         self._open_log(append=bool(self.restarts))
                 except OSError as e:
-                    raise DFlashError(f"cannot write the server log ({e.strerror})", path=self.log_path) from None
+                    why = ("a FIFO no process reads: its writer would wait for one" if e.errno == errno.ENXIO
+                           else e.strerror)
+                    raise DFlashError(f"cannot write the server log ({why})", path=self.log_path,
+                                      field="--log-file") from None
             self._stopping = False
             self._release_python_env_lock()  # a start that failed before its claim still held it
             self._env_lock = lock_python_env_turn()
@@ -733,7 +737,10 @@ class TritonServer:
 
     def _open_log(self, append: bool) -> None:
         """Open the log file (owner-only, like the default log: it carries what the models print about requests)."""
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+        # Non-blocking: a FIFO with no reader fails (ENXIO) instead of holding the start forever; writes then block.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK
+                     | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         self._log_file = open(fd, "a" if append else "w", encoding="utf-8", errors="replace")
         self._log_bytes = os.fstat(fd).st_size
 
