@@ -18,6 +18,7 @@ from deploy_support import (
     assert_one_line,
     cli,
     copy_engine,
+    drop_input,
     edit_manifest,
     engine_dir,  # noqa: F401 - a fixture
     make_torch_engine_dir,
@@ -331,6 +332,23 @@ def test_a_file_dropped_from_the_manifest_is_refused_not_trusted(tmp_path, engin
                                                               "is missing")
 
 
+def test_a_fifo_in_the_engine_is_refused_by_deploy_and_serve_without_waiting_on_it(tmp_path, small_repo):
+    """A FIFO no process writes: copying or hashing it would wait forever; deploy and serve name it at once."""
+    import socket
+
+    engine = make_torch_engine_dir(tmp_path / "fifo-engine")
+    os.mkfifo(engine / "fifo")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "fifo-repo", timeout=60)
+    assert_one_line(r, f"{engine / 'fifo'}: files: not a regular file or directory")
+    assert [p.name for p in tmp_path.iterdir() if "fifo-repo" in p.name] == []  # nor a temp directory
+    os.mkfifo(small_repo / "dflash" / "engine" / "fifo")
+    with socket.socket() as held:  # were the repository let through, serve would stop at this busy port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1], timeout=60)
+    assert_one_line(r, f"{small_repo / 'dflash' / 'engine' / 'fifo'}: files: not a regular file or directory")
+
+
 def test_edited_shapes_and_swapped_graphs_are_named_errors(tmp_path, engine_dir):
     engine = ort_engine(engine_dir, tmp_path / "engine")
     shapes = json.loads((engine / "manifest.json").read_text())["shapes"]
@@ -489,28 +507,13 @@ CODE_EDITS = {
     "a thread count that is no number": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "threads"\n  value {\n'
                                                             '    string_value: "0"', 'key: "threads"\n  value {\n'
                                                             '    string_value: "two"'),
-                                         "dflash/config.pbtxt: parameters.threads: must be an integer >= 0, got 'two'"),
+                                         "dflash/config.pbtxt: parameters.threads: must be an integer in 0..1024, "
+                                         "got 'two'"),
     "a K/V bound below 0": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_kv_tokens"\n  value {\n'
                                                '    string_value: "0"', 'key: "max_kv_tokens"\n  value {\n'
                                                '    string_value: "-5"'),
-                            "dflash/config.pbtxt: parameters.max_kv_tokens: must be an integer >= 0, got '-5'"),
-    # what the marker records, which serve sizes its front by (upstream_call_bound), changed in the config alone
-    "more instances": (lambda r: _replace(r / "dflash" / "config.pbtxt", "count: 1", "count: 8"),
-                       "dflash/config.pbtxt: instance_group: differs from what deploy recorded in "
-                       "dflash_repository.json (instances 1)"),
-    "a longer queue": (lambda r: _replace(r / "dflash" / "config.pbtxt", "max_queue_size: 64", "max_queue_size: 4096"),
-                       "dflash/config.pbtxt: dynamic_batching: differs from what deploy recorded in "
-                       "dflash_repository.json (max_queue_size 64)"),
-    "a larger batch": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_batch"\n  value {\n'
-                                          '    string_value: "1"', 'key: "max_batch"\n  value {\n'
-                                          '    string_value: "16"'),
-                       "dflash/config.pbtxt: parameters.max_batch: differs from what deploy recorded in "
-                       "dflash_repository.json (max_batch 1)"),
-    "a K/V bound": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'key: "max_kv_tokens"\n  value {\n'
-                                       '    string_value: "0"', 'key: "max_kv_tokens"\n  value {\n'
-                                       '    string_value: "4096"'),
-                    "dflash/config.pbtxt: parameters.max_kv_tokens: differs from what deploy recorded in "
-                    "dflash_repository.json (max_kv_tokens 0)"),
+                            "dflash/config.pbtxt: parameters.max_kv_tokens: must be an integer in 0..999999999999, "
+                            "got '-5'"),
     "a hidden model": (lambda r: shutil.copytree(r / "dflash", r / ".dflash"),
                        ".dflash: not one of the deployed models"),
     "a model a link": (lambda r: (r / "other").symlink_to(r / "dflash"), "other: a symbolic link"),
@@ -530,6 +533,104 @@ def test_serve_refuses_code_or_config_that_deploy_did_not_write(tmp_path, small_
     assert message in str(e.value) and e.value.exit_code == 2, str(e.value)
 
 
+def _set_marker(repo: Path, **fields) -> None:
+    marker = json.loads((repo / MARKER).read_text())
+    (repo / MARKER).write_text(json.dumps({**marker, **fields}))
+
+
+def _set_param(repo: Path, key: str, old: str, new: str) -> None:
+    _replace(repo / "dflash" / "config.pbtxt", f'key: "{key}"\n  value {{\n    string_value: "{old}"',
+             f'key: "{key}"\n  value {{\n    string_value: "{new}"')
+
+
+# Each edit: a marker whose recorded options are not what deploy writes, or a config.pbtxt that disagrees with them
+# (the front sizes itself by the marker, tritonserver by the config): refused before a server starts, naming the field.
+OPTION_EDITS = {
+    "instances not a number": (lambda r: _set_marker(r, instances="x"),
+                               f"{MARKER}: instances: must be an integer in 1..64, got 'x'"),
+    "max_batch null": (lambda r: _set_marker(r, max_batch=None), f"{MARKER}: max_batch: must be an integer in 1..256"),
+    "max_kv_tokens a string": (lambda r: _set_marker(r, max_kv_tokens="abc"), f"{MARKER}: max_kv_tokens: must be"),
+    "plain not a bool": (lambda r: _set_marker(r, plain="no"), f"{MARKER}: plain: must be true or false"),
+    "limits a list": (lambda r: _set_marker(r, limits=[]), f"{MARKER}: limits: expected a JSON object"),
+    "body limit a string": (lambda r: _set_marker(r, limits={"max_body_bytes": "x"}),
+                            f"{MARKER}: limits.max_body_bytes: must be an integer, got 'x'"),
+    "body limit 0": (lambda r: _set_marker(r, limits={"max_body_bytes": 0}),
+                     f"{MARKER}: limits.max_body_bytes: must be in 1..1073741824, got 0"),
+    "more instances recorded": (lambda r: _set_marker(r, instances=2),
+                                "dflash/config.pbtxt: instance_group: [{'count': 1, 'kind': 'KIND_CPU'}] differs from "
+                                "[{'count': 2, 'kind': 'KIND_CPU'}]"),
+    "more instances configured": (lambda r: _replace(r / "dflash" / "config.pbtxt", "count: 1", "count: 3"),
+                                  "dflash/config.pbtxt: instance_group: [{'count': 3,"),
+    "a GPU instance": (lambda r: _replace(r / "dflash" / "config.pbtxt", "KIND_CPU", "KIND_GPU"),
+                       "dflash/config.pbtxt: instance_group: "),
+    "a queue past Triton's field": (lambda r: _replace(r / "dflash" / "config.pbtxt", "max_queue_size: 64",
+                                                       "max_queue_size: 5000000000"),
+                                    "dflash/config.pbtxt: dynamic_batching: "),
+    "a batch size": (lambda r: _replace(r / "dflash" / "config.pbtxt", "max_batch_size: 0", "max_batch_size: 8"),
+                     "dflash/config.pbtxt: max_batch_size: 8 differs from 0"),
+    "another shared batch": (lambda r: _set_param(r, "max_batch", "1", "4"),
+                             "dflash/config.pbtxt: parameters.max_batch: '4' differs from '1'"),
+    "a shared batch past the bound": (lambda r: _set_param(r, "max_batch", "1", "9999"),
+                                      "dflash/config.pbtxt: parameters.max_batch: must be an integer in 1..256"),
+    "a K/V bound configured": (lambda r: _set_param(r, "max_kv_tokens", "0", "4096"),
+                               "dflash/config.pbtxt: parameters.max_kv_tokens: '4096' differs from '0'"),
+    "plain decoding": (lambda r: _set_param(r, "mode", "dflash", "ar"),
+                       "dflash/config.pbtxt: parameters.mode: 'ar' differs from 'dflash'"),
+    "plain recorded": (lambda r: _set_marker(r, plain=True),
+                       "dflash/config.pbtxt: parameters.mode: 'dflash' differs from 'ar'"),
+    "a larger input": (lambda r: _replace(r / "dflash" / "config.pbtxt", 'name: "text_input"\n    data_type: '
+                                          'TYPE_STRING\n    dims: [ 1 ]', 'name: "text_input"\n    data_type: '
+                                          'TYPE_STRING\n    dims: [ 99999999999999999999 ]'),
+                       "dflash/config.pbtxt: input text_input: "),
+    "an input dropped": (lambda r: drop_input(r, "max_tokens"), "dflash/config.pbtxt: input max_tokens: missing"),
+}
+
+
+@pytest.mark.parametrize("edit", OPTION_EDITS)
+def test_serve_refuses_recorded_options_deploy_did_not_write_naming_the_field(tmp_path, small_repo, edit):
+    import socket
+
+    from dflash_export.deploy.repository import check_repository
+
+    change, message = OPTION_EDITS[edit]
+    change(small_repo)
+    with pytest.raises(DFlashError) as e:
+        check_repository(small_repo)
+    assert message in str(e.value) and e.value.exit_code == 2, str(e.value)
+    with socket.socket() as held:  # were the repository let through, serve would stop at this busy port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
+    assert_one_line(r, message)
+
+
+def test_a_repository_deployed_before_input_ids_still_agrees_with_its_marker(small_repo):
+    from dflash_export.deploy.repository import check_repository
+
+    assert check_repository(drop_input(small_repo, "input_ids"))["models"] == ["dflash"]
+
+
+@pytest.mark.parametrize("option, value, bound", [
+    ("--max-queue-size", "4294967296", "0<=x<=4294967295"),  # Triton's max_queue_size is an unsigned 32-bit field
+    ("--threads", "100000", "0<=x<=1024"),
+    ("--max-queued-tokens", "1000000000000", "1<=x<=999999999999"),  # serve reads at most 12 digits back
+    ("--max-kv-tokens", "99999999999999999999999999", "0<=x<=999999999999"),
+])
+def test_deploy_refuses_values_its_own_serve_could_not_load(tmp_path, option, value, bound):
+    from dflash_export.deploy.repository import check_repository
+
+    engine = make_torch_engine_dir(tmp_path / "engine")
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo", option, value)
+    assert_one_line(r, f"{option}: {value} is not in the range {bound}")
+    assert not (tmp_path / "repo").exists()
+    with pytest.raises(DFlashError, match=option):
+        write_repository(engine, tmp_path / "repo", **{option[2:].replace("-", "_"): int(value)})
+    edge = bound.rsplit("=", 1)[1]  # the largest value deploy takes is one its serve takes
+    r = cli("deploy", "--engine", engine, "--repo", tmp_path / "repo", option, edge)
+    assert r.returncode == 0, r.stderr
+    assert check_repository(tmp_path / "repo")["format"] == 2
+
+
 def test_serve_cli_refuses_an_edited_model_py_in_one_line(tmp_path, small_repo):
     import socket
 
@@ -540,19 +641,6 @@ def test_serve_cli_refuses_an_edited_model_py_in_one_line(tmp_path, small_repo):
         r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
     assert_one_line(r, f"{small_repo / 'dflash' / '1' / 'model.py'}: not the model this version")
     assert not (ROOT / "ran").exists()
-
-
-def test_serve_cli_refuses_a_config_that_holds_more_than_the_marker_records_in_one_line(tmp_path, small_repo):
-    import socket
-
-    # 8 instances instead of the 1 the marker records: the front's default bound would be sized for 1
-    _replace(small_repo / "dflash" / "config.pbtxt", "count: 1", "count: 8")
-    with socket.socket() as held:  # were the repository let through, serve would stop at this busy port
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        r = cli("serve", "--repo", small_repo, "--port", held.getsockname()[1])
-    assert_one_line(r, f"{small_repo / 'dflash' / 'config.pbtxt'}: instance_group: differs from what deploy "
-                       "recorded in dflash_repository.json (instances 1), which `serve` goes by: deploy again")
 
 
 def test_a_deploy_of_both_models_is_served_and_a_changed_engine_is_refused(tmp_path):

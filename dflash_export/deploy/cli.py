@@ -12,6 +12,9 @@ from dflash_export.clitypes import engine_option
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.repository import (
     MARKER,
+    MAX_QUEUE_SIZE,
+    MAX_THREADS,
+    MAX_TOKEN_COUNT,
     cached_repository,
     check_repository,
     kv_memory_note,
@@ -28,9 +31,9 @@ from dflash_export.errors import DFlashError
               help="Model repository to write (replaced atomically if it is an earlier deploy).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Model instances (processes) per model; each holds its own copy of the engine.")
-@click.option("--max-queue-size", default=64, show_default=True, type=click.IntRange(0),
+@click.option("--max-queue-size", default=64, show_default=True, type=click.IntRange(0, MAX_QUEUE_SIZE),
               help="Requests waiting per model before Triton rejects new ones (0 = unbounded).")
-@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0, MAX_THREADS),
               help="Intra-op threads per instance (0: the server's cores divided by --instances).")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Also write the decoupled streaming model dflash_stream (for generate_stream).")
@@ -43,9 +46,10 @@ from dflash_export.errors import DFlashError
 @click.option("--max-batch", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Sequences one instance decodes together: > 1 feeds its concurrent requests into one shared "
                    "continuous batch (onnxruntime and tensorrt engines); 1 runs one request at a time.")
-@click.option("--max-queued-tokens", default=65536, show_default=True, type=click.IntRange(1),
+@click.option("--max-queued-tokens", default=65536, show_default=True,
+              type=click.IntRange(1, MAX_TOKEN_COUNT),
               help="With --max-batch > 1: prompt tokens that may wait to join the batch (more: HTTP 503).")
-@click.option("--max-kv-tokens", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--max-kv-tokens", default=0, show_default=True, type=click.IntRange(0, MAX_TOKEN_COUNT),
               help="With --max-batch > 1: K/V tokens (slots x rows) each instance's shared batch may hold; a request "
                    "joins once its rows fit, in arrival order, and one needing more than the bound gets HTTP 400. "
                    "0: half the memory available when an instance loads, shared by the instances.")
@@ -94,7 +98,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                    "and tensorrt; else 1).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),
               help="With --engine: model instances (processes).")
-@click.option("--max-kv-tokens", default=None, type=click.IntRange(0),
+@click.option("--max-kv-tokens", default=None, type=click.IntRange(0, MAX_TOKEN_COUNT),
               help="With --engine: K/V tokens (slots x rows) each instance's shared batch may hold (a larger request: "
                    "HTTP 400; default 0: half the memory available when an instance loads, shared by the instances).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,

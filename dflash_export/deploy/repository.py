@@ -43,6 +43,8 @@ from dflash_export.deploy.pbtxt import (
     ModelConfig,
     TensorSpec,
     check_config_text,
+    parse_pbtxt,
+    render_config,
     write_config,
 )
 from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
@@ -60,6 +62,9 @@ TRITON_MODEL = Path(__file__).with_name("triton_model.py")  # what deploy writes
 REPO_FORMAT = 2
 DEFAULT_MAX_QUEUE_SIZE = 64
 MAX_BATCH = 256  # deploy --max-batch: sequences one instance's shared batch may hold
+MAX_THREADS = 1024  # deploy --threads: intra-op threads per instance
+MAX_TOKEN_COUNT = 10**12 - 1  # deploy --max-queued-tokens / --max-kv-tokens: what serve reads back (12 digits)
+MAX_QUEUE_SIZE = 2**32 - 1  # deploy --max-queue-size: Triton's max_queue_size is an unsigned 32-bit field
 
 
 # The request/response contract of the `dflash` models (docs/serving.md); the inputs' types live with the request
@@ -210,16 +215,17 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     manifest = check_engine_manifest(engine_dir)
     if not 1 <= instances <= MAX_INSTANCES:
         raise DFlashError(f"must be in 1..{MAX_INSTANCES}, got {instances}", field="--instances")
-    if max_queue_size < 0:
-        raise DFlashError(f"must be >= 0, got {max_queue_size}", field="--max-queue-size")
-    if threads < 0:
-        raise DFlashError(f"must be >= 0, got {threads}", field="--threads")
+    if not 0 <= max_queue_size <= MAX_QUEUE_SIZE:
+        raise DFlashError(f"must be in 0..{MAX_QUEUE_SIZE}, got {max_queue_size}", field="--max-queue-size")
+    if not 0 <= threads <= MAX_THREADS:
+        raise DFlashError(f"must be in 0..{MAX_THREADS}, got {threads}", field="--threads")
     if not 1 <= max_batch <= MAX_BATCH:
         raise DFlashError(f"must be in 1..{MAX_BATCH}, got {max_batch}", field="--max-batch")
-    if max_queued_tokens < 1:
-        raise DFlashError(f"must be >= 1, got {max_queued_tokens}", field="--max-queued-tokens")
-    if max_kv_tokens < 0:
-        raise DFlashError(f"must be >= 0 (0: from the memory available), got {max_kv_tokens}", field="--max-kv-tokens")
+    if not 1 <= max_queued_tokens <= MAX_TOKEN_COUNT:
+        raise DFlashError(f"must be in 1..{MAX_TOKEN_COUNT}, got {max_queued_tokens}", field="--max-queued-tokens")
+    if not 0 <= max_kv_tokens <= MAX_TOKEN_COUNT:
+        raise DFlashError(f"must be in 0..{MAX_TOKEN_COUNT} (0: from the memory available), got {max_kv_tokens}",
+                          field="--max-kv-tokens")
     if max_batch > 1 and not BACKENDS[manifest.backend].batched:
         batched = ", ".join(b.name for b in BACKENDS.values() if b.batched)
         raise DFlashError(f"batched serving runs on {batched} engines (this one is {manifest.backend})",
@@ -375,8 +381,8 @@ def check_repository(repo) -> dict[str, Any]:
     """Refuse, before a server starts, a directory `dflash-export deploy` did not write or that was changed since.
 
     Checks the marker (its format: this version's), that Triton would load exactly the deployed models and nothing
-    else (no other model, version, file or symbolic link), every config.pbtxt (deploy's fields only; its instances,
-    queue, batch and K/V bound the ones the marker records, which `serve` goes by), that each model's model.py is
+    else (no other model, version, file or symbolic link), the options the marker records (which `serve` goes by),
+    every config.pbtxt (deploy's fields only, as deploy writes them for those options), that each model's model.py is
     this version's own, the copied engine (manifest fields and file hashes, and the one deploy recorded) and the
     recorded library versions. A TensorRT-LLM repository is refused: its model.py is TensorRT-LLM's.
     Returns the marker.
@@ -410,13 +416,14 @@ def check_repository(repo) -> dict[str, Any]:
         if d.is_dir() and d.name not in models:
             raise DFlashError(f"not one of the deployed models {models} (Triton would try to load it); remove it or "
                               "deploy again", path=d)
+    options = _marker_options(marker, marker_path)
     home = repo / models[0]  # the model whose directory holds the engine every model of the repository serves
     for name in models:
         model_dir = repo / name
         cfg_path = model_dir / "config.pbtxt"
         if not model_dir.is_dir():
             raise DFlashError(f"model directory listed in {MARKER} is missing", path=model_dir)
-        _, params = _read_python_config(cfg_path, name, home, marker)
+        _, params = _read_python_config(cfg_path, name, home, options, len(models))
         if not (model_dir / "1" / "model.py").is_file():
             raise DFlashError("missing: deploy again", path=model_dir / "1" / "model.py")
         _check_python_model(model_dir, home)
@@ -434,7 +441,12 @@ _CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy
                   "dynamic_batching", "parameters"}
 _CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "max_kv_tokens", "mode",
                       "library_versions"}
-_INTEGER_PARAMETERS = {"threads": 0, "max_batch": 1, "max_queued_tokens": 1, "max_kv_tokens": 0}  # their floors
+_INTEGER_PARAMETERS = {"threads": (0, MAX_THREADS), "max_batch": (1, MAX_BATCH),  # the ranges deploy writes
+                       "max_queued_tokens": (1, MAX_TOKEN_COUNT), "max_kv_tokens": (0, MAX_TOKEN_COUNT)}
+# The marker's record of deploy's options: (key, range, value when absent: a marker written before the key existed).
+_MARKER_OPTIONS = (("instances", (1, MAX_INSTANCES), 1), ("max_batch", (1, MAX_BATCH), 1),
+                   ("max_queue_size", (0, MAX_QUEUE_SIZE), DEFAULT_MAX_QUEUE_SIZE),
+                   ("max_kv_tokens", (0, MAX_TOKEN_COUNT), 0))
 
 
 def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
@@ -446,10 +458,83 @@ def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
     return models
 
 
-def _read_python_config(cfg_path: Path, name: str, home: Path, marker: dict[str, Any]) -> tuple[str, dict[str, str]]:
+def _marker_options(marker: dict[str, Any], marker_path: Path) -> dict[str, Any]:
+    """The deploy options the marker records, each checked as deploy writes it (the front sizes itself by them and
+    every model's config.pbtxt must agree with them). Returns them by key, with `plain` and `limits` (a Limits)."""
+    out: dict[str, Any] = {}
+    for key, (lo, hi), default in _MARKER_OPTIONS:
+        value = marker.get(key, default)
+        if type(value) is not int or not lo <= value <= hi:
+            raise DFlashError(f"must be an integer in {lo}..{hi}, got {value!r}: deploy again", path=marker_path,
+                              field=key)
+        out[key] = value
+    out["plain"] = marker.get("plain", False)
+    if type(out["plain"]) is not bool:
+        raise DFlashError(f"must be true or false, got {out['plain']!r}: deploy again", path=marker_path,
+                          field="plain")
+    recorded = marker.get("limits", {})
+    if not isinstance(recorded, dict):
+        raise DFlashError(f"expected a JSON object, got {recorded!r}: deploy again", path=marker_path, field="limits")
+    values = {}
+    for key in ("max_body_bytes", "max_json_depth"):
+        value = recorded.get(key, getattr(Limits, key))
+        if type(value) is not int:
+            raise DFlashError(f"must be an integer, got {value!r}: deploy again", path=marker_path,
+                              field=f"limits.{key}")
+        values[key] = value
+    try:
+        out["limits"] = Limits(**values).check()
+    except DFlashError as e:
+        raise DFlashError(f"{e.message}: deploy again", path=marker_path,
+                          field="limits." + ("max_body_bytes" if e.field == "--max-request-bytes" else "max_json_depth")
+                          ) from None
+    return out
+
+
+def _check_config_agrees(cfg: dict[str, Any], params: dict[str, str], options: dict[str, Any], cfg_path: Path,
+                         name: str, n_models: int) -> None:
+    """A `dflash` model's parsed config.pbtxt must be the one deploy writes for the options the marker records: the
+    same tensors (input_ids may be absent: deployed before it existed), transaction policy, instances, queue and
+    batch parameters. `params` are its parameters, already checked by `_read_python_config`."""
+    decoupled = cfg.get("model_transaction_policy", {}).get("decoupled") if isinstance(
+        cfg.get("model_transaction_policy"), dict) else None
+    if n_models > 1 or type(decoupled) is not bool:  # one model of each kind, or one: streaming or not
+        decoupled = name == STREAM_MODEL_NAME
+    want = parse_pbtxt(render_config(ModelConfig(
+        name=name, inputs=INPUTS, outputs=OUTPUTS, instances=options["instances"], decoupled=decoupled,
+        max_queue_size=options["max_queue_size"])), cfg_path)
+    recorded = f"deploy wrote it from the options {MARKER} records"
+
+    def refuse(field: str, have, expected) -> None:
+        have, expected = (r if len(r := repr(v)) <= 100 else r[:97] + "..." for v in (have, expected))
+        raise DFlashError(f"{have} differs from {expected} ({recorded}): deploy again", path=cfg_path, field=field)
+
+    for key in ("max_batch_size", "model_transaction_policy", "instance_group", "dynamic_batching", "output"):
+        if cfg.get(key) != want.get(key):
+            refuse(key, cfg.get(key), want.get(key))
+    declared = cfg.get("input", [])
+    declared = {t.get("name"): t for t in (declared if isinstance(declared, list) else [declared])}
+    for spec in want["input"]:
+        if spec["name"] not in declared and spec["name"] != "input_ids":
+            raise DFlashError(f"missing ({recorded}): deploy again", path=cfg_path, field=f"input {spec['name']}")
+        if spec["name"] in declared and (have := declared.pop(spec["name"])) != spec:
+            refuse(f"input {spec['name']}", have, spec)
+    if declared:
+        raise DFlashError(f"not an input deploy writes ({recorded}): deploy again", path=cfg_path,
+                          field=f"input {next(iter(declared))}")
+    for key, expected, default in (("max_batch", str(options["max_batch"]), "1"),
+                                   ("max_kv_tokens", str(options["max_kv_tokens"]), "0"),
+                                   ("mode", "ar" if options["plain"] else "dflash", "dflash")):
+        if params.get(key, default) != expected:
+            refuse(f"parameters.{key}", params.get(key, default), expected)
+
+
+def _read_python_config(cfg_path: Path, name: str, home: Path, options: dict[str, Any],
+                        n_models: int) -> tuple[str, dict[str, str]]:
     """A `dflash` python model's config.pbtxt, read once and checked as deploy writes it: the python backend,
-    deploy's fields and parameters only, the engine referenced inside the repository, the instances, queue, batch
-    and K/V bound the repository's `marker` records. Returns the text checked and its parameters."""
+    deploy's fields and parameters only, the engine referenced inside the repository, the rest as deploy writes it for
+    the `options` its marker records (`_marker_options`; `n_models` in the repository). Returns the text checked and
+    its parameters."""
     if not cfg_path.is_file():
         raise DFlashError("missing: deploy again", path=cfg_path)
     try:
@@ -466,10 +551,10 @@ def _read_python_config(cfg_path: Path, name: str, home: Path, marker: dict[str,
     if extra := sorted(set(params) - _CONFIG_PARAMETERS):
         raise DFlashError("not a parameter deploy writes: remove it or deploy again", path=cfg_path,
                           field=f"parameters.{extra[0]}")
-    for key, lo in _INTEGER_PARAMETERS.items():  # the model reads these with int() as it loads
+    for key, (lo, hi) in _INTEGER_PARAMETERS.items():  # the model reads these with int() as it loads
         value = params.get(key)
-        if value is not None and not (re.fullmatch(r"[0-9]{1,12}", value) and int(value) >= lo):
-            raise DFlashError(f"must be an integer >= {lo}, got {value!r}: deploy again", path=cfg_path,
+        if value is not None and not (re.fullmatch(r"[0-9]{1,12}", value) and lo <= int(value) <= hi):
+            raise DFlashError(f"must be an integer in {lo}..{hi}, got {value!r}: deploy again", path=cfg_path,
                               field=f"parameters.{key}")
     ref = params.get("engine_dir")
     if not ref:
@@ -478,25 +563,8 @@ def _read_python_config(cfg_path: Path, name: str, home: Path, marker: dict[str,
     if os.path.isabs(ref) or Path(os.path.normpath(model_dir / ref)) != home / "engine":
         raise DFlashError(f"must name the repository's own engine {os.path.relpath(home / 'engine', model_dir)!r}, "
                           f"got {ref!r}", path=cfg_path, field="parameters.engine_dir")
-    _check_config_against_marker(cfg, params, marker, cfg_path)
+    _check_config_agrees(cfg, params, options, cfg_path, name, n_models)
     return text, params
-
-
-def _check_config_against_marker(cfg: dict[str, Any], params: dict[str, str], marker: dict[str, Any],
-                                 cfg_path: Path) -> None:
-    """The instances, queue, batch and K/V bound a config gives Triton and the model must be those deploy wrote from
-    the marker's values: `serve` sizes its front (upstream_call_bound) and its notes by the marker."""
-    for field, have, key, want in (
-            ("instance_group", cfg.get("instance_group"), "instances",
-             [{"count": marker.get("instances"), "kind": "KIND_CPU"}]),
-            ("dynamic_batching", cfg.get("dynamic_batching"), "max_queue_size",
-             {"default_queue_policy": {"max_queue_size": marker.get("max_queue_size")}}),
-            ("parameters.max_batch", params.get("max_batch"), "max_batch", str(marker.get("max_batch"))),
-            ("parameters.max_kv_tokens", params.get("max_kv_tokens", "0"), "max_kv_tokens",
-             str(marker.get("max_kv_tokens", 0)))):
-        if have != want:
-            raise DFlashError(f"differs from what deploy recorded in {MARKER} ({key} {marker.get(key)!r}), which "
-                              "`serve` goes by: deploy again", path=cfg_path, field=field)
 
 
 def _check_python_model(model_dir: Path, home: Path) -> None:
@@ -531,10 +599,11 @@ def served_copy(repo: Path, dest: Path) -> Path:
                           field="--repo")
     marker = read_json_object(marker_path)
     models = _marker_models(marker, marker_path)
+    options = _marker_options(marker, marker_path)
     home = repo / models[0]
     shutil.rmtree(dest, ignore_errors=True)
     for name in models:
-        text, _ = _read_python_config(repo / name / "config.pbtxt", name, home, marker)
+        text, _ = _read_python_config(repo / name / "config.pbtxt", name, home, options, len(models))
         (dest / name / "1").mkdir(parents=True, mode=0o700)
         (dest / name / "config.pbtxt").write_text(text, encoding="utf-8")
         shutil.copyfile(TRITON_MODEL, dest / name / "1" / "model.py")

@@ -571,6 +571,9 @@ def check_no_unlisted_files(engine_dir: Path, files: Mapping[str, str]) -> None:
         if p.is_symlink():
             raise DFlashError("a symbolic link in the engine directory (engines hold plain files only)", path=p,
                               field="files")
+        if not p.is_file() and not p.is_dir():  # a copy or a hash would open it and wait (a FIFO) or read a device
+            raise DFlashError("not a regular file or directory (a FIFO, socket or device; engines hold plain files "
+                              "only): remove it", path=p, field="files")
         if p.is_file() and rel != MANIFEST and rel not in listed:
             raise DFlashError("not listed in the manifest's `files` (every file of an engine must be listed and "
                               "hashed): rebuild the engine, or remove the file", path=p, field="files")
