@@ -59,8 +59,8 @@ MAX_JSON_BYTES = 256 << 20
 
 
 def read_json_object(path: str | os.PathLike) -> dict:
-    """A JSON file that must hold an object; missing, oversized (a sparse file of terabytes would be read whole),
-    unparsable or non-object files are one DFlashError line."""
+    """A JSON file that must hold an object; missing, unreadable, oversized (a sparse file of terabytes would be read
+    whole), unparsable or non-object files are one DFlashError line."""
     import json
 
     path = Path(path)
@@ -76,6 +76,8 @@ def read_json_object(path: str | os.PathLike) -> dict:
         raise DFlashError("not valid JSON (nested too deeply)", path=path) from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past int()'s digit limit
         raise DFlashError(f"not valid JSON ({e})", path=path) from None
+    except OSError as e:  # unreadable by this user, or gone since the check
+        raise DFlashError(f"cannot read it ({e.strerror})", path=path) from None
     if not isinstance(data, dict):
         raise DFlashError("expected a JSON object", path=path)
     return data

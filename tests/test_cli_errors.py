@@ -1208,6 +1208,24 @@ def test_json_too_deep_or_with_a_too_long_integer_is_named(tmp_path, text, what)
     assert line.startswith(f"error: {repo / 'dflash_repository.json'}: {what}"), line
 
 
+def test_a_json_file_this_user_cannot_read_is_one_line(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import read_json_object
+
+    f = tmp_path / "dflash_repository.json"
+    f.write_text("{}")
+
+    def denied(self, *args, **kwargs):  # a file of mode 0o600 owned by another user (root reads any file)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(DFlashError) as e:
+        read_json_object(f)
+    assert str(e.value) == f"{f}: cannot read it (Permission denied)" and e.value.exit_code == 2
+
+
 def test_a_terminated_build_removes_what_it_had_written_and_says_so_in_one_line(tmp_path):
     import signal
     import subprocess
