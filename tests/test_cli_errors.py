@@ -966,6 +966,9 @@ def _tiny_copy(tmp_path, which):
      "fc.weight: corrupt safetensors header (key given twice)"),
     (b'{"__metadata__": {"format": 1}, "fc.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
      "__metadata__: corrupt safetensors header (expected an object of strings)"),
+    # a shape of many huge dimensions: minutes to multiply out, megabytes in every message that shows it
+    (b'{"fc.weight": {"dtype": "F32", "shape": [' + b"1000000000000000000, " * 99999 + b'1], "data_offsets": [0, 16]}}',
+     "fc.weight: corrupt safetensors header (a shape of 100000 dimensions, more than 64)"),
 ])
 def test_a_corrupt_safetensors_header_is_one_line_naming_the_file(tmp_path, header, what):
     import struct
@@ -975,6 +978,21 @@ def test_a_corrupt_safetensors_header_is_one_line_naming_the_file(tmp_path, head
     weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     line = _one_error_line(_run("inspect", drafter, "--target", "tiny:qwen3/target"))
     assert line == f"error: {weights}: {what}", line
+
+
+def test_a_safetensors_header_longer_than_safetensors_reads_is_refused_unread(tmp_path):
+    import struct
+
+    from dflash_export.models.weights import MAX_HEADER_BYTES
+
+    drafter = _tiny_copy(tmp_path, "tiny:qwen3/drafter")
+    weights = drafter / "model.safetensors"
+    with open(weights, "wb") as f:  # sparse: as long as its header says, nothing of it written
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        f.truncate(8 + MAX_HEADER_BYTES + 1 + 16)
+    line = _one_error_line(_run("inspect", drafter, "--target", "tiny:qwen3/target"))
+    assert line == f"error: {weights}: corrupt safetensors header ({MAX_HEADER_BYTES + 1} bytes long; the " \
+                   f"safetensors library reads at most {MAX_HEADER_BYTES})", line
 
 
 def _drafter_with(tmp_path, tensor: str, fn, dtype: str | None = None) -> Path:

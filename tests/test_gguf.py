@@ -326,7 +326,23 @@ def _offset_past_end(raw: bytes) -> bytes:
     return raw[:at] + (10 ** 9).to_bytes(8, "little") + raw[at + 8:]
 
 
+def _extra_key(value: bytes):
+    """An edit adding the key `x.extra` (its value type and value given as bytes) first among the key/values."""
+    def edit(raw: bytes) -> bytes:
+        n_kv = int.from_bytes(raw[16:24], "little")
+        entry = (7).to_bytes(8, "little") + b"x.extra" + value
+        return raw[:16] + (n_kv + 1).to_bytes(8, "little") + entry + raw[24:]
+    return edit
+
+
+def _array(item_type: int, count: int) -> bytes:
+    """An array's value type, item type and count (the items follow)."""
+    return (9).to_bytes(4, "little") + item_type.to_bytes(4, "little") + count.to_bytes(8, "little")
+
+
 def _layout_cases():
+    from dflash_export.models.gguf import MAX_GGUF_ARRAY_ITEMS
+
     def cut(n):  # the first n bytes; n < 0: all but the last -n
         return lambda raw: raw[:n]
 
@@ -352,6 +368,12 @@ def _layout_cases():
         ("a key's value cut short", lambda raw: raw[:raw.index(b"llama.context_length") + 20 + 4 + 2],
          "llama.context_length", "inside its value"),
         ("a key cut short", lambda raw: raw[:kv_end(raw) - 20], "metadata key/value", "inside its key"),
+        # read into Python lists, a byte of the file each would take 8 bytes of memory and more: refused unread
+        ("more array items than a vocabulary has",
+         _extra_key(_array(0, MAX_GGUF_ARRAY_ITEMS + 1) + bytes(MAX_GGUF_ARRAY_ITEMS + 1)), "x.extra",
+         f"arrays of more than {MAX_GGUF_ARRAY_ITEMS} items in all"),
+        ("arrays nested 5 deep", _extra_key(_array(9, 1)[:4] + _array(9, 1)[4:] * 5 + _array(0, 0)[4:]), "x.extra",
+         "arrays nested more than 4 deep"),
     ]
 
 

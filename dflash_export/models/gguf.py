@@ -37,6 +37,9 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors, one per frequency 
 _HEADER = 24  # magic, version, tensor count, key/value count
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# Array items the metadata may hold in all, read into Python lists at some 8 to 50 bytes each whatever their size in
+# the file (a 1-byte item included): a vocabulary's tokens, scores, types and merges are about 10**6 of them.
+MAX_GGUF_ARRAY_ITEMS = 1 << 22
 
 
 class _Cursor:
@@ -44,6 +47,7 @@ class _Cursor:
 
     def __init__(self, buf, order: str, path: Path):
         self.buf, self.pos, self.order, self.path, self.field = buf, 0, order, path, "header"
+        self.items = 0  # array items read so far
 
     def fail(self, message: str):
         raise DFlashError(message, path=self.path, field=self.field)
@@ -100,10 +104,19 @@ class _Cursor:
 
             dtype = np.dtype(_SCALARS[itype]).newbyteorder(self.order)
             self.need(count * dtype.itemsize, what)
+            self.add_items(count)
             self.pos += count * dtype.itemsize
             return np.frombuffer(self.buf, dtype, count, self.pos - count * dtype.itemsize).tolist()
         self.need(count * 8, what)  # a string or array item takes at least its 8-byte length
+        self.add_items(count)
         return [self.value(itype, what, depth + 1) for _ in range(count)]
+
+    def add_items(self, n: int) -> None:
+        """Count `n` more array items against MAX_GGUF_ARRAY_ITEMS, before any of them is read."""
+        self.items += n
+        if self.items > MAX_GGUF_ARRAY_ITEMS:
+            self.fail(f"arrays of more than {MAX_GGUF_ARRAY_ITEMS} items in all (a vocabulary's lists hold about "
+                      "10**6)")
 
 
 def read_gguf_metadata(path: Path) -> dict:

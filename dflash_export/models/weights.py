@@ -30,6 +30,13 @@ _DTYPE_BITS = {
 # a header that says I32 for float32 bytes would make every value a huge integer, finite and silently wrong).
 INTEGER_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
 
+# The longest header the safetensors library itself reads (its MAX_HEADER_SIZE): a longer one is refused before it is
+# read into memory, however long the file.
+MAX_HEADER_BYTES = 100_000_000
+# The most dimensions a tensor's shape may have: no model weight has more than a handful, and a shape of thousands
+# is only a header made to flood every message that shows it.
+MAX_TENSOR_DIMS = 64
+
 
 class _DuplicateKey(Exception):
     pass
@@ -62,6 +69,9 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8:
                 raise DFlashError("truncated safetensors file (header longer than file)", path=path)
+            if n > MAX_HEADER_BYTES:
+                raise DFlashError(f"corrupt safetensors header ({n} bytes long; the safetensors library reads at "
+                                  f"most {MAX_HEADER_BYTES})", path=path)
             header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise DFlashError("file not found", path=path) from None
@@ -92,8 +102,11 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
             raise DFlashError(f"corrupt safetensors header (unknown dtype {dtype!r})", path=path, field=name)
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise DFlashError(f"corrupt safetensors header (expected shape [non-negative integers], got {shape!r})",
-                              path=path, field=name)
+            raise DFlashError(f"corrupt safetensors header (expected shape [non-negative integers], got "
+                              f"{repr(shape)[:200]})", path=path, field=name)
+        if len(shape) > MAX_TENSOR_DIMS:
+            raise DFlashError(f"corrupt safetensors header (a shape of {len(shape)} dimensions, more than "
+                              f"{MAX_TENSOR_DIMS})", path=path, field=name)
         bits = math.prod(shape) * _DTYPE_BITS[dtype]
         if begin > end or bits % 8 or end - begin != bits // 8:
             raise DFlashError(f"corrupt safetensors header (data_offsets {offsets} do not hold {dtype} {shape})",
