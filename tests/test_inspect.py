@@ -81,6 +81,12 @@ DEFECTS = {
                           "num_target_layers: 36 != target num_hidden_layers 6"),
     "gqa": (lambda d: _edit_config(d, lambda c: c.__setitem__("num_key_value_heads", 3)),
             "does not divide num_attention_heads"),
+    # refused before transformers' config class builds a list of 10**9 layer kinds
+    "layers_past_the_limit": (lambda d: _edit_config(d, lambda c: c.__setitem__("num_hidden_layers", 10**9)),
+                              "num_hidden_layers: 1000000000 layers: more than the 1024 this project reads"),
+    "more_taps_than_target_layers": (lambda d: _edit_config(d, lambda c: c["dflash_config"].__setitem__(
+        "target_layer_ids", list(range(10**6)))), "target_layer_ids: 1000000 layers tapped, more than "
+                                                  "num_target_layers 6"),
 }
 
 
@@ -94,6 +100,28 @@ def test_planted_defect_is_reported(pair, defect):
     if defect != "last_layer":  # a warning only: the pair still works
         assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
+
+
+def test_taps_outside_the_target_are_one_finding(pair):
+    drafter, target = pair
+    _edit_config(drafter, lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, 9, 10, 11]))
+    r = _inspect(drafter, target)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    outside = [ln for ln in r.output.splitlines() if "outside the target's" in ln]
+    assert outside == [f"error: {drafter / 'config.json'}: dflash_config.target_layer_ids: layer 9 outside the "
+                       "target's 0..5 (3 such layers)"], r.output
+
+
+def test_thousands_of_unexpected_tensors_are_counted_not_listed(pair):
+    from dflash_export.models.checkpoint import MAX_MISSING_LISTED
+
+    drafter, target = pair
+    _edit_weights(drafter, lambda sd: sd.update({f"extra.{i}": torch.zeros(1) for i in range(3000)}))
+    r = _inspect(drafter, target)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    named = [ln for ln in r.output.splitlines() if ": unexpected tensor" in ln]
+    assert len(named) == MAX_MISSING_LISTED, r.output
+    assert f"error: {drafter}: weights: {3000 - MAX_MISSING_LISTED} more unexpected tensors (3000 in all)" in r.output
 
 
 def _cli(*args):

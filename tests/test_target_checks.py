@@ -104,6 +104,21 @@ def test_a_target_dtype_that_is_not_a_float_dtype_is_named(tmp_path, family, key
     _refused(target, family, "config.json", key)
 
 
+@pytest.mark.parametrize("family, key", [("qwen3", "num_hidden_layers"), ("qwen3-moe", "num_local_experts")])
+def test_a_layer_or_expert_count_past_the_limit_is_refused_before_anything_is_built_for_each(tmp_path, family, key):
+    """10**9 layers or experts: transformers' config class would build a list of 10**9 layer kinds, the weight checks
+    an entry per layer and expert (gigabytes, minutes); refused at once, naming the key."""
+    from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
+
+    target = _target(tmp_path, family)
+    _edit(target, lambda t, c: (t.update({key: 10**9}), t.pop("layer_types", None)))
+    e = _refused(target, family, "config.json", key)
+    what = "layers" if key == "num_hidden_layers" else "experts"
+    limit = MAX_LAYERS if key == "num_hidden_layers" else MAX_EXPERTS
+    assert e.message == f"1000000000 {what}: more than the {limit} this project reads", e.message
+    _export_refused(target, family, "config.json", key)
+
+
 def _transformers_complaints(target: Path) -> set[str]:
     """The tensors transformers' own loading report names (missing, unexpected or of the wrong shape), under the names
     of the checkpoint's files (a composite checkpoint's `model.language_model.` prefix put back)."""

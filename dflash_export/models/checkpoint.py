@@ -16,7 +16,7 @@ import torch
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS
-from dflash_export.models.config import MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
+from dflash_export.models.config import MAX_LAYERS, MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.hfutil import config_dtype
 from dflash_export.models.rope import (
@@ -133,9 +133,14 @@ def _mask_token_id(cfg: dict, dcfg: dict, path: Path) -> int:
 
 
 def _layer_sizes(cfg: dict, path: Path) -> tuple[int, int, int, int]:
-    """hidden_size, num_hidden_layers, num_attention_heads, num_target_layers: each present and >= 1."""
-    return (_field(cfg, path, "hidden_size", int), _field(cfg, path, "num_hidden_layers", int),
-            _field(cfg, path, "num_attention_heads", int), _field(cfg, path, "num_target_layers", int))
+    """hidden_size, num_hidden_layers, num_attention_heads, num_target_layers: each present and >= 1, the layer counts
+    at most MAX_LAYERS."""
+    sizes = (_field(cfg, path, "hidden_size", int), _field(cfg, path, "num_hidden_layers", int),
+             _field(cfg, path, "num_attention_heads", int), _field(cfg, path, "num_target_layers", int))
+    for name, n in (("num_hidden_layers", sizes[1]), ("num_target_layers", sizes[3])):
+        if n > MAX_LAYERS:
+            raise DFlashError(f"{n} layers: more than the {MAX_LAYERS} this project reads", path=path, field=name)
+    return sizes
 
 
 def _attention_sizes(cfg: dict, path: Path, hidden: int, heads: int) -> tuple[int, int]:
@@ -162,7 +167,10 @@ def _target_layer_ids(cfg: dict, dcfg: dict, path: Path, n_target: int, layers: 
     if ids is None:
         ids = default_target_layer_ids(n_target, layers)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise DFlashError(f"expected a non-empty list of ints, got {ids!r}", path=path,
+        raise DFlashError(f"expected a non-empty list of ints, got {repr(ids)[:200]}", path=path,
+                          field=_draft_field(dcfg, "target_layer_ids"))
+    if len(ids) > n_target:  # each a distinct target layer
+        raise DFlashError(f"{len(ids)} layers tapped, more than num_target_layers {n_target}", path=path,
                           field=_draft_field(dcfg, "target_layer_ids"))
     return ids
 
@@ -447,10 +455,13 @@ def _lint_target_fit(findings: _Findings, c: DrafterConfig, tcfg: dict, fc_shape
         findings.err("target_hidden_size", f"{c.target_hidden_size} != target hidden_size {t_hidden}")
     if c.num_target_layers != n_layers:
         findings.err("num_target_layers", f"{c.num_target_layers} != target num_hidden_layers {n_layers}")
+    outside = [i for i in c.target_layer_ids if not 0 <= i < n_layers]
+    if outside:  # one finding, not one per layer
+        more = f" ({len(outside)} such layers)" if len(outside) > 1 else ""
+        findings.err("dflash_config.target_layer_ids", f"layer {outside[0]} outside the target's 0..{n_layers - 1}"
+                                                       f"{more}")
     for i in c.target_layer_ids:
-        if not 0 <= i < n_layers:
-            findings.err("dflash_config.target_layer_ids", f"layer {i} outside the target's 0..{n_layers - 1}")
-        elif i == n_layers - 1:
+        if i == n_layers - 1:
             findings.warn("dflash_config.target_layer_ids",
                           f"layer {i} is the target's last: its HF hidden state is taken after the final norm")
     if len(set(c.target_layer_ids)) != len(c.target_layer_ids):
@@ -502,7 +513,7 @@ def _lint_hidden_size(findings: _Findings, c: DrafterConfig, t_hidden: int) -> N
             findings[-1].level = "error"
 
 
-MAX_MISSING_LISTED = 20  # missing tensors named one per line by `inspect`; the rest are counted
+MAX_MISSING_LISTED = 20  # missing or unexpected tensors named one per line by `inspect`; the rest are counted
 
 
 def _lint_tensors(findings: _Findings, c: DrafterConfig, tensors: dict, ckpt: Path) -> set[str]:
@@ -517,8 +528,12 @@ def _lint_tensors(findings: _Findings, c: DrafterConfig, tensors: dict, ckpt: Pa
     for name, shape in expected.items():
         if name in tensors and tensors[name][0] != shape and name != "fc.weight":
             findings.err(name, f"shape {tensors[name][0]} != expected {shape}", file=tensors[name][2])
-    for name in sorted(set(tensors) - set(expected)):
+    unexpected = sorted(set(tensors) - set(expected))
+    for name in unexpected[:MAX_MISSING_LISTED]:
         findings.err(name, "unexpected tensor (embedding and LM head belong to the target)", file=tensors[name][2])
+    if len(unexpected) > MAX_MISSING_LISTED:  # a file of thousands of foreign tensors: a count, not a flood
+        findings.err("weights", f"{len(unexpected) - MAX_MISSING_LISTED} more unexpected tensors "
+                                f"({len(unexpected)} in all)", file=ckpt)
     integer = [name for name in expected if name in tensors and tensors[name][1] in INTEGER_DTYPES]
     if integer:  # one finding, not one per tensor
         more = f" ({len(integer)} such tensors)" if len(integer) > 1 else ""

@@ -9,6 +9,11 @@ from typing import Any
 # The longest sequence (prompt, answer and one block) any engine is built for: the graphs hold cos/sin tables of
 # max_seq_len rows. A recipe's max_seq_len, and so every block, stays below it.
 MAX_SEQ_LEN = 2**20
+# The most decoder layers, and experts per mixture-of-experts layer, a config may name (the largest published models
+# have some 130 layers and 512 experts): work and memory spent on a config grow with them before its weights are
+# looked at (transformers' config classes build a list per layer, the checks an entry per layer and expert).
+MAX_LAYERS = 1 << 10
+MAX_EXPERTS = 1 << 10
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

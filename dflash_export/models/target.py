@@ -17,6 +17,7 @@ from dflash_export.decoding.request import is_int, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import native_path, read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
+from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import hf_config, rope_source_field, rope_theta_problem
@@ -84,6 +85,9 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
         v = cfg.get(f)
         if (v is not None or f not in OPTIONAL_SIZES) and (not is_int(v) or v < 1):
             raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=where(f))
+    if cfg["num_hidden_layers"] > MAX_LAYERS:
+        raise DFlashError(f"{cfg['num_hidden_layers']} layers: more than the {MAX_LAYERS} this project reads",
+                          path=cfg_path, field=where("num_hidden_layers"))
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads is not None and kv is not None and heads % kv:
         raise DFlashError(f"{kv} does not divide num_attention_heads {heads} (grouped-query attention)",
@@ -160,6 +164,13 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
                               field=where(arch.moe.swiglu_limit))
     if arch.moe is not None:
         experts, top_k = int(getattr(hf, arch.moe.num_experts, 0) or 0), getattr(hf, arch.moe.top_k, None)
+        if experts > MAX_EXPERTS:
+            aliases = getattr(hf, "attribute_map", {}).items()  # the key as config.json spells it
+            key = next((k for k in (arch.moe.num_experts, *(b for a, b in aliases if a == arch.moe.num_experts),
+                                    *(a for a, b in aliases if b == arch.moe.num_experts)) if k in cfg),
+                       arch.moe.num_experts)
+            raise DFlashError(f"{experts} experts: more than the {MAX_EXPERTS} this project reads", path=cfg_path,
+                              field=where(key))
         if experts and not (is_int(top_k) and 1 <= top_k <= experts):
             default = "" if arch.moe.top_k in cfg else " (absent: transformers' default)"
             raise DFlashError(f"{top_k}{default}: each token is routed to 1..{arch.moe.num_experts} ({experts}) "
