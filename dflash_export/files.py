@@ -83,6 +83,43 @@ def read_json_object(path: str | os.PathLike) -> dict:
     return data
 
 
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object (`unique_keys`); args[0] is the key."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """json.loads' object_pairs_hook for a JSON object whose keys are all distinct: json alone keeps the last of a
+    repeated key, silently; DuplicateKey here."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def lone_surrogate(value) -> tuple[str, str] | None:
+    """Where in a decoded JSON value a string or a key holds a lone surrogate (a \\ud800 escape: not Unicode text,
+    which no tokenizer or UTF-8 writer takes), and what: (`messages[1].role`, or `key 'a.b'` for a key, '' for the
+    value itself; `lone surrogate \\ud800 at character 3`); None when every string is text. Walked with a stack, so
+    JSON nested as deeply as its reader allows costs no recursion."""
+    stack = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return where, f"lone surrogate \\u{ord(v[e.start]):04x} at character {e.start}"
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                at = f"{where}.{k}" if where else str(k)
+                stack += [(at, item), (f"key {at!r}", k)]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", item) for i, item in reversed(list(enumerate(v)))]
+    return None
+
+
 def read_cache_json(path: str | os.PathLike, max_bytes: int = 1 << 20):
     """The JSON value of a small file the cache holds, or None when it is missing, not a regular file (a FIFO, a
     device, a symlink to one), larger than `max_bytes`, unreadable or not JSON: the caller then works it out afresh.

@@ -21,6 +21,7 @@ import h11
 
 from dflash_export.deploy import openai_api as oa
 from dflash_export.errors import DFlashError
+from dflash_export.files import lone_surrogate
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_JSON_DEPTH = 32
@@ -94,29 +95,10 @@ def parse_json_bounded(data: bytes, max_depth: int, what: str = "request body"):
     except RecursionError:  # unreachable after the depth scan; kept so no input can become a 500
         raise Refused(400, f"{what}: JSON nested deeper than {max_depth} levels (the limit, --max-json-depth)"
                       ) from None
-    if b"\\u" in data or b"\\U" in data:  # only an escape can carry a surrogate past the UTF-8 decoder
-        _check_surrogates(obj, what)
+    # only an escape can carry a surrogate past the UTF-8 decoder
+    if (b"\\u" in data or b"\\U" in data) and (bad := lone_surrogate(obj)):
+        raise Refused(400, f"{(bad[0] or what)[:80]}: {bad[1]} (not valid Unicode text)")
     return obj
-
-
-def _check_surrogates(obj, what: str) -> None:
-    """Refuse (400) a lone surrogate anywhere in decoded JSON, naming where: `field.sub[2]` from the top."""
-    stack = [(obj, "")]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                where = (path or what)[:80]
-                raise Refused(400, f"{where}: lone surrogate \\u{ord(v[e.start]):04x} at character {e.start} (not "
-                                   "valid Unicode text)") from None
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                stack.append((k, path or what))
-                stack.append((x, f"{path}.{k}" if path else str(k)))
-        elif isinstance(v, list):
-            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)

@@ -13,7 +13,7 @@ import torch
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
-from dflash_export.files import MAX_JSON_BYTES, native_path, read_json_object
+from dflash_export.files import MAX_JSON_BYTES, DuplicateKey, native_path, read_json_object, unique_keys
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -38,19 +38,6 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_TENSOR_DIMS = 64
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list) -> dict:
-    """A JSON object whose keys are all distinct (json keeps the last of a repeated key, silently)."""
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
 
 def _is_count(v) -> bool:
     return is_int(v) and v >= 0
@@ -72,10 +59,10 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             if n > MAX_HEADER_BYTES:
                 raise DFlashError(f"corrupt safetensors header ({n} bytes long; the safetensors library reads at "
                                   f"most {MAX_HEADER_BYTES})", path=path)
-            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise DFlashError("file not found", path=path) from None
-    except _DuplicateKey as e:
+    except DuplicateKey as e:
         raise DFlashError("corrupt safetensors header (key given twice)", path=path, field=str(e.args[0])) from None
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an integer too long to read
         raise DFlashError("corrupt safetensors header", path=path) from None

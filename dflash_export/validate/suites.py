@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
 from dflash_export.errors import DFlashError
+from dflash_export.files import DuplicateKey, lone_surrogate, unique_keys
 from dflash_export.runtime.single import check_request
 
 SUITES_DIR = Path(__file__).resolve().parent.parent.parent / "validate"
@@ -73,49 +74,13 @@ def _parse_messages(value, path: Path, line: int) -> list[dict]:
     return msgs
 
 
-class _DuplicateKey(ValueError):
-    """A key given twice in one JSON object of a suite line."""
-
-
-def _object_without_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object's pairs as a dict; a key given twice is refused (json.loads would keep the last silently)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-def _lone_surrogate(value) -> str | None:
-    """Where in a parsed JSON value a string (or key) holds a lone surrogate (a \\ud800 escape: not text, and no
-    tokenizer or report can take it), as `key[i].key` and what it holds; None when every string is valid Unicode.
-    Walked with a stack: a value as deeply nested as the JSON reader allows must not exhaust Python's recursion."""
-    stack = [("", value)]
-    while stack:
-        where, v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                where = where if len(where) <= 80 else where[:60] + "..." + where[-17:]
-                return f"{where or 'value'}: lone surrogate \\u{ord(v[e.start]):04x} at character {e.start}"
-        elif isinstance(v, dict):
-            for k, item in reversed(list(v.items())):
-                at = f"{where}.{k}" if where else k
-                stack += [(at, item), (f"key {at!r}", k)]
-        elif isinstance(v, list):
-            stack += [(f"{where}[{i}]", item) for i, item in reversed(list(enumerate(v)))]
-    return None
-
-
 def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
     """One JSONL line -> SuitePrompt (None for a blank line). Errors name the file and the 1-based line."""
     if not raw.strip():
         return None
     try:
-        rec = json.loads(raw, object_pairs_hook=_object_without_duplicates)
-    except _DuplicateKey as e:
+        rec = json.loads(raw, object_pairs_hook=unique_keys)
+    except DuplicateKey as e:
         raise DFlashError(f"key {e.args[0]!r} given twice", path=path, field=f"line {line}") from None
     except json.JSONDecodeError as e:
         raise DFlashError(f"invalid JSON ({e.msg} at column {e.colno})", path=path, field=f"line {line}") from None
@@ -125,9 +90,10 @@ def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
         raise DFlashError(f"invalid JSON ({e})", path=path, field=f"line {line}") from None
     if not isinstance(rec, dict):
         raise DFlashError(f"expected a JSON object, got {type(rec).__name__}", path=path, field=f"line {line}")
-    bad = _lone_surrogate(rec)
-    if bad:
-        raise DFlashError(f"{bad} (not valid Unicode text)", path=path, field=f"line {line}")
+    if bad := lone_surrogate(rec):
+        where, what = bad
+        where = where if len(where) <= 80 else where[:60] + "..." + where[-17:]
+        raise DFlashError(f"{where or 'value'}: {what} (not valid Unicode text)", path=path, field=f"line {line}")
     keys = [k for k in ("prompt", "messages", "input_ids") if k in rec]
     if len(keys) != 1:
         raise DFlashError("needs exactly one of 'prompt', 'messages', 'input_ids'" + (f" (has {', '.join(keys)})"
