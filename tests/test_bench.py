@@ -145,7 +145,8 @@ def test_bench_refuses_a_prompt_the_engine_cannot_take_naming_the_suite_line_bef
     monkeypatch.setattr(bench_suite, "run_concurrency", no_workers)
     f = tmp_path / "suite.jsonl"
     long = ", ".join(["5"] * (engine.info.max_seq_len - engine.info.block_size - 3))
-    for line, what in ((f'{{"input_ids": [{long}]}}', "exceeds the engine's max_seq_len"),
+    fits = f"exceeds the engine's max_seq_len {engine.info.max_seq_len}; --max-new-tokens 3 or fewer fits it"
+    for line, what in ((f'{{"input_ids": [{long}]}}', fits),
                        (f'{{"input_ids": [3, {engine.info.vocab_size}]}}', "is outside the vocabulary")):
         f.write_text('{"prompt": "fine"}\n' + line + "\n")
         for run in (lambda: bench_suite.run_bench(recipe.name, str(out), str(f), 2, 4, ["ar"], None),

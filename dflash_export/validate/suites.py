@@ -159,4 +159,6 @@ def check_suite_fits(info, prompts: list[SuitePrompt], encoded: list[list[int]],
         try:
             check_request(info, ids, SamplingParams(max_new_tokens=max_new_tokens))
         except DFlashError as e:
-            raise DFlashError(f"prompt {p.id!r}: {e.message}", path=path, field=f"line {p.line}") from None
+            room = info.max_seq_len - len(ids) - info.block_size  # new tokens that fit after this prompt
+            fits = f"; --max-new-tokens {room} or fewer fits it" if e.field == "max_tokens" and room > 0 else ""
+            raise DFlashError(f"prompt {p.id!r}: {e.message}{fits}", path=path, field=f"line {p.line}") from None
