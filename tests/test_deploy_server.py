@@ -726,9 +726,10 @@ def test_serve_refuses_bad_host_and_ports_before_starting(small_repo):
     cases = [
         (dict(http_port=a, grpc_port=a, metrics_port=c, grpc=True), "--grpc-port: "),
         (dict(http_port=a, grpc_port=b, metrics_port=a), "--metrics-port: "),
-        (dict(http_port=0, grpc_port=b, metrics_port=c), "--http-port: must be in 1..65535"),
+        (dict(http_port=0, grpc_port=b, metrics_port=c), "--port: must be in 1..65535"),
         (dict(http_port=a, grpc_port=70000, metrics_port=c, grpc=True), "--grpc-port: must be in 1..65535"),
-        (dict(http_port=busy, grpc_port=b, metrics_port=c), f"--http-port: port {busy} is already in use"),
+        (dict(http_port=busy, grpc_port=b, metrics_port=c),
+         f"--port: port {busy} is already in use on 127.0.0.1: give a free one"),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="999.1.1.1"), "--host: not a valid IPv4 address"),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="::1"), "--host: "),
         (dict(http_port=a, grpc_port=b, metrics_port=c, host="no-such-host.invalid"), "--host: cannot resolve"),
@@ -852,6 +853,26 @@ def test_files_changed_after_the_check_are_not_what_tritonserver_loads(tmp_path,
         srv.start()
     assert "config.pbtxt: parameters.engine_dir: must name the repository's own engine" in str(e.value)
     assert srv.proc is None and pids_mentioning(str(repo)) == []
+
+
+def test_serve_cli_names_the_port_option_the_docs_use_when_it_is_busy(small_repo):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        r = cli("serve", "--repo", small_repo, "--port", busy)
+    assert_one_line(r, f"--port: port {busy} is already in use on 127.0.0.1: give a free one")
+    assert pids_mentioning(str(small_repo)) == []
+
+
+def test_serve_cli_names_the_option_an_engine_or_a_repository_given_to_the_other_one_needs(small_repo):
+    engine = small_repo.parent / "engine"  # the fixture's engine, beside its repository
+    assert (engine / "manifest.json").is_file()
+    assert_one_line(cli("serve", "--repo", engine), "--repo: a built engine, not a model repository: serve it with "
+                                                    "--engine")
+    assert_one_line(cli("serve", "--engine", small_repo), "--engine: a model repository written by `deploy`, not an "
+                                                          "engine: serve it with --repo")
+    assert pids_mentioning(str(small_repo)) == []
 
 
 def test_serve_cli_refuses_a_directory_deploy_did_not_write(tmp_path):

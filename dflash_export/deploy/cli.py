@@ -148,6 +148,14 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     if (engine_dir is None) == (repo_dir is None):
         raise DFlashError("give --engine DIR (a built engine) or --repo DIR (a deployed repository), one of them",
                           field="--engine")
+    # The two directories mixed up: say which option takes the one given.
+    if engine_dir is not None and (Path(engine_dir) / MARKER).is_file():
+        raise DFlashError("a model repository written by `deploy`, not an engine: serve it with --repo",
+                          path=engine_dir, field="--engine")
+    if repo_dir is not None and (Path(repo_dir) / "manifest.json").is_file() \
+            and not (Path(repo_dir) / MARKER).is_file():
+        raise DFlashError("a built engine, not a model repository: serve it with --engine (or `deploy` it first)",
+                          path=repo_dir, field="--repo")
     if engine_dir is not None:
         repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain,
                                      max_kv_tokens=max_kv_tokens or 0)

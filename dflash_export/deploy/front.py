@@ -127,7 +127,7 @@ class Front(ConnectionHandling, Routing, Upstream):
         except OSError as e:
             sock.close()
             raise DFlashError(f"cannot listen on {self.host}:{self.port} ({e.strerror or e})",
-                              field="--http-port") from None
+                              field="--port") from None
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(_report_loop_error)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dflash-front", daemon=True)

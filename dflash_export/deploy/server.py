@@ -95,7 +95,7 @@ def resolve_host(host: str) -> str:
 def check_listen(host: str, ports: dict[str, int]) -> None:
     """Refuse ports out of range, one port given twice, and an address or port this machine cannot listen on.
 
-    `ports` maps option names (--http-port, ...) to ports; `host` is an IPv4 address (see `resolve_host`).
+    `ports` maps option names (--port, ...) to ports; `host` is an IPv4 address (see `resolve_host`).
     """
     seen: dict[int, str] = {}
     for name, port in ports.items():
@@ -113,7 +113,7 @@ def check_listen(host: str, ports: dict[str, int]) -> None:
                 s.bind((host, port))
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise DFlashError(f"port {port} is already in use on {host}", field=name) from None
+                    raise DFlashError(f"port {port} is already in use on {host}: give a free one", field=name) from None
                 if e.errno == errno.EADDRNOTAVAIL:
                     raise DFlashError(f"{host} is not an address of this machine", field="--host") from None
                 if e.errno == errno.EACCES:
@@ -168,7 +168,7 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
         raise DFlashError(f"expected letters, digits and . _ : @ + / - (at most 128, starting with a letter or a "
                           f"digit), got {model_id[:80]!r}", field="--model-name")
     bind = resolve_host(host)
-    ports = {"--http-port": http_port, **({"--metrics-port": metrics_port} if metrics_port is not None else {}),
+    ports = {"--port": http_port, **({"--metrics-port": metrics_port} if metrics_port is not None else {}),
              **({"--grpc-port": grpc_port} if grpc and grpc_port is not None else {})}
     check_listen(bind, ports)
     if grpc and grpc_port is not None:
