@@ -230,6 +230,20 @@ def test_concurrency_bench_reports_every_level_and_compares_with_alone(built, tm
     assert rep["divergences"] == [] or not exact_on_this_cpu(eng)
 
 
+def test_concurrency_bench_table_fits_80_columns_with_no_header_cut(built, monkeypatch, capsys):
+    from dflash_export.bench.concurrency import run_concurrency
+
+    _, out, _, _ = built
+    monkeypatch.setenv("COLUMNS", "80")
+    run_concurrency(str(out), PROMPTS[:2], 4, [1, 2], ["dflash", "ar"], threads=1)
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.strip().startswith("conc-"))
+    table = lines[head:head + 7]  # the two header lines, the rule and the four rows
+    assert max(len(ln.rstrip()) for ln in table) <= 80 and not any("…" in ln for ln in table), "\n".join(table)
+    assert "drafts" in table[0] and "peak MB" in table[1], "\n".join(table)
+
+
 def test_concurrency_bench_gives_the_pass_by_pass_ratio_with_reps(built):
     from dflash_export.bench.concurrency import run_concurrency
 

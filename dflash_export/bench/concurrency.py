@@ -111,9 +111,10 @@ def run_concurrency(engine_dir: str, prompts: list[list[int]], max_new: int, lev
         "T {temperature:g}, top-k {top_k}, top-p {top_p:g}".format(**sampling)
     table = Table(title=f"continuous batching: {len(prompts)} requests x {max_new} new tokens, {how}",
                   caption="tau: tokens committed per target pass (accepted drafts + the target's own token)",
-                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, title_justify="left", caption_justify="left")
+                  box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False, show_edge=False, title_justify="left",
+                  caption_justify="left")
     for col in ("conc-\nurrency", "mode", "tok/s", "x\nlevel 1", "tok/\nCPU-s", "CPU x\nlevel 1", "p50\ns", "p99\ns",
-                "tau", "drafts\n/step", "same as\nalone", "K/V\npeak MB"):
+                "tau", "drafts\n/step", "same\nalone", "K/V\npeak MB"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     flips = []
     for r in results:
