@@ -395,7 +395,8 @@ def recipes():
 def env(as_json):
     """What this environment can run: the engine backends installed, each optional library (and the line that
     installs it), the CPU and the instruction-set features its kernels dispatch on, the NVIDIA GPU or none, and
-    where the cache is (converted targets, generated data, the serve stub's numpy; DFLASH_CACHE moves it)."""
+    where the cache is (converted targets, generated data, `serve --engine`'s model repositories, the serve stub's
+    numpy; DFLASH_CACHE moves it)."""
     import json
     import platform
 
