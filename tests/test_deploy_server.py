@@ -662,10 +662,14 @@ def test_server_refusing_its_command_line_names_the_option(tmp_path, small_repo,
 
 
 @pytest.mark.server
-def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir):
-    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+@pytest.mark.parametrize("plain", [False, True])
+def test_serve_cli_prints_urls_and_stops_cleanly_on_sigterm(tmp_path, engine_dir, plain):
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False, plain=plain)
     http, grpc, metrics = free_ports(3)
-    with serve_until_sigterm(repo, http, grpc, metrics):
+    with serve_until_sigterm(repo, http, grpc, metrics) as proc:
+        model = proc.stdout.readline()  # the line after ready: says what decodes
+        assert model.startswith("  model: ") and model.rstrip().endswith(
+            "plain decoding (--plain)" if plain else "DFlash decoding"), model
         status, body = post_json(f"http://127.0.0.1:{http}/v2/models/dflash/generate",
                                  {"text_input": "hi", "max_tokens": 2})
         assert status == 200 and body["completion_tokens"] == 2

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dflash_export.deploy.connection import Limits
-from dflash_export.deploy.repository import check_repository, upstream_call_bound
+from dflash_export.deploy.repository import MARKER, check_repository, upstream_call_bound
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,
     STUB_NUMPY,
@@ -51,6 +51,7 @@ from dflash_export.deploy.triton_process import (
     shm_prefix,
 )
 from dflash_export.errors import EXIT_CHECK_FAILED, DFlashError
+from dflash_export.files import read_json_object
 
 __all__ = [
     # triton_install
@@ -235,7 +236,9 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
         triton_metrics = f"  tritonserver metrics {server.metrics_url}" if server.metrics_url else ""
         print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics{triton_metrics}",
               flush=True)
-        print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1)", flush=True)
+        plain = read_json_object(repo / MARKER).get("plain") is True  # the repository was checked: its marker reads
+        print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1), "
+              f"{'plain decoding (--plain)' if plain else 'DFlash decoding'}", flush=True)
         rotated = (f" (kept under {log_max_bytes / 2**20:g} MiB, the one before as {log_path}.1)"
                    if log_max_bytes else "")
         print(f"  tritonserver log: {log_path}{rotated}", flush=True)
