@@ -915,6 +915,44 @@ def test_the_server_log_is_kept_under_its_size_cap_with_the_previous_one_beside_
     assert len(kept) > 500 and kept == lines[-len(kept):]
 
 
+def test_a_log_that_is_a_pipe_is_never_renamed_away_at_its_size_cap(tmp_path):
+    """A FIFO (or a pipe or terminal named through /dev/stderr): renaming it to `<log>.1` and creating a regular file
+    in its place would cut off the process reading it (and, as root, move /dev/stderr itself)."""
+    import stat
+    import types
+
+    from dflash_export.deploy.server import TritonServer
+
+    log = tmp_path / "fifo"
+    os.mkfifo(log)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(log, "rb").read()))
+    reader.start()
+    srv = TritonServer(tmp_path, log_path=log, log_max_bytes=1 << 10)
+    lines = [f"line {i} of tritonserver's output\n" for i in range(500)]
+    with srv._log_lock:
+        srv._open_log(append=False)
+    srv.proc = types.SimpleNamespace(stdout=iter(lines))
+    srv._pump()
+    srv.proc = None
+    srv.stop()
+    reader.join(30)
+    assert sorted(os.listdir(tmp_path)) == ["fifo"] and stat.S_ISFIFO(os.lstat(log).st_mode)
+    assert got == ["".join(lines).encode()]
+
+
+@pytest.mark.server
+def test_a_log_file_named_through_a_link_is_rotated_where_the_link_points(tmp_path, small_repo):
+    """`--log-file` a symbolic link to a file: the log is that file, so rotation renames it and leaves the link."""
+    from dflash_export.deploy.server import _check_serve_args
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "log").symlink_to(tmp_path / "logs" / "serve.log")
+    *_, log_path = _check_serve_args(small_repo, free_ports(1)[0], None, None, "127.0.0.1", tmp_path / "log", None,
+                                     30.0)
+    assert log_path == tmp_path / "logs" / "serve.log"
+
+
 def test_server_death_is_one_line_with_the_log_path(tmp_path):
     """The message a dead server gives: the first telling log line, shortened, and where the full log is; a model
     refusing its input (DFlashError at load) is exit 2, anything else exit 1."""

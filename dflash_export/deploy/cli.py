@@ -105,7 +105,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
 @click.option("--log-max-mb", default=64, show_default=True, type=click.IntRange(0, 1 << 20),
               help="When the log reaches this many MiB it is renamed to LOG.1 (replacing the one before) and a new "
-                   "one begins; 0: it grows without bound.")
+                   "one begins (a regular file: a pipe or terminal is never renamed); 0: it grows without bound.")
 @click.option("--max-request-bytes", default=None, type=click.IntRange(1, 1 << 30),
               help="Largest HTTP request body let through (larger: 413). Default: the value deploy recorded.")
 @click.option("--max-json-depth", default=None, type=click.IntRange(2, 256),

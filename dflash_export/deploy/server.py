@@ -176,8 +176,11 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
         check_listen("127.0.0.1", {"--grpc-port": grpc_port})
     find_triton()  # MissingDependency before a log file is made for a server that cannot start
     if log_path is not None:
-        # Absolute, links kept: /dev/stderr or a shell's >(...) (/dev/fd/N) resolve to a pipe's name, no path.
-        log_path = Path(os.path.abspath(Path(log_path).expanduser()))
+        # A file by its own path, links resolved (rotation renames the file, not a link to it); a pipe or terminal
+        # named through a link (/dev/stderr, a shell's >(...) as /dev/fd/N) resolves to no file's path: kept as given.
+        given = Path(os.path.abspath(Path(log_path).expanduser()))
+        real = given.resolve()
+        log_path = given if given.exists() and not real.is_file() else real
         if log_path.is_dir():
             raise DFlashError("is a directory; expected a file name", path=log_path, field="--log-file")
         if not log_path.parent.is_dir():
@@ -202,9 +205,10 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     the front's limits (default: the request size and JSON depth limits deploy recorded, and as many calls to
     tritonserver at once as the models hold, `upstream_call_bound`). The server's log goes to `log_path` (default: a
     new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
-    afterwards); once it holds `log_max_bytes` (0: never) it becomes `<log>.1`, replacing the one before, and a new
-    log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
-    start waits for: the model loading and what its stubs are doing; past it ServerError says the same).
+    afterwards); once it holds `log_max_bytes` (0: never; nor a pipe or terminal) it becomes `<log>.1`, replacing the
+    one before, and a new log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S
+    on stderr says what the start waits for: the model loading and what its stubs are doing; past it ServerError says
+    the same).
 
     A model stub that dies has its model reloaded alone (`TritonServer.reload_models`; the model's requests get 503
     meanwhile, the other models serve). If tritonserver dies on its own after it was ready, or a reload fails, and
@@ -223,6 +227,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
                           limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc,
                           progress_s=READY_PROGRESS_S, log_max_bytes=log_max_bytes)
     server.model_id = model_id
+    plain = read_json_object(repo / MARKER).get("plain") is True  # checked above; read before the start, not after
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -236,11 +241,10 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
         triton_metrics = f"  tritonserver metrics {server.metrics_url}" if server.metrics_url else ""
         print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics{triton_metrics}",
               flush=True)
-        plain = read_json_object(repo / MARKER).get("plain") is True  # the repository was checked: its marker reads
         print(f"  model: {server.front.model_id} (OpenAI API at {server.http_url}/v1), "
               f"{'plain decoding (--plain)' if plain else 'DFlash decoding'}", flush=True)
         rotated = (f" (kept under {log_max_bytes / 2**20:g} MiB, the one before as {log_path}.1)"
-                   if log_max_bytes else "")
+                   if log_max_bytes and server.log_rotates else "")
         print(f"  tritonserver log: {log_path}{rotated}", flush=True)
         print(f"  tritonserver runs in {server.isolation}", flush=True)
         print(f"  limits: request body {limits.max_body_bytes} bytes, JSON depth {limits.max_json_depth}, request "

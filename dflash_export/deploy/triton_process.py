@@ -18,6 +18,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -465,8 +466,8 @@ class TritonServer:
     prints it). gRPC listens on loopback only (it has no front). The server's
     output is kept in memory (its most telling line comes with any ServerError); `log_path` also writes all of it
     to that file (named in the error), which is renamed to `<log_path>.1` (replacing the one before) once it holds
-    `log_max_bytes` (0: never) and begun anew, so at most twice that is kept however long the server runs;
-    `echo=True` copies it to stderr as it arrives. The server runs in its own
+    `log_max_bytes` (0: never; nor a pipe, FIFO or terminal: `log_rotates`) and begun anew, so at most twice that
+    is kept however long the server runs; `echo=True` copies it to stderr as it arrives. The server runs in its own
     process session and is sent SIGTERM if the process that started it dies (Linux; the starting thread must outlive
     the server). `restart()` replaces a dead tritonserver behind the same front. While the start waits for the models
     to load, a line every `progress_s` seconds (None: none) on stderr says what it waits for; the error at
@@ -506,6 +507,7 @@ class TritonServer:
         self.log_max_bytes = log_max_bytes
         self._log_file = None
         self._log_bytes = 0  # what the log file holds (its size when opened, then what _pump wrote)
+        self.log_rotates = False  # whether the open log is a regular file, which rotation may rename
         self._log_lock = threading.Lock()  # _pump writes and renames the file; stop() closes it
         self._shm_prefix = shm_prefix(os.getpid(), http_port)
         self._python_envs: set[str] = set()
@@ -742,7 +744,9 @@ class TritonServer:
                      | (os.O_APPEND if append else os.O_TRUNC), 0o600)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         self._log_file = open(fd, "a" if append else "w", encoding="utf-8", errors="replace")
-        self._log_bytes = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        self._log_bytes = st.st_size
+        self.log_rotates = stat.S_ISREG(st.st_mode)  # a pipe, FIFO or terminal is never renamed away
 
     def _write_log(self, line: str) -> None:
         with self._log_lock:
@@ -752,7 +756,7 @@ class TritonServer:
                 self._log_file.write(line)
                 self._log_file.flush()
                 self._log_bytes += len(line.encode("utf-8", "replace"))
-                if self.log_max_bytes and self._log_bytes >= self.log_max_bytes:
+                if self.log_max_bytes and self.log_rotates and self._log_bytes >= self.log_max_bytes:
                     # The full log becomes <log>.1 (the one before goes) and a new one begins; where it cannot be
                     # renamed, it goes on.
                     self._log_file.close()
