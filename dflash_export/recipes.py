@@ -219,6 +219,9 @@ def load_recipe(name_or_path=None, target: str | None = None, drafter: str | Non
     if isinstance(name_or_path, Recipe) and not (target or drafter):
         return name_or_path  # already made (by recipe_from_options)
     target, drafter = _cli_source(target), _cli_source(drafter)
+    for option, value in (("--target", target), ("--drafter", drafter)):
+        if value and value.startswith("tiny:"):  # the option named, not the recipe file whose value it replaces
+            split_tiny_spec(value, None, option)
     if name_or_path is None:
         if not (target and drafter):
             raise DFlashError("give --recipe, or --target and --drafter for a pair without a recipe",

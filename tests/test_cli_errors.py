@@ -149,6 +149,18 @@ def test_an_unknown_tiny_source_names_the_recipe_field_in_every_command(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
 
 
+@pytest.mark.parametrize("option, source, says", [
+    ("--target", "tiny:nope/target", "unknown tiny pair 'nope' (known: qwen3, llama, "),
+    ("--drafter", "tiny:qwen3/draftr", "expected tiny:qwen3/target or tiny:qwen3/drafter"),
+])
+def test_an_unknown_tiny_source_given_as_an_option_names_the_option_not_the_recipe(tmp_path, option, source, says):
+    recipe = _recipe(tmp_path, "tiny:qwen3/target", "tiny:qwen3/drafter")  # the file's own sources are fine
+    for args in (["--recipe", recipe, option, source],
+                 ["--target", "tiny:qwen3/target", "--drafter", "tiny:qwen3/drafter", option, source]):
+        line = _one_error_line(_run("inspect", *args))
+        assert line.startswith(f"error: {option}: {says}") and str(recipe) not in line, (args, line)
+
+
 @pytest.mark.parametrize("pair, extra, says", [
     ("qwen3", "block_size: 100000\nmax_seq_len: 512\n", "block_size: a block of 100000 does not fit max_seq_len 512"),
     # the drafter drafts blocks of 16 and the recipe leaves block_size to it: a sequence of 16 holds no context

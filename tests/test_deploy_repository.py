@@ -57,6 +57,12 @@ def test_rendered_config_parses_back_with_every_tensor():
     (lambda t: t.replace("count: 1", "count: 0"), "instance_group.count"),
     (lambda t: t.replace("max_queue_size: 64", "max_queue_size: -1"), "max_queue_size"),
     (lambda t: t.replace("input [", "input [ {", 1), "config.pbtxt"),
+    # shapes the parser reads but the checks did not expect: a repeated field is a list, a message may be a scalar
+    (lambda t: t.replace("data_type: TYPE_INT64", "data_type: TYPE_INT64\n    data_type: TYPE_INT32", 1),
+     "max_tokens.data_type"),
+    (lambda t: t.replace("instance_group [", "instance_group [ 5,"), "instance_group"),
+    (lambda t: t.replace("default_queue_policy {\n    max_queue_size: 64\n  }", "default_queue_policy: 5"),
+     "dynamic_batching.default_queue_policy"),
 ])
 def test_config_checker_rejects_bad_config_naming_the_field(edit, field):
     good = render_config(ModelConfig("dflash", INPUTS, OUTPUTS, max_queue_size=64))

@@ -211,7 +211,7 @@ def check_config_text(text: str, path="config.pbtxt", expect_name: str | None = 
             if key in seen:
                 err(f"{where}.name", f"duplicate {section} {tname!r}")
             seen.add(key)
-            if t.get("data_type") not in DATA_TYPES:
+            if not isinstance(t.get("data_type"), str) or t["data_type"] not in DATA_TYPES:  # a repeated one: a list
                 err(f"{section} {tname}.data_type", f"unknown data type {t.get('data_type')!r}")
             dims = t.get("dims")
             dims = [dims] if isinstance(dims, int) and not isinstance(dims, bool) else dims
@@ -222,6 +222,8 @@ def check_config_text(text: str, path="config.pbtxt", expect_name: str | None = 
             if "optional" in t and (section == "output" or not isinstance(t["optional"], bool)):
                 err(f"{section} {tname}.optional", "only inputs may be optional (true/false)")
     for g in cfg.get("instance_group", []) if isinstance(cfg.get("instance_group"), list) else []:
+        if not isinstance(g, dict):
+            err("instance_group", f"each item must be a message, got {g!r}")
         count = g.get("count", 1)
         if not isinstance(count, int) or not 1 <= count <= MAX_INSTANCES:
             err("instance_group.count", f"must be in 1..{MAX_INSTANCES}, got {count!r}")
@@ -229,6 +231,8 @@ def check_config_text(text: str, path="config.pbtxt", expect_name: str | None = 
             err("instance_group.kind", f"unknown kind {g.get('kind')!r}")
     policy = cfg.get("dynamic_batching", {}).get("default_queue_policy", {}) if isinstance(
         cfg.get("dynamic_batching"), dict) else {}
+    if not isinstance(policy, dict):
+        err("dynamic_batching.default_queue_policy", f"must be a message, got {policy!r}")
     mqs = policy.get("max_queue_size", 0)
     if not isinstance(mqs, int) or mqs < 0:
         err("dynamic_batching.default_queue_policy.max_queue_size", f"must be >= 0, got {mqs!r}")

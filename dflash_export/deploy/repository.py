@@ -460,7 +460,8 @@ def _marker_models(marker: dict[str, Any], marker_path: Path) -> list[str]:
 
 def _marker_options(marker: dict[str, Any], marker_path: Path) -> dict[str, Any]:
     """The deploy options the marker records, each checked as deploy writes it (the front sizes itself by them and
-    every model's config.pbtxt must agree with them). Returns them by key, with `plain` and `limits` (a Limits)."""
+    every model's config.pbtxt must agree with them), the front's recorded limits among them. Returns them by key,
+    with `plain`."""
     out: dict[str, Any] = {}
     for key, (lo, hi), default in _MARKER_OPTIONS:
         value = marker.get(key, default)
@@ -483,7 +484,7 @@ def _marker_options(marker: dict[str, Any], marker_path: Path) -> dict[str, Any]
                               field=f"limits.{key}")
         values[key] = value
     try:
-        out["limits"] = Limits(**values).check()
+        Limits(**values).check()
     except DFlashError as e:
         raise DFlashError(f"{e.message}: deploy again", path=marker_path,
                           field="limits." + ("max_body_bytes" if e.field == "--max-request-bytes" else "max_json_depth")
