@@ -84,7 +84,13 @@ def read_json_object(path: str | os.PathLike) -> dict:
 
 
 class DuplicateKey(ValueError):
-    """A key given twice in one JSON object (`unique_keys`); args[0] is the key."""
+    """A key given twice in one JSON object (`unique_keys`): `key`, and `shown`, the key cut to 80 characters for a
+    message (a key may be megabytes long)."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+        self.shown = key if len(key) <= 80 else key[:60] + "..." + key[-17:]
 
 
 def unique_keys(pairs: list) -> dict:

@@ -598,6 +598,8 @@ def test_speculation_fault_is_told_apart_from_an_export_fault(recipe, reference,
     ('{"prompt": "ok", "id": "x\\ud800"}\n', "line 1", "id: lone surrogate"),
     ('{"prompt": "ok", "x": ' + "[" * 500 + '"\\ud800"' + "]" * 500 + "}\n", "line 1", "lone surrogate"),
     ('{"prompt": "ok", "prompt": "other"}\n', "line 1", "key 'prompt' given twice"),
+    ('{"prompt": "ok", "%s": 1, "%s": 2}\n' % ("k" * 100000, "k" * 100000), "line 1",
+     "key '%s...%s' given twice" % ("k" * 60, "k" * 17)),
 ])
 def test_malformed_suite_is_refused_with_its_line(tmp_path, content, where, what):
     from dflash_export.validate.suites import load_suite

@@ -63,7 +63,7 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise DFlashError("file not found", path=path) from None
     except DuplicateKey as e:
-        raise DFlashError("corrupt safetensors header (key given twice)", path=path, field=str(e.args[0])) from None
+        raise DFlashError("corrupt safetensors header (key given twice)", path=path, field=e.shown) from None
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an integer too long to read
         raise DFlashError("corrupt safetensors header", path=path) from None
     if not isinstance(header, dict):

@@ -81,7 +81,7 @@ def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
     try:
         rec = json.loads(raw, object_pairs_hook=unique_keys)
     except DuplicateKey as e:
-        raise DFlashError(f"key {e.args[0]!r} given twice", path=path, field=f"line {line}") from None
+        raise DFlashError(f"key {e.shown!r} given twice", path=path, field=f"line {line}") from None
     except json.JSONDecodeError as e:
         raise DFlashError(f"invalid JSON ({e.msg} at column {e.colno})", path=path, field=f"line {line}") from None
     except RecursionError:
