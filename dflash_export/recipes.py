@@ -28,6 +28,9 @@ PRECISIONS = ("fp32", "int8", "int4")  # ONNX Runtime engines: weight precision 
 # Most prompts a train count may ask for (ShareGPT holds fewer than 20 000 records; synthetic prompts are made in
 # memory all at once), as decoding.static_prompts
 MAX_PROMPTS = 100_000
+# Largest training seed (recipe train.seed, --seed): the per-step generators seed with seed * 1_000_003 + step, which
+# must stay below 2**64
+SEED_MAX = 2**32 - 1
 
 # A value quoted in an error: a few elements and characters of it, never the whole of a large value (an alias of an
 # alias in YAML makes a list of a billion elements from a few lines)
@@ -378,7 +381,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "train.blocks_per_seq": (1, None, False),
     "train.soft_weight": (0, 1, False),
     "train.steps": (1, None, False),
-    "train.seed": (0, 2**32 - 1, False),
+    "train.seed": (0, SEED_MAX, False),
 }
 
 

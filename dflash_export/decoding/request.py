@@ -53,9 +53,14 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def is_finite_number(v) -> bool:
+    """A number, neither infinite nor NaN."""
+    return is_number(v) and math.isfinite(v)
+
+
 def is_positive_number(v) -> bool:
     """A number above 0 and finite (NaN is not)."""
-    return is_number(v) and 0 < v < math.inf
+    return is_finite_number(v) and v > 0
 
 
 def shown(v) -> str:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import FiniteFloat
-from dflash_export.recipes import MAX_PROMPTS
-
-SEED_MAX = 2**32 - 1  # = dflash_export.train.stage.SEED_MAX (not imported: that module pulls in torch)
+from dflash_export.recipes import MAX_PROMPTS, SEED_MAX
 
 
 @click.command()

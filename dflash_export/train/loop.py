@@ -12,11 +12,12 @@ from typing import Callable, Sequence
 import torch
 
 from dflash_export.decoding.prompt_lookup import lookup_proposal
-from dflash_export.decoding.request import is_int, is_number
+from dflash_export.decoding.request import is_finite_number, is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir
 from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter, is_drafter_dir, save_drafter
+from dflash_export.recipes import SEED_MAX
 from dflash_export.train.blocks import (
     BlockBatch,
     LossOut,
@@ -210,12 +211,12 @@ def _train_state_problem(state, params: Sequence[torch.nn.Parameter]) -> str | N
     if not isinstance(best, dict):
         return "best is not a dict"
     tau = best.get("tau_est", 0.0)  # the held-out score each evaluation is compared with
-    if not is_number(tau) or not math.isfinite(tau):
+    if not is_finite_number(tau):
         return f"best tau_est {tau!r} is not a number"
     if not isinstance(state.get("target", ""), str):
         return "target is not a string"
     seed = state.get("seed", 0)  # absent from checkpoints written before the seed was kept
-    if not is_int(seed) or not 0 <= seed <= 2**32 - 1:  # the range of --seed (stage.SEED_MAX)
+    if not is_int(seed) or not 0 <= seed <= SEED_MAX:  # the range of --seed
         return f"seed {seed!r} is not a seed"
     opt = state.get("optimizer")
     try:
@@ -251,11 +252,10 @@ def _optimizer_groups_problem(groups, params: Sequence[torch.nn.Parameter]) -> s
             if isinstance(want, bool) or want is None:
                 ok, kind = isinstance(v, bool) or (want is None and v is None), "true or false"
             elif isinstance(want, tuple):
-                ok = isinstance(v, (tuple, list)) and len(v) == len(want) and all(
-                    is_number(x) and math.isfinite(x) for x in v)
+                ok = isinstance(v, (tuple, list)) and len(v) == len(want) and all(is_finite_number(x) for x in v)
                 kind = f"{len(want)} numbers"
             else:
-                ok, kind = is_number(v) and math.isfinite(v), "a number"
+                ok, kind = is_finite_number(v), "a number"
             if not ok:
                 return f"optimizer setting {key} {reprlib.repr(v)} is not {kind}"
     return None

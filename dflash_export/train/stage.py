@@ -18,7 +18,7 @@ from dflash_export.files import atomic_file, cache_dir, check_output_dir, removi
 from dflash_export.models.checkpoint import load_drafter
 from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_drafter_dir
 from dflash_export.models.target import load_target
-from dflash_export.recipes import MAX_PROMPTS, load_recipe
+from dflash_export.recipes import MAX_PROMPTS, SEED_MAX, load_recipe
 from dflash_export.train.data import (
     answers_dir,
     data_dir,
@@ -96,8 +96,6 @@ def _check_start(drafter: DFlashDrafter, target, opts, mask_id: int, where: Path
             raise DFlashError(f"{value}: training drafters with scaled draft logits is not supported", path=where,
                               field=f"dflash_config.{name}")
 
-
-SEED_MAX = 2**32 - 1  # the per-step generators seed with seed * 1_000_003 + step, which must stay below 2**64
 
 
 def _check_run_args(steps, minutes, checkpoint_minutes, threads, num_prompts, seed) -> None:
