@@ -18,6 +18,7 @@ from dflash_export.deploy.repository import (
     cached_repository,
     check_repository,
     kv_memory_note,
+    recorded_limits,
     shared_batch_note,
     upstream_call_bound,
     write_repository,
@@ -166,9 +167,9 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
     if note := kv_memory_note(Path(repo_dir) / marker["models"][0] / "engine", int(marker.get("instances", 1)),
                               int(marker.get("max_batch", 1)), max_kv_tokens=int(marker.get("max_kv_tokens", 0))):
         click.echo(note, err=True)
-    recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
-    limits = Limits(max_body_bytes=max_request_bytes or recorded.get("max_body_bytes", Limits.max_body_bytes),
-                    max_json_depth=max_json_depth or recorded.get("max_json_depth", Limits.max_json_depth),
+    recorded = recorded_limits(marker)
+    limits = Limits(max_body_bytes=max_request_bytes or recorded["max_body_bytes"],
+                    max_json_depth=max_json_depth or recorded["max_json_depth"],
                     max_connections=max_connections,
                     max_connections_per_client=min(max_connections, Limits.max_connections_per_client),
                     request_timeout_s=request_timeout,

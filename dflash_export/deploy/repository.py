@@ -473,6 +473,13 @@ def _marker_options(marker: dict[str, Any], marker_path: Path) -> dict[str, Any]
     if type(out["plain"]) is not bool:
         raise DFlashError(f"must be true or false, got {out['plain']!r}: deploy again", path=marker_path,
                           field="plain")
+    recorded_limits(marker, marker_path)
+    return out
+
+
+def recorded_limits(marker: dict[str, Any], marker_path: Path | None = None) -> dict[str, int]:
+    """The front's request size and JSON depth limits deploy recorded in the marker (Limits' defaults where a marker
+    records none), checked as Limits checks them: the `serve` front's defaults."""
     recorded = marker.get("limits", {})
     if not isinstance(recorded, dict):
         raise DFlashError(f"expected a JSON object, got {recorded!r}: deploy again", path=marker_path, field="limits")
@@ -489,7 +496,7 @@ def _marker_options(marker: dict[str, Any], marker_path: Path) -> dict[str, Any]
         raise DFlashError(f"{e.message}: deploy again", path=marker_path,
                           field="limits." + ("max_body_bytes" if e.field == "--max-request-bytes" else "max_json_depth")
                           ) from None
-    return out
+    return values
 
 
 def _check_config_agrees(cfg: dict[str, Any], params: dict[str, str], options: dict[str, Any], cfg_path: Path,

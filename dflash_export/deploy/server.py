@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dflash_export.deploy.connection import Limits
-from dflash_export.deploy.repository import MARKER, check_repository, upstream_call_bound
+from dflash_export.deploy.repository import MARKER, check_repository, recorded_limits, upstream_call_bound
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,
     STUB_NUMPY,
@@ -157,9 +157,7 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
     if limits is None:
-        recorded = marker.get("limits") if isinstance(marker.get("limits"), dict) else {}
-        limits = Limits(**{k: v for k, v in recorded.items() if k in ("max_body_bytes", "max_json_depth")
-                           and isinstance(v, int)}, max_upstream_calls=upstream_call_bound(marker))
+        limits = Limits(**recorded_limits(marker), max_upstream_calls=upstream_call_bound(marker))
     limits.check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
