@@ -20,11 +20,15 @@ def check_report_dir(report_dir) -> None:
     directory (files.check_output_dir), none of the report's file names may be taken there by something a file
     cannot replace (a directory), which would fail the report's last step with some of its files already moved."""
     check_output_dir(report_dir, "--report")
-    out = Path(report_dir)
-    for name in REPORT_FILES.values():
-        if (out / name).is_dir():
-            raise DFlashError("is a directory where the report writes a file; move it or choose another --report",
-                              path=out / name, field="--report")
+    _check_report_files_free(Path(report_dir))
+
+
+def _check_report_files_free(out: Path) -> None:
+    """Refuse a report directory where one of the report's file names is a directory (no file can replace it)."""
+    taken = next((out / n for n in REPORT_FILES.values() if (out / n).is_dir()), None)
+    if taken is not None:
+        raise DFlashError("is a directory where the report writes a file; move it or choose another --report",
+                          path=taken, field="--report")
 
 
 def _fmt(v: float) -> str:
@@ -209,9 +213,7 @@ def write_report(report: ValidationReport, out_dir) -> dict[str, Path]:
                 # UTF-8 whatever the locale; a path's undecodable bytes (the suite's) written as they were
                 (staging / names["md"]).write_text(render_markdown(report), encoding="utf-8", errors="surrogateescape")
                 _plots(report, staging)
-                taken = next((out / n for n in names.values() if (out / n).is_dir()), None)
-                if taken is not None:  # checked before the first move: a report is replaced whole or not at all
-                    raise DFlashError("is a directory where the report writes a file", path=taken, field="--report")
+                _check_report_files_free(out)  # again before the first move: a report is replaced whole or not at all
                 for name in names.values():  # created by open(): the umask's modes, as written in place
                     os.replace(staging / name, out / name)
             finally:
