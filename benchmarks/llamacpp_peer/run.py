@@ -159,7 +159,7 @@ _PEAK_RSS = ("import os, sys\n"
 def _measured(cmd: list[str]) -> subprocess.CompletedProcess:
     # errors="replace": a generation cut at -n can end inside a multi-byte character (llama.cpp prints raw bytes)
     return subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], capture_output=True, text=True, errors="replace",
-                          env=_env(), check=False)
+                          env=worker_env(), check=False)
 
 
 def _peak_rss_mb(stderr: str) -> float:
@@ -167,7 +167,7 @@ def _peak_rss_mb(stderr: str) -> float:
     return int(m.group(1)) / 1024 if m else 0.0
 
 
-def _env() -> dict:
+def worker_env() -> dict:
     # Idle OpenMP workers must not spin on a shared 2-core machine (they take the core from everyone else and
     # from the next step, measured several-fold slower under load); ONNX Runtime's are told the same.
     return {**os.environ, "OMP_WAIT_POLICY": "passive"}
@@ -265,20 +265,21 @@ def engine_worker(engine_dir: str, n: int, threads: int) -> None:
     print(json.dumps({"peak_rss_mb": int(hwm.split()[1]) / 1024}), flush=True)
 
 
-class EngineProcess:
-    """An engine loaded once in its own process (peak RSS per engine), driven one prompt at a time, so rounds can
-    interleave the systems prompt by prompt."""
+class JsonLineProcess:
+    """A model loaded once in its own process (peak RSS per process), driven one prompt at a time (a JSON line of
+    token ids in, a JSON line of figures out), so rounds can interleave the systems prompt by prompt. Closing its
+    input makes it print its peak RSS and exit."""
 
-    def __init__(self, engine_dir: Path, n: int, threads: int):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(engine_dir), str(n), str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    def __init__(self, argv: list[str], env: dict | None = None, cwd: str | None = None):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env or worker_env(), cwd=cwd)
 
     def run(self, ids: list[int]) -> dict:
         self.proc.stdin.write(json.dumps(ids) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"engine worker exited ({self.proc.wait()})")
+            raise RuntimeError(f"worker {self.proc.args[1:3]} exited ({self.proc.wait()})")
         return json.loads(line)
 
     def close(self) -> float:
@@ -286,6 +287,11 @@ class EngineProcess:
         peak = json.loads(self.proc.stdout.readline())["peak_rss_mb"]
         self.proc.wait()
         return peak
+
+
+def engine_process(engine_dir: Path, n: int, threads: int) -> JsonLineProcess:
+    """This project's engine in its own process: AR then DFlash per prompt (`--worker`)."""
+    return JsonLineProcess([sys.executable, __file__, "--worker", str(engine_dir), str(n), str(threads)])
 
 
 def engine_weights_mb(engine_dir: Path) -> float:
@@ -362,7 +368,7 @@ def main() -> int:
               [("llama.cpp", t, m) for t in types for m in ("ar", "dflash", "ngram")]
     # Interleaved prompt by prompt: for each prompt every system runs (order rotated), so a busy or quiet stretch of
     # the shared machine falls on all systems alike; this project's engines stay loaded in their own processes.
-    workers = {p: EngineProcess(d, args.max_new_tokens, args.threads) for p, d in engines.items()}
+    workers = {p: engine_process(d, args.max_new_tokens, args.threads) for p, d in engines.items()}
     rounds = []
     order = list(engines) + [f"llama:{t}" for t in types]
     for r in range(args.rounds):

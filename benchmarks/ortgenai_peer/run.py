@@ -310,30 +310,6 @@ def _vm_hwm_mb() -> float:
     return int(hwm.split()[1]) / 1024
 
 
-class Worker:
-    """A model loaded once in its own process (peak RSS per process), driven one prompt at a time."""
-
-    def __init__(self, argv: list[str]):
-        # the same environment both sides: no OpenMP worker spins between steps (ORT's own pools are per session)
-        env = {**os.environ, "OMP_WAIT_POLICY": "passive", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd="/")
-
-    def run(self, ids: list[int]) -> dict:
-        self.proc.stdin.write(json.dumps(ids) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited ({self.proc.wait()})")
-        return json.loads(line)
-
-    def close(self) -> float:
-        self.proc.stdin.close()
-        peak = json.loads(self.proc.stdout.readline())["peak_rss_mb"]
-        self.proc.wait()
-        return peak
-
-
 def _llamacpp_peer():
     """benchmarks/llamacpp_peer/run.py as a module: its engine worker (AR then DFlash per prompt, VmHWM at the end)
     and weight accounting serve here unchanged."""
@@ -403,9 +379,11 @@ def main() -> int:
     peer = _llamacpp_peer()
     workers: dict = {}
     for p in precisions:
-        workers[("ours", p)] = peer.EngineProcess(engines[p], args.max_new_tokens, args.threads)
-        workers[("ortgenai", p)] = Worker([str(py), __file__, "--og-worker", str(og_models[p]),
-                                           str(args.max_new_tokens), str(args.threads), json.dumps(grid)])
+        workers[("ours", p)] = peer.engine_process(engines[p], args.max_new_tokens, args.threads)
+        # the same environment both sides (no OpenMP worker spins between steps); ORT GenAI's venv sees this repo
+        workers[("ortgenai", p)] = peer.JsonLineProcess(
+            [str(py), __file__, "--og-worker", str(og_models[p]), str(args.max_new_tokens), str(args.threads),
+             json.dumps(grid)], env={**peer.worker_env(), "PYTHONPATH": str(REPO)}, cwd="/")
     order = list(workers)
     settings = [grid_key(s) for s in grid]
     rounds, loads = [], []
