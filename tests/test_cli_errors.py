@@ -55,6 +55,12 @@ def _one_error_line(r, code=2):
     (["reference", "--recipe", "tiny-qwen3", "--prompt", ""], "error: --prompt: the prompt is empty"),
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
     (["run", "--engine", ".", ""], "error: prompt: the prompt is empty"),
+    # numbers as JSON writes them: no digit separators, ASCII digits only
+    (["run", "--engine", ".", "--max-new-tokens", "5_0", "hi"],
+     "error: --max-new-tokens: '5_0' is not a valid integer"),
+    (["run", "--engine", ".", "--seed", "\u0662", "hi"], "error: --seed: '\u0662' is not a valid integer"),
+    (["bench", "--recipe", "tiny-qwen3", "--temperature", "1_0.5"],
+     "error: --temperature: '1_0.5' is not a valid number"),
     (["bench", "--recipe", "tiny-qwen3", "--out", ""], "error: --out: empty path"),
     (["validate", "--recipe", "tiny-qwen3", "--report", ""], "error: --report: empty path"),
     (["bench", "--recipe", "tiny-qwen3", "--num-prompts", "4", "--concurrency", "1,100000000"],
@@ -1654,3 +1660,74 @@ def test_a_target_rms_norm_epsilon_that_is_not_positive_is_named(tmp_path, value
     (target / "config.json").write_text(json.dumps(cfg))
     line = _one_error_line(_run("inspect", "--target", target, "--drafter", "tiny:qwen3/drafter"))
     assert line == f"error: {target / 'config.json'}: rms_norm_eps: must be a positive finite number, got {value!r}"
+
+
+def test_runs_refusals_from_the_engine_name_the_option_typed(engine_dir):  # noqa: F811
+    """What only the engine can check (new tokens within its max_seq_len, a prompt too long for it, a static index
+    it lacks) is refused naming `run`'s option or its prompt, not the served request's field (max_tokens,
+    text_input)."""
+    max_seq_len = json.loads((engine_dir / "manifest.json").read_text())["max_seq_len"]
+    line = _one_error_line(_run("run", "--engine", engine_dir, "--no-chat", "--max-new-tokens", max_seq_len, "hi"))
+    assert line.startswith("error: --max-new-tokens: prompt (") and f"+ {max_seq_len} new tokens" in line, line
+    assert "max_tokens" not in line, line
+    line = _one_error_line(_run("run", "--engine", engine_dir, "--no-chat", "--max-new-tokens", 2,
+                                "hello " * max_seq_len))
+    assert line.startswith("error: prompt: prompt (") and "text_input" not in line, line
+    line = _one_error_line(_run("run", "--engine", engine_dir, "--static-ngrams", "hi"))
+    assert line.startswith("error: --static-ngrams: this engine holds no static n-gram index"), line
+
+
+@pytest.mark.parametrize("value, named", [
+    ("relative/cache", "DFLASH_CACHE: expected an absolute path, got 'relative/cache'"),
+    ("~dflash-no-such-user/cache", "DFLASH_CACHE: cannot expand '~dflash-no-such-user/cache'"),
+])
+def test_a_cache_variable_that_is_no_absolute_path_is_refused_naming_it(tmp_path, monkeypatch, value, named):
+    """DFLASH_CACHE relative (or a ~user that does not exist) would put a cache under whatever the cwd is: refused
+    naming the variable, nothing made in the cwd; `env` says there is no cache and why."""
+    from dflash_export.errors import DFlashError
+    from dflash_export.files import cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DFLASH_CACHE", value)
+    with pytest.raises(DFlashError, match=f"^{named}"):
+        cache_dir()
+    r = _run("env")
+    assert r.exit_code == 0 and f"cache: none ({named}" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("DFLASH_CACHE", "~/cache")  # ~ of a home that exists is expanded
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / "cache"
+
+
+def test_the_stub_numpy_directory_must_be_absolute(tmp_path, monkeypatch):
+    """A relative DFLASH_TRITON_STUB_SITE would leave the stub's numpy links dangling (a link's relative target is
+    read from the link's own directory): refused naming the variable."""
+    from dflash_export.deploy.triton_install import STUB_SITE_ENV, stub_site_dir
+    from dflash_export.errors import DFlashError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(STUB_SITE_ENV, "site")
+    with pytest.raises(DFlashError, match=f"^{STUB_SITE_ENV}: expected an absolute path, got 'site'$"):
+        stub_site_dir()
+
+
+@pytest.mark.parametrize("value", ["four", "-1", "0", "\u00b2", "99999999999", "1_0"])
+def test_a_bad_reference_thread_count_is_refused_before_validating(tmp_path, monkeypatch, value):
+    """DFLASH_REFERENCE_THREADS that is no thread count (a word, 0, a superscript digit int() refuses, a count torch
+    cannot take) is one error naming it, exit 2, before anything loads; never silently the default."""
+    from dflash_export.validate import command
+
+    monkeypatch.setenv("DFLASH_REFERENCE_THREADS", value)
+    monkeypatch.setattr(command, "load_recipe", lambda *a: pytest.fail("validation went on"))
+    line = _one_error_line(_run("validate", "--recipe", "tiny-qwen3", "--report", tmp_path / "report",
+                                "--no-progress"))
+    assert line.startswith("error: DFLASH_REFERENCE_THREADS: expected an integer from 1 to "), line
+    monkeypatch.setenv("DFLASH_REFERENCE_THREADS", " 3 ")
+    assert command.reference_threads() == 3
+
+
+def test_an_ort_spin_switch_that_is_neither_1_nor_0_is_refused(engine_dir, monkeypatch):  # noqa: F811
+    """DFLASH_ORT_SPIN=yes (or true) was read as off: one error naming the variable instead."""
+    monkeypatch.setenv("DFLASH_ORT_SPIN", "yes")
+    line = _one_error_line(_run("run", "--engine", engine_dir, "--max-new-tokens", 2, "hi"))
+    assert line == "error: DFLASH_ORT_SPIN: expected 1 (on) or 0 (off), got 'yes'", line

@@ -1164,8 +1164,8 @@ def test_hostile_bodies_are_refused_before_tritonserver_parses_them(server, body
 
 @pytest.mark.server
 @pytest.mark.parametrize("body, named", [
-    ({"text_input": "hi", "max_tokens": 4294967304}, "max_tokens: prompt (2 tokens) + max_tokens (4294967304)"),
-    ({"text_input": "hi", "max_tokens": 2 ** 31}, "max_tokens: prompt (2 tokens) + max_tokens (2147483648)"),
+    ({"text_input": "hi", "max_tokens": 4294967304}, "max_tokens: prompt (2 tokens) + 4294967304 new tokens"),
+    ({"text_input": "hi", "max_tokens": 2 ** 31}, "max_tokens: prompt (2 tokens) + 2147483648 new tokens"),
     ({"text_input": "hi", "max_tokens": 2 ** 63}, "max_tokens: must be in 1..9223372036854775807"),
     ({"text_input": 123}, "text_input: expected a string, got an integer"),
     ({"text_input": "hi", "max_tokens": "8"}, "max_tokens: expected an integer, got a string"),

@@ -1086,7 +1086,7 @@ def test_a_completion_refused_for_the_default_max_tokens_says_it_was_the_default
     def do_post(handler):
         sent.append(json.loads(handler.rfile.read(int(handler.headers["Content-Length"]))))
         n = sent[-1]["max_tokens"]
-        handler._send(400, {"error": f"max_tokens: prompt (2030 tokens) + max_tokens ({n}) + block (8) exceeds "
+        handler._send(400, {"error": f"max_tokens: prompt (2030 tokens) + {n} new tokens + block (8) exceeds "
                                      "the engine's max_seq_len 2048"})
 
     monkeypatch.setattr(front.up.httpd.RequestHandlerClass, "do_POST", do_post)
@@ -1095,7 +1095,7 @@ def test_a_completion_refused_for_the_default_max_tokens_says_it_was_the_default
         resp = raw(front, post("/v1/completions", json.dumps(body).encode()))
         err = json.loads(resp.split(b"\r\n\r\n", 1)[1])["error"]
         assert status_of(resp) == 400 and err["param"] == "max_tokens" and sent[-1]["max_tokens"] == 16
-        assert err["message"].startswith("max_tokens: prompt (2030 tokens) + max_tokens (16)")
+        assert err["message"].startswith("max_tokens: prompt (2030 tokens) + 16 new tokens")
         assert ("set no max_tokens" in err["message"]) == (given is None), err["message"]
     monkeypatch.undo()
     assert _chat_answers(front)
@@ -1104,7 +1104,7 @@ def test_a_completion_refused_for_the_default_max_tokens_says_it_was_the_default
 def test_a_stream_the_model_refuses_gets_400_naming_the_field(front, monkeypatch):
     """tritonserver answers a generate_stream whose first response is an error with 400 and the error as one
     server-sent event: an OpenAI stream request gets that 400 in OpenAI's shape, naming the field."""
-    message = "max_tokens: prompt (9 tokens) + max_tokens (5000) + block (8) exceeds the engine's max_seq_len 2048"
+    message = "max_tokens: prompt (9 tokens) + 5000 new tokens + block (8) exceeds the engine's max_seq_len 2048"
 
     def do_post(handler):
         handler.rfile.read(int(handler.headers["Content-Length"]))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.deploy.repository import stub_python_path
+from dflash_export.environment import env_dir
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import cache_root
 
@@ -93,10 +94,11 @@ STUB_MARKER = "DFLASH_STUB_NUMPY"  # model.py accepts a numpy other than the dep
 
 
 def stub_site_dir() -> Path:
-    """Where the stub's numpy < 2 lives: $DFLASH_TRITON_STUB_SITE or a per-Python directory in the user's cache
-    (files.cache_root: DFLASH_CACHE honoured)."""
-    if os.environ.get(STUB_SITE_ENV):
-        return Path(os.environ[STUB_SITE_ENV])
+    """Where the stub's numpy < 2 lives: $DFLASH_TRITON_STUB_SITE (an absolute path: environment.env_dir) or a
+    per-Python directory in the user's cache (files.cache_root: DFLASH_CACHE honoured)."""
+    given = env_dir(STUB_SITE_ENV)
+    if given is not None:
+        return given
     return cache_root() / f"triton-stub-py{sys.version_info.major}.{sys.version_info.minor}"
 
 

@@ -45,6 +45,7 @@ from dflash_export.engines.greedy_head import greedy_draft_head, greedy_head_for
 from dflash_export.engines.manifest import Manifest, rebuild_advice
 from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_rows
 from dflash_export.engines.row_pad import ROW_INDEX
+from dflash_export.environment import env_switch
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import MatrixRows, dir_identity, native_path
 from dflash_export.models.config import DFlashSpec
@@ -283,7 +284,7 @@ class OrtEngine(Engine):
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         self._ort, self._session_options, self._providers = ort, so, ["CPUExecutionProvider"]
         if spin is None:
-            spin = os.environ.get("DFLASH_ORT_SPIN", "0") == "1"
+            spin = env_switch("DFLASH_ORT_SPIN")
         if not spin:  # spinning workers steal a shared 2-core machine from the others: steps 2.5x slower under load
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._embed = embedding_rows(self.engine_dir, manifest)

@@ -13,6 +13,7 @@ from dflash_export.clitypes import (
     RequestField,
     decoding_options,
     engine_option,
+    fields_as_options,
     recipe_options,
     top_p_top_k_options,
 )
@@ -62,13 +63,16 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
     elif recipe is not None:
         raise DFlashError("give --engine DIR or --recipe NAME, not both", field="--recipe")
     engine = load_engine(engine_dir, manifest)
-    rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
-                       tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling, static_ngrams=static_ngrams)
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     stats = RunStats()
-    for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
+    with fields_as_options("prompt"):
+        rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
+                           tree_top_k=tree_top_k, tree_nodes=tree_nodes, sampling=sampling,
+                           static_ngrams=static_ngrams)
+        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed)
+        for delta in rt.stream_text(prompt, sp, "ar" if ar else "dflash", chat=not no_chat, stats=stats):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     drafted = (f", {stats.drafted_tokens / max(1, len(stats.acceptance_lengths)):.1f} drafts verified/step"
                if not ar else "")
@@ -107,4 +111,5 @@ def demo(recipe, prompt, max_new_tokens):
     with DFlash and with plain decoding on the same engine."""
     if not prompt:  # before the build, which can take minutes
         raise DFlashError("the prompt is empty", field="--prompt")
-    run_demo(recipe, prompt, max_new_tokens)
+    with fields_as_options("--prompt"):
+        run_demo(recipe, prompt, max_new_tokens)

@@ -146,7 +146,7 @@ def check_request(info: EngineInfo, prompt_ids, sp: SamplingParams) -> None:
     # Room for the prompt, the new tokens and one speculative block beyond them.
     need = len(prompt_ids) + sp.max_new_tokens + info.block_size
     if need > info.max_seq_len:
-        raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_new_tokens}) + block "
+        raise DFlashError(f"prompt ({len(prompt_ids)} tokens) + {sp.max_new_tokens} new tokens + block "
                           f"({info.block_size}) exceeds the engine's max_seq_len {info.max_seq_len}",
                           field="max_tokens" if len(prompt_ids) + info.block_size < info.max_seq_len
                           else "text_input")

@@ -13,12 +13,14 @@ from pathlib import Path
 from dflash_export.engines.build import default_engine_dir
 from dflash_export.engines.manifest import check_engine_recipe
 from dflash_export.engines.registry import load_engine
-from dflash_export.environment import install_hint
+from dflash_export.environment import env_int, install_hint
 from dflash_export.errors import CheckFailed, MissingDependency
 from dflash_export.recipes import load_recipe
 from dflash_export.validate.report import check_report_dir, summary_rows, write_report
 from dflash_export.validate.runner import Reference, ValidateOptions, run_validation
 from dflash_export.validate.suites import check_suite_fits, encode_prompt, load_suite
+
+MAX_REFERENCE_THREADS = 1024  # DFLASH_REFERENCE_THREADS' bound: torch takes an int32, each thread a stack
 
 
 def reference_threads() -> int:
@@ -27,11 +29,12 @@ def reference_threads() -> int:
     2-core machine (load average ~3 from other jobs) SmolLM2-135M's reference decoded 32 tokens in 12.4 s with
     torch's default 2 threads and in 2.9 s with one (spec_generate: 53.5 s and 5.4 s); `validate --recipe
     smollm2-135m` with 8 prompts x 64 tokens and 60 seeds took 18 min 17 s before, 7 min 35 s after (load 4-7).
-    DFLASH_REFERENCE_THREADS overrides it."""
+    DFLASH_REFERENCE_THREADS (1..MAX_REFERENCE_THREADS) overrides it."""
     import os
 
-    if os.environ.get("DFLASH_REFERENCE_THREADS", "").isdigit():
-        return max(1, int(os.environ["DFLASH_REFERENCE_THREADS"]))
+    given = env_int("DFLASH_REFERENCE_THREADS", 1, MAX_REFERENCE_THREADS)
+    if given is not None:
+        return given
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -108,6 +111,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     if report_dir:  # checked first: a report that cannot be written must not cost minutes of validation
         check_report_dir(report_dir)
     check_report_libraries()
+    threads = reference_threads()  # a bad DFLASH_REFERENCE_THREADS is refused before the engine loads
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
@@ -125,7 +129,7 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         check_suite_fits(engine.info, prompts, [ids for _, ids in encoded], max_new_tokens, path)
         import torch
 
-        torch.set_num_threads(reference_threads())
+        torch.set_num_threads(threads)
         # An ONNX Runtime engine computes in fp32 whatever dtype the recipe asks of GPU backends: its reference too.
         reference = Reference.from_recipe(recipe, "float32" if engine.info.backend == "onnxruntime" else None)
         opts = ValidateOptions(max_new_tokens=max_new_tokens, temperature=temperature, dist_samples=dist_samples,
