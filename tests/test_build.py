@@ -188,6 +188,64 @@ def test_backend_without_library_is_one_clear_error(own_recipe, tmp_path):
         build_engine(recipe, "tensorrt", tmp_path / "engines")
 
 
+@pytest.mark.parametrize("options, option", [
+    ({"precision": "int8"}, "--precision"),
+    ({"drafter_precision": "int4"}, "--drafter-precision"),
+    ({"quantize_heads": False}, "--fp32-heads"),
+])
+@pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-llm"])
+def test_onnxruntime_weight_options_for_another_backend_name_the_option(own_recipe, tmp_path, backend, options,
+                                                                        option):
+    """--precision, --drafter-precision and --fp32-heads shape ONNX Runtime graphs; for a backend that builds none
+    each is one error naming the option given, before anything is built."""
+    recipe, _ = own_recipe
+    recipe.backends = ["onnxruntime", "tensorrt", "tensorrt-llm"]
+    with pytest.raises(DFlashError) as e:
+        build_engine(recipe, backend, tmp_path / "engines", **options)
+    assert e.value.field == option and backend in str(e.value)
+    assert not (tmp_path / "engines").exists()
+
+
+def test_a_tensorrt_engine_without_batch_engines_is_rebuilt_not_reused(own_recipe, tmp_path, monkeypatch):
+    """TensorRT fixes the continuous-batching bound at build time: a build reuses an earlier engine built for the
+    bound asked (any, when none is asked), and rebuilds one built for another bound or without batch engines, the
+    directory BatchingRuntime tells to rebuild with `build --backend tensorrt`."""
+    import dataclasses
+    import json
+
+    from dflash_export.engines import registry
+    from dflash_export.engines.tensorrt_batch import BATCH_FILES, DEFAULT_MAX_BATCH
+
+    recipe, _ = own_recipe
+    recipe.backends = ["onnxruntime", "tensorrt"]
+    built = []
+
+    def fake_build(recipe, engine_dir, max_batch=DEFAULT_MAX_BATCH, batch_engines=True):
+        """Writes the manifest facts the batch bound is read from (no TensorRT here)."""
+        built.append(max_batch if batch_engines else None)
+        shutil.rmtree(engine_dir, ignore_errors=True)
+        engine_dir.mkdir(parents=True)
+        engines = {name: {"profiles": ["batch_prefill", "batch_step", "batch"], "max_batch": max_batch}
+                   for _, _, name in BATCH_FILES.values()} if batch_engines else {}
+        (engine_dir / "manifest.json").write_text(json.dumps({
+            "backend": "tensorrt", "block_size": 4, "mask_token_id": 3, "files": {}, "engines": engines,
+            "shared_tensors": {"shared.embed_tokens": {"offset": 0, "length": 8, "shape": [2, 4]}}}))
+
+    builder = [fake_build]
+    monkeypatch.setitem(registry.BACKENDS, "tensorrt",
+                        dataclasses.replace(registry.BACKENDS["tensorrt"], builder=lambda: builder[0]))
+    out = tmp_path / "engines"
+    assert not build_engine(recipe, "tensorrt", out, max_batch=4).reused
+    assert build_engine(recipe, "tensorrt", out, max_batch=4).reused
+    assert build_engine(recipe, "tensorrt", out).reused
+    assert not build_engine(recipe, "tensorrt", out, max_batch=2).reused and built == [4, 2]
+    builder[0] = lambda r, d, **kw: fake_build(r, d, batch_engines=False)
+    assert not build_engine(recipe, "tensorrt", out, force=True).reused  # an engine predating the batch engines
+    builder[0] = fake_build
+    assert not build_engine(recipe, "tensorrt", out).reused and built == [4, 2, None, DEFAULT_MAX_BATCH]
+    assert build_engine(recipe, "tensorrt", out).reused
+
+
 def test_backend_not_in_recipe_is_refused(own_recipe, tmp_path):
     recipe, _ = own_recipe
     with pytest.raises(DFlashError, match="not listed in the recipe's backends"):

@@ -134,6 +134,9 @@ def test_malformed_manifest_field_is_refused_with_the_field(built, tmp_path):
     (lambda m: m.update(precision={"target": 8}), "precision.target"),
     (lambda m: m.update(precision={"target": "int3"}), "precision.target"),
     (lambda m: m["precision"].update(drafter="fp16"), "precision.drafter"),
+    (lambda m: m["shared_tensors"]["shared.embed_tokens"].update(offset=None),
+     "shared_tensors.shared.embed_tokens.offset"),
+    (lambda m: m.update(max_seq_len=10**12), "max_seq_len"),
 ])
 def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_path, edit, field):
     from click.testing import CliRunner
@@ -200,3 +203,23 @@ def test_a_plugin_record_without_the_requested_path_is_refused(tmp_path):
     with pytest.raises(DFlashError) as err:
         validate_manifest(m, tmp_path / "manifest.json")
     assert err.value.field == "plugins.requested"
+
+
+@pytest.mark.parametrize("engines,field", [
+    ({"target_verify.engine": "x"}, "engines.target_verify.engine"),
+    ({"target_verify.engine": {"profiles": "prefill"}}, "engines.target_verify.engine.profiles"),
+    ({"target_verify.engine": {"profiles": [["prefill"]]}}, "engines.target_verify.engine.profiles[0]"),
+    ({"drafter.engine": {"profiles": ["first_block", "step", "step"]}}, "engines.drafter.engine.profiles[2]"),
+    ({"target_batch.engine": {"profiles": ["batch_prefill"], "max_batch": 4.0}},
+     "engines.target_batch.engine.max_batch"),
+    ({"lm_head.engine": {"profiles": ["batch"], "max_batch": None}}, "engines.lm_head.engine.max_batch"),
+    ({"lm_head.engine": {"profiles": ["batch"], "max_batch": 0}}, "engines.lm_head.engine.max_batch"),
+])
+def test_malformed_tensorrt_engine_table_is_refused_with_the_field(tmp_path, engines, field):
+    """What a TensorRT runner, its batch engines and deploy read of `engines`: each entry a mapping, its profile names
+    distinct strings, its batch bound an integer >= 1; anything else one error naming the entry's field."""
+    from dflash_export.engines.manifest import validate_manifest
+
+    with pytest.raises(DFlashError) as err:
+        validate_manifest({**_tensorrt_manifest(), "engines": engines}, tmp_path / "manifest.json")
+    assert err.value.field == field and "manifest.json" in str(err.value)

@@ -289,9 +289,14 @@ def test_the_batched_engine_follows_the_engine_backend(pair):
 def test_deploy_takes_a_batch_bound_up_to_the_one_the_engines_were_built_for(pair, tmp_path, monkeypatch):
     """`deploy --max-batch N` on a TensorRT engine: N up to the build's bound writes the repository; one more, or a
     directory without the batch engines, is refused before anything is written, naming the manifest and the field."""
+    from dflash_export.deploy import repository
     from dflash_export.deploy.repository import write_repository
     from dflash_export.recipes import load_recipe
 
+    # the emulation stands in for tensorrt, which deploy records for the served engine
+    versions = repository.library_versions
+    monkeypatch.setattr(repository, "library_versions",
+                        lambda names: {"tensorrt": "10.13.3.9", **versions(tuple(n for n in names if n != "tensorrt"))})
     _, ort_eng, _, full, _ = pair
     repo = write_repository(full, tmp_path / "repo", max_batch=MAX_BATCH)
     cfg = (repo / "dflash" / "config.pbtxt").read_text()
@@ -306,8 +311,6 @@ def test_deploy_takes_a_batch_bound_up_to_the_one_the_engines_were_built_for(pai
         write_repository(old, tmp_path / "repo3", max_batch=2)
     assert e.value.field == "engines.target_batch.engine" and not (tmp_path / "repo3").exists()
     # `serve --engine` without --max-batch takes 8, or the build's bound where that is less.
-    from dflash_export.deploy import repository
-
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(repository, "_held_locks", [])
     cached = repository.cached_repository(full)

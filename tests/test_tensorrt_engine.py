@@ -192,6 +192,51 @@ def test_without_tensorrt_loading_an_engine_names_the_extra_and_the_gpu(tmp_path
         TensorRTEngine(tmp_path, _typed(_tensorrt_manifest(), tmp_path))
 
 
+def _engine_table_dir(tmp_path, files=("target_verify.engine", "drafter.engine"), **overrides):
+    """A TensorRT engine directory with stand-in plan files `files` and `_tensorrt_manifest(**overrides)`."""
+    from dflash_export.engines.manifest import write_manifest
+
+    out = tmp_path / "tensorrt"
+    out.mkdir(parents=True)
+    for name in files:
+        (out / name).write_bytes(b"plan")
+    m = _tensorrt_manifest(**overrides)
+    del m["files"]
+    write_manifest(out, m)
+    return out
+
+
+def test_deploy_refuses_an_engine_table_without_what_the_runner_opens(tmp_path):
+    """`run` and `deploy` check the two engines the runner opens before anything loads or is written: each among the
+    manifest's files, with the profiles the engine logic selects; else one error naming the manifest and the field."""
+    from dflash_export.engines.registry import check_engine_manifest
+
+    check_engine_manifest(_engine_table_dir(tmp_path / "ok"))
+    engines = _tensorrt_manifest()["engines"]
+    with pytest.raises(DFlashError, match=r"drafter.engine profiles \[\] lack") as e:
+        check_engine_manifest(_engine_table_dir(tmp_path / "a", engines={"target_verify.engine":
+                                                                          engines["target_verify.engine"]}))
+    assert e.value.field == "engines" and str(e.value.path).endswith("manifest.json")
+    with pytest.raises(DFlashError, match="drafter.engine is not among the files") as e:
+        check_engine_manifest(_engine_table_dir(tmp_path / "b", files=("target_verify.engine",)))
+    assert e.value.field == "files"
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="tensorrt is installed")
+def test_without_tensorrt_deploy_of_a_tensorrt_engine_names_the_library_and_writes_nothing(tmp_path):
+    """The repository is served from this environment, which must import what the engine needs: without tensorrt,
+    `deploy` (and `serve --engine`, which deploys into the cache) is one line naming it, exit 2, nothing written."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    engine = _engine_table_dir(tmp_path)
+    r = CliRunner().invoke(main, ["deploy", "--engine", str(engine), "--repo", str(tmp_path / "repo")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert "tensorrt is not installed" in r.output and "dflash-export[tensorrt]" in r.output
+    assert not (tmp_path / "repo").exists()
+
+
 def test_build_records_what_the_engine_needs_to_run(tmp_path):
     """build_tensorrt writes the codec / tokenizer and the stop ids + vocabulary (read from the target's config),
     so a TensorRT engine directory describes itself like an ONNX Runtime one."""
@@ -328,6 +373,23 @@ def test_build_of_a_tree_recipe_records_that_the_engines_run_the_chain():
     runs = tensorrt_decoding(dataclasses.asdict(DecodingOptions(proposer="tree+lookup")))
     assert runs["proposer"] == "chain" and "build --backend onnxruntime" in runs["proposer_note"]
     assert runs["sampling"] == "chain" and runs["sampling_note"] == WALK_NOTE
+
+
+def test_a_static_ngram_index_is_neither_built_nor_asked_of_a_fixed_block_engine(engines):
+    """A recipe's static n-gram index feeds trees and lookups, which TensorRT engines do not run: the build records
+    that none is built, and asking a fixed-block engine for it points to the backend that runs it, not to a rebuild
+    that would make none."""
+    from dflash_export.decoding.options import DecodingOptions
+    from dflash_export.engines.tensorrt_runtime import tensorrt_decoding
+
+    runs = tensorrt_decoding(dataclasses.asdict(DecodingOptions(static_ngrams=True)))
+    assert "none is built" in runs["static_ngrams_note"] and "onnxruntime" in runs["static_ngrams_note"]
+    assert "static_ngrams_note" not in tensorrt_decoding(dataclasses.asdict(DecodingOptions()))
+    eng = engines[0]
+    assert eng.fixed_block and eng.info.static_index is None
+    with pytest.raises(DFlashError, match="fixed blocks.*build --backend onnxruntime") as e:
+        DFlashRuntime(eng, static_ngrams=True)
+    assert e.value.field == "static_ngrams" and "build it with" not in str(e.value)
 
 
 def _gpu_ready() -> bool:

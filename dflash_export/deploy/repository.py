@@ -49,8 +49,8 @@ from dflash_export.deploy.pbtxt import (
 )
 from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
 from dflash_export.engines.registry import BACKENDS, check_engine_manifest
-from dflash_export.environment import available_memory_bytes
-from dflash_export.errors import DFlashError
+from dflash_export.environment import available_memory_bytes, install_hint
+from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
 
 MODEL_NAME = "dflash"
@@ -129,10 +129,18 @@ def _reflink_or_copy(src, dst):
 
 
 def _needed_libraries(backend: str) -> dict[str, str]:
-    """Versions of the libraries the served engine imports, recorded so the model can refuse a different set."""
+    """Versions of the libraries the served engine imports, recorded so the model can refuse a different set.
+    MissingDependency with the install line for one that is not installed here: the repository is served from this
+    environment (`serve` starts the model stubs in it), so the model could not load, and no version would be recorded
+    for the model to check."""
     spec = BACKENDS.get(backend)
     names = ["numpy", "tokenizers", *(spec.serve_libraries if spec else ())]
-    return {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
+    versions = {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
+    for name in names:
+        if name not in versions:
+            raise MissingDependency(f"{name} is not installed, and the served {backend} engine imports it: "
+                                    f"{install_hint(name) or f'pip install {name}'}", field="--engine")
+    return versions
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -237,6 +245,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
                        if v is not None}).check()
     backend = manifest.backend
+    if BACKENDS[backend].served_by_dflash:
+        _needed_libraries(backend)  # what the served engine imports, installed here
     model_py = _check_llmapi_model_py(llmapi_model_py, backend, engine_dir)
     repo_dir = check_repo_path(repo_dir, engine_dir)
     created = []  # parent directories atomic_dir will create, removed again if writing fails

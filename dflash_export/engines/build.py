@@ -112,13 +112,27 @@ def _record_inputs(engine_dir: Path, inputs: dict[str, str]) -> None:
         f.write(json.dumps(manifest, indent=2) + "\n")
 
 
+def _refuse_ort_options(backend: str, precision: str | None, drafter_precision: str | None,
+                        quantize_heads: bool | None) -> None:
+    """The weight-precision options of the ONNX Runtime engines, given for a backend that builds none: one error
+    naming the option (a TensorRT build would otherwise ignore it)."""
+    for option, value in (("--precision", precision), ("--drafter-precision", drafter_precision)):
+        if value not in (None, "fp32"):
+            raise DFlashError(f"weight quantization is built for the onnxruntime backend only, not {backend}",
+                              field=option)
+    if quantize_heads is not None:
+        raise DFlashError(f"keeps the heads of quantized onnxruntime graphs fp32; {backend} builds no quantized "
+                          "graphs", field="--fp32-heads")
+
+
 def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DEFAULT_ROOT, force: bool = False,
                  precision: str | None = None, drafter_precision: str | None = None,
                  quantize_heads: bool | None = None, max_batch: int | None = None) -> BuildResult:
     """Build (or reuse) `out_root/<recipe>/<backend>/` (fp32) or `.../<backend>-<precision>[...]/` (quantized
     ONNX Runtime engines; `precision` / `drafter_precision` default to the recipe's, see `engine_dir_name`).
     `max_batch`: the most sequences per call continuous batching's engines are built for, for backends whose batch
-    is fixed at build time (TensorRT's profiles; None: the backend's default); an engine built for another bound is
+    is fixed at build time (TensorRT's profiles; None: the backend's default for a new build, and an earlier engine
+    reused whatever bound it was built for); an engine built for another bound, or without the batch engines, is
     rebuilt, not reused. ONNX Runtime batches are bounded where they run (`deploy --max-batch`).
 
     An existing engine directory is replaced only when it is an earlier engine (its manifest.json says so):
@@ -131,9 +145,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     precisions = None
     if BACKENDS[backend].quantizable:  # the ONNX Runtime engines
         precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
-    elif precision not in (None, "fp32") or drafter_precision not in (None, "fp32"):
-        raise DFlashError(f"weight quantization is built for the onnxruntime backend only, not {backend}",
-                          field="--precision")
+    else:
+        _refuse_ort_options(backend, precision, drafter_precision, quantize_heads)
     bound = BACKENDS[backend].batch_bound
     if max_batch is not None and (bound is None or max_batch < 1):
         raise DFlashError(f"must be >= 1, got {max_batch}" if bound is not None else
@@ -155,7 +168,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
                 if (manifest.inputs == inputs and manifest.backend == backend
                         and (precisions is None or (manifest.precision == precisions
                                                     and manifest.engine_format == ENGINE_FORMAT))
-                        and (max_batch is None or bound(manifest) == max_batch)):
+                        # a batch bound to read (an engine without batch engines is rebuilt), the one asked if any
+                        and (bound is None or max_batch in (None, bound(manifest)))):
                     return BuildResult(engine_dir, True, inputs)
             except DFlashError:
                 pass  # an earlier engine, unreadable or tampered: rebuild over it

@@ -26,6 +26,7 @@ from dflash_export.engines.base import EngineInfo, _kind
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError
 from dflash_export.files import read_json_object, sha256_file
+from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.recipes import BACKENDS, PRECISIONS, RECIPES_DIR
 
 MANIFEST = "manifest.json"
@@ -188,6 +189,9 @@ _REQUIRED = {"onnxruntime": ("engine_format", "vocab_size", "stop_token_ids", "m
              "pytorch": ("recipe_path",), "tensorrt": (), "tensorrt-llm": ()}
 
 
+_FIELD = object()  # _Fields.integer's default: read the manifest's own field (a recorded null is a value to refuse)
+
+
 class _Fields:
     """Typed reads of one manifest's fields, each failing as a DFlashError naming the manifest and the field."""
 
@@ -197,8 +201,9 @@ class _Fields:
     def bad(self, field, message) -> DFlashError:
         return DFlashError(message, path=self.path, field=field)
 
-    def integer(self, key, minimum, value=None, name=None):
-        v = self.manifest[key] if value is None else value
+    def integer(self, key, minimum, value=_FIELD, name=None):
+        """The integer `value` (default: the manifest's field `key`), at least `minimum`; the error names `name`."""
+        v = self.manifest[key] if value is _FIELD else value
         if not is_int(v):
             raise self.bad(name or key, f"expected an integer, got {_kind(v)} ({v!r})")
         if v < minimum:
@@ -267,8 +272,12 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
     vocab = f.integer("vocab_size", 2) if "vocab_size" in manifest else None
     if vocab is not None and mask >= vocab:
         raise f.bad("mask_token_id", f"{mask} is outside the vocabulary (vocab_size {vocab})")
-    if "max_seq_len" in manifest and f.integer("max_seq_len", 1) < bs:
-        raise f.bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
+    if "max_seq_len" in manifest:
+        if f.integer("max_seq_len", 1) < bs:
+            raise f.bad("max_seq_len", f"{manifest['max_seq_len']} is shorter than one block ({bs})")
+        if manifest["max_seq_len"] > MAX_SEQ_LEN:  # what a recipe may ask; runtimes size buffers by it
+            raise f.bad("max_seq_len", f"{manifest['max_seq_len']} is more than {MAX_SEQ_LEN}, the most a recipe "
+                                       "may ask")
     if "stop_token_ids" in manifest:
         for i, t in enumerate(f.int_list("stop_token_ids")):
             if vocab is not None and t >= vocab:
@@ -288,9 +297,11 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
         for k, v in f.mapping("inputs").items():
             if not isinstance(v, str):
                 raise f.bad(f"inputs.{k}", f"expected a sha256 hex digest, got {_kind(v)}")
-    for key in ("engines", "dtypes", "libraries"):
+    for key in ("dtypes", "libraries"):
         if key in manifest:
             f.mapping(key)
+    if "engines" in manifest:
+        _check_engines(f)
     if "decoding" in manifest:
         _check_decoding(f)
     if "static_ngrams" in manifest:
@@ -375,6 +386,28 @@ def _check_selector(f: _Fields, vocab: int | None) -> Selector:
     if not 1 < sel["top_k"] <= (vocab or sel["top_k"]):
         raise f.bad("selector.top_k", f"top_k {sel['top_k']} outside 2..{vocab}")
     return Selector(sel["top_k"], sel["rank"])
+
+
+def _check_engines(f: _Fields) -> None:
+    """`engines` (TensorRT engines): per engine file, a mapping of its build facts, with the facts the runtime reads
+    typed: `profiles` (the optimization profiles by index: distinct non-empty names) and `max_batch` (>= 1)."""
+    for name, entry in f.mapping("engines").items():
+        where = f"engines.{name}"
+        if not isinstance(entry, dict):
+            raise f.bad(where, f"expected a mapping of the engine's build facts, got {_kind(entry)}")
+        names = entry.get("profiles")
+        if names is not None:
+            if not isinstance(names, list):
+                raise f.bad(f"{where}.profiles", f"expected a list of profile names, got {_kind(names)}")
+            seen = set()
+            for i, n in enumerate(names):
+                if not isinstance(n, str) or not n:
+                    raise f.bad(f"{where}.profiles[{i}]", f"expected a non-empty string, got {_kind(n)}")
+                if n in seen:
+                    raise f.bad(f"{where}.profiles[{i}]", f"{n[:40]!r} is named twice (one name per profile)")
+                seen.add(n)
+        if "max_batch" in entry:
+            f.integer(where, 1, entry["max_batch"], f"{where}.max_batch")
 
 
 def _check_plugins(f: _Fields) -> PluginBuild:

@@ -101,11 +101,10 @@ def _open_tensorrt(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
 
 
 def _check_tensorrt(engine_dir: Path, manifest: Manifest) -> None:
-    from dflash_export.engines.tensorrt import tensorrt_engine_info
+    from dflash_export.engines.tensorrt_runtime import engine_profiles, tensorrt_engine_info
 
     tensorrt_engine_info(manifest)  # the same manifest reading the TensorRT engine does
-    if not manifest.engines:
-        raise DFlashError("expected an object naming the engine files", path=manifest.path, field="engines")
+    engine_profiles(manifest)  # and the engine table its runner opens
 
 
 def _tensorrt_batch_bound(manifest: Manifest) -> int:

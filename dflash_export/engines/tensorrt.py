@@ -90,6 +90,7 @@ from dflash_export.engines.tensorrt_plugins import (
 from dflash_export.engines.tensorrt_runtime import (
     TensorRTEngine,
     TensorRTRunner,
+    engine_profiles,
     tensorrt_decoding,
     tensorrt_engine_info,
 )
@@ -107,7 +108,7 @@ __all__ = [
     "inspect_plugin_layers", "plugin_implementations", "plugin_layer_counts", "refuse_masked_drafter",
     "write_serving_files",
     # tensorrt_runtime
-    "TensorRTEngine", "TensorRTRunner", "tensorrt_decoding", "tensorrt_engine_info",
+    "TensorRTEngine", "TensorRTRunner", "engine_profiles", "tensorrt_decoding", "tensorrt_engine_info",
     # tensorrt_batch
     "BatchedTensorRTEngine", "TrtBatchGraphs", "check_batch_manifest", "plain_op_graph",
     # graph_engine (the optimization-profile tables)

@@ -32,6 +32,28 @@ def tensorrt_engine_info(manifest: Manifest) -> EngineInfo:
     return manifest.engine_info("rebuild the engine: older builds did not record it")
 
 
+# engine file -> (graph, the profiles the engine logic selects by name)
+RUN_ENGINES = {TARGET_ENGINE: ("target_verify", (PREFILL, VERIFY, DECODE)),
+               DRAFTER_ENGINE: ("drafter", (FIRST_BLOCK, STEP))}
+
+
+def engine_profiles(manifest: Manifest) -> dict[str, list[str]]:
+    """{engine file: its optimization profile names, by index} of the two engines a TensorRT engine directory runs
+    (no tensorrt needed: what `deploy` checks and the runner opens). One DFlashError naming the manifest and the field
+    when an engine is not among the files the manifest lists or lacks a profile the engine logic selects."""
+    out = {}
+    for fname, (_, needed) in RUN_ENGINES.items():
+        names = (manifest.engines.get(fname) or {}).get("profiles") or []
+        if not set(needed) <= set(names):
+            raise DFlashError(f"{fname} profiles {names} lack {sorted(set(needed) - set(names))}",
+                              path=manifest.path, field="engines")
+        if fname not in manifest.files:
+            raise DFlashError(f"{fname} is not among the files the manifest lists", path=manifest.path,
+                              field="files")
+        out[fname] = list(names)
+    return out
+
+
 def tensorrt_decoding(recorded: Mapping | None) -> dict[str, str]:
     """What a TensorRT engine runs of its recipe's decoding options (the manifest's `decoding`, decoding/options.py).
 
@@ -39,7 +61,8 @@ def tensorrt_decoding(recorded: Mapping | None) -> dict[str, str]:
     graph): a step proposes the drafter's chain ("chain"), and a sampled step draws the drafter's chain and accepts each
     draft with min(1, p/q) on the host ("chain" sampling: exact, the PyTorch reference's stream draw for draw). A
     recipe's tree or lookup proposer becomes the chain, said in "proposer_note", and its walk becomes chain sampling,
-    said in "sampling_note": the recipe stays buildable on both backends and the manifest says what runs.
+    said in "sampling_note", and its static n-gram index (which only trees and lookups read) is neither built nor
+    used, said in "static_ngrams_note": the recipe stays buildable on both backends and the manifest says what runs.
     """
     options = resolve_options(dict(recorded or {}))
     plan = {"proposer": "chain", "sampling": "chain"}
@@ -47,6 +70,9 @@ def tensorrt_decoding(recorded: Mapping | None) -> dict[str, str]:
         plan["proposer_note"] = (f"the recipe's {options.proposer} needs draft trees or lookup branches; these "
                                  "engines verify fixed blocks of block_size with no draft-tree inputs, so steps "
                                  "propose the drafter's chain (build --backend onnxruntime runs it)")
+    if options.static_ngrams:
+        plan["static_ngrams_note"] = ("the recipe's static n-gram index feeds trees and lookups, which these engines "
+                                      "do not run: none is built (build --backend onnxruntime builds and runs it)")
     if options.sampling == "walk":
         plan["sampling_note"] = ("sampled requests draw the drafter's chain and accept with min(1, p/q) (the "
                                  "recipe's walk needs host acceptance over any block length, which fixed blocks do "
@@ -175,16 +201,11 @@ class TensorRTRunner(GraphRunner):
         self.max_seq_len = manifest.require("max_seq_len")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        engines = manifest.engines
         self.graphs: dict[str, _TrtGraph] = {}
-        for graph, fname, needed in (("target_verify", TARGET_ENGINE, (PREFILL, VERIFY, DECODE)),
-                                     ("drafter", DRAFTER_ENGINE, (FIRST_BLOCK, STEP))):
-            names = (engines.get(fname) or {}).get("profiles") or []
-            if not set(needed) <= set(names):  # the engine logic selects these by name
-                raise DFlashError(f"{fname} profiles {names} lack {sorted(set(needed) - set(names))}",
-                                  path=manifest.path, field="engines")
+        for fname, names in engine_profiles(manifest).items():
             with torch.cuda.device(self.device):
-                self.graphs[graph] = _TrtGraph(trt, torch, self._runtime, Path(engine_dir) / fname, list(names))
+                self.graphs[RUN_ENGINES[fname][0]] = _TrtGraph(trt, torch, self._runtime, Path(engine_dir) / fname,
+                                                               names)
         # TensorRT wants a non-null address even for an empty tensor (an empty past, no drafts): one spare block
         self._empty = torch.zeros(64, dtype=torch.int64, device=self.device)
         # One context per engine serves every sequence: a run (shapes, addresses, enqueue, sync) must not interleave

@@ -228,6 +228,10 @@ class DFlashRuntime:
         # trees and lookups while `static_ngrams` is on; asking for it on an engine built without one is an error.
         index = getattr(engine.info, "static_index", None)
         if static_ngrams and index is None:
+            if getattr(engine, "fixed_block", False):  # TensorRT: no build of a fixed-block engine makes one
+                raise DFlashError("this engine verifies fixed blocks of the drafter's chain (no lookups), so it holds "
+                                  "no static n-gram index: build --backend onnxruntime with decoding.static_ngrams "
+                                  "true runs one", field="static_ngrams")
             raise DFlashError("this engine holds no static n-gram index: build it with decoding.static_ngrams true",
                               field="static_ngrams")
         self.static_index = index if self.options.static_ngrams else None
