@@ -35,6 +35,22 @@ class DFlashError(Exception):
         self.field = field
 
 
+# How an error message names the type of a value read from a file or a request ("expected a string, got null"): the
+# words of YAML and JSON, not Python's type names.
+_KIND_OF_TYPE = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+                 int: "an integer", float: "a number"}
+
+
+def kind_of_type(typ: type, mapping: str = "a mapping") -> str:
+    """The words for values of `typ` ("an integer"); `mapping`: those for a dict (JSON's "an object")."""
+    return mapping if typ is dict else _KIND_OF_TYPE.get(typ, typ.__name__)
+
+
+def kind(value, mapping: str = "a mapping") -> str:
+    """The words for `value`'s type ("a string", "null")."""
+    return kind_of_type(type(value), mapping)
+
+
 class CheckFailed(DFlashError):
     """A validation threshold failed (exit code 1, distinct from bad input)."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_export.decoding.options import DecodingOptions, decoding_problem
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, kind, kind_of_type
 from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.models.sources import SourcePath, hf_snapshot, is_hf_id, split_pkg_spec
 from dflash_export.models.tiny import split_tiny_spec
@@ -157,6 +157,15 @@ class Recipe:
                               field="block_size" if self.block_size else "max_seq_len")
         return block
 
+    def check_new_tokens(self, max_new_tokens: int) -> None:
+        """Refuse, before an engine is built for this recipe, a --max-new-tokens that leaves no room in max_seq_len
+        for a prompt token and a block beside it (the exact check, with the prompt, comes where it is encoded)."""
+        block = self.block_size or 1
+        if 1 + max_new_tokens + block > self.max_seq_len:
+            blocks = f"a block of {block}" if self.block_size else "a block"
+            raise DFlashError(f"{max_new_tokens} new tokens + a prompt + {blocks} exceed the recipe's max_seq_len "
+                              f"{self.max_seq_len}", field="--max-new-tokens")
+
     @property
     def target_path(self) -> str:
         return self.resolve(self.target)
@@ -164,6 +173,15 @@ class Recipe:
     @property
     def drafter_path(self) -> str:
         return self.resolve(self.drafter)
+
+
+def _quoted(value) -> str:
+    """A value of the wrong type as an error names it: its kind, and the value itself cut short ("a string
+    ('lots')"); null alone."""
+    if value is None:
+        return "null"
+    shown = str(value).lower() if isinstance(value, bool) else _SHORT_REPR.repr(value)  # YAML's true / false
+    return f"{kind(value)} ({shown})"
 
 
 def _check(value, typ, path: Path, name: str):
@@ -176,11 +194,11 @@ def _check(value, typ, path: Path, name: str):
         return _check(value, inner, path, name)
     if origin is list:
         if not isinstance(value, list):
-            raise DFlashError(f"expected a list, got {type(value).__name__}", path=path, field=name)
+            raise DFlashError(f"expected a list, got {_quoted(value)}", path=path, field=name)
         return [_check(v, args[0], path, f"{name}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(typ):
         if not isinstance(value, dict):
-            raise DFlashError(f"expected a mapping, got {type(value).__name__}", path=path, field=name)
+            raise DFlashError(f"expected a mapping, got {_quoted(value)}", path=path, field=name)
         return _build(typ, value, path, name + ".")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -194,7 +212,7 @@ def _check(value, typ, path: Path, name: str):
             # YAML 1.1, which PyYAML reads, takes an exponent without a dot (1e-4) for text
             text = value.strip()
             hint = f"; YAML reads {text} as text, write it with a dot: {re.sub('[eE]', '.0e', text, count=1)}"
-        raise DFlashError(f"expected {typ.__name__}, got {type(value).__name__} ({_SHORT_REPR.repr(value)}){hint}",
+        raise DFlashError(f"expected {kind_of_type(typ)}, got {_quoted(value)}{hint}",
                           path=path, field=name)
     return value
 

@@ -246,6 +246,46 @@ def test_a_tensorrt_engine_without_batch_engines_is_rebuilt_not_reused(own_recip
     assert build_engine(recipe, "tensorrt", out).reused
 
 
+def test_a_tensorrt_batch_bound_above_what_deploy_serves_is_refused_before_building(own_recipe, tmp_path,
+                                                                                       monkeypatch):
+    """`build --max-batch N` sizes batch engines that `deploy --max-batch` and `serve` then fill: both take at most
+    the same bound (engines/registry.py MAX_BATCH, 256), so a larger N is refused at build, naming --max-batch, with
+    nothing built; the bound itself builds."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines import registry
+
+    recipe, _ = own_recipe
+    recipe.backends = ["onnxruntime", "tensorrt"]
+    built = []
+
+    def fake_build(recipe, engine_dir, max_batch=None):
+        built.append(max_batch)
+        engine_dir.mkdir(parents=True)
+
+    monkeypatch.setitem(registry.BACKENDS, "tensorrt",
+                        dataclasses.replace(registry.BACKENDS["tensorrt"], builder=lambda: fake_build))
+    out = tmp_path / "engines"
+    with pytest.raises(DFlashError) as e:
+        build_engine(recipe, "tensorrt", out, max_batch=257)
+    assert (e.value.field, e.value.message) == ("--max-batch", "must be in 1..256, got 257")
+    assert built == [] and not out.exists()
+    with pytest.raises(DFlashError):
+        build_engine(recipe, "tensorrt", out, max_batch=256)  # the fake writes no manifest: built, then refused
+    assert built == [256]
+    lines = {}
+    for args in (["build", "--recipe", "tiny-qwen3", "--backend", "tensorrt", "--out", tmp_path / "cli"],
+                 ["deploy", "--engine", tmp_path, "--repo", tmp_path / "repo"]):
+        r = CliRunner().invoke(main, [str(a) for a in args] + ["--max-batch", "257"])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        lines[args[0]] = r.output.strip().splitlines()[-1]
+    assert lines["build"] == lines["deploy"] == "error: --max-batch: 257 is not in the range 1<=x<=256.", lines
+    assert built == [256] and not (tmp_path / "cli").exists()
+
+
 def test_backend_not_in_recipe_is_refused(own_recipe, tmp_path):
     recipe, _ = own_recipe
     with pytest.raises(DFlashError, match="not listed in the recipe's backends"):

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 from deploy_support import ROOT, engine_dir  # noqa: F401 - engine_dir is a fixture: the tiny ONNX Runtime engine
@@ -29,9 +30,11 @@ def _one_error_line(r, code=2):
 
 @pytest.mark.parametrize("args, expect", [
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "0"],
-     "error: --max-new-tokens: 0 is not in the range"),
-    (["reference", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
-    (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"], "error: --temperature: 'inf' is not a finite"),
+     "error: --max-new-tokens: must be in 1..9223372036854775807, got 0"),
+    (["reference", "--recipe", "tiny-qwen3", "--temperature", "nan"],
+     "error: --temperature: must be a finite number, got nan"),
+    (["reference", "--recipe", "tiny-qwen3", "--temperature", "inf"],
+     "error: --temperature: must be a finite number, got inf"),
     # reference takes every seed run takes (0..2^64-1), with the same message
     (["reference", "--recipe", "tiny-qwen3", "--seed", "-1"],
      "error: --seed: must be in 0..18446744073709551615, got -1"),
@@ -51,7 +54,8 @@ def _one_error_line(r, code=2):
     (["run", "--engine", ".", "--max-new-tokens", "0", "hi"], "error: --max-new-tokens: must be in 1.."),
     (["run", "--engine", ".", "--top-k", "x", "hi"], "error: --top-k: 'x' is not a valid integer"),
     (["bench", "--recipe", "tiny-qwen3", "--temperature", "-1"], "error: --temperature: must be >= 0, got -1"),
-    (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"], "error: --temperature: 'nan' is not a finite"),
+    (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"],
+     "error: --temperature: must be a finite number, got nan"),
     (["reference", "--recipe", "tiny-qwen3", "--prompt", ""], "error: --prompt: the prompt is empty"),
     (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
     (["run", "--engine", ".", ""], "error: prompt: the prompt is empty"),
@@ -1731,3 +1735,46 @@ def test_an_ort_spin_switch_that_is_neither_1_nor_0_is_refused(engine_dir, monke
     monkeypatch.setenv("DFLASH_ORT_SPIN", "yes")
     line = _one_error_line(_run("run", "--engine", engine_dir, "--max-new-tokens", 2, "hi"))
     assert line == "error: DFLASH_ORT_SPIN: expected 1 (on) or 0 (off), got 'yes'", line
+
+
+# Every command that generates, with what it needs besides the decoding option under test (an option's value is read
+# before anything else is).
+_GENERATING = {"run": ["run", "--engine", ".", "hi"], "bench": ["bench", "--recipe", "tiny-qwen3"],
+               "validate": ["validate", "--recipe", "tiny-qwen3"], "reference": ["reference", "--recipe", "tiny-qwen3"],
+               "demo": ["demo", "--recipe", "tiny-qwen3"]}
+
+
+@pytest.mark.parametrize("option, value, commands", [
+    ("--max-new-tokens", "0", "run bench validate reference demo"),
+    ("--max-new-tokens", str(2 ** 63), "run bench validate reference demo"),
+    ("--max-new-tokens", "1_0", "run bench validate reference demo"),
+    ("--temperature", "-1", "run bench validate reference"),
+    ("--temperature", "nan", "run bench validate reference"),
+    ("--temperature", "1_0", "run bench validate reference"),
+    ("--top-p", "0", "run bench validate"),
+    ("--top-p", "1.5", "run bench validate"),
+    ("--top-p", "inf", "run bench validate"),
+])
+def test_a_decoding_option_reads_the_same_in_every_command(option, value, commands):
+    """One rule per decoding option (the served API's, decoding/request.py) in every command that takes it: the
+    same values refused with the same line, naming the option."""
+    takers = {name for name in _GENERATING
+              if any(option in p.opts for p in main.commands[name].params if isinstance(p, click.Option))}
+    assert takers == set(commands.split())
+    lines = {name: _one_error_line(_run(*_GENERATING[name], option, value)) for name in sorted(takers)}
+    assert len(set(lines.values())) == 1, lines
+    assert lines["run"].startswith(f"error: {option}: "), lines
+
+
+@pytest.mark.parametrize("value", ["600", "100001", str(2 ** 63 - 1)])
+def test_max_new_tokens_is_bounded_by_the_context_alone_in_every_command(engine_dir, tmp_path, monkeypatch, value):
+    """No command caps --max-new-tokens below what the served API takes; each refuses a count that does not fit the
+    engine's max_seq_len (reference, and demo before it builds: the recipe's) with one line naming the option."""
+    monkeypatch.chdir(tmp_path)
+    engine = ["--engine", str(engine_dir)]
+    for args in (["run", *engine, "hi"], ["bench", "--recipe", "tiny-qwen3", *engine, "--num-prompts", "1"],
+                 ["validate", "--recipe", "tiny-qwen3", *engine, "--num-prompts", "1"],
+                 ["reference", "--recipe", "tiny-qwen3"], ["demo", "--recipe", "tiny-qwen3"]):
+        line = _one_error_line(_run(*args, "--max-new-tokens", value))
+        assert "--max-new-tokens" in line and f"{value} new tokens" in line and "max_seq_len 512" in line, line
+    assert not any(tmp_path.iterdir())  # demo built no engine for a run that could only fail

@@ -23,21 +23,40 @@ def test_unknown_recipe_key_is_one_line_exit_2(tmp_path):
 def test_wrong_recipe_type_names_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntarget: a\ndrafter: b\nmax_seq_len: lots\nthresholds: {min_tau: fast}\n")
-    with pytest.raises(DFlashError, match="max_seq_len: expected int, got str"):
+    with pytest.raises(DFlashError, match=r"max_seq_len: expected an integer, got a string \('lots'\)"):
         load_recipe(bad)
     bad.write_text("name: x\ntarget: a\ndrafter: b\nthresholds: {min_tau: fast}\n")
-    with pytest.raises(DFlashError, match="thresholds.min_tau: expected float"):
+    with pytest.raises(DFlashError, match=r"thresholds.min_tau: expected a number, got a string \('fast'\)"):
         load_recipe(bad)
     # PyYAML (YAML 1.1) reads an exponent without a dot as text: the message says how to write the number
     bad.write_text("name: x\ntarget: a\ndrafter: b\ntrain: {lr: 3E-4}\n")
-    with pytest.raises(DFlashError, match=r"train.lr: expected float, got str \('3E-4'\); YAML reads 3E-4 as text, "
-                                          r"write it with a dot: 3.0e-4"):
+    with pytest.raises(DFlashError, match=r"train.lr: expected a number, got a string \('3E-4'\); YAML reads 3E-4 as "
+                                          r"text, write it with a dot: 3.0e-4"):
         load_recipe(bad)
     bad.write_text("name: x\ntarget: a\ndrafter: b\ntrain: {lr: 3.0e-4}\n")
     assert load_recipe(bad).train.lr == 3e-4
     bad.write_text("name: x\ntarget: a\ndrafter: b\nbackends: [onnxruntime, cuda]\n")
     with pytest.raises(DFlashError, match=r"backends\[1\]: 'cuda' is not one of"):
         load_recipe(bad)
+
+
+@pytest.mark.parametrize("body, field, expect", [
+    ("decoding:\n  proposer: null\n", "decoding.proposer", "expected a string, got null"),
+    ("chat_template: 1\n", "chat_template", "expected a boolean, got an integer (1)"),
+    ("train: {lr: true}\n", "train.lr", "expected a number, got a boolean (true)"),
+    ("max_seq_len: 512.5\n", "max_seq_len", "expected an integer, got a number (512.5)"),
+    ("thresholds: 3\n", "thresholds", "expected a mapping, got an integer (3)"),
+    ("backends: onnxruntime\n", "backends", "expected a list, got a string ('onnxruntime')"),
+    ("backends: [null]\n", "backends[0]", "expected a string, got null"),
+])
+def test_a_wrong_type_is_named_in_yamls_words(tmp_path, body, field, expect):
+    """The project's words for types (a string, an integer, null, a mapping), YAML's true / false: never Python's
+    type names (str, NoneType) or reprs (None, True)."""
+    y = tmp_path / "r.yaml"
+    y.write_text("name: r\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\n" + body)
+    with pytest.raises(DFlashError) as e:
+        load_recipe(y)
+    assert (e.value.path, e.value.field, e.value.message) == (y, field, expect)
 
 
 def test_shipped_recipes_all_parse():
@@ -100,7 +119,8 @@ def test_a_value_of_the_wrong_type_is_quoted_short_however_large(tmp_path):
     with pytest.raises(DFlashError) as e:
         load_recipe(y)
     message = str(e.value)
-    assert message.startswith(f"{y}: name: expected str, got list ([[[...], [...], [...], [...], ...], "), message
+    assert message.startswith(f"{y}: name: expected a string, got a list ([[[...], [...], [...], [...], ...], "), \
+        message
     assert len(message) < len(str(y)) + 200, message
 
 

@@ -237,6 +237,33 @@ def test_without_tensorrt_deploy_of_a_tensorrt_engine_names_the_library_and_writ
     assert not (tmp_path / "repo").exists()
 
 
+@pytest.mark.skipif(HAS_TENSORRT, reason="tensorrt is installed")
+@pytest.mark.parametrize("command, extra", [
+    ("run", ["hi"]), ("bench", ["--recipe", "tiny-qwen3"]), ("bench", ["--recipe", "tiny-qwen3", "--concurrency", "1"]),
+    ("validate", ["--recipe", "tiny-qwen3"]),
+])
+def test_without_tensorrt_an_engine_given_with_engine_names_its_manifest_first(tmp_path, monkeypatch, command, extra):
+    """The user named the engine, not a backend: without tensorrt, `--engine DIR` on a TensorRT engine is one line
+    naming DIR/manifest.json and its `backend` field with the install line (no `--backend`), exit 2, and nothing
+    before it (validate's sample-size warnings come after the input is checked; bench starts no worker)."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    engine = _engine_table_dir(tmp_path)
+    r = CliRunner().invoke(main, [command, "--engine", str(engine), *extra])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.output.splitlines()
+    assert len(lines) == 1, r.output
+    assert lines[0].startswith(f"error: {engine / 'manifest.json'}: backend: "), lines[0]
+    assert "tensorrt is not installed" in lines[0] and "pip install 'dflash-export[tensorrt]'" in lines[0], lines[0]
+    assert "--backend" not in lines[0], lines[0]
+    with pytest.raises(MissingDependency) as e:
+        load_engine(engine)
+    assert (e.value.path, e.value.field) == (engine / "manifest.json", "backend")
+
+
 def test_build_records_what_the_engine_needs_to_run(tmp_path):
     """build_tensorrt writes the codec / tokenizer and the stop ids + vocabulary (read from the target's config),
     so a TensorRT engine directory describes itself like an ONNX Runtime one."""

@@ -5,7 +5,13 @@ from __future__ import annotations
 import click
 
 from dflash_export.bench.suite import run_bench, run_concurrency_bench
-from dflash_export.clitypes import MAX_NEW_TOKENS, RequestField, engine_option, recipe_options, top_p_top_k_options
+from dflash_export.clitypes import (
+    RequestField,
+    engine_option,
+    max_new_tokens_option,
+    recipe_options,
+    top_p_top_k_options,
+)
 from dflash_export.errors import DFlashError
 from dflash_export.recipes import recipe_from_options
 
@@ -16,7 +22,7 @@ from dflash_export.recipes import recipe_from_options
                "engines/<recipe>/onnxruntime[-int8|-int4], built if absent].")
 @click.option("--suite", default=None, help="Prompt suite (default: the recipe's).")
 @click.option("--num-prompts", default=20, show_default=True, type=click.IntRange(1))
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
+@max_new_tokens_option
 @click.option("--modes", default="dflash,dflash-full,ar,hf,reference", show_default=True,
               help="Comma list of: dflash (engine, its recipe's decoding), dflash-full (engine, chain, every draft "
                    "verified), chain / tree / lookup / tree+lookup / tree+lookup-full (engine, that proposer; -full: "

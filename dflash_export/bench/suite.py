@@ -24,7 +24,7 @@ from dflash_export.decoding.prompt_lookup import prompt_lookup_tau
 from dflash_export.engines.base import SamplingParams, load_codec
 from dflash_export.engines.build import build_engine
 from dflash_export.engines.manifest import check_engine_recipe
-from dflash_export.engines.registry import load_engine
+from dflash_export.engines.registry import load_engine, require_backend
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_file
 from dflash_export.models.sources import resolve_source
@@ -303,8 +303,11 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         check_output_file(out_json, "--out")  # before minutes of benchmarking, not after
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
+        recipe.check_new_tokens(max_new)  # before the build, which can take minutes
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     manifest = check_engine_recipe(Path(engine_dir), recipe)  # as validate does: another recipe's engine misleads
+    if any(m in ENGINE_MODES for m in modes):  # here, not in each mode's worker
+        require_backend(engine_dir, manifest)
     codec = load_codec(Path(engine_dir))  # the tokenizer alone: the engine loads in the workers
     prompts = encode_suite_prompts(recipe, suite or recipe.suite, num_prompts, codec, manifest, max_new)
     results = _run_interleaved(modes, {"recipe": _job_recipe(recipe), "engine": engine_dir, "prompts": prompts,
@@ -387,8 +390,10 @@ def run_concurrency_bench(recipe_name: str, engine_dir: str | None, suite: str |
         check_output_file(out_json, "--out")
     recipe = load_recipe(recipe_name)
     if engine_dir is None:
+        recipe.check_new_tokens(max_new)  # before the build, which can take minutes
         engine_dir = str(build_engine(recipe, "onnxruntime").engine_dir)
     manifest = check_engine_recipe(Path(engine_dir), recipe)
+    require_backend(engine_dir, manifest)
     prompts = encode_suite_prompts(recipe, suite or recipe.suite, num_prompts, load_codec(Path(engine_dir)),
                                    manifest, max_new)
     report = {"recipe": recipe.name, **run_concurrency(engine_dir, prompts, max_new, levels, modes, reps=reps,

@@ -17,7 +17,7 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, kind
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16
@@ -38,9 +38,8 @@ FIELDS = (*_RANGES, "stop")
 
 
 def json_kind(v) -> str:
-    """How a JSON value is named in an error message ("a string", "an integer", ...)."""
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+    """How a JSON value is named in an error message ("a string", "an integer", "an object", ...)."""
+    return kind(v, mapping="an object")
 
 
 def is_int(v) -> bool:

@@ -23,6 +23,7 @@ from dflash_export.deploy.repository import (
     upstream_call_bound,
     write_repository,
 )
+from dflash_export.engines.registry import MAX_BATCH
 from dflash_export.errors import DFlashError
 
 
@@ -44,7 +45,7 @@ from dflash_export.errors import DFlashError
               help="Largest HTTP request body `serve` lets through to tritonserver (larger: HTTP 413).")
 @click.option("--max-json-depth", default=32, show_default=True, type=click.IntRange(2, 256),
               help="Deepest JSON nesting `serve` lets through (deeper: HTTP 400).")
-@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(1, 256),
+@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH),
               help="Sequences one instance decodes together: > 1 feeds its concurrent requests into one shared "
                    "continuous batch (onnxruntime and tensorrt engines); 1 runs one request at a time.")
 @click.option("--max-queued-tokens", default=65536, show_default=True,
@@ -94,7 +95,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
                    "metrics are on the HTTP port's /metrics).")
 @click.option("--model-name", default=None,
               help="The model id the OpenAI API serves (default: the engine's recipe name).")
-@click.option("--max-batch", default=None, type=click.IntRange(1, 256),
+@click.option("--max-batch", default=None, type=click.IntRange(1, MAX_BATCH),
               help="With --engine: sequences decoded together (default 8 for the engines that batch, onnxruntime "
                    "and tensorrt; else 1).")
 @click.option("--instances", default=1, show_default=True, type=click.IntRange(1, 64),

@@ -48,7 +48,7 @@ from dflash_export.deploy.pbtxt import (
     write_config,
 )
 from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
-from dflash_export.engines.registry import BACKENDS, check_engine_manifest
+from dflash_export.engines.registry import BACKENDS, MAX_BATCH, check_engine_manifest
 from dflash_export.environment import available_memory_bytes, install_hint
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
@@ -61,7 +61,6 @@ TRITON_MODEL = Path(__file__).with_name("triton_model.py")  # what deploy writes
 # older or newer dflash-export) is refused by `serve`, never run: deploy it again.
 REPO_FORMAT = 2
 DEFAULT_MAX_QUEUE_SIZE = 64
-MAX_BATCH = 256  # deploy --max-batch: sequences one instance's shared batch may hold
 MAX_THREADS = 1024  # deploy --threads: intra-op threads per instance
 MAX_TOKEN_COUNT = 10**12 - 1  # deploy --max-queued-tokens / --max-kv-tokens: what serve reads back (12 digits)
 MAX_QUEUE_SIZE = 2**32 - 1  # deploy --max-queue-size: Triton's max_queue_size is an unsigned 32-bit field

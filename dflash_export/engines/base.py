@@ -21,7 +21,7 @@ from dflash_export.decoding.request import (
     SamplingParams,  # noqa: F401 - the contract's request settings
     is_int,
 )
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, kind
 from dflash_export.files import read_json_object
 from dflash_export.models.tokenization import TextCodec, compiled_template
 
@@ -127,11 +127,6 @@ class Engine(ABC):
 # Engine directories (the manifest: engines/manifest.py)
 
 
-def _kind(v) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
-
-
 def load_codec(engine_dir):
     """The engine's TextCodec, with its files checked first: a malformed tokenizer_config.json, codec.json or
     chat template is one DFlashError naming the file, not a traceback when the first prompt is encoded."""
@@ -143,11 +138,11 @@ def load_codec(engine_dir):
             v = cfg.get(key)
             if v is not None and not isinstance(v, str) and not (isinstance(v, dict)
                                                                  and isinstance(v.get("content"), str)):
-                raise DFlashError(f"expected a string or an object with a string 'content', got {_kind(v)}",
+                raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
                                   path=cfg_path, field=key)
         template, src, field = cfg.get("chat_template"), cfg_path, "chat_template"
         if template is not None and not isinstance(template, str):
-            raise DFlashError(f"expected a string (one template), got {_kind(template)}", path=cfg_path,
+            raise DFlashError(f"expected a string (one template), got {kind(template)}", path=cfg_path,
                               field="chat_template")
         if template is None and (d / "chat_template.jinja").is_file():
             src, field = d / "chat_template.jinja", None

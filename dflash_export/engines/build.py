@@ -15,7 +15,7 @@ from typing import Iterator
 from dflash_export.engines.manifest import MANIFEST, engine_dir_name, hash_inputs, read_manifest
 from dflash_export.engines.onnxruntime import ENGINE_FORMAT
 from dflash_export.engines.ort_build import graph_precisions, stage
-from dflash_export.engines.registry import BACKENDS, backend_builder
+from dflash_export.engines.registry import BACKENDS, MAX_BATCH, backend_builder
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, check_output_dir, is_engine_dir, removing_new_dirs
 from dflash_export.models.sources import resolve_source
@@ -148,8 +148,8 @@ def build_engine(recipe, backend: str = "onnxruntime", out_root: Path | str = DE
     else:
         _refuse_ort_options(backend, precision, drafter_precision, quantize_heads)
     bound = BACKENDS[backend].batch_bound
-    if max_batch is not None and (bound is None or max_batch < 1):
-        raise DFlashError(f"must be >= 1, got {max_batch}" if bound is not None else
+    if max_batch is not None and (bound is None or not 1 <= max_batch <= MAX_BATCH):
+        raise DFlashError(f"must be in 1..{MAX_BATCH}, got {max_batch}" if bound is not None else
                           f"sizes the batch engines of backends that fix it at build time (tensorrt), not {backend}: "
                           "an onnxruntime batch is bounded where it runs (deploy --max-batch)", field="--max-batch")
     options = {} if max_batch is None else {"max_batch": max_batch}

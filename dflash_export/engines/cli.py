@@ -6,6 +6,7 @@ import click
 
 from dflash_export.clitypes import recipe_options
 from dflash_export.engines.build import build_engine
+from dflash_export.engines.registry import MAX_BATCH
 from dflash_export.recipes import recipe_from_options
 
 
@@ -22,9 +23,9 @@ from dflash_export.recipes import recipe_from_options
               help="onnxruntime: the drafter's and draft head's weight precision (default: --precision).")
 @click.option("--fp32-heads", is_flag=True, help="onnxruntime: keep the LM head and draft head fp32 when the graphs "
                                                  "are quantized.")
-@click.option("--max-batch", type=click.IntRange(1), default=None,
-              help="tensorrt: the most sequences per call the continuous-batching engines' profiles take (default 8; "
-                   "deploy --max-batch may not pass it).")
+@click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=None,
+              help=f"tensorrt: the most sequences per call the continuous-batching engines' profiles take, at most "
+                   f"{MAX_BATCH} (default 8; deploy --max-batch may not pass it).")
 def build(recipe, target, drafter, backend, out, force, precision, drafter_precision, fp32_heads, max_batch):
     """Build engines/<recipe>/<backend>[-<precision>]/ (reused when every input hash matches)."""
     import time

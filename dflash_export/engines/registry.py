@@ -11,6 +11,7 @@ an `Engine` class), then one `Backend` row in BACKENDS -- `build`, `run`, `bench
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,12 @@ from typing import Any
 
 from dflash_export.engines.base import Engine
 from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
+from dflash_export.environment import install_hint
 from dflash_export.errors import DFlashError, MissingDependency
+
+# The most sequences one batched call may hold, whatever the backend: `build --max-batch` (TensorRT's batch profiles)
+# and `deploy` / `serve --max-batch` (one instance's shared batch) take at most this.
+MAX_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class Backend:
     # manifest field when it has no batched engines); None: bounded only by memory.
     batch_bound: Callable[[Manifest], int] | None = None
     serve_libraries: tuple[str, ...] = ()  # what the served engine imports besides numpy and tokenizers
+    # What opening its engines needs of this environment (a library, a device): MissingDependency with the install
+    # line otherwise, checked before anything else is read or printed (`require_backend`). None: nothing beyond
+    # `serve_libraries`' presence.
+    require: Callable[[], None] | None = None
     served_by_dflash: bool = True          # Triton serves it through this project's python model (else its own)
 
     @property
@@ -107,6 +117,12 @@ def _check_tensorrt(engine_dir: Path, manifest: Manifest) -> None:
     engine_profiles(manifest)  # and the engine table its runner opens
 
 
+def _require_tensorrt() -> None:
+    from dflash_export.engines import tensorrt_plugins as plugins
+
+    plugins.require_tensorrt()  # through the module: the tests' emulated TensorRT replaces it there
+
+
 def _tensorrt_batch_bound(manifest: Manifest) -> int:
     from dflash_export.engines.tensorrt_batch import check_batch_manifest
 
@@ -154,7 +170,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("onnxruntime", _build_onnxruntime, _open_onnxruntime, _check_onnxruntime, quantizable=True,
             batcher=_batch_onnxruntime, serve_libraries=("onnxruntime",)),
     Backend("tensorrt", _build_tensorrt, _open_tensorrt, _check_tensorrt, batcher=_batch_tensorrt,
-            batch_bound=_tensorrt_batch_bound, serve_libraries=("tensorrt",)),
+            batch_bound=_tensorrt_batch_bound, serve_libraries=("tensorrt",), require=_require_tensorrt),
     # a TensorRT-LLM bundle is served by TensorRT-LLM itself (Triton's llmapi model), never opened here
     Backend("tensorrt-llm", _build_tensorrt_llm, None, _check_tensorrt_llm, served_by_dflash=False),
     # the PyTorch reference as an engine (a manifest the tests write; no `build` makes one): nothing to build
@@ -185,6 +201,26 @@ def check_engine_manifest(engine_dir) -> Manifest:
     if spec is not None:
         spec.check(engine_dir, manifest)
     return manifest
+
+
+def require_backend(engine_dir, manifest: Manifest) -> None:
+    """What opening the engine at `engine_dir` needs of this environment (its backend's library, a GPU), or one
+    MissingDependency naming its manifest's `backend` field and the install line: the user gave the engine, not a
+    --backend. `run`, `bench` and `validate` check it before any other output; `load_engine` checks it too."""
+    spec = BACKENDS.get(manifest.backend)
+    if spec is None:
+        return
+    try:
+        if spec.require is not None:
+            spec.require()
+        else:
+            for module in spec.serve_libraries:
+                if importlib.util.find_spec(module) is None:
+                    hint = install_hint(module) or f"pip install {module}"
+                    raise MissingDependency(f"{module} is not installed: {hint}")
+    except MissingDependency as e:
+        raise MissingDependency(f"this {manifest.backend} engine cannot open here: {e.message}",
+                                path=Path(engine_dir) / MANIFEST, field="backend") from None
 
 
 def batched_engine(engine: Engine, max_batch: int = 16):
@@ -235,6 +271,7 @@ def _load_once(engine_dir: Path, manifest: Manifest | None, **kwargs) -> tuple[E
     if opener is None:
         raise DFlashError(f"a {backend!r} engine does not load here ({', '.join(OPENERS)})",
                           path=engine_dir / MANIFEST, field="backend")
+    require_backend(engine_dir, manifest)
     engine = opener(engine_dir, manifest, **kwargs)
     engine.info.static_index = manifest.static_index()
     return engine, manifest

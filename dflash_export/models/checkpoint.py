@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, kind, kind_of_type
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS
 from dflash_export.models.config import MAX_LAYERS, MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
@@ -40,21 +40,21 @@ from dflash_export.models.weights import (
 )
 
 
-def _field(cfg: dict, path: Path, name: str, kind, default=...):
-    """config.json's `name` as a `kind`, or `default` when absent or null (required when no default is given). Every
+def _field(cfg: dict, path: Path, name: str, typ, default=...):
+    """config.json's `name` as a `typ`, or `default` when absent or null (required when no default is given). Every
     int field read this way is a size or a count, so it must be >= 1 (a bool is not an int here)."""
     if name not in cfg or cfg[name] is None:
         if default is ...:
             raise DFlashError("missing required field", path=path, field=name)
         return default
     value = cfg[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise DFlashError(f"expected {kind.__name__}, got {type(value).__name__}", path=path, field=name)
-    if kind is int and value < 1:
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise DFlashError(f"expected {kind_of_type(typ)}, got {kind(value, 'an object')}", path=path, field=name)
+    if typ is int and value < 1:
         raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
-    if kind is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root
+    if typ is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root
         raise DFlashError(f"must be a positive finite number, got {value}", path=path, field=name)
     return value
 
@@ -188,9 +188,9 @@ def _qwen3_fields(cfg: dict, path: Path, layers: int) -> tuple[float, dict | Non
     layer_types = list(hf.layer_types) if hf.layer_types is not None else None
     if layer_types is not None and len(layer_types) != layers:
         raise DFlashError(f"{len(layer_types)} entries != num_hidden_layers {layers}", path=path, field="layer_types")
-    for i, kind in enumerate(layer_types or []):
-        if kind not in ("full_attention", "sliding_attention"):
-            raise DFlashError(f"layer {i}: {kind!r} (supported: full_attention, sliding_attention)", path=path,
+    for i, layer_kind in enumerate(layer_types or []):
+        if layer_kind not in ("full_attention", "sliding_attention"):
+            raise DFlashError(f"layer {i}: {layer_kind!r} (supported: full_attention, sliding_attention)", path=path,
                               field="layer_types")
     window = hf.sliding_window
     if layer_types and "sliding_attention" in layer_types:

@@ -7,13 +7,12 @@ import sys
 import click
 
 from dflash_export.clitypes import (
-    MAX_NEW_TOKENS,
     UTF8_TEXT,
-    FiniteFloat,
     RequestField,
     decoding_options,
     engine_option,
     fields_as_options,
+    max_new_tokens_option,
     recipe_options,
     top_p_top_k_options,
 )
@@ -34,7 +33,7 @@ from dflash_export.runtime.single import DFlashRuntime, RunStats
               help="Run this recipe's engine (engines/<recipe>/onnxruntime, or its one quantized build) instead of "
                    "giving --engine.")
 @click.argument("prompt", type=UTF8_TEXT)
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=RequestField("max_tokens"))
+@max_new_tokens_option
 @click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
               help="0: greedy; > 0: sample (--sampling walk: DFlash draws plain sampling's tokens for the same seed).")
 @top_p_top_k_options
@@ -92,8 +91,8 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
 @click.option("--prompt", default=None, type=UTF8_TEXT,
               help="Prompt text (the chat template applied when the recipe asks for it and the tokenizer has one; "
                    "a tiny pair's characters become ids). Default: the token ids 3..18.")
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0.0))
+@max_new_tokens_option
+@click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"))
 @click.option("--seed", default=0, show_default=True, type=RequestField("seed"))
 def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (DFlash and plain decoding) on a recipe's pair and compare them."""
@@ -105,7 +104,7 @@ def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed
 @click.command()
 @click.option("--recipe", default="smollm2-135m", show_default=True, help="The pair to demonstrate.")
 @click.option("--prompt", default="Write a short poem about the sea.", show_default=True, type=UTF8_TEXT)
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
+@max_new_tokens_option
 def demo(recipe, prompt, max_new_tokens):
     """The main job end to end: lint the pair, build the ONNX Runtime engine (reused when unchanged), and generate
     with DFlash and with plain decoding on the same engine."""

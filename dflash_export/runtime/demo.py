@@ -18,6 +18,7 @@ def run_demo(recipe_name: str, prompt: str, max_new_tokens: int) -> None:
     from dflash_export.models.checkpoint import lint_pair
 
     recipe = load_recipe(recipe_name)
+    recipe.check_new_tokens(max_new_tokens)  # before the build, which can take minutes
     click.echo(f"[1/3] inspect {recipe.name}: {recipe.description}")
     findings, _ = lint_pair(recipe.drafter_path, recipe.target_path)
     for f in findings:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import click
 
 from dflash_export.clitypes import (
-    MAX_NEW_TOKENS,
-    FiniteFloat,
     RequestField,
     decoding_options,
     engine_option,
+    max_new_tokens_option,
     recipe_options,
 )
 from dflash_export.errors import DFlashError
@@ -27,11 +26,11 @@ from dflash_export.validate.command import run_validate
 @click.option("--full", is_flag=True,
               help="The whole suite and the full sampled check (300 seeds per prompt, the power calculation's); "
                    "the defaults are a quick check that finishes in minutes.")
-@click.option("--max-new-tokens", default=MAX_NEW_TOKENS, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--temperature", default=0.7, show_default=True, type=FiniteFloat(0.0),
+@max_new_tokens_option
+@click.option("--temperature", default=0.7, show_default=True, type=RequestField("temperature"),
               help="Temperature of the sampled losslessness check (0 skips it).")
 @click.option("--top-k", default=0, show_default=True, type=RequestField("top_k"), help="top-k of the sampled check.")
-@click.option("--top-p", default=0.9, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True),
+@click.option("--top-p", default=0.9, show_default=True, type=RequestField("top_p"),
               help="top-p of the sampled check.")
 @click.option("--dist-samples", default=None, type=click.IntRange(0),
               help="Seeds per prompt for the sampled check [default: 40, a quick check of low power; --full: 300, "

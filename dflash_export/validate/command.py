@@ -115,9 +115,6 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     recipe = load_recipe(recipe_name)
     # Read the suite before loading any model, so a malformed file fails in a second.
     path, prompts = load_suite(suite or recipe.suite, num_prompts)
-    for line in power_warnings(len(prompts), min(len(prompts), ValidateOptions.dist_prompts), dist_samples,
-                               temperature):
-        print(f"warning: {line}", file=sys.stderr, flush=True)
     edir = Path(engine_dir) if engine_dir else default_engine_dir(recipe.name)
     engine, meta = open_engine(edir, recipe)
     try:
@@ -127,6 +124,10 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]
         check_suite_fits(engine.info, prompts, [ids for _, ids in encoded], max_new_tokens, path)
+        # after every check of the input (one error line, nothing before it), before the work
+        for line in power_warnings(len(prompts), min(len(prompts), ValidateOptions.dist_prompts), dist_samples,
+                                   temperature):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         import torch
 
         torch.set_num_threads(threads)
