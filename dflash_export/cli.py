@@ -32,7 +32,7 @@ import click
 from dflash_export import __version__
 from dflash_export.clitypes import recipe_options
 from dflash_export.environment import install_hint
-from dflash_export.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_INTERNAL, DFlashError
+from dflash_export.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_INTERNAL, DFlashError, Terminated
 
 
 def _one_line(text: str) -> str:
@@ -48,11 +48,6 @@ def _usage_error_line(e: click.ClickException) -> str:
             hint = " / ".join(hint)
         return f"{hint.strip(chr(39))}: {_one_line(e.message)}"
     return _one_line(e.format_message())
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (or SIGHUP) raised like Ctrl-C, so that every writer's cleanup runs (files.atomic_dir, atomic_file,
-    removing_new_dirs) instead of the process vanishing with its temporary siblings left behind."""
 
 
 def _stop(signum, frame):

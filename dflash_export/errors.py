@@ -51,6 +51,12 @@ def kind(value, mapping: str = "a mapping") -> str:
     return kind_of_type(type(value), mapping)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) raised like Ctrl-C, so that every writer's cleanup runs (files.atomic_dir, atomic_file,
+    removing_new_dirs) instead of the process vanishing with its temporary siblings left behind. args[0]: the signal
+    number (the CLI exits 128 + it)."""
+
+
 class CheckFailed(DFlashError):
     """A validation threshold failed (exit code 1, distinct from bad input)."""
 

@@ -251,7 +251,8 @@ def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch
     codec = load_codec(_codec_dir(tmp_path / "engine", payload))
     with pytest.raises(DFlashError) as e:
         codec.encode_prompt("hi")
-    assert str(e.value).startswith("chat_template: ") and "unsafe" in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{tmp_path / 'engine' / 'tokenizer_config.json'}: chat_template: ") \
+        and "unsafe" in str(e.value), str(e.value)
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -265,8 +266,8 @@ def test_a_chat_template_that_writes_without_end_is_stopped(tmp_path):
     codec = load_codec(_codec_dir(tmp_path / "engine", template))
     with pytest.raises(DFlashError) as e:
         codec.encode_prompt("hi")
-    assert str(e.value) == f"chat_template: the chat template wrote more than {MAX_RENDERED_CHARS} characters " \
-                           "for these messages", str(e.value)
+    assert str(e.value) == f"{tmp_path / 'engine' / 'tokenizer_config.json'}: chat_template: the chat template wrote " \
+                           f"more than {MAX_RENDERED_CHARS} characters for these messages", str(e.value)
 
 
 def _render_elsewhere(template: str, timeout: float = 120) -> tuple[float, str]:

@@ -610,12 +610,51 @@ def test_serve_bounds_the_front_s_calls_to_tritonserver_as_told_or_by_what_the_m
 
     got = {}
     monkeypatch.setattr(server, "serve", lambda *a, **k: got.update(k) or 0)
+
+    def upstream_calls() -> int:  # the bound `serve` starts the front with, the repository's where none was given
+        return server._check_serve_args(small_repo, free_ports(1)[0], None, None, "127.0.0.1", None, got["limits"],
+                                        30.0)[3].max_upstream_calls
+
     r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--max-upstream-calls", "7"])
-    assert r.exit_code == 0 and got["limits"].max_upstream_calls == 7, r.output
+    assert r.exit_code == 0 and upstream_calls() == 7, r.output
     r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo)])
-    assert r.exit_code == 0 and got["limits"].max_upstream_calls == 256, r.output  # 1 model x (1 + 64), at least 256
+    assert r.exit_code == 0 and upstream_calls() == 256, r.output  # 1 model x (1 + 64), at least 256
     r = CliRunner().invoke(main, ["serve", "--repo", str(small_repo), "--max-upstream-calls", "0"])
     assert r.exit_code == 2 and "--max-upstream-calls" in r.output, r.output
+
+
+def test_serve_repo_hashes_the_repository_s_engine_once_per_start(tmp_path, engine_dir, monkeypatch):
+    """`serve --repo` checks the repository (every engine file hashed against its manifest) once before it starts,
+    not once in the command and again in the server: each file is read for its hash one time."""
+    from collections import Counter
+
+    from click.testing import CliRunner
+
+    from dflash_export import files
+    from dflash_export.cli import main
+    from dflash_export.deploy import repository, server, triton_process
+    from dflash_export.engines import manifest
+    from dflash_export.errors import MissingDependency
+
+    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
+    engine_files = set(json.loads((repo / "dflash" / "engine" / "manifest.json").read_text())["files"])
+    assert engine_files, "an engine with files to hash"
+    hashed: Counter = Counter()
+
+    def counted(path, *a, **k):
+        hashed[Path(path).relative_to(repo / "dflash" / "engine").as_posix()] += 1
+        return files.sha256_file(path, *a, **k)
+
+    def missing():  # the start stops here, after the checks
+        raise MissingDependency("no tritonserver here", field="nvidia-pytriton")
+
+    for module in (manifest, repository):
+        monkeypatch.setattr(module, "sha256_file", counted)
+    monkeypatch.setattr(server, "find_triton", missing)
+    monkeypatch.setattr(triton_process, "find_triton", missing)
+    r = CliRunner().invoke(main, ["serve", "--repo", str(repo), "--port", str(free_ports(1)[0])])
+    assert r.exit_code == 2 and "no tritonserver here" in r.output, r.output
+    assert set(hashed) == engine_files | {"manifest.json"} and set(hashed.values()) == {1}, hashed
 
 
 def test_find_triton_refuses_a_binary_it_cannot_run(tmp_path, monkeypatch):
@@ -1479,6 +1518,60 @@ def test_sigterm_drains_and_exits_nonzero_when_requests_had_to_be_cancelled(tmp_
         assert status == 503 and "shutting down" in body["error"], results["long"]
         assert "the drain did not complete: 1 request(s)" in proc.stderr.read()
     assert pids_mentioning(str(repo)) == []
+
+
+# `dflash-export serve ...` whose model stubs hold each model's load 60 s (a slow load): a start that is not ready.
+_SERVE_WITH_A_SLOW_LOAD = """
+import runpy, sys
+import dflash_export.deploy.triton_process as tp
+made = tp.make_stub_env
+def with_hook(into, stub_site):
+    out = made(into, stub_site)
+    site_packages = next(into.glob("lib/python*/site-packages"))
+    (site_packages / "dflash_test_hook.py").write_text(
+        "import time\\nimport dflash_export.engines.registry as registry\\nreal = registry.load_engine\\n"
+        "registry.load_engine = lambda *a, **k: time.sleep(60) or real(*a, **k)\\n")
+    (site_packages / "zz_dflash_test_hook.pth").write_text("import dflash_test_hook\\n")
+    return out
+tp.make_stub_env = with_hook
+sys.argv = ["dflash-export", *sys.argv[1:]]
+runpy.run_module("dflash_export", run_name="__main__")
+"""
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("sig, code, says", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_stop_signal_before_ready_ends_the_start_non_zero_leaving_nothing(tmp_path, small_repo, sig, code, says):
+    """Ctrl-C (or SIGTERM) while the models load: no ready line, exit 130 (143), the CLI's one line, and tritonserver,
+    its stubs, the front's port, the work dir and the default log all gone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    port = free_ports(1)[0]
+    # Ctrl-C's default action in the child, as in a terminal (a background shell hands its children SIGINT ignored).
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_A_SLOW_LOAD, "serve", "--repo", str(small_repo),
+                             "--port", str(port)], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp),
+                                                                  "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not any(
+                b"model.py" in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids_mentioning(str(small_repo))):
+            time.sleep(0.1)  # until a model stub runs: its model is loading
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(1)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, (proc.returncode, out, err)
+    assert "ready:" not in out and "Traceback" not in err and err.strip().splitlines()[-1] == says, (out, err)
+    assert pids_mentioning(str(small_repo)) == []
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("dflash")] == []
+    with socket.socket() as s:  # the front it had started is closed
+        s.bind(("127.0.0.1", port))
 
 
 def test_what_a_killed_server_left_is_removed_by_the_next_start(tmp_path):

@@ -313,17 +313,25 @@ def _with_tokenizer(out, tmp_path, files: dict[str, str]) -> Path:
     ({"tokenizer_config.json": "[1]"}, "tokenizer_config.json"),
     ({"tokenizer_config.json": '{"chat_template": "{% if %}"}'}, "tokenizer_config.json: chat_template"),
     ({"tokenizer_config.json": '{"eos_token": 5}'}, "tokenizer_config.json: eos_token"),
+    ({"chat_template.jinja": "{{ messages | no_such_filter }}"}, "chat_template.jinja: invalid chat template"),
+    ({"tokenizer_config.json": '{"chat_template": ["one", "two"]}'}, "tokenizer_config.json: chat_template"),
 ])
 def test_broken_tokenizer_files_are_one_line_naming_the_file(built, tmp_path, files, bad):
+    """`run`, `deploy` and `serve --engine` each refuse the engine before any work, in one line naming the file (and
+    field), and deploy writes no repository."""
     from click.testing import CliRunner
 
     from dflash_export.cli import main
 
     _, out, _, _ = built
     dst = _with_tokenizer(out, tmp_path, files)
-    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
-    assert f"{dst / bad}" in r.output
+    for args in (["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"],
+                 ["deploy", "--engine", str(dst), "--repo", str(tmp_path / "repo")],
+                 ["serve", "--engine", str(dst), "--port", "1"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, (args, r.output)
+        assert f"{dst / bad}" in r.output, (args, r.output)
+    assert not (tmp_path / "repo").exists()
 
 
 def _drop_target_graph(dst: Path, m: dict) -> None:
@@ -356,16 +364,25 @@ def test_a_graph_the_manifest_needs_but_does_not_list_is_one_line_naming_the_fie
         load_engine(dst, threads=1)
 
 
-def test_chat_template_failing_at_render_is_one_line(built, tmp_path):
+@pytest.mark.parametrize("files, says", [
+    ({"chat_template.jinja": "{{ messages[0].content + 1 }}"},
+     "chat_template.jinja: cannot render the chat template for these messages (TypeError"),
+    ({"chat_template.jinja": "{% if messages %}{{ messages | no_such_filter }}{% endif %}"},
+     "chat_template.jinja: cannot render the chat template for these messages (TemplateRuntimeError: No filter "
+     "named 'no_such_filter'"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ raise_exception('roles must alternate') }}"})},
+     "tokenizer_config.json: chat_template: the chat template refused these messages: roles must alternate"),
+])
+def test_chat_template_failing_at_render_is_one_line_naming_its_file(built, tmp_path, files, says):
     from click.testing import CliRunner
 
     from dflash_export.cli import main
 
     _, out, _, _ = built
-    dst = _with_tokenizer(out, tmp_path, {"chat_template.jinja": "{{ messages[0].content + 1 }}"})
+    dst = _with_tokenizer(out, tmp_path, files)
     r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
-    assert "chat_template: cannot render the chat template for these messages (TypeError" in r.output
+    assert r.output.startswith(f"error: {dst}/{says}"), r.output
 
 
 def test_chat_template_looping_without_end_is_one_line(built, tmp_path):
@@ -385,7 +402,8 @@ def test_chat_template_looping_without_end_is_one_line(built, tmp_path):
     seconds = time.monotonic() - start
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in lines[0], r.stdout + r.stderr
-    assert "chat_template: the chat template did more than" in lines[0] and "steps of work" in lines[0], lines
+    assert f"{dst / 'chat_template.jinja'}: the chat template did more than" in lines[0], lines
+    assert "steps of work" in lines[0], lines
     assert seconds < 60, seconds
 
 

@@ -467,9 +467,13 @@ def test_a_megabyte_prompt_gets_its_400_fast_and_delays_no_one(tok_served):
     assert max(loaded) < alone + 3.0, (alone, loaded)
 
 
-# Renders the chat, unless the first message is "spin": then 10**10 loop iterations that write nothing.
+# Renders the chat, unless the first message is "spin": then 10**10 loop iterations that write nothing; "add": adds a
+# number to it (a TypeError); "refuse": raise_exception.
 SPINNING_TEMPLATE = ("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-                     "{% endfor %}{% endfor %}{% endif %}{% for m in messages %}{{ m.content }} {% endfor %}")
+                     "{% endfor %}{% endfor %}{% endif %}"
+                     "{% if messages[0].content == 'add' %}{{ messages[0].content + 1 }}{% endif %}"
+                     "{% if messages[0].content == 'refuse' %}{{ raise_exception('no refusals today') }}{% endif %}"
+                     "{% for m in messages %}{{ m.content }} {% endfor %}")
 
 
 @pytest.fixture(scope="module")
@@ -507,8 +511,29 @@ def test_a_chat_template_looping_without_end_gets_a_400_and_the_server_keeps_ser
     status, body = post_json(spin_served + "/v1/chat/completions",
                              {**chat, "messages": [{"role": "user", "content": "spin"}]}, timeout=120)
     assert status == 400, body
-    assert "chat_template: the chat template did more than" in body["error"]["message"], body
+    assert "chat_template: the server's chat template failed on these messages: the chat template did more than" \
+        in body["error"]["message"], body
     assert time.monotonic() - start < 60
+    status, body = post_json(spin_served + "/v1/chat/completions",
+                             {**chat, "messages": [{"role": "user", "content": "hi there"}]}, timeout=120)
+    assert status == 200 and body["usage"]["prompt_tokens"] == 2, body
+
+
+@pytest.mark.parametrize("content, says", [
+    ("add", "cannot render the chat template for these messages (TypeError: can only concatenate str"),
+    ("refuse", "the chat template refused these messages: no refusals today"),
+])
+def test_a_chat_template_that_fails_gets_a_400_naming_no_server_file_and_the_server_keeps_serving(spin_served,
+                                                                                                  content, says):
+    """A template that errs or raises on a request's messages: a JSON error saying the server's chat template failed
+    and how, naming none of the server's files; the next chat is answered as usual."""
+    chat = {"model": "tiny-qwen3", "max_tokens": 2, "temperature": 0}
+    status, body = post_json(spin_served + "/v1/chat/completions",
+                             {**chat, "messages": [{"role": "user", "content": content}]}, timeout=120)
+    message = body["error"]["message"]
+    assert status == 400 and message.startswith("chat_template: the server's chat template failed on these "
+                                                "messages: ") and says in message, body
+    assert "/" not in message.split("failed on these messages: ")[1] and ".json" not in message, message
     status, body = post_json(spin_served + "/v1/chat/completions",
                              {**chat, "messages": [{"role": "user", "content": "hi there"}]}, timeout=120)
     assert status == 200 and body["usage"]["prompt_tokens"] == 2, body

@@ -16,11 +16,8 @@ from dflash_export.deploy.repository import (
     MAX_THREADS,
     MAX_TOKEN_COUNT,
     cached_repository,
-    check_repository,
     kv_memory_note,
-    recorded_limits,
     shared_batch_note,
-    upstream_call_bound,
     write_repository,
 )
 from dflash_export.engines.registry import MAX_BATCH
@@ -162,19 +159,11 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
         repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain,
                                      max_kv_tokens=max_kv_tokens or 0)
         click.echo(f"model repository: {repo_dir}", err=True)
-    marker = check_repository(repo_dir)
-    if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
-        click.echo(note, err=True)
-    if note := kv_memory_note(Path(repo_dir) / marker["models"][0] / "engine", int(marker.get("instances", 1)),
-                              int(marker.get("max_batch", 1)), max_kv_tokens=int(marker.get("max_kv_tokens", 0))):
-        click.echo(note, err=True)
-    recorded = recorded_limits(marker)
-    limits = Limits(max_body_bytes=max_request_bytes or recorded["max_body_bytes"],
-                    max_json_depth=max_json_depth or recorded["max_json_depth"],
-                    max_connections=max_connections,
+    # The repository is checked (its engine's files hashed), its notes printed and the limits left None filled with
+    # what it records, once, by `serve` itself: the one place every way of serving goes through.
+    limits = Limits(max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_connections=max_connections,
                     max_connections_per_client=min(max_connections, Limits.max_connections_per_client),
-                    request_timeout_s=request_timeout,
-                    max_upstream_calls=max_upstream_calls or upstream_call_bound(marker))
+                    request_timeout_s=request_timeout, max_upstream_calls=max_upstream_calls)
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
                         restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
                         model_id=model_name, ready_timeout_s=ready_timeout, log_max_bytes=log_max_mb << 20))

@@ -12,6 +12,7 @@ log file) and its foreground loop: stop signals, restarts after a crash, the dra
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import os
@@ -24,7 +25,13 @@ import time
 from pathlib import Path
 
 from dflash_export.deploy.connection import Limits
-from dflash_export.deploy.repository import MARKER, check_repository, recorded_limits, upstream_call_bound
+from dflash_export.deploy.repository import (
+    check_repository,
+    kv_memory_note,
+    recorded_limits,
+    shared_batch_note,
+    upstream_call_bound,
+)
 from dflash_export.deploy.triton_install import (
     STUB_MARKER,
     STUB_NUMPY,
@@ -50,8 +57,7 @@ from dflash_export.deploy.triton_process import (
     remove_shm,
     shm_prefix,
 )
-from dflash_export.errors import EXIT_CHECK_FAILED, DFlashError
-from dflash_export.files import read_json_object
+from dflash_export.errors import EXIT_CHECK_FAILED, DFlashError, Terminated
 
 __all__ = [
     # triton_install
@@ -62,7 +68,7 @@ __all__ = [
     "free_loopback_ports", "remove_shm", "shm_prefix",
     # here
     "resolve_host", "check_listen", "default_log_path", "MAX_RESTARTS", "RESTART_WINDOW_S", "READY_PROGRESS_S",
-    "DrainIncomplete", "serve",
+    "DrainIncomplete", "serve", "serve_limits",
 ]
 
 
@@ -150,15 +156,13 @@ MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
 def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
                       limits, drain_timeout_s: float, grpc: bool = False, model_id: str | None = None,
                       ready_timeout_s: float = 600.0):
-    """What `serve` checks before starting anything, in this order: the repository, the limits (default: those
-    recorded by deploy), the drain and ready times, the model name, the host and ports, that tritonserver is
-    installed, the log file (default: `default_log_path()`). Returns (repository, address to bind, limits, log
-    path)."""
+    """What `serve` checks before starting anything, in this order: the repository (`check_repository`, which hashes
+    its engine's files: once per start), the limits (`serve_limits`), the drain and ready times, the model name, the
+    host and ports, that tritonserver is installed, the log file (default: `default_log_path()`). Returns
+    (repository, its marker, address to bind, limits, log path)."""
     repo = Path(repo).expanduser().resolve()
     marker = check_repository(repo)
-    if limits is None:
-        limits = Limits(**recorded_limits(marker), max_upstream_calls=upstream_call_bound(marker))
-    limits.check()
+    limits = serve_limits(limits, marker).check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
     if not ready_timeout_s > 0:
@@ -186,7 +190,21 @@ def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port:
                               field="--log-file")
     else:
         log_path = default_log_path()
-    return repo, bind, limits, log_path
+    return repo, marker, bind, limits, log_path
+
+
+_REPOSITORY_LIMITS = ("max_body_bytes", "max_json_depth", "max_upstream_calls")
+
+
+def serve_limits(limits: Limits | None, marker: dict) -> Limits:
+    """The front's limits for a repository with this marker: `limits`, where its max_body_bytes, max_json_depth or
+    max_upstream_calls is None (all of them when `limits` is None) the repository's: the request size and JSON depth
+    limits deploy recorded (`recorded_limits`), as many calls to tritonserver at once as the models hold
+    (`upstream_call_bound`)."""
+    recorded = {**recorded_limits(marker), "max_upstream_calls": upstream_call_bound(marker)}
+    if limits is None:
+        return Limits(**recorded)
+    return dataclasses.replace(limits, **{k: recorded[k] for k in _REPOSITORY_LIMITS if getattr(limits, k) is None})
 
 
 def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
@@ -197,12 +215,13 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
     ready.
 
-    Before starting: the repository must be an unchanged `dflash-export deploy` output and the host and the ports
-    given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
-    metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits):
-    the front's limits (default: the request size and JSON depth limits deploy recorded, and as many calls to
-    tritonserver at once as the models hold, `upstream_call_bound`). The server's log goes to `log_path` (default: a
-    new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
+    Before starting: the repository must be an unchanged `dflash-export deploy` output (`check_repository`, run once
+    per start, here) and the host and the ports given must be distinct and free to listen on (DFlashError, exit 2,
+    otherwise); tritonserver's own gRPC and metrics ports are picked free when not given (the metrics one is then not
+    exposed). `limits` (front.Limits): the front's limits; its request size, JSON depth and upstream-call limits left
+    None, or no `limits`, are the repository's (`serve_limits`: the request size and JSON depth limits deploy
+    recorded, and as many calls to tritonserver at once as the models hold). The server's log goes to `log_path`
+    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
     afterwards); once it holds `log_max_bytes` (0: never; nor a pipe or terminal) it becomes `<log>.1`, replacing the
     one before, and a new log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S
     on stderr says what the start waits for: the model loading and what its stubs are doing; past it ServerError says
@@ -213,28 +232,43 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     `restart_on_crash`, it is restarted behind the same front (the front answers 503 meanwhile), at most MAX_RESTARTS
     times in RESTART_WINDOW_S. Otherwise (or past that)
     one line with the log's most telling line and the log's path: ModelRefused (exit 2) when a model refused its
-    input or its environment at load, ServerError (exit 3) otherwise. A stop request drains: new requests get 503,
-    running ones have `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1) naming how
-    many were cancelled otherwise. The server is stopped on every way out of this function, and by the kernel if this
-    process is killed outright (see `triton_process._die_with_parent`); what a killed one left is removed by the next
-    start.
+    input or its environment at load, ServerError (exit 3) otherwise. A stop request once ready drains: new requests
+    get 503, running ones have `drain_timeout_s` to finish; returns 0 when all did, raises DrainIncomplete (exit 1)
+    naming how many were cancelled otherwise. A stop signal before the ready line interrupts the start: what it
+    started is stopped, its work dir and default log removed, and KeyboardInterrupt (SIGINT) or errors.Terminated
+    (SIGTERM, SIGHUP) raised, which the CLI exits 130 or 128 + the signal number on. A second stop signal never cuts
+    either stop short. The server is stopped on every way out of this function, and by the kernel if this process is
+    killed outright (see `triton_process._die_with_parent`); what a killed one left is removed by the next start.
     """
-    repo, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host, log_path, limits,
-                                                     drain_timeout_s, grpc, model_id, ready_timeout_s)
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
-                          limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc,
-                          progress_s=READY_PROGRESS_S, log_max_bytes=log_max_bytes)
-    server.model_id = model_id
-    plain = read_json_object(repo / MARKER).get("plain") is True  # checked above; read before the start, not after
+    made_log = log_path is None
+    server: TritonServer | None = None
+    ready = stopped = False
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        # From here on the stop this signal begins (the drain, or the end of an unfinished start) runs to its end.
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt if ready or signum == signal.SIGINT else Terminated(signum)
 
     # A signal the caller ignores stays ignored (`nohup`, a background job's SIGINT): it is not a stop request.
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
-    stopped = False
     try:
+        repo, marker, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host,
+                                                                 log_path, limits, drain_timeout_s, grpc, model_id,
+                                                                 ready_timeout_s)
+        instances, max_batch = int(marker.get("instances", 1)), int(marker.get("max_batch", 1))
+        for note in (shared_batch_note(marker.get("precision"), max_batch),
+                     kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
+                                    max_kv_tokens=int(marker.get("max_kv_tokens", 0)))):
+            if note:
+                print(note, file=sys.stderr, flush=True)
+        server = TritonServer(repo, http_port, grpc_port, metrics_port, bind, ready_timeout_s, log_path=log_path,
+                              limits=limits, exit_timeout_s=max(1, int(drain_timeout_s)), grpc=grpc,
+                              progress_s=READY_PROGRESS_S, log_max_bytes=log_max_bytes)
+        server.model_id = model_id
+        plain = marker.get("plain") is True
         server.start()
+        ready = True
         grpc_part = f"  gRPC {server.grpc_url}" if server.grpc_url else ""
         triton_metrics = f"  tritonserver metrics {server.metrics_url}" if server.metrics_url else ""
         print(f"ready: HTTP {server.http_url}{grpc_part}  metrics {server.http_url}/metrics{triton_metrics}",
@@ -266,10 +300,14 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
                 server.restart()
                 print(f"ready again: HTTP {server.http_url}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
+        if not ready:  # the start interrupted: stopped below, the interrupt goes on to the caller
+            if server is not None:
+                server.stop(drain_timeout_s=0)
+                stopped = True
+            if made_log and log_path is not None:  # named nowhere yet
+                Path(log_path).unlink(missing_ok=True)
+            raise
         print(f"stopping: draining requests (up to {drain_timeout_s:g} s)", file=sys.stderr, flush=True)
-        # A second Ctrl-C / SIGTERM must not cut the drain short and leave the server behind.
-        for s in _STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
         front = server.front
         cancelled = front.counts["cancelled_at_shutdown"] if front else 0
         clean = server.stop(drain_timeout_s=drain_timeout_s)
@@ -284,7 +322,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
         for s in _STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         try:
-            if not stopped:
+            if server is not None and not stopped:
                 server.stop(drain_timeout_s=0)
         finally:
             for s, handler in previous.items():

@@ -252,14 +252,18 @@ class TritonPythonModel:
     def _error(exc: BaseException) -> "pb_utils.InferenceResponse":
         from dflash_export.deploy.handler import RequestCancelled
         from dflash_export.errors import DFlashError
+        from dflash_export.models.tokenization import ChatTemplateError
 
         codes = pb_utils.TritonError
         if isinstance(exc, RequestCancelled):
             message, code = f"cancelled: {exc}", getattr(codes, "CANCELLED", getattr(codes, "UNAVAILABLE", None))
         elif isinstance(exc, DFlashError) and exc.field == "max_queued_tokens":  # the batch's queue is full: 503
             message, code = str(exc), getattr(codes, "UNAVAILABLE", None)
-        elif isinstance(exc, DFlashError):  # the request's fault: 400, naming the input
-            message, code = str(exc), getattr(codes, "INVALID_ARG", None)
+        elif isinstance(exc, ChatTemplateError):  # the server's template failed on these messages: 400, no path
+            message, code = exc.served_message(), getattr(codes, "INVALID_ARG", None)
+        elif isinstance(exc, DFlashError):  # the request's fault: 400, naming the input (never a server's file)
+            message = str(exc) if exc.path is None else f"{exc.field}: {exc.message}" if exc.field else exc.message
+            code = getattr(codes, "INVALID_ARG", None)
         else:
             message, code = f"internal error: {type(exc).__name__}: {exc}", getattr(codes, "INTERNAL", None)
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)

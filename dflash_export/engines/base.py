@@ -128,8 +128,16 @@ class Engine(ABC):
 
 
 def load_codec(engine_dir):
-    """The engine's TextCodec, with its files checked first: a malformed tokenizer_config.json, codec.json or
-    chat template is one DFlashError naming the file, not a traceback when the first prompt is encoded."""
+    """The engine's TextCodec, with its files checked first (`check_codec_files`)."""
+    check_codec_files(engine_dir)
+    return TextCodec.from_dir(Path(engine_dir))
+
+
+def check_codec_files(engine_dir) -> None:
+    """The codec files of an engine (or tokenizer) directory, without loading the tokenizer: a malformed
+    tokenizer_config.json, codec.json or chat template (not a string, not compiling: bad syntax, an unknown filter or
+    test) is one DFlashError naming the file and field, at load (`run`, `deploy`, `serve`'s check), not a traceback
+    or a nameless error when the first prompt is encoded."""
     d = Path(engine_dir)
     if (d / "tokenizer.json").is_file():
         cfg_path = d / "tokenizer_config.json"
@@ -170,6 +178,5 @@ def load_codec(engine_dir):
         r = cfg.get("reserved", [])
         if not isinstance(r, list) or not all(is_int(x) and x >= 0 for x in r):
             raise DFlashError(f"expected a list of non-negative integers, got {r!r}", path=cfg_path, field="reserved")
-    return TextCodec.from_dir(d)
 
 

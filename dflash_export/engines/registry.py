@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_export.engines.base import Engine
+from dflash_export.engines.base import Engine, check_codec_files
 from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
 from dflash_export.environment import install_hint
 from dflash_export.errors import DFlashError, MissingDependency
@@ -193,10 +193,12 @@ def backend_builder(name: str) -> Callable:
 def check_engine_manifest(engine_dir) -> Manifest:
     """The engine's manifest with the checks `run` and `deploy` apply, without loading any weights.
 
-    `read_manifest` validates every field and hashes every listed file; what is left is what a backend's own loader
-    checks beyond the manifest's shape (the ORT engine format, TensorRT's engine table, the PyTorch engine's recipe)."""
+    `read_manifest` validates every field and hashes every listed file, `check_codec_files` the tokenizer files and the
+    chat template; what is left is what a backend's own loader checks beyond the manifest's shape (the ORT engine
+    format, TensorRT's engine table, the PyTorch engine's recipe)."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
+    check_codec_files(engine_dir)  # the tokenizer files and chat template, named at deploy and serve's check too
     spec = BACKENDS.get(manifest.backend)
     if spec is not None:
         spec.check(engine_dir, manifest)

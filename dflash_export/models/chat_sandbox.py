@@ -590,4 +590,4 @@ def compiled_template(source: str):
 
 
 def _raise(msg):
-    raise DFlashError(f"chat template: {msg}")
+    raise DFlashError(f"the chat template refused these messages: {msg}", field="chat_template")

@@ -17,6 +17,15 @@ from dflash_export.errors import DFlashError
 from dflash_export.models.chat_sandbox import MAX_RENDERED_CHARS, compiled_template
 
 
+class ChatTemplateError(DFlashError):
+    """The chat template failed on the messages it was given (it raised, erred, or was stopped at its bounds). Named by
+    the file and field it came from (tokenizer_config.json `chat_template`, or chat_template.jinja) where it came from
+    one; a server answers it with `served_message`, which names no file of the server's."""
+
+    def served_message(self) -> str:
+        return f"chat_template: the server's chat template failed on these messages: {self.message}"
+
+
 class TextCodec:
     """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode).
 
@@ -27,9 +36,12 @@ class TextCodec:
     text does not pay.
     """
 
-    def __init__(self, tokenizer, chat_template: str | None, special: dict[str, str], add_bos: str | None = None):
+    def __init__(self, tokenizer, chat_template: str | None, special: dict[str, str], add_bos: str | None = None,
+                 template_path: Path | None = None, template_field: str | None = "chat_template"):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # Where the template came from, named in its errors (`ChatTemplateError`): a file, and its field if any.
+        self.template_path, self.template_field = template_path, template_field
         self.special = special
         self.add_bos = add_bos
         self._specials: list[str] = []
@@ -74,12 +86,13 @@ class TextCodec:
         cfg = {}
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
-        template = cfg.get("chat_template")
+        template, path, field = cfg.get("chat_template"), d / "tokenizer_config.json", "chat_template"
         if template is None and (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+            path, field = d / "chat_template.jinja", None
+            template = path.read_text(encoding="utf-8")
         special = {k: _tok_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if cfg.get(k) is not None}
-        return cls(tok, template, special)
+        return cls(tok, template, special, template_path=path, template_field=field)
 
     @staticmethod
     def save_from_hf(hf_tokenizer, d: Path) -> None:
@@ -126,7 +139,12 @@ class TextCodec:
         return ids
 
     def render_chat(self, messages: list[dict]) -> str:
+        """The chat template rendered for `messages`; ChatTemplateError, naming where the template came from, when it
+        fails on them."""
         from jinja2.sandbox import SecurityError
+
+        def failed(message: str) -> ChatTemplateError:
+            return ChatTemplateError(message, path=self.template_path, field=self.template_field)
 
         try:
             template = compiled_template(self.chat_template)
@@ -136,21 +154,23 @@ class TextCodec:
             for part in template.generate(messages=messages, add_generation_prompt=True, **self.special):
                 size += len(part)
                 if size > MAX_RENDERED_CHARS:
-                    raise DFlashError(f"the chat template wrote more than {MAX_RENDERED_CHARS} characters for "
-                                      f"these messages", field="chat_template")
+                    raise failed(f"the chat template wrote more than {MAX_RENDERED_CHARS} characters for these "
+                                 "messages")
                 parts.append(part)
             return "".join(parts)
-        except DFlashError:
+        except ChatTemplateError:
             raise
+        except DFlashError as e:  # the sandbox's bounds, or the template's own raise_exception
+            raise failed(e.message) from None
         except RecursionError:
-            raise DFlashError("the chat template went deeper than Python's recursion limit (a macro or recursive "
-                              "loop calling itself without end, or nesting too deep)", field="chat_template") from None
+            raise failed("the chat template went deeper than Python's recursion limit (a macro or recursive loop "
+                         "calling itself without end, or nesting too deep)") from None
         except SecurityError as e:
-            raise DFlashError(f"the chat template tried an unsafe operation, refused by the sandbox "
-                              f"({' '.join(str(e).split())[:200]})", field="chat_template") from None
+            raise failed(f"the chat template tried an unsafe operation, refused by the sandbox "
+                         f"({' '.join(str(e).split())[:200]})") from None
         except Exception as e:  # a template that compiles but fails on these messages: bad template or bad request
-            raise DFlashError(f"cannot render the chat template for these messages ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})", field="chat_template") from None
+            raise failed(f"cannot render the chat template for these messages ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
 
     def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
         if isinstance(prompt, list):
