@@ -528,17 +528,6 @@ CODE_EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", CODE_EDITS)
-def test_serve_refuses_code_or_config_that_deploy_did_not_write(tmp_path, small_repo, edit):
-    from dflash_export.deploy.repository import check_repository
-
-    change, message = CODE_EDITS[edit]
-    change(small_repo)
-    with pytest.raises(DFlashError) as e:
-        check_repository(small_repo)
-    assert message in str(e.value) and e.value.exit_code == 2, str(e.value)
-
-
 def _set_marker(repo: Path, **fields) -> None:
     marker = json.loads((repo / MARKER).read_text())
     (repo / MARKER).write_text(json.dumps({**marker, **fields}))
@@ -592,13 +581,15 @@ OPTION_EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", OPTION_EDITS)
-def test_serve_refuses_recorded_options_deploy_did_not_write_naming_the_field(tmp_path, small_repo, edit):
+@pytest.mark.parametrize("edit", [*CODE_EDITS, *OPTION_EDITS])
+def test_serve_refuses_what_deploy_did_not_write_naming_the_field(tmp_path, small_repo, edit):
+    """Code or configuration tritonserver would load, or recorded options, that `deploy` did not write: refused by
+    the repository check and by `serve --repo` in one line, before a server starts."""
     import socket
 
     from dflash_export.deploy.repository import check_repository
 
-    change, message = OPTION_EDITS[edit]
+    change, message = {**CODE_EDITS, **OPTION_EDITS}[edit]
     change(small_repo)
     with pytest.raises(DFlashError) as e:
         check_repository(small_repo)
