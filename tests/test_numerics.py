@@ -201,6 +201,24 @@ def test_cpu_features_come_from_cpuid():
             assert ("AVX512F" in cpu["isa"]) == ("avx512f" in flags) and ("AVX2" in cpu["isa"]) == ("avx2" in flags)
 
 
+def test_features_numpy_cannot_see_are_read_from_the_kernels_flags_unless_an_emulator_answers_cpuid():
+    from dflash_export.engines.numerics import isa_features
+
+    cpuid = {"SSE41": True, "AVX": True, "AVX2": True, "FMA3": True, "F16C": True, "AVX512F": True,
+             "AVX512VNNI": True, "AVX512FP16": True}
+    host = {"sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_fp16", "avx_vnni", "amx_tile",
+            "amx_int8", "amx_bf16"}
+    # numpy 2 has no key for AVX-VNNI or AMX: the kernel's flags say them when they agree with CPUID elsewhere
+    assert isa_features(cpuid, host)[-4:] == ["AVXVNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16"]
+    assert "AMX_TILE" not in isa_features(cpuid, host - {"amx_tile"})
+    assert "AMX_TILE" not in isa_features(cpuid, None)  # no /proc/cpuinfo
+    # qemu-user emulating an AVX2-only CPU on this host: CPUID says no AVX-512, the flags are the host's; not read
+    emulated = {k: v for k, v in cpuid.items() if not k.startswith("AVX512")}
+    assert isa_features(emulated, host) == ["SSE41", "AVX", "AVX2", "FMA3", "F16C"]
+    # where numpy does report a feature, CPUID decides, whatever the flags say
+    assert "AVXVNNI" in isa_features({**cpuid, "AVXVNNI": True}, set())
+
+
 # An instruction set this machine may not have: qemu-user translating x86-64 for a CPU model without AVX-512
 # (AMD EPYC Rome: AVX2, FMA, F16C). ONNX Runtime reads CPUID, which qemu answers for the emulated model, so its MLAS
 # dispatches to the AVX2 kernels -- the ones whose int4 one-row product differs from many-row products.

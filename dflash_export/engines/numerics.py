@@ -43,6 +43,11 @@ PROBE_SEED = 20261202
 # The instruction-set features that decide which kernels ONNX Runtime's MLAS dispatches to on x86 (numpy's names).
 ISA_FEATURES = ("SSE41", "AVX", "AVX2", "FMA3", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI",
                 "AVX512BF16", "AVX512FP16", "AVXVNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16", "ASIMD", "ASIMDDP", "SVE")
+# Those numpy's CPUID probe does not report (numpy 2 has no key for them; MLAS dispatches on them: AVX-VNNI's
+# integer kernels on AVX2 machines, AMX's int8 GEMM), by the kernel's /proc/cpuinfo flag; and the flags by which
+# /proc/cpuinfo is checked against CPUID first (under an emulator it describes the host, not the emulated CPU).
+CPUINFO_ONLY = {"AVXVNNI": "avx_vnni", "AMX_TILE": "amx_tile", "AMX_INT8": "amx_int8", "AMX_BF16": "amx_bf16"}
+CPUINFO_AGREES = {"AVX2": "avx2", "AVX512F": "avx512f", "AVX512VNNI": "avx512_vnni", "AVX512FP16": "avx512_fp16"}
 
 
 def cpu_features() -> dict:
@@ -55,16 +60,31 @@ def cpu_features() -> dict:
         from numpy._core._multiarray_umath import __cpu_features__ as feats
     except ImportError:  # numpy 1.x
         from numpy.core._multiarray_umath import __cpu_features__ as feats
-    isa = [f for f in ISA_FEATURES if feats.get(f)]
-    model = platform.processor() or platform.machine()
+    model, flags = None, None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's
+            if line.startswith("model name") and model is None:
                 model = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and flags is None:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"model": model, "machine": platform.machine(), "isa": isa}
+    model = model or platform.processor() or platform.machine()
+    return {"model": model, "machine": platform.machine(), "isa": isa_features(feats, flags)}
+
+
+def isa_features(cpuid: dict, flags: set[str] | None) -> list[str]:
+    """ISA_FEATURES this CPU has: numpy's CPUID probe (`cpuid`), and for the features it has no key for
+    (CPUINFO_ONLY) the kernel's flags (`flags`, /proc/cpuinfo), counted only where the flags agree with CPUID on the
+    features both report (CPUINFO_AGREES): an emulated CPU's flags are the host's."""
+    trusted = flags is not None and all(bool(cpuid.get(k)) == (v in flags) for k, v in CPUINFO_AGREES.items())
+
+    def has(f: str) -> bool:
+        if f in CPUINFO_ONLY and f not in cpuid:
+            return trusted and CPUINFO_ONLY[f] in flags
+        return bool(cpuid.get(f))
+
+    return [f for f in ISA_FEATURES if has(f)]
 
 
 def isa_label(isa: list[str]) -> str:
