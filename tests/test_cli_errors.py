@@ -1144,6 +1144,35 @@ def test_a_target_with_a_corrupt_tokenizer_config_is_named_by_reference_and_buil
     assert not out.exists()
 
 
+@pytest.mark.parametrize("config, field, says", [
+    ({"chat_template": "{% if %}"}, "chat_template", "invalid chat template (line 1:"),
+    ({"chat_template": "{{ messages | no_such_filter }}"}, "chat_template", "invalid chat template (line 1:"),
+    ({"eos_token": 5}, "eos_token", "expected a string or an object with a string 'content'"),
+    ({"chat_template": ["one", "two"]}, "chat_template", "expected a string (one template)"),
+])
+def test_a_pytorch_engine_over_a_target_with_broken_tokenizer_files_is_refused_naming_them(tmp_path, config, field,
+                                                                                          says):
+    """A PyTorch reference engine encodes with its recipe's target's tokenizer files: `run` refuses them when the
+    engine loads and `deploy` before writing, each in one line naming the target's file and field, as an ONNX
+    Runtime engine's are (not at the first prompt, nor never)."""
+    from dflash_export.engines.manifest import write_manifest
+
+    target = _target_with_tokenizer(tmp_path, {"[UNK]": 0, "hi": 1})
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]", **config}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: tok-ref\ntarget: {target}\ndrafter: tiny:qwen3/drafter\ndtype: float32\n"
+                      "max_seq_len: 512\nbackends: [onnxruntime]\nchat_template: true\n")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    write_manifest(engine, {"backend": "pytorch", "recipe": "tok-ref", "recipe_path": str(recipe), "block_size": 4,
+                            "mask_token_id": 255})
+    for args in (("run", "--engine", engine, "--max-new-tokens", 2, "hi"),
+                 ("deploy", "--engine", engine, "--repo", tmp_path / "repo")):
+        line = _one_error_line(_run(*args))
+        assert line.startswith(f"error: {target / 'tokenizer_config.json'}: {field}: {says}"), (args, line)
+    assert not (tmp_path / "repo").exists()
+
+
 def test_a_tokenizer_auto_map_never_imports_the_checkpoints_code(tmp_path):
     target = tmp_path / "target"
     shutil.copytree(resolve_source("tiny:llama/target"), target)  # no built-in tokenizer class for its config

@@ -149,6 +149,70 @@ def test_llmapi_repository_for_a_tensorrt_llm_bundle(tmp_path):
     assert (model / "1" / "model.py").read_text() == fake_py.read_text()
 
 
+def _bundle_over_a_target_with_a_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
+    """A TensorRT-LLM bundle (its directory holds no tokenizer) over a copy of the tiny Qwen3 target given a
+    tokenizer.json and tokenizer_config.json: the tokenizer TensorRT-LLM serves (model.yaml's `model`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflash_export.engines.tensorrt_llm import write_trtllm_bundle
+    from dflash_export.models.sources import resolve_source
+    from dflash_export.recipes import load_recipe
+
+    target = tmp_path / "target"
+    shutil.copytree(resolve_source("tiny:qwen3/target"), target)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]"}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: tok-trtllm\ntarget: {target}\ndrafter: tiny:qwen3/drafter\ndtype: float32\n"
+                      "max_seq_len: 512\nbackends: [tensorrt-llm]\n")
+    bundle = write_trtllm_bundle(load_recipe(recipe), tmp_path / "bundle")
+    assert not any((bundle / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "codec.json"))
+    return bundle, target
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages[0].content }}",
+    [{"name": "default", "template": "{{ messages[0].content }}"}, {"name": "tool_use", "template": "x"}],
+    "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+])
+def test_a_tensorrt_llm_bundle_deploys_with_what_transformers_serves(tmp_path, template):
+    """What TensorRT-LLM's tokenizer (transformers) takes deploys: a string template, a list of named templates, its
+    `{% generation %}` tag."""
+    bundle, target = _bundle_over_a_target_with_a_tokenizer(tmp_path)
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]", "chat_template": template}))
+    r = cli("deploy", "--engine", bundle, "--repo", tmp_path / "repo")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "repo" / "tensorrt_llm" / "1" / "model.yaml").is_file()
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"eos_token": 5}', "eos_token"),
+    ('{"bos_token": {"content": 1}}', "bos_token"),
+    ('{"chat_template": 5}', "chat_template"),
+    ('{"chat_template": ["one"]}', "chat_template[0]"),
+    ('{"chat_template": [{"name": "default"}]}', "chat_template[0]"),
+    ('{"chat_template": "x", ', None),
+    ("[1]", None),
+])
+def test_a_tensorrt_llm_bundle_whose_served_tokenizer_config_is_malformed_is_refused(tmp_path, text, field):
+    """The served target's tokenizer_config.json, malformed where transformers would fail to load or render it: one
+    line naming the file (and field) from `deploy`, and nothing written; a build over it is refused the same way."""
+    from dflash_export.engines.tensorrt_llm import write_trtllm_bundle
+    from dflash_export.recipes import load_recipe
+
+    bundle, target = _bundle_over_a_target_with_a_tokenizer(tmp_path)
+    (target / "tokenizer_config.json").write_text(text)
+    named = f"{target / 'tokenizer_config.json'}: {field + ': ' if field else ''}"
+    r = cli("deploy", "--engine", bundle, "--repo", tmp_path / "repo")
+    assert_one_line(r, named)
+    assert not (tmp_path / "repo").exists()
+    with pytest.raises(DFlashError) as e:
+        write_trtllm_bundle(load_recipe(tmp_path / "recipe.yaml"), tmp_path / "bundle2")
+    assert str(e.value).startswith(named) and not (tmp_path / "bundle2").exists(), str(e.value)
+
+
 @pytest.mark.parametrize("fields, field", [
     ({"backend": "cuda"}, "backend"),
     ({"block_size": "four"}, "block_size"),

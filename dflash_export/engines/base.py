@@ -140,35 +140,8 @@ def check_codec_files(engine_dir) -> None:
     or a nameless error when the first prompt is encoded."""
     d = Path(engine_dir)
     if (d / "tokenizer.json").is_file():
-        cfg_path = d / "tokenizer_config.json"
-        cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            v = cfg.get(key)
-            if v is not None and not isinstance(v, str) and not (isinstance(v, dict)
-                                                                 and isinstance(v.get("content"), str)):
-                raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
-                                  path=cfg_path, field=key)
-        template, src, field = cfg.get("chat_template"), cfg_path, "chat_template"
-        if template is not None and not isinstance(template, str):
-            raise DFlashError(f"expected a string (one template), got {kind(template)}", path=cfg_path,
-                              field="chat_template")
-        if template is None and (d / "chat_template.jinja").is_file():
-            src, field = d / "chat_template.jinja", None
-            try:
-                template = src.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
-        if template:
-            import jinja2
-
-            try:  # compiled as tokenization.TextCodec renders it (sandboxed): unknown filters / tests fail here too
-                compiled_template(template)
-            except jinja2.TemplateSyntaxError as e:
-                raise DFlashError(f"invalid chat template (line {e.lineno}: {e.message})", path=src,
-                                  field=field) from None
-            except RecursionError:
-                raise DFlashError("invalid chat template (nested deeper than Python's recursion limit)", path=src,
-                                  field=field) from None
+        for template, src, field in _chat_templates(d, named=False):
+            _check_compiles(template, src, field)
     elif (d / "codec.json").is_file():
         cfg_path = d / "codec.json"
         cfg = read_json_object(cfg_path)
@@ -180,3 +153,59 @@ def check_codec_files(engine_dir) -> None:
             raise DFlashError(f"expected a list of non-negative integers, got {r!r}", path=cfg_path, field="reserved")
 
 
+def check_transformers_tokenizer_files(model_dir) -> None:
+    """The tokenizer files of a checkpoint that another program loads with transformers (a TensorRT-LLM bundle's
+    target, which TensorRT-LLM serves), without loading it: a tokenizer_config.json that is not a JSON object, a
+    special token that is neither a string nor an object with a string 'content' (transformers refuses both when
+    it loads) or a chat template of the wrong type is one DFlashError naming the file and field. What transformers
+    takes stands: a list of named templates ({"name", "template"}), and templates are not compiled here, since
+    transformers compiles them in its own environment (its `{% generation %}` tag is not this project's)."""
+    if (Path(model_dir) / "tokenizer_config.json").is_file():
+        _chat_templates(Path(model_dir), named=True)
+
+
+def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
+    """(template, file, field) of each chat template of tokenizer directory `d`, its tokenizer_config.json's types
+    checked: tokenizer_config.json `chat_template` (one string; `named`: or transformers' list of {"name",
+    "template"} objects), else chat_template.jinja."""
+    cfg_path = d / "tokenizer_config.json"
+    cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = cfg.get(key)
+        if v is not None and not isinstance(v, str) and not (isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
+                              path=cfg_path, field=key)
+    template = cfg.get("chat_template")
+    if named and isinstance(template, list):
+        for i, t in enumerate(template):
+            if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
+                raise DFlashError(f"expected an object with a string 'name' and a string 'template', got {kind(t)}",
+                                  path=cfg_path, field=f"chat_template[{i}]")
+        return [(t["template"], cfg_path, f"chat_template[{i}]") for i, t in enumerate(template)]
+    if template is not None and not isinstance(template, str):
+        what = "a string or a list of named templates" if named else "a string (one template)"
+        raise DFlashError(f"expected {what}, got {kind(template)}", path=cfg_path, field="chat_template")
+    if template is not None:
+        return [(template, cfg_path, "chat_template")] if template else []
+    src = d / "chat_template.jinja"
+    if not src.is_file():
+        return []
+    try:
+        template = src.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
+    return [(template, src, None)] if template else []
+
+
+def _check_compiles(template: str, src: Path, field: str | None) -> None:
+    """`template` compiled as tokenization.TextCodec renders it (sandboxed): bad syntax, unknown filters or tests are
+    one DFlashError naming `src` and `field`."""
+    import jinja2
+
+    try:
+        compiled_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise DFlashError(f"invalid chat template (line {e.lineno}: {e.message})", path=src, field=field) from None
+    except RecursionError:
+        raise DFlashError("invalid chat template (nested deeper than Python's recursion limit)", path=src,
+                          field=field) from None

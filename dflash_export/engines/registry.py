@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_export.engines.base import Engine, check_codec_files
+from dflash_export.engines.base import Engine, check_codec_files, check_transformers_tokenizer_files
 from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
 from dflash_export.environment import install_hint
 from dflash_export.errors import DFlashError, MissingDependency
@@ -150,6 +150,8 @@ def _build_tensorrt_llm():
 
 def _check_tensorrt_llm(engine_dir: Path, manifest: Manifest) -> None:
     manifest.require("target_layer_ids")
+    if manifest.target is not None:  # the bundle holds no tokenizer: TensorRT-LLM serves its target's
+        check_transformers_tokenizer_files(manifest.target)
 
 
 # --------------------------------------------------------------------------------------------------- PyTorch
@@ -164,6 +166,15 @@ def _open_pytorch(engine_dir: Path, manifest: Manifest, **kwargs) -> Engine:
 def _check_pytorch(engine_dir: Path, manifest: Manifest) -> None:
     if not Path(manifest.recipe_path).is_file():
         raise DFlashError(f"recipe {manifest.recipe_path} not found", path=manifest.path, field="recipe_path")
+    from dflash_export.models.sources import resolve_source
+    from dflash_export.recipes import load_recipe
+
+    source = load_recipe(manifest.recipe_path).target_path
+    if str(source).startswith("tiny:"):  # a tiny random pair: no tokenizer files, built only when the engine loads
+        return
+    target = resolve_source(source)
+    if (target / "tokenizer.json").is_file():  # what the engine encodes with (torch_ref.TorchEngine; else bytes)
+        check_codec_files(target)
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
@@ -195,7 +206,8 @@ def check_engine_manifest(engine_dir) -> Manifest:
 
     `read_manifest` validates every field and hashes every listed file, `check_codec_files` the tokenizer files and the
     chat template; what is left is what a backend's own loader checks beyond the manifest's shape (the ORT engine
-    format, TensorRT's engine table, the PyTorch engine's recipe)."""
+    format, TensorRT's engine table, the PyTorch engine's recipe and its target's tokenizer files, the tokenizer
+    files of the target a TensorRT-LLM bundle serves)."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     check_codec_files(engine_dir)  # the tokenizer files and chat template, named at deploy and serve's check too

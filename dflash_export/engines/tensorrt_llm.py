@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from dflash_export.engines.base import check_transformers_tokenizer_files
 from dflash_export.engines.manifest import MANIFEST, Manifest, hash_inputs, read_manifest, write_manifest
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir
@@ -222,6 +223,7 @@ def write_trtllm_bundle(recipe: Recipe, out_dir) -> Path:
     if not drafter_src.is_dir():
         raise DFlashError("drafter checkpoint directory not found", path=drafter_src)
     drafter_src = drafter_src.resolve()
+    check_transformers_tokenizer_files(target_dir)  # what TensorRT-LLM will serve, named before anything is written
     inputs = _input_hashes(drafter_src, target_dir)
     build_key = hashlib.sha256(json.dumps({"inputs": inputs, "recipe": _recipe_fingerprint(recipe),
                                            "out": str(out_dir)}, sort_keys=True).encode()).hexdigest()

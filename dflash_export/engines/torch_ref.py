@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from dflash_export.decoding.sampling import probs_from_logits, sample_from, top_probability, verify_block
-from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence
+from dflash_export.engines.base import Engine, EngineInfo, SamplingParams, Sequence, load_codec
 from dflash_export.models import load_target
 from dflash_export.models.checkpoint import load_drafter
-from dflash_export.models.tokenization import ByteCodec, TextCodec
+from dflash_export.models.tokenization import ByteCodec
 from dflash_export.recipes import load_recipe
 
 
@@ -37,9 +37,9 @@ class TorchEngine(Engine):
             vocab_size=target.vocab_size, stop_token_ids=list(target.stop_token_ids), max_seq_len=max_seq_len,
             target_layer_ids=list(spec.target_layer_ids),
         )
-        if codec is None:
+        if codec is None:  # the target's tokenizer files, checked as an engine's are (load_codec)
             d = Path(target.model_dir)
-            codec = TextCodec.from_dir(d) if (d / "tokenizer.json").is_file() else ByteCodec(
+            codec = load_codec(d) if (d / "tokenizer.json").is_file() else ByteCodec(
                 target.vocab_size, {drafter.config.mask_token_id})
         self.codec = codec
 
