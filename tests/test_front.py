@@ -1462,8 +1462,11 @@ def test_the_bridge_closes_its_connection_to_tritonserver_when_the_front_closes(
         while bridge_to_engine() and time.monotonic() - t < 6:
             time.sleep(0.05)
     finally:
-        server.close()
-        asyncio.run_coroutine_threadsafe(server.wait_closed(), loop).result(timeout=10)
+        async def close():  # on the server's own loop: asyncio's Server is not thread-safe (a relay ending on the
+            server.close()  # loop's thread while another thread closes it wakes its waiters twice)
+            await server.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(close(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
