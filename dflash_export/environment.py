@@ -9,10 +9,11 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, MissingDependency
 
 # The two packages that ship files only (a GGUF, a tritonserver binary) and declare dependencies pip cannot install
 # beside this project (llama-cpp-python needing a compiler; numpy < 2): always installed with --no-deps.
@@ -116,6 +117,18 @@ def install_hint(module_name: str | None) -> str | None:
         return None
     lib = _BY_MODULE.get(module_name.split(".")[0])
     return lib.install if lib else None
+
+
+def require_module(module: str) -> None:
+    """MissingDependency with the install line when `module` cannot be imported here, found by its import name
+    without importing it: a distribution of another name may provide it (onnxruntime-gpu's `onnxruntime`,
+    tensorrt-cu12's `tensorrt`), so its version may be unknown to pip's metadata and it is still installed."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing; a module in sys.modules without a spec
+        found = module in sys.modules
+    if not found:
+        raise MissingDependency(f"{module} is not installed: {install_hint(module) or f'pip install {module}'}")
 
 
 def install_hint_for_dist(dist: str) -> str:

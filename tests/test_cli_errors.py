@@ -1148,7 +1148,8 @@ def test_a_target_with_a_corrupt_tokenizer_config_is_named_by_reference_and_buil
     ({"chat_template": "{% if %}"}, "chat_template", "invalid chat template (line 1:"),
     ({"chat_template": "{{ messages | no_such_filter }}"}, "chat_template", "invalid chat template (line 1:"),
     ({"eos_token": 5}, "eos_token", "expected a string or an object with a string 'content'"),
-    ({"chat_template": ["one", "two"]}, "chat_template", "expected a string (one template)"),
+    ({"chat_template": ["one", "two"]}, "chat_template[0]", "expected an object with a string 'name'"),
+    ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "chat_template", "no template named 'default'"),
 ])
 def test_a_pytorch_engine_over_a_target_with_broken_tokenizer_files_is_refused_naming_them(tmp_path, config, field,
                                                                                           says):
@@ -1808,3 +1809,4 @@ def test_max_new_tokens_is_bounded_by_the_context_alone_in_every_command(engine_
         line = _one_error_line(_run(*args, "--max-new-tokens", value))
         assert "--max-new-tokens" in line and f"{value} new tokens" in line and "max_seq_len 512" in line, line
     assert not any(tmp_path.iterdir())  # demo built no engine for a run that could only fail
+

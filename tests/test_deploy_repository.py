@@ -925,3 +925,36 @@ def test_a_marked_stub_numpy_directory_is_used_without_writing_to_it(tmp_path, m
     with pytest.raises(MissingDependency, match=rf"^{re.escape(str(site))}: holds numpy 1 but not the "
                                                 rf"{triton_install.STUB_MARKER} file .*{triton_install.STUB_SITE_ENV}"):
         triton_install.ensure_stub_site(install=False)
+
+
+def test_a_library_installed_under_another_distribution_name_deploys(tmp_path, engine_dir, monkeypatch):
+    """onnxruntime-gpu (or onnxruntime-openvino) provides the `onnxruntime` module under another distribution name,
+    so pip's metadata has no `onnxruntime` version: the served engine imports it all the same, so deploy writes the
+    repository (recording no version for that name) and serve's check takes it; a module that cannot be imported is
+    refused, naming it and the install line, with nothing written."""
+    import importlib.metadata as md
+    import importlib.util
+
+    from dflash_export.deploy.repository import check_repository
+    from dflash_export.errors import MissingDependency
+
+    engine = ort_engine(engine_dir, tmp_path / "engine")
+    version = md.version
+
+    def no_onnxruntime_distribution(name):
+        if name == "onnxruntime":
+            raise md.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(md, "version", no_onnxruntime_distribution)
+    repo = write_repository(engine, tmp_path / "repo")
+    cfg = check_config_text((repo / "dflash" / "config.pbtxt").read_text(), expect_name="dflash")
+    recorded = json.loads({p["key"]: p["value"]["string_value"] for p in cfg["parameters"]}["library_versions"])
+    assert "onnxruntime" not in recorded and "tokenizers" in recorded, recorded
+    check_repository(repo)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else
+                        find_spec(name, *a))
+    with pytest.raises(MissingDependency, match="^--engine: onnxruntime is not installed: pip install 'dflash") as e:
+        write_repository(engine, tmp_path / "repo2")
+    assert e.value.field == "--engine" and not (tmp_path / "repo2").exists()

@@ -364,6 +364,35 @@ def test_a_graph_the_manifest_needs_but_does_not_list_is_one_line_naming_the_fie
         load_engine(dst, threads=1)
 
 
+# transformers' named templates, as published checkpoints write them (NousResearch/Hermes-2-Pro-Llama-3-8B,
+# CohereForAI/c4ai-command-r-v01): a list of {"name", "template"}, the "default" one rendering prompts
+NAMED_TEMPLATES = [{"name": "default", "template": "{% for m in messages %}{{ m.content }} {% endfor %}"},
+                   {"name": "tool_use", "template": "{{ raise_exception('the tool_use template rendered') }}"}]
+
+
+def test_a_tokenizer_config_with_named_chat_templates_runs_with_its_default_one(built, tmp_path):
+    """A list of named chat templates (transformers renders the one named "default" when no other is asked for)
+    loads, and prompts render with the default template; a list naming no default template is one line naming the
+    field, at load."""
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.base import load_codec
+
+    _, out, _, _ = built
+    dst = _with_tokenizer(out, tmp_path / "named", {"tokenizer_config.json": json.dumps(
+        {"eos_token": "[UNK]", "chat_template": NAMED_TEMPLATES})})
+    assert load_codec(dst).render_chat([{"role": "user", "content": "hi there"}]) == "hi there "
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
+    assert r.exit_code == 0, r.output
+    dst = _with_tokenizer(out, tmp_path / "no-default", {"tokenizer_config.json": json.dumps(
+        {"chat_template": NAMED_TEMPLATES[1:]})})
+    r = CliRunner().invoke(main, ["run", "--engine", str(dst), "hi there", "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: {dst / 'tokenizer_config.json'}: chat_template: no template named "
+                               "'default'"), r.output
+
+
 @pytest.mark.parametrize("files, says", [
     ({"chat_template.jinja": "{{ messages[0].content + 1 }}"},
      "chat_template.jinja: cannot render the chat template for these messages (TypeError"),

@@ -49,7 +49,7 @@ from dflash_export.deploy.pbtxt import (
 )
 from dflash_export.engines.manifest import Manifest, library_versions, read_manifest
 from dflash_export.engines.registry import BACKENDS, MAX_BATCH, check_engine_manifest
-from dflash_export.environment import available_memory_bytes, install_hint
+from dflash_export.environment import available_memory_bytes, require_module
 from dflash_export.errors import DFlashError, MissingDependency
 from dflash_export.files import atomic_dir, check_output_dir, read_json_object, sha256_file
 
@@ -128,17 +128,20 @@ def _reflink_or_copy(src, dst):
 
 
 def _needed_libraries(backend: str) -> dict[str, str]:
-    """Versions of the libraries the served engine imports, recorded so the model can refuse a different set.
-    MissingDependency with the install line for one that is not installed here: the repository is served from this
-    environment (`serve` starts the model stubs in it), so the model could not load, and no version would be recorded
-    for the model to check."""
+    """Versions of the libraries the served engine imports, recorded so the model can refuse a different set (one
+    installed under another distribution name, such as onnxruntime-gpu, has no version under this name: not
+    recorded). MissingDependency with the install line for one that cannot be imported here: the repository is served
+    from this environment (`serve` starts the model stubs in it), so the model could not load."""
     spec = BACKENDS.get(backend)
     names = ["numpy", "tokenizers", *(spec.serve_libraries if spec else ())]
     versions = {k: v for k, v in library_versions(tuple(names)).items() if k != "python"}
     for name in names:
         if name not in versions:
-            raise MissingDependency(f"{name} is not installed, and the served {backend} engine imports it: "
-                                    f"{install_hint(name) or f'pip install {name}'}", field="--engine")
+            try:
+                require_module(name)
+            except MissingDependency as e:
+                raise MissingDependency(f"{e.message} (the served {backend} engine imports it)",
+                                        field="--engine") from None
     return versions
 
 

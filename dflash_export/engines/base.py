@@ -23,7 +23,7 @@ from dflash_export.decoding.request import (
 )
 from dflash_export.errors import DFlashError, kind
 from dflash_export.files import read_json_object
-from dflash_export.models.tokenization import TextCodec, compiled_template
+from dflash_export.models.tokenization import TextCodec, compiled_template, default_template
 
 
 @dataclass
@@ -135,9 +135,10 @@ def load_codec(engine_dir):
 
 def check_codec_files(engine_dir) -> None:
     """The codec files of an engine (or tokenizer) directory, without loading the tokenizer: a malformed
-    tokenizer_config.json, codec.json or chat template (not a string, not compiling: bad syntax, an unknown filter or
-    test) is one DFlashError naming the file and field, at load (`run`, `deploy`, `serve`'s check), not a traceback
-    or a nameless error when the first prompt is encoded."""
+    tokenizer_config.json, codec.json or chat template (neither a string nor a list of named templates with a
+    "default" one, or not compiling: bad syntax, an unknown filter or test) is one DFlashError naming the file and
+    field, at load (`run`, `deploy`, `serve`'s check), not a traceback or a nameless error when the first prompt is
+    encoded."""
     d = Path(engine_dir)
     if (d / "tokenizer.json").is_file():
         for template, src, field in _chat_templates(d, named=False):
@@ -166,8 +167,8 @@ def check_transformers_tokenizer_files(model_dir) -> None:
 
 def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
     """(template, file, field) of each chat template of tokenizer directory `d`, its tokenizer_config.json's types
-    checked: tokenizer_config.json `chat_template` (one string; `named`: or transformers' list of {"name",
-    "template"} objects), else chat_template.jinja."""
+    checked: tokenizer_config.json `chat_template` (one string, or transformers' list of {"name", "template"}
+    objects: `named`, every one; else the one named "default", which TextCodec renders), else chat_template.jinja."""
     cfg_path = d / "tokenizer_config.json"
     cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
@@ -176,15 +177,21 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
             raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
                               path=cfg_path, field=key)
     template = cfg.get("chat_template")
-    if named and isinstance(template, list):
+    if isinstance(template, list):
         for i, t in enumerate(template):
             if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
                 raise DFlashError(f"expected an object with a string 'name' and a string 'template', got {kind(t)}",
                                   path=cfg_path, field=f"chat_template[{i}]")
-        return [(t["template"], cfg_path, f"chat_template[{i}]") for i, t in enumerate(template)]
+        if named:
+            return [(t["template"], cfg_path, f"chat_template[{i}]") for i, t in enumerate(template)]
+        found = default_template(template)
+        if found is None:
+            raise DFlashError("no template named 'default' among the named templates (prompts render with the "
+                              "default one)", path=cfg_path, field="chat_template")
+        return [(found[1], cfg_path, f"chat_template[{found[0]}]")] if found[1] else []
     if template is not None and not isinstance(template, str):
-        what = "a string or a list of named templates" if named else "a string (one template)"
-        raise DFlashError(f"expected {what}, got {kind(template)}", path=cfg_path, field="chat_template")
+        raise DFlashError(f"expected a string or a list of named templates, got {kind(template)}", path=cfg_path,
+                          field="chat_template")
     if template is not None:
         return [(template, cfg_path, "chat_template")] if template else []
     src = d / "chat_template.jinja"

@@ -11,7 +11,6 @@ an `Engine` class), then one `Backend` row in BACKENDS -- `build`, `run`, `bench
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 from dflash_export.engines.base import Engine, check_codec_files, check_transformers_tokenizer_files
 from dflash_export.engines.manifest import MANIFEST, Manifest, read_manifest
-from dflash_export.environment import install_hint
+from dflash_export.environment import require_module
 from dflash_export.errors import DFlashError, MissingDependency
 
 # The most sequences one batched call may hold, whatever the backend: `build --max-batch` (TensorRT's batch profiles)
@@ -229,9 +228,7 @@ def require_backend(engine_dir, manifest: Manifest) -> None:
             spec.require()
         else:
             for module in spec.serve_libraries:
-                if importlib.util.find_spec(module) is None:
-                    hint = install_hint(module) or f"pip install {module}"
-                    raise MissingDependency(f"{module} is not installed: {hint}")
+                require_module(module)
     except MissingDependency as e:
         raise MissingDependency(f"this {manifest.backend} engine cannot open here: {e.message}",
                                 path=Path(engine_dir) / MANIFEST, field="backend") from None

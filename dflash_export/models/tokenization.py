@@ -26,6 +26,17 @@ class ChatTemplateError(DFlashError):
         return f"chat_template: the server's chat template failed on these messages: {self.message}"
 
 
+def default_template(templates: list) -> tuple[int, str] | None:
+    """(index, template) of the entry named "default" in transformers' list of named chat templates ({"name",
+    "template"} objects), the one a prompt renders with when no other is asked for (the last of that name, as
+    transformers keeps them in a dict); None when no entry is named so."""
+    found = None
+    for i, t in enumerate(templates):
+        if isinstance(t, dict) and t.get("name") == "default":
+            found = (i, t.get("template"))
+    return found
+
+
 class TextCodec:
     """Encode prompts / message lists and decode generated ids (streaming-safe incremental decode).
 
@@ -87,6 +98,9 @@ class TextCodec:
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
         template, path, field = cfg.get("chat_template"), d / "tokenizer_config.json", "chat_template"
+        if isinstance(template, list):  # named templates (checked by engines.base.check_codec_files): the default
+            i, template = default_template(template) or (None, None)
+            field = f"chat_template[{i}]"
         if template is None and (d / "chat_template.jinja").is_file():
             path, field = d / "chat_template.jinja", None
             template = path.read_text(encoding="utf-8")
