@@ -60,13 +60,15 @@ OPTION_OF_FIELD = {"max_tokens": "--max-new-tokens", "temperature": "--temperatu
 @contextmanager
 def fields_as_options(prompt: str):
     """Re-raise an error of the runtime that names a request field (`max_tokens`, as the served API spells it)
-    naming the option instead (`--max-new-tokens`); the prompt's fields (`text_input`, `input_ids`) as `prompt`, the
-    command's name for it. Errors naming a file are left as they are."""
+    naming the option instead (`--max-new-tokens`) where the running command has that option; the prompt's fields
+    (`text_input`, `input_ids`) as `prompt`, the command's name for it. Errors naming a file are left as they are."""
+    ctx = click.get_current_context(silent=True)
+    options = {o for p in ctx.command.params for o in p.opts} if ctx is not None else set(OPTION_OF_FIELD.values())
     try:
         yield
     except DFlashError as e:
         field = prompt if e.field in ("text_input", "input_ids") else OPTION_OF_FIELD.get(e.field)
-        if e.path is not None or field is None:
+        if e.path is not None or field is None or (field != prompt and field not in options):
             raise
         raise type(e)(e.message, field=field) from None
 

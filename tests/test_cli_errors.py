@@ -1810,3 +1810,23 @@ def test_max_new_tokens_is_bounded_by_the_context_alone_in_every_command(engine_
         assert "--max-new-tokens" in line and f"{value} new tokens" in line and "max_seq_len 512" in line, line
     assert not any(tmp_path.iterdir())  # demo built no engine for a run that could only fail
 
+
+def test_a_runtime_field_is_named_as_an_option_only_where_the_command_has_that_option():
+    """run's and demo's errors name the option the user could have typed; a field of an option the command lacks
+    (demo has no --proposer) keeps the field's own name."""
+    import click
+    from click.testing import CliRunner
+
+    from dflash_export.clitypes import fields_as_options
+    from dflash_export.errors import DFlashError
+
+    @click.command()
+    @click.option("--max-new-tokens", type=int)
+    @click.argument("field")
+    def cmd(max_new_tokens, field):
+        with fields_as_options("--prompt"):
+            raise DFlashError("bad", field=field)
+
+    for field, named in (("max_tokens", "--max-new-tokens"), ("proposer", "proposer"), ("text_input", "--prompt")):
+        r = CliRunner().invoke(cmd, [field])
+        assert isinstance(r.exception, DFlashError) and r.exception.field == named, (field, r.exception)
