@@ -484,3 +484,27 @@ def test_an_engines_files_read_the_same_in_an_ascii_locale(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     eos, chat_template, released = json.loads(r.stdout.splitlines()[-1])
     assert eos == "\u2026" and chat_template == template and released >= 0
+
+
+@pytest.mark.parametrize("config_template", [
+    "CONFIG {% for m in messages %}{{ m['content'] }}{% endfor %}",
+    [{"name": "default", "template": "CONFIG {% for m in messages %}{{ m['content'] }}{% endfor %}"}],
+])
+def test_a_chat_template_file_beside_a_config_template_renders_as_transformers_renders(tmp_path, config_template):
+    """A tokenizer directory with both a chat_template.jinja and a `chat_template` in tokenizer_config.json renders
+    prompts with the template transformers' own tokenizer applies to it (the file, which it prefers)."""
+    import shutil
+
+    from deploy_support import smollm2_tokenizer_dir
+    from transformers import AutoTokenizer
+
+    from dflash_export.engines.base import load_codec
+
+    d = tmp_path / "tok"
+    shutil.copytree(smollm2_tokenizer_dir(), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": config_template}))
+    (d / "chat_template.jinja").write_text("FILE {% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    expected = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False)
+    assert load_codec(d).render_chat(messages) == expected == "FILE [hi][yo]"

@@ -167,8 +167,9 @@ def check_transformers_tokenizer_files(model_dir) -> None:
 
 def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
     """(template, file, field) of each chat template of tokenizer directory `d`, its tokenizer_config.json's types
-    checked: tokenizer_config.json `chat_template` (one string, or transformers' list of {"name", "template"}
-    objects: `named`, every one; else the one named "default", which TextCodec renders), else chat_template.jinja."""
+    checked: chat_template.jinja, which transformers prefers to the config's entry, else tokenizer_config.json
+    `chat_template` (one string, or transformers' list of {"name", "template"} objects: `named`, every one; else the
+    one named "default", which TextCodec renders)."""
     cfg_path = d / "tokenizer_config.json"
     cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
@@ -176,6 +177,13 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
         if v is not None and not isinstance(v, str) and not (isinstance(v, dict) and isinstance(v.get("content"), str)):
             raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
                               path=cfg_path, field=key)
+    src = d / "chat_template.jinja"
+    if src.is_file():
+        try:
+            template = src.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
+        return [(template, src, None)] if template else []
     template = cfg.get("chat_template")
     if isinstance(template, list):
         for i, t in enumerate(template):
@@ -192,16 +200,7 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
     if template is not None and not isinstance(template, str):
         raise DFlashError(f"expected a string or a list of named templates, got {kind(template)}", path=cfg_path,
                           field="chat_template")
-    if template is not None:
-        return [(template, cfg_path, "chat_template")] if template else []
-    src = d / "chat_template.jinja"
-    if not src.is_file():
-        return []
-    try:
-        template = src.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DFlashError(f"not UTF-8 text (byte {e.start})", path=src) from None
-    return [(template, src, None)] if template else []
+    return [(template, cfg_path, "chat_template")] if template else []
 
 
 def _check_compiles(template: str, src: Path, field: str | None) -> None:

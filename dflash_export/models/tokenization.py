@@ -97,13 +97,15 @@ class TextCodec:
         cfg = {}
         if (d / "tokenizer_config.json").is_file():
             cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        # As transformers reads them: chat_template.jinja before tokenizer_config.json's entry (checked by
+        # engines.base.check_codec_files), whose list of named templates renders with its default one.
         template, path, field = cfg.get("chat_template"), d / "tokenizer_config.json", "chat_template"
-        if isinstance(template, list):  # named templates (checked by engines.base.check_codec_files): the default
-            i, template = default_template(template) or (None, None)
-            field = f"chat_template[{i}]"
-        if template is None and (d / "chat_template.jinja").is_file():
+        if (d / "chat_template.jinja").is_file():
             path, field = d / "chat_template.jinja", None
             template = path.read_text(encoding="utf-8")
+        elif isinstance(template, list):
+            i, template = default_template(template) or (None, None)
+            field = f"chat_template[{i}]"
         special = {k: _tok_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if cfg.get(k) is not None}
         return cls(tok, template, special, template_path=path, template_field=field)
