@@ -32,7 +32,14 @@ import click
 from dflash_export import __version__
 from dflash_export.clitypes import recipe_options
 from dflash_export.environment import install_hint
-from dflash_export.errors import EXIT_CODES_HELP, EXIT_INPUT, EXIT_INTERNAL, DFlashError, Terminated
+from dflash_export.errors import (
+    EXIT_CODES_HELP,
+    EXIT_INPUT,
+    EXIT_INTERNAL,
+    STOP_SIGNALS,
+    DFlashError,
+    Terminated,
+)
 
 
 def _one_line(text: str) -> str:
@@ -67,7 +74,6 @@ def _stop(signum, frame):
     raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
 
-_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 _DEFAULT_HANDLERS = (signal.default_int_handler, signal.SIG_DFL, None, _interrupted_while_loading)
 
 
@@ -78,7 +84,7 @@ def _stop_signals_raise():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s, h in previous.items():
         if h in _DEFAULT_HANDLERS:
             signal.signal(s, _stop)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 # The exit codes of every command (the `dflash-export --help` epilogue and docs/stages.md say the same): a script or
 # CI job can tell a failed check from a wrong command line from a bug.
@@ -49,6 +50,10 @@ def kind_of_type(typ: type, mapping: str = "a mapping") -> str:
 def kind(value, mapping: str = "a mapping") -> str:
     """The words for `value`'s type ("a string", "null")."""
     return kind_of_type(type(value), mapping)
+
+
+# The signals that stop a command (Ctrl-C, `kill`, a closed terminal): KeyboardInterrupt or Terminated where it is.
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 class Terminated(KeyboardInterrupt):

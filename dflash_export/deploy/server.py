@@ -57,7 +57,7 @@ from dflash_export.deploy.triton_process import (
     remove_shm,
     shm_prefix,
 )
-from dflash_export.errors import EXIT_CHECK_FAILED, DFlashError, Terminated
+from dflash_export.errors import EXIT_CHECK_FAILED, STOP_SIGNALS, DFlashError, Terminated
 
 __all__ = [
     # triton_install
@@ -136,7 +136,6 @@ def default_log_path() -> Path:
     return Path(name)
 
 
-_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 MAX_RESTARTS = 5            # within RESTART_WINDOW_S: beyond that, something is wrong that a restart will not fix
 RESTART_WINDOW_S = 600.0
 READY_PROGRESS_S = 30.0     # while the models load: a line this often saying what the start waits for
@@ -246,12 +245,12 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
 
     def on_signal(signum, frame):
         # From here on the stop this signal begins (the drain, or the end of an unfinished start) runs to its end.
-        for s in _STOP_SIGNALS:
+        for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt if ready or signum == signal.SIGINT else Terminated(signum)
 
     # A signal the caller ignores stays ignored (`nohup`, a background job's SIGINT): it is not a stop request.
-    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     try:
         repo, marker, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host,
                                                                  log_path, limits, drain_timeout_s, grpc, model_id,
@@ -319,7 +318,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
                                   "tritonserver did not stop cleanly" + server._log_note(), path=repo) from None
         return 0
     finally:
-        for s in _STOP_SIGNALS:
+        for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         try:
             if server is not None and not stopped:
