@@ -162,8 +162,8 @@ class Recipe:
         for a prompt token and a block beside it (the exact check, with the prompt, comes where it is encoded)."""
         block = self.block_size or 1
         if 1 + max_new_tokens + block > self.max_seq_len:
-            blocks = f"a block of {block}" if self.block_size else "a block"
-            raise DFlashError(f"{max_new_tokens} new tokens + a prompt + {blocks} exceed the recipe's max_seq_len "
+            blocks = f"block ({block})" if self.block_size else "a block"
+            raise DFlashError(f"a prompt + {max_new_tokens} new tokens + {blocks} exceeds the recipe's max_seq_len "
                               f"{self.max_seq_len}", field="--max-new-tokens")
 
     @property

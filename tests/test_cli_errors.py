@@ -57,7 +57,7 @@ def _one_error_line(r, code=2):
     (["validate", "--recipe", "tiny-qwen3", "--temperature", "nan"],
      "error: --temperature: must be a finite number, got nan"),
     (["reference", "--recipe", "tiny-qwen3", "--prompt", ""], "error: --prompt: the prompt is empty"),
-    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceed the recipe's max_seq_len 512"),
+    (["reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "100000"], "exceeds the recipe's max_seq_len 512"),
     (["run", "--engine", ".", ""], "error: prompt: the prompt is empty"),
     # numbers as JSON writes them: no digit separators, ASCII digits only
     (["run", "--engine", ".", "--max-new-tokens", "5_0", "hi"],

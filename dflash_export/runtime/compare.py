@@ -73,8 +73,8 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
                               f"vocabulary (vocab_size {target.vocab_size}): the tokenizer files do not belong to "
                               "this checkpoint", path=target.model_dir)
     if len(ids) + max_new_tokens + block > recipe.max_seq_len:
-        raise DFlashError(f"{len(ids)} prompt + {max_new_tokens} new tokens + a block of {block} exceed the recipe's "
-                          f"max_seq_len {recipe.max_seq_len}", field="--max-new-tokens")
+        raise DFlashError(f"prompt ({len(ids)} tokens) + {max_new_tokens} new tokens + block ({block}) exceeds the "
+                          f"recipe's max_seq_len {recipe.max_seq_len}", field="--max-new-tokens")
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     ar = ar_generate(target, ids, **kw)
     sp = spec_generate(drafter, target, ids, block_size=recipe.block_size, **kw)
