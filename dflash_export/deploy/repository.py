@@ -247,8 +247,8 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     limits = Limits(**{k: v for k, v in (("max_body_bytes", max_body_bytes), ("max_json_depth", max_json_depth))
                        if v is not None}).check()
     backend = manifest.backend
-    if BACKENDS[backend].served_by_dflash:
-        _needed_libraries(backend)  # what the served engine imports, installed here
+    # What the served engine imports, checked installed before anything is written and recorded in each model
+    libraries = _needed_libraries(backend) if BACKENDS[backend].served_by_dflash else {}
     model_py = _check_llmapi_model_py(llmapi_model_py, backend, engine_dir)
     repo_dir = check_repo_path(repo_dir, engine_dir)
     created = []  # parent directories atomic_dir will create, removed again if writing fails
@@ -261,7 +261,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
             if not BACKENDS[backend].served_by_dflash:  # TensorRT-LLM: its own llmapi model
                 models = _write_llmapi(engine_dir, tmp, model_py)
             else:
-                models = _write_python_models(engine_dir, tmp, manifest, instances, max_queue_size, decoupled,
+                models = _write_python_models(engine_dir, tmp, libraries, instances, max_queue_size, decoupled,
                                               threads, max_batch, max_queued_tokens, plain, max_kv_tokens)
             (tmp / MARKER).write_text(json.dumps({
                 "format": REPO_FORMAT, "engine": str(engine_dir),
@@ -284,7 +284,7 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     return repo_dir
 
 
-def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, instances: int, max_queue_size: int,
+def _write_python_models(engine_dir: Path, repo: Path, libraries: dict[str, str], instances: int, max_queue_size: int,
                          decoupled: bool | None, threads: int, max_batch: int = 1,
                          max_queued_tokens: int = 65536, plain: bool = False, max_kv_tokens: int = 0) -> list[str]:
     variants = [(MODEL_NAME, False), (STREAM_MODEL_NAME, True)] if decoupled is None else [(MODEL_NAME, decoupled)]
@@ -307,7 +307,7 @@ def _write_python_models(engine_dir: Path, repo: Path, manifest: Manifest, insta
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
                         "max_kv_tokens": str(max_kv_tokens),
                         "mode": "ar" if plain else "dflash",
-                        "library_versions": json.dumps(_needed_libraries(manifest.backend))},
+                        "library_versions": json.dumps(libraries)},
         ))
         (model_dir / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(TRITON_MODEL, model_dir / "1" / "model.py")
