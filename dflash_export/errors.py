@@ -52,6 +52,11 @@ def kind(value, mapping: str = "a mapping") -> str:
     return kind_of_type(type(value), mapping)
 
 
+def json_kind(value) -> str:
+    """The words for a JSON value's type: `kind` with JSON's "an object" for a dict (manifests, configs, requests)."""
+    return kind(value, "an object")
+
+
 # The signals that stop a command (Ctrl-C, `kill`, a closed terminal): KeyboardInterrupt or Terminated where it is.
 STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 

@@ -156,6 +156,20 @@ def test_malformed_manifest_is_one_line_naming_manifest_and_field(built, tmp_pat
     assert "manifest.json" in r.output and field.split(".")[0] in r.output
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.update(shapes=3), "expected an object, got an integer"),
+    (lambda m: m.update(block_size={"n": 4}), "expected an integer, got an object"),
+    (lambda m: m.update(files=[]), "got a list"),
+])
+def test_manifest_errors_name_json_types_in_json_words(built, tmp_path, edit, words):
+    """manifest.json is JSON: its errors say "an object" as every other JSON file's do, never YAML's "a mapping"."""
+    _, out, _, _ = built
+    dst = _with_manifest(out, tmp_path, edit)
+    with pytest.raises(DFlashError) as e:
+        read_manifest(dst)
+    assert words in str(e.value) and "mapping" not in str(e.value), str(e.value)
+
+
 def _tensorrt_manifest(**plugins):
     base = {"namespace": "dflash", "version": "1", "ops": ["KVInjectedBlockAttention", "FusedVerify"],
             "requested": "aot", "implementation": {"KVInjectedBlockAttention": "aot", "FusedVerify": "aot"}}

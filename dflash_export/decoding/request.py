@@ -17,7 +17,7 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-from dflash_export.errors import DFlashError, kind
+from dflash_export.errors import DFlashError, json_kind
 
 DEFAULT_MAX_TOKENS = 128
 MAX_STOP_STRINGS = 16
@@ -35,11 +35,6 @@ _RANGES = {
     "top_p": (False, 0.0, 1.0, True),
 }
 FIELDS = (*_RANGES, "stop")
-
-
-def json_kind(v) -> str:
-    """How a JSON value is named in an error message ("a string", "an integer", "an object", ...)."""
-    return kind(v, mapping="an object")
 
 
 def is_int(v) -> bool:

@@ -28,10 +28,9 @@ from dflash_export.decoding.request import (
     check_field,
     check_unicode,
     is_int,
-    json_kind,
     shown,
 )
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, json_kind
 from dflash_export.models.tokenization import max_token_chars, prompt_chars
 from dflash_export.runtime.single import DFlashRuntime, RequestStopped, RunStats
 

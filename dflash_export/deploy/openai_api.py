@@ -23,8 +23,7 @@ import time
 
 from dflash_export.decoding.request import UINT64_MAX, as_fp32, check_field, choice_seed, shown
 from dflash_export.decoding.request import check_unicode as _check_unicode
-from dflash_export.decoding.request import json_kind as _json_kind
-from dflash_export.errors import DFlashError
+from dflash_export.errors import DFlashError, json_kind
 
 _IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier")
@@ -65,7 +64,7 @@ def _number(body: dict, key: str, lo: float, hi: float):
     if v is None:
         return None
     if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise _bad(key, f"expected a number, got {_json_kind(v)}")
+        raise _bad(key, f"expected a number, got {json_kind(v)}")
     if isinstance(v, float) and not math.isfinite(v):
         raise _bad(key, f"must be a finite number, got {v}")
     if not lo <= v <= hi:  # an integer compared as it is: JSON's may be too large for a float
@@ -78,7 +77,7 @@ def _integer(body: dict, key: str, lo: int, hi: int):
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool):
-        raise _bad(key, f"expected an integer, got {_json_kind(v)}")
+        raise _bad(key, f"expected an integer, got {json_kind(v)}")
     if not lo <= v <= hi:
         raise _bad(key, f"must be in {lo}..{hi}, got {shown(v)}")
     return v
@@ -96,7 +95,7 @@ def _refuse_unsupported(body: dict) -> None:
                             "DFlash's output is the target's own)")
     bias = body.get("logit_bias")
     if bias is not None and not isinstance(bias, dict):
-        raise _bad("logit_bias", f"expected an object, got {_json_kind(bias)}")
+        raise _bad("logit_bias", f"expected an object, got {json_kind(bias)}")
     if bias:
         raise _bad("logit_bias", "not supported")
     if body.get("logprobs") is not None and body["logprobs"] is not False:  # 0 is no boolean (chat) and still
@@ -131,13 +130,13 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
             raise _bad(key[:60], "unknown field")
     model = body.get("model")
     if not isinstance(model, str):
-        raise _bad("model", f"required: the model id (this server serves {model_id!r}), got {_json_kind(model)}")
+        raise _bad("model", f"required: the model id (this server serves {model_id!r}), got {json_kind(model)}")
     if model != model_id:
         raise OpenAIError(404, f"model {model[:80]!r} is not served here (this server serves {model_id!r})",
                           param="model", code="model_not_found")
     _refuse_unsupported(body)
     if not isinstance(body.get("stream", False), bool):
-        raise _bad("stream", f"expected a boolean, got {_json_kind(body['stream'])}")
+        raise _bad("stream", f"expected a boolean, got {json_kind(body['stream'])}")
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
@@ -146,7 +145,7 @@ def _common(body: dict, known: tuple[str, ...], model_id: str, max_tokens_keys: 
             raise _bad("stream_options", "only allowed with stream: true")
         for key in ("include_usage", "continuous_usage_stats"):
             if key in so and not isinstance(so[key], bool):
-                raise _bad(f"stream_options.{key}", f"expected true or false, got {_json_kind(so[key])}")
+                raise _bad(f"stream_options.{key}", f"expected true or false, got {json_kind(so[key])}")
     given = [k for k in max_tokens_keys if body.get(k) is not None]
     if len(given) > 1 and body[given[0]] != body[given[1]]:
         raise _bad(given[1], f"disagrees with {given[0]}: give one")
@@ -209,7 +208,7 @@ def _content(c, where: str) -> str:
                 raise _bad(f"{where}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
             parts.append(_check_unicode(p["text"], where))
         return "".join(parts)
-    raise _bad(where, f"expected a string or a list of text parts, got {_json_kind(c)}")
+    raise _bad(where, f"expected a string or a list of text parts, got {json_kind(c)}")
 
 
 def completion_request(body, model_id: str) -> tuple[list[tuple[str, dict]], bool, str | None]:
@@ -245,7 +244,7 @@ def _completion_prompts(prompt) -> list[tuple[str, object]]:
     kind = type(prompt[0])
     for k, p in enumerate(prompt):
         if type(p) is not kind:  # a boolean is no token id
-            raise _bad(f"prompt[{k}]", f"{_json_kind(p)} among {_PROMPT_ELEMENTS[kind]}: a prompt is a string, a "
+            raise _bad(f"prompt[{k}]", f"{json_kind(p)} among {_PROMPT_ELEMENTS[kind]}: a prompt is a string, a "
                                        "list of strings, a list of token ids or a list of token-id lists, one kind "
                                        "throughout")
     return [("prompt", prompt)] if kind is int else [(f"prompt[{k}]", p) for k, p in enumerate(prompt)]

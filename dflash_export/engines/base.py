@@ -21,7 +21,7 @@ from dflash_export.decoding.request import (
     SamplingParams,  # noqa: F401 - the contract's request settings
     is_int,
 )
-from dflash_export.errors import DFlashError, kind
+from dflash_export.errors import DFlashError, json_kind
 from dflash_export.files import read_json_object
 from dflash_export.models.tokenization import TextCodec, compiled_template, default_template
 
@@ -175,7 +175,7 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         v = cfg.get(key)
         if v is not None and not isinstance(v, str) and not (isinstance(v, dict) and isinstance(v.get("content"), str)):
-            raise DFlashError(f"expected a string or an object with a string 'content', got {kind(v)}",
+            raise DFlashError(f"expected a string or an object with a string 'content', got {json_kind(v)}",
                               path=cfg_path, field=key)
     src = d / "chat_template.jinja"
     if src.is_file():
@@ -188,8 +188,8 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
     if isinstance(template, list):
         for i, t in enumerate(template):
             if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
-                raise DFlashError(f"expected an object with a string 'name' and a string 'template', got {kind(t)}",
-                                  path=cfg_path, field=f"chat_template[{i}]")
+                raise DFlashError("expected an object with a string 'name' and a string 'template', "
+                                  f"got {json_kind(t)}", path=cfg_path, field=f"chat_template[{i}]")
         if named:
             return [(t["template"], cfg_path, f"chat_template[{i}]") for i, t in enumerate(template)]
         found = default_template(template)
@@ -198,7 +198,7 @@ def _chat_templates(d: Path, named: bool) -> list[tuple[str, Path, str | None]]:
                               "default one)", path=cfg_path, field="chat_template")
         return [(found[1], cfg_path, f"chat_template[{found[0]}]")] if found[1] else []
     if template is not None and not isinstance(template, str):
-        raise DFlashError(f"expected a string or a list of named templates, got {kind(template)}", path=cfg_path,
+        raise DFlashError(f"expected a string or a list of named templates, got {json_kind(template)}", path=cfg_path,
                           field="chat_template")
     return [(template, cfg_path, "chat_template")] if template else []
 

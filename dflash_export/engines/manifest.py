@@ -24,7 +24,7 @@ from dflash_export.decoding.request import is_int
 from dflash_export.decoding.static_ngrams import StaticNgramIndex
 from dflash_export.engines.base import EngineInfo
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
-from dflash_export.errors import DFlashError, kind
+from dflash_export.errors import DFlashError, json_kind
 from dflash_export.files import read_json_object, sha256_file
 from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.recipes import BACKENDS, PRECISIONS, RECIPES_DIR
@@ -205,7 +205,7 @@ class _Fields:
         """The integer `value` (default: the manifest's field `key`), at least `minimum`; the error names `name`."""
         v = self.manifest[key] if value is _FIELD else value
         if not is_int(v):
-            raise self.bad(name or key, f"expected an integer, got {kind(v)} ({v!r})")
+            raise self.bad(name or key, f"expected an integer, got {json_kind(v)} ({v!r})")
         if v < minimum:
             raise self.bad(name or key, f"must be >= {minimum}, got {v}")
         return v
@@ -213,7 +213,7 @@ class _Fields:
     def int_list(self, key, minimum=0, nonempty=False):
         v = self.manifest[key]
         if not isinstance(v, list) or (nonempty and not v):
-            raise self.bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {kind(v)} "
+            raise self.bad(key, f"expected a{' non-empty' if nonempty else ''} list of integers, got {json_kind(v)} "
                                 f"({v!r})")
         for i, x in enumerate(v):
             self.integer(key, minimum, x, f"{key}[{i}]")
@@ -222,13 +222,13 @@ class _Fields:
     def mapping(self, key):
         v = self.manifest[key]
         if not isinstance(v, dict):
-            raise self.bad(key, f"expected a mapping, got {kind(v)}")
+            raise self.bad(key, f"expected an object, got {json_kind(v)}")
         return v
 
     def string(self, key):
         v = self.manifest[key]
         if not isinstance(v, str) or not v:
-            raise self.bad(key, f"expected a non-empty string, got {kind(v)} ({v!r})")
+            raise self.bad(key, f"expected a non-empty string, got {json_kind(v)} ({v!r})")
         return v
 
 
@@ -255,7 +255,7 @@ def _check_files(f: _Fields) -> None:
     """`files`: relative paths inside the engine directory, each with a sha256 hex digest."""
     files = f.manifest["files"]
     if not isinstance(files, dict):
-        raise f.bad("files", f"expected a mapping of file name to sha256, got {kind(files)}")
+        raise f.bad("files", f"expected an object of file name to sha256, got {json_kind(files)}")
     for rel, digest in files.items():
         p = Path(rel)
         if not rel or p.is_absolute() or ".." in p.parts or rel == MANIFEST:
@@ -296,7 +296,7 @@ def _check_scalars(f: _Fields, backend: str) -> int | None:
     if "inputs" in manifest:
         for k, v in f.mapping("inputs").items():
             if not isinstance(v, str):
-                raise f.bad(f"inputs.{k}", f"expected a sha256 hex digest, got {kind(v)}")
+                raise f.bad(f"inputs.{k}", f"expected a sha256 hex digest, got {json_kind(v)}")
     for key in ("dtypes", "libraries"):
         if key in manifest:
             f.mapping(key)
@@ -394,15 +394,15 @@ def _check_engines(f: _Fields) -> None:
     for name, entry in f.mapping("engines").items():
         where = f"engines.{name}"
         if not isinstance(entry, dict):
-            raise f.bad(where, f"expected a mapping of the engine's build facts, got {kind(entry)}")
+            raise f.bad(where, f"expected an object of the engine's build facts, got {json_kind(entry)}")
         names = entry.get("profiles")
         if names is not None:
             if not isinstance(names, list):
-                raise f.bad(f"{where}.profiles", f"expected a list of profile names, got {kind(names)}")
+                raise f.bad(f"{where}.profiles", f"expected a list of profile names, got {json_kind(names)}")
             seen = set()
             for i, n in enumerate(names):
                 if not isinstance(n, str) or not n:
-                    raise f.bad(f"{where}.profiles[{i}]", f"expected a non-empty string, got {kind(n)}")
+                    raise f.bad(f"{where}.profiles[{i}]", f"expected a non-empty string, got {json_kind(n)}")
                 if n in seen:
                     raise f.bad(f"{where}.profiles[{i}]", f"{n[:40]!r} is named twice (one name per profile)")
                 seen.add(n)
@@ -425,7 +425,7 @@ def _check_plugins(f: _Fields) -> PluginBuild:
         raise f.bad("plugins.requested", f"expected one of {', '.join(PLUGIN_PATHS)}, got {requested!r}")
     impl = plugins["implementation"]
     if not isinstance(impl, dict):
-        raise f.bad("plugins.implementation", f"expected a mapping of op to path, got {kind(impl)}")
+        raise f.bad("plugins.implementation", f"expected an object of op to path, got {json_kind(impl)}")
     for op, path in impl.items():
         if path not in PLUGIN_PATHS:
             raise f.bad(f"plugins.implementation.{op}", f"expected one of {', '.join(PLUGIN_PATHS)}, got {path!r}")
@@ -443,7 +443,7 @@ def validate_manifest(manifest, path) -> Manifest:
     """
     path = Path(path)
     if not isinstance(manifest, dict):
-        raise DFlashError(f"expected a JSON object, got {kind(manifest)}", path=path)
+        raise DFlashError(f"expected a JSON object, got {json_kind(manifest)}", path=path)
     f = _Fields(manifest, path)
     backend = _check_backend(f)
     _check_files(f)
@@ -459,7 +459,7 @@ def validate_manifest(manifest, path) -> Manifest:
     if manifest.get("precision") is not None:
         for k, v in f.mapping("precision").items():
             if not isinstance(v, str):
-                raise f.bad(f"precision.{k}", f"expected a string, got {kind(v)}")
+                raise f.bad(f"precision.{k}", f"expected a string, got {json_kind(v)}")
             if v not in PRECISIONS:  # read by `deploy` / `serve` (the shared-batch note) and by rebuild commands
                 raise f.bad(f"precision.{k}", f"expected one of {', '.join(PRECISIONS)}, got {v[:40]!r}")
     return _typed(manifest, path, selector, plugins)

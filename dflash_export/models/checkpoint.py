@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_export.errors import DFlashError, kind, kind_of_type
+from dflash_export.errors import DFlashError, json_kind, kind_of_type
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS
 from dflash_export.models.config import MAX_LAYERS, MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
@@ -51,7 +51,7 @@ def _field(cfg: dict, path: Path, name: str, typ, default=...):
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise DFlashError(f"expected {kind_of_type(typ)}, got {kind(value, 'an object')}", path=path, field=name)
+        raise DFlashError(f"expected {kind_of_type(typ, 'an object')}, got {json_kind(value)}", path=path, field=name)
     if typ is int and value < 1:
         raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
     if typ is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_export.engines.base import SamplingParams
-from dflash_export.errors import DFlashError, kind
+from dflash_export.errors import DFlashError, json_kind
 from dflash_export.files import DuplicateKey, lone_surrogate, unique_keys
 from dflash_export.runtime.single import check_request
 
@@ -89,7 +89,7 @@ def parse_suite_line(raw: str, path: Path, line: int) -> SuitePrompt | None:
     except ValueError as e:  # an integer past int()'s digit limit
         raise DFlashError(f"invalid JSON ({e})", path=path, field=f"line {line}") from None
     if not isinstance(rec, dict):
-        raise DFlashError(f"expected a JSON object, got {kind(rec, 'an object')}", path=path, field=f"line {line}")
+        raise DFlashError(f"expected a JSON object, got {json_kind(rec)}", path=path, field=f"line {line}")
     if bad := lone_surrogate(rec):
         where, what = bad
         where = where if len(where) <= 80 else where[:60] + "..." + where[-17:]
