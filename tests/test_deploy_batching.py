@@ -79,11 +79,11 @@ def test_serve_engine_caches_one_repository_per_kv_bound(tmp_path, engine_dir, m
     from dflash_export.deploy.repository import cached_repository
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
-    bounded = cached_repository(engine_dir, max_batch=4, max_kv_tokens=500)
+    bounded, _ = cached_repository(engine_dir, max_batch=4, max_kv_tokens=500)
     text = (bounded / "dflash" / "config.pbtxt").read_text()
     assert re.search(r'key: "max_kv_tokens"\s*value \{\s*string_value: "500"', text), text
-    assert cached_repository(engine_dir, max_batch=4, max_kv_tokens=500) == bounded
-    assert cached_repository(engine_dir, max_batch=4) != bounded
+    assert cached_repository(engine_dir, max_batch=4, max_kv_tokens=500)[0] == bounded
+    assert cached_repository(engine_dir, max_batch=4)[0] != bounded
 
 
 @pytest.mark.server

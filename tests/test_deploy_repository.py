@@ -496,8 +496,8 @@ def test_serves_of_one_engine_starting_at_once_share_one_cached_repository(tmp_p
         open(sys.argv[2] + ".ready", "w").close()
         while not os.path.exists(sys.argv[3]):
             time.sleep(0.002)
-        repo = cached_repository(sys.argv[1], max_batch=1)
-        check_repository(repo)
+        repo, marker = cached_repository(sys.argv[1], max_batch=1)
+        assert check_repository(repo) == marker
         print(repo, os.stat(repo).st_ino)
     """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(tmp_path / "cache")}
@@ -746,7 +746,7 @@ def test_the_repository_cache_keeps_what_serve_can_reuse_and_never_what_a_server
     monkeypatch.setattr(repository, "_held_locks", [])
 
     def serve(engine, **options):  # a server starting: it holds its repository until `exit`
-        return repository.cached_repository(engine, **options), repository._held_locks[-1]
+        return repository.cached_repository(engine, **options)[0], repository._held_locks[-1]
 
     def exit(server):
         server[1].close()
@@ -804,7 +804,7 @@ def test_a_cached_repository_whose_marker_is_a_fifo_is_pruned_without_waiting_on
     junk.mkdir(parents=True)
     os.mkfifo(junk / MARKER)
     with fails_after(10, "pruning waited on a marker"):
-        repo = repository.cached_repository(copy_engine(engine_dir, tmp_path / "engine"), max_batch=1)
+        repo, _ = repository.cached_repository(copy_engine(engine_dir, tmp_path / "engine"), max_batch=1)
     repository._held_locks[-1].close()
     assert sorted(p.name for p in repo.parent.iterdir()) == [repo.name]
 

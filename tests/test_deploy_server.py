@@ -623,9 +623,11 @@ def test_serve_bounds_the_front_s_calls_to_tritonserver_as_told_or_by_what_the_m
     assert r.exit_code == 2 and "--max-upstream-calls" in r.output, r.output
 
 
-def test_serve_repo_hashes_the_repository_s_engine_once_per_start(tmp_path, engine_dir, monkeypatch):
-    """`serve --repo` checks the repository (every engine file hashed against its manifest) once before it starts,
-    not once in the command and again in the server: each file is read for its hash one time."""
+@pytest.mark.parametrize("given", ["--repo", "--engine"])
+def test_serve_hashes_the_repository_s_engine_once_per_start(tmp_path, engine_dir, monkeypatch, given):
+    """`serve` checks the repository (every engine file hashed against its manifest) once before it starts, not once
+    in the command and again in the server: each file is read for its hash one time. With --engine, the start that
+    reuses the repository cached by the one before is counted."""
     from collections import Counter
 
     from click.testing import CliRunner
@@ -636,25 +638,39 @@ def test_serve_repo_hashes_the_repository_s_engine_once_per_start(tmp_path, engi
     from dflash_export.engines import manifest
     from dflash_export.errors import MissingDependency
 
-    repo = write_repository(engine_dir, tmp_path / "repo", decoupled=False)
-    engine_files = set(json.loads((repo / "dflash" / "engine" / "manifest.json").read_text())["files"])
-    assert engine_files, "an engine with files to hash"
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(repository, "_held_locks", [])
+    args = ["serve", given, str(engine_dir), "--max-batch", "1", "--port", str(free_ports(1)[0])]
+    if given == "--repo":
+        args[2] = str(write_repository(engine_dir, tmp_path / "repo", decoupled=False))
     hashed: Counter = Counter()
 
     def counted(path, *a, **k):
-        hashed[Path(path).relative_to(repo / "dflash" / "engine").as_posix()] += 1
+        hashed[Path(path)] += 1
         return files.sha256_file(path, *a, **k)
 
     def missing():  # the start stops here, after the checks
         raise MissingDependency("no tritonserver here", field="nvidia-pytriton")
 
-    for module in (manifest, repository):
-        monkeypatch.setattr(module, "sha256_file", counted)
     monkeypatch.setattr(server, "find_triton", missing)
     monkeypatch.setattr(triton_process, "find_triton", missing)
-    r = CliRunner().invoke(main, ["serve", "--repo", str(repo), "--port", str(free_ports(1)[0])])
+    if given == "--engine":  # the first start writes the repository the second reuses
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "no tritonserver here" in r.output, r.output
+    for module in (manifest, repository):
+        monkeypatch.setattr(module, "sha256_file", counted)
+    r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and "no tritonserver here" in r.output, r.output
-    assert set(hashed) == engine_files | {"manifest.json"} and set(hashed.values()) == {1}, hashed
+    repo = Path(args[2]) if given == "--repo" else next((tmp_path / "cache" / "repos").iterdir())
+    engine = repo / "dflash" / "engine"
+    engine_files = set(json.loads((engine / "manifest.json").read_text())["files"]) | {"manifest.json"}
+    assert len(engine_files) > 1, "an engine with files to hash"
+    assert {p.relative_to(engine).as_posix() for p in hashed if p.is_relative_to(engine)} == engine_files, hashed
+    # each file once, and no other: the repository's copy is what is served (the engine given was checked when the
+    # repository was written from it)
+    assert set(hashed.values()) == {1} and all(p.is_relative_to(engine) for p in hashed), hashed
+    for held in repository._held_locks:
+        held.close()
 
 
 def test_find_triton_refuses_a_binary_it_cannot_run(tmp_path, monkeypatch):

@@ -310,10 +310,15 @@ def test_deploy_takes_a_batch_bound_up_to_the_one_the_engines_were_built_for(pai
     with pytest.raises(DFlashError, match="no batched engine target_batch.engine") as e:
         write_repository(old, tmp_path / "repo3", max_batch=2)
     assert e.value.field == "engines.target_batch.engine" and not (tmp_path / "repo3").exists()
-    # `serve --engine` without --max-batch takes 8, or the build's bound where that is less.
+    # `serve --engine` without --max-batch takes 8, or the build's bound where that is less (the repository it
+    # writes is checked as `serve` would, against the emulated tensorrt's version).
+    from importlib import metadata
+
+    installed = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "10.13.3.9" if name == "tensorrt" else installed(name))
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(repository, "_held_locks", [])
-    cached = repository.cached_repository(full)
+    cached, _ = repository.cached_repository(full)
     assert json.loads((cached / "dflash_repository.json").read_text())["max_batch"] == min(8, MAX_BATCH)
     repository._held_locks.pop().close()
 

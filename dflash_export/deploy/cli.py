@@ -155,15 +155,17 @@ def serve(engine_dir, repo_dir, host, http_port, grpc, grpc_port, metrics_port, 
             and not (Path(repo_dir) / MARKER).is_file():
         raise DFlashError("a built engine, not a model repository: serve it with --engine (or `deploy` it first)",
                           path=repo_dir, field="--repo")
+    marker = None  # the repository's check: by cached_repository for --engine, else by `serve` itself
     if engine_dir is not None:
-        repo_dir = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain,
-                                     max_kv_tokens=max_kv_tokens or 0)
+        repo_dir, marker = cached_repository(engine_dir, instances=instances, max_batch=max_batch, plain=plain,
+                                             max_kv_tokens=max_kv_tokens or 0)
         click.echo(f"model repository: {repo_dir}", err=True)
-    # The repository is checked (its engine's files hashed), its notes printed and the limits left None filled with
-    # what it records, once, by `serve` itself: the one place every way of serving goes through.
+    # The repository is checked (its engine's files hashed) once per start; its notes are printed and the limits left
+    # None filled with what it records by `serve` itself: the one place every way of serving goes through.
     limits = Limits(max_body_bytes=max_request_bytes, max_json_depth=max_json_depth, max_connections=max_connections,
                     max_connections_per_client=min(max_connections, Limits.max_connections_per_client),
                     request_timeout_s=request_timeout, max_upstream_calls=max_upstream_calls)
     sys.exit(run_server(repo_dir, http_port, grpc_port, metrics_port, host, log_path=log_file, limits=limits,
                         restart_on_crash=restart_on_crash, drain_timeout_s=drain_timeout, grpc=grpc,
-                        model_id=model_name, ready_timeout_s=ready_timeout, log_max_bytes=log_max_mb << 20))
+                        model_id=model_name, ready_timeout_s=ready_timeout, log_max_bytes=log_max_mb << 20,
+                        marker=marker))

@@ -758,9 +758,11 @@ def _cached_name(engine: Path, manifest_bytes: bytes, recipe: str | None, instan
 
 
 def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = None, plain: bool = False,
-                      max_kv_tokens: int = 0) -> Path:
-    """The model repository `serve --engine` runs: written on first use under `cache_dir()/repos/`, keyed by the
-    engine's manifest, the options and this project's model code, then reused (checked again on every start).
+                      max_kv_tokens: int = 0) -> tuple[Path, dict[str, Any]]:
+    """The model repository `serve --engine` runs and its marker: written on first use under `cache_dir()/repos/`,
+    keyed by the engine's manifest, the options and this project's model code, then reused. Either way it is checked
+    (`check_repository`, which hashes the engine) once here, and the marker that check returned goes to `serve`, which
+    then does not hash the engine a second time.
 
     Each holds a full copy of its engine, so the cache is pruned whenever one is asked for: a repository no
     `serve --engine` would pick again (its engine rebuilt or gone, or written by other code) is removed, and of the
@@ -773,7 +775,9 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
     if engine_dir is None or not str(engine_dir).strip():
         raise DFlashError("empty path: name a built engine directory", field="--engine")
     engine = Path(engine_dir).expanduser().resolve()
-    manifest = check_engine_manifest(engine)
+    # Its fields name the repository; its files are hashed where they count: by `write_repository` before they are
+    # copied, and in the copy by the check below (a reused repository serves its own checked copy).
+    manifest = read_manifest(engine, verify_files=False)
     if max_batch is None:  # 8, or what a TensorRT engine's batched engines were built for when that is less
         backend = BACKENDS[manifest.backend]
         max_batch = min(8, backend.batch_bound(manifest) if backend.batch_bound else 8) if backend.batched else 1
@@ -796,16 +800,16 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         os.utime(use.fileno())  # last use, for the pruning below
         with open(locks / f"repo-{repo.name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            reuse = False
+            marker = None
             if (repo / MARKER).is_file():
                 try:
-                    check_repository(repo)
-                    reuse = True
+                    marker = check_repository(repo)
                 except DFlashError:
                     pass  # stale or damaged: written again
-            if not reuse:
+            if marker is None:
                 write_repository(engine, repo, instances=instances, max_batch=max_batch, plain=plain,
                                  max_kv_tokens=max_kv_tokens)
+                marker = check_repository(repo)
     except OSError as e:
         use.close()
         raise DFlashError(f"cannot write the model repository cache ({e.strerror or e}); set DFLASH_CACHE to a "
@@ -815,7 +819,7 @@ def cached_repository(engine_dir, instances: int = 1, max_batch: int | None = No
         raise
     _held_locks.append(use)
     _prune_repository_cache(repos, locks, keep=repo)
-    return repo
+    return repo, marker
 
 
 def _prune_repository_cache(repos: Path, locks: Path, keep: Path) -> None:

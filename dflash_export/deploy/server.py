@@ -154,13 +154,15 @@ MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]{0,127}")
 
 def _check_serve_args(repo, http_port: int, grpc_port: int | None, metrics_port: int | None, host: str, log_path,
                       limits, drain_timeout_s: float, grpc: bool = False, model_id: str | None = None,
-                      ready_timeout_s: float = 600.0):
+                      ready_timeout_s: float = 600.0, marker: dict | None = None):
     """What `serve` checks before starting anything, in this order: the repository (`check_repository`, which hashes
-    its engine's files: once per start), the limits (`serve_limits`), the drain and ready times, the model name, the
+    its engine's files: once per start; `marker`: what that check returned for it moments ago, in this process), the
+    limits (`serve_limits`), the drain and ready times, the model name, the
     host and ports, that tritonserver is installed, the log file (default: `default_log_path()`). Returns
     (repository, its marker, address to bind, limits, log path)."""
     repo = Path(repo).expanduser().resolve()
-    marker = check_repository(repo)
+    if marker is None:
+        marker = check_repository(repo)
     limits = serve_limits(limits, marker).check()
     if drain_timeout_s < 0:
         raise DFlashError(f"must be >= 0, got {drain_timeout_s}", field="--drain-timeout")
@@ -210,21 +212,21 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
           host: str = "127.0.0.1",
           ready_timeout_s: float = 600.0, log_path=None, limits=None, restart_on_crash: bool = True,
           drain_timeout_s: float = 30.0, grpc: bool = False, model_id: str | None = None,
-          log_max_bytes: int = LOG_MAX_BYTES) -> int:
+          log_max_bytes: int = LOG_MAX_BYTES, marker: dict | None = None) -> int:
     """Run tritonserver behind the front in the foreground until Ctrl-C / SIGTERM / SIGHUP; prints the URLs once
     ready.
 
-    Before starting: the repository must be an unchanged `dflash-export deploy` output (`check_repository`, run once
-    per start, here) and the host and the ports given must be distinct and free to listen on (DFlashError, exit 2,
-    otherwise); tritonserver's own gRPC and metrics ports are picked free when not given (the metrics one is then not
-    exposed). `limits` (front.Limits): the front's limits; its request size, JSON depth and upstream-call limits left
-    None, or no `limits`, are the repository's (`serve_limits`: the request size and JSON depth limits deploy
-    recorded, and as many calls to tritonserver at once as the models hold). The server's log goes to `log_path`
-    (default: a new dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept
-    afterwards); once it holds `log_max_bytes` (0: never; nor a pipe or terminal) it becomes `<log>.1`, replacing the
-    one before, and a new log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S
-    on stderr says what the start waits for: the model loading and what its stubs are doing; past it ServerError says
-    the same).
+    Before starting: the repository must be an unchanged `dflash-export deploy` output (`check_repository`, run once per
+    start, here, unless `marker` is what it returned for `repo` in this process: `cached_repository`'s) and the host and
+    the ports given must be distinct and free to listen on (DFlashError, exit 2, otherwise); tritonserver's own gRPC and
+    metrics ports are picked free when not given (the metrics one is then not exposed). `limits` (front.Limits): the
+    front's limits; its request size, JSON depth and upstream-call limits left None, or no `limits`, are the
+    repository's (`serve_limits`: the request size and JSON depth limits deploy recorded, and as many calls to
+    tritonserver at once as the models hold). The server's log goes to `log_path` (default: a new
+    dflash-tritonserver-*.log in the temp directory; printed with the URLs, named in any error, kept afterwards); once
+    it holds `log_max_bytes` (0: never; nor a pipe or terminal) it becomes `<log>.1`, replacing the one before, and a
+    new log begins. The models must load within `ready_timeout_s` (a line every READY_PROGRESS_S on stderr says what the
+    start waits for: the model loading and what its stubs are doing; past it ServerError says the same).
 
     A model stub that dies has its model reloaded alone (`TritonServer.reload_models`; the model's requests get 503
     meanwhile, the other models serve). If tritonserver dies on its own after it was ready, or a reload fails, and
@@ -254,7 +256,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
     try:
         repo, marker, bind, limits, log_path = _check_serve_args(repo, http_port, grpc_port, metrics_port, host,
                                                                  log_path, limits, drain_timeout_s, grpc, model_id,
-                                                                 ready_timeout_s)
+                                                                 ready_timeout_s, marker)
         instances, max_batch = int(marker.get("instances", 1)), int(marker.get("max_batch", 1))
         for note in (shared_batch_note(marker.get("precision"), max_batch),
                      kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
