@@ -157,12 +157,14 @@ class Recipe:
                               field="block_size" if self.block_size else "max_seq_len")
         return block
 
-    def check_new_tokens(self, max_new_tokens: int) -> None:
-        """Refuse, before an engine is built for this recipe, a --max-new-tokens that leaves no room in max_seq_len
-        for a prompt token and a block beside it (the exact check, with the prompt, comes where it is encoded)."""
-        block = self.block_size or 1
-        if 1 + max_new_tokens + block > self.max_seq_len:
-            blocks = f"block ({block})" if self.block_size else "a block"
+    def check_new_tokens(self, max_new_tokens: int, block: int | None = None) -> None:
+        """Refuse, before an engine is built or a model loaded for this recipe, a --max-new-tokens that leaves no room
+        in max_seq_len for a prompt token and a block beside it: `block`, the drafted block where it is known
+        (`drafted_block`), else the recipe's block_size (the exact check, with the prompt, comes where it is
+        encoded)."""
+        block = block or self.block_size
+        if 1 + max_new_tokens + (block or 1) > self.max_seq_len:
+            blocks = f"block ({block})" if block else "a block"
             raise DFlashError(f"a prompt + {max_new_tokens} new tokens + {blocks} exceeds the recipe's max_seq_len "
                               f"{self.max_seq_len}", field="--max-new-tokens")
 

@@ -186,6 +186,22 @@ def test_a_block_longer_than_the_sequence_is_refused_by_every_stage(tmp_path, pa
     assert not (tmp_path / "e").exists() and not (tmp_path / "b").exists()
 
 
+def test_reference_refuses_new_tokens_past_the_context_before_it_loads_the_pair(tmp_path, monkeypatch):
+    """The context rule's part that needs no model (one prompt token + the new tokens + the drafter's block, from its
+    config.json) is checked before the weights load, which takes minutes for a real pair."""
+    from dflash_export import models
+
+    def never(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(models, "load_target", never)
+    recipe = _recipe(tmp_path, "tiny:qwen3/target", "tiny:qwen3/drafter")
+    recipe.write_text(recipe.read_text() + "max_seq_len: 64\n")
+    line = _one_error_line(_run("reference", "--recipe", recipe, "--max-new-tokens", "60"))
+    assert line == ("error: --max-new-tokens: a prompt + 60 new tokens + block (4) exceeds the recipe's max_seq_len "
+                    "64"), line  # the tiny drafter drafts blocks of 4
+
+
 def test_build_into_an_empty_path_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert "error: --out: empty path" in _one_error_line(_run("build", "--recipe", "tiny-qwen3", "--out", ""))

@@ -355,6 +355,15 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {normalized_tensor_name(k): v for k, v in state.items()}
 
 
+def read_drafter_config(path) -> DrafterConfig:
+    """A drafter checkpoint directory's config.json, checked as `read_drafter_checkpoint` checks it, without reading a
+    tensor: what a command checks its options against before it loads the weights."""
+    ckpt = resolve_source(path)
+    if not ckpt.is_dir():
+        raise DFlashError("drafter checkpoint directory not found", path=ckpt)
+    return parse_drafter_config(read_json_object(ckpt / "config.json"), ckpt / "config.json")
+
+
 def read_drafter_checkpoint(path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """Read and check a drafter checkpoint directory: config + every tensor present with the right shape."""
     ckpt = resolve_source(path)

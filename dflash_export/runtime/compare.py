@@ -36,13 +36,15 @@ def run_reference(recipe_name: str, prompt: str | None, max_new_tokens: int, tem
     import torch
 
     from dflash_export.models import load_target
-    from dflash_export.models.checkpoint import load_drafter
+    from dflash_export.models.checkpoint import load_drafter, read_drafter_config
     from dflash_export.models.drafter import check_drafter_fits
     from dflash_export.runtime.reference import ar_generate, spec_generate
 
     if prompt is not None and not prompt:
         raise DFlashError("the prompt is empty", field="--prompt")
     recipe = load_recipe(recipe_name)
+    # The options against the recipe and the drafter's config.json, before the weights load (minutes for a large pair)
+    recipe.check_new_tokens(max_new_tokens, recipe.drafted_block(read_drafter_config(recipe.drafter_path).block_size))
     dtype = getattr(torch, recipe.dtype)
     target = load_target(recipe.target_path, dtype)
     drafter = load_drafter(recipe.drafter_path, dtype)
