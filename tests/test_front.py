@@ -31,6 +31,7 @@ class Upstream:
         self.hold_s = 0.0
         self.refuse: dict[int, float] = {}  # seed -> seconds after which a call with it is refused (400)
         self.fail: dict[int, tuple[int, dict]] = {}  # seed -> (status, body) a call with it is answered at once
+        self.stream_error: dict[int, str] = {}  # seed -> error event a streamed answer ends with, after its first
         self.seen: list[dict] = []
         self.cancelled: list[str] = []
         up = self
@@ -81,7 +82,12 @@ class Upstream:
                         last = i == len(text) - 1
                         ev = {**out, "text_output": ch, "finish_reason": "length" if last else "",
                               "completion_tokens": i + 1, "step_stats": out["step_stats"] if last else ""}
+                        if i == 1 and body.get("seed") in up.stream_error:
+                            ev = {"error": up.stream_error[body["seed"]]}
                         data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+                        if "error" in ev:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                            break
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.write(b"0\r\n\r\n")
                     return
@@ -598,6 +604,39 @@ def test_a_choice_that_times_out_after_the_stream_started_ends_it_with_a_504_err
     while (front.in_flight() or not front.up.cancelled) and time.monotonic() - t < 4:
         time.sleep(0.05)
     assert front.in_flight() == 0 and len(front.up.cancelled) == 1 and front.counts["timed_out"] == 1
+
+
+def _requests_counted(front) -> dict[tuple[str, str], float]:
+    """dflash_requests_total as the Prometheus parser reads /metrics: {(route, code): count}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+    return {(s.labels["route"], s.labels["code"]): s.value for f in text_string_to_metric_families(text.decode())
+            for s in f.samples if s.name == "dflash_requests_total"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v2/models/dflash_stream/generate_stream"])
+def test_a_stream_that_ends_with_an_error_event_is_counted_under_the_error_s_status(front, path):
+    """A stream whose head (200) went out before it failed ends with an error event; /metrics counts the request
+    under that error's status, not as a success: an OpenAI stream under the status of the error object it sent (a
+    choice refused with 400 after another started the stream), a relayed generate_stream under the engine error's
+    (500)."""
+    from dflash_export.decoding.request import choice_seed
+
+    if path.startswith("/v1/"):
+        front.up.refuse = {choice_seed(5, 2): 0.5}
+        body = {"model": "tiny", "prompt": "hello", "n": 3, "seed": 5, "stream": True}
+        route, code = "/v1/completions", "400"
+    else:
+        front.up.stream_error = {5: "internal error: RuntimeError: the engine failed"}
+        body = {"text_input": "hello", "max_tokens": 4, "seed": 5}
+        route, code = "triton", "500"
+    resp = raw(front, post(path, json.dumps(body).encode()))
+    assert status_of(resp) == 200
+    errors = [e for e in _events(resp) if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1
+    counted = _requests_counted(front)
+    assert counted.get((route, code)) == 1 and (route, "200") not in counted, counted
 
 
 def test_a_prompt_of_a_batch_refused_for_its_size_is_named_by_its_place(front):

@@ -14,7 +14,8 @@ next to the request counts, taken from each finished generation's statistics (de
 - `dflash_generated_tokens_total`, `dflash_prompt_tokens_total`, `dflash_tokens_per_second` (recent window).
 - `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered),
   `dflash_batch_occupancy` (in-flight requests over the sequences the deployment decodes at once, capped at 1),
-  `dflash_requests_total{route, code}`.
+  `dflash_requests_total{route, code}` (code: the answer's HTTP status; for a stream that ended with an error event,
+  after its head said 200, the status of that error).
 - `dflash_admission_wait_seconds`: histogram of the seconds each generation waited to join its instance's shared
   batch before its prefill (behind `max_batch`, the K/V bound, or the step under way; 0 where instances run one
   request at a time: their queue is Triton's). `dflash_kv_token_limit`: the K/V token bound of the shared batch the
@@ -64,7 +65,8 @@ class FrontMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.window_s = window_s
         self.capacity = max(1, capacity)
-        self.requests = Counter("dflash_requests", "HTTP requests answered by the front", ["route", "code"],
+        self.requests = Counter("dflash_requests", "HTTP requests answered by the front, by route and status (a "
+                                "stream that ended with an error event: that error's status)", ["route", "code"],
                                 registry=r)
         self.client_gone = Counter("dflash_requests_client_gone", "Generation requests whose client left before "
                                    "the answer (never answered, so not in dflash_requests); each was cancelled in "

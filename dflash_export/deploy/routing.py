@@ -307,18 +307,21 @@ class Routing:
         first (index, event) of any (None: there are none), each chunk naming its choice; `usage`
         (openai_api._usage): None, a last chunk of its own with the usage of every choice ("final"), or that and the
         usage so far on every chunk ("continuous": each prompt once and the tokens every choice has so far). It ends
-        once every choice has finished, or at the first error."""
+        once every choice has finished, or at the first error. Returns the status the request is counted under: 200,
+        or the status of the error it ended with (the answer's head said 200 before the error came)."""
         await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                ("Cache-Control", "no-cache")]))
         mk = oa.chat_chunk if chat else oa.completion_chunk
         n = len(choices.tokens)
         started, finished, completion = [False] * n, [False] * n, [0] * n
         prompt = [0] * (n // per_prompt)  # each prompt's tokens, as its choices report them
+        status = 200
         while item is not None:
             i, ev = item
             if isinstance(ev, Exception) or "error" in ev:
                 err = self._stream_error(ev, choices.tokens[i], chat, choices.fields[i])
                 await conn.send(h11.Data(data=oa.sse(err.body())))
+                status = err.status
                 break
             text, reason = ev.get("text_output", ""), ev.get("finish_reason") or None
             k = i // per_prompt
@@ -348,7 +351,7 @@ class Routing:
             item = await choices.next()
         await conn.send(h11.Data(data=oa.sse(b"[DONE]")), h11.EndOfMessage())
         self.counts["forwarded"] += 1
-        return 200
+        return status
 
     def _stream_error(self, ev: dict | Exception, token: str, chat: bool, field: str) -> oa.OpenAIError:
         """The error event a started stream ends with: a choice's error event, or the refusal of a choice's call (a

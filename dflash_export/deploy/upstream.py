@@ -36,8 +36,8 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 
 class Upstream:
     """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
-    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`, `_group`), `_client_left` and
-    `_refuse_if_drained` (deploy/routing.py)."""
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`, `_group`), `_client_left`,
+    `_refuse_if_drained` and `_upstream_error` (deploy/routing.py)."""
 
     def _open_client(self) -> None:
         import httpx
@@ -276,13 +276,17 @@ class Upstream:
             await resp.aclose()
 
     async def _relay_stream(self, conn: Connection, resp, token: str | None) -> int:
-        """generate_stream, relayed event by event (re-framed: the front's own chunked encoding)."""
+        """generate_stream, relayed event by event (re-framed: the front's own chunked encoding). Returns the status
+        the request is counted under: tritonserver's, or for a stream that ended with an error event (the answer's
+        head said 200 before it came) that error's, as an OpenAI stream would report it (`_upstream_error`; 503 for a
+        request the front cancelled)."""
         if resp.status_code != 200:
             payload = await self._read_upstream(conn, resp, token)
             self._refuse_if_drained(token)  # cancelled while queued, by the drain
             await conn.send(*answer(resp.status_code, payload, ctype=resp.headers.get("content-type",
                                                                                        "application/json")))
             return resp.status_code
+        status = 200
         try:
             await conn.send(h11.Response(status_code=200, headers=[("Content-Type", "text/event-stream"),
                                                                    ("Cache-Control", "no-cache")]))
@@ -290,6 +294,8 @@ class Upstream:
                 why = self._why(token) if "error" in ev else None
                 if why is not None and "shutting down" in why:
                     ev = {"error": f"cancelled: {why}"}
+                if "error" in ev:
+                    status = 503 if why is not None else self._upstream_error(500, ev["error"], token).status
                 await conn.send(h11.Data(data=oa.sse(ev)))
                 if ev.get("finish_reason"):
                     self._observe(ev)
@@ -301,7 +307,7 @@ class Upstream:
             await resp.aclose()
         self.counts["forwarded"] += 1
         await conn.send(h11.EndOfMessage())
-        return 200
+        return status
 
 
 @functools.cache
