@@ -440,8 +440,8 @@ def test_gpu_check_builds_every_plugin_alone_on_the_aot_path_first_then_the_jit_
     from dflash_export.validate import gpu_lossless
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "tensorrt" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",  # triton: both plugin paths need it, the stand-ins do not
+                        lambda name, *a: object() if name in ("tensorrt", "triton") else real_find_spec(name, *a))
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "11.4.0.106"
     trt.plugin = types.ModuleType("tensorrt.plugin")

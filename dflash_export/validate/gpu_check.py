@@ -15,9 +15,13 @@ runs from a plain copy of the repository (`PYTHONPATH=. python3 -m dflash_export
                      (fp32 / fp16 / bf16) and a planted fault it must catch; the TensorRT JIT impl's bf16-safe tensor
                      views; the TensorRT plugin layers where TensorRT is installed (skipped, and said so, otherwise)
 
-Each section records its own error instead of aborting the run. `--cpu` runs every code path at tiny shapes on the CPU
-(for CI); the kernels then go through the Triton interpreter when TRITON_INTERPRET=1, else the torch reference.
-Writes gpu_check.json under $OUT (or --out) and prints a summary.
+Each section records its own error instead of aborting the run; plugin_layers (TensorRT in this process) runs in a
+child process, so a crash or a CUDA fault there is recorded as that section's error and leaves the later sections
+their own CUDA context. `--cpu` runs every code path at tiny shapes on the CPU (for CI); the kernels then go through
+the Triton interpreter when TRITON_INTERPRET=1, else the torch reference. Without a CUDA device (and no `--cpu`)
+every section says it did not run and the exit code is 2.
+Writes gpu_check.json under $OUT (or --out) before each section (`in_progress` names it) and after it, and prints a
+summary. SIGTERM (the script's time limit) records the running section as cut short and the rest as not run.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict
@@ -60,35 +67,83 @@ ALL_SECTIONS = ("kernels", "plugin_layers", "tiny_engine", "lossless_greedy", "l
                 "drafter_latency", "target_verify", "attention_vs_sdpa")
 TINY_ENGINE_TEST = ("tests/test_tensorrt_engine.py::"
                     "test_on_gpu_tensorrt_engine_is_lossless_and_follows_its_onnx_runtime_twin")
+# Sections run in a child process: TensorRT and its Python plugins in this process could crash it or leave a sticky
+# CUDA error behind, which would lose every later section.
+ISOLATED = ("plugin_layers",)
+# What `build --backend tensorrt` of tiny-qwen3 and its GPU test import besides torch
+TINY_ENGINE_NEEDS = ("tensorrt", "triton", "onnx", "onnxruntime", "transformers", "safetensors", "yaml", "pytest")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TimeLimit(BaseException):
+    """SIGTERM while a section runs: the script's time limit (`timeout` in scripts/gpu_check.sh)."""
+
+
+def _raise_time_limit(signum, frame):
+    raise TimeLimit()
 
 
 def tiny_engine(cpu: bool, timeout_s: int = 300) -> dict:
     """`build --backend tensorrt` of tiny-qwen3 and its tokens against the ONNX Runtime twin (the repository's GPU
-    test, run by pytest in a subprocess): where tensorrt, onnx, onnxruntime and transformers are all importable, on
-    a GPU. Reports ran / ok and the test's last lines."""
+    test, run by pytest in a subprocess): where every module of TINY_ENGINE_NEEDS is importable, on a GPU. Reports
+    ran / ok and the test's last lines."""
     import importlib.util
-    import subprocess
 
     if cpu:
         return {"ran": False, "reason": "needs a GPU", "ok": True}
-    for mod in ("tensorrt", "onnx", "onnxruntime", "transformers", "pytest"):
+    for mod in TINY_ENGINE_NEEDS:
         if importlib.util.find_spec(mod) is None:
             return {"ran": False, "reason": f"{mod} is not installed", "ok": True}
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / TINY_ENGINE_TEST.split("::")[0]).is_file():
+    if not (REPO / TINY_ENGINE_TEST.split("::")[0]).is_file():
         return {"ran": False, "reason": "the tests are not in this checkout", "ok": True}
     try:
         res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", TINY_ENGINE_TEST],
-                             cwd=repo, capture_output=True, text=True, timeout=timeout_s)
+                             cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"ran": True, "ok": False, "error": f"the tiny engine test ran over {timeout_s} s"}
     out = {"ran": True, "ok": res.returncode == 0 and "1 passed" in res.stdout, "returncode": res.returncode,
            "output_tail": (res.stdout + res.stderr)[-3000:]}
     if out["ok"]:  # the test asserts manifest.plugins: requested == every op's implementation == aot
         out["path"] = "aot"
-    if not out["ok"]:
+    elif "1 skipped" in res.stdout:
+        out["error"] = "the tiny engine test skipped itself (see output_tail for its reason)"
+    else:
         out["error"] = "the tiny engine test failed (see output_tail)"
     return out
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a child process: this one's, with the repository first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def in_child(name: str, cpu: bool, timeout_s: int = 300) -> dict:
+    """Run one section in a child process (this module with `--sections name`) and return its result: what the
+    child wrote to its gpu_check.json, or an error saying how the child ended when it left no result (a signal, an
+    exit code, the time limit) with the end of its output."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_child_") as tmp:
+        cmd = [sys.executable, "-m", "dflash_export.validate.gpu_check", "--sections", name, "--out", tmp,
+               "--in-process"]
+        try:
+            res = subprocess.run(cmd + (["--cpu"] if cpu else []), cwd=REPO, env=_child_env(), capture_output=True,
+                                 text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the section's process ran over {timeout_s} s", "isolated": True}
+        path = Path(tmp) / "gpu_check.json"
+        try:
+            child = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            child = {}
+    result = child.get(name)
+    if isinstance(result, dict) and child.get("in_progress") != name:
+        result.pop("seconds", None)
+        return {**result, "isolated": True}
+    rc = res.returncode
+    how = f"signal {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit code {rc}"
+    return {"error": f"the section's process ended ({how}) before the section finished", "isolated": True,
+            "output_tail": (res.stdout + res.stderr)[-3000:]}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -275,31 +330,54 @@ def attention_vs_sdpa(s: Shapes, device, backend: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------------
 
-def environment(device: torch.device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-           "triton_interpret": os.environ.get("TRITON_INTERPRET", "")}
+def environment(device: torch.device | None) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "device": str(device), "triton_interpret": os.environ.get("TRITON_INTERPRET", "")}
     try:
         import triton
 
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
+    env["cuda_driver"] = cuda_driver_version()
     return env
 
 
-def _in_tmp(fn):
-    import tempfile
+def cuda_driver_version() -> str | None:
+    """The CUDA version the installed driver supports ("13.0"), or None without a driver. TensorRT's AOT plugins
+    hand the driver Triton's PTX, whose ISA version follows Triton's ptxas, not the driver."""
+    import ctypes
 
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def _in_tmp(fn):
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         return fn(tmp)
 
 
-def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | None = None) -> dict:
+NO_GPU = "no CUDA device visible (use --cpu for the CI code-path check)"
+
+
+def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | None = None,
+        isolate: tuple[str, ...] = ISOLATED) -> dict:
+    """Run `sections` in order; `on_section(report)` after each and before each (with `in_progress` naming it).
+    A TimeLimit (SIGTERM, see main) records the running section as cut short and the rest under `not_run`.
+    Sections named in `isolate` run in a child process (`in_child`)."""
     if not cpu and not torch.cuda.is_available():
-        return {"error": "no CUDA device visible (use --cpu for the CI code-path check)"}
+        reason = "no CUDA device visible"
+        return {"error": NO_GPU, "mode": "gpu", "environment": environment(None),
+                **{name: {"ran": False, "reason": reason} for name in sections}}
     device = torch.device("cpu" if cpu else "cuda")
     shapes = TINY if cpu else Shapes()
     if cpu:
@@ -320,17 +398,39 @@ def run(cpu: bool, sections: list[str], on_section: Callable[[dict], None] | Non
             "drafter_latency": lambda: drafter_latency(shapes, device, backend),
             "target_verify": lambda: target_verify_latency(shapes, device),
             "attention_vs_sdpa": lambda: attention_vs_sdpa(shapes, device, backend)}
-    for name in sections:
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                report[name] = jobs[name]()
-        except Exception as e:
-            report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-        report[name]["seconds"] = round(time.perf_counter() - start, 2)
-        print(f"[gpu_check] {name}: {report[name]['seconds']} s", file=sys.stderr, flush=True)
+    for name in isolate:
+        if name in jobs:
+            jobs[name] = lambda name=name: in_child(name, cpu)
+
+    def record() -> None:
         if on_section is not None:  # a run cut short by its time limit still leaves the finished sections
             on_section(report)
+
+    name, start = None, time.perf_counter()
+    try:
+        for name in sections:
+            report["in_progress"] = name
+            record()
+            start = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    report[name] = jobs[name]()
+            except Exception as e:
+                report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+            report[name]["seconds"] = round(time.perf_counter() - start, 2)
+            del report["in_progress"]
+            print(f"[gpu_check] {name}: {report[name]['seconds']} s", file=sys.stderr, flush=True)
+            record()
+    except TimeLimit:
+        report.pop("in_progress", None)
+        done = name is not None and name in report
+        running = None if done else name
+        if running is not None:
+            report[running] = {"error": f"cut short by the time limit after {time.perf_counter() - start:.1f} s",
+                               "seconds": round(time.perf_counter() - start, 2)}
+        later = sections[sections.index(name) + 1:] if name is not None else list(sections)
+        report["cut_short"] = {"section": running, "not_run": later}
+        record()
     return report
 
 
@@ -352,6 +452,9 @@ def _summary(report: dict) -> str:
                      f"{row['p_value']:.3g} ({row['tested_tokens']} tokens)")
     if "planted_fault" in ls:
         lines.append(f"planted wrong-slot fault: p = {ls['planted_fault']['p_value']:.3g} (must be < 1e-3)")
+    if "cut_short" in report:
+        cut = report["cut_short"]
+        lines.append(f"cut short by the time limit: running {cut['section']}, not run {', '.join(cut['not_run'])}")
     for name in ("jit_views", "plugin_layers", "tiny_engine"):
         if name in report:
             lines.append(f"{name}: ok={report[name].get('ok')} {report[name].get('reason', '')}")
@@ -378,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny shapes on the CPU: checks the code paths, measures nothing meaningful")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.json (default $OUT)")
     parser.add_argument("--sections", default=",".join(ALL_SECTIONS))
+    parser.add_argument("--in-process", action="store_true",
+                        help=f"run every section in this process (by default {', '.join(ISOLATED)} runs in a child)")
     args = parser.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
     known = set(ALL_SECTIONS)
@@ -392,11 +497,20 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
             tmp.replace(out / "gpu_check.json")
 
-    report = run(args.cpu, sections, on_section=write)
-    write(report)
+    previous = signal.signal(signal.SIGTERM, _raise_time_limit)
+    try:
+        try:
+            report = run(args.cpu, sections, on_section=write, isolate=() if args.in_process else ISOLATED)
+        except TimeLimit:  # before the first section started
+            report = {"error": "cut short by the time limit before the first section ran"}
+        write(report)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(_summary(report) if "error" not in report else report["error"])
     if "error" in report:
         return 2
+    if "cut_short" in report:
+        return 124
     failed = [n for n in sections if "error" in report.get(n, {})]
     checks_ok = all(report.get(n, {}).get("ok", True) for n in ("kernels", "lossless_greedy", "lossless_sampling",
                                                                     "jit_views", "plugin_layers"))

@@ -219,6 +219,8 @@ def _run_engine(trt, data: bytes, feeds: dict[str, torch.Tensor]) -> dict[str, t
     """Run a one-profile engine on CUDA tensors (outputs allocated from the inferred shapes)."""
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine = runtime.deserialize_cuda_engine(data)
+    if engine is None:
+        raise RuntimeError("TensorRT could not deserialize the engine it just built (see the log above)")
     context = engine.create_execution_context()
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
@@ -236,7 +238,9 @@ def _run_engine(trt, data: bytes, feeds: dict[str, torch.Tensor]) -> dict[str, t
             outs[n] = torch.empty(tuple(context.get_tensor_shape(n)), dtype=dtypes[engine.get_tensor_dtype(n)],
                                   device="cuda")
             context.set_tensor_address(n, outs[n].data_ptr())
+    # the inputs were copied on the current stream; a side stream does not wait for it unless told to
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     if not context.execute_async_v3(stream.cuda_stream):
         raise RuntimeError("execute_async_v3 failed")
     stream.synchronize()
@@ -250,7 +254,7 @@ def plugin_layers(tmp_dir) -> dict:
     reference. Each case records the path the build asked for and the one TensorRT used."""
     from pathlib import Path
 
-    for mod in ("tensorrt", "onnx"):
+    for mod in ("tensorrt", "onnx", "triton"):  # triton: both plugin paths run its kernels (AOT PTX, JIT launch)
         if importlib.util.find_spec(mod) is None:
             return {"ran": False, "reason": f"{mod} is not installed", "ok": True}
     import onnx
