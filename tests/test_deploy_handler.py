@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import re
 import time
 
@@ -420,7 +421,8 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
                if ln and not ln.startswith("#")}
     assert figures["dflash_acceptance_length_count"] == figures["dflash_steps_total"] == len(lengths)
     assert figures["dflash_acceptance_length_sum"] == sum(lengths) == figures["dflash_generated_tokens_total"] - 1
-    assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths) if lengths else 0.0)
+    assert (figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths)) if lengths
+            else math.isnan(figures["dflash_tau"]))  # no step: no value, not a tau of 0
     assert figures["dflash_accepted_tokens_total"] == sum(n - 1 for n in lengths)
     assert figures["dflash_drafted_tokens_total"] == 7 * len(lengths)
     assert figures["dflash_kv_token_limit"] == 0 and figures["dflash_admission_wait_seconds_count"] == 1

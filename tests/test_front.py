@@ -206,6 +206,30 @@ def _figures(metrics) -> dict[str, float]:
             if ln and not ln.startswith("#")}
 
 
+def test_tau_and_step_means_have_no_value_while_no_step_finished_in_the_window(monkeypatch):
+    """dflash_tau and dflash_step_seconds are means over the recent window's steps: with none (an idle server, or
+    only generations of one token) they read NaN, Prometheus' no value, never a tau of 0; the token rate reads 0."""
+    import math
+
+    from dflash_export.deploy import metrics as metrics_module
+    from dflash_export.deploy.metrics import FrontMetrics
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
+    m = FrontMetrics(window_s=60)
+    means = ("dflash_tau", 'dflash_step_seconds{phase="draft"}', 'dflash_step_seconds{phase="verify"}')
+    got = _figures(m)
+    assert all(math.isnan(got[k]) for k in means) and got["dflash_tokens_per_second"] == 0, got
+    m.observe_generation(1, 3, {"acceptance_lengths": []})  # one token: the prefill's, no step
+    assert all(math.isnan(_figures(m)[k]) for k in means)
+    m.observe_generation(7, 3, {"acceptance_lengths": [4, 2], "draft_s": 0.5, "verify_s": 1.5})
+    got = _figures(m)
+    assert got["dflash_tau"] == 3 and got['dflash_step_seconds{phase="verify"}'] == 0.75, got
+    clock[0] += 61  # the window passed: no step in it
+    got = _figures(m)
+    assert all(math.isnan(got[k]) for k in means) and got["dflash_tokens_per_second"] == 0, got
+
+
 def test_metrics_show_the_kv_bound_and_admission_waits_and_skip_malformed_figures():
     """dflash_kv_token_limit is the bound the last generation reported (0: unbounded; a generation that reports none
     leaves it); dflash_admission_wait_seconds holds each generation's wait. Figures of the wrong type, negative, not

@@ -6,11 +6,13 @@ next to the request counts, taken from each finished generation's statistics (de
   observation per step (the prefill's token is no step's); its mean is tau as `run` and `bench` report it, and a
   generation's lengths add up to its tokens after the first. Drafts the engine accepted past a stop string are
   not counted: they are in no answer.
-- `dflash_tau`: tau over the generations that finished in the last `window_s` seconds.
+- `dflash_tau`: tau over the generations that finished in the last `window_s` seconds; NaN (Prometheus' no value)
+  while none with a step did, so that an idle server reads as no data, not as a tau of 0 an alert would fire on.
 - `dflash_accepted_tokens_total`: the accepted drafts within those lengths (each step's length less one);
   `dflash_drafted_tokens_total`: the drafts the target verified, every step in full (the engine's work).
 - `dflash_draft_seconds_total`, `dflash_verify_seconds_total`, `dflash_steps_total`: drafter and target time and
-  step count (draft / verify time per step is their ratio; `dflash_step_seconds` holds the recent means).
+  step count (draft / verify time per step is their ratio; `dflash_step_seconds` holds the recent means, NaN as
+  `dflash_tau` is).
 - `dflash_generated_tokens_total`, `dflash_prompt_tokens_total`, `dflash_tokens_per_second` (recent window).
 - `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered),
   `dflash_batch_occupancy` (in-flight requests over the sequences the deployment decodes at once, capped at 1),
@@ -91,11 +93,11 @@ class FrontMetrics:
                                "In-flight requests over the sequences the deployment decodes at once (<= 1)",
                                registry=r)
         self.tau = Gauge("dflash_tau", "tau: tokens added to the answer per DFlash step (the mean acceptance length, "
-                         "the engine's decoding, adaptive) over the generations finished in the recent window",
-                         registry=r)
+                         "the engine's decoding, adaptive) over the generations finished in the recent window (NaN: "
+                         "none)", registry=r)
         self.tps = Gauge("dflash_tokens_per_second", "Generated tokens per second over the recent window",
                          registry=r)
-        self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window", ["phase"],
+        self.step_s = Gauge("dflash_step_seconds", "Mean seconds per step in the recent window (NaN: none)", ["phase"],
                             registry=r)
         self.admission_wait = Histogram("dflash_admission_wait_seconds",
                                         "Seconds each generation waited to join its instance's shared batch before "
@@ -152,10 +154,11 @@ class FrontMetrics:
         tokens = sum(r[1] for r in self._recent)
         steps = sum(r[2] for r in self._recent)
         committed = sum(r[3] for r in self._recent)
-        self.tau.set(committed / steps if steps else 0.0)
+        # Means over no step have no value (NaN): 0 would read as a collapsed tau or free steps.
+        self.tau.set(committed / steps if steps else math.nan)
         self.tps.set(tokens / self.window_s)
-        self.step_s.labels(phase="draft").set(sum(r[4] for r in self._recent) / steps if steps else 0.0)
-        self.step_s.labels(phase="verify").set(sum(r[5] for r in self._recent) / steps if steps else 0.0)
+        self.step_s.labels(phase="draft").set(sum(r[4] for r in self._recent) / steps if steps else math.nan)
+        self.step_s.labels(phase="verify").set(sum(r[5] for r in self._recent) / steps if steps else math.nan)
 
     def render(self) -> bytes:
         with self._lock:
