@@ -23,11 +23,15 @@ SHAPES = {"key_heads": HK, "value_heads": HV, "key_dim": DK, "value_dim": DV, "c
 @pytest.fixture(scope="module")
 def layer():
     """transformers' Gated DeltaNet layer (random weights, a non-trivial norm and decay) and its state dict."""
+    return _layer(HK, HV)
+
+
+def _layer(hk: int, hv: int):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     cfg = Qwen3_5TextConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
-                            linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=DK,
+                            linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=DK,
                             linear_value_head_dim=DV, linear_conv_kernel_dim=KERNEL, vocab_size=32)
     torch.manual_seed(0)
     m = Qwen3_5GatedDeltaNet(cfg, 0).float().eval()
@@ -38,8 +42,8 @@ def layer():
     return cfg, m, sd
 
 
-def _session(sd, form: str):
-    model = lin.gated_delta_net_model(sd, "l.", types.SimpleNamespace(fused_projections=False), SHAPES, 1e-6,
+def _session(sd, form: str, shapes: dict = SHAPES):
+    model = lin.gated_delta_net_model(sd, "l.", types.SimpleNamespace(fused_projections=False), shapes, 1e-6,
                                       HIDDEN, form)
     return ort.InferenceSession(model.SerializeToString())
 
@@ -91,6 +95,26 @@ def test_scan_rows_are_one_row_steps_bits_and_chunked_rows_are_within_rounding(l
     assert np.array_equal(block_scan, steps)
     rel = np.abs(block_chunked - steps).max() / np.abs(steps).max()
     assert 0 < rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("value_heads", [3, 5, 6])
+def test_scan_rows_are_one_row_steps_bits_whatever_the_number_of_value_heads(value_heads):
+    """Value-head counts that are no multiple of a CPU's vector width (the decay's Softplus runs over [B, S, value
+    heads]): a block of 1..7 rows still gives each row the bits of its one-row step."""
+    _, _, sd = _layer(1, value_heads)
+    shapes = dict(SHAPES, key_heads=1, value_heads=value_heads, conv_channels=2 * DK + value_heads * DV)
+    sess = _session(sd, "scan", shapes)
+    rng = np.random.default_rng(3)
+    conv0 = rng.standard_normal((1, shapes["conv_channels"], KERNEL - 1)).astype(np.float32)
+    rec0 = (0.3 * rng.standard_normal((1, value_heads, DK, DV))).astype(np.float32)
+    x = rng.standard_normal((1, 7, HIDDEN)).astype(np.float32)
+    steps, conv, rec = [], conv0, rec0
+    for r in range(7):
+        y, conv, rec, _ = _run(sess, x[:, r:r + 1], conv, rec)
+        steps.append(y)
+    for rows in range(2, 8):
+        np.testing.assert_array_equal(_run(sess, x[:, :rows], conv0, rec0)[0],
+                                      np.concatenate(steps[:rows], axis=1), err_msg=f"{rows} rows")
 
 
 @pytest.mark.parametrize("recipe_name", ["tiny-qwen3.5", "tiny-qwen3-next"])

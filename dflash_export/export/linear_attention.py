@@ -40,6 +40,7 @@ from dflash_export.export.builder import F32, GraphBuilder, finish
 OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight")
 L2_EPS = 1e-6  # transformers' l2norm (use_qk_l2norm_in_kernel)
+SOFTPLUS_LANES = 16  # the widest vector of floats (AVX-512) a CPU kernel takes a tensor's elements by
 # How a block of rows runs the delta rule: "scan" (one position per iteration, every row the one-token step's bits)
 # or "chunked" (the whole block at once; cheaper per row, rows within rounding of plain steps). benchmarks/
 # hybrid_costs.py --form measures either.
@@ -157,6 +158,18 @@ def _heads(g: GraphBuilder, x: str, n: int, d: int) -> str:
     return g.op("Reshape", [x, g.const([0, 0, n, d])])
 
 
+def _softplus(g: GraphBuilder, x: str, n: int) -> str:
+    """Softplus of x [B,S,n], its last axis zero-padded to a multiple of SOFTPLUS_LANES for the op and sliced back:
+    ONNX Runtime's CPU Softplus computes the elements of a tensor's last partial vector differently from the others,
+    so without the padding a row's value would depend on how many rows share the tensor (a verify block's row would
+    differ from the one-token step's whenever B x S x n is not a multiple of the vector width)."""
+    pad = -n % SOFTPLUS_LANES
+    if not pad:
+        return g.op("Softplus", [x])
+    y = g.op("Softplus", [g.op("Pad", [x, g.const([0, 0, 0, 0, 0, pad])])])
+    return g.op("Slice", [y, g.const([0]), g.const([n]), g.const([-1])])
+
+
 def _l2norm(g: GraphBuilder, x: str) -> str:
     with g.fp32_island():
         ss = g.op("ReduceSum", [g.op("Mul", [x, x]), g.const([-1])], keepdims=1)
@@ -207,7 +220,7 @@ def gated_delta_net(g: GraphBuilder, xn: str, sd: dict, p: str, hybrid, shapes: 
     v = _heads(g, v, hv, dv)
     beta = g.op("Sigmoid", [b])                                                          # [B,S,Hv]
     neg_a = -np.exp(sd[p + "A_log"].astype(np.float32))
-    gate = g.op("Mul", [g.op("Softplus", [g.op("Add", [a, g.weight(p + "dt_bias", sd[p + "dt_bias"])])]),
+    gate = g.op("Mul", [_softplus(g, g.op("Add", [a, g.weight(p + "dt_bias", sd[p + "dt_bias"])]), hv),
                         g.weight(p + "neg_A", neg_a.astype(np.float32))])
 
     rstate = g.input(f"recurrent_state_{i}", F32, ["batch", hv, dk, dv])
