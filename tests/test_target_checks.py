@@ -316,6 +316,19 @@ LAYER_SETTINGS = {
     "no_window": ("gpt-oss", lambda t, c: t.update(sliding_window=0), "sliding_window"),
     "swiglu_limit": ("gpt-oss", lambda t, c: t.update(swiglu_limit=-1.0), "swiglu_limit"),
     "expert_count_spelled_twice": ("qwen3-moe", lambda t, c: t.update(num_experts=4), "num_experts"),
+    # values transformers' config class rejects: named by their key (under text_config in a composite checkpoint)
+    "linear_heads_null": ("qwen3-next", lambda t, c: t.update(linear_num_key_heads=None), "linear_num_key_heads"),
+    "experts_null_composite": ("qwen3.5-moe", lambda t, c: t.update(num_experts=None), "text_config.num_experts"),
+    "router_normalization_text": ("qwen3-moe", lambda t, c: t.update(norm_topk_prob="yes"), "norm_topk_prob"),
+    "window_text": ("gpt-oss", lambda t, c: t.update(sliding_window="8"), "sliding_window"),
+    # a partial rotary factor outside [0, 1]: no rotary module transformers builds (or one turning more channels
+    # than a head has)
+    "partial_rotary_above_one": ("qwen3-next", lambda t, c: t["rope_parameters"].update(partial_rotary_factor=1.5),
+                                 "rope_parameters.partial_rotary_factor"),
+    "partial_rotary_negative": ("qwen3.5", lambda t, c: t["rope_parameters"].update(partial_rotary_factor=-0.5),
+                                "text_config.rope_parameters.partial_rotary_factor"),
+    "partial_rotary_null": ("qwen3-next", lambda t, c: t["rope_parameters"].update(partial_rotary_factor=None),
+                            "rope_parameters.partial_rotary_factor"),
 }
 
 
@@ -427,6 +440,9 @@ def test_a_truncated_shard_of_a_hybrid_or_moe_target_is_named(tmp_path, family):
      "", "model.language_model.layers.3.linear_attn.A_log"),
     ("gpt-oss", lambda target: _edit(target, lambda text, cfg: text.update(num_experts_per_tok=9)), "config.json",
      "num_experts_per_tok"),
+    # a window no wider than the drafter's block of 4, which the batched graph cannot mask
+    ("gpt-oss", lambda target: _edit(target, lambda text, cfg: text.update(sliding_window=4)), "config.json",
+     "sliding_window"),
 ])
 def test_build_refuses_a_faulty_target_before_writing_an_engine(tmp_path, family, edit, file, field):
     target = _target(tmp_path, family)

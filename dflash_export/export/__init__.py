@@ -90,6 +90,8 @@ def export_models(target, drafter, out_dir: Path, *, recipe_name: str = "", bloc
     problem = rope_problem(t_rope, partial_ok=target.arch.hybrid is not None)
     if problem:
         raise DFlashError(f"target {problem[1]}", path=target.model_dir / "config.json", field=problem[0])
+    if ort_flavor:  # before any graph is written
+        graph.check_batched_windows(target, drafter.config.block_size)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     spec = drafter.spec(block_size)

@@ -183,6 +183,18 @@ class _TargetGraph:
         return self.flavor in ("ort", "ort_batch")
 
 
+def check_batched_windows(target, block_size: int) -> None:
+    """The batched graph (ort_batch) masks sliding windows over the past only: every window of the target must be
+    wider than a draft block. A DFlashError naming the target's config.json and sliding_window otherwise."""
+    from pathlib import Path
+
+    windows = [w for w in sliding_windows(target.arch, target.hf.config) if w is not None]
+    if windows and min(windows) <= block_size:
+        raise DFlashError(f"a sliding window of {min(windows)} tokens is not wider than a draft block ({block_size}): "
+                          f"the batched graph masks windows over the past only",
+                          path=Path(target.model_dir) / "config.json", field="sliding_window")
+
+
 def _target_setup(target, drafter, max_len: int, flavor: str, store) -> _TargetGraph:
     """The weights and per-layer facts; refuses what the flavor cannot build."""
     # "ort_batch": the ort flavor for B sequences verifying blocks over their own pasts, which GroupQueryAttention
@@ -206,10 +218,8 @@ def _target_setup(target, drafter, max_len: int, flavor: str, store) -> _TargetG
     moe = target.arch.moe
     hf_cfg = target.hf.config
     windows = sliding_windows(target.arch, hf_cfg)
-    if batch and any(w is not None and w <= drafter.config.block_size for w in windows):
-        raise DFlashError(f"a sliding window of {min(w for w in windows if w)} tokens is not wider than a draft block "
-                          f"({drafter.config.block_size}): the batched graph masks windows over the past only",
-                          field="sliding_window")
+    if batch:
+        check_batched_windows(target, drafter.config.block_size)
     moe_layers = moe.layers(hf_cfg) if moe is not None else [False] * t.num_layers
     rope = (rot_cos, rot_sin) if hybrid else target_rope_tables(target, max_len)
     return _TargetGraph(GraphBuilder("dflash_target_verify", store), t, sd, np_state(drafter), flavor, hybrid, kinds,

@@ -12,7 +12,7 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
-from dflash_export.decoding.request import is_positive_number
+from dflash_export.decoding.request import is_number, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
@@ -35,9 +35,22 @@ def hf_config(cfg: dict, path, model_type: str = "qwen3"):
         return cls.from_dict(fields)
     except Exception as e:  # huggingface_hub's strict-dataclass errors, ValueError/KeyError from rope validation
         msg = " ".join(str(e).split())
-        field = getattr(e, "field_name", None) or next((k for k in ("rope_parameters", "rope_scaling", "rope_theta")
-                                                        if k in msg), "config")
-        raise DFlashError(f"transformers cannot read this config ({msg[:300]})", path=path, field=field) from None
+        raise DFlashError(f"transformers cannot read this config ({msg[:300]})", path=path,
+                          field=_rejected_field(msg, cfg)) from None
+
+
+def _rejected_field(msg: str, cfg: dict) -> str:
+    """The key of `cfg` that transformers' config class rejected, from its error text: the field a strict-dataclass
+    field error names ("Validation error for field 'num_experts': ..."), the RoPE settings for its RoPE validator's
+    errors and RoPE errors naming them; "config" when the text names no key."""
+    import re
+
+    named = re.match(r"Validation error for field '([^']+)'", msg)
+    if named:
+        return named.group(1)
+    if "'validate_rope'" in msg:
+        return rope_source_field(cfg)
+    return next((k for k in ("rope_parameters", "rope_scaling", "rope_theta") if k in msg), "config")
 
 
 def rope_source_field(cfg: dict) -> str:
@@ -65,6 +78,19 @@ def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[st
         if not is_positive_number(theta):
             return name, f"expected a positive number (the RoPE base), got {theta!r}"
     return None
+
+
+def partial_rotary_problem(params: dict, cfg: dict) -> tuple[str, str] | None:
+    """(field, reason) when the partial rotary factor of the standardized parameters `params` of config dict `cfg` is
+    given but is not a number in [0, 1]: the fraction of each head's channels RoPE turns, which transformers' rotary
+    module multiplies the head size by (None, a string or a negative factor fail as it loads the model; above 1 it
+    turns more channels than a head has). The field is the key `cfg` gives it under."""
+    factor = params.get("partial_rotary_factor", 1.0)
+    if is_number(factor) and 0 <= factor <= 1:
+        return None
+    nested = isinstance(cfg.get("rope_parameters"), dict) and "partial_rotary_factor" in cfg["rope_parameters"]
+    return ("rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor",
+            f"expected a number from 0 to 1 (the fraction of each head's channels RoPE turns), got {factor!r}")
 
 
 def rope_problem(params: dict, field: str = "rope_parameters", partial_ok: bool = False) -> tuple[str, str] | None:
@@ -109,4 +135,4 @@ def rope_inverse_frequencies(params: dict, head_dim: int, max_position_embedding
 
 
 __all__ = ["STATIC_ROPE_TYPES", "hf_config", "rope_parameters_of", "rope_problem", "rope_source_field",
-           "rope_theta_problem", "legacy_rope_fields", "rope_inverse_frequencies"]
+           "rope_theta_problem", "partial_rotary_problem", "legacy_rope_fields", "rope_inverse_frequencies"]
