@@ -329,6 +329,10 @@ LAYER_SETTINGS = {
                                 "text_config.rope_parameters.partial_rotary_factor"),
     "partial_rotary_null": ("qwen3-next", lambda t, c: t["rope_parameters"].update(partial_rotary_factor=None),
                             "rope_parameters.partial_rotary_factor"),
+    # YaRN scaling settings whose tables transformers computes as NaN / inf (factor 0) or cannot compute (a string)
+    "yarn_factor_zero": ("gpt-oss", lambda t, c: t["rope_parameters"].update(factor=0), "rope_parameters.factor"),
+    "yarn_factor_text": ("gpt-oss", lambda t, c: t["rope_parameters"].update(factor="4"), "rope_parameters.factor"),
+    "yarn_beta_zero": ("gpt-oss", lambda t, c: t["rope_parameters"].update(beta_slow=0.0), "rope_parameters.beta_slow"),
 }
 
 

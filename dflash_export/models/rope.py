@@ -12,7 +12,7 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
-from dflash_export.decoding.request import is_number, is_positive_number
+from dflash_export.decoding.request import is_finite_number, is_number, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
 from dflash_export.models.hfutil import quiet_transformers
@@ -80,6 +80,36 @@ def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[st
     return None
 
 
+# The scaling settings of the RoPE types with tables (transformers' rope init functions): those the tables divide by
+# or take the logarithm of must be positive, the others finite, where given; 0 or NaN makes every table non-finite.
+_POSITIVE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                       "original_max_position_embeddings")
+_FINITE_ROPE_KEYS = ("attention_factor", "mscale", "mscale_all_dim")
+
+
+def rope_scaling_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
+    """(field, reason) when a scaling setting of these standardized RoPE parameters (of each layer type's, when per
+    layer type) would make the cos/sin tables non-finite: a factor or correction bound of 0, below 0, NaN or not a
+    number, a finite setting that is not, llama3's two frequency factors equal (its smoothing divides by their
+    difference). `field`: the key the settings came from (`rope_source_field`)."""
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    for p in params.values() if per_type else [params]:
+        if p.get("rope_type", "default") == "default":
+            continue
+        for key in _POSITIVE_ROPE_KEYS + _FINITE_ROPE_KEYS:
+            v = p.get(key)
+            if v is None:
+                continue
+            if key in _POSITIVE_ROPE_KEYS and not is_positive_number(v):
+                return f"{field}.{key}", f"expected a positive number, got {v!r}"
+            if key in _FINITE_ROPE_KEYS and not is_finite_number(v):
+                return f"{field}.{key}", f"expected a finite number, got {v!r}"
+        if p.get("rope_type") == "llama3" and p.get("low_freq_factor") == p.get("high_freq_factor") is not None:
+            return (f"{field}.high_freq_factor", f"equals low_freq_factor ({p['low_freq_factor']!r}): llama3's "
+                    "smoothing divides by their difference")
+    return None
+
+
 def partial_rotary_problem(params: dict, cfg: dict) -> tuple[str, str] | None:
     """(field, reason) when the partial rotary factor of the standardized parameters `params` of config dict `cfg` is
     given but is not a number in [0, 1]: the fraction of each head's channels RoPE turns, which transformers' rotary
@@ -96,7 +126,7 @@ def partial_rotary_problem(params: dict, cfg: dict) -> tuple[str, str] | None:
 def rope_problem(params: dict, field: str = "rope_parameters", partial_ok: bool = False) -> tuple[str, str] | None:
     """(field, reason) when these standardized RoPE parameters cannot be honoured exactly; None when they can.
     `partial_ok`: a partial rotary factor is honoured (hybrid targets' gated attention: export/linear_attention.py)."""
-    theta = rope_theta_problem(params, field)
+    theta = rope_theta_problem(params, field) or rope_scaling_problem(params, field)
     if theta:
         return theta
     if params and all(isinstance(v, dict) for v in params.values()):
@@ -135,4 +165,5 @@ def rope_inverse_frequencies(params: dict, head_dim: int, max_position_embedding
 
 
 __all__ = ["STATIC_ROPE_TYPES", "hf_config", "rope_parameters_of", "rope_problem", "rope_source_field",
-           "rope_theta_problem", "partial_rotary_problem", "legacy_rope_fields", "rope_inverse_frequencies"]
+           "rope_theta_problem", "rope_scaling_problem", "partial_rotary_problem", "legacy_rope_fields",
+           "rope_inverse_frequencies"]

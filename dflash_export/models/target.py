@@ -20,7 +20,13 @@ from dflash_export.models.arch import ARCHS, REFUSED, text_settings
 from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
-from dflash_export.models.rope import hf_config, partial_rotary_problem, rope_source_field, rope_theta_problem
+from dflash_export.models.rope import (
+    hf_config,
+    partial_rotary_problem,
+    rope_scaling_problem,
+    rope_source_field,
+    rope_theta_problem,
+)
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.weights import (
     INTEGER_DTYPES,
@@ -111,10 +117,10 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
 def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     """The family's layer settings, read through transformers' config class: `layer_types` one known kind per layer,
     value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers, a positive SwiGLU clamp
-    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, a partial rotary factor in [0, 1], a
-    positive RMSNorm epsilon, and no setting the exported graphs would ignore (an activation other than SiLU, biases
-    they do not add). A value transformers' config class rejects is named by its key. `where(key)` spells a key as
-    config.json does."""
+    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, RoPE scaling settings that give
+    finite tables, a partial rotary factor in [0, 1], a positive RMSNorm epsilon, and no setting the exported graphs
+    would ignore (an activation other than SiLU, biases they do not add). A value transformers' config class rejects
+    is named by its key. `where(key)` spells a key as config.json does."""
     arch = ARCHS[cfg["model_type"]]
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n):
@@ -138,9 +144,11 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     if eps is not None and not is_positive_number(eps):
         raise DFlashError(f"must be a positive finite number, got {eps!r}", path=cfg_path, field=where("rms_norm_eps"))
     params = dict(getattr(hf, "rope_parameters", None) or {})
-    # a base of 0, below 0, NaN or not a number: the model computes NaN (or nothing) at every position; a partial
-    # factor outside [0, 1] builds no rotary module
-    rope = rope_theta_problem(params, rope_source_field(cfg)) or partial_rotary_problem(params, cfg)
+    # a base of 0, below 0, NaN or not a number, or a scaling factor of 0: the model computes NaN (or nothing) at
+    # every position; a partial factor outside [0, 1] builds no rotary module
+    source = rope_source_field(cfg)
+    rope = (rope_theta_problem(params, source) or rope_scaling_problem(params, source)
+            or partial_rotary_problem(params, cfg))
     if rope:
         key, _, rest = rope[0].partition(".")
         raise DFlashError(rope[1], path=cfg_path, field=where(key) + (f".{rest}" if rest else ""))
