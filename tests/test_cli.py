@@ -166,6 +166,35 @@ def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "`dflash-export build --recipe tiny-qwen3 --backend onnxruntime`" in r.output
 
 
+def test_build_says_a_verdict_short_of_bit_identity_of_the_engine_directory_it_built(tmp_path, monkeypatch, caplog):
+    """On a CPU where no row floor makes verify rows bit-identical (the probe made to report so, as conftest's
+    DFLASH_TEST_NO_BIT_IDENTICAL_FLOOR does), `build` says it once, of the directory it built: never of the
+    temporary directory the engine was probed in before it was renamed into place."""
+    import logging
+
+    import numpy as np
+
+    from dflash_export.engines import numerics
+
+    real = numerics.probe_floor
+
+    def probe_floor(engine, floor, rows=None, pad="host"):
+        if floor > 1:
+            engine.row_floor, engine.row_pad = floor, pad
+            return False, float(np.finfo(np.float32).max)
+        return False, real(engine, 1, rows, "host")[1]
+
+    monkeypatch.setattr(numerics, "probe_floor", probe_floor)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="dflash_export"):
+        r = _run("build", "--recipe", "tiny-qwen3", "--out", tmp_path / "engines")
+    assert r.exit_code == 0, r.output
+    said = [ln for ln in r.output.splitlines() if "lossless within kernel numerics on this CPU" in ln]
+    engine = tmp_path / "engines" / "tiny-qwen3" / "onnxruntime"
+    assert len(said) == 1 and said[0].startswith(f"warning: {engine}: "), r.output
+    assert ".tmp-" not in r.output + caplog.text, r.output + caplog.text
+
+
 def test_reference_samples_with_every_seed_run_takes_and_does_not_read_other_draws_as_a_mismatch():
     top_seed = 2 ** 64 - 1  # the largest UINT64, a seed `run` and the served API take
     sampled = _run("reference", "--recipe", "tiny-qwen3", "--max-new-tokens", "8", "--temperature", "0.8",

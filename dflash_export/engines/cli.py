@@ -62,3 +62,8 @@ def build(recipe, target, drafter, backend, out, force, precision, drafter_preci
     Console(highlight=False, soft_wrap=True).print(  # one line, whatever the path length
         f"{'reused' if res.reused else 'built'} {res.engine_dir} "
         f"({weights}{'inputs unchanged' if res.reused else f'{len(res.inputs)} input files hashed'})")
+    recorded = m.raw.get("numerics")  # this build's probe (Numerics.to_json), said of the directory it built
+    if not res.reused and isinstance(recorded, dict) and recorded.get("bit_identical") is False:
+        from dflash_export.engines.numerics import Numerics
+
+        console.print(f"warning: {res.engine_dir}: {Numerics(**recorded).statement}", soft_wrap=True)

@@ -374,7 +374,7 @@ class OrtEngine(Engine):
             self.greedy_draft_head = self.greedy_head.screen
         if release_pages:  # what the probe read of the weight files goes back too
             self.released_bytes += _release_weight_pages(self.engine_dir)
-        if not self.numerics.bit_identical:
+        if not self.numerics.bit_identical and not probe_full:  # a build's probe: `build` says it of the final dir
             logging.getLogger("dflash_export").warning("%s: %s", self.engine_dir, self.numerics.statement)
 
     def _session(self, ort, fname, so, providers):
