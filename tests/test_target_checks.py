@@ -333,6 +333,15 @@ LAYER_SETTINGS = {
     "yarn_factor_zero": ("gpt-oss", lambda t, c: t["rope_parameters"].update(factor=0), "rope_parameters.factor"),
     "yarn_factor_text": ("gpt-oss", lambda t, c: t["rope_parameters"].update(factor="4"), "rope_parameters.factor"),
     "yarn_beta_zero": ("gpt-oss", lambda t, c: t["rope_parameters"].update(beta_slow=0.0), "rope_parameters.beta_slow"),
+    # a RoPE type transformers has no tables for: its model class fails as it is made, naming the type alone
+    "rope_type_unknown": ("llama", lambda t, c: t["rope_parameters"].update(rope_type="bogus"),
+                          "rope_parameters.rope_type"),
+    "rope_type_unknown_legacy": ("qwen3", lambda t, c: (t.pop("rope_parameters"), t.update(
+        rope_theta=1e6, rope_scaling={"type": "bogus", "factor": 2.0})), "rope_scaling.type"),
+    # an odd number of channels per head for RoPE to turn (in pairs): the model fails at its first forward pass
+    "odd_head_dim": ("qwen3", lambda t, c: t.update(head_dim=15), "head_dim"),
+    "odd_rotary_share": ("qwen3-next", lambda t, c: t["rope_parameters"].update(partial_rotary_factor=0.0625),
+                         "rope_parameters.partial_rotary_factor"),
 }
 
 
@@ -514,3 +523,43 @@ def test_a_float32_weight_beyond_float16s_range_is_named_when_loaded_as_float16(
         load_target(target, torch.float16)
     assert (e.value.path, e.value.field) == (target / "model.safetensors", "model.norm.weight")
     assert e.value.message.startswith("1 non-finite values (NaN/inf) of 64 once loaded as float16 (stored as F32)")
+
+
+def test_a_target_whose_heads_rope_cannot_turn_is_named_before_the_reference_runs(tmp_path):
+    """A LLaMA target with an odd head size, its weights made for it: transformers loads it and fails at the first
+    forward pass (the reference exited 3, an internal error). Refused at load, naming config.json's head_dim."""
+    from dflash_export.models.tiny import TinySpec, build_drafter, build_target, replace
+
+    spec = TinySpec("llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=9,
+                    intermediate_size=32, target_layer_ids=(0, 1), draft_layers=1)
+    target, drafter = build_target(spec, tmp_path / "target"), build_drafter(replace(spec, head_dim=8),
+                                                                             tmp_path / "drafter")
+    r = CliRunner().invoke(main, ["reference", "--target", str(target), "--drafter", str(drafter),
+                                  "--max-new-tokens", "2"])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {target / 'config.json'}: head_dim: 9 is odd"), errors[0]
+
+
+def test_a_tied_config_over_a_distinct_lm_head_is_refused_before_an_engine_is_written(tmp_path):
+    """tie_word_embeddings true over weights that also hold an lm_head.weight of other values: transformers 5 keeps
+    that head (with a warning), transformers 4 and other runtimes tie it to the embedding table -- two models.
+    Refused by the loader every stage uses, naming config.json's tie_word_embeddings; the same head stored twice is
+    one model and loads."""
+    from dflash_export.models import load_target
+
+    target = _target(tmp_path)  # tiny Qwen3: untied, its own lm_head.weight
+    _edit(target, lambda text, cfg: text.update(tie_word_embeddings=True))
+    with pytest.raises(DFlashError) as e:
+        load_target(target)
+    assert (e.value.path, e.value.field) == (target / "config.json", "tie_word_embeddings"), e.value
+    engines = tmp_path / "engines"
+    r = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", "tiny:qwen3/drafter",
+                                  "--out", str(engines)])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and "Traceback" not in r.output and len(errors) == 1, r.output
+    assert errors[0].startswith(f"error: {target / 'config.json'}: tie_word_embeddings: "), errors[0]
+    assert not engines.exists()
+    _edit_weights(target, lambda sd, prefix: sd.__setitem__("lm_head.weight",
+                                                         sd[prefix + "embed_tokens.weight"].clone()))
+    assert load_target(target).hidden_size == 64

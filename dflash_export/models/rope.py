@@ -12,6 +12,8 @@ rotary factors, and anything transformers does not know.
 
 from __future__ import annotations
 
+import copy
+
 from dflash_export.decoding.request import is_finite_number, is_number, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
@@ -30,7 +32,10 @@ def hf_config(cfg: dict, path, model_type: str = "qwen3"):
     cls_name = CONFIG_CLASSES.get(model_type) or (arch.hf_architecture if arch else "Qwen3ForCausalLM").replace(
         "ForCausalLM", "Config")
     cls = getattr(transformers, cls_name)
-    fields = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "transformers_version")}
+    # a copy: transformers standardizes the RoPE settings in place (a legacy rope_scaling gains rope_type), and `cfg`
+    # is read as config.json spells it afterwards
+    fields = copy.deepcopy({k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
+                                                                      "transformers_version")})
     try:
         return cls.from_dict(fields)
     except Exception as e:  # huggingface_hub's strict-dataclass errors, ValueError/KeyError from rope validation
@@ -110,6 +115,44 @@ def rope_scaling_problem(params: dict, field: str = "rope_parameters") -> tuple[
     return None
 
 
+def rope_type_problem(params: dict, cfg: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
+    """(field, reason) when the RoPE type of these standardized parameters (of each layer type's, when per layer type)
+    is none transformers has tables for: its model classes then fail as they are made, with nothing but the type's
+    name (a KeyError). `cfg`: the config dict, for the key the type is spelled under (`type`, the legacy alias, in a
+    `rope_scaling` that has no `rope_type`); `field`: the key the settings came from (`rope_source_field`)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    for p in params.values() if per_type else [params]:
+        kind = p.get("rope_type", "default")
+        if isinstance(kind, str) and kind in known:
+            continue
+        given = cfg.get(field)
+        key = "type" if isinstance(given, dict) and "rope_type" not in given and "type" in given else "rope_type"
+        return f"{field}.{key}", f"{kind!r} is not a RoPE type transformers knows (known: {', '.join(known)})"
+    return None
+
+
+def rotary_dim_problem(params: dict, head_dim: int, cfg: dict) -> tuple[str, str] | None:
+    """(field, reason) when RoPE would turn an odd number of each head's channels: it turns them in pairs (rotate-half
+    pairs channel i with i + dim / 2), so transformers' tables then hold one channel more than it turns and the model
+    fails at its first forward pass. `head_dim`: the head size transformers' attention takes (config.json's head_dim,
+    else hidden_size / num_attention_heads); the partial rotary factor of `params` (checked by
+    `partial_rotary_problem` first) takes its share of it. The field is head_dim, or the factor's key where the factor
+    makes an even head size's share odd."""
+    factor = params.get("partial_rotary_factor", 1.0)
+    if not is_number(factor) or int(head_dim * factor) % 2 == 0:
+        return None
+    if head_dim % 2:
+        how = "" if cfg.get("head_dim") is not None else " (absent: hidden_size / num_attention_heads)"
+        return "head_dim", f"{head_dim}{how} is odd, but RoPE turns a head's channels in pairs"
+    nested = isinstance(cfg.get("rope_parameters"), dict) and "partial_rotary_factor" in cfg["rope_parameters"]
+    return ("rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor",
+            f"{factor} of head_dim {head_dim} is {int(head_dim * factor)} channels, an odd number, but RoPE turns a "
+            "head's channels in pairs")
+
+
 def partial_rotary_problem(params: dict, cfg: dict) -> tuple[str, str] | None:
     """(field, reason) when the partial rotary factor of the standardized parameters `params` of config dict `cfg` is
     given but is not a number in [0, 1]: the fraction of each head's channels RoPE turns, which transformers' rotary
@@ -165,5 +208,6 @@ def rope_inverse_frequencies(params: dict, head_dim: int, max_position_embedding
 
 
 __all__ = ["STATIC_ROPE_TYPES", "hf_config", "rope_parameters_of", "rope_problem", "rope_source_field",
-           "rope_theta_problem", "rope_scaling_problem", "partial_rotary_problem", "legacy_rope_fields",
+           "rope_theta_problem", "rope_scaling_problem", "rope_type_problem", "rotary_dim_problem",
+           "partial_rotary_problem", "legacy_rope_fields",
            "rope_inverse_frequencies"]

@@ -26,6 +26,8 @@ from dflash_export.models.rope import (
     rope_scaling_problem,
     rope_source_field,
     rope_theta_problem,
+    rope_type_problem,
+    rotary_dim_problem,
 )
 from dflash_export.models.sources import resolve_source
 from dflash_export.models.weights import (
@@ -117,10 +119,11 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
 def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     """The family's layer settings, read through transformers' config class: `layer_types` one known kind per layer,
     value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers, a positive SwiGLU clamp
-    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, RoPE scaling settings that give
-    finite tables, a partial rotary factor in [0, 1], a positive RMSNorm epsilon, and no setting the exported graphs
-    would ignore (an activation other than SiLU, biases they do not add). A value transformers' config class rejects
-    is named by its key. `where(key)` spells a key as config.json does."""
+    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, a RoPE type transformers knows,
+    RoPE scaling settings that give finite tables, a partial rotary factor in [0, 1], an even number of channels per
+    head for RoPE to turn, a positive RMSNorm epsilon, and no setting the exported graphs would ignore (an activation
+    other than SiLU, biases they do not add). A value transformers' config class rejects is named by its key.
+    `where(key)` spells a key as config.json does."""
     arch = ARCHS[cfg["model_type"]]
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n):
@@ -145,10 +148,13 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
         raise DFlashError(f"must be a positive finite number, got {eps!r}", path=cfg_path, field=where("rms_norm_eps"))
     params = dict(getattr(hf, "rope_parameters", None) or {})
     # a base of 0, below 0, NaN or not a number, or a scaling factor of 0: the model computes NaN (or nothing) at
-    # every position; a partial factor outside [0, 1] builds no rotary module
+    # every position; a RoPE type transformers has no tables for, a partial factor outside [0, 1] or an odd number of
+    # channels to turn builds no model that runs
     source = rope_source_field(cfg)
-    rope = (rope_theta_problem(params, source) or rope_scaling_problem(params, source)
-            or partial_rotary_problem(params, cfg))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # as its attention takes it
+    rope = (rope_theta_problem(params, source) or rope_type_problem(params, cfg, source)
+            or rope_scaling_problem(params, source) or partial_rotary_problem(params, cfg)
+            or rotary_dim_problem(params, head_dim, cfg))
     if rope:
         key, _, rest = rope[0].partition(".")
         raise DFlashError(rope[1], path=cfg_path, field=where(key) + (f".{rest}" if rest else ""))
@@ -587,7 +593,23 @@ def load_target(path, dtype: torch.dtype = torch.float32) -> TargetModel:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"cannot load target weights ({first})", path=model_dir) from None
     check_finite_parameters(hf, model_dir)
+    check_tied_head(hf, cfg_path)
     return TargetModel(hf, model_dir, config)
+
+
+def check_tied_head(hf, cfg_path: Path) -> None:
+    """A config that ties the LM head to the embedding table (tie_word_embeddings true) over weights that store an
+    lm_head.weight of other values describes two models: transformers 5 then keeps the stored head (and says so in a
+    warning this project silences), transformers 4 and other runtimes replace it by the table. A DFlashError naming
+    config.json's tie_word_embeddings, checked on the loaded model (the two tensors are in memory already)."""
+    head, embed = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if not getattr(hf.config, "tie_word_embeddings", False) or head is None or embed is None \
+            or head.weight is embed.weight or torch.equal(head.weight, embed.weight):
+        return
+    where = _spelled(read_json_object(cfg_path))
+    raise DFlashError("true, but the weights hold an lm_head.weight that differs from the embedding table (a tied "
+                      "head is the table): set it to false to use that head, or remove lm_head.weight",
+                      path=cfg_path, field=where("tie_word_embeddings"))
 
 
 def check_finite_parameters(hf, model_dir: Path) -> None:
