@@ -258,6 +258,8 @@ def _codec_dir(d, template):
     "{{ '%0100000000d' % 1 }}",
     "{% set ns = namespace(s='ab') %}{% for i in range(28) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "{% set s = 'x' * 16000000 %}{{ ([s] * 20)|join }}",
+    "{{ ('x'.encode() * 1000)|length }}",  # bytes, which the bounds on strings do not see, and Python codecs
+    "{{ 'ab'.encode('punycode') }}",
 ])
 def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch, payload):
     from dflash_export.engines.base import load_codec
@@ -270,6 +272,59 @@ def test_a_hostile_chat_template_is_refused_and_never_runs(tmp_path, monkeypatch
     assert str(e.value).startswith(f"{tmp_path / 'engine' / 'tokenizer_config.json'}: chat_template: ") \
         and "unsafe" in str(e.value), str(e.value)
     assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("template, says", [
+    # A width given by a nested field, as a string: 200 MB of spaces, or 100 GB with more digits.
+    ("{{ '{0:{1}}'.format(1, '200000000') }}", "a format width of 200000000 items"),
+    ("{{ '{0:>{w}}{0:>{w}}'.format(1, w=9000000) }}", "a formatted string of"),
+    ("{{ '%*d%*d' % (9000000, 1, 9000000, 1) }}", "a formatted string of"),  # widths taken from the values
+])
+def test_a_formatted_string_is_refused_before_it_is_built(template, says):
+    """A formatting whose widths, however given, add up past the bound is refused as its fields are formatted (or
+    before), never built whole and measured after."""
+    from dflash_export.errors import DFlashError
+    from dflash_export.models.tokenization import TextCodec
+
+    with pytest.raises(DFlashError) as e:
+        TextCodec(None, template, {}).render_chat([{"role": "user", "content": "hi"}])
+    assert says in str(e.value) and str(e.value).startswith("chat_template: the chat template tried an unsafe "
+                                                            "operation"), str(e.value)
+
+
+def test_values_a_chat_template_keeps_are_bounded_in_memory():
+    """Six variables holding `s.split()` of a 15-million-character string (300 MB each: the work budget alone let
+    them add up to 2 GB in a second) are stopped once what the rendering built passes MAX_BUILT_BYTES."""
+    import subprocess
+    import sys
+
+    from dflash_export.models.chat_sandbox import MAX_BUILT_BYTES
+
+    template = "{% set s = 'xy ' * 5000000 %}" + "".join(f"{{% set v{i} = s.split() %}}" for i in range(6)) + "done"
+    code = ("import resource, sys\nfrom dflash_export.errors import DFlashError\n"
+            "from dflash_export.models.tokenization import TextCodec\n"
+            "try:\n    print(TextCodec(None, sys.stdin.read(), {}).render_chat([{'role': 'user', 'content': 'hi'}]))\n"
+            "except DFlashError as e:\n    print(e)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    r = subprocess.run([sys.executable, "-c", code], input=template, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    message, peak = r.stdout.strip().splitlines()
+    assert message == "chat_template: the chat template tried an unsafe operation, refused by the sandbox (more " \
+                      f"than {MAX_BUILT_BYTES} bytes of strings and lists built)", message
+    assert int(peak) < 1.6 * MAX_BUILT_BYTES, peak
+
+
+def test_a_chat_template_writing_a_lone_surrogate_is_one_line_naming_it(tmp_path):
+    """A rendering that is not text a tokenizer takes (a lone surrogate) is refused naming the template, not a
+    TypeError from the tokenizer."""
+    from dflash_export.engines.base import load_codec
+    from dflash_export.errors import DFlashError
+
+    codec = load_codec(_codec_dir(tmp_path / "engine", "{{ '\\ud800' }}hi"))
+    with pytest.raises(DFlashError) as e:
+        codec.encode_prompt("hi")
+    assert str(e.value) == f"{tmp_path / 'engine' / 'tokenizer_config.json'}: chat_template: lone surrogate \\ud800 " \
+                           "at character 0 (not valid Unicode text)", str(e.value)
 
 
 def test_a_chat_template_that_writes_without_end_is_stopped(tmp_path):
@@ -319,8 +374,17 @@ def _render_elsewhere(template: str, timeout: float = 120) -> tuple[float, str]:
     "{% set s = 'x' * 16000000 %}{% for i in range(100000) %}{% for j in range(100000) %}{% if 'yx' in s %}"
     "{% endif %}{% endfor %}{% endfor %}",
     "{% set s = range(100000)|list %}{% for i in range(100000) %}{% if s|sum < 0 %}x{% endif %}{% endfor %}",
+    # Filters slower than a copy on every character of a long string (seconds a call, the whole
+    # string charged as a copy of it).
+    "{% set s = 'a ' * 8000000 %}{% for i in range(1000) %}{% set x = s|urlize %}{% endfor %}",
+    "{% set s = 'ab' * 8000000 %}{% for i in range(1000) %}{% set x = s|sort %}{% endfor %}",
+    "{% set s = '<a> ' * 4000000 %}{% for i in range(1000) %}{% set x = s|striptags %}{% endfor %}",
+    # Formattings of many fields, which the sandbox formats one by one.
+    "{% set f = '{0}' * 400000 %}{% for i in range(1000) %}{% set x = f.format(1) %}{% endfor %}",
+    "{% set f = '%(a)s' * 400000 %}{% for i in range(1000) %}{% set x = f % {'a': 1} %}{% endfor %}",
 ], ids=["nested-loops", "loop-filter", "large-body", "macro", "recursive-loop", "call-block", "string-search",
-        "list-filter"])
+        "list-filter", "word-filter", "string-sort", "regex-filter", "format-fields",
+        "printf-fields"])
 def test_a_chat_template_that_works_without_end_is_stopped(template):
     """Templates that run for hours without writing anything (the cap on what a rendering writes never stops them)
     are stopped at the work budget within seconds, one line naming the field."""

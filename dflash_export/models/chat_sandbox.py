@@ -12,8 +12,13 @@ lists and dicts), and on top of that:
   end is stopped at the budget, with a DFlashError naming `chat_template`, whatever it writes (or not): what it
   writes is charged too, out or into a captured block.
 - size: no operation builds a string or list longer than MAX_RENDERED_CHARS, nor an integer wider than MAX_INT_BITS
-  (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step);
-  tokenization.TextCodec.render_chat also stops a rendering that writes more than MAX_RENDERED_CHARS.
+  (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step), nor a
+  formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); tokenization.TextCodec.render_chat also stops a
+  rendering that writes more than MAX_RENDERED_CHARS.
+- memory: the values a rendering's operations build (the strings, lists and the strings in them that filters,
+  methods and operators return) count toward MAX_BUILT_BYTES in all, so values kept in variables cannot add up to
+  gigabytes within the work budget (`s.split()` of a 16-million-character string builds 300 MB in one call). Strings
+  are never made bytes (`str.encode` is refused): bytes are no text, and the sizes above are not checked on them.
 
 The budget lives on the rendering's own jinja2 context (its EvalContext), so renderings on several threads of the one
 shared environment never share a count. The metering nodes and filters have names a template cannot spell (they
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 import re
 import string
+import sys
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
@@ -50,6 +56,11 @@ ITEMS_PER_STEP = 16  # list / dict work done in C (copy, compare, `in`) charges 
 FILTER_STEPS = 2  # each call of a filter or test, the template's own or one made by `map` / `select`
 FILTER_ITEM_STEPS = 4  # each item a filter goes through (sorting or selecting by an attribute: about 2 us an item)
 MAX_INT_BITS = 1 << 16  # an integer of 65536 bits (about 20000 digits): past any count or id a template needs
+# What a rendering's operations may build in all, in bytes as Python holds them: what the fixed work budget lets a
+# template build of ASCII text (MAX_TEMPLATE_STEPS * CHARS_PER_STEP), past any real template's (a few copies of the
+# prompt's text), whatever the number of messages.
+MAX_BUILT_BYTES = 1 << 30
+FIELD_STEPS = 4  # each field of a `str.format` / `%` formatting (the sandbox formats them one by one in Python)
 
 _CHARGE = "chat template charge"  # charges its argument in steps, returns its value unchanged
 _TOUCH = "chat template touch"  # charges the size of its value, returns it unchanged
@@ -63,6 +74,15 @@ _CONSTANT_TIME_FILTERS = frozenset(["attr", "count", "d", "default", "first", "i
 _COMPARING_TESTS = frozenset(["in", "eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=", "gt",
                               "greaterthan", ">", "ge", ">=", "sameas"])
 _SIZE_CHECKED_FILTERS = frozenset(["format", "indent", "join", "replace", "slice", "sum", "tojson", "wordwrap"])
+# Filters that go through a string given to them at C speed (a copy, a search): charged by its length
+# (CHARS_PER_STEP). Those going through it with regular expressions or word by word are slower: charged a step for
+# the characters they go through in about half a microsecond (measured on one-letter words, their worst case). Any
+# other filter given a string goes through it character by character in Python (`sort`, `groupby`, `unique`,
+# `batch`, `urlize`, `wordwrap`...) or makes each one an item (`list`): FILTER_ITEM_STEPS a character.
+_TEXT_FILTERS = frozenset(["capitalize", "center", "e", "escape", "float", "forceescape", "format", "indent", "int",
+                           "lower", "replace", "reverse", "safe", "string", "tojson", "trim", "truncate", "upper"]) \
+    | _CONSTANT_TIME_FILTERS
+_SLOW_TEXT_FILTERS = {"striptags": 4, "title": 2, "urlencode": 8, "wordcount": 8}  # characters to a step
 # Filters and string methods whose integer arguments are widths or counts of what they build (`center(10**9)` is a
 # gigabyte of spaces): refused past MAX_RENDERED_CHARS, charged by size below it.
 _WIDTH_FILTERS = frozenset(["batch", "center", "format", "indent", "slice", "tojson", "truncate", "wordwrap"])
@@ -79,10 +99,10 @@ class _Work:
     """One rendering's budget, the steps it has spent and the characters it has written, out or into captured blocks
     (mutable, so an `{% autoescape %}` block's save / restore of its EvalContext keeps the same count)."""
 
-    __slots__ = ("steps", "limit", "written")
+    __slots__ = ("steps", "limit", "written", "built")
 
     def __init__(self, limit: int):
-        self.steps, self.limit, self.written = 0, limit, 0
+        self.steps, self.limit, self.written, self.built = 0, limit, 0, 0
 
 
 def _work(context) -> _Work:
@@ -161,6 +181,31 @@ def _check_result(value) -> None:
         _refuse_len(len(value), "a string or list")
 
 
+def _bytes(value, items: bool) -> int:
+    """The memory `value` holds as an operation's result: a string's, a list's or tuple's, and with `items`
+    _ITEM_BYTES more for each item in it (without going through them)."""
+    if not isinstance(value, (str, list, tuple, dict)):
+        return 0
+    return sys.getsizeof(value) + (_ITEM_BYTES * len(value) if items and isinstance(value, (list, tuple)) else 0)
+
+
+# What a new item of a list that a method or filter returns holds, its text aside (a method's pieces of a string
+# count that string's size once): a short string's header, a small tuple or list (`s.split()`, `x|batch(2)`,
+# `d|dictsort`).
+_ITEM_BYTES = 64
+
+
+def _built(context, value, items: bool = True, text: int = 0) -> None:
+    """`value`, an operation's result: refused if longer than MAX_RENDERED_CHARS, and counted toward what the
+    rendering builds in all (MAX_BUILT_BYTES), with `text` bytes of new strings in it. `items`: its items may be new
+    (see `_bytes`); an operator's list holds only values that were there before (`l + [x]`, `[x] * n`)."""
+    _check_result(value)
+    work = _work(context)
+    work.built += _bytes(value, items) + text
+    if work.built > MAX_BUILT_BYTES:
+        raise _security_error(f"more than {MAX_BUILT_BYTES} bytes of strings and lists built")
+
+
 def _check_int(n, what: str = "an argument") -> None:
     if is_int(n) and abs(n) > MAX_RENDERED_CHARS:
         raise _security_error(f"{what} of {n} (more than {MAX_RENDERED_CHARS})")
@@ -183,7 +228,9 @@ def _arg_chars(context, value) -> int:
 
 def _check_printf(context, fmt: str, values) -> None:
     """Refuse a printf-style formatting (`fmt % values`, `fmt|format(...)`) whose result could pass
-    MAX_RENDERED_CHARS: each conversion writes at most its width, precision and the longest value."""
+    MAX_RENDERED_CHARS: each conversion writes at most its width, precision (either given, or `*`: taken from the
+    values, the largest integer among them) and the longest value. Charges FIELD_STEPS a conversion."""
+    _charge(context, FIELD_STEPS * fmt.count("%"))  # before the conversions are looked at one by one
     if isinstance(values, dict):
         args = list(values.values())
     elif isinstance(values, tuple):
@@ -193,14 +240,18 @@ def _check_printf(context, fmt: str, values) -> None:
     for a in args:
         _check_int(a)
     widest = max((_arg_chars(context, a) for a in args), default=0)
+    star = max((abs(a) for a in args if is_int(a)), default=0)
     total = len(fmt)
     for m in _PRINTF.finditer(fmt):
-        total += widest + sum(int(g) for g in m.groups() if g and g != "*")
+        total += widest + sum(star if g == "*" else int(g) for g in m.groups() if g)
     _refuse_len(total, "a formatted string")
 
 
 def _check_str_format(context, fmt: str, args, kwargs) -> None:
-    """The same bound for `fmt.format(...)` / `fmt.format_map(...)`."""
+    """The same bound for `fmt.format(...)` / `fmt.format_map(...)`, estimated from the format string as written
+    (a width given by a nested field, `{0:{1}}`, is bounded as it is formatted: `_BoundedFields`). Charges FIELD_STEPS
+    a field."""
+    _charge(context, FIELD_STEPS * fmt.count("{"))  # before the fields are looked at one by one
     values = list(args) + list(kwargs.values())
     if len(values) == 1 and isinstance(values[0], dict):
         values += list(values[0].values())
@@ -309,6 +360,8 @@ def _metered_filter(name: str, func, is_test: bool = False):
 
     pass_arg = _PassArg.from_obj(func)
     goes_through = name in _COMPARING_TESTS if is_test else name not in _CONSTANT_TIME_FILTERS
+    # The characters of a string value to a step (0: FILTER_ITEM_STEPS a character).
+    chars_per_step = CHARS_PER_STEP if is_test or name in _TEXT_FILTERS else _SLOW_TEXT_FILTERS.get(name, 0)
     checked = not is_test and name in _SIZE_CHECKED_FILTERS
     widths = not is_test and name in _WIDTH_FILTERS
 
@@ -319,7 +372,7 @@ def _metered_filter(name: str, func, is_test: bool = False):
         if args and goes_through:
             value = args[0]
             if isinstance(value, str):
-                steps += len(value) // CHARS_PER_STEP
+                steps += len(value) // chars_per_step if chars_per_step else FILTER_ITEM_STEPS * len(value)
             elif is_test:
                 steps += _size(value)
             elif hasattr(value, "__next__") and not isinstance(value, LoopContext):
@@ -343,7 +396,7 @@ def _metered_filter(name: str, func, is_test: bool = False):
             result = func(context.environment, *args, **kwargs)
         else:
             result = func(*args, **kwargs)
-        _check_result(result)
+        _built(context, result)
         _charge(context, _size(result))
         return result
 
@@ -383,7 +436,9 @@ def _concat_filter(context, items):
     _charge(context, 2 * FILTER_STEPS + sum(len(p) for p in parts) // CHARS_PER_STEP)
     _refuse_len(sum(len(p) for p in parts), "a string")
     eval_ctx = context.eval_ctx
-    return (markup_join if eval_ctx.volatile or eval_ctx.autoescape else str_join)(parts)
+    result = (markup_join if eval_ctx.volatile or eval_ctx.autoescape else str_join)(parts)
+    _built(context, result, items=False)
+    return result
 
 
 # --- metering the template's syntax tree -----------------------------------------------------------------------------
@@ -494,10 +549,35 @@ def chat_environment():
     """The only jinja2 environment chat templates are compiled and rendered in (see the module's docstring). Made
     once per process and shared: nothing changes it after this function, and each rendering keeps its own count of
     work."""
+    import types
+
     import jinja2.ext
     from jinja2.runtime import LoopContext, Macro
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
     from jinja2.utils import pass_context
+    from markupsafe import Markup
+
+    class BoundedFields:
+        """What `str.format` / `format_map` format with (mixed into jinja2's sandboxed formatters): each field's
+        format spec, as resolved (nested fields filled in), asks for no width or precision past MAX_RENDERED_CHARS,
+        and the fields formatted so far are refused once past it, before the next one is built."""
+
+        def vformat(self, format_string, args, kwargs):
+            self.formatted = 0
+            return super().vformat(format_string, args, kwargs)
+
+        def format_field(self, value, format_spec):
+            _refuse_len(sum(int(d) for d in re.findall(r"\d+", format_spec)), "a format width")
+            text = super().format_field(value, format_spec)
+            self.formatted += len(text)
+            _refuse_len(self.formatted, "a formatted string")
+            return text
+
+    class Formatter(BoundedFields, SandboxedFormatter):
+        pass
+
+    class EscapeFormatter(BoundedFields, SandboxedEscapeFormatter):
+        pass
 
     class ChatTemplate(jinja2.Template):
         def new_context(self, vars=None, shared=False, locals=None):
@@ -510,6 +590,30 @@ def chat_environment():
         # charged) in the rendering.
         intercepted_binops = frozenset(["+", "-", "*", "/", "//", "%", "**"])
         template_class = ChatTemplate
+
+        def is_safe_attribute(self, obj, attr, value):
+            # `str.encode` makes bytes, which no chat template needs, which the bounds on strings do not see
+            # (`'x'.encode() * 10**10`), and through codecs written in Python (punycode: quadratic).
+            return not (isinstance(obj, str) and attr == "encode") and super().is_safe_attribute(obj, attr, value)
+
+        def wrap_str_format(self, value):
+            """jinja2's sandboxed `str.format` / `format_map`, formatting with BoundedFields."""
+            if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
+                    value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str):
+                return None
+            fmt, is_map = value.__self__, value.__name__ == "format_map"
+            formatter = EscapeFormatter(self, escape=fmt.escape) if isinstance(fmt, Markup) else Formatter(self)
+
+            def wrapper(*args, **kwargs):
+                if is_map:
+                    if kwargs:
+                        raise TypeError("format_map() takes no keyword arguments")
+                    if len(args) != 1:
+                        raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
+                    args, kwargs = (), args[0]
+                return type(fmt)(formatter.vformat(fmt, args, kwargs))
+
+            return functools.update_wrapper(wrapper, value)
 
         def _parse(self, source, name, filename):
             tree = super()._parse(source, name, filename)
@@ -537,7 +641,7 @@ def chat_environment():
             elif operator == "%" and isinstance(left, str):
                 _check_printf(context, left, right)
             result = super().call_binop(context, operator, left, right)
-            _check_result(result)
+            _built(context, result, items=False)
             if is_int(result) and result.bit_length() > MAX_INT_BITS:  # `n + n` again and again
                 raise _security_error(f"an integer of more than {MAX_INT_BITS} bits")
             return result
@@ -562,7 +666,10 @@ def chat_environment():
                     else:
                         args = _check_str_method(name, target, args, given)
             result = super().call(context, obj, *args, **kwargs)
-            _check_result(result)
+            # A string's method that returns a list or tuple returns pieces of it (`split`, `partition`).
+            pieces = isinstance(obj, types.BuiltinMethodType) and isinstance(obj.__self__, str) and \
+                isinstance(result, (list, tuple))
+            _built(context, result, text=sys.getsizeof(obj.__self__) if pieces else 0)
             _charge(context, _size(result))
             return result
 

@@ -13,6 +13,7 @@ import json
 import threading
 from pathlib import Path
 
+from dflash_export.decoding.request import check_unicode
 from dflash_export.errors import DFlashError
 from dflash_export.models.chat_sandbox import MAX_RENDERED_CHARS, compiled_template
 
@@ -173,7 +174,8 @@ class TextCodec:
                     raise failed(f"the chat template wrote more than {MAX_RENDERED_CHARS} characters for these "
                                  "messages")
                 parts.append(part)
-            return "".join(parts)
+            # Text a tokenizer takes: a lone surrogate (`'\\ud800'` in the template) cannot be UTF-8.
+            return check_unicode("".join(parts), "chat_template")
         except ChatTemplateError:
             raise
         except DFlashError as e:  # the sandbox's bounds, or the template's own raise_exception
