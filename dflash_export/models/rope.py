@@ -72,13 +72,28 @@ def rope_parameters_of(cfg: dict, path, model_type: str = "qwen3") -> dict:
     return params
 
 
+def _per_layer_type(params: dict) -> bool:
+    """Whether standardized RoPE parameters are given per layer type ({"full_attention": {...}, ...})."""
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def _each_layer_type(params: dict) -> list[dict]:
+    """The RoPE parameter dicts to check: each layer type's, or `params` itself."""
+    return list(params.values()) if _per_layer_type(params) else [params]
+
+
+def _partial_rotary_field(cfg: dict) -> str:
+    """The key config dict `cfg` gives its partial rotary factor under."""
+    nested = isinstance(cfg.get("rope_parameters"), dict) and "partial_rotary_factor" in cfg["rope_parameters"]
+    return "rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor"
+
+
 def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
     """(field, reason) when the RoPE base of these standardized parameters (of each layer type's, when per layer type)
     is not a positive finite number: a base of 0, below 0 or NaN makes every cos/sin table NaN, one that is not a
     number cannot be computed with. `field`: the key the settings came from (`rope_source_field`)."""
     name = "rope_parameters.rope_theta" if field == "rope_parameters" else "rope_theta"
-    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
-    for p in params.values() if per_type else [params]:
+    for p in _each_layer_type(params):
         theta = p.get("rope_theta", 10000.0)
         if not is_positive_number(theta):
             return name, f"expected a positive number (the RoPE base), got {theta!r}"
@@ -97,8 +112,7 @@ def rope_scaling_problem(params: dict, field: str = "rope_parameters") -> tuple[
     layer type) would make the cos/sin tables non-finite: a factor or correction bound of 0, below 0, NaN or not a
     number, a finite setting that is not, llama3's two frequency factors equal (its smoothing divides by their
     difference). `field`: the key the settings came from (`rope_source_field`)."""
-    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
-    for p in params.values() if per_type else [params]:
+    for p in _each_layer_type(params):
         if p.get("rope_type", "default") == "default":
             continue
         for key in _POSITIVE_ROPE_KEYS + _FINITE_ROPE_KEYS:
@@ -123,8 +137,7 @@ def rope_type_problem(params: dict, cfg: dict, field: str = "rope_parameters") -
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     known = ("default", *ROPE_INIT_FUNCTIONS)
-    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
-    for p in params.values() if per_type else [params]:
+    for p in _each_layer_type(params):
         kind = p.get("rope_type", "default")
         if isinstance(kind, str) and kind in known:
             continue
@@ -147,8 +160,7 @@ def rotary_dim_problem(params: dict, head_dim: int, cfg: dict) -> tuple[str, str
     if head_dim % 2:
         how = "" if cfg.get("head_dim") is not None else " (absent: hidden_size / num_attention_heads)"
         return "head_dim", f"{head_dim}{how} is odd, but RoPE turns a head's channels in pairs"
-    nested = isinstance(cfg.get("rope_parameters"), dict) and "partial_rotary_factor" in cfg["rope_parameters"]
-    return ("rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor",
+    return (_partial_rotary_field(cfg),
             f"{factor} of head_dim {head_dim} is {int(head_dim * factor)} channels, an odd number, but RoPE turns a "
             "head's channels in pairs")
 
@@ -161,8 +173,7 @@ def partial_rotary_problem(params: dict, cfg: dict) -> tuple[str, str] | None:
     factor = params.get("partial_rotary_factor", 1.0)
     if is_number(factor) and 0 <= factor <= 1:
         return None
-    nested = isinstance(cfg.get("rope_parameters"), dict) and "partial_rotary_factor" in cfg["rope_parameters"]
-    return ("rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor",
+    return (_partial_rotary_field(cfg),
             f"expected a number from 0 to 1 (the fraction of each head's channels RoPE turns), got {factor!r}")
 
 
@@ -172,7 +183,7 @@ def rope_problem(params: dict, field: str = "rope_parameters", partial_ok: bool 
     theta = rope_theta_problem(params, field) or rope_scaling_problem(params, field)
     if theta:
         return theta
-    if params and all(isinstance(v, dict) for v in params.values()):
+    if _per_layer_type(params):
         return field, f"per-layer-type RoPE ({sorted(params)}) is not supported"
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
