@@ -255,6 +255,25 @@ def test_a_qwen3_gguf_converts_with_its_own_head_size(tmp_path, monkeypatch):
         assert torch.equal(weights[hf_name], torch.from_numpy(stored[gguf_name].reshape(weights[hf_name].shape).copy()))
 
 
+def test_a_llama_gguf_s_permuted_q_and_k_convert_back_to_the_checkpoint_s(tmp_path, monkeypatch):
+    """llama.cpp's converter stores a llama's q / k rows permuted for its RoPE (convert_hf_to_gguf.py's
+    LlamaModel.permute, k by the KV heads' count): the conversion gives back the checkpoint's weights bit for bit."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((16, 16)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
+    f = _tiny_gguf(tmp_path / "t.gguf", drop=("blk.0.attn_q.weight", "blk.0.attn_k.weight"),
+                   values={"blk.0.attn_q.weight": permute(q, 2), "blk.0.attn_k.weight": permute(k, 1)})
+    weights = load_file(hf_dir_from_gguf(f) / "model.safetensors")
+    np.testing.assert_array_equal(weights["model.layers.0.self_attn.q_proj.weight"], q)
+    np.testing.assert_array_equal(weights["model.layers.0.self_attn.k_proj.weight"], k)
+
+
 def test_a_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     d = hf_dir_from_gguf(_tiny_gguf(tmp_path / "t.gguf"))
@@ -326,6 +345,17 @@ def _offset_past_end(raw: bytes) -> bytes:
     return raw[:at] + (10 ** 9).to_bytes(8, "little") + raw[at + 8:]
 
 
+def _offset_of(name: str):
+    """An edit giving tensor `name` the data offset of blk.0.attn_q.weight (their bytes then overlap)."""
+    def edit(raw: bytes) -> bytes:
+        def at(tensor):
+            i = _tensor_info_at(raw, tensor)
+            return i + 4 + 8 * int.from_bytes(raw[i:i + 4], "little") + 4
+        src, dst = at("blk.0.attn_q.weight"), at(name)
+        return raw[:dst] + raw[src:src + 8] + raw[dst + 8:]
+    return edit
+
+
 def _extra_key(value: bytes):
     """An edit adding the key `x.extra` (its value type and value given as bytes) first among the key/values."""
     def edit(raw: bytes) -> bytes:
@@ -358,6 +388,9 @@ def _layout_cases():
          "blk.0.attn_q.weight", "inside its shape"),
         ("cut in the tensor data", cut(-100), "blk.0.ffn_down.weight", "past the end of the file"),
         ("a tensor offset past the end", _offset_past_end, "blk.0.ffn_down.weight", "past the end of the file"),
+        # read as they are, the two would be converted from the same bytes
+        ("two tensors' data overlapping", _offset_of("blk.0.attn_v.weight"), "blk.0.attn_v.weight",
+         "overlaps blk.0.attn_q.weight's"),
         ("a tensor name twice", lambda raw: raw.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", 1),
          "blk.0.attn_q.weight", "given twice"),
         ("an unknown tensor type", lambda raw: (lambda at: raw[:at + 4 + 16] + (99).to_bytes(4, "little")
@@ -381,6 +414,37 @@ def _layout_cases():
 def test_a_cut_short_or_malformed_gguf_file_is_named_where_it_breaks(tmp_path, monkeypatch, fault, edit, field, says):
     bad = _rewrite(_tiny_gguf(tmp_path / "t.gguf"), edit)
     _refused(tmp_path, monkeypatch, bad, field, says)
+
+
+def test_a_string_longer_than_a_header_holds_is_refused_unread(tmp_path, monkeypatch):
+    """A string's length past what a header's text may take in all is refused by the length alone, even where the
+    file is long enough to hold it (here a sparse file): its bytes are never copied into memory."""
+    from dflash_export.models.gguf import MAX_GGUF_TEXT_BYTES
+
+    n = MAX_GGUF_TEXT_BYTES + 1
+    raw = _extra_key((8).to_bytes(4, "little") + n.to_bytes(8, "little"))(_tiny_gguf(tmp_path / "t.gguf").read_bytes())
+    head = 24 + 8 + len("x.extra") + 4 + 8  # the header, then the key and its value's type and length
+    bad = tmp_path / "long.gguf"
+    with open(bad, "wb") as f:
+        f.write(raw[:head])
+        f.truncate(head + n)  # n zero bytes, as valid UTF-8 as any
+        f.seek(head + n)
+        f.write(raw[head:])
+    _refused(tmp_path, monkeypatch, bad, "x.extra", f"of {n} bytes takes the header's text past "
+             f"{MAX_GGUF_TEXT_BYTES} bytes in all")
+
+
+def test_a_long_rope_freqs_tensor_is_not_read_with_the_header(tmp_path, monkeypatch):
+    """rope_freqs.weight's values are read with the header only while it is as short as RoPE divisors are; a longer
+    one is refused by its shape, its values unread."""
+    import numpy as np
+
+    from dflash_export.models.gguf import read_gguf_metadata
+
+    f = _tiny_gguf(tmp_path / "t.gguf", values={"rope_freqs.weight": np.ones(1 << 17, np.float32)})
+    assert "rope_freqs.weight" not in read_gguf_metadata(f)
+    assert read_gguf_metadata(f)["tensors"]["rope_freqs.weight"] == ((1 << 17,), "F32")
+    _refused(tmp_path, monkeypatch, f, "rope_freqs.weight", "shape [131072] != [4]")
 
 
 def test_a_directory_named_like_a_gguf_file_is_refused(tmp_path, monkeypatch):
@@ -447,6 +511,28 @@ def test_a_tokenizer_whose_lists_disagree_is_named(tmp_path, monkeypatch, key, v
     _refused(tmp_path, monkeypatch, f, field or key, says)
 
 
+@pytest.mark.parametrize("kv, field, says", [
+    # llama.cpp refuses a BPE vocabulary without merges; transformers would make them up from the scores
+    ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges", "missing (a 'gpt2' BPE vocabulary needs its merges)"),
+    ({"tokenizer.ggml.merges": None, "tokenizer.ggml.scores": ([0.0] * 32, "ARRAY")}, "tokenizer.ggml.merges",
+     "missing"),
+    ({"tokenizer.ggml.merges": None, "tokenizer.ggml.model": ("llama", "STRING")}, "tokenizer.ggml.scores",
+     "missing (a 'llama' vocabulary without merges needs its scores)"),
+    ({"tokenizer.ggml.scores": (["x"] * 32, "ARRAY")}, "tokenizer.ggml.scores", "entry 0 is 'x', not a finite number"),
+    ({"tokenizer.ggml.scores": ([0.0] * 5 + [math.nan] + [0.0] * 26, "ARRAY")}, "tokenizer.ggml.scores",
+     "entry 5 is nan, not a finite number"),
+    ({"tokenizer.ggml.token_type": (["x"] * 32, "ARRAY")}, "tokenizer.ggml.token_type",
+     "entry 0 is 'x', not an integer"),
+    ({"tokenizer.ggml.token_type": ([1.0] * 32, "ARRAY")}, "tokenizer.ggml.token_type",
+     "entry 0 is 1.0, not an integer"),
+])
+def test_a_tokenizer_key_missing_or_of_the_wrong_type_is_named(tmp_path, monkeypatch, kv, field, says):
+    from gguf import GGUFValueType
+
+    kv = {k: v and (v[0], GGUFValueType[v[1]]) for k, v in kv.items()}
+    _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", kv=kv), field, says)
+
+
 @pytest.mark.parametrize("edit, field, says", [
     ({"shapes": {"token_embd.weight": (32, 8)}}, "token_embd.weight", "shape [32, 8] != [32, 16]"),
     ({"shapes": {"blk.0.attn_q.weight": (8, 32)}}, "blk.0.attn_q.weight", "shape [8, 32] != [16, 16]"),
@@ -492,6 +578,123 @@ def test_a_tensor_holding_nan_or_inf_is_named_and_nothing_is_cached(tmp_path, mo
         _refused(tmp_path, monkeypatch, bad, "blk.0.ffn_up.weight",
                  f": {n} non-finite values (NaN/inf) of 1024 (converted to model.layers.0.mlp.up_proj.weight)")
     assert not [w for w in seen if issubclass(w.category, RuntimeWarning)]  # numpy's, dequantizing: no second line
+
+
+# ------------------------------------------------------------------------------------------------ dequantization
+# Each GGML block layout written out from ggml's reference dequantizers (ggml-quants.c, dequantize_row_*): a row of
+# random blocks (scales made finite) is converted, and the target's embedding table must be the closed form of those
+# bytes, value for value. Every step counts: the `gguf` package's dequantization, transformers' reshape, the save.
+
+def _f16(b, at):
+    import numpy as np
+
+    return b[:, at:at + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _scale_min_k4(sc, j):
+    """get_scale_min_k4: the 6-bit scale and min of sub-block j from a K-quant's 12 packed bytes (one row per block)."""
+    if j < 4:
+        return sc[:, j] & 63, sc[:, j + 4] & 63
+    return (sc[:, j + 4] & 0xF) | ((sc[:, j - 4] >> 6) << 4), (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4)
+
+
+def _closed_form(name, b):
+    """The values of blocks `b` ([blocks, block bytes] uint8) of GGML type `name`, in float32 as ggml computes them."""
+    import numpy as np
+
+    f32 = np.float32
+    if name == "F16":
+        return b.copy().view(np.float16).astype(f32).ravel()
+    if name == "BF16":
+        return (b.copy().view(np.uint16).astype(np.uint32) << 16).view(f32).ravel()
+    if name == "Q8_0":
+        return (_f16(b, 0)[:, None] * b[:, 2:].view(np.int8).astype(f32)).ravel()
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _f16(b, 0)[:, None]
+        m = _f16(b, 2)[:, None] if name.endswith("_1") else None
+        qs = b[:, -16:].astype(np.int32)
+        lo, hi = qs & 0xF, qs >> 4
+        if name.startswith("Q5"):
+            at = 4 if m is not None else 2
+            qh = b[:, at:at + 4].copy().view("<u4").astype(np.int64)
+            j = np.arange(16)
+            lo = lo | (((qh >> j) << 4) & 0x10)
+            hi = hi | ((qh >> (j + 12)) & 0x10)
+        q = np.concatenate([lo, hi], axis=1)
+        if m is None:
+            return ((q - (16 if name.startswith("Q5") else 8)).astype(f32) * d).ravel()
+        return (q.astype(f32) * d + m).ravel()
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin, sc = _f16(b, 0), _f16(b, 2), b[:, 4:16]
+        qh = b[:, 16:48] if name == "Q5_K" else None
+        qs = b[:, -128:]
+        out = []
+        for j in range(4):
+            for half in range(2):
+                s, m = _scale_min_k4(sc, 2 * j + half)
+                q = (qs[:, 32 * j:32 * j + 32] >> (4 * half)) & 0xF
+                if qh is not None:
+                    q = q + ((qh >> (2 * j + half)) & 1) * 16
+                out.append((d * s.astype(f32))[:, None] * q.astype(f32) - (dmin * m.astype(f32))[:, None])
+        return np.concatenate(out, axis=1).ravel()
+    if name == "Q6_K":
+        ql, qh, sc, d = b[:, :128].astype(np.int32), b[:, 128:192].astype(np.int32), b[:, 192:208].view(np.int8), \
+            _f16(b, 208)
+        out = np.empty((len(b), 256), f32)
+        for n in range(2):
+            lo, h, s = ql[:, 64 * n:64 * n + 64], qh[:, 32 * n:32 * n + 32], sc[:, 8 * n:8 * n + 8].astype(f32)
+            for k, (q_lo, shift) in enumerate(((lo[:, :32] & 0xF, 0), (lo[:, 32:] & 0xF, 2), (lo[:, :32] >> 4, 4),
+                                              (lo[:, 32:] >> 4, 6))):
+                q = (q_lo | (((h >> shift) & 3) << 4)) - 32
+                for half in range(2):
+                    cols = slice(16 * half, 16 * half + 16)
+                    out[:, 128 * n + 32 * k + 16 * half:][:, :16] = \
+                        (d * s[:, 2 * k + half])[:, None] * q[:, cols].astype(f32)
+        return out.ravel()
+    if name == "Q2_K":
+        sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b, 80), _f16(b, 82)
+        out, i = [], 0
+        for n in range(2):
+            q = qs[:, 32 * n:32 * n + 32]
+            for shift in range(0, 8, 2):
+                for part in (q[:, :16], q[:, 16:]):
+                    dl, ml = d * (sc[:, i] & 0xF).astype(f32), dmin * (sc[:, i] >> 4).astype(f32)
+                    out.append(dl[:, None] * ((part >> shift) & 3).astype(f32) - ml[:, None])
+                    i += 1
+        return np.concatenate(out, axis=1).ravel()
+    raise AssertionError(name)
+
+
+# where each type's fp16 scales lie in its block (finite values are written there)
+_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "F16": (), "BF16": ()}
+
+
+@pytest.mark.parametrize("name", list(_SCALES))
+def test_each_stored_type_converts_to_its_closed_form_exactly(tmp_path, monkeypatch, name):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from safetensors.numpy import load_file
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    h, vocab = 256, 32
+    rng = np.random.default_rng(7)
+    b = rng.integers(0, 256, (vocab * h // block, size), dtype=np.uint8)
+    for at in _SCALES[name]:
+        b[:, at:at + 2] = rng.uniform(-0.1, 0.1, (len(b), 1)).astype(np.float16).view(np.uint8)
+    if name in ("F16", "BF16"):  # finite values only
+        b = rng.standard_normal(vocab * h).astype(np.float32 if name == "BF16" else np.float16).view(np.uint8)
+        if name == "BF16":
+            b = b.reshape(-1, 4)[:, 2:]
+        b = b.reshape(-1, size)
+    want = _closed_form(name, b).reshape(vocab, h)
+    f = _tiny_gguf(tmp_path / "t.gguf", drop=("token_embd.weight",), h=h,
+                   raw={"token_embd.weight": (b.reshape(vocab, -1), qtype)})
+    got = load_file(hf_dir_from_gguf(f) / "model.safetensors")["model.embed_tokens.weight"]
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_shape_transformers_reads_otherwise_is_one_error(tmp_path, monkeypatch):

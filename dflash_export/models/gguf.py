@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash_export.decoding.request import is_int, is_positive_number
+from dflash_export.decoding.request import is_finite_number, is_int, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.arch import ARCHS, sliding_windows
@@ -40,6 +40,12 @@ _STRING, _ARRAY = 8, 9
 # Array items the metadata may hold in all, read into Python lists at some 8 to 50 bytes each whatever their size in
 # the file (a 1-byte item included): a vocabulary's tokens, scores, types and merges are about 10**6 of them.
 MAX_GGUF_ARRAY_ITEMS = 1 << 22
+# Bytes of text (keys, string values, tensor names) the header may hold in all, each string refused by its length
+# before it is read: a vocabulary and its merges are some 10 MiB, a chat template some 10 KiB; a bad length would
+# otherwise copy gigabytes of tensor data into memory.
+MAX_GGUF_TEXT_BYTES = 1 << 28
+# Values of rope_freqs.weight read with the header: one per frequency, head_dim / 2 of them.
+_MAX_ROPE_FREQS = 1 << 16
 
 
 class _Cursor:
@@ -48,6 +54,7 @@ class _Cursor:
     def __init__(self, buf, order: str, path: Path):
         self.buf, self.pos, self.order, self.path, self.field = buf, 0, order, path, "header"
         self.items = 0  # array items read so far
+        self.text_bytes = 0  # bytes of text read so far
 
     def fail(self, message: str):
         raise DFlashError(message, path=self.path, field=self.field)
@@ -72,6 +79,10 @@ class _Cursor:
 
     def text(self, what: str) -> str:
         (n,) = self.take("Q", what)
+        self.text_bytes += n
+        if self.text_bytes > MAX_GGUF_TEXT_BYTES:
+            self.fail(f"{what} of {n} bytes takes the header's text past {MAX_GGUF_TEXT_BYTES} bytes in all (a "
+                      "vocabulary and its merges are some 10 MiB; a bad length?)")
         self.need(n, what)
         self.pos += n
         try:
@@ -123,7 +134,8 @@ def read_gguf_metadata(path: Path) -> dict:
     """The GGUF key/values, plus `tensor_names` and `tensors` ({name: (shape in PyTorch's order, GGML type
     name)}), from the header alone (no tensor data read). The layout is checked on the way: DFlashError naming the
     part that is cut short or that no GGUF reader takes -- the magic, the version, a key of an unknown value type
-    or given twice, a tensor name given twice, an unknown tensor type, tensor data past the end of the file.
+    or given twice, a tensor name given twice, an unknown tensor type, tensor data past the end of the file or
+    overlapping another tensor's, a count or length past what a header holds (refused before it is read).
     Read here rather than with the `gguf` package's GGUFReader, which maps every tensor up front (2.3 s against 0.1 s
     on SmolLM2) and fails on a cut or foreign file with a numpy error that names no part of it; its tables of value
     and tensor types are what this reader takes."""
@@ -178,18 +190,32 @@ def read_gguf_metadata(path: Path) -> dict:
                     cur.fail(f"rows of {dims[0]} values do not split into {qtype.name} blocks of {block}")
                 tensors[name] = tuple(reversed(dims)), qtype.name, offset, math.prod(dims) // block * type_size
             data = cur.pos + -cur.pos % meta.get("general.alignment", 32)
-            for name, (_, _, offset, nbytes) in tensors.items():
-                if data + offset + nbytes > size:
-                    raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) runs past the end "
-                                      f"of the file ({size} bytes; truncated, or a bad offset)", path=path, field=name)
+            _check_tensor_data(tensors, data, size, path)
             shape, qtype, offset, _ = tensors.get(_ROPE_FREQS, ((), "", 0, 0))
-            if qtype == "F32" and len(shape) == 1:  # llama3 RoPE factors: a few values, read with the header
+            # llama3 RoPE factors: a few values, read with the header (a longer tensor is refused by its shape)
+            if qtype == "F32" and len(shape) == 1 and shape[0] <= _MAX_ROPE_FREQS:
                 import numpy as np
 
                 meta[_ROPE_FREQS] = np.frombuffer(buf, np.dtype(order + "f4"), shape[0], data + offset).tolist()
     meta["tensor_names"] = list(tensors)
     meta["tensors"] = {name: t[:2] for name, t in tensors.items()}
     return meta
+
+
+def _check_tensor_data(tensors: dict, data: int, size: int, path: Path) -> None:
+    """Each tensor's bytes (`tensors`: {name: (shape, type, offset, bytes)}, offsets from `data`) lie inside the
+    file and share no byte with another tensor's (llama.cpp lays them out one after the other; a tensor read from
+    another's bytes would be converted without a word): DFlashError naming the tensor."""
+    end, last = 0, None
+    for name, (_, _, offset, nbytes) in sorted(tensors.items(), key=lambda t: t[1][2]):
+        if data + offset + nbytes > size:
+            raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) runs past the end "
+                              f"of the file ({size} bytes; truncated, or a bad offset)", path=path, field=name)
+        if nbytes and offset < end:
+            raise DFlashError(f"its data (bytes {data + offset}..{data + offset + nbytes}) overlaps {last}'s "
+                              f"(to byte {data + end}; a bad offset)", path=path, field=name)
+        if nbytes:
+            end, last = offset + nbytes, name
 
 
 @functools.cache
@@ -393,6 +419,8 @@ def gguf_rope_scaling(meta: dict, path: Path) -> dict | None:
         return scaling
     if meta["tensors"][_ROPE_FREQS][1] != "F32":
         fail(_ROPE_FREQS, f"stored as {meta['tensors'][_ROPE_FREQS][1]}, not F32 as llama.cpp reads it")
+    if _ROPE_FREQS not in meta:  # read with the header only when short enough
+        fail(_ROPE_FREQS, f"shape {list(meta['tensors'][_ROPE_FREQS][0])}: more than {_MAX_ROPE_FREQS} divisors")
     if scaling is not None:
         fail(_ROPE_FREQS, f"per-frequency RoPE divisors together with {scaling['rope_type']} scaling are not supported")
     theta = float(meta.get(key("freq_base"), 10000.0))
@@ -458,12 +486,24 @@ def _check_tokenizer(meta: dict, path: Path) -> int:
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise DFlashError("expected a non-empty list of strings" + ("" if tokens is None else f", got {tokens!r}"[:80]),
                           path=path, field="tokenizer.ggml.tokens")
-    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+    for key, right, words in (("tokenizer.ggml.scores", is_finite_number, "a finite number"),
+                              ("tokenizer.ggml.token_type", is_int, "an integer")):
         v = meta.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != len(tokens)):
             got = f"{len(v)} entries" if isinstance(v, list) else repr(v)
             raise DFlashError(f"{got} for {len(tokens)} tokens in tokenizer.ggml.tokens", path=path, field=key)
+        bad = next((i for i, x in enumerate(v or ()) if not right(x)), None)
+        if bad is not None:
+            raise DFlashError(f"entry {bad} is {v[bad]!r}, not {words}", path=path, field=key)
     merges = meta.get("tokenizer.ggml.merges")
+    # llama.cpp reads a byte-level BPE's merges and refuses one without; transformers would make up merges from the
+    # scores (another tokenizer than the file's) or fail without a word on which key is missing.
+    if merges is None and model == "gpt2":
+        raise DFlashError("missing (a 'gpt2' BPE vocabulary needs its merges)", path=path,
+                          field="tokenizer.ggml.merges")
+    if merges is None and "tokenizer.ggml.scores" not in meta:
+        raise DFlashError(f"missing (a {model!r} vocabulary without merges needs its scores)", path=path,
+                          field="tokenizer.ggml.scores")
     if merges is not None:
         vocab = set(tokens)
         for i, m in enumerate(merges if isinstance(merges, list) else [merges]):
