@@ -915,6 +915,40 @@ def test_data_only_parts_log_a_dated_line_per_shard_and_together_make_every_shar
     assert [p.name for p in shards] == ["shard-00000.pt", "shard-00001.pt"]
 
 
+def test_a_run_for_more_prompts_makes_the_short_last_shards_of_a_smaller_run_whole(tmp_path, own_cache):
+    """40 prompts leave a last shard of 8 (own answers, their features, teacher-forced replies alike); a later run
+    for 64 must not take those 8 as its 32: every data set holds the prompts it asks for, in its fixed order."""
+    from dflash_export.train.data import load_shards, synthetic_prompt_ids
+    from dflash_export.train.stage import run_train
+
+    small = _tiny_recipe(tmp_path, num_prompts=40, teacher_forced_prompts=36, heldout_prompts=2, max_new_tokens=4)
+    assert run_train(str(small), data_only=True)["sequences"] == 40 + 36
+    (tmp_path / "big").mkdir()
+    big = _tiny_recipe(tmp_path / "big", num_prompts=64, teacher_forced_prompts=64, heldout_prompts=2,
+                       max_new_tokens=4)
+    result = run_train(str(big), data_only=True)
+    assert result["sequences"] == 64 + 64
+    want = [i for i, _ in synthetic_prompt_ids(256, 64, 0)]
+    assert [s.index for s in load_shards(Path(result["data_dir"]))] == want
+    answers = sorted((tmp_path / "cache" / "train-data").glob("synthetic-s0-answers-*/answers-*.pt"))
+    assert [len(torch.load(p, weights_only=True)) for p in answers] == [32, 32]
+
+
+def test_training_without_held_out_data_is_one_line_not_a_drafter_never_written(tmp_path, own_cache):
+    """The drafter exported is the best on the held-out blocks: with none (--no-generate before the held-out data
+    exist), a run would train, write nothing to --out, and still exit 0 naming it."""
+    import shutil
+
+    recipe = _tiny_recipe(tmp_path, num_prompts=4, heldout_prompts=1, max_new_tokens=4, steps=2)
+    assert _train_cli("--recipe", recipe, "--data-only").exit_code == 0
+    for d in (tmp_path / "cache" / "train-data").glob("synthetic-heldout-*"):
+        shutil.rmtree(d)
+    r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: train.heldout_prompts: no held-out data"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data-part", "0/2"], "error: --data-part: only with --data-only (training reads every shard)\n"),
     (["--data-only", "--data-part", "2/2"], "error: --data-part: must be I/N with 0 <= I < N, got '2/2'\n"),

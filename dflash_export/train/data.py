@@ -193,20 +193,21 @@ def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str
 
 
 def shard_paths(directory: Path) -> list[Path]:
-    """The data shards of `directory`, in order (each is written atomically and never changed afterwards)."""
+    """The data shards of `directory`, in order (each is written atomically; only a short last shard of a smaller
+    run is ever written again, whole: shard_done)."""
     return sorted(directory.glob("shard-*.pt"))
 
 
 def shard_loader(sources: Sequence[tuple[Path, int]], vocab_size: int | None = None,
                  tap_width: int | None = None) -> Callable[[], list[TrainSequence]]:
     """A loader of the first n sequences of each (directory, n) source, for a trainer that calls it at every
-    checkpoint (data generation may be running alongside) and once more for the prompt list. Shards never change
-    once written, so they are read again only when new ones have appeared: they hold several GB of context features
-    for the SmolLM2 recipe."""
+    checkpoint (data generation may be running alongside) and once more for the prompt list. They are read again
+    only when a shard has appeared or been written again (a short one made whole): they hold several GB of context
+    features for the SmolLM2 recipe."""
     loaded: dict = {}
 
     def load() -> list[TrainSequence]:
-        paths = [p for d, _ in sources if d.is_dir() for p in shard_paths(d)]
+        paths = [(p, _written(p)) for d, _ in sources if d.is_dir() for p in shard_paths(d)]
         if loaded.get("paths") != paths:
             loaded["paths"] = paths
             loaded["seqs"] = [s for d, n in sources if d.is_dir()
@@ -216,14 +217,41 @@ def shard_loader(sources: Sequence[tuple[Path, int]], vocab_size: int | None = N
     return load
 
 
-def load_tensors(path: Path):
+def _written(path: Path) -> int | None:
+    """When the file at `path` was last written (None: it has gone since it was listed)."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def load_tensors(path: Path, mmap: bool = False):
     """torch.load of a file this project wrote, with weights_only=True (nothing in the file is executed) and torch's
-    warnings about foreign pickle protocols silenced: a file that is not one is the caller's one-line error."""
+    warnings about foreign pickle protocols silenced: a file that is not one is the caller's one-line error. `mmap`:
+    tensors mapped, not read (what a caller that only counts rows needs)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+
+
+def shard_done(path: Path, rows: int) -> bool:
+    """Whether the shard at `path` exists and holds at least `rows` rows. The last shard of a run asked for fewer
+    prompts holds fewer: it is not done, and is made again whole (written atomically over it) rather than trusted
+    as this run's. Its tensors are mapped, not read; a file torch cannot read is one error naming it."""
+    if not path.is_file():
+        return False
+    try:
+        try:
+            held = load_tensors(path, mmap=True)
+        except RuntimeError:  # not torch's zip format, which mapping needs: read whole, it says what is wrong
+            held = load_tensors(path)
+        if not isinstance(held, list):
+            raise ValueError("not a list of rows")
+    except Exception as e:  # a corrupt shard is never trained on, nor silently replaced
+        raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=path) from None
+    return len(held) >= rows
 
 
 def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int | None = None) -> list[TrainSequence]:
@@ -292,7 +320,7 @@ def generate_shards(target, prompt_source: Callable[[], list], directory: Path,
     for i, s0 in enumerate(range(0, len(prompts), SHARD_SIZE)):
         path = directory / f"shard-{i:05d}.pt"
         chunk = prompts[s0:s0 + SHARD_SIZE]
-        if not path.is_file():
+        if not shard_done(path, len(chunk)):
             if deadline is not None and time.time() > deadline:
                 break
             if teacher_forced:
