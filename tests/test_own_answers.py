@@ -110,3 +110,41 @@ def test_static_index_answers_that_fail_leave_no_empty_cache_folder(tmp_path, ti
     with pytest.raises(MemoryError):
         own_answers.static_index_answers(tiny_qwen3[0], TrainOptions(prompts="synthetic", max_new_tokens=4), 3)
     assert not (tmp_path / "cache" / "train-data").exists()
+
+
+def test_features_of_a_short_answer_shard_are_rebuilt_once_it_is_made_whole(tmp_path, tiny_qwen3):
+    """Answers for 40 prompts leave a last shard of 8 with its features; answering 64 (the static index's way, no
+    features) makes that shard whole, and pass 2 then rebuilds its features instead of keeping the 8."""
+    target, drafter = tiny_qwen3
+    taps_ids = drafter.config.target_layer_ids
+    prompts = _prompts(2 * SHARD_SIZE, seed=3)
+    tok, feat = tmp_path / "tokens", tmp_path / "features"
+    assert generate_answer_shards(target, prompts[:SHARD_SIZE + 8], tok, feat, taps_ids, 4, batch_size=8) == 40
+    assert generate_answer_shards(target, prompts, tok, None, None, 4, batch_size=8) == 2 * SHARD_SIZE
+    assert feature_shards(target, tok, feat, taps_ids) == 2
+    assert [s.index for s in load_shards(feat)] == [i for i, _ in prompts]
+
+
+def test_the_static_index_never_answers_a_prompt_the_heldout_suite_asks(tmp_path, tiny_qwen3, monkeypatch):
+    """The split goes by record index, and some train records open with a prompt of validate/sharegpt-heldout.jsonl
+    verbatim: their answers are generated with `train`'s shards but never indexed."""
+    import json
+    from pathlib import Path
+
+    from dflash_export.recipes import TrainOptions
+    from dflash_export.train import data, own_answers
+    from dflash_export.train.sharegpt import sharegpt_prompts
+
+    suite = Path(__file__).resolve().parent.parent / "validate" / "sharegpt-heldout.jsonl"
+    asked = {json.loads(line)["prompt"] for line in suite.read_text().splitlines()}
+    train = sharegpt_prompts("train")
+    leaked = [p.index for p in train if p.text in asked][:3]
+    clean = [p.index for p in train if p.text not in asked][:3]
+    assert len(leaked) == 3
+    target, _ = tiny_qwen3
+    ids = dict(zip(leaked + clean, (p for _, p in _prompts(6, seed=4))))
+    order = [leaked[0], clean[0], leaked[1], clean[1], leaked[2], clean[2]]
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "sharegpt_prompt_ids", lambda *a, **k: [(i, ids[i]) for i in order])
+    got = own_answers.static_index_answers(target, TrainOptions(prompts="sharegpt", max_new_tokens=5), 6)
+    assert got == [ar_generate(target, ids[i], 5, stop_token_ids=target.stop_token_ids).tokens for i in clean]

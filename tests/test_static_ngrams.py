@@ -121,6 +121,29 @@ def test_an_object_array_or_a_truncated_file_is_refused_never_unpickled(tmp_path
         StaticNgramIndex.load(path, vocab_size=6)
 
 
+def test_an_array_header_declaring_more_than_the_file_holds_is_refused_before_any_allocation(tmp_path):
+    """A doctored .npy header inside the archive (a shape of 10^11 rows): one error naming the file, not numpy
+    allocating hundreds of GiB (a MemoryError) before it finds the data missing."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    good, path = tmp_path / "good.npz", tmp_path / STATIC_FILE
+    StaticNgramIndex.from_answers(_answers(6), sizes=(2,), depth=3).save(good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == "keys_2.npy":
+                header = io.BytesIO()
+                npy.write_array_header_1_0(header, {"descr": "<i4", "fortran_order": False, "shape": (10**11, 2)})
+                data = header.getvalue() + data[len(header.getvalue()):]
+            zout.writestr(info, data)
+    with pytest.raises(DFlashError, match="unreadable static n-gram index") as e:
+        StaticNgramIndex.load(path, vocab_size=6)
+    assert str(path) in str(e.value) and "static_ngrams" in str(e.value)
+
+
 def test_static_nodes_join_the_tree_and_their_acceptance_counts_apart():
     """A static continuation shares the trie with the context's: a prefix both propose is one node, proposed by
     both; accepted drafts count per source, and alone where only that source proposed them."""

@@ -18,6 +18,7 @@ suffix of the context is kept, its continuation, without duplicates.
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -116,12 +117,7 @@ class StaticNgramIndex:
         """Read an index `save` wrote, every array checked (dtype, shape, token ids below `vocab_size`); one
         DFlashError naming the file and the array otherwise."""
         path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {name: z[name] for name in z.files}
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-            raise DFlashError(f"unreadable static n-gram index ({type(e).__name__}: {e})", path=path,
-                              field="static_ngrams") from None
+        data = _read_arrays(path)
 
         def array(name: str, ndim: int) -> np.ndarray:
             a = data.get(name)
@@ -162,6 +158,31 @@ class StaticNgramIndex:
             if len(table) != before + len(keys):
                 raise DFlashError("a key appears twice", path=path, field=f"keys_{n}")
         return cls(table, sizes.tolist(), d)
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of the .npz at `path`, none of them unpickled; what their headers declare is checked against the
+    file's size before any is read, so a doctored header cannot make numpy allocate more than the file holds (an
+    index `save` wrote stores its arrays uncompressed). One DFlashError naming the file otherwise."""
+    from numpy.lib import format as npy
+
+    def unreadable(problem: str) -> DFlashError:
+        return DFlashError(f"unreadable static n-gram index ({problem})", path=path, field="static_ngrams")
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            declared = 0
+            for name in z.files:
+                with z.zip.open(name + ".npy" if name + ".npy" in z.zip.namelist() else name) as f:
+                    version = npy.read_magic(f)
+                    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                    shape, _, dtype = read_header(f)
+                declared += math.prod(shape) * dtype.itemsize
+            if declared > path.stat().st_size:
+                raise unreadable(f"its arrays declare {declared} bytes, more than the file's {path.stat().st_size}")
+            return {name: z[name] for name in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise unreadable(f"{type(e).__name__}: {e}") from None
 
 
 def store_static_index(engine_dir: Path, index: StaticNgramIndex, answers: int, answer_tokens: int) -> dict:

@@ -26,7 +26,7 @@ import torch
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, removing_new_dirs
-from dflash_export.train.data import TrainSequence, load_tensors, teacher_forced_sequences
+from dflash_export.train.data import TrainSequence, load_tensors, shard_done, teacher_forced_sequences
 
 SHARD_SIZE = 32
 
@@ -306,12 +306,15 @@ def generate_answer_shards(target, prompts: Sequence[tuple[int, list[int]]], tok
     `progress(done prompts, total prompts, generated tok/s)` after each shard. `part` = (i, n): only the shards
     k with k % n == i, so n processes can share the work (prompts of the others' shards count as not done)."""
     n_shards = (len(prompts) + SHARD_SIZE - 1) // SHARD_SIZE
+    sizes = [len(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE]) for i in range(n_shards)]
+    answered = [shard_done(token_dir / f"answers-{i:05d}.pt", sizes[i]) for i in range(n_shards)]
     todo = [i for i in range(n_shards) if i % part[1] == part[0]
-            and (not (token_dir / f"answers-{i:05d}.pt").is_file()
-                 or (feature_dir is not None and not (feature_dir / f"shard-{i:05d}.pt").is_file()))]
-    done_prompts = sum(len(prompts[i * SHARD_SIZE:(i + 1) * SHARD_SIZE]) for i in range(n_shards)
-                       if i not in todo and (token_dir / f"answers-{i:05d}.pt").is_file())
+            and (not answered[i] or (feature_dir is not None
+                                     and not shard_done(feature_dir / f"shard-{i:05d}.pt", sizes[i])))]
+    done_prompts = sum(sizes[i] for i in range(n_shards) if i not in todo and answered[i])
     if not todo:
+        if progress is not None:  # every shard on disk already: the bar says so, not 0 of them
+            progress(done_prompts, len(prompts), 0.0)
         return done_prompts
     token_dir.mkdir(parents=True, exist_ok=True)
     if feature_dir is not None:
@@ -351,8 +354,8 @@ def feature_shards(target, token_dir: Path, feature_dir: Path, tap_ids: Sequence
     feature_dir.mkdir(parents=True, exist_ok=True)
     for n, path in enumerate(paths):
         out = feature_dir / path.name.replace("answers-", "shard-")
-        if not out.is_file():
-            rows = load_answers(path, target.vocab_size)
+        rows = load_answers(path, target.vocab_size)
+        if not shard_done(out, len(rows)):  # none yet, or one made from a shorter answer shard
             items = [(r["index"], list(r["prompt"]) + list(r["answer"]), len(r["prompt"])) for r in rows]
             seqs = teacher_forced_sequences(target, items, tap_ids, batch_size, topk)
             for s in seqs:
@@ -381,7 +384,8 @@ def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, 
 def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
                          progress: Callable[[int, int, float], None] | None = None) -> list[list[int]]:
     """The target's greedy answers (up to `train.max_new_tokens`) to the first `num_prompts` training prompts of the
-    recipe's `train` options -- ShareGPT's train split (never its held-out split or an evaluation suite), or
+    recipe's `train` options -- ShareGPT's train split, less the records whose prompt a held-out record also asks
+    (sharegpt.asking_heldout: never its held-out split or an evaluation suite drawn from it), or
     synthetic prompts for tokenizer-less tiny targets -- what `build` indexes into the static n-gram index
     (decoding/static_ngrams.py). Read from the answer shards `train` caches, the missing ones generated first
     (whole shards, so `train` later finds every shard it expects complete)."""
@@ -404,5 +408,9 @@ def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
         generate_answer_shards(target, prompts, directory, None, None, train.max_new_tokens, batch_size,
                                progress=progress)
     wanted = {key for key, _ in prompts[:num_prompts]}
+    if train.prompts == "sharegpt":
+        from dflash_export.train.sharegpt import asking_heldout
+
+        wanted -= asking_heldout()  # answered (the shards are `train`'s), never indexed
     rows = [r for i in range(shards) for r in load_answers(directory / f"answers-{i:05d}.pt", target.vocab_size)]
     return [list(r["answer"]) for r in rows if r["index"] in wanted]
