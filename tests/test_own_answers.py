@@ -125,18 +125,15 @@ def test_features_of_a_short_answer_shard_are_rebuilt_once_it_is_made_whole(tmp_
     assert [s.index for s in load_shards(feat)] == [i for i, _ in prompts]
 
 
-def test_the_static_index_never_answers_a_prompt_the_heldout_suite_asks(tmp_path, tiny_qwen3, monkeypatch):
-    """The split goes by record index, and some train records open with a prompt of validate/sharegpt-heldout.jsonl
-    verbatim: their answers are generated with `train`'s shards but never indexed."""
-    import json
-    from pathlib import Path
-
+def test_the_static_index_never_answers_a_prompt_a_heldout_record_asks(tmp_path, tiny_qwen3, monkeypatch):
+    """The split goes by record index, and some train records open with a prompt that a held-out record (what
+    evaluation suites are drawn from) asks verbatim: their answers are generated with `train`'s shards but never
+    indexed."""
     from dflash_export.recipes import TrainOptions
     from dflash_export.train import data, own_answers
-    from dflash_export.train.sharegpt import sharegpt_prompts
+    from dflash_export.train.sharegpt import sharegpt_conversations, sharegpt_prompts
 
-    suite = Path(__file__).resolve().parent.parent / "validate" / "sharegpt-heldout.jsonl"
-    asked = {json.loads(line)["prompt"] for line in suite.read_text().splitlines()}
+    asked = {t for c in sharegpt_conversations("heldout") for _, t in c.messages[-1:]}
     train = sharegpt_prompts("train")
     leaked = [p.index for p in train if p.text in asked][:3]
     clean = [p.index for p in train if p.text not in asked][:3]

