@@ -135,12 +135,42 @@ def test_metrics_get_tau_draft_and_verify_time_from_the_shared_batch(server):
     class Front(Upstream):  # the front's recording of an upstream answer, without its connections
         metrics = FrontMetrics()
 
-    Front()._observe(body)
+    Front()._observe(body, "dflash")
     figures = {ln.split()[0]: float(ln.split()[-1]) for ln in Front.metrics.render().decode().splitlines()
                if ln and not ln.startswith("#")}
     assert figures["dflash_draft_seconds_total"] == pytest.approx(stats["draft_s"])
     assert figures["dflash_verify_seconds_total"] == pytest.approx(stats["verify_s"])
     assert figures["dflash_steps_total"] == len(lengths)
     assert figures["dflash_tau"] == pytest.approx(sum(lengths) / len(lengths)) and figures["dflash_tau"] >= 1
-    assert figures["dflash_kv_token_limit"] == KV_TOKENS and figures["dflash_admission_wait_seconds_count"] == 1
+    assert figures['dflash_kv_token_limit{model="dflash"}'] == KV_TOKENS
+    assert figures["dflash_admission_wait_seconds_count"] == 1
     assert figures["dflash_admission_wait_seconds_sum"] == pytest.approx(stats["admission_wait_s"])
+
+
+@pytest.mark.server
+def test_served_metrics_count_each_models_batch_apart_and_reach_the_block_and_timeout(server, engine_dir):
+    """The front `serve` starts sizes /metrics from the repository: dflash_batch_occupancy has one series per model
+    (dflash and dflash_stream each decode 1 instance x --max-batch 8 sequences at once) and none without the label;
+    the acceptance-length buckets reach the engine's block (16 at least) and the admission-wait buckets the request
+    timeout."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dflash_export.deploy.handler import engine_block_size
+
+    with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=30) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    occupancy = {tuple(s.labels.items()): s.value for s in families["dflash_batch_occupancy"].samples}
+    assert occupancy == {(("model", "dflash"),): 0, (("model", "dflash_stream"),): 0}
+    assert server.front.metrics.capacity == 8
+
+    def top_bucket(name):
+        return max(float(s.labels["le"]) for s in families[name].samples
+                   if s.name.endswith("_bucket") and s.labels["le"] != "+Inf")
+
+    block = json.loads((engine_dir / "manifest.json").read_text())["block_size"]
+    assert engine_block_size(server.repo / "dflash" / "engine") == block
+    assert engine_block_size(engine_dir.parent) is None  # no manifest: not known
+    assert top_bucket("dflash_acceptance_length") == max(16, block)
+    assert top_bucket("dflash_admission_wait_seconds") >= server.front.limits.request_timeout_s

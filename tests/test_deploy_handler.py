@@ -416,7 +416,7 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
 
     Front()._observe({"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
                       "accepted_tokens": out.accepted_tokens, "drafted_tokens": out.drafted_tokens,
-                      "step_stats": json.dumps(out.step_stats)})
+                      "step_stats": json.dumps(out.step_stats)}, "dflash")
     figures = {ln.split()[0]: float(ln.split()[-1]) for ln in Front.metrics.render().decode().splitlines()
                if ln and not ln.startswith("#")}
     assert figures["dflash_acceptance_length_count"] == figures["dflash_steps_total"] == len(lengths)
@@ -425,7 +425,7 @@ def test_served_acceptance_lengths_count_the_tokens_each_step_added_to_the_answe
             else math.isnan(figures["dflash_tau"]))  # no step: no value, not a tau of 0
     assert figures["dflash_accepted_tokens_total"] == sum(n - 1 for n in lengths)
     assert figures["dflash_drafted_tokens_total"] == 7 * len(lengths)
-    assert figures["dflash_kv_token_limit"] == 0 and figures["dflash_admission_wait_seconds_count"] == 1
+    assert figures['dflash_kv_token_limit{model="dflash"}'] == 0 and figures["dflash_admission_wait_seconds_count"] == 1
     assert figures["dflash_admission_wait_seconds_sum"] == 0
 
 

@@ -196,7 +196,8 @@ def test_generate_and_openai_chat_through_the_front(front):
     assert front.up.seen[-1]["messages"] == '[{"role": "user", "content": "hi"}]'
     metrics = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
     assert "dflash_acceptance_length_count 4.0" in metrics and "dflash_steps_total 4.0" in metrics
-    assert "dflash_kv_token_limit 384.0" in metrics and "dflash_admission_wait_seconds_count 2.0" in metrics
+    assert 'dflash_kv_token_limit{model="dflash"} 384.0' in metrics
+    assert "dflash_admission_wait_seconds_count 2.0" in metrics
     assert 'dflash_admission_wait_seconds_bucket{le="0.25"} 0.0' in metrics
     assert 'dflash_admission_wait_seconds_bucket{le="0.5"} 2.0' in metrics
 
@@ -231,33 +232,36 @@ def test_tau_and_step_means_have_no_value_while_no_step_finished_in_the_window(m
 
 
 def test_metrics_show_the_kv_bound_and_admission_waits_and_skip_malformed_figures():
-    """dflash_kv_token_limit is the bound the last generation reported (0: unbounded; a generation that reports none
-    leaves it); dflash_admission_wait_seconds holds each generation's wait. Figures of the wrong type, negative, not
-    finite or too large are left out, the generation's other figures still counted, and /metrics renders."""
+    """dflash_kv_token_limit is the bound the last generation on the model reported (0: unbounded; a generation
+    that reports none leaves it); dflash_admission_wait_seconds holds each generation's wait. Figures of the wrong
+    type, negative, not finite or too large are left out, the generation's other figures still counted, and /metrics
+    renders."""
     from dflash_export.deploy.metrics import FrontMetrics
     from dflash_export.deploy.upstream import Upstream as Front
 
     m = FrontMetrics()
-    m.observe_generation(9, 5, {"acceptance_lengths": [3, 2], "admission_wait_s": 0.02, "kv_token_limit": 4096})
-    m.observe_generation(4, 5, {"acceptance_lengths": [3], "admission_wait_s": 1.5, "kv_token_limit": 0})
+    KV_DFLASH = 'dflash_kv_token_limit{model="dflash"}'
+    m.observe_generation(9, 5, {"acceptance_lengths": [3, 2], "admission_wait_s": 0.02, "kv_token_limit": 4096},
+                         "dflash")
+    m.observe_generation(4, 5, {"acceptance_lengths": [3], "admission_wait_s": 1.5, "kv_token_limit": 0}, "dflash")
     got = _figures(m)
-    assert got["dflash_kv_token_limit"] == 0 and got["dflash_admission_wait_seconds_count"] == 2
+    assert got[KV_DFLASH] == 0 and got["dflash_admission_wait_seconds_count"] == 2
     assert got["dflash_admission_wait_seconds_sum"] == pytest.approx(1.52)
     assert got['dflash_admission_wait_seconds_bucket{le="0.025"}'] == 1
-    m.observe_generation(1, 1, {"acceptance_lengths": []})  # no wait, no bound reported: neither moves
-    m.observe_generation(2, 1, {"kv_token_limit": 768, "admission_wait_s": 0})
+    m.observe_generation(1, 1, {"acceptance_lengths": []}, "dflash")  # no wait, no bound reported: neither moves
+    m.observe_generation(2, 1, {"kv_token_limit": 768, "admission_wait_s": 0}, "dflash")
     got = _figures(m)
-    assert got["dflash_kv_token_limit"] == 768 and got["dflash_admission_wait_seconds_count"] == 3
+    assert got[KV_DFLASH] == 768 and got["dflash_admission_wait_seconds_count"] == 3
     hostile = [{"admission_wait_s": w, "kv_token_limit": k, "draft_s": w, "verify_s": k, "drafted_tokens": k,
                 "accepted_tokens": w, "acceptance_lengths": [k, True, -1, 2, "3", 1e400]}
                for w, k in [("1", "9"), (-1.0, -5), (float("nan"), True), (float("inf"), 10 ** 400),
                             (10 ** 400, 2.5), (None, [1]), ({}, {"a": 1})]]
     for stats in hostile:
-        m.observe_generation(1, 10 ** 400, stats)
+        m.observe_generation(1, 10 ** 400, stats, "dflash")
     for stats in ({"acceptance_lengths": 7}, {"acceptance_lengths": "22"}, [1, 2], "x", None):
         m.observe_generation(1, 1, stats)
     after = _figures(m)
-    assert after["dflash_kv_token_limit"] == 768 and after["dflash_admission_wait_seconds_count"] == 3
+    assert after[KV_DFLASH] == 768 and after["dflash_admission_wait_seconds_count"] == 3
     assert after["dflash_draft_seconds_total"] == got["dflash_draft_seconds_total"]
     assert after["dflash_drafted_tokens_total"] == got["dflash_drafted_tokens_total"]
     assert after["dflash_steps_total"] == got["dflash_steps_total"] + len(hostile)  # each one's valid length 2
@@ -269,8 +273,8 @@ def test_metrics_show_the_kv_bound_and_admission_waits_and_skip_malformed_figure
 
     for answer in ({"completion_tokens": 1e400, "prompt_tokens": "7", "step_stats": '{"kv_token_limit": 1e400}'},
                    {"completion_tokens": 2, "step_stats": "[" * 100000}, {"step_stats": '{"kv_token_limit": 512}'}):
-        Recording()._observe(json.dumps(answer).encode() if "step_stats" in answer else answer)
-    assert _figures(m)["dflash_kv_token_limit"] == 512
+        Recording()._observe(json.dumps(answer).encode() if "step_stats" in answer else answer, "dflash")
+    assert _figures(m)[KV_DFLASH] == 512
 
 
 def _scrape(front) -> dict[str, float]:
@@ -279,6 +283,122 @@ def _scrape(front) -> dict[str, float]:
 
     text = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").split(b"\r\n\r\n", 1)[1]
     return {s.name: s.value for f in text_string_to_metric_families(text.decode()) for s in f.samples if not s.labels}
+
+
+def _series(front, name: str) -> dict[tuple, float]:
+    """/metrics' samples of `name` as the Prometheus parser reads them: {sorted (label, value) pairs: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = raw(front, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+    return {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text.decode())
+            for s in f.samples if s.name == name}
+
+
+def test_batch_occupancy_is_each_models_requests_over_its_own_batch(tmp_path):
+    """dflash and dflash_stream batch apart, each in its own instances (instances x max batch sequences, here 2):
+    dflash_batch_occupancy has one series per model, that model's requests in flight over its own 2, and no series
+    without the label or for a model name a request made up (it counts in dflash_requests_in_flight alone). One
+    generate on dflash, an OpenAI stream of 2 choices on dflash_stream and one generate on `made_up` in flight:
+    dflash 1/2, dflash_stream 2/2, 4 in flight; all back to 0 once answered."""
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    up.hold_s = 2.0
+    f = Front("127.0.0.1", 0, Limits(request_timeout_s=30.0), cancel_dir=cancel, model_id="tiny",
+              models=("dflash", "dflash_stream"), capacity=2).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+    chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+                       "stream": True}).encode()
+    calls = [post("/v2/models/dflash/generate", b'{"text_input": "abc"}'), post("/v1/chat/completions", chat),
+             post("/v2/models/made_up/generate", b'{"text_input": "abc"}')]
+    threads = [threading.Thread(target=raw, args=(f, c)) for c in calls]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while _scrape(f).get("dflash_requests_in_flight") != 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _scrape(f)["dflash_requests_in_flight"] == 4
+        assert _series(f, "dflash_batch_occupancy") == {(("model", "dflash"),): 0.5,
+                                                        (("model", "dflash_stream"),): 1.0}
+        for t in threads:
+            t.join(timeout=10)
+        assert _series(f, "dflash_batch_occupancy") == {(("model", "dflash"),): 0, (("model", "dflash_stream"),): 0}
+        assert _scrape(f)["dflash_requests_in_flight"] == 0
+    finally:
+        f.close()
+        up.httpd.shutdown()
+
+
+def test_kv_token_limit_is_the_bound_of_the_model_that_answered(tmp_path):
+    """Each model's instances work out their own K/V bound when they load (the memory then available):
+    dflash_kv_token_limit is per model, the bound the last generation finished on that model reported, whichever
+    route (generate, generate_stream, an OpenAI request on either model) relayed it; no series for a model none of
+    whose generations has finished, nor without the label."""
+    from dflash_export.deploy.metrics import FrontMetrics
+
+    cancel = tmp_path / "cancel"
+    cancel.mkdir()
+    up = Upstream(cancel)
+    f = Front("127.0.0.1", 0, cancel_dir=cancel, model_id="tiny", models=("dflash", "dflash_stream")).start()
+    f.port = f._server.sockets[0].getsockname()[1]
+    f.set_upstream(up.port)
+    try:
+        assert _series(f, "dflash_kv_token_limit") == {}
+        assert status_of(raw(f, post("/v2/models/dflash/generate", b'{"text_input": "abc"}'))) == 200
+        assert _series(f, "dflash_kv_token_limit") == {(("model", "dflash"),): 384}
+        assert status_of(raw(f, post("/v2/models/made_up/generate", b'{"text_input": "abc"}'))) == 200
+        assert _series(f, "dflash_kv_token_limit") == {(("model", "dflash"),): 384}
+        chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                           "stream": True}).encode()
+        assert status_of(raw(f, post("/v1/chat/completions", chat))) == 200
+        assert _series(f, "dflash_kv_token_limit") == {(("model", "dflash"),): 384,
+                                                       (("model", "dflash_stream"),): 384}
+    finally:
+        f.close()
+        up.httpd.shutdown()
+    m = FrontMetrics(models=("dflash", "dflash_stream"))
+    m.observe_generation(3, 2, {"acceptance_lengths": [2], "kv_token_limit": 4096}, "dflash")
+    m.observe_generation(3, 2, {"acceptance_lengths": [2], "kv_token_limit": 1024}, "dflash_stream")
+    m.observe_generation(3, 2, {"acceptance_lengths": [2], "kv_token_limit": 0}, "dflash")
+    m.observe_generation(3, 2, {"acceptance_lengths": [2], "kv_token_limit": 7}, "made_up")
+    m.observe_generation(3, 2, {"acceptance_lengths": [2], "kv_token_limit": 9})  # no model known: no series
+    got = _figures(m)
+    assert {k: v for k, v in got.items() if k.startswith("dflash_kv_token_limit")} == {
+        'dflash_kv_token_limit{model="dflash"}': 0, 'dflash_kv_token_limit{model="dflash_stream"}': 1024}
+    assert got["dflash_steps_total"] == 5  # every generation's other figures are counted
+
+
+def test_histogram_buckets_reach_the_block_and_the_request_timeout():
+    """A step adds at most a block of tokens and a request waits to join a batch at most the request timeout (it is
+    answered 504 past it, its wait never observed): dflash_acceptance_length's buckets reach the engine's block (16
+    at least, every length to 64, then doubling) and dflash_admission_wait_seconds' the timeout, so that no length
+    or wait the deployment can report falls in +Inf alone. The front sizes them from its block and its timeout."""
+    import math
+
+    from dflash_export.deploy.metrics import FrontMetrics
+
+    def bounds(m, name):
+        return [float(k.split('le="')[1].rstrip('"}')) for k in _figures(m) if k.startswith(name + "_bucket")]
+
+    m = FrontMetrics(block_size=32, request_timeout_s=600.0)
+    m.observe_generation(40, 5, {"acceptance_lengths": [32, 7], "admission_wait_s": 450.0})
+    got = _figures(m)
+    assert got['dflash_acceptance_length_bucket{le="31.0"}'] == 1
+    assert got['dflash_acceptance_length_bucket{le="32.0"}'] == 2
+    assert got['dflash_admission_wait_seconds_bucket{le="300.0"}'] == 0
+    assert got['dflash_admission_wait_seconds_bucket{le="600.0"}'] == 1
+    assert bounds(m, "dflash_admission_wait_seconds")[-2:] == [600.0, math.inf]
+    assert bounds(FrontMetrics(block_size=4), "dflash_acceptance_length") == [*range(1, 17), math.inf]
+    assert bounds(FrontMetrics(block_size=300), "dflash_acceptance_length") == [*range(1, 65), 128, 256, 300,
+                                                                                  math.inf]
+    assert bounds(FrontMetrics(request_timeout_s=5.0), "dflash_admission_wait_seconds")[-2:] == [120.0, math.inf]
+    assert bounds(FrontMetrics(request_timeout_s=86400.0), "dflash_admission_wait_seconds")[-2:] == [86400.0,
+                                                                                                   math.inf]
+    f = Front("127.0.0.1", 0, Limits(request_timeout_s=1000.0), block_size=20)  # not started: its metrics
+    assert bounds(f.metrics, "dflash_acceptance_length")[-2:] == [20.0, math.inf]
+    assert bounds(f.metrics, "dflash_admission_wait_seconds")[-2:] == [1800.0, math.inf]
 
 
 @pytest.mark.parametrize("models", [("dflash", "dflash_stream"), ("dflash",)])

@@ -49,6 +49,7 @@ files.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import re
 import secrets
@@ -75,15 +76,18 @@ class Front(ConnectionHandling, Routing, Upstream):
     """The front server: `start()` binds host:port (serving 503 until `set_upstream`), `drain()` then `close()`.
 
     `model_id`: the name the OpenAI API serves the model under; `models`: the Triton models of the repository
-    (the streaming one is used for `"stream": true` when present); `capacity`: sequences the deployment decodes at
-    once (for the batch-occupancy gauge); `health`: returns why the server is not ready, or None;
+    (the streaming one is used for `"stream": true` when present); `capacity`: sequences each of those models
+    decodes at once, instances x max batch (each model batches apart: the batch-occupancy gauge is per model);
+    `block_size`: the engine's block, the most tokens a step adds (None: not known; the acceptance-length histogram
+    reaches it); `health`: returns why the server is not ready, or None;
     `prompt_char_limit`: prompt text longer than this many characters cannot fit the engine and gets its 400 here,
     before it is queued or tokenized (handler.prompt_char_limit).
     """
 
     def __init__(self, host: str, port: int, limits: Limits | None = None, cancel_dir: Path | None = None,
                  model_id: str = "dflash", models: tuple[str, ...] = ("dflash", "dflash_stream"), capacity: int = 1,
-                 prompt_char_limit: int | None = None, upstream_uds: Path | None = None):
+                 prompt_char_limit: int | None = None, upstream_uds: Path | None = None,
+                 block_size: int | None = None):
         self.host, self.port = host, port
         self.upstream_uds = upstream_uds  # tritonserver's HTTP port through this Unix socket (its own namespace)
         self.prompt_char_limit = prompt_char_limit
@@ -101,11 +105,13 @@ class Front(ConnectionHandling, Routing, Upstream):
         self.model_health: Callable[[str], str | None] | None = None
         self.created = oa.now()
         self.draining = False
-        self.metrics = FrontMetrics(capacity=capacity)
+        self.metrics = FrontMetrics(capacity=capacity, models=self.models, block_size=block_size,
+                                    request_timeout_s=self.limits.request_timeout_s)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight: dict[str, str | None] = {}  # cancel token -> why it was cancelled (None: running)
         self._model_of: dict[str, str] = {}  # cancel token -> the Triton model it runs on
+        self._on_model: collections.Counter = collections.Counter()  # Triton model -> its requests in flight
         self._group_of: dict[str, tuple[str, ...]] = {}  # cancel token -> the tokens answering its client's request
         self._failed: dict[str, asyncio.Event] = {}  # cancel token -> set when its model's stub died
         self._failed_models: dict[str, str] = {}  # model -> why its requests fail (its stub died; it reloads)
@@ -265,13 +271,14 @@ class Front(ConnectionHandling, Routing, Upstream):
             self._in_flight[token] = None
             if model is not None:
                 self._model_of[token] = model
+                self._on_model[model] += 1
                 self._failed[token] = event
                 why = self._failed_models.get(model)
                 if why is not None:  # its stub died between the health check and now
                     self._in_flight[token] = why
                     event.set()
-            n = len(self._in_flight)
-        self.metrics.set_in_flight(n)
+            n, per_model = len(self._in_flight), dict(self._on_model)
+        self.metrics.set_in_flight(n, per_model)
         return token
 
     def _begin_group(self, model: str | None, n: int) -> list[str]:
@@ -289,6 +296,11 @@ class Front(ConnectionHandling, Routing, Upstream):
         with self._lock:
             return self._group_of.get(token, (token,))
 
+    def _model_on(self, token: str | None) -> str | None:
+        """The Triton model a running request is on (None: not known, or not running)."""
+        with self._lock:
+            return self._model_of.get(token) if token else None
+
     def _model_failure(self, token: str | None) -> tuple[asyncio.Event | None, str | None]:
         """The event set when this request's model stub dies, and why it did (None while it has not)."""
         with self._lock:
@@ -298,12 +310,16 @@ class Front(ConnectionHandling, Routing, Upstream):
     def _end(self, token: str) -> str | None:
         with self._lock:
             why = self._in_flight.pop(token, None)
-            self._model_of.pop(token, None)
+            model = self._model_of.pop(token, None)
+            if model is not None:
+                self._on_model[model] -= 1
+                if not self._on_model[model]:
+                    del self._on_model[model]  # a name a request made up is not kept
             self._failed.pop(token, None)
             self._group_of.pop(token, None)
-            n = len(self._in_flight)
+            n, per_model = len(self._in_flight), dict(self._on_model)
             self._idle.notify_all()
-        self.metrics.set_in_flight(n)
+        self.metrics.set_in_flight(n, per_model)
         if why is not None and self.cancel_dir is not None:
             # The model reads the file between steps, possibly after its client's answer was given up on: it stays
             # for CANCEL_FILE_TTL_S, then goes.

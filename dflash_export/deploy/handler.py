@@ -270,6 +270,16 @@ def prompt_char_limit(engine_dir) -> int | None:
     return max(1, m.max_seq_len - m.block_size - 1) * per_token
 
 
+def engine_block_size(engine_dir) -> int | None:
+    """The block of the engine in `engine_dir`: the most tokens one DFlash step adds (None: no manifest read)."""
+    from dflash_export.engines.manifest import read_manifest
+
+    try:
+        return read_manifest(engine_dir, verify_files=False).block_size
+    except DFlashError:
+        return None
+
+
 def check_prompt_chars(prompt: str | list[dict], limit: int | None) -> None:
     """DFlashError naming the input when the prompt's text is over `limit` characters (see prompt_char_limit)."""
     n = prompt_chars(prompt)

@@ -5,7 +5,8 @@ next to the request counts, taken from each finished generation's statistics (de
   target's own token; the last step cut where the answer ends: max_tokens, a stop token or a stop string), one
   observation per step (the prefill's token is no step's); its mean is tau as `run` and `bench` report it, and a
   generation's lengths add up to its tokens after the first. Drafts the engine accepted past a stop string are
-  not counted: they are in no answer.
+  not counted: they are in no answer. Its buckets: every length 1..16 and on to the engine's block (no step adds
+  more), past 64 doubling.
 - `dflash_tau`: tau over the generations that finished in the last `window_s` seconds; NaN (Prometheus' no value)
   while none with a step did, so that an idle server reads as no data, not as a tau of 0 an alert would fire on.
 - `dflash_accepted_tokens_total`: the accepted drafts within those lengths (each step's length less one);
@@ -14,14 +15,19 @@ next to the request counts, taken from each finished generation's statistics (de
   step count (draft / verify time per step is their ratio; `dflash_step_seconds` holds the recent means, NaN as
   `dflash_tau` is).
 - `dflash_generated_tokens_total`, `dflash_prompt_tokens_total`, `dflash_tokens_per_second` (recent window).
-- `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered),
-  `dflash_batch_occupancy` (in-flight requests over the sequences the deployment decodes at once, capped at 1),
-  `dflash_requests_total{route, code}` (code: the answer's HTTP status; for a stream that ended with an error event,
-  after its head said 200, the status of that error).
+- `dflash_requests_in_flight` (the front's queue depth: requests sent to the engine and not yet answered, on any
+  model), `dflash_batch_occupancy{model}` (one series per Triton model of the deployment, `dflash` and
+  `dflash_stream`, which batch apart, each in its own instances: the model's in-flight requests over the sequences
+  it decodes at once, instances x max batch, capped at 1; no series without the label, as one figure over both
+  models would read full while each has free slots), `dflash_requests_total{route, code}` (code: the answer's HTTP
+  status; for a stream that ended with an error event, after its head said 200, the status of that error).
 - `dflash_admission_wait_seconds`: histogram of the seconds each generation waited to join its instance's shared
   batch before its prefill (behind `max_batch`, the K/V bound, or the step under way; 0 where instances run one
-  request at a time: their queue is Triton's). `dflash_kv_token_limit`: the K/V token bound of the shared batch the
-  last finished generation ran in (runtime/batching.py `max_kv_tokens`; 0: unbounded, or no shared batch).
+  request at a time: their queue is Triton's); its buckets reach the request timeout (a request that waits longer
+  is answered 504, its wait never observed). `dflash_kv_token_limit{model}`: the K/V token bound of the shared batch
+  the last generation finished on that model ran in (runtime/batching.py `max_kv_tokens`, which each instance works
+  out when it loads; 0: unbounded, or no shared batch); no series for a model before one of its generations ends.
+The `model` label takes only the deployment's own model names, never a name a request sent.
 Figures a generation's statistics give that are not of their type, negative, not finite or past 2^53 are left out.
 """
 
@@ -39,9 +45,32 @@ from dflash_export.decoding.request import is_int
 
 __all__ = ["FrontMetrics", "CONTENT_TYPE_LATEST"]
 
-ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17))
+ACCEPT_BUCKETS = tuple(float(b) for b in range(1, 17))  # at least these: a block of 16 (z-lab's drafters)
+EVERY_LENGTH_UP_TO = 64  # past it, acceptance-length buckets double up to the block
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LONG_WAITS = (300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)  # to the longest request timeout (connection.py)
 MAX_COUNT = 2 ** 53  # counts past it are not a generation's (nor exact as floats)
+
+
+def accept_buckets(block_size: int | None) -> tuple[float, ...]:
+    """Upper bounds of the acceptance-length histogram, from 1 to the block (`block_size`, the most tokens a step
+    adds; 16 when smaller or not known): every length up to EVERY_LENGTH_UP_TO, then doubling, the block the last."""
+    top = block_size if is_int(block_size) and block_size > len(ACCEPT_BUCKETS) else len(ACCEPT_BUCKETS)
+    bounds = list(range(1, min(top, EVERY_LENGTH_UP_TO) + 1))
+    while bounds[-1] < top:
+        bounds.append(min(top, 2 * bounds[-1]))
+    return tuple(float(b) for b in bounds)
+
+
+def wait_buckets(timeout_s: float | None) -> tuple[float, ...]:
+    """Upper bounds of the admission-wait histogram: WAIT_BUCKETS, then LONG_WAITS until one is at or past
+    `timeout_s`, the request timeout (None: not known, WAIT_BUCKETS alone)."""
+    bounds = list(WAIT_BUCKETS)
+    for b in LONG_WAITS:
+        if timeout_s is None or bounds[-1] >= timeout_s:
+            break
+        bounds.append(b)
+    return tuple(bounds)
 
 
 def _count(value) -> int | None:
@@ -63,10 +92,16 @@ def _seconds(value) -> float | None:
 
 
 class FrontMetrics:
-    def __init__(self, window_s: float = 60.0, capacity: int = 1):
+    """`models`: the deployment's Triton models (the only values of the `model` label); `capacity`: the sequences
+    each of them decodes at once (instances x max batch); `block_size`: the engine's block (None: not known);
+    `request_timeout_s`: the front's request timeout (the longest admission wait observed)."""
+
+    def __init__(self, window_s: float = 60.0, capacity: int = 1, models: tuple[str, ...] = ("dflash", "dflash_stream"),
+                 block_size: int | None = None, request_timeout_s: float | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.window_s = window_s
         self.capacity = max(1, capacity)
+        self.models = tuple(dict.fromkeys(models))
         self.requests = Counter("dflash_requests", "HTTP requests answered by the front, by route and status (a "
                                 "stream that ended with an error event: that error's status)", ["route", "code"],
                                 registry=r)
@@ -77,7 +112,7 @@ class FrontMetrics:
                                 "Tokens each DFlash step added to the answer (accepted drafts + the target's token; "
                                 "the last step cut where the answer ends at max_tokens, a stop token or a stop "
                                 "string); its mean is tau, as run and bench report it",
-                                buckets=ACCEPT_BUCKETS, registry=r)
+                                buckets=accept_buckets(block_size), registry=r)
         self.draft_s = Counter("dflash_draft_seconds", "Seconds spent drafting", registry=r)
         self.verify_s = Counter("dflash_verify_seconds", "Seconds spent verifying with the target", registry=r)
         self.steps = Counter("dflash_steps", "DFlash steps (one target verification each)", registry=r)
@@ -90,8 +125,10 @@ class FrontMetrics:
         self.in_flight = Gauge("dflash_requests_in_flight", "Generation requests sent to the engine, not answered",
                                registry=r)
         self.occupancy = Gauge("dflash_batch_occupancy",
-                               "In-flight requests over the sequences the deployment decodes at once (<= 1)",
-                               registry=r)
+                               "In-flight requests on the model over the sequences it decodes at once (instances x "
+                               "max batch; <= 1)", ["model"], registry=r)
+        for model in self.models:
+            self.occupancy.labels(model=model).set(0)
         self.tau = Gauge("dflash_tau", "tau: tokens added to the answer per DFlash step (the mean acceptance length, "
                          "the engine's decoding, adaptive) over the generations finished in the recent window (NaN: "
                          "none)", registry=r)
@@ -102,25 +139,32 @@ class FrontMetrics:
         self.admission_wait = Histogram("dflash_admission_wait_seconds",
                                         "Seconds each generation waited to join its instance's shared batch before "
                                         "its prefill (0 where instances run one request at a time)",
-                                        buckets=WAIT_BUCKETS, registry=r)
+                                        buckets=wait_buckets(request_timeout_s), registry=r)
         self.upstream_waiting = Gauge("dflash_upstream_calls_waiting", "Calls to tritonserver waiting for one of "
                                       "the front's --max-upstream-calls slots (each choice of a request is a call)",
                                       registry=r)
-        self.kv_limit = Gauge("dflash_kv_token_limit", "K/V token bound of the shared batch the last finished "
-                              "generation ran in (0: unbounded, or no shared batch)", registry=r)
+        self.kv_limit = Gauge("dflash_kv_token_limit", "K/V token bound of the shared batch the last generation "
+                              "finished on the model ran in (0: unbounded, or no shared batch)", ["model"],
+                              registry=r)
         self._lock = threading.Lock()
         self._recent: collections.deque = collections.deque()  # (time, tokens, steps, committed, draft_s, verify_s)
 
-    def set_in_flight(self, n: int) -> None:
+    def set_in_flight(self, n: int, per_model: dict[str, int] | None = None) -> None:
+        """`n` requests in flight in all, `per_model` of them on each model (a model left out: none; a name that is
+        not one of the deployment's models is not counted in any occupancy)."""
         self.in_flight.set(n)
-        self.occupancy.set(min(1.0, n / self.capacity))
+        per_model = per_model or {}
+        for model in self.models:
+            self.occupancy.labels(model=model).set(min(1.0, per_model.get(model, 0) / self.capacity))
 
     def observe_request(self, route: str, code: int) -> None:
         self.requests.labels(route=route, code=str(code)).inc()
 
-    def observe_generation(self, completion_tokens: int, prompt_tokens: int, stats: dict | None) -> None:
-        """One finished generation: its token counts and `step_stats` (acceptance lengths per step, seconds, the
-        admission wait and K/V bound). Every figure is checked before any is recorded."""
+    def observe_generation(self, completion_tokens: int, prompt_tokens: int, stats: dict | None,
+                           model: str | None = None) -> None:
+        """One finished generation on Triton model `model`: its token counts and `step_stats` (acceptance lengths
+        per step, seconds, the admission wait and K/V bound). Every figure is checked before any is recorded; the
+        K/V bound is recorded only for one of the deployment's models."""
         stats = stats if isinstance(stats, dict) else {}
         given = stats.get("acceptance_lengths")
         lengths = [n for n in map(_count, given if isinstance(given, list) else []) if n]
@@ -141,8 +185,8 @@ class FrontMetrics:
         self.accepted.inc(_count(stats.get("accepted_tokens")) or 0)
         if wait_s is not None:
             self.admission_wait.observe(wait_s)
-        if kv_limit is not None:
-            self.kv_limit.set(kv_limit)
+        if kv_limit is not None and model in self.models:
+            self.kv_limit.labels(model=model).set(kv_limit)
         now = time.monotonic()
         with self._lock:
             self._recent.append((now, completion_tokens, len(lengths), sum(lengths), draft_s, verify_s))

@@ -42,7 +42,7 @@ _OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 class Routing:
     """The front's routing side. Uses the front's `limits`, `model_id`, `models`, `created`, `draining`,
     `upstream_port`, `health`, `model_health`, `prompt_char_limit`, `model_inputs`, `metrics`, `counts`, its
-    cancellation registry (`_begin`, `_begin_group`, `_group`, `_end`, `_why`) and its upstream calls
+    cancellation registry (`_begin`, `_begin_group`, `_group`, `_end`, `_why`, `_model_on`) and its upstream calls
     (deploy/upstream.py)."""
 
     @staticmethod
@@ -135,8 +135,7 @@ class Routing:
     def _sick(self, token: str | None) -> str | None:
         """Why the model this request runs on cannot serve now (None: it can); the server's health when the request
         names no model."""
-        with self._lock:
-            model = self._model_of.get(token) if token else None
+        model = self._model_on(token)
         if model is not None and self.model_health is not None:
             return self.model_health(model)
         return self.health() if self.health is not None else None
@@ -259,7 +258,7 @@ class Routing:
                         raise choices.as_sent(item, chat)
                     answers[item[0]] = item[1]
                 for answer in answers:  # a stream records each choice's last event (`_openai_stream`)
-                    self._observe(answer)
+                    self._observe(answer, model)
                 answers = [_answer(a) for a in answers]
                 out = (oa.chat_response if chat else oa.completion_response)(rid, self.model_id, created, answers,
                                                                              per_prompt)
@@ -340,7 +339,7 @@ class Routing:
                 await conn.send(h11.Data(data=oa.sse(mk(rid, self.model_id, created, delta, reason, so_far,
                                                         index=i))))
             if reason:
-                self._observe(ev)
+                self._observe(ev, self._model_on(choices.tokens[i]))
                 finished[i] = True
                 if all(finished):
                     if usage:

@@ -31,7 +31,7 @@ from stat import S_ISDIR
 
 from dflash_export.deploy.connection import Limits
 from dflash_export.deploy.front import CANCEL_DIR_ENV, Front, new_cancel_dir
-from dflash_export.deploy.handler import prompt_char_limit
+from dflash_export.deploy.handler import engine_block_size, prompt_char_limit
 from dflash_export.deploy.repository import check_repository, model_inputs, served_copy
 from dflash_export.deploy.triton_install import (
     ensure_stub_site,
@@ -633,10 +633,11 @@ class TritonServer:
             if self.front is None:
                 marker = _read_marker(self.repo)
                 models = tuple(marker.get("models") or ("dflash",))
+                engine = self.repo / models[0] / "engine"
                 self.front = Front(self.host, self.http_port, self.limits, cancel_dir,
                                    model_id=self.model_id or str(marker.get("recipe") or "dflash"), models=models,
                                    capacity=int(marker.get("instances", 1)) * int(marker.get("max_batch", 1)),
-                                   prompt_char_limit=prompt_char_limit(self.repo / models[0] / "engine"),
+                                   prompt_char_limit=prompt_char_limit(engine), block_size=engine_block_size(engine),
                                    upstream_uds=self._uds_address() if self.private else None).start()
                 self.front.health = self.health
                 self.front.model_health = self.health

@@ -36,8 +36,8 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te
 
 class Upstream:
     """The front's upstream side. Uses the front's `secret`, `upstream_port`, `upstream_uds`, `limits`, `health`,
-    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`, `_group`), `_client_left`,
-    `_refuse_if_drained` and `_upstream_error` (deploy/routing.py)."""
+    `counts`, `metrics`, its cancellation registry (`cancel`, `_why`, `_model_of`, `_model_on`, `_group`),
+    `_client_left`, `_refuse_if_drained` and `_upstream_error` (deploy/routing.py)."""
 
     def _open_client(self) -> None:
         import httpx
@@ -219,7 +219,8 @@ class Upstream:
             raise retry_soon(sick)
         if generation and resp.status_code == 200:
             self._observe(payload if generation != "infer" else
-                          infer_outputs(payload, resp.headers.get("inference-header-content-length")))
+                          infer_outputs(payload, resp.headers.get("inference-header-content-length")),
+                          self._model_on(token))
         self.counts["forwarded"] += 1
         ctype = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items()
@@ -227,7 +228,9 @@ class Upstream:
         await conn.send(*answer(resp.status_code, payload, ctype=ctype, head_only=head_only, extra=extra))
         return resp.status_code
 
-    def _observe(self, payload: bytes | dict | None) -> None:
+    def _observe(self, payload: bytes | dict | None, model: str | None = None) -> None:
+        """Record a finished generation's answer (`payload`, its last event for a stream) on Triton model `model` in
+        the metrics."""
         if payload is None:
             return
         try:
@@ -236,7 +239,7 @@ class Upstream:
             stats = json.loads(stats) if isinstance(stats, str) and stats else {}
             self.metrics.observe_generation(obj.get("completion_tokens", 0), obj.get("prompt_tokens", 0),
                                             {**stats, "drafted_tokens": obj.get("drafted_tokens", 0),
-                                             "accepted_tokens": obj.get("accepted_tokens", 0)})
+                                             "accepted_tokens": obj.get("accepted_tokens", 0)}, model)
         except (ValueError, TypeError, AttributeError, RecursionError):
             pass
 
@@ -298,7 +301,7 @@ class Upstream:
                     status = 503 if why is not None else self._upstream_error(500, ev["error"], token).status
                 await conn.send(h11.Data(data=oa.sse(ev)))
                 if ev.get("finish_reason"):
-                    self._observe(ev)
+                    self._observe(ev, self._model_on(token))
         except (ConnectionError, OSError, asyncio.TimeoutError):
             if token is not None:  # the cancel file first, stamped before tritonserver sees the stream closed
                 self._client_left(token)
