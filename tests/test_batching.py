@@ -870,11 +870,11 @@ def test_the_served_kv_bound_defaults_to_what_the_available_memory_holds_and_the
     assert default_kv_tokens(manifest, 2, 4, available) == 250  # half of 1000 tokens' bytes, over 2 instances
     assert default_kv_tokens(manifest, 1, 4, 10 * 4 * L * token) == 4 * L  # never more than a full batch
     assert default_kv_tokens(manifest, 1, 4, None) is None  # memory unknown: unbounded
-    note = kv_memory_note(eng.engine_dir, 2, 4, available=available)
+    note = kv_memory_note(eng.engine_dir, 2, 4, 1, available=available)
     assert "at most 250 K/V tokens" in note and "HTTP 400" in note and "Warning" not in note, note
-    note = kv_memory_note(eng.engine_dir, 2, 4, available=available, max_kv_tokens=600)
+    note = kv_memory_note(eng.engine_dir, 2, 4, 1, available=available, max_kv_tokens=600)
     assert "at most 600 K/V tokens" in note and "Warning" in note, note  # 2 x 600 tokens pass 1000 tokens' bytes
-    assert kv_memory_note(eng.engine_dir, 2, 1, available=0) is None  # one sequence at a time: no shared batch
+    assert kv_memory_note(eng.engine_dir, 2, 1, 1, available=0) is None  # one sequence at a time: no shared batch
 
 
 def test_a_served_instance_works_out_its_default_kv_bound_once_the_batched_graph_is_loaded(built, monkeypatch):

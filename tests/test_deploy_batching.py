@@ -86,6 +86,63 @@ def test_serve_engine_caches_one_repository_per_kv_bound(tmp_path, engine_dir, m
     assert cached_repository(engine_dir, max_batch=4)[0] != bounded
 
 
+def _stub_config(repo, model: str) -> dict:
+    """A model's config.pbtxt as tritonserver hands it to the model stub (`args["model_config"]`, JSON)."""
+    from dflash_export.deploy.pbtxt import parse_pbtxt
+
+    path = repo / model / "config.pbtxt"
+    cfg = parse_pbtxt(path.read_text(), path)
+    params = cfg["parameters"] if isinstance(cfg["parameters"], list) else [cfg["parameters"]]
+    groups = cfg["instance_group"] if isinstance(cfg["instance_group"], list) else [cfg["instance_group"]]
+    return {"parameters": {p["key"]: p["value"] for p in params}, "instance_group": groups}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_served_instance_of_every_model_shares_half_the_memory_by_default(tmp_path, engine_dir, monkeypatch,
+                                                                                stream):
+    """By default the shared batches of every instance of the deployment, `dflash`'s and `dflash_stream`'s alike,
+    may hold together at most half the memory available (docs/serving.md): each model stub's bound, from the config
+    deploy wrote, is its share of that half; deploy's note says the bound each instance takes and over how many."""
+    from click.testing import CliRunner
+    from deploy_support import model_triton_py
+
+    from dflash_export import environment
+    from dflash_export.cli import main
+    from dflash_export.deploy import repository
+    from dflash_export.deploy.kv_memory import kv_bytes_per_token
+    from dflash_export.deploy.repository import kv_memory_note
+    from dflash_export.engines.manifest import read_manifest
+
+    per_token = kv_bytes_per_token(read_manifest(engine_dir, verify_files=False))
+    available = 4000 * per_token + 5  # each stub loads on this machine and sees the same memory
+    monkeypatch.setattr(environment, "available_memory_bytes", lambda: available)
+    stub = model_triton_py(monkeypatch)
+    repo = write_repository(engine_dir, tmp_path / "repo", instances=2, max_batch=4,
+                            decoupled=None if stream else False)
+    models = ["dflash", "dflash_stream"] if stream else ["dflash"]
+    bounds = []
+    for model in models:
+        config = _stub_config(repo, model)
+        count = sum(int(g.get("count", 1)) for g in config["instance_group"])
+        assert count == 2
+        bounds += [stub._kv_bound(config, str(repo / "dflash" / "engine"), count, 4) for _ in range(count)]
+    assert len(bounds) == 2 * len(models) and len(set(bounds)) == 1
+    assert sum(bounds) * per_token <= available / 2 < (sum(bounds) + len(bounds)) * per_token  # half, all of it
+    assert bounds[0] == 4000 // 2 // len(bounds)  # 500 with both models, 1000 with one (< a full batch)
+
+    monkeypatch.setattr(repository, "available_memory_bytes", lambda: available)
+    r = CliRunner().invoke(main, ["deploy", "--engine", str(engine_dir), "--repo", str(tmp_path / "cli"),
+                                  "--instances", "2", "--max-batch", "4", *([] if stream else ["--no-stream"])])
+    assert r.exit_code == 0, r.output
+    assert f"note: each instance's shared batch holds at most {bounds[0]} K/V tokens" in r.output, r.output
+    assert ("shared by the 4 instances of 2 models" if stream else "shared by 2 instance(s)") in r.output, r.output
+    assert "Warning" not in r.output
+    # A bound given: the warning counts every model's instances (4 x 1500 tokens pass 4000 tokens' bytes, 2 x 1500 do
+    # not)
+    note = kv_memory_note(repo / "dflash" / "engine", 2, 4, len(models), available=available, max_kv_tokens=1500)
+    assert ("Warning: the 4 instances of 2 models" in note) if stream else ("Warning" not in note), note
+
+
 @pytest.mark.server
 def test_16_concurrent_clients_share_one_batch_and_get_lone_outputs(server, direct):
 

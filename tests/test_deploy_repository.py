@@ -633,6 +633,8 @@ OPTION_EDITS = {
                                       "dflash/config.pbtxt: parameters.max_batch: must be an integer in 1..256"),
     "a K/V bound configured": (lambda r: _set_param(r, "max_kv_tokens", "0", "4096"),
                                "dflash/config.pbtxt: parameters.max_kv_tokens: '4096' differs from '0'"),
+    "another K/V memory share": (lambda r: _set_param(r, "kv_instances", "1", "2"),
+                                 "dflash/config.pbtxt: parameters.kv_instances: '2' differs from '1'"),
     "plain decoding": (lambda r: _set_param(r, "mode", "dflash", "ar"),
                        "dflash/config.pbtxt: parameters.mode: 'ar' differs from 'dflash'"),
     "plain recorded": (lambda r: _set_marker(r, plain=True),
@@ -669,6 +671,29 @@ def test_a_repository_deployed_before_input_ids_still_agrees_with_its_marker(sma
     from dflash_export.deploy.repository import check_repository
 
     assert check_repository(drop_input(small_repo, "input_ids"))["models"] == ["dflash"]
+
+
+def test_a_config_without_the_kv_memory_share_is_served_only_where_its_own_instances_are_all(tmp_path, small_repo):
+    """Each model's config records how many instances, every model's, share the default K/V memory (`kv_instances`);
+    a model stub given none counts its own model's instances. A one-model repository without it is served (that is
+    every instance); a two-model one is refused before a server starts: its stubs would take twice the memory."""
+    from dflash_export.deploy.repository import check_repository
+
+    def drop_kv_instances(repo: Path) -> Path:
+        for cfg in repo.glob("*/config.pbtxt"):
+            text, n = re.subn(r'parameters \{\n  key: "kv_instances"\n  value \{\n    string_value: "\d+"\n  \}\n\}\n',
+                              "", cfg.read_text())
+            assert n == 1, cfg
+            cfg.write_text(text)
+        return repo
+
+    assert check_repository(drop_kv_instances(small_repo))["models"] == ["dflash"]
+    both = write_repository(make_torch_engine_dir(tmp_path / "engine2"), tmp_path / "both", instances=2)
+    assert '"kv_instances"\n  value {\n    string_value: "4"' in (both / "dflash_stream" / "config.pbtxt").read_text()
+    with pytest.raises(DFlashError) as e:
+        check_repository(drop_kv_instances(both))
+    assert str(e.value).startswith(f"{both / 'dflash' / 'config.pbtxt'}: parameters.kv_instances: missing, which the "
+                                   "model reads as '2', not '4'") and str(e.value).endswith("deploy again"), e.value
 
 
 @pytest.mark.parametrize("option, value, bound", [

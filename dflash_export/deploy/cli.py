@@ -51,7 +51,7 @@ from dflash_export.errors import DFlashError
 @click.option("--max-kv-tokens", default=0, show_default=True, type=click.IntRange(0, MAX_TOKEN_COUNT),
               help="With --max-batch > 1: K/V tokens (slots x rows) each instance's shared batch may hold; a request "
                    "joins once its rows fit, in arrival order, and one needing more than the bound gets HTTP 400. "
-                   "0: half the memory available when an instance loads, shared by the instances.")
+                   "0: half the memory available when an instance loads, shared by every model's instances.")
 @click.option("--plain", is_flag=True,
               help="Serve plain decoding on the same engine (no drafter): the yardstick a served speedup is "
                    "measured against.")
@@ -68,7 +68,7 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
     click.echo(f"wrote {repo} (models: {', '.join(marker['models'])})")
     if note := shared_batch_note(marker.get("precision"), marker.get("max_batch")):
         click.echo(note)
-    if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
+    if note := kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch, len(marker["models"]),
                               max_kv_tokens=max_kv_tokens):
         click.echo(note)
     import shlex
@@ -99,7 +99,8 @@ def deploy(engine_dir, repo_dir, instances, max_queue_size, threads, stream, llm
               help="With --engine: model instances (processes).")
 @click.option("--max-kv-tokens", default=None, type=click.IntRange(0, MAX_TOKEN_COUNT),
               help="With --engine: K/V tokens (slots x rows) each instance's shared batch may hold (a larger request: "
-                   "HTTP 400; default 0: half the memory available when an instance loads, shared by the instances).")
+                   "HTTP 400; default 0: half the memory available when an instance loads, shared by every model's "
+                   "instances).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write tritonserver's log here (default: a new dflash-tritonserver-*.log in the temp directory).")
 @click.option("--log-max-mb", default=64, show_default=True, type=click.IntRange(0, 1 << 20),

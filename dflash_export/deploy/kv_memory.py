@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dflash_export.engines.manifest import Manifest
 
-KV_MEMORY_FRACTION = 0.5  # of the memory available when an instance loads: its batch's K/V bound by default
+# Of the memory available when an instance loads: what the shared batches of every instance of the deployment (all
+# its models') may hold together by default, each bounded to its share.
+KV_MEMORY_FRACTION = 0.5
 
 
 def kv_bytes_per_token(manifest: Manifest) -> int | None:
@@ -45,9 +47,11 @@ def kv_reservation_bytes(manifest: Manifest, max_batch: int) -> int | None:
 
 def default_kv_tokens(manifest: Manifest, instances: int, max_batch: int, available: int | None) -> int | None:
     """The K/V bound (token cells: slots x rows) of each instance's shared batch when none is given: the tokens
-    whose K/V fits in KV_MEMORY_FRACTION of `available` bytes shared by `instances`, at most what `max_batch`
-    full-length sequences take; None (unbounded) when either figure is unknown, and for engines whose batch keeps its
-    K/V on the device (tensorrt: the memory available here says nothing about it)."""
+    whose K/V fits in KV_MEMORY_FRACTION of `available` bytes shared by `instances`, every instance of the
+    deployment that holds a shared batch, whichever model it serves (a repository's `dflash` and `dflash_stream`
+    each run their own); at most what `max_batch` full-length sequences take; None (unbounded) when either figure is
+    unknown, and for engines whose batch keeps its K/V on the device (tensorrt: the memory available here says
+    nothing about it)."""
     per_token = kv_bytes_per_token(manifest)
     if per_token is None or available is None or not manifest.max_seq_len or manifest.backend != "onnxruntime":
         return None

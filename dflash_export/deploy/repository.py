@@ -212,9 +212,9 @@ def write_repository(engine_dir, repo_dir, instances: int = 1, max_queue_size: i
     feeds its concurrent requests into one shared continuous batch of at most that many sequences (dflash_export.
     batching; onnxruntime engines, and tensorrt engines up to the bound their batch engines were built for), with at
     most `max_queued_tokens` prompt tokens waiting to join it and at most `max_kv_tokens` K/V token cells in its
-    buffers (0: decided when each instance loads, `default_kv_tokens`); 1: one request at a time per instance. plain:
-    the models decode without the drafter (plain decoding on the same engine, the served yardstick). Returns the
-    repository path.
+    buffers (0: decided when each instance loads, `default_kv_tokens`, every model's instances sharing the memory);
+    1: one request at a time per instance. plain: the models decode without the drafter (plain decoding on the same
+    engine, the served yardstick). Returns the repository path.
 
     Every check (engine manifest, options, target directory) runs before anything is written; a failure while
     writing leaves neither a partial repository nor the parent directories it created.
@@ -306,6 +306,7 @@ def _write_python_models(engine_dir: Path, repo: Path, libraries: dict[str, str]
             parameters={"engine_dir": engine_ref, "threads": str(threads),
                         "max_batch": str(max_batch), "max_queued_tokens": str(max_queued_tokens),
                         "max_kv_tokens": str(max_kv_tokens),
+                        "kv_instances": str(kv_instances(len(variants), instances)),
                         "mode": "ar" if plain else "dflash",
                         "library_versions": json.dumps(libraries)},
         ))
@@ -451,10 +452,11 @@ _NOT_DEPLOYED = "{} that `dflash-export deploy` did not write (tritonserver woul
 # (another backend or model file, an EXECUTION_ENV_PATH, a sys_path, a version policy) is refused, not run.
 _CONFIG_FIELDS = {"name", "backend", "max_batch_size", "model_transaction_policy", "input", "output", "instance_group",
                   "dynamic_batching", "parameters"}
-_CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "max_kv_tokens", "mode",
-                      "library_versions"}
+_CONFIG_PARAMETERS = {"engine_dir", "threads", "max_batch", "max_queued_tokens", "max_kv_tokens", "kv_instances",
+                      "mode", "library_versions"}
 _INTEGER_PARAMETERS = {"threads": (0, MAX_THREADS), "max_batch": (1, MAX_BATCH),  # the ranges deploy writes
-                       "max_queued_tokens": (1, MAX_TOKEN_COUNT), "max_kv_tokens": (0, MAX_TOKEN_COUNT)}
+                       "max_queued_tokens": (1, MAX_TOKEN_COUNT), "max_kv_tokens": (0, MAX_TOKEN_COUNT),
+                       "kv_instances": (1, 2 * MAX_INSTANCES)}  # dflash and dflash_stream
 # The marker's record of deploy's options: (key, range, value when absent: a marker written before the key existed).
 _MARKER_OPTIONS = (("instances", (1, MAX_INSTANCES), 1), ("max_batch", (1, MAX_BATCH), 1),
                    ("max_queue_size", (0, MAX_QUEUE_SIZE), DEFAULT_MAX_QUEUE_SIZE),
@@ -515,7 +517,9 @@ def _check_config_agrees(cfg: dict[str, Any], params: dict[str, str], options: d
                          name: str, n_models: int) -> None:
     """A `dflash` model's parsed config.pbtxt must be the one deploy writes for the options the marker records: the
     same tensors (input_ids may be absent: deployed before it existed), transaction policy, instances, queue and
-    batch parameters. `params` are its parameters, already checked by `_read_python_config`."""
+    batch parameters, and the instances of the deployment, every model's, that share the default K/V memory (a
+    config written without `kv_instances`, whose model stub counts its own model's instances alone, agrees only where
+    there is one model). `params` are its parameters, already checked by `_read_python_config`."""
     decoupled = cfg.get("model_transaction_policy", {}).get("decoupled") if isinstance(
         cfg.get("model_transaction_policy"), dict) else None
     if n_models > 1 or type(decoupled) is not bool:  # one model of each kind, or one: streaming or not
@@ -544,7 +548,12 @@ def _check_config_agrees(cfg: dict[str, Any], params: dict[str, str], options: d
                           field=f"input {next(iter(declared))}")
     for key, expected, default in (("max_batch", str(options["max_batch"]), "1"),
                                    ("max_kv_tokens", str(options["max_kv_tokens"]), "0"),
+                                   ("kv_instances", str(kv_instances(n_models, options["instances"])),
+                                    str(options["instances"])),
                                    ("mode", "ar" if options["plain"] else "dflash", "dflash")):
+        if key not in params and default != expected:  # what the model stub does without it is not what was deployed
+            raise DFlashError(f"missing, which the model reads as {default!r}, not {expected!r} ({recorded}): deploy "
+                              "again", path=cfg_path, field=f"parameters.{key}")
         if params.get(key, default) != expected:
             refuse(f"parameters.{key}", params.get(key, default), expected)
 
@@ -695,13 +704,20 @@ def upstream_call_bound(marker: dict) -> int:
     return min(65536, max(DEFAULT_MAX_UPSTREAM_CALLS, held))
 
 
-def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: int | None = None,
+def kv_instances(models: int, instances: int) -> int:
+    """The instances of a deployment of `models` models, `instances` each: every one holds its own shared batch (with
+    max_batch > 1), so together they share the default K/V memory (`default_kv_tokens`)."""
+    return models * instances
+
+
+def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, models: int, available: int | None = None,
                    max_kv_tokens: int = 0) -> str | None:
-    """What bounds the K/V of each instance's shared batch: `max_kv_tokens` token cells when given, else the bound
-    `default_kv_tokens` gives for this machine's available memory now (each instance works it out again when it
-    loads), with what that allows of full-length sequences; a warning when a given bound's K/V, for every instance,
-    passes the memory available. None when max_batch is 1 (no shared batch), when the engine records no shapes, and
-    when no bound is given and the default holds max_batch full-length sequences (nothing to say)."""
+    """What bounds the K/V of each instance's shared batch, in a deployment of `models` models of `instances`
+    instances each: `max_kv_tokens` token cells when given, else the bound `default_kv_tokens` gives for this
+    machine's available memory now, shared by every model's instances (each instance works it out again when it
+    loads), with what that allows of full-length sequences; a warning when a given bound's K/V, for every instance of
+    every model, passes the memory available. None when max_batch is 1 (no shared batch), when the engine records no
+    shapes, and when no bound is given and the default holds max_batch full-length sequences (nothing to say)."""
     if max_batch <= 1 or not (Path(engine_dir) / "manifest.json").is_file():  # a TensorRT-LLM bundle: its own batch
         return None
     manifest = read_manifest(engine_dir, verify_files=False)  # checked where the repository was written or served
@@ -710,17 +726,19 @@ def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: 
     if per_token is None or not manifest.max_seq_len:
         return None
     gib = 2**30
+    total = kv_instances(models, instances)
+    counted = f"the {total} instances of {models} models" if models > 1 else f"{total} instance(s)"
     if max_kv_tokens:
         tokens, how = max_kv_tokens, "--max-kv-tokens"
     else:
-        tokens = default_kv_tokens(manifest, instances, max_batch, available)
+        tokens = default_kv_tokens(manifest, total, max_batch, available)
         if tokens is None and manifest.backend != "onnxruntime":  # K/V on the device: --max-batch bounds it
             return None
         if tokens is None:
             return ("note: the memory available is unknown here: each instance bounds its shared batch's K/V by the "
                     "memory available when it loads (by --max-batch alone where that is unknown too)")
-        how = (f"at most {KV_MEMORY_FRACTION:.0%} of the {available / gib:.1f} GiB available now, over {instances} "
-               "instance(s); each instance works it out again when it loads")
+        how = (f"at most {KV_MEMORY_FRACTION:.0%} of the {available / gib:.1f} GiB available now, shared by "
+               f"{counted}; each instance works it out again when it loads")
     full = tokens // manifest.max_seq_len
     if full >= max_batch and not max_kv_tokens:  # the default bound holds every sequence at full length: no note
         return None
@@ -732,8 +750,8 @@ def kv_memory_note(engine_dir: Path, instances: int, max_batch: int, available: 
         note += (f"{full} sequence(s) at full length (max_seq_len {manifest.max_seq_len}) or more shorter ones at "
                  f"once (at most --max-batch {max_batch}); a request waits to join until its K/V fits, and one that "
                  "needs more than the whole bound is refused (HTTP 400)")
-    if available is not None and instances * tokens * per_token > available:
-        note += (f". Warning: {instances} instance(s) at this bound may hold more K/V than the "
+    if available is not None and total * tokens * per_token > available:
+        note += (f". Warning: {counted} at this bound may hold more K/V than the "
                  f"{available / gib:.1f} GiB this machine has available (the out-of-memory killer may end a model "
                  "stub: it reloads, its requests in flight fail)")
     return note

@@ -259,7 +259,7 @@ def serve(repo, http_port: int = 8000, grpc_port: int | None = None, metrics_por
                                                                  ready_timeout_s, marker)
         instances, max_batch = int(marker.get("instances", 1)), int(marker.get("max_batch", 1))
         for note in (shared_batch_note(marker.get("precision"), max_batch),
-                     kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch,
+                     kv_memory_note(repo / marker["models"][0] / "engine", instances, max_batch, len(marker["models"]),
                                     max_kv_tokens=int(marker.get("max_kv_tokens", 0)))):
             if note:
                 print(note, file=sys.stderr, flush=True)

@@ -136,7 +136,10 @@ def _log_kv(nbytes: int, slots: int, capacity: int) -> None:
 
 def _kv_bound(config, engine_dir: str, instances: int, max_batch: int) -> int | None:
     """The K/V token bound of this instance's shared batch: the config's `max_kv_tokens`, or (0, or a repository
-    written before it) the one the memory available now allows (deploy/kv_memory.py `default_kv_tokens`), logged."""
+    written before it) the one the memory available now allows (deploy/kv_memory.py `default_kv_tokens`), logged.
+    That memory is shared by the config's `kv_instances`: every instance of the deployment, each model's (deploy
+    writes it); a config without it counts this model's `instances` alone (serve accepts that only where the
+    deployment has one model)."""
     from dflash_export.deploy.kv_memory import default_kv_tokens
     from dflash_export.engines.manifest import read_manifest
     from dflash_export.environment import available_memory_bytes
@@ -144,7 +147,8 @@ def _kv_bound(config, engine_dir: str, instances: int, max_batch: int) -> int | 
     tokens = int(_param(config, "max_kv_tokens", "0"))
     if tokens <= 0:
         manifest = read_manifest(engine_dir, verify_files=False)
-        tokens = default_kv_tokens(manifest, instances, max_batch, available_memory_bytes())
+        sharing = int(_param(config, "kv_instances", str(instances)))
+        tokens = default_kv_tokens(manifest, sharing, max_batch, available_memory_bytes())
     print(f"dflash-kv-bound: pid {os.getpid()}: {tokens if tokens else 'unbounded'} K/V tokens", file=sys.stderr,
           flush=True)
     return tokens or None
@@ -208,6 +212,9 @@ class TritonPythonModel:
         count = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         if threads <= 0:
             # Instances are separate processes sharing the machine: split the cores rather than oversubscribe them.
+            # Split by this model's instances only: another model's instances (dflash_stream beside dflash) take
+            # cores only while they have requests, and a model serving alone is the common case. The K/V bound is
+            # split over every model's instances (_kv_bound): memory must suffice when all of them are full at once.
             threads = max(1, len(os.sched_getaffinity(0)) // count)
         self.engine = load_engine(os.path.normpath(engine_dir), threads=threads)
         numerics = getattr(self.engine, "numerics", None)
