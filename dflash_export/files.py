@@ -1,6 +1,7 @@
 """Files: where the project's cache lives, the content hash that names a build's inputs, JSON objects read with one
 clear error, writers that leave either the whole result or nothing (atomic files and directories, output-path checks
-before any work starts), and rows of a float32 matrix read from inside a file."""
+before any work starts), .npy / .npz arrays read without unpickling or allocating more than the file holds, and
+rows of a float32 matrix read from inside a file."""
 
 from __future__ import annotations
 
@@ -487,6 +488,101 @@ def removing_new_dirs(path, keep_if: Callable[[Path], bool] | None = None) -> It
             except OSError:
                 pass
         raise
+
+
+class UnreadableArrays(ValueError):
+    """An .npy or .npz file `read_npy` / `read_npz` refuse; the message says why, and the caller names the file and
+    field in its own error (or, for a cache entry, makes it again)."""
+
+
+def _declared_bytes(f) -> int:
+    """The bytes of data the .npy header at `f`'s position declares (its shape times its dtype's size), read
+    without the data; `f` is left at the data."""
+    import math
+
+    from numpy.lib import format as npy
+
+    version = npy.read_magic(f)
+    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    shape, _, dtype = read_header(f)
+    return math.prod(shape) * dtype.itemsize
+
+
+def _open_regular(path: str | os.PathLike):
+    """`path` opened for reading in binary, refused (UnreadableArrays) unless it is a regular file: opened
+    non-blocking, so a FIFO in its place is refused instead of hanging the reader."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableArrays("not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# What a damaged .npy / .npz raises while read: a short file, a bad header, a zip archive that is not one (or one
+# compressed by a method, or encrypted, that zipfile cannot read).
+_ARRAY_ERRORS = (OSError, ValueError, EOFError, KeyError, RuntimeError, NotImplementedError)
+
+
+def read_npy(path: str | os.PathLike):
+    """The array of the .npy file at `path` (a regular file: `_open_regular`), never unpickled (numpy's
+    `allow_pickle=False`: an object array is refused); the bytes its header declares are checked against what the
+    file holds before numpy allocates them, so a doctored or damaged header (a shape of 10^11 rows) cannot make it
+    allocate hundreds of GiB. UnreadableArrays saying why otherwise."""
+    from numpy.lib import format as npy
+
+    try:
+        with _open_regular(path) as f:
+            declared = _declared_bytes(f)
+            held = os.fstat(f.fileno()).st_size - f.tell()
+            if declared > held:
+                raise UnreadableArrays(f"its header declares {declared} bytes of data, more than the {held} the file "
+                                       "holds")
+            f.seek(0)
+            return npy.read_array(f, allow_pickle=False)
+    except UnreadableArrays:
+        raise
+    except _ARRAY_ERRORS as e:
+        raise UnreadableArrays(f"{type(e).__name__}: {e}") from None
+
+
+def read_npz(path: str | os.PathLike) -> dict:
+    """The arrays of the .npz archive at `path` (a regular file: `_open_regular`) by name, none unpickled (numpy's
+    `allow_pickle=False`); what their headers declare is checked against the file's size before any is read, so a
+    doctored or damaged header cannot make numpy allocate more than the file holds (the archives written here, by
+    np.savez, are uncompressed). A damaged member fails its CRC-32 check. UnreadableArrays saying why otherwise."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    try:
+        with _open_regular(path) as raw, zipfile.ZipFile(raw) as z:
+            members = z.infolist()
+            names = [m.filename.removesuffix(".npy") for m in members]
+            twice = next((n for n in names if names.count(n) > 1), None)
+            if twice is not None:
+                raise UnreadableArrays(f"the array {twice!r} is stored twice")
+            declared = 0
+            for m in members:
+                with z.open(m) as f:
+                    declared += _declared_bytes(f)
+            size = os.fstat(raw.fileno()).st_size
+            if declared > size:
+                raise UnreadableArrays(f"its arrays declare {declared} bytes, more than the file's {size}")
+            out = {}
+            for name, m in zip(names, members):
+                with z.open(m) as f:
+                    out[name] = npy.read_array(f, allow_pickle=False)
+            return out
+    except UnreadableArrays:
+        raise
+    except (*_ARRAY_ERRORS, zipfile.BadZipFile) as e:
+        raise UnreadableArrays(f"{type(e).__name__}: {e}") from None
 
 
 class MatrixRows:

@@ -508,3 +508,35 @@ def test_a_chat_template_file_beside_a_config_template_renders_as_transformers_r
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     expected = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False)
     assert load_codec(d).render_chat(messages) == expected == "FILE [hi][yo]"
+
+
+@pytest.mark.parametrize("damage", ["a header declaring 10^11 rows", "truncated", "an object array", "not .npy"])
+def test_a_damaged_dflash2_codebook_is_one_error_naming_it_before_numpy_allocates(tmp_path, damage):
+    """DFlash 2's codebooks (.npy [V, R] float32 in the engine): a header declaring more than the file holds (numpy
+    would allocate 745 GiB), a cut file, a pickled array or another format is one DFlashError naming the file."""
+    import io
+    from types import SimpleNamespace
+
+    from numpy.lib import format as npy
+
+    from dflash_export.engines.onnxruntime import SELECTOR_FILES, _selector_tables
+
+    manifest = SimpleNamespace(selector=SimpleNamespace(top_k=2, rank=3))
+    for name in SELECTOR_FILES:
+        np.save(tmp_path / name, np.zeros((8, 3), np.float32))
+    assert [t.shape for t in _selector_tables(tmp_path, manifest, 8)[1:]] == [(8, 3), (8, 3)]
+    path = tmp_path / SELECTOR_FILES[1]
+    raw = path.read_bytes()
+    if damage == "a header declaring 10^11 rows":
+        header = io.BytesIO()
+        npy.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**11, 2)})
+        path.write_bytes(header.getvalue() + raw[len(header.getvalue()):])
+    elif damage == "truncated":
+        path.write_bytes(raw[:-8])
+    elif damage == "an object array":
+        np.save(path, np.array([object()] * 3, dtype=object), allow_pickle=True)
+    else:
+        path.write_bytes(b"PK\x03\x04 not an array")
+    with pytest.raises(DFlashError, match="unreadable DFlash 2 codebook") as e:
+        _selector_tables(tmp_path, manifest, 8)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)

@@ -174,18 +174,51 @@ def _cached_screen(tmp_path, w):
     return out / gh.GRAPH
 
 
+def _doctored_header(npz: bytes, member: str) -> bytes:
+    """The archive `npz` with `member`'s .npy header declaring 10^11 x 2 float32 (745 GiB) over its own data."""
+    import io
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(npz)) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename == member:
+                header = io.BytesIO()
+                npy.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**11, 2)})
+                data = header.getvalue() + data[len(header.getvalue()):]
+            zout.writestr(info, data)
+    return out.getvalue()
+
+
 def test_a_damaged_cache_is_rebuilt_and_other_heads_are_not_screened(head, tmp_path, monkeypatch):
+    """Cached tables that are not an archive, fail a member's CRC, or declare an array larger than the file (numpy
+    would try to allocate it) are made again, and the head is screened with them."""
     w, sess, g = head
     d = gh.screen_dir(g.matrix.path.parent, g.matrix)
     good = (d / gh.TABLES).read_bytes()
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0xFF  # inside the l1 table's data: its CRC no longer matches
-    for damaged in (b"not an npz", bytes(flipped)):
+    for damaged in (b"not an npz", bytes(flipped), _doctored_header(good, "l1.npy")):
         (d / gh.TABLES).write_bytes(damaged)
         again = gh.greedy_head_for(sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort,
                                    _session_options(), ["CPUExecutionProvider"])
         assert again.screen is not None and np.array_equal(again.tables.l1, g.tables.l1)
         assert gh.ScreenTables.load(d / gh.TABLES, g.matrix.shape) is not None  # rebuilt, not worked around
+    # a FIFO in the tables' place: refused without waiting for a writer, and made again
+    import threading
+
+    (d / gh.TABLES).unlink()
+    os.mkfifo(d / gh.TABLES)
+    done = []
+    loader = threading.Thread(target=lambda: done.append(gh.greedy_head_for(
+        sess, g.matrix.path.parent / "lm_head.onnx", g.matrix.path.parent, ort, _session_options(),
+        ["CPUExecutionProvider"])), daemon=True)
+    loader.start()
+    loader.join(120)
+    assert done and done[0].screen is not None and (d / gh.TABLES).is_file()
     # a scaled head (alpha != 1), a head without its matrix file: the whole head, no screen
     path, _ = _head_files(tmp_path, w)
     import onnx

@@ -12,6 +12,7 @@ from target_support import assert_as_plain
 
 from dflash_export.decoding.static_ngrams import STATIC_FILE, StaticNgramIndex, store_static_index
 from dflash_export.decoding.tree import accepted_by_source, build_tree, greedy_accept
+from dflash_export.engines.manifest import load_static_index
 from dflash_export.errors import DFlashError
 
 
@@ -78,7 +79,7 @@ def test_the_index_stores_plain_arrays_and_reads_back_the_same(tmp_path):
     index = StaticNgramIndex.from_answers(_answers(3), sizes=(4, 3, 2), depth=6)
     field = store_static_index(tmp_path, index, 30, 123)
     assert field["file"] == STATIC_FILE and field["entries"] == len(index) > 0
-    back = StaticNgramIndex.load(tmp_path / STATIC_FILE, vocab_size=6)
+    back = load_static_index(tmp_path / STATIC_FILE, vocab_size=6)
     assert back.table == index.table and back.sizes == index.sizes and back.depth == index.depth
 
 
@@ -104,7 +105,7 @@ def test_a_bad_index_is_one_error_naming_the_file_and_array(tmp_path, change, fi
     path = tmp_path / STATIC_FILE
     _write(path, **arrays)
     with pytest.raises(DFlashError) as e:
-        StaticNgramIndex.load(path, vocab_size=6)
+        load_static_index(path, vocab_size=6)
     assert str(path) in str(e.value) and field in str(e.value)
 
 
@@ -114,11 +115,11 @@ def test_an_object_array_or_a_truncated_file_is_refused_never_unpickled(tmp_path
     arrays["keys_2"] = np.asarray([object()], dtype=object)
     _write(path, **arrays)
     with pytest.raises(DFlashError, match="static_ngrams|keys_2"):
-        StaticNgramIndex.load(path, vocab_size=6)
+        load_static_index(path, vocab_size=6)
     store_static_index(tmp_path, StaticNgramIndex.from_answers(_answers(5), sizes=(2,), depth=3), 1, 1)
     path.write_bytes(path.read_bytes()[:40])
     with pytest.raises(DFlashError, match="unreadable static n-gram index"):
-        StaticNgramIndex.load(path, vocab_size=6)
+        load_static_index(path, vocab_size=6)
 
 
 def test_an_array_header_declaring_more_than_the_file_holds_is_refused_before_any_allocation(tmp_path):
@@ -140,7 +141,14 @@ def test_an_array_header_declaring_more_than_the_file_holds_is_refused_before_an
                 data = header.getvalue() + data[len(header.getvalue()):]
             zout.writestr(info, data)
     with pytest.raises(DFlashError, match="unreadable static n-gram index") as e:
-        StaticNgramIndex.load(path, vocab_size=6)
+        load_static_index(path, vocab_size=6)
+    assert str(path) in str(e.value) and "static_ngrams" in str(e.value)
+    # a lone .npy in the archive's place, its header declaring as much: refused as no archive, never read
+    header = io.BytesIO()
+    npy.write_array_header_1_0(header, {"descr": "<i4", "fortran_order": False, "shape": (10**11, 2)})
+    path.write_bytes(header.getvalue() + bytes(64))
+    with pytest.raises(DFlashError, match="unreadable static n-gram index") as e:
+        load_static_index(path, vocab_size=6)
     assert str(path) in str(e.value) and "static_ngrams" in str(e.value)
 
 

@@ -3,7 +3,7 @@
 The context's lookups (prompt_lookup.ContextIndex) only find what the request itself already said; a small target
 also repeats phrases across answers ("Here is a", "I hope this helps"). The index is built once, at `build`, from the
 target's greedy answers to training prompts (never an evaluation suite's), stored in the engine as plain integer
-arrays (`static_ngrams.npz`, read with numpy's `allow_pickle=False`: nothing in it is executed), and merged into the
+arrays (`static_ngrams.npz`, read back by files.read_npz: nothing in it is unpickled or executed), and merged into the
 same draft tree as the drafter's top-K and the context's continuations (decoding/tree.build_tree).
 
 Definition (what `StaticNgramIndex.branches` returns, in closed form; tests/test_static_ngrams.py checks it against
@@ -18,11 +18,9 @@ suffix of the context is kept, its continuation, without duplicates.
 
 from __future__ import annotations
 
-import math
-import zipfile
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -113,11 +111,10 @@ class StaticNgramIndex:
             np.savez(f, **self.arrays())
 
     @classmethod
-    def load(cls, path: Path, vocab_size: int) -> "StaticNgramIndex":
-        """Read an index `save` wrote, every array checked (dtype, shape, token ids below `vocab_size`); one
-        DFlashError naming the file and the array otherwise."""
-        path = Path(path)
-        data = _read_arrays(path)
+    def from_arrays(cls, data: Mapping[str, np.ndarray], vocab_size: int, path: Path) -> "StaticNgramIndex":
+        """The index of the arrays `save` wrote, read back from the file `path` (engines/manifest.py reads it with
+        files.read_npz), every array checked (dtype, shape, token ids below `vocab_size`); one DFlashError naming the
+        file and the array otherwise."""
 
         def array(name: str, ndim: int) -> np.ndarray:
             a = data.get(name)
@@ -158,31 +155,6 @@ class StaticNgramIndex:
             if len(table) != before + len(keys):
                 raise DFlashError("a key appears twice", path=path, field=f"keys_{n}")
         return cls(table, sizes.tolist(), d)
-
-
-def _read_arrays(path: Path) -> dict[str, np.ndarray]:
-    """The arrays of the .npz at `path`, none of them unpickled; what their headers declare is checked against the
-    file's size before any is read, so a doctored header cannot make numpy allocate more than the file holds (an
-    index `save` wrote stores its arrays uncompressed). One DFlashError naming the file otherwise."""
-    from numpy.lib import format as npy
-
-    def unreadable(problem: str) -> DFlashError:
-        return DFlashError(f"unreadable static n-gram index ({problem})", path=path, field="static_ngrams")
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            declared = 0
-            for name in z.files:
-                with z.zip.open(name + ".npy" if name + ".npy" in z.zip.namelist() else name) as f:
-                    version = npy.read_magic(f)
-                    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
-                    shape, _, dtype = read_header(f)
-                declared += math.prod(shape) * dtype.itemsize
-            if declared > path.stat().st_size:
-                raise unreadable(f"its arrays declare {declared} bytes, more than the file's {path.stat().st_size}")
-            return {name: z[name] for name in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise unreadable(f"{type(e).__name__}: {e}") from None
 
 
 def store_static_index(engine_dir: Path, index: StaticNgramIndex, answers: int, answer_tokens: int) -> dict:

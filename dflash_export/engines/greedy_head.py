@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.files import MatrixRows, native_path
+from dflash_export.files import MatrixRows, UnreadableArrays, native_path, read_npz
 
 BLOCK = 32                 # int8 blocks along the hidden size (MatMulNBits block_size)
 MIN_PARAMS = 8_000_000     # heads smaller than this are cheap enough whole (and tiny test models keep them)
@@ -157,14 +157,13 @@ class ScreenTables:
 
     @classmethod
     def load(cls, path: Path, shape: tuple[int, int]) -> ScreenTables | None:
-        """The tables at `path`, or None (rebuild them) for a missing, unreadable or damaged file: an .npz is a zip
-        archive whose members carry CRC-32s, so a flipped byte fails here (BadZipFile) instead of loosening a bound."""
-        import zipfile
-
+        """The tables at `path`, or None (rebuild them) for a missing, unreadable or damaged file (files.read_npz):
+        an .npz is a zip archive whose members carry CRC-32s, so a flipped byte fails here instead of loosening a
+        bound, and a header declaring more than the file holds is refused before numpy allocates it."""
         try:
-            with np.load(path, allow_pickle=False) as z:
-                t = cls(z["l1"], z["werr"], float(z["wmax"]), tuple(str(d) for d in z["digests"].tolist()))
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+            z = read_npz(path)
+            t = cls(z["l1"], z["werr"], float(z["wmax"]), tuple(str(d) for d in z["digests"].tolist()))
+        except (UnreadableArrays, KeyError, TypeError, ValueError):
             return None
         v, h = shape
         if t.l1.shape != (h // BLOCK, v) or t.werr.shape != (v,) or t.l1.dtype != np.float32 \

@@ -25,7 +25,7 @@ from dflash_export.decoding.static_ngrams import StaticNgramIndex
 from dflash_export.engines.base import EngineInfo
 from dflash_export.engines.numerics import MAX_ROW_FLOOR
 from dflash_export.errors import DFlashError, json_kind
-from dflash_export.files import read_json_object, sha256_file
+from dflash_export.files import UnreadableArrays, read_json_object, read_npz, sha256_file
 from dflash_export.models.config import MAX_SEQ_LEN
 from dflash_export.recipes import BACKENDS, PRECISIONS, RECIPES_DIR
 
@@ -143,7 +143,18 @@ class Manifest:
         if not path.is_file() or sha256_file(path) != static["sha256"]:
             raise DFlashError("the static n-gram index is missing or differs from the sha256 the manifest records: "
                               "rebuild the engine", path=path, field="static_ngrams.sha256")
-        return StaticNgramIndex.load(path, self.require("vocab_size"))
+        return load_static_index(path, self.require("vocab_size"))
+
+
+def load_static_index(path: Path, vocab_size: int) -> StaticNgramIndex:
+    """The static n-gram index `StaticNgramIndex.save` wrote at `path`: its arrays read by files.read_npz (none
+    unpickled, none declaring more than the file holds), then checked (`StaticNgramIndex.from_arrays`); one
+    DFlashError naming the file otherwise."""
+    try:
+        data = read_npz(path)
+    except UnreadableArrays as e:
+        raise DFlashError(f"unreadable static n-gram index ({e})", path=path, field="static_ngrams") from None
+    return StaticNgramIndex.from_arrays(data, vocab_size, Path(path))
 
 
 def hash_inputs(paths: list[Path]) -> dict[str, str]:

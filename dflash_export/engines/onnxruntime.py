@@ -47,7 +47,7 @@ from dflash_export.engines.numerics import PROBE_SEED, choose_row_floor, probe_r
 from dflash_export.engines.row_pad import ROW_INDEX
 from dflash_export.environment import env_switch
 from dflash_export.errors import DFlashError, MissingDependency
-from dflash_export.files import MatrixRows, dir_identity, native_path
+from dflash_export.files import MatrixRows, UnreadableArrays, dir_identity, native_path, read_npy
 from dflash_export.models.config import DFlashSpec
 
 TARGET = "target.onnx"
@@ -855,8 +855,8 @@ def _selector_tables(engine_dir: Path, manifest: Manifest, vocab: int):
     tables = []
     for fname in SELECTOR_FILES:
         try:
-            table = np.load(engine_dir / fname, allow_pickle=False)
-        except (OSError, ValueError) as e:
+            table = read_npy(engine_dir / fname)
+        except UnreadableArrays as e:
             raise DFlashError(f"unreadable DFlash 2 codebook ({e})", path=engine_dir / fname) from None
         if table.shape != (vocab, rank) or table.dtype != np.float32:
             raise DFlashError(f"shape {table.shape} {table.dtype} != ({vocab}, {rank}) float32",
