@@ -103,7 +103,8 @@ class Recipe:
     block_size: int | None = None            # override of the drafter's block_size
     max_seq_len: int = 2048
     backends: list[str] = field(default_factory=lambda: ["onnxruntime"])
-    chat_template: bool = True
+    chat_template: bool = True               # text prompts chat-templated: run, bench, serve and train's
+                                             # ShareGPT prompts alike
     draft_vocab: int | None = None           # engines: draft among the first N token ids only (cheaper draft LM head;
                                              # still lossless, the target verifies over the full vocabulary)
     precision: str = "fp32"                  # onnxruntime engines: target (+ LM head) weights fp32, int8 or int4

@@ -354,6 +354,25 @@ def test_a_head_size_onnx_runtime_attention_cannot_run_is_refused_before_the_exp
     assert not (tmp_path / "engines").exists()
 
 
+def test_a_static_index_of_sharegpt_answers_on_a_tokenizer_less_target_names_train_prompts_before_the_export(
+        tmp_path, monkeypatch):
+    """decoding.static_ngrams indexes the target's answers to the recipe's training prompts; ShareGPT's (the default
+    train.prompts) are text, which a tiny random target has no tokenizer for: one line naming the recipe and
+    train.prompts, exit 2, before any graph is exported, and no engine directory left."""
+    from dflash_export.engines import ort_build
+
+    exported = []
+    monkeypatch.setattr(ort_build, "_export_optimized", lambda *a, **k: exported.append(a) or 1 / 0)
+    y = tmp_path / "static.yaml"
+    y.write_text("name: static\ntarget: tiny:llama/target\ndrafter: tiny:llama/drafter\nmax_seq_len: 256\n"
+                 "decoding: {proposer: tree+lookup, static_ngrams: true, static_prompts: 32}\n")
+    out = tmp_path / "engines"
+    r = _cli("build", "--recipe", str(y), "--out", str(out))
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {y}: train.prompts: ") and "synthetic" in r.output, r.output
+    assert not exported and not out.exists()
+
+
 def test_draft_vocab_larger_than_the_vocabulary_is_refused(tmp_path):
     y = tmp_path / "dv.yaml"
     y.write_text("name: dv\ntarget: tiny:qwen3/target\ndrafter: tiny:qwen3/drafter\nmax_seq_len: 256\n"

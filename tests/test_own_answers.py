@@ -1,6 +1,8 @@
 """The target's own answers (pass 1 batched greedy decoding with capture, pass 2 features) against plain unbatched
 greedy decoding and one full forward, and resumption shard by shard."""
 
+import re
+
 import pytest
 import torch
 
@@ -145,3 +147,32 @@ def test_the_static_index_never_answers_a_prompt_a_heldout_record_asks(tmp_path,
     monkeypatch.setattr(data, "sharegpt_prompt_ids", lambda *a, **k: [(i, ids[i]) for i in order])
     got = own_answers.static_index_answers(target, TrainOptions(prompts="sharegpt", max_new_tokens=5), 6)
     assert got == [ar_generate(target, ids[i], 5, stop_token_ids=target.stop_token_ids).tokens for i in clean]
+
+
+def test_the_static_index_answers_the_prompts_as_the_recipe_templates_them_and_caches_them_apart(
+        tmp_path, tiny_qwen3, monkeypatch):
+    """`build`'s static index answers the recipe's training prompts chat-templated or not as its `chat_template`
+    says (as `train` makes them, and as `run` encodes a prompt), and the answers of each setting are cached under
+    their own name: the templated ones under the name they always had."""
+    from dflash_export.recipes import TrainOptions
+    from dflash_export.train import data, own_answers
+
+    target, _ = tiny_qwen3
+    prompts = {True: _prompts(3, seed=5), False: _prompts(3, seed=6)}
+    asked = []
+
+    def sharegpt_prompt_ids(*a, chat_template=True, **k):
+        asked.append(chat_template)
+        return prompts[chat_template]
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(data, "sharegpt_prompt_ids", sharegpt_prompt_ids)
+    monkeypatch.setattr("dflash_export.train.sharegpt.asking_heldout", lambda: set())
+    for chat in (True, False):
+        got = own_answers.static_index_answers(target, TrainOptions(prompts="sharegpt", max_new_tokens=4), 3,
+                                               chat_template=chat)
+        assert got == [ar_generate(target, ids, 4, stop_token_ids=target.stop_token_ids).tokens
+                       for _, ids in prompts[chat]]
+    assert asked == [True, False]
+    made = sorted(re.sub(r"-[0-9a-f]{16}$", "", d.name) for d in (tmp_path / "cache" / "train-data").iterdir())
+    assert made == ["sharegpt-s0-answers", "sharegpt-untemplated-s0-answers"]

@@ -504,7 +504,7 @@ def test_a_bounded_prompt_list_is_the_whole_list_s_prefix_and_templates_no_furth
     class Tokenizer:
         chat_template = None
 
-        def __call__(self, text):
+        def __call__(self, text, add_special_tokens=True):
             calls.append(text)
             return {"input_ids": [len(w) for w in text.split()]}
 
@@ -519,6 +519,67 @@ def test_a_bounded_prompt_list_is_the_whole_list_s_prefix_and_templates_no_furth
     __import__("random").Random(3).shuffle(order)
     tenth = order.index(whole[9][0])
     assert len(calls) == tenth + 1
+
+
+def _tokenizer_dir(tmp_path) -> Path:
+    """A tokenizer whose post-processor adds a BOS token (as LLaMA's do) and whose chat template writes turn markers:
+    templated and untemplated prompts, with or without special tokens added, all differ."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["[UNK]", "<s>", "<|user|>", "<|assistant|>", "write", "a", "poem", "about", "the", "sea", "list", "primes"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = tmp_path / "tokenizer"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    template = ("{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "bos_token": "<s>", "chat_template": template}))
+    return d
+
+
+def test_sharegpt_training_prompts_are_the_token_ids_the_runtime_encodes_for_the_recipe(tmp_path, monkeypatch):
+    """A recipe's `chat_template` decides how `run`, `bench` and the server encode a prompt (the engine's
+    TextCodec); training's prompts -- train, held-out and teacher-forced -- are the same ids, templated or plain, and
+    the two settings are cached apart: the templated data under the name it always had."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from dflash_export.engines.base import load_codec
+    from dflash_export.recipes import load_recipe
+    from dflash_export.train import data, stage
+    from dflash_export.train.sharegpt import Prompt
+
+    d = _tokenizer_dir(tmp_path)
+    texts = ["write a poem about the sea", "list primes", "write the primes"]
+    monkeypatch.setattr(data, "sharegpt_prompts",
+                        lambda split: [Prompt(i, t, "the sea") for i, t in enumerate(texts)])
+    codec = load_codec(d)
+    target = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(d)), stop_token_ids=[], config={})
+    recipe = load_recipe(_tiny_recipe(tmp_path, prompts="sharegpt", num_prompts=3, heldout_prompts=3,
+                                      teacher_forced_prompts=3))
+    names = set()
+    for chat in (True, False):
+        r = replace(recipe, chat_template=chat)
+        train_src, heldout_src, tf_src, name = stage._prompt_sources(r, target, r.train)
+        want = {i: codec.encode_prompt(t, chat) for i, t in enumerate(texts)}
+        assert {i: ids for i, ids in train_src()} == want and {i: ids for i, ids in heldout_src()} == want
+        assert {i: ids[:n] for i, ids, n in tf_src()} == want
+        names.add(name)
+    assert codec.encode_prompt(texts[0], True) != codec.encode_prompt(texts[0], False)
+    assert names == {"sharegpt-s0", "sharegpt-untemplated-s0"}  # the templated data keeps its cache name
+
+
+def test_sharegpt_prompts_on_a_tokenizer_less_target_name_the_recipe_field(tmp_path, own_cache):
+    y = _tiny_recipe(tmp_path, prompts="sharegpt")
+    r = _train_cli("--recipe", y, "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {y}: train.prompts: ") and "synthetic" in r.output, r.output
+    _assert_nothing_written(tmp_path)
 
 
 def test_cli_train_bad_recipe_is_one_line(tmp_path):

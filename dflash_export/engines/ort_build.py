@@ -99,6 +99,10 @@ def build_onnxruntime(recipe, out_dir, threads: int | None = None, draft_vocab: 
     # exactly); `--precision int8 / int4` quantizes the weights from there. The manifest records both.
     stage("loading the target and the drafter")
     target, drafter, spec, draft_vocab = _load_pair(recipe, draft_vocab)
+    if recipe.decoding.static_ngrams:  # its answers are to the recipe's training prompts: checked before any export
+        from dflash_export.train.data import check_prompt_source
+
+        check_prompt_source(recipe, target.model_dir)
     dspec = drafter.spec(recipe.block_size)
     precisions = graph_precisions(recipe, precision, drafter_precision, quantize_heads)
     if drafter.config.is_dflash2 and draft_vocab is not None:
@@ -167,7 +171,7 @@ def _static_index(recipe, target, tmp: Path) -> dict:
 
     opts = recipe.decoding
     stage(f"indexing the target's own answers to {opts.static_prompts} training prompts (static n-grams)")
-    answers = static_index_answers(target, recipe.train, opts.static_prompts)
+    answers = static_index_answers(target, recipe.train, opts.static_prompts, chat_template=recipe.chat_template)
     index = StaticNgramIndex.from_answers(answers, max_entries=opts.static_entries)
     return store_static_index(tmp, index, len(answers), sum(len(a) for a in answers))
 

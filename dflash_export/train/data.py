@@ -192,6 +192,24 @@ def answers_dir(target, max_prompt_tokens: int, max_new_tokens: int, source: str
                                                   "p": max_prompt_tokens, "r": max_new_tokens, "src": source}, target)
 
 
+def sharegpt_source(seed: int, chat_template: bool = True) -> str:
+    """The name ShareGPT-prompted data is cached under (data_dir, answers_dir; `-heldout-s`, `-tf-s` in place of
+    `-s` for the held-out and teacher-forced sets): `sharegpt-s<seed>` for chat-templated prompts, the name they have
+    always had; `sharegpt-untemplated-s<seed>` for the same prompts as plain text (a recipe's `chat_template:
+    false`), other token sequences that are never found under the templated ones' name."""
+    return f"sharegpt-s{seed}" if chat_template else f"sharegpt-untemplated-s{seed}"
+
+
+def check_prompt_source(recipe, target_dir: Path) -> None:
+    """ShareGPT prompts (`train.prompts: sharegpt`, the default) are text, tokenized with the target's tokenizer: a
+    target without one (a tiny random pair) takes synthetic prompts. One error naming the recipe's field, before any
+    work that needs the prompts (`train`'s data, `build`'s static n-gram index)."""
+    if recipe.train.prompts == "sharegpt" and not (Path(target_dir) / "tokenizer_config.json").is_file():
+        raise DFlashError(f"ShareGPT prompts need the target's tokenizer, and {target_dir} has none (no "
+                          "tokenizer_config.json); use `prompts: synthetic` for a tokenizer-less target",
+                          path=recipe.path, field="train.prompts")
+
+
 def shard_paths(directory: Path) -> list[Path]:
     """The data shards of `directory`, in order (each is written atomically; only a short last shard of a smaller
     run is ever written again, whole: shard_done)."""
@@ -349,23 +367,26 @@ def chat_prompt_ids(tokenizer, text: str, use_template: bool = True) -> list[int
 
 def chat_ids(tokenizer, messages, use_template: bool = True) -> list[int]:
     """`messages` ((role, text), ending with a user turn) chat-templated for the assistant's answer; without a
-    template, their texts one per line."""
+    template (`use_template` False: a recipe's `chat_template: false`, or a tokenizer without one), their texts one
+    per line, tokenized as they are: no special token added (the runtime's TextCodec.encode_prompt, which `run`,
+    `bench` and the server encode prompts with)."""
     if use_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in messages],
                                             add_generation_prompt=True,
                                             return_dict=False)  # transformers 5 returns a BatchEncoding otherwise
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer("\n".join(t for _, t in messages))["input_ids"]
+    return list(tokenizer("\n".join(t for _, t in messages), add_special_tokens=False)["input_ids"])
 
 
 def sharegpt_prompt_ids(target, split: str, max_prompt_tokens: int, seed: int, shuffle: bool = True,
-                        limit: int | None = None) -> list[tuple[int, list[int]]]:
-    """ShareGPT first-turn prompts of `split`, chat-templated, at most `max_prompt_tokens` tokens, in a seeded order;
-    with `limit`, the first `limit` of them (the same as the whole list's first `limit`): chat-templating and
-    tokenizing stop there, which for a few hundred prompts of the SmolLM2 recipe's train split takes a second
-    instead of the ~50 s the whole split's 7 500 first turns took on a shared 2-core EPYC."""
+                        limit: int | None = None, chat_template: bool = True) -> list[tuple[int, list[int]]]:
+    """ShareGPT first-turn prompts of `split`, chat-templated (`chat_template`, the recipe's: else the text as it
+    is, `chat_ids`), at most `max_prompt_tokens` tokens, in a seeded order; with `limit`, the first `limit` of them
+    (the same as the whole list's first `limit`): chat-templating and tokenizing stop there, which for a few hundred
+    prompts of the SmolLM2 recipe's train split takes a second instead of the ~50 s the whole split's 7 500 first
+    turns took on a shared 2-core EPYC."""
     return _seeded_fitting(sharegpt_prompts(split), seed if shuffle else None, limit,
-                           lambda p: _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens))
+                           lambda p: _fitting_prompt_ids(target.tokenizer, p.text, max_prompt_tokens, chat_template))
 
 
 def sharegpt_conversation_ids(target, split: str, max_prompt_tokens: int, seed: int,
@@ -398,7 +419,8 @@ def _seeded_fitting(items: list, seed: int | None, limit: int | None, ids_of) ->
     return out
 
 
-def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> list[int] | None:
+def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int, chat_template: bool = True
+                              ) -> list[int] | None:
     budget = MAX_CHARS_PER_TOKEN * max_prompt_tokens  # text longer than this cannot fit: not tokenized
     if len(messages[-1][1]) > budget:
         return None
@@ -406,23 +428,23 @@ def _fitting_conversation_ids(tokenizer, messages, max_prompt_tokens: int) -> li
     while start >= 2 and sum(len(t) for _, t in messages[start - 2:]) <= budget:
         start -= 2
     for s in range(start, len(messages), 2):
-        ids = chat_ids(tokenizer, messages[s:])
+        ids = chat_ids(tokenizer, messages[s:], chat_template)
         if len(ids) <= max_prompt_tokens:
             return ids
     return None
 
 
-def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int] | None:
-    """The chat-templated prompt, or None when it is longer than `max_prompt_tokens`."""
-    return _fitting_conversation_ids(tokenizer, [("user", text)], max_prompt_tokens)
+def _fitting_prompt_ids(tokenizer, text: str, max_prompt_tokens: int, chat_template: bool = True) -> list[int] | None:
+    """The prompt, chat-templated or not (`chat_ids`), or None when it is longer than `max_prompt_tokens`."""
+    return _fitting_conversation_ids(tokenizer, [("user", text)], max_prompt_tokens, chat_template)
 
 
-def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tokens: int, seed: int
-                       ) -> list[tuple[int, list[int], int]]:
-    """ShareGPT first turns with the dataset's own first answer, for teacher-forced data: (index, chat-templated prompt
-    + answer tokens, prompt length), the answer cut at `max_reply_tokens` (an uncut one ends with the stop token, as a
-    generated one would), in a seeded order. The order is not the prompt-only source's, so the two sets overlap
-    only partly and together cover more distinct prompts."""
+def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tokens: int, seed: int,
+                       chat_template: bool = True) -> list[tuple[int, list[int], int]]:
+    """ShareGPT first turns with the dataset's own first answer, for teacher-forced data: (index, prompt (templated
+    or not as `sharegpt_prompt_ids`) + answer tokens, prompt length), the answer cut at `max_reply_tokens` (an uncut
+    one ends with the stop token, as a generated one would), in a seeded order. The order is not the prompt-only
+    source's, so the two sets overlap only partly and together cover more distinct prompts."""
     import random
 
     prompts = [p for p in sharegpt_prompts(split) if p.reply]
@@ -431,7 +453,7 @@ def sharegpt_reply_ids(target, split: str, max_prompt_tokens: int, max_reply_tok
     stop = next(iter(target.stop_token_ids), None)
     out = []
     for p in prompts:
-        ids = _fitting_prompt_ids(tok, p.text, max_prompt_tokens)
+        ids = _fitting_prompt_ids(tok, p.text, max_prompt_tokens, chat_template)
         if ids is None:
             continue
         reply = tok(p.reply[: 8 * max_reply_tokens], add_special_tokens=False)["input_ids"]

@@ -382,21 +382,23 @@ def own_answer_data(target, prompt_source: Callable[[], list], directory: Path, 
 
 
 def static_index_answers(target, train, num_prompts: int, batch_size: int = 32,
-                         progress: Callable[[int, int, float], None] | None = None) -> list[list[int]]:
+                         progress: Callable[[int, int, float], None] | None = None,
+                         chat_template: bool = True) -> list[list[int]]:
     """The target's greedy answers (up to `train.max_new_tokens`) to the first `num_prompts` training prompts of the
     recipe's `train` options -- ShareGPT's train split, less the records whose prompt a held-out record also asks
     (sharegpt.asking_heldout: never its held-out split or an evaluation suite drawn from it), or
-    synthetic prompts for tokenizer-less tiny targets -- what `build` indexes into the static n-gram index
+    synthetic prompts for tokenizer-less tiny targets; ShareGPT prompts chat-templated as `chat_template` (the
+    recipe's) says, as `train` makes them -- what `build` indexes into the static n-gram index
     (decoding/static_ngrams.py). Read from the answer shards `train` caches, the missing ones generated first
     (whole shards, so `train` later finds every shard it expects complete)."""
-    from dflash_export.train.data import answers_dir, sharegpt_prompt_ids, synthetic_prompt_ids
+    from dflash_export.train.data import answers_dir, sharegpt_prompt_ids, sharegpt_source, synthetic_prompt_ids
 
     shards = (num_prompts + SHARD_SIZE - 1) // SHARD_SIZE
     if train.prompts == "sharegpt":
         # only the whole shards it needs: the split's first prompts in `train`'s order, templated no further
         prompts = sharegpt_prompt_ids(target, "train", train.max_prompt_tokens, seed=train.seed,
-                                      limit=shards * SHARD_SIZE)
-        source = f"sharegpt-s{train.seed}"
+                                      limit=shards * SHARD_SIZE, chat_template=chat_template)
+        source = sharegpt_source(train.seed, chat_template)
     else:
         prompts = synthetic_prompt_ids(target.vocab_size, num_prompts, train.seed, 2)
         source = f"synthetic-static-s{train.seed}"

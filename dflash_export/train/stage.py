@@ -21,6 +21,7 @@ from dflash_export.models.target import load_target
 from dflash_export.recipes import MAX_PROMPTS, SEED_MAX, load_recipe
 from dflash_export.train.data import (
     answers_dir,
+    check_prompt_source,
     data_dir,
     generate_shards,
     load_shards,
@@ -28,6 +29,7 @@ from dflash_export.train.data import (
     shard_paths,
     sharegpt_prompt_ids,
     sharegpt_reply_ids,
+    sharegpt_source,
     synthetic_prompt_ids,
     target_files_key,
 )
@@ -37,11 +39,12 @@ from dflash_export.train.own_answers import own_answer_data
 
 
 def _prompt_sources(recipe, target, opts):
-    """(train prompts thunk, held-out prompts thunk, source name) for the recipe's prompt kind. The prompts, and the
-    answers cached for them, follow the recipe's train.seed; --seed draws the batches and anchors from them."""
+    """(train prompts thunk, held-out prompts thunk, teacher-forced thunk, source name) for the recipe's prompt kind.
+    The prompts, and the answers cached for them, follow the recipe's train.seed; --seed draws the batches and
+    anchors from them. ShareGPT prompts are chat-templated as the recipe's `chat_template` says, as `run`, `bench`
+    and the server encode a prompt for it: the drafter trains on the token sequences it will draft after."""
     if opts.prompts == "sharegpt":
-        if target.config.get("model_type") and not (target.model_dir / "tokenizer_config.json").is_file():
-            raise DFlashError("ShareGPT prompts need the target's tokenizer", path=target.model_dir)
+        chat = recipe.chat_template
 
         def fitting(split: str, prompts: list) -> list:
             if not prompts:
@@ -51,15 +54,17 @@ def _prompt_sources(recipe, target, opts):
 
         def train_src():  # callers take the first num_prompts: template no more than those
             return fitting("train", sharegpt_prompt_ids(target, "train", opts.max_prompt_tokens, seed=opts.seed,
-                                                        limit=opts.num_prompts))
+                                                        limit=opts.num_prompts, chat_template=chat))
 
         def heldout_src():
             return fitting("held-out", sharegpt_prompt_ids(target, "heldout", opts.max_prompt_tokens, seed=0,
-                                                           shuffle=False, limit=opts.heldout_prompts))
+                                                           shuffle=False, limit=opts.heldout_prompts,
+                                                           chat_template=chat))
 
         def tf_src():
-            return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed)
-        return train_src, heldout_src, tf_src, f"sharegpt-s{opts.seed}"
+            return sharegpt_reply_ids(target, "train", opts.max_prompt_tokens, opts.max_reply_tokens, opts.seed,
+                                      chat_template=chat)
+        return train_src, heldout_src, tf_src, sharegpt_source(opts.seed, chat)
     if opts.prompts == "synthetic":
         reserved = target.vocab_size - min(opts.mask_token_id or target.vocab_size - 1, target.vocab_size - 2)
 
@@ -170,6 +175,7 @@ def run_train(recipe_name, *, steps=None, minutes=None, out=None, seed=None, res
         torch.set_num_threads(threads)
 
     target = load_target(recipe.target_path)
+    check_prompt_source(recipe, target.model_dir)
     if not data_only:
         _check_apart(out, work, Path(target.model_dir))
     if opts.soft_topk > target.vocab_size:
