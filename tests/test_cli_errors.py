@@ -314,6 +314,75 @@ def test_values_a_chat_template_keeps_are_bounded_in_memory():
     assert int(peak) < 1.6 * MAX_BUILT_BYTES, peak
 
 
+def _render_peak(template: str) -> tuple[str, int]:
+    """render_chat of `template` over one message in a process of its own: the DFlashError's message (or the text)
+    and the process's peak memory in bytes (VmHWM: its own, not the test process's it was started from)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dflash_export.errors import DFlashError\n"
+            "from dflash_export.models.tokenization import TextCodec\n"
+            "try:\n    print(TextCodec(None, sys.stdin.read(), {}).render_chat([{'role': 'user', 'content': 'hi'}]))\n"
+            "except DFlashError as e:\n    print(e)\n"
+            "print(int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024)\n")
+    r = subprocess.run([sys.executable, "-c", code], input=template, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    message, peak = r.stdout.strip().splitlines()
+    return message, int(peak)
+
+
+@pytest.mark.parametrize("template", [
+    # Lines split at '\r' (not only '\n') each indented by 200: 200 million characters.
+    "{% set s = 'a\\r' * 1000000 %}{% set x = s|indent(200) %}",
+    # JSON nested 60 deep, each line indented by 100000 per level: 360 million characters.
+    "{% set ns = namespace(x=[]) %}{% for i in range(60) %}{% set ns.x = [ns.x] %}{% endfor %}"
+    "{% set y = ns.x|tojson(indent=100000) %}",
+    # A format width in a list's text (`|format` formats any value's text).
+    "{{ ['%0300000000d']|format(1) }}",
+    # Each character made a 1000-character string by a list used as the table.
+    "{% set s = 'a' * 300000 %}{% set x = s.translate(['b' * 1000] * 98) %}",
+], ids=["indent-line-breaks", "tojson-indent-depth", "format-of-a-list", "translate-list-table"])
+def test_a_value_past_the_bound_is_refused_before_it_is_built(template):
+    """Values of hundreds of millions of characters, from a few characters of template: refused as unsafe before they
+    are built (the process never grows past 150 MB), not built and measured after."""
+    message, peak = _render_peak(template)
+    unsafe = "chat_template: the chat template tried an unsafe operation, refused by the sandbox (a "
+    assert message.startswith(unsafe), message
+    assert peak < 150 << 20, peak
+
+
+def test_pieces_of_a_string_are_counted_before_they_are_made():
+    """Two `s.split()` of a 16-million-character string of 8 million words (700 MB of pieces each): the second is
+    refused before its pieces are made, so the rendering never holds both (the process stays under 0.8 GiB)."""
+    from dflash_export.models.chat_sandbox import MAX_BUILT_BYTES
+
+    message, peak = _render_peak("{% set s = '\u0101 ' * 8000000 %}{% set x = s.split() %}{% set y = s.split() %}")
+    assert message == "chat_template: the chat template tried an unsafe operation, refused by the sandbox (more " \
+                      f"than {MAX_BUILT_BYTES} bytes of strings and lists built)", message
+    assert peak < 0.8 * MAX_BUILT_BYTES, peak
+
+
+def test_comparisons_render_as_jinja2_renders_them():
+    """Comparisons (each charged by what it goes through) give what jinja2's own sandbox gives: chained ones,
+    `in` / `not in` on strings, lists and dicts, undefined values, lists and dicts compared."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from dflash_export.models.tokenization import TextCodec
+
+    template = ("{{ 1 < 2 < 3 }} {{ 3 > 2 > 5 }} {{ 1 < 3 > 2 }} {{ 'a' in 'abc' }} {{ 'x' not in ['y'] }} "
+                "{{ [1, [2]] == [1, [2]] }} {{ {'a': 1} != {'a': 2} }} {{ none == none }} {{ nothing == 1 }} "
+                "{{ 'tool_calls' in messages[0] }} {{ messages[0].role == 'user' }} {{ 'x' * 300 in ['x' * 300] }} "
+                "{{ [messages[0]] == messages }} {{ 2 >= 2.0 }} {% if messages|length > 0 and 'hi' in messages[0]"
+                ".content %}yes{% endif %}")
+    chat = [{"role": "user", "content": "hi there"}]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+    want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
+    assert TextCodec(None, template, {}).render_chat(chat) == want
+    assert want == "True False True True True True True True False False True True True True yes"
+
+
 def test_a_chat_template_writing_a_lone_surrogate_is_one_line_naming_it(tmp_path):
     """A rendering that is not text a tokenizer takes (a lone surrogate) is refused naming the template, not a
     TypeError from the tokenizer."""
@@ -394,6 +463,51 @@ def test_a_chat_template_that_works_without_end_is_stopped(template):
     assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
                       "messages (loop iterations, calls and the values they go through)", message
     assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("template", [
+    # Work per line, word or character of a long string, past a copy of it: pprint cutting a string in a list into
+    # words, indent indenting 2 million lines, translate looking each character up, strip looking for each
+    # character among a million, title given a list (made text first).
+    "{% set s = 'a ' * 4000000 %}{% for i in range(1000) %}{% set x = [s]|pprint %}{% endfor %}",
+    "{% set s = 'a\\n' * 2000000 %}{% for i in range(1000) %}{% set x = s|indent %}{% endfor %}",
+    "{% set s = '\u0101' * 8000000 %}{% for i in range(1000) %}{% set x = s.translate({257: 'bc'}) %}{% endfor %}",
+    "{% set s = 'a' * 1000000 %}{% set c = 'b' * 1000000 ~ 'a' %}{% for i in range(1000) %}{% set x = s.strip(c) %}"
+    "{% endfor %}",
+    "{% set s = 'a ' * 4000000 %}{% for i in range(1000) %}{% set x = [s]|title %}{% endfor %}",
+    # Comparisons going through long strings in lists: a 16-million-character string compared with each of a
+    # thousand items equal to it but for the last character (or the middle one), every time.
+    "{% set s = 'x' * 16000000 %}{% set t = 'x' * 15999999 ~ 'y' %}{% set l = [s] * 1000 %}"
+    "{% for i in range(1000) %}{% if t in l %}{% endif %}{% endfor %}",
+    "{% set s = 'x' * 16000000 %}{% set t = 'x' * 16000000 %}{% set l = [s] * 1000 %}{% set m = [t] * 1000 %}"
+    "{% for i in range(1000) %}{% if l == m %}{% endif %}{% endfor %}",
+    "{% set s = 'x' * 16000000 %}{% set t = 'x' * 15999999 ~ 'y' %}{% set l = [s] * 1000 %}"
+    "{% for i in range(1000) %}{% set x = l.count(t) %}{% endfor %}",
+    "{% set s = 'x' * 16000000 %}{% set t = 'x' * 15999999 ~ 'y' %}{% set l = [s] * 1000 %}"
+    "{% for i in range(1000) %}{% set x = [t]|select('in', l)|list %}{% endfor %}",
+    "{% set s = 'x' * 16000000 %}{% set t = 'x' * 8000000 ~ 'y' ~ 'x' * 7999999 %}{% set l = (t,) * 1000 %}"
+    "{% for i in range(1000) %}{% set x = s.startswith(l) %}{% endfor %}",
+    "{% set a = ['x' * 16000000] * 1000 %}{% set b = ['x' * 16000000] * 1000 %}"
+    "{% for i in range(100000) %}{% if loop.changed([a, b][i % 2]) %}{% endif %}{% endfor %}",
+    # Integers of thousands of digits: made text (quadratic in their digits), divided, parsed.
+    "{% set l = [10 ** 4000] * 100000 %}{% for i in range(1000) %}{{ l }}{% endfor %}",
+    "{% set m = 2 ** 32000 + 1 %}{% set n = m * m %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% set x = n // m %}{% endfor %}{% endfor %}",
+    "{% set s = '9' * 4300 %}{% for i in range(100000) %}{% for j in range(100000) %}{% set x = s|int %}{% endfor %}"
+    "{% endfor %}",
+], ids=["pprint-words", "indent-lines", "translate", "strip-chars", "title-of-list", "in-list",
+        "list-equal", "list-count", "select-in", "startswith-tuple", "loop-changed", "int-text", "int-divide",
+        "int-parse"])
+def test_a_chat_template_grinding_on_large_values_is_stopped_within_seconds(template):
+    """Calls whose work grows with what they go through past a copy of it (lines, words, characters looked up,
+    items compared, digits) are charged for that work: stopped at the work budget within seconds (each took 10 s
+    to hours charged as a copy), one line naming the field."""
+    from dflash_export.models.chat_sandbox import step_budget
+
+    seconds, message = _render_elsewhere(template)
+    assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
+                      "messages (loop iterations, calls and the values they go through)", message
+    assert seconds < 10, seconds
 
 
 def test_a_chat_template_calling_itself_without_end_is_one_clear_error():

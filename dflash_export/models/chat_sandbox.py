@@ -8,17 +8,25 @@ lists and dicts), and on top of that:
   message). The template's code is metered when it is compiled: each block of statements (a loop body, a branch, a
   macro or call block) charges what its nodes weigh every time it runs, a loop's `if` filter every time it is
   tested, each filter and test call FILTER_STEPS, and the values an operation goes through or builds (strings by
-  length, lists and dicts by items) their size. A template that loops, recurses or grinds on large values without
+  length, lists and dicts by items) their size. Calls whose work grows past that are charged for it before they
+  run: a comparison with each item of a list (`x in l`, `l.count(x)`, `l == m`, `loop.changed`) by the size of
+  what is compared, the lines `indent` indents, the characters `translate` looks up and `strip` looks for, the
+  strings `pprint` cuts up, a list's text that `title` or `urlize` go through, and integers' digits (made text,
+  parsed, divided: quadratic in their number). A template that loops, recurses or grinds on large values without
   end is stopped at the budget, with a DFlashError naming `chat_template`, whatever it writes (or not): what it
   writes is charged too, out or into a captured block.
 - size: no operation builds a string or list longer than MAX_RENDERED_CHARS, nor an integer wider than MAX_INT_BITS
   (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step), nor a
-  formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); tokenization.TextCodec.render_chat also stops a
-  rendering that writes more than MAX_RENDERED_CHARS.
+  formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); the filters and methods whose result can be much
+  larger than what they are given (`indent` at every kind of line break, `tojson` indented to each depth, `join` of
+  integers, `format` of a list's text, `translate` by a list) are refused before they build it;
+  tokenization.TextCodec.render_chat also stops a rendering that writes more than MAX_RENDERED_CHARS.
 - memory: the values a rendering's operations build (the strings, lists and the strings in them that filters,
   methods and operators return) count toward MAX_BUILT_BYTES in all, so values kept in variables cannot add up to
-  gigabytes within the work budget (`s.split()` of a 16-million-character string builds 300 MB in one call). Strings
-  are never made bytes (`str.encode` is refused): bytes are no text, and the sizes above are not checked on them.
+  gigabytes within the work budget (`s.split()` of a 16-million-character string builds 300 MB in one call); the
+  pieces a split (`split`, `splitlines`, the words `title` or `striptags` cut a string into) may make are counted
+  against what is left before they are made. Strings are never made bytes (`str.encode` is refused): bytes are no
+  text, and the sizes above are not checked on them.
 
 The budget lives on the rendering's own jinja2 context (its EvalContext), so renderings on several threads of the one
 shared environment never share a count. The metering nodes and filters have names a template cannot spell (they
@@ -28,9 +36,11 @@ contain spaces), so a template can neither call nor replace them.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import string
 import sys
+from collections.abc import Mapping, Set
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
@@ -65,6 +75,7 @@ FIELD_STEPS = 4  # each field of a `str.format` / `%` formatting (the sandbox fo
 _CHARGE = "chat template charge"  # charges its argument in steps, returns its value unchanged
 _TOUCH = "chat template touch"  # charges the size of its value, returns it unchanged
 _CONCAT = "chat template concat"  # the `~` operator, bounded
+_COMPARE = "chat template compare"  # a comparison (`==`, `<`, `in`...), charged by what it goes through
 _WRITE = "chat template write"  # charges writing its value out (as text), returns it unchanged
 _WORK_ATTR = "chat_template_work"
 
@@ -73,16 +84,21 @@ _WORK_ATTR = "chat_template_work"
 _CONSTANT_TIME_FILTERS = frozenset(["attr", "count", "d", "default", "first", "items", "last", "length", "random"])
 _COMPARING_TESTS = frozenset(["in", "eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=", "gt",
                               "greaterthan", ">", "ge", ">=", "sameas"])
-_SIZE_CHECKED_FILTERS = frozenset(["format", "indent", "join", "replace", "slice", "sum", "tojson", "wordwrap"])
+_SIZE_CHECKED_FILTERS = frozenset(["format", "indent", "int", "join", "pprint", "replace", "slice", "sum", "tojson",
+                                   "trim", "wordwrap"])
 # Filters that go through a string given to them at C speed (a copy, a search): charged by its length
 # (CHARS_PER_STEP). Those going through it with regular expressions or word by word are slower: charged a step for
 # the characters they go through in about half a microsecond (measured on one-letter words, their worst case). Any
 # other filter given a string goes through it character by character in Python (`sort`, `groupby`, `unique`,
 # `batch`, `urlize`, `wordwrap`...) or makes each one an item (`list`): FILTER_ITEM_STEPS a character.
-_TEXT_FILTERS = frozenset(["capitalize", "center", "e", "escape", "float", "forceescape", "format", "indent", "int",
-                           "lower", "replace", "reverse", "safe", "string", "tojson", "trim", "truncate", "upper"]) \
+_TEXT_FILTERS = frozenset(["capitalize", "center", "e", "escape", "float", "forceescape", "format", "int", "lower",
+                           "replace", "reverse", "safe", "string", "tojson", "trim", "truncate", "upper"]) \
     | _CONSTANT_TIME_FILTERS
-_SLOW_TEXT_FILTERS = {"striptags": 4, "title": 2, "urlencode": 8, "wordcount": 8}  # characters to a step
+# characters to a step (`indent`: counting its lines, splitting and joining them)
+_SLOW_TEXT_FILTERS = {"indent": 32, "striptags": 4, "title": 2, "urlencode": 8, "wordcount": 8}
+# Filters that make any value given to them text first, then go through that text character by character: a list or
+# dict is made text before they are called, and charged as that text.
+_TEXT_OF_ANY_VALUE = frozenset(["striptags", "title", "urlize", "wordcount"])
 # Filters and string methods whose integer arguments are widths or counts of what they build (`center(10**9)` is a
 # gigabyte of spaces): refused past MAX_RENDERED_CHARS, charged by size below it.
 _WIDTH_FILTERS = frozenset(["batch", "center", "format", "indent", "slice", "tojson", "truncate", "wordwrap"])
@@ -137,29 +153,78 @@ def _size(value) -> int:
     return 0
 
 
-def _deep(value, limit: int) -> int:
+def _deep(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> int:
     """Steps for going through `value` item by item (writing it out as text, say): one per item of every nested list,
-    tuple, dict (and its keys) or set, strings by characters. Counted up to `limit` and no further."""
+    tuple, dict (and its keys) or set, strings by characters (`chars_per_step` to a step), integers by what making
+    them text takes (_int_steps). Counted up to `limit` and no further."""
     if isinstance(value, str):
-        return 1 + len(value) // CHARS_PER_STEP
-    total, pending = 0, [iter((value,))]
-    while pending and total <= limit:
+        return 1 + len(value) // chars_per_step
+    return _walk(value, limit, chars_per_step)[0]
+
+
+def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> tuple[int, int, int]:
+    """`_deep`'s steps for `value`, how deep its lists, tuples, dicts and sets nest (0: none), and the characters its
+    text holds (strings' and integers' digits; 8 for any other item)."""
+    steps, depth, chars, pending = 0, 0, 0, [iter((value,))]
+    while pending and steps <= limit:
         item = next(pending[-1], _END)
         if item is _END:
             pending.pop()
-        elif isinstance(item, str):
-            total += 1 + len(item) // CHARS_PER_STEP
+            continue
+        chars += 8
+        if isinstance(item, str):
+            steps += 1 + len(item) // chars_per_step
+            chars += len(item)
         elif isinstance(item, dict):
-            total += 1 + len(item)
+            steps += 1 + len(item)
+            chars += 8 * len(item)
             pending.append(iter(item.values()))
         elif isinstance(item, (list, tuple, set, frozenset)):
-            total += 1
+            steps += 1
             pending.append(iter(item))
         elif isinstance(item, range):
-            total += 1 + len(item)
+            steps += 1 + len(item)
+            chars += 8 * len(item)
+        elif is_int(item):
+            steps += 1 + _int_steps(item)
+            chars += _int_chars(item)
         else:
-            total += 1
-    return total
+            steps += 1
+        depth = max(depth, len(pending) - 1)
+    return steps, depth, chars
+
+
+def _int_steps(n: int) -> int:
+    """Steps for making `n` text, or parsing it from text (both take time quadratic in its digits: 220 us for 4300
+    digits), or dividing by it."""
+    return (n.bit_length() // 640) ** 2
+
+
+def _int_chars(n: int) -> int:
+    """An upper estimate of the digits of `n` written out."""
+    return n.bit_length() * 3 // 10 + 2
+
+
+def _compare_steps(value, limit: int) -> int:
+    """Steps for comparing `value` with one other value, past a call's own: a string's characters, a list's or dict's
+    items and what is in them (`_deep`); nothing for a number or a short string."""
+    if isinstance(value, str):
+        return len(value) // CHARS_PER_STEP
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return _deep(value, limit)
+    return 0
+
+
+def _pair_steps(op: str, left, right, limit: int) -> int:
+    """Steps for `left <op> right` (jinja2's names: eq, ne, lt, gt, lteq, gteq, in, notin): a comparison goes through
+    the smaller side at most; `in` a list or tuple compares with each of its items."""
+    if op in ("in", "notin"):
+        if isinstance(right, str) or not hasattr(right, "__len__"):
+            return 0  # a substring search: charged by the sizes of both (`_size`)
+        each = _compare_steps(left, limit)
+        return each if isinstance(right, (Mapping, Set)) else each * len(right)  # hashed, or item by item
+    first = _compare_steps(left, limit)
+    return min(first, _compare_steps(right, first))
 
 
 _END = object()
@@ -190,9 +255,9 @@ def _bytes(value, items: bool) -> int:
 
 
 # What a new item of a list that a method or filter returns holds, its text aside (a method's pieces of a string
-# count that string's size once): a short string's header, a small tuple or list (`s.split()`, `x|batch(2)`,
-# `d|dictsort`).
-_ITEM_BYTES = 64
+# count that string's size once): a short string's header and the list's pointer to it (a one-character piece of a
+# non-Latin-1 string: 84 bytes), a small tuple or list (`s.split()`, `x|batch(2)`, `d|dictsort`).
+_ITEM_BYTES = 88
 
 
 def _built(context, value, items: bool = True, text: int = 0) -> None:
@@ -206,6 +271,24 @@ def _built(context, value, items: bool = True, text: int = 0) -> None:
         raise _security_error(f"more than {MAX_BUILT_BYTES} bytes of strings and lists built")
 
 
+def _check_room(context, nbytes: int) -> None:
+    """Refuse what would take the bytes the rendering has built, and `nbytes` more, past MAX_BUILT_BYTES."""
+    if _work(context).built + nbytes > MAX_BUILT_BYTES:
+        raise _security_error(f"more than {MAX_BUILT_BYTES} bytes of strings and lists built")  # as _built says
+
+
+def _arithmetic_steps(operator: str, left, right) -> int:
+    """Steps for arithmetic on integers wider than a machine word: multiplying, dividing or raising to a power takes
+    time that grows with the product of the operands' widths (a power: its result's, with itself), about 1.6 ms to
+    divide a 65536-bit integer by a 32768-bit one."""
+    if not (is_int(left) and is_int(right)):
+        return 0
+    a, b = left.bit_length(), right.bit_length()
+    if operator == "**":
+        a = b = max(0, right) * a if abs(left) > 1 else 0
+    return (a >> 9) * (b >> 9) // 2 + (a + b) // 1024
+
+
 def _check_int(n, what: str = "an argument") -> None:
     if is_int(n) and abs(n) > MAX_RENDERED_CHARS:
         raise _security_error(f"{what} of {n} (more than {MAX_RENDERED_CHARS})")
@@ -214,23 +297,30 @@ def _check_int(n, what: str = "an argument") -> None:
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*|\*)(?:\.(\d*|\*))?[hlL]?[diouxXeEfFgGcrsa%]")
 
 
-def _arg_chars(context, value) -> int:
-    """An upper estimate of the characters `value` writes when formatted (a list or dict is gone through, and charged,
-    to know)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        items = _deep(value, _remaining(context))
-        _charge(context, items)
-        return 16 * items
-    return 32
+def _arg_text(context, values) -> tuple[int, int]:
+    """The steps formatting the costliest of `values` takes once (a list or dict is gone through, and charged, to
+    know; an integer's digits take time quadratic in their number), and an upper estimate of the characters the
+    widest writes."""
+    steps, widest = 0, 0
+    for value in values:
+        if isinstance(value, str):
+            cost, chars = len(value) // CHARS_PER_STEP, len(value)
+        elif is_int(value):
+            cost, chars = _int_steps(value), _int_chars(value)
+        elif isinstance(value, (list, tuple, dict, set, frozenset)):
+            cost, _, chars = _walk(value, _remaining(context))
+            _charge(context, cost)
+        else:
+            cost, chars = 0, 32
+        steps, widest = max(steps, cost), max(widest, chars)
+    return steps, widest
 
 
 def _check_printf(context, fmt: str, values) -> None:
     """Refuse a printf-style formatting (`fmt % values`, `fmt|format(...)`) whose result could pass
     MAX_RENDERED_CHARS: each conversion writes at most its width, precision (either given, or `*`: taken from the
-    values, the largest integer among them) and the longest value. Charges FIELD_STEPS a conversion."""
-    _charge(context, FIELD_STEPS * fmt.count("%"))  # before the conversions are looked at one by one
+    values, the largest integer among them) and the longest value. Charges FIELD_STEPS a conversion, and formatting
+    the costliest value for each."""
     if isinstance(values, dict):
         args = list(values.values())
     elif isinstance(values, tuple):
@@ -239,7 +329,9 @@ def _check_printf(context, fmt: str, values) -> None:
         args = [values]
     for a in args:
         _check_int(a)
-    widest = max((_arg_chars(context, a) for a in args), default=0)
+    _charge(context, FIELD_STEPS * fmt.count("%"))  # before the conversions are looked at one by one
+    each, widest = _arg_text(context, args)
+    _charge(context, each * fmt.count("%"))
     star = max((abs(a) for a in args if is_int(a)), default=0)
     total = len(fmt)
     for m in _PRINTF.finditer(fmt):
@@ -250,14 +342,15 @@ def _check_printf(context, fmt: str, values) -> None:
 def _check_str_format(context, fmt: str, args, kwargs) -> None:
     """The same bound for `fmt.format(...)` / `fmt.format_map(...)`, estimated from the format string as written
     (a width given by a nested field, `{0:{1}}`, is bounded as it is formatted: `_BoundedFields`). Charges FIELD_STEPS
-    a field."""
-    _charge(context, FIELD_STEPS * fmt.count("{"))  # before the fields are looked at one by one
+    a field, and formatting the costliest value for each."""
     values = list(args) + list(kwargs.values())
     if len(values) == 1 and isinstance(values[0], dict):
         values += list(values[0].values())
     for a in values:
         _check_int(a)
-    widest = max((_arg_chars(context, a) for a in values), default=0)
+    _charge(context, FIELD_STEPS * fmt.count("{"))  # before the fields are looked at one by one
+    each, widest = _arg_text(context, values)
+    _charge(context, each * fmt.count("{"))
     total = len(fmt)
     try:
         fields = list(string.Formatter().parse(fmt))
@@ -295,14 +388,59 @@ def _check_str_method(name: str, s: str, args, kwargs) -> list:
         size = args[0] if args else kwargs.get("tabsize", 8)
         if isinstance(size, int):
             _refuse_len(len(s) + s.count("\t") * max(0, size), "a string")
-    elif name == "translate" and len(args) == 1 and isinstance(args[0], dict):
-        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+    elif name == "translate" and len(args) == 1 and isinstance(args[0], (dict, list, tuple)):
+        table = args[0].values() if isinstance(args[0], dict) else args[0]
+        longest = max((len(v) for v in table if isinstance(v, str)), default=1)
         _refuse_len(len(s) * max(1, longest), "a string")
     return args
 
 
+_SPLITTING = frozenset(["split", "rsplit", "splitlines"])
+
+
+def _method_steps(context, target, name: str, given: tuple) -> int:
+    """Steps a method call (given `given`, its arguments) takes past the sizes of its object and arguments: stripping
+    characters that are each looked for among those given, a string's prefixes (`startswith` a tuple), looking each
+    character up (`translate`: about 26 ns one), comparing a value with each item of a list (`count`, `index`,
+    `loop.changed`), and `str.maketrans` (about 90 ns a character)."""
+    if isinstance(target, str):
+        if name in ("strip", "lstrip", "rstrip"):
+            return len(target) * (len(given[0]) - 1) // CHARS_PER_STEP if given and isinstance(given[0], str) else 0
+        if name in ("startswith", "endswith"):
+            return _deep(given[0], _remaining(context)) if given and isinstance(given[0], tuple) else 0
+        return len(target) // 8 if name == "translate" else 0
+    if name in ("count", "index") and isinstance(target, (list, tuple)) and given:
+        return len(target) * _compare_steps(given[0], _remaining(context))
+    if name == "changed":
+        from jinja2.runtime import LoopContext
+
+        return _compare_steps(given, _remaining(context)) if isinstance(target, LoopContext) else 0
+    if name == "maketrans" and target is None:  # `''.maketrans`: a static method, bound to nothing
+        return sum(len(a) // 2 if isinstance(a, str) else _deep(a, _remaining(context)) for a in given)
+    return 0
+
+
+def _pieces_bytes(s: str, name: str, args, kwargs) -> int:
+    """An upper bound of the memory `s.split(...)` / `rsplit` / `splitlines` builds: a list of pieces holding the
+    string's text once more (counted before the pieces are made: `' '.join(...).split()` makes millions of them)."""
+    sep = args[0] if args else kwargs.get("sep")
+    maxsplit = args[1] if len(args) > 1 else kwargs.get("maxsplit", -1)
+    counted = isinstance(sep, str) and sep
+    pieces = len(s) + 1 if name == "splitlines" else len(s) // (len(sep) if counted else 2) + 1
+    if pieces > 4096:  # counted only where it could matter
+        pieces = _lines(s) if name == "splitlines" else s.count(sep) + 1 if counted else pieces
+    if is_int(maxsplit) and maxsplit >= 0:
+        pieces = min(pieces, maxsplit + 1)
+    return sys.getsizeof(s) + sys.getsizeof([]) + (8 + _ITEM_BYTES) * pieces
+
+
+_LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines splits
+
+
 def _lines(s) -> int:
-    return str(s).count("\n") + 1
+    """The lines of `s`'s text as str.splitlines (and so `indent`, `wordwrap`) splits it, at most."""
+    s = str(s)
+    return 1 + sum(s.count(c) for c in _LINE_BREAKS)
 
 
 def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
@@ -315,21 +453,42 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
 
     if name == "replace" and isinstance(param(0, "old"), str) and isinstance(param(1, "new"), str):
         _refuse_len(_replaced_len(str(value), param(0, "old"), param(1, "new"), param(2, "count")), "a string")
-    elif name == "join" and isinstance(value, (list, tuple)) and param(1, "attribute") is None:
-        _refuse_len(_joined_len(str(param(0, "d", "")), value), "a string")
+    elif name == "join" and isinstance(value, (list, tuple)):
+        # Items are made text (an integer's digits, a list's items) or taken by attribute: the text of all of it.
+        total = len(str(param(0, "d", ""))) * len(value)
+        for item in value:
+            total += len(item) if isinstance(item, str) else _walk(item, _remaining(context))[2]
+            _refuse_len(total, "a string")
     elif name == "indent":
         width = param(0, "width", 4)
         wide = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-        _refuse_len(len(str(value)) + wide * _lines(value), "a string")
+        lines = _lines(value)
+        _charge(context, lines // 4)  # each line is indented in Python: about 50 ns a line
+        _refuse_len(len(str(value)) + wide * lines, "a string")
     elif name == "wordwrap":
         width, wrap = param(0, "width", 79), param(2, "wrapstring")
         if isinstance(width, int) and width > 0 and isinstance(wrap, str):
             _refuse_len(len(str(value)) * (1 + len(wrap)) // width + len(str(value)) + _lines(value) * len(wrap),
                         "a string")
-    elif name == "format" and isinstance(value, str):
-        _check_printf(context, value, kwargs if kwargs else tuple(params))
-    elif name == "tojson" and isinstance(param(0, "indent"), int):
-        _charge(context, _deep(value, _remaining(context)) * max(1, param(0, "indent")) // CHARS_PER_STEP)
+    elif name == "format":
+        from markupsafe import soft_str
+
+        _check_printf(context, soft_str(value), kwargs if kwargs else tuple(params))  # any value's text formats
+    elif name == "tojson" and isinstance(param(0, "indent"), (int, str)):
+        # Each item on a line of its own, indented to its depth: the size grows with depth times items.
+        indent = param(0, "indent")
+        items, depth, chars = _walk(value, _remaining(context))
+        size = chars + 2 * items * depth * max(1, len(indent) if isinstance(indent, str) else indent)
+        _charge(context, size // CHARS_PER_STEP)
+        _refuse_len(size, "a string")
+    elif name == "pprint" and not isinstance(value, str):
+        # Long strings are cut into lines of about 70 characters, each line indented to its depth.
+        items, depth, chars = _walk(value, _remaining(context))
+        _refuse_len(chars + (items + chars // 40) * depth, "a string")
+    elif name == "trim" and isinstance(param(0, "chars"), str):
+        _charge(context, len(str(value)) * len(param(0, "chars")) // CHARS_PER_STEP)  # each character looked for
+    elif name == "int" and isinstance(value, str):
+        _charge(context, _int_steps(1 << (min(len(value), 5000) * 10 // 3)))  # digits past 4300 refused at once
     elif name == "slice" and isinstance(param(0, "slices"), int):
         _charge(context, max(0, param(0, "slices")))
     elif name == "sum" and not isinstance(param(1, "start", 0), (int, float)) and isinstance(value, (list, tuple)):
@@ -363,6 +522,9 @@ def _metered_filter(name: str, func, is_test: bool = False):
     # The characters of a string value to a step (0: FILTER_ITEM_STEPS a character).
     chars_per_step = CHARS_PER_STEP if is_test or name in _TEXT_FILTERS else _SLOW_TEXT_FILTERS.get(name, 0)
     checked = not is_test and name in _SIZE_CHECKED_FILTERS
+    text_first = not is_test and name in _TEXT_OF_ANY_VALUE
+    # pprint writes each character of the strings in a list or dict in Python (about 170 ns one).
+    container_chars = 1 if name == "pprint" else CHARS_PER_STEP
     widths = not is_test and name in _WIDTH_FILTERS
 
     @pass_context
@@ -371,14 +533,24 @@ def _metered_filter(name: str, func, is_test: bool = False):
         steps = FILTER_STEPS
         if args and goes_through:
             value = args[0]
+            if text_first and isinstance(value, (list, tuple, dict)):
+                _charge(context, _deep(value, _remaining(context)))
+                value = str(value)
+                args = (value, *args[1:])
             if isinstance(value, str):
                 steps += len(value) // chars_per_step if chars_per_step else FILTER_ITEM_STEPS * len(value)
+                if text_first:  # cut into words, a list of them, before they are gone through
+                    _check_room(context, _pieces_bytes(value, "split", (), {}))
             elif is_test:
                 steps += _size(value)
             elif hasattr(value, "__next__") and not isinstance(value, LoopContext):
                 args = (_counted(context, value), *args[1:])
             else:
-                steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context))
+                steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context), container_chars)
+        if is_test and name in _COMPARING_TESTS and name != "sameas" and len(args) > 1:
+            steps += _pair_steps("in" if name == "in" else "eq", args[0], args[1], _remaining(context))
+        if checked and name == "join" and hasattr(args[0], "__next__") and not isinstance(args[0], LoopContext):
+            args = (list(args[0]), *args[1:])  # measured before it is joined
         for a in (*args[1:], *kwargs.values()):
             if widths and is_int(a):
                 _check_int(a)
@@ -423,6 +595,32 @@ def _write_filter(context, value):
     return value
 
 
+_OPERATORS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "gt": operator.gt, "lteq": operator.le,
+              "gteq": operator.ge, "in": lambda a, b: a in b, "notin": lambda a, b: a not in b}
+
+
+_SCALARS = frozenset([int, float, bool, type(None)])
+
+
+def _compare_filter(context, left, op, right, *rest):
+    """`left op right` (`rest`: more operators and values, alternating), as Python chains comparisons (all its
+    operands evaluated first), each comparison charged by the sizes of its operands and what it goes through
+    (`_pair_steps`), unless both are numbers, short strings or none (most are: a role, a key, a count)."""
+    t, u = type(left), type(right)
+    small_left = t is str and len(left) < CHARS_PER_STEP or t in _SCALARS
+    small_right = u is str and len(right) < CHARS_PER_STEP or u in _SCALARS
+    if not (small_left and small_right):
+        steps = _size(left) + _size(right)
+        if not (small_left or small_right):  # with a small one, only the sizes count
+            steps += _pair_steps(op, left, right, _remaining(context))
+        if steps:
+            _charge(context, steps)
+    result = _OPERATORS[op](left, right)
+    if rest and result:
+        return _compare_filter(context, right, *rest)
+    return result
+
+
 def _concat_filter(context, items):
     """`a ~ b ~ c`: each value as text, joined, refused past MAX_RENDERED_CHARS before it is built."""
     from jinja2.runtime import markup_join, str_join
@@ -445,14 +643,17 @@ def _concat_filter(context, items):
 
 def _weight(node) -> int:
     """What `node` costs each time the block holding it runs, in units (about 50 ns each): a call (a macro, a method)
-    80, an operator or a size charge 10, any other node 1. Not counted: nested blocks (they charge for themselves), a
-    loop's `if` filter (charged each time it is tested), a macro's or call block's defaults (charged by its body)."""
+    80, an operator or a size charge 10 (a comparison: as an operator, with a size charge for each operand), any
+    other node 1. Not counted: nested blocks (they charge for themselves), a loop's `if` filter (charged each time it
+    is tested), a macro's or call block's defaults (charged by its body)."""
     from jinja2 import nodes
 
     if isinstance(node, nodes.Call):
         units = 80
     elif isinstance(node, nodes.BinExpr) or (isinstance(node, nodes.Filter) and node.name == _TOUCH):
         units = 10
+    elif isinstance(node, nodes.Filter) and node.name == _COMPARE:
+        units = 1 + 10 * (1 + len(node.args) // 2)  # as an operator with a size charge for each operand
     else:
         units = 1  # a filter or test charges its calls itself (FILTER_STEPS)
     for field in node.fields:
@@ -520,10 +721,8 @@ def _metered_expr(node):
     from jinja2 import nodes
 
     if isinstance(node, nodes.Compare):
-        node.expr = _touch(node.expr)
-        for op in node.ops:
-            op.expr = _touch(op.expr)
-        return node
+        rest = [child for op in node.ops for child in (nodes.Const(op.op), op.expr)]
+        return nodes.Filter(node.expr, _COMPARE, rest, [], None, None, lineno=node.lineno)
     if _is_slice(node):
         return _touch(node)
     if isinstance(node, nodes.Concat):
@@ -640,6 +839,8 @@ def chat_environment():
                     _refuse_len(len(left) + len(right), "a string or list")
             elif operator == "%" and isinstance(left, str):
                 _check_printf(context, left, right)
+            if isinstance(left, int) and isinstance(right, int) and (left.bit_length() | right.bit_length()) >> 9:
+                _charge(context, _arithmetic_steps(operator, left, right))  # wide ones, their widths checked above
             result = super().call_binop(context, operator, left, right)
             _built(context, result, items=False)
             if is_int(result) and result.bit_length() > MAX_INT_BITS:  # `n + n` again and again
@@ -654,17 +855,20 @@ def chat_environment():
                 method = getattr(obj, "__wrapped__", obj)  # the sandbox's wrapper of str.format
                 target, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
                 given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
-                steps = _size(target) + sum(_size(a) for a in (*args, *given.values()))
+                values = (*args, *given.values())
+                steps = _size(target) + sum(_size(a) for a in values)
                 if isinstance(target, str) and name in _WIDTH_METHODS:
-                    for a in (*args, *given.values()):
+                    for a in values:
                         _check_int(a)
                         steps += abs(a) // ITEMS_PER_STEP if is_int(a) else 0
-                _charge(context, steps)
+                _charge(context, steps + _method_steps(context, target, name, values))
                 if isinstance(target, str):
                     if name in ("format", "format_map"):
                         _check_str_format(context, target, args, given)
                     else:
                         args = _check_str_method(name, target, args, given)
+                    if name in _SPLITTING:
+                        _check_room(context, _pieces_bytes(target, name, args, given))  # before they are made
             result = super().call(context, obj, *args, **kwargs)
             # A string's method that returns a list or tuple returns pieces of it (`split`, `partition`).
             pieces = isinstance(obj, types.BuiltinMethodType) and isinstance(obj.__self__, str) and \
@@ -680,6 +884,7 @@ def chat_environment():
     env.filters[_CHARGE] = pass_context(_charge_filter)
     env.filters[_TOUCH] = pass_context(_touch_filter)
     env.filters[_CONCAT] = pass_context(_concat_filter)
+    env.filters[_COMPARE] = pass_context(_compare_filter)
     env.filters[_WRITE] = pass_context(_write_filter)
     # `lipsum(n)` writes n paragraphs of filler text in one call: no chat template uses it.
     env.globals.pop("lipsum", None)
