@@ -165,11 +165,18 @@ def _same_text(text: str) -> str:
     return " ".join(text.split())
 
 
+@lru_cache(maxsize=4)
+def _user_turns(path_str: str, train: bool) -> frozenset[str]:
+    """Every user turn of the train (or held-out) split's records, whitespace aside (`_same_text`)."""
+    return frozenset(_same_text(t) for c in _load(path_str).conversations if (c.index < TRAIN_SPLIT) == train
+                     for _, t in c.messages[-1:])
+
+
 @lru_cache(maxsize=2)
 def _asking_heldout(path_str: str) -> frozenset[int]:
-    parsed = _load(path_str)
-    heldout = {_same_text(t) for c in parsed.conversations if c.index >= TRAIN_SPLIT for _, t in c.messages[-1:]}
-    return frozenset(p.index for p in parsed.prompts if p.index < TRAIN_SPLIT and _same_text(p.text) in heldout)
+    heldout = _user_turns(path_str, train=False)
+    return frozenset(p.index for p in _load(path_str).prompts
+                     if p.index < TRAIN_SPLIT and _same_text(p.text) in heldout)
 
 
 def asking_heldout(path: Path | None = None) -> frozenset[int]:
@@ -185,19 +192,13 @@ def record_count(path: Path | None = None) -> int:
     return _load(str(path or sharegpt_file())).records
 
 
-@lru_cache(maxsize=2)
-def _asked_in_train(path_str: str) -> frozenset[str]:
-    parsed = _load(path_str)
-    return frozenset(_same_text(t) for c in parsed.conversations if c.index < TRAIN_SPLIT for _, t in c.messages[-1:])
-
-
 def heldout_suite(n: int = 100, max_chars: int = 300, min_chars: int = 16) -> list[dict]:
     """`n` held-out prompts for `validate`, short ones preferred (CPU budgets): the first `n` in index order whose
     length lies in [min_chars, max_chars], each `{"prompt": ..., "index": N}`. A prompt that some train record
     also asks (ShareGPT repeats prompts across records; whitespace aside) is never one, whatever its record's
     index: the drafter may have been trained on it and on the target's answer to it. Its row goes to the next
     fitting prompt past the first `n` that no train record asks, so every other row keeps its place."""
-    asked = _asked_in_train(str(sharegpt_file()))
+    asked = _user_turns(str(sharegpt_file()), train=True)
     fitting = [p for p in sharegpt_prompts("heldout") if min_chars <= len(p.text) <= max_chars]
     spare = (p for p in fitting[n:] if _same_text(p.text) not in asked)
     out = []
