@@ -111,7 +111,6 @@ class Front(ConnectionHandling, Routing, Upstream):
         self._idle = threading.Condition(self._lock)
         self._in_flight: dict[str, str | None] = {}  # cancel token -> why it was cancelled (None: running)
         self._model_of: dict[str, str] = {}  # cancel token -> the Triton model it runs on
-        self._on_model: collections.Counter = collections.Counter()  # Triton model -> its requests in flight
         self._group_of: dict[str, tuple[str, ...]] = {}  # cancel token -> the tokens answering its client's request
         self._failed: dict[str, asyncio.Event] = {}  # cancel token -> set when its model's stub died
         self._failed_models: dict[str, str] = {}  # model -> why its requests fail (its stub died; it reloads)
@@ -271,13 +270,12 @@ class Front(ConnectionHandling, Routing, Upstream):
             self._in_flight[token] = None
             if model is not None:
                 self._model_of[token] = model
-                self._on_model[model] += 1
                 self._failed[token] = event
                 why = self._failed_models.get(model)
                 if why is not None:  # its stub died between the health check and now
                     self._in_flight[token] = why
                     event.set()
-            n, per_model = len(self._in_flight), dict(self._on_model)
+            n, per_model = len(self._in_flight), collections.Counter(self._model_of.values())
         self.metrics.set_in_flight(n, per_model)
         return token
 
@@ -310,14 +308,10 @@ class Front(ConnectionHandling, Routing, Upstream):
     def _end(self, token: str) -> str | None:
         with self._lock:
             why = self._in_flight.pop(token, None)
-            model = self._model_of.pop(token, None)
-            if model is not None:
-                self._on_model[model] -= 1
-                if not self._on_model[model]:
-                    del self._on_model[model]  # a name a request made up is not kept
+            self._model_of.pop(token, None)
             self._failed.pop(token, None)
             self._group_of.pop(token, None)
-            n, per_model = len(self._in_flight), dict(self._on_model)
+            n, per_model = len(self._in_flight), collections.Counter(self._model_of.values())
             self._idle.notify_all()
         self.metrics.set_in_flight(n, per_model)
         if why is not None and self.cancel_dir is not None:
