@@ -630,7 +630,7 @@ def test_shard_loader_rereads_only_when_new_shards_appear(tmp_path, monkeypatch)
     reads = []
     real = train.load_shards
     monkeypatch.setattr(train, "load_shards", lambda d, *a: reads.append(d) or real(d, *a))
-    load = train.shard_loader([(a, 3), (b, 1)])  # b does not exist yet: data generation has not reached it
+    load = train.ShardLoader([(a, 3), (b, 1)])  # b does not exist yet: data generation has not reached it
     first = load()
     assert [s.index for s in first] == [0, 1] and load() is first and len(reads) == 1
     torch.save([seq(2).to_dict(), seq(3).to_dict()], a / "shard-00001.pt")
@@ -1196,14 +1196,46 @@ def _shard_rows(path, edit):
     torch.save(rows, path)
 
 
+def _many_positions(row, n: int, meta: bool = False) -> dict:
+    """`row`'s tensors grown to `n` positions without their data: views of one stored row (stride 0), or meta
+    tensors (a shape and no data)."""
+    def grow(t, rows):
+        return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta") if meta \
+            else t[:1].expand(rows, *t.shape[1:])
+    answer = n - row["prompt_len"]
+    return {"ids": grow(row["ids"], n), "taps": grow(row["taps"], n), "top_ids": grow(row["top_ids"], answer),
+            "top_logp": grow(row["top_logp"], answer)}
+
+
+def _deflate(path):
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        records = [(info.filename, z.read(info)) for info in z.infolist()]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in records:
+            z.writestr(name, data)
+
+
 @pytest.mark.parametrize("kind,message", [
-    ("taps-of-another-width", "invalid data shard (sequence 0: taps must be a float tensor ["),
+    ("taps-of-another-width", "invalid data shard (sequence 0: taps must be a float16 tensor ["),
     ("ids-outside-vocab", "invalid data shard (sequence 0: ids outside the target vocabulary (0..255))"),
     ("top-ids-rows", "invalid data shard (sequence 0: top_ids must be an int64 tensor ["),
-    ("nan-logp", "invalid data shard (sequence 0: top_logp must be float log-probabilities (no NaN)"),
-    ("raw-pickle", "unreadable data shard (UnpicklingError)"),
+    ("nan-logp", "invalid data shard (sequence 0: top_logp must be float32 log-probabilities (<= 0, no NaN)"),
+    ("raw-pickle", "unreadable data shard (not a whole zip archive, the format torch.save writes)"),
     ("answers-outside-vocab", "invalid answer shard (row 0: answer is not a non-empty list of token ids below 256)"),
     ("inf-taps", "train.lr: the training loss is nan at step 1"),
+    # what the data step writes, and nothing else: float16 taps, k = train.soft_topk soft targets, log-probabilities
+    ("float64-taps", "invalid data shard (sequence 0: taps must be a float16 tensor [20, 128], got torch.float64"),
+    ("other-topk", "invalid data shard (sequence 1: top_ids must be an int64 tensor [4, 4], got torch.int64 (4, 1))"),
+    ("positive-logp", "invalid data shard (sequence 0: top_logp must be float32 log-probabilities (<= 0, no NaN)"),
+    # tensors that declare more than the file holds, refused before anything is allocated for them
+    ("one-stored-row-as-many", "unreadable data shard (the tensor at [0]['"),
+    ("meta-tensors", "unreadable data shard (the tensor at [0]['"),
+    ("sparse-ids", "unreadable data shard (the tensor at [0]['ids'] is not a dense CPU tensor (cpu, "
+                   "torch.sparse_coo))"),
+    ("deflated-records", "unreadable data shard (its record archive/data.pkl is compressed;"),
+    ("legacy-format", "unreadable data shard (not a whole zip archive, the format torch.save writes)"),
 ])
 def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monkeypatch, generated_data, kind,
                                                                   message):
@@ -1231,6 +1263,22 @@ def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monke
             bad = None
         elif kind == "raw-pickle":
             feature.write_bytes(pickle.dumps([{"ids": [1, 2]}], protocol=4))
+        elif kind == "float64-taps":
+            _shard_rows(feature, lambda r: r.update(taps=r["taps"].double()))
+        elif kind == "other-topk":
+            rows = torch.load(feature, weights_only=True)
+            rows[1].update(top_ids=rows[1]["top_ids"][:, :1].clone(), top_logp=rows[1]["top_logp"][:, :1].clone())
+            torch.save(rows, feature)
+        elif kind == "positive-logp":
+            _shard_rows(feature, lambda r: r["top_logp"].fill_(float("inf")))
+        elif kind in ("one-stored-row-as-many", "meta-tensors"):  # a consistent row of 20 000 positions
+            _shard_rows(feature, lambda r: r.update(_many_positions(r, 20_000, meta=kind == "meta-tensors")))
+        elif kind == "sparse-ids":
+            _shard_rows(feature, lambda r: r.update(ids=r["ids"].to_sparse()))
+        elif kind == "deflated-records":  # the same rows, each record deflated: zeros inflate 1000-fold
+            _deflate(feature)
+        elif kind == "legacy-format":
+            torch.save(torch.load(feature, weights_only=True), feature, _use_new_zipfile_serialization=False)
         else:  # pass 2 rebuilds the missing feature shard from the answers
             feature.unlink()
             _shard_rows(answers, lambda r: r.update(answer=[t + 1000 for t in r["answer"]]))
@@ -1245,6 +1293,56 @@ def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monke
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
     assert r.output.startswith(f"error: {bad}: {message}" if bad else f"error: {message}"), r.output
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def _answers_cut_to(row, tokens: int) -> dict:
+    """`row` with its answer cut to its first `tokens` tokens (a target that stopped at once)."""
+    n = row["prompt_len"] + tokens
+    return {"ids": row["ids"][:n].clone(), "taps": row["taps"][:n].clone(), "top_ids": row["top_ids"][:tokens].clone(),
+            "top_logp": row["top_logp"][:tokens].clone()}
+
+
+@pytest.mark.parametrize("tokens", [1, 0])
+def test_training_data_whose_answers_supervise_no_position_is_refused_naming_the_data(tmp_path, monkeypatch,
+                                                                                      generated_data, tokens):
+    """An answer of fewer than 2 tokens gives a block no label: data made only of such answers would train at zero
+    loss (or not at all) and export an untrained drafter."""
+    cache, recipe = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    kept = feature.read_bytes()
+    try:
+        _shard_rows(feature, lambda r: r.update(_answers_cut_to(r, tokens)))
+        r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    finally:
+        feature.write_bytes(kept)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {feature.parent}: nothing to train on: each of the 4 training answers is "
+                               "shorter than 2 tokens"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_training_sequences_that_supervise_nothing_are_skipped_and_counted(tmp_path, monkeypatch, generated_data):
+    from dflash_export.train.data import load_shards
+
+    cache, recipe = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    kept = feature.read_bytes()
+    try:
+        rows = torch.load(feature, weights_only=True)
+        for row in rows[:3]:
+            row.update(_answers_cut_to(row, 1))
+        torch.save(rows, feature)
+        assert len(load_shards(feature.parent)) == 4  # the data are as made; training leaves 3 of them out
+        r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    finally:
+        feature.write_bytes(kept)
+    assert r.exit_code == 0, r.output
+    line = f"skipped 3 of 4 training sequences: answers shorter than 2 tokens supervise no position ({feature.parent})"
+    assert line in " ".join(r.output.split()), r.output
+    curve = [json.loads(line) for line in (tmp_path / "w" / "curve.jsonl").read_text().splitlines()]
+    assert [(c["sequences"], c["skipped_sequences"]) for c in curve if c["event"] == "checkpoint"] == [(1, 3)]
 
 
 @pytest.mark.parametrize("train,field,message", [

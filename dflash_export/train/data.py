@@ -216,23 +216,34 @@ def shard_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob("shard-*.pt"))
 
 
-def shard_loader(sources: Sequence[tuple[Path, int]], vocab_size: int | None = None,
-                 tap_width: int | None = None) -> Callable[[], list[TrainSequence]]:
-    """A loader of the first n sequences of each (directory, n) source, for a trainer that calls it at every
-    checkpoint (data generation may be running alongside) and once more for the prompt list. They are read again
-    only when a shard has appeared or been written again (a short one made whole): they hold several GB of context
-    features for the SmolLM2 recipe."""
-    loaded: dict = {}
+def supervised(s: TrainSequence) -> bool:
+    """Whether training learns anything from `s`: a block's anchor is an answer position with the next token after it
+    as its label (blocks.sample_anchors), so an answer of fewer than 2 tokens -- the target stopped at once --
+    supervises no position."""
+    return len(s.ids) - s.prompt_len >= 2
 
-    def load() -> list[TrainSequence]:
-        paths = [(p, _written(p)) for d, _ in sources if d.is_dir() for p in shard_paths(d)]
-        if loaded.get("paths") != paths:
-            loaded["paths"] = paths
-            loaded["seqs"] = [s for d, n in sources if d.is_dir()
-                              for s in load_shards(d, vocab_size, tap_width)[:n]]
-        return loaded["seqs"]
 
-    return load
+class ShardLoader:
+    """A loader of the first n sequences of each (directory, n) source, less those that supervise nothing
+    (`supervised`; `skipped` counts them), for a trainer that calls it at every checkpoint (data generation may be
+    running alongside) and once more for the prompt list. They are read again only when a shard has appeared or been
+    written again (a short one made whole): they hold several GB of context features for the SmolLM2 recipe."""
+
+    def __init__(self, sources: Sequence[tuple[Path, int]], vocab_size: int | None = None,
+                 tap_width: int | None = None, topk: int | None = None):
+        self.sources, self.checks = list(sources), (vocab_size, tap_width, topk)
+        self.skipped = 0  # sequences of the last load that supervise no position
+        self._paths: list | None = None
+        self._seqs: list[TrainSequence] = []
+
+    def __call__(self) -> list[TrainSequence]:
+        paths = [(p, _written(p)) for d, _ in self.sources if d.is_dir() for p in shard_paths(d)]
+        if self._paths != paths:
+            self._paths = paths
+            made = [s for d, n in self.sources if d.is_dir() for s in load_shards(d, *self.checks)[:n]]
+            self._seqs = [s for s in made if supervised(s)]
+            self.skipped = len(made) - len(self._seqs)
+        return self._seqs
 
 
 def _written(path: Path) -> int | None:
@@ -243,15 +254,93 @@ def _written(path: Path) -> int | None:
         return None
 
 
+class UnreadableTensors(ValueError):
+    """A tensor file that is not one this project wrote, or that claims more than it holds: the reason, for its
+    reader's one-line error (`short_reason`)."""
+
+
+def short_reason(e: BaseException) -> str:
+    """`Type: first sentence` of an exception, for a one-line error (torch's own messages run to paragraphs); an
+    UnreadableTensors' reason as it is."""
+    if isinstance(e, UnreadableTensors):
+        return str(e)
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text.split(". ")[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def load_tensors(path: Path, mmap: bool = False):
     """torch.load of a file this project wrote, with weights_only=True (nothing in the file is executed) and torch's
     warnings about foreign pickle protocols silenced: a file that is not one is the caller's one-line error. `mmap`:
-    tensors mapped, not read (what a caller that only counts rows needs)."""
+    tensors mapped, not read (what a caller that only counts rows needs).
+
+    Nothing loaded can claim more memory than the file holds: the file must be torch.save's zip archive with every
+    record stored, not compressed (a deflated record of zeros inflates a few MB into GBs), and every tensor in it a
+    dense CPU tensor whose elements its stored bytes hold (a doctored shape or stride -- a stride of 0 -- could make
+    one stored number 10^12 elements, which the first copy of it would allocate; a meta or sparse tensor declares a
+    shape and holds no data), all of them together no more bytes than the file. UnreadableTensors saying what is
+    wrong otherwise."""
     import warnings
 
+    size = _check_archive(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+        held = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    problem = _tensors_problem(held, size)
+    if problem:
+        raise UnreadableTensors(problem)
+    return held
+
+
+def _check_archive(path: Path) -> int:
+    """The size of the file at `path`, refused (UnreadableTensors) unless it is a zip archive of stored records
+    (torch.save's format); only its directory is read."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except zipfile.BadZipFile:
+        raise UnreadableTensors("not a whole zip archive, the format torch.save writes") from None
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED or m.compress_size != m.file_size:
+            raise UnreadableTensors(f"its record {m.filename} is compressed; torch.save stores every record as it is")
+    size = Path(path).stat().st_size
+    if sum(m.file_size for m in members) > size:
+        raise UnreadableTensors(f"its records declare more bytes than the file's {size}")
+    return size
+
+
+def _tensors_problem(obj, size: int) -> str | None:
+    """What makes the tensors inside `obj` (lists, tuples and dicts of them) unusable, or None: one that is not a
+    dense CPU tensor, or has more elements than its stored bytes hold (named by where it lies: `[0]['taps']`), or
+    all of them together more bytes than the file's `size` (views of one stored tensor, or one tensor many times)."""
+    import collections
+
+    todo, seen, total = collections.deque([("", obj)]), set(), 0
+    while todo:
+        where, x = todo.popleft()  # in the file's order: the first bad tensor is named
+        if isinstance(x, torch.Tensor):
+            problem = _tensor_problem(x)
+            if problem:
+                return f"the tensor at {where or 'the top'} {problem}"
+            total += x.numel() * x.element_size()
+        elif isinstance(x, (dict, list, tuple)) and id(x) not in seen:
+            seen.add(id(x))
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            todo.extend((f"{where}[{k!r}]", v) for k, v in items if isinstance(v, (torch.Tensor, dict, list, tuple)))
+    if total > size:
+        return f"its tensors claim {total} bytes, more than the file's {size}"
+    return None
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_quantized:
+        return f"is not a dense CPU tensor ({t.device.type}, {t.layout}{', nested' if t.is_nested else ''})"
+    held = t.untyped_storage().nbytes() // t.element_size()
+    if t.numel() > held:
+        return f"claims {t.numel()} elements {tuple(t.shape)} and holds {held}"
+    return None
 
 
 def shard_done(path: Path, rows: int) -> bool:
@@ -261,38 +350,40 @@ def shard_done(path: Path, rows: int) -> bool:
     if not path.is_file():
         return False
     try:
-        try:
-            held = load_tensors(path, mmap=True)
-        except RuntimeError:  # not torch's zip format, which mapping needs: read whole, it says what is wrong
-            held = load_tensors(path)
+        held = load_tensors(path, mmap=True)
         if not isinstance(held, list):
-            raise ValueError("not a list of rows")
+            raise UnreadableTensors("not a list of rows")
     except Exception as e:  # a corrupt shard is never trained on, nor silently replaced
-        raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=path) from None
+        raise DFlashError(f"unreadable data shard ({short_reason(e)}); delete it to regenerate",
+                          path=path) from None
     return len(held) >= rows
 
 
-def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int | None = None) -> list[TrainSequence]:
-    """The sequences of `directory`'s shards; with `vocab_size` / `tap_width`, each checked against the target (ids
-    in its vocabulary, taps of its width) so that a shard made for another target is named, not trained on."""
+def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int | None = None,
+                topk: int | None = None) -> list[TrainSequence]:
+    """The sequences of `directory`'s shards; with `vocab_size` / `tap_width` / `topk`, each checked against the
+    target and the recipe (ids in its vocabulary, taps of its width, `topk` soft targets per answer token) so that a
+    shard made for another target is named, not trained on."""
     seqs = []
     for p in shard_paths(directory):
         try:
             rows = load_tensors(p)
             new = [TrainSequence(**r) for r in rows]
         except Exception as e:  # a corrupt shard is never trained on
-            raise DFlashError(f"unreadable data shard ({type(e).__name__}); delete it to regenerate", path=p) from None
+            raise DFlashError(f"unreadable data shard ({short_reason(e)}); delete it to regenerate",
+                              path=p) from None
         for i, s in enumerate(new):
-            problem = sequence_problem(s, vocab_size, tap_width)
+            problem = sequence_problem(s, vocab_size, tap_width, topk)
             if problem:
                 raise DFlashError(f"invalid data shard (sequence {i}: {problem}); delete it to regenerate", path=p)
         seqs.extend(new)
     return seqs
 
 
-def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width: int | None = None) -> str | None:
-    """What makes `s` unusable for training (shapes, types, ids outside `vocab_size`, taps not `tap_width` wide), or
-    None."""
+def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width: int | None = None,
+                     topk: int | None = None) -> str | None:
+    """What makes `s` unusable for training (shapes and dtypes other than the data step writes, ids outside
+    `vocab_size`, taps not `tap_width` wide, other than `topk` soft targets per answer token), or None."""
     tensors = {"ids": s.ids, "taps": s.taps, "top_ids": s.top_ids, "top_logp": s.top_logp}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -304,15 +395,18 @@ def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width:
         return f"prompt_len {s.prompt_len!r} outside 1..{n}"
     if not is_int(s.index) or not isinstance(s.teacher_forced, bool):
         return "index must be an integer and teacher_forced a bool"
-    if s.taps.dim() != 2 or not s.taps.is_floating_point() or len(s.taps) != n \
+    if s.taps.dim() != 2 or s.taps.dtype != torch.float16 or len(s.taps) != n \
             or (tap_width is not None and s.taps.shape[1] != tap_width):
         want = f"[{n}, {tap_width if tap_width is not None else 'width'}]"
-        return f"taps must be a float tensor {want}, got {s.taps.dtype} {tuple(s.taps.shape)}"
+        return f"taps must be a float16 tensor {want}, got {s.taps.dtype} {tuple(s.taps.shape)}"
     r = n - s.prompt_len
-    if s.top_ids.dim() != 2 or s.top_ids.dtype != torch.long or s.top_ids.shape[0] != r or s.top_ids.shape[1] < 1:
-        return f"top_ids must be an int64 tensor [{r}, k], got {s.top_ids.dtype} {tuple(s.top_ids.shape)}"
-    if s.top_logp.shape != s.top_ids.shape or not s.top_logp.is_floating_point() or s.top_logp.isnan().any():
-        return f"top_logp must be float log-probabilities (no NaN) shaped like top_ids {tuple(s.top_ids.shape)}"
+    if s.top_ids.dim() != 2 or s.top_ids.dtype != torch.long or s.top_ids.shape[0] != r or s.top_ids.shape[1] < 1 \
+            or (topk is not None and s.top_ids.shape[1] != topk):
+        return f"top_ids must be an int64 tensor [{r}, {topk or 'k'}], got {s.top_ids.dtype} {tuple(s.top_ids.shape)}"
+    if s.top_logp.shape != s.top_ids.shape or s.top_logp.dtype != torch.float32 \
+            or not bool((s.top_logp <= 0).all()):
+        return (f"top_logp must be float32 log-probabilities (<= 0, no NaN) shaped like top_ids "
+                f"{tuple(s.top_ids.shape)}")
     if vocab_size is not None:
         for name, t in (("ids", s.ids), ("top_ids", s.top_ids)):
             if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab_size):

@@ -29,7 +29,7 @@ from dflash_export.train.blocks import (
     sample_anchors,
     train_forward,
 )
-from dflash_export.train.data import TrainSequence, load_tensors
+from dflash_export.train.data import TrainSequence, load_tensors, short_reason
 
 
 @dataclass
@@ -154,16 +154,9 @@ def save_checkpoint(work: Path, drafter: DFlashDrafter, optimizer, step: int, wa
             try:
                 torch.save(state, tmp / "train_state.pt")
             except RuntimeError as e:  # torch's zip writer reports a short write (a full disk) as a RuntimeError
-                raise DFlashError(f"cannot write checkpoint ({_short_reason(e)})", path=work / "checkpoint") from None
+                raise DFlashError(f"cannot write checkpoint ({short_reason(e)})", path=work / "checkpoint") from None
     except OSError as e:
         raise DFlashError(f"cannot write checkpoint ({e.strerror or e})", path=work / "checkpoint") from None
-
-
-def _short_reason(e: BaseException) -> str:
-    """`Type: first sentence` of an exception, for a one-line error."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = text.split(". ")[0][:160]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load_checkpoint(work: Path):
@@ -184,13 +177,13 @@ def load_checkpoint(work: Path):
         raise DFlashError(f"corrupt checkpoint ({e.message})", path=e.path or drafter_dir,
                           field=e.field) from None
     except Exception as e:
-        raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=drafter_dir) from None
+        raise DFlashError(f"corrupt checkpoint ({short_reason(e)})", path=drafter_dir) from None
     if state_path.stat().st_size == 0:
         raise DFlashError("corrupt checkpoint (empty file)", path=state_path)
     try:
         state = load_tensors(state_path)
     except Exception as e:  # zip errors (truncated), unpickling errors (garbage), ...
-        raise DFlashError(f"corrupt checkpoint ({_short_reason(e)})", path=state_path) from None
+        raise DFlashError(f"corrupt checkpoint ({short_reason(e)})", path=state_path) from None
     problem = _train_state_problem(state, trainable_parameters(drafter))
     if problem:
         raise DFlashError(f"corrupt checkpoint ({problem})", path=state_path)
@@ -341,7 +334,8 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
         nonlocal best
         ev = evaluate(drafter, target, heldout, cfg.block_size, cfg.eval_blocks_per_seq)
         wall = wall0 + time.perf_counter() - t_start
-        rec = {"step": step, "wall_s": round(wall, 1), "sequences": len(seqs), "vocab": len(vocab),
+        rec = {"step": step, "wall_s": round(wall, 1), "sequences": len(seqs),
+               "skipped_sequences": getattr(data_loader, "skipped", 0), "vocab": len(vocab),
                **{f"heldout_{k}": round(v, 4) for k, v in ev.items()}}
         if out is not None and ev and ev["tau_est"] >= best.get("tau_est", 0.0):
             best = {**ev, "step": step, "out": str(out)}

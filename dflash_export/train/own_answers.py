@@ -26,7 +26,14 @@ import torch
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_file, removing_new_dirs
-from dflash_export.train.data import TrainSequence, load_tensors, shard_done, teacher_forced_sequences
+from dflash_export.train.data import (
+    TrainSequence,
+    UnreadableTensors,
+    load_tensors,
+    shard_done,
+    short_reason,
+    teacher_forced_sequences,
+)
 
 SHARD_SIZE = 32
 
@@ -282,9 +289,10 @@ def load_answers(path: Path, vocab_size: int | None = None) -> list[dict]:
         rows = load_tensors(path)
         if not isinstance(rows, list) or not all(isinstance(r, dict) and {"index", "prompt", "answer"} <= r.keys()
                                                  for r in rows):
-            raise ValueError("not a list of answers")
+            raise UnreadableTensors("not a list of answers")
     except Exception as e:  # a corrupt shard is never trained on
-        raise DFlashError(f"unreadable answer shard ({type(e).__name__}); delete it to regenerate", path=path) from None
+        raise DFlashError(f"unreadable answer shard ({short_reason(e)}); delete it to regenerate",
+                          path=path) from None
     for i, r in enumerate(rows):
         for key in ("prompt", "answer"):
             ids = r[key]

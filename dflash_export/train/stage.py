@@ -20,12 +20,12 @@ from dflash_export.models.drafter import DFlashDrafter, check_drafter_fits, is_d
 from dflash_export.models.target import load_target
 from dflash_export.recipes import MAX_PROMPTS, SEED_MAX, load_recipe
 from dflash_export.train.data import (
+    ShardLoader,
     answers_dir,
     check_prompt_source,
     data_dir,
     generate_shards,
     load_shards,
-    shard_loader,
     shard_paths,
     sharegpt_prompt_ids,
     sharegpt_reply_ids,
@@ -274,18 +274,27 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                     raise DFlashError("out of memory generating training data (gen_batch_size answers of up to "
                                       "max_prompt_tokens + max_new_tokens tokens at once); lower train.gen_batch_size "
                                       "(or max_new_tokens)", path=recipe.path, field="train.gen_batch_size") from None
-        heldout = load_shards(hdir, target.vocab_size, tap_width)[: opts.heldout_prompts] if hdir.is_dir() else []
+        heldout = load_shards(hdir, target.vocab_size, tap_width, opts.soft_topk)[: opts.heldout_prompts] \
+            if hdir.is_dir() else []
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
-        loader = shard_loader(sources, target.vocab_size, tap_width)
+        loader = ShardLoader(sources, target.vocab_size, tap_width, opts.soft_topk)
 
         if data_only:
-            return {"data_dir": str(ddir), "sequences": len(loader())}
+            sequences = len(loader())
+            _report_skipped(bar.console, loader, sequences)
+            return {"data_dir": str(ddir), "sequences": sequences, "skipped": loader.skipped}
 
-        # Whether there is anything to train on, without reading the shards (train_drafter reads them next).
         if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
                               "--no-generate)", path=ddir)
+        if not loader() and loader.skipped:
+            raise DFlashError(f"nothing to train on: each of the {loader.skipped} training answers is shorter than 2 "
+                              "tokens (the target stopped at once), and a block needs an answer token with the next "
+                              "one as its label; check the target's stop tokens and the recipe's prompts "
+                              "(chat_template), or delete this data to make it again",
+                              path=sources[0][0])
+        _report_skipped(bar.console, loader, len(loader()))
         cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes, target_key)
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
@@ -305,6 +314,15 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     console.print(f"drafter: {out}  (best held-out implied τ {result['best'].get('tau_est', 0):.2f} "
                   f"at step {result['best'].get('step')})")
     return result
+
+
+def _report_skipped(console, loader, kept: int) -> None:
+    """One line when the training data hold sequences that supervise no position (answers shorter than 2 tokens):
+    how many were left out, and where they are."""
+    if loader.skipped:
+        where = " and ".join(str(d) for d, _ in loader.sources)
+        console.print(f"skipped {loader.skipped} of {loader.skipped + kept} training sequences: answers shorter than "
+                      f"2 tokens supervise no position ({where})", soft_wrap=True)
 
 
 def _out_of_memory(e: BaseException) -> bool:
