@@ -149,6 +149,23 @@ def test_an_architecture_this_project_does_not_convert_is_named(tmp_path, monkey
     assert e.value.field == "general.architecture" and "'gemma3' (supported: llama, qwen3, qwen3moe)" in str(e.value)
 
 
+def test_a_llama_gguf_named_mistral_converts_as_the_llama_its_architecture_says(tmp_path, monkeypatch):
+    """transformers' GGUF reader takes a llama file whose general.name is "mistral" for a Mistral (a sliding window of
+    4096, and no tokenizer converter for it); llama.cpp reads general.architecture alone, and so does the conversion:
+    the file converts to the same llama as one of another name."""
+    from gguf import GGUFValueType
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    configs = []
+    for name in ("mistral", "tiny"):
+        f = _tiny_gguf(tmp_path / f"{name}.gguf", kv={"general.name": (name, GGUFValueType.STRING)})
+        cfg = json.loads((hf_dir_from_gguf(f) / "config.json").read_text())
+        assert cfg.pop("_model_name_or_path", name) == name  # the name itself is kept
+        configs.append(cfg)
+    assert configs[0]["model_type"] == "llama" and configs[0]["architectures"] == ["LlamaForCausalLM"]
+    assert configs[0].get("sliding_window") is None and configs[0] == configs[1]
+
+
 _TINY_TENSORS = ("token_embd.weight", "output_norm.weight", *(f"blk.0.{n}.weight" for n in (
     "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 
@@ -469,6 +486,9 @@ def _value_cases():
         ("llama.attention.head_count", (2 ** 31, T.UINT32), "does not divide embedding_length 16"),
         ("llama.attention.head_count_kv", (3, T.UINT32), "does not divide attention.head_count 2"),
         ("llama.context_length", (0, T.UINT32), "got 0"),
+        # settings no tensor's shape checks: each bounded, the key named before anything is converted
+        ("llama.context_length", (2 ** 40, T.UINT64), "1099511627776: more than the 16777216 this project reads"),
+        ("llama.block_count", (2 ** 40, T.UINT64), "1099511627776: more than the 1024 this project reads"),
         ("llama.embedding_length", (16.0, T.FLOAT32), "got 16.0"),
         ("llama.rope.freq_base", ("x", T.STRING), "expected a positive number"),
         ("llama.attention.layer_norm_rms_epsilon", (-1.0, T.FLOAT32), "expected a positive number"),
@@ -531,6 +551,58 @@ def test_a_tokenizer_key_missing_or_of_the_wrong_type_is_named(tmp_path, monkeyp
 
     kv = {k: v and (v[0], GGUFValueType[v[1]]) for k, v in kv.items()}
     _refused(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "t.gguf", kv=kv), field, says)
+
+
+def _sentencepiece(tokens):
+    """`_tiny_gguf` arguments for a SentencePiece ("llama") vocabulary of `tokens` with scores and no merges, as
+    llama.cpp's converter writes one (the first three tokens special)."""
+    from gguf import GGUFValueType as T
+
+    n = len(tokens)
+    return {"kv": {"tokenizer.ggml.model": ("llama", T.STRING), "tokenizer.ggml.merges": None,
+                   "tokenizer.ggml.tokens": (tokens, T.ARRAY), "llama.vocab_size": (n, T.UINT32),
+                   "tokenizer.ggml.scores": ([-float(i) for i in range(n)], T.ARRAY),
+                   "tokenizer.ggml.token_type": ([3, 3, 3] + [1] * (n - 3), T.ARRAY)},
+            "shapes": {"token_embd.weight": (n, 16)}}
+
+
+def _letter_strings(n):
+    """`n` tokens: <unk>, <s>, </s>, then the strings over a..z by length, each of whose splits is a pair of tokens."""
+    import itertools
+    import string
+
+    strings = ("".join(p) for k in range(1, 5) for p in itertools.product(string.ascii_lowercase, repeat=k))
+    return ["<unk>", "<s>", "</s>", *itertools.islice(strings, n - 3)]
+
+
+def test_a_sentencepiece_vocabulary_without_merges_gets_transformers_own_merges(tmp_path, monkeypatch):
+    """The merges derived for a vocabulary without them are the ones transformers' own (quadratic) derivation gives,
+    in its order, and the converted tokenizer splits text with them."""
+    from transformers import AutoTokenizer
+    from transformers.integrations.ggml import GGUFTokenizerSkeleton
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    tokens = _letter_strings(64) + ["▁", "abc", "bcd", "▁ab"]
+    f = _tiny_gguf(tmp_path / "t.gguf", **_sentencepiece(tokens))
+    d = hf_dir_from_gguf(f)
+    merges = json.loads((d / "tokenizer.json").read_text())["model"]["merges"]
+    want = GGUFTokenizerSkeleton({"tokens": tokens, "scores": [-float(i) for i in range(len(tokens))]}).merges
+    assert [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges] == want and len(want) > 30
+    ours, theirs = AutoTokenizer.from_pretrained(d), AutoTokenizer.from_pretrained(tmp_path, gguf_file=f.name)
+    for text in ("abcd", "ab bcd abc", "dcba aab"):
+        ids = ours(text, add_special_tokens=False).input_ids
+        assert ids == theirs(text, add_special_tokens=False).input_ids and len(ids) < len(text), text
+
+
+def test_a_vocabulary_without_merges_too_long_to_derive_them_for_is_named(tmp_path, monkeypatch):
+    """Deriving merges tries each split of each token: a vocabulary whose tokens' squared lengths sum past the bound
+    is refused before any conversion, naming the token list."""
+    from dflash_export.models.gguf import MAX_DERIVED_MERGES_WORK
+
+    long = "a" * (math.isqrt(MAX_DERIVED_MERGES_WORK) + 1)
+    f = _tiny_gguf(tmp_path / "t.gguf", **_sentencepiece(_letter_strings(31) + [long]))
+    _refused(tmp_path, monkeypatch, f, "tokenizer.ggml.tokens", f"more than the {MAX_DERIVED_MERGES_WORK} this "
+             "project derives")
 
 
 @pytest.mark.parametrize("edit, field, says", [
@@ -870,6 +942,9 @@ def test_linear_and_yarn_scaling_keys_convert_to_the_config_they_came_from(tmp_p
     ({"kv": {"llama.rope.scaling.type": ("longrope", 8)}}, "llama.rope.scaling.type", "'longrope' is not a RoPE"),
     ({"kv": {"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.factor": (4.0, 6)}},
      "llama.rope.scaling.original_context_length", "YaRN needs a positive integer"),
+    ({"kv": {"llama.rope.scaling.type": ("yarn", 8), "llama.rope.scaling.factor": (4.0, 6),
+             "llama.rope.scaling.original_context_length": (2 ** 40, 10)}},
+     "llama.rope.scaling.original_context_length", "more than the 16777216 this project reads"),
     ({"kv": {"llama.rope.scaling.factor": (-2.0, 6)}}, "llama.rope.scaling.factor", "expected a number >= 0"),
     ({"kv": {"llama.rope.scaling.attn_factor": (2.0, 6)}}, "llama.rope.scaling.attn_factor", "cannot honour"),
     ({"kv": {"llama.rope.dimension_count": (4, 4)}}, "llama.rope.dimension_count", "4 != head_dim 8"),
@@ -1067,6 +1142,8 @@ def _moe_refusal_cases():
         ({"kv": {"qwen3moe.expert_count": (1, T.UINT32)}}, "qwen3moe.expert_count", "expected an integer >= 2, got 1"),
         ({"kv": {"qwen3moe.expert_count": ("4", T.STRING)}}, "qwen3moe.expert_count", "got '4'"),
         ({"kv": {"qwen3moe.expert_used_count": None}}, "qwen3moe.expert_used_count", "missing"),
+        ({"kv": {"qwen3moe.expert_count": (2 ** 40, T.UINT64)}}, "qwen3moe.expert_count",
+         "1099511627776: more than the 1024 this project reads"),
         ({"kv": {"qwen3moe.expert_used_count": (0, T.UINT32)}}, "qwen3moe.expert_used_count", "got 0"),
         ({"kv": {"qwen3moe.expert_used_count": (5, T.UINT32)}}, "qwen3moe.expert_used_count",
          "5 > expert_count 4"),

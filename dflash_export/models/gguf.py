@@ -11,6 +11,7 @@ itself.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import mmap
@@ -24,6 +25,7 @@ from dflash_export.decoding.request import is_finite_number, is_int, is_positive
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.arch import ARCHS, sliding_windows
+from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import rope_parameters_of
 
@@ -46,6 +48,21 @@ MAX_GGUF_ARRAY_ITEMS = 1 << 22
 MAX_GGUF_TEXT_BYTES = 1 << 28
 # Values of rope_freqs.weight read with the header: one per frequency, head_dim / 2 of them.
 _MAX_ROPE_FREQS = 1 << 16
+# The most work deriving the merges of a SentencePiece vocabulary that has none may take: each split of each token is
+# tried, its two parts copied and looked up, so the work grows with the sum of the tokens' squared lengths. A
+# 128000-token vocabulary sums to some 10**7 (0.5 s); at the bound, a vocabulary whose every split is a pair of tokens
+# (the worst case) takes some 4 s.
+MAX_DERIVED_MERGES_WORK = 1 << 25
+# The longest context a GGUF may give (`<arch>.context_length`, YaRN's original_context_length): 16 Mi tokens, past
+# the longest published (Llama 4 Scout's 10 Mi) and 16 times the longest sequence an engine is built for
+# (config.MAX_SEQ_LEN). It is written to the converted config as its max_position_embeddings, the target's context.
+MAX_GGUF_CONTEXT_LENGTH = 1 << 24
+# The most a setting may give that no tensor's shape checks: the layers (a config of more is refused by
+# read_target_config after the conversion, and transformers builds a list per layer), the experts (likewise), the
+# context. The widths, head counts and vocabulary size are each checked against the tensors' shapes or the token list,
+# which the file's size bounds.
+_MAX_SETTINGS = {"block_count": MAX_LAYERS, "expert_count": MAX_EXPERTS, "context_length": MAX_GGUF_CONTEXT_LENGTH,
+                 "rope.scaling.original_context_length": MAX_GGUF_CONTEXT_LENGTH}
 
 
 class _Cursor:
@@ -325,8 +342,8 @@ def _arch_of(meta: dict):
 
 
 def _int_setting(meta: dict, path: Path, name: str, lo: int = 1, required: bool = False) -> int | None:
-    """The architecture's setting `name` (`<arch>.<name>`): an integer >= `lo`, or None when absent and not
-    `required`; else DFlashError naming the key."""
+    """The architecture's setting `name` (`<arch>.<name>`): an integer >= `lo` (and at most its _MAX_SETTINGS bound),
+    or None when absent and not `required`; else DFlashError naming the key."""
     arch = meta["general.architecture"]
     key, v = f"{arch}.{name}", meta.get(f"{arch}.{name}")
     if v is None and required:
@@ -334,6 +351,8 @@ def _int_setting(meta: dict, path: Path, name: str, lo: int = 1, required: bool 
     if v is not None and (not is_int(v) or v < lo):
         raise DFlashError(f"expected {'a positive integer' if lo == 1 else f'an integer >= {lo}'}, got {v!r}",
                           path=path, field=key)
+    if v is not None and v > _MAX_SETTINGS.get(name, v):
+        raise DFlashError(f"{v}: more than the {_MAX_SETTINGS[name]} this project reads", path=path, field=key)
     return v
 
 
@@ -406,9 +425,9 @@ def gguf_rope_scaling(meta: dict, path: Path) -> dict | None:
     elif kind == "linear":
         scaling = {"rope_type": "linear", "factor": float(factor)}
     else:
-        orig = meta.get(key("scaling.original_context_length"))
-        if not is_int(orig) or orig < 1:
-            fail(key("scaling.original_context_length"), f"YaRN needs a positive integer, got {orig!r}")
+        if key("scaling.original_context_length") not in meta:
+            fail(key("scaling.original_context_length"), "YaRN needs a positive integer, got None")
+        orig = _int_setting(meta, path, "rope.scaling.original_context_length")
         scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig)}
         for name, field in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
                             ("attn_factor", "attention_factor")):
@@ -504,6 +523,8 @@ def _check_tokenizer(meta: dict, path: Path) -> int:
     if merges is None and "tokenizer.ggml.scores" not in meta:
         raise DFlashError(f"missing (a {model!r} vocabulary without merges needs its scores)", path=path,
                           field="tokenizer.ggml.scores")
+    if merges is None:
+        _check_derived_merges_work(tokens, path)
     if merges is not None:
         vocab = set(tokens)
         for i, m in enumerate(merges if isinstance(merges, list) else [merges]):
@@ -522,6 +543,17 @@ def _check_tokenizer(meta: dict, path: Path) -> int:
         raise DFlashError(f"expected a string, got {meta['tokenizer.chat_template']!r}", path=path,
                           field="tokenizer.chat_template")
     return len(tokens)
+
+
+def _check_derived_merges_work(tokens: list[str], path: Path) -> None:
+    """A SentencePiece vocabulary without merges has them derived in the conversion (_TokenList): refused where that
+    would take more than a few seconds, naming the token list."""
+    work = sum(len(t) ** 2 for t in tokens)
+    if work > MAX_DERIVED_MERGES_WORK:
+        raise DFlashError(f"{len(tokens)} tokens and no merges: deriving the merges tries each split of each token, "
+                          f"work that grows with the tokens' squared lengths ({work} in all, more than the "
+                          f"{MAX_DERIVED_MERGES_WORK} this project derives; a 128000-token SentencePiece vocabulary "
+                          "is some 10**7)", path=path, field="tokenizer.ggml.tokens")
 
 
 _CONVERTED_JSON = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -547,7 +579,7 @@ def hf_dir_from_gguf(path) -> Path:
         return out
     _check_room(meta, path, out)
     try:
-        with atomic_dir(out) as tmp, _no_progress_bars():
+        with atomic_dir(out) as tmp, _reading_as_llama_cpp():
             _convert(path, tmp, meta)
             check_conversion(tmp, meta, path)
     except OSError as e:  # full disk, permissions: one line, and atomic_dir has removed the partial copy
@@ -588,30 +620,85 @@ def _check_room(meta: dict, path: Path, out: Path) -> None:
 
 
 @contextmanager
-def _no_progress_bars():
-    """No progress bars on stderr while converting, so that a failed conversion is the one error line. Besides the
-    bars quiet_transformers turns off, transformers' GGUF reader draws one of its own ("Converting and de-quantizing
-    GGUF tensors") with tqdm directly: its module's `tqdm` is a silent one for the duration."""
-    quiet_transformers()
+def _replaced(module: str, name: str, make):
+    """transformers' `module`.`name` replaced by `make(original)` while converting; left as it is where this
+    transformers has no such module or attribute, or `make` returns None (another version: its own behaviour)."""
     try:
-        from transformers import modeling_gguf_pytorch_utils as reader
+        mod = importlib.import_module(module)
     except ImportError:  # _convert names the missing library
-        reader = None
-    bar = getattr(reader, "tqdm", None)
-    if not isinstance(bar, type):
+        mod = None
+    original = getattr(mod, name, None)
+    new = None if original is None else make(original)
+    if new is None:
         yield
         return
+    setattr(mod, name, new)
+    try:
+        yield
+    finally:
+        setattr(mod, name, original)
+
+
+def _silent_bar(bar):
+    """A tqdm class that draws nothing: transformers' GGUF reader draws a bar of its own ("Converting and
+    de-quantizing GGUF tensors") with tqdm directly, besides the bars quiet_transformers turns off."""
+    if not isinstance(bar, type):
+        return None
 
     class Silent(bar):
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
-    reader.tqdm = Silent
-    try:
+    return Silent
+
+
+def _without_general_name(read_field):
+    """transformers' read_field that reads no `general.name`: its GGUF reader takes a llama file named "mistral" for a
+    Mistral (a config with a sliding window of 4096, a tokenizer converter it has none of, and "llama" rewritten to
+    "mistral" in every key and string value), where llama.cpp reads the architecture from `general.architecture`
+    alone. Without the name, the model transformers builds is the one `general.architecture` names."""
+    return lambda reader, field: [] if field == "general.name" else read_field(reader, field)
+
+
+class _TokenList(list):
+    """A token list whose `in` is a set's. transformers derives the merges of a SentencePiece vocabulary that has none
+    by testing each split of each token with `in` on the token list, time quadratic in the vocabulary's size (4000
+    tokens 0.8 s, 16000 15 s); the same tests against a set give the same merges in time linear in it."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self._set = frozenset(self)
+
+    def __contains__(self, token):
+        return token in self._set
+
+
+def _with_token_set(skeleton):
+    """transformers' GGUFTokenizerSkeleton given a _TokenList where it derives merges (no merges in the file)."""
+    if not isinstance(skeleton, type):
+        return None
+
+    class Skeleton(skeleton):
+        def __init__(self, dict_):
+            if "merges" not in dict_ and isinstance(dict_.get("tokens"), list):
+                dict_ = {**dict_, "tokens": _TokenList(dict_["tokens"])}
+            super().__init__(dict_)
+
+    return Skeleton
+
+
+_READER, _GGML = "transformers.modeling_gguf_pytorch_utils", "transformers.integrations.ggml"
+
+
+@contextmanager
+def _reading_as_llama_cpp():
+    """transformers' GGUF reader, while converting: no progress bars on stderr (a failed conversion is the one error
+    line), the architecture from `general.architecture` alone, and missing merges derived in linear time."""
+    quiet_transformers()
+    with _replaced(_READER, "tqdm", _silent_bar), _replaced(_READER, "read_field", _without_general_name), \
+            _replaced(_GGML, "GGUFTokenizerSkeleton", _with_token_set):
         yield
-    finally:
-        reader.tqdm = bar
 
 
 def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
