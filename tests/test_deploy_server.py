@@ -1038,6 +1038,13 @@ def test_server_death_is_one_line_with_the_log_path(tmp_path):
     srv._log.extend(['E1130 07:37:27.1 1 server.cc:1] "failed to start HTTP service: address in use"\n'])
     e = srv._death_error()
     assert type(e) is ServerError and e.exit_code == 3 and "failed to start HTTP service" in str(e)
+    # killed by a signal with no error in its log: the signal named, not whatever line the log happened to end on
+    srv._log.clear()
+    srv._log.extend(["I1130 07:37:26.0 1 server.cc:1] starting\n", "dflash-cancel: the client went away\n"])
+    Done.returncode = -9
+    e = srv._death_error()
+    assert type(e) is ServerError and "tritonserver exited (signal 9, SIGKILL; no error in its log)" in str(e)
+    assert "dflash-cancel" not in str(e)
 
 
 def test_a_model_load_the_environment_fails_is_an_input_error_and_a_bug_is_not(tmp_path, monkeypatch):

@@ -943,9 +943,9 @@ class TritonServer:
         return [ln.strip() for ln in self._head[:max(0, lost)] + run
                 if ln.strip() and not ln.startswith("[dflash-export]")]
 
-    def _last_error(self) -> str:
+    def _last_error(self, last_line: bool = True) -> str | None:
         """The most telling log line: tritonserver refusing its command line, else the first model load failure, else
-        the first error line, else the last line."""
+        the first error line, else the last line (with `last_line`; None without it)."""
         lines = self._run_log()
         options = [ln for ln in lines if _OPTION_ERROR.search(ln) and not _TRITON_LINE.match(ln)]
         if options:  # "<path>/tritonserver: unrecognized option ..." or "Bad option: ..." + "invalid value ..."
@@ -953,13 +953,13 @@ class TritonServer:
         for pick, which in ((lambda ln: _TRITON_ERROR.match(ln) and "failed to load '" in ln, 0),
                             (lambda ln: _TRITON_ERROR.match(ln) and "CudaDriverHelper" not in ln, 0),
                             (lambda ln: "error" in ln.lower(), 0),
-                            (lambda ln: True, -1)):
+                            (lambda ln: last_line, -1)):
             found = [ln for ln in lines if pick(ln)]
             if found:
                 # Triton's lines carry a Python traceback with escaped newlines; its first line says it all.
                 line = re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[which])
                 return line.split("\\n")[0].strip('"')
-        return "(no output)"
+        return "(no output)" if last_line else None
 
     def _death_error(self) -> ServerError:
         """One line for a server that exited on its own: its most telling log line (shortened) and where the log is.
@@ -968,13 +968,18 @@ class TritonServer:
         """
         if self._reader is not None:
             self._reader.join(timeout=2)
-        line = self._last_error()
+        rc = self.proc.returncode
+        killed = rc is not None and rc < 0
+        line = self._last_error(last_line=not killed)
+        if line is None:  # a signal, and nothing in the log says why: its last line would be whatever came last
+            name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "unknown"
+            return ServerError(f"tritonserver exited (signal {-rc}, {name}; no error in its log)" + self._log_note(),
+                               path=self.repo)
         if _STUB_UNHEALTHY.search(line) and self._stub_ends:  # a stub that died loading: how it ended says why
             return self._stub_failure(self._stub_ends)
         cls = ModelRefused if _INPUT_ERROR.search(line) else ServerError
         line = _INPUT_ERROR.sub("", line, count=1)
-        rc = self.proc.returncode
-        code = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
+        code = f"signal {-rc}" if killed else f"code {rc}"
         return cls(f"tritonserver exited ({code}: {_shorten(line)})" + self._log_note(), path=self.repo)
 
     def alive(self) -> bool:
