@@ -353,6 +353,33 @@ def test_pieces_of_a_string_are_counted_before_they_are_made():
     assert peak < 0.8 * MAX_BUILT_BYTES, peak
 
 
+# What a rendering holds before the call a test looks at: 31 strings of 16 million 2-byte characters (992 MB of the
+# 1 GiB MAX_BUILT_BYTES), and the value `s` the call is given.
+_NEARLY_FULL = "{% set ns = namespace(l=[]) %}{% for i in range(31) %}{% set ns.l = ns.l + ['\u0101' * 16000000] %}" \
+    "{% endfor %}"
+
+
+@pytest.mark.parametrize("value, call", [
+    ("'\ufb03' * 16000000", "s|upper"),  # 'FFI': 3 characters for one, in a buffer of 4 bytes a character
+    ("'\u0130' * 16000000", "s.lower()"),  # 'i' and a combining dot
+    ("'<' * 16000000", "s|tojson"),  # '\\u003c', then copied into a Markup
+    ("'\U0001f600' * 8000000", "s|tojson"),  # a surrogate pair: 12 characters
+    ("'\"' * 16000000", "s|e"),  # '&#34;'
+    ("'\U0001f600' * 2000000", "s|urlencode"),  # '%F0%9F%98%80', a list of its 4 bytes first
+], ids=["upper", "lower", "tojson", "tojson-astral", "escape", "urlencode"])
+def test_a_call_that_could_build_past_what_is_left_is_refused_before_it_runs(value, call):
+    """A filter or string method whose result (and what CPython builds on the way to it) can be several times what
+    it is given is refused before it runs when that could pass what is left of MAX_BUILT_BYTES: the process grows
+    by no more than a few MiB past what the rendering held before (it grew by 100-300 MB, refused after or not)."""
+    from dflash_export.models.chat_sandbox import MAX_BUILT_BYTES
+
+    _, held = _render_peak(_NEARLY_FULL + f"{{% set s = {value} %}}{{{{ s|length }}}}")
+    message, peak = _render_peak(_NEARLY_FULL + f"{{% set s = {value} %}}{{% set x = {call} %}}")
+    assert message == "chat_template: the chat template tried an unsafe operation, refused by the sandbox (more " \
+                      f"than {MAX_BUILT_BYTES} bytes of strings and lists built)", message
+    assert peak - held < 16 << 20, peak - held
+
+
 def test_comparisons_render_as_jinja2_renders_them():
     """Comparisons (each charged by what it goes through) give what jinja2's own sandbox gives: chained ones,
     `in` / `not in` on strings, lists and dicts, undefined values, lists and dicts compared."""
@@ -479,6 +506,17 @@ def test_a_chat_template_that_works_without_end_is_stopped(template):
     "{% for i in range(1000) %}{% set x = s.startswith(l) %}{% endfor %}",
     "{% set a = ['x' * 16000000] * 1000 %}{% set b = ['x' * 16000000] * 1000 %}"
     "{% for i in range(100000) %}{% if loop.changed([a, b][i % 2]) %}{% endif %}{% endfor %}",
+    # Substring searches comparing up to the needle's length at each position: from the end (rfind, rsplit), with a
+    # needle under 100 characters in a string under 30000, in a string under 2500 (and `in` between two strings too
+    # short for their sizes to be charged).
+    "{% set s = 'x' * 1000000 %}{% set t = 'xy' ~ 'x' * 998 %}{% for i in range(100) %}{% set x = s.rfind(t) %}"
+    "{% endfor %}",
+    "{% set s = 'x' * 29999 %}{% set t = 'x' * 97 ~ 'yx' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% if t in s %}{% endif %}{% endfor %}{% endfor %}",
+    "{% set s = 'x' * 2400 %}{% set t = 'x' * 1000 ~ 'yx' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% set x = s.count(t) %}{% endfor %}{% endfor %}",
+    # A list's items passed on as arguments, one by one (100000 a call).
+    "{% set l = range(100000)|list %}{% for i in range(1000) %}{% set x = loop.cycle(*l) %}{% endfor %}",
     # Integers of thousands of digits: made text (quadratic in their digits), divided, parsed.
     "{% set l = [10 ** 4000] * 100000 %}{% for i in range(1000) %}{{ l }}{% endfor %}",
     "{% set m = 2 ** 32000 + 1 %}{% set n = m * m %}{% for i in range(100000) %}{% for j in range(100000) %}"
@@ -486,8 +524,8 @@ def test_a_chat_template_that_works_without_end_is_stopped(template):
     "{% set s = '9' * 4300 %}{% for i in range(100000) %}{% for j in range(100000) %}{% set x = s|int %}{% endfor %}"
     "{% endfor %}",
 ], ids=["pprint-words", "indent-lines", "translate", "strip-chars", "title-of-list", "in-list",
-        "list-equal", "list-count", "select-in", "startswith-tuple", "loop-changed", "int-text", "int-divide",
-        "int-parse"])
+        "list-equal", "list-count", "select-in", "startswith-tuple", "loop-changed", "rfind", "in-short-string",
+        "count-short-string", "star-args", "int-text", "int-divide", "int-parse"])
 def test_a_chat_template_grinding_on_large_values_is_stopped_within_seconds(template):
     """Calls whose work grows with what they go through past a copy of it (lines, words, characters looked up,
     items compared, digits) are charged for that work: stopped at the work budget within seconds (each took 10 s
@@ -498,6 +536,19 @@ def test_a_chat_template_grinding_on_large_values_is_stopped_within_seconds(temp
     assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
                       "messages (loop iterations, calls and the values they go through)", message
     assert seconds < 10, seconds
+
+
+def test_a_loop_using_its_loop_context_is_charged_for_it():
+    """A million iterations of a loop whose body uses `loop` (jinja2 runs it with a LoopContext, in Python: about 2 us
+    an iteration, ten times a plain one) are past the work budget, one line naming the field; the same loop not
+    using `loop` renders."""
+    from dflash_export.models.chat_sandbox import step_budget
+
+    loops = "{% for i in range(1000) %}{% for j in range(1000) %}BODY{% endfor %}{% endfor %}done"
+    _, message = _render_elsewhere(loops.replace("BODY", "{% if loop.last %}{% endif %}"))
+    assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
+                      "messages (loop iterations, calls and the values they go through)", message
+    assert _render_elsewhere(loops.replace("BODY", "{% if j < 0 %}{% endif %}"))[1] == "done"
 
 
 def test_a_chat_template_calling_itself_without_end_is_one_clear_error():

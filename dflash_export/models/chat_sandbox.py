@@ -11,10 +11,12 @@ lists and dicts), and on top of that:
   length, lists and dicts by items) their size. Calls whose work grows past that are charged for it before they
   run: a comparison with each item of a list (`x in l`, `l.count(x)`, `l == m`, `loop.changed`) by the size of
   what is compared, the lines `indent` indents, the characters `translate` looks up and `strip` looks for, the
-  strings `pprint` cuts up, a list's text that `title` or `urlize` go through, and integers' digits (made text,
-  parsed, divided: quadratic in their number). A template that loops, recurses or grinds on large values without
-  end is stopped at the budget, with a DFlashError naming `chat_template`, whatever it writes (or not): what it
-  writes is charged too, out or into a captured block.
+  strings `pprint` cuts up, a list's text that `title` or `urlize` go through, integers' digits (made text,
+  parsed, divided: quadratic in their number), the characters a substring search compares (up to the needle's
+  length at each position), the replacements `replace` makes, the arguments a call is given past a few (`f(*l)`),
+  and each iteration of a loop run with a LoopContext (one whose body uses `loop`). A template that loops, recurses
+  or grinds on large values without end is stopped at the budget, with a DFlashError naming `chat_template`,
+  whatever it writes (or not): what it writes is charged too, out or into a captured block.
 - size: no operation builds a string or list longer than MAX_RENDERED_CHARS, nor an integer wider than MAX_INT_BITS
   (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step), nor a
   formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); the filters and methods whose result can be much
@@ -25,8 +27,9 @@ lists and dicts), and on top of that:
   methods and operators return) count toward MAX_BUILT_BYTES in all, so values kept in variables cannot add up to
   gigabytes within the work budget (`s.split()` of a 16-million-character string builds 300 MB in one call); the
   pieces a split (`split`, `splitlines`, the words `title` or `striptags` cut a string into) may make are counted
-  against what is left before they are made. Strings are never made bytes (`str.encode` is refused): bytes are no
-  text, and the sizes above are not checked on them.
+  against what is left before they are made, and so is what the filters and methods whose result can be several
+  times what they are given (case mappings, escaping, tojson, urlencode) may build at most. Strings are never made
+  bytes (`str.encode` is refused): bytes are no text, and the sizes above are not checked on them.
 
 The budget lives on the rendering's own jinja2 context (its EvalContext), so renderings on several threads of the one
 shared environment never share a count. The metering nodes and filters have names a template cannot spell (they
@@ -70,6 +73,10 @@ MAX_INT_BITS = 1 << 16  # an integer of 65536 bits (about 20000 digits): past an
 # template build of ASCII text (MAX_TEMPLATE_STEPS * CHARS_PER_STEP), past any real template's (a few copies of the
 # prompt's text), whatever the number of messages.
 MAX_BUILT_BYTES = 1 << 30
+# The arguments of a call past a few (`f(*l)` passes a list's items on, and each is looked at): 2 to a step. (jinja2
+# gives every call in a loop or block two of its own.)
+ARGS_PER_STEP = 2
+FEW_ARGS = 8
 FIELD_STEPS = 4  # each field of a `str.format` / `%` formatting (the sandbox formats them one by one in Python)
 
 _CHARGE = "chat template charge"  # charges its argument in steps, returns its value unchanged
@@ -104,6 +111,18 @@ _TEXT_OF_ANY_VALUE = frozenset(["striptags", "title", "urlize", "wordcount"])
 _WIDTH_FILTERS = frozenset(["batch", "center", "format", "indent", "slice", "tojson", "truncate", "wordwrap"])
 _WIDTH_METHODS = frozenset(["center", "expandtabs", "ljust", "rjust", "zfill"])
 _BLOCK_FIELDS = ("body", "else_")
+# String methods and filters mapping case: CPython writes up to 3 characters for one ('\ufb03'.upper() is 'FFI')
+# into a buffer of 4 bytes a character, then copies them into the result.
+_CASE_MAPPINGS = frozenset(["capitalize", "casefold", "lower", "swapcase", "title", "upper"])
+# Filters and string methods whose result can be several times larger than what they are given: _expansion_bytes.
+_EXPANDING = _CASE_MAPPINGS | {"e", "escape", "forceescape", "tojson", "urlencode"}
+# What a loop whose body uses `loop` (or a recursive one) spends on each iteration past a plain one's, in units: its
+# LoopContext, in Python, looks one item ahead and keeps the index (about 2 us an iteration).
+_LOOP_CONTEXT_UNITS = 32
+# String methods looking for a substring (their first argument) in the string: charged by _search_steps. Those
+# starting with `r` search from the end.
+_SEARCHING = frozenset(["count", "find", "index", "partition", "replace", "rfind", "rindex", "rpartition", "rsplit",
+                        "split"])
 
 
 def step_budget(messages) -> int:
@@ -219,12 +238,25 @@ def _pair_steps(op: str, left, right, limit: int) -> int:
     """Steps for `left <op> right` (jinja2's names: eq, ne, lt, gt, lteq, gteq, in, notin): a comparison goes through
     the smaller side at most; `in` a list or tuple compares with each of its items."""
     if op in ("in", "notin"):
-        if isinstance(right, str) or not hasattr(right, "__len__"):
-            return 0  # a substring search: charged by the sizes of both (`_size`)
+        if isinstance(right, str):
+            return _search_steps(len(right), len(left)) if isinstance(left, str) else 0
+        if not hasattr(right, "__len__"):
+            return 0
         each = _compare_steps(left, limit)
         return each if isinstance(right, (Mapping, Set)) else each * len(right)  # hashed, or item by item
     first = _compare_steps(left, limit)
     return min(first, _compare_steps(right, first))
+
+
+def _search_steps(n: int, m: int, reverse: bool = False) -> int:
+    """Steps for looking for a substring of `m` characters in a string of `n` (`in`, find, count, split, replace...),
+    past a copy's charge: CPython compares up to `m` characters at each position (searching from the end, for a
+    needle shorter than 6 characters, or in a short string: `'x' * 999 + 'yx'` looked for in 30000 `x` compares 30
+    million characters), or about 2 (its linear two-way search, for a longer needle in a longer string)."""
+    if m < 2 or m > n:
+        return 0  # one character: memchr, at a copy's speed
+    linear = not reverse and m >= 6 and n >= (2500 if m >= 100 else 30000)
+    return (n - m + 1) * (2 if linear else m) // CHARS_PER_STEP
 
 
 _END = object()
@@ -252,6 +284,38 @@ def _bytes(value, items: bool) -> int:
     if not isinstance(value, (str, list, tuple, dict)):
         return 0
     return sys.getsizeof(value) + (_ITEM_BYTES * len(value) if items and isinstance(value, (list, tuple)) else 0)
+
+
+_NON_ASCII_HEADER = sys.getsizeof("\u0100") - 4  # a non-ASCII string's size less its characters and terminator
+
+
+def _char_bytes(s: str) -> int:
+    """The bytes a character of `s` takes as Python holds it: 1 (ASCII or Latin-1 text), 2 or 4."""
+    if s.isascii():
+        return 1
+    return min(4, max(1, (sys.getsizeof(s) - _NON_ASCII_HEADER) // (len(s) + 1)))  # a Markup: a longer header
+
+
+def _expansion_bytes(name: str, value, chars: int = 0) -> int:
+    """An upper bound of the memory the filter or string method `name` builds from `value` (its result and what
+    CPython builds on the way to it), for those whose result can be several times larger than `value`, counted
+    before they run: a case mapping (_CASE_MAPPINGS) writes up to 3 characters for one of non-ASCII text, into a
+    buffer of 4 bytes a character then into the result; escaping up to 5 ('"' is '&#34;') and tojson up to 6 ASCII
+    characters ('<' is '\\u003c'; 12 for a character past the BMP), each then copied into a Markup; urlencode 3
+    for each byte of the text's UTF-8, with a list of 8-byte slots, one a byte, first. 0 for any other. `chars`: the
+    characters of a list's or dict's text (_walk), for tojson."""
+    if name == "tojson":
+        return 2 * (12 if _char_bytes(value) == 4 else 6) * len(value) if isinstance(value, str) else 2 * 12 * chars
+    if not isinstance(value, str):
+        return 0
+    n, width = len(value), _char_bytes(value)
+    if name in _CASE_MAPPINGS:
+        return n if value.isascii() else 3 * n * (4 + max(2, width))
+    if name in ("e", "escape", "forceescape"):
+        return 2 * 5 * n * width
+    if name == "urlencode":
+        return 12 * n * (1 if value.isascii() else width + 1 - width // 4)  # UTF-8: up to 2, 3 or 4 bytes a char
+    return 0
 
 
 # What a new item of a list that a method or filter returns holds, its text aside (a method's pieces of a string
@@ -362,24 +426,28 @@ def _check_str_format(context, fmt: str, args, kwargs) -> None:
     _refuse_len(total, "a formatted string")
 
 
-def _replaced_len(s: str, old: str, new: str, count) -> int:
+def _check_replace(context, s: str, old: str, new: str, count) -> None:
+    """Refuse `s.replace(old, new, count)` if its result would pass MAX_RENDERED_CHARS, and charge its replacements
+    (each found and copied in turn: about 8 ns one) and its searches past the one `_method_steps` charges (the
+    replacements counted here, and by CPython before it replaces)."""
+    _charge(context, 2 * _search_steps(len(s), len(old)))
     n = s.count(old) if old else len(s) + 1
     if isinstance(count, int) and count >= 0:
         n = min(n, count)
-    return len(s) + n * (len(new) - len(old))
+    _charge(context, n // ITEMS_PER_STEP)
+    _refuse_len(len(s) + n * (len(new) - len(old)), "a string")
 
 
 def _joined_len(sep: str, items: list) -> int:
     return sum(len(x) for x in items if isinstance(x, str)) + len(sep) * max(0, len(items) - 1)
 
 
-def _check_str_method(name: str, s: str, args, kwargs) -> list:
+def _check_str_method(context, name: str, s: str, args, kwargs) -> list:
     """Refuse a call of a string method that would build a string past MAX_RENDERED_CHARS; returns the arguments to
     call it with (an iterable given to `join` is made a list, once, to be measured)."""
     args = list(args)
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-        _refuse_len(_replaced_len(s, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count")),
-                    "a string")
+        _check_replace(context, s, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count"))
     elif name == "join" and len(args) == 1:
         if not isinstance(args[0], (list, tuple)):
             args[0] = list(args[0])
@@ -402,8 +470,11 @@ def _method_steps(context, target, name: str, given: tuple) -> int:
     """Steps a method call (given `given`, its arguments) takes past the sizes of its object and arguments: stripping
     characters that are each looked for among those given, a string's prefixes (`startswith` a tuple), looking each
     character up (`translate`: about 26 ns one), comparing a value with each item of a list (`count`, `index`,
-    `loop.changed`), and `str.maketrans` (about 90 ns a character)."""
+    `loop.changed`), looking for a substring (_search_steps), and `str.maketrans` (about 90 ns a character)."""
     if isinstance(target, str):
+        if name in _SEARCHING:
+            needle = given[0] if given else None
+            return _search_steps(len(target), len(needle), name.startswith("r")) if isinstance(needle, str) else 0
         if name in ("strip", "lstrip", "rstrip"):
             return len(target) * (len(given[0]) - 1) // CHARS_PER_STEP if given and isinstance(given[0], str) else 0
         if name in ("startswith", "endswith"):
@@ -452,7 +523,8 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
         return params[i] if len(params) > i else kwargs.get(key, default)
 
     if name == "replace" and isinstance(param(0, "old"), str) and isinstance(param(1, "new"), str):
-        _refuse_len(_replaced_len(str(value), param(0, "old"), param(1, "new"), param(2, "count")), "a string")
+        _charge(context, _search_steps(len(str(value)), len(param(0, "old"))))  # the filter's own search
+        _check_replace(context, str(value), param(0, "old"), param(1, "new"), param(2, "count"))
     elif name == "join" and isinstance(value, (list, tuple)):
         # Items are made text (an integer's digits, a list's items) or taken by attribute: the text of all of it.
         total = len(str(param(0, "d", ""))) * len(value)
@@ -526,11 +598,12 @@ def _metered_filter(name: str, func, is_test: bool = False):
     # pprint writes each character of the strings in a list or dict in Python (about 170 ns one).
     container_chars = 1 if name == "pprint" else CHARS_PER_STEP
     widths = not is_test and name in _WIDTH_FILTERS
+    expands = not is_test and name in _EXPANDING
 
     @pass_context
     @functools.wraps(func)
     def metered(context, *args, **kwargs):
-        steps = FILTER_STEPS
+        steps, chars = FILTER_STEPS, 0
         if args and goes_through:
             value = args[0]
             if text_first and isinstance(value, (list, tuple, dict)):
@@ -546,11 +619,16 @@ def _metered_filter(name: str, func, is_test: bool = False):
             elif hasattr(value, "__next__") and not isinstance(value, LoopContext):
                 args = (_counted(context, value), *args[1:])
             else:
-                steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context), container_chars)
+                walked, _, chars = _walk(value, _remaining(context), container_chars)
+                steps += FILTER_ITEM_STEPS * walked
+            if expands:
+                _check_room(context, _expansion_bytes(name, value, chars))
         if is_test and name in _COMPARING_TESTS and name != "sameas" and len(args) > 1:
             steps += _pair_steps("in" if name == "in" else "eq", args[0], args[1], _remaining(context))
         if checked and name == "join" and hasattr(args[0], "__next__") and not isinstance(args[0], LoopContext):
             args = (list(args[0]), *args[1:])  # measured before it is joined
+        if len(args) + len(kwargs) > FEW_ARGS:
+            steps += (len(args) + len(kwargs)) // ARGS_PER_STEP
         for a in (*args[1:], *kwargs.values()):
             if widths and is_int(a):
                 _check_int(a)
@@ -600,19 +678,25 @@ _OPERATORS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "gt": ope
 
 
 _SCALARS = frozenset([int, float, bool, type(None)])
+_SEARCH_OPS = frozenset(["in", "notin"])
 
 
 def _compare_filter(context, left, op, right, *rest):
     """`left op right` (`rest`: more operators and values, alternating), as Python chains comparisons (all its
     operands evaluated first), each comparison charged by the sizes of its operands and what it goes through
-    (`_pair_steps`), unless both are numbers, short strings or none (most are: a role, a key, a count)."""
+    (`_pair_steps`), unless both are numbers, short strings or none (most are: a role, a key, a count); a substring
+    search (`in` a string) by what it compares, whatever the sizes."""
     t, u = type(left), type(right)
     small_left = t is str and len(left) < CHARS_PER_STEP or t in _SCALARS
     small_right = u is str and len(right) < CHARS_PER_STEP or u in _SCALARS
     if not (small_left and small_right):
         steps = _size(left) + _size(right)
-        if not (small_left or small_right):  # with a small one, only the sizes count
-            steps += _pair_steps(op, left, right, _remaining(context))
+        if not (small_left or small_right) or op in _SEARCH_OPS and isinstance(right, str):
+            steps += _pair_steps(op, left, right, _remaining(context))  # with a small one, only the sizes count
+        if steps:
+            _charge(context, steps)
+    elif op in _SEARCH_OPS and t is str and u is str:
+        steps = _search_steps(len(right), len(left))
         if steps:
             _charge(context, steps)
     result = _OPERATORS[op](left, right)
@@ -711,8 +795,18 @@ def _meter(node) -> None:
         extra = 0
         if isinstance(node, (nodes.Macro, nodes.CallBlock)):
             extra = sum(_weight(d) for d in node.defaults + node.args)
+        if isinstance(node, nodes.For) and field == "body" and _extended_loop(node):
+            extra = _LOOP_CONTEXT_UNITS
         units = sum(_weight(stmt) for stmt in body) + extra
         body.insert(0, nodes.ExprStmt(_charge_node(_steps(units))))
+
+
+def _extended_loop(node) -> bool:
+    """Whether jinja2 runs the loop `node` with a LoopContext (as its compiler decides: recursive, or its body uses
+    `loop`)."""
+    from jinja2.compiler import find_undeclared
+
+    return node.recursive or "loop" in find_undeclared(node.iter_child_nodes(only=("body",)), ("loop",))
 
 
 def _metered_expr(node):
@@ -848,6 +942,8 @@ def chat_environment():
             return result
 
         def call(self, context, obj, /, *args, **kwargs):
+            if len(args) + len(kwargs) > FEW_ARGS:  # `f(*l)`: each argument passed on, and looked at
+                _charge(context, (len(args) + len(kwargs)) // ARGS_PER_STEP)
             if not isinstance(obj, (Macro, LoopContext)):
                 # A function or method of the data (a string's `split`, `replace`...): charged by the sizes of
                 # what it goes through, its arguments and result bounded. (`_loop_vars` / `_block_vars` are the
@@ -866,9 +962,11 @@ def chat_environment():
                     if name in ("format", "format_map"):
                         _check_str_format(context, target, args, given)
                     else:
-                        args = _check_str_method(name, target, args, given)
+                        args = _check_str_method(context, name, target, args, given)
                     if name in _SPLITTING:
                         _check_room(context, _pieces_bytes(target, name, args, given))  # before they are made
+                    if name in _EXPANDING:
+                        _check_room(context, _expansion_bytes(name, target))
             result = super().call(context, obj, *args, **kwargs)
             # A string's method that returns a list or tuple returns pieces of it (`split`, `partition`).
             pieces = isinstance(obj, types.BuiltinMethodType) and isinstance(obj.__self__, str) and \
