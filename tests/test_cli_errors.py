@@ -342,6 +342,50 @@ def test_a_value_past_the_bound_is_refused_before_it_is_built(template):
     assert peak < 150 << 20, peak
 
 
+@pytest.mark.parametrize("template", [
+    "{% set t = ['x' * 16000000] * 50 %}{% set u = t ~ '' %}",  # 800 million characters of text
+    "{% set t = ['\\x01' * 16000000] * 12 %}{{ t }}",  # each character written as '\\x01': 768 million
+    "{% set t = ['\\x01' * 16000000] * 12 %}{% set u = t|string %}",
+    "{% set ns = namespace(x=['\\x01' * 16000000] * 12) %}{{ ns }}",  # a namespace's text holds its values'
+    "{% set t = ['\\x01' * 1300000] * 12 %}{% set u = [t]|join %}",  # items of a join made text
+    # A string's repr in a formatting: 10 characters for each one, 4 bytes a character (one printable past the BMP).
+    "{% set s = '\\U0001f600' ~ '\\U000e0000' * 4000000 %}{% set x = '%r' % s %}",
+    "{% set s = '\\U0001f600' ~ '\\U000e0000' * 4000000 %}{% set x = '{!r}'.format(s) %}",
+], ids=["concat", "written", "string-filter", "namespace", "join", "printf-repr", "format-repr"])
+def test_the_text_of_a_list_past_the_bound_is_refused_before_it_is_made(template):
+    """A list's, dict's or namespace's text (its items' repr: a string quoted, its characters escaped), or a
+    string's repr, is bounded before it is made, by `~`, by writing it out, by a filter, by a formatting: refused at
+    once (the process never grows past 150 MB; it grew to 0.2-1.5 GB, then was refused for the length of what it
+    had made)."""
+    message, peak = _render_peak(template)
+    unsafe = "chat_template: the chat template tried an unsafe operation, refused by the sandbox ("
+    assert any(message.startswith(unsafe + what) for what in ("the text of a value of ", "a string of ",
+                                                               "a formatted string of ")), message
+    assert peak < 150 << 20, peak
+
+
+def test_the_text_of_lists_and_dicts_renders_as_jinja2_renders_it():
+    """Lists, dicts, namespaces and dict views made text (`~`, written out, `|string`, `|join`, `%`) give what
+    jinja2's own sandbox gives, and the bound on a string's text in them is never under its repr's length."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from markupsafe import Markup
+
+    from dflash_export.models.chat_sandbox import _repr_chars
+    from dflash_export.models.tokenization import TextCodec
+
+    template = ("{{ [1, 'a\\n', {'k': none, 'it\\'s': [2.5, true]}] }} {{ ['x'] ~ 'y' }} {{ {'a': (1,)}|string }} "
+                "{{ namespace(a='b') }} {{ messages[0].items() }} {{ [[1], ['\\x01']]|join(',') }} "
+                "{{ '%s' % [messages] }} {{ messages[0].values()|list }}")
+    chat = [{"role": "user", "content": "hi\tthere \"\\"}]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+    want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
+    assert TextCodec(None, template, {}).render_chat(chat) == want
+    for s in ["", "it's", "\"'\\", "a\nb", "\x01\x7f", "\u0101\u0378", "\U0001f600\U000e0000\x00",
+              Markup("x'\n"), "\\" * 10]:
+        assert _repr_chars(s) >= len(repr(s)), s
+
+
 def test_pieces_of_a_string_are_counted_before_they_are_made():
     """Two `s.split()` of a 16-million-character string of 8 million words (700 MB of pieces each): the second is
     refused before its pieces are made, so the rendering never holds both (the process stays under 0.8 GiB)."""
@@ -518,7 +562,7 @@ def test_a_chat_template_that_works_without_end_is_stopped(template):
     # A list's items passed on as arguments, one by one (100000 a call).
     "{% set l = range(100000)|list %}{% for i in range(1000) %}{% set x = loop.cycle(*l) %}{% endfor %}",
     # Integers of thousands of digits: made text (quadratic in their digits), divided, parsed.
-    "{% set l = [10 ** 4000] * 100000 %}{% for i in range(1000) %}{{ l }}{% endfor %}",
+    "{% set l = [10 ** 4000] * 3000 %}{% for i in range(1000) %}{% set x = l ~ '' %}{% endfor %}",
     "{% set m = 2 ** 32000 + 1 %}{% set n = m * m %}{% for i in range(100000) %}{% for j in range(100000) %}"
     "{% set x = n // m %}{% endfor %}{% endfor %}",
     "{% set s = '9' * 4300 %}{% for i in range(100000) %}{% for j in range(100000) %}{% set x = s|int %}{% endfor %}"

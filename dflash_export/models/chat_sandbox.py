@@ -21,7 +21,9 @@ lists and dicts), and on top of that:
   (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step), nor a
   formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); the filters and methods whose result can be much
   larger than what they are given (`indent` at every kind of line break, `tojson` indented to each depth, `join` of
-  integers, `format` of a list's text, `translate` by a list) are refused before they build it;
+  integers, `format` of a list's text, `translate` by a list) are refused before they build it, and so is the text
+  of a list, dict or namespace (its items' repr, escaped) or a string's repr, wherever it is made (`~`, written
+  out, a filter: `_check_text`; a formatting: `_arg_text`);
   tokenization.TextCodec.render_chat also stops a rendering that writes more than MAX_RENDERED_CHARS.
 - memory: the values a rendering's operations build (the strings, lists and the strings in them that filters,
   methods and operators return) count toward MAX_BUILT_BYTES in all, so values kept in variables cannot add up to
@@ -39,11 +41,12 @@ contain spaces), so a template can neither call nor replace them.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import re
 import string
 import sys
-from collections.abc import Mapping, Set
+from collections.abc import ItemsView, KeysView, Mapping, Set, ValuesView
 
 from dflash_export.decoding.request import is_int
 from dflash_export.errors import DFlashError
@@ -106,6 +109,10 @@ _SLOW_TEXT_FILTERS = {"indent": 32, "striptags": 4, "title": 2, "urlencode": 8, 
 # Filters that make any value given to them text first, then go through that text character by character: a list or
 # dict is made text before they are called, and charged as that text.
 _TEXT_OF_ANY_VALUE = frozenset(["striptags", "title", "urlize", "wordcount"])
+# Filters that make a value given to them text (`str()`, in the filter or in the check of its result's size): a list's
+# or dict's text is bounded (`_check_text`) before it is made.
+_MAKES_TEXT = _TEXT_OF_ANY_VALUE | {"capitalize", "center", "e", "escape", "forceescape", "format", "indent", "lower",
+                                    "replace", "safe", "string", "trim", "upper", "wordwrap"}
 # Filters and string methods whose integer arguments are widths or counts of what they build (`center(10**9)` is a
 # gigabyte of spaces): refused past MAX_RENDERED_CHARS, charged by size below it.
 _WIDTH_FILTERS = frozenset(["batch", "center", "format", "indent", "slice", "tojson", "truncate", "wordwrap"])
@@ -181,11 +188,17 @@ def _deep(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> int:
     return _walk(value, limit, chars_per_step)[0]
 
 
-def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> tuple[int, int, int]:
-    """`_deep`'s steps for `value`, how deep its lists, tuples, dicts and sets nest (0: none), and the characters its
-    text holds (strings' and integers' digits; 8 for any other item)."""
+def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP, as_text: bool = False) -> tuple[int, int, int]:
+    """`_deep`'s steps for `value`, how deep its lists, tuples, dicts (keys and values), sets, dict views and
+    namespaces nest (0: none), and the characters its text holds (strings' and integers' digits; 8 for any other
+    item). `as_text`: the characters are an upper bound of the text `str(value)` makes of a list, dict or namespace
+    (each item's repr: strings quoted and escaped, `_repr_chars`; any other object's its type and address), counted
+    up to past MAX_RENDERED_CHARS and no further."""
+    from jinja2 import Undefined
+    from jinja2.utils import Namespace
+
     steps, depth, chars, pending = 0, 0, 0, [iter((value,))]
-    while pending and steps <= limit:
+    while pending and steps <= limit and not (as_text and chars > MAX_RENDERED_CHARS):
         item = next(pending[-1], _END)
         if item is _END:
             pending.pop()
@@ -193,14 +206,18 @@ def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> tuple[int,
         chars += 8
         if isinstance(item, str):
             steps += 1 + len(item) // chars_per_step
-            chars += len(item)
+            chars += _repr_chars(item) if as_text else len(item)
         elif isinstance(item, dict):
-            steps += 1 + len(item)
-            chars += 8 * len(item)
-            pending.append(iter(item.values()))
+            steps += 1
+            pending.append(itertools.chain(item.keys(), item.values()))
         elif isinstance(item, (list, tuple, set, frozenset)):
             steps += 1
             pending.append(iter(item))
+        elif isinstance(item, (KeysView, ValuesView, ItemsView, Namespace)):  # `dict_items([...])`, `<Namespace {...}>`
+            steps += 1
+            chars += 16
+            pending.append(iter(item) if not isinstance(item, Namespace) else
+                           iter((object.__getattribute__(item, "_Namespace__attrs"),)))
         elif isinstance(item, range):
             steps += 1 + len(item)
             chars += 8 * len(item)
@@ -209,8 +226,28 @@ def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> tuple[int,
             chars += _int_chars(item)
         else:
             steps += 1
+            if as_text:
+                chars += len(repr(item)) if type(item) in _SCALARS or isinstance(item, Undefined) else _OBJECT_CHARS
         depth = max(depth, len(pending) - 1)
     return steps, depth, chars
+
+
+# What the text of an object other than a string, number, list, dict or namespace takes at most (its type and address:
+# `<jinja2.utils.Cycler object at 0x7f...>`, `<bound method LoopContext.cycle of <LoopContext 1/3>>`).
+_OBJECT_CHARS = 128
+# repr() of a string that is not printable writes a character in up to 4 characters (`\x01`), 6 (`\u0378`) or 10
+# (`\U000e0000`), by the widest character of the string (_char_bytes).
+_ESCAPED_CHARS = {1: 4, 2: 6, 4: 10}
+
+
+def _repr_chars(s: str) -> int:
+    """An upper bound of the characters of `repr(s)` (how a list's or dict's text writes a string in it): its quotes
+    (a Markup's name too), then each character as is, a backslash or quote in 2, or, if `s` is not printable, any
+    character in up to _ESCAPED_CHARS."""
+    quotes = 2 + (len(type(s).__name__) + 2 if type(s) is not str else 0)
+    if s.isprintable():
+        return quotes + len(s) + s.count("\\") + s.count("'")
+    return quotes + len(s) * _ESCAPED_CHARS[_char_bytes(s)]
 
 
 def _int_steps(n: int) -> int:
@@ -220,8 +257,8 @@ def _int_steps(n: int) -> int:
 
 
 def _int_chars(n: int) -> int:
-    """An upper estimate of the digits of `n` written out."""
-    return n.bit_length() * 3 // 10 + 2
+    """An upper estimate of the digits of `n` written out, and its sign (log10(2) is 0.30103)."""
+    return n.bit_length() * 31 // 100 + 2
 
 
 def _compare_steps(value, limit: int) -> int:
@@ -341,6 +378,25 @@ def _check_room(context, nbytes: int) -> None:
         raise _security_error(f"more than {MAX_BUILT_BYTES} bytes of strings and lists built")  # as _built says
 
 
+# Making a list's text goes through its strings twice (is each printable, and its quotes and backslashes: about 6 ns
+# a character), then writes their repr: 64 characters to a step.
+TEXT_CHARS_PER_STEP = 64
+# The bytes a text of n characters may take while CPython writes it: 4 a character, and a quarter more for the buffer
+# it grows as it goes.
+_TEXT_BYTES = 5
+
+
+def _check_text(context, value) -> int:
+    """Before `value` (a list, tuple, dict, set, namespace or any other value but a string) is made text (`~`, written
+    out, a filter that takes text): charge going through it, and refuse it if its text (an upper bound: `_walk`
+    as_text) could pass MAX_RENDERED_CHARS or what is left of MAX_BUILT_BYTES. Returns that bound."""
+    steps, _, chars = _walk(value, _remaining(context), TEXT_CHARS_PER_STEP, as_text=True)
+    _charge(context, steps)
+    _refuse_len(chars, "the text of a value")
+    _check_room(context, _TEXT_BYTES * chars)
+    return chars
+
+
 def _arithmetic_steps(operator: str, left, right) -> int:
     """Steps for arithmetic on integers wider than a machine word: multiplying, dividing or raising to a power takes
     time that grows with the product of the operands' widths (a power: its result's, with itself), about 1.6 ms to
@@ -361,21 +417,22 @@ def _check_int(n, what: str = "an argument") -> None:
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*|\*)(?:\.(\d*|\*))?[hlL]?[diouxXeEfFgGcrsa%]")
 
 
-def _arg_text(context, values) -> tuple[int, int]:
+def _arg_text(context, values, conversions: str = "") -> tuple[int, int]:
     """The steps formatting the costliest of `values` takes once (a list or dict is gone through, and charged, to
     know; an integer's digits take time quadratic in their number), and an upper estimate of the characters the
-    widest writes."""
+    widest writes. `conversions`: those the format asks for (a string's repr, `r`, is quoted and escaped; `ascii()`,
+    `a`, escapes every character past ASCII too, in up to 10)."""
     steps, widest = 0, 0
     for value in values:
         if isinstance(value, str):
-            cost, chars = len(value) // CHARS_PER_STEP, len(value)
+            cost, chars = len(value) // CHARS_PER_STEP, _repr_chars(value) if "r" in conversions else len(value)
         elif is_int(value):
             cost, chars = _int_steps(value), _int_chars(value)
-        elif isinstance(value, (list, tuple, dict, set, frozenset)):
-            cost, _, chars = _walk(value, _remaining(context))
+        else:  # a list's, dict's or namespace's text: its items' (an upper bound)
+            cost, _, chars = _walk(value, _remaining(context), as_text=True)
             _charge(context, cost)
-        else:
-            cost, chars = 0, 32
+        if "a" in conversions:
+            chars *= _ESCAPED_CHARS[4]
         steps, widest = max(steps, cost), max(widest, chars)
     return steps, widest
 
@@ -394,7 +451,7 @@ def _check_printf(context, fmt: str, values) -> None:
     for a in args:
         _check_int(a)
     _charge(context, FIELD_STEPS * fmt.count("%"))  # before the conversions are looked at one by one
-    each, widest = _arg_text(context, args)
+    each, widest = _arg_text(context, args, "".join(m.group(0)[-1] for m in _PRINTF.finditer(fmt)))
     _charge(context, each * fmt.count("%"))
     star = max((abs(a) for a in args if is_int(a)), default=0)
     total = len(fmt)
@@ -413,13 +470,13 @@ def _check_str_format(context, fmt: str, args, kwargs) -> None:
     for a in values:
         _check_int(a)
     _charge(context, FIELD_STEPS * fmt.count("{"))  # before the fields are looked at one by one
-    each, widest = _arg_text(context, values)
-    _charge(context, each * fmt.count("{"))
-    total = len(fmt)
     try:
         fields = list(string.Formatter().parse(fmt))
     except ValueError:
         return  # str.format refuses it too
+    each, widest = _arg_text(context, values, "".join(conversion or "" for *_, conversion in fields))
+    _charge(context, each * fmt.count("{"))
+    total = len(fmt)
     for _, field, spec, _ in fields:
         if field is not None:
             total += widest + sum(int(d) for d in re.findall(r"\d+", spec or ""))
@@ -527,9 +584,10 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
         _check_replace(context, str(value), param(0, "old"), param(1, "new"), param(2, "count"))
     elif name == "join" and isinstance(value, (list, tuple)):
         # Items are made text (an integer's digits, a list's items) or taken by attribute: the text of all of it.
-        total = len(str(param(0, "d", ""))) * len(value)
+        sep = param(0, "d", "")
+        total = (len(sep) if isinstance(sep, str) else _check_text(context, sep)) * len(value)
         for item in value:
-            total += len(item) if isinstance(item, str) else _walk(item, _remaining(context))[2]
+            total += len(item) if isinstance(item, str) else _walk(item, _remaining(context), as_text=True)[2]
             _refuse_len(total, "a string")
     elif name == "indent":
         width = param(0, "width", 4)
@@ -555,7 +613,7 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
         _refuse_len(size, "a string")
     elif name == "pprint" and not isinstance(value, str):
         # Long strings are cut into lines of about 70 characters, each line indented to its depth.
-        items, depth, chars = _walk(value, _remaining(context))
+        items, depth, chars = _walk(value, _remaining(context), as_text=True)
         _refuse_len(chars + (items + chars // 40) * depth, "a string")
     elif name == "trim" and isinstance(param(0, "chars"), str):
         _charge(context, len(str(value)) * len(param(0, "chars")) // CHARS_PER_STEP)  # each character looked for
@@ -595,6 +653,7 @@ def _metered_filter(name: str, func, is_test: bool = False):
     chars_per_step = CHARS_PER_STEP if is_test or name in _TEXT_FILTERS else _SLOW_TEXT_FILTERS.get(name, 0)
     checked = not is_test and name in _SIZE_CHECKED_FILTERS
     text_first = not is_test and name in _TEXT_OF_ANY_VALUE
+    makes_text = not is_test and name in _MAKES_TEXT
     # pprint writes each character of the strings in a list or dict in Python (about 170 ns one).
     container_chars = 1 if name == "pprint" else CHARS_PER_STEP
     widths = not is_test and name in _WIDTH_FILTERS
@@ -606,8 +665,9 @@ def _metered_filter(name: str, func, is_test: bool = False):
         steps, chars = FILTER_STEPS, 0
         if args and goes_through:
             value = args[0]
+            if makes_text and not isinstance(value, str):
+                _check_text(context, value)
             if text_first and isinstance(value, (list, tuple, dict)):
-                _charge(context, _deep(value, _remaining(context)))
                 value = str(value)
                 args = (value, *args[1:])
             if isinstance(value, str):
@@ -664,10 +724,12 @@ def _touch_filter(context, value):
 
 
 def _write_filter(context, value):
-    items = _deep(value, _remaining(context))
-    _charge(context, items)
+    """`value`, charged for being written out (made text first: `_check_text`)."""
+    if isinstance(value, str):
+        _charge(context, 1 + len(value) // CHARS_PER_STEP)
+    chars = len(value) if isinstance(value, str) else _check_text(context, value)
     work = _work(context)
-    work.written += len(value) if isinstance(value, str) else 16 * items
+    work.written += chars
     if work.written > MAX_WRITTEN_CHARS:
         raise _security_error(f"more than {MAX_WRITTEN_CHARS} characters written, out or into captured blocks")
     return value
@@ -709,12 +771,11 @@ def _concat_filter(context, items):
     """`a ~ b ~ c`: each value as text, joined, refused past MAX_RENDERED_CHARS before it is built."""
     from jinja2.runtime import markup_join, str_join
 
-    parts = []
+    total = 0
     for item in items:
-        if not isinstance(item, str):
-            _charge(context, _deep(item, _remaining(context)))
-            item = str(item)
-        parts.append(item)
+        total += len(item) if isinstance(item, str) else _check_text(context, item)
+        _refuse_len(total, "a string")  # before any value is made text
+    parts = [item if isinstance(item, str) else str(item) for item in items]
     _charge(context, 2 * FILTER_STEPS + sum(len(p) for p in parts) // CHARS_PER_STEP)
     _refuse_len(sum(len(p) for p in parts), "a string")
     eval_ctx = context.eval_ctx
