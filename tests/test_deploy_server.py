@@ -1008,6 +1008,28 @@ def test_a_log_file_named_through_a_link_is_rotated_where_the_link_points(tmp_pa
     assert log_path == tmp_path / "logs" / "serve.log"
 
 
+def test_a_stop_ends_tritonserver_once_only_what_dead_stubs_stranded_holds_it(tmp_path):
+    """tritonserver's exit waits for every open HTTP connection, and for every model version to unload; requests in
+    flight on a stub that died, and the version it left, never end. Once the front is closed and its exit log counts
+    no more than those (its own lines, as 2.x writes them each second), the stop need not wait out its timeout."""
+    from dflash_export.deploy.server import TritonServer
+
+    srv = TritonServer(tmp_path, log_path=tmp_path / "triton.log")
+    srv._stranded_calls, srv.front = 11, None
+    srv._log.extend(["Signal (15) received.\n",
+                     'I1207 20:40:17.3 28841 http_server.cc:248] "Timeout 30: Found 11 HTTP service connections"\n'])
+    assert srv._only_stranded_left()
+    srv._log.append('I1207 20:40:18.3 28841 http_server.cc:248] "Timeout 29: Found 12 HTTP service connections"\n')
+    assert not srv._only_stranded_left()  # one more than the dead stubs held: a live request
+    srv.front = object()
+    srv._log.append('I1207 20:40:19.3 28841 http_server.cc:248] "Timeout 28: Found 3 HTTP service connections"\n')
+    assert not srv._only_stranded_left()  # the front still open: connections of its own may be among them
+    srv._stranded, srv.front = 1, None
+    srv._log.append('I1207 20:40:20.3 28841 server.cc:1] "Timeout 27: Found 1 live models and 0 in-flight '
+                    'non-inference requests"\n')
+    assert srv._only_stranded_left()
+
+
 def test_server_death_is_one_line_with_the_log_path(tmp_path):
     """The message a dead server gives: the first telling log line, shortened, and where the full log is; a model
     refusing its input (DFlashError at load) is exit 2, anything else exit 1."""

@@ -526,6 +526,7 @@ class TritonServer:
         self._dead_models: set[str] = set()
         self.reloads = 0  # models reloaded alone after a stub death (explicit model control)
         self._stranded = 0  # model versions a dead stub left unable to unload (reset by a restart)
+        self._stranded_calls = 0  # HTTP requests in flight on a dead stub, which tritonserver never ends (likewise)
         self.stranded_at_exit = False  # the last stop ended tritonserver once only stranded versions were left
         self.reload_timeout_s = min(ready_timeout_s, 120.0)  # a reload slower than this restarts the server
         self._reload_times: list[float] = []  # more than MAX_RELOADS in RELOAD_WINDOW_S: the server is restarted
@@ -734,7 +735,7 @@ class TritonServer:
         self._reap()
         check_repository(self.repo)
         self.restarts += 1
-        self._stranded = 0
+        self._stranded = self._stranded_calls = 0
         self._log.append(f"[dflash-export] tritonserver restarted ({self.restarts})\n")
         return self.start()
 
@@ -1140,6 +1141,7 @@ class TritonServer:
         self.stub_death, self._dead_models = None, set()
         self.reloads += 1
         self._stranded += len(models)
+        self._stranded_calls += failed
         for model in models:
             self.front.model_back(model) if self.front is not None else None
         print(f"reloaded {', '.join(models)} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -1161,7 +1163,7 @@ class TritonServer:
                             proc.wait(timeout=0.2)
                         except subprocess.TimeoutExpired:
                             pass
-                        if self._stranded and self._only_stranded_left():
+                        if (self._stranded or self._stranded_calls) and self._only_stranded_left():
                             # What is left can never unload (a dead stub's version): the exit is done but for
                             # tritonserver's whole exit timeout, so it is ended now (SIGKILL, below).
                             self.stranded_at_exit = True
@@ -1188,18 +1190,24 @@ class TritonServer:
         return rc
 
     def _only_stranded_left(self) -> bool:
-        """Whether tritonserver's shutdown is down to the model versions that dead stubs stranded (while exiting it
-        logs "Found N live models and M in-flight non-inference requests" every second; only then)."""
+        """Whether tritonserver's shutdown is down to what dead stubs stranded: the model versions they left (while
+        exiting it logs "Found N live models and M in-flight non-inference requests" every second), or, before
+        that, the HTTP requests that were in flight on them ("Found N HTTP service connections" every second: it
+        never ends those, and the front, closed by then, holds none of its own)."""
         for line in reversed(list(self._log)[-30:]):
             m = re.search(r"Found (\d+) live models and (\d+) in-flight non-inference requests", line)
             if m:
                 return int(m.group(1)) <= self._stranded and int(m.group(2)) == 0
+            m = re.search(r"Found (\d+) HTTP service connections", line)
+            if m:
+                return self.front is None and int(m.group(1)) <= self._stranded_calls
         return False
 
     def stop(self, timeout_s: float = 20.0, drain_timeout_s: float = 10.0) -> bool:
         """Drain the front (new requests 503, running ones finish for up to `drain_timeout_s`, then are cancelled
-        and answered 503), SIGTERM tritonserver (it finishes gRPC requests for up to its --exit-timeout-secs),
-        SIGKILL what is left after `timeout_s`, and remove the work dir, shared memory and python_env dirs.
+        and answered 503) and close it, SIGTERM tritonserver (it finishes gRPC requests for up to its
+        --exit-timeout-secs), SIGKILL what is left after `timeout_s` (at once when only what dead stubs stranded is
+        left), and remove the work dir, shared memory and python_env dirs.
 
         Returns True when every request finished by itself (the drain completed) and tritonserver exited cleanly.
         """
@@ -1208,10 +1216,13 @@ class TritonServer:
         drained = True
         if self.front is not None and self.proc is not None and self.proc.poll() is None:
             drained = self.front.drain(drain_timeout_s)
-        rc = self._reap(timeout_s)
         if self.front is not None:
+            # Closed before tritonserver is asked to exit, which waits for every open HTTP connection: a call given up
+            # part-way when its stub died can leave its connection open (httpcore), and held tritonserver's exit
+            # until the SIGKILL below.
             self.front.close()
             self.front = None
+        rc = self._reap(timeout_s)
         for sock in self._listeners:
             sock.close()
         self._listeners = []
