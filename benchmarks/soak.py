@@ -654,6 +654,7 @@ def main(argv=None) -> int:
         "restart_reasons": restart_reasons, "model_reloads": reloads,
         "reload_seconds": reload_s,
         "serve_exit_code": serve_rc,
+        "serve_last_lines": err_text.strip().splitlines()[-4:] if serve_rc else [],  # why it did not exit 0
         "faults": faults.events if faults else [], "orphans_after_exit": len(orphans),
         "slowloris_connections": {o: n for (k, o), n in counts.items() if k == "slowloris"},
         "wrong_outputs": wrong, "unexpected_statuses": unexpected, "http_5xx": five_xx,
