@@ -364,11 +364,18 @@ def test_the_text_of_a_list_past_the_bound_is_refused_before_it_is_made(template
     assert peak < 150 << 20, peak
 
 
+def _unbounded_jinja2():
+    """jinja2's own sandbox, as transformers renders chat templates with it: what the bounded one must render alike."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                         extensions=["jinja2.ext.loopcontrols"])
+
+
 def test_the_text_of_lists_and_dicts_renders_as_jinja2_renders_it():
     """Lists, dicts, namespaces and dict views made text (`~`, written out, `|string`, `|join`, `%`) give what
     jinja2's own sandbox gives, and the bound on a string's text in them is never under its repr's length."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from markupsafe import Markup
 
     from dflash_export.models.chat_sandbox import _repr_chars
@@ -378,7 +385,7 @@ def test_the_text_of_lists_and_dicts_renders_as_jinja2_renders_it():
                 "{{ namespace(a='b') }} {{ messages[0].items() }} {{ [[1], ['\\x01']]|join(',') }} "
                 "{{ '%s' % [messages] }} {{ messages[0].values()|list }}")
     chat = [{"role": "user", "content": "hi\tthere \"\\"}]
-    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+    plain = _unbounded_jinja2()
     want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
     assert TextCodec(None, template, {}).render_chat(chat) == want
     for s in ["", "it's", "\"'\\", "a\nb", "\x01\x7f", "\u0101\u0378", "\U0001f600\U000e0000\x00",
@@ -427,8 +434,6 @@ def test_a_call_that_could_build_past_what_is_left_is_refused_before_it_runs(val
 def test_comparisons_render_as_jinja2_renders_them():
     """Comparisons (each charged by what it goes through) give what jinja2's own sandbox gives: chained ones,
     `in` / `not in` on strings, lists and dicts, undefined values, lists and dicts compared."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from dflash_export.models.tokenization import TextCodec
 
@@ -438,7 +443,7 @@ def test_comparisons_render_as_jinja2_renders_them():
                 "{{ [messages[0]] == messages }} {{ 2 >= 2.0 }} {% if messages|length > 0 and 'hi' in messages[0]"
                 ".content %}yes{% endif %}")
     chat = [{"role": "user", "content": "hi there"}]
-    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+    plain = _unbounded_jinja2()
     want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
     assert TextCodec(None, template, {}).render_chat(chat) == want
     assert want == "True False True True True True True True False False True True True True yes"
@@ -720,16 +725,13 @@ def _smollm2_template() -> str:
 def test_real_chat_templates_over_a_long_chat_render_as_unbounded_jinja2_does(which):
     """A chat of 50000 messages renders to exactly what jinja2's own sandbox, with no bounds, renders (the Qwen3-style
     template spends more on it than the fixed part of the work budget: the part each message brings is needed)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from dflash_export.models.tokenization import TextCodec
 
     template = QWEN3_STYLE_TEMPLATE if which == "qwen3-style" else _smollm2_template()
 
     chat = _long_chat(50000)
-    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
-                                          extensions=["jinja2.ext.loopcontrols"])
+    plain = _unbounded_jinja2()
     want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
     assert len(want) > 50000 * 20
     assert TextCodec(None, template, {}).render_chat(chat) == want
@@ -1649,8 +1651,6 @@ def test_the_chat_templates_llama_cpp_collects_render_as_unbounded_jinja2_does()
     Mistral...): each renders three chats (plain, with tool calls, 400 messages) to what jinja2's own sandbox renders,
     or both refuse it (a template needing a global neither gives). Runs where `benchmarks/llamacpp_peer/run.py` has
     unpacked that tree into the cache; skipped elsewhere."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from dflash_export.errors import DFlashError
     from dflash_export.files import cache_dir
@@ -1672,8 +1672,7 @@ def test_the_chat_templates_llama_cpp_collects_render_as_unbounded_jinja2_does()
         [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 50 + str(i)} for i in range(400)]
         + [{"role": "user", "content": "end"}],
     ]
-    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
-                                          extensions=["jinja2.ext.loopcontrols"])
+    plain = _unbounded_jinja2()
     special = {"bos_token": "<s>", "eos_token": "</s>"}
     rendered = 0
     for path in templates:
