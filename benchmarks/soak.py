@@ -35,17 +35,18 @@ server crashes and restarts (from serve's output), and for every dropped client 
 for its request after its cancel became visible to the model, with how long after it the model saw it and how long
 the step it was in took (from the model's `dflash-cancel:` log lines, and the `dflash-cancel-summary:` lines that
 count the cancels past each instance's first ones; a request cancelled while still queued costs no step and is
-counted apart). Exit status 1 when a target is missed: a crash, a wrong output, an unexpected status, RSS growth
->= 5 %, or a dropped client's request run for more than one step after its cancel was visible (the step it was in;
-behind a shared batch too, whose own thread checks the cancel file before each step). The milliseconds are reported,
-not bounded: on a loaded machine the scheduler, not the model, decides how long a step boundary takes to come. With
---max-batch > 1 each instance's batch logs its K/V buffers at every reallocation (`dflash-kv:` lines; they double up
-to max-batch slots x the longest request, so are bounded by construction), and the memory rule is the bound instead:
-the peak RSS after warm-up may not exceed the RSS of the loaded, idle server (taken before the first request) plus
-the peak K/V reservation by 5 % or more. (Growth "beyond K/V", the reservation's growth taken off, is reported too
-but is no rule: zero-filled buffers become resident page by page as sequences first write them, long after they
-were reserved.) RSS is also reported per process (the serve CLI with its HTTP front, tritonserver, each model's
-python stub).
+counted apart). Exit status 1 when a target is missed: a crash, a wrong output, an unexpected status, RSS growth >= 5 %,
+`serve` exiting other than 0 when stopped (its clients are done by then: the drain has nothing to cancel, and
+tritonserver must stop cleanly), or a dropped client's request run for more than one step after its cancel was visible
+(the step it was in; behind a shared batch too, whose own thread checks the cancel file before each step). The
+milliseconds are reported, not bounded: on a loaded machine the scheduler, not the model, decides how long a step
+boundary takes to come. With --max-batch > 1 each instance's batch logs its K/V buffers at every reallocation
+(`dflash-kv:` lines; they double up to max-batch slots x the longest request, so are bounded by construction), and the
+memory rule is the bound instead: the peak RSS after warm-up may not exceed the RSS of the loaded, idle server (taken
+before the first request) plus the peak K/V reservation by 5 % or more. (Growth "beyond K/V", the reservation's growth
+taken off, is reported too but is no rule: zero-filled buffers become resident page by page as sequences first write
+them, long after they were reserved.) RSS is also reported per process (the serve CLI with its HTTP front, tritonserver,
+each model's python stub).
 """
 
 from __future__ import annotations
@@ -680,8 +681,8 @@ def main(argv=None) -> int:
     recovered = all(e["answered_correctly_after_s"] is not None
                     and e["answered_correctly_after_s"] <= (20 if e["killed"] == "stub" else 30)
                     for e in (faults.events if faults else []))
-    ok = (alive_at_end and restarts + reloads <= fault_kills and wrong == 0 and unexpected == 0 and five_xx == 0
-          and transport == 0 and stuck == 0 and not over and not orphans and recovered
+    ok = (alive_at_end and serve_rc == 0 and restarts + reloads <= fault_kills and wrong == 0 and unexpected == 0
+          and five_xx == 0 and transport == 0 and stuck == 0 and not over and not orphans and recovered
           and (growth < 0.05 or over_bound < 0.05 or args.short))
     result["targets_met"] = ok
     print(json.dumps({k: v for k, v in result.items() if k != "rss_mib"}, indent=1))
