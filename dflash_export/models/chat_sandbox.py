@@ -580,8 +580,9 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
         return params[i] if len(params) > i else kwargs.get(key, default)
 
     if name == "replace" and isinstance(param(0, "old"), str) and isinstance(param(1, "new"), str):
-        _charge(context, _search_steps(len(str(value)), len(param(0, "old"))))  # the filter's own search
-        _check_replace(context, str(value), param(0, "old"), param(1, "new"), param(2, "count"))
+        text = str(value)  # what the filter replaces in (a list's text bounded already: _check_text)
+        _charge(context, _search_steps(len(text), len(param(0, "old"))))  # the filter's own search
+        _check_replace(context, text, param(0, "old"), param(1, "new"), param(2, "count"))
     elif name == "join" and isinstance(value, (list, tuple)):
         # Items are made text (an integer's digits, a list's items) or taken by attribute: the text of all of it.
         sep = param(0, "d", "")
