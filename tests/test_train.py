@@ -1217,6 +1217,36 @@ def _deflate(path):
             z.writestr(name, data)
 
 
+def _cut_record(path, key: str):
+    """The file's tensor data record `key` cut to half its bytes, the archive otherwise as it was."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        records = [(info.filename, z.read(info)) for info in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in records:
+            z.writestr(name, data[: len(data) // 2] if name.endswith(f"/data/{key}") else data)
+
+
+def test_a_shard_with_a_record_shorter_than_its_tensor_is_not_done(tmp_path, generated_data):
+    """shard_done maps a shard, not reads it: its records are checked against the tensors mapped on them, so the
+    shard is named with the tensor, not counted as done; a read of it names the same tensor."""
+    from dflash_export.train.data import load_shards, shard_done
+
+    cache, _ = generated_data
+    feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    cut = tmp_path / "data" / feature.name
+    cut.parent.mkdir()
+    cut.write_bytes(feature.read_bytes())
+    assert shard_done(cut, 4)
+    _cut_record(cut, "2")  # row 0's top_ids
+    for read in (lambda: shard_done(cut, 4), lambda: load_shards(cut.parent)):
+        with pytest.raises(DFlashError) as e:
+            read()
+        assert str(e.value).startswith(f"{cut}: unreadable data shard (the tensor at [0]['top_ids'] claims 16 "
+                                       "elements (4, 4) and holds 8)"), str(e.value)
+
+
 @pytest.mark.parametrize("kind,message", [
     ("taps-of-another-width", "invalid data shard (sequence 0: taps must be a float16 tensor ["),
     ("ids-outside-vocab", "invalid data shard (sequence 0: ids outside the target vocabulary (0..255))"),
@@ -1236,6 +1266,11 @@ def _deflate(path):
                    "torch.sparse_coo))"),
     ("deflated-records", "unreadable data shard (its record archive/data.pkl is compressed;"),
     ("legacy-format", "unreadable data shard (not a whole zip archive, the format torch.save writes)"),
+    # a record cut short of the bytes its tensor declares: a mapped shard would read the records after it
+    ("truncated-record", "unreadable data shard (the tensor at [0]['taps'] claims 2560 elements (20, 128) and "
+                         "holds 1280)"),
+    # a soft target of no distribution: its softmax is NaN
+    ("all-inf-logp-row", "invalid data shard (sequence 0: top_logp row 1 holds no finite log-probability"),
 ])
 def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monkeypatch, generated_data, kind,
                                                                   message):
@@ -1279,6 +1314,10 @@ def test_a_cached_shard_that_does_not_fit_the_target_is_one_line(tmp_path, monke
             _deflate(feature)
         elif kind == "legacy-format":
             torch.save(torch.load(feature, weights_only=True), feature, _use_new_zipfile_serialization=False)
+        elif kind == "truncated-record":
+            _cut_record(feature, "1")  # row 0's taps: its ids are record 0
+        elif kind == "all-inf-logp-row":
+            _shard_rows(feature, lambda r: r["top_logp"][1].fill_(float("-inf")))
         else:  # pass 2 rebuilds the missing feature shard from the answers
             feature.unlink()
             _shard_rows(answers, lambda r: r.update(answer=[t + 1000 for t in r["answer"]]))
@@ -1302,24 +1341,67 @@ def _answers_cut_to(row, tokens: int) -> dict:
             "top_logp": row["top_logp"][:tokens].clone()}
 
 
-@pytest.mark.parametrize("tokens", [1, 0])
+@pytest.mark.parametrize("tokens,rows", [(1, 4), (0, 4), (1, 1)])
 def test_training_data_whose_answers_supervise_no_position_is_refused_naming_the_data(tmp_path, monkeypatch,
-                                                                                      generated_data, tokens):
+                                                                                      generated_data, tokens, rows):
     """An answer of fewer than 2 tokens gives a block no label: data made only of such answers would train at zero
-    loss (or not at all) and export an untrained drafter."""
+    loss (or not at all) and export an untrained drafter. A shard of several such answers is named; a one-answer
+    shard is one short answer, and data of nothing else are refused as a whole."""
     cache, recipe = generated_data
     monkeypatch.setenv("DFLASH_CACHE", str(cache))
     feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
     kept = feature.read_bytes()
     try:
-        _shard_rows(feature, lambda r: r.update(_answers_cut_to(r, tokens)))
+        cut = [{**r, **_answers_cut_to(r, tokens)} for r in torch.load(feature, weights_only=True)[:rows]]
+        torch.save(cut, feature)
         r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
     finally:
         feature.write_bytes(kept)
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
-    assert r.output.startswith(f"error: {feature.parent}: nothing to train on: each of the 4 training answers is "
-                               "shorter than 2 tokens"), r.output
+    if rows > 1:
+        assert r.output.startswith(f"error: {feature}: invalid data shard (none of its 4 answers is 2 or more "
+                                   "tokens long, so it supervises no position"), r.output
+    else:
+        assert r.output.startswith(f"error: {feature.parent}: nothing to train on: each of the 1 training answers "
+                                   "is shorter than 2 tokens"), r.output
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_shard_whose_answers_all_stop_at_once_is_refused_among_good_shards(tmp_path, monkeypatch, generated_data):
+    """Good shards beside it do not hide it: it is named, not skipped as so many short answers."""
+    cache, recipe = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    second = feature.with_name("shard-00001.pt")
+    torch.save([{**r, **_answers_cut_to(r, 1)} for r in torch.load(feature, weights_only=True)], second)
+    try:  # 8 prompts: the 4 good answers of shard 0, the 4 cut ones of shard 1
+        r = _train_cli("--recipe", recipe, "--no-generate", "--num-prompts", 8, "--work-dir", tmp_path / "w",
+                       "--out", tmp_path / "o")
+    finally:
+        second.unlink()
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "Traceback" not in r.output, r.output
+    assert r.output.startswith(f"error: {second}: invalid data shard (none of its 4 answers is 2 or more tokens "
+                               "long"), r.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_short_held_out_answers_are_skipped_and_counted(tmp_path, monkeypatch, generated_data):
+    """A held-out answer shorter than 2 tokens gives no block to evaluate: left out, and said so, as training's."""
+    cache, _ = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    recipe = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=2, max_new_tokens=4)
+    heldout = next((cache / "train-data").glob("synthetic-heldout-s0-[0-9a-f]*/shard-00000.pt"))
+    kept = heldout.read_bytes()
+    try:
+        rows = torch.load(heldout, weights_only=True)
+        torch.save([rows[0], {**rows[0], **_answers_cut_to(rows[0], 1)}], heldout)
+        r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    finally:
+        heldout.write_bytes(kept)
+    assert r.exit_code == 0, r.output
+    line = ("skipped 1 of 2 held-out sequences: answers shorter than 2 tokens supervise no position "
+            f"({heldout.parent})")
+    assert line in " ".join(r.output.split()), r.output
 
 
 def test_training_sequences_that_supervise_nothing_are_skipped_and_counted(tmp_path, monkeypatch, generated_data):

@@ -227,7 +227,8 @@ class ShardLoader:
     """A loader of the first n sequences of each (directory, n) source, less those that supervise nothing
     (`supervised`; `skipped` counts them), for a trainer that calls it at every checkpoint (data generation may be
     running alongside) and once more for the prompt list. They are read again only when a shard has appeared or been
-    written again (a short one made whole): they hold several GB of context features for the SmolLM2 recipe."""
+    written again (a short one made whole): they hold several GB of context features for the SmolLM2 recipe. A shard
+    none of whose sequences supervises a position is refused by `load_shards`."""
 
     def __init__(self, sources: Sequence[tuple[Path, int]], vocab_size: int | None = None,
                  tap_width: int | None = None, topk: int | None = None):
@@ -276,25 +277,33 @@ def load_tensors(path: Path, mmap: bool = False):
 
     Nothing loaded can claim more memory than the file holds: the file must be torch.save's zip archive with every
     record stored, not compressed (a deflated record of zeros inflates a few MB into GBs), and every tensor in it a
-    dense CPU tensor whose elements its stored bytes hold (a doctored shape or stride -- a stride of 0 -- could make
-    one stored number 10^12 elements, which the first copy of it would allocate; a meta or sparse tensor declares a
-    shape and holds no data), all of them together no more bytes than the file. UnreadableTensors saying what is
+    dense CPU tensor whose elements the bytes behind it hold (a doctored shape or stride -- a stride of 0 -- could
+    make one stored number 10^12 elements, which the first copy of it would allocate; a meta or sparse tensor
+    declares a shape and holds no data; a mapped tensor whose record is shorter than the pickle declares would read
+    the records after it), all of them together no more bytes than the file. UnreadableTensors saying what is
     wrong otherwise."""
     import warnings
 
-    size = _check_archive(path)
+    size, records = _check_archive(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        held = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-    problem = _tensors_problem(held, size)
+        try:
+            held = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+        except RuntimeError:  # torch reads no record shorter than its tensor: mapped, that tensor is named
+            if not mmap:
+                load_tensors(path, mmap=True)
+            raise
+    problem = _tensors_problem(held, size, records if mmap else None)
     if problem:
         raise UnreadableTensors(problem)
     return held
 
 
-def _check_archive(path: Path) -> int:
+def _check_archive(path: Path) -> tuple[int, dict[int, int]]:
     """The size of the file at `path`, refused (UnreadableTensors) unless it is a zip archive of stored records
-    (torch.save's format); only its directory is read."""
+    (torch.save's format), and where each tensor data record (`<archive>/data/<key>`) starts in the file and how
+    many bytes it holds ({offset: size}). Only its directory and the records' local headers are read."""
+    import re
     import zipfile
 
     try:
@@ -308,39 +317,81 @@ def _check_archive(path: Path) -> int:
     size = Path(path).stat().st_size
     if sum(m.file_size for m in members) > size:
         raise UnreadableTensors(f"its records declare more bytes than the file's {size}")
-    return size
+    records = {}
+    with open(path, "rb") as f:
+        for m in members:
+            if re.fullmatch(r"[^/]+/data/[^/]+", m.filename):
+                f.seek(m.header_offset)
+                header = f.read(30)  # a local file header: its name's and extra field's lengths at 26 and 28
+                if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                    raise UnreadableTensors(f"its record {m.filename} has no local header")
+                start = m.header_offset + 30 + int.from_bytes(header[26:28], "little") \
+                    + int.from_bytes(header[28:30], "little")
+                records[start] = m.file_size
+    return size, records
 
 
-def _tensors_problem(obj, size: int) -> str | None:
+def _tensors_problem(obj, size: int, records: dict[int, int] | None = None) -> str | None:
     """What makes the tensors inside `obj` (lists, tuples and dicts of them) unusable, or None: one that is not a
-    dense CPU tensor, or has more elements than its stored bytes hold (named by where it lies: `[0]['taps']`), or
-    all of them together more bytes than the file's `size` (views of one stored tensor, or one tensor many times)."""
-    import collections
-
-    todo, seen, total = collections.deque([("", obj)]), set(), 0
-    while todo:
-        where, x = todo.popleft()  # in the file's order: the first bad tensor is named
-        if isinstance(x, torch.Tensor):
-            problem = _tensor_problem(x)
-            if problem:
-                return f"the tensor at {where or 'the top'} {problem}"
-            total += x.numel() * x.element_size()
-        elif isinstance(x, (dict, list, tuple)) and id(x) not in seen:
-            seen.add(id(x))
-            items = x.items() if isinstance(x, dict) else enumerate(x)
-            todo.extend((f"{where}[{k!r}]", v) for k, v in items if isinstance(v, (torch.Tensor, dict, list, tuple)))
+    dense CPU tensor, or has more elements than the bytes behind it hold (named by where it lies: `[0]['taps']`), or
+    all of them together more bytes than the file's `size` (views of one stored tensor, or one tensor many times).
+    The bytes behind a tensor read are its storage's (torch.load reads a record into it only when the record holds
+    all of the bytes the pickle declares); behind a mapped one (`records`, _check_archive's), the record's in the
+    file that its storage is mapped on."""
+    tensors = _tensors_in(obj)
+    for where, t in tensors:  # in the file's order: the first bad tensor is named
+        problem = _layout_problem(t)
+        if problem:
+            return f"the tensor at {where} {problem}"
+    backing = None if records is None else _mapped_records(tensors, records)
+    if isinstance(backing, str):
+        return backing
+    total = 0
+    for where, t in tensors:
+        storage = t.untyped_storage()
+        held = (storage.nbytes() if backing is None else backing[storage.data_ptr()]) // t.element_size()
+        if t.numel() > held:
+            return f"the tensor at {where} claims {t.numel()} elements {tuple(t.shape)} and holds {held}"
+        total += t.numel() * t.element_size()
     if total > size:
         return f"its tensors claim {total} bytes, more than the file's {size}"
     return None
 
 
-def _tensor_problem(t: torch.Tensor) -> str | None:
+def _tensors_in(obj) -> list[tuple[str, torch.Tensor]]:
+    """The tensors inside `obj` (lists, tuples and dicts of them), each with where it lies (`[0]['taps']`), in the
+    file's order."""
+    import collections
+
+    todo, seen, found = collections.deque([("", obj)]), set(), []
+    while todo:
+        where, x = todo.popleft()
+        if isinstance(x, torch.Tensor):
+            found.append((where or "the top", x))
+        elif isinstance(x, (dict, list, tuple)) and id(x) not in seen:
+            seen.add(id(x))
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            todo.extend((f"{where}[{k!r}]", v) for k, v in items if isinstance(v, (torch.Tensor, dict, list, tuple)))
+    return found
+
+
+def _layout_problem(t: torch.Tensor) -> str | None:
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_quantized:
         return f"is not a dense CPU tensor ({t.device.type}, {t.layout}{', nested' if t.is_nested else ''})"
-    held = t.untyped_storage().nbytes() // t.element_size()
-    if t.numel() > held:
-        return f"claims {t.numel()} elements {tuple(t.shape)} and holds {held}"
     return None
+
+
+def _mapped_records(tensors: list[tuple[str, torch.Tensor]], records: dict[int, int]) -> dict[int, int] | str:
+    """The bytes of the record behind each mapped tensor's storage, by the storage's address. torch.load maps a
+    storage from its record's first byte for as many bytes as the pickle declares, whatever the record holds; and
+    torch.save writes one record per storage, so in address order the storages are the data records in file order,
+    each as far from the first as its record is. A file whose storages are not so is refused."""
+    starts = sorted({t.untyped_storage().data_ptr() for _, t in tensors})
+    offsets = sorted(records)
+    if len(starts) != len(offsets) or len({a - o for a, o in zip(starts, offsets)}) > 1:
+        return (f"its tensors use {len(starts)} storages that are not its {len(offsets)} data records, one each, "
+                "as torch.save writes them")
+    return {a: records[o] for a, o in zip(starts, offsets)}
 
 
 def shard_done(path: Path, rows: int) -> bool:
@@ -363,7 +414,10 @@ def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int |
                 topk: int | None = None) -> list[TrainSequence]:
     """The sequences of `directory`'s shards; with `vocab_size` / `tap_width` / `topk`, each checked against the
     target and the recipe (ids in its vocabulary, taps of its width, `topk` soft targets per answer token) so that a
-    shard made for another target is named, not trained on."""
+    shard made for another target is named, not trained on. A shard of 2 or more sequences none of which supervises
+    a position (`supervised`) is refused too: a target's greedy answers to that many prompts never all stop at once
+    unless its stop tokens or prompts are wrong, or the shard was cut. One short answer among others, or alone in a
+    short last shard, is kept: a trainer skips it (ShardLoader)."""
     seqs = []
     for p in shard_paths(directory):
         try:
@@ -376,6 +430,11 @@ def load_shards(directory: Path, vocab_size: int | None = None, tap_width: int |
             problem = sequence_problem(s, vocab_size, tap_width, topk)
             if problem:
                 raise DFlashError(f"invalid data shard (sequence {i}: {problem}); delete it to regenerate", path=p)
+        if len(new) > 1 and not any(supervised(s) for s in new):
+            raise DFlashError(f"invalid data shard (none of its {len(new)} answers is 2 or more tokens long, so it "
+                              "supervises no position: the target stopped at once for every prompt); check the "
+                              "target's stop tokens and the recipe's prompts (chat_template), or delete it to "
+                              "regenerate", path=p)
         seqs.extend(new)
     return seqs
 
@@ -407,6 +466,9 @@ def sequence_problem(s: TrainSequence, vocab_size: int | None = None, tap_width:
             or not bool((s.top_logp <= 0).all()):
         return (f"top_logp must be float32 log-probabilities (<= 0, no NaN) shaped like top_ids "
                 f"{tuple(s.top_ids.shape)}")
+    no_finite = (~torch.isfinite(s.top_logp).any(dim=1)).nonzero()
+    if len(no_finite):  # every top-k entry -inf: no distribution, and the soft loss's softmax of it is NaN
+        return f"top_logp row {int(no_finite[0])} holds no finite log-probability (all -inf)"
     if vocab_size is not None:
         for name, t in (("ids", s.ids), ("top_ids", s.top_ids)):
             if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab_size):

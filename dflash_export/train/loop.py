@@ -29,7 +29,7 @@ from dflash_export.train.blocks import (
     sample_anchors,
     train_forward,
 )
-from dflash_export.train.data import TrainSequence, load_tensors, short_reason
+from dflash_export.train.data import TrainSequence, load_tensors, short_reason, supervised
 
 
 @dataclass
@@ -303,7 +303,7 @@ def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list
                   start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
     """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
     drafter (by held-out implied τ) to `out`. Returns the last log record."""
-    if out is not None and not any(len(s.ids) - s.prompt_len >= 2 for s in heldout):
+    if out is not None and not any(supervised(s) for s in heldout):
         # an anchor needs a label after it: without one block to evaluate, no drafter would ever be exported
         raise DFlashError("no held-out data to choose the drafter by (none generated yet, or every held-out answer "
                           "is shorter than 2 tokens): run without --no-generate, or raise train.heldout_prompts",

@@ -25,7 +25,6 @@ from dflash_export.train.data import (
     check_prompt_source,
     data_dir,
     generate_shards,
-    load_shards,
     shard_paths,
     sharegpt_prompt_ids,
     sharegpt_reply_ids,
@@ -274,16 +273,18 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                     raise DFlashError("out of memory generating training data (gen_batch_size answers of up to "
                                       "max_prompt_tokens + max_new_tokens tokens at once); lower train.gen_batch_size "
                                       "(or max_new_tokens)", path=recipe.path, field="train.gen_batch_size") from None
-        heldout = load_shards(hdir, target.vocab_size, tap_width, opts.soft_topk)[: opts.heldout_prompts] \
-            if hdir.is_dir() else []
+        heldout_loader = ShardLoader([(hdir, opts.heldout_prompts)], target.vocab_size, tap_width, opts.soft_topk)
+        heldout = heldout_loader()
 
         sources = [(d, n) for d, n in ((ddir, opts.num_prompts), (tdir, opts.teacher_forced_prompts)) if n]
         loader = ShardLoader(sources, target.vocab_size, tap_width, opts.soft_topk)
 
         if data_only:
             sequences = len(loader())
-            _report_skipped(bar.console, loader, sequences)
-            return {"data_dir": str(ddir), "sequences": sequences, "skipped": loader.skipped}
+            _report_skipped(bar.console, loader, sequences, "training")
+            _report_skipped(bar.console, heldout_loader, len(heldout), "held-out")
+            return {"data_dir": str(ddir), "sequences": sequences, "skipped": loader.skipped,
+                    "heldout_skipped": heldout_loader.skipped}
 
         if not any(d.is_dir() and shard_paths(d) for d, _ in sources):
             raise DFlashError("no training data: the prompt set is empty or not generated yet (run without "
@@ -294,7 +295,9 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                               "one as its label; check the target's stop tokens and the recipe's prompts "
                               "(chat_template), or delete this data to make it again",
                               path=sources[0][0])
-        _report_skipped(bar.console, loader, len(loader()))
+        _report_skipped(bar.console, loader, len(loader()), "training")
+        if heldout:  # none left is train_drafter's one-line error
+            _report_skipped(bar.console, heldout_loader, len(heldout), "held-out")
         cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes, target_key)
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
@@ -316,12 +319,12 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
     return result
 
 
-def _report_skipped(console, loader, kept: int) -> None:
-    """One line when the training data hold sequences that supervise no position (answers shorter than 2 tokens):
-    how many were left out, and where they are."""
+def _report_skipped(console, loader, kept: int, what: str) -> None:
+    """One line when the `what` (training, held-out) data hold sequences that supervise no position (answers
+    shorter than 2 tokens; held-out ones give no block to evaluate): how many were left out, and where they are."""
     if loader.skipped:
         where = " and ".join(str(d) for d, _ in loader.sources)
-        console.print(f"skipped {loader.skipped} of {loader.skipped + kept} training sequences: answers shorter than "
+        console.print(f"skipped {loader.skipped} of {loader.skipped + kept} {what} sequences: answers shorter than "
                       f"2 tokens supervise no position ({where})", soft_wrap=True)
 
 
