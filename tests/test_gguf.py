@@ -483,12 +483,19 @@ def _value_cases():
         ("llama.block_count", ("1", T.STRING), "expected a positive integer, got '1'"),
         ("llama.block_count", (0, T.UINT32), "got 0"),
         ("llama.attention.head_count", (-2, T.INT32), "got -2"),
-        ("llama.attention.head_count", (2 ** 31, T.UINT32), "does not divide embedding_length 16"),
+        ("llama.attention.head_count", (3, T.UINT32), "does not divide embedding_length 16"),
         ("llama.attention.head_count_kv", (3, T.UINT32), "does not divide attention.head_count 2"),
         ("llama.context_length", (0, T.UINT32), "got 0"),
         # settings no tensor's shape checks: each bounded, the key named before anything is converted
         ("llama.context_length", (2 ** 40, T.UINT64), "1099511627776: more than the 16777216 this project reads"),
         ("llama.block_count", (2 ** 40, T.UINT64), "1099511627776: more than the 1024 this project reads"),
+        # widths, head counts, the vocabulary: named by their own key, not by a setting derived from them (head_dim
+        # from embedding_length / head_count against rope.dimension_count) nor by a tensor's shape
+        *((f"llama.{key}", (2 ** 40, T.UINT64), f"1099511627776: more than the {bound} this project reads")
+          for key, bound in (("embedding_length", 1 << 20), ("feed_forward_length", 1 << 20),
+                             ("attention.head_count", 1 << 12), ("attention.head_count_kv", 1 << 12),
+                             ("attention.key_length", 1 << 20), ("attention.value_length", 1 << 20),
+                             ("rope.dimension_count", 1 << 20), ("vocab_size", 1 << 22))),
         ("llama.embedding_length", (16.0, T.FLOAT32), "got 16.0"),
         ("llama.rope.freq_base", ("x", T.STRING), "expected a positive number"),
         ("llama.attention.layer_norm_rms_epsilon", (-1.0, T.FLOAT32), "expected a positive number"),
@@ -1144,6 +1151,8 @@ def _moe_refusal_cases():
         ({"kv": {"qwen3moe.expert_used_count": None}}, "qwen3moe.expert_used_count", "missing"),
         ({"kv": {"qwen3moe.expert_count": (2 ** 40, T.UINT64)}}, "qwen3moe.expert_count",
          "1099511627776: more than the 1024 this project reads"),
+        ({"kv": {"qwen3moe.expert_feed_forward_length": (2 ** 40, T.UINT64)}}, "qwen3moe.expert_feed_forward_length",
+         "1099511627776: more than the 1048576 this project reads"),
         ({"kv": {"qwen3moe.expert_used_count": (0, T.UINT32)}}, "qwen3moe.expert_used_count", "got 0"),
         ({"kv": {"qwen3moe.expert_used_count": (5, T.UINT32)}}, "qwen3moe.expert_used_count",
          "5 > expert_count 4"),
@@ -1196,6 +1205,18 @@ def test_a_nan_in_one_expert_is_named_by_its_gguf_tensor(tmp_path, monkeypatch, 
                      values={f"blk.0.{tensor}.weight": values})
     _refused(tmp_path, monkeypatch, bad, f"blk.0.{tensor}.weight",
              f": 1 non-finite values (NaN/inf) of 512 (converted to model.layers.0.mlp.experts.{hf})")
+
+
+def test_a_chat_template_that_spells_the_architecture_converts_unchanged(tmp_path, monkeypatch):
+    """transformers' GGUF reader renames qwen3moe to qwen3_moe inside every string value it reads: a template that
+    spells the architecture's name is still the GGUF's own, character for character, in the converted tokenizer."""
+    from gguf import GGUFValueType as T
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    template = "{# qwen3moe chat #}" + TEMPLATE
+    f = _tiny_gguf(tmp_path / "t.gguf", arch="qwen3moe", kv={"tokenizer.chat_template": (template, T.STRING)})
+    assert AutoTokenizer.from_pretrained(str(hf_dir_from_gguf(f))).chat_template == template
 
 
 def test_the_tiny_qwen3_moe_file_itself_converts(tmp_path, monkeypatch):

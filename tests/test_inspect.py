@@ -84,6 +84,20 @@ DEFECTS = {
     # refused before transformers' config class builds a list of 10**9 layer kinds
     "layers_past_the_limit": (lambda d: _edit_config(d, lambda c: c.__setitem__("num_hidden_layers", 10**9)),
                               "num_hidden_layers: 1000000000 layers: more than the 1024 this project reads"),
+    # no tensor's shape checks the context, and RoPE's tables read it (and the scales) as floats
+    "context_past_the_limit": (lambda d: _edit_config(d, lambda c: c.__setitem__("max_position_embeddings", 2**40)),
+                               "max_position_embeddings: 1099511627776: more than the 16777216 this project reads"),
+    "head_dim_past_the_limit": (lambda d: _edit_config(d, lambda c: c.__setitem__("head_dim", 2**40)),
+                                "head_dim: 1099511627776: more than the 1048576 this project reads"),
+    "scale_past_floats_range": (lambda d: _edit_config(d, lambda c: c.__setitem__("input_embedding_scale", 10**400)),
+                                "input_embedding_scale: expected a number a float holds, got 100000000000...000000 "
+                                "(401 digits)"),
+    "rope_base_past_floats_range": (lambda d: _edit_config(d, lambda c: c.__setitem__("rope_theta", 10**400)),
+                                    "rope_theta: expected a positive number (the RoPE base), got "
+                                    "100000000000...000000 (401 digits)"),
+    "window_past_the_limit": (lambda d: _edit_config(d, lambda c: c.update(
+        layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=2**70)),
+        "sliding_window: 1180591620717411303424: more than the 16777216 this project reads"),
     "more_taps_than_target_layers": (lambda d: _edit_config(d, lambda c: c["dflash_config"].__setitem__(
         "target_layer_ids", list(range(10**6)))), "target_layer_ids: 1000000 layers tapped, more than "
                                                   "num_target_layers 6"),
@@ -251,7 +265,7 @@ def test_a_block_fits_the_drafters_positions(pair, block, max_positions):
 
 def test_a_block_size_that_is_not_an_integer_is_refused(pair):
     drafter, target = pair
-    _edit_config(drafter, lambda c: _set_block(c, 1e9, 2**40))
+    _edit_config(drafter, lambda c: _set_block(c, 1e9, 2**24))
     assert "must be an integer >= 2, got 1000000000.0" in _config_error(drafter, target, "dflash_config.block_size")
 
 
@@ -262,7 +276,7 @@ def test_a_drafter_block_is_refused_exactly_when_no_recipe_could_hold_it(pair, t
     # The longest max_seq_len a recipe takes, found by asking the recipe loader.
     longest = next(n for n in (2**20, 2**20 + 1) if not _loads(recipe, f"max_seq_len: {n + 1}\n"))
     fits = _loads(recipe, f"max_seq_len: {longest}\nblock_size: {block}\n")
-    _edit_config(drafter, lambda c: _set_block(c, block, 2**40))
+    _edit_config(drafter, lambda c: _set_block(c, block, 2**24))
     if fits:
         assert _inspect(drafter, target).exit_code == 0
     else:

@@ -119,6 +119,36 @@ def test_a_layer_or_expert_count_past_the_limit_is_refused_before_anything_is_bu
     _export_refused(target, family, "config.json", key)
 
 
+@pytest.mark.parametrize("family, key, bound", [
+    ("qwen3", "max_position_embeddings", 1 << 24), ("qwen3", "hidden_size", 1 << 20), ("qwen3", "head_dim", 1 << 20),
+    ("qwen3", "intermediate_size", 1 << 20), ("qwen3", "num_attention_heads", 1 << 12),
+    ("qwen3", "vocab_size", 1 << 22), ("qwen3-moe", "moe_intermediate_size", 1 << 20),
+    ("qwen3-next", "linear_key_head_dim", 1 << 20), ("qwen3.5", "text_config.max_position_embeddings", 1 << 24),
+])
+def test_a_size_past_its_bound_is_refused_by_its_own_key(tmp_path, family, key, bound):
+    """2**40: a context no tensor's shape checks, or a width the weights' shapes would be held against only after
+    the settings derived from it: one line naming config.json and the key, from inspect, the loader and export."""
+    target = _target(tmp_path, family)
+    _edit(target, lambda text, cfg: text.update({key.removeprefix("text_config."): 2 ** 40}))
+    e = _refused(target, family, "config.json", key)
+    assert e.message == f"1099511627776: more than the {bound} this project reads", e.message
+    _export_refused(target, family, "config.json", key)
+
+
+@pytest.mark.parametrize("value, says", [
+    (2 ** 40, "1099511627776: more than the 16777216 this project reads"),
+    (10 ** 400, "100000000000...000000 (401 digits): more than the 16777216 this project reads"),
+], ids=["2**40", "10**400"])
+def test_a_yarn_original_context_past_the_bound_is_named(tmp_path, value, says):
+    """YaRN's original context, which transformers divides by as a float (10**400 has no float), bounded as the
+    context itself is."""
+    target = _target(tmp_path)
+    _edit(target, lambda text, cfg: text.update(rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": value, "rope_theta": 10000.0}))
+    e = _refused(target, "qwen3", "config.json", "rope_parameters.original_max_position_embeddings")
+    assert e.message == says, e.message
+
+
 def _transformers_complaints(target: Path) -> set[str]:
     """The tensors transformers' own loading report names (missing, unexpected or of the wrong shape), under the names
     of the checkpoint's files (a composite checkpoint's `model.language_model.` prefix put back)."""
@@ -314,6 +344,7 @@ LAYER_SETTINGS = {
     "activation": ("qwen3-next", lambda t, c: t.update(hidden_act="gelu"), "hidden_act"),
     "hybrid_attention_bias": ("qwen3.5", lambda t, c: t.update(attention_bias=True), "text_config.attention_bias"),
     "no_window": ("gpt-oss", lambda t, c: t.update(sliding_window=0), "sliding_window"),
+    "window_past_int64": ("gpt-oss", lambda t, c: t.update(sliding_window=2 ** 70), "sliding_window"),
     "swiglu_limit": ("gpt-oss", lambda t, c: t.update(swiglu_limit=-1.0), "swiglu_limit"),
     "expert_count_spelled_twice": ("qwen3-moe", lambda t, c: t.update(num_experts=4), "num_experts"),
     # values transformers' config class rejects: named by their key (under text_config in a composite checkpoint)
@@ -456,6 +487,8 @@ def test_a_truncated_shard_of_a_hybrid_or_moe_target_is_named(tmp_path, family):
     # a window no wider than the drafter's block of 4, which the batched graph cannot mask
     ("gpt-oss", lambda target: _edit(target, lambda text, cfg: text.update(sliding_window=4)), "config.json",
      "sliding_window"),
+    ("qwen3", lambda target: _edit(target, lambda text, cfg: text.update(max_position_embeddings=2 ** 40)),
+     "config.json", "max_position_embeddings"),
 ])
 def test_build_refuses_a_faulty_target_before_writing_an_engine(tmp_path, family, edit, file, field):
     target = _target(tmp_path, family)

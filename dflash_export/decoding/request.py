@@ -48,8 +48,12 @@ def is_number(v) -> bool:
 
 
 def is_finite_number(v) -> bool:
-    """A number, neither infinite nor NaN."""
-    return is_number(v) and math.isfinite(v)
+    """A number, neither infinite nor NaN, that a float holds (an integer of JSON's unbounded length past float's
+    range is not: it cannot be computed with as one)."""
+    try:
+        return is_number(v) and math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def is_positive_number(v) -> bool:

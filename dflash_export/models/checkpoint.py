@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from dflash_export.decoding.request import is_finite_number, shown
 from dflash_export.errors import DFlashError, json_kind, kind_of_type
 from dflash_export.files import read_json_object
 from dflash_export.models.arch import ARCHS
-from dflash_export.models.config import MAX_LAYERS, MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids
+from dflash_export.models.config import MAX_LAYERS, MAX_SEQ_LEN, DrafterConfig, default_target_layer_ids, oversize
 from dflash_export.models.drafter import DFlashDrafter
 from dflash_export.models.hfutil import config_dtype
 from dflash_export.models.rope import (
@@ -42,7 +43,8 @@ from dflash_export.models.weights import (
 
 def _field(cfg: dict, path: Path, name: str, typ, default=...):
     """config.json's `name` as a `typ`, or `default` when absent or null (required when no default is given). Every
-    int field read this way is a size or a count, so it must be >= 1 (a bool is not an int here)."""
+    int field read this way is a size or a count, so it must be >= 1 (a bool is not an int here) and at most its
+    config.MAX_SIZES bound."""
     if name not in cfg or cfg[name] is None:
         if default is ...:
             raise DFlashError("missing required field", path=path, field=name)
@@ -53,7 +55,9 @@ def _field(cfg: dict, path: Path, name: str, typ, default=...):
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise DFlashError(f"expected {kind_of_type(typ, 'an object')}, got {json_kind(value)}", path=path, field=name)
     if typ is int and value < 1:
-        raise DFlashError(f"must be >= 1, got {value}", path=path, field=name)
+        raise DFlashError(f"must be >= 1, got {shown(value)}", path=path, field=name)
+    if typ is int and oversize(name, value):
+        raise DFlashError(oversize(name, value), path=path, field=name)
     if typ is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root
         raise DFlashError(f"must be a positive finite number, got {value}", path=path, field=name)
     return value
@@ -69,6 +73,8 @@ def _number(value, path: Path, field: str, allow_none: bool = False) -> float | 
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise DFlashError(f"expected a number, got {value!r}", path=path, field=field)
+    if isinstance(value, int) and not is_finite_number(value):
+        raise DFlashError(f"expected a number a float holds, got {shown(value)}", path=path, field=field)
     return float(value)
 
 
@@ -201,6 +207,8 @@ def _qwen3_fields(cfg: dict, path: Path, layers: int) -> tuple[float, dict | Non
                               path=path, field="sliding_window")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise DFlashError(f"must be an integer >= 1, got {window!r}", path=path, field="sliding_window")
+        if oversize("sliding_window", window):
+            raise DFlashError(oversize("sliding_window", window), path=path, field="sliding_window")
     return rope_theta, rope_scaling, layer_types, window
 
 

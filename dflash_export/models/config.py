@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_export.decoding.request import shown
+
 # The longest sequence (prompt, answer and one block) any engine is built for: the graphs hold cos/sin tables of
 # max_seq_len rows. A recipe's max_seq_len, and so every block, stays below it.
 MAX_SEQ_LEN = 2**20
@@ -14,6 +16,35 @@ MAX_SEQ_LEN = 2**20
 # looked at (transformers' config classes build a list per layer, the checks an entry per layer and expert).
 MAX_LAYERS = 1 << 10
 MAX_EXPERTS = 1 << 10
+# The longest context a config may give (max_position_embeddings, RoPE scaling's original_max_position_embeddings,
+# a GGUF's context_length): 16 Mi tokens, past the longest published (Llama 4 Scout's 10 Mi) and 16 times the longest
+# sequence an engine is built for (MAX_SEQ_LEN). No tensor's shape checks it; transformers' RoPE reads it as a float.
+MAX_CONTEXT_LENGTH = 1 << 24
+# The widest a config may make a layer (hidden size, MLP and expert widths, a head's channels), the most attention
+# heads, and the largest vocabulary: some 64, 32 and 16 times the largest published (16384 hidden, 53248 MLP, 128
+# heads, 262144 tokens). The weights' shapes are checked against them, but the settings derived from them first
+# (head_dim from hidden_size / heads, RoPE's channels): a bound names a hostile value by its own key.
+MAX_WIDTH = 1 << 20
+MAX_HEADS = 1 << 12
+MAX_VOCAB = 1 << 22
+# The bounds of config.json's sizes (a target's, a drafter's; a sliding window is a context's length at most); the
+# layer and expert counts have checks of their own.
+MAX_SIZES = {
+    "max_position_embeddings": MAX_CONTEXT_LENGTH, "sliding_window": MAX_CONTEXT_LENGTH, "vocab_size": MAX_VOCAB,
+    **dict.fromkeys(("hidden_size", "target_hidden_size", "intermediate_size", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "head_dim", "linear_key_head_dim", "linear_value_head_dim"),
+                    MAX_WIDTH),
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"),
+                    MAX_HEADS),
+}
+
+
+def oversize(name: str, value: int) -> str | None:
+    """Why config.json's size `name` of `value` is refused (past its MAX_SIZES bound), or None."""
+    bound = MAX_SIZES.get(name)
+    if bound is None or value <= bound:
+        return None
+    return f"{shown(value)}: more than the {bound} this project reads"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

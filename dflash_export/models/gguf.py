@@ -25,7 +25,7 @@ from dflash_export.decoding.request import is_finite_number, is_int, is_positive
 from dflash_export.errors import DFlashError
 from dflash_export.files import atomic_dir, cache_dir, sha256_file
 from dflash_export.models.arch import ARCHS, sliding_windows
-from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
+from dflash_export.models.config import MAX_CONTEXT_LENGTH, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from dflash_export.models.hfutil import quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import rope_parameters_of
 
@@ -53,16 +53,17 @@ _MAX_ROPE_FREQS = 1 << 16
 # 128000-token vocabulary sums to some 10**7 (0.5 s); at the bound, a vocabulary whose every split is a pair of tokens
 # (the worst case) takes some 4 s.
 MAX_DERIVED_MERGES_WORK = 1 << 25
-# The longest context a GGUF may give (`<arch>.context_length`, YaRN's original_context_length): 16 Mi tokens, past
-# the longest published (Llama 4 Scout's 10 Mi) and 16 times the longest sequence an engine is built for
-# (config.MAX_SEQ_LEN). It is written to the converted config as its max_position_embeddings, the target's context.
-MAX_GGUF_CONTEXT_LENGTH = 1 << 24
-# The most a setting may give that no tensor's shape checks: the layers (a config of more is refused by
+# The most a setting may give (config.py says why each bound): the layers (a config of more is refused by
 # read_target_config after the conversion, and transformers builds a list per layer), the experts (likewise), the
-# context. The widths, head counts and vocabulary size are each checked against the tensors' shapes or the token list,
-# which the file's size bounds.
-_MAX_SETTINGS = {"block_count": MAX_LAYERS, "expert_count": MAX_EXPERTS, "context_length": MAX_GGUF_CONTEXT_LENGTH,
-                 "rope.scaling.original_context_length": MAX_GGUF_CONTEXT_LENGTH}
+# context (written to the converted config as its max_position_embeddings, the target's context; YaRN's original
+# context), the widths, head counts and vocabulary size. The widths, head counts and vocabulary size are checked
+# against the tensors' shapes or the token list too, but only after the settings derived from them (head_dim from
+# embedding_length / head_count): the bound names a hostile value by its own key.
+_MAX_SETTINGS = {"block_count": MAX_LAYERS, "expert_count": MAX_EXPERTS, "context_length": MAX_CONTEXT_LENGTH,
+                 "rope.scaling.original_context_length": MAX_CONTEXT_LENGTH, "vocab_size": MAX_VOCAB,
+                 **dict.fromkeys(("embedding_length", "feed_forward_length", "expert_feed_forward_length",
+                                  "attention.key_length", "attention.value_length", "rope.dimension_count"), MAX_WIDTH),
+                 **dict.fromkeys(("attention.head_count", "attention.head_count_kv"), MAX_HEADS)}
 
 
 class _Cursor:
@@ -725,6 +726,10 @@ def _convert(gguf_path: Path, out: Path, meta: dict) -> None:
         for key, value in moe.items():
             setattr(config, key, value)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, trust_remote_code=False)
+        # transformers' reader rewrites a renamed architecture inside every string value (qwen3moe -> qwen3_moe):
+        # the template saved is the GGUF's own
+        if isinstance(meta.get("tokenizer.chat_template"), str):
+            tokenizer.chat_template = meta["tokenizer.chat_template"]
         with torch.device("meta"):  # no weights of its own: it takes the dequantized tensors (assign below)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf from dequantizing: named below, not warned

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import copy
 
-from dflash_export.decoding.request import is_finite_number, is_number, is_positive_number
+from dflash_export.decoding.request import is_finite_number, is_int, is_number, is_positive_number, shown
 from dflash_export.errors import DFlashError
 from dflash_export.models.arch import ARCHS, CONFIG_CLASSES
+from dflash_export.models.config import MAX_CONTEXT_LENGTH
 from dflash_export.models.hfutil import quiet_transformers
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -88,6 +89,12 @@ def _partial_rotary_field(cfg: dict) -> str:
     return "rope_parameters.partial_rotary_factor" if nested else "partial_rotary_factor"
 
 
+def _given(v) -> str:
+    """A refused setting as a message quotes it: as Python spells it, an integer of JSON's unbounded length cut to
+    its first and last digits (decoding.request.shown)."""
+    return shown(v) if is_int(v) else repr(v)
+
+
 def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[str, str] | None:
     """(field, reason) when the RoPE base of these standardized parameters (of each layer type's, when per layer type)
     is not a positive finite number: a base of 0, below 0 or NaN makes every cos/sin table NaN, one that is not a
@@ -96,7 +103,7 @@ def rope_theta_problem(params: dict, field: str = "rope_parameters") -> tuple[st
     for p in _each_layer_type(params):
         theta = p.get("rope_theta", 10000.0)
         if not is_positive_number(theta):
-            return name, f"expected a positive number (the RoPE base), got {theta!r}"
+            return name, f"expected a positive number (the RoPE base), got {_given(theta)}"
     return None
 
 
@@ -111,7 +118,8 @@ def rope_scaling_problem(params: dict, field: str = "rope_parameters") -> tuple[
     """(field, reason) when a scaling setting of these standardized RoPE parameters (of each layer type's, when per
     layer type) would make the cos/sin tables non-finite: a factor or correction bound of 0, below 0, NaN or not a
     number, a finite setting that is not, llama3's two frequency factors equal (its smoothing divides by their
-    difference). `field`: the key the settings came from (`rope_source_field`)."""
+    difference); or an original context past config.MAX_CONTEXT_LENGTH. `field`: the key the settings came from
+    (`rope_source_field`)."""
     for p in _each_layer_type(params):
         if p.get("rope_type", "default") == "default":
             continue
@@ -119,10 +127,12 @@ def rope_scaling_problem(params: dict, field: str = "rope_parameters") -> tuple[
             v = p.get(key)
             if v is None:
                 continue
+            if key == "original_max_position_embeddings" and is_number(v) and v > MAX_CONTEXT_LENGTH:
+                return f"{field}.{key}", f"{shown(v)}: more than the {MAX_CONTEXT_LENGTH} this project reads"
             if key in _POSITIVE_ROPE_KEYS and not is_positive_number(v):
-                return f"{field}.{key}", f"expected a positive number, got {v!r}"
+                return f"{field}.{key}", f"expected a positive number, got {_given(v)}"
             if key in _FINITE_ROPE_KEYS and not is_finite_number(v):
-                return f"{field}.{key}", f"expected a finite number, got {v!r}"
+                return f"{field}.{key}", f"expected a finite number, got {_given(v)}"
         if p.get("rope_type") == "llama3" and p.get("low_freq_factor") == p.get("high_freq_factor") is not None:
             return (f"{field}.high_freq_factor", f"equals low_freq_factor ({p['low_freq_factor']!r}): llama3's "
                     "smoothing divides by their difference")

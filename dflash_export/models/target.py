@@ -17,7 +17,7 @@ from dflash_export.decoding.request import is_int, is_positive_number
 from dflash_export.errors import DFlashError
 from dflash_export.files import native_path, read_json_object
 from dflash_export.models.arch import ARCHS, REFUSED, text_settings
-from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS
+from dflash_export.models.config import MAX_EXPERTS, MAX_LAYERS, oversize
 from dflash_export.models.gguf import hf_dir_from_gguf
 from dflash_export.models.hfutil import config_dtype, quiet_transformers, stop_token_ids_of
 from dflash_export.models.rope import (
@@ -60,7 +60,8 @@ def resolve_target_dir(path) -> Path:
 
 
 # Sizes transformers builds the layers from, checked when config.json gives them (its defaults stand otherwise): the
-# attention's and MLP's, the experts' (MoE families) and the Gated DeltaNet's (hybrids).
+# attention's and MLP's, the experts' (MoE families) and the Gated DeltaNet's (hybrids). Each size is a positive
+# integer, at most its config.MAX_SIZES bound.
 OPTIONAL_SIZES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "max_position_embeddings", "moe_intermediate_size", "shared_expert_intermediate_size",
                   "num_experts_per_tok", "decoder_sparse_step", "linear_num_key_heads", "linear_num_value_heads",
@@ -93,6 +94,8 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
         v = cfg.get(f)
         if (v is not None or f not in OPTIONAL_SIZES) and (not is_int(v) or v < 1):
             raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=where(f))
+        if v is not None and oversize(f, v):
+            raise DFlashError(oversize(f, v), path=cfg_path, field=where(f))
     if cfg["num_hidden_layers"] > MAX_LAYERS:
         raise DFlashError(f"{cfg['num_hidden_layers']} layers: more than the {MAX_LAYERS} this project reads",
                           path=cfg_path, field=where("num_hidden_layers"))
@@ -118,12 +121,12 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
 
 def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     """The family's layer settings, read through transformers' config class: `layer_types` one known kind per layer,
-    value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers, a positive SwiGLU clamp
-    (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, a RoPE type transformers knows,
-    RoPE scaling settings that give finite tables, a partial rotary factor in [0, 1], an even number of channels per
-    head for RoPE to turn, a positive RMSNorm epsilon, and no setting the exported graphs would ignore (an activation
-    other than SiLU, biases they do not add). A value transformers' config class rejects is named by its key.
-    `where(key)` spells a key as config.json does."""
+    value heads in whole groups per key head (Gated DeltaNet), a window for sliding layers (at most a context's
+    length), a positive SwiGLU clamp (gpt-oss), each token routed to 1..num_experts experts, a positive RoPE base, a
+    RoPE type transformers knows, RoPE scaling settings that give finite tables, a partial rotary factor in [0, 1], an
+    even number of channels per head for RoPE to turn, a positive RMSNorm epsilon, and no setting the exported graphs
+    would ignore (an activation other than SiLU, biases they do not add). A value transformers' config class rejects
+    is named by its key. `where(key)` spells a key as config.json does."""
     arch = ARCHS[cfg["model_type"]]
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n):
@@ -178,6 +181,8 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     if arch.sliding_layers and windowed and not (is_int(window) and window >= 1):
         raise DFlashError(f"sliding_attention layers need a window of at least 1 position, got {window!r}",
                           path=cfg_path, field=where("sliding_window"))
+    if arch.sliding_layers and windowed and oversize("sliding_window", window):
+        raise DFlashError(oversize("sliding_window", window), path=cfg_path, field=where("sliding_window"))
     if arch.moe is not None and arch.moe.swiglu_limit:
         limit = getattr(hf, arch.moe.swiglu_limit, None)
         if limit is not None and not is_positive_number(limit):
