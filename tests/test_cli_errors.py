@@ -292,15 +292,16 @@ def test_a_formatted_string_is_refused_before_it_is_built(template, says):
                                                             "operation"), str(e.value)
 
 
-def _render_peak(template: str) -> tuple[str, int]:
-    """render_chat of `template` over one message in a process of its own: the DFlashError's message (or the text)
-    and the process's peak memory in bytes (VmHWM: its own, not the test process's it was started from)."""
+def _render_peak(template: str, messages: int = 1) -> tuple[str, int]:
+    """render_chat of `template` over `messages` messages in a process of its own: the DFlashError's message (or the
+    text) and the process's peak memory in bytes (VmHWM: its own, not the test process's it was started from)."""
     import subprocess
     import sys
 
     code = ("import sys\nfrom dflash_export.errors import DFlashError\n"
             "from dflash_export.models.tokenization import TextCodec\n"
-            "try:\n    print(TextCodec(None, sys.stdin.read(), {}).render_chat([{'role': 'user', 'content': 'hi'}]))\n"
+            f"chat = [{{'role': 'user', 'content': 'hi'}}] * {messages}\n"
+            "try:\n    print(TextCodec(None, sys.stdin.read(), {}).render_chat(chat))\n"
             "except DFlashError as e:\n    print(e)\n"
             "print(int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024)\n")
     r = subprocess.run([sys.executable, "-c", code], input=template, capture_output=True, text=True, timeout=120,
@@ -364,6 +365,69 @@ def test_the_text_of_a_list_past_the_bound_is_refused_before_it_is_made(template
     assert peak < 150 << 20, peak
 
 
+@pytest.mark.parametrize("template, messages, says", [
+    # A string's JSON: '\\u0001' for each character, 90 million of them.
+    ("{% set s = '\\x01' * 15000000 %}{{ s|tojson|length }}", 1, "a string of "),
+    ("{% set s = '\\x01' * 15000000 %}{{ [s]|tojson|length }}", 1, "a string of "),
+    ("{% set s = '\\x01' * 15000000 %}{{ [s]|tojson(indent=1)|length }}", 1, "a string of "),
+    # A string's repr, cut into lines by pprint: '\\U000e0000' for each character, 100 million (the work budget of a
+    # chat of 100000 messages lets pprint go through the string).
+    ("{% set s = '\\U000e0000' * 10000000 %}{{ s|pprint|length }}", 100000, "a string of "),
+    ("{% set s = '\\u2028' * 5000000 %}{{ s|pprint|length }}", 100000, "a string of "),
+    # Each line of a dict's value indented by the repr of its key: 400 million characters from 60000.
+    ("{{ {'k' * 20000: 'a ' * 20000}|pprint|length }}", 1, "a string of "),
+], ids=["tojson-string", "tojson-list", "tojson-indent", "pprint-string", "pprint-lines", "pprint-key-indent"])
+def test_a_repr_or_json_past_the_bound_is_refused_before_it_is_made(template, messages, says):
+    """tojson and pprint write a string's characters escaped, in up to 6 (JSON's `\\u0001`) or 10 (repr's
+    `\\U000e0000`) characters, and pprint indents every line of a dict's value by its key: refused as unsafe before
+    they are made, or once what they write passes the bound (the process stays under 150 MB; it grew to 0.2-0.9 GB,
+    then was refused for the length of what it had made)."""
+    message, peak = _render_peak(template, messages)
+    assert peak < 150 << 20, (peak, message)
+    assert message.startswith("chat_template: the chat template tried an unsafe operation, refused by the sandbox ("
+                              + says), message
+
+
+def test_pprint_of_a_deeply_nested_value_is_charged_for_each_depth():
+    """pprint makes the repr of what is below each depth again, and holds it while it writes: a string of a million
+    characters 150 lists deep (the process grew to 600 MB, for 5 s) is stopped at the work budget before it runs."""
+    from dflash_export.models.chat_sandbox import step_budget
+
+    message, peak = _render_peak("{% set ns = namespace(x='\U0001f600' * 1000000) %}{% for i in range(150) %}"
+                                 "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|pprint|length }}")
+    assert peak < 150 << 20, (peak, message)
+    assert message == f"chat_template: the chat template did more than {step_budget([{}])} steps of work for these " \
+                      "messages (loop iterations, calls and the values they go through)", message
+
+
+def test_tojson_and_pprint_render_as_jinja2_renders_them():
+    """tojson (strings, tool calls, message lists, indented or not) and pprint (short strings, nested lists and
+    dicts, a long string cut into lines) give what jinja2's own sandbox gives, and the length tojson is bounded by
+    is never under its JSON's."""
+    from markupsafe import Markup
+
+    from dflash_export.models.chat_sandbox import _json_chars, _walk
+    from dflash_export.models.tokenization import TextCodec
+
+    template = ("{{ messages|tojson }}|{{ messages|tojson(indent=2) }}|{{ messages[0].content|tojson }}|"
+                "{% for t in messages[1].tool_calls %}{{ t.function.arguments|tojson }}{{ t|tojson(indent='<') }}"
+                "{% endfor %}|{{ messages|pprint }}|{{ messages[0].content|pprint }}|{{ 'x'|pprint }}{{ ''|pprint }}|"
+                "{{ {'k' * 90: ['a b ' * 40, 'line\nline' * 9], 'n': [1, 2.5, none, true]}|pprint }}|"
+                "{{ ('word ' * 40)|pprint }}|{{ none|tojson }}{{ 2.5|tojson }}{{ ('a', 1)|tojson }}")
+    chat = [{"role": "user", "content": "hi <b>there</b> it's \"q\" \\ \n\t\x01 \u00e9 \u4e2d \U0001f600"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "look_up", "arguments": {"q": "a&b", "n": [1, 2.5, None, True]}}}]}]
+    plain = _unbounded_jinja2()
+    want = plain.from_string(template).render(messages=chat, add_generation_prompt=True)
+    assert TextCodec(None, template, {}).render_chat(chat) == want
+    tojson = plain.from_string("{{ v|tojson }}").render
+    for s in ["", "plain", "<>&'\"\\", "\n\t\x00\x1f\x7f", "\u00e9\u4e2d\u2028", "\U0001f600\U000e0000",
+              Markup("<b>'x'</b>"), "\x01" * 600000]:
+        assert _json_chars(s) == len(tojson(v=s)), s[:20]
+        value = [s, {s: [s, 1, None, 2.5, True], "k": float("-inf")}, (s,)]
+        assert _walk(value, 1 << 30, json=True)[2] >= len(tojson(v=value)), s[:20]
+
+
 def _unbounded_jinja2():
     """jinja2's own sandbox, as transformers renders chat templates with it: what the bounded one must render alike."""
     import jinja2
@@ -413,8 +477,10 @@ _NEARLY_FULL = "{% set ns = namespace(l=[]) %}{% for i in range(31) %}{% set ns.
 @pytest.mark.parametrize("value, call", [
     ("'\ufb03' * 16000000", "s|upper"),  # 'FFI': 3 characters for one, in a buffer of 4 bytes a character
     ("'\u0130' * 16000000", "s.lower()"),  # 'i' and a combining dot
-    ("'<' * 16000000", "s|tojson"),  # '\\u003c', then copied into a Markup
-    ("'\U0001f600' * 8000000", "s|tojson"),  # a surrogate pair: 12 characters
+    # '\\u003c' in quotes, then copied into a Markup, written in a piece for each item (JSON of about 10 million
+    # characters: a longer one is refused for its length first)
+    ("['<'] * 1000000", "s|tojson"),
+    ("['\U0001f600'] * 700000", "s|tojson"),  # a surrogate pair: 12 characters
     ("'\"' * 16000000", "s|e"),  # '&#34;'
     ("'\U0001f600' * 2000000", "s|urlencode"),  # '%F0%9F%98%80', a list of its 4 bytes first
 ], ids=["upper", "lower", "tojson", "tojson-astral", "escape", "urlencode"])

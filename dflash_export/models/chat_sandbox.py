@@ -11,27 +11,29 @@ lists and dicts), and on top of that:
   length, lists and dicts by items) their size. Calls whose work grows past that are charged for it before they
   run: a comparison with each item of a list (`x in l`, `l.count(x)`, `l == m`, `loop.changed`) by the size of
   what is compared, the lines `indent` indents, the characters `translate` looks up and `strip` looks for, the
-  strings `pprint` cuts up, a list's text that `title` or `urlize` go through, integers' digits (made text,
-  parsed, divided: quadratic in their number), the characters a substring search compares (up to the needle's
-  length at each position), the replacements `replace` makes, the arguments a call is given past a few (`f(*l)`),
-  and each iteration of a loop run with a LoopContext (one whose body uses `loop`). A template that loops, recurses
-  or grinds on large values without end is stopped at the budget, with a DFlashError naming `chat_template`,
-  whatever it writes (or not): what it writes is charged too, out or into a captured block.
+  strings `pprint` cuts up (and the repr it makes again at each depth, and each line it writes), a list's text
+  that `title` or `urlize` go through, integers' digits (made text, parsed, divided: quadratic in their number),
+  the characters a substring search compares (up to the needle's length at each position), the replacements
+  `replace` makes, the arguments a call is given past a few (`f(*l)`), and each iteration of a loop run with a
+  LoopContext (one whose body uses `loop`). A template that loops, recurses or grinds on large values without end
+  is stopped at the budget, with a DFlashError naming `chat_template`, whatever it writes (or not): what it writes
+  is charged too, out or into a captured block.
 - size: no operation builds a string or list longer than MAX_RENDERED_CHARS, nor an integer wider than MAX_INT_BITS
   (`'x' * 10**9`, `s ~ s` doubled in a loop, `9 ** 9 ** 9` would fill memory or take hours in one step), nor a
   formatted field wider (`'{0:{1}}'.format(1, '99999999999')`); the filters and methods whose result can be much
-  larger than what they are given (`indent` at every kind of line break, `tojson` indented to each depth, `join` of
-  integers, `format` of a list's text, `translate` by a list) are refused before they build it, and so is the text
-  of a list, dict or namespace (its items' repr, escaped) or a string's repr, wherever it is made (`~`, written
-  out, a filter: `_check_text`; a formatting: `_arg_text`);
+  larger than what they are given (`indent` at every kind of line break, `tojson` escaping a string's characters
+  in up to 12 and indented to each depth, `join` of integers, `format` of a list's text, `translate` by a list) are
+  refused before they build it, and so is the text of a list, dict or namespace (its items' repr, escaped) or a
+  string's repr, wherever it is made (`~`, written out, a filter: `_check_text`; `pprint`; a formatting:
+  `_arg_text`); what `pprint` writes (each line of a dict's value indented by its key) is refused as it writes it;
   tokenization.TextCodec.render_chat also stops a rendering that writes more than MAX_RENDERED_CHARS.
 - memory: the values a rendering's operations build (the strings, lists and the strings in them that filters,
   methods and operators return) count toward MAX_BUILT_BYTES in all, so values kept in variables cannot add up to
   gigabytes within the work budget (`s.split()` of a 16-million-character string builds 300 MB in one call); the
   pieces a split (`split`, `splitlines`, the words `title` or `striptags` cut a string into) may make are counted
   against what is left before they are made, and so is what the filters and methods whose result can be several
-  times what they are given (case mappings, escaping, tojson, urlencode) may build at most. Strings are never made
-  bytes (`str.encode` is refused): bytes are no text, and the sizes above are not checked on them.
+  times what they are given (case mappings, escaping, tojson, pprint, urlencode) may build at most. Strings are
+  never made bytes (`str.encode` is refused): bytes are no text, and the sizes above are not checked on them.
 
 The budget lives on the rendering's own jinja2 context (its EvalContext), so renderings on several threads of the one
 shared environment never share a count. The metering nodes and filters have names a template cannot spell (they
@@ -41,6 +43,7 @@ contain spaces), so a template can neither call nor replace them.
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import operator
 import re
@@ -121,8 +124,9 @@ _BLOCK_FIELDS = ("body", "else_")
 # String methods and filters mapping case: CPython writes up to 3 characters for one ('\ufb03'.upper() is 'FFI')
 # into a buffer of 4 bytes a character, then copies them into the result.
 _CASE_MAPPINGS = frozenset(["capitalize", "casefold", "lower", "swapcase", "title", "upper"])
-# Filters and string methods whose result can be several times larger than what they are given: _expansion_bytes.
-_EXPANDING = _CASE_MAPPINGS | {"e", "escape", "forceescape", "tojson", "urlencode"}
+# Filters and string methods whose result can be several times larger than what they are given: _expansion_bytes
+# (tojson and pprint: _check_filter, by the text they write).
+_EXPANDING = _CASE_MAPPINGS | {"e", "escape", "forceescape", "urlencode"}
 # What a loop whose body uses `loop` (or a recursive one) spends on each iteration past a plain one's, in units: its
 # LoopContext, in Python, looks one item ahead and keeps the index (about 2 us an iteration).
 _LOOP_CONTEXT_UNITS = 32
@@ -188,15 +192,19 @@ def _deep(value, limit: int, chars_per_step: int = CHARS_PER_STEP) -> int:
     return _walk(value, limit, chars_per_step)[0]
 
 
-def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP, as_text: bool = False) -> tuple[int, int, int]:
+def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP, as_text: bool = False,
+          json: bool = False) -> tuple[int, int, int]:
     """`_deep`'s steps for `value`, how deep its lists, tuples, dicts (keys and values), sets, dict views and
     namespaces nest (0: none), and the characters its text holds (strings' and integers' digits; 8 for any other
     item). `as_text`: the characters are an upper bound of the text `str(value)` makes of a list, dict or namespace
-    (each item's repr: strings quoted and escaped, `_repr_chars`; any other object's its type and address), counted
-    up to past MAX_RENDERED_CHARS and no further."""
+    (each item's repr: strings quoted and escaped, `_repr_chars`; any other object's its type and address); `json`:
+    of the text tojson makes of it (strings as it escapes them, `_json_chars`; numbers, booleans and none as their
+    repr: `inf` is `Infinity`, within the 8 an item has for its quotes and separators). Either is counted up to past
+    MAX_RENDERED_CHARS and no further."""
     from jinja2 import Undefined
     from jinja2.utils import Namespace
 
+    as_text = as_text or json
     steps, depth, chars, pending = 0, 0, 0, [iter((value,))]
     while pending and steps <= limit and not (as_text and chars > MAX_RENDERED_CHARS):
         item = next(pending[-1], _END)
@@ -206,7 +214,7 @@ def _walk(value, limit: int, chars_per_step: int = CHARS_PER_STEP, as_text: bool
         chars += 8
         if isinstance(item, str):
             steps += 1 + len(item) // chars_per_step
-            chars += _repr_chars(item) if as_text else len(item)
+            chars += _json_chars(item) if json else _repr_chars(item) if as_text else len(item)
         elif isinstance(item, dict):
             steps += 1
             pending.append(itertools.chain(item.keys(), item.values()))
@@ -248,6 +256,30 @@ def _repr_chars(s: str) -> int:
     if s.isprintable():
         return quotes + len(s) + s.count("\\") + s.count("'")
     return quotes + len(s) * _ESCAPED_CHARS[_char_bytes(s)]
+
+
+# tojson makes its JSON safe to put in HTML: each of these characters, as JSON writes it, is then written in 6
+# (`\u003c`), 5 more.
+_HTML_UNSAFE = "<>&'"
+_JSON_PIECE = 1 << 20
+
+
+def _html_escapes(s: str) -> int:
+    """The characters tojson's HTML escaping adds to `s` (written out as is: an indent)."""
+    return 5 * sum(str.count(s, c) for c in _HTML_UNSAFE)
+
+
+def _json_chars(s: str) -> int:
+    """The characters of `s` as tojson writes it: quoted, each character as JSON escapes it in ASCII (a quote or
+    backslash in 2, a control character in 2 or 6, any past ASCII in 6, in 12 past the BMP: a surrogate pair), then
+    `<>&'` in 6 more (`_html_escapes`). Exact: JSON's escaping measured a piece of _JSON_PIECE characters at a time
+    (each built at most 12 times its size to know)."""
+    from json.encoder import encode_basestring_ascii
+
+    n = 2 + _html_escapes(s)
+    for start in range(0, len(s), _JSON_PIECE):
+        n += len(encode_basestring_ascii(s[start:start + _JSON_PIECE])) - 2
+    return n
 
 
 def _int_steps(n: int) -> int:
@@ -333,16 +365,13 @@ def _char_bytes(s: str) -> int:
     return min(4, max(1, (sys.getsizeof(s) - _NON_ASCII_HEADER) // (len(s) + 1)))  # a Markup: a longer header
 
 
-def _expansion_bytes(name: str, value, chars: int = 0) -> int:
+def _expansion_bytes(name: str, value) -> int:
     """An upper bound of the memory the filter or string method `name` builds from `value` (its result and what
     CPython builds on the way to it), for those whose result can be several times larger than `value`, counted
     before they run: a case mapping (_CASE_MAPPINGS) writes up to 3 characters for one of non-ASCII text, into a
-    buffer of 4 bytes a character then into the result; escaping up to 5 ('"' is '&#34;') and tojson up to 6 ASCII
-    characters ('<' is '\\u003c'; 12 for a character past the BMP), each then copied into a Markup; urlencode 3
-    for each byte of the text's UTF-8, with a list of 8-byte slots, one a byte, first. 0 for any other. `chars`: the
-    characters of a list's or dict's text (_walk), for tojson."""
-    if name == "tojson":
-        return 2 * (12 if _char_bytes(value) == 4 else 6) * len(value) if isinstance(value, str) else 2 * 12 * chars
+    buffer of 4 bytes a character then into the result; escaping up to 5 ('"' is '&#34;'), then copied into a
+    Markup; urlencode 3 for each byte of the text's UTF-8, with a list of 8-byte slots, one a byte, first. 0 for any
+    other."""
     if not isinstance(value, str):
         return 0
     n, width = len(value), _char_bytes(value)
@@ -605,17 +634,27 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
         from markupsafe import soft_str
 
         _check_printf(context, soft_str(value), kwargs if kwargs else tuple(params))  # any value's text formats
-    elif name == "tojson" and isinstance(param(0, "indent"), (int, str)):
-        # Each item on a line of its own, indented to its depth: the size grows with depth times items.
+    elif name == "tojson":
+        # Its JSON (strings escaped as it escapes them, up to 12 characters for one), and with an indent each item
+        # on a line of its own, indented to its depth: the size grows with depth times items.
         indent = param(0, "indent")
-        items, depth, chars = _walk(value, _remaining(context))
-        size = chars + 2 * items * depth * max(1, len(indent) if isinstance(indent, str) else indent)
+        items, depth, size = _walk(value, _remaining(context), json=True)
+        if isinstance(indent, (int, str)):
+            size += 2 * items * depth * max(1, len(indent) + _html_escapes(indent) if isinstance(indent, str)
+                                            else indent)
         _charge(context, size // CHARS_PER_STEP)
         _refuse_len(size, "a string")
-    elif name == "pprint" and not isinstance(value, str):
-        # Long strings are cut into lines of about 70 characters, each line indented to its depth.
+        # The text, its copy into a Markup, and the pieces it is written in (an indented one: a few an item).
+        _check_room(context, 2 * size + (8 + _ITEM_BYTES) * items)
+    elif name == "pprint":
+        # The value's repr (a string's escaped: up to 10 characters for one), long strings cut into lines of about
+        # 70 characters, each line indented to its depth (how much a dict's key adds is bounded as it is written:
+        # _pformat). Before it writes, pformat makes the repr of what is below each depth again (the time grows with
+        # the square of the depth), and holds it (up to 4 bytes a character).
         items, depth, chars = _walk(value, _remaining(context), as_text=True)
         _refuse_len(chars + (items + chars // 40) * depth, "a string")
+        _charge(context, depth * (depth + 1) // 2 * chars // CHARS_PER_STEP)
+        _check_room(context, (_PPRINT_BYTES + 4 * depth) * chars)
     elif name == "trim" and isinstance(param(0, "chars"), str):
         _charge(context, len(str(value)) * len(param(0, "chars")) // CHARS_PER_STEP)  # each character looked for
     elif name == "int" and isinstance(value, str):
@@ -632,6 +671,39 @@ def _check_filter(context, name: str, args: list, kwargs: dict) -> None:
                 break
         _charge(context, copied // ITEMS_PER_STEP)
         _refuse_len(total, "a list")
+
+
+# What pprint builds for a character of the value's repr, at most, past the reprs it holds at each depth: the repr,
+# a long string's lines and words (a new string for each, up to one for two characters: about 50 bytes a character)
+# and the repr of each, the text as written and its copy (up to 4 bytes a character each). Measured: up to 64.
+_PPRINT_BYTES = 80
+
+
+class _PformatStream(io.StringIO):
+    """What the `pprint` filter writes into: each write charged (a step, and its characters), the text refused once
+    past MAX_RENDERED_CHARS, or once it and its copy (up to 4 bytes a character each) would pass what is left of
+    MAX_BUILT_BYTES."""
+
+    def __init__(self, context):
+        super().__init__()
+        self.context, self.written = context, 0
+
+    def write(self, s):
+        self.written += len(s)
+        _charge(self.context, 1 + len(s) // CHARS_PER_STEP)
+        _refuse_len(self.written, "a string")
+        _check_room(self.context, 8 * self.written)
+        return super().write(s)
+
+
+def _pformat(context, value):
+    """jinja2's `pprint` filter (`pprint.pformat(value)`), written into a _PformatStream: how long its text gets is
+    known only as it is written (each line of a dict's value is indented by its key's repr, however long)."""
+    import pprint
+
+    stream = _PformatStream(context)
+    pprint.PrettyPrinter(stream=stream).pprint(value)
+    return stream.getvalue()[:-1]  # less the line break pprint ends with (pformat writes none)
 
 
 def _counted(context, iterable):
@@ -663,7 +735,7 @@ def _metered_filter(name: str, func, is_test: bool = False):
     @pass_context
     @functools.wraps(func)
     def metered(context, *args, **kwargs):
-        steps, chars = FILTER_STEPS, 0
+        steps = FILTER_STEPS
         if args and goes_through:
             value = args[0]
             if makes_text and not isinstance(value, str):
@@ -680,10 +752,9 @@ def _metered_filter(name: str, func, is_test: bool = False):
             elif hasattr(value, "__next__") and not isinstance(value, LoopContext):
                 args = (_counted(context, value), *args[1:])
             else:
-                walked, _, chars = _walk(value, _remaining(context), container_chars)
-                steps += FILTER_ITEM_STEPS * walked
+                steps += FILTER_ITEM_STEPS * _deep(value, _remaining(context), container_chars)
             if expands:
-                _check_room(context, _expansion_bytes(name, value, chars))
+                _check_room(context, _expansion_bytes(name, value))
         if is_test and name in _COMPARING_TESTS and name != "sameas" and len(args) > 1:
             steps += _pair_steps("in" if name == "in" else "eq", args[0], args[1], _remaining(context))
         if checked and name == "join" and hasattr(args[0], "__next__") and not isinstance(args[0], LoopContext):
@@ -1039,6 +1110,7 @@ def chat_environment():
 
     env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["pprint"] = pass_context(_pformat)
     env.filters = {name: _metered_filter(name, f) for name, f in env.filters.items()}
     env.tests = {name: _metered_filter(name, f, is_test=True) for name, f in env.tests.items()}
     env.filters[_CHARGE] = pass_context(_charge_filter)
