@@ -1247,6 +1247,40 @@ def test_a_shard_with_a_record_shorter_than_its_tensor_is_not_done(tmp_path, gen
                                        "elements (4, 4) and holds 8)"), str(e.value)
 
 
+def test_a_shard_replaced_between_its_checks_and_its_load_is_checked_as_loaded(tmp_path, monkeypatch,
+                                                                                generated_data):
+    """A shard written again (atomically) after its archive was checked and before torch reads it is read again, so
+    the tensors returned are always those of the file that was checked: a doctored replacement is refused."""
+    import os
+
+    import dflash_export.train.data as data_mod
+
+    cache, _ = generated_data
+    feature = next(p for p in (cache / "train-data").glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    shard = tmp_path / "shard-00000.pt"
+    shard.write_bytes(feature.read_bytes())
+    doctored = tmp_path / "doctored.pt"
+    doctored.write_bytes(feature.read_bytes())
+    _deflate(doctored)  # what the checks refuse, and torch.load reads all the same
+    real_load, swaps = torch.load, []
+
+    def load_after_a_rewrite(path, *args, **kwargs):
+        if not swaps:  # the first read finds the file replaced since its checks
+            swaps.append(path)
+            os.replace(doctored, path)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load_after_a_rewrite)
+    for mmap in (False, True):
+        swaps.clear()
+        shard.write_bytes(feature.read_bytes())
+        doctored.write_bytes(feature.read_bytes())
+        _deflate(doctored)
+        with pytest.raises(data_mod.UnreadableTensors, match="is compressed"):
+            data_mod.load_tensors(shard, mmap=mmap)
+        assert swaps == [shard]
+
+
 @pytest.mark.parametrize("kind,message", [
     ("taps-of-another-width", "invalid data shard (sequence 0: taps must be a float16 tensor ["),
     ("ids-outside-vocab", "invalid data shard (sequence 0: ids outside the target vocabulary (0..255))"),

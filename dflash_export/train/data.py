@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,7 +282,31 @@ def load_tensors(path: Path, mmap: bool = False):
     make one stored number 10^12 elements, which the first copy of it would allocate; a meta or sparse tensor
     declares a shape and holds no data; a mapped tensor whose record is shorter than the pickle declares would read
     the records after it), all of them together no more bytes than the file. UnreadableTensors saying what is
-    wrong otherwise."""
+    wrong otherwise. The file is the same one before its checks and after its load (device, inode, size and
+    modification time), or read again: a shard written again while it is read (atomically, by data generation
+    running alongside) must not be checked as one file and loaded as the other."""
+    for _ in range(_READ_TRIES):
+        before = _identity(path)
+        try:
+            held = _load_checked(path, mmap)
+        except Exception:  # what the file checked or read says, unless it was not the file the other one was
+            if _identity(path) == before:
+                raise
+            continue
+        if _identity(path) == before:
+            return held
+    raise UnreadableTensors(f"replaced while it was read, {_READ_TRIES} times running")
+
+
+_READ_TRIES = 3
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _load_checked(path: Path, mmap: bool):
     import warnings
 
     size, records = _check_archive(path)
@@ -291,7 +316,7 @@ def load_tensors(path: Path, mmap: bool = False):
             held = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
         except RuntimeError:  # torch reads no record shorter than its tensor: mapped, that tensor is named
             if not mmap:
-                load_tensors(path, mmap=True)
+                _load_checked(path, mmap=True)
             raise
     problem = _tensors_problem(held, size, records if mmap else None)
     if problem:
