@@ -123,3 +123,18 @@ def test_per_round_lines_add_cpu_time_per_token_where_both_sides_report_it(peer)
     (line,) = peer.per_round(rounds, ["fp32"], ["ngram:3:7", "ngram:2:7"], [3.0])
     assert line == ("fp32 round 1: plain 1.10x ORT GenAI plain, DFlash 1.40x its n-gram 3:7; in CPU ms per token "
                     "1.11x and 2.00x (load average 3.0)")
+
+
+def test_the_lossless_subset_compares_only_prompts_where_the_ngram_decodes_its_plain_text(peer):
+    rounds = _rounds()
+    # n-gram 3:7 equals its plain on both prompts in both rounds: make the second prompt differ in round 2 only
+    rounds[1][("ortgenai", "fp32", "ngram:3:7")][1]["tokens"] = [4, 7]
+    (line,) = peer.lossless_subset(rounds, ["fp32"], ["ngram:3:7", "ngram:2:7"])
+    # prompt 0 alone: round 1 DFlash 20 / n-gram 14, round 2 18 / 12; n-gram / plain 14 / 10, 12 / 9; tau 2.0, 1.5
+    dfl, gain = (20 / 14 + 18 / 12) / 2, (14 / 10 + 12 / 9) / 2
+    assert line == (f"fp32: on the 1/2 prompts where ORT GenAI's n-gram 3:7 decodes its plain text: DFlash "
+                    f"{dfl:.2f}x its n-gram (its n-gram {gain:.2f}x its plain); τ 2.00 against its 1.50")
+    for run in rounds[0][("ortgenai", "fp32", "ngram:3:7")]:
+        run["tokens"] = [0]
+    assert peer.lossless_subset(rounds, ["fp32"], ["ngram:3:7"]) == [
+        "fp32: on the 0/2 prompts where ORT GenAI's n-gram 3:7 decodes its plain text: none"]
