@@ -1419,6 +1419,31 @@ def test_a_shard_whose_answers_all_stop_at_once_is_refused_among_good_shards(tmp
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
 
 
+def test_no_held_out_data_is_one_line_even_where_training_sequences_were_skipped(tmp_path, monkeypatch,
+                                                                                 generated_data):
+    """The refusal comes before the lines that count skipped sequences: a run that cannot start says one thing."""
+    cache, _ = generated_data
+    monkeypatch.setenv("DFLASH_CACHE", str(cache))
+    recipe = _tiny_recipe(tmp_path, steps=2, num_prompts=4, heldout_prompts=2, max_new_tokens=4)
+    data = cache / "train-data"
+    feature = next(p for p in data.glob("synthetic-s0-*/shard-00000.pt") if "answers" not in str(p))
+    heldout = next(data.glob("synthetic-heldout-s0-[0-9a-f]*/shard-00000.pt"))
+    kept = {p: p.read_bytes() for p in (feature, heldout)}
+    try:
+        rows = torch.load(feature, weights_only=True)
+        rows[0].update(_answers_cut_to(rows[0], 1))  # one training sequence skipped
+        torch.save(rows, feature)
+        held = torch.load(heldout, weights_only=True)
+        torch.save([{**held[0], **_answers_cut_to(held[0], 1)}], heldout)  # no held-out block left
+        r = _train_cli("--recipe", recipe, "--no-generate", "--work-dir", tmp_path / "w", "--out", tmp_path / "o")
+    finally:
+        for p, b in kept.items():
+            p.write_bytes(b)
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("error: train.heldout_prompts: no held-out data"), r.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_short_held_out_answers_are_skipped_and_counted(tmp_path, monkeypatch, generated_data):
     """A held-out answer shorter than 2 tokens gives no block to evaluate: left out, and said so, as training's."""
     cache, _ = generated_data

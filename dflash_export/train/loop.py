@@ -298,16 +298,22 @@ def _train_step(drafter: DFlashDrafter, target, opt, params, seqs: list[TrainSeq
     return lr, train_step(drafter, target, opt, params, batch, vocab, head, weights, cfg, lr)
 
 
+def require_heldout(heldout: Sequence[TrainSequence]) -> None:
+    """Refuse held-out data with no sequence to evaluate a block on (an anchor needs a label after it): without one,
+    no drafter would ever be chosen and exported."""
+    if not any(supervised(s) for s in heldout):
+        raise DFlashError("no held-out data to choose the drafter by (none generated yet, or every held-out answer "
+                          "is shorter than 2 tokens): run without --no-generate, or raise train.heldout_prompts",
+                          field="train.heldout_prompts")
+
+
 def train_drafter(drafter: DFlashDrafter, target, data_loader: Callable[[], list[TrainSequence]],
                   heldout: Sequence[TrainSequence], cfg: TrainConfig, work: Path, out: Path | None = None,
                   start_state: dict | None = None, progress=None, log: Callable[[dict], None] | None = None) -> dict:
     """Train until `cfg.steps` total steps or `cfg.minutes` of wall time; checkpoint to `work`, export the best
     drafter (by held-out implied τ) to `out`. Returns the last log record."""
-    if out is not None and not any(supervised(s) for s in heldout):
-        # an anchor needs a label after it: without one block to evaluate, no drafter would ever be exported
-        raise DFlashError("no held-out data to choose the drafter by (none generated yet, or every held-out answer "
-                          "is shorter than 2 tokens): run without --no-generate, or raise train.heldout_prompts",
-                          field="train.heldout_prompts")
+    if out is not None:
+        require_heldout(heldout)
     torch.manual_seed(cfg.seed)
     for p in target.hf.parameters():
         p.requires_grad_(False)

@@ -33,7 +33,7 @@ from dflash_export.train.data import (
     target_files_key,
 )
 from dflash_export.train.init_drafter import drafter_from_target, grow_drafter
-from dflash_export.train.loop import TrainConfig, load_checkpoint, train_drafter
+from dflash_export.train.loop import TrainConfig, load_checkpoint, require_heldout, train_drafter
 from dflash_export.train.own_answers import own_answer_data
 
 
@@ -295,9 +295,9 @@ def _run_train(recipe, opts, target, mask_id: int, work: Path, out: Path, seed: 
                               "one as its label; check the target's stop tokens and the recipe's prompts "
                               "(chat_template), or delete this data to make it again",
                               path=sources[0][0])
+        require_heldout(heldout)  # before the lines below: a refusal is one line
         _report_skipped(bar.console, loader, len(loader()), "training")
-        if heldout:  # none left is train_drafter's one-line error
-            _report_skipped(bar.console, heldout_loader, len(heldout), "held-out")
+        _report_skipped(bar.console, heldout_loader, len(heldout), "held-out")
         cfg = _train_config(opts, seed, steps, minutes, checkpoint_minutes, target_key)
         first = start_state["step"] if start_state else 0
         task = bar.add_task("train", total=cfg.steps, completed=first, info="")
