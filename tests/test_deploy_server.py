@@ -980,13 +980,17 @@ def test_a_log_that_is_a_pipe_is_never_renamed_away_at_its_size_cap(tmp_path):
 
     log = tmp_path / "fifo"
     os.mkfifo(log)
+    # the reading end open before the log opens the FIFO (without a reader its non-blocking open fails, as it
+    # should); read in a thread once the writer is there, to the end of what it writes
+    rfd = os.open(log, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(rfd, True)
     got = []
-    reader = threading.Thread(target=lambda: got.append(open(log, "rb").read()))
-    reader.start()
     srv = TritonServer(tmp_path, log_path=log, log_max_bytes=1 << 10)
     lines = [f"line {i} of tritonserver's output\n" for i in range(500)]
     with srv._log_lock:
         srv._open_log(append=False)
+    reader = threading.Thread(target=lambda: got.append(os.fdopen(rfd, "rb").read()), daemon=True)
+    reader.start()
     srv.proc = types.SimpleNamespace(stdout=iter(lines))
     srv._pump()
     srv.proc = None
