@@ -99,6 +99,26 @@ def test_bench_compares_the_proposers_on_one_engine(built, monkeypatch, capsys):
         assert f"{mode}/ar" in report["ratios"]
 
 
+def test_bench_table_says_what_each_short_header_means(built, monkeypatch, capsys):
+    """The caption explains every short header: `same` counts the prompts whose output equals the plain decoding
+    row's (the row it names), and is said to be empty when no plain mode ran; the per-source line says what its
+    parenthesised counts are."""
+    from dflash_export.bench.suite import run_bench
+
+    recipe, out, _, _ = built
+    monkeypatch.setenv("COLUMNS", "80")
+    run_bench(str(recipe.path), str(out), None, 1, 4, ["tree+lookup", "ar"], None)
+    printed = capsys.readouterr().out
+    words = " ".join(printed.split())
+    ar_row = next(ln for ln in printed.splitlines() if "AR, same engine" in ln)
+    assert ar_row.strip("│ ").startswith("(b)")
+    assert "same: prompts whose output equals (b)'s" in words, printed
+    assert "RSS MB: the mode's peak resident memory" in words
+    assert "in parentheses: those no other source proposed" in words
+    run_bench(str(recipe.path), str(out), None, 1, 4, ["tree+lookup"], None)
+    assert "same: empty without an ar or hf mode" in " ".join(capsys.readouterr().out.split())
+
+
 def recipe_block_size(engine_dir) -> int:
     return read_manifest(Path(engine_dir)).block_size
 

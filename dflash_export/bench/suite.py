@@ -328,19 +328,23 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
         for m, r in results.items():
             differs = {a["prompt"] for a, b in zip(r["runs"], base["runs"]) if a["tokens"] != b["tokens"]}
             summary[m]["identical_to_" + base["mode"]] = f"{len(prompts) - len(differs)}/{len(prompts)}"
-    # Short headers: the table fits 80 columns (a row the terminal wraps is unreadable). A long mode name folds inside
-    # its cell; the figures never shrink (cut to "1.…" they were lost, in a log as in a terminal).
+    names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
+             "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
+             **{m: f"DFlash {m}" for m in PROPOSER_MODES}}
+    # Short headers: the table fits 80 columns (a row the terminal wraps is unreadable), and the caption says what
+    # each short header means. A long mode name folds inside its cell; the figures never shrink (cut to "1.…" they
+    # were lost, in a log as in a terminal).
+    same = (f"same: prompts whose output equals {names[base['mode']].split()[0]}'s token for token in every pass"
+            if base else "same: empty without an ar or hf mode to compare with")
     table = Table(title=f"{recipe.name}: {_describe_sampling(sampling)}, {max_new} new tokens, {len(prompts)} prompts "
                   "(medians)",
                   caption="tau: tokens per target pass under the mode's drafting; lookup tau: prompt lookup replayed "
-                          "on the same tokens; drafts: verified per step",
+                          "on the same tokens; drafts: verified per step; RSS MB: the mode's peak resident memory; "
+                          + same,
                   padding=(0, 1))
     table.add_column("mode", justify="left", overflow="fold")
     for col in ("tok/s", "ms/tok", "tau", "lookup\ntau", "drafts", "RSS\nMB", "same"):
         table.add_column(col, justify="right", no_wrap=True)
-    names = {"dflash": "(a) DFlash", "dflash-full": "(a') DFlash full", "ar": "(b) AR, same engine",
-             "hf": "(c) HF generate", "reference": "(d) PyTorch spec",
-             **{m: f"DFlash {m}" for m in PROPOSER_MODES}}
     for m, s in summary.items():
         ident = next((v for k, v in s.items() if k.startswith("identical_to_")), "")
         lookup = f"{s['tau_prompt_lookup']:.2f}" if "tau_prompt_lookup" in s else ""
@@ -349,7 +353,8 @@ def run_bench(recipe_name: str, engine_dir: str | None, suite: str | None, num_p
     console.print(table)
     for m, s in summary.items():
         if s.get("accepted_by"):
-            console.print(f"{names[m]}: accepted drafts by source (alone): " + ", ".join(
+            console.print(f"{names[m]}: accepted drafts by source (in parentheses: those no other source "
+                          "proposed): " + ", ".join(
                 f"{k} {v} ({s['accepted_only'].get(k, 0)})" for k, v in s["accepted_by"].items()))
     ratios = {}
     pairs = [("dflash", "ar"), ("dflash", "hf"), ("dflash", "reference"), ("dflash-full", "ar")]
