@@ -310,6 +310,31 @@ def test_onnxruntime_engine_found_by_default_path_passes(recipe_path, recipe, tm
         assert {t["name"] for t in rep["thresholds"] if not t["passed"]} <= {"identical_fraction"}, res.output
 
 
+def test_each_engine_build_gets_its_own_default_report(recipe_path, recipe, tmp_path, monkeypatch):
+    """Validating the fp32 engine and then the int8 one of the same recipe without --report keeps both reports: each
+    goes to reports/validate/<recipe>/<the engine directory's name>, and its title names that build."""
+    pytest.importorskip("onnxruntime")
+    from click.testing import CliRunner
+
+    from dflash_export.cli import main
+    from dflash_export.engines.ort_build import build_onnxruntime
+
+    engines = tmp_path / "engines" / recipe.name
+    for precision in ("fp32", "int8"):
+        build_onnxruntime(recipe, engines / ("onnxruntime" if precision == "fp32" else "onnxruntime-int8"), threads=1,
+                          precision=precision)
+    monkeypatch.chdir(tmp_path)
+    for name in ("onnxruntime", "onnxruntime-int8"):
+        res = CliRunner().invoke(main, ["validate", "--recipe", str(recipe_path), "--engine", str(engines / name),
+                                        "--num-prompts", "1", "--max-new-tokens", "8", "--dist-samples", "0",
+                                        "--no-progress"])
+        assert res.exit_code in (0, 1), res.output
+    for name in ("onnxruntime", "onnxruntime-int8"):
+        report = tmp_path / "reports" / "validate" / recipe.name / name
+        assert Path(json.loads((report / "report.json").read_text())["engine"]["dir"]).name == name
+        assert (report / "report.md").read_text().startswith(f"# dflash-export validate: {recipe.name} ({name}) ")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Planted faults
 

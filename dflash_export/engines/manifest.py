@@ -542,7 +542,7 @@ def rebuild_advice(engine_dir: Path, manifest: Manifest) -> str:
         parts += ["--drafter-precision", p["drafter"]]
     if p and (p.get("lm_head"), p.get("draft_head")) != (p.get("target"), p.get("drafter")):
         parts.append("--fp32-heads")
-    name = engine_dir_name(manifest.backend, p if set(p) >= {"target", "drafter", "lm_head", "draft_head"} else None)
+    name = manifest_dir_name(manifest)
     in_layout = engine_dir.name == name and (manifest.recipe is None or engine_dir.parent.name == manifest.recipe)
     out = engine_dir.resolve().parent.parent
     if in_layout and out != (Path.cwd() / "engines").resolve():
@@ -565,6 +565,13 @@ def engine_dir_name(backend: str, precisions: Mapping[str, str] | None = None) -
     if (precisions["lm_head"], precisions["draft_head"]) != (precisions["target"], precisions["drafter"]):
         name += "-fp32-heads"
     return name
+
+
+def manifest_dir_name(manifest: Manifest) -> str:
+    """The directory name `build` gives the engine this manifest describes (`engine_dir_name` of its backend and
+    precisions): where it is written under engines/<recipe>/, and what validate's default report directory is named."""
+    p = manifest.precision or {}
+    return engine_dir_name(manifest.backend, p if set(p) >= {"target", "drafter", "lm_head", "draft_head"} else None)
 
 
 def build_hint(engine_dir: Path) -> str:

@@ -38,7 +38,8 @@ from dflash_export.validate.command import run_validate
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
               help="Timed runs per prompt (medians reported; >1 also checks the outputs repeat exactly).")
 @click.option("--report", "report_dir", default=None, type=click.Path(),
-              help="Report directory [default: reports/validate/<recipe>/<backend>].")
+              help="Report directory [default: reports/validate/<recipe>/<backend>[-<precision>], the engine "
+                   "directory's name as build writes it].")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @decoding_options
 def validate(recipe, target, drafter, engine_dir, suite, num_prompts, full, max_new_tokens, temperature, top_k, top_p,

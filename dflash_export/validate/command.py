@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from dflash_export.engines.build import default_engine_dir
-from dflash_export.engines.manifest import check_engine_recipe
+from dflash_export.engines.manifest import check_engine_recipe, manifest_dir_name
 from dflash_export.engines.registry import load_engine
 from dflash_export.environment import env_int, install_hint
 from dflash_export.errors import CheckFailed, MissingDependency
@@ -46,7 +46,8 @@ def open_engine(engine_dir: Path, recipe):
     """Load the engine and refuse one built for another recipe (comparing it with this reference would mislead)."""
     manifest = check_engine_recipe(engine_dir, recipe)
     recorded = ("tool_version", "libraries", "dtype", "build_flags", "precision", "quantization")
-    meta = {"dir": str(engine_dir), "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
+    meta = {"dir": str(engine_dir), "name": manifest_dir_name(manifest),
+            "manifest": {k: manifest.raw[k] for k in recorded if k in manifest.raw}}
     return load_engine(engine_dir, manifest), meta
 
 
@@ -119,7 +120,9 @@ def run_validate(recipe_name: str, engine_dir: str | None, suite: str | None, nu
     engine, meta = open_engine(edir, recipe)
     try:
         if not report_dir:  # the default, under the current directory: checked as soon as the backend names it
-            report_dir = str(Path("reports") / "validate" / recipe.name / engine.info.backend)
+            # one directory per engine build (onnxruntime, onnxruntime-int4, ...): a quantized engine's report never
+            # replaces the fp32 engine's
+            report_dir = str(Path("reports") / "validate" / recipe.name / meta["name"])
             check_report_dir(report_dir)
         encoded = [(p.id, encode_prompt(p, engine.codec, recipe.chat_template, engine.info.vocab_size, path))
                    for p in prompts]

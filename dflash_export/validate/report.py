@@ -64,7 +64,7 @@ def render_markdown(report: ValidationReport) -> str:
     g, a, s, dist = d["greedy"], d["acceptance"], d["speed"], d["distribution"]
     cm = s["cost_model"]
     lines = [
-        f"# dflash-export validate: {report.recipe} ({report.engine.get('backend')}) — "
+        f"# dflash-export validate: {report.recipe} ({report.engine.get('name') or report.engine.get('backend')}) — "
         f"**{'PASS' if report.passed else 'FAIL'}**",
         "",
         f"Suite `{report.suite.get('name', '?')}`, {g['prompts']} prompts, {report.options['max_new_tokens']} new "
