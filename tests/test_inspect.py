@@ -104,6 +104,21 @@ DEFECTS = {
 }
 
 
+def test_the_summary_shows_a_long_or_bracketed_path_whole_in_a_narrow_terminal(pair, tmp_path):
+    """A value wider than its cell folds onto more lines instead of being cut to "…", and is shown as written, never
+    read as rich markup: the drafter's directory, named with brackets and long, reads back whole from the table."""
+    _, target = pair
+    drafter = tmp_path / ("[red]" + "d" * 60) / "drafter"
+    shutil.copytree(resolve_source("tiny:qwen3/drafter"), drafter)
+    r = CliRunner(env={"COLUMNS": "60"}).invoke(main, ["inspect", str(drafter), "--target", str(target)])
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output
+    rows = [ln.split("│")[1:3] for ln in r.output.splitlines() if ln.count("│") == 3]  # (key, value) cell lines
+    start = next(i for i, (key, _) in enumerate(rows) if key.strip() == "drafter")
+    end = next(i for i, (key, _) in enumerate(rows) if i > start and key.strip())
+    assert "".join(value.strip() for _, value in rows[start:end]) == str(drafter), r.output
+
+
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_reported(pair, defect):
     plant, message = DEFECTS[defect]

@@ -10,6 +10,7 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
     """Print findings + summary; return 2 when any error was found, else 0."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from dflash_export.models.checkpoint import lint_pair
 
@@ -21,9 +22,13 @@ def run_inspect(drafter: str, target: str, as_json: bool = False) -> int:
         return 2 if errors else 0
     console = Console(stderr=False, highlight=False)
     if summary:
+        # Values fold onto more lines, never cut to "…" (a path cut short names no file), and are plain text, never
+        # rich markup (a directory named "[red]" is shown as it is).
         table = Table(title="DFlash pair", show_header=False)
+        table.add_column(overflow="fold")
+        table.add_column(overflow="fold")
         for k, v in summary.items():
-            table.add_row(k, str(v))
+            table.add_row(Text(k), Text(str(v)))
         console.print(table)
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
     for f in findings:
