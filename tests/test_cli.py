@@ -150,6 +150,9 @@ def test_run_takes_a_recipe_for_the_engine_build_wrote(tmp_path, monkeypatch):
                      "hello there")
     assert by_recipe.exit_code == 0 and by_engine.exit_code == 0, by_recipe.output + by_engine.output
     assert by_recipe.stdout == by_engine.stdout and by_recipe.stdout.strip()
+    # the engine a recipe picked is named; one given by --engine is the user's own words
+    assert f"[engine] {Path.cwd() / 'engines' / 'tiny-qwen3' / 'onnxruntime'}\n" in by_recipe.stderr, by_recipe.stderr
+    assert "[engine]" not in by_engine.stderr
     # every τ says what it counted: the drafter's chain (tiny-qwen3's recipe drafts chains), cut by cost or not
     assert "tokens per target pass (drafter chain; adaptive: drafts verified while they pay)" in by_recipe.stderr
     r = _run("run", "--recipe", "tiny-qwen3", "--max-new-tokens", "12", "--full-blocks", "--proposer", "tree+lookup",

@@ -62,6 +62,8 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
     elif recipe is not None:
         raise DFlashError("give --engine DIR or --recipe NAME, not both", field="--recipe")
     engine = load_engine(engine_dir, manifest)
+    if recipe is not None:  # which of the recipe's builds runs (fp32, or the one quantized build there is)
+        click.echo(f"[engine] {engine_dir}", err=True)
     stats = RunStats()
     with fields_as_options("prompt"):
         rt = DFlashRuntime(engine, adaptive=not full_blocks, proposer=proposer, tree_mode=tree_mode,
