@@ -94,8 +94,10 @@ def run(engine_dir, recipe, prompt, max_new_tokens, temperature, top_p, top_k, s
               help="Prompt text (the chat template applied when the recipe asks for it and the tokenizer has one; "
                    "a tiny pair's characters become ids). Default: the token ids 3..18.")
 @max_new_tokens_option
-@click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"))
-@click.option("--seed", default=0, show_default=True, type=RequestField("seed"))
+@click.option("--temperature", default=0.0, show_default=True, type=RequestField("temperature"),
+              help="Sampling temperature of both decodings (0: greedy, where DFlash must equal plain decoding).")
+@click.option("--seed", default=0, show_default=True, type=RequestField("seed"),
+              help="Seed of the sampling (with --temperature above 0).")
 def reference(recipe, target, drafter, prompt, max_new_tokens, temperature, seed):
     """Run the PyTorch reference (DFlash and plain decoding) on a recipe's pair and compare them."""
     from dflash_export.recipes import recipe_from_options
