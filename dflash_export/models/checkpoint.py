@@ -56,8 +56,8 @@ def _field(cfg: dict, path: Path, name: str, typ, default=...):
         raise DFlashError(f"expected {kind_of_type(typ, 'an object')}, got {json_kind(value)}", path=path, field=name)
     if typ is int and value < 1:
         raise DFlashError(f"must be >= 1, got {shown(value)}", path=path, field=name)
-    if typ is int and oversize(name, value):
-        raise DFlashError(oversize(name, value), path=path, field=name)
+    if typ is int and (why := oversize(name, value)):
+        raise DFlashError(why, path=path, field=name)
     if typ is float and not (math.isfinite(value) and value > 0):  # rms_norm_eps: under a square root
         raise DFlashError(f"must be a positive finite number, got {value}", path=path, field=name)
     return value
@@ -207,8 +207,8 @@ def _qwen3_fields(cfg: dict, path: Path, layers: int) -> tuple[float, dict | Non
                               path=path, field="sliding_window")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise DFlashError(f"must be an integer >= 1, got {window!r}", path=path, field="sliding_window")
-        if oversize("sliding_window", window):
-            raise DFlashError(oversize("sliding_window", window), path=path, field="sliding_window")
+        if why := oversize("sliding_window", window):
+            raise DFlashError(why, path=path, field="sliding_window")
     return rope_theta, rope_scaling, layer_types, window
 
 

@@ -94,8 +94,8 @@ def read_target_config(path) -> tuple[dict[str, Any], Path]:
         v = cfg.get(f)
         if (v is not None or f not in OPTIONAL_SIZES) and (not is_int(v) or v < 1):
             raise DFlashError(f"expected a positive integer, got {v!r}", path=cfg_path, field=where(f))
-        if v is not None and oversize(f, v):
-            raise DFlashError(oversize(f, v), path=cfg_path, field=where(f))
+        if v is not None and (why := oversize(f, v)):
+            raise DFlashError(why, path=cfg_path, field=where(f))
     if cfg["num_hidden_layers"] > MAX_LAYERS:
         raise DFlashError(f"{cfg['num_hidden_layers']} layers: more than the {MAX_LAYERS} this project reads",
                           path=cfg_path, field=where("num_hidden_layers"))
@@ -181,8 +181,8 @@ def _check_layer_settings(cfg: dict[str, Any], cfg_path: Path, where) -> None:
     if arch.sliding_layers and windowed and not (is_int(window) and window >= 1):
         raise DFlashError(f"sliding_attention layers need a window of at least 1 position, got {window!r}",
                           path=cfg_path, field=where("sliding_window"))
-    if arch.sliding_layers and windowed and oversize("sliding_window", window):
-        raise DFlashError(oversize("sliding_window", window), path=cfg_path, field=where("sliding_window"))
+    if arch.sliding_layers and windowed and (why := oversize("sliding_window", window)):
+        raise DFlashError(why, path=cfg_path, field=where("sliding_window"))
     if arch.moe is not None and arch.moe.swiglu_limit:
         limit = getattr(hf, arch.moe.swiglu_limit, None)
         if limit is not None and not is_positive_number(limit):
